@@ -1,0 +1,29 @@
+"""specserve: an LLM inference server whose speculative decoding adapts to load."""
+
+from specserve.errors import (
+    CheckpointError,
+    InvalidRequestError,
+    RequestTooLargeError,
+    SpecserveError,
+    UnsupportedModelError,
+)
+from specserve.sampling_params import SamplingParams
+
+__all__ = [
+    "LLM",
+    "SamplingParams",
+    "SpecserveError",
+    "CheckpointError",
+    "UnsupportedModelError",
+    "InvalidRequestError",
+    "RequestTooLargeError",
+]
+
+
+def __getattr__(name: str):
+    # LLM pulls in torch and the model code; import it lazily so `specserve --help` stays fast.
+    if name == "LLM":
+        from specserve.llm import LLM
+
+        return LLM
+    raise AttributeError(name)

@@ -1,0 +1,93 @@
+"""The `specserve` command: generate (serve, bench, train-eagle3 and eval-draft to come)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import MISSING, fields
+
+from specserve.config import EngineConfig
+from specserve.errors import SpecserveError
+
+_HELP = {
+    "model": "Hugging Face model folder or .gguf file (default: embedded SmolLM2-135M-Instruct)",
+    "dtype": "compute dtype: auto, float32, float16, bfloat16",
+    "device": "auto, cpu, cuda, cuda:N",
+    "page_size": "tokens per KV cache page",
+    "kv_cache_bytes": "KV cache memory budget in bytes",
+    "num_kv_pages": "KV cache size in pages (overrides --kv-cache-bytes)",
+    "max_num_seqs": "most requests running at once",
+    "max_num_batched_tokens": "per-step token budget; longer prefills are chunked",
+    "max_model_len": "context length limit (default: the model's)",
+    "seed": "seed for requests that bring none",
+}
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """One flag per EngineConfig field, defaults taken from the dataclass."""
+    for f in fields(EngineConfig):
+        default = None if f.default is MISSING else f.default
+        kind = str if f.name in ("model", "dtype", "device") else int
+        parser.add_argument(
+            "--" + f.name.replace("_", "-"), type=kind, default=default, help=_HELP.get(f.name)
+        )
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(**{f.name: getattr(args, f.name) for f in fields(EngineConfig)})
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from specserve.llm import LLM
+    from specserve.sampling_params import SamplingParams
+
+    cfg = engine_config(args)
+    llm = LLM(progress=True, **{f.name: getattr(cfg, f.name) for f in fields(EngineConfig)})
+    prompt: str | list[int] = args.prompt
+    if llm.tokenizer.chat_template and not args.no_chat_template:
+        prompt = llm.apply_chat_template([{"role": "user", "content": args.prompt}])
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        seed=args.sampling_seed,
+        stop=args.stop or [],
+    )
+    for delta in llm.stream(prompt, params):
+        sys.stdout.write(delta)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate text for one prompt, streamed to stdout")
+    gen.add_argument("prompt")
+    add_engine_args(gen)
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--min-p", type=float, default=0.0)
+    gen.add_argument("--sampling-seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    gen.add_argument("--no-chat-template", action="store_true", help="send the prompt as is")
+    gen.set_defaults(func=_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except SpecserveError as e:
+        print(f"specserve: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

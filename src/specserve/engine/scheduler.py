@@ -1,0 +1,102 @@
+"""Continuous batching: which requests run this step and with how many tokens.
+
+Each step has a token budget. Running requests go first in arrival order (a decoding
+request takes one token, a request still in prefill takes the next chunk), then waiting
+requests are admitted while pages and budget last. Prefill chunks and decodes share one
+forward pass (see docs/ARCHITECTURE.md for why). When a running request needs a page and
+none is free, the newest running request is preempted: its pages are freed and it is
+recomputed later from its prompt and the tokens it already generated.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from specserve.engine.kv_cache import KVCache
+from specserve.engine.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step: `num_tokens` new tokens starting at `cached_len`."""
+
+    request: Request
+    num_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """Whether this chunk reaches the end of the request's tokens, so a token is drawn."""
+        return self.request.cached_len + self.num_tokens == self.request.committed_len
+
+
+class Scheduler:
+    """Owns the waiting and running queues and the KV pages of every request."""
+
+    def __init__(self, kv: KVCache, max_num_seqs: int, max_num_batched_tokens: int):
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> list[ScheduledRequest]:
+        budget = self.max_num_batched_tokens
+        batch: list[ScheduledRequest] = []
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_uncached, budget)
+            while not self.kv.grow(req.page_table, req.cached_len + n):
+                self._preempt(self.running[-1])
+                preempted = True
+                if req.status is not RequestStatus.RUNNING:
+                    break
+            if req.status is RequestStatus.RUNNING:
+                batch.append(ScheduledRequest(req, n))
+                budget -= n
+                i += 1
+        # Admit new work only when nothing was preempted, so a preempted request is not
+        # immediately displaced by one that arrived after it.
+        while self.waiting and budget > 0 and not preempted:
+            if len(self.running) >= self.max_num_seqs:
+                break
+            req = self.waiting[0]
+            n = min(req.num_uncached, budget)
+            if not self.kv.grow(req.page_table, req.cached_len + n):
+                break
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            batch.append(ScheduledRequest(req, n))
+            budget -= n
+        return batch
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv.release(req.page_table)
+        req.cached_len = 0
+        req.status = RequestStatus.WAITING
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        # Back to the head of the queue, keeping arrival order among the preempted.
+        pos = next((k for k, w in enumerate(self.waiting) if w.arrival > req.arrival), None)
+        self.waiting.insert(len(self.waiting) if pos is None else pos, req)
+
+    def finish(self, req: Request) -> None:
+        """Remove a finished or aborted request and return its pages."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.kv.release(req.page_table)
+        req.status = RequestStatus.FINISHED

@@ -1,0 +1,26 @@
+"""One error type per user-facing failure; each message says what to change."""
+
+
+class SpecserveError(Exception):
+    """Base class of every error specserve raises on purpose."""
+
+
+class UnsupportedModelError(SpecserveError):
+    """The checkpoint's architecture or a feature of its config is not supported."""
+
+
+class CheckpointError(SpecserveError):
+    """The checkpoint is incomplete or inconsistent: missing files, missing or extra tensors,
+    shape mismatches."""
+
+
+class InvalidRequestError(SpecserveError, ValueError):
+    """A request's prompt or sampling parameters are invalid; `field` names the culprit."""
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
+
+
+class RequestTooLargeError(InvalidRequestError):
+    """A request can never fit: longer than the model's context or the whole KV cache."""

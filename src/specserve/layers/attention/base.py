@@ -1,0 +1,68 @@
+"""The attention backend interface and the per-step metadata every backend reads."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Where this step's tokens sit, built once per step by the model runner.
+
+    Tokens of all requests are packed along one axis (T tokens, B requests). Request b owns
+    tokens query_start_loc[b]:query_start_loc[b+1]; after this step its KV covers
+    seq_lens[b] positions, the new tokens being the last ones up to their own positions
+    (positions need not end at seq_lens - 1 when speculative tokens are laid past it).
+    """
+
+    positions: torch.Tensor  # [T] int64, absolute position of each new token
+    slot_mapping: torch.Tensor  # [T] int64, page * page_size + offset where its K/V go
+    query_start_loc: torch.Tensor  # [B+1] int64
+    seq_lens: torch.Tensor  # [B] int64, KV length each request attends over
+    block_tables: torch.Tensor  # [B, max_pages] int64, page ids (padding is page 0)
+    max_query_len: int
+    max_seq_len: int
+
+    @property
+    def num_requests(self) -> int:
+        return self.seq_lens.shape[0]
+
+
+class AttentionBackend(ABC):
+    """Writes the new tokens' K/V into the paged cache, then attends causally.
+
+    q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim];
+    k_cache, v_cache: [num_pages, page_size, num_kv_heads, head_dim].
+    A token at position p sees cached positions 0..p of its own request.
+    """
+
+    name: str = "abstract"
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """Return the attention output, [T, num_heads, head_dim]."""
+
+
+def write_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Store new K/V at their slots (in place)."""
+    kv_heads, head_dim = k_cache.shape[-2:]
+    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))

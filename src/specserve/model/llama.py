@@ -1,0 +1,116 @@
+"""Llama-family decoder (Llama, Qwen2 with qkv bias, Qwen3 with q/k norm) over paged KV.
+
+Parameter names follow Hugging Face checkpoints, so loading is a strict name-for-name copy.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from specserve.layers.activation import GatedMLP
+from specserve.layers.attention import AttentionBackend, AttentionMetadata
+from specserve.layers.norm import RMSNorm
+from specserve.layers.rotary import RotaryEmbedding
+from specserve.model.hf_config import ModelConfig
+
+KVCache = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+class Attention(nn.Module):
+    """Grouped-query self-attention with rotary embedding and optional q/k RMSNorm."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.num_heads = cfg.num_heads
+        self.num_kv_heads = cfg.num_kv_heads
+        self.head_dim = cfg.head_dim
+        self.scale = cfg.head_dim**-0.5
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.q_proj = nn.Linear(h, cfg.num_heads * d, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(cfg.num_heads * d, h, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x, rotary, backend, kv, meta: AttentionMetadata) -> torch.Tensor:
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotary(meta.positions, q, k)
+        out = backend.forward(q, k, v, kv[0], kv[1], meta, self.scale)
+        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, rotary, backend, kv, meta):
+        x = x + self.self_attn(self.input_layernorm(x), rotary, backend, kv, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderStack(nn.Module):
+    """Embedding, decoder layers and final norm (Hugging Face's `model.` prefix)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """The target model: tokens and paged KV in, final hidden states out.
+
+    `aux_layer_ids` asks for the hidden states entering those layers (EAGLE-3 reads the
+    target's low/mid/high features); they are returned alongside the final hidden states.
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = DecoderStack(cfg)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(
+            cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings, cfg.rope_scaling
+        )
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        if self.config.tie_word_embeddings:
+            return self.model.embed_tokens.weight
+        return self.lm_head.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_cache: KVCache,
+        backend: AttentionBackend,
+        aux_layer_ids: tuple[int, ...] = (),
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        x = self.model.embed_tokens(input_ids)
+        aux = []
+        for i, layer in enumerate(self.model.layers):
+            if i in aux_layer_ids:
+                aux.append(x)
+            x = layer(x, self.rotary, backend, kv_cache[i], meta)
+        return self.model.norm(x), aux
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits for the given hidden states."""
+        return nn.functional.linear(hidden, self.lm_head_weight).float()

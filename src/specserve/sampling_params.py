@@ -1,0 +1,60 @@
+"""Per-request sampling parameters, validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from specserve.errors import InvalidRequestError
+
+
+@dataclass
+class SamplingParams:
+    """How to sample one request. temperature 0 means greedy.
+
+    top_k 0 (or -1) disables top-k; top_p 1.0 and min_p 0.0 disable their filters.
+    `seed` makes sampled output reproducible: the random draws depend only on the seed and the
+    token's position, never on batch composition or preemption.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    n: int = 1
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        checks = [
+            ("max_tokens", isinstance(self.max_tokens, int) and self.max_tokens >= 1,
+             "must be an integer >= 1"),
+            ("temperature", 0.0 <= float(self.temperature) <= 100.0, "must be in [0, 100]"),
+            ("top_k", isinstance(self.top_k, int) and self.top_k >= 0,
+             "must be a non-negative integer (0 or -1 disables it)"),
+            ("top_p", 0.0 < float(self.top_p) <= 1.0, "must be in (0, 1]"),
+            ("min_p", 0.0 <= float(self.min_p) <= 1.0, "must be in [0, 1]"),
+            ("seed", self.seed is None or isinstance(self.seed, int), "must be an integer"),
+            ("n", isinstance(self.n, int) and 1 <= self.n <= 128, "must be an integer in [1, 128]"),
+            ("stop", all(isinstance(s, str) and s for s in self.stop),
+             "must be non-empty strings"),
+            ("stop_token_ids", all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+             "must be non-negative integers"),
+        ]
+        for name, ok, what in checks:
+            if not ok:
+                raise InvalidRequestError(
+                    f"{name} {what}; got {getattr(self, name)!r}", field=name
+                )
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
