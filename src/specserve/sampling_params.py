@@ -26,6 +26,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     n: int = 1
+    logprobs: int | None = None  # None: none; k >= 0: the chosen token's plus the top k
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -43,6 +44,8 @@ class SamplingParams:
             ("top_p", 0.0 < float(self.top_p) <= 1.0, "must be in (0, 1]"),
             ("min_p", 0.0 <= float(self.min_p) <= 1.0, "must be in [0, 1]"),
             ("seed", self.seed is None or isinstance(self.seed, int), "must be an integer"),
+            ("logprobs", self.logprobs is None or (isinstance(self.logprobs, int)
+             and 0 <= self.logprobs <= 20), "must be an integer in [0, 20]"),
             ("n", isinstance(self.n, int) and 1 <= self.n <= 128, "must be an integer in [1, 128]"),
             ("stop", all(isinstance(s, str) and s for s in self.stop),
              "must be non-empty strings"),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from specserve.config import EngineConfig
 from specserve.engine.detokenizer import IncrementalDetokenizer
@@ -30,6 +30,8 @@ class RequestOutput:
     delta_text: str
     finished: bool
     finish_reason: str | None
+    num_new_tokens: int = 0  # tokens committed this step: token_ids[-num_new_tokens:]
+    new_logprobs: list = field(default_factory=list)  # their TokenLogprobs, if asked for
 
 
 class LLMEngine:
@@ -129,23 +131,24 @@ class LLMEngine:
         if not batch:
             return []
         step_input = self.runner.prepare(batch)
-        tokens = self.runner.execute(step_input)
-        return self._process(batch, step_input.sampled_requests, tokens)
+        tokens, logprobs = self.runner.execute(step_input)
+        return self._process(batch, step_input.sampled_requests, tokens, logprobs)
 
-    def _process(self, batch, sampled_requests, tokens) -> list[RequestOutput]:
+    def _process(self, batch, sampled_requests, tokens, logprobs) -> list[RequestOutput]:
         for s in batch:
             s.request.cached_len += s.num_tokens
         outputs = []
-        for req, token in zip(sampled_requests, tokens):
-            req.append_token(token)
+        for req, token, lp in zip(sampled_requests, tokens, logprobs):
+            req.append_token(token, lp)
             if req.finish_reason is not None:
                 self.scheduler.finish(req)
                 self.requests.pop(req.request_id, None)
-            outputs.append(self._output(req))
+            outputs.append(self._output(req, 1))
         return outputs
 
-    def _output(self, req: Request) -> RequestOutput:
+    def _output(self, req: Request, num_new: int) -> RequestOutput:
         delta = req.detokenizer.pop_delta(req.finished)
+        new_lp = req.output_logprobs[-num_new:] if req.output_logprobs else []
         return RequestOutput(
             request_id=req.request_id,
             prompt=req.prompt,
@@ -155,6 +158,8 @@ class LLMEngine:
             delta_text=delta,
             finished=req.finished,
             finish_reason=req.finish_reason,
+            num_new_tokens=num_new,
+            new_logprobs=new_lp,
         )
 
     def stats(self) -> dict:

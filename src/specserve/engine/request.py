@@ -34,6 +34,7 @@ class Request:
     detokenizer: IncrementalDetokenizer | None = None
     prompt: str | None = None
     output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list = field(default_factory=list)  # TokenLogprobs per output token
     page_table: list[int] = field(default_factory=list)
     cached_len: int = 0
     status: RequestStatus = RequestStatus.WAITING
@@ -60,9 +61,11 @@ class Request:
     def text(self) -> str:
         return self.detokenizer.text if self.detokenizer else ""
 
-    def append_token(self, token: int) -> None:
+    def append_token(self, token: int, logprobs=None) -> None:
         """Commit one sampled token and decide whether the request is done."""
         self.output_token_ids.append(token)
+        if logprobs is not None:
+            self.output_logprobs.append(logprobs)
         p = self.params
         if not p.ignore_eos and token in self.eos_token_ids:
             self.finish_reason = "stop"

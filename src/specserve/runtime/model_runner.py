@@ -14,6 +14,14 @@ from specserve.model.llama import LlamaForCausalLM
 
 
 @dataclass
+class TokenLogprobs:
+    """The chosen token's log-probability and the top alternatives as (id, logprob)."""
+
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
 class StepInput:
     """Everything the forward pass of one step reads, on the device."""
 
@@ -76,17 +84,41 @@ class ModelRunner:
         return StepInput(self._to_device(input_ids), meta, self._to_device(sample_idx), sampled)
 
     @torch.inference_mode()
-    def execute(self, step: StepInput) -> list[int]:
-        """Run the step; return one sampled token per request in `step.sampled_requests`."""
+    def execute(self, step: StepInput) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """Run the step; return one sampled token per request in `step.sampled_requests`,
+        and its logprobs where the request asked for them."""
         hidden, _ = self.model(step.input_ids, step.meta, self.kv.layers, self.backend)
-        if not step.sampled_requests:
-            return []
-        logits = self.model.compute_logits(hidden[step.sample_idx])
         reqs = step.sampled_requests
+        if not reqs:
+            return [], []
+        logits = self.model.compute_logits(hidden[step.sample_idx])
         st = build_sampling_tensors(
             [r.params for r in reqs],
             [r.seed for r in reqs],
             [r.committed_len for r in reqs],
             self.device,
         )
-        return sample(logits, st).tolist()
+        tokens = sample(logits, st)
+        wanted = [r.params.logprobs for r in reqs]
+        if all(w is None for w in wanted):
+            return tokens.tolist(), [None] * len(reqs)
+        return tokens.tolist(), token_logprobs(logits, tokens, wanted)
+
+
+def token_logprobs(
+    logits: torch.Tensor, tokens: torch.Tensor, wanted: list[int | None]
+) -> list[TokenLogprobs | None]:
+    """Log-probabilities under the model's raw distribution (before temperature and
+    filters): the chosen token's and the top-k alternatives'."""
+    logp = logits.log_softmax(dim=-1)
+    chosen = logp.gather(1, tokens[:, None])[:, 0].tolist()
+    k = max(w or 0 for w in wanted)
+    top_lp, top_ids = logp.topk(k, dim=-1) if k else (logp[:, :0], logp[:, :0].long())
+    top_lp, top_ids = top_lp.tolist(), top_ids.tolist()
+    out: list[TokenLogprobs | None] = []
+    for i, w in enumerate(wanted):
+        if w is None:
+            out.append(None)
+        else:
+            out.append(TokenLogprobs(chosen[i], list(zip(top_ids[i][:w], top_lp[i][:w]))))
+    return out

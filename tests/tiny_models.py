@@ -1,0 +1,125 @@
+"""Build tiny random Llama / Qwen2 / Qwen3 checkpoints (with a real tokenizer and chat
+template) through transformers' own save_pretrained."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+VOCAB = 384
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog. " * 4,
+    "Speculative decoding drafts tokens and verifies them in one forward pass. " * 4,
+    "Paged attention stores keys and values in fixed size pages. " * 4,
+    "Héllo wörld, naïve café — ünïcödé 你好 世界 🙂 text. " * 4,
+]
+
+
+def make_tokenizer(folder: Path):
+    """A byte-level BPE tokenizer trained on a few sentences, saved as tokenizer.json."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB - 8,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(_CORPUS, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<|endoftext|>",
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(folder)
+    return fast
+
+
+def make_tiny_model(
+    folder: Path,
+    family: str = "llama",
+    tie: bool | None = None,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    num_layers: int = 2,
+) -> Path:
+    """Write config.json, model.safetensors and a tokenizer for a random model."""
+    import transformers
+
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        initializer_range=0.2,
+        bos_token_id=0,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    if family == "llama":
+        cfg = transformers.LlamaConfig(
+            **common,
+            tie_word_embeddings=bool(tie),
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+            rope_theta=10000.0,
+        )
+        cls = transformers.LlamaForCausalLM
+    elif family == "qwen2":
+        cfg = transformers.Qwen2Config(**common, tie_word_embeddings=tie is not False)
+        cls = transformers.Qwen2ForCausalLM
+    elif family == "qwen3":
+        cfg = transformers.Qwen3Config(**common, head_dim=16, tie_word_embeddings=bool(tie))
+        cls = transformers.Qwen3ForCausalLM
+    else:
+        raise ValueError(family)
+    torch.manual_seed(seed)
+    model = cls(cfg).to(dtype)
+    if family == "qwen2":
+        # Random init leaves biases at zero; make them matter.
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.5)
+    model.save_pretrained(folder)
+    make_tokenizer(folder)
+    return Path(folder)
+
+
+def hf_greedy(folder: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """Reference: transformers' own generate, one prompt at a time, fp32, never stopping."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    model.generation_config.eos_token_id = None
+    outs = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = torch.tensor([p])
+            out = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                pad_token_id=0,
+            )
+            outs.append(out[0, len(p) :].tolist())
+    return outs
