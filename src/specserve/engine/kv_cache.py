@@ -46,9 +46,13 @@ class PageAllocator:
         return pages
 
     def free(self, pages: list[int]) -> None:
+        # Check every page before returning any, so a bad call leaves the pool unchanged.
+        seen: set[int] = set()
         for p in pages:
-            if not (0 < p < self.num_pages) or not self._owned[p]:
+            if not (0 < p < self.num_pages) or not self._owned[p] or p in seen:
                 raise RuntimeError(f"page {p} freed but not owned")
+            seen.add(p)
+        for p in pages:
             self._owned[p] = False
             self._free.append(p)
 
