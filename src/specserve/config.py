@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+SPECULATIVE_ALGORITHMS = (None, "ngram", "draft", "eagle3")
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -28,6 +29,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
     seed: int = 0
+    speculative_algorithm: str | None = None
+    speculative_draft_model_path: str | None = None
+    speculative_num_steps: int = 3
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in _DTYPES:
@@ -43,6 +47,26 @@ class EngineConfig:
         if self.max_num_batched_tokens < 1:
             raise ValueError(
                 f"max_num_batched_tokens must be >= 1; got {self.max_num_batched_tokens}"
+            )
+
+        if self.speculative_algorithm in ("none", ""):
+            self.speculative_algorithm = None
+        if self.speculative_algorithm not in SPECULATIVE_ALGORITHMS:
+            raise ValueError(
+                "speculative_algorithm must be one of "
+                f"{', '.join(a for a in SPECULATIVE_ALGORITHMS if a)} or none; "
+                f"got {self.speculative_algorithm!r}"
+            )
+        if self.speculative_algorithm in ("draft", "eagle3") and not (
+            self.speculative_draft_model_path
+        ):
+            raise ValueError(
+                f"speculative_algorithm {self.speculative_algorithm} needs "
+                "speculative_draft_model_path (the draft model or EAGLE-3 head folder)"
+            )
+        if not 1 <= self.speculative_num_steps <= 16:
+            raise ValueError(
+                f"speculative_num_steps must be in [1, 16]; got {self.speculative_num_steps}"
             )
 
     def torch_device(self) -> torch.device:

@@ -9,6 +9,7 @@ from tqdm import tqdm
 
 from specserve.config import EngineConfig
 from specserve.engine.engine import LLMEngine, RequestOutput
+from specserve.engine.request import SpecStats
 from specserve.sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -24,6 +25,7 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     finish_reason: str
+    spec_stats: SpecStats | None = None  # drafted / accepted counts when speculating
 
 
 class LLM:
@@ -98,4 +100,5 @@ def _completion(out: RequestOutput) -> CompletionOutput:
         text=out.text,
         token_ids=out.token_ids,
         finish_reason=out.finish_reason or "abort",
+        spec_stats=out.spec_stats,
     )

@@ -6,16 +6,19 @@ import itertools
 import random
 from dataclasses import dataclass, field
 
+import torch
+
 from specserve.config import EngineConfig
 from specserve.engine.detokenizer import IncrementalDetokenizer
 from specserve.engine.kv_cache import KVCache
-from specserve.engine.request import Request
+from specserve.engine.request import Request, SpecStats
 from specserve.engine.scheduler import Scheduler
 from specserve.errors import InvalidRequestError, RequestTooLargeError
 from specserve.layers.attention import get_backend
 from specserve.model.loader import load_config, load_model, load_tokenizer, resolve_model
 from specserve.runtime.model_runner import ModelRunner
 from specserve.sampling_params import SamplingParams
+from specserve.spec.registry import build_proposer
 
 
 @dataclass
@@ -32,6 +35,7 @@ class RequestOutput:
     finish_reason: str | None
     num_new_tokens: int = 0  # tokens committed this step: token_ids[-num_new_tokens:]
     new_logprobs: list = field(default_factory=list)  # their TokenLogprobs, if asked for
+    spec_stats: SpecStats | None = None  # present when the engine speculates
 
 
 class LLMEngine:
@@ -55,6 +59,10 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(model, self.kv, get_backend("torch"))
+        self.proposer = build_proposer(self) if config.speculative_algorithm else None
+        # The draft length of each decoding request this step (None: never speculate).
+        k = config.speculative_num_steps
+        self.draft_len_fn = (lambda req: k) if self.proposer else None
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids) | frozenset(
             [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
         )
@@ -127,23 +135,40 @@ class LLMEngine:
     # ---- the step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one step; return the outputs of every request that produced a token."""
-        batch = self.scheduler.schedule()
+        batch = self.scheduler.schedule(self.draft_len_fn)
         if not batch:
             return []
+        drafting = [s for s in batch if s.draft_len > 0]
+        if drafting:
+            self.proposer.propose(drafting)
         step_input = self.runner.prepare(batch)
-        tokens, logprobs = self.runner.execute(step_input)
-        return self._process(batch, step_input.sampled_requests, tokens, logprobs)
+        aux_ids = self.proposer.aux_layer_ids if self.proposer else ()
+        hidden, aux = self.runner.forward(step_input, aux_ids)
+        result = self.runner.sample(step_input, hidden)
+        return self._process(batch, step_input, result, aux)
 
-    def _process(self, batch, sampled_requests, tokens, logprobs) -> list[RequestOutput]:
-        for s in batch:
-            s.request.cached_len += s.num_tokens
+    def _process(self, batch, step_input, result, aux) -> list[RequestOutput]:
+        accepted = {id(s): len(toks) - 1 for s, toks in zip(step_input.sampled, result.tokens)}
+        accepted_list = [accepted.get(id(s), 0) for s in batch]
+        for s, a in zip(batch, accepted_list):
+            s.request.cached_len += s.num_tokens + a
+        if self.proposer is not None:
+            features = torch.cat(aux, dim=-1) if aux else None
+            self.proposer.commit(batch, accepted_list, features, step_input.first_rows)
         outputs = []
-        for req, token, lp in zip(sampled_requests, tokens, logprobs):
-            req.append_token(token, lp)
+        for s, tokens, lps in zip(step_input.sampled, result.tokens, result.logprobs):
+            req = s.request
+            if s.drafts:
+                req.spec.record(len(s.drafts), len(tokens) - 1)
+            before = len(req.output_token_ids)
+            for i, token in enumerate(tokens):
+                req.append_token(token, lps[i] if lps else None)
+                if req.finish_reason is not None:
+                    break
             if req.finish_reason is not None:
                 self.scheduler.finish(req)
                 self.requests.pop(req.request_id, None)
-            outputs.append(self._output(req, 1))
+            outputs.append(self._output(req, len(req.output_token_ids) - before))
         return outputs
 
     def _output(self, req: Request, num_new: int) -> RequestOutput:
@@ -160,6 +185,7 @@ class LLMEngine:
             finish_reason=req.finish_reason,
             num_new_tokens=num_new,
             new_logprobs=new_lp,
+            spec_stats=req.spec if self.proposer else None,
         )
 
     def stats(self) -> dict:

@@ -9,6 +9,29 @@ from specserve.engine.detokenizer import IncrementalDetokenizer
 from specserve.sampling_params import SamplingParams
 
 
+@dataclass
+class SpecStats:
+    """Speculation statistics of one request."""
+
+    verify_steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    accept_hist: list[int] = field(default_factory=list)  # index: accepted drafts in a step
+
+    def record(self, drafted: int, accepted: int) -> None:
+        self.verify_steps += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        while len(self.accept_hist) <= accepted:
+            self.accept_hist.append(0)
+        self.accept_hist[accepted] += 1
+
+    @property
+    def mean_accept_len(self) -> float:
+        """Tokens committed per verify step (accepted drafts + the bonus token)."""
+        return (self.accepted + self.verify_steps) / self.verify_steps if self.verify_steps else 0.0
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -40,6 +63,11 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
     num_preemptions: int = 0
+    # Drafter state: positions < draft_cached_len are in the drafter's KV; draft_features
+    # holds target features of committed positions the drafter has not consumed yet.
+    draft_cached_len: int = 0
+    draft_features: list = field(default_factory=list)
+    spec: SpecStats = field(default_factory=lambda: SpecStats())
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -52,6 +80,21 @@ class Request:
     @property
     def num_uncached(self) -> int:
         return self.committed_len - self.cached_len
+
+    @property
+    def max_useful_drafts(self) -> int:
+        """Drafts beyond this could never be committed (max_tokens or context limit)."""
+        left = min(
+            self.params.max_tokens - len(self.output_token_ids),
+            self.max_len - self.committed_len,
+        )
+        return max(0, left - 1)
+
+    def reset_cache(self) -> None:
+        """Forget all KV (target and drafter): the request will be recomputed."""
+        self.cached_len = 0
+        self.draft_cached_len = 0
+        self.draft_features.clear()
 
     @property
     def finished(self) -> bool:

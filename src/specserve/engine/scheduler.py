@@ -11,7 +11,9 @@ recomputed later from its prompt and the tokens it already generated.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 from specserve.engine.kv_cache import KVCache
 from specserve.engine.request import Request, RequestStatus
@@ -19,15 +21,23 @@ from specserve.engine.request import Request, RequestStatus
 
 @dataclass
 class ScheduledRequest:
-    """One request's share of a step: `num_tokens` new tokens starting at `cached_len`."""
+    """One request's share of a step: `num_tokens` committed tokens starting at
+    `cached_len`, plus up to `draft_len` speculative tokens that the proposer fills in
+    (`drafts`, and `draft_probs` [k, V] when the drafter sampled from a distribution)."""
 
     request: Request
     num_tokens: int
+    draft_len: int = 0
+    drafts: list[int] = field(default_factory=list)
+    draft_probs: Any = None
 
     @property
     def samples(self) -> bool:
         """Whether this chunk reaches the end of the request's tokens, so a token is drawn."""
         return self.request.cached_len + self.num_tokens == self.request.committed_len
+
+
+DraftLenFn = Callable[[Request], int]
 
 
 class Scheduler:
@@ -48,7 +58,9 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> list[ScheduledRequest]:
+    def schedule(self, draft_len_fn: DraftLenFn | None = None) -> list[ScheduledRequest]:
+        """Pick this step's requests. `draft_len_fn(req)` gives a decoding request's draft
+        length; its pages then cover the K+1 verify tokens (KV lookahead)."""
         budget = self.max_num_batched_tokens
         batch: list[ScheduledRequest] = []
         preempted = False
@@ -56,14 +68,17 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_uncached, budget)
-            while not self.kv.grow(req.page_table, req.cached_len + n):
+            k = 0
+            if draft_len_fn is not None and req.num_uncached == 1:
+                k = max(0, min(draft_len_fn(req), budget - 1, req.max_useful_drafts))
+            while not self.kv.grow(req.page_table, req.cached_len + n + k):
                 self._preempt(self.running[-1])
                 preempted = True
                 if req.status is not RequestStatus.RUNNING:
                     break
             if req.status is RequestStatus.RUNNING:
-                batch.append(ScheduledRequest(req, n))
-                budget -= n
+                batch.append(ScheduledRequest(req, n, k))
+                budget -= n + k
                 i += 1
         # Admit new work only when nothing was preempted, so a preempted request is not
         # immediately displaced by one that arrived after it.
@@ -84,7 +99,7 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
         self.kv.release(req.page_table)
-        req.cached_len = 0
+        req.reset_cache()
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1

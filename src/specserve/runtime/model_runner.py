@@ -1,4 +1,4 @@
-"""Tensors in, tokens out: builds a step's tensors once, runs the model, samples."""
+"""Tensors in, tokens out: packs a step once, runs the target, samples or verifies."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ from specserve.engine.scheduler import ScheduledRequest
 from specserve.layers.attention import AttentionBackend, AttentionMetadata
 from specserve.layers.sampler import build_sampling_tensors, sample
 from specserve.model.llama import LlamaForCausalLM
+from specserve.runtime.packing import Segment, pack, to_device
+from specserve.spec.verify import verify
 
 
 @dataclass
@@ -27,82 +29,117 @@ class StepInput:
 
     input_ids: torch.Tensor  # [T]
     meta: AttentionMetadata
-    sample_idx: torch.Tensor  # [S] rows of the packed tokens whose logits are sampled
-    sampled_requests: list  # the S requests that get a token this step
+    first_rows: list[int]  # first packed row of each scheduled request
+    sampled: list[ScheduledRequest]  # requests that draw tokens this step
+    sample_rows: list[int]  # their logit rows: last committed token, then each draft
+
+
+@dataclass
+class StepResult:
+    """Per sampled request: new tokens (accepted drafts + one drawn), their logprobs."""
+
+    tokens: list[list[int]]
+    logprobs: list[list[TokenLogprobs] | None]
 
 
 class ModelRunner:
-    """Owns the model, its KV cache and the attention backend."""
+    """Owns the target model, its KV cache and the attention backend."""
 
     def __init__(self, model: LlamaForCausalLM, kv: KVCache, backend: AttentionBackend):
         self.model = model
         self.kv = kv
         self.backend = backend
         self.device = kv.pool.device
-        self.pin = self.device.type == "cuda"
-
-    def _to_device(self, values: list[int]) -> torch.Tensor:
-        t = torch.tensor(values, dtype=torch.int64)
-        if self.pin:
-            t = t.pin_memory()
-        return t.to(self.device, non_blocking=True)
 
     def prepare(self, batch: list[ScheduledRequest]) -> StepInput:
-        page_size = self.kv.page_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        starts = [0]
-        seq_lens: list[int] = []
-        sample_idx: list[int] = []
-        sampled = []
-        max_pages = max(len(s.request.page_table) for s in batch)
-        tables: list[int] = []
+        segments = []
         for s in batch:
             req, start = s.request, s.request.cached_len
-            end = start + s.num_tokens
-            input_ids += req.all_token_ids[start:end]
-            table = req.page_table
-            for pos in range(start, end):
-                positions.append(pos)
-                slots.append(table[pos // page_size] * page_size + pos % page_size)
-            starts.append(starts[-1] + s.num_tokens)
-            seq_lens.append(end)
-            tables += table + [0] * (max_pages - len(table))
+            ids = req.all_token_ids[start : start + s.num_tokens] + s.drafts
+            segments.append(Segment(req.page_table, start, ids))
+        input_ids, meta, last_rows = pack(segments, self.kv.page_size, self.device)
+        first_rows = [last - len(seg.token_ids) + 1 for last, seg in zip(last_rows, segments)]
+        sampled, sample_rows = [], []
+        for s, last in zip(batch, last_rows):
             if s.samples:
-                sample_idx.append(starts[-1] - 1)
-                sampled.append(req)
-        meta = AttentionMetadata(
-            positions=self._to_device(positions),
-            slot_mapping=self._to_device(slots),
-            query_start_loc=self._to_device(starts),
-            seq_lens=self._to_device(seq_lens),
-            block_tables=self._to_device(tables).view(len(batch), max_pages),
-            max_query_len=max(s.num_tokens for s in batch),
-            max_seq_len=max(seq_lens),
-        )
-        return StepInput(self._to_device(input_ids), meta, self._to_device(sample_idx), sampled)
+                sampled.append(s)
+                sample_rows += range(last - len(s.drafts), last + 1)
+        return StepInput(input_ids, meta, first_rows, sampled, sample_rows)
 
     @torch.inference_mode()
-    def execute(self, step: StepInput) -> tuple[list[int], list[TokenLogprobs | None]]:
-        """Run the step; return one sampled token per request in `step.sampled_requests`,
-        and its logprobs where the request asked for them."""
-        hidden, _ = self.model(step.input_ids, step.meta, self.kv.layers, self.backend)
-        reqs = step.sampled_requests
-        if not reqs:
-            return [], []
-        logits = self.model.compute_logits(hidden[step.sample_idx])
+    def forward(self, step: StepInput, aux_layer_ids: tuple[int, ...] = ()):
+        """Hidden states of every packed token, and the requested auxiliary ones."""
+        return self.model(step.input_ids, step.meta, self.kv.layers, self.backend, aux_layer_ids)
+
+    @torch.inference_mode()
+    def sample(self, step: StepInput, hidden: torch.Tensor) -> StepResult:
+        """Draw each sampled request's tokens: plainly, or by verifying its drafts."""
+        if not step.sampled:
+            return StepResult([], [])
+        reqs = [s.request for s in step.sampled]
+        logits = self.model.compute_logits(hidden[to_device(step.sample_rows, self.device)])
         st = build_sampling_tensors(
             [r.params for r in reqs],
             [r.seed for r in reqs],
             [r.committed_len for r in reqs],
             self.device,
         )
-        tokens = sample(logits, st)
-        wanted = [r.params.logprobs for r in reqs]
-        if all(w is None for w in wanted):
-            return tokens.tolist(), [None] * len(reqs)
-        return tokens.tolist(), token_logprobs(logits, tokens, wanted)
+        k_max = max(len(s.drafts) for s in step.sampled)
+        if k_max == 0:
+            tokens = sample(logits, st)
+            rows = [[t] for t in tokens.tolist()]
+            if all(r.params.logprobs is None for r in reqs):
+                return StepResult(rows, [None] * len(reqs))
+            return StepResult(rows, self._logprobs(logits, tokens, reqs, rows))
+        result = self._verify(step.sampled, logits, st, k_max)
+        accept = result.accept_len.tolist()
+        all_tokens = result.tokens.tolist()
+        rows = [t[: a + 1] for t, a in zip(all_tokens, accept)]
+        if all(r.params.logprobs is None for r in reqs):
+            return StepResult(rows, [None] * len(reqs))
+        # Logprobs of the committed tokens only: rows 0..a of each request.
+        offsets, picked = 0, []
+        for s, a in zip(step.sampled, accept):
+            picked += range(offsets, offsets + a + 1)
+            offsets += len(s.drafts) + 1
+        flat = torch.tensor([t for r in rows for t in r], device=self.device)
+        lp = self._logprobs(logits[to_device(picked, self.device)], flat, reqs, rows)
+        return StepResult(rows, lp)
+
+    def _verify(self, sampled, logits, st, k_max):
+        num = len(sampled)
+        vocab = logits.shape[-1]
+        index, drafts, lens = [], [], []
+        offset = 0
+        for s in sampled:
+            k = len(s.drafts)
+            index += [offset + min(j, k) for j in range(k_max + 1)]
+            drafts += s.drafts + [0] * (k_max - k)
+            lens.append(k)
+            offset += k + 1
+        padded = logits[to_device(index, self.device)].view(num, k_max + 1, vocab)
+        draft_t = to_device(drafts, self.device).view(num, k_max)
+        lens_t = to_device(lens, self.device)
+        probs = None
+        if any(s.draft_probs is not None for s in sampled):
+            probs = torch.zeros(num, k_max, vocab, device=self.device)
+            for i, s in enumerate(sampled):
+                k = len(s.drafts)
+                if s.draft_probs is not None:
+                    probs[i, :k] = s.draft_probs[:k]
+                elif k:
+                    probs[i, torch.arange(k), draft_t[i, :k]] = 1.0
+        return verify(padded, draft_t, lens_t, st, probs)
+
+    def _logprobs(self, logits, tokens, reqs, rows):
+        """Split flat per-token logprobs (one logits row per committed token) by request."""
+        wanted = [r.params.logprobs for r, row in zip(reqs, rows) for _ in row]
+        flat = token_logprobs(logits, tokens, wanted)
+        out, i = [], 0
+        for r, row in zip(reqs, rows):
+            out.append(None if r.params.logprobs is None else flat[i : i + len(row)])
+            i += len(row)
+        return out
 
 
 def token_logprobs(

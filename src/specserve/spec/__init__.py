@@ -1,0 +1,1 @@
+"""Speculative decoding: proposers (draft model, EAGLE-3 head, n-gram) and verification."""

@@ -1,0 +1,76 @@
+"""A smaller causal LM with the target's tokenizer drafts tokens, with its own KV pool
+indexed by the request's page table."""
+
+from __future__ import annotations
+
+import torch
+
+from specserve.engine.kv_cache import KVCache
+from specserve.engine.scheduler import ScheduledRequest
+from specserve.errors import UnsupportedModelError
+from specserve.layers.attention import AttentionBackend
+from specserve.model.llama import LlamaForCausalLM
+from specserve.runtime.packing import Segment, pack, to_device
+from specserve.spec.proposer import Proposer, append_drafts, draw_drafts
+
+
+class DraftModelProposer(Proposer):
+    """Catch-up then chain drafting.
+
+    Each proposing step first runs the draft model over every committed token it has not
+    seen (one batched extend; after a stretch without speculation this is the catch-up
+    pass), whose last logits give draft 1; then one single-token step per further draft.
+    After verification, drafts that were accepted stay valid in the draft KV.
+    """
+
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        kv: KVCache,
+        backend: AttentionBackend,
+        target_vocab: int,
+    ):
+        if model.config.vocab_size != target_vocab:
+            raise UnsupportedModelError(
+                f"the draft model's vocabulary ({model.config.vocab_size}) differs from the "
+                f"target's ({target_vocab}); a draft model must share the target's tokenizer"
+            )
+        self.model, self.kv, self.backend = model, kv, backend
+
+    @torch.inference_mode()
+    def propose(self, items: list[ScheduledRequest]) -> None:
+        segments = []
+        for it in items:
+            req = it.request
+            segments.append(
+                Segment(req.page_table, req.draft_cached_len, req.all_token_ids[req.draft_cached_len :])
+            )
+            req.draft_cached_len = req.committed_len
+        active = items
+        for step in range(max(it.draft_len for it in items)):
+            logits = self._forward(segments)
+            tokens, probs = draw_drafts(logits, active, step)
+            append_drafts(active, tokens.tolist(), probs, step)
+            keep = [i for i, it in enumerate(active) if len(it.drafts) < it.draft_len]
+            active = [active[i] for i in keep]
+            if not active:
+                break
+            segments = [
+                Segment(
+                    it.request.page_table,
+                    it.request.committed_len + len(it.drafts) - 1,
+                    [it.drafts[-1]],
+                )
+                for it in active
+            ]
+
+    def _forward(self, segments: list[Segment]) -> torch.Tensor:
+        input_ids, meta, last_rows = pack(segments, self.kv.page_size, self.kv.pool.device)
+        hidden, _ = self.model(input_ids, meta, self.kv.layers, self.backend)
+        return self.model.compute_logits(hidden[to_device(last_rows, hidden.device)])
+
+    def commit(self, items, accepted, aux, first_rows) -> None:
+        for it, a in zip(items, accepted):
+            if it.drafts:
+                # Drafts 1..k-1 were fed back into the draft KV; accepted ones stay valid.
+                it.request.draft_cached_len += min(a, len(it.drafts) - 1)

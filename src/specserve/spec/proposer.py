@@ -1,0 +1,71 @@
+"""The proposer interface: drafters fill in draft tokens for the requests that speculate."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from specserve.engine.scheduler import ScheduledRequest
+from specserve.layers.sampler import build_sampling_tensors, filter_logits, gumbel_noise
+
+DRAFT_STREAM = 1
+
+
+class Proposer(ABC):
+    """Drafts tokens for requests with draft_len > 0.
+
+    `propose` sets `item.drafts` (at most item.draft_len tokens) and, where the request
+    samples and the drafter draws from a distribution, `item.draft_probs` [k, V] over the
+    target vocabulary. `commit` runs after verification with the accepted draft count of
+    every scheduled request (0 for prefill chunks) and, when `aux_layer_ids` is non-empty,
+    the target's auxiliary hidden states of the step (rows from `first_rows`).
+    Draft KV lives in the request's own pages (same page table), written past the committed
+    length: no page is allocated or freed inside a step.
+    """
+
+    aux_layer_ids: tuple[int, ...] = ()
+
+    @abstractmethod
+    def propose(self, items: list[ScheduledRequest]) -> None: ...
+
+    def commit(
+        self,
+        items: list[ScheduledRequest],
+        accepted: list[int],
+        aux: torch.Tensor | None,
+        first_rows: list[int],
+    ) -> None:
+        """Update drafter state after verification (default: nothing to do)."""
+
+
+def draw_drafts(logits: torch.Tensor, items: list[ScheduledRequest], step: int):
+    """Draft one token per item from drafter logits [R, V] (over the target vocabulary).
+
+    Greedy requests take the argmax; sampled ones draw from the filtered distribution with
+    the request's own seed (a stream separate from the target's), and get its probs back.
+    Returns (tokens [R] on device, probs [R, V] or None when every request is greedy).
+    """
+    reqs = [it.request for it in items]
+    st = build_sampling_tensors(
+        [r.params for r in reqs],
+        [r.seed for r in reqs],
+        [r.committed_len + step for r in reqs],
+        logits.device,
+    )
+    greedy = logits.argmax(dim=-1)
+    if st.all_greedy:
+        return greedy, None
+    filtered = filter_logits(logits.float(), st)
+    drawn = (filtered + gumbel_noise(st, logits.shape[-1], DRAFT_STREAM)).argmax(dim=-1)
+    probs = filtered.softmax(dim=-1)
+    return torch.where(st.temperature > 0, drawn, greedy), probs
+
+
+def append_drafts(items, tokens: list[int], probs: torch.Tensor | None, step: int) -> None:
+    """Record draft `step` (0-based) for items; probs rows are kept for sampled requests."""
+    for i, (it, tok) in enumerate(zip(items, tokens)):
+        it.drafts.append(tok)
+        if probs is not None and it.request.params.temperature > 0:
+            row = probs[i : i + 1]
+            it.draft_probs = row if step == 0 else torch.cat([it.draft_probs, row])

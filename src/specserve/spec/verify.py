@@ -1,0 +1,116 @@
+"""Verification of draft tokens against the target in one pass, lossless.
+
+Greedy rows accept drafts while they equal the target's argmax, then take the argmax at the
+first mismatch (or after the last draft) as the bonus token. Sampled rows use rejection
+sampling: accept draft x with probability min(1, p(x)/q(x)); on rejection draw from
+norm(max(0, p - q)); after all drafts are accepted draw the bonus from p. p and q are the
+temperature / top-k / top-p / min-p filtered distributions of target and drafter.
+
+A row with no drafts reduces exactly to the plain sampler: the final draw uses the same
+counter-based Gumbel noise (stream 0 at the drawn token's position) as `layers.sampler`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from specserve.layers.sampler import SamplingTensors, filter_logits, gumbel_noise, hash_uniform
+
+ACCEPT_STREAM = 2
+
+
+@dataclass
+class VerifyResult:
+    """tokens[r, :accept_len[r] + 1] are request r's new tokens (accepted drafts + bonus)."""
+
+    tokens: torch.Tensor  # [R, K+1] int64
+    accept_len: torch.Tensor  # [R] int64
+
+
+def verify(
+    target_logits: torch.Tensor,
+    drafts: torch.Tensor,
+    draft_lens: torch.Tensor,
+    st: SamplingTensors,
+    draft_probs: torch.Tensor | None = None,
+) -> VerifyResult:
+    """Verify padded drafts.
+
+    target_logits: [R, K+1, V] target logits at the last committed token and each draft;
+    drafts: [R, K] draft token ids (anything past draft_lens[r] is ignored);
+    draft_probs: [R, K, V] the drafter's filtered distributions (None: point masses, i.e.
+    deterministic drafts); st: per-row sampling tensors whose `positions` are the index of
+    the first token drawn (the one after the last committed token).
+    """
+    num_rows, width, vocab = target_logits.shape
+    k_max = width - 1
+    steps = torch.arange(width, device=target_logits.device)
+    valid = steps[None, :k_max] < draft_lens[:, None]  # [R, K]
+    greedy_choice = target_logits.argmax(dim=-1)  # [R, K+1]
+    greedy_ok = (drafts == greedy_choice[:, :k_max]) & valid
+
+    if st.all_greedy:
+        accept_len = greedy_ok.long().cumprod(dim=1).sum(dim=1)
+        bonus = greedy_choice.gather(1, accept_len[:, None])[:, 0]
+        return VerifyResult(_assemble(drafts, bonus, accept_len), accept_len)
+
+    rep = lambda t: t.repeat_interleave(width)  # noqa: E731
+    flat_st = replace(
+        st,
+        temperature=rep(st.temperature),
+        top_k=rep(st.top_k),
+        top_p=rep(st.top_p),
+        min_p=rep(st.min_p),
+    )
+    filtered = filter_logits(target_logits.reshape(num_rows * width, vocab), flat_st)
+    filtered = filtered.view(num_rows, width, vocab)
+    p = filtered.softmax(dim=-1)
+    if k_max:
+        p_draft = p[:, :k_max].gather(2, drafts[:, :, None].clamp(min=0))[:, :, 0]
+        if draft_probs is None:
+            q_draft = torch.ones_like(p_draft)
+        else:
+            q_draft = draft_probs.gather(2, drafts[:, :, None].clamp(min=0))[:, :, 0]
+        counters = st.positions[:, None] + steps[None, :k_max]
+        u = hash_uniform(
+            (st.seeds + ACCEPT_STREAM * 0x632BE5AB)[:, None].expand(-1, k_max).reshape(-1),
+            counters.reshape(-1),
+            1,
+        ).view(num_rows, k_max)
+        sampled_ok = (u * q_draft < p_draft) & valid
+        ok = torch.where(st.temperature[:, None] > 0, sampled_ok, greedy_ok)
+    else:
+        ok = greedy_ok
+    accept_len = ok.long().cumprod(dim=1).sum(dim=1)
+
+    # The final draw: residual max(0, p - q) after a rejection, p itself after full acceptance
+    # (drawn from the filtered logits themselves, exactly as the plain sampler does).
+    at_final = accept_len[:, None, None].expand(-1, 1, vocab)
+    final_logits = filtered.gather(1, at_final)[:, 0]
+    p_final = p.gather(1, at_final)[:, 0]
+    rejected = accept_len < draft_lens
+    if k_max:
+        at = accept_len.clamp(max=k_max - 1)
+        if draft_probs is None:
+            q_final = torch.zeros_like(p_final)
+            q_final.scatter_(1, drafts.gather(1, at[:, None]).clamp(min=0), 1.0)
+        else:
+            q_final = draft_probs.gather(1, at[:, None, None].expand(-1, 1, vocab))[:, 0]
+        residual = (p_final - q_final).clamp(min=0)
+        # Guard rounding: if nothing is left, fall back to p (probability-zero event).
+        empty = residual.sum(dim=-1, keepdim=True) <= 0
+        residual = torch.where(empty, p_final, residual)
+        final_logits = torch.where(rejected[:, None], residual.log(), final_logits)
+    noise = gumbel_noise(replace(st, positions=st.positions + accept_len), vocab)
+    drawn = (final_logits + noise).argmax(dim=-1)
+    greedy_bonus = greedy_choice.gather(1, accept_len[:, None])[:, 0]
+    bonus = torch.where(st.temperature > 0, drawn, greedy_bonus)
+    return VerifyResult(_assemble(drafts, bonus, accept_len), accept_len)
+
+
+def _assemble(drafts, bonus, accept_len) -> torch.Tensor:
+    num_rows, k_max = drafts.shape
+    tokens = torch.cat([drafts, torch.zeros_like(bonus)[:, None]], dim=1)
+    return tokens.scatter(1, accept_len[:, None], bonus[:, None])
