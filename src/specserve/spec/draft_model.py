@@ -42,9 +42,8 @@ class DraftModelProposer(Proposer):
         segments = []
         for it in items:
             req = it.request
-            segments.append(
-                Segment(req.page_table, req.draft_cached_len, req.all_token_ids[req.draft_cached_len :])
-            )
+            start = req.draft_cached_len
+            segments.append(Segment(req.page_table, start, req.all_token_ids[start:]))
             req.draft_cached_len = req.committed_len
         active = items
         for step in range(max(it.draft_len for it in items)):
