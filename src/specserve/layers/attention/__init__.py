@@ -2,8 +2,10 @@
 
 from specserve.layers.attention.base import AttentionBackend, AttentionMetadata
 from specserve.layers.attention.torch_ref import TorchAttentionBackend
+from specserve.layers.attention.triton_attn import TritonAttentionBackend
 
 BACKENDS: dict[str, type[AttentionBackend]] = {"torch": TorchAttentionBackend}
+BACKENDS["triton"] = TritonAttentionBackend  # kernels load on first use
 
 
 def get_backend(name: str) -> AttentionBackend:

@@ -1,0 +1,85 @@
+"""The Triton attention backend: paged KV write plus one attention kernel for prefill, extend,
+decode and verify (see triton_kernels.py), split over the KV length when a step has too few
+(request, KV head) pairs to fill the GPU.
+
+Importing this module does not import triton; the kernels are loaded on first use, so the
+backend can be registered on machines without triton.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+
+from specserve.layers.attention.base import AttentionBackend, AttentionMetadata
+
+MAX_SPLITS = 32
+MIN_SPLIT_TOKENS = 128  # a KV chunk shorter than this is not worth a separate program
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # the interpreter on the CPU: keep the split count small
+
+
+class TritonAttentionBackend(AttentionBackend):
+    """Paged attention through Triton kernels; same contract as the torch reference.
+
+    `num_splits` fixes the KV split count (1: never split), None chooses it per step from
+    the number of (request, KV head, query block) programs and `meta.max_seq_len`, so that
+    about `programs_per_sm` programs run per multiprocessor. Under CUDA graphs pass
+    max_seq_len = the longest context the graph serves: the split count is then fixed at
+    capture and chunk sizes adapt on the device.
+    `kernels` replaces the kernel module (tests pass one defined under the interpreter).
+    """
+
+    name = "triton"
+
+    def __init__(
+        self,
+        num_splits: int | None = None,
+        programs_per_sm: int = 4,
+        block_n: int | None = None,
+        kernels: ModuleType | None = None,
+    ):
+        self.num_splits = num_splits
+        self.programs_per_sm = programs_per_sm
+        self.block_n = block_n
+        self._kernels = kernels
+        self._sms: dict[torch.device, int] = {}
+
+    @property
+    def kernels(self) -> ModuleType:
+        if self._kernels is None:
+            from specserve.layers.attention import triton_kernels
+
+            self._kernels = triton_kernels
+        return self._kernels
+
+    def choose_num_splits(self, meta: AttentionMetadata, num_kv_heads: int, group: int,
+                          device: torch.device) -> int:  # fmt: skip
+        """How many chunks to cut each request's KV length into for this step."""
+        if self.num_splits is not None:
+            return self.num_splits
+        rows = meta.max_query_len * group
+        if rows > self.kernels.DECODE_MAX_ROWS:
+            return 1  # prefill: query blocks already fill the GPU
+        if device not in self._sms:
+            self._sms[device] = _num_sms(device)
+        programs = meta.num_requests * num_kv_heads
+        wanted = -(-self.programs_per_sm * self._sms[device] // programs)
+        by_length = -(-meta.max_seq_len // MIN_SPLIT_TOKENS)
+        return max(1, min(wanted, by_length, MAX_SPLITS))
+
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+        ops = self.kernels
+        ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        kv_heads = k_cache.shape[2]
+        splits = self.choose_num_splits(meta, kv_heads, q.shape[1] // kv_heads, q.device)
+        return ops.paged_attention(
+            q, k_cache, v_cache, meta.positions, meta.query_start_loc, meta.seq_lens,
+            meta.block_tables, meta.max_query_len, scale, num_splits=splits,
+            block_n=self.block_n,
+        )  # fmt: skip

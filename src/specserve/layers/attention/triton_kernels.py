@@ -1,0 +1,228 @@
+"""Triton kernels for attention over the paged KV cache, and their launchers.
+
+One attention kernel serves prefill, chunked extend, decode and multi-token verify. Its
+program owns one request, one KV head and a block of query *rows*, a row being one (token,
+query head) pair of that KV head's group: decode with GQA fills the matrix units with the
+group's heads, verify with K+1 tokens times the group. When `num_splits` > 1 the KV length of
+each request is cut into that many chunks (flash-decoding), each program writes a partial
+output with its log-sum-exp, and a second kernel merges them; the chunk size is computed on
+the device from the request's own length, so the launch shape does not depend on the data
+(CUDA-graph safe).
+
+Imported lazily: kernels are defined when this module is first imported, which is when
+TRITON_INTERPRET is read.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+DECODE_MAX_ROWS = 64  # rows per request up to which the split (decode/verify) path is used
+
+
+@triton.jit
+def _kv_write_kernel(
+    k_ptr, v_ptr, k_cache, v_cache, slot_ptr,
+    stride_kt, stride_vt, stride_page, stride_slot,
+    PAGE_SIZE: tl.constexpr, ROW: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < tl.where(slot >= 0, ROW, 0)  # a negative slot means: do not store
+    dst = (slot // PAGE_SIZE) * stride_page + (slot % PAGE_SIZE) * stride_slot + cols
+    k = tl.load(k_ptr + t * stride_kt + cols, mask=ok)
+    v = tl.load(v_ptr + t * stride_vt + cols, mask=ok)
+    tl.store(k_cache + dst, k.to(k_cache.dtype.element_ty), mask=ok)
+    tl.store(v_cache + dst, v.to(v_cache.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _paged_attn_kernel(
+    q_ptr, k_cache, v_cache, out_ptr, lse_ptr,
+    positions, query_start_loc, seq_lens, block_tables,
+    stride_qt, stride_qh, stride_cp, stride_cs, stride_ch, stride_bt,
+    stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
+    qk_scale,
+    KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLIT: tl.constexpr,
+):  # fmt: skip
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    b = pid_bh // KV_HEADS
+    kvh = pid_bh % KV_HEADS
+    q_start = tl.load(query_start_loc + b)
+    q_len = tl.load(query_start_loc + b + 1) - q_start
+    seq_len = tl.load(seq_lens + b)
+
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    tok = rows // GROUP
+    head = kvh * GROUP + rows % GROUP
+    row_ok = tok < q_len
+    pos = tl.load(positions + q_start + tok, mask=row_ok, other=-1)
+    # Keys this block can see: up to its last token's position (a request's positions
+    # ascend), within the request's length. Empty blocks (last_tok < 0) see nothing.
+    last_tok = tl.minimum(q_len - 1, (pid_m * BLOCK_M + BLOCK_M - 1) // GROUP)
+    last_pos = tl.load(positions + q_start + tl.maximum(last_tok, 0))
+    kv_end = tl.where(last_tok >= 0, tl.minimum(seq_len, last_pos + 1), 0)
+    chunk = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = pid_s * chunk
+    hi = tl.minimum(lo + chunk, kv_end)
+
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    q_off = (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
+    q = tl.load(q_ptr + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        n_ok = n < hi
+        page = tl.load(block_tables + b * stride_bt + n // PAGE_SIZE, mask=n_ok, other=0)
+        kv_off = page * stride_cp + (n % PAGE_SIZE) * stride_cs + kvh * stride_ch
+        kv_mask = n_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_cache + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k.to(q.dtype))) * qk_scale
+        visible = (n[None, :] <= pos[:, None]) & n_ok[None, :]
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing seen yet
+        alpha = tl.exp2(m_i - m_ref)
+        p = tl.exp2(s - m_ref[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_cache + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
+        m_i = m_new
+
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    o_off = pid_s * stride_os + (q_start + tok)[:, None] * stride_ot
+    o_off += head[:, None] * stride_oh + d[None, :]
+    o_mask = row_ok[:, None] & d_ok[None, :]
+    if SPLIT:
+        tl.store(out_ptr + o_off, out, mask=o_mask)
+        lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+        l_off = pid_s * stride_ls + (q_start + tok) * stride_lt + head
+        tl.store(lse_ptr + l_off, lse, mask=row_ok)
+    else:
+        tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=o_mask)
+
+
+@triton.jit
+def _split_reduce_kernel(
+    part_ptr, lse_ptr, out_ptr,
+    stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, stride_ot, stride_oh,
+    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.arange(0, BLOCK_S)
+    s_ok = s < NUM_SPLITS
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    lse = tl.load(lse_ptr + s * stride_ls + t * stride_lt + h, mask=s_ok, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m)  # empty splits weigh 0
+    denom = tl.sum(w, 0)
+    p_off = s[:, None] * stride_ps + t * stride_pt + h * stride_ph + d[None, :]
+    parts = tl.load(part_ptr + p_off, mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+    out = tl.sum(parts * w[:, None], 0) / tl.where(denom > 0, denom, 1.0)
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty),
+             mask=d_ok)  # fmt: skip
+
+
+def write_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
+    """Store each token's K/V row (all KV heads) at its slot; slots < 0 are skipped."""
+    num_tokens = k.shape[0]
+    if num_tokens == 0:
+        return
+    k = k if k.stride(-1) == 1 and k.stride(-2) == k.shape[-1] else k.contiguous()
+    v = v if v.stride(-1) == 1 and v.stride(-2) == v.shape[-1] else v.contiguous()
+    _check_cache(k_cache, v_cache)
+    row = k_cache.shape[2] * k_cache.shape[3]
+    _kv_write_kernel[(num_tokens,)](
+        k, v, k_cache, v_cache, slot_mapping,
+        k.stride(0), v.stride(0), k_cache.stride(0), k_cache.stride(1),
+        PAGE_SIZE=k_cache.shape[1], ROW=row, BLOCK=triton.next_power_of_2(row),
+    )  # fmt: skip
+
+
+def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    kvh, hd = k_cache.shape[2:]
+    if k_cache.stride()[2:] != (hd, 1) or k_cache.stride() != v_cache.stride():
+        raise ValueError("K/V caches must be [pages, page_size, kv_heads, head_dim] with "
+                         "contiguous (kv_heads, head_dim) rows and equal strides")  # fmt: skip
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    positions: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    max_query_len: int,
+    scale: float,
+    num_splits: int = 1,
+    block_n: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of packed queries q [T, H, D] over the paged cache; returns [T, H, D].
+
+    num_splits 1 writes the output directly; > 1 splits every request's KV length into that
+    many chunks and merges the partial results in a second kernel.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    _check_cache(k_cache, v_cache)
+    kv_heads = k_cache.shape[2]
+    group = num_heads // kv_heads
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if out is None:
+        out = torch.empty_like(q)
+    num_requests = seq_lens.shape[0]
+    if num_tokens == 0 or num_requests == 0:
+        return out
+    rows = max_query_len * group
+    decode_like = rows <= DECODE_MAX_ROWS
+    block_m = max(16, triton.next_power_of_2(rows)) if decode_like else 128
+    block_n = block_n or 64
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    num_warps = 4 if decode_like else 8
+    grid = (triton.cdiv(rows, block_m), num_requests * kv_heads, num_splits)
+    split = num_splits > 1
+    if split:
+        part = torch.empty((num_splits, num_tokens, num_heads, head_dim), dtype=torch.float32,
+                           device=q.device)  # fmt: skip
+        lse = torch.empty((num_splits, num_tokens, num_heads), dtype=torch.float32,
+                          device=q.device)  # fmt: skip
+        dst, dst_strides, lse_strides = part, part.stride()[:3], lse.stride()[:2]
+    else:
+        lse, dst = out, out  # lse unused
+        dst_strides, lse_strides = (0, *out.stride()[:2]), (0, 0)
+    _paged_attn_kernel[grid](
+        q, k_cache, v_cache, dst, lse,
+        positions, query_start_loc, seq_lens, block_tables,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0), *dst_strides, *lse_strides,
+        scale * LOG2E,
+        KV_HEADS=kv_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
+        PAGE_SIZE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_N=block_n,
+        NUM_SPLITS=num_splits, SPLIT=split, num_warps=num_warps, num_stages=2,
+    )  # fmt: skip
+    if split:
+        _split_reduce_kernel[(num_tokens, num_heads)](
+            part, lse, out, *part.stride()[:3], *lse.stride()[:2], *out.stride()[:2],
+            NUM_SPLITS=num_splits, BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
+            HEAD_DIM=head_dim, BLOCK_D=block_d,
+        )  # fmt: skip
+    return out

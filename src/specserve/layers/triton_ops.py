@@ -1,0 +1,183 @@
+"""Fused Triton kernels for the small per-layer ops: RMSNorm, rotary embedding, SiLU-and-mul.
+
+At decode batch sizes each of these is a handful of tiny PyTorch kernels (RMSNorm 6, rotary
+about 12), which under CUDA graphs cost microseconds apiece with the GPU otherwise idle; one
+kernel each pays. The numerics follow the PyTorch modules they replace, rounding to the
+activation dtype at the same points, so greedy output does not drift from the reference.
+
+`use_triton_ops(model)` switches a model's RMSNorm, RotaryEmbedding and GatedMLP instances to
+the subclasses below in place (same parameters, buffers and state dict).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import nn
+
+from specserve.layers.activation import GatedMLP
+from specserve.layers.norm import RMSNorm
+from specserve.layers.rotary import RotaryEmbedding
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, n_cols, eps,
+                     BLOCK: tl.constexpr):  # fmt: skip
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < n_cols
+    x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+    inv_rms = tl.rsqrt(tl.sum(x * x, 0) / n_cols + eps)
+    y = (x * inv_rms).to(x_ptr.dtype.element_ty).to(tl.float32)  # HF: cast before weight
+    w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + cols, (y * w).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _round(x, DTYPE: tl.constexpr):
+    return x.to(DTYPE).to(tl.float32)
+
+
+@triton.jit
+def _rotate_heads(x_ptr, o_ptr, stride_t, stride_h, t, cos, sin, NUM_HEADS: tl.constexpr,
+                  HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):  # fmt: skip
+    h = tl.arange(0, BLOCK_H)
+    i = tl.arange(0, BLOCK_HALF)
+    ok = (h < NUM_HEADS)[:, None] & (i < HALF)[None, :]
+    src = x_ptr + t * stride_t + h[:, None] * stride_h + i[None, :]
+    dtype = x_ptr.dtype.element_ty
+    x1 = tl.load(src, mask=ok, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF, mask=ok, other=0.0).to(tl.float32)
+    # Same rounding as the PyTorch path: each product and the sum in the activation dtype.
+    o1 = _round(_round(x1 * cos, dtype) - _round(x2 * sin, dtype), dtype)
+    o2 = _round(_round(x2 * cos, dtype) + _round(x1 * sin, dtype), dtype)
+    dst = o_ptr + t * NUM_HEADS * 2 * HALF + h[:, None] * 2 * HALF + i[None, :]
+    tl.store(dst, o1.to(dtype), mask=ok)
+    tl.store(dst + HALF, o2.to(dtype), mask=ok)
+
+
+@triton.jit
+def _rotary_kernel(
+    q_ptr, k_ptr, qo_ptr, ko_ptr, pos_ptr, cos_sin_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_cs,
+    Q_HEADS: tl.constexpr, K_HEADS: tl.constexpr, HALF: tl.constexpr,
+    BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_HALF: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0)
+    pos = tl.load(pos_ptr + t)
+    i = tl.arange(0, BLOCK_HALF)
+    i_ok = i < HALF
+    cos = tl.load(cos_sin_ptr + pos * stride_cs + i, mask=i_ok, other=0.0)
+    sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + i, mask=i_ok, other=0.0)
+    dtype = q_ptr.dtype.element_ty
+    cos = _round(cos, dtype)[None, :]
+    sin = _round(sin, dtype)[None, :]
+    _rotate_heads(q_ptr, qo_ptr, stride_qt, stride_qh, t, cos, sin, Q_HEADS, HALF, BLOCK_QH,
+                  BLOCK_HALF)  # fmt: skip
+    _rotate_heads(k_ptr, ko_ptr, stride_kt, stride_kh, t, cos, sin, K_HEADS, HALF, BLOCK_KH,
+                  BLOCK_HALF)  # fmt: skip
+
+
+@triton.jit
+def _silu_and_mul_kernel(g_ptr, u_ptr, o_ptr, stride_g, stride_u, stride_o, n_cols,
+                         BLOCK: tl.constexpr):  # fmt: skip
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < n_cols
+    g = tl.load(g_ptr + row * stride_g + cols, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + row * stride_u + cols, mask=ok, other=0.0).to(tl.float32)
+    dtype = o_ptr.dtype.element_ty
+    act = _round(g / (1.0 + tl.exp(-g)), dtype)
+    tl.store(o_ptr + row * stride_o + cols, (act * u).to(dtype), mask=ok)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * (x / rms(x)) over the last dim, with RMSNorm's rounding."""
+    x2 = _rows(x)
+    out = torch.empty(x2.shape, dtype=torch.result_type(x, weight), device=x.device)
+    n = x2.shape[-1]
+    block = triton.next_power_of_2(n)
+    if x2.shape[0]:
+        _rms_norm_kernel[(x2.shape[0],)](
+            x2, weight, out, x2.stride(0), out.stride(0), n, eps, BLOCK=block,
+            num_warps=min(16, max(1, block // 256)),
+        )  # fmt: skip
+    return out.view(x.shape)
+
+
+def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor):
+    """Rotate-half rotary embedding of q [T, Hq, D] and k [T, Hk, D] (new tensors)."""
+    num_tokens, q_heads, head_dim = q.shape
+    k_heads = k.shape[1]
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if k.stride(-1) != 1:
+        k = k.contiguous()
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    half = head_dim // 2
+    if num_tokens:
+        _rotary_kernel[(num_tokens,)](
+            q, k, q_out, k_out, positions, cos_sin,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin.stride(0),
+            Q_HEADS=q_heads, K_HEADS=k_heads, HALF=half,
+            BLOCK_QH=triton.next_power_of_2(q_heads), BLOCK_KH=triton.next_power_of_2(k_heads),
+            BLOCK_HALF=triton.next_power_of_2(half),
+        )  # fmt: skip
+    return q_out, k_out
+
+
+def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up, with F.silu's rounding to the activation dtype."""
+    g2, u2 = _rows(gate), _rows(up)
+    out = torch.empty(g2.shape, dtype=gate.dtype, device=gate.device)
+    n = g2.shape[-1]
+    block = min(2048, triton.next_power_of_2(n))
+    if g2.shape[0]:
+        _silu_and_mul_kernel[(g2.shape[0], triton.cdiv(n, block))](
+            g2, u2, out, g2.stride(0), u2.stride(0), out.stride(0), n, BLOCK=block,
+        )  # fmt: skip
+    return out.view(gate.shape)
+
+
+class TritonRMSNorm(RMSNorm):
+    """RMSNorm in one Triton kernel."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+class TritonRotaryEmbedding(RotaryEmbedding):
+    """Rotary embedding of q and k in one Triton kernel, reading the cos/sin table directly."""
+
+    def forward(self, positions, q, k):
+        return rotary(positions, q, k, self.cos_sin)
+
+
+class TritonGatedMLP(GatedMLP):
+    """Gated MLP whose SiLU and product are one Triton kernel."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_proj(x), self.up_proj(x)))
+
+
+_FUSED = {RMSNorm: TritonRMSNorm, RotaryEmbedding: TritonRotaryEmbedding, GatedMLP: TritonGatedMLP}
+
+
+def use_triton_ops(model: nn.Module, enable: bool = True) -> int:
+    """Switch (enable=False: switch back) the model's RMSNorm, rotary and gated-MLP modules to
+    their Triton subclasses in place; returns how many modules changed."""
+    mapping = _FUSED if enable else {v: k for k, v in _FUSED.items()}
+    changed = 0
+    for module in model.modules():
+        new_class = mapping.get(type(module))
+        if new_class is not None:
+            module.__class__ = new_class
+            changed += 1
+    return changed

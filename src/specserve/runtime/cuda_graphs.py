@@ -1,0 +1,191 @@
+"""CUDA graphs of the target forward, keyed by (batch-size bucket, tokens per request).
+
+Decode (1 token per request) and verify (K+1 tokens per request) steps have static shapes once
+the batch is padded to a bucket, so each (bucket, tokens) pair gets one graph, captured at
+start-up into one shared memory pool. A step copies its tensors into static input buffers
+and replays the graph of its shape; nothing is captured or allocated afterwards.
+
+Padding requests are harmless by construction: their tokens sit at position 0 with
+seq_len 1, write their K/V to slot 0 of page 0 (the scratch page the allocator never lends)
+and attend only to that slot.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from specserve.layers.attention import AttentionBackend, AttentionMetadata
+
+KVLayers = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class CaptureReport:
+    """What start-up capture cost: graphs, wall time, and device memory."""
+
+    num_graphs: int
+    warmup_s: float  # eager runs of every shape first (Triton compilation, cuBLAS set-up)
+    capture_s: float
+    graph_pool_bytes: int  # growth of reserved device memory over the captures
+    static_bytes: int  # the static input buffers
+
+
+def default_batch_buckets(max_batch: int) -> tuple[int, ...]:
+    """1, 2, 4, 8, then multiples of 16, up to and including max_batch."""
+    small = [b for b in (1, 2, 4, 8) if b < max_batch]
+    return tuple(small + list(range(16, max_batch, 16)) + [max_batch])
+
+
+class CudaGraphRunner:
+    """Captures `model.forward` per (batch bucket, tokens per request) and replays it.
+
+    `run(input_ids, meta)` serves any step whose requests all have the same query length q
+    (in `tokens_per_request`), at most the largest bucket of requests, and contexts up to
+    `max_seq_len`. Its outputs are views into graph memory, valid until the next `run`.
+    With `use_graphs=False` the same padded static buffers go through the eager forward
+    (for debugging, and for testing the padding on the CPU).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        kv_layers: KVLayers,
+        backend: AttentionBackend,
+        batch_buckets: tuple[int, ...],
+        tokens_per_request: tuple[int, ...] = (1,),
+        max_seq_len: int = 4096,
+        aux_layer_ids: tuple[int, ...] = (),
+        use_graphs: bool = True,
+    ):
+        self.model, self.kv_layers, self.backend = model, kv_layers, backend
+        self.batch_buckets = tuple(sorted(set(batch_buckets)))
+        self.tokens_per_request = tuple(sorted(set(tokens_per_request)))
+        self.max_seq_len = max_seq_len
+        self.aux_layer_ids = aux_layer_ids
+        self.use_graphs = use_graphs
+        device = kv_layers[0][0].device
+        page_size = kv_layers[0][0].shape[1]
+        max_b, max_q = self.batch_buckets[-1], self.tokens_per_request[-1]
+        self.max_pages = -(-max_seq_len // page_size)
+        i64 = dict(dtype=torch.int64, device=device)
+        self.input_ids = torch.zeros(max_b * max_q, **i64)
+        self.positions = torch.zeros(max_b * max_q, **i64)
+        self.slot_mapping = torch.zeros(max_b * max_q, **i64)
+        self.seq_lens = torch.ones(max_b, **i64)
+        self.block_tables = torch.zeros(max_b, self.max_pages, **i64)
+        self.query_start = {q: torch.arange(max_b + 1, **i64) * q for q in self.tokens_per_request}
+        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, list]] = {}
+        self.report: CaptureReport | None = None
+
+    @property
+    def static_bytes(self) -> int:
+        bufs = [self.input_ids, self.positions, self.slot_mapping, self.seq_lens,
+                self.block_tables, *self.query_start.values()]  # fmt: skip
+        return sum(b.numel() * b.element_size() for b in bufs)
+
+    def keys(self) -> list[tuple[int, int]]:
+        """Every (batch bucket, tokens per request), largest step first."""
+        keys = [(b, q) for b in self.batch_buckets for q in self.tokens_per_request]
+        return sorted(keys, key=lambda k: (k[0] * k[1], k[1]), reverse=True)
+
+    def bucket_for(self, num_requests: int) -> int:
+        return self.batch_buckets[bisect.bisect_left(self.batch_buckets, num_requests)]
+
+    def can_run(self, meta: AttentionMetadata, num_tokens: int) -> bool:
+        """Whether this step has a graph: uniform query length q (B * q == tokens) with a
+        captured q, a bucket for B, and contexts within max_seq_len."""
+        q, num_requests = meta.max_query_len, meta.num_requests
+        return (
+            q in self.query_start
+            and 0 < num_requests <= self.batch_buckets[-1]
+            and num_requests * q == num_tokens
+            and meta.max_seq_len <= self.max_seq_len
+            and meta.block_tables.shape[1] <= self.max_pages
+        )
+
+    def _meta(self, batch: int, q: int) -> AttentionMetadata:
+        n = batch * q
+        return AttentionMetadata(
+            positions=self.positions[:n],
+            slot_mapping=self.slot_mapping[:n],
+            query_start_loc=self.query_start[q][: batch + 1],
+            seq_lens=self.seq_lens[:batch],
+            block_tables=self.block_tables[:batch],
+            max_query_len=q,
+            max_seq_len=self.max_seq_len,
+        )
+
+    def _forward(self, batch: int, q: int):
+        meta = self._meta(batch, q)
+        ids = self.input_ids[: batch * q]
+        return self.model(ids, meta, self.kv_layers, self.backend, self.aux_layer_ids)
+
+    @torch.inference_mode()
+    def capture(self) -> CaptureReport:
+        """Warm up every shape eagerly, then capture them all into one pool (largest first,
+        so smaller graphs reuse its memory)."""
+        if not self.use_graphs:
+            self.report = CaptureReport(0, 0.0, 0.0, 0, self.static_bytes)
+            return self.report
+        keys = self.keys()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for key in keys:  # the buffers hold padding values: writes go to page 0
+                self._forward(*key)
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        warmup_s = time.perf_counter() - start
+        torch.cuda.empty_cache()
+        reserved = torch.cuda.memory_reserved()
+        start = time.perf_counter()
+        pool = torch.cuda.graph_pool_handle()
+        for key in keys:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                hidden, aux = self._forward(*key)
+            self._graphs[key] = (graph, hidden, aux)
+        torch.cuda.synchronize()
+        self.report = CaptureReport(
+            num_graphs=len(keys),
+            warmup_s=warmup_s,
+            capture_s=time.perf_counter() - start,
+            graph_pool_bytes=torch.cuda.memory_reserved() - reserved,
+            static_bytes=self.static_bytes,
+        )
+        return self.report
+
+    @torch.inference_mode()
+    def run(
+        self, input_ids: torch.Tensor, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Copy the step into the static buffers (padding the batch to its bucket), replay
+        its graph; return the hidden states (and aux hidden states) of the real tokens."""
+        num_requests, q = meta.num_requests, meta.max_query_len
+        n, batch = num_requests * q, self.bucket_for(num_requests)
+        self.input_ids[:n].copy_(input_ids, non_blocking=True)
+        self.positions[:n].copy_(meta.positions, non_blocking=True)
+        self.slot_mapping[:n].copy_(meta.slot_mapping, non_blocking=True)
+        self.seq_lens[:num_requests].copy_(meta.seq_lens, non_blocking=True)
+        width = meta.block_tables.shape[1]
+        self.block_tables[:num_requests, :width].copy_(meta.block_tables, non_blocking=True)
+        if batch > num_requests:
+            padded = slice(n, batch * q)
+            self.input_ids[padded] = 0
+            self.positions[padded] = 0
+            self.slot_mapping[padded] = 0
+            self.seq_lens[num_requests:batch] = 1
+            self.block_tables[num_requests:batch, 0] = 0
+        if self.use_graphs:
+            graph, hidden, aux = self._graphs[(batch, q)]
+            graph.replay()
+        else:
+            hidden, aux = self._forward(batch, q)
+        return hidden[:n], [a[:n] for a in aux]

@@ -1,0 +1,130 @@
+"""Model-level checks of the fast path: a tiny random Llama through prefill, decode and verify
+steps with a given backend, and the CUDA-graph runner's padding, each against the plain
+torch-backend forward. Shared by CPU tests, the interpreter run and the GPU tests."""
+
+from __future__ import annotations
+
+import torch
+
+from specserve.engine.kv_cache import KVCache
+from specserve.layers.attention import AttentionMetadata, TorchAttentionBackend
+from specserve.model.hf_config import ModelConfig
+from specserve.model.llama import LlamaForCausalLM
+from specserve.runtime.cuda_graphs import CudaGraphRunner
+
+
+def tiny_config(**overrides) -> ModelConfig:
+    fields = dict(
+        architecture="LlamaForCausalLM", vocab_size=97, hidden_size=64, intermediate_size=96,
+        num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5,
+        rope_theta=10000.0, max_position_embeddings=256, tie_word_embeddings=False,
+    )  # fmt: skip
+    fields.update(overrides)
+    return ModelConfig(**fields)
+
+
+def tiny_model(cfg: ModelConfig, dtype, device, seed=0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(cfg)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):  # non-trivial norm weights
+            p.data = 1 + 0.1 * torch.randn_like(p)
+    model = model.to(dtype=dtype, device=device).eval()
+    model.rotary.materialize(torch.device(device))
+    return model
+
+
+def build_meta(tables, starts, ends, page_size, device) -> AttentionMetadata:
+    """Request b computes positions starts[b]..ends[b]-1 over pages tables[b]."""
+    positions, slots, qsl = [], [], [0]
+    width = max(len(t) for t in tables)
+    for table, start, end in zip(tables, starts, ends):
+        for p in range(start, end):
+            positions.append(p)
+            slots.append(table[p // page_size] * page_size + p % page_size)
+        qsl.append(qsl[-1] + end - start)
+    padded = [t + [0] * (width - len(t)) for t in tables]
+
+    def dev(x):
+        return torch.tensor(x, dtype=torch.int64, device=device)
+
+    return AttentionMetadata(dev(positions), dev(slots), dev(qsl), dev(ends), dev(padded),
+                             max(e - s for s, e in zip(starts, ends)), max(ends))  # fmt: skip
+
+
+def _steps(prompt_lens, q_after):
+    """(starts, ends) of a prefill step, then one step per entry of q_after."""
+    ends = list(prompt_lens)
+    steps = [([0] * len(ends), list(ends))]
+    for q in q_after:
+        steps.append((list(ends), [e + q for e in ends]))
+        ends = [e + q for e in ends]
+    return steps
+
+
+def model_error(backend, dtype, device, page_size, fused_ops=None, seed=0,
+                prompt_lens=(6, 4, 3), q_after=(1, 3)) -> float:  # fmt: skip
+    """Largest relative error of the final hidden states, `backend` (with the Triton fused
+    ops when `fused_ops`, the triton_ops module, is given) against the torch backend and
+    plain modules, over a prefill, decode and verify steps."""
+    cfg = tiny_config()
+    model = tiny_model(cfg, dtype, device, seed)
+    gen = torch.Generator().manual_seed(seed)
+    total = max(prompt_lens) + sum(q_after)
+    pages = -(-total // page_size)
+    kv = [KVCache(cfg, 1 + pages * len(prompt_lens), page_size, dtype, device) for _ in "ab"]
+    tables = [kv[0].allocator.allocate(pages) for _ in prompt_lens]
+    worst = 0.0
+    with torch.inference_mode():
+        for starts, ends in _steps(prompt_lens, q_after):
+            meta = build_meta(tables, starts, ends, page_size, device)
+            ids = torch.randint(cfg.vocab_size, (meta.positions.shape[0],), generator=gen)
+            ids = ids.to(device)
+            if fused_ops is not None:
+                fused_ops.use_triton_ops(model, enable=False)
+            ref, _ = model(ids, meta, kv[0].layers, TorchAttentionBackend())
+            if fused_ops is not None:
+                fused_ops.use_triton_ops(model)
+            out, _ = model(ids, meta, kv[1].layers, backend)
+            worst = max(worst, _rel(out, ref))
+    return worst
+
+
+def runner_padding_error(backend, dtype, device, page_size=4, use_graphs=False, seed=0) -> float:
+    """Run a 3-request decode step and a verify step (3 tokens each) through a
+    CudaGraphRunner (padded to bucket 4) and directly; return the largest relative error of
+    the hidden states and of the KV pages outside scratch page 0 (padding must write only
+    there)."""
+    cfg = tiny_config()
+    model = tiny_model(cfg, dtype, device, seed)
+    prompt_lens = (5, 3, 2)
+    pages = -(-(max(prompt_lens) + 8) // page_size)
+    kv = [KVCache(cfg, 1 + 3 * pages, page_size, dtype, device) for _ in "ab"]
+    tables = [kv[0].allocator.allocate(pages) for _ in prompt_lens]
+    runner = CudaGraphRunner(model, kv[1].layers, backend, (1, 4), (1, 3), max_seq_len=64,
+                             use_graphs=use_graphs)  # fmt: skip
+    runner.capture()
+    gen = torch.Generator().manual_seed(seed)
+    worst = 0.0
+    with torch.inference_mode():
+        for i, (starts, ends) in enumerate(_steps(prompt_lens, (1, 3))):
+            meta = build_meta(tables, starts, ends, page_size, device)
+            ids = torch.randint(cfg.vocab_size, (meta.positions.shape[0],), generator=gen)
+            ids = ids.to(device)
+            ref, _ = model(ids, meta, kv[0].layers, backend)
+            if i == 0:  # prefill is not a graph shape
+                model(ids, meta, kv[1].layers, backend)
+                continue
+            assert runner.can_run(meta, ids.shape[0])
+            out, _ = runner.run(ids, meta)
+            worst = max(worst, _rel(out, ref))
+    for (ka, va), (kb, vb) in zip(kv[0].layers, kv[1].layers):
+        worst = max(worst, _rel(kb[1:], ka[1:]), _rel(vb[1:], va[1:]))
+    return worst
+
+
+def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double(), ref.double()
+    if not torch.isfinite(out).all():
+        return float("inf")
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()

@@ -1,0 +1,124 @@
+"""The Triton kernels against the PyTorch reference.
+
+On the CPU every kernel runs through the Triton interpreter in one subprocess (TRITON_INTERPRET
+is read when kernels are defined and would leak into other tests otherwise), on small shapes
+in fp16/fp32 (bf16 tl.dot is broken in the interpreter). On a GPU (`-m gpu`) the same checks
+run compiled, in bf16 and fp16 at Llama-3.1-8B attention shapes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.triton_cases import attention_error, interpreter_cases, kv_write_error, make_batch
+
+ROOT = Path(__file__).resolve().parents[1]
+CASES = interpreter_cases()
+
+
+def _interpreter_unusable() -> str | None:
+    try:
+        major, minor = (int(x) for x in version("triton").split(".")[:2])
+    except PackageNotFoundError:
+        return "triton is not installed (pip install -e '.[test]')"
+    if (major, minor) < (3, 7):
+        return "the interpreter of triton < 3.7 cannot run loops with loaded bounds (numpy 2)"
+    return None
+
+
+@pytest.fixture(scope="module")
+def interpreter_results() -> dict:
+    reason = _interpreter_unusable()
+    if reason:
+        pytest.skip(reason)
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.triton_cases"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _tolerance(name: str) -> float:
+    if name.startswith("kv_write"):
+        return 0.0  # a copy: exact
+    if "fp32" in name or "float32" in name:
+        return 1e-5
+    return 2e-3  # fp16 operands, fp32 reference
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_interpreter_matches_reference(name, interpreter_results):
+    err = interpreter_results[name]
+    assert isinstance(err, float), f"{name} raised {err}"
+    assert err <= _tolerance(name), f"{name}: relative error {err:.3g}"
+
+
+# ---- GPU: compiled kernels at real shapes ------------------------------------------------
+GPU_SHAPE = dict(kv_heads=8, group=4, head_dim=128)  # Llama-3.1-8B attention
+GPU_TOL = {torch.bfloat16: 1.5e-2, torch.float16: 3e-3}
+
+
+def _kernels():
+    from specserve.layers.attention import triton_kernels
+
+    return triton_kernels
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_gpu_kv_write_exact(dtype, page_size):
+    batch = make_batch([37, 1, 5], [36, 900, 40], [37, 901, 41], page_size, dtype=dtype,
+                       device="cuda", seed=page_size, **GPU_SHAPE)  # fmt: skip
+    assert kv_write_error(_kernels(), batch) == 0.0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("num_splits", [1, 5, None])
+def test_gpu_mixed_prefill_decode_verify(dtype, page_size, num_splits):
+    # a chunked prefill after 200 cached tokens, two decodes, verify ending before / at seq_len
+    q_lens = [300, 1, 1, 4, 8]
+    ends = [499, 2999, 63, 1199, 700]
+    seq_lens = [500, 3000, 64, 1203, 701]
+    batch = make_batch(q_lens, ends, seq_lens, page_size, dtype=dtype, device="cuda",
+                       seed=num_splits or 0, **GPU_SHAPE)  # fmt: skip
+    err = attention_error(_kernels(), batch, num_splits)
+    assert err < GPU_TOL[dtype], err
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("q_len", [1, 2, 4, 8])
+@pytest.mark.parametrize("num_splits", [1, None])
+def test_gpu_decode_and_verify_batches(dtype, q_len, num_splits):
+    gen = torch.Generator().manual_seed(q_len)
+    num_requests = 48
+    seq_lens = torch.randint(q_len + 3, 4096, (num_requests,), generator=gen).tolist()
+    # every other request has speculative positions laid 3 past its seq_len's end
+    ends = [s - 1 - 3 * (b % 2) for b, s in enumerate(seq_lens)]
+    batch = make_batch([q_len] * num_requests, ends, seq_lens, 16, dtype=dtype, device="cuda",
+                       seed=q_len, **GPU_SHAPE)  # fmt: skip
+    err = attention_error(_kernels(), batch, num_splits)
+    assert err < GPU_TOL[dtype], err
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_fresh_prefill_long(dtype):
+    batch = make_batch([1500, 700], [1499, 699], [1500, 700], 16, dtype=dtype, device="cuda",
+                       seed=3, **GPU_SHAPE)  # fmt: skip
+    err = attention_error(_kernels(), batch, None)
+    assert err < GPU_TOL[dtype], err

@@ -1,0 +1,234 @@
+"""Checks of the Triton kernels against the PyTorch reference, shared by the CPU interpreter
+run and the GPU tests.
+
+Each check draws fresh random inputs, runs a Triton kernel and the reference, and returns
+the relative error ||out - ref|| / ||ref|| (inf when the output holds NaN/inf or an element
+was left unwritten). Run as a script (`python -m tests.triton_cases`, with
+TRITON_INTERPRET=1) it runs the small interpreter cases and prints {name: error} as JSON:
+test_triton_attention.py does that in a subprocess so the interpreter never leaks into other
+tests. Nothing here imports triton at module level.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from specserve.layers.attention import AttentionMetadata, TorchAttentionBackend
+from specserve.layers.attention.base import write_kv
+from tests import model_cases
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double(), ref.double()
+    if not torch.isfinite(out).all():
+        return float("inf")
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+@dataclass
+class Batch:
+    """Packed requests over a random paged cache: request b has q_lens[b] new tokens ending at
+    position ends[b] and attends over seq_lens[b] positions."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    meta: AttentionMetadata
+
+
+def make_batch(q_lens, ends, seq_lens, page_size, kv_heads, group, head_dim, dtype, device,
+               seed: int) -> Batch:  # fmt: skip
+    gen = torch.Generator().manual_seed(seed)
+    pages_per_req = [-(-max(s, e + 1) // page_size) for s, e in zip(seq_lens, ends)]
+    num_pages = 1 + sum(pages_per_req) + 3
+    order = (torch.randperm(num_pages - 1, generator=gen) + 1).tolist()  # scattered pages
+    width = max(pages_per_req) + 2
+    tables = torch.zeros(len(q_lens), width, dtype=torch.int64)
+    positions, slots = [], []
+    for b, (q_len, end) in enumerate(zip(q_lens, ends)):
+        pages = [order.pop() for _ in range(pages_per_req[b])]
+        tables[b, : len(pages)] = torch.tensor(pages)
+        for p in range(end - q_len + 1, end + 1):
+            positions.append(p)
+            slots.append(pages[p // page_size] * page_size + p % page_size)
+    total = sum(q_lens)
+
+    data_gen = torch.Generator(device=device).manual_seed(seed)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=data_gen, device=device).to(dtype)
+
+    cache_shape = (num_pages, page_size, kv_heads, head_dim)
+    starts = torch.tensor([0, *q_lens]).cumsum(0)
+    meta = AttentionMetadata(
+        positions=torch.tensor(positions, device=device),
+        slot_mapping=torch.tensor(slots, device=device),
+        query_start_loc=starts.to(device),
+        seq_lens=torch.tensor(seq_lens, device=device),
+        block_tables=tables.to(device),
+        max_query_len=max(q_lens),
+        max_seq_len=max(seq_lens),
+    )
+    return Batch(rand(total, kv_heads * group, head_dim), rand(total, kv_heads, head_dim),
+                 rand(total, kv_heads, head_dim), rand(*cache_shape), rand(*cache_shape),
+                 meta)  # fmt: skip
+
+
+def reference(batch: Batch, scale: float) -> torch.Tensor:
+    """The torch backend in fp32 on copies of the caches."""
+    kc, vc = batch.k_cache.float(), batch.v_cache.float()
+    return TorchAttentionBackend().forward(
+        batch.q.float(), batch.k.float(), batch.v.float(), kc, vc, batch.meta, scale
+    )
+
+
+def attention_error(kernels, batch: Batch, num_splits, block_n=None) -> float:
+    """Backend forward (KV write + attention) against the reference; the output is poisoned
+    first so unwritten elements show up as NaN."""
+    from specserve.layers.attention.triton_attn import TritonAttentionBackend
+
+    scale = batch.q.shape[-1] ** -0.5
+    ref = reference(batch, scale)
+    backend = TritonAttentionBackend(num_splits=num_splits, block_n=block_n, kernels=kernels)
+    kc, vc = batch.k_cache.clone(), batch.v_cache.clone()
+    ops = backend.kernels
+    ops.write_kv(batch.k, batch.v, kc, vc, batch.meta.slot_mapping)
+    kv_heads = kc.shape[2]
+    splits = backend.choose_num_splits(batch.meta, kv_heads, batch.q.shape[1] // kv_heads,
+                                       batch.q.device)  # fmt: skip
+    out = torch.full_like(batch.q, float("nan"))
+    m = batch.meta
+    ops.paged_attention(batch.q, kc, vc, m.positions, m.query_start_loc, m.seq_lens,
+                        m.block_tables, m.max_query_len, scale, num_splits=splits,
+                        block_n=block_n, out=out)  # fmt: skip
+    return rel_err(out, ref)
+
+
+def kv_write_error(kernels, batch: Batch) -> float:
+    """0.0 when the Triton KV write stores exactly what the reference stores (a slot of -1
+    must be skipped)."""
+    slots = batch.meta.slot_mapping.clone()
+    slots[0] = -1
+    kc, vc = batch.k_cache.clone(), batch.v_cache.clone()
+    kernels.write_kv(batch.k, batch.v, kc, vc, slots)
+    rk, rv = batch.k_cache.clone(), batch.v_cache.clone()
+    write_kv(batch.k[1:], batch.v[1:], rk, rv, slots[1:])
+    return float(not (torch.equal(kc, rk) and torch.equal(vc, rv)))
+
+
+# ---- fused ops -----------------------------------------------------------------------------
+def rms_norm_error(ops, dtype, device, rows=5, dim=96, seed=0) -> float:
+    from specserve.layers.norm import RMSNorm
+
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(rows, dim, generator=gen) * 3).to(dtype=dtype, device=device)
+    norm = RMSNorm(dim, 1e-6).to(dtype=dtype, device=device)
+    norm.weight.data = torch.randn(dim, generator=gen).to(dtype=dtype, device=device)
+    return rel_err(ops.rms_norm(x, norm.weight, norm.eps), norm(x))
+
+
+def rotary_error(ops, dtype, device, tokens=7, q_heads=4, k_heads=2, head_dim=32, seed=0):
+    from specserve.layers.rotary import RotaryEmbedding
+
+    gen = torch.Generator().manual_seed(seed)
+    rope = RotaryEmbedding(head_dim, 10000.0, 512)
+    rope.materialize(torch.device(device))
+    pos = torch.randint(0, 512, (tokens,), generator=gen).to(device)
+    q = torch.randn(tokens, q_heads, head_dim, generator=gen).to(dtype=dtype, device=device)
+    k = torch.randn(tokens, k_heads, head_dim, generator=gen).to(dtype=dtype, device=device)
+    rq, rk = rope(pos, q, k)
+    oq, ok = ops.rotary(pos, q, k, rope.cos_sin)
+    return max(rel_err(oq, rq), rel_err(ok, rk))
+
+
+def silu_and_mul_error(ops, dtype, device, rows=3, dim=300, seed=0) -> float:
+    gen = torch.Generator().manual_seed(seed)
+    g = (torch.randn(rows, dim, generator=gen) * 4).to(dtype=dtype, device=device)
+    u = torch.randn(rows, dim, generator=gen).to(dtype=dtype, device=device)
+    return rel_err(ops.silu_and_mul(g, u), torch.nn.functional.silu(g) * u)
+
+
+# ---- the small cases the CPU interpreter runs ---------------------------------------------
+SMALL = dict(kv_heads=2, group=2, head_dim=32)
+
+
+def _small(q_lens, ends, seq_lens, page_size, dtype=torch.float16, seed=0):
+    return make_batch(q_lens, ends, seq_lens, page_size, dtype=dtype, device="cpu", seed=seed,
+                      **SMALL)  # fmt: skip
+
+
+def interpreter_cases() -> dict[str, tuple]:
+    """name -> (check kind, builder args); every name is one CPU test."""
+    cases: dict[str, tuple] = {}
+    for ps in (1, 16):
+        cases[f"kv_write-page{ps}"] = ("kv_write", ([3, 1, 4], [2, 20, 9], [3, 21, 10], ps), {})
+        # fresh prompts: positions 0..L-1, no cached prefix
+        cases[f"prefill-page{ps}"] = ("attn", ([19, 33], [18, 32], [19, 33], ps), dict(ns=1))
+        # a chunk of 12 after 21 cached tokens, next to a fresh prompt
+        cases[f"extend-page{ps}"] = ("attn", ([12, 5], [32, 4], [33, 5], ps), dict(ns=1))
+        for ns in (1, 3, None):
+            name = f"decode-page{ps}-split{ns or 'auto'}"
+            cases[name] = ("attn", ([1] * 4, [0, 16, 39, 63], [1, 17, 40, 64], ps), dict(ns=ns))
+        for q in range(2, 9):
+            # request 0 ends at its seq_len; request 1's positions end 3 before it
+            args = ([q, q], [20 + q, 30 + q], [21 + q, 34 + q], ps)
+            for ns in (1, 2):
+                cases[f"verify-q{q}-page{ps}-split{ns}"] = ("attn", args, dict(ns=ns))
+        cases[f"mixed-page{ps}"] = (
+            "attn", ([9, 1, 4, 1], [40, 50, 30, 0], [41, 51, 32, 1], ps), dict(ns=None),
+        )  # fmt: skip
+    cases["prefill-fp32-page16"] = (
+        "attn", ([17, 3], [16, 25], [17, 26], 16), dict(ns=2, dtype=torch.float32),
+    )  # fmt: skip
+    for dtype, ps in (("float32", 1), ("float16", 16)):
+        cases[f"model-{dtype}-page{ps}"] = ("model", (dtype, ps), {})
+    cases["graph_runner_padding-float32"] = ("runner", ("float32",), {})
+    for dtype in ("float16", "float32"):
+        for op in ("rms_norm", "rotary", "silu_and_mul"):
+            cases[f"{op}-{dtype}"] = (op, (dtype,), {})
+    return cases
+
+
+def run_case(name: str, spec: tuple, kernels, ops) -> float:
+    kind, args, kw = spec
+    if kind == "kv_write":
+        return kv_write_error(kernels, _small(*args, seed=len(name)))
+    if kind == "attn":
+        batch = _small(*args, dtype=kw.get("dtype", torch.float16), seed=len(name))
+        return attention_error(kernels, batch, kw["ns"], block_n=16)
+    dtype = getattr(torch, args[0])
+    from specserve.layers.attention.triton_attn import TritonAttentionBackend
+
+    if kind == "model":
+        backend = TritonAttentionBackend(block_n=16, kernels=kernels)
+        return model_cases.model_error(backend, dtype, "cpu", args[1], fused_ops=ops)
+    if kind == "runner":
+        backend = TritonAttentionBackend(block_n=16, kernels=kernels)
+        return model_cases.runner_padding_error(backend, dtype, "cpu")
+    return globals()[f"{kind}_error"](ops, dtype, "cpu", seed=len(name))
+
+
+def main() -> None:
+    import os
+
+    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+    from specserve.layers import triton_ops as ops
+    from specserve.layers.attention import triton_kernels as kernels
+
+    results = {}
+    for name, spec in interpreter_cases().items():
+        try:
+            results[name] = run_case(name, spec, kernels, ops)
+        except Exception as e:  # reported per case by the test
+            results[name] = f"{type(e).__name__}: {e}"
+    sys.stdout.write("\n" + json.dumps(results) + "\n")
+
+
+if __name__ == "__main__":
+    main()
