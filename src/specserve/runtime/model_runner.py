@@ -72,7 +72,9 @@ class ModelRunner:
         return self.model(step.input_ids, step.meta, self.kv.layers, self.backend, aux_layer_ids)
 
     @torch.inference_mode()
-    def sample(self, step: StepInput, hidden: torch.Tensor) -> StepResult:
+    def sample(
+        self, step: StepInput, hidden: torch.Tensor, simulate_rate: float | None = None
+    ) -> StepResult:
         """Draw each sampled request's tokens: plainly, or by verifying its drafts."""
         if not step.sampled:
             return StepResult([], [])
@@ -91,7 +93,7 @@ class ModelRunner:
             if all(r.params.logprobs is None for r in reqs):
                 return StepResult(rows, [None] * len(reqs))
             return StepResult(rows, self._logprobs(logits, tokens, reqs, rows))
-        result = self._verify(step.sampled, logits, st, k_max)
+        result = self._verify(step.sampled, logits, st, k_max, simulate_rate)
         accept = result.accept_len.tolist()
         all_tokens = result.tokens.tolist()
         rows = [t[: a + 1] for t, a in zip(all_tokens, accept)]
@@ -106,7 +108,7 @@ class ModelRunner:
         lp = self._logprobs(logits[to_device(picked, self.device)], flat, reqs, rows)
         return StepResult(rows, lp)
 
-    def _verify(self, sampled, logits, st, k_max):
+    def _verify(self, sampled, logits, st, k_max, simulate_rate):
         num = len(sampled)
         vocab = logits.shape[-1]
         index, drafts, lens = [], [], []
@@ -129,7 +131,7 @@ class ModelRunner:
                     probs[i, :k] = s.draft_probs[:k]
                 elif k:
                     probs[i, torch.arange(k), draft_t[i, :k]] = 1.0
-        return verify(padded, draft_t, lens_t, st, probs)
+        return verify(padded, draft_t, lens_t, st, probs, simulate_rate)
 
     def _logprobs(self, logits, tokens, reqs, rows):
         """Split flat per-token logprobs (one logits row per committed token) by request."""
@@ -159,3 +161,13 @@ def token_logprobs(
         else:
             out.append(TokenLogprobs(chosen[i], list(zip(top_ids[i][:w], top_lp[i][:w]))))
     return out
+
+
+@torch.inference_mode()
+def dummy_forward(model, kv: KVCache, backend: AttentionBackend, num_tokens: int) -> None:
+    """A decode-shaped forward of `num_tokens` one-token requests writing only to the
+    scratch page 0; synchronizes (used to time steps for the cost model)."""
+    segments = [Segment([0], 0, [0]) for _ in range(num_tokens)]
+    input_ids, meta, last_rows = pack(segments, kv.page_size, kv.pool.device)
+    hidden, _ = model(input_ids, meta, kv.layers, backend)
+    model.compute_logits(hidden[to_device(last_rows, hidden.device)]).argmax(dim=-1).tolist()

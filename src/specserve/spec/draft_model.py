@@ -10,6 +10,7 @@ from specserve.engine.scheduler import ScheduledRequest
 from specserve.errors import UnsupportedModelError
 from specserve.layers.attention import AttentionBackend
 from specserve.model.llama import LlamaForCausalLM
+from specserve.runtime.model_runner import dummy_forward
 from specserve.runtime.packing import Segment, pack, to_device
 from specserve.spec.proposer import Proposer, append_drafts, draw_drafts
 
@@ -67,6 +68,9 @@ class DraftModelProposer(Proposer):
         input_ids, meta, last_rows = pack(segments, self.kv.page_size, self.kv.pool.device)
         hidden, _ = self.model(input_ids, meta, self.kv.layers, self.backend)
         return self.model.compute_logits(hidden[to_device(last_rows, hidden.device)])
+
+    def step_timer(self):
+        return lambda n: dummy_forward(self.model, self.kv, self.backend, n)
 
     def commit(self, items, accepted, aux, first_rows) -> None:
         for it, a in zip(items, accepted):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 
 import torch
 
@@ -28,6 +29,11 @@ class Proposer(ABC):
 
     @abstractmethod
     def propose(self, items: list[ScheduledRequest]) -> None: ...
+
+    def step_timer(self) -> Callable[[int], None] | None:
+        """A function running one synchronized draft step for a batch of n requests, to
+        measure the drafter's cost; None when drafting costs no device time."""
+        return None
 
     def commit(
         self,

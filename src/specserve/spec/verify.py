@@ -19,6 +19,7 @@ import torch
 from specserve.layers.sampler import SamplingTensors, filter_logits, gumbel_noise, hash_uniform
 
 ACCEPT_STREAM = 2
+SIMULATE_STREAM = 3
 
 
 @dataclass
@@ -29,12 +30,20 @@ class VerifyResult:
     accept_len: torch.Tensor  # [R] int64
 
 
+def _uniforms(st: SamplingTensors, k_max: int, stream: int) -> torch.Tensor:
+    """[R, K] uniforms, one per draft position, from (seed, position, stream)."""
+    counters = st.positions[:, None] + torch.arange(k_max, device=st.positions.device)
+    seeds = (st.seeds + stream * 0x632BE5AB)[:, None].expand(-1, k_max)
+    return hash_uniform(seeds.reshape(-1), counters.reshape(-1), 1).view(-1, k_max)
+
+
 def verify(
     target_logits: torch.Tensor,
     drafts: torch.Tensor,
     draft_lens: torch.Tensor,
     st: SamplingTensors,
     draft_probs: torch.Tensor | None = None,
+    simulate_rate: float | None = None,
 ) -> VerifyResult:
     """Verify padded drafts.
 
@@ -42,17 +51,22 @@ def verify(
     drafts: [R, K] draft token ids (anything past draft_lens[r] is ignored);
     draft_probs: [R, K, V] the drafter's filtered distributions (None: point masses, i.e.
     deterministic drafts); st: per-row sampling tensors whose `positions` are the index of
-    the first token drawn (the one after the last committed token).
+    the first token drawn (the one after the last committed token). `simulate_rate`
+    replaces each acceptance decision by a seeded draw with that probability (benchmarking
+    random-weight models only: the output is then not the model's).
     """
     num_rows, width, vocab = target_logits.shape
     k_max = width - 1
-    steps = torch.arange(width, device=target_logits.device)
-    valid = steps[None, :k_max] < draft_lens[:, None]  # [R, K]
+    valid = torch.arange(k_max, device=drafts.device)[None, :] < draft_lens[:, None]  # [R, K]
     greedy_choice = target_logits.argmax(dim=-1)  # [R, K+1]
     greedy_ok = (drafts == greedy_choice[:, :k_max]) & valid
+    simulated = simulate_rate is not None
 
     if st.all_greedy:
-        accept_len = greedy_ok.long().cumprod(dim=1).sum(dim=1)
+        ok = greedy_ok
+        if simulated:
+            ok = (_uniforms(st, k_max, SIMULATE_STREAM) < simulate_rate) & valid
+        accept_len = ok.long().cumprod(dim=1).sum(dim=1)
         bonus = greedy_choice.gather(1, accept_len[:, None])[:, 0]
         return VerifyResult(_assemble(drafts, bonus, accept_len), accept_len)
 
@@ -67,19 +81,15 @@ def verify(
     filtered = filter_logits(target_logits.reshape(num_rows * width, vocab), flat_st)
     filtered = filtered.view(num_rows, width, vocab)
     p = filtered.softmax(dim=-1)
-    if k_max:
-        p_draft = p[:, :k_max].gather(2, drafts[:, :, None].clamp(min=0))[:, :, 0]
-        if draft_probs is None:
-            q_draft = torch.ones_like(p_draft)
-        else:
-            q_draft = draft_probs.gather(2, drafts[:, :, None].clamp(min=0))[:, :, 0]
-        counters = st.positions[:, None] + steps[None, :k_max]
-        u = hash_uniform(
-            (st.seeds + ACCEPT_STREAM * 0x632BE5AB)[:, None].expand(-1, k_max).reshape(-1),
-            counters.reshape(-1),
-            1,
-        ).view(num_rows, k_max)
-        sampled_ok = (u * q_draft < p_draft) & valid
+    if simulated:
+        ok = (_uniforms(st, k_max, SIMULATE_STREAM) < simulate_rate) & valid
+    elif k_max:
+        index = drafts[:, :, None].clamp(min=0)
+        p_draft = p[:, :k_max].gather(2, index)[:, :, 0]
+        q_draft = torch.ones_like(p_draft) if draft_probs is None else (
+            draft_probs.gather(2, index)[:, :, 0]
+        )
+        sampled_ok = (_uniforms(st, k_max, ACCEPT_STREAM) * q_draft < p_draft) & valid
         ok = torch.where(st.temperature[:, None] > 0, sampled_ok, greedy_ok)
     else:
         ok = greedy_ok
@@ -89,9 +99,8 @@ def verify(
     # (drawn from the filtered logits themselves, exactly as the plain sampler does).
     at_final = accept_len[:, None, None].expand(-1, 1, vocab)
     final_logits = filtered.gather(1, at_final)[:, 0]
-    p_final = p.gather(1, at_final)[:, 0]
-    rejected = accept_len < draft_lens
-    if k_max:
+    if k_max and not simulated:
+        p_final = p.gather(1, at_final)[:, 0]
         at = accept_len.clamp(max=k_max - 1)
         if draft_probs is None:
             q_final = torch.zeros_like(p_final)
@@ -99,9 +108,10 @@ def verify(
         else:
             q_final = draft_probs.gather(1, at[:, None, None].expand(-1, 1, vocab))[:, 0]
         residual = (p_final - q_final).clamp(min=0)
-        # Guard rounding: if nothing is left, fall back to p (probability-zero event).
+        # Guard rounding: if nothing is left, fall back to p (a probability-zero event).
         empty = residual.sum(dim=-1, keepdim=True) <= 0
         residual = torch.where(empty, p_final, residual)
+        rejected = accept_len < draft_lens
         final_logits = torch.where(rejected[:, None], residual.log(), final_logits)
     noise = gumbel_noise(replace(st, positions=st.positions + accept_len), vocab)
     drawn = (final_logits + noise).argmax(dim=-1)
@@ -111,6 +121,18 @@ def verify(
 
 
 def _assemble(drafts, bonus, accept_len) -> torch.Tensor:
-    num_rows, k_max = drafts.shape
     tokens = torch.cat([drafts, torch.zeros_like(bonus)[:, None]], dim=1)
     return tokens.scatter(1, accept_len[:, None], bonus[:, None])
+
+
+def rate_for_mean_accept_len(mean_len: float, k: int) -> float:
+    """The per-token acceptance rate a whose expected tokens per verify step at K=k,
+    (1 - a^(k+1)) / (1 - a), equals mean_len (bisection)."""
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if sum(mid**i for i in range(k + 1)) < mean_len:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
