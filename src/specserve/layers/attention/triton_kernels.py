@@ -175,11 +175,14 @@ def paged_attention(
     num_splits: int = 1,
     block_n: int | None = None,
     out: torch.Tensor | None = None,
+    num_warps: int | None = None,
+    num_stages: int = 2,
 ) -> torch.Tensor:
     """Causal attention of packed queries q [T, H, D] over the paged cache; returns [T, H, D].
 
     num_splits 1 writes the output directly; > 1 splits every request's KV length into that
-    many chunks and merges the partial results in a second kernel.
+    many chunks and merges the partial results in a second kernel. block_n (keys per
+    iteration), num_warps and num_stages override the tuned defaults.
     """
     num_tokens, num_heads, head_dim = q.shape
     _check_cache(k_cache, v_cache)
@@ -197,7 +200,7 @@ def paged_attention(
     block_m = max(16, triton.next_power_of_2(rows)) if decode_like else 128
     block_n = block_n or 64
     block_d = max(16, triton.next_power_of_2(head_dim))
-    num_warps = 4 if decode_like else 8
+    num_warps = num_warps or (4 if decode_like else 8)
     grid = (triton.cdiv(rows, block_m), num_requests * kv_heads, num_splits)
     split = num_splits > 1
     if split:
@@ -217,7 +220,7 @@ def paged_attention(
         scale * LOG2E,
         KV_HEADS=kv_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
         PAGE_SIZE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_N=block_n,
-        NUM_SPLITS=num_splits, SPLIT=split, num_warps=num_warps, num_stages=2,
+        NUM_SPLITS=num_splits, SPLIT=split, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if split:
         _split_reduce_kernel[(num_tokens, num_heads)](

@@ -1,0 +1,298 @@
+"""Plain-decode throughput of a random-weight Llama-3.1-8B-shaped bf16 model on one GPU.
+
+The model is specserve's LlamaForCausalLM built directly on the GPU from a ModelConfig (no
+checkpoint). The engine cannot take a prebuilt model yet, so a minimal driver uses the parts
+directly: KVCache and its PageAllocator, an attention backend, the model, greedy argmax. All
+prompts are prefilled in one packed forward, then each decode step advances positions, KV
+slots and seq_lens on the device; the decode loop never waits for the host.
+
+Configurations, side by side in one run: the torch reference backend eager; the Triton
+backend with the fused Triton ops, eager; the same under CUDA graphs; and CUDA graphs with
+the Triton backend but PyTorch norm/rotary/MLP (what the fused ops buy). Also: HBM copy
+bandwidth and the weights-streaming bound, the weights-only GEMM chain under a graph, every
+captured graph's step time, and a kernel-time profile of one eager step.
+
+    python scripts/gpu_bench.py                          # writes JSON to $OUT (or ./out)
+    TRITON_INTERPRET=1 python scripts/gpu_bench.py --tiny --device cpu   # smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from gpu_bench_parts import (  # noqa: E402
+    attention_sweep,
+    copy_bandwidth,
+    gemm_chain_ms,
+    graph_step_ms,
+    kernel_profile,
+)
+
+from specserve.engine.kv_cache import KVCache  # noqa: E402
+from specserve.layers import triton_ops  # noqa: E402
+from specserve.layers.attention import AttentionMetadata, get_backend  # noqa: E402
+from specserve.model.hf_config import ModelConfig, RopeScaling  # noqa: E402
+from specserve.model.llama import LlamaForCausalLM  # noqa: E402
+from specserve.runtime.cuda_graphs import CudaGraphRunner  # noqa: E402
+
+
+def llama8b_config(tiny: bool) -> ModelConfig:
+    shape = dict(hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
+                 num_kv_heads=8, head_dim=128, vocab_size=128256)  # fmt: skip
+    if tiny:
+        shape = dict(hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4,
+                     num_kv_heads=2, head_dim=32, vocab_size=1000)  # fmt: skip
+    return ModelConfig(
+        architecture="LlamaForCausalLM", rms_norm_eps=1e-5, rope_theta=500000.0,
+        max_position_embeddings=131072, tie_word_embeddings=False,
+        rope_scaling=RopeScaling(8.0, 1.0, 4.0, 8192), dtype=torch.bfloat16, **shape,
+    )  # fmt: skip
+
+
+def build_model(cfg: ModelConfig, dtype, device) -> LlamaForCausalLM:
+    """Random weights initialized in place on the device (default nn init)."""
+    torch.manual_seed(0)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(old)
+    model.rotary.materialize(torch.device(device))
+    return model.eval()
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+@torch.inference_mode()
+def generate(model, kv: KVCache, step_fn, batch: int, prompt_len: int, new_tokens: int) -> dict:
+    """Greedy-decode `new_tokens` for `batch` random prompts; step_fn(ids, meta) -> hidden."""
+    device, ps, cfg = kv.pool.device, kv.page_size, model.config
+    pages = -(-(prompt_len + new_tokens) // ps)
+    owned = [kv.allocator.allocate(pages) for _ in range(batch)]
+    try:
+        tables = torch.tensor(owned, dtype=torch.int64, device=device)
+        gen = torch.Generator(device=device).manual_seed(1234 + batch)
+        prompts = torch.randint(cfg.vocab_size, (batch * prompt_len,), generator=gen,
+                                device=device)  # fmt: skip
+        rows = torch.arange(batch, device=device)
+        pos = torch.arange(prompt_len, device=device).repeat(batch)
+        req = rows.repeat_interleave(prompt_len)
+        meta = AttentionMetadata(
+            positions=pos, slot_mapping=tables[req, pos // ps] * ps + pos % ps,
+            query_start_loc=torch.arange(batch + 1, device=device) * prompt_len,
+            seq_lens=torch.full((batch,), prompt_len, device=device), block_tables=tables,
+            max_query_len=prompt_len, max_seq_len=prompt_len,
+        )  # fmt: skip
+        _sync(device)
+        t0 = time.perf_counter()
+        hidden, _ = model(prompts, meta, kv.layers, step_fn.backend)
+        tok = model.compute_logits(hidden[meta.query_start_loc[1:] - 1]).argmax(-1)
+        out = torch.empty(new_tokens, batch, dtype=torch.int64, device=device)
+        out[0] = tok
+        _sync(device)
+        t1 = time.perf_counter()
+        pos = torch.full((batch,), prompt_len, device=device)
+        qsl = torch.arange(batch + 1, device=device)
+        for i in range(1, new_tokens):
+            meta = AttentionMetadata(
+                positions=pos, slot_mapping=tables[rows, pos // ps] * ps + pos % ps,
+                query_start_loc=qsl, seq_lens=pos + 1, block_tables=tables, max_query_len=1,
+                max_seq_len=prompt_len + i,
+            )  # fmt: skip
+            tok = model.compute_logits(step_fn(tok, meta)).argmax(-1)
+            out[i] = tok
+            pos = pos + 1
+        _sync(device)
+        t2 = time.perf_counter()
+    finally:
+        for pages_of_request in owned:
+            kv.allocator.free(pages_of_request)
+    steps = new_tokens - 1
+    return dict(
+        batch=batch, prefill_s=t1 - t0, decode_s=t2 - t1,
+        step_ms=1e3 * (t2 - t1) / steps,
+        decode_tok_s=batch * steps / (t2 - t1),
+        e2e_tok_s=batch * new_tokens / (t2 - t0),
+        tokens=out.T.cpu(),
+    )  # fmt: skip
+
+
+class EagerStep:
+    """One decode forward through the model (eager)."""
+
+    def __init__(self, model, kv, backend):
+        self.model, self.kv, self.backend = model, kv, backend
+
+    def __call__(self, ids, meta):
+        return self.model(ids, meta, self.kv.layers, self.backend)[0]
+
+
+class GraphStep:
+    """One decode forward replayed from the runner's graphs."""
+
+    def __init__(self, runner: CudaGraphRunner):
+        self.runner, self.backend = runner, runner.backend
+
+    def __call__(self, ids, meta):
+        assert self.runner.can_run(meta, ids.shape[0])
+        return self.runner.run(ids, meta)[0]
+
+
+def agreement(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Mean over requests of the fraction of the greedy sequence before the first mismatch."""
+    same = (a == b).int().cumprod(dim=1)
+    return same.sum(dim=1).float().mean().item() / a.shape[1]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 64])
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--graph-max-seq-len", type=int, default=4096)
+    ap.add_argument("--graph-buckets", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
+    ap.add_argument("--graph-tokens", type=int, nargs="+", default=[1, 2, 4])
+    ap.add_argument("--tiny", action="store_true", help="tiny model (smoke test)")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--out", default=os.environ.get("OUT", "out"))
+    args = ap.parse_args()
+    device, dtype = torch.device(args.device), torch.bfloat16
+    if device.type == "cpu":
+        dtype = torch.float32  # the interpreter cannot do bf16 dots
+    cuda = device.type == "cuda"
+    result: dict = dict(command=" ".join(["python", "scripts/gpu_bench.py", *sys.argv[1:]]),
+                        args=vars(args), torch=torch.__version__)  # fmt: skip
+    if cuda:
+        import triton
+
+        result.update(gpu=torch.cuda.get_device_name(), triton=triton.__version__)
+    cfg = llama8b_config(args.tiny)
+    t = time.perf_counter()
+    model = build_model(cfg, dtype, device)
+    _sync(device)
+    result["build_s"] = time.perf_counter() - t
+    weight_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
+                       if "embed_tokens" not in n)  # fmt: skip
+    result["weights_gb"] = weight_bytes / 1e9
+    max_batch = max(args.batches + args.graph_buckets)
+    tokens_per_req = args.prompt_len + args.new_tokens
+    num_pages = 1 + max_batch * -(-tokens_per_req // args.page_size)
+    kv = KVCache(cfg, num_pages, args.page_size, dtype, device)
+    kv_token_bytes = cfg.kv_bytes_per_token(dtype)
+    if cuda:
+        bw = copy_bandwidth()
+        mean_ctx = args.prompt_len + args.new_tokens / 2
+        result["copy_gbps"] = bw / 1e9
+        result["bounds"] = {
+            str(b): b / ((weight_bytes + b * mean_ctx * kv_token_bytes) / bw)
+            for b in args.batches
+        }  # tok/s if a step only streamed the weights and the KV once
+        result["gemm_chain_ms"] = {str(m): gemm_chain_ms(model, m) for m in (1, 64, 256)}
+        result["gemm_chain_merged_qkv_gateup_ms"] = {
+            str(m): gemm_chain_ms(model, m, merged=True) for m in (1, 64)
+        }
+        print(f"copy {bw / 1e9:.0f} GB/s, weights {weight_bytes / 1e9:.2f} GB, bounds "
+              f"{result['bounds']}, gemm chain {result['gemm_chain_ms']}", flush=True)
+
+    torch_backend, triton_backend = get_backend("torch"), get_backend("triton")
+    configs = [("torch-eager", torch_backend, False, False)]
+    configs += [("triton-eager", triton_backend, True, False)]
+    if cuda:
+        configs += [("triton-graphs", triton_backend, True, True),
+                    ("triton-graphs-unfused-ops", triton_backend, False, True)]  # fmt: skip
+    runs, tokens = [], {}
+    for name, backend, fused, graphs in configs:
+        try:
+            run_config(args, result, model, kv, name, backend, fused, graphs, runs, tokens)
+        except Exception as e:  # keep the other configurations' numbers
+            runs.append(dict(config=name, error=f"{type(e).__name__}: {e}"))
+            print(f"{name} FAILED: {e!r}", flush=True)
+        if cuda:
+            torch.cuda.empty_cache()
+    result["runs"] = runs
+    if cuda:
+        ctx = args.prompt_len + args.new_tokens // 2
+        result["attention_sweep"] = {
+            f"B={b},q={q}": attention_sweep(kv, b, q, ctx, cfg.num_heads)[:8]
+            for b, q in ((1, 1), (64, 1), (64, 4))
+        }
+        triton_ops.use_triton_ops(model)
+        result["profile_us_per_step"] = {
+            str(b): kernel_profile(model, kv, triton_backend, b, args.prompt_len)
+            for b in args.batches
+        }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gpu_decode.json").write_text(json.dumps(result, indent=1, default=str))
+    print_table(result)
+
+
+def run_config(args, result, model, kv, name, backend, fused, graphs, runs, tokens) -> None:
+    triton_ops.use_triton_ops(model, enable=fused)
+    step = EagerStep(model, kv, backend)
+    if graphs:
+        buckets = args.graph_buckets if fused else sorted(set(args.batches))
+        q_set = args.graph_tokens if fused else [1]
+        runner = CudaGraphRunner(model, kv.layers, backend, tuple(buckets), tuple(q_set),
+                                 max_seq_len=args.graph_max_seq_len)  # fmt: skip
+        report = runner.capture()
+        result[f"capture[{name}]"] = vars(report)
+        print(f"{name}: captured {report}", flush=True)
+        step = GraphStep(runner)
+        if fused:
+            ctx = args.prompt_len + args.new_tokens // 2
+            result["graph_step_ms"] = graph_step_ms(runner, kv, ctx)
+    for batch in args.batches:
+        generate(model, kv, step, batch, args.prompt_len, 4)  # warm-up
+        r = generate(model, kv, step, batch, args.prompt_len, args.new_tokens)
+        tokens[(name, batch)] = r.pop("tokens")
+        r["config"] = name
+        ref = tokens.get(("torch-eager", batch))
+        if ref is not None:
+            r["greedy_agreement_vs_torch"] = agreement(tokens[(name, batch)], ref)
+        runs.append(r)
+        print(f"{name:28s} batch {batch:3d}: {r['decode_tok_s']:9.1f} tok/s decode, "
+              f"{r['step_ms']:7.2f} ms/step, e2e {r['e2e_tok_s']:9.1f} tok/s", flush=True)
+
+
+def print_table(result: dict) -> None:
+    print("\n| config | batch | decode tok/s | ms/step | prefill s | e2e tok/s | greedy agree |")
+    print("|---|---|---|---|---|---|---|")
+    for r in result["runs"]:
+        if "error" in r:
+            print(f"| {r['config']} | error: {r['error'][:200]} |")
+            continue
+        print(f"| {r['config']} | {r['batch']} | {r['decode_tok_s']:.1f} | {r['step_ms']:.2f} "
+              f"| {r['prefill_s']:.3f} | {r['e2e_tok_s']:.1f} "
+              f"| {r.get('greedy_agreement_vs_torch', float('nan')):.2f} |")  # fmt: skip
+    for key in ("bounds", "gemm_chain_ms", "gemm_chain_merged_qkv_gateup_ms", "graph_step_ms",
+                "profile_us_per_step"):
+        if key in result:
+            print(f"{key}: {json.dumps(result[key])}")
+    for key, rows in result.get("attention_sweep", {}).items():
+        default = next((r for r in rows if r.get("default")), None)
+        print(f"attention {key}: best {rows[0]}; default in top 8: {default}")
+    if "copy_gbps" in result:
+        print(f"copy bandwidth {result['copy_gbps']:.0f} GB/s; weights "
+              f"{result['weights_gb']:.2f} GB")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,201 @@
+"""Measurements gpu_bench.py takes besides the decode runs: HBM copy bandwidth, the
+weights-only GEMM chain under a CUDA graph, the step time of every captured graph at a given
+context, and a per-category kernel-time profile of one eager decode step."""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import statistics
+from collections import defaultdict
+
+import torch
+
+from specserve.layers.attention import AttentionMetadata
+
+
+def _event_ms(fn, iters: int) -> float:
+    """Median over `iters` of fn's device time (CUDA events), after 3 warm-up calls."""
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def copy_bandwidth(num_bytes: int = 2 << 30) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus written."""
+    src = torch.empty(num_bytes, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    ms = _event_ms(lambda: dst.copy_(src), 10)
+    return 2 * num_bytes / (ms / 1e3)
+
+
+@torch.inference_mode()
+def gemm_chain_ms(model, m: int, merged: bool = False) -> float:
+    """One step's weight GEMMs alone (q, k, v, o, gate, up, down per layer, then lm_head) for
+    M tokens, replayed from a CUDA graph: the floor for a step at that M. merged: with q/k/v
+    and gate/up concatenated into one GEMM each (temporary copies of those weights)."""
+    cfg = model.config
+    p = next(model.parameters())
+    x = torch.randn(m, cfg.hidden_size, dtype=p.dtype, device=p.device)
+    xi = torch.randn(m, cfg.intermediate_size, dtype=p.dtype, device=p.device)
+    xo = torch.randn(m, cfg.num_heads * cfg.head_dim, dtype=p.dtype, device=p.device)
+    linear = torch.nn.functional.linear
+    layers = model.model.layers
+    if merged:
+        fused = [(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
+                  torch.cat([f.gate_proj.weight, f.up_proj.weight]))
+                 for a, f in ((layer.self_attn, layer.mlp) for layer in layers)]  # fmt: skip
+
+    def chain():
+        for i, layer in enumerate(layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            if merged:
+                linear(x, fused[i][0]), attn.o_proj(xo), linear(x, fused[i][1])
+            else:
+                attn.q_proj(x), attn.k_proj(x), attn.v_proj(x), attn.o_proj(xo)
+                mlp.gate_proj(x), mlp.up_proj(x)
+            mlp.down_proj(xi)
+        linear(x, model.lm_head_weight)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        chain()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        chain()
+    ms = _event_ms(graph.replay, 20)
+    del graph
+    return ms
+
+
+def _decode_meta(kv, batch: int, q: int, ctx: int):
+    """Pages for `batch` requests whose q new tokens end at position ctx + q - 1."""
+    ps, device = kv.page_size, kv.pool.device
+    pages = -(-(ctx + q) // ps)
+    owned = [kv.allocator.allocate(pages) for _ in range(batch)]
+    tables = torch.tensor(owned, dtype=torch.int64, device=device)
+    pos = torch.arange(ctx, ctx + q, device=device).repeat(batch)
+    req = torch.arange(batch, device=device).repeat_interleave(q)
+    meta = AttentionMetadata(
+        positions=pos, slot_mapping=tables[req, pos // ps] * ps + pos % ps,
+        query_start_loc=torch.arange(batch + 1, device=device) * q,
+        seq_lens=torch.full((batch,), ctx + q, device=device), block_tables=tables,
+        max_query_len=q, max_seq_len=ctx + q,
+    )  # fmt: skip
+    ids = torch.randint(1000, (batch * q,), device=device)
+    return ids, meta, owned
+
+
+@torch.inference_mode()
+def graph_step_ms(runner, kv, ctx: int) -> dict[str, float]:
+    """Median step time (input copies + replay) of every captured (batch, q) graph, with
+    each request at context `ctx`; keyed 'B=..,q=..'."""
+    out = {}
+    for batch, q in sorted(runner.keys()):
+        ids, meta, owned = _decode_meta(kv, batch, q, ctx)
+        try:
+            out[f"B={batch},q={q}"] = _event_ms(lambda: runner.run(ids, meta), 20)  # noqa: B023
+        finally:
+            for pages in owned:
+                kv.allocator.free(pages)
+    return out
+
+
+CATEGORIES = [
+    ("paged_attn", "attention"), ("split_reduce", "attention"), ("kv_write", "kv_write"),
+    ("rms_norm", "rmsnorm"), ("rotary", "rotary"), ("silu", "silu_mul"), ("gemm", "gemm"),
+    ("gemv", "gemm"), ("nvjet", "gemm"), ("cutlass", "gemm"), ("xmma", "gemm"),
+    ("splitk", "gemm"), ("memcpy", "memcpy"), ("argmax", "sampling"),
+]  # fmt: skip
+
+
+def _category(name: str) -> str:
+    low = name.lower()
+    return next((cat for key, cat in CATEGORIES if key in low), "other")
+
+
+@torch.inference_mode()
+def kernel_profile(model, kv, backend, batch: int, ctx: int, steps: int = 3) -> dict:
+    """Device time per step by kernel category (microseconds) for an eager decode step at
+    context `ctx`, plus the kernel count; the eager kernels are the ones a graph replays."""
+    ids, meta, owned = _decode_meta(kv, batch, 1, ctx)
+    try:
+        model(ids, meta, kv.layers, backend)
+        torch.cuda.synchronize()
+        activities = [torch.profiler.ProfilerActivity.CUDA]
+        with torch.profiler.profile(activities=activities) as prof:
+            for _ in range(steps):
+                model(ids, meta, kv.layers, backend)
+            torch.cuda.synchronize()
+        totals: dict[str, float] = defaultdict(float)
+        examples: dict[str, str] = {}
+        count = 0
+        for evt in prof.events():
+            if evt.device_type != torch.autograd.DeviceType.CUDA:
+                continue
+            cat = _category(evt.name)
+            totals[cat] += evt.time_range.elapsed_us() / steps
+            examples.setdefault(cat, evt.name[:80])
+            count += 1
+        result = {k: round(v, 1) for k, v in sorted(totals.items(), key=lambda kv_: -kv_[1])}
+        result["total"] = round(sum(totals.values()), 1)
+        result["kernels_per_step"] = count / steps
+        result["other_example"] = examples.get("other", "")
+        return result
+    except Exception as e:  # the profiler is optional: report, keep the benchmark
+        return {"error": f"{type(e).__name__}: {e}"}
+    finally:
+        for pages in owned:
+            kv.allocator.free(pages)
+
+
+@torch.inference_mode()
+def attention_sweep(kv, batch: int, q: int, ctx: int, num_heads: int) -> list[dict]:
+    """Time the attention kernel alone (KV already written) over block sizes, warps, stages
+    and split counts for `batch` requests of q tokens at context ctx; sorted fastest first,
+    with the KV bytes read per microsecond (GB/s)."""
+    from specserve.layers.attention import triton_kernels as tk
+    from specserve.layers.attention.triton_attn import TritonAttentionBackend
+
+    k_cache, v_cache = kv.layers[0]
+    ids, meta, owned = _decode_meta(kv, batch, q, ctx)
+    try:
+        qt = torch.randn(ids.shape[0], num_heads, k_cache.shape[-1], dtype=k_cache.dtype,
+                         device=k_cache.device)  # fmt: skip
+        group = num_heads // k_cache.shape[2]
+        auto = TritonAttentionBackend().choose_num_splits(meta, k_cache.shape[2], group,
+                                                          qt.device)  # fmt: skip
+        kv_bytes = 2 * batch * (ctx + q) * k_cache.shape[2] * k_cache.shape[3] * 2
+        args = (qt, k_cache, v_cache, meta.positions, meta.query_start_loc, meta.seq_lens,
+                meta.block_tables, q, 0.088)  # fmt: skip
+        rows = []
+        for splits, block_n, warps, stages in itertools.product(
+            sorted({1, max(1, auto // 2), auto, auto * 2}), (32, 64, 128), (4, 8), (2, 3)
+        ):
+            row = dict(splits=splits, block_n=block_n, warps=warps, stages=stages)
+            call = functools.partial(
+                tk.paged_attention, *args, num_splits=splits, block_n=block_n,
+                num_warps=warps, num_stages=stages,
+            )  # fmt: skip
+            try:
+                us = 1e3 * _event_ms(call, 20)
+            except Exception as e:  # e.g. out of shared memory
+                rows.append({**row, "error": str(e)[:120]})
+                continue
+            is_default = (splits, block_n, warps, stages) == (auto, 64, 4, 2)
+            rows.append({**row, "us": round(us, 2), "gbps": round(kv_bytes / us / 1e3, 1),
+                         "default": is_default})  # fmt: skip
+        return sorted(rows, key=lambda r: r.get("us", 1e9))
+    finally:
+        for pages in owned:
+            kv.allocator.free(pages)
