@@ -227,21 +227,29 @@ def main() -> None:
         if cuda:
             torch.cuda.empty_cache()
     result["runs"] = runs
+    save(result, args.out)
     if cuda:
-        ctx = args.prompt_len + args.new_tokens // 2
-        result["attention_sweep"] = {
-            f"B={b},q={q}": attention_sweep(kv, b, q, ctx, cfg.num_heads)[:8]
-            for b, q in ((1, 1), (64, 1), (64, 4))
-        }
         triton_ops.use_triton_ops(model)
         result["profile_us_per_step"] = {
             str(b): kernel_profile(model, kv, triton_backend, b, args.prompt_len)
             for b in args.batches
         }
-    out = Path(args.out)
+        save(result, args.out)
+        print_table(result)  # the sweep below is for tuning; the table comes first
+        ctx = args.prompt_len + args.new_tokens // 2
+        result["attention_sweep"] = {}
+        for b, q in ((64, 1), (1, 1), (64, 4)):
+            result["attention_sweep"][f"B={b},q={q}"] = attention_sweep(
+                kv, b, q, ctx, cfg.num_heads
+            )[:8]
+            save(result, args.out)
+    print_table(result)
+
+
+def save(result: dict, out_dir: str) -> None:
+    out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "gpu_decode.json").write_text(json.dumps(result, indent=1, default=str))
-    print_table(result)
 
 
 def run_config(args, result, model, kv, name, backend, fused, graphs, runs, tokens) -> None:
