@@ -135,3 +135,46 @@ def test_stop_inside_accepted_drafts(target):
               speculative_num_steps=7, speculative_policy="fixed")
     assert [o.token_ids for o in llm.generate(prompts, params)] == expected
     assert llm.engine.kv.allocator.num_used == 0
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def eagle_target(request, tmp_path_factory):
+    from tests.tiny_models import make_random_eagle3_head
+
+    folder = make_tiny_model(tmp_path_factory.mktemp("t4"), request.param, num_layers=4)
+    head = make_random_eagle3_head(tmp_path_factory.mktemp("head"), folder, 200)
+    prompts = _prompts()
+    plain = [o.token_ids for o in LLM(str(folder)).generate(prompts, GREEDY)]
+    return str(folder), str(head), prompts, plain
+
+
+@pytest.mark.parametrize(
+    "k, kw",
+    [
+        (1, dict(page_size=16)),
+        (3, dict(page_size=1)),
+        (7, dict(page_size=16)),
+        (3, dict(page_size=4, num_kv_pages=24)),  # forced preemption
+        (3, dict(page_size=4, max_num_batched_tokens=9)),  # chunked prefill
+    ],
+)
+def test_eagle3_greedy_identical(eagle_target, k, kw):
+    folder, head, prompts, plain = eagle_target
+    llm, outs = _run(
+        folder, prompts, speculative_algorithm="eagle3", speculative_draft_model_path=head,
+        speculative_num_steps=k, **kw,
+    )
+    assert [o.token_ids for o in outs] == plain
+    assert sum(o.spec_stats.drafted for o in outs) > 0
+    if "num_kv_pages" in kw:
+        assert llm.engine.scheduler.num_preemptions > 0
+
+
+def test_eagle3_mixed_draft_lengths(eagle_target):
+    folder, head, prompts, plain = eagle_target
+    llm = LLM(folder, speculative_algorithm="eagle3", speculative_draft_model_path=head,
+              speculative_num_steps=7)
+    rng = random.Random(5)
+    llm.engine.spec.policy = PerRequestPolicy(7, lambda req: rng.choice([0, 0, 1, 3, 7]))
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == plain
+    assert llm.engine.kv.allocator.num_used == 0

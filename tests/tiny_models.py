@@ -123,3 +123,29 @@ def hf_greedy(folder: Path, prompts: list[list[int]], max_new_tokens: int) -> li
             )
             outs.append(out[0, len(p) :].tolist())
     return outs
+
+
+def make_random_eagle3_head(folder: Path, target_folder: Path, draft_vocab: int = 200,
+                            seed: int = 0) -> Path:
+    """A random EAGLE-3 head in the public layout (real names and shapes) for a target."""
+    from specserve.model.eagle3 import Eagle3Config, Eagle3Head, save_eagle3_head
+    from specserve.model.hf_config import load_hf_config
+
+    target = load_hf_config(target_folder)
+    low, mid, high = 1, target.num_layers // 2, target.num_layers - 1  # needs >= 4 layers
+    cfg = Eagle3Config.for_target(target, draft_vocab, (low, mid, high))
+    torch.manual_seed(seed)
+    head = Eagle3Head(cfg, cfg.aux_layer_ids(target.num_layers))
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0, 0.2)
+        # Draft vocabulary: a random sorted subset of the target's ids.
+        target_ids = torch.randperm(target.vocab_size)[:draft_vocab].sort().values
+        head.d2t = target_ids - torch.arange(draft_vocab)
+        head.t2d = torch.zeros(target.vocab_size, dtype=torch.bool)
+        head.t2d[target_ids] = True
+    save_eagle3_head(head, folder)
+    return Path(folder)
