@@ -1,0 +1,261 @@
+"""EAGLE-3 draft head in the public checkpoint layout: config, strict loading, saving, forward.
+
+The head is one Llama decoder layer whose attention reads the normed token embedding
+concatenated with a normed hidden state (2*H inputs). Its first hidden state is `project(aux)`,
+the fc over the target's low/mid/high auxiliary hidden states; in later draft steps it is the
+head's own previous output. Logits cover a draft vocabulary; `d2t` maps a draft id to the
+target id (target = draft + d2t[draft]) and `t2d` marks target ids in the draft vocabulary.
+
+Auxiliary layers. `Eagle3Head.aux_layer_ids` names the target layers whose INPUT residual
+stream is captured (pass it to `LlamaForCausalLM.forward(aux_layer_ids=...)`). The file's
+`eagle_config.eagle_aux_hidden_state_layer_ids` follows the public convention of SGLang and
+SpecForge: it lists layers whose OUTPUT is taken, so input ids = file ids + 1. When the key is
+absent the default is the input of layers [2, L//2, L-3] of the target's L layers.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specserve.errors import CheckpointError
+from specserve.layers.activation import GatedMLP
+from specserve.layers.attention import AttentionBackend, AttentionMetadata
+from specserve.layers.norm import RMSNorm
+from specserve.layers.rotary import RotaryEmbedding
+from specserve.model.eagle3_config import (
+    ARCHITECTURE,
+    Eagle3Config,
+    default_aux_layer_ids,
+)
+from specserve.model.hf_config import ModelConfig
+
+__all__ = [
+    "ARCHITECTURE",
+    "Eagle3Config",
+    "Eagle3Head",
+    "default_aux_layer_ids",
+    "load_eagle3_head",
+    "save_eagle3_head",
+]
+_IGNORED_TENSORS = ("embed_tokens.weight", "model.embed_tokens.weight")
+
+
+class Eagle3Attention(nn.Module):
+    """Grouped-query attention whose q/k/v read 2*H inputs (embedding ++ hidden)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.num_heads, self.num_kv_heads = cfg.num_heads, cfg.num_kv_heads
+        self.head_dim = cfg.head_dim
+        self.scale = cfg.head_dim**-0.5
+        h2, d = 2 * cfg.hidden_size, cfg.head_dim
+        self.q_proj = nn.Linear(h2, cfg.num_heads * d, bias=False)
+        self.k_proj = nn.Linear(h2, cfg.num_kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(h2, cfg.num_kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(cfg.num_heads * d, cfg.hidden_size, bias=False)
+
+    def qkv(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding):
+        """q [T, nh, d], k and v [T, nkv, d] with rotary applied at `positions` [T]."""
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q, k = rotary(positions, q, k)
+        return q, k, v
+
+
+class Eagle3Layer(nn.Module):
+    """The head's decoder layer (checkpoint prefix `midlayer.`)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Eagle3Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+
+
+class Eagle3Head(nn.Module):
+    """The EAGLE-3 draft head; parameter names are the public checkpoint's."""
+
+    def __init__(self, cfg: Eagle3Config, aux_layer_ids: tuple[int, ...] = ()):
+        super().__init__()
+        c = cfg.layer
+        self.config = cfg
+        self.aux_layer_ids = tuple(aux_layer_ids)
+        self.fc = nn.Linear(3 * cfg.target_hidden_size, c.hidden_size, bias=False)
+        self.midlayer = Eagle3Layer(c)
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.lm_head = nn.Linear(c.hidden_size, cfg.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
+        self.register_buffer("t2d", torch.zeros(c.vocab_size, dtype=torch.bool))
+        self.rotary = RotaryEmbedding(
+            c.head_dim, c.rope_theta, c.max_position_embeddings, c.rope_scaling
+        )
+
+    def project(self, aux: torch.Tensor) -> torch.Tensor:
+        """[T, 3*H_target] concatenated auxiliary hidden states -> [T, H]."""
+        return self.fc(aux)
+
+    def _layer_input(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        m = self.midlayer
+        return torch.cat([m.input_layernorm(embeds), m.hidden_norm(hidden)], dim=-1)
+
+    def _finish(self, attn_out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        h = attn_out + residual
+        return h + self.midlayer.mlp(self.midlayer.post_attention_layernorm(h))
+
+    def forward(
+        self,
+        embeds: torch.Tensor,
+        hidden: torch.Tensor,
+        meta: AttentionMetadata,
+        kv: tuple[torch.Tensor, torch.Tensor],
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        """One decoder layer over packed tokens [T, H], attending over the head's paged KV.
+
+        Returns the pre-final-norm output, which is the next draft step's `hidden`."""
+        attn = self.midlayer.self_attn
+        q, k, v = attn.qkv(self._layer_input(embeds, hidden), meta.positions, self.rotary)
+        out = backend.forward(q, k, v, kv[0], kv[1], meta, attn.scale)
+        out = attn.o_proj(out.reshape(q.shape[0], attn.num_heads * attn.head_dim))
+        return self._finish(out, hidden)
+
+    def forward_dense(
+        self,
+        embeds: torch.Tensor,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        past_kv: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
+        attn_mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """The same layer with dense attention, for training.
+
+        embeds, hidden: [B, L, H]; positions: [B, L] rotary positions. Keys are the K/V of
+        `past_kv` (earlier unrolled steps, each [B, nkv, L_i, d]) followed by this call's own;
+        `attn_mask` [L, L_keys] (or broadcastable to [B, 1, L, L_keys]), True = attend, is
+        required with `past_kv`; without both, attention is causal. Returns the output
+        [B, L, H] and this call's (k, v) for later steps.
+        """
+        b, n, _ = embeds.shape
+        attn = self.midlayer.self_attn
+        x = self._layer_input(embeds, hidden).reshape(b * n, -1)
+        q, k, v = attn.qkv(x, positions.reshape(-1), self.rotary)
+        q = q.view(b, n, attn.num_heads, -1).transpose(1, 2)
+        k = k.view(b, n, attn.num_kv_heads, -1).transpose(1, 2)
+        v = v.view(b, n, attn.num_kv_heads, -1).transpose(1, 2)
+        keys = torch.cat([pk for pk, _ in past_kv] + [k], dim=2)
+        values = torch.cat([pv for _, pv in past_kv] + [v], dim=2)
+        group = attn.num_heads // attn.num_kv_heads
+        if group > 1:
+            keys = keys.repeat_interleave(group, dim=1)
+            values = values.repeat_interleave(group, dim=1)
+        if attn_mask is None:
+            if past_kv:
+                raise ValueError("forward_dense with past_kv needs an attn_mask")
+            out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=attn.scale)
+        else:
+            out = F.scaled_dot_product_attention(
+                q, keys, values, attn_mask=attn_mask, scale=attn.scale
+            )
+        out = attn.o_proj(out.transpose(1, 2).reshape(b, n, -1))
+        return self._finish(out, hidden), (k, v)
+
+    def compute_logits(self, out: torch.Tensor) -> torch.Tensor:
+        """fp32 draft-vocabulary logits of head outputs."""
+        return self.lm_head(self.norm(out)).float()
+
+    def draft_to_target(self, ids: torch.Tensor) -> torch.Tensor:
+        """Map draft-vocabulary ids to target-vocabulary ids."""
+        return ids + self.d2t[ids]
+
+
+def _check_maps(d2t: torch.Tensor, t2d: torch.Tensor, cfg: Eagle3Config) -> None:
+    target_ids = torch.arange(cfg.draft_vocab_size) + d2t.long()
+    if int(target_ids.min()) < 0 or int(target_ids.max()) >= cfg.vocab_size:
+        raise CheckpointError(
+            f"d2t maps draft ids outside the target vocabulary [0, {cfg.vocab_size})"
+        )
+    if int(t2d.sum()) != cfg.draft_vocab_size or not bool(t2d.bool()[target_ids].all()):
+        raise CheckpointError("t2d does not mark exactly the target ids that d2t maps to")
+
+
+def load_eagle3_head(
+    folder: str | Path,
+    target_config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device | str,
+) -> Eagle3Head:
+    """Build the head on the meta device and fill it strictly from `folder`.
+
+    Fails with CheckpointError on missing or extra tensors, shape mismatches, or a head made
+    for another target (hidden size or vocabulary)."""
+    from safetensors import safe_open
+
+    from specserve.model.loader import assign_weights, safetensors_files
+
+    folder = Path(folder)
+    cfg = Eagle3Config.load(folder)
+    if cfg.vocab_size != target_config.vocab_size:
+        raise CheckpointError(
+            f"the EAGLE-3 head in {folder} was made for a vocabulary of {cfg.vocab_size} tokens; "
+            f"the target has {target_config.vocab_size}: use a head trained for this target"
+        )
+    if cfg.target_hidden_size != target_config.hidden_size:
+        raise CheckpointError(
+            f"the EAGLE-3 head in {folder} reads target hidden states of size "
+            f"{cfg.target_hidden_size}; the target's hidden size is {target_config.hidden_size}"
+        )
+    aux_ids = cfg.aux_layer_ids(target_config.num_layers)
+    with torch.device("meta"):
+        head = Eagle3Head(cfg, aux_ids)
+    buffers = {"d2t": (cfg.draft_vocab_size,), "t2d": (cfg.vocab_size,)}
+    found: dict[str, torch.Tensor] = {}
+    handles = [safe_open(str(f), framework="pt", device="cpu") for f in safetensors_files(folder)]
+
+    def weights():
+        for h in handles:
+            for name in h.keys():
+                if name in _IGNORED_TENSORS:
+                    continue  # some heads ship the target's embedding; the target's is used
+                if name in buffers:
+                    found[name] = h.get_tensor(name)
+                    continue
+                yield name, h.get_tensor(name)
+
+    assign_weights(head, weights(), dtype, torch.device(device))
+    for name, shape in buffers.items():
+        if name not in found:
+            raise CheckpointError(f"EAGLE-3 head in {folder} lacks the tensor {name!r}")
+        if tuple(found[name].shape) != shape:
+            raise CheckpointError(
+                f"tensor {name!r} has shape {tuple(found[name].shape)}, the config implies {shape}"
+            )
+    _check_maps(found["d2t"], found["t2d"], cfg)
+    head.d2t = found["d2t"].to(device=device, dtype=torch.int64)
+    head.t2d = found["t2d"].to(device=device, dtype=torch.bool)
+    head.rotary.materialize(torch.device(device))
+    return head.eval()
+
+
+def save_eagle3_head(head: Eagle3Head, folder: str | Path) -> Path:
+    """Write config.json and model.safetensors in the public EAGLE-3 layout."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = {n: p.detach().cpu().contiguous() for n, p in head.named_parameters()}
+    tensors["d2t"] = head.d2t.detach().cpu().to(torch.int64).contiguous()
+    tensors["t2d"] = head.t2d.detach().cpu().to(torch.bool).contiguous()
+    dtype = head.lm_head.weight.dtype
+    (folder / "config.json").write_text(json.dumps(head.config.to_dict(dtype), indent=2) + "\n")
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return folder

@@ -1,0 +1,154 @@
+"""The config of an EAGLE-3 draft head (public layout), validated; see model/eagle3.py."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from specserve.errors import CheckpointError, UnsupportedModelError
+from specserve.model.hf_config import ModelConfig, config_from_dict
+
+ARCHITECTURE = "LlamaForCausalLMEagle3"
+
+
+def default_aux_layer_ids(num_target_layers: int) -> tuple[int, ...]:
+    """Input of target layers [2, L//2, L-3], as EAGLE-3 servers capture by default."""
+    n = num_target_layers
+    return (2, n // 2, n - 3)
+
+
+@dataclass(frozen=True)
+class Eagle3Config:
+    """The shape of an EAGLE-3 head, read from (and written to) its config.json.
+
+    `layer` holds the normalized Llama fields of the single decoder layer (its vocab_size is
+    the target's vocabulary). `file_aux_layer_ids` is the file's
+    eagle_aux_hidden_state_layer_ids (public convention: outputs of those layers), or None.
+    """
+
+    layer: ModelConfig
+    draft_vocab_size: int
+    target_hidden_size: int
+    file_aux_layer_ids: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if not 0 < self.draft_vocab_size <= self.layer.vocab_size:
+            raise CheckpointError(
+                f"draft_vocab_size ({self.draft_vocab_size}) must lie in "
+                f"[1, vocab_size={self.layer.vocab_size}]"
+            )
+        if self.target_hidden_size < 1:
+            raise CheckpointError(f"target_hidden_size must be >= 1; got {self.target_hidden_size}")
+        ids = self.file_aux_layer_ids
+        if ids is not None and (len(ids) != 3 or min(ids) < 0):
+            raise UnsupportedModelError(
+                "eagle_aux_hidden_state_layer_ids must list three non-negative target layer "
+                f"ids (low, mid, high); got {list(ids)}"
+            )
+
+    @property
+    def hidden_size(self) -> int:
+        return self.layer.hidden_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.layer.vocab_size
+
+    def aux_layer_ids(self, num_target_layers: int) -> tuple[int, ...]:
+        """Target layers whose input residual stream the head reads, checked against L."""
+        if self.file_aux_layer_ids is None:
+            ids = default_aux_layer_ids(num_target_layers)
+        else:
+            ids = tuple(i + 1 for i in self.file_aux_layer_ids)
+        if len(set(ids)) != 3 or not all(0 <= i < num_target_layers for i in ids):
+            raise UnsupportedModelError(
+                f"auxiliary layers (inputs of target layers {list(ids)}) do not fit a target of "
+                f"{num_target_layers} layers; set eagle_config.eagle_aux_hidden_state_layer_ids"
+            )
+        return ids
+
+    @classmethod
+    def for_target(
+        cls,
+        target: ModelConfig,
+        draft_vocab_size: int,
+        aux_layer_ids: tuple[int, ...] | None = None,
+    ) -> Eagle3Config:
+        """A head shaped like one layer of `target`. `aux_layer_ids` are input-layer ids
+        (None: the default); the file records them only when they differ from the default."""
+        layer = replace(target, num_layers=1, tie_word_embeddings=False, qkv_bias=False,
+                        qk_norm=False)
+        file_ids = None
+        if aux_layer_ids is not None and tuple(aux_layer_ids) != default_aux_layer_ids(
+            target.num_layers
+        ):
+            file_ids = tuple(i - 1 for i in aux_layer_ids)
+        cfg = cls(layer, draft_vocab_size, target.hidden_size, file_ids)
+        cfg.aux_layer_ids(target.num_layers)  # validates against the target
+        return cfg
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> Eagle3Config:
+        archs = raw.get("architectures") or []
+        if ARCHITECTURE not in archs:
+            raise UnsupportedModelError(
+                f"architectures {archs!r} is not an EAGLE-3 head; expected [{ARCHITECTURE!r}]"
+            )
+        layer = config_from_dict({**raw, "architectures": ["LlamaForCausalLM"],
+                                  "num_hidden_layers": 1, "tie_word_embeddings": False})
+        ids = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+        try:
+            return cls(
+                layer=layer,
+                draft_vocab_size=int(raw.get("draft_vocab_size") or layer.vocab_size),
+                target_hidden_size=int(raw.get("target_hidden_size") or layer.hidden_size),
+                file_aux_layer_ids=None if ids is None else tuple(int(i) for i in ids),
+            )
+        except (TypeError, ValueError) as e:
+            raise CheckpointError(f"EAGLE-3 config.json has a malformed field: {e}") from None
+
+    @classmethod
+    def load(cls, folder: str | Path) -> Eagle3Config:
+        path = Path(folder) / "config.json"
+        if not path.is_file():
+            raise CheckpointError(f"{path} does not exist; an EAGLE-3 head folder needs one")
+        return cls.from_dict(json.loads(path.read_text()))
+
+    def to_dict(self, dtype: torch.dtype | None = None) -> dict:
+        c = self.layer
+        raw = {
+            "architectures": [ARCHITECTURE],
+            "model_type": "llama",
+            "hidden_size": c.hidden_size,
+            "intermediate_size": c.intermediate_size,
+            "num_hidden_layers": 1,
+            "num_attention_heads": c.num_heads,
+            "num_key_value_heads": c.num_kv_heads,
+            "head_dim": c.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": c.rms_norm_eps,
+            "rope_theta": c.rope_theta,
+            "max_position_embeddings": c.max_position_embeddings,
+            "vocab_size": c.vocab_size,
+            "draft_vocab_size": self.draft_vocab_size,
+            "target_hidden_size": self.target_hidden_size,
+            "tie_word_embeddings": False,
+        }
+        if c.rope_scaling is not None:
+            s = c.rope_scaling
+            raw["rope_scaling"] = {
+                "rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
+                "high_freq_factor": s.high_freq_factor,
+                "original_max_position_embeddings": s.original_max_position_embeddings,
+            }
+        if self.file_aux_layer_ids is not None:
+            raw["eagle_config"] = {
+                "eagle_aux_hidden_state_layer_ids": list(self.file_aux_layer_ids),
+                "use_aux_hidden_state": True,
+            }
+        if dtype is not None:
+            raw["torch_dtype"] = str(dtype).replace("torch.", "")
+        return raw

@@ -1,0 +1,2 @@
+"""EAGLE-3 head training: prompt sources, self-distillation, target features, the
+training-time test and the training loop behind `specserve train-eagle3`."""

@@ -1,0 +1,110 @@
+"""Options of `specserve train-eagle3`, validated; the CLI flags derive from this dataclass."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import MISSING, dataclass, field, fields
+
+
+@dataclass
+class TrainConfig:
+    """What to train on and how.
+
+    Data: prompts from `data` (stdlib, shakespeare, JSONL files), replies written by the target
+    (greedy at temperature 0, else seeded sampling). Training: `steps` optimizer steps of
+    `batch_size` samples, AdamW at `lr` with linear warm-up and cosine decay, `ttt_steps`
+    unrolled steps per sample. Time budgets (seconds) stop generation early and fix the step
+    count after a timed start, so a run fits a fixed lease; the run records the counts.
+    """
+
+    out: str
+    data: list[str] = field(default_factory=lambda: ["stdlib", "shakespeare"])
+    target: str | None = None
+    steps: int = 1000
+    batch_size: int = 16
+    lr: float = 3e-4
+    warmup_steps: int = 50
+    ttt_steps: int = 7
+    draft_vocab_size: int = 16384
+    num_prompts: int | None = None
+    heldout_prompts: int = 64
+    max_new_tokens: int = 256
+    max_prompt_tokens: int = 512
+    max_seq_len: int = 1024
+    temperature: float = 0.0
+    seed: int = 0
+    aux_layer_ids: list[int] | None = None
+    device: str = "auto"
+    dtype: str = "auto"
+    gen_batch: int = 256
+    feature_batch_tokens: int = 32768
+    save_every: int = 200
+    eval_every: int = 100
+    gen_time_s: float | None = None
+    train_time_s: float | None = None
+    save_dtype: str = "bfloat16"
+    resume: bool = False
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        positive = ("steps", "batch_size", "ttt_steps", "draft_vocab_size", "max_new_tokens",
+                    "max_prompt_tokens", "max_seq_len", "gen_batch", "feature_batch_tokens",
+                    "save_every", "eval_every")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1; got {getattr(self, name)}")
+        if self.lr <= 0:
+            raise ValueError(f"lr must be positive; got {self.lr}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0; got {self.temperature}")
+        if self.heldout_prompts < 0 or self.warmup_steps < 0:
+            raise ValueError("heldout_prompts and warmup_steps must be >= 0")
+        if self.save_dtype not in ("bfloat16", "float16", "float32"):
+            raise ValueError(f"save_dtype must be bfloat16, float16 or float32; got "
+                             f"{self.save_dtype!r}")
+        if not self.data:
+            raise ValueError("give at least one --data source")
+
+
+_HELP = {
+    "out": "output folder: the head (config.json, model.safetensors), data, log, checkpoint",
+    "data": "prompt sources: stdlib, shakespeare, or JSONL files of prompts/conversations",
+    "target": "target model folder or .gguf (default: embedded SmolLM2-135M-Instruct)",
+    "steps": "optimizer steps",
+    "batch_size": "samples per step",
+    "ttt_steps": "unrolled training-time-test steps",
+    "draft_vocab_size": "draft vocabulary size (most frequent target tokens of the replies)",
+    "num_prompts": "cap on training prompts (default: all)",
+    "heldout_prompts": "prompts kept out of training for the acceptance estimate",
+    "temperature": "target's sampling temperature for the replies (0 = greedy)",
+    "aux_layer_ids": "target layers whose input the head reads (default: 2, L//2, L-3)",
+    "gen_time_s": "stop starting new prompts after this many seconds of generation",
+    "train_time_s": "fit the step count into this many seconds of training",
+    "resume": "continue from the checkpoint in --out (data and step restored)",
+}
+
+
+def add_train_args(parser: argparse.ArgumentParser) -> None:
+    """One flag per TrainConfig field, defaults taken from the dataclass."""
+    for f in fields(TrainConfig):
+        flag = "--" + f.name.replace("_", "-")
+        default = f.default_factory() if f.default_factory is not MISSING else f.default
+        help_text = _HELP.get(f.name)
+        if f.name == "progress":
+            parser.add_argument("--no-progress", dest="progress", action="store_false",
+                                help="no progress bars")
+        elif f.type == "bool":
+            parser.add_argument(flag, action="store_true", help=help_text)
+        elif f.name in ("data", "aux_layer_ids"):
+            kind = str if f.name == "data" else int
+            parser.add_argument(flag, nargs="+", type=kind, default=default, help=help_text)
+        else:
+            kind = {"int": int, "float": float, "int | None": int, "float | None": float}.get(
+                f.type, str
+            )
+            parser.add_argument(flag, type=kind, default=default, required=f.default is MISSING
+                                and f.default_factory is MISSING, help=help_text)
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    return TrainConfig(**{f.name: getattr(args, f.name) for f in fields(TrainConfig)})

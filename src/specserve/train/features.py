@@ -1,0 +1,154 @@
+"""The target's view of the training data: auxiliary hidden states, final hidden states and
+argmax tokens over prompt + reply, recorded once with specserve's own LlamaForCausalLM.
+
+specserve's model (not transformers) records them because it is the model that serves: the
+auxiliary states are exactly what the eagle3 proposer reads at serving time (the residual
+stream entering the configured layers, same numerics, same dtype), and it needs no
+`output_hidden_states` copy of every layer. Logits are not stored (49k floats a token):
+the final hidden state is, and the target's logits over the draft vocabulary are one matmul
+away at training time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from tqdm import tqdm
+
+from specserve.layers.attention import AttentionMetadata, TorchAttentionBackend
+from specserve.model.llama import LlamaForCausalLM
+from specserve.train.distill import Sample
+
+
+def dense_metadata(lengths: list[int], page_size: int, device: torch.device) -> AttentionMetadata:
+    """Metadata for whole sequences packed one after another, each on its own run of pages
+    (page 0 stays the scratch page)."""
+    positions, slots, tables = [], [], []
+    starts = [0]
+    next_page = 1
+    max_pages = max(-(-n // page_size) for n in lengths)
+    for n in lengths:
+        pages = list(range(next_page, next_page + -(-n // page_size)))
+        next_page += len(pages)
+        positions += range(n)
+        slots += [pages[p // page_size] * page_size + p % page_size for p in range(n)]
+        tables.append(pages + [0] * (max_pages - len(pages)))
+        starts.append(starts[-1] + n)
+
+    def t(values):
+        return torch.tensor(values, dtype=torch.int64, device=device)
+
+    return AttentionMetadata(
+        positions=t(positions),
+        slot_mapping=t(slots),
+        query_start_loc=t(starts),
+        seq_lens=t(lengths),
+        block_tables=t(tables),
+        max_query_len=max(lengths),
+        max_seq_len=max(lengths),
+    )
+
+
+@dataclass
+class FeatureStore:
+    """Per-token target features of all samples, packed; sample i owns rows
+    offsets[i]:offsets[i+1]."""
+
+    aux: torch.Tensor  # [N, 3*H] inputs of the auxiliary layers, concatenated low/mid/high
+    hidden: torch.Tensor  # [N, H] final normed hidden state
+    argmax: torch.Tensor  # [N] the target's most likely next token
+    tokens: torch.Tensor  # [N] the token at each position
+    offsets: list[int]
+    prompt_lens: list[int]
+
+    def __len__(self) -> int:
+        return len(self.prompt_lens)
+
+    def length(self, i: int) -> int:
+        return self.offsets[i + 1] - self.offsets[i]
+
+
+@torch.inference_mode()
+def record_features(
+    model: LlamaForCausalLM,
+    samples: list[Sample],
+    aux_layer_ids: tuple[int, ...],
+    tokens_per_batch: int,
+    page_size: int = 16,
+    progress: bool = True,
+) -> FeatureStore:
+    """Run the target over every sample (batches of about `tokens_per_batch` tokens)."""
+    cfg = model.config
+    device = model.model.embed_tokens.weight.device
+    dtype = model.model.embed_tokens.weight.dtype
+    lengths = [len(s.token_ids) for s in samples]
+    total = sum(lengths)
+    aux = torch.empty(total, 3 * cfg.hidden_size, dtype=dtype, device=device)
+    hidden = torch.empty(total, cfg.hidden_size, dtype=dtype, device=device)
+    argmax = torch.empty(total, dtype=torch.int64, device=device)
+    offsets = [0]
+    for n in lengths:
+        offsets.append(offsets[-1] + n)
+    # KV pages for the largest batch, reused by every batch.
+    max_batch = max(tokens_per_batch, max(lengths))
+    max_count = 256
+    num_pages = max_batch // page_size + max_count + 2
+    kv_shape = (num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
+    kv = [(torch.empty(kv_shape, dtype=dtype, device=device),
+           torch.empty(kv_shape, dtype=dtype, device=device)) for _ in range(cfg.num_layers)]
+    backend = TorchAttentionBackend()
+    bar = tqdm(total=total, desc="Recording target features", unit="tok", disable=not progress)
+    i = 0
+    while i < len(samples):
+        j = i + 1
+        while (j < len(samples) and j - i < max_count
+               and offsets[j + 1] - offsets[i] <= max_batch):
+            j += 1
+        ids = torch.tensor([t for s in samples[i:j] for t in s.token_ids], device=device)
+        meta = dense_metadata(lengths[i:j], page_size, device)
+        final, aux_list = model(ids, meta, kv, backend, aux_layer_ids)
+        rows = slice(offsets[i], offsets[j])
+        aux[rows] = torch.cat(aux_list, dim=-1)
+        hidden[rows] = final
+        for c in range(0, final.shape[0], 4096):  # full-vocabulary logits in chunks
+            argmax[offsets[i] + c : offsets[i] + c + 4096] = model.compute_logits(
+                final[c : c + 4096]
+            ).argmax(-1)
+        bar.update(offsets[j] - offsets[i])
+        i = j
+    bar.close()
+    tokens = torch.tensor([t for s in samples for t in s.token_ids], device=device)
+    return FeatureStore(aux, hidden, argmax, tokens, offsets, [s.prompt_len for s in samples])
+
+
+@dataclass
+class Batch:
+    """Samples padded on the right to one length L."""
+
+    aux: torch.Tensor  # [B, L, 3H]
+    hidden: torch.Tensor  # [B, L, H]
+    argmax: torch.Tensor  # [B, L]
+    tokens: torch.Tensor  # [B, L]
+    lengths: torch.Tensor  # [B]
+    prompt_lens: torch.Tensor  # [B]
+
+
+def make_batch(store: FeatureStore, indices: list[int], max_len: int | None = None) -> Batch:
+    """Gather samples into a padded batch (each cut to `max_len` tokens)."""
+    lens = [store.length(i) if max_len is None else min(store.length(i), max_len)
+            for i in indices]
+    width = max(lens)
+    device = store.aux.device
+    rows = torch.zeros(len(indices), width, dtype=torch.int64, device=device)
+    for b, (i, n) in enumerate(zip(indices, lens)):
+        rows[b, :n] = torch.arange(store.offsets[i], store.offsets[i] + n, device=device)
+        rows[b, n:] = store.offsets[i]  # padding repeats a real row; masked out later
+    return Batch(
+        aux=store.aux[rows],
+        hidden=store.hidden[rows],
+        argmax=store.argmax[rows],
+        tokens=store.tokens[rows],
+        lengths=torch.tensor(lens, device=device),
+        prompt_lens=torch.tensor([store.prompt_lens[i] for i in indices], device=device),
+    )

