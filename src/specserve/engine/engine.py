@@ -65,6 +65,7 @@ class LLMEngine:
             [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
         )
         self.requests: dict[str, Request] = {}
+        self.num_steps = 0  # target forwards run so far
         self._arrivals = itertools.count()
         self._rng = random.Random(config.seed)
 
@@ -137,6 +138,7 @@ class LLMEngine:
         batch = self.scheduler.schedule(spec.policy if spec else None)
         if not batch:
             return []
+        self.num_steps += 1
         t0 = time.perf_counter()
         drafting = [s for s in batch if s.draft_len > 0]
         if drafting:
@@ -200,4 +202,6 @@ class LLMEngine:
             "kv_pages_used": self.kv.allocator.num_used,
             "kv_pages_total": self.kv.allocator.num_usable,
             "preemptions": self.scheduler.num_preemptions,
+            "steps": self.num_steps,
+            **(self.spec.stats() if self.spec else {}),
         }

@@ -110,3 +110,17 @@ class Speculator:
             self.policy.trace.predicted_goodput = (
                 self.policy.predicted_tokens / self.policy.predicted_ms * 1e3
             )
+
+    def stats(self) -> dict:
+        """Speculation figures for metrics: decisions, acceptance, goodput."""
+        trace = self.policy.trace
+        return {
+            "spec_policy": type(self.policy).__name__,
+            "spec_simulated_acceptance": self.simulate_rate is not None,
+            "spec_steps_by_draft_len": list(trace.steps_by_draft_len),
+            "spec_last_draft_lens": list(trace.last_draft_lens),
+            "spec_predicted_goodput": trace.predicted_goodput,
+            "spec_observed_goodput": trace.observed_goodput,
+            "spec_position_drafted": list(self.acceptance.position_drafted),
+            "spec_position_accepted": list(self.acceptance.position_accepted),
+        }
