@@ -62,6 +62,25 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _train_eagle3(args: argparse.Namespace) -> int:
+    from specserve.train.config import config_from_args
+    from specserve.train.trainer import run_cli
+
+    try:
+        cfg = config_from_args(args)
+    except ValueError as e:
+        raise SpecserveError(str(e)) from e
+    return run_cli(cfg)
+
+
+def _add_train_parser(sub) -> None:
+    from specserve.train.config import add_train_args  # flags derive from TrainConfig
+
+    tr = sub.add_parser("train-eagle3", help="train an EAGLE-3 draft head by self-distillation")
+    add_train_args(tr)
+    tr.set_defaults(func=_train_eagle3)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -77,6 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     gen.add_argument("--no-chat-template", action="store_true", help="send the prompt as is")
     gen.set_defaults(func=_generate)
+    _add_train_parser(sub)
     return parser
 
 

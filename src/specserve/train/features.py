@@ -112,9 +112,8 @@ def record_features(
         aux[rows] = torch.cat(aux_list, dim=-1)
         hidden[rows] = final
         for c in range(0, final.shape[0], 4096):  # full-vocabulary logits in chunks
-            argmax[offsets[i] + c : offsets[i] + c + 4096] = model.compute_logits(
-                final[c : c + 4096]
-            ).argmax(-1)
+            top = model.compute_logits(final[c : c + 4096]).argmax(-1)
+            argmax[offsets[i] + c : offsets[i] + c + top.shape[0]] = top
         bar.update(offsets[j] - offsets[i])
         i = j
     bar.close()

@@ -102,7 +102,7 @@ def stdlib_prompts(root: Path | None = None) -> list[PromptItem]:
             continue
         doc = ast.get_docstring(tree)
         if doc and len(doc) > 80:
-            items.append(_user(f"stdlib:{module}",
+            items.append(_user(f"stdlib:{module}:0",
                                f"Summarize this documentation of the Python module `{module}`:"
                                f"\n\n{_clip(doc)}"))
         lines = source.splitlines()

@@ -1,0 +1,187 @@
+"""train-eagle3: prompt sources, draft vocabulary, target features against transformers, the
+training-time-test bookkeeping, and a tiny end-to-end run (loss falls, acceptance rises, the
+head reloads strictly, training resumes from its checkpoint)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from specserve.cli import main
+from specserve.model.eagle3 import load_eagle3_head
+from specserve.model.hf_config import load_hf_config
+from specserve.model.loader import load_model, resolve_model
+from specserve.train.config import TrainConfig
+from specserve.train.distill import Sample, build_draft_vocab
+from specserve.train.features import record_features
+from specserve.train.prompts import (
+    PromptSourceError,
+    jsonl_prompts,
+    load_prompts,
+    shakespeare_prompts,
+    stdlib_prompts,
+)
+from specserve.train.trainer import train
+from specserve.train.ttt import UnrollOutput, acceptance_stats, ttt_mask
+from tests.tiny_models import make_tiny_model
+
+AUX = [1, 2, 3]
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("target4"), "llama", num_layers=4)
+
+
+@pytest.fixture(scope="module")
+def prompt_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
+    lines = []
+    for i in range(36):
+        text = f"The quick brown fox {i} jumps over the lazy dog"
+        if i % 3 == 0:
+            lines.append({"prompt": text})
+        elif i % 3 == 1:
+            lines.append({"messages": [{"role": "user", "content": text}]})
+        else:
+            lines.append({"conversations": [{"from": "human", "value": text},
+                                             {"from": "gpt", "value": "dropped"}]})
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    return path
+
+
+def _config(out, target, prompt_file, **kw) -> TrainConfig:
+    base = dict(out=str(out), data=[str(prompt_file)], target=str(target), steps=60,
+                batch_size=8, lr=5e-3, warmup_steps=5, ttt_steps=3, draft_vocab_size=128,
+                heldout_prompts=4, max_new_tokens=32, aux_layer_ids=AUX, gen_batch=32,
+                save_every=30, eval_every=30, progress=False)
+    return TrainConfig(**{**base, **kw})
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, target, prompt_file):
+    out = tmp_path_factory.mktemp("run")
+    return out, train(_config(out, target, prompt_file))
+
+
+def test_loss_falls_and_acceptance_rises(trained):
+    _, result = trained
+    first, last = result.losses[:5], result.losses[-5:]
+    assert sum(last) / 5 < 0.9 * sum(first) / 5
+    before = result.metrics["initial"]["train_subset"]
+    after = result.metrics["train_subset"]
+    assert after["step_acc"][0] > before["step_acc"][0] + 0.03
+    assert after["mean_accept_len"][-1] > before["mean_accept_len"][-1]
+
+
+def test_outputs_and_strict_reload(trained, target):
+    out, result = trained
+    for name in ("data.jsonl", "heldout_prompts.jsonl", "log.jsonl", "metrics.json",
+                 "state.pt", "config.json", "model.safetensors"):
+        assert (out / name).is_file(), name
+    raw = json.loads((out / "config.json").read_text())
+    assert raw["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 1, 2]
+    head = load_eagle3_head(out, load_hf_config(target), torch.bfloat16, "cpu")
+    assert head.aux_layer_ids == tuple(AUX)
+    trained_w = result.head.state_dict()
+    for name, tensor in head.state_dict().items():
+        assert torch.equal(tensor, trained_w[name].to(tensor.dtype)), name
+    curve = [json.loads(ln) for ln in (out / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in curve if "loss" in r] == [10, 20, 30, 40, 50, 60]
+
+
+def test_resume_continues_from_checkpoint(trained, target, prompt_file, tmp_path, capsys):
+    out, _ = trained
+    shutil.copytree(out, tmp_path / "run", dirs_exist_ok=True)
+    args = ["train-eagle3", "--target", str(target), "--data", str(prompt_file), "--out",
+            str(tmp_path / "run"), "--steps", "70", "--batch-size", "8", "--ttt-steps", "3",
+            "--draft-vocab-size", "128", "--heldout-prompts", "4", "--max-new-tokens", "32",
+            "--aux-layer-ids", "1", "2", "3", "--no-progress"]
+    assert main(args) == 2  # a checkpoint is there and --resume was not given
+    assert "--resume" in capsys.readouterr().err
+    assert main(args + ["--resume"]) == 0
+    assert "mean acceptance length" in capsys.readouterr().out
+    records = [json.loads(ln) for ln in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r.get("event") == "start"] == [0, 60]
+    assert not [r for r in records if r.get("event") == "generated"][1:]  # data reused
+    assert torch.load(tmp_path / "run" / "state.pt", weights_only=False)["step"] == 70
+
+
+def test_features_are_inputs_of_the_aux_layers(target):
+    transformers = pytest.importorskip("transformers")
+    model = load_model(resolve_model(str(target)), torch.float32, torch.device("cpu"))
+    samples = [Sample("a", [5, 9, 11, 40, 7, 3, 90], 2), Sample("b", list(range(20, 45)), 4),
+               Sample("c", [8, 8, 8], 1)]
+    store = record_features(model, samples, tuple(AUX), tokens_per_batch=16, page_size=4,
+                            progress=False)  # several batches, sequences across pages
+    ref = transformers.AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
+    for i, s in enumerate(samples):
+        rows = slice(store.offsets[i], store.offsets[i + 1])
+        with torch.no_grad():
+            o = ref(torch.tensor([s.token_ids]), output_hidden_states=True)
+        want = torch.cat([o.hidden_states[j][0] for j in AUX], dim=-1)  # [j] enters layer j
+        torch.testing.assert_close(store.aux[rows], want, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(store.hidden[rows], o.hidden_states[-1][0], atol=1e-4,
+                                   rtol=1e-4)
+        assert torch.equal(store.argmax[rows], o.logits[0].argmax(-1))
+
+
+def test_draft_vocab_is_most_frequent_reply_tokens():
+    samples = [Sample("a", [1, 2, 7, 7, 7, 9], 2), Sample("b", [3, 9, 9, 5], 1)]
+    d2t, t2d, coverage = build_draft_vocab(samples, vocab_size=12, draft_vocab_size=3)
+    ids = torch.arange(3) + d2t
+    assert ids.tolist() == [5, 7, 9] and t2d.nonzero().flatten().tolist() == [5, 7, 9]
+    assert coverage == 1.0
+    d2t, t2d, coverage = build_draft_vocab(samples, vocab_size=12, draft_vocab_size=2)
+    assert (torch.arange(2) + d2t).tolist() == [7, 9] and coverage == pytest.approx(6 / 7)
+
+
+def test_ttt_mask_and_acceptance_stats():
+    mask = ttt_mask(3, 2, torch.device("cpu"))
+    assert mask.int().tolist() == [[1, 0, 0, 1, 0, 0, 1, 0, 0],
+                                   [1, 1, 0, 0, 1, 0, 0, 1, 0],
+                                   [1, 1, 1, 0, 0, 1, 0, 0, 1]]
+    t = torch.tensor
+    valid = [t([[True, True, True, False]]), t([[True, True, False, False]])]
+    correct = [t([[True, False, True, False]]), t([[True, True, False, False]])]
+    stats = acceptance_stats([UnrollOutput(torch.zeros(()), [0.0, 0.0], valid, correct)])
+    assert stats["step_acc"] == [pytest.approx(2 / 3), 1.0]
+    assert stats["chain"] == [pytest.approx(2 / 3), pytest.approx(1 / 3)]
+    assert stats["mean_accept_len"] == [pytest.approx(5 / 3), 2.0]
+
+
+def test_prompt_sources(tmp_path, prompt_file):
+    lib = tmp_path / "lib"
+    (lib / "test").mkdir(parents=True)
+    code = ('"""A module docstring long enough to be worth summarizing: ' + "words " * 10 + '"""\n'
+            "def visible(x):\n    '''Doc.'''\n    y = x + 1\n    return y * 2\n\n"
+            "def _hidden(x):\n    a = 1\n    b = 2\n    return a + b\n\n"
+            "class Box:\n    def put(self, item):\n        self.items = []\n"
+            "        self.items.append(item)\n        return item\n")
+    (lib / "mod.py").write_text(code)
+    (lib / "test" / "test_mod.py").write_text(code)
+    keys = sorted(p.key.rsplit(":", 1)[0] for p in stdlib_prompts(lib))
+    assert keys == ["stdlib:mod", "stdlib:mod.Box", "stdlib:mod.Box.put", "stdlib:mod.visible"]
+
+    texts = tmp_path / "texts"
+    texts.mkdir()
+    (texts / "play_gut.txt").write_text("THE PLAY\n" + "A line of verse, and more.\n" * 200)
+    (texts / "play_gut_f.txt").write_text("folio duplicate\n" * 200)
+    passages = shakespeare_prompts(texts)
+    assert passages and all(p.key.startswith("shakespeare:play_gut:") for p in passages)
+
+    items = jsonl_prompts(prompt_file)
+    assert len(items) == 36 and all(p.messages[-1]["role"] == "user" for p in items)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"messages": [{"role": "assistant", "content": "x"}]}\n')
+    with pytest.raises(PromptSourceError, match="no user turn"):
+        jsonl_prompts(bad)
+    with pytest.raises(PromptSourceError, match="neither"):
+        load_prompts(["no-such-source"], 0, None, 0)
+    train_a, held_a = load_prompts([str(prompt_file)], 3, 20, 5)
+    train_b, held_b = load_prompts([str(prompt_file)], 3, 20, 5)
+    assert [p.key for p in train_a] == [p.key for p in train_b] and len(train_a) == 20
+    assert not {p.key for p in held_a} & {p.key for p in train_a}
