@@ -1,0 +1,120 @@
+"""`specserve eval-draft`: how well a drafter predicts a target, measured by real greedy
+speculative decoding: mean acceptance length and per-position acceptance at K = 1..7."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from specserve.sampling_params import SamplingParams
+from specserve.spec.acceptance import AcceptanceModel
+from specserve.spec.policy import FixedPolicy
+
+
+@dataclass
+class DraftEval:
+    """Acceptance figures of one draft length."""
+
+    k: int
+    verify_steps: int
+    drafted: int
+    accepted: int
+    position_rates: list[float] = field(default_factory=list)
+
+    @property
+    def mean_accept_len(self) -> float:
+        """Accepted drafts + 1 (the bonus) per verify step."""
+        return (self.accepted + self.verify_steps) / max(self.verify_steps, 1)
+
+
+def evaluate(llm, prompts: list[list[int]], ks: list[int], max_tokens: int) -> list[DraftEval]:
+    """Run the prompts greedily at each fixed K with the llm's drafter."""
+    spec = llm.engine.spec
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    results = []
+    for k in ks:
+        spec.policy = FixedPolicy(k)
+        spec.acceptance = AcceptanceModel(spec.k_max)
+        outs = llm.generate(prompts, params)
+        stats = [o.spec_stats for o in outs]
+        results.append(
+            DraftEval(
+                k=k,
+                verify_steps=sum(s.verify_steps for s in stats),
+                drafted=sum(s.drafted for s in stats),
+                accepted=sum(s.accepted for s in stats),
+                position_rates=[round(r, 4) for r in spec.acceptance.position_rates()[:k]],
+            )
+        )
+    return results
+
+
+def run_eval_draft(args) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from specserve.llm import LLM
+    from specserve.train.prompts import load_prompts
+
+    ks = sorted(set(args.k))
+    llm = LLM(
+        args.target,
+        progress=True,
+        speculative_algorithm=args.algorithm,
+        speculative_draft_model_path=args.draft,
+        speculative_num_steps=max(ks),
+        speculative_policy="fixed",
+        dtype=args.dtype,
+        device=args.device,
+    )
+    train, heldout = load_prompts(args.data, args.seed, None, args.num_prompts)
+    items = heldout if args.split == "heldout" else train[: args.num_prompts]
+    prompts = [llm.apply_chat_template(p.messages) for p in items]
+    results = evaluate(llm, prompts, ks, args.max_tokens)
+    table = Table(title=f"{args.algorithm} drafter on {len(prompts)} {args.split} prompts")
+    for col in ("K", "mean accept len", "accepted/drafted", "per-position acceptance"):
+        table.add_column(col)
+    for r in results:
+        table.add_row(
+            str(r.k),
+            f"{r.mean_accept_len:.3f}",
+            f"{r.accepted}/{r.drafted}",
+            " ".join(f"{x:.2f}" for x in r.position_rates),
+        )
+    Console().print(table)
+    if args.out:
+        payload = {
+            "target": args.target,
+            "draft": args.draft,
+            "algorithm": args.algorithm,
+            "data": args.data,
+            "split": args.split,
+            "seed": args.seed,
+            "num_prompts": len(prompts),
+            "max_tokens": args.max_tokens,
+            "results": [{**r.__dict__, "mean_accept_len": r.mean_accept_len} for r in results],
+        }
+        Path(args.out).write_text(json.dumps(payload, indent=2) + "\n")
+    return 0
+
+
+def add_eval_draft_parser(sub) -> None:
+    p = sub.add_parser(
+        "eval-draft", help="mean acceptance length and per-position acceptance of a drafter"
+    )
+    p.add_argument("--target", default=None, help="target model (default: embedded SmolLM2)")
+    p.add_argument("--draft", default=None, help="EAGLE-3 head folder or draft model path")
+    p.add_argument("--algorithm", default="eagle3", choices=["eagle3", "draft", "ngram"])
+    p.add_argument("--data", nargs="+", default=["stdlib", "shakespeare"],
+                   help="prompt sources: stdlib, shakespeare, or JSONL files")
+    p.add_argument("--split", default="heldout", choices=["heldout", "train"],
+                   help="held-out prompts of the training split (same --data and --seed)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--k", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6, 7])
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--out", default=None, help="write the results as JSON here")
+    p.set_defaults(func=run_eval_draft)
