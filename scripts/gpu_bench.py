@@ -31,12 +31,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "scripts"))
 
+import gpu_bench_patches  # noqa: E402
 from gpu_bench_parts import (  # noqa: E402
     attention_sweep,
     copy_bandwidth,
     gemm_chain_ms,
     graph_step_ms,
     kernel_profile,
+    sample_ms,
 )
 
 from specserve.engine.kv_cache import KVCache  # noqa: E402
@@ -102,7 +104,8 @@ def generate(model, kv: KVCache, step_fn, batch: int, prompt_len: int, new_token
         _sync(device)
         t0 = time.perf_counter()
         hidden, _ = model(prompts, meta, kv.layers, step_fn.backend)
-        tok = model.compute_logits(hidden[meta.query_start_loc[1:] - 1]).argmax(-1)
+        last_hidden = hidden[meta.query_start_loc[1:] - 1]
+        tok = model.compute_logits(last_hidden).argmax(-1)
         out = torch.empty(new_tokens, batch, dtype=torch.int64, device=device)
         out[0] = tok
         _sync(device)
@@ -129,7 +132,7 @@ def generate(model, kv: KVCache, step_fn, batch: int, prompt_len: int, new_token
         step_ms=1e3 * (t2 - t1) / steps,
         decode_tok_s=batch * steps / (t2 - t1),
         e2e_tok_s=batch * new_tokens / (t2 - t0),
-        tokens=out.T.cpu(),
+        tokens=out.T.cpu(), prefill_hidden=last_hidden.float().cpu(),
     )  # fmt: skip
 
 
@@ -205,20 +208,37 @@ def main() -> None:
             for b in args.batches
         }  # tok/s if a step only streamed the weights and the KV once
         result["gemm_chain_ms"] = {str(m): gemm_chain_ms(model, m) for m in (1, 64, 256)}
+        result["sample_ms"] = {str(b): sample_ms(model, b) for b in args.batches}
         result["gemm_chain_merged_qkv_gateup_ms"] = {
             str(m): gemm_chain_ms(model, m, merged=True) for m in (1, 64)
         }
         print(f"copy {bw / 1e9:.0f} GB/s, weights {weight_bytes / 1e9:.2f} GB, bounds "
               f"{result['bounds']}, gemm chain {result['gemm_chain_ms']}", flush=True)
 
-    torch_backend, triton_backend = get_backend("torch"), get_backend("triton")
-    configs = [("torch-eager", torch_backend, False, False)]
-    configs += [("triton-eager", triton_backend, True, False)]
+    torch_backend, tuned = get_backend("torch"), get_backend("triton")
     if cuda:
-        configs += [("triton-graphs", triton_backend, True, True),
-                    ("triton-graphs-unfused-ops", triton_backend, False, True)]  # fmt: skip
+        sweep = attention_sweep(kv, cfg.num_heads, args.prompt_len + args.new_tokens // 2,
+                                args.graph_max_seq_len, ((64, 1), (1, 1), (64, 4), (16, 1)))
+        tuned = sweep.pop("chosen_backend")
+        result["attention_sweep"] = sweep
+        print(f"attention sweep: best {sweep['best']} (score {sweep['best_score']}, default "
+              f"{sweep['default_score']})", flush=True)  # fmt: skip
+        save(result, args.out)
+    # (name, backend, fused ops, CUDA graphs)
+    configs = [("torch-eager", torch_backend, False, False), ("triton-eager", tuned, True, False)]
+    if cuda:
+        configs += [("triton-graphs", tuned, True, True),
+                    ("triton-graphs-default-launch", get_backend("triton"), True, True),
+                    ("triton-graphs-unfused-ops", tuned, False, True),
+                    ("triton-graphs-proposed-model", tuned, True, True)]  # fmt: skip
     runs, tokens = [], {}
     for name, backend, fused, graphs in configs:
+        if name == "triton-graphs-proposed-model":
+            result["profile_us_per_step"] = {
+                str(b): kernel_profile(model, kv, tuned, b, args.prompt_len)
+                for b in args.batches
+            }
+            gpu_bench_patches.apply(model)
         try:
             run_config(args, result, model, kv, name, backend, fused, graphs, runs, tokens)
         except Exception as e:  # keep the other configurations' numbers
@@ -226,23 +246,13 @@ def main() -> None:
             print(f"{name} FAILED: {e!r}", flush=True)
         if cuda:
             torch.cuda.empty_cache()
-    result["runs"] = runs
-    save(result, args.out)
+        result["runs"] = runs
+        save(result, args.out)
     if cuda:
-        triton_ops.use_triton_ops(model)
-        result["profile_us_per_step"] = {
-            str(b): kernel_profile(model, kv, triton_backend, b, args.prompt_len)
-            for b in args.batches
+        result["profile_us_per_step_proposed_model"] = {
+            str(b): kernel_profile(model, kv, tuned, b, args.prompt_len) for b in args.batches
         }
         save(result, args.out)
-        print_table(result)  # the sweep below is for tuning; the table comes first
-        ctx = args.prompt_len + args.new_tokens // 2
-        result["attention_sweep"] = {}
-        for b, q in ((64, 1), (1, 1), (64, 4)):
-            result["attention_sweep"][f"B={b},q={q}"] = attention_sweep(
-                kv, b, q, ctx, cfg.num_heads
-            )[:8]
-            save(result, args.out)
     print_table(result)
 
 
@@ -256,47 +266,56 @@ def run_config(args, result, model, kv, name, backend, fused, graphs, runs, toke
     triton_ops.use_triton_ops(model, enable=fused)
     step = EagerStep(model, kv, backend)
     if graphs:
-        buckets = args.graph_buckets if fused else sorted(set(args.batches))
-        q_set = args.graph_tokens if fused else [1]
+        full = name == "triton-graphs"
+        buckets = args.graph_buckets if full else sorted(set(args.batches))
+        q_set = args.graph_tokens if full else [1]
         runner = CudaGraphRunner(model, kv.layers, backend, tuple(buckets), tuple(q_set),
                                  max_seq_len=args.graph_max_seq_len)  # fmt: skip
         report = runner.capture()
         result[f"capture[{name}]"] = vars(report)
         print(f"{name}: captured {report}", flush=True)
         step = GraphStep(runner)
-        if fused:
+        if full:
             ctx = args.prompt_len + args.new_tokens // 2
             result["graph_step_ms"] = graph_step_ms(runner, kv, ctx)
     for batch in args.batches:
         generate(model, kv, step, batch, args.prompt_len, 4)  # warm-up
         r = generate(model, kv, step, batch, args.prompt_len, args.new_tokens)
-        tokens[(name, batch)] = r.pop("tokens")
+        tokens[(name, batch)] = r.pop("tokens"), r.pop("prefill_hidden")
         r["config"] = name
-        ref = tokens.get(("torch-eager", batch))
-        if ref is not None:
-            r["greedy_agreement_vs_torch"] = agreement(tokens[(name, batch)], ref)
+        for other in ("torch-eager", "triton-graphs"):
+            if (other, batch) in tokens:
+                ref_tokens, ref_hidden = tokens[(other, batch)]
+                r[f"greedy_agreement_vs_{other}"] = agreement(tokens[(name, batch)][0], ref_tokens)
+                err = (tokens[(name, batch)][1] - ref_hidden).norm() / ref_hidden.norm()
+                r[f"prefill_hidden_rel_err_vs_{other}"] = float(f"{err.item():.3g}")
         runs.append(r)
         print(f"{name:28s} batch {batch:3d}: {r['decode_tok_s']:9.1f} tok/s decode, "
               f"{r['step_ms']:7.2f} ms/step, e2e {r['e2e_tok_s']:9.1f} tok/s", flush=True)
 
 
 def print_table(result: dict) -> None:
-    print("\n| config | batch | decode tok/s | ms/step | prefill s | e2e tok/s | greedy agree |")
-    print("|---|---|---|---|---|---|---|")
+    nan = float("nan")
+    print("\n| config | batch | decode tok/s | ms/step | prefill s | e2e tok/s | agree vs torch "
+          "| prefill hidden err vs torch |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in result["runs"]:
         if "error" in r:
             print(f"| {r['config']} | error: {r['error'][:200]} |")
             continue
         print(f"| {r['config']} | {r['batch']} | {r['decode_tok_s']:.1f} | {r['step_ms']:.2f} "
               f"| {r['prefill_s']:.3f} | {r['e2e_tok_s']:.1f} "
-              f"| {r.get('greedy_agreement_vs_torch', float('nan')):.2f} |")  # fmt: skip
-    for key in ("bounds", "gemm_chain_ms", "gemm_chain_merged_qkv_gateup_ms", "graph_step_ms",
-                "profile_us_per_step"):
+              f"| {r.get('greedy_agreement_vs_torch-eager', nan):.2f} "
+              f"| {r.get('prefill_hidden_rel_err_vs_torch-eager', nan):.2g} |")  # fmt: skip
+    for key in ("bounds", "gemm_chain_ms", "gemm_chain_merged_qkv_gateup_ms", "sample_ms",
+                "graph_step_ms",
+                "profile_us_per_step", "profile_us_per_step_proposed_model"):
         if key in result:
             print(f"{key}: {json.dumps(result[key])}")
-    for key, rows in result.get("attention_sweep", {}).items():
-        default = next((r for r in rows if r.get("default")), None)
-        print(f"attention {key}: best {rows[0]}; default in top 8: {default}")
+    sweep = result.get("attention_sweep")
+    if sweep:
+        print(f"attention: chosen {sweep['best']} us {sweep['best_us']}; "
+              f"default us {sweep['default_us']}")  # fmt: skip
     if "copy_gbps" in result:
         print(f"copy bandwidth {result['copy_gbps']:.0f} GB/s; weights "
               f"{result['weights_gb']:.2f} GB")  # fmt: skip

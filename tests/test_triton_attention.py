@@ -103,7 +103,8 @@ def test_gpu_mixed_prefill_decode_verify(dtype, page_size, num_splits):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("q_len", [1, 2, 4, 8])
 @pytest.mark.parametrize("num_splits", [1, None])
-def test_gpu_decode_and_verify_batches(dtype, q_len, num_splits):
+@pytest.mark.parametrize("launch", [(64, 4, 2), (128, 8, 3)])
+def test_gpu_decode_and_verify_batches(dtype, q_len, num_splits, launch):
     gen = torch.Generator().manual_seed(q_len)
     num_requests = 48
     seq_lens = torch.randint(q_len + 3, 4096, (num_requests,), generator=gen).tolist()
@@ -111,7 +112,9 @@ def test_gpu_decode_and_verify_batches(dtype, q_len, num_splits):
     ends = [s - 1 - 3 * (b % 2) for b, s in enumerate(seq_lens)]
     batch = make_batch([q_len] * num_requests, ends, seq_lens, 16, dtype=dtype, device="cuda",
                        seed=q_len, **GPU_SHAPE)  # fmt: skip
-    err = attention_error(_kernels(), batch, num_splits)
+    block_n, warps, stages = launch
+    err = attention_error(_kernels(), batch, num_splits, block_n, num_warps=warps,
+                          num_stages=stages)  # fmt: skip
     assert err < GPU_TOL[dtype], err
 
 

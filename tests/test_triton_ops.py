@@ -7,7 +7,12 @@ import pytest
 import torch
 
 from tests.model_cases import model_error
-from tests.triton_cases import rms_norm_error, rotary_error, silu_and_mul_error
+from tests.triton_cases import (
+    add_rms_norm_error,
+    rms_norm_error,
+    rotary_error,
+    silu_and_mul_error,
+)
 
 pytestmark = pytest.mark.gpu
 TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
@@ -23,6 +28,7 @@ def _ops():
 def test_gpu_fused_ops_match_modules(dtype):
     ops = _ops()
     assert rms_norm_error(ops, dtype, "cuda", rows=33, dim=4096) < TOL[dtype]
+    assert add_rms_norm_error(ops, dtype, "cuda", rows=33, dim=4096) < TOL[dtype]
     assert rotary_error(ops, dtype, "cuda", tokens=65, q_heads=32, k_heads=8, head_dim=128) < (
         TOL[dtype]
     )

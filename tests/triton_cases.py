@@ -88,14 +88,14 @@ def reference(batch: Batch, scale: float) -> torch.Tensor:
     )
 
 
-def attention_error(kernels, batch: Batch, num_splits, block_n=None) -> float:
+def attention_error(kernels, batch: Batch, num_splits, block_n=None, **launch) -> float:
     """Backend forward (KV write + attention) against the reference; the output is poisoned
     first so unwritten elements show up as NaN."""
     from specserve.layers.attention.triton_attn import TritonAttentionBackend
 
     scale = batch.q.shape[-1] ** -0.5
     ref = reference(batch, scale)
-    backend = TritonAttentionBackend(num_splits=num_splits, block_n=block_n, kernels=kernels)
+    backend = TritonAttentionBackend(num_splits=num_splits, kernels=kernels)
     kc, vc = batch.k_cache.clone(), batch.v_cache.clone()
     ops = backend.kernels
     ops.write_kv(batch.k, batch.v, kc, vc, batch.meta.slot_mapping)
@@ -106,7 +106,7 @@ def attention_error(kernels, batch: Batch, num_splits, block_n=None) -> float:
     m = batch.meta
     ops.paged_attention(batch.q, kc, vc, m.positions, m.query_start_loc, m.seq_lens,
                         m.block_tables, m.max_query_len, scale, num_splits=splits,
-                        block_n=block_n, out=out)  # fmt: skip
+                        block_n=block_n, out=out, **launch)  # fmt: skip
     return rel_err(out, ref)
 
 
@@ -131,6 +131,18 @@ def rms_norm_error(ops, dtype, device, rows=5, dim=96, seed=0) -> float:
     norm = RMSNorm(dim, 1e-6).to(dtype=dtype, device=device)
     norm.weight.data = torch.randn(dim, generator=gen).to(dtype=dtype, device=device)
     return rel_err(ops.rms_norm(x, norm.weight, norm.eps), norm(x))
+
+
+def add_rms_norm_error(ops, dtype, device, rows=5, dim=96, seed=0) -> float:
+    from specserve.layers.norm import RMSNorm
+
+    gen = torch.Generator().manual_seed(seed)
+    x, r = ((torch.randn(rows, dim, generator=gen) * 3).to(dtype=dtype, device=device)
+            for _ in "xr")  # fmt: skip
+    norm = RMSNorm(dim, 1e-6).to(dtype=dtype, device=device)
+    norm.weight.data = torch.randn(dim, generator=gen).to(dtype=dtype, device=device)
+    total, out = ops.add_rms_norm(x, r, norm.weight, norm.eps)
+    return max(rel_err(total, x + r), rel_err(out, norm(x + r)))
 
 
 def rotary_error(ops, dtype, device, tokens=7, q_heads=4, k_heads=2, head_dim=32, seed=0):
@@ -190,7 +202,7 @@ def interpreter_cases() -> dict[str, tuple]:
         cases[f"model-{dtype}-page{ps}"] = ("model", (dtype, ps), {})
     cases["graph_runner_padding-float32"] = ("runner", ("float32",), {})
     for dtype in ("float16", "float32"):
-        for op in ("rms_norm", "rotary", "silu_and_mul"):
+        for op in ("rms_norm", "add_rms_norm", "rotary", "silu_and_mul"):
             cases[f"{op}-{dtype}"] = (op, (dtype,), {})
     return cases
 
@@ -203,13 +215,13 @@ def run_case(name: str, spec: tuple, kernels, ops) -> float:
         batch = _small(*args, dtype=kw.get("dtype", torch.float16), seed=len(name))
         return attention_error(kernels, batch, kw["ns"], block_n=16)
     dtype = getattr(torch, args[0])
-    from specserve.layers.attention.triton_attn import TritonAttentionBackend
+    from specserve.layers.attention.triton_attn import LaunchConfig, TritonAttentionBackend
 
+    small = LaunchConfig(block_n=16, num_warps=4, num_stages=2)  # several loop iterations
+    backend = TritonAttentionBackend(decode=small, prefill=small, kernels=kernels)
     if kind == "model":
-        backend = TritonAttentionBackend(block_n=16, kernels=kernels)
         return model_cases.model_error(backend, dtype, "cpu", args[1], fused_ops=ops)
     if kind == "runner":
-        backend = TritonAttentionBackend(block_n=16, kernels=kernels)
         return model_cases.runner_padding_error(backend, dtype, "cpu")
     return globals()[f"{kind}_error"](ops, dtype, "cpu", seed=len(name))
 

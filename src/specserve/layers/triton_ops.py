@@ -1,4 +1,5 @@
-"""Fused Triton kernels for the small per-layer ops: RMSNorm, rotary embedding, SiLU-and-mul.
+"""Fused Triton kernels for the small per-layer ops: RMSNorm (optionally with the residual add
+before it), rotary embedding, SiLU-and-mul.
 
 At decode batch sizes each of these is a handful of tiny PyTorch kernels (RMSNorm 6, rotary
 about 12), which under CUDA graphs cost microseconds apiece with the GPU otherwise idle; one
@@ -30,6 +31,24 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, n_cols, eps,
     x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
     inv_rms = tl.rsqrt(tl.sum(x * x, 0) / n_cols + eps)
     y = (x * inv_rms).to(x_ptr.dtype.element_ty).to(tl.float32)  # HF: cast before weight
+    w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + cols, (y * w).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, sum_ptr, out_ptr, stride_x, stride_r, stride_s,
+                         stride_o, n_cols, eps, BLOCK: tl.constexpr):  # fmt: skip
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < n_cols
+    dtype = sum_ptr.dtype.element_ty
+    x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+    r = tl.load(r_ptr + row * stride_r + cols, mask=ok, other=0.0).to(tl.float32)
+    total = (x + r).to(dtype)  # the residual stream, rounded as `x + r` rounds
+    tl.store(sum_ptr + row * stride_s + cols, total, mask=ok)
+    t = total.to(tl.float32)
+    inv_rms = tl.rsqrt(tl.sum(t * t, 0) / n_cols + eps)
+    y = (t * inv_rms).to(dtype).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * stride_o + cols, (y * w).to(out_ptr.dtype.element_ty), mask=ok)
 
@@ -109,6 +128,22 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
             num_warps=min(16, max(1, block // 256)),
         )  # fmt: skip
     return out.view(x.shape)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+    """(x + residual, rms_norm(x + residual)) in one kernel: the residual add of a decoder
+    layer fused into the RMSNorm that follows it."""
+    x2, r2 = _rows(x), _rows(residual)
+    total = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    out = torch.empty(x2.shape, dtype=torch.result_type(x, weight), device=x.device)
+    n = x2.shape[-1]
+    block = triton.next_power_of_2(n)
+    if x2.shape[0]:
+        _add_rms_norm_kernel[(x2.shape[0],)](
+            x2, r2, weight, total, out, x2.stride(0), r2.stride(0), total.stride(0),
+            out.stride(0), n, eps, BLOCK=block, num_warps=min(16, max(1, block // 256)),
+        )  # fmt: skip
+    return total.view(x.shape), out.view(x.shape)
 
 
 def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor):

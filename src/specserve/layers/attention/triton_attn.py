@@ -8,6 +8,8 @@ backend can be registered on machines without triton.
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from types import ModuleType
 
 import torch
@@ -16,6 +18,19 @@ from specserve.layers.attention.base import AttentionBackend, AttentionMetadata
 
 MAX_SPLITS = 32
 MIN_SPLIT_TOKENS = 128  # a KV chunk shorter than this is not worth a separate program
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Keys per loop iteration, warps and software-pipelining stages of the attention kernel."""
+
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+DECODE_LAUNCH = LaunchConfig(block_n=64, num_warps=4, num_stages=2)  # decode and verify
+PREFILL_LAUNCH = LaunchConfig(block_n=64, num_warps=8, num_stages=2)
 
 
 def _num_sms(device: torch.device) -> int:
@@ -28,10 +43,11 @@ class TritonAttentionBackend(AttentionBackend):
     """Paged attention through Triton kernels; same contract as the torch reference.
 
     `num_splits` fixes the KV split count (1: never split), None chooses it per step from
-    the number of (request, KV head, query block) programs and `meta.max_seq_len`, so that
-    about `programs_per_sm` programs run per multiprocessor. Under CUDA graphs pass
+    the number of (request, KV head) programs and `meta.max_seq_len`, so that about
+    `programs_per_sm` programs run per multiprocessor. Under CUDA graphs pass
     max_seq_len = the longest context the graph serves: the split count is then fixed at
-    capture and chunk sizes adapt on the device.
+    capture and chunk sizes adapt on the device. `decode` applies to steps of at most
+    DECODE_MAX_ROWS query rows per (request, KV head), `prefill` to the others.
     `kernels` replaces the kernel module (tests pass one defined under the interpreter).
     """
 
@@ -40,13 +56,14 @@ class TritonAttentionBackend(AttentionBackend):
     def __init__(
         self,
         num_splits: int | None = None,
-        programs_per_sm: int = 4,
-        block_n: int | None = None,
+        programs_per_sm: float = 4,
+        decode: LaunchConfig = DECODE_LAUNCH,
+        prefill: LaunchConfig = PREFILL_LAUNCH,
         kernels: ModuleType | None = None,
     ):
         self.num_splits = num_splits
         self.programs_per_sm = programs_per_sm
-        self.block_n = block_n
+        self.decode, self.prefill = decode, prefill
         self._kernels = kernels
         self._sms: dict[torch.device, int] = {}
 
@@ -69,7 +86,7 @@ class TritonAttentionBackend(AttentionBackend):
         if device not in self._sms:
             self._sms[device] = _num_sms(device)
         programs = meta.num_requests * num_kv_heads
-        wanted = -(-self.programs_per_sm * self._sms[device] // programs)
+        wanted = math.ceil(self.programs_per_sm * self._sms[device] / programs)
         by_length = -(-meta.max_seq_len // MIN_SPLIT_TOKENS)
         return max(1, min(wanted, by_length, MAX_SPLITS))
 
@@ -78,8 +95,10 @@ class TritonAttentionBackend(AttentionBackend):
         ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         kv_heads = k_cache.shape[2]
         splits = self.choose_num_splits(meta, kv_heads, q.shape[1] // kv_heads, q.device)
+        rows = meta.max_query_len * q.shape[1] // kv_heads
+        launch = self.decode if rows <= ops.DECODE_MAX_ROWS else self.prefill
         return ops.paged_attention(
             q, k_cache, v_cache, meta.positions, meta.query_start_loc, meta.seq_lens,
             meta.block_tables, meta.max_query_len, scale, num_splits=splits,
-            block_n=self.block_n,
+            block_n=launch.block_n, num_warps=launch.num_warps, num_stages=launch.num_stages,
         )  # fmt: skip

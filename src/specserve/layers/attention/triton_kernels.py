@@ -46,10 +46,10 @@ def _paged_attn_kernel(
     positions, query_start_loc, seq_lens, block_tables,
     stride_qt, stride_qh, stride_cp, stride_cs, stride_ch, stride_bt,
     stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
-    qk_scale,
+    qk_scale, num_splits,
     KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLIT: tl.constexpr,
+    BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -70,7 +70,7 @@ def _paged_attn_kernel(
     last_tok = tl.minimum(q_len - 1, (pid_m * BLOCK_M + BLOCK_M - 1) // GROUP)
     last_pos = tl.load(positions + q_start + tl.maximum(last_tok, 0))
     kv_end = tl.where(last_tok >= 0, tl.minimum(seq_len, last_pos + 1), 0)
-    chunk = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    chunk = tl.cdiv(tl.cdiv(kv_end, num_splits), BLOCK_N) * BLOCK_N
     lo = pid_s * chunk
     hi = tl.minimum(lo + chunk, kv_end)
 
@@ -117,14 +117,14 @@ def _paged_attn_kernel(
 @triton.jit
 def _split_reduce_kernel(
     part_ptr, lse_ptr, out_ptr,
-    stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, stride_ot, stride_oh,
-    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr,
+    stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, stride_ot, stride_oh, num_splits,
+    BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.arange(0, BLOCK_S)
-    s_ok = s < NUM_SPLITS
+    s_ok = s < num_splits
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
     lse = tl.load(lse_ptr + s * stride_ls + t * stride_lt + h, mask=s_ok, other=float("-inf"))
@@ -217,15 +217,15 @@ def paged_attention(
         positions, query_start_loc, seq_lens, block_tables,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), *dst_strides, *lse_strides,
-        scale * LOG2E,
+        scale * LOG2E, num_splits,
         KV_HEADS=kv_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
         PAGE_SIZE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_N=block_n,
-        NUM_SPLITS=num_splits, SPLIT=split, num_warps=num_warps, num_stages=num_stages,
+        SPLIT=split, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if split:
         _split_reduce_kernel[(num_tokens, num_heads)](
-            part, lse, out, *part.stride()[:3], *lse.stride()[:2], *out.stride()[:2],
-            NUM_SPLITS=num_splits, BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
+            part, lse, out, *part.stride()[:3], *lse.stride()[:2], *out.stride()[:2], num_splits,
+            BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
             HEAD_DIM=head_dim, BLOCK_D=block_d,
         )  # fmt: skip
     return out
