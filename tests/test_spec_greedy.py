@@ -8,6 +8,7 @@ import random
 import pytest
 
 from specserve import LLM, SamplingParams
+from specserve.engine.kv_cache import KVCache as KVCacheLike
 from specserve.spec.policy import PerRequestPolicy
 from tests.tiny_models import VOCAB, make_tiny_model
 
@@ -90,11 +91,12 @@ def test_mixed_per_request_draft_lengths(target):
     """Random draft lengths per request and per step (0 included) change nothing."""
     folder, other, prompts, plain = target
     for path in (folder, other):
-        llm = LLM(folder, speculative_algorithm="draft", speculative_draft_model_path=path)
+        llm = LLM(folder, speculative_algorithm="draft", speculative_draft_model_path=path,
+                  speculative_num_steps=7, speculative_policy="fixed")
         rng = random.Random(11)
         seen = set()
 
-        def draft_len(req):
+        def draft_len(req, rng=rng, seen=seen):
             k = rng.choice([0, 0, 1, 2, 3, 5, 7])
             seen.add(k)
             return k
@@ -110,7 +112,8 @@ def test_drafter_catches_up_after_pause(target):
     """After a stretch with no speculation the drafter catches up: a copy-drafter is still
     always right (its KV covers every committed token)."""
     folder, _, prompts, plain = target
-    llm = LLM(folder, speculative_algorithm="draft", speculative_draft_model_path=folder)
+    llm = LLM(folder, speculative_algorithm="draft", speculative_draft_model_path=folder,
+              speculative_policy="fixed")
     steps = {"n": 0}
 
     def draft_len(req):
@@ -173,8 +176,41 @@ def test_eagle3_greedy_identical(eagle_target, k, kw):
 def test_eagle3_mixed_draft_lengths(eagle_target):
     folder, head, prompts, plain = eagle_target
     llm = LLM(folder, speculative_algorithm="eagle3", speculative_draft_model_path=head,
-              speculative_num_steps=7)
+              speculative_num_steps=7, speculative_policy="fixed")
     rng = random.Random(5)
     llm.engine.spec.policy = PerRequestPolicy(7, lambda req: rng.choice([0, 0, 1, 3, 7]))
     assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == plain
     assert llm.engine.kv.allocator.num_used == 0
+
+
+def test_lookahead_never_costs_a_preemption():
+    """When pages are short, a request gives up its draft lookahead (K drops to 0) before
+    the scheduler preempts anyone: speculation's memory cost is only ever spare pages."""
+    from specserve.engine.kv_cache import PageAllocator
+    from specserve.engine.request import Request, RequestStatus
+    from specserve.engine.scheduler import Scheduler
+    from specserve.spec.policy import FixedPolicy
+
+    class Pool:  # the KVCache page logic without tensors
+        page_size = 4
+        allocator = PageAllocator(9)  # 8 usable pages = 32 tokens
+        grow = KVCacheLike.grow
+        release = KVCacheLike.release
+        pages_needed = KVCacheLike.pages_needed
+
+    sched = Scheduler(Pool(), max_num_seqs=8, max_num_batched_tokens=64)
+    reqs = []
+    for i in range(2):
+        r = Request(f"r{i}", list(range(3, 17)), SamplingParams(max_tokens=40), arrival=i,
+                    seed=0, max_len=512, eos_token_ids=frozenset())
+        r.output_token_ids = [5]  # committed 15, cached 14: decoding
+        r.cached_len = 14
+        assert Pool.grow(Pool(), r.page_table, 15)  # 4 pages each
+        r.status = RequestStatus.RUNNING
+        sched.running.append(r)
+        reqs.append(r)
+    batch = sched.schedule(FixedPolicy(7))
+    assert sched.num_preemptions == 0
+    assert [s.request for s in batch] == reqs
+    assert all(s.num_tokens == 1 for s in batch)
+    assert sum(s.draft_len for s in batch) < 14  # not both could have had their lookahead

@@ -73,6 +73,9 @@ class Scheduler:
             if req.num_uncached == 1:
                 k = max(0, min(draft_lens.get(id(req), 0), budget - 1, req.max_useful_drafts))
             while not self.kv.grow(req.page_table, req.cached_len + n + k):
+                if k > 0:  # give up the lookahead before taking anyone's pages
+                    k = 0
+                    continue
                 self._preempt(self.running[-1])
                 preempted = True
                 if req.status is not RequestStatus.RUNNING:
