@@ -137,7 +137,7 @@ def make_batch(store: FeatureStore, indices: list[int], max_len: int | None = No
     """Gather samples into a padded batch (each cut to `max_len` tokens)."""
     lens = [store.length(i) if max_len is None else min(store.length(i), max_len)
             for i in indices]
-    width = max(lens)
+    width = -(-max(lens) // 16) * 16  # aligned widths keep fused attention kernels eligible
     device = store.aux.device
     rows = torch.zeros(len(indices), width, dtype=torch.int64, device=device)
     for b, (i, n) in enumerate(zip(indices, lens)):
