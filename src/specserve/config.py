@@ -38,6 +38,9 @@ class EngineConfig:
     speculative_policy: str | None = None  # off | fixed | schedule | goodput (default)
     speculative_schedule: str | None = None  # batch size -> K table, e.g. "1:4,16:2,64:0"
     speculative_simulate_acceptance: float | None = None  # benchmarking only, see below
+    attention_backend: str = "auto"  # auto: triton on CUDA, torch on CPU
+    disable_cuda_graph: bool = False
+    cuda_graph_max_batch: int = 256
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in _DTYPES:
@@ -55,6 +58,10 @@ class EngineConfig:
                 f"max_num_batched_tokens must be >= 1; got {self.max_num_batched_tokens}"
             )
 
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ValueError(
+                f"attention_backend must be auto, torch or triton; got {self.attention_backend!r}"
+            )
         if self.speculative_algorithm in ("none", ""):
             self.speculative_algorithm = None
         if self.speculative_algorithm not in SPECULATIVE_ALGORITHMS:
@@ -80,7 +87,7 @@ class EngineConfig:
         if self.speculative_policy == "schedule" and not self.speculative_schedule:
             raise ValueError("speculative_policy schedule needs speculative_schedule")
         sim = self.speculative_simulate_acceptance
-        if sim is not None and not (0.0 <= sim <= 1.0 or 1.0 < sim <= self.speculative_num_steps + 1):
+        if sim is not None and not 0.0 <= sim <= self.speculative_num_steps + 1:
             raise ValueError(
                 "speculative_simulate_acceptance is a per-token acceptance rate in [0, 1] or a "
                 f"mean acceptance length in (1, K+1]; got {sim}"
@@ -94,6 +101,11 @@ class EngineConfig:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
+
+    def backend_name(self) -> str:
+        if self.attention_backend != "auto":
+            return self.attention_backend
+        return "triton" if self.torch_device().type == "cuda" else "torch"
 
     def torch_dtype(self, checkpoint_dtype: torch.dtype) -> torch.dtype:
         """The compute dtype: the option, else the checkpoint's (fp32 on CPU for half types,

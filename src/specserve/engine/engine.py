@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import random
 import time
 from dataclasses import dataclass, field
@@ -20,6 +21,8 @@ from specserve.model.loader import load_config, load_model, load_tokenizer, reso
 from specserve.runtime.model_runner import ModelRunner
 from specserve.sampling_params import SamplingParams
 from specserve.spec.speculator import Speculator
+
+log = logging.getLogger("specserve")
 
 
 @dataclass
@@ -59,8 +62,12 @@ class LLMEngine:
             self.model_config.max_position_embeddings,
         )
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = ModelRunner(model, self.kv, get_backend("torch"))
+        self.runner = ModelRunner(model, self.kv, get_backend(config.backend_name()))
         self.spec = Speculator(self) if config.speculative_algorithm else None
+        if device.type == "cuda" and not config.disable_cuda_graph:
+            self.runner.graphs = self._capture_graphs()
+        if self.spec is not None:
+            self.spec.start(self)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids) | frozenset(
             [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
         )
@@ -68,6 +75,27 @@ class LLMEngine:
         self.num_steps = 0  # target forwards run so far
         self._arrivals = itertools.count()
         self._rng = random.Random(config.seed)
+
+    def _capture_graphs(self):
+        """Capture decode and verify graphs for every batch bucket and draft length."""
+        from specserve.runtime.cuda_graphs import CudaGraphRunner, default_batch_buckets
+
+        k_max = self.config.speculative_num_steps if self.spec else 0
+        graphs = CudaGraphRunner(
+            self.runner.model,
+            self.kv.layers,
+            self.runner.backend,
+            default_batch_buckets(min(self.config.max_num_seqs, self.config.cuda_graph_max_batch)),
+            tokens_per_request=tuple(range(1, k_max + 2)),
+            max_seq_len=self.max_model_len,
+            aux_layer_ids=self.spec.aux_layer_ids if self.spec else (),
+        )
+        report = graphs.capture()
+        log.info(
+            "captured %d CUDA graphs in %.1f s (warm-up %.1f s), graph memory %.1f MiB",
+            report.num_graphs, report.capture_s, report.warmup_s, report.graph_pool_bytes / 2**20,
+        )
+        return graphs
 
     # ---- requests -------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:

@@ -11,6 +11,7 @@ from specserve.engine.scheduler import ScheduledRequest
 from specserve.layers.attention import AttentionBackend, AttentionMetadata
 from specserve.layers.sampler import build_sampling_tensors, sample
 from specserve.model.llama import LlamaForCausalLM
+from specserve.runtime.cuda_graphs import CudaGraphRunner
 from specserve.runtime.packing import Segment, pack, to_device
 from specserve.spec.verify import verify
 
@@ -50,6 +51,7 @@ class ModelRunner:
         self.kv = kv
         self.backend = backend
         self.device = kv.pool.device
+        self.graphs: CudaGraphRunner | None = None  # set by the engine on CUDA
 
     def prepare(self, batch: list[ScheduledRequest]) -> StepInput:
         segments = []
@@ -57,6 +59,11 @@ class ModelRunner:
             req, start = s.request, s.request.cached_len
             ids = req.all_token_ids[start : start + s.num_tokens] + s.drafts
             segments.append(Segment(req.page_table, start, ids))
+        if self.graphs is not None and all(s.decoding for s in batch):
+            # Decode/verify steps with mixed draft lengths: pad to one length per request.
+            width = max(len(seg.token_ids) for seg in segments)
+            for seg in segments:
+                seg.pad = width - len(seg.token_ids)
         input_ids, meta, last_rows = pack(segments, self.kv.page_size, self.device)
         first_rows = [last - len(seg.token_ids) + 1 for last, seg in zip(last_rows, segments)]
         sampled, sample_rows = [], []
@@ -68,8 +75,27 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, step: StepInput, aux_layer_ids: tuple[int, ...] = ()):
-        """Hidden states of every packed token, and the requested auxiliary ones."""
+        """Hidden states of every packed token, and the requested auxiliary ones; through a
+        captured CUDA graph when the step has one (uniform tokens per request)."""
+        graphs = self.graphs
+        if graphs is not None and graphs.can_run(step.meta, step.input_ids.shape[0]):
+            return graphs.run(step.input_ids, step.meta)
         return self.model(step.input_ids, step.meta, self.kv.layers, self.backend, aux_layer_ids)
+
+    @torch.inference_mode()
+    def time_forward(self, num_tokens: int) -> None:
+        """A synchronized decode-shaped step of `num_tokens` tokens on the scratch page (for
+        the cost model): one token per request, or several per request beyond the largest
+        graph batch, so that the step runs the way a real one of that size would."""
+        max_batch = self.graphs.batch_buckets[-1] if self.graphs is not None else num_tokens
+        per_request = -(-num_tokens // max_batch)
+        table = [0] * -(-per_request // self.kv.page_size)
+        segments = [Segment(table, 0, [0] * per_request) for _ in range(num_tokens // per_request)]
+        input_ids, meta, last_rows = pack(segments, self.kv.page_size, self.device)
+        step = StepInput(input_ids, meta, [], [], [])
+        hidden, _ = self.forward(step)
+        rows = to_device(last_rows, self.device)
+        self.model.compute_logits(hidden[rows]).argmax(dim=-1).tolist()
 
     @torch.inference_mode()
     def sample(

@@ -12,11 +12,17 @@ from specserve.layers.attention import AttentionMetadata
 @dataclass
 class Segment:
     """`token_ids` written at positions start.. of a request whose pages are `page_table`;
-    attention covers positions < start + len(token_ids)."""
+    attention covers positions < start + len(token_ids).
+
+    `pad` extra tokens follow (to give every request of a step the same length, as a CUDA
+    graph needs): they repeat the last real token's position, so a kernel sees the same
+    visible keys, write their K/V to the scratch page 0, and their outputs are ignored.
+    """
 
     page_table: list[int]
     start: int
     token_ids: list[int]
+    pad: int = 0
 
 
 def to_device(values: list, device: torch.device, dtype=torch.int64) -> torch.Tensor:
@@ -27,7 +33,8 @@ def to_device(values: list, device: torch.device, dtype=torch.int64) -> torch.Te
 
 
 def pack(segments: list[Segment], page_size: int, device: torch.device):
-    """Return (input_ids [T], AttentionMetadata, last_row [B]: each segment's last row)."""
+    """Return (input_ids [T], AttentionMetadata, last_row [B]: each segment's last real
+    row)."""
     input_ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
@@ -42,7 +49,11 @@ def pack(segments: list[Segment], page_size: int, device: torch.device):
         for pos in range(s.start, end):
             positions.append(pos)
             slots.append(table[pos // page_size] * page_size + pos % page_size)
-        starts.append(starts[-1] + len(s.token_ids))
+        if s.pad:
+            input_ids += [s.token_ids[-1]] * s.pad
+            positions += [end - 1] * s.pad
+            slots += [0] * s.pad
+        starts.append(starts[-1] + len(s.token_ids) + s.pad)
         seq_lens.append(end)
         tables += table + [0] * (max_pages - len(table))
     meta = AttentionMetadata(
@@ -51,7 +62,8 @@ def pack(segments: list[Segment], page_size: int, device: torch.device):
         query_start_loc=to_device(starts, device),
         seq_lens=to_device(seq_lens, device),
         block_tables=to_device(tables, device).view(len(segments), max_pages),
-        max_query_len=max(len(s.token_ids) for s in segments),
+        max_query_len=max(len(s.token_ids) + s.pad for s in segments),
         max_seq_len=max(seq_lens),
     )
-    return to_device(input_ids, device), meta, [e - 1 for e in starts[1:]]
+    last_rows = [e - 1 - s.pad for e, s in zip(starts[1:], segments)]
+    return to_device(input_ids, device), meta, last_rows

@@ -44,7 +44,12 @@ class Speculator:
                 self.simulate_rate,
             )
         self.cost: StepCostModel | None = None
-        self.policy: SpeculationPolicy = self._build_policy(engine)
+        self.policy: SpeculationPolicy = OffPolicy(self.k_max)
+
+    def start(self, engine: LLMEngine) -> None:
+        """Build the policy once the target runs as it will serve (graphs captured), so the
+        cost model measures the real step times."""
+        self.policy = self._build_policy(engine)
 
     @property
     def aux_layer_ids(self) -> tuple[int, ...]:
@@ -64,17 +69,12 @@ class Speculator:
 
     def measure_costs(self, engine: LLMEngine) -> StepCostModel:
         """Time the target by tokens per step and the drafter by batch on this machine."""
-        from specserve.runtime.model_runner import dummy_forward
-
         runner = engine.runner
         limit = min(
             engine.config.max_num_batched_tokens,
             engine.config.max_num_seqs * (self.k_max + 1),
         )
-        target = measure_curve(
-            lambda n: dummy_forward(runner.model, runner.kv, runner.backend, n),
-            powers_of_two(limit),
-        )
+        target = measure_curve(runner.time_forward, powers_of_two(limit))
         drafter = None
         timer = self.proposer.step_timer()
         if timer is not None:
