@@ -17,6 +17,7 @@ from specserve.engine.request import Request, SpecStats
 from specserve.engine.scheduler import Scheduler
 from specserve.errors import InvalidRequestError, RequestTooLargeError
 from specserve.layers.attention import get_backend
+from specserve.model.llama import LlamaForCausalLM
 from specserve.model.loader import load_config, load_model, load_tokenizer, resolve_model
 from specserve.runtime.model_runner import ModelRunner
 from specserve.sampling_params import SamplingParams
@@ -45,14 +46,28 @@ class RequestOutput:
 class LLMEngine:
     """Loads a model and runs continuous-batching steps over the requests added to it."""
 
-    def __init__(self, config: EngineConfig, progress: bool = False, tokenizer=None):
+    def __init__(
+        self,
+        config: EngineConfig,
+        progress: bool = False,
+        tokenizer=None,
+        model: LlamaForCausalLM | None = None,
+    ):
+        """Load `config.model`, or serve a prebuilt `model` (benchmarks build random-weight
+        models of real shapes on the GPU; without a tokenizer, prompts are token ids and
+        outputs carry no text)."""
         self.config = config
-        self.source = resolve_model(config.model)
-        self.model_config = load_config(self.source)
         device = config.torch_device()
-        self.dtype = config.torch_dtype(self.model_config.dtype)
-        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(self.source)
-        model = load_model(self.source, self.dtype, device, progress, self.model_config)
+        if model is None:
+            self.source = resolve_model(config.model)
+            self.model_config = load_config(self.source)
+            self.dtype = config.torch_dtype(self.model_config.dtype)
+            self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(self.source)
+            model = load_model(self.source, self.dtype, device, progress, self.model_config)
+        else:
+            self.source, self.model_config = None, model.config
+            self.dtype = model.lm_head_weight.dtype
+            self.tokenizer = tokenizer
         num_pages = config.num_kv_pages or KVCache.pages_for_budget(
             self.model_config, config.page_size, self.dtype, config.kv_cache_bytes
         )
@@ -68,8 +83,9 @@ class LLMEngine:
             self.runner.graphs = self._capture_graphs()
         if self.spec is not None:
             self.spec.start(self)
+        tokenizer_eos = getattr(self.tokenizer, "eos_token_id", None)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids) | frozenset(
-            [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
+            [tokenizer_eos] if tokenizer_eos is not None else []
         )
         self.requests: dict[str, Request] = {}
         self.num_steps = 0  # target forwards run so far
@@ -100,6 +116,8 @@ class LLMEngine:
     # ---- requests -------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError("this engine has no tokenizer: send token ids", "prompt")
             return self.tokenizer.encode(prompt, add_special_tokens=True) if prompt else []
         return list(prompt)
 
@@ -143,7 +161,9 @@ class LLMEngine:
             seed=seed & ((1 << 62) - 1),
             max_len=self.max_model_len,
             eos_token_ids=self.eos_token_ids,
-            detokenizer=IncrementalDetokenizer(self.tokenizer, ids, params.stop),
+            detokenizer=(
+                IncrementalDetokenizer(self.tokenizer, ids, params.stop) if self.tokenizer else None
+            ),
             prompt=prompt if isinstance(prompt, str) else None,
         )
         self.requests[request_id] = req
@@ -207,7 +227,7 @@ class LLMEngine:
         return outputs
 
     def _output(self, req: Request, num_new: int) -> RequestOutput:
-        delta = req.detokenizer.pop_delta(req.finished)
+        delta = req.detokenizer.pop_delta(req.finished) if req.detokenizer else ""
         new_lp = req.output_logprobs[-num_new:] if req.output_logprobs else []
         return RequestOutput(
             request_id=req.request_id,
