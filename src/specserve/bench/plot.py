@@ -1,0 +1,84 @@
+"""Plots of benchmark results against concurrency, one line per configuration: output
+throughput, p50 inter-token latency (per streamed chunk) and p50 time per output token.
+
+Reads sweep JSON (`specserve bench sweep`) and single-run JSON (`specserve bench serve
+--save-result`, labelled by its --label or the file name), so separate runs can be drawn on
+one figure.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+
+PANELS = (
+    ("output_throughput", None, "output throughput (tok/s)"),
+    ("itl_ms", "p50", "p50 inter-token latency (ms)"),
+    ("tpot_ms", "p50", "p50 time per output token (ms)"),
+)
+
+
+class PlotError(ValueError):
+    """A results file the plot cannot read; the message names it."""
+
+
+def load_rows(paths: list[str | Path]) -> list[dict]:
+    """Reports from sweep or single-run JSON files, each with a 'label'."""
+    rows = []
+    for path in map(Path, paths):
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise PlotError(f"cannot read results {str(path)!r}: {e}") from e
+        if isinstance(data, dict) and isinstance(data.get("results"), list):
+            rows.extend(data["results"])
+        elif isinstance(data, dict) and "output_throughput" in data:
+            rows.append({**data, "label": data.get("label") or path.stem})
+        else:
+            raise PlotError(f"{str(path)!r} is neither a sweep nor a bench result file")
+    return rows
+
+
+def _value(row: dict, key: str, stat: str | None) -> float | None:
+    v = row.get(key)
+    return v.get(stat) if stat and isinstance(v, dict) else v
+
+
+def plot_rows(rows: list[dict], out_path: str | Path, title: str | None = None) -> Path:
+    """Draw the panels for these reports into a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series: dict[str, list[dict]] = defaultdict(list)
+    for row in rows:
+        if (row.get("config") or {}).get("max_concurrency") is None:
+            raise PlotError(f"result '{row.get('label')}' has no max_concurrency to plot against")
+        series[row["label"]].append(row)
+    fig, axes = plt.subplots(1, len(PANELS), figsize=(5.2 * len(PANELS), 4.2))
+    levels = sorted({r["config"]["max_concurrency"] for r in rows})
+    for ax, (key, stat, ylabel) in zip(axes, PANELS):
+        for label, points in series.items():
+            points = sorted(points, key=lambda r: r["config"]["max_concurrency"])
+            xs = [p["config"]["max_concurrency"] for p in points]
+            ys = [_value(p, key, stat) for p in points]
+            ys = [float("nan") if y is None else y for y in ys]
+            ax.plot(xs, ys, marker="o", label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(levels, [str(c) for c in levels])
+        ax.minorticks_off()
+        ax.set_xlabel("concurrency (requests in flight)")
+        ax.set_ylabel(ylabel)
+        ax.set_ylim(bottom=0)
+        ax.grid(True, alpha=0.3)
+    axes[0].legend()
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    out_path = Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_path, dpi=110)
+    plt.close(fig)
+    return out_path

@@ -1,0 +1,134 @@
+"""Turns request results into the benchmark report: throughput, latency percentiles, errors
+by kind and the server's own counts; prints it as a table and saves it as JSON."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+
+from specserve.bench.load import RequestResult
+
+PERCENTILES = (50, 90, 99)
+LATENCIES = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_latency_ms")
+
+
+def _stats_ms(values_s: list[float]) -> dict[str, float | None]:
+    if not values_s:
+        return {"mean": None, **{f"p{q}": None for q in PERCENTILES}}
+    ms = np.asarray(values_s, dtype=np.float64) * 1e3
+    out = {"mean": float(ms.mean())}
+    out.update({f"p{q}": float(np.percentile(ms, q)) for q in PERCENTILES})
+    return out
+
+
+def _tokens_per_chunk(ok: list[RequestResult]) -> float | None:
+    chunks = sum(len(r.itl_s) for r in ok)
+    tokens = sum(r.output_tokens - 1 for r in ok if r.itl_s)
+    return tokens / chunks if chunks else None
+
+
+def summarize(results: list[RequestResult], duration_s: float, server: dict | None = None,
+              **context) -> dict:
+    """The report as a JSON-ready dict. `context` (config, dataset...) is stored as given."""
+    ok = [r for r in results if r.ok]
+    errors = Counter(r.error for r in results if not r.ok)
+    examples = {}
+    for r in results:
+        if not r.ok and r.error not in examples:
+            examples[r.error] = r.error_message
+    input_tokens = sum(r.prompt_tokens or 0 for r in ok)
+    output_tokens = sum(r.output_tokens for r in ok)
+    per_s = (lambda x: x / duration_s) if duration_s > 0 else (lambda x: 0.0)
+    report = {
+        **context,
+        "duration_s": duration_s,
+        "num_requests": len(results),
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "errors": dict(errors.most_common()),
+        "error_examples": examples,
+        "total_input_tokens": input_tokens,
+        "total_output_tokens": output_tokens,
+        "token_counts_from_usage": all(r.usage_reported for r in ok),
+        "request_throughput": per_s(len(ok)),
+        "output_throughput": per_s(output_tokens),
+        "total_token_throughput": per_s(input_tokens + output_tokens),
+        "ttft_ms": _stats_ms([r.ttft_s for r in ok if r.ttft_s is not None]),
+        "tpot_ms": _stats_ms([r.tpot_s for r in ok if r.tpot_s is not None]),
+        "itl_ms": _stats_ms([x for r in ok for x in r.itl_s]),
+        "e2e_latency_ms": _stats_ms([r.latency_s for r in ok]),
+        # Tokens per streamed text chunk after the first: a server that streams one chunk per
+        # step (specserve does) shows its mean tokens committed per decode step here.
+        "tokens_per_chunk": _tokens_per_chunk(ok),
+        "server": server,
+    }
+    return report
+
+
+def _fmt(x, digits: int = 2) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float):
+        return f"{x:,.{digits}f}"
+    return f"{x:,}"
+
+
+def report_rows(report: dict) -> list[tuple[str, str]]:
+    """(label, value) rows of the end-of-run table."""
+    rows = [
+        ("requests completed / sent", f"{report['completed']} / {report['num_requests']}"),
+        ("duration (s)", _fmt(report["duration_s"])),
+        ("input tokens", _fmt(report["total_input_tokens"])),
+        ("output tokens", _fmt(report["total_output_tokens"])),
+        ("request throughput (req/s)", _fmt(report["request_throughput"], 3)),
+        ("output throughput (tok/s)", _fmt(report["output_throughput"])),
+        ("total throughput (tok/s)", _fmt(report["total_token_throughput"])),
+    ]
+    for key in LATENCIES:
+        s = report[key]
+        label = key.removesuffix("_ms").replace("_", " ").upper().replace("E2E LATENCY", "E2E")
+        rows.append((f"{label} mean / p50 / p90 / p99 (ms)",
+                     " / ".join(_fmt(s[k], 1) for k in ("mean", "p50", "p90", "p99"))))
+    rows.append(("tokens per streamed chunk", _fmt(report.get("tokens_per_chunk"), 2)))
+    for kind, n in report["errors"].items():
+        rows.append((f"errors: {kind}", str(n)))
+    server = report.get("server") or {}
+    if server:
+        by_status = ", ".join(f"{k}: {v}" for k, v in server.get("requests_by_status", {}).items())
+        rows.append(("server: API requests by status", by_status or "-"))
+        for key in ("prompt_tokens", "generation_tokens", "engine_steps", "preemptions"):
+            if key in server:
+                rows.append((f"server: {key.replace('_', ' ')}", _fmt(server[key])))
+    spec = server.get("speculation") or {}
+    for key in ("draft_tokens", "accepted_tokens", "acceptance_rate", "mean_acceptance_length"):
+        if key in spec:
+            rows.append((f"spec: {key.replace('_', ' ')}", _fmt(spec[key], 3)))
+    if spec.get("draft_length_mix"):
+        mix = ", ".join(f"K={k}: {v:.0%}" for k, v in spec["draft_length_mix"].items())
+        rows.append(("spec: draft-length mix", mix))
+    return rows
+
+
+def print_report(report: dict, title: str = "specserve bench") -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title, show_header=False)
+    table.add_column("metric", style="bold")
+    table.add_column("value", justify="right")
+    for label, value in report_rows(report):
+        table.add_row(label, value)
+    console = Console()
+    console.print(table)
+    for note in (report.get("dataset") or {}).get("notes", []):
+        console.print(f"note: {note}")
+
+
+def save_json(obj: dict, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(obj, indent=2) + "\n")
+    return path

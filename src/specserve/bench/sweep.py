@@ -1,0 +1,177 @@
+"""`specserve bench sweep`: one server per configuration, a load run per concurrency, and the
+results as JSON, a markdown table and a plot.
+
+Every configuration sees the same prompts at a given concurrency (the dataset is built once
+per level with a fixed seed). A level sends max(num_prompts, concurrency) requests so that the
+concurrency is actually reached. Each server gets warm-up requests before it is measured.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import shlex
+import tempfile
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from specserve.bench.datasets import BenchPrompt, Dataset
+from specserve.bench.load import LoadConfig
+from specserve.bench.report import save_json
+from specserve.bench.runner import benchmark
+from specserve.bench.server_process import ServerProcess
+
+DEFAULT_CONFIGS = {
+    "off": "",
+    "ngram-fixed-k3": "--speculative-algorithm ngram --speculative-policy fixed "
+                      "--speculative-num-steps 3",
+    "ngram-goodput-k3": "--speculative-algorithm ngram --speculative-policy goodput "
+                        "--speculative-num-steps 3",
+}
+
+
+@dataclass
+class SweepPlan:
+    """What to run: named server configurations (extra `specserve serve` flags each), the
+    flags every server gets, and the concurrencies."""
+
+    configs: dict[str, list[str]]
+    concurrencies: list[int]
+    num_prompts: int
+    server_args: list[str]
+    load: LoadConfig  # the template: base_url and max_concurrency are filled per run
+    warmup_requests: int = 2
+    server_env: dict[str, str] | None = None
+    log_dir: Path | None = None
+
+
+def parse_configs(specs: list[str] | None) -> dict[str, list[str]]:
+    """NAME=FLAGS strings (FLAGS split like a shell would) to {name: flags}."""
+    if not specs:
+        return {k: shlex.split(v) for k, v in DEFAULT_CONFIGS.items()}
+    out = {}
+    for spec in specs:
+        name, sep, flags = spec.partition("=")
+        if not sep or not name:
+            raise ValueError(f"--config takes NAME=FLAGS (e.g. 'ngram-k3=--speculative-"
+                             f"algorithm ngram'); got {spec!r}")
+        out[name] = shlex.split(flags)
+    return out
+
+
+def machine_info() -> dict:
+    """What the numbers were measured on."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    info = {"cpu": cpu, "cpu_count": os.cpu_count(), "python": platform.python_version(),
+            "system": f"{platform.system()} {platform.machine()}"}
+    try:
+        import torch
+
+        info["torch"] = torch.__version__
+        info["gpu"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    except ImportError:
+        pass
+    return info
+
+
+def run_sweep(plan: SweepPlan, datasets: dict[int, Dataset], progress: bool = True) -> list[dict]:
+    """Every configuration at every concurrency; returns one report per (config, level)."""
+    log_dir = plan.log_dir or Path(tempfile.mkdtemp(prefix="specserve-sweep-"))
+    rows = []
+    for name, flags in plan.configs.items():
+        flags_text = shlex.join(plan.server_args + flags)
+        print(f"[sweep] starting server '{name}': specserve serve {flags_text}", flush=True)
+        with ServerProcess(plan.server_args + flags, log_dir / f"{name}.log",
+                           env=plan.server_env) as server:
+            if plan.warmup_requests:
+                first = datasets[plan.concurrencies[0]].prompts[0]
+                warm = Dataset("warmup", [BenchPrompt(first.prompt, min(first.max_tokens, 16))]
+                               * plan.warmup_requests)
+                benchmark(replace(plan.load, base_url=server.url, max_concurrency=1), warm,
+                          progress=False)
+            for c in plan.concurrencies:
+                cfg = replace(plan.load, base_url=server.url, max_concurrency=c)
+                report = benchmark(cfg, datasets[c], progress=progress, desc=f"{name} c={c}")
+                report["label"] = name
+                report["server_flags"] = flags
+                rows.append(report)
+                print(f"[sweep] {name:>20} c={c:<4} {report['output_throughput']:8.1f} tok/s  "
+                      f"p50 ITL {_ms(report['itl_ms']['p50'])} ms  "
+                      f"p50 TPOT {_ms(report['tpot_ms']['p50'])} ms  "
+                      f"errors {report['failed']}", flush=True)
+    return rows
+
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1f}"
+
+
+def _num(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+def markdown_table(rows: list[dict]) -> str:
+    """One line per (configuration, concurrency)."""
+    head = ("| config | concurrency | requests ok/sent | req/s | output tok/s | TTFT p50 ms | "
+            "ITL p50 ms | TPOT p50 ms | e2e p50 ms | tok/chunk | accept len | draft-length mix |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        spec = ((r.get("server") or {}).get("speculation")) or {}
+        accept = spec.get("mean_acceptance_length")
+        mix = ", ".join(f"{k}:{v:.0%}" for k, v in (spec.get("draft_length_mix") or {}).items())
+        lines.append(
+            f"| {r['label']} | {r['config']['max_concurrency']} | {r['completed']}/"
+            f"{r['num_requests']} | {r['request_throughput']:.2f} | {r['output_throughput']:.1f} "
+            f"| {_ms(r['ttft_ms']['p50'])} | {_ms(r['itl_ms']['p50'])} | "
+            f"{_ms(r['tpot_ms']['p50'])} | {_ms(r['e2e_latency_ms']['p50'])} | "
+            f"{_num(r.get('tokens_per_chunk'))} | {_num(accept)} | {mix or '-'} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+_COLUMNS = (
+    "TTFT: request sent to first text chunk. ITL: gap between successive text chunks (one "
+    "chunk can carry several tokens when speculating). TPOT: (e2e - TTFT) / (output tokens - "
+    "1). tok/chunk: output tokens per text chunk after the first, specserve's mean tokens per "
+    "decode step for the request. accept len and draft-length mix: from the server's /metrics, "
+    "when it exports them."
+)
+
+
+def markdown_report(sweep: dict, stem: str) -> str:
+    """The sweep as a page: command, machine, configurations, plot and table."""
+    m = sweep.get("machine") or {}
+    env = " ".join(f"{k}={v}" for k, v in (sweep.get("server_env") or {}).items())
+    lines = [f"# {sweep.get('title') or 'specserve bench sweep'}", "",
+             "Reproduce (from the repository root):", "", "```bash",
+             sweep.get("command") or "specserve bench sweep", "```", "",
+             f"Machine: {m.get('cpu')}, {m.get('cpu_count')} CPUs, {m.get('system')}, "
+             f"Python {m.get('python')}, torch {m.get('torch')}, GPU: {m.get('gpu') or 'none'}.",
+             "", "Server configurations (one server at a time):", ""]
+    for name, flags in sweep["configs"].items():
+        cmd = shlex.join(["specserve", "serve", *sweep.get("server_args", []), *flags])
+        lines.append(f"- `{name}`: `{(env + ' ') if env else ''}{cmd}`")
+    lines += ["", f"![output throughput, p50 ITL and p50 TPOT against concurrency]({stem}.png)",
+              "", markdown_table(sweep["results"]), _COLUMNS, ""]
+    return "\n".join(lines)
+
+
+def write_outputs(sweep: dict, out_dir: Path, stem: str) -> dict[str, Path]:
+    """<stem>.json, <stem>.md (the page with the table) and <stem>.png in out_dir."""
+    from specserve.bench.plot import plot_rows
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {"json": save_json(sweep, out_dir / f"{stem}.json")}
+    page = out_dir / f"{stem}.md"
+    page.write_text(markdown_report(sweep, stem))
+    paths["markdown"] = page
+    paths["png"] = plot_rows(sweep["results"], out_dir / f"{stem}.png",
+                             title=sweep.get("title"))
+    return paths

