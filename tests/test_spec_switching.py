@@ -42,8 +42,13 @@ def _record(llm):
     return seen
 
 
-@pytest.mark.parametrize("algo", ["draft", "eagle3"])
-def test_acceptance_after_pause_equals_acceptance_without(setup, algo):
+@pytest.mark.parametrize("algo, ride_along", [("draft", False), ("eagle3", False),
+                                               ("eagle3", True)])
+def test_acceptance_after_pause_equals_acceptance_without(setup, algo, ride_along, monkeypatch):
+    """ride_along: the EAGLE-3 head consumes queued features during the pause (threshold
+    lowered to 2 tokens) instead of catching up all at once when drafting resumes."""
+    if ride_along:
+        monkeypatch.setattr("specserve.spec.eagle3.CATCH_UP_TOKENS", 2)
     target, drafters, prompts = setup
     kw = dict(speculative_algorithm=algo, speculative_draft_model_path=drafters[algo],
               speculative_num_steps=3)
@@ -60,7 +65,12 @@ def test_acceptance_after_pause_equals_acceptance_without(setup, algo):
 
     paused.engine.spec.policy = PerRequestPolicy(3, pause_often)
     got = _record(paused)
+    proposer, catch_ups = paused.engine.spec.proposer, []
+    propose = proposer.propose
+    proposer.propose = lambda items: (
+        catch_ups.extend(it for it in items if it.draft_len == 0), propose(items))
     outs = paused.generate(prompts, GREEDY)
+    assert bool(catch_ups) == ride_along
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
 
     # Drafts depend only on the committed context, so at the same (request, length) with the

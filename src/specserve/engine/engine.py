@@ -188,7 +188,10 @@ class LLMEngine:
             return []
         self.num_steps += 1
         t0 = time.perf_counter()
-        drafting = [s for s in batch if s.draft_len > 0]
+        drafting = [
+            s for s in batch
+            if s.draft_len > 0 or (s.decoding and spec.proposer.wants_catch_up(s.request))
+        ] if spec else []
         if drafting:
             spec.proposer.propose(drafting)
         t1 = time.perf_counter()

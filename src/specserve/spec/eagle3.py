@@ -25,6 +25,8 @@ from specserve.spec.proposer import Proposer, append_drafts, draw_drafts
 if TYPE_CHECKING:
     from specserve.engine.engine import LLMEngine
 
+CATCH_UP_TOKENS = 128
+
 
 class Eagle3Proposer(Proposer):
     """Chain drafting with an EAGLE-3 head (one token per draft step)."""
@@ -67,8 +69,12 @@ class Eagle3Proposer(Proposer):
         if hidden.shape[0] != embeds.shape[0]:
             raise RuntimeError("EAGLE-3 features and committed tokens are out of step")
         last = self._run(segments, embeds, hidden)
-        active = items
-        for step in range(max(it.draft_len for it in items)):
+        drafting = [i for i, it in enumerate(items) if it.draft_len > 0]
+        if not drafting:
+            return  # a catch-up pass only
+        active = [items[i] for i in drafting]
+        last = last[to_device(drafting, device)]
+        for step in range(max(it.draft_len for it in active)):
             logits = self._target_logits(last)
             drafted, probs = draw_drafts(logits, active, step)
             append_drafts(active, drafted.tolist(), probs, step)
@@ -83,6 +89,11 @@ class Eagle3Proposer(Proposer):
                 for it in active
             ]
             last = self._run(segments, self.embed(drafted[keep_t]), last[keep_t])
+
+    def wants_catch_up(self, req) -> bool:
+        """Bound the features queued while a request does not speculate: past
+        CATCH_UP_TOKENS of them the head consumes them in this step (ride-along)."""
+        return sum(f.shape[0] for f in req.draft_features) >= CATCH_UP_TOKENS
 
     def commit(self, items, accepted, aux, first_rows) -> None:
         """Queue the projected features of every newly committed position."""

@@ -16,7 +16,8 @@ DRAFT_STREAM = 1
 class Proposer(ABC):
     """Drafts tokens for requests with draft_len > 0.
 
-    `propose` sets `item.drafts` (at most item.draft_len tokens) and, where the request
+    `propose` sets `item.drafts` (at most item.draft_len tokens; items with draft_len 0 are
+    only brought up to date, see `wants_catch_up`) and, where the request
     samples and the drafter draws from a distribution, `item.draft_probs` [k, V] over the
     target vocabulary. `commit` runs after verification with the accepted draft count of
     every scheduled request (0 for prefill chunks) and, when `aux_layer_ids` is non-empty,
@@ -29,6 +30,11 @@ class Proposer(ABC):
 
     @abstractmethod
     def propose(self, items: list[ScheduledRequest]) -> None: ...
+
+    def wants_catch_up(self, req) -> bool:
+        """Whether a request that is not drafting this step should still bring the drafter
+        up to date (bounded state while speculation is off); default: never."""
+        return False
 
     def step_timer(self) -> Callable[[int], None] | None:
         """A function running one synchronized draft step for a batch of n requests, to
