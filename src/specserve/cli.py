@@ -62,6 +62,43 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from specserve.server.config import ServerConfig
+    from specserve.server.launch import run_server
+
+    try:
+        cfg = engine_config(args)
+        server = ServerConfig(
+            host=args.host, port=args.port, api_key=args.api_key,
+            served_model_names=args.served_model_name or [], max_queue=args.max_queue,
+            shutdown_timeout_s=args.shutdown_timeout, log_level=args.uvicorn_log_level,
+            access_log=not args.disable_uvicorn_access_log,
+        )
+    except ValueError as e:
+        raise SpecserveError(str(e)) from e
+    return run_server(cfg, server)
+
+
+def _add_serve_parser(sub) -> None:
+    from specserve.server.config import ServerConfig as D  # defaults come from the dataclass
+
+    srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (FastAPI + uvicorn)")
+    add_engine_args(srv)
+    srv.add_argument("--host", default=D.host, help="address to bind")
+    srv.add_argument("--port", type=int, default=D.port)
+    srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    srv.add_argument("--served-model-name", nargs="+", default=None,
+                     help="model name(s) clients use (default: the model's name)")
+    srv.add_argument("--max-queue", type=int, default=D.max_queue,
+                     help="engine requests allowed to wait; beyond it 429 + Retry-After")
+    srv.add_argument("--shutdown-timeout", type=float, default=D.shutdown_timeout_s,
+                     help="seconds SIGTERM waits for in-flight requests before aborting them")
+    srv.add_argument("--uvicorn-log-level", default=D.log_level,
+                     choices=["critical", "error", "warning", "info", "debug"])
+    srv.add_argument("--disable-uvicorn-access-log", action="store_true")
+    srv.set_defaults(func=_serve)
+
+
 def _train_eagle3(args: argparse.Namespace) -> int:
     from specserve.train.config import config_from_args
     from specserve.train.trainer import run_cli
@@ -96,6 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     gen.add_argument("--no-chat-template", action="store_true", help="send the prompt as is")
     gen.set_defaults(func=_generate)
+    _add_serve_parser(sub)
     _add_train_parser(sub)
     return parser
 

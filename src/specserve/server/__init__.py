@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP server: FastAPI in one process, the engine loop in another."""

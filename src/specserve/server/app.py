@@ -1,0 +1,269 @@
+"""FastAPI routes of the OpenAI-compatible API, /health and /metrics.
+
+The routes validate and tokenize, hand engine requests to the EngineClient and turn its
+delta streams into responses: whole JSON bodies or server-sent events ending in [DONE].
+A client that disconnects has its engine requests aborted at once (streams: Starlette
+cancels the body iterator; whole responses: a watcher waits for http.disconnect).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from fastapi import Depends, FastAPI, Request, Response
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from specserve.server.config import ServerConfig
+from specserve.server.engine_client import (
+    EngineClient,
+    EngineDeadError,
+    EngineRequestError,
+    QueueFullError,
+    RequestStream,
+    ShuttingDownError,
+)
+from specserve.server.errors import APIError, install_error_handlers
+from specserve.server.inputs import InputProcessor, PreparedRequest, model_check
+from specserve.server.metrics import ServerMetrics
+from specserve.server.openai_format import (
+    SSE_DONE,
+    ChatFormatter,
+    CompletionFormatter,
+    TokenText,
+    sse,
+)
+from specserve.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ErrorResponse,
+    ModelList,
+)
+
+_ERRORS = {s: {"model": ErrorResponse} for s in (400, 401, 404, 429, 503)}
+_ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models")
+
+
+@dataclass
+class ServerState:
+    """What the routes share: the engine client and everything needed to serve requests."""
+
+    config: ServerConfig
+    client: EngineClient
+    inputs: InputProcessor
+    metrics: ServerMetrics
+    token_text: TokenText
+    served_names: list[str]
+    draining: bool = False  # set on SIGTERM: new API requests get 503
+    loop: asyncio.AbstractEventLoop | None = None
+
+    def begin_shutdown(self) -> None:
+        """On SIGTERM (any thread): refuse new API requests now, abort the ones still
+        running once the shutdown timeout has passed, so every response ends cleanly."""
+        if self.draining:
+            return
+        self.draining = True
+        if self.loop is not None:
+            err = ShuttingDownError("the server shut down before the request finished")
+            self.loop.call_soon_threadsafe(
+                self.loop.call_later, self.config.shutdown_timeout_s, self.client.abort_all, err
+            )
+
+
+def build_app(state: ServerState) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        state.loop = asyncio.get_running_loop()
+        state.client.attach(state.loop)
+        yield
+        await state.client.shutdown()
+
+    app = FastAPI(title="specserve", version="0.1.0", lifespan=lifespan)
+    install_error_handlers(app)
+    app.add_middleware(_StatusCounter, metrics=state.metrics)
+    state.metrics.engine_stats = lambda: state.client.stats
+    state.metrics.in_flight = lambda: state.client.num_in_flight
+
+    async def authorize(request: Request) -> None:
+        key = state.config.api_key
+        if key is None:
+            return
+        if request.headers.get("authorization", "") != f"Bearer {key}":
+            raise APIError(401, "missing or incorrect API key; send 'Authorization: Bearer "
+                           "<key>'", type="invalid_request_error", code="invalid_api_key")
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not state.client.alive:
+            return APIError(503, "the engine is not running").response()
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models", response_model=ModelList, responses=_ERRORS,
+             dependencies=[Depends(authorize)])
+    async def models() -> dict:
+        info = state.client.info
+        return {"object": "list", "data": [
+            {"id": name, "object": "model", "created": 0, "owned_by": "specserve",
+             "max_model_len": info.max_model_len}
+            for name in state.served_names
+        ]}
+
+    @app.post("/v1/completions", responses=_ERRORS, dependencies=[Depends(authorize)])
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        model = model_check(body.model, state.served_names)
+        prompts = await state.inputs.completion_prompts(body)
+        prepared = state.inputs.prepare(
+            "cmpl", body, prompts, body.max_tokens, "max_tokens", body.logprobs
+        )
+        fmt = CompletionFormatter(prepared.request_id, model, len(prepared.requests),
+                                  prepared.num_prompt_tokens, body.logprobs, state.token_text)
+        return await _serve(state, request, body, prepared, fmt)
+
+    @app.post("/v1/chat/completions", responses=_ERRORS, dependencies=[Depends(authorize)])
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        model = model_check(body.model, state.served_names)
+        ids = await state.inputs.chat_prompt(body)
+        if body.max_completion_tokens is not None:
+            asked, param = body.max_completion_tokens, "max_completion_tokens"
+        else:
+            asked, param = body.max_tokens, "max_tokens"
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        prepared = state.inputs.prepare(
+            "chatcmpl", body, [ids], asked, param, logprobs, prompt_param="messages"
+        )
+        fmt = ChatFormatter(prepared.request_id, model, len(prepared.requests),
+                            prepared.num_prompt_tokens, logprobs, state.token_text)
+        return await _serve(state, request, body, prepared, fmt)
+
+    return app
+
+
+async def _serve(state: ServerState, request: Request, body, prepared: PreparedRequest,
+                 fmt) -> Response:
+    if state.draining:
+        raise APIError(503, "the server is shutting down", code="shutting_down")
+    try:
+        stream = state.client.submit(prepared.requests)
+    except QueueFullError as e:
+        raise APIError(429, str(e), code="queue_full",
+                       headers={"Retry-After": str(state.config.retry_after_s)}) from e
+    except EngineDeadError as e:
+        raise _unavailable(e) from e
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return _EngineStream(state.client, stream, _events(stream, fmt, include_usage),
+                             media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache"})
+    try:
+        await _collect(stream, fmt, request)
+    finally:
+        state.client.abort(stream)  # no-op once finished; frees pages on disconnect/cancel
+    return JSONResponse(fmt.response())
+
+
+async def _collect(stream: RequestStream, fmt, request: Request) -> None:
+    """Absorb every delta, or give up as soon as the client disconnects."""
+
+    async def consume() -> None:
+        async for index, delta in stream:
+            fmt.add(index, delta)
+
+    consumer = asyncio.ensure_future(consume())
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait({consumer, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (consumer, watcher):
+            if not task.done():
+                task.cancel()
+    if not consumer.done() or consumer.cancelled():
+        raise APIError(499, "the client closed the request")
+    _reraise(consumer.exception())
+
+
+def _reraise(exc: BaseException | None) -> None:
+    if exc is None:
+        return
+    if isinstance(exc, EngineRequestError):
+        raise APIError(exc.status, str(exc), param=exc.field) from exc
+    if isinstance(exc, EngineDeadError):
+        raise _unavailable(exc) from exc
+    raise exc
+
+
+def _unavailable(exc: EngineDeadError) -> APIError:
+    code = "shutting_down" if isinstance(exc, ShuttingDownError) else "engine_unavailable"
+    return APIError(503, str(exc), code=code)
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _events(stream: RequestStream, fmt, include_usage: bool) -> AsyncIterator[bytes]:
+    if isinstance(fmt, ChatFormatter):
+        for chunk in fmt.role_chunks(include_usage):
+            yield sse(chunk)
+    try:
+        async for index, delta in stream:
+            chunk = fmt.chunk(index, delta, include_usage)
+            if chunk is not None:
+                yield sse(chunk)
+    except EngineRequestError as e:
+        yield sse(APIError(e.status, str(e), param=e.field).body())
+    except EngineDeadError as e:
+        yield sse(_unavailable(e).body())
+    else:
+        if include_usage:
+            yield sse(fmt.usage_chunk())
+    yield SSE_DONE
+
+
+class _EngineStream(StreamingResponse):
+    """A streaming response that aborts its engine requests however it ends (finished,
+    client gone, cancelled by shutdown), so their KV pages are freed at once."""
+
+    def __init__(self, client: EngineClient, stream: RequestStream, content, **kwargs):
+        super().__init__(content, **kwargs)
+        self._client = client
+        self._stream = stream
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._client.abort(self._stream)
+
+
+class _StatusCounter:
+    """ASGI middleware counting API requests by endpoint and final HTTP status."""
+
+    def __init__(self, app, metrics: ServerMetrics):
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        path = scope.get("path", "")
+        if scope["type"] != "http" or not path.startswith("/v1/"):
+            await self.app(scope, receive, send)
+            return
+        status = 500
+
+        async def send_status(message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            endpoint = path if path in _ENDPOINTS else "other"
+            self.metrics.requests.labels(endpoint, str(status)).inc()

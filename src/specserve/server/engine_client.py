@@ -1,0 +1,296 @@
+"""The HTTP process's side of the engine: spawns the engine process, sends it requests and
+routes its per-step reports to per-request async streams.
+
+A reader thread blocks on the engine's pipe and hands each report to the event loop with
+`call_soon_threadsafe`, so the loop never blocks on the engine and the engine never waits
+for HTTP work. Requests go the other way through a multiprocessing queue, whose `put` does
+not block the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+import threading
+import time
+from dataclasses import dataclass
+
+from specserve.config import EngineConfig
+from specserve.errors import CheckpointError, SpecserveError
+from specserve.server.engine_proc import (
+    AddRequest,
+    EngineInfo,
+    OutputDelta,
+    RequestError,
+    StepReport,
+    run_engine,
+)
+from specserve.server.metrics import ServerMetrics
+
+
+class EngineDeadError(SpecserveError):
+    """The engine process stopped or crashed; requests in flight cannot finish."""
+
+
+class ShuttingDownError(EngineDeadError):
+    """The server shut down (SIGTERM past --shutdown-timeout) before the request finished."""
+
+
+class QueueFullError(SpecserveError):
+    """More requests wait for the engine than --max-queue allows; retry later."""
+
+
+class EngineRequestError(SpecserveError):
+    """The engine refused a request when it was added (relayed RequestError)."""
+
+    def __init__(self, err: RequestError):
+        super().__init__(err.message)
+        self.field = err.field
+        self.status = err.status
+
+
+_END = object()
+
+
+class RequestStream:
+    """Async iterator over (choice index, OutputDelta) of one API request's engine requests
+    (one per choice); ends when every one has finished."""
+
+    def __init__(self, request_ids: list[str], num_prompt_tokens: list[int]):
+        self.request_ids = request_ids
+        self.num_prompt_tokens = num_prompt_tokens  # per choice
+        self.unfinished = set(request_ids)
+        self._queue: asyncio.Queue = asyncio.Queue()
+
+    @property
+    def finished(self) -> bool:
+        return not self.unfinished
+
+    def _put(self, item) -> None:
+        self._queue.put_nowait(item)
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> tuple[int, OutputDelta]:
+        item = await self._queue.get()
+        if item is _END:
+            raise StopAsyncIteration
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+
+@dataclass
+class _Tracked:
+    """Routing and latency bookkeeping of one engine request."""
+
+    stream: RequestStream
+    index: int
+    arrival: float
+    last_token_at: float | None = None
+
+
+class EngineClient:
+    """Owns the engine process; `submit` returns a RequestStream, `abort` cancels one."""
+
+    def __init__(self, config: EngineConfig, metrics: ServerMetrics, max_queue: int):
+        self.config = config
+        self.metrics = metrics
+        self.max_queue = max_queue
+        ctx = mp.get_context("spawn")
+        self._inbox = ctx.Queue()
+        self._conn, child_conn = ctx.Pipe(duplex=False)
+        self._proc = ctx.Process(
+            target=run_engine, args=(config, self._inbox, child_conn), name="specserve-engine"
+        )
+        self._proc.start()
+        child_conn.close()  # so the reader sees EOF when the engine process dies
+        self.info: EngineInfo | None = None
+        self.stats: dict = {}
+        self.dead_reason: str | None = None
+        self._tracked: dict[str, _Tracked] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._reader: threading.Thread | None = None
+
+    # ---- lifecycle ------------------------------------------------------------------------
+    def wait_ready(self, timeout_s: float = 3600.0) -> EngineInfo:
+        """Block until the engine has loaded the model; raise if loading failed."""
+        deadline = time.monotonic() + timeout_s
+        while not self._conn.poll(0.2):
+            if not self._proc.is_alive():
+                raise EngineDeadError("the engine process exited while loading the model")
+            if time.monotonic() > deadline:
+                raise EngineDeadError(f"the engine did not load the model in {timeout_s:.0f} s")
+        msg = self._conn.recv()
+        if msg[0] == "load_error":
+            _, kind, message, tb = msg
+            self._proc.join(5)
+            if kind == "user":
+                raise CheckpointError(message)
+            raise EngineDeadError(f"the engine failed to load the model:\n{tb}")
+        self.info = msg[1]
+        self.stats = {
+            "running": 0,
+            "waiting": 0,
+            "kv_pages_used": 0,
+            "kv_pages_total": self.info.kv_pages_total,
+            "preemptions": 0,
+        }
+        return self.info
+
+    def attach(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Start routing engine reports into `loop` (call from inside the running loop)."""
+        self._loop = loop
+        self._reader = threading.Thread(target=self._read, name="engine-reader", daemon=True)
+        self._reader.start()
+
+    async def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Abort whatever is left, stop the engine process and wait for it."""
+        if self._proc.is_alive():
+            self._inbox.put(("shutdown", None))
+            await asyncio.to_thread(self._proc.join, timeout_s)
+        if self._proc.is_alive():
+            self._proc.terminate()
+            await asyncio.to_thread(self._proc.join, 5)
+        self._inbox.cancel_join_thread()
+        self._fail_all(EngineDeadError("the server is shutting down"))
+        self.dead_reason = self.dead_reason or "stopped"
+
+    def kill(self) -> None:
+        """Stop the engine process without an event loop (start-up failures, final exit)."""
+        if self._proc.is_alive():
+            self._inbox.put(("shutdown", None))
+            self._proc.join(5)
+        if self._proc.is_alive():
+            self._proc.terminate()
+            self._proc.join(5)
+        self._inbox.cancel_join_thread()
+
+    @property
+    def alive(self) -> bool:
+        return self.dead_reason is None and self._proc.is_alive()
+
+    # ---- requests -------------------------------------------------------------------------
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._tracked)
+
+    def waiting_estimate(self) -> int:
+        """Engine requests waiting for a running slot. While the engine last reported an
+        empty wait queue it can still admit up to max_num_seqs; otherwise what it runs now
+        is its capacity (pages are the limit)."""
+        capacity = self.info.max_num_seqs
+        if self.stats.get("waiting", 0) > 0:
+            capacity = self.stats.get("running", 0)
+        return max(0, self.num_in_flight - capacity)
+
+    def submit(self, requests: list[AddRequest]) -> RequestStream:
+        """Queue the engine requests of one API request (its choices), or raise
+        QueueFullError when the wait queue cannot take them all."""
+        if self.dead_reason is not None or not self._proc.is_alive():
+            raise EngineDeadError(f"the engine is not running ({self.dead_reason or 'exited'})")
+        if self.num_in_flight and self.waiting_estimate() + len(requests) > self.max_queue:
+            raise QueueFullError(
+                f"{self.waiting_estimate()} requests are waiting (limit {self.max_queue}); "
+                "retry later"
+            )
+        stream = RequestStream(
+            [r.request_id for r in requests], [len(r.prompt_token_ids) for r in requests]
+        )
+        now = time.monotonic()
+        for i, r in enumerate(requests):
+            self._tracked[r.request_id] = _Tracked(stream, i, now)
+            self.metrics.prompt_tokens.inc(len(r.prompt_token_ids))
+        self._inbox.put(("add", requests))
+        return stream
+
+    def abort(self, stream: RequestStream) -> None:
+        """Stop a stream's unfinished engine requests; their KV pages are freed at once."""
+        ids = [rid for rid in stream.request_ids if rid in self._tracked]
+        for rid in ids:
+            del self._tracked[rid]
+            self.metrics.finished.labels("abort").inc()
+        stream.unfinished.clear()
+        if ids and self._proc.is_alive():
+            self._inbox.put(("abort", ids))
+
+    # ---- reports from the engine ----------------------------------------------------------
+    def _read(self) -> None:
+        while True:
+            try:
+                msg = self._conn.recv()
+            except (EOFError, OSError):
+                msg = ("dead", "the engine process exited")
+            try:
+                self._loop.call_soon_threadsafe(self._dispatch, msg)
+            except RuntimeError:  # the loop is closed: the server is gone
+                return
+            if msg[0] in ("dead", "fatal", "stopped"):
+                return
+
+    def _dispatch(self, msg: tuple) -> None:
+        kind, payload = msg
+        if kind == "step":
+            self._on_report(payload)
+        elif kind == "stopped":
+            self.dead_reason = "stopped"
+            self._fail_all(EngineDeadError("the server is shutting down"))
+        else:
+            self.dead_reason = "crashed" if kind == "fatal" else "exited"
+            self._fail_all(EngineDeadError(f"the engine process failed: {payload}"))
+
+    def _on_report(self, report: StepReport) -> None:
+        self.stats = report.stats
+        self.metrics.observe_steps(report.step_s, report.gap_s)
+        now = time.monotonic()
+        for fields in report.outputs:
+            delta = OutputDelta(*fields)
+            tracked = self._tracked.get(delta.request_id)
+            if tracked is None:
+                continue  # aborted while the step ran
+            self._observe(tracked, delta, now)
+            tracked.stream._put((tracked.index, delta))
+            if delta.finished:
+                self._finish(delta.request_id, tracked)
+        for err in report.errors:
+            tracked = self._tracked.get(err.request_id)
+            if tracked is not None:
+                self.abort(tracked.stream)
+                tracked.stream._put(EngineRequestError(err))
+
+    def _observe(self, tracked: _Tracked, delta: OutputDelta, now: float) -> None:
+        m = self.metrics
+        n = len(delta.new_token_ids)
+        if n:
+            m.generation_tokens.inc(n)
+            if tracked.last_token_at is None:
+                m.ttft.observe(now - tracked.arrival)
+            else:
+                m.itl.observe((now - tracked.last_token_at) / n)
+            tracked.last_token_at = now
+        if delta.spec_stats is not None:
+            m.observe_spec_stats(delta.spec_stats)
+        if delta.finished:
+            m.e2e.observe(now - tracked.arrival)
+            m.finished.labels(delta.finish_reason or "abort").inc()
+
+    def _finish(self, rid: str, tracked: _Tracked) -> None:
+        del self._tracked[rid]
+        stream = tracked.stream
+        stream.unfinished.discard(rid)
+        if stream.finished:
+            stream._put(_END)
+
+    def abort_all(self, exc: Exception) -> None:
+        """Abort every request in flight; their streams end with `exc`."""
+        self._fail_all(exc, abort_engine=True)
+
+    def _fail_all(self, exc: Exception, abort_engine: bool = False) -> None:
+        streams = {id(t.stream): t.stream for t in self._tracked.values()}
+        for stream in streams.values():
+            if abort_engine:
+                self.abort(stream)
+            stream.unfinished.clear()
+            stream._put(exc)
+        self._tracked.clear()

@@ -1,0 +1,263 @@
+"""The engine process: owns an LLMEngine and runs its step loop, fed through a queue.
+
+The HTTP process sends `add`, `abort` and `shutdown` messages; this process answers with
+one message per loop turn carrying every request's output delta of the step, the engine's
+stats and the step timings. Deltas, not cumulative outputs, cross the process boundary so
+the bytes pickled per step stay proportional to the tokens produced.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import queue
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+
+from specserve.config import EngineConfig
+from specserve.errors import InvalidRequestError, SpecserveError
+from specserve.sampling_params import SamplingParams
+
+_IDLE_POLL_S = 0.5  # how often an idle engine checks that its parent is still alive
+
+
+@dataclass
+class EngineInfo:
+    """What the HTTP process needs to validate requests before they are queued."""
+
+    model_name: str
+    vocab_size: int
+    max_model_len: int
+    kv_capacity_tokens: int
+    kv_pages_total: int
+    max_num_seqs: int
+
+
+@dataclass
+class OutputDelta:
+    """One engine request's progress in one step. On the wire it is a plain tuple of its
+    fields in order (`astuple`-like, built by `_delta`): tuples pickle several times faster
+    than dataclasses, and pickling happens between steps."""
+
+    request_id: str
+    delta_text: str
+    new_token_ids: list[int]
+    # (logprob of the chosen token, [(id, logprob) of the top alternatives]) per new token;
+    # None when the request did not ask for logprobs.
+    new_logprobs: list[tuple[float, list[tuple[int, float]]]] | None
+    finished: bool
+    finish_reason: str | None
+    spec_stats: object | None = None  # speculation statistics, once the engine reports them
+
+
+@dataclass
+class AddRequest:
+    """Queue one already tokenized and validated prompt."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass
+class RequestError:
+    """The engine refused a request at add time (validation the HTTP side could not do)."""
+
+    request_id: str
+    message: str
+    field: str | None
+    status: int  # 400 for InvalidRequestError, 500 otherwise
+
+
+@dataclass
+class StepReport:
+    """Everything one loop turn produced; `outputs` holds OutputDelta field tuples."""
+
+    outputs: list[tuple] = field(default_factory=list)
+    errors: list[RequestError] = field(default_factory=list)
+    stats: dict = field(default_factory=dict)
+    step_s: list[float] = field(default_factory=list)  # model step durations
+    gap_s: list[float] = field(default_factory=list)  # idle time between back-to-back steps
+
+
+def run_engine(config: EngineConfig, inbox: mp.Queue, conn: Connection) -> None:
+    """Entry point of the engine process (spawned by EngineClient)."""
+    outbox = Outbox(conn)
+    try:
+        _run(config, inbox, outbox)
+    finally:
+        outbox.close()
+
+
+def _run(config: EngineConfig, inbox: mp.Queue, outbox: Outbox) -> None:
+    try:
+        from specserve.engine.engine import LLMEngine
+
+        _leave_a_core_for_http(config)
+        engine = LLMEngine(config)
+    except Exception as e:  # report any load failure to the parent, which exits with it
+        kind = "user" if isinstance(e, (SpecserveError, ValueError)) else "internal"
+        outbox.send(("load_error", kind, f"{type(e).__name__}: {e}", traceback.format_exc()))
+        return
+    info = EngineInfo(
+        model_name=engine.source.name,
+        vocab_size=engine.model_config.vocab_size,
+        max_model_len=engine.max_model_len,
+        kv_capacity_tokens=engine.kv.capacity_tokens,
+        kv_pages_total=engine.kv.allocator.num_usable,
+        max_num_seqs=config.max_num_seqs,
+    )
+    outbox.send(("ready", info))
+    try:
+        EngineLoop(engine, inbox, outbox).run()
+    except BrokenPipeError:
+        pass  # the HTTP process is gone; nothing to report to
+    except Exception:
+        outbox.send(("fatal", traceback.format_exc()))
+
+
+class Outbox:
+    """Sends messages to the HTTP process from its own thread, so a step never waits for
+    the HTTP process to read (pickling and pipe writes happen off the step loop)."""
+
+    def __init__(self, conn: Connection):
+        self.conn = conn
+        self.pending: queue.SimpleQueue = queue.SimpleQueue()
+        self.broken = False
+        self.thread = threading.Thread(target=self._run, name="engine-outbox", daemon=True)
+        self.thread.start()
+
+    def send(self, msg: tuple) -> None:
+        if self.broken:
+            raise BrokenPipeError("the HTTP process stopped reading")
+        # Pickled here, written by the thread: a write to a full pipe then blocks only the
+        # thread, and the thread never holds the GIL for long.
+        self.pending.put(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+
+    def _run(self) -> None:
+        while (buf := self.pending.get()) is not None:
+            try:
+                self.conn.send_bytes(buf)
+            except OSError:
+                self.broken = True
+                return
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Flush what is queued, then stop the thread."""
+        self.pending.put(None)
+        self.thread.join(timeout_s)
+        self.conn.close()
+
+
+def _leave_a_core_for_http(config: EngineConfig) -> None:
+    """On CPU, intra-op threads on every core fight the HTTP process for CPU time, and
+    OpenMP workers that spin while a core is taken slow steps down by an order of magnitude;
+    so the engine uses one core less unless OMP_NUM_THREADS says otherwise."""
+    if config.torch_device().type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        import torch
+
+        torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
+
+
+class EngineLoop:
+    """Drains the inbox between steps, steps while there is work, reports each turn."""
+
+    def __init__(self, engine, inbox: mp.Queue, outbox: Outbox):
+        self.engine = engine
+        self.inbox = inbox
+        self.outbox = outbox
+        self.report = StepReport()
+        self.dirty = False  # something changed that the HTTP side has not heard of
+        self.last_step_end: float | None = None
+        self.parent = mp.parent_process()
+
+    def run(self) -> None:
+        while True:
+            if not self._drain(block=not self.engine.has_unfinished()):
+                break
+            if self.engine.has_unfinished():
+                self._step()
+            if self.dirty:
+                self._send()
+        self.engine_abort_all()
+        self._send()  # final stats: nothing running, every page free
+        self.outbox.send(("stopped", None))
+
+    def _step(self) -> None:
+        start = time.perf_counter()
+        if self.last_step_end is not None:
+            self.report.gap_s.append(start - self.last_step_end)
+        outputs = self.engine.step()
+        end = time.perf_counter()
+        self.report.step_s.append(end - start)
+        self.report.outputs.extend(_delta(o) for o in outputs)
+        self.dirty = True
+        # Only back-to-back steps count: time spent idle without work is not a gap.
+        self.last_step_end = end if self.engine.has_unfinished() else None
+
+    def _send(self) -> None:
+        self.report.stats = self.engine.stats()
+        self.outbox.send(("step", self.report))
+        self.report = StepReport()
+        self.dirty = False
+
+    def _drain(self, block: bool) -> bool:
+        """Handle every queued message; wait for one first when idle. False on shutdown."""
+        while True:
+            try:
+                msg = self.inbox.get(timeout=_IDLE_POLL_S) if block else self.inbox.get_nowait()
+            except queue.Empty:
+                parent_gone = self.parent is not None and not self.parent.is_alive()
+                if block and (parent_gone or self.outbox.broken):
+                    return False
+                if block:
+                    continue
+                return True
+            block = False
+            kind, payload = msg
+            if kind == "shutdown":
+                return False
+            self.dirty = True
+            if kind == "add":
+                for req in payload:
+                    self._add(req)
+            elif kind == "abort":
+                for rid in payload:
+                    self.engine.abort_request(rid)
+                if not self.engine.has_unfinished():
+                    self.last_step_end = None
+
+    def _add(self, req: AddRequest) -> None:
+        try:
+            self.engine.add_request(req.prompt_token_ids, req.params, req.request_id)
+        except InvalidRequestError as e:
+            self.report.errors.append(RequestError(req.request_id, str(e), e.field, 400))
+        except Exception as e:
+            self.report.errors.append(
+                RequestError(req.request_id, f"{type(e).__name__}: {e}", None, 500)
+            )
+
+    def engine_abort_all(self) -> None:
+        for rid in list(self.engine.requests):
+            self.engine.abort_request(rid)
+
+
+def _delta(out) -> tuple:
+    """A RequestOutput as OutputDelta fields (a tuple, see OutputDelta)."""
+    n = out.num_new_tokens
+    new_lp = None
+    if out.new_logprobs:
+        new_lp = [(lp.logprob, [tuple(t) for t in lp.top]) for lp in out.new_logprobs]
+    return (
+        out.request_id,
+        out.delta_text,
+        out.token_ids[-n:] if n else [],
+        new_lp,
+        out.finished,
+        out.finish_reason,
+        getattr(out, "spec_stats", None),
+    )

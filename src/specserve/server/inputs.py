@@ -1,0 +1,240 @@
+"""From an API request to engine requests: tokenize (chat template for chat), check lengths,
+build SamplingParams, fan out n choices. Runs before anything is queued, so every problem
+reaches the client as a 400 naming the field.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from dataclasses import dataclass
+
+from specserve.errors import InvalidRequestError
+from specserve.sampling_params import SamplingParams
+from specserve.server.engine_proc import AddRequest, EngineInfo
+from specserve.server.errors import APIError, bad_request, from_invalid_request
+from specserve.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+
+_THREAD_TOKENIZE_CHARS = 4096  # longer prompts are tokenized off the event loop
+_MASK_62 = (1 << 62) - 1
+MAX_CHOICES = 1024  # engine requests one API request may fan out into (prompts x n)
+
+
+@dataclass
+class PreparedRequest:
+    """Engine requests of one API request; choice i of prompt p is requests[p * n + i]."""
+
+    request_id: str
+    requests: list[AddRequest]
+    num_prompt_tokens: int  # summed over distinct prompts (not over choices)
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """Seed of choice `index`: the request seed itself for the first, a splitmix64 hash of
+    (seed, index) for the others, so seeded n > 1 requests reproduce."""
+    if index == 0:
+        return seed
+    z = (seed + 0x9E3779B97F4A7C15 * index) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (z ^ (z >> 31)) & _MASK_62
+
+
+class InputProcessor:
+    """Knows the tokenizer and the engine's limits; turns requests into AddRequests."""
+
+    def __init__(self, tokenizer, info: EngineInfo):
+        self.tokenizer = tokenizer
+        self.info = info
+
+    # ---- prompts --------------------------------------------------------------------------
+    async def encode(self, text: str) -> list[int]:
+        """Same tokenization as LLMEngine.tokenize, so server and offline outputs agree."""
+        if not text:
+            return []
+        if len(text) > _THREAD_TOKENIZE_CHARS:
+            return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens=True)
+        return self.tokenizer.encode(text, add_special_tokens=True)
+
+    async def completion_prompts(self, req: CompletionRequest) -> list[list[int]]:
+        p = req.prompt
+        if isinstance(p, str):
+            return [await self.encode(p)]
+        if isinstance(p[0], str):
+            return [await self.encode(s) for s in p]
+        if isinstance(p[0], int):
+            return [list(p)]
+        return [list(ids) for ids in p]
+
+    async def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise bad_request(
+                "this model has no chat template; use /v1/completions", "messages"
+            )
+        messages = []
+        for i, m in enumerate(req.messages):
+            content = m.content
+            if isinstance(content, list):
+                texts = []
+                for j, part in enumerate(content):
+                    if part.type != "text" or not hasattr(part, "text"):
+                        raise bad_request(
+                            f"content part type {part.type!r} is not supported; "
+                            "only text parts are",
+                            f"messages[{i}].content[{j}].type",
+                        )
+                    texts.append(part.text)
+                content = "".join(texts)
+            messages.append({"role": m.role, "content": content or ""})
+        size = sum(len(m["content"]) for m in messages)
+        try:
+            if size > _THREAD_TOKENIZE_CHARS:
+                out = await asyncio.to_thread(self._apply_template, messages)
+            else:
+                out = self._apply_template(messages)
+        except Exception as e:  # template errors (roles that must alternate...) are input
+            raise bad_request(f"the chat template rejected the messages: {e}", "messages") from e
+        ids = out["input_ids"] if hasattr(out, "keys") else out
+        return list(ids)
+
+    def _apply_template(self, messages: list[dict]):
+        return self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True
+        )
+
+    # ---- checks ---------------------------------------------------------------------------
+    def check_prompt(self, ids: list[int], param: str = "prompt") -> None:
+        info = self.info
+        if not ids:
+            raise bad_request("the prompt is empty; send at least one token", param)
+        bad = next((t for t in ids if t >= info.vocab_size), None)
+        if bad is not None:
+            raise bad_request(
+                f"token id {bad} is out of range; this model's ids lie in "
+                f"[0, {info.vocab_size})",
+                param,
+            )
+        if len(ids) >= info.max_model_len:
+            raise bad_request(
+                f"the prompt has {len(ids)} tokens; this model's maximum context length is "
+                f"{info.max_model_len} tokens, so prompts must be shorter than that",
+                param,
+            )
+
+    def max_tokens(self, ids: list[int], asked: int | None, param: str) -> int:
+        """The request's max_tokens, checked against the context and the KV cache; when not
+        given, whatever room the context leaves."""
+        info = self.info
+        limit = min(info.max_model_len, info.kv_capacity_tokens)
+        if asked is None:
+            if len(ids) >= limit:
+                raise bad_request(
+                    f"the prompt has {len(ids)} tokens, leaving no room to generate within "
+                    f"the {limit} tokens a request can hold",
+                    "prompt",
+                )
+            return limit - len(ids)
+        if len(ids) + asked > info.max_model_len:
+            raise bad_request(
+                f"this model's maximum context length is {info.max_model_len} tokens; the "
+                f"request asks for {len(ids) + asked} ({len(ids)} in the prompt, {asked} "
+                f"for {param}); lower {param} or shorten the prompt",
+                param,
+            )
+        if len(ids) + asked > info.kv_capacity_tokens:
+            raise bad_request(
+                f"the prompt ({len(ids)} tokens) plus {param} ({asked}) needs more KV cache "
+                f"than the server has ({info.kv_capacity_tokens} tokens); lower {param}",
+                param,
+            )
+        return asked
+
+    # ---- fan-out --------------------------------------------------------------------------
+    def prepare(
+        self,
+        prefix: str,
+        req: SamplingFields,
+        prompts: list[list[int]],
+        asked_max_tokens: int | None,
+        max_tokens_param: str,
+        logprobs: int | None,
+        prompt_param: str = "prompt",
+    ) -> PreparedRequest:
+        check_unsupported(req)
+        if len(prompts) * req.n > MAX_CHOICES:
+            raise bad_request(
+                f"{len(prompts)} prompts x n={req.n} asks for more than {MAX_CHOICES} choices",
+                "n",
+            )
+        request_id = f"{prefix}-{uuid.uuid4().hex}"
+        requests = []
+        for p, ids in enumerate(prompts):
+            self.check_prompt(ids, prompt_param)
+            max_tokens = self.max_tokens(ids, asked_max_tokens, max_tokens_param)
+            for i in range(req.n):
+                choice = p * req.n + i
+                seed = None if req.seed is None else choice_seed(req.seed, choice)
+                params = self.sampling_params(req, max_tokens, max_tokens_param, logprobs, seed)
+                requests.append(AddRequest(f"{request_id}-{choice}", ids, params))
+        return PreparedRequest(request_id, requests, sum(len(ids) for ids in prompts))
+
+    @staticmethod
+    def sampling_params(
+        req: SamplingFields, max_tokens: int, max_tokens_param: str, logprobs, seed
+    ) -> SamplingParams:
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens,
+                temperature=1.0 if req.temperature is None else req.temperature,
+                top_k=req.top_k or 0,
+                top_p=1.0 if req.top_p is None else req.top_p,
+                min_p=req.min_p or 0.0,
+                seed=seed,
+                stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []),
+                stop_token_ids=list(req.stop_token_ids or []),
+                ignore_eos=req.ignore_eos,
+                logprobs=logprobs,
+            )
+        except InvalidRequestError as e:
+            raise from_invalid_request(e, {"max_tokens": max_tokens_param}) from e
+
+
+def check_unsupported(req: SamplingFields) -> None:
+    """Fields the API defines that specserve does not implement: only neutral values pass."""
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(req, name):
+            raise bad_request(f"{name} is not supported; leave it at 0", name)
+    if req.logit_bias:
+        raise bad_request("logit_bias is not supported", "logit_bias")
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+    if isinstance(req, CompletionRequest):
+        if req.echo:
+            raise bad_request("echo is not supported", "echo")
+        if req.suffix:
+            raise bad_request("suffix is not supported", "suffix")
+        if req.best_of is not None and req.best_of != req.n:
+            raise bad_request("best_of must equal n (best-of ranking is not supported)",
+                              "best_of")
+    if isinstance(req, ChatCompletionRequest):
+        if req.tools:
+            raise bad_request("tools are not supported", "tools")
+        if req.tool_choice not in (None, "none", "auto"):
+            raise bad_request("tool_choice is not supported", "tool_choice")
+        if req.response_format is not None and req.response_format.type != "text":
+            raise bad_request("response_format other than text is not supported",
+                              "response_format")
+        if req.top_logprobs is not None and not req.logprobs:
+            raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
+
+
+def model_check(requested: str | None, served: list[str]) -> str:
+    """The served name to report; 404 for a model this server does not serve."""
+    if requested is None or requested in served:
+        return requested or served[0]
+    raise APIError(
+        404,
+        f"the model {requested!r} does not exist; this server serves {served[0]!r}",
+        param="model",
+        code="model_not_found",
+    )

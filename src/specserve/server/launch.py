@@ -1,0 +1,83 @@
+"""`specserve serve`: start the engine process, then uvicorn; SIGTERM shuts down cleanly.
+
+Order of events: the engine process is spawned and loads the model while this process
+loads the tokenizer; the port is bound only once the engine is ready. On SIGTERM (or
+SIGINT) uvicorn stops accepting connections, new API requests get 503, in-flight ones get
+`shutdown_timeout_s` to finish, then they are aborted (their responses end with a 503
+error, or an error event and [DONE] when streaming); then the engine process is stopped and
+the command returns 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+
+import uvicorn
+
+from specserve.config import EngineConfig
+from specserve.model.loader import load_tokenizer, resolve_model
+from specserve.server.app import ServerState, build_app
+from specserve.server.config import ServerConfig
+from specserve.server.engine_client import EngineClient
+from specserve.server.inputs import InputProcessor
+from specserve.server.metrics import ServerMetrics
+from specserve.server.openai_format import TokenText
+
+logger = logging.getLogger("specserve.server")
+_SHUTDOWN_BACKSTOP_S = 5.0
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, telling the app when a shutdown signal arrives."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState):
+        super().__init__(config)
+        self.state = state
+
+    def handle_exit(self, sig, frame) -> None:
+        self.state.begin_shutdown()
+        super().handle_exit(sig, frame)
+
+
+def run_server(engine_config: EngineConfig, config: ServerConfig) -> int:
+    """Serve until SIGTERM/SIGINT; returns the process exit code."""
+    logging.basicConfig(level=config.log_level.upper(), format="%(levelname)s %(message)s")
+    metrics = ServerMetrics()
+    client = EngineClient(engine_config, metrics, config.max_queue)
+    try:
+        tokenizer = load_tokenizer(resolve_model(engine_config.model))
+        info = client.wait_ready()
+    except BaseException:
+        client.kill()
+        raise
+    state = ServerState(
+        config=config,
+        client=client,
+        inputs=InputProcessor(tokenizer, info),
+        metrics=metrics,
+        token_text=TokenText(tokenizer),
+        served_names=config.served_model_names or [info.model_name],
+    )
+    app = build_app(state)
+    uv_config = uvicorn.Config(
+        app,
+        host=config.host,
+        port=config.port,
+        log_level=config.log_level,
+        access_log=config.access_log,
+        # A backstop: the app itself aborts what is left after shutdown_timeout_s.
+        timeout_graceful_shutdown=config.shutdown_timeout_s + _SHUTDOWN_BACKSTOP_S,
+        lifespan="on",
+    )
+    server = _Server(uv_config, state)
+    # uvicorn re-raises the signal it handled once it has shut down; with these handlers in
+    # place that is a no-op and the command exits 0 instead of dying from the signal.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    logger.info("serving %s on http://%s:%d", state.served_names[0], config.host, config.port)
+    try:
+        server.run()
+    finally:
+        client.kill()
+    return 0 if server.started else 1

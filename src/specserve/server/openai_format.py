@@ -1,0 +1,249 @@
+"""OpenAI response shapes built from engine output deltas: completions and chat
+completions, whole or as stream chunks, with logprobs and usage.
+
+Chunks are plain dicts (pydantic costs too much per token at hundreds of streams); their
+shapes are documented by the models in server/protocol.py, and tests check them against
+those models and the official client.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+from specserve.server.engine_proc import OutputDelta
+
+_MIN_LOGPROB = -9999.0  # JSON has no -inf
+
+
+def _lp(x: float) -> float:
+    return x if x > _MIN_LOGPROB else _MIN_LOGPROB
+
+
+def _byte_decoder() -> dict[str, int]:
+    """Inverse of the GPT-2 byte-level alphabet: printable stand-in character -> byte."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+            *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+class TokenText:
+    """Display string and exact UTF-8 bytes of single tokens, cached (used for logprobs).
+    A token that is only part of a UTF-8 character displays as "bytes:\\xNN..." (as OpenAI
+    does), so distinct partial tokens never collide in top_logprobs dicts."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self._cache: dict[int, tuple[str, list[int]]] = {}
+        self._byte_decoder = _byte_decoder() if _is_byte_level(tokenizer) else None
+
+    def get(self, token_id: int) -> tuple[str, list[int]]:
+        hit = self._cache.get(token_id)
+        if hit is None:
+            text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            raw = text.encode()
+            if self._byte_decoder is not None:
+                piece = self.tokenizer.convert_ids_to_tokens(token_id) or ""
+                if piece and all(c in self._byte_decoder for c in piece):
+                    raw = bytes(self._byte_decoder[c] for c in piece)
+            try:
+                raw.decode()
+            except UnicodeDecodeError:  # part of a character: show its bytes, like OpenAI
+                text = "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+            hit = self._cache[token_id] = (text, list(raw))
+        return hit
+
+
+def _is_byte_level(tokenizer) -> bool:
+    try:
+        spec = json.loads(tokenizer.backend_tokenizer.to_str())
+    except Exception:
+        return False
+    return "ByteLevel" in json.dumps(spec.get("decoder"))
+
+
+class _Choice:
+    """Accumulated state of one choice."""
+
+    __slots__ = ("text", "num_tokens", "finish_reason", "logprobs", "text_offset")
+
+    def __init__(self) -> None:
+        self.text: list[str] = []
+        self.num_tokens = 0
+        self.finish_reason: str | None = None
+        self.logprobs: list = []  # completions: the four parallel lists; chat: entries
+        self.text_offset = 0
+
+
+class _Formatter:
+    """Shared bookkeeping: choices, usage, ids."""
+
+    object_name = ""
+    chunk_object = ""
+
+    def __init__(self, request_id, model, num_choices, num_prompt_tokens, logprobs, text):
+        self.id = request_id
+        self.model = model
+        self.created = int(time.time())
+        self.choices = [_Choice() for _ in range(num_choices)]
+        self.num_prompt_tokens = num_prompt_tokens
+        self.logprobs = logprobs  # None: no logprobs
+        self.token_text: TokenText = text
+
+    def usage(self) -> dict:
+        completion = sum(c.num_tokens for c in self.choices)
+        return {
+            "prompt_tokens": self.num_prompt_tokens,
+            "completion_tokens": completion,
+            "total_tokens": self.num_prompt_tokens + completion,
+        }
+
+    def _absorb(self, index: int, delta: OutputDelta) -> _Choice:
+        c = self.choices[index]
+        c.text.append(delta.delta_text)
+        c.text_offset += len(delta.delta_text)
+        c.num_tokens += len(delta.new_token_ids)
+        if delta.finished:
+            c.finish_reason = delta.finish_reason
+        return c
+
+    def _envelope(self, obj: str, choices: list, usage_field: bool) -> dict:
+        out = {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+               "choices": choices}
+        if usage_field:
+            out["usage"] = None
+        return out
+
+    def usage_chunk(self) -> dict:
+        out = self._envelope(self.chunk_object, [], False)
+        out["usage"] = self.usage()
+        return out
+
+
+class CompletionFormatter(_Formatter):
+    """/v1/completions: choice text plus legacy logprobs (tokens, token_logprobs,
+    top_logprobs, text_offset)."""
+
+    chunk_object = "text_completion"
+
+    def _logprobs(self, c: _Choice, delta: OutputDelta) -> dict | None:
+        if self.logprobs is None or delta.new_logprobs is None:
+            return None
+        part = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        offset = c.text_offset
+        for tid, (lp, top) in zip(delta.new_token_ids, delta.new_logprobs):
+            text, raw = self.token_text.get(tid)
+            tops = {self.token_text.get(t)[0]: _lp(v) for t, v in top}
+            tops.setdefault(text, _lp(lp))
+            part["tokens"].append(text)
+            part["token_logprobs"].append(_lp(lp))
+            part["top_logprobs"].append(tops)
+            part["text_offset"].append(offset)
+            offset += len(bytes(raw).decode(errors="ignore"))
+        return part
+
+    def chunk(self, index: int, delta: OutputDelta, usage_field: bool) -> dict | None:
+        lp = self._logprobs(self.choices[index], delta)
+        self._absorb(index, delta)
+        if not delta.delta_text and lp is None and not delta.finished:
+            return None
+        choice = {"index": index, "text": delta.delta_text, "logprobs": lp,
+                  "finish_reason": delta.finish_reason if delta.finished else None}
+        return self._envelope(self.chunk_object, [choice], usage_field)
+
+    def add(self, index: int, delta: OutputDelta) -> None:
+        c = self.choices[index]
+        lp = self._logprobs(c, delta)
+        self._absorb(index, delta)
+        if lp is not None:
+            c.logprobs.append(lp)
+
+    def response(self) -> dict:
+        choices = []
+        for i, c in enumerate(self.choices):
+            lp = None
+            if self.logprobs is not None:
+                lp = {k: [x for part in c.logprobs for x in part[k]]
+                      for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+            choices.append({"index": i, "text": "".join(c.text), "logprobs": lp,
+                            "finish_reason": c.finish_reason})
+        out = self._envelope("text_completion", choices, False)
+        out["usage"] = self.usage()
+        return out
+
+
+class ChatFormatter(_Formatter):
+    """/v1/chat/completions: assistant message (or deltas) plus chat logprobs."""
+
+    chunk_object = "chat.completion.chunk"
+
+    def _entries(self, delta: OutputDelta) -> list | None:
+        if self.logprobs is None or delta.new_logprobs is None:
+            return None
+        out = []
+        for tid, (lp, top) in zip(delta.new_token_ids, delta.new_logprobs):
+            text, raw = self.token_text.get(tid)
+            tops = []
+            for t, v in top:
+                ttext, traw = self.token_text.get(t)
+                tops.append({"token": ttext, "logprob": _lp(v), "bytes": traw})
+            out.append({"token": text, "logprob": _lp(lp), "bytes": raw, "top_logprobs": tops})
+        return out
+
+    def role_chunks(self, usage_field: bool) -> list[dict]:
+        return [
+            self._envelope(self.chunk_object, [{
+                "index": i, "delta": {"role": "assistant", "content": ""},
+                "logprobs": None, "finish_reason": None,
+            }], usage_field)
+            for i in range(len(self.choices))
+        ]
+
+    def chunk(self, index: int, delta: OutputDelta, usage_field: bool) -> dict | None:
+        self._absorb(index, delta)
+        entries = self._entries(delta)
+        if not delta.delta_text and entries is None and not delta.finished:
+            return None
+        choice = {
+            "index": index,
+            "delta": {"content": delta.delta_text} if delta.delta_text else {},
+            "logprobs": None if entries is None else {"content": entries, "refusal": None},
+            "finish_reason": delta.finish_reason if delta.finished else None,
+        }
+        return self._envelope(self.chunk_object, [choice], usage_field)
+
+    def add(self, index: int, delta: OutputDelta) -> None:
+        c = self._absorb(index, delta)
+        entries = self._entries(delta)
+        if entries is not None:
+            c.logprobs.extend(entries)
+
+    def response(self) -> dict:
+        choices = [
+            {
+                "index": i,
+                "message": {"role": "assistant", "content": "".join(c.text)},
+                "logprobs": None if self.logprobs is None
+                else {"content": c.logprobs, "refusal": None},
+                "finish_reason": c.finish_reason,
+            }
+            for i, c in enumerate(self.choices)
+        ]
+        out = self._envelope("chat.completion", choices, False)
+        out["usage"] = self.usage()
+        return out
+
+
+def sse(obj: dict) -> bytes:
+    """One server-sent event carrying a JSON object."""
+    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"

@@ -1,0 +1,225 @@
+"""Request and response bodies of the OpenAI-compatible API (pydantic models).
+
+Requests are validated here for types and ranges (a failure becomes a 400 naming the field);
+what needs the model (prompt length, token ids) is checked in server/inputs.py. Fields the
+API defines but specserve does not implement are accepted at their neutral value and
+rejected otherwise, so a request never silently means something else. Unknown fields are
+ignored, like other OpenAI-compatible servers do.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+Int64 = Annotated[int, Field(ge=-(2**63), lt=2**64)]
+TokenId = Annotated[int, Field(ge=0, lt=2**31)]
+StopStr = Annotated[str, Field(min_length=1, max_length=1000)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+
+class StreamOptions(_Strict):
+    """stream_options: include a final usage chunk when streaming."""
+
+    include_usage: bool = False
+
+
+class SamplingFields(_Strict):
+    """Fields shared by completions and chat completions."""
+
+    model: str | None = None
+    n: int = Field(1, ge=1, le=128)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1, le=2**31 - 1)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    seed: Int64 | None = None
+    stop: StopStr | Annotated[list[StopStr], Field(max_length=16)] | None = None
+    stop_token_ids: list[TokenId] | None = Field(None, max_length=64)
+    ignore_eos: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+
+
+class CompletionRequest(SamplingFields):
+    """POST /v1/completions."""
+
+    prompt: (
+        Annotated[str, Field(max_length=10_000_000)]
+        | Annotated[list[str], Field(min_length=1, max_length=1024)]
+        | Annotated[list[TokenId], Field(min_length=1)]
+        | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]],
+                    Field(min_length=1, max_length=1024)]
+    )
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool = False
+    best_of: int | None = Field(None, ge=1, le=128)
+    suffix: str | None = None
+
+
+class TextPart(_Strict):
+    """A text part of a message's content."""
+
+    type: Literal["text"]
+    text: str
+
+
+class OtherPart(BaseModel):
+    """Any non-text content part (images, audio...): parsed so the error can name it."""
+
+    model_config = ConfigDict(extra="allow")
+    type: str
+
+
+class ChatMessage(_Strict):
+    """One message of the conversation."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart | OtherPart] | None = None
+    name: str | None = None
+
+
+class ResponseFormat(_Strict):
+    """response_format: only plain text is supported."""
+
+    type: str
+
+
+class ChatCompletionRequest(SamplingFields):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
+
+
+# ---- responses (documentation of the shapes; built as dicts in openai_format.py) ----------
+class Usage(BaseModel):
+    """Token counts of a request."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionLogprobs(BaseModel):
+    """Legacy completions logprobs: parallel lists, one entry per generated token."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    """One choice of a completion."""
+
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(BaseModel):
+    """Response of POST /v1/completions (also the shape of each streamed chunk)."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class TopLogprob(BaseModel):
+    """An alternative token at one position."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(TopLogprob):
+    """The chosen token at one position and its alternatives."""
+
+    top_logprobs: list[TopLogprob]
+
+
+class ChoiceLogprobs(BaseModel):
+    """Chat logprobs of one choice."""
+
+    content: list[TokenLogprob] | None = None
+    refusal: list[TokenLogprob] | None = None
+
+
+class AssistantMessage(BaseModel):
+    """The generated message."""
+
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(BaseModel):
+    """One choice of a chat completion."""
+
+    index: int
+    message: AssistantMessage
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    """Response of POST /v1/chat/completions with stream false."""
+
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ModelCard(BaseModel):
+    """One entry of GET /v1/models."""
+
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "specserve"
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    """Response of GET /v1/models."""
+
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorBody(BaseModel):
+    """The error object of every non-2xx response."""
+
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """Body of every non-2xx response."""
+
+    error: ErrorBody

@@ -1,0 +1,169 @@
+"""The server through the official openai client: completions and chat, streaming or not,
+n > 1, stop strings, seeds, usage, logprobs, and parity with the offline LLM."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from specserve import LLM, SamplingParams
+from specserve.server.protocol import ChatCompletionResponse, CompletionResponse
+
+PROMPTS = [
+    "The quick brown fox",
+    "Speculative decoding drafts tokens",
+    "Héllo wörld, naïve café 你好",
+    "Paged attention",
+]
+MODEL = "tinyllama"
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_llama):
+    return LLM(str(tiny_llama))
+
+
+def _stream_text(chunks) -> tuple[dict[int, str], dict[int, str | None]]:
+    texts: dict[int, str] = {}
+    reasons: dict[int, str | None] = {}
+    for chunk in chunks:
+        for c in chunk.choices:
+            piece = c.text if hasattr(c, "text") else (c.delta.content or "")
+            texts[c.index] = texts.get(c.index, "") + piece
+            if c.finish_reason:
+                reasons[c.index] = c.finish_reason
+    return texts, reasons
+
+
+def test_models_and_auth(server, client):
+    assert [m.id for m in client.models.list().data] == [MODEL, "tiny-alias"]
+    assert client.completions.create(model="tiny-alias", prompt="a", max_tokens=1).model == (
+        "tiny-alias")
+    r = httpx.get(server.url + "/v1/models")
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    bad = openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.completions.create(model=MODEL, prompt="hi", max_tokens=1)
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_greedy_equals_offline_generate(client, offline):
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    expected = [o.text for o in offline.generate(PROMPTS, params)]
+    got = client.completions.create(
+        model=MODEL, prompt=PROMPTS, max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
+    )
+    CompletionResponse.model_validate(got.model_dump())
+    assert [c.text for c in sorted(got.choices, key=lambda c: c.index)] == expected
+    assert got.usage.completion_tokens == 12 * len(PROMPTS)
+    for i, prompt in enumerate(PROMPTS):  # the concatenated stream equals the whole text
+        chunks = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12,
+                                           temperature=0, stream=True,
+                                           extra_body={"ignore_eos": True})
+        texts, reasons = _stream_text(chunks)
+        assert texts[0] == expected[i] and reasons[0] == "length"
+
+
+def test_chat_stream_equals_whole_and_usage(client, offline, tiny_llama):
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "Tell me about café 你好"}]
+    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10,
+                                           temperature=0)
+    ChatCompletionResponse.model_validate(whole.model_dump())
+    prompt_ids = offline.apply_chat_template(messages)
+    offline_out = offline.generate(prompt_ids, SamplingParams(max_tokens=10, temperature=0.0))[0]
+    assert whole.choices[0].message.content == offline_out.text
+    assert whole.choices[0].message.role == "assistant"
+    assert whole.usage.prompt_tokens == len(prompt_ids)
+    assert whole.usage.completion_tokens == len(offline_out.token_ids)
+    assert whole.usage.total_tokens == len(prompt_ids) + len(offline_out.token_ids)
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=messages, max_completion_tokens=10, temperature=0, stream=True,
+        stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    texts, reasons = _stream_text(chunks)
+    assert texts[0] == whole.choices[0].message.content
+    assert reasons[0] == whole.choices[0].finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_n_choices_and_seeds_reproduce(client):
+    kw = dict(model=MODEL, prompt="The quick", max_tokens=16, temperature=1.0, n=3, seed=1234)
+    a = client.completions.create(**kw)
+    b = client.completions.create(**kw)
+    ta = [c.text for c in sorted(a.choices, key=lambda c: c.index)]
+    assert [c.index for c in sorted(a.choices, key=lambda c: c.index)] == [0, 1, 2]
+    assert ta == [c.text for c in sorted(b.choices, key=lambda c: c.index)]
+    assert len(set(ta)) > 1, "choices of one request must use different seeds"
+    single = client.completions.create(**{**kw, "n": 1})
+    assert single.choices[0].text == ta[0]
+    texts, _ = _stream_text(client.completions.create(**kw, stream=True))
+    assert [texts[i] for i in range(3)] == ta
+    chat = dict(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=8,
+                n=2, seed=7, temperature=1.0)
+    c1, c2 = client.chat.completions.create(**chat), client.chat.completions.create(**chat)
+    assert [c.message.content for c in c1.choices] == [c.message.content for c in c2.choices]
+    assert len(c1.choices) == 2 and c1.usage.completion_tokens <= 16
+
+
+def test_stop_strings(client):
+    base = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=24,
+                                     temperature=0, extra_body={"ignore_eos": True})
+    text = base.choices[0].text
+    stop = next(text[i:i + 2] for i in range(3, len(text) - 2) if text[i:i + 2].strip())
+    cut = text[: text.find(stop)]
+    for stream in (False, True):
+        out = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=24,
+                                        temperature=0, stop=[stop, "\x00never"],
+                                        stream=stream, extra_body={"ignore_eos": True})
+        if stream:
+            texts, reasons = _stream_text(out)
+            assert texts[0] == cut and reasons[0] == "stop"
+        else:
+            assert out.choices[0].text == cut and out.choices[0].finish_reason == "stop"
+
+
+def test_completion_logprobs_shape(client):
+    out = client.completions.create(model=MODEL, prompt="The quick", max_tokens=6,
+                                    temperature=0, logprobs=3, extra_body={"ignore_eos": True})
+    lp = out.choices[0].logprobs
+    n = out.usage.completion_tokens
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == n == 6
+    assert lp.text_offset == sorted(lp.text_offset)
+    for tok, chosen, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert 3 <= len(top) <= 4 and top[tok] == pytest.approx(chosen)
+        assert chosen <= 0 and chosen == pytest.approx(max(top.values()))  # greedy
+    streamed = client.completions.create(model=MODEL, prompt="The quick", max_tokens=6,
+                                         temperature=0, logprobs=3, stream=True,
+                                         extra_body={"ignore_eos": True})
+    tokens = [t for c in streamed for ch in c.choices if ch.logprobs for t in ch.logprobs.tokens]
+    assert tokens == lp.tokens
+
+
+def test_chat_logprobs_shape(client):
+    out = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=5,
+        temperature=0, logprobs=True, top_logprobs=2)
+    content = out.choices[0].logprobs.content
+    assert len(content) == out.usage.completion_tokens
+    for entry in content:
+        assert len(entry.top_logprobs) == 2 and entry.logprob <= 0
+        assert isinstance(entry.bytes, list) and all(0 <= b < 256 for b in entry.bytes)
+        assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob)  # greedy
+    plain = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=5)
+    assert plain.choices[0].logprobs is None
+
+
+def test_token_id_prompts_and_defaults(client, offline):
+    ids = offline.engine.tokenize(PROMPTS[0])
+    a = client.completions.create(model=MODEL, prompt=ids, max_tokens=5, temperature=0)
+    b = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=5, temperature=0)
+    assert a.choices[0].text == b.choices[0].text
+    assert a.usage.prompt_tokens == len(ids)
+    # the legacy completions default of 16 tokens
+    d = client.completions.create(prompt=PROMPTS[0], model=MODEL,
+                                  extra_body={"ignore_eos": True})
+    assert d.usage.completion_tokens == 16

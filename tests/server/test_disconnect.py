@@ -1,0 +1,100 @@
+"""Clients that go away abort their engine requests at once: their KV pages are freed
+(checked through /metrics), and the metrics the server exports are all there."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+NUM_STREAMS = 200
+LONG = 480  # tokens a dropped request would need to finish (context is 512)
+
+
+def _finished(server, reason: str) -> float:
+    return server.metrics().get(f'specserve_request_finished_total{{finish_reason="{reason}"}}',
+                                0.0)
+
+
+async def _open_and_drop(server, started: asyncio.Event, reached: list, all_in: asyncio.Event):
+    body = {"model": "tinyllama", "prompt": "The quick brown fox", "max_tokens": LONG,
+            "stream": True, "ignore_eos": True, "temperature": 0}
+    limits = httpx.Limits(max_connections=1)
+    async with httpx.AsyncClient(timeout=120, limits=limits) as http:
+        async with http.stream("POST", server.url + "/v1/completions", json=body,
+                               headers=server.headers) as r:
+            assert r.status_code == 200
+            lines = r.aiter_lines()  # held, not broken out of: that would close the stream
+            events = 0
+            while events < 2:
+                line = await lines.__anext__()
+                if line.startswith("data: "):
+                    assert line != "data: [DONE]"
+                    json.loads(line[6:])
+                    events += 1
+            reached.append(1)
+            if len(reached) == NUM_STREAMS:
+                all_in.set()
+            await all_in.wait()
+            await started.wait()
+        # leaving the block closes the connection mid-stream
+
+
+def test_dropped_streams_free_their_pages(server):
+    aborted_before = _finished(server, "abort")
+    length_before = _finished(server, "length")
+
+    async def run():
+        started, all_in, reached = asyncio.Event(), asyncio.Event(), []
+        tasks = [asyncio.create_task(_open_and_drop(server, started, reached, all_in))
+                 for _ in range(NUM_STREAMS)]
+        await asyncio.wait_for(all_in.wait(), 120)
+        during = await asyncio.to_thread(server.metrics)
+        started.set()
+        await asyncio.gather(*tasks)
+        return during
+
+    during = asyncio.run(run())
+    assert during["specserve_kv_pages_used"] > 0
+    assert during["specserve_num_requests_running"] + during[
+        "specserve_num_requests_waiting"] == NUM_STREAMS
+    assert server.wait_metric("specserve_kv_pages_used", 0.0) == 0.0
+    after = server.metrics()
+    assert after["specserve_num_requests_running"] == 0
+    assert after["specserve_num_requests_in_flight"] == 0
+    assert _finished(server, "length") == length_before  # none ran to the end
+    assert _finished(server, "abort") - aborted_before == NUM_STREAMS
+
+
+def test_dropped_whole_response_is_aborted(server):
+    aborted_before = _finished(server, "abort")
+    body = {"model": "tinyllama", "prompt": "The quick", "max_tokens": LONG, "n": 8,
+            "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", json=body, headers=server.headers,
+                   timeout=httpx.Timeout(60, read=0.5))
+    assert server.wait_metric("specserve_kv_pages_used", 0.0) == 0.0
+    assert _finished(server, "abort") - aborted_before == 8
+
+
+def test_metrics_exported(server, client):
+    client.completions.create(model="tinyllama", prompt="a b c", max_tokens=4)
+    text = httpx.get(server.url + "/metrics").text
+    for name in [
+        'specserve_requests_total{endpoint="/v1/completions",status="200"}',
+        "specserve_prompt_tokens_total", "specserve_generation_tokens_total",
+        "specserve_time_to_first_token_seconds_bucket",
+        "specserve_inter_token_latency_seconds_bucket",
+        "specserve_e2e_request_latency_seconds_bucket",
+        "specserve_engine_step_gap_seconds_bucket",
+        "specserve_engine_step_duration_seconds_bucket",
+        "specserve_num_requests_running", "specserve_num_requests_waiting",
+        "specserve_kv_pages_used", "specserve_kv_pages_total", "specserve_preemptions_total",
+    ]:
+        assert name in text, name
+    assert "specserve_spec_" not in text  # no speculation, no speculation metrics
+    m = server.metrics()
+    assert m["specserve_engine_step_gap_seconds_count"] > 0
+    assert m["specserve_kv_pages_total"] > 0

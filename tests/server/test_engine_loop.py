@@ -1,0 +1,89 @@
+"""The engine process's loop in-process (no HTTP): adds, engine-side refusals, aborts,
+shutdown; plus the pieces of the server that need no running server."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import queue
+
+import pytest
+
+from specserve.config import EngineConfig
+from specserve.engine.engine import LLMEngine
+from specserve.sampling_params import SamplingParams
+from specserve.server.engine_proc import AddRequest, EngineLoop, Outbox, OutputDelta
+from specserve.server.errors import _field_path
+from specserve.server.inputs import choice_seed
+from specserve.server.openai_format import TokenText
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama):
+    return LLMEngine(EngineConfig(model=str(tiny_llama)))
+
+
+def _messages(conn, until: str) -> list:
+    out = []
+    while True:
+        msg = conn.recv()
+        out.append(msg)
+        if msg[0] == until:
+            return out
+
+
+def test_loop_adds_refuses_aborts_and_stops(engine):
+    inbox: queue.Queue = queue.Queue()
+    reader, writer = mp.Pipe(duplex=False)
+    outbox = Outbox(writer)
+    ids = engine.tokenize("The quick brown fox")
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    inbox.put(("add", [AddRequest("a", ids, params), AddRequest("a", ids, params),
+                       AddRequest("b", ids, SamplingParams(max_tokens=400, ignore_eos=True))]))
+    loop = EngineLoop(engine, inbox, outbox)
+    # Run turns by hand until "a" finishes, then abort "b" and shut down.
+    deltas: list[OutputDelta] = []
+    errors = []
+    while not any(d.finished for d in deltas if d.request_id == "a"):
+        loop._drain(block=False)
+        loop._step()
+        loop._send()
+        kind, report = reader.recv()
+        assert kind == "step"
+        deltas += [OutputDelta(*t) for t in report.outputs]
+        errors += report.errors
+    assert [(e.request_id, e.status, e.field) for e in errors] == [("a", 400, "id")]
+    a = [d for d in deltas if d.request_id == "a"]
+    assert sum(len(d.new_token_ids) for d in a) == 6 and a[-1].finish_reason == "length"
+    expected = engine.tokenizer.decode(sum((d.new_token_ids for d in a), []),
+                                       skip_special_tokens=True)
+    assert "".join(d.delta_text for d in a) == expected
+    assert loop.report.gap_s == [] and engine.stats()["kv_pages_used"] > 0  # "b" still runs
+    inbox.put(("abort", ["b"]))
+    inbox.put(("shutdown", None))
+    loop.run()
+    msgs = _messages(reader, "stopped")
+    assert msgs[-2][1].stats["kv_pages_used"] == 0  # the abort was reported before stopping
+    assert not engine.has_unfinished()
+    outbox.close()
+
+
+def test_choice_seeds_are_distinct_and_stable():
+    seeds = [choice_seed(42, i) for i in range(64)]
+    assert seeds[0] == 42 and len(set(seeds)) == 64
+    assert seeds == [choice_seed(42, i) for i in range(64)]
+    assert all(0 <= s < 2**62 for s in seeds[1:])
+
+
+def test_token_bytes_rebuild_multibyte_text(engine):
+    text = TokenText(engine.tokenizer)
+    word = "naïve café 你好 🙂"
+    ids = engine.tokenizer.encode(word, add_special_tokens=False)
+    assert bytes(b for t in ids for b in text.get(t)[1]) == word.encode()
+    partial = [t for t in ids if text.get(t)[0].startswith("bytes:")]
+    assert partial, "the tiny tokenizer splits some characters across tokens"
+
+
+def test_error_field_paths():
+    assert _field_path(("body", "messages", 0, "content")) == "messages[0].content"
+    assert _field_path(("body", "stop", "list[constrained-str]", 1)) == "stop[1]"
+    assert _field_path(("body",)) is None

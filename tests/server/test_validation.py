@@ -1,0 +1,143 @@
+"""Bad input always gets an OpenAI-style 4xx naming the field, never a 5xx; a fuzz test
+throws malformed requests at the server and checks it stays healthy."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+CMPL = {"model": "tinyllama", "prompt": "The quick", "max_tokens": 2}
+CHAT = {"model": "tinyllama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+# (endpoint, body changes, expected status, expected param)
+CASES = [
+    ("completions", {"temperature": -1}, 400, "temperature"),
+    ("completions", {"temperature": "hot"}, 400, "temperature"),
+    ("completions", {"top_p": 0}, 400, "top_p"),
+    ("completions", {"top_k": -5}, 400, "top_k"),
+    ("completions", {"min_p": 1.5}, 400, "min_p"),
+    ("completions", {"max_tokens": 0}, 400, "max_tokens"),
+    ("completions", {"max_tokens": 100000}, 400, "max_tokens"),
+    ("completions", {"n": 0}, 400, "n"),
+    ("completions", {"n": 1000}, 400, "n"),
+    ("completions", {"logprobs": 21}, 400, "logprobs"),
+    ("completions", {"seed": "x"}, 400, "seed"),
+    ("completions", {"seed": 2**70}, 400, "seed"),
+    ("completions", {"stop": ""}, 400, "stop"),
+    ("completions", {"stop": [1, 2]}, 400, "stop[0]"),
+    ("completions", {"prompt": ""}, 400, "prompt"),
+    ("completions", {"prompt": []}, 400, "prompt"),
+    ("completions", {"prompt": [1, 99999]}, 400, "prompt"),
+    ("completions", {"prompt": [-1]}, 400, "prompt[0]"),
+    ("completions", {"prompt": None}, 400, "prompt"),
+    ("completions", {"prompt": {"a": 1}}, 400, "prompt"),
+    ("completions", {"stream": "yes please"}, 400, "stream"),
+    ("completions", {"stream_options": {"include_usage": True}}, 400, "stream_options"),
+    ("completions", {"echo": True}, 400, "echo"),
+    ("completions", {"best_of": 3}, 400, "best_of"),
+    ("completions", {"presence_penalty": 0.5}, 400, "presence_penalty"),
+    ("completions", {"logit_bias": {"5": 1.0}}, 400, "logit_bias"),
+    ("completions", {"model": "gpt-4"}, 404, "model"),
+    ("chat/completions", {"messages": []}, 400, "messages"),
+    ("chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400,
+     "messages[0].role"),
+    ("chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url",
+                          "image_url": {"url": "x"}}]}]}, 400, "messages[0].content[0].type"),
+    ("chat/completions", {"max_completion_tokens": -3}, 400, "max_completion_tokens"),
+    ("chat/completions", {"max_completion_tokens": 100000}, 400, "max_completion_tokens"),
+    ("chat/completions", {"top_logprobs": 3}, 400, "top_logprobs"),
+    ("chat/completions", {"logprobs": True, "top_logprobs": 50}, 400, "top_logprobs"),
+    ("chat/completions", {"tools": [{"type": "function"}]}, 400, "tools"),
+    ("chat/completions", {"response_format": {"type": "json_object"}}, 400, "response_format"),
+    ("chat/completions", {"model": "nope"}, 404, "model"),
+]
+
+
+def _post(server, endpoint, body=None, content=None):
+    return httpx.post(f"{server.url}/v1/{endpoint}", json=body, content=content,
+                      headers=server.headers, timeout=60)
+
+
+def _assert_error(r, status, param=None):
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    if status == 400:
+        assert err["type"] == "invalid_request_error"
+    if param is not None:
+        assert err["param"] == param, err
+
+
+@pytest.mark.parametrize("endpoint,change,status,param", CASES)
+def test_bad_field_is_named(server, endpoint, change, status, param):
+    body = {**(CMPL if endpoint == "completions" else CHAT), **change}
+    _assert_error(_post(server, endpoint, body), status, param)
+
+
+def test_prompt_too_long_states_the_limit(server):
+    r = _post(server, "completions", {**CMPL, "prompt": list(range(3, 300)) * 2})
+    _assert_error(r, 400, "prompt")
+    assert "512" in r.json()["error"]["message"]
+    long_chat = {**CHAT, "messages": [{"role": "user", "content": "fox " * 2000}]}
+    r = _post(server, "chat/completions", long_chat)
+    _assert_error(r, 400, "messages")
+    assert "512" in r.json()["error"]["message"]
+
+
+def test_malformed_bodies(server):
+    _assert_error(_post(server, "completions", content=b"{not json"), 400)
+    _assert_error(_post(server, "completions", content=b"[1, 2]"), 400)
+    _assert_error(_post(server, "completions", content=b"\xff\xfe"), 400)
+    _assert_error(_post(server, "completions", {"model": "tinyllama"}), 400, "prompt")
+    r = httpx.get(f"{server.url}/v1/nothing", headers=server.headers)
+    _assert_error(r, 404)
+    r = httpx.get(f"{server.url}/v1/completions", headers=server.headers)
+    _assert_error(r, 405)
+
+
+_json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70)
+    | st.floats(allow_nan=False) | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
+                                                                 max_size=4),
+    max_leaves=8,
+)
+_FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature",
+           "top_p", "top_k", "min_p", "n", "seed", "stop", "stream", "stream_options",
+           "logprobs", "top_logprobs", "echo", "best_of", "stop_token_ids", "ignore_eos",
+           "logit_bias", "presence_penalty", "response_format", "tools"]
+
+
+@st.composite
+def _mutated(draw):
+    endpoint = draw(st.sampled_from(["completions", "chat/completions"]))
+    body = dict(CMPL if endpoint == "completions" else CHAT)
+    for _ in range(draw(st.integers(1, 3))):
+        field = draw(st.sampled_from(_FIELDS))
+        if draw(st.booleans()) and field in body:
+            del body[field]
+        else:
+            body[field] = draw(_json_values)
+    # Valid but long generations only slow the fuzz down.
+    body.setdefault("max_tokens", 2)
+    for field, cap in (("max_tokens", 8), ("max_completion_tokens", 8), ("n", 2)):
+        value = body.get(field)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value > cap:
+            body[field] = cap
+    return endpoint, body
+
+
+@settings(max_examples=120, deadline=None, derandomize=True, database=None,
+          suppress_health_check=list(HealthCheck))
+@given(case=_mutated())
+def test_fuzz_never_5xx(server, case):
+    endpoint, body = case
+    r = _post(server, endpoint, content=json.dumps(body).encode())
+    assert r.status_code < 500, (body, r.text)
+    if r.status_code >= 400:
+        _assert_error(r, r.status_code)
+    assert httpx.get(server.url + "/health").status_code == 200
