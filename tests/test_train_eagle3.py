@@ -108,6 +108,38 @@ def test_resume_continues_from_checkpoint(trained, target, prompt_file, tmp_path
     assert [r["step"] for r in records if r.get("event") == "start"] == [0, 60]
     assert not [r for r in records if r.get("event") == "generated"][1:]  # data reused
     assert torch.load(tmp_path / "run" / "state.pt", weights_only=False)["step"] == 70
+    # A time budget ends training early, whatever --steps says.
+    steps_at = args.index("--steps") + 1
+    long_run = args[:steps_at] + ["100000"] + args[steps_at + 1 :]
+    assert main(long_run + ["--resume", "--train-time-s", "1"]) == 0
+    assert 70 < torch.load(tmp_path / "run" / "state.pt", weights_only=False)["step"] < 100000
+
+
+def test_init_head_continues_training(trained, target, prompt_file, tmp_path):
+    out, result = trained
+    shutil.copy(out / "data.jsonl", tmp_path / "data.jsonl")
+    cfg = _config(tmp_path, target, prompt_file, init_head=str(out), steps=5, resume=True,
+                  draft_vocab_size=64)  # the head's own vocabulary wins
+    more = train(cfg)
+    assert more.head.config.draft_vocab_size == 128
+    assert torch.equal(more.head.d2t, result.head.d2t)
+    start = more.metrics["initial"]["train_subset"]["step_acc"][0]
+    assert start == pytest.approx(result.metrics["train_subset"]["step_acc"][0], abs=0.02)
+
+
+def test_generation_time_budget(target):
+    from specserve.config import EngineConfig
+    from specserve.engine.engine import LLMEngine
+    from specserve.train.distill import generate_samples
+    from specserve.train.prompts import PromptItem
+
+    engine = LLMEngine(EngineConfig(model=str(target), max_num_seqs=2, num_kv_pages=64))
+    prompts = [PromptItem(str(i), [{"role": "user", "content": f"hi {i}"}]) for i in range(6)]
+    kw = dict(max_new_tokens=4, temperature=0.0, seed=0, max_prompt_tokens=64, progress=False)
+    assert generate_samples(engine, prompts, time_budget_s=0.0, **kw) == []
+    samples = generate_samples(engine, prompts, **kw)
+    assert [s.key for s in samples] == [str(i) for i in range(6)]
+    assert all(s.response_len == 4 for s in samples) and not engine.has_unfinished()
 
 
 def test_features_are_inputs_of_the_aux_layers(target):

@@ -13,8 +13,9 @@ class TrainConfig:
     Data: prompts from `data` (stdlib, shakespeare, JSONL files), replies written by the target
     (greedy at temperature 0, else seeded sampling). Training: `steps` optimizer steps of
     `batch_size` samples, AdamW at `lr` with linear warm-up and cosine decay, `ttt_steps`
-    unrolled steps per sample. Time budgets (seconds) stop generation early and fix the step
-    count after a timed start, so a run fits a fixed lease; the run records the counts.
+    unrolled steps per sample. Time budgets (seconds) stop generation early and make the
+    learning-rate schedule follow the clock, training stopping when the budget is spent, so a
+    run fits a fixed lease; the log records the counts reached.
     """
 
     out: str
@@ -34,6 +35,7 @@ class TrainConfig:
     temperature: float = 0.0
     seed: int = 0
     aux_layer_ids: list[int] | None = None
+    init_head: str | None = None
     device: str = "auto"
     dtype: str = "auto"
     gen_batch: int = 256
@@ -78,8 +80,9 @@ _HELP = {
     "heldout_prompts": "prompts kept out of training for the acceptance estimate",
     "temperature": "target's sampling temperature for the replies (0 = greedy)",
     "aux_layer_ids": "target layers whose input the head reads (default: 2, L//2, L-3)",
+    "init_head": "start from this EAGLE-3 head (and its draft vocabulary) instead of a new one",
     "gen_time_s": "stop starting new prompts after this many seconds of generation",
-    "train_time_s": "fit the step count into this many seconds of training",
+    "train_time_s": "stop training after this many seconds (the schedule follows the clock)",
     "resume": "continue from the checkpoint in --out (data and step restored)",
 }
 

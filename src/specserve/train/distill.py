@@ -47,9 +47,9 @@ def generate_samples(
     """Run the target (a specserve LLMEngine) over the prompts with continuous batching.
 
     Greedy when temperature is 0, else sampled with seed + prompt index, so output does not
-    depend on batching. With `time_budget_s`, no new prompt starts after the budget (those
-    running finish). Prompts longer than `max_prompt_tokens` are skipped. Returns samples in
-    prompt order."""
+    depend on batching. With `time_budget_s`, no new prompt starts after the budget: queued
+    ones are dropped, those already decoding finish. Prompts longer than `max_prompt_tokens`
+    are skipped. Returns samples in prompt order."""
     tok = engine.tokenizer
     window = 2 * engine.config.max_num_seqs  # queued requests keep every batch slot busy
     pending = iter(enumerate(prompts))
@@ -59,10 +59,14 @@ def generate_samples(
     bar = tqdm(total=len(prompts), desc=desc, unit="prompt", disable=not progress)
     new_tokens = 0
     exhausted = False
+    started: set[str] = set()
     while True:
         while not exhausted and len(running) < window:
             if time_budget_s is not None and time.monotonic() - start > time_budget_s:
                 exhausted = True
+                for rid in [r for r in running if r not in started]:  # still queued: drop
+                    engine.abort_request(rid)
+                    del running[rid]
                 break
             nxt = next(pending, None)
             if nxt is None:
@@ -82,6 +86,7 @@ def generate_samples(
         if not running:
             break
         for out in engine.step():
+            started.add(out.request_id)
             if out.finished and out.request_id in running:
                 index, item, ids = running.pop(out.request_id)
                 done[index] = Sample(item.key, ids + list(out.token_ids), len(ids))
@@ -106,6 +111,11 @@ def build_draft_vocab(
     d2t = chosen - torch.arange(draft_vocab_size)
     t2d = torch.zeros(vocab_size, dtype=torch.bool)
     t2d[chosen] = True
-    total = sum(replies.values())
+    return d2t, t2d, vocab_coverage(samples, t2d)
+
+
+def vocab_coverage(samples: list[Sample], t2d: torch.Tensor) -> float:
+    """The fraction of reply tokens inside the draft vocabulary `t2d` marks."""
+    replies = Counter(t for s in samples for t in s.token_ids[s.prompt_len :])
     covered = sum(c for t, c in replies.items() if t2d[t])
-    return d2t, t2d, covered / max(total, 1)
+    return covered / max(sum(replies.values()), 1)

@@ -19,11 +19,16 @@ import torch
 from tqdm import tqdm
 
 from specserve.errors import SpecserveError
-from specserve.model.eagle3 import Eagle3Config, Eagle3Head, default_aux_layer_ids
+from specserve.model.eagle3 import (
+    Eagle3Config,
+    Eagle3Head,
+    default_aux_layer_ids,
+    load_eagle3_head,
+)
 from specserve.model.eagle3 import save_eagle3_head as _save_head
 from specserve.model.loader import load_config, load_model, resolve_model
 from specserve.train.config import TrainConfig
-from specserve.train.distill import Sample, build_draft_vocab, generate_samples
+from specserve.train.distill import Sample, build_draft_vocab, generate_samples, vocab_coverage
 from specserve.train.features import FeatureStore, make_batch, record_features
 from specserve.train.prompts import load_prompts
 from specserve.train.ttt import acceptance_stats, unroll
@@ -135,11 +140,11 @@ def _batches(store: FeatureStore, batch_size: int, seed: int, epoch: int) -> lis
     return batches
 
 
-def _lr_factor(step: int, warmup: int, total: int) -> float:
+def _lr_factor(step: int, warmup: int, progress: float) -> float:
+    """Linear warm-up over `warmup` steps, then cosine decay to 10% as progress goes 0 -> 1."""
     if step < warmup:
         return (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, max(0.0, progress))))
 
 
 def save_head(head: Eagle3Head, folder: Path, dtype: torch.dtype) -> None:
@@ -149,6 +154,27 @@ def save_head(head: Eagle3Head, folder: Path, dtype: torch.dtype) -> None:
     copy.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v
                           for k, v in head.state_dict().items()}, assign=True)
     _save_head(copy, folder)
+
+
+def _make_head(cfg: TrainConfig, target_cfg, samples: list[Sample], device: torch.device):
+    """(head, draft coverage): a fresh fp32 head with the draft vocabulary of `samples`, or
+    the head of --init-head (its own draft vocabulary) to train further."""
+    if cfg.init_head is not None:
+        head = load_eagle3_head(cfg.init_head, target_cfg, torch.float32, device)
+        if cfg.aux_layer_ids and tuple(cfg.aux_layer_ids) != head.aux_layer_ids:
+            raise SpecserveError(f"--aux-layer-ids {cfg.aux_layer_ids} differ from the layers "
+                                 f"{list(head.aux_layer_ids)} of --init-head {cfg.init_head}")
+        return head.requires_grad_(True).train(), vocab_coverage(samples, head.t2d.cpu())
+    aux_ids = tuple(cfg.aux_layer_ids or default_aux_layer_ids(target_cfg.num_layers))
+    head_cfg = Eagle3Config.for_target(target_cfg, cfg.draft_vocab_size, aux_ids)
+    d2t, t2d, coverage = build_draft_vocab(samples, target_cfg.vocab_size, cfg.draft_vocab_size)
+    torch.manual_seed(cfg.seed)
+    head = Eagle3Head(head_cfg, aux_ids)
+    head.d2t.copy_(d2t)
+    head.t2d.copy_(t2d)
+    head = head.to(device)
+    head.rotary.materialize(device)
+    return head, coverage
 
 
 def train(cfg: TrainConfig) -> TrainResult:
@@ -174,30 +200,22 @@ def train(cfg: TrainConfig) -> TrainResult:
     dtype = _DTYPES[cfg.dtype] if cfg.dtype != "auto" else (
         torch.bfloat16 if device.type == "cuda" else torch.float32)
     model = load_model(source, dtype, device, cfg.progress, target_cfg)
-    aux_ids = tuple(cfg.aux_layer_ids or default_aux_layer_ids(target_cfg.num_layers))
-    head_cfg = Eagle3Config.for_target(target_cfg, cfg.draft_vocab_size, aux_ids)
-    d2t, t2d, coverage = build_draft_vocab(train_samples, target_cfg.vocab_size,
-                                           cfg.draft_vocab_size)
+    head, coverage = _make_head(cfg, target_cfg, train_samples, device)
+    aux_ids = head.aux_layer_ids
     rec = dict(tokens_per_batch=cfg.feature_batch_tokens, progress=cfg.progress)
     store = record_features(model, train_samples, aux_ids, **rec)
     held = record_features(model, heldout_samples, aux_ids, **rec) if heldout_samples else None
-    draft_ids = (d2t + torch.arange(cfg.draft_vocab_size)).to(device)
+    draft_ids = head.draft_to_target(torch.arange(head.config.draft_vocab_size, device=device))
     embed = model.model.embed_tokens.weight.detach()
     target_head = model.lm_head_weight.detach()[draft_ids].float()
-    final_norm = model.model.norm.weight.detach().float().clone()
+    if cfg.init_head is None:
+        with torch.no_grad():  # warm start: the target's own output head and final norm
+            head.lm_head.weight.copy_(target_head)
+            head.norm.weight.copy_(model.model.norm.weight.float())
     del model
-
-    torch.manual_seed(cfg.seed)
-    head = Eagle3Head(head_cfg, aux_ids).to(device)
-    with torch.no_grad():
-        head.lm_head.weight.copy_(target_head)  # warm start: the target's own head
-        head.norm.weight.copy_(final_norm)
-        head.d2t.copy_(d2t)
-        head.t2d.copy_(t2d)
-    head.rotary.materialize(device)
     trainee = Trainee(head, embed, target_head, cfg)
     opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    step, total = 0, cfg.steps
+    step = 0
     if cfg.resume and state_path.exists():
         state = torch.load(state_path, map_location=device, weights_only=False)
         head.load_state_dict(state["head"])
@@ -207,8 +225,8 @@ def train(cfg: TrainConfig) -> TrainResult:
          "train_tokens": store.offsets[-1], "aux_layer_ids": list(aux_ids)})
 
     def checkpoint() -> None:
-        torch.save({"head": head.state_dict(), "optimizer": opt.state_dict(), "step": step,
-                    "total_steps": total}, state_path.with_suffix(".tmp"))
+        torch.save({"head": head.state_dict(), "optimizer": opt.state_dict(), "step": step},
+                   state_path.with_suffix(".tmp"))
         state_path.with_suffix(".tmp").replace(state_path)
         save_head(head, out, _DTYPES[cfg.save_dtype])
 
@@ -220,16 +238,25 @@ def train(cfg: TrainConfig) -> TrainResult:
     losses: list[float] = []
     per_epoch = max(1, -(-len(store) // cfg.batch_size))
     epochs: dict[int, list[list[int]]] = {}
-    bar = tqdm(total=total, initial=step, desc="Training", unit="step", disable=not cfg.progress)
-    start, timed_from = time.monotonic(), None
-    while step < total:
+    bar = tqdm(total=cfg.steps, initial=step, desc="Training", unit="step",
+               disable=not cfg.progress)
+    start = time.monotonic()
+
+    def progress() -> float:
+        """Schedule progress by steps, or by the time budget when that runs out sooner."""
+        done = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+        if cfg.train_time_s is not None:
+            done = max(done, (time.monotonic() - start) / cfg.train_time_s)
+        return done
+
+    while step < cfg.steps:
         epoch, pos = divmod(step, per_epoch)
         if epoch not in epochs:
             epochs.clear()
             epochs[epoch] = _batches(store, cfg.batch_size, cfg.seed, epoch)
         batch = epochs[epoch][pos]
         for group in opt.param_groups:
-            group["lr"] = cfg.lr * _lr_factor(step, cfg.warmup_steps, total)
+            group["lr"] = cfg.lr * _lr_factor(step, cfg.warmup_steps, progress())
         res = trainee.run(store, batch)
         opt.zero_grad(set_to_none=True)
         res.loss.backward()
@@ -239,26 +266,19 @@ def train(cfg: TrainConfig) -> TrainResult:
         losses.append(float(res.loss.detach()))
         bar.update(1)
         bar.set_postfix(loss=f"{losses[-1]:.3f}")
-        if cfg.train_time_s is not None and timed_from is None and len(losses) == 5:
-            timed_from = time.monotonic()
-        elif timed_from is not None and len(losses) == 25:
-            per_step = (time.monotonic() - timed_from) / 20
-            left = cfg.train_time_s - (time.monotonic() - start)
-            total = max(step, min(cfg.steps, step + int(left / per_step)))
-            bar.total = total
-            log({"event": "budget", "step": step, "seconds_per_step": per_step,
-                 "total_steps": total})
-        if step % 10 == 0 or step == total:
+        last = step >= cfg.steps or (cfg.train_time_s is not None and progress() >= 1.0)
+        if step % 10 == 0 or last:
             acc = [float(c.sum()) / max(float(v.sum()), 1.0)
                    for c, v in zip(res.correct, res.valid)]
             log({"step": step, "loss": round(losses[-1], 4), "step_losses": res.step_losses,
                  "acc": acc, "lr": opt.param_groups[0]["lr"],
                  "seconds": round(time.monotonic() - start, 1)})
-        if held is not None and (step % cfg.eval_every == 0 or step == total):
-            stats = trainee.evaluate(held)
-            log({"event": "eval", "step": step, **stats})
-        if step % cfg.save_every == 0 or step == total:
+        if held is not None and (step % cfg.eval_every == 0 or last):
+            log({"event": "eval", "step": step, **trainee.evaluate(held)})
+        if step % cfg.save_every == 0 or last:
             checkpoint()
+        if last:
+            break
     bar.close()
     if step == 0:
         checkpoint()
