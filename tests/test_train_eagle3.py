@@ -216,4 +216,14 @@ def test_prompt_sources(tmp_path, prompt_file):
     train_a, held_a = load_prompts([str(prompt_file)], 3, 20, 5)
     train_b, held_b = load_prompts([str(prompt_file)], 3, 20, 5)
     assert [p.key for p in train_a] == [p.key for p in train_b] and len(train_a) == 20
-    assert not {p.key for p in held_a} & {p.key for p in train_a}
+    assert len(held_a) == 5 and not {p.key for p in held_a} & {p.key for p in train_a}
+
+
+def test_heldout_split_does_not_depend_on_other_prompts():
+    from specserve.train.prompts import PromptItem, reserved_keys
+
+    items = [PromptItem(f"src:{i}", []) for i in range(3000)]
+    fewer = items[::2] + [PromptItem(f"other:{i}", []) for i in range(500)]
+    a, b = reserved_keys(items, 0, 8), reserved_keys(fewer, 0, 8)
+    common = {p.key for p in items} & {p.key for p in fewer}
+    assert a & common == b & common and 30 < len(a) < 90  # about 2% reserved

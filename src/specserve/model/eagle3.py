@@ -42,8 +42,15 @@ __all__ = [
     "default_aux_layer_ids",
     "load_eagle3_head",
     "save_eagle3_head",
+    "shipped_head_path",
 ]
 _IGNORED_TENSORS = ("embed_tokens.weight", "model.embed_tokens.weight")
+
+
+def shipped_head_path() -> Path:
+    """The EAGLE-3 head shipped for the embedded default model (SmolLM2-135M-Instruct);
+    docs/eagle3_training.md says how it was trained."""
+    return Path(__file__).resolve().parent.parent / "data" / "eagle3-smollm2-135m"
 
 
 class Eagle3Attention(nn.Module):

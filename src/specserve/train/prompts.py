@@ -201,22 +201,46 @@ def read_source(name: str) -> list[PromptItem]:
     )
 
 
+HELDOUT_FRACTION = 0.02  # share of every source reserved for evaluation
+
+
+def _score(seed: int, item: PromptItem) -> float:
+    return _digest(f"{seed}:{item.key}") / 2**64
+
+
+def reserved_keys(items: list[PromptItem], seed: int, num_heldout: int) -> set[str]:
+    """Keys never trained on: those whose (seed, key) hash falls below HELDOUT_FRACTION, or
+    the `num_heldout` lowest when that is more. Whether a prompt is reserved does not depend
+    on the other prompts (the standard library differs between Python versions), as long as
+    sources are large enough for the fraction to cover `num_heldout`."""
+    ranked = sorted(items, key=lambda p: _score(seed, p))
+    by_fraction = sum(1 for p in ranked if _score(seed, p) < HELDOUT_FRACTION)
+    return {p.key for p in ranked[: max(by_fraction, num_heldout)]}
+
+
+def _interleave(pools: list[list[PromptItem]]) -> list[PromptItem]:
+    return [pool[i] for i in range(max(map(len, pools), default=0)) for pool in pools
+            if i < len(pool)]
+
+
 def load_prompts(
     sources: list[str], seed: int, num_prompts: int | None, num_heldout: int
 ) -> tuple[list[PromptItem], list[PromptItem]]:
-    """(train, held-out): sources shuffled with `seed` and interleaved so each contributes
-    evenly; the first `num_heldout` form the held-out set and their keys leave training."""
+    """(train, held-out). Held-out prompts are the reserved ones (`reserved_keys`) in hash
+    order; training prompts are all others, shuffled with `seed`; both interleave the
+    sources so that each contributes evenly."""
     rng = random.Random(seed)
-    pools = []
-    for name in sources:
-        items = read_source(name)
-        rng.shuffle(items)
-        pools.append(items)
-    mixed = [pool[i] for i in range(max(map(len, pools), default=0)) for pool in pools
-             if i < len(pool)]
-    heldout = mixed[:num_heldout]
-    held_keys = {p.key for p in heldout}
-    train = [p for p in mixed[num_heldout:] if p.key not in held_keys]
+    pools = [read_source(name) for name in sources]
+    reserved = reserved_keys([p for pool in pools for p in pool], seed, num_heldout)
+    held_pools, train_pools = [], []
+    for pool in pools:
+        held_pools.append(sorted((p for p in pool if p.key in reserved),
+                                 key=lambda p: _score(seed, p)))
+        rest = [p for p in pool if p.key not in reserved]
+        rng.shuffle(rest)
+        train_pools.append(rest)
+    heldout = _interleave(held_pools)[:num_heldout]
+    train = _interleave(train_pools)
     if num_prompts is not None:
         train = train[:num_prompts]
     if not train:
