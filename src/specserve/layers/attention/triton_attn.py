@@ -49,6 +49,8 @@ class TritonAttentionBackend(AttentionBackend):
     capture and chunk sizes adapt on the device. `decode` applies to steps of at most
     DECODE_MAX_ROWS query rows per (request, KV head), `prefill` to the others.
     `kernels` replaces the kernel module (tests pass one defined under the interpreter).
+    Like the model runner's metadata, it assumes a request's new tokens sit at ascending
+    positions (the last one bounds the keys a query block reads).
     """
 
     name = "triton"
