@@ -1,5 +1,6 @@
 """Backpressure (429 beyond the wait queue, every accepted request completes) and graceful
-shutdown on SIGTERM (in-flight requests finish or are aborted, exit code 0)."""
+shutdown on SIGTERM (in-flight requests finish or are aborted, exit code 0); speculation
+flags reach the engine and its metrics reach /metrics."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 
 from tests.server.conftest import ServerProcess
 
-MAX_TOKENS = 100
+MAX_TOKENS = 300
 
 
 @pytest.fixture(scope="module")
@@ -21,6 +22,18 @@ def small_server(tiny_llama, tmp_path_factory):
     srv = ServerProcess(tiny_llama, tmp_path_factory.mktemp("small"),
                         "--max-num-seqs", "2", "--max-queue", "2",
                         "--served-model-name", "tinyllama")
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def spec_server(tiny_llama, tmp_path_factory):
+    """Speculating (the model drafts for itself, so every greedy draft is accepted); SIGTERM
+    aborts at once."""
+    srv = ServerProcess(tiny_llama, tmp_path_factory.mktemp("spec"),
+                        "--speculative-algorithm", "draft", "--speculative-draft-model-path",
+                        str(tiny_llama), "--speculative-policy", "fixed",
+                        "--shutdown-timeout", "0", "--served-model-name", "tinyllama")
     yield srv
     srv.stop()
 
@@ -57,6 +70,29 @@ def test_burst_beyond_queue_gets_429(small_server):
         rejected)
 
 
+def test_speculation_through_the_server(small_server, spec_server):
+    """Greedy output with speculation equals plain decoding, and /metrics shows it."""
+    outs = []
+    for srv in (small_server, spec_server):
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
+        kw = dict(model="tinyllama", prompt="The quick brown", max_tokens=24, temperature=0,
+                  extra_body={"ignore_eos": True})
+        whole = client.completions.create(**kw).choices[0].text
+        streamed = "".join(c.choices[0].text for c in client.completions.create(**kw,
+                                                                                stream=True))
+        assert streamed == whole
+        outs.append(whole)
+    assert outs[0] == outs[1]
+    m = spec_server.metrics()
+    assert m["specserve_spec_draft_tokens_total"] > 0
+    assert m["specserve_spec_accepted_tokens_total"] == m["specserve_spec_draft_tokens_total"]
+    assert m['specserve_engine_spec_policy_info{spec_policy="FixedPolicy"}'] == 1
+    assert m["specserve_engine_spec_simulated_acceptance"] == 0
+    assert sum(v for k, v in m.items() if k.startswith(
+        "specserve_spec_draft_length_steps_total{draft_len=")) > 0
+    assert not any(k.startswith("specserve_spec_") for k in small_server.metrics())
+
+
 def _stream_in_thread(server, max_tokens: int, first_event: threading.Event, out: list):
     body = {"prompt": "The quick", "max_tokens": max_tokens, "stream": True,
             "ignore_eos": True, "stream_options": {"include_usage": True}}
@@ -90,19 +126,15 @@ def test_sigterm_finishes_in_flight_then_exits_0(small_server):
     assert "Traceback" not in small_server.log()
 
 
-def test_sigterm_past_the_timeout_aborts_and_exits_0(tiny_llama, tmp_path_factory):
-    srv = ServerProcess(tiny_llama, tmp_path_factory.mktemp("abrupt"), "--shutdown-timeout", "0")
-    try:
-        first, out = threading.Event(), []
-        t = threading.Thread(target=_stream_in_thread, args=(srv, 480, first, out))
-        t.start()
-        assert first.wait(60)
-        assert srv.terminate(timeout_s=60) == 0
-        t.join(60)
-        lines = out[0]
-        assert lines[-1] == "[DONE]"  # ended cleanly, with an error event instead of usage
-        assert json.loads(lines[-2])["error"]["code"] == "shutting_down"
-        assert len(lines) < 480
-        assert "Traceback" not in srv.log()
-    finally:
-        srv.stop()
+def test_sigterm_past_the_timeout_aborts_and_exits_0(spec_server):
+    first, out = threading.Event(), []
+    t = threading.Thread(target=_stream_in_thread, args=(spec_server, 480, first, out))
+    t.start()
+    assert first.wait(60)
+    assert spec_server.terminate(timeout_s=60) == 0
+    t.join(60)
+    lines = out[0]
+    assert lines[-1] == "[DONE]"  # ended cleanly, with an error event instead of usage
+    assert json.loads(lines[-2])["error"]["code"] == "shutting_down"
+    assert len(lines) < 480
+    assert "Traceback" not in spec_server.log()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -81,6 +82,7 @@ def build_app(state: ServerState) -> FastAPI:
         await state.client.shutdown()
 
     app = FastAPI(title="specserve", version="0.1.0", lifespan=lifespan)
+    created = int(time.time())
     install_error_handlers(app)
     app.add_middleware(_StatusCounter, metrics=state.metrics)
     state.metrics.engine_stats = lambda: state.client.stats
@@ -109,7 +111,7 @@ def build_app(state: ServerState) -> FastAPI:
     async def models() -> dict:
         info = state.client.info
         return {"object": "list", "data": [
-            {"id": name, "object": "model", "created": 0, "owned_by": "specserve",
+            {"id": name, "object": "model", "created": created, "owned_by": "specserve",
              "max_model_len": info.max_model_len}
             for name in state.served_names
         ]}

@@ -5,6 +5,7 @@ once (each `--max-tokens` tokens, ignore_eos), reads them to the end, and report
 gap and step duration histograms of /metrics (the difference over the run):
 
     python -m specserve.server.bench_step_gap --streams 256 --max-tokens 64 [--model PATH]
+        [--pin-engine-cpu 0]
 
 Extra arguments after `--` go to `specserve serve` unchanged.
 """
@@ -84,11 +85,29 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _pin(server_pid: int, engine_cpu: int) -> None:
+    """Give the engine process one CPU of its own; the HTTP process and this load generator
+    share the others (Linux only)."""
+    children = []
+    for task in os.listdir(f"/proc/{server_pid}/task"):
+        with open(f"/proc/{server_pid}/task/{task}/children") as f:
+            children += [int(c) for c in f.read().split()]
+    others = set(os.sched_getaffinity(0)) - {engine_cpu}
+    for pid in children:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if b"multiprocessing" in f.read():
+                os.sched_setaffinity(pid, {engine_cpu})
+    os.sched_setaffinity(server_pid, others)
+    os.sched_setaffinity(0, others)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None)
     parser.add_argument("--streams", type=int, default=256)
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--pin-engine-cpu", type=int, default=None,
+                        help="run the engine process alone on this CPU (Linux)")
     argv = sys.argv[1:] if argv is None else argv
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
     args = parser.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
@@ -108,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
                     break
             except httpx.HTTPError:
                 time.sleep(0.5)
+        if args.pin_engine_cpu is not None:
+            _pin(proc.pid, args.pin_engine_cpu)
         asyncio.run(_load(url, 8, 4))  # warm-up
         before = _scrape(url)
         wall_s = asyncio.run(_load(url, args.streams, args.max_tokens))

@@ -56,9 +56,8 @@ class RequestStream:
     """Async iterator over (choice index, OutputDelta) of one API request's engine requests
     (one per choice); ends when every one has finished."""
 
-    def __init__(self, request_ids: list[str], num_prompt_tokens: list[int]):
+    def __init__(self, request_ids: list[str]):
         self.request_ids = request_ids
-        self.num_prompt_tokens = num_prompt_tokens  # per choice
         self.unfinished = set(request_ids)
         self._queue: asyncio.Queue = asyncio.Queue()
 
@@ -157,11 +156,11 @@ class EngineClient:
         self._fail_all(EngineDeadError("the server is shutting down"))
         self.dead_reason = self.dead_reason or "stopped"
 
-    def kill(self) -> None:
+    def kill(self, grace_s: float = 5.0) -> None:
         """Stop the engine process without an event loop (start-up failures, final exit)."""
-        if self._proc.is_alive():
+        if self._proc.is_alive() and grace_s > 0:
             self._inbox.put(("shutdown", None))
-            self._proc.join(5)
+            self._proc.join(grace_s)
         if self._proc.is_alive():
             self._proc.terminate()
             self._proc.join(5)
@@ -195,9 +194,7 @@ class EngineClient:
                 f"{self.waiting_estimate()} requests are waiting (limit {self.max_queue}); "
                 "retry later"
             )
-        stream = RequestStream(
-            [r.request_id for r in requests], [len(r.prompt_token_ids) for r in requests]
-        )
+        stream = RequestStream([r.request_id for r in requests])
         now = time.monotonic()
         for i, r in enumerate(requests):
             self._tracked[r.request_id] = _Tracked(stream, i, now)

@@ -43,13 +43,14 @@ class _Server(uvicorn.Server):
 def run_server(engine_config: EngineConfig, config: ServerConfig) -> int:
     """Serve until SIGTERM/SIGINT; returns the process exit code."""
     logging.basicConfig(level=config.log_level.upper(), format="%(levelname)s %(message)s")
+    source = resolve_model(engine_config.model)  # a bad path fails before anything starts
     metrics = ServerMetrics()
     client = EngineClient(engine_config, metrics, config.max_queue)
     try:
-        tokenizer = load_tokenizer(resolve_model(engine_config.model))
+        tokenizer = load_tokenizer(source)  # while the engine process loads the model
         info = client.wait_ready()
     except BaseException:
-        client.kill()
+        client.kill(grace_s=0)
         raise
     state = ServerState(
         config=config,
@@ -75,7 +76,7 @@ def run_server(engine_config: EngineConfig, config: ServerConfig) -> int:
     # place that is a no-op and the command exits 0 instead of dying from the signal.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
-    logger.info("serving %s on http://%s:%d", state.served_names[0], config.host, config.port)
+    logger.info("engine ready with %s; starting the HTTP server", state.served_names[0])
     try:
         server.run()
     finally:

@@ -26,8 +26,9 @@ _GAP_BUCKETS = (
     1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1,
     0.25, 1.0,
 )
-# Engine stats exported under fixed names; any other numeric stat the engine adds later is
-# exported as a gauge `specserve_engine_<key>`.
+_STEP_BUCKETS = (*_GAP_BUCKETS, 2.5, 5.0, 10.0, 30.0)
+# Engine stats exported under fixed names; any other number the engine reports is exported
+# as a gauge `specserve_engine_<key>` (a string as `..._info{<key>="value"}`, lists below).
 _ENGINE_GAUGES = {
     "running": ("specserve_num_requests_running", "requests running in the engine"),
     "waiting": ("specserve_num_requests_waiting", "requests waiting in the engine's queue"),
@@ -74,7 +75,7 @@ class ServerMetrics:
         )
         self.step_duration = Histogram(
             "specserve_engine_step_duration_seconds", "one model step in the engine process",
-            buckets=_GAP_BUCKETS, registry=r,
+            buckets=_STEP_BUCKETS, registry=r,
         )
         self.step_gap = Histogram(
             "specserve_engine_step_gap_seconds",
@@ -104,9 +105,9 @@ class ServerMetrics:
 
 
 class SpecMetrics:
-    """Speculation metrics: drafted and accepted tokens, and how often each draft length
-    was chosen. `observe` reads `draft_len` and `accept_len` (per request, this step) from
-    the engine's spec_stats object or dict; adapt it when that shape settles."""
+    """Per-request speculation totals, added when a request finishes: drafted and accepted
+    tokens, verify steps, and how many verify steps accepted k drafts. Reads the fields of
+    the engine's SpecStats (drafted, accepted, verify_steps, accept_hist)."""
 
     def __init__(self, registry: CollectorRegistry):
         self.draft_tokens = Counter(
@@ -115,23 +116,36 @@ class SpecMetrics:
         self.accepted_tokens = Counter(
             "specserve_spec_accepted_tokens", "draft tokens accepted", registry=registry
         )
-        self.draft_len_steps = Counter(
-            "specserve_spec_draft_length_steps", "request-steps by chosen draft length",
-            ["draft_len"], registry=registry,
+        self.verify_steps = Counter(
+            "specserve_spec_verify_steps", "request-steps that verified drafts", registry=registry
+        )
+        self.accept_len = Counter(
+            "specserve_spec_accepted_per_step", "verify request-steps by drafts accepted",
+            ["accepted"], registry=registry,
         )
 
     def observe(self, spec_stats) -> None:
-        def get(name):
-            if isinstance(spec_stats, dict):
-                return spec_stats.get(name)
-            return getattr(spec_stats, name, None)
+        self.draft_tokens.inc(getattr(spec_stats, "drafted", 0))
+        self.accepted_tokens.inc(getattr(spec_stats, "accepted", 0))
+        self.verify_steps.inc(getattr(spec_stats, "verify_steps", 0))
+        for k, n in enumerate(getattr(spec_stats, "accept_hist", ()) or ()):
+            if n:
+                self.accept_len.labels(str(k)).inc(n)
 
-        draft_len, accept_len = get("draft_len"), get("accept_len")
-        if draft_len is not None:
-            self.draft_tokens.inc(draft_len)
-            self.draft_len_steps.labels(str(draft_len)).inc()
-        if accept_len is not None:
-            self.accepted_tokens.inc(accept_len)
+
+# Engine stats that are lists, exported as labelled counters: key -> (name, label, doc).
+_ENGINE_LISTS = {
+    "spec_steps_by_draft_len": (
+        "specserve_spec_draft_length_steps", "draft_len",
+        "engine steps by the draft length the policy chose (0: plain decoding)",
+    ),
+    "spec_position_drafted": (
+        "specserve_spec_position_drafted", "position", "draft tokens proposed, by position",
+    ),
+    "spec_position_accepted": (
+        "specserve_spec_position_accepted", "position", "draft tokens accepted, by position",
+    ),
+}
 
 
 class _EngineCollector:
@@ -151,12 +165,26 @@ class _EngineCollector:
             value=self.metrics.in_flight(),
         )
         for key, value in stats.items():
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                continue
-            if key in _ENGINE_COUNTERS:
+            safe = re.sub(r"[^a-zA-Z0-9_]", "_", key)
+            if key in _ENGINE_LISTS and isinstance(value, (list, tuple)):
+                name, label, doc = _ENGINE_LISTS[key]
+                family = CounterMetricFamily(name, doc, labels=[label])
+                for i, v in enumerate(value):
+                    family.add_metric([str(i)], v)
+                yield family
+            elif isinstance(value, str):  # e.g. the policy's name
+                family = GaugeMetricFamily(f"specserve_engine_{safe}_info", f"engine {key}",
+                                           labels=[key])
+                family.add_metric([value], 1)
+                yield family
+            elif isinstance(value, bool):  # e.g. simulated acceptance: say it loudly
+                yield GaugeMetricFamily(f"specserve_engine_{safe}", f"engine {key}",
+                                        value=int(value))
+            elif not isinstance(value, (int, float)) or value != value:
+                continue  # other shapes, and NaN
+            elif key in _ENGINE_COUNTERS:
                 name, doc = _ENGINE_COUNTERS[key]
                 yield CounterMetricFamily(name, doc, value=value)
             else:
-                safe = re.sub(r"[^a-zA-Z0-9_]", "_", key)
                 name, doc = _ENGINE_GAUGES.get(key, (f"specserve_engine_{safe}", f"engine {key}"))
                 yield GaugeMetricFamily(name, doc, value=value)
