@@ -107,3 +107,28 @@ def test_choice_beats_every_fixed_k(n, alphas, scale):
     best = _goodput(policy, per_req, ks, n)
     for k in range(5):
         assert best >= _goodput(policy, per_req, [k] * n, n) * (1 - 1e-9)
+
+
+def test_probing_refreshes_estimates_but_stops_for_useless_drafts():
+    """A pessimistic estimate gets probed with one draft every PROBE_EVERY steps; drafts
+    that keep failing stop being probed."""
+    slow_drafter = {1: 2.0, 1024: 2.5}  # e.g. an eager drafter: 2 ms per draft step
+    policy, acc = _policy(drafter=slow_drafter, alpha=0.3)  # pessimistic: not worth it
+    reqs = _reqs(1)
+    chosen = []
+    for _ in range(8 * policy.PROBE_EVERY):
+        ks = policy.choose(reqs)
+        chosen.append(ks[0])
+        if ks[0]:
+            acc.update("r0", ks[0], ks[0])  # the probe succeeds: acceptance is in fact high
+    assert chosen[: policy.PROBE_EVERY - 1] == [0] * (policy.PROBE_EVERY - 1)
+    assert max(chosen[-policy.PROBE_EVERY:]) >= 2  # it learned to speculate for real
+
+    policy, acc = _policy(drafter=slow_drafter, alpha=0.3)
+    probes = 0
+    for _ in range(40 * policy.PROBE_EVERY):
+        ks = policy.choose(reqs)
+        probes += ks[0] > 0
+        if ks[0]:
+            acc.update("r0", ks[0], 0)  # every probe fails
+    assert 0 < probes < 8

@@ -46,9 +46,9 @@ def _record(llm):
                                                ("eagle3", True)])
 def test_acceptance_after_pause_equals_acceptance_without(setup, algo, ride_along, monkeypatch):
     """ride_along: the EAGLE-3 head consumes queued features during the pause (threshold
-    lowered to 2 tokens) instead of catching up all at once when drafting resumes."""
+    lowered to 2 steps) instead of catching up all at once when drafting resumes."""
     if ride_along:
-        monkeypatch.setattr("specserve.spec.eagle3.CATCH_UP_TOKENS", 2)
+        monkeypatch.setattr("specserve.spec.eagle3.CATCH_UP_STEPS", 2)
     target, drafters, prompts = setup
     kw = dict(speculative_algorithm=algo, speculative_draft_model_path=drafters[algo],
               speculative_num_steps=3)

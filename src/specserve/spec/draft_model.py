@@ -12,7 +12,7 @@ from specserve.layers.attention import AttentionBackend
 from specserve.model.llama import LlamaForCausalLM
 from specserve.runtime.model_runner import dummy_forward
 from specserve.runtime.packing import Segment, pack, to_device
-from specserve.spec.proposer import Proposer, append_drafts, draw_drafts
+from specserve.spec.proposer import Proposer, chain_draft
 
 
 class DraftModelProposer(Proposer):
@@ -46,26 +46,18 @@ class DraftModelProposer(Proposer):
             start = req.draft_cached_len
             segments.append(Segment(req.page_table, start, req.all_token_ids[start:]))
             req.draft_cached_len = req.committed_len
-        active = items
-        for step in range(max(it.draft_len for it in items)):
-            logits = self._forward(segments)
-            tokens, probs = draw_drafts(logits, active, step)
-            append_drafts(active, tokens.tolist(), probs, step)
-            keep = [i for i, it in enumerate(active) if len(it.drafts) < it.draft_len]
-            active = [active[i] for i in keep]
-            if not active:
-                break
-            segments = [
-                Segment(
-                    it.request.page_table,
-                    it.request.committed_len + len(it.drafts) - 1,
-                    [it.drafts[-1]],
-                )
-                for it in active
-            ]
+        first = self._forward(segments)
 
-    def _forward(self, segments: list[Segment]) -> torch.Tensor:
-        input_ids, meta, last_rows = pack(segments, self.kv.page_size, self.kv.pool.device)
+        def step(active, tokens, positions, index):
+            # Draft j is token committed_len + j - 1: one position past the chain's `pos`.
+            segs = [Segment(it.request.page_table, p + 1, [0]) for it, p in zip(active, positions)]
+            return self._forward(segs, tokens)
+
+        chain_draft(items, first, step)
+
+    def _forward(self, segments: list[Segment], input_ids=None) -> torch.Tensor:
+        packed_ids, meta, last_rows = pack(segments, self.kv.page_size, self.kv.pool.device)
+        input_ids = packed_ids if input_ids is None else input_ids
         hidden, _ = self.model(input_ids, meta, self.kv.layers, self.backend)
         return self.model.compute_logits(hidden[to_device(last_rows, hidden.device)])
 

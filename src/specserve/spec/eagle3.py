@@ -17,15 +17,15 @@ import torch
 
 from specserve.engine.kv_cache import KVCache
 from specserve.engine.scheduler import ScheduledRequest
-from specserve.layers.attention import AttentionBackend, get_backend
+from specserve.layers.attention import AttentionBackend
 from specserve.model.eagle3 import Eagle3Head, load_eagle3_head
 from specserve.runtime.packing import Segment, pack, to_device
-from specserve.spec.proposer import Proposer, append_drafts, draw_drafts
+from specserve.spec.proposer import Proposer, chain_draft
 
 if TYPE_CHECKING:
     from specserve.engine.engine import LLMEngine
 
-CATCH_UP_TOKENS = 128
+CATCH_UP_STEPS = 128
 
 
 class Eagle3Proposer(Proposer):
@@ -72,28 +72,20 @@ class Eagle3Proposer(Proposer):
         drafting = [i for i, it in enumerate(items) if it.draft_len > 0]
         if not drafting:
             return  # a catch-up pass only
-        active = [items[i] for i in drafting]
-        last = last[to_device(drafting, device)]
-        for step in range(max(it.draft_len for it in active)):
-            logits = self._target_logits(last)
-            drafted, probs = draw_drafts(logits, active, step)
-            append_drafts(active, drafted.tolist(), probs, step)
-            keep = [i for i, it in enumerate(active) if len(it.drafts) < it.draft_len]
-            if not keep:
-                break
-            active = [active[i] for i in keep]
-            keep_t = to_device(keep, device)
-            segments = [
-                Segment(it.request.page_table, it.request.committed_len - 2 + len(it.drafts),
-                        [it.drafts[-1]])
-                for it in active
-            ]
-            last = self._run(segments, self.embed(drafted[keep_t]), last[keep_t])
+        state = {"last": last[to_device(drafting, device)]}
+
+        def step(active, tokens, positions, index):
+            # Draft j sits at position committed_len - 2 + j, fed with the head's own output.
+            segs = [Segment(it.request.page_table, pos, [0]) for it, pos in zip(active, positions)]
+            state["last"] = self._run(segs, self.embed(tokens), state["last"][index])
+            return self._target_logits(state["last"])
+
+        chain_draft([items[i] for i in drafting], self._target_logits(state["last"]), step)
 
     def wants_catch_up(self, req) -> bool:
-        """Bound the features queued while a request does not speculate: past
-        CATCH_UP_TOKENS of them the head consumes them in this step (ride-along)."""
-        return sum(f.shape[0] for f in req.draft_features) >= CATCH_UP_TOKENS
+        """Bound the features queued while a request does not speculate: after
+        CATCH_UP_STEPS steps' worth the head consumes them in this step (ride-along)."""
+        return len(req.draft_features) >= CATCH_UP_STEPS
 
     def commit(self, items, accepted, aux, first_rows) -> None:
         """Queue the projected features of every newly committed position."""
@@ -102,10 +94,8 @@ class Eagle3Proposer(Proposer):
         with torch.inference_mode():
             projected = self.head.project(aux.to(self.head.fc.weight.dtype))
         for it, a, first in zip(items, accepted, first_rows):
-            if it.request.finished:
-                continue
-            rows = it.num_tokens + a
-            it.request.draft_features.append(projected[first : first + rows].clone())
+            # A view into this step's projection: no copy per request.
+            it.request.draft_features.append(projected[first : first + it.num_tokens + a])
 
     def step_timer(self):
         def run(n: int) -> None:
@@ -128,4 +118,4 @@ def build_eagle3_proposer(engine: LLMEngine) -> Eagle3Proposer:
     kv = KVCache(head.config.layer, engine.kv.allocator.num_pages, cfg.page_size,
                  engine.dtype, device)
     embed = engine.runner.model.model.embed_tokens
-    return Eagle3Proposer(head, embed, kv, get_backend("torch"))
+    return Eagle3Proposer(head, embed, kv, engine.runner.backend)

@@ -104,10 +104,14 @@ class GoodputPolicy(SpeculationPolicy):
     model, K=0 included).
     """
 
+    PROBE_EVERY = 32  # steps short of full depth before a full-depth probe
+    PROBE_MIN_ALPHA = 0.1  # no probe once a request's first-draft acceptance is below this
+
     def __init__(self, k_max: int, cost: StepCostModel, acceptance: AcceptanceModel):
         super().__init__(k_max)
         self.cost = cost
         self.acceptance = acceptance
+        self._idle: dict[str, int] = {}  # steps since each request drafted at full depth
 
     def choose(self, reqs, extra_tokens=0):
         n = len(reqs)
@@ -158,4 +162,18 @@ class GoodputPolicy(SpeculationPolicy):
             if tokens / ms > best[0]:
                 best, best_ks = (tokens / ms, tokens, ms), list(ks)
         self.predicted_tokens, self.predicted_ms = best[1], best[2]
-        return best_ks
+        return self._probe(reqs, alphas, caps, best_ks)
+
+    def _probe(self, reqs, alphas, caps, ks: list[int]) -> list[int]:
+        """Acceptance is only observed at the depths drafted: a request that has not drafted
+        at full depth for PROBE_EVERY steps does so once (every position's estimate is
+        refreshed), unless its first drafts have proven useless, so a pessimistic estimate
+        cannot keep speculation shallow or off for good."""
+        idle = {}
+        for i, r in enumerate(reqs):
+            n = 0 if ks[i] >= caps[i] else self._idle.get(r.request_id, 0) + 1
+            if n >= self.PROBE_EVERY and caps[i] and alphas[i][0] >= self.PROBE_MIN_ALPHA:
+                ks[i], n = caps[i], 0
+            idle[r.request_id] = n
+        self._idle = idle
+        return ks

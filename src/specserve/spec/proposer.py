@@ -9,6 +9,7 @@ import torch
 
 from specserve.engine.scheduler import ScheduledRequest
 from specserve.layers.sampler import build_sampling_tensors, filter_logits, gumbel_noise
+from specserve.runtime.packing import to_device
 
 DRAFT_STREAM = 1
 
@@ -59,6 +60,8 @@ def draw_drafts(logits: torch.Tensor, items: list[ScheduledRequest], step: int):
     Returns (tokens [R] on device, probs [R, V] or None when every request is greedy).
     """
     reqs = [it.request for it in items]
+    if all(r.params.temperature == 0 for r in reqs):
+        return logits.argmax(dim=-1), None
     st = build_sampling_tensors(
         [r.params for r in reqs],
         [r.seed for r in reqs],
@@ -74,10 +77,26 @@ def draw_drafts(logits: torch.Tensor, items: list[ScheduledRequest], step: int):
     return torch.where(st.temperature > 0, drawn, greedy), probs
 
 
-def append_drafts(items, tokens: list[int], probs: torch.Tensor | None, step: int) -> None:
-    """Record draft `step` (0-based) for items; probs rows are kept for sampled requests."""
-    for i, (it, tok) in enumerate(zip(items, tokens)):
-        it.drafts.append(tok)
-        if probs is not None and it.request.params.temperature > 0:
-            row = probs[i : i + 1]
-            it.draft_probs = row if step == 0 else torch.cat([it.draft_probs, row])
+def chain_draft(items: list[ScheduledRequest], first, step_fn) -> None:
+    """Chain drafting shared by the drafters: `first` are the drafter's logits (over the
+    target vocabulary) for every item's first draft; `step_fn(active, tokens, positions)`
+    feeds each still-drafting item's latest draft (a device tensor) back and returns the next
+    logits. Draft tokens stay on the device until the chain ends: one host sync per step."""
+    active, logits = items, first
+    chain = []
+    for step in range(max(it.draft_len for it in items)):
+        tokens, probs = draw_drafts(logits, active, step)
+        chain.append((active, tokens, probs))
+        keep = [i for i, it in enumerate(active) if it.draft_len > step + 1]
+        if not keep:
+            break
+        index = to_device(keep, tokens.device)
+        active = [active[i] for i in keep]
+        positions = [it.request.committed_len - 1 + step for it in active]
+        logits = step_fn(active, tokens[index], positions, index)
+    for active, tokens, probs in chain:
+        for i, (it, tok) in enumerate(zip(active, tokens.tolist())):
+            it.drafts.append(tok)
+            if probs is not None and it.request.params.temperature > 0:
+                row = probs[i : i + 1]
+                it.draft_probs = row if it.draft_probs is None else torch.cat([it.draft_probs, row])

@@ -20,7 +20,6 @@ def build_proposer(engine: LLMEngine) -> Proposer:
         return NgramProposer()
     if algo == "draft":
         from specserve.engine.kv_cache import KVCache
-        from specserve.layers.attention import get_backend
         from specserve.model.loader import load_config, load_model, resolve_model
         from specserve.spec.draft_model import DraftModelProposer
 
@@ -29,7 +28,7 @@ def build_proposer(engine: LLMEngine) -> Proposer:
         device = engine.kv.pool.device
         model = load_model(source, engine.dtype, device, config=draft_cfg)
         kv = KVCache(draft_cfg, engine.kv.allocator.num_pages, cfg.page_size, engine.dtype, device)
-        return DraftModelProposer(model, kv, get_backend("torch"), engine.model_config.vocab_size)
+        return DraftModelProposer(model, kv, engine.runner.backend, engine.model_config.vocab_size)
     if algo == "eagle3":
         from specserve.spec.eagle3 import build_eagle3_proposer
 
