@@ -25,6 +25,8 @@ def server_counts(url: str) -> dict[str, float]:
                     r'status="200"\}'),
         "prompt_tokens": total(r"specserve_prompt_tokens_total"),
         "generation_tokens": total(r"specserve_generation_tokens_total"),
+        "draft_tokens": total(r"specserve_spec_draft_tokens_total"),
+        "accepted_tokens": total(r"specserve_spec_accepted_tokens_total"),
     }
 
 
@@ -67,7 +69,9 @@ def test_counts_equal_server_metrics(server, tiny_llama, tmp_path, capsys):
     assert report["output_throughput"] > 0
     assert "tokenizer of" in report["dataset"]["notes"][0]
     if "specserve_spec_draft_tokens_total" in httpx.get(server.url + "/metrics").text:
-        assert "speculation" in report["server"]
+        spec = report["server"]["speculation"]
+        assert spec["draft_tokens"] == after["draft_tokens"] - before["draft_tokens"]
+        assert spec["accepted_tokens"] == after["accepted_tokens"] - before["accepted_tokens"]
     assert "output throughput" in out and "requests completed" in out
 
 

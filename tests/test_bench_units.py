@@ -99,6 +99,14 @@ specserve_spec_draft_tokens_total 34.0
 specserve_spec_accepted_tokens_total 17.0
 specserve_spec_draft_length_steps_total{draft_len="0"} 5.0
 specserve_spec_draft_length_steps_total{draft_len="3"} 10.0
+specserve_spec_accepted_per_step_total{accepted="0"} 4.0
+specserve_spec_accepted_per_step_total{accepted="3"} 6.0
+specserve_spec_position_drafted_total{position="0"} 10.0
+specserve_spec_position_drafted_total{position="1"} 8.0
+specserve_spec_position_accepted_total{position="0"} 5.0
+specserve_spec_position_accepted_total{position="1"} 2.0
+specserve_engine_spec_policy_info{spec_policy="GoodputPolicy"} 1.0
+specserve_engine_spec_simulated_acceptance 0.0
 specserve_engine_spec_observed_goodput 123.5
 """
 
@@ -112,7 +120,11 @@ def test_metrics_difference_and_speculation_figures():
     assert spec["acceptance_rate"] == 0.5
     assert spec["verify_steps"] == 10 and spec["mean_acceptance_length"] == 2.5
     assert spec["draft_length_mix"] == {"0": 1 / 3, "3": 2 / 3}
-    assert spec["engine_gauges"] == {"spec_observed_goodput": 123.5}
+    assert spec["accepted_per_step"] == {"0": 4, "3": 6}
+    assert spec["acceptance_by_position"] == {"0": 0.5, "1": 0.25}
+    assert spec["policy"] == "GoodputPolicy" and "simulated_acceptance" not in spec
+    assert spec["engine_gauges"] == {"spec_observed_goodput": 123.5,
+                                     "spec_simulated_acceptance": 0.0}
     vllm = parse_metrics('vllm:generation_tokens_total{model_name="m"} 7\n'
                          "vllm:spec_decode_num_drafts_total 2\n"
                          "vllm:spec_decode_num_draft_tokens_total 6\n"

@@ -25,7 +25,7 @@ _COUNTERS = {
                      "vllm:spec_decode_num_draft_tokens_total"),
     "accepted_tokens": ("specserve_spec_accepted_tokens_total",
                         "vllm:spec_decode_num_accepted_tokens_total"),
-    "verify_steps": ("", "vllm:spec_decode_num_drafts_total"),
+    "verify_steps": ("specserve_spec_verify_steps_total", "vllm:spec_decode_num_drafts_total"),
     "preemptions": ("specserve_preemptions_total", "vllm:num_preemptions_total"),
     "engine_steps": ("specserve_engine_steps", ""),
 }
@@ -97,12 +97,16 @@ def api_requests_by_status(before: dict, after: dict) -> dict[str, int]:
     return out
 
 
-def _draft_len_mix(before: dict, after: dict) -> dict[str, int]:
-    name = "specserve_spec_draft_length_steps_total"
-    lens = sorted({dict(labels).get("draft_len", "") for (n, labels) in after if n == name},
+def _by_label(before: dict, after: dict, name: str, label: str) -> dict[str, int]:
+    """Run deltas of a labelled counter, by label value (numeric order), zeros dropped."""
+    keys = sorted({dict(labels).get(label, "") for (n, labels) in after if n == name},
                   key=lambda k: int(k) if k.isdigit() else 0)
-    counts = {k: int(_delta(before, after, name, draft_len=k) or 0) for k in lens}
+    counts = {k: int(_delta(before, after, name, **{label: k}) or 0) for k in keys}
     return {k: v for k, v in counts.items() if v}
+
+
+def _draft_len_mix(before: dict, after: dict) -> dict[str, int]:
+    return _by_label(before, after, "specserve_spec_draft_length_steps_total", "draft_len")
 
 
 def server_figures(before: dict | None, after: dict | None) -> dict | None:
@@ -142,6 +146,19 @@ def speculation_figures(before: dict, after: dict) -> dict:
     if mix:
         total = sum(mix.values())
         out["draft_length_mix"] = {k: v / total for k, v in mix.items()}
+    hist = _by_label(before, after, "specserve_spec_accepted_per_step_total", "accepted")
+    if hist:
+        out["accepted_per_step"] = hist
+    drafted_at = _by_label(before, after, "specserve_spec_position_drafted_total", "position")
+    accepted_at = _by_label(before, after, "specserve_spec_position_accepted_total", "position")
+    if drafted_at:
+        out["acceptance_by_position"] = {k: accepted_at.get(k, 0) / n
+                                         for k, n in drafted_at.items()}
+    for (name, labels), value in after.items():
+        if name == "specserve_engine_spec_policy_info" and value:
+            out["policy"] = dict(labels).get("spec_policy")
+    if _total(after, "specserve_engine_spec_simulated_acceptance"):
+        out["simulated_acceptance"] = True  # outputs were not the model's: say so
     # Numeric speculation stats the engine exports as gauges (goodput...), as of the run's end.
     gauges = {name.removeprefix("specserve_engine_"): v for (name, labels), v in after.items()
               if name.startswith("specserve_engine_spec_") and not labels}

@@ -103,12 +103,19 @@ def report_rows(report: dict) -> list[tuple[str, str]]:
             if key in server:
                 rows.append((f"server: {key.replace('_', ' ')}", _fmt(server[key])))
     spec = server.get("speculation") or {}
+    if spec.get("policy"):
+        rows.append(("spec: policy", spec["policy"]))
+    if spec.get("simulated_acceptance"):
+        rows.append(("spec: SIMULATED ACCEPTANCE", "outputs are not the model's"))
     for key in ("draft_tokens", "accepted_tokens", "acceptance_rate", "mean_acceptance_length"):
         if key in spec:
             rows.append((f"spec: {key.replace('_', ' ')}", _fmt(spec[key], 3)))
     if spec.get("draft_length_mix"):
         mix = ", ".join(f"K={k}: {v:.0%}" for k, v in spec["draft_length_mix"].items())
         rows.append(("spec: draft-length mix", mix))
+    if spec.get("acceptance_by_position"):
+        rates = ", ".join(f"{v:.2f}" for v in spec["acceptance_by_position"].values())
+        rows.append(("spec: acceptance by position", rates))
     return rows
 
 

@@ -98,7 +98,11 @@ def run_sweep(plan: SweepPlan, datasets: dict[int, Dataset], progress: bool = Tr
                           progress=False)
             for c in plan.concurrencies:
                 cfg = replace(plan.load, base_url=server.url, max_concurrency=c)
+                load_before = _load_avg()
                 report = benchmark(cfg, datasets[c], progress=progress, desc=f"{name} c={c}")
+                # Other work on the machine skews a comparison across configurations, which
+                # run at different times: keep the 1-minute load average around each run.
+                report["load_avg_1m"] = [load_before, _load_avg()]
                 report["label"] = name
                 report["server_flags"] = flags
                 rows.append(report)
@@ -109,6 +113,13 @@ def run_sweep(plan: SweepPlan, datasets: dict[int, Dataset], progress: bool = Tr
     return rows
 
 
+def _load_avg() -> float | None:
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return None
+
+
 def _ms(x: float | None) -> str:
     return "-" if x is None else f"{x:.1f}"
 
@@ -117,10 +128,17 @@ def _num(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}"
 
 
+def _load(pair: list | None) -> str:
+    if not pair or None in pair:
+        return "-"
+    return f"{pair[0]:.1f}→{pair[1]:.1f}"
+
+
 def markdown_table(rows: list[dict]) -> str:
     """One line per (configuration, concurrency)."""
     head = ("| config | concurrency | requests ok/sent | req/s | output tok/s | TTFT p50 ms | "
-            "ITL p50 ms | TPOT p50 ms | e2e p50 ms | tok/chunk | accept len | draft-length mix |")
+            "ITL p50 ms | TPOT p50 ms | e2e p50 ms | tok/chunk | accept len | draft-length mix | "
+            "load 1m |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         spec = ((r.get("server") or {}).get("speculation")) or {}
@@ -131,7 +149,8 @@ def markdown_table(rows: list[dict]) -> str:
             f"{r['num_requests']} | {r['request_throughput']:.2f} | {r['output_throughput']:.1f} "
             f"| {_ms(r['ttft_ms']['p50'])} | {_ms(r['itl_ms']['p50'])} | "
             f"{_ms(r['tpot_ms']['p50'])} | {_ms(r['e2e_latency_ms']['p50'])} | "
-            f"{_num(r.get('tokens_per_chunk'))} | {_num(accept)} | {mix or '-'} |"
+            f"{_num(r.get('tokens_per_chunk'))} | {_num(accept)} | {mix or '-'} | "
+            f"{_load(r.get('load_avg_1m'))} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -141,7 +160,9 @@ _COLUMNS = (
     "chunk can carry several tokens when speculating). TPOT: (e2e - TTFT) / (output tokens - "
     "1). tok/chunk: output tokens per text chunk after the first, specserve's mean tokens per "
     "decode step for the request. accept len and draft-length mix: from the server's /metrics, "
-    "when it exports them."
+    "when it exports them. load 1m: the machine's 1-minute load average before and after the "
+    "run (other work on the machine makes configurations measured at different times hard to "
+    "compare)."
 )
 
 
