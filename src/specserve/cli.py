@@ -118,6 +118,13 @@ def _add_train_parser(sub) -> None:
     tr.set_defaults(func=_train_eagle3)
 
 
+def _add_bench_parser(sub) -> None:
+    from specserve.bench.commands import add_bench_commands
+
+    bench = sub.add_parser("bench", help="serving benchmark: load test, sweep, plots")
+    add_bench_commands(bench)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -135,6 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=_generate)
     _add_serve_parser(sub)
     _add_train_parser(sub)
+    _add_bench_parser(sub)
     return parser
 
 
