@@ -1,9 +1,10 @@
 """Prometheus metrics of one server, kept in their own registry (no process globals).
 
-Latencies are measured in the HTTP process from the arrival of the API request; step
+Latencies are measured in the HTTP process, from the moment a request is handed to the
+engine (after validation and tokenization) to the arrival of its tokens there. Step
 durations and the idle gaps between back-to-back model steps are measured in the engine
 process and shipped with each step report. Engine gauges (running, waiting, KV pages,
-preemptions) are read from the engine's latest stats at scrape time.
+preemptions, speculation) are read from the engine's latest stats at scrape time.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ class ServerMetrics:
             "specserve_generation_tokens", "tokens generated", registry=r
         )
         self.ttft = Histogram(
-            "specserve_time_to_first_token_seconds", "arrival to first generated token",
+            "specserve_time_to_first_token_seconds", "submission to first generated token",
             buckets=_LATENCY_BUCKETS, registry=r,
         )
         self.itl = Histogram(
@@ -70,7 +71,7 @@ class ServerMetrics:
             buckets=_ITL_BUCKETS, registry=r,
         )
         self.e2e = Histogram(
-            "specserve_e2e_request_latency_seconds", "arrival to last token",
+            "specserve_e2e_request_latency_seconds", "submission to last token",
             buckets=_LATENCY_BUCKETS, registry=r,
         )
         self.step_duration = Histogram(
@@ -137,7 +138,7 @@ class SpecMetrics:
 _ENGINE_LISTS = {
     "spec_steps_by_draft_len": (
         "specserve_spec_draft_length_steps", "draft_len",
-        "engine steps by the draft length the policy chose (0: plain decoding)",
+        "request-steps by the draft length the policy chose (0: plain decoding)",
     ),
     "spec_position_drafted": (
         "specserve_spec_position_drafted", "position", "draft tokens proposed, by position",
