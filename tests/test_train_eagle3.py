@@ -217,6 +217,7 @@ def test_prompt_sources(tmp_path, prompt_file):
     train_b, held_b = load_prompts([str(prompt_file)], 3, 20, 5)
     assert [p.key for p in train_a] == [p.key for p in train_b] and len(train_a) == 20
     assert len(held_a) == 5 and not {p.key for p in held_a} & {p.key for p in train_a}
+    assert len(load_prompts([str(prompt_file)], 0, None, 40)[1]) == 36  # all held out
 
 
 def test_heldout_split_does_not_depend_on_other_prompts():

@@ -243,6 +243,4 @@ def load_prompts(
     train = _interleave(train_pools)
     if num_prompts is not None:
         train = train[:num_prompts]
-    if not train:
-        raise PromptSourceError(f"--data {sources} gave no training prompts")
     return train, heldout

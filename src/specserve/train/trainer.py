@@ -30,7 +30,7 @@ from specserve.model.loader import load_config, load_model, resolve_model
 from specserve.train.config import TrainConfig
 from specserve.train.distill import Sample, build_draft_vocab, generate_samples, vocab_coverage
 from specserve.train.features import FeatureStore, make_batch, record_features
-from specserve.train.prompts import load_prompts
+from specserve.train.prompts import PromptSourceError, load_prompts
 from specserve.train.ttt import acceptance_stats, unroll
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -101,6 +101,9 @@ def distill(cfg: TrainConfig, out: Path, log) -> tuple[list[Sample], list[Sample
 
     prompts, heldout_prompts = load_prompts(cfg.data, cfg.seed, cfg.num_prompts,
                                             cfg.heldout_prompts)
+    if not prompts:
+        raise PromptSourceError(f"--data {cfg.data} leaves no training prompts after the "
+                                f"{len(heldout_prompts)} held out")
     with open(out / "heldout_prompts.jsonl", "w") as f:
         for p in heldout_prompts:
             f.write(json.dumps({"key": p.key, "messages": p.messages}) + "\n")
