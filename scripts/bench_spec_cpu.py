@@ -74,7 +74,7 @@ def main() -> None:
     common = dict(max_num_seqs=64, max_num_batched_tokens=2048)
 
     configs = {
-        "none": dict(),
+        "none": dict(speculative_algorithm="none"),
         "ngram K=fixed": dict(speculative_algorithm="ngram", speculative_policy="fixed"),
         "draft=copy K=fixed": dict(
             speculative_algorithm="draft", speculative_draft_model_path=model,

@@ -32,7 +32,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
     seed: int = 0
-    speculative_algorithm: str | None = None
+    speculative_algorithm: str | None = "auto"  # auto: eagle3 + shipped head on the default
     speculative_draft_model_path: str | None = None
     speculative_num_steps: int = 3
     speculative_policy: str | None = None  # off | fixed | schedule | goodput (default)
@@ -62,6 +62,8 @@ class EngineConfig:
             raise ValueError(
                 f"attention_backend must be auto, torch or triton; got {self.attention_backend!r}"
             )
+        if self.speculative_algorithm == "auto":
+            self._resolve_auto_speculation()
         if self.speculative_algorithm in ("none", ""):
             self.speculative_algorithm = None
         if self.speculative_algorithm not in SPECULATIVE_ALGORITHMS:
@@ -96,6 +98,18 @@ class EngineConfig:
             raise ValueError(
                 f"speculative_num_steps must be in [1, 16]; got {self.speculative_num_steps}"
             )
+
+    def _resolve_auto_speculation(self) -> None:
+        """The embedded default model speculates with its shipped EAGLE-3 head (goodput
+        policy) unless told otherwise; other models do not speculate unless asked."""
+        self.speculative_algorithm = None
+        if self.model is None and self.speculative_draft_model_path is None:
+            from specserve.model.eagle3 import shipped_head_path
+
+            head = shipped_head_path()
+            if (head / "config.json").is_file():
+                self.speculative_algorithm = "eagle3"
+                self.speculative_draft_model_path = str(head)
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

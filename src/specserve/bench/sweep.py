@@ -22,7 +22,7 @@ from specserve.bench.runner import benchmark
 from specserve.bench.server_process import ServerProcess
 
 DEFAULT_CONFIGS = {
-    "off": "",
+    "off": "--speculative-algorithm none",
     "ngram-fixed-k3": "--speculative-algorithm ngram --speculative-policy fixed "
                       "--speculative-num-steps 3",
     "ngram-goodput-k3": "--speculative-algorithm ngram --speculative-policy goodput "

@@ -66,11 +66,18 @@ class StepCostModel:
         return ms
 
 
-def measure_curve(run: Callable[[int], None], sizes: list[int], repeats: int = 3) -> CurveModel:
-    """Time `run(size)` (which must synchronize) for each size; keep the fastest run (the
-    least disturbed by other work on the machine; online refinement corrects the rest)."""
-    points = {}
-    for size in sizes:
+def measure_curve(
+    run: Callable[[int], None], sizes: list[int], repeats: int = 2, budget_s: float = 4.0
+) -> CurveModel:
+    """Time `run(size)` (which must synchronize) for sizes in ascending order; keep the
+    fastest run of each (the least disturbed by other work on the machine; online
+    refinement corrects the rest). Sizes left once `budget_s` is spent are extrapolated
+    from the last two points, so start-up stays short on slow machines."""
+    points: dict[int, float] = {}
+    start = time.perf_counter()
+    for size in sorted(sizes):
+        if len(points) >= 2 and time.perf_counter() - start > budget_s:
+            break
         run(size)  # warm-up
         times = []
         for _ in range(repeats):
