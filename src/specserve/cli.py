@@ -1,4 +1,4 @@
-"""The `specserve` command: generate (serve, bench, train-eagle3 and eval-draft to come)."""
+"""The `specserve` command: generate, serve, bench, train-eagle3, eval-draft."""
 
 from __future__ import annotations
 
@@ -20,6 +20,17 @@ _HELP = {
     "max_num_batched_tokens": "per-step token budget; longer prefills are chunked",
     "max_model_len": "context length limit (default: the model's)",
     "seed": "seed for requests that bring none",
+    "speculative_algorithm": "eagle3, draft, ngram, none, or auto (default: eagle3 with the "
+    "shipped head on the embedded default model, none for other models)",
+    "speculative_draft_model_path": "draft model folder/.gguf or EAGLE-3 head folder",
+    "speculative_num_steps": "K_max, the most draft tokens per request per step",
+    "speculative_policy": "off, fixed, schedule, goodput (default with a drafter: goodput)",
+    "speculative_schedule": "batch size -> K table for the schedule policy, e.g. 1:4,16:2,64:0",
+    "attention_backend": "auto (triton on CUDA, torch on CPU), torch, triton",
+    "disable_cuda_graph": "run every step eagerly (debugging)",
+    "cuda_graph_max_batch": "largest batch bucket captured as a CUDA graph",
+    "speculative_simulate_acceptance": "BENCHMARKING ONLY: replace acceptance by seeded draws "
+    "(rate per token <= 1, or mean acceptance length > 1); outputs are not the model's",
 }
 
 
@@ -27,10 +38,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """One flag per EngineConfig field, defaults taken from the dataclass."""
     for f in fields(EngineConfig):
         default = None if f.default is MISSING else f.default
-        kind = str if f.name in ("model", "dtype", "device") else int
-        parser.add_argument(
-            "--" + f.name.replace("_", "-"), type=kind, default=default, help=_HELP.get(f.name)
-        )
+        annotation = str(f.type)
+        flag = "--" + f.name.replace("_", "-")
+        if annotation == "bool":
+            parser.add_argument(flag, action="store_true", help=_HELP.get(f.name))
+            continue
+        kind = str if "str" in annotation else float if "float" in annotation else int
+        parser.add_argument(flag, type=kind, default=default, help=_HELP.get(f.name))
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -142,6 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=_generate)
     _add_serve_parser(sub)
     _add_train_parser(sub)
+    from specserve.spec.eval_draft import add_eval_draft_parser
+
+    add_eval_draft_parser(sub)
     _add_bench_parser(sub)
     return parser
 
