@@ -162,7 +162,9 @@ class LLMEngine:
             max_len=self.max_model_len,
             eos_token_ids=self.eos_token_ids,
             detokenizer=(
-                IncrementalDetokenizer(self.tokenizer, ids, params.stop) if self.tokenizer else None
+                IncrementalDetokenizer(self.tokenizer, ids, params.stop)
+                if self.tokenizer is not None
+                else None
             ),
             prompt=prompt if isinstance(prompt, str) else None,
         )
