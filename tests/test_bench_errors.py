@@ -115,3 +115,12 @@ def test_cli_exits_2_when_no_model_can_be_listed(capsys):
                "--no-progress"])
     assert rc == 2
     assert "cannot list models" in capsys.readouterr().err
+
+
+def test_cli_refuses_conversations_on_completions(tmp_path, capsys):
+    data = tmp_path / "chats.jsonl"
+    data.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    rc = main(["bench", "serve", "--base-url", f"http://127.0.0.1:{free_port()}", "--model",
+               "m", "--dataset", "jsonl", "--dataset-path", str(data), "--no-progress"])
+    assert rc == 2
+    assert "use --endpoint chat" in capsys.readouterr().err

@@ -82,8 +82,11 @@ def add_bench_commands(bench: argparse.ArgumentParser) -> None:
 
 
 def _dataset(args, n: int, tokenizer):
-    return build_dataset(args.dataset, n, args.input_len, args.output_len, args.range_ratio,
-                         args.dataset_path, tokenizer, args.seed)
+    dataset = build_dataset(args.dataset, n, args.input_len, args.output_len, args.range_ratio,
+                            args.dataset_path, tokenizer, args.seed)
+    if args.endpoint != "chat" and any(isinstance(p.prompt, list) for p in dataset.prompts):
+        raise SpecserveError(f"{dataset.name} holds chat conversations: use --endpoint chat")
+    return dataset
 
 
 def _wrap(fn):

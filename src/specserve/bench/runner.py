@@ -71,8 +71,8 @@ def benchmark(cfg: LoadConfig, dataset: Dataset, progress: bool = True,
     after = _settled_scrape(cfg.base_url, before, _answered(results))
     config = asdict(cfg)
     config.pop("api_key", None)
-    config["request_rate"] = str(cfg.request_rate) if cfg.request_rate == float("inf") \
-        else cfg.request_rate
+    if cfg.request_rate == float("inf"):
+        config["request_rate"] = "inf"  # JSON has no infinity
     report = summarize(
         results, duration_s, server_figures(before, after),
         config=config,
