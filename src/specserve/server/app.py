@@ -125,6 +125,7 @@ def build_app(state: ServerState) -> FastAPI:
         )
         fmt = CompletionFormatter(prepared.request_id, model, len(prepared.requests),
                                   prepared.num_prompt_tokens, body.logprobs, state.token_text)
+        fmt.simulated = state.client.info.simulated_acceptance
         return await _serve(state, request, body, prepared, fmt)
 
     @app.post("/v1/chat/completions", responses=_ERRORS, dependencies=[Depends(authorize)])
@@ -141,6 +142,7 @@ def build_app(state: ServerState) -> FastAPI:
         )
         fmt = ChatFormatter(prepared.request_id, model, len(prepared.requests),
                             prepared.num_prompt_tokens, logprobs, state.token_text)
+        fmt.simulated = state.client.info.simulated_acceptance
         return await _serve(state, request, body, prepared, fmt)
 
     return app

@@ -36,6 +36,7 @@ class EngineInfo:
     kv_capacity_tokens: int
     kv_pages_total: int
     max_num_seqs: int
+    simulated_acceptance: bool = False  # outputs are not the model's: mark every response
 
 
 @dataclass
@@ -116,6 +117,7 @@ def _run(config: EngineConfig, inbox: mp.Queue, outbox: Outbox) -> None:
         kv_capacity_tokens=engine.kv.capacity_tokens,
         kv_pages_total=engine.kv.allocator.num_usable,
         max_num_seqs=config.max_num_seqs,
+        simulated_acceptance=engine.spec is not None and engine.spec.simulate_rate is not None,
     )
     outbox.send(("ready", info))
     try:

@@ -22,7 +22,7 @@ from specserve.server.config import ServerConfig
 from specserve.server.engine_client import EngineClient
 from specserve.server.inputs import InputProcessor
 from specserve.server.metrics import ServerMetrics
-from specserve.server.openai_format import TokenText
+from specserve.server.openai_format import SIMULATED_FINGERPRINT, TokenText
 
 logger = logging.getLogger("specserve.server")
 _SHUTDOWN_BACKSTOP_S = 5.0
@@ -77,6 +77,12 @@ def run_server(engine_config: EngineConfig, config: ServerConfig) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
     logger.info("engine ready with %s; starting the HTTP server", state.served_names[0])
+    if state.client.info.simulated_acceptance:
+        logger.warning(
+            "SIMULATED ACCEPTANCE is on: speculative acceptance is replaced by seeded draws, "
+            "so outputs are NOT the model's; every response carries system_fingerprint %r",
+            SIMULATED_FINGERPRINT,
+        )
     try:
         server.run()
     finally:

@@ -14,6 +14,8 @@ import time
 from specserve.server.engine_proc import OutputDelta
 
 _MIN_LOGPROB = -9999.0  # JSON has no -inf
+SIMULATED_FINGERPRINT = "specserve-SIMULATED-ACCEPTANCE-outputs-are-not-the-model's"
+
 
 
 def _lp(x: float) -> float:
@@ -114,9 +116,13 @@ class _Formatter:
             c.finish_reason = delta.finish_reason
         return c
 
+    simulated = False  # set when the engine simulates acceptance: every response says so
+
     def _envelope(self, obj: str, choices: list, usage_field: bool) -> dict:
         out = {"id": self.id, "object": obj, "created": self.created, "model": self.model,
                "choices": choices}
+        if self.simulated:
+            out["system_fingerprint"] = SIMULATED_FINGERPRINT
         if usage_field:
             out["usage"] = None
         return out
