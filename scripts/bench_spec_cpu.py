@@ -103,7 +103,7 @@ def main() -> None:
             print(f"batch {batch:>2} {name:<24} {res}", flush=True)
         del llm
 
-    for batch, rows in results.items():
+    for rows in results.values():
         base = rows["none"]["output_tok_s"]
         for r in rows.values():
             r["speedup_vs_none"] = round(r["output_tok_s"] / base, 3)

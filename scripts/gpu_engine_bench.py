@@ -102,12 +102,14 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="a small shape on the CPU (smoke test)")
     args = ap.parse_args()
     device = "cpu" if args.tiny else "cuda"
-    shape = replace(LLAMA_8B, hidden_size=64, intermediate_size=128, num_heads=4,
-                    num_kv_heads=2, head_dim=16, num_layers=8) if args.tiny else LLAMA_8B  # fmt: skip
+    tiny = dict(hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2,
+                head_dim=16, num_layers=8)
+    shape = replace(LLAMA_8B, **tiny) if args.tiny else LLAMA_8B
     model = random_model(shape, device)
     head = random_head(shape, Path(tempfile.mkdtemp()) / "head")
     base = dict(device=device, dtype="bfloat16", max_num_seqs=max(args.batches),
-                cuda_graph_max_batch=max(args.batches), kv_cache_bytes=(2**26 if args.tiny else 24 * 2**30),
+                cuda_graph_max_batch=max(args.batches),
+                kv_cache_bytes=2**26 if args.tiny else 24 * 2**30,
                 max_num_batched_tokens=4096, max_model_len=4096)  # fmt: skip
     spec = dict(speculative_algorithm="eagle3", speculative_draft_model_path=str(head),
                 speculative_num_steps=3, speculative_simulate_acceptance=3.0)  # fmt: skip

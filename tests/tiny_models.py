@@ -97,7 +97,8 @@ def make_tiny_model(
         # Random init leaves biases at zero; make them matter.
         with torch.no_grad():
             for layer in model.model.layers:
-                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                attn = layer.self_attn
+                for proj in (attn.q_proj, attn.k_proj, attn.v_proj):
                     proj.bias.normal_(0, 0.5)
     model.save_pretrained(folder)
     make_tokenizer(folder)
