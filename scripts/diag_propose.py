@@ -3,7 +3,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, "scripts")
