@@ -77,6 +77,10 @@ class LLMEngine:
             self.model_config.max_position_embeddings,
         )
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        if device.type == "cuda" and config.backend_name() == "triton":
+            from specserve.layers.triton_ops import use_triton_ops
+
+            use_triton_ops(model)  # fused RMSNorm / rotary / SiLU-and-mul (same rounding)
         self.runner = ModelRunner(model, self.kv, get_backend(config.backend_name()))
         self.spec = Speculator(self) if config.speculative_algorithm else None
         if device.type == "cuda" and not config.disable_cuda_graph:
