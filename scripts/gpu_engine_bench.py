@@ -114,7 +114,7 @@ def main() -> None:
     spec = dict(speculative_algorithm="eagle3", speculative_draft_model_path=str(head),
                 speculative_num_steps=3, speculative_simulate_acceptance=3.0)  # fmt: skip
     configs = {
-        "plain": {},
+        "plain": {"speculative_algorithm": "none"},
         "eagle3 K=3 fixed (sim. accept len 3.0)": {**spec, "speculative_policy": "fixed"},
         "eagle3 goodput (sim. accept len 3.0)": {**spec, "speculative_policy": "goodput"},
         "eagle3 policy off": {**spec, "speculative_policy": "off"},
@@ -125,6 +125,8 @@ def main() -> None:
         engine = LLMEngine(EngineConfig(**base, **extra), model=model)
         startup = time.perf_counter() - t0
         graphs = engine.runner.graphs.report if engine.runner.graphs else None
+        for b in args.batches:  # warm-up: Triton compiles each new shape on first use
+            run(engine, b, 64, 24)
         rows = [run(engine, b, args.prompt_len, args.new_tokens) for b in args.batches]
         results[name] = {
             "startup_s": round(startup, 2),
