@@ -95,8 +95,10 @@ def record_features(
     max_count = 256
     num_pages = max_batch // page_size + max_count + 2
     kv_shape = (num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
-    kv = [(torch.empty(kv_shape, dtype=dtype, device=device),
-           torch.empty(kv_shape, dtype=dtype, device=device)) for _ in range(cfg.num_layers)]
+    # Zeroed: attention reads whole pages, and 0 * NaN from stale memory past a sequence's
+    # end would poison the masked sum.
+    kv = [(torch.zeros(kv_shape, dtype=dtype, device=device),
+           torch.zeros(kv_shape, dtype=dtype, device=device)) for _ in range(cfg.num_layers)]
     backend = TorchAttentionBackend()
     bar = tqdm(total=total, desc="Recording target features", unit="tok", disable=not progress)
     i = 0
