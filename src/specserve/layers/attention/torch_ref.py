@@ -28,7 +28,9 @@ class TorchAttentionBackend(AttentionBackend):
     token at position p see key positions <= p that lie within its request's seq_len.
     On the CPU, grouped-query heads go to SDPA as they are (`enable_gqa`), not repeated.
     The padded layout and mask depend only on the step's metadata, so they are built once
-    for the first layer and reused by the others.
+    for the first layer and reused by the others. Whole pages are read, so cache slots past
+    a request's seq_len must hold finite values (masked out, but 0 * NaN is NaN); the
+    engine's pool starts zeroed.
     """
 
     name = "torch"
