@@ -10,6 +10,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+# Tiny models gain nothing from intra-op threads, and a second thread fighting the server
+# subprocesses (or anything else on a small machine) slows every op down many times.
+torch.set_num_threads(1)
+
 from tests.tiny_models import make_tiny_model  # noqa: E402
 
 

@@ -34,7 +34,7 @@ class RequestOutput:
     prompt: str | None
     prompt_token_ids: list[int]
     text: str
-    token_ids: list[int]
+    token_ids: list[int]  # the request's own list (grows while it runs; do not mutate)
     delta_text: str
     finished: bool
     finish_reason: str | None
@@ -243,7 +243,7 @@ class LLMEngine:
             prompt=req.prompt,
             prompt_token_ids=req.prompt_token_ids,
             text=req.text,
-            token_ids=list(req.output_token_ids),
+            token_ids=req.output_token_ids,  # a live view: no per-step copy
             delta_text=delta,
             finished=req.finished,
             finish_reason=req.finish_reason,
