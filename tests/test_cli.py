@@ -77,8 +77,6 @@ def test_usage_errors_exit_2(capsys):
     assert "invalid int value: 'many'" in capsys.readouterr().err
 
 
-@pytest.mark.xfail(reason="EngineConfig raises ValueError, which `generate` does not turn "
-                          "into exit code 2 yet", strict=False)
 def test_bad_engine_option_exits_2(tiny_llama, capsys):
     code, _, err = run(capsys, "hi", "--model", str(tiny_llama), "--page-size", "0")
     assert code == 2 and "page_size must be >= 1" in err

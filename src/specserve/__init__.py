@@ -2,6 +2,7 @@
 
 from specserve.errors import (
     CheckpointError,
+    ConfigError,
     InvalidRequestError,
     RequestTooLargeError,
     SpecserveError,
@@ -13,6 +14,7 @@ __all__ = [
     "LLM",
     "SamplingParams",
     "SpecserveError",
+    "ConfigError",
     "CheckpointError",
     "UnsupportedModelError",
     "InvalidRequestError",

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from specserve.errors import ConfigError
+
 SPECULATIVE_ALGORITHMS = (None, "ngram", "draft", "eagle3")
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -44,22 +46,24 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {self.dtype!r}")
+            raise ConfigError(
+                f"dtype must be one of auto, {', '.join(_DTYPES)}; got {self.dtype!r}"
+            )
         if self.page_size < 1:
-            raise ValueError(f"page_size must be >= 1; got {self.page_size}")
+            raise ConfigError(f"page_size must be >= 1; got {self.page_size}")
         if self.num_kv_pages is not None and self.num_kv_pages < 1:
-            raise ValueError(f"num_kv_pages must be >= 1; got {self.num_kv_pages}")
+            raise ConfigError(f"num_kv_pages must be >= 1; got {self.num_kv_pages}")
         if self.kv_cache_bytes < 1:
-            raise ValueError(f"kv_cache_bytes must be positive; got {self.kv_cache_bytes}")
+            raise ConfigError(f"kv_cache_bytes must be positive; got {self.kv_cache_bytes}")
         if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1; got {self.max_num_seqs}")
+            raise ConfigError(f"max_num_seqs must be >= 1; got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
-            raise ValueError(
+            raise ConfigError(
                 f"max_num_batched_tokens must be >= 1; got {self.max_num_batched_tokens}"
             )
 
         if self.attention_backend not in ("auto", "torch", "triton"):
-            raise ValueError(
+            raise ConfigError(
                 f"attention_backend must be auto, torch or triton; got {self.attention_backend!r}"
             )
         if self.speculative_algorithm == "auto":
@@ -67,7 +71,7 @@ class EngineConfig:
         if self.speculative_algorithm in ("none", ""):
             self.speculative_algorithm = None
         if self.speculative_algorithm not in SPECULATIVE_ALGORITHMS:
-            raise ValueError(
+            raise ConfigError(
                 "speculative_algorithm must be one of "
                 f"{', '.join(a for a in SPECULATIVE_ALGORITHMS if a)} or none; "
                 f"got {self.speculative_algorithm!r}"
@@ -75,27 +79,27 @@ class EngineConfig:
         if self.speculative_algorithm in ("draft", "eagle3") and not (
             self.speculative_draft_model_path
         ):
-            raise ValueError(
+            raise ConfigError(
                 f"speculative_algorithm {self.speculative_algorithm} needs "
                 "speculative_draft_model_path (the draft model or EAGLE-3 head folder)"
             )
         if self.speculative_policy is None:
             self.speculative_policy = "goodput" if self.speculative_algorithm else "off"
         if self.speculative_policy not in ("off", "fixed", "schedule", "goodput"):
-            raise ValueError(
+            raise ConfigError(
                 "speculative_policy must be one of off, fixed, schedule, goodput; "
                 f"got {self.speculative_policy!r}"
             )
         if self.speculative_policy == "schedule" and not self.speculative_schedule:
-            raise ValueError("speculative_policy schedule needs speculative_schedule")
+            raise ConfigError("speculative_policy schedule needs speculative_schedule")
         sim = self.speculative_simulate_acceptance
         if sim is not None and not 0.0 <= sim <= self.speculative_num_steps + 1:
-            raise ValueError(
+            raise ConfigError(
                 "speculative_simulate_acceptance is a per-token acceptance rate in [0, 1] or a "
                 f"mean acceptance length in (1, K+1]; got {sim}"
             )
         if not 1 <= self.speculative_num_steps <= 16:
-            raise ValueError(
+            raise ConfigError(
                 f"speculative_num_steps must be in [1, 16]; got {self.speculative_num_steps}"
             )
 

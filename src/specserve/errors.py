@@ -5,6 +5,10 @@ class SpecserveError(Exception):
     """Base class of every error specserve raises on purpose."""
 
 
+class ConfigError(SpecserveError, ValueError):
+    """An engine or server option is out of range or inconsistent with another."""
+
+
 class UnsupportedModelError(SpecserveError):
     """The checkpoint's architecture or a feature of its config is not supported."""
 
