@@ -80,3 +80,20 @@ def test_acceptance_after_pause_equals_acceptance_without(setup, algo, ride_alon
     assert len(matched) >= 3
     for key, a in matched:
         assert by_key[key] == a
+
+
+def test_per_request_speculation_state_is_dropped(setup):
+    """Finished and aborted requests leave no acceptance estimates behind (a long-running
+    server would otherwise grow without bound)."""
+    target, drafters, prompts = setup
+    llm = LLM(target, speculative_algorithm="draft", speculative_draft_model_path=drafters["draft"],
+              speculative_policy="fixed")
+    llm.generate(prompts, GREEDY)
+    engine = llm.engine
+    rid = engine.add_request(prompts[0], GREEDY)
+    for _ in range(4):
+        engine.step()
+    assert rid in engine.spec.acceptance._per_request
+    engine.abort_request(rid)
+    assert engine.spec.acceptance._per_request == {}
+    assert engine.kv.allocator.num_used == 0

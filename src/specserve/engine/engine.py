@@ -177,10 +177,17 @@ class LLMEngine:
         return request_id
 
     def abort_request(self, request_id: str) -> None:
-        req = self.requests.pop(request_id, None)
+        req = self.requests.get(request_id)
         if req is not None and not req.finished:
             req.finish_reason = "abort"
-            self.scheduler.finish(req)
+            self._finish(req)
+
+    def _finish(self, req: Request) -> None:
+        """A request leaves: its pages go back, per-request speculation state is dropped."""
+        self.scheduler.finish(req)
+        self.requests.pop(req.request_id, None)
+        if self.spec is not None:
+            self.spec.acceptance.forget(req.request_id)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work
@@ -230,8 +237,7 @@ class LLMEngine:
                 if req.finish_reason is not None:
                     break
             if req.finish_reason is not None:
-                self.scheduler.finish(req)
-                self.requests.pop(req.request_id, None)
+                self._finish(req)
             outputs.append(self._output(req, len(req.output_token_ids) - before))
         return outputs
 

@@ -95,8 +95,6 @@ class Speculator:
                 self.acceptance.update(
                     s.request.request_id, len(s.drafts), committed.get(id(s), 1) - 1
                 )
-            if s.request.finished:
-                self.acceptance.forget(s.request.request_id)
         lens = [len(s.drafts) for s in decoding]
         self.policy.trace.record(lens)
         if self.cost is not None:
