@@ -2,66 +2,40 @@
 
 from __future__ import annotations
 
-import os
+import itertools
 import re
 import signal
-import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import httpx
 import pytest
 
+from specserve.bench.server_process import ServerProcess as BenchServerProcess
+
 API_KEY = "test-key"
+_server_numbers = itertools.count()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class ServerProcess:
-    """`specserve serve` in a subprocess; its output goes to a log file shown on failure."""
+class ServerProcess(BenchServerProcess):
+    """`specserve serve --model MODEL ARGS` for the server tests: the bench's process wrapper
+    (own process group, /health wait, SIGTERM then SIGKILL) plus an optional API key and the
+    helpers the tests read (log, metrics)."""
 
     def __init__(self, model: Path, log_dir: Path, *args: str, api_key: str | None = None):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
-        self.log_path = log_dir / f"server-{self.port}.log"
-        cmd = [sys.executable, "-m", "specserve.cli", "serve", "--model", str(model),
-               "--port", str(self.port), "--disable-uvicorn-access-log", *args]
-        if api_key:
-            cmd += ["--api-key", api_key]
+        cli = ["--model", str(model), *args] + (["--api-key", api_key] if api_key else [])
         # One intra-op thread: test machines are small and shared (see engine_proc.py).
-        env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
-                   OMP_NUM_THREADS="1")
-        self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
-        self._wait_healthy()
-
-    def _wait_healthy(self, timeout_s: float = 120.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        self.stop()
-        raise RuntimeError(f"server did not become healthy:\n{self.log()}")
+        env = {"TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+        log_path = log_dir / f"server-{next(_server_numbers)}.log"
+        super().__init__(cli, log_path, env=env, start_timeout_s=120.0)
 
     @property
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     def log(self) -> str:
-        return self.log_path.read_text(errors="replace")[-5000:]
+        return self.log_tail(5000)
 
     def metrics(self) -> dict[str, float]:
         """Unlabelled samples of /metrics by name."""
@@ -82,18 +56,9 @@ class ServerProcess:
             time.sleep(0.1)
 
     def terminate(self, timeout_s: float = 60.0) -> int:
+        """SIGTERM and the exit status (the server drains, then exits)."""
         self.proc.send_signal(signal.SIGTERM)
         return self.proc.wait(timeout_s)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
 
 
 @pytest.fixture(scope="package")
