@@ -31,7 +31,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-import gpu_bench_patches  # noqa: E402
 from gpu_bench_parts import (  # noqa: E402
     attention_sweep,
     copy_bandwidth,
@@ -209,9 +208,6 @@ def main() -> None:
         }  # tok/s if a step only streamed the weights and the KV once
         result["gemm_chain_ms"] = {str(m): gemm_chain_ms(model, m) for m in (1, 64, 256)}
         result["sample_ms"] = {str(b): sample_ms(model, b) for b in args.batches}
-        result["gemm_chain_merged_qkv_gateup_ms"] = {
-            str(m): gemm_chain_ms(model, m, merged=True) for m in (1, 64)
-        }
         print(f"copy {bw / 1e9:.0f} GB/s, weights {weight_bytes / 1e9:.2f} GB, bounds "
               f"{result['bounds']}, gemm chain {result['gemm_chain_ms']}", flush=True)
 
@@ -229,17 +225,9 @@ def main() -> None:
     if cuda:
         configs += [("triton-graphs", tuned, True, True),
                     ("triton-graphs-default-launch", get_backend("triton"), True, True),
-                    ("triton-graphs-unfused-ops", tuned, False, True),
-                    ("triton-graphs-proposed-model", tuned, True, True)]  # fmt: skip
+                    ("triton-graphs-unfused-ops", tuned, False, True)]  # fmt: skip
     runs, tokens = [], {}
     for name, backend, fused, graphs in configs:
-        if name == "triton-graphs-proposed-model":
-            triton_ops.use_triton_ops(model)  # profile the fused-ops model, then patch it
-            result["profile_us_per_step"] = {
-                str(b): kernel_profile(model, kv, tuned, b, args.prompt_len)
-                for b in args.batches
-            }
-            gpu_bench_patches.apply(model)
         try:
             run_config(args, result, model, kv, name, backend, fused, graphs, runs, tokens)
         except Exception as e:  # keep the other configurations' numbers
@@ -250,7 +238,8 @@ def main() -> None:
         result["runs"] = runs
         save(result, args.out)
     if cuda:
-        result["profile_us_per_step_proposed_model"] = {
+        triton_ops.use_triton_ops(model)  # the profile of the fused-ops model
+        result["profile_us_per_step"] = {
             str(b): kernel_profile(model, kv, tuned, b, args.prompt_len) for b in args.batches
         }
         save(result, args.out)
@@ -308,9 +297,7 @@ def print_table(result: dict) -> None:
               f"| {r['prefill_s']:.3f} | {r['e2e_tok_s']:.1f} "
               f"| {r.get('greedy_agreement_vs_torch-eager', nan):.2f} "
               f"| {r.get('prefill_hidden_rel_err_vs_torch-eager', nan):.2g} |")  # fmt: skip
-    for key in ("bounds", "gemm_chain_ms", "gemm_chain_merged_qkv_gateup_ms", "sample_ms",
-                "graph_step_ms",
-                "profile_us_per_step", "profile_us_per_step_proposed_model"):
+    for key in ("bounds", "gemm_chain_ms", "sample_ms", "graph_step_ms", "profile_us_per_step"):
         if key in result:
             print(f"{key}: {json.dumps(result[key])}")
     sweep = result.get("attention_sweep")

@@ -38,10 +38,9 @@ def copy_bandwidth(num_bytes: int = 2 << 30) -> float:
 
 
 @torch.inference_mode()
-def gemm_chain_ms(model, m: int, merged: bool = False) -> float:
-    """One step's weight GEMMs alone (q, k, v, o, gate, up, down per layer, then lm_head) for
-    M tokens, replayed from a CUDA graph: the floor for a step at that M. merged: with q/k/v
-    and gate/up concatenated into one GEMM each (temporary copies of those weights)."""
+def gemm_chain_ms(model, m: int) -> float:
+    """One step's weight GEMMs alone (qkv, o, gate_up, down per layer, then lm_head) for M
+    tokens, replayed from a CUDA graph: the floor for a step at that M."""
     cfg = model.config
     p = next(model.parameters())
     x = torch.randn(m, cfg.hidden_size, dtype=p.dtype, device=p.device)
@@ -49,20 +48,11 @@ def gemm_chain_ms(model, m: int, merged: bool = False) -> float:
     xo = torch.randn(m, cfg.num_heads * cfg.head_dim, dtype=p.dtype, device=p.device)
     linear = torch.nn.functional.linear
     layers = model.model.layers
-    if merged:
-        fused = [(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
-                  torch.cat([f.gate_proj.weight, f.up_proj.weight]))
-                 for a, f in ((layer.self_attn, layer.mlp) for layer in layers)]  # fmt: skip
 
     def chain():
-        for i, layer in enumerate(layers):
+        for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
-            if merged:
-                linear(x, fused[i][0]), attn.o_proj(xo), linear(x, fused[i][1])
-            else:
-                attn.q_proj(x), attn.k_proj(x), attn.v_proj(x), attn.o_proj(xo)
-                mlp.gate_proj(x), mlp.up_proj(x)
-            mlp.down_proj(xi)
+            attn.qkv_proj(x), attn.o_proj(xo), mlp.gate_up_proj(x), mlp.down_proj(xi)
         linear(x, model.lm_head_weight)
 
     side = torch.cuda.Stream()

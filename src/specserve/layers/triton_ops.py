@@ -6,8 +6,8 @@ about 12), which under CUDA graphs cost microseconds apiece with the GPU otherwi
 kernel each pays. The numerics follow the PyTorch modules they replace, rounding to the
 activation dtype at the same points, so greedy output does not drift from the reference.
 
-`use_triton_ops(model)` switches a model's RMSNorm, RotaryEmbedding and GatedMLP instances to
-the subclasses below in place (same parameters, buffers and state dict).
+`use_triton_ops(model)` switches a model's RMSNorm, RotaryEmbedding and (merged) gated-MLP
+instances to the subclasses below in place (same parameters, buffers and state dict).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 from torch import nn
 
-from specserve.layers.activation import GatedMLP
+from specserve.layers.activation import GatedMLP, MergedGatedMLP
 from specserve.layers.norm import RMSNorm
 from specserve.layers.rotary import RotaryEmbedding
 
@@ -182,9 +182,12 @@ def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 class TritonRMSNorm(RMSNorm):
-    """RMSNorm in one Triton kernel."""
+    """RMSNorm in one Triton kernel; with a residual, the add and the norm in one kernel."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is not None:
+            total, out = add_rms_norm(x, residual, self.weight, self.eps)
+            return out, total
         return rms_norm(x, self.weight, self.eps)
 
 
@@ -202,7 +205,20 @@ class TritonGatedMLP(GatedMLP):
         return self.down_proj(silu_and_mul(self.gate_proj(x), self.up_proj(x)))
 
 
-_FUSED = {RMSNorm: TritonRMSNorm, RotaryEmbedding: TritonRotaryEmbedding, GatedMLP: TritonGatedMLP}
+class TritonMergedGatedMLP(MergedGatedMLP):
+    """Merged gate/up GEMM, then SiLU and product in one Triton kernel (strided halves)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(silu_and_mul(gate, up))
+
+
+_FUSED = {
+    RMSNorm: TritonRMSNorm,
+    RotaryEmbedding: TritonRotaryEmbedding,
+    GatedMLP: TritonGatedMLP,
+    MergedGatedMLP: TritonMergedGatedMLP,
+}
 
 
 def use_triton_ops(model: nn.Module, enable: bool = True) -> int:

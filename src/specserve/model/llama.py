@@ -1,6 +1,11 @@
 """Llama-family decoder (Llama, Qwen2 with qkv bias, Qwen3 with q/k norm) over paged KV.
 
-Parameter names follow Hugging Face checkpoints, so loading is a strict name-for-name copy.
+Parameter names follow Hugging Face checkpoints except where projections are merged for
+speed: q/k/v are one `qkv_proj` and gate/up one `gate_up_proj` (`MergedLinear`); the loader
+fills their row ranges from the checkpoint's separate tensors, under the checkpoint's names.
+
+The layers carry (hidden, residual) pairs: each residual add happens inside the RMSNorm that
+follows it (`norm(x, residual)`), one kernel on the GPU, same rounding as a plain add.
 """
 
 from __future__ import annotations
@@ -8,8 +13,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from specserve.layers.activation import GatedMLP
+from specserve.layers.activation import MergedGatedMLP
 from specserve.layers.attention import AttentionBackend, AttentionMetadata
+from specserve.layers.linear import MergedLinear
 from specserve.layers.norm import RMSNorm
 from specserve.layers.rotary import RotaryEmbedding
 from specserve.model.hf_config import ModelConfig
@@ -27,9 +33,9 @@ class Attention(nn.Module):
         self.head_dim = cfg.head_dim
         self.scale = cfg.head_dim**-0.5
         h, d = cfg.hidden_size, cfg.head_dim
-        self.q_proj = nn.Linear(h, cfg.num_heads * d, bias=cfg.qkv_bias)
-        self.k_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=cfg.qkv_bias)
-        self.v_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=cfg.qkv_bias)
+        self.split_sizes = [cfg.num_heads * d, cfg.num_kv_heads * d, cfg.num_kv_heads * d]
+        shards = dict(zip(("q_proj", "k_proj", "v_proj"), self.split_sizes))
+        self.qkv_proj = MergedLinear(h, shards, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.num_heads * d, h, bias=False)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
@@ -39,9 +45,10 @@ class Attention(nn.Module):
 
     def forward(self, x, rotary, backend, kv, meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(meta.positions, q, k)
@@ -50,16 +57,26 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    """Attention and MLP blocks; (x, residual) in, (x, residual) out, where the residual
+    stream entering the layer is x + residual (just x for the first layer: residual None)."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.self_attn = Attention(cfg)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp = MergedGatedMLP(cfg.hidden_size, cfg.intermediate_size)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, rotary, backend, kv, meta):
-        x = x + self.self_attn(self.input_layernorm(x), rotary, backend, kv, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, rotary, backend, kv, meta, aux: list | None = None):
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        if aux is not None:
+            aux.append(residual)  # the residual stream entering this layer
+        h = self.self_attn(h, rotary, backend, kv, meta)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class DecoderStack(nn.Module):
@@ -103,13 +120,14 @@ class LlamaForCausalLM(nn.Module):
         backend: AttentionBackend,
         aux_layer_ids: tuple[int, ...] = (),
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        x = self.model.embed_tokens(input_ids)
-        aux = []
+        x, residual = self.model.embed_tokens(input_ids), None
+        aux: list[torch.Tensor] = []
         for i, layer in enumerate(self.model.layers):
-            if i in aux_layer_ids:
-                aux.append(x)
-            x = layer(x, self.rotary, backend, kv_cache[i], meta)
-        return self.model.norm(x), aux
+            wants = aux if i in aux_layer_ids else None
+            x, residual = layer(x, residual, self.rotary, backend, kv_cache[i], meta, wants)
+        if residual is None:  # no layers
+            return self.model.norm(x), aux
+        return self.model.norm(x, residual)[0], aux
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits for the given hidden states."""

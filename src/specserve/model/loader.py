@@ -12,6 +12,7 @@ import torch
 from tqdm import tqdm
 
 from specserve.errors import CheckpointError
+from specserve.layers.linear import MergedLinear
 from specserve.model.hf_config import ModelConfig, load_hf_config
 from specserve.model.llama import LlamaForCausalLM
 
@@ -93,33 +94,71 @@ def load_model(
     return model.eval()
 
 
+def checkpoint_layout(model: torch.nn.Module) -> dict[str, tuple[str, int | None, tuple]]:
+    """Checkpoint tensor name -> (model parameter, first row or None, shape) for every
+    parameter of the model; a `MergedLinear` parameter is filled from several checkpoint
+    tensors, each into its row range."""
+    layout: dict[str, tuple[str, int | None, tuple]] = {}
+    merged = {
+        f"{name}.{attr}": (name, module)
+        for name, module in model.named_modules()
+        if isinstance(module, MergedLinear)
+        for attr in ("weight", "bias")
+    }
+    for name, param in model.named_parameters():
+        if name not in merged:
+            layout[name] = (name, None, tuple(param.shape))
+            continue
+        prefix, module = merged[name]
+        parent, attr = prefix.rpartition(".")[0], name.rpartition(".")[2]
+        for shard, (first, rows) in module.shard_rows().items():
+            key = f"{parent}.{shard}.{attr}" if parent else f"{shard}.{attr}"
+            layout[key] = (name, first, (rows, *param.shape[1:]))
+    return layout
+
+
 def assign_weights(
     model: torch.nn.Module,
     tensors: Iterator[tuple[str, torch.Tensor]],
     dtype: torch.dtype,
     device: torch.device,
 ) -> None:
-    """Copy named tensors into a meta-built model; missing, extra or misshapen tensors fail."""
-    expected = dict(model.named_parameters())
+    """Copy named tensors into a meta-built model; missing, extra or misshapen tensors fail
+    (named as the checkpoint names them, also where they fill part of a merged parameter)."""
+    layout = checkpoint_layout(model)
+    params = dict(model.named_parameters())
     tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
     loaded: set[str] = set()
+    built: dict[str, torch.nn.Parameter] = {}
     for name, tensor in tensors:
         if name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
             continue
-        if name not in expected:
+        if name not in layout:
             raise CheckpointError(f"checkpoint has an unexpected tensor {name!r}")
-        want = tuple(expected[name].shape)
+        param_name, first, want = layout[name]
         if tuple(tensor.shape) != want:
             raise CheckpointError(
                 f"tensor {name!r} has shape {tuple(tensor.shape)}, the config implies {want}"
             )
+        if not tensor.is_floating_point():
+            raise CheckpointError(f"tensor {name!r} has dtype {tensor.dtype}, not a float type")
         if name in loaded:
             raise CheckpointError(f"tensor {name!r} appears twice in the checkpoint")
-        module_name, _, attr = name.rpartition(".")
-        param = torch.nn.Parameter(tensor.to(device=device, dtype=dtype), requires_grad=False)
+        if first is None:
+            param = torch.nn.Parameter(tensor.to(device=device, dtype=dtype), requires_grad=False)
+        else:
+            param = built.get(param_name)
+            if param is None:
+                shape = params[param_name].shape
+                param = torch.nn.Parameter(
+                    torch.empty(shape, dtype=dtype, device=device), requires_grad=False
+                )
+                built[param_name] = param
+            param.data[first : first + want[0]].copy_(tensor)
+        module_name, _, attr = param_name.rpartition(".")
         setattr(model.get_submodule(module_name), attr, param)
         loaded.add(name)
-    missing = sorted(set(expected) - loaded)
+    missing = sorted(set(layout) - loaded)
     if missing:
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
         raise CheckpointError(f"checkpoint lacks {len(missing)} tensor(s): {shown}")
