@@ -42,6 +42,8 @@ class EngineConfig:
     speculative_simulate_acceptance: float | None = None  # benchmarking only, see below
     attention_backend: str = "auto"  # auto: triton on CUDA, torch on CPU
     disable_cuda_graph: bool = False
+    overlap_schedule: str = "auto"  # auto: on for CUDA, off on CPU; on; off
+    disable_overlap_schedule: bool = False  # the synchronous step loop (same as off)
     cuda_graph_max_batch: int = 256
 
     def __post_init__(self) -> None:
@@ -66,6 +68,12 @@ class EngineConfig:
             raise ConfigError(
                 f"attention_backend must be auto, torch or triton; got {self.attention_backend!r}"
             )
+        if self.overlap_schedule not in ("auto", "on", "off"):
+            raise ConfigError(
+                f"overlap_schedule must be auto, on or off; got {self.overlap_schedule!r}"
+            )
+        if self.disable_overlap_schedule and self.overlap_schedule == "on":
+            raise ConfigError("disable_overlap_schedule contradicts overlap_schedule on")
         if self.speculative_algorithm == "auto":
             self._resolve_auto_speculation()
         if self.speculative_algorithm in ("none", ""):
@@ -119,6 +127,13 @@ class EngineConfig:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
+
+    def overlap_enabled(self) -> bool:
+        """Whether the engine builds step N+1 while step N runs (default: on CUDA only,
+        where the device runs ahead of the host; on the CPU nothing runs ahead)."""
+        if self.disable_overlap_schedule or self.overlap_schedule == "off":
+            return False
+        return self.overlap_schedule == "on" or self.torch_device().type == "cuda"
 
     def backend_name(self) -> str:
         if self.attention_backend != "auto":

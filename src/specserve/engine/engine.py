@@ -5,16 +5,14 @@ from __future__ import annotations
 import itertools
 import logging
 import random
-import time
 from dataclasses import dataclass, field
-
-import torch
 
 from specserve.config import EngineConfig
 from specserve.engine.detokenizer import IncrementalDetokenizer
 from specserve.engine.kv_cache import KVCache
 from specserve.engine.request import Request, SpecStats
 from specserve.engine.scheduler import Scheduler
+from specserve.engine.step_loop import StepLoop
 from specserve.errors import InvalidRequestError, RequestTooLargeError
 from specserve.layers.attention import get_backend
 from specserve.model.llama import LlamaForCausalLM
@@ -95,6 +93,7 @@ class LLMEngine:
         self.num_steps = 0  # target forwards run so far
         self._arrivals = itertools.count()
         self._rng = random.Random(config.seed)
+        self.loop = StepLoop(self, overlap=config.overlap_enabled())
 
     def _capture_graphs(self):
         """Capture decode and verify graphs for every batch bucket and draft length."""
@@ -190,56 +189,14 @@ class LLMEngine:
             self.spec.acceptance.forget(req.request_id)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work
+        """Requests queued or running, or a step still in flight (overlap scheduling)."""
+        return self.scheduler.has_work or self.loop.inflight is not None
 
     # ---- the step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one step; return the outputs of every request that produced a token."""
-        spec = self.spec
-        batch = self.scheduler.schedule(spec.policy if spec else None)
-        if not batch:
-            return []
-        self.num_steps += 1
-        t0 = time.perf_counter()
-        drafting = [
-            s for s in batch
-            if s.draft_len > 0 or (s.decoding and spec.proposer.wants_catch_up(s.request))
-        ] if spec else []
-        if drafting:
-            spec.proposer.propose(drafting)
-        t1 = time.perf_counter()
-        step_input = self.runner.prepare(batch)
-        hidden, aux = self.runner.forward(step_input, spec.aux_layer_ids if spec else ())
-        result = self.runner.sample(step_input, hidden, spec.simulate_rate if spec else None)
-        t2 = time.perf_counter()
-        outputs = self._process(batch, step_input, result, aux)
-        if spec is not None:
-            committed = {id(s): len(t) for s, t in zip(step_input.sampled, result.tokens)}
-            spec.observe(batch, committed, (t1 - t0) * 1e3, (t2 - t1) * 1e3)
-        return outputs
-
-    def _process(self, batch, step_input, result, aux) -> list[RequestOutput]:
-        accepted = {id(s): len(toks) - 1 for s, toks in zip(step_input.sampled, result.tokens)}
-        accepted_list = [accepted.get(id(s), 0) for s in batch]
-        for s, a in zip(batch, accepted_list):
-            s.request.cached_len += s.num_tokens + a
-        if self.spec is not None:
-            features = torch.cat(aux, dim=-1) if aux else None
-            self.spec.proposer.commit(batch, accepted_list, features, step_input.first_rows)
-        outputs = []
-        for s, tokens, lps in zip(step_input.sampled, result.tokens, result.logprobs):
-            req = s.request
-            if s.drafts:
-                req.spec.record(len(s.drafts), len(tokens) - 1)
-            before = len(req.output_token_ids)
-            for i, token in enumerate(tokens):
-                req.append_token(token, lps[i] if lps else None)
-                if req.finish_reason is not None:
-                    break
-            if req.finish_reason is not None:
-                self._finish(req)
-            outputs.append(self._output(req, len(req.output_token_ids) - before))
-        return outputs
+        """Run one step; return the outputs of every request that produced a token. Under
+        overlap scheduling these are the previous step's (engine/step_loop.py)."""
+        return self.loop.step()
 
     def _output(self, req: Request, num_new: int) -> RequestOutput:
         delta = req.detokenizer.pop_delta(req.finished) if req.detokenizer else ""
@@ -266,5 +223,6 @@ class LLMEngine:
             "kv_pages_total": self.kv.allocator.num_usable,
             "preemptions": self.scheduler.num_preemptions,
             "steps": self.num_steps,
+            "overlap_schedule": self.loop.overlap,
             **(self.spec.stats() if self.spec else {}),
         }

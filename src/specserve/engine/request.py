@@ -45,6 +45,11 @@ class Request:
     committed_len counts prompt plus generated tokens; cached_len counts the tokens whose
     K/V sit in the request's pages. A request is in prefill while cached_len < committed_len
     - 1 and decodes one token a step after that.
+
+    Under overlap scheduling a step's tokens reach the request in two stages: first their
+    count (`num_inflight`: drawn on the device, values not yet on the host), then their
+    values (`unprocessed_token_ids`: on the host, stop conditions not yet checked), and
+    finally `output_token_ids` through `append_token`. committed_len counts all three.
     """
 
     request_id: str
@@ -58,6 +63,8 @@ class Request:
     prompt: str | None = None
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list = field(default_factory=list)  # TokenLogprobs per output token
+    unprocessed_token_ids: list[int] = field(default_factory=list)  # see the class doc
+    num_inflight: int = 0  # tokens drawn by the step in flight, values still on the device
     page_table: list[int] = field(default_factory=list)
     cached_len: int = 0
     status: RequestStatus = RequestStatus.WAITING
@@ -71,11 +78,31 @@ class Request:
 
     @property
     def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
+        """Every token whose value the host knows (all committed ones but the in-flight)."""
+        return self.prompt_token_ids + self.output_token_ids + self.unprocessed_token_ids
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """all_token_ids[start:end] without building the whole list."""
+        prompt = len(self.prompt_token_ids)
+        if start < prompt:
+            return self.all_token_ids[start:end]
+        known = self.output_token_ids
+        if self.unprocessed_token_ids:
+            known = known + self.unprocessed_token_ids
+        return known[start - prompt : end - prompt]
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.output_token_ids) + len(self.unprocessed_token_ids) + self.num_inflight
 
     @property
     def committed_len(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return len(self.prompt_token_ids) + self.num_generated
+
+    @property
+    def num_left(self) -> int:
+        """Tokens it may still generate (max_tokens and the context limit)."""
+        return min(self.params.max_tokens - self.num_generated, self.max_len - self.committed_len)
 
     @property
     def num_uncached(self) -> int:
@@ -84,11 +111,7 @@ class Request:
     @property
     def max_useful_drafts(self) -> int:
         """Drafts beyond this could never be committed (max_tokens or context limit)."""
-        left = min(
-            self.params.max_tokens - len(self.output_token_ids),
-            self.max_len - self.committed_len,
-        )
-        return max(0, left - 1)
+        return max(0, self.num_left - 1)
 
     def reset_cache(self) -> None:
         """Forget all KV (target and drafter): the request will be recomputed."""

@@ -68,6 +68,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if req.num_left <= 0:  # done once the step in flight is processed (overlap)
+                i += 1
+                continue
             n = min(req.num_uncached, budget)
             k = 0
             if req.num_uncached == 1:
@@ -103,7 +106,7 @@ class Scheduler:
     def _draft_lens(self, policy: SpeculationPolicy | None, budget: int) -> dict[int, int]:
         if policy is None:
             return {}
-        decoding = [r for r in self.running if r.num_uncached == 1]
+        decoding = [r for r in self.running if r.num_uncached == 1 and r.num_left > 0]
         prefill = sum(r.num_uncached for r in self.running if r.num_uncached > 1)
         ks = policy.choose(decoding, min(prefill, budget))
         return {id(r): k for r, k in zip(decoding, ks)}

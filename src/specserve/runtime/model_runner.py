@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -12,16 +12,16 @@ from specserve.layers.attention import AttentionBackend, AttentionMetadata
 from specserve.layers.sampler import build_sampling_tensors, sample
 from specserve.model.llama import LlamaForCausalLM
 from specserve.runtime.cuda_graphs import CudaGraphRunner
-from specserve.runtime.packing import Segment, pack, to_device
+from specserve.runtime.packing import Segment, pack, to_device, to_device_tensor
+from specserve.runtime.sampled_tokens import (
+    SampledTokens,
+    StepResult,
+    TokenLogprobs,
+    logprob_tensors,
+)
 from specserve.spec.verify import verify
 
-
-@dataclass
-class TokenLogprobs:
-    """The chosen token's log-probability and the top alternatives as (id, logprob)."""
-
-    logprob: float
-    top: list[tuple[int, float]]
+__all__ = ["ModelRunner", "PrevTokens", "StepInput", "StepResult", "TokenLogprobs"]
 
 
 @dataclass
@@ -36,11 +36,13 @@ class StepInput:
 
 
 @dataclass
-class StepResult:
-    """Per sampled request: new tokens (accepted drafts + one drawn), their logprobs."""
+class PrevTokens:
+    """The step in flight's drawn tokens on the device (`SampledTokens.last_tokens`) and
+    each sampled request's row in it, keyed by id(request): the next step's inputs for
+    requests whose last token the host has not seen yet (overlap scheduling)."""
 
-    tokens: list[list[int]]
-    logprobs: list[list[TokenLogprobs] | None]
+    tokens: torch.Tensor  # [R]
+    rows: dict[int, int]
 
 
 class ModelRunner:
@@ -53,18 +55,29 @@ class ModelRunner:
         self.device = kv.pool.device
         self.graphs: CudaGraphRunner | None = None  # set by the engine on CUDA
 
-    def prepare(self, batch: list[ScheduledRequest]) -> StepInput:
-        segments = []
-        for s in batch:
+    def prepare(self, batch: list[ScheduledRequest], prev: PrevTokens | None = None) -> StepInput:
+        """Pack the step. A request's last committed token may still be on the device
+        (drawn by the step in flight): it is gathered from `prev` there, without a sync."""
+        segments, gather_from, gather_to = [], [], []
+        for i, s in enumerate(batch):
             req, start = s.request, s.request.cached_len
-            ids = req.all_token_ids[start : start + s.num_tokens] + s.drafts
-            segments.append(Segment(req.page_table, start, ids))
+            ids = req.token_ids(start, start + s.num_tokens)
+            if len(ids) < s.num_tokens:  # only the in-flight step's one token is missing
+                if prev is None or s.drafts or len(ids) + 1 != s.num_tokens:
+                    raise RuntimeError("a step's input token is neither on the host nor in flight")
+                gather_from.append(prev.rows[id(req)])
+                gather_to.append(i)
+                ids = ids + [0]
+            segments.append(Segment(req.page_table, start, ids + s.drafts))
         if self.graphs is not None and all(s.decoding for s in batch):
             # Decode/verify steps with mixed draft lengths: pad to one length per request.
             width = max(len(seg.token_ids) for seg in segments)
             for seg in segments:
                 seg.pad = width - len(seg.token_ids)
         input_ids, meta, last_rows = pack(segments, self.kv.page_size, self.device)
+        if gather_to:  # device to device, queued behind the step in flight
+            rows = to_device([last_rows[i] for i in gather_to], self.device)
+            input_ids[rows] = prev.tokens[to_device(gather_from, self.device)]
         first_rows = [last - len(seg.token_ids) + 1 for last, seg in zip(last_rows, segments)]
         sampled, sample_rows = [], []
         for s, last in zip(batch, last_rows):
@@ -101,38 +114,51 @@ class ModelRunner:
     def sample(
         self, step: StepInput, hidden: torch.Tensor, simulate_rate: float | None = None
     ) -> StepResult:
-        """Draw each sampled request's tokens: plainly, or by verifying its drafts."""
+        """Draw each sampled request's tokens and wait for them on the host."""
+        return self.sample_async(step, hidden, simulate_rate).result()
+
+    @torch.inference_mode()
+    def sample_async(
+        self, step: StepInput, hidden: torch.Tensor, simulate_rate: float | None = None
+    ) -> SampledTokens:
+        """Draw each sampled request's tokens (plainly, or by verifying its drafts) and start
+        copying them to the host; nothing here waits for the device."""
+        device = self.device
         if not step.sampled:
-            return StepResult([], [])
+            return SampledTokens(torch.zeros(0, 1, dtype=torch.int64, device=device), None, [])
         reqs = [s.request for s in step.sampled]
-        logits = self.model.compute_logits(hidden[to_device(step.sample_rows, self.device)])
+        logits = self.model.compute_logits(hidden[to_device(step.sample_rows, device)])
         st = build_sampling_tensors(
             [r.params for r in reqs],
             [r.seed for r in reqs],
             [r.committed_len for r in reqs],
-            self.device,
+            torch.device("cpu"),
         )
+        # Pinned staging: a copy from pageable memory may wait for the device.
+        st = replace(st, **{
+            f.name: to_device_tensor(getattr(st, f.name), device)
+            for f in fields(st) if isinstance(getattr(st, f.name), torch.Tensor)
+        })  # fmt: skip
+        want = [r.params.logprobs for r in reqs]
         k_max = max(len(s.drafts) for s in step.sampled)
         if k_max == 0:
-            tokens = sample(logits, st)
-            rows = [[t] for t in tokens.tolist()]
-            if all(r.params.logprobs is None for r in reqs):
-                return StepResult(rows, [None] * len(reqs))
-            return StepResult(rows, self._logprobs(logits, tokens, reqs, rows))
-        result = self._verify(step.sampled, logits, st, k_max, simulate_rate)
-        accept = result.accept_len.tolist()
-        all_tokens = result.tokens.tolist()
-        rows = [t[: a + 1] for t, a in zip(all_tokens, accept)]
-        if all(r.params.logprobs is None for r in reqs):
-            return StepResult(rows, [None] * len(reqs))
-        # Logprobs of the committed tokens only: rows 0..a of each request.
-        offsets, picked = 0, []
-        for s, a in zip(step.sampled, accept):
-            picked += range(offsets, offsets + a + 1)
-            offsets += len(s.drafts) + 1
-        flat = torch.tensor([t for r in rows for t in r], device=self.device)
-        lp = self._logprobs(logits[to_device(picked, self.device)], flat, reqs, rows)
-        return StepResult(rows, lp)
+            tokens, accept_len = sample(logits, st)[:, None], None
+        else:
+            result = self._verify(step.sampled, logits, st, k_max, simulate_rate)
+            tokens, accept_len = result.tokens, result.accept_len
+        if all(w is None for w in want):
+            return SampledTokens(tokens, accept_len, want)
+        # Logprobs of every row a request may commit (its drafts' and the bonus'); the
+        # host keeps the accepted ones.
+        flat, lp_rows, row = [], [], 0
+        for r, s in enumerate(step.sampled):
+            k = len(s.drafts)
+            flat += [r * (k_max + 1) + j for j in range(k + 1)]
+            lp_rows.append(list(range(row, row + k + 1)))
+            row += k + 1
+        chosen = tokens.reshape(-1)[to_device(flat, device)]
+        lp = logprob_tensors(logits, chosen, max(w or 0 for w in want))
+        return SampledTokens(tokens, accept_len, want, lp, lp_rows)
 
     def _verify(self, sampled, logits, st, k_max, simulate_rate):
         num = len(sampled)
@@ -158,35 +184,6 @@ class ModelRunner:
                 elif k:
                     probs[i, torch.arange(k), draft_t[i, :k]] = 1.0
         return verify(padded, draft_t, lens_t, st, probs, simulate_rate)
-
-    def _logprobs(self, logits, tokens, reqs, rows):
-        """Split flat per-token logprobs (one logits row per committed token) by request."""
-        wanted = [r.params.logprobs for r, row in zip(reqs, rows) for _ in row]
-        flat = token_logprobs(logits, tokens, wanted)
-        out, i = [], 0
-        for r, row in zip(reqs, rows):
-            out.append(None if r.params.logprobs is None else flat[i : i + len(row)])
-            i += len(row)
-        return out
-
-
-def token_logprobs(
-    logits: torch.Tensor, tokens: torch.Tensor, wanted: list[int | None]
-) -> list[TokenLogprobs | None]:
-    """Log-probabilities under the model's raw distribution (before temperature and
-    filters): the chosen token's and the top-k alternatives'."""
-    logp = logits.log_softmax(dim=-1)
-    chosen = logp.gather(1, tokens[:, None])[:, 0].tolist()
-    k = max(w or 0 for w in wanted)
-    top_lp, top_ids = logp.topk(k, dim=-1) if k else (logp[:, :0], logp[:, :0].long())
-    top_lp, top_ids = top_lp.tolist(), top_ids.tolist()
-    out: list[TokenLogprobs | None] = []
-    for i, w in enumerate(wanted):
-        if w is None:
-            out.append(None)
-        else:
-            out.append(TokenLogprobs(chosen[i], list(zip(top_ids[i][:w], top_lp[i][:w]))))
-    return out
 
 
 @torch.inference_mode()

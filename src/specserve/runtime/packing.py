@@ -26,7 +26,12 @@ class Segment:
 
 
 def to_device(values: list, device: torch.device, dtype=torch.int64) -> torch.Tensor:
-    t = torch.tensor(values, dtype=dtype)
+    return to_device_tensor(torch.tensor(values, dtype=dtype), device)
+
+
+def to_device_tensor(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device` through pinned memory: the copy never waits for the
+    device (from pageable memory it may), so the host can run ahead of the device."""
     if device.type == "cuda":
         return t.pin_memory().to(device, non_blocking=True)
     return t

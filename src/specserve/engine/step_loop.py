@@ -1,0 +1,223 @@
+"""The step loop, synchronous or overlapped (shared/DESIGN.md invariant 7).
+
+A step is launched (schedule, propose, prepare, forward, sample: device work queued, the
+drawn tokens copied to pinned host memory behind an event), then resolved (the host reads
+the tokens: committed and cached lengths, drafter state), then processed (stop checks,
+detokenization, outputs, statistics). The synchronous loop does all three in one call.
+
+The overlap loop launches step N+1 before it processes step N:
+
+- After a plain step (nobody drafted) every sampled request commits exactly one token, so
+  lengths and positions of step N+1 are known without reading step N's tokens; N+1's input
+  ids for those requests are gathered on the device from N's drawn tokens. Step N is
+  resolved and processed while N+1 runs: the host never waits for the step it just launched.
+- After a speculative step the next positions depend on the accept lengths: the loop waits
+  for step N's tokens first (resolve), then launches N+1, then processes N while N+1 runs.
+- When step N+1 drafts (or catches a drafter up), the drafter reads committed tokens: step N
+  is resolved before proposing.
+
+Stop conditions are therefore found one step late: a request that finished in step N may
+already be in step N+1, whose tokens for it are dropped. Its pages are freed (on finish,
+abort or preemption) while step N+1 may still write them; that is safe because every step
+runs on one device stream in launch order: a page lent again is written by its new owner only
+in a later step, after the stale writes, and the new owner reads only positions it wrote.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from specserve.engine.scheduler import ScheduledRequest
+from specserve.runtime.model_runner import PrevTokens, StepInput
+from specserve.runtime.sampled_tokens import SampledTokens, StepResult
+
+if TYPE_CHECKING:
+    from specserve.engine.engine import LLMEngine, RequestOutput
+
+
+@dataclass
+class LaunchedStep:
+    """One step between its launch and its processing."""
+
+    batch: list[ScheduledRequest]
+    step_input: StepInput
+    sampled: SampledTokens
+    aux: list[torch.Tensor]
+    speculative: bool  # a request drafted: the next positions need the accept lengths
+    draft_ms: float
+    host_ms: float  # host time of prepare + forward + sample (the device time on the CPU)
+    preemptions: list[int]  # each sampled request's preemption count at launch
+    events: tuple | None = None  # CUDA (start, target start, end) events
+    after_idle: bool = False  # nothing ran just before it (no gap to measure)
+    result: StepResult | None = None  # set when resolved
+
+
+@dataclass
+class StepTimes:
+    """Device timeline of recent steps (CUDA events): each step's device span and the idle
+    gap between the end of one step's device work and the start of the next one's."""
+
+    step_ms: deque = field(default_factory=lambda: deque(maxlen=4096))
+    gap_ms: deque = field(default_factory=lambda: deque(maxlen=4096))
+
+    def clear(self) -> None:
+        self.step_ms.clear()
+        self.gap_ms.clear()
+
+
+class StepLoop:
+    """Runs an engine's steps; `overlap` keeps one step in flight between calls."""
+
+    def __init__(self, engine: LLMEngine, overlap: bool):
+        self.engine = engine
+        self.overlap = overlap
+        self.inflight: LaunchedStep | None = None
+        self.times = StepTimes()
+        self._timed = engine.kv.pool.device.type == "cuda"
+        self._last_end = None  # CUDA event: end of the last processed step's device work
+        self._idle = True
+
+    def step(self) -> list[RequestOutput]:
+        """Launch the next step; process the previous one (overlap) or this one (sync)."""
+        prev, self.inflight = self.inflight, None
+        if prev is not None and prev.speculative:
+            self._resolve(prev)  # the next step's positions depend on its accept lengths
+        launched = self._launch(prev)
+        if self.overlap:
+            self.inflight, done = launched, prev
+        else:
+            done = launched
+        return self._process(done) if done is not None else []
+
+    # ---- launch ---------------------------------------------------------------------------
+    def _launch(self, prev: LaunchedStep | None) -> LaunchedStep | None:
+        engine, spec = self.engine, self.engine.spec
+        batch = engine.scheduler.schedule(spec.policy if spec else None)
+        if not batch:
+            self._idle = True
+            return None
+        engine.num_steps += 1
+        drafting = [
+            s for s in batch
+            if s.draft_len > 0 or (s.decoding and spec.proposer.wants_catch_up(s.request))
+        ] if spec else []  # fmt: skip
+        if drafting and prev is not None and prev.result is None:
+            self._resolve(prev)  # the drafter reads the committed tokens
+        events = self._events()
+        t0 = time.perf_counter()
+        if drafting:
+            spec.proposer.propose(drafting)
+        t1 = time.perf_counter()
+        if events is not None:
+            events[1].record()
+        prev_tokens = None
+        if prev is not None and prev.result is None:
+            rows = {id(s.request): r for r, s in enumerate(prev.step_input.sampled)}
+            prev_tokens = PrevTokens(prev.sampled.last_tokens, rows)
+        runner = engine.runner
+        step_input = runner.prepare(batch, prev_tokens)
+        hidden, aux = runner.forward(step_input, spec.aux_layer_ids if spec else ())
+        sampled = runner.sample_async(step_input, hidden, spec.simulate_rate if spec else None)
+        if events is not None:
+            events[2].record()
+        t2 = time.perf_counter()
+        # Bookkeeping that needs no drawn token: the fed tokens are in the KV cache (in
+        # device order), and each sampled request has at least one token in flight.
+        for s in batch:
+            s.request.cached_len += s.num_tokens
+        for s in step_input.sampled:
+            s.request.num_inflight += 1
+        launched = LaunchedStep(
+            batch, step_input, sampled, aux,
+            speculative=any(s.drafts for s in batch),
+            draft_ms=(t1 - t0) * 1e3,
+            host_ms=(t2 - t1) * 1e3,
+            preemptions=[s.request.num_preemptions for s in step_input.sampled],
+            events=events,
+            after_idle=self._idle,
+        )  # fmt: skip
+        self._idle = False
+        if spec is not None and not launched.speculative:
+            # Nobody drafted, so nothing was accepted: the drafter's state (EAGLE-3
+            # features: views of this step's graph memory) is taken now, before N+1 runs.
+            self._commit_drafter(launched, [0] * len(batch))
+        return launched
+
+    def _events(self):
+        if not self._timed:
+            return None
+        events = tuple(torch.cuda.Event(enable_timing=True) for _ in range(3))
+        events[0].record()
+        return events
+
+    def _commit_drafter(self, step: LaunchedStep, accepted: list[int]) -> None:
+        features = torch.cat(step.aux, dim=-1) if step.aux else None
+        self.engine.spec.proposer.commit(step.batch, accepted, features, step.step_input.first_rows)
+
+    # ---- resolve: the step's tokens on the host ---------------------------------------
+    def _resolve(self, step: LaunchedStep) -> None:
+        """Wait for the step's tokens; commit their count (cached lengths, drafter state)."""
+        result = step.result = step.sampled.result()
+        accepted = {}
+        for s, tokens, launch_preemptions in zip(
+            step.step_input.sampled, result.tokens, step.preemptions
+        ):
+            req = s.request
+            req.num_inflight -= 1
+            accepted[id(s)] = len(tokens) - 1
+            if req.finished:
+                continue  # finished or aborted while in flight: its tokens are dropped
+            if req.num_preemptions == launch_preemptions:  # (a preempted one recomputes)
+                req.cached_len += len(tokens) - 1  # accepted drafts: their KV is valid
+            req.unprocessed_token_ids = list(tokens)
+        if step.speculative and self.engine.spec is not None:
+            self._commit_drafter(step, [accepted.get(id(s), 0) for s in step.batch])
+
+    # ---- process: stop checks, outputs, statistics -----------------------------------
+    def _process(self, step: LaunchedStep) -> list[RequestOutput]:
+        if step.result is None:
+            self._resolve(step)
+        engine, spec, result = self.engine, self.engine.spec, step.result
+        live = [
+            (s, tokens, lps)
+            for s, tokens, lps in zip(step.step_input.sampled, result.tokens, result.logprobs)
+            if not s.request.finished
+        ]
+        target_ms = self._record_times(step)
+        if spec is not None:  # before finishing: finished requests' estimates are dropped
+            batch = [s for s in step.batch if not s.request.finished]
+            committed = {id(s): len(tokens) for s, tokens, _ in live}
+            spec.observe(batch, committed, step.draft_ms, target_ms)
+        outputs = []
+        for s, tokens, lps in live:
+            req = s.request
+            req.unprocessed_token_ids = []
+            if s.drafts:
+                req.spec.record(len(s.drafts), len(tokens) - 1)
+            before = len(req.output_token_ids)
+            for i, token in enumerate(tokens):
+                req.append_token(token, lps[i] if lps else None)
+                if req.finish_reason is not None:
+                    break
+            if req.finish_reason is not None:
+                engine._finish(req)
+            outputs.append(engine._output(req, len(req.output_token_ids) - before))
+        return outputs
+
+    def _record_times(self, step: LaunchedStep) -> float:
+        """The step's device time in ms (host time on the CPU, where launch is the run);
+        records it and the idle gap before it."""
+        if step.events is None:
+            return step.host_ms
+        start, target_start, end = step.events
+        end.synchronize()
+        self.times.step_ms.append(start.elapsed_time(end))
+        if self._last_end is not None and not step.after_idle:
+            self.times.gap_ms.append(self._last_end.elapsed_time(start))
+        self._last_end = end
+        return target_start.elapsed_time(end)

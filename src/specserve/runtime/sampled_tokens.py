@@ -1,0 +1,112 @@
+"""A step's drawn tokens on their way from the device to the host, without blocking.
+
+The sampler (or verifier) leaves its tokens on the device; `SampledTokens` starts one
+non-blocking copy of them (and of accept lengths and logprobs, when asked for) into pinned
+host memory and records a CUDA event behind it. The host reads them with `result()`, which
+waits for that event only: the engine can launch the next step first (overlap scheduling).
+On the CPU the copies are plain copies and there is nothing to wait for.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class TokenLogprobs:
+    """The chosen token's log-probability and the top alternatives as (id, logprob)."""
+
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class StepResult:
+    """Per sampled request: new tokens (accepted drafts + one drawn), their logprobs."""
+
+    tokens: list[list[int]]
+    logprobs: list[list[TokenLogprobs] | None]
+
+
+def logprob_tensors(logits: torch.Tensor, tokens: torch.Tensor, k: int):
+    """On the device: each row's chosen-token logprob [N], and top-k (logprobs, ids) [N, k],
+    under the model's raw distribution (before temperature and filters)."""
+    logp = logits.log_softmax(dim=-1)
+    chosen = logp.gather(1, tokens[:, None])[:, 0]
+    top_lp, top_ids = logp.topk(k, dim=-1) if k else (logp[:, :0], logp[:, :0].long())
+    return chosen, top_lp, top_ids
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    if t.device.type == "cpu":
+        return t
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host
+
+
+class SampledTokens:
+    """Tokens drawn by one step for its sampled requests (in `StepInput.sampled` order).
+
+    `tokens` [R, W] on the device: request r's new tokens are tokens[r, :accept_len[r] + 1]
+    (plain steps: W = 1 and accept lengths are all 0). `want_logprobs[r]` is the top-k count
+    request r asked for (None: no logprobs); `lp_rows` maps each (r, j < W) with j <= its
+    draft count to a row of the logprob tensors.
+    """
+
+    def __init__(
+        self,
+        tokens: torch.Tensor,
+        accept_len: torch.Tensor | None,
+        want_logprobs: list[int | None],
+        lp: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+        lp_rows: list[list[int]] | None = None,
+    ):
+        self.tokens = tokens
+        self.accept_len = accept_len
+        self.want_logprobs = want_logprobs
+        self.lp_rows = lp_rows
+        self._host = [_to_host(tokens)]
+        if accept_len is not None:
+            self._host.append(_to_host(accept_len))
+        self._lp_host = [_to_host(t) for t in lp] if lp is not None else None
+        self._event = None
+        if tokens.device.type == "cuda":
+            self._event = torch.cuda.Event()
+            self._event.record()
+        self._result: StepResult | None = None
+
+    @property
+    def last_tokens(self) -> torch.Tensor:
+        """[R] on the device: each request's last new token (the next step's input)."""
+        if self.accept_len is None:
+            return self.tokens[:, 0]
+        return self.tokens.gather(1, self.accept_len[:, None])[:, 0]
+
+    def ready(self) -> bool:
+        return self._event is None or self._event.query()
+
+    def result(self) -> StepResult:
+        """The tokens on the host (waits for this step's copies, nothing later)."""
+        if self._result is not None:
+            return self._result
+        if self._event is not None:
+            self._event.synchronize()
+        all_tokens = self._host[0].tolist()
+        accept = self._host[1].tolist() if self.accept_len is not None else [0] * len(all_tokens)
+        rows = [t[: a + 1] for t, a in zip(all_tokens, accept)]
+        logprobs: list = [None] * len(rows)
+        if self._lp_host is not None:
+            chosen, top_lp, top_ids = (t.tolist() for t in self._lp_host)
+            for r, (want, row) in enumerate(zip(self.want_logprobs, rows)):
+                if want is None:
+                    continue
+                picked = self.lp_rows[r][: len(row)]
+                logprobs[r] = [
+                    TokenLogprobs(chosen[i], list(zip(top_ids[i][:want], top_lp[i][:want])))
+                    for i in picked
+                ]
+        self._result = StepResult(rows, logprobs)
+        return self._result
