@@ -60,6 +60,18 @@ def _count_gathers(llm) -> dict:
         return prepare(batch, prev)
 
     runner.prepare = spy
+    sched, schedule = llm.engine.scheduler, llm.engine.scheduler.schedule
+
+    def check(policy=None):
+        # A request whose in-flight tokens end it (max_tokens, context) is not scheduled
+        # again, so no step writes past the context limit.
+        batch = schedule(policy)
+        for s in batch:
+            assert s.request.num_left > 0
+            assert s.request.cached_len + s.num_tokens + s.draft_len <= llm.engine.max_model_len
+        return batch
+
+    sched.schedule = check
     return seen
 
 
@@ -122,17 +134,19 @@ def _stop_params(ref):
         SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True),
         SamplingParams(max_tokens=14, temperature=0.0, stop=[stop_string], stop_token_ids=[2]),
         SamplingParams(max_tokens=5, temperature=0.0),
-        SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True),  # context limit
     ]
 
 
 @pytest.mark.parametrize("drafter", [None, "copy", "eagle3"])
 def test_stops_and_max_tokens_identical(models, reference, drafter):
     params = _stop_params(reference(GREEDY))
-    expected = reference(params)
+    expected = reference(params, max_model_len=40)
     assert [len(t) for t, _, _ in expected][3:5] == [1, 2]
     assert any(r == "stop" for _, _, r in expected)
-    _, outs = _generate(models, _prompts(), params, "on", drafter, speculative_num_steps=7)
+    assert len(expected[7][0]) == 40 - len(_prompts()[7])  # stopped by the context limit
+    _, outs = _generate(models, _prompts(), params, "on", drafter, speculative_num_steps=7,
+                        max_model_len=40)
     assert outs == expected
 
 
@@ -236,6 +250,9 @@ def test_overlap_does_the_same_work(models):
         def spy(policy=None, schedule=schedule, fed=fed):
             batch = schedule(policy)
             fed.append(sum(s.num_tokens for s in batch))
+            # Once generating, a request feeds only its newest token (its accepted drafts
+            # are cached already): nothing is recomputed.
+            assert all(s.num_tokens == 1 for s in batch if s.request.num_generated > 0)
             return batch
 
         llm.engine.scheduler.schedule = spy

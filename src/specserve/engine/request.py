@@ -141,7 +141,9 @@ class Request:
             self.detokenizer.push(token)
             if self.finish_reason is None and self.detokenizer.stopped:
                 self.finish_reason = "stop"
+        # Only processed tokens count here: committed_len may include a later step's.
+        processed_len = len(self.prompt_token_ids) + len(self.output_token_ids)
         if self.finish_reason is None and (
-            len(self.output_token_ids) >= p.max_tokens or self.committed_len >= self.max_len
+            len(self.output_token_ids) >= p.max_tokens or processed_len >= self.max_len
         ):
             self.finish_reason = "length"
