@@ -302,3 +302,35 @@ def test_server_engine_loop_with_overlap(models, reference):
         pass
     assert engine.kv.allocator.num_used == 0
     outbox.close()
+
+
+@pytest.mark.parametrize("drafter", [None, "eagle3"])
+def test_graph_padded_steps_identical(models, reference, drafter):
+    """Through the CUDA graph runner's padded static buffers (eagerly, on the CPU): padded
+    decode steps whose input ids are gathered from the step in flight."""
+    from specserve.runtime.cuda_graphs import CudaGraphRunner
+
+    llm = LLM(models["target"], overlap_schedule="on", page_size=4,
+              **_spec_kwargs(models, drafter))
+    runner, spec = llm.engine.runner, llm.engine.spec
+    graphs = CudaGraphRunner(runner.model, runner.kv.layers, runner.backend, (1, 2, 4, 8),
+                             tokens_per_request=(1, 2, 3, 4), max_seq_len=512,
+                             aux_layer_ids=spec.aux_layer_ids if spec else (),
+                             use_graphs=False)
+    graphs.capture()
+    runner.graphs = graphs
+    calls = {"graph": 0}
+    run = graphs.run
+
+    def counting_run(*args):
+        calls["graph"] += 1
+        return run(*args)
+
+    graphs.run = counting_run
+    if drafter:
+        _random_draft_lens(llm, seed=4)
+    seen = _count_gathers(llm)
+    outs = llm.generate(_prompts(), GREEDY)
+    assert [(o.token_ids, o.text, o.finish_reason) for o in outs] == reference(GREEDY)
+    assert calls["graph"] > 5 and (drafter or seen["gathered"] > 0)
+    assert llm.engine.kv.allocator.num_used == 0
