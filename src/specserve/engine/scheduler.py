@@ -68,13 +68,15 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            if req.num_left <= 0:  # done once the step in flight is processed (overlap)
+            left = req.num_left
+            if left <= 0:  # done once the step in flight is processed (overlap)
                 i += 1
                 continue
-            n = min(req.num_uncached, budget)
+            uncached = req.num_uncached
+            n = min(uncached, budget)
             k = 0
-            if req.num_uncached == 1:
-                k = max(0, min(draft_lens.get(id(req), 0), budget - 1, req.max_useful_drafts))
+            if uncached == 1:  # left - 1: req.max_useful_drafts
+                k = max(0, min(draft_lens.get(id(req), 0), budget - 1, left - 1))
             while not self.kv.grow(req.page_table, req.cached_len + n + k):
                 if k > 0:  # give up the lookahead before taking anyone's pages
                     k = 0
@@ -84,7 +86,7 @@ class Scheduler:
                 if req.status is not RequestStatus.RUNNING:
                     break
             if req.status is RequestStatus.RUNNING:
-                batch.append(ScheduledRequest(req, n, k, decoding=req.num_uncached == 1))
+                batch.append(ScheduledRequest(req, n, k, decoding=uncached == 1))
                 budget -= n + k
                 i += 1
         # Admit new work only when nothing was preempted, so a preempted request is not
