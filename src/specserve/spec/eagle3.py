@@ -11,6 +11,7 @@ output and the previous draft back in. The head's KV lives in the request's page
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 import torch
@@ -20,16 +21,22 @@ from specserve.engine.scheduler import ScheduledRequest
 from specserve.layers.attention import AttentionBackend
 from specserve.model.eagle3 import Eagle3Head, load_eagle3_head
 from specserve.runtime.packing import Segment, pack, to_device
-from specserve.spec.proposer import Proposer, chain_draft
+from specserve.spec.eagle3_graphs import DrafterGraphs
+from specserve.spec.proposer import Proposer, chain_draft, draw_drafts
 
 if TYPE_CHECKING:
     from specserve.engine.engine import LLMEngine
 
 CATCH_UP_STEPS = 128
+log = logging.getLogger("specserve")
 
 
 class Eagle3Proposer(Proposer):
-    """Chain drafting with an EAGLE-3 head (one token per draft step)."""
+    """Chain drafting with an EAGLE-3 head (one token per draft step).
+
+    `graphs` (DrafterGraphs, set on CUDA) runs every head pass that has a captured shape;
+    greedy drafts are the argmax over the draft vocabulary mapped through d2t, so only
+    sampled requests pay for logits over the whole target vocabulary."""
 
     def __init__(self, head: Eagle3Head, embed: torch.nn.Embedding, kv: KVCache, backend):
         self.head, self.embed, self.kv = head, embed, kv
@@ -38,49 +45,61 @@ class Eagle3Proposer(Proposer):
         self.target_vocab = head.config.vocab_size
         self.draft_ids = head.draft_to_target(torch.arange(head.config.draft_vocab_size,
                                                            device=head.d2t.device))
+        self.graphs: DrafterGraphs | None = None
 
-    def _target_logits(self, out: torch.Tensor) -> torch.Tensor:
-        """Head outputs -> logits over the target vocabulary (-inf outside the draft one)."""
-        draft = self.head.compute_logits(out)
-        full = torch.full((out.shape[0], self.target_vocab), float("-inf"), device=out.device)
-        full[:, self.draft_ids] = draft
+    def _target_logits(self, draft_logits: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits -> logits over the target vocabulary (-inf outside)."""
+        full = torch.full((draft_logits.shape[0], self.target_vocab), float("-inf"),
+                          device=draft_logits.device)  # fmt: skip
+        full[:, self.draft_ids] = draft_logits
         return full
 
-    def _run(self, segments, embeds, hidden):
-        _, meta, last_rows = pack(segments, self.kv.page_size, self.kv.pool.device)
+    def _draw(self, draft_logits: torch.Tensor, items: list[ScheduledRequest], step: int):
+        if all(it.request.params.temperature == 0 for it in items):
+            return self.draft_ids[draft_logits.argmax(dim=-1)], None
+        return draw_drafts(self._target_logits(draft_logits), items, step)
+
+    def _pass(self, segments: list[Segment], hidden: torch.Tensor, input_ids=None):
+        """One head pass: (output at each segment's last token, its draft logits)."""
+        if self.graphs is not None and self.graphs.can_run(segments):
+            return self.graphs.run(segments, hidden, input_ids)
+        ids, meta, last_rows = pack(segments, self.kv.page_size, self.kv.pool.device)
+        embeds = self.embed(ids if input_ids is None else input_ids)
         out = self.head(embeds, hidden, meta, self.kv.layers[0], self.backend)
-        return out[to_device(last_rows, out.device)]
+        last = out[to_device(last_rows, out.device)]
+        return last, self.head.compute_logits(last)
 
     @torch.inference_mode()
     def propose(self, items: list[ScheduledRequest]) -> None:
-        segments, tokens, feats = [], [], []
+        segments, feats, num_tokens = [], [], 0
         for it in items:
             req = it.request
             start = req.draft_cached_len
             pair_tokens = req.all_token_ids[start + 1 : req.committed_len]
             segments.append(Segment(req.page_table, start, pair_tokens))
-            tokens += pair_tokens
+            num_tokens += len(pair_tokens)
             feats += req.draft_features
             req.draft_features.clear()
             req.draft_cached_len = req.committed_len - 1
-        device = self.kv.pool.device
-        embeds = self.embed(to_device(tokens, device))
-        hidden = torch.cat(feats).to(embeds.dtype)
-        if hidden.shape[0] != embeds.shape[0]:
+        hidden = torch.cat(feats).to(self.head.fc.weight.dtype)
+        if hidden.shape[0] != num_tokens:
             raise RuntimeError("EAGLE-3 features and committed tokens are out of step")
-        last = self._run(segments, embeds, hidden)
+        last, logits = self._pass(segments, hidden)
         drafting = [i for i, it in enumerate(items) if it.draft_len > 0]
         if not drafting:
             return  # a catch-up pass only
-        state = {"last": last[to_device(drafting, device)]}
+        if len(drafting) < len(items):
+            index = to_device(drafting, last.device)
+            last, logits = last[index], logits[index]
+        state = {"last": last}
 
         def step(active, tokens, positions, index):
             # Draft j sits at position committed_len - 2 + j, fed with the head's own output.
             segs = [Segment(it.request.page_table, pos, [0]) for it, pos in zip(active, positions)]
-            state["last"] = self._run(segs, self.embed(tokens), state["last"][index])
-            return self._target_logits(state["last"])
+            state["last"], step_logits = self._pass(segs, state["last"][index], tokens)
+            return step_logits
 
-        chain_draft([items[i] for i in drafting], self._target_logits(state["last"]), step)
+        chain_draft([items[i] for i in drafting], logits, step, self._draw)
 
     def wants_catch_up(self, req) -> bool:
         """Bound the features queued while a request does not speculate: after
@@ -101,15 +120,19 @@ class Eagle3Proposer(Proposer):
         def run(n: int) -> None:
             device = self.kv.pool.device
             segments = [Segment([0], 0, [0]) for _ in range(n)]
-            embeds = self.embed(torch.zeros(n, dtype=torch.long, device=device))
-            hidden = torch.zeros_like(embeds)
+            hidden = torch.zeros(n, self.head.config.layer.hidden_size,
+                                 dtype=self.head.fc.weight.dtype, device=device)  # fmt: skip
             with torch.inference_mode():
-                self._target_logits(self._run(segments, embeds, hidden)).argmax(-1).tolist()
+                _, logits = self._pass(segments, hidden)
+                self.draft_ids[logits.argmax(dim=-1)].tolist()
 
         return run
 
 
 def build_eagle3_proposer(engine: LLMEngine) -> Eagle3Proposer:
+    """The head loaded for the engine's target; on CUDA with the Triton backend its norms,
+    rotary and MLP use the fused kernels, and unless CUDA graphs are disabled every head
+    pass shape is captured now (one graph per batch bucket and tokens per request)."""
     cfg = engine.config
     device = engine.kv.pool.device
     head = load_eagle3_head(
@@ -118,4 +141,33 @@ def build_eagle3_proposer(engine: LLMEngine) -> Eagle3Proposer:
     kv = KVCache(head.config.layer, engine.kv.allocator.num_pages, cfg.page_size,
                  engine.dtype, device)
     embed = engine.runner.model.model.embed_tokens
-    return Eagle3Proposer(head, embed, kv, engine.runner.backend)
+    proposer = Eagle3Proposer(head, embed, kv, engine.runner.backend)
+    if device.type == "cuda" and cfg.backend_name() == "triton":
+        from specserve.layers.triton_ops import use_triton_ops
+
+        use_triton_ops(head)
+    if device.type == "cuda" and not cfg.disable_cuda_graph:
+        proposer.graphs = capture_drafter_graphs(proposer, engine)
+    return proposer
+
+
+def capture_drafter_graphs(
+    proposer: Eagle3Proposer, engine: LLMEngine, use_graphs: bool = True
+) -> DrafterGraphs:
+    """Graphs for draft steps (1 token per request) and catch-ups of up to K+1 tokens
+    (use_graphs=False: the same padded path, eager)."""
+    from specserve.runtime.cuda_graphs import default_batch_buckets
+
+    cfg = engine.config
+    graphs = DrafterGraphs(
+        proposer.head, proposer.embed, proposer.kv.layers[0], proposer.backend,
+        default_batch_buckets(min(cfg.max_num_seqs, cfg.cuda_graph_max_batch)),
+        tuple(range(1, cfg.speculative_num_steps + 2)), engine.max_model_len, use_graphs,
+    )  # fmt: skip
+    report = graphs.capture()
+    log.info(
+        "captured %d EAGLE-3 drafter CUDA graphs in %.1f s (warm-up %.1f s), graph memory "
+        "%.1f MiB, static buffers %.1f MiB", report.num_graphs, report.capture_s,
+        report.warmup_s, report.graph_pool_bytes / 2**20, report.static_bytes / 2**20,
+    )  # fmt: skip
+    return graphs

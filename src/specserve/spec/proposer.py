@@ -77,15 +77,17 @@ def draw_drafts(logits: torch.Tensor, items: list[ScheduledRequest], step: int):
     return torch.where(st.temperature > 0, drawn, greedy), probs
 
 
-def chain_draft(items: list[ScheduledRequest], first, step_fn) -> None:
-    """Chain drafting shared by the drafters: `first` are the drafter's logits (over the
-    target vocabulary) for every item's first draft; `step_fn(active, tokens, positions)`
-    feeds each still-drafting item's latest draft (a device tensor) back and returns the next
-    logits. Draft tokens stay on the device until the chain ends: one host sync per step."""
+def chain_draft(items: list[ScheduledRequest], first, step_fn, draw=draw_drafts) -> None:
+    """Chain drafting shared by the drafters: `first` are the drafter's logits for every
+    item's first draft; `step_fn(active, tokens, positions, index)` feeds each still-drafting
+    item's latest draft (a device tensor) back and returns the next logits; `draw(logits,
+    active, step)` turns logits into (target-vocabulary tokens, probs or None), by default
+    `draw_drafts` over target-vocabulary logits. Draft tokens stay on the device until the
+    chain ends: one host sync per step."""
     active, logits = items, first
     chain = []
     for step in range(max(it.draft_len for it in items)):
-        tokens, probs = draw_drafts(logits, active, step)
+        tokens, probs = draw(logits, active, step)
         chain.append((active, tokens, probs))
         keep = [i for i, it in enumerate(active) if it.draft_len > step + 1]
         if not keep:

@@ -1,0 +1,201 @@
+"""CUDA graphs of the EAGLE-3 head, keyed by (batch bucket, tokens per request).
+
+One head pass (token embedding, the head's decoder layer over its paged KV, the last row of
+each request, draft-vocabulary logits) is a few dozen small kernels; eagerly their launches
+cost more than the work at decode batch sizes. Every pass of a proposing step has a static
+shape once padded: a draft step is one token per request, and the catch-up extend after a
+verify step is at most K+1 tokens per request (padded to the longest). So each (bucket,
+tokens) pair gets one graph, captured at start-up into one pool; a pass copies its tensors
+into static buffers and replays. Passes without a graph (a long catch-up after prefill or a
+pause, more requests than the largest bucket) run eagerly.
+
+Padding follows runtime/cuda_graphs.py: padded tokens of a request repeat its last position
+and write K/V to scratch page 0; padded requests sit at position 0 with seq_len 1 on page 0.
+Their outputs are never read.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+
+import torch
+from torch import nn
+
+from specserve.layers.attention import AttentionBackend, AttentionMetadata
+from specserve.model.eagle3 import Eagle3Head
+from specserve.runtime.cuda_graphs import CaptureReport
+from specserve.runtime.packing import Segment, pack, to_device
+
+
+class DrafterGraphs:
+    """Captures one EAGLE-3 head pass per (batch bucket, tokens per request) and replays it.
+
+    `run(segments, hidden, input_ids)` returns (head output at each segment's last token
+    [B, H], draft-vocabulary logits of those rows [B, V_draft]), views into graph memory valid
+    until the next `run`. With `use_graphs=False` the same padded static buffers go through
+    the eager head (for debugging, and for testing the padding on the CPU).
+    """
+
+    def __init__(
+        self,
+        head: Eagle3Head,
+        embed: nn.Embedding,
+        kv_layer: tuple[torch.Tensor, torch.Tensor],
+        backend: AttentionBackend,
+        batch_buckets: tuple[int, ...],
+        tokens_per_request: tuple[int, ...],
+        max_seq_len: int,
+        use_graphs: bool = True,
+    ):
+        self.head, self.embed, self.kv_layer, self.backend = head, embed, kv_layer, backend
+        self.batch_buckets = tuple(sorted(set(batch_buckets)))
+        self.tokens_per_request = tuple(sorted(set(tokens_per_request)))
+        self.max_seq_len = max_seq_len
+        self.use_graphs = use_graphs
+        device = kv_layer[0].device
+        self.page_size = kv_layer[0].shape[1]
+        max_b, max_q = self.batch_buckets[-1], self.tokens_per_request[-1]
+        self.max_pages = -(-max_seq_len // self.page_size)
+        i64 = dict(dtype=torch.int64, device=device)
+        self.input_ids = torch.zeros(max_b * max_q, **i64)
+        self.positions = torch.zeros(max_b * max_q, **i64)
+        self.slot_mapping = torch.zeros(max_b * max_q, **i64)
+        self.seq_lens = torch.ones(max_b, **i64)
+        self.block_tables = torch.zeros(max_b, self.max_pages, **i64)
+        self.last_rows = torch.zeros(max_b, **i64)
+        self.query_start = {q: torch.arange(max_b + 1, **i64) * q for q in self.tokens_per_request}
+        hidden_size = head.config.layer.hidden_size
+        self.hidden = torch.zeros(max_b * max_q, hidden_size, dtype=head.fc.weight.dtype,
+                                  device=device)  # fmt: skip
+        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor,
+                                                  torch.Tensor]] = {}  # fmt: skip
+        self.report: CaptureReport | None = None
+
+    @property
+    def static_bytes(self) -> int:
+        bufs = [self.input_ids, self.positions, self.slot_mapping, self.seq_lens,
+                self.block_tables, self.last_rows, self.hidden, *self.query_start.values()]
+        return sum(b.numel() * b.element_size() for b in bufs)  # fmt: skip
+
+    def keys(self) -> list[tuple[int, int]]:
+        """Every (batch bucket, tokens per request), largest pass first."""
+        keys = [(b, q) for b in self.batch_buckets for q in self.tokens_per_request]
+        return sorted(keys, key=lambda k: (k[0] * k[1], k[1]), reverse=True)
+
+    def bucket_for(self, num_requests: int) -> int:
+        return self.batch_buckets[bisect.bisect_left(self.batch_buckets, num_requests)]
+
+    def can_run(self, segments: list[Segment]) -> bool:
+        """Whether this pass has a graph: a bucket for its requests, a captured length for
+        its longest segment, contexts within max_seq_len and page tables within max_pages."""
+        if not 0 < len(segments) <= self.batch_buckets[-1]:
+            return False
+        q = max(len(s.token_ids) for s in segments)
+        return (
+            q in self.query_start
+            and min(len(s.token_ids) for s in segments) > 0
+            and max(s.start + len(s.token_ids) for s in segments) <= self.max_seq_len
+            and max(len(s.page_table) for s in segments) <= self.max_pages
+        )
+
+    def _forward(self, batch: int, q: int) -> tuple[torch.Tensor, torch.Tensor]:
+        n = batch * q
+        meta = AttentionMetadata(
+            positions=self.positions[:n],
+            slot_mapping=self.slot_mapping[:n],
+            query_start_loc=self.query_start[q][: batch + 1],
+            seq_lens=self.seq_lens[:batch],
+            block_tables=self.block_tables[:batch],
+            max_query_len=q,
+            max_seq_len=self.max_seq_len,
+        )
+        embeds = self.embed(self.input_ids[:n])
+        out = self.head(embeds, self.hidden[:n], meta, self.kv_layer, self.backend)
+        last = out[self.last_rows[:batch]]
+        return last, self.head.compute_logits(last)
+
+    @torch.inference_mode()
+    def capture(self, pool=None) -> CaptureReport:
+        """Warm up every shape eagerly, then capture them all into one pool (`pool`, or a new
+        one), largest first so that smaller graphs reuse its memory."""
+        if not self.use_graphs:
+            self.report = CaptureReport(0, 0.0, 0.0, 0, self.static_bytes)
+            return self.report
+        keys = self.keys()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for key in keys:  # the buffers hold padding values: writes go to page 0
+                self._forward(*key)
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        warmup_s = time.perf_counter() - start
+        torch.cuda.empty_cache()
+        reserved = torch.cuda.memory_reserved()
+        start = time.perf_counter()
+        self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
+        for key in keys:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                last, logits = self._forward(*key)
+            self._graphs[key] = (graph, last, logits)
+        torch.cuda.synchronize()
+        self.report = CaptureReport(
+            num_graphs=len(keys),
+            warmup_s=warmup_s,
+            capture_s=time.perf_counter() - start,
+            graph_pool_bytes=torch.cuda.memory_reserved() - reserved,
+            static_bytes=self.static_bytes,
+        )
+        return self.report
+
+    @torch.inference_mode()
+    def run(
+        self,
+        segments: list[Segment],
+        hidden: torch.Tensor,
+        input_ids: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One head pass over `segments` (their token ids, or `input_ids` [sum of lengths] on
+        the device) with head inputs `hidden` [sum of lengths, H], in segment order."""
+        num_requests = len(segments)
+        lens = [len(s.token_ids) for s in segments]
+        q = max(lens)
+        for s, n_tokens in zip(segments, lens):
+            s.pad = q - n_tokens
+        ids, meta, last_rows = pack(segments, self.page_size, self.hidden.device)
+        n, batch = num_requests * q, self.bucket_for(num_requests)
+        if input_ids is not None and q == 1:
+            ids = input_ids
+        elif input_ids is not None:
+            raise ValueError("device input ids are only taken for one-token passes")
+        self.input_ids[:n].copy_(ids, non_blocking=True)
+        self.positions[:n].copy_(meta.positions, non_blocking=True)
+        self.slot_mapping[:n].copy_(meta.slot_mapping, non_blocking=True)
+        self.seq_lens[:num_requests].copy_(meta.seq_lens, non_blocking=True)
+        width = meta.block_tables.shape[1]
+        self.block_tables[:num_requests, :width].copy_(meta.block_tables, non_blocking=True)
+        self.last_rows[:num_requests].copy_(to_device(last_rows, self.hidden.device),
+                                            non_blocking=True)  # fmt: skip
+        if all(k == q for k in lens):
+            self.hidden[:n].copy_(hidden)
+        else:
+            rows = [b * q + i for b, k in enumerate(lens) for i in range(k)]
+            self.hidden.index_copy_(0, to_device(rows, self.hidden.device), hidden)
+        if batch > num_requests:
+            padded = slice(n, batch * q)
+            self.input_ids[padded] = 0
+            self.positions[padded] = 0
+            self.slot_mapping[padded] = 0
+            self.seq_lens[num_requests:batch] = 1
+            self.block_tables[num_requests:batch, 0] = 0
+            self.last_rows[num_requests:batch] = 0
+        if self.use_graphs:
+            _, last, logits = self._graphs[(batch, q)]
+            self._graphs[(batch, q)][0].replay()
+        else:
+            last, logits = self._forward(batch, q)
+        return last[:num_requests], logits[:num_requests]
