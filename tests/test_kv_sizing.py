@@ -1,0 +1,67 @@
+"""KV cache size: explicit pages or bytes win; otherwise 256 MiB on the CPU and, on CUDA, a
+fraction of the free device memory less the drafter's weights, shared with its KV pool."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specserve.config import EngineConfig
+from specserve.engine.kv_cache import CPU_KV_CACHE_BYTES, kv_cache_pages
+from specserve.errors import ConfigError
+from tests.model_cases import tiny_config
+
+CFG = tiny_config()  # 2 layers, 2 KV heads of 16: 256 bytes a token in fp32
+PAGE = 16 * CFG.kv_bytes_per_token(torch.float32)
+CPU, CUDA = torch.device("cpu"), torch.device("cuda")
+
+
+def _pages(device=CPU, **kw):
+    return kv_cache_pages(EngineConfig(speculative_algorithm="none", **kw), CFG,
+                          torch.float32, device)  # fmt: skip
+
+
+def test_explicit_sizes_and_the_cpu_default():
+    assert _pages(num_kv_pages=7, kv_cache_bytes=10**9) == 7
+    assert _pages(kv_cache_bytes=10 * PAGE + 5) == 10
+    assert _pages() == CPU_KV_CACHE_BYTES // PAGE
+
+
+def _fake_cuda(monkeypatch, free, total, cached=0):
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, total))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: cached + 100)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 100)
+
+
+def test_cuda_takes_a_fraction_of_free_memory(monkeypatch):
+    _fake_cuda(monkeypatch, 1000 * PAGE, 4000 * PAGE)
+    assert _pages(CUDA) == 900
+    assert _pages(CUDA, kv_cache_memory_fraction=0.5) == 500
+    assert _pages(CUDA, kv_cache_bytes=3 * PAGE) == 3  # an explicit budget still wins
+    _fake_cuda(monkeypatch, 600 * PAGE, 4000 * PAGE, cached=400 * PAGE)
+    assert _pages(CUDA) == 900  # memory cached by PyTorch's allocator but unused counts
+
+
+def test_cuda_budget_leaves_room_for_the_eagle3_head(monkeypatch, tmp_path_factory):
+    from tests.tiny_models import make_random_eagle3_head, make_tiny_model
+
+    target = make_tiny_model(tmp_path_factory.mktemp("t"), "llama", num_layers=4)
+    head = make_random_eagle3_head(tmp_path_factory.mktemp("h"), target, 50)
+    weights = (head / "model.safetensors").stat().st_size
+    from specserve.model.hf_config import load_hf_config
+
+    cfg = load_hf_config(target)
+    page = 16 * cfg.kv_bytes_per_token(torch.float32)
+    head_page = 16 * 2 * cfg.num_kv_heads * cfg.head_dim * 4  # one layer
+    free = 1000 * page + weights
+    _fake_cuda(monkeypatch, free, 2 * free)
+    config = EngineConfig(model=str(target), speculative_algorithm="eagle3",
+                          speculative_draft_model_path=str(head), kv_cache_memory_fraction=1.0)
+    assert kv_cache_pages(config, cfg, torch.float32, CUDA) == 1000 * page // (page + head_page)
+
+
+@pytest.mark.parametrize("bad", [dict(kv_cache_memory_fraction=0.0),
+                                 dict(kv_cache_memory_fraction=1.5), dict(kv_cache_bytes=0)])
+def test_bad_sizes_are_refused(bad):
+    with pytest.raises(ConfigError, match=next(iter(bad))):
+        EngineConfig(**bad)
