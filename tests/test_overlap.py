@@ -66,9 +66,14 @@ def _count_gathers(llm) -> dict:
         # A request whose in-flight tokens end it (max_tokens, context) is not scheduled
         # again, so no step writes past the context limit.
         batch = schedule(policy)
+        kv, spec = llm.engine.kv, llm.engine.spec
+        lookahead = spec.k_max + 1 if spec else 1
         for s in batch:
-            assert s.request.num_left > 0
-            assert s.request.cached_len + s.num_tokens + s.draft_len <= llm.engine.max_model_len
+            req = s.request
+            assert req.num_left > 0
+            assert req.cached_len + s.num_tokens + s.draft_len <= llm.engine.max_model_len
+            # KV lookahead: at most twice a step's worth past what is committed.
+            assert len(req.page_table) <= kv.pages_needed(req.committed_len + 2 * lookahead)
         return batch
 
     sched.schedule = check
