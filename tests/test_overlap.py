@@ -339,3 +339,44 @@ def test_graph_padded_steps_identical(models, reference, drafter):
     assert [(o.token_ids, o.text, o.finish_reason) for o in outs] == reference(GREEDY)
     assert calls["graph"] > 5 and (drafter or seen["gathered"] > 0)
     assert llm.engine.kv.allocator.num_used == 0
+
+
+@pytest.mark.parametrize("drafter", [None, "random", "eagle3"])
+def test_random_arrivals_aborts_and_preemption(models, reference, drafter):
+    """Requests arrive and are aborted at random turns (often while their step is in
+    flight) with a small KV cache and random draft lengths: every request that is not
+    aborted produces exactly the tokens of the synchronous loop, and no page is left."""
+    prompts = _prompts(seed=8, lengths=(3, 12, 7, 20, 5, 16, 9, 2, 14, 6))
+    params = _stop_params(reference(GREEDY))
+    params = [params[i % len(params)] for i in range(len(prompts))]
+    expected = reference(params, prompts)
+    rng = random.Random(21)
+    llm = LLM(models["target"], overlap_schedule="on", page_size=4, num_kv_pages=20,
+              speculative_num_steps=3, **_spec_kwargs(models, drafter))
+    if drafter:
+        _random_draft_lens(llm, seed=22)
+    engine = llm.engine
+    pending = list(range(len(prompts)))
+    ids, finished, aborted, in_flight_aborts = {}, {}, set(), 0
+    while pending or engine.has_unfinished():
+        while pending and rng.random() < 0.6:
+            i = pending.pop(0)
+            ids[engine.add_request(prompts[i], params[i])] = i
+        for out in engine.step():
+            assert out.request_id not in aborted
+            if out.finished:
+                finished[out.request_id] = (out.token_ids, out.text, out.finish_reason)
+        live = [rid for rid in engine.requests if rid not in aborted]
+        if live and rng.random() < 0.08:
+            victim = rng.choice(live)
+            inflight = engine.loop.inflight
+            in_flight_aborts += inflight is not None and any(
+                s.request.request_id == victim for s in inflight.step_input.sampled)
+            engine.abort_request(victim)
+            aborted.add(victim)
+    assert engine.kv.allocator.num_used == 0 and not engine.requests
+    assert in_flight_aborts and engine.scheduler.num_preemptions > 0
+    assert len(finished) + len(aborted) == len(prompts)
+    for rid, i in ids.items():
+        if rid not in aborted:
+            assert finished[rid] == expected[i]
