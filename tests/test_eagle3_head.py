@@ -200,5 +200,7 @@ def test_shipped_head_loads_for_the_default_model():
     folder = shipped_head_path()
     assert (folder / "model.safetensors").stat().st_size <= 30_000_000
     head = load_eagle3_head(folder, load_config(resolve_model(None)), torch.bfloat16, "cpu")
-    assert head.aux_layer_ids == (2, 15, 27) and head.config.draft_vocab_size == 16384
+    assert head.aux_layer_ids == (2, 15, 27)
+    # Any draft vocabulary size (train-eagle3 may shrink it); maps and lm_head agree on it.
+    assert head.lm_head.weight.shape[0] == head.config.draft_vocab_size == int(head.t2d.sum())
     assert head.lm_head.weight.dtype == torch.bfloat16

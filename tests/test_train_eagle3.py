@@ -21,6 +21,7 @@ from specserve.train.prompts import (
     PromptSourceError,
     jsonl_prompts,
     load_prompts,
+    reserved_keys,
     shakespeare_prompts,
     stdlib_prompts,
 )
@@ -142,6 +143,33 @@ def test_generation_time_budget(target):
     assert all(s.response_len == 4 for s in samples) and not engine.has_unfinished()
 
 
+@pytest.mark.parametrize("overlap", ["off", "on"])
+def test_generation_deadline_keeps_greedy_prefixes(target, monkeypatch, overlap):
+    """Past budget + grace, running requests stop and their partial replies are kept: they
+    are prefixes of the full greedy replies. A fake clock ticks once per reading."""
+    from specserve.config import EngineConfig
+    from specserve.engine.engine import LLMEngine
+    from specserve.train import distill
+    from specserve.train.prompts import PromptItem
+
+    engine = LLMEngine(EngineConfig(model=str(target), max_num_seqs=2, num_kv_pages=64,
+                                    overlap_schedule=overlap))
+    prompts = [PromptItem(str(i), [{"role": "user", "content": f"hi {i}"}]) for i in range(6)]
+    kw = dict(max_new_tokens=40, temperature=0.0, seed=0, max_prompt_tokens=64, progress=False)
+    full = distill.generate_samples(engine, prompts[:2], **kw)
+    ticks = iter(range(10**6))
+    monkeypatch.setattr(distill.time, "monotonic", lambda: float(next(ticks)))
+    cut = distill.generate_samples(engine, prompts, time_budget_s=1.5, grace_s=12.0,
+                                   min_partial_tokens=3, **kw)
+    assert [s.key for s in cut] == ["0", "1"]  # no prompt started after the budget
+    for short, whole in zip(cut, full):
+        assert 3 <= short.response_len < whole.response_len == 40
+        assert short.token_ids == whole.token_ids[: len(short.token_ids)]
+    monkeypatch.undo()
+    again = distill.generate_samples(engine, prompts[:2], **kw)  # the engine stays usable
+    assert [s.token_ids for s in again] == [s.token_ids for s in full]
+
+
 def test_features_are_inputs_of_the_aux_layers(target):
     transformers = pytest.importorskip("transformers")
     model = load_model(resolve_model(str(target)), torch.float32, torch.device("cpu"))
@@ -169,6 +197,11 @@ def test_draft_vocab_is_most_frequent_reply_tokens():
     assert coverage == 1.0
     d2t, t2d, coverage = build_draft_vocab(samples, vocab_size=12, draft_vocab_size=2)
     assert (torch.arange(2) + d2t).tolist() == [7, 9] and coverage == pytest.approx(6 / 7)
+    # --min-draft-coverage: the smallest size (multiples of granularity) holding the share
+    d2t, _, coverage = build_draft_vocab(samples, 12, 3, min_coverage=0.8, granularity=1)
+    assert (torch.arange(2) + d2t).tolist() == [7, 9] and coverage == pytest.approx(6 / 7)
+    d2t, _, coverage = build_draft_vocab(samples, 12, 3, min_coverage=0.9, granularity=1)
+    assert len(d2t) == 3 and coverage == 1.0
 
 
 def test_ttt_mask_and_acceptance_stats():
@@ -204,6 +237,17 @@ def test_prompt_sources(tmp_path, prompt_file):
     (texts / "play_gut_f.txt").write_text("folio duplicate\n" * 200)
     passages = shakespeare_prompts(texts)
     assert passages and all(p.key.startswith("shakespeare:play_gut:") for p in passages)
+    # Variants: other kinds of request on the same text share its source key.
+    three = shakespeare_prompts(texts, variants=3)
+    assert len(three) == 3 * len(passages)
+    first = [p for p in three if p.source_key == passages[0].key]
+    assert len({p.messages[0]["content"] for p in first}) == 3  # three kinds of request
+    assert {p.source_key for p in three} == {p.key for p in passages}
+    assert sorted({p.variant for p in three}) == [0, 1, 2]
+    two = stdlib_prompts(lib, variants=2)
+    assert len(two) == 2 * len(keys) - 1  # the module docstring has one kind only
+    reserved = reserved_keys(three, 0, 2)
+    assert {p.source_key for p in three if p.source_key in reserved} == reserved
 
     items = jsonl_prompts(prompt_file)
     assert len(items) == 36 and all(p.messages[-1]["role"] == "user" for p in items)
@@ -221,7 +265,7 @@ def test_prompt_sources(tmp_path, prompt_file):
 
 
 def test_heldout_split_does_not_depend_on_other_prompts():
-    from specserve.train.prompts import PromptItem, reserved_keys
+    from specserve.train.prompts import PromptItem
 
     items = [PromptItem(f"src:{i}", []) for i in range(3000)]
     fewer = items[::2] + [PromptItem(f"other:{i}", []) for i in range(500)]

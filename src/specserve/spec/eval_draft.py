@@ -4,6 +4,8 @@ speculative decoding: mean acceptance length and per-position acceptance at K = 
 from __future__ import annotations
 
 import json
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,6 +23,8 @@ class DraftEval:
     drafted: int
     accepted: int
     position_rates: list[float] = field(default_factory=list)
+    seconds: float = 0.0
+    generated: int = 0
 
     @property
     def mean_accept_len(self) -> float:
@@ -28,14 +32,22 @@ class DraftEval:
         return (self.accepted + self.verify_steps) / max(self.verify_steps, 1)
 
 
-def evaluate(llm, prompts: list[list[int]], ks: list[int], max_tokens: int) -> list[DraftEval]:
-    """Run the prompts greedily at each fixed K with the llm's drafter."""
+def evaluate(
+    llm,
+    prompts: list[list[int]],
+    ks: list[int],
+    max_tokens: int,
+    on_result: Callable[[list[DraftEval]], None] | None = None,
+) -> list[DraftEval]:
+    """Run the prompts greedily at each fixed K (in the order given) with the llm's drafter;
+    `on_result` sees the results so far after each K (to save them as they come)."""
     spec = llm.engine.spec
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     results = []
     for k in ks:
         spec.policy = FixedPolicy(k)
         spec.acceptance = AcceptanceModel(spec.k_max)
+        t0 = time.monotonic()
         outs = llm.generate(prompts, params)
         stats = [o.spec_stats for o in outs]
         results.append(
@@ -45,8 +57,12 @@ def evaluate(llm, prompts: list[list[int]], ks: list[int], max_tokens: int) -> l
                 drafted=sum(s.drafted for s in stats),
                 accepted=sum(s.accepted for s in stats),
                 position_rates=[round(r, 4) for r in spec.acceptance.position_rates()[:k]],
+                seconds=round(time.monotonic() - t0, 2),
+                generated=sum(len(o.token_ids) for o in outs),
             )
         )
+        if on_result is not None:
+            on_result(results)
     return results
 
 
@@ -57,7 +73,12 @@ def run_eval_draft(args) -> int:
     from specserve.llm import LLM
     from specserve.train.prompts import load_prompts
 
-    ks = sorted(set(args.k))
+    ks = list(dict.fromkeys(args.k))  # the order given: the most wanted K first
+    train, heldout = load_prompts(args.data, args.seed, None, args.num_prompts)
+    items = heldout if args.split == "heldout" else train[: args.num_prompts]
+    engine_opts = {}
+    if args.kv_cache_gib is not None:
+        engine_opts["kv_cache_bytes"] = int(args.kv_cache_gib * 2**30)
     llm = LLM(
         args.target,
         progress=True,
@@ -67,24 +88,13 @@ def run_eval_draft(args) -> int:
         speculative_policy="fixed",
         dtype=args.dtype,
         device=args.device,
+        max_num_seqs=max(1, min(len(items), 256)),  # all prompts at once, no idle graphs
+        **engine_opts,
     )
-    train, heldout = load_prompts(args.data, args.seed, None, args.num_prompts)
-    items = heldout if args.split == "heldout" else train[: args.num_prompts]
     prompts = [llm.apply_chat_template(p.messages) for p in items]
-    results = evaluate(llm, prompts, ks, args.max_tokens)
-    table = Table(title=f"{args.algorithm} drafter on {len(prompts)} {args.split} prompts")
-    for col in ("K", "mean accept len", "accepted/drafted", "per-position acceptance"):
-        table.add_column(col)
-    for r in results:
-        table.add_row(
-            str(r.k),
-            f"{r.mean_accept_len:.3f}",
-            f"{r.accepted}/{r.drafted}",
-            " ".join(f"{x:.2f}" for x in r.position_rates),
-        )
-    Console().print(table)
-    if args.out:
-        payload = {
+
+    def payload(results: list[DraftEval]) -> dict:
+        return {
             "target": args.target,
             "draft": args.draft,
             "algorithm": args.algorithm,
@@ -95,7 +105,24 @@ def run_eval_draft(args) -> int:
             "max_tokens": args.max_tokens,
             "results": [{**r.__dict__, "mean_accept_len": r.mean_accept_len} for r in results],
         }
-        Path(args.out).write_text(json.dumps(payload, indent=2) + "\n")
+
+    def save(results: list[DraftEval]) -> None:
+        if args.out:
+            Path(args.out).write_text(json.dumps(payload(results), indent=2) + "\n")
+
+    results = evaluate(llm, prompts, ks, args.max_tokens, on_result=save)
+    table = Table(title=f"{args.algorithm} drafter on {len(prompts)} {args.split} prompts")
+    for col in ("K", "mean accept len", "accepted/drafted", "per-position acceptance"):
+        table.add_column(col)
+    for r in sorted(results, key=lambda r: r.k):
+        table.add_row(
+            str(r.k),
+            f"{r.mean_accept_len:.3f}",
+            f"{r.accepted}/{r.drafted}",
+            " ".join(f"{x:.2f}" for x in r.position_rates),
+        )
+    Console().print(table)
+    save(results)
     return 0
 
 
@@ -113,7 +140,10 @@ def add_eval_draft_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--k", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6, 7])
+    p.add_argument("--k", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6, 7],
+                   help="draft lengths, run in this order (results are saved after each)")
+    p.add_argument("--kv-cache-gib", type=float, default=None,
+                   help="target KV cache size (default: the engine's)")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default="auto")
     p.add_argument("--out", default=None, help="write the results as JSON here")

@@ -44,6 +44,9 @@ class TrainConfig:
     eval_every: int = 100
     gen_time_s: float | None = None
     train_time_s: float | None = None
+    end_by: float | None = None
+    prompt_variants: int = 1
+    min_draft_coverage: float | None = None
     save_dtype: str = "bfloat16"
     resume: bool = False
     progress: bool = True
@@ -51,7 +54,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         positive = ("steps", "batch_size", "ttt_steps", "draft_vocab_size", "max_new_tokens",
                     "max_prompt_tokens", "max_seq_len", "gen_batch", "feature_batch_tokens",
-                    "save_every", "eval_every")
+                    "save_every", "eval_every", "prompt_variants")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1; got {getattr(self, name)}")
@@ -64,6 +67,9 @@ class TrainConfig:
         if self.save_dtype not in ("bfloat16", "float16", "float32"):
             raise ValueError(f"save_dtype must be bfloat16, float16 or float32; got "
                              f"{self.save_dtype!r}")
+        if self.min_draft_coverage is not None and not 0 < self.min_draft_coverage <= 1:
+            raise ValueError(f"min_draft_coverage must be in (0, 1]; got "
+                             f"{self.min_draft_coverage}")
         if not self.data:
             raise ValueError("give at least one --data source")
 
@@ -83,6 +89,12 @@ _HELP = {
     "init_head": "start from this EAGLE-3 head (and its draft vocabulary) instead of a new one",
     "gen_time_s": "stop starting new prompts after this many seconds of generation",
     "train_time_s": "stop training after this many seconds (the schedule follows the clock)",
+    "end_by": "stop training by this Unix time (shortens --train-time-s; for fixed leases)",
+    "prompt_variants": "requests of different kinds per source text (stdlib, shakespeare); "
+                       "all first kinds come before any second one",
+    "min_draft_coverage": "shrink the draft vocabulary (multiples of 1024, at most "
+                          "--draft-vocab-size) to the smallest holding this share of reply "
+                          "tokens",
     "resume": "continue from the checkpoint in --out (data and step restored)",
 }
 

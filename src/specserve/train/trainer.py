@@ -28,9 +28,14 @@ from specserve.model.eagle3 import (
 from specserve.model.eagle3 import save_eagle3_head as _save_head
 from specserve.model.loader import load_config, load_model, resolve_model
 from specserve.train.config import TrainConfig
-from specserve.train.distill import Sample, build_draft_vocab, generate_samples, vocab_coverage
+from specserve.train.distill import (
+    Sample,
+    build_draft_vocab,
+    coverage_curve,
+    distill,
+    vocab_coverage,
+)
 from specserve.train.features import FeatureStore, make_batch, record_features
-from specserve.train.prompts import PromptSourceError, load_prompts
 from specserve.train.ttt import acceptance_stats, unroll
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -74,58 +79,9 @@ def _device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def _write_samples(path: Path, train: list[Sample], heldout: list[Sample]) -> None:
-    with open(path, "w") as f:
-        for split, samples in (("train", train), ("heldout", heldout)):
-            for s in samples:
-                f.write(json.dumps({"split": split, "key": s.key, "prompt_len": s.prompt_len,
-                                    "token_ids": s.token_ids}) + "\n")
-
-
-def _read_samples(path: Path) -> tuple[list[Sample], list[Sample]]:
-    train, heldout = [], []
-    for line in path.read_text().splitlines():
-        r = json.loads(line)
-        (train if r["split"] == "train" else heldout).append(
-            Sample(r["key"], r["token_ids"], r["prompt_len"]))
-    return train, heldout
-
-
-def distill(cfg: TrainConfig, out: Path, log) -> tuple[list[Sample], list[Sample]]:
-    """The (train, held-out) samples: read from out/data.jsonl on --resume, else generated."""
-    data_path = out / "data.jsonl"
-    if cfg.resume and data_path.is_file():
-        return _read_samples(data_path)
-    from specserve.config import EngineConfig
-    from specserve.engine.engine import LLMEngine
-
-    prompts, heldout_prompts = load_prompts(cfg.data, cfg.seed, cfg.num_prompts,
-                                            cfg.heldout_prompts)
-    if not prompts:
-        raise PromptSourceError(f"--data {cfg.data} leaves no training prompts after the "
-                                f"{len(heldout_prompts)} held out")
-    with open(out / "heldout_prompts.jsonl", "w") as f:
-        for p in heldout_prompts:
-            f.write(json.dumps({"key": p.key, "messages": p.messages}) + "\n")
-    page = 16
-    pages_per_seq = -(-(cfg.max_prompt_tokens + cfg.max_new_tokens) // page) + 1
-    engine = LLMEngine(EngineConfig(
-        model=cfg.target, dtype=cfg.dtype, device=cfg.device, page_size=page,
-        num_kv_pages=cfg.gen_batch * pages_per_seq + 2, max_num_seqs=cfg.gen_batch,
-        max_num_batched_tokens=8192, seed=cfg.seed), progress=cfg.progress)
-    t0 = time.monotonic()
-    gen = dict(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, seed=cfg.seed,
-               max_prompt_tokens=cfg.max_prompt_tokens, progress=cfg.progress)
-    heldout = generate_samples(engine, heldout_prompts, desc="Generating (held-out)", **gen)
-    train = generate_samples(engine, prompts, time_budget_s=cfg.gen_time_s, **gen)
-    seconds = time.monotonic() - t0
-    del engine
-    _write_samples(data_path, train, heldout)
-    new_tokens = sum(s.response_len for s in train + heldout)
-    log({"event": "generated", "train_samples": len(train), "heldout_samples": len(heldout),
-         "prompts_available": len(prompts), "reply_tokens": new_tokens,
-         "seconds": round(seconds, 1), "reply_tokens_per_s": round(new_tokens / seconds, 1)})
-    return train, heldout
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _batches(store: FeatureStore, batch_size: int, seed: int, epoch: int) -> list[list[int]]:
@@ -170,7 +126,10 @@ def _make_head(cfg: TrainConfig, target_cfg, samples: list[Sample], device: torc
         return head.requires_grad_(True).train(), vocab_coverage(samples, head.t2d.cpu())
     aux_ids = tuple(cfg.aux_layer_ids or default_aux_layer_ids(target_cfg.num_layers))
     head_cfg = Eagle3Config.for_target(target_cfg, cfg.draft_vocab_size, aux_ids)
-    d2t, t2d, coverage = build_draft_vocab(samples, target_cfg.vocab_size, cfg.draft_vocab_size)
+    d2t, t2d, coverage = build_draft_vocab(samples, target_cfg.vocab_size, cfg.draft_vocab_size,
+                                           cfg.min_draft_coverage)
+    if len(d2t) != cfg.draft_vocab_size:  # --min-draft-coverage chose a smaller vocabulary
+        head_cfg = Eagle3Config.for_target(target_cfg, len(d2t), aux_ids)
     torch.manual_seed(cfg.seed)
     head = Eagle3Head(head_cfg, aux_ids)
     head.d2t.copy_(d2t)
@@ -194,6 +153,7 @@ def train(cfg: TrainConfig) -> TrainResult:
         log_file.write(json.dumps(record) + "\n")
         log_file.flush()
 
+    t_start = time.monotonic()
     torch.manual_seed(cfg.seed)
     device = _device(cfg.device)
     source = resolve_model(cfg.target)
@@ -206,26 +166,36 @@ def train(cfg: TrainConfig) -> TrainResult:
     head, coverage = _make_head(cfg, target_cfg, train_samples, device)
     aux_ids = head.aux_layer_ids
     rec = dict(tokens_per_batch=cfg.feature_batch_tokens, progress=cfg.progress)
+    t_rec = time.monotonic()
     store = record_features(model, train_samples, aux_ids, **rec)
     held = record_features(model, heldout_samples, aux_ids, **rec) if heldout_samples else None
+    _sync(device)
+    log({"event": "features", "tokens": store.offsets[-1],
+         "seconds": round(time.monotonic() - t_rec, 1),
+         "gib": round(sum(t.numel() * t.element_size() for t in
+                          (store.aux, store.hidden, store.argmax, store.tokens)) / 2**30, 2)})
     draft_ids = head.draft_to_target(torch.arange(head.config.draft_vocab_size, device=device))
     embed = model.model.embed_tokens.weight.detach()
-    target_head = model.lm_head_weight.detach()[draft_ids].float()
+    target_head = model.lm_head_weight.detach()[draft_ids]  # in the target's dtype
     if cfg.init_head is None:
         with torch.no_grad():  # warm start: the target's own output head and final norm
-            head.lm_head.weight.copy_(target_head)
+            head.lm_head.weight.copy_(target_head.float())
             head.norm.weight.copy_(model.model.norm.weight.float())
     del model
     trainee = Trainee(head, embed, target_head, cfg)
-    opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0,
+                            fused=device.type == "cuda")
     step = 0
     if cfg.resume and state_path.exists():
         state = torch.load(state_path, map_location=device, weights_only=False)
         head.load_state_dict(state["head"])
         opt.load_state_dict(state["optimizer"])
         step = state["step"]  # --steps of this invocation sets the new end
+    curve = coverage_curve(train_samples, range(4096, 32769, 4096))
     log({"event": "start", "step": step, "config": asdict(cfg), "draft_coverage": coverage,
-         "train_tokens": store.offsets[-1], "aux_layer_ids": list(aux_ids)})
+         "draft_vocab_size": head.config.draft_vocab_size, "coverage_by_size": curve,
+         "train_tokens": store.offsets[-1], "aux_layer_ids": list(aux_ids),
+         "seconds_since_start": round(time.monotonic() - t_start, 1)})
 
     def checkpoint() -> None:
         torch.save({"head": head.state_dict(), "optimizer": opt.state_dict(), "step": step},
@@ -238,18 +208,22 @@ def train(cfg: TrainConfig) -> TrainResult:
         initial = {"heldout": trainee.evaluate(held) if held is not None else {},
                    "train_subset": trainee.evaluate(_subset(store, 64))}
         log({"event": "eval", "step": 0, **initial["heldout"]})
-    losses: list[float] = []
+    losses: list[torch.Tensor] = []  # detached device scalars: read when logging
     per_epoch = max(1, -(-len(store) // cfg.batch_size))
     epochs: dict[int, list[list[int]]] = {}
     bar = tqdm(total=cfg.steps, initial=step, desc="Training", unit="step",
                disable=not cfg.progress)
     start = time.monotonic()
+    budget_s = cfg.train_time_s
+    if cfg.end_by is not None:  # an absolute deadline (Unix time) shortens the budget
+        budget_s = min(budget_s or math.inf, max(1.0, cfg.end_by - time.time()))
+    log({"event": "train_budget", "seconds": None if budget_s is None else round(budget_s, 1)})
 
     def progress() -> float:
         """Schedule progress by steps, or by the time budget when that runs out sooner."""
         done = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
-        if cfg.train_time_s is not None:
-            done = max(done, (time.monotonic() - start) / cfg.train_time_s)
+        if budget_s is not None:
+            done = max(done, (time.monotonic() - start) / budget_s)
         return done
 
     while step < cfg.steps:
@@ -266,14 +240,16 @@ def train(cfg: TrainConfig) -> TrainResult:
         torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
         opt.step()
         step += 1
-        losses.append(float(res.loss.detach()))
+        losses.append(res.loss.detach())
         bar.update(1)
-        bar.set_postfix(loss=f"{losses[-1]:.3f}")
-        last = step >= cfg.steps or (cfg.train_time_s is not None and progress() >= 1.0)
+        last = step >= cfg.steps or (budget_s is not None and progress() >= 1.0)
         if step % 10 == 0 or last:
             acc = [float(c.sum()) / max(float(v.sum()), 1.0)
                    for c, v in zip(res.correct, res.valid)]
-            log({"step": step, "loss": round(losses[-1], 4), "step_losses": res.step_losses,
+            loss = float(losses[-1])
+            bar.set_postfix(loss=f"{loss:.3f}")
+            log({"step": step, "loss": round(loss, 4),
+                 "step_losses": [round(x, 4) for x in res.step_losses.tolist()],
                  "acc": acc, "lr": opt.param_groups[0]["lr"],
                  "seconds": round(time.monotonic() - start, 1)})
         if held is not None and (step % cfg.eval_every == 0 or last):
@@ -298,7 +274,7 @@ def train(cfg: TrainConfig) -> TrainResult:
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
     log({"event": "done", **metrics})
     log_file.close()
-    return TrainResult(head, losses, metrics)
+    return TrainResult(head, torch.stack(losses).tolist() if losses else [], metrics)
 
 
 def _subset(store: FeatureStore, count: int) -> FeatureStore:

