@@ -125,12 +125,15 @@ def main() -> None:
         engine = LLMEngine(EngineConfig(**base, **extra), model=model)
         startup = time.perf_counter() - t0
         graphs = engine.runner.graphs.report if engine.runner.graphs else None
+        drafter = getattr(engine.spec.proposer, "graphs", None) if engine.spec else None
         for b in args.batches:  # warm-up: Triton compiles each new shape on first use
             run(engine, b, 64, 24)
         rows = [run(engine, b, args.prompt_len, args.new_tokens) for b in args.batches]
         results[name] = {
             "startup_s": round(startup, 2),
             "graphs": graphs.__dict__ if graphs else None,
+            "drafter_graphs": drafter.report.__dict__ if drafter else None,
+            "kv_pages": engine.kv.allocator.num_pages,
             "rows": rows,
             "spec": {k: v for k, v in engine.stats().items() if k.startswith("spec_")},
         }

@@ -31,7 +31,7 @@ def _head(dtype, device, draft_vocab=40, seed=0):
 
 
 def drafter_graph_error(backend, dtype, device, use_graphs=False, page_size=4, fused_ops=None):
-    """Largest relative error over a catch-up pass (3, 1 and 4 tokens: padded to 4 tokens and
+    """Largest relative error over a catch-up pass (3, 1 and 5 tokens: padded to 8 tokens and
     bucket 4), two draft steps (1 token each) and the head's KV pages outside scratch page 0,
     graphs against the eager pass; also checks that every pass had a graph."""
     head, embed = _head(dtype, device)
@@ -41,10 +41,10 @@ def drafter_graph_error(backend, dtype, device, use_graphs=False, page_size=4, f
     eager = Eagle3Proposer(head, embed, kv[0], backend)
     graphed = Eagle3Proposer(head, embed, kv[1], backend)
     graphed.graphs = DrafterGraphs(head, embed, kv[1].layers[0], backend, (1, 4, 8),
-                                   (1, 2, 3, 4), max_seq_len=64, use_graphs=use_graphs)
+                                   (1, 2, 4, 8), max_seq_len=64, use_graphs=use_graphs)
     graphed.graphs.capture()
     tables = [kv[0].allocator.allocate(4) for _ in range(3)]
-    starts, lens = [5, 2, 0], [3, 1, 4]
+    starts, lens = [5, 2, 0], [3, 1, 5]
     gen = torch.Generator().manual_seed(1)
     hidden = torch.randn(sum(lens), head.config.layer.hidden_size, generator=gen)
     hidden = hidden.to(dtype=dtype, device=device)

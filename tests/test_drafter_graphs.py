@@ -59,3 +59,25 @@ def test_gpu_drafter_graphs_match_eager(dtype):
     err = drafter_graph_error(TritonAttentionBackend(), dtype, "cuda", use_graphs=True,
                               page_size=16, fused_ops=triton_ops)  # fmt: skip
     assert err < 2e-2, err
+
+
+@pytest.mark.gpu
+def test_gpu_engine_captures_and_drafts_through_graphs(tmp_path_factory):
+    target = make_tiny_model(tmp_path_factory.mktemp("t"), "llama", num_layers=4)
+    head = make_random_eagle3_head(tmp_path_factory.mktemp("h"), target, 200)
+    llm = LLM(str(target), device="cuda", speculative_algorithm="eagle3", max_num_seqs=8,
+              speculative_num_steps=3, speculative_draft_model_path=str(head),
+              speculative_policy="fixed")  # fmt: skip
+    graphs = llm.engine.spec.proposer.graphs
+    assert graphs is not None and graphs.report.num_graphs == len(graphs.keys()) > 0
+    passes = []
+    run = graphs.run
+    graphs.run = lambda *a: (passes.append(len(a[0])), run(*a))[1]
+    prompts = [[5, 6, 7, 8, 9], [10, 11], [12] * 9]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    outs = llm.generate(prompts, params)
+    assert all(len(o.token_ids) == 12 for o in outs)
+    assert len(passes) > 5 and sum(o.spec_stats.drafted for o in outs) > 0
+    off = LLM(str(target), device="cuda", speculative_algorithm="eagle3", disable_cuda_graph=True,
+              speculative_draft_model_path=str(head), max_num_seqs=8)  # fmt: skip
+    assert off.engine.spec.proposer.graphs is None and off.engine.runner.graphs is None

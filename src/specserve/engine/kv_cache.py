@@ -3,6 +3,7 @@ them out. Page 0 is reserved as a scratch page (padding slots point there) and n
 
 from __future__ import annotations
 
+import gc
 import logging
 from collections import deque
 from pathlib import Path
@@ -129,6 +130,7 @@ def kv_cache_pages(
         pages, source = budget // page_bytes, f"a budget of {budget / 2**30:.2f} GiB"
     else:
         drafter_token_bytes, drafter_weight_bytes = _drafter_needs(config, dtype)
+        gc.collect()  # engines that are gone but not yet collected still hold their pools
         free_bytes, total_bytes = torch.cuda.mem_get_info(device)
         # Memory PyTorch's allocator holds but no tensor uses (a previous engine's) is free too.
         free_bytes += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)

@@ -151,18 +151,25 @@ def build_eagle3_proposer(engine: LLMEngine) -> Eagle3Proposer:
     return proposer
 
 
+def catch_up_lengths(k_max: int) -> tuple[int, ...]:
+    """Tokens per request of the captured head passes: 1 (draft steps), up to K+1 (the
+    catch-up after a verify step) and 2(K+1) (after a verify step and a plain step, as
+    draft lengths switching between 0 and K leave it); longer catch-ups run eagerly."""
+    return (*range(1, k_max + 2), 2 * (k_max + 1))
+
+
 def capture_drafter_graphs(
     proposer: Eagle3Proposer, engine: LLMEngine, use_graphs: bool = True
 ) -> DrafterGraphs:
-    """Graphs for draft steps (1 token per request) and catch-ups of up to K+1 tokens
-    (use_graphs=False: the same padded path, eager)."""
+    """Graphs for draft steps and catch-ups (`catch_up_lengths`); use_graphs=False: the
+    same padded path, eager."""
     from specserve.runtime.cuda_graphs import default_batch_buckets
 
     cfg = engine.config
     graphs = DrafterGraphs(
         proposer.head, proposer.embed, proposer.kv.layers[0], proposer.backend,
         default_batch_buckets(min(cfg.max_num_seqs, cfg.cuda_graph_max_batch)),
-        tuple(range(1, cfg.speculative_num_steps + 2)), engine.max_model_len, use_graphs,
+        catch_up_lengths(cfg.speculative_num_steps), engine.max_model_len, use_graphs,
     )  # fmt: skip
     report = graphs.capture()
     log.info(

@@ -86,14 +86,19 @@ class DrafterGraphs:
     def bucket_for(self, num_requests: int) -> int:
         return self.batch_buckets[bisect.bisect_left(self.batch_buckets, num_requests)]
 
+    def length_for(self, num_tokens: int) -> int | None:
+        """The captured tokens per request a segment of num_tokens pads to (None: none)."""
+        i = bisect.bisect_left(self.tokens_per_request, num_tokens)
+        return self.tokens_per_request[i] if i < len(self.tokens_per_request) else None
+
     def can_run(self, segments: list[Segment]) -> bool:
-        """Whether this pass has a graph: a bucket for its requests, a captured length for
-        its longest segment, contexts within max_seq_len and page tables within max_pages."""
+        """Whether this pass has a graph: a bucket for its requests, a captured length its
+        longest segment pads to, contexts within max_seq_len and page tables within
+        max_pages."""
         if not 0 < len(segments) <= self.batch_buckets[-1]:
             return False
-        q = max(len(s.token_ids) for s in segments)
         return (
-            q in self.query_start
+            self.length_for(max(len(s.token_ids) for s in segments)) is not None
             and min(len(s.token_ids) for s in segments) > 0
             and max(s.start + len(s.token_ids) for s in segments) <= self.max_seq_len
             and max(len(s.page_table) for s in segments) <= self.max_pages
@@ -163,7 +168,7 @@ class DrafterGraphs:
         the device) with head inputs `hidden` [sum of lengths, H], in segment order."""
         num_requests = len(segments)
         lens = [len(s.token_ids) for s in segments]
-        q = max(lens)
+        q = self.length_for(max(lens))
         for s, n_tokens in zip(segments, lens):
             s.pad = q - n_tokens
         ids, meta, last_rows = pack(segments, self.page_size, self.hidden.device)
