@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from specserve import LLM, SamplingParams
-from tests.test_overlap import _prompts, _stop_params
+from tests.overlap_cases import prompts_for, stop_params
 from tests.tiny_models import make_random_eagle3_head, make_tiny_model
 
 pytestmark = pytest.mark.gpu
@@ -42,7 +42,7 @@ def test_cuda_overlap_identical(gpu_models, mode):
         "eagle3": dict(speculative_algorithm="eagle3", speculative_draft_model_path=head, **SPEC),
         "draft": dict(speculative_algorithm="draft", speculative_draft_model_path=target, **SPEC),
     }[mode]
-    prompts = _prompts()
+    prompts = prompts_for()
     _, sync = _run(target, prompts, GREEDY, "off", **kw)
     engine, overlap = _run(target, prompts, GREEDY, "on", **kw)
     assert overlap == sync
@@ -59,10 +59,10 @@ def test_cuda_overlap_stops_identical(gpu_models, spec):
     kw = dict(dtype="float32", max_model_len=40)
     kw.update(dict(speculative_algorithm="draft", speculative_draft_model_path=target, **SPEC)
               if spec else dict(speculative_algorithm="none"))
-    prompts = _prompts()
+    prompts = prompts_for()
     _, ref = _run(target, prompts, SamplingParams(max_tokens=14, temperature=0.0,
                                                   ignore_eos=True), "off", **kw)
-    params = _stop_params(ref)
+    params = stop_params(ref)
     _, sync = _run(target, prompts, params, "off", **kw)
     _, overlap = _run(target, prompts, params, "on", **kw)
     assert overlap == sync
@@ -72,7 +72,7 @@ def test_cuda_overlap_stops_identical(gpu_models, spec):
 def test_cuda_overlap_preemption_and_seeded(gpu_models):
     target, _ = gpu_models
     kw = dict(dtype="float32", page_size=4, num_kv_pages=40, speculative_algorithm="none")
-    prompts = _prompts()
+    prompts = prompts_for()
     params = [SamplingParams(max_tokens=16, temperature=0.8, seed=i, ignore_eos=True)
               for i in range(len(prompts))]
     _, sync = _run(target, prompts, params, "off", **kw)

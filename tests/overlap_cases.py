@@ -1,0 +1,133 @@
+"""Shared pieces of the overlap-scheduling tests: tiny target, drafters and heads, prompts,
+a runner comparing the loops, stop parameters built from reference outputs."""
+
+from __future__ import annotations
+
+import random
+
+from specserve import LLM, SamplingParams
+from specserve.spec.policy import PerRequestPolicy
+from tests.tiny_models import VOCAB, make_random_eagle3_head, make_tiny_model
+
+GREEDY = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True)
+
+
+def prompts_for(seed=3, lengths=(1, 4, 9, 16, 17, 23, 31, 6)):
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(3, VOCAB) for _ in range(n)] for n in lengths]
+    prompts[1] = [7, 8, 9, 10] * 6  # something for n-gram lookup to find
+    return prompts
+
+
+def make_models(tmp_path_factory) -> dict:
+    target = make_tiny_model(tmp_path_factory.mktemp("ov_target"), "llama", num_layers=4)
+    other = make_tiny_model(tmp_path_factory.mktemp("ov_draft"), "llama", seed=7, num_layers=1)
+    head = make_random_eagle3_head(tmp_path_factory.mktemp("ov_head"), target, 200)
+    return {"target": str(target), "copy": str(target), "random": str(other), "eagle3": str(head)}
+
+
+def spec_kwargs(models, drafter: str | None) -> dict:
+    if drafter is None:
+        return {}
+    if drafter == "ngram":
+        return dict(speculative_algorithm="ngram", speculative_policy="fixed")
+    algo = "eagle3" if drafter == "eagle3" else "draft"
+    return dict(speculative_algorithm=algo, speculative_draft_model_path=models[drafter],
+                speculative_policy="fixed")
+
+
+def random_draft_lens(llm, seed=11):
+    rng = random.Random(seed)
+    k_max = llm.engine.spec.k_max
+    llm.engine.spec.policy = PerRequestPolicy(k_max, lambda req: rng.choice([0, 0, 1, 2, k_max]))
+
+
+def count_gathers(llm) -> dict:
+    """Counts steps prepared while the previous step's tokens were still on the device."""
+    runner, seen = llm.engine.runner, {"gathered": 0, "steps": 0}
+    prepare = runner.prepare
+
+    def spy(batch, prev=None):
+        seen["steps"] += 1
+        seen["gathered"] += prev is not None
+        return prepare(batch, prev)
+
+    runner.prepare = spy
+    sched, schedule = llm.engine.scheduler, llm.engine.scheduler.schedule
+
+    def check(policy=None):
+        # A request whose in-flight tokens end it (max_tokens, context) is not scheduled
+        # again, so no step writes past the context limit.
+        batch = schedule(policy)
+        kv, spec = llm.engine.kv, llm.engine.spec
+        lookahead = spec.k_max + 1 if spec else 1
+        for s in batch:
+            req = s.request
+            assert req.num_left > 0
+            assert req.cached_len + s.num_tokens + s.draft_len <= llm.engine.max_model_len
+            # KV lookahead: at most twice a step's worth past what is committed.
+            assert len(req.page_table) <= kv.pages_needed(req.committed_len + 2 * lookahead)
+        return batch
+
+    sched.schedule = check
+    return seen
+
+
+def generate(models, prompts, params, overlap: str, drafter=None, random_k=False, **kw):
+    llm = LLM(models["target"], overlap_schedule=overlap, **spec_kwargs(models, drafter), **kw)
+    assert llm.engine.loop.overlap == (overlap == "on")
+    if random_k:
+        random_draft_lens(llm)
+    seen = count_gathers(llm)
+    outs = llm.generate(prompts, params)
+    engine = llm.engine
+    assert engine.kv.allocator.num_used == 0 and not engine.has_unfinished()
+    assert engine.loop.inflight is None and not engine.requests
+    if engine.spec is not None:
+        assert engine.spec.acceptance._per_request == {}  # nothing left behind either
+    if overlap == "on" and not drafter:
+        assert seen["gathered"] > seen["steps"] // 2  # plain steps really ran ahead
+    return llm, [(o.token_ids, o.text, o.finish_reason) for o in outs]
+
+
+def make_reference(models):
+    """The synchronous loop without speculation, per parameter set (cached)."""
+    cache = {}
+
+    def get(params, prompts=None, **kw):
+        key = (repr(params), repr(prompts), repr(sorted(kw.items())))
+        if key not in cache:
+            cache[key] = generate(models, prompts or prompts_for(), params, "off", **kw)[1]
+        return cache[key]
+
+    return get
+
+
+def stop_params(ref):
+    """Stop tokens and stop strings taken from the reference outputs so that they land
+    inside the generation (mid-draft under speculation), plus a spread of max_tokens."""
+    (t0, _, _), (_, text2, _), (t5, _, _) = ref[0], ref[2], ref[5]
+    stop_string = text2[3:6] if len(text2) >= 6 else text2
+    return [
+        SamplingParams(max_tokens=14, temperature=0.0, stop_token_ids=[t0[4]]),
+        SamplingParams(max_tokens=14, temperature=0.0, stop_token_ids=[t5[2], t5[9]]),
+        SamplingParams(max_tokens=14, temperature=0.0, stop=[stop_string]),
+        SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_tokens=14, temperature=0.0, stop=[stop_string], stop_token_ids=[2]),
+        SamplingParams(max_tokens=5, temperature=0.0),
+        SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True),  # context limit
+    ]
+
+
+def run_engine(engine, prompts, params) -> dict:
+    """Step by hand: each request's tokens and the logprobs its outputs carried."""
+    ids = [engine.add_request(p, q) for p, q in zip(prompts, params)]
+    tokens, logprobs = {}, {rid: [] for rid in ids}
+    while engine.has_unfinished():
+        for out in engine.step():
+            assert out.num_new_tokens == len(out.new_logprobs) or not out.new_logprobs
+            logprobs[out.request_id] += [(lp.logprob, lp.top) for lp in out.new_logprobs]
+            tokens[out.request_id] = list(out.token_ids)
+    assert engine.kv.allocator.num_used == 0
+    return [(tokens[rid], logprobs[rid]) for rid in ids]
