@@ -52,7 +52,7 @@ class LaunchedStep:
     draft_ms: float
     host_ms: float  # host time of prepare + forward + sample (the device time on the CPU)
     preemptions: list[int]  # each sampled request's preemption count at launch
-    events: tuple | None = None  # CUDA (start, target start, end) events
+    events: tuple | None = None  # CUDA events: start, forward start, end of device work
     after_idle: bool = False  # nothing ran just before it (no gap to measure)
     result: StepResult | None = None  # set when resolved
 
@@ -108,23 +108,27 @@ class StepLoop:
         ] if spec else []  # fmt: skip
         if drafting and prev is not None and prev.result is None:
             self._resolve(prev)  # the drafter reads the committed tokens
+        # Device timeline: a step starts with its first real work (drafting, else the
+        # forward), so host work that leaves the device idle counts in the gap before it.
         events = self._events()
         t0 = time.perf_counter()
         if drafting:
+            if events is not None:
+                events[0].record()
             spec.proposer.propose(drafting)
         t1 = time.perf_counter()
-        if events is not None:
-            events[1].record()
         prev_tokens = None
         if prev is not None and prev.result is None:
             rows = {id(s.request): r for r, s in enumerate(prev.step_input.sampled)}
             prev_tokens = PrevTokens(prev.sampled.last_tokens, rows)
         runner = engine.runner
         step_input = runner.prepare(batch, prev_tokens)
+        if events is not None:
+            events[1].record()
+            if not drafting:
+                events[0].record()
         hidden, aux = runner.forward(step_input, spec.aux_layer_ids if spec else ())
         sampled = runner.sample_async(step_input, hidden, spec.simulate_rate if spec else None)
-        if events is not None:
-            events[2].record()
         t2 = time.perf_counter()
         # Bookkeeping that needs no drawn token: the fed tokens are in the KV cache (in
         # device order), and each sampled request has at least one token in flight.
@@ -146,14 +150,14 @@ class StepLoop:
             # Nobody drafted, so nothing was accepted: the drafter's state (EAGLE-3
             # features: views of this step's graph memory) is taken now, before N+1 runs.
             self._commit_drafter(launched, [0] * len(batch))
+        if events is not None:
+            events[2].record()
         return launched
 
     def _events(self):
         if not self._timed:
             return None
-        events = tuple(torch.cuda.Event(enable_timing=True) for _ in range(3))
-        events[0].record()
-        return events
+        return tuple(torch.cuda.Event(enable_timing=True) for _ in range(3))
 
     def _commit_drafter(self, step: LaunchedStep, accepted: list[int]) -> None:
         features = torch.cat(step.aux, dim=-1) if step.aux else None
