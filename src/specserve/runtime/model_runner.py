@@ -128,6 +128,11 @@ class ModelRunner:
             return SampledTokens(torch.zeros(0, 1, dtype=torch.int64, device=device), None, [])
         reqs = [s.request for s in step.sampled]
         logits = self.model.compute_logits(hidden[to_device(step.sample_rows, device)])
+        want = [r.params.logprobs for r in reqs]
+        k_max = max(len(s.drafts) for s in step.sampled)
+        if k_max == 0 and all(r.params.temperature == 0 for r in reqs):
+            tokens = logits.argmax(dim=-1)[:, None]  # the sampler's greedy rows, no tensors
+            return self._with_logprobs(step, logits, tokens, None, want, 0)
         st = build_sampling_tensors(
             [r.params for r in reqs],
             [r.seed for r in reqs],
@@ -139,13 +144,15 @@ class ModelRunner:
             f.name: to_device_tensor(getattr(st, f.name), device)
             for f in fields(st) if isinstance(getattr(st, f.name), torch.Tensor)
         })  # fmt: skip
-        want = [r.params.logprobs for r in reqs]
-        k_max = max(len(s.drafts) for s in step.sampled)
         if k_max == 0:
             tokens, accept_len = sample(logits, st)[:, None], None
         else:
             result = self._verify(step.sampled, logits, st, k_max, simulate_rate)
             tokens, accept_len = result.tokens, result.accept_len
+        return self._with_logprobs(step, logits, tokens, accept_len, want, k_max)
+
+    def _with_logprobs(self, step, logits, tokens, accept_len, want, k_max) -> SampledTokens:
+        device = self.device
         if all(w is None for w in want):
             return SampledTokens(tokens, accept_len, want)
         # Logprobs of every row a request may commit (its drafts' and the bonus'); the
