@@ -84,6 +84,15 @@ class Eagle3Proposer(Proposer):
         hidden = torch.cat(feats).to(self.head.fc.weight.dtype)
         if hidden.shape[0] != num_tokens:
             raise RuntimeError("EAGLE-3 features and committed tokens are out of step")
+        k = items[0].draft_len
+        if (
+            self.graphs is not None
+            and all(it.draft_len == k and it.request.params.temperature == 0 for it in items)
+            and self.graphs.can_run_chain(segments, k)
+        ):  # the whole greedy step in one graph
+            for it, drafts in zip(items, self.graphs.run_chain(segments, hidden, k).tolist()):
+                it.drafts.extend(drafts)
+            return
         last, logits = self._pass(segments, hidden)
         drafting = [i for i, it in enumerate(items) if it.draft_len > 0]
         if not drafting:
@@ -170,6 +179,7 @@ def capture_drafter_graphs(
         proposer.head, proposer.embed, proposer.kv.layers[0], proposer.backend,
         default_batch_buckets(min(cfg.max_num_seqs, cfg.cuda_graph_max_batch)),
         catch_up_lengths(cfg.speculative_num_steps), engine.max_model_len, use_graphs,
+        chain_lengths=tuple(range(2, cfg.speculative_num_steps + 1)),
     )  # fmt: skip
     report = graphs.capture()
     log.info(

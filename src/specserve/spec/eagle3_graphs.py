@@ -9,9 +9,14 @@ tokens) pair gets one graph, captured at start-up into one pool; a pass copies i
 into static buffers and replays. Passes without a graph (a long catch-up after prefill or a
 pause, more requests than the largest bucket) run eagerly.
 
+Chains: when every request drafts the same k >= 2 tokens greedily (a fixed K, or any K at
+batch 1), the whole proposing step is one graph per (bucket, catch-up tokens, k): the
+catch-up pass, then k-1 draft passes whose tokens (argmax through d2t), positions and KV
+slots are computed on the device, drafts [B, k] out. One replay instead of k.
+
 Padding follows runtime/cuda_graphs.py: padded tokens of a request repeat its last position
-and write K/V to scratch page 0; padded requests sit at position 0 with seq_len 1 on page 0.
-Their outputs are never read.
+and write K/V to scratch page 0; padded requests sit at position 0 on a page table of page 0
+only (their draft passes too). Their outputs are never read.
 """
 
 from __future__ import annotations
@@ -32,9 +37,11 @@ class DrafterGraphs:
     """Captures one EAGLE-3 head pass per (batch bucket, tokens per request) and replays it.
 
     `run(segments, hidden, input_ids)` returns (head output at each segment's last token
-    [B, H], draft-vocabulary logits of those rows [B, V_draft]), views into graph memory valid
-    until the next `run`. With `use_graphs=False` the same padded static buffers go through
-    the eager head (for debugging, and for testing the padding on the CPU).
+    [B, H], draft-vocabulary logits of those rows [B, V_draft]); `run_chain(segments, hidden,
+    k)` the k greedy drafts [B, k] (target ids) of a whole proposing step (`chain_lengths`
+    lists the k captured). Outputs are views into graph memory valid until the next call.
+    With `use_graphs=False` the same padded static buffers go through the eager head (for
+    debugging, and for testing the padding on the CPU).
     """
 
     def __init__(
@@ -47,12 +54,14 @@ class DrafterGraphs:
         tokens_per_request: tuple[int, ...],
         max_seq_len: int,
         use_graphs: bool = True,
+        chain_lengths: tuple[int, ...] = (),
     ):
         self.head, self.embed, self.kv_layer, self.backend = head, embed, kv_layer, backend
         self.batch_buckets = tuple(sorted(set(batch_buckets)))
         self.tokens_per_request = tuple(sorted(set(tokens_per_request)))
         self.max_seq_len = max_seq_len
         self.use_graphs = use_graphs
+        self.chain_lengths = tuple(sorted(k for k in set(chain_lengths) if k >= 2))
         device = kv_layer[0].device
         self.page_size = kv_layer[0].shape[1]
         max_b, max_q = self.batch_buckets[-1], self.tokens_per_request[-1]
@@ -68,8 +77,7 @@ class DrafterGraphs:
         hidden_size = head.config.layer.hidden_size
         self.hidden = torch.zeros(max_b * max_q, hidden_size, dtype=head.fc.weight.dtype,
                                   device=device)  # fmt: skip
-        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor,
-                                                  torch.Tensor]] = {}  # fmt: skip
+        self._graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, tuple]] = {}
         self.report: CaptureReport | None = None
 
     @property
@@ -78,10 +86,12 @@ class DrafterGraphs:
                 self.block_tables, self.last_rows, self.hidden, *self.query_start.values()]
         return sum(b.numel() * b.element_size() for b in bufs)  # fmt: skip
 
-    def keys(self) -> list[tuple[int, int]]:
-        """Every (batch bucket, tokens per request), largest pass first."""
-        keys = [(b, q) for b in self.batch_buckets for q in self.tokens_per_request]
-        return sorted(keys, key=lambda k: (k[0] * k[1], k[1]), reverse=True)
+    def keys(self) -> list[tuple[int, int, int]]:
+        """Every (batch bucket, tokens per request, chain drafts or 0 for one pass), largest
+        first."""
+        keys = [(b, q, k) for b in self.batch_buckets for q in self.tokens_per_request
+                for k in (0, *self.chain_lengths)]  # fmt: skip
+        return sorted(keys, key=lambda k: (k[0] * k[1], k[1], k[2]), reverse=True)
 
     def bucket_for(self, num_requests: int) -> int:
         return self.batch_buckets[bisect.bisect_left(self.batch_buckets, num_requests)]
@@ -104,6 +114,16 @@ class DrafterGraphs:
             and max(len(s.page_table) for s in segments) <= self.max_pages
         )
 
+    def can_run_chain(self, segments: list[Segment], k: int) -> bool:
+        """Whether a chain of k drafts has a graph, its draft positions within max_seq_len
+        and each request's pages."""
+        if k not in self.chain_lengths or not self.can_run(segments):
+            return False
+        ends = [s.start + len(s.token_ids) + k - 1 for s in segments]  # last draft pos + 1
+        return max(ends) <= self.max_seq_len and all(
+            -(-end // self.page_size) <= len(s.page_table) for s, end in zip(segments, ends)
+        )
+
     def _forward(self, batch: int, q: int) -> tuple[torch.Tensor, torch.Tensor]:
         n = batch * q
         meta = AttentionMetadata(
@@ -120,6 +140,30 @@ class DrafterGraphs:
         last = out[self.last_rows[:batch]]
         return last, self.head.compute_logits(last)
 
+    def _forward_chain(self, batch: int, q: int, k: int) -> tuple[torch.Tensor]:
+        """The catch-up pass, then k-1 one-token passes fed with their own greedy drafts."""
+        last, logits = self._forward(batch, q)
+        drafts = [self.head.draft_to_target(logits.argmax(dim=-1))]
+        rows, ps = self.query_start[1][:batch], self.page_size
+        pos = self.positions[self.last_rows[:batch]]
+        for _ in range(k - 1):
+            pos = pos + 1
+            meta = AttentionMetadata(
+                positions=pos,
+                slot_mapping=self.block_tables[rows, pos // ps] * ps + pos % ps,
+                query_start_loc=self.query_start[1][: batch + 1],
+                seq_lens=pos + 1,
+                block_tables=self.block_tables[:batch],
+                max_query_len=1,
+                max_seq_len=self.max_seq_len,
+            )
+            last = self.head(self.embed(drafts[-1]), last, meta, self.kv_layer, self.backend)
+            drafts.append(self.head.draft_to_target(self.head.compute_logits(last).argmax(-1)))
+        return (torch.stack(drafts, dim=1),)
+
+    def _run_key(self, batch: int, q: int, k: int) -> tuple:
+        return self._forward_chain(batch, q, k) if k else self._forward(batch, q)
+
     @torch.inference_mode()
     def capture(self, pool=None) -> CaptureReport:
         """Warm up every shape eagerly, then capture them all into one pool (`pool`, or a new
@@ -134,7 +178,7 @@ class DrafterGraphs:
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for key in keys:  # the buffers hold padding values: writes go to page 0
-                self._forward(*key)
+                self._run_key(*key)
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
         warmup_s = time.perf_counter() - start
@@ -145,8 +189,8 @@ class DrafterGraphs:
         for key in keys:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                last, logits = self._forward(*key)
-            self._graphs[key] = (graph, last, logits)
+                outputs = self._run_key(*key)
+            self._graphs[key] = (graph, outputs)
         torch.cuda.synchronize()
         self.report = CaptureReport(
             num_graphs=len(keys),
@@ -166,12 +210,34 @@ class DrafterGraphs:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One head pass over `segments` (their token ids, or `input_ids` [sum of lengths] on
         the device) with head inputs `hidden` [sum of lengths, H], in segment order."""
+        num_requests, batch, q = self._load(segments, hidden, input_ids)
+        last, logits = self._replay(batch, q, 0)
+        return last[:num_requests], logits[:num_requests]
+
+    @torch.inference_mode()
+    def run_chain(self, segments: list[Segment], hidden: torch.Tensor, k: int) -> torch.Tensor:
+        """A whole greedy proposing step: the catch-up pass over `segments` and `hidden`,
+        then k-1 draft passes; returns the drafts [B, k] (target ids) on the device."""
+        num_requests, batch, q = self._load(segments, hidden, None)
+        (drafts,) = self._replay(batch, q, k)
+        return drafts[:num_requests]
+
+    def _replay(self, batch: int, q: int, k: int) -> tuple:
+        if not self.use_graphs:
+            return self._run_key(batch, q, k)
+        graph, outputs = self._graphs[(batch, q, k)]
+        graph.replay()
+        return outputs
+
+    def _load(self, segments, hidden, input_ids) -> tuple[int, int, int]:
+        """Copy a pass into the static buffers, padded to (bucket, captured length)."""
         num_requests = len(segments)
         lens = [len(s.token_ids) for s in segments]
         q = self.length_for(max(lens))
         for s, n_tokens in zip(segments, lens):
             s.pad = q - n_tokens
-        ids, meta, last_rows = pack(segments, self.page_size, self.hidden.device)
+        device = self.hidden.device
+        ids, meta, last_rows = pack(segments, self.page_size, device)
         n, batch = num_requests * q, self.bucket_for(num_requests)
         if input_ids is not None and q == 1:
             ids = input_ids
@@ -183,24 +249,18 @@ class DrafterGraphs:
         self.seq_lens[:num_requests].copy_(meta.seq_lens, non_blocking=True)
         width = meta.block_tables.shape[1]
         self.block_tables[:num_requests, :width].copy_(meta.block_tables, non_blocking=True)
-        self.last_rows[:num_requests].copy_(to_device(last_rows, self.hidden.device),
-                                            non_blocking=True)  # fmt: skip
+        self.last_rows[:num_requests].copy_(to_device(last_rows, device), non_blocking=True)
         if all(k == q for k in lens):
             self.hidden[:n].copy_(hidden)
         else:
             rows = [b * q + i for b, k in enumerate(lens) for i in range(k)]
-            self.hidden.index_copy_(0, to_device(rows, self.hidden.device), hidden)
+            self.hidden.index_copy_(0, to_device(rows, device), hidden)
         if batch > num_requests:
             padded = slice(n, batch * q)
             self.input_ids[padded] = 0
             self.positions[padded] = 0
             self.slot_mapping[padded] = 0
             self.seq_lens[num_requests:batch] = 1
-            self.block_tables[num_requests:batch, 0] = 0
-            self.last_rows[num_requests:batch] = 0
-        if self.use_graphs:
-            _, last, logits = self._graphs[(batch, q)]
-            self._graphs[(batch, q)][0].replay()
-        else:
-            last, logits = self._forward(batch, q)
-        return last[:num_requests], logits[:num_requests]
+            self.block_tables[num_requests:batch] = 0  # whole rows: chains index past 0
+            self.last_rows[num_requests:batch] = self.query_start[q][num_requests:batch]
+        return num_requests, batch, q
