@@ -126,9 +126,10 @@ class CudaGraphRunner:
         return self.model(ids, meta, self.kv_layers, self.backend, self.aux_layer_ids)
 
     @torch.inference_mode()
-    def capture(self) -> CaptureReport:
-        """Warm up every shape eagerly, then capture them all into one pool (largest first,
-        so smaller graphs reuse its memory)."""
+    def capture(self, pool=None) -> CaptureReport:
+        """Warm up every shape eagerly, then capture them all into one pool (`pool`, e.g. the
+        drafter graphs' one, or a new one; largest first, so smaller graphs reuse its
+        memory)."""
         if not self.use_graphs:
             self.report = CaptureReport(0, 0.0, 0.0, 0, self.static_bytes)
             return self.report
@@ -146,10 +147,10 @@ class CudaGraphRunner:
         torch.cuda.empty_cache()
         reserved = torch.cuda.memory_reserved()
         start = time.perf_counter()
-        pool = torch.cuda.graph_pool_handle()
+        self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
         for key in keys:
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            with torch.cuda.graph(graph, pool=self.pool):
                 hidden, aux = self._forward(*key)
             self._graphs[key] = (graph, hidden, aux)
         torch.cuda.synchronize()

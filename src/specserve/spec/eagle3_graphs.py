@@ -73,7 +73,8 @@ class DrafterGraphs:
         self.seq_lens = torch.ones(max_b, **i64)
         self.block_tables = torch.zeros(max_b, self.max_pages, **i64)
         self.last_rows = torch.zeros(max_b, **i64)
-        self.query_start = {q: torch.arange(max_b + 1, **i64) * q for q in self.tokens_per_request}
+        self.query_start = {q: torch.arange(max_b + 1, **i64) * q
+                            for q in {1, *self.tokens_per_request}}  # 1: chains' draft passes
         hidden_size = head.config.layer.hidden_size
         self.hidden = torch.zeros(max_b * max_q, hidden_size, dtype=head.fc.weight.dtype,
                                   device=device)  # fmt: skip
