@@ -201,6 +201,7 @@ def interpreter_cases() -> dict[str, tuple]:
     for dtype, ps in (("float32", 1), ("float16", 16)):
         cases[f"model-{dtype}-page{ps}"] = ("model", (dtype, ps), {})
     cases["graph_runner_padding-float32"] = ("runner", ("float32",), {})
+    cases["drafter_graphs_padding-float32"] = ("drafter", ("float32",), {})
     for dtype in ("float16", "float32"):
         for op in ("rms_norm", "add_rms_norm", "rotary", "silu_and_mul"):
             cases[f"{op}-{dtype}"] = (op, (dtype,), {})
@@ -223,6 +224,10 @@ def run_case(name: str, spec: tuple, kernels, ops) -> float:
         return model_cases.model_error(backend, dtype, "cpu", args[1], fused_ops=ops)
     if kind == "runner":
         return model_cases.runner_padding_error(backend, dtype, "cpu")
+    if kind == "drafter":
+        from tests.drafter_cases import drafter_graph_error
+
+        return drafter_graph_error(backend, dtype, "cpu", fused_ops=ops)
     return globals()[f"{kind}_error"](ops, dtype, "cpu", seed=len(name))
 
 
