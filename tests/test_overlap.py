@@ -50,6 +50,18 @@ def test_speculative_greedy_identical_random_draft_lengths(models, reference, dr
     assert sum(k * n for k, n in enumerate(llm.engine.spec.policy.trace.steps_by_draft_len))
 
 
+@pytest.mark.parametrize("drafter", ["copy", "eagle3"])
+def test_goodput_policy_identical(models, reference, drafter):
+    """The goodput policy decides from statistics one step old under overlap (and observes
+    the step's time when it is processed): outputs stay identical."""
+    kw = dict(spec_kwargs(models, drafter), speculative_policy="goodput")
+    llm = LLM(models["target"], overlap_schedule="on", **kw)
+    outs = llm.generate(prompts_for(), GREEDY)
+    assert [(o.token_ids, o.text, o.finish_reason) for o in outs] == reference(GREEDY)
+    assert llm.engine.kv.allocator.num_used == 0
+    assert llm.engine.spec.stats()["spec_observed_goodput"] > 0
+
+
 @pytest.mark.parametrize("drafter", [None, "copy", "eagle3"])
 def test_stops_and_max_tokens_identical(models, reference, drafter):
     params = stop_params(reference(GREEDY))
