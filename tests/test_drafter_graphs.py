@@ -17,6 +17,30 @@ from tests.drafter_cases import drafter_graph_error
 from tests.tiny_models import VOCAB, make_random_eagle3_head, make_tiny_model
 
 
+def test_graph_keys_and_which_passes_have_one():
+    from specserve.engine.kv_cache import KVCache
+    from specserve.runtime.packing import Segment
+    from specserve.spec.eagle3 import catch_up_lengths
+    from specserve.spec.eagle3_graphs import DrafterGraphs
+    from tests.drafter_cases import _head
+
+    head, embed = _head(torch.float32, "cpu")
+    kv = KVCache(head.config.layer, 8, 4, torch.float32, torch.device("cpu"))
+    graphs = DrafterGraphs(head, embed, kv.layers[0], TorchAttentionBackend(),
+                           (1, 2, 4, 8, 16, 32, 48, 64, 80), catch_up_lengths(3), 64,
+                           use_graphs=False, chain_lengths=(3,))  # fmt: skip
+    assert catch_up_lengths(3) == (1, 2, 3, 4, 8)
+    assert len(graphs.keys()) == 9 * 5 + 8 * 4  # chains: buckets <= 64, catch-ups <= 4
+    assert graphs.keys()[0] == (80, 8, 0)
+    segs = [Segment([1, 2], 3, [7] * 3)] * 3
+    assert graphs.can_run(segs) and graphs.can_run_chain(segs, 3)
+    assert not graphs.can_run_chain(segs, 2)  # no chain of 2 captured
+    assert not graphs.can_run_chain([Segment([1, 2], 3, [7] * 5)], 3)  # catch-up pads to 8
+    assert not graphs.can_run_chain([Segment([1, 2], 6, [7])], 3)  # drafts past its pages
+    assert not graphs.can_run_chain(segs * 22, 3) and graphs.can_run(segs * 22)  # 66 requests
+    assert not graphs.can_run([Segment([1, 2], 3, [7] * 9)])  # a catch-up longer than 8
+
+
 def test_padded_head_passes_match_eager_and_write_only_page_zero():
     assert drafter_graph_error(TorchAttentionBackend(), torch.float32, "cpu") < 1e-5
 

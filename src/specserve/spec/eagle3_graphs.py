@@ -41,7 +41,9 @@ class DrafterGraphs:
     `run(segments, hidden, input_ids)` returns (head output at each segment's last token
     [B, H], draft-vocabulary logits of those rows [B, V_draft]); `run_chain(segments, hidden,
     k)` the k greedy drafts [B, k] (target ids) of a whole proposing step (`chain_lengths`
-    lists the k captured). Outputs are views into graph memory valid until the next call.
+    lists the k captured, for buckets up to `chain_max_batch` and catch-ups up to k+1 tokens:
+    larger batches rarely speculate). Outputs are views into graph memory valid until the
+    next call.
     With `use_graphs=False` the same padded static buffers go through the eager head (for
     debugging, and for testing the padding on the CPU).
     """
@@ -57,6 +59,7 @@ class DrafterGraphs:
         max_seq_len: int,
         use_graphs: bool = True,
         chain_lengths: tuple[int, ...] = (),
+        chain_max_batch: int = 64,
     ):
         self.head, self.embed, self.kv_layer, self.backend = head, embed, kv_layer, backend
         self.batch_buckets = tuple(sorted(set(batch_buckets)))
@@ -64,6 +67,7 @@ class DrafterGraphs:
         self.max_seq_len = max_seq_len
         self.use_graphs = use_graphs
         self.chain_lengths = tuple(sorted(k for k in set(chain_lengths) if k >= 2))
+        self.chain_max_batch = chain_max_batch
         device = kv_layer[0].device
         self.page_size = kv_layer[0].shape[1]
         max_b, max_q = self.batch_buckets[-1], self.tokens_per_request[-1]
@@ -92,8 +96,10 @@ class DrafterGraphs:
     def keys(self) -> list[tuple[int, int, int]]:
         """Every (batch bucket, tokens per request, chain drafts or 0 for one pass), largest
         first."""
-        keys = [(b, q, k) for b in self.batch_buckets for q in self.tokens_per_request
-                for k in (0, *self.chain_lengths)]  # fmt: skip
+        keys = [(b, q, 0) for b in self.batch_buckets for q in self.tokens_per_request]
+        keys += [(b, q, k) for k in self.chain_lengths for b in self.batch_buckets
+                 for q in self.tokens_per_request
+                 if b <= self.chain_max_batch and q <= k + 1]  # fmt: skip
         return sorted(keys, key=lambda k: (k[0] * k[1], k[1], k[2]), reverse=True)
 
     def bucket_for(self, num_requests: int) -> int:
@@ -120,7 +126,12 @@ class DrafterGraphs:
     def can_run_chain(self, segments: list[Segment], k: int) -> bool:
         """Whether a chain of k drafts has a graph, its draft positions within max_seq_len
         and each request's pages."""
-        if k not in self.chain_lengths or not self.can_run(segments):
+        if (
+            k not in self.chain_lengths
+            or not self.can_run(segments)
+            or self.bucket_for(len(segments)) > self.chain_max_batch
+            or self.length_for(max(len(s.token_ids) for s in segments)) > k + 1
+        ):
             return False
         ends = [s.start + len(s.token_ids) + k - 1 for s in segments]  # last draft pos + 1
         return max(ends) <= self.max_seq_len and all(
