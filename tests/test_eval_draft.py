@@ -26,3 +26,11 @@ def test_eval_draft_copy_drafter_accepts_everything(tiny_llama, tmp_path, capsys
         assert r["position_rates"] == [1.0] * r["k"]
         assert 1.0 < r["mean_accept_len"] <= r["k"] + 1
     assert "mean accept len" in capsys.readouterr().out
+    # K in the order given; --append keeps the earlier results.
+    rc = main([
+        "eval-draft", "--target", str(tiny_llama), "--algorithm", "draft",
+        "--draft", str(tiny_llama), "--data", str(data), "--num-prompts", "2",
+        "--max-tokens", "6", "--k", "2", "1", "2", "--out", str(out), "--append",
+    ])
+    assert rc == 0
+    assert [r["k"] for r in json.loads(out.read_text())["results"]] == [1, 3, 2, 1]

@@ -168,6 +168,12 @@ def test_generation_deadline_keeps_greedy_prefixes(target, monkeypatch, overlap)
     monkeypatch.undo()
     again = distill.generate_samples(engine, prompts[:2], **kw)  # the engine stays usable
     assert [s.token_ids for s in again] == [s.token_ids for s in full]
+    # Without detokenization (TokenIdsOnly, as train-eagle3 runs it): the same token ids.
+    ids_only = LLMEngine(EngineConfig(model=str(target), max_num_seqs=2, num_kv_pages=64,
+                                      overlap_schedule=overlap),
+                         tokenizer=distill.TokenIdsOnly(engine.tokenizer))
+    same = distill.generate_samples(ids_only, prompts[:2], **kw)
+    assert [s.token_ids for s in same] == [s.token_ids for s in full]
 
 
 def test_features_are_inputs_of_the_aux_layers(target):

@@ -93,6 +93,10 @@ def run_eval_draft(args) -> int:
     )
     prompts = [llm.apply_chat_template(p.messages) for p in items]
 
+    earlier = []  # --append: results already in --out (other K, an earlier run)
+    if args.append and args.out and Path(args.out).is_file():
+        earlier = json.loads(Path(args.out).read_text())["results"]
+
     def payload(results: list[DraftEval]) -> dict:
         return {
             "target": args.target,
@@ -103,12 +107,15 @@ def run_eval_draft(args) -> int:
             "seed": args.seed,
             "num_prompts": len(prompts),
             "max_tokens": args.max_tokens,
-            "results": [{**r.__dict__, "mean_accept_len": r.mean_accept_len} for r in results],
+            "results": earlier + [{**r.__dict__, "mean_accept_len": r.mean_accept_len}
+                                  for r in results],
         }
 
     def save(results: list[DraftEval]) -> None:
-        if args.out:
-            Path(args.out).write_text(json.dumps(payload(results), indent=2) + "\n")
+        if args.out:  # whole files only: a run cut by a timeout leaves the last K's file
+            tmp = Path(args.out).with_suffix(".tmp")
+            tmp.write_text(json.dumps(payload(results), indent=2) + "\n")
+            tmp.replace(args.out)
 
     results = evaluate(llm, prompts, ks, args.max_tokens, on_result=save)
     table = Table(title=f"{args.algorithm} drafter on {len(prompts)} {args.split} prompts")
@@ -147,4 +154,6 @@ def add_eval_draft_parser(sub) -> None:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default="auto")
     p.add_argument("--out", default=None, help="write the results as JSON here")
+    p.add_argument("--append", action="store_true",
+                   help="keep the results already in --out and add these after them")
     p.set_defaults(func=run_eval_draft)

@@ -5,9 +5,9 @@ most frequent target tokens of those replies."""
 from __future__ import annotations
 
 import gc
+import itertools
 import json
 import time
-from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,6 +31,23 @@ class Sample:
     @property
     def response_len(self) -> int:
         return len(self.token_ids) - self.prompt_len
+
+
+class TokenIdsOnly:
+    """The target's tokenizer with `decode` switched off, for the generation engine: the
+    samples are token ids, and the engine's per-token detokenization (two decodes a token,
+    hundreds of requests a step) would only cost time on the host. Everything else (chat
+    template, special tokens) is the tokenizer's own."""
+
+    def __init__(self, tokenizer):
+        self._tokenizer = tokenizer
+        self.eos_token_id = tokenizer.eos_token_id
+
+    def decode(self, ids, **kwargs) -> str:
+        return ""
+
+    def __getattr__(self, name: str):
+        return getattr(self._tokenizer, name)
 
 
 def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
@@ -134,34 +151,44 @@ def build_draft_vocab(
     `draft_vocab_size`) whose tokens hold that fraction of reply tokens: a smaller draft
     vocabulary makes the head smaller and drafting cheaper. coverage is the fraction of reply
     tokens that the chosen draft vocabulary holds."""
-    replies = Counter(t for s in samples for t in s.token_ids[s.prompt_len :])
-    prompts = Counter(t for s in samples for t in s.token_ids[: s.prompt_len])
-    ranked = sorted(range(vocab_size), key=lambda t: (-replies[t], -prompts[t], t))
+    replies = token_counts(samples, vocab_size)
+    prompts = token_counts(samples, vocab_size, replies=False)
+    # Descending by (reply count, prompt count); the stable sort keeps lower ids first on ties.
+    key = replies * (int(prompts.max()) + 1) + prompts
+    ranked = torch.sort(key, descending=True, stable=True).indices
     if min_coverage is not None:
         draft_vocab_size = min(draft_vocab_size, vocab_size)
         curve = coverage_curve(samples, range(granularity, draft_vocab_size, granularity))
         draft_vocab_size = next((n for n, c in curve.items() if c >= min_coverage),
                                 draft_vocab_size)
-    chosen = torch.tensor(sorted(ranked[:draft_vocab_size]), dtype=torch.int64)
+    chosen = ranked[:draft_vocab_size].sort().values
     d2t = chosen - torch.arange(draft_vocab_size)
     t2d = torch.zeros(vocab_size, dtype=torch.bool)
     t2d[chosen] = True
     return d2t, t2d, vocab_coverage(samples, t2d)
 
 
+def token_counts(samples: list[Sample], size: int = 0, replies: bool = True) -> torch.Tensor:
+    """[max(size, largest id + 1)] occurrences of every token id in the replies (or the
+    prompts) of `samples`, counted in one pass over a flat tensor."""
+    parts = (s.token_ids[s.prompt_len :] if replies else s.token_ids[: s.prompt_len]
+             for s in samples)
+    flat = torch.tensor(list(itertools.chain.from_iterable(parts)), dtype=torch.int64)
+    return torch.bincount(flat, minlength=size)
+
+
 def coverage_curve(samples: list[Sample], sizes) -> dict[int, float]:
     """Fraction of reply tokens held by the n most frequent reply tokens, for each n."""
-    counts = sorted(Counter(t for s in samples for t in s.token_ids[s.prompt_len :]).values(),
-                    reverse=True)
-    total = max(sum(counts), 1)
-    return {n: sum(counts[:n]) / total for n in sizes}
+    counts = token_counts(samples).sort(descending=True).values.cumsum(0)
+    total = max(int(counts[-1]) if len(counts) else 0, 1)
+    return {n: int(counts[min(n, len(counts)) - 1]) / total if len(counts) else 0.0
+            for n in sizes}
 
 
 def vocab_coverage(samples: list[Sample], t2d: torch.Tensor) -> float:
     """The fraction of reply tokens inside the draft vocabulary `t2d` marks."""
-    replies = Counter(t for s in samples for t in s.token_ids[s.prompt_len :])
-    covered = sum(c for t, c in replies.items() if t2d[t])
-    return covered / max(sum(replies.values()), 1)
+    counts = token_counts(samples, len(t2d))
+    return int(counts[t2d.bool()].sum()) / max(int(counts.sum()), 1)
 
 
 def _write_samples(path: Path, train: list[Sample], heldout: list[Sample]) -> None:
@@ -188,6 +215,7 @@ def distill(cfg: TrainConfig, out: Path, log) -> tuple[list[Sample], list[Sample
         return _read_samples(data_path)
     from specserve.config import EngineConfig
     from specserve.engine.engine import LLMEngine
+    from specserve.model.loader import load_tokenizer, resolve_model
 
     prompts, heldout_prompts = load_prompts(cfg.data, cfg.seed, cfg.num_prompts,
                                             cfg.heldout_prompts, cfg.prompt_variants)
@@ -209,7 +237,7 @@ def distill(cfg: TrainConfig, out: Path, log) -> tuple[list[Sample], list[Sample
         num_kv_pages=cfg.gen_batch * pages_per_seq + 2, max_num_seqs=cfg.gen_batch,
         max_num_batched_tokens=16384, max_model_len=max_len, seed=cfg.seed,
         speculative_algorithm=None, cuda_graph_max_batch=cfg.gen_batch),
-        progress=cfg.progress)
+        progress=cfg.progress, tokenizer=TokenIdsOnly(load_tokenizer(resolve_model(cfg.target))))
     log({"event": "engine", "seconds": round(time.monotonic() - t_load, 1),
          "backend": engine.config.backend_name(), "device": str(engine.config.torch_device()),
          "cuda_graphs": engine.runner.graphs is not None, "max_num_seqs": cfg.gen_batch,

@@ -270,7 +270,11 @@ def train(cfg: TrainConfig) -> TrainResult:
         "heldout": trainee.evaluate(held) if held is not None else {},
         "train_subset": trainee.evaluate(_subset(store, 64)),
         "initial": initial,
+        "train_seconds": round(time.monotonic() - start, 1),
+        "total_seconds": round(time.monotonic() - t_start, 1),
     }
+    if device.type == "cuda":
+        metrics["peak_gpu_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 1)
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
     log({"event": "done", **metrics})
     log_file.close()
