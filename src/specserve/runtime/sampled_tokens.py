@@ -85,9 +85,6 @@ class SampledTokens:
             return self.tokens[:, 0]
         return self.tokens.gather(1, self.accept_len[:, None])[:, 0]
 
-    def ready(self) -> bool:
-        return self._event is None or self._event.query()
-
     def result(self) -> StepResult:
         """The tokens on the host (waits for this step's copies, nothing later)."""
         if self._result is not None:
