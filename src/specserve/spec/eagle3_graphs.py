@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import bisect
 import time
-from itertools import chain
 
 import numpy as np
 import torch
@@ -32,7 +31,7 @@ from torch import nn
 from specserve.layers.attention import AttentionBackend, AttentionMetadata
 from specserve.model.eagle3 import Eagle3Head
 from specserve.runtime.cuda_graphs import CaptureReport
-from specserve.runtime.packing import Segment, to_device_tensor
+from specserve.runtime.packing import Segment, to_device
 
 
 class DrafterGraphs:
@@ -244,64 +243,52 @@ class DrafterGraphs:
         return outputs
 
     def _load(self, segments, hidden, input_ids) -> tuple[int, int, int]:
-        """Copy a pass into the static buffers, padded to (bucket, captured length): the
-        integer inputs are laid out with numpy in one pinned host buffer (no per-token
-        Python), then copied section by section."""
+        """Copy a pass into the static buffers, padded to (bucket, captured length): every
+        integer input goes into one host tensor (pinned on CUDA), then section by section
+        into the static buffers; padded requests are filled on the host too."""
         num_requests = len(segments)
-        lens = np.fromiter((len(s.token_ids) for s in segments), np.int64, num_requests)
-        q = self.length_for(int(lens.max()))
-        batch = self.bucket_for(num_requests)
+        lens = [len(s.token_ids) for s in segments]
+        q = self.length_for(max(lens))
+        batch, ps = self.bucket_for(num_requests), self.page_size
+        width = max(len(s.page_table) for s in segments)
+        ids, pos, slots, seq_lens, last_rows, tables = [], [], [], [], [], []
+        for b, (s, n) in enumerate(zip(segments, lens)):
+            end, pad, table = s.start + n, q - n, s.page_table
+            # Padded tokens repeat the last token and position and write to page 0.
+            ids += s.token_ids + [s.token_ids[-1]] * pad
+            pos += range(s.start, end)
+            slots += [table[p // ps] * ps + p % ps for p in range(s.start, end)] + [0] * pad
+            pos += [end - 1] * pad
+            seq_lens.append(end)
+            last_rows.append(b * q + n - 1)
+            tables += table + [0] * (width - len(table))
+        n_pad = batch - num_requests  # padded requests: position 0 on page 0
+        zeros = [0] * (n_pad * q)
+        seq_lens += [1] * n_pad
+        last_rows += range(num_requests * q, batch * q, q)
+        tables += [0] * (n_pad * width)
+        host = torch.from_numpy(np.array(  # numpy converts a list of ints ~4x faster
+            ids + zeros + pos + zeros + slots + zeros + seq_lens + last_rows + tables, np.int64
+        ))  # fmt: skip
+        if self.hidden.is_cuda:
+            host = host.pin_memory()
         n = batch * q
-        widths = np.fromiter((len(s.page_table) for s in segments), np.int64, num_requests)
-        width = int(widths.max())
-        sizes = (n, n, n, batch, batch, batch * width)  # ids, pos, slots, lens, last, tables
-        host = torch.zeros(sum(sizes), dtype=torch.int64, pin_memory=self.hidden.is_cuda)
-        ids, pos, slots, seq_lens, last_rows, tables = np.split(host.numpy(),
-                                                                np.cumsum(sizes)[:-1])
-        ids, pos, slots = ids.reshape(batch, q), pos.reshape(batch, q), slots.reshape(batch, q)
-        tables = tables.reshape(batch, width)
-        real = slice(0, num_requests)
-        flat_tables = np.fromiter(chain.from_iterable(s.page_table for s in segments),
-                                  np.int64, int(widths.sum()))  # fmt: skip
-        tables[np.repeat(np.arange(num_requests), widths), _ragged_cols(widths)] = flat_tables
-        # Padded tokens repeat their request's last token and position, and write to page 0.
-        offsets = np.minimum(np.arange(q)[None, :], lens[:, None] - 1)
-        flat_ids = np.fromiter(chain.from_iterable(s.token_ids for s in segments), np.int64,
-                               int(lens.sum()))  # fmt: skip
-        ids[real] = flat_ids[(np.cumsum(lens) - lens)[:, None] + offsets]
-        starts = np.fromiter((s.start for s in segments), np.int64, num_requests)
-        pos[real] = starts[:, None] + offsets
-        rows = np.arange(num_requests)[:, None]
-        ps = self.page_size
-        slots[real] = tables[rows, pos[real] // ps] * ps + pos[real] % ps
-        slots[real][np.arange(q)[None, :] >= lens[:, None]] = 0
-        seq_lens[real] = starts + lens
-        seq_lens[num_requests:] = 1  # padded requests: position 0 on page 0
-        last_rows[:] = np.arange(batch) * q
-        last_rows[real] += lens - 1
-        sections = host.split(sizes)
+        sections = host.split((n, n, n, batch, batch, batch * width))
         for buf, section in zip((self.input_ids, self.positions, self.slot_mapping), sections):
             buf[:n].copy_(section, non_blocking=True)
         self.seq_lens[:batch].copy_(sections[3], non_blocking=True)
         self.last_rows[:batch].copy_(sections[4], non_blocking=True)
         self.block_tables[:batch, :width].copy_(sections[5].view(batch, width),
                                                 non_blocking=True)  # fmt: skip
-        if batch > num_requests:  # whole rows: chains index past column 0
+        if n_pad:  # whole rows: chains index past column 0
             self.block_tables[num_requests:batch, width:] = 0
         if input_ids is not None:
             if q != 1:
                 raise ValueError("device input ids are only taken for one-token passes")
             self.input_ids[:num_requests].copy_(input_ids)
-        if (lens == q).all():
+        if all(k == q for k in lens):
             self.hidden[: num_requests * q].copy_(hidden)
         else:
-            dest = (np.arange(num_requests) * q)[:, None] + np.arange(q)[None, :]
-            dest = dest[np.arange(q)[None, :] < lens[:, None]]
-            dest_t = torch.from_numpy(dest)
-            self.hidden.index_copy_(0, to_device_tensor(dest_t, self.hidden.device), hidden)
+            dest = [b * q + i for b, k in enumerate(lens) for i in range(k)]
+            self.hidden.index_copy_(0, to_device(dest, self.hidden.device), hidden)
         return num_requests, batch, q
-
-
-def _ragged_cols(widths: np.ndarray) -> np.ndarray:
-    """Column index of every element of rows of the given widths, concatenated."""
-    return np.arange(int(widths.sum())) - np.repeat(np.cumsum(widths) - widths, widths)
