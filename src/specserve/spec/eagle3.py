@@ -75,7 +75,7 @@ class Eagle3Proposer(Proposer):
         for it in items:
             req = it.request
             start = req.draft_cached_len
-            pair_tokens = req.all_token_ids[start + 1 : req.committed_len]
+            pair_tokens = req.token_ids(start + 1, req.committed_len)
             segments.append(Segment(req.page_table, start, pair_tokens))
             num_tokens += len(pair_tokens)
             feats += req.draft_features
