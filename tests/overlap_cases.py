@@ -45,21 +45,27 @@ def random_draft_lens(llm, seed=11):
 def count_gathers(llm) -> dict:
     """Counts steps prepared while the previous step's tokens were still on the device."""
     runner, seen = llm.engine.runner, {"gathered": 0, "steps": 0}
-    prepare = runner.prepare
+    prepare, kv = runner.prepare, llm.engine.kv
 
     def spy(batch, prev=None):
         seen["steps"] += 1
         seen["gathered"] += prev is not None
+        for s in batch:  # lengths are exact here: a request's last step is its last
+            req = s.request
+            assert req.num_left > 0 and req.num_inflight_drafts == 0
+            assert s.draft_len <= req.max_useful_drafts
+            assert req.cached_len + s.num_tokens + s.draft_len <= llm.engine.max_model_len
+            assert len(req.page_table) * kv.page_size >= req.cached_len + s.num_tokens + s.draft_len
         return prepare(batch, prev)
 
     runner.prepare = spy
     sched, schedule = llm.engine.scheduler, llm.engine.scheduler.schedule
 
     def check(policy=None):
-        # A request whose in-flight tokens end it (max_tokens, context) is not scheduled
-        # again, so no step writes past the context limit.
+        # On the host's estimate (a speculative step in flight counts one token): a request
+        # whose in-flight tokens end it is not scheduled again.
         batch = schedule(policy)
-        kv, spec = llm.engine.kv, llm.engine.spec
+        spec = llm.engine.spec
         lookahead = spec.k_max + 1 if spec else 1
         for s in batch:
             req = s.request

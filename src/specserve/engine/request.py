@@ -65,6 +65,7 @@ class Request:
     output_logprobs: list = field(default_factory=list)  # TokenLogprobs per output token
     unprocessed_token_ids: list[int] = field(default_factory=list)  # see the class doc
     num_inflight: int = 0  # tokens drawn by the step in flight, values still on the device
+    num_inflight_drafts: int = 0  # its drafts: it may commit up to this many more tokens
     page_table: list[int] = field(default_factory=list)
     cached_len: int = 0
     status: RequestStatus = RequestStatus.WAITING

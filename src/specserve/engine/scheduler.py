@@ -77,7 +77,9 @@ class Scheduler:
             k = 0
             if uncached == 1:  # left - 1: req.max_useful_drafts
                 k = max(0, min(draft_lens.get(id(req), 0), budget - 1, left - 1))
-            while not self.kv.grow(req.page_table, req.cached_len + n + k):
+            # Pages for this step's tokens past whatever the step in flight may commit.
+            reserve = req.cached_len + n + req.num_inflight_drafts
+            while not self.kv.grow(req.page_table, reserve + k):
                 if k > 0:  # give up the lookahead before taking anyone's pages
                     k = 0
                     continue

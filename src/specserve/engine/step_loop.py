@@ -11,8 +11,11 @@ The overlap loop launches step N+1 before it processes step N:
   lengths and positions of step N+1 are known without reading step N's tokens; N+1's input
   ids for those requests are gathered on the device from N's drawn tokens. Step N is
   resolved and processed while N+1 runs: the host never waits for the step it just launched.
-- After a speculative step the next positions depend on the accept lengths: the loop waits
-  for step N's tokens first (resolve), then launches N+1, then processes N while N+1 runs.
+- After a speculative step the next positions depend on the accept lengths. Step N+1 is
+  scheduled while N runs (draft lengths from the policy, pages grown for every draft of N
+  that may be accepted: at most twice the lookahead), then the loop waits for N's tokens
+  (resolve), settles the batch on them (a request they end leaves it, draft lengths shrink to
+  what can still be committed), drafts and launches N+1, and processes N while N+1 runs.
 - When step N+1 drafts (or catches a drafter up), the drafter reads committed tokens: step N
   is resolved before proposing.
 
@@ -51,7 +54,7 @@ class LaunchedStep:
     speculative: bool  # a request drafted: the next positions need the accept lengths
     draft_ms: float
     host_ms: float  # host time of prepare + forward + sample (the device time on the CPU)
-    preemptions: list[int]  # each sampled request's preemption count at launch
+    preemptions: list[int]  # each scheduled request's preemption count at launch
     events: tuple | None = None  # CUDA events: start, forward start, end of device work
     after_idle: bool = False  # nothing ran just before it (no gap to measure)
     result: StepResult | None = None  # set when resolved
@@ -85,9 +88,13 @@ class StepLoop:
     def step(self) -> list[RequestOutput]:
         """Launch the next step; process the previous one (overlap) or this one (sync)."""
         prev, self.inflight = self.inflight, None
+        batch = self._schedule()
         if prev is not None and prev.speculative:
-            self._resolve(prev)  # the next step's positions depend on its accept lengths
-        launched = self._launch(prev)
+            # Scheduled while step N runs, its accept lengths unknown (pages were grown for
+            # all of its drafts); the next positions depend on them: wait, then settle.
+            self._resolve(prev)
+            batch = self._settle(batch)
+        launched = self._launch(prev, batch)
         if self.overlap:
             self.inflight, done = launched, prev
         else:
@@ -95,9 +102,24 @@ class StepLoop:
         return self._process(done) if done is not None else []
 
     # ---- launch ---------------------------------------------------------------------------
-    def _launch(self, prev: LaunchedStep | None) -> LaunchedStep | None:
+    def _schedule(self):
+        spec = self.engine.spec
+        return self.engine.scheduler.schedule(spec.policy if spec else None)
+
+    @staticmethod
+    def _settle(batch: list[ScheduledRequest]) -> list[ScheduledRequest]:
+        """After the previous step's accept lengths are known: requests they end (max_tokens,
+        context) leave the batch, draft lengths shrink to what can still be committed."""
+        settled = []
+        for s in batch:
+            left = s.request.num_left
+            if left > 0:
+                s.draft_len = min(s.draft_len, left - 1)
+                settled.append(s)
+        return settled
+
+    def _launch(self, prev: LaunchedStep | None, batch) -> LaunchedStep | None:
         engine, spec = self.engine, self.engine.spec
-        batch = engine.scheduler.schedule(spec.policy if spec else None)
         if not batch:
             self._idle = True
             return None
@@ -136,12 +158,13 @@ class StepLoop:
             s.request.cached_len += s.num_tokens
         for s in step_input.sampled:
             s.request.num_inflight += 1
+            s.request.num_inflight_drafts += len(s.drafts)
         launched = LaunchedStep(
             batch, step_input, sampled, aux,
             speculative=any(s.drafts for s in batch),
             draft_ms=(t1 - t0) * 1e3,
             host_ms=(t2 - t1) * 1e3,
-            preemptions=[s.request.num_preemptions for s in step_input.sampled],
+            preemptions=[s.request.num_preemptions for s in batch],
             events=events,
             after_idle=self._idle,
         )  # fmt: skip
@@ -149,7 +172,7 @@ class StepLoop:
         if spec is not None and not launched.speculative:
             # Nobody drafted, so nothing was accepted: the drafter's state (EAGLE-3
             # features: views of this step's graph memory) is taken now, before N+1 runs.
-            self._commit_drafter(launched, [0] * len(batch))
+            self._commit_drafter(launched, batch, [0] * len(batch))
         if events is not None:
             events[2].record()
         return launched
@@ -159,28 +182,35 @@ class StepLoop:
             return None
         return tuple(torch.cuda.Event(enable_timing=True) for _ in range(3))
 
-    def _commit_drafter(self, step: LaunchedStep, accepted: list[int]) -> None:
+    def _commit_drafter(self, step: LaunchedStep, items: list[ScheduledRequest],
+                        accepted: list[int]) -> None:
         features = torch.cat(step.aux, dim=-1) if step.aux else None
-        self.engine.spec.proposer.commit(step.batch, accepted, features, step.step_input.first_rows)
+        rows = dict(zip(map(id, step.batch), step.step_input.first_rows))
+        first_rows = [rows[id(s)] for s in items]
+        self.engine.spec.proposer.commit(items, accepted, features, first_rows)
 
     # ---- resolve: the step's tokens on the host ---------------------------------------
     def _resolve(self, step: LaunchedStep) -> None:
         """Wait for the step's tokens; commit their count (cached lengths, drafter state)."""
         result = step.result = step.sampled.result()
+        # Requests preempted since the launch recompute from their tokens: their KV and
+        # drafter state start over.
+        kept = [s.request.num_preemptions == n for s, n in zip(step.batch, step.preemptions)]
+        unmoved = {id(s.request) for s, keep in zip(step.batch, kept) if keep}
         accepted = {}
-        for s, tokens, launch_preemptions in zip(
-            step.step_input.sampled, result.tokens, step.preemptions
-        ):
+        for s, tokens in zip(step.step_input.sampled, result.tokens):
             req = s.request
             req.num_inflight -= 1
+            req.num_inflight_drafts -= len(s.drafts)
             accepted[id(s)] = len(tokens) - 1
             if req.finished:
                 continue  # finished or aborted while in flight: its tokens are dropped
-            if req.num_preemptions == launch_preemptions:  # (a preempted one recomputes)
+            if id(req) in unmoved:
                 req.cached_len += len(tokens) - 1  # accepted drafts: their KV is valid
             req.unprocessed_token_ids = list(tokens)
         if step.speculative and self.engine.spec is not None:
-            self._commit_drafter(step, [accepted.get(id(s), 0) for s in step.batch])
+            items = [s for s, keep in zip(step.batch, kept) if keep]
+            self._commit_drafter(step, items, [accepted.get(id(s), 0) for s in items])
 
     # ---- process: stop checks, outputs, statistics -----------------------------------
     def _process(self, step: LaunchedStep) -> list[RequestOutput]:
