@@ -248,6 +248,7 @@ def distill(cfg: TrainConfig, out: Path, log) -> tuple[list[Sample], list[Sample
     heldout = generate_samples(engine, heldout_prompts, desc="Generating (held-out)", **gen)
     train = generate_samples(engine, prompts, time_budget_s=cfg.gen_time_s, **gen)
     seconds = time.monotonic() - t0
+    engine_steps = engine.num_steps
     if not train:
         raise SpecserveError(f"generation finished no training sample within --gen-time-s "
                              f"{cfg.gen_time_s}: raise it or lower --max-new-tokens")
@@ -261,5 +262,6 @@ def distill(cfg: TrainConfig, out: Path, log) -> tuple[list[Sample], list[Sample
          "prompts_available": len(prompts), "reply_tokens": new_tokens,
          "tokens": sum(len(s.token_ids) for s in train + heldout),
          "capped_replies": sum(s.response_len >= cfg.max_new_tokens for s in train),
+         "engine_steps": engine_steps,
          "seconds": round(seconds, 1), "reply_tokens_per_s": round(new_tokens / seconds, 1)})
     return train, heldout
