@@ -45,10 +45,11 @@ def test_padded_head_passes_match_eager_and_write_only_page_zero():
     assert drafter_graph_error(TorchAttentionBackend(), torch.float32, "cpu") < 1e-5
 
 
-@pytest.mark.parametrize("policy", ["mixed", "fixed"])
-def test_padded_drafter_keeps_greedy_output(tmp_path_factory, policy):
+@pytest.mark.parametrize("policy, overlap", [("mixed", "off"), ("fixed", "off"),
+                                             ("mixed", "on")])
+def test_padded_drafter_keeps_greedy_output(tmp_path_factory, policy, overlap):
     """mixed: random draft lengths per request (one padded pass per draft step); fixed: every
-    request drafts K (whole proposing steps as chains)."""
+    request drafts K (whole proposing steps as chains); both with the overlapped loop too."""
     target = make_tiny_model(tmp_path_factory.mktemp("t"), "llama", num_layers=4)
     head = make_random_eagle3_head(tmp_path_factory.mktemp("h"), target, 200)
     rng = random.Random(4)
@@ -58,7 +59,8 @@ def test_padded_drafter_keeps_greedy_output(tmp_path_factory, policy):
 
     def drafts_of(padded: bool):
         llm = LLM(str(target), speculative_algorithm="eagle3", speculative_num_steps=3,
-                  speculative_draft_model_path=str(head), speculative_policy="fixed")
+                  speculative_draft_model_path=str(head), speculative_policy="fixed",
+                  overlap_schedule=overlap)
         proposer, seen = llm.engine.spec.proposer, {"run": [], "run_chain": []}
         if padded:
             proposer.graphs = capture_drafter_graphs(proposer, llm.engine, use_graphs=False)
