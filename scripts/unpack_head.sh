@@ -16,7 +16,7 @@ mkdir -p "$DEST"
 cat "$SRC"/model.safetensors.part-* > "$DEST/model.safetensors"
 cp "$SRC/config.json" "$SRC/heldout_prompts.jsonl" "$DEST/"
 sha256sum "$DEST/model.safetensors"
-PYTHONPATH="$REPO/src${PYTHONPATH:+:$PYTHONPATH}" python - "$DEST" <<'PY'
+PYTHONPATH="$REPO/src${PYTHONPATH:+:$PYTHONPATH}" ${PYTHON:-python3} - "$DEST" <<'PY'
 import sys
 import torch
 from specserve.model.eagle3 import load_eagle3_head
@@ -31,4 +31,4 @@ if [ "$DEST" = "$SHIPPED" ]; then
     if [ -f "$SRC/eval_$f.json" ]; then cp "$SRC/eval_$f.json" "$BENCH/eagle3_smollm2_eval_$f.json"; fi
   done
 fi
-python "$REPO/scripts/summarize_head_run.py" "$SRC"
+${PYTHON:-python3} "$REPO/scripts/summarize_head_run.py" "$SRC"

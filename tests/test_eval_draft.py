@@ -34,3 +34,16 @@ def test_eval_draft_copy_drafter_accepts_everything(tiny_llama, tmp_path, capsys
     ])
     assert rc == 0
     assert [r["k"] for r in json.loads(out.read_text())["results"]] == [1, 3, 2, 1]
+
+
+def test_table_without_rich(monkeypatch, capsys):
+    """GPU machines may lack rich: the results print as plain lines."""
+    import sys
+
+    from specserve.spec.eval_draft import DraftEval, _print_table
+
+    monkeypatch.setitem(sys.modules, "rich.console", None)  # import fails
+    _print_table("t", [DraftEval(k=2, verify_steps=4, drafted=8, accepted=6,
+                                 position_rates=[0.9, 0.6])])
+    out = capsys.readouterr().out
+    assert "2 | 2.500 | 6/8 | 0.90 0.60" in out

@@ -66,10 +66,29 @@ def evaluate(
     return results
 
 
-def run_eval_draft(args) -> int:
-    from rich.console import Console
-    from rich.table import Table
+def _print_table(title: str, results: list[DraftEval]) -> None:
+    """A rich table, or plain lines where rich is not installed (GPU machines)."""
+    cols = ("K", "mean accept len", "accepted/drafted", "per-position acceptance")
+    rows = [(str(r.k), f"{r.mean_accept_len:.3f}", f"{r.accepted}/{r.drafted}",
+             " ".join(f"{x:.2f}" for x in r.position_rates))
+            for r in sorted(results, key=lambda r: r.k)]
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        print(title)
+        for row in (cols, *rows):
+            print(" | ".join(row))
+        return
+    table = Table(title=title)
+    for col in cols:
+        table.add_column(col)
+    for row in rows:
+        table.add_row(*row)
+    Console().print(table)
 
+
+def run_eval_draft(args) -> int:
     from specserve.llm import LLM
     from specserve.train.prompts import load_prompts
 
@@ -118,17 +137,7 @@ def run_eval_draft(args) -> int:
             tmp.replace(args.out)
 
     results = evaluate(llm, prompts, ks, args.max_tokens, on_result=save)
-    table = Table(title=f"{args.algorithm} drafter on {len(prompts)} {args.split} prompts")
-    for col in ("K", "mean accept len", "accepted/drafted", "per-position acceptance"):
-        table.add_column(col)
-    for r in sorted(results, key=lambda r: r.k):
-        table.add_row(
-            str(r.k),
-            f"{r.mean_accept_len:.3f}",
-            f"{r.accepted}/{r.drafted}",
-            " ".join(f"{x:.2f}" for x in r.position_rates),
-        )
-    Console().print(table)
+    _print_table(f"{args.algorithm} drafter on {len(prompts)} {args.split} prompts", results)
     save(results)
     return 0
 
