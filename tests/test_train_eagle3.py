@@ -176,6 +176,28 @@ def test_generation_deadline_keeps_greedy_prefixes(target, monkeypatch, overlap)
     assert [s.token_ids for s in same] == [s.token_ids for s in full]
 
 
+def test_generation_retries_on_the_safe_engine_path(target, prompt_file, tmp_path, monkeypatch):
+    """A failure of the fast generation engine is logged and generation runs again eagerly
+    with the synchronous loop, so a fixed lease still trains."""
+    from specserve.train import distill
+
+    real, calls, records = distill.generate_samples, [], []
+
+    def flaky(engine, *args, **kwargs):
+        calls.append(engine.config.disable_overlap_schedule)
+        if len(calls) == 1:
+            raise RuntimeError("boom")
+        return real(engine, *args, **kwargs)
+
+    monkeypatch.setattr(distill, "generate_samples", flaky)
+    cfg = _config(tmp_path, target, prompt_file, num_prompts=6, max_new_tokens=4)
+    train_samples, heldout = distill.distill(cfg, tmp_path, records.append)
+    assert len(train_samples) == 6 and len(heldout) == 4
+    assert calls == [False, True, True]  # held-out on the fast engine fails; both again
+    failed = [r for r in records if r.get("event") == "generation_failed"]
+    assert len(failed) == 1 and "boom" in failed[0]["error"]
+
+
 def test_features_are_inputs_of_the_aux_layers(target):
     transformers = pytest.importorskip("transformers")
     model = load_model(resolve_model(str(target)), torch.float32, torch.device("cpu"))

@@ -8,6 +8,7 @@ import gc
 import itertools
 import json
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -208,52 +209,73 @@ def _read_samples(path: Path) -> tuple[list[Sample], list[Sample]]:
     return train, heldout
 
 
+def _generate(cfg: TrainConfig, prompts: list[PromptItem], heldout_prompts: list[PromptItem],
+              log, budget_s: float | None, safe: bool) -> tuple[list[Sample], list[Sample], int]:
+    """(held-out samples, training samples, engine steps) from a fresh engine: plain
+    decoding (no speculation: the default model would otherwise draft with the shipped
+    head), KV for gen_batch sequences of full length, large prefill steps (prompts join in
+    bursts), and on GPU a CUDA graph for every batch size up to gen_batch with the
+    overlapped step loop; `safe` runs the synchronous loop eagerly instead."""
+    from specserve.config import EngineConfig
+    from specserve.engine.engine import LLMEngine
+    from specserve.model.loader import load_tokenizer, resolve_model
+
+    t_load = time.monotonic()
+    page = 16
+    max_len = cfg.max_prompt_tokens + cfg.max_new_tokens + 1
+    pages_per_seq = -(-max_len // page) + 1
+    mode = (dict(disable_overlap_schedule=True, disable_cuda_graph=True) if safe
+            else dict(cuda_graph_max_batch=cfg.gen_batch))
+    engine = LLMEngine(EngineConfig(
+        model=cfg.target, dtype=cfg.dtype, device=cfg.device, page_size=page,
+        num_kv_pages=cfg.gen_batch * pages_per_seq + 2, max_num_seqs=cfg.gen_batch,
+        max_num_batched_tokens=16384, max_model_len=max_len, seed=cfg.seed,
+        speculative_algorithm=None, **mode),
+        progress=cfg.progress, tokenizer=TokenIdsOnly(load_tokenizer(resolve_model(cfg.target))))
+    log({"event": "engine", "safe": safe, "seconds": round(time.monotonic() - t_load, 1),
+         "backend": engine.config.backend_name(), "device": str(engine.config.torch_device()),
+         "cuda_graphs": engine.runner.graphs is not None, "max_num_seqs": cfg.gen_batch,
+         "prompts": len(prompts), "heldout_prompts": len(heldout_prompts)})
+    gen = dict(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, seed=cfg.seed,
+               max_prompt_tokens=cfg.max_prompt_tokens, progress=cfg.progress)
+    heldout = generate_samples(engine, heldout_prompts, desc="Generating (held-out)", **gen)
+    train = generate_samples(engine, prompts, time_budget_s=budget_s, **gen)
+    return heldout, train, engine.num_steps
+
+
 def distill(cfg: TrainConfig, out: Path, log) -> tuple[list[Sample], list[Sample]]:
     """The (train, held-out) samples: read from out/data.jsonl on --resume, else generated."""
     data_path = out / "data.jsonl"
     if cfg.resume and data_path.is_file():
         return _read_samples(data_path)
-    from specserve.config import EngineConfig
-    from specserve.engine.engine import LLMEngine
-    from specserve.model.loader import load_tokenizer, resolve_model
-
     prompts, heldout_prompts = load_prompts(cfg.data, cfg.seed, cfg.num_prompts,
                                             cfg.heldout_prompts, cfg.prompt_variants)
     if not prompts:
         raise PromptSourceError(f"--data {cfg.data} leaves no training prompts after the "
                                 f"{len(heldout_prompts)} held out")
-    t_load = time.monotonic()
     with open(out / "heldout_prompts.jsonl", "w") as f:
         for p in heldout_prompts:
             f.write(json.dumps({"key": p.key, "messages": p.messages}) + "\n")
-    page = 16
-    max_len = cfg.max_prompt_tokens + cfg.max_new_tokens + 1
-    pages_per_seq = -(-max_len // page) + 1
-    # Plain decoding (no speculation: the default model would otherwise draft with the
-    # shipped head), every batch size up to gen_batch a CUDA graph on GPU, KV for gen_batch
-    # sequences of full length, and large prefill steps (prompts join in bursts).
-    engine = LLMEngine(EngineConfig(
-        model=cfg.target, dtype=cfg.dtype, device=cfg.device, page_size=page,
-        num_kv_pages=cfg.gen_batch * pages_per_seq + 2, max_num_seqs=cfg.gen_batch,
-        max_num_batched_tokens=16384, max_model_len=max_len, seed=cfg.seed,
-        speculative_algorithm=None, cuda_graph_max_batch=cfg.gen_batch),
-        progress=cfg.progress, tokenizer=TokenIdsOnly(load_tokenizer(resolve_model(cfg.target))))
-    log({"event": "engine", "seconds": round(time.monotonic() - t_load, 1),
-         "backend": engine.config.backend_name(), "device": str(engine.config.torch_device()),
-         "cuda_graphs": engine.runner.graphs is not None, "max_num_seqs": cfg.gen_batch,
-         "prompts": len(prompts), "heldout_prompts": len(heldout_prompts)})
     t0 = time.monotonic()
-    gen = dict(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, seed=cfg.seed,
-               max_prompt_tokens=cfg.max_prompt_tokens, progress=cfg.progress)
-    heldout = generate_samples(engine, heldout_prompts, desc="Generating (held-out)", **gen)
-    train = generate_samples(engine, prompts, time_budget_s=cfg.gen_time_s, **gen)
+    try:
+        heldout, train, engine_steps = _generate(cfg, prompts, heldout_prompts, log,
+                                                 cfg.gen_time_s, safe=False)
+        failed = False
+    except Exception as e:  # one retry on the engine's most tested path, for fixed leases
+        log({"event": "generation_failed", "error": repr(e)[:1000],
+             "traceback": traceback.format_exc()[-3000:]})
+        failed = True
+    if failed:
+        gc.collect()
+        spent = time.monotonic() - t0
+        budget = None if cfg.gen_time_s is None else max(30.0, cfg.gen_time_s - spent)
+        heldout, train, engine_steps = _generate(cfg, prompts, heldout_prompts, log, budget,
+                                                 safe=True)
     seconds = time.monotonic() - t0
-    engine_steps = engine.num_steps
     if not train:
         raise SpecserveError(f"generation finished no training sample within --gen-time-s "
                              f"{cfg.gen_time_s}: raise it or lower --max-new-tokens")
-    del engine  # its KV cache and graphs: the feature store needs the memory
-    gc.collect()
+    gc.collect()  # the engine's KV cache and graphs: the feature store needs the memory
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     _write_samples(data_path, train, heldout)
