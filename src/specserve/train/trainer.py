@@ -209,6 +209,7 @@ def train(cfg: TrainConfig) -> TrainResult:
                    "train_subset": trainee.evaluate(_subset(store, 64))}
         log({"event": "eval", "step": 0, **initial["heldout"]})
     losses: list[torch.Tensor] = []  # detached device scalars: read when logging
+    skipped = 0  # batches dropped for running out of device memory
     per_epoch = max(1, -(-len(store) // cfg.batch_size))
     epochs: dict[int, list[list[int]]] = {}
     bar = tqdm(total=cfg.steps, initial=step, desc="Training", unit="step",
@@ -234,9 +235,21 @@ def train(cfg: TrainConfig) -> TrainResult:
         batch = epochs[epoch][pos]
         for group in opt.param_groups:
             group["lr"] = cfg.lr * _lr_factor(step, cfg.warmup_steps, progress())
-        res = trainee.run(store, batch)
         opt.zero_grad(set_to_none=True)
-        res.loss.backward()
+        try:
+            res = trainee.run(store, batch)
+            res.loss.backward()
+        except torch.cuda.OutOfMemoryError:  # one oversized batch must not end a lease's run
+            res = None
+            opt.zero_grad(set_to_none=True)
+            torch.cuda.empty_cache()
+            skipped += 1
+            log({"event": "skipped_batch", "step": step, "samples": len(batch),
+                 "tokens": sum(store.length(i) for i in batch)})
+            if skipped > 20:
+                raise
+            step += 1
+            continue
         torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
         opt.step()
         step += 1
@@ -270,6 +283,7 @@ def train(cfg: TrainConfig) -> TrainResult:
         "heldout": trainee.evaluate(held) if held is not None else {},
         "train_subset": trainee.evaluate(_subset(store, 64)),
         "initial": initial,
+        "skipped_batches": skipped,
         "train_seconds": round(time.monotonic() - start, 1),
         "total_seconds": round(time.monotonic() - t_start, 1),
     }
