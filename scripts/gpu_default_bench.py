@@ -1,0 +1,155 @@
+"""The out-of-the-box configuration on a GPU: the embedded SmolLM2-135M-Instruct with its
+shipped EAGLE-3 head and REAL acceptance (no simulation), side by side in one run.
+
+Configurations: no speculation; EAGLE-3 fixed K=3; EAGLE-3 under the goodput policy (what
+`specserve serve` does by default); EAGLE-3 loaded with the policy off. Workload: the shipped
+head's held-out prompts (training kinds) and the prompts unlike its training data
+(docs/benchmarks/eagle3_unlike_prompts.jsonl), chat template applied, greedy, up to
+--max-tokens new tokens (stopping at EOS like a real client). At batch b the first b prompts
+(cycled) are submitted together and run to completion; batch 1 runs --batch1-prompts prompts
+one after another. Throughput counts output tokens over wall time, prefill included. Every
+configuration is warmed up first (Triton compiles each new shape once). Also reports how many
+outputs equal the no-speculation outputs token for token (greedy speculation is lossless in
+exact arithmetic; bf16 kernels of different shapes may round differently, so this is
+reported, not asserted).
+
+    PYTHONPATH=src python scripts/gpu_default_bench.py --out $OUT/default_model
+    PYTHONPATH=src python scripts/gpu_default_bench.py --smoke --out /tmp/default_model  # CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from specserve.llm import LLM
+from specserve.model.eagle3 import shipped_head_path
+from specserve.sampling_params import SamplingParams
+
+REPO = Path(__file__).resolve().parent.parent
+UNLIKE = REPO / "docs" / "benchmarks" / "eagle3_unlike_prompts.jsonl"
+
+
+def read_conversations(path: Path) -> list[list[dict]]:
+    out = []
+    for line in path.read_text().splitlines():
+        if line.strip():
+            item = json.loads(line)
+            out.append(item.get("messages") or [{"role": "user", "content": item["prompt"]}])
+    return out
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def run_batch(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[list, float]:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    sync()
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    sync()
+    return [o.token_ids for o in outs], time.perf_counter() - t0
+
+
+def measure(llm: LLM, prompts: list[list[int]], batch: int, args) -> dict:
+    """Output tok/s at one batch size; the token ids of every request."""
+    engine = llm.engine
+    stats0 = engine.stats()
+    if batch == 1:
+        chosen = prompts[: args.batch1_prompts]
+        results = [run_batch(llm, [p], args.max_tokens) for p in chosen]
+        tokens = [t for r in results for t in r[0]]
+        seconds = sum(r[1] for r in results)
+    else:
+        chosen = [prompts[i % len(prompts)] for i in range(batch)]
+        tokens, seconds = run_batch(llm, chosen, args.max_tokens)
+    stats = engine.stats()
+    num_out = sum(len(t) for t in tokens)
+    row = {"batch": batch, "requests": len(chosen), "output_tokens": num_out,
+           "seconds": round(seconds, 3), "output_tok_s": round(num_out / seconds, 1),
+           "steps": stats["steps"] - stats0["steps"]}  # fmt: skip
+    if "spec_position_drafted" in stats:
+        drafted = [a - b for a, b in zip(stats["spec_position_drafted"],
+                                         stats0["spec_position_drafted"])]  # fmt: skip
+        accepted = [a - b for a, b in zip(stats["spec_position_accepted"],
+                                          stats0["spec_position_accepted"])]  # fmt: skip
+        row["draft_tokens"] = sum(drafted)
+        row["accepted_tokens"] = sum(accepted)
+        row["per_position_acceptance"] = [round(a / d, 3) if d else None
+                                          for a, d in zip(accepted, drafted)]  # fmt: skip
+    return row, tokens
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="default_model")
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
+    ap.add_argument("--batch1-prompts", type=int, default=8)
+    ap.add_argument("--smoke", action="store_true", help="CPU, 2 prompts, a few tokens")
+    args = ap.parse_args()
+    device = "auto"
+    if args.smoke:
+        args.max_tokens, args.batches, args.batch1_prompts, device = 8, [1, 2], 1, "cpu"
+    head = shipped_head_path()
+    convs = read_conversations(Path(head) / "heldout_prompts.jsonl") + read_conversations(UNLIKE)
+    spec = dict(speculative_algorithm="eagle3", speculative_draft_model_path=str(head),
+                speculative_num_steps=3)  # fmt: skip
+    configs = {
+        "plain": {"speculative_algorithm": "none"},
+        "eagle3 K=3 fixed": {**spec, "speculative_policy": "fixed"},
+        "eagle3 goodput (default)": {**spec, "speculative_policy": "goodput"},
+        "eagle3 policy off": {**spec, "speculative_policy": "off"},
+    }
+    base = dict(device=device, max_num_seqs=max(args.batches),
+                cuda_graph_max_batch=max(args.batches), kv_cache_bytes=4 * 2**30)  # fmt: skip
+    results, plain_tokens = {}, {}
+    start = time.perf_counter()
+    for name, extra in configs.items():
+        t0 = time.perf_counter()
+        llm = LLM(None, **base, **extra)
+        startup = time.perf_counter() - t0
+        prompts = [llm.apply_chat_template(c) for c in convs]
+        for b in args.batches:  # warm-up
+            run_batch(llm, [prompts[i % len(prompts)] for i in range(b)], 16)
+        rows = []
+        for b in args.batches:
+            row, tokens = measure(llm, prompts, b, args)
+            if name == "plain":
+                plain_tokens[b] = tokens
+            row["identical_to_plain"] = sum(t == p for t, p in zip(tokens, plain_tokens[b]))
+            print(name, json.dumps(row), flush=True)
+            rows.append(row)
+        results[name] = {"startup_s": round(startup, 2), "rows": rows,
+                         "spec_policy": llm.engine.stats().get("spec_policy")}  # fmt: skip
+        del llm
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    plain = {r["batch"]: r["output_tok_s"] for r in results["plain"]["rows"]}
+    lines = ["| config | " + " | ".join(f"batch {b} tok/s (x plain)" for b in args.batches)
+             + " | tokens per step (batch 1) |",
+             "|---|" + "---|" * (len(args.batches) + 1)]  # fmt: skip
+    for name, res in results.items():
+        cells = [f"{r['output_tok_s']} ({r['output_tok_s'] / plain[r['batch']]:.2f}x)"
+                 for r in res["rows"]]  # fmt: skip
+        r1 = res["rows"][0]
+        steps_len = f"{r1['output_tokens'] / r1['steps']:.2f}"  # prefill steps included
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {steps_len} |")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    payload = {"device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+               "torch": torch.__version__, "max_tokens": args.max_tokens,
+               "total_s": round(time.perf_counter() - start, 1), "results": results}  # fmt: skip
+    out.with_suffix(".json").write_text(json.dumps(payload, indent=2))
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
