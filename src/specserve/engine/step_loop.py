@@ -58,6 +58,7 @@ class LaunchedStep:
     events: tuple | None = None  # CUDA events: start, forward start, end of device work
     after_idle: bool = False  # nothing ran just before it (no gap to measure)
     result: StepResult | None = None  # set when resolved
+    resolved_s: float = 0.0  # perf_counter when its tokens reached the host
 
 
 @dataclass
@@ -193,6 +194,7 @@ class StepLoop:
     def _resolve(self, step: LaunchedStep) -> None:
         """Wait for the step's tokens; commit their count (cached lengths, drafter state)."""
         result = step.result = step.sampled.result()
+        step.resolved_s = time.perf_counter()
         # Requests preempted since the launch recompute from their tokens: their KV and
         # drafter state start over.
         kept = [s.request.num_preemptions == n for s, n in zip(step.batch, step.preemptions)]
@@ -227,6 +229,7 @@ class StepLoop:
             batch = [s for s in step.batch if not s.request.finished]
             committed = {id(s): len(tokens) for s, tokens, _ in live}
             spec.observe(batch, committed, step.draft_ms, target_ms)
+            spec.observe_period(step.batch, step.resolved_s, step.after_idle)
         outputs = []
         for s, tokens, lps in live:
             req = s.request

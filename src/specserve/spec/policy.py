@@ -4,7 +4,7 @@
 - fixed: K_max every step;
 - schedule: a user table from batch size to K (the form other servers offer);
 - goodput: maximize expected committed tokens per second of the step under a measured cost
-  model and per-request acceptance estimates.
+  model (whole-step periods by batch bucket and K) and per-request acceptance estimates.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from specserve.engine.request import Request
 from specserve.spec.acceptance import AcceptanceModel
-from specserve.spec.cost_model import StepCostModel
+from specserve.spec.cost_model import StepCostModel, batch_bucket
 
 POLICIES = ("off", "fixed", "schedule", "goodput")
 
@@ -25,6 +25,8 @@ class PolicyTrace:
     """What the policy decided and how it turned out (exported as metrics)."""
 
     steps_by_draft_len: list[int] = field(default_factory=list)  # request-steps per K
+    steps_by_step_k: list[int] = field(default_factory=list)  # steps per step K (max of K)
+    probe_steps: int = 0  # steps the goodput policy spent measuring a K it did not prefer
     last_draft_lens: list[int] = field(default_factory=list)
     predicted_goodput: float = 0.0  # tokens/s the policy expected of the last step
     observed_goodput: float = 0.0  # tokens/s the last step delivered
@@ -35,6 +37,12 @@ class PolicyTrace:
             while len(self.steps_by_draft_len) <= k:
                 self.steps_by_draft_len.append(0)
             self.steps_by_draft_len[k] += 1
+        if not draft_lens:
+            return
+        step_k = max(draft_lens)
+        while len(self.steps_by_step_k) <= step_k:
+            self.steps_by_step_k.append(0)
+        self.steps_by_step_k[step_k] += 1
 
 
 class SpeculationPolicy(ABC):
@@ -95,85 +103,175 @@ class PerRequestPolicy(SpeculationPolicy):
 
 
 class GoodputPolicy(SpeculationPolicy):
-    """Maximizes sum_r E[tokens_r(k_r)] / step_ms(k).
+    """One draft length K per step, the one with the most expected committed tokens per
+    millisecond: sum_r E_r[tokens | min(K, cap_r) drafts] / period(batch, K).
 
-    Each extra draft of request r at depth j adds prod_{i<=j} alpha_r[i] expected tokens and
-    one token to the verify pass (plus drafter work). Increments are taken in order of their
-    expected gain; the best prefix of that order, and every uniform K, are evaluated under
-    the cost model and the best one wins (so it never does worse than any fixed K under the
-    model, K=0 included).
+    Why one K per step: verify steps are padded to the longest draft (one CUDA graph per
+    tokens per request) and the drafter's fastest path is a uniform chain, so a step with
+    mixed draft lengths costs what its longest one costs; shorter drafts for some requests
+    only lose their expected tokens. Periods are whole-step wall-clock times from the cost
+    model's online table (host work, padding and overlap included), so a K whose steps cost
+    more than their tokens repay is dropped. Where verify steps are not padded (no graphs,
+    or prefill in the step), drafts whose expected gain does not pay for their share of the
+    target's time are then trimmed per request (lowest gain first), and a trimmed request
+    drafts fully once every REQUEST_PROBE_EVERY steps so that its estimate stays fresh.
+
+    Probing keeps every K's cost and acceptance known: a K not preferred runs for
+    PROBE_STEPS consecutive steps (only the last is a steady observation) once it has not
+    run for an interval set so that probing it costs about PROBE_BUDGET of throughput under
+    the model (longer the worse it is), at least PROBE_EVERY steps. A K > 0 whose
+    expected gain is under PROBE_MIN_GAIN tokens per request is not probed. Switching the
+    preferred K needs a HYSTERESIS margin, so noise does not flap it.
     """
 
-    PROBE_EVERY = 32  # steps short of full depth before a full-depth probe
-    PROBE_MIN_ALPHA = 0.1  # no probe once a request's first-draft acceptance is below this
+    HYSTERESIS = 0.03
+    PROBE_STEPS = 2
+    PROBE_EVERY = 16  # the shortest interval between probes of one K
+    PROBE_BUDGET = 0.005  # the share of throughput probing one K may cost
+    PROBE_MAX_INTERVAL = 4096
+    UNSEEN_GAP = 0.5  # never-measured K within this relative gap: measured at once
+    UNSEEN_RETRY = 8  # steps before a probe that brought no observation is retried (x2 each)
+    PROBE_MIN_GAIN = 0.1
+    REQUEST_PROBE_EVERY = 32
+    PROBE_MIN_ALPHA = 0.1
 
     def __init__(self, k_max: int, cost: StepCostModel, acceptance: AcceptanceModel):
         super().__init__(k_max)
         self.cost = cost
         self.acceptance = acceptance
-        self._idle: dict[str, int] = {}  # steps since each request drafted at full depth
+        self.num_steps = 0
+        self._preferred: dict[int, int] = {}  # batch bucket -> K in use
+        self._first_step: dict[int, int] = {}  # batch bucket -> step it was first seen
+        self._last_run: dict[tuple[int, int], int] = {}  # (bucket, K) -> last step chosen
+        self._unseen_tries: dict[tuple[int, int], int] = {}
+        self._probe: tuple[int, int, int] | None = None  # (bucket, K, steps left)
+        self._idle: dict[str, int] = {}  # steps each request was trimmed (unpadded)
 
     def choose(self, reqs, extra_tokens=0):
         n = len(reqs)
         if n == 0:
             return []
-        alphas = [self.acceptance.alpha(r.request_id) for r in reqs]
+        self.num_steps += 1
         caps = [min(self.k_max, r.max_useful_drafts) for r in reqs]
-        base = n + extra_tokens
+        cums = [self.acceptance.cumulative(r.request_id) for r in reqs]
+        k_top = max(caps)
+        tokens = self._tokens(cums, caps, k_top)
+        costs = [self.cost.period_ms(n, k, extra_tokens) for k in range(k_top + 1)]
+        trimmed = None
+        if k_top and (not self.cost.padded or extra_tokens):
+            trimmed = [self._trim(cums, caps, k, extra_tokens) for k in range(k_top + 1)]
+            tokens = [t for _, t, _ in trimmed]
+            costs = [ms for _, _, ms in trimmed]
+        goodput = [t / ms for t, ms in zip(tokens, costs)]
+        bucket = batch_bucket(n)
+        self._first_step.setdefault(bucket, self.num_steps)
+        k = self._preferred_k(bucket, goodput)
+        k = self._probe_k(bucket, k, n, tokens, costs)
+        self._last_run[(bucket, k)] = self.num_steps
+        ks = [min(k, c) for c in caps]
+        if trimmed is not None:
+            ks = self._request_probe(reqs, ks, list(trimmed[k][0]))
+        self.predicted_tokens = sum(c[k] for c, k in zip(cums, ks))
+        self.predicted_ms = self.cost.step_ms(ks, extra_tokens)
+        return ks
 
-        def evaluate(ks: list[int]) -> tuple[float, float, float]:
-            tokens = float(n)
-            for a, k in zip(alphas, ks):
-                run = 1.0
-                for x in a[:k]:
-                    run *= x
-                    tokens += run
-            ms = self.cost.step_ms(base + sum(ks), ks)
-            return tokens / ms, tokens, ms
+    @staticmethod
+    def _tokens(cums: list[list[float]], caps: list[int], k_top: int) -> list[float]:
+        """Expected committed tokens of the step at each uniform K = 0..k_top."""
+        full = [c for c, cap in zip(cums, caps) if cap >= k_top]
+        tokens = [sum(col) for col, _ in zip(zip(*full), range(k_top + 1))] if full else []
+        tokens += [0.0] * (k_top + 1 - len(tokens))
+        for c, cap in zip(cums, caps):
+            if cap < k_top:
+                for k in range(k_top + 1):
+                    tokens[k] += c[min(k, cap)]
+        return tokens
 
-        best_ks = [0] * n
-        best = evaluate(best_ks)
-        for k in range(1, self.k_max + 1):
-            ks = [min(k, c) for c in caps]
-            score = evaluate(ks)
-            if score[0] > best[0]:
-                best, best_ks = score, ks
-        # Greedy by marginal gain, incremental in tokens, time and drafter batch counts.
-        increments = []
-        for r, (a, cap) in enumerate(zip(alphas, caps)):
-            run = 1.0
-            for j in range(cap):
-                run *= a[j]
-                increments.append((-run, j, r))
-        increments.sort()
-        ks = [0] * n
-        counts = [0] * self.k_max
-        tokens, extra = float(n), 0
-        drafter = self.cost.drafter
-        draft_ms = 0.0
-        for neg_gain, j, r in increments:
-            ks[r] = j + 1
-            tokens -= neg_gain
-            extra += 1
-            if drafter is not None:
-                draft_ms += drafter(counts[j] + 1) - drafter(counts[j])
-            counts[j] += 1
-            ms = self.cost.target(base + extra) + draft_ms
-            if tokens / ms > best[0]:
-                best, best_ks = (tokens / ms, tokens, ms), list(ks)
-        self.predicted_tokens, self.predicted_ms = best[1], best[2]
-        return self._probe(reqs, alphas, caps, best_ks)
+    def _preferred_k(self, bucket: int, goodput: list[float]) -> int:
+        best = max(range(len(goodput)), key=goodput.__getitem__)
+        current = self._preferred.get(bucket)
+        if current is not None and current < len(goodput):
+            if goodput[best] <= goodput[current] * (1 + self.HYSTERESIS):
+                best = current
+        self._preferred[bucket] = best
+        return best
 
-    def _probe(self, reqs, alphas, caps, ks: list[int]) -> list[int]:
-        """Acceptance is only observed at the depths drafted: a request that has not drafted
-        at full depth for PROBE_EVERY steps does so once (every position's estimate is
-        refreshed), unless its first drafts have proven useless, so a pessimistic estimate
-        cannot keep speculation shallow or off for good."""
+    def _probe_k(self, bucket: int, best: int, n: int, tokens, costs) -> int:
+        """The K to run this step: `best`, or a probe that is due (the most overdue)."""
+        goodput = [t / ms for t, ms in zip(tokens, costs)]
+        if self._probe is not None:
+            p_bucket, p_k, left = self._probe
+            if p_bucket == bucket and p_k < len(goodput) and left > 0:
+                self._probe = (bucket, p_k, left - 1)
+                return p_k
+            self._probe = None
+        due, probe = 0.0, None
+        for k, g in enumerate(goodput):
+            if k == best or (k and tokens[k] - tokens[0] < self.PROBE_MIN_GAIN * n):
+                continue
+            gap = max(0.0, 1.0 - g / goodput[best]) if goodput[best] > 0 else 0.0
+            age = self.num_steps - self._last_run.get((bucket, k), self._first_step[bucket])
+            if not self.cost.observations(n, k) and gap < self.UNSEEN_GAP:
+                tries = self._unseen_tries.get((bucket, k), 0)
+                interval = 0 if tries == 0 else self.UNSEEN_RETRY << min(tries, 9)
+            else:
+                # A probe costs PROBE_STEPS * gap * costs[k] of time; spread it out so that
+                # it is PROBE_BUDGET of the time spent at `best` in between.
+                interval = self.PROBE_STEPS * gap * costs[k] / (costs[best] * self.PROBE_BUDGET)
+                interval = min(max(interval, self.PROBE_EVERY), self.PROBE_MAX_INTERVAL)
+            if age >= interval and (probe is None or age - interval > due):
+                due, probe = age - interval, k
+        if probe is None:
+            return best
+        if not self.cost.observations(n, probe):
+            self._unseen_tries[(bucket, probe)] = self._unseen_tries.get((bucket, probe), 0) + 1
+        self._probe = (bucket, probe, self.PROBE_STEPS - 1)
+        self.trace.probe_steps += self.PROBE_STEPS
+        return probe
+
+    def _trim(self, cums, caps, k: int, extra_tokens: int) -> tuple[list[int], float, float]:
+        """Unpadded verify steps at K = k: drop the drafts of lowest expected gain while that
+        raises the step's expected goodput (each dropped draft saves its target time).
+        Returns (draft lengths, expected tokens, ms)."""
+        ks = [min(k, c) for c in caps]
+        tokens = sum(c[kr] for c, kr in zip(cums, ks))
+        ms = self.cost.step_ms(ks, extra_tokens)
+        if not k:
+            return ks, tokens, ms
+        drops = sorted(
+            (c[j + 1] - c[j], -j, r) for r, (c, kr) in enumerate(zip(cums, ks)) for j in range(kr)
+        )
+        target, period = self.cost.target, self.cost.period_ms(len(ks), k, extra_tokens)
+        full = len(ks) * (k + 1) + extra_tokens
+        capped = len(ks) * k - sum(ks)  # drafts short of k already (max_useful_drafts)
+        left = tokens
+        best, best_count = tokens / ms, 0
+        for count, (gain, _, _) in enumerate(drops, 1):
+            left -= gain
+            step_ms = period - (target(full) - target(full - capped - count))
+            if step_ms > 0 and left / step_ms > best:
+                best, best_count = left / step_ms, count
+        if not best_count:
+            return ks, tokens, ms
+        trimmed = list(ks)
+        for _, neg_j, r in drops[:best_count]:
+            trimmed[r] = min(trimmed[r], -neg_j)
+        trimmed_tokens = sum(c[kr] for c, kr in zip(cums, trimmed))
+        trimmed_ms = self.cost.step_ms(trimmed, extra_tokens)
+        if trimmed_tokens / trimmed_ms < tokens / ms:  # its K changed, and the table says no
+            return ks, tokens, ms
+        return trimmed, trimmed_tokens, trimmed_ms
+
+    def _request_probe(self, reqs, full: list[int], ks: list[int]) -> list[int]:
+        """Acceptance is only observed at the depths drafted: a request trimmed below the
+        step's K for REQUEST_PROBE_EVERY steps drafts fully once, unless its first drafts
+        have proven useless, so a pessimistic estimate cannot keep it shallow for good."""
         idle = {}
         for i, r in enumerate(reqs):
-            n = 0 if ks[i] >= caps[i] else self._idle.get(r.request_id, 0) + 1
-            if n >= self.PROBE_EVERY and caps[i] and alphas[i][0] >= self.PROBE_MIN_ALPHA:
-                ks[i], n = caps[i], 0
-            idle[r.request_id] = n
+            steps = 0 if ks[i] >= full[i] else self._idle.get(r.request_id, 0) + 1
+            alpha0 = self.acceptance.alpha(r.request_id)[0] if self.k_max else 0.0
+            if steps >= self.REQUEST_PROBE_EVERY and alpha0 >= self.PROBE_MIN_ALPHA:
+                ks[i], steps = full[i], 0
+            idle[r.request_id] = steps
         self._idle = idle
         return ks

@@ -45,6 +45,9 @@ class Speculator:
             )
         self.cost: StepCostModel | None = None
         self.policy: SpeculationPolicy = OffPolicy(self.k_max)
+        self._last_shape: tuple[int, int] | None = None  # (decoding requests, K) of the last step
+        self._last_resolved_s: float | None = None
+        self._last_committed = 0
 
     def start(self, engine: LLMEngine) -> None:
         """Build the policy once the target runs as it will serve (graphs captured), so the
@@ -68,7 +71,8 @@ class Speculator:
         return GoodputPolicy(self.k_max, self.cost, self.acceptance)
 
     def measure_costs(self, engine: LLMEngine) -> StepCostModel:
-        """Time the target by tokens per step and the drafter by batch on this machine."""
+        """Seed the step cost model: the target timed by tokens per step and the drafter by
+        batch on this machine; real steps' periods refine it (`observe_period`)."""
         runner = engine.runner
         limit = min(
             engine.config.max_num_batched_tokens,
@@ -79,7 +83,8 @@ class Speculator:
         timer = self.proposer.step_timer()
         if timer is not None:
             drafter = measure_curve(timer, powers_of_two(engine.config.max_num_seqs))
-        return StepCostModel(target, drafter)
+        # With CUDA graphs, decode/verify steps pad every request to the step's longest draft.
+        return StepCostModel(target, drafter, padded=runner.graphs is not None)
 
     def observe(
         self,
@@ -88,26 +93,46 @@ class Speculator:
         draft_ms: float,
         target_ms: float,
     ) -> None:
-        """After a step: acceptance per request, cost-model refinement, decision trace."""
+        """After a step: acceptance per request, decision trace."""
         decoding = [s for s in batch if s.decoding]
         for s in decoding:
             if s.drafts:
                 self.acceptance.update(
                     s.request.request_id, len(s.drafts), committed.get(id(s), 1) - 1
                 )
-        lens = [len(s.drafts) for s in decoding]
-        self.policy.trace.record(lens)
-        if self.cost is not None:
-            self.cost.target.observe(sum(s.num_tokens + len(s.drafts) for s in batch), target_ms)
-            if self.cost.drafter is not None and any(lens):
-                self.cost.drafter.observe(sum(1 for k in lens if k), draft_ms / max(lens))
+        self.policy.trace.record([len(s.drafts) for s in decoding])
+        self._last_committed = sum(committed.values())
         total_ms = draft_ms + target_ms
         if total_ms > 0:
-            self.policy.trace.observed_goodput = sum(committed.values()) / total_ms * 1e3
+            self.policy.trace.observed_goodput = self._last_committed / total_ms * 1e3
         if self.policy.predicted_ms > 0:
             self.policy.trace.predicted_goodput = (
                 self.policy.predicted_tokens / self.policy.predicted_ms * 1e3
             )
+
+    def observe_period(
+        self, batch: list[ScheduledRequest], resolved_s: float, after_idle: bool
+    ) -> None:
+        """A step's period: from the previous step's tokens reaching the host to its own
+        (`resolved_s`, perf_counter seconds), which is what a step costs in throughput under
+        the synchronous and the overlapped loop alike. Steps are processed in launch order.
+        Recorded in the cost model by (decoding requests, K) only for a decode-only step
+        that follows one of the same K (a switch of K pays one-off costs: a longer drafter
+        catch-up, a host wait the overlap would have hidden) and not after an idle engine."""
+        decoding = [s for s in batch if s.decoding]
+        shape = None
+        if decoding and len(decoding) == len(batch):
+            shape = (len(decoding), max(len(s.drafts) for s in decoding))
+        prev_shape, prev_s = self._last_shape, self._last_resolved_s
+        self._last_shape, self._last_resolved_s = shape, resolved_s
+        if after_idle or shape is None or prev_shape is None or prev_s is None:
+            return
+        if shape[1] != prev_shape[1] or resolved_s <= prev_s:
+            return
+        period_ms = (resolved_s - prev_s) * 1e3
+        self.policy.trace.observed_goodput = self._last_committed / period_ms * 1e3
+        if self.cost is not None:
+            self.cost.observe(shape[0], shape[1], period_ms)
 
     def stats(self) -> dict:
         """Speculation figures for metrics: decisions, acceptance, goodput."""
@@ -116,6 +141,8 @@ class Speculator:
             "spec_policy": type(self.policy).__name__,
             "spec_simulated_acceptance": self.simulate_rate is not None,
             "spec_steps_by_draft_len": list(trace.steps_by_draft_len),
+            "spec_steps_by_step_k": list(trace.steps_by_step_k),
+            "spec_probe_steps": trace.probe_steps,
             "spec_last_draft_lens": list(trace.last_draft_lens),
             "spec_predicted_goodput": trace.predicted_goodput,
             "spec_observed_goodput": trace.observed_goodput,
