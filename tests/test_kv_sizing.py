@@ -40,6 +40,9 @@ def test_cuda_takes_a_fraction_of_free_memory(monkeypatch):
     assert _pages(CUDA, kv_cache_bytes=3 * PAGE) == 3  # an explicit budget still wins
     _fake_cuda(monkeypatch, 600 * PAGE, 4000 * PAGE, cached=400 * PAGE)
     assert _pages(CUDA) == 900  # memory cached by PyTorch's allocator but unused counts
+    # Never more than max_num_seqs sequences at full context (256 positions) can use:
+    # 2 sequences of ceil((256 + 2) / 16) = 17 pages, and the scratch page.
+    assert _pages(CUDA, max_num_seqs=2) == 2 * 17 + 1
 
 
 def test_cuda_budget_leaves_room_for_the_eagle3_head(monkeypatch, tmp_path_factory):

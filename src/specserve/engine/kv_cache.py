@@ -120,7 +120,8 @@ def kv_cache_pages(
     `num_kv_pages` when given, else what `kv_cache_bytes` buys; without either, on CUDA
     `kv_cache_memory_fraction` of the device memory free now (the target's weights are
     loaded), less the drafter's weights, divided by the bytes a page costs in the target's
-    and the drafter's pools together; the rest is left to CUDA graphs and activations.
+    and the drafter's pools together; the rest is left to CUDA graphs and activations. It is
+    capped at what max_num_seqs sequences of full context could use (small models).
     Elsewhere 256 MiB. The size is logged."""
     page_bytes = config.page_size * model_cfg.kv_bytes_per_token(dtype)
     if config.num_kv_pages is not None:
@@ -136,10 +137,15 @@ def kv_cache_pages(
         free_bytes += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
         budget = int(config.kv_cache_memory_fraction * free_bytes) - drafter_weight_bytes
         per_page = page_bytes + config.page_size * drafter_token_bytes
-        pages = max(budget, 0) // per_page
+        # No more than every sequence at full context (plus its draft lookahead) can use.
+        max_len = min(config.max_model_len or model_cfg.max_position_embeddings,
+                      model_cfg.max_position_embeddings)
+        lookahead = 2 * (config.speculative_num_steps + 1) if config.speculative_algorithm else 2
+        usable = config.max_num_seqs * -(-(max_len + lookahead) // config.page_size) + 1
+        pages = min(max(budget, 0) // per_page, usable)
         source = (f"{config.kv_cache_memory_fraction:.2f} of {free_bytes / 2**30:.1f} GiB free "
-                  f"(of {total_bytes / 2**30:.1f} GiB), drafter weights "
-                  f"{drafter_weight_bytes / 2**30:.2f} GiB, drafter KV "
+                  f"(of {total_bytes / 2**30:.1f} GiB), at most {usable} pages usable, drafter "
+                  f"weights {drafter_weight_bytes / 2**30:.2f} GiB, drafter KV "
                   f"{pages * config.page_size * drafter_token_bytes / 2**30:.2f} GiB")
     log.info("KV cache: %d pages of %d tokens, %d tokens, %.2f GiB (%s)", pages,
              config.page_size, pages * config.page_size, pages * page_bytes / 2**30, source)
