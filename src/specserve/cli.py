@@ -14,7 +14,10 @@ _HELP = {
     "dtype": "compute dtype: auto, float32, float16, bfloat16",
     "device": "auto, cpu, cuda, cuda:N",
     "page_size": "tokens per KV cache page",
-    "kv_cache_bytes": "KV cache memory budget in bytes",
+    "kv_cache_bytes": "KV cache memory budget in bytes (default: 256 MiB on CPU; on CUDA "
+    "--kv-cache-memory-fraction of the free memory)",
+    "kv_cache_memory_fraction": "on CUDA without --kv-cache-bytes: the share of the GPU memory "
+    "free after loading the weights that the KV cache takes",
     "num_kv_pages": "KV cache size in pages (overrides --kv-cache-bytes)",
     "max_num_seqs": "most requests running at once",
     "max_num_batched_tokens": "per-step token budget; longer prefills are chunked",
@@ -28,6 +31,9 @@ _HELP = {
     "speculative_schedule": "batch size -> K table for the schedule policy, e.g. 1:4,16:2,64:0",
     "attention_backend": "auto (triton on CUDA, torch on CPU), torch, triton",
     "disable_cuda_graph": "run every step eagerly (debugging)",
+    "overlap_schedule": "auto (on for CUDA, off on CPU), on, off: build step N+1 on the CPU "
+    "while step N runs",
+    "disable_overlap_schedule": "the synchronous step loop (same as --overlap-schedule off)",
     "cuda_graph_max_batch": "largest batch bucket captured as a CUDA graph",
     "speculative_simulate_acceptance": "BENCHMARKING ONLY: replace acceptance by seeded draws "
     "(rate per token <= 1, or mean acceptance length > 1); outputs are not the model's",
