@@ -164,8 +164,8 @@ def test_reprobes_and_follows_a_change_in_costs():
     probes = sum(1 for k in late if k)
     assert 0 < probes <= 0.05 * len(late)  # still probed, rarely
     cheap = lambda n, k: 5.0 + 0.1 * k  # noqa: E731 (speculation nearly free now)
-    chosen, _ = _run(policy, acc, 64, 600, true_ms=cheap, seed=1)
-    assert chosen[-100:].count(3) >= 90
+    chosen, _ = _run(policy, acc, 64, 1500, true_ms=cheap, seed=1)
+    assert chosen[-200:].count(3) >= 180
 
 
 def test_noise_does_not_flap_the_choice():

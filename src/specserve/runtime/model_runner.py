@@ -2,24 +2,25 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass
+from itertools import chain
 
 import torch
 
 from specserve.engine.kv_cache import KVCache
 from specserve.engine.scheduler import ScheduledRequest
 from specserve.layers.attention import AttentionBackend, AttentionMetadata
-from specserve.layers.sampler import build_sampling_tensors, sample
+from specserve.layers.sampler import SamplingTensors, sample
 from specserve.model.llama import LlamaForCausalLM
 from specserve.runtime.cuda_graphs import CudaGraphRunner
-from specserve.runtime.packing import Segment, pack, to_device, to_device_tensor
+from specserve.runtime.packing import Segment, pack, to_device
 from specserve.runtime.sampled_tokens import (
     SampledTokens,
     StepResult,
     TokenLogprobs,
     logprob_tensors,
 )
-from specserve.spec.verify import verify
+from specserve.spec.verify import verify, verify_greedy
 
 __all__ = ["ModelRunner", "PrevTokens", "StepInput", "StepResult", "TokenLogprobs"]
 
@@ -122,34 +123,52 @@ class ModelRunner:
         self, step: StepInput, hidden: torch.Tensor, simulate_rate: float | None = None
     ) -> SampledTokens:
         """Draw each sampled request's tokens (plainly, or by verifying its drafts) and start
-        copying them to the host; nothing here waits for the device."""
+        copying them to the host; nothing here waits for the device. The step's host data
+        (logit rows, drafts, draft lengths, sampling parameters) goes to the device in one
+        pinned copy of integers and, when a request samples, one of floats."""
         device = self.device
-        if not step.sampled:
+        sampled = step.sampled
+        if not sampled:
             return SampledTokens(torch.zeros(0, 1, dtype=torch.int64, device=device), None, [])
-        reqs = [s.request for s in step.sampled]
-        logits = self.model.compute_logits(hidden[to_device(step.sample_rows, device)])
+        reqs = [s.request for s in sampled]
         want = [r.params.logprobs for r in reqs]
-        k_max = max(len(s.drafts) for s in step.sampled)
-        if k_max == 0 and all(r.params.temperature == 0 for r in reqs):
+        lens = [len(s.drafts) for s in sampled]
+        k_max = max(lens)
+        greedy = all(r.params.temperature == 0 for r in reqs)
+        if k_max == 0 and greedy:
+            logits = self.model.compute_logits(hidden[to_device(step.sample_rows, device)])
             tokens = logits.argmax(dim=-1)[:, None]  # the sampler's greedy rows, no tensors
             return self._with_logprobs(step, logits, tokens, None, want, 0)
-        st = build_sampling_tensors(
-            [r.params for r in reqs],
-            [r.seed for r in reqs],
-            [r.committed_len for r in reqs],
-            torch.device("cpu"),
-        )
-        # Pinned staging: a copy from pageable memory may wait for the device.
-        st = replace(st, **{
-            f.name: to_device_tensor(getattr(st, f.name), device)
-            for f in fields(st) if isinstance(getattr(st, f.name), torch.Tensor)
-        })  # fmt: skip
+        num, width = len(sampled), k_max + 1
+        uniform = all(k == k_max for k in lens)
+        drafts = list(chain.from_iterable(s.drafts for s in sampled))
+        index = []  # logit row of each (request, j <= K), repeating the last for short drafts
+        if not uniform:
+            drafts, offset = [], 0
+            for s, k in zip(sampled, lens):
+                index += [offset + min(j, k) for j in range(width)]
+                drafts += s.drafts + [0] * (k_max - k)
+                offset += k + 1
+        ints = [step.sample_rows, index, drafts, lens, [r.seed for r in reqs],
+                [r.committed_len for r in reqs]]  # fmt: skip
+        if not greedy:
+            ints.append([r.params.top_k for r in reqs])
+        rows_t, index_t, drafts_t, lens_t, seeds, positions, *top_k = _upload(ints, device)
+        logits = self.model.compute_logits(hidden[rows_t])
+        st = None if greedy else _sampling_tensors(reqs, seeds, positions, top_k[0], device)
         if k_max == 0:
-            tokens, accept_len = sample(logits, st)[:, None], None
+            return self._with_logprobs(step, logits, sample(logits, st)[:, None], None, want, 0)
+        vocab = logits.shape[-1]
+        padded = (logits if uniform else logits[index_t]).view(num, width, vocab)
+        drafts_t = drafts_t.view(num, k_max)
+        if st is None and all(s.draft_probs is None for s in sampled):
+            result = verify_greedy(padded, drafts_t, lens_t, seeds, positions, simulate_rate)
         else:
-            result = self._verify(step.sampled, logits, st, k_max, simulate_rate)
-            tokens, accept_len = result.tokens, result.accept_len
-        return self._with_logprobs(step, logits, tokens, accept_len, want, k_max)
+            if st is None:
+                st = _sampling_tensors(reqs, seeds, positions, torch.zeros_like(seeds), device)
+            probs = self._draft_probs(sampled, drafts_t, k_max, vocab)
+            result = verify(padded, drafts_t, lens_t, st, probs, simulate_rate)
+        return self._with_logprobs(step, logits, result.tokens, result.accept_len, want, k_max)
 
     def _with_logprobs(self, step, logits, tokens, accept_len, want, k_max) -> SampledTokens:
         device = self.device
@@ -167,30 +186,52 @@ class ModelRunner:
         lp = logprob_tensors(logits, chosen, max(w or 0 for w in want))
         return SampledTokens(tokens, accept_len, want, lp, lp_rows)
 
-    def _verify(self, sampled, logits, st, k_max, simulate_rate):
-        num = len(sampled)
-        vocab = logits.shape[-1]
-        index, drafts, lens = [], [], []
-        offset = 0
-        for s in sampled:
+    def _draft_probs(self, sampled, drafts_t, k_max: int, vocab: int) -> torch.Tensor | None:
+        """[R, K, V] drafter distributions (point masses for deterministic drafts), or None
+        when no request's drafter drew from a distribution."""
+        if all(s.draft_probs is None for s in sampled):
+            return None
+        probs = torch.zeros(len(sampled), k_max, vocab, device=self.device)
+        for i, s in enumerate(sampled):
             k = len(s.drafts)
-            index += [offset + min(j, k) for j in range(k_max + 1)]
-            drafts += s.drafts + [0] * (k_max - k)
-            lens.append(k)
-            offset += k + 1
-        padded = logits[to_device(index, self.device)].view(num, k_max + 1, vocab)
-        draft_t = to_device(drafts, self.device).view(num, k_max)
-        lens_t = to_device(lens, self.device)
-        probs = None
-        if any(s.draft_probs is not None for s in sampled):
-            probs = torch.zeros(num, k_max, vocab, device=self.device)
-            for i, s in enumerate(sampled):
-                k = len(s.drafts)
-                if s.draft_probs is not None:
-                    probs[i, :k] = s.draft_probs[:k]
-                elif k:
-                    probs[i, torch.arange(k), draft_t[i, :k]] = 1.0
-        return verify(padded, draft_t, lens_t, st, probs, simulate_rate)
+            if s.draft_probs is not None:
+                probs[i, :k] = s.draft_probs[:k]
+            elif k:
+                probs[i, torch.arange(k), drafts_t[i, :k]] = 1.0
+        return probs
+
+
+def _upload(lists: list[list], device: torch.device) -> list[torch.Tensor]:
+    """Integer lists on the device through one pinned copy; a view per list, in order."""
+    flat = to_device(list(chain.from_iterable(lists)), device)
+    views, start = [], 0
+    for values in lists:
+        views.append(flat[start : start + len(values)])
+        start += len(values)
+    return views
+
+
+def _sampling_tensors(reqs, seeds, positions, top_k, device) -> SamplingTensors:
+    """`layers.sampler.build_sampling_tensors` with the integer fields already on the device
+    (uploaded with the step's other integers) and the float fields in one more copy."""
+    params = [r.params for r in reqs]
+    temps = [p.temperature for p in params]
+    top_p = [p.top_p for p in params]
+    min_p = [p.min_p for p in params]
+    floats = to_device(temps + top_p + min_p, device, torch.float32)
+    n = len(params)
+    on = [t > 0 for t in temps]
+    return SamplingTensors(
+        temperature=floats[:n],
+        top_k=top_k,
+        top_p=floats[n : 2 * n],
+        min_p=floats[2 * n :],
+        seeds=seeds,
+        positions=positions,
+        all_greedy=not any(on),
+        any_top_k_or_p=any(o and (p.top_k > 0 or p.top_p < 1.0) for o, p in zip(on, params)),
+        any_min_p=any(o and p.min_p > 0 for o, p in zip(on, params)),
+    )
 
 
 @torch.inference_mode()

@@ -71,22 +71,34 @@ class AcceptanceModel:
 
     def update(self, request_id: str, drafted: int, accepted: int) -> None:
         """Record a verify step: positions 1..accepted accepted, accepted+1 rejected."""
-        prior = self.global_alpha  # a request's prior: the global estimate before this step
-        hits, seen = self._counts.setdefault(request_id, ([0.0] * self.k_max, [0.0] * self.k_max))
+        self.update_many([(request_id, drafted, accepted)])
+
+    def update_many(self, steps: list[tuple[str, int, int]]) -> None:
+        """Record one engine step's verify results, (request_id, drafted, accepted) each;
+        every request's prior is the global estimate before the step."""
+        if not steps:
+            return
+        prior, k_max, m = self.global_alpha, self.k_max, self.PRIOR_WEIGHT
         d, gd = self.decay, self.global_decay
-        for j in range(min(accepted + 1, drafted, self.k_max)):
-            hit = 1.0 if j < accepted else 0.0
-            hits[j] = hits[j] * d + hit
-            seen[j] = seen[j] * d + 1.0
-            self._global_hits[j] = self._global_hits[j] * gd + hit
-            self._global_seen[j] = self._global_seen[j] * gd + 1.0
-            self.position_drafted[j] += 1
-            self.position_accepted[j] += int(hit)
-        m = self.PRIOR_WEIGHT
-        self._per_request[request_id] = [
-            (h + m * g) / (n + m) for h, n, g in zip(hits, seen, prior)
-        ]  # fmt: skip
-        self._cumulative.pop(request_id, None)
+        g_hits, g_seen = self._global_hits, self._global_seen
+        drafted_at, accepted_at = self.position_drafted, self.position_accepted
+        for request_id, drafted, accepted in steps:
+            counts = self._counts.get(request_id)
+            if counts is None:
+                counts = self._counts[request_id] = ([0.0] * k_max, [0.0] * k_max)
+            hits, seen = counts
+            for j in range(min(accepted + 1, drafted, k_max)):
+                hit = j < accepted
+                hits[j] = hits[j] * d + hit
+                seen[j] = seen[j] * d + 1.0
+                g_hits[j] = g_hits[j] * gd + hit
+                g_seen[j] = g_seen[j] * gd + 1.0
+                drafted_at[j] += 1
+                accepted_at[j] += hit
+            self._per_request[request_id] = [
+                (h + m * g) / (n + m) for h, n, g in zip(hits, seen, prior)
+            ]  # fmt: skip
+            self._cumulative.pop(request_id, None)
         self._global_alpha = self._global_cumulative = None
 
     def forget(self, request_id: str) -> None:

@@ -53,9 +53,9 @@ class StepCostModel:
 
     period(n, K) = seed(n, K) * ratio[bucket(n), K]; seed = target(n (K+1)) + K drafter(n).
     A cell without observations borrows the ratio of the nearest observed bucket with the
-    same K (1.0 when there is none). `padded`: verify steps pad every request to K drafts
-    (CUDA graphs), so shorter drafts save nothing; otherwise each draft not verified saves
-    its share of the target's time.
+    same K, else of the nearest observed K at its bucket, else 1.0. `padded`: verify steps
+    pad every request to K drafts (CUDA graphs), so shorter drafts save nothing; otherwise
+    each draft not verified saves its share of the target's time.
     """
 
     WEIGHT = 0.15  # EWMA weight of an observation in a cell observed every step
@@ -82,10 +82,14 @@ class StepCostModel:
         if r is not None:
             return r
         seen = [b for (b, kk) in self._ratio if kk == k]
-        if not seen:
-            return 1.0
-        nearest = min(seen, key=lambda b: (abs(b.bit_length() - bucket.bit_length()), b))
-        return self._ratio[(nearest, k)]
+        if seen:
+            nearest = min(seen, key=lambda b: (abs(b.bit_length() - bucket.bit_length()), b))
+            return self._ratio[(nearest, k)]
+        # Host overhead missing from the seeds is shared by every K of a batch size.
+        here = [kk for (b, kk) in self._ratio if b == bucket]
+        if here:
+            return self._ratio[(bucket, min(here, key=lambda kk: (abs(kk - k), kk)))]
+        return 1.0
 
     def period_ms(self, n: int, k: int, extra_tokens: int = 0) -> float:
         """A step of n requests all drafting k, plus prefill tokens."""

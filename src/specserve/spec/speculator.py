@@ -95,11 +95,10 @@ class Speculator:
     ) -> None:
         """After a step: acceptance per request, decision trace."""
         decoding = [s for s in batch if s.decoding]
-        for s in decoding:
-            if s.drafts:
-                self.acceptance.update(
-                    s.request.request_id, len(s.drafts), committed.get(id(s), 1) - 1
-                )
+        self.acceptance.update_many([
+            (s.request.request_id, len(s.drafts), committed.get(id(s), 1) - 1)
+            for s in decoding if s.drafts
+        ])  # fmt: skip
         self.policy.trace.record([len(s.drafts) for s in decoding])
         self._last_committed = sum(committed.values())
         total_ms = draft_ms + target_ms

@@ -30,11 +30,34 @@ class VerifyResult:
     accept_len: torch.Tensor  # [R] int64
 
 
-def _uniforms(st: SamplingTensors, k_max: int, stream: int) -> torch.Tensor:
+def _uniforms(seeds: torch.Tensor, positions: torch.Tensor, k_max: int, stream: int):
     """[R, K] uniforms, one per draft position, from (seed, position, stream)."""
-    counters = st.positions[:, None] + torch.arange(k_max, device=st.positions.device)
-    seeds = (st.seeds + stream * 0x632BE5AB)[:, None].expand(-1, k_max)
+    counters = positions[:, None] + torch.arange(k_max, device=positions.device)
+    seeds = (seeds + stream * 0x632BE5AB)[:, None].expand(-1, k_max)
     return hash_uniform(seeds.reshape(-1), counters.reshape(-1), 1).view(-1, k_max)
+
+
+def verify_greedy(
+    target_logits: torch.Tensor,
+    drafts: torch.Tensor,
+    draft_lens: torch.Tensor,
+    seeds: torch.Tensor | None = None,
+    positions: torch.Tensor | None = None,
+    simulate_rate: float | None = None,
+) -> VerifyResult:
+    """`verify` for rows that are all greedy: accept drafts while they equal the target's
+    argmax, then its argmax as the bonus. Needs no sampling tensors (seeds and positions
+    only to simulate acceptance), so a greedy speculative step uploads almost nothing."""
+    k_max = target_logits.shape[1] - 1
+    valid = torch.arange(k_max, device=drafts.device)[None, :] < draft_lens[:, None]  # [R, K]
+    greedy_choice = target_logits.argmax(dim=-1)  # [R, K+1]
+    if simulate_rate is None:
+        ok = (drafts == greedy_choice[:, :k_max]) & valid
+    else:
+        ok = (_uniforms(seeds, positions, k_max, SIMULATE_STREAM) < simulate_rate) & valid
+    accept_len = ok.long().cumprod(dim=1).sum(dim=1)
+    bonus = greedy_choice.gather(1, accept_len[:, None])[:, 0]
+    return VerifyResult(_assemble(drafts, bonus, accept_len), accept_len)
 
 
 def verify(
@@ -55,20 +78,16 @@ def verify(
     replaces each acceptance decision by a seeded draw with that probability (benchmarking
     random-weight models only: the output is then not the model's).
     """
+    if st.all_greedy:
+        return verify_greedy(
+            target_logits, drafts, draft_lens, st.seeds, st.positions, simulate_rate
+        )
     num_rows, width, vocab = target_logits.shape
     k_max = width - 1
     valid = torch.arange(k_max, device=drafts.device)[None, :] < draft_lens[:, None]  # [R, K]
     greedy_choice = target_logits.argmax(dim=-1)  # [R, K+1]
     greedy_ok = (drafts == greedy_choice[:, :k_max]) & valid
     simulated = simulate_rate is not None
-
-    if st.all_greedy:
-        ok = greedy_ok
-        if simulated:
-            ok = (_uniforms(st, k_max, SIMULATE_STREAM) < simulate_rate) & valid
-        accept_len = ok.long().cumprod(dim=1).sum(dim=1)
-        bonus = greedy_choice.gather(1, accept_len[:, None])[:, 0]
-        return VerifyResult(_assemble(drafts, bonus, accept_len), accept_len)
 
     rep = lambda t: t.repeat_interleave(width)  # noqa: E731
     flat_st = replace(
@@ -82,14 +101,17 @@ def verify(
     filtered = filtered.view(num_rows, width, vocab)
     p = filtered.softmax(dim=-1)
     if simulated:
-        ok = (_uniforms(st, k_max, SIMULATE_STREAM) < simulate_rate) & valid
+        ok = (_uniforms(st.seeds, st.positions, k_max, SIMULATE_STREAM) < simulate_rate) & valid
     elif k_max:
         index = drafts[:, :, None].clamp(min=0)
         p_draft = p[:, :k_max].gather(2, index)[:, :, 0]
-        q_draft = torch.ones_like(p_draft) if draft_probs is None else (
-            draft_probs.gather(2, index)[:, :, 0]
+        q_draft = (
+            torch.ones_like(p_draft)
+            if draft_probs is None
+            else (draft_probs.gather(2, index)[:, :, 0])
         )
-        sampled_ok = (_uniforms(st, k_max, ACCEPT_STREAM) * q_draft < p_draft) & valid
+        u = _uniforms(st.seeds, st.positions, k_max, ACCEPT_STREAM)
+        sampled_ok = (u * q_draft < p_draft) & valid
         ok = torch.where(st.temperature[:, None] > 0, sampled_ok, greedy_ok)
     else:
         ok = greedy_ok
