@@ -111,9 +111,9 @@ class GoodputPolicy(SpeculationPolicy):
     mixed draft lengths costs what its longest one costs; shorter drafts for some requests
     only lose their expected tokens. Periods are whole-step wall-clock times from the cost
     model's online table (host work, padding and overlap included), so a K whose steps cost
-    more than their tokens repay is dropped. Where verify steps are not padded (no graphs,
-    or prefill in the step), drafts whose expected gain does not pay for their share of the
-    target's time are then trimmed per request (lowest gain first), and a trimmed request
+    more than their tokens repay is dropped. Where verify steps are never padded (no CUDA
+    graphs), drafts whose expected gain does not pay for their share of the target's time
+    are trimmed per request (lowest gain first, for every candidate K), and a trimmed request
     drafts fully once every REQUEST_PROBE_EVERY steps so that its estimate stays fresh.
 
     Probing keeps every K's cost and acceptance known: a K not preferred runs for
@@ -158,7 +158,7 @@ class GoodputPolicy(SpeculationPolicy):
         tokens = self._tokens(cums, caps, k_top)
         costs = [self.cost.period_ms(n, k, extra_tokens) for k in range(k_top + 1)]
         trimmed = None
-        if k_top and (not self.cost.padded or extra_tokens):
+        if k_top and not self.cost.padded:  # eager verify steps: every draft costs
             trimmed = [self._trim(cums, caps, k, extra_tokens) for k in range(k_top + 1)]
             tokens = [t for _, t, _ in trimmed]
             costs = [ms for _, _, ms in trimmed]
