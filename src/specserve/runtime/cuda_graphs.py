@@ -41,6 +41,44 @@ def default_batch_buckets(max_batch: int) -> tuple[int, ...]:
     return tuple(small + list(range(16, max_batch, 16)) + [max_batch])
 
 
+@torch.inference_mode()
+def capture_graphs(keys: list[tuple], forward, static_bytes: int, pool=None):
+    """Run `forward(*key)` eagerly for every key (Triton compilation, cuBLAS set-up) on a side
+    stream, then capture each into one memory pool (`pool`, or a new one), in the order
+    given (largest first, so that smaller graphs reuse its memory). The static buffers hold
+    padding values while this runs, so every write goes to the scratch page 0.
+    Returns ({key: (graph, outputs)}, the report, the pool)."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for key in keys:
+            forward(*key)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    warmup_s = time.perf_counter() - start
+    torch.cuda.empty_cache()
+    reserved = torch.cuda.memory_reserved()
+    start = time.perf_counter()
+    pool = pool if pool is not None else torch.cuda.graph_pool_handle()
+    graphs = {}
+    for key in keys:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            outputs = forward(*key)
+        graphs[key] = (graph, outputs)
+    torch.cuda.synchronize()
+    report = CaptureReport(
+        num_graphs=len(keys),
+        warmup_s=warmup_s,
+        capture_s=time.perf_counter() - start,
+        graph_pool_bytes=torch.cuda.memory_reserved() - reserved,
+        static_bytes=static_bytes,
+    )
+    return graphs, report, pool
+
+
 class CudaGraphRunner:
     """Captures `model.forward` per (batch bucket, tokens per request) and replays it.
 
@@ -125,42 +163,16 @@ class CudaGraphRunner:
         ids = self.input_ids[: batch * q]
         return self.model(ids, meta, self.kv_layers, self.backend, self.aux_layer_ids)
 
-    @torch.inference_mode()
     def capture(self, pool=None) -> CaptureReport:
-        """Warm up every shape eagerly, then capture them all into one pool (`pool`, e.g. the
-        drafter graphs' one, or a new one; largest first, so smaller graphs reuse its
-        memory)."""
+        """Capture every (bucket, tokens per request) shape into `pool` (e.g. the drafter
+        graphs' one) or a new one; see `capture_graphs`."""
         if not self.use_graphs:
             self.report = CaptureReport(0, 0.0, 0.0, 0, self.static_bytes)
             return self.report
-        keys = self.keys()
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for key in keys:  # the buffers hold padding values: writes go to page 0
-                self._forward(*key)
-        torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.synchronize()
-        warmup_s = time.perf_counter() - start
-        torch.cuda.empty_cache()
-        reserved = torch.cuda.memory_reserved()
-        start = time.perf_counter()
-        self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
-        for key in keys:
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                hidden, aux = self._forward(*key)
-            self._graphs[key] = (graph, hidden, aux)
-        torch.cuda.synchronize()
-        self.report = CaptureReport(
-            num_graphs=len(keys),
-            warmup_s=warmup_s,
-            capture_s=time.perf_counter() - start,
-            graph_pool_bytes=torch.cuda.memory_reserved() - reserved,
-            static_bytes=self.static_bytes,
+        graphs, self.report, self.pool = capture_graphs(
+            self.keys(), self._forward, self.static_bytes, pool
         )
+        self._graphs = {key: (graph, *out) for key, (graph, out) in graphs.items()}
         return self.report
 
     @torch.inference_mode()

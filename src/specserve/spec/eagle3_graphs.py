@@ -22,7 +22,6 @@ only (their draft passes too). Their outputs are never read.
 from __future__ import annotations
 
 import bisect
-import time
 
 import numpy as np
 import torch
@@ -30,7 +29,7 @@ from torch import nn
 
 from specserve.layers.attention import AttentionBackend, AttentionMetadata
 from specserve.model.eagle3 import Eagle3Head
-from specserve.runtime.cuda_graphs import CaptureReport
+from specserve.runtime.cuda_graphs import CaptureReport, capture_graphs
 from specserve.runtime.packing import Segment, to_device
 
 
@@ -177,40 +176,14 @@ class DrafterGraphs:
     def _run_key(self, batch: int, q: int, k: int) -> tuple:
         return self._forward_chain(batch, q, k) if k else self._forward(batch, q)
 
-    @torch.inference_mode()
     def capture(self, pool=None) -> CaptureReport:
-        """Warm up every shape eagerly, then capture them all into one pool (`pool`, or a new
-        one), largest first so that smaller graphs reuse its memory."""
+        """Capture every shape into `pool` (the target graphs' one) or a new one; see
+        `capture_graphs`."""
         if not self.use_graphs:
             self.report = CaptureReport(0, 0.0, 0.0, 0, self.static_bytes)
             return self.report
-        keys = self.keys()
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for key in keys:  # the buffers hold padding values: writes go to page 0
-                self._run_key(*key)
-        torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.synchronize()
-        warmup_s = time.perf_counter() - start
-        torch.cuda.empty_cache()
-        reserved = torch.cuda.memory_reserved()
-        start = time.perf_counter()
-        self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
-        for key in keys:
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                outputs = self._run_key(*key)
-            self._graphs[key] = (graph, outputs)
-        torch.cuda.synchronize()
-        self.report = CaptureReport(
-            num_graphs=len(keys),
-            warmup_s=warmup_s,
-            capture_s=time.perf_counter() - start,
-            graph_pool_bytes=torch.cuda.memory_reserved() - reserved,
-            static_bytes=self.static_bytes,
+        self._graphs, self.report, self.pool = capture_graphs(
+            self.keys(), self._run_key, self.static_bytes, pool
         )
         return self.report
 
