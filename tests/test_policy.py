@@ -231,3 +231,38 @@ def test_request_probe_refreshes_a_trimmed_request():
     assert acc.alpha("r0")[0] >= policy.PROBE_MIN_ALPHA
     drafted = [policy.choose(reqs)[0] for _ in range(3 * policy.REQUEST_PROBE_EVERY)]
     assert drafted.count(0) >= 2 * policy.REQUEST_PROBE_EVERY and max(drafted) > 0
+
+
+def test_speculator_records_steady_step_periods_only():
+    """Periods run from one step's tokens on the host to the next one's; a step is recorded
+    under (decoding requests, K) only when decode-only, after a step of the same K, and not
+    after an idle engine."""
+    from specserve.engine.scheduler import ScheduledRequest
+    from specserve.spec.speculator import Speculator
+
+    spec = Speculator.__new__(Speculator)
+    policy, _ = _policy(k_max=3)
+    spec.policy, spec.cost = policy, policy.cost
+    spec._last_shape, spec._last_resolved_s, spec._last_committed = None, None, 4
+    seen = []
+    policy.cost.observe = lambda n, k, ms: seen.append((n, k, round(ms, 6)))
+
+    def step(k, n=4, prefill=False):
+        batch = []
+        for _ in range(n):
+            s = ScheduledRequest(None, 1, k, decoding=True)
+            s.drafts = [0] * k
+            batch.append(s)
+        if prefill:
+            batch.append(ScheduledRequest(None, 16))
+        return batch
+
+    spec.observe_period(step(3), 1.000, False)
+    spec.observe_period(step(3), 1.010, False)  # steady: 10 ms
+    spec.observe_period(step(0), 1.015, False)  # K changed: one-off costs, not recorded
+    spec.observe_period(step(0), 1.020, False)  # steady: 5 ms
+    spec.observe_period(step(0, prefill=True), 1.030, False)  # prefill in the step
+    spec.observe_period(step(0), 1.035, False)  # after a prefill step
+    spec.observe_period(step(0), 2.000, True)  # after an idle engine
+    spec.observe_period(step(0, n=2), 2.004, False)  # steady, two requests: 4 ms
+    assert seen == [(4, 3, 10.0), (4, 0, 5.0), (2, 0, 4.0)]

@@ -119,7 +119,9 @@ class GoodputPolicy(SpeculationPolicy):
     Probing keeps every K's cost and acceptance known: a K not preferred runs for
     PROBE_STEPS consecutive steps (only the last is a steady observation) once it has not
     run for an interval set so that probing it costs about PROBE_BUDGET of throughput under
-    the model (longer the worse it is), at least PROBE_EVERY steps. A K > 0 whose
+    the model (longer the worse it is), at least PROBE_EVERY and at most PROBE_MAX_INTERVAL
+    steps, sooner while it has fewer than FRESH_OBSERVATIONS measurements and is close to
+    the best. A K > 0 whose
     expected gain is under PROBE_MIN_GAIN tokens per request is not probed. Switching the
     preferred K needs a HYSTERESIS margin, so noise does not flap it.
     """
@@ -128,7 +130,9 @@ class GoodputPolicy(SpeculationPolicy):
     PROBE_STEPS = 2
     PROBE_EVERY = 16  # the shortest interval between probes of one K
     PROBE_BUDGET = 0.005  # the share of throughput probing one K may cost
-    PROBE_MAX_INTERVAL = 4096
+    PROBE_MAX_INTERVAL = 512  # bounds how long a wrong estimate can hide a good K
+    FRESH_OBSERVATIONS = 2  # a K measured fewer times, and within FRESH_GAP of the
+    FRESH_GAP = 0.3  # best, is probed again within PROBE_EVERY << count steps
     UNSEEN_GAP = 0.5  # never-measured K within this relative gap: measured at once
     UNSEEN_RETRY = 8  # steps before a probe that brought no observation is retried (x2 each)
     PROBE_MIN_GAIN = 0.1
@@ -193,7 +197,8 @@ class GoodputPolicy(SpeculationPolicy):
         if current is not None and current < len(goodput):
             if goodput[best] <= goodput[current] * (1 + self.HYSTERESIS):
                 best = current
-        self._preferred[bucket] = best
+        if len(goodput) == self.k_max + 1:  # not when requests near their end cap K
+            self._preferred[bucket] = best
         return best
 
     def _probe_k(self, bucket: int, best: int, n: int, tokens, costs) -> int:
@@ -211,7 +216,8 @@ class GoodputPolicy(SpeculationPolicy):
                 continue
             gap = max(0.0, 1.0 - g / goodput[best]) if goodput[best] > 0 else 0.0
             age = self.num_steps - self._last_run.get((bucket, k), self._first_step[bucket])
-            if not self.cost.observations(n, k) and gap < self.UNSEEN_GAP:
+            seen = self.cost.observations(n, k)
+            if not seen and gap < self.UNSEEN_GAP:
                 tries = self._unseen_tries.get((bucket, k), 0)
                 interval = 0 if tries == 0 else self.UNSEEN_RETRY << min(tries, 9)
             else:
@@ -219,6 +225,9 @@ class GoodputPolicy(SpeculationPolicy):
                 # it is PROBE_BUDGET of the time spent at `best` in between.
                 interval = self.PROBE_STEPS * gap * costs[k] / (costs[best] * self.PROBE_BUDGET)
                 interval = min(max(interval, self.PROBE_EVERY), self.PROBE_MAX_INTERVAL)
+                if 0 < seen < self.FRESH_OBSERVATIONS and gap < self.FRESH_GAP:
+                    # one outlier must not hide a K that may be the best for long
+                    interval = min(interval, self.PROBE_EVERY << seen)
             if age >= interval and (probe is None or age - interval > due):
                 due, probe = age - interval, k
         if probe is None:
