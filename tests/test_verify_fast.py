@@ -53,7 +53,7 @@ def _reference(runner, step, hidden, simulate_rate):
         drafts += s.drafts + [0] * (k_max - k)
         offset += k + 1
     padded = logits[torch.tensor(index)].view(len(sampled), k_max + 1, -1)
-    draft_t = torch.tensor(drafts).view(len(sampled), k_max)
+    draft_t = torch.tensor(drafts, dtype=torch.int64).view(len(sampled), k_max)
     reqs = [s.request for s in sampled]
     st = build_sampling_tensors([r.params for r in reqs], [r.seed for r in reqs],
                                 [r.committed_len for r in reqs], torch.device("cpu"))  # fmt: skip
@@ -67,12 +67,12 @@ def _reference(runner, step, hidden, simulate_rate):
             elif k:
                 probs[i, torch.arange(k), draft_t[i, :k]] = 1.0
     lens = torch.tensor([len(s.drafts) for s in sampled])
-    res = verify(padded, draft_t, lens, st, probs, simulate_rate)
+    res = verify(padded, draft_t, lens, st, probs, simulate_rate if k_max else None)
     accept = res.accept_len.tolist()
     return [row[: a + 1] for row, a in zip(res.tokens.tolist(), accept)]
 
 
-@pytest.mark.parametrize("lens", [[3] * 6, [3, 0, 1, 3, 2, 0], [2]])
+@pytest.mark.parametrize("lens", [[3] * 6, [3, 0, 1, 3, 2, 0], [2], [0, 0, 0]])
 @pytest.mark.parametrize("temp", ["greedy", "sampled", "mixed"])
 @pytest.mark.parametrize("simulate_rate", [None, 0.7])
 @pytest.mark.parametrize("with_probs", [False, True])
