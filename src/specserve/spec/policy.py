@@ -130,6 +130,7 @@ class GoodputPolicy(SpeculationPolicy):
     PROBE_STEPS = 2
     PROBE_EVERY = 16  # the shortest interval between probes of one K
     PROBE_BUDGET = 0.005  # the share of throughput probing one K may cost
+    SWITCH_STEPS = 0.5  # what switching K and back costs, in steps at the preferred K
     PROBE_MAX_INTERVAL = 512  # bounds how long a wrong estimate can hide a good K
     FRESH_OBSERVATIONS = 2  # a K measured fewer times, and within FRESH_GAP of the
     FRESH_GAP = 0.3  # best, is probed again within PROBE_EVERY << count steps
@@ -221,9 +222,11 @@ class GoodputPolicy(SpeculationPolicy):
                 tries = self._unseen_tries.get((bucket, k), 0)
                 interval = 0 if tries == 0 else self.UNSEEN_RETRY << min(tries, 9)
             else:
-                # A probe costs PROBE_STEPS * gap * costs[k] of time; spread it out so that
-                # it is PROBE_BUDGET of the time spent at `best` in between.
-                interval = self.PROBE_STEPS * gap * costs[k] / (costs[best] * self.PROBE_BUDGET)
+                # A probe costs PROBE_STEPS * gap * costs[k] of time, plus switching there
+                # and back (a drafter catch-up, a host wait that overlap would hide); spread
+                # it out so that it is PROBE_BUDGET of the time spent at `best` in between.
+                lost = self.PROBE_STEPS * gap * costs[k] + self.SWITCH_STEPS * costs[best]
+                interval = lost / (costs[best] * self.PROBE_BUDGET)
                 interval = min(max(interval, self.PROBE_EVERY), self.PROBE_MAX_INTERVAL)
                 if 0 < seen < self.FRESH_OBSERVATIONS and gap < self.FRESH_GAP:
                     # one outlier must not hide a K that may be the best for long
