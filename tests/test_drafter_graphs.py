@@ -12,7 +12,7 @@ import torch
 from specserve import LLM, SamplingParams
 from specserve.layers.attention import TorchAttentionBackend
 from specserve.spec.eagle3 import capture_drafter_graphs
-from specserve.spec.policy import PerRequestPolicy
+from specserve.spec.policy import PerRequestPolicy, SpeculationPolicy
 from tests.drafter_cases import drafter_graph_error
 from tests.tiny_models import VOCAB, make_random_eagle3_head, make_tiny_model
 
@@ -45,11 +45,25 @@ def test_padded_head_passes_match_eager_and_write_only_page_zero():
     assert drafter_graph_error(TorchAttentionBackend(), torch.float32, "cpu") < 1e-5
 
 
+class _UniformRandomK(SpeculationPolicy):
+    """One random draft length >= 2 per step for every request (the goodput policy chooses one
+    K per step)."""
+
+    def __init__(self, k_max: int, seed: int):
+        super().__init__(k_max)
+        self.rng = random.Random(seed)
+
+    def choose(self, reqs, extra_tokens=0):
+        k = self.rng.choice(range(2, self.k_max + 1))
+        return [k] * len(reqs)
+
+
 @pytest.mark.parametrize("policy, overlap", [("mixed", "off"), ("fixed", "off"),
-                                             ("mixed", "on")])
+                                             ("mixed", "on"), ("uniform", "on")])
 def test_padded_drafter_keeps_greedy_output(tmp_path_factory, policy, overlap):
     """mixed: random draft lengths per request (one padded pass per draft step); fixed: every
-    request drafts K (whole proposing steps as chains); both with the overlapped loop too."""
+    request drafts K (whole proposing steps as chains); uniform: a random K per step for all
+    (chains of every captured K); with the overlapped loop too."""
     target = make_tiny_model(tmp_path_factory.mktemp("t"), "llama", num_layers=4)
     head = make_random_eagle3_head(tmp_path_factory.mktemp("h"), target, 200)
     rng = random.Random(4)
@@ -67,10 +81,13 @@ def test_padded_drafter_keeps_greedy_output(tmp_path_factory, policy, overlap):
             for name in seen:
                 fn = getattr(proposer.graphs, name)
                 setattr(proposer.graphs, name,
-                        lambda *a, fn=fn, name=name: (seen[name].append(len(a[0])), fn(*a))[1])
+                        lambda *a, fn=fn, name=name: (seen[name].append((len(a[0]), a[-1])),
+                                                      fn(*a))[1])  # fmt: skip
         if policy == "mixed":
             pick = random.Random(9)
             llm.engine.spec.policy = PerRequestPolicy(3, lambda req: pick.choice([0, 1, 2, 3]))
+        if policy == "uniform":
+            llm.engine.spec.policy = _UniformRandomK(3, seed=5)
         outs = llm.generate(prompts, params)
         assert [o.token_ids for o in outs] == plain
         stats = [(o.spec_stats.drafted, o.spec_stats.accepted) for o in outs]
@@ -78,8 +95,10 @@ def test_padded_drafter_keeps_greedy_output(tmp_path_factory, policy, overlap):
 
     eager_stats, _ = drafts_of(False)
     padded_stats, seen = drafts_of(True)
-    passes = seen["run"] if policy == "mixed" else seen["run_chain"]
+    passes = [n for n, _ in (seen["run"] if policy == "mixed" else seen["run_chain"])]
     assert len(passes) > 5 and max(passes) > 1  # padded passes ran, some with 2+ requests
+    if policy == "uniform":  # chains of every K >= 2 were captured and used
+        assert {k for _, k in seen["run_chain"]} == {2, 3}
     assert padded_stats == eager_stats  # same drafts, so the same acceptance
 
 

@@ -179,7 +179,7 @@ def capture_drafter_graphs(
         proposer.head, proposer.embed, proposer.kv.layers[0], proposer.backend,
         default_batch_buckets(min(cfg.max_num_seqs, cfg.cuda_graph_max_batch)),
         catch_up_lengths(cfg.speculative_num_steps), engine.max_model_len, use_graphs,
-        chain_lengths=(cfg.speculative_num_steps,) if cfg.speculative_num_steps > 1 else (),
+        chain_lengths=tuple(range(2, cfg.speculative_num_steps + 1)),  # every K >= 2
     )  # fmt: skip
     report = graphs.capture()
     log.info(
