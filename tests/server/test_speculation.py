@@ -39,6 +39,7 @@ def test_speculating_server_is_lossless_and_reports(spec_server, tiny_llama):
     # A copy of the target as drafter: every draft is accepted.
     assert m["specserve_spec_accepted_tokens_total"] == m["specserve_spec_draft_tokens_total"]
     assert m['specserve_spec_draft_length_steps_total{draft_len="3"}'] > 0
+    assert m['specserve_spec_step_k_steps_total{k="3"}'] > 0
 
 
 def test_simulated_acceptance_marks_every_response(tiny_llama, tmp_path):

@@ -140,6 +140,9 @@ _ENGINE_LISTS = {
         "specserve_spec_draft_length_steps", "draft_len",
         "request-steps by the draft length the policy chose (0: plain decoding)",
     ),
+    "spec_steps_by_step_k": (
+        "specserve_spec_step_k_steps", "k", "steps by the one draft length chosen for the step",
+    ),
     "spec_position_drafted": (
         "specserve_spec_position_drafted", "position", "draft tokens proposed, by position",
     ),
