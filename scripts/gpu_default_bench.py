@@ -126,8 +126,8 @@ def main() -> None:
             row["identical_to_plain"] = sum(t == p for t, p in zip(tokens, plain_tokens[b]))
             print(name, json.dumps(row), flush=True)
             rows.append(row)
-        results[name] = {"startup_s": round(startup, 2), "rows": rows,
-                         "spec_policy": llm.engine.stats().get("spec_policy")}  # fmt: skip
+        spec_stats = {k: v for k, v in llm.engine.stats().items() if k.startswith("spec_")}
+        results[name] = {"startup_s": round(startup, 2), "rows": rows, "spec": spec_stats}
         del llm
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

@@ -175,6 +175,20 @@ def _small(q_lens, ends, seq_lens, page_size, dtype=torch.float16, seed=0):
                       **SMALL)  # fmt: skip
 
 
+def warm_up_error(backend, dtype) -> float:
+    """The backend's start-up warm-up runs its 7 variants (3 query heights x split or not,
+    prefill) for 6 query heads over 2 KV heads, and writes nothing outside page 0: the error
+    is the largest change of pages 1.. (inf when the variant count is wrong)."""
+    gen = torch.Generator().manual_seed(0)
+    k_cache = torch.randn(3, 4, 2, 16, generator=gen).to(dtype)
+    v_cache = torch.randn(3, 4, 2, 16, generator=gen).to(dtype)
+    before = (k_cache[1:].clone(), v_cache[1:].clone())
+    if backend.warm_up(6, (k_cache, v_cache)) != 7:
+        return float("inf")
+    return max((k_cache[1:] - before[0]).abs().max().item(),
+               (v_cache[1:] - before[1]).abs().max().item())
+
+
 def interpreter_cases() -> dict[str, tuple]:
     """name -> (check kind, builder args); every name is one CPU test."""
     cases: dict[str, tuple] = {}
@@ -202,6 +216,7 @@ def interpreter_cases() -> dict[str, tuple]:
         cases[f"model-{dtype}-page{ps}"] = ("model", (dtype, ps), {})
     cases["graph_runner_padding-float32"] = ("runner", ("float32",), {})
     cases["drafter_graphs_padding-float32"] = ("drafter", ("float32",), {})
+    cases["warm_up-float16"] = ("warm_up", ("float16",), {})
     for dtype in ("float16", "float32"):
         for op in ("rms_norm", "add_rms_norm", "rotary", "silu_and_mul"):
             cases[f"{op}-{dtype}"] = (op, (dtype,), {})
@@ -228,6 +243,8 @@ def run_case(name: str, spec: tuple, kernels, ops) -> float:
         from tests.drafter_cases import drafter_graph_error
 
         return drafter_graph_error(backend, dtype, "cpu", fused_ops=ops)
+    if kind == "warm_up":
+        return warm_up_error(backend, dtype)
     return globals()[f"{kind}_error"](ops, dtype, "cpu", seed=len(name))
 
 

@@ -78,6 +78,8 @@ class LLMEngine:
 
             use_triton_ops(model)  # fused RMSNorm / rotary / SiLU-and-mul (same rounding)
         self.runner = ModelRunner(model, self.kv, get_backend(config.backend_name()))
+        if device.type == "cuda":  # compile every attention variant now, not mid-serving
+            self.runner.backend.warm_up(self.model_config.num_heads, self.kv.layers[0])
         self.spec = Speculator(self) if config.speculative_algorithm else None
         if device.type == "cuda" and not config.disable_cuda_graph:
             self.runner.graphs = self._capture_graphs()

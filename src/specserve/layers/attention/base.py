@@ -54,6 +54,11 @@ class AttentionBackend(ABC):
     ) -> torch.Tensor:
         """Return the attention output, [T, num_heads, head_dim]."""
 
+    def warm_up(self, num_heads: int, kv_cache: tuple[torch.Tensor, torch.Tensor]) -> int:
+        """Prepare every kernel variant this model shape can need (compiled backends), so
+        that no step waits for a compiler; returns how many were run. Nothing to do here."""
+        return 0
+
 
 def write_kv(
     k: torch.Tensor,

@@ -77,6 +77,35 @@ class TritonAttentionBackend(AttentionBackend):
             self._kernels = triton_kernels
         return self._kernels
 
+    def warm_up(self, num_heads: int, kv_cache: tuple[torch.Tensor, torch.Tensor]) -> int:
+        """Compile every kernel variant a model with `num_heads` query heads over this cache
+        layout can need (query blocks of 16/32/64 rows for decode, verify and short
+        catch-ups, 128 for prefill; split and unsplit), so that no step ever waits for
+        Triton's compiler. Writes only to the scratch page 0; returns the variants run."""
+        ops = self.kernels
+        k_cache, v_cache = kv_cache
+        kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+        group = num_heads // kv_heads
+        device = k_cache.device
+        shapes = [(q_len, splits) for q_len in sorted({max(1, rows // group)
+                                                       for rows in (16, 32, ops.DECODE_MAX_ROWS)})
+                  for splits in (1, 2)]  # fmt: skip
+        shapes.append((ops.DECODE_MAX_ROWS // group + 1, 1))  # prefill-like
+        i64 = dict(dtype=torch.int64, device=device)
+        for q_len, splits in shapes:
+            q = torch.zeros(q_len, num_heads, head_dim, dtype=k_cache.dtype, device=device)
+            kv = torch.zeros(q_len, kv_heads, head_dim, dtype=k_cache.dtype, device=device)
+            slots = torch.zeros(q_len, **i64)  # every write to slot 0 of page 0
+            ops.write_kv(kv, kv, k_cache, v_cache, slots)
+            launch = self.decode if q_len * group <= ops.DECODE_MAX_ROWS else self.prefill
+            ops.paged_attention(
+                q, k_cache, v_cache, torch.arange(q_len, **i64) % 1,
+                torch.tensor([0, q_len], **i64), torch.ones(1, **i64),
+                torch.zeros(1, 1, **i64), q_len, 1.0, num_splits=splits,
+                block_n=launch.block_n, num_warps=launch.num_warps, num_stages=launch.num_stages,
+            )  # fmt: skip
+        return len(shapes)
+
     def choose_num_splits(self, meta: AttentionMetadata, num_kv_heads: int, group: int,
                           device: torch.device) -> int:  # fmt: skip
         """How many chunks to cut each request's KV length into for this step."""

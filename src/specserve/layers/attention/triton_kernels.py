@@ -21,6 +21,7 @@ import triton.language as tl
 
 LOG2E = 1.4426950408889634
 DECODE_MAX_ROWS = 64  # rows per request up to which the split (decode/verify) path is used
+MAX_REDUCE_SPLITS = 32  # the reduce kernel is compiled once for up to this many splits
 
 
 @triton.jit
@@ -40,7 +41,10 @@ def _kv_write_kernel(
     tl.store(v_cache + dst, v.to(v_cache.dtype.element_ty), mask=ok)
 
 
-@triton.jit
+# Integers that vary from step to step (the split count, the strides of the per-split
+# buffers, which scale with the token count) are not specialized on: Triton would otherwise
+# compile a new variant when one first turns 1 or a multiple of 16, in the middle of serving.
+@triton.jit(do_not_specialize=["num_splits", "stride_os", "stride_ls", "stride_lt"])
 def _paged_attn_kernel(
     q_ptr, k_cache, v_cache, out_ptr, lse_ptr,
     positions, query_start_loc, seq_lens, block_tables,
@@ -114,7 +118,7 @@ def _paged_attn_kernel(
         tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=o_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_ps", "stride_ls", "stride_lt", "num_splits"])
 def _split_reduce_kernel(
     part_ptr, lse_ptr, out_ptr,
     stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, stride_ot, stride_oh, num_splits,
@@ -225,7 +229,7 @@ def paged_attention(
     if split:
         _split_reduce_kernel[(num_tokens, num_heads)](
             part, lse, out, *part.stride()[:3], *lse.stride()[:2], *out.stride()[:2], num_splits,
-            BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
+            BLOCK_S=max(MAX_REDUCE_SPLITS, triton.next_power_of_2(num_splits)),  # one variant
             HEAD_DIM=head_dim, BLOCK_D=block_d,
         )  # fmt: skip
     return out
