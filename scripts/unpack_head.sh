@@ -30,5 +30,9 @@ if [ "$DEST" = "$SHIPPED" ]; then
   for f in heldout unlike; do
     if [ -f "$SRC/eval_$f.json" ]; then cp "$SRC/eval_$f.json" "$BENCH/eagle3_smollm2_eval_$f.json"; fi
   done
+  # The GPU machine's absolute paths do not belong in the repository: the run folder becomes
+  # RUN, repository files become repository-relative.
+  sed -E -i 's#"/[^"]*/docs/benchmarks/#"docs/benchmarks/#g; s#"/[^"]*/run(/|")#"RUN\1#g' \
+    "$BENCH"/eagle3_smollm2_train_log.jsonl "$BENCH"/eagle3_smollm2_eval_*.json
 fi
 ${PYTHON:-python3} "$REPO/scripts/summarize_head_run.py" "$SRC"

@@ -68,3 +68,13 @@ def test_cuda_budget_leaves_room_for_the_eagle3_head(monkeypatch, tmp_path_facto
 def test_bad_sizes_are_refused(bad):
     with pytest.raises(ConfigError, match=next(iter(bad))):
         EngineConfig(**bad)
+
+
+def test_cuda_memory_too_small_for_one_sequence_is_refused(monkeypatch):
+    # One 256-position sequence needs ceil((256 + 2) / 16) + 1 = 18 pages.
+    _fake_cuda(monkeypatch, 19 * PAGE, 4000 * PAGE)
+    assert _pages(CUDA, kv_cache_memory_fraction=1.0) == 19
+    _fake_cuda(monkeypatch, 10 * PAGE, 4000 * PAGE)
+    with pytest.raises(ConfigError, match="kv-cache-memory-fraction"):
+        _pages(CUDA)
+    assert _pages(CUDA, max_model_len=64) == 9  # a shorter context fits

@@ -196,6 +196,20 @@ def test_generation_retries_on_the_safe_engine_path(target, prompt_file, tmp_pat
     assert calls == [False, True, True]  # held-out on the fast engine fails; both again
     failed = [r for r in records if r.get("event") == "generation_failed"]
     assert len(failed) == 1 and "boom" in failed[0]["error"]
+    # The user's own errors are not retried: they would fail the same way, later.
+    from specserve.errors import InvalidRequestError
+
+    def refused(engine, *args, **kwargs):
+        calls.append("refused")
+        raise InvalidRequestError("the prompt is empty", "prompt")
+
+    monkeypatch.setattr(distill, "generate_samples", refused)
+    calls.clear()
+    again = tmp_path / "again"
+    again.mkdir()
+    with pytest.raises(InvalidRequestError):
+        distill.distill(cfg, again, records.append)
+    assert calls == ["refused"]
 
 
 def test_features_are_inputs_of_the_aux_layers(target):

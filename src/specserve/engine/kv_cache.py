@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from specserve.errors import ConfigError
 from specserve.model.hf_config import ModelConfig
 
 if TYPE_CHECKING:
@@ -143,6 +144,16 @@ def kv_cache_pages(
         lookahead = 2 * (config.speculative_num_steps + 1) if config.speculative_algorithm else 2
         usable = config.max_num_seqs * -(-(max_len + lookahead) // config.page_size) + 1
         pages = min(max(budget, 0) // per_page, usable)
+        one_sequence = -(-(max_len + lookahead) // config.page_size) + 1
+        if pages < one_sequence:
+            raise ConfigError(
+                f"the GPU has {free_bytes / 2**30:.2f} of {total_bytes / 2**30:.1f} GiB free "
+                f"after loading the weights; {config.kv_cache_memory_fraction:.2f} of it buys "
+                f"{pages} KV pages, fewer than one {max_len}-token sequence needs "
+                f"({one_sequence}). Free GPU memory (another engine in this process?), raise "
+                "--kv-cache-memory-fraction, lower --max-model-len, or set --kv-cache-bytes "
+                "or --num-kv-pages"
+            )
         source = (f"{config.kv_cache_memory_fraction:.2f} of {free_bytes / 2**30:.1f} GiB free "
                   f"(of {total_bytes / 2**30:.1f} GiB), at most {usable} pages usable, drafter "
                   f"weights {drafter_weight_bytes / 2**30:.2f} GiB, drafter KV "

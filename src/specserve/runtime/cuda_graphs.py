@@ -164,8 +164,9 @@ class CudaGraphRunner:
         return self.model(ids, meta, self.kv_layers, self.backend, self.aux_layer_ids)
 
     def capture(self, pool=None) -> CaptureReport:
-        """Capture every (bucket, tokens per request) shape into `pool` (e.g. the drafter
-        graphs' one) or a new one; see `capture_graphs`."""
+        """Capture every (bucket, tokens per request) shape into `pool` or a new one (the
+        engine keeps the target's and the drafter's graphs in separate pools: their outputs
+        may be alive at the same time); see `capture_graphs`."""
         if not self.use_graphs:
             self.report = CaptureReport(0, 0.0, 0.0, 0, self.static_bytes)
             return self.report

@@ -112,13 +112,6 @@ class ModelRunner:
         self.model.compute_logits(hidden[rows]).argmax(dim=-1).tolist()
 
     @torch.inference_mode()
-    def sample(
-        self, step: StepInput, hidden: torch.Tensor, simulate_rate: float | None = None
-    ) -> StepResult:
-        """Draw each sampled request's tokens and wait for them on the host."""
-        return self.sample_async(step, hidden, simulate_rate).result()
-
-    @torch.inference_mode()
     def sample_async(
         self, step: StepInput, hidden: torch.Tensor, simulate_rate: float | None = None
     ) -> SampledTokens:

@@ -177,8 +177,8 @@ class DrafterGraphs:
         return self._forward_chain(batch, q, k) if k else self._forward(batch, q)
 
     def capture(self, pool=None) -> CaptureReport:
-        """Capture every shape into `pool` (the target graphs' one) or a new one; see
-        `capture_graphs`."""
+        """Capture every shape into `pool` or a new one (the engine gives the drafter its own
+        pool, apart from the target's); see `capture_graphs`."""
         if not self.use_graphs:
             self.report = CaptureReport(0, 0.0, 0.0, 0, self.static_bytes)
             return self.report

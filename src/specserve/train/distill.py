@@ -261,6 +261,8 @@ def distill(cfg: TrainConfig, out: Path, log) -> tuple[list[Sample], list[Sample
         heldout, train, engine_steps = _generate(cfg, prompts, heldout_prompts, log,
                                                  cfg.gen_time_s, safe=False)
         failed = False
+    except SpecserveError:
+        raise  # the user's input or configuration: the same on any path, say it now
     except Exception as e:  # one retry on the engine's most tested path, for fixed leases
         log({"event": "generation_failed", "error": repr(e)[:1000],
              "traceback": traceback.format_exc()[-3000:]})

@@ -41,10 +41,11 @@ def _kv_write_kernel(
     tl.store(v_cache + dst, v.to(v_cache.dtype.element_ty), mask=ok)
 
 
-# Integers that vary from step to step (the split count, the strides of the per-split
-# buffers, which scale with the token count) are not specialized on: Triton would otherwise
-# compile a new variant when one first turns 1 or a multiple of 16, in the middle of serving.
-@triton.jit(do_not_specialize=["num_splits", "stride_os", "stride_ls", "stride_lt"])
+# Integers that vary from step to step (the page-table width, the split count, the strides
+# of the per-split buffers, which scale with the token count) are not specialized on:
+# Triton would otherwise compile a new variant when one first turns 1 or a multiple of 16,
+# in the middle of serving.
+@triton.jit(do_not_specialize=["stride_bt", "num_splits", "stride_os", "stride_ls", "stride_lt"])
 def _paged_attn_kernel(
     q_ptr, k_cache, v_cache, out_ptr, lse_ptr,
     positions, query_start_loc, seq_lens, block_tables,
