@@ -70,6 +70,9 @@ class TrainConfig:
         if self.min_draft_coverage is not None and not 0 < self.min_draft_coverage <= 1:
             raise ValueError(f"min_draft_coverage must be in (0, 1]; got "
                              f"{self.min_draft_coverage}")
+        if self.min_draft_coverage is not None and self.init_head is not None:
+            raise ValueError("--min-draft-coverage chooses a new head's draft vocabulary; "
+                             "--init-head keeps its head's: give one of them")
         if not self.data:
             raise ValueError("give at least one --data source")
 

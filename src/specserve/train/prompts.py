@@ -17,6 +17,7 @@ import ast
 import hashlib
 import json
 import random
+import re
 import sysconfig
 import textwrap
 from dataclasses import dataclass
@@ -42,12 +43,18 @@ class PromptItem:
 
     @property
     def source_key(self) -> str:
-        """The source text's key: variants ("key#v1") of one text share it."""
-        return self.key.split("#", 1)[0]
+        """The source text's key: variants ("key#v1") of one text share it. Only a trailing
+        "#v<number>" marks a variant: a file name may hold "#" itself."""
+        m = _VARIANT.match(self.key)
+        return m.group(1) if m else self.key
 
     @property
     def variant(self) -> int:
-        return int(self.key.split("#v", 1)[1]) if "#v" in self.key else 0
+        m = _VARIANT.match(self.key)
+        return int(m.group(2)) if m else 0
+
+
+_VARIANT = re.compile(r"^(.*)#v(\d+)$", re.DOTALL)
 
 
 def _digest(text: str) -> int:
