@@ -44,7 +44,7 @@ class DraftModelProposer(Proposer):
         for it in items:
             req = it.request
             start = req.draft_cached_len
-            segments.append(Segment(req.page_table, start, req.all_token_ids[start:]))
+            segments.append(Segment(req.page_table, start, req.token_ids(start, req.committed_len)))
             req.draft_cached_len = req.committed_len
         first = self._forward(segments)
 
