@@ -41,6 +41,22 @@ def default_batch_buckets(max_batch: int) -> tuple[int, ...]:
     return tuple(small + list(range(16, max_batch, 16)) + [max_batch])
 
 
+def static_meta(bufs, batch: int, q: int) -> AttentionMetadata:
+    """Attention metadata of `batch` requests of q tokens each over the static buffers of a
+    graph runner (`positions`, `slot_mapping`, `query_start` by q, `seq_lens`,
+    `block_tables`, `max_seq_len`): views, so a captured graph reads what each step copies in."""
+    n = batch * q
+    return AttentionMetadata(
+        positions=bufs.positions[:n],
+        slot_mapping=bufs.slot_mapping[:n],
+        query_start_loc=bufs.query_start[q][: batch + 1],
+        seq_lens=bufs.seq_lens[:batch],
+        block_tables=bufs.block_tables[:batch],
+        max_query_len=q,
+        max_seq_len=bufs.max_seq_len,
+    )
+
+
 @torch.inference_mode()
 def capture_graphs(keys: list[tuple], forward, static_bytes: int, pool=None):
     """Run `forward(*key)` eagerly for every key (Triton compilation, cuBLAS set-up) on a side
@@ -146,20 +162,8 @@ class CudaGraphRunner:
             and meta.block_tables.shape[1] <= self.max_pages
         )
 
-    def _meta(self, batch: int, q: int) -> AttentionMetadata:
-        n = batch * q
-        return AttentionMetadata(
-            positions=self.positions[:n],
-            slot_mapping=self.slot_mapping[:n],
-            query_start_loc=self.query_start[q][: batch + 1],
-            seq_lens=self.seq_lens[:batch],
-            block_tables=self.block_tables[:batch],
-            max_query_len=q,
-            max_seq_len=self.max_seq_len,
-        )
-
     def _forward(self, batch: int, q: int):
-        meta = self._meta(batch, q)
+        meta = static_meta(self, batch, q)
         ids = self.input_ids[: batch * q]
         return self.model(ids, meta, self.kv_layers, self.backend, self.aux_layer_ids)
 

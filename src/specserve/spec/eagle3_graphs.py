@@ -29,7 +29,7 @@ from torch import nn
 
 from specserve.layers.attention import AttentionBackend, AttentionMetadata
 from specserve.model.eagle3 import Eagle3Head
-from specserve.runtime.cuda_graphs import CaptureReport, capture_graphs
+from specserve.runtime.cuda_graphs import CaptureReport, capture_graphs, static_meta
 from specserve.runtime.packing import Segment, to_device
 
 
@@ -138,15 +138,7 @@ class DrafterGraphs:
 
     def _forward(self, batch: int, q: int) -> tuple[torch.Tensor, torch.Tensor]:
         n = batch * q
-        meta = AttentionMetadata(
-            positions=self.positions[:n],
-            slot_mapping=self.slot_mapping[:n],
-            query_start_loc=self.query_start[q][: batch + 1],
-            seq_lens=self.seq_lens[:batch],
-            block_tables=self.block_tables[:batch],
-            max_query_len=q,
-            max_seq_len=self.max_seq_len,
-        )
+        meta = static_meta(self, batch, q)
         embeds = self.embed(self.input_ids[:n])
         out = self.head(embeds, self.hidden[:n], meta, self.kv_layer, self.backend)
         last = out[self.last_rows[:batch]]
