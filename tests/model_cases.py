@@ -128,3 +128,25 @@ def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
     if not torch.isfinite(out).all():
         return float("inf")
     return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def install_padded_runner(llm, tokens_per_request, aux_layer_ids=()) -> dict:
+    """Give `llm`'s engine the CUDA-graph runner's padded path, run eagerly (buckets 1-8,
+    contexts up to 512), as on a GPU; returns {"graph": number of steps it served}."""
+    from specserve.runtime.cuda_graphs import CudaGraphRunner
+
+    runner = llm.engine.runner
+    graphs = CudaGraphRunner(runner.model, runner.kv.layers, runner.backend, (1, 2, 4, 8),
+                             tokens_per_request=tokens_per_request, max_seq_len=512,
+                             aux_layer_ids=aux_layer_ids, use_graphs=False)  # fmt: skip
+    graphs.capture()
+    runner.graphs = graphs
+    calls = {"graph": 0}
+    run = graphs.run
+
+    def counting_run(*args):
+        calls["graph"] += 1
+        return run(*args)
+
+    graphs.run = counting_run
+    return calls

@@ -7,8 +7,8 @@ from __future__ import annotations
 import random
 
 from specserve import LLM, SamplingParams
-from specserve.runtime.cuda_graphs import CudaGraphRunner
 from specserve.spec.policy import PerRequestPolicy
+from tests.model_cases import install_padded_runner
 from tests.tiny_models import VOCAB
 
 
@@ -21,20 +21,7 @@ def test_padded_graph_steps_keep_greedy_output(tiny_llama):
     llm = LLM(str(tiny_llama), speculative_algorithm="draft",
               speculative_draft_model_path=str(tiny_llama), speculative_num_steps=4,
               speculative_policy="fixed", page_size=4)
-    runner = llm.engine.runner
-    graphs = CudaGraphRunner(runner.model, runner.kv.layers, runner.backend, (1, 2, 4, 8),
-                             tokens_per_request=(1, 2, 3, 4, 5), max_seq_len=512,
-                             use_graphs=False)
-    graphs.capture()
-    runner.graphs = graphs
-    calls = {"graph": 0}
-    run = graphs.run
-
-    def counting_run(*args):
-        calls["graph"] += 1
-        return run(*args)
-
-    graphs.run = counting_run
+    calls = install_padded_runner(llm, tokens_per_request=(1, 2, 3, 4, 5))
     pick = random.Random(9)
     llm.engine.spec.policy = PerRequestPolicy(4, lambda req: pick.choice([0, 1, 2, 4]))
     outs = llm.generate(prompts, params)

@@ -148,25 +148,13 @@ def test_overlap_does_the_same_work(models):
 def test_graph_padded_steps_identical(models, reference, drafter):
     """Through the CUDA graph runner's padded static buffers (eagerly, on the CPU): padded
     decode steps whose input ids are gathered from the step in flight."""
-    from specserve.runtime.cuda_graphs import CudaGraphRunner
+    from tests.model_cases import install_padded_runner
 
     llm = LLM(models["target"], overlap_schedule="on", page_size=4,
               **spec_kwargs(models, drafter))
-    runner, spec = llm.engine.runner, llm.engine.spec
-    graphs = CudaGraphRunner(runner.model, runner.kv.layers, runner.backend, (1, 2, 4, 8),
-                             tokens_per_request=(1, 2, 3, 4), max_seq_len=512,
-                             aux_layer_ids=spec.aux_layer_ids if spec else (),
-                             use_graphs=False)
-    graphs.capture()
-    runner.graphs = graphs
-    calls = {"graph": 0}
-    run = graphs.run
-
-    def counting_run(*args):
-        calls["graph"] += 1
-        return run(*args)
-
-    graphs.run = counting_run
+    spec = llm.engine.spec
+    calls = install_padded_runner(llm, tokens_per_request=(1, 2, 3, 4),
+                                  aux_layer_ids=spec.aux_layer_ids if spec else ())
     if drafter:
         random_draft_lens(llm, seed=4)
     seen = count_gathers(llm)
