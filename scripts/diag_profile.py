@@ -179,7 +179,7 @@ def main() -> None:
     model = random_model(shape, device)
     head = random_head(shape, Path(tempfile.mkdtemp()) / "head", 1000 if args.tiny else 11264)
     spec = dict(speculative_algorithm="eagle3", speculative_draft_model_path=str(head),
-                speculative_num_steps=4, speculative_simulate_acceptance=0.68)  # fmt: skip
+                speculative_num_steps=3, speculative_simulate_acceptance=0.68)  # fmt: skip
     cfg = dict(base, max_num_seqs=64, cuda_graph_max_batch=64,
                kv_cache_bytes=2**26 if args.tiny else 4 * 2**30)  # fmt: skip
     new_tokens = 32 if args.tiny else 256
