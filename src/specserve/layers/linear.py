@@ -1,8 +1,17 @@
-"""A linear layer whose weight stacks several checkpoint projections along its rows."""
+"""Linear layers: one whose weight stacks several checkpoint projections along its rows, and
+the switch (`use_gemv`) that routes decode-sized calls to the GEMV kernel measured fastest
+for their shape on the device (`gemv_select.py`)."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
 from torch import nn
+
+if TYPE_CHECKING:
+    from specserve.layers.gemv_select import GemvPlan, GemvSelector
 
 
 class MergedLinear(nn.Linear):
@@ -24,3 +33,71 @@ class MergedLinear(nn.Linear):
             out[name] = (start, rows)
             start += rows
         return out
+
+
+def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+          plan: GemvPlan | None = None) -> torch.Tensor:  # fmt: skip
+    """F.linear, through `plan`'s measured GEMV choice when one is installed."""
+    if plan is None:
+        return F.linear(x, weight, bias)
+    return plan.linear(x, weight, bias)
+
+
+class GemvLinear(nn.Linear):
+    """nn.Linear whose calls go through a GEMV plan (`use_gemv`): decode-sized inputs to the
+    kernel measured fastest for their shape, the rest to torch. Same parameters."""
+
+    gemv_plan: GemvPlan | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return dense(x, self.weight, self.bias, self.gemv_plan)
+
+
+class GemvMergedLinear(MergedLinear):
+    """MergedLinear through a GEMV plan, like GemvLinear."""
+
+    gemv_plan: GemvPlan | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return dense(x, self.weight, self.bias, self.gemv_plan)
+
+
+_GEMV = {nn.Linear: GemvLinear, MergedLinear: GemvMergedLinear}
+
+
+def gemv_weights(model: nn.Module) -> dict[tuple[int, int, torch.dtype], list[torch.Tensor]]:
+    """Every linear weight of the model grouped by (N, K, dtype), with the output projection
+    a model computes its logits with (`lm_head_weight`, possibly the tied embedding)."""
+    groups: dict[tuple[int, int, torch.dtype], list[torch.Tensor]] = {}
+    weights = [m.weight for m in model.modules() if isinstance(m, nn.Linear)]
+    if hasattr(model, "gemv_plan") and hasattr(model, "lm_head_weight"):
+        weights.append(model.lm_head_weight)
+    seen = set()
+    for w in weights:
+        if id(w) not in seen:
+            seen.add(id(w))
+            groups.setdefault((w.shape[0], w.shape[1], w.dtype), []).append(w.detach())
+    return groups
+
+
+def use_gemv(model: nn.Module, selector: GemvSelector | None = None,
+             plan: GemvPlan | None = None, enable: bool = True) -> GemvPlan | None:  # fmt: skip
+    """Route the model's linear layers (and its logits projection, for models with a
+    `gemv_plan` attribute) through a GEMV plan: `plan` when given, else the one `selector`
+    (default: GemvSelector()) measures for the model's weights on their device. Call it once
+    the weights are on the device and before CUDA graphs are captured. enable=False switches
+    back to plain torch. Returns the plan installed."""
+    if enable and plan is None:
+        from specserve.layers.gemv_select import GemvSelector
+
+        plan = (selector or GemvSelector()).select(gemv_weights(model))
+    mapping = _GEMV if enable else {v: k for k, v in _GEMV.items()}
+    for module in model.modules():
+        new_class = mapping.get(type(module))
+        if new_class is not None:
+            module.__class__ = new_class
+        if isinstance(module, (GemvLinear, GemvMergedLinear)):
+            module.gemv_plan = plan if enable else None
+    if hasattr(model, "gemv_plan"):
+        model.gemv_plan = plan if enable else None
+    return plan if enable else None

@@ -1,5 +1,5 @@
 """Fused Triton kernels for the small per-layer ops: RMSNorm (optionally with the residual add
-before it), rotary embedding, SiLU-and-mul.
+before it), rotary embedding (optionally with the paged KV write after it), SiLU-and-mul.
 
 At decode batch sizes each of these is a handful of tiny PyTorch kernels (RMSNorm 6, rotary
 about 12), which under CUDA graphs cost microseconds apiece with the GPU otherwise idle; one
@@ -59,21 +59,40 @@ def _round(x, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _rotate_heads(x_ptr, o_ptr, stride_t, stride_h, t, cos, sin, NUM_HEADS: tl.constexpr,
-                  HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):  # fmt: skip
+def _rotate_rows(src, dst, src_stride_h, dst_stride_h, cos, sin, num_heads,
+                 HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):  # fmt: skip
+    """Rotate num_heads rows of one token (head h at src + h * src_stride_h) into dst."""
     h = tl.arange(0, BLOCK_H)
     i = tl.arange(0, BLOCK_HALF)
-    ok = (h < NUM_HEADS)[:, None] & (i < HALF)[None, :]
-    src = x_ptr + t * stride_t + h[:, None] * stride_h + i[None, :]
-    dtype = x_ptr.dtype.element_ty
+    ok = (h < num_heads)[:, None] & (i < HALF)[None, :]
+    src = src + h[:, None] * src_stride_h + i[None, :]
+    dtype = src.dtype.element_ty
     x1 = tl.load(src, mask=ok, other=0.0).to(tl.float32)
     x2 = tl.load(src + HALF, mask=ok, other=0.0).to(tl.float32)
     # Same rounding as the PyTorch path: each product and the sum in the activation dtype.
     o1 = _round(_round(x1 * cos, dtype) - _round(x2 * sin, dtype), dtype)
     o2 = _round(_round(x2 * cos, dtype) + _round(x1 * sin, dtype), dtype)
-    dst = o_ptr + t * NUM_HEADS * 2 * HALF + h[:, None] * 2 * HALF + i[None, :]
-    tl.store(dst, o1.to(dtype), mask=ok)
-    tl.store(dst + HALF, o2.to(dtype), mask=ok)
+    dst = dst + h[:, None] * dst_stride_h + i[None, :]
+    out_dtype = dst.dtype.element_ty
+    tl.store(dst, o1.to(out_dtype), mask=ok)
+    tl.store(dst + HALF, o2.to(out_dtype), mask=ok)
+
+
+@triton.jit
+def _rotate_heads(x_ptr, o_ptr, stride_t, stride_h, t, cos, sin, NUM_HEADS: tl.constexpr,
+                  HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):  # fmt: skip
+    _rotate_rows(x_ptr + t * stride_t, o_ptr + t * NUM_HEADS * 2 * HALF, stride_h, 2 * HALF,
+                 cos, sin, NUM_HEADS, HALF, BLOCK_H, BLOCK_HALF)  # fmt: skip
+
+
+@triton.jit
+def _cos_sin(cos_sin_ptr, pos, stride_cs, DTYPE: tl.constexpr, HALF: tl.constexpr,
+             BLOCK_HALF: tl.constexpr):  # fmt: skip
+    i = tl.arange(0, BLOCK_HALF)
+    i_ok = i < HALF
+    cos = tl.load(cos_sin_ptr + pos * stride_cs + i, mask=i_ok, other=0.0)
+    sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + i, mask=i_ok, other=0.0)
+    return _round(cos, DTYPE)[None, :], _round(sin, DTYPE)[None, :]
 
 
 @triton.jit
@@ -85,17 +104,40 @@ def _rotary_kernel(
 ):  # fmt: skip
     t = tl.program_id(0)
     pos = tl.load(pos_ptr + t)
-    i = tl.arange(0, BLOCK_HALF)
-    i_ok = i < HALF
-    cos = tl.load(cos_sin_ptr + pos * stride_cs + i, mask=i_ok, other=0.0)
-    sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + i, mask=i_ok, other=0.0)
-    dtype = q_ptr.dtype.element_ty
-    cos = _round(cos, dtype)[None, :]
-    sin = _round(sin, dtype)[None, :]
+    cos, sin = _cos_sin(cos_sin_ptr, pos, stride_cs, q_ptr.dtype.element_ty, HALF, BLOCK_HALF)
     _rotate_heads(q_ptr, qo_ptr, stride_qt, stride_qh, t, cos, sin, Q_HEADS, HALF, BLOCK_QH,
                   BLOCK_HALF)  # fmt: skip
     _rotate_heads(k_ptr, ko_ptr, stride_kt, stride_kh, t, cos, sin, K_HEADS, HALF, BLOCK_KH,
                   BLOCK_HALF)  # fmt: skip
+
+
+@triton.jit
+def _rotary_store_kv_kernel(
+    qkv_ptr, qo_ptr, k_cache, v_cache, pos_ptr, slot_ptr, cos_sin_ptr,
+    stride_t, stride_cs, stride_page, stride_slot,
+    Q_HEADS: tl.constexpr, K_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):  # fmt: skip
+    """One token of a qkv projection row [q heads | k heads | v heads]: rotated q to qo,
+    rotated k and v straight into the paged cache at the token's slot (< 0: not stored)."""
+    t = tl.program_id(0)
+    pos = tl.load(pos_ptr + t)
+    slot = tl.load(slot_ptr + t)
+    stored_heads = tl.where(slot >= 0, K_HEADS, 0)  # a negative slot: nothing stored
+    slot = tl.maximum(slot, 0)
+    row = qkv_ptr + t * stride_t
+    cos, sin = _cos_sin(cos_sin_ptr, pos, stride_cs, qkv_ptr.dtype.element_ty, HALF, BLOCK_HALF)
+    _rotate_rows(row, qo_ptr + t * Q_HEADS * HEAD_DIM, HEAD_DIM, HEAD_DIM, cos, sin, Q_HEADS,
+                 HALF, BLOCK_QH, BLOCK_HALF)  # fmt: skip
+    dst = (slot // PAGE_SIZE) * stride_page + (slot % PAGE_SIZE) * stride_slot
+    _rotate_rows(row + Q_HEADS * HEAD_DIM, k_cache + dst, HEAD_DIM, HEAD_DIM, cos, sin,
+                 stored_heads, HALF, BLOCK_KH, BLOCK_HALF)  # fmt: skip
+    cols = tl.arange(0, BLOCK_V)
+    v_ok = cols < stored_heads * HEAD_DIM
+    v = tl.load(row + (Q_HEADS + K_HEADS) * HEAD_DIM + cols, mask=v_ok)
+    tl.store(v_cache + dst + cols, v.to(v_cache.dtype.element_ty), mask=v_ok)
 
 
 @triton.jit
@@ -168,6 +210,36 @@ def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: t
     return q_out, k_out
 
 
+
+def rotary_store_kv(positions: torch.Tensor, qkv: torch.Tensor, cos_sin: torch.Tensor,
+                    q_heads: int, kv_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    slot_mapping: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """From a qkv projection [T, (q_heads + 2 * kv_heads) * D]: rotary of q and k at
+    `positions`, k and v stored at `slot_mapping` in the paged caches [pages, page_size,
+    kv_heads, D] (slots < 0 skipped), all in one kernel; returns the rotated q [T, q_heads,
+    D]. Same values as `rotary` followed by the attention backend's KV write."""
+    from specserve.layers.attention.triton_kernels import check_cache
+
+    num_tokens = qkv.shape[0]
+    head_dim = k_cache.shape[3]
+    if qkv.shape[1] != (q_heads + 2 * kv_heads) * head_dim or k_cache.shape[2] != kv_heads:
+        raise ValueError("qkv rows must hold q_heads + 2 * kv_heads heads of the cache's size")
+    check_cache(k_cache, v_cache)
+    if qkv.stride(-1) != 1:
+        qkv = qkv.contiguous()
+    q_out = torch.empty((num_tokens, q_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
+    half = head_dim // 2
+    if num_tokens:
+        _rotary_store_kv_kernel[(num_tokens,)](
+            qkv, q_out, k_cache, v_cache, positions, slot_mapping, cos_sin,
+            qkv.stride(0), cos_sin.stride(0), k_cache.stride(0), k_cache.stride(1),
+            Q_HEADS=q_heads, K_HEADS=kv_heads, HEAD_DIM=head_dim, HALF=half,
+            PAGE_SIZE=k_cache.shape[1], BLOCK_QH=triton.next_power_of_2(q_heads),
+            BLOCK_KH=triton.next_power_of_2(kv_heads), BLOCK_HALF=triton.next_power_of_2(half),
+            BLOCK_V=triton.next_power_of_2(kv_heads * head_dim),
+        )  # fmt: skip
+    return q_out
+
 def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up, with F.silu's rounding to the activation dtype."""
     g2, u2 = _rows(gate), _rows(up)
@@ -192,10 +264,19 @@ class TritonRMSNorm(RMSNorm):
 
 
 class TritonRotaryEmbedding(RotaryEmbedding):
-    """Rotary embedding of q and k in one Triton kernel, reading the cos/sin table directly."""
+    """Rotary embedding of q and k in one Triton kernel, reading the cos/sin table directly;
+    `rotate_and_store` also writes k and v into the paged cache in the same kernel."""
+
+    stores_kv = True  # models may hand it the KV write (`rotate_and_store`)
 
     def forward(self, positions, q, k):
         return rotary(positions, q, k, self.cos_sin)
+
+    def rotate_and_store(self, positions, qkv, q_heads, kv_heads, k_cache, v_cache,
+                         slot_mapping) -> torch.Tensor:  # fmt: skip
+        """Rotated q [T, q_heads, D] from a qkv projection; rotated k and v stored."""
+        return rotary_store_kv(positions, qkv, self.cos_sin, q_heads, kv_heads, k_cache,
+                               v_cache, slot_mapping)  # fmt: skip
 
 
 class TritonGatedMLP(GatedMLP):

@@ -10,15 +10,20 @@ follows it (`norm(x, residual)`), one kernel on the GPU, same rounding as a plai
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
 from specserve.layers.activation import MergedGatedMLP
 from specserve.layers.attention import AttentionBackend, AttentionMetadata
-from specserve.layers.linear import MergedLinear
+from specserve.layers.linear import MergedLinear, dense
 from specserve.layers.norm import RMSNorm
 from specserve.layers.rotary import RotaryEmbedding
 from specserve.model.hf_config import ModelConfig
+
+if TYPE_CHECKING:
+    from specserve.layers.gemv_select import GemvPlan
 
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -45,7 +50,14 @@ class Attention(nn.Module):
 
     def forward(self, x, rotary, backend, kv, meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
+        qkv = self.qkv_proj(x)
+        if self.q_norm is None and _fused_kv_store(rotary, backend):
+            # Rotary of q and k and the K/V store in one kernel; the backend only attends.
+            q = rotary.rotate_and_store(meta.positions, qkv, self.num_heads, self.num_kv_heads,
+                                        kv[0], kv[1], meta.slot_mapping)  # fmt: skip
+            out = backend.forward(q, None, None, kv[0], kv[1], meta, self.scale)
+            return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+        q, k, v = qkv.split(self.split_sizes, dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
@@ -54,6 +66,12 @@ class Attention(nn.Module):
         q, k = rotary(meta.positions, q, k)
         out = backend.forward(q, k, v, kv[0], kv[1], meta, self.scale)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+
+
+def _fused_kv_store(rotary, backend) -> bool:
+    """Whether the rotary module can store K/V itself (the Triton one) for a backend that
+    then skips its own KV write (the Triton backend, given k = v = None)."""
+    return getattr(rotary, "stores_kv", False) and backend.name == "triton"
 
 
 class DecoderLayer(nn.Module):
@@ -105,6 +123,7 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(
             cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings, cfg.rope_scaling
         )
+        self.gemv_plan: GemvPlan | None = None  # the logits projection's (`use_gemv`)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -131,4 +150,4 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits for the given hidden states."""
-        return nn.functional.linear(hidden, self.lm_head_weight).float()
+        return dense(hidden, self.lm_head_weight, plan=self.gemv_plan).float()

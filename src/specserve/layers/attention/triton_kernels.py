@@ -145,7 +145,10 @@ def _split_reduce_kernel(
 
 
 def write_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
-    """Store each token's K/V row (all KV heads) at its slot; slots < 0 are skipped."""
+    """Store each token's K/V row (all KV heads) at its slot; slots < 0 are skipped.
+    k = v = None: nothing to store (the model's fused rotary + KV write stored them)."""
+    if k is None and v is None:
+        return
     num_tokens = k.shape[0]
     if num_tokens == 0:
         return
@@ -160,11 +163,16 @@ def write_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
     )  # fmt: skip
 
 
-def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+def check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """Raise unless the caches have the layout the kernels index: contiguous (kv_heads,
+    head_dim) rows and equal strides."""
     kvh, hd = k_cache.shape[2:]
     if k_cache.stride()[2:] != (hd, 1) or k_cache.stride() != v_cache.stride():
         raise ValueError("K/V caches must be [pages, page_size, kv_heads, head_dim] with "
                          "contiguous (kv_heads, head_dim) rows and equal strides")  # fmt: skip
+
+
+_check_cache = check_cache
 
 
 def paged_attention(

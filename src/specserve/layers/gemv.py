@@ -1,0 +1,212 @@
+"""A Triton GEMV / skinny GEMM for decode-sized inputs: y[M, N] = x[M, K] @ W[N, K]^T with
+M <= 16 rows, W row-major as nn.Linear stores it, fp32 accumulation, output in x's dtype.
+
+At decode batch sizes a projection only streams its weight once; what matters is keeping
+enough bytes in flight on every multiprocessor. A program owns BLOCK_N output columns and one
+of `split_k` slices of the K axis. Two inner products:
+
+- `use_dot`: the [16, BLOCK_K] x [BLOCK_K, BLOCK_N] tile product on the matrix units (input
+  rows past M are zeros, never fetched); the loads feed the software pipeline
+  (`num_stages`), one compiled variant serves every M <= 16.
+- otherwise: broadcast multiply-adds on the CUDA cores over next_power_of_2(M) rows (one
+  compiled variant per row count), each thread keeping its partial products until a single
+  reduction after the loop; for M of 1 or 2.
+
+With split_k > 1 each slice writes fp32 partial sums to a workspace and a second kernel adds
+them in a fixed order: results are bitwise reproducible run to run (no atomics), and the
+launch shape and workspace size depend only on (M, N, split_k), so calls are CUDA-graph safe.
+
+Which configuration (or cuBLAS) serves a shape is measured on the device at start-up
+(`gemv_select.py`); nothing here guesses. Imported lazily: kernels are defined at first
+import, which is when TRITON_INTERPRET is read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_ROWS = 16  # the matrix-unit tile height; more rows go to torch
+DOT_ROWS = 16
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    """One launch configuration of the GEMV kernel."""
+
+    block_n: int
+    block_k: int
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+    use_dot: bool = True
+
+    def __str__(self) -> str:
+        kind = "dot" if self.use_dot else "fma"
+        return (f"{kind} n{self.block_n} k{self.block_k} s{self.split_k} "
+                f"w{self.num_warps} st{self.num_stages}")  # fmt: skip
+
+    def supports(self, rows: int, n: int, k: int) -> bool:
+        """Whether this configuration can serve a [rows, k] x [n, k]^T product sensibly:
+        every K slice at least one block long, and few enough rows for its tile."""
+        if rows > (DOT_ROWS if self.use_dot else 8):
+            return False
+        return self.split_k == 1 or triton.cdiv(k, self.split_k) >= self.block_k
+
+
+# Integers that change with the call (row count, K slice) are not specialized on: M = 1 would
+# otherwise compile a variant of its own.
+@triton.jit(do_not_specialize=["M", "iters_per_split"])
+def _gemv_kernel(
+    x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, iters_per_split,
+    stride_xm, stride_wn, stride_om, stride_os,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_DOT: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,
+):  # fmt: skip
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    m = tl.arange(0, BLOCK_M)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    kk = tl.arange(0, BLOCK_K)
+    # Weight rows past N re-read row N-1 (discarded at the store): no mask on the streamed
+    # loads. Input rows past M are masked (zero-filled, not fetched).
+    m_ok = (m < M)[:, None]
+    x_rows = x_ptr + m[:, None] * stride_xm
+    w_rows = w_ptr + tl.minimum(n, N - 1).to(tl.int64)[:, None] * stride_wn
+    # Slices start at multiples of BLOCK_K (which the compiler sees: aligned vector loads).
+    k_lo = pid_s * iters_per_split * BLOCK_K
+    iters = tl.minimum(iters_per_split, tl.cdiv(K - k_lo, BLOCK_K))
+    if USE_DOT:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    else:  # per-thread partial products, summed over K once after the loop
+        acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for i in range(0, iters):
+        k = k_lo + i * BLOCK_K + kk
+        if EVEN_K:  # K is a multiple of BLOCK_K
+            w = tl.load(w_rows + k[None, :])
+            x = tl.load(x_rows + k[None, :], mask=m_ok, other=0.0)
+        else:
+            k_ok = (k < K)[None, :]
+            w = tl.load(w_rows + k[None, :], mask=k_ok, other=0.0)
+            x = tl.load(x_rows + k[None, :], mask=m_ok & k_ok, other=0.0)
+        if USE_DOT:
+            if IEEE:
+                acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+            else:
+                acc += tl.dot(x, tl.trans(w))
+        else:
+            acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+    if not USE_DOT:
+        acc = tl.sum(acc, axis=2)
+    ok = m_ok & (n < N)[None, :]
+    if PARTIAL:
+        dst = out_ptr + pid_s * stride_os + m[:, None] * stride_om + n[None, :]
+        tl.store(dst, acc, mask=ok)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + n, mask=n < N, other=0.0).to(tl.float32)[None, :]
+        dst = out_ptr + m[:, None] * stride_om + n[None, :]
+        tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit(do_not_specialize=["split_k"])
+def _split_k_reduce_kernel(
+    part_ptr, b_ptr, out_ptr, N, split_k, stride_ps, stride_pm, stride_om,
+    HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    m = tl.program_id(0)
+    n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = n < N
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in range(0, split_k):  # a fixed order: the same sum every run
+        acc += tl.load(part_ptr + s * stride_ps + m * stride_pm + n, mask=ok, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + n, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + m * stride_om + n, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+REDUCE_BLOCK = 1024
+DEFAULT_CONFIG = GemvConfig(block_n=64, block_k=128)
+
+
+def gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    config: GemvConfig = DEFAULT_CONFIG,
+) -> torch.Tensor:
+    """x [..., K] @ weight[N, K]^T (+ bias) for at most MAX_ROWS rows of x; returns [..., N]
+    in x's dtype. Allocates only the output (and, with split_k > 1, its fp32 workspace)."""
+    n, k = weight.shape
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    if weight.stride(-1) != 1:
+        raise ValueError("gemv needs a weight with contiguous rows")
+    rows = x2.shape[0]
+    if rows > MAX_ROWS:
+        raise ValueError(f"gemv serves at most {MAX_ROWS} rows, got {rows}")
+    out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    if rows == 0:
+        return out.view(*x.shape[:-1], n)
+    cfg = config
+    block_m = DOT_ROWS if cfg.use_dot else max(1, triton.next_power_of_2(rows))
+    iters_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k)
+    split_k = triton.cdiv(k, iters_per_split * cfg.block_k)  # no empty slices
+    even_k = k % cfg.block_k == 0
+    has_bias = bias is not None
+    partial = split_k > 1
+    if partial:
+        dst = torch.empty((split_k, rows, n), dtype=torch.float32, device=x.device)
+        strides = (dst.stride(1), dst.stride(0))
+    else:
+        dst, strides = out, (out.stride(0), 0)
+    grid = (triton.cdiv(n, cfg.block_n), split_k)
+    _gemv_kernel[grid](
+        x2, weight, bias if has_bias else weight, dst, rows, n, k, iters_per_split,
+        x2.stride(0), weight.stride(0), *strides,
+        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, USE_DOT=cfg.use_dot,
+        IEEE=x.dtype == torch.float32, EVEN_K=even_k, HAS_BIAS=has_bias and not partial,
+        PARTIAL=partial, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    if partial:
+        _split_k_reduce_kernel[(rows, triton.cdiv(n, REDUCE_BLOCK))](
+            dst, bias if has_bias else dst, out, n, split_k, dst.stride(0), dst.stride(1),
+            out.stride(0), HAS_BIAS=has_bias, BLOCK=REDUCE_BLOCK,
+        )  # fmt: skip
+    return out.view(*x.shape[:-1], n)
+
+
+def candidate_configs(rows: int, n: int, k: int, num_sms: int) -> list[GemvConfig]:
+    """The configurations start-up tuning times for one shape, in order of preference on a
+    tie: a few tile shapes, each unsplit and with the K splits that bring the program count
+    to about one and two waves of `num_sms` multiprocessors (more at most 16 slices)."""
+    tiles = [
+        GemvConfig(block_n=64, block_k=128, num_warps=4, num_stages=4),
+        GemvConfig(block_n=32, block_k=256, num_warps=4, num_stages=4),
+        GemvConfig(block_n=128, block_k=128, num_warps=4, num_stages=3),
+        GemvConfig(block_n=16, block_k=256, num_warps=2, num_stages=5),
+    ]
+    if rows <= 2:  # the CUDA-core inner product only pays for one or two rows
+        tiles += [
+            GemvConfig(block_n=8, block_k=512, num_warps=4, num_stages=2, use_dot=False),
+            GemvConfig(block_n=16, block_k=256, num_warps=4, num_stages=3, use_dot=False),
+        ]
+    out: list[GemvConfig] = []
+    for tile in tiles:
+        programs = triton.cdiv(n, tile.block_n)
+        splits = {1}
+        for waves in (1, 2, 4):
+            want = triton.cdiv(waves * num_sms, programs)
+            if want > 1:
+                splits.add(min(16, triton.next_power_of_2(want)))
+        for s in sorted(splits):
+            cfg = GemvConfig(tile.block_n, tile.block_k, s, tile.num_warps, tile.num_stages,
+                             tile.use_dot)  # fmt: skip
+            if cfg.supports(rows, n, k):
+                out.append(cfg)
+    return out

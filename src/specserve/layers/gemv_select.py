@@ -1,0 +1,205 @@
+"""Which kernel serves each decode-sized linear: cuBLAS through torch, or the Triton GEMV in
+one of its configurations, measured on the device at start-up (`GemvSelector`) and kept in a
+`GemvPlan` that the linear layers consult per call.
+
+Measurements run the way the engine runs: every candidate is captured in a CUDA graph over
+enough distinct weights of the shape (the model's own, cloned when they are few) that the L2
+cache cannot serve them, and replayed; the per-call time is the median replay over the calls.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from specserve.layers.gemv import MAX_ROWS, GemvConfig, candidate_configs, gemv
+
+log = logging.getLogger(__name__)
+
+ShapeKey = tuple[int, int, torch.dtype]  # (N, K, dtype) of a weight [N, K]
+PlanKey = tuple[int, int, int, torch.dtype]  # (row bucket, N, K, dtype)
+GEMV_DTYPES = (torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class GemvChoice:
+    """What start-up measured for one plan key: the winner (None: torch), its time and
+    torch's in microseconds per call, and how many candidates were timed."""
+
+    config: GemvConfig | None
+    torch_us: float
+    best_us: float
+    tried: int
+
+
+class GemvPlan:
+    """(row bucket, N, K, dtype) -> the GEMV configuration that serves it. Rows are rounded up
+    to the next bucket; keys absent, measured slower than torch, or beyond the largest
+    bucket go to torch (`default`, when given, serves every absent key: tests force the
+    Triton path with it)."""
+
+    def __init__(
+        self,
+        choices: dict[PlanKey, GemvChoice] | None = None,
+        row_buckets: tuple[int, ...] = (1, 2, 4, 8),
+        default: GemvConfig | None = None,
+    ):
+        self.row_buckets = tuple(sorted(row_buckets))
+        if self.row_buckets[0] < 1 or self.row_buckets[-1] > MAX_ROWS:
+            raise ValueError(f"row buckets must lie in 1..{MAX_ROWS}")
+        self.max_rows = self.row_buckets[-1]
+        self._bucket = [0] + [self.row_buckets[bisect.bisect_left(self.row_buckets, r)]
+                              for r in range(1, self.max_rows + 1)]  # fmt: skip
+        self.choices = dict(choices or {})
+        self._configs = {k: c.config for k, c in self.choices.items() if c.config is not None}
+        self.default = default
+
+    def config_for(self, rows: int, n: int, k: int, dtype: torch.dtype) -> GemvConfig | None:
+        """The configuration for `rows` rows of a weight [n, k]; None: torch."""
+        if rows < 1 or rows > self.max_rows:
+            return None
+        return self._configs.get((self._bucket[rows], n, k, dtype), self.default)
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        """F.linear(x, weight, bias) through the planned kernel."""
+        k = x.shape[-1]
+        rows = x.numel() // k if k else 0
+        cfg = self.config_for(rows, weight.shape[0], k, weight.dtype)
+        if cfg is None:
+            return F.linear(x, weight, bias)
+        return gemv(x, weight, bias, cfg)
+
+    def summary(self) -> list[dict]:
+        """One JSON-ready row per measured key."""
+        return [
+            dict(rows=b, n=n, k=k, dtype=str(dt).removeprefix("torch."),
+                 kernel=str(c.config) if c.config else "torch", torch_us=round(c.torch_us, 2),
+                 best_us=round(c.best_us, 2), speedup=round(c.torch_us / c.best_us, 3),
+                 tried=c.tried)  # fmt: skip
+            for (b, n, k, dt), c in sorted(self.choices.items(), key=lambda i: i[0][:3])
+        ]
+
+
+def time_in_graph_us(fn, x: torch.Tensor, weights: list[torch.Tensor], reps: int = 5) -> float:
+    """Median device time of one `fn(x, w)` call, from `reps` replays of a CUDA graph that
+    calls it once per weight. `fn` must have run eagerly once (compilation, cuBLAS set-up)."""
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # torch.cuda.graph would also gc.collect() per capture
+        graph.capture_begin()
+        for w in weights:
+            fn(x, w)
+        graph.capture_end()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph.replay()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+              for _ in range(reps)]  # fmt: skip
+    for start, end in events:
+        start.record()
+        graph.replay()
+        end.record()
+    torch.cuda.synchronize()
+    ms = statistics.median(start.elapsed_time(end) for start, end in events)
+    return ms * 1000 / len(weights)
+
+
+def rotation_set(weights: list[torch.Tensor], min_bytes: int, max_calls: int = 256):
+    """Enough distinct weights of one shape that together they exceed `min_bytes` (the model's
+    own first, then clones), so that timing streams them from memory, not from L2."""
+    out, total = [], 0
+    i = 0
+    while total < min_bytes and len(out) < max_calls:
+        w = weights[i] if i < len(weights) else weights[i % len(weights)].clone()
+        out.append(w)
+        total += w.numel() * w.element_size()
+        i += 1
+    return out
+
+
+def torch_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, w)
+
+
+class GemvSelector:
+    """Measures torch (cuBLAS) against the Triton GEMV's candidate configurations for every
+    (row bucket, N, K, dtype) of the weights it is given, and returns the plan.
+
+    A configuration wins only if it beats torch by `margin` (ties stay on cuBLAS). Candidates
+    are timed in rounds, torch first, then each shape's first configuration, and so on, until
+    `budget_s` (compilation included) is spent; what is left untried is logged. On a CPU the
+    plan is empty: torch everywhere (the Triton kernel runs there only under the interpreter,
+    in tests).
+    """
+
+    def __init__(self, row_buckets: tuple[int, ...] = (1, 2, 4, 8), budget_s: float = 5.0,
+                 margin: float = 0.02, reps: int = 5):  # fmt: skip
+        self.row_buckets = tuple(sorted(row_buckets))
+        self.budget_s, self.margin, self.reps = budget_s, margin, reps
+        self.elapsed_s = 0.0
+        self.skipped = 0  # candidates left untried when the budget ran out
+
+    @torch.inference_mode()
+    def select(self, weights: dict[ShapeKey, list[torch.Tensor]]) -> GemvPlan:
+        shapes = {key: ws for key, ws in weights.items()
+                  if ws and ws[0].is_cuda and key[2] in GEMV_DTYPES}  # fmt: skip
+        if not shapes:
+            return GemvPlan({}, self.row_buckets)
+        start = time.perf_counter()
+        device = next(iter(shapes.values()))[0].device
+        props = torch.cuda.get_device_properties(device)
+        min_bytes = 4 * getattr(props, "L2_cache_size", 64 << 20)
+        jobs = []  # (plan key, x, rotation weights, candidates: None = torch)
+        for (n, k, dtype), ws in shapes.items():
+            ws = [w for w in ws if w.stride(-1) == 1]
+            if not ws:
+                continue
+            rotation = rotation_set(ws, min_bytes)
+            for b in self.row_buckets:
+                x = torch.randn(b, k, device=device, dtype=dtype)
+                cands = [None, *candidate_configs(b, n, k, props.multi_processor_count)]
+                jobs.append(((b, n, k, dtype), x, rotation, cands))
+        times: dict[PlanKey, dict] = {job[0]: {} for job in jobs}
+        self.skipped = 0
+        for rnd in range(max(len(job[3]) for job in jobs)):
+            for key, x, rotation, cands in jobs:
+                if rnd >= len(cands):
+                    continue
+                if time.perf_counter() - start > self.budget_s:
+                    self.skipped += 1
+                    continue
+                times[key][cands[rnd]] = self._measure(cands[rnd], x, rotation)
+        plan = GemvPlan({key: self._choose(t) for key, t in times.items() if None in t},
+                        self.row_buckets)  # fmt: skip
+        torch.cuda.empty_cache()
+        self.elapsed_s = time.perf_counter() - start
+        if self.skipped:
+            log.warning("GEMV selection hit its %.1f s budget: %d candidates untried",
+                        self.budget_s, self.skipped)  # fmt: skip
+        won = sum(c.config is not None for c in plan.choices.values())
+        log.info("GEMV selection: Triton serves %d of %d decode shapes (%.1f s)", won,
+                 len(plan.choices), self.elapsed_s)  # fmt: skip
+        return plan
+
+    def _measure(self, cfg: GemvConfig | None, x: torch.Tensor, rotation) -> float:
+        fn = torch_linear if cfg is None else (lambda x, w: gemv(x, w, None, cfg))
+        try:
+            fn(x, rotation[0])  # compile, set up cuBLAS
+            torch.cuda.synchronize()
+        except Exception as e:  # a configuration this device cannot run (shared memory)
+            log.debug("GEMV candidate %s failed: %s", cfg, e)
+            return float("inf")
+        return time_in_graph_us(fn, x, rotation, self.reps)
+
+    def _choose(self, times: dict) -> GemvChoice:
+        torch_us = times[None]
+        best = min((c for c in times if c is not None), key=lambda c: times[c], default=None)
+        if best is None or times[best] > torch_us * (1 - self.margin):
+            return GemvChoice(None, torch_us, torch_us, len(times))
+        return GemvChoice(best, torch_us, times[best], len(times))

@@ -1,0 +1,308 @@
+"""The Triton GEMV (layers/gemv.py), its start-up selection (gemv_select.py) and the linear
+layers' switch to it (linear.use_gemv).
+
+On the CPU the kernel runs through the Triton interpreter in one subprocess (fp16/fp32 for
+the matrix-unit path, whose bf16 tl.dot the interpreter computes wrongly; bf16 too for the
+CUDA-core path): M = 1..8, N and K off the block sizes, K splits, bias, and a tiny model's
+decode steps with every linear forced through the kernel. The plan and the module switch are
+tested directly. On a GPU (`-m gpu`): every start-up candidate at the 8B and SmolLM2 shapes
+in bf16/fp16 against torch, bitwise reproducibility, CUDA-graph capture, the selector.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from tests.triton_cases import rel_err
+
+ROOT = Path(__file__).resolve().parents[1]
+TOL = {torch.float32: 2e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}
+
+
+def gemv_error(config, rows: int, n: int, k: int, dtype, device, bias=False, seed=0):
+    """Relative error of gemv against a float64 reference; inf when two calls differ."""
+    from specserve.layers.gemv import gemv
+
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, k, generator=gen).to(dtype=dtype, device=device)
+    w = (torch.randn(n, k, generator=gen) / k**0.5).to(dtype=dtype, device=device)
+    b = torch.randn(n, generator=gen).to(dtype=dtype, device=device) if bias else None
+    ref = x.double() @ w.double().T + (b.double() if bias else 0)
+    out = gemv(x, w, b, config)
+    if not torch.equal(out, gemv(x, w, b, config)) or out.dtype != dtype:
+        return float("inf")
+    return rel_err(out, ref)
+
+
+def _interpreter_cases() -> dict[str, tuple]:
+    from specserve.layers.gemv import GemvConfig
+
+    dot = GemvConfig(block_n=32, block_k=64)
+    cases: dict[str, tuple] = {}
+    for n, k in ((100, 300), (96, 576), (64, 128)):
+        for rows in range(1, 9):
+            cases[f"dot-float16-{n}x{k}-m{rows}"] = (dot, rows, n, k, "float16", False)
+        cases[f"dot-float32-{n}x{k}-m3"] = (dot, 3, n, k, "float32", False)
+    for split in (2, 3):
+        cfg = GemvConfig(block_n=16, block_k=32, split_k=split)
+        for rows in (1, 5, 8):
+            cases[f"dot-split{split}-float16-m{rows}"] = (cfg, rows, 72, 200, "float16", False)
+        cases[f"dot-split{split}-bias-float32-m2"] = (cfg, 2, 72, 200, "float32", True)
+    cases["dot-bias-float16-m4"] = (dot, 4, 100, 300, "float16", True)
+    for dtype in ("float16", "float32", "bfloat16"):
+        for rows in (1, 2):
+            fma = GemvConfig(block_n=8, block_k=64, use_dot=False)
+            cases[f"fma-{dtype}-m{rows}"] = (fma, rows, 100, 300, dtype, False)
+            fma_split = GemvConfig(block_n=16, block_k=32, split_k=3, use_dot=False)
+            cases[f"fma-split3-{dtype}-m{rows}"] = (fma_split, rows, 40, 256, dtype, rows == 2)
+    return cases
+
+
+def model_decode_errors(dtype, device, config, seed=0) -> dict[str, float]:
+    """A tiny Llama's hidden states and logits over steps of 1..8 tokens (and one of 12, past
+    the plan: torch) with every linear through `config`, against plain torch modules."""
+    from specserve.engine.kv_cache import KVCache
+    from specserve.layers.attention import TorchAttentionBackend
+    from specserve.layers.gemv_select import GemvPlan
+    from specserve.layers.linear import use_gemv
+    from tests.model_cases import build_meta, tiny_config, tiny_model
+
+    cfg = tiny_config()
+    model = tiny_model(cfg, dtype, device, seed)
+    kv = [KVCache(cfg, 9, 4, dtype, device) for _ in "ab"]
+    gen = torch.Generator().manual_seed(seed)
+    errs = {}
+    with torch.inference_mode():
+        for q in (1, 3, 8, 12):
+            meta = build_meta([[1, 2, 3, 4]], [0], [q], 4, device)  # every read key written
+            ids = torch.randint(cfg.vocab_size, (q,), generator=gen).to(device)
+            use_gemv(model, enable=False)
+            ref, _ = model(ids, meta, kv[0].layers, TorchAttentionBackend())
+            ref_logits = model.compute_logits(ref)
+            use_gemv(model, plan=GemvPlan(row_buckets=(1, 2, 4, 8), default=config))
+            out, _ = model(ids, meta, kv[1].layers, TorchAttentionBackend())
+            logits = model.compute_logits(out)
+            errs[f"q{q}"] = max(rel_err(out, ref), rel_err(logits, ref_logits))
+            if q > 8:  # beyond the largest bucket: torch itself, bit for bit
+                errs[f"q{q}"] = float(not torch.equal(logits, ref_logits))
+    return errs
+
+
+def run_cases() -> dict:
+    from specserve.layers.gemv import GemvConfig
+
+    results: dict = {}
+    for name, (cfg, rows, n, k, dtype, bias) in _interpreter_cases().items():
+        try:
+            results[name] = gemv_error(cfg, rows, n, k, getattr(torch, dtype), "cpu", bias,
+                                       seed=len(name))  # fmt: skip
+        except Exception as e:  # reported per case by the test
+            results[name] = f"{type(e).__name__}: {e}"
+    for dtype in ("float32", "float16"):
+        cfg = GemvConfig(block_n=16, block_k=32, split_k=2)
+        try:
+            results[f"model-{dtype}"] = model_decode_errors(getattr(torch, dtype), "cpu", cfg)
+        except Exception as e:
+            results[f"model-{dtype}"] = f"{type(e).__name__}: {e}"
+    return results
+
+
+@pytest.fixture(scope="module")
+def interpreter_results() -> dict:
+    from tests.test_triton_attention import _interpreter_unusable
+
+    reason = _interpreter_unusable()
+    if reason:
+        pytest.skip(reason)
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    proc = subprocess.run([sys.executable, "-m", "tests.test_gemv"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _case_names() -> list[str]:
+    try:
+        return sorted(_interpreter_cases())
+    except ImportError:  # no triton: the fixture skips
+        return ["triton-missing"]
+
+
+@pytest.mark.parametrize("name", _case_names())
+def test_interpreter_gemv_matches_reference(name, interpreter_results):
+    err = interpreter_results[name]
+    assert isinstance(err, float), f"{name} raised {err}"
+    dtype = getattr(torch, next(d for d in ("bfloat16", "float16", "float32") if d in name))
+    assert err <= TOL[dtype], f"{name}: relative error {err:.3g}"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_interpreter_model_decode_through_gemv(dtype, interpreter_results):
+    errs = interpreter_results[f"model-{dtype}"]
+    assert isinstance(errs, dict), errs
+    for q in ("q1", "q3", "q8"):
+        assert errs[q] <= 10 * TOL[getattr(torch, dtype)], errs
+    assert errs["q12"] == 0.0, errs  # 12 rows: the plan hands it to torch
+
+
+# ---- the plan and the module switch (no kernel runs) -------------------------------------
+def test_plan_buckets_rows_and_falls_back_to_torch():
+    from specserve.layers.gemv import GemvConfig
+    from specserve.layers.gemv_select import GemvChoice, GemvPlan
+
+    cfg = GemvConfig(block_n=64, block_k=128, split_k=4)
+    choices = {(4, 96, 64, torch.float16): GemvChoice(cfg, 10.0, 8.0, 5),
+               (1, 96, 64, torch.float16): GemvChoice(None, 10.0, 10.0, 5)}  # fmt: skip
+    plan = GemvPlan(choices, row_buckets=(1, 2, 4, 8))
+    assert [plan.config_for(r, 96, 64, torch.float16) for r in (3, 4)] == [cfg, cfg]
+    assert plan.config_for(1, 96, 64, torch.float16) is None  # torch measured faster
+    assert plan.config_for(2, 96, 64, torch.float16) is None  # not measured
+    assert plan.config_for(4, 96, 64, torch.bfloat16) is None
+    assert plan.config_for(9, 96, 64, torch.float16) is None  # beyond the largest bucket
+    assert GemvPlan(default=cfg).config_for(0, 96, 64, torch.float16) is None
+    rows = plan.summary()
+    assert {r["kernel"] for r in rows} == {"torch", str(cfg)} and rows[1]["speedup"] == 1.25
+    x, w = torch.randn(2, 64), torch.randn(96, 64)  # fp32: the plan serves it with torch
+    assert torch.equal(plan.linear(x, w), nn.functional.linear(x, w))
+    with pytest.raises(ValueError):
+        GemvPlan(row_buckets=(1, 32))
+
+
+def test_use_gemv_switches_modules_and_back_without_touching_weights():
+    from specserve.layers.gemv_select import GemvPlan, GemvSelector
+    from specserve.layers.linear import GemvLinear, GemvMergedLinear, MergedLinear, use_gemv
+    from tests.model_cases import tiny_config, tiny_model
+
+    model = tiny_model(tiny_config(), torch.float32, "cpu")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    plan = use_gemv(model, GemvSelector())  # on the CPU: measured nothing, torch everywhere
+    assert isinstance(plan, GemvPlan) and plan.choices == {}
+    assert model.gemv_plan is plan
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    assert linears and all(isinstance(m, (GemvLinear, GemvMergedLinear)) for m in linears)
+    assert all(m.gemv_plan is plan for m in linears)
+    assert isinstance(model.model.layers[0].self_attn.qkv_proj, MergedLinear)
+    assert model.model.layers[0].self_attn.qkv_proj.shard_rows()  # still a MergedLinear
+    x = torch.randn(3, model.config.hidden_size)
+    assert torch.equal(model.compute_logits(x), x @ model.lm_head_weight.T)
+    use_gemv(model, enable=False)
+    assert model.gemv_plan is None
+    assert all(type(m) in (nn.Linear, MergedLinear) for m in model.modules()
+               if isinstance(m, nn.Linear))  # fmt: skip
+    after = model.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in after)
+
+
+def test_gemv_weights_groups_shapes_and_the_tied_logits_projection():
+    from specserve.layers.linear import gemv_weights
+    from tests.model_cases import tiny_config, tiny_model
+
+    cfg = tiny_config(tie_word_embeddings=True)
+    model = tiny_model(cfg, torch.float32, "cpu")
+    groups = gemv_weights(model)
+    h, d = cfg.hidden_size, cfg.head_dim
+    qkv = ((cfg.num_heads + 2 * cfg.num_kv_heads) * d, h, torch.float32)
+    assert len(groups[qkv]) == cfg.num_layers
+    assert len(groups[(2 * cfg.intermediate_size, h, torch.float32)]) == cfg.num_layers
+    assert groups[(cfg.vocab_size, h, torch.float32)][0] is not None  # the tied embedding
+
+
+def test_candidate_configs_split_only_where_slices_stay_whole():
+    from specserve.layers.gemv import candidate_configs
+
+    for rows, n, k in ((1, 4096, 4096), (8, 128256, 4096), (2, 576, 576), (8, 4096, 14336)):
+        cands = candidate_configs(rows, n, k, num_sms=132)
+        assert cands and len(set(cands)) == len(cands)
+        assert all(c.supports(rows, n, k) for c in cands)
+        assert all(c.use_dot for c in cands) or rows <= 2
+        assert all(-(-k // c.split_k) >= c.block_k for c in cands)
+    small = candidate_configs(4, 4096, 4096, num_sms=132)
+    assert max(c.split_k for c in small) > 1  # 4096 columns alone leave SMs idle
+
+
+# ---- GPU ------------------------------------------------------------------------------------
+GPU_SHAPES = {  # (N, K): Llama-3.1-8B, its EAGLE-3 head's fc, SmolLM2-135M
+    "qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
+    "lm_head": (128256, 4096), "eagle_fc": (4096, 12288), "smol_qkv": (960, 576),
+    "smol_down": (576, 1536), "smol_lm_head": (49152, 576),
+}  # fmt: skip
+GPU_TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", sorted(GPU_SHAPES))
+def test_gpu_every_candidate_matches_torch(dtype, shape):
+    from specserve.layers.gemv import candidate_configs
+
+    n, k = GPU_SHAPES[shape]
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for rows in (1, 2, 3, 4, 8):
+        for cfg in candidate_configs(rows, n, k, sms):
+            err = gemv_error(cfg, rows, n, k, dtype, "cuda", bias=rows == 3, seed=rows)
+            assert err < GPU_TOL[dtype], (shape, rows, str(cfg), err)
+
+
+@pytest.mark.gpu
+def test_gpu_gemv_is_graph_safe_and_reproducible():
+    from specserve.layers.gemv import GemvConfig, gemv
+
+    w = torch.randn(4096, 14336, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(4, 14336, device="cuda", dtype=torch.bfloat16)
+    cfg = GemvConfig(block_n=64, block_k=128, split_k=8)
+    eager = gemv(x, w, None, cfg)
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        graph.capture_begin()
+        out = gemv(x, w, None, cfg)
+        graph.capture_end()
+    torch.cuda.current_stream().wait_stream(stream)
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_selector_plans_a_model_that_still_matches_torch(dtype):
+    from specserve.layers.gemv_select import GemvSelector
+    from specserve.layers.linear import use_gemv
+    from tests.model_cases import tiny_config, tiny_model
+
+    cfg = tiny_config(hidden_size=256, intermediate_size=512, vocab_size=1000, head_dim=64)
+    model = tiny_model(cfg, dtype, "cuda")
+    x = torch.randn(4, cfg.hidden_size, device="cuda", dtype=dtype)
+    ref = model.compute_logits(x)
+    selector = GemvSelector(budget_s=20.0)
+    plan = use_gemv(model, selector)
+    assert len(plan.choices) == 5 * 4  # (qkv, o, gate_up, down, lm_head) x row buckets
+    assert rel_err(model.compute_logits(x), ref) < GPU_TOL[dtype]
+    for row in plan.summary():
+        assert row["best_us"] <= row["torch_us"] and row["tried"] >= 2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_model_decode_through_gemv(dtype):
+    from specserve.layers.gemv import GemvConfig
+
+    errs = model_decode_errors(dtype, "cuda", GemvConfig(block_n=32, block_k=64, split_k=2))
+    assert max(errs["q1"], errs["q3"], errs["q8"]) < 3 * GPU_TOL[dtype], errs
+    assert errs["q12"] == 0.0, errs
+
+
+if __name__ == "__main__":  # the interpreter run (TRITON_INTERPRET=1), see the fixture
+    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+    sys.stdout.write("\n" + json.dumps(run_cases()) + "\n")
