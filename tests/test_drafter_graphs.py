@@ -80,9 +80,13 @@ def test_padded_drafter_keeps_greedy_output(tmp_path_factory, policy, overlap):
             proposer.graphs = capture_drafter_graphs(proposer, llm.engine, use_graphs=False)
             for name in seen:
                 fn = getattr(proposer.graphs, name)
-                setattr(proposer.graphs, name,
-                        lambda *a, fn=fn, name=name: (seen[name].append((len(a[0]), a[-1])),
-                                                      fn(*a))[1])  # fmt: skip
+
+                def spy(segments, hidden, *rest, fn=fn, name=name):
+                    k = rest[0] if name == "run_chain" else None  # run_chain(.., k, tail)
+                    seen[name].append((len(segments), k))
+                    return fn(segments, hidden, *rest)
+
+                setattr(proposer.graphs, name, spy)
         if policy == "mixed":
             pick = random.Random(9)
             llm.engine.spec.policy = PerRequestPolicy(3, lambda req: pick.choice([0, 1, 2, 3]))

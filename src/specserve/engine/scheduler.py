@@ -33,6 +33,9 @@ class ScheduledRequest:
     decoding: bool = False  # one committed token to feed (not a prefill chunk)
     drafts: list[int] = field(default_factory=list)
     draft_probs: Any = None
+    # Drafts the proposer left on the device instead: (tokens [B, k], this request's row);
+    # `drafts` gets their values once the step's tokens reach the host.
+    device_drafts: Any = None
 
     @property
     def samples(self) -> bool:

@@ -36,7 +36,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from specserve.engine.scheduler import ScheduledRequest
-from specserve.runtime.model_runner import PrevTokens, StepInput
+from specserve.runtime.inflight import InflightStep
+from specserve.runtime.model_runner import StepInput, num_drafts
 from specserve.runtime.sampled_tokens import SampledTokens, StepResult
 
 if TYPE_CHECKING:
@@ -50,7 +51,7 @@ class LaunchedStep:
     batch: list[ScheduledRequest]
     step_input: StepInput
     sampled: SampledTokens
-    aux: list[torch.Tensor]
+    features: torch.Tensor | None  # the drafter's inputs from this step (taken at launch)
     speculative: bool  # a request drafted: the next positions need the accept lengths
     draft_ms: float
     host_ms: float  # host time of prepare + forward + sample (the device time on the CPU)
@@ -59,6 +60,21 @@ class LaunchedStep:
     after_idle: bool = False  # nothing ran just before it (no gap to measure)
     result: StepResult | None = None  # set when resolved
     resolved_s: float = 0.0  # perf_counter when its tokens reached the host
+    consumed: set[int] = field(default_factory=set)  # see InflightStep.consumed
+
+    def inflight(self) -> InflightStep:
+        """This step as the next one reads it on the device, before it is resolved."""
+        sampled = self.step_input.sampled
+        rows = {id(s.request): r for r, s in enumerate(sampled)}
+        feature_rows = {}
+        if self.speculative and self.features is not None:  # not queued on the requests yet
+            first = dict(zip(map(id, self.batch), self.step_input.first_rows))
+            feature_rows = {id(s.request): (first[id(s)], s.num_tokens + num_drafts(s))
+                            for s in sampled}  # fmt: skip
+        return InflightStep(
+            self.sampled.tokens, self.sampled.accept_len, rows, [num_drafts(s) for s in sampled],
+            self.features if feature_rows else None, feature_rows, self.consumed,
+        )  # fmt: skip
 
 
 @dataclass
@@ -90,9 +106,9 @@ class StepLoop:
         """Launch the next step; process the previous one (overlap) or this one (sync)."""
         prev, self.inflight = self.inflight, None
         batch = self._schedule()
-        if prev is not None and prev.speculative:
-            # Scheduled while step N runs, its accept lengths unknown (pages were grown for
-            # all of its drafts); the next positions depend on them: wait, then settle.
+        if prev is not None and prev.result is None and not self._runs_ahead(prev, batch):
+            # Scheduled while step N runs (pages grown for all of its drafts); this step
+            # cannot be built from N's results on the device: wait for them, then settle.
             self._resolve(prev)
             batch = self._settle(batch)
         launched = self._launch(prev, batch)
@@ -106,6 +122,18 @@ class StepLoop:
     def _schedule(self):
         spec = self.engine.spec
         return self.engine.scheduler.schedule(spec.policy if spec else None)
+
+    def _drafting(self, batch: list[ScheduledRequest]) -> list[ScheduledRequest]:
+        """The requests the proposer runs for: drafting, or catching the drafter up."""
+        spec = self.engine.spec
+        if spec is None:
+            return []
+        wants = spec.proposer.wants_catch_up
+        return [s for s in batch if s.draft_len > 0 or (s.decoding and wants(s.request))]
+
+    def _runs_ahead(self, prev: LaunchedStep, batch: list[ScheduledRequest]) -> bool:
+        """Whether `batch` can be launched before prev's tokens reach the host."""
+        return not prev.speculative and not self._drafting(batch)
 
     @staticmethod
     def _settle(batch: list[ScheduledRequest]) -> list[ScheduledRequest]:
@@ -125,12 +153,8 @@ class StepLoop:
             self._idle = True
             return None
         engine.num_steps += 1
-        drafting = [
-            s for s in batch
-            if s.draft_len > 0 or (s.decoding and spec.proposer.wants_catch_up(s.request))
-        ] if spec else []  # fmt: skip
-        if drafting and prev is not None and prev.result is None:
-            self._resolve(prev)  # the drafter reads the committed tokens
+        drafting = self._drafting(batch)
+        inflight = prev.inflight() if prev is not None and prev.result is None else None
         # Device timeline: a step starts with its first real work (drafting, else the
         # forward), so host work that leaves the device idle counts in the gap before it.
         events = self._events()
@@ -138,20 +162,21 @@ class StepLoop:
         if drafting:
             if events is not None:
                 events[0].record()
-            spec.proposer.propose(drafting)
+            if inflight is not None:
+                spec.proposer.propose(drafting, inflight)
+            else:
+                spec.proposer.propose(drafting)
         t1 = time.perf_counter()
-        prev_tokens = None
-        if prev is not None and prev.result is None:
-            rows = {id(s.request): r for r, s in enumerate(prev.step_input.sampled)}
-            prev_tokens = PrevTokens(prev.sampled.last_tokens, rows)
         runner = engine.runner
-        step_input = runner.prepare(batch, prev_tokens)
+        step_input = runner.prepare(batch, inflight)
         if events is not None:
             events[1].record()
             if not drafting:
                 events[0].record()
         hidden, aux = runner.forward(step_input, spec.aux_layer_ids if spec else ())
         sampled = runner.sample_async(step_input, hidden, spec.simulate_rate if spec else None)
+        # Taken now: graph outputs are overwritten by the next step's replay.
+        features = spec.proposer.features(aux) if spec is not None else None
         t2 = time.perf_counter()
         # Bookkeeping that needs no drawn token: the fed tokens are in the KV cache (in
         # device order), and each sampled request has at least one token in flight.
@@ -159,10 +184,10 @@ class StepLoop:
             s.request.cached_len += s.num_tokens
         for s in step_input.sampled:
             s.request.num_inflight += 1
-            s.request.num_inflight_drafts += len(s.drafts)
+            s.request.num_inflight_drafts += num_drafts(s)
         launched = LaunchedStep(
-            batch, step_input, sampled, aux,
-            speculative=any(s.drafts for s in batch),
+            batch, step_input, sampled, features,
+            speculative=any(num_drafts(s) for s in batch),
             draft_ms=(t1 - t0) * 1e3,
             host_ms=(t2 - t1) * 1e3,
             preemptions=[s.request.num_preemptions for s in batch],
@@ -171,8 +196,7 @@ class StepLoop:
         )  # fmt: skip
         self._idle = False
         if spec is not None and not launched.speculative:
-            # Nobody drafted, so nothing was accepted: the drafter's state (EAGLE-3
-            # features: views of this step's graph memory) is taken now, before N+1 runs.
+            # Nobody drafted, so nothing was accepted: the drafter's state is queued now.
             self._commit_drafter(launched, batch, [0] * len(batch))
         if events is not None:
             events[2].record()
@@ -185,10 +209,9 @@ class StepLoop:
 
     def _commit_drafter(self, step: LaunchedStep, items: list[ScheduledRequest],
                         accepted: list[int]) -> None:
-        features = torch.cat(step.aux, dim=-1) if step.aux else None
         rows = dict(zip(map(id, step.batch), step.step_input.first_rows))
         first_rows = [rows[id(s)] for s in items]
-        self.engine.spec.proposer.commit(items, accepted, features, first_rows)
+        self.engine.spec.proposer.commit(items, accepted, step.features, first_rows)
 
     # ---- resolve: the step's tokens on the host ---------------------------------------
     def _resolve(self, step: LaunchedStep) -> None:
@@ -200,10 +223,12 @@ class StepLoop:
         kept = [s.request.num_preemptions == n for s, n in zip(step.batch, step.preemptions)]
         unmoved = {id(s.request) for s, keep in zip(step.batch, kept) if keep}
         accepted = {}
-        for s, tokens in zip(step.step_input.sampled, result.tokens):
+        for r, (s, tokens) in enumerate(zip(step.step_input.sampled, result.tokens)):
             req = s.request
             req.num_inflight -= 1
-            req.num_inflight_drafts -= len(s.drafts)
+            req.num_inflight_drafts -= num_drafts(s)
+            if s.device_drafts is not None:  # the host sees them now (statistics)
+                s.drafts = result.drafts[r][: s.draft_len]
             accepted[id(s)] = len(tokens) - 1
             if req.finished:
                 continue  # finished or aborted while in flight: its tokens are dropped
@@ -212,7 +237,11 @@ class StepLoop:
             req.unprocessed_token_ids = list(tokens)
         if step.speculative and self.engine.spec is not None:
             items = [s for s, keep in zip(step.batch, kept) if keep]
-            self._commit_drafter(step, items, [accepted.get(id(s), 0) for s in items])
+            queued = [s for s in items if id(s.request) not in step.consumed]
+            self._commit_drafter(step, queued, [accepted.get(id(s), 0) for s in queued])
+            for s in items:
+                if id(s.request) in step.consumed:  # the next step's drafter took them
+                    s.request.draft_cached_len += accepted.get(id(s), 0)
 
     # ---- process: stop checks, outputs, statistics -----------------------------------
     def _process(self, step: LaunchedStep) -> list[RequestOutput]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from itertools import chain
 
 import torch
 
@@ -13,7 +12,8 @@ from specserve.layers.attention import AttentionBackend, AttentionMetadata
 from specserve.layers.sampler import SamplingTensors, sample
 from specserve.model.llama import LlamaForCausalLM
 from specserve.runtime.cuda_graphs import CudaGraphRunner
-from specserve.runtime.packing import Segment, pack, to_device
+from specserve.runtime.inflight import InflightStep
+from specserve.runtime.packing import Segment, pack, to_device, upload
 from specserve.runtime.sampled_tokens import (
     SampledTokens,
     StepResult,
@@ -22,7 +22,7 @@ from specserve.runtime.sampled_tokens import (
 )
 from specserve.spec.verify import verify, verify_greedy
 
-__all__ = ["ModelRunner", "PrevTokens", "StepInput", "StepResult", "TokenLogprobs"]
+__all__ = ["InflightStep", "ModelRunner", "StepInput", "StepResult", "TokenLogprobs", "num_drafts"]
 
 
 @dataclass
@@ -34,16 +34,14 @@ class StepInput:
     first_rows: list[int]  # first packed row of each scheduled request
     sampled: list[ScheduledRequest]  # requests that draw tokens this step
     sample_rows: list[int]  # their logit rows: last committed token, then each draft
+    # [R] per sampled request: how far the step in flight moved it on the device (its
+    # accept length: the host packed it as if that step accepted nothing); None: nowhere.
+    sample_shift: torch.Tensor | None = None
 
 
-@dataclass
-class PrevTokens:
-    """The step in flight's drawn tokens on the device (`SampledTokens.last_tokens`) and
-    each sampled request's row in it, keyed by id(request): the next step's inputs for
-    requests whose last token the host has not seen yet (overlap scheduling)."""
-
-    tokens: torch.Tensor  # [R]
-    rows: dict[int, int]
+def num_drafts(s: ScheduledRequest) -> int:
+    """Drafts of a scheduled request, whether their values are on the host or the device."""
+    return s.draft_len if s.device_drafts is not None else len(s.drafts)
 
 
 class ModelRunner:
@@ -56,36 +54,73 @@ class ModelRunner:
         self.device = kv.pool.device
         self.graphs: CudaGraphRunner | None = None  # set by the engine on CUDA
 
-    def prepare(self, batch: list[ScheduledRequest], prev: PrevTokens | None = None) -> StepInput:
-        """Pack the step. A request's last committed token may still be on the device
-        (drawn by the step in flight): it is gathered from `prev` there, without a sync."""
-        segments, gather_from, gather_to = [], [], []
+    def prepare(self, batch: list[ScheduledRequest], prev: InflightStep | None = None) -> StepInput:
+        """Pack the step. With `prev`, the step in flight: a request of it has its last
+        committed token on the device (gathered from prev's drawn tokens) and, when prev
+        drafted, sits further right by prev's accept length than the host knows (packed as
+        if nothing was accepted, shifted on the device). Drafts the proposer left on the
+        device (`device_drafts`) are placed on the device too. Nothing here waits."""
+        segments, prev_rows, missing = [], [], []
+        moved = prev is not None and prev.speculative
         for i, s in enumerate(batch):
             req, start = s.request, s.request.cached_len
             ids = req.token_ids(start, start + s.num_tokens)
+            row = prev.rows.get(id(req), -1) if prev is not None else -1
             if len(ids) < s.num_tokens:  # only the in-flight step's one token is missing
-                if prev is None or s.drafts or len(ids) + 1 != s.num_tokens:
+                if row < 0 or len(ids) + 1 != s.num_tokens:
                     raise RuntimeError("a step's input token is neither on the host nor in flight")
-                gather_from.append(prev.rows[id(req)])
-                gather_to.append(i)
+                missing.append(i)
                 ids = ids + [0]
-            segments.append(Segment(req.page_table, start, ids + s.drafts))
+            drafts = s.drafts if s.device_drafts is None else [0] * s.draft_len
+            shift = prev.num_drafts[row] if moved and row >= 0 else 0
+            segments.append(Segment(req.page_table, start, ids + drafts, max_shift=shift))
+            prev_rows.append(row)
         if self.graphs is not None and all(s.decoding for s in batch):
             # Decode/verify steps with mixed draft lengths: pad to one length per request.
             width = max(len(seg.token_ids) for seg in segments)
             for seg in segments:
                 seg.pad = width - len(seg.token_ids)
-        input_ids, meta, last_rows = pack(segments, self.kv.page_size, self.device)
-        if gather_to:  # device to device, queued behind the step in flight
-            rows = to_device([last_rows[i] for i in gather_to], self.device)
-            input_ids[rows] = prev.tokens[to_device(gather_from, self.device)]
+        sampled = [i for i, s in enumerate(batch) if s.samples]
+        shift = sample_shift = None
+        if moved:
+            shifts = prev.accepted(prev_rows + [prev_rows[i] for i in sampled])
+            shift, sample_shift = shifts[: len(batch)], shifts[len(batch) :]
+        input_ids, meta, last_rows = pack(segments, self.kv.page_size, self.device, shift)
+        self._place_device_tokens(batch, input_ids, last_rows, missing, prev_rows, prev)
         first_rows = [last - len(seg.token_ids) + 1 for last, seg in zip(last_rows, segments)]
-        sampled, sample_rows = [], []
-        for s, last in zip(batch, last_rows):
-            if s.samples:
-                sampled.append(s)
-                sample_rows += range(last - len(s.drafts), last + 1)
-        return StepInput(input_ids, meta, first_rows, sampled, sample_rows)
+        sample_rows = []
+        for i in sampled:
+            last = last_rows[i]
+            sample_rows += range(last - num_drafts(batch[i]), last + 1)
+        return StepInput(input_ids, meta, first_rows, [batch[i] for i in sampled], sample_rows,
+                         sample_shift)  # fmt: skip
+
+    def _place_device_tokens(self, batch, input_ids, last_rows, missing, prev_rows, prev):
+        """Input ids that are still on the device, copied there (queued behind the step in
+        flight): each missing last committed token from prev's drawn tokens, drafts from
+        the proposer's tensor. The row indices go up in one copy."""
+        lists, sources = [], []
+        if missing:
+            lists += [[last_rows[i] - num_drafts(batch[i]) for i in missing],
+                      [prev_rows[i] for i in missing]]  # fmt: skip
+            sources.append(prev.last_tokens)
+        by_tensor: dict[int, tuple[torch.Tensor, list[int], list[int]]] = {}
+        for i, s in enumerate(batch):
+            if s.device_drafts is None:
+                continue
+            tokens, row = s.device_drafts
+            _, dest, src = by_tensor.setdefault(id(tokens), (tokens, [], []))
+            k = s.draft_len
+            dest += range(last_rows[i] - k + 1, last_rows[i] + 1)
+            src += range(row * tokens.shape[1], row * tokens.shape[1] + k)
+        for tokens, dest, src in by_tensor.values():
+            lists += [dest, src]
+            sources.append(tokens.reshape(-1))
+        if not lists:
+            return
+        index = upload(lists, self.device)
+        for source, dest, src in zip(sources, index[0::2], index[1::2]):
+            input_ids[dest] = source[src]
 
     @torch.inference_mode()
     def forward(self, step: StepInput, aux_layer_ids: tuple[int, ...] = ()):
@@ -117,15 +152,16 @@ class ModelRunner:
     ) -> SampledTokens:
         """Draw each sampled request's tokens (plainly, or by verifying its drafts) and start
         copying them to the host; nothing here waits for the device. The step's host data
-        (logit rows, drafts, draft lengths, sampling parameters) goes to the device in one
-        pinned copy of integers and, when a request samples, one of floats."""
+        (logit rows, draft rows, draft lengths, sampling parameters) goes to the device in
+        one pinned copy of integers and, when a request samples, one of floats; the drafts
+        themselves are read from the step's input ids (wherever the proposer left them)."""
         device = self.device
         sampled = step.sampled
         if not sampled:
             return SampledTokens(torch.zeros(0, 1, dtype=torch.int64, device=device), None, [])
         reqs = [s.request for s in sampled]
         want = [r.params.logprobs for r in reqs]
-        lens = [len(s.drafts) for s in sampled]
+        lens = [num_drafts(s) for s in sampled]
         k_max = max(lens)
         greedy = all(r.params.temperature == 0 for r in reqs)
         if k_max == 0 and greedy:
@@ -134,26 +170,28 @@ class ModelRunner:
             return self._with_logprobs(step, logits, tokens, None, want, 0)
         num, width = len(sampled), k_max + 1
         uniform = all(k == k_max for k in lens)
-        drafts = list(chain.from_iterable(s.drafts for s in sampled))
         index = []  # logit row of each (request, j <= K), repeating the last for short drafts
-        if not uniform:
-            drafts, offset = [], 0
-            for s, k in zip(sampled, lens):
+        draft_rows, offset, rows = [], 0, step.sample_rows  # input row of each (request, j < K)
+        for k in lens:
+            # Short drafts are padded with their last row's token (ignored past the length).
+            draft_rows += rows[offset + 1 : offset + k + 1] + [rows[offset + k]] * (k_max - k)
+            if not uniform:
                 index += [offset + min(j, k) for j in range(width)]
-                drafts += s.drafts + [0] * (k_max - k)
-                offset += k + 1
-        ints = [step.sample_rows, index, drafts, lens, [r.seed for r in reqs],
+            offset += k + 1
+        ints = [rows, index, draft_rows, lens, [r.seed for r in reqs],
                 [r.committed_len for r in reqs]]  # fmt: skip
         if not greedy:
             ints.append([r.params.top_k for r in reqs])
-        rows_t, index_t, drafts_t, lens_t, seeds, positions, *top_k = _upload(ints, device)
+        rows_t, index_t, draft_rows_t, lens_t, seeds, positions, *top_k = upload(ints, device)
+        if step.sample_shift is not None:  # moved by the step in flight's accept lengths
+            positions = positions + step.sample_shift
         logits = self.model.compute_logits(hidden[rows_t])
         st = None if greedy else _sampling_tensors(reqs, seeds, positions, top_k[0], device)
         if k_max == 0:
             return self._with_logprobs(step, logits, sample(logits, st)[:, None], None, want, 0)
         vocab = logits.shape[-1]
         padded = (logits if uniform else logits[index_t]).view(num, width, vocab)
-        drafts_t = drafts_t.view(num, k_max)
+        drafts_t = step.input_ids[draft_rows_t].view(num, k_max)
         if st is None and all(s.draft_probs is None for s in sampled):
             result = verify_greedy(padded, drafts_t, lens_t, seeds, positions, simulate_rate)
         else:
@@ -161,23 +199,27 @@ class ModelRunner:
                 st = _sampling_tensors(reqs, seeds, positions, torch.zeros_like(seeds), device)
             probs = self._draft_probs(sampled, drafts_t, k_max, vocab)
             result = verify(padded, drafts_t, lens_t, st, probs, simulate_rate)
-        return self._with_logprobs(step, logits, result.tokens, result.accept_len, want, k_max)
+        # Drafts the host has not seen go back with the tokens (statistics only).
+        on_device = any(s.device_drafts is not None for s in sampled)
+        return self._with_logprobs(step, logits, result.tokens, result.accept_len, want, k_max,
+                                   drafts_t if on_device else None)  # fmt: skip
 
-    def _with_logprobs(self, step, logits, tokens, accept_len, want, k_max) -> SampledTokens:
+    def _with_logprobs(self, step, logits, tokens, accept_len, want, k_max,
+                       drafts=None) -> SampledTokens:  # fmt: skip
         device = self.device
         if all(w is None for w in want):
-            return SampledTokens(tokens, accept_len, want)
+            return SampledTokens(tokens, accept_len, want, drafts=drafts)
         # Logprobs of every row a request may commit (its drafts' and the bonus'); the
         # host keeps the accepted ones.
         flat, lp_rows, row = [], [], 0
         for r, s in enumerate(step.sampled):
-            k = len(s.drafts)
+            k = num_drafts(s)
             flat += [r * (k_max + 1) + j for j in range(k + 1)]
             lp_rows.append(list(range(row, row + k + 1)))
             row += k + 1
         chosen = tokens.reshape(-1)[to_device(flat, device)]
         lp = logprob_tensors(logits, chosen, max(w or 0 for w in want))
-        return SampledTokens(tokens, accept_len, want, lp, lp_rows)
+        return SampledTokens(tokens, accept_len, want, lp, lp_rows, drafts)
 
     def _draft_probs(self, sampled, drafts_t, k_max: int, vocab: int) -> torch.Tensor | None:
         """[R, K, V] drafter distributions (point masses for deterministic drafts), or None
@@ -186,22 +228,12 @@ class ModelRunner:
             return None
         probs = torch.zeros(len(sampled), k_max, vocab, device=self.device)
         for i, s in enumerate(sampled):
-            k = len(s.drafts)
+            k = num_drafts(s)
             if s.draft_probs is not None:
                 probs[i, :k] = s.draft_probs[:k]
             elif k:
                 probs[i, torch.arange(k), drafts_t[i, :k]] = 1.0
         return probs
-
-
-def _upload(lists: list[list], device: torch.device) -> list[torch.Tensor]:
-    """Integer lists on the device through one pinned copy; a view per list, in order."""
-    flat = to_device(list(chain.from_iterable(lists)), device)
-    views, start = [], 0
-    for values in lists:
-        views.append(flat[start : start + len(values)])
-        start += len(values)
-    return views
 
 
 def _sampling_tensors(reqs, seeds, positions, top_k, device) -> SamplingTensors:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 
+import numpy as np
 import torch
 
 from specserve.layers.attention import AttentionMetadata
@@ -17,12 +19,17 @@ class Segment:
     `pad` extra tokens follow (to give every request of a step the same length, as a CUDA
     graph needs): they repeat the last real token's position, so a kernel sees the same
     visible keys, write their K/V to the scratch page 0, and their outputs are ignored.
+
+    `max_shift`: the segment may move right by up to this many positions on the device
+    (`pack`'s `shift`: the step in flight's accepted drafts, unknown to the host); its
+    pages cover the shifted positions.
     """
 
     page_table: list[int]
     start: int
     token_ids: list[int]
     pad: int = 0
+    max_shift: int = 0
 
 
 def to_device(values: list, device: torch.device, dtype=torch.int64) -> torch.Tensor:
@@ -37,17 +44,36 @@ def to_device_tensor(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t
 
 
-def pack(segments: list[Segment], page_size: int, device: torch.device):
+def upload(lists: list[list[int]], device: torch.device) -> list[torch.Tensor]:
+    """Integer lists on the device through one (pinned) copy; a view per list, in order."""
+    sizes = [len(values) for values in lists]
+    flat = np.array(list(chain.from_iterable(lists)), np.int64)  # numpy: ~5x torch.tensor
+    return list(to_device_tensor(torch.from_numpy(flat), device).split(sizes))
+
+
+def pack(
+    segments: list[Segment],
+    page_size: int,
+    device: torch.device,
+    shift: torch.Tensor | None = None,
+):
     """Return (input_ids [T], AttentionMetadata, last_row [B]: each segment's last real
-    row)."""
+    row). Every integer goes to the device in one copy.
+
+    `shift` [B] (on the device) moves segment b right by shift[b] positions after the
+    upload, without the host knowing it: positions and seq_lens grow by it, real tokens'
+    slots are recomputed from the page table; max_seq_len counts each segment's
+    `max_shift`."""
     input_ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
     starts = [0]
     seq_lens: list[int] = []
+    bounds: list[int] = []
     max_pages = max(len(s.page_table) for s in segments)
     tables: list[int] = []
-    for s in segments:
+    owner: list[int] = []  # with a shift: each token's segment, -1 for padding
+    for b, s in enumerate(segments):
         end = s.start + len(s.token_ids)
         input_ids += s.token_ids
         table = s.page_table
@@ -58,17 +84,31 @@ def pack(segments: list[Segment], page_size: int, device: torch.device):
             input_ids += [s.token_ids[-1]] * s.pad
             positions += [end - 1] * s.pad
             slots += [0] * s.pad
+        if shift is not None:
+            owner += [b] * len(s.token_ids) + [-1] * s.pad
         starts.append(starts[-1] + len(s.token_ids) + s.pad)
         seq_lens.append(end)
+        bounds.append(end + s.max_shift)
         tables += table + [0] * (max_pages - len(table))
+    ids_t, pos_t, slots_t, starts_t, lens_t, tables_t, owner_t = upload(
+        [input_ids, positions, slots, starts, seq_lens, tables, owner], device
+    )
+    tables_t = tables_t.view(len(segments), max_pages)
+    if shift is not None:
+        real = owner_t >= 0
+        rows = owner_t.clamp(min=0)
+        pos_t += shift[rows]  # padding repeats its segment's last position: shifted too
+        page = tables_t[rows, (pos_t // page_size).clamp(max=max_pages - 1)]
+        slots_t = torch.where(real, page * page_size + pos_t % page_size, 0)
+        lens_t += shift
     meta = AttentionMetadata(
-        positions=to_device(positions, device),
-        slot_mapping=to_device(slots, device),
-        query_start_loc=to_device(starts, device),
-        seq_lens=to_device(seq_lens, device),
-        block_tables=to_device(tables, device).view(len(segments), max_pages),
+        positions=pos_t,
+        slot_mapping=slots_t,
+        query_start_loc=starts_t,
+        seq_lens=lens_t,
+        block_tables=tables_t,
         max_query_len=max(len(s.token_ids) + s.pad for s in segments),
-        max_seq_len=max(seq_lens),
+        max_seq_len=max(bounds),
     )
     last_rows = [e - 1 - s.pad for e, s in zip(starts[1:], segments)]
-    return to_device(input_ids, device), meta, last_rows
+    return ids_t, meta, last_rows

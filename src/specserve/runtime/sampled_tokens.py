@@ -24,10 +24,13 @@ class TokenLogprobs:
 
 @dataclass
 class StepResult:
-    """Per sampled request: new tokens (accepted drafts + one drawn), their logprobs."""
+    """Per sampled request: new tokens (accepted drafts + one drawn), their logprobs, and
+    the drafts verified (only when they were drawn on the device: the host had not seen
+    them; padded to the step's longest)."""
 
     tokens: list[list[int]]
     logprobs: list[list[TokenLogprobs] | None]
+    drafts: list[list[int]] | None = None
 
 
 def logprob_tensors(logits: torch.Tensor, tokens: torch.Tensor, k: int):
@@ -53,7 +56,8 @@ class SampledTokens:
     `tokens` [R, W] on the device: request r's new tokens are tokens[r, :accept_len[r] + 1]
     (plain steps: W = 1 and accept lengths are all 0). `want_logprobs[r]` is the top-k count
     request r asked for (None: no logprobs); `lp_rows` maps each (r, j < W) with j <= its
-    draft count to a row of the logprob tensors.
+    draft count to a row of the logprob tensors. `drafts` [R, K] (device drafts the host
+    has not seen) come back too.
     """
 
     def __init__(
@@ -63,6 +67,7 @@ class SampledTokens:
         want_logprobs: list[int | None],
         lp: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
         lp_rows: list[list[int]] | None = None,
+        drafts: torch.Tensor | None = None,
     ):
         self.tokens = tokens
         self.accept_len = accept_len
@@ -72,6 +77,7 @@ class SampledTokens:
         if accept_len is not None:
             self._host.append(_to_host(accept_len))
         self._lp_host = [_to_host(t) for t in lp] if lp is not None else None
+        self._drafts_host = _to_host(drafts) if drafts is not None else None
         self._event = None
         if tokens.device.type == "cuda":
             self._event = torch.cuda.Event()
@@ -105,5 +111,6 @@ class SampledTokens:
                     TokenLogprobs(chosen[i], list(zip(top_ids[i][:want], top_lp[i][:want])))
                     for i in picked
                 ]
-        self._result = StepResult(rows, logprobs)
+        drafts = self._drafts_host.tolist() if self._drafts_host is not None else None
+        self._result = StepResult(rows, logprobs, drafts)
         return self._result

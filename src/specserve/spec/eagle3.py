@@ -20,8 +20,9 @@ from specserve.engine.kv_cache import KVCache
 from specserve.engine.scheduler import ScheduledRequest
 from specserve.layers.attention import AttentionBackend
 from specserve.model.eagle3 import Eagle3Head, load_eagle3_head
-from specserve.runtime.packing import Segment, pack, to_device
-from specserve.spec.eagle3_graphs import DrafterGraphs
+from specserve.runtime.inflight import InflightStep
+from specserve.runtime.packing import Segment, pack, to_device, upload
+from specserve.spec.eagle3_graphs import CatchUpTail, DrafterGraphs, draft_pass_meta
 from specserve.spec.proposer import Proposer, chain_draft, draw_drafts
 
 if TYPE_CHECKING:
@@ -69,30 +70,25 @@ class Eagle3Proposer(Proposer):
         last = out[to_device(last_rows, out.device)]
         return last, self.head.compute_logits(last)
 
-    @torch.inference_mode()
-    def propose(self, items: list[ScheduledRequest]) -> None:
-        segments, feats, num_tokens = [], [], 0
-        for it in items:
-            req = it.request
-            start = req.draft_cached_len
-            pair_tokens = req.token_ids(start + 1, req.committed_len)
-            segments.append(Segment(req.page_table, start, pair_tokens))
-            num_tokens += len(pair_tokens)
-            feats += req.draft_features
-            req.draft_features.clear()
-            req.draft_cached_len = req.committed_len - 1
-        hidden = torch.cat(feats).to(self.head.fc.weight.dtype)
-        if hidden.shape[0] != num_tokens:
-            raise RuntimeError("EAGLE-3 features and committed tokens are out of step")
+    def reads_inflight(self, items: list[ScheduledRequest]) -> bool:
+        """Whether `propose` can take the step in flight's tokens from the device for these
+        items: greedy, one draft length for all (the device chain)."""
         k = items[0].draft_len
-        if (
-            self.graphs is not None
-            and all(it.draft_len == k and it.request.params.temperature == 0 for it in items)
-            and self.graphs.can_run_chain(segments, k)
-        ):  # the whole greedy step in one graph
-            for it, drafts in zip(items, self.graphs.run_chain(segments, hidden, k).tolist()):
-                it.drafts.extend(drafts)
+        return all(it.draft_len == k and it.request.params.temperature == 0 for it in items)
+
+    @torch.inference_mode()
+    def propose(self, items: list[ScheduledRequest], prev: InflightStep | None = None) -> None:
+        """Catch up and draft. Greedy steps with one draft length leave the drafts on the
+        device (`device_drafts`); with `prev`, the step in flight, a request's newest tokens
+        and features are read from it on the device (`reads_inflight` must hold)."""
+        segments, hidden, tail = self._catch_up_inputs(items, prev)
+        if self.reads_inflight(items):
+            drafts = self._greedy_chain(segments, hidden, tail, items[0].draft_len)
+            for row, it in enumerate(items if drafts is not None else ()):
+                it.device_drafts = (drafts, row)
             return
+        if tail is not None:
+            raise RuntimeError("only greedy steps of one draft length read the step in flight")
         last, logits = self._pass(segments, hidden)
         drafting = [i for i, it in enumerate(items) if it.draft_len > 0]
         if not drafting:
@@ -110,20 +106,104 @@ class Eagle3Proposer(Proposer):
 
         chain_draft([items[i] for i in drafting], logits, step, self._draw)
 
+    def _catch_up_inputs(self, items, prev: InflightStep | None):
+        """Each item's catch-up segment (pairs from its drafter's cached length to its last
+        committed token) and features; the requests of `prev` end with prev's tokens and,
+        when prev has not queued them, its features, all on the device (`CatchUpTail`)."""
+        segments, feats, rows, lens = [], [], [], []
+        for it in items:
+            req = it.request
+            start = req.draft_cached_len
+            pair_tokens = req.token_ids(start + 1, req.committed_len)
+            feats += req.draft_features
+            req.draft_features.clear()
+            row = prev.rows.get(id(req), -1) if prev is not None else -1
+            if row >= 0:  # its newest tokens are in flight: as many as prev may commit
+                pair_tokens = pair_tokens + [0] * (prev.num_drafts[row] + 1)
+                if prev.features is not None:
+                    first, count = prev.feature_rows[id(req)]
+                    feats.append(prev.features[first : first + count])
+                    prev.consumed.add(id(req))
+            segments.append(Segment(req.page_table, start, pair_tokens))
+            rows.append(row)
+            lens.append(prev.num_drafts[row] + 1 if row >= 0 else 0)
+            # The host's view (prev counted as one token); prev's resolve adds its accepts.
+            req.draft_cached_len = req.committed_len - 1
+        hidden = torch.cat(feats).to(self.head.fc.weight.dtype)
+        if hidden.shape[0] != sum(len(seg.token_ids) for seg in segments):
+            raise RuntimeError("EAGLE-3 features and committed tokens are out of step")
+        tail = None
+        if any(n > 0 for n in lens):
+            tail = CatchUpTail(prev.tokens, rows, lens, prev.accepted(rows))
+        return segments, hidden, tail
+
+    def _greedy_chain(self, segments, hidden, tail, k: int) -> torch.Tensor | None:
+        """The catch-up pass, then k-1 draft passes fed their own argmax drafts, at
+        positions computed on the device: drafts [B, k] (target ids) on the device, None
+        for k = 0. One replay when a chain graph fits, else a graph or eager pass each."""
+        graphs = self.graphs
+        if graphs is not None and k >= 2 and graphs.can_run_chain(segments, k):
+            return graphs.run_chain(segments, hidden, k, tail)
+        if graphs is not None and graphs.can_run(segments):
+            last, logits = graphs.run(segments, hidden, None, tail)
+            positions, step = graphs.last_positions(len(segments)), graphs.run_step
+        else:
+            last, logits, positions, step = self._eager_catch_up(segments, hidden, tail, k)
+        if k == 0:
+            return None
+        drafts = [self.draft_ids[logits.argmax(dim=-1)]]
+        for _ in range(k - 1):
+            positions = positions + 1
+            last, logits = step(drafts[-1], last, positions)
+            drafts.append(self.draft_ids[logits.argmax(dim=-1)])
+        return torch.stack(drafts, dim=1)
+
+    def _eager_catch_up(self, segments, hidden, tail, k: int):
+        """The catch-up pass without graphs: (output and logits at each drafting row, its
+        position, a one-token draft pass at device positions for the chain)."""
+        device = self.kv.pool.device
+        ids, meta, last_rows = pack(segments, self.kv.page_size, device)
+        if tail is not None:
+            starts = [last - len(seg.token_ids) + 1 for last, seg in zip(last_rows, segments)]
+            dest, src, last_rows = tail.index(starts, [len(seg.token_ids) for seg in segments])
+            dest_t, src_t, last_t = upload([dest, src, last_rows], device)
+            ids[dest_t] = tail.tokens.reshape(-1)[src_t]
+            last_t = last_t + tail.accepted
+        else:
+            last_t = to_device(last_rows, device)
+        out = self.head(self.embed(ids), hidden, meta, self.kv.layers[0], self.backend)
+        last = out[last_t]
+        # Draft passes stay within each request's pages: they cover its chain.
+        tables, bound = meta.block_tables, meta.max_seq_len + k - 1
+        query_start = torch.arange(len(segments) + 1, device=device)
+
+        def step(tokens, hidden, positions):
+            pass_meta = draft_pass_meta(positions, tables, self.kv.page_size, bound, query_start)
+            out = self.head(self.embed(tokens), hidden, pass_meta, self.kv.layers[0],
+                            self.backend)  # fmt: skip
+            return out, self.head.compute_logits(out)
+
+        return last, self.head.compute_logits(last), meta.positions[last_t], step
+
     def wants_catch_up(self, req) -> bool:
         """Bound the features queued while a request does not speculate: after
         CATCH_UP_STEPS steps' worth the head consumes them in this step (ride-along)."""
         return len(req.draft_features) >= CATCH_UP_STEPS
 
-    def commit(self, items, accepted, aux, first_rows) -> None:
-        """Queue the projected features of every newly committed position."""
-        if aux is None:
-            return
+    def features(self, aux: list[torch.Tensor]) -> torch.Tensor | None:
+        """The step's auxiliary hidden states projected by the head's fc: [T, H]."""
+        if not aux:
+            return None
         with torch.inference_mode():
-            projected = self.head.project(aux.to(self.head.fc.weight.dtype))
+            return self.head.project(torch.cat(aux, dim=-1).to(self.head.fc.weight.dtype))
+
+    def commit(self, items, accepted, features, first_rows) -> None:
+        """Queue the projected features of every newly committed position."""
+        if features is None:
+            return
         for it, a, first in zip(items, accepted, first_rows):
             # A view into this step's projection: no copy per request.
-            it.request.draft_features.append(projected[first : first + it.num_tokens + a])
+            it.request.draft_features.append(features[first : first + it.num_tokens + a])
 
     def step_timer(self):
         def run(n: int) -> None:

@@ -17,11 +17,16 @@ slots are computed on the device, drafts [B, k] out. One replay instead of k.
 Padding follows runtime/cuda_graphs.py: padded tokens of a request repeat its last position
 and write K/V to scratch page 0; padded requests sit at position 0 on a page table of page 0
 only (their draft passes too). Their outputs are never read.
+
+Under overlap scheduling a catch-up may end with the step in flight's tokens, still on the
+device (`CatchUpTail`): they are copied into the static input ids there, and the row each
+request drafts from moves by the step's accept length, also there.
 """
 
 from __future__ import annotations
 
 import bisect
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -31,6 +36,47 @@ from specserve.layers.attention import AttentionBackend, AttentionMetadata
 from specserve.model.eagle3 import Eagle3Head
 from specserve.runtime.cuda_graphs import CaptureReport, capture_graphs, static_meta
 from specserve.runtime.packing import Segment, to_device
+
+
+@dataclass
+class CatchUpTail:
+    """Catch-up tokens still on the device: the last lens[b] token ids of segment b (0: none)
+    are tokens[rows[b], :lens[b]], the step in flight's accepted drafts and bonus, padded to
+    its draft count; only the first accepted[b] + 1 of them are committed, so segment b
+    drafts from its row len(b) - lens[b] + accepted[b]. Its other rows write K/V past the
+    committed length, overwritten before anything reads them (as rejected drafts are)."""
+
+    tokens: torch.Tensor  # [R, W]
+    rows: list[int]
+    lens: list[int]
+    accepted: torch.Tensor  # [B]
+
+    def index(self, row_starts: list[int], seg_lens: list[int]) -> tuple[list, list, list]:
+        """(dest, src, last): packed rows of the tail tokens, their flat index in `tokens`,
+        and each segment's last committed row if nothing was accepted (add `accepted`)."""
+        dest, src, last, width = [], [], [], self.tokens.shape[1]
+        for start, n, row, k in zip(row_starts, seg_lens, self.rows, self.lens):
+            dest += range(start + n - k, start + n)
+            src += range(row * width, row * width + k)
+            last.append(start + n - max(k, 1))
+        return dest, src, last
+
+
+def draft_pass_meta(positions: torch.Tensor, block_tables: torch.Tensor, page_size: int,
+                    max_seq_len: int, query_start: torch.Tensor) -> AttentionMetadata:
+    """Metadata of a one-token-per-request draft pass at `positions` (on the device), with
+    KV slots from the page tables; `query_start` is arange(B + 1)."""
+    rows = query_start[:-1]
+    return AttentionMetadata(
+        positions=positions,
+        slot_mapping=block_tables[rows, positions // page_size] * page_size
+        + positions % page_size,
+        query_start_loc=query_start,
+        seq_lens=positions + 1,
+        block_tables=block_tables,
+        max_query_len=1,
+        max_seq_len=max_seq_len,
+    )
 
 
 class DrafterGraphs:
@@ -148,19 +194,11 @@ class DrafterGraphs:
         """The catch-up pass, then k-1 one-token passes fed with their own greedy drafts."""
         last, logits = self._forward(batch, q)
         drafts = [self.head.draft_to_target(logits.argmax(dim=-1))]
-        rows, ps = self.query_start[1][:batch], self.page_size
         pos = self.positions[self.last_rows[:batch]]
         for _ in range(k - 1):
             pos = pos + 1
-            meta = AttentionMetadata(
-                positions=pos,
-                slot_mapping=self.block_tables[rows, pos // ps] * ps + pos % ps,
-                query_start_loc=self.query_start[1][: batch + 1],
-                seq_lens=pos + 1,
-                block_tables=self.block_tables[:batch],
-                max_query_len=1,
-                max_seq_len=self.max_seq_len,
-            )
+            meta = draft_pass_meta(pos, self.block_tables[:batch], self.page_size,
+                                   self.max_seq_len, self.query_start[1][: batch + 1])
             last = self.head(self.embed(drafts[-1]), last, meta, self.kv_layer, self.backend)
             drafts.append(self.head.draft_to_target(self.head.compute_logits(last).argmax(-1)))
         return (torch.stack(drafts, dim=1),)
@@ -185,20 +223,48 @@ class DrafterGraphs:
         segments: list[Segment],
         hidden: torch.Tensor,
         input_ids: torch.Tensor | None = None,
+        tail: CatchUpTail | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One head pass over `segments` (their token ids, or `input_ids` [sum of lengths] on
-        the device) with head inputs `hidden` [sum of lengths, H], in segment order."""
-        num_requests, batch, q = self._load(segments, hidden, input_ids)
+        the device, or with a device `tail`) with head inputs `hidden` [sum of lengths, H],
+        in segment order."""
+        num_requests, batch, q = self._load(segments, hidden, input_ids, tail)
         last, logits = self._replay(batch, q, 0)
         return last[:num_requests], logits[:num_requests]
 
     @torch.inference_mode()
-    def run_chain(self, segments: list[Segment], hidden: torch.Tensor, k: int) -> torch.Tensor:
+    def run_chain(self, segments: list[Segment], hidden: torch.Tensor, k: int,
+                  tail: CatchUpTail | None = None) -> torch.Tensor:  # fmt: skip
         """A whole greedy proposing step: the catch-up pass over `segments` and `hidden`,
         then k-1 draft passes; returns the drafts [B, k] (target ids) on the device."""
-        num_requests, batch, q = self._load(segments, hidden, None)
+        num_requests, batch, q = self._load(segments, hidden, None, tail)
         (drafts,) = self._replay(batch, q, k)
         return drafts[:num_requests]
+
+    def last_positions(self, num_requests: int) -> torch.Tensor:
+        """Positions of the rows the last `run` drafted from (on the device)."""
+        return self.positions[self.last_rows[:num_requests]]
+
+    @torch.inference_mode()
+    def run_step(
+        self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A one-token draft pass of the requests of the last `run` (their page tables are
+        still loaded) at `positions` on the device, fed `tokens` and `hidden` [B, H]: for
+        chains whose positions only the device knows, when no chain graph fits."""
+        n = tokens.shape[0]
+        batch = self.bucket_for(n)
+        self.input_ids[:n].copy_(tokens)
+        self.hidden[:n].copy_(hidden)
+        self.positions[:n].copy_(positions)
+        self.positions[n:batch] = 0  # padded requests: position 0 on page 0
+        meta = draft_pass_meta(self.positions[:batch], self.block_tables[:batch],
+                               self.page_size, self.max_seq_len, self.query_start[1][: batch + 1])
+        self.slot_mapping[:batch].copy_(meta.slot_mapping)
+        self.seq_lens[:batch].copy_(meta.seq_lens)
+        self.last_rows[:batch].copy_(self.query_start[1][:batch])
+        last, logits = self._replay(batch, 1, 0)
+        return last[:n], logits[:n]
 
     def _replay(self, batch: int, q: int, k: int) -> tuple:
         if not self.use_graphs:
@@ -207,10 +273,11 @@ class DrafterGraphs:
         graph.replay()
         return outputs
 
-    def _load(self, segments, hidden, input_ids) -> tuple[int, int, int]:
+    def _load(self, segments, hidden, input_ids, tail=None) -> tuple[int, int, int]:
         """Copy a pass into the static buffers, padded to (bucket, captured length): every
         integer input goes into one host tensor (pinned on CUDA), then section by section
-        into the static buffers; padded requests are filled on the host too."""
+        into the static buffers; padded requests are filled on the host too. A `tail`'s
+        tokens and drafting rows are then set on the device."""
         num_requests = len(segments)
         lens = [len(s.token_ids) for s in segments]
         q = self.length_for(max(lens))
@@ -232,13 +299,18 @@ class DrafterGraphs:
         seq_lens += [1] * n_pad
         last_rows += range(num_requests * q, batch * q, q)
         tables += [0] * (n_pad * width)
+        dest, src = [], []
+        if tail is not None:
+            dest, src, last = tail.index(range(0, num_requests * q, q), lens)
+            last_rows[:num_requests] = last
         host = torch.from_numpy(np.array(  # numpy converts a list of ints ~4x faster
-            ids + zeros + pos + zeros + slots + zeros + seq_lens + last_rows + tables, np.int64
+            ids + zeros + pos + zeros + slots + zeros + seq_lens + last_rows + tables + dest
+            + src, np.int64
         ))  # fmt: skip
         if self.hidden.is_cuda:
             host = host.pin_memory()
         n = batch * q
-        sections = host.split((n, n, n, batch, batch, batch * width))
+        sections = host.split((n, n, n, batch, batch, batch * width, len(dest), len(src)))
         for buf, section in zip((self.input_ids, self.positions, self.slot_mapping), sections):
             buf[:n].copy_(section, non_blocking=True)
         self.seq_lens[:batch].copy_(sections[3], non_blocking=True)
@@ -247,6 +319,10 @@ class DrafterGraphs:
                                                 non_blocking=True)  # fmt: skip
         if n_pad:  # whole rows: chains index past column 0
             self.block_tables[num_requests:batch, width:] = 0
+        if tail is not None:
+            dest_t, src_t = (t.to(self.input_ids.device, non_blocking=True) for t in sections[6:])
+            self.input_ids[dest_t] = tail.tokens.reshape(-1)[src_t]
+            self.last_rows[:num_requests] += tail.accepted
         if input_ids is not None:
             if q != 1:
                 raise ValueError("device input ids are only taken for one-token passes")

@@ -18,11 +18,16 @@ class Proposer(ABC):
     """Drafts tokens for requests with draft_len > 0.
 
     `propose` sets `item.drafts` (at most item.draft_len tokens; items with draft_len 0 are
-    only brought up to date, see `wants_catch_up`) and, where the request
-    samples and the drafter draws from a distribution, `item.draft_probs` [k, V] over the
-    target vocabulary. `commit` runs after verification with the accepted draft count of
-    every scheduled request (0 for prefill chunks) and, when `aux_layer_ids` is non-empty,
-    the target's auxiliary hidden states of the step (rows from `first_rows`).
+    only brought up to date, see `wants_catch_up`) and, where the request samples and the
+    drafter draws from a distribution, `item.draft_probs` [k, V] over the target
+    vocabulary; or it leaves exactly draft_len drafts on the device (`item.device_drafts`:
+    a [B, k] tensor and the item's row), which the runner reads there. A proposer for which
+    `reads_inflight(items)` holds also takes `prev`, the step in flight (overlap
+    scheduling): the items' newest tokens are then still on the device.
+    `commit` runs after verification with the accepted draft count of every scheduled
+    request (0 for prefill chunks) and, when `aux_layer_ids` is non-empty, the step's
+    drafter `features` (from `features(aux)`, taken right after the step's forward; rows
+    from `first_rows`).
     Draft KV lives in the request's own pages (same page table), written past the committed
     length: no page is allocated or freed inside a step.
     """
@@ -31,6 +36,10 @@ class Proposer(ABC):
 
     @abstractmethod
     def propose(self, items: list[ScheduledRequest]) -> None: ...
+
+    def reads_inflight(self, items: list[ScheduledRequest]) -> bool:
+        """Whether `propose(items, prev)` can read the step in flight on the device."""
+        return False
 
     def wants_catch_up(self, req) -> bool:
         """Whether a request that is not drafting this step should still bring the drafter
@@ -42,11 +51,16 @@ class Proposer(ABC):
         measure the drafter's cost; None when drafting costs no device time."""
         return None
 
+    def features(self, aux: list[torch.Tensor]) -> torch.Tensor | None:
+        """The drafter's inputs from a step's auxiliary hidden states (concatenated by
+        default), computed when the step is launched: graph outputs are reused later."""
+        return torch.cat(aux, dim=-1) if aux else None
+
     def commit(
         self,
         items: list[ScheduledRequest],
         accepted: list[int],
-        aux: torch.Tensor | None,
+        features: torch.Tensor | None,
         first_rows: list[int],
     ) -> None:
         """Update drafter state after verification (default: nothing to do)."""

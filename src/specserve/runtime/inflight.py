@@ -1,0 +1,59 @@
+"""What the step in flight leaves on the device for the next step (overlap scheduling).
+
+Under overlap scheduling step N+1 is built before step N's tokens reach the host. The host
+counts N as one token per sampled request (`Request.num_inflight`) and packs N+1 as if N
+accepted no draft; what N really committed is read on the device: N+1's input token is
+N's last drawn token, its positions, KV slots and seq_lens move right by N's accept length,
+and the EAGLE-3 drafter's catch-up takes N's tokens and features from here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from specserve.runtime.packing import to_device
+
+
+@dataclass
+class InflightStep:
+    """Step N's results on the device, by row: its sampled requests in order.
+
+    Row r drew tokens[r, :accept_len[r] + 1] after num_drafts[r] drafts (`accept_len` None:
+    a plain step, one token per row). `features` are N's drafter inputs for its packed rows
+    (EAGLE-3: projected target features) when they are not yet queued on the requests (a
+    speculative step queues them once its accept lengths are read); request r's are rows
+    feature_rows[r] = (first, count). `consumed` collects the requests whose features the
+    next step's drafter took from here (their accept lengths too): N's resolve must not
+    queue them again.
+    """
+
+    tokens: torch.Tensor  # [R, W]
+    accept_len: torch.Tensor | None  # [R]
+    rows: dict[int, int]  # id(request) -> row
+    num_drafts: list[int]
+    features: torch.Tensor | None = None
+    feature_rows: dict[int, tuple[int, int]] = field(default_factory=dict)
+    consumed: set[int] = field(default_factory=set)
+
+    @property
+    def speculative(self) -> bool:
+        return self.accept_len is not None
+
+    @property
+    def last_tokens(self) -> torch.Tensor:
+        """[R]: each row's last drawn token (the next step's input)."""
+        if self.accept_len is None:
+            return self.tokens[:, 0]
+        return self.tokens.gather(1, self.accept_len[:, None])[:, 0]
+
+    def accepted(self, rows: list[int]) -> torch.Tensor:
+        """[len(rows)] on the device: the accept length of each row (0 for -1: a request
+        that was not in step N, and for every row of a plain step)."""
+        device = self.tokens.device
+        if self.accept_len is None:
+            return torch.zeros(len(rows), dtype=torch.int64, device=device)
+        padded = torch.cat([self.accept_len, self.accept_len.new_zeros(1)])
+        last = len(self.num_drafts)
+        return padded[to_device([r if r >= 0 else last for r in rows], device)]
