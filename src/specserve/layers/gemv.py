@@ -199,11 +199,12 @@ def candidate_configs(rows: int, n: int, k: int, num_sms: int) -> list[GemvConfi
     out: list[GemvConfig] = []
     for tile in tiles:
         programs = triton.cdiv(n, tile.block_n)
+        max_split = max(1, min(16, k // tile.block_k))  # slices of at least one block
         splits = {1}
         for waves in (1, 2, 4):
             want = triton.cdiv(waves * num_sms, programs)
             if want > 1:
-                splits.add(min(16, triton.next_power_of_2(want)))
+                splits.add(min(max_split, triton.next_power_of_2(want)))
         for s in sorted(splits):
             cfg = GemvConfig(tile.block_n, tile.block_k, s, tile.num_warps, tile.num_stages,
                              tile.use_dot)  # fmt: skip

@@ -110,16 +110,21 @@ def time_in_graph_us(fn, x: torch.Tensor, weights: list[torch.Tensor], reps: int
     return ms * 1000 / len(weights)
 
 
-def rotation_set(weights: list[torch.Tensor], min_bytes: int, max_calls: int = 256):
-    """Enough distinct weights of one shape that together they exceed `min_bytes` (the model's
-    own first, then clones), so that timing streams them from memory, not from L2."""
-    out, total = [], 0
-    i = 0
+def rotation_set(weights: list[torch.Tensor], min_bytes: int, min_calls: int = 4,
+                 max_calls: int = 256) -> list[torch.Tensor]:  # fmt: skip
+    """Weights of one shape to call in turn when timing: distinct ones (the model's own, then
+    clones) until together they exceed `min_bytes`, so that they stream from memory, not
+    from L2; then repeats up to `min_calls`, so a graph's launch cost is spread out."""
+    out: list[torch.Tensor] = []
+    total = 0
     while total < min_bytes and len(out) < max_calls:
+        i = len(out)
         w = weights[i] if i < len(weights) else weights[i % len(weights)].clone()
         out.append(w)
         total += w.numel() * w.element_size()
-        i += 1
+    distinct = len(out)
+    while len(out) < min_calls:
+        out.append(out[len(out) % distinct])
     return out
 
 
@@ -131,11 +136,12 @@ class GemvSelector:
     """Measures torch (cuBLAS) against the Triton GEMV's candidate configurations for every
     (row bucket, N, K, dtype) of the weights it is given, and returns the plan.
 
-    A configuration wins only if it beats torch by `margin` (ties stay on cuBLAS). Candidates
-    are timed in rounds, torch first, then each shape's first configuration, and so on, until
-    `budget_s` (compilation included) is spent; what is left untried is logged. On a CPU the
-    plan is empty: torch everywhere (the Triton kernel runs there only under the interpreter,
-    in tests).
+    A configuration wins only if it beats torch by `margin` (ties stay on cuBLAS). Shapes are
+    measured one after the other, each within an equal share of what is left of `budget_s`
+    (compilation included): torch first for every row bucket, then each bucket's first
+    configuration, and so on; what a share leaves untried is counted (`skipped`) and logged.
+    On a CPU the plan is empty: torch everywhere (the Triton kernel runs there only under the
+    interpreter, in tests).
     """
 
     def __init__(self, row_buckets: tuple[int, ...] = (1, 2, 4, 8), budget_s: float = 5.0,
@@ -147,36 +153,38 @@ class GemvSelector:
 
     @torch.inference_mode()
     def select(self, weights: dict[ShapeKey, list[torch.Tensor]]) -> GemvPlan:
-        shapes = {key: ws for key, ws in weights.items()
+        shapes = {key: [w for w in ws if w.stride(-1) == 1] for key, ws in weights.items()
                   if ws and ws[0].is_cuda and key[2] in GEMV_DTYPES}  # fmt: skip
+        shapes = {key: ws for key, ws in shapes.items() if ws}
         if not shapes:
             return GemvPlan({}, self.row_buckets)
         start = time.perf_counter()
         device = next(iter(shapes.values()))[0].device
         props = torch.cuda.get_device_properties(device)
         min_bytes = 4 * getattr(props, "L2_cache_size", 64 << 20)
-        jobs = []  # (plan key, x, rotation weights, candidates: None = torch)
-        for (n, k, dtype), ws in shapes.items():
-            ws = [w for w in ws if w.stride(-1) == 1]
-            if not ws:
-                continue
-            rotation = rotation_set(ws, min_bytes)
-            for b in self.row_buckets:
-                x = torch.randn(b, k, device=device, dtype=dtype)
-                cands = [None, *candidate_configs(b, n, k, props.multi_processor_count)]
-                jobs.append(((b, n, k, dtype), x, rotation, cands))
-        times: dict[PlanKey, dict] = {job[0]: {} for job in jobs}
+        choices: dict[PlanKey, GemvChoice] = {}
         self.skipped = 0
-        for rnd in range(max(len(job[3]) for job in jobs)):
-            for key, x, rotation, cands in jobs:
-                if rnd >= len(cands):
-                    continue
-                if time.perf_counter() - start > self.budget_s:
-                    self.skipped += 1
-                    continue
-                times[key][cands[rnd]] = self._measure(cands[rnd], x, rotation)
-        plan = GemvPlan({key: self._choose(t) for key, t in times.items() if None in t},
-                        self.row_buckets)  # fmt: skip
+        for i, ((n, k, dtype), ws) in enumerate(shapes.items()):
+            # Each shape gets an equal share of what is left; its clones live only meanwhile.
+            deadline = time.perf_counter() + (self.budget_s - (time.perf_counter() - start)) / (
+                len(shapes) - i
+            )
+            rotation = rotation_set(ws, min_bytes)
+            jobs = [((b, n, k, dtype), torch.randn(b, k, device=device, dtype=dtype),
+                     [None, *candidate_configs(b, n, k, props.multi_processor_count)])
+                    for b in self.row_buckets]  # fmt: skip
+            times: dict[PlanKey, dict] = {key: {} for key, _, _ in jobs}
+            for rnd in range(max(len(cands) for _, _, cands in jobs)):  # torch first, then...
+                for key, x, cands in jobs:
+                    if rnd >= len(cands):
+                        continue
+                    if rnd > 0 and time.perf_counter() > deadline:
+                        self.skipped += 1
+                        continue
+                    times[key][cands[rnd]] = self._measure(cands[rnd], x, rotation)
+            choices.update((key, self._choose(t)) for key, t in times.items())
+            del rotation, jobs
+        plan = GemvPlan(choices, self.row_buckets)
         torch.cuda.empty_cache()
         self.elapsed_s = time.perf_counter() - start
         if self.skipped:
