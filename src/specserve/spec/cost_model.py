@@ -6,12 +6,15 @@ pass by batch). They leave out what only real steps show: host work of speculati
 whole-chain graph, and the overlap of host and device work. So the policy's costs are an
 online table of whole-step periods keyed by (batch bucket, draft length K): each cell holds
 an exponentially weighted ratio of observed period to seed, so the seed's shape within a
-bucket is kept and the level is what steps of that shape actually took.
+bucket is kept and the level is what steps of that shape actually took. The first step at
+a new K pays one-off costs (a drafter catch-up, a host wait that overlap would have hidden):
+those are their own online table, by bucket and direction of the switch.
 """
 
 from __future__ import annotations
 
 import bisect
+import math
 import time
 from collections.abc import Callable
 
@@ -47,28 +50,64 @@ def batch_bucket(num_requests: int) -> int:
     return 1 << max(0, num_requests - 1).bit_length()
 
 
+class RobustMean:
+    """An exponentially weighted mean that cuts outliers: a value further from it than `cut`
+    and than SPREAD_Z mean absolute deviations counts as if it were at that distance, so one
+    slow step (a collection pause, a page fault) moves it a little, and a lasting change
+    (which widens the spread) within a few observations."""
+
+    __slots__ = ("value", "count", "spread", "last", "surprised")
+    SPREAD_Z = 2.5
+    SPREAD_WEIGHT = 0.15
+
+    def __init__(self, value: float, spread: float):
+        self.value, self.spread = value, spread
+        self.count = 0
+        self.last = 0  # the owner's observation clock at the last update
+        self.surprised = False  # the owner found its last update far off (StepCostModel)
+
+    def update(self, x: float, weight: float, cut: float) -> None:
+        dev = x - self.value
+        cut = max(cut, self.SPREAD_Z * self.spread)
+        self.spread += self.SPREAD_WEIGHT * (min(abs(dev), 4 * cut) - self.spread)
+        self.value += weight * min(max(dev, -cut), cut)
+        self.count += 1
+
+
+def _direction(k_from: int, k_to: int) -> str:
+    return "up" if not k_from else "down" if not k_to else "lateral"
+
+
 class StepCostModel:
     """Predicted wall-clock ms of a step: `n` decoding requests with draft lengths `ks`
-    (K = max(ks) sets the shape), plus `extra_tokens` prefill tokens.
+    (K = max(ks) sets the shape), plus `extra_tokens` prefill tokens; and what the first
+    step at a new K costs on top (`switch_ms`).
 
     period(n, K) = seed(n, K) * ratio[bucket(n), K]; seed = target(n (K+1)) + K drafter(n).
     A cell without observations borrows the ratio of the nearest observed bucket with the
     same K, else of the nearest observed K at its bucket, else 1.0. `padded`: verify steps
     pad every request to K drafts (CUDA graphs), so shorter drafts save nothing; otherwise
-    each draft not verified saves its share of the target's time.
+    each draft not verified saves its share of the target's time. Ratios are robust means
+    in log space (outliers cut), switch costs robust means in ms by bucket and direction
+    (up: from plain decoding, down: back to it, lateral: between two K > 0).
     """
 
     WEIGHT = 0.15  # EWMA weight of an observation in a cell observed every step
-    STALE_WEIGHT = 0.5  # the most an observation after a long pause weighs (probes)
-    CLAMP = 3.0  # an observation moves a cell's ratio by at most this factor
+    STALE_AGE = 16  # observations of other cells after which a cell's estimate is stale
+    STALE_WEIGHT = 0.5  # what an observation of a stale cell weighs (probes)
+    SURPRISE = 1.25
+    CLAMP = 3.0  # the first observation of a cell, or one after a pause, moves its ratio by
+    CUT = 0.25  # at most this factor; others by at least exp(CUT) (more if periods vary more)
+    SWITCH_WEIGHT = 0.2
+    SWITCH_PRIOR = 0.5  # an unmeasured switch to or from plain decoding: half a plain step
 
     def __init__(self, target: CurveModel, drafter: CurveModel | None, padded: bool = False):
         self.target = target
         self.drafter = drafter
         self.padded = padded
-        self._ratio: dict[tuple[int, int], float] = {}
-        self._count: dict[tuple[int, int], int] = {}
-        self._last: dict[tuple[int, int], int] = {}  # observation clock of each cell's last
+        self._cells: dict[tuple[int, int], RobustMean] = {}  # (bucket, K) -> log ratio
+        self._switch: dict[tuple[int, str], RobustMean] = {}  # (bucket, direction) -> ms
+        self._measured_ks: set[int] = set()
         self._clock = 0
 
     def seed_ms(self, n: int, k: int) -> float:
@@ -78,18 +117,19 @@ class StepCostModel:
         return ms
 
     def ratio(self, bucket: int, k: int) -> float:
-        r = self._ratio.get((bucket, k))
-        if r is not None:
-            return r
-        seen = [b for (b, kk) in self._ratio if kk == k]
-        if seen:
-            nearest = min(seen, key=lambda b: (abs(b.bit_length() - bucket.bit_length()), b))
-            return self._ratio[(nearest, k)]
-        # Host overhead missing from the seeds is shared by every K of a batch size.
-        here = [kk for (b, kk) in self._ratio if b == bucket]
-        if here:
-            return self._ratio[(bucket, min(here, key=lambda kk: (abs(kk - k), kk)))]
-        return 1.0
+        cell = self._cells.get((bucket, k))
+        if cell is None:
+            seen = [b for (b, kk) in self._cells if kk == k]
+            if seen:
+                nearest = min(seen, key=lambda b: (abs(b.bit_length() - bucket.bit_length()), b))
+                cell = self._cells[(nearest, k)]
+            else:
+                # Host overhead missing from the seeds is shared by every K of a batch size.
+                here = [kk for (b, kk) in self._cells if b == bucket]
+                if not here:
+                    return 1.0
+                cell = self._cells[(bucket, min(here, key=lambda kk: (abs(kk - k), kk)))]
+        return math.exp(cell.value)
 
     def period_ms(self, n: int, k: int, extra_tokens: int = 0) -> float:
         """A step of n requests all drafting k, plus prefill tokens."""
@@ -108,28 +148,79 @@ class StepCostModel:
             ms -= self.target(full) - self.target(full - (n * k - sum(ks)))
         return ms
 
+    def measured_k(self, k: int) -> bool:
+        """Whether steps of draft length k have been measured at any batch size."""
+        return k in self._measured_ks
+
+    def surprised(self, n: int, k: int) -> bool:
+        """Whether the cell's last observation, after a pause, was far from its estimate."""
+        cell = self._cells.get((batch_bucket(n), k))
+        return cell is not None and cell.surprised
+
     def observations(self, n: int, k: int) -> int:
-        return self._count.get((batch_bucket(n), k), 0)
+        cell = self._cells.get((batch_bucket(n), k))
+        return cell.count if cell is not None else 0
 
     def observe(self, n: int, k: int, period_ms: float) -> None:
         """A steady step (same K as the one before it) of n decoding requests took
-        period_ms from the previous step's tokens to its own. The weight grows with the
-        observations (of any cell) since the cell's last one, so a rare probe of a K not in
-        use moves its stale estimate a long way, and the first few replace the seed."""
+        period_ms from the previous step's tokens to its own. The first few observations
+        of a cell replace its seed; one after STALE_AGE observations of other cells (a probe
+        of a K not in use) weighs STALE_WEIGHT and is not cut, and if it moves the cell by
+        more than a factor SURPRISE the cell counts as new again (its next observations
+        weigh more, and the policy measures it again soon)."""
         seed = self.seed_ms(n, k)
         if seed <= 0 or period_ms <= 0:
             return
         key = (batch_bucket(n), k)
-        count = self._count.get(key, 0)
-        old = self.ratio(key[0], k)
-        new = min(max(period_ms / seed, old / self.CLAMP), old * self.CLAMP)
+        cell = self._cells.get(key)
+        if cell is None:
+            cell = self._cells[key] = RobustMean(math.log(self.ratio(*key)), self.CUT / 2)
+            self._measured_ks.add(k)
         self._clock += 1
-        age = self._clock - self._last.get(key, self._clock - 1)
-        stale = min(self.STALE_WEIGHT, 1.0 - (1.0 - self.WEIGHT) ** age)
-        w = max(stale, 1.0 / (count + 1))
-        self._ratio[key] = old + w * (new - old)
-        self._count[key] = count + 1
-        self._last[key] = self._clock
+        stale = cell.count and self._clock - cell.last > self.STALE_AGE
+        if not cell.count:  # the seed may be far off
+            weight, cut = 1.0, math.log(self.CLAMP)
+        elif stale:
+            weight, cut = self.STALE_WEIGHT, math.log(self.CLAMP)
+        else:
+            weight, cut = max(self.WEIGHT, 1.0 / (cell.count + 1)), self.CUT
+        before = cell.value
+        cell.update(math.log(period_ms / seed), weight, cut)
+        moved = abs(cell.value - before)
+        cell.surprised = bool(stale) and moved > math.log(self.SURPRISE)
+        if cell.surprised:
+            cell.count, cell.spread = 1, max(cell.spread, moved)
+        cell.last = self._clock
+
+    def switch_ms(self, n: int, k_from: int, k_to: int) -> float:
+        """What the first step at K=k_to after one at k_from costs beyond a steady step."""
+        if k_from == k_to:
+            return 0.0
+        direction = _direction(k_from, k_to)
+        bucket = batch_bucket(n)
+        cell = self._switch.get((bucket, direction))
+        if cell is None:
+            seen = [b for (b, d) in self._switch if d == direction]
+            if not seen:
+                return 0.0 if direction == "lateral" else self.SWITCH_PRIOR * self.period_ms(n, 0)
+            nearest = min(seen, key=lambda b: (abs(b.bit_length() - bucket.bit_length()), b))
+            cell = self._switch[(nearest, direction)]
+        return max(0.0, cell.value)
+
+    def observe_switch(self, n: int, k_from: int, k_to: int, period_ms: float) -> None:
+        """The first step at a new K (after one at k_from) took period_ms: what it took
+        beyond a steady step of its K is the switch's cost."""
+        if k_from == k_to or period_ms <= 0:
+            return
+        key = (batch_bucket(n), _direction(k_from, k_to))
+        steady = self.period_ms(n, k_to)
+        cell = self._switch.get(key)
+        if cell is None:
+            cell = self._switch[key] = RobustMean(period_ms - steady, self.CUT * steady)
+            cell.count = 1
+            return
+        weight = max(self.SWITCH_WEIGHT, 1.0 / (cell.count + 1))
+        cell.update(period_ms - steady, weight, self.CUT * steady)
 
 
 def measure_curve(

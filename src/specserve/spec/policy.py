@@ -4,45 +4,26 @@
 - fixed: K_max every step;
 - schedule: a user table from batch size to K (the form other servers offer);
 - goodput: maximize expected committed tokens per second of the step under a measured cost
-  model (whole-step periods by batch bucket and K) and per-request acceptance estimates.
+  model (whole-step periods by batch bucket and K, one-off costs of switching K) and
+  per-request acceptance estimates.
+
+Every policy's decisions go to a bounded trace (`PolicyTrace.recent`, `dump()`), joined by
+the speculator with each step's measured period once the step is processed.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from specserve.engine.request import Request
 from specserve.spec.acceptance import AcceptanceModel
 from specserve.spec.cost_model import StepCostModel, batch_bucket
+from specserve.spec.policy_trace import Decision, PolicyTrace
 
+__all__ = ["POLICIES", "Decision", "PolicyTrace", "SpeculationPolicy", "OffPolicy",
+           "FixedPolicy", "SchedulePolicy", "PerRequestPolicy", "GoodputPolicy"]
 POLICIES = ("off", "fixed", "schedule", "goodput")
-
-
-@dataclass
-class PolicyTrace:
-    """What the policy decided and how it turned out (exported as metrics)."""
-
-    steps_by_draft_len: list[int] = field(default_factory=list)  # request-steps per K
-    steps_by_step_k: list[int] = field(default_factory=list)  # steps per step K (max of K)
-    probe_steps: int = 0  # steps the goodput policy spent measuring a K it did not prefer
-    last_draft_lens: list[int] = field(default_factory=list)
-    predicted_goodput: float = 0.0  # tokens/s the policy expected of the last step
-    observed_goodput: float = 0.0  # tokens/s the last step delivered
-
-    def record(self, draft_lens: list[int]) -> None:
-        self.last_draft_lens = list(draft_lens)
-        for k in draft_lens:
-            while len(self.steps_by_draft_len) <= k:
-                self.steps_by_draft_len.append(0)
-            self.steps_by_draft_len[k] += 1
-        if not draft_lens:
-            return
-        step_k = max(draft_lens)
-        while len(self.steps_by_step_k) <= step_k:
-            self.steps_by_step_k.append(0)
-        self.steps_by_step_k[step_k] += 1
 
 
 class SpeculationPolicy(ABC):
@@ -58,15 +39,23 @@ class SpeculationPolicy(ABC):
     def choose(self, reqs: list[Request], extra_tokens: int = 0) -> list[int]:
         """Draft lengths for `reqs`; `extra_tokens` counts prefill tokens sharing the step."""
 
+    def _decided(self, ks: list[int], **expected) -> list[int]:
+        """Trace the decision; returns `ks`."""
+        if ks:
+            self.trace.decided(len(ks), max(ks), **expected)
+        else:
+            self.trace.no_decode()
+        return ks
+
 
 class OffPolicy(SpeculationPolicy):
     def choose(self, reqs, extra_tokens=0):
-        return [0] * len(reqs)
+        return self._decided([0] * len(reqs))
 
 
 class FixedPolicy(SpeculationPolicy):
     def choose(self, reqs, extra_tokens=0):
-        return [self.k_max] * len(reqs)
+        return self._decided([self.k_max] * len(reqs))
 
 
 class SchedulePolicy(SpeculationPolicy):
@@ -88,7 +77,7 @@ class SchedulePolicy(SpeculationPolicy):
         for min_batch, table_k in self.table:
             if len(reqs) >= min_batch:
                 k = table_k
-        return [k] * len(reqs)
+        return self._decided([k] * len(reqs))
 
 
 class PerRequestPolicy(SpeculationPolicy):
@@ -99,7 +88,7 @@ class PerRequestPolicy(SpeculationPolicy):
         self.fn = fn
 
     def choose(self, reqs, extra_tokens=0):
-        return [self.fn(r) for r in reqs]
+        return self._decided([self.fn(r) for r in reqs])
 
 
 class GoodputPolicy(SpeculationPolicy):
@@ -116,25 +105,34 @@ class GoodputPolicy(SpeculationPolicy):
     are trimmed per request (lowest gain first, for every candidate K), and a trimmed request
     drafts fully once every REQUEST_PROBE_EVERY steps so that its estimate stays fresh.
 
-    Probing keeps every K's cost and acceptance known: a K not preferred runs for
-    PROBE_STEPS consecutive steps (only the last is a steady observation) once it has not
-    run for an interval set so that probing it costs about PROBE_BUDGET of throughput under
-    the model (longer the worse it is), at least PROBE_EVERY and at most PROBE_MAX_INTERVAL
-    steps, sooner while it has fewer than FRESH_OBSERVATIONS measurements and is close to
-    the best. A K > 0 whose
-    expected gain is under PROBE_MIN_GAIN tokens per request is not probed. Switching the
-    preferred K needs a HYSTERESIS margin, so noise does not flap it.
+    Switching K is not free: the first step at a new K pays one-off costs (from plain
+    decoding: a host wait that overlap would have hidden and the drafter's catch-up; back to
+    plain: a step the loop cannot overlap), which the cost model measures per batch bucket
+    and direction. On a step of a millisecond they are worth a whole step or more. So the
+    preferred K changes only when the other K is better by more than HYSTERESIS with its
+    switch cost spread over DWELL_STEPS steps, and probes pay for their switches.
+
+    Probing keeps every K's cost and acceptance known: a K not preferred runs for a few
+    consecutive steps (the first is a switch; enough steady ones to span PROBE_MS, at most
+    PROBE_MAX_STEADY; a plain probe in a speculating regime one more, as its last step is
+    resolved early) once it has not run for an interval set so that probing it costs about
+    PROBE_BUDGET of throughput under the model, switches included (longer the worse it
+    is), at least PROBE_EVERY and at most PROBE_MAX_INTERVAL steps, sooner while it has
+    fewer than FRESH_OBSERVATIONS measurements and is close to the best. A K > 0 whose
+    expected gain is under PROBE_MIN_GAIN tokens per request is not probed.
     """
 
     HYSTERESIS = 0.03
-    PROBE_STEPS = 2
-    PROBE_EVERY = 16  # the shortest interval between probes of one K
+    DWELL_STEPS = 32  # a switch's one-off cost is spread over this many steps at the new K
+    PROBE_MS = 3.0  # a probe spans at least this much steady time (short periods are noisy)
+    PROBE_MAX_STEADY = 3
+    PROBE_EVERY = 16  # probes of one K take at most 1/PROBE_EVERY of the steps
     PROBE_BUDGET = 0.005  # the share of throughput probing one K may cost
-    SWITCH_STEPS = 0.5  # what switching K and back costs, in steps at the preferred K
     PROBE_MAX_INTERVAL = 512  # bounds how long a wrong estimate can hide a good K
-    FRESH_OBSERVATIONS = 2  # a K measured fewer times, and within FRESH_GAP of the
-    FRESH_GAP = 0.3  # best, is probed again within PROBE_EVERY << count steps
-    UNSEEN_GAP = 0.5  # never-measured K within this relative gap: measured at once
+    FRESH_OBSERVATIONS = 2  # a K measured fewer times, and within FRESH_GAP of the best
+    FRESH_GAP = 0.3  # or just found far from its estimate, is probed again within
+    # PROBE_EVERY << count steps (the cost model counts a surprised cell as measured once)
+    UNSEEN_GAP = 0.5  # a K never measured at any batch size within this gap: measured at once
     UNSEEN_RETRY = 8  # steps before a probe that brought no observation is retried (x2 each)
     PROBE_MIN_GAIN = 0.1
     REQUEST_PROBE_EVERY = 32
@@ -155,7 +153,7 @@ class GoodputPolicy(SpeculationPolicy):
     def choose(self, reqs, extra_tokens=0):
         n = len(reqs)
         if n == 0:
-            return []
+            return self._decided([])
         self.num_steps += 1
         caps = [min(self.k_max, r.max_useful_drafts) for r in reqs]
         cums = [self.acceptance.cumulative(r.request_id) for r in reqs]
@@ -167,18 +165,24 @@ class GoodputPolicy(SpeculationPolicy):
             trimmed = [self._trim(cums, caps, k, extra_tokens) for k in range(k_top + 1)]
             tokens = [t for _, t, _ in trimmed]
             costs = [ms for _, _, ms in trimmed]
-        goodput = [t / ms for t, ms in zip(tokens, costs)]
         bucket = batch_bucket(n)
         self._first_step.setdefault(bucket, self.num_steps)
-        k = self._preferred_k(bucket, goodput)
-        k = self._probe_k(bucket, k, n, tokens, costs)
+        current = self._preferred.get(bucket)
+        switch = [0.0] * (k_top + 1)
+        if current is not None:  # a change of preferred K pays a switch there and back
+            for k in range(k_top + 1):
+                if k != current:
+                    switch[k] = self.cost.switch_ms(n, current, k) + self.cost.switch_ms(
+                        n, k, current)
+        k = self._preferred_k(bucket, tokens, costs, switch)
+        k, probe = self._probe_k(bucket, k, n, tokens, costs)
         self._last_run[(bucket, k)] = self.num_steps
         ks = [min(k, c) for c in caps]
         if trimmed is not None:
             ks = self._request_probe(reqs, ks, list(trimmed[k][0]))
         self.predicted_tokens = sum(c[k] for c, k in zip(cums, ks))
         self.predicted_ms = self.cost.step_ms(ks, extra_tokens)
-        return ks
+        return self._decided(ks, probe=probe, tokens=tokens, period_ms=costs, switch_ms=switch)
 
     @staticmethod
     def _tokens(cums: list[list[float]], caps: list[int], k_top: int) -> list[float]:
@@ -192,7 +196,12 @@ class GoodputPolicy(SpeculationPolicy):
                     tokens[k] += c[min(k, cap)]
         return tokens
 
-    def _preferred_k(self, bucket: int, goodput: list[float]) -> int:
+    def _preferred_k(self, bucket: int, tokens, costs, switch) -> int:
+        """The K with the best goodput, with what switching to it from the preferred K and
+        back costs spread over DWELL_STEPS; the preferred K of the bucket unless that is
+        beaten by HYSTERESIS."""
+        dwell = self.DWELL_STEPS
+        goodput = [t / (ms + s / dwell) for t, ms, s in zip(tokens, costs, switch)]
         best = max(range(len(goodput)), key=goodput.__getitem__)
         current = self._preferred.get(bucket)
         if current is not None and current < len(goodput):
@@ -202,44 +211,51 @@ class GoodputPolicy(SpeculationPolicy):
             self._preferred[bucket] = best
         return best
 
-    def _probe_k(self, bucket: int, best: int, n: int, tokens, costs) -> int:
+    def probe_len(self, k: int, best: int, period_ms: float) -> int:
+        """Steps of a probe of K=k from K=best: the switch, enough steady steps to span
+        PROBE_MS, and for plain steps before drafting resumes, the last (resolved early)."""
+        steady = min(self.PROBE_MAX_STEADY, max(1, round(self.PROBE_MS / max(period_ms, 1e-3))))
+        return 1 + steady + (1 if k == 0 and best > 0 else 0)
+
+    def _probe_k(self, bucket: int, best: int, n: int, tokens, costs) -> tuple[int, bool]:
         """The K to run this step: `best`, or a probe that is due (the most overdue)."""
         goodput = [t / ms for t, ms in zip(tokens, costs)]
         if self._probe is not None:
             p_bucket, p_k, left = self._probe
             if p_bucket == bucket and p_k < len(goodput) and left > 0:
                 self._probe = (bucket, p_k, left - 1)
-                return p_k
+                return p_k, True
             self._probe = None
-        due, probe = 0.0, None
+        due, probe, probe_len = 0.0, None, 0
         for k, g in enumerate(goodput):
             if k == best or (k and tokens[k] - tokens[0] < self.PROBE_MIN_GAIN * n):
                 continue
             gap = max(0.0, 1.0 - g / goodput[best]) if goodput[best] > 0 else 0.0
             age = self.num_steps - self._last_run.get((bucket, k), self._first_step[bucket])
             seen = self.cost.observations(n, k)
-            if not seen and gap < self.UNSEEN_GAP:
+            steps = self.probe_len(k, best, costs[k])
+            if not seen and gap < self.UNSEEN_GAP and not self.cost.measured_k(k):
                 tries = self._unseen_tries.get((bucket, k), 0)
                 interval = 0 if tries == 0 else self.UNSEEN_RETRY << min(tries, 9)
             else:
-                # A probe costs PROBE_STEPS * gap * costs[k] of time, plus switching there
-                # and back (a drafter catch-up, a host wait that overlap would hide); spread
+                # A probe costs its steps' shortfall plus the switches there and back; spread
                 # it out so that it is PROBE_BUDGET of the time spent at `best` in between.
-                lost = self.PROBE_STEPS * gap * costs[k] + self.SWITCH_STEPS * costs[best]
+                there_and_back = self.cost.switch_ms(n, best, k) + self.cost.switch_ms(n, k, best)
+                lost = steps * gap * costs[k] + there_and_back
                 interval = lost / (costs[best] * self.PROBE_BUDGET)
-                interval = min(max(interval, self.PROBE_EVERY), self.PROBE_MAX_INTERVAL)
-                if 0 < seen < self.FRESH_OBSERVATIONS and gap < self.FRESH_GAP:
-                    # one outlier must not hide a K that may be the best for long
+                interval = min(max(interval, self.PROBE_EVERY * steps), self.PROBE_MAX_INTERVAL)
+                if 0 < seen < self.FRESH_OBSERVATIONS and (
+                    gap < self.FRESH_GAP or self.cost.surprised(n, k)
+                ):  # one outlier must not hide a K that may be the best for long
                     interval = min(interval, self.PROBE_EVERY << seen)
             if age >= interval and (probe is None or age - interval > due):
-                due, probe = age - interval, k
+                due, probe, probe_len = age - interval, k, steps
         if probe is None:
-            return best
+            return best, False
         if not self.cost.observations(n, probe):
             self._unseen_tries[(bucket, probe)] = self._unseen_tries.get((bucket, probe), 0) + 1
-        self._probe = (bucket, probe, self.PROBE_STEPS - 1)
-        self.trace.probe_steps += self.PROBE_STEPS
-        return probe
+        self._probe = (bucket, probe, probe_len - 1)
+        return probe, True
 
     def _trim(self, cums, caps, k: int, extra_tokens: int) -> tuple[list[int], float, float]:
         """Unpadded verify steps at K = k: drop the drafts of lowest expected gain while that

@@ -115,23 +115,41 @@ class Speculator:
         """A step's period: from the previous step's tokens reaching the host to its own
         (`resolved_s`, perf_counter seconds), which is what a step costs in throughput under
         the synchronous and the overlapped loop alike. Steps are processed in launch order.
-        Recorded in the cost model by (decoding requests, K) only for a decode-only step
-        that follows one of the same K (a switch of K pays one-off costs: a longer drafter
-        catch-up, a host wait the overlap would have hidden) and not after an idle engine."""
+        For a decode-only step, not after an idle engine or a prefill step, the cost model
+        records it by (decoding requests, K): as steady when the step before had the same K,
+        else as the cost of the switch (the first step at a new K pays one-off costs: a
+        drafter catch-up, a host wait the overlap would have hidden). Not as steady: a plain
+        step followed by a drafting one, which the overlap loop resolves before launching
+        the next step (the drafter reads its tokens), so its period misses host work that
+        lands in the next one's. The policy's trace gets the period and its use."""
         decoding = [s for s in batch if s.decoding]
-        shape = None
-        if decoding and len(decoding) == len(batch):
-            shape = (len(decoding), max(len(s.drafts) for s in decoding))
+        shape = (len(decoding), max(len(s.drafts) for s in decoding)) if decoding else None
         prev_shape, prev_s = self._last_shape, self._last_resolved_s
-        self._last_shape, self._last_resolved_s = shape, resolved_s
-        if after_idle or shape is None or prev_shape is None or prev_s is None:
+        only_decodes = decoding and len(decoding) == len(batch)
+        self._last_shape = shape if only_decodes else None
+        self._last_resolved_s = resolved_s
+        if shape is None:
             return
-        if shape[1] != prev_shape[1] or resolved_s <= prev_s:
+        decision, next_k = self.policy.trace.processed(*shape)
+        if prev_s is None or resolved_s <= prev_s or after_idle:
             return
         period_ms = (resolved_s - prev_s) * 1e3
-        self.policy.trace.observed_goodput = self._last_committed / period_ms * 1e3
-        if self.cost is not None:
-            self.cost.observe(shape[0], shape[1], period_ms)
+        used = ""
+        if only_decodes and prev_shape is not None:
+            n, k = shape
+            if k != prev_shape[1]:
+                used = "switch"
+                if self.cost is not None:
+                    self.cost.observe_switch(n, prev_shape[1], k, period_ms)
+            elif k == 0 and next_k:
+                used = "before_switch"
+            else:
+                used = "steady"
+                self.policy.trace.observed_goodput = self._last_committed / period_ms * 1e3
+                if self.cost is not None:
+                    self.cost.observe(n, k, period_ms)
+        if decision is not None:
+            decision.observed_ms, decision.recorded = period_ms, used
 
     def stats(self) -> dict:
         """Speculation figures for metrics: decisions, acceptance, goodput."""
@@ -142,6 +160,8 @@ class Speculator:
             "spec_steps_by_draft_len": list(trace.steps_by_draft_len),
             "spec_steps_by_step_k": list(trace.steps_by_step_k),
             "spec_probe_steps": trace.probe_steps,
+            "spec_switches": trace.switches,  # steps crossing between plain and drafting
+            "spec_k_changes": trace.k_changes,
             "spec_last_draft_lens": list(trace.last_draft_lens),
             "spec_predicted_goodput": trace.predicted_goodput,
             "spec_observed_goodput": trace.observed_goodput,

@@ -1,0 +1,96 @@
+"""The speculation policy's decision trace: counters exported as metrics and a bounded ring
+of per-step decisions, each joined with the step's measured period once it is processed."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import asdict, dataclass, field
+
+TRACE_STEPS = 4096
+
+
+@dataclass(slots=True)
+class Decision:
+    """One step's draft-length decision and, once the step is processed, what it cost.
+
+    `tokens[k]`, `period_ms[k]`, `switch_ms[k]`: what the goodput policy expected of the step
+    at each uniform K (committed tokens; steady period; the one-off cost of switching to K
+    from the previous step's K); None for the other policies. `observed_ms`: the step's
+    measured period (the previous step's tokens on the host to its own). `recorded`: what the
+    cost model made of it: "steady" (same K as the step before), "switch" (the first step at
+    a new K), "before_switch" (a plain step followed by a drafting one: resolved early, so
+    its period is short; not used), "" (not used: prefill in the step or just before it, or
+    the first step after an idle engine)."""
+
+    step: int
+    num_reqs: int
+    k: int
+    probe: bool = False
+    tokens: list[float] | None = None
+    period_ms: list[float] | None = None
+    switch_ms: list[float] | None = None
+    observed_ms: float | None = None
+    recorded: str = ""
+
+
+@dataclass
+class PolicyTrace:
+    """What the policy decided and how it turned out: counters (exported as metrics) and the
+    last TRACE_STEPS decisions (`recent`; `dump()` as plain dicts) for diagnostics."""
+
+    steps_by_draft_len: list[int] = field(default_factory=list)  # request-steps per K
+    steps_by_step_k: list[int] = field(default_factory=list)  # steps per step K (max of K)
+    probe_steps: int = 0  # steps the goodput policy spent measuring a K it did not prefer
+    switches: int = 0  # steps whose K crossed between 0 and > 0 from the step before
+    k_changes: int = 0  # steps whose K differs from the step before
+    last_draft_lens: list[int] = field(default_factory=list)
+    predicted_goodput: float = 0.0  # tokens/s the policy expected of the last step
+    observed_goodput: float = 0.0  # tokens/s the last step delivered
+    num_decisions: int = 0
+    recent: deque = field(default_factory=lambda: deque(maxlen=TRACE_STEPS))
+    _pending: deque = field(default_factory=lambda: deque(maxlen=4))  # decided, not processed
+    _last_k: int | None = None  # K of the last decision; None after a step without decodes
+
+    def record(self, draft_lens: list[int]) -> None:
+        self.last_draft_lens = list(draft_lens)
+        for k in draft_lens:
+            while len(self.steps_by_draft_len) <= k:
+                self.steps_by_draft_len.append(0)
+            self.steps_by_draft_len[k] += 1
+        if not draft_lens:
+            return
+        step_k = max(draft_lens)
+        while len(self.steps_by_step_k) <= step_k:
+            self.steps_by_step_k.append(0)
+        self.steps_by_step_k[step_k] += 1
+
+    def decided(self, num_reqs: int, k: int, **expected) -> None:
+        """A step with decoding requests was given draft lengths, `k` the largest."""
+        self.num_decisions += 1
+        last = self._last_k
+        if last is not None and k != last:
+            self.k_changes += 1
+            self.switches += (k > 0) != (last > 0)
+        self._last_k = k
+        d = Decision(self.num_decisions, num_reqs, k, **expected)
+        self.probe_steps += d.probe
+        self.recent.append(d)
+        self._pending.append(d)
+
+    def no_decode(self) -> None:
+        """A step without decoding requests (prefill only): the next step switches nothing."""
+        self._last_k = None
+
+    def processed(self, num_reqs: int, k: int) -> tuple[Decision | None, int | None]:
+        """The decision of the step being processed (steps are processed in launch order:
+        the oldest pending decision of at least this shape, as settling only shrinks a step)
+        and the K already chosen for the step after it (overlap loop), else None."""
+        while self._pending:
+            d = self._pending.popleft()
+            if d.num_reqs >= num_reqs and d.k >= k:
+                return d, (self._pending[0].k if self._pending else None)
+        return None, None
+
+    def dump(self) -> list[dict]:
+        """The recent decisions as plain dicts, oldest first."""
+        return [asdict(d) for d in self.recent]

@@ -1,0 +1,346 @@
+"""A closed-loop simulator of the speculation policies on a synthetic engine clock, and the
+goodput policy's realized throughput against every fixed K in it.
+
+The engine is replaced by a clock. A steady step of n decoding requests at draft length K
+takes max(host(n, K), device(n, K)) (overlap scheduling hides the shorter one). The first
+step at a new K pays for the switch: after plain steps, the wait for the previous step's
+tokens and the drafter's catch-up (eager, so dearer, once it spans more than a few plain
+steps); after speculative ones, a plain step that the loop could not overlap. A request's
+first drafting step catches its drafter up over the prompt. Periods carry lognormal noise and
+occasional outliers. Requests arrive one after another (batch 1, an idle engine between them)
+or in rounds of b submitted together; each has a length, per-position acceptance rates from a
+profile (some requests much lower) and hard phases where its drafts mostly fail. The policy,
+the acceptance and cost models and the speculator's bookkeeping are the real ones, fed one
+step late as under overlap (step N+1 is scheduled before step N is processed).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from specserve.engine.scheduler import ScheduledRequest
+from specserve.spec.acceptance import AcceptanceModel
+from specserve.spec.cost_model import CurveModel, StepCostModel
+from specserve.spec.policy import (
+    FixedPolicy,
+    GoodputPolicy,
+    OffPolicy,
+    SchedulePolicy,
+    SpeculationPolicy,
+)
+from specserve.spec.speculator import Speculator
+
+K_MAX = 3
+# SmolLM2 + shipped head on the H200 measured 0.68 / 0.67 / 0.75 per position (conditional);
+# outside hard phases (about 9% of steps) a typical request accepts a little more.
+PROFILE = (0.73, 0.72, 0.80)
+# shared/DESIGN.md: H200, Llama-3.1-8B shape, step ms by tokens; an EAGLE-3 head pass by batch.
+H200_8B = {1: 4.22, 16: 4.44, 64: 4.60, 128: 6.11, 256: 6.91, 512: 12.06, 1024: 22.94,
+           2048: 45.98}  # fmt: skip
+HEAD_8B = {1: 0.20, 64: 0.22, 256: 0.30, 1024: 0.60}
+# SmolLM2-135M: a ~0.5 ms graph replay that hardly grows with tokens; a tiny head.
+SMALL_TARGET = {1: 0.45, 8: 0.46, 32: 0.48, 64: 0.50, 256: 0.70, 1024: 1.80}
+SMALL_HEAD = {1: 0.09, 64: 0.10, 256: 0.15}
+
+
+@dataclass(frozen=True)
+class Regime:
+    """True step costs of a simulated engine (ms) and the curves its start-up measures."""
+
+    name: str
+    target: dict[int, float]  # device: the target's forward by tokens (also the seed)
+    drafter: dict[int, float]  # device: one head pass by batch (also the seed)
+    host0: float  # host ms of a plain step, plus host_per_req0 per request
+    host_per_req0: float
+    host_spec: float  # host ms of a speculative step, plus host_per_k per draft ...
+    host_per_k: float
+    host_per_req: float  # ... and this (plus host_per_req_k per draft) per request
+    host_per_req_k: float
+    stall_share: float = 0.6  # switching 0 -> K: a serial wait, this share of a plain step
+    down_share: float = 0.5  # switching K -> 0: a plain step not overlapped
+    eager_ms: float = 1.2  # an eager drafter catch-up (past a few plain steps, or a prompt)
+    eager_after: int = 4  # plain steps a captured catch-up graph still covers
+    early_share: float = 0.4  # a plain step before a drafting one resolves this much early
+    prefill_ms: float = 2.0
+
+    def device(self, n: int, k: int) -> float:
+        ms = CurveModel(self.target)(n * (k + 1))
+        return ms + k * CurveModel(self.drafter)(n) if k else ms
+
+    def host(self, n: int, k: int) -> float:
+        if not k:
+            return self.host0 + self.host_per_req0 * n
+        return (self.host_spec + self.host_per_k * k
+                + (self.host_per_req + self.host_per_req_k * k) * n)  # fmt: skip
+
+    def period(self, n: int, k: int) -> float:
+        return max(self.host(n, k), self.device(n, k))
+
+    def seeds(self) -> StepCostModel:
+        """What start-up measures: device work alone, no host work; padded (CUDA graphs)."""
+        return StepCostModel(CurveModel(self.target), CurveModel(self.drafter), padded=True)
+
+
+# A ~1 ms host-bound step: at batch 1 a speculative step costs twice a plain one (K=3 wins
+# by about 23% at real acceptance), at 64 plain decoding wins by about 30%.
+SMALL = Regime("small", SMALL_TARGET, SMALL_HEAD, 1.10, 0.012, 1.20, 0.25, 0.03, 0.01)
+# A 4 ms GPU-bound step: host work mostly hidden, speculation 2x at batch 1, 1.5x at 64, and
+# a loss at 256 (verify of 1024 tokens).
+LARGE = Regime("large", H200_8B, HEAD_8B, 1.0, 0.01, 1.3, 0.25, 0.03, 0.01)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Requests of the run: batch 1 runs `rounds` requests one after another, batch b runs
+    `rounds` rounds of b requests submitted together (run to completion, like the bench)."""
+
+    batch: int
+    rounds: int
+    min_tokens: int = 128
+    max_tokens: int = 256
+    low_share: float = 0.15  # requests unlike the drafter's training (rates x low_scale)
+    low_scale: float = 0.6
+    hard_enter: float = 0.01  # per step: a request enters a hard phase ...
+    hard_leave: float = 0.1  # ... and leaves it (rates x hard_scale meanwhile)
+    hard_scale: float = 0.3
+    warmup: tuple[int, ...] = (1, 8, 64)  # 16 tokens at each batch size first, not counted
+
+
+@dataclass(frozen=True)
+class Noise:
+    sigma: float = 0.2  # lognormal
+    outlier_p: float = 0.02
+    outlier_x: float = 3.0
+
+
+@dataclass
+class SimRequest:
+    """What the policy reads of a request (`request_id`, `max_useful_drafts`) and its truth."""
+
+    request_id: str
+    length: int
+    rates: tuple[float, ...]
+    rng: random.Random
+    generated: int = 0
+    hard: bool = False
+    drafted: bool = False
+
+    @property
+    def max_useful_drafts(self) -> int:
+        return max(0, self.length - self.generated - 1)
+
+    def accept(self, k: int, wl: Workload) -> int:
+        if self.hard:
+            self.hard = self.rng.random() >= wl.hard_leave
+        else:
+            self.hard = self.rng.random() < wl.hard_enter
+        scale = wl.hard_scale if self.hard else 1.0
+        accepted = 0
+        while accepted < k and self.rng.random() < self.rates[accepted] * scale:
+            accepted += 1
+        return accepted
+
+
+@dataclass
+class SimResult:
+    tokens: int = 0
+    ms: float = 0.0
+    steps: int = 0
+    switches: int = 0  # decode steps whose K crossed between 0 and > 0
+    probes: int = 0  # decode steps the policy spent probing
+    step_ks: list[int] = field(default_factory=list)
+
+    @property
+    def tok_per_ms(self) -> float:
+        return self.tokens / self.ms
+
+
+@functools.lru_cache(maxsize=16)
+def noise_factors(noise: Noise, seed: int, steps: int = 8192) -> tuple[float, ...]:
+    """Multiplicative noise of the periods step by step: lognormal (mean 1) and outliers."""
+    rng = random.Random(seed + 7919)
+    out = []
+    for _ in range(steps):
+        x = math.exp(rng.gauss(0.0, noise.sigma) - noise.sigma**2 / 2)
+        out.append(x * noise.outlier_x if rng.random() < noise.outlier_p else x)
+    return tuple(out)
+
+
+def make_requests(wl: Workload, seed: int, tokens: int | None = None) -> list[SimRequest]:
+    """The run's requests, the same for every policy given the seed."""
+    rng = random.Random(seed)
+    count = wl.rounds * wl.batch
+    out = []
+    for i in range(count):
+        low = rng.random() < wl.low_share
+        jitter = rng.uniform(0.85, 1.1)
+        rates = tuple(min(0.97, a * jitter * (wl.low_scale if low else 1.0)) for a in PROFILE)
+        length = tokens or rng.randint(wl.min_tokens, wl.max_tokens)
+        out.append(SimRequest(f"s{seed}-{i}", length, rates, random.Random(rng.random())))
+    return out
+
+
+def bare_speculator(policy: SpeculationPolicy, acceptance: AcceptanceModel) -> Speculator:
+    """The engine's Speculator without an engine: its observe / observe_period bookkeeping."""
+    spec = Speculator.__new__(Speculator)
+    spec.k_max, spec.policy, spec.acceptance = policy.k_max, policy, acceptance
+    spec.cost = getattr(policy, "cost", None)
+    spec.simulate_rate = None
+    spec._last_shape, spec._last_resolved_s, spec._last_committed = None, None, 0
+    return spec
+
+
+class Simulator:
+    """One policy against one regime: the clock, the requests, one-step-late observations."""
+
+    def __init__(self, policy: SpeculationPolicy, acceptance: AcceptanceModel, regime: Regime,
+                 noise: Noise, seed: int):  # fmt: skip
+        self.policy, self.acceptance, self.regime, self.noise = policy, acceptance, regime, noise
+        self.spec = bare_speculator(policy, acceptance)
+        self.noise_at = noise_factors(noise, seed)  # by step: the same for every policy
+        self.clock_ms = 0.0
+        self.prev_k: int | None = None  # K of the last step if it was a decode step
+        self.plain_run = 0  # consecutive plain decode steps
+        self.pending = None  # the last step's observations, applied after the next choice
+        self.steps = 0
+
+    def _noisy(self, ms: float) -> float:
+        self.steps += 1
+        return ms * self.noise_at[self.steps % len(self.noise_at)]
+
+    def _flush(self) -> None:
+        if self.pending is not None:
+            batch, committed, resolved_s, after_idle = self.pending
+            if committed is not None:
+                self.spec.observe(batch, committed, 0.0, 0.0)
+            self.spec.observe_period(batch, resolved_s, after_idle)
+            self.pending = None
+
+    def prefill(self, reqs: list[SimRequest], after_idle: bool) -> None:
+        """A prefill-only step (no decoding request: the policy is asked for nothing)."""
+        self.policy.choose([], sum(64 for _ in reqs))
+        self._flush()
+        self.clock_ms += self._noisy(self.regime.prefill_ms + 0.05 * len(reqs))
+        batch = [ScheduledRequest(r, 64) for r in reqs]
+        self.pending = (batch, None, self.clock_ms / 1e3, after_idle)
+        self.prev_k = None
+
+    def decode(self, reqs: list[SimRequest], wl: Workload, result: SimResult) -> None:
+        n, regime = len(reqs), self.regime
+        ks = self.policy.choose(reqs, 0)
+        ks = [min(k, r.max_useful_drafts) for k, r in zip(ks, reqs)]  # the scheduler's cap
+        k = max(ks)
+        if k and self.prev_k == 0 and self.pending is not None:
+            # The drafter needs the last plain step's tokens: it is resolved before this
+            # launch, so the host work of the launch falls in this step's period, not in it.
+            batch, committed, resolved_s, idle = self.pending
+            shift = regime.early_share * regime.host(n, 0) / 1e3
+            self.pending = (batch, committed, resolved_s - shift, idle)
+        self._flush()
+        ms = regime.period(n, k)
+        first = any(kr and not r.drafted for kr, r in zip(ks, reqs))
+        eager = first
+        if self.prev_k is not None and (self.prev_k > 0) != (k > 0):
+            result.switches += 1
+            if k:
+                ms += regime.stall_share * regime.host(n, 0)
+                eager = eager or self.plain_run > regime.eager_after
+            else:
+                ms += regime.down_share * regime.host(n, 0)
+        if not k and self.plain_run % 128 == 127:
+            eager = True  # the drafter rides along after 128 plain steps
+        if eager:
+            ms += regime.eager_ms
+        ms = self._noisy(ms)
+        self.clock_ms += ms
+        self.plain_run = 0 if k else self.plain_run + 1
+        self.prev_k = k
+        batch, committed = [], {}
+        for r, kr in zip(reqs, ks):
+            s = ScheduledRequest(r, 1, kr, decoding=True)
+            s.drafts = [0] * kr
+            accepted = r.accept(kr, wl) if kr else 0
+            r.drafted = r.drafted or kr > 0
+            gained = min(accepted + 1, r.length - r.generated)
+            r.generated += gained
+            result.tokens += gained
+            committed[id(s)] = accepted + 1
+            batch.append(s)
+        result.ms += ms
+        result.steps += 1
+        result.step_ks.append(k)
+        result.probes += bool(self.policy.trace.recent) and self.policy.trace.recent[-1].probe
+        self.pending = (batch, committed, self.clock_ms / 1e3, False)
+
+    def run_round(self, reqs: list[SimRequest], wl: Workload, result: SimResult) -> None:
+        """Requests submitted together after an idle engine, run to completion."""
+        start = self.clock_ms
+        self.prefill(reqs, after_idle=True)
+        result.ms += self.clock_ms - start
+        live = list(reqs)
+        while live:
+            self.decode(live, wl, result)
+            for r in live:
+                if r.generated >= r.length:
+                    self.acceptance.forget(r.request_id)
+            live = [r for r in live if r.generated < r.length]
+        self._flush()
+        self.prev_k = None
+
+
+def simulate(policy_name: str | int, regime: Regime, wl: Workload, seed: int = 0,
+             noise: Noise = Noise()) -> tuple[SimResult, SpeculationPolicy]:  # fmt: skip
+    """Run the workload under "goodput" or a fixed K (int); returns the measured part."""
+    acceptance = AcceptanceModel(K_MAX)
+    policy: SpeculationPolicy
+    if policy_name == "goodput":
+        policy = GoodputPolicy(K_MAX, regime.seeds(), acceptance)
+    elif policy_name == 0:
+        policy = OffPolicy(K_MAX)
+    elif policy_name == K_MAX:
+        policy = FixedPolicy(K_MAX)
+    else:
+        policy = SchedulePolicy(K_MAX, f"1:{policy_name}")
+    sim = Simulator(policy, acceptance, regime, noise, seed)
+    warm = SimResult()
+    for i, b in enumerate(wl.warmup):
+        warm_wl = Workload(b, 1)
+        sim.run_round(make_requests(warm_wl, 1000 + seed * 10 + i, tokens=16), warm_wl, warm)
+    result = SimResult()
+    reqs = make_requests(wl, seed)
+    for i in range(wl.rounds):
+        sim.run_round(reqs[i * wl.batch : (i + 1) * wl.batch], wl, result)
+    return result, policy
+
+
+def compare(regime: Regime, wl: Workload, seeds=(0, 1), noise: Noise = Noise()) -> dict:
+    """Tokens per ms of goodput and of every fixed K, summed over seeds; goodput's switch and
+    probe shares."""
+    out: dict = {}
+    for name in ("goodput", *range(K_MAX + 1)):
+        tokens = ms = steps = switches = probes = 0
+        for seed in seeds:
+            res, policy = simulate(name, regime, wl, seed, noise)
+            tokens, ms = tokens + res.tokens, ms + res.ms
+            steps, switches = steps + res.steps, switches + res.switches
+            probes += res.probes
+        out[name] = tokens / ms
+        if name == "goodput":
+            out["switch_share"], out["probe_share"] = switches / steps, probes / steps
+    out["best_fixed"] = max(out[k] for k in range(K_MAX + 1))
+    out["ratio"] = out["goodput"] / out["best_fixed"]
+    return out
+
+
+def report(regime: Regime, wl: Workload, **kw) -> str:
+    r = compare(regime, wl, **kw)
+    fixed = " ".join(f"K{k}={r[k]:.3f}" for k in range(K_MAX + 1))
+    return (f"{regime.name} b{wl.batch}: goodput={r['goodput']:.3f} {fixed} "
+            f"ratio={r['ratio']:.3f} switches={r['switch_share']:.3f}")  # fmt: skip
+
+
+Factory = Callable[[], SpeculationPolicy]
