@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 
 from specserve import LLM, SamplingParams
-from specserve.spec.policy import PerRequestPolicy
+from specserve.spec.policy import PerRequestPolicy, SpeculationPolicy
 from tests.tiny_models import VOCAB, make_random_eagle3_head, make_tiny_model
 
 GREEDY = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True)
@@ -42,20 +42,45 @@ def random_draft_lens(llm, seed=11):
     llm.engine.spec.policy = PerRequestPolicy(k_max, lambda req: rng.choice([0, 0, 1, 2, k_max]))
 
 
+class StepDraftLens(SpeculationPolicy):
+    """One random draft length per step for every request, from `choices` (the goodput
+    policy also picks one K per step); the same sequence of steps gets the same lengths."""
+
+    def __init__(self, k_max: int, seed: int, choices=(0, 1, 2, 3)):
+        super().__init__(k_max)
+        self.rng, self.choices = random.Random(seed), choices
+
+    def choose(self, reqs, extra_tokens=0):
+        k = min(self.rng.choice(self.choices), self.k_max)
+        return [k] * len(reqs)
+
+
 def count_gathers(llm) -> dict:
-    """Counts steps prepared while the previous step's tokens were still on the device."""
-    runner, seen = llm.engine.runner, {"gathered": 0, "steps": 0}
-    prepare, kv = runner.prepare, llm.engine.kv
+    """Counts steps prepared while the previous step's tokens were still on the device
+    (`gathered`), those of them after a speculative step (`moved`: positions shifted by its
+    accept lengths there) and those that drafted (`drafted_ahead`); checks the host's
+    bounds on every step: exact lengths once the previous step is resolved, upper bounds
+    (its drafts all accepted) within the context and the pages when it is not."""
+    runner, kv = llm.engine.runner, llm.engine.kv
+    seen = {"gathered": 0, "steps": 0, "moved": 0, "drafted_ahead": 0}
+    prepare = runner.prepare
 
     def spy(batch, prev=None):
         seen["steps"] += 1
         seen["gathered"] += prev is not None
-        for s in batch:  # lengths are exact here: a request's last step is its last
+        moved = prev is not None and prev.speculative
+        seen["moved"] += moved
+        seen["drafted_ahead"] += prev is not None and any(s.draft_len for s in batch)
+        for s in batch:
             req = s.request
-            assert req.num_left > 0 and req.num_inflight_drafts == 0
-            assert s.draft_len <= req.max_useful_drafts
-            assert req.cached_len + s.num_tokens + s.draft_len <= llm.engine.max_model_len
-            assert len(req.page_table) * kv.page_size >= req.cached_len + s.num_tokens + s.draft_len
+            assert req.num_left > 0  # on the host's estimate: the step in flight counts one
+            if prev is None:  # lengths are exact here: a request's last step is its last
+                assert req.num_inflight == 0 and s.draft_len <= req.max_useful_drafts
+            ahead = req.num_inflight_drafts if moved else 0  # all of prev's drafts accepted
+            assert not ahead or id(req) in prev.rows
+            end = req.cached_len + s.num_tokens + ahead + s.draft_len
+            assert end <= llm.engine.max_model_len
+            assert len(req.page_table) * kv.page_size >= end
         return prepare(batch, prev)
 
     runner.prepare = spy

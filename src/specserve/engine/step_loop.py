@@ -67,13 +67,13 @@ class LaunchedStep:
         sampled = self.step_input.sampled
         rows = {id(s.request): r for r, s in enumerate(sampled)}
         feature_rows = {}
-        if self.speculative and self.features is not None:  # not queued on the requests yet
+        if self.features is not None:  # queued on the requests only when resolved
             first = dict(zip(map(id, self.batch), self.step_input.first_rows))
             feature_rows = {id(s.request): (first[id(s)], s.num_tokens + num_drafts(s))
                             for s in sampled}  # fmt: skip
         return InflightStep(
             self.sampled.tokens, self.sampled.accept_len, rows, [num_drafts(s) for s in sampled],
-            self.features if feature_rows else None, feature_rows, self.consumed,
+            self.features, feature_rows, self.consumed,
         )  # fmt: skip
 
 
@@ -101,6 +101,7 @@ class StepLoop:
         self._timed = engine.kv.pool.device.type == "cuda"
         self._last_end = None  # CUDA event: end of the last processed step's device work
         self._idle = True
+        self.num_waits = 0  # steps launched only after the previous step's tokens were read
 
     def step(self) -> list[RequestOutput]:
         """Launch the next step; process the previous one (overlap) or this one (sync)."""
@@ -109,6 +110,7 @@ class StepLoop:
         if prev is not None and prev.result is None and not self._runs_ahead(prev, batch):
             # Scheduled while step N runs (pages grown for all of its drafts); this step
             # cannot be built from N's results on the device: wait for them, then settle.
+            self.num_waits += 1
             self._resolve(prev)
             batch = self._settle(batch)
         launched = self._launch(prev, batch)
@@ -132,17 +134,33 @@ class StepLoop:
         return [s for s in batch if s.draft_len > 0 or (s.decoding and wants(s.request))]
 
     def _runs_ahead(self, prev: LaunchedStep, batch: list[ScheduledRequest]) -> bool:
-        """Whether `batch` can be launched before prev's tokens reach the host."""
-        return not prev.speculative and not self._drafting(batch)
+        """Whether `batch` can be launched before prev's tokens reach the host, built on
+        the device from prev's drawn tokens and accept lengths (runtime/inflight.py): when
+        its drafter reads them there (EAGLE-3, greedy, one draft length) and, after a
+        speculative step, every position it may reach lies within the context."""
+        drafting = self._drafting(batch)
+        if drafting and not self.engine.spec.proposer.reads_inflight(drafting):
+            return False
+        if not prev.speculative:
+            return True
+        moved = {id(s.request): num_drafts(s) for s in prev.step_input.sampled}
+        max_len = self.engine.max_model_len
+        return all(
+            s.request.committed_len + moved.get(id(s.request), 0) + s.draft_len <= max_len
+            for s in batch
+        )
 
     @staticmethod
     def _settle(batch: list[ScheduledRequest]) -> list[ScheduledRequest]:
-        """After the previous step's accept lengths are known: requests they end (max_tokens,
-        context) leave the batch, draft lengths shrink to what can still be committed."""
+        """After waiting for the previous step's tokens: requests they end leave the batch
+        (max_tokens, the context, a stop or EOS token among them; stop strings need the
+        detokenizer and are found when the tokens are processed), draft lengths shrink to
+        what can still be committed."""
         settled = []
         for s in batch:
-            left = s.request.num_left
-            if left > 0:
+            req = s.request
+            left = req.num_left
+            if left > 0 and not _stop_token_in(req, req.unprocessed_token_ids):
                 s.draft_len = min(s.draft_len, left - 1)
                 settled.append(s)
         return settled
@@ -195,9 +213,6 @@ class StepLoop:
             after_idle=self._idle,
         )  # fmt: skip
         self._idle = False
-        if spec is not None and not launched.speculative:
-            # Nobody drafted, so nothing was accepted: the drafter's state is queued now.
-            self._commit_drafter(launched, batch, [0] * len(batch))
         if events is not None:
             events[2].record()
         return launched
@@ -235,7 +250,7 @@ class StepLoop:
             if id(req) in unmoved:
                 req.cached_len += len(tokens) - 1  # accepted drafts: their KV is valid
             req.unprocessed_token_ids = list(tokens)
-        if step.speculative and self.engine.spec is not None:
+        if self.engine.spec is not None:  # in launch order: features queue in position order
             items = [s for s, keep in zip(step.batch, kept) if keep]
             queued = [s for s in items if id(s.request) not in step.consumed]
             self._commit_drafter(step, queued, [accepted.get(id(s), 0) for s in queued])
@@ -255,9 +270,10 @@ class StepLoop:
         ]
         target_ms = self._record_times(step)
         if spec is not None:  # before finishing: finished requests' estimates are dropped
-            batch = [s for s in step.batch if not s.request.finished]
-            committed = {id(s): len(tokens) for s, tokens, _ in live}
-            spec.observe(batch, committed, step.draft_ms, target_ms)
+            if live:  # else every request finished one step before (run ahead): no news
+                batch = [s for s in step.batch if not s.request.finished]
+                committed = {id(s): len(tokens) for s, tokens, _ in live}
+                spec.observe(batch, committed, step.draft_ms, target_ms)
             spec.observe_period(step.batch, step.resolved_s, step.after_idle)
         outputs = []
         for s, tokens, lps in live:
@@ -287,3 +303,10 @@ class StepLoop:
             self.times.gap_ms.append(self._last_end.elapsed_time(start))
         self._last_end = end
         return target_start.elapsed_time(end)
+
+
+def _stop_token_in(req, tokens: list[int]) -> bool:
+    """Whether committing `tokens` finishes the request at a stop token (or EOS)."""
+    p = req.params
+    return any(t in p.stop_token_ids or (not p.ignore_eos and t in req.eos_token_ids)
+               for t in tokens)  # fmt: skip
