@@ -162,3 +162,31 @@ def run_engine(engine, prompts, params) -> dict:
             tokens[out.request_id] = list(out.token_ids)
     assert engine.kv.allocator.num_used == 0
     return [(tokens[rid], logprobs[rid]) for rid in ids]
+
+
+def record_drafts(llm) -> dict:
+    """(prompt index, committed length before the step, draft length) -> drafts, of every
+    verify step as processed."""
+    loop, drafts = llm.engine.loop, {}
+    process, index = loop._process, {}
+
+    def spy(step):
+        if step.result is None:
+            loop._resolve(step)
+        for s in step.step_input.sampled:
+            req = s.request
+            if s.drafts and not req.finished:
+                length = len(req.prompt_token_ids) + len(req.output_token_ids)
+                drafts[(index[req.request_id], length, len(s.drafts))] = tuple(s.drafts)
+        return process(step)
+
+    loop._process = spy
+    add = llm.engine.add_request
+
+    def add_spy(prompt, params=None, request_id=None):
+        rid = add(prompt, params, request_id)
+        index[rid] = len(index)
+        return rid
+
+    llm.engine.add_request = add_spy
+    return drafts

@@ -29,6 +29,7 @@ from tests.overlap_cases import (
     make_models,
     make_reference,
     prompts_for,
+    record_drafts,
     spec_kwargs,
     stop_params,
 )
@@ -93,34 +94,6 @@ def test_simulated_acceptance_same_tokens(models, padded, kw, sampled):
         ran_ahead(llm, seen)
     assert outs["on"] == outs["off"]
     assert accepted["on"] > 20 and accepted["off"] > 20
-
-
-def record_drafts(llm) -> dict:
-    """(prompt index, committed length before the step, draft length) -> drafts, of every
-    verify step as processed."""
-    loop, drafts = llm.engine.loop, {}
-    process, index = loop._process, {}
-
-    def spy(step):
-        if step.result is None:
-            loop._resolve(step)
-        for s in step.step_input.sampled:
-            req = s.request
-            if s.drafts and not req.finished:
-                length = len(req.prompt_token_ids) + len(req.output_token_ids)
-                drafts[(index[req.request_id], length, len(s.drafts))] = tuple(s.drafts)
-        return process(step)
-
-    loop._process = spy
-    add = llm.engine.add_request
-
-    def add_spy(prompt, params=None, request_id=None):
-        rid = add(prompt, params, request_id)
-        index[rid] = len(index)
-        return rid
-
-    llm.engine.add_request = add_spy
-    return drafts
 
 
 @pytest.mark.parametrize("padded", [False, True])

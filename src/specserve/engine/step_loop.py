@@ -5,19 +5,29 @@ drawn tokens copied to pinned host memory behind an event), then resolved (the h
 the tokens: committed and cached lengths, drafter state), then processed (stop checks,
 detokenization, outputs, statistics). The synchronous loop does all three in one call.
 
-The overlap loop launches step N+1 before it processes step N:
+The overlap loop launches step N+1 before it processes step N, and in the common cases
+before N's tokens reach the host at all (`_runs_ahead`). The host counts N as one token per
+sampled request (`Request.num_inflight`; its pages cover all of N's drafts being accepted)
+and builds N+1 from N's results on the device (runtime/inflight.py):
 
-- After a plain step (nobody drafted) every sampled request commits exactly one token, so
-  lengths and positions of step N+1 are known without reading step N's tokens; N+1's input
-  ids for those requests are gathered on the device from N's drawn tokens. Step N is
-  resolved and processed while N+1 runs: the host never waits for the step it just launched.
-- After a speculative step the next positions depend on the accept lengths. Step N+1 is
-  scheduled while N runs (draft lengths from the policy, pages grown for every draft of N
-  that may be accepted: at most twice the lookahead), then the loop waits for N's tokens
-  (resolve), settles the batch on them (a request they end leaves it, draft lengths shrink to
-  what can still be committed), drafts and launches N+1, and processes N while N+1 runs.
-- When step N+1 drafts (or catches a drafter up), the drafter reads committed tokens: step N
-  is resolved before proposing.
+- N+1's input token for a request of N is N's last drawn token (the bonus), gathered there.
+- After a speculative N, a request is packed as if N accepted nothing and moved right by
+  N's accept length on the device: positions, KV slots, seq_lens and sampling counters.
+  Host bounds (max_seq_len, page tables, the context limit, draft lengths capped by what
+  can still be committed) hold for every accept length.
+- The EAGLE-3 drafter (greedy, one draft length for the step) catches up on N's tokens and
+  features there: N's K+1 rows are fed, it drafts from the row of N's accept length, and the
+  rows past it write KV that is overwritten before it is read (as rejected drafts' is). Its
+  drafts stay on the device and go into N+1's verify inputs there.
+- The host's drafter and cached lengths follow the same count (N as one token); when N is
+  resolved, its accepted drafts are added, and its features are queued only for requests
+  whose drafter did not already take them (`InflightStep.consumed`).
+
+Otherwise (a proposer drafting on the host: n-gram, draft model; sampled requests that
+draft; mixed draft lengths; a position that could pass the context) the loop waits for N's
+tokens (resolve), settles the batch on them (requests they end by length, stop token or EOS
+leave it; draft lengths shrink to what can still be committed), then drafts and launches.
+Either way N is processed while N+1 runs.
 
 Stop conditions are therefore found one step late: a request that finished in step N may
 already be in step N+1, whose tokens for it are dropped. Its pages are freed (on finish,

@@ -17,6 +17,30 @@ from specserve.runtime.packing import to_device
 
 
 @dataclass
+class CatchUpTail:
+    """Catch-up tokens still on the device: the last lens[b] token ids of segment b (0: none)
+    are tokens[rows[b], :lens[b]], the step in flight's accepted drafts and bonus, padded to
+    its draft count; only the first accepted[b] + 1 of them are committed, so segment b
+    drafts from its row len(b) - lens[b] + accepted[b]. Its other rows write K/V past the
+    committed length, overwritten before anything reads them (as rejected drafts are)."""
+
+    tokens: torch.Tensor  # [R, W]
+    rows: list[int]
+    lens: list[int]
+    accepted: torch.Tensor  # [B]
+
+    def index(self, row_starts: list[int], seg_lens: list[int]) -> tuple[list, list, list]:
+        """(dest, src, last): packed rows of the tail tokens, their flat index in `tokens`,
+        and each segment's last committed row if nothing was accepted (add `accepted`)."""
+        dest, src, last, width = [], [], [], self.tokens.shape[1]
+        for start, n, row, k in zip(row_starts, seg_lens, self.rows, self.lens):
+            dest += range(start + n - k, start + n)
+            src += range(row * width, row * width + k)
+            last.append(start + n - max(k, 1))
+        return dest, src, last
+
+
+@dataclass
 class InflightStep:
     """Step N's results on the device, by row: its sampled requests in order.
 
@@ -57,3 +81,9 @@ class InflightStep:
         padded = torch.cat([self.accept_len, self.accept_len.new_zeros(1)])
         last = len(self.num_drafts)
         return padded[to_device([r if r >= 0 else last for r in rows], device)]
+
+    def catch_up_tail(self, rows: list[int]) -> CatchUpTail:
+        """The drafter's catch-up inputs from this step for requests at `rows` (-1: not in
+        this step): each one's drawn tokens, as many as it may have committed."""
+        lens = [self.num_drafts[r] + 1 if r >= 0 else 0 for r in rows]
+        return CatchUpTail(self.tokens, rows, lens, self.accepted(rows))

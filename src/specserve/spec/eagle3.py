@@ -22,7 +22,7 @@ from specserve.layers.attention import AttentionBackend
 from specserve.model.eagle3 import Eagle3Head, load_eagle3_head
 from specserve.runtime.inflight import InflightStep
 from specserve.runtime.packing import Segment, pack, to_device, upload
-from specserve.spec.eagle3_graphs import CatchUpTail, DrafterGraphs, draft_pass_meta
+from specserve.spec.eagle3_graphs import DrafterGraphs, draft_pass_meta
 from specserve.spec.proposer import Proposer, chain_draft, draw_drafts
 
 if TYPE_CHECKING:
@@ -110,7 +110,7 @@ class Eagle3Proposer(Proposer):
         """Each item's catch-up segment (pairs from its drafter's cached length to its last
         committed token) and features; the requests of `prev` end with prev's tokens and,
         when prev has not queued them, its features, all on the device (`CatchUpTail`)."""
-        segments, feats, rows, lens = [], [], [], []
+        segments, feats, rows = [], [], []
         for it in items:
             req = it.request
             start = req.draft_cached_len
@@ -126,15 +126,12 @@ class Eagle3Proposer(Proposer):
                     prev.consumed.add(id(req))
             segments.append(Segment(req.page_table, start, pair_tokens))
             rows.append(row)
-            lens.append(prev.num_drafts[row] + 1 if row >= 0 else 0)
             # The host's view (prev counted as one token); prev's resolve adds its accepts.
             req.draft_cached_len = req.committed_len - 1
         hidden = torch.cat(feats).to(self.head.fc.weight.dtype)
         if hidden.shape[0] != sum(len(seg.token_ids) for seg in segments):
             raise RuntimeError("EAGLE-3 features and committed tokens are out of step")
-        tail = None
-        if any(n > 0 for n in lens):
-            tail = CatchUpTail(prev.tokens, rows, lens, prev.accepted(rows))
+        tail = prev.catch_up_tail(rows) if any(r >= 0 for r in rows) else None
         return segments, hidden, tail
 
     def _greedy_chain(self, segments, hidden, tail, k: int) -> torch.Tensor | None:

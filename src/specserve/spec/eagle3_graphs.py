@@ -26,7 +26,6 @@ request drafts from moves by the step's accept length, also there.
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -35,31 +34,8 @@ from torch import nn
 from specserve.layers.attention import AttentionBackend, AttentionMetadata
 from specserve.model.eagle3 import Eagle3Head
 from specserve.runtime.cuda_graphs import CaptureReport, capture_graphs, static_meta
+from specserve.runtime.inflight import CatchUpTail
 from specserve.runtime.packing import Segment, to_device
-
-
-@dataclass
-class CatchUpTail:
-    """Catch-up tokens still on the device: the last lens[b] token ids of segment b (0: none)
-    are tokens[rows[b], :lens[b]], the step in flight's accepted drafts and bonus, padded to
-    its draft count; only the first accepted[b] + 1 of them are committed, so segment b
-    drafts from its row len(b) - lens[b] + accepted[b]. Its other rows write K/V past the
-    committed length, overwritten before anything reads them (as rejected drafts are)."""
-
-    tokens: torch.Tensor  # [R, W]
-    rows: list[int]
-    lens: list[int]
-    accepted: torch.Tensor  # [B]
-
-    def index(self, row_starts: list[int], seg_lens: list[int]) -> tuple[list, list, list]:
-        """(dest, src, last): packed rows of the tail tokens, their flat index in `tokens`,
-        and each segment's last committed row if nothing was accepted (add `accepted`)."""
-        dest, src, last, width = [], [], [], self.tokens.shape[1]
-        for start, n, row, k in zip(row_starts, seg_lens, self.rows, self.lens):
-            dest += range(start + n - k, start + n)
-            src += range(row * width, row * width + k)
-            last.append(start + n - max(k, 1))
-        return dest, src, last
 
 
 def draft_pass_meta(positions: torch.Tensor, block_tables: torch.Tensor, page_size: int,
