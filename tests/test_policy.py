@@ -12,6 +12,15 @@ from hypothesis import strategies as st
 from specserve.spec.acceptance import AcceptanceModel
 from specserve.spec.cost_model import CurveModel, StepCostModel, batch_bucket
 from specserve.spec.policy import GoodputPolicy, SchedulePolicy
+from tests.test_policy_sim import (
+    Noise,
+    Regime,
+    SimRequest,
+    SimResult,
+    Simulator,
+    Workload,
+    noise_factors,
+)
 
 # shared/DESIGN.md: H200, Llama-3.1-8B shape, step time (ms) by tokens in the step.
 H200 = {1: 4.22, 16: 4.44, 64: 4.60, 128: 6.11, 256: 6.91, 512: 12.06, 1024: 22.94, 2048: 45.98}
@@ -53,30 +62,30 @@ def real_ms(n: int, k: int) -> float:
     return H200_CURVE(n * (k + 1)) + 1.5 * k + 2.0 + (0.1 + 0.02 * k) * n
 
 
-def _run(policy, acc, n, steps, true_ms=real_ms, rate=0.81, noise=0.0, seed=0):
-    """Closed loop: choose, run (acceptance drawn at `rate`, period from `true_ms` with
-    multiplicative noise), observe like the speculator does (steady steps only). Returns
-    the step Ks and the realised expected goodput (tokens per ms)."""
-    rng = random.Random(seed)
-    reqs = _reqs(n)
-    chosen, tokens, ms, prev = [], 0.0, 0.0, None
-    for _ in range(steps):
-        ks = policy.choose(reqs)
-        k = max(ks)
-        chosen.append(k)
-        for r, kr in zip(reqs, ks):
-            if kr:
-                accepted = 0
-                while accepted < kr and rng.random() < rate:
-                    accepted += 1
-                acc.update(r.request_id, kr, accepted)
-        tokens += sum((1 - rate ** (kr + 1)) / (1 - rate) for kr in ks)
-        period = true_ms(n, k) * (1 + noise * (2 * rng.random() - 1))
-        ms += period
-        if k == prev:
-            policy.cost.observe(n, k, period)
-        prev = k
-    return chosen, tokens / ms
+class _Loop:
+    """The closed-loop simulator (test_policy_sim.py) at a constant batch of n requests that
+    never end, acceptance `rate` at every position, steady periods from `true_ms` with
+    lognormal noise (sigma `noise`), no switch penalty."""
+
+    def __init__(self, policy, acc, n, rate=0.81, seed=0):
+        self.sim = Simulator(policy, acc, Regime.steady_only(real_ms), Noise(0.0, 0.0), seed)
+        rates = (rate,) * policy.k_max
+        self.reqs = [SimRequest(f"r{i}", 10**9, rates, random.Random(seed * 1000 + i))
+                     for i in range(n)]  # fmt: skip
+        self.workload = Workload(n, 1, hard_enter=0.0)
+
+    def run(self, steps, true_ms=real_ms, noise=0.0, seed=0):
+        """Returns the step Ks and the realized goodput (tokens per ms)."""
+        self.sim.regime = Regime.steady_only(true_ms)
+        self.sim.noise_at = noise_factors(Noise(noise, 0.0), seed)
+        result = SimResult()
+        for _ in range(steps):
+            self.sim.decode(self.reqs, self.workload, result)
+        return result.step_ks, result.tokens / result.ms
+
+
+def _run(policy, acc, n, steps, **kw):
+    return _Loop(policy, acc, n, rate=kw.pop("rate", 0.81)).run(steps, **kw)
 
 
 def _fixed_goodput(n, k, rate=0.81, true_ms=real_ms):
@@ -159,12 +168,13 @@ def test_reprobes_and_follows_a_change_in_costs():
     """Settled on plain decoding at batch 64, the policy keeps measuring speculation (at a
     bounded cost) and switches once speculative steps become cheap."""
     policy, acc = _policy(k_max=3, alpha=0.81)
-    chosen, _ = _run(policy, acc, 64, 2000)
+    loop = _Loop(policy, acc, 64)
+    chosen, _ = loop.run(2000)
     late = chosen[500:]
     probes = sum(1 for k in late if k)
     assert 0 < probes <= 0.05 * len(late)  # still probed, rarely
     cheap = lambda n, k: 5.0 + 0.1 * k  # noqa: E731 (speculation nearly free now)
-    chosen, _ = _run(policy, acc, 64, 1500, true_ms=cheap, seed=1)
+    chosen, _ = loop.run(1500, true_ms=cheap, seed=1)
     assert chosen[-200:].count(3) >= 180
 
 
@@ -173,13 +183,14 @@ def test_noise_does_not_flap_the_choice():
     changes rarely."""
     policy, acc = _policy(k_max=3, alpha=0.81)
     flat = lambda n, k: 5.0 * (1 - 0.81 ** (k + 1)) / (1 - 0.81) if k in (2, 3) else 50.0  # noqa: E731
-    _run(policy, acc, 8, 800, true_ms=flat, noise=0.2)
+    loop = _Loop(policy, acc, 8)
+    loop.run(800, true_ms=flat, noise=0.2)
     switches, last = 0, None
-    for _ in range(400):
+    for i in range(400):
         pref = policy._preferred[batch_bucket(8)]
         switches += last is not None and pref != last
         last = pref
-        _run(policy, acc, 8, 1, true_ms=flat, noise=0.2)
+        loop.run(1, true_ms=flat, noise=0.2, seed=i + 1)
     assert switches <= 20
 
 
@@ -235,8 +246,10 @@ def test_request_probe_refreshes_a_trimmed_request():
 
 def test_speculator_records_steady_step_periods_only():
     """Periods run from one step's tokens on the host to the next one's; a step is recorded
-    under (decoding requests, K) only when decode-only, after a step of the same K, and not
-    after an idle engine."""
+    under (decoding requests, K) as steady only when decode-only, after a step of the same K,
+    not after an idle engine, and not when it is a plain step whose successor drafts (the
+    overlap loop resolved it early); the first step at a new K is the switch's cost. Each
+    period joins its decision in the trace."""
     from specserve.engine.scheduler import ScheduledRequest
     from specserve.spec.speculator import Speculator
 
@@ -246,23 +259,39 @@ def test_speculator_records_steady_step_periods_only():
     spec._last_shape, spec._last_resolved_s, spec._last_committed = None, None, 4
     seen = []
     policy.cost.observe = lambda n, k, ms: seen.append((n, k, round(ms, 6)))
+    policy.cost.observe_switch = lambda n, k0, k, ms: seen.append(
+        ("switch", n, k0, k, round(ms, 6)))
 
-    def step(k, n=4, prefill=False):
+    def step(k, n=4, prefill=False, decide=True):
         batch = []
         for _ in range(n):
             s = ScheduledRequest(None, 1, k, decoding=True)
             s.drafts = [0] * k
             batch.append(s)
+        if decide:
+            policy._decided([k] * n)
         if prefill:
             batch.append(ScheduledRequest(None, 16))
         return batch
 
     spec.observe_period(step(3), 1.000, False)
     spec.observe_period(step(3), 1.010, False)  # steady: 10 ms
-    spec.observe_period(step(0), 1.015, False)  # K changed: one-off costs, not recorded
+    spec.observe_period(step(0), 1.015, False)  # K changed: the switch's cost, 5 ms
     spec.observe_period(step(0), 1.020, False)  # steady: 5 ms
     spec.observe_period(step(0, prefill=True), 1.030, False)  # prefill in the step
     spec.observe_period(step(0), 1.035, False)  # after a prefill step
     spec.observe_period(step(0), 2.000, True)  # after an idle engine
     spec.observe_period(step(0, n=2), 2.004, False)  # steady, two requests: 4 ms
-    assert seen == [(4, 3, 10.0), (4, 0, 5.0), (2, 0, 4.0)]
+    # Overlap: the next step (K=3) is decided before this plain one is processed.
+    plain = step(0, n=2)
+    next_step = step(3, n=2)
+    spec.observe_period(plain, 2.007, False)  # resolved early: not steady
+    spec.observe_period(next_step, 2.017, False)  # the switch: 10 ms
+    assert seen == [(4, 3, 10.0), ("switch", 4, 3, 0, 5.0), (4, 0, 5.0), (2, 0, 4.0),
+                    ("switch", 2, 0, 3, 10.0)]  # fmt: skip
+    recorded = [(d["k"], d["recorded"], round(d["observed_ms"] or 0, 6))
+                for d in policy.trace.dump()]  # fmt: skip
+    assert recorded == [(3, "", 0), (3, "steady", 10.0), (0, "switch", 5.0), (0, "steady", 5.0),
+                        (0, "", 10.0), (0, "", 5.0), (0, "", 0), (0, "steady", 4.0),
+                        (0, "before_switch", 3.0), (3, "switch", 10.0)]  # fmt: skip
+    assert policy.trace.switches == 2 and policy.trace.k_changes == 2

@@ -20,7 +20,9 @@ import functools
 import math
 import random
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+
+import pytest
 
 from specserve.engine.scheduler import ScheduledRequest
 from specserve.spec.acceptance import AcceptanceModel
@@ -62,10 +64,11 @@ class Regime:
     host_per_req_k: float
     stall_share: float = 0.6  # switching 0 -> K: a serial wait, this share of a plain step
     down_share: float = 0.5  # switching K -> 0: a plain step not overlapped
-    eager_ms: float = 1.2  # an eager drafter catch-up (past a few plain steps, or a prompt)
+    eager_ms: float = 2.0  # an eager drafter catch-up (past a few plain steps, or a prompt)
     eager_after: int = 4  # plain steps a captured catch-up graph still covers
     early_share: float = 0.4  # a plain step before a drafting one resolves this much early
     prefill_ms: float = 2.0
+    steady: Callable[[int, int], float] | None = None  # replaces max(host, device)
 
     def device(self, n: int, k: int) -> float:
         ms = CurveModel(self.target)(n * (k + 1))
@@ -78,7 +81,15 @@ class Regime:
                 + (self.host_per_req + self.host_per_req_k * k) * n)  # fmt: skip
 
     def period(self, n: int, k: int) -> float:
+        if self.steady is not None:
+            return self.steady(n, k)
         return max(self.host(n, k), self.device(n, k))
+
+    @staticmethod
+    def steady_only(steady: Callable[[int, int], float]) -> Regime:
+        """Periods from `steady` alone: no switch penalty, no early resolve, no catch-up."""
+        return Regime("steady", {1: 1.0}, {1: 1.0}, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0,
+                      0.0, 0, 0.0, 0.0, steady)  # fmt: skip
 
     def seeds(self) -> StepCostModel:
         """What start-up measures: device work alone, no host work; padded (CUDA graphs)."""
@@ -273,7 +284,6 @@ class Simulator:
         result.ms += ms
         result.steps += 1
         result.step_ks.append(k)
-        result.probes += bool(self.policy.trace.recent) and self.policy.trace.recent[-1].probe
         self.pending = (batch, committed, self.clock_ms / 1e3, False)
 
     def run_round(self, reqs: list[SimRequest], wl: Workload, result: SimResult) -> None:
@@ -312,8 +322,10 @@ def simulate(policy_name: str | int, regime: Regime, wl: Workload, seed: int = 0
         sim.run_round(make_requests(warm_wl, 1000 + seed * 10 + i, tokens=16), warm_wl, warm)
     result = SimResult()
     reqs = make_requests(wl, seed)
+    probes = policy.trace.probe_steps
     for i in range(wl.rounds):
         sim.run_round(reqs[i * wl.batch : (i + 1) * wl.batch], wl, result)
+    result.probes = policy.trace.probe_steps - probes
     return result, policy
 
 
@@ -343,4 +355,34 @@ def report(regime: Regime, wl: Workload, **kw) -> str:
             f"ratio={r['ratio']:.3f} switches={r['switch_share']:.3f}")  # fmt: skip
 
 
-Factory = Callable[[], SpeculationPolicy]
+
+# Regimes of the tests: (regime, workload, what the best fixed K beats plain decoding by, at
+# least (> 1) or loses to it by (< 1)).
+COSTLY_SWITCHES = replace(SMALL, name="costly switches", eager_ms=15.0, stall_share=1.0)
+CASES = {
+    "host-bound batch 1": (SMALL, Workload(1, 8), 1.15),
+    "host-bound batch 8": (SMALL, Workload(8, 3), 1.1),
+    "host-bound batch 64, plain best": (SMALL, Workload(64, 2), 1.0),
+    "GPU-bound batch 1": (LARGE, Workload(1, 8), 1.8),
+    "GPU-bound batch 64": (LARGE, Workload(64, 2), 1.1),
+    "GPU-bound batch 256, plain best": (LARGE, Workload(256, 1), 1.0),
+    "costly switches batch 1": (COSTLY_SWITCHES, Workload(1, 8), 1.15),
+    "costly switches batch 8": (COSTLY_SWITCHES, Workload(8, 3), 1.05),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_goodput_matches_the_best_fixed_k(case):
+    """Over four seeds, goodput's realized throughput is within 5% of the best fixed K's
+    (chosen with hindsight, per regime), with few switches between plain decoding and
+    drafting and few probe steps."""
+    regime, workload, gain = CASES[case]
+    r = compare(regime, workload, seeds=(0, 1, 2, 3))
+    speculating = max(r[k] for k in range(1, K_MAX + 1))
+    if gain > 1:  # the regime is what its name says
+        assert speculating >= gain * r[0], r
+    else:
+        assert r[0] == r["best_fixed"], r
+    assert r["goodput"] >= 0.95 * r["best_fixed"], r
+    assert r["switch_share"] <= 0.025, r
+    assert r["probe_share"] <= 0.08, r

@@ -53,6 +53,10 @@ class AcceptanceModel:
             ]  # fmt: skip
         return self._global_alpha
 
+    def has_observations(self, request_id: str) -> bool:
+        """Whether the request has verified drafts (else its estimate is the global one)."""
+        return request_id in self._per_request
+
     def alpha(self, request_id: str) -> list[float]:
         return self._per_request.get(request_id, self.global_alpha)
 

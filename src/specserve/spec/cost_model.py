@@ -196,16 +196,29 @@ class StepCostModel:
         """What the first step at K=k_to after one at k_from costs beyond a steady step."""
         if k_from == k_to:
             return 0.0
-        direction = _direction(k_from, k_to)
+        return self.switch_costs(n)[_direction(k_from, k_to)]
+
+    def switch_costs(self, n: int, plain_ms: float | None = None) -> dict[str, float]:
+        """switch_ms by direction ("up", "down", "lateral") at batch size n. A bucket without
+        measurements borrows the nearest measured bucket's; unmeasured anywhere: switching
+        to or from plain decoding costs SWITCH_PRIOR of a plain step (`plain_ms` if the
+        caller knows it), between K > 0 nothing."""
         bucket = batch_bucket(n)
-        cell = self._switch.get((bucket, direction))
-        if cell is None:
-            seen = [b for (b, d) in self._switch if d == direction]
-            if not seen:
-                return 0.0 if direction == "lateral" else self.SWITCH_PRIOR * self.period_ms(n, 0)
-            nearest = min(seen, key=lambda b: (abs(b.bit_length() - bucket.bit_length()), b))
-            cell = self._switch[(nearest, direction)]
-        return max(0.0, cell.value)
+        out, prior = {"lateral": 0.0}, None
+        for direction in ("up", "down", "lateral"):
+            cell = self._switch.get((bucket, direction))
+            if cell is None:
+                seen = [b for (b, d) in self._switch if d == direction]
+                if seen:
+                    near = min(seen, key=lambda b: (abs(b.bit_length() - bucket.bit_length()), b))
+                    cell = self._switch[(near, direction)]
+            if cell is not None:
+                out[direction] = max(0.0, cell.value)
+            elif direction != "lateral":
+                if prior is None:
+                    prior = self.SWITCH_PRIOR * (plain_ms or self.period_ms(n, 0))
+                out[direction] = prior
+        return out
 
     def observe_switch(self, n: int, k_from: int, k_to: int, period_ms: float) -> None:
         """The first step at a new K (after one at k_from) took period_ms: what it took

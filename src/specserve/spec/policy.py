@@ -144,8 +144,8 @@ class GoodputPolicy(SpeculationPolicy):
         self.acceptance = acceptance
         self.num_steps = 0
         self._preferred: dict[int, int] = {}  # batch bucket -> K in use
-        self._first_step: dict[int, int] = {}  # batch bucket -> step it was first seen
-        self._last_run: dict[tuple[int, int], int] = {}  # (bucket, K) -> last step chosen
+        self._bucket_steps: dict[int, int] = {}  # batch bucket -> steps taken at it
+        self._last_run: dict[tuple[int, int], int] = {}  # (bucket, K) -> its step count then
         self._unseen_tries: dict[tuple[int, int], int] = {}
         self._probe: tuple[int, int, int] | None = None  # (bucket, K, steps left)
         self._idle: dict[str, int] = {}  # steps each request was trimmed (unpadded)
@@ -166,17 +166,18 @@ class GoodputPolicy(SpeculationPolicy):
             tokens = [t for _, t, _ in trimmed]
             costs = [ms for _, _, ms in trimmed]
         bucket = batch_bucket(n)
-        self._first_step.setdefault(bucket, self.num_steps)
+        self._bucket_steps[bucket] = self._bucket_steps.get(bucket, 0) + 1
         current = self._preferred.get(bucket)
-        switch = [0.0] * (k_top + 1)
-        if current is not None:  # a change of preferred K pays a switch there and back
-            for k in range(k_top + 1):
-                if k != current:
-                    switch[k] = self.cost.switch_ms(n, current, k) + self.cost.switch_ms(
-                        n, k, current)
+        sw = self.cost.switch_costs(n, costs[0])
+        # a change of preferred K pays a switch there and back
+        switch = [self._there_and_back(sw, current, k) for k in range(k_top + 1)]
         k = self._preferred_k(bucket, tokens, costs, switch)
-        k, probe = self._probe_k(bucket, k, n, tokens, costs)
-        self._last_run[(bucket, k)] = self.num_steps
+        # Requests that never drafted have the global estimate only, and while plain
+        # decoding is preferred nothing would tell otherwise: drafting is probed soon.
+        unknown = k == 0 and not any(map(self.acceptance.has_observations,
+                                         (r.request_id for r in reqs)))  # fmt: skip
+        k, probe = self._probe_k(bucket, k, n, tokens, costs, sw, unknown)
+        self._last_run[(bucket, k)] = self._bucket_steps[bucket]
         ks = [min(k, c) for c in caps]
         if trimmed is not None:
             ks = self._request_probe(reqs, ks, list(trimmed[k][0]))
@@ -217,7 +218,17 @@ class GoodputPolicy(SpeculationPolicy):
         steady = min(self.PROBE_MAX_STEADY, max(1, round(self.PROBE_MS / max(period_ms, 1e-3))))
         return 1 + steady + (1 if k == 0 and best > 0 else 0)
 
-    def _probe_k(self, bucket: int, best: int, n: int, tokens, costs) -> tuple[int, bool]:
+    @staticmethod
+    def _there_and_back(sw: dict[str, float], a: int | None, b: int) -> float:
+        """Switching from K=a to K=b and back (`sw`: StepCostModel.switch_costs)."""
+        if a is None or a == b:
+            return 0.0
+        if a and b:
+            return 2 * sw["lateral"]
+        return sw["up"] + sw["down"]
+
+    def _probe_k(self, bucket: int, best: int, n: int, tokens, costs, sw: dict[str, float],
+                 unknown: bool) -> tuple[int, bool]:  # fmt: skip
         """The K to run this step: `best`, or a probe that is due (the most overdue)."""
         goodput = [t / ms for t, ms in zip(tokens, costs)]
         if self._probe is not None:
@@ -231,7 +242,7 @@ class GoodputPolicy(SpeculationPolicy):
             if k == best or (k and tokens[k] - tokens[0] < self.PROBE_MIN_GAIN * n):
                 continue
             gap = max(0.0, 1.0 - g / goodput[best]) if goodput[best] > 0 else 0.0
-            age = self.num_steps - self._last_run.get((bucket, k), self._first_step[bucket])
+            age = self._bucket_steps[bucket] - self._last_run.get((bucket, k), 0)
             seen = self.cost.observations(n, k)
             steps = self.probe_len(k, best, costs[k])
             if not seen and gap < self.UNSEEN_GAP and not self.cost.measured_k(k):
@@ -240,14 +251,15 @@ class GoodputPolicy(SpeculationPolicy):
             else:
                 # A probe costs its steps' shortfall plus the switches there and back; spread
                 # it out so that it is PROBE_BUDGET of the time spent at `best` in between.
-                there_and_back = self.cost.switch_ms(n, best, k) + self.cost.switch_ms(n, k, best)
-                lost = steps * gap * costs[k] + there_and_back
+                lost = steps * gap * costs[k] + self._there_and_back(sw, best, k)
                 interval = lost / (costs[best] * self.PROBE_BUDGET)
                 interval = min(max(interval, self.PROBE_EVERY * steps), self.PROBE_MAX_INTERVAL)
                 if 0 < seen < self.FRESH_OBSERVATIONS and (
                     gap < self.FRESH_GAP or self.cost.surprised(n, k)
                 ):  # one outlier must not hide a K that may be the best for long
                     interval = min(interval, self.PROBE_EVERY << seen)
+                if unknown:
+                    interval = min(interval, self.PROBE_EVERY)
             if age >= interval and (probe is None or age - interval > due):
                 due, probe, probe_len = age - interval, k, steps
         if probe is None:
