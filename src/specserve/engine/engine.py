@@ -8,9 +8,9 @@ import random
 from dataclasses import dataclass, field
 
 from specserve.config import EngineConfig
-from specserve.engine.detokenizer import IncrementalDetokenizer
+from specserve.engine.detokenizer import IncrementalDetokenizer, TokenDecoder
 from specserve.engine.kv_cache import KVCache, kv_cache_pages
-from specserve.engine.request import Request, SpecStats
+from specserve.engine.request import Request, RequestStatus, SpecStats
 from specserve.engine.scheduler import Scheduler
 from specserve.engine.step_loop import StepLoop
 from specserve.errors import InvalidRequestError, RequestTooLargeError
@@ -24,7 +24,7 @@ from specserve.spec.speculator import Speculator
 log = logging.getLogger("specserve")
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
     """A request's state after a step: cumulative text and tokens plus this step's delta."""
 
@@ -89,6 +89,8 @@ class LLMEngine:
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids) | frozenset(
             [tokenizer_eos] if tokenizer_eos is not None else []
         )
+        # How ids become text, decided once for every request (engine/detokenizer.py).
+        self.token_decoder = TokenDecoder(self.tokenizer) if self.tokenizer is not None else None
         self.requests: dict[str, Request] = {}
         self.num_steps = 0  # target forwards run so far
         self._arrivals = itertools.count()
@@ -165,7 +167,7 @@ class LLMEngine:
             max_len=self.max_model_len,
             eos_token_ids=self.eos_token_ids,
             detokenizer=(
-                IncrementalDetokenizer(self.tokenizer, ids, params.stop)
+                IncrementalDetokenizer(self.tokenizer, ids, params.stop, self.token_decoder)
                 if self.tokenizer is not None
                 else None
             ),
@@ -199,20 +201,23 @@ class LLMEngine:
         return self.loop.step()
 
     def _output(self, req: Request, num_new: int) -> RequestOutput:
-        delta = req.detokenizer.pop_delta(req.finished) if req.detokenizer else ""
-        new_lp = req.output_logprobs[-num_new:] if req.output_logprobs else []
-        return RequestOutput(
-            request_id=req.request_id,
-            prompt=req.prompt,
-            prompt_token_ids=req.prompt_token_ids,
-            text=req.text,
-            token_ids=req.output_token_ids,  # a live view: no per-step copy
-            delta_text=delta,
-            finished=req.finished,
-            finish_reason=req.finish_reason,
-            num_new_tokens=num_new,
-            new_logprobs=new_lp,
-            spec_stats=req.spec if self.spec else None,
+        detokenizer, finished = req.detokenizer, req.status is RequestStatus.FINISHED
+        if detokenizer is not None:
+            text, delta = detokenizer.text, detokenizer.pop_delta(finished)
+        else:
+            text = delta = ""
+        return RequestOutput(  # positional, in field order: twice as fast as keywords
+            req.request_id,
+            req.prompt,
+            req.prompt_token_ids,
+            text,
+            req.output_token_ids,  # token_ids: a live view, no per-step copy
+            delta,
+            finished,
+            req.finish_reason,
+            num_new,
+            req.output_logprobs[-num_new:] if req.output_logprobs and num_new else [],
+            req.spec if self.spec is not None else None,
         )
 
     def stats(self) -> dict:

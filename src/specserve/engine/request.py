@@ -77,6 +77,15 @@ class Request:
     draft_features: list = field(default_factory=list)
     spec: SpecStats = field(default_factory=lambda: SpecStats())
 
+    def __post_init__(self) -> None:
+        # Fixed for the request's life; append_token and the length properties run per token.
+        p = self.params
+        self._prompt_len = len(self.prompt_token_ids)
+        self._output_limit = min(p.max_tokens, self.max_len - self._prompt_len)
+        self._stop_token_ids = frozenset(p.stop_token_ids) | (
+            frozenset() if p.ignore_eos else self.eos_token_ids
+        )
+
     @property
     def all_token_ids(self) -> list[int]:
         """Every token whose value the host knows (all committed ones but the in-flight)."""
@@ -84,7 +93,7 @@ class Request:
 
     def token_ids(self, start: int, end: int) -> list[int]:
         """all_token_ids[start:end] without building the whole list."""
-        prompt = len(self.prompt_token_ids)
+        prompt = self._prompt_len
         if start < prompt:
             return self.all_token_ids[start:end]
         known = self.output_token_ids
@@ -98,12 +107,19 @@ class Request:
 
     @property
     def committed_len(self) -> int:
-        return len(self.prompt_token_ids) + self.num_generated
+        return (
+            self._prompt_len
+            + len(self.output_token_ids)
+            + len(self.unprocessed_token_ids)
+            + self.num_inflight
+        )
 
     @property
     def num_left(self) -> int:
         """Tokens it may still generate (max_tokens and the context limit)."""
-        return min(self.params.max_tokens - self.num_generated, self.max_len - self.committed_len)
+        return self._output_limit - (
+            len(self.output_token_ids) + len(self.unprocessed_token_ids) + self.num_inflight
+        )
 
     @property
     def num_uncached(self) -> int:
@@ -130,21 +146,17 @@ class Request:
 
     def append_token(self, token: int, logprobs=None) -> None:
         """Commit one sampled token and decide whether the request is done."""
-        self.output_token_ids.append(token)
+        output = self.output_token_ids
+        output.append(token)
         if logprobs is not None:
             self.output_logprobs.append(logprobs)
-        p = self.params
-        if not p.ignore_eos and token in self.eos_token_ids:
+        if token in self._stop_token_ids:  # eos (unless ignore_eos) or a stop token
             self.finish_reason = "stop"
-        elif token in p.stop_token_ids:
-            self.finish_reason = "stop"
-        if self.detokenizer is not None:
-            self.detokenizer.push(token)
-            if self.finish_reason is None and self.detokenizer.stopped:
+        detokenizer = self.detokenizer
+        if detokenizer is not None:
+            detokenizer.push(token)
+            if detokenizer.stopped and self.finish_reason is None:
                 self.finish_reason = "stop"
         # Only processed tokens count here: committed_len may include a later step's.
-        processed_len = len(self.prompt_token_ids) + len(self.output_token_ids)
-        if self.finish_reason is None and (
-            len(self.output_token_ids) >= p.max_tokens or processed_len >= self.max_len
-        ):
+        if self.finish_reason is None and len(output) >= self._output_limit:
             self.finish_reason = "length"

@@ -68,9 +68,10 @@ class Scheduler:
         batch: list[ScheduledRequest] = []
         preempted = False
         draft_lens = self._draft_lens(policy, budget)
+        running, page_size = self.running, self.kv.page_size
         i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
+        while i < len(running) and budget > 0:
+            req = running[i]
             left = req.num_left
             if left <= 0:  # done once the step in flight is processed (overlap)
                 i += 1
@@ -78,22 +79,24 @@ class Scheduler:
             uncached = req.num_uncached
             n = min(uncached, budget)
             k = 0
-            if uncached == 1:  # left - 1: req.max_useful_drafts
+            if uncached == 1 and draft_lens:  # left - 1: req.max_useful_drafts
                 k = max(0, min(draft_lens.get(id(req), 0), budget - 1, left - 1))
             # Pages for this step's tokens past whatever the step in flight may commit.
             reserve = req.cached_len + n + req.num_inflight_drafts
-            while not self.kv.grow(req.page_table, reserve + k):
-                if k > 0:  # give up the lookahead before taking anyone's pages
-                    k = 0
-                    continue
-                self._preempt(self.running[-1])
-                preempted = True
+            if reserve + k > len(req.page_table) * page_size:  # else its pages cover it
+                while not self.kv.grow(req.page_table, reserve + k):
+                    if k > 0:  # give up the lookahead before taking anyone's pages
+                        k = 0
+                        continue
+                    self._preempt(running[-1])
+                    preempted = True
+                    if req.status is not RequestStatus.RUNNING:
+                        break
                 if req.status is not RequestStatus.RUNNING:
-                    break
-            if req.status is RequestStatus.RUNNING:
-                batch.append(ScheduledRequest(req, n, k, decoding=uncached == 1))
-                budget -= n + k
-                i += 1
+                    continue  # it preempted itself: running[i] is the next request
+            batch.append(ScheduledRequest(req, n, k, uncached == 1))  # decoding: 1 token
+            budget -= n + k
+            i += 1
         # Admit new work only when nothing was preempted, so a preempted request is not
         # immediately displaced by one that arrived after it.
         while self.waiting and budget > 0 and not preempted:

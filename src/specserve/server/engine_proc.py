@@ -202,7 +202,7 @@ class EngineLoop:
         outputs = self.engine.step()
         end = time.perf_counter()
         self.report.step_s.append(end - start)
-        self.report.outputs.extend(_delta(o) for o in outputs)
+        self.report.outputs += [_delta(o) for o in outputs]
         self.dirty = True
         # Only back-to-back steps count: time spent idle without work is not a gap.
         self.last_step_end = end if self.engine.has_unfinished() else None
@@ -256,7 +256,7 @@ class EngineLoop:
 
 def _delta(out) -> tuple:
     """A RequestOutput as OutputDelta fields (a tuple, see OutputDelta)."""
-    n = out.num_new_tokens
+    n, finished = out.num_new_tokens, out.finished
     new_lp = None
     if out.new_logprobs:
         new_lp = [(lp.logprob, [tuple(t) for t in lp.top]) for lp in out.new_logprobs]
@@ -265,8 +265,8 @@ def _delta(out) -> tuple:
         out.delta_text,
         out.token_ids[-n:] if n else [],
         new_lp,
-        out.finished,
+        finished,
         out.finish_reason,
         # The request's speculation totals, once: metrics add them up when it finishes.
-        getattr(out, "spec_stats", None) if out.finished else None,
+        out.spec_stats if finished else None,
     )
