@@ -34,10 +34,10 @@ def propose_ms(engine: LLMEngine, batch: int, prompt_len: int, new_tokens: int) 
     proposer, times = engine.spec.proposer, []
     propose = proposer.propose
 
-    def timed(items):
+    def timed(items, *inflight):  # the overlap loop passes the step in flight too
         sync()
         t = time.perf_counter()
-        propose(items)
+        propose(items, *inflight)
         sync()
         times.append((time.perf_counter() - t) * 1e3)
 
