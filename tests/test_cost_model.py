@@ -65,12 +65,12 @@ def test_switch_costs_by_bucket_and_direction():
     # unmeasured: half a plain step to or from plain decoding, nothing between two K > 0
     assert cost.switch_costs(1) == {"up": 0.5, "down": 0.5, "lateral": 0.0}
     for _ in range(30):
-        cost.observe_switch(1, 0, 3, 2.0 + 3.0)  # a catch-up: 3 ms on top of a K=3 step
-        cost.observe_switch(1, 3, 0, 1.0 + 0.4)
-        cost.observe_switch(1, 3, 2, cost.period_ms(1, 2))
+        cost.observe_switch(1, 0, 3, 2.0 + 3.0, 2.0)  # a catch-up: 3 ms on top of a K=3 step
+        cost.observe_switch(1, 3, 0, 1.0 + 0.4, 1.0)
+        cost.observe_switch(1, 3, 2, 1.7, 1.7)
     sw = cost.switch_costs(1)
     assert abs(sw["up"] - 3.0) < 0.1 and abs(sw["down"] - 0.4) < 0.05 and sw["lateral"] < 0.05
     assert cost.switch_ms(1, 0, 2) == sw["up"] and cost.switch_ms(1, 2, 2) == 0.0
     assert cost.switch_costs(2) == sw  # the nearest measured bucket's
-    cost.observe_switch(1, 0, 3, 2.0 + 30.0)  # one pathological switch
+    cost.observe_switch(1, 0, 3, 2.0 + 30.0, 2.0)  # one pathological switch
     assert cost.switch_ms(1, 0, 3) < 4.5

@@ -248,8 +248,8 @@ def test_speculator_records_steady_step_periods_only():
     """Periods run from one step's tokens on the host to the next one's; a step is recorded
     under (decoding requests, K) as steady only when decode-only, after a step of the same K,
     not after an idle engine, and not when it is a plain step whose successor drafts (the
-    overlap loop resolved it early); the first step at a new K is the switch's cost. Each
-    period joins its decision in the trace."""
+    overlap loop resolved it early); the first step at a new K less the steady one after it
+    is the switch's cost. Each period joins its decision in the trace."""
     from specserve.engine.scheduler import ScheduledRequest
     from specserve.spec.speculator import Speculator
 
@@ -257,10 +257,11 @@ def test_speculator_records_steady_step_periods_only():
     policy, _ = _policy(k_max=3)
     spec.policy, spec.cost = policy, policy.cost
     spec._last_shape, spec._last_resolved_s, spec._last_committed = None, None, 4
+    spec._last_switch = None
     seen = []
     policy.cost.observe = lambda n, k, ms: seen.append((n, k, round(ms, 6)))
-    policy.cost.observe_switch = lambda n, k0, k, ms: seen.append(
-        ("switch", n, k0, k, round(ms, 6)))
+    policy.cost.observe_switch = lambda n, k0, k, ms, steady: seen.append(
+        ("switch", n, k0, k, round(ms, 6), round(steady, 6)))
 
     def step(k, n=4, prefill=False, decide=True):
         batch = []
@@ -276,8 +277,8 @@ def test_speculator_records_steady_step_periods_only():
 
     spec.observe_period(step(3), 1.000, False)
     spec.observe_period(step(3), 1.010, False)  # steady: 10 ms
-    spec.observe_period(step(0), 1.015, False)  # K changed: the switch's cost, 5 ms
-    spec.observe_period(step(0), 1.020, False)  # steady: 5 ms
+    spec.observe_period(step(0), 1.016, False)  # K changed: a switch, 6 ms
+    spec.observe_period(step(0), 1.020, False)  # steady: 4 ms, and the switch cost 2 more
     spec.observe_period(step(0, prefill=True), 1.030, False)  # prefill in the step
     spec.observe_period(step(0), 1.035, False)  # after a prefill step
     spec.observe_period(step(0), 2.000, True)  # after an idle engine
@@ -286,12 +287,12 @@ def test_speculator_records_steady_step_periods_only():
     plain = step(0, n=2)
     next_step = step(3, n=2)
     spec.observe_period(plain, 2.007, False)  # resolved early: not steady
-    spec.observe_period(next_step, 2.017, False)  # the switch: 10 ms
-    assert seen == [(4, 3, 10.0), ("switch", 4, 3, 0, 5.0), (4, 0, 5.0), (2, 0, 4.0),
-                    ("switch", 2, 0, 3, 10.0)]  # fmt: skip
+    spec.observe_period(next_step, 2.017, False)  # a switch: 10 ms
+    spec.observe_period(step(0, n=2), 2.020, False)  # K changed again: no pair for it
+    assert seen == [(4, 3, 10.0), (4, 0, 4.0), ("switch", 4, 3, 0, 6.0, 4.0), (2, 0, 4.0)]
     recorded = [(d["k"], d["recorded"], round(d["observed_ms"] or 0, 6))
                 for d in policy.trace.dump()]  # fmt: skip
-    assert recorded == [(3, "", 0), (3, "steady", 10.0), (0, "switch", 5.0), (0, "steady", 5.0),
+    assert recorded == [(3, "", 0), (3, "steady", 10.0), (0, "switch", 6.0), (0, "steady", 4.0),
                         (0, "", 10.0), (0, "", 5.0), (0, "", 0), (0, "steady", 4.0),
-                        (0, "before_switch", 3.0), (3, "switch", 10.0)]  # fmt: skip
-    assert policy.trace.switches == 2 and policy.trace.k_changes == 2
+                        (0, "before_switch", 3.0), (3, "switch", 10.0), (0, "switch", 3.0)]
+    assert policy.trace.switches == 3 and policy.trace.k_changes == 3

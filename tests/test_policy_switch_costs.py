@@ -32,8 +32,8 @@ def _measure(policy: GoodputPolicy, up_ms: float, down_ms: float) -> None:
         for _ in range(4):
             cost.observe(1, k, 2.0 if k else 1.0)
     for _ in range(10):
-        cost.observe_switch(1, 0, 3, 2.0 + up_ms)
-        cost.observe_switch(1, 3, 0, 1.0 + down_ms)
+        cost.observe_switch(1, 0, 3, 2.0 + up_ms, 2.0)
+        cost.observe_switch(1, 3, 0, 1.0 + down_ms, 1.0)
 
 
 def test_a_preference_change_repays_a_switch_there_and_back():
@@ -89,7 +89,7 @@ def test_a_request_that_never_drafted_is_probed_at_plain_decoding():
     within PROBE_EVERY steps (its own acceptance is unknown); one whose drafts were all
     rejected is not."""
     for seen, probed in ((False, True), (True, False)):
-        policy, acc = _policy(alpha=0.2)  # K=1: 1.2 tokens per 2 ms, plain: 1 per ms
+        policy, acc = _policy(alpha=0.35)  # K=3: 1.52 tokens per 2 ms, plain: 1 per ms
         _measure(policy, 0.5, 0.5)
         if seen:
             for _ in range(8):

@@ -59,6 +59,7 @@ class RobustMean:
     __slots__ = ("value", "count", "spread", "last", "surprised")
     SPREAD_Z = 2.5
     SPREAD_WEIGHT = 0.15
+    SPREAD_CAP = 4.0
 
     def __init__(self, value: float, spread: float):
         self.value, self.spread = value, spread
@@ -69,7 +70,7 @@ class RobustMean:
     def update(self, x: float, weight: float, cut: float) -> None:
         dev = x - self.value
         cut = max(cut, self.SPREAD_Z * self.spread)
-        self.spread += self.SPREAD_WEIGHT * (min(abs(dev), 4 * cut) - self.spread)
+        self.spread += self.SPREAD_WEIGHT * (min(abs(dev), self.SPREAD_CAP * cut) - self.spread)
         self.value += weight * min(max(dev, -cut), cut)
         self.count += 1
 
@@ -192,6 +193,12 @@ class StepCostModel:
             cell.count, cell.spread = 1, max(cell.spread, moved)
         cell.last = self._clock
 
+    def snapshot(self) -> dict:
+        """The online tables as plain data (diagnostics): "bucket:K" -> (ratio of period to
+        seed, observations) and "bucket:direction" -> (switch cost in ms, observations)."""
+        return {"ratio": _fmt(self._cells, lambda c: math.exp(c.value)),
+                "switch_ms": _fmt(self._switch, lambda c: c.value)}  # fmt: skip
+
     def switch_ms(self, n: int, k_from: int, k_to: int) -> float:
         """What the first step at K=k_to after one at k_from costs beyond a steady step."""
         if k_from == k_to:
@@ -220,20 +227,25 @@ class StepCostModel:
                 out[direction] = prior
         return out
 
-    def observe_switch(self, n: int, k_from: int, k_to: int, period_ms: float) -> None:
-        """The first step at a new K (after one at k_from) took period_ms: what it took
-        beyond a steady step of its K is the switch's cost."""
-        if k_from == k_to or period_ms <= 0:
+    def observe_switch(self, n: int, k_from: int, k_to: int, period_ms: float,
+                       steady_ms: float) -> None:  # fmt: skip
+        """The first step at a new K (after one at k_from) took period_ms and the next one,
+        steady at that K, steady_ms: the difference is what the switch cost (measured in
+        pairs, so that an old estimate of the new K's period does not count as one)."""
+        if k_from == k_to or period_ms <= 0 or steady_ms <= 0:
             return
         key = (batch_bucket(n), _direction(k_from, k_to))
-        steady = self.period_ms(n, k_to)
         cell = self._switch.get(key)
         if cell is None:
-            cell = self._switch[key] = RobustMean(period_ms - steady, self.CUT * steady)
+            cell = self._switch[key] = RobustMean(period_ms - steady_ms, self.CUT * steady_ms)
             cell.count = 1
             return
         weight = max(self.SWITCH_WEIGHT, 1.0 / (cell.count + 1))
-        cell.update(period_ms - steady, weight, self.CUT * steady)
+        cell.update(period_ms - steady_ms, weight, self.CUT * steady_ms)
+
+
+def _fmt(table: dict, value) -> dict:
+    return {f"{a}:{b}": (round(value(c), 4), c.count) for (a, b), c in sorted(table.items())}
 
 
 def measure_curve(

@@ -109,17 +109,20 @@ class GoodputPolicy(SpeculationPolicy):
     decoding: a host wait that overlap would have hidden and the drafter's catch-up; back to
     plain: a step the loop cannot overlap), which the cost model measures per batch bucket
     and direction. On a step of a millisecond they are worth a whole step or more. So the
-    preferred K changes only when the other K is better by more than HYSTERESIS with its
-    switch cost spread over DWELL_STEPS steps, and probes pay for their switches.
+    preferred K changes only when the other K is better by more than HYSTERESIS once a
+    switch there and back is spread over DWELL_STEPS steps, and probes pay their switches.
 
     Probing keeps every K's cost and acceptance known: a K not preferred runs for a few
-    consecutive steps (the first is a switch; enough steady ones to span PROBE_MS, at most
-    PROBE_MAX_STEADY; a plain probe in a speculating regime one more, as its last step is
-    resolved early) once it has not run for an interval set so that probing it costs about
-    PROBE_BUDGET of throughput under the model, switches included (longer the worse it
-    is), at least PROBE_EVERY and at most PROBE_MAX_INTERVAL steps, sooner while it has
-    fewer than FRESH_OBSERVATIONS measurements and is close to the best. A K > 0 whose
-    expected gain is under PROBE_MIN_GAIN tokens per request is not probed.
+    consecutive steps (the switch, enough steady ones to span PROBE_MS, at most
+    PROBE_MAX_STEADY, and for a plain probe among drafting steps one more, as its last step
+    is resolved early) once it has not run for an interval, counted in steps at the batch
+    bucket, set so that probing it costs about PROBE_BUDGET of throughput under the model,
+    switches included: at least PROBE_EVERY probes' lengths, at most PROBE_MAX_INTERVAL
+    steps; sooner while it has fewer than FRESH_OBSERVATIONS measurements and is close to
+    the best or was just found far off, and after PROBE_EVERY steps of plain decoding when
+    no request of the batch has drafted yet (their acceptance is only the global estimate).
+    A K never measured at any batch size is measured at once. A K > 0 whose expected gain
+    is under PROBE_MIN_GAIN tokens per request is not probed.
     """
 
     HYSTERESIS = 0.03
@@ -149,10 +152,12 @@ class GoodputPolicy(SpeculationPolicy):
         self._unseen_tries: dict[tuple[int, int], int] = {}
         self._probe: tuple[int, int, int] | None = None  # (bucket, K, steps left)
         self._idle: dict[str, int] = {}  # steps each request was trimmed (unpadded)
+        self._running_k: int | None = None  # the last step's K unless it was a probe
 
     def choose(self, reqs, extra_tokens=0):
         n = len(reqs)
         if n == 0:
+            self._running_k = None
             return self._decided([])
         self.num_steps += 1
         caps = [min(self.k_max, r.max_useful_drafts) for r in reqs]
@@ -167,17 +172,21 @@ class GoodputPolicy(SpeculationPolicy):
             costs = [ms for _, _, ms in trimmed]
         bucket = batch_bucket(n)
         self._bucket_steps[bucket] = self._bucket_steps.get(bucket, 0) + 1
-        current = self._preferred.get(bucket)
+        # The K in use: the last step's (not a probe's), else the bucket's preferred one.
+        current = self._running_k
+        if current is None or current > k_top:
+            current = self._preferred.get(bucket)
         sw = self.cost.switch_costs(n, costs[0])
-        # a change of preferred K pays a switch there and back
+        # leaving it pays a switch there and back
         switch = [self._there_and_back(sw, current, k) for k in range(k_top + 1)]
-        k = self._preferred_k(bucket, tokens, costs, switch)
+        k = self._preferred_k(bucket, current, tokens, costs, switch)
         # Requests that never drafted have the global estimate only, and while plain
         # decoding is preferred nothing would tell otherwise: drafting is probed soon.
         unknown = k == 0 and not any(map(self.acceptance.has_observations,
                                          (r.request_id for r in reqs)))  # fmt: skip
         k, probe = self._probe_k(bucket, k, n, tokens, costs, sw, unknown)
         self._last_run[(bucket, k)] = self._bucket_steps[bucket]
+        self._running_k = None if probe else k
         ks = [min(k, c) for c in caps]
         if trimmed is not None:
             ks = self._request_probe(reqs, ks, list(trimmed[k][0]))
@@ -197,14 +206,12 @@ class GoodputPolicy(SpeculationPolicy):
                     tokens[k] += c[min(k, cap)]
         return tokens
 
-    def _preferred_k(self, bucket: int, tokens, costs, switch) -> int:
-        """The K with the best goodput, with what switching to it from the preferred K and
-        back costs spread over DWELL_STEPS; the preferred K of the bucket unless that is
-        beaten by HYSTERESIS."""
+    def _preferred_k(self, bucket: int, current: int | None, tokens, costs, switch) -> int:
+        """The K with the best goodput, with what switching to it from the K in use and back
+        costs spread over DWELL_STEPS; the K in use unless that is beaten by HYSTERESIS."""
         dwell = self.DWELL_STEPS
         goodput = [t / (ms + s / dwell) for t, ms, s in zip(tokens, costs, switch)]
         best = max(range(len(goodput)), key=goodput.__getitem__)
-        current = self._preferred.get(bucket)
         if current is not None and current < len(goodput):
             if goodput[best] <= goodput[current] * (1 + self.HYSTERESIS):
                 best = current
@@ -258,7 +265,7 @@ class GoodputPolicy(SpeculationPolicy):
                     gap < self.FRESH_GAP or self.cost.surprised(n, k)
                 ):  # one outlier must not hide a K that may be the best for long
                     interval = min(interval, self.PROBE_EVERY << seen)
-                if unknown:
+                if unknown and gap < self.FRESH_GAP:
                     interval = min(interval, self.PROBE_EVERY)
             if age >= interval and (probe is None or age - interval > due):
                 due, probe, probe_len = age - interval, k, steps

@@ -48,6 +48,7 @@ class Speculator:
         self._last_shape: tuple[int, int] | None = None  # (decoding requests, K) of the last step
         self._last_resolved_s: float | None = None
         self._last_committed = 0
+        self._last_switch: tuple[int, int, float] | None = None  # (K before, K, period ms)
 
     def start(self, engine: LLMEngine) -> None:
         """Build the policy once the target runs as it will serve (graphs captured), so the
@@ -117,11 +118,13 @@ class Speculator:
         the synchronous and the overlapped loop alike. Steps are processed in launch order.
         For a decode-only step, not after an idle engine or a prefill step, the cost model
         records it by (decoding requests, K): as steady when the step before had the same K,
-        else as the cost of the switch (the first step at a new K pays one-off costs: a
-        drafter catch-up, a host wait the overlap would have hidden). Not as steady: a plain
-        step followed by a drafting one, which the overlap loop resolves before launching
-        the next step (the drafter reads its tokens), so its period misses host work that
-        lands in the next one's. The policy's trace gets the period and its use."""
+        else, less the steady step after it, as the cost of the switch (the first step at a
+        new K pays one-off costs: a drafter catch-up, a host wait the overlap would have
+        hidden). Not as steady: a plain step followed by a drafting one, which the overlap
+        loop resolves before launching the next step (the drafter reads its tokens), so its
+        period misses host work that lands in the next one's. The policy's trace gets the
+        period and its use."""
+        switch, self._last_switch = self._last_switch, None
         decoding = [s for s in batch if s.decoding]
         shape = (len(decoding), max(len(s.drafts) for s in decoding)) if decoding else None
         prev_shape, prev_s = self._last_shape, self._last_resolved_s
@@ -139,8 +142,7 @@ class Speculator:
             n, k = shape
             if k != prev_shape[1]:
                 used = "switch"
-                if self.cost is not None:
-                    self.cost.observe_switch(n, prev_shape[1], k, period_ms)
+                self._last_switch = (prev_shape[1], k, period_ms)
             elif k == 0 and next_k:
                 used = "before_switch"
             else:
@@ -148,6 +150,8 @@ class Speculator:
                 self.policy.trace.observed_goodput = self._last_committed / period_ms * 1e3
                 if self.cost is not None:
                     self.cost.observe(n, k, period_ms)
+                    if switch is not None:  # the step before was the switch to this K
+                        self.cost.observe_switch(n, switch[0], k, switch[2], period_ms)
         if decision is not None:
             decision.observed_ms, decision.recorded = period_ms, used
 
