@@ -109,8 +109,9 @@ class GoodputPolicy(SpeculationPolicy):
     decoding: a host wait that overlap would have hidden and the drafter's catch-up; back to
     plain: a step the loop cannot overlap), which the cost model measures per batch bucket
     and direction. On a step of a millisecond they are worth a whole step or more. So the
-    preferred K changes only when the other K is better by more than HYSTERESIS once a
-    switch there and back is spread over DWELL_STEPS steps, and probes pay their switches.
+    policy leaves the K in use (the last step's unless that was a probe, else the bucket's
+    preferred K) only for a K better by more than HYSTERESIS once a switch there and back
+    is spread over DWELL_STEPS steps, and probes pay their switches.
 
     Probing keeps every K's cost and acceptance known: a K not preferred runs for a few
     consecutive steps (the switch, enough steady ones to span PROBE_MS, at most
