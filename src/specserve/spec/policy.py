@@ -116,7 +116,7 @@ class GoodputPolicy(SpeculationPolicy):
     Probing keeps every K's cost and acceptance known: a K not preferred runs for a few
     consecutive steps (the switch, enough steady ones to span PROBE_MS, at most
     PROBE_MAX_STEADY, and for a plain probe among drafting steps one more, as its last step
-    is resolved early) once it has not run for an interval, counted in steps at the batch
+    may be resolved early) once it has not run for an interval, counted in steps at the batch
     bucket, set so that probing it costs about PROBE_BUDGET of throughput under the model,
     switches included: at least PROBE_EVERY probes' lengths, at most PROBE_MAX_INTERVAL
     steps; sooner while it has fewer than FRESH_OBSERVATIONS measurements and is close to
@@ -222,7 +222,8 @@ class GoodputPolicy(SpeculationPolicy):
 
     def probe_len(self, k: int, best: int, period_ms: float) -> int:
         """Steps of a probe of K=k from K=best: the switch, enough steady steps to span
-        PROBE_MS, and for plain steps before drafting resumes, the last (resolved early)."""
+        PROBE_MS, and for plain steps before drafting resumes the last (maybe resolved early:
+        not a steady sample)."""
         steady = min(self.PROBE_MAX_STEADY, max(1, round(self.PROBE_MS / max(period_ms, 1e-3))))
         return 1 + steady + (1 if k == 0 and best > 0 else 0)
 

@@ -121,9 +121,9 @@ class Speculator:
         else, less the steady step after it, as the cost of the switch (the first step at a
         new K pays one-off costs: a drafter catch-up, a host wait the overlap would have
         hidden). Not as steady: a plain step followed by a drafting one, which the overlap
-        loop resolves before launching the next step (the drafter reads its tokens), so its
-        period misses host work that lands in the next one's. The policy's trace gets the
-        period and its use."""
+        loop may resolve before launching the next step (when the drafter reads committed
+        tokens on the host), so that its period misses host work that lands in the next
+        one's. The policy's trace gets the period and its use."""
         switch, self._last_switch = self._last_switch, None
         decoding = [s for s in batch if s.decoding]
         shape = (len(decoding), max(len(s.drafts) for s in decoding)) if decoding else None
