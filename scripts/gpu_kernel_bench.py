@@ -1,45 +1,68 @@
-"""GPU kernel benchmark: the Triton GEMV against torch (cuBLAS) at the decode shapes of a
-Llama-3.1-8B-shaped model, its EAGLE-3 head and SmolLM2-135M, and the fused rotary + paged
-KV write against the separate kernels. Needs CUDA; finishes in about two minutes on an H200.
+"""GPU kernel benchmark: the Triton GEMV / skinny GEMM against torch (cuBLAS) at the decode
+shapes (M = 1..64 rows) of a Llama-3.1-8B-shaped model, its EAGLE-3 head and SmolLM2-135M;
+the fused rotary + paged KV write; the paged attention kernels at decode and verify shapes.
+Needs CUDA; about three minutes on an H200 (each part has a deadline, skips what is left and
+says so; results are rewritten after every part).
 
-    PYTHONPATH=src python scripts/gpu_kernel_bench.py --out $OUT/gpu_kernels
+    PYTHONPATH=src:scripts python scripts/gpu_kernel_bench.py --out $OUT/gpu_kernels
 
-Parts, in order (a deadline skips what is left and says so):
-1. start-up selection (GemvSelector) on the 8B target's shapes in bf16, cold (compilation
-   included), then the weights-only GEMM chain of one decode step (32 layers + lm_head,
-   distinct weights, one CUDA graph) through torch and through the selected plan;
-2. every start-up candidate per (shape, dtype, M in 1/2/4/8): max abs / rel error against
-   torch and against an fp32 product, device time in CUDA graphs over weights exceeding the
+Parts, in order:
+1. start-up selection (GemvSelector, cold Triton cache unless --warm-cache) on the 8B
+   target's shapes in bf16 with the parallel compile, on SmolLM2's, and on the 8B's in fp16
+   with one compile thread (fp16 variants are cold too: the parallel compile's effect);
+   compile / total seconds, untried candidates, the plan; then the weights-only GEMM chain
+   of one decode step (32 layers + lm_head, distinct weights, one CUDA graph) through torch
+   and through the bf16 plan at M = 1..64;
+2. every start-up candidate per (shape, M in 1/2/4/8/16/32/64), bf16: max abs / rel error
+   against torch and an fp32 product, device time in CUDA graphs over weights exceeding the
    L2 cache, achieved GB/s (weight bytes / time);
-3. fused rotary + KV write against rotary + KV write at batch 1 and 64.
+3. fused rotary + KV write against rotary + KV write at batch 1 and 64;
+4. attention (attn_kernel_bench.py): generic vs decode kernel, configs x split counts.
 Writes kernels.json and kernels.md to --out.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import statistics
-import time
-from pathlib import Path
+import os
+import sys
+import tempfile
 
-import torch
-import torch.nn.functional as F
+if __name__ == "__main__" and "--warm-cache" not in sys.argv:  # before triton is imported
+    os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="triton-cold-")
 
-from specserve.layers import triton_ops
-from specserve.layers.attention import triton_kernels
-from specserve.layers.gemv import candidate_configs, gemv
-from specserve.layers.gemv_select import GemvSelector, rotation_set, time_in_graph_us
-from specserve.layers.rotary import RotaryEmbedding
+import argparse  # noqa: E402
+import json  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+import traceback  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from attn_kernel_bench import attention_bench  # noqa: E402
+from attn_kernel_bench import markdown as attention_markdown  # noqa: E402
+
+from specserve.layers import triton_ops  # noqa: E402
+from specserve.layers.attention import triton_kernels  # noqa: E402
+from specserve.layers.gemv import candidate_configs, gemv  # noqa: E402
+from specserve.layers.gemv_select import (  # noqa: E402
+    ROW_BUCKETS,
+    GemvSelector,
+    rotation_set,
+    time_in_graph_us,
+)
+from specserve.layers.rotary import RotaryEmbedding  # noqa: E402
 
 SHAPES = {  # name -> (N, K)
     "qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
-    "lm_head": (128256, 4096), "eagle_fc": (4096, 12288),
+    "lm_head": (128256, 4096), "eagle_fc": (4096, 12288), "eagle_qkv": (6144, 8192),
     "smol_qkv": (960, 576), "smol_o": (576, 576), "smol_gate_up": (3072, 576),
     "smol_down": (576, 1536), "smol_lm_head": (49152, 576),
 }  # fmt: skip
 TARGET = ("qkv", "o", "gate_up", "down")  # per layer of the 8B model, then lm_head
-ROWS = (1, 2, 4, 8)
+SMOL = ("smol_qkv", "smol_o", "smol_gate_up", "smol_down")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 REL_TOL = {"bf16": 2e-2, "fp16": 4e-3}  # max |triton - torch| / max |torch|
 
@@ -53,23 +76,33 @@ def errors(out: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
     return diff, diff / max(ref.float().abs().max().item(), 1e-30)
 
 
-@torch.inference_mode()
-def selection_and_chain(layers: int, reps: int) -> dict:
-    """Part 1: cold start-up selection over the 8B target's weights, then the GEMM chain."""
-    dt = torch.bfloat16
-    weights = {name: [randn(*SHAPES[name], dtype=dt) for _ in range(layers)] for name in TARGET}
-    weights["lm_head"] = [randn(*SHAPES["lm_head"], dtype=dt)]
+def select(names, layers: int, lm_head: str, dt, workers: int | None = None):
+    weights = {name: [randn(*SHAPES[name], dtype=dt) for _ in range(layers)] for name in names}
+    weights[lm_head] = [randn(*SHAPES[lm_head], dtype=dt)]
     groups = {(ws[0].shape[0], ws[0].shape[1], dt): ws for ws in weights.values()}
-    selector = GemvSelector(budget_s=5.0)
+    selector = GemvSelector(compile_workers=workers)
     start = time.perf_counter()
     plan = selector.select(groups)
-    out = dict(selection_s=round(time.perf_counter() - start, 2), skipped=selector.skipped,
-               plan=plan.summary(), chain_ms={})  # fmt: skip
-    for m in ROWS:
-        xs = {n: randn(m, SHAPES[n][1], dtype=dt) for n in (*TARGET, "lm_head")}
+    info = dict(selection_s=round(time.perf_counter() - start, 2),
+                compile_s=round(selector.compile_s, 2), variants=selector.compiled,
+                workers=selector.compile_workers, skipped=selector.skipped,
+                triton_wins=sum(r["kernel"] != "torch" for r in plan.summary()),
+                keys=len(plan.choices), plan=plan.summary())  # fmt: skip
+    return info, plan, weights
+
+
+@torch.inference_mode()
+def selection_and_chain(layers: int, reps: int, deadline: float) -> dict:
+    """Part 1: cold start-up selections, then the 8B GEMM chain through the bf16 plan."""
+    out: dict = {}
+    out["8b_bf16"], plan, weights = select(TARGET, layers, "lm_head", torch.bfloat16)
+    print(json.dumps({k: v for k, v in out["8b_bf16"].items() if k != "plan"}), flush=True)
+    out["chain_ms"] = {}
+    for m in ROW_BUCKETS:
+        xs = {n: randn(m, SHAPES[n][1], dtype=torch.bfloat16) for n in (*TARGET, "lm_head")}
         for label, linear in (("torch", F.linear), ("plan", plan.linear)):
 
-            def chain(x, _w, linear=linear, xs=xs):
+            def chain(x, _w, linear=linear, xs=xs, weights=weights):
                 for i in range(layers):
                     for name in TARGET:
                         linear(xs[name], weights[name][i])
@@ -81,23 +114,31 @@ def selection_and_chain(layers: int, reps: int) -> dict:
             out["chain_ms"][f"{label}-m{m}"] = round(us / 1000, 3)
     total = sum(w.numel() * w.element_size() for ws in weights.values() for w in ws)
     out["chain_weight_gb"] = round(total / 1e9, 2)
+    del weights, plan
+    torch.cuda.empty_cache()
+    out["smol_bf16"] = select(SMOL, 30, "smol_lm_head", torch.bfloat16)[0]
+    torch.cuda.empty_cache()
+    if time.perf_counter() < deadline:  # the same shapes, fp16: cold again, one thread
+        out["8b_fp16_one_thread"] = select(TARGET, layers, "lm_head", torch.float16, 1)[0]
+        torch.cuda.empty_cache()
     return out
 
 
 @torch.inference_mode()
-def gemv_sweep(deadline: float, reps: int) -> tuple[list[dict], list[str]]:
-    """Part 2: every candidate at every shape, dtype and M."""
+def gemv_sweep(deadline: float, reps: int, dtypes=("bf16",)) -> tuple[list[dict], list[str]]:
+    """Part 2: every candidate at every shape and M."""
     rows_out, skipped = [], []
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     min_bytes = 4 * getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 64 << 20)
-    for shape, (n, k) in SHAPES.items():  # the 8B shapes first, in both dtypes
-        for dname, dt in DTYPES.items():
+    for shape, (n, k) in SHAPES.items():
+        for dname in dtypes:
+            dt = DTYPES[dname]
+            if time.perf_counter() > deadline:
+                skipped.append(f"{shape}-{dname}")
+                continue
             rotation = rotation_set([randn(n, k, dtype=dt)], min_bytes)
             weight_bytes = n * k * rotation[0].element_size()
-            for m in ROWS:
-                if time.perf_counter() > deadline:
-                    skipped.append(f"{shape}-{dname}-m{m}")
-                    continue
+            for m in ROW_BUCKETS:
                 x = randn(m, k, dtype=dt)
                 ref = F.linear(x, rotation[0])
                 ref32 = F.linear(x.float(), rotation[0].float())
@@ -161,40 +202,54 @@ def rotary_kv_case(dt, batch: int, rope, reps: int, layers: int) -> dict:
 
 
 def rotary_kv_bench(reps: int, layers: int = 32) -> list[dict]:
-    """Part 3, batch 1 and 64 in both dtypes."""
+    """Part 3, batch 1 and 64 in bf16."""
     rope = RotaryEmbedding(128, 500000.0, 8192)
     rope.materialize(torch.device("cuda"))
-    return [dict(dtype=dname, **rotary_kv_case(dt, batch, rope, reps, layers))
-            for dname, dt in DTYPES.items() for batch in (1, 64)]  # fmt: skip
+    return [dict(dtype="bf16", **rotary_kv_case(torch.bfloat16, batch, rope, reps, layers))
+            for batch in (1, 64)]  # fmt: skip
+
+
+def selection_markdown(sel: dict) -> list[str]:
+    lines = ["| selection (cold cache) | variants | compile threads | compile s | total s | "
+             "untried | Triton wins / keys |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for name in ("8b_bf16", "smol_bf16", "8b_fp16_one_thread"):
+        s = sel.get(name)
+        if s:
+            lines.append(f"| {name} | {s['variants']} | {s['workers']} | {s['compile_s']} | "
+                         f"{s['selection_s']} | {s['skipped']} | {s['triton_wins']} / "
+                         f"{s['keys']} |")  # fmt: skip
+    lines += ["", "| weights-only GEMM chain, ms (M) | torch | plan |", "|---|---|---|"]
+    for m in ROW_BUCKETS:
+        c = sel["chain_ms"]
+        lines.append(f"| M={m} ({sel['chain_weight_gb']} GB) | {c[f'torch-m{m}']} | "
+                     f"{c[f'plan-m{m}']} |")  # fmt: skip
+    return lines + [""]
 
 
 def markdown(result: dict) -> str:
     lines = [f"# GPU kernels: {result['device']}", "", f"Command: `{result['command']}`", ""]
-    sel = result.get("selection")
-    if sel:
-        lines += [f"Start-up selection over the 8B target's shapes (bf16, cold): "
-                  f"{sel['selection_s']} s, {sel['skipped']} candidates past the budget.", "",
-                  "| weights-only GEMM chain, ms (M) | torch | plan |",
-                  "|---|---|---|"]  # fmt: skip
-        for m in ROWS:
-            c = sel["chain_ms"]
-            lines.append(f"| M={m} ({sel['chain_weight_gb']} GB) | {c[f'torch-m{m}']} | "
-                         f"{c[f'plan-m{m}']} |")  # fmt: skip
-        lines.append("")
-    lines += ["| shape (N x K) | dtype | M | torch us | torch GB/s | best Triton | us | GB/s | "
-              "x torch | max rel err vs torch | all candidates ok |",
-              "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
-    for r in result["gemv"]:
-        best = next(c for c in r["candidates"] if c["config"] == r["best"])
-        lines.append(f"| {r['shape']} ({r['n']}x{r['k']}) | {r['dtype']} | {r['m']} | "
-                     f"{r['torch_us']} | {r['torch_gbps']} | {r['best']} | {r['best_us']} | "
-                     f"{r['best_gbps']} | {r['speedup']} | {best['max_rel_vs_torch']:.2e} | "
-                     f"{r['all_ok']} |")  # fmt: skip
-    lines += ["", "| rotary + KV write | batch | unfused us | fused us | identical | "
-              "saving per 32-layer step, us |", "|---|---|---|---|---|---|"]  # fmt: skip
-    for r in result["rotary_kv"]:
-        lines.append(f"| {r['dtype']} | {r['batch']} | {r['unfused_us']} | {r['fused_us']} | "
-                     f"{r['identical']} | {r['per_step_saving_us']} |")  # fmt: skip
+    if "selection" in result:
+        lines += selection_markdown(result["selection"])
+    if result.get("gemv"):
+        lines += ["| shape (N x K) | dtype | M | torch us | torch GB/s | best Triton | us | "
+                  "GB/s | x torch | max rel err vs torch | all candidates ok |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+        for r in result["gemv"]:
+            best = next(c for c in r["candidates"] if c["config"] == r["best"])
+            lines.append(f"| {r['shape']} ({r['n']}x{r['k']}) | {r['dtype']} | {r['m']} | "
+                         f"{r['torch_us']} | {r['torch_gbps']} | {r['best']} | {r['best_us']} | "
+                         f"{r['best_gbps']} | {r['speedup']} | {best['max_rel_vs_torch']:.2e} | "
+                         f"{r['all_ok']} |")  # fmt: skip
+    if result.get("rotary_kv"):
+        lines += ["", "| rotary + KV write | batch | unfused us | fused us | identical | "
+                  "saving per 32-layer step, us |", "|---|---|---|---|---|---|"]  # fmt: skip
+        for r in result["rotary_kv"]:
+            lines.append(f"| {r['dtype']} | {r['batch']} | {r['unfused_us']} | {r['fused_us']} | "
+                         f"{r['identical']} | {r['per_step_saving_us']} |")  # fmt: skip
+    if result.get("attention"):
+        lines += attention_markdown(result["attention"])
+    for part, err in result["errors"].items():
+        lines += ["", f"Part {part} failed: {err}"]
     if result["skipped"]:
         lines += ["", f"Skipped past the deadline: {', '.join(result['skipped'])}"]
     return "\n".join(lines) + "\n"
@@ -203,31 +258,47 @@ def markdown(result: dict) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, type=Path)
-    ap.add_argument("--budget-s", type=float, default=120.0,
-                    help="deadline for the candidate sweep, from the start")
+    ap.add_argument("--budget-s", type=float, default=190.0, help="deadline for everything")
     ap.add_argument("--reps", type=int, default=7, help="graph replays per timing (median)")
     ap.add_argument("--layers", type=int, default=32, help="layers of the GEMM chain")
+    ap.add_argument("--warm-cache", action="store_true", help="keep Triton's cache directory")
+    ap.add_argument("--parts", default="selection,gemv,rotary,attention")
     args = ap.parse_args()
     assert torch.cuda.is_available(), "this benchmark needs a CUDA GPU"
     start = time.perf_counter()
-    deadline = start + args.budget_s
     args.out.mkdir(parents=True, exist_ok=True)
-    props = torch.cuda.get_device_properties(0)
-    result = dict(device=props.name, torch=torch.__version__, command=(
-        "PYTHONPATH=src python scripts/gpu_kernel_bench.py --out OUT"), skipped=[])
     import triton
 
-    result["triton"] = triton.__version__
-    result["selection"] = selection_and_chain(args.layers, args.reps)
-    torch.cuda.empty_cache()
-    print(json.dumps({k: v for k, v in result["selection"].items() if k != "plan"}), flush=True)
-    result["gemv"], result["skipped"] = gemv_sweep(deadline - 20, args.reps)
-    result["rotary_kv"] = rotary_kv_bench(args.reps)
-    result["wall_s"] = round(time.perf_counter() - start, 1)
-    result["all_ok"] = all(r["all_ok"] for r in result["gemv"])
-    result["median_speedup"] = statistics.median(r["speedup"] for r in result["gemv"])
-    (args.out / "kernels.json").write_text(json.dumps(result, indent=1))
-    (args.out / "kernels.md").write_text(markdown(result))
+    result = dict(device=torch.cuda.get_device_properties(0).name, torch=torch.__version__,
+                  triton=triton.__version__, cold_cache=not args.warm_cache, skipped=[],
+                  errors={}, command="PYTHONPATH=src:scripts python scripts/gpu_kernel_bench.py "
+                  "--out OUT")  # fmt: skip
+    parts = args.parts.split(",")
+    # deadlines from the start: selection 45 s, GEMV sweep 45 s, attention what is left
+    plan = [("selection", 45, lambda d: selection_and_chain(args.layers, args.reps, d)),
+            ("gemv", 95, lambda d: gemv_sweep(d, args.reps)),
+            ("rotary_kv", 100, lambda d: rotary_kv_bench(args.reps)),
+            ("attention", args.budget_s, lambda d: attention_bench(d, args.reps))]  # fmt: skip
+    for name, until_s, part in plan:
+        if name.split("_")[0] not in parts:
+            continue
+        try:
+            value = part(start + min(until_s, args.budget_s))
+            if name == "gemv":
+                value, skipped = value
+                result["skipped"] += skipped
+            result[name] = value
+        except Exception:
+            result["errors"][name] = traceback.format_exc()[-2000:]
+            print(result["errors"][name], flush=True)
+        torch.cuda.empty_cache()
+        result["wall_s"] = round(time.perf_counter() - start, 1)
+        if result.get("gemv"):
+            result["all_ok"] = all(r["all_ok"] for r in result["gemv"])
+            result["median_speedup"] = statistics.median(r["speedup"] for r in result["gemv"])
+        (args.out / "kernels.json").write_text(json.dumps(result, indent=1))
+        (args.out / "kernels.md").write_text(markdown(result))
+        print(f"[{result['wall_s']} s] {name} done", flush=True)
     print(markdown(result))
 
 

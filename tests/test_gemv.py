@@ -57,6 +57,14 @@ def _interpreter_cases() -> dict[str, tuple]:
             cases[f"dot-split{split}-float16-m{rows}"] = (cfg, rows, 72, 200, "float16", False)
         cases[f"dot-split{split}-bias-float32-m2"] = (cfg, 2, 72, 200, "float32", True)
     cases["dot-bias-float16-m4"] = (dot, 4, 100, 300, "float16", True)
+    # the skinny-GEMM row blocks: one block of 16/32/64 rows, or several blocks of 16
+    for bm, rows_list in ((16, (12, 16, 17, 40)), (32, (17, 32)), (64, (33, 64))):
+        cfg = GemvConfig(block_n=16, block_k=64, block_m=bm)
+        for rows in rows_list:
+            cases[f"dot-m{bm}-float16-m{rows}"] = (cfg, rows, 72, 200, "float16", False)
+        split = GemvConfig(block_n=32, block_k=32, split_k=3, block_m=bm)
+        cases[f"dot-m{bm}-split3-bias-float16-m{rows_list[-1]}"] = (
+            split, rows_list[-1], 40, 256, "float16", True)  # fmt: skip
     for dtype in ("float16", "float32", "bfloat16"):
         for rows in (1, 2):
             fma = GemvConfig(block_n=8, block_k=64, use_dot=False)
@@ -68,7 +76,8 @@ def _interpreter_cases() -> dict[str, tuple]:
 
 def model_decode_errors(dtype, device, config, seed=0) -> dict[str, float]:
     """A tiny Llama's hidden states and logits over steps of 1..8 tokens (and one of 12, past
-    the plan: torch) with every linear through `config`, against plain torch modules."""
+    the plan's largest bucket: torch) with every linear through `config`, against plain
+    torch modules."""
     from specserve.engine.kv_cache import KVCache
     from specserve.layers.attention import TorchAttentionBackend
     from specserve.layers.gemv_select import GemvPlan
@@ -157,7 +166,7 @@ def test_interpreter_model_decode_through_gemv(dtype, interpreter_results):
 # ---- the plan and the module switch (no kernel runs) -------------------------------------
 def test_plan_buckets_rows_and_falls_back_to_torch():
     from specserve.layers.gemv import GemvConfig
-    from specserve.layers.gemv_select import GemvChoice, GemvPlan
+    from specserve.layers.gemv_select import ROW_BUCKETS, GemvChoice, GemvPlan, GemvSelector
 
     cfg = GemvConfig(block_n=64, block_k=128, split_k=4)
     choices = {(4, 96, 64, torch.float16): GemvChoice(cfg, 10.0, 8.0, 5),
@@ -174,7 +183,11 @@ def test_plan_buckets_rows_and_falls_back_to_torch():
     x, w = torch.randn(2, 64), torch.randn(96, 64)  # fp32: the plan serves it with torch
     assert torch.equal(plan.linear(x, w), nn.functional.linear(x, w))
     with pytest.raises(ValueError):
-        GemvPlan(row_buckets=(1, 32))
+        GemvPlan(row_buckets=(1, 128))
+    assert GemvSelector(max_rows=5).row_buckets == (1, 2, 4, 8)  # only what steps reach
+    assert GemvSelector(max_rows=64).row_buckets == GemvSelector().row_buckets == ROW_BUCKETS
+    fma = GemvConfig(block_n=8, block_k=64, use_dot=False)  # serves at most 8 rows
+    assert GemvPlan(row_buckets=(1, 64), default=fma).config_for(20, 96, 64, torch.float16) is None
 
 
 def test_use_gemv_switches_modules_and_back_without_touching_weights():
@@ -216,17 +229,22 @@ def test_gemv_weights_groups_shapes_and_the_tied_logits_projection():
     assert groups[(cfg.vocab_size, h, torch.float32)][0] is not None  # the tied embedding
 
 
-def test_candidate_configs_split_only_where_slices_stay_whole():
+def test_candidate_configs_are_the_pruned_winners():
     from specserve.layers.gemv import candidate_configs
 
-    for rows, n, k in ((1, 4096, 4096), (8, 128256, 4096), (2, 576, 576), (8, 4096, 14336)):
-        cands = candidate_configs(rows, n, k, num_sms=132)
-        assert cands and len(set(cands)) == len(cands)
-        assert all(c.supports(rows, n, k) for c in cands)
-        assert all(c.use_dot for c in cands) or rows <= 2
-        assert all(-(-k // c.split_k) >= c.block_k for c in cands)
-    small = candidate_configs(4, 4096, 4096, num_sms=132)
-    assert max(c.split_k for c in small) > 1  # 4096 columns alone leave SMs idle
+    shapes = ((6144, 4096), (128256, 4096), (576, 576), (4096, 14336), (576, 1536))
+    for n, k in shapes:
+        for rows in (1, 2, 3, 8, 9, 16, 17, 32, 33, 64):
+            cands = candidate_configs(rows, n, k, num_sms=132)
+            assert 4 <= len(cands) <= 6 and len(set(cands)) == len(cands)
+            assert all(c.supports(rows, n, k) for c in cands)
+            assert (not cands[0].use_dot) == (rows <= 2)  # the CUDA-core product first
+            bm = 16 if rows <= 16 else 32 if rows <= 32 else 64
+            assert all(c.block_m == bm for c in cands if c.use_dot)  # the weight read once
+            assert all(-(-k // c.split_k) >= c.block_k for c in cands)
+            assert any(c.split_k > 1 for c in cands) == (k > n)  # splits only for a long K
+    down = candidate_configs(1, 4096, 14336, num_sms=132)
+    assert [str(c) for c in down if c.split_k > 1] == ["dot m16 n64 k128 s4 w4 st4"]
 
 
 def test_rotation_set_exceeds_the_cache_with_distinct_weights():
@@ -256,12 +274,15 @@ def test_gpu_every_candidate_matches_torch(dtype, shape):
 
     n, k = GPU_SHAPES[shape]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for rows in (1, 2, 8):
+    for rows in (1, 2, 8, 16, 32, 64):
         for cfg in candidate_configs(rows, n, k, sms):
             err = gemv_error(cfg, rows, n, k, dtype, "cuda", seed=rows)
             assert err < GPU_TOL[dtype], (shape, rows, str(cfg), err)
     for cfg in (GemvConfig(64, 128, 1), GemvConfig(64, 128, 4)):  # odd rows, bias
         assert gemv_error(cfg, 3, n, k, dtype, "cuda", bias=True) < GPU_TOL[dtype], str(cfg)
+    for rows, bm in ((21, 16), (45, 32), (50, 64)):  # several row blocks, or one partial
+        cfg = GemvConfig(64, 128, 2, block_m=bm)
+        assert gemv_error(cfg, rows, n, k, dtype, "cuda", bias=True) < GPU_TOL[dtype], str(cfg)
 
 
 @pytest.mark.gpu
@@ -269,21 +290,23 @@ def test_gpu_gemv_is_graph_safe_and_reproducible():
     from specserve.layers.gemv import GemvConfig, gemv
 
     w = torch.randn(4096, 14336, device="cuda", dtype=torch.bfloat16)
-    x = torch.randn(4, 14336, device="cuda", dtype=torch.bfloat16)
-    cfg = GemvConfig(block_n=64, block_k=128, split_k=8)
-    eager = gemv(x, w, None, cfg)
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        graph.capture_begin()
-        out = gemv(x, w, None, cfg)
-        graph.capture_end()
-    torch.cuda.current_stream().wait_stream(stream)
-    for _ in range(3):
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, eager)
+    cases = ((4, GemvConfig(block_n=64, block_k=128, split_k=8)),
+             (64, GemvConfig(block_n=64, block_k=128, split_k=4, block_m=64)))  # fmt: skip
+    for rows, cfg in cases:
+        x = torch.randn(rows, 14336, device="cuda", dtype=torch.bfloat16)
+        eager = gemv(x, w, None, cfg)
+        graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            graph.capture_begin()
+            out = gemv(x, w, None, cfg)
+            graph.capture_end()
+        torch.cuda.current_stream().wait_stream(stream)
+        for _ in range(3):
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, eager)
 
 
 @pytest.mark.gpu
@@ -297,12 +320,17 @@ def test_gpu_selector_plans_a_model_that_still_matches_torch(dtype):
     model = tiny_model(cfg, dtype, "cuda")
     x = torch.randn(4, cfg.hidden_size, device="cuda", dtype=dtype)
     ref = model.compute_logits(x)
-    selector = GemvSelector(budget_s=20.0)
+    selector = GemvSelector(budget_s=30.0)
     plan = use_gemv(model, selector)
-    assert len(plan.choices) == 5 * 4  # (qkv, o, gate_up, down, lm_head) x row buckets
+    assert len(plan.choices) == 5 * 7  # (qkv, o, gate_up, down, lm_head) x row buckets
     assert rel_err(model.compute_logits(x), ref) < GPU_TOL[dtype]
+    assert selector.skipped == 0 and selector.compiled > 0
     for row in plan.summary():
-        assert row["best_us"] <= row["torch_us"] and row["tried"] >= 2
+        assert row["best_us"] <= row["torch_us"] and row["tried"] >= 5
+    # a second model with the same shapes: nothing new to measure or compile
+    other = tiny_model(cfg, dtype, "cuda", seed=1)
+    again = use_gemv(other, selector)
+    assert selector.compiled == 0 and again.choices == plan.choices
 
 
 @pytest.mark.gpu

@@ -209,6 +209,30 @@ def interpreter_cases() -> dict[str, tuple]:
         cases[f"mixed-page{ps}"] = (
             "attn", ([9, 1, 4, 1], [40, 50, 30, 0], [41, 51, 32, 1], ps), dict(ns=None),
         )  # fmt: skip
+    # GQA decode/verify through each decode-path kernel: 3 KV heads of 4 query heads (a wrong
+    # head grouping reads another head's K/V), 2 of 3 (a group that is no power of two), MHA
+    gqa = dict(kv_heads=3, group=4, head_dim=32)
+    for kernel in ("decode", "prefetch", "generic"):
+        cases[f"gqa4-decode-{kernel}-split3"] = (
+            "attn", ([1] * 3, [9, 40, 70], [10, 41, 71], 16), dict(ns=3, shape=gqa, kernel=kernel),
+        )  # fmt: skip
+        cases[f"gqa4-verify-q4-{kernel}"] = (
+            "attn", ([4, 4], [20, 35], [21, 38], 4), dict(ns=2, shape=gqa, kernel=kernel),
+        )  # fmt: skip
+    cases["gqa4-decode-split1"] = (
+        "attn", ([1] * 3, [0, 16, 40], [1, 17, 41], 16), dict(ns=1, shape=gqa),
+    )  # fmt: skip
+    cases["gqa4-verify-q16-rows64-split2"] = (
+        "attn", ([16], [40], [43], 16), dict(ns=2, shape=gqa),
+    )  # fmt: skip
+    for kernel, q in (("decode", 1), ("decode", 5), ("prefetch", 5)):
+        cases[f"gqa3-q{q}-{kernel}-split2"] = (
+            "attn", ([q] * 2, [30, 47], [31, 50], 16),
+            dict(ns=2, shape=dict(kv_heads=2, group=3, head_dim=32), kernel=kernel),
+        )  # fmt: skip
+    cases["mha-verify-q3-split2"] = (
+        "attn", ([3, 1], [25, 33], [26, 34], 16), dict(ns=2, shape=dict(SMALL, group=1)),
+    )  # fmt: skip
     cases["prefill-fp32-page16"] = (
         "attn", ([17, 3], [16, 25], [17, 26], 16), dict(ns=2, dtype=torch.float32),
     )  # fmt: skip
@@ -228,8 +252,11 @@ def run_case(name: str, spec: tuple, kernels, ops) -> float:
     if kind == "kv_write":
         return kv_write_error(kernels, _small(*args, seed=len(name)))
     if kind == "attn":
-        batch = _small(*args, dtype=kw.get("dtype", torch.float16), seed=len(name))
-        return attention_error(kernels, batch, kw["ns"], block_n=16)
+        q_lens, ends, seq_lens, ps = args
+        batch = make_batch(q_lens, ends, seq_lens, ps, dtype=kw.get("dtype", torch.float16),
+                           device="cpu", seed=len(name), **kw.get("shape", SMALL))  # fmt: skip
+        launch = {"kernel": kw["kernel"]} if "kernel" in kw else {}
+        return attention_error(kernels, batch, kw["ns"], block_n=16, **launch)
     dtype = getattr(torch, args[0])
     from specserve.layers.attention.triton_attn import LaunchConfig, TritonAttentionBackend
 

@@ -1,13 +1,15 @@
 """A Triton GEMV / skinny GEMM for decode-sized inputs: y[M, N] = x[M, K] @ W[N, K]^T with
-M <= 16 rows, W row-major as nn.Linear stores it, fp32 accumulation, output in x's dtype.
+M <= 64 rows, W row-major as nn.Linear stores it, fp32 accumulation, output in x's dtype.
 
-At decode batch sizes a projection only streams its weight once; what matters is keeping
-enough bytes in flight on every multiprocessor. A program owns BLOCK_N output columns and one
-of `split_k` slices of the K axis. Two inner products:
+At decode batch sizes a projection mostly streams its weight once; what matters is keeping
+enough bytes in flight on every multiprocessor. A program owns BLOCK_M rows, BLOCK_N output
+columns and one of `split_k` slices of the K axis. Two inner products:
 
-- `use_dot`: the [16, BLOCK_K] x [BLOCK_K, BLOCK_N] tile product on the matrix units (input
-  rows past M are zeros, never fetched); the loads feed the software pipeline
-  (`num_stages`), one compiled variant serves every M <= 16.
+- `use_dot`: [BLOCK_M, BLOCK_K] x [BLOCK_K, BLOCK_N] tile products on the matrix units
+  (BLOCK_M 16, 32 or 64; input rows past M are zeros, never fetched); the loads feed the
+  software pipeline (`num_stages`), one compiled variant per tile serves every M. When M
+  exceeds BLOCK_M the row blocks of one weight tile are neighbouring programs, so the
+  weight's second read comes from L2.
 - otherwise: broadcast multiply-adds on the CUDA cores over next_power_of_2(M) rows (one
   compiled variant per row count), each thread keeping its partial products until a single
   reduction after the loop; for M of 1 or 2.
@@ -17,25 +19,27 @@ them in a fixed order: results are bitwise reproducible run to run (no atomics),
 launch shape and workspace size depend only on (M, N, split_k), so calls are CUDA-graph safe.
 
 Which configuration (or cuBLAS) serves a shape is measured on the device at start-up
-(`gemv_select.py`); nothing here guesses. Imported lazily: kernels are defined at first
+(`gemv_select.py`); `candidate_configs` only proposes the tiles that won somewhere in the
+H200 sweep (scripts/gpu_kernel_bench.py). Imported lazily: kernels are defined at first
 import, which is when TRITON_INTERPRET is read.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
 import triton.language as tl
 
-MAX_ROWS = 16  # the matrix-unit tile height; more rows go to torch
-DOT_ROWS = 16
+MAX_ROWS = 64  # the tallest row block; more rows go to torch
+FMA_MAX_ROWS = 8
 
 
 @dataclass(frozen=True)
 class GemvConfig:
-    """One launch configuration of the GEMV kernel."""
+    """One launch configuration of the GEMV kernel (block_m: rows per program of the
+    matrix-unit path; the CUDA-core path uses next_power_of_2(M))."""
 
     block_n: int
     block_k: int
@@ -43,16 +47,22 @@ class GemvConfig:
     num_warps: int = 4
     num_stages: int = 3
     use_dot: bool = True
+    block_m: int = 16
 
     def __str__(self) -> str:
-        kind = "dot" if self.use_dot else "fma"
+        kind = f"dot m{self.block_m}" if self.use_dot else "fma"
         return (f"{kind} n{self.block_n} k{self.block_k} s{self.split_k} "
                 f"w{self.num_warps} st{self.num_stages}")  # fmt: skip
 
+    @property
+    def max_rows(self) -> int:
+        """The most rows of x a call with this configuration takes."""
+        return MAX_ROWS if self.use_dot else FMA_MAX_ROWS
+
     def supports(self, rows: int, n: int, k: int) -> bool:
         """Whether this configuration can serve a [rows, k] x [n, k]^T product sensibly:
-        every K slice at least one block long, and few enough rows for its tile."""
-        if rows > (DOT_ROWS if self.use_dot else 8):
+        every K slice at least one block long, and few enough rows for its path."""
+        if rows > self.max_rows:
             return False
         return self.split_k == 1 or triton.cdiv(k, self.split_k) >= self.block_k
 
@@ -67,9 +77,10 @@ def _gemv_kernel(
     USE_DOT: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,
 ):  # fmt: skip
-    pid_n = tl.program_id(0)
-    pid_s = tl.program_id(1)
-    m = tl.arange(0, BLOCK_M)
+    pid_m = tl.program_id(0)  # fastest: the row blocks of one weight tile run together
+    pid_n = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     kk = tl.arange(0, BLOCK_K)
     # Weight rows past N re-read row N-1 (discarded at the store): no mask on the streamed
@@ -138,9 +149,12 @@ def gemv(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     config: GemvConfig = DEFAULT_CONFIG,
-) -> torch.Tensor:
+    compile_only: bool = False,
+) -> torch.Tensor | None:
     """x [..., K] @ weight[N, K]^T (+ bias) for at most MAX_ROWS rows of x; returns [..., N]
-    in x's dtype. Allocates only the output (and, with split_k > 1, its fp32 workspace)."""
+    in x's dtype. Allocates only the output (and, with split_k > 1, its fp32 workspace).
+    compile_only: compile the kernels this call needs without running them (returns None;
+    safe from several threads at once: start-up selection compiles in parallel)."""
     n, k = weight.shape
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
@@ -148,16 +162,15 @@ def gemv(
     if weight.stride(-1) != 1:
         raise ValueError("gemv needs a weight with contiguous rows")
     rows = x2.shape[0]
-    if rows > MAX_ROWS:
-        raise ValueError(f"gemv serves at most {MAX_ROWS} rows, got {rows}")
+    cfg = config
+    if rows > cfg.max_rows:
+        raise ValueError(f"gemv ({cfg}) serves at most {cfg.max_rows} rows, got {rows}")
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     if rows == 0:
-        return out.view(*x.shape[:-1], n)
-    cfg = config
-    block_m = DOT_ROWS if cfg.use_dot else max(1, triton.next_power_of_2(rows))
+        return None if compile_only else out.view(*x.shape[:-1], n)
+    block_m = cfg.block_m if cfg.use_dot else max(1, triton.next_power_of_2(rows))
     iters_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k)
     split_k = triton.cdiv(k, iters_per_split * cfg.block_k)  # no empty slices
-    even_k = k % cfg.block_k == 0
     has_bias = bias is not None
     partial = split_k > 1
     if partial:
@@ -165,49 +178,61 @@ def gemv(
         strides = (dst.stride(1), dst.stride(0))
     else:
         dst, strides = out, (out.stride(0), 0)
-    grid = (triton.cdiv(n, cfg.block_n), split_k)
-    _gemv_kernel[grid](
-        x2, weight, bias if has_bias else weight, dst, rows, n, k, iters_per_split,
-        x2.stride(0), weight.stride(0), *strides,
+    grid = (triton.cdiv(rows, block_m), triton.cdiv(n, cfg.block_n), split_k)
+    args = (x2, weight, bias if has_bias else weight, dst, rows, n, k, iters_per_split,
+            x2.stride(0), weight.stride(0), *strides)  # fmt: skip
+    consts = dict(
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, USE_DOT=cfg.use_dot,
-        IEEE=x.dtype == torch.float32, EVEN_K=even_k, HAS_BIAS=has_bias and not partial,
-        PARTIAL=partial, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        IEEE=x.dtype == torch.float32, EVEN_K=k % cfg.block_k == 0,
+        HAS_BIAS=has_bias and not partial, PARTIAL=partial, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )  # fmt: skip
+    reduce_grid = (rows, triton.cdiv(n, REDUCE_BLOCK))
+    reduce_args = (dst, bias if has_bias else dst, out, n, split_k, dst.stride(0), dst.stride(1),
+                   out.stride(0))  # fmt: skip
+    reduce_consts = dict(HAS_BIAS=has_bias, BLOCK=REDUCE_BLOCK)
+    if compile_only:
+        _gemv_kernel.warmup(*args, grid=grid, **consts)
+        if partial:
+            _split_k_reduce_kernel.warmup(*reduce_args, grid=reduce_grid, **reduce_consts)
+        return None
+    _gemv_kernel[grid](*args, **consts)
     if partial:
-        _split_k_reduce_kernel[(rows, triton.cdiv(n, REDUCE_BLOCK))](
-            dst, bias if has_bias else dst, out, n, split_k, dst.stride(0), dst.stride(1),
-            out.stride(0), HAS_BIAS=has_bias, BLOCK=REDUCE_BLOCK,
-        )  # fmt: skip
+        _split_k_reduce_kernel[reduce_grid](*reduce_args, **reduce_consts)
     return out.view(*x.shape[:-1], n)
 
 
+def row_block(rows: int) -> int:
+    """The matrix-unit row block that serves `rows` rows in one pass: 16, 32 or 64."""
+    return 16 if rows <= 16 else 32 if rows <= 32 else 64
+
+
+# The tiles that won somewhere in the H200 sweep of the earlier, larger candidate set (bf16
+# and fp16, M 1..8, Llama-3.1-8B / EAGLE-3 / SmolLM2 shapes), per row block; the taller row
+# blocks carry the same tile family plus a wider one for the matrix units' larger tiles.
+_TILES = {
+    16: [GemvConfig(32, 256, num_warps=4, num_stages=4), GemvConfig(64, 128, num_stages=4),
+         GemvConfig(128, 128, num_stages=3), GemvConfig(16, 256, num_warps=2, num_stages=5)],
+    32: [GemvConfig(32, 256, num_stages=4), GemvConfig(64, 128, num_stages=4),
+         GemvConfig(128, 128, num_stages=3), GemvConfig(16, 256, num_warps=2, num_stages=4)],
+    64: [GemvConfig(32, 256, num_stages=3), GemvConfig(64, 128, num_stages=4),
+         GemvConfig(128, 64, num_stages=4), GemvConfig(128, 128, num_warps=8, num_stages=3)],
+}  # fmt: skip
+_FMA = GemvConfig(8, 512, num_warps=4, num_stages=2, use_dot=False)
+_SPLIT_TILE = GemvConfig(64, 128, num_stages=4)
+
+
 def candidate_configs(rows: int, n: int, k: int, num_sms: int) -> list[GemvConfig]:
-    """The configurations start-up tuning times for one shape, in order of preference on a
-    tie: a few tile shapes, each unsplit and with the K splits that bring the program count
-    to about one and two waves of `num_sms` multiprocessors (more at most 16 slices)."""
-    tiles = [
-        GemvConfig(block_n=64, block_k=128, num_warps=4, num_stages=4),
-        GemvConfig(block_n=32, block_k=256, num_warps=4, num_stages=4),
-        GemvConfig(block_n=128, block_k=128, num_warps=4, num_stages=3),
-        GemvConfig(block_n=16, block_k=256, num_warps=2, num_stages=5),
-    ]
-    if rows <= 2:  # the CUDA-core inner product only pays for one or two rows
-        tiles += [
-            GemvConfig(block_n=8, block_k=512, num_warps=4, num_stages=2, use_dot=False),
-            GemvConfig(block_n=16, block_k=256, num_warps=4, num_stages=3, use_dot=False),
-        ]
-    out: list[GemvConfig] = []
-    for tile in tiles:
-        programs = triton.cdiv(n, tile.block_n)
-        max_split = max(1, min(16, k // tile.block_k))  # slices of at least one block
-        splits = {1}
-        for waves in (1, 2, 4):
-            want = triton.cdiv(waves * num_sms, programs)
-            if want > 1:
-                splits.add(min(max_split, triton.next_power_of_2(want)))
-        for s in sorted(splits):
-            cfg = GemvConfig(tile.block_n, tile.block_k, s, tile.num_warps, tile.num_stages,
-                             tile.use_dot)  # fmt: skip
-            if cfg.supports(rows, n, k):
-                out.append(cfg)
-    return out
+    """The configurations start-up selection times for `rows` rows of a weight [n, k], in
+    order of preference on a tie: the CUDA-core product for one or two rows, the unsplit
+    tiles of the row block, and, for a long K (K > N: few output tiles, long rows), one
+    K split that brings the program count to about one wave of `num_sms`."""
+    bm = row_block(rows)
+    tiles = ([_FMA] if rows <= 2 else []) + [replace(t, block_m=bm) for t in _TILES[bm]]
+    if k > n:
+        programs = triton.cdiv(n, _SPLIT_TILE.block_n)
+        want = triton.next_power_of_2(triton.cdiv(num_sms, programs))
+        split = min(want, 16, k // _SPLIT_TILE.block_k)
+        if split > 1:
+            tiles.append(replace(_SPLIT_TILE, block_m=bm, split_k=split))
+    return [t for t in tiles if t.supports(rows, n, k)]

@@ -5,14 +5,18 @@ one of its configurations, measured on the device at start-up (`GemvSelector`) a
 Measurements run the way the engine runs: every candidate is captured in a CUDA graph over
 enough distinct weights of the shape (the model's own, cloned when they are few) that the L2
 cache cannot serve them, and replayed; the per-call time is the median replay over the calls.
+Every Triton variant the candidates need is compiled first, on a thread pool (the compiler
+spends most of its time outside the GIL), so a cold start pays compilation about once.
 """
 
 from __future__ import annotations
 
 import bisect
 import logging
+import os
 import statistics
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +29,7 @@ log = logging.getLogger(__name__)
 ShapeKey = tuple[int, int, torch.dtype]  # (N, K, dtype) of a weight [N, K]
 PlanKey = tuple[int, int, int, torch.dtype]  # (row bucket, N, K, dtype)
 GEMV_DTYPES = (torch.float16, torch.bfloat16)
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
 
 @dataclass(frozen=True)
@@ -47,7 +52,7 @@ class GemvPlan:
     def __init__(
         self,
         choices: dict[PlanKey, GemvChoice] | None = None,
-        row_buckets: tuple[int, ...] = (1, 2, 4, 8),
+        row_buckets: tuple[int, ...] = ROW_BUCKETS,
         default: GemvConfig | None = None,
     ):
         self.row_buckets = tuple(sorted(row_buckets))
@@ -64,7 +69,8 @@ class GemvPlan:
         """The configuration for `rows` rows of a weight [n, k]; None: torch."""
         if rows < 1 or rows > self.max_rows:
             return None
-        return self._configs.get((self._bucket[rows], n, k, dtype), self.default)
+        cfg = self._configs.get((self._bucket[rows], n, k, dtype), self.default)
+        return cfg if cfg is None or rows <= cfg.max_rows else None
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
         """F.linear(x, weight, bias) through the planned kernel."""
@@ -132,23 +138,42 @@ def torch_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return F.linear(x, w)
 
 
+def variant_key(cfg: GemvConfig, rows: int, n: int, k: int, dtype: torch.dtype) -> tuple:
+    """What decides which compiled Triton variant a call uses (tile, path, row block of the
+    CUDA-core path, split or not, whether K divides into blocks, dtype)."""
+    bm = cfg.block_m if cfg.use_dot else max(1, 1 << (rows - 1).bit_length())
+    return (bm, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages, cfg.use_dot,
+            cfg.split_k > 1, k % cfg.block_k == 0, dtype)  # fmt: skip
+
+
 class GemvSelector:
     """Measures torch (cuBLAS) against the Triton GEMV's candidate configurations for every
     (row bucket, N, K, dtype) of the weights it is given, and returns the plan.
 
-    A configuration wins only if it beats torch by `margin` (ties stay on cuBLAS). Shapes are
-    measured one after the other, each within an equal share of what is left of `budget_s`
-    (compilation included): torch first for every row bucket, then each bucket's first
-    configuration, and so on; what a share leaves untried is counted (`skipped`) and logged.
-    On a CPU the plan is empty: torch everywhere (the Triton kernel runs there only under the
-    interpreter, in tests).
+    `max_rows` (or explicit `row_buckets`) limits the buckets measured to those a caller's
+    steps can reach: pass the most tokens a captured decode/verify step holds. A
+    configuration wins only if it beats torch by `margin` (ties stay on cuBLAS). First every
+    Triton variant needed is compiled (`compile_workers` threads), then shapes are measured
+    one after the other, each within an equal share of what is left of `budget_s`: torch
+    first for every row bucket, then each bucket's first configuration, and so on; what the
+    budget leaves untried is counted (`skipped`) and logged. Keys measured once are
+    remembered: a second model (a drafter sharing shapes with its target) given to the same
+    selector only measures its new shapes. On a CPU the plan is empty: torch everywhere.
     """
 
-    def __init__(self, row_buckets: tuple[int, ...] = (1, 2, 4, 8), budget_s: float = 5.0,
-                 margin: float = 0.02, reps: int = 5):  # fmt: skip
-        self.row_buckets = tuple(sorted(row_buckets))
+    def __init__(self, row_buckets: tuple[int, ...] = ROW_BUCKETS, budget_s: float = 10.0,
+                 margin: float = 0.02, reps: int = 5, max_rows: int | None = None,
+                 compile_workers: int | None = None):  # fmt: skip
+        buckets = tuple(sorted(row_buckets))
+        if max_rows is not None:
+            buckets = tuple(b for b in buckets if b < max_rows) + tuple(
+                b for b in buckets if b >= max_rows)[:1]  # fmt: skip
+        self.row_buckets = buckets
         self.budget_s, self.margin, self.reps = budget_s, margin, reps
-        self.elapsed_s = 0.0
+        self.compile_workers = compile_workers or min(8, os.cpu_count() or 1)
+        self.measured: dict[PlanKey, GemvChoice] = {}
+        self.elapsed_s = self.compile_s = 0.0
+        self.compiled = 0  # Triton variants compiled by the last select()
         self.skipped = 0  # candidates left untried when the budget ran out
 
     @torch.inference_mode()
@@ -161,29 +186,22 @@ class GemvSelector:
         start = time.perf_counter()
         device = next(iter(shapes.values()))[0].device
         props = torch.cuda.get_device_properties(device)
-        min_bytes = 4 * getattr(props, "L2_cache_size", 64 << 20)
-        choices: dict[PlanKey, GemvChoice] = {}
+        sms = props.multi_processor_count
+        todo = {shape: [(b, candidate_configs(b, shape[0], shape[1], sms))
+                        for b in self.row_buckets if (b, *shape) not in self.measured]
+                for shape in shapes}  # fmt: skip
+        todo = {shape: jobs for shape, jobs in todo.items() if jobs}
+        self.compiled = self._compile(todo, shapes, device)
+        self.compile_s = time.perf_counter() - start
         self.skipped = 0
-        for i, ((n, k, dtype), ws) in enumerate(shapes.items()):
+        min_bytes = 4 * getattr(props, "L2_cache_size", 64 << 20)
+        for i, ((n, k, dtype), jobs) in enumerate(todo.items()):
             # Each shape gets an equal share of what is left; its clones live only meanwhile.
-            deadline = time.perf_counter() + (self.budget_s - (time.perf_counter() - start)) / (
-                len(shapes) - i
-            )
-            rotation = rotation_set(ws, min_bytes)
-            jobs = [((b, n, k, dtype), torch.randn(b, k, device=device, dtype=dtype),
-                     [None, *candidate_configs(b, n, k, props.multi_processor_count)])
-                    for b in self.row_buckets]  # fmt: skip
-            times: dict[PlanKey, dict] = {key: {} for key, _, _ in jobs}
-            for rnd in range(max(len(cands) for _, _, cands in jobs)):  # torch first, then...
-                for key, x, cands in jobs:
-                    if rnd >= len(cands):
-                        continue
-                    if rnd > 0 and time.perf_counter() > deadline:
-                        self.skipped += 1
-                        continue
-                    times[key][cands[rnd]] = self._measure(cands[rnd], x, rotation)
-            choices.update((key, self._choose(t)) for key, t in times.items())
-            del rotation, jobs
+            left = self.budget_s - (time.perf_counter() - start)
+            self._measure_shape(n, k, dtype, jobs, rotation_set(shapes[(n, k, dtype)], min_bytes),
+                                time.perf_counter() + left / (len(todo) - i))  # fmt: skip
+        choices = {(b, *shape): self.measured[(b, *shape)] for shape in shapes
+                   for b in self.row_buckets}  # fmt: skip
         plan = GemvPlan(choices, self.row_buckets)
         torch.cuda.empty_cache()
         self.elapsed_s = time.perf_counter() - start
@@ -191,14 +209,58 @@ class GemvSelector:
             log.warning("GEMV selection hit its %.1f s budget: %d candidates untried",
                         self.budget_s, self.skipped)  # fmt: skip
         won = sum(c.config is not None for c in plan.choices.values())
-        log.info("GEMV selection: Triton serves %d of %d decode shapes (%.1f s)", won,
-                 len(plan.choices), self.elapsed_s)  # fmt: skip
+        log.info("GEMV selection: Triton serves %d of %d decode shapes (%.1f s, %d variants "
+                 "compiled in %.1f s)", won, len(plan.choices), self.elapsed_s, self.compiled,
+                 self.compile_s)  # fmt: skip
         return plan
+
+    def _compile(self, todo: dict, shapes: dict, device: torch.device) -> int:
+        """Compile each distinct Triton variant the candidates need once, in parallel."""
+        tasks: dict[tuple, tuple] = {}
+        for (n, k, dtype), jobs in todo.items():
+            for rows, cands in jobs:
+                for cfg in cands:
+                    key = variant_key(cfg, rows, n, k, dtype)
+                    tasks.setdefault(key, (cfg, rows, shapes[(n, k, dtype)][0]))
+        if not tasks:
+            return 0
+
+        def build(task) -> None:
+            cfg, rows, w = task
+            torch.cuda.set_device(device)
+            try:
+                x = torch.zeros(rows, w.shape[1], device=device, dtype=w.dtype)
+                gemv(x, w, None, cfg, compile_only=True)
+            except Exception as e:  # measured as failing (inf) later
+                log.debug("GEMV candidate %s does not compile: %s", cfg, e)
+
+        first, *rest = tasks.values()
+        build(first)  # the kernels' first compilation sets up Triton's per-device state
+        with ThreadPoolExecutor(self.compile_workers) as pool:
+            list(pool.map(build, rest))
+        return len(tasks)
+
+    def _measure_shape(self, n: int, k: int, dtype: torch.dtype, jobs, rotation,
+                       deadline: float) -> None:  # fmt: skip
+        device = rotation[0].device
+        runs = [(b, torch.randn(b, k, device=device, dtype=dtype), [None, *cands])
+                for b, cands in jobs]  # fmt: skip
+        times: dict[int, dict] = {b: {} for b, _, _ in runs}
+        for rnd in range(max(len(cands) for _, _, cands in runs)):  # torch first, then...
+            for b, x, cands in runs:
+                if rnd >= len(cands):
+                    continue
+                if rnd > 0 and time.perf_counter() > deadline:
+                    self.skipped += 1
+                    continue
+                times[b][cands[rnd]] = self._measure(cands[rnd], x, rotation)
+        for b, t in times.items():
+            self.measured[(b, n, k, dtype)] = self._choose(t)
 
     def _measure(self, cfg: GemvConfig | None, x: torch.Tensor, rotation) -> float:
         fn = torch_linear if cfg is None else (lambda x, w: gemv(x, w, None, cfg))
         try:
-            fn(x, rotation[0])  # compile, set up cuBLAS
+            fn(x, rotation[0])  # compile if needed, set up cuBLAS
             torch.cuda.synchronize()
         except Exception as e:  # a configuration this device cannot run (shared memory)
             log.debug("GEMV candidate %s failed: %s", cfg, e)

@@ -81,16 +81,19 @@ def gemv_weights(model: nn.Module) -> dict[tuple[int, int, torch.dtype], list[to
 
 
 def use_gemv(model: nn.Module, selector: GemvSelector | None = None,
-             plan: GemvPlan | None = None, enable: bool = True) -> GemvPlan | None:  # fmt: skip
+             plan: GemvPlan | None = None, enable: bool = True,
+             max_rows: int | None = None) -> GemvPlan | None:  # fmt: skip
     """Route the model's linear layers (and its logits projection, for models with a
     `gemv_plan` attribute) through a GEMV plan: `plan` when given, else the one `selector`
-    (default: GemvSelector()) measures for the model's weights on their device. Call it once
-    the weights are on the device and before CUDA graphs are captured. enable=False switches
-    back to plain torch. Returns the plan installed."""
+    (default: GemvSelector(max_rows=max_rows)) measures for the model's weights on their
+    device. max_rows: the most tokens a captured decode/verify step holds (None: every row
+    bucket up to 64). Call it once the weights are on the device and before CUDA graphs are
+    captured; pass one selector for a target and its drafter, so shared shapes are measured
+    once. enable=False switches back to plain torch. Returns the plan installed."""
     if enable and plan is None:
         from specserve.layers.gemv_select import GemvSelector
 
-        plan = (selector or GemvSelector()).select(gemv_weights(model))
+        plan = (selector or GemvSelector(max_rows=max_rows)).select(gemv_weights(model))
     mapping = _GEMV if enable else {v: k for k, v in _GEMV.items()}
     for module in model.modules():
         new_class = mapping.get(type(module))

@@ -1,13 +1,18 @@
 """Triton kernels for attention over the paged KV cache, and their launchers.
 
-One attention kernel serves prefill, chunked extend, decode and multi-token verify. Its
-program owns one request, one KV head and a block of query *rows*, a row being one (token,
-query head) pair of that KV head's group: decode with GQA fills the matrix units with the
-group's heads, verify with K+1 tokens times the group. When `num_splits` > 1 the KV length of
-each request is cut into that many chunks (flash-decoding), each program writes a partial
-output with its log-sum-exp, and a second kernel merges them; the chunk size is computed on
-the device from the request's own length, so the launch shape does not depend on the data
-(CUDA-graph safe).
+Two attention kernels share one contract. A program owns one request, one KV head and a
+block of query *rows*, a row being one (token, query head) pair of that KV head's group:
+decode with GQA fills the matrix units with the group's heads, verify with K+1 tokens times
+the group, and each K/V block is read once for all of them. `_paged_attn_kernel` serves
+every step (prefill, chunked extend, decode, verify); `_paged_decode_kernel` serves steps of
+at most DECODE_MAX_ROWS rows per request (decode and verify: one row block) and is built for
+bandwidth: a program's first K/V bytes wait on two round trips of metadata instead of four,
+K and V of a block are requested together, the page ids of the next block are fetched a
+block ahead, and (PREFETCH) the next block's K/V are loaded while this one is computed. When
+`num_splits` > 1 the KV length of each request is cut into that many chunks
+(flash-decoding), each program writes a partial output with its log-sum-exp, and a second
+kernel merges them; the chunk size is computed on the device from the request's own length,
+so the launch shape does not depend on the data (CUDA-graph safe).
 
 Imported lazily: kernels are defined when this module is first imported, which is when
 TRITON_INTERPRET is read.
@@ -22,6 +27,10 @@ import triton.language as tl
 LOG2E = 1.4426950408889634
 DECODE_MAX_ROWS = 64  # rows per request up to which the split (decode/verify) path is used
 MAX_REDUCE_SPLITS = 32  # the reduce kernel is compiled once for up to this many splits
+# Which kernel serves decode-like steps: "decode", "prefetch" (the decode kernel loading the
+# next K/V block during this one's math) or "generic" (_paged_attn_kernel).
+DECODE_KERNEL = "decode"
+DECODE_KERNELS = ("decode", "prefetch", "generic")
 
 
 @triton.jit
@@ -119,6 +128,107 @@ def _paged_attn_kernel(
         tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=o_mask)
 
 
+@triton.jit
+def _attend_block(q, k, v, n, n_ok, pos, m_i, l_i, acc, qk_scale):
+    """One K/V block of online softmax for the rows of q at positions `pos`."""
+    s = tl.dot(q, tl.trans(k.to(q.dtype))) * qk_scale
+    s = tl.where((n[None, :] <= pos[:, None]) & n_ok[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing seen yet
+    alpha = tl.exp2(m_i - m_ref)
+    p = tl.exp2(s - m_ref[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _kv_load(k_cache, v_cache, page, n, n_ok, kvh, stride_cp, stride_cs, stride_ch, d, d_ok,
+             PAGE_SIZE: tl.constexpr):  # fmt: skip
+    """Issue the loads of one K/V block: keys n of KV head kvh, their pages already known."""
+    off = page.to(tl.int64) * stride_cp + (n % PAGE_SIZE) * stride_cs + kvh * stride_ch
+    mask = n_ok[:, None] & d_ok[None, :]
+    k = tl.load(k_cache + off[:, None] + d[None, :], mask=mask, other=0.0)
+    v = tl.load(v_cache + off[:, None] + d[None, :], mask=mask, other=0.0)
+    return k, v
+
+
+@triton.jit(do_not_specialize=["stride_bt", "num_splits", "stride_os", "stride_ls", "stride_lt"])
+def _paged_decode_kernel(
+    q_ptr, k_cache, v_cache, out_ptr, lse_ptr,
+    positions, query_start_loc, seq_lens, block_tables,
+    stride_qt, stride_qh, stride_cp, stride_cs, stride_ch, stride_bt,
+    stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
+    qk_scale, num_splits,
+    KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PREFETCH: tl.constexpr,
+):  # fmt: skip
+    # Same arguments and grid as _paged_attn_kernel; all of a request's rows fit BLOCK_M.
+    pid_bh = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    b = pid_bh // KV_HEADS
+    kvh = pid_bh % KV_HEADS
+    q_start = tl.load(query_start_loc + b).to(tl.int32)
+    q_len = tl.load(query_start_loc + b + 1).to(tl.int32) - q_start
+    seq_len = tl.load(seq_lens + b).to(tl.int32)
+    # Chunks follow the request's length (not its last position), so the first block's page
+    # ids are requested together with the positions and the queries.
+    chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    lo = pid_s * chunk
+    table = block_tables + b * stride_bt
+    n = lo + tl.arange(0, BLOCK_N)
+    page = tl.load(table + n // PAGE_SIZE, mask=n < seq_len, other=0)
+    rows = tl.arange(0, BLOCK_M)
+    tok = rows // GROUP
+    head = kvh * GROUP + rows % GROUP
+    row_ok = tok < q_len
+    pos = tl.load(positions + q_start + tok, mask=row_ok, other=-1).to(tl.int32)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    q_off = (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
+    q = tl.load(q_ptr + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    # Keys visible to any row: up to the last position (positions ascend), within seq_len.
+    hi = tl.minimum(lo + chunk, tl.minimum(seq_len, tl.max(pos, 0) + 1))
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    n_ok = n < hi
+    if PREFETCH:  # K/V of this block in registers, the next block's page ids in flight
+        k, v = _kv_load(k_cache, v_cache, page, n, n_ok, kvh, stride_cp, stride_cs, stride_ch,
+                        d, d_ok, PAGE_SIZE)  # fmt: skip
+        page = tl.load(table + (n + BLOCK_N) // PAGE_SIZE, mask=n + BLOCK_N < hi, other=0)
+    for _ in range(lo, hi, BLOCK_N):
+        n_next = n + BLOCK_N
+        ok_next = n_next < hi
+        if PREFETCH:  # the next block's K/V load while this block is computed
+            k_next, v_next = _kv_load(k_cache, v_cache, page, n_next, ok_next, kvh, stride_cp,
+                                      stride_cs, stride_ch, d, d_ok, PAGE_SIZE)  # fmt: skip
+            page = tl.load(table + (n_next + BLOCK_N) // PAGE_SIZE,
+                           mask=n_next + BLOCK_N < hi, other=0)  # fmt: skip
+            m_i, l_i, acc = _attend_block(q, k, v, n, n_ok, pos, m_i, l_i, acc, qk_scale)
+            k, v = k_next, v_next
+        else:  # K and V requested together, the next page ids alongside
+            k, v = _kv_load(k_cache, v_cache, page, n, n_ok, kvh, stride_cp, stride_cs,
+                            stride_ch, d, d_ok, PAGE_SIZE)  # fmt: skip
+            page = tl.load(table + n_next // PAGE_SIZE, mask=ok_next, other=0)
+            m_i, l_i, acc = _attend_block(q, k, v, n, n_ok, pos, m_i, l_i, acc, qk_scale)
+        n, n_ok = n_next, ok_next
+
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    o_off = pid_s * stride_os + (q_start + tok)[:, None] * stride_ot
+    o_off += head[:, None] * stride_oh + d[None, :]
+    o_mask = row_ok[:, None] & d_ok[None, :]
+    if SPLIT:
+        tl.store(out_ptr + o_off, out, mask=o_mask)
+        lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+        l_off = pid_s * stride_ls + (q_start + tok) * stride_lt + head
+        tl.store(lse_ptr + l_off, lse, mask=row_ok)
+    else:
+        tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=o_mask)
+
+
 @triton.jit(do_not_specialize=["stride_ps", "stride_ls", "stride_lt", "num_splits"])
 def _split_reduce_kernel(
     part_ptr, lse_ptr, out_ptr,
@@ -190,12 +300,15 @@ def paged_attention(
     out: torch.Tensor | None = None,
     num_warps: int | None = None,
     num_stages: int = 2,
+    kernel: str | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed queries q [T, H, D] over the paged cache; returns [T, H, D].
 
     num_splits 1 writes the output directly; > 1 splits every request's KV length into that
     many chunks and merges the partial results in a second kernel. block_n (keys per
-    iteration), num_warps and num_stages override the tuned defaults.
+    iteration), num_warps and num_stages override the tuned defaults. kernel picks what
+    serves decode-like steps (at most DECODE_MAX_ROWS rows per request): one of
+    DECODE_KERNELS, default DECODE_KERNEL; other steps always take the generic kernel.
     """
     num_tokens, num_heads, head_dim = q.shape
     _check_cache(k_cache, v_cache)
@@ -225,7 +338,15 @@ def paged_attention(
     else:
         lse, dst = out, out  # lse unused
         dst_strides, lse_strides = (0, *out.stride()[:2]), (0, 0)
-    _paged_attn_kernel[grid](
+    kernel = kernel or DECODE_KERNEL
+    if kernel not in DECODE_KERNELS:
+        raise ValueError(f"kernel must be one of {DECODE_KERNELS}, got {kernel!r}")
+    extra = {}
+    if decode_like and kernel != "generic":
+        launch, extra["PREFETCH"] = _paged_decode_kernel[grid], kernel == "prefetch"
+    else:
+        launch = _paged_attn_kernel[grid]
+    launch(
         q, k_cache, v_cache, dst, lse,
         positions, query_start_loc, seq_lens, block_tables,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -233,7 +354,7 @@ def paged_attention(
         scale * LOG2E, num_splits,
         KV_HEADS=kv_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
         PAGE_SIZE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_N=block_n,
-        SPLIT=split, num_warps=num_warps, num_stages=num_stages,
+        SPLIT=split, num_warps=num_warps, num_stages=num_stages, **extra,
     )  # fmt: skip
     if split:
         _split_reduce_kernel[(num_tokens, num_heads)](
@@ -242,3 +363,17 @@ def paged_attention(
             HEAD_DIM=head_dim, BLOCK_D=block_d,
         )  # fmt: skip
     return out
+
+
+def decode_num_splits(num_programs: int, max_seq_len: int, num_sms: int,
+                      programs_per_sm: int = 4, min_split_tokens: int = 128,
+                      max_splits: int = MAX_REDUCE_SPLITS) -> int:  # fmt: skip
+    """A split count for a decode-like step of `num_programs` (request, KV head) pairs that
+    keeps the programs within one wave (`programs_per_sm` resident per multiprocessor): the
+    most splits that still fit, none once the pairs alone fill the wave (a second wave of
+    short programs and the merge kernel cost more than the idle slots), and no chunk shorter
+    than `min_split_tokens`. A candidate policy for the backend; gpu_kernel_bench.py
+    measures it against the backend's own and against every split count."""
+    slots = programs_per_sm * num_sms
+    by_length = -(-max_seq_len // min_split_tokens)
+    return max(1, min(slots // max(1, num_programs), by_length, max_splits))
