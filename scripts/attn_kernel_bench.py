@@ -36,7 +36,7 @@ SPLITS = (1, 2, 4, 8, 16, 32)
 BASELINE = ("generic", 64, 4, 2)  # the backend's decode launch before this work
 MAIN = [BASELINE, ("decode", 64, 4, 3), ("decode", 32, 4, 3)]  # swept over every split
 OTHERS = [  # (kernel, block_n, warps, stages), timed at split 1 and at the best split of MAIN
-    ("generic", 64, 4, 3), ("generic", 32, 4, 2), ("decode", 64, 4, 2), ("decode", 32, 4, 4),
+    ("generic", 64, 4, 3), ("generic", 32, 4, 2), ("generic", 128, 8, 3), ("decode", 32, 4, 4),
     ("decode", 64, 4, 4), ("decode", 16, 4, 4), ("decode", 64, 8, 3),
     ("prefetch", 32, 4, 1), ("prefetch", 64, 4, 1), ("prefetch", 64, 8, 1),
 ]  # fmt: skip

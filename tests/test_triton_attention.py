@@ -125,3 +125,22 @@ def test_gpu_fresh_prefill_long(dtype):
                        seed=3, **GPU_SHAPE)  # fmt: skip
     err = attention_error(_kernels(), batch, None)
     assert err < GPU_TOL[dtype], err
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kernel", ["decode", "prefetch", "generic"])
+@pytest.mark.parametrize("q_len", [1, 4, 16])
+def test_gpu_decode_kernels_at_batch_64(dtype, kernel, q_len):
+    # the batch-64 grid (64 requests x 8 KV heads of 4 query heads), random lengths; every
+    # other request's positions end 3 before its seq_len; several launches and split counts
+    gen = torch.Generator().manual_seed(q_len)
+    seq_lens = torch.randint(q_len + 3, 3000, (64,), generator=gen).tolist()
+    ends = [s - 1 - 3 * (b % 2) for b, s in enumerate(seq_lens)]
+    batch = make_batch([q_len] * 64, ends, seq_lens, 16, dtype=dtype, device="cuda",
+                       seed=q_len, **GPU_SHAPE)  # fmt: skip
+    for splits, (block_n, warps, stages) in ((1, (64, 4, 3)), (2, (32, 4, 4)),
+                                             (None, (64, 8, 3)), (7, (16, 4, 1))):  # fmt: skip
+        err = attention_error(_kernels(), batch, splits, block_n, num_warps=warps,
+                              num_stages=stages, kernel=kernel)  # fmt: skip
+        assert err < GPU_TOL[dtype], (splits, block_n, warps, stages, err)

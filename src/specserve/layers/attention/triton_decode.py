@@ -1,0 +1,122 @@
+"""The decode-path attention kernel: steps of at most DECODE_MAX_ROWS query rows per request
+(decode, and verify of K+1 tokens), all of a request's rows in one block, built for
+bandwidth. Same arguments, grid and outputs as `_paged_attn_kernel` (triton_kernels.py):
+one program per (request, KV head, split) reads each K/V block once for the whole query-head
+group.
+
+Where the time goes at decode is waiting on memory, so: the metadata a program needs before
+its first K/V bytes take two round trips (request bounds and length, then positions,
+queries and the first page ids together) instead of four; K and V of a block are requested
+together; the page ids of the next block are fetched a block ahead, which lets Triton's
+pipeliner (num_stages >= 3) keep the next K/V block in flight in shared memory while this
+one is computed. PREFETCH does that by hand instead, in registers (no pipeliner).
+
+Imported by triton_kernels.py, and like it only when kernels may be defined (TRITON_INTERPRET
+is read then).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _attend_block(q, k, v, n, n_ok, pos, m_i, l_i, acc, qk_scale):
+    """One K/V block of online softmax for the rows of q at positions `pos`."""
+    s = tl.dot(q, tl.trans(k.to(q.dtype))) * qk_scale
+    s = tl.where((n[None, :] <= pos[:, None]) & n_ok[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing seen yet
+    alpha = tl.exp2(m_i - m_ref)
+    p = tl.exp2(s - m_ref[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _kv_load(k_cache, v_cache, page, n, n_ok, kvh, stride_cp, stride_cs, stride_ch, d, d_ok,
+             PAGE_SIZE: tl.constexpr):  # fmt: skip
+    """Issue the loads of one K/V block: keys n of KV head kvh, their pages already known."""
+    off = page.to(tl.int64) * stride_cp + (n % PAGE_SIZE) * stride_cs + kvh * stride_ch
+    mask = n_ok[:, None] & d_ok[None, :]
+    k = tl.load(k_cache + off[:, None] + d[None, :], mask=mask, other=0.0)
+    v = tl.load(v_cache + off[:, None] + d[None, :], mask=mask, other=0.0)
+    return k, v
+
+
+@triton.jit(do_not_specialize=["stride_bt", "num_splits", "stride_os", "stride_ls", "stride_lt"])
+def _paged_decode_kernel(
+    q_ptr, k_cache, v_cache, out_ptr, lse_ptr,
+    positions, query_start_loc, seq_lens, block_tables,
+    stride_qt, stride_qh, stride_cp, stride_cs, stride_ch, stride_bt,
+    stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
+    qk_scale, num_splits,
+    KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PREFETCH: tl.constexpr,
+):  # fmt: skip
+    # Same arguments and grid as _paged_attn_kernel; all of a request's rows fit BLOCK_M.
+    pid_bh = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    b = pid_bh // KV_HEADS
+    kvh = pid_bh % KV_HEADS
+    q_start = tl.load(query_start_loc + b).to(tl.int32)
+    q_len = tl.load(query_start_loc + b + 1).to(tl.int32) - q_start
+    seq_len = tl.load(seq_lens + b).to(tl.int32)
+    # Chunks follow the request's length (not its last position), so the first block's page
+    # ids are requested together with the positions and the queries.
+    chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    lo = pid_s * chunk
+    table = block_tables + b * stride_bt
+    n = lo + tl.arange(0, BLOCK_N)
+    page = tl.load(table + n // PAGE_SIZE, mask=n < seq_len, other=0)
+    rows = tl.arange(0, BLOCK_M)
+    tok = rows // GROUP
+    head = kvh * GROUP + rows % GROUP
+    row_ok = tok < q_len
+    pos = tl.load(positions + q_start + tok, mask=row_ok, other=-1).to(tl.int32)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    q_off = (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
+    q = tl.load(q_ptr + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    # Keys visible to any row: up to the last position (positions ascend), within seq_len.
+    hi = tl.minimum(lo + chunk, tl.minimum(seq_len, tl.max(pos, 0) + 1))
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    n_ok = n < hi
+    if PREFETCH:  # K/V of this block in registers, the next block's page ids in flight
+        k, v = _kv_load(k_cache, v_cache, page, n, n_ok, kvh, stride_cp, stride_cs, stride_ch,
+                        d, d_ok, PAGE_SIZE)  # fmt: skip
+        page = tl.load(table + (n + BLOCK_N) // PAGE_SIZE, mask=n + BLOCK_N < hi, other=0)
+    for _ in range(lo, hi, BLOCK_N):
+        n_next = n + BLOCK_N
+        ok_next = n_next < hi
+        if PREFETCH:  # the next block's K/V load while this block is computed
+            k_next, v_next = _kv_load(k_cache, v_cache, page, n_next, ok_next, kvh, stride_cp,
+                                      stride_cs, stride_ch, d, d_ok, PAGE_SIZE)  # fmt: skip
+            page = tl.load(table + (n_next + BLOCK_N) // PAGE_SIZE,
+                           mask=n_next + BLOCK_N < hi, other=0)  # fmt: skip
+            m_i, l_i, acc = _attend_block(q, k, v, n, n_ok, pos, m_i, l_i, acc, qk_scale)
+            k, v = k_next, v_next
+        else:  # K and V requested together, the next page ids alongside
+            k, v = _kv_load(k_cache, v_cache, page, n, n_ok, kvh, stride_cp, stride_cs,
+                            stride_ch, d, d_ok, PAGE_SIZE)  # fmt: skip
+            page = tl.load(table + n_next // PAGE_SIZE, mask=ok_next, other=0)
+            m_i, l_i, acc = _attend_block(q, k, v, n, n_ok, pos, m_i, l_i, acc, qk_scale)
+        n, n_ok = n_next, ok_next
+
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    o_off = pid_s * stride_os + (q_start + tok)[:, None] * stride_ot
+    o_off += head[:, None] * stride_oh + d[None, :]
+    o_mask = row_ok[:, None] & d_ok[None, :]
+    if SPLIT:
+        tl.store(out_ptr + o_off, out, mask=o_mask)
+        lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+        l_off = pid_s * stride_ls + (q_start + tok) * stride_lt + head
+        tl.store(lse_ptr + l_off, lse, mask=row_ok)
+    else:
+        tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=o_mask)
