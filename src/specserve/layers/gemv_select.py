@@ -229,10 +229,10 @@ class GemvSelector:
 
         def build(task) -> None:
             cfg, rows, w = task
-            torch.cuda.set_device(device)
             try:
-                x = torch.zeros(rows, w.shape[1], device=device, dtype=w.dtype)
-                gemv(x, w, None, cfg, compile_only=True)
+                with torch.cuda.device(device):  # Triton compiles for the current device
+                    x = torch.zeros(rows, w.shape[1], device=device, dtype=w.dtype)
+                    gemv(x, w, None, cfg, compile_only=True)
             except Exception as e:  # measured as failing (inf) later
                 log.debug("GEMV candidate %s does not compile: %s", cfg, e)
 
