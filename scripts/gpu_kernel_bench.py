@@ -258,7 +258,7 @@ def markdown(result: dict) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, type=Path)
-    ap.add_argument("--budget-s", type=float, default=190.0, help="deadline for everything")
+    ap.add_argument("--budget-s", type=float, default=180.0, help="deadline for everything")
     ap.add_argument("--reps", type=int, default=7, help="graph replays per timing (median)")
     ap.add_argument("--layers", type=int, default=32, help="layers of the GEMM chain")
     ap.add_argument("--warm-cache", action="store_true", help="keep Triton's cache directory")

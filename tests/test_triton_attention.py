@@ -64,6 +64,16 @@ def test_interpreter_matches_reference(name, interpreter_results):
     assert err <= _tolerance(name), f"{name}: relative error {err:.3g}"
 
 
+def test_decode_num_splits_keeps_one_wave():
+    from specserve.layers.attention.triton_kernels import decode_num_splits
+
+    assert decode_num_splits(64 * 8, 131072, 132) == 1  # batch 64 x 8 KV heads: a full wave
+    assert decode_num_splits(8 * 8, 131072, 132) == 8  # 512 of 528 slots
+    assert decode_num_splits(8, 131072, 132) == 32  # capped by the reduce kernel
+    assert decode_num_splits(8, 300, 132) == 3  # no chunk under 128 tokens
+    assert decode_num_splits(2000, 131072, 132) == 1
+
+
 # ---- GPU: compiled kernels at real shapes ------------------------------------------------
 GPU_SHAPE = dict(kv_heads=8, group=4, head_dim=128)  # Llama-3.1-8B attention
 GPU_TOL = {torch.bfloat16: 1.5e-2, torch.float16: 3e-3}
@@ -130,17 +140,18 @@ def test_gpu_fresh_prefill_long(dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("kernel", ["decode", "prefetch", "generic"])
-@pytest.mark.parametrize("q_len", [1, 4, 16])
-def test_gpu_decode_kernels_at_batch_64(dtype, kernel, q_len):
+def test_gpu_decode_kernels_at_batch_64(dtype, kernel):
     # the batch-64 grid (64 requests x 8 KV heads of 4 query heads), random lengths; every
-    # other request's positions end 3 before its seq_len; several launches and split counts
-    gen = torch.Generator().manual_seed(q_len)
-    seq_lens = torch.randint(q_len + 3, 3000, (64,), generator=gen).tolist()
-    ends = [s - 1 - 3 * (b % 2) for b, s in enumerate(seq_lens)]
-    batch = make_batch([q_len] * 64, ends, seq_lens, 16, dtype=dtype, device="cuda",
-                       seed=q_len, **GPU_SHAPE)  # fmt: skip
-    for splits, (block_n, warps, stages) in ((1, (64, 4, 3)), (2, (32, 4, 4)),
-                                             (None, (64, 8, 3)), (7, (16, 4, 1))):  # fmt: skip
-        err = attention_error(_kernels(), batch, splits, block_n, num_warps=warps,
-                              num_stages=stages, kernel=kernel)  # fmt: skip
-        assert err < GPU_TOL[dtype], (splits, block_n, warps, stages, err)
+    # other request's positions end 3 before its seq_len; decode, verify of 4 and of 16
+    # tokens (64 rows), several launches and split counts
+    for q_len in (1, 4, 16):
+        gen = torch.Generator().manual_seed(q_len)
+        seq_lens = torch.randint(q_len + 3, 3000, (64,), generator=gen).tolist()
+        ends = [s - 1 - 3 * (b % 2) for b, s in enumerate(seq_lens)]
+        batch = make_batch([q_len] * 64, ends, seq_lens, 16, dtype=dtype, device="cuda",
+                           seed=q_len, **GPU_SHAPE)  # fmt: skip
+        for splits, (block_n, warps, stages) in ((1, (64, 4, 3)), (2, (32, 4, 4)),
+                                                 (None, (64, 8, 3)), (7, (16, 4, 1))):  # fmt: skip
+            err = attention_error(_kernels(), batch, splits, block_n, num_warps=warps,
+                                  num_stages=stages, kernel=kernel)  # fmt: skip
+            assert err < GPU_TOL[dtype], (q_len, splits, block_n, warps, stages, err)
