@@ -125,7 +125,7 @@ def _gemv_kernel(
 
 
 @triton.jit(do_not_specialize=["split_k"])
-def _split_k_reduce_kernel(
+def _gemv_split_k_reduce_kernel(
     part_ptr, b_ptr, out_ptr, N, split_k, stride_ps, stride_pm, stride_om,
     HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
@@ -194,11 +194,11 @@ def gemv(
     if compile_only:
         _gemv_kernel.warmup(*args, grid=grid, **consts)
         if partial:
-            _split_k_reduce_kernel.warmup(*reduce_args, grid=reduce_grid, **reduce_consts)
+            _gemv_split_k_reduce_kernel.warmup(*reduce_args, grid=reduce_grid, **reduce_consts)
         return None
     _gemv_kernel[grid](*args, **consts)
     if partial:
-        _split_k_reduce_kernel[reduce_grid](*reduce_args, **reduce_consts)
+        _gemv_split_k_reduce_kernel[reduce_grid](*reduce_args, **reduce_consts)
     return out.view(*x.shape[:-1], n)
 
 

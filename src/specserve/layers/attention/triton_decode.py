@@ -47,7 +47,7 @@ def _kv_load(k_cache, v_cache, page, n, n_ok, kvh, stride_cp, stride_cs, stride_
 
 
 @triton.jit(do_not_specialize=["stride_bt", "num_splits", "stride_os", "stride_ls", "stride_lt"])
-def _paged_decode_kernel(
+def _paged_attn_decode_kernel(
     q_ptr, k_cache, v_cache, out_ptr, lse_ptr,
     positions, query_start_loc, seq_lens, block_tables,
     stride_qt, stride_qh, stride_cp, stride_cs, stride_ch, stride_bt,

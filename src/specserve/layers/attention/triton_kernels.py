@@ -4,7 +4,7 @@ Two attention kernels share one contract. A program owns one request, one KV hea
 block of query *rows*, a row being one (token, query head) pair of that KV head's group:
 decode with GQA fills the matrix units with the group's heads, verify with K+1 tokens times
 the group, and each K/V block is read once for all of them. `_paged_attn_kernel` serves
-every step (prefill, chunked extend, decode, verify); `_paged_decode_kernel`
+every step (prefill, chunked extend, decode, verify); `_paged_attn_decode_kernel`
 (triton_decode.py) serves steps of at most DECODE_MAX_ROWS rows per request (decode and
 verify: one row block) and is built for bandwidth. When `num_splits` > 1 the KV length of
 each request is cut into that many chunks (flash-decoding), each program writes a partial
@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from specserve.layers.attention.triton_decode import _paged_decode_kernel
+from specserve.layers.attention.triton_decode import _paged_attn_decode_kernel
 
 LOG2E = 1.4426950408889634
 DECODE_MAX_ROWS = 64  # rows per request up to which the split (decode/verify) path is used
@@ -247,7 +247,7 @@ def paged_attention(
         raise ValueError(f"kernel must be one of {DECODE_KERNELS}, got {kernel!r}")
     extra = {}
     if decode_like and kernel != "generic":
-        launch, extra["PREFETCH"] = _paged_decode_kernel[grid], kernel == "prefetch"
+        launch, extra["PREFETCH"] = _paged_attn_decode_kernel[grid], kernel == "prefetch"
         if kernel == "decode":
             num_stages = max(num_stages, DECODE_MIN_STAGES)
     else:
