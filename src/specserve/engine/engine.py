@@ -74,9 +74,16 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         if device.type == "cuda" and config.backend_name() == "triton":
+            from specserve.layers.gemv_select import GemvSelector
+            from specserve.layers.linear import use_gemv
             from specserve.layers.triton_ops import use_triton_ops
 
             use_triton_ops(model)  # fused RMSNorm / rotary / SiLU-and-mul (same rounding)
+            # Decode-sized linears: cuBLAS or a Triton GEMV, whichever this GPU runs faster
+            # per shape (measured now; the drafter shares the selector's measurements).
+            rows = config.cuda_graph_max_batch * (config.speculative_num_steps + 1)
+            self.gemv_selector = GemvSelector(max_rows=rows)
+            use_gemv(model, self.gemv_selector)
         self.runner = ModelRunner(model, self.kv, get_backend(config.backend_name()))
         if device.type == "cuda":  # compile every attention variant now, not mid-serving
             self.runner.backend.warm_up(self.model_config.num_heads, self.kv.layers[0])

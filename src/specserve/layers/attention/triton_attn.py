@@ -8,7 +8,6 @@ backend can be registered on machines without triton.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -29,7 +28,7 @@ class LaunchConfig:
     num_stages: int
 
 
-DECODE_LAUNCH = LaunchConfig(block_n=64, num_warps=4, num_stages=2)  # decode and verify
+DECODE_LAUNCH = LaunchConfig(block_n=32, num_warps=4, num_stages=3)  # decode and verify
 PREFILL_LAUNCH = LaunchConfig(block_n=64, num_warps=8, num_stages=2)
 
 
@@ -116,8 +115,10 @@ class TritonAttentionBackend(AttentionBackend):
             return 1  # prefill: query blocks already fill the GPU
         if device not in self._sms:
             self._sms[device] = _num_sms(device)
+        # As many splits as keep every program in one wave: a second wave of short
+        # programs plus the merge cost more than idle slots (gpu_kernels.md, attention).
         programs = meta.num_requests * num_kv_heads
-        wanted = math.ceil(self.programs_per_sm * self._sms[device] / programs)
+        wanted = int(self.programs_per_sm * self._sms[device]) // programs
         by_length = -(-meta.max_seq_len // MIN_SPLIT_TOKENS)
         return max(1, min(wanted, by_length, MAX_SPLITS))
 
