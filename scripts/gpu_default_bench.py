@@ -135,6 +135,12 @@ def main() -> None:
             rows.append(row)
         spec_stats = {k: v for k, v in llm.engine.stats().items() if k.startswith("spec_")}
         results[name] = {"startup_s": round(startup, 2), "rows": rows, "spec": spec_stats}
+        if extra.get("speculative_policy") == "goodput":  # the policy's own account
+            spec = llm.engine.spec
+            trace = {"decisions": spec.policy.trace.dump(), "cost": spec.cost.snapshot()}
+            trace_path = Path(args.out).with_name(Path(args.out).name + "_goodput_trace.json")
+            trace_path.parent.mkdir(parents=True, exist_ok=True)
+            trace_path.write_text(json.dumps(trace))
         del llm
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
