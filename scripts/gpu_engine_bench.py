@@ -78,10 +78,15 @@ def run(engine: LLMEngine, batch: int, prompt_len: int, new_tokens: int) -> dict
     steps0 = engine.num_steps
     produced = sum(len(r.output_token_ids) for r in engine.requests.values())
     t0 = time.perf_counter()
+    walls = []
     while engine.has_unfinished():
+        t = time.perf_counter()
         engine.step()
+        walls.append(time.perf_counter() - t)
     sync()
     seconds = time.perf_counter() - t0
+    walls.sort()
+    median = walls[len(walls) // 2]
     tokens = batch * new_tokens - produced
     return {
         "batch": batch,
@@ -90,6 +95,10 @@ def run(engine: LLMEngine, batch: int, prompt_len: int, new_tokens: int) -> dict
         "output_tok_s": round(tokens / seconds, 1),
         "ms_per_step": round(seconds / (engine.num_steps - steps0) * 1e3, 3),
         "steps": engine.num_steps - steps0,
+        # step() wall times: spikes (drafter catch-ups, compiles) show as max and slow share
+        "step_ms_p50_p99_max": [round(walls[int(len(walls) * q)] * 1e3, 3)
+                                for q in (0.5, 0.99)] + [round(walls[-1] * 1e3, 3)],
+        "slow_steps_ms": round(sum(w for w in walls if w > 2 * median) * 1e3, 1),
     }
 
 
@@ -134,6 +143,7 @@ def main() -> None:
             "graphs": graphs.__dict__ if graphs else None,
             "drafter_graphs": drafter.report.__dict__ if drafter else None,
             "kv_pages": engine.kv.allocator.num_pages,
+            "loop_waits": getattr(engine.loop, "num_waits", None),  # steps not launched ahead
             "rows": rows,
             "spec": {k: v for k, v in engine.stats().items() if k.startswith("spec_")},
         }
