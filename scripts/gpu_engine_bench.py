@@ -136,7 +136,7 @@ def main() -> None:
         graphs = engine.runner.graphs.report if engine.runner.graphs else None
         drafter = getattr(engine.spec.proposer, "graphs", None) if engine.spec else None
         for b in args.batches:  # warm-up: Triton compiles each new shape on first use
-            run(engine, b, 64, 24)
+            run(engine, b, args.prompt_len, 24)  # the timed prompt length: its first-use costs too
         rows = [run(engine, b, args.prompt_len, args.new_tokens) for b in args.batches]
         results[name] = {
             "startup_s": round(startup, 2),
