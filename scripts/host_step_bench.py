@@ -177,6 +177,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64, 256])
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--profile", action="store_true", help="cProfile the largest batch")
+    ap.add_argument("--no-phases", action="store_true", help="only the clean timings")
     args = ap.parse_args()
     torch.set_num_threads(1)
     config = EngineConfig(
@@ -203,22 +204,27 @@ def main() -> None:
               f"{turn_ms * 1e3 / batch:.1f} |")
     if args.profile:
         profile(engine, loop, max(args.batch), args.steps)
+    if not args.no_phases:
+        print_phases(engine, loop, args.batch, args.steps)
+    gc.unfreeze()  # let interpreter shutdown collect everything (native bindings check)
+
+
+def print_phases(engine, loop, batches: list[int], steps: int) -> None:
     phases = Phases()
     instrument(engine, phases)
     split = {}
-    for b in args.batch:  # the median of three passes, phase by phase
-        passes = [run_phases(engine, loop, b, args.steps, phases) for _ in range(3)]
+    for b in batches:  # the median of three passes, phase by phase
+        passes = [run_phases(engine, loop, b, steps, phases) for _ in range(3)]
         split[b] = {k: statistics.median(p.get(k, 0.0) for p in passes) for k in passes[0]}
-    names = sorted({k for s in split.values() for k in s}, key=lambda k: -split[args.batch[-1]][k])
+    names = sorted({k for s in split.values() for k in s}, key=lambda k: -split[batches[-1]][k])
     print("\nPhases, us per request-step (timers on; a process turn):\n")
-    print("| phase | " + " | ".join(f"batch {b}" for b in args.batch) + " |")
-    print("|---|" + "---|" * len(args.batch))
+    print("| phase | " + " | ".join(f"batch {b}" for b in batches) + " |")
+    print("|---|" + "---|" * len(batches))
     for name in names:
-        cells = [f"{split[b].get(name, 0.0) * 1e3 / b:.2f}" for b in args.batch]
+        cells = [f"{split[b].get(name, 0.0) * 1e3 / b:.2f}" for b in batches]
         print(f"| {name} | " + " | ".join(cells) + " |")
-    totals = [f"{sum(split[b].values()) * 1e3 / b:.2f}" for b in args.batch]
+    totals = [f"{sum(split[b].values()) * 1e3 / b:.2f}" for b in batches]
     print("| **total** | " + " | ".join(totals) + " |")
-    gc.unfreeze()  # let interpreter shutdown collect everything (native bindings check)
 
 
 def profile(engine, loop, batch, steps) -> None:
