@@ -67,6 +67,8 @@ def ran_ahead(llm, seen) -> None:
 @pytest.mark.parametrize("padded, kw, sampled", [
     (False, {}, False), (False, dict(page_size=1), False), (True, dict(page_size=4), False),
     (False, {}, True),
+    # Chunked prefill: a chunk that draws no token leaves its features in flight.
+    (True, dict(page_size=4, max_num_batched_tokens=11), False),
 ])  # fmt: skip
 def test_simulated_acceptance_same_tokens(models, padded, kw, sampled):
     """Partial acceptance every step: positions, KV slots and the drafter's inputs move by
@@ -174,6 +176,30 @@ def test_arrivals_aborts_and_preemption(models, reference, padded):
     for rid, i in ids.items():
         if rid not in aborted:
             assert finished[rid] == expected[i]
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_chunked_prefill_features_in_flight(models, reference, padded):
+    """A prefill chunk that stops one token short of the prompt's end draws no token, yet
+    its features are in flight when the next step (its first decode, drafting) is launched
+    ahead: the drafter's catch-up takes them from the step in flight."""
+    llm = eagle3(models, "on", padded, page_size=4, max_num_batched_tokens=11)
+    seen = count_gathers(llm)
+    proposer, short_chunks = llm.engine.spec.proposer, []
+    catch_up_inputs = proposer._catch_up_inputs
+
+    def spy(items, prev):
+        if prev is not None:
+            short_chunks.extend(it for it in items
+                                if id(it.request) in prev.feature_rows
+                                and id(it.request) not in prev.rows)  # fmt: skip
+        return catch_up_inputs(items, prev)
+
+    proposer._catch_up_inputs = spy
+    outs = llm.generate(prompts_for(), GREEDY)
+    assert [o.token_ids for o in outs] == [t for t, _, _ in reference(GREEDY)]
+    assert short_chunks
+    ran_ahead(llm, seen)
 
 
 def test_waiting_path_drops_requests_that_stopped(models, reference):

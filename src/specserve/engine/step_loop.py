@@ -78,9 +78,11 @@ class LaunchedStep:
         rows = {id(s.request): r for r, s in enumerate(sampled)}
         feature_rows = {}
         if self.features is not None:  # queued on the requests only when resolved
-            first = dict(zip(map(id, self.batch), self.step_input.first_rows))
-            feature_rows = {id(s.request): (first[id(s)], s.num_tokens + num_drafts(s))
-                            for s in sampled}  # fmt: skip
+            # Every scheduled request's rows, a prefill chunk that drew no token included:
+            # the next step may catch its drafter up on them.
+            firsts = self.step_input.first_rows
+            feature_rows = {id(s.request): (first, s.num_tokens + num_drafts(s))
+                            for s, first in zip(self.batch, firsts)}  # fmt: skip
         return InflightStep(
             self.sampled.tokens, self.sampled.accept_len, rows, [num_drafts(s) for s in sampled],
             self.features, feature_rows, self.consumed,

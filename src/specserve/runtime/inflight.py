@@ -48,9 +48,10 @@ class InflightStep:
     a plain step, one token per row). `features` are N's drafter inputs for its packed rows
     (EAGLE-3: projected target features) when they are not yet queued on the requests (a
     speculative step queues them once its accept lengths are read); request r's are rows
-    feature_rows[r] = (first, count). `consumed` collects the requests whose features the
-    next step's drafter took from here (their accept lengths too): N's resolve must not
-    queue them again.
+    feature_rows[r] = (first, count), for every scheduled request of N (sampled or not: a
+    prefill chunk that drew no token has features too). `consumed` collects the requests
+    whose features the next step's drafter took from here (their accept lengths too): N's
+    resolve must not queue them again.
     """
 
     tokens: torch.Tensor  # [R, W]

@@ -120,10 +120,11 @@ class Eagle3Proposer(Proposer):
             row = prev.rows.get(id(req), -1) if prev is not None else -1
             if row >= 0:  # its newest tokens are in flight: as many as prev may commit
                 pair_tokens = pair_tokens + [0] * (prev.num_drafts[row] + 1)
-                if prev.features is not None:
-                    first, count = prev.feature_rows[id(req)]
-                    feats.append(prev.features[first : first + count])
-                    prev.consumed.add(id(req))
+            if prev is not None and id(req) in prev.feature_rows:
+                # prev's features (a prefill chunk that drew no token's too) are not queued.
+                first, count = prev.feature_rows[id(req)]
+                feats.append(prev.features[first : first + count])
+                prev.consumed.add(id(req))
             segments.append(Segment(req.page_table, start, pair_tokens))
             rows.append(row)
             # The host's view (prev counted as one token); prev's resolve adds its accepts.
