@@ -72,6 +72,22 @@ def test_decode_num_splits_keeps_one_wave():
     assert decode_num_splits(8, 131072, 132) == 32  # capped by the reduce kernel
     assert decode_num_splits(8, 300, 132) == 3  # no chunk under 128 tokens
     assert decode_num_splits(2000, 131072, 132) == 1
+    assert decode_num_splits(0, 0, 132) == 1  # nothing to run: no split, no division by zero
+    # the backend's choice is this policy (CPU: 4 multiprocessors assumed)
+    from specserve.layers.attention import AttentionMetadata
+    from specserve.layers.attention.triton_attn import TritonAttentionBackend
+
+    def meta(num_requests, max_seq_len, q_len=1):
+        lens = torch.full((num_requests,), max_seq_len)
+        return AttentionMetadata(None, None, torch.arange(num_requests + 1) * q_len, lens,
+                                 None, q_len, max_seq_len)  # fmt: skip
+
+    backend, cpu = TritonAttentionBackend(), torch.device("cpu")
+    for b, ctx in ((1, 4096), (2, 4096), (3, 300), (16, 4096), (64, 100)):
+        want = decode_num_splits(b * 2, ctx, 4)
+        assert backend.choose_num_splits(meta(b, ctx), 2, 4, cpu) == want, (b, ctx)
+    assert backend.choose_num_splits(meta(1, 4096, q_len=32), 2, 4, cpu) == 1  # prefill rows
+    assert isinstance(backend.choose_num_splits(meta(1, 4096), 2, 4, cpu), int)
 
 
 # ---- GPU: compiled kernels at real shapes ------------------------------------------------

@@ -117,10 +117,10 @@ class TritonAttentionBackend(AttentionBackend):
             self._sms[device] = _num_sms(device)
         # As many splits as keep every program in one wave: a second wave of short
         # programs plus the merge cost more than idle slots (gpu_kernels.md, attention).
-        programs = meta.num_requests * num_kv_heads
-        wanted = int(self.programs_per_sm * self._sms[device]) // programs
-        by_length = -(-meta.max_seq_len // MIN_SPLIT_TOKENS)
-        return max(1, min(wanted, by_length, MAX_SPLITS))
+        return self.kernels.decode_num_splits(
+            meta.num_requests * num_kv_heads, meta.max_seq_len, self._sms[device],
+            self.programs_per_sm, MIN_SPLIT_TOKENS, MAX_SPLITS,
+        )  # fmt: skip
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
         ops = self.kernels

@@ -272,14 +272,14 @@ def paged_attention(
 
 
 def decode_num_splits(num_programs: int, max_seq_len: int, num_sms: int,
-                      programs_per_sm: int = 4, min_split_tokens: int = 128,
+                      programs_per_sm: float = 4, min_split_tokens: int = 128,
                       max_splits: int = MAX_REDUCE_SPLITS) -> int:  # fmt: skip
     """A split count for a decode-like step of `num_programs` (request, KV head) pairs that
     keeps the programs within one wave (`programs_per_sm` resident per multiprocessor): the
     most splits that still fit, none once the pairs alone fill the wave (a second wave of
     short programs and the merge kernel cost more than the idle slots), and no chunk shorter
-    than `min_split_tokens`. A candidate policy for the backend; gpu_kernel_bench.py
-    measures it against the backend's own and against every split count."""
-    slots = programs_per_sm * num_sms
+    than `min_split_tokens`. The backend's policy (`TritonAttentionBackend.choose_num_splits`);
+    gpu_kernel_bench.py measures it against every split count."""
+    slots = int(programs_per_sm * num_sms)
     by_length = -(-max_seq_len // min_split_tokens)
     return max(1, min(slots // max(1, num_programs), by_length, max_splits))
