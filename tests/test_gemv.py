@@ -13,17 +13,15 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
+from tests.interpreter_run import interpreter_results as run_interpreter
 from tests.triton_cases import rel_err
 
-ROOT = Path(__file__).resolve().parents[1]
 TOL = {torch.float32: 2e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}
 
 
@@ -126,17 +124,7 @@ def run_cases() -> dict:
 
 @pytest.fixture(scope="module")
 def interpreter_results() -> dict:
-    from tests.test_triton_attention import _interpreter_unusable
-
-    reason = _interpreter_unusable()
-    if reason:
-        pytest.skip(reason)
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
-    proc = subprocess.run([sys.executable, "-m", "tests.test_gemv"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_interpreter("tests.test_gemv")
 
 
 def _case_names() -> list[str]:

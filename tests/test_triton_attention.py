@@ -8,45 +8,18 @@ run compiled, in bf16 and fp16 at Llama-3.1-8B attention shapes.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from importlib.metadata import PackageNotFoundError, version
-from pathlib import Path
-
 import pytest
 import torch
 
+from tests.interpreter_run import interpreter_results as run_interpreter
 from tests.triton_cases import attention_error, interpreter_cases, kv_write_error, make_batch
 
-ROOT = Path(__file__).resolve().parents[1]
 CASES = interpreter_cases()
-
-
-def _interpreter_unusable() -> str | None:
-    try:
-        major, minor = (int(x) for x in version("triton").split(".")[:2])
-    except PackageNotFoundError:
-        return "triton is not installed (pip install -e '.[test]')"
-    if (major, minor) < (3, 7):
-        return "the interpreter of triton < 3.7 cannot run loops with loaded bounds (numpy 2)"
-    return None
 
 
 @pytest.fixture(scope="module")
 def interpreter_results() -> dict:
-    reason = _interpreter_unusable()
-    if reason:
-        pytest.skip(reason)
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.triton_cases"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_interpreter("tests.triton_cases", timeout=900)
 
 
 def _tolerance(name: str) -> float:

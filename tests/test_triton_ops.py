@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from tests.interpreter_run import interpreter_results as run_interpreter
 from tests.model_cases import model_error
 from tests.triton_cases import (
     add_rms_norm_error,
@@ -24,7 +23,6 @@ from tests.triton_cases import (
     silu_and_mul_error,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
 TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
 
 
@@ -118,17 +116,7 @@ def run_cases() -> dict:
 
 @pytest.fixture(scope="module")
 def interpreter_results() -> dict:
-    from tests.test_triton_attention import _interpreter_unusable
-
-    reason = _interpreter_unusable()
-    if reason:
-        pytest.skip(reason)
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
-    proc = subprocess.run([sys.executable, "-m", "tests.test_triton_ops"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_interpreter("tests.test_triton_ops")
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
