@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from specserve.config import EngineConfig
 from specserve.engine.detokenizer import IncrementalDetokenizer, TokenDecoder
 from specserve.engine.kv_cache import KVCache, kv_cache_pages
-from specserve.engine.request import Request, RequestStatus, SpecStats
+from specserve.engine.request import Request, SpecStats
 from specserve.engine.scheduler import Scheduler
 from specserve.engine.step_loop import StepLoop
 from specserve.errors import InvalidRequestError, RequestTooLargeError
@@ -208,7 +208,7 @@ class LLMEngine:
         return self.loop.step()
 
     def _output(self, req: Request, num_new: int) -> RequestOutput:
-        detokenizer, finished = req.detokenizer, req.status is RequestStatus.FINISHED
+        detokenizer, finished = req.detokenizer, req.finished
         if detokenizer is not None:
             text, delta = detokenizer.text, detokenizer.pop_delta(finished)
         else:

@@ -40,7 +40,8 @@ class ScheduledRequest:
     @property
     def samples(self) -> bool:
         """Whether this chunk reaches the end of the request's tokens, so a token is drawn."""
-        return self.request.cached_len + self.num_tokens == self.request.committed_len
+        req = self.request
+        return req.cached_len + self.num_tokens == req.committed_len
 
 
 class Scheduler:
