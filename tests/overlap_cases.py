@@ -190,3 +190,30 @@ def record_drafts(llm) -> dict:
 
     llm.engine.add_request = add_spy
     return drafts
+
+
+def churn(engine, prompts, params, seed=21, arrive_p=0.5, abort_p=0.08):
+    """Step `engine` while requests arrive (each step with probability arrive_p, in order)
+    and are aborted (a random live one with probability abort_p per step); returns
+    (request id -> prompt index, id -> (token_ids, text, finish_reason) of the finished,
+    aborted ids, how many aborts hit a request in the step in flight)."""
+    rng = random.Random(seed)
+    pending = list(range(len(prompts)))
+    ids, finished, aborted, in_flight_aborts = {}, {}, set(), 0
+    while pending or engine.has_unfinished():
+        while pending and rng.random() < arrive_p:
+            i = pending.pop(0)
+            ids[engine.add_request(prompts[i], params[i])] = i
+        for out in engine.step():
+            assert out.request_id not in aborted
+            if out.finished:
+                finished[out.request_id] = (out.token_ids, out.text, out.finish_reason)
+        live = [rid for rid in engine.requests if rid not in aborted]
+        if live and rng.random() < abort_p:
+            victim = rng.choice(live)
+            inflight = engine.loop.inflight
+            in_flight_aborts += inflight is not None and any(
+                s.request.request_id == victim for s in inflight.step_input.sampled)
+            engine.abort_request(victim)
+            aborted.add(victim)
+    return ids, finished, aborted, in_flight_aborts

@@ -25,6 +25,7 @@ from tests.model_cases import install_padded_runner
 from tests.overlap_cases import (
     GREEDY,
     StepDraftLens,
+    churn,
     count_gathers,
     make_models,
     make_reference,
@@ -148,28 +149,10 @@ def test_arrivals_aborts_and_preemption(models, reference, padded):
     params = stop_params(reference(GREEDY))
     params = [params[i % len(params)] for i in range(len(prompts))]
     expected = reference(params, prompts)
-    rng = random.Random(21)
     llm = eagle3(models, "on", padded, page_size=4, num_kv_pages=18)
     seen = count_gathers(llm)
     engine = llm.engine
-    pending = list(range(len(prompts)))
-    ids, finished, aborted, in_flight_aborts = {}, {}, set(), 0
-    while pending or engine.has_unfinished():
-        while pending and rng.random() < 0.5:
-            i = pending.pop(0)
-            ids[engine.add_request(prompts[i], params[i])] = i
-        for out in engine.step():
-            assert out.request_id not in aborted
-            if out.finished:
-                finished[out.request_id] = (out.token_ids, out.text, out.finish_reason)
-        live = [rid for rid in engine.requests if rid not in aborted]
-        if live and rng.random() < 0.08:
-            victim = rng.choice(live)
-            inflight = engine.loop.inflight
-            in_flight_aborts += inflight is not None and any(
-                s.request.request_id == victim for s in inflight.step_input.sampled)
-            engine.abort_request(victim)
-            aborted.add(victim)
+    ids, finished, aborted, in_flight_aborts = churn(engine, prompts, params, arrive_p=0.5)
     assert engine.kv.allocator.num_used == 0 and not engine.requests
     assert in_flight_aborts and engine.scheduler.num_preemptions > 0
     ran_ahead(llm, seen)

@@ -3,13 +3,12 @@ arrivals and aborts with preemption, and the server's engine process loop."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
 
 from specserve import LLM, SamplingParams
 from tests.overlap_cases import (
     GREEDY,
+    churn,
     make_models,
     make_reference,
     prompts_for,
@@ -109,30 +108,12 @@ def test_random_arrivals_aborts_and_preemption(models, reference, drafter):
     params = stop_params(reference(GREEDY))
     params = [params[i % len(params)] for i in range(len(prompts))]
     expected = reference(params, prompts)
-    rng = random.Random(21)
     llm = LLM(models["target"], overlap_schedule="on", page_size=4, num_kv_pages=20,
               speculative_num_steps=3, **spec_kwargs(models, drafter))
     if drafter:
         random_draft_lens(llm, seed=22)
     engine = llm.engine
-    pending = list(range(len(prompts)))
-    ids, finished, aborted, in_flight_aborts = {}, {}, set(), 0
-    while pending or engine.has_unfinished():
-        while pending and rng.random() < 0.6:
-            i = pending.pop(0)
-            ids[engine.add_request(prompts[i], params[i])] = i
-        for out in engine.step():
-            assert out.request_id not in aborted
-            if out.finished:
-                finished[out.request_id] = (out.token_ids, out.text, out.finish_reason)
-        live = [rid for rid in engine.requests if rid not in aborted]
-        if live and rng.random() < 0.08:
-            victim = rng.choice(live)
-            inflight = engine.loop.inflight
-            in_flight_aborts += inflight is not None and any(
-                s.request.request_id == victim for s in inflight.step_input.sampled)
-            engine.abort_request(victim)
-            aborted.add(victim)
+    ids, finished, aborted, in_flight_aborts = churn(engine, prompts, params, arrive_p=0.6)
     assert engine.kv.allocator.num_used == 0 and not engine.requests
     assert in_flight_aborts and engine.scheduler.num_preemptions > 0
     assert len(finished) + len(aborted) == len(prompts)
