@@ -84,13 +84,6 @@ class SampledTokens:
             self._event.record()
         self._result: StepResult | None = None
 
-    @property
-    def last_tokens(self) -> torch.Tensor:
-        """[R] on the device: each request's last new token (the next step's input)."""
-        if self.accept_len is None:
-            return self.tokens[:, 0]
-        return self.tokens.gather(1, self.accept_len[:, None])[:, 0]
-
     def result(self) -> StepResult:
         """The tokens on the host (waits for this step's copies, nothing later)."""
         if self._result is not None:
