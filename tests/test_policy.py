@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from specserve.spec.acceptance import AcceptanceModel
 from specserve.spec.cost_model import CurveModel, StepCostModel, batch_bucket
 from specserve.spec.policy import GoodputPolicy, SchedulePolicy
-from tests.test_policy_sim import (
+from tests.policy_sim import (
     Noise,
     Regime,
     SimRequest,
@@ -63,7 +63,7 @@ def real_ms(n: int, k: int) -> float:
 
 
 class _Loop:
-    """The closed-loop simulator (test_policy_sim.py) at a constant batch of n requests that
+    """The closed-loop simulator (policy_sim.py) at a constant batch of n requests that
     never end, acceptance `rate` at every position, steady periods from `true_ms` with
     lognormal noise (sigma `noise`), no switch penalty."""
 

@@ -1,4 +1,4 @@
-"""The goodput policy against every fixed K in the closed-loop simulator (test_policy_sim.py):
+"""The goodput policy against every fixed K in the closed-loop simulator (policy_sim.py):
 host-bound and GPU-bound engines, batches where speculation pays and where plain decoding
 wins, switches that cost a step and switches that cost fifteen."""
 
@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 
-from tests.test_policy_sim import K_MAX, LARGE, SMALL, Workload, compare
+from tests.policy_sim import K_MAX, LARGE, SMALL, Workload, compare
 
 # The regimes: (regime, workload, what the best fixed K beats plain decoding by, at
 # least (> 1) or loses to it by (< 1)).

@@ -9,7 +9,7 @@ from dataclasses import replace
 from specserve.spec.acceptance import AcceptanceModel
 from specserve.spec.cost_model import CurveModel, StepCostModel
 from specserve.spec.policy import GoodputPolicy
-from tests.test_policy_sim import SMALL, Noise, SimRequest, SimResult, Simulator, Workload
+from tests.policy_sim import SMALL, Noise, SimRequest, SimResult, Simulator, Workload
 
 FLAT = CurveModel({1: 1.0, 64: 1.0})
 
