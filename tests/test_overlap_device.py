@@ -68,8 +68,6 @@ def ran_ahead(llm, seen) -> None:
 @pytest.mark.parametrize("padded, kw, sampled", [
     (False, {}, False), (False, dict(page_size=1), False), (True, dict(page_size=4), False),
     (False, {}, True),
-    # Chunked prefill: a chunk that draws no token leaves its features in flight.
-    (True, dict(page_size=4, max_num_batched_tokens=11), False),
 ])  # fmt: skip
 def test_simulated_acceptance_same_tokens(models, padded, kw, sampled):
     """Partial acceptance every step: positions, KV slots and the drafter's inputs move by
