@@ -31,6 +31,8 @@ _HELP = {
     "speculative_schedule": "batch size -> K table for the schedule policy, e.g. 1:4,16:2,64:0",
     "attention_backend": "auto (triton on CUDA, torch on CPU), torch, triton",
     "disable_cuda_graph": "run every step eagerly (debugging)",
+    "disable_gemv": "no start-up choice of Triton GEMV kernels: cuBLAS for every linear "
+                    "(the same kernels on every start)",
     "overlap_schedule": "auto (on for CUDA, off on CPU), on, off: build step N+1 on the CPU "
     "while step N runs",
     "disable_overlap_schedule": "the synchronous step loop (same as --overlap-schedule off)",

@@ -45,6 +45,7 @@ class EngineConfig:
     speculative_simulate_acceptance: float | None = None  # benchmarking only, see below
     attention_backend: str = "auto"  # auto: triton on CUDA, torch on CPU
     disable_cuda_graph: bool = False
+    disable_gemv: bool = False  # cuBLAS for every linear (no start-up kernel selection)
     overlap_schedule: str = "auto"  # auto: on for CUDA, off on CPU; on; off
     disable_overlap_schedule: bool = False  # the synchronous step loop (same as off)
     cuda_graph_max_batch: int = 256

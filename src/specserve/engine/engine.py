@@ -81,9 +81,11 @@ class LLMEngine:
             use_triton_ops(model)  # fused RMSNorm / rotary / SiLU-and-mul (same rounding)
             # Decode-sized linears: cuBLAS or a Triton GEMV, whichever this GPU runs faster
             # per shape (measured now; the drafter shares the selector's measurements).
-            rows = config.cuda_graph_max_batch * (config.speculative_num_steps + 1)
-            self.gemv_selector = GemvSelector(max_rows=rows)
-            use_gemv(model, self.gemv_selector)
+            if not config.disable_gemv:
+                k_max = config.speculative_num_steps if config.speculative_algorithm else 0
+                batch = min(config.max_num_seqs, config.cuda_graph_max_batch)
+                self.gemv_selector = GemvSelector(max_rows=batch * (k_max + 1))
+                use_gemv(model, self.gemv_selector)
         self.runner = ModelRunner(model, self.kv, get_backend(config.backend_name()))
         if device.type == "cuda":  # compile every attention variant now, not mid-serving
             self.runner.backend.warm_up(self.model_config.num_heads, self.kv.layers[0])

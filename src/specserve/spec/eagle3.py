@@ -234,7 +234,8 @@ def build_eagle3_proposer(engine: LLMEngine) -> Eagle3Proposer:
         from specserve.layers.triton_ops import use_triton_ops
 
         use_triton_ops(head)
-        use_gemv(head, getattr(engine, "gemv_selector", None))
+        if not cfg.disable_gemv:
+            use_gemv(head, getattr(engine, "gemv_selector", None))
     if device.type == "cuda":  # eager catch-ups of any length never wait for a compiler
         proposer.backend.warm_up(head.config.layer.num_heads, kv.layers[0])
     if device.type == "cuda" and not cfg.disable_cuda_graph:
