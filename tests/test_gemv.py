@@ -4,9 +4,11 @@ layers' switch to it (linear.use_gemv).
 On the CPU the kernel runs through the Triton interpreter in one subprocess (fp16/fp32 for
 the matrix-unit path, whose bf16 tl.dot the interpreter computes wrongly; bf16 too for the
 CUDA-core path): M = 1..8, N and K off the block sizes, K splits, bias, and a tiny model's
-decode steps with every linear forced through the kernel. The plan and the module switch are
-tested directly. On a GPU (`-m gpu`): every start-up candidate at the 8B and SmolLM2 shapes
-in bf16/fp16 against torch, bitwise reproducibility, CUDA-graph capture, the selector.
+decode steps with every linear forced through the kernel, and rows that do not depend on M for
+the configurations row buckets 1..16 share. The plan, the selector's choice (a fake timer) and
+the module switch are tested directly. On a GPU (`-m gpu`): every start-up candidate at the 8B
+and SmolLM2 shapes in bf16/fp16 against torch, bitwise reproducibility, CUDA-graph capture, the
+selector.
 """
 
 from __future__ import annotations
@@ -103,6 +105,26 @@ def model_decode_errors(dtype, device, config, seed=0) -> dict[str, float]:
     return errs
 
 
+def row_invariance_failures(dtype, n: int = 72, k: int = 600) -> list[str]:
+    """The configurations the selector may share across row buckets 1..16 (a long K: a K
+    split among them; K off the block sizes) whose rows for M = 1 or 4 differ, bit for bit,
+    from the same rows computed with M = 16 (or M = 1 from M = 4)."""
+    from specserve.layers.gemv import gemv
+    from specserve.layers.gemv_select import bucket_candidates
+
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(16, k, generator=gen).to(dtype)
+    w = (torch.randn(n, k, generator=gen) / k**0.5).to(dtype)
+    (_, shared), *_ = bucket_candidates((1,), n, k, num_sms=132)
+    assert any(c.split_k > 1 for c in shared)
+    failures = []
+    for cfg in shared:
+        out = {m: gemv(x[:m], w, None, cfg) for m in (1, 4, 16)}
+        if not (torch.equal(out[1], out[4][:1]) and torch.equal(out[4], out[16][:4])):
+            failures.append(str(cfg))
+    return failures
+
+
 def run_cases() -> dict:
     from specserve.layers.gemv import GemvConfig
 
@@ -114,6 +136,10 @@ def run_cases() -> dict:
         except Exception as e:  # reported per case by the test
             results[name] = f"{type(e).__name__}: {e}"
     for dtype in ("float32", "float16"):
+        try:
+            results[f"rows-invariant-{dtype}"] = row_invariance_failures(getattr(torch, dtype))
+        except Exception as e:
+            results[f"rows-invariant-{dtype}"] = f"{type(e).__name__}: {e}"
         cfg = GemvConfig(block_n=16, block_k=32, split_k=2)
         try:
             results[f"model-{dtype}"] = model_decode_errors(getattr(torch, dtype), "cpu", cfg)
@@ -149,6 +175,11 @@ def test_interpreter_model_decode_through_gemv(dtype, interpreter_results):
     for q in ("q1", "q3", "q8"):
         assert errs[q] <= 10 * TOL[getattr(torch, dtype)], errs
     assert errs["q12"] == 0.0, errs  # 12 rows: the plan hands it to torch
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_interpreter_shared_configs_give_rows_independent_of_m(dtype, interpreter_results):
+    assert interpreter_results[f"rows-invariant-{dtype}"] == []
 
 
 # ---- the plan and the module switch (no kernel runs) -------------------------------------
@@ -235,6 +266,73 @@ def test_candidate_configs_are_the_pruned_winners():
     assert [str(c) for c in down if c.split_k > 1] == ["dot m16 n64 k128 s4 w4 st4"]
 
 
+def test_small_buckets_time_one_shared_list_without_the_cuda_core_path():
+    from specserve.layers.gemv import candidate_configs
+    from specserve.layers.gemv_select import ROW_BUCKETS, bucket_candidates
+
+    for n, k in ((4096, 4096), (4096, 14336), (576, 576)):
+        jobs = dict(bucket_candidates(ROW_BUCKETS, n, k, num_sms=132))
+        small = [jobs[b] for b in (1, 2, 4, 8, 16)]
+        assert all(c == small[0] for c in small) and len(small[0]) >= 4
+        assert all(c.use_dot and c.block_m == 16 for c in small[0])  # one variant per tile
+        assert jobs[32] == candidate_configs(32, n, k, 132)
+        assert jobs[64] == candidate_configs(64, n, k, 132)
+
+
+def _fake_selection(monkeypatch, us) -> dict:
+    """The selector's choices for one shape [96, 64] with `_measure` replaced by
+    `us(config, rows)` (microseconds; config None: torch)."""
+    from specserve.layers.gemv_select import ROW_BUCKETS, GemvSelector, bucket_candidates
+
+    selector = GemvSelector()
+    monkeypatch.setattr(selector, "_measure", lambda cfg, x, rotation: us(cfg, x.shape[0]))
+    jobs = bucket_candidates(ROW_BUCKETS, 96, 64, num_sms=132)
+    selector._measure_shape(96, 64, torch.float16, jobs, [torch.zeros(96, 64)], 1e18)
+    return {b: selector.measured[(b, 96, 64, torch.float16)] for b in ROW_BUCKETS}
+
+
+def test_selection_shares_one_config_over_small_buckets(monkeypatch):
+    from specserve.layers.gemv_select import ROW_BUCKETS, bucket_candidates
+
+    jobs = dict(bucket_candidates(ROW_BUCKETS, 96, 64, num_sms=132))
+    a, b = jobs[1][0], jobs[1][1]
+    tall = jobs[64][-1]
+
+    def us(cfg, rows):  # a: fastest at one row only; b: fastest summed over 1..16
+        if cfg is None:
+            return 10.0
+        if rows > 16:
+            return 5.0 if cfg == tall else 9.0
+        return {a: 5.0 if rows == 1 else 9.9, b: 8.0}.get(cfg, 9.5)
+
+    choices = _fake_selection(monkeypatch, us)
+    assert choices[1].config == b
+    assert all(choices[r].config is choices[1].config for r in (2, 4, 8, 16))  # one object
+    assert choices[1].best_us == 8.0 and choices[1].torch_us == 10.0
+    assert choices[64].config == tall and choices[32].config == jobs[32][0]  # per bucket
+    assert all(c.tried == 1 + len(jobs[r]) for r, c in choices.items())
+
+
+def test_selection_keeps_torch_unless_a_config_wins_over_the_small_buckets(monkeypatch):
+    from specserve.layers.gemv_select import ROW_BUCKETS, GemvPlan, bucket_candidates
+
+    a = bucket_candidates((4,), 96, 64, num_sms=132)[0][1][0]
+
+    def us(cfg, rows):  # a wins by far at 4 rows, loses everywhere else; 64 rows: any config
+        if cfg is None:
+            return 10.0
+        if rows == 64:
+            return 7.0
+        return 2.0 if (cfg == a and rows == 4) else 12.0
+
+    choices = _fake_selection(monkeypatch, us)
+    assert all(choices[r].config is None for r in (1, 2, 4, 8, 16, 32))
+    assert choices[4].best_us == choices[4].torch_us == 10.0
+    assert choices[64].config is not None  # the larger buckets choose on their own
+    plan = GemvPlan({(r, 96, 64, torch.float16): c for r, c in choices.items()}, ROW_BUCKETS)
+    assert {plan.config_for(r, 96, 64, torch.float16) for r in range(1, 33)} == {None}
+
+
 def test_rotation_set_exceeds_the_cache_with_distinct_weights():
     from specserve.layers.gemv_select import rotation_set
 
@@ -313,8 +411,16 @@ def test_gpu_selector_plans_a_model_that_still_matches_torch(dtype):
     assert len(plan.choices) == 5 * 7  # (qkv, o, gate_up, down, lm_head) x row buckets
     assert rel_err(model.compute_logits(x), ref) < GPU_TOL[dtype]
     assert selector.skipped == 0 and selector.compiled > 0
+    shared: dict[tuple, list] = {}
     for row in plan.summary():
-        assert row["best_us"] <= row["torch_us"] and row["tried"] >= 5
+        assert row["tried"] >= 5
+        if row["rows"] <= 16:  # one choice for buckets 1..16, faster summed over them
+            shared.setdefault((row["n"], row["k"]), []).append(row)
+        else:
+            assert row["best_us"] <= row["torch_us"]
+    for rows in shared.values():
+        assert len({r["kernel"] for r in rows}) == 1
+        assert sum(r["best_us"] for r in rows) <= sum(r["torch_us"] for r in rows)
     # a second model with the same shapes: nothing new to measure or compile
     other = tiny_model(cfg, dtype, "cuda", seed=1)
     again = use_gemv(other, selector)

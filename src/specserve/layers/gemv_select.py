@@ -7,12 +7,24 @@ enough distinct weights of the shape (the model's own, cloned when they are few)
 cache cannot serve them, and replayed; the per-call time is the median replay over the calls.
 Every Triton variant the candidates need is compiled first, on a thread pool (the compiler
 spends most of its time outside the GIL), so a cold start pays compilation about once.
+
+Batch invariance: every row bucket up to `SHARED_ROWS` of a shape gets the same choice (torch,
+or one matrix-unit configuration of row block 16), the one fastest summed over those buckets.
+Kernels round bf16 differently, so a per-bucket winner would make a batch-1 decode step
+(1 row) and a verify step (K+1 rows) compute the same row differently, and greedy speculative
+decoding would drift from plain decoding. One such configuration compiles to one variant for
+every M <= 16 (M is not specialized on, the K split depends on K alone, rows past M are
+zeros), so a row's reduction order does not depend on M. The CUDA-core path (1 or 2 rows, a
+variant per row count) cannot serve those buckets and is no longer a candidate. Buckets 32 and
+64 keep their own choice: batch-64 steps were never bit-identical to batch 1 (cuBLAS picks
+kernels by shape too).
 """
 
 from __future__ import annotations
 
 import bisect
 import logging
+import math
 import os
 import statistics
 import time
@@ -30,12 +42,14 @@ ShapeKey = tuple[int, int, torch.dtype]  # (N, K, dtype) of a weight [N, K]
 PlanKey = tuple[int, int, int, torch.dtype]  # (row bucket, N, K, dtype)
 GEMV_DTYPES = (torch.float16, torch.bfloat16)
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+SHARED_ROWS = 16  # row buckets up to this share one implementation per shape (see above)
 
 
 @dataclass(frozen=True)
 class GemvChoice:
-    """What start-up measured for one plan key: the winner (None: torch), its time and
-    torch's in microseconds per call, and how many candidates were timed."""
+    """What start-up measured for one plan key: the choice (None: torch), its time and
+    torch's in microseconds per call at this bucket, and how many candidates were timed.
+    Buckets up to SHARED_ROWS share one choice, so at one of them it may be the slower."""
 
     config: GemvConfig | None
     torch_us: float
@@ -138,6 +152,46 @@ def torch_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return F.linear(x, w)
 
 
+def bucket_candidates(buckets: tuple[int, ...], n: int, k: int, num_sms: int) -> list[tuple]:
+    """(bucket, configurations to time) for each row bucket of a weight [n, k]: the buckets up
+    to SHARED_ROWS all time the same list, the configurations that serve every row count up
+    to SHARED_ROWS in one row block of 16 (no CUDA-core path); larger buckets their own."""
+    shared = [c for c in candidate_configs(SHARED_ROWS, n, k, num_sms)
+              if c.use_dot and c.block_m == SHARED_ROWS]  # fmt: skip
+    return [(b, list(shared) if b <= SHARED_ROWS else candidate_configs(b, n, k, num_sms))
+            for b in buckets]  # fmt: skip
+
+
+def choose(times: dict[int, dict], margin: float) -> dict[int, GemvChoice]:
+    """Each bucket's choice from its measured times ({bucket: {config or None (torch): us}}).
+    The buckets up to SHARED_ROWS share one: the configuration measured in all of them with
+    the least total time, if that total beats torch's total by `margin`, else torch (so at
+    one bucket alone the shared choice may be slower than torch, or than another
+    configuration). Larger buckets: the fastest there, if it beats torch by `margin`."""
+    out: dict[int, GemvChoice] = {}
+    shared = [b for b in times if b <= SHARED_ROWS]
+    if shared:
+        total = {c: sum(times[b].get(c, math.inf) for b in shared)
+                 for c in dict.fromkeys(c for b in shared for c in times[b])}  # fmt: skip
+        cfg = _winner(total, margin)
+        for b in shared:
+            out[b] = GemvChoice(cfg, times[b][None], times[b][cfg], len(times[b]))
+    for b in times:
+        if b > SHARED_ROWS:
+            cfg = _winner(times[b], margin)
+            out[b] = GemvChoice(cfg, times[b][None], times[b][cfg], len(times[b]))
+    return out
+
+
+def _winner(times: dict, margin: float) -> GemvConfig | None:
+    """The fastest configuration of `times` if it beats torch's (key None) by `margin`; ties
+    among configurations go to the first in `times` order."""
+    best = min((c for c in times if c is not None), key=lambda c: times[c], default=None)
+    if best is None or not times[best] <= times[None] * (1 - margin) < math.inf:
+        return None
+    return best
+
+
 def variant_key(cfg: GemvConfig, rows: int, n: int, k: int, dtype: torch.dtype) -> tuple:
     """What decides which compiled Triton variant a call uses (tile, path, row block of the
     CUDA-core path, split or not, whether K divides into blocks, dtype)."""
@@ -152,7 +206,8 @@ class GemvSelector:
 
     `max_rows` (or explicit `row_buckets`) limits the buckets measured to those a caller's
     steps can reach: pass the most tokens a captured decode/verify step holds. A
-    configuration wins only if it beats torch by `margin` (ties stay on cuBLAS). First every
+    configuration wins only if it beats torch by `margin` (ties stay on cuBLAS); the buckets
+    up to SHARED_ROWS share one choice, by their summed time (`choose`). First every
     Triton variant needed is compiled (`compile_workers` threads; a cold cache's cost, not
     bounded, reported as `compile_s`), then shapes are measured one after the other, each
     within an equal share of what is left of `budget_s`: torch first for every row bucket,
@@ -188,8 +243,9 @@ class GemvSelector:
         device = next(iter(shapes.values()))[0].device
         props = torch.cuda.get_device_properties(device)
         sms = props.multi_processor_count
-        todo = {shape: [(b, candidate_configs(b, shape[0], shape[1], sms))
-                        for b in self.row_buckets if (b, *shape) not in self.measured]
+        todo = {shape: bucket_candidates(tuple(b for b in self.row_buckets
+                                               if (b, *shape) not in self.measured),
+                                         shape[0], shape[1], sms)
                 for shape in shapes}  # fmt: skip
         todo = {shape: jobs for shape, jobs in todo.items() if jobs}
         self.compiled = self._compile(todo, shapes, device)
@@ -256,8 +312,8 @@ class GemvSelector:
                     self.skipped += 1
                     continue
                 times[b][cands[rnd]] = self._measure(cands[rnd], x, rotation)
-        for b, t in times.items():
-            self.measured[(b, n, k, dtype)] = self._choose(t)
+        for b, choice in choose(times, self.margin).items():
+            self.measured[(b, n, k, dtype)] = choice
 
     def _measure(self, cfg: GemvConfig | None, x: torch.Tensor, rotation) -> float:
         fn = torch_linear if cfg is None else (lambda x, w: gemv(x, w, None, cfg))
@@ -268,10 +324,3 @@ class GemvSelector:
             log.debug("GEMV candidate %s failed: %s", cfg, e)
             return float("inf")
         return time_in_graph_us(fn, x, rotation, self.reps)
-
-    def _choose(self, times: dict) -> GemvChoice:
-        torch_us = times[None]
-        best = min((c for c in times if c is not None), key=lambda c: times[c], default=None)
-        if best is None or times[best] > torch_us * (1 - self.margin):
-            return GemvChoice(None, torch_us, torch_us, len(times))
-        return GemvChoice(best, torch_us, times[best], len(times))
