@@ -95,7 +95,9 @@ def _cos_sin(cos_sin_ptr, pos, stride_cs, DTYPE: tl.constexpr, HALF: tl.constexp
     return _round(cos, DTYPE)[None, :], _round(sin, DTYPE)[None, :]
 
 
-@triton.jit
+# Positions and slots are views into the step's one upload (runtime/packing.py), aligned or not
+# with the token and request counts: not specialized on, or serving would compile new variants.
+@triton.jit(do_not_specialize=["pos_ptr"])
 def _rotary_kernel(
     q_ptr, k_ptr, qo_ptr, ko_ptr, pos_ptr, cos_sin_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_cs,
@@ -111,7 +113,7 @@ def _rotary_kernel(
                   BLOCK_HALF)  # fmt: skip
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["pos_ptr", "slot_ptr"])
 def _rotary_store_kv_kernel(
     qkv_ptr, qo_ptr, k_cache, v_cache, pos_ptr, slot_ptr, cos_sin_ptr,
     stride_t, stride_cs, stride_page, stride_slot,

@@ -46,7 +46,14 @@ def _kv_load(k_cache, v_cache, page, n, n_ok, kvh, stride_cp, stride_cs, stride_
     return k, v
 
 
-@triton.jit(do_not_specialize=["stride_bt", "num_splits", "stride_os", "stride_ls", "stride_lt"])
+# The step's metadata are views into one upload whose alignment varies from step to step:
+# not specialized on (see triton_kernels.py, where the generic kernel does the same).
+METADATA = ["positions", "query_start_loc", "seq_lens", "block_tables"]
+
+
+@triton.jit(
+    do_not_specialize=["stride_bt", "num_splits", "stride_os", "stride_ls", "stride_lt", *METADATA]
+)
 def _paged_attn_decode_kernel(
     q_ptr, k_cache, v_cache, out_ptr, lse_ptr,
     positions, query_start_loc, seq_lens, block_tables,

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from specserve.layers.attention.triton_decode import _paged_attn_decode_kernel
+from specserve.layers.attention.triton_decode import METADATA, _paged_attn_decode_kernel
 
 LOG2E = 1.4426950408889634
 DECODE_MAX_ROWS = 64  # rows per request up to which the split (decode/verify) path is used
@@ -37,7 +37,7 @@ DECODE_KERNELS = ("decode", "prefetch", "generic")
 DECODE_MIN_STAGES = 3
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["slot_ptr"])  # a view into the step's upload
 def _kv_write_kernel(
     k_ptr, v_ptr, k_cache, v_cache, slot_ptr,
     stride_kt, stride_vt, stride_page, stride_slot,
@@ -57,8 +57,13 @@ def _kv_write_kernel(
 # Integers that vary from step to step (the page-table width, the split count, the strides
 # of the per-split buffers, which scale with the token count) are not specialized on:
 # Triton would otherwise compile a new variant when one first turns 1 or a multiple of 16,
-# in the middle of serving.
-@triton.jit(do_not_specialize=["stride_bt", "num_splits", "stride_os", "stride_ls", "stride_lt"])
+# in the middle of serving. Nor are the addresses of the step's metadata: they are views into
+# one upload (runtime/packing.py), 16-byte aligned or not with the parity of the token and
+# request counts, and each unseen combination would be a new variant (~0.5 s on the GPU);
+# they are read as scalars and gathers, which alignment does not speed up.
+@triton.jit(
+    do_not_specialize=["stride_bt", "num_splits", "stride_os", "stride_ls", "stride_lt", *METADATA]
+)
 def _paged_attn_kernel(
     q_ptr, k_cache, v_cache, out_ptr, lse_ptr,
     positions, query_start_loc, seq_lens, block_tables,
