@@ -67,9 +67,9 @@ class GemvConfig:
         return self.split_k == 1 or triton.cdiv(k, self.split_k) >= self.block_k
 
 
-# Integers that change with the call (row count, K slice) are not specialized on: M = 1 would
-# otherwise compile a variant of its own.
-@triton.jit(do_not_specialize=["M", "iters_per_split"])
+# Integers that change with the call (row count, K slice, the partial sums' split stride of
+# rows x N) are not specialized on: M = 1 would otherwise compile a variant of its own.
+@triton.jit(do_not_specialize=["M", "iters_per_split", "stride_os"])
 def _gemv_kernel(
     x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, iters_per_split,
     stride_xm, stride_wn, stride_om, stride_os,
@@ -124,7 +124,7 @@ def _gemv_kernel(
         tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-@triton.jit(do_not_specialize=["split_k"])
+@triton.jit(do_not_specialize=["split_k", "stride_ps"])  # stride_ps = rows x N
 def _gemv_split_k_reduce_kernel(
     part_ptr, b_ptr, out_ptr, N, split_k, stride_ps, stride_pm, stride_om,
     HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
