@@ -1,0 +1,172 @@
+"""GEMV plan and start-up selection on CPU: row buckets and the torch fallback, the module
+switch, weight grouping, candidate sets, and the selection (a fake timer) sharing one
+implementation over the small row buckets so that decode and verify steps round alike."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+
+def test_plan_buckets_rows_and_falls_back_to_torch():
+    from specserve.layers.gemv import GemvConfig
+    from specserve.layers.gemv_select import ROW_BUCKETS, GemvChoice, GemvPlan, GemvSelector
+
+    cfg = GemvConfig(block_n=64, block_k=128, split_k=4)
+    choices = {(4, 96, 64, torch.float16): GemvChoice(cfg, 10.0, 8.0, 5),
+               (1, 96, 64, torch.float16): GemvChoice(None, 10.0, 10.0, 5)}  # fmt: skip
+    plan = GemvPlan(choices, row_buckets=(1, 2, 4, 8))
+    assert [plan.config_for(r, 96, 64, torch.float16) for r in (3, 4)] == [cfg, cfg]
+    assert plan.config_for(1, 96, 64, torch.float16) is None  # torch measured faster
+    assert plan.config_for(2, 96, 64, torch.float16) is None  # not measured
+    assert plan.config_for(4, 96, 64, torch.bfloat16) is None
+    assert plan.config_for(9, 96, 64, torch.float16) is None  # beyond the largest bucket
+    assert GemvPlan(default=cfg).config_for(0, 96, 64, torch.float16) is None
+    rows = plan.summary()
+    assert {r["kernel"] for r in rows} == {"torch", str(cfg)} and rows[1]["speedup"] == 1.25
+    x, w = torch.randn(2, 64), torch.randn(96, 64)  # fp32: the plan serves it with torch
+    assert torch.equal(plan.linear(x, w), nn.functional.linear(x, w))
+    with pytest.raises(ValueError):
+        GemvPlan(row_buckets=(1, 128))
+    assert GemvSelector(max_rows=5).row_buckets == (1, 2, 4, 8)  # only what steps reach
+    assert GemvSelector(max_rows=64).row_buckets == GemvSelector().row_buckets == ROW_BUCKETS
+    fma = GemvConfig(block_n=8, block_k=64, use_dot=False)  # serves at most 8 rows
+    assert GemvPlan(row_buckets=(1, 64), default=fma).config_for(20, 96, 64, torch.float16) is None
+
+
+def test_use_gemv_switches_modules_and_back_without_touching_weights():
+    from specserve.layers.gemv_select import GemvPlan, GemvSelector
+    from specserve.layers.linear import GemvLinear, GemvMergedLinear, MergedLinear, use_gemv
+    from tests.model_cases import tiny_config, tiny_model
+
+    model = tiny_model(tiny_config(), torch.float32, "cpu")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    plan = use_gemv(model, GemvSelector())  # on the CPU: measured nothing, torch everywhere
+    assert isinstance(plan, GemvPlan) and plan.choices == {}
+    assert model.gemv_plan is plan
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    assert linears and all(isinstance(m, (GemvLinear, GemvMergedLinear)) for m in linears)
+    assert all(m.gemv_plan is plan for m in linears)
+    assert isinstance(model.model.layers[0].self_attn.qkv_proj, MergedLinear)
+    assert model.model.layers[0].self_attn.qkv_proj.shard_rows()  # still a MergedLinear
+    x = torch.randn(3, model.config.hidden_size)
+    assert torch.equal(model.compute_logits(x), x @ model.lm_head_weight.T)
+    use_gemv(model, enable=False)
+    assert model.gemv_plan is None
+    assert all(type(m) in (nn.Linear, MergedLinear) for m in model.modules()
+               if isinstance(m, nn.Linear))  # fmt: skip
+    after = model.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in after)
+
+
+def test_gemv_weights_groups_shapes_and_the_tied_logits_projection():
+    from specserve.layers.linear import gemv_weights
+    from tests.model_cases import tiny_config, tiny_model
+
+    cfg = tiny_config(tie_word_embeddings=True)
+    model = tiny_model(cfg, torch.float32, "cpu")
+    groups = gemv_weights(model)
+    h, d = cfg.hidden_size, cfg.head_dim
+    qkv = ((cfg.num_heads + 2 * cfg.num_kv_heads) * d, h, torch.float32)
+    assert len(groups[qkv]) == cfg.num_layers
+    assert len(groups[(2 * cfg.intermediate_size, h, torch.float32)]) == cfg.num_layers
+    assert groups[(cfg.vocab_size, h, torch.float32)][0] is not None  # the tied embedding
+
+
+def test_candidate_configs_are_the_pruned_winners():
+    from specserve.layers.gemv import candidate_configs
+
+    shapes = ((6144, 4096), (128256, 4096), (576, 576), (4096, 14336), (576, 1536))
+    for n, k in shapes:
+        for rows in (1, 2, 3, 8, 9, 16, 17, 32, 33, 64):
+            cands = candidate_configs(rows, n, k, num_sms=132)
+            assert 4 <= len(cands) <= 7 and len(set(cands)) == len(cands)
+            assert all(c.supports(rows, n, k) for c in cands)
+            assert (not cands[0].use_dot) == (rows <= 2)  # the CUDA-core product first
+            bm = 16 if rows <= 16 else 32 if rows <= 32 else 64
+            assert all(c.block_m == bm for c in cands if c.use_dot)  # the weight read once
+            assert all(-(-k // c.split_k) >= c.block_k for c in cands)
+            assert any(c.split_k > 1 for c in cands) == (k > n)  # splits only for a long K
+    down = candidate_configs(1, 4096, 14336, num_sms=132)
+    assert [str(c) for c in down if c.split_k > 1] == ["dot m16 n64 k128 s4 w4 st4"]
+
+
+def test_small_buckets_time_one_shared_list_without_the_cuda_core_path():
+    from specserve.layers.gemv import candidate_configs
+    from specserve.layers.gemv_select import ROW_BUCKETS, bucket_candidates
+
+    for n, k in ((4096, 4096), (4096, 14336), (576, 576)):
+        jobs = dict(bucket_candidates(ROW_BUCKETS, n, k, num_sms=132))
+        small = [jobs[b] for b in (1, 2, 4, 8, 16)]
+        assert all(c == small[0] for c in small) and len(small[0]) >= 4
+        assert all(c.use_dot and c.block_m == 16 for c in small[0])  # one variant per tile
+        assert jobs[32] == candidate_configs(32, n, k, 132)
+        assert jobs[64] == candidate_configs(64, n, k, 132)
+
+
+def _fake_selection(monkeypatch, us) -> dict:
+    """The selector's choices for one shape [96, 64] with `_measure` replaced by
+    `us(config, rows)` (microseconds; config None: torch)."""
+    from specserve.layers.gemv_select import ROW_BUCKETS, GemvSelector, bucket_candidates
+
+    selector = GemvSelector()
+    monkeypatch.setattr(selector, "_measure", lambda cfg, x, rotation: us(cfg, x.shape[0]))
+    jobs = bucket_candidates(ROW_BUCKETS, 96, 64, num_sms=132)
+    selector._measure_shape(96, 64, torch.float16, jobs, [torch.zeros(96, 64)], 1e18)
+    return {b: selector.measured[(b, 96, 64, torch.float16)] for b in ROW_BUCKETS}
+
+
+def test_selection_shares_one_config_over_small_buckets(monkeypatch):
+    from specserve.layers.gemv_select import ROW_BUCKETS, bucket_candidates
+
+    jobs = dict(bucket_candidates(ROW_BUCKETS, 96, 64, num_sms=132))
+    a, b = jobs[1][0], jobs[1][1]
+    tall = jobs[64][-1]
+
+    def us(cfg, rows):  # a: fastest at one row only; b: fastest summed over 1..16
+        if cfg is None:
+            return 10.0
+        if rows > 16:
+            return 5.0 if cfg == tall else 9.0
+        return {a: 5.0 if rows == 1 else 9.9, b: 8.0}.get(cfg, 9.5)
+
+    choices = _fake_selection(monkeypatch, us)
+    assert choices[1].config == b
+    assert all(choices[r].config is choices[1].config for r in (2, 4, 8, 16))  # one object
+    assert choices[1].best_us == 8.0 and choices[1].torch_us == 10.0
+    assert choices[64].config == tall and choices[32].config == jobs[32][0]  # per bucket
+    assert all(c.tried == 1 + len(jobs[r]) for r, c in choices.items())
+
+
+def test_selection_keeps_torch_unless_a_config_wins_over_the_small_buckets(monkeypatch):
+    from specserve.layers.gemv_select import ROW_BUCKETS, GemvPlan, bucket_candidates
+
+    a = bucket_candidates((4,), 96, 64, num_sms=132)[0][1][0]
+
+    def us(cfg, rows):  # a wins by far at 4 rows, loses everywhere else; 64 rows: any config
+        if cfg is None:
+            return 10.0
+        if rows == 64:
+            return 7.0
+        return 2.0 if (cfg == a and rows == 4) else 12.0
+
+    choices = _fake_selection(monkeypatch, us)
+    assert all(choices[r].config is None for r in (1, 2, 4, 8, 16, 32))
+    assert choices[4].best_us == choices[4].torch_us == 10.0
+    assert choices[64].config is not None  # the larger buckets choose on their own
+    plan = GemvPlan({(r, 96, 64, torch.float16): c for r, c in choices.items()}, ROW_BUCKETS)
+    assert {plan.config_for(r, 96, 64, torch.float16) for r in range(1, 33)} == {None}
+
+
+def test_rotation_set_exceeds_the_cache_with_distinct_weights():
+    from specserve.layers.gemv_select import rotation_set
+
+    own = [torch.zeros(10, 10), torch.ones(10, 10)]  # 400 bytes each
+    rotation = rotation_set(own, min_bytes=1000)
+    assert rotation[:2] == own and len({id(w) for w in rotation}) == 3  # one clone
+    assert len(rotation) == 4 and rotation[3] is rotation[0]  # repeated up to min_calls
+    assert len(rotation_set(own, min_bytes=10**9, max_calls=7)) == 7
+
+
+# ---- GPU ------------------------------------------------------------------------------------
