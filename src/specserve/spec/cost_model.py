@@ -45,6 +45,15 @@ class CurveModel:
         return self.ms[i - 1] * (1 - f) + self.ms[i] * f
 
 
+def _nearest_bucket(cells: dict, bucket: int, tag):
+    """The cell keyed (b, tag) whose batch bucket b is nearest to `bucket` (in powers of two;
+    the smaller on a tie), or None when no bucket has one."""
+    seen = [b for (b, t) in cells if t == tag]
+    if not seen:
+        return None
+    return cells[(min(seen, key=lambda b: (abs(b.bit_length() - bucket.bit_length()), b)), tag)]
+
+
 def batch_bucket(num_requests: int) -> int:
     """Cells of the period table: powers of two (1, 2, 4, ..., 64, 128, ...)."""
     return 1 << max(0, num_requests - 1).bit_length()
@@ -120,11 +129,8 @@ class StepCostModel:
     def ratio(self, bucket: int, k: int) -> float:
         cell = self._cells.get((bucket, k))
         if cell is None:
-            seen = [b for (b, kk) in self._cells if kk == k]
-            if seen:
-                nearest = min(seen, key=lambda b: (abs(b.bit_length() - bucket.bit_length()), b))
-                cell = self._cells[(nearest, k)]
-            else:
+            cell = _nearest_bucket(self._cells, bucket, k)
+            if cell is None:
                 # Host overhead missing from the seeds is shared by every K of a batch size.
                 here = [kk for (b, kk) in self._cells if b == bucket]
                 if not here:
@@ -215,10 +221,7 @@ class StepCostModel:
         for direction in ("up", "down", "lateral"):
             cell = self._switch.get((bucket, direction))
             if cell is None:
-                seen = [b for (b, d) in self._switch if d == direction]
-                if seen:
-                    near = min(seen, key=lambda b: (abs(b.bit_length() - bucket.bit_length()), b))
-                    cell = self._switch[(near, direction)]
+                cell = _nearest_bucket(self._switch, bucket, direction)
             if cell is not None:
                 out[direction] = max(0.0, cell.value)
             elif direction != "lateral":
