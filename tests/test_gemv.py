@@ -236,10 +236,12 @@ def test_gpu_gemv_is_graph_safe_and_reproducible():
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gpu_selector_plans_a_model_that_still_matches_torch(dtype):
+    from specserve.layers import gemv_select
     from specserve.layers.gemv_select import GemvSelector
     from specserve.layers.linear import use_gemv
     from tests.model_cases import tiny_config, tiny_model
 
+    gemv_select._MEASURED.clear()  # engines of earlier tests may have measured these shapes
     cfg = tiny_config(hidden_size=256, intermediate_size=512, vocab_size=1000, head_dim=64)
     model = tiny_model(cfg, dtype, "cuda")
     x = torch.randn(4, cfg.hidden_size, device="cuda", dtype=dtype)
@@ -259,10 +261,14 @@ def test_gpu_selector_plans_a_model_that_still_matches_torch(dtype):
     for rows in shared.values():
         assert len({r["kernel"] for r in rows}) == 1
         assert sum(r["best_us"] for r in rows) <= sum(r["torch_us"] for r in rows)
-    # a second model with the same shapes: nothing new to measure or compile
+    # a second model with the same shapes, through this selector or a new one of the same
+    # buckets (the next engine of this process): nothing new to measure or compile
     other = tiny_model(cfg, dtype, "cuda", seed=1)
     again = use_gemv(other, selector)
     assert selector.compiled == 0 and again.choices == plan.choices
+    fresh = GemvSelector(budget_s=30.0)
+    assert use_gemv(tiny_model(cfg, dtype, "cuda", seed=2), fresh).choices == plan.choices
+    assert fresh.compiled == 0
 
 
 @pytest.mark.gpu

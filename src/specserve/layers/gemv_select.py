@@ -200,6 +200,10 @@ def variant_key(cfg: GemvConfig, rows: int, n: int, k: int, dtype: torch.dtype) 
             cfg.split_k > 1, k % cfg.block_k == 0, dtype)  # fmt: skip
 
 
+# (device index, row buckets, margin) -> the choices measured so far in this process.
+_MEASURED: dict[tuple, dict[PlanKey, GemvChoice]] = {}
+
+
 class GemvSelector:
     """Measures torch (cuBLAS) against the Triton GEMV's candidate configurations for every
     (row bucket, N, K, dtype) of the weights it is given, and returns the plan.
@@ -214,7 +218,11 @@ class GemvSelector:
     then each bucket's first configuration, and so on; what the budget leaves untried is
     counted (`skipped`) and logged. Keys measured once are
     remembered: a second model (a drafter sharing shapes with its target) given to the same
-    selector only measures its new shapes. On a CPU the plan is empty: torch everywhere.
+    selector only measures its new shapes, and so does every later selector of this process
+    with the same row buckets and margin on the same device (`_MEASURED`: engines started one
+    after another, as tests do, measure once; a different bucket set measures afresh, since
+    the shared choice of buckets up to SHARED_ROWS is made over them all together). On a CPU
+    the plan is empty: torch everywhere.
     """
 
     def __init__(self, row_buckets: tuple[int, ...] = ROW_BUCKETS, budget_s: float = 8.0,
@@ -227,7 +235,7 @@ class GemvSelector:
         self.row_buckets = buckets
         self.budget_s, self.margin, self.reps = budget_s, margin, reps
         self.compile_workers = compile_workers or min(8, os.cpu_count() or 1)
-        self.measured: dict[PlanKey, GemvChoice] = {}
+        self.measured: dict[PlanKey, GemvChoice] = {}  # bound per device in select()
         self.elapsed_s = self.compile_s = 0.0
         self.compiled = 0  # Triton variants compiled by the last select()
         self.skipped = 0  # candidates left untried when the budget ran out
@@ -241,6 +249,8 @@ class GemvSelector:
             return GemvPlan({}, self.row_buckets)
         start = time.perf_counter()
         device = next(iter(shapes.values()))[0].device
+        self.measured = _MEASURED.setdefault(
+            (torch.device(device).index, self.row_buckets, self.margin), self.measured)
         props = torch.cuda.get_device_properties(device)
         sms = props.multi_processor_count
         todo = {shape: bucket_candidates(tuple(b for b in self.row_buckets
