@@ -61,3 +61,49 @@ def test_gpu_capture_reports_time_and_memory():
     runner = _runner(use_graphs=True, device="cuda", backend=TritonAttentionBackend())
     report = runner.capture()
     assert report.num_graphs == 6 and report.capture_s > 0 and report.graph_pool_bytes > 0
+
+
+def test_no_collection_while_capturing_pauses_the_collector_and_restores_it():
+    import gc
+
+    from specserve.runtime.cuda_graphs import no_collection_while_capturing
+
+    assert gc.isenabled()
+    with no_collection_while_capturing():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError), no_collection_while_capturing():
+        raise RuntimeError("a failed capture")
+    assert gc.isenabled()
+
+
+@pytest.mark.gpu
+def test_gpu_capture_survives_a_dropped_runner_collected_meanwhile():
+    """A dropped runner with captured graphs, freed only by the cyclic collector (as an
+    engine is): the collector must not run while the next runner captures (it destroyed the
+    old graphs inside a capture on the H200, in a benchmark's third engine), and a capture
+    with the collector running at every allocation still succeeds."""
+    import gc
+
+    from specserve.layers.attention.triton_attn import TritonAttentionBackend
+
+    old = _runner(use_graphs=True, device="cuda", backend=TritonAttentionBackend())
+    old.capture()
+    old.cycle = old
+    new = _runner(use_graphs=True, device="cuda", backend=TritonAttentionBackend())
+    forward, seen = new.model.forward, []
+
+    def watched(*args, **kwargs):
+        if torch.cuda.is_current_stream_capturing():
+            seen.append(gc.isenabled())
+        return forward(*args, **kwargs)
+
+    new.model.forward = watched
+    del old
+    thresholds = gc.get_threshold()
+    gc.set_threshold(1, 1, 1)
+    try:
+        assert new.capture().num_graphs == 6
+    finally:
+        gc.set_threshold(*thresholds)
+    assert seen and not any(seen)

@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from specserve.layers.gemv import MAX_ROWS, GemvConfig, candidate_configs, gemv
+from specserve.runtime.cuda_graphs import no_collection_while_capturing
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +113,7 @@ def time_in_graph_us(fn, x: torch.Tensor, weights: list[torch.Tensor], reps: int
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # torch.cuda.graph would also gc.collect() per capture
+    with torch.cuda.stream(stream), no_collection_while_capturing():
         graph.capture_begin()
         for w in weights:
             fn(x, w)
@@ -250,7 +251,8 @@ class GemvSelector:
         start = time.perf_counter()
         device = next(iter(shapes.values()))[0].device
         self.measured = _MEASURED.setdefault(
-            (torch.device(device).index, self.row_buckets, self.margin), self.measured)
+            (torch.device(device).index, self.row_buckets, self.margin), self.measured
+        )
         props = torch.cuda.get_device_properties(device)
         sms = props.multi_processor_count
         todo = {shape: bucket_candidates(tuple(b for b in self.row_buckets

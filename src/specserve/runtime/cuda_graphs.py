@@ -13,6 +13,8 @@ and attend only to that slot.
 from __future__ import annotations
 
 import bisect
+import contextlib
+import gc
 import time
 from dataclasses import dataclass
 
@@ -33,6 +35,23 @@ class CaptureReport:
     capture_s: float
     graph_pool_bytes: int  # growth of reserved device memory over the captures
     static_bytes: int  # the static input buffers
+
+
+@contextlib.contextmanager
+def no_collection_while_capturing():
+    """Keep Python's cyclic garbage collector off until the block ends. An engine dropped
+    earlier in the process (a benchmark's previous configuration, a test's) is freed only
+    by the collector; if it ran mid-capture, the old engine's CUDA graphs would be destroyed
+    inside the new capture, which CUDA forbids: the capture is invalidated and start-up
+    fails at a later launch (seen on the H200: "operation failed due to a previous error
+    during capture"). torch.cuda.graph no longer collects before each capture."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def default_batch_buckets(max_batch: int) -> tuple[int, ...]:
@@ -74,16 +93,18 @@ def capture_graphs(keys: list[tuple], forward, static_bytes: int, pool=None):
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
     warmup_s = time.perf_counter() - start
+    gc.collect()  # free dropped engines' graphs and memory before, not during, the captures
     torch.cuda.empty_cache()
     reserved = torch.cuda.memory_reserved()
     start = time.perf_counter()
     pool = pool if pool is not None else torch.cuda.graph_pool_handle()
     graphs = {}
-    for key in keys:
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            outputs = forward(*key)
-        graphs[key] = (graph, outputs)
+    with no_collection_while_capturing():
+        for key in keys:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                outputs = forward(*key)
+            graphs[key] = (graph, outputs)
     torch.cuda.synchronize()
     report = CaptureReport(
         num_graphs=len(keys),
