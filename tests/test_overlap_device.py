@@ -172,7 +172,7 @@ def test_chunked_prefill_features_in_flight(models, reference, padded):
     def spy(items, prev):
         if prev is not None:
             short_chunks.extend(it for it in items
-                                if id(it.request) in prev.feature_rows
+                                if id(it.request) in {id(s.request) for s in prev.scheduled}
                                 and id(it.request) not in prev.rows)  # fmt: skip
         return catch_up_inputs(items, prev)
 

@@ -36,17 +36,8 @@ class LaunchedStep:
         """This step as the next one reads it on the device, before it is resolved."""
         sampled = self.step_input.sampled
         rows = {id(s.request): r for r, s in enumerate(sampled)}
-        feature_rows = {}
-        if self.features is not None:  # queued on the requests only when resolved
-            # Every scheduled request's rows, a prefill chunk that drew no token included:
-            # the next step may catch its drafter up on them.
-            firsts = self.step_input.first_rows
-            feature_rows = {id(s.request): (first, s.num_tokens + num_drafts(s))
-                            for s, first in zip(self.batch, firsts)}  # fmt: skip
-        return InflightStep(
-            self.sampled.tokens, self.sampled.accept_len, rows, [num_drafts(s) for s in sampled],
-            self.features, feature_rows, self.consumed,
-        )  # fmt: skip
+        return InflightStep(self.sampled.tokens, self.sampled.accept_len, rows,
+                            [num_drafts(s) for s in sampled], self.batch, self.consumed)
 
 
 @dataclass

@@ -68,13 +68,17 @@ class StepLoop:
         """Launch the next step; process the previous one (overlap) or this one (sync)."""
         prev, self.inflight = self.inflight, None
         batch = self._schedule()
-        if prev is not None and prev.result is None and not self._runs_ahead(prev, batch):
+        drafting = self._drafting(batch)
+        if prev is not None and prev.result is None and not self._runs_ahead(
+            prev, batch, drafting
+        ):
             # Scheduled while step N runs (pages grown for all of its drafts); this step
             # cannot be built from N's results on the device: wait for them, then settle.
             self.num_waits += 1
             self._resolve(prev)
             batch = self._settle(batch)
-        launched = self._launch(prev, batch)
+            drafting = self._drafting(batch)
+        launched = self._launch(prev, batch, drafting)
         if self.overlap:
             self.inflight, done = launched, prev
         else:
@@ -84,22 +88,23 @@ class StepLoop:
     # ---- launch ---------------------------------------------------------------------------
     def _schedule(self):
         spec = self.engine.spec
-        return self.engine.scheduler.schedule(spec.policy if spec else None)
+        return self.engine.scheduler.schedule(spec.scheduling_policy if spec else None)
 
     def _drafting(self, batch: list[ScheduledRequest]) -> list[ScheduledRequest]:
-        """The requests the proposer runs for: drafting, or catching the drafter up."""
+        """The requests the proposer runs for: drafting, or catching the drafter up (not
+        when the policy never drafts: the drafter's state would never be read)."""
         spec = self.engine.spec
-        if spec is None:
+        if spec is None or not spec.may_draft:
             return []
         wants = spec.proposer.wants_catch_up
         return [s for s in batch if s.draft_len > 0 or (s.decoding and wants(s.request))]
 
-    def _runs_ahead(self, prev: LaunchedStep, batch: list[ScheduledRequest]) -> bool:
+    def _runs_ahead(self, prev: LaunchedStep, batch: list[ScheduledRequest],
+                    drafting: list[ScheduledRequest]) -> bool:  # fmt: skip
         """Whether `batch` can be launched before prev's tokens reach the host, built on
         the device from prev's drawn tokens and accept lengths (runtime/inflight.py): when
         its drafter reads them there (EAGLE-3, greedy, one draft length) and, after a
         speculative step, every position it may reach lies within the context."""
-        drafting = self._drafting(batch)
         if drafting and not self.engine.spec.proposer.reads_inflight(drafting):
             return False
         if not prev.speculative:
@@ -126,13 +131,12 @@ class StepLoop:
                 settled.append(s)
         return settled
 
-    def _launch(self, prev: LaunchedStep | None, batch) -> LaunchedStep | None:
+    def _launch(self, prev: LaunchedStep | None, batch, drafting) -> LaunchedStep | None:
         engine, spec = self.engine, self.engine.spec
         if not batch:
             self._idle = True
             return None
         engine.num_steps += 1
-        drafting = self._drafting(batch)
         inflight = prev.inflight() if prev is not None and prev.result is None else None
         # Device timeline: a step starts with its first real work (drafting, else the
         # forward), so host work that leaves the device idle counts in the gap before it.
@@ -155,7 +159,8 @@ class StepLoop:
         hidden, aux = runner.forward(step_input, spec.aux_layer_ids if spec else ())
         sampled = runner.sample_async(step_input, hidden, spec.simulate_rate if spec else None)
         # Taken now: graph outputs are overwritten by the next step's replay.
-        features = spec.proposer.features(aux) if spec is not None else None
+        features = (spec.proposer.features(aux, step_input.meta.slot_mapping)
+                    if spec is not None else None)  # fmt: skip
         t2 = time.perf_counter()
         # Bookkeeping that needs no drawn token: the fed tokens are in the KV cache (in
         # device order), and each sampled request has at least one token in flight.
@@ -211,12 +216,15 @@ class StepLoop:
             if id(req) in unmoved:
                 req.cached_len += len(tokens) - 1  # accepted drafts: their KV is valid
             req.unprocessed_token_ids = list(tokens)
-        if self.engine.spec is not None:  # in launch order: features queue in position order
+        spec = self.engine.spec
+        if spec is not None and (spec.proposer.needs_commit or step.consumed):
             items = [s for s, keep in zip(step.batch, kept) if keep]
-            queued = [s for s in items if id(s.request) not in step.consumed]
-            self._commit_drafter(step, queued, [accepted.get(id(s), 0) for s in queued])
-            for s in items:
-                if id(s.request) in step.consumed:  # the next step's drafter took them
+            consumed = step.consumed
+            if spec.proposer.needs_commit:  # in launch order (features in position order)
+                queued = [s for s in items if id(s.request) not in consumed]
+                self._commit_drafter(step, queued, [accepted.get(id(s), 0) for s in queued])
+            for s in items if consumed else ():
+                if id(s.request) in consumed:  # the next step's drafter caught up on them
                     s.request.draft_cached_len += accepted.get(id(s), 0)
 
     # ---- process: stop checks, outputs, statistics -----------------------------------

@@ -45,22 +45,19 @@ class InflightStep:
     """Step N's results on the device, by row: its sampled requests in order.
 
     Row r drew tokens[r, :accept_len[r] + 1] after num_drafts[r] drafts (`accept_len` None:
-    a plain step, one token per row). `features` are N's drafter inputs for its packed rows
-    (EAGLE-3: projected target features) when they are not yet queued on the requests (a
-    speculative step queues them once its accept lengths are read); request r's are rows
-    feature_rows[r] = (first, count), for every scheduled request of N (sampled or not: a
-    prefill chunk that drew no token has features too). `consumed` collects the requests
-    whose features the next step's drafter took from here (their accept lengths too): N's
-    resolve must not queue them again.
+    a plain step, one token per row). `scheduled` are N's scheduled requests (sampled or
+    not: a prefill chunk that drew no token fed the target too). `consumed` collects the
+    requests whose drafter the next step caught up on N's rows (so N's resolve adds their
+    accept lengths to the drafter's cached length).
     """
 
     tokens: torch.Tensor  # [R, W]
     accept_len: torch.Tensor | None  # [R]
     rows: dict[int, int]  # id(request) -> row
     num_drafts: list[int]
-    features: torch.Tensor | None = None
-    feature_rows: dict[int, tuple[int, int]] = field(default_factory=dict)
+    scheduled: list = field(default_factory=list)  # ScheduledRequest of step N
     consumed: set[int] = field(default_factory=set)
+    _padded: torch.Tensor | None = field(default=None, repr=False)  # accept_len, then a 0
 
     @property
     def speculative(self) -> bool:
@@ -79,9 +76,12 @@ class InflightStep:
         device = self.tokens.device
         if self.accept_len is None:
             return torch.zeros(len(rows), dtype=torch.int64, device=device)
-        padded = torch.cat([self.accept_len, self.accept_len.new_zeros(1)])
         last = len(self.num_drafts)
-        return padded[to_device([r if r >= 0 else last for r in rows], device)]
+        if len(rows) == last and rows == list(range(last)):  # the same requests in order
+            return self.accept_len
+        if self._padded is None:
+            self._padded = torch.cat([self.accept_len, self.accept_len.new_zeros(1)])
+        return self._padded[to_device([r if r >= 0 else last for r in rows], device)]
 
     def catch_up_tail(self, rows: list[int]) -> CatchUpTail:
         """The drafter's catch-up inputs from this step for requests at `rows` (-1: not in

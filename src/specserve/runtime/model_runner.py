@@ -83,8 +83,9 @@ class ModelRunner:
         sampled = [i for i, s in enumerate(batch) if s.samples]
         shift = sample_shift = None
         if moved:
-            shifts = prev.accepted(prev_rows + [prev_rows[i] for i in sampled])
-            shift, sample_shift = shifts[: len(batch)], shifts[len(batch) :]
+            shift = prev.accepted(prev_rows)
+            sample_shift = (shift if len(sampled) == len(batch)
+                            else prev.accepted([prev_rows[i] for i in sampled]))  # fmt: skip
         input_ids, meta, last_rows = pack(segments, self.kv.page_size, self.device, shift)
         self._place_device_tokens(batch, input_ids, last_rows, missing, prev_rows, prev)
         first_rows = [last - len(seg.token_ids) + 1 for last, seg in zip(last_rows, segments)]

@@ -1,12 +1,16 @@
 """EAGLE-3 drafting: the head reads the target's low/mid/high features and its own outputs.
 
 Head position i holds the pair (target feature of token i, embedding of token i+1) and
-predicts token i+2. After each target pass the features of newly committed positions are
-projected by the head's fc and queued on the request (`draft_features`); the next proposing
-step first runs the head over the queued pairs (the catch-up: one batched extend over
+predicts token i+2. Every target pass projects the features of all its tokens by the head's
+fc into a store indexed like the KV cache (`feature_store[slot]`, the slot of the token's
+position in the request's pages), one copy per step, with no per-request work: a position's
+feature is written by the step that feeds its token, and a rejected draft's is overwritten
+by the step that feeds the real token there, as its KV is. The next proposing step first
+runs the head over the pairs its drafter has not seen (the catch-up: one batched extend over
 everything committed since it last drafted, however long the request went without
-speculating), whose last output yields draft 1; each further draft feeds the head's own
-output and the previous draft back in. The head's KV lives in the request's pages.
+speculating), reading their features from the store by slot; its last output yields draft
+1; each further draft feeds the head's own output and the previous draft back in. The
+head's KV lives in the request's pages.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ from specserve.spec.proposer import Proposer, chain_draft, draw_drafts
 if TYPE_CHECKING:
     from specserve.engine.engine import LLMEngine
 
+# A request that goes this many generated tokens without drafting brings its drafter up to
+# date in that step (ride-along), so that the catch-up when drafting resumes stays short.
 CATCH_UP_STEPS = 128
 log = logging.getLogger("specserve")
 
@@ -39,6 +45,8 @@ class Eagle3Proposer(Proposer):
     greedy drafts are the argmax over the draft vocabulary mapped through d2t, so only
     sampled requests pay for logits over the whole target vocabulary."""
 
+    needs_commit = False  # features reach the store at launch; nothing to queue
+
     def __init__(self, head: Eagle3Head, embed: torch.nn.Embedding, kv: KVCache, backend):
         self.head, self.embed, self.kv = head, embed, kv
         self.backend: AttentionBackend = backend
@@ -47,6 +55,10 @@ class Eagle3Proposer(Proposer):
         self.draft_ids = head.draft_to_target(torch.arange(head.config.draft_vocab_size,
                                                            device=head.d2t.device))
         self.graphs: DrafterGraphs | None = None
+        # Projected target features by KV slot: [pages * page size, H] (page 0: scratch).
+        num_slots = kv.pool.shape[2] * kv.page_size
+        self.feature_store = torch.zeros(num_slots, head.config.layer.hidden_size,
+                                         dtype=head.fc.weight.dtype, device=kv.pool.device)
 
     def _target_logits(self, draft_logits: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits -> logits over the target vocabulary (-inf outside)."""
@@ -60,15 +72,19 @@ class Eagle3Proposer(Proposer):
             return self.draft_ids[draft_logits.argmax(dim=-1)], None
         return draw_drafts(self._target_logits(draft_logits), items, step)
 
-    def _pass(self, segments: list[Segment], hidden: torch.Tensor, input_ids=None):
-        """One head pass: (output at each segment's last token, its draft logits)."""
+    def _pass(self, segments: list[Segment], hidden: torch.Tensor | None, input_ids=None,
+              logits: bool = True):  # fmt: skip
+        """One head pass: (output at each segment's last token, its draft logits or None).
+        `hidden` None: the catch-up's features, read from the store by slot."""
         if self.graphs is not None and self.graphs.can_run(segments):
             return self.graphs.run(segments, hidden, input_ids)
         ids, meta, last_rows = pack(segments, self.kv.page_size, self.kv.pool.device)
+        if hidden is None:
+            hidden = self.feature_store[meta.slot_mapping]
         embeds = self.embed(ids if input_ids is None else input_ids)
         out = self.head(embeds, hidden, meta, self.kv.layers[0], self.backend)
         last = out[to_device(last_rows, out.device)]
-        return last, self.head.compute_logits(last)
+        return last, self.head.compute_logits(last) if logits else None
 
     def reads_inflight(self, items: list[ScheduledRequest]) -> bool:
         """Whether `propose` can take the step in flight's tokens from the device for these
@@ -81,16 +97,16 @@ class Eagle3Proposer(Proposer):
         """Catch up and draft. Greedy steps with one draft length leave the drafts on the
         device (`device_drafts`); with `prev`, the step in flight, a request's newest tokens
         and features are read from it on the device (`reads_inflight` must hold)."""
-        segments, hidden, tail = self._catch_up_inputs(items, prev)
+        segments, tail = self._catch_up_inputs(items, prev)
         if self.reads_inflight(items):
-            drafts = self._greedy_chain(segments, hidden, tail, items[0].draft_len)
+            drafts = self._greedy_chain(segments, tail, items[0].draft_len)
             for row, it in enumerate(items if drafts is not None else ()):
                 it.device_drafts = (drafts, row)
             return
         if tail is not None:
             raise RuntimeError("only greedy steps of one draft length read the step in flight")
-        last, logits = self._pass(segments, hidden)
         drafting = [i for i, it in enumerate(items) if it.draft_len > 0]
+        last, logits = self._pass(segments, None, logits=bool(drafting))
         if not drafting:
             return  # a catch-up pass only
         if len(drafting) < len(items):
@@ -107,46 +123,38 @@ class Eagle3Proposer(Proposer):
         chain_draft([items[i] for i in drafting], logits, step, self._draw)
 
     def _catch_up_inputs(self, items, prev: InflightStep | None):
-        """Each item's catch-up segment (pairs from its drafter's cached length to its last
-        committed token) and features; the requests of `prev` end with prev's tokens and,
-        when prev has not queued them, its features, all on the device (`CatchUpTail`)."""
-        segments, feats, rows = [], [], []
+        """Each item's catch-up segment: pairs from its drafter's cached length to its last
+        committed token (features from the store); the requests of `prev` end with prev's
+        tokens, on the device (`CatchUpTail`)."""
+        segments, rows = [], []
+        in_prev = prev.rows if prev is not None else {}
         for it in items:
             req = it.request
             start = req.draft_cached_len
             pair_tokens = req.token_ids(start + 1, req.committed_len)
-            feats += req.draft_features
-            req.draft_features.clear()
-            row = prev.rows.get(id(req), -1) if prev is not None else -1
+            row = in_prev.get(id(req), -1)
             if row >= 0:  # its newest tokens are in flight: as many as prev may commit
                 pair_tokens = pair_tokens + [0] * (prev.num_drafts[row] + 1)
-            if prev is not None and id(req) in prev.feature_rows:
-                # prev's features (a prefill chunk that drew no token's too) are not queued.
-                first, count = prev.feature_rows[id(req)]
-                feats.append(prev.features[first : first + count])
-                prev.consumed.add(id(req))
+                prev.consumed.add(id(req))  # prev's resolve adds its accepted drafts
             segments.append(Segment(req.page_table, start, pair_tokens))
             rows.append(row)
             # The host's view (prev counted as one token); prev's resolve adds its accepts.
             req.draft_cached_len = req.committed_len - 1
-        hidden = torch.cat(feats).to(self.head.fc.weight.dtype)
-        if hidden.shape[0] != sum(len(seg.token_ids) for seg in segments):
-            raise RuntimeError("EAGLE-3 features and committed tokens are out of step")
         tail = prev.catch_up_tail(rows) if any(r >= 0 for r in rows) else None
-        return segments, hidden, tail
+        return segments, tail
 
-    def _greedy_chain(self, segments, hidden, tail, k: int) -> torch.Tensor | None:
+    def _greedy_chain(self, segments, tail, k: int) -> torch.Tensor | None:
         """The catch-up pass, then k-1 draft passes fed their own argmax drafts, at
         positions computed on the device: drafts [B, k] (target ids) on the device, None
         for k = 0. One replay when a chain graph fits, else a graph or eager pass each."""
         graphs = self.graphs
         if graphs is not None and k >= 2 and graphs.can_run_chain(segments, k):
-            return graphs.run_chain(segments, hidden, k, tail)
+            return graphs.run_chain(segments, None, k, tail)
         if graphs is not None and graphs.can_run(segments):
-            last, logits = graphs.run(segments, hidden, None, tail)
+            last, logits = graphs.run(segments, None, None, tail)
             positions, step = graphs.last_positions(len(segments)), graphs.run_step
         else:
-            last, logits, positions, step = self._eager_catch_up(segments, hidden, tail, k)
+            last, logits, positions, step = self._eager_catch_up(segments, tail, k)
         if k == 0:
             return None
         drafts = [self.draft_ids[logits.argmax(dim=-1)]]
@@ -156,14 +164,24 @@ class Eagle3Proposer(Proposer):
             drafts.append(self.draft_ids[logits.argmax(dim=-1)])
         return torch.stack(drafts, dim=1)
 
-    def _eager_catch_up(self, segments, hidden, tail, k: int):
+    def _eager_catch_up(self, segments, tail, k: int):
         """The catch-up pass without graphs: (output and logits at each drafting row, its
-        position, a one-token draft pass at device positions for the chain)."""
+        position, a one-token draft pass at device positions for the chain); for k = 0 (a
+        ride-along: nobody drafts from it) the pass only writes the head's KV."""
         device = self.kv.pool.device
         ids, meta, last_rows = pack(segments, self.kv.page_size, device)
+        hidden = self.feature_store[meta.slot_mapping]
+        if k == 0:
+            if tail is not None:
+                dest, src, _ = tail.index(self._starts(last_rows, segments),
+                                          [len(seg.token_ids) for seg in segments])
+                dest_t, src_t = upload([dest, src], device)
+                ids[dest_t] = tail.tokens.reshape(-1)[src_t]
+            self.head(self.embed(ids), hidden, meta, self.kv.layers[0], self.backend)
+            return None, None, None, None
         if tail is not None:
-            starts = [last - len(seg.token_ids) + 1 for last, seg in zip(last_rows, segments)]
-            dest, src, last_rows = tail.index(starts, [len(seg.token_ids) for seg in segments])
+            dest, src, last_rows = tail.index(self._starts(last_rows, segments),
+                                              [len(seg.token_ids) for seg in segments])
             dest_t, src_t, last_t = upload([dest, src, last_rows], device)
             ids[dest_t] = tail.tokens.reshape(-1)[src_t]
             last_t = last_t + tail.accepted
@@ -183,25 +201,28 @@ class Eagle3Proposer(Proposer):
 
         return last, self.head.compute_logits(last), meta.positions[last_t], step
 
-    def wants_catch_up(self, req) -> bool:
-        """Bound the features queued while a request does not speculate: after
-        CATCH_UP_STEPS steps' worth the head consumes them in this step (ride-along)."""
-        return len(req.draft_features) >= CATCH_UP_STEPS
+    @staticmethod
+    def _starts(last_rows: list[int], segments: list[Segment]) -> list[int]:
+        return [last - len(seg.token_ids) + 1 for last, seg in zip(last_rows, segments)]
 
-    def features(self, aux: list[torch.Tensor]) -> torch.Tensor | None:
-        """The step's auxiliary hidden states projected by the head's fc: [T, H]."""
+    def wants_catch_up(self, req) -> bool:
+        """Bound the catch-up a request will need: after CATCH_UP_STEPS generated tokens
+        the drafter has not seen, the head takes them in this step (ride-along)."""
+        unseen = req.cached_len - max(req.draft_cached_len, len(req.prompt_token_ids))
+        return unseen >= CATCH_UP_STEPS
+
+    def features(self, aux: list[torch.Tensor], slots: torch.Tensor | None = None) -> None:
+        """Project the step's auxiliary hidden states by the head's fc into the feature
+        store at the tokens' KV `slots` (padding rows write to the scratch page 0)."""
         if not aux:
             return None
         with torch.inference_mode():
-            return self.head.project(torch.cat(aux, dim=-1).to(self.head.fc.weight.dtype))
-
-    def commit(self, items, accepted, features, first_rows) -> None:
-        """Queue the projected features of every newly committed position."""
-        if features is None:
-            return
-        for it, a, first in zip(items, accepted, first_rows):
-            # A view into this step's projection: no copy per request.
-            it.request.draft_features.append(features[first : first + it.num_tokens + a])
+            x = torch.cat(aux, dim=-1) if len(aux) > 1 else aux[0]
+            weight = self.head.fc.weight
+            if x.dtype != weight.dtype:
+                x = x.to(weight.dtype)
+            self.feature_store.index_copy_(0, slots, self.head.project(x))
+        return None
 
     def step_timer(self):
         def run(n: int) -> None:
@@ -263,6 +284,7 @@ def capture_drafter_graphs(
         default_batch_buckets(min(cfg.max_num_seqs, cfg.cuda_graph_max_batch)),
         catch_up_lengths(cfg.speculative_num_steps), engine.max_model_len, use_graphs,
         chain_lengths=tuple(range(2, cfg.speculative_num_steps + 1)),  # every K >= 2
+        feature_store=proposer.feature_store,
     )  # fmt: skip
     report = graphs.capture()
     log.info(

@@ -35,7 +35,7 @@ from specserve.layers.attention import AttentionBackend, AttentionMetadata
 from specserve.model.eagle3 import Eagle3Head
 from specserve.runtime.cuda_graphs import CaptureReport, capture_graphs, static_meta
 from specserve.runtime.inflight import CatchUpTail
-from specserve.runtime.packing import Segment, to_device
+from specserve.runtime.packing import Segment, staging_int64
 
 
 def draft_pass_meta(positions: torch.Tensor, block_tables: torch.Tensor, page_size: int,
@@ -80,6 +80,7 @@ class DrafterGraphs:
         use_graphs: bool = True,
         chain_lengths: tuple[int, ...] = (),
         chain_max_batch: int = 64,
+        feature_store: torch.Tensor | None = None,
     ):
         self.head, self.embed, self.kv_layer, self.backend = head, embed, kv_layer, backend
         self.batch_buckets = tuple(sorted(set(batch_buckets)))
@@ -88,17 +89,24 @@ class DrafterGraphs:
         self.use_graphs = use_graphs
         self.chain_lengths = tuple(sorted(k for k in set(chain_lengths) if k >= 2))
         self.chain_max_batch = chain_max_batch
+        self.feature_store = feature_store  # [slots, H]: catch-up inputs by KV slot
         device = kv_layer[0].device
         self.page_size = kv_layer[0].shape[1]
         max_b, max_q = self.batch_buckets[-1], self.tokens_per_request[-1]
         self.max_pages = -(-max_seq_len // self.page_size)
         i64 = dict(dtype=torch.int64, device=device)
-        self.input_ids = torch.zeros(max_b * max_q, **i64)
-        self.positions = torch.zeros(max_b * max_q, **i64)
-        self.slot_mapping = torch.zeros(max_b * max_q, **i64)
-        self.seq_lens = torch.ones(max_b, **i64)
+        # The per-pass integers are sections of one buffer, filled by one copy per pass:
+        # seq_lens, last_rows [max_b]; input_ids, positions, slot_mapping, and a catch-up
+        # tail's destination and source rows [max_b * max_q] (page tables apart: their
+        # width varies).
+        n_max = max_b * max_q
+        sizes = (max_b, max_b, n_max, n_max, n_max, n_max, n_max)
+        self.ints = torch.zeros(sum(sizes), **i64)
+        (self.seq_lens, self.last_rows, self.input_ids, self.positions, self.slot_mapping,
+         self.tail_dest, self.tail_src) = self.ints.split(sizes)  # fmt: skip
+        self._offsets = np.cumsum((0,) + sizes)[:-1].tolist()
+        self.seq_lens.fill_(1)
         self.block_tables = torch.zeros(max_b, self.max_pages, **i64)
-        self.last_rows = torch.zeros(max_b, **i64)
         self.query_start = {q: torch.arange(max_b + 1, **i64) * q
                             for q in {1, *self.tokens_per_request}}  # 1: chains' draft passes
         hidden_size = head.config.layer.hidden_size
@@ -109,8 +117,7 @@ class DrafterGraphs:
 
     @property
     def static_bytes(self) -> int:
-        bufs = [self.input_ids, self.positions, self.slot_mapping, self.seq_lens,
-                self.block_tables, self.last_rows, self.hidden, *self.query_start.values()]
+        bufs = [self.ints, self.block_tables, self.hidden, *self.query_start.values()]
         return sum(b.numel() * b.element_size() for b in bufs)  # fmt: skip
 
     def keys(self) -> list[tuple[int, int, int]]:
@@ -197,22 +204,23 @@ class DrafterGraphs:
     def run(
         self,
         segments: list[Segment],
-        hidden: torch.Tensor,
+        hidden: torch.Tensor | None,
         input_ids: torch.Tensor | None = None,
         tail: CatchUpTail | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One head pass over `segments` (their token ids, or `input_ids` [sum of lengths] on
         the device, or with a device `tail`) with head inputs `hidden` [sum of lengths, H],
-        in segment order."""
+        in segment order, or (None) gathered from `feature_store` by KV slot."""
         num_requests, batch, q = self._load(segments, hidden, input_ids, tail)
         last, logits = self._replay(batch, q, 0)
         return last[:num_requests], logits[:num_requests]
 
     @torch.inference_mode()
-    def run_chain(self, segments: list[Segment], hidden: torch.Tensor, k: int,
+    def run_chain(self, segments: list[Segment], hidden: torch.Tensor | None, k: int,
                   tail: CatchUpTail | None = None) -> torch.Tensor:  # fmt: skip
-        """A whole greedy proposing step: the catch-up pass over `segments` and `hidden`,
-        then k-1 draft passes; returns the drafts [B, k] (target ids) on the device."""
+        """A whole greedy proposing step: the catch-up pass over `segments` and `hidden` (or
+        the feature store, as in `run`), then k-1 draft passes; returns the drafts [B, k]
+        (target ids) on the device."""
         num_requests, batch, q = self._load(segments, hidden, None, tail)
         (drafts,) = self._replay(batch, q, k)
         return drafts[:num_requests]
@@ -250,10 +258,11 @@ class DrafterGraphs:
         return outputs
 
     def _load(self, segments, hidden, input_ids, tail=None) -> tuple[int, int, int]:
-        """Copy a pass into the static buffers, padded to (bucket, captured length): every
-        integer input goes into one host tensor (pinned on CUDA), then section by section
-        into the static buffers; padded requests are filled on the host too. A `tail`'s
-        tokens and drafting rows are then set on the device."""
+        """Copy a pass into the static buffers, padded to (bucket, captured length): the
+        integer inputs go up in one host image (pinned on CUDA) and one copy, the page
+        tables in a second; padded requests are filled on the host too. A `tail`'s tokens
+        and drafting rows are then set on the device, and the head's inputs copied (or
+        gathered from the feature store by the pass's KV slots)."""
         num_requests = len(segments)
         lens = [len(s.token_ids) for s in segments]
         q = self.length_for(max(lens))
@@ -271,41 +280,50 @@ class DrafterGraphs:
             last_rows.append(b * q + n - 1)
             tables += table + [0] * (width - len(table))
         n_pad = batch - num_requests  # padded requests: position 0 on page 0
-        zeros = [0] * (n_pad * q)
+        n = batch * q
         seq_lens += [1] * n_pad
         last_rows += range(num_requests * q, batch * q, q)
         tables += [0] * (n_pad * width)
-        dest, src = [], []
+        dest, src = (), ()
         if tail is not None:
             dest, src, last = tail.index(range(0, num_requests * q, q), lens)
             last_rows[:num_requests] = last
-        host = torch.from_numpy(np.array(  # numpy converts a list of ints ~4x faster
-            ids + zeros + pos + zeros + slots + zeros + seq_lens + last_rows + tables + dest
-            + src, np.int64
-        ))  # fmt: skip
-        if self.hidden.is_cuda:
-            host = host.pin_memory()
-        n = batch * q
-        sections = host.split((n, n, n, batch, batch, batch * width, len(dest), len(src)))
-        for buf, section in zip((self.input_ids, self.positions, self.slot_mapping), sections):
-            buf[:n].copy_(section, non_blocking=True)
-        self.seq_lens[:batch].copy_(sections[3], non_blocking=True)
-        self.last_rows[:batch].copy_(sections[4], non_blocking=True)
-        self.block_tables[:batch, :width].copy_(sections[5].view(batch, width),
-                                                non_blocking=True)  # fmt: skip
+        o_seq, o_last, o_ids, o_pos, o_slots, o_dest, o_src = self._offsets
+        span = o_src + len(src)
+        image, host = staging_int64(span, self.ints.device)
+        image[o_seq : o_seq + batch] = seq_lens
+        image[o_last : o_last + batch] = last_rows
+        m = num_requests * q
+        image[o_ids : o_ids + m] = ids
+        image[o_pos : o_pos + m] = pos
+        image[o_slots : o_slots + m] = slots
+        if n_pad:
+            image[o_ids + m : o_ids + n] = 0
+            image[o_pos + m : o_pos + n] = 0
+            image[o_slots + m : o_slots + n] = 0
+        image[o_dest : o_dest + len(dest)] = dest
+        image[o_src:span] = src
+        self.ints[:span].copy_(host, non_blocking=True)
+        t_image, t_host = staging_int64(batch * width, self.ints.device)
+        t_image[:] = tables
+        self.block_tables[:batch, :width].copy_(t_host.view(batch, width), non_blocking=True)
         if n_pad:  # whole rows: chains index past column 0
             self.block_tables[num_requests:batch, width:] = 0
         if tail is not None:
-            dest_t, src_t = (t.to(self.input_ids.device, non_blocking=True) for t in sections[6:])
-            self.input_ids[dest_t] = tail.tokens.reshape(-1)[src_t]
+            k = len(dest)
+            self.input_ids[self.tail_dest[:k]] = tail.tokens.reshape(-1)[self.tail_src[:k]]
             self.last_rows[:num_requests] += tail.accepted
         if input_ids is not None:
             if q != 1:
                 raise ValueError("device input ids are only taken for one-token passes")
             self.input_ids[:num_requests].copy_(input_ids)
-        if all(k == q for k in lens):
+        if hidden is None:  # every row's feature by its slot (padding rows: scratch slot 0)
+            torch.index_select(self.feature_store, 0, self.slot_mapping[:n],
+                               out=self.hidden[:n])
+        elif all(k == q for k in lens):
             self.hidden[: num_requests * q].copy_(hidden)
         else:
-            dest = [b * q + i for b, k in enumerate(lens) for i in range(k)]
-            self.hidden.index_copy_(0, to_device(dest, self.hidden.device), hidden)
+            dest_rows = [b * q + i for b, k in enumerate(lens) for i in range(k)]
+            rows_t = torch.from_numpy(np.array(dest_rows, np.int64)).to(self.hidden.device)
+            self.hidden.index_copy_(0, rows_t, hidden)
         return num_requests, batch, q

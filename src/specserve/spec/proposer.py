@@ -33,6 +33,7 @@ class Proposer(ABC):
     """
 
     aux_layer_ids: tuple[int, ...] = ()
+    needs_commit = True  # False: `commit` does nothing (the loop skips building its inputs)
 
     @abstractmethod
     def propose(self, items: list[ScheduledRequest]) -> None: ...
@@ -51,9 +52,10 @@ class Proposer(ABC):
         measure the drafter's cost; None when drafting costs no device time."""
         return None
 
-    def features(self, aux: list[torch.Tensor]) -> torch.Tensor | None:
+    def features(self, aux: list[torch.Tensor], slots: torch.Tensor | None = None):
         """The drafter's inputs from a step's auxiliary hidden states (concatenated by
-        default), computed when the step is launched: graph outputs are reused later."""
+        default; `slots`: its tokens' KV slots), computed when the step is launched: graph
+        outputs are reused later."""
         return torch.cat(aux, dim=-1) if aux else None
 
     def commit(

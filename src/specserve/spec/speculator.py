@@ -18,6 +18,7 @@ from specserve.spec.policy import (
 )
 from specserve.spec.proposer import Proposer
 from specserve.spec.registry import build_proposer
+from specserve.spec.step_periods import PeriodLog
 from specserve.spec.verify import rate_for_mean_accept_len
 
 if TYPE_CHECKING:
@@ -45,10 +46,10 @@ class Speculator:
             )
         self.cost: StepCostModel | None = None
         self.policy: SpeculationPolicy = OffPolicy(self.k_max)
-        self._last_shape: tuple[int, int] | None = None  # (decoding requests, K) of the last step
+        self.periods = PeriodLog(None)  # step periods into the cost model (goodput only)
+        self._last_decodes = False  # whether the last step was decode-only
         self._last_resolved_s: float | None = None
         self._last_committed = 0
-        self._last_switch: tuple[int, int, float] | None = None  # (K before, K, period ms)
 
     def start(self, engine: LLMEngine) -> None:
         """Build the policy once the target runs as it will serve (graphs captured), so the
@@ -59,6 +60,18 @@ class Speculator:
     def aux_layer_ids(self) -> tuple[int, ...]:
         return self.proposer.aux_layer_ids
 
+    @property
+    def may_draft(self) -> bool:
+        """False under the off policy: no step drafts, so the scheduler asks no policy, the
+        drafter is not caught up along the way (its inputs stay available: a later policy
+        catches up on them) and steps leave no statistics; a step costs a plain one."""
+        return not isinstance(self.policy, OffPolicy)
+
+    @property
+    def scheduling_policy(self) -> SpeculationPolicy | None:
+        """The policy the scheduler asks for draft lengths (None: every K is 0)."""
+        return self.policy if self.may_draft else None
+
     def _build_policy(self, engine: LLMEngine) -> SpeculationPolicy:
         cfg = engine.config
         name = cfg.speculative_policy
@@ -68,7 +81,7 @@ class Speculator:
             return FixedPolicy(self.k_max)
         if name == "schedule":
             return SchedulePolicy(self.k_max, cfg.speculative_schedule)
-        self.cost = self.measure_costs(engine)
+        self.cost = self.periods.cost = self.measure_costs(engine)
         return GoodputPolicy(self.k_max, self.cost, self.acceptance)
 
     def measure_costs(self, engine: LLMEngine) -> StepCostModel:
@@ -95,6 +108,8 @@ class Speculator:
         target_ms: float,
     ) -> None:
         """After a step: acceptance per request, decision trace."""
+        if not self.may_draft:
+            return
         decoding = [s for s in batch if s.decoding]
         self.acceptance.update_many([
             (s.request.request_id, len(s.drafts), committed.get(id(s), 1) - 1)
@@ -116,44 +131,31 @@ class Speculator:
         """A step's period: from the previous step's tokens reaching the host to its own
         (`resolved_s`, perf_counter seconds), which is what a step costs in throughput under
         the synchronous and the overlapped loop alike. Steps are processed in launch order.
-        For a decode-only step, not after an idle engine or a prefill step, the cost model
-        records it by (decoding requests, K): as steady when the step before had the same K,
-        else, less the steady step after it, as the cost of the switch (the first step at a
-        new K pays one-off costs: a drafter catch-up, a host wait the overlap would have
-        hidden). Not as steady: a plain step followed by a drafting one, which the overlap
-        loop may resolve before launching the next step (when the drafter reads committed
-        tokens on the host), so that its period misses host work that lands in the next
-        one's. The policy's trace gets the period and its use."""
-        switch, self._last_switch = self._last_switch, None
+        Decode-only steps go to the period log (with their period when the step before was
+        decode-only too and the engine did not idle between), which decides with one step of
+        hindsight which are steady samples of their K and what a change of K cost
+        (`PeriodLog`); any other step ends its chain. The policy's trace gets the period and
+        its use."""
         decoding = [s for s in batch if s.decoding]
-        shape = (len(decoding), max(len(s.drafts) for s in decoding)) if decoding else None
-        prev_shape, prev_s = self._last_shape, self._last_resolved_s
-        only_decodes = decoding and len(decoding) == len(batch)
-        self._last_shape = shape if only_decodes else None
-        self._last_resolved_s = resolved_s
-        if shape is None:
+        only_decodes = bool(decoding) and len(decoding) == len(batch)
+        prev_decodes, prev_s = self._last_decodes, self._last_resolved_s
+        self._last_decodes, self._last_resolved_s = only_decodes, resolved_s
+        decision = None
+        if decoding:
+            decision, _ = self.policy.trace.processed(
+                len(decoding), max(len(s.drafts) for s in decoding))
+        period_ms = None
+        if prev_s is not None and resolved_s > prev_s and not after_idle:
+            period_ms = (resolved_s - prev_s) * 1e3
+            if decision is not None:
+                decision.observed_ms = period_ms
+        if not only_decodes:
+            self.periods.stop()
             return
-        decision, next_k = self.policy.trace.processed(*shape)
-        if prev_s is None or resolved_s <= prev_s or after_idle:
-            return
-        period_ms = (resolved_s - prev_s) * 1e3
-        used = ""
-        if only_decodes and prev_shape is not None:
-            n, k = shape
-            if k != prev_shape[1]:
-                used = "switch"
-                self._last_switch = (prev_shape[1], k, period_ms)
-            elif k == 0 and next_k:
-                used = "before_switch"
-            else:
-                used = "steady"
-                self.policy.trace.observed_goodput = self._last_committed / period_ms * 1e3
-                if self.cost is not None:
-                    self.cost.observe(n, k, period_ms)
-                    if switch is not None:  # the step before was the switch to this K
-                        self.cost.observe_switch(n, switch[0], k, switch[2], period_ms)
-        if decision is not None:
-            decision.observed_ms, decision.recorded = period_ms, used
+        if period_ms is not None:
+            self.policy.trace.observed_goodput = self._last_committed / period_ms * 1e3
+        self.periods.add(len(decoding), max(len(s.drafts) for s in decoding),
+                         period_ms if prev_decodes else None, decision)
 
     def stats(self) -> dict:
         """Speculation figures for metrics: decisions, acceptance, goodput."""
