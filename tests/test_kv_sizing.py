@@ -56,6 +56,7 @@ def test_cuda_budget_leaves_room_for_the_eagle3_head(monkeypatch, tmp_path_facto
     cfg = load_hf_config(target)
     page = 16 * cfg.kv_bytes_per_token(torch.float32)
     head_page = 16 * 2 * cfg.num_kv_heads * cfg.head_dim * 4  # one layer
+    head_page += 16 * cfg.hidden_size * 4  # the feature store
     free = 1000 * page + weights
     _fake_cuda(monkeypatch, free, 2 * free)
     config = EngineConfig(model=str(target), speculative_algorithm="eagle3",

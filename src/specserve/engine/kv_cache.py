@@ -174,7 +174,9 @@ def _drafter_needs(config: EngineConfig, dtype: torch.dtype) -> tuple[int, int]:
         from specserve.model.eagle3_config import Eagle3Config
 
         layer = Eagle3Config.load(path).layer
-        return layer.kv_bytes_per_token(dtype), _file_bytes(Path(path), "*.safetensors")
+        # Its KV plus its feature store (one projected target feature per KV slot).
+        token_bytes = layer.kv_bytes_per_token(dtype) + layer.hidden_size * dtype.itemsize
+        return token_bytes, _file_bytes(Path(path), "*.safetensors")
     from specserve.model.loader import load_config, resolve_model
 
     source = resolve_model(path)
