@@ -100,6 +100,8 @@ class ModelRunner:
         """Input ids that are still on the device, copied there (queued behind the step in
         flight): each missing last committed token from prev's drawn tokens, drafts from
         the proposer's tensor. The row indices go up in one copy."""
+        if self._place_dense(batch, input_ids, missing, prev_rows, prev):
+            return
         lists, sources = [], []
         if missing:
             lists += [[last_rows[i] - num_drafts(batch[i]) for i in missing],
@@ -122,6 +124,30 @@ class ModelRunner:
         index = upload(lists, self.device)
         for source, dest, src in zip(sources, index[0::2], index[1::2]):
             input_ids[dest] = source[src]
+
+    @staticmethod
+    def _place_dense(batch, input_ids, missing, prev_rows, prev) -> bool:
+        """The common speculative step under overlap: every request was row b of the step
+        in flight and drafts k tokens into row b of one device tensor, so its k+1 inputs
+        are that step's last drawn token and its drafts: two copies, nothing uploaded."""
+        n = len(batch)
+        first = batch[0].device_drafts
+        if (first is None or len(missing) != n or len(prev.num_drafts) != n
+                or prev_rows[-1] != n - 1):  # fmt: skip
+            return False
+        drafts = first[0]
+        k = drafts.shape[1]
+        if (input_ids.shape[0] != n * (k + 1) or drafts.shape[0] != n
+                or prev_rows != list(range(n))):  # fmt: skip
+            return False
+        for b, s in enumerate(batch):
+            dev = s.device_drafts
+            if dev is None or dev[0] is not drafts or dev[1] != b or s.draft_len != k:
+                return False
+        rows = input_ids.view(n, k + 1)
+        rows[:, 0] = prev.last_tokens
+        rows[:, 1:] = drafts
+        return True
 
     @torch.inference_mode()
     def forward(self, step: StepInput, aux_layer_ids: tuple[int, ...] = ()):
@@ -165,34 +191,54 @@ class ModelRunner:
         lens = [num_drafts(s) for s in sampled]
         k_max = max(lens)
         greedy = all(r.params.temperature == 0 for r in reqs)
+        rows = step.sample_rows  # increasing: every row of `hidden` when it spans them all
+        all_rows = len(rows) == hidden.shape[0] and rows[-1] == len(rows) - 1
         if k_max == 0 and greedy:
-            logits = self.model.compute_logits(hidden[to_device(step.sample_rows, device)])
+            h = hidden if all_rows else hidden[to_device(rows, device)]
+            logits = self.model.compute_logits(h)
             tokens = logits.argmax(dim=-1)[:, None]  # the sampler's greedy rows, no tensors
             return self._with_logprobs(step, logits, tokens, None, want, 0)
         num, width = len(sampled), k_max + 1
         uniform = all(k == k_max for k in lens)
-        index = []  # logit row of each (request, j <= K), repeating the last for short drafts
-        draft_rows, offset, rows = [], 0, step.sample_rows  # input row of each (request, j < K)
-        for k in lens:
-            # Short drafts are padded with their last row's token (ignored past the length).
-            draft_rows += rows[offset + 1 : offset + k + 1] + [rows[offset + k]] * (k_max - k)
+        # A decode/verify step where every row samples and every request drafts K: logits
+        # and drafts are views of the step's rows, and a greedy one uploads nothing.
+        dense = uniform and all_rows and k_max > 0
+        ints = {}
+        if not all_rows:
+            ints["rows"] = rows
+        if not dense:
+            index = []  # logit row of each (request, j <= K), repeating the last (short drafts)
+            draft_rows, offset = [], 0  # input row of each (request, j < K)
+            for k in lens:
+                # Short drafts are padded with their last row's token (ignored past the length).
+                draft_rows += rows[offset + 1 : offset + k + 1] + [rows[offset + k]] * (k_max - k)
+                if not uniform:
+                    index += [offset + min(j, k) for j in range(width)]
+                offset += k + 1
+            ints["draft_rows"] = draft_rows
             if not uniform:
-                index += [offset + min(j, k) for j in range(width)]
-            offset += k + 1
-        ints = [rows, index, draft_rows, lens, [r.seed for r in reqs],
-                [r.committed_len for r in reqs]]  # fmt: skip
+                ints["index"] = index
+        if not (greedy and uniform):
+            ints["lens"] = lens
+        if not greedy or simulate_rate is not None:  # counters: seeded draws
+            ints["seeds"] = [r.seed for r in reqs]
+            ints["positions"] = [r.committed_len for r in reqs]
         if not greedy:
-            ints.append([r.params.top_k for r in reqs])
-        rows_t, index_t, draft_rows_t, lens_t, seeds, positions, *top_k = upload(ints, device)
-        if step.sample_shift is not None:  # moved by the step in flight's accept lengths
-            positions = positions + step.sample_shift
-        logits = self.model.compute_logits(hidden[rows_t])
-        st = None if greedy else _sampling_tensors(reqs, seeds, positions, top_k[0], device)
+            ints["top_k"] = [r.params.top_k for r in reqs]
+        t = dict(zip(ints, upload(list(ints.values()), device))) if ints else {}
+        seeds, positions, lens_t = t.get("seeds"), t.get("positions"), t.get("lens")
+        if positions is not None and step.sample_shift is not None:
+            positions = positions + step.sample_shift  # moved by the step in flight's accepts
+        logits = self.model.compute_logits(hidden if all_rows else hidden[t["rows"]])
+        st = None if greedy else _sampling_tensors(reqs, seeds, positions, t["top_k"], device)
         if k_max == 0:
             return self._with_logprobs(step, logits, sample(logits, st)[:, None], None, want, 0)
         vocab = logits.shape[-1]
-        padded = (logits if uniform else logits[index_t]).view(num, width, vocab)
-        drafts_t = step.input_ids[draft_rows_t].view(num, k_max)
+        padded = (logits if uniform else logits[t["index"]]).view(num, width, vocab)
+        if dense:
+            drafts_t = step.input_ids.view(num, width)[:, 1:]
+        else:
+            drafts_t = step.input_ids[t["draft_rows"]].view(num, k_max)
         if st is None and all(s.draft_probs is None for s in sampled):
             result = verify_greedy(padded, drafts_t, lens_t, seeds, positions, simulate_rate)
         else:

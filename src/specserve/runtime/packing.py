@@ -167,11 +167,13 @@ def pack(
     )
     tables_t = tables_t.view(len(segments), max_pages)
     if shift is not None:
-        real = owner_t >= 0
-        rows = owner_t.clamp(min=0)
+        padded = any(s.pad for s in segments)
+        rows = owner_t.clamp(min=0) if padded else owner_t
         pos_t += shift[rows]  # padding repeats its segment's last position: shifted too
         page = tables_t[rows, (pos_t // page_size).clamp(max=max_pages - 1)]
-        slots_t = torch.where(real, page * page_size + pos_t % page_size, 0)
+        slots_t = page * page_size + pos_t % page_size
+        if padded:
+            slots_t = torch.where(owner_t >= 0, slots_t, 0)
         lens_t += shift
     meta = AttentionMetadata(
         positions=pos_t,

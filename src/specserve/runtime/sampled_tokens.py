@@ -73,11 +73,15 @@ class SampledTokens:
         self.accept_len = accept_len
         self.want_logprobs = want_logprobs
         self.lp_rows = lp_rows
-        self._host = [_to_host(tokens)]
+        # Tokens, accept lengths and drafts (all int64) go to the host in one copy.
+        parts = [tokens]
         if accept_len is not None:
-            self._host.append(_to_host(accept_len))
+            parts.append(accept_len[:, None])
+        if drafts is not None:
+            parts.append(drafts)
+        self._host = _to_host(torch.cat(parts, dim=1) if len(parts) > 1 else tokens)
         self._lp_host = [_to_host(t) for t in lp] if lp is not None else None
-        self._drafts_host = _to_host(drafts) if drafts is not None else None
+        self._has_drafts = drafts is not None
         self._event = None
         if tokens.device.type == "cuda":
             self._event = torch.cuda.Event()
@@ -90,9 +94,12 @@ class SampledTokens:
             return self._result
         if self._event is not None:
             self._event.synchronize()
-        all_tokens = self._host[0].tolist()
-        accept = self._host[1].tolist() if self.accept_len is not None else [0] * len(all_tokens)
-        rows = [t[: a + 1] for t, a in zip(all_tokens, accept)]
+        host = self._host.tolist()
+        width = self.tokens.shape[1]
+        if self.accept_len is None:  # one token a row
+            rows = host if width == 1 and not self._has_drafts else [t[:1] for t in host]
+        else:
+            rows = [t[: t[width] + 1] for t in host]
         logprobs: list = [None] * len(rows)
         if self._lp_host is not None:
             chosen, top_lp, top_ids = (t.tolist() for t in self._lp_host)
@@ -104,6 +111,9 @@ class SampledTokens:
                     TokenLogprobs(chosen[i], list(zip(top_ids[i][:want], top_lp[i][:want])))
                     for i in picked
                 ]
-        drafts = self._drafts_host.tolist() if self._drafts_host is not None else None
+        drafts = None
+        if self._has_drafts:
+            skip = width + (self.accept_len is not None)
+            drafts = [t[skip:] for t in host]
         self._result = StepResult(rows, logprobs, drafts)
         return self._result

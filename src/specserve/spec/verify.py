@@ -24,7 +24,8 @@ SIMULATE_STREAM = 3
 
 @dataclass
 class VerifyResult:
-    """tokens[r, :accept_len[r] + 1] are request r's new tokens (accepted drafts + bonus)."""
+    """tokens[r, :accept_len[r] + 1] are request r's new tokens (accepted drafts + bonus);
+    the entries after them may hold anything."""
 
     tokens: torch.Tensor  # [R, K+1] int64
     accept_len: torch.Tensor  # [R] int64
@@ -40,22 +41,30 @@ def _uniforms(seeds: torch.Tensor, positions: torch.Tensor, k_max: int, stream: 
 def verify_greedy(
     target_logits: torch.Tensor,
     drafts: torch.Tensor,
-    draft_lens: torch.Tensor,
+    draft_lens: torch.Tensor | None,
     seeds: torch.Tensor | None = None,
     positions: torch.Tensor | None = None,
     simulate_rate: float | None = None,
 ) -> VerifyResult:
     """`verify` for rows that are all greedy: accept drafts while they equal the target's
     argmax, then its argmax as the bonus. Needs no sampling tensors (seeds and positions
-    only to simulate acceptance), so a greedy speculative step uploads almost nothing."""
+    only to simulate acceptance), so a greedy speculative step uploads almost nothing;
+    `draft_lens` None: every row has K drafts.
+
+    Row r's tokens past accept_len[r] are unspecified (never committed nor read): without
+    simulation the argmax row itself is returned, whose first accept_len + 1 entries are the
+    accepted drafts (each equals the argmax there) and the bonus."""
     k_max = target_logits.shape[1] - 1
-    valid = torch.arange(k_max, device=drafts.device)[None, :] < draft_lens[:, None]  # [R, K]
     greedy_choice = target_logits.argmax(dim=-1)  # [R, K+1]
     if simulate_rate is None:
-        ok = (drafts == greedy_choice[:, :k_max]) & valid
+        ok = drafts == greedy_choice[:, :k_max]
     else:
-        ok = (_uniforms(seeds, positions, k_max, SIMULATE_STREAM) < simulate_rate) & valid
+        ok = _uniforms(seeds, positions, k_max, SIMULATE_STREAM) < simulate_rate
+    if draft_lens is not None:
+        ok &= torch.arange(k_max, device=drafts.device)[None, :] < draft_lens[:, None]
     accept_len = ok.long().cumprod(dim=1).sum(dim=1)
+    if simulate_rate is None:
+        return VerifyResult(greedy_choice, accept_len)
     bonus = greedy_choice.gather(1, accept_len[:, None])[:, 0]
     return VerifyResult(_assemble(drafts, bonus, accept_len), accept_len)
 
