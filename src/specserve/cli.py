@@ -33,6 +33,10 @@ _HELP = {
     "disable_cuda_graph": "run every step eagerly (debugging)",
     "disable_gemv": "no start-up choice of Triton GEMV kernels: cuBLAS for every linear "
                     "(the same kernels on every start)",
+    "disable_pdl": "launch Triton kernels without programmatic dependent launch (on by default "
+    "on GPUs of compute capability 9+: a kernel starts while the previous one ends)",
+    "disable_fusion": "keep SiLU-and-mul and the down projection's split-K pass as kernels of "
+    "their own (by default fused into the GEMV and the next RMSNorm; same results)",
     "overlap_schedule": "auto (on for CUDA, off on CPU), on, off: build step N+1 on the CPU "
     "while step N runs",
     "disable_overlap_schedule": "the synchronous step loop (same as --overlap-schedule off)",

@@ -14,6 +14,7 @@ from specserve.engine.request import Request, SpecStats
 from specserve.engine.scheduler import Scheduler
 from specserve.engine.step_loop import StepLoop
 from specserve.errors import InvalidRequestError, RequestTooLargeError
+from specserve.layers import pdl
 from specserve.layers.attention import get_backend
 from specserve.model.llama import LlamaForCausalLM
 from specserve.model.loader import load_config, load_model, load_tokenizer, resolve_model
@@ -56,6 +57,8 @@ class LLMEngine:
         outputs carry no text)."""
         self.config = config
         device = config.torch_device()
+        # Process-wide: every Triton launch from now on (warm-up, graph capture, eager steps).
+        pdl.set_enabled(not config.disable_pdl)
         if model is None:
             self.source = resolve_model(config.model)
             self.model_config = load_config(self.source)
@@ -78,7 +81,9 @@ class LLMEngine:
             from specserve.layers.linear import use_gemv
             from specserve.layers.triton_ops import use_triton_ops
 
-            use_triton_ops(model)  # fused RMSNorm / rotary / SiLU-and-mul (same rounding)
+            # fused RMSNorm / rotary / SiLU-and-mul (same rounding); with fusion, SiLU and the
+            # down projection's split-K pass also fold into their neighbours (same results)
+            use_triton_ops(model, fuse=not config.disable_fusion)
             # Decode-sized linears: cuBLAS or a Triton GEMV, whichever this GPU runs faster
             # per shape (measured now; the drafter shares the selector's measurements).
             if not config.disable_gemv:

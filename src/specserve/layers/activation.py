@@ -33,6 +33,9 @@ class MergedGatedMLP(nn.Module):
         )
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, defer_reduce: bool = False) -> torch.Tensor:
+        """defer_reduce: the caller feeds the output to an RMSNorm with residual, which
+        accepts what the Triton subclass may return instead of a tensor (triton_ops.py);
+        here it changes nothing."""
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
         return self.down_proj(F.silu(gate) * up)

@@ -17,54 +17,73 @@ columns and one of `split_k` slices of the K axis. Two inner products:
 With split_k > 1 each slice writes fp32 partial sums to a workspace and a second kernel adds
 them in a fixed order: results are bitwise reproducible run to run (no atomics), and the
 launch shape and workspace size depend only on (M, N, split_k), so calls are CUDA-graph safe.
+A caller that feeds the result to an RMSNorm with residual may take the partial sums
+unreduced (`defer_reduce`: a `SplitKSum`); the norm then runs the second pass, the residual
+add and the norm in one kernel (triton_norm.py), with the same results.
+
+Fused prologue (`silu`): x may be the [gate | up] output of a merged gate/up projection, the
+kernel then multiplies silu(gate) * up, rounded exactly as the separate SiLU-and-mul kernel
+rounds (`silu_mul`, shared by both), so results equal that kernel followed by the GEMV.
+
+Programmatic dependent launch (layers/pdl.py): each program first asks L2 for the first
+lines of its weight slice (`PREFETCH`, weights are never written while serving), then waits
+for the previous kernel, so the weight stream starts during that kernel's tail.
 
 Which configuration (or cuBLAS) serves a shape is measured on the device at start-up
-(`gemv_select.py`); `candidate_configs` only proposes the tiles that won somewhere in the
-H200 sweep (scripts/gpu_kernel_bench.py). Imported lazily: kernels are defined at first
-import, which is when TRITON_INTERPRET is read.
+(`gemv_select.py`); `candidate_configs` (gemv_configs.py) only proposes the tiles that won
+somewhere in the H200 sweep (scripts/gpu_kernel_bench.py). Imported lazily: kernels are
+defined at first import, which is when TRITON_INTERPRET is read.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-MAX_ROWS = 64  # the tallest row block; more rows go to torch
-FMA_MAX_ROWS = 8
+from specserve.layers import pdl
+from specserve.layers.gemv_configs import (  # noqa: F401 (also importable from here)
+    FMA_MAX_ROWS,
+    MAX_ROWS,
+    GemvConfig,
+    candidate_configs,
+    row_block,
+)
+
+# Under PDL, the weight bytes one GEMV asks L2 for before it waits for the previous kernel,
+# over all its programs (a fraction of the H200's 50 MB L2, about what streams in during a
+# small kernel's few microseconds), and the most 128-byte lines per weight row and program.
+PDL_PREFETCH_BYTES = 8 << 20
+PDL_PREFETCH_MAX_LINES = 16
 
 
-@dataclass(frozen=True)
-class GemvConfig:
-    """One launch configuration of the GEMV kernel (block_m: rows per program of the
-    matrix-unit path; the CUDA-core path uses next_power_of_2(M))."""
+@triton.jit
+def silu_mul(g, u, DTYPE: tl.constexpr):
+    """silu(g) * u for g, u loaded in DTYPE, with F.silu's rounding to DTYPE; shared by the
+    SiLU-and-mul kernel (triton_ops.py) and the GEMV prologue, which must round alike."""
+    g = g.to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(DTYPE).to(tl.float32)
+    return (act * u.to(tl.float32)).to(DTYPE)
 
-    block_n: int
-    block_k: int
-    split_k: int = 1
-    num_warps: int = 4
-    num_stages: int = 3
-    use_dot: bool = True
-    block_m: int = 16
 
-    def __str__(self) -> str:
-        kind = f"dot m{self.block_m}" if self.use_dot else "fma"
-        return (f"{kind} n{self.block_n} k{self.block_k} s{self.split_k} "
-                f"w{self.num_warps} st{self.num_stages}")  # fmt: skip
+@triton.jit
+def _load_x(x_rows, k, mask, K, SILU: tl.constexpr):
+    """A [rows, BLOCK_K] tile of x; with SILU, silu(gate) * up from x rows [gate | up]."""
+    if SILU:
+        g = tl.load(x_rows + k[None, :], mask=mask, other=0.0)
+        u = tl.load(x_rows + K + k[None, :], mask=mask, other=0.0)
+        return silu_mul(g, u, x_rows.dtype.element_ty)
+    else:
+        return tl.load(x_rows + k[None, :], mask=mask, other=0.0)
 
-    @property
-    def max_rows(self) -> int:
-        """The most rows of x a call with this configuration takes."""
-        return MAX_ROWS if self.use_dot else FMA_MAX_ROWS
 
-    def supports(self, rows: int, n: int, k: int) -> bool:
-        """Whether this configuration can serve a [rows, k] x [n, k]^T product sensibly:
-        every K slice at least one block long, and few enough rows for its path."""
-        if rows > self.max_rows:
-            return False
-        return self.split_k == 1 or triton.cdiv(k, self.split_k) >= self.block_k
+@triton.jit
+def _prefetch_l2(ptrs):
+    """Ask L2 for the lines holding `ptrs` (no registers filled, nothing waits for them)."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs],
+                              dtype=tl.int32, is_pure=False, pack=1)  # fmt: skip
 
 
 # Integers that change with the call (row count, K slice, the partial sums' split stride of
@@ -75,7 +94,8 @@ def _gemv_kernel(
     stride_xm, stride_wn, stride_om, stride_os,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     USE_DOT: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr,
-    HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,
+    HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, SILU: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
 ):  # fmt: skip
     pid_m = tl.program_id(0)  # fastest: the row blocks of one weight tile run together
     pid_n = tl.program_id(1)
@@ -91,6 +111,12 @@ def _gemv_kernel(
     # Slices start at multiples of BLOCK_K (which the compiler sees: aligned vector loads).
     k_lo = pid_s * iters_per_split * BLOCK_K
     iters = tl.minimum(iters_per_split, tl.cdiv(K - k_lo, BLOCK_K))
+    if USE_PDL:  # weights are read-only: their first lines stream in while we wait
+        if PREFETCH > 0:
+            line = tl.arange(0, PREFETCH) * (1024 // w_ptr.dtype.element_ty.primitive_bitwidth)
+            _prefetch_l2(w_rows + tl.minimum(k_lo + line, K - 1)[None, :])
+        tl.extra.cuda.gdc_wait()  # before the first read of x and the first write
+        tl.extra.cuda.gdc_launch_dependents()
     if USE_DOT:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     else:  # per-thread partial products, summed over K once after the loop
@@ -99,11 +125,11 @@ def _gemv_kernel(
         k = k_lo + i * BLOCK_K + kk
         if EVEN_K:  # K is a multiple of BLOCK_K
             w = tl.load(w_rows + k[None, :])
-            x = tl.load(x_rows + k[None, :], mask=m_ok, other=0.0)
+            x = _load_x(x_rows, k, m_ok, K, SILU)
         else:
             k_ok = (k < K)[None, :]
             w = tl.load(w_rows + k[None, :], mask=k_ok, other=0.0)
-            x = tl.load(x_rows + k[None, :], mask=m_ok & k_ok, other=0.0)
+            x = _load_x(x_rows, k, m_ok & k_ok, K, SILU)
         if USE_DOT:
             if IEEE:
                 acc += tl.dot(x, tl.trans(w), input_precision="ieee")
@@ -124,24 +150,78 @@ def _gemv_kernel(
         tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
+@triton.jit
+def split_k_sum(part_ptr, b_ptr, n, ok, split_k, stride_ps, HAS_BIAS: tl.constexpr):
+    """The second pass of a split-K GEMV for columns n of one row (part_ptr at that row):
+    the slices' fp32 partial sums in a fixed order (the same sum every run), then the bias."""
+    acc = tl.zeros(n.shape, dtype=tl.float32)
+    for s in range(0, split_k):
+        acc += tl.load(part_ptr + s * stride_ps + n, mask=ok, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + n, mask=ok, other=0.0).to(tl.float32)
+    return acc
+
+
 @triton.jit(do_not_specialize=["split_k", "stride_ps"])  # stride_ps = rows x N
 def _gemv_split_k_reduce_kernel(
     part_ptr, b_ptr, out_ptr, N, split_k, stride_ps, stride_pm, stride_om,
-    HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     m = tl.program_id(0)
     n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = n < N
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for s in range(0, split_k):  # a fixed order: the same sum every run
-        acc += tl.load(part_ptr + s * stride_ps + m * stride_pm + n, mask=ok, other=0.0)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + n, mask=ok, other=0.0).to(tl.float32)
+    acc = split_k_sum(part_ptr + m * stride_pm, b_ptr, n, ok, split_k, stride_ps, HAS_BIAS)
     tl.store(out_ptr + m * stride_om + n, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 REDUCE_BLOCK = 1024
 DEFAULT_CONFIG = GemvConfig(block_n=64, block_k=128)
+
+
+@dataclass
+class SplitKSum:
+    """A split-K GEMV whose second pass has not run yet: the fp32 partial sums [split_k,
+    rows, N], the bias, and the output [rows, N] (x's dtype) that the pass fills. `reduce()`
+    runs the pass on its own; an RMSNorm with residual runs it fused with the add and the
+    norm (triton_norm.split_k_add_rms_norm), writing the same output."""
+
+    partials: torch.Tensor
+    bias: torch.Tensor | None
+    out: torch.Tensor
+    shape: tuple[int, ...]  # the output's shape, [..., N]
+
+    def reduce(self) -> torch.Tensor:
+        """The GEMV's output, through the separate second-pass kernel."""
+        _split_k_reduce(self.partials, self.bias, self.out)
+        return self.out.view(self.shape)
+
+
+def _reduce_launch(partials: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor):
+    n = out.shape[1]
+    grid = (out.shape[0], triton.cdiv(n, REDUCE_BLOCK))
+    args = (partials, bias if bias is not None else partials, out, n, partials.shape[0],
+            partials.stride(0), partials.stride(1), out.stride(0))  # fmt: skip
+    consts = dict(HAS_BIAS=bias is not None, BLOCK=REDUCE_BLOCK,
+                  **pdl.launch_options(out.device))  # fmt: skip
+    return grid, args, consts
+
+
+def _split_k_reduce(partials: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor):
+    grid, args, consts = _reduce_launch(partials, bias, out)
+    _gemv_split_k_reduce_kernel[grid](*args, **consts)
+
+
+def prefetch_lines(cfg: GemvConfig, programs: int, iters_per_split: int, elem_bytes: int) -> int:
+    """128-byte lines of each of its weight rows a program asks L2 for before its PDL wait:
+    PDL_PREFETCH_BYTES over the kernel's `programs` weight tiles, at most the program's own
+    slice and PDL_PREFETCH_MAX_LINES, rounded down to a power of 2 (0: none)."""
+    per_row = PDL_PREFETCH_BYTES // (programs * cfg.block_n * 128)
+    lines = min(per_row, iters_per_split * cfg.block_k * elem_bytes // 128,
+                PDL_PREFETCH_MAX_LINES)  # fmt: skip
+    return 1 << (lines.bit_length() - 1) if lines >= 1 else 0
 
 
 def gemv(
@@ -150,13 +230,22 @@ def gemv(
     bias: torch.Tensor | None = None,
     config: GemvConfig = DEFAULT_CONFIG,
     compile_only: bool = False,
-) -> torch.Tensor | None:
+    silu: bool = False,
+    defer_reduce: bool = False,
+) -> torch.Tensor | SplitKSum | None:
     """x [..., K] @ weight[N, K]^T (+ bias) for at most MAX_ROWS rows of x; returns [..., N]
     in x's dtype. Allocates only the output (and, with split_k > 1, its fp32 workspace).
+    silu: x is [..., 2K], the [gate | up] output of a merged gate/up projection, and the
+    product is (silu(gate) * up) @ weight^T, equal to silu_and_mul followed by gemv.
+    defer_reduce: with a K split, return the partial sums as a SplitKSum instead of running
+    the second pass (for an RMSNorm with residual to run it fused).
     compile_only: compile the kernels this call needs without running them (returns None;
     safe from several threads at once: start-up selection compiles in parallel)."""
     n, k = weight.shape
-    x2 = x.reshape(-1, k)
+    x_cols = 2 * k if silu else k
+    if x.shape[-1] != x_cols:
+        raise ValueError(f"gemv needs x with {x_cols} columns for a weight {tuple(weight.shape)}")
+    x2 = x.reshape(-1, x_cols)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     if weight.stride(-1) != 1:
@@ -166,8 +255,9 @@ def gemv(
     if rows > cfg.max_rows:
         raise ValueError(f"gemv ({cfg}) serves at most {cfg.max_rows} rows, got {rows}")
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    out_shape = (*x.shape[:-1], n)
     if rows == 0:
-        return None if compile_only else out.view(*x.shape[:-1], n)
+        return None if compile_only else out.view(out_shape)
     block_m = cfg.block_m if cfg.use_dot else max(1, triton.next_power_of_2(rows))
     iters_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k)
     split_k = triton.cdiv(k, iters_per_split * cfg.block_k)  # no empty slices
@@ -181,60 +271,24 @@ def gemv(
     grid = (triton.cdiv(rows, block_m), triton.cdiv(n, cfg.block_n), split_k)
     args = (x2, weight, bias if has_bias else weight, dst, rows, n, k, iters_per_split,
             x2.stride(0), weight.stride(0), *strides)  # fmt: skip
+    launch = pdl.launch_options(x.device)
+    if launch["USE_PDL"]:
+        launch["PREFETCH"] = prefetch_lines(cfg, grid[1] * split_k, iters_per_split,
+                                            weight.element_size())  # fmt: skip
     consts = dict(
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, USE_DOT=cfg.use_dot,
         IEEE=x.dtype == torch.float32, EVEN_K=k % cfg.block_k == 0,
-        HAS_BIAS=has_bias and not partial, PARTIAL=partial, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        HAS_BIAS=has_bias and not partial, PARTIAL=partial, SILU=silu,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch,
     )  # fmt: skip
-    reduce_grid = (rows, triton.cdiv(n, REDUCE_BLOCK))
-    reduce_args = (dst, bias if has_bias else dst, out, n, split_k, dst.stride(0), dst.stride(1),
-                   out.stride(0))  # fmt: skip
-    reduce_consts = dict(HAS_BIAS=has_bias, BLOCK=REDUCE_BLOCK)
     if compile_only:
         _gemv_kernel.warmup(*args, grid=grid, **consts)
         if partial:
+            reduce_grid, reduce_args, reduce_consts = _reduce_launch(dst, bias, out)
             _gemv_split_k_reduce_kernel.warmup(*reduce_args, grid=reduce_grid, **reduce_consts)
         return None
     _gemv_kernel[grid](*args, **consts)
     if partial:
-        _gemv_split_k_reduce_kernel[reduce_grid](*reduce_args, **reduce_consts)
-    return out.view(*x.shape[:-1], n)
-
-
-def row_block(rows: int) -> int:
-    """The matrix-unit row block that serves `rows` rows in one pass: 16, 32 or 64."""
-    return 16 if rows <= 16 else 32 if rows <= 32 else 64
-
-
-# The tiles that won somewhere in the H200 sweep of the earlier, larger candidate set (bf16
-# and fp16, M 1..8, Llama-3.1-8B / EAGLE-3 / SmolLM2 shapes), per row block; the taller row
-# blocks carry the same tile family plus wider ones (every program re-reads its rows of x
-# from L2: 512 KB per program at M = 64, K = 4096).
-_TILES = {
-    16: [GemvConfig(32, 256, num_warps=4, num_stages=4), GemvConfig(64, 128, num_stages=4),
-         GemvConfig(128, 128, num_stages=3), GemvConfig(16, 256, num_warps=2, num_stages=5)],
-    32: [GemvConfig(32, 256, num_stages=4), GemvConfig(64, 128, num_stages=4),
-         GemvConfig(128, 128, num_stages=3), GemvConfig(16, 256, num_warps=2, num_stages=4)],
-    64: [GemvConfig(32, 256, num_stages=3), GemvConfig(64, 128, num_stages=4),
-         GemvConfig(128, 64, num_stages=4), GemvConfig(128, 128, num_warps=8, num_stages=3),
-         GemvConfig(256, 64, num_warps=8, num_stages=3)],  # fewer re-reads of x from L2
-}  # fmt: skip
-_FMA = GemvConfig(8, 512, num_warps=4, num_stages=2, use_dot=False)
-_SPLIT_TILE = GemvConfig(64, 128, num_stages=4)
-
-
-def candidate_configs(rows: int, n: int, k: int, num_sms: int) -> list[GemvConfig]:
-    """The configurations start-up selection times for `rows` rows of a weight [n, k], in
-    order of preference on a tie: the CUDA-core product for one or two rows, the unsplit
-    tiles of the row block, and, for a long K (K > N: few output tiles, long rows), one
-    K split that brings the program count to about one wave of `num_sms`."""
-    bm = row_block(rows)
-    tiles = ([_FMA] if rows <= 2 else []) + [replace(t, block_m=bm) for t in _TILES[bm]]
-    if k > n:
-        programs = triton.cdiv(n, _SPLIT_TILE.block_n)
-        want = triton.next_power_of_2(triton.cdiv(num_sms, programs))
-        split = min(want, 16, k // _SPLIT_TILE.block_k)
-        if split > 1:
-            tiles.append(replace(_SPLIT_TILE, block_m=bm, split_k=split))
-    return [t for t in tiles if t.supports(rows, n, k)]
+        result = SplitKSum(dst, bias, out, out_shape)
+        return result if defer_reduce else result.reduce()
+    return out.view(out_shape)

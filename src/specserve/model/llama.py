@@ -76,7 +76,9 @@ def _fused_kv_store(rotary, backend) -> bool:
 
 class DecoderLayer(nn.Module):
     """Attention and MLP blocks; (x, residual) in, (x, residual) out, where the residual
-    stream entering the layer is x + residual (just x for the first layer: residual None)."""
+    stream entering the layer is x + residual (just x for the first layer: residual None).
+    The x a layer returns may be a split-K GEMV's unreduced output (`gemv.SplitKSum`, on the
+    Triton path), which only an RMSNorm with residual reads."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -94,7 +96,9 @@ class DecoderLayer(nn.Module):
             aux.append(residual)  # the residual stream entering this layer
         h = self.self_attn(h, rotary, backend, kv, meta)
         h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
+        # The output only ever enters the next RMSNorm with this residual (the next layer's
+        # or the final norm), which may run the down projection's last pass (triton_ops.py).
+        return self.mlp(h, defer_reduce=True), residual
 
 
 class DecoderStack(nn.Module):

@@ -63,8 +63,12 @@ def _paged_attn_decode_kernel(
     KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PREFETCH: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     # Same arguments and grid as _paged_attn_kernel; all of a request's rows fit BLOCK_M.
+    if USE_PDL:  # layers/pdl.py: q and the new K/V come from the kernel before
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     pid_bh = tl.program_id(1)
     pid_s = tl.program_id(2)
     b = pid_bh // KV_HEADS

@@ -10,7 +10,8 @@ verify: one row block) and is built for bandwidth. When `num_splits` > 1 the KV 
 each request is cut into that many chunks (flash-decoding), each program writes a partial
 output with its log-sum-exp, and a second kernel merges them; the chunk size is computed on
 the device from the request's own length, so the launch shape does not depend on the data
-(CUDA-graph safe).
+(CUDA-graph safe). Every kernel here may be launched with programmatic dependent launch
+(layers/pdl.py): it waits for the previous kernel before its first read or write.
 
 Imported lazily: kernels are defined when this module is first imported, which is when
 TRITON_INTERPRET is read.
@@ -22,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from specserve.layers import pdl
 from specserve.layers.attention.triton_decode import METADATA, _paged_attn_decode_kernel
 
 LOG2E = 1.4426950408889634
@@ -42,7 +44,11 @@ def _kv_write_kernel(
     k_ptr, v_ptr, k_cache, v_cache, slot_ptr,
     stride_kt, stride_vt, stride_page, stride_slot,
     PAGE_SIZE: tl.constexpr, ROW: tl.constexpr, BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
+    if USE_PDL:  # layers/pdl.py
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t)
     cols = tl.arange(0, BLOCK)
@@ -72,8 +78,11 @@ def _paged_attn_kernel(
     qk_scale, num_splits,
     KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+    BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
+    if USE_PDL:  # layers/pdl.py
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -142,8 +151,11 @@ def _split_reduce_kernel(
     part_ptr, lse_ptr, out_ptr,
     stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, stride_ot, stride_oh, num_splits,
     BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
+    if USE_PDL:  # layers/pdl.py
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.arange(0, BLOCK_S)
@@ -178,6 +190,7 @@ def write_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
         k, v, k_cache, v_cache, slot_mapping,
         k.stride(0), v.stride(0), k_cache.stride(0), k_cache.stride(1),
         PAGE_SIZE=k_cache.shape[1], ROW=row, BLOCK=triton.next_power_of_2(row),
+        **pdl.launch_options(k.device),
     )  # fmt: skip
 
 
@@ -247,6 +260,7 @@ def paged_attention(
     else:
         lse, dst = out, out  # lse unused
         dst_strides, lse_strides = (0, *out.stride()[:2]), (0, 0)
+    launch_pdl = pdl.launch_options(q.device)
     kernel = kernel or DECODE_KERNEL
     if kernel not in DECODE_KERNELS:
         raise ValueError(f"kernel must be one of {DECODE_KERNELS}, got {kernel!r}")
@@ -265,13 +279,13 @@ def paged_attention(
         scale * LOG2E, num_splits,
         KV_HEADS=kv_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
         PAGE_SIZE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_N=block_n,
-        SPLIT=split, num_warps=num_warps, num_stages=num_stages, **extra,
+        SPLIT=split, num_warps=num_warps, num_stages=num_stages, **extra, **launch_pdl,
     )  # fmt: skip
     if split:
         _split_reduce_kernel[(num_tokens, num_heads)](
             part, lse, out, *part.stride()[:3], *lse.stride()[:2], *out.stride()[:2], num_splits,
             BLOCK_S=max(MAX_REDUCE_SPLITS, triton.next_power_of_2(num_splits)),  # one variant
-            HEAD_DIM=head_dim, BLOCK_D=block_d,
+            HEAD_DIM=head_dim, BLOCK_D=block_d, **launch_pdl,
         )  # fmt: skip
     return out
 

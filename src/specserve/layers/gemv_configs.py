@@ -1,0 +1,81 @@
+"""The GEMV's launch configurations (`GemvConfig`) and the candidates start-up selection
+times for a weight shape (`candidate_configs`); the kernels are in gemv.py. Plain Python:
+importing this module defines no kernel."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import triton
+
+MAX_ROWS = 64  # the tallest row block; more rows go to torch
+FMA_MAX_ROWS = 8
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    """One launch configuration of the GEMV kernel (block_m: rows per program of the
+    matrix-unit path; the CUDA-core path uses next_power_of_2(M))."""
+
+    block_n: int
+    block_k: int
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+    use_dot: bool = True
+    block_m: int = 16
+
+    def __str__(self) -> str:
+        kind = f"dot m{self.block_m}" if self.use_dot else "fma"
+        return (f"{kind} n{self.block_n} k{self.block_k} s{self.split_k} "
+                f"w{self.num_warps} st{self.num_stages}")  # fmt: skip
+
+    @property
+    def max_rows(self) -> int:
+        """The most rows of x a call with this configuration takes."""
+        return MAX_ROWS if self.use_dot else FMA_MAX_ROWS
+
+    def supports(self, rows: int, n: int, k: int) -> bool:
+        """Whether this configuration can serve a [rows, k] x [n, k]^T product sensibly:
+        every K slice at least one block long, and few enough rows for its path."""
+        if rows > self.max_rows:
+            return False
+        return self.split_k == 1 or triton.cdiv(k, self.split_k) >= self.block_k
+
+
+def row_block(rows: int) -> int:
+    """The matrix-unit row block that serves `rows` rows in one pass: 16, 32 or 64."""
+    return 16 if rows <= 16 else 32 if rows <= 32 else 64
+
+
+# The tiles that won somewhere in the H200 sweep of the earlier, larger candidate set (bf16
+# and fp16, M 1..8, Llama-3.1-8B / EAGLE-3 / SmolLM2 shapes), per row block; the taller row
+# blocks carry the same tile family plus wider ones (every program re-reads its rows of x
+# from L2: 512 KB per program at M = 64, K = 4096).
+_TILES = {
+    16: [GemvConfig(32, 256, num_warps=4, num_stages=4), GemvConfig(64, 128, num_stages=4),
+         GemvConfig(128, 128, num_stages=3), GemvConfig(16, 256, num_warps=2, num_stages=5)],
+    32: [GemvConfig(32, 256, num_stages=4), GemvConfig(64, 128, num_stages=4),
+         GemvConfig(128, 128, num_stages=3), GemvConfig(16, 256, num_warps=2, num_stages=4)],
+    64: [GemvConfig(32, 256, num_stages=3), GemvConfig(64, 128, num_stages=4),
+         GemvConfig(128, 64, num_stages=4), GemvConfig(128, 128, num_warps=8, num_stages=3),
+         GemvConfig(256, 64, num_warps=8, num_stages=3)],  # fewer re-reads of x from L2
+}  # fmt: skip
+_FMA = GemvConfig(8, 512, num_warps=4, num_stages=2, use_dot=False)
+_SPLIT_TILE = GemvConfig(64, 128, num_stages=4)
+
+
+def candidate_configs(rows: int, n: int, k: int, num_sms: int) -> list[GemvConfig]:
+    """The configurations start-up selection times for `rows` rows of a weight [n, k], in
+    order of preference on a tie: the CUDA-core product for one or two rows, the unsplit
+    tiles of the row block, and, for a long K (K > N: few output tiles, long rows), one
+    K split that brings the program count to about one wave of `num_sms`."""
+    bm = row_block(rows)
+    tiles = ([_FMA] if rows <= 2 else []) + [replace(t, block_m=bm) for t in _TILES[bm]]
+    if k > n:
+        programs = triton.cdiv(n, _SPLIT_TILE.block_n)
+        want = triton.next_power_of_2(triton.cdiv(num_sms, programs))
+        split = min(want, 16, k // _SPLIT_TILE.block_k)
+        if split > 1:
+            tiles.append(replace(_SPLIT_TILE, block_m=bm, split_k=split))
+    return [t for t in tiles if t.supports(rows, n, k)]

@@ -1,0 +1,114 @@
+"""Fused against unfused kernel paths, bit for bit: the GEMV with its SiLU-and-mul prologue
+against silu_and_mul followed by the GEMV, the split-K second pass fused with the residual
+add and RMSNorm against the separate pass and add + RMSNorm kernel, and a tiny Llama's steps
+with use_triton_ops(fuse=True) against fuse=False. Shared by the interpreter run
+(tests/test_fusion.py, CPU) and the GPU tests (tests/test_pdl_gpu.py)."""
+
+from __future__ import annotations
+
+import torch
+
+from tests.triton_cases import rel_err
+
+
+def _rand(gen, *shape, dtype, device, scale=1.0):
+    return (torch.randn(*shape, generator=gen) * scale).to(dtype=dtype, device=device)
+
+
+def silu_gemv_case(cfg, rows: int, n: int, k: int, dtype, device, bias=False, seed=0) -> dict:
+    """{"equal": fused == silu_and_mul + gemv bitwise, "err": relative error of the fused
+    result against a float64 reference of the unfused arithmetic}."""
+    from specserve.layers.gemv import gemv
+    from specserve.layers.triton_ops import silu_and_mul
+
+    gen = torch.Generator().manual_seed(seed)
+    gate_up = _rand(gen, rows, 2 * k, dtype=dtype, device=device, scale=2.0)
+    w = _rand(gen, n, k, dtype=dtype, device=device, scale=k**-0.5)
+    b = _rand(gen, n, dtype=dtype, device=device) if bias else None
+    act = silu_and_mul(gate_up[:, :k], gate_up[:, k:])
+    unfused = gemv(act, w, b, cfg)
+    fused = gemv(gate_up, w, b, cfg, silu=True)
+    ref = act.double() @ w.double().T + (b.double() if bias else 0)
+    return {"equal": torch.equal(fused, unfused), "err": rel_err(fused, ref)}
+
+
+def split_norm_case(cfg, rows: int, n: int, k: int, dtype, device, bias=False, silu=False,
+                    seed=0) -> dict:  # fmt: skip
+    """A split-K GEMV handed unreduced to the fused second pass + residual add + RMSNorm,
+    against the GEMV reduced by its own pass, then the add + RMSNorm kernel: whether the
+    GEMV output, the residual stream and the normed output are each bitwise equal."""
+    from specserve.layers.gemv import SplitKSum, gemv
+    from specserve.layers.triton_ops import add_rms_norm, split_k_add_rms_norm
+
+    gen = torch.Generator().manual_seed(seed)
+    x = _rand(gen, rows, 2 * k if silu else k, dtype=dtype, device=device)
+    w = _rand(gen, n, k, dtype=dtype, device=device, scale=k**-0.5)
+    b = _rand(gen, n, dtype=dtype, device=device) if bias else None
+    residual = _rand(gen, rows, n, dtype=dtype, device=device)
+    norm_w = (1 + 0.1 * torch.randn(n, generator=gen)).to(dtype=dtype, device=device)
+    deferred = gemv(x, w, b, cfg, silu=silu, defer_reduce=True)
+    if not isinstance(deferred, SplitKSum):
+        return {"deferred": False}
+    total, normed = split_k_add_rms_norm(deferred, residual, norm_w, 1e-5)
+    y = gemv(x, w, b, cfg, silu=silu)
+    ref_total, ref_normed = add_rms_norm(y, residual, norm_w, 1e-5)
+    return {
+        "deferred": True,
+        "out": torch.equal(deferred.out, y),
+        "total": torch.equal(total, ref_total),
+        "normed": torch.equal(normed, ref_normed),
+        "reduce": torch.equal(deferred.reduce(), y),  # the pass alone, from the same sums
+    }
+
+
+def model_fusion_case(dtype, device, config, backend=None, seed=0, cfg=None,
+                      steps=(1, 3, 8)) -> dict:  # fmt: skip
+    """A tiny Llama on the Triton path with every linear through `config` (a K split
+    engages both fusions), steps of 1, 3 and 8 tokens: {"equal": fuse=True gives the hidden
+    states, logits and KV of fuse=False bit for bit, "err": their error against plain torch
+    modules, "fused_norms": how many RMSNorms ran a split-K pass}."""
+    from specserve.engine.kv_cache import KVCache
+    from specserve.layers import triton_norm, triton_ops
+    from specserve.layers.attention import TorchAttentionBackend
+    from specserve.layers.gemv_select import GemvPlan
+    from specserve.layers.linear import use_gemv
+    from tests.model_cases import build_meta, tiny_config, tiny_model
+
+    cfg = cfg or tiny_config()
+    backend = backend or TorchAttentionBackend()
+    model = tiny_model(cfg, dtype, device, seed)
+    kv = {name: KVCache(cfg, 9, 4, dtype, device) for name in ("ref", "fused", "unfused")}
+    gen = torch.Generator().manual_seed(seed)
+    plan = GemvPlan(row_buckets=(1, 2, 4, 8), default=config)
+    calls = {"fused_norms": 0}
+    fused_norm = triton_ops.split_k_add_rms_norm
+
+    def counting(*args):
+        calls["fused_norms"] += 1
+        return fused_norm(*args)
+
+    triton_ops.split_k_add_rms_norm = counting
+    equal, err, start = True, 0.0, 0
+    try:
+        with torch.inference_mode():
+            for q in steps:
+                meta = build_meta([[1, 2, 3, 4]], [start], [start + q], 4, device)
+                start += q
+                ids = torch.randint(cfg.vocab_size, (q,), generator=gen).to(device)
+                triton_ops.use_triton_ops(model, enable=False)
+                use_gemv(model, enable=False)
+                ref = model.compute_logits(model(ids, meta, kv["ref"].layers, backend)[0])
+                use_gemv(model, plan=plan)
+                outs = {}
+                for name in ("unfused", "fused"):
+                    triton_ops.use_triton_ops(model, fuse=name == "fused")
+                    hidden, _ = model(ids, meta, kv[name].layers, backend)
+                    outs[name] = (hidden, model.compute_logits(hidden))
+                equal &= all(torch.equal(a, b) for a, b in zip(outs["fused"], outs["unfused"]))
+                err = max(err, rel_err(outs["fused"][1], ref))
+        for (kf, vf), (ku, vu) in zip(kv["fused"].layers, kv["unfused"].layers):
+            equal &= torch.equal(kf, ku) and torch.equal(vf, vu)
+    finally:
+        triton_ops.split_k_add_rms_norm = fused_norm
+        assert triton_norm.split_k_add_rms_norm is fused_norm
+    return {"equal": bool(equal), "err": err, **calls}

@@ -1,0 +1,126 @@
+"""Kernel fusions that must not change a bit (tests/fusion_cases.py), through the Triton
+interpreter on the CPU in one subprocess (fp16/fp32 for the matrix-unit path, whose bf16
+tl.dot the interpreter computes wrongly; bf16 too on the CUDA-core path): the GEMV's SiLU
+prologue, the split-K pass fused with the residual add and RMSNorm, and a tiny Llama with
+use_triton_ops(fuse=True) against fuse=False. The same cases run on a GPU in
+tests/test_pdl_gpu.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+from tests.interpreter_run import interpreter_results as run_interpreter
+
+TOL = {"bfloat16": 8e-3, "float32": 2e-6, "float16": 1e-3}  # bfloat16 first: names hold both
+
+
+def _configs() -> dict:
+    from specserve.layers.gemv import GemvConfig
+
+    return {
+        "dot": GemvConfig(block_n=16, block_k=32),
+        "dot-split3": GemvConfig(block_n=16, block_k=32, split_k=3),
+        "fma": GemvConfig(block_n=8, block_k=64, use_dot=False),
+        "fma-split2": GemvConfig(block_n=8, block_k=64, split_k=2, use_dot=False),
+    }
+
+
+def _silu_cases() -> dict[str, tuple]:
+    """name -> (config name, rows, n, k, dtype, bias); K 200 is off the block sizes."""
+    cases = {}
+    for cfg in ("dot", "dot-split3"):
+        for dtype in ("float16", "float32"):
+            for rows in (1, 3, 17):  # 17: two row blocks of 16
+                cases[f"silu-{cfg}-{dtype}-m{rows}"] = (cfg, rows, 72, 200, dtype, False)
+        cases[f"silu-{cfg}-float16-bias-k256"] = (cfg, 2, 40, 256, "float16", True)
+    for cfg in ("fma", "fma-split2"):
+        for dtype in ("float16", "float32", "bfloat16"):
+            cases[f"silu-{cfg}-{dtype}-m2"] = (cfg, 2, 72, 200, dtype, cfg == "fma")
+    return cases
+
+
+def _norm_cases() -> dict[str, tuple]:
+    """name -> (config name, rows, n, k, dtype, bias, silu); N 72 is not a power of 2."""
+    cases = {}
+    for dtype in ("float16", "float32"):
+        for rows in (1, 5):
+            cases[f"norm-dot-split3-{dtype}-m{rows}"] = ("dot-split3", rows, 72, 200, dtype,
+                                                         False, False)  # fmt: skip
+        cases[f"norm-dot-split3-{dtype}-silu-bias"] = ("dot-split3", 3, 64, 200, dtype, True,
+                                                       True)  # fmt: skip
+    cases["norm-fma-split2-bfloat16-silu"] = ("fma-split2", 2, 72, 200, "bfloat16", False, True)
+    return cases
+
+
+def run_cases() -> dict:
+    from specserve.layers.gemv import GemvConfig
+    from tests.fusion_cases import model_fusion_case, silu_gemv_case, split_norm_case
+
+    configs = _configs()
+    results: dict = {}
+
+    def record(name, fn, *args, **kwargs):
+        try:
+            results[name] = fn(*args, **kwargs)
+        except Exception as e:  # reported per case by the test
+            results[name] = f"{type(e).__name__}: {e}"
+
+    for name, (cfg, rows, n, k, dtype, bias) in _silu_cases().items():
+        record(name, silu_gemv_case, configs[cfg], rows, n, k, getattr(torch, dtype), "cpu",
+               bias, seed=len(name))  # fmt: skip
+    for name, (cfg, rows, n, k, dtype, bias, silu) in _norm_cases().items():
+        record(name, split_norm_case, configs[cfg], rows, n, k, getattr(torch, dtype), "cpu",
+               bias, silu, seed=len(name))  # fmt: skip
+    split = GemvConfig(block_n=16, block_k=32, split_k=2)
+    for dtype in ("float32", "float16"):
+        record(f"model-{dtype}", model_fusion_case, getattr(torch, dtype), "cpu", split)
+    return results
+
+
+@pytest.fixture(scope="module")
+def interpreter_results() -> dict:
+    return run_interpreter("tests.test_fusion")
+
+
+def _names(cases) -> list[str]:
+    try:
+        return sorted(cases())
+    except ImportError:  # no triton: the fixture skips
+        return ["triton-missing"]
+
+
+@pytest.mark.parametrize("name", _names(_silu_cases))
+def test_interpreter_silu_prologue_equals_separate_kernel(name, interpreter_results):
+    res = interpreter_results[name]
+    assert isinstance(res, dict), f"{name} raised {res}"
+    assert res["equal"], f"{name}: fused SiLU GEMV differs from silu_and_mul + GEMV"
+    dtype = next(d for d in TOL if d in name)
+    assert res["err"] <= TOL[dtype], res  # and both are right
+
+
+@pytest.mark.parametrize("name", _names(_norm_cases))
+def test_interpreter_split_k_pass_fused_into_add_rms_norm(name, interpreter_results):
+    res = interpreter_results[name]
+    assert isinstance(res, dict), f"{name} raised {res}"
+    assert res == {"deferred": True, "out": True, "total": True, "normed": True,
+                   "reduce": True}, name  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_interpreter_model_fused_equals_unfused(dtype, interpreter_results):
+    res = interpreter_results[f"model-{dtype}"]
+    assert isinstance(res, dict), res
+    assert res["equal"], res
+    # every layer's down projection reached the next norm unreduced (2 layers, 3 steps)
+    assert res["fused_norms"] == 2 * 3, res
+    assert res["err"] <= 10 * TOL[dtype], res
+
+
+if __name__ == "__main__":  # the interpreter run (TRITON_INTERPRET=1), see the fixture
+    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+    sys.stdout.write("\n" + json.dumps(run_cases()) + "\n")
