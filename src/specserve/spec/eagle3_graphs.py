@@ -285,7 +285,12 @@ class DrafterGraphs:
         last_rows += range(num_requests * q, batch * q, q)
         tables += [0] * (n_pad * width)
         dest, src = (), ()
-        if tail is not None:
+        # Dense tail: each request's pass is exactly its row of the tail's tokens (the
+        # catch-up right after a verify step), copied as one block.
+        dense = tail is not None and _is_dense(tail, lens, q)
+        if dense:  # each drafts from its row's start plus its accept length
+            last_rows[:num_requests] = range(0, num_requests * q, q)
+        elif tail is not None:
             dest, src, last = tail.index(range(0, num_requests * q, q), lens)
             last_rows[:num_requests] = last
         o_seq, o_last, o_ids, o_pos, o_slots, o_dest, o_src = self._offsets
@@ -309,10 +314,13 @@ class DrafterGraphs:
         self.block_tables[:batch, :width].copy_(t_host.view(batch, width), non_blocking=True)
         if n_pad:  # whole rows: chains index past column 0
             self.block_tables[num_requests:batch, width:] = 0
-        if tail is not None:
+        if dense:
+            self.input_ids[: num_requests * q].view(num_requests, q).copy_(tail.tokens)
+            self.last_rows[:num_requests].add_(tail.accepted)  # rows from the row's start
+        elif tail is not None:
             k = len(dest)
             self.input_ids[self.tail_dest[:k]] = tail.tokens.reshape(-1)[self.tail_src[:k]]
-            self.last_rows[:num_requests] += tail.accepted
+            self.last_rows[:num_requests].add_(tail.accepted)
         if input_ids is not None:
             if q != 1:
                 raise ValueError("device input ids are only taken for one-token passes")
@@ -327,3 +335,12 @@ class DrafterGraphs:
             rows_t = torch.from_numpy(np.array(dest_rows, np.int64)).to(self.hidden.device)
             self.hidden.index_copy_(0, rows_t, hidden)
         return num_requests, batch, q
+
+
+def _is_dense(tail: CatchUpTail, lens: list[int], q: int) -> bool:
+    """Whether request b's pass is row b of the tail's tokens, whole: tail lengths, pass
+    lengths and the tokens' width all q, rows in order."""
+    n = len(lens)
+    return (tail.tokens.shape[0] == n and tail.tokens.shape[1] == q and tail.rows[-1] == n - 1
+            and tail.lens == lens and lens[0] == q and tail.rows == list(range(n))
+            and all(k == q for k in lens))  # fmt: skip
