@@ -1,0 +1,143 @@
+"""On a GPU: programmatic dependent launch (layers/pdl.py) and the kernel fusions
+(use_triton_ops(fuse=...)) change no bit. A tiny Llama's decode and verify steps inside CUDA
+graphs, every linear through the Triton GEMV with a K split (both fusions engaged), give the
+same hidden states, logits and KV cache with PDL on or off and fusion on or off; the fused
+kernels equal the separate ones at Llama-3.1-8B shapes; a whole engine generates the same
+tokens either way. Skipped without a GPU (`-m gpu`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specserve.layers import pdl
+from tests.fusion_cases import model_fusion_case, silu_gemv_case, split_norm_case
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture
+def restore_pdl():
+    previous = pdl.is_enabled()
+    yield
+    pdl.set_enabled(previous)
+
+
+def _graph_replay(fn):
+    """fn() run once eagerly (compilation), captured in a CUDA graph and replayed; returns
+    what the replay produced (the captured call's outputs)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    return out
+
+
+def _steps_in_graphs(dtype, use_pdl: bool, fuse: bool, device="cuda") -> list[torch.Tensor]:
+    """Prefill two requests eagerly, then a decode step (1 token each) and a verify step (4
+    tokens each), each captured in a CUDA graph and replayed (on the CPU: run eagerly):
+    hidden states, logits, KV."""
+    from specserve.engine.kv_cache import KVCache
+    from specserve.layers.attention.triton_attn import TritonAttentionBackend
+    from specserve.layers.gemv import GemvConfig
+    from specserve.layers.gemv_select import GemvPlan
+    from specserve.layers.linear import use_gemv
+    from specserve.layers.triton_ops import use_triton_ops
+    from tests.model_cases import build_meta, tiny_config, tiny_model
+
+    pdl.set_enabled(use_pdl)
+    cfg = tiny_config(hidden_size=256, intermediate_size=768, num_heads=4, num_kv_heads=2,
+                      head_dim=64, vocab_size=1000, max_position_embeddings=512)  # fmt: skip
+    model = tiny_model(cfg, dtype, device)
+    use_triton_ops(model, fuse=fuse)
+    use_gemv(model, plan=GemvPlan(row_buckets=(1, 2, 4, 8), default=GemvConfig(64, 128, 2)))
+    backend = TritonAttentionBackend()
+    kv = KVCache(cfg, 64, 16, dtype, device)
+    tables = [list(range(1, 9)), list(range(9, 17))]
+    gen = torch.Generator().manual_seed(0)
+    outs: list[torch.Tensor] = []
+    with torch.inference_mode():
+        for starts, ends in (([0, 0], [37, 20]), ([37, 20], [38, 21]), ([38, 21], [42, 25])):
+            meta = build_meta(tables, starts, ends, 16, device)
+            ids = torch.randint(cfg.vocab_size, (meta.positions.shape[0],), generator=gen)
+            ids = ids.to(device)
+
+            def step(ids=ids, meta=meta):
+                hidden, _ = model(ids, meta, kv.layers, backend)
+                return hidden, model.compute_logits(hidden)
+
+            eager = starts == [0, 0] or device == "cpu"
+            outs += step() if eager else _graph_replay(step)
+        outs += [t.clone() for layer in kv.layers for t in layer]
+    return outs
+
+
+def _pdl_capable() -> bool:
+    return torch.cuda.get_device_capability()[0] >= 9
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_graph_steps_same_bits_with_pdl_and_fusion_on_or_off(dtype, restore_pdl):
+    if not _pdl_capable():
+        pytest.skip("PDL needs compute capability 9+")
+    base = _steps_in_graphs(dtype, use_pdl=False, fuse=False)
+    assert all(torch.isfinite(t).all() for t in base[:6])
+    for use_pdl, fuse in ((True, False), (False, True), (True, True)):
+        outs = _steps_in_graphs(dtype, use_pdl, fuse)
+        same = [torch.equal(a, b) for a, b in zip(outs, base)]
+        assert all(same), (use_pdl, fuse, same)
+
+
+_DOWN = (4096, 14336)  # Llama-3.1-8B's down projection (N, K)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("use_pdl", [True, False])
+def test_gpu_fused_kernels_equal_separate_at_8b_shape(dtype, use_pdl, restore_pdl):
+    from specserve.layers.gemv import GemvConfig
+
+    pdl.set_enabled(use_pdl)
+    n, k = _DOWN
+    runs = [(rows, GemvConfig(64, 128, 4, num_stages=4)) for rows in (1, 2, 5, 16)]
+    runs += [(33, GemvConfig(64, 128, 4, block_m=64)), (64, GemvConfig(64, 128, 1, block_m=64)),
+             (1, GemvConfig(8, 512, use_dot=False, num_stages=2)),
+             (2, GemvConfig(16, 256, 2, use_dot=False))]  # fmt: skip
+    for rows, cfg in runs:
+        res = silu_gemv_case(cfg, rows, n, k, dtype, "cuda", seed=rows)
+        assert res["equal"] and res["err"] < 1e-2, (rows, str(cfg), res)
+        if cfg.split_k > 1:
+            for silu in (False, True):
+                res = split_norm_case(cfg, rows, n, k, dtype, "cuda", silu=silu, seed=rows)
+                assert res == {"deferred": True, "out": True, "total": True, "normed": True,
+                               "reduce": True}, (rows, str(cfg), silu, res)  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_model_fused_equals_unfused_on_triton_attention(dtype):
+    from specserve.layers.attention.triton_attn import TritonAttentionBackend
+    from specserve.layers.gemv import GemvConfig
+
+    res = model_fusion_case(dtype, "cuda", GemvConfig(16, 32, 2), TritonAttentionBackend())
+    assert res["equal"] and res["fused_norms"] == 6, res
+    assert res["err"] < 3e-2, res
+
+
+def test_gpu_engine_tokens_same_with_pdl_and_fusion_off(tiny_llama, restore_pdl):
+    from specserve import LLM, SamplingParams
+
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    prompts = [[5, 9, 13, 2, 7], list(range(3, 40)), [11] * 20]
+    outs = {}
+    for off in (False, True):
+        llm = LLM(str(tiny_llama), device="cuda", dtype="bfloat16", max_num_seqs=4,
+                  disable_pdl=off, disable_fusion=off)  # fmt: skip
+        assert pdl.is_enabled() is not off
+        outs[off] = [o.token_ids for o in llm.generate(prompts, params)]
+        del llm
+    assert outs[False] == outs[True]
