@@ -3,6 +3,9 @@ target): plain decode of a random Llama-3.1-8B-shaped bf16 model at batch 1 and 
 four engines built from one model, side by side in one process:
 
 - "pdl+fusion": the defaults;
+- "pdl, split-K fusion only": the defaults less the SiLU prologue (a separate SiLU-and-mul
+  kernel again; the down GEMV's split-K pass still fused into the next RMSNorm), to tell
+  the two fusions apart (the prologue recomputes SiLU in every program of the GEMV);
 - "pdl only": --disable-fusion (SiLU-and-mul and the split-K pass as kernels of their own);
 - "fusion only": --disable-pdl;
 - "neither": both disabled (the kernels of run 6 in docs/benchmarks/gpu_engine.md).
@@ -24,6 +27,7 @@ import json
 import statistics
 import sys
 import time
+from contextlib import contextmanager, nullcontext
 from dataclasses import replace
 from pathlib import Path
 
@@ -39,11 +43,34 @@ from specserve.layers import pdl  # noqa: E402
 
 CONFIGS = {
     "pdl+fusion": {},
+    "pdl, split-K fusion only": {"silu_prologue": False},
     "pdl only": {"disable_fusion": True},
     "fusion only": {"disable_pdl": True},
     "neither": {"disable_pdl": True, "disable_fusion": True},
 }
 BASELINE = "neither"
+
+
+@contextmanager
+def without_silu_prologue():
+    """Engines built meanwhile fuse the split-K pass but keep SiLU-and-mul a kernel of its
+    own (a benchmark-only setting: the engine's one switch sets both fusions)."""
+    from specserve.layers import triton_ops
+
+    original = triton_ops.use_triton_ops
+
+    def use_triton_ops(model, enable=True, fuse=True):
+        changed = original(model, enable, fuse)
+        for module in model.modules():
+            if isinstance(module, triton_ops.TritonMergedGatedMLP):
+                module.fuse_silu = False
+        return changed
+
+    triton_ops.use_triton_ops = use_triton_ops  # the engine imports it at start-up
+    try:
+        yield
+    finally:
+        triton_ops.use_triton_ops = original
 
 
 def down_proj_kernels(model, batches: list[int]) -> dict:
@@ -60,11 +87,16 @@ def down_proj_kernels(model, batches: list[int]) -> dict:
 
 def build(model, base: dict, extra: dict, batches: list[int]) -> tuple[LLMEngine, dict]:
     t0 = time.perf_counter()
-    engine = LLMEngine(EngineConfig(**base, **extra), model=model)
+    extra = dict(extra)
+    silu_prologue = extra.pop("silu_prologue", True)
+    with nullcontext() if silu_prologue else without_silu_prologue():
+        engine = LLMEngine(EngineConfig(**base, **extra), model=model)
     device = next(model.parameters()).device
+    mlp = model.model.layers[0].mlp
     info = {
         "startup_s": round(time.perf_counter() - t0, 2),
         "pdl_active": pdl.active(device),  # as set for this engine's capture
+        "fusions": {k: getattr(mlp, k, False) for k in ("fuse_silu", "fuse_split_k")},
         "down_proj": down_proj_kernels(model, batches),
         "graphs": engine.runner.graphs.report.__dict__ if engine.runner.graphs else None,
     }

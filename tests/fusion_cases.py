@@ -61,12 +61,22 @@ def split_norm_case(cfg, rows: int, n: int, k: int, dtype, device, bias=False, s
     }
 
 
+def set_fusions(model, silu: bool, split_k: bool) -> None:
+    """Turn the merged MLPs' two fusions on or off one by one (use_triton_ops sets both)."""
+    from specserve.layers.triton_ops import TritonMergedGatedMLP
+
+    for module in model.modules():
+        if isinstance(module, TritonMergedGatedMLP):
+            module.fuse_silu, module.fuse_split_k = silu, split_k
+
+
 def model_fusion_case(dtype, device, config, backend=None, seed=0, cfg=None,
-                      steps=(1, 3, 8)) -> dict:  # fmt: skip
+                      steps=(1, 3, 8), silu=True) -> dict:  # fmt: skip
     """A tiny Llama on the Triton path with every linear through `config` (a K split
-    engages both fusions), steps of 1, 3 and 8 tokens: {"equal": fuse=True gives the hidden
-    states, logits and KV of fuse=False bit for bit, "err": their error against plain torch
-    modules, "fused_norms": how many RMSNorms ran a split-K pass}."""
+    engages both fusions), steps of 1, 3 and 8 tokens: {"equal": fuse=True (without the
+    SiLU prologue when not `silu`) gives the hidden states, logits and KV of fuse=False bit
+    for bit, "err": their error against plain torch modules, "fused_norms": how many
+    RMSNorms ran a split-K pass, "silu_gemvs": how many GEMVs ran the SiLU prologue}."""
     from specserve.engine.kv_cache import KVCache
     from specserve.layers import triton_norm, triton_ops
     from specserve.layers.attention import TorchAttentionBackend
@@ -80,14 +90,18 @@ def model_fusion_case(dtype, device, config, backend=None, seed=0, cfg=None,
     kv = {name: KVCache(cfg, 9, 4, dtype, device) for name in ("ref", "fused", "unfused")}
     gen = torch.Generator().manual_seed(seed)
     plan = GemvPlan(row_buckets=(1, 2, 4, 8), default=config)
-    calls = {"fused_norms": 0}
-    fused_norm = triton_ops.split_k_add_rms_norm
+    calls = {"fused_norms": 0, "silu_gemvs": 0}
+    fused_norm, gemv = triton_ops.split_k_add_rms_norm, triton_ops.gemv
 
-    def counting(*args):
+    def counting_norm(*args):
         calls["fused_norms"] += 1
         return fused_norm(*args)
 
-    triton_ops.split_k_add_rms_norm = counting
+    def counting_gemv(*args, silu=False, **kwargs):
+        calls["silu_gemvs"] += silu
+        return gemv(*args, silu=silu, **kwargs)
+
+    triton_ops.split_k_add_rms_norm, triton_ops.gemv = counting_norm, counting_gemv
     equal, err, start = True, 0.0, 0
     try:
         with torch.inference_mode():
@@ -102,6 +116,8 @@ def model_fusion_case(dtype, device, config, backend=None, seed=0, cfg=None,
                 outs = {}
                 for name in ("unfused", "fused"):
                     triton_ops.use_triton_ops(model, fuse=name == "fused")
+                    if name == "fused" and not silu:
+                        set_fusions(model, silu=False, split_k=True)
                     hidden, _ = model(ids, meta, kv[name].layers, backend)
                     outs[name] = (hidden, model.compute_logits(hidden))
                 equal &= all(torch.equal(a, b) for a, b in zip(outs["fused"], outs["unfused"]))
@@ -109,6 +125,6 @@ def model_fusion_case(dtype, device, config, backend=None, seed=0, cfg=None,
         for (kf, vf), (ku, vu) in zip(kv["fused"].layers, kv["unfused"].layers):
             equal &= torch.equal(kf, ku) and torch.equal(vf, vu)
     finally:
-        triton_ops.split_k_add_rms_norm = fused_norm
+        triton_ops.split_k_add_rms_norm, triton_ops.gemv = fused_norm, gemv
         assert triton_norm.split_k_add_rms_norm is fused_norm
     return {"equal": bool(equal), "err": err, **calls}

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from specserve.layers import pdl
-from tests.fusion_cases import model_fusion_case, silu_gemv_case, split_norm_case
+from tests.fusion_cases import model_fusion_case, set_fusions, silu_gemv_case, split_norm_case
 
 pytestmark = pytest.mark.gpu
 
@@ -39,7 +39,8 @@ def _graph_replay(fn):
     return out
 
 
-def _steps_in_graphs(dtype, use_pdl: bool, fuse: bool, device="cuda") -> list[torch.Tensor]:
+def _steps_in_graphs(dtype, use_pdl: bool, fuse: bool, device="cuda",
+                     silu: bool = True) -> list[torch.Tensor]:  # fmt: skip
     """Prefill two requests eagerly, then a decode step (1 token each) and a verify step (4
     tokens each), each captured in a CUDA graph and replayed (on the CPU: run eagerly):
     hidden states, logits, KV."""
@@ -56,6 +57,8 @@ def _steps_in_graphs(dtype, use_pdl: bool, fuse: bool, device="cuda") -> list[to
                       head_dim=64, vocab_size=1000, max_position_embeddings=512)  # fmt: skip
     model = tiny_model(cfg, dtype, device)
     use_triton_ops(model, fuse=fuse)
+    if fuse and not silu:
+        set_fusions(model, silu=False, split_k=True)
     use_gemv(model, plan=GemvPlan(row_buckets=(1, 2, 4, 8), default=GemvConfig(64, 128, 2)))
     backend = TritonAttentionBackend()
     kv = KVCache(cfg, 64, 16, dtype, device)
@@ -88,10 +91,11 @@ def test_gpu_graph_steps_same_bits_with_pdl_and_fusion_on_or_off(dtype, restore_
         pytest.skip("PDL needs compute capability 9+")
     base = _steps_in_graphs(dtype, use_pdl=False, fuse=False)
     assert all(torch.isfinite(t).all() for t in base[:6])
-    for use_pdl, fuse in ((True, False), (False, True), (True, True)):
-        outs = _steps_in_graphs(dtype, use_pdl, fuse)
+    for use_pdl, fuse, silu in ((True, False, True), (False, True, True), (True, True, True),
+                                (True, True, False)):  # fmt: skip
+        outs = _steps_in_graphs(dtype, use_pdl, fuse, silu=silu)
         same = [torch.equal(a, b) for a, b in zip(outs, base)]
-        assert all(same), (use_pdl, fuse, same)
+        assert all(same), (use_pdl, fuse, silu, same)
 
 
 _DOWN = (4096, 14336)  # Llama-3.1-8B's down projection (N, K)

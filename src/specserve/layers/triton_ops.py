@@ -111,24 +111,31 @@ class TritonGatedMLP(GatedMLP):
 class TritonMergedGatedMLP(MergedGatedMLP):
     """Merged gate/up GEMM, then SiLU and product in one Triton kernel (strided halves).
 
-    With `fuse` (use_triton_ops), where a GEMV plan serves the down projection with the
-    Triton GEMV, SiLU-and-mul is that GEMV's prologue, and with defer_reduce and a K split
-    the output is the unreduced `SplitKSum` for the next RMSNorm (same results)."""
+    Where a GEMV plan serves the down projection with the Triton GEMV, two fusions (set by
+    use_triton_ops, same results): `fuse_silu` makes SiLU-and-mul that GEMV's prologue (one
+    kernel less, but every program recomputes the SiLU of its K slice); `fuse_split_k`,
+    with defer_reduce and a K split, returns the unreduced `SplitKSum` for the next RMSNorm
+    to reduce, add and norm in one kernel."""
 
-    fuse = False  # set per instance by use_triton_ops
+    fuse_silu = False
+    fuse_split_k = False
 
     def forward(self, x: torch.Tensor, defer_reduce: bool = False):
         gate_up = self.gate_up_proj(x)
         down = self.down_proj
-        plan = getattr(down, "gemv_plan", None) if self.fuse else None
-        if plan is not None:
+        plan = getattr(down, "gemv_plan", None)
+        cfg = None
+        if plan is not None and (self.fuse_silu or self.fuse_split_k):
             rows = gate_up.numel() // gate_up.shape[-1] if gate_up.shape[-1] else 0
             cfg = plan.config_for(rows, *down.weight.shape, down.weight.dtype)
-            if cfg is not None:
-                return gemv(gate_up, down.weight, down.bias, cfg, silu=True,
-                            defer_reduce=defer_reduce)  # fmt: skip
+        if cfg is None:
+            gate, up = gate_up.split(self.intermediate, dim=-1)
+            return down(silu_and_mul(gate, up))
+        defer = defer_reduce and self.fuse_split_k
+        if self.fuse_silu:
+            return gemv(gate_up, down.weight, down.bias, cfg, silu=True, defer_reduce=defer)
         gate, up = gate_up.split(self.intermediate, dim=-1)
-        return down(silu_and_mul(gate, up))
+        return gemv(silu_and_mul(gate, up), down.weight, down.bias, cfg, defer_reduce=defer)
 
 
 _FUSED = {
@@ -152,7 +159,8 @@ def use_triton_ops(model: nn.Module, enable: bool = True, fuse: bool = True) -> 
             module.__class__ = new_class
             changed += 1
         if isinstance(module, TritonMergedGatedMLP):
-            module.fuse = fuse
+            module.fuse_silu = module.fuse_split_k = fuse
         elif isinstance(module, MergedGatedMLP):
-            module.__dict__.pop("fuse", None)
+            for name in ("fuse_silu", "fuse_split_k"):
+                module.__dict__.pop(name, None)
     return changed
