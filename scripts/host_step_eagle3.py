@@ -114,6 +114,9 @@ def install_free_graphs(engine: LLMEngine, max_batch: int) -> None:
     if spec is None:
         return
     proposer = spec.proposer
+    store = getattr(proposer, "feature_store", None)
+    if store is not None:  # fault its pages in now (a CPU artifact: device memory is mapped)
+        store.fill_(1.0)
     drafter = capture_drafter_graphs(proposer, engine, use_graphs=False)
     with torch.inference_mode():
         drafter._graphs = {key: (FreeReplay(), drafter._run_key(*key)) for key in drafter.keys()}

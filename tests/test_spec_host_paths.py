@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from specserve import LLM, SamplingParams
-from specserve.runtime import model_runner
-from specserve.spec import eagle3_graphs
+from specserve.runtime import inflight
+from specserve.spec import eagle3_graph_inputs
 from specserve.spec.policy import FixedPolicy
 from specserve.spec.verify import verify_greedy
 from tests.model_cases import install_padded_runner
@@ -64,8 +64,8 @@ def test_dense_speculative_steps_equal_the_synchronous_loop(models, monkeypatch)
         llm = _engine(models, overlap, speculative_simulate_acceptance=0.6)
         outs[overlap] = [o.token_ids for o in llm.generate(prompts, PARAMS)]
     hits = {"_place_dense": 0, "_is_dense": 0}
-    _count(monkeypatch, model_runner.ModelRunner, "_place_dense", hits)
-    _count(monkeypatch, eagle3_graphs, "_is_dense", hits)
+    _count(monkeypatch, inflight, "_place_dense", hits)
+    _count(monkeypatch, eagle3_graph_inputs, "_is_dense", hits)
     llm = _engine(models, "on", speculative_simulate_acceptance=0.6)
     again = [o.token_ids for o in llm.generate(prompts, PARAMS)]
     assert hits["_place_dense"] > 5 and hits["_is_dense"] > 5
@@ -138,3 +138,35 @@ def test_pinned_arena_reuses_memory_safely():
         wants.append(list(range(i, i + n)))
     torch.cuda.synchronize()
     assert [o.tolist() for o in outs] == wants
+
+
+@pytest.mark.parametrize("shifted", [False, True])
+def test_pack_vectorized_equals_the_loop(monkeypatch, shifted):
+    """Large steps compute positions and slots with numpy: the same tensors as the loop
+    (decodes, verify rows, prefill chunks, padding, shifts on the device)."""
+    import random
+
+    from specserve.runtime import packing
+
+    rng = random.Random(3)
+    page_size = 4
+    for trial in range(20):
+        segments = []
+        for _ in range(rng.randint(1, 12)):
+            start, n = rng.randint(0, 30), rng.choice([1, 1, 4, rng.randint(1, 20)])
+            pad = rng.choice([0, 0, 3])
+            table = rng.sample(range(1, 200), -(-(start + n + 3) // page_size))
+            segments.append(packing.Segment(table, start, [rng.randrange(500) for _ in
+                                                           range(n)], pad, 3))  # fmt: skip
+        shift = None
+        if shifted:
+            shift = torch.tensor([rng.randint(0, 3) for _ in segments])
+        got = []
+        for threshold in (0, 10**9):
+            monkeypatch.setattr(packing, "VECTOR_MIN_TOKENS", threshold)
+            ids, meta, last_rows = packing.pack(segments, page_size, torch.device("cpu"), shift)
+            got.append((ids.tolist(), meta.positions.tolist(), meta.slot_mapping.tolist(),
+                        meta.query_start_loc.tolist(), meta.seq_lens.tolist(),
+                        meta.block_tables.tolist(), meta.max_query_len, meta.max_seq_len,
+                        last_rows))  # fmt: skip
+        assert got[0] == got[1], trial

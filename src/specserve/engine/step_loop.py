@@ -15,13 +15,14 @@ and builds N+1 from N's results on the device (runtime/inflight.py):
   N's accept length on the device: positions, KV slots, seq_lens and sampling counters.
   Host bounds (max_seq_len, page tables, the context limit, draft lengths capped by what
   can still be committed) hold for every accept length.
-- The EAGLE-3 drafter (greedy, one draft length for the step) catches up on N's tokens and
-  features there: N's K+1 rows are fed, it drafts from the row of N's accept length, and the
-  rows past it write KV that is overwritten before it is read (as rejected drafts' is). Its
-  drafts stay on the device and go into N+1's verify inputs there.
+- The EAGLE-3 drafter (greedy, one draft length for the step) catches up on N's tokens
+  there and on N's features in its feature store (written by N's forward, by KV slot): N's
+  K+1 rows are fed, it drafts from the row of N's accept length, and the rows past it write
+  KV that is overwritten before it is read (as rejected drafts' is). Its drafts stay on the
+  device and go into N+1's verify inputs there.
 - The host's drafter and cached lengths follow the same count (N as one token); when N is
-  resolved, its accepted drafts are added, and its features are queued only for requests
-  whose drafter did not already take them (`InflightStep.consumed`).
+  resolved, its accepted drafts are added (to the drafter's length only for requests whose
+  drafter caught up on N's rows: `InflightStep.consumed`).
 
 Otherwise (a proposer drafting on the host: n-gram, draft model; sampled requests that
 draft; mixed draft lengths; a position that could pass the context) the loop waits for N's

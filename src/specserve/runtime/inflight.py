@@ -1,10 +1,12 @@
-"""What the step in flight leaves on the device for the next step (overlap scheduling).
+"""What the step in flight leaves on the device for the next step (overlap scheduling), and
+how the next step's input ids are taken from it there (`place_device_tokens`).
 
 Under overlap scheduling step N+1 is built before step N's tokens reach the host. The host
 counts N as one token per sampled request (`Request.num_inflight`) and packs N+1 as if N
 accepted no draft; what N really committed is read on the device: N+1's input token is
 N's last drawn token, its positions, KV slots and seq_lens move right by N's accept length,
-and the EAGLE-3 drafter's catch-up takes N's tokens and features from here.
+and the EAGLE-3 drafter's catch-up takes N's tokens from here (N's features are in the
+feature store by then: the device runs N's forward first).
 """
 
 from __future__ import annotations
@@ -13,7 +15,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specserve.runtime.packing import to_device
+from specserve.runtime.packing import to_device, upload
+
+
+def num_drafts(s) -> int:
+    """Drafts of a scheduled request, whether their values are on the host or the device."""
+    return s.draft_len if s.device_drafts is not None else len(s.drafts)
 
 
 @dataclass
@@ -88,3 +95,57 @@ class InflightStep:
         this step): each one's drawn tokens, as many as it may have committed."""
         lens = [self.num_drafts[r] + 1 if r >= 0 else 0 for r in rows]
         return CatchUpTail(self.tokens, rows, lens, self.accepted(rows))
+
+
+def place_device_tokens(batch, input_ids, last_rows, missing, prev_rows, prev, device) -> None:
+    """Input ids that are still on the device, copied there (queued behind the step in
+    flight): each missing last committed token from prev's drawn tokens, drafts from
+    the proposer's tensor. The row indices go up in one copy."""
+    if _place_dense(batch, input_ids, missing, prev_rows, prev):
+        return
+    lists, sources = [], []
+    if missing:
+        lists += [[last_rows[i] - num_drafts(batch[i]) for i in missing],
+                  [prev_rows[i] for i in missing]]  # fmt: skip
+        sources.append(prev.last_tokens)
+    by_tensor: dict[int, tuple[torch.Tensor, list[int], list[int]]] = {}
+    for i, s in enumerate(batch):
+        if s.device_drafts is None:
+            continue
+        tokens, row = s.device_drafts
+        _, dest, src = by_tensor.setdefault(id(tokens), (tokens, [], []))
+        k = s.draft_len
+        dest += range(last_rows[i] - k + 1, last_rows[i] + 1)
+        src += range(row * tokens.shape[1], row * tokens.shape[1] + k)
+    for tokens, dest, src in by_tensor.values():
+        lists += [dest, src]
+        sources.append(tokens.reshape(-1))
+    if not lists:
+        return
+    index = upload(lists, device)
+    for source, dest, src in zip(sources, index[0::2], index[1::2]):
+        input_ids[dest] = source[src]
+
+
+def _place_dense(batch, input_ids, missing, prev_rows, prev) -> bool:
+    """The common speculative step under overlap: every request was row b of the step
+    in flight and drafts k tokens into row b of one device tensor, so its k+1 inputs
+    are that step's last drawn token and its drafts: two copies, nothing uploaded."""
+    n = len(batch)
+    first = batch[0].device_drafts
+    if (first is None or len(missing) != n or len(prev.num_drafts) != n
+            or prev_rows[-1] != n - 1):  # fmt: skip
+        return False
+    drafts = first[0]
+    k = drafts.shape[1]
+    if (input_ids.shape[0] != n * (k + 1) or drafts.shape[0] != n
+            or prev_rows != list(range(n))):  # fmt: skip
+        return False
+    for b, s in enumerate(batch):
+        dev = s.device_drafts
+        if dev is None or dev[0] is not drafts or dev[1] != b or s.draft_len != k:
+            return False
+    rows = input_ids.view(n, k + 1)
+    rows[:, 0] = prev.last_tokens
+    rows[:, 1:] = drafts
+    return True

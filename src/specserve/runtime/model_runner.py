@@ -12,7 +12,7 @@ from specserve.layers.attention import AttentionBackend, AttentionMetadata
 from specserve.layers.sampler import SamplingTensors, sample
 from specserve.model.llama import LlamaForCausalLM
 from specserve.runtime.cuda_graphs import CudaGraphRunner
-from specserve.runtime.inflight import InflightStep
+from specserve.runtime.inflight import InflightStep, num_drafts, place_device_tokens
 from specserve.runtime.packing import Segment, pack, to_device, upload
 from specserve.runtime.sampled_tokens import (
     SampledTokens,
@@ -37,11 +37,6 @@ class StepInput:
     # [R] per sampled request: how far the step in flight moved it on the device (its
     # accept length: the host packed it as if that step accepted nothing); None: nowhere.
     sample_shift: torch.Tensor | None = None
-
-
-def num_drafts(s: ScheduledRequest) -> int:
-    """Drafts of a scheduled request, whether their values are on the host or the device."""
-    return s.draft_len if s.device_drafts is not None else len(s.drafts)
 
 
 class ModelRunner:
@@ -87,7 +82,7 @@ class ModelRunner:
             sample_shift = (shift if len(sampled) == len(batch)
                             else prev.accepted([prev_rows[i] for i in sampled]))  # fmt: skip
         input_ids, meta, last_rows = pack(segments, self.kv.page_size, self.device, shift)
-        self._place_device_tokens(batch, input_ids, last_rows, missing, prev_rows, prev)
+        place_device_tokens(batch, input_ids, last_rows, missing, prev_rows, prev, self.device)
         first_rows = [last - len(seg.token_ids) + 1 for last, seg in zip(last_rows, segments)]
         sample_rows = []
         for i in sampled:
@@ -95,59 +90,6 @@ class ModelRunner:
             sample_rows += range(last - num_drafts(batch[i]), last + 1)
         return StepInput(input_ids, meta, first_rows, [batch[i] for i in sampled], sample_rows,
                          sample_shift)  # fmt: skip
-
-    def _place_device_tokens(self, batch, input_ids, last_rows, missing, prev_rows, prev):
-        """Input ids that are still on the device, copied there (queued behind the step in
-        flight): each missing last committed token from prev's drawn tokens, drafts from
-        the proposer's tensor. The row indices go up in one copy."""
-        if self._place_dense(batch, input_ids, missing, prev_rows, prev):
-            return
-        lists, sources = [], []
-        if missing:
-            lists += [[last_rows[i] - num_drafts(batch[i]) for i in missing],
-                      [prev_rows[i] for i in missing]]  # fmt: skip
-            sources.append(prev.last_tokens)
-        by_tensor: dict[int, tuple[torch.Tensor, list[int], list[int]]] = {}
-        for i, s in enumerate(batch):
-            if s.device_drafts is None:
-                continue
-            tokens, row = s.device_drafts
-            _, dest, src = by_tensor.setdefault(id(tokens), (tokens, [], []))
-            k = s.draft_len
-            dest += range(last_rows[i] - k + 1, last_rows[i] + 1)
-            src += range(row * tokens.shape[1], row * tokens.shape[1] + k)
-        for tokens, dest, src in by_tensor.values():
-            lists += [dest, src]
-            sources.append(tokens.reshape(-1))
-        if not lists:
-            return
-        index = upload(lists, self.device)
-        for source, dest, src in zip(sources, index[0::2], index[1::2]):
-            input_ids[dest] = source[src]
-
-    @staticmethod
-    def _place_dense(batch, input_ids, missing, prev_rows, prev) -> bool:
-        """The common speculative step under overlap: every request was row b of the step
-        in flight and drafts k tokens into row b of one device tensor, so its k+1 inputs
-        are that step's last drawn token and its drafts: two copies, nothing uploaded."""
-        n = len(batch)
-        first = batch[0].device_drafts
-        if (first is None or len(missing) != n or len(prev.num_drafts) != n
-                or prev_rows[-1] != n - 1):  # fmt: skip
-            return False
-        drafts = first[0]
-        k = drafts.shape[1]
-        if (input_ids.shape[0] != n * (k + 1) or drafts.shape[0] != n
-                or prev_rows != list(range(n))):  # fmt: skip
-            return False
-        for b, s in enumerate(batch):
-            dev = s.device_drafts
-            if dev is None or dev[0] is not drafts or dev[1] != b or s.draft_len != k:
-                return False
-        rows = input_ids.view(n, k + 1)
-        rows[:, 0] = prev.last_tokens
-        rows[:, 1:] = drafts
-        return True
 
     @torch.inference_mode()
     def forward(self, step: StepInput, aux_layer_ids: tuple[int, ...] = ()):
