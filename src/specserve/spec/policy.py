@@ -13,13 +13,12 @@ the speculator with each step's measured period once the step is processed.
 
 from __future__ import annotations
 
-import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 
 from specserve.engine.request import Request
 from specserve.spec.acceptance import AcceptanceModel
-from specserve.spec.cost_model import StepCostModel, batch_bucket, there_and_back
+from specserve.spec.cost_model import StepCostModel, batch_bucket
 from specserve.spec.policy_trace import Decision, PolicyTrace
 
 __all__ = ["POLICIES", "Decision", "PolicyTrace", "SpeculationPolicy", "OffPolicy",
@@ -128,14 +127,12 @@ class GoodputPolicy(SpeculationPolicy):
     """
 
     HYSTERESIS = 0.03
-    NOISE_Z = 1.0
     DWELL_STEPS = 32  # a switch's one-off cost is spread over this many steps at the new K
     PROBE_MS = 3.0  # a probe spans at least this much steady time (short periods are noisy)
     PROBE_MAX_STEADY = 3
     PROBE_EVERY = 16  # probes of one K take at most 1/PROBE_EVERY of the steps
     PROBE_BUDGET = 0.005  # the share of throughput probing one K may cost
-    PROBE_MAX_INTERVAL = 512  # bounds how long a wrong estimate can hide a good K ...
-    PROBE_MAX_BUDGET = 0.01  # ... unless its probes would cost more than this share
+    PROBE_MAX_INTERVAL = 512  # bounds how long a wrong estimate can hide a good K
     FRESH_OBSERVATIONS = 2  # a K measured fewer times, and within FRESH_GAP of the best
     FRESH_GAP = 0.3  # or just found far from its estimate, is probed again within
     # PROBE_EVERY << count steps (the cost model counts a surprised cell as measured once)
@@ -164,12 +161,11 @@ class GoodputPolicy(SpeculationPolicy):
             self._running_k = None
             return self._decided([])
         self.num_steps += 1
-        self.acceptance.tick()
         caps = [min(self.k_max, r.max_useful_drafts) for r in reqs]
         cums = [self.acceptance.cumulative(r.request_id) for r in reqs]
         k_top = max(caps)
         tokens = self._tokens(cums, caps, k_top)
-        costs = self.cost.periods_ms(n, k_top, extra_tokens)
+        costs = [self.cost.period_ms(n, k, extra_tokens) for k in range(k_top + 1)]
         trimmed = None
         if k_top and not self.cost.padded:  # eager verify steps: every draft costs
             trimmed = [self._trim(cums, caps, k, extra_tokens) for k in range(k_top + 1)]
@@ -183,8 +179,8 @@ class GoodputPolicy(SpeculationPolicy):
             current = self._preferred.get(bucket)
         sw = self.cost.switch_costs(n, costs[0])
         # leaving it pays a switch there and back
-        switch = [there_and_back(sw, current, k) for k in range(k_top + 1)]
-        k = self._preferred_k(bucket, current, tokens, costs, switch, n)
+        switch = [self._there_and_back(sw, current, k) for k in range(k_top + 1)]
+        k = self._preferred_k(bucket, current, tokens, costs, switch)
         # Requests that never drafted have the global estimate only, and while plain
         # decoding is preferred nothing would tell otherwise: drafting is probed soon.
         unknown = k == 0 and not any(map(self.acceptance.has_observations,
@@ -211,17 +207,14 @@ class GoodputPolicy(SpeculationPolicy):
                     tokens[k] += c[min(k, cap)]
         return tokens
 
-    def _preferred_k(self, bucket: int, current: int | None, tokens, costs, switch,
-                     n: int) -> int:  # fmt: skip
+    def _preferred_k(self, bucket: int, current: int | None, tokens, costs, switch) -> int:
         """The K with the best goodput, with what switching to it from the K in use and back
-        costs spread over DWELL_STEPS; the K in use unless that is beaten by HYSTERESIS or,
-        where periods vary more, by NOISE_Z standard errors of the two period estimates."""
+        costs spread over DWELL_STEPS; the K in use unless that is beaten by HYSTERESIS."""
         dwell = self.DWELL_STEPS
         goodput = [t / (ms + s / dwell) for t, ms, s in zip(tokens, costs, switch)]
         best = max(range(len(goodput)), key=goodput.__getitem__)
-        if current is not None and current < len(goodput) and best != current:
-            se = math.hypot(self.cost.error(n, best), self.cost.error(n, current))
-            if goodput[best] <= goodput[current] * (1 + max(self.HYSTERESIS, self.NOISE_Z * se)):
+        if current is not None and current < len(goodput):
+            if goodput[best] <= goodput[current] * (1 + self.HYSTERESIS):
                 best = current
         if len(goodput) == self.k_max + 1:  # not when requests near their end cap K
             self._preferred[bucket] = best
@@ -229,10 +222,19 @@ class GoodputPolicy(SpeculationPolicy):
 
     def probe_len(self, k: int, best: int, period_ms: float) -> int:
         """Steps of a probe of K=k from K=best: the switch, enough steady steps to span
-        PROBE_MS, and the last one, before the switch back (it carries part of that switch:
+        PROBE_MS, and for plain steps before drafting resumes the last (maybe resolved early:
         not a steady sample)."""
         steady = min(self.PROBE_MAX_STEADY, max(1, round(self.PROBE_MS / max(period_ms, 1e-3))))
-        return 1 + steady + 1
+        return 1 + steady + (1 if k == 0 and best > 0 else 0)
+
+    @staticmethod
+    def _there_and_back(sw: dict[str, float], a: int | None, b: int) -> float:
+        """Switching from K=a to K=b and back (`sw`: StepCostModel.switch_costs)."""
+        if a is None or a == b:
+            return 0.0
+        if a and b:
+            return 2 * sw["lateral"]
+        return sw["up"] + sw["down"]
 
     def _probe_k(self, bucket: int, best: int, n: int, tokens, costs, sw: dict[str, float],
                  unknown: bool) -> tuple[int, bool]:  # fmt: skip
@@ -258,16 +260,13 @@ class GoodputPolicy(SpeculationPolicy):
             else:
                 # A probe costs its steps' shortfall plus the switches there and back; spread
                 # it out so that it is PROBE_BUDGET of the time spent at `best` in between.
-                lost = steps * gap * costs[k] + there_and_back(sw, best, k)
+                lost = steps * gap * costs[k] + self._there_and_back(sw, best, k)
                 interval = lost / (costs[best] * self.PROBE_BUDGET)
-                cap = max(self.PROBE_MAX_INTERVAL, lost / (costs[best] * self.PROBE_MAX_BUDGET))
-                interval = min(max(interval, self.PROBE_EVERY * steps), cap)
+                interval = min(max(interval, self.PROBE_EVERY * steps), self.PROBE_MAX_INTERVAL)
                 if 0 < seen < self.FRESH_OBSERVATIONS and (
                     gap < self.FRESH_GAP or self.cost.surprised(n, k)
-                ):  # a K that may be the best, or just moved far, is measured again soon
+                ):  # one outlier must not hide a K that may be the best for long
                     interval = min(interval, self.PROBE_EVERY << seen)
-                if self.cost.doubtful(n, k):  # far off once: confirm or dismiss it soon
-                    interval = min(interval, 2 * self.PROBE_EVERY * steps)
                 if unknown and gap < self.FRESH_GAP:
                     interval = min(interval, self.PROBE_EVERY)
             if age >= interval and (probe is None or age - interval > due):
