@@ -72,6 +72,13 @@ def test_dense_speculative_steps_equal_the_synchronous_loop(models, monkeypatch)
     # As in test_overlap_device: the last few tokens may differ (draft-length caps).
     assert [t[:22] for t in again] == [t[:22] for t in outs["off"]]
     assert again == outs["on"]
+    # Positions and KV slots by numpy in every pack and drafter pass: the same tokens.
+    from specserve.runtime import packing
+
+    monkeypatch.setattr(packing, "VECTOR_MIN_TOKENS", 0)
+    monkeypatch.setattr(eagle3_graph_inputs, "VECTOR_MIN_TOKENS", 0)
+    llm = _engine(models, "on", speculative_simulate_acceptance=0.6)
+    assert [o.token_ids for o in llm.generate(prompts, PARAMS)] == outs["on"]
 
 
 def test_catch_up_from_the_store_after_plain_steps(models):
