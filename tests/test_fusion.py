@@ -125,6 +125,68 @@ def test_interpreter_model_fused_equals_unfused(case, interpreter_results):
     assert res["err"] <= 10 * TOL[case.split("-")[0]], res
 
 
+# ---- which down projections fuse, and how the selection times them (no kernel runs) ----
+def test_merged_mlps_report_their_fusions():
+    from specserve.layers.linear import fused_down_projections
+    from specserve.layers.triton_ops import use_triton_ops
+    from tests.fusion_cases import set_fusions
+    from tests.model_cases import tiny_config, tiny_model
+
+    cfg = tiny_config()
+    model = tiny_model(cfg, torch.float16, "cpu")
+    down = (cfg.hidden_size, cfg.intermediate_size, torch.float16)
+    assert fused_down_projections(model) == {}  # plain modules
+    use_triton_ops(model, fuse=False)
+    assert fused_down_projections(model) == {}
+    use_triton_ops(model)
+    assert fused_down_projections(model) == {down: "silu+split_k"}
+    set_fusions(model, silu=False, split_k=True)
+    assert fused_down_projections(model) == {down: "split_k"}
+    use_triton_ops(model, enable=False)
+    assert fused_down_projections(model) == {}
+
+
+def test_plan_serves_a_fused_down_projection_by_its_own_measurement():
+    from specserve.layers.gemv import GemvConfig
+    from specserve.layers.gemv_select import GemvChoice, GemvPlan
+
+    plain, fused = GemvConfig(64, 128), GemvConfig(64, 128, 4)
+    key = (96, 64, torch.float16)
+    plan = GemvPlan({(1, *key): GemvChoice(plain, 10.0, 9.0, 3),
+                     (1, *key, "silu+split_k"): GemvChoice(fused, 12.0, 8.0, 3),
+                     (2, *key): GemvChoice(plain, 10.0, 9.0, 3),
+                     (2, *key, "silu+split_k"): GemvChoice(None, 12.0, 12.0, 3)},
+                    row_buckets=(1, 2))  # fmt: skip
+    assert plan.config_for(1, *key) == plain  # a plain call of the shape
+    assert plan.config_for(1, *key, "silu+split_k") == fused
+    assert plan.config_for(2, *key, "silu+split_k") is None  # fused measured slower: torch
+    assert plan.config_for(1, *key, "split_k") == plain  # not measured: the plain choice
+    assert GemvPlan(default=fused).config_for(3, *key, "silu") == fused  # tests force it
+    assert [r.get("fusion") for r in plan.summary()] == [None, "silu+split_k"] * 2
+
+
+def test_selection_times_a_fused_down_projection_against_the_unfused_path(monkeypatch):
+    from specserve.layers.gemv_select import ROW_BUCKETS, GemvSelector, bucket_candidates
+
+    selector = GemvSelector()
+    seen = []
+
+    def fake(cfg, x, rotation, *fusion):  # fused Triton saves 3 us; plain Triton loses by 1
+        seen.append((x.shape[1], fusion))
+        return 10.0 if cfg is None else (7.0 if fusion else 11.0)
+
+    monkeypatch.setattr(selector, "_measure", fake)
+    jobs = bucket_candidates(ROW_BUCKETS, 96, 64, num_sms=132)
+    for fusion in ((), ("silu+split_k",)):
+        selector._measure_shape(96, 64, torch.float16, jobs, [torch.zeros(96, 64)], 1e18,
+                                *fusion)  # fmt: skip
+    assert {cols for cols, fusion in seen if fusion} == {128}  # [gate | up] rows
+    assert {cols for cols, fusion in seen if not fusion} == {64}
+    for b in ROW_BUCKETS:
+        assert selector.measured[(b, 96, 64, torch.float16)].config is None
+        assert selector.measured[(b, 96, 64, torch.float16, "silu+split_k")].config is not None
+
+
 if __name__ == "__main__":  # the interpreter run (TRITON_INTERPRET=1), see the fixture
     assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
     sys.stdout.write("\n" + json.dumps(run_cases()) + "\n")

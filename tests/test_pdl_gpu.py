@@ -145,3 +145,27 @@ def test_gpu_engine_tokens_same_with_pdl_and_fusion_off(tiny_llama, restore_pdl)
         outs[off] = [o.token_ids for o in llm.generate(prompts, params)]
         del llm
     assert outs[False] == outs[True]
+
+
+def test_gpu_selection_times_the_fused_down_projection():
+    from specserve.layers import gemv_select
+    from specserve.layers.gemv_select import GemvSelector
+    from specserve.layers.linear import use_gemv
+    from specserve.layers.triton_ops import use_triton_ops
+    from tests.model_cases import tiny_config, tiny_model
+    from tests.triton_cases import rel_err
+
+    gemv_select._MEASURED.clear()  # engines of earlier tests may have measured these shapes
+    cfg = tiny_config(hidden_size=256, intermediate_size=1024, vocab_size=1000, head_dim=64)
+    model = tiny_model(cfg, torch.bfloat16, "cuda")
+    x = torch.randn(3, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
+    ref = model.model.layers[0].mlp(x)
+    use_triton_ops(model)
+    selector = GemvSelector(budget_s=30.0, row_buckets=(1, 2, 4, 8, 16))
+    plan = use_gemv(model, selector)
+    fused = [r for r in plan.summary() if r.get("fusion") == "silu+split_k"]
+    assert len(fused) == 5 and selector.skipped == 0, plan.summary()
+    assert (fused[0]["n"], fused[0]["k"]) == (cfg.hidden_size, cfg.intermediate_size)
+    assert len({r["kernel"] for r in fused}) == 1  # one choice over the small buckets
+    out = model.model.layers[0].mlp(x, defer_reduce=False)
+    assert rel_err(out, ref) < 2e-2

@@ -26,7 +26,6 @@ import bisect
 import logging
 import math
 import os
-import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -35,12 +34,17 @@ import torch
 import torch.nn.functional as F
 
 from specserve.layers.gemv import MAX_ROWS, GemvConfig, candidate_configs, gemv
-from specserve.runtime.cuda_graphs import no_collection_while_capturing
+from specserve.layers.gemv_timing import (  # noqa: F401 (rotation_set: scripts import it here)
+    down_and_norm,
+    rotation_set,
+    time_in_graph_us,
+    torch_linear,
+)
 
 log = logging.getLogger(__name__)
 
 ShapeKey = tuple[int, int, torch.dtype]  # (N, K, dtype) of a weight [N, K]
-PlanKey = tuple[int, int, int, torch.dtype]  # (row bucket, N, K, dtype)
+PlanKey = tuple  # (row bucket, N, K, dtype), and + (fusion,) for a fused down projection
 GEMV_DTYPES = (torch.float16, torch.bfloat16)
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 SHARED_ROWS = 16  # row buckets up to this share one implementation per shape (see above)
@@ -62,7 +66,9 @@ class GemvPlan:
     """(row bucket, N, K, dtype) -> the GEMV configuration that serves it. Rows are rounded up
     to the next bucket; keys absent, measured slower than torch, or beyond the largest
     bucket go to torch (`default`, when given, serves every absent key: tests force the
-    Triton path with it)."""
+    Triton path with it). A down projection whose MLP fuses its neighbours into the GEMV
+    asks with its `fusion` (triton_ops.py): the key + (fusion,), measured with them
+    (`gemv_timing.down_and_norm`), when there is one; else the shape's plain choice."""
 
     def __init__(
         self,
@@ -80,11 +86,17 @@ class GemvPlan:
         self._configs = {k: c.config for k, c in self.choices.items() if c.config is not None}
         self.default = default
 
-    def config_for(self, rows: int, n: int, k: int, dtype: torch.dtype) -> GemvConfig | None:
-        """The configuration for `rows` rows of a weight [n, k]; None: torch."""
+    def config_for(self, rows: int, n: int, k: int, dtype: torch.dtype,
+                   fusion: str | None = None) -> GemvConfig | None:  # fmt: skip
+        """The configuration for `rows` rows of a weight [n, k] (with `fusion`'s neighbours
+        fused in, if that was measured); None: torch."""
         if rows < 1 or rows > self.max_rows:
             return None
-        cfg = self._configs.get((self._bucket[rows], n, k, dtype), self.default)
+        key = (self._bucket[rows], n, k, dtype)
+        if fusion is not None and (*key, fusion) in self.choices:
+            cfg = self._configs.get((*key, fusion))
+        else:
+            cfg = self._configs.get(key, self.default)
         return cfg if cfg is None or rows <= cfg.max_rows else None
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
@@ -102,55 +114,10 @@ class GemvPlan:
             dict(rows=b, n=n, k=k, dtype=str(dt).removeprefix("torch."),
                  kernel=str(c.config) if c.config else "torch", torch_us=round(c.torch_us, 2),
                  best_us=round(c.best_us, 2), speedup=round(c.torch_us / c.best_us, 3),
-                 tried=c.tried)  # fmt: skip
-            for (b, n, k, dt), c in sorted(self.choices.items(), key=lambda i: i[0][:3])
+                 tried=c.tried, **({"fusion": fused[0]} if fused else {}))  # fmt: skip
+            for (b, n, k, dt, *fused), c in sorted(self.choices.items(),
+                                                   key=lambda i: (*i[0][:3], i[0][4:]))
         ]
-
-
-def time_in_graph_us(fn, x: torch.Tensor, weights: list[torch.Tensor], reps: int = 5) -> float:
-    """Median device time of one `fn(x, w)` call, from `reps` replays of a CUDA graph that
-    calls it once per weight. `fn` must have run eagerly once (compilation, cuBLAS set-up)."""
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream), no_collection_while_capturing():
-        graph.capture_begin()
-        for w in weights:
-            fn(x, w)
-        graph.capture_end()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph.replay()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-              for _ in range(reps)]  # fmt: skip
-    for start, end in events:
-        start.record()
-        graph.replay()
-        end.record()
-    torch.cuda.synchronize()
-    ms = statistics.median(start.elapsed_time(end) for start, end in events)
-    return ms * 1000 / len(weights)
-
-
-def rotation_set(weights: list[torch.Tensor], min_bytes: int, min_calls: int = 4,
-                 max_calls: int = 256) -> list[torch.Tensor]:  # fmt: skip
-    """Weights of one shape to call in turn when timing: distinct ones (the model's own, then
-    clones) until together they exceed `min_bytes`, so that they stream from memory, not
-    from L2; then repeats up to `min_calls`, so a graph's launch cost is spread out."""
-    out: list[torch.Tensor] = []
-    total = 0
-    while total < min_bytes and len(out) < max_calls:
-        i = len(out)
-        w = weights[i] if i < len(weights) else weights[i % len(weights)].clone()
-        out.append(w)
-        total += w.numel() * w.element_size()
-    distinct = len(out)
-    while len(out) < min_calls:
-        out.append(out[len(out) % distinct])
-    return out
-
-
-def torch_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return F.linear(x, w)
 
 
 def bucket_candidates(buckets: tuple[int, ...], n: int, k: int, num_sms: int) -> list[tuple]:
@@ -242,12 +209,19 @@ class GemvSelector:
         self.skipped = 0  # candidates left untried when the budget ran out
 
     @torch.inference_mode()
-    def select(self, weights: dict[ShapeKey, list[torch.Tensor]]) -> GemvPlan:
+    def select(self, weights: dict[ShapeKey, list[torch.Tensor]],
+               fused: dict[ShapeKey, str] | None = None) -> GemvPlan:  # fmt: skip
+        """The plan for `weights` (grouped by shape); `fused`: shapes of down projections
+        whose MLP fuses neighbours into the GEMV, with the fusion, timed with them too."""
         shapes = {key: [w for w in ws if w.stride(-1) == 1] for key, ws in weights.items()
                   if ws and ws[0].is_cuda and key[2] in GEMV_DTYPES}  # fmt: skip
         shapes = {key: ws for key, ws in shapes.items() if ws}
         if not shapes:
             return GemvPlan({}, self.row_buckets)
+        # a fused down projection is one more "shape" to measure: (N, K, dtype, fusion)
+        jobs_of = {**{shape: shape for shape in shapes},
+                   **{(*shape, f): shape for shape, f in (fused or {}).items()
+                      if shape in shapes}}  # fmt: skip
         start = time.perf_counter()
         device = next(iter(shapes.values()))[0].device
         self.measured = _MEASURED.setdefault(
@@ -255,22 +229,23 @@ class GemvSelector:
         )
         props = torch.cuda.get_device_properties(device)
         sms = props.multi_processor_count
-        todo = {shape: bucket_candidates(tuple(b for b in self.row_buckets
-                                               if (b, *shape) not in self.measured),
-                                         shape[0], shape[1], sms)
-                for shape in shapes}  # fmt: skip
-        todo = {shape: jobs for shape, jobs in todo.items() if jobs}
+        todo = {key: bucket_candidates(tuple(b for b in self.row_buckets
+                                             if (b, *key) not in self.measured),
+                                       key[0], key[1], sms)
+                for key in jobs_of}  # fmt: skip
+        todo = {key: jobs for key, jobs in todo.items() if jobs}
         self.compiled = self._compile(todo, shapes, device)
         self.compile_s = time.perf_counter() - start
         self.skipped = 0
         min_bytes = 4 * getattr(props, "L2_cache_size", 64 << 20)
         measure_start = time.perf_counter()
-        for i, ((n, k, dtype), jobs) in enumerate(todo.items()):
+        for i, ((n, k, dtype, *fusion), jobs) in enumerate(todo.items()):
             # Each shape gets an equal share of what is left; its clones live only meanwhile.
             left = self.budget_s - (time.perf_counter() - measure_start)
             self._measure_shape(n, k, dtype, jobs, rotation_set(shapes[(n, k, dtype)], min_bytes),
-                                time.perf_counter() + left / (len(todo) - i))  # fmt: skip
-        choices = {(b, *shape): self.measured[(b, *shape)] for shape in shapes
+                                time.perf_counter() + left / (len(todo) - i),
+                                *fusion)  # fmt: skip
+        choices = {(b, *key): self.measured[(b, *key)] for key in jobs_of
                    for b in self.row_buckets}  # fmt: skip
         plan = GemvPlan(choices, self.row_buckets)
         torch.cuda.empty_cache()
@@ -287,20 +262,22 @@ class GemvSelector:
     def _compile(self, todo: dict, shapes: dict, device: torch.device) -> int:
         """Compile each distinct Triton variant the candidates need once, in parallel."""
         tasks: dict[tuple, tuple] = {}
-        for (n, k, dtype), jobs in todo.items():
+        for (n, k, dtype, *fusion), jobs in todo.items():
+            silu = bool(fusion) and "silu" in fusion[0]  # the prologue: a variant of its own
             for rows, cands in jobs:
                 for cfg in cands:
-                    key = variant_key(cfg, rows, n, k, dtype)
-                    tasks.setdefault(key, (cfg, rows, shapes[(n, k, dtype)][0]))
+                    key = (*variant_key(cfg, rows, n, k, dtype), silu)
+                    tasks.setdefault(key, (cfg, rows, shapes[(n, k, dtype)][0], silu))
         if not tasks:
             return 0
 
         def build(task) -> None:
-            cfg, rows, w = task
+            cfg, rows, w, silu = task
             try:
                 with torch.cuda.device(device):  # Triton compiles for the current device
-                    x = torch.zeros(rows, w.shape[1], device=device, dtype=w.dtype)
-                    gemv(x, w, None, cfg, compile_only=True)
+                    x = torch.zeros(rows, w.shape[1] * (2 if silu else 1), device=device,
+                                    dtype=w.dtype)  # fmt: skip
+                    gemv(x, w, None, cfg, compile_only=True, silu=silu)
             except Exception as e:  # measured as failing (inf) later
                 log.debug("GEMV candidate %s does not compile: %s", cfg, e)
 
@@ -311,9 +288,12 @@ class GemvSelector:
         return len(tasks)
 
     def _measure_shape(self, n: int, k: int, dtype: torch.dtype, jobs, rotation,
-                       deadline: float) -> None:  # fmt: skip
+                       deadline: float, *fusion: str) -> None:  # fmt: skip
+        """Time torch and every candidate per row bucket (with a `fusion`: as the fused
+        down projection and the norm after it); record each bucket's choice."""
         device = rotation[0].device
-        runs = [(b, torch.randn(b, k, device=device, dtype=dtype), [None, *cands])
+        cols = 2 * k if fusion else k  # a fused down projection reads [gate | up]
+        runs = [(b, torch.randn(b, cols, device=device, dtype=dtype), [None, *cands])
                 for b, cands in jobs]  # fmt: skip
         times: dict[int, dict] = {b: {} for b, _, _ in runs}
         for rnd in range(max(len(cands) for _, _, cands in runs)):  # torch first, then...
@@ -323,12 +303,20 @@ class GemvSelector:
                 if rnd > 0 and time.perf_counter() > deadline:
                     self.skipped += 1
                     continue
-                times[b][cands[rnd]] = self._measure(cands[rnd], x, rotation)
+                times[b][cands[rnd]] = self._measure(cands[rnd], x, rotation, *fusion)
         for b, choice in choose(times, self.margin).items():
-            self.measured[(b, n, k, dtype)] = choice
+            self.measured[(b, n, k, dtype, *fusion)] = choice
 
-    def _measure(self, cfg: GemvConfig | None, x: torch.Tensor, rotation) -> float:
-        fn = torch_linear if cfg is None else (lambda x, w: gemv(x, w, None, cfg))
+    def _measure(self, cfg: GemvConfig | None, x: torch.Tensor, rotation, *fusion) -> float:
+        if fusion:  # against what the model runs unfused: the shape's plain choice
+            n, k = rotation[0].shape
+            plain = self.measured.get((x.shape[0], n, k, x.dtype))
+            residual = torch.randn(x.shape[0], n, device=x.device, dtype=x.dtype)
+            norm_weight = torch.ones(n, device=x.device, dtype=x.dtype)
+            fn = down_and_norm(cfg, fusion[0], residual, norm_weight,
+                               plain.config if plain else None)  # fmt: skip
+        else:
+            fn = torch_linear if cfg is None else (lambda x, w: gemv(x, w, None, cfg))
         try:
             fn(x, rotation[0])  # compile if needed, set up cuBLAS
             torch.cuda.synchronize()

@@ -80,20 +80,34 @@ def gemv_weights(model: nn.Module) -> dict[tuple[int, int, torch.dtype], list[to
     return groups
 
 
+def fused_down_projections(model: nn.Module) -> dict[tuple[int, int, torch.dtype], str]:
+    """(N, K, dtype) of each down projection whose MLP fuses neighbours into its GEMV (a
+    `gemv_fusion`, set by triton_ops.use_triton_ops), with that fusion."""
+    out = {}
+    for module in model.modules():
+        fusion = getattr(module, "gemv_fusion", None)
+        if fusion:
+            w = module.down_proj.weight
+            out[(w.shape[0], w.shape[1], w.dtype)] = fusion
+    return out
+
+
 def use_gemv(model: nn.Module, selector: GemvSelector | None = None,
              plan: GemvPlan | None = None, enable: bool = True,
              max_rows: int | None = None) -> GemvPlan | None:  # fmt: skip
     """Route the model's linear layers (and its logits projection, for models with a
     `gemv_plan` attribute) through a GEMV plan: `plan` when given, else the one `selector`
     (default: GemvSelector(max_rows=max_rows)) measures for the model's weights on their
-    device. max_rows: the most tokens a captured decode/verify step holds (None: every row
+    device (fused down projections timed with their fusions: call use_triton_ops first).
+    max_rows: the most tokens a captured decode/verify step holds (None: every row
     bucket up to 64). Call it once the weights are on the device and before CUDA graphs are
     captured; pass one selector for a target and its drafter, so shared shapes are measured
     once. enable=False switches back to plain torch. Returns the plan installed."""
     if enable and plan is None:
         from specserve.layers.gemv_select import GemvSelector
 
-        plan = (selector or GemvSelector(max_rows=max_rows)).select(gemv_weights(model))
+        selector = selector or GemvSelector(max_rows=max_rows)
+        plan = selector.select(gemv_weights(model), fused_down_projections(model))
     mapping = _GEMV if enable else {v: k for k, v in _GEMV.items()}
     for module in model.modules():
         new_class = mapping.get(type(module))

@@ -120,14 +120,23 @@ class TritonMergedGatedMLP(MergedGatedMLP):
     fuse_silu = False
     fuse_split_k = False
 
+    @property
+    def gemv_fusion(self) -> str | None:
+        """Which fusions are on ("silu+split_k", "silu", "split_k"; None): start-up selection
+        times the down projection's candidates with them (gemv_timing.down_and_norm)."""
+        parts = [name for name, on in (("silu", self.fuse_silu), ("split_k", self.fuse_split_k))
+                 if on]  # fmt: skip
+        return "+".join(parts) or None
+
     def forward(self, x: torch.Tensor, defer_reduce: bool = False):
         gate_up = self.gate_up_proj(x)
         down = self.down_proj
         plan = getattr(down, "gemv_plan", None)
+        fusion = self.gemv_fusion
         cfg = None
-        if plan is not None and (self.fuse_silu or self.fuse_split_k):
+        if plan is not None and fusion is not None:
             rows = gate_up.numel() // gate_up.shape[-1] if gate_up.shape[-1] else 0
-            cfg = plan.config_for(rows, *down.weight.shape, down.weight.dtype)
+            cfg = plan.config_for(rows, *down.weight.shape, down.weight.dtype, fusion)
         if cfg is None:
             gate, up = gate_up.split(self.intermediate, dim=-1)
             return down(silu_and_mul(gate, up))

@@ -1,0 +1,89 @@
+"""How start-up selection times a GEMV candidate: `time_in_graph_us` replays a CUDA graph of
+calls over weights of one shape that together overflow L2 (`rotation_set`), as the engine
+runs them; the down projection of an MLP with fused neighbours is timed together with them
+(`down_and_norm`), since what its fusions save are kernels around the GEMV."""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+import torch.nn.functional as F
+
+from specserve.layers.gemv import GemvConfig, SplitKSum, gemv
+from specserve.runtime.cuda_graphs import no_collection_while_capturing
+
+NORM_EPS = 1e-5  # the timed norm's; any value times alike
+
+
+def time_in_graph_us(fn, x: torch.Tensor, weights: list[torch.Tensor], reps: int = 5) -> float:
+    """Median device time of one `fn(x, w)` call, from `reps` replays of a CUDA graph that
+    calls it once per weight. `fn` must have run eagerly once (compilation, cuBLAS set-up)."""
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), no_collection_while_capturing():
+        graph.capture_begin()
+        for w in weights:
+            fn(x, w)
+        graph.capture_end()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph.replay()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+              for _ in range(reps)]  # fmt: skip
+    for start, end in events:
+        start.record()
+        graph.replay()
+        end.record()
+    torch.cuda.synchronize()
+    ms = statistics.median(start.elapsed_time(end) for start, end in events)
+    return ms * 1000 / len(weights)
+
+
+def rotation_set(weights: list[torch.Tensor], min_bytes: int, min_calls: int = 4,
+                 max_calls: int = 256) -> list[torch.Tensor]:  # fmt: skip
+    """Weights of one shape to call in turn when timing: distinct ones (the model's own, then
+    clones) until together they exceed `min_bytes`, so that they stream from memory, not
+    from L2; then repeats up to `min_calls`, so a graph's launch cost is spread out."""
+    out: list[torch.Tensor] = []
+    total = 0
+    while total < min_bytes and len(out) < max_calls:
+        i = len(out)
+        w = weights[i] if i < len(weights) else weights[i % len(weights)].clone()
+        out.append(w)
+        total += w.numel() * w.element_size()
+    distinct = len(out)
+    while len(out) < min_calls:
+        out.append(out[len(out) % distinct])
+    return out
+
+
+def torch_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, w)
+
+
+def down_and_norm(cfg: GemvConfig | None, fusion: str, residual: torch.Tensor,
+                  norm_weight: torch.Tensor, unfused: GemvConfig | None = None):  # fmt: skip
+    """fn(gate_up, w): a merged MLP's down projection from its gate_up output and the add +
+    RMSNorm after it, as the model runs them (triton_ops.TritonMergedGatedMLP): with cfg,
+    the Triton GEMV with the parts of `fusion` ("silu": SiLU-and-mul as its prologue,
+    "split_k": its split-K pass inside the norm); cfg None: unfused, SiLU-and-mul, then the
+    shape's plain choice (`unfused`: a Triton GEMV, None: cuBLAS), then add + RMSNorm."""
+    from specserve.layers.triton_ops import add_rms_norm, silu_and_mul, split_k_add_rms_norm
+
+    silu = cfg is not None and "silu" in fusion
+
+    def run(x: torch.Tensor, w: torch.Tensor):
+        k = w.shape[1]
+        a = x if silu else silu_and_mul(x[:, :k], x[:, k:])
+        if cfg is not None:
+            y = gemv(a, w, None, cfg, silu=silu, defer_reduce="split_k" in fusion)
+        elif unfused is not None:
+            y = gemv(a, w, None, unfused)
+        else:
+            y = F.linear(a, w)
+        if isinstance(y, SplitKSum):
+            return split_k_add_rms_norm(y, residual, norm_weight, NORM_EPS)
+        return add_rms_norm(y, residual, norm_weight, NORM_EPS)
+
+    return run
