@@ -9,10 +9,11 @@ activation dtype at the same points, so greedy output does not drift from the re
 
 `use_triton_ops(model)` switches a model's RMSNorm, RotaryEmbedding and (merged) gated-MLP
 instances to the subclasses below in place (same parameters, buffers and state dict). With
-`fuse` (the default), where the Triton GEMV serves a merged MLP's down projection, two more
-kernel boundaries go, with the same results: SiLU-and-mul becomes the GEMV's prologue, and
-with a K split the GEMV's second pass runs inside the RMSNorm after it, with the residual
-add (the decoder layer hands its MLP output to that norm: `forward(x, defer_reduce=True)`).
+`fuse` (the default), where the Triton GEMV serves a merged MLP's down projection (as
+start-up selection times it, fused), two more kernel boundaries go, with the same results:
+SiLU-and-mul becomes the GEMV's prologue, and with a K split the GEMV's second pass runs
+inside the RMSNorm after it, with the residual add (the decoder layer hands its MLP output
+to that norm: `forward(x, defer_reduce=True)`).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from specserve.layers.activation import GatedMLP, MergedGatedMLP
 from specserve.layers.gemv import SplitKSum, gemv, silu_mul
 from specserve.layers.norm import RMSNorm
 from specserve.layers.rotary import RotaryEmbedding
-from specserve.layers.triton_norm import (  # noqa: F401 (rms_norm: the module's op set)
+from specserve.layers.triton_norm import (
     add_rms_norm,
     rms_norm,
     split_k_add_rms_norm,
