@@ -6,6 +6,9 @@ four engines built from one model, side by side in one process:
 - "pdl, split-K fusion only": the defaults less the SiLU prologue (a separate SiLU-and-mul
   kernel again; the down GEMV's split-K pass still fused into the next RMSNorm), to tell
   the two fusions apart (the prologue recomputes SiLU in every program of the GEMV);
+- "pdl+fusion, no L2 prefetch": the defaults, but the GEMV waits for the previous kernel
+  without asking L2 for its first weight lines (gemv.PDL_PREFETCH_BYTES = 0), to see what
+  the prefetch adds to the launch overlap;
 - "pdl only": --disable-fusion (SiLU-and-mul and the split-K pass as kernels of their own);
 - "fusion only": --disable-pdl;
 - "neither": both disabled (the kernels of run 6 in docs/benchmarks/gpu_engine.md).
@@ -27,7 +30,7 @@ import json
 import statistics
 import sys
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager
 from dataclasses import replace
 from pathlib import Path
 
@@ -44,6 +47,7 @@ from specserve.layers import pdl  # noqa: E402
 CONFIGS = {
     "pdl+fusion": {},
     "pdl, split-K fusion only": {"silu_prologue": False},
+    "pdl+fusion, no L2 prefetch": {"prefetch": False},
     "pdl only": {"disable_fusion": True},
     "fusion only": {"disable_pdl": True},
     "neither": {"disable_pdl": True, "disable_fusion": True},
@@ -85,11 +89,27 @@ def down_proj_kernels(model, batches: list[int]) -> dict:
     return out
 
 
+@contextmanager
+def without_l2_prefetch():
+    """GEMVs launched meanwhile (this engine's graphs) prefetch no weight lines."""
+    from specserve.layers import gemv
+
+    original, gemv.PDL_PREFETCH_BYTES = gemv.PDL_PREFETCH_BYTES, 0
+    try:
+        yield
+    finally:
+        gemv.PDL_PREFETCH_BYTES = original
+
+
 def build(model, base: dict, extra: dict, batches: list[int]) -> tuple[LLMEngine, dict]:
     t0 = time.perf_counter()
     extra = dict(extra)
-    silu_prologue = extra.pop("silu_prologue", True)
-    with nullcontext() if silu_prologue else without_silu_prologue():
+    silu_prologue, prefetch = extra.pop("silu_prologue", True), extra.pop("prefetch", True)
+    with ExitStack() as patches:
+        if not silu_prologue:
+            patches.enter_context(without_silu_prologue())
+        if not prefetch:
+            patches.enter_context(without_l2_prefetch())
         engine = LLMEngine(EngineConfig(**base, **extra), model=model)
     device = next(model.parameters()).device
     mlp = model.model.layers[0].mlp
@@ -124,6 +144,8 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 64])
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS),
+                    help=f"engines to compare (the table's ratios need {BASELINE!r})")
     ap.add_argument("--tiny", action="store_true", help="a small shape on the CPU (smoke test)")
     args = ap.parse_args()
     device = "cpu" if args.tiny else "cuda"
@@ -139,7 +161,8 @@ def main() -> None:
                 num_kv_pages=tokens // 16 + 8, max_num_batched_tokens=4096,
                 max_model_len=args.prompt_len + args.new_tokens + 64)  # fmt: skip
     engines, results = {}, {}
-    for name, extra in CONFIGS.items():
+    for name in dict.fromkeys([*args.configs, BASELINE]):
+        extra = CONFIGS[name]
         engines[name], results[name] = build(model, base, extra, args.batches)
         for b in args.batches:  # warm-up: first-use costs of every shape, not timed
             run(engines[name], b, args.prompt_len, min(24, args.new_tokens))
