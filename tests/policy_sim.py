@@ -1,17 +1,20 @@
 """A closed-loop simulator of the speculation policies on a synthetic engine clock
 (test_policy_regimes.py holds the goodput policy against every fixed K in it).
 
-The engine is replaced by a clock. A steady step of n decoding requests at draft length K
-takes max(host(n, K), device(n, K)) (overlap scheduling hides the shorter one). The first
-step at a new K pays for the switch: after plain steps, the wait for the previous step's
-tokens and the drafter's catch-up (eager, so dearer, once it spans more than a few plain
-steps); after speculative ones, a plain step that the loop could not overlap. A request's
-first drafting step catches its drafter up over the prompt. Periods carry lognormal noise and
+The engine is replaced by a clock (policy_sim_engines.py: the engines' true costs). A steady
+step of n decoding requests at draft length K takes max(host(n, K), device(n, K)) (overlap
+scheduling hides the shorter one). The first step at a new K pays for the switch: after
+plain steps, the wait for the previous step's tokens and the drafter's catch-up (eager, so
+dearer, once it spans more than a few plain steps); after speculative ones, a plain step
+that the loop could not overlap. Where the next step is launched before a step resolves,
+part of a switch lands in the step before it (as measured on the H200). A request's first
+drafting step catches its drafter up over the prompt. Periods carry lognormal noise and
 occasional outliers. Requests arrive one after another (batch 1, an idle engine between them)
 or in rounds of b submitted together; each has a length, per-position acceptance rates from a
-profile (some requests much lower) and hard phases where its drafts mostly fail. The policy,
-the acceptance and cost models and the speculator's bookkeeping are the real ones, fed one
-step late as under overlap (step N+1 is scheduled before step N is processed).
+profile (some requests much lower), hard phases where its drafts mostly fail, and optionally
+a hard opening. The policy, the acceptance and cost models and the speculator's bookkeeping
+are the real ones, fed one step late as under overlap (step N+1 is scheduled before step N
+is processed).
 """
 
 from __future__ import annotations
@@ -19,12 +22,10 @@ from __future__ import annotations
 import functools
 import math
 import random
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from specserve.engine.scheduler import ScheduledRequest
 from specserve.spec.acceptance import AcceptanceModel
-from specserve.spec.cost_model import CurveModel, StepCostModel
 from specserve.spec.policy import (
     FixedPolicy,
     GoodputPolicy,
@@ -33,75 +34,16 @@ from specserve.spec.policy import (
     SpeculationPolicy,
 )
 from specserve.spec.speculator import Speculator
+from specserve.spec.step_periods import PeriodLog
+from tests.policy_sim_engines import LARGE, MEASURED, SMALL, Regime
+
+__all__ = ["K_MAX", "LARGE", "MEASURED", "SMALL", "Noise", "Regime", "SimRequest", "SimResult",
+           "Simulator", "Workload", "compare", "noise_factors", "simulate"]
 
 K_MAX = 3
 # SmolLM2 + shipped head on the H200 measured 0.68 / 0.67 / 0.75 per position (conditional);
 # outside hard phases (about 9% of steps) a typical request accepts a little more.
 PROFILE = (0.73, 0.72, 0.80)
-# shared/DESIGN.md: H200, Llama-3.1-8B shape, step ms by tokens; an EAGLE-3 head pass by batch.
-H200_8B = {1: 4.22, 16: 4.44, 64: 4.60, 128: 6.11, 256: 6.91, 512: 12.06, 1024: 22.94,
-           2048: 45.98}  # fmt: skip
-HEAD_8B = {1: 0.20, 64: 0.22, 256: 0.30, 1024: 0.60}
-# SmolLM2-135M: a ~0.5 ms graph replay that hardly grows with tokens; a tiny head.
-SMALL_TARGET = {1: 0.45, 8: 0.46, 32: 0.48, 64: 0.50, 256: 0.70, 1024: 1.80}
-SMALL_HEAD = {1: 0.09, 64: 0.10, 256: 0.15}
-
-
-@dataclass(frozen=True)
-class Regime:
-    """True step costs of a simulated engine (ms) and the curves its start-up measures."""
-
-    name: str
-    target: dict[int, float]  # device: the target's forward by tokens (also the seed)
-    drafter: dict[int, float]  # device: one head pass by batch (also the seed)
-    host0: float  # host ms of a plain step, plus host_per_req0 per request
-    host_per_req0: float
-    host_spec: float  # host ms of a speculative step, plus host_per_k per draft ...
-    host_per_k: float
-    host_per_req: float  # ... and this (plus host_per_req_k per draft) per request
-    host_per_req_k: float
-    stall_share: float = 0.6  # switching 0 -> K: a serial wait, this share of a plain step
-    down_share: float = 0.5  # switching K -> 0: a plain step not overlapped
-    eager_ms: float = 2.0  # an eager drafter catch-up (past a few plain steps, or a prompt)
-    eager_after: int = 4  # plain steps a captured catch-up graph still covers
-    early_share: float = 0.4  # a plain step before a drafting one resolves this much early
-    prefill_ms: float = 2.0
-    steady: Callable[[int, int], float] | None = None  # replaces max(host, device)
-
-    def device(self, n: int, k: int) -> float:
-        ms = CurveModel(self.target)(n * (k + 1))
-        return ms + k * CurveModel(self.drafter)(n) if k else ms
-
-    def host(self, n: int, k: int) -> float:
-        if not k:
-            return self.host0 + self.host_per_req0 * n
-        return (self.host_spec + self.host_per_k * k
-                + (self.host_per_req + self.host_per_req_k * k) * n)  # fmt: skip
-
-    def period(self, n: int, k: int) -> float:
-        if self.steady is not None:
-            return self.steady(n, k)
-        return max(self.host(n, k), self.device(n, k))
-
-    @staticmethod
-    def steady_only(steady: Callable[[int, int], float]) -> Regime:
-        """Periods from `steady` alone: no switch penalty, no early resolve, no catch-up."""
-        return Regime("steady", {1: 1.0}, {1: 1.0}, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0,
-                      0.0, 0, 0.0, 0.0, steady)  # fmt: skip
-
-    def seeds(self) -> StepCostModel:
-        """What start-up measures: device work alone, no host work; padded (CUDA graphs)."""
-        return StepCostModel(CurveModel(self.target), CurveModel(self.drafter), padded=True)
-
-
-# A ~1 ms host-bound step: at batch 1 a speculative step costs twice a plain one (K=3 wins
-# by about 23% at real acceptance), at 64 plain decoding wins by about 30%.
-SMALL = Regime("small", SMALL_TARGET, SMALL_HEAD, 1.10, 0.012, 1.20, 0.25, 0.03, 0.01)
-# A 4 ms GPU-bound step: host work mostly hidden, speculation 2x at batch 1, 1.5x at 64, and
-# a loss at 256 (verify of 1024 tokens).
-LARGE = Regime("large", H200_8B, HEAD_8B, 1.0, 0.01, 1.3, 0.25, 0.03, 0.01)
-
-
 @dataclass(frozen=True)
 class Workload:
     """Requests of the run: batch 1 runs `rounds` requests one after another, batch b runs
@@ -116,6 +58,7 @@ class Workload:
     hard_enter: float = 0.01  # per step: a request enters a hard phase ...
     hard_leave: float = 0.1  # ... and leaves it (rates x hard_scale meanwhile)
     hard_scale: float = 0.3
+    hard_start: int = 0  # a request's first tokens, up to this many, are a hard phase too
     warmup: tuple[int, ...] = (1, 8, 64)  # 16 tokens at each batch size first, not counted
 
 
@@ -137,6 +80,7 @@ class SimRequest:
     generated: int = 0
     hard: bool = False
     drafted: bool = False
+    hard_until: int = 0  # tokens: a hard start (the opening of an answer)
 
     @property
     def max_useful_drafts(self) -> int:
@@ -147,7 +91,7 @@ class SimRequest:
             self.hard = self.rng.random() >= wl.hard_leave
         else:
             self.hard = self.rng.random() < wl.hard_enter
-        scale = wl.hard_scale if self.hard else 1.0
+        scale = wl.hard_scale if self.hard or self.generated < self.hard_until else 1.0
         accepted = 0
         while accepted < k and self.rng.random() < self.rates[accepted] * scale:
             accepted += 1
@@ -185,7 +129,10 @@ def make_requests(wl: Workload, seed: int, tokens: int | None = None) -> list[Si
         jitter = rng.uniform(0.85, 1.1)
         rates = tuple(min(0.97, a * jitter * (wl.low_scale if low else 1.0)) for a in PROFILE)
         length = tokens or rng.randint(wl.min_tokens, wl.max_tokens)
-        out.append(SimRequest(f"s{seed}-{i}", length, rates, random.Random(rng.random())))
+        req = SimRequest(f"s{seed}-{i}", length, rates, random.Random(rng.random()))
+        if wl.hard_start:
+            req.hard_until = rng.randint(0, wl.hard_start)
+        out.append(req)
     return out
 
 
@@ -195,8 +142,8 @@ def bare_speculator(policy: SpeculationPolicy, acceptance: AcceptanceModel) -> S
     spec.k_max, spec.policy, spec.acceptance = policy.k_max, policy, acceptance
     spec.cost = getattr(policy, "cost", None)
     spec.simulate_rate = None
-    spec._last_shape, spec._last_resolved_s, spec._last_committed = None, None, 0
-    spec._last_switch = None
+    spec.periods = PeriodLog(spec.cost)
+    spec._last_decodes, spec._last_resolved_s, spec._last_committed = False, None, 0
     return spec
 
 
@@ -240,23 +187,34 @@ class Simulator:
         ks = self.policy.choose(reqs, 0)
         ks = [min(k, r.max_useful_drafts) for k, r in zip(ks, reqs)]  # the scheduler's cap
         k = max(ks)
-        if k and self.prev_k == 0 and self.pending is not None:
+        if k and self.prev_k == 0 and self.pending is not None and regime.early_share:
             # The drafter needs the last plain step's tokens: it is resolved before this
             # launch, so the host work of the launch falls in this step's period, not in it.
             batch, committed, resolved_s, idle = self.pending
             shift = regime.early_share * regime.host(n, 0) / 1e3
             self.pending = (batch, committed, resolved_s - shift, idle)
-        self._flush()
         ms = regime.period(n, k)
-        first = any(kr and not r.drafted for kr, r in zip(ks, reqs))
+        first = regime.prompt_catch_up and any(kr and not r.drafted for kr, r in zip(ks, reqs))
         eager = first
+        before_ms = 0.0  # lands in the last step's period (launched before it resolved)
+        if self.prev_k is not None and self.prev_k != k:
+            before_ms = regime.next_launch_share * (ms - regime.period(n, self.prev_k))
         if self.prev_k is not None and (self.prev_k > 0) != (k > 0):
             result.switches += 1
             if k:
                 ms += regime.stall_share * regime.host(n, 0)
-                eager = eager or self.plain_run > regime.eager_after
+                if self.plain_run > regime.eager_after and regime.catch_up_before:
+                    before_ms += regime.eager_ms
+                else:
+                    eager = eager or self.plain_run > regime.eager_after
             else:
                 ms += regime.down_share * regime.host(n, 0)
+        if before_ms and self.pending is not None:
+            batch, committed, resolved_s, idle = self.pending
+            self.pending = (batch, committed, resolved_s + before_ms / 1e3, idle)
+            self.clock_ms += before_ms
+            result.ms += before_ms
+        self._flush()
         if not k and self.plain_run % 128 == 127:
             eager = True  # the drafter rides along after 128 plain steps
         if eager:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import random
 
-from specserve.spec.cost_model import CurveModel, StepCostModel
+from specserve.spec.cost_model import CurveModel, StepCostModel, there_and_back
 
 TARGET = CurveModel({1: 0.45, 64: 0.5, 256: 0.7})
 DRAFTER = CurveModel({1: 0.09, 64: 0.1})
@@ -45,17 +45,38 @@ def test_first_observation_replaces_the_seed():
     assert cost.observations(8, 0) == 1
 
 
-def test_a_probe_far_from_a_stale_estimate_counts_as_new():
-    """A K probed after a long pause whose period moved a lot: the cell moves a long way,
-    is flagged (the policy measures it again soon) and its next observations weigh more."""
+def test_a_probe_far_from_a_stale_estimate_moves_once_confirmed():
+    """A K probed after a long pause: one far observation (maybe an outlier) moves the cell
+    little and flags it doubtful (the policy measures it again soon); a second far one on
+    the same side confirms a lasting change: the cell moves there at once, counts as new and
+    is flagged as surprised; its next observations weigh more."""
     cost = _model()
     _settle(cost, 64, 2, 8.0, steps=20)
     _settle(cost, 64, 0, 2.0, steps=40)  # the policy used K=0 meanwhile
     cost.observe(64, 2, 3.0)
-    assert cost.surprised(64, 2) and cost.observations(64, 2) == 1
-    assert cost.period_ms(64, 2) < 0.65 * 8.0  # half way (in log) at once
+    assert cost.doubtful(64, 2) and cost.period_ms(64, 2) > 0.85 * 8.0
     cost.observe(64, 2, 3.0)
-    assert not cost.surprised(64, 2) and cost.period_ms(64, 2) < 4.0
+    assert not cost.doubtful(64, 2) and cost.surprised(64, 2)
+    assert cost.observations(64, 2) == 1 and abs(cost.period_ms(64, 2) / 3.0 - 1) < 0.01
+    cost.observe(64, 2, 3.3)
+    assert not cost.surprised(64, 2) and cost.period_ms(64, 2) > 3.1
+
+
+def test_a_far_observation_not_confirmed_is_dismissed():
+    cost = _model()
+    _settle(cost, 1, 3, 1.8, steps=300)
+    _settle(cost, 1, 0, 1.0, steps=40)
+    cost.observe(1, 3, 1.1)  # e.g. the last step before the engine idled
+    cost.observe(1, 3, 1.8)
+    assert not cost.doubtful(1, 3) and abs(cost.period_ms(1, 3) / 1.8 - 1) < 0.06
+    assert cost.observations(1, 3) > 300
+
+
+def test_periods_never_rise_with_fewer_drafts():
+    cost = _model()
+    for k, ms in enumerate((1.0, 2.6, 2.1, 1.9)):  # K=1, 2 measured high a few times
+        cost.observe(1, k, ms)
+    assert [round(ms, 6) for ms in cost.periods_ms(1, 3)] == [1.0, 1.9, 1.9, 1.9]
 
 
 def test_switch_costs_by_bucket_and_direction():
@@ -65,12 +86,14 @@ def test_switch_costs_by_bucket_and_direction():
     # unmeasured: half a plain step to or from plain decoding, nothing between two K > 0
     assert cost.switch_costs(1) == {"up": 0.5, "down": 0.5, "lateral": 0.0}
     for _ in range(30):
-        cost.observe_switch(1, 0, 3, 2.0 + 3.0, 2.0)  # a catch-up: 3 ms on top of a K=3 step
-        cost.observe_switch(1, 3, 0, 1.0 + 0.4, 1.0)
-        cost.observe_switch(1, 3, 2, 1.7, 1.7)
+        cost.observe_switch(1, 0, 3, 3.0, 2.0)  # a catch-up: 3 ms on top of steady steps
+        cost.observe_switch(1, 3, 0, -0.4, 1.0)  # the steps around it were shorter
+        cost.observe_switch(1, 3, 2, 0.0, 1.7)
     sw = cost.switch_costs(1)
-    assert abs(sw["up"] - 3.0) < 0.1 and abs(sw["down"] - 0.4) < 0.05 and sw["lateral"] < 0.05
+    assert abs(sw["up"] - 3.0) < 0.1 and abs(sw["down"] + 0.4) < 0.05 and abs(sw["lateral"]) < 0.05
     assert cost.switch_ms(1, 0, 2) == sw["up"] and cost.switch_ms(1, 2, 2) == 0.0
     assert cost.switch_costs(2) == sw  # the nearest measured bucket's
-    cost.observe_switch(1, 0, 3, 2.0 + 30.0, 2.0)  # one pathological switch
+    assert abs(there_and_back(sw, 0, 3) - 2.6) < 0.1 and there_and_back(sw, 3, 3) == 0.0
+    assert there_and_back({"up": -1.0, "down": 0.5, "lateral": -0.2}, 2, 3) == 0.0
+    cost.observe_switch(1, 0, 3, 30.0, 2.0)  # one pathological switch
     assert cost.switch_ms(1, 0, 3) < 4.5

@@ -32,8 +32,8 @@ def _measure(policy: GoodputPolicy, up_ms: float, down_ms: float) -> None:
         for _ in range(4):
             cost.observe(1, k, 2.0 if k else 1.0)
     for _ in range(10):
-        cost.observe_switch(1, 0, 3, 2.0 + up_ms, 2.0)
-        cost.observe_switch(1, 3, 0, 1.0 + down_ms, 1.0)
+        cost.observe_switch(1, 0, 3, up_ms, 2.0)
+        cost.observe_switch(1, 3, 0, down_ms, 1.0)
 
 
 def test_a_preference_change_repays_a_switch_there_and_back():
@@ -51,11 +51,13 @@ def test_a_preference_change_repays_a_switch_there_and_back():
 
 
 def test_probe_length_spans_short_periods():
+    """The switch, steady steps spanning PROBE_MS (1 to 3), and the step before the switch
+    back (it carries part of that switch, so it is no steady sample)."""
     policy, _ = _policy(alpha=0.7)
-    assert policy.probe_len(0, 3, 1.0) == 5  # switch, 3 steady, the last resolved early
-    assert policy.probe_len(3, 0, 1.0) == 4  # switch, 3 steady
-    assert policy.probe_len(2, 3, 2.0) == 3
-    assert policy.probe_len(3, 0, 5.0) == 2  # an 8B-sized step: one steady step is enough
+    assert policy.probe_len(0, 3, 1.0) == 5
+    assert policy.probe_len(3, 0, 1.0) == 5
+    assert policy.probe_len(2, 3, 2.0) == 4
+    assert policy.probe_len(3, 0, 5.0) == 3  # an 8B-sized step: one steady step is enough
     assert policy.probe_len(0, 3, 5.0) == 3
 
 

@@ -1,5 +1,6 @@
 """Acceptance estimates: per-request, per-draft-position, exponentially weighted, with the
-global estimate as the prior of new requests."""
+global estimate as the prior of every request (and what its own evidence fades back to while
+it does not draft)."""
 
 from __future__ import annotations
 
@@ -19,77 +20,105 @@ class AcceptanceModel:
 
     Decayed counts: each verify step adds (accepted, drafted) at every position it observed,
     older counts fade by `decay` per observation (a window of about 20 verify steps per
-    request), and PRIOR_WEIGHT pseudo-observations at the global rate are added, so a new
-    request starts from the global estimate and two unlucky rejections do not switch
-    speculation off (an EWMA of single outcomes flips on them). The global estimate follows
-    every verify step over a longer window.
+    request). A request's estimate adds REQUEST_PRIOR_WEIGHT pseudo-observations at the
+    global rate: requests differ (a head's per-prompt rates spread by about 0.15 around
+    its mean, a Beta prior of about 8 observations), so one or two rejections must not turn
+    speculation off (in run 5 on the H200, with a prior of 2, one rejected first draft sent a
+    request to plain decoding for a hundred steps, though it accepted 80-90% later on).
+
+    While a request does not draft nothing new is observed, and acceptance drifts along a
+    text (a hard opening, a hard passage): its own evidence fades by IDLE_DECAY per step (the
+    policy's clock, `tick()`) once IDLE_GRACE steps pass without an update, so an estimate
+    that stopped drafting returns to the global one and drafting is tried again. Estimates
+    are computed when read and cached, refreshed every IDLE_QUANTUM idle steps. The global
+    estimate follows every verify step over a longer window, from PRIOR_WEIGHT observations
+    at `prior`.
     """
 
     PRIOR_WEIGHT = 2.0
+    REQUEST_PRIOR_WEIGHT = 8.0
+    IDLE_DECAY = 0.97  # about 23 steps without drafting halve a request's own evidence
+    IDLE_GRACE = 4
+    IDLE_QUANTUM = 8
 
     def __init__(self, k_max: int, prior: float = 0.6, decay: float = 0.95,
-                 global_decay: float = 0.98):  # fmt: skip
+                 global_decay: float = 0.995):  # fmt: skip
         self.k_max = k_max
         self.prior = prior
         self.decay = decay
         self.global_decay = global_decay
+        self.steps = 0  # the policy's clock (`tick`)
         self._global_hits = [0.0] * k_max
         self._global_seen = [0.0] * k_max
-        self._global_alpha: list[float] | None = None
-        self._global_cumulative: list[float] | None = None
-        self._counts: dict[str, tuple[list[float], list[float]]] = {}
-        self._per_request: dict[str, list[float]] = {}
-        self._cumulative: dict[str, list[float]] = {}  # cache of cumulative_tokens(own)
+        self._version = 0  # changes with the global estimate
+        self._global: tuple | None = None  # (alpha, cumulative, version)
+        self._per_request: dict[str, tuple[list[float], list[float]]] = {}
+        self._updated: dict[str, int] = {}  # request -> clock at its last verify step
+        # request -> (alpha, cumulative, version, clock until which it holds)
+        self._cache: dict[str, tuple[list[float], list[float], int, int]] = {}
         self.position_drafted = [0] * k_max
         self.position_accepted = [0] * k_max
 
+    def tick(self) -> None:
+        """One step of the policy's clock (a decode step was decided)."""
+        self.steps += 1
+
+    def _global_entry(self) -> tuple:
+        if self._global is None or self._global[2] != self._version:
+            m = self.PRIOR_WEIGHT
+            alpha = [(h + m * self.prior) / (n + m)
+                     for h, n in zip(self._global_hits, self._global_seen)]  # fmt: skip
+            self._global = (alpha, cumulative_tokens(alpha), self._version)
+        return self._global
+
     @property
     def global_alpha(self) -> list[float]:
-        if self._global_alpha is None:
-            m = self.PRIOR_WEIGHT
-            self._global_alpha = [
-                (h + m * self.prior) / (n + m)
-                for h, n in zip(self._global_hits, self._global_seen)
-            ]  # fmt: skip
-        return self._global_alpha
+        return self._global_entry()[0]
 
     def has_observations(self, request_id: str) -> bool:
         """Whether the request has verified drafts (else its estimate is the global one)."""
         return request_id in self._per_request
 
+    def _entry(self, request_id: str) -> tuple:
+        entry = self._cache.get(request_id)
+        if entry is not None and entry[2] == self._version and self.steps < entry[3]:
+            return entry
+        counts = self._per_request.get(request_id)
+        if counts is None:
+            return self._global_entry()
+        idle = self.steps - self._updated[request_id] - self.IDLE_GRACE
+        faded = max(0, idle) // self.IDLE_QUANTUM * self.IDLE_QUANTUM
+        fade = self.IDLE_DECAY**faded
+        m, prior = self.REQUEST_PRIOR_WEIGHT, self._global_entry()[0]
+        alpha = [(h * fade + m * g) / (n * fade + m)
+                 for h, n, g in zip(counts[0], counts[1], prior)]  # fmt: skip
+        until = self._updated[request_id] + self.IDLE_GRACE + faded + self.IDLE_QUANTUM
+        entry = self._cache[request_id] = (alpha, cumulative_tokens(alpha), self._version, until)
+        return entry
+
     def alpha(self, request_id: str) -> list[float]:
-        return self._per_request.get(request_id, self.global_alpha)
+        return self._entry(request_id)[0]
 
     def cumulative(self, request_id: str) -> list[float]:
-        """`cumulative_tokens(alpha(request_id))`, cached between updates (the policy reads
-        it for every request every step)."""
-        own = self._cumulative.get(request_id)
-        if own is not None:
-            return own
-        if request_id in self._per_request:
-            own = self._cumulative[request_id] = cumulative_tokens(self._per_request[request_id])
-            return own
-        if self._global_cumulative is None:
-            self._global_cumulative = cumulative_tokens(self.global_alpha)
-        return self._global_cumulative
+        """`cumulative_tokens(alpha(request_id))`, cached (the policy reads it for every
+        request every step)."""
+        return self._entry(request_id)[1]
 
     def update(self, request_id: str, drafted: int, accepted: int) -> None:
         """Record a verify step: positions 1..accepted accepted, accepted+1 rejected."""
         self.update_many([(request_id, drafted, accepted)])
 
     def update_many(self, steps: list[tuple[str, int, int]]) -> None:
-        """Record one engine step's verify results, (request_id, drafted, accepted) each;
-        every request's prior is the global estimate before the step."""
+        """Record one engine step's verify results, (request_id, drafted, accepted) each."""
         if not steps:
             return
-        prior, k_max, m = self.global_alpha, self.k_max, self.PRIOR_WEIGHT
-        d, gd = self.decay, self.global_decay
+        k_max, d, gd = self.k_max, self.decay, self.global_decay
         g_hits, g_seen = self._global_hits, self._global_seen
         drafted_at, accepted_at = self.position_drafted, self.position_accepted
         for request_id, drafted, accepted in steps:
-            counts = self._counts.get(request_id)
+            counts = self._per_request.get(request_id)
             if counts is None:
-                counts = self._counts[request_id] = ([0.0] * k_max, [0.0] * k_max)
+                counts = self._per_request[request_id] = ([0.0] * k_max, [0.0] * k_max)
             hits, seen = counts
             for j in range(min(accepted + 1, drafted, k_max)):
                 hit = j < accepted
@@ -99,16 +128,13 @@ class AcceptanceModel:
                 g_seen[j] = g_seen[j] * gd + 1.0
                 drafted_at[j] += 1
                 accepted_at[j] += hit
-            self._per_request[request_id] = [
-                (h + m * g) / (n + m) for h, n, g in zip(hits, seen, prior)
-            ]  # fmt: skip
-            self._cumulative.pop(request_id, None)
-        self._global_alpha = self._global_cumulative = None
+            self._updated[request_id] = self.steps
+        self._version += 1
 
     def forget(self, request_id: str) -> None:
-        self._counts.pop(request_id, None)
         self._per_request.pop(request_id, None)
-        self._cumulative.pop(request_id, None)
+        self._updated.pop(request_id, None)
+        self._cache.pop(request_id, None)
 
     def expected_tokens(self, request_id: str, k: int) -> float:
         """Expected committed tokens of a verify step with k drafts (accepted + bonus)."""

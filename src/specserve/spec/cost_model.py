@@ -13,36 +13,13 @@ those are their own online table, by bucket and direction of the switch.
 
 from __future__ import annotations
 
-import bisect
 import math
-import time
-from collections.abc import Callable
 
+from specserve.spec.cost_curves import CurveModel, measure_curve, powers_of_two
+from specserve.spec.robust_mean import RobustMean
 
-class CurveModel:
-    """A monotone piecewise-linear curve of milliseconds over a size (linear extrapolation
-    past the last measured point)."""
-
-    def __init__(self, points: dict[int, float]):
-        if not points:
-            raise ValueError("a cost curve needs at least one measured point")
-        self.sizes = sorted(points)
-        self.ms = [points[s] for s in self.sizes]
-
-    def __call__(self, size: float) -> float:
-        if size <= 0:
-            return 0.0
-        i = bisect.bisect_left(self.sizes, size)
-        if i == 0:
-            return self.ms[0]
-        if i == len(self.sizes):
-            if len(self.sizes) == 1:
-                return self.ms[0] * size / self.sizes[0]
-            s0, s1 = self.sizes[-2], self.sizes[-1]
-            return self.ms[-1] + (self.ms[-1] - self.ms[-2]) / (s1 - s0) * (size - s1)
-        s0, s1 = self.sizes[i - 1], self.sizes[i]
-        f = (size - s0) / (s1 - s0)
-        return self.ms[i - 1] * (1 - f) + self.ms[i] * f
+__all__ = ["CurveModel", "RobustMean", "StepCostModel", "batch_bucket", "measure_curve",
+           "powers_of_two", "there_and_back"]
 
 
 def _nearest_bucket(cells: dict, bucket: int, tag):
@@ -59,31 +36,6 @@ def batch_bucket(num_requests: int) -> int:
     return 1 << max(0, num_requests - 1).bit_length()
 
 
-class RobustMean:
-    """An exponentially weighted mean that cuts outliers: a value further from it than `cut`
-    and than SPREAD_Z mean absolute deviations counts as if it were at that distance, so one
-    slow step (a collection pause, a page fault) moves it a little, and a lasting change
-    (which widens the spread) within a few observations."""
-
-    __slots__ = ("value", "count", "spread", "last", "surprised")
-    SPREAD_Z = 2.5
-    SPREAD_WEIGHT = 0.15
-    SPREAD_CAP = 4.0
-
-    def __init__(self, value: float, spread: float):
-        self.value, self.spread = value, spread
-        self.count = 0
-        self.last = 0  # the owner's observation clock at the last update
-        self.surprised = False  # the owner found its last update far off (StepCostModel)
-
-    def update(self, x: float, weight: float, cut: float) -> None:
-        dev = x - self.value
-        cut = max(cut, self.SPREAD_Z * self.spread)
-        self.spread += self.SPREAD_WEIGHT * (min(abs(dev), self.SPREAD_CAP * cut) - self.spread)
-        self.value += weight * min(max(dev, -cut), cut)
-        self.count += 1
-
-
 def _direction(k_from: int, k_to: int) -> str:
     return "up" if not k_from else "down" if not k_to else "lateral"
 
@@ -94,20 +46,24 @@ class StepCostModel:
     step at a new K costs on top (`switch_ms`).
 
     period(n, K) = seed(n, K) * ratio[bucket(n), K]; seed = target(n (K+1)) + K drafter(n).
-    A cell without observations borrows the ratio of the nearest observed bucket with the
-    same K, else of the nearest observed K at its bucket, else 1.0. `padded`: verify steps
+    A cell without observations interpolates the periods of the nearest buckets measured
+    below and above it, else borrows the ratio of the nearest observed bucket with the same
+    K, else of the nearest observed K at its bucket, else takes the seed. `padded`: verify steps
     pad every request to K drafts (CUDA graphs), so shorter drafts save nothing; otherwise
     each draft not verified saves its share of the target's time. Ratios are robust means
     in log space (outliers cut), switch costs robust means in ms by bucket and direction
-    (up: from plain decoding, down: back to it, lateral: between two K > 0).
+    (up: from plain decoding, down: back to it, lateral: between two K > 0), signed: the
+    steps around a switch may take less than steady ones (run 5 on the H200: about -0.9 ms
+    down and +4 ms up at batch 1); a switch there and back costs their sum.
     """
 
     WEIGHT = 0.15  # EWMA weight of an observation in a cell observed every step
     STALE_AGE = 16  # observations of other cells after which a cell's estimate is stale
     STALE_WEIGHT = 0.5  # what an observation of a stale cell weighs (probes)
     SURPRISE = 1.25
-    CLAMP = 3.0  # the first observation of a cell, or one after a pause, moves its ratio by
-    CUT = 0.25  # at most this factor; others by at least exp(CUT) (more if periods vary more)
+    CLAMP = 3.0  # the first YOUNG observations of a cell move its ratio by at most this
+    CUT = 0.25  # factor; others by at least exp(CUT) (more if periods vary more)
+    YOUNG = 3
     SWITCH_WEIGHT = 0.2
     SWITCH_PRIOR = 0.5  # an unmeasured switch to or from plain decoding: half a plain step
 
@@ -139,12 +95,43 @@ class StepCostModel:
         return math.exp(cell.value)
 
     def period_ms(self, n: int, k: int, extra_tokens: int = 0) -> float:
-        """A step of n requests all drafting k, plus prefill tokens."""
-        ms = self.seed_ms(n, k) * self.ratio(batch_bucket(n), k)
+        """A step of n requests all drafting k, plus prefill tokens. A batch bucket where K=k
+        was not measured, between two where it was, interpolates their periods linearly in
+        the batch size (host work grows by the request, and does not scale with the seeds:
+        SmolLM2 on the H200 took 1.82 ms at K=3 and batch 1, 2.19 at 8, 4.2-5.2 at 64)."""
+        bucket = batch_bucket(n)
+        ms = self._between(n, bucket, k)
+        if ms is None:
+            ms = self.seed_ms(n, k) * self.ratio(bucket, k)
         if extra_tokens:
             verify = n * (k + 1)
             ms += self.target(verify + extra_tokens) - self.target(verify)
         return ms
+
+    def _between(self, n: int, bucket: int, k: int) -> float | None:
+        if (bucket, k) in self._cells:
+            return None
+        below = [b for (b, kk) in self._cells if kk == k and b < bucket]
+        above = [b for (b, kk) in self._cells if kk == k and b > bucket]
+        if not below or not above:
+            return None
+        lo, hi = max(below), min(above)
+        ms_lo = self.seed_ms(lo, k) * math.exp(self._cells[(lo, k)].value)
+        ms_hi = self.seed_ms(hi, k) * math.exp(self._cells[(hi, k)].value)
+        return ms_lo + (ms_hi - ms_lo) * (n - lo) / (hi - lo)
+
+    def periods_ms(self, n: int, k_top: int, extra_tokens: int = 0) -> list[float]:
+        """period_ms for K = 0..k_top, none above a larger K's measured at this batch bucket:
+        a step with fewer drafts does less work, so a cell estimated higher (few
+        observations, or borrowed) is taken at the larger K's period."""
+        out = [self.period_ms(n, k, extra_tokens) for k in range(k_top + 1)]
+        bucket, cap = batch_bucket(n), math.inf
+        for k in range(k_top, -1, -1):
+            out[k] = min(out[k], cap)
+            cell = self._cells.get((bucket, k))
+            if cell is not None and cell.count:
+                cap = out[k]
+        return out
 
     def step_ms(self, ks: list[int], extra_tokens: int = 0) -> float:
         """A step with these per-request draft lengths (nonempty)."""
@@ -164,17 +151,38 @@ class StepCostModel:
         cell = self._cells.get((batch_bucket(n), k))
         return cell is not None and cell.surprised
 
+    def error(self, n: int, k: int) -> float:
+        """The relative standard error of period_ms(n, k): the cell's spread of observations
+        (a mean absolute deviation, in log) over the observations its estimate averages; 0
+        for a cell not observed (the policy measures those soon)."""
+        cell = self._cells.get((batch_bucket(n), k))
+        if cell is None or not cell.count:
+            return 0.0
+        share = max(self.WEIGHT / (2 - self.WEIGHT), 1.0 / cell.count)
+        return 1.25 * cell.spread * math.sqrt(share)
+
     def observations(self, n: int, k: int) -> int:
         cell = self._cells.get((batch_bucket(n), k))
         return cell.count if cell is not None else 0
 
+    def doubtful(self, n: int, k: int) -> bool:
+        """Whether the cell's last observation was far off and not confirmed yet."""
+        cell = self._cells.get((batch_bucket(n), k))
+        return cell is not None and cell.doubt is not None
+
     def observe(self, n: int, k: int, period_ms: float) -> None:
-        """A steady step (same K as the one before it) of n decoding requests took
-        period_ms from the previous step's tokens to its own. The first few observations
-        of a cell replace its seed; one after STALE_AGE observations of other cells (a probe
-        of a K not in use) weighs STALE_WEIGHT and is not cut, and if it moves the cell by
-        more than a factor SURPRISE the cell counts as new again (its next observations
-        weigh more, and the policy measures it again soon)."""
+        """A steady step (same K as the steps before and after it) of n decoding requests took
+        period_ms from the previous step's tokens to its own. The first YOUNG observations of
+        a cell average (each within a factor CLAMP: the seed may be far off), the next weigh
+        1/(count + 1) down to WEIGHT; one after STALE_AGE observations of other cells (a
+        probe of a K not in use) weighs STALE_WEIGHT. An observation far off (past CUT and
+        the cell's spread) is cut and weighs at most WEIGHT, so one slow step moves an
+        estimate little, in a probe too (in run 5 one short step had reset the batch-1 K=3
+        cell of 368 observations), while a lasting change widens the spread and is followed
+        within a few. A probe's far observation is `doubtful` (the policy measures it again
+        soon); if the next one is far on the same side too, the period changed while the K
+        was not in use: the cell moves to them at once, counts as new and, if that moved it
+        by more than a factor SURPRISE, is flagged as surprised."""
         seed = self.seed_ms(n, k)
         if seed <= 0 or period_ms <= 0:
             return
@@ -184,20 +192,24 @@ class StepCostModel:
             cell = self._cells[key] = RobustMean(math.log(self.ratio(*key)), self.CUT / 2)
             self._measured_ks.add(k)
         self._clock += 1
+        x = math.log(period_ms / seed)
         stale = cell.count and self._clock - cell.last > self.STALE_AGE
-        if not cell.count:  # the seed may be far off
-            weight, cut = 1.0, math.log(self.CLAMP)
-        elif stale:
-            weight, cut = self.STALE_WEIGHT, math.log(self.CLAMP)
-        else:
-            weight, cut = max(self.WEIGHT, 1.0 / (cell.count + 1)), self.CUT
-        before = cell.value
-        cell.update(math.log(period_ms / seed), weight, cut)
-        moved = abs(cell.value - before)
-        cell.surprised = bool(stale) and moved > math.log(self.SURPRISE)
-        if cell.surprised:
-            cell.count, cell.spread = 1, max(cell.spread, moved)
         cell.last = self._clock
+        if cell.count < self.YOUNG:  # the seed may be far off, and no mean is established
+            cell.update(x, 1.0 / (cell.count + 1), math.log(self.CLAMP))
+            cell.surprised = False
+            return
+        far = cell.far(x, self.CUT)
+        if far and cell.doubt is not None and (cell.doubt > cell.value) == (x > cell.value):
+            before = cell.value
+            cell.value = (cell.doubt + x) / 2
+            cell.count, cell.doubt = 1, None
+            cell.surprised = abs(cell.value - before) > math.log(self.SURPRISE)
+            return
+        cell.doubt = x if far and stale else None
+        weight = self.STALE_WEIGHT if stale else max(self.WEIGHT, 1.0 / (cell.count + 1))
+        cell.update(x, min(weight, self.WEIGHT) if far else weight, self.CUT)
+        cell.surprised = False
 
     def snapshot(self) -> dict:
         """The online tables as plain data (diagnostics): "bucket:K" -> (ratio of period to
@@ -206,7 +218,7 @@ class StepCostModel:
                 "switch_ms": _fmt(self._switch, lambda c: c.value)}  # fmt: skip
 
     def switch_ms(self, n: int, k_from: int, k_to: int) -> float:
-        """What the first step at K=k_to after one at k_from costs beyond a steady step."""
+        """What a switch from K=k_from to k_to costs beyond steady steps (may be negative)."""
         if k_from == k_to:
             return 0.0
         return self.switch_costs(n)[_direction(k_from, k_to)]
@@ -215,7 +227,8 @@ class StepCostModel:
         """switch_ms by direction ("up", "down", "lateral") at batch size n. A bucket without
         measurements borrows the nearest measured bucket's; unmeasured anywhere: switching
         to or from plain decoding costs SWITCH_PRIOR of a plain step (`plain_ms` if the
-        caller knows it), between K > 0 nothing."""
+        caller knows it), between K > 0 nothing. One direction may be negative; a switch
+        there and back costs the sum (`there_and_back`)."""
         bucket = batch_bucket(n)
         out, prior = {"lateral": 0.0}, None
         for direction in ("up", "down", "lateral"):
@@ -223,64 +236,44 @@ class StepCostModel:
             if cell is None:
                 cell = _nearest_bucket(self._switch, bucket, direction)
             if cell is not None:
-                out[direction] = max(0.0, cell.value)
+                out[direction] = cell.value
             elif direction != "lateral":
                 if prior is None:
                     prior = self.SWITCH_PRIOR * (plain_ms or self.period_ms(n, 0))
                 out[direction] = prior
         return out
 
-    def observe_switch(self, n: int, k_from: int, k_to: int, period_ms: float,
+    def observe_switch(self, n: int, k_from: int, k_to: int, excess_ms: float,
                        steady_ms: float) -> None:  # fmt: skip
-        """The first step at a new K (after one at k_from) took period_ms and the next one,
-        steady at that K, steady_ms: the difference is what the switch cost (measured in
-        pairs, so that an old estimate of the new K's period does not count as one)."""
-        if k_from == k_to or period_ms <= 0 or steady_ms <= 0:
+        """A switch from K=k_from to k_to cost excess_ms beyond steady steps (`PeriodLog`:
+        the step before it and the first after it, less the steady ones on either side);
+        steady_ms, the new K's steady period, scales the outlier cut. A sample comes from
+        four step periods, so it is noisy: the unmeasured estimate counts as one sample of
+        a new cell (the first YOUNG samples average with it, uncut), later ones are cut."""
+        if k_from == k_to or steady_ms <= 0:
             return
-        key = (batch_bucket(n), _direction(k_from, k_to))
+        direction = _direction(k_from, k_to)
+        key = (batch_bucket(n), direction)
         cell = self._switch.get(key)
         if cell is None:
-            cell = self._switch[key] = RobustMean(period_ms - steady_ms, self.CUT * steady_ms)
-            cell.count = 1
+            prior = 0.0 if direction == "lateral" else self.SWITCH_PRIOR * self.period_ms(n, 0)
+            cell = self._switch[key] = RobustMean(prior, self.CUT * steady_ms)
+        if cell.count < self.YOUNG:
+            cell.update(excess_ms, 1.0 / (cell.count + 2), math.inf)
             return
-        weight = max(self.SWITCH_WEIGHT, 1.0 / (cell.count + 1))
-        cell.update(period_ms - steady_ms, weight, self.CUT * steady_ms)
+        weight = max(self.SWITCH_WEIGHT, 1.0 / (cell.count + 2))
+        cell.update(excess_ms, weight, self.CUT * steady_ms)
+
+
+def there_and_back(sw: dict[str, float], a: int | None, b: int) -> float:
+    """What switching from K=a to K=b and back costs (`sw`: StepCostModel.switch_costs),
+    never less than nothing."""
+    if a is None or a == b:
+        return 0.0
+    if a and b:
+        return max(0.0, 2 * sw["lateral"])
+    return max(0.0, sw["up"] + sw["down"])
 
 
 def _fmt(table: dict, value) -> dict:
     return {f"{a}:{b}": (round(value(c), 4), c.count) for (a, b), c in sorted(table.items())}
-
-
-def measure_curve(
-    run: Callable[[int], None], sizes: list[int], repeats: int = 2, budget_s: float = 4.0
-) -> CurveModel:
-    """Time `run(size)` (which must synchronize) for sizes in ascending order; keep the
-    fastest run of each (the least disturbed by other work on the machine; the online
-    table corrects the rest). Sizes left once `budget_s` is spent are extrapolated from the
-    last two points, so start-up stays short on slow machines."""
-    points: dict[int, float] = {}
-    start = time.perf_counter()
-    for size in sorted(sizes):
-        if len(points) >= 2 and time.perf_counter() - start > budget_s:
-            break
-        run(size)  # warm-up
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            run(size)
-            times.append((time.perf_counter() - t0) * 1e3)
-        points[size] = min(times)
-    # Enforce monotonicity: a bigger step never costs less (noise otherwise misleads).
-    running = 0.0
-    for size in sorted(points):
-        running = max(running, points[size])
-        points[size] = running
-    return CurveModel(points)
-
-
-def powers_of_two(limit: int) -> list[int]:
-    sizes, s = [], 1
-    while s < limit:
-        sizes.append(s)
-        s *= 2
-    return sizes + [limit]

@@ -13,13 +13,15 @@ the speculator with each step's measured period once the step is processed.
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 
 from specserve.engine.request import Request
 from specserve.spec.acceptance import AcceptanceModel
-from specserve.spec.cost_model import StepCostModel, batch_bucket
+from specserve.spec.cost_model import StepCostModel, batch_bucket, there_and_back
 from specserve.spec.policy_trace import Decision, PolicyTrace
+from specserve.spec.policy_trim import trim_drafts
 
 __all__ = ["POLICIES", "Decision", "PolicyTrace", "SpeculationPolicy", "OffPolicy",
            "FixedPolicy", "SchedulePolicy", "PerRequestPolicy", "GoodputPolicy"]
@@ -127,12 +129,15 @@ class GoodputPolicy(SpeculationPolicy):
     """
 
     HYSTERESIS = 0.03
+    NOISE_Z = 1.0
     DWELL_STEPS = 32  # a switch's one-off cost is spread over this many steps at the new K
     PROBE_MS = 3.0  # a probe spans at least this much steady time (short periods are noisy)
     PROBE_MAX_STEADY = 3
     PROBE_EVERY = 16  # probes of one K take at most 1/PROBE_EVERY of the steps
     PROBE_BUDGET = 0.005  # the share of throughput probing one K may cost
-    PROBE_MAX_INTERVAL = 512  # bounds how long a wrong estimate can hide a good K
+    ACCEPT_PROBE_BUDGET = 0.015  # probing K_max from plain decoding, when within reach
+    PROBE_MAX_INTERVAL = 512  # bounds how long a wrong estimate can hide a good K ...
+    PROBE_MAX_BUDGET = 0.01  # ... unless its probes would cost more than this share
     FRESH_OBSERVATIONS = 2  # a K measured fewer times, and within FRESH_GAP of the best
     FRESH_GAP = 0.3  # or just found far from its estimate, is probed again within
     # PROBE_EVERY << count steps (the cost model counts a surprised cell as measured once)
@@ -161,14 +166,16 @@ class GoodputPolicy(SpeculationPolicy):
             self._running_k = None
             return self._decided([])
         self.num_steps += 1
+        self.acceptance.tick()
         caps = [min(self.k_max, r.max_useful_drafts) for r in reqs]
         cums = [self.acceptance.cumulative(r.request_id) for r in reqs]
         k_top = max(caps)
         tokens = self._tokens(cums, caps, k_top)
-        costs = [self.cost.period_ms(n, k, extra_tokens) for k in range(k_top + 1)]
+        costs = self.cost.periods_ms(n, k_top, extra_tokens)
         trimmed = None
         if k_top and not self.cost.padded:  # eager verify steps: every draft costs
-            trimmed = [self._trim(cums, caps, k, extra_tokens) for k in range(k_top + 1)]
+            trimmed = [trim_drafts(self.cost, cums, caps, k, extra_tokens)
+                       for k in range(k_top + 1)]  # fmt: skip
             tokens = [t for _, t, _ in trimmed]
             costs = [ms for _, _, ms in trimmed]
         bucket = batch_bucket(n)
@@ -179,8 +186,8 @@ class GoodputPolicy(SpeculationPolicy):
             current = self._preferred.get(bucket)
         sw = self.cost.switch_costs(n, costs[0])
         # leaving it pays a switch there and back
-        switch = [self._there_and_back(sw, current, k) for k in range(k_top + 1)]
-        k = self._preferred_k(bucket, current, tokens, costs, switch)
+        switch = [there_and_back(sw, current, k) for k in range(k_top + 1)]
+        k = self._preferred_k(bucket, current, tokens, costs, switch, n)
         # Requests that never drafted have the global estimate only, and while plain
         # decoding is preferred nothing would tell otherwise: drafting is probed soon.
         unknown = k == 0 and not any(map(self.acceptance.has_observations,
@@ -207,14 +214,17 @@ class GoodputPolicy(SpeculationPolicy):
                     tokens[k] += c[min(k, cap)]
         return tokens
 
-    def _preferred_k(self, bucket: int, current: int | None, tokens, costs, switch) -> int:
+    def _preferred_k(self, bucket: int, current: int | None, tokens, costs, switch,
+                     n: int) -> int:  # fmt: skip
         """The K with the best goodput, with what switching to it from the K in use and back
-        costs spread over DWELL_STEPS; the K in use unless that is beaten by HYSTERESIS."""
+        costs spread over DWELL_STEPS; the K in use unless that is beaten by HYSTERESIS or,
+        where periods vary more, by NOISE_Z standard errors of the two period estimates."""
         dwell = self.DWELL_STEPS
         goodput = [t / (ms + s / dwell) for t, ms, s in zip(tokens, costs, switch)]
         best = max(range(len(goodput)), key=goodput.__getitem__)
-        if current is not None and current < len(goodput):
-            if goodput[best] <= goodput[current] * (1 + self.HYSTERESIS):
+        if current is not None and current < len(goodput) and best != current:
+            se = math.hypot(self.cost.error(n, best), self.cost.error(n, current))
+            if goodput[best] <= goodput[current] * (1 + max(self.HYSTERESIS, self.NOISE_Z * se)):
                 best = current
         if len(goodput) == self.k_max + 1:  # not when requests near their end cap K
             self._preferred[bucket] = best
@@ -222,19 +232,10 @@ class GoodputPolicy(SpeculationPolicy):
 
     def probe_len(self, k: int, best: int, period_ms: float) -> int:
         """Steps of a probe of K=k from K=best: the switch, enough steady steps to span
-        PROBE_MS, and for plain steps before drafting resumes the last (maybe resolved early:
+        PROBE_MS, and the last one, before the switch back (it carries part of that switch:
         not a steady sample)."""
         steady = min(self.PROBE_MAX_STEADY, max(1, round(self.PROBE_MS / max(period_ms, 1e-3))))
-        return 1 + steady + (1 if k == 0 and best > 0 else 0)
-
-    @staticmethod
-    def _there_and_back(sw: dict[str, float], a: int | None, b: int) -> float:
-        """Switching from K=a to K=b and back (`sw`: StepCostModel.switch_costs)."""
-        if a is None or a == b:
-            return 0.0
-        if a and b:
-            return 2 * sw["lateral"]
-        return sw["up"] + sw["down"]
+        return 1 + steady + 1
 
     def _probe_k(self, bucket: int, best: int, n: int, tokens, costs, sw: dict[str, float],
                  unknown: bool) -> tuple[int, bool]:  # fmt: skip
@@ -260,13 +261,19 @@ class GoodputPolicy(SpeculationPolicy):
             else:
                 # A probe costs its steps' shortfall plus the switches there and back; spread
                 # it out so that it is PROBE_BUDGET of the time spent at `best` in between.
-                lost = steps * gap * costs[k] + self._there_and_back(sw, best, k)
-                interval = lost / (costs[best] * self.PROBE_BUDGET)
-                interval = min(max(interval, self.PROBE_EVERY * steps), self.PROBE_MAX_INTERVAL)
+                lost = steps * gap * costs[k] + there_and_back(sw, best, k)
+                budget = self.PROBE_BUDGET
+                if best == 0 and k == len(goodput) - 1 and gap < self.FRESH_GAP:
+                    budget = self.ACCEPT_PROBE_BUDGET  # it also refreshes acceptance
+                interval = lost / (costs[best] * budget)
+                cap = max(self.PROBE_MAX_INTERVAL, lost / (costs[best] * self.PROBE_MAX_BUDGET))
+                interval = min(max(interval, self.PROBE_EVERY * steps), cap)
                 if 0 < seen < self.FRESH_OBSERVATIONS and (
                     gap < self.FRESH_GAP or self.cost.surprised(n, k)
-                ):  # one outlier must not hide a K that may be the best for long
+                ):  # a K that may be the best, or just moved far, is measured again soon
                     interval = min(interval, self.PROBE_EVERY << seen)
+                if self.cost.doubtful(n, k):  # far off once: confirm or dismiss it soon
+                    interval = min(interval, 2 * self.PROBE_EVERY * steps)
                 if unknown and gap < self.FRESH_GAP:
                     interval = min(interval, self.PROBE_EVERY)
             if age >= interval and (probe is None or age - interval > due):
@@ -277,39 +284,6 @@ class GoodputPolicy(SpeculationPolicy):
             self._unseen_tries[(bucket, probe)] = self._unseen_tries.get((bucket, probe), 0) + 1
         self._probe = (bucket, probe, probe_len - 1)
         return probe, True
-
-    def _trim(self, cums, caps, k: int, extra_tokens: int) -> tuple[list[int], float, float]:
-        """Unpadded verify steps at K = k: drop the drafts of lowest expected gain while that
-        raises the step's expected goodput (each dropped draft saves its target time).
-        Returns (draft lengths, expected tokens, ms)."""
-        ks = [min(k, c) for c in caps]
-        tokens = sum(c[kr] for c, kr in zip(cums, ks))
-        ms = self.cost.step_ms(ks, extra_tokens)
-        if not k:
-            return ks, tokens, ms
-        drops = sorted(
-            (c[j + 1] - c[j], -j, r) for r, (c, kr) in enumerate(zip(cums, ks)) for j in range(kr)
-        )
-        target, period = self.cost.target, self.cost.period_ms(len(ks), k, extra_tokens)
-        full = len(ks) * (k + 1) + extra_tokens
-        capped = len(ks) * k - sum(ks)  # drafts short of k already (max_useful_drafts)
-        left = tokens
-        best, best_count = tokens / ms, 0
-        for count, (gain, _, _) in enumerate(drops, 1):
-            left -= gain
-            step_ms = period - (target(full) - target(full - capped - count))
-            if step_ms > 0 and left / step_ms > best:
-                best, best_count = left / step_ms, count
-        if not best_count:
-            return ks, tokens, ms
-        trimmed = list(ks)
-        for _, neg_j, r in drops[:best_count]:
-            trimmed[r] = min(trimmed[r], -neg_j)
-        trimmed_tokens = sum(c[kr] for c, kr in zip(cums, trimmed))
-        trimmed_ms = self.cost.step_ms(trimmed, extra_tokens)
-        if trimmed_tokens / trimmed_ms < tokens / ms:  # its K changed, and the table says no
-            return ks, tokens, ms
-        return trimmed, trimmed_tokens, trimmed_ms
 
     def _request_probe(self, reqs, full: list[int], ks: list[int]) -> list[int]:
         """Acceptance is only observed at the depths drafted: a request trimmed below the

@@ -1,0 +1,69 @@
+"""Start-up cost curves: milliseconds of the target's forward by tokens and of a drafter pass
+by batch, measured once on this machine (the seeds of the step cost model)."""
+
+from __future__ import annotations
+
+import bisect
+import time
+from collections.abc import Callable
+
+
+class CurveModel:
+    """A monotone piecewise-linear curve of milliseconds over a size (linear extrapolation
+    past the last measured point)."""
+
+    def __init__(self, points: dict[int, float]):
+        if not points:
+            raise ValueError("a cost curve needs at least one measured point")
+        self.sizes = sorted(points)
+        self.ms = [points[s] for s in self.sizes]
+
+    def __call__(self, size: float) -> float:
+        if size <= 0:
+            return 0.0
+        i = bisect.bisect_left(self.sizes, size)
+        if i == 0:
+            return self.ms[0]
+        if i == len(self.sizes):
+            if len(self.sizes) == 1:
+                return self.ms[0] * size / self.sizes[0]
+            s0, s1 = self.sizes[-2], self.sizes[-1]
+            return self.ms[-1] + (self.ms[-1] - self.ms[-2]) / (s1 - s0) * (size - s1)
+        s0, s1 = self.sizes[i - 1], self.sizes[i]
+        f = (size - s0) / (s1 - s0)
+        return self.ms[i - 1] * (1 - f) + self.ms[i] * f
+
+
+def measure_curve(
+    run: Callable[[int], None], sizes: list[int], repeats: int = 2, budget_s: float = 4.0
+) -> CurveModel:
+    """Time `run(size)` (which must synchronize) for sizes in ascending order; keep the
+    fastest run of each (the least disturbed by other work on the machine; the online
+    table corrects the rest). Sizes left once `budget_s` is spent are extrapolated from the
+    last two points, so start-up stays short on slow machines."""
+    points: dict[int, float] = {}
+    start = time.perf_counter()
+    for size in sorted(sizes):
+        if len(points) >= 2 and time.perf_counter() - start > budget_s:
+            break
+        run(size)  # warm-up
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            run(size)
+            times.append((time.perf_counter() - t0) * 1e3)
+        points[size] = min(times)
+    # Enforce monotonicity: a bigger step never costs less (noise otherwise misleads).
+    running = 0.0
+    for size in sorted(points):
+        running = max(running, points[size])
+        points[size] = running
+    return CurveModel(points)
+
+
+def powers_of_two(limit: int) -> list[int]:
+    sizes, s = [], 1
+    while s < limit:
+        sizes.append(s)
+        s *= 2
+    return sizes + [limit]
