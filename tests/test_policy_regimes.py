@@ -11,13 +11,14 @@ import pytest
 from tests.policy_sim import K_MAX, LARGE, MEASURED, SMALL, Noise, Workload, compare
 
 # The regimes: (regime, workload, what the best fixed K beats plain decoding by, at
-# least (> 1) or loses to it by (< 1)[, period noise when not the default]).
+# least (> 1) or loses to it by (< 1)[, simulation options: period noise, seeds]).
 COSTLY_SWITCHES = replace(SMALL, name="costly switches", eager_ms=15.0, stall_share=1.0)
 # Its periods vary by about 5% (2% are outliers). Answers open with a hard stretch (up to
 # 16 tokens) after which drafts are accepted at the usual rates (in run 5, requests whose
 # first drafts failed accepted 80-90% once drafted again). Fixed K=3 beats plain decoding by
-# 1.30x at batch 1 and 1.12x at 8 here (1.32x and 1.10x measured).
-MEASURED_NOISE = Noise(sigma=0.05)
+# 1.26x at batch 1 and 1.05x at 8 here (1.32x and 1.10x measured). Eight requests of such
+# varied acceptance make one seed's result vary a lot: eight seeds.
+MEASURED_RUN = {"noise": Noise(sigma=0.05), "seeds": tuple(range(8))}
 MEASURED_LOAD = Workload(1, 8, hard_start=16)
 CASES = {
     "host-bound batch 1": (SMALL, Workload(1, 8), 1.15),
@@ -29,21 +30,21 @@ CASES = {
     "costly switches batch 1": (COSTLY_SWITCHES, Workload(1, 8), 1.15),
     "costly switches batch 8": (COSTLY_SWITCHES, Workload(8, 3), 1.05),
     # SmolLM2 + its head on the H200 (run 5)
-    "measured batch 1": (MEASURED, MEASURED_LOAD, 1.2, MEASURED_NOISE),
-    "measured batch 8": (MEASURED, replace(MEASURED_LOAD, batch=8, rounds=3), 1.08,
-                         MEASURED_NOISE),
+    "measured batch 1": (MEASURED, MEASURED_LOAD, 1.2, MEASURED_RUN),
+    "measured batch 8": (MEASURED, replace(MEASURED_LOAD, batch=8, rounds=3), 1.03,
+                         MEASURED_RUN),
     "measured batch 64, plain best": (MEASURED, replace(MEASURED_LOAD, batch=64, rounds=2),
-                                      1.0, MEASURED_NOISE),
+                                      1.0, MEASURED_RUN),
 }
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_goodput_matches_the_best_fixed_k(case):
-    """Over four seeds, goodput's realized throughput is within 5% of the best fixed K's
-    (chosen with hindsight, per regime), with few switches between plain decoding and
-    drafting and few probe steps."""
-    regime, workload, gain, *noise = CASES[case]
-    r = compare(regime, workload, seeds=(0, 1, 2, 3), noise=noise[0] if noise else Noise())
+    """Over four seeds (or the case's), goodput's realized throughput is within 5% of the
+    best fixed K's (chosen with hindsight, per regime), with few switches between plain
+    decoding and drafting and few probe steps."""
+    regime, workload, gain, *options = CASES[case]
+    r = compare(regime, workload, **{"seeds": (0, 1, 2, 3), **(options[0] if options else {})})
     speculating = max(r[k] for k in range(1, K_MAX + 1))
     if gain > 1:  # the regime is what its name says
         assert speculating >= gain * r[0], r

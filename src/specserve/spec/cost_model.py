@@ -6,9 +6,10 @@ pass by batch). They leave out what only real steps show: host work of speculati
 whole-chain graph, and the overlap of host and device work. So the policy's costs are an
 online table of whole-step periods keyed by (batch bucket, draft length K): each cell holds
 an exponentially weighted ratio of observed period to seed, so the seed's shape within a
-bucket is kept and the level is what steps of that shape actually took. The first step at
-a new K pays one-off costs (a drafter catch-up, a host wait that overlap would have hidden):
-those are their own online table, by bucket and direction of the switch.
+bucket is kept and the level is what steps of that shape actually took. A switch of K pays
+one-off costs (a drafter catch-up, a host wait that overlap would have hidden), in the
+steps around it: those are their own online table, by bucket and direction of the switch
+(step_periods.py decides which periods are steady samples and which belong to a switch).
 """
 
 from __future__ import annotations
@@ -152,14 +153,14 @@ class StepCostModel:
         return cell is not None and cell.surprised
 
     def error(self, n: int, k: int) -> float:
-        """The relative standard error of period_ms(n, k): the cell's spread of observations
-        (a mean absolute deviation, in log) over the observations its estimate averages; 0
-        for a cell not observed (the policy measures those soon)."""
+        """The relative standard error of an established period_ms(n, k): the cell's spread
+        of observations (a mean absolute deviation, in log) over the observations a WEIGHT
+        average spans; 0 for a cell not observed. (Young cells are measured again soon
+        instead: the policy does not wait for them to settle.)"""
         cell = self._cells.get((batch_bucket(n), k))
         if cell is None or not cell.count:
             return 0.0
-        share = max(self.WEIGHT / (2 - self.WEIGHT), 1.0 / cell.count)
-        return 1.25 * cell.spread * math.sqrt(share)
+        return 1.25 * cell.spread * math.sqrt(self.WEIGHT / (2 - self.WEIGHT))
 
     def observations(self, n: int, k: int) -> int:
         cell = self._cells.get((batch_bucket(n), k))

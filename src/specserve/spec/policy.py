@@ -107,25 +107,29 @@ class GoodputPolicy(SpeculationPolicy):
     are trimmed per request (lowest gain first, for every candidate K), and a trimmed request
     drafts fully once every REQUEST_PROBE_EVERY steps so that its estimate stays fresh.
 
-    Switching K is not free: the first step at a new K pays one-off costs (from plain
-    decoding: a host wait that overlap would have hidden and the drafter's catch-up; back to
-    plain: a step the loop cannot overlap), which the cost model measures per batch bucket
-    and direction. On a step of a millisecond they are worth a whole step or more. So the
-    policy leaves the K in use (the last step's unless that was a probe, else the bucket's
-    preferred K) only for a K better by more than HYSTERESIS once a switch there and back
-    is spread over DWELL_STEPS steps, and probes pay their switches.
+    Switching K is not free (from plain decoding: a host wait that overlap would have hidden
+    and the drafter's catch-up; back to plain: a step the loop cannot overlap): the cost
+    model measures it per batch bucket and direction from the steps around each switch
+    (`PeriodLog`). On a step of a millisecond it is worth several steps. So the policy
+    leaves the K in use (the last step's unless that was a probe, else the bucket's
+    preferred K) only for a K better by more than HYSTERESIS (or NOISE_Z standard errors of
+    the two period estimates) once a switch there and back is spread over DWELL_STEPS steps,
+    and probes pay their switches.
 
     Probing keeps every K's cost and acceptance known: a K not preferred runs for a few
     consecutive steps (the switch, enough steady ones to span PROBE_MS, at most
-    PROBE_MAX_STEADY, and for a plain probe among drafting steps one more, as its last step
-    may be resolved early) once it has not run for an interval, counted in steps at the batch
-    bucket, set so that probing it costs about PROBE_BUDGET of throughput under the model,
-    switches included: at least PROBE_EVERY probes' lengths, at most PROBE_MAX_INTERVAL
-    steps; sooner while it has fewer than FRESH_OBSERVATIONS measurements and is close to
-    the best or was just found far off, and after PROBE_EVERY steps of plain decoding when
-    no request of the batch has drafted yet (their acceptance is only the global estimate).
-    A K never measured at any batch size is measured at once. A K > 0 whose expected gain
-    is under PROBE_MIN_GAIN tokens per request is not probed.
+    PROBE_MAX_STEADY, and the one before the switch back, which carries part of it) once it
+    has not run for an interval, counted in steps at the batch bucket, set so that probing
+    it costs about PROBE_BUDGET of throughput under the model, switches included
+    (ACCEPT_PROBE_BUDGET for K_max while plain decoding is preferred and drafting within
+    FRESH_GAP: it also tells whether the requests' acceptance recovered): at least
+    PROBE_EVERY probes' lengths, at most PROBE_MAX_INTERVAL steps unless that would cost more
+    than PROBE_MAX_BUDGET; sooner while it has fewer than FRESH_OBSERVATIONS measurements
+    and is close to the best or was just found far off, or its last observation was far off
+    (doubtful), and after PROBE_EVERY steps of plain decoding when no request of the batch
+    has drafted yet (their acceptance is only the global estimate). A K never measured at
+    any batch size is measured at once. A K > 0 whose expected gain is under PROBE_MIN_GAIN
+    tokens per request is not probed.
     """
 
     HYSTERESIS = 0.03
