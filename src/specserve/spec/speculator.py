@@ -136,6 +136,8 @@ class Speculator:
         hindsight which are steady samples of their K and what a change of K cost
         (`PeriodLog`); any other step ends its chain. The policy's trace gets the period and
         its use."""
+        if not self.may_draft:  # the off policy: nothing to learn
+            return
         decoding = [s for s in batch if s.decoding]
         only_decodes = bool(decoding) and len(decoding) == len(batch)
         prev_decodes, prev_s = self._last_decodes, self._last_resolved_s
