@@ -30,9 +30,9 @@ class AcceptanceModel:
     text (a hard opening, a hard passage): its own evidence fades by IDLE_DECAY per step (the
     policy's clock, `tick()`) once IDLE_GRACE steps pass without an update, so an estimate
     that stopped drafting returns to the global one and drafting is tried again. Estimates
-    are computed when read and cached, refreshed every IDLE_QUANTUM idle steps. The global
-    estimate follows every verify step over a longer window, from PRIOR_WEIGHT observations
-    at `prior`.
+    are computed when read (with the global estimate of then) and cached until the request's
+    next verify step or the next IDLE_QUANTUM idle steps. The global estimate follows every
+    verify step over a longer window, from PRIOR_WEIGHT observations at `prior`.
     """
 
     PRIOR_WEIGHT = 2.0
@@ -54,8 +54,8 @@ class AcceptanceModel:
         self._global: tuple | None = None  # (alpha, cumulative, version)
         self._per_request: dict[str, tuple[list[float], list[float]]] = {}
         self._updated: dict[str, int] = {}  # request -> clock at its last verify step
-        # request -> (alpha, cumulative, version, clock until which it holds)
-        self._cache: dict[str, tuple[list[float], list[float], int, int]] = {}
+        # request -> (alpha, cumulative, clock until which they hold)
+        self._cache: dict[str, tuple[list[float], list[float], int]] = {}
         self.position_drafted = [0] * k_max
         self.position_accepted = [0] * k_max
 
@@ -79,39 +79,51 @@ class AcceptanceModel:
         """Whether the request has verified drafts (else its estimate is the global one)."""
         return request_id in self._per_request
 
-    def _entry(self, request_id: str) -> tuple:
-        entry = self._cache.get(request_id)
-        if entry is not None and entry[2] == self._version and self.steps < entry[3]:
-            return entry
+    def _refresh(self, request_id: str) -> tuple:
+        """(alpha, cumulative tokens, clock until which they hold) of a request, cached."""
         counts = self._per_request.get(request_id)
         if counts is None:
             return self._global_entry()
-        idle = self.steps - self._updated[request_id] - self.IDLE_GRACE
-        faded = max(0, idle) // self.IDLE_QUANTUM * self.IDLE_QUANTUM
-        fade = self.IDLE_DECAY**faded
+        updated = self._updated[request_id]
+        idle = self.steps - updated - self.IDLE_GRACE
         m, prior = self.REQUEST_PRIOR_WEIGHT, self._global_entry()[0]
-        alpha = [(h * fade + m * g) / (n * fade + m)
-                 for h, n, g in zip(counts[0], counts[1], prior)]  # fmt: skip
-        until = self._updated[request_id] + self.IDLE_GRACE + faded + self.IDLE_QUANTUM
-        entry = self._cache[request_id] = (alpha, cumulative_tokens(alpha), self._version, until)
+        if idle < self.IDLE_QUANTUM:
+            faded = 0
+            alpha = [(h + m * g) / (n + m) for h, n, g in zip(*counts, prior)]
+        else:
+            faded = idle - idle % self.IDLE_QUANTUM
+            f = self.IDLE_DECAY**faded
+            alpha = [(h * f + m * g) / (n * f + m) for h, n, g in zip(*counts, prior)]
+        until = updated + self.IDLE_GRACE + faded + self.IDLE_QUANTUM
+        entry = self._cache[request_id] = (alpha, cumulative_tokens(alpha), until)
         return entry
 
     def alpha(self, request_id: str) -> list[float]:
-        return self._entry(request_id)[0]
+        entry = self._cache.get(request_id)
+        if entry is not None and self.steps < entry[2]:
+            return entry[0]
+        return self._refresh(request_id)[0]
 
     def cumulative(self, request_id: str) -> list[float]:
         """`cumulative_tokens(alpha(request_id))`, cached (the policy reads it for every
         request every step)."""
-        return self._entry(request_id)[1]
+        entry = self._cache.get(request_id)
+        if entry is not None and self.steps < entry[2]:
+            return entry[1]
+        return self._refresh(request_id)[1]
 
     def update(self, request_id: str, drafted: int, accepted: int) -> None:
         """Record a verify step: positions 1..accepted accepted, accepted+1 rejected."""
         self.update_many([(request_id, drafted, accepted)])
 
     def update_many(self, steps: list[tuple[str, int, int]]) -> None:
-        """Record one engine step's verify results, (request_id, drafted, accepted) each."""
+        """Record one engine step's verify results, (request_id, drafted, accepted) each;
+        every request's prior is the global estimate before the step."""
         if not steps:
             return
+        prior, m = self._global_entry()[0], self.REQUEST_PRIOR_WEIGHT
+        until = self.steps + self.IDLE_GRACE + self.IDLE_QUANTUM
+        cache, updated = self._cache, self._updated
         k_max, d, gd = self.k_max, self.decay, self.global_decay
         g_hits, g_seen = self._global_hits, self._global_seen
         drafted_at, accepted_at = self.position_drafted, self.position_accepted
@@ -128,7 +140,9 @@ class AcceptanceModel:
                 g_seen[j] = g_seen[j] * gd + 1.0
                 drafted_at[j] += 1
                 accepted_at[j] += hit
-            self._updated[request_id] = self.steps
+            updated[request_id] = self.steps
+            alpha = [(h + m * g) / (n + m) for h, n, g in zip(hits, seen, prior)]
+            cache[request_id] = (alpha, cumulative_tokens(alpha), until)
         self._version += 1
 
     def forget(self, request_id: str) -> None:
