@@ -58,6 +58,11 @@ def run_batch(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[list
     return [o.token_ids for o in outs], time.perf_counter() - t0
 
 
+def counter_delta(before: dict, after: dict) -> dict:
+    """What a counter of the engine's stats() gained between two readings."""
+    return {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
+
+
 def measure(llm: LLM, prompts: list[list[int]], batch: int, args) -> dict:
     """Output tok/s at one batch size; the token ids of every request."""
     engine = llm.engine
@@ -74,7 +79,10 @@ def measure(llm: LLM, prompts: list[list[int]], batch: int, args) -> dict:
     num_out = sum(len(t) for t in tokens)
     row = {"batch": batch, "requests": len(chosen), "output_tokens": num_out,
            "seconds": round(seconds, 3), "output_tok_s": round(num_out / seconds, 1),
-           "steps": stats["steps"] - stats0["steps"]}  # fmt: skip
+           "steps": stats["steps"] - stats0["steps"],
+           "loop_waits": stats["loop_waits"] - stats0["loop_waits"],
+           "loop_wait_reasons": counter_delta(stats0["loop_wait_reasons"],
+                                              stats["loop_wait_reasons"])}  # fmt: skip
     if "spec_position_drafted" in stats:
         drafted = [a - b for a, b in zip(stats["spec_position_drafted"],
                                          stats0["spec_position_drafted"])]  # fmt: skip

@@ -76,6 +76,7 @@ def run(engine: LLMEngine, batch: int, prompt_len: int, new_tokens: int) -> dict
         engine.step()
     sync()
     steps0 = engine.num_steps
+    loop0 = engine.loop.stats()
     produced = sum(len(r.output_token_ids) for r in engine.requests.values())
     t0 = time.perf_counter()
     walls = []
@@ -88,6 +89,9 @@ def run(engine: LLMEngine, batch: int, prompt_len: int, new_tokens: int) -> dict
     walls.sort()
     median = walls[len(walls) // 2]
     tokens = batch * new_tokens - produced
+    loop = engine.loop.stats()
+    reasons = {k: v - loop0["loop_wait_reasons"].get(k, 0)
+               for k, v in loop["loop_wait_reasons"].items()}  # fmt: skip
     return {
         "batch": batch,
         "decode_tokens": tokens,
@@ -99,6 +103,9 @@ def run(engine: LLMEngine, batch: int, prompt_len: int, new_tokens: int) -> dict
         "step_ms_p50_p99_max": [round(walls[int(len(walls) * q)] * 1e3, 3)
                                 for q in (0.5, 0.99)] + [round(walls[-1] * 1e3, 3)],
         "slow_steps_ms": round(sum(w for w in walls if w > 2 * median) * 1e3, 1),
+        # steps launched only after the previous step's tokens reached the host, and why
+        "loop_waits": loop["loop_waits"] - loop0["loop_waits"],
+        "loop_wait_reasons": {k: v for k, v in reasons.items() if v},
     }
 
 
@@ -143,7 +150,7 @@ def main() -> None:
             "graphs": graphs.__dict__ if graphs else None,
             "drafter_graphs": drafter.report.__dict__ if drafter else None,
             "kv_pages": engine.kv.allocator.num_pages,
-            "loop_waits": getattr(engine.loop, "num_waits", None),  # steps not launched ahead
+            "loop_waits": engine.loop.num_waits,  # steps not launched ahead (all rows)
             "rows": rows,
             "spec": {k: v for k, v in engine.stats().items() if k.startswith("spec_")},
         }

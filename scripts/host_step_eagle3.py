@@ -10,8 +10,10 @@ static buffers, the eager ops around the graphs (target logits of the sampled ro
 verification, the fc projection of the features), the step loop and outputs.
 
 Configurations: plain (no drafter), EAGLE-3 loaded with the policy off (K=0 every step)
-and EAGLE-3 fixed K=3 (simulated acceptance 0.7 per draft, about the shipped head's real
-rate on the default model); overlap loop on, greedy, ignore_eos. For each batch size:
+EAGLE-3 fixed K=3 (simulated acceptance 0.7 per draft, about the shipped head's real rate
+on the default model) and EAGLE-3 under the goodput policy (same acceptance; its K per step
+and probes as it decides, so its row also shows how often the loop waited, and why);
+overlap loop on, greedy, ignore_eos. For each batch size:
 milliseconds per step, the mean over a window of steps that includes the drafter's
 ride-along catch-ups, and the median of 10-step blocks; microseconds per request-step.
 Times are the thread's CPU time (`time.thread_time`), so other jobs on a shared machine
@@ -60,6 +62,8 @@ CONFIGS = {
     "K=0 drafter": dict(speculative_algorithm="eagle3", speculative_policy="off"),
     "K=3": dict(speculative_algorithm="eagle3", speculative_policy="fixed",
                 speculative_simulate_acceptance=0.7),
+    "goodput": dict(speculative_algorithm="eagle3", speculative_policy="goodput",
+                    speculative_simulate_acceptance=0.7),
 }  # fmt: skip
 
 
@@ -113,6 +117,8 @@ def install_free_graphs(engine: LLMEngine, max_batch: int) -> None:
     runner.graphs = graphs
     if spec is None:
         return
+    if spec.cost is not None:  # the goodput policy: verify steps padded, as with graphs
+        spec.cost.padded = True
     proposer = spec.proposer
     store = getattr(proposer, "feature_store", None)
     if store is not None:  # fault its pages in now (a CPU artifact: device memory is mapped)
@@ -157,18 +163,24 @@ def drain(engine: LLMEngine) -> None:
 def time_steps(engine: LLMEngine, batch: int, steps: int) -> dict:
     """Per-step wall times over `steps` steps of a batch started together."""
     start_batch(engine, batch, 4 * steps + 64)
+    loop0 = engine.loop.stats()
     times, tokens = [], 0
     for _ in range(steps):
         t0 = time.thread_time()  # CPU time of this thread: other jobs on the machine
         outs = engine.step()  # do not count (the step never waits: the device is free)
         times.append(time.thread_time() - t0)
         tokens += sum(o.num_new_tokens for o in outs)
+    loop = engine.loop.stats()
     drain(engine)
     blocks = [sum(times[i : i + 10]) / 10 for i in range(0, len(times) - 9, 10)]
     mean_ms = sum(times) / len(times) * 1e3
+    reasons = {k: v - loop0["loop_wait_reasons"].get(k, 0)
+               for k, v in loop["loop_wait_reasons"].items()}  # fmt: skip
     return {"mean_ms": mean_ms, "median_block_ms": statistics.median(blocks) * 1e3,
             "max_ms": max(times) * 1e3, "tokens_per_step": tokens / steps,
-            "us_per_request_step": mean_ms * 1e3 / batch}  # fmt: skip
+            "us_per_request_step": mean_ms * 1e3 / batch,
+            "waits_per_step": (loop["loop_waits"] - loop0["loop_waits"]) / steps,
+            "wait_reasons": {k: v for k, v in reasons.items() if v}}  # fmt: skip
 
 
 IGNORED = {"__get__", "__len__", "size", "dim", "numel", "tolist", "item", "__index__",
@@ -304,7 +316,9 @@ def main() -> None:
                       f"({best['us_per_request_step']:.1f} us/request-step; median of runs "
                       f"{best['median_of_runs_ms']:.3f}), median block "
                       f"{best['median_block_ms']:.3f}, max {best['max_ms']:.2f}, "
-                      f"{best['tokens_per_step']:.2f} tokens/step", flush=True)
+                      f"{best['tokens_per_step']:.2f} tokens/step, "
+                      f"{best['waits_per_step']:.2f} waits/step {best['wait_reasons']}",
+                      flush=True)  # fmt: skip
                 if args.ops:
                     ops = count_ops(engine, batch, 64)
                     best["ops"] = ops

@@ -243,5 +243,6 @@ class LLMEngine:
             "preemptions": self.scheduler.num_preemptions,
             "steps": self.num_steps,
             "overlap_schedule": self.loop.overlap,
+            **self.loop.stats(),
             **(self.spec.stats() if self.spec else {}),
         }

@@ -6,7 +6,7 @@ the tokens: committed and cached lengths, drafter state), then processed (stop c
 detokenization, outputs, statistics). The synchronous loop does all three in one call.
 
 The overlap loop launches step N+1 before it processes step N, and in the common cases
-before N's tokens reach the host at all (`_runs_ahead`). The host counts N as one token per
+before N's tokens reach the host at all (`_wait_reason`). The host counts N as one token per
 sampled request (`Request.num_inflight`; its pages cover all of N's drafts being accepted)
 and builds N+1 from N's results on the device (runtime/inflight.py):
 
@@ -40,6 +40,7 @@ in a later step, after the stale writes, and the new owner reads only positions 
 from __future__ import annotations
 
 import time
+from collections import Counter
 from typing import TYPE_CHECKING
 
 import torch
@@ -64,18 +65,21 @@ class StepLoop:
         self._last_end = None  # CUDA event: end of the last processed step's device work
         self._idle = True
         self.num_waits = 0  # steps launched only after the previous step's tokens were read
+        self.wait_reasons: Counter[str] = Counter()  # why (`_wait_reason`) -> steps
 
     def step(self) -> list[RequestOutput]:
         """Launch the next step; process the previous one (overlap) or this one (sync)."""
         prev, self.inflight = self.inflight, None
         batch = self._schedule()
         drafting = self._drafting(batch)
-        if prev is not None and prev.result is None and not self._runs_ahead(
-            prev, batch, drafting
-        ):
+        reason = None
+        if prev is not None and prev.result is None:
+            reason = self._wait_reason(prev, batch, drafting)
+        if reason is not None:
             # Scheduled while step N runs (pages grown for all of its drafts); this step
             # cannot be built from N's results on the device: wait for them, then settle.
             self.num_waits += 1
+            self.wait_reasons[reason] += 1
             self._resolve(prev)
             batch = self._settle(batch)
             drafting = self._drafting(batch)
@@ -100,22 +104,33 @@ class StepLoop:
         wants = spec.proposer.wants_catch_up
         return [s for s in batch if s.draft_len > 0 or (s.decoding and wants(s.request))]
 
-    def _runs_ahead(self, prev: LaunchedStep, batch: list[ScheduledRequest],
-                    drafting: list[ScheduledRequest]) -> bool:  # fmt: skip
-        """Whether `batch` can be launched before prev's tokens reach the host, built on
+    def _wait_reason(self, prev: LaunchedStep, batch: list[ScheduledRequest],
+                     drafting: list[ScheduledRequest]) -> str | None:  # fmt: skip
+        """None when `batch` can be launched before prev's tokens reach the host, built on
         the device from prev's drawn tokens and accept lengths (runtime/inflight.py): when
         its drafter reads them there (EAGLE-3, greedy, one draft length) and, after a
-        speculative step, every position it may reach lies within the context."""
+        speculative step, every position it may reach lies within the context. Else why
+        not: "sampled" (a drafting request samples), "mixed_draft_lens", "host_drafts" (the
+        proposer drafts on the host) or "context_limit"."""
         if drafting and not self.engine.spec.proposer.reads_inflight(drafting):
-            return False
+            if any(s.request.params.temperature > 0 for s in drafting):
+                return "sampled"
+            if len({s.draft_len for s in drafting}) > 1:
+                return "mixed_draft_lens"
+            return "host_drafts"
         if not prev.speculative:
-            return True
+            return None
         moved = {id(s.request): num_drafts(s) for s in prev.step_input.sampled}
         max_len = self.engine.max_model_len
-        return all(
-            s.request.committed_len + moved.get(id(s.request), 0) + s.draft_len <= max_len
-            for s in batch
-        )
+        if all(s.request.committed_len + moved.get(id(s.request), 0) + s.draft_len <= max_len
+               for s in batch):  # fmt: skip
+            return None
+        return "context_limit"
+
+    def stats(self) -> dict:
+        """Loop figures for metrics: steps launched after waiting for the previous step's
+        tokens, in all and by reason."""
+        return {"loop_waits": self.num_waits, "loop_wait_reasons": dict(self.wait_reasons)}
 
     @staticmethod
     def _settle(batch: list[ScheduledRequest]) -> list[ScheduledRequest]:
