@@ -12,7 +12,10 @@ counts output tokens over wall time, prefill included. Every
 configuration is warmed up first (Triton compiles each new shape once). Also reports how many
 outputs equal the no-speculation outputs token for token (greedy speculation is lossless in
 exact arithmetic; bf16 kernels of different shapes may round differently, so this is
-reported, not asserted).
+reported, not asserted). Each row also gives the steps the overlap loop launched only after
+waiting for the previous step's tokens, by reason (`loop_wait_reasons`), and the timeline
+(mean and median device span, idle gap and host wait per step); `<out>_batch1_steps.json`
+holds those per step at batch 1 for every configuration, with the policy's K and period.
 
     PYTHONPATH=src python scripts/gpu_default_bench.py --out $OUT/default_model
     PYTHONPATH=src python scripts/gpu_default_bench.py --smoke --out /tmp/default_model  # CPU
@@ -63,10 +66,37 @@ def counter_delta(before: dict, after: dict) -> dict:
     return {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
 
 
+def timeline(times) -> dict:
+    """Means and medians of the steps' device spans and idle gaps (CUDA events) and of the
+    host's waits for tokens: a device-bound loop waits and leaves no gap, a host-bound
+    one leaves gaps and does not wait."""
+    out = {}
+    for name in ("step_ms", "gap_ms", "wait_ms"):
+        values = sorted(getattr(times, name))
+        if values:
+            out[name] = [round(sum(values) / len(values), 3), round(values[len(values) // 2], 3)]
+    return out
+
+
+def series(engine) -> dict:
+    """Per-step series of the last run (batch 1): device span, idle gap, host wait, and the
+    policy's K and measured period per decode step."""
+    times = engine.loop.times
+    out = {name: [round(v, 3) for v in getattr(times, name)]
+           for name in ("step_ms", "gap_ms", "wait_ms")}  # fmt: skip
+    spec = engine.spec
+    if spec is not None:
+        decisions = spec.policy.trace.dump()
+        out["k"] = [d["k"] for d in decisions]
+        out["period_ms"] = [d["observed_ms"] and round(d["observed_ms"], 3) for d in decisions]
+    return out
+
+
 def measure(llm: LLM, prompts: list[list[int]], batch: int, args) -> dict:
     """Output tok/s at one batch size; the token ids of every request."""
     engine = llm.engine
     stats0 = engine.stats()
+    engine.loop.times.clear()
     if batch == 1:
         chosen = prompts[: args.batch1_prompts]
         results = [run_batch(llm, [p], args.max_tokens) for p in chosen]
@@ -83,6 +113,7 @@ def measure(llm: LLM, prompts: list[list[int]], batch: int, args) -> dict:
            "loop_waits": stats["loop_waits"] - stats0["loop_waits"],
            "loop_wait_reasons": counter_delta(stats0["loop_wait_reasons"],
                                               stats["loop_wait_reasons"])}  # fmt: skip
+    row["timeline"] = timeline(engine.loop.times)
     if "spec_position_drafted" in stats:
         drafted = [a - b for a, b in zip(stats["spec_position_drafted"],
                                          stats0["spec_position_drafted"])]  # fmt: skip
@@ -121,7 +152,7 @@ def main() -> None:
     }
     base = dict(device=device, max_num_seqs=max(args.batches),
                 cuda_graph_max_batch=max(args.batches), kv_cache_bytes=4 * 2**30)  # fmt: skip
-    results, plain_tokens = {}, {}
+    results, plain_tokens, step_series = {}, {}, {}
     start = time.perf_counter()
     for name, extra in configs.items():
         t0 = time.perf_counter()
@@ -141,6 +172,8 @@ def main() -> None:
             row["identical_to_plain"] = sum(t == p for t, p in zip(tokens, plain_tokens[b]))
             print(name, json.dumps(row), flush=True)
             rows.append(row)
+            if b == 1:  # the median run is the only run at batch 1
+                step_series[name] = series(llm.engine)
         spec_stats = {k: v for k, v in llm.engine.stats().items() if k.startswith("spec_")}
         results[name] = {"startup_s": round(startup, 2), "rows": rows, "spec": spec_stats}
         if extra.get("speculative_policy") == "goodput":  # the policy's own account
@@ -168,6 +201,7 @@ def main() -> None:
                "torch": torch.__version__, "max_tokens": args.max_tokens,
                "total_s": round(time.perf_counter() - start, 1), "results": results}  # fmt: skip
     out.with_suffix(".json").write_text(json.dumps(payload, indent=2))
+    out.with_name(out.name + "_batch1_steps.json").write_text(json.dumps(step_series))
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

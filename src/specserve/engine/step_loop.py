@@ -213,8 +213,10 @@ class StepLoop:
     # ---- resolve: the step's tokens on the host ---------------------------------------
     def _resolve(self, step: LaunchedStep) -> None:
         """Wait for the step's tokens; commit their count (cached lengths, drafter state)."""
+        t0 = time.perf_counter()
         result = step.result = step.sampled.result()
         step.resolved_s = time.perf_counter()
+        self.times.wait_ms.append((step.resolved_s - t0) * 1e3)
         # Requests preempted since the launch recompute from their tokens: their KV and
         # drafter state start over.
         kept = [s.request.num_preemptions == n for s, n in zip(step.batch, step.preemptions)]
