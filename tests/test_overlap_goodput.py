@@ -1,0 +1,74 @@
+"""The goodput policy under the overlap loop: its K changes between steps (probes, switches)
+and per-request caps (what can still be committed) keep outputs equal to plain decoding,
+and at batch 1 (greedy, EAGLE-3) no step waits for the previous step's tokens; waits that
+do happen are counted by reason in engine.stats()."""
+
+from __future__ import annotations
+
+import pytest
+
+from specserve import LLM, SamplingParams
+from tests.overlap_cases import make_models, make_reference, prompts_for
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    return make_models(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def reference(models):
+    return make_reference(models)
+
+
+def goodput(models, overlap: str, **kw) -> LLM:
+    llm = LLM(models["target"], overlap_schedule=overlap, speculative_algorithm="eagle3",
+              speculative_draft_model_path=models["eagle3"], speculative_num_steps=3,
+              speculative_policy="goodput", **kw)  # fmt: skip
+    policy = llm.engine.spec.policy
+    # Probe every K often (each probe is a switch there and back): K changes every few steps.
+    policy.PROBE_EVERY, policy.PROBE_MIN_GAIN, policy.PROBE_MAX_INTERVAL = 1, 0.0, 4
+    policy.PROBE_BUDGET = policy.PROBE_MAX_BUDGET = 1.0
+    return llm
+
+
+def k_changes(llm) -> int:
+    ks = [d["k"] for d in llm.engine.spec.policy.trace.dump()]
+    return sum(a != b for a, b in zip(ks, ks[1:]))
+
+
+@pytest.mark.parametrize("overlap", ["off", "on"])
+def test_batch1_k_changes_and_caps_run_ahead(models, reference, overlap):
+    """Requests one after another, K changing between steps and capped near each request's
+    end (max_tokens 5..40): outputs equal plain decoding; the overlap loop never waits."""
+    prompts = prompts_for()[:4]
+    limits = [40, 5, 23, 9]
+    outs = []
+    llm = goodput(models, overlap)
+    for prompt, n in zip(prompts, limits):
+        params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+        out = llm.generate([prompt], params)[0]
+        outs.append((out.token_ids, out.text, out.finish_reason))
+        want = reference(params, [prompt])[0]
+        assert outs[-1] == want
+    stats = llm.engine.stats()
+    assert k_changes(llm) >= 10
+    assert stats["loop_waits"] == 0 and stats["loop_wait_reasons"] == {}
+    assert llm.engine.kv.allocator.num_used == 0
+
+
+def test_mixed_caps_in_a_batch_counted(models, reference):
+    """Requests of one batch reaching their max_tokens at different steps are capped to
+    different draft lengths: such steps wait (counted as mixed_draft_lens); outputs equal
+    plain decoding either way."""
+    prompts = prompts_for()[:4]
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+              for n in (30, 6, 17, 11)]  # fmt: skip
+    want = [reference(p, [q])[0] for p, q in zip(params, prompts)]
+    llm = goodput(models, "on")
+    llm.engine.spec.policy.choose = lambda reqs, extra=0: [3] * len(reqs)  # K=3, capped
+    got = [(o.token_ids, o.text, o.finish_reason) for o in llm.generate(prompts, params)]
+    assert got == want
+    stats = llm.engine.stats()
+    assert stats["loop_waits"] == sum(stats["loop_wait_reasons"].values())
+    assert set(stats["loop_wait_reasons"]) <= {"mixed_draft_lens"}
