@@ -7,7 +7,8 @@ with every graph "replay" free: each captured shape runs once eagerly at start-u
 replay hands back those outputs, as a CUDA graph hands back its static outputs. So a step
 costs what the host spends on it: scheduling, the drafter's inputs, packing, copies into
 static buffers, the eager ops around the graphs (target logits of the sampled rows,
-verification, the fc projection of the features), the step loop and outputs.
+verification; EAGLE-3's fc projection of the features runs inside the target's graph), the
+step loop and outputs.
 
 Configurations: plain (no drafter), EAGLE-3 loaded with the policy off (K=0 every step)
 EAGLE-3 fixed K=3 (simulated acceptance 0.7 per draft, about the shipped head's real rate
@@ -110,6 +111,7 @@ def install_free_graphs(engine: LLMEngine, max_batch: int) -> None:
         runner.model, runner.kv.layers, runner.backend, default_batch_buckets(max_batch),
         tokens_per_request=tuple(range(1, k + 2)), max_seq_len=engine.max_model_len,
         aux_layer_ids=spec.aux_layer_ids if spec is not None else (), use_graphs=False,
+        feature_writer=spec.proposer.feature_writer() if spec is not None else None,
     )  # fmt: skip
     with torch.inference_mode():
         graphs._graphs = {key: (FreeReplay(), *graphs._forward(*key)) for key in graphs.keys()}

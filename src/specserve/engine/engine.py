@@ -124,6 +124,9 @@ class LLMEngine:
             tokens_per_request=tuple(range(1, k_max + 2)),
             max_seq_len=self.max_model_len,
             aux_layer_ids=self.spec.aux_layer_ids if self.spec else (),
+            # EAGLE-3's feature projection and store write inside each graph: a step that
+            # does not draft is one replay, as a plain one.
+            feature_writer=self.spec.proposer.feature_writer() if self.spec else None,
         )
         report = graphs.capture()
         log.info(

@@ -16,6 +16,7 @@ import bisect
 import contextlib
 import gc
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -124,6 +125,11 @@ class CudaGraphRunner:
     `max_seq_len`. Its outputs are views into graph memory, valid until the next `run`.
     With `use_graphs=False` the same padded static buffers go through the eager forward
     (for debugging, and for testing the padding on the CPU).
+
+    `feature_writer(aux, slots)` (the drafter's, when it keeps its inputs itself, e.g.
+    EAGLE-3's fc projection into its feature store) runs inside each graph on the step's
+    auxiliary hidden states and the static slot mapping (padding rows: scratch page 0), so
+    a step that does not draft is one replay, as a plain step; `run` then returns no aux.
     """
 
     def __init__(
@@ -136,6 +142,7 @@ class CudaGraphRunner:
         max_seq_len: int = 4096,
         aux_layer_ids: tuple[int, ...] = (),
         use_graphs: bool = True,
+        feature_writer: Callable[[list[torch.Tensor], torch.Tensor], None] | None = None,
     ):
         self.model, self.kv_layers, self.backend = model, kv_layers, backend
         self.batch_buckets = tuple(sorted(set(batch_buckets)))
@@ -143,6 +150,7 @@ class CudaGraphRunner:
         self.max_seq_len = max_seq_len
         self.aux_layer_ids = aux_layer_ids
         self.use_graphs = use_graphs
+        self.feature_writer = feature_writer
         device = kv_layers[0][0].device
         page_size = kv_layers[0][0].shape[1]
         max_b, max_q = self.batch_buckets[-1], self.tokens_per_request[-1]
@@ -186,7 +194,10 @@ class CudaGraphRunner:
     def _forward(self, batch: int, q: int):
         meta = static_meta(self, batch, q)
         ids = self.input_ids[: batch * q]
-        return self.model(ids, meta, self.kv_layers, self.backend, self.aux_layer_ids)
+        hidden, aux = self.model(ids, meta, self.kv_layers, self.backend, self.aux_layer_ids)
+        if aux and self.feature_writer is not None:
+            self.feature_writer(aux, meta.slot_mapping)
+        return hidden, aux
 
     def capture(self, pool=None) -> CaptureReport:
         """Capture every (bucket, tokens per request) shape into `pool` or a new one (the
@@ -206,7 +217,8 @@ class CudaGraphRunner:
         self, input_ids: torch.Tensor, meta: AttentionMetadata
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Copy the step into the static buffers (padding the batch to its bucket), replay
-        its graph; return the hidden states (and aux hidden states) of the real tokens."""
+        its graph; return the hidden states (and aux hidden states, unless the graph gave
+        them to `feature_writer`) of the real tokens."""
         num_requests, q = meta.num_requests, meta.max_query_len
         n, batch = num_requests * q, self.bucket_for(num_requests)
         self.input_ids[:n].copy_(input_ids, non_blocking=True)
@@ -227,4 +239,6 @@ class CudaGraphRunner:
             graph.replay()
         else:
             hidden, aux = self._forward(batch, q)
+        if self.feature_writer is not None:
+            return hidden[:n], []
         return hidden[:n], [a[:n] for a in aux]

@@ -94,7 +94,8 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, step: StepInput, aux_layer_ids: tuple[int, ...] = ()):
         """Hidden states of every packed token, and the requested auxiliary ones; through a
-        captured CUDA graph when the step has one (uniform tokens per request)."""
+        captured CUDA graph when the step has one (uniform tokens per request), whose
+        replay already gave the aux to the drafter's feature writer (none returned)."""
         graphs = self.graphs
         if graphs is not None and graphs.can_run(step.meta, step.input_ids.shape[0]):
             return graphs.run(step.input_ids, step.meta)

@@ -213,16 +213,23 @@ class Eagle3Proposer(Proposer):
 
     def features(self, aux: list[torch.Tensor], slots: torch.Tensor | None = None) -> None:
         """Project the step's auxiliary hidden states by the head's fc into the feature
-        store at the tokens' KV `slots` (padding rows write to the scratch page 0)."""
-        if not aux:
-            return None
-        with torch.inference_mode():
-            x = torch.cat(aux, dim=-1) if len(aux) > 1 else aux[0]
-            weight = self.head.fc.weight
-            if x.dtype != weight.dtype:
-                x = x.to(weight.dtype)
-            self.feature_store.index_copy_(0, slots, self.head.project(x))
+        store at the tokens' KV `slots` (padding rows write to the scratch page 0); graph
+        steps did it inside their replay (`feature_writer`) and hand no aux here."""
+        if aux:
+            with torch.inference_mode():
+                self._write_features(aux, slots)
         return None
+
+    def feature_writer(self):
+        return self._write_features
+
+    def _write_features(self, aux: list[torch.Tensor], slots: torch.Tensor) -> None:
+        """The same ops eagerly and inside the target's graphs: one cat, fc, index copy."""
+        x = torch.cat(aux, dim=-1) if len(aux) > 1 else aux[0]
+        weight = self.head.fc.weight
+        if x.dtype != weight.dtype:
+            x = x.to(weight.dtype)
+        self.feature_store.index_copy_(0, slots, self.head.project(x))
 
     def step_timer(self):
         def run(n: int) -> None:

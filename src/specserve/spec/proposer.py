@@ -58,6 +58,13 @@ class Proposer(ABC):
         outputs are reused later."""
         return torch.cat(aux, dim=-1) if aux else None
 
+    def feature_writer(self) -> Callable[[list[torch.Tensor], torch.Tensor], None] | None:
+        """A function (aux hidden states, their tokens' KV slots) -> None that keeps the
+        drafter's inputs on the device by itself, with no host work, so the target's CUDA
+        graphs run it inside each replay (graph steps then hand `features` no aux); None:
+        the drafter takes them through `features`."""
+        return None
+
     def commit(
         self,
         items: list[ScheduledRequest],

@@ -1,0 +1,174 @@
+"""EAGLE-3 features taken inside the target's CUDA graphs: the fc projection and the feature
+store write run in the graph (on its static slot mapping), so a step that does not draft
+costs the host what a plain step costs, and the store holds the same bits as when the
+features were taken eagerly after the replay. On the CPU through the graph runner's padded
+path run eagerly; on a GPU (marked) through captured graphs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+from specserve import LLM, SamplingParams
+from specserve.runtime.cuda_graphs import CudaGraphRunner
+from specserve.spec.eagle3 import capture_drafter_graphs
+from tests.model_cases import install_padded_runner
+from tests.overlap_cases import StepDraftLens, make_models, prompts_for, spec_kwargs
+
+PARAMS = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    return make_models(tmp_path_factory)
+
+
+def _eagle3(models, policy: str, in_graph: bool, **kw) -> LLM:
+    kw = {"speculative_num_steps": 3, **spec_kwargs(models, "eagle3"), "page_size": 4,
+          "overlap_schedule": "on", **kw}  # fmt: skip
+    if policy == "off":
+        kw["speculative_policy"] = "off"
+    else:
+        kw["speculative_simulate_acceptance"] = 0.6  # accept lengths move the slots
+    llm = LLM(models["target"], **kw)
+    if policy != "off":
+        llm.engine.spec.policy = StepDraftLens(3, seed=7, choices=(0, 0, 1, 3))
+    install_padded_runner(llm, tokens_per_request=(1, 2, 3, 4),
+                          aux_layer_ids=llm.engine.spec.aux_layer_ids, in_graph=in_graph)
+    proposer = llm.engine.spec.proposer
+    proposer.graphs = capture_drafter_graphs(proposer, llm.engine, use_graphs=False)
+    return llm
+
+
+def _watch_aux(llm) -> dict:
+    """Counts graph steps and those that handed aux back to the loop."""
+    graphs, seen = llm.engine.runner.graphs, {"graph": 0, "aux": 0}
+    run = graphs.run
+
+    def watched(*args):
+        hidden, aux = run(*args)
+        seen["graph"] += 1
+        seen["aux"] += bool(aux)
+        return hidden, aux
+
+    graphs.run = watched
+    return seen
+
+
+@pytest.mark.parametrize("policy", ["off", "mixed"])
+@pytest.mark.parametrize("num_prompts", [3, 4])  # padded to bucket 4, and not
+def test_store_after_graph_path_steps_equals_eager_features(models, policy, num_prompts):
+    prompts = prompts_for()[:num_prompts]
+    outs, stores = {}, {}
+    for in_graph in (False, True):
+        llm = _eagle3(models, policy, in_graph)
+        seen = _watch_aux(llm)
+        outs[in_graph] = [o.token_ids for o in llm.generate(prompts, PARAMS)]
+        page = llm.engine.kv.page_size
+        stores[in_graph] = llm.engine.spec.proposer.feature_store[page:].clone()  # no scratch
+        assert seen["graph"] > 10
+        assert seen["aux"] == (0 if in_graph else seen["graph"])
+    assert outs[True] == outs[False]
+    assert stores[True].abs().sum() > 0
+    if num_prompts == 4:  # the same shapes: the same bits
+        assert torch.equal(stores[True], stores[False])
+    else:  # the graph projects its padded rows (4 per step), the old path only the real 3:
+        # the CPU's GEMM rounds by row count (a GPU's too, unless its kernel is row-invariant)
+        torch.testing.assert_close(stores[True], stores[False], rtol=1e-5, atol=1e-5)
+
+
+class _FreeReplay:
+    """A captured graph whose replay costs nothing: its outputs were computed once."""
+
+    def replay(self) -> None:
+        pass
+
+
+class _CountCalls(TorchFunctionMode):
+    def __init__(self):
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.names.append(getattr(func, "__name__", str(func)))
+        return func(*args, **(kwargs or {}))
+
+
+def _ops_per_step(llm, aux_layer_ids, steps: int = 8) -> list[list[str]]:
+    """Torch calls of each steady decode step of 3 requests, graph replays free."""
+    install_padded_runner(llm, tokens_per_request=(1,), aux_layer_ids=aux_layer_ids)
+    graphs = llm.engine.runner.graphs
+    with torch.inference_mode():
+        graphs._graphs = {key: (_FreeReplay(), *graphs._forward(*key)) for key in graphs.keys()}
+    graphs.use_graphs = True
+    engine = llm.engine
+    params = SamplingParams(max_tokens=steps + 20, temperature=0.0, ignore_eos=True)
+    for prompt in prompts_for()[:3]:
+        engine.add_request(prompt, params)
+    for _ in range(6):  # prefill, then decoding in the overlap loop's steady state
+        engine.step()
+    calls = []
+    for _ in range(steps):
+        mode = _CountCalls()
+        with mode:
+            engine.step()
+        calls.append(mode.names)
+    return calls
+
+
+def test_a_step_that_does_not_draft_makes_the_torch_calls_of_a_plain_step(models):
+    plain = LLM(models["target"], page_size=4, overlap_schedule="on")
+    off = _eagle3(models, "off", in_graph=True)
+    plain_calls = _ops_per_step(plain, ())
+    off_calls = _ops_per_step(off, off.engine.spec.aux_layer_ids)
+    assert off_calls == plain_calls
+    assert "index_copy_" not in sum(off_calls, [])
+
+
+# ---- GPU: captured graphs -------------------------------------------------------------
+
+
+def _gpu_engine(models, policy: str, in_graph: bool) -> LLM:
+    kw = {"speculative_num_steps": 3, **spec_kwargs(models, "eagle3"), "device": "cuda",
+          "overlap_schedule": "on"}  # fmt: skip
+    if policy == "off":
+        kw["speculative_policy"] = "off"
+    else:
+        kw["speculative_simulate_acceptance"] = 0.6
+    llm = LLM(models["target"], **kw)
+    engine = llm.engine
+    if policy != "off":
+        engine.spec.policy = StepDraftLens(3, seed=7, choices=(0, 0, 1, 3))
+    assert engine.runner.graphs is not None and engine.runner.graphs.feature_writer is not None
+    if not in_graph:  # as before: graphs return the aux, features projected eagerly after
+        old = engine.runner.graphs
+        graphs = CudaGraphRunner(old.model, old.kv_layers, old.backend, old.batch_buckets,
+                                 old.tokens_per_request, old.max_seq_len, old.aux_layer_ids)
+        del old
+        engine.runner.graphs = None
+        graphs.capture()
+        engine.runner.graphs = graphs
+    return llm
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("policy", ["off", "mixed"])
+@pytest.mark.parametrize("num_prompts", [3, 4, 8])  # padded to bucket 4, and not
+def test_gpu_store_after_graph_steps_equals_eager_features(models, policy, num_prompts):
+    prompts = prompts_for()[:num_prompts]
+    outs, stores = {}, {}
+    for in_graph in (False, True):
+        llm = _gpu_engine(models, policy, in_graph)
+        seen = _watch_aux(llm)
+        outs[in_graph] = [o.token_ids for o in llm.generate(prompts, PARAMS)]
+        page = llm.engine.kv.page_size
+        stores[in_graph] = llm.engine.spec.proposer.feature_store[page:].cpu()
+        assert seen["graph"] > 10
+        assert seen["aux"] == (0 if in_graph else seen["graph"])
+        del llm
+    assert outs[True] == outs[False]
+    assert stores[True].abs().sum() > 0
+    assert torch.equal(stores[True], stores[False]), (
+        f"max diff {(stores[True].float() - stores[False].float()).abs().max()}"
+    )
