@@ -75,7 +75,8 @@ def count_gathers(llm) -> dict:
             req = s.request
             assert req.num_left > 0  # on the host's estimate: the step in flight counts one
             if prev is None:  # lengths are exact here: a request's last step is its last
-                assert req.num_inflight == 0 and s.draft_len <= req.max_useful_drafts
+                # drafts may pass max_tokens (those tokens are dropped), not the context
+                assert req.num_inflight == 0 and s.draft_len < req.max_len - req.committed_len
             ahead = req.num_inflight_drafts if moved else 0  # all of prev's drafts accepted
             assert not ahead or id(req) in prev.rows
             end = req.cached_len + s.num_tokens + ahead + s.draft_len

@@ -1,7 +1,7 @@
 """The goodput policy under the overlap loop: its K changes between steps (probes, switches)
-and per-request caps (what can still be committed) keep outputs equal to plain decoding,
-and at batch 1 (greedy, EAGLE-3) no step waits for the previous step's tokens; waits that
-do happen are counted by reason in engine.stats()."""
+and drafts past max_tokens (their tokens dropped) keep outputs equal to plain decoding,
+and with one draft length per step (greedy, EAGLE-3) no step waits for the previous step's
+tokens; waits that do happen (the context limit) are counted by reason in engine.stats()."""
 
 from __future__ import annotations
 
@@ -57,18 +57,64 @@ def test_batch1_k_changes_and_caps_run_ahead(models, reference, overlap):
     assert llm.engine.kv.allocator.num_used == 0
 
 
-def test_mixed_caps_in_a_batch_counted(models, reference):
-    """Requests of one batch reaching their max_tokens at different steps are capped to
-    different draft lengths: such steps wait (counted as mixed_draft_lens); outputs equal
-    plain decoding either way."""
+def _batch_generate(llm, prompts, params):
+    return [(o.token_ids, o.text, o.finish_reason) for o in llm.generate(prompts, params)]
+
+
+@pytest.mark.parametrize("policy", ["k3", "goodput_padded"])
+def test_max_tokens_batch_drafts_past_the_end_without_waits(models, reference, policy):
+    """Requests of one batch reaching their max_tokens at different steps: with K=3 for
+    every request (a fixed K, or goodput with verify steps padded as under CUDA graphs)
+    each draws full drafts up to its end, past max_tokens, so draft lengths stay uniform
+    and the overlap loop never waits; the tokens past max_tokens never reach the client:
+    outputs equal plain decoding."""
     prompts = prompts_for()[:4]
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
               for n in (30, 6, 17, 11)]  # fmt: skip
     want = [reference(p, [q])[0] for p, q in zip(params, prompts)]
     llm = goodput(models, "on")
-    llm.engine.spec.policy.choose = lambda reqs, extra=0: [3] * len(reqs)  # K=3, capped
-    got = [(o.token_ids, o.text, o.finish_reason) for o in llm.generate(prompts, params)]
-    assert got == want
+    spec = llm.engine.spec
+    if policy == "k3":
+        spec.policy.choose = lambda reqs, extra=0: [3] * len(reqs)
+    else:  # the goodput policy as under CUDA graphs: K probed and switched, caps padded
+        spec.cost.padded = True
+    lens = []
+    schedule = llm.engine.scheduler.schedule
+
+    def spy(p=None):
+        batch = schedule(p)
+        lens.append([s.draft_len for s in batch if s.decoding])
+        return batch
+
+    llm.engine.scheduler.schedule = spy
+    assert _batch_generate(llm, prompts, params) == want
     stats = llm.engine.stats()
-    assert stats["loop_waits"] == sum(stats["loop_wait_reasons"].values())
-    assert set(stats["loop_wait_reasons"]) <= {"mixed_draft_lens"}
+    assert stats["loop_waits"] == 0 and stats["loop_wait_reasons"] == {}
+    assert all(len(set(ks)) <= 1 for ks in lens)
+    if policy == "k3":  # the last steps of short requests drafted past their end
+        assert sum(1 for ks in lens if ks and ks[0] == 3) >= 9
+    assert llm.engine.kv.allocator.num_used == 0
+
+
+def test_context_limit_keeps_the_cap(models, reference):
+    """Requests limited by the context (not max_tokens) never draft past it: their draft
+    length is capped near the end (such steps may wait); outputs equal plain decoding."""
+    prompts = prompts_for()[:4]
+    params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+    want = reference(params, prompts, max_model_len=48)
+    llm = goodput(models, "on", max_model_len=48)
+    llm.engine.spec.policy.choose = lambda reqs, extra=0: [3] * len(reqs)
+    schedule = llm.engine.scheduler.schedule
+
+    def spy(p=None):
+        batch = schedule(p)
+        for s in batch:
+            assert s.request.committed_len + s.draft_len < 48
+        return batch
+
+    llm.engine.scheduler.schedule = spy
+    got = _batch_generate(llm, prompts, params)
+    assert got == want
+    assert all(reason == "length" for _, _, reason in got)
+    stats = llm.engine.stats()
+    assert set(stats["loop_wait_reasons"]) <= {"mixed_draft_lens", "context_limit"}

@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -150,11 +151,17 @@ def test_mixed_acceptance_unpadded_trims_poor_requests_padded_does_not():
             assert max(ks[:16]) == 0
 
 
-def test_caps_respect_max_useful_drafts():
-    policy, _ = _policy(curve={1: 5.0, 4096: 5.0}, drafter=None)
+@pytest.mark.parametrize("padded", [False, True])
+def test_caps_respect_max_useful_drafts(padded):
+    """Unpadded steps cap each request at what it can still commit; padded ones (CUDA
+    graphs) give every request the step's K (drafts past a cap cost nothing and keep the
+    step uniform), which never exceeds the largest cap."""
+    policy, _ = _policy(curve={1: 5.0, 4096: 5.0}, drafter=None, padded=padded)
     reqs = [FakeRequest("a", 1), FakeRequest("b", 0)]
     _measured(policy, 2)
-    assert policy.choose(reqs) == [1, 0]
+    assert policy.choose(reqs) == ([1, 1] if padded else [1, 0])
+    assert policy.predicted_tokens == pytest.approx(sum(
+        policy.acceptance.cumulative(r.request_id)[k] for r, k in zip(reqs, (1, 0))))
 
 
 def test_schedule_table():

@@ -80,14 +80,18 @@ class Scheduler:
             uncached = req.num_uncached
             n = min(uncached, budget)
             k = 0
-            if uncached == 1 and draft_lens:  # left - 1: req.max_useful_drafts
-                k = max(0, min(draft_lens.get(id(req), 0), budget - 1, left - 1))
+            if uncached == 1 and draft_lens:
+                # Drafts may pass max_tokens, never the context: the tokens past max_tokens
+                # are dropped when processed (as those past a stop are), and the step's
+                # draft lengths stay uniform (no host wait for mixed ones under overlap).
+                room = req.max_len - req.committed_len - 1
+                k = max(0, min(draft_lens.get(id(req), 0), budget - 1, room))
             # Pages for this step's tokens past whatever the step in flight may commit.
             reserve = req.cached_len + n + req.num_inflight_drafts
             if reserve + k > len(req.page_table) * page_size:  # else its pages cover it
                 while not self.kv.grow(req.page_table, reserve + k):
-                    if k > 0:  # give up the lookahead before taking anyone's pages
-                        k = 0
+                    if k > 0:  # give up the lookahead before taking anyone's pages: first
+                        k = min(k, left - 1) if k > left - 1 else 0  # the useless drafts
                         continue
                     self._preempt(running[-1])
                     preempted = True

@@ -137,13 +137,13 @@ class StepLoop:
         """After waiting for the previous step's tokens: requests they end leave the batch
         (max_tokens, the context, a stop or EOS token among them; stop strings need the
         detokenizer and are found when the tokens are processed), draft lengths shrink to
-        what can still be committed."""
+        what the context leaves (as the synchronous loop's: drafts may pass max_tokens, and
+        seeded draws depend on the draft lengths)."""
         settled = []
         for s in batch:
             req = s.request
-            left = req.num_left
-            if left > 0 and not _stop_token_in(req, req.unprocessed_token_ids):
-                s.draft_len = min(s.draft_len, left - 1)
+            if req.num_left > 0 and not _stop_token_in(req, req.unprocessed_token_ids):
+                s.draft_len = min(s.draft_len, req.max_len - req.committed_len - 1)
                 settled.append(s)
         return settled
 

@@ -204,6 +204,11 @@ class GoodputPolicy(SpeculationPolicy):
             ks = self._request_probe(reqs, ks, list(trimmed[k][0]))
         self.predicted_tokens = sum(c[k] for c, k in zip(cums, ks))
         self.predicted_ms = self.cost.step_ms(ks, extra_tokens)
+        if trimmed is None and self.cost.padded:
+            # Drafts past a request's cap cost nothing in a padded step (K <= the largest
+            # cap) and their tokens are dropped; one draft length for every request lets the
+            # overlap loop launch the step without waiting (the scheduler keeps the context).
+            ks = [k] * n
         return self._decided(ks, probe=probe, tokens=tokens, period_ms=costs, switch_ms=switch)
 
     @staticmethod
