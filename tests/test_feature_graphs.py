@@ -152,23 +152,60 @@ def _gpu_engine(models, policy: str, in_graph: bool) -> LLM:
     return llm
 
 
+def _shadow_store(llm) -> torch.Tensor:
+    """A second store, written eagerly step by step by the same ops at the same shapes: on a
+    graph step from the graph's own aux outputs and static slot mapping, else from the aux
+    the step hands to `features`."""
+    proposer, graphs = llm.engine.spec.proposer, llm.engine.runner.graphs
+    shadow = proposer.feature_store.clone()
+
+    def project(aux, slots):
+        with torch.inference_mode():
+            x = torch.cat(aux, dim=-1).to(proposer.head.fc.weight.dtype)
+            shadow.index_copy_(0, slots, proposer.head.project(x))
+
+    run, features = graphs.run, proposer.features
+
+    def graph_step(input_ids, meta):
+        out = run(input_ids, meta)
+        batch, q = graphs.bucket_for(meta.num_requests), meta.max_query_len
+        project(graphs._graphs[(batch, q)][2], graphs.slot_mapping[: batch * q])
+        return out
+
+    def eager_step(aux, slots=None):
+        if aux:
+            project(aux, slots)
+        return features(aux, slots)
+
+    graphs.run, proposer.features = graph_step, eager_step
+    return shadow
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("policy", ["off", "mixed"])
 @pytest.mark.parametrize("num_prompts", [3, 4, 8])  # padded to bucket 4, and not
 def test_gpu_store_after_graph_steps_equals_eager_features(models, policy, num_prompts):
+    """Against the graphs as before (aux out, features projected eagerly on the real rows):
+    the same bits where the shapes are the same (every batch a bucket); with padding, the
+    graph's projection equals the same ops run eagerly at its shapes, bit for bit."""
     prompts = prompts_for()[:num_prompts]
     outs, stores = {}, {}
     for in_graph in (False, True):
         llm = _gpu_engine(models, policy, in_graph)
         seen = _watch_aux(llm)
+        shadow = _shadow_store(llm) if in_graph else None
         outs[in_graph] = [o.token_ids for o in llm.generate(prompts, PARAMS)]
         page = llm.engine.kv.page_size
         stores[in_graph] = llm.engine.spec.proposer.feature_store[page:].cpu()
         assert seen["graph"] > 10
         assert seen["aux"] == (0 if in_graph else seen["graph"])
+        if shadow is not None:
+            assert torch.equal(stores[True], shadow[page:].cpu())
         del llm
     assert outs[True] == outs[False]
     assert stores[True].abs().sum() > 0
-    assert torch.equal(stores[True], stores[False]), (
-        f"max diff {(stores[True].float() - stores[False].float()).abs().max()}"
-    )
+    new, old = stores[True].float(), stores[False].float()
+    if num_prompts != 3:
+        assert torch.equal(stores[True], stores[False]), f"max diff {(new - old).abs().max()}"
+    else:  # M = 4 (K+1) rows in the graph, 3 (K+1) before: bits may differ by kernel choice
+        torch.testing.assert_close(new, old, rtol=2e-2, atol=2e-2)
