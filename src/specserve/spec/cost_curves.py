@@ -17,8 +17,17 @@ class CurveModel:
             raise ValueError("a cost curve needs at least one measured point")
         self.sizes = sorted(points)
         self.ms = [points[s] for s in self.sizes]
+        self._memo: dict[float, float] = {}  # the policy reads a few sizes every step
 
     def __call__(self, size: float) -> float:
+        ms = self._memo.get(size)
+        if ms is None:
+            ms = self._interpolate(size)
+            if len(self._memo) < 4096:
+                self._memo[size] = ms
+        return ms
+
+    def _interpolate(self, size: float) -> float:
         if size <= 0:
             return 0.0
         i = bisect.bisect_left(self.sizes, size)

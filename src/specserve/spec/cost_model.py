@@ -14,6 +14,7 @@ steps around it: those are their own online table, by bucket and direction of th
 
 from __future__ import annotations
 
+import functools
 import math
 
 from specserve.spec.cost_curves import CurveModel, measure_curve, powers_of_two
@@ -32,6 +33,7 @@ def _nearest_bucket(cells: dict, bucket: int, tag):
     return cells[(min(seen, key=lambda b: (abs(b.bit_length() - bucket.bit_length()), b)), tag)]
 
 
+@functools.cache  # read a dozen times per policy decision
 def batch_bucket(num_requests: int) -> int:
     """Cells of the period table: powers of two (1, 2, 4, ..., 64, 128, ...)."""
     return 1 << max(0, num_requests - 1).bit_length()
@@ -76,11 +78,15 @@ class StepCostModel:
         self._switch: dict[tuple[int, str], RobustMean] = {}  # (bucket, direction) -> ms
         self._measured_ks: set[int] = set()
         self._clock = 0
+        self._seeds: dict[tuple[int, int], float] = {}
 
     def seed_ms(self, n: int, k: int) -> float:
-        ms = self.target(n * (k + 1))
-        if k and self.drafter is not None:
-            ms += k * self.drafter(n)
+        ms = self._seeds.get((n, k))
+        if ms is None:  # the curves are fixed once measured
+            ms = self.target(n * (k + 1))
+            if k and self.drafter is not None:
+                ms += k * self.drafter(n)
+            self._seeds[(n, k)] = ms
         return ms
 
     def ratio(self, bucket: int, k: int) -> float:
