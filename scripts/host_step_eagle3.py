@@ -46,15 +46,15 @@ from collections import Counter
 from pathlib import Path
 
 import torch
-from torch.overrides import TorchFunctionMode
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))  # tests.tiny_models builds the random checkpoints
+sys.path.insert(0, str(REPO))  # tests.tiny_models (random checkpoints), scripts.*
 
+from scripts.host_step_bench import drain, start_batch  # noqa: E402
+from scripts.torch_op_counts import IGNORED, CountOps, fake_arena, pin_sites  # noqa: E402
 from specserve.config import EngineConfig  # noqa: E402
 from specserve.engine.engine import LLMEngine  # noqa: E402
 from specserve.runtime.cuda_graphs import CudaGraphRunner, default_batch_buckets  # noqa: E402
-from specserve.sampling_params import SamplingParams  # noqa: E402
 from specserve.spec.eagle3 import capture_drafter_graphs  # noqa: E402
 
 K = 3
@@ -145,23 +145,6 @@ def build(target: str, head: str, name: str, max_batch: int) -> LLMEngine:
     return engine
 
 
-def start_batch(engine: LLMEngine, batch: int, max_tokens: int) -> None:
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    for i in range(batch):
-        engine.add_request([3 + (7 * i + j) % 300 for j in range(24)], params)
-    while any(r.num_uncached > 1 or r.num_generated == 0 for r in engine.requests.values()):
-        engine.step()
-    for _ in range(3):
-        engine.step()
-
-
-def drain(engine: LLMEngine) -> None:
-    for rid in list(engine.requests):
-        engine.abort_request(rid)
-    while engine.has_unfinished():
-        engine.step()
-
-
 def time_steps(engine: LLMEngine, batch: int, steps: int) -> dict:
     """Per-step wall times over `steps` steps of a batch started together."""
     start_batch(engine, batch, 4 * steps + 64)
@@ -183,52 +166,6 @@ def time_steps(engine: LLMEngine, batch: int, steps: int) -> dict:
             "us_per_request_step": mean_ms * 1e3 / batch,
             "waits_per_step": (loop["loop_waits"] - loop0["loop_waits"]) / steps,
             "wait_reasons": {k: v for k, v in reasons.items() if v}}  # fmt: skip
-
-
-IGNORED = {"__get__", "__len__", "size", "dim", "numel", "tolist", "item", "__index__",
-           "__bool__", "__int__", "__hash__", "__eq__", "__repr__", "__format__",
-           "__iter__", "__contains__", "is_floating_point", "stride", "data_ptr",
-           "element_size", "is_contiguous", "__reduce_ex__", "__setstate__", "_cdata",
-           "shape", "device", "dtype", "is_cuda", "requires_grad", "grad_fn", "ndim"}  # fmt: skip
-
-
-class CountOps(TorchFunctionMode):
-    """Counts top-level torch calls by name (calls made inside a counted call are not)."""
-
-    def __init__(self):
-        super().__init__()
-        self.counts: Counter = Counter()
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        name = getattr(func, "__name__", str(func))
-        if name == "__get__":  # properties: .shape, .device, .dtype, .T, ...
-            name = getattr(getattr(func, "__self__", None), "__name__", name)
-        self.counts[name] += 1
-        return func(*args, **(kwargs or {}))
-
-
-def pin_sites() -> list[tuple[object, str]]:
-    """Functions that pin a host buffer per call on CUDA, in whichever version runs (this
-    one stages through a reused pinned arena instead: `packing.pinned_int64`)."""
-    from specserve.runtime import packing, sampled_tokens
-    from specserve.spec import eagle3_graphs
-
-    sites = [(packing, "to_device_tensor"), (sampled_tokens, "_to_host")]
-    if not hasattr(eagle3_graphs, "staging_int64"):  # before: one pin_memory() per pass
-        sites.append((eagle3_graphs.DrafterGraphs, "_load"))
-    return [(owner, attr) for owner, attr in sites if hasattr(owner, attr)]
-
-
-def fake_arena():
-    """`packing.pinned_int64` as on CUDA (fresh memory: on the CPU the upload is the host
-    buffer itself), so that the calls that pin on CUDA are the ones counted."""
-    import numpy as np
-
-    def pinned_int64(n, device):
-        array = np.empty(n, np.int64)
-        return array, torch.from_numpy(array)
-
-    return pinned_int64
 
 
 def count_ops(engine: LLMEngine, batch: int, steps: int) -> dict:
