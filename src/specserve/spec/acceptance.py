@@ -127,10 +127,11 @@ class AcceptanceModel:
         k_max, d, gd = self.k_max, self.decay, self.global_decay
         g_hits, g_seen = self._global_hits, self._global_seen
         drafted_at, accepted_at = self.position_drafted, self.position_accepted
+        per_request = self._per_request
         for request_id, drafted, accepted in steps:
-            counts = self._per_request.get(request_id)
+            counts = per_request.get(request_id)
             if counts is None:
-                counts = self._per_request[request_id] = ([0.0] * k_max, [0.0] * k_max)
+                counts = per_request[request_id] = ([0.0] * k_max, [0.0] * k_max)
             hits, seen = counts
             for j in range(min(accepted + 1, drafted, k_max)):
                 hit = j < accepted
@@ -141,8 +142,15 @@ class AcceptanceModel:
                 drafted_at[j] += 1
                 accepted_at[j] += hit
             updated[request_id] = self.steps
-            alpha = [(h + m * g) / (n + m) for h, n, g in zip(hits, seen, prior)]
-            cache[request_id] = (alpha, cumulative_tokens(alpha), until)
+            # alpha and cumulative_tokens(alpha) in one pass (every request, every step)
+            alpha, cum, total, run = [], [1.0], 1.0, 1.0
+            for h, n, g in zip(hits, seen, prior):
+                a = (h + m * g) / (n + m)
+                alpha.append(a)
+                run *= a
+                total += run
+                cum.append(total)
+            cache[request_id] = (alpha, cum, until)
         self._version += 1
 
     def forget(self, request_id: str) -> None:

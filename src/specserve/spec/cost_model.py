@@ -69,6 +69,9 @@ class StepCostModel:
     YOUNG = 3
     SWITCH_WEIGHT = 0.2
     SWITCH_PRIOR = 0.5  # an unmeasured switch to or from plain decoding: half a plain step
+    # Which cells a period or a switch cost reads depends only on which cells exist: those
+    # read plans are memoized until a cell is added (the policy reads them every step).
+    memoize = True
 
     def __init__(self, target: CurveModel, drafter: CurveModel | None, padded: bool = False):
         self.target = target
@@ -79,6 +82,7 @@ class StepCostModel:
         self._measured_ks: set[int] = set()
         self._clock = 0
         self._seeds: dict[tuple[int, int], float] = {}
+        self._plans: dict[tuple, tuple] = {}  # read plans (`memoize`)
 
     def seed_ms(self, n: int, k: int) -> float:
         ms = self._seeds.get((n, k))
@@ -89,7 +93,33 @@ class StepCostModel:
             self._seeds[(n, k)] = ms
         return ms
 
-    def ratio(self, bucket: int, k: int) -> float:
+    def period_ms(self, n: int, k: int, extra_tokens: int = 0) -> float:
+        """A step of n requests all drafting k, plus prefill tokens. A batch bucket where K=k
+        was not measured, between two where it was, interpolates their periods linearly in
+        the batch size (host work grows by the request, and does not scale with the seeds:
+        SmolLM2 on the H200 took 1.82 ms at K=3 and batch 1, 2.19 at 8, 4.2-5.2 at 64)."""
+        return _read(self._plan((n, k, extra_tokens), self._period_plan))
+
+    def _period_plan(self, n: int, k: int, extra_tokens: int) -> tuple:
+        """What period_ms(n, k, extra_tokens) reads: (seed, cell, extra ms) or, between two
+        measured buckets, (seed, cell, extra ms, seed, cell, n - lo, hi - lo); cell None: the
+        seed as it is."""
+        extra = 0.0
+        if extra_tokens:
+            verify = n * (k + 1)
+            extra = self.target(verify + extra_tokens) - self.target(verify)
+        bucket = batch_bucket(n)
+        if (bucket, k) not in self._cells:
+            below = [b for (b, kk) in self._cells if kk == k and b < bucket]
+            above = [b for (b, kk) in self._cells if kk == k and b > bucket]
+            if below and above:
+                lo, hi = max(below), min(above)
+                return (self.seed_ms(lo, k), self._cells[(lo, k)], extra,
+                        self.seed_ms(hi, k), self._cells[(hi, k)], n - lo, hi - lo)  # fmt: skip
+        return self.seed_ms(n, k), self._ratio_cell(bucket, k), extra
+
+    def _ratio_cell(self, bucket: int, k: int):
+        """The cell whose ratio a period at (bucket, k) takes (see the class), or None."""
         cell = self._cells.get((bucket, k))
         if cell is None:
             cell = _nearest_bucket(self._cells, bucket, k)
@@ -97,48 +127,48 @@ class StepCostModel:
                 # Host overhead missing from the seeds is shared by every K of a batch size.
                 here = [kk for (b, kk) in self._cells if b == bucket]
                 if not here:
-                    return 1.0
+                    return None
                 cell = self._cells[(bucket, min(here, key=lambda kk: (abs(kk - k), kk)))]
-        return math.exp(cell.value)
+        return cell
 
-    def period_ms(self, n: int, k: int, extra_tokens: int = 0) -> float:
-        """A step of n requests all drafting k, plus prefill tokens. A batch bucket where K=k
-        was not measured, between two where it was, interpolates their periods linearly in
-        the batch size (host work grows by the request, and does not scale with the seeds:
-        SmolLM2 on the H200 took 1.82 ms at K=3 and batch 1, 2.19 at 8, 4.2-5.2 at 64)."""
-        bucket = batch_bucket(n)
-        ms = self._between(n, bucket, k)
-        if ms is None:
-            ms = self.seed_ms(n, k) * self.ratio(bucket, k)
-        if extra_tokens:
-            verify = n * (k + 1)
-            ms += self.target(verify + extra_tokens) - self.target(verify)
-        return ms
+    def ratio(self, bucket: int, k: int) -> float:
+        cell = self._ratio_cell(bucket, k)
+        return 1.0 if cell is None else math.exp(cell.value)
 
-    def _between(self, n: int, bucket: int, k: int) -> float | None:
-        if (bucket, k) in self._cells:
-            return None
-        below = [b for (b, kk) in self._cells if kk == k and b < bucket]
-        above = [b for (b, kk) in self._cells if kk == k and b > bucket]
-        if not below or not above:
-            return None
-        lo, hi = max(below), min(above)
-        ms_lo = self.seed_ms(lo, k) * math.exp(self._cells[(lo, k)].value)
-        ms_hi = self.seed_ms(hi, k) * math.exp(self._cells[(hi, k)].value)
-        return ms_lo + (ms_hi - ms_lo) * (n - lo) / (hi - lo)
+    def _plan(self, key: tuple, make):
+        """make(*key), memoized while no cell is added (`memoize`)."""
+        if not self.memoize:
+            return make(*key)
+        plan = self._plans.get(key)
+        if plan is None:
+            if len(self._plans) >= 1024:  # prefill sizes vary: keep it bounded
+                self._plans.clear()
+            plan = self._plans[key] = make(*key)
+        return plan
 
     def periods_ms(self, n: int, k_top: int, extra_tokens: int = 0) -> list[float]:
         """period_ms for K = 0..k_top, none above a larger K's measured at this batch bucket:
         a step with fewer drafts does less work, so a cell estimated higher (few
         observations, or borrowed) is taken at the larger K's period."""
-        out = [self.period_ms(n, k, extra_tokens) for k in range(k_top + 1)]
-        bucket, cap = batch_bucket(n), math.inf
+        reads, caps = self._plan((n, k_top, extra_tokens, "all"), self._periods_plan)
+        out = [_read(r) for r in reads]
+        cap = math.inf
         for k in range(k_top, -1, -1):
             out[k] = min(out[k], cap)
-            cell = self._cells.get((bucket, k))
+            cell = caps[k]
             if cell is not None and cell.count:
                 cap = out[k]
         return out
+
+    def _periods_plan(self, n: int, k_top: int, extra_tokens: int, _) -> tuple:
+        bucket = batch_bucket(n)
+        reads = [self._period_plan(n, k, extra_tokens) for k in range(k_top + 1)]
+        return reads, [self._cells.get((bucket, k)) for k in range(k_top + 1)]
+
+    def cells(self, n: int, k_top: int) -> list:
+        """The table's cells (`RobustMean`, read only; None where not measured) at n's bucket
+        for K = 0..k_top: what observations, doubtful and surprised read, in one lookup."""
+        return self._plan((n, k_top, 0, "all"), self._periods_plan)[1]
 
     def step_ms(self, ks: list[int], extra_tokens: int = 0) -> float:
         """A step with these per-request draft lengths (nonempty)."""
@@ -198,6 +228,7 @@ class StepCostModel:
         if cell is None:
             cell = self._cells[key] = RobustMean(math.log(self.ratio(*key)), self.CUT / 2)
             self._measured_ks.add(k)
+            self._plans.clear()
         self._clock += 1
         x = math.log(period_ms / seed)
         stale = cell.count and self._clock - cell.last > self.STALE_AGE
@@ -236,12 +267,8 @@ class StepCostModel:
         to or from plain decoding costs SWITCH_PRIOR of a plain step (`plain_ms` if the
         caller knows it), between K > 0 nothing. One direction may be negative; a switch
         there and back costs the sum (`there_and_back`)."""
-        bucket = batch_bucket(n)
         out, prior = {"lateral": 0.0}, None
-        for direction in ("up", "down", "lateral"):
-            cell = self._switch.get((bucket, direction))
-            if cell is None:
-                cell = _nearest_bucket(self._switch, bucket, direction)
+        for direction, cell in self._plan((n, "switch"), self._switch_plan):
             if cell is not None:
                 out[direction] = cell.value
             elif direction != "lateral":
@@ -249,6 +276,15 @@ class StepCostModel:
                     prior = self.SWITCH_PRIOR * (plain_ms or self.period_ms(n, 0))
                 out[direction] = prior
         return out
+
+    def _switch_plan(self, n: int, _) -> tuple:
+        bucket, plan = batch_bucket(n), []
+        for direction in ("up", "down", "lateral"):
+            cell = self._switch.get((bucket, direction))
+            if cell is None:
+                cell = _nearest_bucket(self._switch, bucket, direction)
+            plan.append((direction, cell))
+        return tuple(plan)
 
     def observe_switch(self, n: int, k_from: int, k_to: int, excess_ms: float,
                        steady_ms: float) -> None:  # fmt: skip
@@ -265,11 +301,27 @@ class StepCostModel:
         if cell is None:
             prior = 0.0 if direction == "lateral" else self.SWITCH_PRIOR * self.period_ms(n, 0)
             cell = self._switch[key] = RobustMean(prior, self.CUT * steady_ms)
+            self._plans.clear()
         if cell.count < self.YOUNG:
             cell.update(excess_ms, 1.0 / (cell.count + 2), math.inf)
             return
         weight = max(self.SWITCH_WEIGHT, 1.0 / (cell.count + 2))
         cell.update(excess_ms, weight, self.CUT * steady_ms)
+
+
+def _read(plan: tuple) -> float:
+    """A period from its read plan (`StepCostModel._period_plan`)."""
+    if len(plan) == 3:
+        seed, cell, extra = plan
+        ms = seed * math.exp(cell.value) if cell is not None else seed * 1.0
+    else:
+        seed_lo, cell_lo, extra, seed_hi, cell_hi, dn, span = plan
+        ms_lo = seed_lo * math.exp(cell_lo.value)
+        ms_hi = seed_hi * math.exp(cell_hi.value)
+        ms = ms_lo + (ms_hi - ms_lo) * dn / span
+    if extra:
+        ms += extra
+    return ms
 
 
 def there_and_back(sw: dict[str, float], a: int | None, b: int) -> float:

@@ -174,7 +174,11 @@ class GoodputPolicy(SpeculationPolicy):
         caps = [min(self.k_max, r.max_useful_drafts) for r in reqs]
         cums = [self.acceptance.cumulative(r.request_id) for r in reqs]
         k_top = max(caps)
-        tokens = self._tokens(cums, caps, k_top)
+        full = min(caps) == k_top  # every request may draft k_top (the usual case)
+        if full:
+            tokens = [sum(col) for col, _ in zip(zip(*cums), range(k_top + 1))]
+        else:
+            tokens = self._tokens(cums, caps, k_top)
         costs = self.cost.periods_ms(n, k_top, extra_tokens)
         trimmed = None
         if k_top and not self.cost.padded:  # eager verify steps: every draft costs
@@ -199,16 +203,25 @@ class GoodputPolicy(SpeculationPolicy):
         k, probe = self._probe_k(bucket, k, n, tokens, costs, sw, unknown)
         self._last_run[(bucket, k)] = self._bucket_steps[bucket]
         self._running_k = None if probe else k
-        ks = [min(k, c) for c in caps]
-        if trimmed is not None:
-            ks = self._request_probe(reqs, ks, list(trimmed[k][0]))
-        self.predicted_tokens = sum(c[k] for c, k in zip(cums, ks))
-        self.predicted_ms = self.cost.step_ms(ks, extra_tokens)
         if trimmed is None and self.cost.padded:
             # Drafts past a request's cap cost nothing in a padded step (K <= the largest
             # cap) and their tokens are dropped; one draft length for every request lets the
             # overlap loop launch the step without waiting (the scheduler keeps the context).
+            if full:  # every request drafts k: the step's expected tokens are tokens[k]
+                self.predicted_tokens = tokens[k]
+            else:
+                self.predicted_tokens = sum(c[min(k, cap)] for c, cap in zip(cums, caps))
+            if extra_tokens:
+                self.predicted_ms = self.cost.step_ms([min(k, c) for c in caps], extra_tokens)
+            else:  # step_ms of a padded step without prefill
+                self.predicted_ms = self.cost.period_ms(n, k)
             ks = [k] * n
+        else:
+            ks = [min(k, c) for c in caps]
+            if trimmed is not None:
+                ks = self._request_probe(reqs, ks, list(trimmed[k][0]))
+            self.predicted_tokens = sum(c[k] for c, k in zip(cums, ks))
+            self.predicted_ms = self.cost.step_ms(ks, extra_tokens)
         return self._decided(ks, probe=probe, tokens=tokens, period_ms=costs, switch_ms=switch)
 
     @staticmethod
@@ -249,20 +262,25 @@ class GoodputPolicy(SpeculationPolicy):
     def _probe_k(self, bucket: int, best: int, n: int, tokens, costs, sw: dict[str, float],
                  unknown: bool) -> tuple[int, bool]:  # fmt: skip
         """The K to run this step: `best`, or a probe that is due (the most overdue)."""
-        goodput = [t / ms for t, ms in zip(tokens, costs)]
         if self._probe is not None:
             p_bucket, p_k, left = self._probe
-            if p_bucket == bucket and p_k < len(goodput) and left > 0:
+            if p_bucket == bucket and p_k < len(tokens) and left > 0:
                 self._probe = (bucket, p_k, left - 1)
                 return p_k, True
             self._probe = None
+        goodput = [t / ms for t, ms in zip(tokens, costs)]
         due, probe, probe_len = 0.0, None, 0
+        top, g_best, ms_best = len(goodput) - 1, goodput[best], costs[best]
+        cells, min_gain = self.cost.cells(n, top), self.PROBE_MIN_GAIN * n
+        steps_now, last_run = self._bucket_steps[bucket], self._last_run
+        every, fresh_gap = self.PROBE_EVERY, self.FRESH_GAP
         for k, g in enumerate(goodput):
-            if k == best or (k and tokens[k] - tokens[0] < self.PROBE_MIN_GAIN * n):
+            if k == best or (k and tokens[k] - tokens[0] < min_gain):
                 continue
-            gap = max(0.0, 1.0 - g / goodput[best]) if goodput[best] > 0 else 0.0
-            age = self._bucket_steps[bucket] - self._last_run.get((bucket, k), 0)
-            seen = self.cost.observations(n, k)
+            gap = max(0.0, 1.0 - g / g_best) if g_best > 0 else 0.0
+            age = steps_now - last_run.get((bucket, k), 0)
+            cell = cells[k]
+            seen = cell.count if cell is not None else 0
             steps = self.probe_len(k, best, costs[k])
             if not seen and gap < self.UNSEEN_GAP and not self.cost.measured_k(k):
                 tries = self._unseen_tries.get((bucket, k), 0)
@@ -272,19 +290,17 @@ class GoodputPolicy(SpeculationPolicy):
                 # it out so that it is PROBE_BUDGET of the time spent at `best` in between.
                 lost = steps * gap * costs[k] + there_and_back(sw, best, k)
                 budget = self.PROBE_BUDGET
-                if best == 0 and k == len(goodput) - 1 and gap < self.FRESH_GAP:
+                if best == 0 and k == top and gap < fresh_gap:
                     budget = self.ACCEPT_PROBE_BUDGET  # it also refreshes acceptance
-                interval = lost / (costs[best] * budget)
-                cap = max(self.PROBE_MAX_INTERVAL, lost / (costs[best] * self.PROBE_MAX_BUDGET))
-                interval = min(max(interval, self.PROBE_EVERY * steps), cap)
-                if 0 < seen < self.FRESH_OBSERVATIONS and (
-                    gap < self.FRESH_GAP or self.cost.surprised(n, k)
-                ):  # a K that may be the best, or just moved far, is measured again soon
-                    interval = min(interval, self.PROBE_EVERY << seen)
-                if self.cost.doubtful(n, k):  # far off once: confirm or dismiss it soon
-                    interval = min(interval, 2 * self.PROBE_EVERY * steps)
-                if unknown and gap < self.FRESH_GAP:
-                    interval = min(interval, self.PROBE_EVERY)
+                interval = lost / (ms_best * budget)
+                cap = max(self.PROBE_MAX_INTERVAL, lost / (ms_best * self.PROBE_MAX_BUDGET))
+                interval = min(max(interval, every * steps), cap)
+                if 0 < seen < self.FRESH_OBSERVATIONS and (gap < fresh_gap or cell.surprised):
+                    interval = min(interval, every << seen)  # it may be the best, or moved
+                if cell is not None and cell.doubt is not None:
+                    interval = min(interval, 2 * every * steps)  # far off once: confirm or
+                if unknown and gap < fresh_gap:  # dismiss it soon
+                    interval = min(interval, every)
             if age >= interval and (probe is None or age - interval > due):
                 due, probe, probe_len = age - interval, k, steps
         if probe is None:
