@@ -49,11 +49,12 @@ def _kv_load(k_cache, v_cache, page, n, n_ok, kvh, stride_cp, stride_cs, stride_
 # The step's metadata are views into one upload whose alignment varies from step to step:
 # not specialized on (see triton_kernels.py, where the generic kernel does the same).
 METADATA = ["positions", "query_start_loc", "seq_lens", "block_tables"]
+# What neither attention kernel specializes on: strides and split counts that vary with the
+# batch, and the metadata addresses.
+NOT_SPECIALIZED = ["stride_bt", "num_splits", "stride_os", "stride_ls", "stride_lt", *METADATA]
 
 
-@triton.jit(
-    do_not_specialize=["stride_bt", "num_splits", "stride_os", "stride_ls", "stride_lt", *METADATA]
-)
+@triton.jit(do_not_specialize=NOT_SPECIALIZED)
 def _paged_attn_decode_kernel(
     q_ptr, k_cache, v_cache, out_ptr, lse_ptr,
     positions, query_start_loc, seq_lens, block_tables,

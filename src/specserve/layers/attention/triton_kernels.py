@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from specserve.layers import pdl
-from specserve.layers.attention.triton_decode import METADATA, _paged_attn_decode_kernel
+from specserve.layers.attention.triton_decode import NOT_SPECIALIZED, _paged_attn_decode_kernel
 
 LOG2E = 1.4426950408889634
 DECODE_MAX_ROWS = 64  # rows per request up to which the split (decode/verify) path is used
@@ -67,9 +67,7 @@ def _kv_write_kernel(
 # one upload (runtime/packing.py), 16-byte aligned or not with the parity of the token and
 # request counts, and each unseen combination would be a new variant (~0.5 s on the GPU);
 # they are read as scalars and gathers, which alignment does not speed up.
-@triton.jit(
-    do_not_specialize=["stride_bt", "num_splits", "stride_os", "stride_ls", "stride_lt", *METADATA]
-)
+@triton.jit(do_not_specialize=NOT_SPECIALIZED)
 def _paged_attn_kernel(
     q_ptr, k_cache, v_cache, out_ptr, lse_ptr,
     positions, query_start_loc, seq_lens, block_tables,
