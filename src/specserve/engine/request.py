@@ -74,10 +74,9 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
     num_preemptions: int = 0
-    # Drafter state: positions < draft_cached_len are in the drafter's KV; draft_features
-    # holds target features of committed positions the drafter has not consumed yet.
+    # Drafter state: positions < draft_cached_len are in the drafter's KV (EAGLE-3's
+    # features of the positions after it wait in its feature store, by KV slot).
     draft_cached_len: int = 0
-    draft_features: list = field(default_factory=list)
     spec: SpecStats = field(default_factory=lambda: SpecStats())
 
     def __post_init__(self) -> None:
@@ -137,7 +136,6 @@ class Request:
         """Forget all KV (target and drafter): the request will be recomputed."""
         self.cached_len = 0
         self.draft_cached_len = 0
-        self.draft_features.clear()
 
     @property
     def finished(self) -> bool:
