@@ -145,6 +145,7 @@ def main() -> None:
     ap.add_argument("--out", default="diag")
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--skip-8b", action="store_true")
+    ap.add_argument("--skip-smol", action="store_true", help="only the 8B kernel profiles")
     args = ap.parse_args()
     cuda = not args.tiny
     device = "cuda" if cuda else "cpu"
@@ -175,6 +176,9 @@ def main() -> None:
         del model
         if cuda:
             torch.cuda.empty_cache()
+    if args.skip_smol:
+        (out / "diag.json").write_text(json.dumps(result, indent=1))
+        return
     shape = replace(SMOLLM2, **TINY) if args.tiny else SMOLLM2
     model = random_model(shape, device)
     head = random_head(shape, Path(tempfile.mkdtemp()) / "head", 1000 if args.tiny else 11264)
@@ -193,8 +197,10 @@ def main() -> None:
         records = trace_policy(engine) if name == "goodput" else None
         rows = [timed_run(engine, 1, 6, new_tokens), timed_run(engine, 8, 2, new_tokens),
                 timed_run(engine, 64, 2, new_tokens)]  # fmt: skip
-        entry = {"rows": rows,
-                 "spec": {k: v for k, v in engine.stats().items() if k.startswith("spec_")}}
+        entry = {
+            "rows": rows,
+            "spec": {k: v for k, v in engine.stats().items() if k.startswith("spec_")},
+        }
         if records is not None:
             (out / "goodput_trace.json").write_text(json.dumps(records))
             entry["trace_len"] = len(records)
