@@ -32,18 +32,22 @@ SPLITS = (1, 2, 3, 4, 6, 8)
 SMEM_BYTES = 220 * 1024  # H200: 227 KB of shared memory per block, less Triton's own use
 
 
-def sweep_configs(rows: int, n: int, k: int) -> list[GemvConfig]:
-    """Every tile / warps / stages / split combination that fits shared memory and keeps
-    each K slice at least one block long and the program count within 16 waves."""
+GRID = dict(block_n=(16, 32, 64, 128, 256), block_k=(64, 128, 256, 512), warps=(2, 4, 8),
+            stages=(3, 4, 5))  # fmt: skip
+
+
+def sweep_configs(rows: int, n: int, k: int, grid: dict = GRID) -> list[GemvConfig]:
+    """Every tile / warps / stages / split combination of `grid` that fits shared memory
+    and keeps each K slice at least one block long and the program count within 16 waves."""
     bm = row_block(rows)
     out = []
-    for bn, bk, warps, stages in itertools.product((16, 32, 64, 128, 256), (64, 128, 256, 512),
-                                                   (2, 4, 8), (3, 4, 5)):  # fmt: skip
+    for bn, bk, warps, stages in itertools.product(grid["block_n"], grid["block_k"],
+                                                   grid["warps"], grid["stages"]):  # fmt: skip
         if not 2048 <= bn * bk <= 65536 or (warps == 2 and bn * bk > 4096):
             continue
         if stages * (bm + bn) * bk * 2 > SMEM_BYTES:
             continue
-        for split in SPLITS:
+        for split in grid.get("splits", SPLITS):
             cfg = GemvConfig(bn, bk, split, warps, stages, True, bm)
             if cfg.supports(rows, n, k) and triton_cdiv(n, bn) * split <= 16 * 132:
                 out.append(cfg)
@@ -95,7 +99,11 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--workers", type=int, default=16)
     ap.add_argument("--budget-s", type=float, default=400.0)
+    for name, values in GRID.items():
+        ap.add_argument(f"--{name.replace('_', '-')}", type=int, nargs="+", default=values)
+    ap.add_argument("--splits", type=int, nargs="+", default=SPLITS)
     args = ap.parse_args()
+    grid = {name: getattr(args, name) for name in (*GRID, "splits")}
     args.out.mkdir(parents=True, exist_ok=True)
     deadline = time.perf_counter() + args.budget_s
     dt = torch.bfloat16
@@ -104,7 +112,7 @@ def main() -> None:
     weights = {s: torch.empty(SHAPES[s], device="cuda", dtype=dt).normal_(0, 0.02)
                for s in args.shapes}  # fmt: skip
     cases = [(cfg, m, weights[s]) for s in args.shapes for m in args.rows
-             for cfg in sweep_configs(m, *SHAPES[s])]  # fmt: skip
+             for cfg in sweep_configs(m, *SHAPES[s], grid)]  # fmt: skip
     compile_s = compile_all(cases, args.workers)
     print(f"{len(cases)} cases compiled in {compile_s:.1f} s", flush=True)
     rows_out = []
@@ -122,7 +130,7 @@ def main() -> None:
                 str(c): measure(c, x, rotation, args.reps)
                 for c in candidate_configs(m, n, k, props.multi_processor_count)
             }
-            cfg_of = {str(c): c for c in sweep_configs(m, n, k)}
+            cfg_of = {str(c): c for c in sweep_configs(m, n, k, grid)}
             swept = [(measure(c, x, rotation, args.reps), s_) for s_, c in cfg_of.items()]
             swept.sort()  # the leaders again, with more replays (less noise)
             swept = sorted(
