@@ -30,6 +30,7 @@ from gpu_engine_bench import LLAMA_8B, random_head, random_model  # noqa: E402
 
 from specserve.config import EngineConfig  # noqa: E402
 from specserve.engine.engine import LLMEngine  # noqa: E402
+from specserve.layers.gemv_select import GemvPlan  # noqa: E402
 from specserve.sampling_params import SamplingParams  # noqa: E402
 
 SMOLLM2 = replace(
@@ -146,6 +147,7 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--skip-8b", action="store_true")
     ap.add_argument("--skip-smol", action="store_true", help="only the 8B kernel profiles")
+    ap.add_argument("--only-plain", action="store_true", help="of the 8B engines, plain only")
     args = ap.parse_args()
     cuda = not args.tiny
     device = "cuda" if cuda else "cpu"
@@ -166,11 +168,15 @@ def main() -> None:
             ("plain", {"speculative_algorithm": "none"}, (1, 64)),
             ("eagle3 policy off", {**spec, "speculative_policy": "off"}, (1, 64)),
             ("eagle3 fixed K=3", {**spec, "speculative_policy": "fixed"}, (1, 64)),
-        ]:
+        ][: 1 if args.only_plain else 3]:
             engine = LLMEngine(EngineConfig(**cfg, **extra), model=model)
             add(engine, 4, 64, 16)
             drain(engine)
             result[f"8b {name}"] = [profile(engine, b, cuda) for b in batches]
+            selector = getattr(engine, "gemv_selector", None)
+            if selector is not None and name == "plain":  # what served each GEMV shape
+                plan = GemvPlan(selector.measured, selector.row_buckets)
+                result["8b plain gemv plan"] = plan.summary()
             print(name, json.dumps(result[f"8b {name}"])[:3000], flush=True)
             del engine
         del model
