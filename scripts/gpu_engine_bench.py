@@ -77,6 +77,7 @@ def run(engine: LLMEngine, batch: int, prompt_len: int, new_tokens: int, seed: i
     sync()
     steps0 = engine.num_steps
     loop0 = engine.loop.stats()
+    engine.loop.times.clear()
     produced = sum(len(r.output_token_ids) for r in engine.requests.values())
     t0 = time.perf_counter()
     walls = []
@@ -90,6 +91,9 @@ def run(engine: LLMEngine, batch: int, prompt_len: int, new_tokens: int, seed: i
     median = walls[len(walls) // 2]
     tokens = batch * new_tokens - produced
     loop = engine.loop.stats()
+    times = engine.loop.times  # each step's device span and the idle gap before it
+    span = sum(times.step_ms) / max(1, len(times.step_ms))
+    gap = sum(times.gap_ms) / max(1, len(times.gap_ms))
     reasons = {k: v - loop0["loop_wait_reasons"].get(k, 0)
                for k, v in loop["loop_wait_reasons"].items()}  # fmt: skip
     return {
@@ -105,6 +109,8 @@ def run(engine: LLMEngine, batch: int, prompt_len: int, new_tokens: int, seed: i
         # step() wall times: spikes (drafter catch-ups, compiles) show as max and slow share
         "step_ms_p50_p99_max": [round(walls[int(len(walls) * q)] * 1e3, 3) for q in (0.5, 0.99)]
         + [round(walls[-1] * 1e3, 3)],
+        "device_ms_per_step": round(span, 3),
+        "gap_ms_per_step": round(gap, 4),
         "slow_steps_ms": round(sum(w for w in walls if w > 2 * median) * 1e3, 1),
         # steps launched only after the previous step's tokens reached the host, and why
         "loop_waits": loop["loop_waits"] - loop0["loop_waits"],
@@ -124,6 +130,10 @@ def combine(runs: list[dict]) -> dict:
     row.update(decode_tokens=tokens, seconds=round(seconds, 4), steps=steps,
                output_tok_s=round(tokens / seconds, 1),
                ms_per_step=round(seconds / steps * 1e3, 3),
+               device_ms_per_step=round(sum(r["device_ms_per_step"] * r["steps"]
+                                            for r in runs) / steps, 3),
+               gap_ms_per_step=round(sum(r["gap_ms_per_step"] * r["steps"]
+                                         for r in runs) / steps, 4),
                tokens_per_request_step=round(tokens / row["batch"] / steps, 3),
                loop_waits=sum(r["loop_waits"] for r in runs),
                loop_wait_reasons={k: sum(r["loop_wait_reasons"].get(k, 0) for r in runs)
