@@ -71,12 +71,15 @@ def set_fusions(model, silu: bool, split_k: bool) -> None:
 
 
 def model_fusion_case(dtype, device, config, backend=None, seed=0, cfg=None,
-                      steps=(1, 3, 8), silu=True) -> dict:  # fmt: skip
+                      steps=(1, 3, 8), silu=True, fused_choice=True) -> dict:  # fmt: skip
     """A tiny Llama on the Triton path with every linear through `config` (a K split
-    engages both fusions), steps of 1, 3 and 8 tokens: {"equal": fuse=True (without the
+    engages the fusions), steps of 1, 3 and 8 tokens: {"equal": fuse=True (without the
     SiLU prologue when not `silu`) gives the hidden states, logits and KV of fuse=False bit
     for bit, "err": their error against plain torch modules, "fused_norms": how many
-    RMSNorms ran a split-K pass, "silu_gemvs": how many GEMVs ran the SiLU prologue}."""
+    RMSNorms ran a split-K pass (o_proj's and the down projection's), "silu_gemvs": how many
+    GEMVs ran the SiLU prologue}. Without `fused_choice` the plan has measured the fused
+    down projection slower (config_for with a fusion gives None): the MLP runs SiLU-and-mul
+    and the plain choice, whose split still reduces in the next norm."""
     from specserve.engine.kv_cache import KVCache
     from specserve.layers import triton_norm, triton_ops
     from specserve.layers.attention import TorchAttentionBackend
@@ -90,6 +93,11 @@ def model_fusion_case(dtype, device, config, backend=None, seed=0, cfg=None,
     kv = {name: KVCache(cfg, 9, 4, dtype, device) for name in ("ref", "fused", "unfused")}
     gen = torch.Generator().manual_seed(seed)
     plan = GemvPlan(row_buckets=(1, 2, 4, 8), default=config)
+    if not fused_choice:
+        plain_choice = plan.config_for
+        plan.config_for = lambda rows, n, k, dt, fusion=None: (
+            None if fusion else plain_choice(rows, n, k, dt)
+        )
     calls = {"fused_norms": 0, "silu_gemvs": 0}
     fused_norm, gemv = triton_ops.split_k_add_rms_norm, triton_ops.gemv
 

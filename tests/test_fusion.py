@@ -81,6 +81,8 @@ def run_cases() -> dict:
         record(f"model-{dtype}", model_fusion_case, getattr(torch, dtype), "cpu", split)
     record("model-float16-split-k-only", model_fusion_case, torch.float16, "cpu", split,
            silu=False)  # fmt: skip
+    record("model-float16-fused-slower", model_fusion_case, torch.float16, "cpu", split,
+           fused_choice=False)  # fmt: skip
     return results
 
 
@@ -113,15 +115,18 @@ def test_interpreter_split_k_pass_fused_into_add_rms_norm(name, interpreter_resu
                    "reduce": True}, name  # fmt: skip
 
 
-@pytest.mark.parametrize("case", ["float32", "float16", "float16-split-k-only"])
+@pytest.mark.parametrize("case", ["float32", "float16", "float16-split-k-only",
+                                  "float16-fused-slower"])  # fmt: skip
 def test_interpreter_model_fused_equals_unfused(case, interpreter_results):
     res = interpreter_results[f"model-{case}"]
     assert isinstance(res, dict), res
     assert res["equal"], res
-    # every layer's down projection (2 layers, 3 steps) reached the next norm unreduced,
-    # with its SiLU as the GEMV's prologue unless that fusion is off
-    assert res["fused_norms"] == 2 * 3, res
-    assert res["silu_gemvs"] == (0 if "split-k-only" in case else 2 * 3), res
+    # every layer's o_proj and down projection (2 layers, 3 steps) reached the next norm
+    # unreduced, the down projection with its SiLU as the GEMV's prologue unless that
+    # fusion is off or measured slower
+    assert res["fused_norms"] == 2 * 2 * 3, res
+    no_silu = "split-k-only" in case or "slower" in case
+    assert res["silu_gemvs"] == (0 if no_silu else 2 * 3), res
     assert res["err"] <= 10 * TOL[case.split("-")[0]], res
 
 

@@ -99,14 +99,16 @@ class GemvPlan:
             cfg = self._configs.get(key, self.default)
         return cfg if cfg is None or rows <= cfg.max_rows else None
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
-        """F.linear(x, weight, bias) through the planned kernel."""
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+               defer_reduce: bool = False):  # fmt: skip
+        """F.linear(x, weight, bias) through the planned kernel (defer_reduce: a split-K
+        GEMV's output unreduced, a `SplitKSum`, as `gemv` returns it)."""
         k = x.shape[-1]
         rows = x.numel() // k if k else 0
         cfg = self.config_for(rows, weight.shape[0], k, weight.dtype)
         if cfg is None:
             return F.linear(x, weight, bias)
-        return gemv(x, weight, bias, cfg)
+        return gemv(x, weight, bias, cfg, defer_reduce=defer_reduce)
 
     def summary(self) -> list[dict]:
         """One JSON-ready row per measured key."""

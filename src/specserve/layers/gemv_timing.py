@@ -68,7 +68,8 @@ def down_and_norm(cfg: GemvConfig | None, fusion: str, residual: torch.Tensor,
     RMSNorm after it, as the model runs them (triton_ops.TritonMergedGatedMLP): with cfg,
     the Triton GEMV with the parts of `fusion` ("silu": SiLU-and-mul as its prologue,
     "split_k": its split-K pass inside the norm); cfg None: unfused, SiLU-and-mul, then the
-    shape's plain choice (`unfused`: a Triton GEMV, None: cuBLAS), then add + RMSNorm."""
+    shape's plain choice (`unfused`: a Triton GEMV, None: cuBLAS), then add + RMSNorm (which
+    runs a K split's pass of `unfused` with "split_k", as the model does)."""
     from specserve.layers.triton_ops import add_rms_norm, silu_and_mul, split_k_add_rms_norm
 
     silu = cfg is not None and "silu" in fusion
@@ -78,8 +79,8 @@ def down_and_norm(cfg: GemvConfig | None, fusion: str, residual: torch.Tensor,
         a = x if silu else silu_and_mul(x[:, :k], x[:, k:])
         if cfg is not None:
             y = gemv(a, w, None, cfg, silu=silu, defer_reduce="split_k" in fusion)
-        elif unfused is not None:
-            y = gemv(a, w, None, unfused)
+        elif unfused is not None:  # the model defers a split of it to the norm, too
+            y = gemv(a, w, None, unfused, defer_reduce="split_k" in fusion)
         else:
             y = F.linear(a, w)
         if isinstance(y, SplitKSum):

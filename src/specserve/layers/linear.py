@@ -36,11 +36,14 @@ class MergedLinear(nn.Linear):
 
 
 def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-          plan: GemvPlan | None = None) -> torch.Tensor:  # fmt: skip
-    """F.linear, through `plan`'s measured GEMV choice when one is installed."""
+          plan: GemvPlan | None = None, defer_reduce: bool = False):  # fmt: skip
+    """F.linear, through `plan`'s measured GEMV choice when one is installed. defer_reduce:
+    where that choice splits K, return its partial sums unreduced (`gemv.SplitKSum`) for an
+    RMSNorm with residual to reduce (triton_ops.TritonRMSNorm); only such a norm may read
+    the result."""
     if plan is None:
         return F.linear(x, weight, bias)
-    return plan.linear(x, weight, bias)
+    return plan.linear(x, weight, bias, defer_reduce)
 
 
 class GemvLinear(nn.Linear):
@@ -49,8 +52,8 @@ class GemvLinear(nn.Linear):
 
     gemv_plan: GemvPlan | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return dense(x, self.weight, self.bias, self.gemv_plan)
+    def forward(self, x: torch.Tensor, defer_reduce: bool = False):
+        return dense(x, self.weight, self.bias, self.gemv_plan, defer_reduce)
 
 
 class GemvMergedLinear(MergedLinear):

@@ -26,6 +26,7 @@ from torch import nn
 from specserve.layers import pdl
 from specserve.layers.activation import GatedMLP, MergedGatedMLP
 from specserve.layers.gemv import SplitKSum, gemv, silu_mul
+from specserve.layers.linear import dense
 from specserve.layers.norm import RMSNorm
 from specserve.layers.rotary import RotaryEmbedding
 from specserve.layers.triton_norm import (
@@ -138,10 +139,10 @@ class TritonMergedGatedMLP(MergedGatedMLP):
         if plan is not None and fusion is not None:
             rows = gate_up.numel() // gate_up.shape[-1] if gate_up.shape[-1] else 0
             cfg = plan.config_for(rows, *down.weight.shape, down.weight.dtype, fusion)
-        if cfg is None:
-            gate, up = gate_up.split(self.intermediate, dim=-1)
-            return down(silu_and_mul(gate, up))
         defer = defer_reduce and self.fuse_split_k
+        if cfg is None:  # the plain choice; a K split of it still reduces in the next norm
+            gate, up = gate_up.split(self.intermediate, dim=-1)
+            return dense(silu_and_mul(gate, up), down.weight, down.bias, plan, defer)
         if self.fuse_silu:
             return gemv(gate_up, down.weight, down.bias, cfg, silu=True, defer_reduce=defer)
         gate, up = gate_up.split(self.intermediate, dim=-1)
@@ -160,7 +161,8 @@ def use_triton_ops(model: nn.Module, enable: bool = True, fuse: bool = True) -> 
     """Switch (enable=False: switch back) the model's RMSNorm, rotary and gated-MLP modules to
     their Triton subclasses in place; returns how many modules changed. fuse: let merged
     MLPs fold SiLU-and-mul and the down projection's split-K pass into their neighbours
-    where the Triton GEMV serves the down projection (same results, fewer kernels)."""
+    where the Triton GEMV serves the down projection, and attention blocks their output
+    projection's split-K pass into the norm after them (same results, fewer kernels)."""
     mapping = _FUSED if enable else {v: k for k, v in _FUSED.items()}
     changed = 0
     for module in model.modules():
@@ -173,4 +175,6 @@ def use_triton_ops(model: nn.Module, enable: bool = True, fuse: bool = True) -> 
         elif isinstance(module, MergedGatedMLP):
             for name in ("fuse_silu", "fuse_split_k"):
                 module.__dict__.pop(name, None)
+        if hasattr(type(module), "split_k_to_norm"):  # attention: its output projection's
+            module.split_k_to_norm = enable and fuse  # K split reduced in the norm after it
     return changed

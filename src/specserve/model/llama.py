@@ -29,7 +29,13 @@ KVCache = list[tuple[torch.Tensor, torch.Tensor]]
 
 
 class Attention(nn.Module):
-    """Grouped-query self-attention with rotary embedding and optional q/k RMSNorm."""
+    """Grouped-query self-attention with rotary embedding and optional q/k RMSNorm.
+
+    With `split_k_to_norm` (set by triton_ops.use_triton_ops) and `defer_reduce`, an output
+    projection that the GEMV plan serves with a K split returns its partial sums unreduced
+    (`gemv.SplitKSum`) for the RMSNorm with residual after it to reduce."""
+
+    split_k_to_norm = False
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -48,7 +54,7 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x, rotary, backend, kv, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x, rotary, backend, kv, meta: AttentionMetadata, defer_reduce=False):
         t = x.shape[0]
         qkv = self.qkv_proj(x)
         if self.q_norm is None and _fused_kv_store(rotary, backend):
@@ -56,7 +62,7 @@ class Attention(nn.Module):
             q = rotary.rotate_and_store(meta.positions, qkv, self.num_heads, self.num_kv_heads,
                                         kv[0], kv[1], meta.slot_mapping)  # fmt: skip
             out = backend.forward(q, None, None, kv[0], kv[1], meta, self.scale)
-            return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+            return self._output(out.reshape(t, self.num_heads * self.head_dim), defer_reduce)
         q, k, v = qkv.split(self.split_sizes, dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
@@ -65,7 +71,13 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(meta.positions, q, k)
         out = backend.forward(q, k, v, kv[0], kv[1], meta, self.scale)
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+        return self._output(out.reshape(t, self.num_heads * self.head_dim), defer_reduce)
+
+    def _output(self, out: torch.Tensor, defer_reduce: bool):
+        if defer_reduce and self.split_k_to_norm:
+            o = self.o_proj
+            return dense(out, o.weight, o.bias, getattr(o, "gemv_plan", None), defer_reduce=True)
+        return self.o_proj(out)
 
 
 def _fused_kv_store(rotary, backend) -> bool:
@@ -94,7 +106,8 @@ class DecoderLayer(nn.Module):
             h, residual = self.input_layernorm(x, residual)
         if aux is not None:
             aux.append(residual)  # the residual stream entering this layer
-        h = self.self_attn(h, rotary, backend, kv, meta)
+        # the output enters the post-attention norm only, which may run o_proj's last pass
+        h = self.self_attn(h, rotary, backend, kv, meta, defer_reduce=True)
         h, residual = self.post_attention_layernorm(h, residual)
         # The output only ever enters the next RMSNorm with this residual (the next layer's
         # or the final norm), which may run the down projection's last pass (triton_ops.py).
