@@ -4,14 +4,10 @@ them, batches changing size, unpadded steps, and cells and switch costs appearin
 
 from __future__ import annotations
 
-import random
-
 import pytest
 
-from specserve.spec.acceptance import AcceptanceModel
 from specserve.spec.cost_model import CurveModel, StepCostModel
-from specserve.spec.policy import GoodputPolicy
-from specserve.spec.step_periods import PeriodLog
+from tests.policy_replay import replay
 from tests.policy_sim import LARGE, MEASURED, SMALL, Noise, Workload, simulate
 
 CASES = {
@@ -38,52 +34,12 @@ def test_closed_loop_decisions_do_not_depend_on_memoized_reads(case, monkeypatch
     assert len(set(runs[0][0])) > 1  # the run changed K: probes, switches
 
 
-class _Req:
-    def __init__(self, request_id: str, left: int):
-        self.request_id, self.left = request_id, left
-
-    @property
-    def max_useful_drafts(self) -> int:
-        return max(0, self.left - 1)
-
-
-def _replay(padded: bool, seed: int) -> list[tuple]:
-    """A recorded sequence of steps: requests arrive and finish (batch 1 to 24), prefill
-    shares some steps, drafts are accepted at random, periods are a noisy function of the
-    step (so new cells and switch costs appear along the way)."""
-    rng = random.Random(seed)
-    target = CurveModel({1: 1.0, 16: 1.1, 64: 1.4, 256: 3.0})
-    cost = StepCostModel(target, CurveModel({1: 0.2, 64: 0.3}), padded=padded)
-    acceptance = AcceptanceModel(3)
-    policy = GoodputPolicy(3, cost, acceptance)
-    periods = PeriodLog(cost)
-    live, next_id, out = [], 0, []
-    for _ in range(1500):
-        while len(live) < rng.choice((1, 2, 8, 24)):
-            live.append(_Req(f"r{next_id}", rng.randint(2, 120)))
-            next_id += 1
-        extra = rng.choice((0, 0, 0, 0, 37, 256))
-        ks = policy.choose(live, extra)
-        out.append((tuple(ks), policy.predicted_tokens, policy.predicted_ms))
-        acceptance.update_many([(r.request_id, k, min(k, int(rng.expovariate(0.7))))
-                                for r, k in zip(live, ks) if k])  # fmt: skip
-        k = max(ks)
-        ms = cost.seed_ms(len(live), k) * (1.6 + 0.3 * (k > 0)) * rng.lognormvariate(0, 0.1)
-        periods.add(len(live), k, None if extra else ms, None)
-        for r, kr in zip(live, ks):
-            r.left -= 1 + (kr and rng.randint(0, kr))
-        live = [r for r in live if r.left > 0]
-        if rng.random() < 0.02:
-            live = live[: len(live) // 2]  # aborts
-    return out
-
-
 @pytest.mark.parametrize("padded", (True, False))
 def test_recorded_steps_decide_the_same_with_memoized_reads(padded, monkeypatch):
     runs = []
     for memoize in (True, False):
         monkeypatch.setattr(StepCostModel, "memoize", memoize)
-        runs.append(_replay(padded, seed=11))
+        runs.append(replay(padded, seed=11)[0])
     assert runs[0] == runs[1]
     assert len({max(ks, default=0) for ks, _, _ in runs[0]}) > 1
 
