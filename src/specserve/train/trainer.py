@@ -19,24 +19,12 @@ import torch
 from tqdm import tqdm
 
 from specserve.errors import SpecserveError
-from specserve.model.eagle3 import (
-    Eagle3Config,
-    Eagle3Head,
-    default_aux_layer_ids,
-    load_eagle3_head,
-)
-from specserve.model.eagle3 import save_eagle3_head as _save_head
+from specserve.model.eagle3 import Eagle3Head
 from specserve.model.loader import load_config, load_model, resolve_model
 from specserve.train.config import TrainConfig
-from specserve.train.distill import (
-    Sample,
-    build_draft_vocab,
-    coverage_curve,
-    distill,
-    vocab_coverage,
-)
-from specserve.train.features import FeatureStore, make_batch, record_features
-from specserve.train.ttt import acceptance_stats, unroll
+from specserve.train.distill import coverage_curve, distill
+from specserve.train.features import FeatureStore, record_features
+from specserve.train.trainee import Trainee, make_head, save_head
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -48,29 +36,6 @@ class TrainResult:
     head: Eagle3Head
     losses: list[float] = field(default_factory=list)
     metrics: dict = field(default_factory=dict)
-
-
-class Trainee:
-    """The head being trained plus the frozen pieces of the target it needs."""
-
-    def __init__(self, head: Eagle3Head, embed: torch.Tensor, target_head: torch.Tensor,
-                 cfg: TrainConfig):
-        self.head, self.embed, self.target_head, self.cfg = head, embed, target_head, cfg
-        self.autocast = head.fc.weight.device.type == "cuda"
-
-    def run(self, store: FeatureStore, indices: list[int]):
-        batch = make_batch(store, indices, self.cfg.max_seq_len)
-        with torch.autocast("cuda", torch.bfloat16, enabled=self.autocast):
-            return unroll(self.head, self.embed, self.target_head, batch, self.cfg.ttt_steps)
-
-    @torch.no_grad()
-    def evaluate(self, store: FeatureStore) -> dict:
-        if len(store) == 0:
-            return {}
-        order = sorted(range(len(store)), key=store.length)
-        size = self.cfg.batch_size
-        outs = [self.run(store, order[i : i + size]) for i in range(0, len(order), size)]
-        return acceptance_stats(outs)
 
 
 def _device(name: str) -> torch.device:
@@ -106,39 +71,6 @@ def _lr_factor(step: int, warmup: int, progress: float) -> float:
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, max(0.0, progress))))
 
 
-def save_head(head: Eagle3Head, folder: Path, dtype: torch.dtype) -> None:
-    """Export a copy of the head in `dtype` (the trained copy keeps fp32 weights)."""
-    with torch.device("meta"):
-        copy = Eagle3Head(head.config, head.aux_layer_ids)
-    copy.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v
-                          for k, v in head.state_dict().items()}, assign=True)
-    _save_head(copy, folder)
-
-
-def _make_head(cfg: TrainConfig, target_cfg, samples: list[Sample], device: torch.device):
-    """(head, draft coverage): a fresh fp32 head with the draft vocabulary of `samples`, or
-    the head of --init-head (its own draft vocabulary) to train further."""
-    if cfg.init_head is not None:
-        head = load_eagle3_head(cfg.init_head, target_cfg, torch.float32, device)
-        if cfg.aux_layer_ids and tuple(cfg.aux_layer_ids) != head.aux_layer_ids:
-            raise SpecserveError(f"--aux-layer-ids {cfg.aux_layer_ids} differ from the layers "
-                                 f"{list(head.aux_layer_ids)} of --init-head {cfg.init_head}")
-        return head.requires_grad_(True).train(), vocab_coverage(samples, head.t2d.cpu())
-    aux_ids = tuple(cfg.aux_layer_ids or default_aux_layer_ids(target_cfg.num_layers))
-    head_cfg = Eagle3Config.for_target(target_cfg, cfg.draft_vocab_size, aux_ids)
-    d2t, t2d, coverage = build_draft_vocab(samples, target_cfg.vocab_size, cfg.draft_vocab_size,
-                                           cfg.min_draft_coverage)
-    if len(d2t) != cfg.draft_vocab_size:  # --min-draft-coverage chose a smaller vocabulary
-        head_cfg = Eagle3Config.for_target(target_cfg, len(d2t), aux_ids)
-    torch.manual_seed(cfg.seed)
-    head = Eagle3Head(head_cfg, aux_ids)
-    head.d2t.copy_(d2t)
-    head.t2d.copy_(t2d)
-    head = head.to(device)
-    head.rotary.materialize(device)
-    return head, coverage
-
-
 def train(cfg: TrainConfig) -> TrainResult:
     """The whole pipeline; returns the trained head and its metrics."""
     out = Path(cfg.out)
@@ -163,7 +95,7 @@ def train(cfg: TrainConfig) -> TrainResult:
     dtype = _DTYPES[cfg.dtype] if cfg.dtype != "auto" else (
         torch.bfloat16 if device.type == "cuda" else torch.float32)
     model = load_model(source, dtype, device, cfg.progress, target_cfg)
-    head, coverage = _make_head(cfg, target_cfg, train_samples, device)
+    head, coverage = make_head(cfg, target_cfg, train_samples, device)
     aux_ids = head.aux_layer_ids
     rec = dict(tokens_per_batch=cfg.feature_batch_tokens, progress=cfg.progress)
     t_rec = time.monotonic()
