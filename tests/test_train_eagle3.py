@@ -1,6 +1,6 @@
-"""train-eagle3: prompt sources, draft vocabulary, target features against transformers, the
-training-time-test bookkeeping, and a tiny end-to-end run (loss falls, acceptance rises, the
-head reloads strictly, training resumes from its checkpoint)."""
+"""train-eagle3's training side: target features against transformers, the training-time-test
+bookkeeping, and a tiny end-to-end run (loss falls, acceptance rises, the head reloads
+strictly, training resumes from its checkpoint). Its data side: test_train_data.py."""
 
 from __future__ import annotations
 
@@ -14,58 +14,27 @@ from specserve.cli import main
 from specserve.model.eagle3 import load_eagle3_head
 from specserve.model.hf_config import load_hf_config
 from specserve.model.loader import load_model, resolve_model
-from specserve.train.config import TrainConfig
-from specserve.train.distill import Sample, build_draft_vocab
+from specserve.train.distill import Sample
 from specserve.train.features import record_features
-from specserve.train.prompts import (
-    PromptSourceError,
-    jsonl_prompts,
-    load_prompts,
-    reserved_keys,
-    shakespeare_prompts,
-    stdlib_prompts,
-)
 from specserve.train.trainer import train
 from specserve.train.ttt import UnrollOutput, acceptance_stats, ttt_mask
-from tests.tiny_models import make_tiny_model
-
-AUX = [1, 2, 3]
+from tests.train_cases import AUX, make_target, train_config, write_prompt_file
 
 
 @pytest.fixture(scope="module")
 def target(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("target4"), "llama", num_layers=4)
+    return make_target(tmp_path_factory.mktemp("target4"))
 
 
 @pytest.fixture(scope="module")
 def prompt_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
-    lines = []
-    for i in range(36):
-        text = f"The quick brown fox {i} jumps over the lazy dog"
-        if i % 3 == 0:
-            lines.append({"prompt": text})
-        elif i % 3 == 1:
-            lines.append({"messages": [{"role": "user", "content": text}]})
-        else:
-            lines.append({"conversations": [{"from": "human", "value": text},
-                                             {"from": "gpt", "value": "dropped"}]})
-    path.write_text("".join(json.dumps(r) + "\n" for r in lines))
-    return path
-
-
-def _config(out, target, prompt_file, **kw) -> TrainConfig:
-    base = dict(out=str(out), data=[str(prompt_file)], target=str(target), steps=60,
-                batch_size=8, lr=5e-3, warmup_steps=5, ttt_steps=3, draft_vocab_size=128,
-                heldout_prompts=4, max_new_tokens=32, aux_layer_ids=AUX, gen_batch=32,
-                save_every=30, eval_every=30, progress=False)
-    return TrainConfig(**{**base, **kw})
+    return write_prompt_file(tmp_path_factory.mktemp("prompts") / "prompts.jsonl")
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, target, prompt_file):
     out = tmp_path_factory.mktemp("run")
-    return out, train(_config(out, target, prompt_file))
+    return out, train(train_config(out, target, prompt_file))
 
 
 def test_loss_falls_and_acceptance_rises(trained):
@@ -119,97 +88,13 @@ def test_resume_continues_from_checkpoint(trained, target, prompt_file, tmp_path
 def test_init_head_continues_training(trained, target, prompt_file, tmp_path):
     out, result = trained
     shutil.copy(out / "data.jsonl", tmp_path / "data.jsonl")
-    cfg = _config(tmp_path, target, prompt_file, init_head=str(out), steps=5, resume=True,
+    cfg = train_config(tmp_path, target, prompt_file, init_head=str(out), steps=5, resume=True,
                   draft_vocab_size=64)  # the head's own vocabulary wins
     more = train(cfg)
     assert more.head.config.draft_vocab_size == 128
     assert torch.equal(more.head.d2t, result.head.d2t)
     start = more.metrics["initial"]["train_subset"]["step_acc"][0]
     assert start == pytest.approx(result.metrics["train_subset"]["step_acc"][0], abs=0.02)
-
-
-def test_generation_time_budget(target):
-    from specserve.config import EngineConfig
-    from specserve.engine.engine import LLMEngine
-    from specserve.train.distill import generate_samples
-    from specserve.train.prompts import PromptItem
-
-    engine = LLMEngine(EngineConfig(model=str(target), max_num_seqs=2, num_kv_pages=64))
-    prompts = [PromptItem(str(i), [{"role": "user", "content": f"hi {i}"}]) for i in range(6)]
-    kw = dict(max_new_tokens=4, temperature=0.0, seed=0, max_prompt_tokens=64, progress=False)
-    assert generate_samples(engine, prompts, time_budget_s=0.0, **kw) == []
-    samples = generate_samples(engine, prompts, **kw)
-    assert [s.key for s in samples] == [str(i) for i in range(6)]
-    assert all(s.response_len == 4 for s in samples) and not engine.has_unfinished()
-
-
-@pytest.mark.parametrize("overlap", ["off", "on"])
-def test_generation_deadline_keeps_greedy_prefixes(target, monkeypatch, overlap):
-    """Past budget + grace, running requests stop and their partial replies are kept: they
-    are prefixes of the full greedy replies. A fake clock ticks once per reading."""
-    from specserve.config import EngineConfig
-    from specserve.engine.engine import LLMEngine
-    from specserve.train import distill
-    from specserve.train.prompts import PromptItem
-
-    engine = LLMEngine(EngineConfig(model=str(target), max_num_seqs=2, num_kv_pages=64,
-                                    overlap_schedule=overlap))
-    prompts = [PromptItem(str(i), [{"role": "user", "content": f"hi {i}"}]) for i in range(6)]
-    kw = dict(max_new_tokens=40, temperature=0.0, seed=0, max_prompt_tokens=64, progress=False)
-    full = distill.generate_samples(engine, prompts[:2], **kw)
-    ticks = iter(range(10**6))
-    monkeypatch.setattr(distill.time, "monotonic", lambda: float(next(ticks)))
-    cut = distill.generate_samples(engine, prompts, time_budget_s=1.5, grace_s=12.0,
-                                   min_partial_tokens=3, **kw)
-    assert [s.key for s in cut] == ["0", "1"]  # no prompt started after the budget
-    for short, whole in zip(cut, full):
-        assert 3 <= short.response_len < whole.response_len == 40
-        assert short.token_ids == whole.token_ids[: len(short.token_ids)]
-    monkeypatch.undo()
-    again = distill.generate_samples(engine, prompts[:2], **kw)  # the engine stays usable
-    assert [s.token_ids for s in again] == [s.token_ids for s in full]
-    # Without detokenization (TokenIdsOnly, as train-eagle3 runs it): the same token ids.
-    ids_only = LLMEngine(EngineConfig(model=str(target), max_num_seqs=2, num_kv_pages=64,
-                                      overlap_schedule=overlap),
-                         tokenizer=distill.TokenIdsOnly(engine.tokenizer))
-    same = distill.generate_samples(ids_only, prompts[:2], **kw)
-    assert [s.token_ids for s in same] == [s.token_ids for s in full]
-
-
-def test_generation_retries_on_the_safe_engine_path(target, prompt_file, tmp_path, monkeypatch):
-    """A failure of the fast generation engine is logged and generation runs again eagerly
-    with the synchronous loop, so a fixed lease still trains."""
-    from specserve.train import distill
-
-    real, calls, records = distill.generate_samples, [], []
-
-    def flaky(engine, *args, **kwargs):
-        calls.append(engine.config.disable_overlap_schedule)
-        if len(calls) == 1:
-            raise RuntimeError("boom")
-        return real(engine, *args, **kwargs)
-
-    monkeypatch.setattr(distill, "generate_samples", flaky)
-    cfg = _config(tmp_path, target, prompt_file, num_prompts=6, max_new_tokens=4)
-    train_samples, heldout = distill.distill(cfg, tmp_path, records.append)
-    assert len(train_samples) == 6 and len(heldout) == 4
-    assert calls == [False, True, True]  # held-out on the fast engine fails; both again
-    failed = [r for r in records if r.get("event") == "generation_failed"]
-    assert len(failed) == 1 and "boom" in failed[0]["error"]
-    # The user's own errors are not retried: they would fail the same way, later.
-    from specserve.errors import InvalidRequestError
-
-    def refused(engine, *args, **kwargs):
-        calls.append("refused")
-        raise InvalidRequestError("the prompt is empty", "prompt")
-
-    monkeypatch.setattr(distill, "generate_samples", refused)
-    calls.clear()
-    again = tmp_path / "again"
-    again.mkdir()
-    with pytest.raises(InvalidRequestError):
-        distill.distill(cfg, again, records.append)
-    assert calls == ["refused"]
 
 
 def test_features_are_inputs_of_the_aux_layers(target):
@@ -231,21 +116,6 @@ def test_features_are_inputs_of_the_aux_layers(target):
         assert torch.equal(store.argmax[rows], o.logits[0].argmax(-1))
 
 
-def test_draft_vocab_is_most_frequent_reply_tokens():
-    samples = [Sample("a", [1, 2, 7, 7, 7, 9], 2), Sample("b", [3, 9, 9, 5], 1)]
-    d2t, t2d, coverage = build_draft_vocab(samples, vocab_size=12, draft_vocab_size=3)
-    ids = torch.arange(3) + d2t
-    assert ids.tolist() == [5, 7, 9] and t2d.nonzero().flatten().tolist() == [5, 7, 9]
-    assert coverage == 1.0
-    d2t, t2d, coverage = build_draft_vocab(samples, vocab_size=12, draft_vocab_size=2)
-    assert (torch.arange(2) + d2t).tolist() == [7, 9] and coverage == pytest.approx(6 / 7)
-    # --min-draft-coverage: the smallest size (multiples of granularity) holding the share
-    d2t, _, coverage = build_draft_vocab(samples, 12, 3, min_coverage=0.8, granularity=1)
-    assert (torch.arange(2) + d2t).tolist() == [7, 9] and coverage == pytest.approx(6 / 7)
-    d2t, _, coverage = build_draft_vocab(samples, 12, 3, min_coverage=0.9, granularity=1)
-    assert len(d2t) == 3 and coverage == 1.0
-
-
 def test_ttt_mask_and_acceptance_stats():
     mask = ttt_mask(3, 2, torch.device("cpu"))
     assert mask.int().tolist() == [[1, 0, 0, 1, 0, 0, 1, 0, 0],
@@ -258,59 +128,3 @@ def test_ttt_mask_and_acceptance_stats():
     assert stats["step_acc"] == [pytest.approx(2 / 3), 1.0]
     assert stats["chain"] == [pytest.approx(2 / 3), pytest.approx(1 / 3)]
     assert stats["mean_accept_len"] == [pytest.approx(5 / 3), 2.0]
-
-
-def test_prompt_sources(tmp_path, prompt_file):
-    lib = tmp_path / "lib"
-    (lib / "test").mkdir(parents=True)
-    code = ('"""A module docstring long enough to be worth summarizing: ' + "words " * 10 + '"""\n'
-            "def visible(x):\n    '''Doc.'''\n    y = x + 1\n    return y * 2\n\n"
-            "def _hidden(x):\n    a = 1\n    b = 2\n    return a + b\n\n"
-            "class Box:\n    def put(self, item):\n        self.items = []\n"
-            "        self.items.append(item)\n        return item\n")
-    (lib / "mod.py").write_text(code)
-    (lib / "test" / "test_mod.py").write_text(code)
-    keys = sorted(p.key.rsplit(":", 1)[0] for p in stdlib_prompts(lib))
-    assert keys == ["stdlib:mod", "stdlib:mod.Box", "stdlib:mod.Box.put", "stdlib:mod.visible"]
-
-    texts = tmp_path / "texts"
-    texts.mkdir()
-    (texts / "play_gut.txt").write_text("THE PLAY\n" + "A line of verse, and more.\n" * 200)
-    (texts / "play_gut_f.txt").write_text("folio duplicate\n" * 200)
-    passages = shakespeare_prompts(texts)
-    assert passages and all(p.key.startswith("shakespeare:play_gut:") for p in passages)
-    # Variants: other kinds of request on the same text share its source key.
-    three = shakespeare_prompts(texts, variants=3)
-    assert len(three) == 3 * len(passages)
-    first = [p for p in three if p.source_key == passages[0].key]
-    assert len({p.messages[0]["content"] for p in first}) == 3  # three kinds of request
-    assert {p.source_key for p in three} == {p.key for p in passages}
-    assert sorted({p.variant for p in three}) == [0, 1, 2]
-    two = stdlib_prompts(lib, variants=2)
-    assert len(two) == 2 * len(keys) - 1  # the module docstring has one kind only
-    reserved = reserved_keys(three, 0, 2)
-    assert {p.source_key for p in three if p.source_key in reserved} == reserved
-
-    items = jsonl_prompts(prompt_file)
-    assert len(items) == 36 and all(p.messages[-1]["role"] == "user" for p in items)
-    bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"messages": [{"role": "assistant", "content": "x"}]}\n')
-    with pytest.raises(PromptSourceError, match="no user turn"):
-        jsonl_prompts(bad)
-    with pytest.raises(PromptSourceError, match="neither"):
-        load_prompts(["no-such-source"], 0, None, 0)
-    train_a, held_a = load_prompts([str(prompt_file)], 3, 20, 5)
-    train_b, held_b = load_prompts([str(prompt_file)], 3, 20, 5)
-    assert [p.key for p in train_a] == [p.key for p in train_b] and len(train_a) == 20
-    assert len(held_a) == 5 and not {p.key for p in held_a} & {p.key for p in train_a}
-    assert len(load_prompts([str(prompt_file)], 0, None, 40)[1]) == 36  # all held out
-
-
-def test_heldout_split_does_not_depend_on_other_prompts():
-    from specserve.train.prompts import PromptItem
-
-    items = [PromptItem(f"src:{i}", []) for i in range(3000)]
-    fewer = items[::2] + [PromptItem(f"other:{i}", []) for i in range(500)]
-    a, b = reserved_keys(items, 0, 8), reserved_keys(fewer, 0, 8)
-    common = {p.key for p in items} & {p.key for p in fewer}
-    assert a & common == b & common and 30 < len(a) < 90  # about 2% reserved
