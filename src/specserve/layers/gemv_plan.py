@@ -1,0 +1,89 @@
+"""The GEMV plan the linear layers consult per call: (row bucket, N, K, dtype) -> the Triton
+GEMV configuration that serves it, or torch (cuBLAS). Start-up selection fills it
+(`gemv_select.GemvSelector`, where the buckets up to SHARED_ROWS get one shared choice);
+tests build plans by hand or force the Triton path with `default`."""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from specserve.layers.gemv import MAX_ROWS, GemvConfig, gemv
+
+PlanKey = tuple  # (row bucket, N, K, dtype), and + (fusion,) for a fused down projection
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+
+@dataclass(frozen=True)
+class GemvChoice:
+    """What start-up measured for one plan key: the choice (None: torch), its time and
+    torch's in microseconds per call at this bucket, and how many candidates were timed.
+    Buckets up to SHARED_ROWS share one choice, so at one of them it may be the slower."""
+
+    config: GemvConfig | None
+    torch_us: float
+    best_us: float
+    tried: int
+
+
+class GemvPlan:
+    """(row bucket, N, K, dtype) -> the GEMV configuration that serves it. Rows are rounded up
+    to the next bucket; keys absent, measured slower than torch, or beyond the largest
+    bucket go to torch (`default`, when given, serves every absent key: tests force the
+    Triton path with it). A down projection whose MLP fuses its neighbours into the GEMV
+    asks with its `fusion` (triton_ops.py): the key + (fusion,), measured with them
+    (`gemv_timing.down_and_norm`), when there is one; else the shape's plain choice."""
+
+    def __init__(
+        self,
+        choices: dict[PlanKey, GemvChoice] | None = None,
+        row_buckets: tuple[int, ...] = ROW_BUCKETS,
+        default: GemvConfig | None = None,
+    ):
+        self.row_buckets = tuple(sorted(row_buckets))
+        if self.row_buckets[0] < 1 or self.row_buckets[-1] > MAX_ROWS:
+            raise ValueError(f"row buckets must lie in 1..{MAX_ROWS}")
+        self.max_rows = self.row_buckets[-1]
+        self._bucket = [0] + [self.row_buckets[bisect.bisect_left(self.row_buckets, r)]
+                              for r in range(1, self.max_rows + 1)]  # fmt: skip
+        self.choices = dict(choices or {})
+        self._configs = {k: c.config for k, c in self.choices.items() if c.config is not None}
+        self.default = default
+
+    def config_for(self, rows: int, n: int, k: int, dtype: torch.dtype,
+                   fusion: str | None = None) -> GemvConfig | None:  # fmt: skip
+        """The configuration for `rows` rows of a weight [n, k] (with `fusion`'s neighbours
+        fused in, if that was measured); None: torch."""
+        if rows < 1 or rows > self.max_rows:
+            return None
+        key = (self._bucket[rows], n, k, dtype)
+        if fusion is not None and (*key, fusion) in self.choices:
+            cfg = self._configs.get((*key, fusion))
+        else:
+            cfg = self._configs.get(key, self.default)
+        return cfg if cfg is None or rows <= cfg.max_rows else None
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+               defer_reduce: bool = False):  # fmt: skip
+        """F.linear(x, weight, bias) through the planned kernel (defer_reduce: a split-K
+        GEMV's output unreduced, a `SplitKSum`, as `gemv` returns it)."""
+        k = x.shape[-1]
+        rows = x.numel() // k if k else 0
+        cfg = self.config_for(rows, weight.shape[0], k, weight.dtype)
+        if cfg is None:
+            return F.linear(x, weight, bias)
+        return gemv(x, weight, bias, cfg, defer_reduce=defer_reduce)
+
+    def summary(self) -> list[dict]:
+        """One JSON-ready row per measured key."""
+        return [
+            dict(rows=b, n=n, k=k, dtype=str(dt).removeprefix("torch."),
+                 kernel=str(c.config) if c.config else "torch", torch_us=round(c.torch_us, 2),
+                 best_us=round(c.best_us, 2), speedup=round(c.torch_us / c.best_us, 3),
+                 tried=c.tried, **({"fusion": fused[0]} if fused else {}))  # fmt: skip
+            for (b, n, k, dt, *fused), c in sorted(self.choices.items(),
+                                                   key=lambda i: (*i[0][:3], i[0][4:]))
+        ]
