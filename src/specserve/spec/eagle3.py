@@ -15,7 +15,6 @@ head's KV lives in the request's pages.
 
 from __future__ import annotations
 
-import logging
 from typing import TYPE_CHECKING
 
 import torch
@@ -26,6 +25,10 @@ from specserve.layers.attention import AttentionBackend
 from specserve.model.eagle3 import Eagle3Head, load_eagle3_head
 from specserve.runtime.inflight import InflightStep
 from specserve.runtime.packing import Segment, pack, to_device, upload
+from specserve.spec.eagle3_capture import (  # noqa: F401 (catch_up_lengths: imported from here)
+    capture_drafter_graphs,
+    catch_up_lengths,
+)
 from specserve.spec.eagle3_graphs import DrafterGraphs, draft_pass_meta
 from specserve.spec.proposer import Proposer, chain_draft, draw_drafts
 
@@ -35,7 +38,6 @@ if TYPE_CHECKING:
 # A request that goes this many generated tokens without drafting brings its drafter up to
 # date in that step (ride-along), so that the catch-up when drafting resumes stays short.
 CATCH_UP_STEPS = 128
-log = logging.getLogger("specserve")
 
 
 class Eagle3Proposer(Proposer):
@@ -269,34 +271,3 @@ def build_eagle3_proposer(engine: LLMEngine) -> Eagle3Proposer:
     if device.type == "cuda" and not cfg.disable_cuda_graph:
         proposer.graphs = capture_drafter_graphs(proposer, engine)
     return proposer
-
-
-def catch_up_lengths(k_max: int) -> tuple[int, ...]:
-    """Tokens per request of the captured head passes: 1 (draft steps), up to K+1 (the
-    catch-up after a verify step) and 2(K+1) (after a verify step and a plain step, as
-    draft lengths switching between 0 and K leave it); longer catch-ups run eagerly."""
-    return (*range(1, k_max + 2), 2 * (k_max + 1))
-
-
-def capture_drafter_graphs(
-    proposer: Eagle3Proposer, engine: LLMEngine, use_graphs: bool = True
-) -> DrafterGraphs:
-    """Graphs for draft steps and catch-ups (`catch_up_lengths`); use_graphs=False: the
-    same padded path, eager."""
-    from specserve.runtime.cuda_graphs import default_batch_buckets
-
-    cfg = engine.config
-    graphs = DrafterGraphs(
-        proposer.head, proposer.embed, proposer.kv.layers[0], proposer.backend,
-        default_batch_buckets(min(cfg.max_num_seqs, cfg.cuda_graph_max_batch)),
-        catch_up_lengths(cfg.speculative_num_steps), engine.max_model_len, use_graphs,
-        chain_lengths=tuple(range(2, cfg.speculative_num_steps + 1)),  # every K >= 2
-        feature_store=proposer.feature_store,
-    )  # fmt: skip
-    report = graphs.capture()
-    log.info(
-        "captured %d EAGLE-3 drafter CUDA graphs in %.1f s (warm-up %.1f s), graph memory "
-        "%.1f MiB, static buffers %.1f MiB", report.num_graphs, report.capture_s,
-        report.warmup_s, report.graph_pool_bytes / 2**20, report.static_bytes / 2**20,
-    )  # fmt: skip
-    return graphs

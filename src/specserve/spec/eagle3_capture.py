@@ -1,0 +1,47 @@
+"""The EAGLE-3 drafter's CUDA graphs at start-up: which head passes get one
+(`catch_up_lengths`: draft steps, the catch-ups after a verify step, chains for every K >= 2)
+and their capture, logged with its time and memory."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from specserve.spec.eagle3_graphs import DrafterGraphs
+
+if TYPE_CHECKING:
+    from specserve.engine.engine import LLMEngine
+    from specserve.spec.eagle3 import Eagle3Proposer
+
+log = logging.getLogger("specserve")
+
+
+def catch_up_lengths(k_max: int) -> tuple[int, ...]:
+    """Tokens per request of the captured head passes: 1 (draft steps), up to K+1 (the
+    catch-up after a verify step) and 2(K+1) (after a verify step and a plain step, as
+    draft lengths switching between 0 and K leave it); longer catch-ups run eagerly."""
+    return (*range(1, k_max + 2), 2 * (k_max + 1))
+
+
+def capture_drafter_graphs(
+    proposer: Eagle3Proposer, engine: LLMEngine, use_graphs: bool = True
+) -> DrafterGraphs:
+    """Graphs for draft steps and catch-ups (`catch_up_lengths`); use_graphs=False: the
+    same padded path, eager."""
+    from specserve.runtime.cuda_graphs import default_batch_buckets
+
+    cfg = engine.config
+    graphs = DrafterGraphs(
+        proposer.head, proposer.embed, proposer.kv.layers[0], proposer.backend,
+        default_batch_buckets(min(cfg.max_num_seqs, cfg.cuda_graph_max_batch)),
+        catch_up_lengths(cfg.speculative_num_steps), engine.max_model_len, use_graphs,
+        chain_lengths=tuple(range(2, cfg.speculative_num_steps + 1)),  # every K >= 2
+        feature_store=proposer.feature_store,
+    )  # fmt: skip
+    report = graphs.capture()
+    log.info(
+        "captured %d EAGLE-3 drafter CUDA graphs in %.1f s (warm-up %.1f s), graph memory "
+        "%.1f MiB, static buffers %.1f MiB", report.num_graphs, report.capture_s,
+        report.warmup_s, report.graph_pool_bytes / 2**20, report.static_bytes / 2**20,
+    )  # fmt: skip
+    return graphs
