@@ -1,4 +1,5 @@
-"""Triton kernels for attention over the paged KV cache, and their launchers.
+"""Triton kernels for attention over the paged KV cache, and their launchers (the KV write
+lives in triton_kv_write.py).
 
 Two attention kernels share one contract. A program owns one request, one KV head and a
 block of query *rows*, a row being one (token, query head) pair of that KV head's group:
@@ -25,6 +26,11 @@ import triton.language as tl
 
 from specserve.layers import pdl
 from specserve.layers.attention.triton_decode import NOT_SPECIALIZED, _paged_attn_decode_kernel
+from specserve.layers.attention.triton_kv_write import (  # noqa: F401 (callers use them here)
+    _check_cache,
+    check_cache,
+    write_kv,
+)
 
 LOG2E = 1.4426950408889634
 DECODE_MAX_ROWS = 64  # rows per request up to which the split (decode/verify) path is used
@@ -37,27 +43,6 @@ DECODE_KERNELS = ("decode", "prefetch", "generic")
 # block in flight while this one is computed (with 2 the pipeliner keeps one buffer and
 # issues the next block's loads only after this block's math).
 DECODE_MIN_STAGES = 3
-
-
-@triton.jit(do_not_specialize=["slot_ptr"])  # a view into the step's upload
-def _kv_write_kernel(
-    k_ptr, v_ptr, k_cache, v_cache, slot_ptr,
-    stride_kt, stride_vt, stride_page, stride_slot,
-    PAGE_SIZE: tl.constexpr, ROW: tl.constexpr, BLOCK: tl.constexpr,
-    USE_PDL: tl.constexpr = False,
-):  # fmt: skip
-    if USE_PDL:  # layers/pdl.py
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    t = tl.program_id(0)
-    slot = tl.load(slot_ptr + t)
-    cols = tl.arange(0, BLOCK)
-    ok = cols < tl.where(slot >= 0, ROW, 0)  # a negative slot means: do not store
-    dst = (slot // PAGE_SIZE) * stride_page + (slot % PAGE_SIZE) * stride_slot + cols
-    k = tl.load(k_ptr + t * stride_kt + cols, mask=ok)
-    v = tl.load(v_ptr + t * stride_vt + cols, mask=ok)
-    tl.store(k_cache + dst, k.to(k_cache.dtype.element_ty), mask=ok)
-    tl.store(v_cache + dst, v.to(v_cache.dtype.element_ty), mask=ok)
 
 
 # Integers that vary from step to step (the page-table width, the split count, the strides
@@ -170,38 +155,6 @@ def _split_reduce_kernel(
     out = tl.sum(parts * w[:, None], 0) / tl.where(denom > 0, denom, 1.0)
     tl.store(out_ptr + t * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty),
              mask=d_ok)  # fmt: skip
-
-
-def write_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
-    """Store each token's K/V row (all KV heads) at its slot; slots < 0 are skipped.
-    k = v = None: nothing to store (the model's fused rotary + KV write stored them)."""
-    if k is None and v is None:
-        return
-    num_tokens = k.shape[0]
-    if num_tokens == 0:
-        return
-    k = k if k.stride(-1) == 1 and k.stride(-2) == k.shape[-1] else k.contiguous()
-    v = v if v.stride(-1) == 1 and v.stride(-2) == v.shape[-1] else v.contiguous()
-    _check_cache(k_cache, v_cache)
-    row = k_cache.shape[2] * k_cache.shape[3]
-    _kv_write_kernel[(num_tokens,)](
-        k, v, k_cache, v_cache, slot_mapping,
-        k.stride(0), v.stride(0), k_cache.stride(0), k_cache.stride(1),
-        PAGE_SIZE=k_cache.shape[1], ROW=row, BLOCK=triton.next_power_of_2(row),
-        **pdl.launch_options(k.device),
-    )  # fmt: skip
-
-
-def check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
-    """Raise unless the caches have the layout the kernels index: contiguous (kv_heads,
-    head_dim) rows and equal strides."""
-    kvh, hd = k_cache.shape[2:]
-    if k_cache.stride()[2:] != (hd, 1) or k_cache.stride() != v_cache.stride():
-        raise ValueError("K/V caches must be [pages, page_size, kv_heads, head_dim] with "
-                         "contiguous (kv_heads, head_dim) rows and equal strides")  # fmt: skip
-
-
-_check_cache = check_cache
 
 
 def paged_attention(
