@@ -1,10 +1,11 @@
 """Plain-decode throughput of a random-weight Llama-3.1-8B-shaped bf16 model on one GPU.
 
 The model is specserve's LlamaForCausalLM built directly on the GPU from a ModelConfig (no
-checkpoint). The engine cannot take a prebuilt model yet, so a minimal driver uses the parts
-directly: KVCache and its PageAllocator, an attention backend, the model, greedy argmax. All
-prompts are prefilled in one packed forward, then each decode step advances positions, KV
-slots and seq_lens on the device; the decode loop never waits for the host.
+checkpoint). The engine cannot take a prebuilt model yet, so a minimal driver
+(gpu_bench_driver.py) uses the parts directly: KVCache and its PageAllocator, an attention
+backend, the model, greedy argmax. All prompts are prefilled in one packed forward, then each
+decode step advances positions, KV slots and seq_lens on the device; the decode loop never
+waits for the host.
 
 Configurations, side by side in one run: the torch reference backend eager; the Triton
 backend with the fused Triton ops, eager; the same under CUDA graphs; and CUDA graphs with
@@ -31,6 +32,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "scripts"))
 
+from gpu_bench_driver import (  # noqa: E402
+    EagerStep,
+    GraphStep,
+    agreement,
+    build_model,
+    generate,
+    sync,
+)
 from gpu_bench_parts import (  # noqa: E402
     attention_sweep,
     copy_bandwidth,
@@ -42,9 +51,8 @@ from gpu_bench_parts import (  # noqa: E402
 
 from specserve.engine.kv_cache import KVCache  # noqa: E402
 from specserve.layers import triton_ops  # noqa: E402
-from specserve.layers.attention import AttentionMetadata, get_backend  # noqa: E402
+from specserve.layers.attention import get_backend  # noqa: E402
 from specserve.model.hf_config import ModelConfig, RopeScaling  # noqa: E402
-from specserve.model.llama import LlamaForCausalLM  # noqa: E402
 from specserve.runtime.cuda_graphs import CudaGraphRunner  # noqa: E402
 
 
@@ -59,107 +67,6 @@ def llama8b_config(tiny: bool) -> ModelConfig:
         max_position_embeddings=131072, tie_word_embeddings=False,
         rope_scaling=RopeScaling(8.0, 1.0, 4.0, 8192), dtype=torch.bfloat16, **shape,
     )  # fmt: skip
-
-
-def build_model(cfg: ModelConfig, dtype, device) -> LlamaForCausalLM:
-    """Random weights initialized in place on the device (default nn init)."""
-    torch.manual_seed(0)
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            model = LlamaForCausalLM(cfg)
-    finally:
-        torch.set_default_dtype(old)
-    model.rotary.materialize(torch.device(device))
-    return model.eval()
-
-
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-@torch.inference_mode()
-def generate(model, kv: KVCache, step_fn, batch: int, prompt_len: int, new_tokens: int) -> dict:
-    """Greedy-decode `new_tokens` for `batch` random prompts; step_fn(ids, meta) -> hidden."""
-    device, ps, cfg = kv.pool.device, kv.page_size, model.config
-    pages = -(-(prompt_len + new_tokens) // ps)
-    owned = [kv.allocator.allocate(pages) for _ in range(batch)]
-    try:
-        tables = torch.tensor(owned, dtype=torch.int64, device=device)
-        gen = torch.Generator(device=device).manual_seed(1234 + batch)
-        prompts = torch.randint(cfg.vocab_size, (batch * prompt_len,), generator=gen,
-                                device=device)  # fmt: skip
-        rows = torch.arange(batch, device=device)
-        pos = torch.arange(prompt_len, device=device).repeat(batch)
-        req = rows.repeat_interleave(prompt_len)
-        meta = AttentionMetadata(
-            positions=pos, slot_mapping=tables[req, pos // ps] * ps + pos % ps,
-            query_start_loc=torch.arange(batch + 1, device=device) * prompt_len,
-            seq_lens=torch.full((batch,), prompt_len, device=device), block_tables=tables,
-            max_query_len=prompt_len, max_seq_len=prompt_len,
-        )  # fmt: skip
-        _sync(device)
-        t0 = time.perf_counter()
-        hidden, _ = model(prompts, meta, kv.layers, step_fn.backend)
-        last_hidden = hidden[meta.query_start_loc[1:] - 1]
-        tok = model.compute_logits(last_hidden).argmax(-1)
-        out = torch.empty(new_tokens, batch, dtype=torch.int64, device=device)
-        out[0] = tok
-        _sync(device)
-        t1 = time.perf_counter()
-        pos = torch.full((batch,), prompt_len, device=device)
-        qsl = torch.arange(batch + 1, device=device)
-        for i in range(1, new_tokens):
-            meta = AttentionMetadata(
-                positions=pos, slot_mapping=tables[rows, pos // ps] * ps + pos % ps,
-                query_start_loc=qsl, seq_lens=pos + 1, block_tables=tables, max_query_len=1,
-                max_seq_len=prompt_len + i,
-            )  # fmt: skip
-            tok = model.compute_logits(step_fn(tok, meta)).argmax(-1)
-            out[i] = tok
-            pos = pos + 1
-        _sync(device)
-        t2 = time.perf_counter()
-    finally:
-        for pages_of_request in owned:
-            kv.allocator.free(pages_of_request)
-    steps = new_tokens - 1
-    return dict(
-        batch=batch, prefill_s=t1 - t0, decode_s=t2 - t1,
-        step_ms=1e3 * (t2 - t1) / steps,
-        decode_tok_s=batch * steps / (t2 - t1),
-        e2e_tok_s=batch * new_tokens / (t2 - t0),
-        tokens=out.T.cpu(), prefill_hidden=last_hidden.float().cpu(),
-    )  # fmt: skip
-
-
-class EagerStep:
-    """One decode forward through the model (eager)."""
-
-    def __init__(self, model, kv, backend):
-        self.model, self.kv, self.backend = model, kv, backend
-
-    def __call__(self, ids, meta):
-        return self.model(ids, meta, self.kv.layers, self.backend)[0]
-
-
-class GraphStep:
-    """One decode forward replayed from the runner's graphs."""
-
-    def __init__(self, runner: CudaGraphRunner):
-        self.runner, self.backend = runner, runner.backend
-
-    def __call__(self, ids, meta):
-        assert self.runner.can_run(meta, ids.shape[0])
-        return self.runner.run(ids, meta)[0]
-
-
-def agreement(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Mean over requests of the fraction of the greedy sequence before the first mismatch."""
-    same = (a == b).int().cumprod(dim=1)
-    return same.sum(dim=1).float().mean().item() / a.shape[1]
 
 
 def main() -> None:
@@ -188,7 +95,7 @@ def main() -> None:
     cfg = llama8b_config(args.tiny)
     t = time.perf_counter()
     model = build_model(cfg, dtype, device)
-    _sync(device)
+    sync(device)
     result["build_s"] = time.perf_counter() - t
     weight_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
                        if "embed_tokens" not in n)  # fmt: skip
