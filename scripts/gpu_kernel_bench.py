@@ -16,7 +16,7 @@ Parts, in order:
 2. every start-up candidate per (shape, M in 1/2/4/8/16/32/64), bf16: max abs / rel error
    against torch and an fp32 product, device time in CUDA graphs over weights exceeding the
    L2 cache, achieved GB/s (weight bytes / time);
-3. fused rotary + KV write against rotary + KV write at batch 1 and 64;
+3. fused rotary + KV write against rotary + KV write at batch 1 and 64 (rotary_kv_bench.py);
 4. attention (attn_kernel_bench.py): generic vs decode kernel, configs x split counts.
 Writes kernels.json and kernels.md to --out.
 """
@@ -43,9 +43,9 @@ import torch.nn.functional as F  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from attn_kernel_bench import attention_bench  # noqa: E402
 from attn_kernel_bench import markdown as attention_markdown  # noqa: E402
+from rotary_kv_bench import markdown as rotary_kv_markdown  # noqa: E402
+from rotary_kv_bench import rotary_kv_bench  # noqa: E402
 
-from specserve.layers import triton_ops  # noqa: E402
-from specserve.layers.attention import triton_kernels  # noqa: E402
 from specserve.layers.gemv import candidate_configs, gemv  # noqa: E402
 from specserve.layers.gemv_select import (  # noqa: E402
     ROW_BUCKETS,
@@ -53,7 +53,6 @@ from specserve.layers.gemv_select import (  # noqa: E402
     rotation_set,
     time_in_graph_us,
 )
-from specserve.layers.rotary import RotaryEmbedding  # noqa: E402
 
 SHAPES = {  # name -> (N, K)
     "qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
@@ -169,46 +168,6 @@ def gemv_sweep(deadline: float, reps: int, dtypes=("bf16",)) -> tuple[list[dict]
     return rows_out, skipped
 
 
-@torch.inference_mode()
-def rotary_kv_case(dt, batch: int, rope, reps: int, layers: int) -> dict:
-    """The 8B attention shape, page size 16: rotary kernel + KV write kernel against the fused
-    kernel, each `layers` times in one CUDA graph; outputs compared bit for bit."""
-    q_heads, kv_heads, d, page = 32, 8, 128, 16
-    qkv = randn(batch, (q_heads + 2 * kv_heads) * d, dtype=dt)
-    pos = torch.randint(0, rope.max_positions, (batch,), device="cuda")
-    slots = torch.randperm(4096 * page, device="cuda")[:batch] + page
-    caches = [randn(4097, page, kv_heads, d, dtype=dt) for _ in range(2)]
-    caches += [c.clone() for c in caches]
-    q, k, v = qkv.split([q_heads * d, kv_heads * d, kv_heads * d], -1)
-    q, k, v = (t.reshape(batch, -1, d) for t in (q, k, v))
-
-    def unfused(_x, _w):
-        qr, kr = triton_ops.rotary(pos, q, k, rope.cos_sin)
-        triton_kernels.write_kv(kr, v, caches[0], caches[1], slots)
-        return qr
-
-    def fused(_x, _w):
-        return triton_ops.rotary_store_kv(pos, qkv, rope.cos_sin, q_heads, kv_heads, caches[2],
-                                          caches[3], slots)  # fmt: skip
-
-    q_a, q_b = unfused(None, None), fused(None, None)
-    torch.cuda.synchronize()
-    same = (torch.equal(q_a, q_b) and torch.equal(caches[0], caches[2])
-            and torch.equal(caches[1], caches[3]))  # fmt: skip
-    us = {name: time_in_graph_us(fn, None, [None] * layers, reps)
-          for name, fn in (("unfused", unfused), ("fused", fused))}  # fmt: skip
-    return dict(batch=batch, unfused_us=round(us["unfused"], 2), fused_us=round(us["fused"], 2),
-                identical=same, per_step_saving_us=round(layers * (us["unfused"] - us["fused"]), 1))
-
-
-def rotary_kv_bench(reps: int, layers: int = 32) -> list[dict]:
-    """Part 3, batch 1 and 64 in bf16."""
-    rope = RotaryEmbedding(128, 500000.0, 8192)
-    rope.materialize(torch.device("cuda"))
-    return [dict(dtype="bf16", **rotary_kv_case(torch.bfloat16, batch, rope, reps, layers))
-            for batch in (1, 64)]  # fmt: skip
-
-
 def selection_markdown(sel: dict) -> list[str]:
     lines = ["| selection (cold cache) | variants | compile threads | compile s | total s | "
              "untried | Triton wins / keys |", "|---|---|---|---|---|---|---|"]  # fmt: skip
@@ -241,11 +200,7 @@ def markdown(result: dict) -> str:
                          f"{r['best_gbps']} | {r['speedup']} | {best['max_rel_vs_torch']:.2e} | "
                          f"{r['all_ok']} |")  # fmt: skip
     if result.get("rotary_kv"):
-        lines += ["", "| rotary + KV write | batch | unfused us | fused us | identical | "
-                  "saving per 32-layer step, us |", "|---|---|---|---|---|---|"]  # fmt: skip
-        for r in result["rotary_kv"]:
-            lines.append(f"| {r['dtype']} | {r['batch']} | {r['unfused_us']} | {r['fused_us']} | "
-                         f"{r['identical']} | {r['per_step_saving_us']} |")  # fmt: skip
+        lines += rotary_kv_markdown(result["rotary_kv"])
     if result.get("attention"):
         lines += attention_markdown(result["attention"])
     for part, err in result["errors"].items():
