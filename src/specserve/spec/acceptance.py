@@ -4,6 +4,8 @@ it does not draft)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 
 def cumulative_tokens(alpha: list[float]) -> list[float]:
     """[E tokens at k drafts for k = 0..len(alpha)]: 1 (the bonus) + sum_j prod_{i<=j} a_i."""
@@ -111,6 +113,17 @@ class AcceptanceModel:
         if entry is not None and self.steps < entry[2]:
             return entry[1]
         return self._refresh(request_id)[1]
+
+    def cumulatives(self, request_ids: Iterable[str]) -> list[list[float]]:
+        """`cumulative` of each request (the policy reads every decoding request's each
+        step)."""
+        cache, steps, out = self._cache, self.steps, []
+        for request_id in request_ids:
+            entry = cache.get(request_id)
+            if entry is None or steps >= entry[2]:
+                entry = self._refresh(request_id)
+            out.append(entry[1])
+        return out
 
     def update(self, request_id: str, drafted: int, accepted: int) -> None:
         """Record a verify step: positions 1..accepted accepted, accepted+1 rejected."""

@@ -21,7 +21,7 @@ from specserve.spec.cost_curves import CurveModel, measure_curve, powers_of_two
 from specserve.spec.robust_mean import RobustMean
 
 __all__ = ["CurveModel", "RobustMean", "StepCostModel", "batch_bucket", "measure_curve",
-           "powers_of_two", "there_and_back"]
+           "powers_of_two", "there_and_back", "there_and_back_row"]
 
 
 def _nearest_bucket(cells: dict, bucket: int, tag):
@@ -83,6 +83,8 @@ class StepCostModel:
         self._clock = 0
         self._seeds: dict[tuple[int, int], float] = {}
         self._plans: dict[tuple, tuple] = {}  # read plans (`memoize`)
+        # n -> switch_costs(n) while no switch cost is observed (`memoize`; not with priors)
+        self._switch_reads: dict[int, dict[str, float]] = {}
 
     def seed_ms(self, n: int, k: int) -> float:
         ms = self._seeds.get((n, k))
@@ -150,15 +152,31 @@ class StepCostModel:
         """period_ms for K = 0..k_top, none above a larger K's measured at this batch bucket:
         a step with fewer drafts does less work, so a cell estimated higher (few
         observations, or borrowed) is taken at the larger K's period."""
-        reads, caps = self._plan((n, k_top, extra_tokens, "all"), self._periods_plan)
-        out = [_read(r) for r in reads]
-        cap = math.inf
+        return self.period_table(n, k_top, extra_tokens)[0]
+
+    def period_table(self, n: int, k_top: int, extra_tokens: int = 0) -> tuple:
+        """What the policy reads each step, in one lookup: (periods_ms(n, k_top,
+        extra_tokens), [period_ms(n, k, extra_tokens) for K = 0..k_top] (not capped),
+        cells(n, k_top))."""
+        reads, cells = self._plan((n, k_top, extra_tokens, "all"), self._periods_plan)
+        exp, raw = math.exp, []
+        for plan in reads:  # _read, inlined
+            if len(plan) == 3:
+                seed, cell, extra = plan
+                ms = seed * exp(cell.value) if cell is not None else seed * 1.0
+                if extra:
+                    ms += extra
+                raw.append(ms)
+            else:
+                raw.append(_read(plan))
+        out, cap = list(raw), math.inf
         for k in range(k_top, -1, -1):
-            out[k] = min(out[k], cap)
-            cell = caps[k]
+            if cap < out[k]:  # min(out[k], cap)
+                out[k] = cap
+            cell = cells[k]
             if cell is not None and cell.count:
                 cap = out[k]
-        return out
+        return out, raw, cells
 
     def _periods_plan(self, n: int, k_top: int, extra_tokens: int, _) -> tuple:
         bucket = batch_bucket(n)
@@ -266,7 +284,10 @@ class StepCostModel:
         measurements borrows the nearest measured bucket's; unmeasured anywhere: switching
         to or from plain decoding costs SWITCH_PRIOR of a plain step (`plain_ms` if the
         caller knows it), between K > 0 nothing. One direction may be negative; a switch
-        there and back costs the sum (`there_and_back`)."""
+        there and back costs the sum (`there_and_back`). Read only (it may be cached)."""
+        out = self._switch_reads.get(n)
+        if out is not None:
+            return out
         out, prior = {"lateral": 0.0}, None
         for direction, cell in self._plan((n, "switch"), self._switch_plan):
             if cell is not None:
@@ -275,6 +296,8 @@ class StepCostModel:
                 if prior is None:
                     prior = self.SWITCH_PRIOR * (plain_ms or self.period_ms(n, 0))
                 out[direction] = prior
+        if prior is None and self.memoize:
+            self._switch_reads[n] = out
         return out
 
     def _switch_plan(self, n: int, _) -> tuple:
@@ -295,6 +318,7 @@ class StepCostModel:
         a new cell (the first YOUNG samples average with it, uncut), later ones are cut."""
         if k_from == k_to or steady_ms <= 0:
             return
+        self._switch_reads.clear()
         direction = _direction(k_from, k_to)
         key = (batch_bucket(n), direction)
         cell = self._switch.get(key)
@@ -332,6 +356,17 @@ def there_and_back(sw: dict[str, float], a: int | None, b: int) -> float:
     if a and b:
         return max(0.0, 2 * sw["lateral"])
     return max(0.0, sw["up"] + sw["down"])
+
+
+def there_and_back_row(sw: dict[str, float], a: int | None, k_top: int) -> list[float]:
+    """[there_and_back(sw, a, b) for b = 0..k_top] (the policy's row of every step)."""
+    if a is None:
+        return [0.0] * (k_top + 1)
+    plain = max(0.0, sw["up"] + sw["down"])  # to or from K=0 (b or a is 0)
+    row = [plain] + [max(0.0, 2 * sw["lateral"])] * k_top if a else [plain] * (k_top + 1)
+    if a <= k_top:
+        row[a] = 0.0
+    return row
 
 
 def _fmt(table: dict, value) -> dict:

@@ -16,16 +16,19 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from operator import attrgetter
 
 from specserve.engine.request import Request
 from specserve.spec.acceptance import AcceptanceModel
-from specserve.spec.cost_model import StepCostModel, batch_bucket, there_and_back
+from specserve.spec.cost_model import StepCostModel, batch_bucket, there_and_back_row
 from specserve.spec.policy_trace import Decision, PolicyTrace
 from specserve.spec.policy_trim import trim_drafts
 
 __all__ = ["POLICIES", "Decision", "PolicyTrace", "SpeculationPolicy", "OffPolicy",
            "FixedPolicy", "SchedulePolicy", "PerRequestPolicy", "GoodputPolicy"]
 POLICIES = ("off", "fixed", "schedule", "goodput")
+_request_id = attrgetter("request_id")
+_max_useful_drafts = attrgetter("max_useful_drafts")
 
 
 class SpeculationPolicy(ABC):
@@ -170,16 +173,21 @@ class GoodputPolicy(SpeculationPolicy):
             self._running_k = None
             return self._decided([])
         self.num_steps += 1
+        k_max = self.k_max
         self.acceptance.tick()
-        caps = [min(self.k_max, r.max_useful_drafts) for r in reqs]
-        cums = [self.acceptance.cumulative(r.request_id) for r in reqs]
-        k_top = max(caps)
-        full = min(caps) == k_top  # every request may draft k_top (the usual case)
-        if full:
-            tokens = [sum(col) for col, _ in zip(zip(*cums), range(k_top + 1))]
+        cums = self.acceptance.cumulatives(map(_request_id, reqs))  # K = 0..K_max each
+        if min(map(_max_useful_drafts, reqs)) >= k_max:  # every request may draft K_max
+            caps, k_top, full = [k_max] * n, k_max, True  # (the usual case)
+            tokens = list(map(sum, zip(*cums)))
         else:
-            tokens = self._tokens(cums, caps, k_top)
-        costs = self.cost.periods_ms(n, k_top, extra_tokens)
+            caps = [min(k_max, r.max_useful_drafts) for r in reqs]
+            k_top = max(caps)
+            full = min(caps) == k_top  # every request may draft k_top
+            if full:
+                tokens = [sum(col) for col, _ in zip(zip(*cums), range(k_top + 1))]
+            else:
+                tokens = self._tokens(cums, caps, k_top)
+        costs, uncapped, cells = self.cost.period_table(n, k_top, extra_tokens)
         trimmed = None
         if k_top and not self.cost.padded:  # eager verify steps: every draft costs
             trimmed = [trim_drafts(self.cost, cums, caps, k, extra_tokens)
@@ -193,14 +201,14 @@ class GoodputPolicy(SpeculationPolicy):
         if current is None or current > k_top:
             current = self._preferred.get(bucket)
         sw = self.cost.switch_costs(n, costs[0])
-        # leaving it pays a switch there and back
-        switch = [there_and_back(sw, current, k) for k in range(k_top + 1)]
-        k = self._preferred_k(bucket, current, tokens, costs, switch, n)
+        switch = there_and_back_row(sw, current, k_top)  # leaving it pays a switch and back
+        best = self._preferred_k(bucket, current, tokens, costs, switch, n)
         # Requests that never drafted have the global estimate only, and while plain
         # decoding is preferred nothing would tell otherwise: drafting is probed soon.
-        unknown = k == 0 and not any(map(self.acceptance.has_observations,
-                                         (r.request_id for r in reqs)))  # fmt: skip
-        k, probe = self._probe_k(bucket, k, n, tokens, costs, sw, unknown)
+        unknown = best == 0 and not any(map(self.acceptance.has_observations,
+                                            (r.request_id for r in reqs)))  # fmt: skip
+        back = switch if best == current else there_and_back_row(sw, best, k_top)
+        k, probe = self._probe_k(bucket, best, n, tokens, costs, back, cells, unknown)
         self._last_run[(bucket, k)] = self._bucket_steps[bucket]
         self._running_k = None if probe else k
         if trimmed is None and self.cost.padded:
@@ -213,15 +221,16 @@ class GoodputPolicy(SpeculationPolicy):
                 self.predicted_tokens = sum(c[min(k, cap)] for c, cap in zip(cums, caps))
             if extra_tokens:
                 self.predicted_ms = self.cost.step_ms([min(k, c) for c in caps], extra_tokens)
-            else:  # step_ms of a padded step without prefill
-                self.predicted_ms = self.cost.period_ms(n, k)
-            ks = [k] * n
-        else:
-            ks = [min(k, c) for c in caps]
-            if trimmed is not None:
-                ks = self._request_probe(reqs, ks, list(trimmed[k][0]))
-            self.predicted_tokens = sum(c[k] for c, k in zip(cums, ks))
-            self.predicted_ms = self.cost.step_ms(ks, extra_tokens)
+            else:  # step_ms of a padded step without prefill: period_ms(n, k)
+                self.predicted_ms = uncapped[k]
+            self.trace.decided(n, k, probe=probe, tokens=tokens, period_ms=costs,
+                               switch_ms=switch)  # fmt: skip
+            return [k] * n
+        ks = [min(k, c) for c in caps]
+        if trimmed is not None:
+            ks = self._request_probe(reqs, ks, list(trimmed[k][0]))
+        self.predicted_tokens = sum(c[k] for c, k in zip(cums, ks))
+        self.predicted_ms = self.cost.step_ms(ks, extra_tokens)
         return self._decided(ks, probe=probe, tokens=tokens, period_ms=costs, switch_ms=switch)
 
     @staticmethod
@@ -243,7 +252,7 @@ class GoodputPolicy(SpeculationPolicy):
         where periods vary more, by NOISE_Z standard errors of the two period estimates."""
         dwell = self.DWELL_STEPS
         goodput = [t / (ms + s / dwell) for t, ms, s in zip(tokens, costs, switch)]
-        best = max(range(len(goodput)), key=goodput.__getitem__)
+        best = goodput.index(max(goodput))  # the first of equals
         if current is not None and current < len(goodput) and best != current:
             se = math.hypot(self.cost.error(n, best), self.cost.error(n, current))
             if goodput[best] <= goodput[current] * (1 + max(self.HYSTERESIS, self.NOISE_Z * se)):
@@ -257,44 +266,57 @@ class GoodputPolicy(SpeculationPolicy):
         PROBE_MS, and the last one, before the switch back (it carries part of that switch:
         not a steady sample)."""
         steady = min(self.PROBE_MAX_STEADY, max(1, round(self.PROBE_MS / max(period_ms, 1e-3))))
-        return 1 + steady + 1
+        return 1 + steady + 1  # (_probe_k computes it inline)
 
-    def _probe_k(self, bucket: int, best: int, n: int, tokens, costs, sw: dict[str, float],
-                 unknown: bool) -> tuple[int, bool]:  # fmt: skip
-        """The K to run this step: `best`, or a probe that is due (the most overdue)."""
+    def _probe_k(self, bucket: int, best: int, n: int, tokens, costs, back: list[float],
+                 cells: list, unknown: bool) -> tuple[int, bool]:  # fmt: skip
+        """The K to run this step: `best`, or a probe that is due (the most overdue). `back`:
+        what switching from `best` to each K and back costs; `cells`: the cost model's at n's
+        bucket."""
         if self._probe is not None:
             p_bucket, p_k, left = self._probe
             if p_bucket == bucket and p_k < len(tokens) and left > 0:
                 self._probe = (bucket, p_k, left - 1)
                 return p_k, True
             self._probe = None
-        goodput = [t / ms for t, ms in zip(tokens, costs)]
         due, probe, probe_len = 0.0, None, 0
-        top, g_best, ms_best = len(goodput) - 1, goodput[best], costs[best]
-        cells, min_gain = self.cost.cells(n, top), self.PROBE_MIN_GAIN * n
+        top, ms_best = len(tokens) - 1, costs[best]
+        g_best, min_gain = tokens[best] / ms_best, self.PROBE_MIN_GAIN * n
         steps_now, last_run = self._bucket_steps[bucket], self._last_run
-        every, fresh_gap = self.PROBE_EVERY, self.FRESH_GAP
-        for k, g in enumerate(goodput):
-            if k == best or (k and tokens[k] - tokens[0] < min_gain):
+        every, fresh_gap, unseen_gap = self.PROBE_EVERY, self.FRESH_GAP, self.UNSEEN_GAP
+        budget_ms, max_budget_ms = ms_best * self.PROBE_BUDGET, ms_best * self.PROBE_MAX_BUDGET
+        max_interval, probe_ms, most = self.PROBE_MAX_INTERVAL, self.PROBE_MS, self.PROBE_MAX_STEADY
+        tokens_plain = tokens[0]
+        for k in range(top + 1):  # one loop, no calls: it runs every step
+            if k == best or (k and tokens[k] - tokens_plain < min_gain):
                 continue
-            gap = max(0.0, 1.0 - g / g_best) if g_best > 0 else 0.0
+            ms = costs[k]
+            gap = 1.0 - tokens[k] / ms / g_best if g_best > 0 else 0.0
+            if not gap > 0.0:  # as max(0.0, gap)
+                gap = 0.0
             age = steps_now - last_run.get((bucket, k), 0)
             cell = cells[k]
             seen = cell.count if cell is not None else 0
-            steps = self.probe_len(k, best, costs[k])
-            if not seen and gap < self.UNSEEN_GAP and not self.cost.measured_k(k):
+            steps = 2 + min(most, max(1, round(probe_ms / max(ms, 1e-3))))  # probe_len
+            if not seen and gap < unseen_gap and not self.cost.measured_k(k):
                 tries = self._unseen_tries.get((bucket, k), 0)
                 interval = 0 if tries == 0 else self.UNSEEN_RETRY << min(tries, 9)
             else:
                 # A probe costs its steps' shortfall plus the switches there and back; spread
                 # it out so that it is PROBE_BUDGET of the time spent at `best` in between.
-                lost = steps * gap * costs[k] + there_and_back(sw, best, k)
-                budget = self.PROBE_BUDGET
-                if best == 0 and k == top and gap < fresh_gap:
-                    budget = self.ACCEPT_PROBE_BUDGET  # it also refreshes acceptance
-                interval = lost / (ms_best * budget)
-                cap = max(self.PROBE_MAX_INTERVAL, lost / (ms_best * self.PROBE_MAX_BUDGET))
-                interval = min(max(interval, every * steps), cap)
+                lost = steps * gap * ms + back[k]
+                if best == 0 and k == top and gap < fresh_gap:  # it also refreshes acceptance
+                    interval = lost / (ms_best * self.ACCEPT_PROBE_BUDGET)
+                else:
+                    interval = lost / budget_ms
+                # min(max(interval, every * steps), max(PROBE_MAX_INTERVAL, lost / max_budget_ms))
+                cap = lost / max_budget_ms
+                if not cap > max_interval:
+                    cap = max_interval
+                if every * steps > interval:
+                    interval = every * steps
+                if cap < interval:
+                    interval = cap
                 if 0 < seen < self.FRESH_OBSERVATIONS and (gap < fresh_gap or cell.surprised):
                     interval = min(interval, every << seen)  # it may be the best, or moved
                 if cell is not None and cell.doubt is not None:

@@ -84,9 +84,10 @@ class PeriodLog:
     def _switch_sample(self) -> None:
         """Chain ... z y | a b (b steady, a the first step at b's K, y the last at the old K
         and z steady before it): the switch cost (y - z) + (a - b)."""
-        if len(self._chain) < 5:
+        chain = self._chain
+        if len(chain) < 5 or chain[-3].k == chain[-2].k:  # (y.k == a.k: no switch)
             return
-        p, z, y, a, b = self._chain[-5:]
+        p, z, y, a, b = chain[-5:]
         if not (p.k == z.k == y.k != a.k == b.k):
             return
         if z.ms is None or y.ms is None or a.ms is None:
