@@ -35,8 +35,9 @@ _HELP = {
                     "(the same kernels on every start)",
     "disable_pdl": "launch Triton kernels without programmatic dependent launch (on by default "
     "on GPUs of compute capability 9+: a kernel starts while the previous one ends)",
-    "disable_fusion": "keep SiLU-and-mul and the down projection's split-K pass as kernels of "
-    "their own (by default fused into the GEMV and the next RMSNorm; same results)",
+    "disable_fusion": "keep SiLU-and-mul and the split-K passes of the output and down "
+    "projections as kernels of their own (by default fused into the GEMV and the next "
+    "RMSNorm; same results)",
     "overlap_schedule": "auto (on for CUDA, off on CPU), on, off: build step N+1 on the CPU "
     "while step N runs",
     "disable_overlap_schedule": "the synchronous step loop (same as --overlap-schedule off)",

@@ -47,7 +47,7 @@ class EngineConfig:
     disable_cuda_graph: bool = False
     disable_gemv: bool = False  # cuBLAS for every linear (no start-up kernel selection)
     disable_pdl: bool = False  # no programmatic dependent launch (layers/pdl.py)
-    disable_fusion: bool = False  # SiLU-and-mul and split-K pass as kernels of their own
+    disable_fusion: bool = False  # SiLU-and-mul and split-K passes as kernels of their own
     overlap_schedule: str = "auto"  # auto: on for CUDA, off on CPU; on; off
     disable_overlap_schedule: bool = False  # the synchronous step loop (same as off)
     cuda_graph_max_batch: int = 256

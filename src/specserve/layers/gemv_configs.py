@@ -74,8 +74,8 @@ def candidate_configs(rows: int, n: int, k: int, num_sms: int) -> list[GemvConfi
     """The configurations start-up selection times for `rows` rows of a weight [n, k], in
     order of preference on a tie: the CUDA-core product for one or two rows, the unsplit
     tiles of the row block, and, for a long K (K > N: few output tiles, long rows), one
-    K split that brings the program count to about one wave of `num_sms`, and the sweep's
-    split for the row block (`_SPLIT_EXTRA`)."""
+    K split that brings the program count to about one wave of `num_sms`; then the sweep's
+    split for the row block (`_SPLIT_EXTRA`: K >= N at up to 16 rows, K > N at 64)."""
     bm = row_block(rows)
     tiles = ([_FMA] if rows <= 2 else []) + [replace(t, block_m=bm) for t in _TILES[bm]]
     if k > n:

@@ -13,7 +13,9 @@ instances to the subclasses below in place (same parameters, buffers and state d
 start-up selection times it, fused), two more kernel boundaries go, with the same results:
 SiLU-and-mul becomes the GEMV's prologue, and with a K split the GEMV's second pass runs
 inside the RMSNorm after it, with the residual add (the decoder layer hands its MLP output
-to that norm: `forward(x, defer_reduce=True)`).
+to that norm: `forward(x, defer_reduce=True)`). The attention block's output projection,
+where the plan splits its K, hands its unreduced sums to the post-attention norm alike
+(`Attention.split_k_to_norm`, model/llama.py).
 """
 
 from __future__ import annotations
