@@ -1,0 +1,270 @@
+"""The goodput speculation policy: one draft length per step, the one with the most
+expected committed tokens per millisecond under the measured step cost model and the
+per-request acceptance estimates, with switches of K paid for and probes that keep every K's
+cost and acceptance known."""
+
+from __future__ import annotations
+
+import math
+from operator import attrgetter
+
+from specserve.spec.acceptance import AcceptanceModel
+from specserve.spec.buckets import batch_bucket
+from specserve.spec.cost_model import StepCostModel
+from specserve.spec.policy_base import SpeculationPolicy
+from specserve.spec.policy_trim import trim_drafts
+from specserve.spec.switch_costs import there_and_back_row
+
+_request_id = attrgetter("request_id")
+_max_useful_drafts = attrgetter("max_useful_drafts")
+
+
+class GoodputPolicy(SpeculationPolicy):
+    """One draft length K per step, the one with the most expected committed tokens per
+    millisecond: sum_r E_r[tokens | min(K, cap_r) drafts] / period(batch, K).
+
+    Why one K per step: verify steps are padded to the longest draft (one CUDA graph per
+    tokens per request) and the drafter's fastest path is a uniform chain, so a step with
+    mixed draft lengths costs what its longest one costs; shorter drafts for some requests
+    only lose their expected tokens. Periods are whole-step wall-clock times from the cost
+    model's online table (host work, padding and overlap included), so a K whose steps cost
+    more than their tokens repay is dropped. Where verify steps are never padded (no CUDA
+    graphs), drafts whose expected gain does not pay for their share of the target's time
+    are trimmed per request (lowest gain first, for every candidate K), and a trimmed request
+    drafts fully once every REQUEST_PROBE_EVERY steps so that its estimate stays fresh.
+
+    Switching K is not free (from plain decoding: a host wait that overlap would have hidden
+    and the drafter's catch-up; back to plain: a step the loop cannot overlap): the cost
+    model measures it per batch bucket and direction from the steps around each switch
+    (`PeriodLog`). On a step of a millisecond it is worth several steps. So the policy
+    leaves the K in use (the last step's unless that was a probe, else the bucket's
+    preferred K) only for a K better by more than HYSTERESIS (or NOISE_Z standard errors of
+    the two period estimates) once a switch there and back is spread over DWELL_STEPS steps,
+    and probes pay their switches.
+
+    Probing keeps every K's cost and acceptance known: a K not preferred runs for a few
+    consecutive steps (the switch, enough steady ones to span PROBE_MS, at most
+    PROBE_MAX_STEADY, and the one before the switch back, which carries part of it) once it
+    has not run for an interval, counted in steps at the batch bucket, set so that probing
+    it costs about PROBE_BUDGET of throughput under the model, switches included
+    (ACCEPT_PROBE_BUDGET for K_max while plain decoding is preferred and drafting within
+    FRESH_GAP: it also tells whether the requests' acceptance recovered): at least
+    PROBE_EVERY probes' lengths, at most PROBE_MAX_INTERVAL steps unless that would cost more
+    than PROBE_MAX_BUDGET; sooner while it has fewer than FRESH_OBSERVATIONS measurements
+    and is close to the best or was just found far off, or its last observation was far off
+    (doubtful), and after PROBE_EVERY steps of plain decoding when no request of the batch
+    has drafted yet (their acceptance is only the global estimate). A K never measured at
+    any batch size is measured at once. A K > 0 whose expected gain is under PROBE_MIN_GAIN
+    tokens per request is not probed.
+    """
+
+    HYSTERESIS = 0.03
+    NOISE_Z = 1.0
+    DWELL_STEPS = 32  # a switch's one-off cost is spread over this many steps at the new K
+    PROBE_MS = 3.0  # a probe spans at least this much steady time (short periods are noisy)
+    PROBE_MAX_STEADY = 3
+    PROBE_EVERY = 16  # probes of one K take at most 1/PROBE_EVERY of the steps
+    PROBE_BUDGET = 0.005  # the share of throughput probing one K may cost
+    ACCEPT_PROBE_BUDGET = 0.015  # probing K_max from plain decoding, when within reach
+    PROBE_MAX_INTERVAL = 512  # bounds how long a wrong estimate can hide a good K ...
+    PROBE_MAX_BUDGET = 0.01  # ... unless its probes would cost more than this share
+    FRESH_OBSERVATIONS = 2  # a K measured fewer times, and within FRESH_GAP of the best
+    FRESH_GAP = 0.3  # or just found far from its estimate, is probed again within
+    # PROBE_EVERY << count steps (the cost model counts a surprised cell as measured once)
+    UNSEEN_GAP = 0.5  # a K never measured at any batch size within this gap: measured at once
+    UNSEEN_RETRY = 8  # steps before a probe that brought no observation is retried (x2 each)
+    PROBE_MIN_GAIN = 0.1
+    REQUEST_PROBE_EVERY = 32
+    PROBE_MIN_ALPHA = 0.1
+
+    def __init__(self, k_max: int, cost: StepCostModel, acceptance: AcceptanceModel):
+        super().__init__(k_max)
+        self.cost = cost
+        self.acceptance = acceptance
+        self.num_steps = 0
+        self._preferred: dict[int, int] = {}  # batch bucket -> K in use
+        self._bucket_steps: dict[int, int] = {}  # batch bucket -> steps taken at it
+        self._last_run: dict[tuple[int, int], int] = {}  # (bucket, K) -> its step count then
+        self._unseen_tries: dict[tuple[int, int], int] = {}
+        self._probe: tuple[int, int, int] | None = None  # (bucket, K, steps left)
+        self._idle: dict[str, int] = {}  # steps each request was trimmed (unpadded)
+        self._running_k: int | None = None  # the last step's K unless it was a probe
+
+    def choose(self, reqs, extra_tokens=0):
+        n = len(reqs)
+        if n == 0:
+            self._running_k = None
+            return self._decided([])
+        self.num_steps += 1
+        k_max = self.k_max
+        self.acceptance.tick()
+        cums = self.acceptance.cumulatives(map(_request_id, reqs))  # K = 0..K_max each
+        if min(map(_max_useful_drafts, reqs)) >= k_max:  # every request may draft K_max
+            caps, k_top, full = [k_max] * n, k_max, True  # (the usual case)
+            tokens = list(map(sum, zip(*cums)))
+        else:
+            caps = [min(k_max, r.max_useful_drafts) for r in reqs]
+            k_top = max(caps)
+            full = min(caps) == k_top  # every request may draft k_top
+            if full:
+                tokens = [sum(col) for col, _ in zip(zip(*cums), range(k_top + 1))]
+            else:
+                tokens = self._tokens(cums, caps, k_top)
+        costs, uncapped, cells = self.cost.period_table(n, k_top, extra_tokens)
+        trimmed = None
+        if k_top and not self.cost.padded:  # eager verify steps: every draft costs
+            trimmed = [trim_drafts(self.cost, cums, caps, k, extra_tokens)
+                       for k in range(k_top + 1)]  # fmt: skip
+            tokens = [t for _, t, _ in trimmed]
+            costs = [ms for _, _, ms in trimmed]
+        bucket = batch_bucket(n)
+        self._bucket_steps[bucket] = self._bucket_steps.get(bucket, 0) + 1
+        # The K in use: the last step's (not a probe's), else the bucket's preferred one.
+        current = self._running_k
+        if current is None or current > k_top:
+            current = self._preferred.get(bucket)
+        sw = self.cost.switch_costs(n, costs[0])
+        switch = there_and_back_row(sw, current, k_top)  # leaving it pays a switch and back
+        best = self._preferred_k(bucket, current, tokens, costs, switch, n)
+        # Requests that never drafted have the global estimate only, and while plain
+        # decoding is preferred nothing would tell otherwise: drafting is probed soon.
+        unknown = best == 0 and not any(map(self.acceptance.has_observations,
+                                            (r.request_id for r in reqs)))  # fmt: skip
+        back = switch if best == current else there_and_back_row(sw, best, k_top)
+        k, probe = self._probe_k(bucket, best, n, tokens, costs, back, cells, unknown)
+        self._last_run[(bucket, k)] = self._bucket_steps[bucket]
+        self._running_k = None if probe else k
+        if trimmed is None and self.cost.padded:
+            # Drafts past a request's cap cost nothing in a padded step (K <= the largest
+            # cap) and their tokens are dropped; one draft length for every request lets the
+            # overlap loop launch the step without waiting (the scheduler keeps the context).
+            if full:  # every request drafts k: the step's expected tokens are tokens[k]
+                self.predicted_tokens = tokens[k]
+            else:
+                self.predicted_tokens = sum(c[min(k, cap)] for c, cap in zip(cums, caps))
+            if extra_tokens:
+                self.predicted_ms = self.cost.step_ms([min(k, c) for c in caps], extra_tokens)
+            else:  # step_ms of a padded step without prefill: period_ms(n, k)
+                self.predicted_ms = uncapped[k]
+            self.trace.decided(n, k, probe=probe, tokens=tokens, period_ms=costs,
+                               switch_ms=switch)  # fmt: skip
+            return [k] * n
+        ks = [min(k, c) for c in caps]
+        if trimmed is not None:
+            ks = self._request_probe(reqs, ks, list(trimmed[k][0]))
+        self.predicted_tokens = sum(c[k] for c, k in zip(cums, ks))
+        self.predicted_ms = self.cost.step_ms(ks, extra_tokens)
+        return self._decided(ks, probe=probe, tokens=tokens, period_ms=costs, switch_ms=switch)
+
+    @staticmethod
+    def _tokens(cums: list[list[float]], caps: list[int], k_top: int) -> list[float]:
+        """Expected committed tokens of the step at each uniform K = 0..k_top."""
+        full = [c for c, cap in zip(cums, caps) if cap >= k_top]
+        tokens = [sum(col) for col, _ in zip(zip(*full), range(k_top + 1))] if full else []
+        tokens += [0.0] * (k_top + 1 - len(tokens))
+        for c, cap in zip(cums, caps):
+            if cap < k_top:
+                for k in range(k_top + 1):
+                    tokens[k] += c[min(k, cap)]
+        return tokens
+
+    def _preferred_k(self, bucket: int, current: int | None, tokens, costs, switch,
+                     n: int) -> int:  # fmt: skip
+        """The K with the best goodput, with what switching to it from the K in use and back
+        costs spread over DWELL_STEPS; the K in use unless that is beaten by HYSTERESIS or,
+        where periods vary more, by NOISE_Z standard errors of the two period estimates."""
+        dwell = self.DWELL_STEPS
+        goodput = [t / (ms + s / dwell) for t, ms, s in zip(tokens, costs, switch)]
+        best = goodput.index(max(goodput))  # the first of equals
+        if current is not None and current < len(goodput) and best != current:
+            se = math.hypot(self.cost.error(n, best), self.cost.error(n, current))
+            if goodput[best] <= goodput[current] * (1 + max(self.HYSTERESIS, self.NOISE_Z * se)):
+                best = current
+        if len(goodput) == self.k_max + 1:  # not when requests near their end cap K
+            self._preferred[bucket] = best
+        return best
+
+    def probe_len(self, k: int, best: int, period_ms: float) -> int:
+        """Steps of a probe of K=k from K=best: the switch, enough steady steps to span
+        PROBE_MS, and the last one, before the switch back (it carries part of that switch:
+        not a steady sample)."""
+        steady = min(self.PROBE_MAX_STEADY, max(1, round(self.PROBE_MS / max(period_ms, 1e-3))))
+        return 1 + steady + 1  # (_probe_k computes it inline)
+
+    def _probe_k(self, bucket: int, best: int, n: int, tokens, costs, back: list[float],
+                 cells: list, unknown: bool) -> tuple[int, bool]:  # fmt: skip
+        """The K to run this step: `best`, or a probe that is due (the most overdue). `back`:
+        what switching from `best` to each K and back costs; `cells`: the cost model's at n's
+        bucket."""
+        if self._probe is not None:
+            p_bucket, p_k, left = self._probe
+            if p_bucket == bucket and p_k < len(tokens) and left > 0:
+                self._probe = (bucket, p_k, left - 1)
+                return p_k, True
+            self._probe = None
+        due, probe, probe_len = 0.0, None, 0
+        top, ms_best = len(tokens) - 1, costs[best]
+        g_best, min_gain = tokens[best] / ms_best, self.PROBE_MIN_GAIN * n
+        steps_now, last_run = self._bucket_steps[bucket], self._last_run
+        every, fresh_gap, unseen_gap = self.PROBE_EVERY, self.FRESH_GAP, self.UNSEEN_GAP
+        budget_ms, max_budget_ms = ms_best * self.PROBE_BUDGET, ms_best * self.PROBE_MAX_BUDGET
+        max_interval, probe_ms, most = self.PROBE_MAX_INTERVAL, self.PROBE_MS, self.PROBE_MAX_STEADY
+        tokens_plain = tokens[0]
+        for k in range(top + 1):  # one loop, no calls: it runs every step
+            if k == best or (k and tokens[k] - tokens_plain < min_gain):
+                continue
+            ms = costs[k]
+            gap = 1.0 - tokens[k] / ms / g_best if g_best > 0 else 0.0
+            if not gap > 0.0:  # as max(0.0, gap)
+                gap = 0.0
+            age = steps_now - last_run.get((bucket, k), 0)
+            cell = cells[k]
+            seen = cell.count if cell is not None else 0
+            steps = 2 + min(most, max(1, round(probe_ms / max(ms, 1e-3))))  # probe_len
+            if not seen and gap < unseen_gap and not self.cost.measured_k(k):
+                tries = self._unseen_tries.get((bucket, k), 0)
+                interval = 0 if tries == 0 else self.UNSEEN_RETRY << min(tries, 9)
+            else:
+                # A probe costs its steps' shortfall plus the switches there and back; spread
+                # it out so that it is PROBE_BUDGET of the time spent at `best` in between.
+                lost = steps * gap * ms + back[k]
+                if best == 0 and k == top and gap < fresh_gap:  # it also refreshes acceptance
+                    interval = lost / (ms_best * self.ACCEPT_PROBE_BUDGET)
+                else:
+                    interval = lost / budget_ms
+                # min(max(interval, every * steps), max(PROBE_MAX_INTERVAL, lost / max_budget_ms))
+                cap = lost / max_budget_ms
+                if not cap > max_interval:
+                    cap = max_interval
+                if every * steps > interval:
+                    interval = every * steps
+                if cap < interval:
+                    interval = cap
+                if 0 < seen < self.FRESH_OBSERVATIONS and (gap < fresh_gap or cell.surprised):
+                    interval = min(interval, every << seen)  # it may be the best, or moved
+                if cell is not None and cell.doubt is not None:
+                    interval = min(interval, 2 * every * steps)  # far off once: confirm or
+                if unknown and gap < fresh_gap:  # dismiss it soon
+                    interval = min(interval, every)
+            if age >= interval and (probe is None or age - interval > due):
+                due, probe, probe_len = age - interval, k, steps
+        if probe is None:
+            return best, False
+        if not self.cost.observations(n, probe):
+            self._unseen_tries[(bucket, probe)] = self._unseen_tries.get((bucket, probe), 0) + 1
+        self._probe = (bucket, probe, probe_len - 1)
+        return probe, True
+
+    def _request_probe(self, reqs, full: list[int], ks: list[int]) -> list[int]:
+        """Acceptance is only observed at the depths drafted: a request trimmed below the
+        step's K for REQUEST_PROBE_EVERY steps drafts fully once, unless its first drafts
+        have proven useless, so a pessimistic estimate cannot keep it shallow for good."""
+        idle = {}
+        for i, r in enumerate(reqs):
+            steps = 0 if ks[i] >= full[i] else self._idle.get(r.request_id, 0) + 1
+            alpha0 = self.acceptance.alpha(r.request_id)[0] if self.k_max else 0.0
+            if steps >= self.REQUEST_PROBE_EVERY and alpha0 >= self.PROBE_MIN_ALPHA:
+                ks[i], steps = full[i], 0
+            idle[r.request_id] = steps
+        self._idle = idle
+        return ks
