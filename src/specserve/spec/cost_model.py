@@ -14,33 +14,15 @@ steps around it: those are their own online table, by bucket and direction of th
 
 from __future__ import annotations
 
-import functools
 import math
 
+from specserve.spec.buckets import batch_bucket, nearest_bucket
 from specserve.spec.cost_curves import CurveModel, measure_curve, powers_of_two
 from specserve.spec.robust_mean import RobustMean
+from specserve.spec.switch_costs import SwitchCosts, direction, there_and_back, there_and_back_row
 
 __all__ = ["CurveModel", "RobustMean", "StepCostModel", "batch_bucket", "measure_curve",
            "powers_of_two", "there_and_back", "there_and_back_row"]
-
-
-def _nearest_bucket(cells: dict, bucket: int, tag):
-    """The cell keyed (b, tag) whose batch bucket b is nearest to `bucket` (in powers of two;
-    the smaller on a tie), or None when no bucket has one."""
-    seen = [b for (b, t) in cells if t == tag]
-    if not seen:
-        return None
-    return cells[(min(seen, key=lambda b: (abs(b.bit_length() - bucket.bit_length()), b)), tag)]
-
-
-@functools.cache  # read a dozen times per policy decision
-def batch_bucket(num_requests: int) -> int:
-    """Cells of the period table: powers of two (1, 2, 4, ..., 64, 128, ...)."""
-    return 1 << max(0, num_requests - 1).bit_length()
-
-
-def _direction(k_from: int, k_to: int) -> str:
-    return "up" if not k_from else "down" if not k_to else "lateral"
 
 
 class StepCostModel:
@@ -54,10 +36,8 @@ class StepCostModel:
     K, else of the nearest observed K at its bucket, else takes the seed. `padded`: verify steps
     pad every request to K drafts (CUDA graphs), so shorter drafts save nothing; otherwise
     each draft not verified saves its share of the target's time. Ratios are robust means
-    in log space (outliers cut), switch costs robust means in ms by bucket and direction
-    (up: from plain decoding, down: back to it, lateral: between two K > 0), signed: the
-    steps around a switch may take less than steady ones (run 5 on the H200: about -0.9 ms
-    down and +4 ms up at batch 1); a switch there and back costs their sum.
+    in log space (outliers cut). Switch costs are their own table (`SwitchCosts`, by bucket
+    and direction); a switch there and back costs the sum of both directions.
     """
 
     WEIGHT = 0.15  # EWMA weight of an observation in a cell observed every step
@@ -67,7 +47,6 @@ class StepCostModel:
     CLAMP = 3.0  # the first YOUNG observations of a cell move its ratio by at most this
     CUT = 0.25  # factor; others by at least exp(CUT) (more if periods vary more)
     YOUNG = 3
-    SWITCH_WEIGHT = 0.2
     SWITCH_PRIOR = 0.5  # an unmeasured switch to or from plain decoding: half a plain step
     # Which cells a period or a switch cost reads depends only on which cells exist: those
     # read plans are memoized until a cell is added (the policy reads them every step).
@@ -78,13 +57,11 @@ class StepCostModel:
         self.drafter = drafter
         self.padded = padded
         self._cells: dict[tuple[int, int], RobustMean] = {}  # (bucket, K) -> log ratio
-        self._switch: dict[tuple[int, str], RobustMean] = {}  # (bucket, direction) -> ms
+        self.switches = SwitchCosts(self.CUT, self.YOUNG)  # switch_costs, observe_switch
         self._measured_ks: set[int] = set()
         self._clock = 0
         self._seeds: dict[tuple[int, int], float] = {}
         self._plans: dict[tuple, tuple] = {}  # read plans (`memoize`)
-        # n -> switch_costs(n) while no switch cost is observed (`memoize`; not with priors)
-        self._switch_reads: dict[int, dict[str, float]] = {}
 
     def seed_ms(self, n: int, k: int) -> float:
         ms = self._seeds.get((n, k))
@@ -124,7 +101,7 @@ class StepCostModel:
         """The cell whose ratio a period at (bucket, k) takes (see the class), or None."""
         cell = self._cells.get((bucket, k))
         if cell is None:
-            cell = _nearest_bucket(self._cells, bucket, k)
+            cell = nearest_bucket(self._cells, bucket, k)
             if cell is None:
                 # Host overhead missing from the seeds is shared by every K of a batch size.
                 here = [kk for (b, kk) in self._cells if b == bucket]
@@ -271,13 +248,13 @@ class StepCostModel:
         """The online tables as plain data (diagnostics): "bucket:K" -> (ratio of period to
         seed, observations) and "bucket:direction" -> (switch cost in ms, observations)."""
         return {"ratio": _fmt(self._cells, lambda c: math.exp(c.value)),
-                "switch_ms": _fmt(self._switch, lambda c: c.value)}  # fmt: skip
+                "switch_ms": _fmt(self.switches.cells, lambda c: c.value)}  # fmt: skip
 
     def switch_ms(self, n: int, k_from: int, k_to: int) -> float:
         """What a switch from K=k_from to k_to costs beyond steady steps (may be negative)."""
         if k_from == k_to:
             return 0.0
-        return self.switch_costs(n)[_direction(k_from, k_to)]
+        return self.switch_costs(n)[direction(k_from, k_to)]
 
     def switch_costs(self, n: int, plain_ms: float | None = None) -> dict[str, float]:
         """switch_ms by direction ("up", "down", "lateral") at batch size n. A bucket without
@@ -285,52 +262,16 @@ class StepCostModel:
         to or from plain decoding costs SWITCH_PRIOR of a plain step (`plain_ms` if the
         caller knows it), between K > 0 nothing. One direction may be negative; a switch
         there and back costs the sum (`there_and_back`). Read only (it may be cached)."""
-        out = self._switch_reads.get(n)
-        if out is not None:
-            return out
-        out, prior = {"lateral": 0.0}, None
-        for direction, cell in self._plan((n, "switch"), self._switch_plan):
-            if cell is not None:
-                out[direction] = cell.value
-            elif direction != "lateral":
-                if prior is None:
-                    prior = self.SWITCH_PRIOR * (plain_ms or self.period_ms(n, 0))
-                out[direction] = prior
-        if prior is None and self.memoize:
-            self._switch_reads[n] = out
-        return out
-
-    def _switch_plan(self, n: int, _) -> tuple:
-        bucket, plan = batch_bucket(n), []
-        for direction in ("up", "down", "lateral"):
-            cell = self._switch.get((bucket, direction))
-            if cell is None:
-                cell = _nearest_bucket(self._switch, bucket, direction)
-            plan.append((direction, cell))
-        return tuple(plan)
+        return self.switches.costs(
+            n, lambda: self.SWITCH_PRIOR * (plain_ms or self.period_ms(n, 0)), self.memoize)
 
     def observe_switch(self, n: int, k_from: int, k_to: int, excess_ms: float,
                        steady_ms: float) -> None:  # fmt: skip
         """A switch from K=k_from to k_to cost excess_ms beyond steady steps (`PeriodLog`:
         the step before it and the first after it, less the steady ones on either side);
-        steady_ms, the new K's steady period, scales the outlier cut. A sample comes from
-        four step periods, so it is noisy: the unmeasured estimate counts as one sample of
-        a new cell (the first YOUNG samples average with it, uncut), later ones are cut."""
-        if k_from == k_to or steady_ms <= 0:
-            return
-        self._switch_reads.clear()
-        direction = _direction(k_from, k_to)
-        key = (batch_bucket(n), direction)
-        cell = self._switch.get(key)
-        if cell is None:
-            prior = 0.0 if direction == "lateral" else self.SWITCH_PRIOR * self.period_ms(n, 0)
-            cell = self._switch[key] = RobustMean(prior, self.CUT * steady_ms)
-            self._plans.clear()
-        if cell.count < self.YOUNG:
-            cell.update(excess_ms, 1.0 / (cell.count + 2), math.inf)
-            return
-        weight = max(self.SWITCH_WEIGHT, 1.0 / (cell.count + 2))
-        cell.update(excess_ms, weight, self.CUT * steady_ms)
+        steady_ms, the new K's steady period, scales the outlier cut (`SwitchCosts`)."""
+        self.switches.observe(n, k_from, k_to, excess_ms, steady_ms,
+                              lambda: self.SWITCH_PRIOR * self.period_ms(n, 0))  # fmt: skip
 
 
 def _read(plan: tuple) -> float:
@@ -346,27 +287,6 @@ def _read(plan: tuple) -> float:
     if extra:
         ms += extra
     return ms
-
-
-def there_and_back(sw: dict[str, float], a: int | None, b: int) -> float:
-    """What switching from K=a to K=b and back costs (`sw`: StepCostModel.switch_costs),
-    never less than nothing."""
-    if a is None or a == b:
-        return 0.0
-    if a and b:
-        return max(0.0, 2 * sw["lateral"])
-    return max(0.0, sw["up"] + sw["down"])
-
-
-def there_and_back_row(sw: dict[str, float], a: int | None, k_top: int) -> list[float]:
-    """[there_and_back(sw, a, b) for b = 0..k_top] (the policy's row of every step)."""
-    if a is None:
-        return [0.0] * (k_top + 1)
-    plain = max(0.0, sw["up"] + sw["down"])  # to or from K=0 (b or a is 0)
-    row = [plain] + [max(0.0, 2 * sw["lateral"])] * k_top if a else [plain] * (k_top + 1)
-    if a <= k_top:
-        row[a] = 0.0
-    return row
 
 
 def _fmt(table: dict, value) -> dict:
