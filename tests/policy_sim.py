@@ -10,18 +10,14 @@ that the loop could not overlap. Where the next step is launched before a step r
 part of a switch lands in the step before it (as measured on the H200). A request's first
 drafting step catches its drafter up over the prompt. Periods carry lognormal noise and
 occasional outliers. Requests arrive one after another (batch 1, an idle engine between them)
-or in rounds of b submitted together; each has a length, per-position acceptance rates from a
-profile (some requests much lower), hard phases where its drafts mostly fail, and optionally
-a hard opening. The policy, the acceptance and cost models and the speculator's bookkeeping
+or in rounds of b submitted together (policy_sim_workload.py: the requests and the noise).
+The policy, the acceptance and cost models and the speculator's bookkeeping
 are the real ones, fed one step late as under overlap (step N+1 is scheduled before step N
 is processed).
 """
 
 from __future__ import annotations
 
-import functools
-import math
-import random
 from dataclasses import dataclass, field
 
 from specserve.engine.scheduler import ScheduledRequest
@@ -36,104 +32,25 @@ from specserve.spec.policy import (
 from specserve.spec.speculator import Speculator
 from specserve.spec.step_periods import PeriodLog
 from tests.policy_sim_engines import LARGE, MEASURED, SMALL, Regime
+from tests.policy_sim_workload import Noise, SimRequest, Workload, make_requests, noise_factors
 
 __all__ = ["K_MAX", "LARGE", "MEASURED", "SMALL", "Noise", "Regime", "SimRequest", "SimResult",
-           "Simulator", "Workload", "compare", "noise_factors", "simulate"]
+           "Simulator", "Workload", "compare", "make_requests", "noise_factors", "simulate"]
 
 K_MAX = 3
-# SmolLM2 + shipped head on the H200 measured 0.68 / 0.67 / 0.75 per position (conditional);
-# outside hard phases (about 9% of steps) a typical request accepts a little more.
-PROFILE = (0.73, 0.72, 0.80)
-@dataclass(frozen=True)
-class Workload:
-    """Requests of the run: batch 1 runs `rounds` requests one after another, batch b runs
-    `rounds` rounds of b requests submitted together (run to completion, like the bench)."""
-
-    batch: int
-    rounds: int
-    min_tokens: int = 128
-    max_tokens: int = 256
-    low_share: float = 0.15  # requests unlike the drafter's training (rates x low_scale)
-    low_scale: float = 0.6
-    hard_enter: float = 0.01  # per step: a request enters a hard phase ...
-    hard_leave: float = 0.1  # ... and leaves it (rates x hard_scale meanwhile)
-    hard_scale: float = 0.3
-    hard_start: int = 0  # a request's first tokens, up to this many, are a hard phase too
-    warmup: tuple[int, ...] = (1, 8, 64)  # 16 tokens at each batch size first, not counted
-
-
-@dataclass(frozen=True)
-class Noise:
-    sigma: float = 0.2  # lognormal
-    outlier_p: float = 0.02
-    outlier_x: float = 3.0
-
-
-@dataclass
-class SimRequest:
-    """What the policy reads of a request (`request_id`, `max_useful_drafts`) and its truth."""
-
-    request_id: str
-    length: int
-    rates: tuple[float, ...]
-    rng: random.Random
-    generated: int = 0
-    hard: bool = False
-    drafted: bool = False
-    hard_until: int = 0  # tokens: a hard start (the opening of an answer)
-
-    @property
-    def max_useful_drafts(self) -> int:
-        return max(0, self.length - self.generated - 1)
-
-    def accept(self, k: int, wl: Workload) -> int:
-        if self.hard:
-            self.hard = self.rng.random() >= wl.hard_leave
-        else:
-            self.hard = self.rng.random() < wl.hard_enter
-        scale = wl.hard_scale if self.hard or self.generated < self.hard_until else 1.0
-        accepted = 0
-        while accepted < k and self.rng.random() < self.rates[accepted] * scale:
-            accepted += 1
-        return accepted
+NOISE = Noise()  # the default (frozen)
 
 
 @dataclass
 class SimResult:
+    """What a simulated run delivered, and what the policy spent on switches and probes."""
+
     tokens: int = 0
     ms: float = 0.0
     steps: int = 0
     switches: int = 0  # decode steps whose K crossed between 0 and > 0
     probes: int = 0  # decode steps the policy spent probing
     step_ks: list[int] = field(default_factory=list)
-
-
-@functools.lru_cache(maxsize=16)
-def noise_factors(noise: Noise, seed: int, steps: int = 8192) -> tuple[float, ...]:
-    """Multiplicative noise of the periods step by step: lognormal (mean 1) and outliers."""
-    rng = random.Random(seed + 7919)
-    out = []
-    for _ in range(steps):
-        x = math.exp(rng.gauss(0.0, noise.sigma) - noise.sigma**2 / 2)
-        out.append(x * noise.outlier_x if rng.random() < noise.outlier_p else x)
-    return tuple(out)
-
-
-def make_requests(wl: Workload, seed: int, tokens: int | None = None) -> list[SimRequest]:
-    """The run's requests, the same for every policy given the seed."""
-    rng = random.Random(seed)
-    count = wl.rounds * wl.batch
-    out = []
-    for i in range(count):
-        low = rng.random() < wl.low_share
-        jitter = rng.uniform(0.85, 1.1)
-        rates = tuple(min(0.97, a * jitter * (wl.low_scale if low else 1.0)) for a in PROFILE)
-        length = tokens or rng.randint(wl.min_tokens, wl.max_tokens)
-        req = SimRequest(f"s{seed}-{i}", length, rates, random.Random(rng.random()))
-        if wl.hard_start:
-            req.hard_until = rng.randint(0, wl.hard_start)
-        out.append(req)
-    return out
 
 
 def bare_speculator(policy: SpeculationPolicy, acceptance: AcceptanceModel) -> Speculator:
@@ -256,7 +173,7 @@ class Simulator:
 
 
 def simulate(policy_name: str | int, regime: Regime, wl: Workload, seed: int = 0,
-             noise: Noise = Noise()) -> tuple[SimResult, SpeculationPolicy]:  # fmt: skip
+             noise: Noise = NOISE) -> tuple[SimResult, SpeculationPolicy]:  # fmt: skip
     """Run the workload under "goodput" or a fixed K (int); returns the measured part."""
     acceptance = AcceptanceModel(K_MAX)
     policy: SpeculationPolicy
@@ -282,7 +199,7 @@ def simulate(policy_name: str | int, regime: Regime, wl: Workload, seed: int = 0
     return result, policy
 
 
-def compare(regime: Regime, wl: Workload, seeds=(0, 1), noise: Noise = Noise()) -> dict:
+def compare(regime: Regime, wl: Workload, seeds=(0, 1), noise: Noise = NOISE) -> dict:
     """Tokens per ms of goodput and of every fixed K, summed over seeds; goodput's switch and
     probe shares."""
     out: dict = {}
