@@ -60,6 +60,7 @@ def run(engine: LLMEngine, overlap: bool, batch: int, prompt_len: int, new_token
         engine.add_request(p, params)
     while any(r.cached_len < len(r.prompt_token_ids) for r in engine.requests.values()):
         engine.step()  # prefill, not timed
+    engine.loop.drain()  # nor the last prefill step, in flight under overlap
     sync()
     steps0 = engine.num_steps
     produced = sum(r.num_generated for r in engine.requests.values())

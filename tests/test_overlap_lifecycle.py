@@ -120,3 +120,26 @@ def test_random_arrivals_aborts_and_preemption(models, reference, drafter):
     for rid, i in ids.items():
         if rid not in aborted:
             assert finished[rid] == expected[i]
+
+
+def test_drain_processes_the_step_in_flight(models, reference):
+    """`loop.drain()` (benchmarks time decoding from a settled state) processes the step in
+    flight without launching one, after prefill and mid-decode; outputs stay identical."""
+    for drafter in (None, "eagle3"):
+        llm = LLM(models["target"], overlap_schedule="on", **spec_kwargs(models, drafter))
+        engine = llm.engine
+        ids = [engine.add_request(p, GREEDY) for p in prompts_for()]
+        finished, launched = {}, []
+        for turn in range(80):
+            outputs = engine.step()
+            if turn in (0, 5) and engine.loop.inflight is not None:
+                launched.append(engine.num_steps)
+                outputs += engine.loop.drain()
+                assert engine.loop.inflight is None and engine.num_steps == launched[-1]
+                assert engine.loop.drain() == []  # nothing left in flight
+            finished.update((o.request_id, o.token_ids) for o in outputs if o.finished)
+            if not engine.has_unfinished():
+                break
+        assert len(launched) == 2 and not engine.has_unfinished()
+        assert engine.kv.allocator.num_used == 0
+        assert [finished[rid] for rid in ids] == [t for t, _, _ in reference(GREEDY)]

@@ -90,6 +90,14 @@ class StepLoop:
             done = launched
         return self._process(done) if done is not None else []
 
+    def drain(self) -> list[RequestOutput]:
+        """Process the step in flight, if any, without launching another; returns its
+        outputs. The next step starts on an idle device (no gap recorded before it): for
+        callers that time decoding from a settled state, e.g. after prefill."""
+        prev, self.inflight = self.inflight, None
+        self._idle = True
+        return self._process(prev) if prev is not None else []
+
     # ---- launch ---------------------------------------------------------------------------
     def _schedule(self):
         spec = self.engine.spec
