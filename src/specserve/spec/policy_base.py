@@ -34,11 +34,15 @@ class SpeculationPolicy(ABC):
 
 
 class OffPolicy(SpeculationPolicy):
+    """K=0 for every request, every step (plain decoding)."""
+
     def choose(self, reqs, extra_tokens=0):
         return self._decided([0] * len(reqs))
 
 
 class FixedPolicy(SpeculationPolicy):
+    """K_max for every request, every step."""
+
     def choose(self, reqs, extra_tokens=0):
         return self._decided([self.k_max] * len(reqs))
 
