@@ -101,7 +101,7 @@ class GoodputPolicy(SpeculationPolicy):
         cums = self.acceptance.cumulatives(map(_request_id, reqs))  # K = 0..K_max each
         if min(map(_max_useful_drafts, reqs)) >= k_max:  # every request may draft K_max
             caps, k_top, full = [k_max] * n, k_max, True  # (the usual case)
-            tokens = list(map(sum, zip(*cums)))
+            tokens = list(map(sum, zip(*cums)))[: k_max + 1]  # (acceptance's K_max may be larger)
         else:
             caps = [min(k_max, r.max_useful_drafts) for r in reqs]
             k_top = max(caps)
