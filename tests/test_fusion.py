@@ -131,8 +131,8 @@ def test_interpreter_model_fused_equals_unfused(case, interpreter_results):
 
 
 # ---- which down projections fuse, and how the selection times them (no kernel runs) ----
-def test_merged_mlps_report_their_fusions():
-    from specserve.layers.linear import fused_down_projections
+def test_fused_projections_report_their_fusions():
+    from specserve.layers.linear import NORM_FUSION, fused_projections
     from specserve.layers.triton_ops import use_triton_ops
     from tests.fusion_cases import set_fusions
     from tests.model_cases import tiny_config, tiny_model
@@ -140,15 +140,19 @@ def test_merged_mlps_report_their_fusions():
     cfg = tiny_config()
     model = tiny_model(cfg, torch.float16, "cpu")
     down = (cfg.hidden_size, cfg.intermediate_size, torch.float16)
-    assert fused_down_projections(model) == {}  # plain modules
+    o_proj = (cfg.hidden_size, cfg.num_heads * cfg.head_dim, torch.float16)
+    assert fused_projections(model) == {}  # plain modules
     use_triton_ops(model, fuse=False)
-    assert fused_down_projections(model) == {}
+    assert fused_projections(model) == {}
     use_triton_ops(model)
-    assert fused_down_projections(model) == {down: "silu+split_k"}
+    assert fused_projections(model) == {down: "silu+split_k", o_proj: NORM_FUSION}
     set_fusions(model, silu=False, split_k=True)
-    assert fused_down_projections(model) == {down: "split_k"}
+    assert fused_projections(model) == {down: "split_k", o_proj: NORM_FUSION}
     use_triton_ops(model, enable=False)
-    assert fused_down_projections(model) == {}
+    assert fused_projections(model) == {}
+    square = tiny_model(tiny_config(intermediate_size=64), torch.float16, "cpu")
+    use_triton_ops(square)  # o_proj and down share a shape: the down projection's fusion
+    assert fused_projections(square) == {o_proj: "silu+split_k"}
 
 
 def test_plan_serves_a_fused_down_projection_by_its_own_measurement():
@@ -182,14 +186,15 @@ def test_selection_times_a_fused_down_projection_against_the_unfused_path(monkey
 
     monkeypatch.setattr(selector, "_measure", fake)
     jobs = bucket_candidates(ROW_BUCKETS, 96, 64, num_sms=132)
-    for fusion in ((), ("silu+split_k",)):
+    for fusion in ((), ("silu+split_k",), ("norm",)):
         selector._measure_shape(96, 64, torch.float16, jobs, [torch.zeros(96, 64)], 1e18,
                                 *fusion)  # fmt: skip
-    assert {cols for cols, fusion in seen if fusion} == {128}  # [gate | up] rows
-    assert {cols for cols, fusion in seen if not fusion} == {64}
+    assert {cols for cols, fusion in seen if fusion == ("silu+split_k",)} == {128}  # [gate|up]
+    assert {cols for cols, fusion in seen if fusion != ("silu+split_k",)} == {64}  # o_proj too
     for b in ROW_BUCKETS:
         assert selector.measured[(b, 96, 64, torch.float16)].config is None
-        assert selector.measured[(b, 96, 64, torch.float16, "silu+split_k")].config is not None
+        for fusion in ("silu+split_k", "norm"):
+            assert selector.measured[(b, 96, 64, torch.float16, fusion)].config is not None
 
 
 if __name__ == "__main__":  # the interpreter run (TRITON_INTERPRET=1), see the fixture

@@ -87,8 +87,8 @@ def test_candidate_configs_are_the_pruned_winners():
             bm = 16 if rows <= 16 else 32 if rows <= 32 else 64
             assert all(c.block_m == bm for c in cands if c.use_dot)  # the weight read once
             assert all(-(-k // c.split_k) >= c.block_k for c in cands)
-            # splits for a long K, and for a square weight at up to 16 rows
-            assert any(c.split_k > 1 for c in cands) == (k > n or (k == n and rows <= 16))
+            # splits for a long K, and for a square weight where the row block has one
+            assert any(c.split_k > 1 for c in cands) == (k > n or (k == n and bm != 32))
     down = candidate_configs(1, 4096, 14336, num_sms=132)
     assert [str(c) for c in down if c.split_k > 1] == ["dot m16 n64 k128 s4 w4 st4",
                                                        "dot m16 n32 k128 s3 w2 st4"]  # fmt: skip
@@ -97,6 +97,8 @@ def test_candidate_configs_are_the_pruned_winners():
                                                        "dot m64 n64 k128 s2 w4 st5"]  # fmt: skip
     o_proj = candidate_configs(8, 4096, 4096, num_sms=132)
     assert [str(c) for c in o_proj if c.split_k > 1] == ["dot m16 n32 k128 s3 w2 st4"]
+    o_proj = candidate_configs(64, 4096, 4096, num_sms=132)
+    assert [str(c) for c in o_proj if c.split_k > 1] == ["dot m64 n64 k128 s2 w4 st5"]
 
 
 def test_small_buckets_time_one_shared_list_without_the_cuda_core_path():

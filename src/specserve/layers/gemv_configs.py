@@ -64,8 +64,9 @@ _TILES = {
 _FMA = GemvConfig(8, 512, num_warps=4, num_stages=2, use_dot=False)
 _SPLIT_TILE = GemvConfig(64, 128, num_stages=4)
 # Splits that won the wide sweep on the H200 (scripts/gemv_sweep.py, gpu_kernels.md) where the
-# one-wave split above does not reach: K >= N at up to 16 rows (o, down, the EAGLE-3 fc: three
-# slices of narrow tiles), K > N at 64 rows (down, fc: two slices, a deeper pipeline).
+# one-wave split above does not reach, for K >= N: at up to 16 rows three slices of narrow
+# tiles (o, down, the EAGLE-3 fc), at 64 rows two slices with a deeper pipeline (down, fc;
+# o_proj, whose split's second pass runs inside the next norm when timed fused with it).
 _SPLIT_EXTRA = {16: GemvConfig(32, 128, split_k=3, num_warps=2, num_stages=4),
                 64: GemvConfig(64, 128, split_k=2, num_stages=5)}  # fmt: skip
 
@@ -75,7 +76,7 @@ def candidate_configs(rows: int, n: int, k: int, num_sms: int) -> list[GemvConfi
     order of preference on a tie: the CUDA-core product for one or two rows, the unsplit
     tiles of the row block, and, for a long K (K > N: few output tiles, long rows), one
     K split that brings the program count to about one wave of `num_sms`; then the sweep's
-    split for the row block (`_SPLIT_EXTRA`: K >= N at up to 16 rows, K > N at 64)."""
+    split for the row block (`_SPLIT_EXTRA`: K >= N at up to 16 rows and at 64)."""
     bm = row_block(rows)
     tiles = ([_FMA] if rows <= 2 else []) + [replace(t, block_m=bm) for t in _TILES[bm]]
     if k > n:
@@ -85,6 +86,6 @@ def candidate_configs(rows: int, n: int, k: int, num_sms: int) -> list[GemvConfi
         if split > 1:
             tiles.append(replace(_SPLIT_TILE, block_m=bm, split_k=split))
     extra = _SPLIT_EXTRA.get(bm)
-    if extra is not None and (k > n or (bm == 16 and k == n)):
+    if extra is not None and k >= n:
         tiles.append(replace(extra, block_m=bm))
     return [t for t in tiles if t.supports(rows, n, k)]

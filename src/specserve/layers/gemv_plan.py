@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from specserve.layers.gemv import MAX_ROWS, GemvConfig, gemv
 
-PlanKey = tuple  # (row bucket, N, K, dtype), and + (fusion,) for a fused down projection
+PlanKey = tuple  # (row bucket, N, K, dtype), and + (fusion,) for a fused projection
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
 
@@ -33,9 +33,10 @@ class GemvPlan:
     """(row bucket, N, K, dtype) -> the GEMV configuration that serves it. Rows are rounded up
     to the next bucket; keys absent, measured slower than torch, or beyond the largest
     bucket go to torch (`default`, when given, serves every absent key: tests force the
-    Triton path with it). A down projection whose MLP fuses its neighbours into the GEMV
-    asks with its `fusion` (triton_ops.py): the key + (fusion,), measured with them
-    (`gemv_timing.down_and_norm`), when there is one; else the shape's plain choice."""
+    Triton path with it). A projection that fuses its neighbours into the GEMV (a merged
+    MLP's down projection, triton_ops.py; attention's o_proj, llama.py) asks with its
+    `fusion`: the key + (fusion,), measured with them (`gemv_timing.down_and_norm`), when
+    there is one; else the shape's plain choice."""
 
     def __init__(
         self,

@@ -34,6 +34,7 @@ from specserve.layers.gemv import GemvConfig, candidate_configs, gemv
 from specserve.layers.gemv_plan import ROW_BUCKETS, GemvChoice, GemvPlan, PlanKey
 from specserve.layers.gemv_timing import (  # noqa: F401 (rotation_set: scripts import it here)
     down_and_norm,
+    fused_input_cols,
     rotation_set,
     time_in_graph_us,
     torch_linear,
@@ -137,14 +138,15 @@ class GemvSelector:
     @torch.inference_mode()
     def select(self, weights: dict[ShapeKey, list[torch.Tensor]],
                fused: dict[ShapeKey, str] | None = None) -> GemvPlan:  # fmt: skip
-        """The plan for `weights` (grouped by shape); `fused`: shapes of down projections
-        whose MLP fuses neighbours into the GEMV, with the fusion, timed with them too."""
+        """The plan for `weights` (grouped by shape); `fused`: shapes of projections that
+        fuse neighbours into the GEMV (linear.fused_projections), with the fusion, timed
+        with them too."""
         shapes = {key: [w for w in ws if w.stride(-1) == 1] for key, ws in weights.items()
                   if ws and ws[0].is_cuda and key[2] in GEMV_DTYPES}  # fmt: skip
         shapes = {key: ws for key, ws in shapes.items() if ws}
         if not shapes:
             return GemvPlan({}, self.row_buckets)
-        # a fused down projection is one more "shape" to measure: (N, K, dtype, fusion)
+        # a fused projection is one more "shape" to measure: (N, K, dtype, fusion)
         jobs_of = {**{shape: shape for shape in shapes},
                    **{(*shape, f): shape for shape, f in (fused or {}).items()
                       if shape in shapes}}  # fmt: skip
@@ -218,7 +220,7 @@ class GemvSelector:
         """Time torch and every candidate per row bucket (with a `fusion`: as the fused
         down projection and the norm after it); record each bucket's choice."""
         device = rotation[0].device
-        cols = 2 * k if fusion else k  # a fused down projection reads [gate | up]
+        cols = fused_input_cols(k, fusion[0]) if fusion else k
         runs = [(b, torch.randn(b, cols, device=device, dtype=dtype), [None, *cands])
                 for b, cands in jobs]  # fmt: skip
         times: dict[int, dict] = {b: {} for b, _, _ in runs}

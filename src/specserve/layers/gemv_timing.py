@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from specserve.layers.gemv import GemvConfig, SplitKSum, gemv
+from specserve.layers.linear import NORM_FUSION
 from specserve.runtime.cuda_graphs import no_collection_while_capturing
 
 NORM_EPS = 1e-5  # the timed norm's; any value times alike
@@ -62,25 +63,35 @@ def torch_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return F.linear(x, w)
 
 
+def fused_input_cols(k: int, fusion: str) -> int:
+    """Columns of the input a fused projection of a weight [N, k] reads: a merged MLP's
+    down projection its [gate | up] rows, attention's o_proj (NORM_FUSION) its own."""
+    return k if fusion == NORM_FUSION else 2 * k
+
+
 def down_and_norm(cfg: GemvConfig | None, fusion: str, residual: torch.Tensor,
                   norm_weight: torch.Tensor, unfused: GemvConfig | None = None):  # fmt: skip
-    """fn(gate_up, w): a merged MLP's down projection from its gate_up output and the add +
-    RMSNorm after it, as the model runs them (triton_ops.TritonMergedGatedMLP): with cfg,
-    the Triton GEMV with the parts of `fusion` ("silu": SiLU-and-mul as its prologue,
-    "split_k": its split-K pass inside the norm); cfg None: unfused, SiLU-and-mul, then the
-    shape's plain choice (`unfused`: a Triton GEMV, None: cuBLAS), then add + RMSNorm (which
-    runs a K split's pass of `unfused` with "split_k", as the model does)."""
+    """fn(x, w): a projection and the add + RMSNorm after it, as the model runs them. A
+    merged MLP's down projection (triton_ops.TritonMergedGatedMLP) from its gate_up output:
+    with cfg, the Triton GEMV with the parts of `fusion` ("silu": SiLU-and-mul as its
+    prologue, "split_k": its split-K pass inside the norm); cfg None: unfused, SiLU-and-mul,
+    then the shape's plain choice (`unfused`: a Triton GEMV, None: cuBLAS), then add +
+    RMSNorm (which runs a K split's pass of `unfused` with "split_k", as the model does).
+    Attention's o_proj (fusion NORM_FUSION, llama.Attention): the same without SiLU, its
+    split-K pass always in the norm."""
     from specserve.layers.triton_ops import add_rms_norm, silu_and_mul, split_k_add_rms_norm
 
     silu = cfg is not None and "silu" in fusion
+    gated = fusion != NORM_FUSION
+    defer = "split_k" in fusion or not gated
 
     def run(x: torch.Tensor, w: torch.Tensor):
         k = w.shape[1]
-        a = x if silu else silu_and_mul(x[:, :k], x[:, k:])
+        a = x if silu or not gated else silu_and_mul(x[:, :k], x[:, k:])
         if cfg is not None:
-            y = gemv(a, w, None, cfg, silu=silu, defer_reduce="split_k" in fusion)
+            y = gemv(a, w, None, cfg, silu=silu, defer_reduce=defer)
         elif unfused is not None:  # the model defers a split of it to the norm, too
-            y = gemv(a, w, None, unfused, defer_reduce="split_k" in fusion)
+            y = gemv(a, w, None, unfused, defer_reduce=defer)
         else:
             y = F.linear(a, w)
         if isinstance(y, SplitKSum):

@@ -83,16 +83,27 @@ def gemv_weights(model: nn.Module) -> dict[tuple[int, int, torch.dtype], list[to
     return groups
 
 
-def fused_down_projections(model: nn.Module) -> dict[tuple[int, int, torch.dtype], str]:
-    """(N, K, dtype) of each down projection whose MLP fuses neighbours into its GEMV (a
-    `gemv_fusion`, set by triton_ops.use_triton_ops), with that fusion."""
-    out = {}
+# The fusion of a projection whose output goes straight into an add + RMSNorm (attention's
+# o_proj): a K split's second pass runs inside that norm; its input is read as it is.
+NORM_FUSION = "norm"
+
+
+def fused_projections(model: nn.Module) -> dict[tuple[int, int, torch.dtype], str]:
+    """(N, K, dtype) of each projection that fuses neighbours into its GEMV, with that
+    fusion, set by triton_ops.use_triton_ops: a merged MLP's down projection (its
+    `gemv_fusion`), an attention block's o_proj (NORM_FUSION, with `split_k_to_norm`). A
+    shape both would claim keeps the down projection's fusion (o_proj then uses the plain
+    choice)."""
+    downs, outs = {}, {}
     for module in model.modules():
         fusion = getattr(module, "gemv_fusion", None)
         if fusion:
             w = module.down_proj.weight
-            out[(w.shape[0], w.shape[1], w.dtype)] = fusion
-    return out
+            downs[(w.shape[0], w.shape[1], w.dtype)] = fusion
+        if getattr(module, "split_k_to_norm", False):
+            w = module.o_proj.weight
+            outs[(w.shape[0], w.shape[1], w.dtype)] = NORM_FUSION
+    return {**outs, **downs}
 
 
 def use_gemv(model: nn.Module, selector: GemvSelector | None = None,
@@ -101,7 +112,7 @@ def use_gemv(model: nn.Module, selector: GemvSelector | None = None,
     """Route the model's linear layers (and its logits projection, for models with a
     `gemv_plan` attribute) through a GEMV plan: `plan` when given, else the one `selector`
     (default: GemvSelector(max_rows=max_rows)) measures for the model's weights on their
-    device (fused down projections timed with their fusions: call use_triton_ops first).
+    device (fused projections timed with their fusions: call use_triton_ops first).
     max_rows: the most tokens a captured decode/verify step holds (None: every row
     bucket up to 64). Call it once the weights are on the device and before CUDA graphs are
     captured; pass one selector for a target and its drafter, so shared shapes are measured
@@ -110,7 +121,7 @@ def use_gemv(model: nn.Module, selector: GemvSelector | None = None,
         from specserve.layers.gemv_select import GemvSelector
 
         selector = selector or GemvSelector(max_rows=max_rows)
-        plan = selector.select(gemv_weights(model), fused_down_projections(model))
+        plan = selector.select(gemv_weights(model), fused_projections(model))
     mapping = _GEMV if enable else {v: k for k, v in _GEMV.items()}
     for module in model.modules():
         new_class = mapping.get(type(module))

@@ -17,7 +17,7 @@ from torch import nn
 
 from specserve.layers.activation import MergedGatedMLP
 from specserve.layers.attention import AttentionBackend, AttentionMetadata
-from specserve.layers.linear import MergedLinear, dense
+from specserve.layers.linear import NORM_FUSION, MergedLinear, dense
 from specserve.layers.norm import RMSNorm
 from specserve.layers.rotary import RotaryEmbedding
 from specserve.model.hf_config import ModelConfig
@@ -74,10 +74,17 @@ class Attention(nn.Module):
         return self._output(out.reshape(t, self.num_heads * self.head_dim), defer_reduce)
 
     def _output(self, out: torch.Tensor, defer_reduce: bool):
-        if defer_reduce and self.split_k_to_norm:
-            o = self.o_proj
-            return dense(out, o.weight, o.bias, getattr(o, "gemv_plan", None), defer_reduce=True)
-        return self.o_proj(out)
+        o = self.o_proj
+        plan = getattr(o, "gemv_plan", None)
+        if not (defer_reduce and self.split_k_to_norm) or plan is None:
+            return o(out)
+        # the configuration start-up selection timed with the norm after it, if it did
+        cfg = plan.config_for(out.shape[0], *o.weight.shape, o.weight.dtype, NORM_FUSION)
+        if cfg is None:  # measured slower than the plain choice (whose split defers too)
+            return dense(out, o.weight, o.bias, plan, defer_reduce=True)
+        from specserve.layers.gemv import gemv  # a kernel module: imported when first used
+
+        return gemv(out, o.weight, o.bias, cfg, defer_reduce=True)
 
 
 def _fused_kv_store(rotary, backend) -> bool:
