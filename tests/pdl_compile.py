@@ -177,12 +177,15 @@ def main() -> dict:
     _record()
     results: dict = {}
     target = GPUTarget("cuda", 90, 32)
-    for use_pdl in (True, False):
+    for mode in ("pdl", "plain", "early"):
         LAUNCHES.clear()
+        use_pdl = mode != "plain"
         pdl.active = lambda device, on=use_pdl: on  # the CPU tensors' launches, as on an H200
+        pdl.set_early_trigger(mode == "early")
         _launch_all()
+        pdl.set_early_trigger(False)
         for label, fn, args, kwargs in LAUNCHES:
-            name = f"{label}/{fn.__name__}/{'pdl' if use_pdl else 'plain'}"
+            name = f"{label}/{fn.__name__}/{mode}"
             options = {k: v for k, v in kwargs.items() if k in _OPTIONS}
             try:
                 signature, constexprs, attrs = _signature(fn, args, kwargs)

@@ -51,6 +51,7 @@ from specserve.layers.gemv_configs import (  # noqa: F401 (also importable from 
     candidate_configs,
     row_block,
 )
+from specserve.layers.pdl_kernel import pdl_enter
 
 # Under PDL, the weight bytes one GEMV asks L2 for before it waits for the previous kernel,
 # over all its programs (a fraction of the H200's 50 MB L2, about what streams in during a
@@ -95,7 +96,7 @@ def _gemv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     USE_DOT: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, SILU: tl.constexpr = False,
-    USE_PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
+    USE_PDL: tl.constexpr = False, PDL_EARLY: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
 ):  # fmt: skip
     pid_m = tl.program_id(0)  # fastest: the row blocks of one weight tile run together
     pid_n = tl.program_id(1)
@@ -115,8 +116,7 @@ def _gemv_kernel(
         if PREFETCH > 0:
             line = tl.arange(0, PREFETCH) * (1024 // w_ptr.dtype.element_ty.primitive_bitwidth)
             _prefetch_l2(w_rows + tl.minimum(k_lo + line, K - 1)[None, :])
-        tl.extra.cuda.gdc_wait()  # before the first read of x and the first write
-        tl.extra.cuda.gdc_launch_dependents()
+        pdl_enter(PDL_EARLY)  # before the first read of x and the first write
     if USE_DOT:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     else:  # per-thread partial products, summed over K once after the loop
@@ -166,10 +166,10 @@ def split_k_sum(part_ptr, b_ptr, n, ok, split_k, stride_ps, HAS_BIAS: tl.constex
 def _gemv_split_k_reduce_kernel(
     part_ptr, b_ptr, out_ptr, N, split_k, stride_ps, stride_pm, stride_om,
     HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False,
+    PDL_EARLY: tl.constexpr = False,
 ):  # fmt: skip
     if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+        pdl_enter(PDL_EARLY)
     m = tl.program_id(0)
     n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = n < N

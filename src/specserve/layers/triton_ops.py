@@ -30,6 +30,7 @@ from specserve.layers.activation import GatedMLP, MergedGatedMLP
 from specserve.layers.gemv import SplitKSum, gemv, silu_mul
 from specserve.layers.linear import dense
 from specserve.layers.norm import RMSNorm
+from specserve.layers.pdl_kernel import pdl_enter
 from specserve.layers.rotary import RotaryEmbedding
 from specserve.layers.triton_norm import (
     add_rms_norm,
@@ -41,10 +42,10 @@ from specserve.layers.triton_rotary import rotary, rotary_store_kv
 
 @triton.jit
 def _silu_and_mul_kernel(g_ptr, u_ptr, o_ptr, stride_g, stride_u, stride_o, n_cols,
-                         BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):  # fmt: skip
+                         BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False,
+                         PDL_EARLY: tl.constexpr = False):  # fmt: skip
     if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+        pdl_enter(PDL_EARLY)
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < n_cols

@@ -20,6 +20,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from specserve.layers.pdl_kernel import pdl_enter
+
 
 @triton.jit
 def _attend_block(q, k, v, n, n_ok, pos, m_i, l_i, acc, qk_scale):
@@ -64,12 +66,11 @@ def _paged_attn_decode_kernel(
     KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PREFETCH: tl.constexpr,
-    USE_PDL: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False, PDL_EARLY: tl.constexpr = False,
 ):  # fmt: skip
     # Same arguments and grid as _paged_attn_kernel; all of a request's rows fit BLOCK_M.
     if USE_PDL:  # layers/pdl.py: q and the new K/V come from the kernel before
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+        pdl_enter(PDL_EARLY)
     pid_bh = tl.program_id(1)
     pid_s = tl.program_id(2)
     b = pid_bh // KV_HEADS

@@ -31,6 +31,7 @@ from specserve.layers.attention.triton_kv_write import (  # noqa: F401 (callers 
     check_cache,
     write_kv,
 )
+from specserve.layers.pdl_kernel import pdl_enter
 
 LOG2E = 1.4426950408889634
 DECODE_MAX_ROWS = 64  # rows per request up to which the split (decode/verify) path is used
@@ -62,10 +63,10 @@ def _paged_attn_kernel(
     KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, USE_PDL: tl.constexpr = False,
+    PDL_EARLY: tl.constexpr = False,
 ):  # fmt: skip
     if USE_PDL:  # layers/pdl.py
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+        pdl_enter(PDL_EARLY)
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -134,11 +135,10 @@ def _split_reduce_kernel(
     part_ptr, lse_ptr, out_ptr,
     stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, stride_ot, stride_oh, num_splits,
     BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr = False,
+    BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr = False, PDL_EARLY: tl.constexpr = False,
 ):  # fmt: skip
     if USE_PDL:  # layers/pdl.py
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+        pdl_enter(PDL_EARLY)
     t = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.arange(0, BLOCK_S)

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from specserve.layers import pdl
+from specserve.layers.pdl_kernel import pdl_enter
 
 
 @triton.jit(do_not_specialize=["slot_ptr"])  # a view into the step's upload
@@ -22,11 +23,10 @@ def _kv_write_kernel(
     k_ptr, v_ptr, k_cache, v_cache, slot_ptr,
     stride_kt, stride_vt, stride_page, stride_slot,
     PAGE_SIZE: tl.constexpr, ROW: tl.constexpr, BLOCK: tl.constexpr,
-    USE_PDL: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False, PDL_EARLY: tl.constexpr = False,
 ):  # fmt: skip
     if USE_PDL:  # layers/pdl.py
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+        pdl_enter(PDL_EARLY)
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t)
     cols = tl.arange(0, BLOCK)
