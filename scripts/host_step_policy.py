@@ -7,6 +7,8 @@ timer (`time.perf_counter`, inclusive) around each part of the policy's per-step
 - observe: `Speculator.observe` (acceptance updates, the trace's counters);
 - observe_period: `Speculator.observe_period` (the trace's join with the step's period, the
   period log and the cost model's updates);
+- ask policy: `Scheduler._draft_lens`, which picks the decoding requests, stores their caps
+  (`Request.max_useful_drafts`) and calls `choose` (included: not added to the policy work);
 
 and with --detail, inside them, the pieces they spend most on (acceptance reads and updates,
 the cost model's reads, the probe search, the decision trace; those a version of the code
@@ -37,6 +39,7 @@ from scripts.host_step_bench import drain, start_batch  # noqa: E402
 from scripts.host_step_eagle3 import build, cheap_simulated_acceptance, make_models  # noqa: E402
 
 TOP = ("choose", "observe", "observe_period")
+ASK = "ask policy (choose incl.)"
 
 
 def parts(engine, detail: bool) -> list[tuple[str, object, str]]:
@@ -44,7 +47,8 @@ def parts(engine, detail: bool) -> list[tuple[str, object, str]]:
     spec = engine.spec
     policy, acc, cost = spec.policy, spec.acceptance, spec.cost
     out = [("choose", policy, "choose"), ("observe", spec, "observe"),
-           ("observe_period", spec, "observe_period")]  # fmt: skip
+           ("observe_period", spec, "observe_period"),
+           (ASK, engine.scheduler, "_draft_lens")]  # fmt: skip
     if not detail:
         return out
     out += [("  acceptance.update_many", acc, "update_many"),

@@ -78,6 +78,11 @@ class Request:
     # features of the positions after it wait in its feature store, by KV slot).
     draft_cached_len: int = 0
     spec: SpecStats = field(default_factory=lambda: SpecStats())
+    # Drafts beyond this could never be committed (max_tokens or the context limit):
+    # max(0, num_left - 1) when the scheduler hands the request to the policy, which reads it
+    # for every request every step (`Scheduler._draft_lens` stores it then: no property chain
+    # per read). Stale between schedules: read `num_left` elsewhere.
+    max_useful_drafts: int = field(default=0, init=False, compare=False)
 
     def __post_init__(self) -> None:
         # Fixed for the request's life; append_token and the length properties run per token.
@@ -87,6 +92,7 @@ class Request:
         self._stop_token_ids = frozenset(p.stop_token_ids) | (
             frozenset() if p.ignore_eos else self.eos_token_ids
         )
+        self.max_useful_drafts = max(0, self._output_limit - 1)
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -126,11 +132,6 @@ class Request:
     @property
     def num_uncached(self) -> int:
         return self.committed_len - self.cached_len
-
-    @property
-    def max_useful_drafts(self) -> int:
-        """Drafts beyond this could never be committed (max_tokens or context limit)."""
-        return max(0, self.num_left - 1)
 
     def reset_cache(self) -> None:
         """Forget all KV (target and drafter): the request will be recomputed."""

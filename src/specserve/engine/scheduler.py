@@ -121,8 +121,16 @@ class Scheduler:
     def _draft_lens(self, policy: SpeculationPolicy | None, budget: int) -> dict[int, int]:
         if policy is None:
             return {}
-        decoding = [r for r in self.running if r.num_uncached == 1 and r.num_left > 0]
-        prefill = sum(r.num_uncached for r in self.running if r.num_uncached > 1)
+        decoding, prefill = [], 0
+        for r in self.running:
+            uncached = r.num_uncached
+            if uncached > 1:
+                prefill += uncached
+            elif uncached == 1:
+                left = r.num_left
+                if left > 0:
+                    r.max_useful_drafts = left - 1  # the policy's cap, read for each request
+                    decoding.append(r)
         ks = policy.choose(decoding, min(prefill, budget))
         return {id(r): k for r, k in zip(decoding, ks)}
 

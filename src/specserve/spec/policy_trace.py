@@ -52,28 +52,38 @@ class PolicyTrace:
     _last_k: int | None = None  # K of the last decision; None after a step without decodes
 
     def record(self, draft_lens: list[int]) -> None:
-        self.last_draft_lens = list(draft_lens)
-        for k in draft_lens:
-            while len(self.steps_by_draft_len) <= k:
-                self.steps_by_draft_len.append(0)
-            self.steps_by_draft_len[k] += 1
+        """A processed step's draft lengths, one per decoding request; the trace keeps the
+        list (`last_draft_lens`): the caller hands over a fresh one."""
+        self.last_draft_lens = draft_lens
         if not draft_lens:
             return
+        by_len, by_step = self.steps_by_draft_len, self.steps_by_step_k
         step_k = max(draft_lens)
-        while len(self.steps_by_step_k) <= step_k:
-            self.steps_by_step_k.append(0)
-        self.steps_by_step_k[step_k] += 1
+        if len(by_len) <= step_k:
+            by_len.extend([0] * (step_k + 1 - len(by_len)))
+        if min(draft_lens) == step_k:  # one draft length (the usual case)
+            by_len[step_k] += len(draft_lens)
+        else:
+            for k in draft_lens:
+                by_len[k] += 1
+        if len(by_step) <= step_k:
+            by_step.extend([0] * (step_k + 1 - len(by_step)))
+        by_step[step_k] += 1
 
-    def decided(self, num_reqs: int, k: int, **expected) -> None:
-        """A step with decoding requests was given draft lengths, `k` the largest."""
-        self.num_decisions += 1
+    def decided(self, num_reqs: int, k: int, probe: bool = False,
+                tokens: list[float] | None = None, period_ms: list[float] | None = None,
+                switch_ms: list[float] | None = None) -> None:  # fmt: skip
+        """A step with decoding requests was given draft lengths, `k` the largest; the rest
+        as in `Decision`."""
+        n = self.num_decisions = self.num_decisions + 1
         last = self._last_k
         if last is not None and k != last:
             self.k_changes += 1
             self.switches += (k > 0) != (last > 0)
         self._last_k = k
-        d = Decision(self.num_decisions, num_reqs, k, **expected)
-        self.probe_steps += d.probe
+        if probe:
+            self.probe_steps += 1
+        d = Decision(n, num_reqs, k, probe, tokens, period_ms, switch_ms)  # positional: cheaper
         self.recent.append(d)
         self._pending.append(d)
 

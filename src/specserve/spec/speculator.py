@@ -110,20 +110,25 @@ class Speculator:
         """After a step: acceptance per request, decision trace."""
         if not self.may_draft:
             return
-        decoding = [s for s in batch if s.decoding]
-        self.acceptance.update_many([
-            (s.request.request_id, len(s.drafts), committed.get(id(s), 1) - 1)
-            for s in decoding if s.drafts
-        ])  # fmt: skip
-        self.policy.trace.record([len(s.drafts) for s in decoding])
-        self._last_committed = sum(committed.values())
+        # One pass over the batch for both lists (this runs every step).
+        verified, draft_lens = [], []
+        get = committed.get
+        for s in batch:
+            if s.decoding:
+                drafts = len(s.drafts)
+                draft_lens.append(drafts)
+                if drafts:
+                    verified.append((s.request.request_id, drafts, get(id(s), 1) - 1))
+        self.acceptance.update_many(verified)
+        policy = self.policy
+        trace = policy.trace
+        trace.record(draft_lens)
+        self._last_committed = total = sum(committed.values())
         total_ms = draft_ms + target_ms
         if total_ms > 0:
-            self.policy.trace.observed_goodput = self._last_committed / total_ms * 1e3
-        if self.policy.predicted_ms > 0:
-            self.policy.trace.predicted_goodput = (
-                self.policy.predicted_tokens / self.policy.predicted_ms * 1e3
-            )
+            trace.observed_goodput = total / total_ms * 1e3
+        if policy.predicted_ms > 0:
+            trace.predicted_goodput = policy.predicted_tokens / policy.predicted_ms * 1e3
 
     def observe_period(
         self, batch: list[ScheduledRequest], resolved_s: float, after_idle: bool
