@@ -41,7 +41,7 @@ class RequestStatus(enum.Enum):
 _FINISHED = RequestStatus.FINISHED  # a module constant: half the cost of the enum lookup
 
 
-@dataclass
+@dataclass(eq=False)  # one object per request: identity is equality (and hashing)
 class Request:
     """One generation request as the engine tracks it.
 
@@ -82,7 +82,7 @@ class Request:
     # max(0, num_left - 1) when the scheduler hands the request to the policy, which reads it
     # for every request every step (`Scheduler._draft_lens` stores it then: no property chain
     # per read). Stale between schedules: read `num_left` elsewhere.
-    max_useful_drafts: int = field(default=0, init=False, compare=False)
+    max_useful_drafts: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
         # Fixed for the request's life; append_token and the length properties run per token.
