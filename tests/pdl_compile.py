@@ -162,6 +162,15 @@ def _launch_all() -> None:
         runs[f"attention-{kernel}-split"] = (
             lambda kernel=kernel: attn.paged_attention(q, cache, cache, *meta, 1, 1.0,
                                                        num_splits=2, kernel=kernel))  # fmt: skip
+
+    def merged_in_kernel():  # the splits merged by the decode kernel's last program
+        previous = attn.set_merge_in_kernel(True)
+        try:
+            attn.paged_attention(q, cache, cache, *meta, 1, 1.0, num_splits=2, kernel="decode")
+        finally:
+            attn.set_merge_in_kernel(previous)
+
+    runs["attention-decode-split-merge-in-kernel"] = merged_in_kernel
     for label, launch in runs.items():
         _LABEL[0] = label
         launch()

@@ -144,3 +144,23 @@ def test_gpu_decode_kernels_at_batch_64(dtype, kernel):
             err = attention_error(_kernels(), batch, splits, block_n, num_warps=warps,
                                   num_stages=stages, kernel=kernel)  # fmt: skip
             assert err < GPU_TOL[dtype], (q_len, splits, block_n, warps, stages, err)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("q_len", [1, 4])
+@pytest.mark.parametrize("num_splits", [4, 16, 32])
+def test_gpu_merge_in_kernel_equals_merge_kernel(dtype, q_len, num_splits):
+    """Splits merged by the decode kernel's last program (triton_kernels.set_merge_in_kernel)
+    give the merge kernel's bits, and leave the arrival counters at zero, call after call."""
+    from tests.triton_cases import merge_in_kernel_error
+
+    gen = torch.Generator().manual_seed(num_splits)
+    num_requests = 24
+    seq_lens = torch.randint(q_len + 3, 4096, (num_requests,), generator=gen).tolist()
+    ends = [s - 1 for s in seq_lens]
+    batch = make_batch([q_len] * num_requests, ends, seq_lens, 16, dtype=dtype, device="cuda",
+                       seed=q_len, **GPU_SHAPE)  # fmt: skip
+    for _ in range(3):  # the counters are reused, as by CUDA-graph replays
+        err = merge_in_kernel_error(_kernels(), batch, num_splits, "decode", block_n=64)
+        assert err < GPU_TOL[dtype], err

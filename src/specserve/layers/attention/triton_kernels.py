@@ -25,7 +25,11 @@ import triton
 import triton.language as tl
 
 from specserve.layers import pdl
-from specserve.layers.attention.triton_decode import NOT_SPECIALIZED, _paged_attn_decode_kernel
+from specserve.layers.attention.triton_decode import (
+    NOT_SPECIALIZED,
+    _paged_attn_decode_kernel,
+    merge_splits,
+)
 from specserve.layers.attention.triton_kv_write import (  # noqa: F401 (callers use them here)
     _check_cache,
     check_cache,
@@ -44,6 +48,28 @@ DECODE_KERNELS = ("decode", "prefetch", "generic")
 # block in flight while this one is computed (with 2 the pipeliner keeps one buffer and
 # issues the next block's loads only after this block's math).
 DECODE_MIN_STAGES = 3
+# Where a split decode step merges its splits: in a kernel of its own (False), or in the
+# decode kernel, by the last program of each (request, KV head) to finish (True: one kernel
+# fewer per layer; an experiment to measure on the GPU, scripts/gpu_pdl_bench.py, set with
+# `set_merge_in_kernel`). The programs count arrivals in a zeroed per-device buffer of
+# MERGE_COUNTERS slots (the last one zeroes its slot again); larger grids merge apart.
+_MERGE_IN_KERNEL = False
+MERGE_COUNTERS = 1 << 16
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def set_merge_in_kernel(in_kernel: bool) -> bool:
+    """Merge split decode steps inside the decode kernel from now on (launches captured in
+    CUDA graphs keep what they captured); returns the previous setting."""
+    global _MERGE_IN_KERNEL
+    previous, _MERGE_IN_KERNEL = _MERGE_IN_KERNEL, bool(in_kernel)
+    return previous
+
+
+def _counters(device: torch.device) -> torch.Tensor:
+    if device not in _COUNTERS:  # zeroed once; every merge leaves its slot at zero
+        _COUNTERS[device] = torch.zeros(MERGE_COUNTERS, dtype=torch.int32, device=device)
+    return _COUNTERS[device]
 
 
 # Integers that vary from step to step (the page-table width, the split count, the strides
@@ -139,22 +165,9 @@ def _split_reduce_kernel(
 ):  # fmt: skip
     if USE_PDL:  # layers/pdl.py
         pdl_enter(PDL_EARLY)
-    t = tl.program_id(0)
-    h = tl.program_id(1)
-    s = tl.arange(0, BLOCK_S)
-    s_ok = s < num_splits
-    d = tl.arange(0, BLOCK_D)
-    d_ok = d < HEAD_DIM
-    lse = tl.load(lse_ptr + s * stride_ls + t * stride_lt + h, mask=s_ok, other=float("-inf"))
-    m = tl.max(lse, 0)
-    m = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp2(lse - m)  # empty splits weigh 0
-    denom = tl.sum(w, 0)
-    p_off = s[:, None] * stride_ps + t * stride_pt + h * stride_ph + d[None, :]
-    parts = tl.load(part_ptr + p_off, mask=s_ok[:, None] & d_ok[None, :], other=0.0)
-    out = tl.sum(parts * w[:, None], 0) / tl.where(denom > 0, denom, 1.0)
-    tl.store(out_ptr + t * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty),
-             mask=d_ok)  # fmt: skip
+    merge_splits(part_ptr, lse_ptr, out_ptr, tl.program_id(0), tl.program_id(1), num_splits,
+                 stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, stride_ot, stride_oh,
+                 BLOCK_S, HEAD_DIM, BLOCK_D)  # fmt: skip
 
 
 def paged_attention(
@@ -216,10 +229,15 @@ def paged_attention(
     if kernel not in DECODE_KERNELS:
         raise ValueError(f"kernel must be one of {DECODE_KERNELS}, got {kernel!r}")
     extra = {}
+    merge = False
     if decode_like and kernel != "generic":
         launch, extra["PREFETCH"] = _paged_attn_decode_kernel[grid], kernel == "prefetch"
         if kernel == "decode":
             num_stages = max(num_stages, DECODE_MIN_STAGES)
+        merge = split and _MERGE_IN_KERNEL and grid[1] <= MERGE_COUNTERS and grid[0] == 1
+        extra.update(final_ptr=out, counter_ptr=_counters(q.device) if merge else lse,
+                     stride_ft=out.stride(0), stride_fh=out.stride(1), MERGE=merge,
+                     BLOCK_S=_reduce_block(num_splits))  # fmt: skip
     else:
         launch = _paged_attn_kernel[grid]
     launch(
@@ -232,13 +250,18 @@ def paged_attention(
         PAGE_SIZE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_N=block_n,
         SPLIT=split, num_warps=num_warps, num_stages=num_stages, **extra, **launch_pdl,
     )  # fmt: skip
-    if split:
+    if split and not merge:
         _split_reduce_kernel[(num_tokens, num_heads)](
             part, lse, out, *part.stride()[:3], *lse.stride()[:2], *out.stride()[:2], num_splits,
-            BLOCK_S=max(MAX_REDUCE_SPLITS, triton.next_power_of_2(num_splits)),  # one variant
-            HEAD_DIM=head_dim, BLOCK_D=block_d, **launch_pdl,
+            BLOCK_S=_reduce_block(num_splits), HEAD_DIM=head_dim, BLOCK_D=block_d,
+            **launch_pdl,
         )  # fmt: skip
     return out
+
+
+def _reduce_block(num_splits: int) -> int:
+    """The split block a merge runs over: one compiled variant up to MAX_REDUCE_SPLITS."""
+    return max(MAX_REDUCE_SPLITS, triton.next_power_of_2(num_splits))
 
 
 def decode_num_splits(num_programs: int, max_seq_len: int, num_sms: int,
