@@ -54,8 +54,10 @@ def merge_splits(part_ptr, lse_ptr, out_ptr, t, h, num_splits, stride_ps, stride
                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
     """Row (token t, head h) of a split step: its splits' partial outputs weighed by their
     log-sum-exp, written to out in its dtype. The merge kernel and the decode kernel's own
-    merge (MERGE) both run this, so they give the same bits. The partials are read past L1
-    (.cg): in the decode kernel other programs wrote them moments ago."""
+    merge (MERGE) both run this: the same arithmetic, though not always the same bits once
+    compiled (Triton lays the [splits, head_dim] tile out per kernel, and the sum over splits
+    is associated as the layout has it; the interpreter gives the same bits). The partials
+    are read past L1 (.cg): in the decode kernel other programs wrote them moments ago."""
     s = tl.arange(0, BLOCK_S)
     s_ok = s < num_splits
     d = tl.arange(0, BLOCK_D)

@@ -68,6 +68,12 @@ def set_merge_in_kernel(in_kernel: bool) -> bool:
 
 def _counters(device: torch.device) -> torch.Tensor:
     if device not in _COUNTERS:  # zeroed once; every merge leaves its slot at zero
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            # the zeroing would be captured, not run: it would happen at that graph's first
+            # replay, and other graphs and eager steps would count from stale memory before
+            raise RuntimeError("the split-merge counters are allocated on first use, which "
+                               "must not be in a CUDA-graph capture: run the step eagerly "
+                               "first (runtime/cuda_graphs.capture_graphs does)")  # fmt: skip
         _COUNTERS[device] = torch.zeros(MERGE_COUNTERS, dtype=torch.int32, device=device)
     return _COUNTERS[device]
 
