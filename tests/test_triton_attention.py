@@ -152,8 +152,8 @@ def test_gpu_decode_kernels_at_batch_64(dtype, kernel):
 @pytest.mark.parametrize("num_splits", [4, 16, 32])
 def test_gpu_merge_in_kernel_equals_merge_kernel(dtype, q_len, num_splits):
     """Splits merged by the decode kernel's last program (triton_kernels.set_merge_in_kernel)
-    give the merge kernel's result (not its bits: compiled, the two sum the splits in
-    different orders), and leave the arrival counters at zero, call after call."""
+    give the merge kernel's bits (both go over the splits in order, `merge_splits`), and
+    leave the arrival counters at zero, call after call."""
     from tests.triton_cases import merge_in_kernel_error
 
     gen = torch.Generator().manual_seed(num_splits)
@@ -163,8 +163,7 @@ def test_gpu_merge_in_kernel_equals_merge_kernel(dtype, q_len, num_splits):
     batch = make_batch([q_len] * num_requests, ends, seq_lens, 16, dtype=dtype, device="cuda",
                        seed=q_len, **GPU_SHAPE)  # fmt: skip
     for _ in range(3):  # the counters are reused, as by CUDA-graph replays
-        err = merge_in_kernel_error(_kernels(), batch, num_splits, "decode", block_n=64,
-                                    exact=False)  # fmt: skip
+        err = merge_in_kernel_error(_kernels(), batch, num_splits, "decode", block_n=64)
         assert err < GPU_TOL[dtype], err
 
 

@@ -54,24 +54,27 @@ def merge_splits(part_ptr, lse_ptr, out_ptr, t, h, num_splits, stride_ps, stride
                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
     """Row (token t, head h) of a split step: its splits' partial outputs weighed by their
     log-sum-exp, written to out in its dtype. The merge kernel and the decode kernel's own
-    merge (MERGE) both run this: the same arithmetic, though not always the same bits once
-    compiled (Triton lays the [splits, head_dim] tile out per kernel, and the sum over splits
-    is associated as the layout has it; the interpreter gives the same bits). The partials
-    are read past L1 (.cg): in the decode kernel other programs wrote them moments ago."""
-    s = tl.arange(0, BLOCK_S)
-    s_ok = s < num_splits
+    merge (MERGE) both run this, and it goes over the splits one after the other, so the two
+    add them in the same order whatever layout each kernel gives its tiles: the same bits (a
+    reduction over a [splits, head_dim] tile would be associated as the layout has it, which
+    differs between the two kernels). The partials are read past L1 (.cg): in the decode
+    kernel other programs wrote them moments ago. BLOCK_S is unused (the launch signature
+    keeps it)."""
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
-    lse = tl.load(lse_ptr + s * stride_ls + t * stride_lt + h, mask=s_ok, other=float("-inf"),
-                  cache_modifier=".cg")  # fmt: skip
-    m = tl.max(lse, 0)
+    lse_row = lse_ptr + t * stride_lt + h
+    m = tl.load(lse_row, cache_modifier=".cg")
+    for s in range(1, num_splits):
+        m = tl.maximum(m, tl.load(lse_row + s * stride_ls, cache_modifier=".cg"))
     m = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp2(lse - m)  # empty splits weigh 0
-    denom = tl.sum(w, 0)
-    p_off = s[:, None] * stride_ps + t * stride_pt + h * stride_ph + d[None, :]
-    parts = tl.load(part_ptr + p_off, mask=s_ok[:, None] & d_ok[None, :], other=0.0,
-                    cache_modifier=".cg")  # fmt: skip
-    out = tl.sum(parts * w[:, None], 0) / tl.where(denom > 0, denom, 1.0)
+    denom = m * 0.0  # a float32 scalar, as the loop keeps it
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    part_row = part_ptr + t * stride_pt + h * stride_ph + d
+    for s in range(0, num_splits):
+        w = tl.exp2(tl.load(lse_row + s * stride_ls, cache_modifier=".cg") - m)  # empty: 0
+        denom += w
+        acc += tl.load(part_row + s * stride_ps, mask=d_ok, other=0.0, cache_modifier=".cg") * w
+    out = acc / tl.where(denom > 0, denom, 1.0)
     tl.store(out_ptr + t * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty),
              mask=d_ok)  # fmt: skip
 
