@@ -54,26 +54,30 @@ def merge_splits(part_ptr, lse_ptr, out_ptr, t, h, num_splits, stride_ps, stride
                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
     """Row (token t, head h) of a split step: its splits' partial outputs weighed by their
     log-sum-exp, written to out in its dtype. The merge kernel and the decode kernel's own
-    merge (MERGE) both run this, and it goes over the splits one after the other, so the two
-    add them in the same order whatever layout each kernel gives its tiles: the same bits (a
-    reduction over a [splits, head_dim] tile would be associated as the layout has it, which
-    differs between the two kernels). The partials are read past L1 (.cg): in the decode
-    kernel other programs wrote them moments ago. BLOCK_S is unused (the launch signature
-    keeps it)."""
+    merge (MERGE) both run this, and it adds the splits one after the other (unrolled over
+    BLOCK_S, the loads independent of each other; past num_splits they reread the last
+    split and weigh 0), so the two add them in the same order whatever layout each kernel
+    gives its tiles: the same bits (a reduction over a [splits, head_dim] tile would be
+    associated as the layout has it, which differs between the two kernels). The partials
+    are read past L1 (.cg): in the decode kernel other programs wrote them moments ago."""
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
     lse_row = lse_ptr + t * stride_lt + h
-    m = tl.load(lse_row, cache_modifier=".cg")
-    for s in range(1, num_splits):
-        m = tl.maximum(m, tl.load(lse_row + s * stride_ls, cache_modifier=".cg"))
-    m = tl.where(m == float("-inf"), 0.0, m)
-    denom = m * 0.0  # a float32 scalar, as the loop keeps it
-    acc = tl.zeros([BLOCK_D], tl.float32)
     part_row = part_ptr + t * stride_pt + h * stride_ph + d
-    for s in range(0, num_splits):
-        w = tl.exp2(tl.load(lse_row + s * stride_ls, cache_modifier=".cg") - m)  # empty: 0
+    m = tl.load(lse_row, cache_modifier=".cg")  # a split step has at least two splits
+    for s in tl.static_range(1, BLOCK_S):  # past num_splits: the last split again
+        last = tl.minimum(num_splits - 1, s)
+        m = tl.maximum(m, tl.load(lse_row + last * stride_ls, cache_modifier=".cg"))
+    m = tl.where(m == float("-inf"), 0.0, m)
+    denom = m * 0.0
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for s in tl.static_range(0, BLOCK_S):
+        last = tl.minimum(num_splits - 1, s)
+        lse_s = tl.load(lse_row + last * stride_ls, cache_modifier=".cg")
+        w = tl.where(last == s, tl.exp2(lse_s - m), 0.0)  # empty splits weigh 0 too
         denom += w
-        acc += tl.load(part_row + s * stride_ps, mask=d_ok, other=0.0, cache_modifier=".cg") * w
+        acc += tl.load(part_row + last * stride_ps, mask=d_ok, other=0.0,
+                       cache_modifier=".cg") * w  # fmt: skip
     out = acc / tl.where(denom > 0, denom, 1.0)
     tl.store(out_ptr + t * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty),
              mask=d_ok)  # fmt: skip
