@@ -99,17 +99,39 @@ def test_special_tokens_add_no_text(tok):
     assert "".join(deltas) == detok.text == "hi"
 
 
+def stop_cut(tok, ids: list[int], stops: list[str]) -> int:
+    """Where generating `ids` stops: at the first token after which the text so far (whole
+    characters) holds a stop string, cut at the earliest one it holds. Not simply the
+    earliest occurrence in the whole text: a stop string that starts later but is complete
+    first ends the request before an earlier-starting one can complete."""
+    for k in range(1, len(ids) + 1):
+        seen = tok.decode(ids[:k]).rstrip("\ufffd")
+        found = [i for i in (seen.find(s) for s in stops) if i != -1]
+        if found:
+            return min(found)
+    raise AssertionError("no stop string in the text")
+
+
 @given(text=texts, mode=st.sampled_from(["bpe", "bytes"]), data=st.data())
 @settings(max_examples=150, deadline=None)
 def test_stop_string_is_never_emitted(tok, text, mode, data):
     start = data.draw(st.integers(0, len(text) - 1))
     stop = text[start : start + data.draw(st.integers(1, 4))]
     other = data.draw(st.sampled_from(["zzz", "🙂a", "q"]))
-    deltas, detok = stream(tok, tokenize(tok, text, mode), stop=[other, stop])
-    first = min(i for i in (text.find(stop), text.find(other)) if i != -1)
+    ids = tokenize(tok, text, mode)
+    deltas, detok = stream(tok, ids, stop=[other, stop])
     assert detok.stopped
-    assert detok.text == "".join(deltas) == text[:first]
+    assert detok.text == "".join(deltas) == text[: stop_cut(tok, ids, [other, stop])]
     assert stop not in "".join(deltas) and other not in "".join(deltas)
+
+
+def test_the_stop_string_complete_first_ends_the_text(tok):
+    """'🙂a' is complete one character before 'a🙂aa', which starts earlier (hypothesis found
+    this case): the request ends at the first, as a model's stream would."""
+    text = "aaaaa🙂aa"
+    for ids in (byte_ids(tok, text), tokenize(tok, text, "bpe")):
+        deltas, detok = stream(tok, ids, stop=["🙂a", "a🙂aa"])
+        assert detok.stopped and detok.text == "".join(deltas) == "aaaaa"
 
 
 def test_stop_string_split_across_byte_tokens(tok):
