@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+import triton
 
 from specserve.layers.gemv import GemvConfig, candidate_configs, gemv, row_block
 from specserve.layers.gemv_select import rotation_set, time_in_graph_us, variant_key
@@ -29,6 +30,7 @@ SHAPES = {  # name -> (N, K)
     "lm_head": (128256, 4096), "eagle_fc": (4096, 12288), "eagle_qkv": (6144, 8192),
 }  # fmt: skip
 SPLITS = (1, 2, 3, 4, 6, 8)
+H200_SMS = 132  # the program-count cap: 16 waves of the sweep's GPU
 SMEM_BYTES = 220 * 1024  # H200: 227 KB of shared memory per block, less Triton's own use
 
 
@@ -49,13 +51,9 @@ def sweep_configs(rows: int, n: int, k: int, grid: dict = GRID) -> list[GemvConf
             continue
         for split in grid.get("splits", SPLITS):
             cfg = GemvConfig(bn, bk, split, warps, stages, True, bm)
-            if cfg.supports(rows, n, k) and triton_cdiv(n, bn) * split <= 16 * 132:
+            if cfg.supports(rows, n, k) and triton.cdiv(n, bn) * split <= 16 * H200_SMS:
                 out.append(cfg)
     return out
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def compile_all(cases, workers: int) -> float:
