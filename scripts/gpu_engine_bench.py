@@ -94,6 +94,7 @@ def run(engine: LLMEngine, batch: int, prompt_len: int, new_tokens: int, seed: i
     loop = engine.loop.stats()
     times = engine.loop.times  # each step's device span and the idle gap before it
     span = sum(times.step_ms) / max(1, len(times.step_ms))
+    target = sum(times.target_ms) / max(1, len(times.target_ms))
     gap = sum(times.gap_ms) / max(1, len(times.gap_ms))
     reasons = {k: v - loop0["loop_wait_reasons"].get(k, 0)
                for k, v in loop["loop_wait_reasons"].items()}  # fmt: skip
@@ -111,6 +112,8 @@ def run(engine: LLMEngine, batch: int, prompt_len: int, new_tokens: int, seed: i
         "step_ms_p50_p99_max": [round(walls[int(len(walls) * q)] * 1e3, 3) for q in (0.5, 0.99)]
         + [round(walls[-1] * 1e3, 3)],
         "device_ms_per_step": round(span, 3),
+        # of it, the drafter's part (from the step's start to the target's forward)
+        "draft_device_ms_per_step": round(span - target, 3),
         "gap_ms_per_step": round(gap, 4),
         "slow_steps_ms": round(sum(w for w in walls if w > 2 * median) * 1e3, 1),
         # steps launched only after the previous step's tokens reached the host, and why
@@ -133,6 +136,8 @@ def combine(runs: list[dict]) -> dict:
                ms_per_step=round(seconds / steps * 1e3, 3),
                device_ms_per_step=round(sum(r["device_ms_per_step"] * r["steps"]
                                             for r in runs) / steps, 3),
+               draft_device_ms_per_step=round(sum(r["draft_device_ms_per_step"] * r["steps"]
+                                                  for r in runs) / steps, 3),
                gap_ms_per_step=round(sum(r["gap_ms_per_step"] * r["steps"]
                                          for r in runs) / steps, 4),
                tokens_per_request_step=round(tokens / row["batch"] / steps, 3),

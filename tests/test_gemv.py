@@ -192,9 +192,11 @@ GPU_TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("shape", sorted(GPU_SHAPES))
+@pytest.mark.parametrize("shape, dtype", [(s, torch.bfloat16) for s in sorted(GPU_SHAPES)]
+                         + [("down", torch.float16), ("smol_qkv", torch.float16)])  # fmt: skip
 def test_gpu_every_candidate_matches_torch(dtype, shape):
+    """Every start-up candidate of every shape in bf16 (the kernels are generic in the
+    dtype: fp16 at two shapes; each case compiles all its candidates, about 30 s)."""
     from specserve.layers.gemv import GemvConfig, candidate_configs, gemv
 
     n, k = GPU_SHAPES[shape]

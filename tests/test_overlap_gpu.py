@@ -60,6 +60,8 @@ def test_cuda_overlap_identical(gpu_models, mode):
     times = engine.loop.times
     assert len(times.step_ms) >= engine.num_steps - 1 and len(times.gap_ms) > 0
     assert all(ms > 0 for ms in times.step_ms) and all(ms >= 0 for ms in times.gap_ms)
+    assert len(times.target_ms) == len(times.step_ms)
+    assert all(0 < t <= s for t, s in zip(times.target_ms, times.step_ms))
 
 
 @pytest.mark.parametrize("spec", [False, True])

@@ -97,3 +97,49 @@ def test_per_request_speculation_state_is_dropped(setup):
     engine.abort_request(rid)
     assert engine.spec.acceptance._per_request == {}
     assert engine.kv.allocator.num_used == 0
+
+
+def test_prompt_catch_up_in_prefill_changes_no_draft(setup, monkeypatch):
+    """The EAGLE-3 head takes the prompt in the prefill steps (each chunk up to its last
+    known pair): after every chunk the drafter has seen all but the last position, and the
+    drafts of every step are those of a drafter that caught up on the whole prompt in its
+    first drafting step instead."""
+    from specserve.spec.eagle3 import Eagle3Proposer
+
+    target, drafters, prompts = setup
+    prompts = prompts + [list(range(5, 45))]  # 40 tokens: 3 chunks of at most 16
+    kw = dict(speculative_algorithm="eagle3", speculative_draft_model_path=drafters["eagle3"],
+              speculative_num_steps=3, speculative_policy="fixed",
+              max_num_batched_tokens=16)  # fmt: skip
+
+    def drafts_of(llm):
+        seen, observe = [], llm.engine.spec.observe
+
+        def wrapped(batch, committed, draft_ms, target_ms):
+            seen.extend((s.request.prompt_token_ids[0], s.request.committed_len, tuple(s.drafts))
+                        for s in batch if s.drafts)  # fmt: skip
+            observe(batch, committed, draft_ms, target_ms)
+
+        llm.engine.spec.observe = wrapped
+        return seen, llm.generate(prompts, GREEDY)
+
+    llm = LLM(target, **kw)
+    chunks, catch_up = [], Eagle3Proposer.catch_up_prefill
+
+    def recorded(self, items):
+        catch_up(self, items)
+        chunks.extend((len(it.request.prompt_token_ids), it.request.cached_len,
+                       it.request.committed_len, it.request.draft_cached_len)
+                      for it in items)  # fmt: skip
+
+    monkeypatch.setattr(Eagle3Proposer, "catch_up_prefill", recorded)
+    with_prefill, outs = drafts_of(llm)
+    assert sum(n == 40 for n, *_ in chunks) >= 3
+    assert any(cached < committed for _, cached, committed, _ in chunks)  # mid-prompt chunks
+    for _, cached, committed, drafted in chunks:
+        assert drafted == min(cached, committed - 1)
+
+    monkeypatch.setattr(Eagle3Proposer, "catch_up_prefill", lambda self, items: None)
+    without, ref = drafts_of(LLM(target, **kw))
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+    assert len(with_prefill) > 20 and with_prefill == without

@@ -42,16 +42,19 @@ class LaunchedStep:
 
 @dataclass
 class StepTimes:
-    """Timeline of recent steps: each step's device span and the idle gap between the end of
+    """Timeline of recent steps: each step's device span, the part of it from the target's
+    forward on (`target_ms`; the rest is drafting), and the idle gap between the end of
     one step's device work and the start of the next one's (CUDA events), and how long the
     host blocked for each step's tokens (`wait_ms`, any device: ~0 when the host is the
     bottleneck, the device's lead when the device is)."""
 
     step_ms: deque = field(default_factory=lambda: deque(maxlen=4096))
+    target_ms: deque = field(default_factory=lambda: deque(maxlen=4096))
     gap_ms: deque = field(default_factory=lambda: deque(maxlen=4096))
     wait_ms: deque = field(default_factory=lambda: deque(maxlen=4096))
 
     def clear(self) -> None:
         self.step_ms.clear()
+        self.target_ms.clear()
         self.gap_ms.clear()
         self.wait_ms.clear()

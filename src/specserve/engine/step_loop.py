@@ -190,6 +190,10 @@ class StepLoop:
         # device order), and each sampled request has at least one token in flight.
         for s in batch:
             s.request.cached_len += s.num_tokens
+        if spec is not None and spec.may_draft:  # after the draw: its copy is not delayed
+            prefilled = [s for s in batch if not s.decoding]
+            if prefilled:
+                spec.proposer.catch_up_prefill(prefilled)
         for s in step_input.sampled:
             s.request.num_inflight += 1
             s.request.num_inflight_drafts += num_drafts(s)
@@ -293,11 +297,13 @@ class StepLoop:
             return step.host_ms
         start, target_start, end = step.events
         end.synchronize()
+        target_ms = target_start.elapsed_time(end)
         self.times.step_ms.append(start.elapsed_time(end))
+        self.times.target_ms.append(target_ms)
         if self._last_end is not None and not step.after_idle:
             self.times.gap_ms.append(self._last_end.elapsed_time(start))
         self._last_end = end
-        return target_start.elapsed_time(end)
+        return target_ms
 
 
 def _stop_token_in(req, tokens: list[int]) -> bool:

@@ -207,6 +207,23 @@ class Eagle3Proposer(Proposer):
     def _starts(last_rows: list[int], segments: list[Segment]) -> list[int]:
         return [last - len(seg.token_ids) + 1 for last, seg in zip(last_rows, segments)]
 
+    def catch_up_prefill(self, items: list[ScheduledRequest]) -> None:
+        """One head pass over the pairs the prefill chunks completed: up to each chunk's
+        end, as far as the next token is known (the last prompt position waits for the token
+        drawn there). Their features are in the store already, written by this step's
+        forward on the same stream. The request's first drafting step then catches up one
+        pair (a captured shape) instead of the whole prompt (an eager extend)."""
+        segments = []
+        for it in items:
+            req = it.request
+            start, end = req.draft_cached_len, min(req.cached_len, req.committed_len - 1)
+            if end > start:
+                segments.append(Segment(req.page_table, start, req.token_ids(start + 1, end + 1)))
+                req.draft_cached_len = end
+        if segments:
+            with torch.inference_mode():
+                self._pass(segments, None, logits=False)
+
     def wants_catch_up(self, req) -> bool:
         """Bound the catch-up a request will need: after CATCH_UP_STEPS generated tokens
         the drafter has not seen, the head takes them in this step (ride-along)."""

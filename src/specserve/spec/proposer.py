@@ -47,6 +47,11 @@ class Proposer(ABC):
         up to date (bounded state while speculation is off); default: never."""
         return False
 
+    def catch_up_prefill(self, items: list[ScheduledRequest]) -> None:
+        """After a step's forward: bring the drafter up to date on the tokens its prefill
+        chunks (`items`) fed, so that a request's first drafting step does not carry its
+        whole prompt; default: nothing (drafters that catch up when they draft)."""
+
     def step_timer(self) -> Callable[[int], None] | None:
         """A function running one synchronized draft step for a batch of n requests, to
         measure the drafter's cost; None when drafting costs no device time."""
