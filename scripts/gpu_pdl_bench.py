@@ -1,6 +1,6 @@
 """GPU A/B of programmatic dependent launch and the kernel fusions (issue 5's batch-1
 target): plain decode of a random Llama-3.1-8B-shaped bf16 model at batch 1 and 64 under
-eight engines built from one model, side by side in one process:
+six engines built from one model, side by side in one process:
 
 - "pdl+fusion": the defaults;
 - "pdl, split-K fusion only": the defaults less the SiLU prologue (a separate SiLU-and-mul
@@ -9,11 +9,6 @@ eight engines built from one model, side by side in one process:
 - "pdl+fusion, no L2 prefetch": the defaults, but the GEMV waits for the previous kernel
   without asking L2 for its first weight lines (gemv.PDL_PREFETCH_BYTES = 0), to see what
   the prefetch adds to the launch overlap;
-- "pdl+fusion, early trigger": the defaults, each kernel letting the next one launch before
-  its wait instead of after it (pdl.set_early_trigger), so chains of small kernels are
-  resident ahead and a GEMV's prefetch starts a kernel earlier;
-- "pdl+fusion, merge in kernel": the defaults, split decode steps (batch 1) merging their
-  splits in the decode kernel's last program instead of a merge kernel;
 - "pdl only": --disable-fusion (SiLU-and-mul and the split-K pass as kernels of their own);
 - "fusion only": --disable-pdl;
 - "neither": both disabled (the kernels of run 6 in docs/benchmarks/gpu_engine.md).
@@ -53,8 +48,6 @@ CONFIGS = {
     "pdl+fusion": {},
     "pdl, split-K fusion only": {"silu_prologue": False},
     "pdl+fusion, no L2 prefetch": {"prefetch": False},
-    "pdl+fusion, early trigger": {"early_trigger": True},
-    "pdl+fusion, merge in kernel": {"merge_in_kernel": True},
     "pdl only": {"disable_fusion": True},
     "fusion only": {"disable_pdl": True},
     "neither": {"disable_pdl": True, "disable_fusion": True},
@@ -97,30 +90,6 @@ def down_proj_kernels(model, batches: list[int]) -> dict:
 
 
 @contextmanager
-def early_trigger():
-    """Kernels captured meanwhile (this engine's graphs) let the next kernel launch before
-    their PDL wait (pdl.set_early_trigger)."""
-    previous = pdl.set_early_trigger(True)
-    try:
-        yield
-    finally:
-        pdl.set_early_trigger(previous)
-
-
-@contextmanager
-def merge_in_kernel():
-    """Split decode steps captured meanwhile merge their splits in the decode kernel
-    (triton_kernels.set_merge_in_kernel) instead of a kernel of their own."""
-    from specserve.layers.attention import triton_kernels
-
-    previous = triton_kernels.set_merge_in_kernel(True)
-    try:
-        yield
-    finally:
-        triton_kernels.set_merge_in_kernel(previous)
-
-
-@contextmanager
 def without_l2_prefetch():
     """GEMVs launched meanwhile (this engine's graphs) prefetch no weight lines."""
     from specserve.layers import gemv
@@ -136,13 +105,7 @@ def build(model, base: dict, extra: dict, batches: list[int]) -> tuple[LLMEngine
     t0 = time.perf_counter()
     extra = dict(extra)
     silu_prologue, prefetch = extra.pop("silu_prologue", True), extra.pop("prefetch", True)
-    early = extra.pop("early_trigger", False)
-    merge = extra.pop("merge_in_kernel", False)
     with ExitStack() as patches:
-        if early:
-            patches.enter_context(early_trigger())
-        if merge:
-            patches.enter_context(merge_in_kernel())
         if not silu_prologue:
             patches.enter_context(without_silu_prologue())
         if not prefetch:
@@ -153,7 +116,6 @@ def build(model, base: dict, extra: dict, batches: list[int]) -> tuple[LLMEngine
     info = {
         "startup_s": round(time.perf_counter() - t0, 2),
         "pdl_active": pdl.active(device),  # as set for this engine's capture
-        "pdl_early_trigger": early,
         "fusions": {k: getattr(mlp, k, False) for k in ("fuse_silu", "fuse_split_k")},
         "down_proj": down_proj_kernels(model, batches),
         "graphs": engine.runner.graphs.report.__dict__ if engine.runner.graphs else None,

@@ -163,14 +163,6 @@ def _launch_all() -> None:
             lambda kernel=kernel: attn.paged_attention(q, cache, cache, *meta, 1, 1.0,
                                                        num_splits=2, kernel=kernel))  # fmt: skip
 
-    def merged_in_kernel():  # the splits merged by the decode kernel's last program
-        previous = attn.set_merge_in_kernel(True)
-        try:
-            attn.paged_attention(q, cache, cache, *meta, 1, 1.0, num_splits=2, kernel="decode")
-        finally:
-            attn.set_merge_in_kernel(previous)
-
-    runs["attention-decode-split-merge-in-kernel"] = merged_in_kernel
     for label, launch in runs.items():
         _LABEL[0] = label
         launch()
@@ -186,13 +178,11 @@ def main() -> dict:
     _record()
     results: dict = {}
     target = GPUTarget("cuda", 90, 32)
-    for mode in ("pdl", "plain", "early"):
+    for mode in ("pdl", "plain"):
         LAUNCHES.clear()
-        use_pdl = mode != "plain"
+        use_pdl = mode == "pdl"
         pdl.active = lambda device, on=use_pdl: on  # the CPU tensors' launches, as on an H200
-        pdl.set_early_trigger(mode == "early")
         _launch_all()
-        pdl.set_early_trigger(False)
         for label, fn, args, kwargs in LAUNCHES:
             name = f"{label}/{fn.__name__}/{mode}"
             options = {k: v for k, v in kwargs.items() if k in _OPTIONS}

@@ -36,10 +36,7 @@ def test_switch_applies_only_where_supported(restore_pdl, monkeypatch):
     monkeypatch.setattr(pdl, "_device_capable", lambda device: True)  # an H200, as it were
     cuda = torch.device("cuda", 0)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    assert pdl.launch_options(cuda) == {"USE_PDL": True, "PDL_EARLY": False, "launch_pdl": True}
-    assert pdl.set_early_trigger(True) is False
-    assert pdl.launch_options(cuda)["PDL_EARLY"] is True
-    assert pdl.set_early_trigger(False) is True
+    assert pdl.launch_options(cuda) == {"USE_PDL": True, "launch_pdl": True}
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # the interpreter runs no PDL
     assert not pdl.active(cuda)
     monkeypatch.delenv("TRITON_INTERPRET")
@@ -114,16 +111,6 @@ def test_pdl_kernels_wait_before_touching_memory(compiled):
             assert marks["prefetch"] is not None and marks["prefetch"] < wait, (name, marks)
         else:
             assert marks["prefetch"] is None, name
-
-
-def test_early_trigger_signals_before_the_wait(compiled):
-    launches = _launches(compiled, "early")
-    assert len(launches) == len(_launches(compiled, "pdl"))
-    for name, marks in launches.items():
-        assert isinstance(marks, dict), f"{name} did not compile: {marks}"
-        wait, launch = marks["wait"], marks["launch"]
-        assert wait is not None and launch is not None and launch < wait, (name, marks)
-        assert marks["load"] > wait and marks["store"] > wait, (name, marks)
 
 
 def test_plain_kernels_have_no_grid_dependency_code(compiled):

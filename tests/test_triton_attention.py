@@ -144,35 +144,3 @@ def test_gpu_decode_kernels_at_batch_64(dtype, kernel):
             err = attention_error(_kernels(), batch, splits, block_n, num_warps=warps,
                                   num_stages=stages, kernel=kernel)  # fmt: skip
             assert err < GPU_TOL[dtype], (q_len, splits, block_n, warps, stages, err)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("q_len", [1, 4])
-@pytest.mark.parametrize("num_splits", [4, 16, 32])
-def test_gpu_merge_in_kernel_equals_merge_kernel(dtype, q_len, num_splits):
-    """Splits merged by the decode kernel's last program (triton_kernels.set_merge_in_kernel)
-    give the merge kernel's bits (both go over the splits in order, `merge_splits`), and
-    leave the arrival counters at zero, call after call."""
-    from tests.triton_cases import merge_in_kernel_error
-
-    gen = torch.Generator().manual_seed(num_splits)
-    num_requests = 24
-    seq_lens = torch.randint(q_len + 3, 4096, (num_requests,), generator=gen).tolist()
-    ends = [s - 1 for s in seq_lens]
-    batch = make_batch([q_len] * num_requests, ends, seq_lens, 16, dtype=dtype, device="cuda",
-                       seed=q_len, **GPU_SHAPE)  # fmt: skip
-    for _ in range(3):  # the counters are reused, as by CUDA-graph replays
-        err = merge_in_kernel_error(_kernels(), batch, num_splits, "decode", block_n=64)
-        assert err < GPU_TOL[dtype], err
-
-
-def test_merge_counters_are_never_first_allocated_in_a_graph_capture(monkeypatch):
-    """A capture would record the counters' zeroing without running it: refused."""
-    from specserve.layers.attention import triton_kernels
-
-    device = torch.device("cuda", 7)
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    with pytest.raises(RuntimeError, match="capture"):
-        triton_kernels._counters(device)
-    assert device not in triton_kernels._COUNTERS

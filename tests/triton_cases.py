@@ -110,38 +110,6 @@ def attention_error(kernels, batch: Batch, num_splits, block_n=None, **launch) -
     return rel_err(out, ref)
 
 
-def merge_in_kernel_error(kernels, batch: Batch, num_splits: int, kernel: str,
-                          block_n: int = 16, exact: bool = True) -> float:  # fmt: skip
-    """A split decode/verify step with its splits merged inside the decode kernel (by the last
-    program of each request and KV head) against the separate merge kernel: inf unless the
-    merge counters are back at zero and, with `exact` (the interpreter), every output row is
-    bitwise equal; else the relative error against the reference and, compiled (`exact`
-    False: Triton lays the merge's tile out per kernel, so the two sum the splits in different
-    orders), against the merge kernel's output, the larger. NaN-poisoned outputs show
-    unwritten rows (inf)."""
-    scale = batch.q.shape[-1] ** -0.5
-    m = batch.meta
-    kc, vc = batch.k_cache.clone(), batch.v_cache.clone()
-    kernels.write_kv(batch.k, batch.v, kc, vc, m.slot_mapping)
-    outs = []
-    for in_kernel in (False, True):
-        previous = kernels.set_merge_in_kernel(in_kernel)
-        try:
-            out = torch.full_like(batch.q, float("nan"))
-            kernels.paged_attention(batch.q, kc, vc, m.positions,
-                                    m.query_start_loc, m.seq_lens, m.block_tables,
-                                    m.max_query_len, scale, num_splits=num_splits,
-                                    block_n=block_n,
-                                    out=out, kernel=kernel)  # fmt: skip
-        finally:
-            kernels.set_merge_in_kernel(previous)
-        outs.append(out)
-    counters = kernels._counters(batch.q.device)
-    if counters.any() or (exact and not torch.equal(outs[0], outs[1])):
-        return float("inf")
-    return max(rel_err(outs[1], reference(batch, scale)), rel_err(outs[1], outs[0]))
-
-
 def kv_write_error(kernels, batch: Batch) -> float:
     """0.0 when the Triton KV write stores exactly what the reference stores (a slot of -1
     must be skipped)."""
@@ -262,15 +230,6 @@ def interpreter_cases() -> dict[str, tuple]:
             "attn", ([q] * 2, [30, 47], [31, 50], 16),
             dict(ns=2, shape=dict(kv_heads=2, group=3, head_dim=32), kernel=kernel),
         )  # fmt: skip
-    # the splits merged inside the decode kernel against the merge kernel, bit for bit
-    for kernel in ("decode", "prefetch"):
-        cases[f"merge_in_kernel-decode-{kernel}-split3"] = (
-            "merge", ([1] * 4, [0, 16, 39, 63], [1, 17, 40, 64], 16),
-            dict(ns=3, shape=gqa, kernel=kernel),
-        )  # fmt: skip
-    cases["merge_in_kernel-verify-q4-split2"] = (
-        "merge", ([4, 4], [20, 35], [21, 38], 4), dict(ns=2, shape=gqa, kernel="decode"),
-    )  # fmt: skip
     cases["mha-verify-q3-split2"] = (
         "attn", ([3, 1], [25, 33], [26, 34], 16), dict(ns=2, shape=dict(SMALL, group=1)),
     )  # fmt: skip
@@ -298,10 +257,6 @@ def run_case(name: str, spec: tuple, kernels, ops) -> float:
                            device="cpu", seed=len(name), **kw.get("shape", SMALL))  # fmt: skip
         launch = {"kernel": kw["kernel"]} if "kernel" in kw else {}
         return attention_error(kernels, batch, kw["ns"], block_n=16, **launch)
-    if kind == "merge":
-        batch = make_batch(*args, dtype=torch.float16, device="cpu", seed=len(name),
-                           **kw["shape"])  # fmt: skip
-        return merge_in_kernel_error(kernels, batch, kw["ns"], kw["kernel"])
     dtype = getattr(torch, args[0])
     from specserve.layers.attention.triton_attn import LaunchConfig, TritonAttentionBackend
 

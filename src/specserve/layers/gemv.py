@@ -96,7 +96,7 @@ def _gemv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     USE_DOT: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, SILU: tl.constexpr = False,
-    USE_PDL: tl.constexpr = False, PDL_EARLY: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
+    USE_PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
 ):  # fmt: skip
     pid_m = tl.program_id(0)  # fastest: the row blocks of one weight tile run together
     pid_n = tl.program_id(1)
@@ -116,7 +116,7 @@ def _gemv_kernel(
         if PREFETCH > 0:
             line = tl.arange(0, PREFETCH) * (1024 // w_ptr.dtype.element_ty.primitive_bitwidth)
             _prefetch_l2(w_rows + tl.minimum(k_lo + line, K - 1)[None, :])
-        pdl_enter(PDL_EARLY)  # before the first read of x and the first write
+        pdl_enter()  # before the first read of x and the first write
     if USE_DOT:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     else:  # per-thread partial products, summed over K once after the loop
@@ -166,10 +166,9 @@ def split_k_sum(part_ptr, b_ptr, n, ok, split_k, stride_ps, HAS_BIAS: tl.constex
 def _gemv_split_k_reduce_kernel(
     part_ptr, b_ptr, out_ptr, N, split_k, stride_ps, stride_pm, stride_om,
     HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False,
-    PDL_EARLY: tl.constexpr = False,
 ):  # fmt: skip
     if USE_PDL:
-        pdl_enter(PDL_EARLY)
+        pdl_enter()
     m = tl.program_id(0)
     n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = n < N

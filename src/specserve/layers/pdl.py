@@ -16,16 +16,13 @@ attention/triton_kernels.py, attention/triton_decode.py):
 - every program calls `gdc_wait()` unconditionally, before its first read of anything an
   earlier kernel may have written and before its first write (an earlier kernel may still
   be reading what it overwrites, e.g. a buffer the allocator has handed out again);
-- `gdc_launch_dependents()` after that wait (or, with the early trigger, before it). A
-  kernel completes only after its predecessor has (every program waits), and
-  "completed" holds transitively down the chain, so a kernel that waits on its direct
-  predecessor also sees every write before it, wherever the launch signal sits.
+- `gdc_launch_dependents()` right after that wait. A kernel completes only after its
+  predecessor has (every program waits), and "completed" holds transitively down the
+  chain, so a kernel that waits on its direct predecessor also sees every write before it.
 
-The prologue is one function, `pdl_kernel.pdl_enter`. The early trigger
-(`set_early_trigger`, off by default, an experiment for scripts/gpu_pdl_bench.py) moves
-the launch signal before the wait: the next kernel may then launch while this one still
-waits, so a chain of small kernels is resident ahead of time and a GEMV's L2 prefetch
-starts a kernel earlier; waiting programs hold SM slots meanwhile.
+The prologue is one function, `pdl_kernel.pdl_enter`. (Signalling before the wait, so
+that the next kernel becomes resident earlier, was measured on the H200 and did not pay:
+docs/benchmarks/gpu_pdl.md, session 6.)
 
 Kernels of torch and cuBLAS are launched as usual and need nothing: a PDL kernel after one
 of them starts when it ends; a plain launch after a PDL kernel waits for it as always.
@@ -47,7 +44,6 @@ import os
 import torch
 
 _enabled = True  # set by the engine at start-up (EngineConfig.disable_pdl)
-_early = False  # launch the next kernel before the wait (set_early_trigger)
 _capable: dict[int, bool] = {}  # CUDA device index -> whether it and Triton support PDL
 
 
@@ -56,14 +52,6 @@ def set_enabled(enabled: bool) -> bool:
     setting. CUDA graphs captured earlier keep the launches they captured."""
     global _enabled
     previous, _enabled = _enabled, bool(enabled)
-    return previous
-
-
-def set_early_trigger(early: bool) -> bool:
-    """Let kernels launched from now on signal their dependents before their wait instead
-    of after it; returns the previous setting (CUDA graphs keep what they captured)."""
-    global _early
-    previous, _early = _early, bool(early)
     return previous
 
 
@@ -94,7 +82,7 @@ def active(device: torch.device) -> bool:
 
 def launch_options(device: torch.device) -> dict:
     """The keyword arguments a kernel launch on `device` adds: the kernel's `USE_PDL`
-    constexpr and, when it is on, its `PDL_EARLY` and Triton's `launch_pdl` launch option."""
+    constexpr and, when it is on, Triton's `launch_pdl` launch option."""
     if active(device):
-        return {"USE_PDL": True, "PDL_EARLY": _early, "launch_pdl": True}
+        return {"USE_PDL": True, "launch_pdl": True}
     return {"USE_PDL": False}

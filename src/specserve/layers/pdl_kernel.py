@@ -9,13 +9,8 @@ import triton.language as tl
 
 
 @triton.jit
-def pdl_enter(EARLY: tl.constexpr):
-    """Wait for the previous kernel (it has completed and its writes are visible), and let
-    the next one launch: after the wait, or before it with EARLY (pdl.set_early_trigger),
-    so that the next kernel's programs can become resident, and a GEMV's weight prefetch
-    start, while this kernel still waits."""
-    if EARLY:
-        tl.extra.cuda.gdc_launch_dependents()
+def pdl_enter():
+    """Wait for the previous kernel (it has completed and its writes are visible), then let
+    the next one launch."""
     tl.extra.cuda.gdc_wait()
-    if not EARLY:
-        tl.extra.cuda.gdc_launch_dependents()
+    tl.extra.cuda.gdc_launch_dependents()

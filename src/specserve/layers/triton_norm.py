@@ -28,10 +28,9 @@ from specserve.layers.pdl_kernel import pdl_enter
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, n_cols, eps,
-                     BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False,
-                     PDL_EARLY: tl.constexpr = False):  # fmt: skip
+                     BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):  # fmt: skip
     if USE_PDL:
-        pdl_enter(PDL_EARLY)
+        pdl_enter()
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     ok = cols < n_cols
@@ -62,10 +61,9 @@ def _add_rms_norm_row(x_row, r_row, w_ptr, sum_row, out_row, n_cols, eps, BLOCK:
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, sum_ptr, out_ptr, stride_x, stride_r, stride_s,
                          stride_o, n_cols, eps, BLOCK: tl.constexpr,
-                         USE_PDL: tl.constexpr = False,
-                         PDL_EARLY: tl.constexpr = False):  # fmt: skip
+                         USE_PDL: tl.constexpr = False):  # fmt: skip
     if USE_PDL:
-        pdl_enter(PDL_EARLY)
+        pdl_enter()
     row = tl.program_id(0)
     _add_rms_norm_row(x_ptr + row * stride_x, r_ptr + row * stride_r, w_ptr,
                       sum_ptr + row * stride_s, out_ptr + row * stride_o, n_cols, eps,
@@ -77,10 +75,9 @@ def _split_k_add_rms_norm_kernel(
     part_ptr, b_ptr, y_ptr, r_ptr, w_ptr, sum_ptr, out_ptr, split_k, stride_ps, stride_pm,
     stride_y, stride_r, stride_s, stride_o, n_cols, eps,
     HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False,
-    PDL_EARLY: tl.constexpr = False,
 ):  # fmt: skip
     if USE_PDL:
-        pdl_enter(PDL_EARLY)
+        pdl_enter()
     row = tl.program_id(0)
     n = tl.arange(0, BLOCK)
     ok = n < n_cols

@@ -42,10 +42,9 @@ from specserve.layers.triton_rotary import rotary, rotary_store_kv
 
 @triton.jit
 def _silu_and_mul_kernel(g_ptr, u_ptr, o_ptr, stride_g, stride_u, stride_o, n_cols,
-                         BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False,
-                         PDL_EARLY: tl.constexpr = False):  # fmt: skip
+                         BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):  # fmt: skip
     if USE_PDL:
-        pdl_enter(PDL_EARLY)
+        pdl_enter()
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < n_cols

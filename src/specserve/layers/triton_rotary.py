@@ -65,10 +65,10 @@ def _rotary_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_cs,
     Q_HEADS: tl.constexpr, K_HEADS: tl.constexpr, HALF: tl.constexpr,
     BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_HALF: tl.constexpr,
-    USE_PDL: tl.constexpr = False, PDL_EARLY: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     if USE_PDL:
-        pdl_enter(PDL_EARLY)
+        pdl_enter()
     t = tl.program_id(0)
     pos = tl.load(pos_ptr + t)
     cos, sin = _cos_sin(cos_sin_ptr, pos, stride_cs, q_ptr.dtype.element_ty, HALF, BLOCK_HALF)
@@ -85,12 +85,12 @@ def _rotary_store_kv_kernel(
     Q_HEADS: tl.constexpr, K_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_HALF: tl.constexpr,
-    BLOCK_V: tl.constexpr, USE_PDL: tl.constexpr = False, PDL_EARLY: tl.constexpr = False,
+    BLOCK_V: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     """One token of a qkv projection row [q heads | k heads | v heads]: rotated q to qo,
     rotated k and v straight into the paged cache at the token's slot (< 0: not stored)."""
     if USE_PDL:
-        pdl_enter(PDL_EARLY)
+        pdl_enter()
     t = tl.program_id(0)
     pos = tl.load(pos_ptr + t)
     slot = tl.load(slot_ptr + t)

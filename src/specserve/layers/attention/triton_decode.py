@@ -48,41 +48,6 @@ def _kv_load(k_cache, v_cache, page, n, n_ok, kvh, stride_cp, stride_cs, stride_
     return k, v
 
 
-@triton.jit
-def merge_splits(part_ptr, lse_ptr, out_ptr, t, h, num_splits, stride_ps, stride_pt,
-                 stride_ph, stride_ls, stride_lt, stride_ot, stride_oh, BLOCK_S: tl.constexpr,
-                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
-    """Row (token t, head h) of a split step: its splits' partial outputs weighed by their
-    log-sum-exp, written to out in its dtype. The merge kernel and the decode kernel's own
-    merge (MERGE) both run this, and it adds the splits one after the other (unrolled over
-    BLOCK_S, the loads independent of each other; past num_splits they reread the last
-    split and weigh 0), so the two add them in the same order whatever layout each kernel
-    gives its tiles: the same bits (a reduction over a [splits, head_dim] tile would be
-    associated as the layout has it, which differs between the two kernels). The partials
-    are read past L1 (.cg): in the decode kernel other programs wrote them moments ago."""
-    d = tl.arange(0, BLOCK_D)
-    d_ok = d < HEAD_DIM
-    lse_row = lse_ptr + t * stride_lt + h
-    part_row = part_ptr + t * stride_pt + h * stride_ph + d
-    m = tl.load(lse_row, cache_modifier=".cg")  # a split step has at least two splits
-    for s in tl.static_range(1, BLOCK_S):  # past num_splits: the last split again
-        last = tl.minimum(num_splits - 1, s)
-        m = tl.maximum(m, tl.load(lse_row + last * stride_ls, cache_modifier=".cg"))
-    m = tl.where(m == float("-inf"), 0.0, m)
-    denom = m * 0.0
-    acc = tl.zeros([BLOCK_D], tl.float32)
-    for s in tl.static_range(0, BLOCK_S):
-        last = tl.minimum(num_splits - 1, s)
-        lse_s = tl.load(lse_row + last * stride_ls, cache_modifier=".cg")
-        w = tl.where(last == s, tl.exp2(lse_s - m), 0.0)  # empty splits weigh 0 too
-        denom += w
-        acc += tl.load(part_row + last * stride_ps, mask=d_ok, other=0.0,
-                       cache_modifier=".cg") * w  # fmt: skip
-    out = acc / tl.where(denom > 0, denom, 1.0)
-    tl.store(out_ptr + t * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty),
-             mask=d_ok)  # fmt: skip
-
-
 # The step's metadata are views into one upload whose alignment varies from step to step:
 # not specialized on (see triton_kernels.py, where the generic kernel does the same).
 METADATA = ["positions", "query_start_loc", "seq_lens", "block_tables"]
@@ -98,16 +63,14 @@ def _paged_attn_decode_kernel(
     stride_qt, stride_qh, stride_cp, stride_cs, stride_ch, stride_bt,
     stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
     qk_scale, num_splits,
-    final_ptr, counter_ptr, stride_ft, stride_fh,
     KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PREFETCH: tl.constexpr,
-    MERGE: tl.constexpr = False, BLOCK_S: tl.constexpr = 32,
-    USE_PDL: tl.constexpr = False, PDL_EARLY: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     # Same arguments and grid as _paged_attn_kernel; all of a request's rows fit BLOCK_M.
     if USE_PDL:  # layers/pdl.py: q and the new K/V come from the kernel before
-        pdl_enter(PDL_EARLY)
+        pdl_enter()
     pid_bh = tl.program_id(1)
     pid_s = tl.program_id(2)
     b = pid_bh // KV_HEADS
@@ -168,15 +131,5 @@ def _paged_attn_decode_kernel(
         lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
         l_off = pid_s * stride_ls + (q_start + tok) * stride_lt + head
         tl.store(lse_ptr + l_off, lse, mask=row_ok)
-        if MERGE:  # the last split of this (request, KV head) to finish merges them all
-            tl.debug_barrier()  # every thread's partial stored before the count
-            arrived = tl.atomic_add(counter_ptr + pid_bh, 1, sem="acq_rel", scope="gpu")
-            if arrived == num_splits - 1:
-                tl.atomic_xchg(counter_ptr + pid_bh, 0)  # zero again for the next step
-                for r in range(0, q_len * GROUP):
-                    merge_splits(out_ptr, lse_ptr, final_ptr, q_start + r // GROUP,
-                                 kvh * GROUP + r % GROUP, num_splits, stride_os, stride_ot,
-                                 stride_oh, stride_ls, stride_lt, stride_ft, stride_fh,
-                                 BLOCK_S, HEAD_DIM, BLOCK_D)  # fmt: skip
     else:
         tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=o_mask)

@@ -25,11 +25,7 @@ import triton
 import triton.language as tl
 
 from specserve.layers import pdl
-from specserve.layers.attention.triton_decode import (
-    NOT_SPECIALIZED,
-    _paged_attn_decode_kernel,
-    merge_splits,
-)
+from specserve.layers.attention.triton_decode import NOT_SPECIALIZED, _paged_attn_decode_kernel
 from specserve.layers.attention.triton_kv_write import (  # noqa: F401 (callers use them here)
     _check_cache,
     check_cache,
@@ -48,36 +44,6 @@ DECODE_KERNELS = ("decode", "prefetch", "generic")
 # block in flight while this one is computed (with 2 the pipeliner keeps one buffer and
 # issues the next block's loads only after this block's math).
 DECODE_MIN_STAGES = 3
-# Where a split decode step merges its splits: in a kernel of its own (False), or in the
-# decode kernel, by the last program of each (request, KV head) to finish (True: one kernel
-# fewer per layer; an experiment to measure on the GPU, scripts/gpu_pdl_bench.py, set with
-# `set_merge_in_kernel`). The programs count arrivals in a zeroed per-device buffer of
-# MERGE_COUNTERS slots (the last one zeroes its slot again); larger grids merge apart.
-_MERGE_IN_KERNEL = False
-MERGE_COUNTERS = 1 << 16
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def set_merge_in_kernel(in_kernel: bool) -> bool:
-    """Merge split decode steps inside the decode kernel from now on (launches captured in
-    CUDA graphs keep what they captured); returns the previous setting."""
-    global _MERGE_IN_KERNEL
-    previous, _MERGE_IN_KERNEL = _MERGE_IN_KERNEL, bool(in_kernel)
-    return previous
-
-
-def _counters(device: torch.device) -> torch.Tensor:
-    if device not in _COUNTERS:  # zeroed once; every merge leaves its slot at zero
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            # the zeroing would be captured, not run: it would happen at that graph's first
-            # replay, and other graphs and eager steps would count from stale memory before
-            raise RuntimeError("the split-merge counters are allocated on first use, which "
-                               "must not be in a CUDA-graph capture: run the step eagerly "
-                               "first (runtime/cuda_graphs.capture_graphs does)")  # fmt: skip
-        _COUNTERS[device] = torch.zeros(MERGE_COUNTERS, dtype=torch.int32, device=device)
-    return _COUNTERS[device]
-
-
 # Integers that vary from step to step (the page-table width, the split count, the strides
 # of the per-split buffers, which scale with the token count) are not specialized on:
 # Triton would otherwise compile a new variant when one first turns 1 or a multiple of 16,
@@ -95,10 +61,9 @@ def _paged_attn_kernel(
     KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, USE_PDL: tl.constexpr = False,
-    PDL_EARLY: tl.constexpr = False,
 ):  # fmt: skip
     if USE_PDL:  # layers/pdl.py
-        pdl_enter(PDL_EARLY)
+        pdl_enter()
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -167,13 +132,38 @@ def _split_reduce_kernel(
     part_ptr, lse_ptr, out_ptr,
     stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, stride_ot, stride_oh, num_splits,
     BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr = False, PDL_EARLY: tl.constexpr = False,
+    BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
+    # Row (token t, head h) of a split step: its splits' partial outputs weighed by their
+    # log-sum-exp, written to out in its dtype. The splits are added one after the other
+    # (unrolled over BLOCK_S, the loads independent of each other; past num_splits they
+    # reread the last split and weigh 0), so the sum's order does not depend on how Triton
+    # lays out a [splits, head_dim] tile. The partials are read once, past L1 (.cg).
     if USE_PDL:  # layers/pdl.py
-        pdl_enter(PDL_EARLY)
-    merge_splits(part_ptr, lse_ptr, out_ptr, tl.program_id(0), tl.program_id(1), num_splits,
-                 stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, stride_ot, stride_oh,
-                 BLOCK_S, HEAD_DIM, BLOCK_D)  # fmt: skip
+        pdl_enter()
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    lse_row = lse_ptr + t * stride_lt + h
+    part_row = part_ptr + t * stride_pt + h * stride_ph + d
+    m = tl.load(lse_row, cache_modifier=".cg")  # a split step has at least two splits
+    for s in tl.static_range(1, BLOCK_S):  # past num_splits: the last split again
+        last = tl.minimum(num_splits - 1, s)
+        m = tl.maximum(m, tl.load(lse_row + last * stride_ls, cache_modifier=".cg"))
+    m = tl.where(m == float("-inf"), 0.0, m)
+    denom = m * 0.0
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for s in tl.static_range(0, BLOCK_S):
+        last = tl.minimum(num_splits - 1, s)
+        lse_s = tl.load(lse_row + last * stride_ls, cache_modifier=".cg")
+        w = tl.where(last == s, tl.exp2(lse_s - m), 0.0)  # empty splits weigh 0 too
+        denom += w
+        acc += tl.load(part_row + last * stride_ps, mask=d_ok, other=0.0,
+                       cache_modifier=".cg") * w  # fmt: skip
+    out = acc / tl.where(denom > 0, denom, 1.0)
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty),
+             mask=d_ok)  # fmt: skip
 
 
 def paged_attention(
@@ -235,15 +225,10 @@ def paged_attention(
     if kernel not in DECODE_KERNELS:
         raise ValueError(f"kernel must be one of {DECODE_KERNELS}, got {kernel!r}")
     extra = {}
-    merge = False
     if decode_like and kernel != "generic":
         launch, extra["PREFETCH"] = _paged_attn_decode_kernel[grid], kernel == "prefetch"
         if kernel == "decode":
             num_stages = max(num_stages, DECODE_MIN_STAGES)
-        merge = split and _MERGE_IN_KERNEL and grid[1] <= MERGE_COUNTERS and grid[0] == 1
-        extra.update(final_ptr=out, counter_ptr=_counters(q.device) if merge else lse,
-                     stride_ft=out.stride(0), stride_fh=out.stride(1), MERGE=merge,
-                     BLOCK_S=_reduce_block(num_splits))  # fmt: skip
     else:
         launch = _paged_attn_kernel[grid]
     launch(
@@ -256,18 +241,13 @@ def paged_attention(
         PAGE_SIZE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_N=block_n,
         SPLIT=split, num_warps=num_warps, num_stages=num_stages, **extra, **launch_pdl,
     )  # fmt: skip
-    if split and not merge:
+    if split:
         _split_reduce_kernel[(num_tokens, num_heads)](
             part, lse, out, *part.stride()[:3], *lse.stride()[:2], *out.stride()[:2], num_splits,
-            BLOCK_S=_reduce_block(num_splits), HEAD_DIM=head_dim, BLOCK_D=block_d,
-            **launch_pdl,
+            BLOCK_S=max(MAX_REDUCE_SPLITS, triton.next_power_of_2(num_splits)),
+            HEAD_DIM=head_dim, BLOCK_D=block_d, **launch_pdl,
         )  # fmt: skip
     return out
-
-
-def _reduce_block(num_splits: int) -> int:
-    """The split block a merge runs over: one compiled variant up to MAX_REDUCE_SPLITS."""
-    return max(MAX_REDUCE_SPLITS, triton.next_power_of_2(num_splits))
 
 
 def decode_num_splits(num_programs: int, max_seq_len: int, num_sms: int,

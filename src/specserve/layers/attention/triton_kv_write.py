@@ -23,10 +23,10 @@ def _kv_write_kernel(
     k_ptr, v_ptr, k_cache, v_cache, slot_ptr,
     stride_kt, stride_vt, stride_page, stride_slot,
     PAGE_SIZE: tl.constexpr, ROW: tl.constexpr, BLOCK: tl.constexpr,
-    USE_PDL: tl.constexpr = False, PDL_EARLY: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     if USE_PDL:  # layers/pdl.py
-        pdl_enter(PDL_EARLY)
+        pdl_enter()
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t)
     cols = tl.arange(0, BLOCK)
