@@ -146,8 +146,10 @@ class PagedKV:
             max_seq_len=max(seq_lens))
 
 
-@pytest.mark.parametrize("page_size", [1, 16])
-def test_paged_forward_equals_dense_forward(target_cfg, page_size):
+@pytest.mark.parametrize("page_size, merged", [(1, False), (16, False), (16, True)])
+def test_paged_forward_equals_dense_forward(target_cfg, page_size, merged):
+    """merged: the paged passes run the serving head (`merge_projections`: q/k/v and
+    gate/up stacked), the dense reference the public layout."""
     head = random_head(target_cfg, seed=1)
     h, lengths, steps = target_cfg.hidden_size, [37, 23], 3
     torch.manual_seed(2)
@@ -165,6 +167,9 @@ def test_paged_forward_equals_dense_forward(target_cfg, page_size):
             dense.append(out)
             hidden = out
 
+        if merged:
+            head.merge_projections()
+            assert not hasattr(head.midlayer.self_attn, "q_proj")
         paged = PagedKV(head, page_size)
         backend = TorchAttentionBackend()
         chunks = {0: [10, 1, 20, 6], 1: [7, 16]}  # chunked extends of different sizes

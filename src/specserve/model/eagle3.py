@@ -24,8 +24,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve.errors import CheckpointError
-from specserve.layers.activation import GatedMLP
+from specserve.layers.activation import GatedMLP, MergedGatedMLP
 from specserve.layers.attention import AttentionBackend, AttentionMetadata
+from specserve.layers.linear import MergedLinear
 from specserve.layers.norm import RMSNorm
 from specserve.layers.rotary import RotaryEmbedding
 from specserve.model.eagle3_config import (
@@ -34,6 +35,7 @@ from specserve.model.eagle3_config import (
     default_aux_layer_ids,
 )
 from specserve.model.hf_config import ModelConfig
+from specserve.model.llama import fused_kv_store
 
 __all__ = [
     "ARCHITECTURE",
@@ -54,7 +56,8 @@ def shipped_head_path() -> Path:
 
 
 class Eagle3Attention(nn.Module):
-    """Grouped-query attention whose q/k/v read 2*H inputs (embedding ++ hidden)."""
+    """Grouped-query attention whose q/k/v read 2*H inputs (embedding ++ hidden); after
+    `merge`, one `qkv_proj` holds the three (`merged()`)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -62,17 +65,37 @@ class Eagle3Attention(nn.Module):
         self.head_dim = cfg.head_dim
         self.scale = cfg.head_dim**-0.5
         h2, d = 2 * cfg.hidden_size, cfg.head_dim
+        self.split_sizes = [cfg.num_heads * d, cfg.num_kv_heads * d, cfg.num_kv_heads * d]
         self.q_proj = nn.Linear(h2, cfg.num_heads * d, bias=False)
         self.k_proj = nn.Linear(h2, cfg.num_kv_heads * d, bias=False)
         self.v_proj = nn.Linear(h2, cfg.num_kv_heads * d, bias=False)
         self.o_proj = nn.Linear(cfg.num_heads * d, cfg.hidden_size, bias=False)
 
+    def merge(self) -> None:
+        """q/k/v stacked into one `qkv_proj` (the same values; one GEMM reads them)."""
+        names = ("q_proj", "k_proj", "v_proj")
+        parts = [getattr(self, name).weight for name in names]
+        merged = MergedLinear(parts[0].shape[1], dict(zip(names, self.split_sizes)))
+        merged.to(device=parts[0].device, dtype=parts[0].dtype)
+        with torch.no_grad():
+            merged.weight.copy_(torch.cat(parts))
+        for name in names:
+            delattr(self, name)
+        self.qkv_proj = merged
+
+    def merged(self) -> MergedLinear | None:
+        return self._modules.get("qkv_proj")
+
     def qkv(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding):
         """q [T, nh, d], k and v [T, nkv, d] with rotary applied at `positions` [T]."""
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if self.merged() is not None:
+            q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.reshape(t, self.num_heads, self.head_dim)
+        k = k.reshape(t, self.num_kv_heads, self.head_dim)
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
         q, k = rotary(positions, q, k)
         return q, k, v
 
@@ -116,8 +139,25 @@ class Eagle3Head(nn.Module):
         return torch.cat([m.input_layernorm(embeds), m.hidden_norm(hidden)], dim=-1)
 
     def _finish(self, attn_out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        h = attn_out + residual
-        return h + self.midlayer.mlp(self.midlayer.post_attention_layernorm(h))
+        normed, h = self.midlayer.post_attention_layernorm(attn_out, residual)  # one kernel
+        return h + self.midlayer.mlp(normed)
+
+    def merge_projections(self) -> Eagle3Head:
+        """For serving: q/k/v as one `qkv_proj` and gate/up as one `gate_up_proj`, as the
+        target's layers hold them (one weight-streaming GEMV each at decode sizes, and on
+        the Triton path the rotary and K/V store in one kernel). Same values; training and
+        `save_eagle3_head` keep the public layout of separate projections."""
+        m = self.midlayer
+        m.self_attn.merge()
+        mlp = m.mlp
+        gate, up, down = mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight
+        merged = MergedGatedMLP(down.shape[0], gate.shape[0]).to(device=gate.device,
+                                                                 dtype=gate.dtype)  # fmt: skip
+        with torch.no_grad():
+            merged.gate_up_proj.weight.copy_(torch.cat([gate, up]))
+            merged.down_proj.weight.copy_(down)
+        m.mlp = merged
+        return self
 
     def forward(
         self,
@@ -131,8 +171,16 @@ class Eagle3Head(nn.Module):
 
         Returns the pre-final-norm output, which is the next draft step's `hidden`."""
         attn = self.midlayer.self_attn
-        q, k, v = attn.qkv(self._layer_input(embeds, hidden), meta.positions, self.rotary)
-        out = backend.forward(q, k, v, kv[0], kv[1], meta, attn.scale)
+        x = self._layer_input(embeds, hidden)
+        if attn.merged() is not None and fused_kv_store(self.rotary, backend):
+            # Rotary of q and k and the K/V store in one kernel; the backend only attends.
+            q = self.rotary.rotate_and_store(meta.positions, attn.qkv_proj(x), attn.num_heads,
+                                             attn.num_kv_heads, kv[0], kv[1],
+                                             meta.slot_mapping)  # fmt: skip
+            out = backend.forward(q, None, None, kv[0], kv[1], meta, attn.scale)
+        else:
+            q, k, v = attn.qkv(x, meta.positions, self.rotary)
+            out = backend.forward(q, k, v, kv[0], kv[1], meta, attn.scale)
         out = attn.o_proj(out.reshape(q.shape[0], attn.num_heads * attn.head_dim))
         return self._finish(out, hidden)
 
@@ -179,6 +227,11 @@ class Eagle3Head(nn.Module):
     def compute_logits(self, out: torch.Tensor) -> torch.Tensor:
         """fp32 draft-vocabulary logits of head outputs."""
         return self.lm_head(self.norm(out)).float()
+
+    def greedy(self, out: torch.Tensor) -> torch.Tensor:
+        """The argmax draft ids of head outputs: compute_logits' argmax, without its fp32
+        copy (exact, so the same ids; the first of equal maxima either way)."""
+        return self.lm_head(self.norm(out)).argmax(dim=-1)
 
     def draft_to_target(self, ids: torch.Tensor) -> torch.Tensor:
         """Map draft-vocabulary ids to target-vocabulary ids."""

@@ -57,7 +57,7 @@ class Attention(nn.Module):
     def forward(self, x, rotary, backend, kv, meta: AttentionMetadata, defer_reduce=False):
         t = x.shape[0]
         qkv = self.qkv_proj(x)
-        if self.q_norm is None and _fused_kv_store(rotary, backend):
+        if self.q_norm is None and fused_kv_store(rotary, backend):
             # Rotary of q and k and the K/V store in one kernel; the backend only attends.
             q = rotary.rotate_and_store(meta.positions, qkv, self.num_heads, self.num_kv_heads,
                                         kv[0], kv[1], meta.slot_mapping)  # fmt: skip
@@ -87,7 +87,7 @@ class Attention(nn.Module):
         return gemv(out, o.weight, o.bias, cfg, defer_reduce=True)
 
 
-def _fused_kv_store(rotary, backend) -> bool:
+def fused_kv_store(rotary, backend) -> bool:
     """Whether the rotary module can store K/V itself (the Triton one) for a backend that
     then skips its own KV write (the Triton backend, given k = v = None)."""
     return getattr(rotary, "stores_kv", False) and backend.name == "triton"

@@ -264,14 +264,15 @@ class Eagle3Proposer(Proposer):
 
 
 def build_eagle3_proposer(engine: LLMEngine) -> Eagle3Proposer:
-    """The head loaded for the engine's target; on CUDA with the Triton backend its norms,
-    rotary and MLP use the fused kernels, and unless CUDA graphs are disabled every head
-    pass shape is captured now (one graph per batch bucket and tokens per request)."""
+    """The head loaded for the engine's target, its projections merged as the target's; on
+    CUDA with the Triton backend its norms, rotary and MLP use the fused kernels, and
+    unless CUDA graphs are disabled every head pass shape is captured now (one graph per
+    batch bucket and tokens per request)."""
     cfg = engine.config
     device = engine.kv.pool.device
     head = load_eagle3_head(
         cfg.speculative_draft_model_path, engine.model_config, engine.dtype, device
-    )
+    ).merge_projections()
     kv = KVCache(head.config.layer, engine.kv.allocator.num_pages, cfg.page_size,
                  engine.dtype, device)
     embed = engine.runner.model.model.embed_tokens

@@ -56,6 +56,25 @@ def draft_pass_meta(positions: torch.Tensor, block_tables: torch.Tensor, page_si
     )
 
 
+def chain_pass_metas(last_positions: torch.Tensor, passes: int, block_tables: torch.Tensor,
+                     page_size: int, max_seq_len: int,
+                     query_start: torch.Tensor) -> list[AttentionMetadata]:  # fmt: skip
+    """The metadata of a chain's `passes` one-token draft passes after the catch-up, whose
+    last rows sat at `last_positions` [B]: positions, KV slots and lengths of all passes
+    computed together ([passes, B], a handful of kernels for the chain, not per pass)."""
+    rows = query_start[:-1]
+    steps = torch.arange(1, passes + 1, device=last_positions.device)
+    positions = last_positions.unsqueeze(0) + steps.unsqueeze(1)
+    slots = block_tables[rows, positions // page_size] * page_size + positions % page_size
+    seq_lens = positions + 1
+    return [
+        AttentionMetadata(positions=positions[j], slot_mapping=slots[j],
+                          query_start_loc=query_start, seq_lens=seq_lens[j],
+                          block_tables=block_tables, max_query_len=1, max_seq_len=max_seq_len)
+        for j in range(passes)
+    ]  # fmt: skip
+
+
 class DrafterGraphs:
     """Captures one EAGLE-3 head pass per (batch bucket, tokens per request) and replays it.
 
@@ -113,6 +132,9 @@ class DrafterGraphs:
         hidden_size = head.config.layer.hidden_size
         self.hidden = torch.zeros(max_b * max_q, hidden_size, dtype=head.fc.weight.dtype,
                                   device=device)  # fmt: skip
+        # draft id -> target id, one gather (d2t applied once here)
+        self.draft_ids = head.draft_to_target(torch.arange(head.config.draft_vocab_size,
+                                                           device=device))  # fmt: skip
         self._graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, tuple]] = {}
         self.report: CaptureReport | None = None
 
@@ -166,25 +188,29 @@ class DrafterGraphs:
             -(-end // self.page_size) <= len(s.page_table) for s, end in zip(segments, ends)
         )
 
-    def _forward(self, batch: int, q: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _last(self, batch: int, q: int) -> torch.Tensor:
+        """The head pass over the loaded inputs: its output at each request's last row."""
         n = batch * q
         meta = static_meta(self, batch, q)
         embeds = self.embed(self.input_ids[:n])
         out = self.head(embeds, self.hidden[:n], meta, self.kv_layer, self.backend)
-        last = out[self.last_rows[:batch]]
+        return out[self.last_rows[:batch]]
+
+    def _forward(self, batch: int, q: int) -> tuple[torch.Tensor, torch.Tensor]:
+        last = self._last(batch, q)
         return last, self.head.compute_logits(last)
 
     def _forward_chain(self, batch: int, q: int, k: int) -> tuple[torch.Tensor]:
-        """The catch-up pass, then k-1 one-token passes fed with their own greedy drafts."""
-        last, logits = self._forward(batch, q)
-        drafts = [self.head.draft_to_target(logits.argmax(dim=-1))]
-        pos = self.positions[self.last_rows[:batch]]
-        for _ in range(k - 1):
-            pos = pos + 1
-            meta = draft_pass_meta(pos, self.block_tables[:batch], self.page_size,
-                                   self.max_seq_len, self.query_start[1][: batch + 1])
+        """The catch-up pass, then k-1 one-token passes fed with their own greedy drafts
+        (argmax over the activation-dtype logits: their fp32 copy would not change it)."""
+        last = self._last(batch, q)
+        drafts = [self.draft_ids[self.head.greedy(last)]]
+        metas = chain_pass_metas(self.positions[self.last_rows[:batch]], k - 1,
+                                 self.block_tables[:batch], self.page_size, self.max_seq_len,
+                                 self.query_start[1][: batch + 1])  # fmt: skip
+        for meta in metas:
             last = self.head(self.embed(drafts[-1]), last, meta, self.kv_layer, self.backend)
-            drafts.append(self.head.draft_to_target(self.head.compute_logits(last).argmax(-1)))
+            drafts.append(self.draft_ids[self.head.greedy(last)])
         return (torch.stack(drafts, dim=1),)
 
     def _run_key(self, batch: int, q: int, k: int) -> tuple:
