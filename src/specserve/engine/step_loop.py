@@ -177,9 +177,9 @@ class StepLoop:
         runner = engine.runner
         step_input = runner.prepare(batch, inflight)
         if events is not None:
-            events[1].record()
-            if not drafting:
+            if not drafting:  # the step starts with the forward: before its event
                 events[0].record()
+            events[1].record()
         hidden, aux = runner.forward(step_input, spec.aux_layer_ids if spec else ())
         sampled = runner.sample_async(step_input, hidden, spec.simulate_rate if spec else None)
         # Taken now: graph outputs are overwritten by the next step's replay.
