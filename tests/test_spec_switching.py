@@ -99,15 +99,21 @@ def test_per_request_speculation_state_is_dropped(setup):
     assert engine.kv.allocator.num_used == 0
 
 
-def test_prompt_catch_up_in_prefill_changes_no_draft(setup, monkeypatch):
-    """The EAGLE-3 head takes the prompt in the prefill steps (each chunk up to its last
-    known pair): after every chunk the drafter has seen all but the last position, and the
-    drafts of every step are those of a drafter that caught up on the whole prompt in its
-    first drafting step instead."""
+@pytest.mark.parametrize("lone", [False, True])
+def test_prompt_catch_up_in_prefill_changes_no_draft(setup, monkeypatch, lone):
+    """The EAGLE-3 head takes the prompt in the prefill steps (each chunk up to the pair
+    before its last position): after every chunk the drafter has seen all but the chunk's
+    last position, and the drafts of every step are those of a drafter that caught up on
+    the whole prompt in its first drafting step instead. lone: a 17-token prompt alone, so
+    the prefill stops one token short (a chunk of 16) and the next step feeds the last
+    prompt token as a drafting decode, which must still have a pair to catch up on."""
     from specserve.spec.eagle3 import Eagle3Proposer
 
     target, drafters, prompts = setup
-    prompts = prompts + [list(range(5, 45))]  # 40 tokens: 3 chunks of at most 16
+    if lone:
+        prompts = [list(range(5, 22))]
+    else:
+        prompts = prompts + [list(range(5, 45))]  # 40 tokens: 3 chunks of at most 16
     kw = dict(speculative_algorithm="eagle3", speculative_draft_model_path=drafters["eagle3"],
               speculative_num_steps=3, speculative_policy="fixed",
               max_num_batched_tokens=16)  # fmt: skip
@@ -134,12 +140,14 @@ def test_prompt_catch_up_in_prefill_changes_no_draft(setup, monkeypatch):
 
     monkeypatch.setattr(Eagle3Proposer, "catch_up_prefill", recorded)
     with_prefill, outs = drafts_of(llm)
-    assert sum(n == 40 for n, *_ in chunks) >= 3
-    assert any(cached < committed for _, cached, committed, _ in chunks)  # mid-prompt chunks
-    for _, cached, committed, drafted in chunks:
-        assert drafted == min(cached, committed - 1)
+    if lone:
+        assert [(c, n) for _, c, n, _ in chunks] == [(16, 17)]  # then a decode feeds the 17th
+    else:
+        assert sum(n == 40 for n, *_ in chunks) >= 3
+        assert any(cached < committed for _, cached, committed, _ in chunks)  # mid-prompt
+    assert all(drafted == cached - 1 for _, cached, _, drafted in chunks)
 
     monkeypatch.setattr(Eagle3Proposer, "catch_up_prefill", lambda self, items: None)
     without, ref = drafts_of(LLM(target, **kw))
     assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
-    assert len(with_prefill) > 20 and with_prefill == without
+    assert len(with_prefill) > (8 if lone else 20) and with_prefill == without

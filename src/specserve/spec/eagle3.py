@@ -208,15 +208,17 @@ class Eagle3Proposer(Proposer):
         return [last - len(seg.token_ids) + 1 for last, seg in zip(last_rows, segments)]
 
     def catch_up_prefill(self, items: list[ScheduledRequest]) -> None:
-        """One head pass over the pairs the prefill chunks completed: up to each chunk's
-        end, as far as the next token is known (the last prompt position waits for the token
-        drawn there). Their features are in the store already, written by this step's
-        forward on the same stream. The request's first drafting step then catches up one
-        pair (a captured shape) instead of the whole prompt (an eager extend)."""
+        """One head pass over the pairs the prefill chunks completed: each position whose
+        next token is in the KV cache too (pair i feeds token i+1). Their features are in
+        the store already, written by this step's forward on the same stream. The pair at
+        the chunk's last position is left to the next pass, so a request's first drafting
+        step catches up exactly one pair (a captured shape) instead of the whole prompt (an
+        eager extend), also when the prefill stopped one token short of the end (the next
+        step feeds that token as a decode and drafts from the pair before it)."""
         segments = []
         for it in items:
             req = it.request
-            start, end = req.draft_cached_len, min(req.cached_len, req.committed_len - 1)
+            start, end = req.draft_cached_len, req.cached_len - 1
             if end > start:
                 segments.append(Segment(req.page_table, start, req.token_ids(start + 1, end + 1)))
                 req.draft_cached_len = end
