@@ -64,6 +64,15 @@ def test_round_trip_in_public_layout(tmp_path, target_cfg):
     assert loaded.t2d[loaded.draft_to_target(ids)].all()
     logits = loaded.compute_logits(torch.randn(5, h))
     assert logits.dtype == torch.float32 and logits.shape == (5, 96)
+    # The serving layout: merged weights as frozen as the loaded ones, same greedy ids, and
+    # no checkpoint written from it (its names are not the public ones).
+    out = torch.randn(5, h)
+    want = loaded.compute_logits(out).argmax(-1)
+    loaded.merge_projections()
+    assert not any(p.requires_grad for p in loaded.parameters())
+    assert torch.equal(loaded.greedy(out), want)
+    with pytest.raises(ValueError, match="before merge_projections"):
+        save_eagle3_head(loaded, tmp_path / "merged")
 
 
 def _edit(folder, config=None, tensors=None):

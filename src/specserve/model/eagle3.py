@@ -79,6 +79,7 @@ class Eagle3Attention(nn.Module):
         merged.to(device=parts[0].device, dtype=parts[0].dtype)
         with torch.no_grad():
             merged.weight.copy_(torch.cat(parts))
+        merged.weight.requires_grad_(parts[0].requires_grad)  # loaded heads: False
         for name in names:
             delattr(self, name)
         self.qkv_proj = merged
@@ -156,6 +157,7 @@ class Eagle3Head(nn.Module):
         with torch.no_grad():
             merged.gate_up_proj.weight.copy_(torch.cat([gate, up]))
             merged.down_proj.weight.copy_(down)
+        merged.requires_grad_(gate.requires_grad)  # loaded heads: False
         m.mlp = merged
         return self
 
@@ -310,6 +312,9 @@ def save_eagle3_head(head: Eagle3Head, folder: str | Path) -> Path:
     """Write config.json and model.safetensors in the public EAGLE-3 layout."""
     from safetensors.torch import save_file
 
+    if head.midlayer.self_attn.merged() is not None:
+        raise ValueError("save_eagle3_head writes the public layout: save the head before "
+                         "merge_projections (a serving head's qkv_proj is not a checkpoint name)")
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     tensors = {n: p.detach().cpu().contiguous() for n, p in head.named_parameters()}
