@@ -43,7 +43,8 @@ class LaunchedStep:
 @dataclass
 class StepTimes:
     """Timeline of recent steps: each step's device span, the part of it from the target's
-    forward on (`target_ms`; the rest is drafting), and the idle gap between the end of
+    forward on (`target_ms`; the rest is drafting, and in prefill steps the drafter's
+    prompt catch-up after the forward counts in it), and the idle gap between the end of
     one step's device work and the start of the next one's (CUDA events), and how long the
     host blocked for each step's tokens (`wait_ms`, any device: ~0 when the host is the
     bottleneck, the device's lead when the device is)."""

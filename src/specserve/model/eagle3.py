@@ -75,11 +75,9 @@ class Eagle3Attention(nn.Module):
         """q/k/v stacked into one `qkv_proj` (the same values; one GEMM reads them)."""
         names = ("q_proj", "k_proj", "v_proj")
         parts = [getattr(self, name).weight for name in names]
-        merged = MergedLinear(parts[0].shape[1], dict(zip(names, self.split_sizes)))
-        merged.to(device=parts[0].device, dtype=parts[0].dtype)
-        with torch.no_grad():
-            merged.weight.copy_(torch.cat(parts))
-        merged.weight.requires_grad_(parts[0].requires_grad)  # loaded heads: False
+        with torch.device("meta"):  # no full-size initialisation: the weights come next
+            merged = MergedLinear(parts[0].shape[1], dict(zip(names, self.split_sizes)))
+        merged.weight = _stacked(parts)
         for name in names:
             delattr(self, name)
         self.qkv_proj = merged
@@ -152,12 +150,10 @@ class Eagle3Head(nn.Module):
         m.self_attn.merge()
         mlp = m.mlp
         gate, up, down = mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight
-        merged = MergedGatedMLP(down.shape[0], gate.shape[0]).to(device=gate.device,
-                                                                 dtype=gate.dtype)  # fmt: skip
-        with torch.no_grad():
-            merged.gate_up_proj.weight.copy_(torch.cat([gate, up]))
-            merged.down_proj.weight.copy_(down)
-        merged.requires_grad_(gate.requires_grad)  # loaded heads: False
+        with torch.device("meta"):
+            merged = MergedGatedMLP(down.shape[0], gate.shape[0])
+        merged.gate_up_proj.weight = _stacked([gate, up])
+        merged.down_proj.weight = down
         m.mlp = merged
         return self
 
@@ -238,6 +234,14 @@ class Eagle3Head(nn.Module):
     def draft_to_target(self, ids: torch.Tensor) -> torch.Tensor:
         """Map draft-vocabulary ids to target-vocabulary ids."""
         return ids + self.d2t[ids]
+
+
+def _stacked(weights: list[torch.Tensor]) -> nn.Parameter:
+    """The weights stacked along their rows, as a parameter that keeps their requires_grad
+    (loaded heads: False)."""
+    with torch.no_grad():
+        stacked = torch.cat(weights)
+    return nn.Parameter(stacked, requires_grad=weights[0].requires_grad)
 
 
 def _check_maps(d2t: torch.Tensor, t2d: torch.Tensor, cfg: Eagle3Config) -> None:

@@ -283,7 +283,10 @@ def build_eagle3_proposer(engine: LLMEngine) -> Eagle3Proposer:
         from specserve.layers.linear import use_gemv
         from specserve.layers.triton_ops import use_triton_ops
 
-        use_triton_ops(head)
+        use_triton_ops(head, fuse=not cfg.disable_fusion)
+        # The head adds its MLP's output plainly (no RMSNorm with residual after it to take
+        # a split-K pass): selection times the down projection with the SiLU prologue only.
+        head.midlayer.mlp.fuse_split_k = False
         if not cfg.disable_gemv:
             use_gemv(head, getattr(engine, "gemv_selector", None))
     if device.type == "cuda":  # eager catch-ups of any length never wait for a compiler
