@@ -187,6 +187,16 @@ def compile_cases() -> dict:
 SHAPES = [(128256, torch.float32), (128256, torch.bfloat16), (32000, torch.bfloat16)]
 
 
+@pytest.fixture(autouse=True)
+def kernels_on():
+    """The dispatcher's kernels on (off by default until measured on the GPU)."""
+    from specserve.layers import triton_argmax
+
+    previous = triton_argmax.set_enabled(True)
+    yield
+    triton_argmax.set_enabled(previous)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", [1, 4, 64])
 @pytest.mark.parametrize("n_cols,dtype", SHAPES)

@@ -82,13 +82,23 @@ def gumbel_noise(st: SamplingTensors, vocab: int, stream: int = 0) -> torch.Tens
     return -torch.log(-torch.log(u))
 
 
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """x.argmax(dim=-1), the same indices; on CUDA through the Triton row argmax where it
+    applies (layers/triton_argmax.py, imported when first needed: a kernel module)."""
+    if not x.is_cuda:
+        return x.argmax(dim=-1)
+    from specserve.layers.triton_argmax import argmax_rows as kernels
+
+    return kernels(x)
+
+
 def sample(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     """One token per row: argmax for greedy rows, a seeded draw for the others. [B] int64."""
-    greedy = logits.argmax(dim=-1)
+    greedy = argmax_rows(logits)
     if st.all_greedy:
         return greedy
     filtered = filter_logits(logits, st)
-    drawn = (filtered + gumbel_noise(st, logits.shape[-1])).argmax(dim=-1)
+    drawn = argmax_rows(filtered + gumbel_noise(st, logits.shape[-1]))
     return torch.where(st.temperature > 0, drawn, greedy)
 
 

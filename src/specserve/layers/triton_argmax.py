@@ -32,6 +32,9 @@ import triton.language as tl
 from specserve.layers import pdl
 from specserve.layers.pdl_kernel import pdl_enter
 
+# Off until measured on the GPU (tests/test_argmax.py -m gpu, scripts/argmax_bench.py):
+# argmax_rows is torch.argmax until then; set_enabled(True) turns the kernels on.
+_ENABLED = False
 MIN_TRITON_VOCAB = 4096  # below this, one torch reduce block is about as fast
 BLOCK_BYTES = 8192  # stage 1 reads this much of a row per program (fp32: 2048 columns)
 MAX_CHUNKS = 1024  # stage 2 reduces at most this many partials per row in one block
@@ -109,10 +112,21 @@ def triton_argmax(x: torch.Tensor, block: int | None = None, num_warps: int = 4)
     return out
 
 
+def set_enabled(enabled: bool) -> bool:
+    """Let argmax_rows use the kernels (where `uses_triton` allows) or not; returns the
+    previous setting."""
+    global _ENABLED
+    previous, _ENABLED = _ENABLED, bool(enabled)
+    return previous
+
+
 def uses_triton(x: torch.Tensor) -> bool:
-    """Whether argmax_rows takes the Triton path for x: on CUDA, at least MIN_TRITON_VOCAB
-    columns, some rows, and rows of unit column stride that one row stride walks."""
-    if not x.is_cuda or x.dim() == 0 or x.shape[-1] < MIN_TRITON_VOCAB or x.numel() == 0:
+    """Whether argmax_rows takes the Triton path for x: enabled (`set_enabled`), on CUDA, at
+    least MIN_TRITON_VOCAB columns, some rows, and rows of unit column stride that one row
+    stride walks."""
+    if not _ENABLED or not x.is_cuda or x.dim() == 0 or x.numel() == 0:
+        return False
+    if x.shape[-1] < MIN_TRITON_VOCAB:
         return False
     if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         return False

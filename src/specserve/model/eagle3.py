@@ -29,6 +29,7 @@ from specserve.layers.attention import AttentionBackend, AttentionMetadata
 from specserve.layers.linear import MergedLinear
 from specserve.layers.norm import RMSNorm
 from specserve.layers.rotary import RotaryEmbedding
+from specserve.layers.sampler import argmax_rows
 from specserve.model.eagle3_config import (
     ARCHITECTURE,
     Eagle3Config,
@@ -229,7 +230,7 @@ class Eagle3Head(nn.Module):
     def greedy(self, out: torch.Tensor) -> torch.Tensor:
         """The argmax draft ids of head outputs: compute_logits' argmax, without its fp32
         copy (exact, so the same ids; the first of equal maxima either way)."""
-        return self.lm_head(self.norm(out)).argmax(dim=-1)
+        return argmax_rows(self.lm_head(self.norm(out)))
 
     def draft_to_target(self, ids: torch.Tensor) -> torch.Tensor:
         """Map draft-vocabulary ids to target-vocabulary ids."""

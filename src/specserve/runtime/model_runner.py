@@ -9,7 +9,7 @@ import torch
 from specserve.engine.kv_cache import KVCache
 from specserve.engine.scheduler import ScheduledRequest
 from specserve.layers.attention import AttentionBackend, AttentionMetadata
-from specserve.layers.sampler import SamplingTensors, sample
+from specserve.layers.sampler import SamplingTensors, argmax_rows, sample
 from specserve.model.llama import LlamaForCausalLM
 from specserve.runtime.cuda_graphs import CudaGraphRunner
 from specserve.runtime.inflight import InflightStep, num_drafts, place_device_tokens
@@ -139,7 +139,7 @@ class ModelRunner:
         if k_max == 0 and greedy:
             h = hidden if all_rows else hidden[to_device(rows, device)]
             logits = self.model.compute_logits(h)
-            tokens = logits.argmax(dim=-1)[:, None]  # the sampler's greedy rows, no tensors
+            tokens = argmax_rows(logits)[:, None]  # the sampler's greedy rows, no tensors
             return self._with_logprobs(step, logits, tokens, None, want, 0)
         num, width = len(sampled), k_max + 1
         uniform = all(k == k_max for k in lens)

@@ -22,6 +22,7 @@ import torch
 from specserve.engine.kv_cache import KVCache
 from specserve.engine.scheduler import ScheduledRequest
 from specserve.layers.attention import AttentionBackend
+from specserve.layers.sampler import argmax_rows
 from specserve.model.eagle3 import Eagle3Head, load_eagle3_head
 from specserve.runtime.inflight import InflightStep
 from specserve.runtime.packing import Segment, pack, to_device, upload
@@ -71,7 +72,7 @@ class Eagle3Proposer(Proposer):
 
     def _draw(self, draft_logits: torch.Tensor, items: list[ScheduledRequest], step: int):
         if all(it.request.params.temperature == 0 for it in items):
-            return self.draft_ids[draft_logits.argmax(dim=-1)], None
+            return self.draft_ids[argmax_rows(draft_logits)], None
         return draw_drafts(self._target_logits(draft_logits), items, step)
 
     def _pass(self, segments: list[Segment], hidden: torch.Tensor | None, input_ids=None,
@@ -159,11 +160,11 @@ class Eagle3Proposer(Proposer):
             last, logits, positions, step = self._eager_catch_up(segments, tail, k)
         if k == 0:
             return None
-        drafts = [self.draft_ids[logits.argmax(dim=-1)]]
+        drafts = [self.draft_ids[argmax_rows(logits)]]
         for _ in range(k - 1):
             positions = positions + 1
             last, logits = step(drafts[-1], last, positions)
-            drafts.append(self.draft_ids[logits.argmax(dim=-1)])
+            drafts.append(self.draft_ids[argmax_rows(logits)])
         return torch.stack(drafts, dim=1)
 
     def _eager_catch_up(self, segments, tail, k: int):
@@ -260,7 +261,7 @@ class Eagle3Proposer(Proposer):
                                  dtype=self.head.fc.weight.dtype, device=device)  # fmt: skip
             with torch.inference_mode():
                 _, logits = self._pass(segments, hidden)
-                self.draft_ids[logits.argmax(dim=-1)].tolist()
+                self.draft_ids[argmax_rows(logits)].tolist()
 
         return run
 

@@ -16,7 +16,13 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from specserve.layers.sampler import SamplingTensors, filter_logits, gumbel_noise, hash_uniform
+from specserve.layers.sampler import (
+    SamplingTensors,
+    argmax_rows,
+    filter_logits,
+    gumbel_noise,
+    hash_uniform,
+)
 
 ACCEPT_STREAM = 2
 SIMULATE_STREAM = 3
@@ -55,7 +61,7 @@ def verify_greedy(
     simulation the argmax row itself is returned, whose first accept_len + 1 entries are the
     accepted drafts (each equals the argmax there) and the bonus."""
     k_max = target_logits.shape[1] - 1
-    greedy_choice = target_logits.argmax(dim=-1)  # [R, K+1]
+    greedy_choice = argmax_rows(target_logits)  # [R, K+1]
     if simulate_rate is None:
         ok = drafts == greedy_choice[:, :k_max]
     else:
@@ -94,7 +100,7 @@ def verify(
     num_rows, width, vocab = target_logits.shape
     k_max = width - 1
     valid = torch.arange(k_max, device=drafts.device)[None, :] < draft_lens[:, None]  # [R, K]
-    greedy_choice = target_logits.argmax(dim=-1)  # [R, K+1]
+    greedy_choice = argmax_rows(target_logits)  # [R, K+1]
     greedy_ok = (drafts == greedy_choice[:, :k_max]) & valid
     simulated = simulate_rate is not None
 
@@ -145,7 +151,7 @@ def verify(
         rejected = accept_len < draft_lens
         final_logits = torch.where(rejected[:, None], residual.log(), final_logits)
     noise = gumbel_noise(replace(st, positions=st.positions + accept_len), vocab)
-    drawn = (final_logits + noise).argmax(dim=-1)
+    drawn = argmax_rows(final_logits + noise)
     greedy_bonus = greedy_choice.gather(1, accept_len[:, None])[:, 0]
     bonus = torch.where(st.temperature > 0, drawn, greedy_bonus)
     return VerifyResult(_assemble(drafts, bonus, accept_len), accept_len)
