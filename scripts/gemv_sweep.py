@@ -7,6 +7,8 @@ overflow L2 (as start-up selection times them). Needs CUDA.
 
     PYTHONPATH=src python scripts/gemv_sweep.py --out $OUT/gemv_sweep
     PYTHONPATH=src python scripts/gemv_sweep.py --rows 64 --shapes o qkv --out $OUT/s
+    PYTHONPATH=src python scripts/gemv_sweep.py --rows 64 --shapes o qkv --tma 0 1 \
+        --block-n 64 128 --block-k 64 128 --warps 4 --stages 3 4 5 --splits 1 2 --out $OUT/s
 """
 
 from __future__ import annotations
@@ -40,7 +42,9 @@ GRID = dict(block_n=(16, 32, 64, 128, 256), block_k=(64, 128, 256, 512), warps=(
 
 def sweep_configs(rows: int, n: int, k: int, grid: dict = GRID) -> list[GemvConfig]:
     """Every tile / warps / stages / split combination of `grid` that fits shared memory
-    and keeps each K slice at least one block long and the program count within 16 waves."""
+    and keeps each K slice at least one block long and the program count within 16 waves;
+    each with pointer loads of the weight and, where grid["tma"] lists True, with tensor-
+    descriptor loads too."""
     bm = row_block(rows)
     out = []
     for bn, bk, warps, stages in itertools.product(grid["block_n"], grid["block_k"],
@@ -49,8 +53,8 @@ def sweep_configs(rows: int, n: int, k: int, grid: dict = GRID) -> list[GemvConf
             continue
         if stages * (bm + bn) * bk * 2 > SMEM_BYTES:
             continue
-        for split in grid.get("splits", SPLITS):
-            cfg = GemvConfig(bn, bk, split, warps, stages, True, bm)
+        for split, tma in itertools.product(grid.get("splits", SPLITS), grid.get("tma", [0])):
+            cfg = GemvConfig(bn, bk, split, warps, stages, True, bm, tma=bool(tma))
             if cfg.supports(rows, n, k) and triton.cdiv(n, bn) * split <= 16 * H200_SMS:
                 out.append(cfg)
     return out
@@ -100,8 +104,18 @@ def main() -> None:
     for name, values in GRID.items():
         ap.add_argument(f"--{name.replace('_', '-')}", type=int, nargs="+", default=values)
     ap.add_argument("--splits", type=int, nargs="+", default=SPLITS)
+    ap.add_argument("--tma", type=int, nargs="+", default=[0], choices=[0, 1],
+                    help="weight loads: 0 pointers, 1 tensor descriptors (both: 0 1)")
+    ap.add_argument("--tiny", action="store_true",
+                    help="list the configurations of a small grid and exit (no GPU)")
     args = ap.parse_args()
-    grid = {name: getattr(args, name) for name in (*GRID, "splits")}
+    grid = {name: getattr(args, name) for name in (*GRID, "splits", "tma")}
+    if args.tiny:  # CPU smoke: what the grid would time
+        for s in args.shapes:
+            for m in args.rows:
+                configs = sweep_configs(m, *SHAPES[s], grid)
+                print(s, m, len(configs), *map(str, configs[:3]), sep=" | ")
+        return
     args.out.mkdir(parents=True, exist_ok=True)
     deadline = time.perf_counter() + args.budget_s
     dt = torch.bfloat16

@@ -65,6 +65,12 @@ def _interpreter_cases() -> dict[str, tuple]:
         split = GemvConfig(block_n=32, block_k=32, split_k=3, block_m=bm)
         cases[f"dot-m{bm}-split3-bias-float16-m{rows_list[-1]}"] = (
             split, rows_list[-1], 40, 256, "float16", True)  # fmt: skip
+    # weight tiles through a tensor descriptor: N and K off the tile (zero-filled edges)
+    for bm, rows in ((16, 5), (64, 33), (64, 64)):
+        tma = GemvConfig(block_n=16, block_k=64, block_m=bm, tma=True)
+        cases[f"tma-m{bm}-float16-m{rows}"] = (tma, rows, 72, 200, "float16", False)
+        split = GemvConfig(block_n=32, block_k=32, split_k=3, block_m=bm, tma=True)
+        cases[f"tma-m{bm}-split3-bias-float32-m{rows}"] = (split, rows, 40, 256, "float32", True)
     for dtype in ("float16", "float32", "bfloat16"):
         for rows in (1, 2):
             fma = GemvConfig(block_n=8, block_k=64, use_dot=False)
@@ -197,7 +203,7 @@ GPU_TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
 def test_gpu_every_candidate_matches_torch(dtype, shape):
     """Every start-up candidate of every shape in bf16 (the kernels are generic in the
     dtype: fp16 at two shapes; each case compiles all its candidates, about 30 s)."""
-    from specserve.layers.gemv import GemvConfig, candidate_configs, gemv
+    from specserve.layers.gemv import GemvConfig, candidate_configs, gemv, row_block
 
     n, k = GPU_SHAPES[shape]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -215,6 +221,9 @@ def test_gpu_every_candidate_matches_torch(dtype, shape):
         assert gemv_error(cfg, 3, n, k, dtype, "cuda", bias=True) < GPU_TOL[dtype], str(cfg)
     for rows, bm in ((21, 16), (45, 32), (50, 64)):  # several row blocks, or one partial
         cfg = GemvConfig(64, 128, 2, block_m=bm)
+        assert gemv_error(cfg, rows, n, k, dtype, "cuda", bias=True) < GPU_TOL[dtype], str(cfg)
+    for rows, split in ((1, 1), (33, 2), (64, 1)):  # weight tiles through a tensor descriptor
+        cfg = GemvConfig(64, 128, split, num_stages=4, block_m=row_block(rows), tma=True)
         assert gemv_error(cfg, rows, n, k, dtype, "cuda", bias=True) < GPU_TOL[dtype], str(cfg)
 
 

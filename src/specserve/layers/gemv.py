@@ -14,6 +14,11 @@ columns and one of `split_k` slices of the K axis. Two inner products:
   compiled variant per row count), each thread keeping its partial products until a single
   reduction after the loop; for M of 1 or 2.
 
+Weight tiles of the matrix-unit path come through pointer loads or (`tma`) a host-built
+tensor descriptor, fetched by Hopper's copy engine (rows past N and columns past K read as
+zeros): a candidate for the 64-row GEMMs where pointer loads stay near 3 TB/s; not proposed
+at start-up until a sweep shows it winning (scripts/gemv_sweep.py --tma 0 1).
+
 With split_k > 1 each slice writes fp32 partial sums to a workspace and a second kernel adds
 them in a fixed order: results are bitwise reproducible run to run (no atomics), and the
 launch shape and workspace size depend only on (M, N, split_k), so calls are CUDA-graph safe.
@@ -97,6 +102,7 @@ def _gemv_kernel(
     USE_DOT: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, SILU: tl.constexpr = False,
     USE_PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
+    w_desc=None, TMA: tl.constexpr = False,
 ):  # fmt: skip
     pid_m = tl.program_id(0)  # fastest: the row blocks of one weight tile run together
     pid_n = tl.program_id(1)
@@ -123,7 +129,10 @@ def _gemv_kernel(
         acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
     for i in range(0, iters):
         k = k_lo + i * BLOCK_K + kk
-        if EVEN_K:  # K is a multiple of BLOCK_K
+        if TMA:  # the copy engine fetches the tile; rows past N and columns past K are zeros
+            w = w_desc.load([pid_n * BLOCK_N, k_lo + i * BLOCK_K])
+            x = _load_x(x_rows, k, m_ok & (k < K)[None, :], K, SILU)
+        elif EVEN_K:  # K is a multiple of BLOCK_K
             w = tl.load(w_rows + k[None, :])
             x = _load_x(x_rows, k, m_ok, K, SILU)
         else:
@@ -213,6 +222,14 @@ def _split_k_reduce(partials: torch.Tensor, bias: torch.Tensor | None, out: torc
     _gemv_split_k_reduce_kernel[grid](*args, **consts)
 
 
+def _weight_descriptor(weight: torch.Tensor, cfg: GemvConfig):
+    """The weight [N, K] as a tensor descriptor of [block_n, block_k] tiles (host-side: a
+    CUDA graph keeps it with the launch it captures)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor.from_tensor(weight, [cfg.block_n, cfg.block_k])
+
+
 def prefetch_lines(cfg: GemvConfig, programs: int, iters_per_split: int, elem_bytes: int) -> int:
     """128-byte lines of each of its weight rows a program asks L2 for before its PDL wait:
     PDL_PREFETCH_BYTES over the kernel's `programs` weight tiles, at most the program's own
@@ -280,6 +297,10 @@ def gemv(
         HAS_BIAS=has_bias and not partial, PARTIAL=partial, SILU=silu,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch,
     )  # fmt: skip
+    if cfg.tma:
+        if not cfg.use_dot:
+            raise ValueError(f"gemv ({cfg}): tensor-descriptor loads need the matrix-unit path")
+        consts.update(w_desc=_weight_descriptor(weight, cfg), TMA=True)
     if compile_only:
         _gemv_kernel.warmup(*args, grid=grid, **consts)
         if partial:

@@ -24,11 +24,13 @@ class GemvConfig:
     num_stages: int = 3
     use_dot: bool = True
     block_m: int = 16
+    tma: bool = False  # weight tiles through a tensor descriptor (matrix-unit path only)
 
     def __str__(self) -> str:
         kind = f"dot m{self.block_m}" if self.use_dot else "fma"
         return (f"{kind} n{self.block_n} k{self.block_k} s{self.split_k} "
-                f"w{self.num_warps} st{self.num_stages}")  # fmt: skip
+                f"w{self.num_warps} st{self.num_stages}"
+                + (" tma" if self.tma else ""))  # fmt: skip
 
     @property
     def max_rows(self) -> int:
@@ -38,7 +40,7 @@ class GemvConfig:
     def supports(self, rows: int, n: int, k: int) -> bool:
         """Whether this configuration can serve a [rows, k] x [n, k]^T product sensibly:
         every K slice at least one block long, and few enough rows for its path."""
-        if rows > self.max_rows:
+        if rows > self.max_rows or (self.tma and not self.use_dot):
             return False
         return self.split_k == 1 or triton.cdiv(k, self.split_k) >= self.block_k
 

@@ -89,10 +89,10 @@ def _winner(times: dict, margin: float) -> GemvConfig | None:
 
 def variant_key(cfg: GemvConfig, rows: int, n: int, k: int, dtype: torch.dtype) -> tuple:
     """What decides which compiled Triton variant a call uses (tile, path, row block of the
-    CUDA-core path, split or not, whether K divides into blocks, dtype)."""
+    CUDA-core path, split or not, whether K divides into blocks, weight loads, dtype)."""
     bm = cfg.block_m if cfg.use_dot else max(1, 1 << (rows - 1).bit_length())
     return (bm, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages, cfg.use_dot,
-            cfg.split_k > 1, k % cfg.block_k == 0, dtype)  # fmt: skip
+            cfg.split_k > 1, k % cfg.block_k == 0, cfg.tma, dtype)  # fmt: skip
 
 
 # (device index, row buckets, margin) -> the choices measured so far in this process.
