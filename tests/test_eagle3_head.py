@@ -218,3 +218,19 @@ def test_shipped_head_loads_for_the_default_model():
     # Any draft vocabulary size (train-eagle3 may shrink it); maps and lm_head agree on it.
     assert head.lm_head.weight.shape[0] == head.config.draft_vocab_size == int(head.t2d.sum())
     assert head.lm_head.weight.dtype == torch.bfloat16
+
+
+def test_forward_with_normed_is_the_output_and_its_norm(target_cfg):
+    """`with_normed` (the chain graphs' passes): the same output, bit for bit, and its
+    final norm, with the last residual add done inside the norm."""
+    head = random_head(target_cfg, seed=4).merge_projections()
+    h = target_cfg.hidden_size
+    gen = torch.Generator().manual_seed(5)
+    embeds, hidden = torch.randn(7, h, generator=gen), torch.randn(7, h, generator=gen)
+    backend, reqs = TorchAttentionBackend(), [(0, 0, 4), (1, 0, 3)]
+    with torch.no_grad():
+        paged = PagedKV(head, 4)
+        plain = head(embeds, hidden, paged.meta(reqs), paged.kv, backend)
+        out, normed = head(embeds, hidden, paged.meta(reqs), paged.kv, backend, with_normed=True)
+    assert torch.equal(out, plain) and torch.equal(normed, head.norm(plain))
+    assert torch.equal(head.greedy_normed(normed), head.greedy(plain))

@@ -138,9 +138,14 @@ class Eagle3Head(nn.Module):
         m = self.midlayer
         return torch.cat([m.input_layernorm(embeds), m.hidden_norm(hidden)], dim=-1)
 
-    def _finish(self, attn_out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    def _mlp(self, attn_out: torch.Tensor, residual: torch.Tensor):
+        """(MLP output, residual stream after attention): the layer's output is their sum."""
         normed, h = self.midlayer.post_attention_layernorm(attn_out, residual)  # one kernel
-        return h + self.midlayer.mlp(normed)
+        return self.midlayer.mlp(normed), h
+
+    def _finish(self, attn_out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        y, h = self._mlp(attn_out, residual)
+        return h + y
 
     def merge_projections(self) -> Eagle3Head:
         """For serving: q/k/v as one `qkv_proj` and gate/up as one `gate_up_proj`, as the
@@ -165,10 +170,13 @@ class Eagle3Head(nn.Module):
         meta: AttentionMetadata,
         kv: tuple[torch.Tensor, torch.Tensor],
         backend: AttentionBackend,
-    ) -> torch.Tensor:
+        with_normed: bool = False,
+    ):
         """One decoder layer over packed tokens [T, H], attending over the head's paged KV.
 
-        Returns the pre-final-norm output, which is the next draft step's `hidden`."""
+        Returns the pre-final-norm output, which is the next draft step's `hidden`; with
+        `with_normed`, (that output, its final norm), the last residual add inside the norm
+        (one kernel on the Triton path; the same sum as the plain add)."""
         attn = self.midlayer.self_attn
         x = self._layer_input(embeds, hidden)
         if attn.merged() is not None and fused_kv_store(self.rotary, backend):
@@ -181,6 +189,10 @@ class Eagle3Head(nn.Module):
             q, k, v = attn.qkv(x, meta.positions, self.rotary)
             out = backend.forward(q, k, v, kv[0], kv[1], meta, attn.scale)
         out = attn.o_proj(out.reshape(q.shape[0], attn.num_heads * attn.head_dim))
+        if with_normed:
+            y, h = self._mlp(out, hidden)
+            normed, total = self.norm(y, h)
+            return total, normed
         return self._finish(out, hidden)
 
     def forward_dense(
@@ -230,7 +242,11 @@ class Eagle3Head(nn.Module):
     def greedy(self, out: torch.Tensor) -> torch.Tensor:
         """The argmax draft ids of head outputs: compute_logits' argmax, without its fp32
         copy (exact, so the same ids; the first of equal maxima either way)."""
-        return argmax_rows(self.lm_head(self.norm(out)))
+        return self.greedy_normed(self.norm(out))
+
+    def greedy_normed(self, normed: torch.Tensor) -> torch.Tensor:
+        """`greedy` of outputs already through the final norm (forward's `with_normed`)."""
+        return argmax_rows(self.lm_head(normed))
 
     def draft_to_target(self, ids: torch.Tensor) -> torch.Tensor:
         """Map draft-vocabulary ids to target-vocabulary ids."""

@@ -188,29 +188,33 @@ class DrafterGraphs:
             -(-end // self.page_size) <= len(s.page_table) for s, end in zip(segments, ends)
         )
 
-    def _last(self, batch: int, q: int) -> torch.Tensor:
-        """The head pass over the loaded inputs: its output at each request's last row."""
+    def _pass(self, batch: int, q: int, with_normed: bool = False):
+        """The head pass over the loaded inputs (see Eagle3Head.forward's `with_normed`)."""
         n = batch * q
         meta = static_meta(self, batch, q)
         embeds = self.embed(self.input_ids[:n])
-        out = self.head(embeds, self.hidden[:n], meta, self.kv_layer, self.backend)
-        return out[self.last_rows[:batch]]
+        return self.head(embeds, self.hidden[:n], meta, self.kv_layer, self.backend,
+                         with_normed)  # fmt: skip
 
     def _forward(self, batch: int, q: int) -> tuple[torch.Tensor, torch.Tensor]:
-        last = self._last(batch, q)
+        last = self._pass(batch, q)[self.last_rows[:batch]]
         return last, self.head.compute_logits(last)
 
     def _forward_chain(self, batch: int, q: int, k: int) -> tuple[torch.Tensor]:
         """The catch-up pass, then k-1 one-token passes fed with their own greedy drafts
-        (argmax over the activation-dtype logits: their fp32 copy would not change it)."""
-        last = self._last(batch, q)
-        drafts = [self.draft_ids[self.head.greedy(last)]]
-        metas = chain_pass_metas(self.positions[self.last_rows[:batch]], k - 1,
-                                 self.block_tables[:batch], self.page_size, self.max_seq_len,
+        (argmax over the activation-dtype logits: their fp32 copy would not change it; each
+        pass's last residual add inside its final norm)."""
+        rows = self.last_rows[:batch]
+        out, normed = self._pass(batch, q, with_normed=True)
+        last = out[rows]
+        drafts = [self.draft_ids[self.head.greedy_normed(normed[rows])]]
+        metas = chain_pass_metas(self.positions[rows], k - 1, self.block_tables[:batch],
+                                 self.page_size, self.max_seq_len,
                                  self.query_start[1][: batch + 1])  # fmt: skip
         for meta in metas:
-            last = self.head(self.embed(drafts[-1]), last, meta, self.kv_layer, self.backend)
-            drafts.append(self.draft_ids[self.head.greedy(last)])
+            last, normed = self.head(self.embed(drafts[-1]), last, meta, self.kv_layer,
+                                     self.backend, with_normed=True)  # fmt: skip
+            drafts.append(self.draft_ids[self.head.greedy_normed(normed)])
         return (torch.stack(drafts, dim=1),)
 
     def _run_key(self, batch: int, q: int, k: int) -> tuple:
