@@ -19,7 +19,7 @@ VOCAB, HIDDEN = 64, 8
 
 def _runner(weight):
     runner = ModelRunner.__new__(ModelRunner)
-    runner.model = SimpleNamespace(compute_logits=lambda h: (h @ weight.T).float())
+    runner.model = SimpleNamespace(compute_logits=lambda h, fp32=True: (h @ weight.T).float())
     runner.device = torch.device("cpu")
     return runner
 
@@ -127,3 +127,16 @@ def test_logprobs_rows_follow_the_committed_tokens():
         for j, (token, lp) in enumerate(zip(tokens, lps)):
             assert lp.logprob == pytest.approx(logits[row + j, token].item(), abs=1e-5)
         row += len(s.expected_drafts) + 1
+
+
+def test_greedy_logits_without_fp32_copy_give_the_same_ids():
+    """compute_logits(fp32=False), taken by greedy rows without logprobs: the logits in the
+    model's dtype, whose argmax is the fp32 logits' argmax (the conversion is exact)."""
+    from tests.model_cases import tiny_config, tiny_model
+
+    model = tiny_model(tiny_config(), torch.bfloat16, "cpu")
+    hidden = torch.randn(9, model.config.hidden_size, generator=torch.Generator().manual_seed(3))
+    hidden = hidden.to(torch.bfloat16)
+    raw, full = model.compute_logits(hidden, fp32=False), model.compute_logits(hidden)
+    assert raw.dtype == torch.bfloat16 and full.dtype == torch.float32
+    assert torch.equal(raw.float(), full) and torch.equal(raw.argmax(-1), full.argmax(-1))

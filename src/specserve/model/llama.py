@@ -172,6 +172,8 @@ class LlamaForCausalLM(nn.Module):
             return self.model.norm(x), aux
         return self.model.norm(x, residual)[0], aux
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """fp32 logits for the given hidden states."""
-        return dense(hidden, self.lm_head_weight, plan=self.gemv_plan).float()
+    def compute_logits(self, hidden: torch.Tensor, fp32: bool = True) -> torch.Tensor:
+        """fp32 logits for the given hidden states (fp32=False: in the activation dtype, for
+        callers that only take their argmax: the same ids, no fp32 copy)."""
+        logits = dense(hidden, self.lm_head_weight, plan=self.gemv_plan)
+        return logits.float() if fp32 else logits

@@ -136,9 +136,11 @@ class ModelRunner:
         greedy = all(r.params.temperature == 0 for r in reqs)
         rows = step.sample_rows  # increasing: every row of `hidden` when it spans them all
         all_rows = len(rows) == hidden.shape[0] and rows[-1] == len(rows) - 1
+        # Greedy rows without logprobs only take argmaxes of their logits: no fp32 copy.
+        fp32 = not greedy or any(w is not None for w in want)
         if k_max == 0 and greedy:
             h = hidden if all_rows else hidden[to_device(rows, device)]
-            logits = self.model.compute_logits(h)
+            logits = self.model.compute_logits(h, fp32)
             tokens = argmax_rows(logits)[:, None]  # the sampler's greedy rows, no tensors
             return self._with_logprobs(step, logits, tokens, None, want, 0)
         num, width = len(sampled), k_max + 1
@@ -172,7 +174,7 @@ class ModelRunner:
         seeds, positions, lens_t = t.get("seeds"), t.get("positions"), t.get("lens")
         if positions is not None and step.sample_shift is not None:
             positions = positions + step.sample_shift  # moved by the step in flight's accepts
-        logits = self.model.compute_logits(hidden if all_rows else hidden[t["rows"]])
+        logits = self.model.compute_logits(hidden if all_rows else hidden[t["rows"]], fp32)
         st = None if greedy else _sampling_tensors(reqs, seeds, positions, t["top_k"], device)
         if k_max == 0:
             return self._with_logprobs(step, logits, sample(logits, st)[:, None], None, want, 0)
