@@ -166,6 +166,9 @@ def main() -> None:
         SWEEP = [(64, 4)]
         shapes, rows, device, reps = [(300, "float32"), (300, "bfloat16")], (1, 3), "cpu", 3
     else:
+        from specserve.layers import triton_argmax
+
+        triton_argmax.set_enabled(True)  # the dispatcher's kernels (off by default until timed)
         shapes, rows, device, reps = SHAPES, ROWS, "cuda", args.reps
     cases = [shape_case(r, n, dt, reps, device) for n, dt in shapes for r in rows]
     result = dict(device=torch.cuda.get_device_name() if device == "cuda" else "cpu",
