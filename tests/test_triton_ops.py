@@ -114,7 +114,31 @@ def run_cases() -> dict:
             results[name] = rotary_store_errors(ops, kernels, dtype, "cpu", seed=len(name), **kw)
         except Exception as e:  # reported per case by the test
             results[name] = f"{type(e).__name__}: {e}"
+    try:
+        results["norm-into-halves"] = norm_into_halves()
+    except Exception as e:
+        results["norm-into-halves"] = f"{type(e).__name__}: {e}"
     return results
+
+
+def norm_into_halves() -> dict:
+    """The EAGLE-3 head's layer input through the Triton norms (each writes its half of one
+    [T, 2H] buffer) against the concatenation of the separate norms, and the torch norms."""
+    from specserve.layers.norm import RMSNorm
+    from specserve.layers.triton_ops import use_triton_ops
+
+    gen = torch.Generator().manual_seed(7)
+    norms = torch.nn.ModuleList(RMSNorm(48, 1e-6) for _ in "eh").to(torch.float16)
+    for norm in norms:
+        norm.weight.data = torch.randn(48, generator=gen).to(torch.float16)
+    e, h = ((torch.randn(5, 48, generator=gen) * 3).to(torch.float16) for _ in "eh")
+    ref = torch.cat([norms[0](e), norms[1](h)], dim=-1)
+    use_triton_ops(norms)
+    separate = torch.cat([norms[0](e), norms[1](h)], dim=-1)
+    packed = torch.empty(5, 96, dtype=torch.float16)
+    norms[0].norm_into(e, packed[:, :48])
+    norms[1].norm_into(h, packed[:, 48:])
+    return {"equal": torch.equal(packed, separate), "err": rel_err(packed, ref)}
 
 
 @pytest.fixture(scope="module")
@@ -130,6 +154,12 @@ def test_interpreter_rotary_store_kv(name, interpreter_results):
     assert errs["ref"] <= tol, errs  # the PyTorch path
     assert errs["unfused"] == 0.0, errs  # bit-identical to the separate kernels
     assert errs["page0"] == 0.0, errs  # page 0: only slot 0, holding a padding token
+
+
+def test_interpreter_norms_write_into_halves_of_one_buffer(interpreter_results):
+    res = interpreter_results["norm-into-halves"]
+    assert isinstance(res, dict), res
+    assert res["equal"] and res["err"] < 2e-3, res
 
 
 # ---- GPU: compiled at real shapes -------------------------------------------------------

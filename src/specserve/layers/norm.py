@@ -26,6 +26,10 @@ class RMSNorm(nn.Module):
             return self._norm(total), total
         return self._norm(x)
 
+    def norm_into(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        """The norm of x [T, H] written into `out` [T, H] (e.g. half of a [T, 2H] buffer)."""
+        out.copy_(self._norm(x))
+
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x32 = x.float()

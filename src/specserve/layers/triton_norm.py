@@ -101,17 +101,22 @@ def _launch(n: int) -> dict:
     return dict(BLOCK=block, num_warps=min(16, max(1, block // 256)))
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """weight * (x / rms(x)) over the last dim, with RMSNorm's rounding."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """weight * (x / rms(x)) over the last dim, with RMSNorm's rounding; into `out` (2-D,
+    x's rows, unit column stride: e.g. one half of a wider buffer) when given."""
     x2 = _rows(x)
-    out = torch.empty(x2.shape, dtype=torch.result_type(x, weight), device=x.device)
+    if out is None:
+        out = torch.empty(x2.shape, dtype=torch.result_type(x, weight), device=x.device)
+    elif out.shape != x2.shape or out.stride(-1) != 1:
+        raise ValueError(f"rms_norm: out {tuple(out.shape)} for rows {tuple(x2.shape)}")
     n = x2.shape[-1]
     if x2.shape[0]:
         _rms_norm_kernel[(x2.shape[0],)](
             x2, weight, out, x2.stride(0), out.stride(0), n, eps, **_launch(n),
             **pdl.launch_options(x.device),
         )  # fmt: skip
-    return out.view(x.shape)
+    return out if out.dim() == x.dim() else out.view(x.shape)
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):

@@ -88,6 +88,9 @@ class TritonRMSNorm(RMSNorm):
             x = x.reduce()
         return rms_norm(x, self.weight, self.eps)
 
+    def norm_into(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        rms_norm(x, self.weight, self.eps, out=out)  # the kernel writes there: no copy
+
 
 class TritonRotaryEmbedding(RotaryEmbedding):
     """Rotary embedding of q and k in one Triton kernel, reading the cos/sin table directly;

@@ -138,6 +138,17 @@ class Eagle3Head(nn.Module):
         m = self.midlayer
         return torch.cat([m.input_layernorm(embeds), m.hidden_norm(hidden)], dim=-1)
 
+    def _packed_layer_input(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """`_layer_input` of packed tokens [T, H] without the concatenation: each norm writes
+        its half of one [T, 2H] buffer (the same values; no autograd: serving only)."""
+        m = self.midlayer
+        h = embeds.shape[-1]
+        dtype = torch.result_type(embeds, m.input_layernorm.weight)
+        x = torch.empty(embeds.shape[0], 2 * h, dtype=dtype, device=embeds.device)
+        m.input_layernorm.norm_into(embeds, x[:, :h])
+        m.hidden_norm.norm_into(hidden, x[:, h:])
+        return x
+
     def _mlp(self, attn_out: torch.Tensor, residual: torch.Tensor):
         """(MLP output, residual stream after attention): the layer's output is their sum."""
         normed, h = self.midlayer.post_attention_layernorm(attn_out, residual)  # one kernel
@@ -178,7 +189,7 @@ class Eagle3Head(nn.Module):
         `with_normed`, (that output, its final norm), the last residual add inside the norm
         (one kernel on the Triton path; the same sum as the plain add)."""
         attn = self.midlayer.self_attn
-        x = self._layer_input(embeds, hidden)
+        x = self._packed_layer_input(embeds, hidden)
         if attn.merged() is not None and fused_kv_store(self.rotary, backend):
             # Rotary of q and k and the K/V store in one kernel; the backend only attends.
             q = self.rotary.rotate_and_store(meta.positions, attn.qkv_proj(x), attn.num_heads,
