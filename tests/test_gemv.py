@@ -71,6 +71,8 @@ def _interpreter_cases() -> dict[str, tuple]:
         cases[f"tma-m{bm}-float16-m{rows}"] = (tma, rows, 72, 200, "float16", False)
         split = GemvConfig(block_n=32, block_k=32, split_k=3, block_m=bm, tma=True)
         cases[f"tma-m{bm}-split3-bias-float32-m{rows}"] = (split, rows, 40, 256, "float32", True)
+    tail = GemvConfig(block_n=16, block_k=32, split_k=3, tma=True)  # the last slice's K tail
+    cases["tma-split3-ktail-float16-m5"] = (tail, 5, 72, 200, "float16", False)
     for dtype in ("float16", "float32", "bfloat16"):
         for rows in (1, 2):
             fma = GemvConfig(block_n=8, block_k=64, use_dot=False)
@@ -189,6 +191,14 @@ def test_interpreter_shared_configs_give_rows_independent_of_m(dtype, interprete
 
 
 # ---- the plan and the module switch (no kernel runs) -------------------------------------
+def test_tma_configs_need_the_matrix_unit_path_and_16_byte_weight_rows():
+    from specserve.layers.gemv_configs import GemvConfig
+
+    tma = GemvConfig(64, 128, tma=True)
+    assert tma.supports(64, 4096, 4096) and not tma.supports(64, 4096, 4100)  # 8200 bytes
+    assert not GemvConfig(8, 512, use_dot=False, tma=True).supports(1, 4096, 4096)
+
+
 GPU_SHAPES = {  # (N, K): Llama-3.1-8B, its EAGLE-3 head's fc, SmolLM2-135M
     "qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
     "lm_head": (128256, 4096), "eagle_fc": (4096, 12288), "smol_qkv": (960, 576),

@@ -39,8 +39,10 @@ class GemvConfig:
 
     def supports(self, rows: int, n: int, k: int) -> bool:
         """Whether this configuration can serve a [rows, k] x [n, k]^T product sensibly:
-        every K slice at least one block long, and few enough rows for its path."""
-        if rows > self.max_rows or (self.tma and not self.use_dot):
+        every K slice at least one block long, and few enough rows for its path; with `tma`,
+        the matrix-unit path and weight rows a multiple of 16 bytes (k % 8 == 0 for any
+        dtype: a tensor descriptor's row stride must be)."""
+        if rows > self.max_rows or (self.tma and (not self.use_dot or k % 8)):
             return False
         return self.split_k == 1 or triton.cdiv(k, self.split_k) >= self.block_k
 
