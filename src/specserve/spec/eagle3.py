@@ -285,8 +285,9 @@ def build_eagle3_proposer(engine: LLMEngine) -> Eagle3Proposer:
         from specserve.layers.triton_ops import use_triton_ops
 
         use_triton_ops(head, fuse=not cfg.disable_fusion)
-        # The head adds its MLP's output plainly (no RMSNorm with residual after it to take
-        # a split-K pass): selection times the down projection with the SiLU prologue only.
+        # The head's MLP output is never handed on unreduced (plain passes add it; the chain
+        # passes' final norm with residual takes a tensor): selection times the down
+        # projection with the SiLU prologue only.
         head.midlayer.mlp.fuse_split_k = False
         if not cfg.disable_gemv:
             use_gemv(head, getattr(engine, "gemv_selector", None))
