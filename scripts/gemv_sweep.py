@@ -95,7 +95,7 @@ def measure(cfg: GemvConfig | None, x: torch.Tensor, rotation, reps: int) -> flo
 @torch.inference_mode()
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--out", type=Path, help="folder for gemv_sweep.json (GPU runs)")
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 64])
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES))
     ap.add_argument("--reps", type=int, default=5)
@@ -116,6 +116,8 @@ def main() -> None:
                 configs = sweep_configs(m, *SHAPES[s], grid)
                 print(s, m, len(configs), *map(str, configs[:3]), sep=" | ")
         return
+    if args.out is None:
+        ap.error("--out is required (except with --tiny)")
     args.out.mkdir(parents=True, exist_ok=True)
     deadline = time.perf_counter() + args.budget_s
     dt = torch.bfloat16

@@ -114,7 +114,7 @@ class ModelRunner:
         step = StepInput(input_ids, meta, [], [], [])
         hidden, _ = self.forward(step)
         rows = to_device(last_rows, self.device)
-        self.model.compute_logits(hidden[rows]).argmax(dim=-1).tolist()
+        argmax_rows(self.model.compute_logits(hidden[rows], fp32=False)).tolist()  # as greedy
 
     @torch.inference_mode()
     def sample_async(
@@ -258,4 +258,5 @@ def dummy_forward(model, kv: KVCache, backend: AttentionBackend, num_tokens: int
     segments = [Segment([0], 0, [0]) for _ in range(num_tokens)]
     input_ids, meta, last_rows = pack(segments, kv.page_size, kv.pool.device)
     hidden, _ = model(input_ids, meta, kv.layers, backend)
-    model.compute_logits(hidden[to_device(last_rows, hidden.device)]).argmax(dim=-1).tolist()
+    logits = model.compute_logits(hidden[to_device(last_rows, hidden.device)], fp32=False)
+    argmax_rows(logits).tolist()  # as a greedy step takes its tokens

@@ -8,7 +8,12 @@ from collections.abc import Callable
 import torch
 
 from specserve.engine.scheduler import ScheduledRequest
-from specserve.layers.sampler import build_sampling_tensors, filter_logits, gumbel_noise
+from specserve.layers.sampler import (
+    argmax_rows,
+    build_sampling_tensors,
+    filter_logits,
+    gumbel_noise,
+)
 from specserve.runtime.packing import to_device
 
 DRAFT_STREAM = 1
@@ -89,18 +94,18 @@ def draw_drafts(logits: torch.Tensor, items: list[ScheduledRequest], step: int):
     """
     reqs = [it.request for it in items]
     if all(r.params.temperature == 0 for r in reqs):
-        return logits.argmax(dim=-1), None
+        return argmax_rows(logits), None
     st = build_sampling_tensors(
         [r.params for r in reqs],
         [r.seed for r in reqs],
         [r.committed_len + step for r in reqs],
         logits.device,
     )
-    greedy = logits.argmax(dim=-1)
+    greedy = argmax_rows(logits)
     if st.all_greedy:
         return greedy, None
     filtered = filter_logits(logits.float(), st)
-    drawn = (filtered + gumbel_noise(st, logits.shape[-1], DRAFT_STREAM)).argmax(dim=-1)
+    drawn = argmax_rows(filtered + gumbel_noise(st, logits.shape[-1], DRAFT_STREAM))
     probs = filtered.softmax(dim=-1)
     return torch.where(st.temperature > 0, drawn, greedy), probs
 
