@@ -26,6 +26,7 @@ request drafts from moves by the step's accept length, also there.
 from __future__ import annotations
 
 import bisect
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -41,8 +42,9 @@ from specserve.spec.eagle3_graph_inputs import load_pass
 
 def draft_pass_meta(positions: torch.Tensor, block_tables: torch.Tensor, page_size: int,
                     max_seq_len: int, query_start: torch.Tensor) -> AttentionMetadata:
-    """Metadata of a one-token-per-request draft pass at `positions` (on the device), with
-    KV slots from the page tables; `query_start` is arange(B + 1)."""
+    """Metadata of a one-token-per-request draft pass at `positions` [B] (on the device),
+    with KV slots from the page tables; `query_start` is arange(B + 1). Positions [P, B]
+    give the fields of P such passes at once (`chain_pass_metas`)."""
     rows = query_start[:-1]
     return AttentionMetadata(
         positions=positions,
@@ -62,17 +64,11 @@ def chain_pass_metas(last_positions: torch.Tensor, passes: int, block_tables: to
     """The metadata of a chain's `passes` one-token draft passes after the catch-up, whose
     last rows sat at `last_positions` [B]: positions, KV slots and lengths of all passes
     computed together ([passes, B], a handful of kernels for the chain, not per pass)."""
-    rows = query_start[:-1]
     steps = torch.arange(1, passes + 1, device=last_positions.device)
     positions = last_positions.unsqueeze(0) + steps.unsqueeze(1)
-    slots = block_tables[rows, positions // page_size] * page_size + positions % page_size
-    seq_lens = positions + 1
-    return [
-        AttentionMetadata(positions=positions[j], slot_mapping=slots[j],
-                          query_start_loc=query_start, seq_lens=seq_lens[j],
-                          block_tables=block_tables, max_query_len=1, max_seq_len=max_seq_len)
-        for j in range(passes)
-    ]  # fmt: skip
+    every = draft_pass_meta(positions, block_tables, page_size, max_seq_len, query_start)
+    return [replace(every, positions=every.positions[j], slot_mapping=every.slot_mapping[j],
+                    seq_lens=every.seq_lens[j]) for j in range(passes)]  # fmt: skip
 
 
 class DrafterGraphs:
