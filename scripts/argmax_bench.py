@@ -168,7 +168,7 @@ def main() -> None:
     else:
         from specserve.layers import triton_argmax
 
-        triton_argmax.set_enabled(True)  # the dispatcher's kernels (off by default until timed)
+        triton_argmax.set_mode("always")  # the dispatcher's kernels for eager calls too
         shapes, rows, device, reps = SHAPES, ROWS, "cuda", args.reps
     cases = [shape_case(r, n, dt, reps, device) for n, dt in shapes for r in rows]
     result = dict(device=torch.cuda.get_device_name() if device == "cuda" else "cpu",

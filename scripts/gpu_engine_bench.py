@@ -159,8 +159,8 @@ def main() -> None:
                     help="time each batch size this many times (new requests, whose seeds draw "
                          "new simulated acceptance) and report the sums")  # fmt: skip
     ap.add_argument("--ab-argmax", action="store_true",
-                    help="also plain and fixed K=3 with the Triton row argmax switched on "
-                         "(layers/triton_argmax.py), for an A/B in one run")  # fmt: skip
+                    help="also plain and fixed K=3 with the Triton row argmax switched off "
+                         "(layers/triton_argmax.py: torch's), for an A/B in one run")  # fmt: skip
     args = ap.parse_args()
     device = "cpu" if args.tiny else "cuda"
     tiny = dict(
@@ -187,16 +187,16 @@ def main() -> None:
         "eagle3 policy off": {**spec, "speculative_policy": "off"},
     }
     if args.ab_argmax:
-        configs["plain, triton argmax"] = {**configs["plain"], "argmax": True}
-        configs["eagle3 K=3 fixed, triton argmax"] = {
-            **configs["eagle3 K=3 fixed (sim. accept len 3.0)"], "argmax": True}  # fmt: skip
+        configs["plain, torch argmax"] = {**configs["plain"], "argmax": "off"}
+        configs["eagle3 K=3 fixed, torch argmax"] = {
+            **configs["eagle3 K=3 fixed (sim. accept len 3.0)"], "argmax": "off"}  # fmt: skip
     from specserve.layers import triton_argmax  # a kernel module: imported when needed
 
     results = {}
     for name, extra in configs.items():
         extra = dict(extra)
-        # read at each call, and by the drafter's graphs when captured: on for this engine
-        triton_argmax.set_enabled(extra.pop("argmax", False))
+        # read at each call, and by the drafter's graphs when captured: for this engine
+        triton_argmax.set_mode(extra.pop("argmax", "graphs"))
         t0 = time.perf_counter()
         engine = LLMEngine(EngineConfig(**base, **extra), model=model)
         startup = time.perf_counter() - t0

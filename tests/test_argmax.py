@@ -189,12 +189,12 @@ SHAPES = [(128256, torch.float32), (128256, torch.bfloat16), (32000, torch.bfloa
 
 @pytest.fixture(autouse=True)
 def kernels_on():
-    """The dispatcher's kernels on (off by default until measured on the GPU)."""
+    """The dispatcher's kernels on for eager calls too (by default only in graph capture)."""
     from specserve.layers import triton_argmax
 
-    previous = triton_argmax.set_enabled(True)
+    previous = triton_argmax.set_mode("always")
     yield
-    triton_argmax.set_enabled(previous)
+    triton_argmax.set_mode(previous)
 
 
 @pytest.mark.gpu

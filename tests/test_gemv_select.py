@@ -120,7 +120,7 @@ def _fake_selection(monkeypatch, us) -> dict:
     from specserve.layers.gemv_select import ROW_BUCKETS, GemvSelector, bucket_candidates
 
     selector = GemvSelector()
-    monkeypatch.setattr(selector, "_measure", lambda cfg, x, rotation: us(cfg, x.shape[0]))
+    monkeypatch.setattr(selector, "_measure", lambda cfg, x, rotation: (us(cfg, x.shape[0]), 0.0))
     jobs = bucket_candidates(ROW_BUCKETS, 96, 64, num_sms=132)
     selector._measure_shape(96, 64, torch.float16, jobs, [torch.zeros(96, 64)], 1e18)
     return {b: selector.measured[(b, 96, 64, torch.float16)] for b in ROW_BUCKETS}
@@ -179,3 +179,20 @@ def test_rotation_set_exceeds_the_cache_with_distinct_weights():
 
 
 # ---- GPU ------------------------------------------------------------------------------------
+
+
+def test_first_calls_do_not_count_against_the_budget(monkeypatch):
+    """A candidate's first call (module load on a fresh device) extends the deadline by
+    what it took: with the deadline already past, torch's round still runs, and its long
+    first call leaves time for every candidate; reported as no candidate untried."""
+    import time
+
+    from specserve.layers.gemv_select import ROW_BUCKETS, GemvSelector, bucket_candidates
+
+    for first_call_s, untried in [(3600.0, False), (0.0, True)]:
+        selector = GemvSelector()
+        monkeypatch.setattr(selector, "_measure", lambda cfg, x, rotation, s=first_call_s: (1.0, s))
+        jobs = bucket_candidates(ROW_BUCKETS, 96, 64, num_sms=132)
+        selector._measure_shape(96, 64, torch.float16, jobs, [torch.zeros(96, 64)],
+                                time.perf_counter())  # fmt: skip
+        assert (selector.skipped > 0) == untried

@@ -32,9 +32,12 @@ import triton.language as tl
 from specserve.layers import pdl
 from specserve.layers.pdl_kernel import pdl_enter
 
-# Off until measured on the GPU (tests/test_argmax.py -m gpu, scripts/argmax_bench.py):
-# argmax_rows is torch.argmax until then; set_enabled(True) turns the kernels on.
-_ENABLED = False
+# When argmax_rows takes the kernels (`set_mode`): "graphs" (the default) only while a CUDA
+# graph is being captured, "always", or "off". On the H200 (docs/benchmarks/argmax.md) the
+# two kernels replay in 2-3 us against torch's 27 us for a 128k row inside a graph, but
+# launched eagerly their two Python launches take 66 us against torch's 35.
+MODES = ("off", "graphs", "always")
+_MODE = "graphs"
 MIN_TRITON_VOCAB = 4096  # below this, one torch reduce block is about as fast
 BLOCK_BYTES = 8192  # stage 1 reads this much of a row per program (fp32: 2048 columns)
 MAX_CHUNKS = 1024  # stage 2 reduces at most this many partials per row in one block
@@ -112,19 +115,23 @@ def triton_argmax(x: torch.Tensor, block: int | None = None, num_warps: int = 4)
     return out
 
 
-def set_enabled(enabled: bool) -> bool:
-    """Let argmax_rows use the kernels (where `uses_triton` allows) or not; returns the
-    previous setting."""
-    global _ENABLED
-    previous, _ENABLED = _ENABLED, bool(enabled)
+def set_mode(mode: str) -> str:
+    """When argmax_rows may use the kernels (one of MODES; `uses_triton` says where);
+    returns the previous mode."""
+    global _MODE
+    if mode not in MODES:
+        raise ValueError(f"argmax mode must be one of {MODES}, got {mode!r}")
+    previous, _MODE = _MODE, mode
     return previous
 
 
 def uses_triton(x: torch.Tensor) -> bool:
-    """Whether argmax_rows takes the Triton path for x: enabled (`set_enabled`), on CUDA, at
-    least MIN_TRITON_VOCAB columns, some rows, and rows of unit column stride that one row
-    stride walks."""
-    if not _ENABLED or not x.is_cuda or x.dim() == 0 or x.numel() == 0:
+    """Whether argmax_rows takes the Triton path for x: allowed by the mode (`set_mode`: in
+    "graphs", only during a CUDA graph's capture), on CUDA, at least MIN_TRITON_VOCAB
+    columns, some rows, and rows of unit column stride that one row stride walks."""
+    if _MODE == "off" or not x.is_cuda or x.dim() == 0 or x.numel() == 0:
+        return False
+    if _MODE == "graphs" and not torch.cuda.is_current_stream_capturing():
         return False
     if x.shape[-1] < MIN_TRITON_VOCAB:
         return False
