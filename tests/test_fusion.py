@@ -182,7 +182,7 @@ def test_selection_times_a_fused_down_projection_against_the_unfused_path(monkey
 
     def fake(cfg, x, rotation, *fusion):  # fused Triton saves 3 us; plain Triton loses by 1
         seen.append((x.shape[1], fusion))
-        return 10.0 if cfg is None else (7.0 if fusion else 11.0)
+        return (10.0 if cfg is None else (7.0 if fusion else 11.0)), 0.0  # (us, first call s)
 
     monkeypatch.setattr(selector, "_measure", fake)
     jobs = bucket_candidates(ROW_BUCKETS, 96, 64, num_sms=132)
