@@ -1,0 +1,85 @@
+"""Probe: where the batch-1 attention chain's time goes on the GPU. Per layer-like iteration
+(each over its own KV cache: a rotation that overflows L2), timed in CUDA graphs with PDL
+as the engine launches them, median us per iteration: the rotary + K/V store kernel alone,
+decode attention alone at each split count (its merge included), the two together, and,
+where `paged_attention` takes `fused_merge`, the chain with the splits merged by the decode
+kernel itself. Query lengths 1 (decode) and 4 (verify of 3 drafts). Needs CUDA.
+
+    PYTHONPATH=src python scripts/attn_chain_probe.py --out $OUT/chain
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+from pathlib import Path
+
+import torch
+from l2_prefetch_probe import time_graph
+
+from specserve.layers import pdl
+from specserve.layers.attention.triton_kernels import paged_attention
+from specserve.layers.triton_rotary import rotary_store_kv
+
+HEADS = 32
+
+
+def probe_row(q_len: int, args, caches, cos_sin, fused: bool) -> dict:
+    """The row of timings for requests of `q_len` new tokens."""
+    dev, dt = caches[0][0].device, caches[0][0].dtype
+    heads, kvh, d = HEADS, caches[0][0].shape[2], caches[0][0].shape[3]
+    i64 = dict(dtype=torch.int64, device=dev)
+    table = torch.arange(caches[0][0].shape[0], **i64)[None]
+    seq = torch.tensor([args.ctx], **i64)
+    pos = torch.arange(args.ctx - q_len, args.ctx, **i64)
+    qsl = torch.tensor([0, q_len], **i64)
+    qkvs = [torch.randn(q_len, (heads + 2 * kvh) * d, device=dev, dtype=dt)
+            for _ in range(args.rot)]  # fmt: skip
+    qs = [torch.randn(q_len, heads, d, device=dev, dtype=dt) for _ in range(args.rot)]
+
+    def rot(i):
+        return rotary_store_kv(pos, qkvs[i], cos_sin, heads, kvh, *caches[i], pos)
+
+    def attend(q, i, splits, **kw):
+        return paged_attention(q, *caches[i], pos, qsl, seq, table, q_len, d ** -0.5,
+                               num_splits=splits, block_n=32, num_warps=4, num_stages=3,
+                               **kw)  # fmt: skip
+
+    row = {"rot": time_graph(rot, args.rot)}
+    for s in args.splits:
+        row[f"attn s{s}"] = time_graph(lambda i, s=s: attend(qs[i], i, s), args.rot)
+        row[f"chain s{s}"] = time_graph(lambda i, s=s: attend(rot(i), i, s), args.rot)
+        if fused and s > 1:
+            for on in (True, False):
+                row[f"chain s{s} fused_merge={on}"] = time_graph(
+                    lambda i, s=s, on=on: attend(rot(i), i, s, fused_merge=on), args.rot)
+    return {k: round(v, 2) for k, v in row.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="chain")
+    ap.add_argument("--ctx", type=int, default=768)
+    ap.add_argument("--splits", type=int, nargs="+", default=[1, 2, 3, 4, 6, 8, 12, 16])
+    ap.add_argument("--rot", type=int, default=16)
+    args = ap.parse_args()
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    kvh, d, page = 8, 128, 16
+    pages = args.ctx // page
+    fused = "fused_merge" in inspect.signature(paged_attention).parameters
+    cos_sin = torch.randn(args.ctx + 1, d, device=dev, dtype=torch.float32)
+    caches = [(torch.randn(pages, page, kvh, d, device=dev, dtype=dt),
+               torch.randn(pages, page, kvh, d, device=dev, dtype=dt)) for _ in range(args.rot)]
+    pdl.set_enabled(True)
+    results: dict = {"device": torch.cuda.get_device_name(), "ctx": args.ctx, "rows": {}}
+    for q_len in (1, 4):
+        results["rows"][q_len] = row = probe_row(q_len, args, caches, cos_sin, fused)
+        print("q_len", q_len, json.dumps(row), flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "attn_chain_probe.json").write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
