@@ -13,7 +13,7 @@ one is computed. PREFETCH does that by hand instead, in registers (no pipeliner)
 
 A split step's partials are merged by `merge_splits`, one formula for the separate merge
 kernel (triton_kernels.py) and for this kernel's own merge (FUSED_MERGE): the program of a
-(request, KV head) that stores the last of its splits merges them all, so a
+(row block, request, KV head) that stores the last of its splits merges them all, so a
 split step is one kernel, not two (the merge kernel was ~3 us of launch gap per layer at
 batch 1 on the H200). Same loads, order and arithmetic per element: the same bits.
 
@@ -88,17 +88,12 @@ def merge_splits(part, lse, mask, row_ok, num_splits, stride_ps, stride_ls,
 
 
 @triton.jit
-def _merge_if_last(part_ptr, lse_ptr, final_ptr, counter, q_start, q_len, kvh, num_splits,
-                   stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, stride_ft, stride_fh,
-                   GROUP: tl.constexpr, GROUP_P2: tl.constexpr, HEAD_DIM: tl.constexpr,
-                   BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):  # fmt: skip
+def _merge_if_last(part, lse, mask, row_ok, final, counter, num_splits, stride_ps, stride_ls,
+                   BLOCK_S: tl.constexpr):  # fmt: skip
     """Called by every split's program once its partial and lse are stored: the last of a
-    (request, KV head)'s num_splits programs to get here merges all of them into the output
-    (`final_ptr`, its dtype) one token at a time, the group's GROUP heads together (decode
-    has one token: a tile of its 4 rows is 4 values a thread per split at 4 warps, where
-    the kernel's 16-row block would be 16, so many more splits' loads fit in flight), and
-    sets `counter` back to 0 for the next launch (CUDA-graph replays reuse it: no memset
-    per step).
+    (row block, request, KV head)'s num_splits programs to get here merges all of them into
+    `final` (these rows' output elements, in the output's dtype) and sets `counter` back to
+    0 for the next launch (CUDA-graph replays reuse it: no memset per step).
 
     Memory ordering. Triton lowers a scalar atomic to one thread of the program (thread 0,
     the others predicated off) and hands its old value to every thread through shared memory
@@ -107,26 +102,19 @@ def _merge_if_last(part_ptr, lse_ptr, final_ptr, counter, q_start, q_len, kvh, n
     same in all threads and the branch below is uniform.
     Writer side: the barrier first orders every thread's partial/lse stores before thread
     0's atomic (CTA scope), and the atomic's release at GPU scope, cumulative in the PTX
-    memory model, publishes them with it. Merger side: the atomic's acquire (GPU scope)
-    reads the last writer's release, so every split's stores happen before it, and the
-    barrier inside the atomic's lowering extends that to the program's other threads; their
-    loads go past L1 (.cg, in merge_splits) so that no line this SM's L1 may hold stands in
-    for what the other SMs wrote to L2. The next kernel (under PDL too) waits for the whole
-    grid, the merge included."""
+    memory model, publishes them with it. Merger side: the atomic's acquire (GPU
+    scope) reads the last writer's release, so every split's stores happen before it, and
+    the barrier inside the atomic's lowering extends that to the program's other threads;
+    their loads go past L1 (.cg, in merge_splits) so that no line this SM's L1 may hold
+    stands in for what the other SMs wrote to L2. The next kernel (under PDL too) waits for
+    the whole grid, the merge included."""
     tl.debug_barrier()
     arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
     if arrived == num_splits - 1:
         tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # every split has counted
-        g = tl.arange(0, GROUP_P2)
-        head = kvh * GROUP + g
-        d = tl.arange(0, BLOCK_D)
-        mask = (g < GROUP)[:, None] & (d < HEAD_DIM)[None, :]
-        for t in range(q_start, q_start + q_len):
-            part = part_ptr + t * stride_pt + head[:, None] * stride_ph + d[None, :]
-            merged = merge_splits(part, lse_ptr + t * stride_lt + head, mask, g < GROUP,
-                                  num_splits, stride_ps, stride_ls, BLOCK_S)  # fmt: skip
-            final = final_ptr + t * stride_ft + head[:, None] * stride_fh + d[None, :]
-            tl.store(final, merged.to(final_ptr.dtype.element_ty), mask=mask)
+        merged = merge_splits(part, lse, mask, row_ok, num_splits, stride_ps, stride_ls,
+                              BLOCK_S)  # fmt: skip
+        tl.store(final, merged.to(final.dtype.element_ty), mask=mask)
 
 
 # The step's metadata are views into one upload whose alignment varies from step to step:
@@ -148,12 +136,12 @@ def _paged_attn_decode_kernel(
     KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PREFETCH: tl.constexpr,
-    FUSED_MERGE: tl.constexpr = False, BLOCK_S: tl.constexpr = 32, GROUP_P2: tl.constexpr = 1,
+    FUSED_MERGE: tl.constexpr = False, BLOCK_S: tl.constexpr = 32,
     USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     # Same arguments and grid as _paged_attn_kernel, plus the fused merge's: the output
-    # (final_ptr, in its dtype) and the arrival counters (int32, one per (request, KV head),
-    # zero between launches). All of a request's rows fit BLOCK_M: one row block.
+    # (final_ptr, in its dtype) and the arrival counters (int32, one per (row block, request,
+    # KV head), zero between launches). All of a request's rows fit BLOCK_M.
     if USE_PDL:  # layers/pdl.py: q and the new K/V come from the kernel before
         pdl_enter()
     pid_bh = tl.program_id(1)
@@ -208,18 +196,19 @@ def _paged_attn_decode_kernel(
         n, n_ok = n_next, ok_next
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    o_off = pid_s * stride_os + (q_start + tok)[:, None] * stride_ot
-    o_off += head[:, None] * stride_oh + d[None, :]
+    row_off = (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+    o_off = pid_s * stride_os + row_off
     o_mask = row_ok[:, None] & d_ok[None, :]
     if SPLIT:
         tl.store(out_ptr + o_off, out, mask=o_mask)
         lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
-        l_off = pid_s * stride_ls + (q_start + tok) * stride_lt + head
-        tl.store(lse_ptr + l_off, lse, mask=row_ok)
-        if FUSED_MERGE:  # the last split to get here merges them all (one row block)
-            _merge_if_last(out_ptr, lse_ptr, final_ptr, arrivals + pid_bh, q_start, q_len, kvh,
-                           num_splits, stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
-                           stride_ft, stride_fh, GROUP, GROUP_P2, HEAD_DIM, BLOCK_D,
-                           BLOCK_S)  # fmt: skip
+        lse_off = (q_start + tok) * stride_lt + head
+        tl.store(lse_ptr + pid_s * stride_ls + lse_off, lse, mask=row_ok)
+        if FUSED_MERGE:  # the last split to get here merges them all
+            counter = arrivals + tl.program_id(0) * tl.num_programs(1) + pid_bh
+            f_off = (q_start + tok)[:, None] * stride_ft + head[:, None] * stride_fh
+            _merge_if_last(out_ptr + row_off, lse_ptr + lse_off, o_mask, row_ok,
+                           final_ptr + f_off + d[None, :], counter, num_splits, stride_os,
+                           stride_ls, BLOCK_S)  # fmt: skip
     else:
         tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=o_mask)

@@ -55,12 +55,11 @@ DECODE_MIN_STAGES = 3
 # instead of a merge kernel of its own; the same bits either way. paged_attention's
 # `fused_merge` overrides it per call. The generic kernel always merges apart. (An earlier
 # fused merge, one row at a time, did not pay on the H200: gpu_pdl.md run 2; this one merges
-# a token's query heads together; attn_kernel_bench.py --merge times it against the merge
-# kernel.)
+# the block's rows together; attn_kernel_bench.py --merge times it against the merge kernel.)
 FUSED_SPLIT_MERGE = True
-# The arrival counters are allocated for at least this many (request, KV head) pairs, more
-# than a split step ever has under the backend's policy (one wave: ~4 programs per
-# multiprocessor), so they exist at their final size from the first split step on.
+# The arrival counters are allocated for at least this many (row block, request, KV head)
+# groups, more than a split step ever has under the backend's policy (one wave: ~4 programs
+# per multiprocessor), so they exist at their final size from the first split step on.
 MIN_ARRIVAL_SLOTS = 4096
 _ARRIVALS: dict[torch.device, list[torch.Tensor]] = {}  # per device: the latest one last
 
@@ -262,12 +261,11 @@ def paged_attention(
         if kernel == "decode":
             num_stages = max(num_stages, DECODE_MIN_STAGES)
         fused = split and (FUSED_SPLIT_MERGE if fused_merge is None else fused_merge)
-        arrivals = split_arrivals(q.device, grid[1]) if fused else None  # one row block
+        arrivals = split_arrivals(q.device, grid[0] * grid[1]) if fused else None
         fused = arrivals is not None
         extra.update(final_ptr=out, arrivals=arrivals if fused else lse,
                      stride_ft=out.stride(0), stride_fh=out.stride(1), FUSED_MERGE=fused,
-                     BLOCK_S=_reduce_block(num_splits) if fused else MAX_REDUCE_SPLITS,
-                     GROUP_P2=triton.next_power_of_2(group))  # fmt: skip
+                     BLOCK_S=_reduce_block(num_splits) if fused else MAX_REDUCE_SPLITS)  # fmt: skip
     else:
         launch = _paged_attn_kernel[grid]
     launch(
