@@ -4,8 +4,6 @@ backend's current launch against the decode kernel (with and without register pr
 launch configurations and split counts. Part of gpu_kernel_bench.py; runs alone too:
 
     PYTHONPATH=src python scripts/attn_kernel_bench.py --out $OUT/attn
-    PYTHONPATH=src python scripts/attn_kernel_bench.py --merge --out $OUT/attn_merge
-    PYTHONPATH=src python scripts/attn_kernel_bench.py --tiny   # CPU smoke of --merge
 
 Every case (batch 1/8/64 x context 512/2048/8192, 1 or 4 query tokens per request) times
 each kernel configuration in CUDA graphs that call it once per "layer", each layer with its
@@ -13,32 +11,23 @@ own scattered pages, enough of them that the K/V read exceeds the L2 cache sever
 over (the engine's 32 layers read cold K/V too). Reported per call: microseconds, achieved
 GB/s of K/V read, max abs / relative error against a float32 PyTorch reference; the split
 counts chosen by the backend's current policy and by triton_kernels.decode_num_splits.
-
---merge times a split step's merge in the decode kernel (fused_merge, the last program of
-each request and KV head merging) against the separate merge kernel (attn_merge_bench.py).
 """
 
 from __future__ import annotations
 
-import os
-import sys
+import argparse
+import json
+import math
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
-if __name__ == "__main__" and "--tiny" in sys.argv:  # before any kernel is defined
-    os.environ["TRITON_INTERPRET"] = "1"
+import torch
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import math  # noqa: E402
-import time  # noqa: E402
-from concurrent.futures import ThreadPoolExecutor  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-import torch  # noqa: E402
-
-from specserve.layers.attention import AttentionMetadata  # noqa: E402
-from specserve.layers.attention import triton_kernels as tk  # noqa: E402
-from specserve.layers.attention.triton_attn import TritonAttentionBackend  # noqa: E402
-from specserve.layers.gemv_select import time_in_graph_us  # noqa: E402
+from specserve.layers.attention import AttentionMetadata
+from specserve.layers.attention import triton_kernels as tk
+from specserve.layers.attention.triton_attn import TritonAttentionBackend
+from specserve.layers.gemv_select import time_in_graph_us
 
 KV_HEADS, GROUP, HEAD_DIM, PAGE = 8, 4, 128, 16
 BATCHES, CONTEXTS, Q_LENS = (1, 8, 64), (512, 2048, 8192), (1, 4)
@@ -62,13 +51,12 @@ class Case:
     """One (batch, context, query tokens) shape over `layers` distinct page sets."""
 
     def __init__(self, pool: tuple[torch.Tensor, torch.Tensor], batch: int, ctx: int,
-                 q_len: int, min_bytes: int, gen: torch.Generator, group: int = GROUP):  # fmt: skip
-        self.batch, self.ctx, self.q_len, self.group = batch, ctx, q_len, group
+                 q_len: int, min_bytes: int, gen: torch.Generator):  # fmt: skip
+        self.batch, self.ctx, self.q_len = batch, ctx, q_len
         k_cache = pool[0]
         dev = k_cache.device
-        page, self.kv_heads, self.head_dim = k_cache.shape[1:]
-        self.kv_bytes = 2 * batch * ctx * self.kv_heads * self.head_dim * k_cache.element_size()
-        pages_per_req = -(-ctx // page)
+        self.kv_bytes = 2 * batch * ctx * KV_HEADS * HEAD_DIM * k_cache.element_size()
+        pages_per_req = -(-ctx // PAGE)
         per_call = batch * pages_per_req
         layers = max(4, min(128, math.ceil(min_bytes / self.kv_bytes)))
         layers = max(1, min(layers, (k_cache.shape[0] - 1) // per_call))
@@ -78,7 +66,7 @@ class Case:
         self.positions = (torch.arange(ctx - q_len, ctx, **i64)).repeat(batch)
         self.query_start_loc = torch.arange(batch + 1, **i64) * q_len
         self.seq_lens = torch.full((batch,), ctx, **i64)
-        self.q = torch.randn(batch * q_len, self.kv_heads * group, self.head_dim,
+        self.q = torch.randn(batch * q_len, KV_HEADS * GROUP, HEAD_DIM, generator=None,
                              device=dev, dtype=k_cache.dtype)  # fmt: skip
         self.pool = pool
 
@@ -87,38 +75,37 @@ class Case:
                                  self.seq_lens, self.tables[0], self.q_len,
                                  max_seq_len)  # fmt: skip
 
-    def call(self, cfg, splits: int, layer: int = 0, **kw) -> torch.Tensor:
+    def call(self, cfg, splits: int, layer: int = 0) -> torch.Tensor:
         kernel, block_n, warps, stages = cfg
         return tk.paged_attention(
             self.q, *self.pool, self.positions, self.query_start_loc, self.seq_lens,
-            self.tables[layer], self.q_len, self.head_dim**-0.5, num_splits=splits,
-            block_n=block_n, num_warps=warps, num_stages=stages, kernel=kernel, **kw,
+            self.tables[layer], self.q_len, HEAD_DIM**-0.5, num_splits=splits,
+            block_n=block_n, num_warps=warps, num_stages=stages, kernel=kernel,
         )  # fmt: skip
 
     def reference(self) -> torch.Tensor:
         """float32 attention of layer 0's queries over its pages, causal among the new
         tokens."""
         k_cache, v_cache = self.pool
-        kvh, d = self.kv_heads, self.head_dim
         out = torch.empty(self.q.shape, dtype=torch.float32, device=self.q.device)
         keys = torch.arange(self.ctx, device=self.q.device)
         pos = torch.arange(self.ctx - self.q_len, self.ctx, device=self.q.device)
         hidden = (keys[None, :] > pos[:, None])[:, None, None, :]  # [t, 1, 1, L]
         for b in range(self.batch):
             pages = self.tables[0][b]
-            k = k_cache[pages].reshape(-1, kvh, d)[: self.ctx].float()
-            v = v_cache[pages].reshape(-1, kvh, d)[: self.ctx].float()
+            k = k_cache[pages].reshape(-1, KV_HEADS, HEAD_DIM)[: self.ctx].float()
+            v = v_cache[pages].reshape(-1, KV_HEADS, HEAD_DIM)[: self.ctx].float()
             rows = slice(b * self.q_len, (b + 1) * self.q_len)
-            q = self.q[rows].float().view(self.q_len, kvh, self.group, d)
-            s = torch.einsum("tkgd,lkd->tkgl", q, k) * d**-0.5
+            q = self.q[rows].float().view(self.q_len, KV_HEADS, GROUP, HEAD_DIM)
+            s = torch.einsum("tkgd,lkd->tkgl", q, k) * HEAD_DIM**-0.5
             p = torch.softmax(s.masked_fill(hidden, float("-inf")), -1)
-            out[rows] = torch.einsum("tkgl,lkd->tkgd", p, v).reshape(self.q_len, -1, d)
+            out[rows] = torch.einsum("tkgl,lkd->tkgd", p, v).reshape(self.q_len, -1, HEAD_DIM)
         return out
 
-    def time_us(self, cfg, splits: int, reps: int, **kw) -> float:
-        self.call(cfg, splits, **kw)
+    def time_us(self, cfg, splits: int, reps: int) -> float:
+        self.call(cfg, splits)
         torch.cuda.synchronize()
-        return time_in_graph_us(lambda _x, i: self.call(cfg, splits, i, **kw), None,
+        return time_in_graph_us(lambda _x, i: self.call(cfg, splits, i), None,
                                 list(range(len(self.tables))), reps)  # fmt: skip
 
 
@@ -252,30 +239,14 @@ def markdown(res: dict) -> list[str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, help="where the JSON and markdown go (required on "
-                    "the GPU)")  # fmt: skip
+    ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--budget-s", type=float, default=150.0)
-    ap.add_argument("--merge", action="store_true",
-                    help="only the fused-vs-separate split merge comparison")  # fmt: skip
-    ap.add_argument("--tiny", action="store_true",
-                    help="CPU smoke of --merge through the Triton interpreter, tiny shapes")
-    ap.add_argument("--reps", type=int, default=20, help="graph replays per timing (--merge)")
     args = ap.parse_args()
-    if args.out is None and not args.tiny:
-        ap.error("--out is required (except with --tiny)")
-    from attn_merge_bench import merge_bench, merge_markdown
-
-    if args.merge or args.tiny:
-        res = merge_bench(args.reps, tiny=args.tiny)
-        name, lines = "attention_merge", merge_markdown(res)
-    else:
-        res = attention_bench(time.perf_counter() + args.budget_s)
-        name, lines = "attention", markdown(res)
-    if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / f"{name}.json").write_text(json.dumps(res, indent=1))
-        (args.out / f"{name}.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    args.out.mkdir(parents=True, exist_ok=True)
+    res = attention_bench(time.perf_counter() + args.budget_s)
+    (args.out / "attention.json").write_text(json.dumps(res, indent=1))
+    (args.out / "attention.md").write_text("\n".join(markdown(res)) + "\n")
+    print("\n".join(markdown(res)))
 
 
 if __name__ == "__main__":
