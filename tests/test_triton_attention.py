@@ -12,13 +12,7 @@ import pytest
 import torch
 
 from tests.interpreter_run import interpreter_results as run_interpreter
-from tests.triton_cases import (
-    attention_error,
-    fused_merge_error,
-    interpreter_cases,
-    kv_write_error,
-    make_batch,
-)
+from tests.triton_cases import attention_error, interpreter_cases, kv_write_error, make_batch
 
 CASES = interpreter_cases()
 
@@ -67,29 +61,6 @@ def test_decode_num_splits_keeps_one_wave():
         assert backend.choose_num_splits(meta(b, ctx), 2, 4, cpu) == want, (b, ctx)
     assert backend.choose_num_splits(meta(1, 4096, q_len=32), 2, 4, cpu) == 1  # prefill rows
     assert isinstance(backend.choose_num_splits(meta(1, 4096), 2, 4, cpu), int)
-
-
-def test_split_arrivals_grow_only_outside_a_graph_capture(monkeypatch):
-    """The fused merge's arrival counters: allocated zeroed, at least MIN_ARRIVAL_SLOTS,
-    reused; grown into a new buffer with the old one kept (graphs captured with it still
-    count there); inside a capture, never allocated (the zeroing would be recorded, not
-    run): a launch that would need more merges in the separate kernel (None)."""
-    from specserve.layers.attention import triton_kernels as tk
-
-    monkeypatch.setattr(tk, "_ARRIVALS", {})
-    cpu = torch.device("cpu")
-    first = tk.split_arrivals(cpu, 10)
-    assert first.dtype == torch.int32 and first.numel() == tk.MIN_ARRIVAL_SLOTS
-    assert not first.any() and tk.split_arrivals(cpu, tk.MIN_ARRIVAL_SLOTS) is first
-    grown = tk.split_arrivals(cpu, tk.MIN_ARRIVAL_SLOTS + 1)
-    assert grown.numel() == 2 * tk.MIN_ARRIVAL_SLOTS and tk._ARRIVALS[cpu] == [first, grown]
-    assert tk.split_arrivals(cpu, 3) is grown
-    gpu = torch.device("cuda", 7)  # a key only: nothing is allocated for it
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    assert tk.split_arrivals(gpu, 1) is None and tk._ARRIVALS[gpu] == []
-    tk._ARRIVALS[gpu].append(torch.zeros(8, dtype=torch.int32))
-    assert tk.split_arrivals(gpu, 8) is tk._ARRIVALS[gpu][0]  # big enough: used in a capture
-    assert tk.split_arrivals(gpu, 9) is None and len(tk._ARRIVALS[gpu]) == 1
 
 
 # ---- GPU: compiled kernels at real shapes ------------------------------------------------
@@ -173,72 +144,3 @@ def test_gpu_decode_kernels_at_batch_64(dtype, kernel):
             err = attention_error(_kernels(), batch, splits, block_n, num_warps=warps,
                                   num_stages=stages, kernel=kernel)  # fmt: skip
             assert err < GPU_TOL[dtype], (q_len, splits, block_n, warps, stages, err)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("q_len", [1, 4])
-@pytest.mark.parametrize("kernel", ["decode", "prefetch"])
-def test_gpu_fused_merge_equals_merge_kernel(dtype, q_len, kernel):
-    """Splits merged by the decode kernel's last program give the merge kernel's bits and
-    leave the arrival counters at zero, call after call (fused_merge_error): batch 1 at the
-    engine's split counts (6 eager at 768 tokens, 32 under graphs), short requests whose
-    later splits are empty, 2 to 32 splits."""
-    lengths = {1: [768], 2: [5, 3000], 8: [q_len + 3, 40, 129, 700, 768, 1500, 2049, 4096]}
-    for num_requests, splits in ((1, 6), (1, 32), (2, 32), (8, 2), (8, 5), (8, 16)):
-        seq_lens = lengths[num_requests]
-        ends = [s - 1 - 3 * (b % 2) * (s > q_len + 3) for b, s in enumerate(seq_lens)]
-        batch = make_batch([q_len] * num_requests, ends, seq_lens, 16, dtype=dtype,
-                           device="cuda", seed=splits, **GPU_SHAPE)  # fmt: skip
-        stages = 3 if kernel == "decode" else 1
-        err = fused_merge_error(_kernels(), batch, splits, block_n=32, kernel=kernel,
-                                num_warps=4, num_stages=stages)  # fmt: skip
-        assert err < GPU_TOL[dtype], (num_requests, splits, err)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("q_len", [1, 4])
-@pytest.mark.parametrize("arrivals", ["kept", "too_few"])
-def test_gpu_fused_merge_in_cuda_graph(dtype, q_len, arrivals, monkeypatch):
-    """A captured split step replayed with new lengths each time (positions and seq_lens
-    copied into its static inputs): bitwise equal to the eager merge kernel's output, the
-    counters back at zero after every replay. With too few counters at capture the launch
-    merges in the separate kernel instead, with the same result."""
-    ops = _kernels()
-    num_requests, max_len, splits = 4, 3000, 16
-    device = torch.device("cuda", torch.cuda.current_device())
-    batch = make_batch([q_len] * num_requests, [max_len - 1] * num_requests,
-                       [max_len] * num_requests, 16, dtype=dtype, device="cuda", seed=q_len,
-                       **GPU_SHAPE)  # fmt: skip
-    m, scale = batch.meta, GPU_SHAPE["head_dim"] ** -0.5
-    positions, seq_lens = m.positions.clone(), m.seq_lens.clone()
-
-    def attend(fused: bool) -> torch.Tensor:
-        return ops.paged_attention(batch.q, batch.k_cache, batch.v_cache, positions,
-                                   m.query_start_loc, seq_lens, m.block_tables, q_len, scale,
-                                   num_splits=splits, block_n=32, num_warps=4, num_stages=3,
-                                   fused_merge=fused)  # fmt: skip
-
-    attend(True)  # compiled, counters allocated: before the capture
-    if arrivals == "too_few":
-        monkeypatch.setitem(ops._ARRIVALS, device, [torch.zeros(1, dtype=torch.int32,
-                                                                device=device)])  # fmt: skip
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = attend(True)
-    counters = ops._ARRIVALS[device][-1]
-    gen = torch.Generator().manual_seed(q_len)
-    for replay in range(5):
-        lens = torch.randint(q_len + 3, max_len + 1, (num_requests,), generator=gen)
-        lens[replay % num_requests] = q_len + replay  # a short one: later splits empty
-        ends = lens - 1 - 3 * (torch.arange(num_requests) % 2) * (lens > q_len + 3)
-        steps = torch.arange(q_len)
-        seq_lens.copy_(lens)
-        positions.copy_((ends[:, None] - q_len + 1 + steps).reshape(-1))
-        graph.replay()
-        torch.cuda.synchronize()
-        want = attend(False)
-        assert torch.equal(out.view(torch.uint8), want.view(torch.uint8)), replay
-        assert not counters.any(), replay

@@ -110,36 +110,6 @@ def attention_error(kernels, batch: Batch, num_splits, block_n=None, **launch) -
     return rel_err(out, ref)
 
 
-def fused_merge_error(kernels, batch: Batch, num_splits: int, block_n: int = 16,
-                      **launch) -> float:  # fmt: skip
-    """A split decode/verify step with its splits merged inside the decode kernel (by the last
-    program of each request and KV head) against the separate merge kernel, called twice in
-    a row: inf unless both fused outputs are bitwise equal to the separate merge's and the
-    arrival counters are back at zero after each call; else the relative error against the
-    reference. Outputs are NaN-poisoned first, so unwritten rows show."""
-    scale = batch.q.shape[-1] ** -0.5
-    m = batch.meta
-    kc, vc = batch.k_cache.clone(), batch.v_cache.clone()
-    kernels.write_kv(batch.k, batch.v, kc, vc, m.slot_mapping)
-
-    def attend(fused: bool) -> torch.Tensor:
-        out = torch.full_like(batch.q, float("nan"))
-        kernels.paged_attention(batch.q, kc, vc, m.positions, m.query_start_loc, m.seq_lens,
-                                m.block_tables, m.max_query_len, scale, num_splits=num_splits,
-                                block_n=block_n, out=out, fused_merge=fused,
-                                **launch)  # fmt: skip
-        return out
-
-    separate = attend(False)
-    for _ in range(2):  # the counters are reused, as by CUDA-graph replays
-        fused = attend(True)
-        counters = kernels.split_arrivals(batch.q.device, 0)
-        # bitwise: the same bits, signed zeros included
-        if counters.any() or not torch.equal(fused.view(torch.uint8), separate.view(torch.uint8)):
-            return float("inf")
-    return rel_err(separate, reference(batch, scale))
-
-
 def kv_write_error(kernels, batch: Batch) -> float:
     """0.0 when the Triton KV write stores exactly what the reference stores (a slot of -1
     must be skipped)."""
@@ -198,7 +168,6 @@ def silu_and_mul_error(ops, dtype, device, rows=3, dim=300, seed=0) -> float:
 
 # ---- the small cases the CPU interpreter runs ---------------------------------------------
 SMALL = dict(kv_heads=2, group=2, head_dim=32)
-GQA4 = dict(kv_heads=2, group=4, head_dim=32)
 
 
 def _small(q_lens, ends, seq_lens, page_size, dtype=torch.float16, seed=0):
@@ -267,20 +236,6 @@ def interpreter_cases() -> dict[str, tuple]:
     cases["prefill-fp32-page16"] = (
         "attn", ([17, 3], [16, 25], [17, 26], 16), dict(ns=2, dtype=torch.float32),
     )  # fmt: skip
-    # Splits merged in the decode kernel (fused) against the merge kernel, bit for bit:
-    # requests of 3/5 tokens leave all splits but the first empty, 37 some of them (chunks
-    # of 16 keys); verify's second request ends 4 positions before its seq_len
-    decode = ([1] * 3, [2, 36, 69], [3, 37, 70], 16)
-    verify = ([4, 4], [4, 65], [5, 70], 16)
-    fused = [(step, "float16", "decode", ns) for step in ("decode", "verify")
-             for ns in (2, 3, 4, 5)]  # fmt: skip
-    fused += [("decode", "float16", "prefetch", 3), ("verify", "float16", "prefetch", 5),
-              ("decode", "float32", "decode", 5), ("verify", "float32", "decode", 3)]
-    for step, dtype, kernel, ns in fused:
-        cases[f"fused_merge-{step}-{kernel}-{dtype}-split{ns}"] = (
-            "fused", decode if step == "decode" else verify,
-            dict(ns=ns, kernel=kernel, dtype=getattr(torch, dtype)),
-        )  # fmt: skip
     for dtype, ps in (("float32", 1), ("float16", 16)):
         cases[f"model-{dtype}-page{ps}"] = ("model", (dtype, ps), {})
     cases["graph_runner_padding-float32"] = ("runner", ("float32",), {})
@@ -296,10 +251,6 @@ def run_case(name: str, spec: tuple, kernels, ops) -> float:
     kind, args, kw = spec
     if kind == "kv_write":
         return kv_write_error(kernels, _small(*args, seed=len(name)))
-    if kind == "fused":
-        batch = make_batch(*args, dtype=kw["dtype"], device="cpu", seed=len(name) + kw["ns"],
-                           **GQA4)  # fmt: skip
-        return fused_merge_error(kernels, batch, kw["ns"], kernel=kw["kernel"])
     if kind == "attn":
         q_lens, ends, seq_lens, ps = args
         batch = make_batch(q_lens, ends, seq_lens, ps, dtype=kw.get("dtype", torch.float16),

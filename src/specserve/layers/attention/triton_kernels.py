@@ -9,12 +9,10 @@ every step (prefill, chunked extend, decode, verify); `_paged_attn_decode_kernel
 (triton_decode.py) serves steps of at most DECODE_MAX_ROWS rows per request (decode and
 verify: one row block) and is built for bandwidth. When `num_splits` > 1 the KV length of
 each request is cut into that many chunks (flash-decoding), each program writes a partial
-output with its log-sum-exp, and they are merged (`merge_splits`): by the decode kernel's
-last program of each (request, KV head) to finish (FUSED_SPLIT_MERGE) or by a second
-kernel; the chunk size is computed on the device from the request's own length, so the
-launch shape does not depend on the data (CUDA-graph safe). Every kernel here may be
-launched with programmatic dependent launch (layers/pdl.py): it waits for the previous
-kernel before its first read or write.
+output with its log-sum-exp, and a second kernel merges them; the chunk size is computed on
+the device from the request's own length, so the launch shape does not depend on the data
+(CUDA-graph safe). Every kernel here may be launched with programmatic dependent launch
+(layers/pdl.py): it waits for the previous kernel before its first read or write.
 
 Imported lazily: kernels are defined when this module is first imported, which is when
 TRITON_INTERPRET is read.
@@ -27,11 +25,7 @@ import triton
 import triton.language as tl
 
 from specserve.layers import pdl
-from specserve.layers.attention.triton_decode import (
-    NOT_SPECIALIZED,
-    _paged_attn_decode_kernel,
-    merge_splits,
-)
+from specserve.layers.attention.triton_decode import NOT_SPECIALIZED, _paged_attn_decode_kernel
 from specserve.layers.attention.triton_kv_write import (  # noqa: F401 (callers use them here)
     _check_cache,
     check_cache,
@@ -50,42 +44,6 @@ DECODE_KERNELS = ("decode", "prefetch", "generic")
 # block in flight while this one is computed (with 2 the pipeliner keeps one buffer and
 # issues the next block's loads only after this block's math).
 DECODE_MIN_STAGES = 3
-# Whether the decode kernel ("decode", "prefetch") merges a split step's splits itself (its
-# last program per (request, KV head) to finish, counting arrivals in `split_arrivals`)
-# instead of a merge kernel of its own; the same bits either way. paged_attention's
-# `fused_merge` overrides it per call. The generic kernel always merges apart. (An earlier
-# fused merge, one row at a time, did not pay on the H200: gpu_pdl.md run 2; this one merges
-# the block's rows together; attn_kernel_bench.py --merge times it against the merge kernel.)
-FUSED_SPLIT_MERGE = True
-# The arrival counters are allocated for at least this many (row block, request, KV head)
-# groups, more than a split step ever has under the backend's policy (one wave: ~4 programs
-# per multiprocessor), so they exist at their final size from the first split step on.
-MIN_ARRIVAL_SLOTS = 4096
-_ARRIVALS: dict[torch.device, list[torch.Tensor]] = {}  # per device: the latest one last
-
-
-def split_arrivals(device: torch.device, slots: int) -> torch.Tensor | None:
-    """The arrival counters of fused split merges on `device`: int32, at least `slots` of
-    them, zero between launches (each merging program zeroes its own again), allocated once
-    and kept, so a CUDA graph's launches can count in them replay after replay. Grown (to a
-    new, larger buffer; the old ones are kept for the graphs that captured them) only
-    outside a CUDA-graph capture: a capture would record the zeroing, not run it. Inside a
-    capture that needs more than exist, None: that launch merges in the separate kernel.
-    The backend's warm_up and the runner's eager pass before capture allocate them. Split
-    steps that could run at the same time (on two streams) must not share them: the engine
-    runs attention on one stream."""
-    buffers = _ARRIVALS.setdefault(device, [])
-    if buffers and buffers[-1].numel() >= slots:
-        return buffers[-1]
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return None
-    size = max(MIN_ARRIVAL_SLOTS, triton.next_power_of_2(slots))
-    buffers.append(torch.zeros(size, dtype=torch.int32, device=device))
-    if device.type == "cuda":  # zeroed before any stream's kernel may count in it
-        torch.cuda.synchronize(device)
-    return buffers[-1]
-
-
 # Integers that vary from step to step (the page-table width, the split count, the strides
 # of the per-split buffers, which scale with the token count) are not specialized on:
 # Triton would otherwise compile a new variant when one first turns 1 or a multiple of 16,
@@ -176,20 +134,36 @@ def _split_reduce_kernel(
     BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
-    # Row (token t, head h) of a split step merged (merge_splits: the decode kernel's fused
-    # merge runs the same function), written to out in its dtype.
+    # Row (token t, head h) of a split step: its splits' partial outputs weighed by their
+    # log-sum-exp, written to out in its dtype. The splits are added one after the other
+    # (unrolled over BLOCK_S, the loads independent of each other; past num_splits they
+    # reread the last split and weigh 0), so the sum's order does not depend on how Triton
+    # lays out a [splits, head_dim] tile. The partials are read once, past L1 (.cg).
     if USE_PDL:  # layers/pdl.py
         pdl_enter()
     t = tl.program_id(0)
     h = tl.program_id(1)
-    one = tl.arange(0, 1)  # a block of one row
     d = tl.arange(0, BLOCK_D)
-    mask = (one < 1)[:, None] & (d < HEAD_DIM)[None, :]
-    part = part_ptr + t * stride_pt + h * stride_ph + one[:, None] + d[None, :]
-    out = merge_splits(part, lse_ptr + t * stride_lt + h + one, mask, one < 1, num_splits,
-                       stride_ps, stride_ls, BLOCK_S)  # fmt: skip
-    dst = out_ptr + t * stride_ot + h * stride_oh + one[:, None] + d[None, :]
-    tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=mask)
+    d_ok = d < HEAD_DIM
+    lse_row = lse_ptr + t * stride_lt + h
+    part_row = part_ptr + t * stride_pt + h * stride_ph + d
+    m = tl.load(lse_row, cache_modifier=".cg")  # a split step has at least two splits
+    for s in tl.static_range(1, BLOCK_S):  # past num_splits: the last split again
+        last = tl.minimum(num_splits - 1, s)
+        m = tl.maximum(m, tl.load(lse_row + last * stride_ls, cache_modifier=".cg"))
+    m = tl.where(m == float("-inf"), 0.0, m)
+    denom = m * 0.0
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for s in tl.static_range(0, BLOCK_S):
+        last = tl.minimum(num_splits - 1, s)
+        lse_s = tl.load(lse_row + last * stride_ls, cache_modifier=".cg")
+        w = tl.where(last == s, tl.exp2(lse_s - m), 0.0)  # empty splits weigh 0 too
+        denom += w
+        acc += tl.load(part_row + last * stride_ps, mask=d_ok, other=0.0,
+                       cache_modifier=".cg") * w  # fmt: skip
+    out = acc / tl.where(denom > 0, denom, 1.0)
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty),
+             mask=d_ok)  # fmt: skip
 
 
 def paged_attention(
@@ -208,17 +182,13 @@ def paged_attention(
     num_warps: int | None = None,
     num_stages: int = 2,
     kernel: str | None = None,
-    fused_merge: bool | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed queries q [T, H, D] over the paged cache; returns [T, H, D].
 
     num_splits 1 writes the output directly; > 1 splits every request's KV length into that
-    many chunks and merges the partial results, the same bits either way: in the decode
-    kernel when fused_merge (default FUSED_SPLIT_MERGE) and that kernel serves the step,
-    else in a second kernel (also inside a CUDA-graph capture that would need more arrival
-    counters than `split_arrivals` holds). block_n (keys per iteration), num_warps and
-    num_stages override the tuned defaults (the "decode" kernel takes at least
-    DECODE_MIN_STAGES). kernel picks what serves decode-like steps (at most
+    many chunks and merges the partial results in a second kernel. block_n (keys per
+    iteration), num_warps and num_stages override the tuned defaults (the "decode" kernel
+    takes at least DECODE_MIN_STAGES). kernel picks what serves decode-like steps (at most
     DECODE_MAX_ROWS rows per request): one of DECODE_KERNELS, default DECODE_KERNEL; other
     steps always take the generic kernel.
     """
@@ -255,17 +225,10 @@ def paged_attention(
     if kernel not in DECODE_KERNELS:
         raise ValueError(f"kernel must be one of {DECODE_KERNELS}, got {kernel!r}")
     extra = {}
-    fused = False
     if decode_like and kernel != "generic":
         launch, extra["PREFETCH"] = _paged_attn_decode_kernel[grid], kernel == "prefetch"
         if kernel == "decode":
             num_stages = max(num_stages, DECODE_MIN_STAGES)
-        fused = split and (FUSED_SPLIT_MERGE if fused_merge is None else fused_merge)
-        arrivals = split_arrivals(q.device, grid[0] * grid[1]) if fused else None
-        fused = arrivals is not None
-        extra.update(final_ptr=out, arrivals=arrivals if fused else lse,
-                     stride_ft=out.stride(0), stride_fh=out.stride(1), FUSED_MERGE=fused,
-                     BLOCK_S=_reduce_block(num_splits) if fused else MAX_REDUCE_SPLITS)  # fmt: skip
     else:
         launch = _paged_attn_kernel[grid]
     launch(
@@ -278,19 +241,13 @@ def paged_attention(
         PAGE_SIZE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_N=block_n,
         SPLIT=split, num_warps=num_warps, num_stages=num_stages, **extra, **launch_pdl,
     )  # fmt: skip
-    if split and not fused:
+    if split:
         _split_reduce_kernel[(num_tokens, num_heads)](
             part, lse, out, *part.stride()[:3], *lse.stride()[:2], *out.stride()[:2], num_splits,
-            BLOCK_S=_reduce_block(num_splits), HEAD_DIM=head_dim, BLOCK_D=block_d,
-            **launch_pdl,
+            BLOCK_S=max(MAX_REDUCE_SPLITS, triton.next_power_of_2(num_splits)),
+            HEAD_DIM=head_dim, BLOCK_D=block_d, **launch_pdl,
         )  # fmt: skip
     return out
-
-
-def _reduce_block(num_splits: int) -> int:
-    """The splits a merge is unrolled over (both merges alike: the same bits): one compiled
-    variant up to MAX_REDUCE_SPLITS."""
-    return max(MAX_REDUCE_SPLITS, triton.next_power_of_2(num_splits))
 
 
 def decode_num_splits(num_programs: int, max_seq_len: int, num_sms: int,
