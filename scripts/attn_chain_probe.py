@@ -1,9 +1,10 @@
 """Probe: where the batch-1 attention chain's time goes on the GPU. Per layer-like iteration
 (each over its own KV cache: a rotation that overflows L2), timed in CUDA graphs with PDL
 as the engine launches them, median us per iteration: the rotary + K/V store kernel alone,
-decode attention alone at each split count (its merge included), the two together, and,
-where `paged_attention` takes `fused_merge`, the chain with the splits merged by the decode
-kernel itself. Query lengths 1 (decode) and 4 (verify of 3 drafts). Needs CUDA.
+decode attention alone at each split count (its merge kernel included), and the two
+together. Query lengths 1 (decode) and 4 (verify of 3 drafts). Needs CUDA. (Session 7 also
+timed the splits merged by the decode kernel itself, an experiment since removed:
+docs/benchmarks/gpu_pdl.md, run 3.)
 
     PYTHONPATH=src python scripts/attn_chain_probe.py --out $OUT/chain
 """
@@ -11,7 +12,6 @@ kernel itself. Query lengths 1 (decode) and 4 (verify of 3 drafts). Needs CUDA.
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 from pathlib import Path
 
@@ -25,7 +25,7 @@ from specserve.layers.triton_rotary import rotary_store_kv
 HEADS = 32
 
 
-def probe_row(q_len: int, args, caches, cos_sin, fused: bool) -> dict:
+def probe_row(q_len: int, args, caches, cos_sin) -> dict:
     """The row of timings for requests of `q_len` new tokens."""
     dev, dt = caches[0][0].device, caches[0][0].dtype
     heads, kvh, d = HEADS, caches[0][0].shape[2], caches[0][0].shape[3]
@@ -50,10 +50,6 @@ def probe_row(q_len: int, args, caches, cos_sin, fused: bool) -> dict:
     for s in args.splits:
         row[f"attn s{s}"] = time_graph(lambda i, s=s: attend(qs[i], i, s), args.rot)
         row[f"chain s{s}"] = time_graph(lambda i, s=s: attend(rot(i), i, s), args.rot)
-        if fused and s > 1:
-            for on in (True, False):
-                row[f"chain s{s} fused_merge={on}"] = time_graph(
-                    lambda i, s=s, on=on: attend(rot(i), i, s, fused_merge=on), args.rot)
     return {k: round(v, 2) for k, v in row.items()}
 
 
@@ -67,14 +63,13 @@ def main() -> None:
     dev, dt = torch.device("cuda"), torch.bfloat16
     kvh, d, page = 8, 128, 16
     pages = args.ctx // page
-    fused = "fused_merge" in inspect.signature(paged_attention).parameters
     cos_sin = torch.randn(args.ctx + 1, d, device=dev, dtype=torch.float32)
     caches = [(torch.randn(pages, page, kvh, d, device=dev, dtype=dt),
                torch.randn(pages, page, kvh, d, device=dev, dtype=dt)) for _ in range(args.rot)]
     pdl.set_enabled(True)
     results: dict = {"device": torch.cuda.get_device_name(), "ctx": args.ctx, "rows": {}}
     for q_len in (1, 4):
-        results["rows"][q_len] = row = probe_row(q_len, args, caches, cos_sin, fused)
+        results["rows"][q_len] = row = probe_row(q_len, args, caches, cos_sin)
         print("q_len", q_len, json.dumps(row), flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

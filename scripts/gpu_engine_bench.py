@@ -161,9 +161,6 @@ def main() -> None:
     ap.add_argument("--ab-argmax", action="store_true",
                     help="also plain and fixed K=3 with the Triton row argmax switched off "
                          "(layers/triton_argmax.py: torch's), for an A/B in one run")  # fmt: skip
-    ap.add_argument("--ab-merge", action="store_true",
-                    help="also plain and fixed K=3 with split decode steps merged by the merge "
-                         "kernel instead of the decode kernel (FUSED_SPLIT_MERGE off)")  # fmt: skip
     ap.add_argument("--only", nargs="+", default=None,
                     help="run only the configurations whose names contain one of these")
     args = ap.parse_args()
@@ -195,21 +192,15 @@ def main() -> None:
         configs["plain, torch argmax"] = {**configs["plain"], "argmax": "off"}
         configs["eagle3 K=3 fixed, torch argmax"] = {
             **configs["eagle3 K=3 fixed (sim. accept len 3.0)"], "argmax": "off"}  # fmt: skip
-    if args.ab_merge:
-        configs["plain, merge kernel"] = {**configs["plain"], "fused_merge": False}
-        configs["eagle3 K=3 fixed, merge kernel"] = {
-            **configs["eagle3 K=3 fixed (sim. accept len 3.0)"], "fused_merge": False}  # fmt: skip
     if args.only:
         configs = {k: v for k, v in configs.items() if any(o in k for o in args.only)}
-    from specserve.layers import triton_argmax  # kernel modules: imported when needed
-    from specserve.layers.attention import triton_kernels
+    from specserve.layers import triton_argmax  # a kernel module: imported when needed
 
     results = {}
     for name, extra in configs.items():
         extra = dict(extra)
         # read at each call, and by the drafter's graphs when captured: for this engine
         triton_argmax.set_mode(extra.pop("argmax", "graphs"))
-        triton_kernels.FUSED_SPLIT_MERGE = extra.pop("fused_merge", True)  # read per launch
         t0 = time.perf_counter()
         engine = LLMEngine(EngineConfig(**base, **extra), model=model)
         startup = time.perf_counter() - t0
