@@ -49,10 +49,32 @@ def _bulk_prefetch_kernel(w_ptr, n_bytes, CHUNK: tl.constexpr, PER_PROGRAM: tl.c
         "=r,l,r,r", [addr, size, ok.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
 
 
+@triton.jit
+def _line_prefetch_kernel(w_ptr, n_bytes, LINES: tl.constexpr):
+    """Each thread asks L2 for LINES 128-byte lines (prefetch.global.L2, one per line)."""
+    pid = tl.program_id(0)
+    offs = (pid * LINES + tl.arange(0, LINES)).to(tl.int64) * 128
+    addr = w_ptr.to(tl.pointer_type(tl.int8)) + tl.minimum(offs, n_bytes - 128)
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [addr],
+                              dtype=tl.int32, is_pure=False, pack=1)  # fmt: skip
+
+
+# name -> (kind, bytes or lines per instruction, instructions per program, warps)
+VARIANTS = {"bulk16k x32 w1": ("bulk", 16384, 32, 1), "bulk16k x4 w1": ("bulk", 16384, 4, 1),
+            "bulk64k x1 w1": ("bulk", 65536, 1, 1), "bulk64k x8 w1": ("bulk", 65536, 8, 1),
+            "lines 256/cta w2": ("lines", 0, 256, 2), "lines 2048/cta w8": ("lines", 0, 2048, 8)}
+VARIANT = ["bulk16k x32 w1"]
+
+
 def prefetch(w: torch.Tensor) -> None:
     n = w.numel() * w.element_size()
-    _bulk_prefetch_kernel[(triton.cdiv(n, CHUNK * PER_PROGRAM),)](
-        w, n, CHUNK=CHUNK, PER_PROGRAM=PER_PROGRAM, num_warps=1)
+    kind, chunk, per_program, warps = VARIANTS[VARIANT[0]]
+    if kind == "bulk":
+        _bulk_prefetch_kernel[(triton.cdiv(n, chunk * per_program),)](
+            w, n, CHUNK=chunk, PER_PROGRAM=per_program, num_warps=warps)
+    else:
+        _line_prefetch_kernel[(triton.cdiv(n, 128 * per_program),)](
+            w, n, LINES=per_program, num_warps=warps)
 
 
 def time_graph(fn, iters: int, reps: int = 20) -> float:
@@ -83,6 +105,8 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=768)
     ap.add_argument("--splits", type=int, default=6)
     ap.add_argument("--rot", type=int, default=12)
+    ap.add_argument("--variants", action="store_true",
+                    help="compare prefetch kernels of other shapes (VARIANTS) instead")
     args = ap.parse_args()
     dev, dt = torch.device("cuda"), torch.bfloat16
     heads, kvh, d, hidden, page = 32, 8, 128, 4096, 16
@@ -132,14 +156,21 @@ def main() -> None:
         return {k: round(v, 2) for k, v in r.items()}
 
     results = {"device": torch.cuda.get_device_name(), "ctx": args.ctx, "splits": args.splits}
-    for use_pdl in (True, False):
+    if args.variants:  # prefetch kernels of other shapes, Triton o projection, PDL on
+        pdl.set_enabled(True)
+        for v in VARIANTS:
+            VARIANT[0] = v
+            results[f"o_triton {v}"] = r = measure(cfgs["o_triton"])
+            print(v, json.dumps(r), flush=True)
+    for use_pdl in () if args.variants else (True, False):
         pdl.set_enabled(use_pdl)
         for name, cfg in cfgs.items():
             results[f"{name} pdl={use_pdl}"] = r = measure(cfg)
             print(name, "pdl", use_pdl, json.dumps(r), flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "l2_prefetch_probe.json").write_text(json.dumps(results, indent=1))
+    name = "l2_prefetch_variants.json" if args.variants else "l2_prefetch_probe.json"
+    (out / name).write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":
