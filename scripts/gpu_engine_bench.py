@@ -164,8 +164,6 @@ def main() -> None:
     ap.add_argument("--ab-rope", action="store_true",
                     help="also plain and fixed K=3 with the rotary + K/V store in a kernel of its "
                          "own instead of inside decode attention (FUSED_ROPE off)")  # fmt: skip
-    ap.add_argument("--again", action="store_true",
-                    help="run the first configuration again as the last engine")
     ap.add_argument("--only", nargs="+", default=None,
                     help="run only the configurations whose names contain one of these")
     args = ap.parse_args()
@@ -203,9 +201,6 @@ def main() -> None:
             **configs["eagle3 K=3 fixed (sim. accept len 3.0)"], "fused_rope": False}  # fmt: skip
     if args.only:
         configs = {k: v for k, v in configs.items() if any(o in k for o in args.only)}
-    if args.again:  # the first engine once more at the end: what the order alone changes
-        first = next(iter(configs))
-        configs[f"{first} (again, last)"] = configs[first]
     from specserve.layers import triton_argmax  # kernel modules: imported when needed
     from specserve.layers.attention import triton_kernels
 
