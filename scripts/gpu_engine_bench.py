@@ -161,9 +161,6 @@ def main() -> None:
     ap.add_argument("--ab-argmax", action="store_true",
                     help="also plain and fixed K=3 with the Triton row argmax switched off "
                          "(layers/triton_argmax.py: torch's), for an A/B in one run")  # fmt: skip
-    ap.add_argument("--ab-rope", action="store_true",
-                    help="also plain and fixed K=3 with the rotary + K/V store in a kernel of its "
-                         "own instead of inside decode attention (FUSED_ROPE off)")  # fmt: skip
     ap.add_argument("--only", nargs="+", default=None,
                     help="run only the configurations whose names contain one of these")
     args = ap.parse_args()
@@ -195,21 +192,15 @@ def main() -> None:
         configs["plain, torch argmax"] = {**configs["plain"], "argmax": "off"}
         configs["eagle3 K=3 fixed, torch argmax"] = {
             **configs["eagle3 K=3 fixed (sim. accept len 3.0)"], "argmax": "off"}  # fmt: skip
-    if args.ab_rope:
-        configs["plain, rotary kernel"] = {**configs["plain"], "fused_rope": False}
-        configs["eagle3 K=3 fixed, rotary kernel"] = {
-            **configs["eagle3 K=3 fixed (sim. accept len 3.0)"], "fused_rope": False}  # fmt: skip
     if args.only:
         configs = {k: v for k, v in configs.items() if any(o in k for o in args.only)}
-    from specserve.layers import triton_argmax  # kernel modules: imported when needed
-    from specserve.layers.attention import triton_kernels
+    from specserve.layers import triton_argmax  # a kernel module: imported when needed
 
     results = {}
     for name, extra in configs.items():
         extra = dict(extra)
         # read at each call, and by the drafter's graphs when captured: for this engine
         triton_argmax.set_mode(extra.pop("argmax", "graphs"))
-        triton_kernels.FUSED_ROPE = extra.pop("fused_rope", True)  # read per call
         t0 = time.perf_counter()
         engine = LLMEngine(EngineConfig(**base, **extra), model=model)
         startup = time.perf_counter() - t0
