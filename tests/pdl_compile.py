@@ -162,12 +162,6 @@ def _launch_all() -> None:
         runs[f"attention-{kernel}-split"] = (
             lambda kernel=kernel: attn.paged_attention(q, cache, cache, *meta, 1, 1.0,
                                                        num_splits=2, kernel=kernel))  # fmt: skip
-    # the decode kernel taking qkv rows: rotary and K/V store inside it (ROPE)
-    qkv, rope = torch.zeros(2, 512, **bf16), attn.Rope(cos_sin, pos, 4)
-    for kernel in ("decode", "prefetch"):
-        runs[f"attention-{kernel}-rope-split"] = (
-            lambda kernel=kernel: attn.paged_attention(qkv, cache, cache, *meta, 1, 1.0,
-                                                       num_splits=2, kernel=kernel, rope=rope))
 
     for label, launch in runs.items():
         _LABEL[0] = label

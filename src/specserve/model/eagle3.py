@@ -36,7 +36,7 @@ from specserve.model.eagle3_config import (
     default_aux_layer_ids,
 )
 from specserve.model.hf_config import ModelConfig
-from specserve.model.llama import attend_qkv, fused_kv_store
+from specserve.model.llama import fused_kv_store
 
 __all__ = [
     "ARCHITECTURE",
@@ -191,12 +191,15 @@ class Eagle3Head(nn.Module):
         attn = self.midlayer.self_attn
         x = self._packed_layer_input(embeds, hidden)
         if attn.merged() is not None and fused_kv_store(self.rotary, backend):
-            out = attend_qkv(attn.qkv_proj(x), self.rotary, backend, kv, meta, attn.num_heads,
-                             attn.num_kv_heads, attn.scale)  # fmt: skip
+            # Rotary of q and k and the K/V store in one kernel; the backend only attends.
+            q = self.rotary.rotate_and_store(meta.positions, attn.qkv_proj(x), attn.num_heads,
+                                             attn.num_kv_heads, kv[0], kv[1],
+                                             meta.slot_mapping)  # fmt: skip
+            out = backend.forward(q, None, None, kv[0], kv[1], meta, attn.scale)
         else:
             q, k, v = attn.qkv(x, meta.positions, self.rotary)
             out = backend.forward(q, k, v, kv[0], kv[1], meta, attn.scale)
-        out = attn.o_proj(out.reshape(x.shape[0], attn.num_heads * attn.head_dim))
+        out = attn.o_proj(out.reshape(q.shape[0], attn.num_heads * attn.head_dim))
         if with_normed:
             y, h = self._mlp(out, hidden)
             normed, total = self.norm(y, h)

@@ -58,8 +58,10 @@ class Attention(nn.Module):
         t = x.shape[0]
         qkv = self.qkv_proj(x)
         if self.q_norm is None and fused_kv_store(rotary, backend):
-            out = attend_qkv(qkv, rotary, backend, kv, meta, self.num_heads, self.num_kv_heads,
-                             self.scale)  # fmt: skip
+            # Rotary of q and k and the K/V store in one kernel; the backend only attends.
+            q = rotary.rotate_and_store(meta.positions, qkv, self.num_heads, self.num_kv_heads,
+                                        kv[0], kv[1], meta.slot_mapping)  # fmt: skip
+            out = backend.forward(q, None, None, kv[0], kv[1], meta, self.scale)
             return self._output(out.reshape(t, self.num_heads * self.head_dim), defer_reduce)
         q, k, v = qkv.split(self.split_sizes, dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
@@ -89,19 +91,6 @@ def fused_kv_store(rotary, backend) -> bool:
     """Whether the rotary module can store K/V itself (the Triton one) for a backend that
     then skips its own KV write (the Triton backend, given k = v = None)."""
     return getattr(rotary, "stores_kv", False) and backend.name == "triton"
-
-
-def attend_qkv(qkv, rotary, backend, kv, meta: AttentionMetadata, num_heads: int,
-               num_kv_heads: int, scale: float) -> torch.Tensor:  # fmt: skip
-    """Attention from a qkv projection's rows where `fused_kv_store` holds: the decode
-    kernel rotates, stores K/V and attends where the backend takes qkv for this step
-    (`takes_qkv`: decode and verify), else the rotary + K/V store kernel, then the backend,
-    which only attends. Returns [T, num_heads, head_dim]."""
-    if backend.takes_qkv(meta, num_heads, num_kv_heads):
-        return backend.forward_qkv(qkv, rotary.cos_sin, num_heads, kv[0], kv[1], meta, scale)
-    q = rotary.rotate_and_store(meta.positions, qkv, num_heads, num_kv_heads, kv[0], kv[1],
-                                meta.slot_mapping)  # fmt: skip
-    return backend.forward(q, None, None, kv[0], kv[1], meta, scale)
 
 
 class DecoderLayer(nn.Module):

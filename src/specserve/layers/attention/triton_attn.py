@@ -79,9 +79,8 @@ class TritonAttentionBackend(AttentionBackend):
     def warm_up(self, num_heads: int, kv_cache: tuple[torch.Tensor, torch.Tensor]) -> int:
         """Compile every kernel variant a model with `num_heads` query heads over this cache
         layout can need (query blocks of 16/32/64 rows for decode, verify and short
-        catch-ups, 128 for prefill; split and unsplit; and where `takes_qkv` may hold, the
-        decode-like ones again from qkv rows), so that no step ever waits for Triton's
-        compiler. Writes only to the scratch page 0; returns the variants run."""
+        catch-ups, 128 for prefill; split and unsplit), so that no step ever waits for
+        Triton's compiler. Writes only to the scratch page 0; returns the variants run."""
         ops = self.kernels
         k_cache, v_cache = kv_cache
         kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
@@ -92,27 +91,19 @@ class TritonAttentionBackend(AttentionBackend):
                   for splits in (1, 2)]  # fmt: skip
         shapes.append((ops.DECODE_MAX_ROWS // group + 1, 1))  # prefill-like
         i64 = dict(dtype=torch.int64, device=device)
-        act = dict(dtype=k_cache.dtype, device=device)
-
-        def meta(q_len):  # one request at position 0: every write to slot 0 of page 0
-            zeros = torch.zeros(q_len, **i64)
-            return AttentionMetadata(zeros, zeros, torch.tensor([0, q_len], **i64),
-                                     torch.ones(1, **i64), torch.zeros(1, 1, **i64), q_len, 1)
-
         for q_len, splits in shapes:
-            kv = torch.zeros(q_len, kv_heads, head_dim, **act)
-            ops.write_kv(kv, kv, k_cache, v_cache, meta(q_len).slot_mapping)
-            self._attend(torch.zeros(q_len, num_heads, head_dim, **act), num_heads, k_cache,
-                         v_cache, meta(q_len), 1.0, splits)  # fmt: skip
-        cos_sin = torch.zeros(1, head_dim, dtype=torch.float32, device=device)
-        rope_shapes = [(q_len, splits) for q_len, splits in shapes
-                       if self._takes_qkv(q_len, group)]  # fmt: skip
-        for q_len, splits in rope_shapes:
-            qkv = torch.zeros(q_len, (num_heads + 2 * kv_heads) * head_dim, **act)
-            m = meta(q_len)
-            self._attend(qkv, num_heads, k_cache, v_cache, m, 1.0, splits,
-                         ops.Rope(cos_sin, m.slot_mapping, num_heads))  # fmt: skip
-        return len(shapes) + len(rope_shapes)
+            q = torch.zeros(q_len, num_heads, head_dim, dtype=k_cache.dtype, device=device)
+            kv = torch.zeros(q_len, kv_heads, head_dim, dtype=k_cache.dtype, device=device)
+            slots = torch.zeros(q_len, **i64)  # every write to slot 0 of page 0
+            ops.write_kv(kv, kv, k_cache, v_cache, slots)
+            launch = self.decode if q_len * group <= ops.DECODE_MAX_ROWS else self.prefill
+            ops.paged_attention(
+                q, k_cache, v_cache, torch.arange(q_len, **i64) % 1,
+                torch.tensor([0, q_len], **i64), torch.ones(1, **i64),
+                torch.zeros(1, 1, **i64), q_len, 1.0, num_splits=splits,
+                block_n=launch.block_n, num_warps=launch.num_warps, num_stages=launch.num_stages,
+            )  # fmt: skip
+        return len(shapes)
 
     def choose_num_splits(self, meta: AttentionMetadata, num_kv_heads: int, group: int,
                           device: torch.device) -> int:  # fmt: skip
@@ -132,39 +123,14 @@ class TritonAttentionBackend(AttentionBackend):
         )  # fmt: skip
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
-        self.kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        return self._attend(q, q.shape[1], k_cache, v_cache, meta, scale)
-
-    def takes_qkv(self, meta: AttentionMetadata, num_heads: int, num_kv_heads: int) -> bool:
-        """Whether `forward_qkv` serves this step: FUSED_ROPE on, and a decode-like step
-        (the rule `forward` launches by) that the decode kernel serves. Host-side only."""
-        return self._takes_qkv(meta.max_query_len, num_heads // num_kv_heads)
-
-    def _takes_qkv(self, max_query_len: int, group: int) -> bool:
         ops = self.kernels
-        return (ops.FUSED_ROPE and ops.DECODE_KERNEL != "generic"
-                and max_query_len * group <= ops.DECODE_MAX_ROWS)  # fmt: skip
-
-    def forward_qkv(self, qkv: torch.Tensor, cos_sin: torch.Tensor, num_heads: int,
-                    k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                    scale: float) -> torch.Tensor:  # fmt: skip
-        """Attention from a qkv projection's rows [T, (num_heads + 2 * kv_heads) * head_dim]
-        for a step `takes_qkv` accepts: the decode kernel rotates q and k (`cos_sin`: the
-        rotary table, cos | sin) and stores k and v at meta.slot_mapping itself. Returns
-        [T, num_heads, head_dim], the same values as forward after rotary_store_kv."""
-        rope = self.kernels.Rope(cos_sin, meta.slot_mapping, num_heads)
-        return self._attend(qkv, num_heads, k_cache, v_cache, meta, scale, rope=rope)
-
-    def _attend(self, q, num_heads, k_cache, v_cache, meta, scale, splits=None, rope=None):
-        ops = self.kernels
+        ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         kv_heads = k_cache.shape[2]
-        if splits is None:
-            splits = self.choose_num_splits(meta, kv_heads, num_heads // kv_heads, q.device)
-        rows = meta.max_query_len * num_heads // kv_heads
+        splits = self.choose_num_splits(meta, kv_heads, q.shape[1] // kv_heads, q.device)
+        rows = meta.max_query_len * q.shape[1] // kv_heads
         launch = self.decode if rows <= ops.DECODE_MAX_ROWS else self.prefill
         return ops.paged_attention(
             q, k_cache, v_cache, meta.positions, meta.query_start_loc, meta.seq_lens,
             meta.block_tables, meta.max_query_len, scale, num_splits=splits,
             block_n=launch.block_n, num_warps=launch.num_warps, num_stages=launch.num_stages,
-            rope=rope,
         )  # fmt: skip

@@ -11,51 +11,16 @@ together; the page ids of the next block are fetched a block ahead, which lets T
 pipeliner (num_stages >= 3) keep the next K/V block in flight in shared memory while this
 one is computed. PREFETCH does that by hand instead, in registers (no pipeliner).
 
-ROPE: the kernel takes the qkv projection's rows instead of q and does the rotary and the
-K/V store itself (one kernel less per layer; `paged_attention(rope=)`, see `_new_kv`).
-
 Imported by triton_kernels.py, and like it only when kernels may be defined (TRITON_INTERPRET
 is read then).
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
-import torch
 import triton
 import triton.language as tl
 
 from specserve.layers.pdl_kernel import pdl_enter
-from specserve.layers.triton_rotary import _round
-
-
-class Rope(NamedTuple):
-    """What the decode kernel needs to take a qkv projection's rows [T, (q_heads + 2 *
-    kv_heads) * head_dim] instead of q (`paged_attention(rope=)`): the rotary table
-    [max_pos, head_dim] (fp32: cos in the first half, sin in the second), each token's KV
-    slot (< 0: not stored) and the number of query heads."""
-
-    cos_sin: torch.Tensor
-    slot_mapping: torch.Tensor
-    q_heads: int
-
-
-def check_rope(qkv: torch.Tensor, rope: Rope, kv_heads: int, head_dim: int,
-               served: bool) -> None:  # fmt: skip
-    """Raise unless paged_attention can take these qkv rows with this rotary table."""
-    width = (rope.q_heads + 2 * kv_heads) * head_dim
-    if qkv.dim() != 2 or qkv.shape[1] != width or rope.q_heads % kv_heads:
-        raise ValueError(f"with rope, q must be qkv rows [T, {width}] (q_heads "
-                         f"{rope.q_heads} + 2 * {kv_heads} KV heads of {head_dim}), "
-                         f"got {tuple(qkv.shape)}")  # fmt: skip
-    cos_sin = rope.cos_sin
-    if cos_sin.dim() != 2 or cos_sin.shape[1] != head_dim or cos_sin.stride(1) != 1:
-        raise ValueError(f"rope.cos_sin must be a [max_pos, {head_dim}] table with "
-                         "contiguous rows")  # fmt: skip
-    if not served:
-        raise ValueError("rope needs a step the decode kernel serves: at most DECODE_MAX_ROWS "
-                         "query rows per request and a kernel other than 'generic'")
 
 
 @triton.jit
@@ -83,62 +48,6 @@ def _kv_load(k_cache, v_cache, page, n, n_ok, kvh, stride_cp, stride_cs, stride_
     return k, v
 
 
-@triton.jit
-def _rope(src, pos, ok, cos_sin, stride_rope, d, HEAD_DIM: tl.constexpr):
-    """Rotary of head rows (row r: HEAD_DIM values at src[r], position pos[r], ok[r] or 0) as
-    a [rows, BLOCK_D] tile: each column d with its partner d +/- HALF, the rounding of
-    triton_rotary._rotate_rows (cos, sin, each product and the sum in the activation dtype;
-    a - b there, the same bits as a + (-b)). Returns fp32 holding activation-dtype values."""
-    HALF = HEAD_DIM // 2
-    first = d < HALF
-    i = tl.where(first, d, d - HALF)
-    mask = ok[:, None] & (d < HEAD_DIM)[None, :]
-    x = tl.load(src[:, None] + d[None, :], mask=mask, other=0.0).to(tl.float32)
-    partner = tl.load(src[:, None] + tl.where(first, d + HALF, i)[None, :], mask=mask,
-                      other=0.0).to(tl.float32)  # fmt: skip
-    dtype = src.dtype.element_ty
-    row = cos_sin + pos[:, None] * stride_rope + i[None, :]
-    cos = _round(tl.load(row, mask=mask, other=0.0), dtype)
-    sin = _round(tl.load(row + HALF, mask=mask, other=0.0), dtype)
-    xc, ps = _round(x * cos, dtype), _round(partner * sin, dtype)
-    return _round(tl.where(first[None, :], xc - ps, xc + ps), dtype)
-
-
-@triton.jit
-def _new_kv(qkv, cos_sin, positions, slot_mapping, q_start, q_len, kvh, chunk, pid_s,
-            num_splits, stride_qt, stride_qh, stride_rope, stride_cp, stride_cs, stride_ch, d,
-            d_ok, Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-            PAGE_SIZE: tl.constexpr, BLOCK_T: tl.constexpr):  # fmt: skip
-    """KV head kvh's part of rotary_store_kv (triton_rotary.py) for the request's new tokens
-    whose key index (their position) lies in this program's chunk [pid_s * chunk, (pid_s +
-    1) * chunk): k rotated and v, [BLOCK_T, BLOCK_D] each, their cache offsets and the mask
-    of what to store (other chunks' tokens and slots < 0 left out), for the caller to store.
-
-    Each token is stored by exactly one program of its (request, KV head), that of split
-    pos // chunk: the splits' chunks tile [0, num_splits * chunk), which covers [0,
-    seq_len), and the last split also takes positions past that (never read: keys stop at
-    seq_len). No other program reads the key: only the one whose chunk holds key index p
-    reads it, at block_tables[p // PAGE_SIZE] * PAGE_SIZE + p % PAGE_SIZE, which is the
-    token's slot (the runner derives slots from the page tables so, and a step writes only
-    to pages of its own request). The one exception is harmless: padding tokens write slot
-    0 (the scratch page), which the graph runner's padded requests read, so those requests'
-    discarded outputs may or may not see another program's write."""
-    t = tl.arange(0, BLOCK_T)
-    t_ok = t < q_len
-    pos = tl.load(positions + q_start + t, mask=t_ok, other=0).to(tl.int32)
-    slot = tl.load(slot_mapping + q_start + t, mask=t_ok, other=-1)
-    owner = tl.minimum(tl.maximum(pos, 0) // tl.maximum(chunk, 1), num_splits - 1)  # its split
-    mine = t_ok & (slot >= 0) & (owner == pid_s)
-    row = qkv + (q_start + t) * stride_qt
-    k = _rope(row + (Q_HEADS + kvh) * stride_qh, pos, mine, cos_sin, stride_rope, d, HEAD_DIM)
-    mask = mine[:, None] & d_ok[None, :]
-    v_row = row + (Q_HEADS + KV_HEADS + kvh) * stride_qh
-    v = tl.load(v_row[:, None] + d[None, :], mask=mask, other=0.0)
-    slot = tl.maximum(slot, 0)
-    dst = (slot // PAGE_SIZE) * stride_cp + (slot % PAGE_SIZE) * stride_cs + kvh * stride_ch
-    return k, v, dst[:, None] + d[None, :], mask
-
-
 # The step's metadata are views into one upload whose alignment varies from step to step:
 # not specialized on (see triton_kernels.py, where the generic kernel does the same).
 METADATA = ["positions", "query_start_loc", "seq_lens", "block_tables"]
@@ -147,22 +56,20 @@ METADATA = ["positions", "query_start_loc", "seq_lens", "block_tables"]
 NOT_SPECIALIZED = ["stride_bt", "num_splits", "stride_os", "stride_ls", "stride_lt", *METADATA]
 
 
-@triton.jit(do_not_specialize=[*NOT_SPECIALIZED, "slot_mapping"])  # slots: step metadata too
+@triton.jit(do_not_specialize=NOT_SPECIALIZED)
 def _paged_attn_decode_kernel(
     q_ptr, k_cache, v_cache, out_ptr, lse_ptr,
     positions, query_start_loc, seq_lens, block_tables,
     stride_qt, stride_qh, stride_cp, stride_cs, stride_ch, stride_bt,
     stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
-    qk_scale, num_splits, cos_sin, slot_mapping, stride_rope,
+    qk_scale, num_splits,
     KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PREFETCH: tl.constexpr,
-    ROPE: tl.constexpr = False, BLOCK_T: tl.constexpr = 1, USE_PDL: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
-    # Same arguments and grid as _paged_attn_kernel (plus the rotary's: cos_sin table, slots
-    # and the table's row stride, unused without ROPE); all of a request's rows fit BLOCK_M.
-    # ROPE: q_ptr holds qkv rows [q heads | k heads | v heads] (head stride stride_qh).
-    if USE_PDL:  # layers/pdl.py: q (or qkv) and the new K/V come from the kernel before
+    # Same arguments and grid as _paged_attn_kernel; all of a request's rows fit BLOCK_M.
+    if USE_PDL:  # layers/pdl.py: q and the new K/V come from the kernel before
         pdl_enter()
     pid_bh = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -185,29 +92,8 @@ def _paged_attn_decode_kernel(
     pos = tl.load(positions + q_start + tok, mask=row_ok, other=-1).to(tl.int32)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
-    if ROPE:  # every load before the stores: the new keys' chain first, then q's
-        k_new, v_new, dst, new_ok = _new_kv(
-            q_ptr, cos_sin, positions, slot_mapping, q_start, q_len, kvh, chunk, pid_s,
-            num_splits, stride_qt, stride_qh, stride_rope, stride_cp, stride_cs, stride_ch, d,
-            d_ok, KV_HEADS * GROUP, KV_HEADS, HEAD_DIM, PAGE_SIZE, BLOCK_T,
-        )  # fmt: skip
-        q_row = q_ptr + (q_start + tok) * stride_qt + head * stride_qh
-        q = _rope(q_row, pos, row_ok, cos_sin, stride_rope, d, HEAD_DIM)
-        q = q.to(q_ptr.dtype.element_ty)
-        tl.store(k_cache + dst, k_new.to(k_cache.dtype.element_ty), mask=new_ok)
-        tl.store(v_cache + dst, v_new.to(v_cache.dtype.element_ty), mask=new_ok)
-        # The loop below reads the new keys through the cache like any other key. Only this
-        # program reads them (_new_kv), so a CTA barrier suffices: after bar.sync every
-        # thread's earlier stores are visible to the CTA's threads' later accesses (PTX
-        # memory model). The loop's loads are pointer loads: ld.global, or cp.async into
-        # shared memory where Triton pipelines them (a weak read in the generic proxy, like
-        # ld.global), all issued after the barrier, the pipeline's prologue included (sm_90
-        # PTX: every load of this block, the two stores, bar.sync, then the first cp.async).
-        # A TMA load (async proxy) would need a proxy fence too.
-        tl.debug_barrier()
-    else:
-        q_off = (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
-        q = tl.load(q_ptr + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    q_off = (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
+    q = tl.load(q_ptr + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     # Keys visible to any row: up to the last position (positions ascend), within seq_len.
     hi = tl.minimum(lo + chunk, tl.minimum(seq_len, tl.max(pos, 0) + 1))
 

@@ -12,10 +12,7 @@ each request is cut into that many chunks (flash-decoding), each program writes 
 output with its log-sum-exp, and a second kernel merges them; the chunk size is computed on
 the device from the request's own length, so the launch shape does not depend on the data
 (CUDA-graph safe). Every kernel here may be launched with programmatic dependent launch
-(layers/pdl.py): it waits for the previous kernel before its first read or write. For
-decode-like steps the decode kernel can also take the qkv projection's rows and do the
-rotary and the K/V store itself (`paged_attention(rope=Rope(...))`, FUSED_ROPE): the
-rotary + K/V store kernel (layers/triton_rotary.py) is then not launched.
+(layers/pdl.py): it waits for the previous kernel before its first read or write.
 
 Imported lazily: kernels are defined when this module is first imported, which is when
 TRITON_INTERPRET is read.
@@ -28,12 +25,7 @@ import triton
 import triton.language as tl
 
 from specserve.layers import pdl
-from specserve.layers.attention.triton_decode import (  # noqa: F401 (Rope: callers use it here)
-    NOT_SPECIALIZED,
-    Rope,
-    _paged_attn_decode_kernel,
-    check_rope,
-)
+from specserve.layers.attention.triton_decode import NOT_SPECIALIZED, _paged_attn_decode_kernel
 from specserve.layers.attention.triton_kv_write import (  # noqa: F401 (callers use them here)
     _check_cache,
     check_cache,
@@ -52,11 +44,6 @@ DECODE_KERNELS = ("decode", "prefetch", "generic")
 # block in flight while this one is computed (with 2 the pipeliner keeps one buffer and
 # issues the next block's loads only after this block's math).
 DECODE_MIN_STAGES = 3
-# Whether the Triton backend hands decode-like steps' qkv rows to the decode kernel, which
-# rotates q and k and stores k and v itself (`TritonAttentionBackend.takes_qkv`). Read at
-# each call: captured CUDA graphs keep what they captured.
-FUSED_ROPE = True
-
 # Integers that vary from step to step (the page-table width, the split count, the strides
 # of the per-split buffers, which scale with the token count) are not specialized on:
 # Triton would otherwise compile a new variant when one first turns 1 or a multiple of 16,
@@ -195,7 +182,6 @@ def paged_attention(
     num_warps: int | None = None,
     num_stages: int = 2,
     kernel: str | None = None,
-    rope: Rope | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed queries q [T, H, D] over the paged cache; returns [T, H, D].
 
@@ -205,33 +191,18 @@ def paged_attention(
     takes at least DECODE_MIN_STAGES). kernel picks what serves decode-like steps (at most
     DECODE_MAX_ROWS rows per request): one of DECODE_KERNELS, default DECODE_KERNEL; other
     steps always take the generic kernel.
-
-    rope: q is a qkv projection's rows [T, (H + 2 * kv_heads) * D] (q heads, k heads, v
-    heads) and the decode kernel rotates q and k at `positions` and stores k and v at
-    rope.slot_mapping before it attends: the same cache and output, bit for bit, as
-    triton_rotary.rotary_store_kv followed by this function. Only for steps the decode
-    kernel serves (decode-like, kernel not "generic"); ValueError otherwise.
     """
+    num_tokens, num_heads, head_dim = q.shape
     _check_cache(k_cache, v_cache)
-    kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    kernel = kernel or DECODE_KERNEL
-    if kernel not in DECODE_KERNELS:
-        raise ValueError(f"kernel must be one of {DECODE_KERNELS}, got {kernel!r}")
-    if rope is None:
-        num_tokens, num_heads, head_dim = q.shape
-    else:
-        num_tokens, num_heads = q.shape[0], rope.q_heads
-        served = max_query_len * num_heads // kv_heads <= DECODE_MAX_ROWS and kernel != "generic"
-        check_rope(q, rope, kv_heads, head_dim, served)
+    kv_heads = k_cache.shape[2]
     group = num_heads // kv_heads
     if q.stride(-1) != 1:
         q = q.contiguous()
     if out is None:
-        out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
+        out = torch.empty_like(q)
     num_requests = seq_lens.shape[0]
     if num_tokens == 0 or num_requests == 0:
         return out
-    q_strides = (q.stride(0), q.stride(1) if rope is None else head_dim)
     rows = max_query_len * group
     decode_like = rows <= DECODE_MAX_ROWS
     block_m = max(16, triton.next_power_of_2(rows)) if decode_like else 128
@@ -250,23 +221,20 @@ def paged_attention(
         lse, dst = out, out  # lse unused
         dst_strides, lse_strides = (0, *out.stride()[:2]), (0, 0)
     launch_pdl = pdl.launch_options(q.device)
+    kernel = kernel or DECODE_KERNEL
+    if kernel not in DECODE_KERNELS:
+        raise ValueError(f"kernel must be one of {DECODE_KERNELS}, got {kernel!r}")
     extra = {}
     if decode_like and kernel != "generic":
         launch, extra["PREFETCH"] = _paged_attn_decode_kernel[grid], kernel == "prefetch"
         if kernel == "decode":
             num_stages = max(num_stages, DECODE_MIN_STAGES)
-        if rope is None:  # the rotary's arguments unused: any tensors of the launch do
-            extra.update(cos_sin=q, slot_mapping=positions, stride_rope=0)
-        else:  # BLOCK_T tokens cover any request's: block_m >= max_query_len * group
-            extra.update(cos_sin=rope.cos_sin, slot_mapping=rope.slot_mapping,
-                         stride_rope=rope.cos_sin.stride(0), ROPE=True,
-                         BLOCK_T=triton.next_power_of_2(block_m // group))  # fmt: skip
     else:
         launch = _paged_attn_kernel[grid]
     launch(
         q, k_cache, v_cache, dst, lse,
         positions, query_start_loc, seq_lens, block_tables,
-        *q_strides, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), *dst_strides, *lse_strides,
         scale * LOG2E, num_splits,
         KV_HEADS=kv_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
