@@ -161,6 +161,8 @@ def main() -> None:
     ap.add_argument("--ab-argmax", action="store_true",
                     help="also plain and fixed K=3 with the Triton row argmax switched off "
                          "(layers/triton_argmax.py: torch's), for an A/B in one run")  # fmt: skip
+    ap.add_argument("--again", action="store_true",
+                    help="run the first configuration again as the last engine")
     ap.add_argument("--only", nargs="+", default=None,
                     help="run only the configurations whose names contain one of these")
     args = ap.parse_args()
@@ -194,6 +196,9 @@ def main() -> None:
             **configs["eagle3 K=3 fixed (sim. accept len 3.0)"], "argmax": "off"}  # fmt: skip
     if args.only:
         configs = {k: v for k, v in configs.items() if any(o in k for o in args.only)}
+    if args.again:  # the first engine once more at the end: what the order alone changes
+        first = next(iter(configs))
+        configs[f"{first} (again, last)"] = configs[first]
     from specserve.layers import triton_argmax  # a kernel module: imported when needed
 
     results = {}
