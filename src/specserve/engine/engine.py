@@ -130,9 +130,10 @@ class LLMEngine:
         )
         report = graphs.capture()
         log.info(
-            "captured %d CUDA graphs in %.1f s (warm-up %.1f s), graph memory %.1f MiB",
-            report.num_graphs, report.capture_s, report.warmup_s, report.graph_pool_bytes / 2**20,
-        )
+            "captured %d CUDA graphs in %.1f s (warm-up %.1f s, first replays %.2f s), graph "
+            "memory %.1f MiB", report.num_graphs, report.capture_s, report.warmup_s,
+            report.first_replay_s, report.graph_pool_bytes / 2**20,
+        )  # fmt: skip
         return graphs
 
     # ---- requests -------------------------------------------------------------------------

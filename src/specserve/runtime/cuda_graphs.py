@@ -36,6 +36,7 @@ class CaptureReport:
     capture_s: float
     graph_pool_bytes: int  # growth of reserved device memory over the captures
     static_bytes: int  # the static input buffers
+    first_replay_s: float = 0.0  # one replay of every graph after capture (see capture_graphs)
 
 
 @contextlib.contextmanager
@@ -81,8 +82,12 @@ def static_meta(bufs, batch: int, q: int) -> AttentionMetadata:
 def capture_graphs(keys: list[tuple], forward, static_bytes: int, pool=None):
     """Run `forward(*key)` eagerly for every key (Triton compilation, cuBLAS set-up) on a side
     stream, then capture each into one memory pool (`pool`, or a new one), in the order
-    given (largest first, so that smaller graphs reuse its memory). The static buffers hold
-    padding values while this runs, so every write goes to the scratch page 0.
+    given (largest first, so that smaller graphs reuse its memory), then replay each once:
+    a graph's first launch also uploads it to the device, which for a step of a few hundred
+    kernels takes about as long as the step again, and would otherwise land on the first
+    step that reaches its shape (on the H200 one ~20 ms step of a 10 ms batch-64 speculative
+    run, when finishing requests first shrank the batch to a new bucket). The static buffers
+    hold padding values while this runs, so every write goes to the scratch page 0.
     Returns ({key: (graph, outputs)}, the report, the pool)."""
     torch.cuda.synchronize()
     start = time.perf_counter()
@@ -107,12 +112,18 @@ def capture_graphs(keys: list[tuple], forward, static_bytes: int, pool=None):
                 outputs = forward(*key)
             graphs[key] = (graph, outputs)
     torch.cuda.synchronize()
+    capture_s = time.perf_counter() - start
+    start = time.perf_counter()
+    for graph, _ in graphs.values():
+        graph.replay()
+    torch.cuda.synchronize()
     report = CaptureReport(
         num_graphs=len(keys),
         warmup_s=warmup_s,
-        capture_s=time.perf_counter() - start,
+        capture_s=capture_s,
         graph_pool_bytes=torch.cuda.memory_reserved() - reserved,
         static_bytes=static_bytes,
+        first_replay_s=time.perf_counter() - start,
     )
     return graphs, report, pool
 
