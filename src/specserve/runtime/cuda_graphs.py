@@ -83,10 +83,10 @@ def capture_graphs(keys: list[tuple], forward, static_bytes: int, pool=None):
     """Run `forward(*key)` eagerly for every key (Triton compilation, cuBLAS set-up) on a side
     stream, then capture each into one memory pool (`pool`, or a new one), in the order
     given (largest first, so that smaller graphs reuse its memory), then replay each once:
-    a graph's first launch also uploads it to the device (on the H200 ~5 ms for an 8B-shaped
-    step graph: 0.15 s for 32 of them), which would otherwise fall on the first step to
-    reach its shape. The static buffers hold padding values while this runs, so every write
-    goes to the scratch page 0.
+    a graph's first launch also uploads it to the device, work that would otherwise fall on
+    the first step to reach its shape (on the H200 the 32 replays of an 8B-shaped engine take
+    0.15 s, about one step's run each; the upload was not timed apart). The static buffers
+    hold padding values while this runs, so every write goes to the scratch page 0.
     Returns ({key: (graph, outputs)}, the report, the pool)."""
     torch.cuda.synchronize()
     start = time.perf_counter()
