@@ -54,6 +54,12 @@ def graph_us(fn, reps: int) -> float:
             fn()
     for _ in range(3):
         graph.replay()
+    return replay_us(graph, GRAPH_CALLS, reps)
+
+
+def replay_us(graph, calls: int, reps: int) -> float:
+    """Median over `reps` replays of `graph` (which makes `calls` calls) of the us per call,
+    between CUDA events."""
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -61,7 +67,7 @@ def graph_us(fn, reps: int) -> float:
         graph.replay()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / GRAPH_CALLS)
+        times.append(start.elapsed_time(end) * 1000 / calls)
     return statistics.median(times)
 
 

@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
+from argmax_bench import replay_us
 
 from specserve.layers import pdl
 from specserve.layers.attention.triton_kernels import paged_attention
@@ -88,15 +88,7 @@ def time_graph(fn, iters: int, reps: int = 20) -> float:
             fn(i)
     graph.replay()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / iters)
-    return statistics.median(times)
+    return replay_us(graph, iters, reps)
 
 
 def main() -> None:
