@@ -129,6 +129,17 @@ def test_block_and_dispatch_rules():
         ta.triton_argmax(x.t())
 
 
+def test_mode_switch():
+    pytest.importorskip("triton")
+    from specserve.layers import triton_argmax as ta
+
+    previous = ta.set_mode("off")  # (this module's tests run under "always")
+    assert ta.set_mode("graphs") == "off"
+    with pytest.raises(ValueError, match="argmax mode must be one of"):
+        ta.set_mode("on")
+    assert ta.set_mode(previous) == "graphs"  # a refused mode changes nothing
+
+
 def test_kernels_wait_before_touching_memory():
     """Compiled for sm_90 (tests/pdl_compile.py's machinery, in a subprocess): with PDL on,
     each kernel waits before its first load and store and signals after; off, neither."""
@@ -210,6 +221,23 @@ def test_gpu_equals_torch_argmax(rows, n_cols, dtype, kind):
     assert argmax_rows(x[-1]).shape == () and argmax_rows(x[-1]) == x[-1].argmax()
     if rows > 1:  # a batch of one row each, as [rows, 1, V]
         assert mismatches(argmax_rows(x[:, None]).flatten(), x.argmax(-1)) == []
+
+
+@pytest.mark.gpu
+def test_gpu_graphs_mode_takes_the_kernels_only_in_capture():
+    from specserve.layers import triton_argmax as ta
+
+    previous = ta.set_mode("graphs")
+    try:
+        x = case_rows(2, 128256, torch.bfloat16, "planted", seed=5, device="cuda")
+        assert not ta.uses_triton(x)  # eager: torch's single launch
+        graph = torch.cuda.CUDAGraph()
+        seen = []
+        with torch.cuda.graph(graph):
+            seen.append(ta.uses_triton(x))
+        assert seen == [True]
+    finally:
+        ta.set_mode(previous)
 
 
 @pytest.mark.gpu
