@@ -9,6 +9,9 @@ L2), timed in CUDA graphs (median us per iteration):
   chain+pf   the same after a prefetch kernel for this iteration's o weight
   attn       the chain without the o projection;  attn+pf: with the prefetch kernel
   o_cold     the o projection alone over rotating weights;  o_hot: one weight, L2-resident
+  chain+side the prefetch kernel on a second stream, forked before the attention chain and
+             joined after the o projection, so it runs beside the chain, not in it
+  attn+side  the same without the o projection
 So chain - attn is the o projection's share, and chain+pf - attn+pf its share with the
 prefetch. Needs CUDA (sm_90: cp.async.bulk.prefetch.L2).
 
@@ -130,6 +133,17 @@ def main() -> None:
         return torch.nn.functional.linear(x, w) if cfg is None else gemv(x, w, None, cfg)
 
     x0 = torch.randn(1, hidden, device=dev, dtype=dt)
+    side = torch.cuda.Stream()
+
+    def beside(i, fn):
+        """fn(i) on the current stream with the prefetch of layer i's o weight beside it."""
+        main = torch.cuda.current_stream()
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            prefetch(layers[i]["wo"])
+        out = fn(i)
+        main.wait_stream(side)
+        return out
 
     def measure(cfg) -> dict:
         r = {
@@ -141,7 +155,11 @@ def main() -> None:
             "o_cold": time_graph(lambda i: o_proj(x0, layers[i]["wo"], cfg), args.rot),
             "o_hot": time_graph(lambda i: o_proj(x0, layers[0]["wo"], cfg), args.rot),
             "pf_only": time_graph(lambda i: prefetch(layers[i]["wo"]), args.rot),
+            "chain+side": time_graph(lambda i: beside(
+                i, lambda j: o_proj(attn(j), layers[j]["wo"], cfg)), args.rot),
+            "attn+side": time_graph(lambda i: beside(i, attn), args.rot),
         }  # fmt: skip
+        r["gain_side_us"] = r["chain"] - r["chain+side"]
         r["o_share"] = r["chain"] - r["attn"]
         r["o_share_pf"] = r["chain+pf"] - r["attn+pf"]
         r["gain_us"] = r["chain"] - r["chain+pf"]
