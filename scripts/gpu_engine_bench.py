@@ -11,6 +11,7 @@ policies; 512-token prompts, 256 output tokens (ignore_eos). Writes JSON and mar
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import tempfile
 import time
@@ -60,6 +61,34 @@ def random_head(cfg: ModelConfig, folder: Path, draft_vocab: int = 32000) -> Pat
     return save_eagle3_head(head, folder)
 
 
+class GcPauses:
+    """The garbage collector's pauses (gc.callbacks): (generation, seconds) of each
+    collection since the last clear()."""
+
+    def __init__(self):
+        self.pauses: list[tuple[int, float]] = []
+        self._start = 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.pauses.append((info["generation"], time.perf_counter() - self._start))
+
+    def clear(self) -> None:
+        self.pauses.clear()
+
+    def summary(self) -> dict:
+        return {"collections": len(self.pauses),
+                "full": sum(g == 2 for g, _ in self.pauses),
+                "ms": round(sum(s for _, s in self.pauses) * 1e3, 2),
+                "max_ms": round(max((s for _, s in self.pauses), default=0.0) * 1e3, 2)}
+
+
+GC_PAUSES = GcPauses()
+gc.callbacks.append(GC_PAUSES)
+
+
 def sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -80,6 +109,7 @@ def run(engine: LLMEngine, batch: int, prompt_len: int, new_tokens: int, seed: i
     loop0 = engine.loop.stats()
     engine.loop.times.clear()
     produced = sum(len(r.output_token_ids) for r in engine.requests.values())
+    GC_PAUSES.clear()
     t0 = time.perf_counter()
     walls = []
     while engine.has_unfinished():
@@ -119,6 +149,9 @@ def run(engine: LLMEngine, batch: int, prompt_len: int, new_tokens: int, seed: i
         # steps launched only after the previous step's tokens reached the host, and why
         "loop_waits": loop["loop_waits"] - loop0["loop_waits"],
         "loop_wait_reasons": {k: v for k, v in reasons.items() if v},
+        # the collector's pauses while decoding (none of generation 2 once start-up froze
+        # what it built, as the server's engine process does)
+        "gc": GC_PAUSES.summary(),
     }
 
 
@@ -144,6 +177,8 @@ def combine(runs: list[dict]) -> dict:
                loop_waits=sum(r["loop_waits"] for r in runs),
                loop_wait_reasons={k: sum(r["loop_wait_reasons"].get(k, 0) for r in runs)
                                   for k in {k for r in runs for k in r["loop_wait_reasons"]}},
+               gc={k: (max if k == "max_ms" else sum)(r["gc"][k] for r in runs)
+                   for k in runs[0]["gc"]},
                repeats=[r["output_tok_s"] for r in runs])  # fmt: skip
     return row
 
@@ -163,6 +198,9 @@ def main() -> None:
                          "(layers/triton_argmax.py: torch's), for an A/B in one run")  # fmt: skip
     ap.add_argument("--again", action="store_true",
                     help="run the first configuration again as the last engine")
+    ap.add_argument("--no-gc-freeze", action="store_true",
+                    help="leave the collector walking what start-up built (the server's "
+                         "engine process freezes it, and so does this bench by default)")
     ap.add_argument("--only", nargs="+", default=None,
                     help="run only the configurations whose names contain one of these")
     args = ap.parse_args()
@@ -209,6 +247,9 @@ def main() -> None:
         t0 = time.perf_counter()
         engine = LLMEngine(EngineConfig(**base, **extra), model=model)
         startup = time.perf_counter() - t0
+        if not args.no_gc_freeze:  # as server/engine_proc.py does after loading
+            gc.collect()
+            gc.freeze()
         graphs = engine.runner.graphs.report if engine.runner.graphs else None
         drafter = getattr(engine.spec.proposer, "graphs", None) if engine.spec else None
         for b in args.batches:  # warm-up: Triton compiles each new shape on first use
@@ -225,7 +266,9 @@ def main() -> None:
             "spec": {k: v for k, v in engine.stats().items() if k.startswith("spec_")},
         }
         print(name, json.dumps(results[name]), flush=True)
+        gc.unfreeze()  # the engine's cycles must be collectable to free its memory
         del engine
+        gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     out = Path(args.out)
