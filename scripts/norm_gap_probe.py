@@ -11,6 +11,9 @@ selection for one row; timed in a CUDA graph (median us per layer):
                 difference is what one more pair of norm kernels costs in the chain
   unsplit       o and down through unsplit configurations, norms as in full
   unsplit-norms the same chain with no norm kernels at all (GEMVs read the previous output)
+  NAME=CFG      the engine's chain (down with SiLU-and-mul as its prologue where Triton
+                serves it) with one projection through another configuration ("torch":
+                cuBLAS): does a kernel timed alone rank the same between its neighbours?
 
     PYTHONPATH=src python scripts/norm_gap_probe.py --out $OUT/normprobe
 """
@@ -27,7 +30,7 @@ from argmax_bench import replay_us
 from specserve.layers import pdl
 from specserve.layers.gemv import SplitKSum, gemv
 from specserve.layers.gemv_configs import GemvConfig
-from specserve.layers.gemv_select import GemvSelector
+from specserve.layers.gemv_select import GemvSelector, bucket_candidates
 from specserve.layers.triton_ops import add_rms_norm, silu_and_mul, split_k_add_rms_norm
 
 EPS = 1e-5
@@ -50,6 +53,7 @@ def main() -> None:
     plan = sel.select({(n, k, dt): [L[name] for L in layers] for name, (n, k) in shapes.items()})
     cfg = {name: plan.config_for(args.rows, n, k, dt) for name, (n, k) in shapes.items()}
     unsplit = GemvConfig(32, 256, num_warps=4, num_stages=4)
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
     print("configs", {k: str(v) for k, v in cfg.items()}, flush=True)
 
     def proj(x, w, c, defer=False):
@@ -70,24 +74,30 @@ def main() -> None:
     r0 = torch.randn(args.rows, h, device=dev, dtype=dt)
     state = {}
 
-    def layer(i, twice=False, o_cfg=None, down_cfg=None, norms=True):
+    def layer(i, twice=False, o_cfg=None, down_cfg=None, norms=True, fused_silu=False,
+              over=None):
         L = layers[i]
         x, r = state.get("x", x0), state.get("r", r0)
-        o_cfg = o_cfg or cfg["o"]
-        down_cfg = down_cfg or cfg["down"]
+        c = {**cfg, **(over or {})}
+        o_cfg = o_cfg or c["o"]
+        down_cfg = down_cfg or c["down"]
         if norms:
             hdn, r = norm(x, r, twice)
         else:
             hdn = x.reduce() if isinstance(x, SplitKSum) else x
-        qkv = proj(hdn, L["qkv"], cfg["qkv"])
+        qkv = proj(hdn, L["qkv"], c["qkv"])
         o = proj(qkv[:, :h], L["o"], o_cfg, defer=norms)
         if norms:
             hdn, r = norm(o, r, twice)
         else:
             hdn = o
-        gu = proj(hdn, L["gate_up"], cfg["gate_up"])
-        a = silu_and_mul(gu[:, :inter], gu[:, inter:])
-        state["x"], state["r"] = proj(a, L["down"], down_cfg, defer=norms), r
+        gu = proj(hdn, L["gate_up"], c["gate_up"])
+        if fused_silu and down_cfg is not None:
+            state["x"] = gemv(gu, L["down"], None, down_cfg, silu=True, defer_reduce=norms)
+        else:
+            a = silu_and_mul(gu[:, :inter], gu[:, inter:])
+            state["x"] = proj(a, L["down"], down_cfg, defer=norms)
+        state["r"] = r
 
     def time_chain(**kw) -> float:
         state.clear()
@@ -114,6 +124,13 @@ def main() -> None:
         }  # fmt: skip
         r["one_more_norm_pair_us"] = r["full+norms"] - r["full"]
         r["norms_in_unsplit_us"] = r["unsplit"] - r["unsplit-norms"]
+        r["engine"] = time_chain(fused_silu=True)
+        for name, (n, k) in shapes.items():
+            (_, cands), = bucket_candidates((args.rows,), n, k, sms)
+            for alt in [None, *cands]:
+                if alt != cfg[name]:
+                    r[f"{name}={alt or 'torch'}"] = time_chain(fused_silu=True,
+                                                               over={name: alt})
         results[f"round{rnd}"] = r = {k: round(v, 2) for k, v in r.items()}
         print(f"round{rnd}", json.dumps(r), flush=True)
     out = Path(args.out)
