@@ -111,13 +111,15 @@ def run(engine: LLMEngine, batch: int, prompt_len: int, new_tokens: int, seed: i
     produced = sum(len(r.output_token_ids) for r in engine.requests.values())
     GC_PAUSES.clear()
     t0 = time.perf_counter()
-    walls = []
+    walls, running = [], []
     while engine.has_unfinished():
+        running.append(len(engine.requests))
         t = time.perf_counter()
         engine.step()
         walls.append(time.perf_counter() - t)
     sync()
     seconds = time.perf_counter() - t0
+    in_order = list(walls)
     walls.sort()
     median = walls[len(walls) // 2]
     tokens = batch * new_tokens - produced
@@ -146,6 +148,9 @@ def run(engine: LLMEngine, batch: int, prompt_len: int, new_tokens: int, seed: i
         "draft_device_ms_per_step": round(span - target, 3),
         "gap_ms_per_step": round(gap, 4),
         "slow_steps_ms": round(sum(w for w in walls if w > 2 * median) * 1e3, 1),
+        # where they fell: (step index, ms, requests in the engine before the step)
+        "slow_steps": [(i, round(w * 1e3, 2), running[i]) for i, w in enumerate(in_order)
+                       if w > 2 * median],
         # steps launched only after the previous step's tokens reached the host, and why
         "loop_waits": loop["loop_waits"] - loop0["loop_waits"],
         "loop_wait_reasons": {k: v for k, v in reasons.items() if v},
