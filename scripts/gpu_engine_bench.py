@@ -201,6 +201,9 @@ def main() -> None:
     ap.add_argument("--ab-argmax", action="store_true",
                     help="also plain and fixed K=3 with the Triton row argmax switched off "
                          "(layers/triton_argmax.py: torch's), for an A/B in one run")  # fmt: skip
+    ap.add_argument("--ab-selection", action="store_true",
+                    help="also plain and fixed K=3 with the GEMV candidates timed back to back "
+                         "at start-up (the rule before gemv_timing.after_producer)")
     ap.add_argument("--again", action="store_true",
                     help="run the first configuration again as the last engine")
     ap.add_argument("--no-gc-freeze", action="store_true",
@@ -237,18 +240,23 @@ def main() -> None:
         configs["plain, torch argmax"] = {**configs["plain"], "argmax": "off"}
         configs["eagle3 K=3 fixed, torch argmax"] = {
             **configs["eagle3 K=3 fixed (sim. accept len 3.0)"], "argmax": "off"}  # fmt: skip
+    if args.ab_selection:
+        configs["plain, GEMVs timed back to back"] = {**configs["plain"], "producer": False}
+        configs["eagle3 K=3 fixed, GEMVs timed back to back"] = {
+            **configs["eagle3 K=3 fixed (sim. accept len 3.0)"], "producer": False}  # fmt: skip
     if args.only:
         configs = {k: v for k, v in configs.items() if any(o in k for o in args.only)}
     if args.again:  # the first engine once more at the end: what the order alone changes
         first = next(iter(configs))
         configs[f"{first} (again, last)"] = configs[first]
-    from specserve.layers import triton_argmax  # a kernel module: imported when needed
+    from specserve.layers import gemv_select, triton_argmax  # kernel modules: when needed
 
     results = {}
     for name, extra in configs.items():
         extra = dict(extra)
         # read at each call, and by the drafter's graphs when captured: for this engine
         triton_argmax.set_mode(extra.pop("argmax", "graphs"))
+        gemv_select.TIME_AFTER_PRODUCER = extra.pop("producer", True)  # read by the selector
         t0 = time.perf_counter()
         engine = LLMEngine(EngineConfig(**base, **extra), model=model)
         startup = time.perf_counter() - t0
@@ -266,6 +274,8 @@ def main() -> None:
             "graphs": graphs.__dict__ if graphs else None,
             "drafter_graphs": drafter.report.__dict__ if drafter else None,
             "kv_pages": engine.kv.allocator.num_pages,
+            # the start-up GEMV selection's choices, per (row bucket, shape[, fusion])
+            "gemv_plan": model.gemv_plan.summary() if model.gemv_plan else None,
             "loop_waits": engine.loop.num_waits,  # steps not launched ahead (all rows)
             "rows": rows,
             "spec": {k: v for k, v in engine.stats().items() if k.startswith("spec_")},

@@ -22,12 +22,25 @@ import torch
 from argmax_bench import replay_us
 
 from specserve.layers import pdl
-from specserve.layers.attention.triton_attn import DECODE_LAUNCH
 from specserve.layers.attention import triton_kernels
+from specserve.layers.attention.triton_attn import DECODE_LAUNCH
 from specserve.layers.attention.triton_kernels import paged_attention
 
 # The shipped check insists on the token-major layout; the kernels index through strides.
 triton_kernels._check_cache = lambda k, v: None
+
+
+def attention_steps(q, caches, meta, splits):
+    """step(i): decode attention of q over layer i's cache, as the engine launches it."""
+
+    def step(i):
+        k, v = caches[i]
+        return paged_attention(
+            q, k, v, *meta, 1, q.shape[-1] ** -0.5, num_splits=splits,
+            block_n=DECODE_LAUNCH.block_n, num_warps=DECODE_LAUNCH.num_warps,
+            num_stages=DECODE_LAUNCH.num_stages)  # fmt: skip
+
+    return step
 
 
 def main() -> None:
@@ -66,13 +79,7 @@ def main() -> None:
                             k, v = k.transpose(1, 2), v.transpose(1, 2)
                         caches.append((k, v))
 
-                    def step(i):
-                        k, v = caches[i]
-                        return paged_attention(
-                            q, k, v, pos, qsl, seq, table, 1, d**-0.5, num_splits=splits,
-                            block_n=DECODE_LAUNCH.block_n, num_warps=DECODE_LAUNCH.num_warps,
-                            num_stages=DECODE_LAUNCH.num_stages)  # fmt: skip
-
+                    step = attention_steps(q, caches, (pos, qsl, seq, table), splits)
                     ref = step(0).float()
                     for i in range(args.layers):
                         step(i)
@@ -90,7 +97,6 @@ def main() -> None:
                                checksum=round(ref.abs().sum().item(), 3))  # fmt: skip
                     results["rows"].append(row)
                     print(json.dumps(row), flush=True)
-                    del caches
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "kv_layout_probe.json").write_text(json.dumps(results, indent=1))

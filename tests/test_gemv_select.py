@@ -178,6 +178,39 @@ def test_rotation_set_exceeds_the_cache_with_distinct_weights():
     assert len(rotation_set(own, min_bytes=10**9, max_calls=7)) == 7
 
 
+def test_candidates_are_timed_after_a_kernel_that_writes_their_input(monkeypatch):
+    """Selection times each call as the model runs it: after a small kernel (the Triton
+    RMSNorm, faked here) that writes the input the call then reads, every call, into one
+    buffer; with after_producer=False the call reads x itself (calls back to back)."""
+    from specserve.layers import gemv_select, gemv_timing, triton_norm
+
+    produced = []
+
+    def fake_norm(x, weight, eps, out):
+        produced.append(out)
+        return out.copy_(2 * x)
+
+    monkeypatch.setattr(triton_norm, "rms_norm", fake_norm)
+    seen = []
+    run = gemv_timing.after_producer(lambda x, w: seen.append(x.clone()) or x @ w.T,
+                                     torch.ones(1, 4))  # fmt: skip
+    x, w = torch.randn(1, 4), torch.randn(3, 4)
+    assert torch.equal(run(x, w), (2 * x) @ w.T) and torch.equal(seen[0], 2 * x)
+    run(x, w)
+    assert len(produced) == 2 and produced[0] is produced[1]  # one buffer, one norm per call
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    inputs = []
+    monkeypatch.setattr(gemv_select, "time_in_graph_us",
+                        lambda fn, x, ws, reps: fn(x, ws[0]) or 1.0)  # fmt: skip
+    monkeypatch.setattr(gemv_select, "torch_linear", lambda x, w: inputs.append(x.clone()))
+    for producer, factor in [(True, 2), (False, 1)]:
+        inputs.clear()
+        selector = gemv_select.GemvSelector(after_producer=producer)
+        assert selector._measure(None, x, [w])[0] == 1.0
+        assert len(inputs) == 2 and all(torch.equal(i, factor * x) for i in inputs)
+
+
 # ---- GPU ------------------------------------------------------------------------------------
 
 

@@ -33,6 +33,7 @@ import torch
 from specserve.layers.gemv import GemvConfig, candidate_configs, gemv
 from specserve.layers.gemv_plan import ROW_BUCKETS, GemvChoice, GemvPlan, PlanKey
 from specserve.layers.gemv_timing import (  # noqa: F401 (rotation_set: scripts import it here)
+    after_producer,
     down_and_norm,
     fused_input_cols,
     rotation_set,
@@ -43,6 +44,10 @@ from specserve.layers.gemv_timing import (  # noqa: F401 (rotation_set: scripts 
 log = logging.getLogger(__name__)
 
 ShapeKey = tuple[int, int, torch.dtype]  # (N, K, dtype) of a weight [N, K]
+# Time each call after a small kernel that writes its input (gemv_timing.after_producer), as
+# the model runs its projections; False: calls back to back (the rule before, kept for A/Bs:
+# scripts/gpu_engine_bench.py --ab-selection). Read when a selector is made.
+TIME_AFTER_PRODUCER = True
 GEMV_DTYPES = (torch.float16, torch.bfloat16)
 SHARED_ROWS = 16  # row buckets up to this share one implementation per shape (see above)
 
@@ -95,7 +100,8 @@ def variant_key(cfg: GemvConfig, rows: int, n: int, k: int, dtype: torch.dtype) 
             cfg.split_k > 1, k % cfg.block_k == 0, cfg.tma, dtype)  # fmt: skip
 
 
-# (device index, row buckets, margin) -> the choices measured so far in this process.
+# (device index, row buckets, margin, after_producer) -> the choices measured so far in this
+# process.
 _MEASURED: dict[tuple, dict[PlanKey, GemvChoice]] = {}
 
 
@@ -111,12 +117,13 @@ class GemvSelector:
     bounded, reported as `compile_s`), then shapes are measured one after the other, each
     within an equal share of what is left of `budget_s`: torch first for every row bucket,
     then each bucket's first configuration, and so on; what the budget leaves untried is
-    counted (`skipped`) and logged. A variant's first call (loading its module onto the
-    device: tens of ms on a fresh machine) is part of the cold cache's cost, not of the
-    budget. Keys measured once are
-    remembered: a second model (a drafter sharing shapes with its target) given to the same
-    selector only measures its new shapes, and so does every later selector of this process
-    with the same row buckets and margin on the same device (`_MEASURED`: engines started one
+    counted (`skipped`) and logged. Each call is timed after a small kernel that writes its
+    input (`after_producer`, default TIME_AFTER_PRODUCER), as the model runs it. A variant's
+    first call (loading its module onto the device: tens of ms on a fresh machine) is part
+    of the cold cache's cost, not of the budget. Keys measured once are remembered: a second
+    model (a drafter sharing shapes with its target) given to the same selector only
+    measures its new shapes, and so does every later selector of this process with the same
+    row buckets, margin and timing on the same device (`_MEASURED`: engines started one
     after another, as tests do, measure once; a different bucket set measures afresh, since
     the shared choice of buckets up to SHARED_ROWS is made over them all together). On a CPU
     the plan is empty: torch everywhere.
@@ -124,13 +131,15 @@ class GemvSelector:
 
     def __init__(self, row_buckets: tuple[int, ...] = ROW_BUCKETS, budget_s: float = 20.0,
                  margin: float = 0.02, reps: int = 5, max_rows: int | None = None,
-                 compile_workers: int | None = None):  # fmt: skip
+                 compile_workers: int | None = None,
+                 after_producer: bool | None = None):  # fmt: skip
         buckets = tuple(sorted(row_buckets))
         if max_rows is not None:
             buckets = tuple(b for b in buckets if b < max_rows) + tuple(
                 b for b in buckets if b >= max_rows)[:1]  # fmt: skip
         self.row_buckets = buckets
         self.budget_s, self.margin, self.reps = budget_s, margin, reps
+        self.after_producer = TIME_AFTER_PRODUCER if after_producer is None else after_producer
         self.compile_workers = compile_workers or min(8, os.cpu_count() or 1)
         self.measured: dict[PlanKey, GemvChoice] = {}  # bound per device in select()
         self.elapsed_s = self.compile_s = 0.0
@@ -155,7 +164,8 @@ class GemvSelector:
         start = time.perf_counter()
         device = next(iter(shapes.values()))[0].device
         self.measured = _MEASURED.setdefault(
-            (torch.device(device).index, self.row_buckets, self.margin), self.measured
+            (torch.device(device).index, self.row_buckets, self.margin, self.after_producer),
+            self.measured,
         )
         props = torch.cuda.get_device_properties(device)
         sms = props.multi_processor_count
@@ -251,6 +261,8 @@ class GemvSelector:
                                plain.config if plain else None)  # fmt: skip
         else:
             fn = torch_linear if cfg is None else (lambda x, w: gemv(x, w, None, cfg))
+        if self.after_producer:
+            fn = after_producer(fn, x)
         first = time.perf_counter()
         try:
             fn(x, rotation[0])  # load the module if needed, set up cuBLAS

@@ -1,7 +1,9 @@
 """How start-up selection times a GEMV candidate: `time_in_graph_us` replays a CUDA graph of
 calls over weights of one shape that together overflow L2 (`rotation_set`), as the engine
-runs them; the down projection of an MLP with fused neighbours is timed together with them
-(`down_and_norm`), since what its fusions save are kernels around the GEMV."""
+runs them; each call reads what a small kernel wrote just before it (`after_producer`), as
+every decode projection does in the model; the down projection of an MLP with fused
+neighbours is timed together with them (`down_and_norm`), since what its fusions save are
+kernels around the GEMV."""
 
 from __future__ import annotations
 
@@ -39,6 +41,28 @@ def time_in_graph_us(fn, x: torch.Tensor, weights: list[torch.Tensor], reps: int
     torch.cuda.synchronize()
     ms = statistics.median(start.elapsed_time(end) for start, end in events)
     return ms * 1000 / len(weights)
+
+
+def after_producer(fn, x: torch.Tensor):
+    """fn(x, w) with a small kernel before it that writes the input the call reads: the
+    Triton RMSNorm of x into a buffer (launched under PDL, as the model's norms are).
+
+    In the model every decode projection reads what a small kernel has just written (an
+    RMSNorm, attention's split merge, SiLU-and-mul), so timed this way a candidate meets
+    the kernel boundary it meets there. Timed back to back instead, a configuration of many
+    short programs overlaps the tail of its own previous call and ranks better than it runs
+    between its neighbours: on the H200 at batch 1 the 8B qkv projection's back-to-back
+    winner was ~2 us a layer slower in a layer's chain than another tile, and cuBLAS's
+    gate_up ~1.5 us slower than a Triton tile (scripts/norm_gap_probe.py, gpu_kernels.md)."""
+    from specserve.layers.triton_norm import rms_norm  # a kernel module: imported when used
+
+    buf = torch.empty_like(x)
+    ones = torch.ones(x.shape[-1], device=x.device, dtype=x.dtype)
+
+    def run(x: torch.Tensor, w: torch.Tensor):
+        return fn(rms_norm(x, ones, NORM_EPS, out=buf), w)
+
+    return run
 
 
 def rotation_set(weights: list[torch.Tensor], min_bytes: int, min_calls: int = 4,
