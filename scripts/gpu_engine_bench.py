@@ -204,6 +204,9 @@ def main() -> None:
     ap.add_argument("--ab-selection", action="store_true",
                     help="also plain and fixed K=3 with the GEMV candidates timed back to back "
                          "at start-up (the rule before gemv_timing.after_producer)")
+    ap.add_argument("--ab-tuning", action="store_true",
+                    help="also plain and fixed K=3 with the selection's GEMV plan as measured "
+                         "(no whole-step tuning, runtime/plan_tuning.py)")
     ap.add_argument("--again", action="store_true",
                     help="run the first configuration again as the last engine")
     ap.add_argument("--no-gc-freeze", action="store_true",
@@ -244,6 +247,11 @@ def main() -> None:
         configs["plain, GEMVs timed back to back"] = {**configs["plain"], "producer": False}
         configs["eagle3 K=3 fixed, GEMVs timed back to back"] = {
             **configs["eagle3 K=3 fixed (sim. accept len 3.0)"], "producer": False}  # fmt: skip
+    if args.ab_tuning:
+        untuned = {"disable_gemv_tuning": True}
+        configs["plain, GEMV plan untuned"] = {**configs["plain"], **untuned}
+        configs["eagle3 K=3 fixed, GEMV plan untuned"] = {
+            **configs["eagle3 K=3 fixed (sim. accept len 3.0)"], **untuned}  # fmt: skip
     if args.only:
         configs = {k: v for k, v in configs.items() if any(o in k for o in args.only)}
     if args.again:  # the first engine once more at the end: what the order alone changes
@@ -274,6 +282,11 @@ def main() -> None:
             "graphs": graphs.__dict__ if graphs else None,
             "drafter_graphs": drafter.report.__dict__ if drafter else None,
             "kv_pages": engine.kv.allocator.num_pages,
+            # whole-step tuning of the plan: step ms before/after per group, the changes
+            "plan_tuning": {"steps_ms": t.steps_ms, "evaluations": t.evaluations,
+                            "seconds": round(t.seconds, 2),
+                            "changes": [(str(k), a, b) for k, a, b in t.changes]}
+            if (t := engine.plan_tuning) else None,
             # the start-up GEMV selection's choices, per (row bucket, shape[, fusion])
             "gemv_plan": model.gemv_plan.summary() if model.gemv_plan else None,
             "loop_waits": engine.loop.num_waits,  # steps not launched ahead (all rows)

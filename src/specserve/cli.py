@@ -33,6 +33,8 @@ _HELP = {
     "disable_cuda_graph": "run every step eagerly (debugging)",
     "disable_gemv": "no start-up choice of Triton GEMV kernels: cuBLAS for every linear "
                     "(the same kernels on every start)",
+    "disable_gemv_tuning": "keep the GEMV kernels start-up selection timed alone, without "
+    "revising them in whole decode steps (runtime/plan_tuning.py)",
     "disable_pdl": "launch Triton kernels without programmatic dependent launch (on by default "
     "on GPUs of compute capability 9+: a kernel starts while the previous one ends)",
     "disable_fusion": "keep SiLU-and-mul and the split-K passes of the output and down "

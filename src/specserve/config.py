@@ -46,6 +46,7 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto: triton on CUDA, torch on CPU
     disable_cuda_graph: bool = False
     disable_gemv: bool = False  # cuBLAS for every linear (no start-up kernel selection)
+    disable_gemv_tuning: bool = False  # keep selection's choices (runtime/plan_tuning.py)
     disable_pdl: bool = False  # no programmatic dependent launch (layers/pdl.py)
     disable_fusion: bool = False  # SiLU-and-mul and split-K passes as kernels of their own
     overlap_schedule: str = "auto"  # auto: on for CUDA, off on CPU; on; off

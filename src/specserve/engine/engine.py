@@ -95,6 +95,7 @@ class LLMEngine:
         if device.type == "cuda":  # compile every attention variant now, not mid-serving
             self.runner.backend.warm_up(self.model_config.num_heads, self.kv.layers[0])
         self.spec = Speculator(self) if config.speculative_algorithm else None
+        self.plan_tuning = None  # what whole-step GEMV tuning changed (CUDA graphs only)
         if device.type == "cuda" and not config.disable_cuda_graph:
             self.runner.graphs = self._capture_graphs()
         if self.spec is not None:
@@ -128,6 +129,15 @@ class LLMEngine:
             # does not draft is one replay, as a plain one.
             feature_writer=self.spec.proposer.feature_writer() if self.spec else None,
         )
+        plan = getattr(self.runner.model, "gemv_plan", None)
+        if plan is not None and plan.choices and not self.config.disable_gemv_tuning:
+            # the selection's choices revised where the whole step runs faster
+            from specserve.layers.gemv_select import SHARED_ROWS, plan_candidates
+            from specserve.runtime.plan_tuning import tune_engine_plan
+
+            self.plan_tuning = tune_engine_plan(
+                graphs, plan, plan_candidates(self.kv.layers[0][0].device), SHARED_ROWS,
+                verify_tokens=k_max + 1)  # fmt: skip
         report = graphs.capture()
         log.info(
             "captured %d CUDA graphs in %.1f s (warm-up %.1f s, first replays %.2f s), graph "

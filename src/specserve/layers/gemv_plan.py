@@ -27,6 +27,7 @@ class GemvChoice:
     torch_us: float
     best_us: float
     tried: int
+    tuned: bool = False  # changed by whole-step tuning (runtime/plan_tuning.py)
 
 
 class GemvPlan:
@@ -53,6 +54,7 @@ class GemvPlan:
         self.choices = dict(choices or {})
         self._configs = {k: c.config for k, c in self.choices.items() if c.config is not None}
         self.default = default
+        self.asked: set[PlanKey] | None = None  # when a set: every key config_for looks up
 
     def config_for(self, rows: int, n: int, k: int, dtype: torch.dtype,
                    fusion: str | None = None) -> GemvConfig | None:  # fmt: skip
@@ -62,10 +64,25 @@ class GemvPlan:
             return None
         key = (self._bucket[rows], n, k, dtype)
         if fusion is not None and (*key, fusion) in self.choices:
-            cfg = self._configs.get((*key, fusion))
+            key = (*key, fusion)
+            cfg = self._configs.get(key)
         else:
             cfg = self._configs.get(key, self.default)
+        if self.asked is not None:
+            self.asked.add(key)
         return cfg if cfg is None or rows <= cfg.max_rows else None
+
+    def set_config(self, keys: list[PlanKey], config: GemvConfig | None) -> None:
+        """Serve measured `keys` with `config` (None: torch) from now on, keeping what was
+        measured for them (runtime/plan_tuning.py revises choices this way)."""
+        for key in keys:
+            old = self.choices[key]
+            self.choices[key] = GemvChoice(config, old.torch_us, old.best_us, old.tried,
+                                           tuned=config != old.config or old.tuned)  # fmt: skip
+            if config is None:
+                self._configs.pop(key, None)
+            else:
+                self._configs[key] = config
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                defer_reduce: bool = False):  # fmt: skip
@@ -84,7 +101,8 @@ class GemvPlan:
             dict(rows=b, n=n, k=k, dtype=str(dt).removeprefix("torch."),
                  kernel=str(c.config) if c.config else "torch", torch_us=round(c.torch_us, 2),
                  best_us=round(c.best_us, 2), speedup=round(c.torch_us / c.best_us, 3),
-                 tried=c.tried, **({"fusion": fused[0]} if fused else {}))  # fmt: skip
+                 tried=c.tried, **({"fusion": fused[0]} if fused else {}),
+                 **({"tuned": True} if c.tuned else {}))  # fmt: skip
             for (b, n, k, dt, *fused), c in sorted(self.choices.items(),
                                                    key=lambda i: (*i[0][:3], i[0][4:]))
         ]

@@ -62,6 +62,19 @@ def bucket_candidates(buckets: tuple[int, ...], n: int, k: int, num_sms: int) ->
             for b in buckets]  # fmt: skip
 
 
+def plan_candidates(device: torch.device):
+    """candidates(plan key) -> the choices for that key's row bucket, torch first (None),
+    then the configurations selection times there (`bucket_candidates`)."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+
+    def candidates(key: tuple) -> list[GemvConfig | None]:
+        bucket, n, k = key[:3]
+        ((_, cands),) = bucket_candidates((bucket,), n, k, sms)
+        return [None, *cands]
+
+    return candidates
+
+
 def choose(times: dict[int, dict], margin: float) -> dict[int, GemvChoice]:
     """Each bucket's choice from its measured times ({bucket: {config or None (torch): us}}).
     The buckets up to SHARED_ROWS share one: the configuration measured in all of them with

@@ -1,0 +1,125 @@
+"""Whole-step GEMV plan tuning (runtime/plan_tuning.py): on the CPU, the coordinate descent
+over plan keys with a fake step timer (the fastest candidate kept only past the margin, keys
+of shared buckets changed together, largest weight first, the report) and the grouping of an
+engine's plan into tuning steps; on a GPU, the step timer on a real graph runner (a captured
+step timed, the static buffers back to their padding values)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specserve.layers.gemv_configs import GemvConfig
+from specserve.layers.gemv_plan import GemvChoice, GemvPlan
+from specserve.runtime import plan_tuning
+
+A, B, C = GemvConfig(32, 256), GemvConfig(64, 128), GemvConfig(128, 128)
+BIG, SMALL = (96, 64, torch.float16), (32, 64, torch.float16)  # (N, K, dtype)
+
+
+def _plan() -> GemvPlan:
+    keys = [(b, *shape) for b in (1, 2, 4, 64) for shape in (BIG, SMALL)]
+    return GemvPlan({k: GemvChoice(A, 10.0, 9.0, 3) for k in keys}, row_buckets=(1, 2, 4, 64))
+
+
+class FakeTimer:
+    """Step time from the plan as it stands: a cost per (shape, config), 100 unlisted."""
+
+    def __init__(self, plan, cost):
+        self.plan, self.cost, self.calls = plan, cost, []
+
+    def __call__(self, batch, q):
+        self.calls.append((batch, q))
+        return sum(self.cost.get((shape, self.plan.config_for(batch, *shape)), 100.0)
+                   for shape in (BIG, SMALL))  # fmt: skip
+
+
+def test_descent_keeps_the_fastest_candidate_past_the_margin_for_every_shared_key():
+    plan = _plan()
+    # BIG: C is 10% faster than A (kept), B 0.1% (inside the margin); SMALL: torch 5% faster
+    cost = {(BIG, A): 10.0, (BIG, B): 9.99, (BIG, C): 9.0, (SMALL, A): 2.0, (SMALL, None): 1.9}
+    timer = FakeTimer(plan, cost)
+    shared = {"shared": ([(1, 1)], [[(b, *s) for b in (1, 2, 4)] for s in (SMALL, BIG)])}
+    report = plan_tuning.tune_plan(plan, shared, lambda key: [None, A, B, C], timer, 0.003)
+    assert [plan.config_for(r, *BIG) for r in (1, 2, 3, 4)] == [C] * 4
+    assert [plan.config_for(r, *SMALL) for r in (1, 2, 4)] == [None] * 3
+    assert plan.config_for(64, *BIG) == A  # not in the tuned group
+    assert report.changes == [((1, *BIG), str(A), str(C)), ((1, *SMALL), str(A), "torch")]
+    assert report.steps_ms["shared"] == (12.0, 10.9)
+    assert report.evaluations == 1 + 3 + 3 and set(timer.calls) == {(1, 1)}
+    assert plan.choices[(2, *BIG)].tuned and not plan.choices[(64, *BIG)].tuned
+    assert {r["kernel"] for r in plan.summary() if r.get("tuned")} == {str(C), "torch"}
+
+
+def test_descent_changes_nothing_when_no_candidate_beats_the_margin():
+    plan = _plan()
+    timer = FakeTimer(plan, {(BIG, A): 10.0, (BIG, B): 9.98})
+    groups = {"shared": ([(1, 1), (1, 4)], [[(1, *BIG), (2, *BIG), (4, *BIG)]])}
+    report = plan_tuning.tune_plan(plan, groups, lambda key: [None, A, B], timer, 0.003)
+    assert report.changes == [] and plan.config_for(1, *BIG) == A
+    assert timer.calls.count((1, 4)) == timer.calls.count((1, 1)) == 3  # both steps summed
+
+
+def test_engine_plan_groups_shared_buckets_with_decode_and_verify_and_the_largest_alone(
+    monkeypatch,
+):
+    """The buckets up to 16 at batch-1 decode and verify, bucket 64 at batch-64 decode (when
+    the runner has that batch), and only keys the steps look up (SMALL is not, at 64)."""
+    plan = _plan()
+    seen = {}
+
+    def fake_tune(plan_, groups, candidates, timer, margin=0.003):
+        seen.update(groups)
+        return plan_tuning.TuningReport()
+
+    class Timer:
+        def __init__(self, *args):
+            pass
+
+        def keys_used(self, steps):
+            return {k for k in plan.choices if k[1:] == BIG or k[0] < 64}
+
+    monkeypatch.setattr(plan_tuning, "tune_plan", fake_tune)
+    monkeypatch.setattr(plan_tuning, "StepTimer", Timer)
+
+    class Graphs:
+        batch_buckets, tokens_per_request = (1, 2, 4, 8, 16, 32, 64), (1, 2, 3, 4)
+
+    plan_tuning.tune_engine_plan(Graphs(), plan, None, shared_rows=16, verify_tokens=4)
+    steps, key_sets = seen["shared"]
+    assert steps == [(1, 1), (1, 4)]
+    assert sorted(map(sorted, key_sets)) == sorted(
+        sorted((b, *s) for b in (1, 2, 4)) for s in (BIG, SMALL))  # fmt: skip
+    assert seen["64"] == ([(64, 1)], [[(64, *BIG)]])
+    seen.clear()
+
+    class Plain:
+        batch_buckets, tokens_per_request = (1, 2, 4), (1,)
+
+    plan_tuning.tune_engine_plan(Plain(), plan, None, shared_rows=16, verify_tokens=1)
+    assert list(seen) == ["shared"] and seen["shared"][0] == [(1, 1)]
+
+
+def test_plan_records_the_keys_it_is_asked_for():
+    """A fused projection's key when one was measured, else the plain one."""
+    plan = _plan()
+    plan.choices[(1, *BIG, "norm")] = GemvChoice(B, 10.0, 9.0, 3)
+    plan = GemvPlan(plan.choices, row_buckets=(1, 2, 4, 64))
+    plan.asked = set()
+    plan.config_for(1, *BIG, fusion="norm")
+    plan.config_for(3, *SMALL, fusion="norm")
+    plan.config_for(2, *BIG)
+    assert plan.asked == {(1, *BIG, "norm"), (4, *SMALL), (2, *BIG)}
+
+
+@pytest.mark.gpu
+def test_gpu_step_timer_times_a_captured_step_and_restores_the_padding():
+    from specserve.layers.attention.triton_attn import TritonAttentionBackend
+    from tests.test_cuda_graphs import _runner
+
+    runner = _runner(use_graphs=True, device="cuda", backend=TritonAttentionBackend())
+    timer = plan_tuning.StepTimer(runner, context=20, reps=3)
+    assert timer(1, 1) > 0 and timer(4, 4) > 0
+    assert int(runner.seq_lens.min()) == int(runner.seq_lens.max()) == 1
+    for buf in (runner.positions, runner.slot_mapping, runner.block_tables):
+        assert not buf.any()
