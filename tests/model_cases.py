@@ -130,18 +130,24 @@ def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
+def logits_head(model):
+    """The engine's in-graph logits head for `model` (engine._capture_graphs)."""
+    return lambda hidden: model.compute_logits(hidden, fp32=False)
+
+
 def install_padded_runner(llm, tokens_per_request, aux_layer_ids=(), in_graph=True) -> dict:
     """Give `llm`'s engine the CUDA-graph runner's padded path, run eagerly (buckets 1-8,
     contexts up to 512), as on a GPU (with aux layers and `in_graph`, the drafter's feature
-    writer runs inside that path, as in a graph); returns {"graph": steps it served}."""
+    writer runs inside that path, as in a graph; the logits and greedy tokens always do, as
+    the engine's graphs take them); returns {"graph": steps it served}."""
     from specserve.runtime.cuda_graphs import CudaGraphRunner
 
     runner, spec = llm.engine.runner, llm.engine.spec
     writer = spec.proposer.feature_writer() if spec and aux_layer_ids and in_graph else None
     graphs = CudaGraphRunner(runner.model, runner.kv.layers, runner.backend, (1, 2, 4, 8),
                              tokens_per_request=tokens_per_request, max_seq_len=512,
-                             aux_layer_ids=aux_layer_ids, use_graphs=False,
-                             feature_writer=writer)  # fmt: skip
+                             aux_layer_ids=aux_layer_ids, use_graphs=False, feature_writer=writer,
+                             logits_head=logits_head(runner.model))  # fmt: skip
     graphs.capture()
     runner.graphs = graphs
     calls = {"graph": 0}

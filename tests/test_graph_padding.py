@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from specserve import LLM, SamplingParams
 from specserve.spec.policy import PerRequestPolicy
 from tests.model_cases import install_padded_runner
@@ -28,3 +30,48 @@ def test_padded_graph_steps_keep_greedy_output(tiny_llama):
     assert [o.token_ids for o in outs] == plain
     assert calls["graph"] > 5  # decode/verify steps went through the padded graph path
     assert llm.engine.kv.allocator.num_used == 0
+
+
+def _run_engine(llm, prompts, params) -> dict:
+    """Every request's (tokens, logprobs) run through `llm`'s engine step by step."""
+    engine = llm.engine
+    ids = [engine.add_request(p, q) for p, q in zip(prompts, params)]
+    tokens, logprobs = {i: [] for i in ids}, {i: [] for i in ids}
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens[out.request_id] = list(out.token_ids)
+            logprobs[out.request_id] += out.new_logprobs
+    return {i: (tokens[i], logprobs[i]) for i in ids}
+
+
+def test_graph_head_serves_greedy_sampled_and_logprob_steps(tiny_llama):
+    """The graphs' in-graph logits and greedy tokens (engine: `logits_head`) serve greedy,
+    seeded sampled and logprob requests exactly as logits projected after the step do; the
+    greedy-only steps take the graph's tokens."""
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, VOCAB) for _ in range(n)] for n in (3, 7, 12, 4)]
+    params = [SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=9, temperature=0.9, seed=11, ignore_eos=True),
+              SamplingParams(max_tokens=9, temperature=0.0, logprobs=3, ignore_eos=True),
+              SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True)]  # fmt: skip
+    plain = _run_engine(LLM(str(tiny_llama), page_size=4), prompts, params)
+    llm = LLM(str(tiny_llama), page_size=4)
+    calls = install_padded_runner(llm, tokens_per_request=(1,))
+    heads = []
+    sample = llm.engine.runner.sample_async
+
+    def watched(step, hidden, *args):
+        heads.append(llm.engine.runner.step_head is not None)
+        return sample(step, hidden, *args)
+
+    llm.engine.runner.sample_async = watched
+    padded = _run_engine(llm, prompts, params)
+    for (tokens, lps), (ref_tokens, ref_lps) in zip(padded.values(), plain.values()):
+        assert tokens == ref_tokens and len(lps) == len(ref_lps)
+        for lp, ref in zip(lps, ref_lps):  # the padded batch's projection rounds alike
+            assert [t for t, _ in lp.top] == [t for t, _ in ref.top]
+            assert lp.logprob == pytest.approx(ref.logprob, abs=1e-5)
+    assert len(plain[list(plain)[2]][1]) == 9
+    assert calls["graph"] > 5 and sum(heads) == calls["graph"]
+    greedy = _run_engine(llm, prompts[::3], params[::3])  # greedy-only steps: graph tokens
+    assert [t for t, _ in greedy.values()] == [plain[i][0] for i in list(plain)[::3]]

@@ -140,6 +140,12 @@ class CudaGraphRunner:
     EAGLE-3's fc projection into its feature store) runs inside each graph on the step's
     auxiliary hidden states and the static slot mapping (padding rows: scratch page 0), so
     a step that does not draft is one replay, as a plain step; `run` then returns no aux.
+
+    `logits_head(hidden)` (the model's logits in the activation dtype, when given) runs inside
+    each graph too, with the row argmax of its logits (the Triton kernels while capturing,
+    layers/triton_argmax.py): after `run`, `last_head` holds the real rows' (logits, greedy
+    tokens), so a greedy step samples without launching anything, and any other step reads
+    the logits from there instead of projecting again.
     """
 
     def __init__(
@@ -153,6 +159,7 @@ class CudaGraphRunner:
         aux_layer_ids: tuple[int, ...] = (),
         use_graphs: bool = True,
         feature_writer: Callable[[list[torch.Tensor], torch.Tensor], None] | None = None,
+        logits_head: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ):
         self.model, self.kv_layers, self.backend = model, kv_layers, backend
         self.batch_buckets = tuple(sorted(set(batch_buckets)))
@@ -161,6 +168,8 @@ class CudaGraphRunner:
         self.aux_layer_ids = aux_layer_ids
         self.use_graphs = use_graphs
         self.feature_writer = feature_writer
+        self.logits_head = logits_head
+        self.last_head: tuple[torch.Tensor, torch.Tensor] | None = None  # see above
         device = kv_layers[0][0].device
         page_size = kv_layers[0][0].shape[1]
         max_b, max_q = self.batch_buckets[-1], self.tokens_per_request[-1]
@@ -172,7 +181,7 @@ class CudaGraphRunner:
         self.seq_lens = torch.ones(max_b, **i64)
         self.block_tables = torch.zeros(max_b, self.max_pages, **i64)
         self.query_start = {q: torch.arange(max_b + 1, **i64) * q for q in self.tokens_per_request}
-        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, list]] = {}
+        self._graphs: dict[tuple[int, int], tuple] = {}  # key -> (graph, hidden, aux, head)
         self.report: CaptureReport | None = None
 
     @property
@@ -207,7 +216,13 @@ class CudaGraphRunner:
         hidden, aux = self.model(ids, meta, self.kv_layers, self.backend, self.aux_layer_ids)
         if aux and self.feature_writer is not None:
             self.feature_writer(aux, meta.slot_mapping)
-        return hidden, aux
+        head = None
+        if self.logits_head is not None:
+            from specserve.layers.sampler import argmax_rows
+
+            logits = self.logits_head(hidden)
+            head = (logits, argmax_rows(logits))
+        return hidden, aux, head
 
     def capture(self, pool=None) -> CaptureReport:
         """Capture every (bucket, tokens per request) shape into `pool` or a new one (the
@@ -245,10 +260,11 @@ class CudaGraphRunner:
             self.seq_lens[num_requests:batch] = 1
             self.block_tables[num_requests:batch, 0] = 0
         if self.use_graphs:
-            graph, hidden, aux = self._graphs[(batch, q)]
+            graph, hidden, aux, head = self._graphs[(batch, q)]
             graph.replay()
         else:
-            hidden, aux = self._forward(batch, q)
+            hidden, aux, head = self._forward(batch, q)
+        self.last_head = None if head is None else (head[0][:n], head[1][:n])
         if self.feature_writer is not None:
             return hidden[:n], []
         return hidden[:n], [a[:n] for a in aux]

@@ -48,6 +48,8 @@ class ModelRunner:
         self.backend = backend
         self.device = kv.pool.device
         self.graphs: CudaGraphRunner | None = None  # set by the engine on CUDA
+        # (hidden, logits, greedy tokens) of the last forward, where its graph took them
+        self.step_head: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def prepare(self, batch: list[ScheduledRequest], prev: InflightStep | None = None) -> StepInput:
         """Pack the step. With `prev`, the step in flight: a request of it has its last
@@ -97,9 +99,23 @@ class ModelRunner:
         captured CUDA graph when the step has one (uniform tokens per request), whose
         replay already gave the aux to the drafter's feature writer (none returned)."""
         graphs = self.graphs
+        self.step_head = None
         if graphs is not None and graphs.can_run(step.meta, step.input_ids.shape[0]):
-            return graphs.run(step.input_ids, step.meta)
+            hidden, aux = graphs.run(step.input_ids, step.meta)
+            if graphs.last_head is not None:
+                self.step_head = (hidden, *graphs.last_head)
+            return hidden, aux
         return self.model(step.input_ids, step.meta, self.kv.layers, self.backend, aux_layer_ids)
+
+    def _logits(self, hidden: torch.Tensor, rows, fp32: bool) -> torch.Tensor:
+        """Logits of `hidden`'s rows (`rows`: a device index, or None for every row): the
+        ones the step's CUDA graph already computed for these hidden states when it did
+        (`step_head`), else projected now."""
+        head = self.step_head
+        if head is not None and head[0] is hidden:
+            logits = head[1] if rows is None else head[1][rows]
+            return logits.float() if fp32 else logits
+        return self.model.compute_logits(hidden if rows is None else hidden[rows], fp32)
 
     @torch.inference_mode()
     def time_forward(self, num_tokens: int) -> None:
@@ -114,7 +130,10 @@ class ModelRunner:
         step = StepInput(input_ids, meta, [], [], [])
         hidden, _ = self.forward(step)
         rows = to_device(last_rows, self.device)
-        argmax_rows(self.model.compute_logits(hidden[rows], fp32=False)).tolist()  # as greedy
+        if self.step_head is not None:  # the graph took the greedy tokens, as in a step
+            self.step_head[2][rows].tolist()
+        else:
+            argmax_rows(self.model.compute_logits(hidden[rows], fp32=False)).tolist()
 
     @torch.inference_mode()
     def sample_async(
@@ -138,9 +157,11 @@ class ModelRunner:
         all_rows = len(rows) == hidden.shape[0] and rows[-1] == len(rows) - 1
         # Greedy rows without logprobs only take argmaxes of their logits: no fp32 copy.
         fp32 = not greedy or any(w is not None for w in want)
+        head = self.step_head if self.step_head and self.step_head[0] is hidden else None
         if k_max == 0 and greedy:
-            h = hidden if all_rows else hidden[to_device(rows, device)]
-            logits = self.model.compute_logits(h, fp32)
+            if head is not None and all_rows and not fp32:  # tokens the graph took
+                return self._with_logprobs(step, head[1], head[2][:, None], None, want, 0)
+            logits = self._logits(hidden, None if all_rows else to_device(rows, device), fp32)
             tokens = argmax_rows(logits)[:, None]  # the sampler's greedy rows, no tensors
             return self._with_logprobs(step, logits, tokens, None, want, 0)
         num, width = len(sampled), k_max + 1
@@ -174,7 +195,7 @@ class ModelRunner:
         seeds, positions, lens_t = t.get("seeds"), t.get("positions"), t.get("lens")
         if positions is not None and step.sample_shift is not None:
             positions = positions + step.sample_shift  # moved by the step in flight's accepts
-        logits = self.model.compute_logits(hidden if all_rows else hidden[t["rows"]], fp32)
+        logits = self._logits(hidden, None if all_rows else t["rows"], fp32)
         st = None if greedy else _sampling_tensors(reqs, seeds, positions, t["top_k"], device)
         if k_max == 0:
             return self._with_logprobs(step, logits, sample(logits, st)[:, None], None, want, 0)
