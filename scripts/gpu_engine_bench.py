@@ -207,6 +207,9 @@ def main() -> None:
     ap.add_argument("--ab-tuning", action="store_true",
                     help="also plain and fixed K=3 with the selection's GEMV plan as measured "
                          "(no whole-step tuning, runtime/plan_tuning.py)")
+    ap.add_argument("--ab-head", action="store_true",
+                    help="also plain and fixed K=3 with the target's graphs recaptured without "
+                         "the logits head (logits and argmax launched after each replay)")
     ap.add_argument("--again", action="store_true",
                     help="run the first configuration again as the last engine")
     ap.add_argument("--no-gc-freeze", action="store_true",
@@ -252,6 +255,10 @@ def main() -> None:
         configs["plain, GEMV plan untuned"] = {**configs["plain"], **untuned}
         configs["eagle3 K=3 fixed, GEMV plan untuned"] = {
             **configs["eagle3 K=3 fixed (sim. accept len 3.0)"], **untuned}  # fmt: skip
+    if args.ab_head:
+        configs["plain, logits after the graph"] = {**configs["plain"], "head": False}
+        configs["eagle3 K=3 fixed, logits after the graph"] = {
+            **configs["eagle3 K=3 fixed (sim. accept len 3.0)"], "head": False}  # fmt: skip
     if args.only:
         configs = {k: v for k, v in configs.items() if any(o in k for o in args.only)}
     if args.again:  # the first engine once more at the end: what the order alone changes
@@ -265,9 +272,15 @@ def main() -> None:
         # read at each call, and by the drafter's graphs when captured: for this engine
         triton_argmax.set_mode(extra.pop("argmax", "graphs"))
         gemv_select.TIME_AFTER_PRODUCER = extra.pop("producer", True)  # read by the selector
+        head = extra.pop("head", True)
         t0 = time.perf_counter()
         engine = LLMEngine(EngineConfig(**base, **extra), model=model)
         startup = time.perf_counter() - t0
+        if not head and engine.runner.graphs is not None:  # recaptured without the head
+            graphs, engine.runner.graphs = engine.runner.graphs, None
+            graphs.logits_head = None
+            graphs.capture()
+            engine.runner.graphs = graphs
         if not args.no_gc_freeze:  # as server/engine_proc.py does after loading
             gc.collect()
             gc.freeze()
