@@ -58,7 +58,6 @@ class StepTimer:
 
     def __init__(self, graphs: CudaGraphRunner, context: int, reps: int):
         self.graphs, self.context, self.reps = graphs, context, reps
-        self.pool = None
 
     def _fill(self, batch: int, q: int) -> None:
         g = self.graphs
@@ -104,12 +103,11 @@ class StepTimer:
             with torch.cuda.stream(side):
                 self.graphs._forward(batch, q)
             torch.cuda.current_stream().wait_stream(side)
+            # A private memory pool, freed with the graph (a pool whose graphs are all gone
+            # cannot take another capture: the caching allocator asserts).
             graph = torch.cuda.CUDAGraph()
-            with no_collection_while_capturing():
-                if self.pool is None:
-                    self.pool = torch.cuda.graph_pool_handle()
-                with torch.cuda.graph(graph, pool=self.pool):
-                    self.graphs._forward(batch, q)
+            with no_collection_while_capturing(), torch.cuda.graph(graph):
+                self.graphs._forward(batch, q)
             graph.replay()  # uploads the graph
             events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                       for _ in range(self.reps)]  # fmt: skip
