@@ -13,7 +13,8 @@ selection for one row; timed in a CUDA graph (median us per layer):
   unsplit-norms the same chain with no norm kernels at all (GEMVs read the previous output)
   NAME=CFG      the engine's chain (down with SiLU-and-mul as its prologue where Triton
                 serves it) with one projection through another configuration ("torch":
-                cuBLAS): does a kernel timed alone rank the same between its neighbours?
+                cuBLAS; --extra-splits adds K-split tiles that selection does not propose):
+                does a kernel timed alone rank the same between its neighbours?
 
     PYTHONPATH=src python scripts/norm_gap_probe.py --out $OUT/normprobe
 """
@@ -41,6 +42,8 @@ def main() -> None:
     ap.add_argument("--out", default="normprobe")
     ap.add_argument("--rot", type=int, default=8)
     ap.add_argument("--rows", type=int, default=1)
+    ap.add_argument("--extra-splits", type=lambda v: tuple(map(int, v.split(","))), nargs="*",
+                    default=[], help="more K-split tiles to try in the chain: BLOCK_N,SPLIT,STAGES")
     args = ap.parse_args()
     pdl.set_enabled(True)
     dev, dt = torch.device("cuda"), torch.bfloat16
@@ -127,7 +130,10 @@ def main() -> None:
         r["engine"] = time_chain(fused_silu=True)
         for name, (n, k) in shapes.items():
             (_, cands), = bucket_candidates((args.rows,), n, k, sms)
-            for alt in [None, *cands]:
+            bm = cands[-1].block_m if cands else 16
+            extra = [GemvConfig(bn, 128, split_k=sk, num_stages=st, block_m=bm)
+                     for bn, sk, st in args.extra_splits]  # fmt: skip
+            for alt in [None, *cands, *(c for c in extra if c.supports(args.rows, n, k))]:
                 if alt != cfg[name]:
                     r[f"{name}={alt or 'torch'}"] = time_chain(fused_silu=True,
                                                                over={name: alt})
