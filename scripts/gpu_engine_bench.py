@@ -201,9 +201,6 @@ def main() -> None:
     ap.add_argument("--ab-argmax", action="store_true",
                     help="also plain and fixed K=3 with the Triton row argmax switched off "
                          "(layers/triton_argmax.py: torch's), for an A/B in one run")  # fmt: skip
-    ap.add_argument("--ab-selection", action="store_true",
-                    help="also plain and fixed K=3 with the GEMV candidates timed back to back "
-                         "at start-up (the rule before gemv_timing.after_producer)")
     ap.add_argument("--ab-tuning", action="store_true",
                     help="also plain and fixed K=3 with the selection's GEMV plan as measured "
                          "(no whole-step tuning, runtime/plan_tuning.py)")
@@ -246,10 +243,6 @@ def main() -> None:
         configs["plain, torch argmax"] = {**configs["plain"], "argmax": "off"}
         configs["eagle3 K=3 fixed, torch argmax"] = {
             **configs["eagle3 K=3 fixed (sim. accept len 3.0)"], "argmax": "off"}  # fmt: skip
-    if args.ab_selection:
-        configs["plain, GEMVs timed back to back"] = {**configs["plain"], "producer": False}
-        configs["eagle3 K=3 fixed, GEMVs timed back to back"] = {
-            **configs["eagle3 K=3 fixed (sim. accept len 3.0)"], "producer": False}  # fmt: skip
     if args.ab_tuning:
         untuned = {"disable_gemv_tuning": True}
         configs["plain, GEMV plan untuned"] = {**configs["plain"], **untuned}
@@ -264,14 +257,13 @@ def main() -> None:
     if args.again:  # the first engine once more at the end: what the order alone changes
         first = next(iter(configs))
         configs[f"{first} (again, last)"] = configs[first]
-    from specserve.layers import gemv_select, triton_argmax  # kernel modules: when needed
+    from specserve.layers import triton_argmax  # a kernel module: imported when needed
 
     results = {}
     for name, extra in configs.items():
         extra = dict(extra)
         # read at each call, and by the drafter's graphs when captured: for this engine
         triton_argmax.set_mode(extra.pop("argmax", "graphs"))
-        gemv_select.TIME_AFTER_PRODUCER = extra.pop("producer", True)  # read by the selector
         head = extra.pop("head", True)
         t0 = time.perf_counter()
         engine = LLMEngine(EngineConfig(**base, **extra), model=model)

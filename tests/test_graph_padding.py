@@ -73,5 +73,20 @@ def test_graph_head_serves_greedy_sampled_and_logprob_steps(tiny_llama):
             assert lp.logprob == pytest.approx(ref.logprob, abs=1e-5)
     assert len(plain[list(plain)[2]][1]) == 9
     assert calls["graph"] > 5 and sum(heads) == calls["graph"]
-    greedy = _run_engine(llm, prompts[::3], params[::3])  # greedy-only steps: graph tokens
+    from specserve.runtime import model_runner
+
+    kept = model_runner.argmax_rows
+
+    def no_argmax(x):  # prefill steps (no graph) take theirs
+        assert llm.engine.runner.step_head is None, "a graph step launched an argmax after it"
+        return kept(x)
+
+    model_runner.argmax_rows = no_argmax
+    before = calls["graph"]
+    try:  # greedy-only steps take the graph's tokens; the cost model's timed step too
+        greedy = _run_engine(llm, prompts[::3], params[::3])
+        llm.engine.runner.time_forward(3)
+    finally:
+        model_runner.argmax_rows = kept
+    assert calls["graph"] > before + 5
     assert [t for t, _ in greedy.values()] == [plain[i][0] for i in list(plain)[::3]]

@@ -46,7 +46,9 @@ def test_descent_keeps_the_fastest_candidate_past_the_margin_for_every_shared_ke
     assert plan.config_for(64, *BIG) == A  # not in the tuned group
     assert report.changes == [((1, *BIG), str(A), str(C)), ((1, *SMALL), str(A), "torch")]
     assert report.steps_ms["shared"] == (12.0, 10.9)
-    assert report.evaluations == 1 + 3 + 3 and set(timer.calls) == {(1, 1)}
+    # each winner timed twice more (against the choice it replaces, then itself), the plan
+    # after tuning once more
+    assert report.evaluations == 1 + (3 + 2) + (3 + 2) + 1 and set(timer.calls) == {(1, 1)}
     assert plan.choices[(2, *BIG)].tuned and not plan.choices[(64, *BIG)].tuned
     assert {r["kernel"] for r in plan.summary() if r.get("tuned")} == {str(C), "torch"}
 
@@ -57,7 +59,30 @@ def test_descent_changes_nothing_when_no_candidate_beats_the_margin():
     groups = {"shared": ([(1, 1), (1, 4)], [[(1, *BIG), (2, *BIG), (4, *BIG)]])}
     report = plan_tuning.tune_plan(plan, groups, lambda key: [None, A, B], timer, 0.003)
     assert report.changes == [] and plan.config_for(1, *BIG) == A
-    assert timer.calls.count((1, 4)) == timer.calls.count((1, 1)) == 3  # both steps summed
+    assert timer.calls.count((1, 4)) == timer.calls.count((1, 1)) == 4  # both steps summed
+    assert not any(c.tuned for c in plan.choices.values())  # tried, put back: not marked
+
+
+def test_descent_rejects_a_lucky_timing_and_a_candidate_that_fails():
+    """A candidate faster only in its first timing is not taken; one that raises counts as
+    infinitely slow and leaves the plan as it was."""
+    plan = _plan()
+    first = {B: True}
+    timer = FakeTimer(plan, {(BIG, A): 10.0, (BIG, C): 10.0})
+
+    def flaky(batch, q):
+        cfg = plan.config_for(batch, *BIG)
+        if cfg is None:
+            raise RuntimeError("out of resources")
+        if cfg == B:  # fast once, then slow
+            fast, first[B] = first[B], False
+            return 5.0 if fast else timer(batch, q)
+        return timer(batch, q)
+
+    groups = {"shared": ([(1, 1)], [[(1, *BIG), (2, *BIG), (4, *BIG)]])}
+    report = plan_tuning.tune_plan(plan, groups, lambda key: [None, B, C], flaky, 0.003)
+    assert report.changes == [] and plan.config_for(1, *BIG) == A
+    assert report.steps_ms["shared"] == (110.0, 110.0)
 
 
 def test_engine_plan_groups_shared_buckets_with_decode_and_verify_and_the_largest_alone(
@@ -110,6 +135,47 @@ def test_plan_records_the_keys_it_is_asked_for():
     plan.config_for(3, *SMALL, fusion="norm")
     plan.config_for(2, *BIG)
     assert plan.asked == {(1, *BIG, "norm"), (4, *SMALL), (2, *BIG)}
+
+
+def test_step_timer_finds_the_keys_a_step_looks_up_and_restores_the_padding(monkeypatch):
+    """On the CPU (the runner's eager path, a plan of torch choices): the keys the decode
+    step looks up are the model's projections at that bucket, logits included; the static
+    buffers hold their padding values afterwards."""
+    from specserve.layers.linear import gemv_weights, use_gemv
+    from tests.test_cuda_graphs import _runner
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    runner = _runner()
+    model = runner.model
+    keys = [(b, n, k, dt) for b in (1, 2, 4) for (n, k, dt) in gemv_weights(model)]
+    use_gemv(model, plan=GemvPlan({k: GemvChoice(None, 1.0, 1.0, 1) for k in keys},
+                                  row_buckets=(1, 2, 4)))  # fmt: skip
+    runner.logits_head = lambda hidden: model.compute_logits(hidden, fp32=False)
+    timer = plan_tuning.StepTimer(runner, context=20, reps=1)
+    used = timer.keys_used([(1, 1), (4, 1), (4, 4)])  # 16 rows: past the plan, torch
+    assert used == {k for k in keys if k[0] in (1, 4)} and model.gemv_plan.asked is None
+    assert int(runner.seq_lens.min()) == int(runner.seq_lens.max()) == 1
+    for buf in (runner.positions, runner.slot_mapping, runner.block_tables):
+        assert not buf.any()
+
+
+@pytest.mark.gpu
+def test_gpu_engine_tunes_its_plan_unless_told_not_to(tiny_llama):
+    """An engine on the GPU reports its tuning (steps timed, the time before and after per
+    group); with disable_gemv_tuning it keeps selection's plan and reports none."""
+    from specserve.config import EngineConfig
+    from specserve.engine.engine import LLMEngine
+
+    for off in (False, True):
+        engine = LLMEngine(EngineConfig(model=str(tiny_llama), device="cuda", dtype="bfloat16",
+                                        max_num_seqs=4, disable_gemv_tuning=off))  # fmt: skip
+        report = engine.plan_tuning
+        if off:
+            assert report is None
+            assert not any(c.get("tuned") for c in engine.runner.model.gemv_plan.summary())
+        else:
+            assert report.evaluations > 1 and "shared" in report.steps_ms
+        del engine
 
 
 @pytest.mark.gpu

@@ -128,8 +128,8 @@ class LLMEngine:
             # EAGLE-3's feature projection and store write inside each graph: a step that
             # does not draft is one replay, as a plain one.
             feature_writer=self.spec.proposer.feature_writer() if self.spec else None,
-            # the logits and their greedy tokens inside each graph: a greedy step's sampling
-            # launches nothing more (model_runner.sample_async)
+            # the logits and their greedy tokens inside each graph: a greedy decode step
+            # launches nothing more to sample (model_runner.sample_async)
             logits_head=lambda hidden: self.runner.model.compute_logits(hidden, fp32=False),
         )
         plan = getattr(self.runner.model, "gemv_plan", None)

@@ -72,13 +72,14 @@ class GemvPlan:
             self.asked.add(key)
         return cfg if cfg is None or rows <= cfg.max_rows else None
 
-    def set_config(self, keys: list[PlanKey], config: GemvConfig | None) -> None:
+    def set_config(self, keys: list[PlanKey], config: GemvConfig | None,
+                   tuned: bool = True) -> None:  # fmt: skip
         """Serve measured `keys` with `config` (None: torch) from now on, keeping what was
-        measured for them (runtime/plan_tuning.py revises choices this way)."""
+        measured for them; `tuned`: marked as changed by tuning (runtime/plan_tuning.py,
+        which also puts choices back, unmarked, after trying others)."""
         for key in keys:
             old = self.choices[key]
-            self.choices[key] = GemvChoice(config, old.torch_us, old.best_us, old.tried,
-                                           tuned=config != old.config or old.tuned)  # fmt: skip
+            self.choices[key] = GemvChoice(config, old.torch_us, old.best_us, old.tried, tuned)
             if config is None:
                 self._configs.pop(key, None)
             else:

@@ -44,10 +44,6 @@ from specserve.layers.gemv_timing import (  # noqa: F401 (rotation_set: scripts 
 log = logging.getLogger(__name__)
 
 ShapeKey = tuple[int, int, torch.dtype]  # (N, K, dtype) of a weight [N, K]
-# Time each call after a small kernel that writes its input (gemv_timing.after_producer), as
-# the model runs its projections; False: calls back to back (the rule before, kept for A/Bs:
-# scripts/gpu_engine_bench.py --ab-selection). Read when a selector is made.
-TIME_AFTER_PRODUCER = True
 GEMV_DTYPES = (torch.float16, torch.bfloat16)
 SHARED_ROWS = 16  # row buckets up to this share one implementation per shape (see above)
 
@@ -131,28 +127,28 @@ class GemvSelector:
     within an equal share of what is left of `budget_s`: torch first for every row bucket,
     then each bucket's first configuration, and so on; what the budget leaves untried is
     counted (`skipped`) and logged. Each call is timed after a small kernel that writes its
-    input (`after_producer`, default TIME_AFTER_PRODUCER), as the model runs it. A variant's
-    first call (loading its module onto the device: tens of ms on a fresh machine) is part
-    of the cold cache's cost, not of the budget. Keys measured once are remembered: a second
-    model (a drafter sharing shapes with its target) given to the same selector only
-    measures its new shapes, and so does every later selector of this process with the same
-    row buckets, margin and timing on the same device (`_MEASURED`: engines started one
-    after another, as tests do, measure once; a different bucket set measures afresh, since
-    the shared choice of buckets up to SHARED_ROWS is made over them all together). On a CPU
-    the plan is empty: torch everywhere.
+    input (`after_producer`; False: calls back to back, the rule before), as the model runs
+    it. A variant's first call (loading its module onto the device: tens of ms on a fresh
+    machine) is part of the cold cache's cost, not of the budget. Keys measured once are
+    remembered: a second model (a drafter sharing shapes with its target) given to the same
+    selector only measures its new shapes, and so does every later selector of this process
+    with the same row buckets, margin and timing on the same device (`_MEASURED`: engines
+    started one after another, as tests do, measure once; a different bucket set measures
+    afresh, since the shared choice of buckets up to SHARED_ROWS is made over them all
+    together). On a CPU the plan is empty: torch everywhere.
     """
 
     def __init__(self, row_buckets: tuple[int, ...] = ROW_BUCKETS, budget_s: float = 20.0,
                  margin: float = 0.02, reps: int = 5, max_rows: int | None = None,
                  compile_workers: int | None = None,
-                 after_producer: bool | None = None):  # fmt: skip
+                 after_producer: bool = True):  # fmt: skip
         buckets = tuple(sorted(row_buckets))
         if max_rows is not None:
             buckets = tuple(b for b in buckets if b < max_rows) + tuple(
                 b for b in buckets if b >= max_rows)[:1]  # fmt: skip
         self.row_buckets = buckets
         self.budget_s, self.margin, self.reps = budget_s, margin, reps
-        self.after_producer = TIME_AFTER_PRODUCER if after_producer is None else after_producer
+        self.after_producer = after_producer
         self.compile_workers = compile_workers or min(8, os.cpu_count() or 1)
         self.measured: dict[PlanKey, GemvChoice] = {}  # bound per device in select()
         self.elapsed_s = self.compile_s = 0.0

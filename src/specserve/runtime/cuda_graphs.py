@@ -144,8 +144,9 @@ class CudaGraphRunner:
     `logits_head(hidden)` (the model's logits in the activation dtype, when given) runs inside
     each graph too, with the row argmax of its logits (the Triton kernels while capturing,
     layers/triton_argmax.py): after `run`, `last_head` holds the real rows' (logits, greedy
-    tokens), so a greedy step samples without launching anything, and any other step reads
-    the logits from there instead of projecting again.
+    tokens), views of graph memory that the next replay overwrites. A greedy decode step
+    without logprobs then samples without launching anything more; other steps (sampled,
+    logprobs, verification) read the logits from there instead of projecting again.
     """
 
     def __init__(

@@ -57,7 +57,10 @@ class SampledTokens:
     (plain steps: W = 1 and accept lengths are all 0). `want_logprobs[r]` is the top-k count
     request r asked for (None: no logprobs); `lp_rows` maps each (r, j < W) with j <= its
     draft count to a row of the logprob tensors. `drafts` [R, K] (device drafts the host
-    has not seen) come back too.
+    has not seen) come back too. `tokens` may be a view of the target graph's output (a
+    greedy decode step's, runtime/cuda_graphs.py), valid until the next target replay: its
+    readers (the host copy here, the next step's inputs and the drafter's catch-up) are all
+    enqueued before that replay.
     """
 
     def __init__(
