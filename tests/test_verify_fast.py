@@ -21,6 +21,7 @@ def _runner(weight):
     runner = ModelRunner.__new__(ModelRunner)
     runner.model = SimpleNamespace(compute_logits=lambda h, fp32=True: (h @ weight.T).float())
     runner.device = torch.device("cpu")
+    runner.step_head = None  # no CUDA graph took the logits
     return runner
 
 
