@@ -43,7 +43,8 @@ def main() -> None:
     ap.add_argument("--rot", type=int, default=8)
     ap.add_argument("--rows", type=int, default=1)
     ap.add_argument("--extra-splits", type=lambda v: tuple(map(int, v.split(","))), nargs="*",
-                    default=[], help="more K-split tiles to try in the chain: BLOCK_N,SPLIT,STAGES")
+                    default=[], help="more tiles to try in the chain: "
+                    "BLOCK_N,SPLIT,STAGES[,BLOCK_K[,WARPS[,TMA]]] (BLOCK_K 128, 4 warps)")
     args = ap.parse_args()
     pdl.set_enabled(True)
     dev, dt = torch.device("cuda"), torch.bfloat16
@@ -131,8 +132,9 @@ def main() -> None:
         for name, (n, k) in shapes.items():
             (_, cands), = bucket_candidates((args.rows,), n, k, sms)
             bm = cands[-1].block_m if cands else 16
-            extra = [GemvConfig(bn, 128, split_k=sk, num_stages=st, block_m=bm)
-                     for bn, sk, st in args.extra_splits]  # fmt: skip
+            extra = [GemvConfig(bn, (*more, 128)[0], split_k=sk, num_stages=st, block_m=bm,
+                                num_warps=(*more[1:], 4)[0], tma=bool((*more[2:], 0)[0]))
+                     for bn, sk, st, *more in args.extra_splits]  # fmt: skip
             for alt in [None, *cands, *(c for c in extra if c.supports(args.rows, n, k))]:
                 if alt != cfg[name]:
                     r[f"{name}={alt or 'torch'}"] = time_chain(fused_silu=True,
