@@ -26,6 +26,7 @@ import json
 from pathlib import Path
 
 import torch
+import triton
 from argmax_bench import replay_us
 
 from specserve.layers import pdl
@@ -137,8 +138,11 @@ def main() -> None:
                      for bn, sk, st, *more in args.extra_splits]  # fmt: skip
             for alt in [None, *cands, *(c for c in extra if c.supports(args.rows, n, k))]:
                 if alt != cfg[name]:
-                    r[f"{name}={alt or 'torch'}"] = time_chain(fused_silu=True,
-                                                               over={name: alt})
+                    try:
+                        r[f"{name}={alt or 'torch'}"] = time_chain(fused_silu=True,
+                                                                   over={name: alt})
+                    except triton.runtime.errors.OutOfResources as e:  # a tile too large
+                        print(f"{name}={alt}: {e}", flush=True)
         results[f"round{rnd}"] = r = {k: round(v, 2) for k, v in r.items()}
         print(f"round{rnd}", json.dumps(r), flush=True)
     out = Path(args.out)
