@@ -207,6 +207,9 @@ def main() -> None:
     ap.add_argument("--ab-head", action="store_true",
                     help="also plain and fixed K=3 with the target's graphs recaptured without "
                          "the logits head (logits and argmax launched after each replay)")
+    ap.add_argument("--ab-gate", action="store_true",
+                    help="also plain and fixed K=3 with SiLU-and-mul kept out of the gate/up "
+                         "GEMV's epilogue (its own kernel, as before triton_ops `fuse_gate`)")
     ap.add_argument("--again", action="store_true",
                     help="run the first configuration again as the last engine")
     ap.add_argument("--no-gc-freeze", action="store_true",
@@ -252,12 +255,19 @@ def main() -> None:
         configs["plain, logits after the graph"] = {**configs["plain"], "head": False}
         configs["eagle3 K=3 fixed, logits after the graph"] = {
             **configs["eagle3 K=3 fixed (sim. accept len 3.0)"], "head": False}  # fmt: skip
+    if args.ab_gate:
+        configs["plain, SiLU-and-mul kernel"] = {**configs["plain"], "gate": False}
+        configs["eagle3 K=3 fixed, SiLU-and-mul kernel"] = {
+            **configs["eagle3 K=3 fixed (sim. accept len 3.0)"], "gate": False}  # fmt: skip
     if args.only:
         configs = {k: v for k, v in configs.items() if any(o in k for o in args.only)}
     if args.again:  # the first engine once more at the end: what the order alone changes
         first = next(iter(configs))
         configs[f"{first} (again, last)"] = configs[first]
     from specserve.layers import triton_argmax  # a kernel module: imported when needed
+    from specserve.layers.triton_ops import TritonMergedGatedMLP
+
+    gated = TritonMergedGatedMLP._gated
 
     results = {}
     for name, extra in configs.items():
@@ -265,6 +275,8 @@ def main() -> None:
         # read at each call, and by the drafter's graphs when captured: for this engine
         triton_argmax.set_mode(extra.pop("argmax", "graphs"))
         head = extra.pop("head", True)
+        # this engine only (restored below): MLPs never take the gate/up epilogue
+        TritonMergedGatedMLP._gated = gated if extra.pop("gate", True) else lambda *a: None
         t0 = time.perf_counter()
         engine = LLMEngine(EngineConfig(**base, **extra), model=model)
         startup = time.perf_counter() - t0
@@ -304,6 +316,7 @@ def main() -> None:
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+    TritonMergedGatedMLP._gated = gated
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(results, indent=2))

@@ -11,6 +11,8 @@ selection for one row; timed in a CUDA graph (median us per layer):
                 difference is what one more pair of norm kernels costs in the chain
   unsplit       o and down through unsplit configurations, norms as in full
   unsplit-norms the same chain with no norm kernels at all (GEMVs read the previous output)
+  full, gated gate_up   full with SiLU-and-mul in the gate/up GEMV's epilogue (gemv
+                `gated`, the tile of half the chosen width), when Triton serves gate/up
   NAME=CFG      the engine's chain (down with SiLU-and-mul as its prologue where Triton
                 serves it) with one projection through another configuration ("torch":
                 cuBLAS; --extra-splits adds K-split tiles that selection does not propose):
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -80,7 +83,7 @@ def main() -> None:
     state = {}
 
     def layer(i, twice=False, o_cfg=None, down_cfg=None, norms=True, fused_silu=False,
-              over=None):
+              over=None, gated=False):
         L = layers[i]
         x, r = state.get("x", x0), state.get("r", r0)
         c = {**cfg, **(over or {})}
@@ -96,6 +99,12 @@ def main() -> None:
             hdn, r = norm(o, r, twice)
         else:
             hdn = o
+        if gated:  # SiLU-and-mul in the gate/up epilogue, the tile of half the width
+            half = replace(c["gate_up"], block_n=c["gate_up"].block_n // 2)
+            a = gemv(hdn, L["gate_up"], None, half, gated=True)
+            state["x"] = proj(a, L["down"], down_cfg, defer=norms)
+            state["r"] = r
+            return
         gu = proj(hdn, L["gate_up"], c["gate_up"])
         if fused_silu and down_cfg is not None:
             state["x"] = gemv(gu, L["down"], None, down_cfg, silu=True, defer_reduce=norms)
@@ -130,6 +139,9 @@ def main() -> None:
         r["one_more_norm_pair_us"] = r["full+norms"] - r["full"]
         r["norms_in_unsplit_us"] = r["unsplit"] - r["unsplit-norms"]
         r["engine"] = time_chain(fused_silu=True)
+        gu = cfg["gate_up"]
+        if gu is not None and gu.use_dot and gu.split_k == 1 and gu.block_n >= 32:
+            r["full, gated gate_up"] = time_chain(gated=True)
         for name, (n, k) in shapes.items():
             (_, cands), = bucket_candidates((args.rows,), n, k, sms)
             bm = cands[-1].block_m if cands else 16

@@ -1,8 +1,9 @@
 """Fused against unfused kernel paths, bit for bit: the GEMV with its SiLU-and-mul prologue
-against silu_and_mul followed by the GEMV, the split-K second pass fused with the residual
-add and RMSNorm against the separate pass and add + RMSNorm kernel, and a tiny Llama's steps
-with use_triton_ops(fuse=True) against fuse=False. Shared by the interpreter run
-(tests/test_fusion.py, CPU) and the GPU tests (tests/test_pdl_gpu.py)."""
+against silu_and_mul followed by the GEMV, the gated GEMV (SiLU-and-mul as the gate/up
+projection's epilogue) against the plain GEMV then silu_and_mul, the split-K second pass
+fused with the residual add and RMSNorm against the separate pass and add + RMSNorm kernel,
+and a tiny Llama's steps with use_triton_ops(fuse=True) against fuse=False. Shared by the
+interpreter run (tests/test_fusion.py, CPU) and the GPU tests (tests/test_pdl_gpu.py)."""
 
 from __future__ import annotations
 
@@ -29,6 +30,30 @@ def silu_gemv_case(cfg, rows: int, n: int, k: int, dtype, device, bias=False, se
     unfused = gemv(act, w, b, cfg)
     fused = gemv(gate_up, w, b, cfg, silu=True)
     ref = act.double() @ w.double().T + (b.double() if bias else 0)
+    return {"equal": torch.equal(fused, unfused), "err": rel_err(fused, ref)}
+
+
+def gated_gemv_case(cfg, rows: int, n: int, k: int, dtype, device, bias=False, seed=0,
+                    half=False) -> dict:  # fmt: skip
+    """{"equal": the gated GEMV of a [gate; up] weight [2n, k] == the plain GEMV then
+    silu_and_mul of its halves bitwise, "err": its relative error against a float64
+    reference}. half: the gated GEMV through the tile of half cfg's width (as the MLP runs
+    it) against the plain one through cfg."""
+    from dataclasses import replace
+
+    from specserve.layers.gemv import gemv
+    from specserve.layers.triton_ops import silu_and_mul
+
+    gen = torch.Generator().manual_seed(seed)
+    x = _rand(gen, rows, k, dtype=dtype, device=device)
+    w = _rand(gen, 2 * n, k, dtype=dtype, device=device, scale=k**-0.5)
+    b = _rand(gen, 2 * n, dtype=dtype, device=device) if bias else None
+    plain = gemv(x, w, b, cfg)
+    unfused = silu_and_mul(plain[:, :n], plain[:, n:])
+    fused = gemv(x, w, b, replace(cfg, block_n=cfg.block_n // 2) if half else cfg, gated=True)
+    ref = (x.double() @ w.double().T + (b.double() if bias else 0)).to(dtype).double()
+    act = torch.nn.functional.silu(ref[:, :n]).to(dtype).double()  # rounded as F.silu
+    ref = act * ref[:, n:]
     return {"equal": torch.equal(fused, unfused), "err": rel_err(fused, ref)}
 
 
@@ -61,13 +86,13 @@ def split_norm_case(cfg, rows: int, n: int, k: int, dtype, device, bias=False, s
     }
 
 
-def set_fusions(model, silu: bool, split_k: bool) -> None:
-    """Turn the merged MLPs' two fusions on or off one by one (use_triton_ops sets both)."""
+def set_fusions(model, silu: bool, split_k: bool, gate: bool = True) -> None:
+    """Turn the merged MLPs' fusions on or off one by one (use_triton_ops sets all)."""
     from specserve.layers.triton_ops import TritonMergedGatedMLP
 
     for module in model.modules():
         if isinstance(module, TritonMergedGatedMLP):
-            module.fuse_silu, module.fuse_split_k = silu, split_k
+            module.fuse_silu, module.fuse_split_k, module.fuse_gate = silu, split_k, gate
 
 
 def model_fusion_case(dtype, device, config, backend=None, seed=0, cfg=None,
@@ -77,9 +102,11 @@ def model_fusion_case(dtype, device, config, backend=None, seed=0, cfg=None,
     SiLU prologue when not `silu`) gives the hidden states, logits and KV of fuse=False bit
     for bit, "err": their error against plain torch modules, "fused_norms": how many
     RMSNorms ran a split-K pass (o_proj's and the down projection's), "silu_gemvs": how many
-    GEMVs ran the SiLU prologue}. Without `fused_choice` the plan has measured the fused
-    down projection slower (config_for with a fusion gives None): the MLP runs SiLU-and-mul
-    and the plain choice, whose split still reduces in the next norm."""
+    GEMVs ran the SiLU prologue, "gated_gemvs": how many ran it as the gate/up epilogue}.
+    Without `fused_choice` the plan has measured the fused down projection slower
+    (config_for with a fusion gives None): the MLP runs SiLU-and-mul (in the gate/up GEMV's
+    epilogue where `config` does not split K) and the plain choice, whose split still
+    reduces in the next norm."""
     from specserve.engine.kv_cache import KVCache
     from specserve.layers import triton_norm, triton_ops
     from specserve.layers.attention import TorchAttentionBackend
@@ -98,16 +125,17 @@ def model_fusion_case(dtype, device, config, backend=None, seed=0, cfg=None,
         plan.config_for = lambda rows, n, k, dt, fusion=None: (
             None if fusion else plain_choice(rows, n, k, dt)
         )
-    calls = {"fused_norms": 0, "silu_gemvs": 0}
+    calls = {"fused_norms": 0, "silu_gemvs": 0, "gated_gemvs": 0}
     fused_norm, gemv = triton_ops.split_k_add_rms_norm, triton_ops.gemv
 
     def counting_norm(*args):
         calls["fused_norms"] += 1
         return fused_norm(*args)
 
-    def counting_gemv(*args, silu=False, **kwargs):
+    def counting_gemv(*args, silu=False, gated=False, **kwargs):
         calls["silu_gemvs"] += silu
-        return gemv(*args, silu=silu, **kwargs)
+        calls["gated_gemvs"] += gated
+        return gemv(*args, silu=silu, gated=gated, **kwargs)
 
     triton_ops.split_k_add_rms_norm, triton_ops.gemv = counting_norm, counting_gemv
     equal, err, start = True, 0.0, 0

@@ -11,7 +11,13 @@ import pytest
 import torch
 
 from specserve.layers import pdl
-from tests.fusion_cases import model_fusion_case, set_fusions, silu_gemv_case, split_norm_case
+from tests.fusion_cases import (
+    gated_gemv_case,
+    model_fusion_case,
+    set_fusions,
+    silu_gemv_case,
+    split_norm_case,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -120,6 +126,38 @@ def test_gpu_fused_kernels_equal_separate_at_8b_shape(dtype, use_pdl, restore_pd
                 res = split_norm_case(cfg, rows, n, k, dtype, "cuda", silu=silu, seed=rows)
                 assert res == {"deferred": True, "out": True, "total": True, "normed": True,
                                "reduce": True}, (rows, str(cfg), silu, res)  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_gated_epilogue_equals_separate_kernels_at_8b_shape(dtype, restore_pdl):
+    """SiLU-and-mul in the gate/up GEMV's epilogue (Llama-3.1-8B's [gate; up] 28672 x 4096),
+    through the tile of half the chosen width as the MLP runs it (and through the same tile
+    where that fits in shared memory), against the plain GEMV then silu_and_mul: same bits."""
+    from specserve.layers.gemv import GemvConfig
+
+    pdl.set_enabled(True)
+    n, k = 14336, 4096
+    runs = [(1, GemvConfig(128, 128, block_m=16), (True, False)),
+            (16, GemvConfig(64, 128, num_stages=4, block_m=16), (True, False)),
+            (64, GemvConfig(128, 128, num_warps=8, num_stages=3, block_m=64), (True,)),
+            (64, GemvConfig(128, 64, num_stages=4, block_m=64), (True,)),
+            (33, GemvConfig(128, 128, num_warps=8, num_stages=3, block_m=64, tma=True),
+             (True,))]  # fmt: skip
+    for rows, cfg, halves in runs:
+        for half in halves:
+            res = gated_gemv_case(cfg, rows, n, k, dtype, "cuda", seed=rows, half=half)
+            assert res["equal"] and res["err"] < 1e-2, (rows, str(cfg), half, res)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_model_gated_mlp_equals_unfused_on_triton_attention(dtype):
+    from specserve.layers.attention.triton_attn import TritonAttentionBackend
+    from specserve.layers.gemv import GemvConfig
+
+    res = model_fusion_case(dtype, "cuda", GemvConfig(32, 32), TritonAttentionBackend(),
+                            fused_choice=False)  # fmt: skip
+    assert res["equal"] and (res["gated_gemvs"], res["silu_gemvs"]) == (6, 0), res
+    assert res["err"] < 3e-2, res
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -30,6 +30,12 @@ Fused prologue (`silu`): x may be the [gate | up] output of a merged gate/up pro
 kernel then multiplies silu(gate) * up, rounded exactly as the separate SiLU-and-mul kernel
 rounds (`silu_mul`, shared by both), so results equal that kernel followed by the GEMV.
 
+Fused epilogue (`gated`): the weight is a merged [gate; up] projection, each program
+streams the same block_n rows of both halves and stores silu(gate) * up, rounded as the
+plain product then SiLU-and-mul round, so results equal that pair of kernels with the same
+tile; the [gate | up] output is never written (the MLP's path where the down projection
+takes no prologue, as at 64 rows, where the prologue's per-program SiLU is costly).
+
 Programmatic dependent launch (layers/pdl.py): each program first asks L2 for the first
 lines of its weight slice (`PREFETCH`, weights are never written while serving), then waits
 for the previous kernel, so the weight stream starts during that kernel's tail.
@@ -92,6 +98,31 @@ def _prefetch_l2(ptrs):
                               dtype=tl.int32, is_pure=False, pack=1)  # fmt: skip
 
 
+@triton.jit
+def _w_tile(w_rows, w_desc, row0, k0, k, K, TMA: tl.constexpr, EVEN_K: tl.constexpr):
+    """A [BLOCK_N, BLOCK_K] weight tile: rows `w_rows` at columns k through pointers, or
+    with TMA the descriptor's tile at (row0, k0) (rows past the weight and columns past K
+    read as zeros)."""
+    if TMA:
+        return w_desc.load([row0, k0])
+    elif EVEN_K:
+        return tl.load(w_rows + k[None, :])
+    else:
+        return tl.load(w_rows + k[None, :], mask=(k < K)[None, :], other=0.0)
+
+
+@triton.jit
+def _mac(acc, x, w, USE_DOT: tl.constexpr, IEEE: tl.constexpr):
+    """acc + x @ w^T: on the matrix units, or as per-thread products ([M, N, K] acc)."""
+    if USE_DOT:
+        if IEEE:
+            return acc + tl.dot(x, tl.trans(w), input_precision="ieee")
+        else:
+            return acc + tl.dot(x, tl.trans(w))
+    else:
+        return acc + x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+
+
 # Integers that change with the call (row count, K slice, the partial sums' split stride of
 # rows x N) are not specialized on: M = 1 would otherwise compile a variant of its own.
 @triton.jit(do_not_specialize=["M", "iters_per_split", "stride_os"])
@@ -102,7 +133,7 @@ def _gemv_kernel(
     USE_DOT: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, SILU: tl.constexpr = False,
     USE_PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
-    w_desc=None, TMA: tl.constexpr = False,
+    w_desc=None, TMA: tl.constexpr = False, GATED: tl.constexpr = False,
 ):  # fmt: skip
     pid_m = tl.program_id(0)  # fastest: the row blocks of one weight tile run together
     pid_n = tl.program_id(1)
@@ -115,6 +146,7 @@ def _gemv_kernel(
     m_ok = (m < M)[:, None]
     x_rows = x_ptr + m[:, None] * stride_xm
     w_rows = w_ptr + tl.minimum(n, N - 1).to(tl.int64)[:, None] * stride_wn
+    u_rows = w_ptr + (tl.minimum(n, N - 1) + N).to(tl.int64)[:, None] * stride_wn  # GATED: up
     # Slices start at multiples of BLOCK_K (which the compiler sees: aligned vector loads).
     k_lo = pid_s * iters_per_split * BLOCK_K
     iters = tl.minimum(iters_per_split, tl.cdiv(K - k_lo, BLOCK_K))
@@ -122,32 +154,31 @@ def _gemv_kernel(
         if PREFETCH > 0:
             line = tl.arange(0, PREFETCH) * (1024 // w_ptr.dtype.element_ty.primitive_bitwidth)
             _prefetch_l2(w_rows + tl.minimum(k_lo + line, K - 1)[None, :])
+            if GATED:
+                _prefetch_l2(u_rows + tl.minimum(k_lo + line, K - 1)[None, :])
         pdl_enter()  # before the first read of x and the first write
     if USE_DOT:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     else:  # per-thread partial products, summed over K once after the loop
         acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc_u = acc  # GATED: the up half's sums
     for i in range(0, iters):
         k = k_lo + i * BLOCK_K + kk
-        if TMA:  # the copy engine fetches the tile; rows past N and columns past K are zeros
-            w = w_desc.load([pid_n * BLOCK_N, k_lo + i * BLOCK_K])
-            x = _load_x(x_rows, k, m_ok & (k < K)[None, :], K, SILU)
-        elif EVEN_K:  # K is a multiple of BLOCK_K
-            w = tl.load(w_rows + k[None, :])
+        # TMA: the copy engine fetches the tile; rows past N and columns past K are zeros
+        w = _w_tile(w_rows, w_desc, pid_n * BLOCK_N, k_lo + i * BLOCK_K, k, K, TMA, EVEN_K)
+        if EVEN_K and not TMA:  # K is a multiple of BLOCK_K
             x = _load_x(x_rows, k, m_ok, K, SILU)
         else:
-            k_ok = (k < K)[None, :]
-            w = tl.load(w_rows + k[None, :], mask=k_ok, other=0.0)
-            x = _load_x(x_rows, k, m_ok & k_ok, K, SILU)
-        if USE_DOT:
-            if IEEE:
-                acc += tl.dot(x, tl.trans(w), input_precision="ieee")
-            else:
-                acc += tl.dot(x, tl.trans(w))
-        else:
-            acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+            x = _load_x(x_rows, k, m_ok & (k < K)[None, :], K, SILU)
+        acc = _mac(acc, x, w, USE_DOT, IEEE)
+        if GATED:
+            w = _w_tile(u_rows, w_desc, N + pid_n * BLOCK_N, k_lo + i * BLOCK_K, k, K, TMA,
+                        EVEN_K)  # fmt: skip
+            acc_u = _mac(acc_u, x, w, USE_DOT, IEEE)
     if not USE_DOT:
         acc = tl.sum(acc, axis=2)
+        if GATED:
+            acc_u = tl.sum(acc_u, axis=2)
     ok = m_ok & (n < N)[None, :]
     if PARTIAL:
         dst = out_ptr + pid_s * stride_os + m[:, None] * stride_om + n[None, :]
@@ -155,8 +186,13 @@ def _gemv_kernel(
     else:
         if HAS_BIAS:
             acc += tl.load(b_ptr + n, mask=n < N, other=0.0).to(tl.float32)[None, :]
+            if GATED:
+                acc_u += tl.load(b_ptr + N + n, mask=n < N, other=0.0).to(tl.float32)[None, :]
+        y = acc.to(out_ptr.dtype.element_ty)
+        if GATED:  # rounded as the [gate | up] output, then as silu_and_mul rounds
+            y = silu_mul(y, acc_u.to(out_ptr.dtype.element_ty), out_ptr.dtype.element_ty)
         dst = out_ptr + m[:, None] * stride_om + n[None, :]
-        tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=ok)
+        tl.store(dst, y, mask=ok)
 
 
 @triton.jit
@@ -248,6 +284,7 @@ def gemv(
     compile_only: bool = False,
     silu: bool = False,
     defer_reduce: bool = False,
+    gated: bool = False,
 ) -> torch.Tensor | SplitKSum | None:
     """x [..., K] @ weight[N, K]^T (+ bias) for at most MAX_ROWS rows of x; returns [..., N]
     in x's dtype. Allocates only the output (and, with split_k > 1, its fp32 workspace).
@@ -255,9 +292,16 @@ def gemv(
     product is (silu(gate) * up) @ weight^T, equal to silu_and_mul followed by gemv.
     defer_reduce: with a K split, return the partial sums as a SplitKSum instead of running
     the second pass (for an RMSNorm with residual to run it fused).
+    gated: weight is a merged [gate; up] projection [2N, K] and the result silu(x @ gate^T)
+    * (x @ up^T) [..., N], equal to silu_and_mul of the plain product's halves; each
+    program streams block_n rows of both halves, so `config` must not split K.
     compile_only: compile the kernels this call needs without running them (returns None;
     safe from several threads at once: start-up selection compiles in parallel)."""
     n, k = weight.shape
+    if gated:
+        if silu or n % 2:
+            raise ValueError("a gated gemv takes x itself and a weight of [gate; up] rows")
+        n //= 2
     x_cols = 2 * k if silu else k
     if x.shape[-1] != x_cols:
         raise ValueError(f"gemv needs x with {x_cols} columns for a weight {tuple(weight.shape)}")
@@ -279,6 +323,8 @@ def gemv(
     split_k = triton.cdiv(k, iters_per_split * cfg.block_k)  # no empty slices
     has_bias = bias is not None
     partial = split_k > 1
+    if gated and partial:
+        raise ValueError(f"a gated gemv needs a configuration that does not split K ({cfg})")
     if partial:
         dst = torch.empty((split_k, rows, n), dtype=torch.float32, device=x.device)
         strides = (dst.stride(1), dst.stride(0))
@@ -289,12 +335,12 @@ def gemv(
             x2.stride(0), weight.stride(0), *strides)  # fmt: skip
     launch = pdl.launch_options(x.device)
     if launch["USE_PDL"]:
-        launch["PREFETCH"] = prefetch_lines(cfg, grid[1] * split_k, iters_per_split,
-                                            weight.element_size())  # fmt: skip
+        launch["PREFETCH"] = prefetch_lines(cfg, grid[1] * split_k * (1 + gated),
+                                            iters_per_split, weight.element_size())  # fmt: skip
     consts = dict(
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, USE_DOT=cfg.use_dot,
         IEEE=x.dtype == torch.float32, EVEN_K=k % cfg.block_k == 0,
-        HAS_BIAS=has_bias and not partial, PARTIAL=partial, SILU=silu,
+        HAS_BIAS=has_bias and not partial, PARTIAL=partial, SILU=silu, GATED=gated,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch,
     )  # fmt: skip
     if cfg.tma:

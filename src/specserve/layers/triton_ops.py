@@ -13,12 +13,16 @@ instances to the subclasses below in place (same parameters, buffers and state d
 start-up selection times it, fused), two more kernel boundaries go, with the same results:
 SiLU-and-mul becomes the GEMV's prologue, and with a K split the GEMV's second pass runs
 inside the RMSNorm after it, with the residual add (the decoder layer hands its MLP output
-to that norm: `forward(x, defer_reduce=True)`). The attention block's output projection,
+to that norm: `forward(x, defer_reduce=True)`); where the down projection takes no
+prologue and the Triton GEMV serves gate/up, SiLU-and-mul becomes that GEMV's epilogue
+instead. The attention block's output projection,
 where the plan splits its K, hands its unreduced sums to the post-attention norm alike
 (`Attention.split_k_to_norm`, model/llama.py).
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 import triton
@@ -122,10 +126,14 @@ class TritonMergedGatedMLP(MergedGatedMLP):
     use_triton_ops, same results): `fuse_silu` makes SiLU-and-mul that GEMV's prologue (one
     kernel less, but every program recomputes the SiLU of its K slice); `fuse_split_k`,
     with defer_reduce and a K split, returns the unreduced `SplitKSum` for the next RMSNorm
-    to reduce, add and norm in one kernel."""
+    to reduce, add and norm in one kernel. Where the down projection takes no prologue
+    (torch or the fused choice measured slower, as at 64 rows), `fuse_gate` computes
+    SiLU-and-mul in the gate/up GEMV's epilogue instead, when the Triton GEMV serves that
+    (`_gated`): each activation computed once, the [gate | up] output never written."""
 
     fuse_silu = False
     fuse_split_k = False
+    fuse_gate = False
 
     @property
     def gemv_fusion(self) -> str | None:
@@ -136,22 +144,40 @@ class TritonMergedGatedMLP(MergedGatedMLP):
         return "+".join(parts) or None
 
     def forward(self, x: torch.Tensor, defer_reduce: bool = False):
-        gate_up = self.gate_up_proj(x)
         down = self.down_proj
         plan = getattr(down, "gemv_plan", None)
         fusion = self.gemv_fusion
+        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
         cfg = None
         if plan is not None and fusion is not None:
-            rows = gate_up.numel() // gate_up.shape[-1] if gate_up.shape[-1] else 0
             cfg = plan.config_for(rows, *down.weight.shape, down.weight.dtype, fusion)
         defer = defer_reduce and self.fuse_split_k
         if cfg is None:  # the plain choice; a K split of it still reduces in the next norm
-            gate, up = gate_up.split(self.intermediate, dim=-1)
-            return dense(silu_and_mul(gate, up), down.weight, down.bias, plan, defer)
+            act = self._gated(x, rows)
+            if act is None:
+                gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+                act = silu_and_mul(gate, up)
+            return dense(act, down.weight, down.bias, plan, defer)
+        gate_up = self.gate_up_proj(x)
         if self.fuse_silu:
             return gemv(gate_up, down.weight, down.bias, cfg, silu=True, defer_reduce=defer)
         gate, up = gate_up.split(self.intermediate, dim=-1)
         return gemv(silu_and_mul(gate, up), down.weight, down.bias, cfg, defer_reduce=defer)
+
+    def _gated(self, x: torch.Tensor, rows: int) -> torch.Tensor | None:
+        """With `fuse_gate`, where the plan serves the gate/up projection with an unsplit
+        matrix-unit tile: silu(gate) * up from that GEMV's epilogue (gemv `gated`), through
+        the tile of half the chosen width (each program streams it from both halves: the
+        chosen program count and bytes per stage). None where not."""
+        proj = self.gate_up_proj
+        plan = getattr(proj, "gemv_plan", None)
+        if not self.fuse_gate or plan is None:
+            return None
+        cfg = plan.config_for(rows, *proj.weight.shape, proj.weight.dtype)
+        if cfg is None or cfg.split_k > 1 or not cfg.use_dot or cfg.block_n < 32:
+            return None
+        half = replace(cfg, block_n=cfg.block_n // 2)
+        return gemv(x, proj.weight, proj.bias, half, gated=True)
 
 
 _FUSED = {
@@ -166,7 +192,7 @@ def use_triton_ops(model: nn.Module, enable: bool = True, fuse: bool = True) -> 
     """Switch (enable=False: switch back) the model's RMSNorm, rotary and gated-MLP modules to
     their Triton subclasses in place; returns how many modules changed. fuse: let merged
     MLPs fold SiLU-and-mul and the down projection's split-K pass into their neighbours
-    where the Triton GEMV serves the down projection, and attention blocks their output
+    where the Triton GEMV serves them, and attention blocks their output
     projection's split-K pass into the norm after them (same results, fewer kernels)."""
     mapping = _FUSED if enable else {v: k for k, v in _FUSED.items()}
     changed = 0
@@ -176,9 +202,9 @@ def use_triton_ops(model: nn.Module, enable: bool = True, fuse: bool = True) -> 
             module.__class__ = new_class
             changed += 1
         if isinstance(module, TritonMergedGatedMLP):
-            module.fuse_silu = module.fuse_split_k = fuse
+            module.fuse_silu = module.fuse_split_k = module.fuse_gate = fuse
         elif isinstance(module, MergedGatedMLP):
-            for name in ("fuse_silu", "fuse_split_k"):
+            for name in ("fuse_silu", "fuse_split_k", "fuse_gate"):
                 module.__dict__.pop(name, None)
         if hasattr(type(module), "split_k_to_norm"):  # attention: its output projection's
             module.split_k_to_norm = enable and fuse  # K split reduced in the norm after it
