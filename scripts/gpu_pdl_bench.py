@@ -58,7 +58,8 @@ BASELINE = "neither"
 @contextmanager
 def without_silu_prologue():
     """Engines built meanwhile fuse the split-K pass but keep SiLU-and-mul a kernel of its
-    own (a benchmark-only setting: the engine's one switch sets both fusions)."""
+    own, neither the down projection's prologue nor the gate/up epilogue (a benchmark-only
+    setting: the engine's one switch sets every fusion)."""
     from specserve.layers import triton_ops
 
     original = triton_ops.use_triton_ops
@@ -67,7 +68,7 @@ def without_silu_prologue():
         changed = original(model, enable, fuse)
         for module in model.modules():
             if isinstance(module, triton_ops.TritonMergedGatedMLP):
-                module.fuse_silu = False
+                module.fuse_silu = module.fuse_gate = False
         return changed
 
     triton_ops.use_triton_ops = use_triton_ops  # the engine imports it at start-up
@@ -116,7 +117,7 @@ def build(model, base: dict, extra: dict, batches: list[int]) -> tuple[LLMEngine
     info = {
         "startup_s": round(time.perf_counter() - t0, 2),
         "pdl_active": pdl.active(device),  # as set for this engine's capture
-        "fusions": {k: getattr(mlp, k, False) for k in ("fuse_silu", "fuse_split_k")},
+        "fusions": {k: getattr(mlp, k, False) for k in ("fuse_silu", "fuse_split_k", "fuse_gate")},
         "down_proj": down_proj_kernels(model, batches),
         "graphs": engine.runner.graphs.report.__dict__ if engine.runner.graphs else None,
     }

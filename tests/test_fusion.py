@@ -26,6 +26,7 @@ def _configs() -> dict:
         "dot": GemvConfig(block_n=16, block_k=32),
         "dot-split3": GemvConfig(block_n=16, block_k=32, split_k=3),
         "dot32": GemvConfig(block_n=32, block_k=32),
+        "dot32-tma": GemvConfig(block_n=32, block_k=64, block_m=32, tma=True),
         "fma": GemvConfig(block_n=8, block_k=64, use_dot=False),
         "fma-split2": GemvConfig(block_n=8, block_k=64, split_k=2, use_dot=False),
     }
@@ -52,6 +53,9 @@ def _gated_cases() -> dict[str, tuple]:
         for rows in (1, 3, 17):
             cases[f"gated-dot-{dtype}-m{rows}"] = ("dot", rows, 72, 200, dtype, False, False)
         cases[f"gated-dot-{dtype}-half-m5"] = ("dot32", 5, 72, 200, dtype, False, True)
+        # tiles through a descriptor: the last gate tile runs into the up rows, the last up
+        # tile past the weight (zeros)
+        cases[f"gated-tma-{dtype}-half-m33"] = ("dot32-tma", 33, 72, 200, dtype, True, True)
     cases["gated-dot-float16-bias-k256"] = ("dot", 2, 40, 256, "float16", True, False)
     for dtype in ("float16", "float32"):  # bf16: the interpreter's own SiLU is off by ~1%
         cases[f"gated-fma-{dtype}-m2"] = ("fma", 2, 72, 200, dtype, True, False)
@@ -161,6 +165,7 @@ def test_interpreter_model_fused_equals_unfused(case, interpreter_results):
     assert res["fused_norms"] == 2 * 2 * 3, res
     no_silu = "split-k-only" in case or "slower" in case
     assert res["silu_gemvs"] == (0 if no_silu else 2 * 3), res
+    assert res["gated_gemvs"] == 0, res  # a K split: gate/up keeps its plain GEMV
     assert res["err"] <= 10 * TOL[case.split("-")[0]], res
 
 

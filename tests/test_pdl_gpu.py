@@ -45,8 +45,8 @@ def _graph_replay(fn):
     return out
 
 
-def _steps_in_graphs(dtype, use_pdl: bool, fuse: bool, device="cuda",
-                     silu: bool = True) -> list[torch.Tensor]:  # fmt: skip
+def _steps_in_graphs(dtype, use_pdl: bool, fuse: bool, device="cuda", silu: bool = True,
+                     split_k: int = 2) -> list[torch.Tensor]:  # fmt: skip
     """Prefill two requests eagerly, then a decode step (1 token each) and a verify step (4
     tokens each), each captured in a CUDA graph and replayed (on the CPU: run eagerly):
     hidden states, logits, KV."""
@@ -65,7 +65,8 @@ def _steps_in_graphs(dtype, use_pdl: bool, fuse: bool, device="cuda",
     use_triton_ops(model, fuse=fuse)
     if fuse and not silu:
         set_fusions(model, silu=False, split_k=True)
-    use_gemv(model, plan=GemvPlan(row_buckets=(1, 2, 4, 8), default=GemvConfig(64, 128, 2)))
+    use_gemv(model, plan=GemvPlan(row_buckets=(1, 2, 4, 8),
+                                  default=GemvConfig(64, 128, split_k)))  # fmt: skip
     backend = TritonAttentionBackend(num_splits=2)  # the split-merge kernel too
     kv = KVCache(cfg, 64, 16, dtype, device)
     tables = [list(range(1, 9)), list(range(9, 17))]
@@ -104,6 +105,32 @@ def test_gpu_graph_steps_same_bits_with_pdl_and_fusion_on_or_off(dtype, restore_
         assert all(same), (use_pdl, fuse, silu, same)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_graph_steps_same_bits_with_the_gate_up_epilogue(dtype, restore_pdl, monkeypatch):
+    """Unsplit tiles and no SiLU prologue: every MLP computes SiLU-and-mul in its gate/up
+    GEMV's epilogue, inside CUDA graphs with PDL on or off, with the bits of the unfused
+    steps."""
+    from specserve.layers import triton_ops
+
+    if not _pdl_capable():
+        pytest.skip("PDL needs compute capability 9+")
+    base = _steps_in_graphs(dtype, use_pdl=False, fuse=False, split_k=1)
+    gated_calls = []
+    plain_gemv = triton_ops.gemv
+
+    def counting(*args, gated=False, **kwargs):
+        gated_calls.append(gated)
+        return plain_gemv(*args, gated=gated, **kwargs)
+
+    monkeypatch.setattr(triton_ops, "gemv", counting)
+    for use_pdl in (False, True):
+        gated_calls.clear()
+        outs = _steps_in_graphs(dtype, use_pdl, fuse=True, silu=False, split_k=1)
+        assert sum(gated_calls) >= 2 * 3, gated_calls  # 2 layers x 3 steps at least
+        same = [torch.equal(a, b) for a, b in zip(outs, base)]
+        assert all(same), (use_pdl, same)
+
+
 _DOWN = (4096, 14336)  # Llama-3.1-8B's down projection (N, K)
 
 
@@ -137,16 +164,22 @@ def test_gpu_gated_epilogue_equals_separate_kernels_at_8b_shape(dtype, restore_p
 
     pdl.set_enabled(True)
     n, k = 14336, 4096
-    runs = [(1, GemvConfig(128, 128, block_m=16), (True, False)),
-            (16, GemvConfig(64, 128, num_stages=4, block_m=16), (True, False)),
-            (64, GemvConfig(128, 128, num_warps=8, num_stages=3, block_m=64), (True,)),
-            (64, GemvConfig(128, 64, num_stages=4, block_m=64), (True,)),
-            (33, GemvConfig(128, 128, num_warps=8, num_stages=3, block_m=64, tma=True),
+    runs = [(1, n, GemvConfig(128, 128, block_m=16), (True, False)),
+            (16, n, GemvConfig(64, 128, num_stages=4, block_m=16), (True, False)),
+            (64, n, GemvConfig(128, 128, num_warps=8, num_stages=3, block_m=64), (True,)),
+            (64, n, GemvConfig(128, 64, num_stages=4, block_m=64), (True,)),
+            (64, n, GemvConfig(256, 64, num_warps=8, num_stages=3, block_m=64), (True,)),
+            (33, n, GemvConfig(128, 128, num_warps=8, num_stages=3, block_m=64, tma=True),
+             (True,)),
+            # N off every tile: the last gate tile runs into the up rows, the last up tile
+            # past the weight
+            (3, 1000, GemvConfig(64, 128, block_m=16), (True, False)),
+            (64, 1000, GemvConfig(128, 64, num_stages=4, block_m=64, tma=True),
              (True,))]  # fmt: skip
-    for rows, cfg, halves in runs:
+    for rows, cols, cfg, halves in runs:
         for half in halves:
-            res = gated_gemv_case(cfg, rows, n, k, dtype, "cuda", seed=rows, half=half)
-            assert res["equal"] and res["err"] < 1e-2, (rows, str(cfg), half, res)
+            res = gated_gemv_case(cfg, rows, cols, k, dtype, "cuda", seed=rows, half=half)
+            assert res["equal"] and res["err"] < 1e-2, (rows, cols, str(cfg), half, res)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

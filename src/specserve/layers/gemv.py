@@ -164,7 +164,8 @@ def _gemv_kernel(
     acc_u = acc  # GATED: the up half's sums
     for i in range(0, iters):
         k = k_lo + i * BLOCK_K + kk
-        # TMA: the copy engine fetches the tile; rows past N and columns past K are zeros
+        # TMA: the copy engine fetches the tile; columns past K and rows past the weight read
+        # as zeros (a gated gate tile's rows past N read up rows, discarded at the store)
         w = _w_tile(w_rows, w_desc, pid_n * BLOCK_N, k_lo + i * BLOCK_K, k, K, TMA, EVEN_K)
         if EVEN_K and not TMA:  # K is a multiple of BLOCK_K
             x = _load_x(x_rows, k, m_ok, K, SILU)

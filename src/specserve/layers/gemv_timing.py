@@ -106,7 +106,10 @@ def down_and_norm(cfg: GemvConfig | None, fusion: str, residual: torch.Tensor,
     then the shape's plain choice (`unfused`: a Triton GEMV, None: cuBLAS), then add +
     RMSNorm (which runs a K split's pass of `unfused` with "split_k", as the model does).
     Attention's o_proj (fusion NORM_FUSION, llama.Attention): the same without SiLU, its
-    split-K pass always in the norm."""
+    split-K pass always in the norm. Where the model would compute SiLU-and-mul in the
+    gate/up GEMV's epilogue instead (triton_ops `fuse_gate`, decided by gate/up's own
+    choice), the unfused path here still pays the separate kernel: selection leans toward
+    the prologue there, and whole-step tuning (runtime/plan_tuning.py) settles it."""
     from specserve.layers.triton_ops import add_rms_norm, silu_and_mul, split_k_add_rms_norm
 
     silu = cfg is not None and "silu" in fusion

@@ -127,9 +127,10 @@ class TritonMergedGatedMLP(MergedGatedMLP):
     kernel less, but every program recomputes the SiLU of its K slice); `fuse_split_k`,
     with defer_reduce and a K split, returns the unreduced `SplitKSum` for the next RMSNorm
     to reduce, add and norm in one kernel. Where the down projection takes no prologue
-    (torch or the fused choice measured slower, as at 64 rows), `fuse_gate` computes
-    SiLU-and-mul in the gate/up GEMV's epilogue instead, when the Triton GEMV serves that
-    (`_gated`): each activation computed once, the [gate | up] output never written."""
+    (torch, the fused choice measured slower as at 64 rows, or `fuse_silu` off),
+    `fuse_gate` computes SiLU-and-mul in the gate/up GEMV's epilogue instead, when the
+    Triton GEMV serves that (`_gated`): each activation computed once, the [gate | up]
+    output never written."""
 
     fuse_silu = False
     fuse_split_k = False
@@ -152,17 +153,16 @@ class TritonMergedGatedMLP(MergedGatedMLP):
         if plan is not None and fusion is not None:
             cfg = plan.config_for(rows, *down.weight.shape, down.weight.dtype, fusion)
         defer = defer_reduce and self.fuse_split_k
+        if cfg is not None and self.fuse_silu:
+            return gemv(self.gate_up_proj(x), down.weight, down.bias, cfg, silu=True,
+                        defer_reduce=defer)  # fmt: skip
+        act = self._gated(x, rows)  # SiLU-and-mul in the gate/up epilogue, or its own kernel
+        if act is None:
+            gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+            act = silu_and_mul(gate, up)
         if cfg is None:  # the plain choice; a K split of it still reduces in the next norm
-            act = self._gated(x, rows)
-            if act is None:
-                gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-                act = silu_and_mul(gate, up)
             return dense(act, down.weight, down.bias, plan, defer)
-        gate_up = self.gate_up_proj(x)
-        if self.fuse_silu:
-            return gemv(gate_up, down.weight, down.bias, cfg, silu=True, defer_reduce=defer)
-        gate, up = gate_up.split(self.intermediate, dim=-1)
-        return gemv(silu_and_mul(gate, up), down.weight, down.bias, cfg, defer_reduce=defer)
+        return gemv(act, down.weight, down.bias, cfg, defer_reduce=defer)
 
     def _gated(self, x: torch.Tensor, rows: int) -> torch.Tensor | None:
         """With `fuse_gate`, where the plan serves the gate/up projection with an unsplit
