@@ -186,6 +186,15 @@ def main() -> None:
                 step_series[name] = series(llm.engine)
         spec_stats = {k: v for k, v in llm.engine.stats().items() if k.startswith("spec_")}
         results[name] = {"startup_s": round(startup, 2), "rows": rows, "spec": spec_stats}
+        # which kernel serves each decode-sized linear: where the row buckets up to
+        # SHARED_ROWS meet torch (cuBLAS picks kernels by row count), a verify row may round
+        # apart from a decode row, and greedy speculation from plain decoding
+        plan = getattr(llm.engine.runner.model, "gemv_plan", None)
+        tuning = llm.engine.plan_tuning
+        results[name]["gemv_plan"] = plan.summary() if plan is not None else None
+        results[name]["plan_tuning_changes"] = (
+            [(str(k), a, b) for k, a, b in tuning.changes] if tuning else None
+        )
         if extra.get("speculative_policy") == "goodput":  # the policy's own account
             spec = llm.engine.spec
             trace = {"decisions": spec.policy.trace.dump(), "cost": spec.cost.snapshot()}
