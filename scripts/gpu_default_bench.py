@@ -10,7 +10,9 @@ head's held-out prompts (training kinds) and the prompts unlike its training dat
 one after another (larger batches run --repeats times, the median reported). Throughput
 counts output tokens over wall time, prefill included. Every
 configuration is warmed up first (Triton compiles each new shape once; every timed prompt is
-prefilled once, as the first prefill of a length is slower). Also reports how many
+prefilled once, as the first prefill of a length is slower), then the garbage collector is
+frozen as the server's engine process does (`--no-gc-freeze`: not; each row reports the
+collector's pauses). Also reports how many
 outputs equal the no-speculation outputs token for token (greedy speculation is lossless in
 exact arithmetic; bf16 kernels of different shapes may round differently, so this is
 reported, not asserted). Each row also gives the steps the overlap loop launched only after
@@ -25,15 +27,20 @@ holds those per step at batch 1 for every configuration, with the policy's K and
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import sys
 import time
 from pathlib import Path
 
 import torch
 
-from specserve.llm import LLM
-from specserve.model.eagle3 import shipped_head_path
-from specserve.sampling_params import SamplingParams
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_engine_bench import GC_PAUSES  # noqa: E402 (the collector's pauses, per row)
+
+from specserve.llm import LLM  # noqa: E402
+from specserve.model.eagle3 import shipped_head_path  # noqa: E402
+from specserve.sampling_params import SamplingParams  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 UNLIKE = REPO / "docs" / "benchmarks" / "eagle3_unlike_prompts.jsonl"
@@ -136,6 +143,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3,
                     help="runs per batch size above 1 (short runs); the median is reported")
     ap.add_argument("--smoke", action="store_true", help="CPU, 2 prompts, a few tokens")
+    ap.add_argument("--no-gc-freeze", action="store_true",
+                    help="leave the collector walking what start-up built (the server's "
+                         "engine process freezes it, and so does this bench by default)")
     ap.add_argument("--again", action="store_true",
                     help="run the first configuration again as the last engine")
     args = ap.parse_args()
@@ -171,12 +181,17 @@ def main() -> None:
             run_batch(llm, [prompts[i % len(prompts)] for i in range(b)], 16)
         for p in prompts[: max(args.batch1_prompts, max(args.batches))]:
             run_batch(llm, [p], 2)
+        if not args.no_gc_freeze:  # as server/engine_proc.py does after loading
+            gc.collect()
+            gc.freeze()
         rows = []
         for b in args.batches:
+            GC_PAUSES.clear()
             runs = [measure(llm, prompts, b, args) for _ in range(1 if b == 1 else args.repeats)]
             runs.sort(key=lambda run: run[0]["output_tok_s"])
             row, tokens = runs[len(runs) // 2]
             row["tok_s_of_runs"] = [run[0]["output_tok_s"] for run in runs]
+            row["gc"] = GC_PAUSES.summary()  # over this batch size's runs
             if name == "plain":
                 plain_tokens[b] = tokens
             row["identical_to_plain"] = sum(t == p for t, p in zip(tokens, plain_tokens[b]))
@@ -201,7 +216,9 @@ def main() -> None:
             trace_path = Path(args.out).with_name(Path(args.out).name + "_goodput_trace.json")
             trace_path.parent.mkdir(parents=True, exist_ok=True)
             trace_path.write_text(json.dumps(trace))
+        gc.unfreeze()  # the engine's cycles must be collectable to free its memory
         del llm
+        gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     plain = {r["batch"]: r["output_tok_s"] for r in results["plain"]["rows"]}
