@@ -198,6 +198,50 @@ def test_fused_projections_report_their_fusions():
     assert fused_projections(square) == {o_proj: "silu+split_k"}
 
 
+def test_gated_projections_and_their_epilogue_tiles():
+    from specserve.layers.gemv import GemvConfig
+    from specserve.layers.gemv_configs import gated_config
+    from specserve.layers.linear import gated_projections
+    from specserve.layers.triton_ops import use_triton_ops
+    from tests.fusion_cases import set_fusions
+    from tests.model_cases import tiny_config, tiny_model
+
+    cfg = tiny_config()
+    model = tiny_model(cfg, torch.float16, "cpu")
+    gate_up = (2 * cfg.intermediate_size, cfg.hidden_size, torch.float16)
+    assert gated_projections(model) == set()  # plain modules
+    use_triton_ops(model, fuse=False)
+    assert gated_projections(model) == set()
+    use_triton_ops(model)
+    assert gated_projections(model) == {gate_up}
+    set_fusions(model, silu=True, split_k=True, gate=False)
+    assert gated_projections(model) == set()
+    # the tile of half the width where the epilogue applies, else None
+    assert gated_config(GemvConfig(128, 64, num_stages=4, block_m=64)) == GemvConfig(
+        64, 64, num_stages=4, block_m=64)  # fmt: skip
+    assert gated_config(GemvConfig(32, 256, tma=True)) == GemvConfig(16, 256, tma=True)
+    for no in (None, GemvConfig(64, 128, split_k=2), GemvConfig(16, 256),
+               GemvConfig(8, 512, use_dot=False)):  # fmt: skip
+        assert gated_config(no) is None
+
+
+def test_selection_compiles_the_gated_variants_of_gate_up_candidates():
+    from specserve.layers.gemv import GemvConfig
+    from specserve.layers.gemv_select import compile_tasks
+
+    gate_up, down = (256, 64, torch.float16), (64, 128, torch.float16)
+    shapes = {gate_up: [torch.zeros(256, 64)], down: [torch.zeros(64, 128)]}
+    tiles = [GemvConfig(64, 64), GemvConfig(16, 64), GemvConfig(64, 64, split_k=2)]
+    jobs = [(1, tiles), (4, tiles)]  # the same variants serve both buckets
+    plain = compile_tasks({gate_up: jobs, (*down, "silu+split_k"): [(1, tiles[:1])]}, shapes)
+    assert sorted(t[3] or "plain" for t in plain.values()) == ["plain"] * 3 + ["silu"]
+    both = compile_tasks({gate_up: jobs}, shapes, {gate_up: jobs})
+    gated = [t for t in both.values() if t[3] == "gated"]
+    # only the unsplit tile of width >= 32 has an epilogue variant: its half, once
+    assert [(t[0], t[3]) for t in gated] == [(GemvConfig(32, 64), "gated")]
+    assert gated[0][2] is shapes[gate_up][0]  # compiled on a [gate; up] weight
+
+
 def test_plan_serves_a_fused_down_projection_by_its_own_measurement():
     from specserve.layers.gemv import GemvConfig
     from specserve.layers.gemv_select import GemvChoice, GemvPlan

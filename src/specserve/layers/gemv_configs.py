@@ -93,3 +93,14 @@ def candidate_configs(rows: int, n: int, k: int, num_sms: int) -> list[GemvConfi
     if extra is not None and k >= n:
         tiles.append(replace(extra, block_m=bm))
     return [t for t in tiles if t.supports(rows, n, k)]
+
+
+def gated_config(cfg: GemvConfig | None) -> GemvConfig | None:
+    """The configuration a gated GEMV (SiLU-and-mul in a merged gate/up projection's
+    epilogue) runs where `cfg` is the plain choice for that projection: the tile of half
+    its width, whose programs stream it from both halves (cfg's program count and bytes
+    per stage). None where the epilogue does not apply: torch, a K split (the epilogue
+    needs whole sums), the CUDA-core path, or a tile narrower than 32."""
+    if cfg is None or cfg.split_k > 1 or not cfg.use_dot or cfg.block_n < 32:
+        return None
+    return replace(cfg, block_n=cfg.block_n // 2)

@@ -31,6 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from specserve.layers.gemv import GemvConfig, candidate_configs, gemv
+from specserve.layers.gemv_configs import gated_config
 from specserve.layers.gemv_plan import ROW_BUCKETS, GemvChoice, GemvPlan, PlanKey
 from specserve.layers.gemv_timing import (  # noqa: F401 (rotation_set: scripts import it here)
     after_producer,
@@ -109,6 +110,28 @@ def variant_key(cfg: GemvConfig, rows: int, n: int, k: int, dtype: torch.dtype) 
             cfg.split_k > 1, k % cfg.block_k == 0, cfg.tma, dtype)  # fmt: skip
 
 
+def compile_tasks(todo: dict, shapes: dict, gated_jobs: dict | None = None) -> dict:
+    """{variant: (config, rows, a weight, mode)}: each distinct Triton variant the
+    candidates of `todo` ({(N, K, dtype[, fusion]): [(rows, configs)]}) need, mode "silu"
+    for a fused down projection's prologue; and for `gated_jobs` ({(N, K, dtype) of a
+    merged gate/up weight: [(rows, configs)]}) the gated epilogue's variant of each
+    candidate it applies to (`gated_config`), mode "gated". `shapes`: (N, K, dtype) ->
+    weights of that shape."""
+    tasks: dict[tuple, tuple] = {}
+    for (n, k, dtype, *fusion), jobs in todo.items():
+        mode = "silu" if fusion and "silu" in fusion[0] else None  # a variant of its own
+        for rows, cands in jobs:
+            for cfg in cands:
+                key = (*variant_key(cfg, rows, n, k, dtype), mode)
+                tasks.setdefault(key, (cfg, rows, shapes[(n, k, dtype)][0], mode))
+    for (n, k, dtype), jobs in (gated_jobs or {}).items():
+        for rows, cands in jobs:
+            for half in filter(None, map(gated_config, cands)):
+                key = (*variant_key(half, rows, n, k, dtype), "gated")
+                tasks.setdefault(key, (half, rows, shapes[(n, k, dtype)][0], "gated"))
+    return tasks
+
+
 # (device index, row buckets, margin, after_producer) -> the choices measured so far in this
 # process.
 _MEASURED: dict[tuple, dict[PlanKey, GemvChoice]] = {}
@@ -157,10 +180,13 @@ class GemvSelector:
 
     @torch.inference_mode()
     def select(self, weights: dict[ShapeKey, list[torch.Tensor]],
-               fused: dict[ShapeKey, str] | None = None) -> GemvPlan:  # fmt: skip
+               fused: dict[ShapeKey, str] | None = None,
+               gated: set[ShapeKey] | None = None) -> GemvPlan:  # fmt: skip
         """The plan for `weights` (grouped by shape); `fused`: shapes of projections that
         fuse neighbours into the GEMV (linear.fused_projections), with the fusion, timed
-        with them too."""
+        with them too; `gated`: merged gate/up shapes whose MLP may run SiLU-and-mul in the
+        GEMV's epilogue (linear.gated_projections), whose gated variants of every candidate
+        are compiled with the rest (whole-step tuning and graph capture run them)."""
         shapes = {key: [w for w in ws if w.stride(-1) == 1] for key, ws in weights.items()
                   if ws and ws[0].is_cuda and key[2] in GEMV_DTYPES}  # fmt: skip
         shapes = {key: ws for key, ws in shapes.items() if ws}
@@ -183,7 +209,9 @@ class GemvSelector:
                                        key[0], key[1], sms)
                 for key in jobs_of}  # fmt: skip
         todo = {key: jobs for key, jobs in todo.items() if jobs}
-        self.compiled = self._compile(todo, shapes, device)
+        gated_jobs = {key: bucket_candidates(self.row_buckets, key[0], key[1], sms)
+                      for key in gated or () if key in shapes}  # fmt: skip
+        self.compiled = self._compile(compile_tasks(todo, shapes, gated_jobs), device)
         self.compile_s = time.perf_counter() - start
         self.skipped = 0
         min_bytes = 4 * getattr(props, "L2_cache_size", 64 << 20)
@@ -208,25 +236,19 @@ class GemvSelector:
                  self.compile_s)  # fmt: skip
         return plan
 
-    def _compile(self, todo: dict, shapes: dict, device: torch.device) -> int:
-        """Compile each distinct Triton variant the candidates need once, in parallel."""
-        tasks: dict[tuple, tuple] = {}
-        for (n, k, dtype, *fusion), jobs in todo.items():
-            silu = bool(fusion) and "silu" in fusion[0]  # the prologue: a variant of its own
-            for rows, cands in jobs:
-                for cfg in cands:
-                    key = (*variant_key(cfg, rows, n, k, dtype), silu)
-                    tasks.setdefault(key, (cfg, rows, shapes[(n, k, dtype)][0], silu))
+    def _compile(self, tasks: dict[tuple, tuple], device: torch.device) -> int:
+        """Compile each distinct Triton variant (`compile_tasks`) once, in parallel."""
         if not tasks:
             return 0
 
         def build(task) -> None:
-            cfg, rows, w, silu = task
+            cfg, rows, w, mode = task
+            silu = mode == "silu"
             try:
                 with torch.cuda.device(device):  # Triton compiles for the current device
                     x = torch.zeros(rows, w.shape[1] * (2 if silu else 1), device=device,
                                     dtype=w.dtype)  # fmt: skip
-                    gemv(x, w, None, cfg, compile_only=True, silu=silu)
+                    gemv(x, w, None, cfg, compile_only=True, silu=silu, gated=mode == "gated")
             except Exception as e:  # measured as failing (inf) later
                 log.debug("GEMV candidate %s does not compile: %s", cfg, e)
 

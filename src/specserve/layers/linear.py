@@ -106,6 +106,18 @@ def fused_projections(model: nn.Module) -> dict[tuple[int, int, torch.dtype], st
     return {**outs, **downs}
 
 
+def gated_projections(model: nn.Module) -> set[tuple[int, int, torch.dtype]]:
+    """(N, K, dtype) of each merged gate/up projection whose MLP may take SiLU-and-mul in
+    its GEMV's epilogue (`fuse_gate`, set by triton_ops.use_triton_ops): selection compiles
+    those variants with the others."""
+    shapes = set()
+    for module in model.modules():
+        if getattr(module, "fuse_gate", False):
+            w = module.gate_up_proj.weight
+            shapes.add((w.shape[0], w.shape[1], w.dtype))
+    return shapes
+
+
 def use_gemv(model: nn.Module, selector: GemvSelector | None = None,
              plan: GemvPlan | None = None, enable: bool = True,
              max_rows: int | None = None) -> GemvPlan | None:  # fmt: skip
@@ -121,7 +133,8 @@ def use_gemv(model: nn.Module, selector: GemvSelector | None = None,
         from specserve.layers.gemv_select import GemvSelector
 
         selector = selector or GemvSelector(max_rows=max_rows)
-        plan = selector.select(gemv_weights(model), fused_projections(model))
+        plan = selector.select(gemv_weights(model), fused_projections(model),
+                               gated_projections(model))  # fmt: skip
     mapping = _GEMV if enable else {v: k for k, v in _GEMV.items()}
     for module in model.modules():
         new_class = mapping.get(type(module))

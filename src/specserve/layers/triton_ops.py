@@ -22,8 +22,6 @@ where the plan splits its K, hands its unreduced sums to the post-attention norm
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 import triton
 import triton.language as tl
@@ -32,6 +30,7 @@ from torch import nn
 from specserve.layers import pdl
 from specserve.layers.activation import GatedMLP, MergedGatedMLP
 from specserve.layers.gemv import SplitKSum, gemv, silu_mul
+from specserve.layers.gemv_configs import gated_config
 from specserve.layers.linear import dense
 from specserve.layers.norm import RMSNorm
 from specserve.layers.pdl_kernel import pdl_enter
@@ -167,16 +166,14 @@ class TritonMergedGatedMLP(MergedGatedMLP):
     def _gated(self, x: torch.Tensor, rows: int) -> torch.Tensor | None:
         """With `fuse_gate`, where the plan serves the gate/up projection with an unsplit
         matrix-unit tile: silu(gate) * up from that GEMV's epilogue (gemv `gated`), through
-        the tile of half the chosen width (each program streams it from both halves: the
-        chosen program count and bytes per stage). None where not."""
+        `gated_config` of the chosen tile. None where not."""
         proj = self.gate_up_proj
         plan = getattr(proj, "gemv_plan", None)
         if not self.fuse_gate or plan is None:
             return None
-        cfg = plan.config_for(rows, *proj.weight.shape, proj.weight.dtype)
-        if cfg is None or cfg.split_k > 1 or not cfg.use_dot or cfg.block_n < 32:
+        half = gated_config(plan.config_for(rows, *proj.weight.shape, proj.weight.dtype))
+        if half is None:
             return None
-        half = replace(cfg, block_n=cfg.block_n // 2)
         return gemv(x, proj.weight, proj.bias, half, gated=True)
 
 
