@@ -179,6 +179,46 @@ def test_gpu_engine_tunes_its_plan_unless_told_not_to(tiny_llama):
 
 
 @pytest.mark.gpu
+def test_gpu_engine_plan_gives_a_row_the_same_bits_at_every_shared_row_count(tiny_llama):
+    """Batch invariance (gemv_select.py): whatever selection and whole-step tuning chose for
+    the row buckets up to SHARED_ROWS (torch or a Triton tile), a row's projections give the
+    same bits alone, as in a batch-1 decode step, as among 4 or 16 rows, as in verify
+    steps: every linear through the plan, each MLP with its fusions, and the logits."""
+    from specserve.config import EngineConfig
+    from specserve.engine.engine import LLMEngine
+    from specserve.layers.linear import GemvLinear, GemvMergedLinear
+    from specserve.layers.triton_ops import TritonMergedGatedMLP
+
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama), device="cuda", dtype="bfloat16",
+                                    max_num_seqs=4))  # fmt: skip
+    model = engine.runner.model
+    plan = model.gemv_plan
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def choice(weight, rows) -> str:
+        cfg = plan.config_for(rows, *weight.shape, weight.dtype)
+        return str(cfg) if cfg is not None else "torch"
+
+    parts = [(name, m, m.weight) for name, m in model.named_modules()
+             if isinstance(m, (GemvLinear, GemvMergedLinear))]  # fmt: skip
+    parts += [(name, m, m.gate_up_proj.weight) for name, m in model.named_modules()
+              if isinstance(m, TritonMergedGatedMLP)]  # fmt: skip
+    parts.append(("logits", model.compute_logits, model.lm_head_weight))
+    assert len(parts) > 3
+    apart = []
+    with torch.inference_mode():
+        for name, fn, weight in parts:
+            x = torch.randn(16, weight.shape[1], generator=gen, device="cuda",
+                            dtype=weight.dtype)  # fmt: skip
+            alone = fn(x[:1])
+            for rows in (4, 16):
+                if not torch.equal(fn(x[:rows])[:1], alone):
+                    apart.append((name, rows, choice(weight, 1), choice(weight, rows)))
+    del engine
+    assert not apart, f"rows rounded apart (name, rows, choice at 1, at rows): {apart}"
+
+
+@pytest.mark.gpu
 def test_gpu_step_timer_times_a_captured_step_and_restores_the_padding():
     from specserve.layers.attention.triton_attn import TritonAttentionBackend
     from tests.test_cuda_graphs import _runner
