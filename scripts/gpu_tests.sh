@@ -13,11 +13,11 @@ mkdir -p "$out"
 export HF_HUB_OFFLINE=1
 # file:seconds (session 6 on the H200: pdl_gpu ~160 s, triton_ops 18, triton_attention 58,
 # cuda_graphs 9, spec_host_paths 7, drafter_graphs 36, feature_graphs 65, overlap_gpu 58;
-# session 9 added ~50 s of gate/up epilogue tests to pdl_gpu)
+# session 9 added ~50 s of gate/up epilogue tests to pdl_gpu; plan_tuning ~40 s)
 group1=(test_pdl_gpu.py:270 test_triton_ops.py:60 test_triton_attention.py:100
         test_cuda_graphs.py:40 test_spec_host_paths.py:40)
 group2=(test_drafter_graphs.py:100 test_feature_graphs.py:130 test_overlap_gpu.py:130
-        test_argmax.py:90)
+        test_argmax.py:90 test_plan_tuning.py:80)
 group3=(test_gemv.py:520)
 case "${1:-}" in
   1) files=("${group1[@]}") ;;
