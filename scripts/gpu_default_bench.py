@@ -12,7 +12,9 @@ counts output tokens over wall time, prefill included. Every
 configuration is warmed up first (Triton compiles each new shape once; every timed prompt is
 prefilled once, as the first prefill of a length is slower), then the garbage collector is
 frozen as the server's engine process does (`--no-gc-freeze`: not; each row reports the
-collector's pauses). Also reports how many
+collector's pauses); `--again` builds the first configuration once more, last. Each
+engine's entry holds the target's GEMV plan and what whole-step tuning changed, and its
+speculation counters (which include the warm-up's requests). Also reports how many
 outputs equal the no-speculation outputs token for token (greedy speculation is lossless in
 exact arithmetic; bf16 kernels of different shapes may round differently, so this is
 reported, not asserted). Each row also gives the steps the overlap loop launched only after
@@ -201,7 +203,7 @@ def main() -> None:
                 step_series[name] = series(llm.engine)
         spec_stats = {k: v for k, v in llm.engine.stats().items() if k.startswith("spec_")}
         results[name] = {"startup_s": round(startup, 2), "rows": rows, "spec": spec_stats}
-        # which kernel serves each decode-sized linear: where the row buckets up to
+        # which kernel serves each of the target's decode-sized linears: where the buckets up to
         # SHARED_ROWS meet torch (cuBLAS picks kernels by row count), a verify row may round
         # apart from a decode row, and greedy speculation from plain decoding
         plan = getattr(llm.engine.runner.model, "gemv_plan", None)

@@ -183,39 +183,55 @@ def test_gpu_engine_plan_gives_a_row_the_same_bits_at_every_shared_row_count(tin
     """Batch invariance (gemv_select.py): whatever selection and whole-step tuning chose for
     the row buckets up to SHARED_ROWS (torch or a Triton tile), a row's projections give the
     same bits alone, as in a batch-1 decode step, as among 4 or 16 rows, as in verify
-    steps: every linear through the plan, each MLP with its fusions, and the logits."""
+    steps: every linear through the plan, each MLP with its fusions (its output handed to
+    the next norm or not), attention's output projection as the layer calls it, and the
+    logits."""
     from specserve.config import EngineConfig
     from specserve.engine.engine import LLMEngine
+    from specserve.layers.gemv import SplitKSum
+    from specserve.layers.gemv_select import SHARED_ROWS
     from specserve.layers.linear import GemvLinear, GemvMergedLinear
     from specserve.layers.triton_ops import TritonMergedGatedMLP
+    from specserve.model.llama import Attention
 
     engine = LLMEngine(EngineConfig(model=str(tiny_llama), device="cuda", dtype="bfloat16",
-                                    max_num_seqs=4))  # fmt: skip
+                                    max_num_seqs=SHARED_ROWS))  # fmt: skip
     model = engine.runner.model
     plan = model.gemv_plan
+    assert plan.max_rows >= SHARED_ROWS  # every row count below shares the buckets' choice
     gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def whole(y):  # a K split's sums reduced by their own pass: the norm's bits
+        return y.reduce() if isinstance(y, SplitKSum) else y
 
     def choice(weight, rows) -> str:
         cfg = plan.config_for(rows, *weight.shape, weight.dtype)
         return str(cfg) if cfg is not None else "torch"
 
-    parts = [(name, m, m.weight) for name, m in model.named_modules()
-             if isinstance(m, (GemvLinear, GemvMergedLinear))]  # fmt: skip
-    parts += [(name, m, m.gate_up_proj.weight) for name, m in model.named_modules()
-              if isinstance(m, TritonMergedGatedMLP)]  # fmt: skip
+    parts = []
+    for name, m in model.named_modules():
+        if isinstance(m, (GemvLinear, GemvMergedLinear)):
+            parts.append((name, m, m.weight))
+        elif isinstance(m, TritonMergedGatedMLP):
+            w = m.gate_up_proj.weight
+            parts.append((name, m, w))
+            parts.append((f"{name} (to the norm)", lambda x, m=m: whole(m(x, True)), w))
+        elif isinstance(m, Attention):
+            parts.append((f"{name} output (to the norm)",
+                          lambda x, m=m: whole(m._output(x, True)), m.o_proj.weight))  # fmt: skip
     parts.append(("logits", model.compute_logits, model.lm_head_weight))
-    assert len(parts) > 3
+    assert len(parts) > 6
     apart = []
     with torch.inference_mode():
         for name, fn, weight in parts:
-            x = torch.randn(16, weight.shape[1], generator=gen, device="cuda",
+            x = torch.randn(SHARED_ROWS, weight.shape[1], generator=gen, device="cuda",
                             dtype=weight.dtype)  # fmt: skip
             alone = fn(x[:1])
-            for rows in (4, 16):
+            for rows in (4, SHARED_ROWS):
                 if not torch.equal(fn(x[:rows])[:1], alone):
                     apart.append((name, rows, choice(weight, 1), choice(weight, rows)))
     del engine
-    assert not apart, f"rows rounded apart (name, rows, choice at 1, at rows): {apart}"
+    assert not apart, f"rows rounded apart (name, rows, plain choice at 1, at rows): {apart}"
 
 
 @pytest.mark.gpu

@@ -186,7 +186,8 @@ class GemvSelector:
         fuse neighbours into the GEMV (linear.fused_projections), with the fusion, timed
         with them too; `gated`: merged gate/up shapes whose MLP may run SiLU-and-mul in the
         GEMV's epilogue (linear.gated_projections), whose gated variants of every candidate
-        are compiled with the rest (whole-step tuning and graph capture run them)."""
+        are compiled with the rest (whole-step tuning and graph capture run them; a shape
+        measured before is submitted again, which Triton's cache answers at once)."""
         shapes = {key: [w for w in ws if w.stride(-1) == 1] for key, ws in weights.items()
                   if ws and ws[0].is_cuda and key[2] in GEMV_DTYPES}  # fmt: skip
         shapes = {key: ws for key, ws in shapes.items() if ws}
