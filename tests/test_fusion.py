@@ -242,6 +242,26 @@ def test_selection_compiles_the_gated_variants_of_gate_up_candidates():
     assert gated[0][2] is shapes[gate_up][0]  # compiled on a [gate; up] weight
 
 
+def test_selection_compiles_one_variant_per_prefetch_under_pdl():
+    """Under PDL the GEMV's L2 prefetch (lines per program, from the shape) is a compile-time
+    constant: one tile on two shapes is two variants to compile, without PDL one."""
+    from specserve.layers.gemv import GemvConfig, call_prefetch
+    from specserve.layers.gemv_select import compile_tasks
+
+    o, gate_up = (4096, 4096, torch.bfloat16), (28672, 4096, torch.bfloat16)
+    shapes = {o: [torch.zeros(1, 1)], gate_up: [torch.zeros(1, 1)]}
+    cfg = GemvConfig(64, 128, num_stages=4)
+    jobs = [(1, [cfg])]
+    assert call_prefetch(cfg, 4096, 4096, 2) == 16 and call_prefetch(cfg, 28672, 4096, 2) == 2
+    assert len(compile_tasks({o: jobs, gate_up: jobs}, shapes)) == 1
+    assert len(compile_tasks({o: jobs, gate_up: jobs}, shapes, pdl_on=True)) == 2
+    # the epilogue streams both halves: twice the programs, its own prefetch
+    gated = compile_tasks({}, shapes, {gate_up: [(1, [GemvConfig(128, 128, num_stages=4)])]},
+                          pdl_on=True)  # fmt: skip
+    (key,) = gated
+    assert key[-2] == call_prefetch(cfg, 14336, 4096, 2, gated=True) == 2  # cfg: the half tile
+
+
 def test_plan_serves_a_fused_down_projection_by_its_own_measurement():
     from specserve.layers.gemv import GemvConfig
     from specserve.layers.gemv_select import GemvChoice, GemvPlan

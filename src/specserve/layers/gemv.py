@@ -277,6 +277,16 @@ def prefetch_lines(cfg: GemvConfig, programs: int, iters_per_split: int, elem_by
     return 1 << (lines.bit_length() - 1) if lines >= 1 else 0
 
 
+def call_prefetch(cfg: GemvConfig, n: int, k: int, elem_bytes: int, gated: bool = False) -> int:
+    """The PREFETCH lines (a compile-time constant under PDL) of a call with `cfg` on a
+    weight [n, k] (gated: [2n, k], both halves streamed): `prefetch_lines` for the call's
+    program count and K slice, as `gemv` launches it."""
+    iters_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k)
+    split_k = triton.cdiv(k, iters_per_split * cfg.block_k)
+    programs = triton.cdiv(n, cfg.block_n) * split_k * (1 + gated)
+    return prefetch_lines(cfg, programs, iters_per_split, elem_bytes)
+
+
 def gemv(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -336,8 +346,7 @@ def gemv(
             x2.stride(0), weight.stride(0), *strides)  # fmt: skip
     launch = pdl.launch_options(x.device)
     if launch["USE_PDL"]:
-        launch["PREFETCH"] = prefetch_lines(cfg, grid[1] * split_k * (1 + gated),
-                                            iters_per_split, weight.element_size())  # fmt: skip
+        launch["PREFETCH"] = call_prefetch(cfg, n, k, weight.element_size(), gated)
     consts = dict(
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, USE_DOT=cfg.use_dot,
         IEEE=x.dtype == torch.float32, EVEN_K=k % cfg.block_k == 0,

@@ -30,7 +30,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from specserve.layers.gemv import GemvConfig, candidate_configs, gemv
+from specserve.layers import pdl
+from specserve.layers.gemv import GemvConfig, call_prefetch, candidate_configs, gemv
 from specserve.layers.gemv_configs import gated_config
 from specserve.layers.gemv_plan import ROW_BUCKETS, GemvChoice, GemvPlan, PlanKey
 from specserve.layers.gemv_timing import (  # noqa: F401 (rotation_set: scripts import it here)
@@ -102,33 +103,43 @@ def _winner(times: dict, margin: float) -> GemvConfig | None:
     return best
 
 
-def variant_key(cfg: GemvConfig, rows: int, n: int, k: int, dtype: torch.dtype) -> tuple:
+def variant_key(cfg: GemvConfig, rows: int, n: int, k: int, dtype: torch.dtype,
+                prefetch: int = 0) -> tuple:  # fmt: skip
     """What decides which compiled Triton variant a call uses (tile, path, row block of the
-    CUDA-core path, split or not, whether K divides into blocks, weight loads, dtype)."""
+    CUDA-core path, split or not, whether K divides into blocks, weight loads, dtype, and
+    under PDL the lines prefetched, `gemv.call_prefetch`, which depend on the shape)."""
     bm = cfg.block_m if cfg.use_dot else max(1, 1 << (rows - 1).bit_length())
     return (bm, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages, cfg.use_dot,
-            cfg.split_k > 1, k % cfg.block_k == 0, cfg.tma, dtype)  # fmt: skip
+            cfg.split_k > 1, k % cfg.block_k == 0, cfg.tma, dtype, prefetch)  # fmt: skip
 
 
-def compile_tasks(todo: dict, shapes: dict, gated_jobs: dict | None = None) -> dict:
+def compile_tasks(todo: dict, shapes: dict, gated_jobs: dict | None = None,
+                  pdl_on: bool = False) -> dict:  # fmt: skip
     """{variant: (config, rows, a weight, mode)}: each distinct Triton variant the
     candidates of `todo` ({(N, K, dtype[, fusion]): [(rows, configs)]}) need, mode "silu"
     for a fused down projection's prologue; and for `gated_jobs` ({(N, K, dtype) of a
     merged gate/up weight: [(rows, configs)]}) the gated epilogue's variant of each
     candidate it applies to (`gated_config`), mode "gated". `shapes`: (N, K, dtype) ->
-    weights of that shape."""
+    weights of that shape; `pdl_on`: kernels launch under PDL (their prefetch is part of
+    the variant)."""
     tasks: dict[tuple, tuple] = {}
+
+    def add(cfg, rows, n, k, dtype, mode) -> None:
+        out = n // 2 if mode == "gated" else n
+        elem = torch.empty(0, dtype=dtype).element_size()
+        prefetch = call_prefetch(cfg, out, k, elem, mode == "gated") if pdl_on else 0
+        key = (*variant_key(cfg, rows, n, k, dtype, prefetch), mode)
+        tasks.setdefault(key, (cfg, rows, shapes[(n, k, dtype)][0], mode))
+
     for (n, k, dtype, *fusion), jobs in todo.items():
         mode = "silu" if fusion and "silu" in fusion[0] else None  # a variant of its own
         for rows, cands in jobs:
             for cfg in cands:
-                key = (*variant_key(cfg, rows, n, k, dtype), mode)
-                tasks.setdefault(key, (cfg, rows, shapes[(n, k, dtype)][0], mode))
+                add(cfg, rows, n, k, dtype, mode)
     for (n, k, dtype), jobs in (gated_jobs or {}).items():
         for rows, cands in jobs:
             for half in filter(None, map(gated_config, cands)):
-                key = (*variant_key(half, rows, n, k, dtype), "gated")
-                tasks.setdefault(key, (half, rows, shapes[(n, k, dtype)][0], "gated"))
+                add(half, rows, n, k, dtype, "gated")
     return tasks
 
 
@@ -212,7 +223,8 @@ class GemvSelector:
         todo = {key: jobs for key, jobs in todo.items() if jobs}
         gated_jobs = {key: bucket_candidates(self.row_buckets, key[0], key[1], sms)
                       for key in gated or () if key in shapes}  # fmt: skip
-        self.compiled = self._compile(compile_tasks(todo, shapes, gated_jobs), device)
+        tasks = compile_tasks(todo, shapes, gated_jobs, pdl.active(device))
+        self.compiled = self._compile(tasks, device)
         self.compile_s = time.perf_counter() - start
         self.skipped = 0
         min_bytes = 4 * getattr(props, "L2_cache_size", 64 << 20)
