@@ -7,14 +7,12 @@ kernels around the GEMV."""
 
 from __future__ import annotations
 
-import statistics
-
 import torch
 import torch.nn.functional as F
 
 from specserve.layers.gemv import GemvConfig, SplitKSum, gemv
 from specserve.layers.linear import NORM_FUSION
-from specserve.runtime.cuda_graphs import no_collection_while_capturing
+from specserve.runtime.cuda_graphs import no_collection_while_capturing, replay_ms
 
 NORM_EPS = 1e-5  # the timed norm's; any value times alike
 
@@ -32,15 +30,7 @@ def time_in_graph_us(fn, x: torch.Tensor, weights: list[torch.Tensor], reps: int
         graph.capture_end()
     torch.cuda.current_stream().wait_stream(stream)
     graph.replay()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-              for _ in range(reps)]  # fmt: skip
-    for start, end in events:
-        start.record()
-        graph.replay()
-        end.record()
-    torch.cuda.synchronize()
-    ms = statistics.median(start.elapsed_time(end) for start, end in events)
-    return ms * 1000 / len(weights)
+    return replay_ms(graph, reps) * 1000 / len(weights)
 
 
 def after_producer(fn, x: torch.Tensor):

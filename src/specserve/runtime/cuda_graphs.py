@@ -15,6 +15,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import gc
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -76,6 +77,19 @@ def static_meta(bufs, batch: int, q: int) -> AttentionMetadata:
         max_query_len=q,
         max_seq_len=bufs.max_seq_len,
     )
+
+
+def replay_ms(graph: torch.cuda.CUDAGraph, reps: int) -> float:
+    """Median device time (ms) of `reps` replays of a captured (and uploaded) graph, each
+    between its own pair of CUDA events."""
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+              for _ in range(reps)]  # fmt: skip
+    for start, end in events:
+        start.record()
+        graph.replay()
+        end.record()
+    torch.cuda.synchronize()
+    return statistics.median(start.elapsed_time(end) for start, end in events)
 
 
 @torch.inference_mode()

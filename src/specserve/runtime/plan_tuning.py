@@ -26,14 +26,17 @@ from __future__ import annotations
 
 import logging
 import math
-import statistics
 import time
 from dataclasses import dataclass, field
 
 import torch
 
 from specserve.layers.gemv_plan import GemvPlan
-from specserve.runtime.cuda_graphs import CudaGraphRunner, no_collection_while_capturing
+from specserve.runtime.cuda_graphs import (
+    CudaGraphRunner,
+    no_collection_while_capturing,
+    replay_ms,
+)
 
 log = logging.getLogger(__name__)
 
@@ -110,14 +113,7 @@ class StepTimer:
             with no_collection_while_capturing(), torch.cuda.graph(graph):
                 self.graphs._forward(batch, q)
             graph.replay()  # uploads the graph
-            events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                      for _ in range(self.reps)]  # fmt: skip
-            for start, end in events:
-                start.record()
-                graph.replay()
-                end.record()
-            torch.cuda.synchronize()
-            return statistics.median(s.elapsed_time(e) for s, e in events)
+            return replay_ms(graph, self.reps)
         finally:
             self._reset()
 
