@@ -5,10 +5,19 @@ tokens; waits that do happen (the context limit) are counted by reason in engine
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 
 from specserve import LLM, SamplingParams
+from specserve.spec.cost_model import CurveModel, StepCostModel
+from specserve.spec.speculator import Speculator
 from tests.overlap_cases import make_models, make_reference, prompts_for
+
+# The step costs the policy sees, in ms (target by tokens per step, drafter by batch): fixed,
+# so that its decisions depend on the tokens alone, not on how busy the test machine is.
+TARGET_MS = {1: 10.0, 2: 10.4, 4: 11.0, 8: 12.0, 16: 14.0, 32: 18.0, 64: 26.0}
+DRAFTER_MS = {1: 1.0, 2: 1.05, 4: 1.1, 8: 1.2, 16: 1.4}
 
 
 @pytest.fixture(scope="module")
@@ -21,10 +30,33 @@ def reference(models):
     return make_reference(models)
 
 
+def fixed_costs(spec, engine) -> StepCostModel:
+    """Speculator.measure_costs' stand-in: the tables above instead of timing the models."""
+    return StepCostModel(CurveModel(TARGET_MS), CurveModel(DRAFTER_MS))
+
+
+def synthetic_clock(spec) -> None:
+    """Each step's period comes from the cost table (target pass plus one drafter pass per
+    draft token) instead of perf_counter: the policy's trace is the same on every machine."""
+    observe, clock = spec.observe_period, [0.0]
+
+    def observe_period(batch, resolved_s, after_idle):
+        decoding = [s for s in batch if s.decoding] or batch
+        k = max((len(s.drafts) for s in decoding), default=0)
+        n = len(decoding)
+        ms = CurveModel(TARGET_MS)(n * (k + 1)) + k * CurveModel(DRAFTER_MS)(n)
+        clock[0] += ms / 1e3
+        observe(batch, clock[0], after_idle)
+
+    spec.observe_period = observe_period
+
+
 def goodput(models, overlap: str, **kw) -> LLM:
-    llm = LLM(models["target"], overlap_schedule=overlap, speculative_algorithm="eagle3",
-              speculative_draft_model_path=models["eagle3"], speculative_num_steps=3,
-              speculative_policy="goodput", **kw)  # fmt: skip
+    with mock.patch.object(Speculator, "measure_costs", fixed_costs):
+        llm = LLM(models["target"], overlap_schedule=overlap, speculative_algorithm="eagle3",
+                  speculative_draft_model_path=models["eagle3"], speculative_num_steps=3,
+                  speculative_policy="goodput", **kw)  # fmt: skip
+    synthetic_clock(llm.engine.spec)
     policy = llm.engine.spec.policy
     # Probe every K often (each probe is a switch there and back): K changes every few steps.
     policy.PROBE_EVERY, policy.PROBE_MIN_GAIN, policy.PROBE_MAX_INTERVAL = 1, 0.0, 4
