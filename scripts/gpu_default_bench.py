@@ -17,8 +17,9 @@ engine's entry holds the target's GEMV plan and what whole-step tuning changed, 
 speculation counters (which include the warm-up's requests). Also reports how many
 outputs equal the no-speculation outputs token for token (greedy speculation is lossless in
 exact arithmetic; bf16 kernels of different shapes may round differently, so this is
-reported, not asserted). Each row also gives the steps the overlap loop launched only after
-waiting for the previous step's tokens, by reason (`loop_wait_reasons`), and the timeline
+reported, not asserted), and at batch 1 how many equal the same engine's outputs with
+every step at K=0 (`identical_to_own_k0`: its own plain decoding, same kernels). Each row
+also gives the steps the overlap loop launched only after waiting for the previous step's tokens, by reason (`loop_wait_reasons`), and the timeline
 (mean and median device span, idle gap and host wait per step); `<out>_batch1_steps.json`
 holds those per step at batch 1 for every configuration, with the policy's K and period.
 
@@ -100,6 +101,18 @@ def series(engine) -> dict:
         out["k"] = [d["k"] for d in decisions]
         out["period_ms"] = [d["observed_ms"] and round(d["observed_ms"], 3) for d in decisions]
     return out
+
+
+def own_k0_tokens(llm: LLM, prompts: list[list[int]], args) -> list[list[int]]:
+    """The batch-1 prompts once more on the same engine with every step at K=0: plain decode
+    steps through its own graphs and GEMV plan, which its speculation must reproduce token
+    for token (another engine's plan may choose other kernels, which round differently)."""
+    policy = llm.engine.spec.policy
+    policy.choose = lambda reqs, *_: [0] * len(reqs)  # this instance only, until deleted
+    try:
+        return [run_batch(llm, [p], args.max_tokens)[0][0] for p in prompts[: args.batch1_prompts]]
+    finally:
+        del policy.choose
 
 
 def measure(llm: LLM, prompts: list[list[int]], batch: int, args) -> dict:
@@ -201,8 +214,14 @@ def main() -> None:
             rows.append(row)
             if b == 1:  # the median run is the only run at batch 1
                 step_series[name] = series(llm.engine)
+                batch1_tokens = tokens
         spec_stats = {k: v for k, v in llm.engine.stats().items() if k.startswith("spec_")}
         results[name] = {"startup_s": round(startup, 2), "rows": rows, "spec": spec_stats}
+        if llm.engine.spec is not None and rows and rows[0]["batch"] == 1:
+            own = own_k0_tokens(llm, prompts, args)
+            rows[0]["identical_to_own_k0"] = sum(t == p for t, p in zip(batch1_tokens, own))
+            print(name, "batch 1 identical to its own K=0:", rows[0]["identical_to_own_k0"],
+                  "of", len(own), flush=True)  # fmt: skip
         # which kernel serves each of the target's decode-sized linears: where the buckets up to
         # SHARED_ROWS meet torch (cuBLAS picks kernels by row count), a verify row may round
         # apart from a decode row, and greedy speculation from plain decoding

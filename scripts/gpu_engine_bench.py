@@ -210,6 +210,9 @@ def main() -> None:
     ap.add_argument("--ab-gate", action="store_true",
                     help="also plain and fixed K=3 with SiLU-and-mul kept out of the gate/up "
                          "GEMV's epilogue (its own kernel, as before triton_ops `fuse_gate`)")
+    ap.add_argument("--ab-invariance", action="store_true",
+                    help="also plain and fixed K=3 with cuBLAS allowed in the shared row "
+                         "buckets where it is not batch invariant (--disable-batch-invariance)")
     ap.add_argument("--again", action="store_true",
                     help="run the first configuration again as the last engine")
     ap.add_argument("--no-gc-freeze", action="store_true",
@@ -259,6 +262,11 @@ def main() -> None:
         configs["plain, SiLU-and-mul kernel"] = {**configs["plain"], "gate": False}
         configs["eagle3 K=3 fixed, SiLU-and-mul kernel"] = {
             **configs["eagle3 K=3 fixed (sim. accept len 3.0)"], "gate": False}  # fmt: skip
+    if args.ab_invariance:
+        variant = {"disable_batch_invariance": True}
+        configs["plain, cuBLAS batch variant"] = {**configs["plain"], **variant}
+        configs["eagle3 K=3 fixed, cuBLAS batch variant"] = {
+            **configs["eagle3 K=3 fixed (sim. accept len 3.0)"], **variant}  # fmt: skip
     if args.only:
         configs = {k: v for k, v in configs.items() if any(o in k for o in args.only)}
     if args.again:  # the first engine once more at the end: what the order alone changes

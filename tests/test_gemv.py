@@ -288,7 +288,10 @@ def test_gpu_selector_plans_a_model_that_still_matches_torch(dtype):
             assert row["best_us"] <= row["torch_us"]
     for rows in shared.values():
         assert len({r["kernel"] for r in rows}) == 1
-        assert sum(r["best_us"] for r in rows) <= sum(r["torch_us"] for r in rows)
+        if rows[0].get("torch_varies"):  # cuBLAS rounds rows by row count: never torch here
+            assert rows[0]["kernel"] != "torch"
+        else:
+            assert sum(r["best_us"] for r in rows) <= sum(r["torch_us"] for r in rows)
     # a second model with the same shapes, through this selector or a new one of the same
     # buckets (the next engine of this process): nothing new to measure or compile
     other = tiny_model(cfg, dtype, "cuda", seed=1)

@@ -4,9 +4,13 @@ implementation over the small row buckets so that decode and verify steps round 
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch import nn
+
+from specserve.layers.gemv_plan import GemvChoice
 
 
 def test_plan_buckets_rows_and_falls_back_to_torch():
@@ -166,6 +170,60 @@ def test_selection_keeps_torch_unless_a_config_wins_over_the_small_buckets(monke
     assert choices[64].config is not None  # the larger buckets choose on their own
     plan = GemvPlan({(r, 96, 64, torch.float16): c for r, c in choices.items()}, ROW_BUCKETS)
     assert {plan.config_for(r, 96, 64, torch.float16) for r in range(1, 33)} == {None}
+
+
+def test_selection_leaves_torch_out_of_small_buckets_where_it_is_batch_variant(monkeypatch):
+    """Where cuBLAS rounds a row differently at different row counts, the small buckets take
+    the configuration fastest summed over them even though torch is faster; the larger
+    buckets still choose torch where it wins. Tuning's candidates follow the same rule."""
+    from specserve.layers import gemv_select
+    from specserve.layers.gemv_select import (ROW_BUCKETS, GemvSelector, bucket_candidates,
+                                              plan_candidates)  # fmt: skip
+
+    jobs = bucket_candidates(ROW_BUCKETS, 96, 64, num_sms=132)
+    a, b = dict(jobs)[1][:2]
+
+    def us(cfg, rows):  # torch fastest everywhere; b the faster configuration over 1..16
+        return 5.0 if cfg is None else (8.0 if cfg == b else 9.0)
+
+    for torch_shared in (True, False):
+        selector = GemvSelector()
+        monkeypatch.setattr(selector, "_measure",
+                            lambda cfg, x, rotation: (us(cfg, x.shape[0]), 0.0))  # fmt: skip
+        selector._measure_shape(96, 64, torch.float16, jobs, [torch.zeros(96, 64)], 1e18,
+                                torch_shared=torch_shared)  # fmt: skip
+        got = {r: selector.measured[(r, 96, 64, torch.float16)] for r in ROW_BUCKETS}
+        small = {got[r].config for r in (1, 2, 4, 8, 16)}
+        assert small == ({None} if torch_shared else {b})
+        assert got[1].torch_us == 5.0 and got[1].best_us == (5.0 if torch_shared else 8.0)
+        assert got[32].config is None and got[64].config is None
+
+    varies = frozenset({(96, 64, torch.float16)})
+    candidates = plan_candidates(None, varies, num_sms=132)
+    assert candidates((4, 96, 64, torch.float16)) == dict(jobs)[4]  # no None: no torch
+    assert candidates((4, 96, 64, torch.float16, "norm")) == dict(jobs)[4]
+    assert candidates((32, 96, 64, torch.float16)) == [None, *dict(jobs)[32]]
+    assert candidates((4, 96, 32, torch.float16))[0] is None  # another shape
+    assert gemv_select.choose({1: {None: 1.0, a: math.inf}}, 0.02, False)[1].config is None
+
+
+def test_torch_rows_agree_compares_each_row_count_with_the_full_batch():
+    """A linear that computes each row on its own agrees at every row count; one whose
+    result depends on the row count (as cuBLAS's kernel choice may) does not."""
+    from specserve.layers.gemv_select import torch_rows_agree
+
+    w = torch.randn(24, 32)
+    per_row = lambda x, w: torch.stack([r @ w.T for r in x])  # noqa: E731
+    assert torch_rows_agree(w, 16, per_row)
+    assert not torch_rows_agree(w, 16, lambda x, w: per_row(x, w) * (1 + (len(x) >= 8) * 1e-3))
+    seen = []
+    torch_rows_agree(w, 4, lambda x, w: seen.append(len(x)) or per_row(x, w))
+    assert seen == [4, 1, 2, 3]
+    from specserve.layers.gemv_plan import GemvPlan
+
+    plan = GemvPlan({(1, 24, 32, torch.float32): GemvChoice(None, 1.0, 1.0, 3)},
+                    torch_varies=frozenset({(24, 32, torch.float32)}))  # fmt: skip
+    assert plan.summary()[0]["torch_varies"] is True
 
 
 def test_rotation_set_exceeds_the_cache_with_distinct_weights():

@@ -47,6 +47,8 @@ class EngineConfig:
     disable_cuda_graph: bool = False
     disable_gemv: bool = False  # cuBLAS for every linear (no start-up kernel selection)
     disable_gemv_tuning: bool = False  # keep selection's choices (runtime/plan_tuning.py)
+    # cuBLAS may serve decode rows even where a row's bits change with the row count
+    disable_batch_invariance: bool = False
     disable_pdl: bool = False  # no programmatic dependent launch (layers/pdl.py)
     disable_fusion: bool = False  # SiLU-and-mul and split-K passes as kernels of their own
     overlap_schedule: str = "auto"  # auto: on for CUDA, off on CPU; on; off

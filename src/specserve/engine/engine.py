@@ -89,7 +89,9 @@ class LLMEngine:
             if not config.disable_gemv:
                 k_max = config.speculative_num_steps if config.speculative_algorithm else 0
                 batch = min(config.max_num_seqs, config.cuda_graph_max_batch)
-                self.gemv_selector = GemvSelector(max_rows=batch * (k_max + 1))
+                self.gemv_selector = GemvSelector(
+                    max_rows=batch * (k_max + 1),
+                    batch_invariant=not config.disable_batch_invariance)  # fmt: skip
                 use_gemv(model, self.gemv_selector)
         self.runner = ModelRunner(model, self.kv, get_backend(config.backend_name()))
         if device.type == "cuda":  # compile every attention variant now, not mid-serving
@@ -139,7 +141,8 @@ class LLMEngine:
             from specserve.runtime.plan_tuning import tune_engine_plan
 
             self.plan_tuning = tune_engine_plan(
-                graphs, plan, plan_candidates(self.kv.layers[0][0].device), SHARED_ROWS,
+                graphs, plan, plan_candidates(self.kv.layers[0][0].device, plan.torch_varies),
+                SHARED_ROWS,
                 verify_tokens=k_max + 1)  # fmt: skip
         report = graphs.capture()
         log.info(

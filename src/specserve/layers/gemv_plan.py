@@ -37,13 +37,16 @@ class GemvPlan:
     Triton path with it). A projection that fuses its neighbours into the GEMV (a merged
     MLP's down projection, triton_ops.py; attention's o_proj, llama.py) asks with its
     `fusion`: the key + (fusion,), measured with them (`gemv_timing.down_and_norm`), when
-    there is one; else the shape's plain choice."""
+    there is one; else the shape's plain choice. `torch_varies`: the (N, K, dtype) shapes
+    where cuBLAS gives a row different bits at different row counts, which selection keeps
+    torch away from in the buckets up to SHARED_ROWS (gemv_select.py, batch invariance)."""
 
     def __init__(
         self,
         choices: dict[PlanKey, GemvChoice] | None = None,
         row_buckets: tuple[int, ...] = ROW_BUCKETS,
         default: GemvConfig | None = None,
+        torch_varies: frozenset = frozenset(),
     ):
         self.row_buckets = tuple(sorted(row_buckets))
         if self.row_buckets[0] < 1 or self.row_buckets[-1] > MAX_ROWS:
@@ -54,6 +57,7 @@ class GemvPlan:
         self.choices = dict(choices or {})
         self._configs = {k: c.config for k, c in self.choices.items() if c.config is not None}
         self.default = default
+        self.torch_varies = frozenset(torch_varies)
         self.asked: set[PlanKey] | None = None  # when a set: every key config_for looks up
 
     def config_for(self, rows: int, n: int, k: int, dtype: torch.dtype,
@@ -103,7 +107,8 @@ class GemvPlan:
                  kernel=str(c.config) if c.config else "torch", torch_us=round(c.torch_us, 2),
                  best_us=round(c.best_us, 2), speedup=round(c.torch_us / c.best_us, 3),
                  tried=c.tried, **({"fusion": fused[0]} if fused else {}),
-                 **({"tuned": True} if c.tuned else {}))  # fmt: skip
+                 **({"tuned": True} if c.tuned else {}),
+                 **({"torch_varies": True} if (n, k, dt) in self.torch_varies else {}))  # fmt: skip
             for (b, n, k, dt, *fused), c in sorted(self.choices.items(),
                                                    key=lambda i: (*i[0][:3], i[0][4:]))
         ]

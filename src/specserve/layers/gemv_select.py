@@ -18,6 +18,14 @@ zeros), so a row's reduction order does not depend on M. The CUDA-core path (1 o
 variant per row count) cannot serve those buckets and is no longer a candidate. Buckets 32 and
 64 keep their own choice: batch-64 steps were never bit-identical to batch 1 (cuBLAS picks
 kernels by shape too).
+
+cuBLAS is such a choice only where it keeps that invariance itself: it picks its kernel, and
+with it the reduction order, by the shape, so selection checks each weight shape once per
+device (`torch_rows_agree`: a row's bits at every row count up to the largest shared bucket)
+and where torch fails the check its buckets up to SHARED_ROWS choose among the Triton
+configurations alone, even when cuBLAS was faster (`GemvPlan.torch_varies` lists those shapes;
+whole-step tuning does not offer torch there either). `batch_invariant=False` keeps torch a
+candidate everywhere (for comparisons).
 """
 
 from __future__ import annotations
@@ -60,30 +68,60 @@ def bucket_candidates(buckets: tuple[int, ...], n: int, k: int, num_sms: int) ->
             for b in buckets]  # fmt: skip
 
 
-def plan_candidates(device: torch.device):
+def plan_candidates(device: torch.device, torch_varies: frozenset = frozenset(),
+                    num_sms: int | None = None):  # fmt: skip
     """candidates(plan key) -> the choices for that key's row bucket, torch first (None),
-    then the configurations selection times there (`bucket_candidates`)."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    then the configurations selection times there (`bucket_candidates`); torch is left out
+    of the buckets up to SHARED_ROWS of the shapes (N, K, dtype) in `torch_varies` (a plan's:
+    cuBLAS changes a row's bits with the row count there)."""
+    sms = num_sms or torch.cuda.get_device_properties(device).multi_processor_count
 
     def candidates(key: tuple) -> list[GemvConfig | None]:
-        bucket, n, k = key[:3]
+        bucket, n, k, dtype = key[:4]
         ((_, cands),) = bucket_candidates((bucket,), n, k, sms)
+        if bucket <= SHARED_ROWS and (n, k, dtype) in torch_varies:
+            return list(cands)
         return [None, *cands]
 
     return candidates
 
 
-def choose(times: dict[int, dict], margin: float) -> dict[int, GemvChoice]:
+def torch_rows_agree(w: torch.Tensor, max_rows: int, linear=None) -> bool:
+    """Whether torch's linear (`linear(x, w)`, default F.linear) gives every row the same bits
+    at each row count 1..max_rows, checked on seeded random rows: cuBLAS picks its kernel by
+    the shape, and two kernels that reduce in different orders round some of a random
+    row's outputs apart."""
+    linear = linear or torch_linear
+    gen = torch.Generator(device=w.device).manual_seed(0)
+    x = torch.randn(max_rows, w.shape[1], generator=gen, device=w.device).to(w.dtype)
+    full = linear(x, w)
+    return all(torch.equal(linear(x[:m], w), full[:m]) for m in range(1, max_rows))
+
+
+def _rows_agree(index: int | None, w: torch.Tensor, rows: int) -> bool:
+    """torch_rows_agree for w's shape on device `index`, checked once a process."""
+    key = (index, *w.shape, w.dtype, rows)
+    if key not in _TORCH_ROWS:
+        _TORCH_ROWS[key] = rows <= 1 or torch_rows_agree(w, rows)
+    return _TORCH_ROWS[key]
+
+
+def choose(times: dict[int, dict], margin: float,
+           torch_shared: bool = True) -> dict[int, GemvChoice]:  # fmt: skip
     """Each bucket's choice from its measured times ({bucket: {config or None (torch): us}}).
     The buckets up to SHARED_ROWS share one: the configuration measured in all of them with
     the least total time, if that total beats torch's total by `margin`, else torch (so at
     one bucket alone the shared choice may be slower than torch, or than another
-    configuration). Larger buckets: the fastest there, if it beats torch by `margin`."""
+    configuration); with `torch_shared` False (cuBLAS is not batch invariant for the shape)
+    that configuration whatever torch's time, torch only if no configuration runs. Larger
+    buckets: the fastest there, if it beats torch by `margin`."""
     out: dict[int, GemvChoice] = {}
     shared = [b for b in times if b <= SHARED_ROWS]
     if shared:
         total = {c: sum(times[b].get(c, math.inf) for b in shared)
                  for c in dict.fromkeys(c for b in shared for c in times[b])}  # fmt: skip
+        if not torch_shared:
+            total[None] = math.inf  # any configuration that runs wins
         cfg = _winner(total, margin)
         for b in shared:
             out[b] = GemvChoice(cfg, times[b][None], times[b][cfg], len(times[b]))
@@ -98,9 +136,11 @@ def _winner(times: dict, margin: float) -> GemvConfig | None:
     """The fastest configuration of `times` if it beats torch's (key None) by `margin`; ties
     among configurations go to the first in `times` order."""
     best = min((c for c in times if c is not None), key=lambda c: times[c], default=None)
-    if best is None or not times[best] <= times[None] * (1 - margin) < math.inf:
+    if best is None or times[best] == math.inf:
         return None
-    return best
+    if times[None] == math.inf or times[best] <= times[None] * (1 - margin):
+        return best
+    return None
 
 
 def variant_key(cfg: GemvConfig, rows: int, n: int, k: int, dtype: torch.dtype,
@@ -143,9 +183,11 @@ def compile_tasks(todo: dict, shapes: dict, gated_jobs: dict | None = None,
     return tasks
 
 
-# (device index, row buckets, margin, after_producer) -> the choices measured so far in this
-# process.
+# (device index, row buckets, margin, after_producer, batch_invariant) -> the choices
+# measured so far in this process.
 _MEASURED: dict[tuple, dict[PlanKey, GemvChoice]] = {}
+# (device index, N, K, dtype, rows) -> whether torch_rows_agree held (checked once a process)
+_TORCH_ROWS: dict[tuple, bool] = {}
 
 
 class GemvSelector:
@@ -169,20 +211,23 @@ class GemvSelector:
     with the same row buckets, margin and timing on the same device (`_MEASURED`: engines
     started one after another, as tests do, measure once; a different bucket set measures
     afresh, since the shared choice of buckets up to SHARED_ROWS is made over them all
-    together). On a CPU the plan is empty: torch everywhere.
+    together). `batch_invariant`: torch serves a shape's buckets up to SHARED_ROWS only
+    where it gives a row the same bits at every row count there (`torch_rows_agree`,
+    checked before measuring; the plan's `torch_varies` lists the shapes where it does not).
+    On a CPU the plan is empty: torch everywhere.
     """
 
     def __init__(self, row_buckets: tuple[int, ...] = ROW_BUCKETS, budget_s: float = 20.0,
                  margin: float = 0.02, reps: int = 5, max_rows: int | None = None,
-                 compile_workers: int | None = None,
-                 after_producer: bool = True):  # fmt: skip
+                 compile_workers: int | None = None, after_producer: bool = True,
+                 batch_invariant: bool = True):  # fmt: skip
         buckets = tuple(sorted(row_buckets))
         if max_rows is not None:
             buckets = tuple(b for b in buckets if b < max_rows) + tuple(
                 b for b in buckets if b >= max_rows)[:1]  # fmt: skip
         self.row_buckets = buckets
         self.budget_s, self.margin, self.reps = budget_s, margin, reps
-        self.after_producer = after_producer
+        self.after_producer, self.batch_invariant = after_producer, batch_invariant
         self.compile_workers = compile_workers or min(8, os.cpu_count() or 1)
         self.measured: dict[PlanKey, GemvChoice] = {}  # bound per device in select()
         self.elapsed_s = self.compile_s = 0.0
@@ -210,10 +255,20 @@ class GemvSelector:
                       if shape in shapes}}  # fmt: skip
         start = time.perf_counter()
         device = next(iter(shapes.values()))[0].device
+        index = torch.device(device).index
         self.measured = _MEASURED.setdefault(
-            (torch.device(device).index, self.row_buckets, self.margin, self.after_producer),
+            (index, self.row_buckets, self.margin, self.after_producer, self.batch_invariant),
             self.measured,
         )
+        shared_rows = max((b for b in self.row_buckets if b <= SHARED_ROWS), default=1)
+        torch_varies = frozenset(
+            shape for shape, ws in shapes.items()
+            if self.batch_invariant and not _rows_agree(index, ws[0], shared_rows)
+        )
+        if torch_varies:
+            log.info("cuBLAS rounds a row differently at different row counts for %d weight "
+                     "shapes; Triton serves their buckets up to %d rows: %s", len(torch_varies),
+                     SHARED_ROWS, sorted(shape[:2] for shape in torch_varies))  # fmt: skip
         props = torch.cuda.get_device_properties(device)
         sms = props.multi_processor_count
         todo = {key: bucket_candidates(tuple(b for b in self.row_buckets
@@ -233,11 +288,11 @@ class GemvSelector:
             # Each shape gets an equal share of what is left; its clones live only meanwhile.
             left = self.budget_s - (time.perf_counter() - measure_start)
             self._measure_shape(n, k, dtype, jobs, rotation_set(shapes[(n, k, dtype)], min_bytes),
-                                time.perf_counter() + left / (len(todo) - i),
-                                *fusion)  # fmt: skip
+                                time.perf_counter() + left / (len(todo) - i), *fusion,
+                                torch_shared=(n, k, dtype) not in torch_varies)  # fmt: skip
         choices = {(b, *key): self.measured[(b, *key)] for key in jobs_of
                    for b in self.row_buckets}  # fmt: skip
-        plan = GemvPlan(choices, self.row_buckets)
+        plan = GemvPlan(choices, self.row_buckets, torch_varies=torch_varies)
         torch.cuda.empty_cache()
         self.elapsed_s = time.perf_counter() - start
         if self.skipped:
@@ -272,9 +327,10 @@ class GemvSelector:
         return len(tasks)
 
     def _measure_shape(self, n: int, k: int, dtype: torch.dtype, jobs, rotation,
-                       deadline: float, *fusion: str) -> None:  # fmt: skip
+                       deadline: float, *fusion: str, torch_shared: bool = True) -> None:  # fmt: skip
         """Time torch and every candidate per row bucket (with a `fusion`: as the fused
-        down projection and the norm after it); record each bucket's choice."""
+        down projection and the norm after it); record each bucket's choice (`choose`;
+        `torch_shared` False: not torch for the buckets up to SHARED_ROWS)."""
         device = rotation[0].device
         cols = fused_input_cols(k, fusion[0]) if fusion else k
         runs = [(b, torch.randn(b, cols, device=device, dtype=dtype), [None, *cands])
@@ -290,7 +346,7 @@ class GemvSelector:
                 times[b][cands[rnd]], first_call_s = self._measure(cands[rnd], x, rotation,
                                                                    *fusion)  # fmt: skip
                 deadline += first_call_s
-        for b, choice in choose(times, self.margin).items():
+        for b, choice in choose(times, self.margin, torch_shared).items():
             self.measured[(b, n, k, dtype, *fusion)] = choice
 
     def _measure(self, cfg: GemvConfig | None, x: torch.Tensor, rotation,
