@@ -210,6 +210,9 @@ def main() -> None:
     ap.add_argument("--ab-gate", action="store_true",
                     help="also plain and fixed K=3 with SiLU-and-mul kept out of the gate/up "
                          "GEMV's epilogue (its own kernel, as before triton_ops `fuse_gate`)")
+    ap.add_argument("--ab-rope", action="store_true",
+                    help="also plain and fixed K=3 with rotary and the K/V store kept out of "
+                         "the qkv GEMV's epilogue (their own kernel, as before gemv `rope`)")
     ap.add_argument("--ab-invariance", action="store_true",
                     help="also plain and fixed K=3 with cuBLAS allowed in the shared row "
                          "buckets where it is not batch invariant (--disable-batch-invariance)")
@@ -262,6 +265,10 @@ def main() -> None:
         configs["plain, SiLU-and-mul kernel"] = {**configs["plain"], "gate": False}
         configs["eagle3 K=3 fixed, SiLU-and-mul kernel"] = {
             **configs["eagle3 K=3 fixed (sim. accept len 3.0)"], "gate": False}  # fmt: skip
+    if args.ab_rope:
+        configs["plain, rotary kernel"] = {**configs["plain"], "rope": False}
+        configs["eagle3 K=3 fixed, rotary kernel"] = {
+            **configs["eagle3 K=3 fixed (sim. accept len 3.0)"], "rope": False}  # fmt: skip
     if args.ab_invariance:
         variant = {"disable_batch_invariance": True}
         configs["plain, cuBLAS batch variant"] = {**configs["plain"], **variant}
@@ -272,10 +279,11 @@ def main() -> None:
     if args.again:  # the first engine once more at the end: what the order alone changes
         first = next(iter(configs))
         configs[f"{first} (again, last)"] = configs[first]
-    from specserve.layers import triton_argmax  # a kernel module: imported when needed
+    from specserve.layers import gemv as gemv_module  # kernel modules: imported when needed
+    from specserve.layers import triton_argmax
     from specserve.layers.triton_ops import TritonMergedGatedMLP
 
-    gated = TritonMergedGatedMLP._gated
+    gated, rope_fits = TritonMergedGatedMLP._gated, gemv_module.rope_fits
 
     results = {}
     for name, extra in configs.items():
@@ -285,6 +293,8 @@ def main() -> None:
         head = extra.pop("head", True)
         # this engine only (restored below): MLPs never take the gate/up epilogue
         TritonMergedGatedMLP._gated = gated if extra.pop("gate", True) else lambda *a: None
+        # this engine only (restored below): no qkv tile takes the rope epilogue
+        gemv_module.rope_fits = rope_fits if extra.pop("rope", True) else lambda *a: False
         t0 = time.perf_counter()
         engine = LLMEngine(EngineConfig(**base, **extra), model=model)
         startup = time.perf_counter() - t0
@@ -324,7 +334,7 @@ def main() -> None:
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-    TritonMergedGatedMLP._gated = gated
+    TritonMergedGatedMLP._gated, gemv_module.rope_fits = gated, rope_fits
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(results, indent=2))

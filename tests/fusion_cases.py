@@ -57,6 +57,48 @@ def gated_gemv_case(cfg, rows: int, n: int, k: int, dtype, device, bias=False, s
     return {"equal": torch.equal(fused, unfused), "err": rel_err(fused, ref)}
 
 
+def rope_gemv_case(cfg, rows: int, q_heads: int, kv_heads: int, head_dim: int, k: int, dtype,
+                   device, bias=False, seed=0, page_size=4) -> dict:  # fmt: skip
+    """{"equal": the qkv GEMV with the rope epilogue == the plain GEMV then rotary_store_kv,
+    bit for bit in q and in both caches (whose other slots keep their contents; one row's
+    slot is -1, not stored), "err": q's relative error against the torch rotary of a
+    float64 product, "stored": the cache slots the rows wrote}."""
+    from specserve.layers.gemv import RopeStore, gemv
+    from specserve.layers.rotary import RotaryEmbedding
+    from specserve.layers.triton_rotary import rotary_store_kv
+
+    gen = torch.Generator().manual_seed(seed)
+    n = (q_heads + 2 * kv_heads) * head_dim
+    x = _rand(gen, rows, k, dtype=dtype, device=device)
+    w = _rand(gen, n, k, dtype=dtype, device=device, scale=k**-0.5)
+    b = _rand(gen, n, dtype=dtype, device=device) if bias else None
+    rope = RotaryEmbedding(head_dim, 10000.0, 64)
+    rope.materialize(torch.device(device))
+    positions = torch.randint(64, (rows,), generator=gen).to(device)
+    pages = -(-(rows + 1) // page_size)
+    slots = torch.randperm(pages * page_size, generator=gen)[:rows].to(device)
+    slots[rows // 2] = -1
+    cache = _rand(gen, 2, pages, page_size, kv_heads, head_dim, dtype=dtype, device=device)
+    caches = {name: cache.clone() for name in ("fused", "unfused")}
+    plain = gemv(x, w, b, cfg)
+    q_unfused = rotary_store_kv(positions, plain, rope.cos_sin, q_heads, kv_heads,
+                                caches["unfused"][0], caches["unfused"][1], slots)  # fmt: skip
+    store = RopeStore(positions, slots, rope.cos_sin, q_heads, kv_heads, caches["fused"][0],
+                      caches["fused"][1])  # fmt: skip
+    q_fused = gemv(x, w, b, cfg, rope=store)
+    ref = (x.double() @ w.double().T + (b.double() if bias else 0)).to(dtype)
+    q_ref, _ = rope(positions, ref[:, : q_heads * head_dim].view(rows, q_heads, head_dim),
+                    ref[:, q_heads * head_dim : (q_heads + kv_heads) * head_dim]
+                    .view(rows, kv_heads, head_dim))  # fmt: skip
+    written = (caches["fused"] != cache).flatten(3).any(-1).any(0).flatten()  # [slots]
+    return {
+        "equal": torch.equal(q_fused, q_unfused) and torch.equal(caches["fused"], caches["unfused"]),
+        "err": rel_err(q_fused, q_ref.double()),
+        "stored": sorted(torch.nonzero(written).flatten().tolist()) == sorted(
+            s for s in slots.tolist() if s >= 0),
+    }
+
+
 def split_norm_case(cfg, rows: int, n: int, k: int, dtype, device, bias=False, silu=False,
                     seed=0) -> dict:  # fmt: skip
     """A split-K GEMV handed unreduced to the fused second pass + residual add + RMSNorm,
@@ -102,12 +144,15 @@ def model_fusion_case(dtype, device, config, backend=None, seed=0, cfg=None,
     SiLU prologue when not `silu`) gives the hidden states, logits and KV of fuse=False bit
     for bit, "err": their error against plain torch modules, "fused_norms": how many
     RMSNorms ran a split-K pass (o_proj's and the down projection's), "silu_gemvs": how many
-    GEMVs ran the SiLU prologue, "gated_gemvs": how many ran it as the gate/up epilogue}.
+    GEMVs ran the SiLU prologue, "gated_gemvs": how many ran it as the gate/up epilogue,
+    "rope_gemvs": how many qkv GEMVs ran rotary and the K/V store as their epilogue (on the
+    Triton attention backend, where the tile fits a head)}.
     Without `fused_choice` the plan has measured the fused down projection slower
     (config_for with a fusion gives None): the MLP runs SiLU-and-mul (in the gate/up GEMV's
     epilogue where `config` does not split K) and the plain choice, whose split still
     reduces in the next norm."""
     from specserve.engine.kv_cache import KVCache
+    from specserve.layers import gemv as gemv_module
     from specserve.layers import triton_norm, triton_ops
     from specserve.layers.attention import TorchAttentionBackend
     from specserve.layers.gemv_select import GemvPlan
@@ -125,19 +170,21 @@ def model_fusion_case(dtype, device, config, backend=None, seed=0, cfg=None,
         plan.config_for = lambda rows, n, k, dt, fusion=None: (
             None if fusion else plain_choice(rows, n, k, dt)
         )
-    calls = {"fused_norms": 0, "silu_gemvs": 0, "gated_gemvs": 0}
+    calls = {"fused_norms": 0, "silu_gemvs": 0, "gated_gemvs": 0, "rope_gemvs": 0}
     fused_norm, gemv = triton_ops.split_k_add_rms_norm, triton_ops.gemv
 
     def counting_norm(*args):
         calls["fused_norms"] += 1
         return fused_norm(*args)
 
-    def counting_gemv(*args, silu=False, gated=False, **kwargs):
+    def counting_gemv(*args, silu=False, gated=False, rope=None, **kwargs):
         calls["silu_gemvs"] += silu
         calls["gated_gemvs"] += gated
-        return gemv(*args, silu=silu, gated=gated, **kwargs)
+        calls["rope_gemvs"] += rope is not None
+        return gemv(*args, silu=silu, gated=gated, rope=rope, **kwargs)
 
     triton_ops.split_k_add_rms_norm, triton_ops.gemv = counting_norm, counting_gemv
+    gemv_module.gemv = counting_gemv  # the attention block's qkv GEMV (rope epilogue)
     equal, err, start = True, 0.0, 0
     try:
         with torch.inference_mode():
@@ -162,5 +209,6 @@ def model_fusion_case(dtype, device, config, backend=None, seed=0, cfg=None,
             equal &= torch.equal(kf, ku) and torch.equal(vf, vu)
     finally:
         triton_ops.split_k_add_rms_norm, triton_ops.gemv = fused_norm, gemv
+        gemv_module.gemv = gemv
         assert triton_norm.split_k_add_rms_norm is fused_norm
     return {"equal": bool(equal), "err": err, **calls}

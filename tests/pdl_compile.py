@@ -124,7 +124,7 @@ def norm_tail_matches(use_pdl: bool, rows: int, n: int) -> bool:
 def _launch_all() -> None:
     """Every launcher of the decode path on small CPU tensors of bf16 (the GPU's dtype)."""
     from specserve.layers.attention import triton_kernels as attn
-    from specserve.layers.gemv import GemvConfig, gemv
+    from specserve.layers.gemv import GemvConfig, RopeStore, gemv
     from specserve.layers.triton_ops import (
         add_rms_norm,
         rms_norm,
@@ -154,6 +154,13 @@ def _launch_all() -> None:
                                     torch.zeros(2, 2, 64, **bf16), cos_sin)  # fmt: skip
     runs["rotary-store-kv"] = lambda: rotary_store_kv(pos, torch.zeros(2, 512, **bf16), cos_sin,
                                                       4, 2, cache, cache, pos)  # fmt: skip
+    qkv_w = torch.zeros(512, 512, **bf16)  # 4 q heads and 2 + 2 kv heads of 64
+    rope = RopeStore(pos, pos, cos_sin, 4, 2, cache, cache)
+    runs["gemv-dot-rope"] = lambda: gemv(x, qkv_w, None, GemvConfig(64, 128), rope=rope)
+    runs["gemv-dot64-rope-bias"] = lambda: gemv(x, qkv_w, qkv_w[0], GemvConfig(32, 64, block_m=64),
+                                                rope=rope)  # fmt: skip
+    runs["gemv-fma-rope"] = lambda: gemv(x, qkv_w, None, GemvConfig(16, 256, use_dot=False),
+                                         rope=rope)  # fmt: skip
     runs["kv-write"] = lambda: attn.write_kv(torch.zeros(2, 2, 64, **bf16),
                                              torch.zeros(2, 2, 64, **bf16), cache, cache, pos)
     meta = (pos, torch.tensor([0, 1, 2]), torch.ones(2, **i64), torch.zeros(2, 4, **i64))

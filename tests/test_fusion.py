@@ -62,6 +62,18 @@ def _gated_cases() -> dict[str, tuple]:
     return cases
 
 
+def _rope_cases() -> dict[str, tuple]:
+    """name -> (config name, rows, q heads, kv heads, head dim, k, dtype, bias): tiles of a
+    whole head (dot32 at head dim 32) and of a quarter head; K 200 is off the block sizes."""
+    cases = {}
+    for dtype in ("float16", "float32"):
+        for rows in (1, 3, 17):
+            cases[f"rope-dot-{dtype}-m{rows}"] = ("dot", rows, 4, 2, 64, 200, dtype, False)
+        cases[f"rope-dot32-{dtype}-m5-bias"] = ("dot32", 5, 2, 1, 32, 96, dtype, True)
+    cases["rope-fma-float32-m2"] = ("fma", 2, 2, 2, 16, 200, "float32", False)
+    return cases
+
+
 def _norm_cases() -> dict[str, tuple]:
     """name -> (config name, rows, n, k, dtype, bias, silu); N 72 is not a power of 2."""
     cases = {}
@@ -80,6 +92,7 @@ def run_cases() -> dict:
     from tests.fusion_cases import (
         gated_gemv_case,
         model_fusion_case,
+        rope_gemv_case,
         silu_gemv_case,
         split_norm_case,
     )
@@ -99,6 +112,9 @@ def run_cases() -> dict:
     for name, (cfg, rows, n, k, dtype, bias, half) in _gated_cases().items():
         record(name, gated_gemv_case, configs[cfg], rows, n, k, getattr(torch, dtype), "cpu",
                bias, seed=len(name), half=half)  # fmt: skip
+    for name, (cfg, rows, qh, kvh, hd, k, dtype, bias) in _rope_cases().items():
+        record(name, rope_gemv_case, configs[cfg], rows, qh, kvh, hd, k, getattr(torch, dtype),
+               "cpu", bias, seed=len(name))  # fmt: skip
     for name, (cfg, rows, n, k, dtype, bias, silu) in _norm_cases().items():
         record(name, split_norm_case, configs[cfg], rows, n, k, getattr(torch, dtype), "cpu",
                bias, silu, seed=len(name))  # fmt: skip
@@ -112,6 +128,11 @@ def run_cases() -> dict:
     for dtype in ("float32", "float16"):  # unsplit: SiLU-and-mul in the gate/up epilogue
         record(f"gated-model-{dtype}", model_fusion_case, getattr(torch, dtype), "cpu",
                GemvConfig(block_n=32, block_k=32), fused_choice=False)  # fmt: skip
+    from specserve.layers.attention.triton_attn import TritonAttentionBackend
+
+    for dtype in ("float32", "float16"):  # tiles of one head: rotary + K/V store in qkv
+        record(f"rope-model-{dtype}", model_fusion_case, getattr(torch, dtype), "cpu",
+               GemvConfig(block_n=16, block_k=32), TritonAttentionBackend())  # fmt: skip
     return results
 
 
@@ -136,6 +157,18 @@ def test_interpreter_silu_fused_equals_separate_kernels(name, interpreter_result
     assert res["equal"], f"{name}: the fused GEMV differs from GEMV and silu_and_mul apart"
     dtype = next(d for d in TOL if d in name)
     assert res["err"] <= TOL[dtype], res  # and both are right
+
+
+@pytest.mark.parametrize("name", _names(_rope_cases))
+def test_interpreter_rope_epilogue_equals_gemv_then_rotary_store(name, interpreter_results):
+    """Rotary and the K/V store as the qkv GEMV's epilogue against the plain GEMV followed by
+    the rotary + KV-store kernel: q and both caches bit for bit, only the rows' slots
+    written (a slot of -1: none)."""
+    res = interpreter_results[name]
+    assert isinstance(res, dict), f"{name} raised {res}"
+    assert res["equal"] and res["stored"], res
+    dtype = next(d for d in TOL if d in name)
+    assert res["err"] <= TOL[dtype], res
 
 
 @pytest.mark.parametrize("name", _names(_norm_cases))
@@ -170,6 +203,18 @@ def test_interpreter_model_gated_mlp_equals_unfused(dtype, interpreter_results):
     # unsplit, fused down projection measured slower: every MLP (2 layers, 3 steps) ran
     # SiLU-and-mul in its gate/up GEMV, none as the down projection's prologue
     assert (res["gated_gemvs"], res["silu_gemvs"], res["fused_norms"]) == (2 * 3, 0, 0), res
+    assert res["err"] <= 10 * TOL[dtype], res
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_interpreter_model_rope_in_qkv_equals_unfused(dtype, interpreter_results):
+    res = interpreter_results[f"rope-model-{dtype}"]
+    assert isinstance(res, dict), res
+    assert res["equal"], res  # hidden states, logits and the whole KV cache
+    # on the Triton attention backend with tiles of one head (16 columns): every layer's
+    # qkv GEMV (2 layers, 3 steps) rotated and stored K/V itself; the unsplit down
+    # projections took the SiLU prologue
+    assert (res["rope_gemvs"], res["silu_gemvs"]) == (2 * 3, 2 * 3), res
     assert res["err"] <= 10 * TOL[dtype], res
 
 
@@ -260,6 +305,47 @@ def test_selection_compiles_one_variant_per_prefetch_under_pdl():
                           pdl_on=True)  # fmt: skip
     (key,) = gated
     assert key[-2] == call_prefetch(cfg, 14336, 4096, 2, gated=True) == 2  # cfg: the half tile
+
+
+def test_selection_compiles_the_rope_variants_of_qkv_candidates_that_fit():
+    """Only unsplit pointer tiles within one head run the rope epilogue (`rope_fits`);
+    selection compiles their rope variants, one per tile and head layout, on a qkv weight;
+    rope_projections finds the qkv shapes of attention blocks that fuse."""
+    from specserve.layers.gemv import GemvConfig, rope_fits
+    from specserve.layers.gemv_select import compile_tasks
+    from specserve.layers.linear import rope_projections
+    from specserve.layers.triton_ops import use_triton_ops
+    from tests.model_cases import tiny_config, tiny_model
+
+    assert rope_fits(GemvConfig(64, 128), 128, 4096)
+    assert rope_fits(GemvConfig(128, 64, block_m=64), 128, 4096)
+    assert not rope_fits(GemvConfig(256, 64), 128, 4096)  # wider than a head
+    assert not rope_fits(GemvConfig(64, 128, tma=True), 128, 4096)  # contiguous tile rows
+    assert not rope_fits(GemvConfig(64, 128, split_k=2), 128, 4096)
+    assert rope_fits(GemvConfig(64, 128, split_k=2), 128, 128)  # a split of one slice
+    assert not rope_fits(GemvConfig(48, 128), 64, 4096)  # does not divide the head
+    qkv = (6144, 4096, torch.bfloat16)
+    shapes = {qkv: [torch.zeros(6144, 4096, dtype=torch.bfloat16)]}
+    tiles = [GemvConfig(64, 128), GemvConfig(256, 64), GemvConfig(64, 128, split_k=2),
+             GemvConfig(32, 256, num_stages=4)]  # fmt: skip
+    jobs = [(1, tiles), (4, tiles)]
+    tasks = compile_tasks({qkv: jobs}, shapes, rope_jobs={qkv: ((32, 8, 128), jobs)})
+    rope = [t for t in tasks.values() if isinstance(t[3], tuple)]
+    assert sorted(str(t[0]) for t in rope) == sorted(str(c) for c in (tiles[0], tiles[3]))
+    assert all(t[3] == ("rope", (32, 8, 128)) and t[2] is shapes[qkv][0] for t in rope)
+    assert len(tasks) == len(tiles) + 2  # the plain variants too
+
+    cfg = tiny_config()
+    model = tiny_model(cfg, torch.float16, "cpu")
+    key = ((cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim, cfg.hidden_size, torch.float16)
+    assert rope_projections(model) == {}
+    use_triton_ops(model)
+    assert rope_projections(model) == {key: (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)}
+    use_triton_ops(model, fuse=False)
+    assert rope_projections(model) == {}
+    qk_norm = tiny_model(tiny_config(qk_norm=True), torch.float16, "cpu")
+    use_triton_ops(qk_norm)  # q/k norms come before rotary: no epilogue
+    assert rope_projections(qk_norm) == {}
 
 
 def test_plan_serves_a_fused_down_projection_by_its_own_measurement():

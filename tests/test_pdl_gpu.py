@@ -14,6 +14,7 @@ from specserve.layers import pdl
 from tests.fusion_cases import (
     gated_gemv_case,
     model_fusion_case,
+    rope_gemv_case,
     set_fusions,
     silu_gemv_case,
     split_norm_case,
@@ -122,13 +123,53 @@ def test_gpu_graph_steps_same_bits_with_the_gate_up_epilogue(dtype, restore_pdl,
         gated_calls.append(gated)
         return plain_gemv(*args, gated=gated, **kwargs)
 
+    from specserve.layers import gemv as gemv_module
+
+    rope_calls = []
+    plain_module_gemv = gemv_module.gemv
+
+    def counting_rope(*args, rope=None, **kwargs):
+        rope_calls.append(rope is not None)
+        return plain_module_gemv(*args, rope=rope, **kwargs)
+
     monkeypatch.setattr(triton_ops, "gemv", counting)
+    monkeypatch.setattr(gemv_module, "gemv", counting_rope)
     for use_pdl in (False, True):
         gated_calls.clear()
+        rope_calls.clear()
         outs = _steps_in_graphs(dtype, use_pdl, fuse=True, silu=False, split_k=1)
         assert sum(gated_calls) >= 2 * 3, gated_calls  # 2 layers x 3 steps at least
+        # the unsplit 64-column tile covers a whole head of 64: every qkv GEMV of the decode
+        # and verify steps (2 layers, eager run + capture each) ran rotary and the K/V store
+        assert sum(rope_calls) >= 2 * 2 * 2, rope_calls
         same = [torch.equal(a, b) for a, b in zip(outs, base)]
         assert all(same), (use_pdl, same)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_rope_epilogue_equals_separate_kernels(dtype, restore_pdl):
+    """Rotary and the K/V store in the qkv GEMV's epilogue at Llama-3.1-8B's attention (32
+    q heads, 8 kv heads of 128, K 4096) and SmolLM2-135M's (9 and 3 heads of 64, K 576),
+    through the tiles selection proposes at 1-16 and at 64 rows, against the plain GEMV then
+    rotary_store_kv: q and both caches bit for bit, with PDL on and off."""
+    from specserve.layers.gemv import GemvConfig
+
+    runs = [((32, 8, 128, 4096), rows, cfg) for rows in (1, 4, 16)
+            for cfg in (GemvConfig(32, 256, num_stages=4), GemvConfig(64, 128),
+                        GemvConfig(128, 128, num_warps=8))]  # fmt: skip
+    runs += [((32, 8, 128, 4096), rows, cfg) for rows in (33, 64)
+             for cfg in (GemvConfig(64, 128, block_m=64, num_stages=4),
+                         GemvConfig(32, 256, block_m=64, num_stages=3),
+                         GemvConfig(128, 64, block_m=64, num_warps=8, num_stages=3))]  # fmt: skip
+    runs += [((9, 3, 64, 576), rows, GemvConfig(64, 64)) for rows in (1, 5, 16)]
+    runs += [((9, 3, 64, 576), 2, GemvConfig(16, 64, use_dot=False))]
+    for use_pdl in (True, False):
+        pdl.set_enabled(use_pdl)
+        for (qh, kvh, hd, k), rows, cfg in runs:
+            res = rope_gemv_case(cfg, rows, qh, kvh, hd, k, dtype, "cuda", seed=rows,
+                                 page_size=16)  # fmt: skip
+            assert res["equal"] and res["stored"] and res["err"] < 1e-2, (
+                use_pdl, qh, rows, str(cfg), res)  # fmt: skip
 
 
 _DOWN = (4096, 14336)  # Llama-3.1-8B's down projection (N, K)

@@ -36,6 +36,15 @@ plain product then SiLU-and-mul round, so results equal that pair of kernels wit
 tile; the [gate | up] output is never written (the MLP's path where the down projection
 takes no prologue, as at 64 rows, where the prologue's per-program SiLU is costly).
 
+Fused epilogue (`rope`): the weight is a [q; k; v] projection of heads of head_dim D; each
+program computes BLOCK_N columns of one head laid out as BLOCK_N / 2 rotary pairs (column i
+of the head's first half next to column i + D / 2), rounds them as the plain GEMV's output,
+rotates the q and k pairs at their rows' positions and stores q to its own output and k and
+v straight into the paged KV cache at their rows' slots, with the arithmetic of the rotary +
+KV-store kernel (triton_rotary.rope_pair): results equal the plain GEMV with the same tile
+followed by `rotary_store_kv`, and the qkv output is never written. Each output column's sum
+runs as in the plain tile (a column's place in its tile does not change its reduction).
+
 Programmatic dependent launch (layers/pdl.py): each program first asks L2 for the first
 lines of its weight slice (`PREFETCH`, weights are never written while serving), then waits
 for the previous kernel, so the weight stream starts during that kernel's tail.
@@ -63,6 +72,7 @@ from specserve.layers.gemv_configs import (  # noqa: F401 (also importable from 
     row_block,
 )
 from specserve.layers.pdl_kernel import pdl_enter
+from specserve.layers.triton_rotary import rope_pair
 
 # Under PDL, the weight bytes one GEMV asks L2 for before it waits for the previous kernel,
 # over all its programs (a fraction of the H200's 50 MB L2, about what streams in during a
@@ -123,9 +133,52 @@ def _mac(acc, x, w, USE_DOT: tl.constexpr, IEEE: tl.constexpr):
         return acc + x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
 
 
+@triton.jit
+def _rope_store(y, m, m_ok, head, j, pos_ptr, slot_ptr, cos_sin_ptr, q_ptr, k_cache, v_cache,
+                stride_qm, stride_cs, stride_page, stride_slot, page_size,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+                Q_HEADS: tl.constexpr, K_HEADS: tl.constexpr):  # fmt: skip
+    """The `rope` epilogue for one tile y [BLOCK_M, BLOCK_N] (the output dtype) of head
+    `head` of a [q; k; v] projection, its columns the pairs (j + c, j + c + HEAD_DIM / 2)
+    side by side: q rotated into q_ptr [rows, Q_HEADS * HEAD_DIM], k rotated and v as is
+    into the paged caches at the rows' slots (< 0: not stored)."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    PAIRS: tl.constexpr = BLOCK_N // 2
+    slot = tl.load(slot_ptr + m, mask=m_ok, other=-1)
+    stored = (m_ok & (slot >= 0))[:, None]
+    slot = tl.maximum(slot, 0)
+    cache_row = ((slot // page_size).to(tl.int64) * stride_page
+                 + (slot % page_size) * stride_slot)[:, None]  # fmt: skip
+    # (each branch names its own values: Triton merges same-named values of both branches)
+    if head >= Q_HEADS + K_HEADS:  # v: stored as computed
+        c = tl.arange(0, BLOCK_N)
+        v_dst = (v_cache + cache_row + (head - Q_HEADS - K_HEADS) * HEAD_DIM
+                 + (j + c // 2 + (c % 2) * HALF)[None, :])  # fmt: skip
+        tl.store(v_dst, y.to(v_cache.dtype.element_ty), mask=stored)
+    else:
+        dtype = y.dtype
+        x1, x2 = tl.split(tl.reshape(y, [BLOCK_M, PAIRS, 2]))
+        i = j + tl.arange(0, PAIRS)
+        pos = tl.load(pos_ptr + m, mask=m_ok, other=0)
+        cs = cos_sin_ptr + pos[:, None] * stride_cs + i[None, :]
+        cos = tl.load(cs).to(dtype).to(tl.float32)
+        sin = tl.load(cs + HALF).to(dtype).to(tl.float32)
+        o1, o2 = rope_pair(x1.to(tl.float32), x2.to(tl.float32), cos, sin, dtype)
+        if head < Q_HEADS:
+            q_dst = q_ptr + m[:, None] * stride_qm + head * HEAD_DIM + i[None, :]
+            tl.store(q_dst, o1.to(q_ptr.dtype.element_ty), mask=m_ok[:, None])
+            tl.store(q_dst + HALF, o2.to(q_ptr.dtype.element_ty), mask=m_ok[:, None])
+        else:
+            k_dst = k_cache + cache_row + (head - Q_HEADS) * HEAD_DIM + i[None, :]
+            tl.store(k_dst, o1.to(k_cache.dtype.element_ty), mask=stored)
+            tl.store(k_dst + HALF, o2.to(k_cache.dtype.element_ty), mask=stored)
+
+
 # Integers that change with the call (row count, K slice, the partial sums' split stride of
-# rows x N) are not specialized on: M = 1 would otherwise compile a variant of its own.
-@triton.jit(do_not_specialize=["M", "iters_per_split", "stride_os"])
+# rows x N) are not specialized on: M = 1 would otherwise compile a variant of its own; nor
+# are the rope epilogue's positions and slots (views into the step's one upload, aligned or
+# not, runtime/packing.py).
+@triton.jit(do_not_specialize=["M", "iters_per_split", "stride_os", "pos_ptr", "slot_ptr"])
 def _gemv_kernel(
     x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, iters_per_split,
     stride_xm, stride_wn, stride_om, stride_os,
@@ -134,12 +187,22 @@ def _gemv_kernel(
     HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, SILU: tl.constexpr = False,
     USE_PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
     w_desc=None, TMA: tl.constexpr = False, GATED: tl.constexpr = False,
+    pos_ptr=None, slot_ptr=None, cos_sin_ptr=None, k_cache=None, v_cache=None,
+    stride_cs=0, stride_page=0, stride_slot=0, page_size=1,
+    ROPE: tl.constexpr = False, HEAD_DIM: tl.constexpr = 0, Q_HEADS: tl.constexpr = 0,
+    K_HEADS: tl.constexpr = 0,
 ):  # fmt: skip
     pid_m = tl.program_id(0)  # fastest: the row blocks of one weight tile run together
     pid_n = tl.program_id(1)
     pid_s = tl.program_id(2)
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    if ROPE:  # one head's rotary pairs side by side: columns j + c and j + c + HEAD_DIM / 2
+        head = pid_n // (HEAD_DIM // BLOCK_N)
+        j = (pid_n % (HEAD_DIM // BLOCK_N)) * (BLOCK_N // 2)
+        c = tl.arange(0, BLOCK_N)
+        n = head * HEAD_DIM + j + c // 2 + (c % 2) * (HEAD_DIM // 2)
+    else:
+        n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     kk = tl.arange(0, BLOCK_K)
     # Weight rows past N re-read row N-1 (discarded at the store): no mask on the streamed
     # loads. Input rows past M are masked (zero-filled, not fetched).
@@ -192,8 +255,13 @@ def _gemv_kernel(
         y = acc.to(out_ptr.dtype.element_ty)
         if GATED:  # rounded as the [gate | up] output, then as silu_and_mul rounds
             y = silu_mul(y, acc_u.to(out_ptr.dtype.element_ty), out_ptr.dtype.element_ty)
-        dst = out_ptr + m[:, None] * stride_om + n[None, :]
-        tl.store(dst, y, mask=ok)
+        if ROPE:  # rounded as the qkv output, then as rotary_store_kv rounds
+            _rope_store(y, m, m < M, head, j, pos_ptr, slot_ptr, cos_sin_ptr, out_ptr,
+                        k_cache, v_cache, stride_om, stride_cs, stride_page, stride_slot,
+                        page_size, BLOCK_M, BLOCK_N, HEAD_DIM, Q_HEADS, K_HEADS)  # fmt: skip
+        else:
+            dst = out_ptr + m[:, None] * stride_om + n[None, :]
+            tl.store(dst, y, mask=ok)
 
 
 @triton.jit
@@ -259,6 +327,49 @@ def _split_k_reduce(partials: torch.Tensor, bias: torch.Tensor | None, out: torc
     _gemv_split_k_reduce_kernel[grid](*args, **consts)
 
 
+@dataclass(frozen=True)
+class RopeStore:
+    """What the `rope` epilogue needs: each row's position and KV slot (< 0: not stored), the
+    cos/sin table [positions, D] (cos in the first half), the head counts, and the paged
+    caches [pages, page_size, kv_heads, D] that k and v go to."""
+
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    cos_sin: torch.Tensor
+    q_heads: int
+    kv_heads: int
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+
+
+def rope_fits(cfg: GemvConfig, head_dim: int, k: int) -> bool:
+    """Whether `cfg` can run the rope epilogue on a projection of heads of head_dim and K
+    inputs: its tiles hold whole pairs of one head (BLOCK_N divides head_dim), its weight
+    rows come through pointers (not a descriptor's contiguous tiles), and K is not split."""
+    iters_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k)
+    return (head_dim % cfg.block_n == 0 and cfg.block_n % 2 == 0 and not cfg.tma
+            and triton.cdiv(k, iters_per_split * cfg.block_k) == 1)  # fmt: skip
+
+
+def _rope_args(rope: RopeStore, n: int, head_dim: int) -> dict:
+    """The kernel's rope arguments, after checking the shapes agree."""
+    from specserve.layers.attention.triton_kv_write import check_cache
+
+    k_cache = rope.k_cache
+    if n != (rope.q_heads + 2 * rope.kv_heads) * head_dim or k_cache.shape[2:] != (
+        rope.kv_heads, head_dim
+    ):
+        raise ValueError("a rope gemv needs a [q; k; v] weight of the cache's heads")
+    check_cache(k_cache, rope.v_cache)
+    return dict(
+        pos_ptr=rope.positions, slot_ptr=rope.slot_mapping, cos_sin_ptr=rope.cos_sin,
+        k_cache=k_cache, v_cache=rope.v_cache, stride_cs=rope.cos_sin.stride(0),
+        stride_page=k_cache.stride(0), stride_slot=k_cache.stride(1),
+        page_size=k_cache.shape[1], ROPE=True, HEAD_DIM=head_dim, Q_HEADS=rope.q_heads,
+        K_HEADS=rope.kv_heads,
+    )  # fmt: skip
+
+
 def _weight_descriptor(weight: torch.Tensor, cfg: GemvConfig):
     """The weight [N, K] as a tensor descriptor of [block_n, block_k] tiles (host-side: a
     CUDA graph keeps it with the launch it captures)."""
@@ -296,6 +407,7 @@ def gemv(
     silu: bool = False,
     defer_reduce: bool = False,
     gated: bool = False,
+    rope: RopeStore | None = None,
 ) -> torch.Tensor | SplitKSum | None:
     """x [..., K] @ weight[N, K]^T (+ bias) for at most MAX_ROWS rows of x; returns [..., N]
     in x's dtype. Allocates only the output (and, with split_k > 1, its fp32 workspace).
@@ -306,6 +418,10 @@ def gemv(
     gated: weight is a merged [gate; up] projection [2N, K] and the result silu(x @ gate^T)
     * (x @ up^T) [..., N], equal to silu_and_mul of the plain product's halves; each
     program streams block_n rows of both halves, so `config` must not split K.
+    rope: weight is a [q; k; v] projection of the caches' heads; k and v are rotated and
+    stored into rope's caches, and the result is the rotated q [..., q_heads, D], equal to
+    the plain product followed by triton_rotary.rotary_store_kv; `config` must fit
+    (`rope_fits`).
     compile_only: compile the kernels this call needs without running them (returns None;
     safe from several threads at once: start-up selection compiles in parallel)."""
     n, k = weight.shape
@@ -325,8 +441,17 @@ def gemv(
     cfg = config
     if rows > cfg.max_rows:
         raise ValueError(f"gemv ({cfg}) serves at most {cfg.max_rows} rows, got {rows}")
-    out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
-    out_shape = (*x.shape[:-1], n)
+    rope_args = {}
+    if rope is not None:
+        head_dim = rope.k_cache.shape[3]
+        if silu or gated or not rope_fits(cfg, head_dim, k):
+            raise ValueError(f"gemv ({cfg}) cannot run the rope epilogue for heads of {head_dim}")
+        rope_args = _rope_args(rope, n, head_dim)
+        out = torch.empty((rows, rope.q_heads * head_dim), dtype=x.dtype, device=x.device)
+        out_shape = (*x.shape[:-1], rope.q_heads, head_dim)
+    else:
+        out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+        out_shape = (*x.shape[:-1], n)
     if rows == 0:
         return None if compile_only else out.view(out_shape)
     block_m = cfg.block_m if cfg.use_dot else max(1, triton.next_power_of_2(rows))
@@ -351,7 +476,7 @@ def gemv(
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, USE_DOT=cfg.use_dot,
         IEEE=x.dtype == torch.float32, EVEN_K=k % cfg.block_k == 0,
         HAS_BIAS=has_bias and not partial, PARTIAL=partial, SILU=silu, GATED=gated,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch, **rope_args,
     )  # fmt: skip
     if cfg.tma:
         if not cfg.use_dot:

@@ -39,7 +39,14 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from specserve.layers import pdl
-from specserve.layers.gemv import GemvConfig, call_prefetch, candidate_configs, gemv
+from specserve.layers.gemv import (
+    GemvConfig,
+    RopeStore,
+    call_prefetch,
+    candidate_configs,
+    gemv,
+    rope_fits,
+)
 from specserve.layers.gemv_configs import gated_config
 from specserve.layers.gemv_plan import ROW_BUCKETS, GemvChoice, GemvPlan, PlanKey
 from specserve.layers.gemv_timing import (  # noqa: F401 (rotation_set: scripts import it here)
@@ -154,14 +161,16 @@ def variant_key(cfg: GemvConfig, rows: int, n: int, k: int, dtype: torch.dtype,
 
 
 def compile_tasks(todo: dict, shapes: dict, gated_jobs: dict | None = None,
-                  pdl_on: bool = False) -> dict:  # fmt: skip
+                  pdl_on: bool = False, rope_jobs: dict | None = None) -> dict:  # fmt: skip
     """{variant: (config, rows, a weight, mode)}: each distinct Triton variant the
     candidates of `todo` ({(N, K, dtype[, fusion]): [(rows, configs)]}) need, mode "silu"
-    for a fused down projection's prologue; and for `gated_jobs` ({(N, K, dtype) of a
-    merged gate/up weight: [(rows, configs)]}) the gated epilogue's variant of each
-    candidate it applies to (`gated_config`), mode "gated". `shapes`: (N, K, dtype) ->
-    weights of that shape; `pdl_on`: kernels launch under PDL (their prefetch is part of
-    the variant)."""
+    for a fused down projection's prologue; for `gated_jobs` ({(N, K, dtype) of a merged
+    gate/up weight: [(rows, configs)]}) the gated epilogue's variant of each candidate it
+    applies to (`gated_config`), mode "gated"; for `rope_jobs` ({(N, K, dtype) of a qkv
+    weight: ((q heads, kv heads, head dim), [(rows, configs)])}) the rope epilogue's variant
+    of each candidate that fits (`rope_fits`), mode ("rope", heads). `shapes`: (N, K,
+    dtype) -> weights of that shape; `pdl_on`: kernels launch under PDL (their prefetch is
+    part of the variant)."""
     tasks: dict[tuple, tuple] = {}
 
     def add(cfg, rows, n, k, dtype, mode) -> None:
@@ -170,6 +179,12 @@ def compile_tasks(todo: dict, shapes: dict, gated_jobs: dict | None = None,
         prefetch = call_prefetch(cfg, out, k, elem, mode == "gated") if pdl_on else 0
         key = (*variant_key(cfg, rows, n, k, dtype, prefetch), mode)
         tasks.setdefault(key, (cfg, rows, shapes[(n, k, dtype)][0], mode))
+
+    for (n, k, dtype), (heads, jobs) in (rope_jobs or {}).items():
+        for rows, cands in jobs:
+            for cfg in cands:
+                if rope_fits(cfg, heads[2], k):
+                    add(cfg, rows, n, k, dtype, ("rope", heads))
 
     for (n, k, dtype, *fusion), jobs in todo.items():
         mode = "silu" if fusion and "silu" in fusion[0] else None  # a variant of its own
@@ -181,6 +196,17 @@ def compile_tasks(todo: dict, shapes: dict, gated_jobs: dict | None = None,
             for half in filter(None, map(gated_config, cands)):
                 add(half, rows, n, k, dtype, "gated")
     return tasks
+
+
+def _rope_stand_in(heads: tuple[int, int, int], rows: int, w: torch.Tensor) -> RopeStore:
+    """Tensors shaped as a model's rope epilogue gets them (positions, slots, an fp32 cos/sin
+    table, caches of 16-slot pages; what the compiled variant specializes on), to compile
+    that variant before the first step needs it."""
+    q_heads, kv_heads, head_dim = heads
+    idx = torch.zeros(rows, dtype=torch.int64, device=w.device)
+    cache = torch.zeros(2, 1, 16, kv_heads, head_dim, dtype=w.dtype, device=w.device)
+    cos_sin = torch.zeros(1, head_dim, dtype=torch.float32, device=w.device)
+    return RopeStore(idx, idx, cos_sin, q_heads, kv_heads, cache[0], cache[1])
 
 
 # (device index, row buckets, margin, after_producer, batch_invariant) -> the choices
@@ -237,13 +263,16 @@ class GemvSelector:
     @torch.inference_mode()
     def select(self, weights: dict[ShapeKey, list[torch.Tensor]],
                fused: dict[ShapeKey, str] | None = None,
-               gated: set[ShapeKey] | None = None) -> GemvPlan:  # fmt: skip
+               gated: set[ShapeKey] | None = None,
+               rope: dict[ShapeKey, tuple] | None = None) -> GemvPlan:  # fmt: skip
         """The plan for `weights` (grouped by shape); `fused`: shapes of projections that
         fuse neighbours into the GEMV (linear.fused_projections), with the fusion, timed
         with them too; `gated`: merged gate/up shapes whose MLP may run SiLU-and-mul in the
         GEMV's epilogue (linear.gated_projections), whose gated variants of every candidate
         are compiled with the rest (whole-step tuning and graph capture run them; a shape
-        measured before is submitted again, which Triton's cache answers at once)."""
+        measured before is submitted again, which Triton's cache answers at once); `rope`:
+        qkv shapes whose attention may run rotary and the K/V store in the GEMV's epilogue
+        (linear.rope_projections, with their heads), whose rope variants are compiled alike."""
         shapes = {key: [w for w in ws if w.stride(-1) == 1] for key, ws in weights.items()
                   if ws and ws[0].is_cuda and key[2] in GEMV_DTYPES}  # fmt: skip
         shapes = {key: ws for key, ws in shapes.items() if ws}
@@ -278,7 +307,9 @@ class GemvSelector:
         todo = {key: jobs for key, jobs in todo.items() if jobs}
         gated_jobs = {key: bucket_candidates(self.row_buckets, key[0], key[1], sms)
                       for key in gated or () if key in shapes}  # fmt: skip
-        tasks = compile_tasks(todo, shapes, gated_jobs, pdl.active(device))
+        rope_jobs = {key: (heads, bucket_candidates(self.row_buckets, key[0], key[1], sms))
+                     for key, heads in (rope or {}).items() if key in shapes}  # fmt: skip
+        tasks = compile_tasks(todo, shapes, gated_jobs, pdl.active(device), rope_jobs)
         self.compiled = self._compile(tasks, device)
         self.compile_s = time.perf_counter() - start
         self.skipped = 0
@@ -316,7 +347,9 @@ class GemvSelector:
                 with torch.cuda.device(device):  # Triton compiles for the current device
                     x = torch.zeros(rows, w.shape[1] * (2 if silu else 1), device=device,
                                     dtype=w.dtype)  # fmt: skip
-                    gemv(x, w, None, cfg, compile_only=True, silu=silu, gated=mode == "gated")
+                    rope = _rope_stand_in(mode[1], rows, w) if isinstance(mode, tuple) else None
+                    gemv(x, w, None, cfg, compile_only=True, silu=silu, gated=mode == "gated",
+                         rope=rope)  # fmt: skip
             except Exception as e:  # measured as failing (inf) later
                 log.debug("GEMV candidate %s does not compile: %s", cfg, e)
 

@@ -118,6 +118,19 @@ def gated_projections(model: nn.Module) -> set[tuple[int, int, torch.dtype]]:
     return shapes
 
 
+def rope_projections(model: nn.Module) -> dict[tuple[int, int, torch.dtype], tuple[int, int, int]]:
+    """(N, K, dtype) of each qkv projection whose attention block may run rotary and the K/V
+    store in its GEMV's epilogue (`rope_in_qkv`, set by triton_ops.use_triton_ops), with its
+    (q heads, kv heads, head dim): selection compiles those variants with the others."""
+    shapes = {}
+    for module in model.modules():
+        if getattr(module, "rope_in_qkv", False) and getattr(module, "q_norm", None) is None:
+            w = module.qkv_proj.weight
+            shapes[(w.shape[0], w.shape[1], w.dtype)] = (
+                module.num_heads, module.num_kv_heads, module.head_dim)  # fmt: skip
+    return shapes
+
+
 def use_gemv(model: nn.Module, selector: GemvSelector | None = None,
              plan: GemvPlan | None = None, enable: bool = True,
              max_rows: int | None = None) -> GemvPlan | None:  # fmt: skip
@@ -134,7 +147,7 @@ def use_gemv(model: nn.Module, selector: GemvSelector | None = None,
 
         selector = selector or GemvSelector(max_rows=max_rows)
         plan = selector.select(gemv_weights(model), fused_projections(model),
-                               gated_projections(model))  # fmt: skip
+                               gated_projections(model), rope_projections(model))  # fmt: skip
     mapping = _GEMV if enable else {v: k for k, v in _GEMV.items()}
     for module in model.modules():
         new_class = mapping.get(type(module))

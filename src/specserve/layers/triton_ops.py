@@ -190,7 +190,8 @@ def use_triton_ops(model: nn.Module, enable: bool = True, fuse: bool = True) -> 
     their Triton subclasses in place; returns how many modules changed. fuse: let merged
     MLPs fold SiLU-and-mul and the down projection's split-K pass into their neighbours
     where the Triton GEMV serves them, and attention blocks their output
-    projection's split-K pass into the norm after them (same results, fewer kernels)."""
+    projection's split-K pass into the norm after them and rotary with the K/V store into
+    their qkv projection's GEMV (same results, fewer kernels)."""
     mapping = _FUSED if enable else {v: k for k, v in _FUSED.items()}
     changed = 0
     for module in model.modules():
@@ -205,4 +206,5 @@ def use_triton_ops(model: nn.Module, enable: bool = True, fuse: bool = True) -> 
                 module.__dict__.pop(name, None)
         if hasattr(type(module), "split_k_to_norm"):  # attention: its output projection's
             module.split_k_to_norm = enable and fuse  # K split reduced in the norm after it
+            module.rope_in_qkv = enable and fuse  # and rotary + K/V store in the qkv GEMV
     return changed

@@ -21,6 +21,16 @@ def _round(x, DTYPE: tl.constexpr):
 
 
 @triton.jit
+def rope_pair(x1, x2, cos, sin, DTYPE: tl.constexpr):
+    """Rotated (x1, x2) halves (fp32 holding DTYPE values; cos, sin rounded to DTYPE) with
+    the PyTorch path's rounding: each product and the sum in DTYPE. Shared by the kernels
+    here and the qkv GEMV's epilogue (gemv.py), which must round alike."""
+    o1 = _round(_round(x1 * cos, DTYPE) - _round(x2 * sin, DTYPE), DTYPE)
+    o2 = _round(_round(x2 * cos, DTYPE) + _round(x1 * sin, DTYPE), DTYPE)
+    return o1, o2
+
+
+@triton.jit
 def _rotate_rows(src, dst, src_stride_h, dst_stride_h, cos, sin, num_heads,
                  HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):  # fmt: skip
     """Rotate num_heads rows of one token (head h at src + h * src_stride_h) into dst."""
@@ -31,9 +41,7 @@ def _rotate_rows(src, dst, src_stride_h, dst_stride_h, cos, sin, num_heads,
     dtype = src.dtype.element_ty
     x1 = tl.load(src, mask=ok, other=0.0).to(tl.float32)
     x2 = tl.load(src + HALF, mask=ok, other=0.0).to(tl.float32)
-    # Same rounding as the PyTorch path: each product and the sum in the activation dtype.
-    o1 = _round(_round(x1 * cos, dtype) - _round(x2 * sin, dtype), dtype)
-    o2 = _round(_round(x2 * cos, dtype) + _round(x1 * sin, dtype), dtype)
+    o1, o2 = rope_pair(x1, x2, cos, sin, dtype)
     dst = dst + h[:, None] * dst_stride_h + i[None, :]
     out_dtype = dst.dtype.element_ty
     tl.store(dst, o1.to(out_dtype), mask=ok)

@@ -33,9 +33,13 @@ class Attention(nn.Module):
 
     With `split_k_to_norm` (set by triton_ops.use_triton_ops) and `defer_reduce`, an output
     projection that the GEMV plan serves with a K split returns its partial sums unreduced
-    (`gemv.SplitKSum`) for the RMSNorm with residual after it to reduce."""
+    (`gemv.SplitKSum`) for the RMSNorm with residual after it to reduce. With `rope_in_qkv`
+    (set alike), where the rotary module stores K/V itself and the plan serves the qkv
+    projection with a Triton tile that fits (`gemv.rope_fits`), rotary and the K/V store run
+    in that GEMV's epilogue (`gemv` rope): one kernel before attention, same results."""
 
     split_k_to_norm = False
+    rope_in_qkv = False
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -56,13 +60,13 @@ class Attention(nn.Module):
 
     def forward(self, x, rotary, backend, kv, meta: AttentionMetadata, defer_reduce=False):
         t = x.shape[0]
-        qkv = self.qkv_proj(x)
         if self.q_norm is None and fused_kv_store(rotary, backend):
-            # Rotary of q and k and the K/V store in one kernel; the backend only attends.
-            q = rotary.rotate_and_store(meta.positions, qkv, self.num_heads, self.num_kv_heads,
-                                        kv[0], kv[1], meta.slot_mapping)  # fmt: skip
+            # Rotary of q and k and the K/V store in one kernel (the qkv GEMV's epilogue, or
+            # a kernel of their own); the backend only attends.
+            q = self._qkv_rotate_and_store(x, rotary, kv, meta)
             out = backend.forward(q, None, None, kv[0], kv[1], meta, self.scale)
             return self._output(out.reshape(t, self.num_heads * self.head_dim), defer_reduce)
+        qkv = self.qkv_proj(x)
         q, k, v = qkv.split(self.split_sizes, dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
@@ -72,6 +76,21 @@ class Attention(nn.Module):
         q, k = rotary(meta.positions, q, k)
         out = backend.forward(q, k, v, kv[0], kv[1], meta, self.scale)
         return self._output(out.reshape(t, self.num_heads * self.head_dim), defer_reduce)
+
+    def _qkv_rotate_and_store(self, x, rotary, kv, meta) -> torch.Tensor:
+        """Rotated q [T, heads, D]; k rotated and v stored into the paged cache `kv`."""
+        proj = self.qkv_proj
+        plan = getattr(proj, "gemv_plan", None)
+        if self.rope_in_qkv and plan is not None:
+            from specserve.layers import gemv  # a kernel module: imported when first used
+
+            cfg = plan.config_for(x.shape[0], *proj.weight.shape, proj.weight.dtype)
+            if cfg is not None and gemv.rope_fits(cfg, self.head_dim, proj.weight.shape[1]):
+                store = gemv.RopeStore(meta.positions, meta.slot_mapping, rotary.cos_sin,
+                                       self.num_heads, self.num_kv_heads, kv[0], kv[1])  # fmt: skip
+                return gemv.gemv(x, proj.weight, proj.bias, cfg, rope=store)
+        return rotary.rotate_and_store(meta.positions, proj(x), self.num_heads,
+                                       self.num_kv_heads, kv[0], kv[1], meta.slot_mapping)  # fmt: skip
 
     def _output(self, out: torch.Tensor, defer_reduce: bool):
         o = self.o_proj
