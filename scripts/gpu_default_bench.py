@@ -19,7 +19,8 @@ outputs equal the no-speculation outputs token for token (greedy speculation is 
 exact arithmetic; bf16 kernels of different shapes may round differently, so this is
 reported, not asserted), and at batch 1 how many equal the same engine's outputs with
 every step at K=0 (`identical_to_own_k0`: its own plain decoding, same kernels). Each row
-also gives the steps the overlap loop launched only after waiting for the previous step's tokens, by reason (`loop_wait_reasons`), and the timeline
+also gives the steps the overlap loop launched only after waiting for the previous step's
+tokens, by reason (`loop_wait_reasons`), and the timeline
 (mean and median device span, idle gap and host wait per step); `<out>_batch1_steps.json`
 holds those per step at batch 1 for every configuration, with the policy's K and period.
 

@@ -91,8 +91,9 @@ def rope_gemv_case(cfg, rows: int, q_heads: int, kv_heads: int, head_dim: int, k
                     ref[:, q_heads * head_dim : (q_heads + kv_heads) * head_dim]
                     .view(rows, kv_heads, head_dim))  # fmt: skip
     written = (caches["fused"] != cache).flatten(3).any(-1).any(0).flatten()  # [slots]
+    same_caches = torch.equal(caches["fused"], caches["unfused"])
     return {
-        "equal": torch.equal(q_fused, q_unfused) and torch.equal(caches["fused"], caches["unfused"]),
+        "equal": torch.equal(q_fused, q_unfused) and same_caches,
         "err": rel_err(q_fused, q_ref.double()),
         "stored": sorted(torch.nonzero(written).flatten().tolist()) == sorted(
             s for s in slots.tolist() if s >= 0),

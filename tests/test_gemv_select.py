@@ -177,8 +177,12 @@ def test_selection_leaves_torch_out_of_small_buckets_where_it_is_batch_variant(m
     the configuration fastest summed over them even though torch is faster; the larger
     buckets still choose torch where it wins. Tuning's candidates follow the same rule."""
     from specserve.layers import gemv_select
-    from specserve.layers.gemv_select import (ROW_BUCKETS, GemvSelector, bucket_candidates,
-                                              plan_candidates)  # fmt: skip
+    from specserve.layers.gemv_select import (
+        ROW_BUCKETS,
+        GemvSelector,
+        bucket_candidates,
+        plan_candidates,
+    )
 
     jobs = bucket_candidates(ROW_BUCKETS, 96, 64, num_sms=132)
     a, b = dict(jobs)[1][:2]

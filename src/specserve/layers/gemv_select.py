@@ -360,7 +360,8 @@ class GemvSelector:
         return len(tasks)
 
     def _measure_shape(self, n: int, k: int, dtype: torch.dtype, jobs, rotation,
-                       deadline: float, *fusion: str, torch_shared: bool = True) -> None:  # fmt: skip
+                       deadline: float, *fusion: str,
+                       torch_shared: bool = True) -> None:  # fmt: skip
         """Time torch and every candidate per row bucket (with a `fusion`: as the fused
         down projection and the norm after it); record each bucket's choice (`choose`;
         `torch_shared` False: not torch for the buckets up to SHARED_ROWS)."""

@@ -90,7 +90,8 @@ class Attention(nn.Module):
                                        self.num_heads, self.num_kv_heads, kv[0], kv[1])  # fmt: skip
                 return gemv.gemv(x, proj.weight, proj.bias, cfg, rope=store)
         return rotary.rotate_and_store(meta.positions, proj(x), self.num_heads,
-                                       self.num_kv_heads, kv[0], kv[1], meta.slot_mapping)  # fmt: skip
+                                       self.num_kv_heads, kv[0], kv[1],
+                                       meta.slot_mapping)  # fmt: skip
 
     def _output(self, out: torch.Tensor, defer_reduce: bool):
         o = self.o_proj
