@@ -18,7 +18,8 @@ speculation counters (which include the warm-up's requests). Also reports how ma
 outputs equal the no-speculation outputs token for token (greedy speculation is lossless in
 exact arithmetic; bf16 kernels of different shapes may round differently, so this is
 reported, not asserted), and at batch 1 how many equal the same engine's outputs with
-every step at K=0 (`identical_to_own_k0`: its own plain decoding, same kernels). Each row
+every step at K=0 (`identical_to_own_k0`: its own plain decoding, same kernels; also at
+the larger batches whose verify steps stay within 16 rows, e.g. 4 at K=3). Each row
 also gives the steps the overlap loop launched only after waiting for the previous step's
 tokens, by reason (`loop_wait_reasons`), and the timeline
 (mean and median device span, idle gap and host wait per step); `<out>_batch1_steps.json`
@@ -42,6 +43,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_engine_bench import GC_PAUSES  # noqa: E402 (the collector's pauses, per row)
 
+from specserve.layers.gemv_select import SHARED_ROWS  # noqa: E402
 from specserve.llm import LLM  # noqa: E402
 from specserve.model.eagle3 import shipped_head_path  # noqa: E402
 from specserve.sampling_params import SamplingParams  # noqa: E402
@@ -104,14 +106,19 @@ def series(engine) -> dict:
     return out
 
 
-def own_k0_tokens(llm: LLM, prompts: list[list[int]], args) -> list[list[int]]:
-    """The batch-1 prompts once more on the same engine with every step at K=0: plain decode
-    steps through its own graphs and GEMV plan, which its speculation must reproduce token
-    for token (another engine's plan may choose other kernels, which round differently)."""
+def own_k0_tokens(llm: LLM, prompts: list[list[int]], batch: int, args) -> list[list[int]]:
+    """The prompts of `batch` (as `measure` runs them) once more on the same engine with
+    every step at K=0: plain decode steps through its own graphs and GEMV plan, which its
+    speculation must reproduce token for token where its verify steps stay within the rows
+    whose kernels round alike (another engine's plan may choose other kernels)."""
     policy = llm.engine.spec.policy
     policy.choose = lambda reqs, *_: [0] * len(reqs)  # this instance only, until deleted
     try:
-        return [run_batch(llm, [p], args.max_tokens)[0][0] for p in prompts[: args.batch1_prompts]]
+        if batch == 1:
+            return [run_batch(llm, [p], args.max_tokens)[0][0]
+                    for p in prompts[: args.batch1_prompts]]  # fmt: skip
+        return run_batch(llm, [prompts[i % len(prompts)] for i in range(batch)],
+                         args.max_tokens)[0]  # fmt: skip
     finally:
         del policy.choose
 
@@ -200,7 +207,7 @@ def main() -> None:
         if not args.no_gc_freeze:  # as server/engine_proc.py does after loading
             gc.collect()
             gc.freeze()
-        rows = []
+        rows, row_tokens = [], {}
         for b in args.batches:
             GC_PAUSES.clear()
             runs = [measure(llm, prompts, b, args) for _ in range(1 if b == 1 else args.repeats)]
@@ -215,14 +222,17 @@ def main() -> None:
             rows.append(row)
             if b == 1:  # the median run is the only run at batch 1
                 step_series[name] = series(llm.engine)
-                batch1_tokens = tokens
+            row_tokens[b] = tokens
         spec_stats = {k: v for k, v in llm.engine.stats().items() if k.startswith("spec_")}
         results[name] = {"startup_s": round(startup, 2), "rows": rows, "spec": spec_stats}
-        if llm.engine.spec is not None and rows and rows[0]["batch"] == 1:
-            own = own_k0_tokens(llm, prompts, args)
-            rows[0]["identical_to_own_k0"] = sum(t == p for t, p in zip(batch1_tokens, own))
-            print(name, "batch 1 identical to its own K=0:", rows[0]["identical_to_own_k0"],
-                  "of", len(own), flush=True)  # fmt: skip
+        for row in rows if llm.engine.spec is not None else ():
+            # steps of up to SHARED_ROWS rows: verify rows round as decode rows
+            if row["batch"] * (llm.engine.spec.k_max + 1) <= SHARED_ROWS:
+                own = own_k0_tokens(llm, prompts, row["batch"], args)
+                row["identical_to_own_k0"] = sum(
+                    t == p for t, p in zip(row_tokens[row["batch"]], own))  # fmt: skip
+                print(name, f"batch {row['batch']} identical to its own K=0:",
+                      row["identical_to_own_k0"], "of", len(own), flush=True)  # fmt: skip
         # which kernel serves each of the target's decode-sized linears: where the buckets up to
         # SHARED_ROWS meet torch (cuBLAS picks kernels by row count), a verify row may round
         # apart from a decode row, and greedy speculation from plain decoding
