@@ -304,7 +304,10 @@ def test_selection_compiles_one_variant_per_prefetch_under_pdl():
     gated = compile_tasks({}, shapes, {gate_up: [(1, [GemvConfig(128, 128, num_stages=4)])]},
                           pdl_on=True)  # fmt: skip
     (key,) = gated
-    assert key[-2] == call_prefetch(cfg, 14336, 4096, 2, gated=True) == 2  # cfg: the half tile
+    assert key[-3] == call_prefetch(cfg, 14336, 4096, 2, gated=True) == 2  # cfg: the half tile
+    # a shape whose layers have a bias: each variant also with one (the task's last item)
+    both = compile_tasks({o: jobs}, shapes, pdl_on=True, biased=frozenset({o}))
+    assert sorted(task[-1] for task in both.values()) == [False, True]
 
 
 def test_selection_compiles_the_rope_variants_of_qkv_candidates_that_fit():

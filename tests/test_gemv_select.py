@@ -65,7 +65,7 @@ def test_use_gemv_switches_modules_and_back_without_touching_weights():
 
 
 def test_gemv_weights_groups_shapes_and_the_tied_logits_projection():
-    from specserve.layers.linear import gemv_weights
+    from specserve.layers.linear import gemv_weights, linear_biases
     from tests.model_cases import tiny_config, tiny_model
 
     cfg = tiny_config(tie_word_embeddings=True)
@@ -76,6 +76,10 @@ def test_gemv_weights_groups_shapes_and_the_tied_logits_projection():
     assert len(groups[qkv]) == cfg.num_layers
     assert len(groups[(2 * cfg.intermediate_size, h, torch.float32)]) == cfg.num_layers
     assert groups[(cfg.vocab_size, h, torch.float32)][0] is not None  # the tied embedding
+    assert linear_biases(model) == {}
+    biased = tiny_model(tiny_config(qkv_bias=True), torch.float32, "cpu")
+    (key, bias), = linear_biases(biased).items()  # Qwen2's qkv: one bias per shape
+    assert key == qkv and bias.shape == (qkv[0],)
 
 
 def test_candidate_configs_are_the_pruned_winners():
@@ -190,44 +194,83 @@ def test_selection_leaves_torch_out_of_small_buckets_where_it_is_batch_variant(m
     def us(cfg, rows):  # torch fastest everywhere; b the faster configuration over 1..16
         return 5.0 if cfg is None else (8.0 if cfg == b else 9.0)
 
-    for torch_shared in (True, False):
+    def select(torch_shared, deadline=1e18) -> dict:
         selector = GemvSelector()
         monkeypatch.setattr(selector, "_measure",
                             lambda cfg, x, rotation: (us(cfg, x.shape[0]), 0.0))  # fmt: skip
-        selector._measure_shape(96, 64, torch.float16, jobs, [torch.zeros(96, 64)], 1e18,
+        selector._measure_shape(96, 64, torch.float16, jobs, [torch.zeros(96, 64)], deadline,
                                 torch_shared=torch_shared)  # fmt: skip
-        got = {r: selector.measured[(r, 96, 64, torch.float16)] for r in ROW_BUCKETS}
+        return {r: selector.measured[(r, 96, 64, torch.float16)] for r in ROW_BUCKETS}
+
+    for torch_shared in (True, False):
+        got = select(torch_shared)
         small = {got[r].config for r in (1, 2, 4, 8, 16)}
         assert small == ({None} if torch_shared else {b})
         assert got[1].torch_us == 5.0 and got[1].best_us == (5.0 if torch_shared else 8.0)
         assert got[32].config is None and got[64].config is None
+    # the measuring budget spent before the shape: its first configuration still runs in
+    # every small bucket, and serves them
+    got = select(False, deadline=0.0)
+    assert {got[r].config for r in (1, 2, 4, 8, 16)} == {a} and got[64].config is None
 
     varies = frozenset({(96, 64, torch.float16)})
     candidates = plan_candidates(None, varies, num_sms=132)
     assert candidates((4, 96, 64, torch.float16)) == dict(jobs)[4]  # no None: no torch
-    assert candidates((4, 96, 64, torch.float16, "norm")) == dict(jobs)[4]
+    # a fused key's None is its unfused path through the shape's own (Triton) choice: kept
+    assert candidates((4, 96, 64, torch.float16, "norm")) == [None, *dict(jobs)[4]]
     assert candidates((32, 96, 64, torch.float16)) == [None, *dict(jobs)[32]]
     assert candidates((4, 96, 32, torch.float16))[0] is None  # another shape
     assert gemv_select.choose({1: {None: 1.0, a: math.inf}}, 0.02, False)[1].config is None
 
 
-def test_torch_rows_agree_compares_each_row_count_with_the_full_batch():
+def test_torch_rows_agree_compares_each_row_count_with_the_full_batch(monkeypatch):
     """A linear that computes each row on its own agrees at every row count; one whose
-    result depends on the row count (as cuBLAS's kernel choice may) does not."""
-    from specserve.layers.gemv_select import torch_rows_agree
-
-    w = torch.randn(24, 32)
-    per_row = lambda x, w: torch.stack([r @ w.T for r in x])  # noqa: E731
-    assert torch_rows_agree(w, 16, per_row)
-    assert not torch_rows_agree(w, 16, lambda x, w: per_row(x, w) * (1 + (len(x) >= 8) * 1e-3))
-    seen = []
-    torch_rows_agree(w, 4, lambda x, w: seen.append(len(x)) or per_row(x, w))
-    assert seen == [4, 1, 2, 3]
+    result depends on the row count (as cuBLAS's kernel choice may), or that takes another
+    path for one row with a bias (as PyTorch's addmm does), does not. torch_varies checks
+    each shape once, with the bias of its layers where they have one."""
+    from specserve.layers import gemv_invariance
+    from specserve.layers.gemv_invariance import torch_rows_agree
     from specserve.layers.gemv_plan import GemvPlan
 
-    plan = GemvPlan({(1, 24, 32, torch.float32): GemvChoice(None, 1.0, 1.0, 3)},
-                    torch_varies=frozenset({(24, 32, torch.float32)}))  # fmt: skip
+    w, bias = torch.randn(24, 32), torch.randn(24)
+
+    def per_row(x, w, b=None):
+        return torch.stack([r @ w.T + (0 if b is None else b) for r in x])
+
+    def one_row_apart(x, w, b=None):  # a different path for one row, with a bias only
+        return per_row(x, w, b) * (1 + (b is not None and len(x) == 1) * 1e-3)
+
+    assert torch_rows_agree(w, 16, linear=per_row)
+    assert torch_rows_agree(w, 16, bias, linear=per_row)
+    def by_count(x, w, b=None):  # another kernel from 8 rows on
+        return per_row(x, w, b) * (1 + (len(x) >= 8) * 1e-3)
+
+    assert not torch_rows_agree(w, 16, linear=by_count)
+    assert torch_rows_agree(w, 16, linear=one_row_apart)
+    assert not torch_rows_agree(w, 16, bias, linear=one_row_apart)
+    seen = []
+    torch_rows_agree(w, 4, linear=lambda x, w, b: seen.append(len(x)) or per_row(x, w))
+    assert seen == [4, 1, 2, 3]
+
+    checked = []
+
+    def fake(w, rows, bias=None):
+        checked.append((tuple(w.shape), bias is not None, rows))
+        return bias is None
+
+    monkeypatch.setattr(gemv_invariance, "torch_rows_agree", fake)
+    monkeypatch.setattr(gemv_invariance, "_TORCH_ROWS", {})
+    plain, biased = (24, 32, torch.float32), (48, 32, torch.float32)
+    weights = {plain: w, biased: torch.randn(48, 32)}
+    for _ in range(2):  # the second time from the cache
+        assert gemv_invariance.torch_varies(weights, {biased: torch.randn(48)}, 16) == {biased}
+    assert sorted(checked) == [((24, 32), False, 16), ((48, 32), True, 16)]
+    assert gemv_invariance.torch_varies(weights, {}, 1) == frozenset()  # one row: nothing
+
+    plan = GemvPlan({(1, 24, 32, torch.float32): GemvChoice(None, 1.0, math.inf, 3)},
+                    torch_varies=frozenset({plain}))  # fmt: skip
     assert plan.summary()[0]["torch_varies"] is True
+    assert plan.summary()[0]["speedup"] is None  # not a finite ratio: no Infinity in JSON
 
 
 def test_rotation_set_exceeds_the_cache_with_distinct_weights():

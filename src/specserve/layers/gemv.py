@@ -36,14 +36,11 @@ plain product then SiLU-and-mul round, so results equal that pair of kernels wit
 tile; the [gate | up] output is never written (the MLP's path where the down projection
 takes no prologue, as at 64 rows, where the prologue's per-program SiLU is costly).
 
-Fused epilogue (`rope`): the weight is a [q; k; v] projection of heads of head_dim D; each
-program computes BLOCK_N columns of one head laid out as BLOCK_N / 2 rotary pairs (column i
-of the head's first half next to column i + D / 2), rounds them as the plain GEMV's output,
-rotates the q and k pairs at their rows' positions and stores q to its own output and k and
-v straight into the paged KV cache at their rows' slots, with the arithmetic of the rotary +
-KV-store kernel (triton_rotary.rope_pair): results equal the plain GEMV with the same tile
-followed by `rotary_store_kv`, and the qkv output is never written. Each output column's sum
-runs as in the plain tile (a column's place in its tile does not change its reduction).
+Fused epilogue (`rope`, gemv_rope.py): the weight is a [q; k; v] projection; each program
+computes BLOCK_N columns of one head laid out as rotary pairs, rotates q and k at their
+rows' positions and stores q to its own output and k and v straight into the paged KV cache
+at their rows' slots: results equal the plain GEMV with the same tile followed by
+`rotary_store_kv`, and the qkv output is never written.
 
 Programmatic dependent launch (layers/pdl.py): each program first asks L2 for the first
 lines of its weight slice (`PREFETCH`, weights are never written while serving), then waits
@@ -71,8 +68,13 @@ from specserve.layers.gemv_configs import (  # noqa: F401 (also importable from 
     candidate_configs,
     row_block,
 )
+from specserve.layers.gemv_rope import (  # noqa: F401 (RopeStore, rope_fits: also from here)
+    RopeStore,
+    rope_args,
+    rope_fits,
+    rope_store,
+)
 from specserve.layers.pdl_kernel import pdl_enter
-from specserve.layers.triton_rotary import rope_pair
 
 # Under PDL, the weight bytes one GEMV asks L2 for before it waits for the previous kernel,
 # over all its programs (a fraction of the H200's 50 MB L2, about what streams in during a
@@ -133,52 +135,12 @@ def _mac(acc, x, w, USE_DOT: tl.constexpr, IEEE: tl.constexpr):
         return acc + x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
 
 
-@triton.jit
-def _rope_store(y, m, m_ok, head, j, pos_ptr, slot_ptr, cos_sin_ptr, q_ptr, k_cache, v_cache,
-                stride_qm, stride_cs, stride_page, stride_slot, page_size,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-                Q_HEADS: tl.constexpr, K_HEADS: tl.constexpr):  # fmt: skip
-    """The `rope` epilogue for one tile y [BLOCK_M, BLOCK_N] (the output dtype) of head
-    `head` of a [q; k; v] projection, its columns the pairs (j + c, j + c + HEAD_DIM / 2)
-    side by side: q rotated into q_ptr [rows, Q_HEADS * HEAD_DIM], k rotated and v as is
-    into the paged caches at the rows' slots (< 0: not stored)."""
-    HALF: tl.constexpr = HEAD_DIM // 2
-    PAIRS: tl.constexpr = BLOCK_N // 2
-    slot = tl.load(slot_ptr + m, mask=m_ok, other=-1)
-    stored = (m_ok & (slot >= 0))[:, None]
-    slot = tl.maximum(slot, 0)
-    cache_row = ((slot // page_size).to(tl.int64) * stride_page
-                 + (slot % page_size) * stride_slot)[:, None]  # fmt: skip
-    # (each branch names its own values: Triton merges same-named values of both branches)
-    if head >= Q_HEADS + K_HEADS:  # v: stored as computed
-        c = tl.arange(0, BLOCK_N)
-        v_dst = (v_cache + cache_row + (head - Q_HEADS - K_HEADS) * HEAD_DIM
-                 + (j + c // 2 + (c % 2) * HALF)[None, :])  # fmt: skip
-        tl.store(v_dst, y.to(v_cache.dtype.element_ty), mask=stored)
-    else:
-        dtype = y.dtype
-        x1, x2 = tl.split(tl.reshape(y, [BLOCK_M, PAIRS, 2]))
-        i = j + tl.arange(0, PAIRS)
-        pos = tl.load(pos_ptr + m, mask=m_ok, other=0)
-        cs = cos_sin_ptr + pos[:, None] * stride_cs + i[None, :]
-        cos = tl.load(cs).to(dtype).to(tl.float32)
-        sin = tl.load(cs + HALF).to(dtype).to(tl.float32)
-        o1, o2 = rope_pair(x1.to(tl.float32), x2.to(tl.float32), cos, sin, dtype)
-        if head < Q_HEADS:
-            q_dst = q_ptr + m[:, None] * stride_qm + head * HEAD_DIM + i[None, :]
-            tl.store(q_dst, o1.to(q_ptr.dtype.element_ty), mask=m_ok[:, None])
-            tl.store(q_dst + HALF, o2.to(q_ptr.dtype.element_ty), mask=m_ok[:, None])
-        else:
-            k_dst = k_cache + cache_row + (head - Q_HEADS) * HEAD_DIM + i[None, :]
-            tl.store(k_dst, o1.to(k_cache.dtype.element_ty), mask=stored)
-            tl.store(k_dst + HALF, o2.to(k_cache.dtype.element_ty), mask=stored)
-
-
 # Integers that change with the call (row count, K slice, the partial sums' split stride of
 # rows x N) are not specialized on: M = 1 would otherwise compile a variant of its own; nor
 # are the rope epilogue's positions and slots (views into the step's one upload, aligned or
-# not, runtime/packing.py).
-@triton.jit(do_not_specialize=["M", "iters_per_split", "stride_os", "pos_ptr", "slot_ptr"])
+# not, runtime/packing.py) and page size (start-up compiles its variants on stand-ins).
+@triton.jit(do_not_specialize=["M", "iters_per_split", "stride_os", "pos_ptr", "slot_ptr",
+                               "page_size"])  # fmt: skip
 def _gemv_kernel(
     x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, iters_per_split,
     stride_xm, stride_wn, stride_om, stride_os,
@@ -256,7 +218,7 @@ def _gemv_kernel(
         if GATED:  # rounded as the [gate | up] output, then as silu_and_mul rounds
             y = silu_mul(y, acc_u.to(out_ptr.dtype.element_ty), out_ptr.dtype.element_ty)
         if ROPE:  # rounded as the qkv output, then as rotary_store_kv rounds
-            _rope_store(y, m, m < M, head, j, pos_ptr, slot_ptr, cos_sin_ptr, out_ptr,
+            rope_store(y, m, m < M, head, j, pos_ptr, slot_ptr, cos_sin_ptr, out_ptr,
                         k_cache, v_cache, stride_om, stride_cs, stride_page, stride_slot,
                         page_size, BLOCK_M, BLOCK_N, HEAD_DIM, Q_HEADS, K_HEADS)  # fmt: skip
         else:
@@ -325,49 +287,6 @@ def _reduce_launch(partials: torch.Tensor, bias: torch.Tensor | None, out: torch
 def _split_k_reduce(partials: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor):
     grid, args, consts = _reduce_launch(partials, bias, out)
     _gemv_split_k_reduce_kernel[grid](*args, **consts)
-
-
-@dataclass(frozen=True)
-class RopeStore:
-    """What the `rope` epilogue needs: each row's position and KV slot (< 0: not stored), the
-    cos/sin table [positions, D] (cos in the first half), the head counts, and the paged
-    caches [pages, page_size, kv_heads, D] that k and v go to."""
-
-    positions: torch.Tensor
-    slot_mapping: torch.Tensor
-    cos_sin: torch.Tensor
-    q_heads: int
-    kv_heads: int
-    k_cache: torch.Tensor
-    v_cache: torch.Tensor
-
-
-def rope_fits(cfg: GemvConfig, head_dim: int, k: int) -> bool:
-    """Whether `cfg` can run the rope epilogue on a projection of heads of head_dim and K
-    inputs: its tiles hold whole pairs of one head (BLOCK_N divides head_dim), its weight
-    rows come through pointers (not a descriptor's contiguous tiles), and K is not split."""
-    iters_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k)
-    return (head_dim % cfg.block_n == 0 and cfg.block_n % 2 == 0 and not cfg.tma
-            and triton.cdiv(k, iters_per_split * cfg.block_k) == 1)  # fmt: skip
-
-
-def _rope_args(rope: RopeStore, n: int, head_dim: int) -> dict:
-    """The kernel's rope arguments, after checking the shapes agree."""
-    from specserve.layers.attention.triton_kv_write import check_cache
-
-    k_cache = rope.k_cache
-    if n != (rope.q_heads + 2 * rope.kv_heads) * head_dim or k_cache.shape[2:] != (
-        rope.kv_heads, head_dim
-    ):
-        raise ValueError("a rope gemv needs a [q; k; v] weight of the cache's heads")
-    check_cache(k_cache, rope.v_cache)
-    return dict(
-        pos_ptr=rope.positions, slot_ptr=rope.slot_mapping, cos_sin_ptr=rope.cos_sin,
-        k_cache=k_cache, v_cache=rope.v_cache, stride_cs=rope.cos_sin.stride(0),
-        stride_page=k_cache.stride(0), stride_slot=k_cache.stride(1),
-        page_size=k_cache.shape[1], ROPE=True, HEAD_DIM=head_dim, Q_HEADS=rope.q_heads,
-        K_HEADS=rope.kv_heads,
-    )  # fmt: skip
 
 
 def _weight_descriptor(weight: torch.Tensor, cfg: GemvConfig):
@@ -441,12 +360,12 @@ def gemv(
     cfg = config
     if rows > cfg.max_rows:
         raise ValueError(f"gemv ({cfg}) serves at most {cfg.max_rows} rows, got {rows}")
-    rope_args = {}
+    rope_kw = {}
     if rope is not None:
         head_dim = rope.k_cache.shape[3]
         if silu or gated or not rope_fits(cfg, head_dim, k):
             raise ValueError(f"gemv ({cfg}) cannot run the rope epilogue for heads of {head_dim}")
-        rope_args = _rope_args(rope, n, head_dim)
+        rope_kw = rope_args(rope, n, head_dim)
         out = torch.empty((rows, rope.q_heads * head_dim), dtype=x.dtype, device=x.device)
         out_shape = (*x.shape[:-1], rope.q_heads, head_dim)
     else:
@@ -476,7 +395,7 @@ def gemv(
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, USE_DOT=cfg.use_dot,
         IEEE=x.dtype == torch.float32, EVEN_K=k % cfg.block_k == 0,
         HAS_BIAS=has_bias and not partial, PARTIAL=partial, SILU=silu, GATED=gated,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch, **rope_args,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch, **rope_kw,
     )  # fmt: skip
     if cfg.tma:
         if not cfg.use_dot:

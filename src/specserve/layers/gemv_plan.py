@@ -6,6 +6,7 @@ tests build plans by hand or force the Triton path with `default`."""
 from __future__ import annotations
 
 import bisect
+import math
 from dataclasses import dataclass
 
 import torch
@@ -46,7 +47,7 @@ class GemvPlan:
         choices: dict[PlanKey, GemvChoice] | None = None,
         row_buckets: tuple[int, ...] = ROW_BUCKETS,
         default: GemvConfig | None = None,
-        torch_varies: frozenset = frozenset(),
+        torch_varies: frozenset[tuple] = frozenset(),
     ):
         self.row_buckets = tuple(sorted(row_buckets))
         if self.row_buckets[0] < 1 or self.row_buckets[-1] > MAX_ROWS:
@@ -105,10 +106,17 @@ class GemvPlan:
         return [
             dict(rows=b, n=n, k=k, dtype=str(dt).removeprefix("torch."),
                  kernel=str(c.config) if c.config else "torch", torch_us=round(c.torch_us, 2),
-                 best_us=round(c.best_us, 2), speedup=round(c.torch_us / c.best_us, 3),
+                 best_us=round(c.best_us, 2), speedup=_ratio(c.torch_us, c.best_us),
                  tried=c.tried, **({"fusion": fused[0]} if fused else {}),
                  **({"tuned": True} if c.tuned else {}),
                  **({"torch_varies": True} if (n, k, dt) in self.torch_varies else {}))  # fmt: skip
             for (b, n, k, dt, *fused), c in sorted(self.choices.items(),
                                                    key=lambda i: (*i[0][:3], i[0][4:]))
         ]
+
+
+def _ratio(a: float, b: float) -> float | None:
+    """a / b rounded for a JSON report; None where either is not a finite time."""
+    if not (math.isfinite(a) and math.isfinite(b)) or b <= 0:
+        return None
+    return round(a / b, 3)

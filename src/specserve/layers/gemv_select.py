@@ -19,13 +19,12 @@ variant per row count) cannot serve those buckets and is no longer a candidate. 
 64 keep their own choice: batch-64 steps were never bit-identical to batch 1 (cuBLAS picks
 kernels by shape too).
 
-cuBLAS is such a choice only where it keeps that invariance itself: it picks its kernel, and
-with it the reduction order, by the shape, so selection checks each weight shape once per
-device (`torch_rows_agree`: a row's bits at every row count up to the largest shared bucket)
-and where torch fails the check its buckets up to SHARED_ROWS choose among the Triton
-configurations alone, even when cuBLAS was faster (`GemvPlan.torch_varies` lists those shapes;
-whole-step tuning does not offer torch there either). `batch_invariant=False` keeps torch a
-candidate everywhere (for comparisons).
+cuBLAS is such a choice only where it keeps that invariance itself (gemv_invariance.py checks
+each weight shape, with its bias, once a process); where it does not, the shape's buckets up
+to SHARED_ROWS choose among the Triton configurations alone, even when cuBLAS was faster
+(`GemvPlan.torch_varies` lists those shapes; whole-step tuning does not offer torch there
+either; a fused key's torch choice is the unfused path through the shape's own choice, so it
+stays a candidate). `batch_invariant=False` keeps torch a candidate everywhere.
 """
 
 from __future__ import annotations
@@ -38,7 +37,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from specserve.layers import pdl
+from specserve.layers import gemv_invariance, pdl
 from specserve.layers.gemv import (
     GemvConfig,
     RopeStore,
@@ -75,42 +74,22 @@ def bucket_candidates(buckets: tuple[int, ...], n: int, k: int, num_sms: int) ->
             for b in buckets]  # fmt: skip
 
 
-def plan_candidates(device: torch.device, torch_varies: frozenset = frozenset(),
+def plan_candidates(device: torch.device, torch_varies: frozenset[ShapeKey] = frozenset(),
                     num_sms: int | None = None):  # fmt: skip
     """candidates(plan key) -> the choices for that key's row bucket, torch first (None),
     then the configurations selection times there (`bucket_candidates`); torch is left out
-    of the buckets up to SHARED_ROWS of the shapes (N, K, dtype) in `torch_varies` (a plan's:
-    cuBLAS changes a row's bits with the row count there)."""
+    of the plain keys' buckets up to SHARED_ROWS of the shapes (N, K, dtype) in
+    `torch_varies` (a plan's: cuBLAS changes a row's bits with the row count there)."""
     sms = num_sms or torch.cuda.get_device_properties(device).multi_processor_count
 
     def candidates(key: tuple) -> list[GemvConfig | None]:
         bucket, n, k, dtype = key[:4]
         ((_, cands),) = bucket_candidates((bucket,), n, k, sms)
-        if bucket <= SHARED_ROWS and (n, k, dtype) in torch_varies:
-            return list(cands)
+        if bucket <= SHARED_ROWS and len(key) == 4 and (n, k, dtype) in torch_varies:
+            return list(cands)  # (a fused key's None is the unfused path: kept)
         return [None, *cands]
 
     return candidates
-
-
-def torch_rows_agree(w: torch.Tensor, max_rows: int, linear=None) -> bool:
-    """Whether torch's linear (`linear(x, w)`, default F.linear) gives every row the same bits
-    at each row count 1..max_rows, checked on seeded random rows: cuBLAS picks its kernel by
-    the shape, and two kernels that reduce in different orders round some of a random
-    row's outputs apart."""
-    linear = linear or torch_linear
-    gen = torch.Generator(device=w.device).manual_seed(0)
-    x = torch.randn(max_rows, w.shape[1], generator=gen, device=w.device).to(w.dtype)
-    full = linear(x, w)
-    return all(torch.equal(linear(x[:m], w), full[:m]) for m in range(1, max_rows))
-
-
-def _rows_agree(index: int | None, w: torch.Tensor, rows: int) -> bool:
-    """torch_rows_agree for w's shape on device `index`, checked once a process."""
-    key = (index, *w.shape, w.dtype, rows)
-    if key not in _TORCH_ROWS:
-        _TORCH_ROWS[key] = rows <= 1 or torch_rows_agree(w, rows)
-    return _TORCH_ROWS[key]
 
 
 def choose(times: dict[int, dict], margin: float,
@@ -130,6 +109,9 @@ def choose(times: dict[int, dict], margin: float,
         if not torch_shared:
             total[None] = math.inf  # any configuration that runs wins
         cfg = _winner(total, margin)
+        if cfg is None and not torch_shared:
+            log.warning("no Triton configuration ran in every bucket up to %d rows: cuBLAS "
+                        "serves them although it rounds rows apart by row count", SHARED_ROWS)
         for b in shared:
             out[b] = GemvChoice(cfg, times[b][None], times[b][cfg], len(times[b]))
     for b in times:
@@ -161,7 +143,8 @@ def variant_key(cfg: GemvConfig, rows: int, n: int, k: int, dtype: torch.dtype,
 
 
 def compile_tasks(todo: dict, shapes: dict, gated_jobs: dict | None = None,
-                  pdl_on: bool = False, rope_jobs: dict | None = None) -> dict:  # fmt: skip
+                  pdl_on: bool = False, rope_jobs: dict | None = None,
+                  biased: frozenset = frozenset()) -> dict:  # fmt: skip
     """{variant: (config, rows, a weight, mode)}: each distinct Triton variant the
     candidates of `todo` ({(N, K, dtype[, fusion]): [(rows, configs)]}) need, mode "silu"
     for a fused down projection's prologue; for `gated_jobs` ({(N, K, dtype) of a merged
@@ -170,15 +153,17 @@ def compile_tasks(todo: dict, shapes: dict, gated_jobs: dict | None = None,
     weight: ((q heads, kv heads, head dim), [(rows, configs)])}) the rope epilogue's variant
     of each candidate that fits (`rope_fits`), mode ("rope", heads). `shapes`: (N, K,
     dtype) -> weights of that shape; `pdl_on`: kernels launch under PDL (their prefetch is
-    part of the variant)."""
+    part of the variant); `biased`: shapes whose layers have a bias, whose variants are
+    compiled with one too (the task's last item)."""
     tasks: dict[tuple, tuple] = {}
 
     def add(cfg, rows, n, k, dtype, mode) -> None:
         out = n // 2 if mode == "gated" else n
         elem = torch.empty(0, dtype=dtype).element_size()
         prefetch = call_prefetch(cfg, out, k, elem, mode == "gated") if pdl_on else 0
-        key = (*variant_key(cfg, rows, n, k, dtype, prefetch), mode)
-        tasks.setdefault(key, (cfg, rows, shapes[(n, k, dtype)][0], mode))
+        for bias in (False, True) if (n, k, dtype) in biased else (False,):
+            key = (*variant_key(cfg, rows, n, k, dtype, prefetch), mode, bias)
+            tasks.setdefault(key, (cfg, rows, shapes[(n, k, dtype)][0], mode, bias))
 
     for (n, k, dtype), (heads, jobs) in (rope_jobs or {}).items():
         for rows, cands in jobs:
@@ -200,8 +185,8 @@ def compile_tasks(todo: dict, shapes: dict, gated_jobs: dict | None = None,
 
 def _rope_stand_in(heads: tuple[int, int, int], rows: int, w: torch.Tensor) -> RopeStore:
     """Tensors shaped as a model's rope epilogue gets them (positions, slots, an fp32 cos/sin
-    table, caches of 16-slot pages; what the compiled variant specializes on), to compile
-    that variant before the first step needs it."""
+    table, caches of 16-slot pages; the page size is not specialized on), to compile that
+    variant before the first step needs it."""
     q_heads, kv_heads, head_dim = heads
     idx = torch.zeros(rows, dtype=torch.int64, device=w.device)
     cache = torch.zeros(2, 1, 16, kv_heads, head_dim, dtype=w.dtype, device=w.device)
@@ -212,8 +197,6 @@ def _rope_stand_in(heads: tuple[int, int, int], rows: int, w: torch.Tensor) -> R
 # (device index, row buckets, margin, after_producer, batch_invariant) -> the choices
 # measured so far in this process.
 _MEASURED: dict[tuple, dict[PlanKey, GemvChoice]] = {}
-# (device index, N, K, dtype, rows) -> whether torch_rows_agree held (checked once a process)
-_TORCH_ROWS: dict[tuple, bool] = {}
 
 
 class GemvSelector:
@@ -238,7 +221,7 @@ class GemvSelector:
     started one after another, as tests do, measure once; a different bucket set measures
     afresh, since the shared choice of buckets up to SHARED_ROWS is made over them all
     together). `batch_invariant`: torch serves a shape's buckets up to SHARED_ROWS only
-    where it gives a row the same bits at every row count there (`torch_rows_agree`,
+    where it gives a row the same bits at every row count there (gemv_invariance.py,
     checked before measuring; the plan's `torch_varies` lists the shapes where it does not).
     On a CPU the plan is empty: torch everywhere.
     """
@@ -264,7 +247,8 @@ class GemvSelector:
     def select(self, weights: dict[ShapeKey, list[torch.Tensor]],
                fused: dict[ShapeKey, str] | None = None,
                gated: set[ShapeKey] | None = None,
-               rope: dict[ShapeKey, tuple] | None = None) -> GemvPlan:  # fmt: skip
+               rope: dict[ShapeKey, tuple] | None = None,
+               biases: dict[ShapeKey, torch.Tensor] | None = None) -> GemvPlan:  # fmt: skip
         """The plan for `weights` (grouped by shape); `fused`: shapes of projections that
         fuse neighbours into the GEMV (linear.fused_projections), with the fusion, timed
         with them too; `gated`: merged gate/up shapes whose MLP may run SiLU-and-mul in the
@@ -272,7 +256,9 @@ class GemvSelector:
         are compiled with the rest (whole-step tuning and graph capture run them; a shape
         measured before is submitted again, which Triton's cache answers at once); `rope`:
         qkv shapes whose attention may run rotary and the K/V store in the GEMV's epilogue
-        (linear.rope_projections, with their heads), whose rope variants are compiled alike."""
+        (linear.rope_projections, with their heads), whose rope variants are compiled alike;
+        `biases`: a bias of each shape whose layers have one (linear.linear_biases): its
+        variants compile with a bias, and cuBLAS's batch invariance is checked with it."""
         shapes = {key: [w for w in ws if w.stride(-1) == 1] for key, ws in weights.items()
                   if ws and ws[0].is_cuda and key[2] in GEMV_DTYPES}  # fmt: skip
         shapes = {key: ws for key, ws in shapes.items() if ws}
@@ -289,11 +275,12 @@ class GemvSelector:
             (index, self.row_buckets, self.margin, self.after_producer, self.batch_invariant),
             self.measured,
         )
+        biases = {key: b for key, b in (biases or {}).items() if key in shapes}
         shared_rows = max((b for b in self.row_buckets if b <= SHARED_ROWS), default=1)
-        torch_varies = frozenset(
-            shape for shape, ws in shapes.items()
-            if self.batch_invariant and not _rows_agree(index, ws[0], shared_rows)
-        )
+        torch_varies = frozenset()
+        if self.batch_invariant:
+            one = {shape: ws[0] for shape, ws in shapes.items()}
+            torch_varies = gemv_invariance.torch_varies(one, biases, shared_rows)
         if torch_varies:
             log.info("cuBLAS rounds a row differently at different row counts for %d weight "
                      "shapes; Triton serves their buckets up to %d rows: %s", len(torch_varies),
@@ -309,7 +296,8 @@ class GemvSelector:
                       for key in gated or () if key in shapes}  # fmt: skip
         rope_jobs = {key: (heads, bucket_candidates(self.row_buckets, key[0], key[1], sms))
                      for key, heads in (rope or {}).items() if key in shapes}  # fmt: skip
-        tasks = compile_tasks(todo, shapes, gated_jobs, pdl.active(device), rope_jobs)
+        tasks = compile_tasks(todo, shapes, gated_jobs, pdl.active(device), rope_jobs,
+                              frozenset(biases))  # fmt: skip
         self.compiled = self._compile(tasks, device)
         self.compile_s = time.perf_counter() - start
         self.skipped = 0
@@ -318,9 +306,11 @@ class GemvSelector:
         for i, ((n, k, dtype, *fusion), jobs) in enumerate(todo.items()):
             # Each shape gets an equal share of what is left; its clones live only meanwhile.
             left = self.budget_s - (time.perf_counter() - measure_start)
+            # a fused key's torch is the unfused path through the shape's own choice
+            torch_shared = bool(fusion) or (n, k, dtype) not in torch_varies
             self._measure_shape(n, k, dtype, jobs, rotation_set(shapes[(n, k, dtype)], min_bytes),
                                 time.perf_counter() + left / (len(todo) - i), *fusion,
-                                torch_shared=(n, k, dtype) not in torch_varies)  # fmt: skip
+                                torch_shared=torch_shared)  # fmt: skip
         choices = {(b, *key): self.measured[(b, *key)] for key in jobs_of
                    for b in self.row_buckets}  # fmt: skip
         plan = GemvPlan(choices, self.row_buckets, torch_varies=torch_varies)
@@ -341,14 +331,15 @@ class GemvSelector:
             return 0
 
         def build(task) -> None:
-            cfg, rows, w, mode = task
+            cfg, rows, w, mode, bias = task
             silu = mode == "silu"
             try:
                 with torch.cuda.device(device):  # Triton compiles for the current device
                     x = torch.zeros(rows, w.shape[1] * (2 if silu else 1), device=device,
                                     dtype=w.dtype)  # fmt: skip
                     rope = _rope_stand_in(mode[1], rows, w) if isinstance(mode, tuple) else None
-                    gemv(x, w, None, cfg, compile_only=True, silu=silu, gated=mode == "gated",
+                    b = torch.zeros(w.shape[0], device=device, dtype=w.dtype) if bias else None
+                    gemv(x, w, b, cfg, compile_only=True, silu=silu, gated=mode == "gated",
                          rope=rope)  # fmt: skip
             except Exception as e:  # measured as failing (inf) later
                 log.debug("GEMV candidate %s does not compile: %s", cfg, e)
@@ -374,7 +365,10 @@ class GemvSelector:
             for b, x, cands in runs:
                 if rnd >= len(cands):
                     continue
-                if rnd > 0 and time.perf_counter() > deadline:
+                # torch, and where torch may not serve the shared buckets their first
+                # configuration, run whatever the budget says: a choice needs a time
+                needed = rnd == 0 or (rnd == 1 and not torch_shared and b <= SHARED_ROWS)
+                if not needed and time.perf_counter() > deadline:
                     self.skipped += 1
                     continue
                 times[b][cands[rnd]], first_call_s = self._measure(cands[rnd], x, rotation,

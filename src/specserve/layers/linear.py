@@ -118,6 +118,18 @@ def gated_projections(model: nn.Module) -> set[tuple[int, int, torch.dtype]]:
     return shapes
 
 
+def linear_biases(model: nn.Module) -> dict[tuple[int, int, torch.dtype], torch.Tensor]:
+    """A bias of each (N, K, dtype) whose linear layers have one (Qwen2's qkv): selection
+    compiles those shapes' variants with a bias and checks cuBLAS's batch invariance with
+    it (PyTorch runs a biased linear of one row another way than of several)."""
+    biases = {}
+    for m in model.modules():
+        if isinstance(m, nn.Linear) and m.bias is not None:
+            biases.setdefault((m.weight.shape[0], m.weight.shape[1], m.weight.dtype),
+                              m.bias.detach())  # fmt: skip
+    return biases
+
+
 def rope_projections(model: nn.Module) -> dict[tuple[int, int, torch.dtype], tuple[int, int, int]]:
     """(N, K, dtype) of each qkv projection whose attention block may run rotary and the K/V
     store in its GEMV's epilogue (`rope_in_qkv`, set by triton_ops.use_triton_ops), with its
@@ -147,7 +159,8 @@ def use_gemv(model: nn.Module, selector: GemvSelector | None = None,
 
         selector = selector or GemvSelector(max_rows=max_rows)
         plan = selector.select(gemv_weights(model), fused_projections(model),
-                               gated_projections(model), rope_projections(model))  # fmt: skip
+                               gated_projections(model), rope_projections(model),
+                               linear_biases(model))  # fmt: skip
     mapping = _GEMV if enable else {v: k for k, v in _GEMV.items()}
     for module in model.modules():
         new_class = mapping.get(type(module))

@@ -1,0 +1,103 @@
+"""The qkv GEMV's `rope` epilogue (gemv.py): rotary of q and k and the paged K/V store of a
+[q; k; v] projection, computed where its tiles are written. Each program holds one head's
+rotary pairs side by side (column i of the head's first half next to column i + D / 2; the
+GEMV's column map), rounds them as the plain GEMV's output and rotates them with
+`triton_rotary.rope_pair`, the rotary + KV-store kernel's arithmetic, so results equal that
+kernel after the plain GEMV bit for bit. A column's place in its tile does not change its
+sum, so the map leaves every output value as the plain tile computes it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from specserve.layers.gemv_configs import GemvConfig
+from specserve.layers.triton_rotary import rope_pair
+
+
+@triton.jit
+def rope_store(y, m, m_ok, head, j, pos_ptr, slot_ptr, cos_sin_ptr, q_ptr, k_cache, v_cache,
+                stride_qm, stride_cs, stride_page, stride_slot, page_size,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+                Q_HEADS: tl.constexpr, K_HEADS: tl.constexpr):  # fmt: skip
+    """The `rope` epilogue for one tile y [BLOCK_M, BLOCK_N] (the output dtype) of head
+    `head` of a [q; k; v] projection, its columns the pairs (j + c, j + c + HEAD_DIM / 2)
+    side by side: q rotated into q_ptr [rows, Q_HEADS * HEAD_DIM], k rotated and v as is
+    into the paged caches at the rows' slots (< 0: not stored)."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    PAIRS: tl.constexpr = BLOCK_N // 2
+    slot = tl.load(slot_ptr + m, mask=m_ok, other=-1)
+    stored = (m_ok & (slot >= 0))[:, None]
+    slot = tl.maximum(slot, 0)
+    cache_row = ((slot // page_size).to(tl.int64) * stride_page
+                 + (slot % page_size) * stride_slot)[:, None]  # fmt: skip
+    # (each branch names its own values: Triton merges same-named values of both branches)
+    if head >= Q_HEADS + K_HEADS:  # v: stored as computed
+        c = tl.arange(0, BLOCK_N)
+        v_dst = (v_cache + cache_row + (head - Q_HEADS - K_HEADS) * HEAD_DIM
+                 + (j + c // 2 + (c % 2) * HALF)[None, :])  # fmt: skip
+        tl.store(v_dst, y.to(v_cache.dtype.element_ty), mask=stored)
+    else:
+        dtype = y.dtype
+        x1, x2 = tl.split(tl.reshape(y, [BLOCK_M, PAIRS, 2]))
+        i = j + tl.arange(0, PAIRS)
+        pos = tl.load(pos_ptr + m, mask=m_ok, other=0)
+        cs = cos_sin_ptr + pos[:, None] * stride_cs + i[None, :]
+        cos = tl.load(cs).to(dtype).to(tl.float32)
+        sin = tl.load(cs + HALF).to(dtype).to(tl.float32)
+        o1, o2 = rope_pair(x1.to(tl.float32), x2.to(tl.float32), cos, sin, dtype)
+        if head < Q_HEADS:
+            q_dst = q_ptr + m[:, None] * stride_qm + head * HEAD_DIM + i[None, :]
+            tl.store(q_dst, o1.to(q_ptr.dtype.element_ty), mask=m_ok[:, None])
+            tl.store(q_dst + HALF, o2.to(q_ptr.dtype.element_ty), mask=m_ok[:, None])
+        else:
+            k_dst = k_cache + cache_row + (head - Q_HEADS) * HEAD_DIM + i[None, :]
+            tl.store(k_dst, o1.to(k_cache.dtype.element_ty), mask=stored)
+            tl.store(k_dst + HALF, o2.to(k_cache.dtype.element_ty), mask=stored)
+
+
+@dataclass(frozen=True)
+class RopeStore:
+    """What the `rope` epilogue needs: each row's position and KV slot (< 0: not stored), the
+    cos/sin table [positions, D] (cos in the first half), the head counts, and the paged
+    caches [pages, page_size, kv_heads, D] that k and v go to."""
+
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    cos_sin: torch.Tensor
+    q_heads: int
+    kv_heads: int
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+
+
+def rope_fits(cfg: GemvConfig, head_dim: int, k: int) -> bool:
+    """Whether `cfg` can run the rope epilogue on a projection of heads of head_dim and K
+    inputs: its tiles hold whole pairs of one head (BLOCK_N divides head_dim), its weight
+    rows come through pointers (not a descriptor's contiguous tiles), and K is not split."""
+    iters_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k)
+    return (head_dim % cfg.block_n == 0 and cfg.block_n % 2 == 0 and not cfg.tma
+            and triton.cdiv(k, iters_per_split * cfg.block_k) == 1)  # fmt: skip
+
+
+def rope_args(rope: RopeStore, n: int, head_dim: int) -> dict:
+    """The kernel's rope arguments, after checking the shapes agree."""
+    from specserve.layers.attention.triton_kv_write import check_cache
+
+    k_cache = rope.k_cache
+    if n != (rope.q_heads + 2 * rope.kv_heads) * head_dim or k_cache.shape[2:] != (
+        rope.kv_heads, head_dim
+    ):
+        raise ValueError("a rope gemv needs a [q; k; v] weight of the cache's heads")
+    check_cache(k_cache, rope.v_cache)
+    return dict(
+        pos_ptr=rope.positions, slot_ptr=rope.slot_mapping, cos_sin_ptr=rope.cos_sin,
+        k_cache=k_cache, v_cache=rope.v_cache, stride_cs=rope.cos_sin.stride(0),
+        stride_page=k_cache.stride(0), stride_slot=k_cache.stride(1),
+        page_size=k_cache.shape[1], ROPE=True, HEAD_DIM=head_dim, Q_HEADS=rope.q_heads,
+        K_HEADS=rope.kv_heads,
+    )  # fmt: skip
