@@ -145,7 +145,7 @@ def variant_key(cfg: GemvConfig, rows: int, n: int, k: int, dtype: torch.dtype,
 def compile_tasks(todo: dict, shapes: dict, gated_jobs: dict | None = None,
                   pdl_on: bool = False, rope_jobs: dict | None = None,
                   biased: frozenset = frozenset()) -> dict:  # fmt: skip
-    """{variant: (config, rows, a weight, mode)}: each distinct Triton variant the
+    """{variant: (config, rows, a weight, mode, bias)}: each distinct Triton variant the
     candidates of `todo` ({(N, K, dtype[, fusion]): [(rows, configs)]}) need, mode "silu"
     for a fused down projection's prologue; for `gated_jobs` ({(N, K, dtype) of a merged
     gate/up weight: [(rows, configs)]}) the gated epilogue's variant of each candidate it
@@ -154,7 +154,7 @@ def compile_tasks(todo: dict, shapes: dict, gated_jobs: dict | None = None,
     of each candidate that fits (`rope_fits`), mode ("rope", heads). `shapes`: (N, K,
     dtype) -> weights of that shape; `pdl_on`: kernels launch under PDL (their prefetch is
     part of the variant); `biased`: shapes whose layers have a bias, whose variants are
-    compiled with one too (the task's last item)."""
+    compiled with one too (bias True)."""
     tasks: dict[tuple, tuple] = {}
 
     def add(cfg, rows, n, k, dtype, mode) -> None:
