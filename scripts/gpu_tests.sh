@@ -8,6 +8,7 @@
 # openai/uvicorn (the server tests are not GPU tests). Usage on the device (repository root):
 #   PYTHONPATH=src bash scripts/gpu_tests.sh 1          # group 1 (then: ... gpu_tests.sh 2)
 #   PYTHONPATH=src bash scripts/gpu_tests.sh test_cuda_graphs.py test_pdl_gpu.py   # 150 s each
+#   PYTHONPATH=src bash scripts/gpu_tests.sh test_pdl_gpu.py:330 test_plan_tuning.py:80
 set -u
 out="${OUT:-/tmp}/gpu_tests"
 mkdir -p "$out"
@@ -28,7 +29,7 @@ case "${1:-}" in
   3) files=("${group3[@]}") ;;
   4) files=("${group4[@]}") ;;
   "") echo "usage: gpu_tests.sh 1|2|3|4|FILE..." >&2; exit 2 ;;
-  *) files=(); for f in "$@"; do files+=("$f:150"); done ;;
+  *) files=(); for f in "$@"; do [[ "$f" == *:* ]] && files+=("$f") || files+=("$f:150"); done ;;
 esac
 : > "$out/summary.txt"
 for entry in "${files[@]}"; do
