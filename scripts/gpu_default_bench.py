@@ -18,8 +18,8 @@ speculation counters (which include the warm-up's requests). Also reports how ma
 outputs equal the no-speculation outputs token for token (greedy speculation is lossless in
 exact arithmetic; bf16 kernels of different shapes may round differently, so this is
 reported, not asserted), and at batch 1 how many equal the same engine's outputs with
-every step at K=0 (`identical_to_own_k0`: its own plain decoding, same kernels; also at
-the larger batches whose verify steps stay within 16 rows, e.g. 4 at K=3). Each row
+every step at K=0 (`identical_to_own_k0`: its own plain decoding, same kernels; at every
+batch up to 16 whose verify steps stay within 64 rows, 16 at K=3). Each row
 also gives the steps the overlap loop launched only after waiting for the previous step's
 tokens, by reason (`loop_wait_reasons`), and the timeline
 (mean and median device span, idle gap and host wait per step); `<out>_batch1_steps.json`
@@ -43,6 +43,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_engine_bench import GC_PAUSES  # noqa: E402 (the collector's pauses, per row)
 
+from specserve.layers.gemv_configs import MAX_ROWS  # noqa: E402
 from specserve.layers.gemv_select import SHARED_ROWS  # noqa: E402
 from specserve.llm import LLM  # noqa: E402
 from specserve.model.eagle3 import shipped_head_path  # noqa: E402
@@ -226,8 +227,10 @@ def main() -> None:
         spec_stats = {k: v for k, v in llm.engine.stats().items() if k.startswith("spec_")}
         results[name] = {"startup_s": round(startup, 2), "rows": rows, "spec": spec_stats}
         for row in rows if llm.engine.spec is not None else ():
-            # steps of up to SHARED_ROWS rows: verify rows round as decode rows
-            if row["batch"] * (llm.engine.spec.k_max + 1) <= SHARED_ROWS:
+            # up to SHARED_ROWS requests and MAX_ROWS rows a step, a verify row rounds as
+            # the request's decode row (GemvPlan.step_requests)
+            k_max = llm.engine.spec.k_max
+            if row["batch"] <= SHARED_ROWS and row["batch"] * (k_max + 1) <= MAX_ROWS:
                 own = own_k0_tokens(llm, prompts, row["batch"], args)
                 row["identical_to_own_k0"] = sum(
                     t == p for t, p in zip(row_tokens[row["batch"]], own))  # fmt: skip

@@ -39,6 +39,43 @@ def test_plan_buckets_rows_and_falls_back_to_torch():
     assert GemvPlan(row_buckets=(1, 64), default=fma).config_for(20, 96, 64, torch.float16) is None
 
 
+def test_verify_steps_look_up_the_bucket_of_their_request_count():
+    """A step of at most SHARED_ROWS requests (`step_requests`, set by the model's forward)
+    runs the shared choice of its request count's bucket at any row count the plan serves:
+    a verify row rounds as the same request's decode row. Larger steps, and calls outside
+    a step, go by rows."""
+    from specserve.layers.attention import TorchAttentionBackend
+    from specserve.layers.gemv import GemvConfig
+    from specserve.layers.gemv_plan import ROW_BUCKETS, GemvPlan
+    from specserve.layers.linear import use_gemv
+    from tests.model_cases import build_meta, tiny_config, tiny_model
+
+    shared, tall = GemvConfig(32, 64), GemvConfig(64, 64, block_m=64)
+    key = (96, 64, torch.float16)
+    plan = GemvPlan({(b, *key): GemvChoice(shared if b <= 16 else tall, 2.0, 1.0, 3)
+                     for b in ROW_BUCKETS})  # fmt: skip
+    assert plan.config_for(32, *key) == tall  # no step: by rows
+    for reqs, rows, want in [(8, 32, shared), (16, 64, shared), (1, 4, shared), (4, 4, shared),
+                             (32, 32, tall), (17, 64, tall), (1, 65, None)]:  # fmt: skip
+        plan.step_requests = reqs
+        assert plan.config_for(rows, *key) == want, (reqs, rows)
+    plan.by_requests = False  # --disable-batch-invariance: by rows alone
+    plan.step_requests = 8
+    assert plan.config_for(32, *key) == tall
+
+    from specserve.engine.kv_cache import KVCache
+
+    cfg = tiny_config()
+    model = tiny_model(cfg, torch.float32, "cpu")
+    plan = use_gemv(model, plan=GemvPlan())
+    meta = build_meta([[1], [2], [3]], [0, 0, 0], [2, 1, 3], 4, "cpu")  # 3 requests, 6 rows
+    with torch.inference_mode():
+        model(torch.zeros(6, dtype=torch.long), meta, KVCache(cfg, 4, 4, torch.float32,
+                                                              "cpu").layers,
+              TorchAttentionBackend())  # fmt: skip
+    assert plan.step_requests == 3
+
+
 def test_use_gemv_switches_modules_and_back_without_touching_weights():
     from specserve.layers.gemv_select import GemvPlan, GemvSelector
     from specserve.layers.linear import GemvLinear, GemvMergedLinear, MergedLinear, use_gemv

@@ -182,10 +182,12 @@ def test_gpu_engine_tunes_its_plan_unless_told_not_to(tiny_llama):
 def test_gpu_engine_plan_gives_a_row_the_same_bits_at_every_shared_row_count(tiny_llama):
     """Batch invariance (gemv_select.py): whatever selection and whole-step tuning chose for
     the row buckets up to SHARED_ROWS (torch or a Triton tile), a row's projections give the
-    same bits alone, as in a batch-1 decode step, as among 4 or 16 rows, as in verify
-    steps: every linear through the plan, each MLP with its fusions (its output handed to
-    the next norm or not), attention's output projection as the layer calls it, and the
-    logits."""
+    same bits alone, as in a batch-1 decode step, as in decode steps of 4 and 16 requests
+    and in verify steps of 1, 4 and 16 requests at K=3 (4 to 64 rows, looked up by request
+    count: GemvPlan.step_requests): every linear through the plan, each MLP with its fusions
+    (its output handed to the next norm or not), attention's output projection as the layer
+    calls it, and the logits. The engine speculates (n-gram, K=3), so its plan reaches 64
+    rows and its cuBLAS check covers them."""
     from specserve.config import EngineConfig
     from specserve.engine.engine import LLMEngine
     from specserve.layers.gemv import SplitKSum
@@ -195,10 +197,11 @@ def test_gpu_engine_plan_gives_a_row_the_same_bits_at_every_shared_row_count(tin
     from specserve.model.llama import Attention
 
     engine = LLMEngine(EngineConfig(model=str(tiny_llama), device="cuda", dtype="bfloat16",
-                                    max_num_seqs=SHARED_ROWS))  # fmt: skip
+                                    max_num_seqs=SHARED_ROWS, speculative_algorithm="ngram",
+                                    speculative_num_steps=3))  # fmt: skip
     model = engine.runner.model
     plan = model.gemv_plan
-    assert plan.max_rows >= SHARED_ROWS  # every row count below shares the buckets' choice
+    assert plan.max_rows == 4 * SHARED_ROWS  # verify steps of 16 requests: 64 rows
     gen = torch.Generator(device="cuda").manual_seed(0)
 
     def whole(y):  # a K split's sums reduced by their own pass: the norm's bits
@@ -221,17 +224,21 @@ def test_gpu_engine_plan_gives_a_row_the_same_bits_at_every_shared_row_count(tin
                           lambda x, m=m: whole(m._output(x, True)), m.o_proj.weight))  # fmt: skip
     parts.append(("logits", model.compute_logits, model.lm_head_weight))
     assert len(parts) > 6
+    steps = [(reqs, reqs * q) for reqs in (1, 4, SHARED_ROWS) for q in (1, 4)][1:]
     apart = []
     with torch.inference_mode():
         for name, fn, weight in parts:
-            x = torch.randn(SHARED_ROWS, weight.shape[1], generator=gen, device="cuda",
+            x = torch.randn(plan.max_rows, weight.shape[1], generator=gen, device="cuda",
                             dtype=weight.dtype)  # fmt: skip
+            plan.step_requests = 1
             alone = fn(x[:1])
-            for rows in (4, SHARED_ROWS):
+            for reqs, rows in steps:
+                plan.step_requests = reqs
                 if not torch.equal(fn(x[:rows])[:1], alone):
-                    apart.append((name, rows, choice(weight, 1), choice(weight, rows)))
+                    apart.append((name, reqs, rows, choice(weight, 1), choice(weight, rows)))
+    plan.step_requests = None
     del engine
-    assert not apart, f"rows rounded apart (name, rows, plain choice at 1, at rows): {apart}"
+    assert not apart, f"rows rounded apart (name, requests, rows, choice at 1, at rows): {apart}"
 
 
 @pytest.mark.gpu

@@ -16,6 +16,7 @@ from specserve.layers.gemv import MAX_ROWS, GemvConfig, gemv
 
 PlanKey = tuple  # (row bucket, N, K, dtype), and + (fusion,) for a fused projection
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+SHARED_ROWS = 16  # row buckets up to this share one implementation per shape (gemv_select.py)
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,15 @@ class GemvPlan:
     `fusion`: the key + (fusion,), measured with them (`gemv_timing.down_and_norm`), when
     there is one; else the shape's plain choice. `torch_varies`: the (N, K, dtype) shapes
     where cuBLAS gives a row different bits at different row counts, which selection keeps
-    torch away from in the buckets up to SHARED_ROWS (gemv_select.py, batch invariance)."""
+    torch away from in the buckets up to SHARED_ROWS (gemv_select.py, batch invariance).
+
+    `step_requests`, set by the model for each forward to its step's request count: a step
+    of at most SHARED_ROWS requests looks its calls up in the bucket of its request count
+    whatever their row count (up to the largest bucket), so a verify step's K + 1 rows per
+    request run the shared choice that the same requests' decode step runs, and round
+    alike (greedy speculation stays token for token plain decoding up to SHARED_ROWS
+    requests and the largest bucket's rows: batch 16 at K=3); with `by_requests` False
+    (`--disable-batch-invariance`) calls go by their row count alone."""
 
     def __init__(
         self,
@@ -48,6 +57,7 @@ class GemvPlan:
         row_buckets: tuple[int, ...] = ROW_BUCKETS,
         default: GemvConfig | None = None,
         torch_varies: frozenset[tuple] = frozenset(),
+        by_requests: bool = True,
     ):
         self.row_buckets = tuple(sorted(row_buckets))
         if self.row_buckets[0] < 1 or self.row_buckets[-1] > MAX_ROWS:
@@ -59,6 +69,8 @@ class GemvPlan:
         self._configs = {k: c.config for k, c in self.choices.items() if c.config is not None}
         self.default = default
         self.torch_varies = frozenset(torch_varies)
+        self.step_requests: int | None = None  # see above; None: by row count
+        self.by_requests = by_requests
         self.asked: set[PlanKey] | None = None  # when a set: every key config_for looks up
 
     def config_for(self, rows: int, n: int, k: int, dtype: torch.dtype,
@@ -67,7 +79,10 @@ class GemvPlan:
         fused in, if that was measured); None: torch."""
         if rows < 1 or rows > self.max_rows:
             return None
-        key = (self._bucket[rows], n, k, dtype)
+        reqs = self.step_requests if self.by_requests else None
+        bucket = self._bucket[reqs if reqs is not None and 1 <= reqs <= min(rows, SHARED_ROWS)
+                              else rows]  # fmt: skip
+        key = (bucket, n, k, dtype)
         if fusion is not None and (*key, fusion) in self.choices:
             key = (*key, fusion)
             cfg = self._configs.get(key)

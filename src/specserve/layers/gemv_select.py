@@ -47,7 +47,13 @@ from specserve.layers.gemv import (
     rope_fits,
 )
 from specserve.layers.gemv_configs import gated_config
-from specserve.layers.gemv_plan import ROW_BUCKETS, GemvChoice, GemvPlan, PlanKey
+from specserve.layers.gemv_plan import (  # noqa: F401 (SHARED_ROWS: callers import it here)
+    ROW_BUCKETS,
+    SHARED_ROWS,
+    GemvChoice,
+    GemvPlan,
+    PlanKey,
+)
 from specserve.layers.gemv_timing import (  # noqa: F401 (rotation_set: scripts import it here)
     after_producer,
     down_and_norm,
@@ -61,7 +67,6 @@ log = logging.getLogger(__name__)
 
 ShapeKey = tuple[int, int, torch.dtype]  # (N, K, dtype) of a weight [N, K]
 GEMV_DTYPES = (torch.float16, torch.bfloat16)
-SHARED_ROWS = 16  # row buckets up to this share one implementation per shape (see above)
 
 
 def bucket_candidates(buckets: tuple[int, ...], n: int, k: int, num_sms: int) -> list[tuple]:
@@ -194,8 +199,8 @@ def _rope_stand_in(heads: tuple[int, int, int], rows: int, w: torch.Tensor) -> R
     return RopeStore(idx, idx, cos_sin, q_heads, kv_heads, cache[0], cache[1])
 
 
-# (device index, row buckets, margin, after_producer, batch_invariant) -> the choices
-# measured so far in this process.
+# (device index, row buckets, margin, after_producer, batch_invariant, invariant_rows) -> the
+# choices measured so far in this process.
 _MEASURED: dict[tuple, dict[PlanKey, GemvChoice]] = {}
 
 
@@ -221,15 +226,17 @@ class GemvSelector:
     started one after another, as tests do, measure once; a different bucket set measures
     afresh, since the shared choice of buckets up to SHARED_ROWS is made over them all
     together). `batch_invariant`: torch serves a shape's buckets up to SHARED_ROWS only
-    where it gives a row the same bits at every row count there (gemv_invariance.py,
-    checked before measuring; the plan's `torch_varies` lists the shapes where it does not).
+    where it gives a row the same bits at every row count up to `invariant_rows` (capped at
+    the largest bucket; a speculative engine's verify steps run the shared choice at up to
+    SHARED_ROWS * (K + 1) rows, `GemvPlan.step_requests`), checked before measuring
+    (gemv_invariance.py; the plan's `torch_varies` lists the shapes where it does not).
     On a CPU the plan is empty: torch everywhere.
     """
 
     def __init__(self, row_buckets: tuple[int, ...] = ROW_BUCKETS, budget_s: float = 20.0,
                  margin: float = 0.02, reps: int = 5, max_rows: int | None = None,
                  compile_workers: int | None = None, after_producer: bool = True,
-                 batch_invariant: bool = True):  # fmt: skip
+                 batch_invariant: bool = True, invariant_rows: int = SHARED_ROWS):  # fmt: skip
         buckets = tuple(sorted(row_buckets))
         if max_rows is not None:
             buckets = tuple(b for b in buckets if b < max_rows) + tuple(
@@ -237,6 +244,7 @@ class GemvSelector:
         self.row_buckets = buckets
         self.budget_s, self.margin, self.reps = budget_s, margin, reps
         self.after_producer, self.batch_invariant = after_producer, batch_invariant
+        self.invariant_rows = invariant_rows
         self.compile_workers = compile_workers or min(8, os.cpu_count() or 1)
         self.measured: dict[PlanKey, GemvChoice] = {}  # bound per device in select()
         self.elapsed_s = self.compile_s = 0.0
@@ -272,15 +280,17 @@ class GemvSelector:
         device = next(iter(shapes.values()))[0].device
         index = torch.device(device).index
         self.measured = _MEASURED.setdefault(
-            (index, self.row_buckets, self.margin, self.after_producer, self.batch_invariant),
+            (index, self.row_buckets, self.margin, self.after_producer, self.batch_invariant,
+             self.invariant_rows),
             self.measured,
-        )
+        )  # fmt: skip
         biases = {key: b for key, b in (biases or {}).items() if key in shapes}
         shared_rows = max((b for b in self.row_buckets if b <= SHARED_ROWS), default=1)
+        rows = max(shared_rows, min(self.invariant_rows, self.row_buckets[-1]))
         torch_varies = frozenset()
         if self.batch_invariant:
             one = {shape: ws[0] for shape, ws in shapes.items()}
-            torch_varies = gemv_invariance.torch_varies(one, biases, shared_rows)
+            torch_varies = gemv_invariance.torch_varies(one, biases, rows)
         if torch_varies:
             log.info("cuBLAS rounds a row differently at different row counts for %d weight "
                      "shapes; Triton serves their buckets up to %d rows: %s", len(torch_varies),
@@ -313,7 +323,8 @@ class GemvSelector:
                                 torch_shared=torch_shared)  # fmt: skip
         choices = {(b, *key): self.measured[(b, *key)] for key in jobs_of
                    for b in self.row_buckets}  # fmt: skip
-        plan = GemvPlan(choices, self.row_buckets, torch_varies=torch_varies)
+        plan = GemvPlan(choices, self.row_buckets, torch_varies=torch_varies,
+                        by_requests=self.batch_invariant)  # fmt: skip
         torch.cuda.empty_cache()
         self.elapsed_s = time.perf_counter() - start
         if self.skipped:

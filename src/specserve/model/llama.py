@@ -183,6 +183,8 @@ class LlamaForCausalLM(nn.Module):
         backend: AttentionBackend,
         aux_layer_ids: tuple[int, ...] = (),
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        if self.gemv_plan is not None:  # a verify row rounds as the request's decode row
+            self.gemv_plan.step_requests = meta.num_requests
         x, residual = self.model.embed_tokens(input_ids), None
         aux: list[torch.Tensor] = []
         for i, layer in enumerate(self.model.layers):
