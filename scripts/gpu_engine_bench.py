@@ -215,7 +215,8 @@ def main() -> None:
                          "the qkv GEMV's epilogue (their own kernel, as before gemv `rope`)")
     ap.add_argument("--ab-invariance", action="store_true",
                     help="also plain and fixed K=3 with cuBLAS allowed in the shared row "
-                         "buckets where it is not batch invariant (--disable-batch-invariance)")
+                         "buckets where it is not batch invariant and verify steps looked up "
+                         "by row count (--disable-batch-invariance)")
     ap.add_argument("--again", action="store_true",
                     help="run the first configuration again as the last engine")
     ap.add_argument("--no-gc-freeze", action="store_true",
@@ -248,32 +249,20 @@ def main() -> None:
         "eagle3 goodput (sim. accept len 3.0)": {**spec, "speculative_policy": "goodput"},
         "eagle3 policy off": {**spec, "speculative_policy": "off"},
     }
-    if args.ab_argmax:
-        configs["plain, torch argmax"] = {**configs["plain"], "argmax": "off"}
-        configs["eagle3 K=3 fixed, torch argmax"] = {
-            **configs["eagle3 K=3 fixed (sim. accept len 3.0)"], "argmax": "off"}  # fmt: skip
-    if args.ab_tuning:
-        untuned = {"disable_gemv_tuning": True}
-        configs["plain, GEMV plan untuned"] = {**configs["plain"], **untuned}
-        configs["eagle3 K=3 fixed, GEMV plan untuned"] = {
-            **configs["eagle3 K=3 fixed (sim. accept len 3.0)"], **untuned}  # fmt: skip
-    if args.ab_head:
-        configs["plain, logits after the graph"] = {**configs["plain"], "head": False}
-        configs["eagle3 K=3 fixed, logits after the graph"] = {
-            **configs["eagle3 K=3 fixed (sim. accept len 3.0)"], "head": False}  # fmt: skip
-    if args.ab_gate:
-        configs["plain, SiLU-and-mul kernel"] = {**configs["plain"], "gate": False}
-        configs["eagle3 K=3 fixed, SiLU-and-mul kernel"] = {
-            **configs["eagle3 K=3 fixed (sim. accept len 3.0)"], "gate": False}  # fmt: skip
-    if args.ab_rope:
-        configs["plain, rotary kernel"] = {**configs["plain"], "rope": False}
-        configs["eagle3 K=3 fixed, rotary kernel"] = {
-            **configs["eagle3 K=3 fixed (sim. accept len 3.0)"], "rope": False}  # fmt: skip
-    if args.ab_invariance:
-        variant = {"disable_batch_invariance": True}
-        configs["plain, cuBLAS batch variant"] = {**configs["plain"], **variant}
-        configs["eagle3 K=3 fixed, cuBLAS batch variant"] = {
-            **configs["eagle3 K=3 fixed (sim. accept len 3.0)"], **variant}  # fmt: skip
+    # --ab-X: plain and fixed K=3 once more with one thing changed, for an A/B in one run
+    fixed = "eagle3 K=3 fixed (sim. accept len 3.0)"
+    variants = {
+        "argmax": ("torch argmax", {"argmax": "off"}),
+        "tuning": ("GEMV plan untuned", {"disable_gemv_tuning": True}),
+        "head": ("logits after the graph", {"head": False}),
+        "gate": ("SiLU-and-mul kernel", {"gate": False}),
+        "rope": ("rotary kernel", {"rope": False}),
+        "invariance": ("cuBLAS batch variant", {"disable_batch_invariance": True}),
+    }
+    for flag, (label, change) in variants.items():
+        if getattr(args, f"ab_{flag}"):
+            configs[f"plain, {label}"] = {**configs["plain"], **change}
+            configs[f"eagle3 K=3 fixed, {label}"] = {**configs[fixed], **change}
     if args.only:
         configs = {k: v for k, v in configs.items() if any(o in k for o in args.only)}
     if args.again:  # the first engine once more at the end: what the order alone changes
