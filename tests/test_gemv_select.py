@@ -76,6 +76,33 @@ def test_verify_steps_look_up_the_bucket_of_their_request_count():
     assert plan.step_requests == 3
 
 
+def test_small_batch_engines_measure_the_shared_buckets_and_forget_torch_where_it_varies():
+    """An engine of at most SHARED_ROWS requests a step looks every call up in a shared
+    bucket: only those are measured (the plan still serves up to its largest bucket's rows).
+    A shape found to vary with a bias its cached measurement lacked has its shared torch
+    choice measured again, all shared buckets together."""
+    from specserve.layers.gemv import GemvConfig
+    from specserve.layers.gemv_select import ROW_BUCKETS, GemvSelector
+
+    assert GemvSelector(max_rows=64, max_requests=16).measured_buckets == (1, 2, 4, 8, 16)
+    assert GemvSelector(max_rows=64, max_requests=16).row_buckets == ROW_BUCKETS
+    assert GemvSelector(max_rows=64, max_requests=32).measured_buckets == ROW_BUCKETS
+    variant = GemvSelector(max_rows=64, max_requests=16, batch_invariant=False)
+    assert variant.measured_buckets == ROW_BUCKETS  # looked up by rows: every bucket
+
+    selector = GemvSelector()
+    shape, other = (96, 64, torch.float16), (32, 64, torch.float16)
+    tile = GemvConfig(32, 64)
+    for b in ROW_BUCKETS:
+        selector.measured[(b, *shape)] = GemvChoice(None if b <= 16 else tile, 1.0, 1.0, 3)
+        selector.measured[(b, *other)] = GemvChoice(None, 1.0, 1.0, 3)
+        selector.measured[(b, *shape, "norm")] = GemvChoice(None, 1.0, 1.0, 3)
+    selector._forget_torch_choices(frozenset({shape}))
+    assert [(b, *shape) in selector.measured for b in ROW_BUCKETS] == [False] * 5 + [True] * 2
+    assert all((b, *other) in selector.measured for b in ROW_BUCKETS)
+    assert all((b, *shape, "norm") in selector.measured for b in ROW_BUCKETS)  # unfused: kept
+
+
 def test_use_gemv_switches_modules_and_back_without_touching_weights():
     from specserve.layers.gemv_select import GemvPlan, GemvSelector
     from specserve.layers.linear import GemvLinear, GemvMergedLinear, MergedLinear, use_gemv

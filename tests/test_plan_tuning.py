@@ -184,7 +184,8 @@ def test_gpu_engine_plan_gives_a_row_the_same_bits_at_every_shared_row_count(tin
     the row buckets up to SHARED_ROWS (torch or a Triton tile), a row's projections give the
     same bits alone, as in a batch-1 decode step, as in decode steps of 4 and 16 requests
     and in verify steps of 1, 4 and 16 requests at K=3 (4 to 64 rows, looked up by request
-    count: GemvPlan.step_requests): every linear through the plan, each MLP with its fusions
+    count: GemvPlan.step_requests) and a step with a prefill chunk, every row of them against
+    that row alone: every linear through the plan, each MLP with its fusions
     (its output handed to the next norm or not), attention's output projection as the layer
     calls it, and the logits. The engine speculates (n-gram, K=3), so its plan reaches 64
     rows and its cuBLAS check covers them."""
@@ -225,20 +226,24 @@ def test_gpu_engine_plan_gives_a_row_the_same_bits_at_every_shared_row_count(tin
     parts.append(("logits", model.compute_logits, model.lm_head_weight))
     assert len(parts) > 6
     steps = [(reqs, reqs * q) for reqs in (1, 4, SHARED_ROWS) for q in (1, 4)][1:]
+    steps.append((2, 40))  # two requests, one with a 37-token prefill chunk
     apart = []
     with torch.inference_mode():
         for name, fn, weight in parts:
             x = torch.randn(plan.max_rows, weight.shape[1], generator=gen, device="cuda",
                             dtype=weight.dtype)  # fmt: skip
             plan.step_requests = 1
-            alone = fn(x[:1])
+            alone = torch.cat([fn(x[i : i + 1]) for i in range(plan.max_rows)])  # row by row
             for reqs, rows in steps:
                 plan.step_requests = reqs
-                if not torch.equal(fn(x[:rows])[:1], alone):
-                    apart.append((name, reqs, rows, choice(weight, 1), choice(weight, rows)))
+                same = (fn(x[:rows]) == alone[:rows]).flatten(1).all(1)
+                if not same.all():
+                    apart.append((name, reqs, rows, int((~same).sum()), choice(weight, 1),
+                                  choice(weight, rows)))  # fmt: skip
     plan.step_requests = None
     del engine
-    assert not apart, f"rows rounded apart (name, requests, rows, choice at 1, at rows): {apart}"
+    assert not apart, (
+        f"rows rounded apart (name, requests, rows, rows apart, choice at 1, at rows): {apart}")
 
 
 @pytest.mark.gpu

@@ -77,7 +77,7 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         if device.type == "cuda" and config.backend_name() == "triton":
-            from specserve.layers.gemv_select import SHARED_ROWS, GemvSelector
+            from specserve.layers.gemv_select import GemvSelector
             from specserve.layers.linear import use_gemv
             from specserve.layers.triton_ops import use_triton_ops
 
@@ -89,12 +89,9 @@ class LLMEngine:
             if not config.disable_gemv:
                 k_max = config.speculative_num_steps if config.speculative_algorithm else 0
                 batch = min(config.max_num_seqs, config.cuda_graph_max_batch)
-                # verify steps of up to SHARED_ROWS requests run the shared choices at up
-                # to SHARED_ROWS * (K + 1) rows (GemvPlan.step_requests)
                 self.gemv_selector = GemvSelector(
-                    max_rows=batch * (k_max + 1),
-                    batch_invariant=not config.disable_batch_invariance,
-                    invariant_rows=SHARED_ROWS * (k_max + 1))  # fmt: skip
+                    max_rows=batch * (k_max + 1), max_requests=batch,
+                    batch_invariant=not config.disable_batch_invariance)  # fmt: skip
                 use_gemv(model, self.gemv_selector)
         self.runner = ModelRunner(model, self.kv, get_backend(config.backend_name()))
         if device.type == "cuda":  # compile every attention variant now, not mid-serving

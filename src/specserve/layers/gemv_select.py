@@ -199,8 +199,8 @@ def _rope_stand_in(heads: tuple[int, int, int], rows: int, w: torch.Tensor) -> R
     return RopeStore(idx, idx, cos_sin, q_heads, kv_heads, cache[0], cache[1])
 
 
-# (device index, row buckets, margin, after_producer, batch_invariant, invariant_rows) -> the
-# choices measured so far in this process.
+# (device index, row buckets, margin, after_producer, batch_invariant) -> the choices
+# measured so far in this process.
 _MEASURED: dict[tuple, dict[PlanKey, GemvChoice]] = {}
 
 
@@ -226,17 +226,22 @@ class GemvSelector:
     started one after another, as tests do, measure once; a different bucket set measures
     afresh, since the shared choice of buckets up to SHARED_ROWS is made over them all
     together). `batch_invariant`: torch serves a shape's buckets up to SHARED_ROWS only
-    where it gives a row the same bits at every row count up to `invariant_rows` (capped at
-    the largest bucket; a speculative engine's verify steps run the shared choice at up to
-    SHARED_ROWS * (K + 1) rows, `GemvPlan.step_requests`), checked before measuring
-    (gemv_invariance.py; the plan's `torch_varies` lists the shapes where it does not).
+    where it gives a row the same bits at every row count up to the largest bucket (a step
+    of up to SHARED_ROWS requests, a verify step or one with a prefill chunk, runs the
+    shared choice at any row count: `GemvPlan.step_requests`), checked before measuring
+    (gemv_invariance.py; the plan's `torch_varies` lists the shapes where it does not;
+    choices cached for a shape before it was found to vary, by a model without its bias,
+    are measured again). With `max_requests` at most SHARED_ROWS (an engine whose steps
+    never hold more requests) only the shared buckets are measured: every lookup of such
+    steps lands there.
     On a CPU the plan is empty: torch everywhere.
     """
 
     def __init__(self, row_buckets: tuple[int, ...] = ROW_BUCKETS, budget_s: float = 20.0,
                  margin: float = 0.02, reps: int = 5, max_rows: int | None = None,
                  compile_workers: int | None = None, after_producer: bool = True,
-                 batch_invariant: bool = True, invariant_rows: int = SHARED_ROWS):  # fmt: skip
+                 batch_invariant: bool = True,
+                 max_requests: int | None = None):  # fmt: skip
         buckets = tuple(sorted(row_buckets))
         if max_rows is not None:
             buckets = tuple(b for b in buckets if b < max_rows) + tuple(
@@ -244,7 +249,9 @@ class GemvSelector:
         self.row_buckets = buckets
         self.budget_s, self.margin, self.reps = budget_s, margin, reps
         self.after_producer, self.batch_invariant = after_producer, batch_invariant
-        self.invariant_rows = invariant_rows
+        few = batch_invariant and max_requests is not None and max_requests <= SHARED_ROWS
+        # the buckets measured: the shared ones alone when every step's lookups land there
+        self.measured_buckets = tuple(b for b in buckets if b <= SHARED_ROWS or not few)
         self.compile_workers = compile_workers or min(8, os.cpu_count() or 1)
         self.measured: dict[PlanKey, GemvChoice] = {}  # bound per device in select()
         self.elapsed_s = self.compile_s = 0.0
@@ -280,24 +287,22 @@ class GemvSelector:
         device = next(iter(shapes.values()))[0].device
         index = torch.device(device).index
         self.measured = _MEASURED.setdefault(
-            (index, self.row_buckets, self.margin, self.after_producer, self.batch_invariant,
-             self.invariant_rows),
+            (index, self.row_buckets, self.margin, self.after_producer, self.batch_invariant),
             self.measured,
-        )  # fmt: skip
+        )
         biases = {key: b for key, b in (biases or {}).items() if key in shapes}
-        shared_rows = max((b for b in self.row_buckets if b <= SHARED_ROWS), default=1)
-        rows = max(shared_rows, min(self.invariant_rows, self.row_buckets[-1]))
         torch_varies = frozenset()
         if self.batch_invariant:
             one = {shape: ws[0] for shape, ws in shapes.items()}
-            torch_varies = gemv_invariance.torch_varies(one, biases, rows)
+            torch_varies = gemv_invariance.torch_varies(one, biases, self.row_buckets[-1])
+            self._forget_torch_choices(torch_varies)
         if torch_varies:
             log.info("cuBLAS rounds a row differently at different row counts for %d weight "
                      "shapes; Triton serves their buckets up to %d rows: %s", len(torch_varies),
                      SHARED_ROWS, sorted(shape[:2] for shape in torch_varies))  # fmt: skip
         props = torch.cuda.get_device_properties(device)
         sms = props.multi_processor_count
-        todo = {key: bucket_candidates(tuple(b for b in self.row_buckets
+        todo = {key: bucket_candidates(tuple(b for b in self.measured_buckets
                                              if (b, *key) not in self.measured),
                                        key[0], key[1], sms)
                 for key in jobs_of}  # fmt: skip
@@ -322,7 +327,7 @@ class GemvSelector:
                                 time.perf_counter() + left / (len(todo) - i), *fusion,
                                 torch_shared=torch_shared)  # fmt: skip
         choices = {(b, *key): self.measured[(b, *key)] for key in jobs_of
-                   for b in self.row_buckets}  # fmt: skip
+                   for b in self.measured_buckets}  # fmt: skip
         plan = GemvPlan(choices, self.row_buckets, torch_varies=torch_varies,
                         by_requests=self.batch_invariant)  # fmt: skip
         torch.cuda.empty_cache()
@@ -335,6 +340,17 @@ class GemvSelector:
                  "compiled in %.1f s)", won, len(plan.choices), self.elapsed_s, self.compiled,
                  self.compile_s)  # fmt: skip
         return plan
+
+    def _forget_torch_choices(self, torch_varies: frozenset[ShapeKey]) -> None:
+        """Drop the shared buckets' cached choices of each plain key whose shape cuBLAS is
+        now found to round apart (checked with a bias another model's layers lacked) where
+        they chose torch: they are measured again, together (one shared choice)."""
+        shared = [b for b in self.row_buckets if b <= SHARED_ROWS]
+        for shape in torch_varies:
+            if any(c is not None and c.config is None
+                   for c in (self.measured.get((b, *shape)) for b in shared)):  # fmt: skip
+                for b in shared:
+                    self.measured.pop((b, *shape), None)
 
     def _compile(self, tasks: dict[tuple, tuple], device: torch.device) -> int:
         """Compile each distinct Triton variant (`compile_tasks`) once, in parallel."""
