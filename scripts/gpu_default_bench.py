@@ -172,6 +172,9 @@ def main() -> None:
                          "engine process freezes it, and so does this bench by default)")
     ap.add_argument("--again", action="store_true",
                     help="run the first configuration again as the last engine")
+    ap.add_argument("--ab-invariance", action="store_true",
+                    help="also plain and fixed K=3 with --disable-batch-invariance (cuBLAS "
+                         "where it rounds rows apart; verify steps by row count)")
     args = ap.parse_args()
     device = "auto"
     if args.smoke:
@@ -187,6 +190,10 @@ def main() -> None:
         "eagle3 goodput (default)": {**spec, "speculative_policy": "goodput"},
         "eagle3 policy off": {**spec, "speculative_policy": "off"},
     }
+    if args.ab_invariance:
+        variant = {"disable_batch_invariance": True}
+        configs["plain, batch variant"] = {**configs["plain"], **variant}
+        configs["eagle3 K=3 fixed, batch variant"] = {**configs["eagle3 K=3 fixed"], **variant}
     if args.again:  # what the order alone changes
         configs["plain (again, last)"] = configs["plain"]
     base = dict(device=device, max_num_seqs=max(args.batches),
