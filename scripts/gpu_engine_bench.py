@@ -217,6 +217,9 @@ def main() -> None:
                     help="also plain and fixed K=3 with cuBLAS allowed in the shared row "
                          "buckets where it is not batch invariant and verify steps looked up "
                          "by row count (--disable-batch-invariance)")
+    ap.add_argument("--ab-stream-k", action="store_true",
+                    help="also plain and fixed K=3 with the stream-K GEMV tiles among the "
+                         "candidates above 16 rows (--gemv-stream-k, experimental)")
     ap.add_argument("--again", action="store_true",
                     help="run the first configuration again as the last engine")
     ap.add_argument("--no-gc-freeze", action="store_true",
@@ -258,6 +261,7 @@ def main() -> None:
         "gate": ("SiLU-and-mul kernel", {"gate": False}),
         "rope": ("rotary kernel", {"rope": False}),
         "invariance": ("cuBLAS batch variant", {"disable_batch_invariance": True}),
+        "stream_k": ("stream-K candidates", {"gemv_stream_k": True}),
     }
     for flag, (label, change) in variants.items():
         if getattr(args, f"ab_{flag}"):

@@ -161,6 +161,17 @@ def _launch_all() -> None:
                                                 rope=rope)  # fmt: skip
     runs["gemv-fma-rope"] = lambda: gemv(x, qkv_w, None, GemvConfig(16, 256, use_dot=False),
                                          rope=rope)  # fmt: skip
+    x64 = torch.zeros(64, 512, **bf16)
+    runs["gemv-stream-k-bias"] = lambda: gemv(x64, w, w[0], GemvConfig(64, 128, block_m=64,
+                                                                   stream_k=True))  # fmt: skip
+    runs["gemv-stream-k-silu"] = lambda: gemv(torch.zeros(64, 1024, **bf16), w, None,
+                                              GemvConfig(32, 64, block_m=64, stream_k=True),
+                                              silu=True)  # fmt: skip
+    runs["gemv-stream-k-rope"] = lambda: gemv(x64[:, :512], qkv_w, None,
+                                              GemvConfig(64, 64, block_m=64, stream_k=True),
+                                              rope=RopeStore(torch.zeros(64, **i64),
+                                                             torch.zeros(64, **i64), cos_sin,
+                                                             4, 2, cache, cache))  # fmt: skip
     runs["kv-write"] = lambda: attn.write_kv(torch.zeros(2, 2, 64, **bf16),
                                              torch.zeros(2, 2, 64, **bf16), cache, cache, pos)
     meta = (pos, torch.tensor([0, 1, 2]), torch.ones(2, **i64), torch.zeros(2, 4, **i64))

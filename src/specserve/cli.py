@@ -41,6 +41,9 @@ _HELP = {
     "greedy speculation may then drift from plain decoding)",
     "disable_pdl": "launch Triton kernels without programmatic dependent launch (on by default "
     "on GPUs of compute capability 9+: a kernel starts while the previous one ends)",
+    "gemv_stream_k": "EXPERIMENTAL, not yet measured on a GPU: also time stream-K GEMV tiles "
+    "(one program per multiprocessor, split tiles summed by the last to finish) for steps "
+    "of more than 16 rows",
     "disable_fusion": "keep SiLU-and-mul and the split-K passes of the output and down "
     "projections as kernels of their own (by default fused into the GEMV and the next "
     "RMSNorm; same results)",

@@ -50,6 +50,7 @@ class EngineConfig:
     # cuBLAS may serve decode rows even where a row's bits change with the row count
     disable_batch_invariance: bool = False
     disable_pdl: bool = False  # no programmatic dependent launch (layers/pdl.py)
+    gemv_stream_k: bool = False  # experimental: stream-K GEMV candidates above 16 rows
     disable_fusion: bool = False  # SiLU-and-mul and split-K passes as kernels of their own
     overlap_schedule: str = "auto"  # auto: on for CUDA, off on CPU; on; off
     disable_overlap_schedule: bool = False  # the synchronous step loop (same as off)

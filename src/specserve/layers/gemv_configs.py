@@ -25,12 +25,13 @@ class GemvConfig:
     use_dot: bool = True
     block_m: int = 16
     tma: bool = False  # weight tiles through a tensor descriptor (matrix-unit path only)
+    stream_k: bool = False  # one program per multiprocessor (gemv_stream_k.py)
 
     def __str__(self) -> str:
         kind = f"dot m{self.block_m}" if self.use_dot else "fma"
         return (f"{kind} n{self.block_n} k{self.block_k} s{self.split_k} "
                 f"w{self.num_warps} st{self.num_stages}"
-                + (" tma" if self.tma else ""))  # fmt: skip
+                + (" tma" if self.tma else "") + (" sk" if self.stream_k else ""))  # fmt: skip
 
     @property
     def max_rows(self) -> int:
@@ -43,6 +44,8 @@ class GemvConfig:
         the matrix-unit path and weight rows a multiple of 16 bytes (k % 8 == 0 for any
         dtype: a tensor descriptor's row stride must be)."""
         if rows > self.max_rows or (self.tma and (not self.use_dot or k % 8)):
+            return False
+        if self.stream_k and (not self.use_dot or self.tma or self.split_k > 1):
             return False
         return self.split_k == 1 or triton.cdiv(k, self.split_k) >= self.block_k
 
@@ -73,6 +76,20 @@ _SPLIT_TILE = GemvConfig(64, 128, num_stages=4)
 # o_proj, whose split's second pass runs inside the next norm when timed fused with it).
 _SPLIT_EXTRA = {16: GemvConfig(32, 128, split_k=3, num_warps=2, num_stages=4),
                 64: GemvConfig(64, 128, split_k=2, num_stages=5)}  # fmt: skip
+# Stream-K tiles (gemv_stream_k.py) for the row blocks above the shared buckets: candidates
+# only while `set_stream_k(True)` (EngineConfig.gemv_stream_k; not yet measured on a GPU).
+_STREAM_K = {32: [GemvConfig(64, 128, num_stages=4)],
+             64: [GemvConfig(64, 128, num_stages=4), GemvConfig(128, 64, num_stages=4)]}
+_STREAM_K_ON = [False]
+
+
+def set_stream_k(on: bool) -> None:
+    """Propose the stream-K tiles to selection from now on (or stop)."""
+    _STREAM_K_ON[0] = bool(on)
+
+
+def stream_k_enabled() -> bool:
+    return _STREAM_K_ON[0]
 
 
 def candidate_configs(rows: int, n: int, k: int, num_sms: int) -> list[GemvConfig]:
@@ -80,7 +97,8 @@ def candidate_configs(rows: int, n: int, k: int, num_sms: int) -> list[GemvConfi
     order of preference on a tie: the CUDA-core product for one or two rows, the unsplit
     tiles of the row block, and, for a long K (K > N: few output tiles, long rows), one
     K split that brings the program count to about one wave of `num_sms`; then the sweep's
-    split for the row block (`_SPLIT_EXTRA`: K >= N at up to 16 rows and at 64)."""
+    split for the row block (`_SPLIT_EXTRA`: K >= N at up to 16 rows and at 64); and the
+    stream-K tiles of the row blocks of 32 and 64 while they are switched on."""
     bm = row_block(rows)
     tiles = ([_FMA] if rows <= 2 else []) + [replace(t, block_m=bm) for t in _TILES[bm]]
     if k > n:
@@ -92,6 +110,8 @@ def candidate_configs(rows: int, n: int, k: int, num_sms: int) -> list[GemvConfi
     extra = _SPLIT_EXTRA.get(bm)
     if extra is not None and k >= n:
         tiles.append(replace(extra, block_m=bm))
+    if _STREAM_K_ON[0]:
+        tiles += [replace(t, block_m=bm, stream_k=True) for t in _STREAM_K.get(bm, ())]
     return [t for t in tiles if t.supports(rows, n, k)]
 
 
@@ -101,6 +121,6 @@ def gated_config(cfg: GemvConfig | None) -> GemvConfig | None:
     its width, whose programs stream it from both halves (cfg's program count and bytes
     per stage). None where the epilogue does not apply: torch, a K split (the epilogue
     needs whole sums), the CUDA-core path, or a tile narrower than 32."""
-    if cfg is None or cfg.split_k > 1 or not cfg.use_dot or cfg.block_n < 32:
+    if cfg is None or cfg.split_k > 1 or not cfg.use_dot or cfg.block_n < 32 or cfg.stream_k:
         return None
     return replace(cfg, block_n=cfg.block_n // 2)

@@ -46,7 +46,7 @@ from specserve.layers.gemv import (
     gemv,
     rope_fits,
 )
-from specserve.layers.gemv_configs import gated_config
+from specserve.layers.gemv_configs import gated_config, stream_k_enabled
 from specserve.layers.gemv_plan import (  # noqa: F401 (SHARED_ROWS: callers import it here)
     ROW_BUCKETS,
     SHARED_ROWS,
@@ -144,7 +144,8 @@ def variant_key(cfg: GemvConfig, rows: int, n: int, k: int, dtype: torch.dtype,
     under PDL the lines prefetched, `gemv.call_prefetch`, which depend on the shape)."""
     bm = cfg.block_m if cfg.use_dot else max(1, 1 << (rows - 1).bit_length())
     return (bm, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages, cfg.use_dot,
-            cfg.split_k > 1, k % cfg.block_k == 0, cfg.tma, dtype, prefetch)  # fmt: skip
+            cfg.split_k > 1, k % cfg.block_k == 0, cfg.tma, cfg.stream_k, dtype,
+            0 if cfg.stream_k else prefetch)  # fmt: skip
 
 
 def compile_tasks(todo: dict, shapes: dict, gated_jobs: dict | None = None,
@@ -199,8 +200,8 @@ def _rope_stand_in(heads: tuple[int, int, int], rows: int, w: torch.Tensor) -> R
     return RopeStore(idx, idx, cos_sin, q_heads, kv_heads, cache[0], cache[1])
 
 
-# (device index, row buckets, margin, after_producer, batch_invariant) -> the choices
-# measured so far in this process.
+# (device index, row buckets, margin, after_producer, batch_invariant, stream-K candidates on)
+# -> the choices measured so far in this process.
 _MEASURED: dict[tuple, dict[PlanKey, GemvChoice]] = {}
 
 
@@ -287,9 +288,10 @@ class GemvSelector:
         device = next(iter(shapes.values()))[0].device
         index = torch.device(device).index
         self.measured = _MEASURED.setdefault(
-            (index, self.row_buckets, self.margin, self.after_producer, self.batch_invariant),
+            (index, self.row_buckets, self.margin, self.after_producer, self.batch_invariant,
+             stream_k_enabled()),
             self.measured,
-        )
+        )  # fmt: skip
         biases = {key: b for key, b in (biases or {}).items() if key in shapes}
         torch_varies = frozenset()
         if self.batch_invariant:

@@ -1,0 +1,192 @@
+"""Stream-K schedule of the GEMV (`GemvConfig.stream_k`): for the taller row blocks, where a
+projection's output tiles do not divide into whole waves of the GPU's multiprocessors (the
+8B qkv at 64 rows: 96 tiles of 64 columns on 132 multiprocessors; gate/up: 224), one
+program per multiprocessor takes an equal share of all (tile, K block) units, in order.
+
+A tile whose K blocks fall to one program is finished there. A tile split between programs
+gets each one's fp32 partial sums in a workspace (a program holds at most two such pieces:
+its first tile and its last); each then counts itself in on the tile's counter, and the
+program that arrives last, whichever it is, adds the pieces in K order (the same sum on
+every run, whoever finishes first), runs the epilogue (bias, the rope epilogue) and puts the
+counter back to zero for the next call. No program waits for another, so no schedule can
+deadlock, and under the interpreter (programs one after another) the last program finishes
+every split tile. The counters live in a buffer per device that the kernel keeps at zero.
+
+Results are not bitwise those of the data-parallel tile (a split tile's sum is grouped by
+piece), so stream-K serves only row buckets above SHARED_ROWS, whose choice is their own.
+Imported lazily with gemv.py (kernels are defined at import).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from specserve.layers.gemv import _load_x, _mac  # gemv.py imports this module when needed
+from specserve.layers.gemv_configs import GemvConfig
+from specserve.layers.gemv_rope import rope_store
+from specserve.layers.pdl_kernel import pdl_enter
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}  # per device, kept at zero by the kernel
+
+
+@triton.jit
+def _tile_rows_cols(t, num_m, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    ROPE: tl.constexpr, HEAD_DIM: tl.constexpr):  # fmt: skip
+    """Tile t's rows m and columns n (the M blocks of one weight tile are neighbours), and
+    under ROPE the head and pair offset its columns hold (gemv_rope.py's column map)."""
+    tm = t % num_m
+    tn = t // num_m
+    m = tm * BLOCK_M + tl.arange(0, BLOCK_M)
+    if ROPE:
+        head = tn // (HEAD_DIM // BLOCK_N)
+        j = (tn % (HEAD_DIM // BLOCK_N)) * (BLOCK_N // 2)
+        c = tl.arange(0, BLOCK_N)
+        n = head * HEAD_DIM + j + c // 2 + (c % 2) * (HEAD_DIM // 2)
+    else:
+        head = 0
+        j = 0
+        n = tn * BLOCK_N + tl.arange(0, BLOCK_N)
+    return m, n, head, j
+
+
+@triton.jit(do_not_specialize=["M", "units", "pos_ptr", "slot_ptr", "page_size"])
+def _gemv_stream_k_kernel(
+    x_ptr, w_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, units, iters, num_m,
+    stride_xm, stride_wn, stride_om,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    IEEE: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+    SILU: tl.constexpr = False, USE_PDL: tl.constexpr = False,
+    pos_ptr=None, slot_ptr=None, cos_sin_ptr=None, k_cache=None, v_cache=None,
+    stride_cs=0, stride_page=0, stride_slot=0, page_size=1,
+    ROPE: tl.constexpr = False, HEAD_DIM: tl.constexpr = 0, Q_HEADS: tl.constexpr = 0,
+    K_HEADS: tl.constexpr = 0,
+):  # fmt: skip
+    p = tl.program_id(0)
+    programs = tl.num_programs(0)
+    start = p * units // programs
+    end = (p + 1) * units // programs
+    first_tile = start // iters
+    kk = tl.arange(0, BLOCK_K)
+    if USE_PDL:
+        pdl_enter()  # before the first read of x and the first write
+    # one pass per tile this program touches (its first and last may be pieces); the inner
+    # K loop alone, loads and products, is what the software pipeline overlaps
+    for t in range(first_tile, (end + iters - 1) // iters):
+        k_lo = tl.maximum(start - t * iters, 0)
+        k_hi = tl.minimum(end - t * iters, iters)
+        m, n, head, j = _tile_rows_cols(t, num_m, M, N, BLOCK_M, BLOCK_N, ROPE, HEAD_DIM)
+        m_ok = (m < M)[:, None]
+        x_rows = x_ptr + m[:, None] * stride_xm
+        w_rows = w_ptr + tl.minimum(n, N - 1).to(tl.int64)[:, None] * stride_wn
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for ki in range(k_lo, k_hi):
+            k = ki * BLOCK_K + kk
+            if EVEN_K:
+                w = tl.load(w_rows + k[None, :])
+                x = _load_x(x_rows, k, m_ok, K, SILU)
+            else:
+                w = tl.load(w_rows + k[None, :], mask=(k < K)[None, :], other=0.0)
+                x = _load_x(x_rows, k, m_ok & (k < K)[None, :], K, SILU)
+            acc = _mac(acc, x, w, True, IEEE)
+        if (k_lo == 0) & (k_hi == iters):  # the whole tile: finished here
+            _finish(acc, m, n, head, j, M, N, b_ptr, out_ptr, stride_om, HAS_BIAS, pos_ptr,
+                    slot_ptr, cos_sin_ptr, k_cache, v_cache, stride_cs, stride_page,
+                    stride_slot, page_size, BLOCK_M, BLOCK_N, ROPE, HEAD_DIM, Q_HEADS,
+                    K_HEADS)  # fmt: skip
+        else:
+            _piece(acc, p, t, first_tile, units, iters, programs, m, n, head, j, M, N, b_ptr,
+                   out_ptr, ws_ptr, cnt_ptr, stride_om, HAS_BIAS, pos_ptr, slot_ptr,
+                   cos_sin_ptr, k_cache, v_cache, stride_cs, stride_page, stride_slot,
+                   page_size, BLOCK_M, BLOCK_N, ROPE, HEAD_DIM, Q_HEADS, K_HEADS)  # fmt: skip
+
+
+@triton.jit
+def _finish(acc, m, n, head, j, M, N, b_ptr, out_ptr, stride_om, HAS_BIAS: tl.constexpr,
+            pos_ptr, slot_ptr, cos_sin_ptr, k_cache, v_cache, stride_cs, stride_page,
+            stride_slot, page_size, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+            ROPE: tl.constexpr, HEAD_DIM: tl.constexpr, Q_HEADS: tl.constexpr,
+            K_HEADS: tl.constexpr):  # fmt: skip
+    """A tile's whole sums: bias, rounding, and the store or the rope epilogue."""
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + n, mask=n < N, other=0.0).to(tl.float32)[None, :]
+    y = acc.to(out_ptr.dtype.element_ty)
+    if ROPE:
+        rope_store(y, m, m < M, head, j, pos_ptr, slot_ptr, cos_sin_ptr, out_ptr, k_cache,
+                   v_cache, stride_om, stride_cs, stride_page, stride_slot, page_size,
+                   BLOCK_M, BLOCK_N, HEAD_DIM, Q_HEADS, K_HEADS)  # fmt: skip
+    else:
+        ok = (m < M)[:, None] & (n < N)[None, :]
+        tl.store(out_ptr + m[:, None] * stride_om + n[None, :], y, mask=ok)
+
+
+@triton.jit
+def _piece(acc, p, t, first_tile, units, iters, programs, m, n, head, j, M, N, b_ptr,
+           out_ptr, ws_ptr, cnt_ptr, stride_om, HAS_BIAS: tl.constexpr, pos_ptr, slot_ptr,
+           cos_sin_ptr, k_cache, v_cache, stride_cs, stride_page, stride_slot, page_size,
+           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROPE: tl.constexpr,
+           HEAD_DIM: tl.constexpr, Q_HEADS: tl.constexpr, K_HEADS: tl.constexpr):  # fmt: skip
+    """Program p's piece of split tile t: its partial sums to the workspace, its count on
+    the tile's counter; the last to count sums every piece in K order and finishes."""
+    cells = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    tile_cells = BLOCK_M * BLOCK_N
+    slot = tl.where(t == first_tile, 0, 1)
+    tl.store(ws_ptr + (p * 2 + slot).to(tl.int64) * tile_cells + cells, acc)
+    tl.debug_barrier()  # every thread's partial sums written before the count (release)
+    lo = ((t * iters + 1) * programs - 1) // units  # the programs holding tile t's K blocks
+    hi = ((t * iters + iters) * programs - 1) // units
+    arrived = tl.atomic_add(cnt_ptr + t, 1, sem="acq_rel", scope="gpu")
+    if arrived == hi - lo:  # the last of them: every other piece is written
+        total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for q in range(lo, hi + 1):
+            q_first = (q * units // programs) // iters
+            q_slot = tl.where(t == q_first, 0, 1)
+            # past L1 (another multiprocessor wrote it), in K order: the same sum every run
+            total += tl.load(ws_ptr + (q * 2 + q_slot).to(tl.int64) * tile_cells + cells,
+                             cache_modifier=".cg")  # fmt: skip
+        _finish(total, m, n, head, j, M, N, b_ptr, out_ptr, stride_om, HAS_BIAS, pos_ptr,
+                slot_ptr, cos_sin_ptr, k_cache, v_cache, stride_cs, stride_page, stride_slot,
+                page_size, BLOCK_M, BLOCK_N, ROPE, HEAD_DIM, Q_HEADS, K_HEADS)  # fmt: skip
+        tl.atomic_xchg(cnt_ptr + t, 0, sem="relaxed", scope="gpu")  # ready for the next call
+
+
+def counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """At least `tiles` zeroed tile counters on `device` (kept at zero between calls)."""
+    buf = _COUNTERS.get(device)
+    if buf is None or buf.numel() < tiles:
+        buf = torch.zeros(max(tiles, 1024), dtype=torch.int32, device=device)
+        _COUNTERS[device] = buf
+    return buf
+
+
+def num_programs(device: torch.device) -> int:
+    """One program per multiprocessor (4 under the interpreter on the CPU)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cfg: GemvConfig,
+           out: torch.Tensor, silu: bool, consts: dict, compile_only: bool) -> None:
+    """Run (or compile only) the stream-K kernel for x2 [rows, K or 2K with silu] @ weight^T
+    into out: `consts` carries the launch's PDL and rope keywords."""
+    rows, (n, k) = x2.shape[0], weight.shape
+    num_m = triton.cdiv(rows, cfg.block_m)
+    iters = triton.cdiv(k, cfg.block_k)
+    tiles = num_m * triton.cdiv(n, cfg.block_n)
+    units = tiles * iters
+    grid = (min(num_programs(x2.device), units),)
+    work = torch.empty((grid[0] * 2, cfg.block_m * cfg.block_n), dtype=torch.float32,
+                       device=x2.device)  # fmt: skip
+    args = (x2, weight, bias if bias is not None else weight, out, work,
+            counters(x2.device, tiles), rows, n, k, units, iters, num_m, x2.stride(0),
+            weight.stride(0), out.stride(0))  # fmt: skip
+    consts = dict(consts, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                  IEEE=x2.dtype == torch.float32, EVEN_K=k % cfg.block_k == 0,
+                  HAS_BIAS=bias is not None, SILU=silu, num_warps=cfg.num_warps,
+                  num_stages=cfg.num_stages)  # fmt: skip
+    if compile_only:
+        _gemv_stream_k_kernel.warmup(*args, grid=grid, **consts)
+    else:
+        _gemv_stream_k_kernel[grid](*args, **consts)

@@ -1,0 +1,215 @@
+"""The stream-K GEMV (layers/gemv_stream_k.py): through the Triton interpreter on the CPU in
+one subprocess (4 programs, so tiles split between programs and the last to finish sums
+them): right against a float64 reference with and without bias and the SiLU prologue, the
+same bits on a second call, every tile counter back at zero, the rope epilogue equal to the
+plain product then the rotary + KV-store kernel. Candidates and the engine switch are tested
+directly; on a GPU (`-m gpu`) the 8B shapes at 33 and 64 rows, and the same bits over many
+CUDA-graph replays (a race between the programs that share a tile would show there)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+from tests.interpreter_run import interpreter_results as run_interpreter
+from tests.triton_cases import rel_err
+
+TOL = {torch.float32: 2e-6, torch.float16: 1e-3, torch.bfloat16: 1e-2}
+
+
+def split_tiles(rows: int, n: int, k: int, cfg, programs: int) -> int:
+    """How many tiles the schedule splits between programs (the fix-up path's work)."""
+    iters = -(-k // cfg.block_k)
+    tiles = -(-rows // cfg.block_m) * -(-n // cfg.block_n)
+    units = tiles * iters
+    programs = min(programs, units)
+    owner = [((u + 1) * programs - 1) // units for u in range(units)]
+    return sum(owner[t * iters] != owner[t * iters + iters - 1] for t in range(tiles))
+
+
+def stream_k_case(cfg, rows: int, n: int, k: int, dtype, device, bias=False, silu=False,
+                  seed=0) -> dict:  # fmt: skip
+    """{"err": against float64, "same": a second call's bits, "counters": the tile counters'
+    sum after the calls (0: put back), "split": tiles split between programs}."""
+    from specserve.layers import gemv_stream_k
+    from specserve.layers.gemv import gemv
+
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, 2 * k if silu else k, generator=gen).to(dtype=dtype, device=device)
+    w = (torch.randn(n, k, generator=gen) / k**0.5).to(dtype=dtype, device=device)
+    b = torch.randn(n, generator=gen).to(dtype=dtype, device=device) if bias else None
+    out = gemv(x, w, b, cfg, silu=silu)
+    again = gemv(x, w, b, cfg, silu=silu)
+    if silu:
+        gate = torch.nn.functional.silu(x[:, :k].float()).to(dtype)
+        x = (gate.double() * x[:, k:].double()).to(dtype)
+    ref = x.double() @ w.double().T + (b.double() if bias else 0)
+    counters = gemv_stream_k._COUNTERS[torch.device(device)]
+    return {"err": rel_err(out, ref), "same": torch.equal(out, again),
+            "counters": int(counters.abs().sum()), "dtype": str(out.dtype),
+            "split": split_tiles(rows, n, k, cfg, gemv_stream_k.num_programs(out.device))}
+
+
+def _cases() -> dict[str, tuple]:
+    """name -> (config, rows, n, k, dtype, bias, silu); K and N off the blocks, shapes whose
+    units do not fall to the 4 programs in whole tiles."""
+    from specserve.layers.gemv import GemvConfig
+
+    m16 = GemvConfig(16, 32, stream_k=True)
+    m32 = GemvConfig(32, 64, block_m=32, stream_k=True)
+    m64 = GemvConfig(16, 64, block_m=64, stream_k=True)
+    cases = {}
+    for dtype in ("float32", "float16"):
+        cases[f"m16-{dtype}-r1"] = (m16, 1, 72, 200, dtype, False, False)
+        cases[f"m16-{dtype}-r17-bias"] = (m16, 17, 40, 256, dtype, True, False)
+        cases[f"m32-{dtype}-r33-silu"] = (m32, 33, 72, 320, dtype, False, True)
+        cases[f"m64-{dtype}-r64-bias"] = (m64, 64, 96, 96, dtype, True, False)
+        cases[f"m32-{dtype}-r5-wide"] = (m32, 5, 968, 160, dtype, False, False)
+    return cases
+
+
+def run_cases() -> dict:
+    from specserve.layers.gemv import GemvConfig
+    from tests.fusion_cases import rope_gemv_case
+
+    results: dict = {}
+
+    def record(name, fn, *args, **kwargs):
+        try:
+            results[name] = fn(*args, **kwargs)
+        except Exception as e:  # reported per case by the test
+            results[name] = f"{type(e).__name__}: {e}"
+
+    for name, (cfg, rows, n, k, dtype, bias, silu) in _cases().items():
+        record(name, stream_k_case, cfg, rows, n, k, getattr(torch, dtype), "cpu", bias, silu,
+               seed=len(name))  # fmt: skip
+    for rows in (3, 40):  # one head per tile (32), tiles split between the 4 programs
+        record(f"rope-r{rows}", rope_gemv_case, GemvConfig(32, 32, block_m=64, stream_k=True),
+               rows, 2, 1, 32, 96, torch.float32, "cpu", bias=True, seed=rows)  # fmt: skip
+    return results
+
+
+@pytest.fixture(scope="module")
+def interpreter_results() -> dict:
+    return run_interpreter("tests.test_gemv_stream_k")
+
+
+def _names() -> list[str]:
+    try:
+        return sorted(_cases())
+    except ImportError:  # no triton: the fixture skips
+        return ["triton-missing"]
+
+
+@pytest.mark.parametrize("name", _names())
+def test_interpreter_stream_k_is_right_reproducible_and_resets_its_counters(
+    name, interpreter_results
+):
+    res = interpreter_results[name]
+    assert isinstance(res, dict), f"{name} raised {res}"
+    dtype = getattr(torch, next(d for d in ("float16", "float32") if d in name))
+    assert res["err"] <= TOL[dtype] and res["same"] and res["counters"] == 0, res
+    assert res["dtype"] == str(dtype) and res["split"] > 0, res  # the fix-up path ran
+
+
+@pytest.mark.parametrize("rows", [3, 40])
+def test_interpreter_stream_k_rope_epilogue(rows, interpreter_results):
+    res = interpreter_results[f"rope-r{rows}"]
+    assert isinstance(res, dict), res
+    assert res["equal"] and res["stored"] and res["err"] <= TOL[torch.float32], res
+
+
+def test_stream_k_candidates_only_when_switched_on_and_only_above_16_rows():
+    from specserve.layers import gemv_configs
+    from specserve.layers.gemv_configs import GemvConfig, candidate_configs, gated_config
+
+    def has_stream_k(rows):
+        return any(c.stream_k for c in candidate_configs(rows, 6144, 4096, 132))
+
+    try:
+        gemv_configs.set_stream_k(False)
+        assert not has_stream_k(64)
+        gemv_configs.set_stream_k(True)
+        assert has_stream_k(64) and has_stream_k(32) and not has_stream_k(16)
+        assert str(next(c for c in candidate_configs(64, 6144, 4096, 132) if c.stream_k)
+                   ).endswith(" sk")  # fmt: skip
+    finally:
+        gemv_configs.set_stream_k(False)
+    assert not GemvConfig(64, 128, split_k=2, stream_k=True).supports(64, 4096, 4096)
+    assert not GemvConfig(64, 128, tma=True, stream_k=True).supports(64, 4096, 4096)
+    assert GemvConfig(64, 128, block_m=64, stream_k=True).supports(64, 4096, 4096)
+    assert gated_config(GemvConfig(64, 128, block_m=64, stream_k=True)) is None
+    assert split_tiles(64, 6144, 4096, GemvConfig(64, 128, block_m=64), 132) > 0
+
+
+# ---- GPU ------------------------------------------------------------------------------------
+_SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
+           "down": (4096, 14336)}  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_stream_k_at_8b_shapes(dtype):
+    """Every stream-K candidate at Llama-3.1-8B's projections (the down projection with the
+    SiLU prologue) at 33 and 64 rows: right, reproducible, counters put back; qkv's rope
+    epilogue equal to the plain product then rotary_store_kv."""
+    from specserve.layers import gemv_configs
+    from specserve.layers.gemv_configs import candidate_configs
+    from tests.fusion_cases import rope_gemv_case
+
+    gemv_configs.set_stream_k(True)
+    try:
+        for name, (n, k) in _SHAPES.items():
+            for rows in (33, 64):
+                for cfg in (c for c in candidate_configs(rows, n, k, 132) if c.stream_k):
+                    res = stream_k_case(cfg, rows, n, k, dtype, "cuda", silu=name == "down",
+                                        seed=rows)  # fmt: skip
+                    assert res["err"] < TOL[dtype] and res["same"], (name, rows, str(cfg), res)
+                    assert res["counters"] == 0 and res["split"] > 0, (name, str(cfg), res)
+                    if name == "qkv" and 128 % cfg.block_n == 0:
+                        rope = rope_gemv_case(cfg, rows, 32, 8, 128, k, dtype, "cuda",
+                                              seed=rows, page_size=16)  # fmt: skip
+                        assert rope["equal"] and rope["stored"], (rows, str(cfg), rope)
+    finally:
+        gemv_configs.set_stream_k(False)
+
+
+@pytest.mark.gpu
+def test_gpu_stream_k_same_bits_over_graph_replays():
+    """200 replays of a captured stream-K GEMV (the 8B gate/up at 64 rows, PDL as the engine
+    runs it) give the first replay's bits every time, and leave the counters at zero: the
+    pieces of a split tile are always all written before the last program sums them."""
+    from specserve.layers import gemv_stream_k
+    from specserve.layers.gemv import GemvConfig, gemv
+
+    cfg = GemvConfig(128, 64, block_m=64, num_stages=4, stream_k=True)
+    x = torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(28672, 4096, device="cuda", dtype=torch.bfloat16) / 64
+    out = torch.empty(64, 28672, device="cuda", dtype=torch.bfloat16)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        out.copy_(gemv(x, w, None, cfg))
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out.copy_(gemv(x, w, None, cfg))
+    graph.replay()
+    first = out.clone()
+    differ = 0
+    for _ in range(200):
+        graph.replay()
+        differ += not torch.equal(out, first)
+    torch.cuda.synchronize()
+    assert differ == 0
+    assert rel_err(first, x.double() @ w.double().T) < TOL[torch.bfloat16]
+    assert int(gemv_stream_k._COUNTERS[x.device].abs().sum()) == 0
+
+
+if __name__ == "__main__":  # the interpreter run (TRITON_INTERPRET=1), see the fixture
+    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+    sys.stdout.write("\n" + json.dumps(run_cases()) + "\n")
