@@ -48,7 +48,7 @@ def stream_k_case(cfg, rows: int, n: int, k: int, dtype, device, bias=False, sil
         gate = torch.nn.functional.silu(x[:, :k].float()).to(dtype)
         x = (gate.double() * x[:, k:].double()).to(dtype)
     ref = x.double() @ w.double().T + (b.double() if bias else 0)
-    counters = gemv_stream_k._COUNTERS[torch.device(device)]
+    counters = gemv_stream_k._COUNTERS[out.device]  # (cuda:0, not cuda)
     return {"err": rel_err(out, ref), "same": torch.equal(out, again),
             "counters": int(counters.abs().sum()), "dtype": str(out.dtype),
             "split": split_tiles(rows, n, k, cfg, gemv_stream_k.num_programs(out.device))}
@@ -69,6 +69,9 @@ def _cases() -> dict[str, tuple]:
         cases[f"m32-{dtype}-r33-silu"] = (m32, 33, 72, 320, dtype, False, True)
         cases[f"m64-{dtype}-r64-bias"] = (m64, 64, 96, 96, dtype, True, False)
         cases[f"m32-{dtype}-r5-wide"] = (m32, 5, 968, 160, dtype, False, False)
+    # one tile among 4 programs (4 pieces, the middle ones in slot 0), and 3 units, 3 programs
+    cases["m32-float32-r5-four-pieces"] = (m32, 5, 32, 512, "float32", True, False)
+    cases["m32-float32-r5-three-programs"] = (m32, 5, 32, 192, "float32", False, False)
     return cases
 
 
@@ -87,9 +90,9 @@ def run_cases() -> dict:
     for name, (cfg, rows, n, k, dtype, bias, silu) in _cases().items():
         record(name, stream_k_case, cfg, rows, n, k, getattr(torch, dtype), "cpu", bias, silu,
                seed=len(name))  # fmt: skip
-    for rows in (3, 40):  # one head per tile (32), tiles split between the 4 programs
+    for rows in (3, 40):  # one head per tile (32): 5 tiles, 2 split between the 4 programs
         record(f"rope-r{rows}", rope_gemv_case, GemvConfig(32, 32, block_m=64, stream_k=True),
-               rows, 2, 1, 32, 96, torch.float32, "cpu", bias=True, seed=rows)  # fmt: skip
+               rows, 3, 1, 32, 96, torch.float32, "cpu", bias=True, seed=rows)  # fmt: skip
     return results
 
 
@@ -121,6 +124,40 @@ def test_interpreter_stream_k_rope_epilogue(rows, interpreter_results):
     res = interpreter_results[f"rope-r{rows}"]
     assert isinstance(res, dict), res
     assert res["equal"] and res["stored"] and res["err"] <= TOL[torch.float32], res
+
+
+def test_stream_k_schedule_gives_every_split_tile_its_pieces_in_k_order():
+    """The kernel's schedule arithmetic, in Python: every program gets units; a tile's
+    contributors are exactly lo..hi (the owner formula), their K ranges join up in order;
+    a program holds at most one piece per slot, and the slot a finisher reads for each
+    contributor is the slot that contributor wrote."""
+    for tiles in range(1, 40):
+        for iters in range(1, 20):
+            units = tiles * iters
+            for programs in (1, 2, 3, 4, 5, 7, 132):
+                programs = min(programs, units)
+                starts = [p * units // programs for p in range(programs + 1)]
+                assert all(a < b for a, b in zip(starts, starts[1:]))
+                written = {}
+                for p in range(programs):
+                    first = starts[p] // iters
+                    for t in range(first, -(-starts[p + 1] // iters)):
+                        lo_k = max(starts[p] - t * iters, 0)
+                        hi_k = min(starts[p + 1] - t * iters, iters)
+                        if (lo_k, hi_k) != (0, iters):
+                            slot = 0 if t == first else 1
+                            assert (p, slot) not in written
+                            written[(p, slot)] = (t, lo_k, hi_k)
+                for t in range(tiles):
+                    lo = ((t * iters + 1) * programs - 1) // units
+                    hi = ((t * iters + iters) * programs - 1) // units
+                    if lo == hi:
+                        continue
+                    ranges = [written[(q, 0 if t == starts[q] // iters else 1)]
+                              for q in range(lo, hi + 1)]  # fmt: skip
+                    assert [r[0] for r in ranges] == [t] * (hi - lo + 1)
+                    assert ranges[0][1] == 0 and ranges[-1][2] == iters
+                    assert all(a[2] == b[1] for a, b in zip(ranges, ranges[1:]))
 
 
 def test_stream_k_candidates_only_when_switched_on_and_only_above_16_rows():

@@ -10,7 +10,9 @@ program that arrives last, whichever it is, adds the pieces in K order (the same
 every run, whoever finishes first), runs the epilogue (bias, the rope epilogue) and puts the
 counter back to zero for the next call. No program waits for another, so no schedule can
 deadlock, and under the interpreter (programs one after another) the last program finishes
-every split tile. The counters live in a buffer per device that the kernel keeps at zero.
+every split tile. The counters live in one fixed buffer per device that the kernel keeps at
+zero; kernels of a device run one after another (the engine's one stream; under PDL a
+kernel touches memory only once the one before has completed), so they share it.
 
 Results are not bitwise those of the data-parallel tile (a split tile's sum is grouped by
 piece), so stream-K serves only row buckets above SHARED_ROWS, whose choice is their own.
@@ -18,6 +20,8 @@ Imported lazily with gemv.py (kernels are defined at import).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -29,6 +33,7 @@ from specserve.layers.gemv_rope import rope_store
 from specserve.layers.pdl_kernel import pdl_enter
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}  # per device, kept at zero by the kernel
+MAX_TILES = 1 << 16  # counters per device (256 KiB): lm_head at 64 rows has ~2,000 tiles
 
 
 @triton.jit
@@ -152,14 +157,20 @@ def _piece(acc, p, t, first_tile, units, iters, programs, m, n, head, j, M, N, b
 
 
 def counters(device: torch.device, tiles: int) -> torch.Tensor:
-    """At least `tiles` zeroed tile counters on `device` (kept at zero between calls)."""
+    """The device's tile counters (MAX_TILES, zeroed once, kept at zero by the kernel; never
+    replaced, since captured CUDA graphs hold their address)."""
+    if tiles > MAX_TILES:
+        raise ValueError(f"a stream-K GEMV of {tiles} tiles exceeds {MAX_TILES} counters")
     buf = _COUNTERS.get(device)
-    if buf is None or buf.numel() < tiles:
-        buf = torch.zeros(max(tiles, 1024), dtype=torch.int32, device=device)
-        _COUNTERS[device] = buf
+    if buf is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            # a captured zero-fill would run only on replays: eager calls would find garbage
+            raise RuntimeError("run a stream-K GEMV eagerly once before capturing one")
+        buf = _COUNTERS[device] = torch.zeros(MAX_TILES, dtype=torch.int32, device=device)
     return buf
 
 
+@functools.cache
 def num_programs(device: torch.device) -> int:
     """One program per multiprocessor (4 under the interpreter on the CPU)."""
     if device.type == "cuda":
@@ -177,11 +188,15 @@ def launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cf
     tiles = num_m * triton.cdiv(n, cfg.block_n)
     units = tiles * iters
     grid = (min(num_programs(x2.device), units),)
-    work = torch.empty((grid[0] * 2, cfg.block_m * cfg.block_n), dtype=torch.float32,
-                       device=x2.device)  # fmt: skip
-    args = (x2, weight, bias if bias is not None else weight, out, work,
-            counters(x2.device, tiles), rows, n, k, units, iters, num_m, x2.stride(0),
-            weight.stride(0), out.stride(0))  # fmt: skip
+    if compile_only:  # stand-ins of the same types (selection compiles from several threads)
+        work = torch.empty(1, dtype=torch.float32, device=x2.device)
+        count = torch.empty(1, dtype=torch.int32, device=x2.device)
+    else:
+        work = torch.empty((grid[0] * 2, cfg.block_m * cfg.block_n), dtype=torch.float32,
+                           device=x2.device)  # fmt: skip
+        count = counters(x2.device, tiles)
+    args = (x2, weight, bias if bias is not None else weight, out, work, count, rows, n, k,
+            units, iters, num_m, x2.stride(0), weight.stride(0), out.stride(0))  # fmt: skip
     consts = dict(consts, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                   IEEE=x2.dtype == torch.float32, EVEN_K=k % cfg.block_k == 0,
                   HAS_BIAS=bias is not None, SILU=silu, num_warps=cfg.num_warps,
