@@ -167,6 +167,9 @@ def _launch_all() -> None:
     runs["gemv-stream-k-silu"] = lambda: gemv(torch.zeros(64, 1024, **bf16), w, None,
                                               GemvConfig(32, 64, block_m=64, stream_k=True),
                                               silu=True)  # fmt: skip
+    runs["gemv-stream-k-gated"] = lambda: gemv(x64, w, None, GemvConfig(32, 64, block_m=64,
+                                                                      stream_k=True),
+                                               gated=True)  # fmt: skip
     runs["gemv-stream-k-rope"] = lambda: gemv(x64[:, :512], qkv_w, None,
                                               GemvConfig(64, 64, block_m=64, stream_k=True),
                                               rope=RopeStore(torch.zeros(64, **i64),

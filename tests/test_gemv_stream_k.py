@@ -77,7 +77,7 @@ def _cases() -> dict[str, tuple]:
 
 def run_cases() -> dict:
     from specserve.layers.gemv import GemvConfig
-    from tests.fusion_cases import rope_gemv_case
+    from tests.fusion_cases import gated_gemv_case, rope_gemv_case
 
     results: dict = {}
 
@@ -90,6 +90,10 @@ def run_cases() -> dict:
     for name, (cfg, rows, n, k, dtype, bias, silu) in _cases().items():
         record(name, stream_k_case, cfg, rows, n, k, getattr(torch, dtype), "cpu", bias, silu,
                seed=len(name))  # fmt: skip
+    for dtype in ("float32", "float16"):  # SiLU-and-mul as the gate/up epilogue
+        record(f"gated-{dtype}-r33", gated_gemv_case, GemvConfig(32, 64, block_m=64,
+                                                                  stream_k=True),
+               33, 72, 200, getattr(torch, dtype), "cpu", bias=True, seed=33)  # fmt: skip
     for rows in (3, 40):  # one head per tile (32): 5 tiles, 2 split between the 4 programs
         record(f"rope-r{rows}", rope_gemv_case, GemvConfig(32, 32, block_m=64, stream_k=True),
                rows, 3, 1, 32, 96, torch.float32, "cpu", bias=True, seed=rows)  # fmt: skip
@@ -117,6 +121,19 @@ def test_interpreter_stream_k_is_right_reproducible_and_resets_its_counters(
     dtype = getattr(torch, next(d for d in ("float16", "float32") if d in name))
     assert res["err"] <= TOL[dtype] and res["same"] and res["counters"] == 0, res
     assert res["dtype"] == str(dtype) and res["split"] > 0, res  # the fix-up path ran
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_interpreter_stream_k_gated_epilogue(dtype, interpreter_results):
+    """SiLU-and-mul in the stream-K gate/up GEMV's epilogue, both halves' pieces summed by
+    the last program: right against a float64 reference (not bitwise the plain stream-K's:
+    its tiles split elsewhere)."""
+    from specserve.layers.gemv import GemvConfig
+
+    res = interpreter_results[f"gated-{dtype}-r33"]
+    assert isinstance(res, dict), res
+    assert res["err"] <= TOL[getattr(torch, dtype)], res
+    assert split_tiles(33, 72, 200, GemvConfig(32, 64, block_m=64), 4) > 0
 
 
 @pytest.mark.parametrize("rows", [3, 40])
@@ -179,7 +196,8 @@ def test_stream_k_candidates_only_when_switched_on_and_only_above_16_rows():
     assert not GemvConfig(64, 128, split_k=2, stream_k=True).supports(64, 4096, 4096)
     assert not GemvConfig(64, 128, tma=True, stream_k=True).supports(64, 4096, 4096)
     assert GemvConfig(64, 128, block_m=64, stream_k=True).supports(64, 4096, 4096)
-    assert gated_config(GemvConfig(64, 128, block_m=64, stream_k=True)) is None
+    half = gated_config(GemvConfig(64, 128, block_m=64, stream_k=True))
+    assert half == GemvConfig(32, 128, block_m=64, stream_k=True)  # the gated half tile
     assert split_tiles(64, 6144, 4096, GemvConfig(64, 128, block_m=64), 132) > 0
 
 
@@ -193,10 +211,11 @@ _SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
 def test_gpu_stream_k_at_8b_shapes(dtype):
     """Every stream-K candidate at Llama-3.1-8B's projections (the down projection with the
     SiLU prologue) at 33 and 64 rows: right, reproducible, counters put back; qkv's rope
-    epilogue equal to the plain product then rotary_store_kv."""
+    epilogue equal to the plain product then rotary_store_kv; gate/up's gated half tile
+    right."""
     from specserve.layers import gemv_configs
-    from specserve.layers.gemv_configs import candidate_configs
-    from tests.fusion_cases import rope_gemv_case
+    from specserve.layers.gemv_configs import candidate_configs, gated_config
+    from tests.fusion_cases import gated_gemv_case, rope_gemv_case
 
     gemv_configs.set_stream_k(True)
     try:
@@ -207,6 +226,10 @@ def test_gpu_stream_k_at_8b_shapes(dtype):
                                         seed=rows)  # fmt: skip
                     assert res["err"] < TOL[dtype] and res["same"], (name, rows, str(cfg), res)
                     assert res["counters"] == 0 and res["split"] > 0, (name, str(cfg), res)
+                    if name == "gate_up" and gated_config(cfg) is not None:
+                        gated = gated_gemv_case(gated_config(cfg), rows, n // 2, k, dtype,
+                                                "cuda", seed=rows)  # fmt: skip
+                        assert gated["err"] < TOL[dtype], (rows, str(cfg), gated)
                     if name == "qkv" and 128 % cfg.block_n == 0:
                         rope = rope_gemv_case(cfg, rows, 32, 8, 128, k, dtype, "cuda",
                                               seed=rows, page_size=16)  # fmt: skip

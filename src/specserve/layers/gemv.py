@@ -376,10 +376,10 @@ def gemv(
     if cfg.stream_k:  # one program per multiprocessor (gemv_stream_k.py)
         from specserve.layers import gemv_stream_k
 
-        if gated or cfg.tma or not cfg.use_dot:
-            raise ValueError(f"gemv ({cfg}): stream-K runs plain, silu or rope tiles only")
+        if cfg.tma or not cfg.use_dot:
+            raise ValueError(f"gemv ({cfg}): stream-K runs matrix-unit pointer tiles only")
         launch = pdl.launch_options(x.device)
-        gemv_stream_k.launch(x2, weight, bias, cfg, out, silu, {**launch, **rope_kw},
+        gemv_stream_k.launch(x2, weight, bias, cfg, out, silu, gated, {**launch, **rope_kw},
                              compile_only)  # fmt: skip
         return None if compile_only else out.view(out_shape)
     block_m = cfg.block_m if cfg.use_dot else max(1, triton.next_power_of_2(rows))

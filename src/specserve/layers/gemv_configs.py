@@ -121,6 +121,6 @@ def gated_config(cfg: GemvConfig | None) -> GemvConfig | None:
     its width, whose programs stream it from both halves (cfg's program count and bytes
     per stage). None where the epilogue does not apply: torch, a K split (the epilogue
     needs whole sums), the CUDA-core path, or a tile narrower than 32."""
-    if cfg is None or cfg.split_k > 1 or not cfg.use_dot or cfg.block_n < 32 or cfg.stream_k:
+    if cfg is None or cfg.split_k > 1 or not cfg.use_dot or cfg.block_n < 32:
         return None
     return replace(cfg, block_n=cfg.block_n // 2)

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from specserve.layers.gemv import _load_x, _mac  # gemv.py imports this module when needed
+from specserve.layers.gemv import _load_x, _mac, silu_mul  # gemv.py imports this when needed
 from specserve.layers.gemv_configs import GemvConfig
 from specserve.layers.gemv_rope import rope_store
 from specserve.layers.pdl_kernel import pdl_enter
@@ -66,7 +66,7 @@ def _gemv_stream_k_kernel(
     pos_ptr=None, slot_ptr=None, cos_sin_ptr=None, k_cache=None, v_cache=None,
     stride_cs=0, stride_page=0, stride_slot=0, page_size=1,
     ROPE: tl.constexpr = False, HEAD_DIM: tl.constexpr = 0, Q_HEADS: tl.constexpr = 0,
-    K_HEADS: tl.constexpr = 0,
+    K_HEADS: tl.constexpr = 0, GATED: tl.constexpr = False,
 ):  # fmt: skip
     p = tl.program_id(0)
     programs = tl.num_programs(0)
@@ -85,7 +85,9 @@ def _gemv_stream_k_kernel(
         m_ok = (m < M)[:, None]
         x_rows = x_ptr + m[:, None] * stride_xm
         w_rows = w_ptr + tl.minimum(n, N - 1).to(tl.int64)[:, None] * stride_wn
+        u_rows = w_ptr + (tl.minimum(n, N - 1) + N).to(tl.int64)[:, None] * stride_wn  # GATED
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)  # GATED: the up half's sums
         for ki in range(k_lo, k_hi):
             k = ki * BLOCK_K + kk
             if EVEN_K:
@@ -95,28 +97,40 @@ def _gemv_stream_k_kernel(
                 w = tl.load(w_rows + k[None, :], mask=(k < K)[None, :], other=0.0)
                 x = _load_x(x_rows, k, m_ok & (k < K)[None, :], K, SILU)
             acc = _mac(acc, x, w, True, IEEE)
+            if GATED:
+                if EVEN_K:
+                    w_u = tl.load(u_rows + k[None, :])
+                else:
+                    w_u = tl.load(u_rows + k[None, :], mask=(k < K)[None, :], other=0.0)
+                acc_u = _mac(acc_u, x, w_u, True, IEEE)
         if (k_lo == 0) & (k_hi == iters):  # the whole tile: finished here
-            _finish(acc, m, n, head, j, M, N, b_ptr, out_ptr, stride_om, HAS_BIAS, pos_ptr,
-                    slot_ptr, cos_sin_ptr, k_cache, v_cache, stride_cs, stride_page,
+            _finish(acc, acc_u, m, n, head, j, M, N, b_ptr, out_ptr, stride_om, HAS_BIAS,
+                    pos_ptr, slot_ptr, cos_sin_ptr, k_cache, v_cache, stride_cs, stride_page,
                     stride_slot, page_size, BLOCK_M, BLOCK_N, ROPE, HEAD_DIM, Q_HEADS,
-                    K_HEADS)  # fmt: skip
+                    K_HEADS, GATED)  # fmt: skip
         else:
-            _piece(acc, p, t, first_tile, units, iters, programs, m, n, head, j, M, N, b_ptr,
-                   out_ptr, ws_ptr, cnt_ptr, stride_om, HAS_BIAS, pos_ptr, slot_ptr,
+            _piece(acc, acc_u, p, t, first_tile, units, iters, programs, m, n, head, j, M, N,
+                   b_ptr, out_ptr, ws_ptr, cnt_ptr, stride_om, HAS_BIAS, pos_ptr, slot_ptr,
                    cos_sin_ptr, k_cache, v_cache, stride_cs, stride_page, stride_slot,
-                   page_size, BLOCK_M, BLOCK_N, ROPE, HEAD_DIM, Q_HEADS, K_HEADS)  # fmt: skip
+                   page_size, BLOCK_M, BLOCK_N, ROPE, HEAD_DIM, Q_HEADS, K_HEADS,
+                   GATED)  # fmt: skip
 
 
 @triton.jit
-def _finish(acc, m, n, head, j, M, N, b_ptr, out_ptr, stride_om, HAS_BIAS: tl.constexpr,
-            pos_ptr, slot_ptr, cos_sin_ptr, k_cache, v_cache, stride_cs, stride_page,
-            stride_slot, page_size, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-            ROPE: tl.constexpr, HEAD_DIM: tl.constexpr, Q_HEADS: tl.constexpr,
-            K_HEADS: tl.constexpr):  # fmt: skip
-    """A tile's whole sums: bias, rounding, and the store or the rope epilogue."""
+def _finish(acc, acc_u, m, n, head, j, M, N, b_ptr, out_ptr, stride_om,
+            HAS_BIAS: tl.constexpr, pos_ptr, slot_ptr, cos_sin_ptr, k_cache, v_cache,
+            stride_cs, stride_page, stride_slot, page_size, BLOCK_M: tl.constexpr,
+            BLOCK_N: tl.constexpr, ROPE: tl.constexpr, HEAD_DIM: tl.constexpr,
+            Q_HEADS: tl.constexpr, K_HEADS: tl.constexpr, GATED: tl.constexpr):  # fmt: skip
+    """A tile's whole sums: bias, rounding (GATED: as the [gate | up] output, then as
+    silu_and_mul rounds), and the store or the rope epilogue."""
     if HAS_BIAS:
         acc += tl.load(b_ptr + n, mask=n < N, other=0.0).to(tl.float32)[None, :]
+        if GATED:
+            acc_u += tl.load(b_ptr + N + n, mask=n < N, other=0.0).to(tl.float32)[None, :]
     y = acc.to(out_ptr.dtype.element_ty)
+    if GATED:
+        y = silu_mul(y, acc_u.to(out_ptr.dtype.element_ty), out_ptr.dtype.element_ty)
     if ROPE:
         rope_store(y, m, m < M, head, j, pos_ptr, slot_ptr, cos_sin_ptr, out_ptr, k_cache,
                    v_cache, stride_om, stride_cs, stride_page, stride_slot, page_size,
@@ -127,32 +141,42 @@ def _finish(acc, m, n, head, j, M, N, b_ptr, out_ptr, stride_om, HAS_BIAS: tl.co
 
 
 @triton.jit
-def _piece(acc, p, t, first_tile, units, iters, programs, m, n, head, j, M, N, b_ptr,
+def _piece(acc, acc_u, p, t, first_tile, units, iters, programs, m, n, head, j, M, N, b_ptr,
            out_ptr, ws_ptr, cnt_ptr, stride_om, HAS_BIAS: tl.constexpr, pos_ptr, slot_ptr,
            cos_sin_ptr, k_cache, v_cache, stride_cs, stride_page, stride_slot, page_size,
            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROPE: tl.constexpr,
-           HEAD_DIM: tl.constexpr, Q_HEADS: tl.constexpr, K_HEADS: tl.constexpr):  # fmt: skip
-    """Program p's piece of split tile t: its partial sums to the workspace, its count on
-    the tile's counter; the last to count sums every piece in K order and finishes."""
+           HEAD_DIM: tl.constexpr, Q_HEADS: tl.constexpr, K_HEADS: tl.constexpr,
+           GATED: tl.constexpr):  # fmt: skip
+    """Program p's piece of split tile t: its partial sums (GATED: both halves') to the
+    workspace, its count on the tile's counter; the last to count sums every piece in K
+    order and finishes."""
     cells = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
     tile_cells = BLOCK_M * BLOCK_N
+    piece_cells = tile_cells * (2 if GATED else 1)
     slot = tl.where(t == first_tile, 0, 1)
-    tl.store(ws_ptr + (p * 2 + slot).to(tl.int64) * tile_cells + cells, acc)
+    own = ws_ptr + (p * 2 + slot).to(tl.int64) * piece_cells + cells
+    tl.store(own, acc)
+    if GATED:
+        tl.store(own + tile_cells, acc_u)
     tl.debug_barrier()  # every thread's partial sums written before the count (release)
     lo = ((t * iters + 1) * programs - 1) // units  # the programs holding tile t's K blocks
     hi = ((t * iters + iters) * programs - 1) // units
     arrived = tl.atomic_add(cnt_ptr + t, 1, sem="acq_rel", scope="gpu")
     if arrived == hi - lo:  # the last of them: every other piece is written
         total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        total_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for q in range(lo, hi + 1):
             q_first = (q * units // programs) // iters
             q_slot = tl.where(t == q_first, 0, 1)
+            piece = ws_ptr + (q * 2 + q_slot).to(tl.int64) * piece_cells + cells
             # past L1 (another multiprocessor wrote it), in K order: the same sum every run
-            total += tl.load(ws_ptr + (q * 2 + q_slot).to(tl.int64) * tile_cells + cells,
-                             cache_modifier=".cg")  # fmt: skip
-        _finish(total, m, n, head, j, M, N, b_ptr, out_ptr, stride_om, HAS_BIAS, pos_ptr,
-                slot_ptr, cos_sin_ptr, k_cache, v_cache, stride_cs, stride_page, stride_slot,
-                page_size, BLOCK_M, BLOCK_N, ROPE, HEAD_DIM, Q_HEADS, K_HEADS)  # fmt: skip
+            total += tl.load(piece, cache_modifier=".cg")
+            if GATED:
+                total_u += tl.load(piece + tile_cells, cache_modifier=".cg")
+        _finish(total, total_u, m, n, head, j, M, N, b_ptr, out_ptr, stride_om, HAS_BIAS,
+                pos_ptr, slot_ptr, cos_sin_ptr, k_cache, v_cache, stride_cs, stride_page,
+                stride_slot, page_size, BLOCK_M, BLOCK_N, ROPE, HEAD_DIM, Q_HEADS, K_HEADS,
+                GATED)  # fmt: skip
         tl.atomic_xchg(cnt_ptr + t, 0, sem="relaxed", scope="gpu")  # ready for the next call
 
 
@@ -179,10 +203,12 @@ def num_programs(device: torch.device) -> int:
 
 
 def launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cfg: GemvConfig,
-           out: torch.Tensor, silu: bool, consts: dict, compile_only: bool) -> None:
+           out: torch.Tensor, silu: bool, gated: bool, consts: dict, compile_only: bool) -> None:
     """Run (or compile only) the stream-K kernel for x2 [rows, K or 2K with silu] @ weight^T
-    into out: `consts` carries the launch's PDL and rope keywords."""
+    (gated: a [gate; up] weight, silu(gate) * up) into out: `consts` carries the launch's
+    PDL and rope keywords."""
     rows, (n, k) = x2.shape[0], weight.shape
+    n = n // 2 if gated else n
     num_m = triton.cdiv(rows, cfg.block_m)
     iters = triton.cdiv(k, cfg.block_k)
     tiles = num_m * triton.cdiv(n, cfg.block_n)
@@ -192,14 +218,14 @@ def launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cf
         work = torch.empty(1, dtype=torch.float32, device=x2.device)
         count = torch.empty(1, dtype=torch.int32, device=x2.device)
     else:
-        work = torch.empty((grid[0] * 2, cfg.block_m * cfg.block_n), dtype=torch.float32,
-                           device=x2.device)  # fmt: skip
+        work = torch.empty((grid[0] * 2, (2 if gated else 1) * cfg.block_m * cfg.block_n),
+                           dtype=torch.float32, device=x2.device)  # fmt: skip
         count = counters(x2.device, tiles)
     args = (x2, weight, bias if bias is not None else weight, out, work, count, rows, n, k,
             units, iters, num_m, x2.stride(0), weight.stride(0), out.stride(0))  # fmt: skip
     consts = dict(consts, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                   IEEE=x2.dtype == torch.float32, EVEN_K=k % cfg.block_k == 0,
-                  HAS_BIAS=bias is not None, SILU=silu, num_warps=cfg.num_warps,
+                  HAS_BIAS=bias is not None, SILU=silu, GATED=gated, num_warps=cfg.num_warps,
                   num_stages=cfg.num_stages)  # fmt: skip
     if compile_only:
         _gemv_stream_k_kernel.warmup(*args, grid=grid, **consts)
