@@ -7,8 +7,10 @@ A tile whose K blocks fall to one program is finished there. A tile split betwee
 gets each one's fp32 partial sums in a workspace (a program holds at most two such pieces:
 its first tile and its last); each then counts itself in on the tile's counter, and the
 program that arrives last, whichever it is, adds the pieces in K order (the same sum on
-every run, whoever finishes first), runs the epilogue (bias, the rope epilogue) and puts the
-counter back to zero for the next call. No program waits for another, so no schedule can
+every run, whoever finishes first), runs the epilogue (bias; the gated SiLU-and-mul of a
+merged gate/up weight, whose pieces hold both halves; the rope epilogue) and puts the
+counter back to zero for the next call. The SiLU prologue of a fused down projection runs
+as in gemv.py. No program waits for another, so no schedule can
 deadlock, and under the interpreter (programs one after another) the last program finishes
 every split tile. The counters live in one fixed buffer per device that the kernel keeps at
 zero; kernels of a device run one after another (the engine's one stream; under PDL a
