@@ -199,6 +199,13 @@ def test_stream_k_candidates_only_when_switched_on_and_only_above_16_rows():
     half = gated_config(GemvConfig(64, 128, block_m=64, stream_k=True))
     assert half == GemvConfig(32, 128, block_m=64, stream_k=True)  # the gated half tile
     assert split_tiles(64, 6144, 4096, GemvConfig(64, 128, block_m=64), 132) > 0
+    # under PDL its L2 prefetch depends on the tile alone: one variant whatever the shape
+    from specserve.layers.gemv import call_prefetch
+    from specserve.layers.gemv_stream_k import prefetch_lines
+
+    sk = GemvConfig(64, 128, block_m=64, stream_k=True)
+    assert call_prefetch(sk, 6144, 4096, 2) == call_prefetch(sk, 28672, 4096, 2, True) == 4
+    assert prefetch_lines(GemvConfig(128, 64, block_m=64, stream_k=True), 2) == 2
 
 
 # ---- GPU ------------------------------------------------------------------------------------

@@ -310,7 +310,11 @@ def prefetch_lines(cfg: GemvConfig, programs: int, iters_per_split: int, elem_by
 def call_prefetch(cfg: GemvConfig, n: int, k: int, elem_bytes: int, gated: bool = False) -> int:
     """The PREFETCH lines (a compile-time constant under PDL) of a call with `cfg` on a
     weight [n, k] (gated: [2n, k], both halves streamed): `prefetch_lines` for the call's
-    program count and K slice, as `gemv` launches it."""
+    program count and K slice, as `gemv` launches it (stream-K: its own, by tile)."""
+    if cfg.stream_k:
+        from specserve.layers import gemv_stream_k
+
+        return gemv_stream_k.prefetch_lines(cfg, elem_bytes)
     iters_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k)
     split_k = triton.cdiv(k, iters_per_split * cfg.block_k)
     programs = triton.cdiv(n, cfg.block_n) * split_k * (1 + gated)

@@ -145,7 +145,7 @@ def variant_key(cfg: GemvConfig, rows: int, n: int, k: int, dtype: torch.dtype,
     bm = cfg.block_m if cfg.use_dot else max(1, 1 << (rows - 1).bit_length())
     return (bm, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages, cfg.use_dot,
             cfg.split_k > 1, k % cfg.block_k == 0, cfg.tma, cfg.stream_k, dtype,
-            0 if cfg.stream_k else prefetch)  # fmt: skip
+            prefetch)  # fmt: skip
 
 
 def compile_tasks(todo: dict, shapes: dict, gated_jobs: dict | None = None,

@@ -29,7 +29,14 @@ import torch
 import triton
 import triton.language as tl
 
-from specserve.layers.gemv import _load_x, _mac, silu_mul  # gemv.py imports this when needed
+from specserve.layers.gemv import (  # gemv.py imports this module when first needed
+    PDL_PREFETCH_BYTES,
+    PDL_PREFETCH_MAX_LINES,
+    _load_x,
+    _mac,
+    _prefetch_l2,
+    silu_mul,
+)
 from specserve.layers.gemv_configs import GemvConfig
 from specserve.layers.gemv_rope import rope_store
 from specserve.layers.pdl_kernel import pdl_enter
@@ -68,7 +75,7 @@ def _gemv_stream_k_kernel(
     pos_ptr=None, slot_ptr=None, cos_sin_ptr=None, k_cache=None, v_cache=None,
     stride_cs=0, stride_page=0, stride_slot=0, page_size=1,
     ROPE: tl.constexpr = False, HEAD_DIM: tl.constexpr = 0, Q_HEADS: tl.constexpr = 0,
-    K_HEADS: tl.constexpr = 0, GATED: tl.constexpr = False,
+    K_HEADS: tl.constexpr = 0, GATED: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
 ):  # fmt: skip
     p = tl.program_id(0)
     programs = tl.num_programs(0)
@@ -77,6 +84,16 @@ def _gemv_stream_k_kernel(
     first_tile = start // iters
     kk = tl.arange(0, BLOCK_K)
     if USE_PDL:
+        if PREFETCH > 0:  # weights are read-only: the first lines of the first tile's slice
+            _, n0, _, _ = _tile_rows_cols(first_tile, num_m, M, N, BLOCK_M, BLOCK_N, ROPE,
+                                          HEAD_DIM)  # fmt: skip
+            line = tl.arange(0, PREFETCH) * (1024 // w_ptr.dtype.element_ty.primitive_bitwidth)
+            k0 = (start - first_tile * iters) * BLOCK_K
+            row0 = tl.minimum(n0, N - 1).to(tl.int64)[:, None]
+            col0 = tl.minimum(k0 + line, K - 1)[None, :]
+            _prefetch_l2(w_ptr + row0 * stride_wn + col0)
+            if GATED:
+                _prefetch_l2(w_ptr + (row0 + N) * stride_wn + col0)
         pdl_enter()  # before the first read of x and the first write
     # one pass per tile this program touches (its first and last may be pieces); the inner
     # K loop alone, loads and products, is what the software pipeline overlaps
@@ -196,6 +213,16 @@ def counters(device: torch.device, tiles: int) -> torch.Tensor:
     return buf
 
 
+def prefetch_lines(cfg: GemvConfig, elem_bytes: int, programs: int = 132) -> int:
+    """128-byte lines of each weight row a program asks L2 for before its PDL wait: the
+    GEMV's budget (PDL_PREFETCH_BYTES over all programs' rows; `programs`: about an H200's
+    multiprocessor count, a size, not a correctness matter) within the program's first
+    block, as a power of 2. It depends on the tile alone: one compiled variant per tile."""
+    lines = min(PDL_PREFETCH_BYTES // (programs * cfg.block_n * 128),
+                cfg.block_k * elem_bytes // 128, PDL_PREFETCH_MAX_LINES)  # fmt: skip
+    return 1 << (lines.bit_length() - 1) if lines >= 1 else 0
+
+
 @functools.cache
 def num_programs(device: torch.device) -> int:
     """One program per multiprocessor (4 under the interpreter on the CPU)."""
@@ -225,6 +252,8 @@ def launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cf
         count = counters(x2.device, tiles)
     args = (x2, weight, bias if bias is not None else weight, out, work, count, rows, n, k,
             units, iters, num_m, x2.stride(0), weight.stride(0), out.stride(0))  # fmt: skip
+    if consts.get("USE_PDL"):
+        consts = dict(consts, PREFETCH=prefetch_lines(cfg, weight.element_size()))
     consts = dict(consts, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                   IEEE=x2.dtype == torch.float32, EVEN_K=k % cfg.block_k == 0,
                   HAS_BIAS=bias is not None, SILU=silu, GATED=gated, num_warps=cfg.num_warps,
