@@ -205,7 +205,7 @@ def test_stream_k_candidates_only_when_switched_on_and_only_above_16_rows():
 
     sk = GemvConfig(64, 128, block_m=64, stream_k=True)
     assert call_prefetch(sk, 6144, 4096, 2) == call_prefetch(sk, 28672, 4096, 2, True) == 4
-    assert prefetch_lines(GemvConfig(128, 64, block_m=64, stream_k=True), 2) == 2
+    assert prefetch_lines(GemvConfig(128, 64, block_m=64, stream_k=True)) == 2
 
 
 # ---- GPU ------------------------------------------------------------------------------------

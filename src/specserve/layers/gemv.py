@@ -314,7 +314,7 @@ def call_prefetch(cfg: GemvConfig, n: int, k: int, elem_bytes: int, gated: bool 
     if cfg.stream_k:
         from specserve.layers import gemv_stream_k
 
-        return gemv_stream_k.prefetch_lines(cfg, elem_bytes)
+        return gemv_stream_k.prefetch_lines(cfg)
     iters_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k)
     split_k = triton.cdiv(k, iters_per_split * cfg.block_k)
     programs = triton.cdiv(n, cfg.block_n) * split_k * (1 + gated)

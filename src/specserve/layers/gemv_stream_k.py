@@ -213,13 +213,13 @@ def counters(device: torch.device, tiles: int) -> torch.Tensor:
     return buf
 
 
-def prefetch_lines(cfg: GemvConfig, elem_bytes: int, programs: int = 132) -> int:
+def prefetch_lines(cfg: GemvConfig, programs: int = 132) -> int:
     """128-byte lines of each weight row a program asks L2 for before its PDL wait: the
     GEMV's budget (PDL_PREFETCH_BYTES over all programs' rows; `programs`: about an H200's
-    multiprocessor count, a size, not a correctness matter) within the program's first
-    block, as a power of 2. It depends on the tile alone: one compiled variant per tile."""
-    lines = min(PDL_PREFETCH_BYTES // (programs * cfg.block_n * 128),
-                cfg.block_k * elem_bytes // 128, PDL_PREFETCH_MAX_LINES)  # fmt: skip
+    multiprocessor count, a size, not a correctness matter), as a power of 2; from the
+    program's first K block on (past its own units, the next program's lines). It depends
+    on the tile alone: one compiled variant per tile."""
+    lines = min(PDL_PREFETCH_BYTES // (programs * cfg.block_n * 128), PDL_PREFETCH_MAX_LINES)
     return 1 << (lines.bit_length() - 1) if lines >= 1 else 0
 
 
@@ -253,7 +253,7 @@ def launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cf
     args = (x2, weight, bias if bias is not None else weight, out, work, count, rows, n, k,
             units, iters, num_m, x2.stride(0), weight.stride(0), out.stride(0))  # fmt: skip
     if consts.get("USE_PDL"):
-        consts = dict(consts, PREFETCH=prefetch_lines(cfg, weight.element_size()))
+        consts = dict(consts, PREFETCH=prefetch_lines(cfg))
     consts = dict(consts, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                   IEEE=x2.dtype == torch.float32, EVEN_K=k % cfg.block_k == 0,
                   HAS_BIAS=bias is not None, SILU=silu, GATED=gated, num_warps=cfg.num_warps,
