@@ -40,3 +40,12 @@ def interpreter_results(module: str, timeout: int = 600) -> dict:
                           capture_output=True, text=True, timeout=timeout)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def record_case(results: dict, name: str, fn, *args, **kwargs) -> None:
+    """results[name] = fn(*args, **kwargs), or the exception's type and message: a case that
+    raises is reported by its own test, not by the whole interpreter run failing."""
+    try:
+        results[name] = fn(*args, **kwargs)
+    except Exception as e:
+        results[name] = f"{type(e).__name__}: {e}"

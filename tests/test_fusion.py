@@ -7,6 +7,7 @@ fuse=False. The same cases run on a GPU in tests/test_pdl_gpu.py."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -15,6 +16,7 @@ import pytest
 import torch
 
 from tests.interpreter_run import interpreter_results as run_interpreter
+from tests.interpreter_run import record_case
 
 TOL = {"bfloat16": 8e-3, "float32": 2e-6, "float16": 1e-3}  # bfloat16 first: names hold both
 
@@ -99,12 +101,7 @@ def run_cases() -> dict:
 
     configs = _configs()
     results: dict = {}
-
-    def record(name, fn, *args, **kwargs):
-        try:
-            results[name] = fn(*args, **kwargs)
-        except Exception as e:  # reported per case by the test
-            results[name] = f"{type(e).__name__}: {e}"
+    record = functools.partial(record_case, results)
 
     for name, (cfg, rows, n, k, dtype, bias) in _silu_cases().items():
         record(name, silu_gemv_case, configs[cfg], rows, n, k, getattr(torch, dtype), "cpu",

@@ -8,6 +8,7 @@ CUDA-graph replays (a race between the programs that share a tile would show the
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -16,6 +17,7 @@ import pytest
 import torch
 
 from tests.interpreter_run import interpreter_results as run_interpreter
+from tests.interpreter_run import record_case
 from tests.triton_cases import rel_err
 
 TOL = {torch.float32: 2e-6, torch.float16: 1e-3, torch.bfloat16: 1e-2}
@@ -80,12 +82,7 @@ def run_cases() -> dict:
     from tests.fusion_cases import gated_gemv_case, rope_gemv_case
 
     results: dict = {}
-
-    def record(name, fn, *args, **kwargs):
-        try:
-            results[name] = fn(*args, **kwargs)
-        except Exception as e:  # reported per case by the test
-            results[name] = f"{type(e).__name__}: {e}"
+    record = functools.partial(record_case, results)
 
     for name, (cfg, rows, n, k, dtype, bias, silu) in _cases().items():
         record(name, stream_k_case, cfg, rows, n, k, getattr(torch, dtype), "cpu", bias, silu,
