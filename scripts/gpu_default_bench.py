@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_engine_bench import GC_PAUSES  # noqa: E402 (the collector's pauses, per row)
+from gpu_engine_bench import GC_PAUSES, add_run_args  # noqa: E402 (collector pauses, options)
 
 from specserve.layers.gemv_configs import MAX_ROWS  # noqa: E402
 from specserve.layers.gemv_select import SHARED_ROWS  # noqa: E402
@@ -167,11 +167,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3,
                     help="runs per batch size above 1 (short runs); the median is reported")
     ap.add_argument("--smoke", action="store_true", help="CPU, 2 prompts, a few tokens")
-    ap.add_argument("--no-gc-freeze", action="store_true",
-                    help="leave the collector walking what start-up built (the server's "
-                         "engine process freezes it, and so does this bench by default)")
-    ap.add_argument("--again", action="store_true",
-                    help="run the first configuration again as the last engine")
+    add_run_args(ap)
     ap.add_argument("--ab-invariance", action="store_true",
                     help="also plain and fixed K=3 with --disable-batch-invariance (cuBLAS "
                          "where it rounds rows apart; verify steps by row count)")

@@ -188,6 +188,36 @@ def combine(runs: list[dict]) -> dict:
     return row
 
 
+# --ab-FLAG: (the configuration's label, what changes in it, the help text's "with ...")
+AB_VARIANTS = {
+    "argmax": ("torch argmax", {"argmax": "off"},
+               "with the Triton row argmax switched off (layers/triton_argmax.py: torch's)"),
+    "tuning": ("GEMV plan untuned", {"disable_gemv_tuning": True},
+               "with the selection's GEMV plan as measured (no whole-step tuning)"),
+    "head": ("logits after the graph", {"head": False},
+             "with the target's graphs recaptured without the logits head"),
+    "gate": ("SiLU-and-mul kernel", {"gate": False},
+             "with SiLU-and-mul kept out of the gate/up GEMV's epilogue"),
+    "rope": ("rotary kernel", {"rope": False},
+             "with rotary and the K/V store kept out of the qkv GEMV's epilogue"),
+    "invariance": ("cuBLAS batch variant", {"disable_batch_invariance": True},
+                   "with --disable-batch-invariance (cuBLAS where it rounds rows apart, "
+                   "verify steps by row count)"),
+    "stream_k": ("stream-K candidates", {"gemv_stream_k": True},
+                 "with the stream-K GEMV tiles among the candidates above 16 rows "
+                 "(--gemv-stream-k, experimental)"),
+}
+
+
+def add_run_args(ap: argparse.ArgumentParser) -> None:
+    """The options this bench shares with gpu_default_bench.py: --again, --no-gc-freeze."""
+    ap.add_argument("--again", action="store_true",
+                    help="run the first configuration again as the last engine")
+    ap.add_argument("--no-gc-freeze", action="store_true",
+                    help="leave the collector walking what start-up built (the server's "
+                         "engine process freezes it, and so does this bench by default)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="gpu_engine")
@@ -198,33 +228,10 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1,
                     help="time each batch size this many times (new requests, whose seeds draw "
                          "new simulated acceptance) and report the sums")  # fmt: skip
-    ap.add_argument("--ab-argmax", action="store_true",
-                    help="also plain and fixed K=3 with the Triton row argmax switched off "
-                         "(layers/triton_argmax.py: torch's), for an A/B in one run")  # fmt: skip
-    ap.add_argument("--ab-tuning", action="store_true",
-                    help="also plain and fixed K=3 with the selection's GEMV plan as measured "
-                         "(no whole-step tuning, runtime/plan_tuning.py)")
-    ap.add_argument("--ab-head", action="store_true",
-                    help="also plain and fixed K=3 with the target's graphs recaptured without "
-                         "the logits head (logits and argmax launched after each replay)")
-    ap.add_argument("--ab-gate", action="store_true",
-                    help="also plain and fixed K=3 with SiLU-and-mul kept out of the gate/up "
-                         "GEMV's epilogue (its own kernel, as before triton_ops `fuse_gate`)")
-    ap.add_argument("--ab-rope", action="store_true",
-                    help="also plain and fixed K=3 with rotary and the K/V store kept out of "
-                         "the qkv GEMV's epilogue (their own kernel, as before gemv `rope`)")
-    ap.add_argument("--ab-invariance", action="store_true",
-                    help="also plain and fixed K=3 with cuBLAS allowed in the shared row "
-                         "buckets where it is not batch invariant and verify steps looked up "
-                         "by row count (--disable-batch-invariance)")
-    ap.add_argument("--ab-stream-k", action="store_true",
-                    help="also plain and fixed K=3 with the stream-K GEMV tiles among the "
-                         "candidates above 16 rows (--gemv-stream-k, experimental)")
-    ap.add_argument("--again", action="store_true",
-                    help="run the first configuration again as the last engine")
-    ap.add_argument("--no-gc-freeze", action="store_true",
-                    help="leave the collector walking what start-up built (the server's "
-                         "engine process freezes it, and so does this bench by default)")
+    for flag, (label, _, what) in AB_VARIANTS.items():
+        ap.add_argument(f"--ab-{flag.replace('_', '-')}", action="store_true",
+                        help=f"also plain and fixed K=3 {what} ('{label}')")
+    add_run_args(ap)
     ap.add_argument("--only", nargs="+", default=None,
                     help="run only the configurations whose names contain one of these")
     args = ap.parse_args()
@@ -254,16 +261,7 @@ def main() -> None:
     }
     # --ab-X: plain and fixed K=3 once more with one thing changed, for an A/B in one run
     fixed = "eagle3 K=3 fixed (sim. accept len 3.0)"
-    variants = {
-        "argmax": ("torch argmax", {"argmax": "off"}),
-        "tuning": ("GEMV plan untuned", {"disable_gemv_tuning": True}),
-        "head": ("logits after the graph", {"head": False}),
-        "gate": ("SiLU-and-mul kernel", {"gate": False}),
-        "rope": ("rotary kernel", {"rope": False}),
-        "invariance": ("cuBLAS batch variant", {"disable_batch_invariance": True}),
-        "stream_k": ("stream-K candidates", {"gemv_stream_k": True}),
-    }
-    for flag, (label, change) in variants.items():
+    for flag, (label, change, _) in AB_VARIANTS.items():
         if getattr(args, f"ab_{flag}"):
             configs[f"plain, {label}"] = {**configs["plain"], **change}
             configs[f"eagle3 K=3 fixed, {label}"] = {**configs[fixed], **change}
