@@ -5,8 +5,9 @@ one of its configurations, measured on the device at start-up (`GemvSelector`) a
 Measurements run the way the engine runs: every candidate is captured in a CUDA graph over
 enough distinct weights of the shape (the model's own, cloned when they are few) that the L2
 cache cannot serve them, and replayed; the per-call time is the median replay over the calls.
-Every Triton variant the candidates need is compiled first, on a thread pool (the compiler
-spends most of its time outside the GIL), so a cold start pays compilation about once.
+Every Triton variant the candidates need is compiled first (gemv_compile.py), on a thread
+pool (the compiler spends most of its time outside the GIL), so a cold start pays
+compilation about once.
 
 Batch invariance: every row bucket up to `SHARED_ROWS` of a shape gets the same choice (torch,
 or one matrix-unit configuration of row block 16), the one fastest summed over those buckets.
@@ -33,20 +34,17 @@ import logging
 import math
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from specserve.layers import gemv_invariance, pdl
-from specserve.layers.gemv import (
-    GemvConfig,
-    RopeStore,
-    call_prefetch,
-    candidate_configs,
-    gemv,
-    rope_fits,
+from specserve.layers.gemv import GemvConfig, candidate_configs, gemv
+from specserve.layers.gemv_compile import (  # noqa: F401 (compile_tasks: tests import it here)
+    compile_tasks,
+    compile_variants,
+    variant_key,
 )
-from specserve.layers.gemv_configs import gated_config, stream_k_enabled
+from specserve.layers.gemv_configs import stream_k_enabled
 from specserve.layers.gemv_plan import (  # noqa: F401 (SHARED_ROWS: callers import it here)
     ROW_BUCKETS,
     SHARED_ROWS,
@@ -135,69 +133,6 @@ def _winner(times: dict, margin: float) -> GemvConfig | None:
     if times[None] == math.inf or times[best] <= times[None] * (1 - margin):
         return best
     return None
-
-
-def variant_key(cfg: GemvConfig, rows: int, n: int, k: int, dtype: torch.dtype,
-                prefetch: int = 0) -> tuple:  # fmt: skip
-    """What decides which compiled Triton variant a call uses (tile, path, row block of the
-    CUDA-core path, split or not, whether K divides into blocks, weight loads, dtype, and
-    under PDL the lines prefetched, `gemv.call_prefetch`, which depend on the shape)."""
-    bm = cfg.block_m if cfg.use_dot else max(1, 1 << (rows - 1).bit_length())
-    return (bm, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages, cfg.use_dot,
-            cfg.split_k > 1, k % cfg.block_k == 0, cfg.tma, cfg.stream_k, dtype,
-            prefetch)  # fmt: skip
-
-
-def compile_tasks(todo: dict, shapes: dict, gated_jobs: dict | None = None,
-                  pdl_on: bool = False, rope_jobs: dict | None = None,
-                  biased: frozenset = frozenset()) -> dict:  # fmt: skip
-    """{variant: (config, rows, a weight, mode, bias)}: each distinct Triton variant the
-    candidates of `todo` ({(N, K, dtype[, fusion]): [(rows, configs)]}) need, mode "silu"
-    for a fused down projection's prologue; for `gated_jobs` ({(N, K, dtype) of a merged
-    gate/up weight: [(rows, configs)]}) the gated epilogue's variant of each candidate it
-    applies to (`gated_config`), mode "gated"; for `rope_jobs` ({(N, K, dtype) of a qkv
-    weight: ((q heads, kv heads, head dim), [(rows, configs)])}) the rope epilogue's variant
-    of each candidate that fits (`rope_fits`), mode ("rope", heads). `shapes`: (N, K,
-    dtype) -> weights of that shape; `pdl_on`: kernels launch under PDL (their prefetch is
-    part of the variant); `biased`: shapes whose layers have a bias, whose variants are
-    compiled with one too (bias True)."""
-    tasks: dict[tuple, tuple] = {}
-
-    def add(cfg, rows, n, k, dtype, mode) -> None:
-        out = n // 2 if mode == "gated" else n
-        elem = torch.empty(0, dtype=dtype).element_size()
-        prefetch = call_prefetch(cfg, out, k, elem, mode == "gated") if pdl_on else 0
-        for bias in (False, True) if (n, k, dtype) in biased else (False,):
-            key = (*variant_key(cfg, rows, n, k, dtype, prefetch), mode, bias)
-            tasks.setdefault(key, (cfg, rows, shapes[(n, k, dtype)][0], mode, bias))
-
-    for (n, k, dtype), (heads, jobs) in (rope_jobs or {}).items():
-        for rows, cands in jobs:
-            for cfg in cands:
-                if rope_fits(cfg, heads[2], k):
-                    add(cfg, rows, n, k, dtype, ("rope", heads))
-
-    for (n, k, dtype, *fusion), jobs in todo.items():
-        mode = "silu" if fusion and "silu" in fusion[0] else None  # a variant of its own
-        for rows, cands in jobs:
-            for cfg in cands:
-                add(cfg, rows, n, k, dtype, mode)
-    for (n, k, dtype), jobs in (gated_jobs or {}).items():
-        for rows, cands in jobs:
-            for half in filter(None, map(gated_config, cands)):
-                add(half, rows, n, k, dtype, "gated")
-    return tasks
-
-
-def _rope_stand_in(heads: tuple[int, int, int], rows: int, w: torch.Tensor) -> RopeStore:
-    """Tensors shaped as a model's rope epilogue gets them (positions, slots, an fp32 cos/sin
-    table, caches of 16-slot pages; the page size is not specialized on), to compile that
-    variant before the first step needs it."""
-    q_heads, kv_heads, head_dim = heads
-    idx = torch.zeros(rows, dtype=torch.int64, device=w.device)
-    cache = torch.zeros(2, 1, 16, kv_heads, head_dim, dtype=w.dtype, device=w.device)
-    cos_sin = torch.zeros(1, head_dim, dtype=torch.float32, device=w.device)
-    return RopeStore(idx, idx, cos_sin, q_heads, kv_heads, cache[0], cache[1])
 
 
 # (device index, row buckets, margin, after_producer, batch_invariant, stream-K candidates on)
@@ -315,7 +250,7 @@ class GemvSelector:
                      for key, heads in (rope or {}).items() if key in shapes}  # fmt: skip
         tasks = compile_tasks(todo, shapes, gated_jobs, pdl.active(device), rope_jobs,
                               frozenset(biases))  # fmt: skip
-        self.compiled = self._compile(tasks, device)
+        self.compiled = compile_variants(tasks, device, self.compile_workers)
         self.compile_s = time.perf_counter() - start
         self.skipped = 0
         min_bytes = 4 * getattr(props, "L2_cache_size", 64 << 20)
@@ -354,30 +289,6 @@ class GemvSelector:
                 for b in shared:
                     self.measured.pop((b, *shape), None)
 
-    def _compile(self, tasks: dict[tuple, tuple], device: torch.device) -> int:
-        """Compile each distinct Triton variant (`compile_tasks`) once, in parallel."""
-        if not tasks:
-            return 0
-
-        def build(task) -> None:
-            cfg, rows, w, mode, bias = task
-            silu = mode == "silu"
-            try:
-                with torch.cuda.device(device):  # Triton compiles for the current device
-                    x = torch.zeros(rows, w.shape[1] * (2 if silu else 1), device=device,
-                                    dtype=w.dtype)  # fmt: skip
-                    rope = _rope_stand_in(mode[1], rows, w) if isinstance(mode, tuple) else None
-                    b = torch.zeros(w.shape[0], device=device, dtype=w.dtype) if bias else None
-                    gemv(x, w, b, cfg, compile_only=True, silu=silu, gated=mode == "gated",
-                         rope=rope)  # fmt: skip
-            except Exception as e:  # measured as failing (inf) later
-                log.debug("GEMV candidate %s does not compile: %s", cfg, e)
-
-        first, *rest = tasks.values()
-        build(first)  # the kernels' first compilation sets up Triton's per-device state
-        with ThreadPoolExecutor(self.compile_workers) as pool:
-            list(pool.map(build, rest))
-        return len(tasks)
 
     def _measure_shape(self, n: int, k: int, dtype: torch.dtype, jobs, rotation,
                        deadline: float, *fusion: str,
