@@ -148,6 +148,9 @@ def main() -> None:
     ap.add_argument("--skip-8b", action="store_true")
     ap.add_argument("--skip-smol", action="store_true", help="only the 8B kernel profiles")
     ap.add_argument("--only-plain", action="store_true", help="of the 8B engines, plain only")
+    ap.add_argument("--no-pdl", action="store_true",
+                    help="kernels launched without PDL: each kernel's profiled time is its own "
+                         "run, not also its wait for the one before")  # fmt: skip
     args = ap.parse_args()
     cuda = not args.tiny
     device = "cuda" if cuda else "cpu"
@@ -155,7 +158,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     result: dict = {}
     base = dict(device=device, dtype="bfloat16", max_num_batched_tokens=4096,
-                max_model_len=2048)  # fmt: skip
+                max_model_len=2048, disable_pdl=args.no_pdl)  # fmt: skip
     if not args.skip_8b:
         shape = replace(LLAMA_8B, **TINY) if args.tiny else LLAMA_8B
         model = random_model(shape, device)

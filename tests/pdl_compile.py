@@ -157,10 +157,7 @@ def _launch_all() -> None:
     qkv_w = torch.zeros(512, 512, **bf16)  # 4 q heads and 2 + 2 kv heads of 64
     rope = RopeStore(pos, pos, cos_sin, 4, 2, cache, cache)
     runs["gemv-dot-rope"] = lambda: gemv(x, qkv_w, None, GemvConfig(64, 128), rope=rope)
-    runs["gemv-dot64-rope-bias"] = lambda: gemv(x, qkv_w, qkv_w[0], GemvConfig(32, 64, block_m=64),
-                                                rope=rope)  # fmt: skip
-    runs["gemv-fma-rope"] = lambda: gemv(x, qkv_w, None, GemvConfig(16, 256, use_dot=False),
-                                         rope=rope)  # fmt: skip
+    runs["gemv-dot-rope-bias"] = lambda: gemv(x, qkv_w, qkv_w[0], GemvConfig(32, 64), rope=rope)
     x64 = torch.zeros(64, 512, **bf16)
     runs["gemv-stream-k-bias"] = lambda: gemv(x64, w, w[0], GemvConfig(64, 128, block_m=64,
                                                                    stream_k=True))  # fmt: skip
@@ -170,11 +167,6 @@ def _launch_all() -> None:
     runs["gemv-stream-k-gated"] = lambda: gemv(x64, w, None, GemvConfig(32, 64, block_m=64,
                                                                       stream_k=True),
                                                gated=True)  # fmt: skip
-    runs["gemv-stream-k-rope"] = lambda: gemv(x64[:, :512], qkv_w, None,
-                                              GemvConfig(64, 64, block_m=64, stream_k=True),
-                                              rope=RopeStore(torch.zeros(64, **i64),
-                                                             torch.zeros(64, **i64), cos_sin,
-                                                             4, 2, cache, cache))  # fmt: skip
     runs["kv-write"] = lambda: attn.write_kv(torch.zeros(2, 2, 64, **bf16),
                                              torch.zeros(2, 2, 64, **bf16), cache, cache, pos)
     meta = (pos, torch.tensor([0, 1, 2]), torch.ones(2, **i64), torch.zeros(2, 4, **i64))

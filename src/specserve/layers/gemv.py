@@ -40,7 +40,8 @@ Fused epilogue (`rope`, gemv_rope.py): the weight is a [q; k; v] projection; eac
 computes BLOCK_N columns of one head laid out as rotary pairs, rotates q and k at their
 rows' positions and stores q to its own output and k and v straight into the paged KV cache
 at their rows' slots: results equal the plain GEMV with the same tile followed by
-`rotary_store_kv`, and the qkv output is never written.
+`rotary_store_kv`, and the qkv output is never written. Matrix-unit tiles of up to 16 rows
+only (`rope_fits` says why).
 
 Programmatic dependent launch (layers/pdl.py): each program first asks L2 for the first
 lines of its weight slice (`PREFETCH`, weights are never written while serving), then waits
@@ -327,8 +328,7 @@ def gemv(
         if cfg.tma or not cfg.use_dot:
             raise ValueError(f"gemv ({cfg}): stream-K runs matrix-unit pointer tiles only")
         launch = pdl.launch_options(x.device)
-        gemv_stream_k.launch(x2, weight, bias, cfg, out, silu, gated, {**launch, **rope_kw},
-                             compile_only)  # fmt: skip
+        gemv_stream_k.launch(x2, weight, bias, cfg, out, silu, gated, launch, compile_only)
         return None if compile_only else out.view(out_shape)
     block_m = cfg.block_m if cfg.use_dot else max(1, triton.next_power_of_2(rows))
     iters_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k)

@@ -75,12 +75,23 @@ class RopeStore:
     v_cache: torch.Tensor
 
 
+# The row blocks the rope epilogue serves. On the H200 (docs/benchmarks/gpu_engine.md, run 19)
+# it pays at 16-row tiles (8B plain decode at batch 1: +1.6%, K=3 at batch 1: +3%) and loses
+# at 64-row tiles (batch 64: -1.4% against cuBLAS's qkv and the rotary kernel).
+ROPE_MAX_BLOCK_M = 16
+
+
 def rope_fits(cfg: GemvConfig, head_dim: int, k: int) -> bool:
-    """Whether `cfg` can run the rope epilogue on a projection of heads of head_dim and K
-    inputs: its tiles hold whole pairs of one head (BLOCK_N divides head_dim), its weight
-    rows come through pointers (not a descriptor's contiguous tiles), and K is not split."""
+    """Whether `cfg` runs the rope epilogue on a projection of heads of head_dim and K
+    inputs: a matrix-unit tile (a CUDA-core tile's sum over K follows the register layout,
+    which the epilogue's pair split changes: on the H200 its q then differs from the plain
+    tile's by an ulp) of at most ROPE_MAX_BLOCK_M rows whose columns hold whole pairs of one
+    head (BLOCK_N divides head_dim), its weight rows through pointers (not a descriptor's
+    contiguous tiles), K not split, and the data-parallel schedule (a stream-K tile's sum
+    depends on which tiles its columns share)."""
     iters_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k)
-    return (head_dim % cfg.block_n == 0 and cfg.block_n % 2 == 0 and not cfg.tma
+    return (cfg.use_dot and cfg.block_m <= ROPE_MAX_BLOCK_M and not cfg.stream_k
+            and head_dim % cfg.block_n == 0 and cfg.block_n % 2 == 0 and not cfg.tma
             and triton.cdiv(k, iters_per_split * cfg.block_k) == 1)  # fmt: skip
 
 

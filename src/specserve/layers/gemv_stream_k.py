@@ -8,8 +8,8 @@ gets each one's fp32 partial sums in a workspace (a program holds at most two su
 its first tile and its last); each then counts itself in on the tile's counter, and the
 program that arrives last, whichever it is, adds the pieces in K order (the same sum on
 every run, whoever finishes first), runs the epilogue (bias; the gated SiLU-and-mul of a
-merged gate/up weight, whose pieces hold both halves; the rope epilogue) and puts the
-counter back to zero for the next call. The SiLU prologue of a fused down projection runs
+merged gate/up weight, whose pieces hold both halves) and puts the counter back to zero
+for the next call. The SiLU prologue of a fused down projection runs
 as in gemv.py. No program waits for another, so no schedule can
 deadlock, and under the interpreter (programs one after another) the last program finishes
 every split tile. The counters live in one fixed buffer per device that the kernel keeps at
@@ -38,7 +38,6 @@ from specserve.layers.gemv import (  # gemv.py imports this module when first ne
     silu_mul,
 )
 from specserve.layers.gemv_configs import GemvConfig
-from specserve.layers.gemv_rope import rope_store
 from specserve.layers.pdl_kernel import pdl_enter
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}  # per device, kept at zero by the kernel
@@ -46,36 +45,21 @@ MAX_TILES = 1 << 16  # counters per device (256 KiB): lm_head at 64 rows has ~2,
 
 
 @triton.jit
-def _tile_rows_cols(t, num_m, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    ROPE: tl.constexpr, HEAD_DIM: tl.constexpr):  # fmt: skip
-    """Tile t's rows m and columns n (the M blocks of one weight tile are neighbours), and
-    under ROPE the head and pair offset its columns hold (gemv_rope.py's column map)."""
-    tm = t % num_m
-    tn = t // num_m
-    m = tm * BLOCK_M + tl.arange(0, BLOCK_M)
-    if ROPE:
-        head = tn // (HEAD_DIM // BLOCK_N)
-        j = (tn % (HEAD_DIM // BLOCK_N)) * (BLOCK_N // 2)
-        c = tl.arange(0, BLOCK_N)
-        n = head * HEAD_DIM + j + c // 2 + (c % 2) * (HEAD_DIM // 2)
-    else:
-        head = 0
-        j = 0
-        n = tn * BLOCK_N + tl.arange(0, BLOCK_N)
-    return m, n, head, j
+def _tile_rows_cols(t, num_m, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Tile t's rows m and columns n (the M blocks of one weight tile are neighbours)."""
+    m = (t % num_m) * BLOCK_M + tl.arange(0, BLOCK_M)
+    n = (t // num_m) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return m, n
 
 
-@triton.jit(do_not_specialize=["M", "units", "pos_ptr", "slot_ptr", "page_size"])
+@triton.jit(do_not_specialize=["M", "units"])
 def _gemv_stream_k_kernel(
     x_ptr, w_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, units, iters, num_m,
     stride_xm, stride_wn, stride_om,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     IEEE: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-    SILU: tl.constexpr = False, USE_PDL: tl.constexpr = False,
-    pos_ptr=None, slot_ptr=None, cos_sin_ptr=None, k_cache=None, v_cache=None,
-    stride_cs=0, stride_page=0, stride_slot=0, page_size=1,
-    ROPE: tl.constexpr = False, HEAD_DIM: tl.constexpr = 0, Q_HEADS: tl.constexpr = 0,
-    K_HEADS: tl.constexpr = 0, GATED: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
+    SILU: tl.constexpr = False, USE_PDL: tl.constexpr = False, GATED: tl.constexpr = False,
+    PREFETCH: tl.constexpr = 0,
 ):  # fmt: skip
     p = tl.program_id(0)
     programs = tl.num_programs(0)
@@ -85,8 +69,7 @@ def _gemv_stream_k_kernel(
     kk = tl.arange(0, BLOCK_K)
     if USE_PDL:
         if PREFETCH > 0:  # weights are read-only: the first lines of the first tile's slice
-            _, n0, _, _ = _tile_rows_cols(first_tile, num_m, M, N, BLOCK_M, BLOCK_N, ROPE,
-                                          HEAD_DIM)  # fmt: skip
+            _, n0 = _tile_rows_cols(first_tile, num_m, BLOCK_M, BLOCK_N)
             line = tl.arange(0, PREFETCH) * (1024 // w_ptr.dtype.element_ty.primitive_bitwidth)
             k0 = (start - first_tile * iters) * BLOCK_K
             row0 = tl.minimum(n0, N - 1).to(tl.int64)[:, None]
@@ -100,7 +83,7 @@ def _gemv_stream_k_kernel(
     for t in range(first_tile, (end + iters - 1) // iters):
         k_lo = tl.maximum(start - t * iters, 0)
         k_hi = tl.minimum(end - t * iters, iters)
-        m, n, head, j = _tile_rows_cols(t, num_m, M, N, BLOCK_M, BLOCK_N, ROPE, HEAD_DIM)
+        m, n = _tile_rows_cols(t, num_m, BLOCK_M, BLOCK_N)
         m_ok = (m < M)[:, None]
         x_rows = x_ptr + m[:, None] * stride_xm
         w_rows = w_ptr + tl.minimum(n, N - 1).to(tl.int64)[:, None] * stride_wn
@@ -123,26 +106,18 @@ def _gemv_stream_k_kernel(
                     w_u = tl.load(u_rows + k[None, :], mask=(k < K)[None, :], other=0.0)
                 acc_u = _mac(acc_u, x, w_u, True, IEEE)
         if (k_lo == 0) & (k_hi == iters):  # the whole tile: finished here
-            _finish(acc, acc_u, m, n, head, j, M, N, b_ptr, out_ptr, stride_om, HAS_BIAS,
-                    pos_ptr, slot_ptr, cos_sin_ptr, k_cache, v_cache, stride_cs, stride_page,
-                    stride_slot, page_size, BLOCK_M, BLOCK_N, ROPE, HEAD_DIM, Q_HEADS,
-                    K_HEADS, GATED)  # fmt: skip
+            _finish(acc, acc_u, m, n, M, N, b_ptr, out_ptr, stride_om, HAS_BIAS, GATED)
         else:
-            _piece(acc, acc_u, p, t, first_tile, units, iters, programs, m, n, head, j, M, N,
-                   b_ptr, out_ptr, ws_ptr, cnt_ptr, stride_om, HAS_BIAS, pos_ptr, slot_ptr,
-                   cos_sin_ptr, k_cache, v_cache, stride_cs, stride_page, stride_slot,
-                   page_size, BLOCK_M, BLOCK_N, ROPE, HEAD_DIM, Q_HEADS, K_HEADS,
+            _piece(acc, acc_u, p, t, first_tile, units, iters, programs, m, n, M, N, b_ptr,
+                   out_ptr, ws_ptr, cnt_ptr, stride_om, HAS_BIAS, BLOCK_M, BLOCK_N,
                    GATED)  # fmt: skip
 
 
 @triton.jit
-def _finish(acc, acc_u, m, n, head, j, M, N, b_ptr, out_ptr, stride_om,
-            HAS_BIAS: tl.constexpr, pos_ptr, slot_ptr, cos_sin_ptr, k_cache, v_cache,
-            stride_cs, stride_page, stride_slot, page_size, BLOCK_M: tl.constexpr,
-            BLOCK_N: tl.constexpr, ROPE: tl.constexpr, HEAD_DIM: tl.constexpr,
-            Q_HEADS: tl.constexpr, K_HEADS: tl.constexpr, GATED: tl.constexpr):  # fmt: skip
+def _finish(acc, acc_u, m, n, M, N, b_ptr, out_ptr, stride_om, HAS_BIAS: tl.constexpr,
+            GATED: tl.constexpr):  # fmt: skip
     """A tile's whole sums: bias, rounding (GATED: as the [gate | up] output, then as
-    silu_and_mul rounds), and the store or the rope epilogue."""
+    silu_and_mul rounds), and the store."""
     if HAS_BIAS:
         acc += tl.load(b_ptr + n, mask=n < N, other=0.0).to(tl.float32)[None, :]
         if GATED:
@@ -150,22 +125,14 @@ def _finish(acc, acc_u, m, n, head, j, M, N, b_ptr, out_ptr, stride_om,
     y = acc.to(out_ptr.dtype.element_ty)
     if GATED:
         y = silu_mul(y, acc_u.to(out_ptr.dtype.element_ty), out_ptr.dtype.element_ty)
-    if ROPE:
-        rope_store(y, m, m < M, head, j, pos_ptr, slot_ptr, cos_sin_ptr, out_ptr, k_cache,
-                   v_cache, stride_om, stride_cs, stride_page, stride_slot, page_size,
-                   BLOCK_M, BLOCK_N, HEAD_DIM, Q_HEADS, K_HEADS)  # fmt: skip
-    else:
-        ok = (m < M)[:, None] & (n < N)[None, :]
-        tl.store(out_ptr + m[:, None] * stride_om + n[None, :], y, mask=ok)
+    ok = (m < M)[:, None] & (n < N)[None, :]
+    tl.store(out_ptr + m[:, None] * stride_om + n[None, :], y, mask=ok)
 
 
 @triton.jit
-def _piece(acc, acc_u, p, t, first_tile, units, iters, programs, m, n, head, j, M, N, b_ptr,
-           out_ptr, ws_ptr, cnt_ptr, stride_om, HAS_BIAS: tl.constexpr, pos_ptr, slot_ptr,
-           cos_sin_ptr, k_cache, v_cache, stride_cs, stride_page, stride_slot, page_size,
-           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROPE: tl.constexpr,
-           HEAD_DIM: tl.constexpr, Q_HEADS: tl.constexpr, K_HEADS: tl.constexpr,
-           GATED: tl.constexpr):  # fmt: skip
+def _piece(acc, acc_u, p, t, first_tile, units, iters, programs, m, n, M, N, b_ptr, out_ptr,
+           ws_ptr, cnt_ptr, stride_om, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+           BLOCK_N: tl.constexpr, GATED: tl.constexpr):  # fmt: skip
     """Program p's piece of split tile t: its partial sums (GATED: both halves') to the
     workspace, its count on the tile's counter; the last to count sums every piece in K
     order and finishes."""
@@ -192,10 +159,7 @@ def _piece(acc, acc_u, p, t, first_tile, units, iters, programs, m, n, head, j, 
             total += tl.load(piece, cache_modifier=".cg")
             if GATED:
                 total_u += tl.load(piece + tile_cells, cache_modifier=".cg")
-        _finish(total, total_u, m, n, head, j, M, N, b_ptr, out_ptr, stride_om, HAS_BIAS,
-                pos_ptr, slot_ptr, cos_sin_ptr, k_cache, v_cache, stride_cs, stride_page,
-                stride_slot, page_size, BLOCK_M, BLOCK_N, ROPE, HEAD_DIM, Q_HEADS, K_HEADS,
-                GATED)  # fmt: skip
+        _finish(total, total_u, m, n, M, N, b_ptr, out_ptr, stride_om, HAS_BIAS, GATED)
         tl.atomic_xchg(cnt_ptr + t, 0, sem="relaxed", scope="gpu")  # ready for the next call
 
 
@@ -235,7 +199,7 @@ def launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cf
            out: torch.Tensor, silu: bool, gated: bool, consts: dict, compile_only: bool) -> None:
     """Run (or compile only) the stream-K kernel for x2 [rows, K or 2K with silu] @ weight^T
     (gated: a [gate; up] weight, silu(gate) * up) into out: `consts` carries the launch's
-    PDL and rope keywords."""
+    PDL keywords."""
     rows, (n, k) = x2.shape[0], weight.shape
     n = n // 2 if gated else n
     num_m = triton.cdiv(rows, cfg.block_m)
