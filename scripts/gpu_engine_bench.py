@@ -203,8 +203,6 @@ AB_VARIANTS = {
     "invariance": ("cuBLAS batch variant", {"disable_batch_invariance": True},
                    "with --disable-batch-invariance (cuBLAS where it rounds rows apart, "
                    "verify steps by row count)"),
-    "wide_split": ("no wide split", {"wide_split": False},
-                   "without the 64-row wide split GEMV candidates (gemv_configs._WIDE_SPLIT)"),
     "stream_k": ("stream-K candidates", {"gemv_stream_k": True},
                  "with the stream-K GEMV tiles among the candidates above 16 rows "
                  "(--gemv-stream-k, experimental)"),
@@ -273,7 +271,7 @@ def main() -> None:
         first = next(iter(configs))
         configs[f"{first} (again, last)"] = configs[first]
     from specserve.layers import gemv as gemv_module  # kernel modules: imported when needed
-    from specserve.layers import gemv_configs, triton_argmax
+    from specserve.layers import triton_argmax
     from specserve.layers.triton_ops import TritonMergedGatedMLP
 
     gated, rope_fits = TritonMergedGatedMLP._gated, gemv_module.rope_fits
@@ -288,7 +286,6 @@ def main() -> None:
         TritonMergedGatedMLP._gated = gated if extra.pop("gate", True) else lambda *a: None
         # this engine only (restored below): no qkv tile takes the rope epilogue
         gemv_module.rope_fits = rope_fits if extra.pop("rope", True) else lambda *a: False
-        gemv_configs.set_wide_split(extra.pop("wide_split", True))  # read by selection
         t0 = time.perf_counter()
         engine = LLMEngine(EngineConfig(**base, **extra), model=model)
         startup = time.perf_counter() - t0

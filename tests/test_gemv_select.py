@@ -147,44 +147,30 @@ def test_gemv_weights_groups_shapes_and_the_tied_logits_projection():
 
 
 def test_candidate_configs_are_the_pruned_winners():
-    from specserve.layers import gemv_configs
     from specserve.layers.gemv import candidate_configs
 
     shapes = ((6144, 4096), (128256, 4096), (576, 576), (4096, 14336), (576, 1536))
     for n, k in shapes:
         for rows in (1, 2, 3, 8, 9, 16, 17, 32, 33, 64):
             cands = candidate_configs(rows, n, k, num_sms=132)
-            assert 4 <= len(cands) <= 8 and len(set(cands)) == len(cands)
+            assert 4 <= len(cands) <= 7 and len(set(cands)) == len(cands)
             assert all(c.supports(rows, n, k) for c in cands)
             assert (not cands[0].use_dot) == (rows <= 2)  # the CUDA-core product first
             bm = 16 if rows <= 16 else 32 if rows <= 32 else 64
             assert all(c.block_m == bm for c in cands if c.use_dot)  # the weight read once
             assert all(-(-k // c.split_k) >= c.block_k for c in cands)
-            # splits for a long K, for a square weight where the row block has one, and at
-            # 64 rows for a weight of at most a wave of 128-column tiles (the wide split)
-            wide = bm == 64 and n <= 66 * 128
-            assert any(c.split_k > 1 for c in cands) == (k > n or (k == n and bm != 32) or wide)
+            # splits for a long K, and for a square weight where the row block has one
+            assert any(c.split_k > 1 for c in cands) == (k > n or (k == n and bm != 32))
     down = candidate_configs(1, 4096, 14336, num_sms=132)
     assert [str(c) for c in down if c.split_k > 1] == ["dot m16 n64 k128 s4 w4 st4",
                                                        "dot m16 n32 k128 s3 w2 st4"]  # fmt: skip
     down = candidate_configs(64, 4096, 14336, num_sms=132)
     assert [str(c) for c in down if c.split_k > 1] == ["dot m64 n64 k128 s4 w4 st4",
-                                                       "dot m64 n64 k128 s2 w4 st5",
-                                                       "dot m64 n128 k128 s4 w8 st3"]  # fmt: skip
+                                                       "dot m64 n64 k128 s2 w4 st5"]  # fmt: skip
     o_proj = candidate_configs(8, 4096, 4096, num_sms=132)
     assert [str(c) for c in o_proj if c.split_k > 1] == ["dot m16 n32 k128 s3 w2 st4"]
     o_proj = candidate_configs(64, 4096, 4096, num_sms=132)
-    assert [str(c) for c in o_proj if c.split_k > 1] == ["dot m64 n64 k128 s2 w4 st5",
-                                                         "dot m64 n128 k128 s4 w8 st3"]  # fmt: skip
-    qkv = candidate_configs(64, 6144, 4096, num_sms=132)  # 48 tiles of 128: two slices
-    assert [str(c) for c in qkv if c.split_k > 1] == ["dot m64 n128 k128 s2 w8 st3"]
-    gate_up = candidate_configs(64, 28672, 4096, num_sms=132)  # 224 tiles: no split
-    assert not any(c.split_k > 1 for c in gate_up)
-    gemv_configs.set_wide_split(False)
-    try:
-        assert not any(c.split_k > 1 for c in candidate_configs(64, 6144, 4096, num_sms=132))
-    finally:
-        gemv_configs.set_wide_split(True)
+    assert [str(c) for c in o_proj if c.split_k > 1] == ["dot m64 n64 k128 s2 w4 st5"]
 
 
 def test_small_buckets_time_one_shared_list_without_the_cuda_core_path():

@@ -76,31 +76,6 @@ _SPLIT_TILE = GemvConfig(64, 128, num_stages=4)
 # o_proj, whose split's second pass runs inside the next norm when timed fused with it).
 _SPLIT_EXTRA = {16: GemvConfig(32, 128, split_k=3, num_warps=2, num_stages=4),
                 64: GemvConfig(64, 128, split_k=2, num_stages=5)}  # fmt: skip
-# At 64 rows a program reads its 64 rows of x from L2 for each K block of weight it streams:
-# a 64-column tile reads as many bytes of x as of weight. A wide tile halves x's share, and a
-# K split to about one wave of programs gives the 8B's o, qkv and down projections (32-48
-# tiles of 128 columns) enough programs (the no-PDL profile of session 11: cuBLAS's qkv and
-# o at ~3 TB/s, the down projection's split 64-column tile at 3.05, gate/up's 128-column
-# gated tile at 4.3). `set_wide_split(False)` lets the benchmark compare without it.
-_WIDE_SPLIT = {64: GemvConfig(128, 128, num_warps=8, num_stages=3)}
-_WIDE_SPLIT_ON = [True]
-
-
-def set_wide_split(on: bool) -> None:
-    """Propose the 64-row wide split tiles to selection from now on (or stop)."""
-    _WIDE_SPLIT_ON[0] = bool(on)
-
-
-def _wide_split(bm: int, n: int, k: int, num_sms: int) -> GemvConfig | None:
-    """The row block's wide tile split along K into the largest power of 2 of slices that
-    keeps the program count within one wave (and each slice two K blocks long), or None."""
-    wide = _WIDE_SPLIT.get(bm) if _WIDE_SPLIT_ON[0] else None
-    if wide is None:
-        return None
-    split = min(num_sms // triton.cdiv(n, wide.block_n), 16, k // (2 * wide.block_k))
-    return replace(wide, block_m=bm, split_k=1 << (split.bit_length() - 1)) if split >= 2 else None
-
-
 # Stream-K tiles (gemv_stream_k.py) for the row blocks above the shared buckets: candidates
 # only while `set_stream_k(True)` (EngineConfig.gemv_stream_k; not yet measured on a GPU).
 _STREAM_K = {32: [GemvConfig(64, 128, num_stages=4)],
@@ -122,9 +97,8 @@ def candidate_configs(rows: int, n: int, k: int, num_sms: int) -> list[GemvConfi
     order of preference on a tie: the CUDA-core product for one or two rows, the unsplit
     tiles of the row block, and, for a long K (K > N: few output tiles, long rows), one
     K split that brings the program count to about one wave of `num_sms`; then the sweep's
-    split for the row block (`_SPLIT_EXTRA`: K >= N at up to 16 rows and at 64), the wide
-    split at 64 rows (`_WIDE_SPLIT`) where the weight has few columns; and the stream-K
-    tiles of the row blocks of 32 and 64 while they are switched on."""
+    split for the row block (`_SPLIT_EXTRA`: K >= N at up to 16 rows and at 64); and the
+    stream-K tiles of the row blocks of 32 and 64 while they are switched on."""
     bm = row_block(rows)
     tiles = ([_FMA] if rows <= 2 else []) + [replace(t, block_m=bm) for t in _TILES[bm]]
     if k > n:
@@ -136,9 +110,6 @@ def candidate_configs(rows: int, n: int, k: int, num_sms: int) -> list[GemvConfi
     extra = _SPLIT_EXTRA.get(bm)
     if extra is not None and k >= n:
         tiles.append(replace(extra, block_m=bm))
-    wide = _wide_split(bm, n, k, num_sms)
-    if wide is not None:
-        tiles.append(wide)
     if _STREAM_K_ON[0]:
         tiles += [replace(t, block_m=bm, stream_k=True) for t in _STREAM_K.get(bm, ())]
     return [t for t in tiles if t.supports(rows, n, k)]
