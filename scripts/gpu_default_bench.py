@@ -261,7 +261,7 @@ def main() -> None:
             torch.cuda.empty_cache()
     plain = {r["batch"]: r["output_tok_s"] for r in results["plain"]["rows"]}
     lines = ["| config | " + " | ".join(f"batch {b} tok/s (x plain)" for b in args.batches)
-             + " | tokens per step (batch 1) |",
+             + f" | tokens per step (batch {args.batches[0]}) |",
              "|---|" + "---|" * (len(args.batches) + 1)]  # fmt: skip
     for name, res in results.items():
         cells = [f"{r['output_tok_s']} ({r['output_tok_s'] / plain[r['batch']]:.2f}x)"

@@ -16,8 +16,9 @@ export HF_HUB_OFFLINE=1
 # file:seconds (session 6 on the H200: pdl_gpu ~160 s, triton_ops 18, triton_attention 58,
 # cuda_graphs 9, spec_host_paths 7, drafter_graphs 36, feature_graphs 65, overlap_gpu 58;
 # session 9 added ~50 s of gate/up epilogue tests to pdl_gpu; plan_tuning ~40 s; session 10
-# added the rope epilogue cases to pdl_gpu, about 60 s more, and test_gemv_stream_k: not
-# yet measured)
+# added the rope epilogue cases to pdl_gpu; session 11 on the H200: pdl_gpu 227 s,
+# plan_tuning 35, gemv_stream_k 12-43, cuda_graphs 9, spec_host_paths 7, drafter_graphs 32,
+# feature_graphs 65, overlap_gpu 70)
 group1=(test_pdl_gpu.py:330 test_gemv_stream_k.py:90 test_cuda_graphs.py:40
         test_spec_host_paths.py:40)
 group2=(test_plan_tuning.py:80 test_drafter_graphs.py:100 test_feature_graphs.py:130
