@@ -2,9 +2,10 @@
 one subprocess (4 programs, so tiles split between programs and the last to finish sums
 them): right against a float64 reference with and without bias and the SiLU prologue, the
 same bits on a second call, every tile counter back at zero, the gated epilogue right (the
-rope epilogue never runs on stream-K tiles: `rope_fits`). Candidates and the engine switch are tested
-directly; on a GPU (`-m gpu`) the 8B shapes at 33 and 64 rows, and the same bits over many
-CUDA-graph replays (a race between the programs that share a tile would show there)."""
+rope epilogue never runs on stream-K tiles: `rope_fits`). Candidates and the engine switch
+are tested directly; on a GPU (`-m gpu`) the 8B shapes at 33 and 64 rows, and the same bits
+over many CUDA-graph replays (a race between the programs that share a tile would show
+there)."""
 
 from __future__ import annotations
 
