@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -55,9 +56,14 @@ def test_engine_and_cli_carry_the_switches(restore_pdl, tiny_llama):
     defaults = engine_config(build_parser().parse_args(["generate", "hi"]))
     assert not defaults.disable_pdl and not defaults.disable_fusion
     pdl.set_enabled(True)
-    LLMEngine(type(cfg)(model=str(tiny_llama), device="cpu", disable_pdl=True,
-                        num_kv_pages=16))  # fmt: skip
+    engine = LLMEngine(type(cfg)(model=str(tiny_llama), device="cpu", disable_pdl=True,
+                                 num_kv_pages=16))  # fmt: skip
     assert pdl.is_enabled() is False  # set at start-up, before any kernel is compiled
+    assert engine.runner.backend.batch_invariant  # by default (attention's fixed chunks)
+    args = build_parser().parse_args(["generate", "hi", "--disable-batch-invariance"])
+    engine = LLMEngine(replace(engine_config(args), model=str(tiny_llama), device="cpu",
+                               speculative_algorithm="none", num_kv_pages=16))  # fmt: skip
+    assert engine.runner.backend.batch_invariant is False
 
 
 def test_gemv_prefetch_sizing():

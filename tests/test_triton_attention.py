@@ -23,8 +23,8 @@ def interpreter_results() -> dict:
 
 
 def _tolerance(name: str) -> float:
-    if name.startswith(("kv_write", "warm_up")):
-        return 0.0  # a copy: exact; the warm-up writes nothing outside page 0
+    if name.startswith(("kv_write", "warm_up", "invariance")):
+        return 0.0  # a copy: exact; the warm-up writes nothing outside page 0; bits equal
     if "fp32" in name or "float32" in name:
         return 1e-5
     return 2e-3  # fp16 operands, fp32 reference
@@ -63,9 +63,65 @@ def test_decode_num_splits_keeps_one_wave():
     assert isinstance(backend.choose_num_splits(meta(1, 4096), 2, 4, cpu), int)
 
 
+def test_backend_fixes_the_chunks_of_decode_and_verify_steps_up_to_16_requests():
+    """Batch invariance: decode and verify steps of up to INVARIANT_MAX_REQUESTS requests
+    cut every request's keys into MAX_SPLITS chunks whatever the program count; larger
+    steps, prefill rows and --disable-batch-invariance keep the chunks of the split count
+    (the kernels' bits under both: `invariance-*` interpreter cases)."""
+    from types import SimpleNamespace
+
+    from specserve.layers.attention import AttentionMetadata
+    from specserve.layers.attention.triton_attn import (
+        INVARIANT_MAX_REQUESTS,
+        MAX_SPLITS,
+        TritonAttentionBackend,
+    )
+    from specserve.layers.gemv_plan import SHARED_ROWS
+
+    assert INVARIANT_MAX_REQUESTS == SHARED_ROWS  # the GEMVs' shared buckets: one guarantee
+    calls = []
+    fake = SimpleNamespace(
+        DECODE_MAX_ROWS=64, write_kv=lambda *a: None,
+        decode_num_splits=lambda *a: 3,
+        paged_attention=lambda *a, **kw: calls.append(kw) or a[0],
+    )  # fmt: skip
+
+    def step(backend, num_requests, q_len):
+        lens = torch.full((num_requests,), 500)
+        meta = AttentionMetadata(None, None, torch.arange(num_requests + 1) * q_len, lens,
+                                 None, q_len, 500)  # fmt: skip
+        q = torch.zeros(num_requests * q_len, 8, 4)
+        backend.forward(q, q[:, :2], q[:, :2], torch.zeros(1, 1, 2, 4), None, meta, 1.0)
+        return calls[-1]["chunk_splits"], calls[-1]["num_splits"]
+
+    backend = TritonAttentionBackend(kernels=fake)
+    assert step(backend, 1, 1) == (MAX_SPLITS, 3)  # decode
+    assert step(backend, 16, 4) == (MAX_SPLITS, 3)  # verify of 16 requests at K=3
+    assert step(backend, 17, 1) == (None, 3)  # beyond the guarantee: the split count's
+    assert step(backend, 2, 32) == (None, 1)  # prefill rows (32 x 4 > 64)
+    backend.batch_invariant = False  # --disable-batch-invariance
+    assert step(backend, 1, 1) == (None, 3)
+
+
 # ---- GPU: compiled kernels at real shapes ------------------------------------------------
 GPU_SHAPE = dict(kv_heads=8, group=4, head_dim=128)  # Llama-3.1-8B attention
 GPU_TOL = {torch.bfloat16: 1.5e-2, torch.float16: 3e-3}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel", ["decode", "prefetch", "generic"])
+def test_gpu_fixed_chunks_keep_a_rows_bits_at_any_program_count(kernel):
+    """The interpreter's `invariance-*` cases compiled, at the 8B attention in bf16 with the
+    decode launch: a row decoded alone and verified among 6 requests, under 1, 2, 3 and 5
+    programs, is bit for bit the same with fixed chunks, and not without (the control)."""
+    from tests.triton_cases import split_invariance_error
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    launch = dict(block_n=32, num_warps=4, num_stages=3, kernel=kernel)
+    for fixed in (True, False):
+        assert split_invariance_error(_kernels(), fixed, "cuda", torch.bfloat16, GPU_SHAPE,
+                                      **launch) == 0.0, fixed  # fmt: skip
 
 
 def _kernels():

@@ -37,8 +37,9 @@ _HELP = {
     "revising them in whole decode steps (runtime/plan_tuning.py)",
     "disable_batch_invariance": "let cuBLAS serve decode-sized linears of up to 16 rows even "
     "where it rounds a row differently at different row counts, and verify steps take the "
-    "kernels of their row count, not of their requests' decode step (faster on some shapes; "
-    "greedy speculation may then drift from plain decoding)",
+    "kernels of their row count, not of their requests' decode step, and attention splits "
+    "a request's keys by the step's program count (faster on some shapes; greedy "
+    "speculation may then drift from plain decoding)",
     "disable_pdl": "launch Triton kernels without programmatic dependent launch (on by default "
     "on GPUs of compute capability 9+: a kernel starts while the previous one ends)",
     "gemv_stream_k": "EXPERIMENTAL, not yet measured on a GPU: also time stream-K GEMV tiles "

@@ -97,6 +97,7 @@ class LLMEngine:
                     batch_invariant=not config.disable_batch_invariance)  # fmt: skip
                 use_gemv(model, self.gemv_selector)
         self.runner = ModelRunner(model, self.kv, get_backend(config.backend_name()))
+        self.runner.backend.batch_invariant = not config.disable_batch_invariance
         if device.type == "cuda":  # compile every attention variant now, not mid-serving
             self.runner.backend.warm_up(self.model_config.num_heads, self.kv.layers[0])
         self.spec = Speculator(self) if config.speculative_algorithm else None

@@ -40,6 +40,10 @@ class AttentionBackend(ABC):
     """
 
     name: str = "abstract"
+    # Keep a decode or verify row's bits whatever the step's request count, where the
+    # backend's arithmetic could depend on it (the Triton backend's KV splits); the engine
+    # sets it from --disable-batch-invariance.
+    batch_invariant: bool = True
 
     @abstractmethod
     def forward(

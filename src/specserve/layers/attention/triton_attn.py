@@ -17,6 +17,10 @@ from specserve.layers.attention.base import AttentionBackend, AttentionMetadata
 
 MAX_SPLITS = 32
 MIN_SPLIT_TOKENS = 128  # a KV chunk shorter than this is not worth a separate program
+# Decode and verify steps of up to this many requests cut every request's keys into
+# MAX_SPLITS chunks whatever their program count (`batch_invariant`): the GEMVs' shared row
+# buckets (layers/gemv_plan.py SHARED_ROWS) keep a row's bits up to the same request count.
+INVARIANT_MAX_REQUESTS = 16
 
 
 @dataclass(frozen=True)
@@ -43,9 +47,13 @@ class TritonAttentionBackend(AttentionBackend):
 
     `num_splits` fixes the KV split count (1: never split), None chooses it per step from
     the number of (request, KV head) programs and `meta.max_seq_len`, so that about
-    `programs_per_sm` programs run per multiprocessor. Under CUDA graphs pass
-    max_seq_len = the longest context the graph serves: the split count is then fixed at
-    capture and chunk sizes adapt on the device. `decode` applies to steps of at most
+    `programs_per_sm` programs run per multiprocessor. With `batch_invariant`, decode and
+    verify steps of at most INVARIANT_MAX_REQUESTS requests cut each request's keys into
+    MAX_SPLITS chunks (of its length, in whole key blocks) however many programs run: a
+    verify row then gets the bits of the same request's decode row, at any request count up
+    to that (the split count alone would otherwise move the chunk boundaries). Under CUDA
+    graphs pass max_seq_len = the longest context the graph serves: the split count is then
+    fixed at capture and chunk sizes adapt on the device. `decode` applies to steps of at most
     DECODE_MAX_ROWS query rows per (request, KV head), `prefill` to the others.
     `kernels` replaces the kernel module (tests pass one defined under the interpreter).
     Like the model runner's metadata, it assumes a request's new tokens sit at ascending
@@ -61,8 +69,10 @@ class TritonAttentionBackend(AttentionBackend):
         decode: LaunchConfig = DECODE_LAUNCH,
         prefill: LaunchConfig = PREFILL_LAUNCH,
         kernels: ModuleType | None = None,
+        batch_invariant: bool = True,
     ):
         self.num_splits = num_splits
+        self.batch_invariant = batch_invariant
         self.programs_per_sm = programs_per_sm
         self.decode, self.prefill = decode, prefill
         self._kernels = kernels
@@ -79,19 +89,22 @@ class TritonAttentionBackend(AttentionBackend):
     def warm_up(self, num_heads: int, kv_cache: tuple[torch.Tensor, torch.Tensor]) -> int:
         """Compile every kernel variant a model with `num_heads` query heads over this cache
         layout can need (query blocks of 16/32/64 rows for decode, verify and short
-        catch-ups, 128 for prefill; split and unsplit), so that no step ever waits for
-        Triton's compiler. Writes only to the scratch page 0; returns the variants run."""
+        catch-ups, 128 for prefill; split and unsplit, and with `batch_invariant` fewer
+        programs than chunks), so that no step ever waits for Triton's compiler. Writes only
+        to the scratch page 0; returns the variants run."""
         ops = self.kernels
         k_cache, v_cache = kv_cache
         kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
         group = num_heads // kv_heads
         device = k_cache.device
-        shapes = [(q_len, splits) for q_len in sorted({max(1, rows // group)
-                                                       for rows in (16, 32, ops.DECODE_MAX_ROWS)})
-                  for splits in (1, 2)]  # fmt: skip
-        shapes.append((ops.DECODE_MAX_ROWS // group + 1, 1))  # prefill-like
+        chunkings = [(1, None), (2, None)] + [(2, MAX_SPLITS)] * self.batch_invariant
+        shapes = [(q_len, splits, chunks)
+                  for q_len in sorted({max(1, rows // group)
+                                       for rows in (16, 32, ops.DECODE_MAX_ROWS)})
+                  for splits, chunks in chunkings]  # fmt: skip
+        shapes.append((ops.DECODE_MAX_ROWS // group + 1, 1, None))  # prefill-like
         i64 = dict(dtype=torch.int64, device=device)
-        for q_len, splits in shapes:
+        for q_len, splits, chunks in shapes:
             q = torch.zeros(q_len, num_heads, head_dim, dtype=k_cache.dtype, device=device)
             kv = torch.zeros(q_len, kv_heads, head_dim, dtype=k_cache.dtype, device=device)
             slots = torch.zeros(q_len, **i64)  # every write to slot 0 of page 0
@@ -100,7 +113,7 @@ class TritonAttentionBackend(AttentionBackend):
             ops.paged_attention(
                 q, k_cache, v_cache, torch.arange(q_len, **i64) % 1,
                 torch.tensor([0, q_len], **i64), torch.ones(1, **i64),
-                torch.zeros(1, 1, **i64), q_len, 1.0, num_splits=splits,
+                torch.zeros(1, 1, **i64), q_len, 1.0, num_splits=splits, chunk_splits=chunks,
                 block_n=launch.block_n, num_warps=launch.num_warps, num_stages=launch.num_stages,
             )  # fmt: skip
         return len(shapes)
@@ -128,9 +141,13 @@ class TritonAttentionBackend(AttentionBackend):
         kv_heads = k_cache.shape[2]
         splits = self.choose_num_splits(meta, kv_heads, q.shape[1] // kv_heads, q.device)
         rows = meta.max_query_len * q.shape[1] // kv_heads
-        launch = self.decode if rows <= ops.DECODE_MAX_ROWS else self.prefill
+        decode_like = rows <= ops.DECODE_MAX_ROWS
+        launch = self.decode if decode_like else self.prefill
+        invariant = (self.batch_invariant and decode_like
+                     and meta.num_requests <= INVARIANT_MAX_REQUESTS)  # fmt: skip
         return ops.paged_attention(
             q, k_cache, v_cache, meta.positions, meta.query_start_loc, meta.seq_lens,
             meta.block_tables, meta.max_query_len, scale, num_splits=splits,
             block_n=launch.block_n, num_warps=launch.num_warps, num_stages=launch.num_stages,
+            chunk_splits=MAX_SPLITS if invariant else None,
         )  # fmt: skip

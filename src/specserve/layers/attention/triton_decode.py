@@ -53,7 +53,8 @@ def _kv_load(k_cache, v_cache, page, n, n_ok, kvh, stride_cp, stride_cs, stride_
 METADATA = ["positions", "query_start_loc", "seq_lens", "block_tables"]
 # What neither attention kernel specializes on: strides and split counts that vary with the
 # batch, and the metadata addresses.
-NOT_SPECIALIZED = ["stride_bt", "num_splits", "stride_os", "stride_ls", "stride_lt", *METADATA]
+NOT_SPECIALIZED = ["stride_bt", "num_splits", "chunk_splits", "stride_os", "stride_ls",
+                   "stride_lt", *METADATA]  # fmt: skip
 
 
 @triton.jit(do_not_specialize=NOT_SPECIALIZED)
@@ -62,13 +63,15 @@ def _paged_attn_decode_kernel(
     positions, query_start_loc, seq_lens, block_tables,
     stride_qt, stride_qh, stride_cp, stride_cs, stride_ch, stride_bt,
     stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
-    qk_scale, num_splits,
+    qk_scale, num_splits, chunk_splits, nchunk_ptr,
     KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PREFETCH: tl.constexpr,
-    USE_PDL: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False, LOOP: tl.constexpr = False,
 ):  # fmt: skip
     # Same arguments and grid as _paged_attn_kernel; all of a request's rows fit BLOCK_M.
+    # LOOP: fewer programs than chunks (otherwise each program has at most its own chunk,
+    # and the kernel compiles without the outer loop, whose registers it does not need).
     if USE_PDL:  # layers/pdl.py: q and the new K/V come from the kernel before
         pdl_enter()
     pid_bh = tl.program_id(1)
@@ -78,12 +81,14 @@ def _paged_attn_decode_kernel(
     q_start = tl.load(query_start_loc + b).to(tl.int32)
     q_len = tl.load(query_start_loc + b + 1).to(tl.int32) - q_start
     seq_len = tl.load(seq_lens + b).to(tl.int32)
-    # Chunks follow the request's length (not its last position), so the first block's page
-    # ids are requested together with the positions and the queries.
-    chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    lo = pid_s * chunk
+    # The request's keys in chunks of its length over chunk_splits, in whole blocks; program
+    # pid_s takes chunks pid_s, pid_s + num_splits, ... (triton_kernels.py: the chunks do
+    # not depend on the program count). Chunks follow the request's length, not its last
+    # position, so the first block's page ids are requested with the positions and queries.
+    chunk = tl.maximum(tl.cdiv(tl.cdiv(seq_len, chunk_splits), BLOCK_N), 1) * BLOCK_N
+    num_chunks = tl.cdiv(seq_len, chunk)
     table = block_tables + b * stride_bt
-    n = lo + tl.arange(0, BLOCK_N)
+    n = pid_s * chunk + tl.arange(0, BLOCK_N)
     page = tl.load(table + n // PAGE_SIZE, mask=n < seq_len, other=0)
     rows = tl.arange(0, BLOCK_M)
     tok = rows // GROUP
@@ -94,9 +99,63 @@ def _paged_attn_decode_kernel(
     d_ok = d < HEAD_DIM
     q_off = (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
     q = tl.load(q_ptr + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if SPLIT:  # how many partials each row has, for the merge
+        if pid_s == 0:
+            nc_off = (q_start + tok) * stride_lt + head
+            tl.store(nchunk_ptr + nc_off, num_chunks + rows * 0, mask=row_ok)
     # Keys visible to any row: up to the last position (positions ascend), within seq_len.
-    hi = tl.minimum(lo + chunk, tl.minimum(seq_len, tl.max(pos, 0) + 1))
+    kv_end = tl.minimum(seq_len, tl.max(pos, 0) + 1)
+    if LOOP:
+        for j in range(pid_s, num_chunks, num_splits):
+            if j != pid_s:  # this chunk's first page ids (the first chunk's came with q)
+                n = j * chunk + tl.arange(0, BLOCK_N)
+                page = tl.load(table + n // PAGE_SIZE, mask=n < seq_len, other=0)
+            _chunk_out(q, k_cache, v_cache, out_ptr, lse_ptr, table, page, n, j, chunk, kv_end,
+                       kvh, pos, q_start, tok, head, row_ok, stride_cp, stride_cs, stride_ch,
+                       stride_os, stride_ot, stride_oh, stride_ls, stride_lt, d, d_ok,
+                       qk_scale, BLOCK_M, BLOCK_D, PAGE_SIZE, BLOCK_N, SPLIT,
+                       PREFETCH)  # fmt: skip
+    else:  # past the request's chunks the program writes an empty partial, never merged
+        _chunk_out(q, k_cache, v_cache, out_ptr, lse_ptr, table, page, n, pid_s, chunk, kv_end,
+                   kvh, pos, q_start, tok, head, row_ok, stride_cp, stride_cs, stride_ch,
+                   stride_os, stride_ot, stride_oh, stride_ls, stride_lt, d, d_ok, qk_scale,
+                   BLOCK_M, BLOCK_D, PAGE_SIZE, BLOCK_N, SPLIT, PREFETCH)  # fmt: skip
 
+
+@triton.jit
+def _chunk_out(q, k_cache, v_cache, out_ptr, lse_ptr, table, page, n, j, chunk, kv_end, kvh,
+               pos, q_start, tok, head, row_ok, stride_cp, stride_cs, stride_ch, stride_os,
+               stride_ot, stride_oh, stride_ls, stride_lt, d, d_ok, qk_scale,
+               BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
+               BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PREFETCH: tl.constexpr):  # fmt: skip
+    """Chunk j's keys [j * chunk, min((j + 1) * chunk, kv_end)) for the program's rows (n,
+    page: its first block's keys and page ids): the output, or with SPLIT the partial output
+    and its log-sum-exp in slot j."""
+    lo = j * chunk
+    hi = tl.minimum(lo + chunk, kv_end)
+    m_i, l_i, acc = _attend_chunk(q, k_cache, v_cache, table, page, n, lo, hi, kvh, pos,
+                                  stride_cp, stride_cs, stride_ch, d, d_ok, qk_scale, BLOCK_M,
+                                  BLOCK_D, PAGE_SIZE, BLOCK_N, PREFETCH)  # fmt: skip
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    o_off = j * stride_os + (q_start + tok)[:, None] * stride_ot
+    o_off += head[:, None] * stride_oh + d[None, :]
+    o_mask = row_ok[:, None] & d_ok[None, :]
+    if SPLIT:
+        tl.store(out_ptr + o_off, out, mask=o_mask)
+        lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+        l_off = j * stride_ls + (q_start + tok) * stride_lt + head
+        tl.store(lse_ptr + l_off, lse, mask=row_ok)
+    else:
+        tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=o_mask)
+
+
+@triton.jit
+def _attend_chunk(q, k_cache, v_cache, table, page, n, lo, hi, kvh, pos, stride_cp, stride_cs,
+                  stride_ch, d, d_ok, qk_scale, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+                  PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                  PREFETCH: tl.constexpr):  # fmt: skip
+    """Online softmax of the rows of q over keys [lo, hi) (n: the first block's keys, page:
+    their page ids): (row max, row sum, unnormalized output)."""
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -121,15 +180,4 @@ def _paged_attn_decode_kernel(
             page = tl.load(table + n_next // PAGE_SIZE, mask=ok_next, other=0)
             m_i, l_i, acc = _attend_block(q, k, v, n, n_ok, pos, m_i, l_i, acc, qk_scale)
         n, n_ok = n_next, ok_next
-
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    o_off = pid_s * stride_os + (q_start + tok)[:, None] * stride_ot
-    o_off += head[:, None] * stride_oh + d[None, :]
-    o_mask = row_ok[:, None] & d_ok[None, :]
-    if SPLIT:
-        tl.store(out_ptr + o_off, out, mask=o_mask)
-        lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
-        l_off = pid_s * stride_ls + (q_start + tok) * stride_lt + head
-        tl.store(lse_ptr + l_off, lse, mask=row_ok)
-    else:
-        tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=o_mask)
+    return m_i, l_i, acc

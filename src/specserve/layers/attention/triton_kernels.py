@@ -7,12 +7,14 @@ decode with GQA fills the matrix units with the group's heads, verify with K+1 t
 the group, and each K/V block is read once for all of them. `_paged_attn_kernel` serves
 every step (prefill, chunked extend, decode, verify); `_paged_attn_decode_kernel`
 (triton_decode.py) serves steps of at most DECODE_MAX_ROWS rows per request (decode and
-verify: one row block) and is built for bandwidth. When `num_splits` > 1 the KV length of
-each request is cut into that many chunks (flash-decoding), each program writes a partial
-output with its log-sum-exp, and a second kernel merges them; the chunk size is computed on
-the device from the request's own length, so the launch shape does not depend on the data
-(CUDA-graph safe). Every kernel here may be launched with programmatic dependent launch
-(layers/pdl.py): it waits for the previous kernel before its first read or write.
+verify: one row block) and is built for bandwidth. The KV length of each request may be
+cut into `chunk_splits` chunks (flash-decoding), which `num_splits` programs per (request,
+KV head) take in turn, each chunk's partial output written with its log-sum-exp, and a
+second kernel merges them in chunk order; the chunk size is computed on the device from the
+request's own length, so the launch shape does not depend on the data (CUDA-graph safe),
+and a row's bits do not depend on the program count (the backend's batch invariance).
+Every kernel here may be launched with programmatic dependent launch (layers/pdl.py): it
+waits for the previous kernel before its first read or write.
 
 Imported lazily: kernels are defined when this module is first imported, which is when
 TRITON_INTERPRET is read.
@@ -57,10 +59,11 @@ def _paged_attn_kernel(
     positions, query_start_loc, seq_lens, block_tables,
     stride_qt, stride_qh, stride_cp, stride_cs, stride_ch, stride_bt,
     stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
-    qk_scale, num_splits,
+    qk_scale, num_splits, chunk_splits, nchunk_ptr,
     KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, USE_PDL: tl.constexpr = False,
+    LOOP: tl.constexpr = False,
 ):  # fmt: skip
     if USE_PDL:  # layers/pdl.py
         pdl_enter()
@@ -83,15 +86,44 @@ def _paged_attn_kernel(
     last_tok = tl.minimum(q_len - 1, (pid_m * BLOCK_M + BLOCK_M - 1) // GROUP)
     last_pos = tl.load(positions + q_start + tl.maximum(last_tok, 0))
     kv_end = tl.where(last_tok >= 0, tl.minimum(seq_len, last_pos + 1), 0)
-    chunk = tl.cdiv(tl.cdiv(kv_end, num_splits), BLOCK_N) * BLOCK_N
-    lo = pid_s * chunk
-    hi = tl.minimum(lo + chunk, kv_end)
+    chunk = tl.maximum(tl.cdiv(tl.cdiv(kv_end, chunk_splits), BLOCK_N), 1) * BLOCK_N
+    num_chunks = tl.cdiv(kv_end, chunk)
 
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
     q_off = (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
     q = tl.load(q_ptr + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if SPLIT:  # how many partials each row has, for the merge
+        if pid_s == 0:
+            nc_off = (q_start + tok) * stride_lt + head
+            tl.store(nchunk_ptr + nc_off, num_chunks + rows * 0, mask=row_ok)
 
+    if LOOP:  # fewer programs than chunks: chunks j, j + num_splits, ...
+        for j in range(pid_s, num_chunks, num_splits):
+            _generic_chunk_out(q, k_cache, v_cache, out_ptr, lse_ptr, block_tables, b, j, chunk,
+                               kv_end, kvh, pos, q_start, tok, head, row_ok, stride_cp,
+                               stride_cs, stride_ch, stride_bt, stride_os, stride_ot, stride_oh,
+                               stride_ls, stride_lt, d, d_ok, qk_scale, BLOCK_M, BLOCK_D,
+                               PAGE_SIZE, BLOCK_N, SPLIT)  # fmt: skip
+    else:  # at most the program's own chunk (past the request's: an empty partial, unmerged)
+        _generic_chunk_out(q, k_cache, v_cache, out_ptr, lse_ptr, block_tables, b, pid_s, chunk,
+                           kv_end, kvh, pos, q_start, tok, head, row_ok, stride_cp, stride_cs,
+                           stride_ch, stride_bt, stride_os, stride_ot, stride_oh, stride_ls,
+                           stride_lt, d, d_ok, qk_scale, BLOCK_M, BLOCK_D, PAGE_SIZE, BLOCK_N,
+                           SPLIT)  # fmt: skip
+
+
+@triton.jit
+def _generic_chunk_out(q, k_cache, v_cache, out_ptr, lse_ptr, block_tables, b, j, chunk, kv_end,
+                       kvh, pos, q_start, tok, head, row_ok, stride_cp, stride_cs, stride_ch,
+                       stride_bt, stride_os, stride_ot, stride_oh, stride_ls, stride_lt, d,
+                       d_ok, qk_scale, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+                       PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                       SPLIT: tl.constexpr):  # fmt: skip
+    """Chunk j's keys for the program's rows: the output, or with SPLIT the partial output
+    and its log-sum-exp in slot j."""
+    lo = j * chunk
+    hi = tl.minimum(lo + chunk, kv_end)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -115,30 +147,31 @@ def _paged_attn_kernel(
         m_i = m_new
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    o_off = pid_s * stride_os + (q_start + tok)[:, None] * stride_ot
+    o_off = j * stride_os + (q_start + tok)[:, None] * stride_ot
     o_off += head[:, None] * stride_oh + d[None, :]
     o_mask = row_ok[:, None] & d_ok[None, :]
     if SPLIT:
         tl.store(out_ptr + o_off, out, mask=o_mask)
         lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
-        l_off = pid_s * stride_ls + (q_start + tok) * stride_lt + head
+        l_off = j * stride_ls + (q_start + tok) * stride_lt + head
         tl.store(lse_ptr + l_off, lse, mask=row_ok)
     else:
         tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=o_mask)
 
 
-@triton.jit(do_not_specialize=["stride_ps", "stride_ls", "stride_lt", "num_splits"])
+@triton.jit(do_not_specialize=["stride_ps", "stride_ls", "stride_lt"])
 def _split_reduce_kernel(
-    part_ptr, lse_ptr, out_ptr,
-    stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, stride_ot, stride_oh, num_splits,
+    part_ptr, lse_ptr, nchunk_ptr, out_ptr,
+    stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, stride_ot, stride_oh,
     BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
-    # Row (token t, head h) of a split step: its splits' partial outputs weighed by their
-    # log-sum-exp, written to out in its dtype. The splits are added one after the other
-    # (unrolled over BLOCK_S, the loads independent of each other; past num_splits they
-    # reread the last split and weigh 0), so the sum's order does not depend on how Triton
-    # lays out a [splits, head_dim] tile. The partials are read once, past L1 (.cg).
+    # Row (token t, head h) of a split step: its chunks' partial outputs (nchunk_ptr[t, h] of
+    # them, in the lse layout) weighed by their log-sum-exp, written to out in its dtype. The
+    # chunks are added one after the other in chunk order (unrolled over BLOCK_S, the loads
+    # independent of each other; past the row's count they read nothing and weigh 0), so the
+    # sum's order depends on neither the program count nor how Triton lays out a tile. The
+    # partials are read once, past L1 (.cg).
     if USE_PDL:  # layers/pdl.py
         pdl_enter()
     t = tl.program_id(0)
@@ -147,19 +180,22 @@ def _split_reduce_kernel(
     d_ok = d < HEAD_DIM
     lse_row = lse_ptr + t * stride_lt + h
     part_row = part_ptr + t * stride_pt + h * stride_ph + d
-    m = tl.load(lse_row, cache_modifier=".cg")  # a split step has at least two splits
-    for s in tl.static_range(1, BLOCK_S):  # past num_splits: the last split again
-        last = tl.minimum(num_splits - 1, s)
-        m = tl.maximum(m, tl.load(lse_row + last * stride_ls, cache_modifier=".cg"))
+    count = tl.load(nchunk_ptr + t * stride_lt + h)
+    m = tl.full([], float("-inf"), tl.float32)
+    for s in tl.static_range(0, BLOCK_S):  # past the count: the last chunk again, unused
+        last = tl.maximum(tl.minimum(count - 1, s), 0)
+        lse_s = tl.load(lse_row + last * stride_ls, cache_modifier=".cg")
+        m = tl.maximum(m, tl.where(s < count, lse_s, float("-inf")))
     m = tl.where(m == float("-inf"), 0.0, m)
     denom = m * 0.0
     acc = tl.zeros([BLOCK_D], tl.float32)
     for s in tl.static_range(0, BLOCK_S):
-        last = tl.minimum(num_splits - 1, s)
+        last = tl.maximum(tl.minimum(count - 1, s), 0)
         lse_s = tl.load(lse_row + last * stride_ls, cache_modifier=".cg")
-        w = tl.where(last == s, tl.exp2(lse_s - m), 0.0)  # empty splits weigh 0 too
+        w = tl.where(s < count, tl.exp2(lse_s - m), 0.0)  # empty chunks weigh 0 too
         denom += w
-        acc += tl.load(part_row + last * stride_ps, mask=d_ok, other=0.0,
+        in_count = d_ok & (d * 0 + s < count)  # (a tensor mask, as the interpreter needs)
+        acc += tl.load(part_row + last * stride_ps, mask=in_count, other=0.0,
                        cache_modifier=".cg") * w  # fmt: skip
     out = acc / tl.where(denom > 0, denom, 1.0)
     tl.store(out_ptr + t * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty),
@@ -182,11 +218,16 @@ def paged_attention(
     num_warps: int | None = None,
     num_stages: int = 2,
     kernel: str | None = None,
+    chunk_splits: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed queries q [T, H, D] over the paged cache; returns [T, H, D].
 
-    num_splits 1 writes the output directly; > 1 splits every request's KV length into that
-    many chunks and merges the partial results in a second kernel. block_n (keys per
+    The KV length of every request is cut into chunk_splits chunks (default num_splits; a
+    chunk is ceil(length / chunk_splits) rounded up to whole key blocks), num_splits programs
+    per (request, KV head) take them in turn, and a second kernel merges the chunks' partial
+    results in chunk order; one chunk writes the output directly. A row's bits then depend on
+    chunk_splits and its request's length, not on num_splits: a step of any request count
+    with the same chunk_splits rounds a request's row alike. block_n (keys per
     iteration), num_warps and num_stages override the tuned defaults (the "decode" kernel
     takes at least DECODE_MIN_STAGES). kernel picks what serves decode-like steps (at most
     DECODE_MAX_ROWS rows per request): one of DECODE_KERNELS, default DECODE_KERNEL; other
@@ -209,16 +250,22 @@ def paged_attention(
     block_n = block_n or 64
     block_d = max(16, triton.next_power_of_2(head_dim))
     num_warps = num_warps or (4 if decode_like else 8)
+    chunks = chunk_splits or num_splits
+    if chunks < num_splits or chunks > MAX_REDUCE_SPLITS:
+        raise ValueError(f"chunk_splits ({chunks}) must be within num_splits ({num_splits}) "
+                         f"and {MAX_REDUCE_SPLITS}")  # fmt: skip
     grid = (triton.cdiv(rows, block_m), num_requests * kv_heads, num_splits)
-    split = num_splits > 1
+    split = chunks > 1
     if split:
-        part = torch.empty((num_splits, num_tokens, num_heads, head_dim), dtype=torch.float32,
+        part = torch.empty((chunks, num_tokens, num_heads, head_dim), dtype=torch.float32,
                            device=q.device)  # fmt: skip
-        lse = torch.empty((num_splits, num_tokens, num_heads), dtype=torch.float32,
+        lse = torch.empty((chunks, num_tokens, num_heads), dtype=torch.float32,
                           device=q.device)  # fmt: skip
+        nchunk = torch.empty((num_tokens, num_heads), dtype=torch.int32, device=q.device)
         dst, dst_strides, lse_strides = part, part.stride()[:3], lse.stride()[:2]
     else:
         lse, dst = out, out  # lse unused
+        nchunk = torch.empty(1, dtype=torch.int32, device=q.device)  # unused
         dst_strides, lse_strides = (0, *out.stride()[:2]), (0, 0)
     launch_pdl = pdl.launch_options(q.device)
     kernel = kernel or DECODE_KERNEL
@@ -236,16 +283,16 @@ def paged_attention(
         positions, query_start_loc, seq_lens, block_tables,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), *dst_strides, *lse_strides,
-        scale * LOG2E, num_splits,
+        scale * LOG2E, num_splits, chunks, nchunk,
         KV_HEADS=kv_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
         PAGE_SIZE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_N=block_n,
-        SPLIT=split, num_warps=num_warps, num_stages=num_stages, **extra, **launch_pdl,
+        SPLIT=split, LOOP=num_splits < chunks, num_warps=num_warps, num_stages=num_stages,
+        **extra, **launch_pdl,
     )  # fmt: skip
     if split:
         _split_reduce_kernel[(num_tokens, num_heads)](
-            part, lse, out, *part.stride()[:3], *lse.stride()[:2], *out.stride()[:2], num_splits,
-            BLOCK_S=max(MAX_REDUCE_SPLITS, triton.next_power_of_2(num_splits)),
-            HEAD_DIM=head_dim, BLOCK_D=block_d, **launch_pdl,
+            part, lse, nchunk, out, *part.stride()[:3], *lse.stride()[:2], *out.stride()[:2],
+            BLOCK_S=MAX_REDUCE_SPLITS, HEAD_DIM=head_dim, BLOCK_D=block_d, **launch_pdl,
         )  # fmt: skip
     return out
 
