@@ -112,16 +112,18 @@ GPU_TOL = {torch.bfloat16: 1.5e-2, torch.float16: 3e-3}
 @pytest.mark.parametrize("kernel", ["decode", "prefetch", "generic"])
 def test_gpu_fixed_chunks_keep_a_rows_bits_at_any_program_count(kernel):
     """The interpreter's `invariance-*` cases compiled, at the 8B attention in bf16 with the
-    decode launch: a row decoded alone and verified among 6 requests, under 1, 2, 3 and 5
-    programs, is bit for bit the same with fixed chunks, and not without (the control)."""
+    decode launch (key blocks of 32: chunks grow at 1,024 keys): 4 verified rows and each
+    decoded alone, under 1, 3 and 32 programs, are bit for bit the same with fixed chunks,
+    also across the boundary for the decode kernels, and not without (the control)."""
     from tests.triton_cases import split_invariance_error
 
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     launch = dict(block_n=32, num_warps=4, num_stages=3, kernel=kernel)
-    for fixed in (True, False):
+    cases = [(True, 150), (False, 150)] + [(True, 1021)] * (kernel != "generic")
+    for fixed, first in cases:
         assert split_invariance_error(_kernels(), fixed, "cuda", torch.bfloat16, GPU_SHAPE,
-                                      **launch) == 0.0, fixed  # fmt: skip
+                                      first=first, **launch) == 0.0, (fixed, first)  # fmt: skip
 
 
 def _kernels():

@@ -123,38 +123,53 @@ def kv_write_error(kernels, batch: Batch) -> float:
 
 
 def split_invariance_error(kernels, fixed_chunks: bool, device="cpu", dtype=torch.float32,
-                           shape=None, **launch) -> float:  # fmt: skip
-    """One request's row at position 150 (by default fp32, 2 KV heads of 2 query heads; pages
-    of 16): decoded alone, and verified as the first of 4 tokens among 6 requests, each under
-    1, 2, 3 and 5 programs per (request, KV head). With `fixed_chunks` (the backend's batch
-    invariance: chunk_splits = MAX_SPLITS) 0.0 when all eight rows are bitwise equal; without,
-    0.0 when the program count changes them (the control: the test sees what it guards)."""
+                           shape=None, first=150, **launch) -> float:  # fmt: skip
+    """A request verifying 4 tokens at positions first..first+3 among 6 requests, and each
+    of those 4 rows decoded alone (the request's length then ends at the row), each step
+    under 1, 3 and 32 programs per (request, KV head) (32: one chunk each, no loop). By
+    default fp32, 2 KV heads of 2 query heads, pages of 16, key blocks of 16, so chunks of 32
+    chunk_splits grow at 512 keys: first=509 crosses that boundary inside the verify step.
+    With `fixed_chunks` (the backend's batch invariance: chunk_splits = MAX_SPLITS) 0.0 when
+    each row has the same bits in all six steps and is right (the torch reference, fp32);
+    without, 0.0 when the program count changes some row's bits (the control: the test sees
+    what it guards)."""
     from specserve.layers.attention.triton_attn import MAX_SPLITS
 
-    p, others = 150, [(40, 1), (90, 1), (7, 1), (130, 1), (60, 1)]  # (position, q_len)
+    others = [(40, 1), (90, 1), (7, 1), (130, 1), (60, 1)]  # (position, q_len)
     shape = shape or dict(kv_heads=2, group=2, head_dim=32)
-    batch = make_batch([4] + [q for _, q in others], [p + 3] + [e for e, _ in others],
-                       [p + 4] + [e + 1 for e, _ in others], 16, dtype=dtype, device=device,
-                       seed=3, **shape)  # fmt: skip
+    batch = make_batch([4] + [q for _, q in others], [first + 3] + [e for e, _ in others],
+                       [first + 4] + [e + 1 for e, _ in others], 16, dtype=dtype,
+                       device=device, seed=3, **shape)  # fmt: skip
     m = batch.meta
     kernels.write_kv(batch.k, batch.v, batch.k_cache, batch.v_cache, m.slot_mapping)
-    alone = AttentionMetadata(
-        positions=m.positions[:1], slot_mapping=m.slot_mapping[:1],
-        query_start_loc=torch.tensor([0, 1], device=device),
-        seq_lens=torch.tensor([p + 1], device=device),
-        block_tables=m.block_tables[:1], max_query_len=1, max_seq_len=p + 1,
-    )  # fmt: skip
+    scale = 0.125
+    ref = reference(batch, scale)[:4]
     chunks = MAX_SPLITS if fixed_chunks else None
-    rows = []
-    for meta, q in ((alone, batch.q[:1]), (m, batch.q)):
-        for splits in (1, 2, 3, 5):
-            out = kernels.paged_attention(
-                q, batch.k_cache, batch.v_cache, meta.positions, meta.query_start_loc,
-                meta.seq_lens, meta.block_tables, meta.max_query_len, 0.125,
-                num_splits=splits, chunk_splits=chunks, **(launch or dict(block_n=16)),
-            )  # fmt: skip
-            rows.append(out[0])
-    same = all(torch.equal(r, rows[0]) for r in rows[1:])
+    launch = launch or dict(block_n=16)
+
+    def attend(q, meta, splits):
+        return kernels.paged_attention(
+            q, batch.k_cache, batch.v_cache, meta.positions, meta.query_start_loc,
+            meta.seq_lens, meta.block_tables, meta.max_query_len, scale, num_splits=splits,
+            chunk_splits=chunks, **launch,
+        )  # fmt: skip
+
+    counts = (1, 3, 32)
+    verified = [attend(batch.q, m, splits) for splits in counts]
+    same, right = True, True
+    for i in range(4):
+        alone = AttentionMetadata(
+            positions=m.positions[i : i + 1], slot_mapping=m.slot_mapping[i : i + 1],
+            query_start_loc=torch.tensor([0, 1], device=device),
+            seq_lens=torch.tensor([first + i + 1], device=device),
+            block_tables=m.block_tables[:1], max_query_len=1, max_seq_len=first + i + 1,
+        )  # fmt: skip
+        rows = [attend(batch.q[i : i + 1], alone, splits)[0] for splits in counts]
+        rows += [out[i] for out in verified]
+        same &= all(torch.equal(r, rows[0]) for r in rows[1:])
+        right &= rel_err(rows[0].float(), ref[i]) < (1e-5 if dtype == torch.float32 else 2e-2)
+    if not right:
+        return float("inf")
     return float(not same) if fixed_chunks else float(same)
 
 
@@ -212,15 +227,15 @@ def _small(q_lens, ends, seq_lens, page_size, dtype=torch.float16, seed=0):
 
 
 def warm_up_error(backend, dtype) -> float:
-    """The backend's start-up warm-up runs its 10 variants (3 query heights x unsplit, split,
-    and fewer programs than the batch invariance's chunks; prefill) for 6 query heads over 2
-    KV heads, and writes nothing outside page 0: the error is the largest change of pages
-    1.. (inf when the variant count is wrong)."""
+    """The backend's start-up warm-up runs its 13 variants (3 query heights x unsplit, split,
+    and the batch invariance's chunks with fewer and with as many programs; prefill) for 6
+    query heads over 2 KV heads, and writes nothing outside page 0: the error is the largest
+    change of pages 1.. (inf when the variant count is wrong)."""
     gen = torch.Generator().manual_seed(0)
     k_cache = torch.randn(3, 4, 2, 16, generator=gen).to(dtype)
     v_cache = torch.randn(3, 4, 2, 16, generator=gen).to(dtype)
     before = (k_cache[1:].clone(), v_cache[1:].clone())
-    if backend.warm_up(6, (k_cache, v_cache)) != 10:
+    if backend.warm_up(6, (k_cache, v_cache)) != 13:
         return float("inf")
     return max((k_cache[1:] - before[0]).abs().max().item(),
                (v_cache[1:] - before[1]).abs().max().item())
@@ -278,8 +293,14 @@ def interpreter_cases() -> dict[str, tuple]:
     cases["graph_runner_padding-float32"] = ("runner", ("float32",), {})
     cases["drafter_graphs_padding-float32"] = ("drafter", ("float32",), {})
     cases["warm_up-float16"] = ("warm_up", ("float16",), {})
-    cases["invariance-fixed-chunks"] = ("invariance", (True,), {})
-    cases["invariance-control-free-splits"] = ("invariance", (False,), {})
+    for first in (150, 509):  # 509: the verified rows cross a chunk boundary (512 keys)
+        cases[f"invariance-fixed-chunks-at{first}"] = ("invariance", (True, first), {})
+    cases["invariance-fixed-chunks-at509-prefetch"] = ("invariance", (True, 509),
+                                                       dict(kernel="prefetch"))  # fmt: skip
+    # the generic kernel chunks by the request's length: exact away from a chunk boundary
+    cases["invariance-fixed-chunks-at150-generic"] = ("invariance", (True, 150),
+                                                      dict(kernel="generic"))  # fmt: skip
+    cases["invariance-control-free-splits"] = ("invariance", (False, 150), {})
     for dtype in ("float16", "float32"):
         for op in ("rms_norm", "add_rms_norm", "rotary", "silu_and_mul"):
             cases[f"{op}-{dtype}"] = (op, (dtype,), {})
@@ -291,7 +312,7 @@ def run_case(name: str, spec: tuple, kernels, ops) -> float:
     if kind == "kv_write":
         return kv_write_error(kernels, _small(*args, seed=len(name)))
     if kind == "invariance":
-        return split_invariance_error(kernels, args[0])
+        return split_invariance_error(kernels, args[0], first=args[1], block_n=16, **kw)
     if kind == "attn":
         q_lens, ends, seq_lens, ps = args
         batch = make_batch(q_lens, ends, seq_lens, ps, dtype=kw.get("dtype", torch.float16),

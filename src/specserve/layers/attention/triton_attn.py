@@ -97,7 +97,9 @@ class TritonAttentionBackend(AttentionBackend):
         kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
         group = num_heads // kv_heads
         device = k_cache.device
-        chunkings = [(1, None), (2, None)] + [(2, MAX_SPLITS)] * self.batch_invariant
+        chunkings = [(1, None), (2, None)]
+        if self.batch_invariant:  # fewer programs than chunks, and as many
+            chunkings += [(2, MAX_SPLITS), (MAX_SPLITS, MAX_SPLITS)]
         shapes = [(q_len, splits, chunks)
                   for q_len in sorted({max(1, rows // group)
                                        for rows in (16, 32, ops.DECODE_MAX_ROWS)})

@@ -57,6 +57,13 @@ NOT_SPECIALIZED = ["stride_bt", "num_splits", "chunk_splits", "stride_os", "stri
                    "stride_lt", *METADATA]  # fmt: skip
 
 
+@triton.jit
+def chunk_len(length, chunk_splits, BLOCK_N: tl.constexpr):
+    """The chunk a key length is cut into: length over chunk_splits, in whole blocks (at
+    least one). It changes only where length crosses a multiple of chunk_splits * BLOCK_N."""
+    return tl.maximum(tl.cdiv(tl.cdiv(length, chunk_splits), BLOCK_N), 1) * BLOCK_N
+
+
 @triton.jit(do_not_specialize=NOT_SPECIALIZED)
 def _paged_attn_decode_kernel(
     q_ptr, k_cache, v_cache, out_ptr, lse_ptr,
@@ -68,10 +75,12 @@ def _paged_attn_decode_kernel(
     BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PREFETCH: tl.constexpr,
     USE_PDL: tl.constexpr = False, LOOP: tl.constexpr = False,
+    ROW_CHUNKS: tl.constexpr = False,
 ):  # fmt: skip
     # Same arguments and grid as _paged_attn_kernel; all of a request's rows fit BLOCK_M.
     # LOOP: fewer programs than chunks (otherwise each program has at most its own chunk,
-    # and the kernel compiles without the outer loop, whose registers it does not need).
+    # and the kernel compiles without the loop, whose registers it does not need).
+    # ROW_CHUNKS (triton_kernels.py): each row's keys are chunked by its own length.
     if USE_PDL:  # layers/pdl.py: q and the new K/V come from the kernel before
         pdl_enter()
     pid_bh = tl.program_id(1)
@@ -81,12 +90,16 @@ def _paged_attn_decode_kernel(
     q_start = tl.load(query_start_loc + b).to(tl.int32)
     q_len = tl.load(query_start_loc + b + 1).to(tl.int32) - q_start
     seq_len = tl.load(seq_lens + b).to(tl.int32)
-    # The request's keys in chunks of its length over chunk_splits, in whole blocks; program
-    # pid_s takes chunks pid_s, pid_s + num_splits, ... (triton_kernels.py: the chunks do
-    # not depend on the program count). Chunks follow the request's length, not its last
-    # position, so the first block's page ids are requested with the positions and queries.
-    chunk = tl.maximum(tl.cdiv(tl.cdiv(seq_len, chunk_splits), BLOCK_N), 1) * BLOCK_N
-    num_chunks = tl.cdiv(seq_len, chunk)
+    # The keys in chunks of a length over chunk_splits; program pid_s takes chunks pid_s,
+    # pid_s + num_splits, ... The length is the request's (or with ROW_CHUNKS its first new
+    # token's: its new tokens sit at the positions before seq_len), known before the
+    # positions are, so the first block's page ids are requested with them and the queries.
+    if ROW_CHUNKS:
+        chunk = chunk_len(tl.maximum(seq_len - q_len + 1, 1), chunk_splits, BLOCK_N)
+        num_chunks = tl.minimum(tl.cdiv(seq_len, chunk), chunk_splits)  # its rows need no more
+    else:
+        chunk = chunk_len(seq_len, chunk_splits, BLOCK_N)
+        num_chunks = tl.cdiv(seq_len, chunk)
     table = block_tables + b * stride_bt
     n = pid_s * chunk + tl.arange(0, BLOCK_N)
     page = tl.load(table + n // PAGE_SIZE, mask=n < seq_len, other=0)
@@ -99,51 +112,81 @@ def _paged_attn_decode_kernel(
     d_ok = d < HEAD_DIM
     q_off = (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
     q = tl.load(q_ptr + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-    if SPLIT:  # how many partials each row has, for the merge
-        if pid_s == 0:
-            nc_off = (q_start + tok) * stride_lt + head
-            tl.store(nchunk_ptr + nc_off, num_chunks + rows * 0, mask=row_ok)
     # Keys visible to any row: up to the last position (positions ascend), within seq_len.
     kv_end = tl.minimum(seq_len, tl.max(pos, 0) + 1)
-    if LOOP:
-        for j in range(pid_s, num_chunks, num_splits):
-            if j != pid_s:  # this chunk's first page ids (the first chunk's came with q)
-                n = j * chunk + tl.arange(0, BLOCK_N)
-                page = tl.load(table + n // PAGE_SIZE, mask=n < seq_len, other=0)
-            _chunk_out(q, k_cache, v_cache, out_ptr, lse_ptr, table, page, n, j, chunk, kv_end,
-                       kvh, pos, q_start, tok, head, row_ok, stride_cp, stride_cs, stride_ch,
-                       stride_os, stride_ot, stride_oh, stride_ls, stride_lt, d, d_ok,
-                       qk_scale, BLOCK_M, BLOCK_D, PAGE_SIZE, BLOCK_N, SPLIT,
-                       PREFETCH)  # fmt: skip
-    else:  # past the request's chunks the program writes an empty partial, never merged
-        _chunk_out(q, k_cache, v_cache, out_ptr, lse_ptr, table, page, n, pid_s, chunk, kv_end,
-                   kvh, pos, q_start, tok, head, row_ok, stride_cp, stride_cs, stride_ch,
-                   stride_os, stride_ot, stride_oh, stride_ls, stride_lt, d, d_ok, qk_scale,
-                   BLOCK_M, BLOCK_D, PAGE_SIZE, BLOCK_N, SPLIT, PREFETCH)  # fmt: skip
+    chunk_b = chunk_len(seq_len, chunk_splits, BLOCK_N)  # ROW_CHUNKS: the last rows' chunk
+    if SPLIT:  # each row's partials for the merge: how many, and (ROW_CHUNKS) from which slot
+        if pid_s == 0:
+            count = num_chunks + rows * 0
+            if ROW_CHUNKS:  # rows past a chunk boundary: the second chunking, slots S..2S-1
+                later = chunk_len(pos + 1, chunk_splits, BLOCK_N) != chunk
+                count = tl.where(later, tl.cdiv(seq_len, chunk_b) + chunk_splits * 256, count)
+            tl.store(nchunk_ptr + (q_start + tok) * stride_lt + head, count, mask=row_ok)
+    _chunks(q, k_cache, v_cache, out_ptr, lse_ptr, table, page, n, pid_s, num_splits, chunk,
+            num_chunks, 0, seq_len, kv_end, kvh, pos, q_start, tok, head, row_ok, stride_cp,
+            stride_cs, stride_ch, stride_os, stride_ot, stride_oh, stride_ls, stride_lt, d,
+            d_ok, qk_scale, BLOCK_M, BLOCK_D, PAGE_SIZE, BLOCK_N, SPLIT, PREFETCH,
+            LOOP)  # fmt: skip
+    if ROW_CHUNKS:
+        if chunk_b != chunk:  # the step's rows cross a chunk boundary (at most one)
+            n = pid_s * chunk_b + tl.arange(0, BLOCK_N)
+            page = tl.load(table + n // PAGE_SIZE, mask=n < seq_len, other=0)
+            _chunks(q, k_cache, v_cache, out_ptr, lse_ptr, table, page, n, pid_s, num_splits,
+                    chunk_b, tl.cdiv(seq_len, chunk_b), chunk_splits, seq_len, kv_end, kvh,
+                    pos, q_start, tok, head, row_ok, stride_cp, stride_cs, stride_ch,
+                    stride_os, stride_ot, stride_oh, stride_ls, stride_lt, d, d_ok, qk_scale,
+                    BLOCK_M, BLOCK_D, PAGE_SIZE, BLOCK_N, SPLIT, PREFETCH, LOOP)  # fmt: skip
 
 
 @triton.jit
-def _chunk_out(q, k_cache, v_cache, out_ptr, lse_ptr, table, page, n, j, chunk, kv_end, kvh,
-               pos, q_start, tok, head, row_ok, stride_cp, stride_cs, stride_ch, stride_os,
-               stride_ot, stride_oh, stride_ls, stride_lt, d, d_ok, qk_scale,
+def _chunks(q, k_cache, v_cache, out_ptr, lse_ptr, table, page, n, pid_s, num_splits, chunk,
+            num_chunks, slot_base, seq_len, kv_end, kvh, pos, q_start, tok, head, row_ok,
+            stride_cp, stride_cs, stride_ch, stride_os, stride_ot, stride_oh, stride_ls,
+            stride_lt, d, d_ok, qk_scale, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+            PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+            PREFETCH: tl.constexpr, LOOP: tl.constexpr):  # fmt: skip
+    """The program's chunks of one chunking (n, page: its first chunk's first keys and page
+    ids), each to slot slot_base + its index."""
+    if LOOP:
+        for j in range(pid_s, num_chunks, num_splits):
+            if j != pid_s:  # this chunk's first page ids (the first chunk's are in hand)
+                n = j * chunk + tl.arange(0, BLOCK_N)
+                page = tl.load(table + n // PAGE_SIZE, mask=n < seq_len, other=0)
+            _chunk_out(q, k_cache, v_cache, out_ptr, lse_ptr, table, page, n, j, slot_base + j,
+                       chunk, kv_end, kvh, pos, q_start, tok, head, row_ok, stride_cp,
+                       stride_cs, stride_ch, stride_os, stride_ot, stride_oh, stride_ls,
+                       stride_lt, d, d_ok, qk_scale, BLOCK_M, BLOCK_D, PAGE_SIZE, BLOCK_N,
+                       SPLIT, PREFETCH)  # fmt: skip
+    else:  # past the request's chunks the program writes an empty partial, never merged
+        _chunk_out(q, k_cache, v_cache, out_ptr, lse_ptr, table, page, n, pid_s,
+                   slot_base + pid_s, chunk, kv_end, kvh, pos, q_start, tok, head, row_ok,
+                   stride_cp, stride_cs, stride_ch, stride_os, stride_ot, stride_oh, stride_ls,
+                   stride_lt, d, d_ok, qk_scale, BLOCK_M, BLOCK_D, PAGE_SIZE, BLOCK_N, SPLIT,
+                   PREFETCH)  # fmt: skip
+
+
+@triton.jit
+def _chunk_out(q, k_cache, v_cache, out_ptr, lse_ptr, table, page, n, j, slot, chunk, kv_end,
+               kvh, pos, q_start, tok, head, row_ok, stride_cp, stride_cs, stride_ch,
+               stride_os, stride_ot, stride_oh, stride_ls, stride_lt, d, d_ok, qk_scale,
                BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
                BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PREFETCH: tl.constexpr):  # fmt: skip
     """Chunk j's keys [j * chunk, min((j + 1) * chunk, kv_end)) for the program's rows (n,
     page: its first block's keys and page ids): the output, or with SPLIT the partial output
-    and its log-sum-exp in slot j."""
+    and its log-sum-exp in `slot`."""
     lo = j * chunk
     hi = tl.minimum(lo + chunk, kv_end)
     m_i, l_i, acc = _attend_chunk(q, k_cache, v_cache, table, page, n, lo, hi, kvh, pos,
                                   stride_cp, stride_cs, stride_ch, d, d_ok, qk_scale, BLOCK_M,
                                   BLOCK_D, PAGE_SIZE, BLOCK_N, PREFETCH)  # fmt: skip
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    o_off = j * stride_os + (q_start + tok)[:, None] * stride_ot
+    o_off = slot * stride_os + (q_start + tok)[:, None] * stride_ot
     o_off += head[:, None] * stride_oh + d[None, :]
     o_mask = row_ok[:, None] & d_ok[None, :]
     if SPLIT:
         tl.store(out_ptr + o_off, out, mask=o_mask)
         lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
-        l_off = j * stride_ls + (q_start + tok) * stride_lt + head
+        l_off = slot * stride_ls + (q_start + tok) * stride_lt + head
         tl.store(lse_ptr + l_off, lse, mask=row_ok)
     else:
         tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=o_mask)

@@ -63,8 +63,11 @@ def _paged_attn_kernel(
     KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, USE_PDL: tl.constexpr = False,
-    LOOP: tl.constexpr = False,
+    LOOP: tl.constexpr = False, ROW_CHUNKS: tl.constexpr = False,
 ):  # fmt: skip
+    # ROW_CHUNKS is the decode kernel's alone (the same contract): here chunks always follow
+    # the row block's key range, so a verify step crossing a chunk boundary may round its
+    # later rows apart from their decode steps.
     if USE_PDL:  # layers/pdl.py
         pdl_enter()
     pid_m = tl.program_id(0)
@@ -159,15 +162,17 @@ def _generic_chunk_out(q, k_cache, v_cache, out_ptr, lse_ptr, block_tables, b, j
         tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=o_mask)
 
 
-@triton.jit(do_not_specialize=["stride_ps", "stride_ls", "stride_lt"])
+@triton.jit(do_not_specialize=["stride_ps", "stride_ls", "stride_lt", "num_slots"])
 def _split_reduce_kernel(
     part_ptr, lse_ptr, nchunk_ptr, out_ptr,
-    stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, stride_ot, stride_oh,
+    stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, stride_ot, stride_oh, num_slots,
     BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
-    # Row (token t, head h) of a split step: its chunks' partial outputs (nchunk_ptr[t, h] of
-    # them, in the lse layout) weighed by their log-sum-exp, written to out in its dtype. The
+    # Row (token t, head h) of a split step: its chunks' partial outputs (nchunk_ptr[t, h] %
+    # 256 of them, from slot nchunk_ptr[t, h] // 256 on: the decode kernel's ROW_CHUNKS puts
+    # a second chunking after the first) weighed by their log-sum-exp, written to out in its
+    # dtype. The
     # chunks are added one after the other in chunk order (unrolled over BLOCK_S, the loads
     # independent of each other; past the row's count they read nothing and weigh 0), so the
     # sum's order depends on neither the program count nor how Triton lays out a tile. The
@@ -180,7 +185,11 @@ def _split_reduce_kernel(
     d_ok = d < HEAD_DIM
     lse_row = lse_ptr + t * stride_lt + h
     part_row = part_ptr + t * stride_pt + h * stride_ph + d
-    count = tl.load(nchunk_ptr + t * stride_lt + h)
+    code = tl.load(nchunk_ptr + t * stride_lt + h)
+    count = tl.minimum(code % 256, BLOCK_S)
+    base = tl.minimum(code // 256, num_slots - count)  # (in bounds whatever is there)
+    lse_row += base * stride_ls
+    part_row += base * stride_ps
     m = tl.full([], float("-inf"), tl.float32)
     for s in tl.static_range(0, BLOCK_S):  # past the count: the last chunk again, unused
         last = tl.maximum(tl.minimum(count - 1, s), 0)
@@ -222,12 +231,15 @@ def paged_attention(
 ) -> torch.Tensor:
     """Causal attention of packed queries q [T, H, D] over the paged cache; returns [T, H, D].
 
-    The KV length of every request is cut into chunk_splits chunks (default num_splits; a
-    chunk is ceil(length / chunk_splits) rounded up to whole key blocks), num_splits programs
-    per (request, KV head) take them in turn, and a second kernel merges the chunks' partial
-    results in chunk order; one chunk writes the output directly. A row's bits then depend on
-    chunk_splits and its request's length, not on num_splits: a step of any request count
-    with the same chunk_splits rounds a request's row alike. block_n (keys per
+    The keys of every request are cut into chunks of ceil(length / chunks) rounded up to
+    whole key blocks, num_splits programs per (request, KV head) take them in turn, and a
+    second kernel merges the chunks' partial results in chunk order; one chunk writes the
+    output directly. By default chunks = num_splits and the length is the request's. Given
+    chunk_splits (at least num_splits), chunks = chunk_splits, and the decode kernels chunk
+    each row by its own length (position + 1; a step whose rows cross a chunk boundary runs
+    both chunkings): a row's bits then depend on its position alone, not on the program
+    count, the request count or the tokens verified after it (the generic kernel chunks by
+    the request's length). block_n (keys per
     iteration), num_warps and num_stages override the tuned defaults (the "decode" kernel
     takes at least DECODE_MIN_STAGES). kernel picks what serves decode-like steps (at most
     DECODE_MAX_ROWS rows per request): one of DECODE_KERNELS, default DECODE_KERNEL; other
@@ -255,11 +267,13 @@ def paged_attention(
         raise ValueError(f"chunk_splits ({chunks}) must be within num_splits ({num_splits}) "
                          f"and {MAX_REDUCE_SPLITS}")  # fmt: skip
     grid = (triton.cdiv(rows, block_m), num_requests * kv_heads, num_splits)
-    split = chunks > 1
+    row_chunks = chunk_splits is not None  # rows chunked by their own length: two chunkings
+    slots = chunks * (2 if row_chunks else 1)
+    split = chunks > 1 or row_chunks
     if split:
-        part = torch.empty((chunks, num_tokens, num_heads, head_dim), dtype=torch.float32,
+        part = torch.empty((slots, num_tokens, num_heads, head_dim), dtype=torch.float32,
                            device=q.device)  # fmt: skip
-        lse = torch.empty((chunks, num_tokens, num_heads), dtype=torch.float32,
+        lse = torch.empty((slots, num_tokens, num_heads), dtype=torch.float32,
                           device=q.device)  # fmt: skip
         nchunk = torch.empty((num_tokens, num_heads), dtype=torch.int32, device=q.device)
         dst, dst_strides, lse_strides = part, part.stride()[:3], lse.stride()[:2]
@@ -286,13 +300,13 @@ def paged_attention(
         scale * LOG2E, num_splits, chunks, nchunk,
         KV_HEADS=kv_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
         PAGE_SIZE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_N=block_n,
-        SPLIT=split, LOOP=num_splits < chunks, num_warps=num_warps, num_stages=num_stages,
-        **extra, **launch_pdl,
+        SPLIT=split, LOOP=num_splits < chunks, ROW_CHUNKS=row_chunks, num_warps=num_warps,
+        num_stages=num_stages, **extra, **launch_pdl,
     )  # fmt: skip
     if split:
         _split_reduce_kernel[(num_tokens, num_heads)](
             part, lse, nchunk, out, *part.stride()[:3], *lse.stride()[:2], *out.stride()[:2],
-            BLOCK_S=MAX_REDUCE_SPLITS, HEAD_DIM=head_dim, BLOCK_D=block_d, **launch_pdl,
+            slots, BLOCK_S=MAX_REDUCE_SPLITS, HEAD_DIM=head_dim, BLOCK_D=block_d, **launch_pdl,
         )  # fmt: skip
     return out
 
