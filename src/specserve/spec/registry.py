@@ -28,6 +28,8 @@ def build_proposer(engine: LLMEngine) -> Proposer:
         device = engine.kv.pool.device
         model = load_model(source, engine.dtype, device, config=draft_cfg)
         kv = KVCache(draft_cfg, engine.kv.allocator.num_pages, cfg.page_size, engine.dtype, device)
+        if device.type == "cuda":  # its own head layout's attention variants, before serving
+            engine.runner.backend.warm_up(draft_cfg.num_heads, kv.layers[0])
         return DraftModelProposer(model, kv, engine.runner.backend, engine.model_config.vocab_size)
     if algo == "eagle3":
         from specserve.spec.eagle3 import build_eagle3_proposer
