@@ -200,9 +200,9 @@ AB_VARIANTS = {
              "with SiLU-and-mul kept out of the gate/up GEMV's epilogue"),
     "rope": ("rotary kernel", {"rope": False},
              "with rotary and the K/V store kept out of the qkv GEMV's epilogue"),
-    "invariance": ("cuBLAS batch variant", {"disable_batch_invariance": True},
+    "invariance": ("batch variant", {"disable_batch_invariance": True},
                    "with --disable-batch-invariance (cuBLAS where it rounds rows apart, "
-                   "verify steps by row count)"),
+                   "verify steps by row count, attention chunks by program count)"),
     "stream_k": ("stream-K candidates", {"gemv_stream_k": True},
                  "with the stream-K GEMV tiles among the candidates above 16 rows "
                  "(--gemv-stream-k, experimental)"),
