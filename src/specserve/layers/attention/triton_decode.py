@@ -179,6 +179,16 @@ def _chunk_out(q, k_cache, v_cache, out_ptr, lse_ptr, table, page, n, j, slot, c
     m_i, l_i, acc = _attend_chunk(q, k_cache, v_cache, table, page, n, lo, hi, kvh, pos,
                                   stride_cp, stride_cs, stride_ch, d, d_ok, qk_scale, BLOCK_M,
                                   BLOCK_D, PAGE_SIZE, BLOCK_N, PREFETCH)  # fmt: skip
+    store_chunk(out_ptr, lse_ptr, m_i, l_i, acc, slot, q_start, tok, head, row_ok, d, d_ok,
+                stride_os, stride_ot, stride_oh, stride_ls, stride_lt, SPLIT)  # fmt: skip
+
+
+@triton.jit
+def store_chunk(out_ptr, lse_ptr, m_i, l_i, acc, slot, q_start, tok, head, row_ok, d, d_ok,
+                stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
+                SPLIT: tl.constexpr):  # fmt: skip
+    """A chunk's normalized output for the program's rows: with SPLIT in fp32 to `slot`
+    with its log-sum-exp (both attention kernels' partials), else as the output."""
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     o_off = slot * stride_os + (q_start + tok)[:, None] * stride_ot
     o_off += head[:, None] * stride_oh + d[None, :]

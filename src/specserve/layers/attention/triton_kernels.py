@@ -27,7 +27,11 @@ import triton
 import triton.language as tl
 
 from specserve.layers import pdl
-from specserve.layers.attention.triton_decode import NOT_SPECIALIZED, _paged_attn_decode_kernel
+from specserve.layers.attention.triton_decode import (
+    NOT_SPECIALIZED,
+    _paged_attn_decode_kernel,
+    store_chunk,
+)
 from specserve.layers.attention.triton_kv_write import (  # noqa: F401 (callers use them here)
     _check_cache,
     check_cache,
@@ -148,18 +152,8 @@ def _generic_chunk_out(q, k_cache, v_cache, out_ptr, lse_ptr, block_tables, b, j
         v = tl.load(v_cache + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
         m_i = m_new
-
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    o_off = j * stride_os + (q_start + tok)[:, None] * stride_ot
-    o_off += head[:, None] * stride_oh + d[None, :]
-    o_mask = row_ok[:, None] & d_ok[None, :]
-    if SPLIT:
-        tl.store(out_ptr + o_off, out, mask=o_mask)
-        lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
-        l_off = j * stride_ls + (q_start + tok) * stride_lt + head
-        tl.store(lse_ptr + l_off, lse, mask=row_ok)
-    else:
-        tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=o_mask)
+    store_chunk(out_ptr, lse_ptr, m_i, l_i, acc, j, q_start, tok, head, row_ok, d, d_ok,
+                stride_os, stride_ot, stride_oh, stride_ls, stride_lt, SPLIT)  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["stride_ps", "stride_ls", "stride_lt", "num_slots"])
