@@ -48,10 +48,11 @@ class TritonAttentionBackend(AttentionBackend):
     `num_splits` fixes the KV split count (1: never split), None chooses it per step from
     the number of (request, KV head) programs and `meta.max_seq_len`, so that about
     `programs_per_sm` programs run per multiprocessor. With `batch_invariant`, decode and
-    verify steps of at most INVARIANT_MAX_REQUESTS requests cut each request's keys into
-    MAX_SPLITS chunks (of its length, in whole key blocks) however many programs run: a
-    verify row then gets the bits of the same request's decode row, at any request count up
-    to that (the split count alone would otherwise move the chunk boundaries). Under CUDA
+    verify steps of at most INVARIANT_MAX_REQUESTS requests cut each row's keys into
+    MAX_SPLITS chunks of its own length (position + 1, in whole key blocks) however many
+    programs run: a verify row then gets the bits of the same request's decode row, at any
+    request count up to that (the split count and the step's length would otherwise move
+    the chunk boundaries). Under CUDA
     graphs pass max_seq_len = the longest context the graph serves: the split count is then
     fixed at capture and chunk sizes adapt on the device. `decode` applies to steps of at most
     DECODE_MAX_ROWS query rows per (request, KV head), `prefill` to the others.
