@@ -95,10 +95,16 @@ def test_backend_fixes_the_chunks_of_decode_and_verify_steps_up_to_16_requests()
         return calls[-1]["chunk_splits"], calls[-1]["num_splits"]
 
     backend = TritonAttentionBackend(kernels=fake)
-    assert step(backend, 1, 1) == (MAX_SPLITS, 3)  # decode
-    assert step(backend, 16, 4) == (MAX_SPLITS, 3)  # verify of 16 requests at K=3
+    assert backend.invariant_chunks(torch.device("cuda")) == MAX_SPLITS
+    chunks = backend.invariant_chunks(torch.device("cpu"))  # the interpreter's: fewer
+    assert step(backend, 1, 1) == (chunks, 3)  # decode
+    assert step(backend, 16, 4) == (chunks, 3)  # verify of 16 requests at K=3
     assert step(backend, 17, 1) == (None, 3)  # beyond the guarantee: the split count's
     assert step(backend, 2, 32) == (None, 1)  # prefill rows (32 x 4 > 64)
+    fake.decode_num_splits = lambda *a: chunks + 2  # more programs than the chunks: capped
+    assert step(backend, 2, 1) == (chunks, chunks)
+    assert step(backend, 17, 1) == (None, chunks + 2)
+    fake.decode_num_splits = lambda *a: 3
     backend.batch_invariant = False  # --disable-batch-invariance
     assert step(backend, 1, 1) == (None, 3)
 

@@ -148,9 +148,19 @@ class TritonAttentionBackend(AttentionBackend):
         launch = self.decode if decode_like else self.prefill
         invariant = (self.batch_invariant and decode_like
                      and meta.num_requests <= INVARIANT_MAX_REQUESTS)  # fmt: skip
+        chunks = self.invariant_chunks(q.device) if invariant else None
+        if chunks is not None:
+            splits = min(splits, chunks)  # no program without a chunk
         return ops.paged_attention(
             q, k_cache, v_cache, meta.positions, meta.query_start_loc, meta.seq_lens,
             meta.block_tables, meta.max_query_len, scale, num_splits=splits,
             block_n=launch.block_n, num_warps=launch.num_warps, num_stages=launch.num_stages,
-            chunk_splits=MAX_SPLITS if invariant else None,
+            chunk_splits=chunks,
         )  # fmt: skip
+
+    def invariant_chunks(self, device: torch.device) -> int:
+        """How many chunks batch-invariant steps cut keys into on `device`: MAX_SPLITS on a
+        GPU; on the CPU (the interpreter) its 4 programs' worth, which keeps the tests of
+        whole models quick (a constant per device either way, which is what invariance
+        needs)."""
+        return MAX_SPLITS if device.type == "cuda" else _num_sms(device)
