@@ -96,7 +96,8 @@ def test_backend_fixes_the_chunks_of_decode_and_verify_steps_up_to_16_requests()
 
     backend = TritonAttentionBackend(kernels=fake)
     assert backend.invariant_chunks(torch.device("cuda")) == MAX_SPLITS
-    chunks = backend.invariant_chunks(torch.device("cpu"))  # the interpreter's: fewer
+    assert step(backend, 1, 1) == (None, 3)  # the CPU's interpreter: off unless asked
+    chunks = backend.cpu_invariant_chunks = 4
     assert step(backend, 1, 1) == (chunks, 3)  # decode
     assert step(backend, 16, 4) == (chunks, 3)  # verify of 16 requests at K=3
     assert step(backend, 17, 1) == (None, 3)  # beyond the guarantee: the split count's

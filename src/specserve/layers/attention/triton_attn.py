@@ -74,6 +74,7 @@ class TritonAttentionBackend(AttentionBackend):
     ):
         self.num_splits = num_splits
         self.batch_invariant = batch_invariant
+        self.cpu_invariant_chunks: int | None = None  # see invariant_chunks
         self.programs_per_sm = programs_per_sm
         self.decode, self.prefill = decode, prefill
         self._kernels = kernels
@@ -149,7 +150,7 @@ class TritonAttentionBackend(AttentionBackend):
         invariant = (self.batch_invariant and decode_like
                      and meta.num_requests <= INVARIANT_MAX_REQUESTS)  # fmt: skip
         chunks = self.invariant_chunks(q.device) if invariant else None
-        if chunks is not None:
+        if chunks:
             splits = min(splits, chunks)  # no program without a chunk
         return ops.paged_attention(
             q, k_cache, v_cache, meta.positions, meta.query_start_loc, meta.seq_lens,
@@ -158,9 +159,10 @@ class TritonAttentionBackend(AttentionBackend):
             chunk_splits=chunks,
         )  # fmt: skip
 
-    def invariant_chunks(self, device: torch.device) -> int:
+    def invariant_chunks(self, device: torch.device) -> int | None:
         """How many chunks batch-invariant steps cut keys into on `device`: MAX_SPLITS on a
-        GPU; on the CPU (the interpreter) its 4 programs' worth, which keeps the tests of
-        whole models quick (a constant per device either way, which is what invariance
-        needs)."""
-        return MAX_SPLITS if device.type == "cuda" else _num_sms(device)
+        GPU (a constant, which is what invariance needs); on the CPU `cpu_invariant_chunks`
+        (None: the split count's chunking). The CPU runs these kernels only through the
+        Triton interpreter, in tests, whose whole-model cases a split and merge of every
+        step would slow several-fold; the kernels' invariance is tested directly."""
+        return MAX_SPLITS if device.type == "cuda" else self.cpu_invariant_chunks
