@@ -52,9 +52,9 @@ def _kv_load(k_cache, v_cache, page, n, n_ok, kvh, stride_cp, stride_cs, stride_
 # not specialized on (see triton_kernels.py, where the generic kernel does the same).
 METADATA = ["positions", "query_start_loc", "seq_lens", "block_tables"]
 # What neither attention kernel specializes on: strides and split counts that vary with the
-# batch, and the metadata addresses.
+# batch, and the metadata addresses (nchunk_ptr is seq_lens where nothing is split).
 NOT_SPECIALIZED = ["stride_bt", "num_splits", "chunk_splits", "stride_os", "stride_ls",
-                   "stride_lt", *METADATA]  # fmt: skip
+                   "stride_lt", "nchunk_ptr", *METADATA]  # fmt: skip
 
 
 @triton.jit
