@@ -151,6 +151,10 @@ def main() -> None:
     ap.add_argument("--no-pdl", action="store_true",
                     help="kernels launched without PDL: each kernel's profiled time is its own "
                          "run, not also its wait for the one before")  # fmt: skip
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 64],
+                    help="the 8B engines' profiled batch sizes")
+    ap.add_argument("--ab-invariance", action="store_true",
+                    help="also the 8B engines with --disable-batch-invariance")
     args = ap.parse_args()
     cuda = not args.tiny
     device = "cuda" if cuda else "cpu"
@@ -167,11 +171,16 @@ def main() -> None:
                     speculative_num_steps=3, speculative_simulate_acceptance=3.0)  # fmt: skip
         cfg = dict(base, max_num_seqs=64, cuda_graph_max_batch=64,
                    kv_cache_bytes=2**26 if args.tiny else 16 * 2**30)  # fmt: skip
-        for name, extra, batches in [
-            ("plain", {"speculative_algorithm": "none"}, (1, 64)),
-            ("eagle3 policy off", {**spec, "speculative_policy": "off"}, (1, 64)),
-            ("eagle3 fixed K=3", {**spec, "speculative_policy": "fixed"}, (1, 64)),
-        ][: 1 if args.only_plain else 3]:
+        engines = [
+            ("plain", {"speculative_algorithm": "none"}),
+            ("eagle3 policy off", {**spec, "speculative_policy": "off"}),
+            ("eagle3 fixed K=3", {**spec, "speculative_policy": "fixed"}),
+        ][: 1 if args.only_plain else 3]
+        if args.ab_invariance:
+            engines += [(f"{name}, batch variant", {**extra, "disable_batch_invariance": True})
+                        for name, extra in engines]  # fmt: skip
+        for name, extra in engines:
+            batches = args.batches
             engine = LLMEngine(EngineConfig(**cfg, **extra), model=model)
             add(engine, 4, 64, 16)
             drain(engine)

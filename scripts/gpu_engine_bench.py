@@ -203,6 +203,8 @@ AB_VARIANTS = {
     "invariance": ("batch variant", {"disable_batch_invariance": True},
                    "with --disable-batch-invariance (cuBLAS where it rounds rows apart, "
                    "verify steps by row count, attention chunks by program count)"),
+    "attn_chunks": ("attention chunks by program count", {"attn_chunks": False},
+                    "with attention's fixed chunks off alone (the GEMV rule kept)"),
     "stream_k": ("stream-K candidates", {"gemv_stream_k": True},
                  "with the stream-K GEMV tiles among the candidates above 16 rows "
                  "(--gemv-stream-k, experimental)"),
@@ -272,9 +274,11 @@ def main() -> None:
         configs[f"{first} (again, last)"] = configs[first]
     from specserve.layers import gemv as gemv_module  # kernel modules: imported when needed
     from specserve.layers import triton_argmax
+    from specserve.layers.attention.triton_attn import TritonAttentionBackend
     from specserve.layers.triton_ops import TritonMergedGatedMLP
 
     gated, rope_fits = TritonMergedGatedMLP._gated, gemv_module.rope_fits
+    chunks = TritonAttentionBackend.invariant_chunks
 
     results = {}
     for name, extra in configs.items():
@@ -286,6 +290,9 @@ def main() -> None:
         TritonMergedGatedMLP._gated = gated if extra.pop("gate", True) else lambda *a: None
         # this engine only (restored below): no qkv tile takes the rope epilogue
         gemv_module.rope_fits = rope_fits if extra.pop("rope", True) else lambda *a: False
+        # this engine only (restored below): attention chunks keys by its program count
+        TritonAttentionBackend.invariant_chunks = (
+            chunks if extra.pop("attn_chunks", True) else lambda *a: None)
         t0 = time.perf_counter()
         engine = LLMEngine(EngineConfig(**base, **extra), model=model)
         startup = time.perf_counter() - t0
@@ -326,6 +333,7 @@ def main() -> None:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     TritonMergedGatedMLP._gated, gemv_module.rope_fits = gated, rope_fits
+    TritonAttentionBackend.invariant_chunks = chunks
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(results, indent=2))
