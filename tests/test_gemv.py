@@ -113,23 +113,34 @@ def model_decode_errors(dtype, device, config, seed=0) -> dict[str, float]:
     return errs
 
 
-def row_invariance_failures(dtype, n: int = 72, k: int = 600) -> list[str]:
+def row_invariance_failures(dtype, n: int = 72, k: int = 600, device: str = "cpu",
+                            shared=None, mode: str = "plain") -> list[str]:  # fmt: skip
     """The configurations the selector may share across row buckets 1..16 (a long K: a K
-    split among them; K off the block sizes) whose rows for M = 1 or 4 differ, bit for bit,
-    from the same rows computed with M = 16 (or M = 1 from M = 4)."""
+    split among them; K off the block sizes) whose rows for M = 1, 4, 16, 20 or 64 differ,
+    bit for bit, from the same rows computed 16 at a time (M = 20 and 64: a verify step's
+    rows, 2 and 4 row blocks per program, `gemv_configs.row_blocks`). `shared`: those
+    configurations (default: the selector's candidates); `mode` "silu" (x holds [gate | up])
+    or "gated" (the weight [gate; up] of 2n rows, through each one's `gated_config`)."""
     from specserve.layers.gemv import gemv
+    from specserve.layers.gemv_configs import gated_config
     from specserve.layers.gemv_select import bucket_candidates
 
     gen = torch.Generator().manual_seed(1)
-    x = torch.randn(16, k, generator=gen).to(dtype)
-    w = (torch.randn(n, k, generator=gen) / k**0.5).to(dtype)
-    (_, shared), *_ = bucket_candidates((1,), n, k, num_sms=132)
-    assert any(c.split_k > 1 for c in shared)
+    x = torch.randn(64, k * (2 if mode == "silu" else 1), generator=gen)
+    w = torch.randn(n * (2 if mode == "gated" else 1), k, generator=gen) / k**0.5
+    x, w = (t.to(dtype=dtype, device=device) for t in (x, w))
+    if shared is None:
+        (_, shared), *_ = bucket_candidates((1,), n, k, num_sms=132)
+        assert any(c.split_k > 1 for c in shared)
+    if mode == "gated":
+        shared = list(filter(None, map(gated_config, shared)))
+    kw = dict(silu=mode == "silu", gated=mode == "gated")
     failures = []
     for cfg in shared:
-        out = {m: gemv(x[:m], w, None, cfg) for m in (1, 4, 16)}
-        if not (torch.equal(out[1], out[4][:1]) and torch.equal(out[4], out[16][:4])):
-            failures.append(str(cfg))
+        alone = torch.cat([gemv(x[i:i + 16], w, None, cfg, **kw) for i in range(0, 64, 16)])
+        for m in (1, 4, 16, 20, 64):
+            if not torch.equal(gemv(x[:m], w, None, cfg, **kw), alone[:m]):
+                failures.append(f"{cfg} M={m}")
     return failures
 
 
@@ -146,6 +157,8 @@ def run_cases() -> dict:
     for dtype in ("float32", "float16"):
         try:
             results[f"rows-invariant-{dtype}"] = row_invariance_failures(getattr(torch, dtype))
+            results[f"rows-invariant-{dtype}"] += row_invariance_failures(
+                getattr(torch, dtype), 40, mode="gated")  # fmt: skip
         except Exception as e:
             results[f"rows-invariant-{dtype}"] = f"{type(e).__name__}: {e}"
         cfg = GemvConfig(block_n=16, block_k=32, split_k=2)
@@ -235,6 +248,26 @@ def test_gpu_every_candidate_matches_torch(dtype, shape):
     for rows, split in ((1, 1), (33, 2), (64, 1)):  # weight tiles through a tensor descriptor
         cfg = GemvConfig(64, 128, split, num_stages=4, block_m=row_block(rows), tma=True)
         assert gemv_error(cfg, rows, n, k, dtype, "cuda", bias=True) < GPU_TOL[dtype], str(cfg)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_shared_tiles_give_verify_rows_the_bits_of_decode_rows(dtype):
+    """The 16-row tiles shared by row buckets 1..16 at Llama-3.1-8B's shapes (qkv, o, down,
+    lm_head; the down projection with its SiLU-and-mul prologue; the merged gate/up with
+    its gated epilogue): rows at M = 1..64, 2 or 4 row blocks per program above 16 rows,
+    bit for bit those of the same rows run 16 at a time (what a verify step of up to 16
+    requests needs: the rows of its requests' decode steps)."""
+    failures = []
+    for n, k, mode in ((6144, 4096, "plain"), (4096, 4096, "plain"), (4096, 14336, "plain"),
+                       (128256, 4096, "plain"), (4096, 14336, "silu"),
+                       (14336, 4096, "gated")):  # fmt: skip
+        from specserve.layers.gemv_select import bucket_candidates
+
+        (_, shared), *_ = bucket_candidates((1,), n, k, num_sms=132)
+        failures += [f"{n}x{k} {mode}: {f}" for f in row_invariance_failures(
+            dtype, n, k, "cuda", shared, mode)]  # fmt: skip
+    assert failures == []
 
 
 @pytest.mark.gpu

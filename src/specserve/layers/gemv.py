@@ -7,9 +7,12 @@ columns and one of `split_k` slices of the K axis. Two inner products:
 
 - `use_dot`: [BLOCK_M, BLOCK_K] x [BLOCK_K, BLOCK_N] tile products on the matrix units
   (BLOCK_M 16, 32 or 64; input rows past M are zeros, never fetched); the loads feed the
-  software pipeline (`num_stages`), one compiled variant per tile serves every M. When M
-  exceeds BLOCK_M the row blocks of one weight tile are neighbouring programs, so the
-  weight's second read comes from L2.
+  software pipeline (`num_stages`). When M exceeds BLOCK_M a program takes up to 4 row
+  blocks (`ROW_BLOCKS`, gemv_configs.row_blocks), one tile product each with the weight
+  tile loaded once: each block's sums are those of a one-block program, so a 16-row tile
+  gives a verify step's 64 rows the bits of its requests' decode rows without re-reading
+  the weight; further row blocks are neighbouring programs (the weight's second read
+  comes from L2).
 - otherwise: broadcast multiply-adds on the CUDA cores over next_power_of_2(M) rows (one
   compiled variant per row count), each thread keeping its partial products until a single
   reduction after the loop; for M of 1 or 2.
@@ -66,6 +69,7 @@ from specserve.layers.gemv_configs import (  # noqa: F401 (also importable from 
     GemvConfig,
     candidate_configs,
     row_block,
+    row_blocks,
 )
 from specserve.layers.gemv_rope import (  # noqa: F401 (RopeStore, rope_fits: also from here)
     RopeStore,
@@ -106,6 +110,16 @@ def _load_x(x_rows, k, mask, K, SILU: tl.constexpr):
         return silu_mul(g, u, x_rows.dtype.element_ty)
     else:
         return tl.load(x_rows + k[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
+def _load_rows(x_rows, k, m_ok, K, SILU: tl.constexpr, K_IN_BLOCKS: tl.constexpr):
+    """`_load_x` of rows `m_ok` (rows past M read as zeros); K_IN_BLOCKS: K is a multiple of
+    BLOCK_K and the columns need no mask."""
+    if K_IN_BLOCKS:
+        return _load_x(x_rows, k, m_ok[:, None], K, SILU)
+    else:
+        return _load_x(x_rows, k, m_ok[:, None] & (k < K)[None, :], K, SILU)
 
 
 @triton.jit
@@ -157,24 +171,27 @@ def _gemv_kernel(
     pos_ptr=None, slot_ptr=None, cos_sin_ptr=None, k_cache=None, v_cache=None,
     stride_cs=0, stride_page=0, stride_slot=0, page_size=1,
     ROPE: tl.constexpr = False, HEAD_DIM: tl.constexpr = 0, Q_HEADS: tl.constexpr = 0,
-    K_HEADS: tl.constexpr = 0,
+    K_HEADS: tl.constexpr = 0, ROW_BLOCKS: tl.constexpr = 1,
 ):  # fmt: skip
     pid_m = tl.program_id(0)  # fastest: the row blocks of one weight tile run together
     pid_n = tl.program_id(1)
     pid_s = tl.program_id(2)
-    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    # ROW_BLOCKS blocks of BLOCK_M rows per program, each its own tile product with the
+    # weight tile loaded once: each row block's sums are those of a BLOCK_M-row program
+    m = pid_m * (BLOCK_M * ROW_BLOCKS) + tl.arange(0, BLOCK_M)
     if ROPE:  # one head's rotary pairs side by side: columns j + c and j + c + HEAD_DIM / 2
         head = pid_n // (HEAD_DIM // BLOCK_N)
         j = (pid_n % (HEAD_DIM // BLOCK_N)) * (BLOCK_N // 2)
         c = tl.arange(0, BLOCK_N)
         n = head * HEAD_DIM + j + c // 2 + (c % 2) * (HEAD_DIM // 2)
     else:
+        head, j = 0, 0
         n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     kk = tl.arange(0, BLOCK_K)
     # Weight rows past N re-read row N-1 (discarded at the store): no mask on the streamed
     # loads. Input rows past M are masked (zero-filled, not fetched).
-    m_ok = (m < M)[:, None]
     x_rows = x_ptr + m[:, None] * stride_xm
+    step = BLOCK_M * stride_xm  # from one row block to the next
     w_rows = w_ptr + tl.minimum(n, N - 1).to(tl.int64)[:, None] * stride_wn
     u_rows = w_ptr + (tl.minimum(n, N - 1) + N).to(tl.int64)[:, None] * stride_wn  # GATED: up
     # Slices start at multiples of BLOCK_K (which the compiler sees: aligned vector loads).
@@ -191,26 +208,70 @@ def _gemv_kernel(
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     else:  # per-thread partial products, summed over K once after the loop
         acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
-    acc_u = acc  # GATED: the up half's sums
+    # the further row blocks' sums (ROW_BLOCKS > 1) and GATED's up half's, per row block
+    acc1, acc2, acc3 = acc, acc, acc
+    acc_u, acc_u1, acc_u2, acc_u3 = acc, acc, acc, acc
+    X_IN_BLOCKS: tl.constexpr = EVEN_K and not TMA  # x loads without a column mask
     for i in range(0, iters):
         k = k_lo + i * BLOCK_K + kk
         # TMA: the copy engine fetches the tile; columns past K and rows past the weight read
         # as zeros (a gated gate tile's rows past N read up rows, discarded at the store)
         w = _w_tile(w_rows, w_desc, pid_n * BLOCK_N, k_lo + i * BLOCK_K, k, K, TMA, EVEN_K)
-        if EVEN_K and not TMA:  # K is a multiple of BLOCK_K
-            x = _load_x(x_rows, k, m_ok, K, SILU)
-        else:
-            x = _load_x(x_rows, k, m_ok & (k < K)[None, :], K, SILU)
+        x = _load_rows(x_rows, k, m < M, K, SILU, X_IN_BLOCKS)
         acc = _mac(acc, x, w, USE_DOT, IEEE)
+        if ROW_BLOCKS > 1:
+            x1 = _load_rows(x_rows + step, k, m + BLOCK_M < M, K, SILU, X_IN_BLOCKS)
+            acc1 = _mac(acc1, x1, w, USE_DOT, IEEE)
+        if ROW_BLOCKS > 2:
+            x2 = _load_rows(x_rows + 2 * step, k, m + 2 * BLOCK_M < M, K, SILU,
+                            X_IN_BLOCKS)  # fmt: skip
+            acc2 = _mac(acc2, x2, w, USE_DOT, IEEE)
+            x3 = _load_rows(x_rows + 3 * step, k, m + 3 * BLOCK_M < M, K, SILU,
+                            X_IN_BLOCKS)  # fmt: skip
+            acc3 = _mac(acc3, x3, w, USE_DOT, IEEE)
         if GATED:
             w = _w_tile(u_rows, w_desc, N + pid_n * BLOCK_N, k_lo + i * BLOCK_K, k, K, TMA,
                         EVEN_K)  # fmt: skip
             acc_u = _mac(acc_u, x, w, USE_DOT, IEEE)
+            if ROW_BLOCKS > 1:
+                acc_u1 = _mac(acc_u1, x1, w, USE_DOT, IEEE)
+            if ROW_BLOCKS > 2:
+                acc_u2 = _mac(acc_u2, x2, w, USE_DOT, IEEE)
+                acc_u3 = _mac(acc_u3, x3, w, USE_DOT, IEEE)
+    _finish(acc, acc_u, m, n, pid_s, M, N, b_ptr, out_ptr, stride_om,
+            stride_os, head, j, pos_ptr, slot_ptr, cos_sin_ptr, k_cache, v_cache,
+            stride_cs, stride_page, stride_slot, page_size, BLOCK_M, BLOCK_N,
+            USE_DOT, HAS_BIAS, PARTIAL, GATED, ROPE, HEAD_DIM, Q_HEADS, K_HEADS)
+    if ROW_BLOCKS > 1:
+        _finish(acc1, acc_u1, m + BLOCK_M, n, pid_s, M, N, b_ptr, out_ptr, stride_om,
+                stride_os, head, j, pos_ptr, slot_ptr, cos_sin_ptr, k_cache, v_cache,
+                stride_cs, stride_page, stride_slot, page_size, BLOCK_M, BLOCK_N,
+                USE_DOT, HAS_BIAS, PARTIAL, GATED, ROPE, HEAD_DIM, Q_HEADS, K_HEADS)
+    if ROW_BLOCKS > 2:
+        _finish(acc2, acc_u2, m + 2 * BLOCK_M, n, pid_s, M, N, b_ptr, out_ptr, stride_om,
+                stride_os, head, j, pos_ptr, slot_ptr, cos_sin_ptr, k_cache, v_cache,
+                stride_cs, stride_page, stride_slot, page_size, BLOCK_M, BLOCK_N,
+                USE_DOT, HAS_BIAS, PARTIAL, GATED, ROPE, HEAD_DIM, Q_HEADS, K_HEADS)
+        _finish(acc3, acc_u3, m + 3 * BLOCK_M, n, pid_s, M, N, b_ptr, out_ptr, stride_om,
+                stride_os, head, j, pos_ptr, slot_ptr, cos_sin_ptr, k_cache, v_cache,
+                stride_cs, stride_page, stride_slot, page_size, BLOCK_M, BLOCK_N,
+                USE_DOT, HAS_BIAS, PARTIAL, GATED, ROPE, HEAD_DIM, Q_HEADS, K_HEADS)
+
+
+@triton.jit
+def _finish(acc, acc_u, m, n, pid_s, M, N, b_ptr, out_ptr, stride_om, stride_os, head, j,
+            pos_ptr, slot_ptr, cos_sin_ptr, k_cache, v_cache, stride_cs, stride_page,
+            stride_slot, page_size, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+            USE_DOT: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,
+            GATED: tl.constexpr, ROPE: tl.constexpr, HEAD_DIM: tl.constexpr,
+            Q_HEADS: tl.constexpr, K_HEADS: tl.constexpr):  # fmt: skip
+    """The epilogue of one row block `m`: partial sums to the split's workspace, or bias,
+    rounding, GATED's SiLU-and-mul and ROPE's rotary and K/V store, and the output."""
     if not USE_DOT:
         acc = tl.sum(acc, axis=2)
         if GATED:
             acc_u = tl.sum(acc_u, axis=2)
-    ok = m_ok & (n < N)[None, :]
+    ok = (m < M)[:, None] & (n < N)[None, :]
     if PARTIAL:
         dst = out_ptr + pid_s * stride_os + m[:, None] * stride_om + n[None, :]
         tl.store(dst, acc, mask=ok)
@@ -342,7 +403,8 @@ def gemv(
         strides = (dst.stride(1), dst.stride(0))
     else:
         dst, strides = out, (out.stride(0), 0)
-    grid = (triton.cdiv(rows, block_m), triton.cdiv(n, cfg.block_n), split_k)
+    blocks = row_blocks(cfg, rows, x.element_size(), gated, silu)
+    grid = (triton.cdiv(rows, block_m * blocks), triton.cdiv(n, cfg.block_n), split_k)
     args = (x2, weight, bias if has_bias else weight, dst, rows, n, k, iters_per_split,
             x2.stride(0), weight.stride(0), *strides)  # fmt: skip
     launch = pdl.launch_options(x.device)
@@ -352,7 +414,8 @@ def gemv(
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, USE_DOT=cfg.use_dot,
         IEEE=x.dtype == torch.float32, EVEN_K=k % cfg.block_k == 0,
         HAS_BIAS=has_bias and not partial, PARTIAL=partial, SILU=silu, GATED=gated,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch, **rope_kw,
+        ROW_BLOCKS=blocks, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch,
+        **rope_kw,
     )  # fmt: skip
     if cfg.tma:
         if not cfg.use_dot:

@@ -13,18 +13,19 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from specserve.layers.gemv import GemvConfig, RopeStore, call_prefetch, gemv, rope_fits
-from specserve.layers.gemv_configs import gated_config
+from specserve.layers.gemv_configs import gated_config, row_blocks
 
 log = logging.getLogger(__name__)
 
 
 def variant_key(cfg: GemvConfig, rows: int, n: int, k: int, dtype: torch.dtype,
-                prefetch: int = 0) -> tuple:  # fmt: skip
+                prefetch: int = 0, blocks: int = 1) -> tuple:  # fmt: skip
     """What decides which compiled Triton variant a call uses (tile, path, row block of the
-    CUDA-core path, split or not, whether K divides into blocks, weight loads, dtype, and
-    under PDL the lines prefetched, `gemv.call_prefetch`, which depend on the shape)."""
+    CUDA-core path, row blocks per program, `gemv_configs.row_blocks`, split or not, whether
+    K divides into blocks, weight loads, dtype, and under PDL the lines prefetched,
+    `gemv.call_prefetch`, which depend on the shape)."""
     bm = cfg.block_m if cfg.use_dot else max(1, 1 << (rows - 1).bit_length())
-    return (bm, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages, cfg.use_dot,
+    return (bm, blocks, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages, cfg.use_dot,
             cfg.split_k > 1, k % cfg.block_k == 0, cfg.tma, cfg.stream_k, dtype,
             prefetch)  # fmt: skip
 
@@ -48,8 +49,9 @@ def compile_tasks(todo: dict, shapes: dict, gated_jobs: dict | None = None,
         out = n // 2 if mode == "gated" else n
         elem = torch.empty(0, dtype=dtype).element_size()
         prefetch = call_prefetch(cfg, out, k, elem, mode == "gated") if pdl_on else 0
+        blocks = row_blocks(cfg, rows, elem, mode == "gated", mode == "silu")
         for bias in (False, True) if (n, k, dtype) in biased else (False,):
-            key = (*variant_key(cfg, rows, n, k, dtype, prefetch), mode, bias)
+            key = (*variant_key(cfg, rows, n, k, dtype, prefetch, blocks), mode, bias)
             tasks.setdefault(key, (cfg, rows, shapes[(n, k, dtype)][0], mode, bias))
 
     for (n, k, dtype), (heads, jobs) in (rope_jobs or {}).items():

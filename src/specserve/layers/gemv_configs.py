@@ -50,6 +50,29 @@ class GemvConfig:
         return self.split_k == 1 or triton.cdiv(k, self.split_k) >= self.block_k
 
 
+# Shared memory one GEMV program may fill with its pipelined tiles (the H200 has 227 KB a
+# block; the rest for Triton's own scratch)
+SMEM_BUDGET = 192 << 10
+
+
+def row_blocks(cfg: GemvConfig, rows: int, elem_bytes: int, gated: bool = False,
+               silu: bool = False) -> int:
+    """Row blocks of cfg.block_m rows each program of a matrix-unit call on `rows` rows
+    takes (1, 2 or 4; gemv.py ROW_BLOCKS): every weight tile is loaded once for all of them,
+    and each block's sums are those of a program of one block, so a tile shared by the row
+    buckets up to 16 serves a verify step's 32 or 64 rows without re-reading its weight and
+    with the bits of the same rows run alone. Fewer where the pipeline's tiles would not fit
+    in SMEM_BUDGET, and at most 2 with the `silu` prologue (4 spill registers on sm_90)."""
+    if not cfg.use_dot or cfg.stream_k or rows <= cfg.block_m:
+        return 1
+    blocks = min(2 if silu else 4, triton.next_power_of_2(triton.cdiv(rows, cfg.block_m)))
+    w_bytes = cfg.block_n * cfg.block_k * elem_bytes * (2 if gated else 1)
+    x_bytes = cfg.block_m * cfg.block_k * elem_bytes * (2 if silu else 1)
+    while blocks > 1 and cfg.num_stages * (w_bytes + blocks * x_bytes) > SMEM_BUDGET:
+        blocks //= 2
+    return blocks
+
+
 def row_block(rows: int) -> int:
     """The matrix-unit row block that serves `rows` rows in one pass: 16, 32 or 64."""
     return 16 if rows <= 16 else 32 if rows <= 32 else 64
