@@ -163,6 +163,11 @@ def main() -> None:
     ap.add_argument("--out", default="default_model")
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None,
+                    help="the engines' per-step token budget (default: the engine's); a "
+                         "batch whose prompts exceed it runs a step mixing its last prefill "
+                         "chunk with the others' decode or verify rows, outside batch "
+                         "invariance")  # fmt: skip
     ap.add_argument("--batch1-prompts", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=3,
                     help="runs per batch size above 1 (short runs); the median is reported")
@@ -194,6 +199,8 @@ def main() -> None:
         configs["plain (again, last)"] = configs["plain"]
     base = dict(device=device, max_num_seqs=max(args.batches),
                 cuda_graph_max_batch=max(args.batches), kv_cache_bytes=4 * 2**30)  # fmt: skip
+    if args.max_num_batched_tokens:
+        base["max_num_batched_tokens"] = args.max_num_batched_tokens
     results, plain_tokens, step_series = {}, {}, {}
     start = time.perf_counter()
     for name, extra in configs.items():

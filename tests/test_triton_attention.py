@@ -121,13 +121,15 @@ def test_gpu_fixed_chunks_keep_a_rows_bits_at_any_program_count(kernel):
     """The interpreter's `invariance-*` cases compiled, at the 8B attention in bf16 with the
     decode launch (key blocks of 32: chunks grow at 1,024 keys): 4 verified rows and each
     decoded alone, under 1, 3 and 32 programs, are bit for bit the same with fixed chunks,
-    also across the boundary for the decode kernels, and not without (the control)."""
+    also across the boundary and with chunks of several key blocks for the decode kernels,
+    and not without (the control)."""
     from tests.triton_cases import split_invariance_error
 
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     launch = dict(block_n=32, num_warps=4, num_stages=3, kernel=kernel)
-    cases = [(True, 150), (False, 150)] + [(True, 1021)] * (kernel != "generic")
+    # 1021 and 3069: across a chunk boundary; 3069: chunks of 3 and 4 key blocks
+    cases = [(True, 150), (False, 150)] + [(True, 1021), (True, 3069)] * (kernel != "generic")
     for fixed, first in cases:
         assert split_invariance_error(_kernels(), fixed, "cuda", torch.bfloat16, GPU_SHAPE,
                                       first=first, **launch) == 0.0, (fixed, first)  # fmt: skip

@@ -147,7 +147,13 @@ def _chunks(q, k_cache, v_cache, out_ptr, lse_ptr, table, page, n, pid_s, num_sp
             PREFETCH: tl.constexpr, LOOP: tl.constexpr):  # fmt: skip
     """The program's chunks of one chunking (n, page: its first chunk's first keys and page
     ids), each to slot slot_base + its index."""
-    if LOOP:
+    if LOOP and not PREFETCH:  # one pipelined loop over the blocks of all its chunks
+        _flat_chunks(q, k_cache, v_cache, out_ptr, lse_ptr, table, page, pid_s, num_splits,
+                     chunk, num_chunks, slot_base, kv_end, kvh, pos, q_start, tok, head,
+                     row_ok, stride_cp, stride_cs, stride_ch, stride_os, stride_ot, stride_oh,
+                     stride_ls, stride_lt, d, d_ok, qk_scale, BLOCK_M, BLOCK_D, PAGE_SIZE,
+                     BLOCK_N)  # fmt: skip
+    elif LOOP:
         for j in range(pid_s, num_chunks, num_splits):
             if j != pid_s:  # this chunk's first page ids (the first chunk's are in hand)
                 n = j * chunk + tl.arange(0, BLOCK_N)
@@ -163,6 +169,43 @@ def _chunks(q, k_cache, v_cache, out_ptr, lse_ptr, table, page, n, pid_s, num_sp
                    stride_cp, stride_cs, stride_ch, stride_os, stride_ot, stride_oh, stride_ls,
                    stride_lt, d, d_ok, qk_scale, BLOCK_M, BLOCK_D, PAGE_SIZE, BLOCK_N, SPLIT,
                    PREFETCH)  # fmt: skip
+
+
+@triton.jit
+def _flat_chunks(q, k_cache, v_cache, out_ptr, lse_ptr, table, page, pid_s, num_splits, chunk,
+                 num_chunks, slot_base, kv_end, kvh, pos, q_start, tok, head, row_ok,
+                 stride_cp, stride_cs, stride_ch, stride_os, stride_ot, stride_oh, stride_ls,
+                 stride_lt, d, d_ok, qk_scale, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+                 PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+    """The program's chunks pid_s, pid_s + num_splits, ... as one loop over their key blocks
+    (page: the first block's page ids), so that the pipeliner keeps the next block in flight
+    across chunk ends too (a chunk may be a single block); at each chunk's last block its
+    partial goes to slot slot_base + its index and the running sums restart. Each chunk's
+    sums are `_attend_chunk`'s bit for bit: a block past the chunk's keys is fully masked,
+    which leaves the sums exactly as they were."""
+    blocks = chunk // BLOCK_N  # per chunk
+    total = tl.cdiv(tl.maximum(num_chunks - pid_s, 0), num_splits) * blocks
+    keys = tl.arange(0, BLOCK_N)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for i in range(0, total):
+        j = pid_s + (i // blocks) * num_splits
+        n = j * chunk + (i % blocks) * BLOCK_N + keys
+        n_ok = n < tl.minimum(j * chunk + chunk, kv_end)
+        k, v = _kv_load(k_cache, v_cache, page, n, n_ok, kvh, stride_cp, stride_cs, stride_ch,
+                        d, d_ok, PAGE_SIZE)  # fmt: skip
+        nxt = (pid_s + ((i + 1) // blocks) * num_splits) * chunk + ((i + 1) % blocks) * BLOCK_N
+        # (after the last block: unused, and read only within the request's keys)
+        page = tl.load(table + (nxt + keys) // PAGE_SIZE, mask=nxt + keys < kv_end, other=0)
+        m_i, l_i, acc = _attend_block(q, k, v, n, n_ok, pos, m_i, l_i, acc, qk_scale)
+        end = tok * 0 + i % blocks == blocks - 1  # per row (all alike): the chunk's last block
+        store_chunk(out_ptr, lse_ptr, m_i, l_i, acc, slot_base + j, q_start, tok, head,
+                    row_ok & end, d, d_ok, stride_os, stride_ot, stride_oh, stride_ls,
+                    stride_lt, True)  # fmt: skip
+        m_i = tl.where(end, float("-inf"), m_i)
+        l_i = tl.where(end, 0.0, l_i)
+        acc = tl.where(end[:, None], 0.0, acc)
 
 
 @triton.jit
