@@ -205,6 +205,9 @@ AB_VARIANTS = {
                    "verify steps by row count, attention chunks by program count)"),
     "attn_chunks": ("attention chunks by program count", {"attn_chunks": False},
                     "with attention's fixed chunks off alone (the GEMV rule kept)"),
+    "verify_tiles": ("verify tiles off", {"disable_verify_tiles": True},
+                     "with verify steps of up to 16 requests on their decode tiles at every "
+                     "row count (--disable-verify-tiles)"),
     "stream_k": ("stream-K candidates", {"gemv_stream_k": True},
                  "with the stream-K GEMV tiles among the candidates above 16 rows "
                  "(--gemv-stream-k, experimental)"),
@@ -320,6 +323,12 @@ def main() -> None:
                             "seconds": round(t.seconds, 2),
                             "changes": [(str(k), a, b) for k, a, b in t.changes]}
             if (t := engine.plan_tuning) else None,
+            # the verify steps' own tiles: kept (key, shared, verify tile), other bits, time
+            "verify_tiles": {"steps_ms": v.steps_ms, "changes": [(str(k), a, b) for k, a, b
+                                                                  in v.changes],
+                             "rejected": len(v.rejected), "skipped": v.skipped,
+                             "evaluations": v.evaluations, "seconds": round(v.seconds, 2)}
+            if (v := engine.verify_tiles) else None,
             # the start-up GEMV selection's choices, per (row bucket, shape[, fusion])
             "gemv_plan": model.gemv_plan.summary() if model.gemv_plan else None,
             "loop_waits": engine.loop.num_waits,  # steps not launched ahead (all rows)

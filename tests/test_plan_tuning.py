@@ -185,24 +185,38 @@ def test_gpu_engine_plan_gives_a_row_the_same_bits_at_every_shared_row_count(tin
     same bits alone, as in a batch-1 decode step, as in decode steps of 4 and 16 requests
     and in verify steps of 1, 4 and 16 requests at K=3 (4 to 64 rows, looked up by request
     count: GemvPlan.step_requests) and a step with a prefill chunk, every row of them against
-    that row alone: every linear through the plan, each MLP with its fusions
-    (its output handed to the next norm or not), attention's output projection as the layer
-    calls it, and the logits. The engine speculates (n-gram, K=3), so its plan reaches 64
-    rows and its cuBLAS check covers them."""
+    that row alone (`rows_apart`). The engine speculates (n-gram, K=3), so its plan reaches
+    64 rows, its cuBLAS check covers them, and it searches verify tiles for them
+    (runtime/verify_tiles.py)."""
     from specserve.config import EngineConfig
     from specserve.engine.engine import LLMEngine
+    from specserve.layers.gemv_select import SHARED_ROWS
+
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama), device="cuda", dtype="bfloat16",
+                                    max_num_seqs=SHARED_ROWS, speculative_algorithm="ngram",
+                                    speculative_num_steps=3))  # fmt: skip
+    assert engine.runner.model.gemv_plan.max_rows == 4 * SHARED_ROWS  # verify of 16: 64 rows
+    apart = rows_apart(engine.runner.model)
+    del engine
+    assert not apart, (
+        f"rows rounded apart (name, requests, rows, rows apart, choice at 1, at rows): {apart}")
+
+
+def rows_apart(model) -> list[tuple]:
+    """Each row of the model's projections (every linear through its plan, each MLP with
+    its fusions, its output handed to the next norm or not, attention's output projection
+    as the layer calls it, and the logits) computed alone, as in a batch-1 decode step, and
+    in decode steps of 4 and 16 requests, verify steps of 1, 4 and 16 requests at K=3 (4 to
+    64 rows, looked up by request count: GemvPlan.step_requests) and a step with a prefill
+    chunk: (part, requests, rows, rows whose bits differ, choice at 1 row, at rows) for each
+    step where some differ."""
     from specserve.layers.gemv import SplitKSum
     from specserve.layers.gemv_select import SHARED_ROWS
     from specserve.layers.linear import GemvLinear, GemvMergedLinear
     from specserve.layers.triton_ops import TritonMergedGatedMLP
     from specserve.model.llama import Attention
 
-    engine = LLMEngine(EngineConfig(model=str(tiny_llama), device="cuda", dtype="bfloat16",
-                                    max_num_seqs=SHARED_ROWS, speculative_algorithm="ngram",
-                                    speculative_num_steps=3))  # fmt: skip
-    model = engine.runner.model
     plan = model.gemv_plan
-    assert plan.max_rows == 4 * SHARED_ROWS  # verify steps of 16 requests: 64 rows
     gen = torch.Generator(device="cuda").manual_seed(0)
 
     def whole(y):  # a K split's sums reduced by their own pass: the norm's bits
@@ -241,9 +255,7 @@ def test_gpu_engine_plan_gives_a_row_the_same_bits_at_every_shared_row_count(tin
                     apart.append((name, reqs, rows, int((~same).sum()), choice(weight, 1),
                                   choice(weight, rows)))  # fmt: skip
     plan.step_requests = None
-    del engine
-    assert not apart, (
-        f"rows rounded apart (name, requests, rows, rows apart, choice at 1, at rows): {apart}")
+    return apart
 
 
 @pytest.mark.gpu

@@ -40,6 +40,9 @@ _HELP = {
     "kernels of their row count, not of their requests' decode step, and attention splits "
     "a request's keys by the step's program count (faster on some shapes; greedy "
     "speculation may then drift from plain decoding)",
+    "disable_verify_tiles": "verify steps of up to 16 requests run the GEMV tiles their "
+    "requests' decode steps run at every row count, without the start-up search for faster "
+    "tiles that give their rows the same bits (runtime/verify_tiles.py)",
     "disable_pdl": "launch Triton kernels without programmatic dependent launch (on by default "
     "on GPUs of compute capability 9+: a kernel starts while the previous one ends)",
     "gemv_stream_k": "EXPERIMENTAL, not yet measured on a GPU: also time stream-K GEMV tiles "

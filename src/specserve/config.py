@@ -49,6 +49,8 @@ class EngineConfig:
     disable_gemv_tuning: bool = False  # keep selection's choices (runtime/plan_tuning.py)
     # cuBLAS may serve decode rows even where a row's bits change with the row count
     disable_batch_invariance: bool = False
+    # verify steps of up to 16 requests keep the decode steps' GEMV tiles at 32-64 rows
+    disable_verify_tiles: bool = False  # (no start-up search of faster same-bits tiles)
     disable_pdl: bool = False  # no programmatic dependent launch (layers/pdl.py)
     gemv_stream_k: bool = False  # experimental: stream-K GEMV candidates above 16 rows
     disable_fusion: bool = False  # SiLU-and-mul and split-K passes as kernels of their own

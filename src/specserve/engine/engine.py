@@ -102,6 +102,7 @@ class LLMEngine:
             self.runner.backend.warm_up(self.model_config.num_heads, self.kv.layers[0])
         self.spec = Speculator(self) if config.speculative_algorithm else None
         self.plan_tuning = None  # what whole-step GEMV tuning changed (CUDA graphs only)
+        self.verify_tiles = None  # the verify steps' own GEMV tiles (runtime/verify_tiles.py)
         if device.type == "cuda" and not config.disable_cuda_graph:
             self.runner.graphs = self._capture_graphs()
         if self.spec is not None:
@@ -148,6 +149,12 @@ class LLMEngine:
                 graphs, plan, plan_candidates(self.kv.layers[0][0].device, plan.torch_varies),
                 SHARED_ROWS,
                 verify_tokens=k_max + 1)  # fmt: skip
+            if k_max and plan.by_requests and not self.config.disable_verify_tiles:
+                # verify steps of up to SHARED_ROWS requests: faster tiles, same bits
+                from specserve.runtime.verify_tiles import tune_engine_verify_tiles
+
+                self.verify_tiles = tune_engine_verify_tiles(graphs, plan, SHARED_ROWS,
+                                                             k_max + 1)  # fmt: skip
         report = graphs.capture()
         log.info(
             "captured %d CUDA graphs in %.1f s (warm-up %.1f s, first replays %.2f s), graph "

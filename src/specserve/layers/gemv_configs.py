@@ -138,6 +138,23 @@ def candidate_configs(rows: int, n: int, k: int, num_sms: int) -> list[GemvConfi
     return [t for t in tiles if t.supports(rows, n, k)]
 
 
+def verify_candidates(shared: GemvConfig, rows: int, n: int, k: int,
+                      num_sms: int) -> list[GemvConfig]:  # fmt: skip
+    """Tiles that may serve `rows` rows (a verify step of up to 16 requests) of a weight
+    [n, k] where `shared`, a 16-row tile, serves the decode rows: the tiles proposed for that
+    many rows, as 16-row tiles (several row blocks per program, `row_blocks`) with shared's
+    K split, since a row's sums can depend on the split. Whether one gives a row the same
+    bits as `shared` is for the device to say (runtime/verify_tiles.py)."""
+    out: list[GemvConfig] = []
+    for t in candidate_configs(rows, n, k, num_sms):
+        if not t.use_dot or t.stream_k or t.tma:
+            continue
+        t = replace(t, block_m=16, split_k=shared.split_k)
+        if t != shared and t not in out and t.supports(rows, n, k):
+            out.append(t)
+    return out
+
+
 def gated_config(cfg: GemvConfig | None) -> GemvConfig | None:
     """The configuration a gated GEMV (SiLU-and-mul in a merged gate/up projection's
     epilogue) runs where `cfg` is the plain choice for that projection: the tile of half

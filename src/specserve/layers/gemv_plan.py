@@ -49,7 +49,10 @@ class GemvPlan:
     request run the shared choice that the same requests' decode step runs, and round
     alike (greedy speculation stays token for token plain decoding up to SHARED_ROWS
     requests and the largest bucket's rows: batch 16 at K=3); with `by_requests` False
-    (`--disable-batch-invariance`) calls go by their row count alone."""
+    (`--disable-batch-invariance`) calls go by their row count alone. `verify`: {(row bucket
+    above SHARED_ROWS, N, K, dtype[, fusion]): configuration} that such a step runs at that
+    many rows instead of the shared choice, one found at start-up to give the step's rows the
+    same bits and a faster step (runtime/verify_tiles.py)."""
 
     def __init__(
         self,
@@ -72,6 +75,7 @@ class GemvPlan:
         self.step_requests: int | None = None  # see above; None: by row count
         self.by_requests = by_requests
         self.asked: set[PlanKey] | None = None  # when a set: every key config_for looks up
+        self.verify: dict[PlanKey, GemvConfig] = {}
 
     def config_for(self, rows: int, n: int, k: int, dtype: torch.dtype,
                    fusion: str | None = None) -> GemvConfig | None:  # fmt: skip
@@ -80,9 +84,8 @@ class GemvPlan:
         if rows < 1 or rows > self.max_rows:
             return None
         reqs = self.step_requests if self.by_requests else None
-        bucket = self._bucket[reqs if reqs is not None and 1 <= reqs <= min(rows, SHARED_ROWS)
-                              else rows]  # fmt: skip
-        key = (bucket, n, k, dtype)
+        shared = reqs is not None and 1 <= reqs <= min(rows, SHARED_ROWS)
+        key = (self._bucket[reqs if shared else rows], n, k, dtype)
         if fusion is not None and (*key, fusion) in self.choices:
             key = (*key, fusion)
             cfg = self._configs.get(key)
@@ -90,6 +93,8 @@ class GemvPlan:
             cfg = self._configs.get(key, self.default)
         if self.asked is not None:
             self.asked.add(key)
+        if shared and rows > SHARED_ROWS and self.verify:
+            cfg = self.verify.get((self._bucket[rows], *key[1:]), cfg)
         return cfg if cfg is None or rows <= cfg.max_rows else None
 
     def set_config(self, keys: list[PlanKey], config: GemvConfig | None,
@@ -98,6 +103,8 @@ class GemvPlan:
         measured for them; `tuned`: marked as changed by tuning (runtime/plan_tuning.py,
         which also puts choices back, unmarked, after trying others)."""
         for key in keys:
+            if key[0] <= SHARED_ROWS:  # a verify tile matched the bits of the old choice
+                self.verify = {v: c for v, c in self.verify.items() if v[1:] != key[1:]}
             old = self.choices[key]
             self.choices[key] = GemvChoice(config, old.torch_us, old.best_us, old.tried, tuned)
             if config is None:

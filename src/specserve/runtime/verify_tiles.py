@@ -1,0 +1,191 @@
+"""Start-up choice of the GEMV tiles that verify steps of up to SHARED_ROWS requests run
+(`GemvPlan.verify`).
+
+Batch invariance has such a step look its GEMVs up by request count: its K + 1 rows per
+request run the 16-row tile its requests' decode steps run (a program takes up to 4 row
+blocks, layers/gemv.py), so each row keeps its decode bits. That tile was chosen for 1-16
+rows; at 32 or 64 rows a narrow one re-reads every row of x from L2 per program, and on the
+H200 verify steps of 16 requests at K=3 took 8.1 ms against 6.2 with each bucket's own
+tiles (gpu_engine.md, runs 24-25). Another 16-row tile with the same K split may give every
+row the same bits (on the matrix units the sums of a row block do not depend on the tile's
+width, warps or pipeline depth, as far as the device shows), so each of the engine's verify
+steps that reaches a row bucket above SHARED_ROWS is tuned here, per projection, in the
+whole step: a candidate (`gemv_configs.verify_candidates`) is kept only if the step's
+logits come out bit for bit as with the shared tile (`StepOutput`: random token ids and
+cached keys, nothing written) and the captured step runs faster by `margin`, twice. Every
+other row count and every decode step keeps the shared tile.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from specserve.layers.gemv_plan import GemvPlan
+from specserve.runtime.cuda_graphs import CudaGraphRunner, static_meta
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class VerifyTilesReport:
+    """Per tuned step ("batch x tokens"): its time before and after (ms); each tile kept
+    ((row bucket, N, K, dtype[, fusion]), shared tile, verify tile); candidates whose bits
+    differed from the shared tile's."""
+
+    steps_ms: dict[str, tuple[float, float]] = field(default_factory=dict)
+    changes: list[tuple[tuple, str, str]] = field(default_factory=list)
+    rejected: list[tuple[tuple, str]] = field(default_factory=list)
+    skipped: int = 0  # candidates left untried when the budget ran out
+    evaluations: int = 0
+    seconds: float = 0.0
+
+
+class StepOutput:
+    """The logits of a target step of (batch, tokens per request) on a graph runner's static
+    buffers, eagerly and deterministically: seeded random token ids, every request at
+    `context` tokens whose keys and values are the scratch page 0 (filled once with seeded
+    random values, as no step stores there what it reads), no K/V written (slots -1)."""
+
+    def __init__(self, graphs: CudaGraphRunner, context: int, seed: int = 0):
+        self.graphs, self.context = graphs, min(context, graphs.max_seq_len)
+        gen = torch.Generator(device=graphs.input_ids.device).manual_seed(seed)
+        for k_cache, v_cache in graphs.kv_layers:
+            for cache in (k_cache, v_cache):
+                page = torch.randn(cache[0].shape, generator=gen, device=cache.device)
+                cache[0].copy_(page.to(cache.dtype))
+        vocab = graphs.model.config.vocab_size
+        self.ids = torch.randint(vocab, graphs.input_ids.shape, generator=gen,
+                                 device=graphs.input_ids.device)  # fmt: skip
+
+    @torch.inference_mode()
+    def __call__(self, batch: int, q: int) -> torch.Tensor:
+        g, n = self.graphs, batch * q
+        pages = -(-self.context // g.kv_layers[0][0].shape[1])
+        g.positions[:n] = torch.arange(n, device=g.positions.device) % q + self.context - q
+        g.slot_mapping[:n] = -1
+        g.seq_lens[:batch] = self.context
+        g.block_tables[:batch, :pages] = 0
+        try:
+            hidden, _ = g.model(self.ids[:n], static_meta(g, batch, q), g.kv_layers,
+                                g.backend, g.aux_layer_ids)  # fmt: skip
+            out = g.logits_head(hidden) if g.logits_head is not None else hidden
+            return out.clone()
+        finally:
+            g.positions.zero_()
+            g.slot_mapping.zero_()
+            g.seq_lens.fill_(1)
+            g.block_tables.zero_()
+
+
+def verify_steps(plan: GemvPlan, batch_buckets, q: int, shared_rows: int) -> dict:
+    """{row bucket above shared_rows: (batch, q)}: the largest graph batch bucket of at most
+    shared_rows requests whose verify step of q tokens each lands in that row bucket."""
+    steps = {}
+    for batch in sorted(batch_buckets):
+        rows = batch * q
+        if batch <= shared_rows < rows <= plan.max_rows:
+            steps[plan.row_buckets[[b >= rows for b in plan.row_buckets].index(True)]] = (
+                batch, q)  # fmt: skip
+    return steps
+
+
+def tune_verify_tiles(plan: GemvPlan, steps: dict, candidates, timer, output,
+                      shared_rows: int, margin: float = 0.003, keys_used=None,
+                      budget_s: float = 30.0) -> VerifyTilesReport:  # fmt: skip
+    """For each (row bucket: (batch, q)) of `steps`, each plan key the step looks up
+    (`keys_used(steps)`; default every key) whose shared choice is a Triton tile, largest
+    weight first: try `candidates(shared tile, rows, key)` as the key's verify tile at that
+    bucket; keep one whose `output(batch, q)` equals the shared tile's bit for bit and whose
+    `timer(batch, q)` beats the best so far by `margin` (a fraction), again when timed once
+    more next to it. A candidate that fails to run is out; past `budget_s` seconds no more
+    candidates are tried (`skipped` counts them). The plan changes in place."""
+    report = VerifyTilesReport()
+    start = time.perf_counter()
+
+    def timed(batch, q) -> float:
+        report.evaluations += 1
+        try:
+            return timer(batch, q)
+        except Exception as e:  # noqa: BLE001 (a launch failure: the candidate is out)
+            log.debug("verify tiles: a candidate failed: %s", e)
+            return math.inf
+
+    for vb, (batch, q) in sorted(steps.items()):
+        used = keys_used([(batch, q)]) if keys_used is not None else set(plan.choices)
+        # one per projection: the buckets up to shared_rows share its choice
+        keys = list({k[1:]: k for k in sorted(used, key=str) if k in plan.choices
+                     and k[0] <= shared_rows and plan.choices[k].config is not None}.values())
+        reference = output(batch, q)
+        first = best = timed(batch, q)
+        for key in sorted(keys, key=lambda k: (-k[1] * k[2], str(k[1:]))):
+            shared, vkey = plan.choices[key].config, (vb, *key[1:])
+            winner = plan.verify.get(vkey)
+            for cfg in candidates(shared, batch * q, key):
+                if time.perf_counter() - start > budget_s:
+                    report.skipped += 1
+                    continue
+                plan.verify[vkey] = cfg
+                try:
+                    same = torch.equal(output(batch, q), reference)
+                except Exception as e:  # noqa: BLE001 (it cannot run here)
+                    log.debug("verify tiles: %s failed: %s", cfg, e)
+                    same = False
+                if not same:
+                    report.rejected.append((vkey, str(cfg)))
+                    continue
+                t = timed(batch, q)
+                if t < best * (1 - margin):  # once more next to the tile it would replace
+                    _set(plan, vkey, winner)
+                    again = timed(batch, q)
+                    plan.verify[vkey] = cfg
+                    t = max(t, timed(batch, q))
+                    if t < min(best, again) * (1 - margin):
+                        best, winner = t, cfg
+                    else:
+                        best = min(best, again)
+            _set(plan, vkey, winner)
+            if winner is not None:
+                report.changes.append((vkey, str(shared), str(winner)))
+        report.steps_ms[f"{batch}x{q}"] = (round(first, 4), round(timed(batch, q), 4))
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+def _set(plan: GemvPlan, vkey: tuple, cfg) -> None:
+    if cfg is None:
+        plan.verify.pop(vkey, None)
+    else:
+        plan.verify[vkey] = cfg
+
+
+def tune_engine_verify_tiles(graphs: CudaGraphRunner, plan: GemvPlan, shared_rows: int,
+                             verify_tokens: int, context: int = 512,
+                             reps: int = 10) -> VerifyTilesReport | None:  # fmt: skip
+    """`tune_verify_tiles` for an engine's target: the verify steps of `verify_tokens` per
+    request that its graph runner captures (None: no such step reaches past shared_rows)."""
+    from specserve.layers.gemv_configs import verify_candidates
+    from specserve.runtime.plan_tuning import StepTimer
+
+    if verify_tokens not in graphs.tokens_per_request or graphs.backend.name != "triton":
+        return None  # (StepOutput's unstored slots: the Triton kernels skip them)
+    steps = verify_steps(plan, graphs.batch_buckets, verify_tokens, shared_rows)
+    if not steps:
+        return None
+    device = graphs.input_ids.device
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    timer = StepTimer(graphs, context, reps)
+    report = tune_verify_tiles(
+        plan, steps, lambda shared, rows, key: verify_candidates(shared, rows, key[1], key[2],
+                                                                  sms),
+        timer, StepOutput(graphs, context), shared_rows, keys_used=timer.keys_used,
+    )  # fmt: skip
+    log.info("verify tiles tuned in %.1f s (%d steps timed): %s; %d kept, %d with other bits, "
+             "%d untried (budget)", report.seconds, report.evaluations,
+             ", ".join(f"{n} {a:.3f} -> {b:.3f} ms" for n, (a, b) in report.steps_ms.items()),
+             len(report.changes), len(report.rejected), report.skipped)  # fmt: skip
+    return report
