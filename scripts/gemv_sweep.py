@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from specserve.layers.gemv import GemvConfig, candidate_configs, gemv, row_block
+from specserve.layers.gemv import GemvConfig, candidate_configs, gemv, row_block, row_blocks
 from specserve.layers.gemv_select import rotation_set, time_in_graph_us, variant_key
 
 SHAPES = {  # name -> (N, K)
@@ -64,7 +64,8 @@ def compile_all(cases, workers: int) -> float:
     """Compile every distinct variant of `cases` [(cfg, rows, weight)] in parallel."""
     tasks = {}
     for cfg, rows, w in cases:
-        tasks.setdefault(variant_key(cfg, rows, *w.shape, w.dtype), (cfg, rows, w))
+        blocks = row_blocks(cfg, rows, w.element_size())
+        tasks.setdefault(variant_key(cfg, rows, *w.shape, w.dtype, blocks=blocks), (cfg, rows, w))
     t0 = time.perf_counter()
 
     def build(task):

@@ -205,6 +205,9 @@ AB_VARIANTS = {
                    "verify steps by row count, attention chunks by program count)"),
     "attn_chunks": ("attention chunks by program count", {"attn_chunks": False},
                     "with attention's fixed chunks off alone (the GEMV rule kept)"),
+    "attn_min_chunk": ("attention chunks of 128+ keys", {"attn_min_chunk": 128},
+                       "with batch-invariant attention chunks of at least 128 keys (4 blocks) "
+                       "instead of one block"),
     "verify_tiles": ("verify tiles off", {"disable_verify_tiles": True},
                      "with verify steps of up to 16 requests on their decode tiles at every "
                      "row count (--disable-verify-tiles)"),
@@ -277,11 +280,13 @@ def main() -> None:
         configs[f"{first} (again, last)"] = configs[first]
     from specserve.layers import gemv as gemv_module  # kernel modules: imported when needed
     from specserve.layers import triton_argmax
+    from specserve.layers.attention import triton_attn
     from specserve.layers.attention.triton_attn import TritonAttentionBackend
     from specserve.layers.triton_ops import TritonMergedGatedMLP
 
     gated, rope_fits = TritonMergedGatedMLP._gated, gemv_module.rope_fits
     chunks = TritonAttentionBackend.invariant_chunks
+    min_chunk = triton_attn.INVARIANT_MIN_CHUNK
 
     results = {}
     for name, extra in configs.items():
@@ -296,6 +301,8 @@ def main() -> None:
         # this engine only (restored below): attention chunks keys by its program count
         TritonAttentionBackend.invariant_chunks = (
             chunks if extra.pop("attn_chunks", True) else lambda *a: None)
+        # this engine only (restored below): its backend's shortest invariant chunk
+        triton_attn.INVARIANT_MIN_CHUNK = extra.pop("attn_min_chunk", min_chunk)
         t0 = time.perf_counter()
         engine = LLMEngine(EngineConfig(**base, **extra), model=model)
         startup = time.perf_counter() - t0
@@ -343,6 +350,7 @@ def main() -> None:
             torch.cuda.empty_cache()
     TritonMergedGatedMLP._gated, gemv_module.rope_fits = gated, rope_fits
     TritonAttentionBackend.invariant_chunks = chunks
+    triton_attn.INVARIANT_MIN_CHUNK = min_chunk
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(results, indent=2))

@@ -206,8 +206,9 @@ def rows_apart(model) -> list[tuple]:
     """Each row of the model's projections (every linear through its plan, each MLP with
     its fusions, its output handed to the next norm or not, attention's output projection
     as the layer calls it, and the logits) computed alone, as in a batch-1 decode step, and
-    in decode steps of 4 and 16 requests, verify steps of 1, 4 and 16 requests at K=3 (4 to
-    64 rows, looked up by request count: GemvPlan.step_requests) and a step with a prefill
+    in decode steps of 4, 5, 8 and 16 requests, verify steps of 1, 4, 5, 8 and 16 requests at
+    K=3 (4 to 64 rows, looked up by request count: GemvPlan.step_requests) and a step with a
+    prefill
     chunk: (part, requests, rows, rows whose bits differ, choice at 1 row, at rows) for each
     step where some differ."""
     from specserve.layers.gemv import SplitKSum
@@ -239,7 +240,7 @@ def rows_apart(model) -> list[tuple]:
                           lambda x, m=m: whole(m._output(x, True)), m.o_proj.weight))  # fmt: skip
     parts.append(("logits", model.compute_logits, model.lm_head_weight))
     assert len(parts) > 6
-    steps = [(reqs, reqs * q) for reqs in (1, 4, SHARED_ROWS) for q in (1, 4)][1:]
+    steps = [(reqs, reqs * q) for reqs in (1, 4, 5, 8, SHARED_ROWS) for q in (1, 4)][1:]
     steps.append((2, 40))  # two requests, one with a 37-token prefill chunk
     apart = []
     with torch.inference_mode():

@@ -82,7 +82,7 @@ class Fakes:
         self.plan.step_requests = batch
         cfgs = [self.plan.config_for(batch * q, *shape) for shape in (BIG, SMALL)]
         self.plan.step_requests = None
-        return torch.tensor([float(c in self.other) for c in cfgs])
+        return (torch.tensor([float(c in self.other) for c in cfgs]),)
 
     def timer(self, batch, q):
         self.timings += 1
@@ -130,7 +130,7 @@ def test_search_skips_torch_shared_choices_and_candidates_that_fail():
         plan.step_requests = None
         if failing:
             raise RuntimeError("out of resources")
-        return torch.zeros(1)
+        return (torch.zeros(1),)
 
     report = tune_verify_tiles(plan, {64: (16, 4)}, candidates, fakes.timer, output, 16)
     assert plan.verify == {(64, *BIG): B} and report.rejected == [((64, *BIG), str(A))]
@@ -141,7 +141,7 @@ def test_gpu_verify_tiles_give_verify_rows_their_decode_bits(tiny_llama):
     """An engine whose shared GEMV choices are all one Triton tile searches the verify tiles
     of its K=3 verify steps (8 and 16 requests: 32 and 64 rows) with the real step output
     and a timer that favours every candidate, so each one with the step's bits is kept; then
-    every row of its verify steps has the bits of the same row alone."""
+    every row of its verify steps (20-64 rows) has the bits of the same row alone."""
     from specserve.config import EngineConfig
     from specserve.engine.engine import LLMEngine
     from specserve.layers.gemv_configs import verify_candidates as cands
@@ -166,7 +166,9 @@ def test_gpu_verify_tiles_give_verify_rows_their_decode_bits(tiny_llama):
         plan, steps, lambda s, rows, key: cands(s, rows, key[1], key[2], 132),
         lambda b, q: 10.0 - len(plan.verify), StepOutput(graphs, 64), SHARED_ROWS,
         keys_used=StepTimer(graphs, 64, 1).keys_used)  # fmt: skip
-    assert report.changes or report.rejected
+    # (no kept tile: on this device no other tile gives the shared tile's bits, and verify
+    # tiles change nothing)
+    assert report.changes, report.rejected
     assert {k for k, *_ in report.changes} == set(plan.verify)
     apart = rows_apart(model)
     del engine

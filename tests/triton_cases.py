@@ -299,6 +299,9 @@ def interpreter_cases() -> dict[str, tuple]:
         cases[f"invariance-fixed-chunks-at{first}"] = ("invariance", (True, first), {})
     cases["invariance-fixed-chunks-at509-prefetch"] = ("invariance", (True, 509),
                                                        dict(kernel="prefetch"))  # fmt: skip
+    # chunks of at least 4 blocks (64 keys, where 509 keys would give one-block chunks)
+    cases["invariance-fixed-chunks-at509-min64"] = ("invariance", (True, 509),
+                                                    dict(min_chunk=64))  # fmt: skip
     # the generic kernel chunks by the request's length: exact away from a chunk boundary
     cases["invariance-fixed-chunks-at150-generic"] = ("invariance", (True, 150),
                                                       dict(kernel="generic"))  # fmt: skip

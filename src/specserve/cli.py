@@ -34,7 +34,8 @@ _HELP = {
     "disable_gemv": "no start-up choice of Triton GEMV kernels: cuBLAS for every linear "
                     "(the same kernels on every start)",
     "disable_gemv_tuning": "keep the GEMV kernels start-up selection timed alone, without "
-    "revising them in whole decode steps (runtime/plan_tuning.py)",
+    "revising them in whole decode steps (runtime/plan_tuning.py) nor searching verify "
+    "tiles (runtime/verify_tiles.py)",
     "disable_batch_invariance": "let cuBLAS serve decode-sized linears of up to 16 rows even "
     "where it rounds a row differently at different row counts, and verify steps take the "
     "kernels of their row count, not of their requests' decode step, and attention splits "

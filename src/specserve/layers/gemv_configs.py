@@ -143,16 +143,25 @@ def verify_candidates(shared: GemvConfig, rows: int, n: int, k: int,
     """Tiles that may serve `rows` rows (a verify step of up to 16 requests) of a weight
     [n, k] where `shared`, a 16-row tile, serves the decode rows: the tiles proposed for that
     many rows, as 16-row tiles (several row blocks per program, `row_blocks`) with shared's
-    K split, since a row's sums can depend on the split. Whether one gives a row the same
-    bits as `shared` is for the device to say (runtime/verify_tiles.py)."""
+    K slices (`k_slices`), since a row's sums can depend on where they are split. Whether
+    one gives a row the same bits as `shared` is for the device to say
+    (runtime/verify_tiles.py)."""
     out: list[GemvConfig] = []
     for t in candidate_configs(rows, n, k, num_sms):
         if not t.use_dot or t.stream_k or t.tma:
             continue
         t = replace(t, block_m=16, split_k=shared.split_k)
-        if t != shared and t not in out and t.supports(rows, n, k):
+        if (t != shared and t not in out and t.supports(rows, n, k)
+                and k_slices(t, k) == k_slices(shared, k)):  # fmt: skip
             out.append(t)
     return out
+
+
+def k_slices(cfg: GemvConfig, k: int) -> tuple[int, int]:
+    """(K slices, columns per slice) of a call with `cfg` on K columns, as gemv.py cuts them
+    (a slice is a whole number of blocks, so the slices are not always K / split_k)."""
+    per = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
+    return triton.cdiv(k, per), per
 
 
 def gated_config(cfg: GemvConfig | None) -> GemvConfig | None:

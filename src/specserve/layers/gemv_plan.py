@@ -103,7 +103,8 @@ class GemvPlan:
         measured for them; `tuned`: marked as changed by tuning (runtime/plan_tuning.py,
         which also puts choices back, unmarked, after trying others)."""
         for key in keys:
-            if key[0] <= SHARED_ROWS:  # a verify tile matched the bits of the old choice
+            if key[0] <= SHARED_ROWS and self.choices[key].config != config:
+                # a verify tile matched the bits of the old choice
                 self.verify = {v: c for v, c in self.verify.items() if v[1:] != key[1:]}
             old = self.choices[key]
             self.choices[key] = GemvChoice(config, old.torch_us, old.best_us, old.tried, tuned)

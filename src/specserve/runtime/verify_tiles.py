@@ -11,9 +11,9 @@ row the same bits (on the matrix units the sums of a row block do not depend on 
 width, warps or pipeline depth, as far as the device shows), so each of the engine's verify
 steps that reaches a row bucket above SHARED_ROWS is tuned here, per projection, in the
 whole step: a candidate (`gemv_configs.verify_candidates`) is kept only if the step's
-logits come out bit for bit as with the shared tile (`StepOutput`: random token ids and
-cached keys, nothing written) and the captured step runs faster by `margin`, twice. Every
-other row count and every decode step keeps the shared tile.
+hidden states and logits come out bit for bit as with the shared tile (`StepOutput`: random
+token ids and cached keys, nothing written) and the captured step runs faster by `margin`,
+twice. Every other row count and every decode step keeps the shared tile.
 """
 
 from __future__ import annotations
@@ -46,25 +46,27 @@ class VerifyTilesReport:
 
 
 class StepOutput:
-    """The logits of a target step of (batch, tokens per request) on a graph runner's static
-    buffers, eagerly and deterministically: seeded random token ids, every request at
-    `context` tokens whose keys and values are the scratch page 0 (filled once with seeded
-    random values, as no step stores there what it reads), no K/V written (slots -1)."""
+    """The hidden states and logits of a target step of (batch, tokens per request) on a
+    graph runner's static buffers, eagerly and deterministically: seeded random token ids,
+    every request at `context` tokens whose keys and values are the scratch page 0, set to
+    seeded random values before each call (timed steps store there in between), no K/V
+    written (slots -1)."""
 
     def __init__(self, graphs: CudaGraphRunner, context: int, seed: int = 0):
         self.graphs, self.context = graphs, min(context, graphs.max_seq_len)
         gen = torch.Generator(device=graphs.input_ids.device).manual_seed(seed)
-        for k_cache, v_cache in graphs.kv_layers:
-            for cache in (k_cache, v_cache):
-                page = torch.randn(cache[0].shape, generator=gen, device=cache.device)
-                cache[0].copy_(page.to(cache.dtype))
+        self.pages = [torch.randn(cache[0].shape, generator=gen, device=cache.device
+                                  ).to(cache.dtype)
+                      for layer in graphs.kv_layers for cache in layer[:2]]  # fmt: skip
         vocab = graphs.model.config.vocab_size
         self.ids = torch.randint(vocab, graphs.input_ids.shape, generator=gen,
                                  device=graphs.input_ids.device)  # fmt: skip
 
     @torch.inference_mode()
-    def __call__(self, batch: int, q: int) -> torch.Tensor:
+    def __call__(self, batch: int, q: int) -> tuple[torch.Tensor, torch.Tensor]:
         g, n = self.graphs, batch * q
+        for cache, page in zip((c for layer in g.kv_layers for c in layer[:2]), self.pages):
+            cache[0].copy_(page)
         pages = -(-self.context // g.kv_layers[0][0].shape[1])
         g.positions[:n] = torch.arange(n, device=g.positions.device) % q + self.context - q
         g.slot_mapping[:n] = -1
@@ -73,8 +75,8 @@ class StepOutput:
         try:
             hidden, _ = g.model(self.ids[:n], static_meta(g, batch, q), g.kv_layers,
                                 g.backend, g.aux_layer_ids)  # fmt: skip
-            out = g.logits_head(hidden) if g.logits_head is not None else hidden
-            return out.clone()
+            logits = g.logits_head(hidden) if g.logits_head is not None else hidden
+            return hidden.clone(), logits.clone()
         finally:
             g.positions.zero_()
             g.slot_mapping.zero_()
@@ -100,10 +102,12 @@ def tune_verify_tiles(plan: GemvPlan, steps: dict, candidates, timer, output,
     """For each (row bucket: (batch, q)) of `steps`, each plan key the step looks up
     (`keys_used(steps)`; default every key) whose shared choice is a Triton tile, largest
     weight first: try `candidates(shared tile, rows, key)` as the key's verify tile at that
-    bucket; keep one whose `output(batch, q)` equals the shared tile's bit for bit and whose
+    bucket; keep one whose `output(batch, q)` (tensors) equals the shared tile's bit for bit
+    and whose
     `timer(batch, q)` beats the best so far by `margin` (a fraction), again when timed once
-    more next to it. A candidate that fails to run is out; past `budget_s` seconds no more
-    candidates are tried (`skipped` counts them). The plan changes in place."""
+    more next to it. A candidate that fails to run is out. Steps go tallest first, each with
+    an equal share of what is left of `budget_s`, past which its candidates are not tried
+    (`skipped` counts them). The plan changes in place."""
     report = VerifyTilesReport()
     start = time.perf_counter()
 
@@ -115,7 +119,11 @@ def tune_verify_tiles(plan: GemvPlan, steps: dict, candidates, timer, output,
             log.debug("verify tiles: a candidate failed: %s", e)
             return math.inf
 
-    for vb, (batch, q) in sorted(steps.items()):
+    # the tallest verify step first (16 requests: where the shared tile costs most); each
+    # step an equal share of what is left of the budget
+    for i, (vb, (batch, q)) in enumerate(sorted(steps.items(), reverse=True)):
+        deadline = time.perf_counter() + (budget_s - (time.perf_counter() - start)) / (
+            len(steps) - i)  # fmt: skip
         used = keys_used([(batch, q)]) if keys_used is not None else set(plan.choices)
         # one per projection: the buckets up to shared_rows share its choice
         keys = list({k[1:]: k for k in sorted(used, key=str) if k in plan.choices
@@ -126,12 +134,12 @@ def tune_verify_tiles(plan: GemvPlan, steps: dict, candidates, timer, output,
             shared, vkey = plan.choices[key].config, (vb, *key[1:])
             winner = plan.verify.get(vkey)
             for cfg in candidates(shared, batch * q, key):
-                if time.perf_counter() - start > budget_s:
+                if time.perf_counter() > deadline:
                     report.skipped += 1
                     continue
                 plan.verify[vkey] = cfg
                 try:
-                    same = torch.equal(output(batch, q), reference)
+                    same = all(map(torch.equal, output(batch, q), reference))
                 except Exception as e:  # noqa: BLE001 (it cannot run here)
                     log.debug("verify tiles: %s failed: %s", cfg, e)
                     same = False

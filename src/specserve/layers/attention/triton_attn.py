@@ -17,6 +17,10 @@ from specserve.layers.attention.base import AttentionBackend, AttentionMetadata
 
 MAX_SPLITS = 32
 MIN_SPLIT_TOKENS = 128  # a KV chunk shorter than this is not worth a separate program
+# The shortest chunk of batch-invariant steps, in keys (one 32-key block: chunks as short as
+# the split count's by program count; longer ones cut the partials a verify step writes and
+# merges, at a cost to parallelism: an A/B for the GPU, gpu_engine.md run 25)
+INVARIANT_MIN_CHUNK = 32
 # Decode and verify steps of up to this many requests cut every request's keys into
 # MAX_SPLITS chunks whatever their program count (`batch_invariant`): the GEMVs' shared row
 # buckets (layers/gemv_plan.py SHARED_ROWS) keep a row's bits up to the same request count.
@@ -75,6 +79,7 @@ class TritonAttentionBackend(AttentionBackend):
         self.num_splits = num_splits
         self.batch_invariant = batch_invariant
         self.cpu_invariant_chunks: int | None = None  # see invariant_chunks
+        self.min_chunk = INVARIANT_MIN_CHUNK  # keys: the shortest chunk of invariant steps
         self.programs_per_sm = programs_per_sm
         self.decode, self.prefill = decode, prefill
         self._kernels = kernels
@@ -156,7 +161,7 @@ class TritonAttentionBackend(AttentionBackend):
             q, k_cache, v_cache, meta.positions, meta.query_start_loc, meta.seq_lens,
             meta.block_tables, meta.max_query_len, scale, num_splits=splits,
             block_n=launch.block_n, num_warps=launch.num_warps, num_stages=launch.num_stages,
-            chunk_splits=chunks,
+            chunk_splits=chunks, min_chunk=self.min_chunk if chunks else None,
         )  # fmt: skip
 
     def invariant_chunks(self, device: torch.device) -> int | None:

@@ -53,15 +53,16 @@ def _kv_load(k_cache, v_cache, page, n, n_ok, kvh, stride_cp, stride_cs, stride_
 METADATA = ["positions", "query_start_loc", "seq_lens", "block_tables"]
 # What neither attention kernel specializes on: strides and split counts that vary with the
 # batch, and the metadata addresses (nchunk_ptr is seq_lens where nothing is split).
-NOT_SPECIALIZED = ["stride_bt", "num_splits", "chunk_splits", "stride_os", "stride_ls",
-                   "stride_lt", "nchunk_ptr", *METADATA]  # fmt: skip
+NOT_SPECIALIZED = ["stride_bt", "num_splits", "chunk_splits", "min_chunk", "stride_os",
+                   "stride_ls", "stride_lt", "nchunk_ptr", *METADATA]  # fmt: skip
 
 
 @triton.jit
-def chunk_len(length, chunk_splits, BLOCK_N: tl.constexpr):
-    """The chunk a key length is cut into: length over chunk_splits, in whole blocks (at
-    least one). It changes only where length crosses a multiple of chunk_splits * BLOCK_N."""
-    return tl.maximum(tl.cdiv(tl.cdiv(length, chunk_splits), BLOCK_N), 1) * BLOCK_N
+def chunk_len(length, chunk_splits, min_chunk, BLOCK_N: tl.constexpr):
+    """The chunk a key length is cut into: length over chunk_splits, in whole blocks, at
+    least min_chunk keys (a multiple of BLOCK_N). It changes only where length crosses a
+    multiple of chunk_splits * BLOCK_N past chunk_splits * min_chunk."""
+    return tl.maximum(tl.cdiv(tl.cdiv(length, chunk_splits), BLOCK_N) * BLOCK_N, min_chunk)
 
 
 @triton.jit(do_not_specialize=NOT_SPECIALIZED)
@@ -70,7 +71,7 @@ def _paged_attn_decode_kernel(
     positions, query_start_loc, seq_lens, block_tables,
     stride_qt, stride_qh, stride_cp, stride_cs, stride_ch, stride_bt,
     stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
-    qk_scale, num_splits, chunk_splits, nchunk_ptr,
+    qk_scale, num_splits, chunk_splits, min_chunk, nchunk_ptr,
     KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PREFETCH: tl.constexpr,
@@ -95,10 +96,10 @@ def _paged_attn_decode_kernel(
     # token's: its new tokens sit at the positions before seq_len), known before the
     # positions are, so the first block's page ids are requested with them and the queries.
     if ROW_CHUNKS:
-        chunk = chunk_len(tl.maximum(seq_len - q_len + 1, 1), chunk_splits, BLOCK_N)
+        chunk = chunk_len(tl.maximum(seq_len - q_len + 1, 1), chunk_splits, min_chunk, BLOCK_N)
         num_chunks = tl.minimum(tl.cdiv(seq_len, chunk), chunk_splits)  # its rows need no more
     else:
-        chunk = chunk_len(seq_len, chunk_splits, BLOCK_N)
+        chunk = chunk_len(seq_len, chunk_splits, min_chunk, BLOCK_N)
         num_chunks = tl.cdiv(seq_len, chunk)
     table = block_tables + b * stride_bt
     n = pid_s * chunk + tl.arange(0, BLOCK_N)
@@ -114,12 +115,13 @@ def _paged_attn_decode_kernel(
     q = tl.load(q_ptr + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     # Keys visible to any row: up to the last position (positions ascend), within seq_len.
     kv_end = tl.minimum(seq_len, tl.max(pos, 0) + 1)
-    chunk_b = chunk_len(seq_len, chunk_splits, BLOCK_N)  # ROW_CHUNKS: the last rows' chunk
+    # ROW_CHUNKS: the chunk of the step's last rows
+    chunk_b = chunk_len(seq_len, chunk_splits, min_chunk, BLOCK_N)
     if SPLIT:  # each row's partials for the merge: how many, and (ROW_CHUNKS) from which slot
         if pid_s == 0:
             count = num_chunks + rows * 0
             if ROW_CHUNKS:  # rows past a chunk boundary: the second chunking, slots S..2S-1
-                later = chunk_len(pos + 1, chunk_splits, BLOCK_N) != chunk
+                later = chunk_len(pos + 1, chunk_splits, min_chunk, BLOCK_N) != chunk
                 count = tl.where(later, tl.cdiv(seq_len, chunk_b) + chunk_splits * 256, count)
             tl.store(nchunk_ptr + (q_start + tok) * stride_lt + head, count, mask=row_ok)
     _chunks(q, k_cache, v_cache, out_ptr, lse_ptr, table, page, n, pid_s, num_splits, chunk,

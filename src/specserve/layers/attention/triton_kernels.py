@@ -30,6 +30,7 @@ from specserve.layers import pdl
 from specserve.layers.attention.triton_decode import (
     NOT_SPECIALIZED,
     _paged_attn_decode_kernel,
+    chunk_len,
     store_chunk,
 )
 from specserve.layers.attention.triton_kv_write import (  # noqa: F401 (callers use them here)
@@ -63,7 +64,7 @@ def _paged_attn_kernel(
     positions, query_start_loc, seq_lens, block_tables,
     stride_qt, stride_qh, stride_cp, stride_cs, stride_ch, stride_bt,
     stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
-    qk_scale, num_splits, chunk_splits, nchunk_ptr,
+    qk_scale, num_splits, chunk_splits, min_chunk, nchunk_ptr,
     KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, USE_PDL: tl.constexpr = False,
@@ -93,7 +94,7 @@ def _paged_attn_kernel(
     last_tok = tl.minimum(q_len - 1, (pid_m * BLOCK_M + BLOCK_M - 1) // GROUP)
     last_pos = tl.load(positions + q_start + tl.maximum(last_tok, 0))
     kv_end = tl.where(last_tok >= 0, tl.minimum(seq_len, last_pos + 1), 0)
-    chunk = tl.maximum(tl.cdiv(tl.cdiv(kv_end, chunk_splits), BLOCK_N), 1) * BLOCK_N
+    chunk = chunk_len(kv_end, chunk_splits, min_chunk, BLOCK_N)
     num_chunks = tl.cdiv(kv_end, chunk)
 
     d = tl.arange(0, BLOCK_D)
@@ -222,6 +223,7 @@ def paged_attention(
     num_stages: int = 2,
     kernel: str | None = None,
     chunk_splits: int | None = None,
+    min_chunk: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed queries q [T, H, D] over the paged cache; returns [T, H, D].
 
@@ -233,7 +235,8 @@ def paged_attention(
     each row by its own length (position + 1; a step whose rows cross a chunk boundary runs
     both chunkings): a row's bits then depend on its position alone, not on the program
     count, the request count or the tokens verified after it (the generic kernel chunks by
-    the request's length). block_n (keys per
+    the request's length); with chunk_splits, `min_chunk` keys (rounded up to whole key
+    blocks; default one block) is the shortest chunk, a constant too. block_n (keys per
     iteration), num_warps and num_stages override the tuned defaults (the "decode" kernel
     takes at least DECODE_MIN_STAGES). kernel picks what serves decode-like steps (at most
     DECODE_MAX_ROWS rows per request): one of DECODE_KERNELS, default DECODE_KERNEL; other
@@ -261,6 +264,8 @@ def paged_attention(
         raise ValueError(f"chunk_splits ({chunks}) must be within num_splits ({num_splits}) "
                          f"and {MAX_REDUCE_SPLITS}")  # fmt: skip
     grid = (triton.cdiv(rows, block_m), num_requests * kv_heads, num_splits)
+    # the shortest chunk in keys, whole blocks (by default chunks of one block are allowed)
+    min_keys = triton.cdiv(min_chunk or 1, block_n) * block_n if chunk_splits else block_n
     row_chunks = chunk_splits is not None  # rows chunked by their own length: two chunkings
     slots = chunks * (2 if row_chunks else 1)
     split = chunks > 1 or row_chunks
@@ -291,7 +296,7 @@ def paged_attention(
         positions, query_start_loc, seq_lens, block_tables,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), *dst_strides, *lse_strides,
-        scale * LOG2E, num_splits, chunks, nchunk,
+        scale * LOG2E, num_splits, chunks, min_keys, nchunk,
         KV_HEADS=kv_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
         PAGE_SIZE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_N=block_n,
         SPLIT=split, LOOP=num_splits < chunks, ROW_CHUNKS=row_chunks, num_warps=num_warps,
