@@ -103,11 +103,10 @@ def tune_verify_tiles(plan: GemvPlan, steps: dict, candidates, timer, output,
     (`keys_used(steps)`; default every key) whose shared choice is a Triton tile, largest
     weight first: try `candidates(shared tile, rows, key)` as the key's verify tile at that
     bucket; keep one whose `output(batch, q)` (tensors) equals the shared tile's bit for bit
-    and whose
-    `timer(batch, q)` beats the best so far by `margin` (a fraction), again when timed once
-    more next to it. A candidate that fails to run is out. Steps go tallest first, each with
-    an equal share of what is left of `budget_s`, past which its candidates are not tried
-    (`skipped` counts them). The plan changes in place."""
+    and whose `timer(batch, q)` beats the best so far by `margin` (a fraction), again when
+    timed once more next to it. A candidate that fails to run is out. Steps go tallest
+    first, each with an equal share of what is left of `budget_s`, past which its
+    candidates are not tried (`skipped` counts them). The plan changes in place."""
     report = VerifyTilesReport()
     start = time.perf_counter()
 
