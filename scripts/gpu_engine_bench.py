@@ -334,7 +334,8 @@ def main() -> None:
             "verify_tiles": {"steps_ms": v.steps_ms, "changes": [(str(k), a, b) for k, a, b
                                                                   in v.changes],
                              "rejected": len(v.rejected), "skipped": v.skipped,
-                             "evaluations": v.evaluations, "seconds": round(v.seconds, 2)}
+                             "evaluations": v.evaluations, "seconds": round(v.seconds, 2),
+                             "compiled": v.compiled, "compile_s": round(v.compile_s, 2)}
             if (v := engine.verify_tiles) else None,
             # the start-up GEMV selection's choices, per (row bucket, shape[, fusion])
             "gemv_plan": model.gemv_plan.summary() if model.gemv_plan else None,

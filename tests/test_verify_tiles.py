@@ -13,7 +13,7 @@ import torch
 
 from specserve.layers.gemv_configs import GemvConfig, verify_candidates
 from specserve.layers.gemv_plan import GemvChoice, GemvPlan
-from specserve.runtime.verify_tiles import tune_verify_tiles, verify_steps
+from specserve.runtime.verify_tiles import compile_todo, tune_verify_tiles, verify_steps
 
 S, A, B, C = (GemvConfig(32, 256, num_stages=4), GemvConfig(64, 128, num_stages=4),
               GemvConfig(128, 128), GemvConfig(128, 64, num_stages=4))  # fmt: skip
@@ -67,6 +67,14 @@ def test_verify_steps_are_the_largest_batch_of_up_to_16_requests_per_row_bucket(
     assert verify_steps(plan, (1, 2, 4, 8, 16, 32, 48, 64), 4, 16) == {32: (8, 4), 64: (16, 4)}
     assert verify_steps(plan, (1, 2, 4, 8, 16), 2, 16) == {32: (16, 2)}
     assert verify_steps(plan, (1, 2, 4), 4, 16) == {}  # every verify step within 16 rows
+
+
+def test_what_the_search_may_run_is_compiled_first_per_projection_with_a_triton_tile():
+    plan = _plan()
+    plan.set_config([(b, *SMALL) for b in (1, 2, 4, 8, 16)], None)  # cuBLAS: nothing to try
+    todo = compile_todo(plan, {64: (16, 4), 32: (8, 4)},
+                        lambda shared, rows, key: [A, B] if rows == 64 else [C], 16)
+    assert todo == {BIG: [(32, [S, C]), (64, [S, A, B])]}
 
 
 class Fakes:

@@ -42,6 +42,8 @@ class VerifyTilesReport:
     rejected: list[tuple[tuple, str]] = field(default_factory=list)
     skipped: int = 0  # candidates left untried when the budget ran out
     evaluations: int = 0
+    compiled: int = 0  # Triton variants compiled before the search, in parallel
+    compile_s: float = 0.0
     seconds: float = 0.0
 
 
@@ -185,14 +187,61 @@ def tune_engine_verify_tiles(graphs: CudaGraphRunner, plan: GemvPlan, shared_row
         return None
     device = graphs.input_ids.device
     sms = torch.cuda.get_device_properties(device).multi_processor_count
+
+    def candidates(shared, rows, key):
+        return verify_candidates(shared, rows, key[1], key[2], sms)
+
+    start = time.perf_counter()
+    compiled = _compile(graphs.model, plan, steps, candidates, shared_rows, device)
+    compile_s = time.perf_counter() - start
     timer = StepTimer(graphs, context, reps)
-    report = tune_verify_tiles(
-        plan, steps, lambda shared, rows, key: verify_candidates(shared, rows, key[1], key[2],
-                                                                  sms),
-        timer, StepOutput(graphs, context), shared_rows, keys_used=timer.keys_used,
-    )  # fmt: skip
-    log.info("verify tiles tuned in %.1f s (%d steps timed): %s; %d kept, %d with other bits, "
-             "%d untried (budget)", report.seconds, report.evaluations,
+    report = tune_verify_tiles(plan, steps, candidates, timer, StepOutput(graphs, context),
+                               shared_rows, keys_used=timer.keys_used)  # fmt: skip
+    report.compiled, report.compile_s = compiled, compile_s
+    log.info("verify tiles tuned in %.1f s (%d steps timed; %d variants compiled first in "
+             "%.1f s): %s; %d kept, %d with other bits, %d untried (budget)", report.seconds,
+             report.evaluations, compiled, compile_s,
              ", ".join(f"{n} {a:.3f} -> {b:.3f} ms" for n, (a, b) in report.steps_ms.items()),
              len(report.changes), len(report.rejected), report.skipped)  # fmt: skip
     return report
+
+
+def compile_todo(plan: GemvPlan, steps: dict, candidates, shared_rows: int) -> dict:
+    """{(N, K, dtype[, fusion]): [(rows, [shared tile, *candidates])]}: what the search of
+    `steps` may run, per projection whose shared choice is a Triton tile (gemv_compile's
+    `compile_tasks` form)."""
+    shared = {key[1:]: c.config for key, c in plan.choices.items()
+              if key[0] <= shared_rows and c.config is not None}  # fmt: skip
+    todo: dict = {}
+    for vb, (batch, q) in sorted(steps.items()):
+        for key, cfg in shared.items():
+            todo.setdefault(key, []).append((batch * q, [cfg, *candidates(cfg, batch * q,
+                                                                          (vb, *key))]))
+    return todo
+
+
+def _compile(model, plan: GemvPlan, steps: dict, candidates, shared_rows: int,
+             device: torch.device) -> int:
+    """Compile every GEMV variant the search may run (`compile_todo`, with the gated and
+    rope epilogues' variants of the shapes that take them), in parallel as selection does,
+    so that the search's budget goes to timing; returns how many."""
+    import os
+
+    from specserve.layers import pdl
+    from specserve.layers.gemv_compile import compile_tasks, compile_variants
+    from specserve.layers.linear import (
+        gated_projections,
+        gemv_weights,
+        linear_biases,
+        rope_projections,
+    )
+
+    weights = {key: [w for w in ws if w.stride(-1) == 1] for key, ws in gemv_weights(model).items()}
+    todo = {key: jobs for key, jobs in compile_todo(plan, steps, candidates, shared_rows).items()
+            if weights.get(key[:3])}  # fmt: skip
+    gated = {key: todo[key] for key in gated_projections(model) if key in todo}
+    rope = {key: (heads, todo[key]) for key, heads in rope_projections(model).items()
+            if key in todo}  # fmt: skip
+    tasks = compile_tasks(todo, weights, gated, pdl.active(device), rope,
+                          frozenset(linear_biases(model)))  # fmt: skip
+    return compile_variants(tasks, device, min(8, os.cpu_count() or 1))
