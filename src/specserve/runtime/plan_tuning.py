@@ -56,6 +56,27 @@ def _label(cfg) -> str:
     return str(cfg) if cfg is not None else "torch"
 
 
+def fill_scratch_step(graphs: CudaGraphRunner, batch: int, q: int, context: int,
+                      slot: int = 0) -> None:  # fmt: skip
+    """Set a graph runner's static buffers to a step of `batch` requests of q tokens, every
+    request at `context` tokens (at most the runner's) on the scratch page 0, its new K/V
+    stored at `slot` (-1: not stored). `reset_scratch_step` puts the padding values back."""
+    ctx = min(context, graphs.max_seq_len)
+    pages = -(-ctx // graphs.kv_layers[0][0].shape[1])
+    n = batch * q
+    graphs.positions[:n] = (torch.arange(n, device=graphs.positions.device) % q) + ctx - q
+    graphs.slot_mapping[:n] = slot
+    graphs.seq_lens[:batch] = ctx
+    graphs.block_tables[:batch, :pages] = 0
+
+
+def reset_scratch_step(graphs: CudaGraphRunner) -> None:
+    graphs.positions.zero_()
+    graphs.slot_mapping.zero_()
+    graphs.seq_lens.fill_(1)
+    graphs.block_tables.zero_()
+
+
 class StepTimer:
     """Device time of a captured target step of (batch, tokens per request) on a graph
     runner's static buffers, all requests at `context` tokens on the scratch page."""
@@ -64,21 +85,10 @@ class StepTimer:
         self.graphs, self.context, self.reps = graphs, context, reps
 
     def _fill(self, batch: int, q: int) -> None:
-        g = self.graphs
-        ctx = min(self.context, g.max_seq_len)
-        pages = -(-ctx // g.kv_layers[0][0].shape[1])
-        n = batch * q
-        g.positions[:n] = (torch.arange(n, device=g.positions.device) % q) + ctx - q
-        g.slot_mapping[:n] = 0
-        g.seq_lens[:batch] = ctx
-        g.block_tables[:batch, :pages] = 0
+        fill_scratch_step(self.graphs, batch, q, self.context)
 
     def _reset(self) -> None:
-        g = self.graphs
-        g.positions.zero_()
-        g.slot_mapping.zero_()
-        g.seq_lens.fill_(1)
-        g.block_tables.zero_()
+        reset_scratch_step(self.graphs)
 
     @torch.inference_mode()
     def keys_used(self, steps: list[tuple[int, int]]) -> set | None:

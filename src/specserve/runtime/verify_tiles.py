@@ -27,6 +27,7 @@ import torch
 
 from specserve.layers.gemv_plan import GemvPlan
 from specserve.runtime.cuda_graphs import CudaGraphRunner, static_meta
+from specserve.runtime.plan_tuning import StepTimer, fill_scratch_step, reset_scratch_step
 
 log = logging.getLogger(__name__)
 
@@ -69,21 +70,14 @@ class StepOutput:
         g, n = self.graphs, batch * q
         for cache, page in zip((c for layer in g.kv_layers for c in layer[:2]), self.pages):
             cache[0].copy_(page)
-        pages = -(-self.context // g.kv_layers[0][0].shape[1])
-        g.positions[:n] = torch.arange(n, device=g.positions.device) % q + self.context - q
-        g.slot_mapping[:n] = -1
-        g.seq_lens[:batch] = self.context
-        g.block_tables[:batch, :pages] = 0
+        fill_scratch_step(g, batch, q, self.context, slot=-1)
         try:
             hidden, _ = g.model(self.ids[:n], static_meta(g, batch, q), g.kv_layers,
                                 g.backend, g.aux_layer_ids)  # fmt: skip
             logits = g.logits_head(hidden) if g.logits_head is not None else hidden
             return hidden.clone(), logits.clone()
         finally:
-            g.positions.zero_()
-            g.slot_mapping.zero_()
-            g.seq_lens.fill_(1)
-            g.block_tables.zero_()
+            reset_scratch_step(g)
 
 
 def verify_steps(plan: GemvPlan, batch_buckets, q: int, shared_rows: int) -> dict:
@@ -126,9 +120,7 @@ def tune_verify_tiles(plan: GemvPlan, steps: dict, candidates, timer, output,
         deadline = time.perf_counter() + (budget_s - (time.perf_counter() - start)) / (
             len(steps) - i)  # fmt: skip
         used = keys_used([(batch, q)]) if keys_used is not None else set(plan.choices)
-        # one per projection: the buckets up to shared_rows share its choice
-        keys = list({k[1:]: k for k in sorted(used, key=str) if k in plan.choices
-                     and k[0] <= shared_rows and plan.choices[k].config is not None}.values())
+        keys = [key for key, _ in shared_tiles(plan, used, shared_rows).values()]
         reference = output(batch, q)
         first = best = timed(batch, q)
         for key in sorted(keys, key=lambda k: (-k[1] * k[2], str(k[1:]))):
@@ -165,6 +157,14 @@ def tune_verify_tiles(plan: GemvPlan, steps: dict, candidates, timer, output,
     return report
 
 
+def shared_tiles(plan: GemvPlan, keys, shared_rows: int) -> dict:
+    """{(N, K, dtype[, fusion]): (a plan key among `keys`, its tile)} for each projection
+    whose choice for the buckets up to shared_rows (one, shared) is a Triton tile."""
+    return {key[1:]: (key, plan.choices[key].config) for key in sorted(keys, key=str)
+            if key in plan.choices and key[0] <= shared_rows
+            and plan.choices[key].config is not None}  # fmt: skip
+
+
 def _set(plan: GemvPlan, vkey: tuple, cfg) -> None:
     if cfg is None:
         plan.verify.pop(vkey, None)
@@ -178,7 +178,6 @@ def tune_engine_verify_tiles(graphs: CudaGraphRunner, plan: GemvPlan, shared_row
     """`tune_verify_tiles` for an engine's target: the verify steps of `verify_tokens` per
     request that its graph runner captures (None: no such step reaches past shared_rows)."""
     from specserve.layers.gemv_configs import verify_candidates
-    from specserve.runtime.plan_tuning import StepTimer
 
     if verify_tokens not in graphs.tokens_per_request or graphs.backend.name != "triton":
         return None  # (StepOutput's unstored slots: the Triton kernels skip them)
@@ -210,11 +209,9 @@ def compile_todo(plan: GemvPlan, steps: dict, candidates, shared_rows: int) -> d
     """{(N, K, dtype[, fusion]): [(rows, [shared tile, *candidates])]}: what the search of
     `steps` may run, per projection whose shared choice is a Triton tile (gemv_compile's
     `compile_tasks` form)."""
-    shared = {key[1:]: c.config for key, c in plan.choices.items()
-              if key[0] <= shared_rows and c.config is not None}  # fmt: skip
     todo: dict = {}
     for vb, (batch, q) in sorted(steps.items()):
-        for key, cfg in shared.items():
+        for key, (_, cfg) in shared_tiles(plan, plan.choices, shared_rows).items():
             todo.setdefault(key, []).append((batch * q, [cfg, *candidates(cfg, batch * q,
                                                                           (vb, *key))]))
     return todo
