@@ -22,8 +22,9 @@ every step at K=0 (`identical_to_own_k0`: its own plain decoding, same kernels; 
 batch up to 16 whose verify steps stay within 64 rows, 16 at K=3). Each row
 also gives the steps the overlap loop launched only after waiting for the previous step's
 tokens, by reason (`loop_wait_reasons`), and the timeline
-(mean and median device span, idle gap and host wait per step); `<out>_batch1_steps.json`
-holds those per step at batch 1 for every configuration, with the policy's K and period.
+(mean and median device span, idle gap and host wait per step); `<out>_steps.json`
+holds those per step for every configuration at batch 1 and, above it, for the last run of
+each batch size, with the policy's K and period (the whole trace so far).
 
     PYTHONPATH=src python scripts/gpu_default_bench.py --out $OUT/default_model
     PYTHONPATH=src python scripts/gpu_default_bench.py --smoke --out /tmp/default_model  # CPU
@@ -233,6 +234,8 @@ def main() -> None:
             rows.append(row)
             if b == 1:  # the median run is the only run at batch 1
                 step_series[name] = series(llm.engine)
+            else:  # the last run's steps (the policy's first steps after an idle engine)
+                step_series[f"{name}, batch {b}, last run"] = series(llm.engine)
             row_tokens[b] = tokens
         spec_stats = {k: v for k, v in llm.engine.stats().items() if k.startswith("spec_")}
         results[name] = {"startup_s": round(startup, 2), "rows": rows, "spec": spec_stats}
@@ -282,7 +285,7 @@ def main() -> None:
                "torch": torch.__version__, "max_tokens": args.max_tokens,
                "total_s": round(time.perf_counter() - start, 1), "results": results}  # fmt: skip
     out.with_suffix(".json").write_text(json.dumps(payload, indent=2))
-    out.with_name(out.name + "_batch1_steps.json").write_text(json.dumps(step_series))
+    out.with_name(out.name + "_steps.json").write_text(json.dumps(step_series))
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
