@@ -42,7 +42,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_engine_bench import GC_PAUSES, add_run_args  # noqa: E402 (collector pauses, options)
+from gpu_engine_bench import (  # noqa: E402 (collector pauses, options, tuning reports)
+    GC_PAUSES,
+    add_run_args,
+    tuning_reports,
+)
 
 from specserve.layers.gemv_configs import MAX_ROWS  # noqa: E402
 from specserve.layers.gemv_select import SHARED_ROWS  # noqa: E402
@@ -253,11 +257,9 @@ def main() -> None:
         # SHARED_ROWS meet torch (cuBLAS picks kernels by row count), a verify row may round
         # apart from a decode row, and greedy speculation from plain decoding
         plan = getattr(llm.engine.runner.model, "gemv_plan", None)
-        tuning = llm.engine.plan_tuning
         results[name]["gemv_plan"] = plan.summary() if plan is not None else None
-        results[name]["plan_tuning_changes"] = (
-            [(str(k), a, b) for k, a, b in tuning.changes] if tuning else None
-        )
+        # what start-up tuning changed: the plan, and the verify steps' own tiles
+        results[name].update(tuning_reports(llm.engine))
         if extra.get("speculative_policy") == "goodput":  # the policy's own account
             spec = llm.engine.spec
             trace = {"decisions": spec.policy.trace.dump(), "cost": spec.cost.snapshot()}

@@ -188,6 +188,25 @@ def combine(runs: list[dict]) -> dict:
     return row
 
 
+def tuning_reports(engine: LLMEngine) -> dict:
+    """What start-up tuning did to an engine's GEMV plan: the whole-step tuning (step ms
+    before/after per group, the changes) and the verify steps' own tiles (kept: key, shared
+    tile, verify tile; candidates whose bits differed; time). None where it did not run."""
+    t, v = engine.plan_tuning, engine.verify_tiles
+    return {
+        "plan_tuning": {"steps_ms": t.steps_ms, "evaluations": t.evaluations,
+                        "seconds": round(t.seconds, 2),
+                        "changes": [(str(k), a, b) for k, a, b in t.changes]}
+        if t else None,
+        "verify_tiles": {"steps_ms": v.steps_ms,
+                         "changes": [(str(k), a, b) for k, a, b in v.changes],
+                         "rejected": len(v.rejected), "skipped": v.skipped,
+                         "evaluations": v.evaluations, "seconds": round(v.seconds, 2),
+                         "compiled": v.compiled, "compile_s": round(v.compile_s, 2)}
+        if v else None,
+    }  # fmt: skip
+
+
 # --ab-FLAG: (the configuration's label, what changes in it, the help text's "with ...")
 AB_VARIANTS = {
     "argmax": ("torch argmax", {"argmax": "off"},
@@ -325,18 +344,7 @@ def main() -> None:
             "graphs": graphs.__dict__ if graphs else None,
             "drafter_graphs": drafter.report.__dict__ if drafter else None,
             "kv_pages": engine.kv.allocator.num_pages,
-            # whole-step tuning of the plan: step ms before/after per group, the changes
-            "plan_tuning": {"steps_ms": t.steps_ms, "evaluations": t.evaluations,
-                            "seconds": round(t.seconds, 2),
-                            "changes": [(str(k), a, b) for k, a, b in t.changes]}
-            if (t := engine.plan_tuning) else None,
-            # the verify steps' own tiles: kept (key, shared, verify tile), other bits, time
-            "verify_tiles": {"steps_ms": v.steps_ms, "changes": [(str(k), a, b) for k, a, b
-                                                                  in v.changes],
-                             "rejected": len(v.rejected), "skipped": v.skipped,
-                             "evaluations": v.evaluations, "seconds": round(v.seconds, 2),
-                             "compiled": v.compiled, "compile_s": round(v.compile_s, 2)}
-            if (v := engine.verify_tiles) else None,
+            **tuning_reports(engine),
             # the start-up GEMV selection's choices, per (row bucket, shape[, fusion])
             "gemv_plan": model.gemv_plan.summary() if model.gemv_plan else None,
             "loop_waits": engine.loop.num_waits,  # steps not launched ahead (all rows)
