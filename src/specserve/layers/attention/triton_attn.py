@@ -19,7 +19,8 @@ MAX_SPLITS = 32
 MIN_SPLIT_TOKENS = 128  # a KV chunk shorter than this is not worth a separate program
 # The shortest chunk of batch-invariant steps, in keys (one 32-key block: chunks as short as
 # the split count's by program count; longer ones cut the partials a verify step writes and
-# merges, at a cost to parallelism: an A/B for the GPU, gpu_engine.md run 25)
+# merges, at a cost to parallelism: on the H200 chunks of 128+ keys lost 1-3% at batches
+# 1-16, plain and K=3 alike, gpu_engine.md run 26)
 INVARIANT_MIN_CHUNK = 32
 # Decode and verify steps of up to this many requests cut every request's keys into
 # MAX_SPLITS chunks whatever their program count (`batch_invariant`): the GEMVs' shared row
