@@ -3,7 +3,10 @@ speculation) on a random-weight Llama-3.1-8B-shaped bf16 model built on the GPU.
 
 Side by side in one run: plain decode at batch 1 and 64; EAGLE-3-shaped random head with
 simulated acceptance (mean acceptance length 3.0 at K=3) under the fixed and goodput
-policies; 512-token prompts, 256 output tokens (ignore_eos). Writes JSON and markdown.
+policies; 512-token prompts, 256 output tokens (ignore_eos). Writes JSON and markdown: decode
+tok/s over the whole run and while every request of the batch decodes (until the first ends:
+under chunked prefill the first prompts start decoding a few steps early, so they end early
+and a run's last steps decode fewer requests).
 
     python scripts/gpu_engine_bench.py --out $OUT/gpu_engine
 """
@@ -112,11 +115,16 @@ def run(engine: LLMEngine, batch: int, prompt_len: int, new_tokens: int, seed: i
     GC_PAUSES.clear()
     t0 = time.perf_counter()
     walls, running = [], []
+    full = None  # (seconds, tokens) while every request decodes: until the first one ends
     while engine.has_unfinished():
         running.append(len(engine.requests))
         t = time.perf_counter()
         engine.step()
         walls.append(time.perf_counter() - t)
+        if full is None and len(engine.requests) < batch:
+            left = engine.requests.values()
+            done = sum(len(r.output_token_ids) for r in left) + new_tokens * (batch - len(left))
+            full = (time.perf_counter() - t0, done - produced)
     sync()
     seconds = time.perf_counter() - t0
     in_order = list(walls)
@@ -135,6 +143,11 @@ def run(engine: LLMEngine, batch: int, prompt_len: int, new_tokens: int, seed: i
         "decode_tokens": tokens,
         "seconds": round(seconds, 4),
         "output_tok_s": round(tokens / seconds, 1),
+        # decode at the full batch: until the first request ends (requests whose prefill
+        # ended in an earlier chunk started decoding then, so they end first, and the last
+        # steps of a run decode fewer requests); at the step that ends it, so a step late
+        "full_batch": [round(full[0], 4), full[1]],
+        "full_batch_tok_s": round(full[1] / full[0], 1),
         "ms_per_step": round(seconds / (engine.num_steps - steps0) * 1e3, 3),
         "steps": engine.num_steps - steps0,
         # tokens per request per step: the realized mean acceptance length where every
@@ -169,8 +182,11 @@ def combine(runs: list[dict]) -> dict:
     tokens = sum(r["decode_tokens"] for r in runs)
     seconds = sum(r["seconds"] for r in runs)
     steps = sum(r["steps"] for r in runs)
+    full = [round(sum(r["full_batch"][0] for r in runs), 4),
+            sum(r["full_batch"][1] for r in runs)]
     row.update(decode_tokens=tokens, seconds=round(seconds, 4), steps=steps,
                output_tok_s=round(tokens / seconds, 1),
+               full_batch=full, full_batch_tok_s=round(full[1] / full[0], 1),
                ms_per_step=round(seconds / steps * 1e3, 3),
                device_ms_per_step=round(sum(r["device_ms_per_step"] * r["steps"]
                                             for r in runs) / steps, 3),
@@ -243,6 +259,20 @@ def add_run_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--no-gc-freeze", action="store_true",
                     help="leave the collector walking what start-up built (the server's "
                          "engine process freezes it, and so does this bench by default)")
+
+
+def table(results: dict, batches: list[int], key: str) -> list[str]:
+    """A markdown table of each configuration's `key` per batch size, with its ratio to
+    plain where --only kept plain."""
+    plain = {r["batch"]: r[key] for r in results.get("plain", {}).get("rows", [])}
+    lines = ["| config | " + " | ".join(f"batch {b} tok/s (x plain)" for b in batches) + " |",
+             "|---|" + "---|" * len(batches)]  # fmt: skip
+    for name, res in results.items():
+        cells = [f"{r[key]}" + (f" ({r[key] / plain[r['batch']]:.2f}x)"
+                                if r["batch"] in plain else "")
+                 for r in res["rows"]]  # fmt: skip
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def main() -> None:
@@ -363,15 +393,9 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(results, indent=2))
-    # ratios to plain where --only kept it
-    plain = {r["batch"]: r["output_tok_s"] for r in results.get("plain", {}).get("rows", [])}
-    lines = ["| config | " + " | ".join(f"batch {b} tok/s (x plain)" for b in args.batches) + " |",
-             "|---|" + "---|" * len(args.batches)]  # fmt: skip
-    for name, res in results.items():
-        cells = [f"{r['output_tok_s']}" + (f" ({r['output_tok_s'] / plain[r['batch']]:.2f}x)"
-                                           if r["batch"] in plain else "")
-                 for r in res["rows"]]  # fmt: skip
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines = table(results, args.batches, "output_tok_s")
+    lines += ["", "While every request decodes (until the first one ends):", ""]
+    lines += table(results, args.batches, "full_batch_tok_s")
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
