@@ -1,0 +1,38 @@
+"""The GPU engine benchmark's own arithmetic, run on the CPU at a tiny shape (`--tiny`): the
+rows it reports and the markdown tables the committed results come from."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_gpu_engine_bench_reports_whole_run_and_full_batch_rates(tmp_path):
+    out = tmp_path / "bench"
+    env = dict(os.environ, PYTHONPATH=str(REPO / "src"), HF_HUB_OFFLINE="1")
+    cmd = [sys.executable, str(REPO / "scripts" / "gpu_engine_bench.py"), "--tiny",
+           "--batches", "1", "3", "--prompt-len", "16", "--new-tokens", "12", "--repeats", "2",
+           "--only", "plain", "K=3 fixed", "--out", str(out)]  # fmt: skip
+    subprocess.run(cmd, check=True, env=env, capture_output=True, timeout=300)
+    results = json.loads(out.with_suffix(".json").read_text())
+    assert list(results) == ["plain", "eagle3 K=3 fixed (sim. accept len 3.0)"]
+    for name, res in results.items():
+        assert [r["batch"] for r in res["rows"]] == [1, 3]
+        for row in res["rows"]:
+            assert len(row["repeats"]) == 2
+            # every request produced its tokens; the first of each came with the prefill
+            assert row["decode_tokens"] == 2 * row["batch"] * 11
+            seconds, tokens = row["full_batch"]
+            assert 0 < tokens <= row["decode_tokens"] and 0 < seconds <= row["seconds"]
+            assert row["full_batch_tok_s"] == round(tokens / seconds, 1)
+            if name == "plain" or row["batch"] == 1:  # all start and end together
+                assert tokens == row["decode_tokens"]
+    md = out.with_suffix(".md").read_text()
+    assert md.count("| plain | ") == 2 and "While every request decodes" in md
+    speculative = [line for line in md.splitlines() if line.startswith("| eagle3")]
+    assert len(speculative) == 2 and all("x)" in line for line in speculative)
