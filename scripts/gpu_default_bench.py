@@ -98,15 +98,18 @@ def timeline(times) -> dict:
     return out
 
 
-def series(engine) -> dict:
-    """Per-step series of the last run (batch 1): device span, idle gap, host wait, and the
-    policy's K and measured period per decode step."""
+def series(engine, since: int = 0) -> dict:
+    """Per-step series of the run just measured: device span, idle gap and host wait of each
+    step (prefill steps too), and the policy's K and measured period of each step with
+    decoding requests, from its `since`-th decision on (the decisions the run made)."""
     times = engine.loop.times
     out = {name: [round(v, 3) for v in getattr(times, name)]
            for name in ("step_ms", "gap_ms", "wait_ms")}  # fmt: skip
     spec = engine.spec
     if spec is not None:
-        decisions = spec.policy.trace.dump()
+        trace = spec.policy.trace
+        decisions = trace.dump()  # the last TRACE_STEPS of them
+        decisions = decisions[max(0, len(decisions) - (trace.num_decisions - since)):]
         out["k"] = [d["k"] for d in decisions]
         out["period_ms"] = [d["observed_ms"] and round(d["observed_ms"], 3) for d in decisions]
     return out
@@ -129,10 +132,12 @@ def own_k0_tokens(llm: LLM, prompts: list[list[int]], batch: int, args) -> list[
         del policy.choose
 
 
-def measure(llm: LLM, prompts: list[list[int]], batch: int, args) -> dict:
-    """Output tok/s at one batch size; the token ids of every request."""
+def measure(llm: LLM, prompts: list[list[int]], batch: int, args) -> tuple:
+    """Output tok/s at one batch size; the token ids of every request; the run's per-step
+    series (`series`)."""
     engine = llm.engine
     stats0 = engine.stats()
+    decisions0 = engine.spec.policy.trace.num_decisions if engine.spec is not None else 0
     engine.loop.times.clear()
     if batch == 1:
         chosen = prompts[: args.batch1_prompts]
@@ -160,7 +165,7 @@ def measure(llm: LLM, prompts: list[list[int]], batch: int, args) -> dict:
         row["accepted_tokens"] = sum(accepted)
         row["per_position_acceptance"] = [round(a / d, 3) if d else None
                                           for a, d in zip(accepted, drafted)]  # fmt: skip
-    return row, tokens
+    return row, tokens, series(engine, decisions0)
 
 
 def main() -> None:
@@ -227,8 +232,9 @@ def main() -> None:
         for b in args.batches:
             GC_PAUSES.clear()
             runs = [measure(llm, prompts, b, args) for _ in range(1 if b == 1 else args.repeats)]
+            last_series = runs[-1][2]  # the last run's steps (after an idle engine, too)
             runs.sort(key=lambda run: run[0]["output_tok_s"])
-            row, tokens = runs[len(runs) // 2]
+            row, tokens, _ = runs[len(runs) // 2]
             row["tok_s_of_runs"] = [run[0]["output_tok_s"] for run in runs]
             row["gc"] = GC_PAUSES.summary()  # over this batch size's runs
             if name == "plain":
@@ -237,9 +243,9 @@ def main() -> None:
             print(name, json.dumps(row), flush=True)
             rows.append(row)
             if b == 1:  # the median run is the only run at batch 1
-                step_series[name] = series(llm.engine)
-            else:  # the last run's steps (the policy's first steps after an idle engine)
-                step_series[f"{name}, batch {b}, last run"] = series(llm.engine)
+                step_series[name] = last_series
+            else:
+                step_series[f"{name}, batch {b}, last run"] = last_series
             row_tokens[b] = tokens
         spec_stats = {k: v for k, v in llm.engine.stats().items() if k.startswith("spec_")}
         results[name] = {"startup_s": round(startup, 2), "rows": rows, "spec": spec_stats}

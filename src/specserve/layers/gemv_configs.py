@@ -103,7 +103,8 @@ _SPLIT_TILE = GemvConfig(64, 128, num_stages=4)
 _SPLIT_EXTRA = {16: GemvConfig(32, 128, split_k=3, num_warps=2, num_stages=4),
                 64: GemvConfig(64, 128, split_k=2, num_stages=5)}  # fmt: skip
 # Stream-K tiles (gemv_stream_k.py) for the row blocks above the shared buckets: candidates
-# only while `set_stream_k(True)` (EngineConfig.gemv_stream_k; not yet measured on a GPU).
+# only while `set_stream_k(True)` (EngineConfig.gemv_stream_k; on the H200 selection took
+# none for the 8B shape: gpu_engine.md runs 19 and 30).
 _STREAM_K = {32: [GemvConfig(64, 128, num_stages=4)],
              64: [GemvConfig(64, 128, num_stages=4), GemvConfig(128, 64, num_stages=4)]}
 _STREAM_K_ON = [False]
