@@ -90,3 +90,46 @@ def test_graph_head_serves_greedy_sampled_and_logprob_steps(tiny_llama):
         model_runner.argmax_rows = kept
     assert calls["graph"] > before + 5
     assert [t for t, _ in greedy.values()] == [plain[i][0] for i in list(plain)[::3]]
+
+
+def test_dense_greedy_verify_takes_the_graphs_tokens(tiny_llama):
+    """A greedy verify step whose rows are all the graph's rows (every request drafting K)
+    takes the argmaxes the graph took with the logits, launching no argmax of its own, and
+    the output stays plain decoding's."""
+    from specserve.runtime.model_runner import num_drafts
+    from specserve.spec import verify
+
+    rng = random.Random(6)
+    prompts = [[rng.randrange(3, VOCAB) for _ in range(n)] for n in (4, 11, 6)]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    plain = [o.token_ids for o in LLM(str(tiny_llama)).generate(prompts, params)]
+    llm = LLM(str(tiny_llama), speculative_algorithm="draft",
+              speculative_draft_model_path=str(tiny_llama), speculative_num_steps=3,
+              speculative_policy="fixed", page_size=4)  # fmt: skip
+    calls = install_padded_runner(llm, tokens_per_request=(1, 2, 3, 4))
+    runner = llm.engine.runner
+    sample, kept = runner.sample_async, verify.argmax_rows
+    seen = {"dense": 0, "other": 0, "in_dense": False}
+
+    def watched(step, hidden, *args):
+        lens = [num_drafts(s) for s in step.sampled]
+        dense = (runner.step_head is not None and lens and min(lens) == max(lens) > 0
+                 and len(step.sample_rows) == hidden.shape[0])  # fmt: skip
+        seen["dense" if dense else "other"] += 1
+        seen["in_dense"] = dense
+        try:
+            return sample(step, hidden, *args)
+        finally:
+            seen["in_dense"] = False
+
+    def argmax(x):
+        assert not seen["in_dense"], "a dense greedy verify step launched its own argmax"
+        return kept(x)
+
+    runner.sample_async, verify.argmax_rows = watched, argmax
+    try:
+        outs = llm.generate(prompts, params)
+    finally:
+        verify.argmax_rows = kept
+    assert [o.token_ids for o in outs] == plain
+    assert seen["dense"] > 5 and calls["graph"] > 5

@@ -206,7 +206,10 @@ class ModelRunner:
         else:
             drafts_t = step.input_ids[t["draft_rows"]].view(num, k_max)
         if st is None and all(s.draft_probs is None for s in sampled):
-            result = verify_greedy(padded, drafts_t, lens_t, seeds, positions, simulate_rate)
+            # a dense step's rows are the graph's rows: its greedy tokens are the argmaxes
+            choice = head[2].view(num, width) if head is not None and dense else None
+            result = verify_greedy(padded, drafts_t, lens_t, seeds, positions, simulate_rate,
+                                   choice)  # fmt: skip
         else:
             if st is None:
                 st = _sampling_tensors(reqs, seeds, positions, torch.zeros_like(seeds), device)

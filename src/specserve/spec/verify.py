@@ -51,17 +51,20 @@ def verify_greedy(
     seeds: torch.Tensor | None = None,
     positions: torch.Tensor | None = None,
     simulate_rate: float | None = None,
+    greedy_choice: torch.Tensor | None = None,
 ) -> VerifyResult:
     """`verify` for rows that are all greedy: accept drafts while they equal the target's
     argmax, then its argmax as the bonus. Needs no sampling tensors (seeds and positions
     only to simulate acceptance), so a greedy speculative step uploads almost nothing;
-    `draft_lens` None: every row has K drafts.
+    `draft_lens` None: every row has K drafts. `greedy_choice`: the logits' argmax [R, K+1]
+    where the caller has it already (a CUDA graph took it with the logits), else computed.
 
     Row r's tokens past accept_len[r] are unspecified (never committed nor read): without
     simulation the argmax row itself is returned, whose first accept_len + 1 entries are the
     accepted drafts (each equals the argmax there) and the bonus."""
     k_max = target_logits.shape[1] - 1
-    greedy_choice = argmax_rows(target_logits)  # [R, K+1]
+    if greedy_choice is None:
+        greedy_choice = argmax_rows(target_logits)  # [R, K+1]
     if simulate_rate is None:
         ok = drafts == greedy_choice[:, :k_max]
     else:
