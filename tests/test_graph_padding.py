@@ -94,8 +94,9 @@ def test_graph_head_serves_greedy_sampled_and_logprob_steps(tiny_llama):
 
 def test_dense_greedy_verify_takes_the_graphs_tokens(tiny_llama):
     """A greedy verify step whose rows are all the graph's rows (every request drafting K)
-    takes the argmaxes the graph took with the logits, launching no argmax of its own, and
-    the output stays plain decoding's."""
+    takes the argmaxes and accept lengths the graph took with the logits, launching no
+    argmax or verification of its own, and the output stays plain decoding's."""
+    from specserve.runtime import model_runner
     from specserve.runtime.model_runner import num_drafts
     from specserve.spec import verify
 
@@ -126,10 +127,37 @@ def test_dense_greedy_verify_takes_the_graphs_tokens(tiny_llama):
         assert not seen["in_dense"], "a dense greedy verify step launched its own argmax"
         return kept(x)
 
+    verify_greedy = model_runner.verify_greedy
+
+    def verified(*args):
+        assert not seen["in_dense"], "a dense greedy verify step verified on its own"
+        return verify_greedy(*args)
+
     runner.sample_async, verify.argmax_rows = watched, argmax
+    model_runner.verify_greedy = verified
     try:
         outs = llm.generate(prompts, params)
     finally:
-        verify.argmax_rows = kept
+        verify.argmax_rows, model_runner.verify_greedy = kept, verify_greedy
     assert [o.token_ids for o in outs] == plain
     assert seen["dense"] > 5 and calls["graph"] > 5
+
+
+def test_graph_accept_lengths_are_greedy_verifications():
+    """The accept lengths a verify graph takes (`greedy_accept_lens`) are verify_greedy's for
+    every request drafting q - 1, on random ids and argmaxes with many matches."""
+    import torch
+
+    from specserve.runtime.cuda_graphs import greedy_accept_lens
+    from specserve.spec.verify import verify_greedy
+
+    gen = torch.Generator().manual_seed(3)
+    for q in (2, 4, 6):
+        choice = torch.randint(0, 3, (64, q), generator=gen)
+        logits = torch.nn.functional.one_hot(choice, 5).float()
+        drafts = torch.where(torch.rand(64, q - 1, generator=gen) < 0.8, choice[:, :-1],
+                             torch.randint(0, 3, (64, q - 1), generator=gen))  # fmt: skip
+        ids = torch.cat([torch.zeros(64, 1, dtype=torch.int64), drafts], dim=1)
+        ref = verify_greedy(logits, drafts, None)
+        assert torch.equal(greedy_accept_lens(ids, choice), ref.accept_len)
+        assert torch.equal(ref.tokens, choice) and ref.accept_len.max() == q - 1

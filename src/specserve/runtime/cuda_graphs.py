@@ -158,9 +158,12 @@ class CudaGraphRunner:
     `logits_head(hidden)` (the model's logits in the activation dtype, when given) runs inside
     each graph too, with the row argmax of its logits (the Triton kernels while capturing,
     layers/triton_argmax.py): after `run`, `last_head` holds the real rows' (logits, greedy
-    tokens), views of graph memory that the next replay overwrites. A greedy decode step
-    without logprobs then samples without launching anything more; other steps (sampled,
-    logprobs, verification) read the logits from there instead of projecting again.
+    tokens), views of graph memory that the next replay overwrites, and for steps of q > 1
+    tokens per request each request's greedy accept length (`greedy_accept_lens`: its drafts,
+    the input rows after the first, accepted while they equal the argmax of the row before).
+    A greedy decode step without logprobs then samples without launching anything more, and
+    so does a greedy verify step whose requests all draft q - 1; other steps (sampled,
+    logprobs, shorter drafts) read the logits from there instead of projecting again.
     """
 
     def __init__(
@@ -184,7 +187,7 @@ class CudaGraphRunner:
         self.use_graphs = use_graphs
         self.feature_writer = feature_writer
         self.logits_head = logits_head
-        self.last_head: tuple[torch.Tensor, torch.Tensor] | None = None  # see above
+        self.last_head: tuple[torch.Tensor, ...] | None = None  # see above
         device = kv_layers[0][0].device
         page_size = kv_layers[0][0].shape[1]
         max_b, max_q = self.batch_buckets[-1], self.tokens_per_request[-1]
@@ -236,7 +239,10 @@ class CudaGraphRunner:
             from specserve.layers.sampler import argmax_rows
 
             logits = self.logits_head(hidden)
-            head = (logits, argmax_rows(logits))
+            tokens = argmax_rows(logits)
+            head = (logits, tokens)
+            if q > 1:  # a verify step: its greedy accept lengths too
+                head += (greedy_accept_lens(ids.view(batch, q), tokens.view(batch, q)),)
         return hidden, aux, head
 
     def capture(self, pool=None) -> CaptureReport:
@@ -279,7 +285,16 @@ class CudaGraphRunner:
             graph.replay()
         else:
             hidden, aux, head = self._forward(batch, q)
-        self.last_head = None if head is None else (head[0][:n], head[1][:n])
+        self.last_head = None if head is None else (
+            head[0][:n], head[1][:n], *(lens[:num_requests] for lens in head[2:]))
         if self.feature_writer is not None:
             return hidden[:n], []
         return hidden[:n], [a[:n] for a in aux]
+
+
+def greedy_accept_lens(ids: torch.Tensor, choice: torch.Tensor) -> torch.Tensor:
+    """[B] accept lengths of greedy verification for a verify step's input ids [B, q] (the
+    last committed token, then q - 1 drafts) and its rows' argmaxes [B, q]: drafts are
+    accepted while each equals the argmax of the row before it (`spec.verify.verify_greedy`,
+    where every request drafts q - 1)."""
+    return (ids[:, 1:] == choice[:, :-1]).long().cumprod(dim=1).sum(dim=1)

@@ -20,7 +20,7 @@ from specserve.runtime.sampled_tokens import (
     TokenLogprobs,
     logprob_tensors,
 )
-from specserve.spec.verify import verify, verify_greedy
+from specserve.spec.verify import VerifyResult, verify, verify_greedy
 
 __all__ = ["InflightStep", "ModelRunner", "StepInput", "StepResult", "TokenLogprobs", "num_drafts"]
 
@@ -48,8 +48,9 @@ class ModelRunner:
         self.backend = backend
         self.device = kv.pool.device
         self.graphs: CudaGraphRunner | None = None  # set by the engine on CUDA
-        # (hidden, logits, greedy tokens) of the last forward, where its graph took them
-        self.step_head: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        # (hidden, logits, greedy tokens[, greedy accept lengths]) of the last forward,
+        # where its graph took them (CudaGraphRunner.last_head)
+        self.step_head: tuple[torch.Tensor, ...] | None = None
 
     def prepare(self, batch: list[ScheduledRequest], prev: InflightStep | None = None) -> StepInput:
         """Pack the step. With `prev`, the step in flight: a request of it has its last
@@ -206,10 +207,14 @@ class ModelRunner:
         else:
             drafts_t = step.input_ids[t["draft_rows"]].view(num, k_max)
         if st is None and all(s.draft_probs is None for s in sampled):
-            # a dense step's rows are the graph's rows: its greedy tokens are the argmaxes
+            # a dense step's rows are the graph's rows: its greedy tokens are the argmaxes,
+            # and the graph verified them too (every request drafts K: q = K + 1)
             choice = head[2].view(num, width) if head is not None and dense else None
-            result = verify_greedy(padded, drafts_t, lens_t, seeds, positions, simulate_rate,
-                                   choice)  # fmt: skip
+            if choice is not None and simulate_rate is None and len(head) > 3:
+                result = VerifyResult(choice, head[3])
+            else:
+                result = verify_greedy(padded, drafts_t, lens_t, seeds, positions,
+                                       simulate_rate, choice)  # fmt: skip
         else:
             if st is None:
                 st = _sampling_tensors(reqs, seeds, positions, torch.zeros_like(seeds), device)
