@@ -92,36 +92,44 @@ def test_graph_head_serves_greedy_sampled_and_logprob_steps(tiny_llama):
     assert [t for t, _ in greedy.values()] == [plain[i][0] for i in list(plain)[::3]]
 
 
-def test_dense_greedy_verify_takes_the_graphs_tokens(tiny_llama):
+@pytest.mark.parametrize("drafter", ["target", "other"])
+@pytest.mark.parametrize("overlap", ["off", "on"])
+def test_dense_greedy_verify_takes_the_graphs_tokens(tiny_llama, tmp_path, drafter, overlap):
     """A greedy verify step whose rows are all the graph's rows (every request drafting K)
     takes the argmaxes and accept lengths the graph took with the logits, launching no
-    argmax or verification of its own, and the output stays plain decoding's."""
+    argmax or verification of its own, and the output stays plain decoding's: with the
+    target as its own drafter (every draft accepted) and with another model (most
+    rejected), in the synchronous loop and under overlap (drafts left on the device)."""
     from specserve.runtime import model_runner
     from specserve.runtime.model_runner import num_drafts
     from specserve.spec import verify
+    from tests.tiny_models import make_tiny_model
 
     rng = random.Random(6)
     prompts = [[rng.randrange(3, VOCAB) for _ in range(n)] for n in (4, 11, 6)]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     plain = [o.token_ids for o in LLM(str(tiny_llama)).generate(prompts, params)]
+    draft = tiny_llama if drafter == "target" else make_tiny_model(tmp_path, "llama", seed=1)
     llm = LLM(str(tiny_llama), speculative_algorithm="draft",
-              speculative_draft_model_path=str(tiny_llama), speculative_num_steps=3,
-              speculative_policy="fixed", page_size=4)  # fmt: skip
+              speculative_draft_model_path=str(draft), speculative_num_steps=3,
+              speculative_policy="fixed", page_size=4, overlap_schedule=overlap)  # fmt: skip
     calls = install_padded_runner(llm, tokens_per_request=(1, 2, 3, 4))
     runner = llm.engine.runner
     sample, kept = runner.sample_async, verify.argmax_rows
-    seen = {"dense": 0, "other": 0, "in_dense": False}
+    seen = {"dense": [], "in_dense": False}
 
     def watched(step, hidden, *args):
         lens = [num_drafts(s) for s in step.sampled]
         dense = (runner.step_head is not None and lens and min(lens) == max(lens) > 0
                  and len(step.sample_rows) == hidden.shape[0])  # fmt: skip
-        seen["dense" if dense else "other"] += 1
         seen["in_dense"] = dense
         try:
-            return sample(step, hidden, *args)
+            out = sample(step, hidden, *args)
         finally:
             seen["in_dense"] = False
+        if dense:
+            seen["dense"] += out.accept_len.tolist()
+        return out
 
     def argmax(x):
         assert not seen["in_dense"], "a dense greedy verify step launched its own argmax"
@@ -140,7 +148,11 @@ def test_dense_greedy_verify_takes_the_graphs_tokens(tiny_llama):
     finally:
         verify.argmax_rows, model_runner.verify_greedy = kept, verify_greedy
     assert [o.token_ids for o in outs] == plain
-    assert seen["dense"] > 5 and calls["graph"] > 5
+    assert len(seen["dense"]) >= 9 and calls["graph"] > 5
+    if drafter == "target":
+        assert min(seen["dense"]) == 3
+    else:
+        assert min(seen["dense"]) == 0
 
 
 def test_graph_accept_lengths_are_greedy_verifications():

@@ -211,7 +211,9 @@ class ModelRunner:
             # and the graph verified them too (every request drafts K: q = K + 1)
             choice = head[2].view(num, width) if head is not None and dense else None
             if choice is not None and simulate_rate is None and len(head) > 3:
-                result = VerifyResult(choice, head[3])
+                # a copy: the next step may read the lengths after its own replay
+                # (sample_shift), which overwrites the graph's
+                result = VerifyResult(choice, head[3].clone())
             else:
                 result = verify_greedy(padded, drafts_t, lens_t, seeds, positions,
                                        simulate_rate, choice)  # fmt: skip

@@ -58,9 +58,11 @@ class SampledTokens:
     request r asked for (None: no logprobs); `lp_rows` maps each (r, j < W) with j <= its
     draft count to a row of the logprob tensors. `drafts` [R, K] (device drafts the host
     has not seen) come back too. `tokens` may be a view of the target graph's output (a
-    greedy decode step's, runtime/cuda_graphs.py), valid until the next target replay: its
-    readers (the host copy here, the next step's inputs and the drafter's catch-up) are all
-    enqueued before that replay.
+    greedy decode step's, or a greedy verify step's whose requests all draft K;
+    runtime/cuda_graphs.py), valid until the next target replay: its readers (the host copy
+    here, the next step's inputs and the drafter's catch-up) are all enqueued before that
+    replay. (The accept lengths such a verify step takes from its graph are copied: the next
+    step may read them after its replay.)
     """
 
     def __init__(
