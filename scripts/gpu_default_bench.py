@@ -42,11 +42,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_engine_bench import (  # noqa: E402 (collector pauses, options, tuning reports)
-    GC_PAUSES,
-    add_run_args,
-    tuning_reports,
-)
+from gpu_bench_report import GC_PAUSES, tuning_reports  # noqa: E402
+from gpu_engine_bench import add_run_args  # noqa: E402 (options shared with it)
 
 from specserve.layers.gemv_configs import MAX_ROWS  # noqa: E402
 from specserve.layers.gemv_select import SHARED_ROWS  # noqa: E402
