@@ -237,6 +237,7 @@ class CudaGraphRunner:
         head = None
         if self.logits_head is not None:
             from specserve.layers.sampler import argmax_rows
+            from specserve.spec.verify import greedy_accept_lens
 
             logits = self.logits_head(hidden)
             tokens = argmax_rows(logits)
@@ -290,11 +291,3 @@ class CudaGraphRunner:
         if self.feature_writer is not None:
             return hidden[:n], []
         return hidden[:n], [a[:n] for a in aux]
-
-
-def greedy_accept_lens(ids: torch.Tensor, choice: torch.Tensor) -> torch.Tensor:
-    """[B] accept lengths of greedy verification for a verify step's input ids [B, q] (the
-    last committed token, then q - 1 drafts) and its rows' argmaxes [B, q]: drafts are
-    accepted while each equals the argmax of the row before it (`spec.verify.verify_greedy`,
-    where every request drafts q - 1)."""
-    return (ids[:, 1:] == choice[:, :-1]).long().cumprod(dim=1).sum(dim=1)

@@ -44,6 +44,19 @@ def _uniforms(seeds: torch.Tensor, positions: torch.Tensor, k_max: int, stream: 
     return hash_uniform(seeds.reshape(-1), counters.reshape(-1), 1).view(-1, k_max)
 
 
+def _accepted(ok: torch.Tensor) -> torch.Tensor:
+    """[R] accept lengths from per-draft decisions [R, K]: the leading run of accepted ones."""
+    return ok.long().cumprod(dim=1).sum(dim=1)
+
+
+def greedy_accept_lens(ids: torch.Tensor, choice: torch.Tensor) -> torch.Tensor:
+    """[B] accept lengths of greedy verification for a verify step's input ids [B, q] (the
+    last committed token, then q - 1 drafts) and its rows' argmaxes [B, q]: `verify_greedy`
+    where every request drafts q - 1, in the form a CUDA graph takes it from its static
+    inputs (runtime/cuda_graphs.py)."""
+    return _accepted(ids[:, 1:] == choice[:, :-1])
+
+
 def verify_greedy(
     target_logits: torch.Tensor,
     drafts: torch.Tensor,
@@ -71,7 +84,7 @@ def verify_greedy(
         ok = _uniforms(seeds, positions, k_max, SIMULATE_STREAM) < simulate_rate
     if draft_lens is not None:
         ok &= torch.arange(k_max, device=drafts.device)[None, :] < draft_lens[:, None]
-    accept_len = ok.long().cumprod(dim=1).sum(dim=1)
+    accept_len = _accepted(ok)
     if simulate_rate is None:
         return VerifyResult(greedy_choice, accept_len)
     bonus = greedy_choice.gather(1, accept_len[:, None])[:, 0]
