@@ -166,6 +166,11 @@ AB_VARIANTS = {
              "with SiLU-and-mul kept out of the gate/up GEMV's epilogue"),
     "rope": ("rotary kernel", {"rope": False},
              "with rotary and the K/V store kept out of the qkv GEMV's epilogue"),
+    "rope64": ("rope epilogue at 64 rows", {"rope_max_block_m": 64},
+               "with the rope epilogue offered to 32- and 64-row qkv tiles too"),
+    "kv_prefetch": ("no K/V prefetch before the wait", {"kv_prefetch": False},
+                    "with decode attention asking L2 for no K/V before its PDL wait (its "
+                    "metadata still read early)"),
     "invariance": ("batch variant", {"disable_batch_invariance": True},
                    "with --disable-batch-invariance (cuBLAS where it rounds rows apart, "
                    "verify steps by row count, attention chunks by program count)"),
@@ -245,14 +250,15 @@ def main() -> None:
         first = next(iter(configs))
         configs[f"{first} (again, last)"] = configs[first]
     from specserve.layers import gemv as gemv_module  # kernel modules: imported when needed
-    from specserve.layers import triton_argmax
-    from specserve.layers.attention import triton_attn
+    from specserve.layers import gemv_rope, triton_argmax
+    from specserve.layers.attention import triton_attn, triton_kernels
     from specserve.layers.attention.triton_attn import TritonAttentionBackend
     from specserve.layers.triton_ops import TritonMergedGatedMLP
 
     gated, rope_fits = TritonMergedGatedMLP._gated, gemv_module.rope_fits
     chunks = TritonAttentionBackend.invariant_chunks
     min_chunk = triton_attn.INVARIANT_MIN_CHUNK
+    rope_rows, kv_prefetch = gemv_rope.ROPE_MAX_BLOCK_M, triton_kernels.PDL_KV_PREFETCH
 
     results = {}
     for name, extra in configs.items():
@@ -269,6 +275,10 @@ def main() -> None:
             chunks if extra.pop("attn_chunks", True) else lambda *a: None)
         # this engine only (restored below): its backend's shortest invariant chunk
         triton_attn.INVARIANT_MIN_CHUNK = extra.pop("attn_min_chunk", min_chunk)
+        # this engine only (restored below): the tallest qkv tile the rope epilogue takes
+        gemv_rope.ROPE_MAX_BLOCK_M = extra.pop("rope_max_block_m", rope_rows)
+        # this engine only (restored below): decode attention's K/V prefetch under PDL
+        triton_kernels.PDL_KV_PREFETCH = extra.pop("kv_prefetch", kv_prefetch)
         t0 = time.perf_counter()
         engine = LLMEngine(EngineConfig(**base, **extra), model=model)
         startup = time.perf_counter() - t0
@@ -307,6 +317,7 @@ def main() -> None:
     TritonMergedGatedMLP._gated, gemv_module.rope_fits = gated, rope_fits
     TritonAttentionBackend.invariant_chunks = chunks
     triton_attn.INVARIANT_MIN_CHUNK = min_chunk
+    gemv_rope.ROPE_MAX_BLOCK_M, triton_kernels.PDL_KV_PREFETCH = rope_rows, kv_prefetch
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(results, indent=2))

@@ -87,11 +87,10 @@ from specserve.layers.gemv_tile import (  # noqa: F401 (silu_mul, _load_x: also 
     _load_rows,
     _load_x,
     _mac,
-    _prefetch_l2,
     _w_tile,
     silu_mul,
 )
-from specserve.layers.pdl_kernel import pdl_enter
+from specserve.layers.pdl_kernel import pdl_enter, prefetch_l2
 
 # Under PDL, the weight bytes one GEMV asks L2 for before it waits for the previous kernel,
 # over all its programs (a fraction of the H200's 50 MB L2, about what streams in during a
@@ -147,9 +146,9 @@ def _gemv_kernel(
     if USE_PDL:  # weights are read-only: their first lines stream in while we wait
         if PREFETCH > 0:
             line = tl.arange(0, PREFETCH) * (1024 // w_ptr.dtype.element_ty.primitive_bitwidth)
-            _prefetch_l2(w_rows + tl.minimum(k_lo + line, K - 1)[None, :])
+            prefetch_l2(w_rows + tl.minimum(k_lo + line, K - 1)[None, :])
             if GATED:
-                _prefetch_l2(u_rows + tl.minimum(k_lo + line, K - 1)[None, :])
+                prefetch_l2(u_rows + tl.minimum(k_lo + line, K - 1)[None, :])
         pdl_enter()  # before the first read of x and the first write
     if USE_DOT:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)

@@ -34,11 +34,10 @@ from specserve.layers.gemv import (  # gemv.py imports this module when first ne
     PDL_PREFETCH_MAX_LINES,
     _load_x,
     _mac,
-    _prefetch_l2,
     silu_mul,
 )
 from specserve.layers.gemv_configs import GemvConfig
-from specserve.layers.pdl_kernel import pdl_enter
+from specserve.layers.pdl_kernel import pdl_enter, prefetch_l2
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}  # per device, kept at zero by the kernel
 MAX_TILES = 1 << 16  # counters per device (256 KiB): lm_head at 64 rows has ~2,000 tiles
@@ -74,9 +73,9 @@ def _gemv_stream_k_kernel(
             k0 = (start - first_tile * iters) * BLOCK_K
             row0 = tl.minimum(n0, N - 1).to(tl.int64)[:, None]
             col0 = tl.minimum(k0 + line, K - 1)[None, :]
-            _prefetch_l2(w_ptr + row0 * stride_wn + col0)
+            prefetch_l2(w_ptr + row0 * stride_wn + col0)
             if GATED:
-                _prefetch_l2(w_ptr + (row0 + N) * stride_wn + col0)
+                prefetch_l2(w_ptr + (row0 + N) * stride_wn + col0)
         pdl_enter()  # before the first read of x and the first write
     # one pass per tile this program touches (its first and last may be pieces); the inner
     # K loop alone, loads and products, is what the software pipeline overlaps

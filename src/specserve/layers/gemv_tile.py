@@ -1,6 +1,6 @@
 """The GEMV kernel's per-tile pieces (layers/gemv.py, gemv_stream_k.py): loading a tile of x
 (with the SiLU-and-mul prologue) and of the weight, the tile product on the matrix units or
-the CUDA cores, the L2 prefetch, and the epilogue of one row block (bias, rounding, the
+the CUDA cores, and the epilogue of one row block (bias, rounding, the
 gated SiLU-and-mul, the rope store, or a K split's partial sums). Imported by gemv.py, like
 it only when kernels may be defined.
 """
@@ -41,13 +41,6 @@ def _load_rows(x_rows, k, m_ok, K, SILU: tl.constexpr, K_IN_BLOCKS: tl.constexpr
         return _load_x(x_rows, k, m_ok[:, None], K, SILU)
     else:
         return _load_x(x_rows, k, m_ok[:, None] & (k < K)[None, :], K, SILU)
-
-
-@triton.jit
-def _prefetch_l2(ptrs):
-    """Ask L2 for the lines holding `ptrs` (no registers filled, nothing waits for them)."""
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs],
-                              dtype=tl.int32, is_pure=False, pack=1)  # fmt: skip
 
 
 @triton.jit

@@ -6,10 +6,13 @@ group.
 
 Where the time goes at decode is waiting on memory, so: the metadata a program needs before
 its first K/V bytes take two round trips (request bounds and length, then positions,
-queries and the first page ids together) instead of four; K and V of a block are requested
-together; the page ids of the next block are fetched a block ahead, which lets Triton's
-pipeliner (num_stages >= 3) keep the next K/V block in flight in shared memory while this
-one is computed. PREFETCH does that by hand instead, in registers (no pipeliner).
+queries and the first page ids together) instead of four; under PDL those round trips, and
+a request to L2 for the first K/V block, happen before the wait for the kernel before (the
+metadata is uploaded before the step; only q and the newest K/V come from that kernel); K
+and V of a block are requested together; the page ids of the next block are fetched a
+block ahead, which lets Triton's pipeliner (num_stages >= 3) keep the next K/V block in
+flight in shared memory while this one is computed. PREFETCH does that by hand instead, in
+registers (no pipeliner).
 
 Imported by triton_kernels.py, and like it only when kernels may be defined (TRITON_INTERPRET
 is read then).
@@ -20,7 +23,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from specserve.layers.pdl_kernel import pdl_enter
+from specserve.layers.pdl_kernel import pdl_enter, prefetch_l2
 
 
 @triton.jit
@@ -46,6 +49,19 @@ def _kv_load(k_cache, v_cache, page, n, n_ok, kvh, stride_cp, stride_cs, stride_
     k = tl.load(k_cache + off[:, None] + d[None, :], mask=mask, other=0.0)
     v = tl.load(v_cache + off[:, None] + d[None, :], mask=mask, other=0.0)
     return k, v
+
+
+@triton.jit
+def _kv_prefetch(k_cache, v_cache, page, n, kvh, stride_cp, stride_cs, stride_ch,
+                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr):
+    """Ask L2 for the lines of one K/V block (keys n of KV head kvh, their page ids known;
+    a key past the request has page 0, the scratch page: every address is in the cache)."""
+    LINE: tl.constexpr = 1024 // k_cache.dtype.element_ty.primitive_bitwidth  # 128 bytes
+    LINES: tl.constexpr = (BLOCK_D + LINE - 1) // LINE
+    off = page.to(tl.int64) * stride_cp + (n % PAGE_SIZE) * stride_cs + kvh * stride_ch
+    lines = off[:, None] + tl.minimum(tl.arange(0, LINES) * LINE, HEAD_DIM - 1)[None, :]
+    prefetch_l2(k_cache + lines)
+    prefetch_l2(v_cache + lines)
 
 
 # The step's metadata are views into one upload whose alignment varies from step to step:
@@ -76,14 +92,12 @@ def _paged_attn_decode_kernel(
     BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PREFETCH: tl.constexpr,
     USE_PDL: tl.constexpr = False, LOOP: tl.constexpr = False,
-    ROW_CHUNKS: tl.constexpr = False,
+    ROW_CHUNKS: tl.constexpr = False, KV_PREFETCH: tl.constexpr = False,
 ):  # fmt: skip
     # Same arguments and grid as _paged_attn_kernel; all of a request's rows fit BLOCK_M.
     # LOOP: fewer programs than chunks (otherwise each program has at most its own chunk,
     # and the kernel compiles without the loop, whose registers it does not need).
     # ROW_CHUNKS (triton_kernels.py): each row's keys are chunked by its own length.
-    if USE_PDL:  # layers/pdl.py: q and the new K/V come from the kernel before
-        pdl_enter()
     pid_bh = tl.program_id(1)
     pid_s = tl.program_id(2)
     b = pid_bh // KV_HEADS
@@ -111,6 +125,14 @@ def _paged_attn_decode_kernel(
     pos = tl.load(positions + q_start + tok, mask=row_ok, other=-1).to(tl.int32)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
+    if USE_PDL:  # layers/pdl.py: q and the new K/V come from the kernels before
+        # The metadata read above is uploaded before the step and no kernel writes it, so
+        # it is read before the wait, and the first block's K/V is asked of L2 meanwhile:
+        # the program starts streaming while the kernel before finishes.
+        if KV_PREFETCH:
+            _kv_prefetch(k_cache, v_cache, page, n, kvh, stride_cp, stride_cs, stride_ch,
+                         HEAD_DIM, BLOCK_D, PAGE_SIZE)  # fmt: skip
+        pdl_enter()
     q_off = (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
     q = tl.load(q_ptr + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     # Keys visible to any row: up to the last position (positions ascend), within seq_len.
