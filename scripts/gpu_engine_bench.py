@@ -168,9 +168,11 @@ AB_VARIANTS = {
              "with rotary and the K/V store kept out of the qkv GEMV's epilogue"),
     "rope64": ("rope epilogue at 64 rows", {"rope_max_block_m": 64},
                "with the rope epilogue offered to 32- and 64-row qkv tiles too"),
-    "kv_prefetch": ("no K/V prefetch before the wait", {"kv_prefetch": False},
-                    "with decode attention asking L2 for no K/V before its PDL wait (its "
-                    "metadata still read early)"),
+    "kv_prefetch": ("K/V prefetch before the wait", {"kv_prefetch": True},
+                    "with decode attention asking L2 for its first K/V block before its PDL "
+                    "wait"),
+    "late_metadata": ("metadata after the wait", {"early_metadata": False},
+                      "with decode attention reading its metadata only after its PDL wait"),
     "invariance": ("batch variant", {"disable_batch_invariance": True},
                    "with --disable-batch-invariance (cuBLAS where it rounds rows apart, "
                    "verify steps by row count, attention chunks by program count)"),
@@ -259,6 +261,7 @@ def main() -> None:
     chunks = TritonAttentionBackend.invariant_chunks
     min_chunk = triton_attn.INVARIANT_MIN_CHUNK
     rope_rows, kv_prefetch = gemv_rope.ROPE_MAX_BLOCK_M, triton_kernels.PDL_KV_PREFETCH
+    early_metadata = triton_kernels.PDL_EARLY_METADATA
 
     results = {}
     for name, extra in configs.items():
@@ -279,6 +282,7 @@ def main() -> None:
         gemv_rope.ROPE_MAX_BLOCK_M = extra.pop("rope_max_block_m", rope_rows)
         # this engine only (restored below): decode attention's K/V prefetch under PDL
         triton_kernels.PDL_KV_PREFETCH = extra.pop("kv_prefetch", kv_prefetch)
+        triton_kernels.PDL_EARLY_METADATA = extra.pop("early_metadata", early_metadata)
         t0 = time.perf_counter()
         engine = LLMEngine(EngineConfig(**base, **extra), model=model)
         startup = time.perf_counter() - t0
@@ -318,6 +322,7 @@ def main() -> None:
     TritonAttentionBackend.invariant_chunks = chunks
     triton_attn.INVARIANT_MIN_CHUNK = min_chunk
     gemv_rope.ROPE_MAX_BLOCK_M, triton_kernels.PDL_KV_PREFETCH = rope_rows, kv_prefetch
+    triton_kernels.PDL_EARLY_METADATA = early_metadata
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(results, indent=2))

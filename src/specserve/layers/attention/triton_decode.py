@@ -92,12 +92,15 @@ def _paged_attn_decode_kernel(
     BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PREFETCH: tl.constexpr,
     USE_PDL: tl.constexpr = False, LOOP: tl.constexpr = False,
-    ROW_CHUNKS: tl.constexpr = False, KV_PREFETCH: tl.constexpr = False,
+    ROW_CHUNKS: tl.constexpr = False, EARLY_METADATA: tl.constexpr = True,
+    KV_PREFETCH: tl.constexpr = False,
 ):  # fmt: skip
     # Same arguments and grid as _paged_attn_kernel; all of a request's rows fit BLOCK_M.
     # LOOP: fewer programs than chunks (otherwise each program has at most its own chunk,
     # and the kernel compiles without the loop, whose registers it does not need).
     # ROW_CHUNKS (triton_kernels.py): each row's keys are chunked by its own length.
+    if USE_PDL and not EARLY_METADATA:  # the wait before any read
+        pdl_enter()
     pid_bh = tl.program_id(1)
     pid_s = tl.program_id(2)
     b = pid_bh // KV_HEADS
@@ -125,10 +128,9 @@ def _paged_attn_decode_kernel(
     pos = tl.load(positions + q_start + tok, mask=row_ok, other=-1).to(tl.int32)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
-    if USE_PDL:  # layers/pdl.py: q and the new K/V come from the kernels before
+    if USE_PDL and EARLY_METADATA:  # layers/pdl.py: q and the new K/V come from the kernel before
         # The metadata read above is uploaded before the step and no kernel writes it, so
-        # it is read before the wait, and the first block's K/V is asked of L2 meanwhile:
-        # the program starts streaming while the kernel before finishes.
+        # it is read before the wait; KV_PREFETCH: the first block's K/V is asked of L2 too.
         if KV_PREFETCH:
             _kv_prefetch(k_cache, v_cache, page, n, kvh, stride_cp, stride_cs, stride_ch,
                          HEAD_DIM, BLOCK_D, PAGE_SIZE)  # fmt: skip
