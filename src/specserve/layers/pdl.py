@@ -8,17 +8,18 @@ called `gdc_launch_dependents()`; its programs then block in `gdc_wait()` until 
 kernel has completed and its writes are visible. What a program does before the wait
 overlaps the previous kernel's tail: the GEMV prefetches the first tiles of its weight
 slice into L2 (weights are never written while serving), the decode attention kernel reads
-its metadata and asks L2 for its first K/V block (triton_decode.py); the other kernels only
-get their launch latency hidden.
+its metadata (triton_decode.py); the other kernels only get their launch latency hidden.
 
 The contract every kernel launched this way keeps (gemv.py, triton_norm.py, triton_ops.py,
 attention/triton_kernels.py, attention/triton_decode.py):
 
 - every program calls `gdc_wait()` unconditionally, before its first read of anything an
-  earlier kernel may have written and before its first write (the step's attention
-  metadata, uploaded by copies before the step and written by no kernel, may be read
-  before it) (an earlier kernel may still
-  be reading what it overwrites, e.g. a buffer the allocator has handed out again);
+  earlier kernel may have written and before its first write (an earlier kernel may still
+  be reading what it overwrites, e.g. a buffer the allocator has handed out again).
+  Exempt: what only torch ops and copies write (launched without PDL), such as the
+  step's attention metadata. A kernel starts only once its predecessor has passed its
+  own wait (or, launched without PDL, completed), so all such work launched before it
+  has completed by then;
 - `gdc_launch_dependents()` right after that wait. A kernel completes only after its
   predecessor has (every program waits), and "completed" holds transitively down the
   chain, so a kernel that waits on its direct predecessor also sees every write before it.

@@ -6,13 +6,14 @@ group.
 
 Where the time goes at decode is waiting on memory, so: the metadata a program needs before
 its first K/V bytes take two round trips (request bounds and length, then positions,
-queries and the first page ids together) instead of four; under PDL those round trips, and
-a request to L2 for the first K/V block, happen before the wait for the kernel before (the
-metadata is uploaded before the step; only q and the newest K/V come from that kernel); K
-and V of a block are requested together; the page ids of the next block are fetched a
-block ahead, which lets Triton's pipeliner (num_stages >= 3) keep the next K/V block in
-flight in shared memory while this one is computed. PREFETCH does that by hand instead, in
-registers (no pipeliner).
+queries and the first page ids together) instead of four; under PDL those round trips
+happen before the wait for the kernel before (torch ops and copies write the metadata,
+no PDL kernel: layers/pdl.py; q and the newest K/V come from that kernel), and with
+KV_PREFETCH so does a request to L2 for the first K/V block (off: it lost 2% at batch 64
+on the H200); K and V of a block are requested together; the page ids of the next block
+are fetched a block ahead, which lets Triton's pipeliner (num_stages >= 3) keep the next
+K/V block in flight in shared memory while this one is computed. PREFETCH does that by
+hand instead, in registers (no pipeliner).
 
 Imported by triton_kernels.py, and like it only when kernels may be defined (TRITON_INTERPRET
 is read then).
