@@ -168,9 +168,6 @@ AB_VARIANTS = {
              "with rotary and the K/V store kept out of the qkv GEMV's epilogue"),
     "rope64": ("rope epilogue at 64 rows", {"rope_max_block_m": 64},
                "with the rope epilogue offered to 32- and 64-row qkv tiles too"),
-    "kv_prefetch": ("K/V prefetch before the wait", {"kv_prefetch": True},
-                    "with decode attention asking L2 for its first K/V block before its PDL "
-                    "wait"),
     "late_metadata": ("metadata after the wait", {"early_metadata": False},
                       "with decode attention reading its metadata only after its PDL wait"),
     "invariance": ("batch variant", {"disable_batch_invariance": True},
@@ -260,7 +257,7 @@ def main() -> None:
     gated, rope_fits = TritonMergedGatedMLP._gated, gemv_module.rope_fits
     chunks = TritonAttentionBackend.invariant_chunks
     min_chunk = triton_attn.INVARIANT_MIN_CHUNK
-    rope_rows, kv_prefetch = gemv_rope.ROPE_MAX_BLOCK_M, triton_kernels.PDL_KV_PREFETCH
+    rope_rows = gemv_rope.ROPE_MAX_BLOCK_M
     early_metadata = triton_kernels.PDL_EARLY_METADATA
 
     results = {}
@@ -280,8 +277,7 @@ def main() -> None:
         triton_attn.INVARIANT_MIN_CHUNK = extra.pop("attn_min_chunk", min_chunk)
         # this engine only (restored below): the tallest qkv tile the rope epilogue takes
         gemv_rope.ROPE_MAX_BLOCK_M = extra.pop("rope_max_block_m", rope_rows)
-        # this engine only (restored below): decode attention's K/V prefetch under PDL
-        triton_kernels.PDL_KV_PREFETCH = extra.pop("kv_prefetch", kv_prefetch)
+        # this engine only (restored below): decode attention's metadata read under PDL
         triton_kernels.PDL_EARLY_METADATA = extra.pop("early_metadata", early_metadata)
         t0 = time.perf_counter()
         engine = LLMEngine(EngineConfig(**base, **extra), model=model)
@@ -321,8 +317,7 @@ def main() -> None:
     TritonMergedGatedMLP._gated, gemv_module.rope_fits = gated, rope_fits
     TritonAttentionBackend.invariant_chunks = chunks
     triton_attn.INVARIANT_MIN_CHUNK = min_chunk
-    gemv_rope.ROPE_MAX_BLOCK_M, triton_kernels.PDL_KV_PREFETCH = rope_rows, kv_prefetch
-    triton_kernels.PDL_EARLY_METADATA = early_metadata
+    gemv_rope.ROPE_MAX_BLOCK_M, triton_kernels.PDL_EARLY_METADATA = rope_rows, early_metadata
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(results, indent=2))

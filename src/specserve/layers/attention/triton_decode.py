@@ -8,9 +8,9 @@ Where the time goes at decode is waiting on memory, so: the metadata a program n
 its first K/V bytes take two round trips (request bounds and length, then positions,
 queries and the first page ids together) instead of four; under PDL those round trips
 happen before the wait for the kernel before (torch ops and copies write the metadata,
-no PDL kernel: layers/pdl.py; q and the newest K/V come from that kernel), and with
-KV_PREFETCH so does a request to L2 for the first K/V block (off: it lost 2% at batch 64
-on the H200); K and V of a block are requested together; the page ids of the next block
+no PDL kernel: layers/pdl.py; q and the newest K/V come from that kernel; asking L2 for
+the first K/V block there too lost 2% at batch 64 on the H200: gpu_engine.md, run 32); K
+and V of a block are requested together; the page ids of the next block
 are fetched a block ahead, which lets Triton's pipeliner (num_stages >= 3) keep the next
 K/V block in flight in shared memory while this one is computed. PREFETCH does that by
 hand instead, in registers (no pipeliner).
@@ -24,7 +24,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from specserve.layers.pdl_kernel import pdl_enter, prefetch_l2
+from specserve.layers.pdl_kernel import pdl_enter
 
 
 @triton.jit
@@ -50,19 +50,6 @@ def _kv_load(k_cache, v_cache, page, n, n_ok, kvh, stride_cp, stride_cs, stride_
     k = tl.load(k_cache + off[:, None] + d[None, :], mask=mask, other=0.0)
     v = tl.load(v_cache + off[:, None] + d[None, :], mask=mask, other=0.0)
     return k, v
-
-
-@triton.jit
-def _kv_prefetch(k_cache, v_cache, page, n, kvh, stride_cp, stride_cs, stride_ch,
-                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr):
-    """Ask L2 for the lines of one K/V block (keys n of KV head kvh, their page ids known;
-    a key past the request has page 0, the scratch page: every address is in the cache)."""
-    LINE: tl.constexpr = 1024 // k_cache.dtype.element_ty.primitive_bitwidth  # 128 bytes
-    LINES: tl.constexpr = (BLOCK_D + LINE - 1) // LINE
-    off = page.to(tl.int64) * stride_cp + (n % PAGE_SIZE) * stride_cs + kvh * stride_ch
-    lines = off[:, None] + tl.minimum(tl.arange(0, LINES) * LINE, HEAD_DIM - 1)[None, :]
-    prefetch_l2(k_cache + lines)
-    prefetch_l2(v_cache + lines)
 
 
 # The step's metadata are views into one upload whose alignment varies from step to step:
@@ -94,7 +81,6 @@ def _paged_attn_decode_kernel(
     BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PREFETCH: tl.constexpr,
     USE_PDL: tl.constexpr = False, LOOP: tl.constexpr = False,
     ROW_CHUNKS: tl.constexpr = False, EARLY_METADATA: tl.constexpr = True,
-    KV_PREFETCH: tl.constexpr = False,
 ):  # fmt: skip
     # Same arguments and grid as _paged_attn_kernel; all of a request's rows fit BLOCK_M.
     # LOOP: fewer programs than chunks (otherwise each program has at most its own chunk,
@@ -130,12 +116,7 @@ def _paged_attn_decode_kernel(
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
     if USE_PDL and EARLY_METADATA:  # layers/pdl.py: q and the new K/V come from the kernel before
-        # The metadata read above is uploaded before the step and no kernel writes it, so
-        # it is read before the wait; KV_PREFETCH: the first block's K/V is asked of L2 too.
-        if KV_PREFETCH:
-            _kv_prefetch(k_cache, v_cache, page, n, kvh, stride_cp, stride_cs, stride_ch,
-                         HEAD_DIM, BLOCK_D, PAGE_SIZE)  # fmt: skip
-        pdl_enter()
+        pdl_enter()  # (the metadata above is written by no PDL kernel: read before it)
     q_off = (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
     q = tl.load(q_ptr + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     # Keys visible to any row: up to the last position (positions ascend), within seq_len.

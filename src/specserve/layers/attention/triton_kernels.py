@@ -52,10 +52,8 @@ DECODE_KERNELS = ("decode", "prefetch", "generic")
 # issues the next block's loads only after this block's math).
 DECODE_MIN_STAGES = 3
 # Under PDL the decode kernel reads its metadata before it waits for the kernel before it
-# (triton_decode.py), and with PDL_KV_PREFETCH asks L2 for its first K/V block too (on the
-# H200 that lost 2% at batch 64: gpu_engine.md, run 32). Both for A/Bs.
+# (triton_decode.py; +0.3% at batch 64 on the H200, gpu_engine.md run 33); off for A/Bs.
 PDL_EARLY_METADATA = True
-PDL_KV_PREFETCH = False
 # Integers that vary from step to step (the page-table width, the split count, the strides
 # of the per-split buffers, which scale with the token count) are not specialized on:
 # Triton would otherwise compile a new variant when one first turns 1 or a multiple of 16,
@@ -293,7 +291,6 @@ def paged_attention(
     if decode_like and kernel != "generic":
         launch, extra["PREFETCH"] = _paged_attn_decode_kernel[grid], kernel == "prefetch"
         extra["EARLY_METADATA"] = PDL_EARLY_METADATA
-        extra["KV_PREFETCH"] = PDL_KV_PREFETCH and PDL_EARLY_METADATA and launch_pdl["USE_PDL"]
         if kernel == "decode":
             num_stages = max(num_stages, DECODE_MIN_STAGES)
     else:
