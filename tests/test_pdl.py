@@ -2,7 +2,9 @@
 the engine and CLI options, the GEMV's prefetch sizing, and (tests/pdl_compile.py, in a
 subprocess without the interpreter) every decode-path kernel compiled for sm_90 with PDL
 on and off: on, each program waits before its first global load, store or async copy and
-signals its dependents after the wait, the GEMV prefetching weight lines before it; off,
+signals its dependents after the wait, the GEMV prefetching weight lines before it and the
+decode attention kernel reading its metadata before it (layers/pdl.py: only torch ops and
+copies write that); off,
 no grid-dependency instruction at all. The fused split-K + add + RMSNorm kernel's norm
 compiles to the add + RMSNorm kernel's instructions (the same reduction order, hence the
 same bits on the GPU). GPU checks: tests/test_pdl_gpu.py."""
@@ -111,8 +113,11 @@ def test_pdl_kernels_wait_before_touching_memory(compiled):
         assert marks["use_pdl"] and marks["launch_pdl"], name
         wait = marks["wait"]
         assert wait is not None and marks["launch"] is not None and marks["launch"] > wait, name
-        assert marks["load"] is not None and marks["load"] > wait, (name, marks)
         assert marks["store"] is not None and marks["store"] > wait, (name, marks)
+        if "_paged_attn_decode_kernel" in name:  # its metadata (no PDL kernel writes it)
+            assert marks["load"] is not None and marks["load"] < wait, (name, marks)
+        else:
+            assert marks["load"] is not None and marks["load"] > wait, (name, marks)
         if "_gemv_kernel" in name or "_gemv_stream_k_kernel" in name:
             # weight lines requested while the previous kernel ends
             assert marks["prefetch"] is not None and marks["prefetch"] < wait, (name, marks)
