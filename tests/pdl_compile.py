@@ -7,7 +7,8 @@ launches are intercepted instead of run (JITFunction.run records them), PDL is f
 for the CPU tensors the launchers get, and each recorded launch is compiled through
 triton.compile for GPUTarget("cuda", 90, 32). Prints one JSON line: per launch, where in
 the PTX the first griddepcontrol.wait, launch_dependents, global load / store / async
-copy and L2 prefetch are (line numbers, None when absent).
+copy and L2 prefetch are (line numbers, None when absent), and which loads come before the
+wait.
 """
 
 from __future__ import annotations
@@ -71,8 +72,13 @@ def _signature(fn, args, kwargs) -> tuple[dict, dict, dict]:
 def _marks(ptx: str) -> dict:
     # instructions, less a guarding predicate ("@%p1 ld.global.b32 ...")
     lines = [re.sub(r"^@!?%p\d+\s+", "", line.strip()) for line in ptx.splitlines()]
-    return {name: next((i for i, line in enumerate(lines) if line.startswith(pats)), None)
-            for name, pats in MARKS.items()}  # fmt: skip
+    marks = {name: next((i for i, line in enumerate(lines) if line.startswith(pats)), None)
+             for name, pats in MARKS.items()}  # fmt: skip
+    # the distinct loads (opcodes) before the wait, if any
+    before = lines[: marks["wait"]] if marks["wait"] is not None else []
+    marks["loads_before_wait"] = sorted({line.split()[0] for line in before
+                                         if line.startswith(MARKS["load"])})  # fmt: skip
+    return marks
 
 
 def _instructions(ptx: str) -> list[str]:

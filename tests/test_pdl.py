@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from dataclasses import replace
@@ -114,8 +115,12 @@ def test_pdl_kernels_wait_before_touching_memory(compiled):
         wait = marks["wait"]
         assert wait is not None and marks["launch"] is not None and marks["launch"] > wait, name
         assert marks["store"] is not None and marks["store"] > wait, (name, marks)
-        if "_paged_attn_decode_kernel" in name:  # its metadata (no PDL kernel writes it)
+        if "_paged_attn_decode_kernel" in name:  # its metadata (no PDL kernel writes it):
+            # 64-bit integers only, never q (16/32-bit) nor K/V (async copies)
             assert marks["load"] is not None and marks["load"] < wait, (name, marks)
+            early = marks["loads_before_wait"]
+            assert early and all(re.fullmatch(r"ld\.global(\.nc)?(\.v[24])?\.[bus]64", op)
+                                 for op in early), (name, early)  # fmt: skip
         else:
             assert marks["load"] is not None and marks["load"] > wait, (name, marks)
         if "_gemv_kernel" in name or "_gemv_stream_k_kernel" in name:

@@ -10,8 +10,9 @@ overlaps the previous kernel's tail: the GEMV prefetches the first tiles of its 
 slice into L2 (weights are never written while serving), the decode attention kernel reads
 its metadata (triton_decode.py); the other kernels only get their launch latency hidden.
 
-The contract every kernel launched this way keeps (gemv.py, triton_norm.py, triton_ops.py,
-attention/triton_kernels.py, attention/triton_decode.py):
+The contract every kernel launched this way keeps (gemv.py, gemv_split_k.py,
+gemv_stream_k.py, triton_norm.py, triton_ops.py, triton_rotary.py, triton_argmax.py,
+attention/triton_kernels.py, attention/triton_decode.py, attention/triton_kv_write.py):
 
 - every program calls `gdc_wait()` unconditionally, before its first read of anything an
   earlier kernel may have written and before its first write (an earlier kernel may still

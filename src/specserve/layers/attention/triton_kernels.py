@@ -52,7 +52,8 @@ DECODE_KERNELS = ("decode", "prefetch", "generic")
 # issues the next block's loads only after this block's math).
 DECODE_MIN_STAGES = 3
 # Under PDL the decode kernel reads its metadata before it waits for the kernel before it
-# (triton_decode.py; +0.3% at batch 64 on the H200, gpu_engine.md run 33); off for A/Bs.
+# (triton_decode.py; +0.3% at batch 64 on the H200, within the repeats' spread:
+# gpu_engine.md run 33); off for A/Bs.
 PDL_EARLY_METADATA = True
 # Integers that vary from step to step (the page-table width, the split count, the strides
 # of the per-split buffers, which scale with the token count) are not specialized on:
