@@ -306,6 +306,11 @@ def interpreter_cases() -> dict[str, tuple]:
     cases["invariance-fixed-chunks-at150-generic"] = ("invariance", (True, 150),
                                                       dict(kernel="generic"))  # fmt: skip
     cases["invariance-control-free-splits"] = ("invariance", (False, 150), {})
+    from tests.rope_attention_cases import ROPE_CASES
+
+    for suffix, kw in ROPE_CASES.items():
+        cases[f"rope_in_attention-{suffix}"] = ("rope_in_attention", (), kw)
+    cases["rope_in_attention-model-float16"] = ("rope_model", ("float16",), {})
     for dtype in ("float16", "float32"):
         for op in ("rms_norm", "add_rms_norm", "rotary", "silu_and_mul"):
             cases[f"{op}-{dtype}"] = (op, (dtype,), {})
@@ -318,6 +323,10 @@ def run_case(name: str, spec: tuple, kernels, ops) -> float:
         return kv_write_error(kernels, _small(*args, seed=len(name)))
     if kind == "invariance":
         return split_invariance_error(kernels, args[0], first=args[1], block_n=16, **kw)
+    if kind == "rope_in_attention":
+        from tests.rope_attention_cases import rope_in_attention_error
+
+        return rope_in_attention_error(kernels, ops, **kw)
     if kind == "attn":
         q_lens, ends, seq_lens, ps = args
         batch = make_batch(q_lens, ends, seq_lens, ps, dtype=kw.get("dtype", torch.float16),
@@ -333,6 +342,10 @@ def run_case(name: str, spec: tuple, kernels, ops) -> float:
         return model_cases.model_error(backend, dtype, "cpu", args[1], fused_ops=ops)
     if kind == "runner":
         return model_cases.runner_padding_error(backend, dtype, "cpu")
+    if kind == "rope_model":
+        from tests.rope_attention_cases import rope_model_error
+
+        return rope_model_error(backend, ops, dtype)
     if kind == "drafter":
         from tests.drafter_cases import drafter_graph_error
 

@@ -26,6 +26,10 @@ INVARIANT_MIN_CHUNK = 32
 # MAX_SPLITS chunks whatever their program count (`batch_invariant`): the GEMVs' shared row
 # buckets (layers/gemv_plan.py SHARED_ROWS) keep a row's bits up to the same request count.
 INVARIANT_MAX_REQUESTS = 16
+# Experimental, off until measured on a GPU: a decode step's rotary and K/V store inside the
+# decode attention kernel (one kernel less a layer where the qkv GEMV takes no rope epilogue:
+# more than 16 rows). gpu_engine_bench.py --ab-rope-in-attention turns it on.
+ROPE_IN_ATTENTION = False
 
 
 @dataclass(frozen=True)
@@ -145,25 +149,41 @@ class TritonAttentionBackend(AttentionBackend):
             self.programs_per_sm, MIN_SPLIT_TOKENS, MAX_SPLITS,
         )  # fmt: skip
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+                rope=None):  # fmt: skip
+        """Attention of q over the cache after storing k, v (None: stored already). With
+        `rope` (triton_kernels.DecodeRope; q, k, v None), a decode step whose rotary and
+        K/V store run inside the attention kernel (`rope_in_attention`)."""
         ops = self.kernels
         ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        kv_heads = k_cache.shape[2]
-        splits = self.choose_num_splits(meta, kv_heads, q.shape[1] // kv_heads, q.device)
-        rows = meta.max_query_len * q.shape[1] // kv_heads
+        kv_heads, device = k_cache.shape[2], k_cache.device
+        num_heads = rope.q_heads if rope is not None else q.shape[1]
+        splits = self.choose_num_splits(meta, kv_heads, num_heads // kv_heads, device)
+        rows = meta.max_query_len * num_heads // kv_heads
         decode_like = rows <= ops.DECODE_MAX_ROWS
         launch = self.decode if decode_like else self.prefill
         invariant = (self.batch_invariant and decode_like
                      and meta.num_requests <= INVARIANT_MAX_REQUESTS)  # fmt: skip
-        chunks = self.invariant_chunks(q.device) if invariant else None
+        chunks = self.invariant_chunks(device) if invariant else None
         if chunks:
             splits = min(splits, chunks)  # no program without a chunk
         return ops.paged_attention(
             q, k_cache, v_cache, meta.positions, meta.query_start_loc, meta.seq_lens,
             meta.block_tables, meta.max_query_len, scale, num_splits=splits,
             block_n=launch.block_n, num_warps=launch.num_warps, num_stages=launch.num_stages,
-            chunk_splits=chunks, min_chunk=self.min_chunk if chunks else None,
+            chunk_splits=chunks, min_chunk=self.min_chunk if chunks else None, rope=rope,
         )  # fmt: skip
+
+    def rope_in_attention(self, meta: AttentionMetadata, dtype: torch.dtype,
+                          head_dim: int) -> bool:  # fmt: skip
+        """Whether this decode step's rotary and K/V store may run inside the attention
+        kernel (`ROPE_IN_ATTENTION`, experimental, off: gpu_engine.md says what it was
+        measured at): one token per request, 16-bit activations (fp32's rounding steps are
+        no-ops, so the compiler may contract differently from the rotary kernel's) and a
+        power-of-2 head size."""
+        return (ROPE_IN_ATTENTION and meta.max_query_len == 1
+                and dtype in (torch.float16, torch.bfloat16)
+                and head_dim >= 16 and head_dim & (head_dim - 1) == 0)  # fmt: skip
 
     def invariant_chunks(self, device: torch.device) -> int | None:
         """How many chunks batch-invariant steps cut keys into on `device`: MAX_SPLITS on a
