@@ -101,3 +101,16 @@ def rope_model_error(backend, ops, dtype=torch.float16, page_size=4, seed=0) -> 
         worst = max(worst, (ka.double() - kb.double()).abs().max().item(),
                     (va.double() - vb.double()).abs().max().item())  # fmt: skip
     return worst
+
+
+def rope_warm_up_error(backend, ops, dtype) -> float:
+    """With ROPE_IN_ATTENTION on, the warm-up also compiles the decode kernel's rope variant
+    for each chunking (4 more variants), still writing only to page 0."""
+    from specserve.layers.attention import triton_attn
+    from tests.triton_cases import warm_up_error
+
+    previous, triton_attn.ROPE_IN_ATTENTION = triton_attn.ROPE_IN_ATTENTION, True
+    try:
+        return warm_up_error(backend, dtype, variants=17)
+    finally:
+        triton_attn.ROPE_IN_ATTENTION = previous

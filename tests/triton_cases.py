@@ -226,16 +226,16 @@ def _small(q_lens, ends, seq_lens, page_size, dtype=torch.float16, seed=0):
                       **SMALL)  # fmt: skip
 
 
-def warm_up_error(backend, dtype) -> float:
+def warm_up_error(backend, dtype, variants: int = 13) -> float:
     """The backend's start-up warm-up runs its 13 variants (3 query heights x unsplit, split,
     and the batch invariance's chunks with fewer and with as many programs; prefill) for 6
     query heads over 2 KV heads, and writes nothing outside page 0: the error is the largest
-    change of pages 1.. (inf when the variant count is wrong)."""
+    change of pages 1.. (inf when the variant count is not `variants`)."""
     gen = torch.Generator().manual_seed(0)
     k_cache = torch.randn(3, 4, 2, 16, generator=gen).to(dtype)
     v_cache = torch.randn(3, 4, 2, 16, generator=gen).to(dtype)
     before = (k_cache[1:].clone(), v_cache[1:].clone())
-    if backend.warm_up(6, (k_cache, v_cache)) != 13:
+    if backend.warm_up(6, (k_cache, v_cache)) != variants:
         return float("inf")
     return max((k_cache[1:] - before[0]).abs().max().item(),
                (v_cache[1:] - before[1]).abs().max().item())
@@ -311,6 +311,7 @@ def interpreter_cases() -> dict[str, tuple]:
     for suffix, kw in ROPE_CASES.items():
         cases[f"rope_in_attention-{suffix}"] = ("rope_in_attention", (), kw)
     cases["rope_in_attention-model-float16"] = ("rope_model", ("float16",), {})
+    cases["rope_in_attention-warm_up-float16"] = ("rope_warm_up", ("float16",), {})
     for dtype in ("float16", "float32"):
         for op in ("rms_norm", "add_rms_norm", "rotary", "silu_and_mul"):
             cases[f"{op}-{dtype}"] = (op, (dtype,), {})
@@ -342,10 +343,10 @@ def run_case(name: str, spec: tuple, kernels, ops) -> float:
         return model_cases.model_error(backend, dtype, "cpu", args[1], fused_ops=ops)
     if kind == "runner":
         return model_cases.runner_padding_error(backend, dtype, "cpu")
-    if kind == "rope_model":
-        from tests.rope_attention_cases import rope_model_error
+    if kind in ("rope_model", "rope_warm_up"):
+        from tests import rope_attention_cases
 
-        return rope_model_error(backend, ops, dtype)
+        return getattr(rope_attention_cases, f"{kind}_error")(backend, ops, dtype)
     if kind == "drafter":
         from tests.drafter_cases import drafter_graph_error
 

@@ -130,6 +130,21 @@ class TritonAttentionBackend(AttentionBackend):
                 torch.zeros(1, 1, **i64), q_len, 1.0, num_splits=splits, chunk_splits=chunks,
                 block_n=launch.block_n, num_warps=launch.num_warps, num_stages=launch.num_stages,
             )  # fmt: skip
+        if self.rope_in_attention(1, k_cache.dtype, head_dim):
+            # decode steps with rotary in attention (the table as RotaryEmbedding builds it)
+            qkv = torch.zeros(1, (num_heads + 2 * kv_heads) * head_dim, dtype=k_cache.dtype,
+                              device=device)  # fmt: skip
+            rope = ops.DecodeRope(qkv, torch.zeros(1, head_dim, device=device),
+                                  torch.zeros(1, **i64), num_heads)  # fmt: skip
+            for splits, chunks in chunkings:
+                ops.paged_attention(
+                    None, k_cache, v_cache, torch.zeros(1, **i64), torch.tensor([0, 1], **i64),
+                    torch.ones(1, **i64), torch.zeros(1, 1, **i64), 1, 1.0, num_splits=splits,
+                    chunk_splits=chunks, block_n=self.decode.block_n,
+                    num_warps=self.decode.num_warps, num_stages=self.decode.num_stages,
+                    rope=rope,
+                )  # fmt: skip
+            return len(shapes) + len(chunkings)
         return len(shapes)
 
     def choose_num_splits(self, meta: AttentionMetadata, num_kv_heads: int, group: int,
@@ -174,14 +189,14 @@ class TritonAttentionBackend(AttentionBackend):
             chunk_splits=chunks, min_chunk=self.min_chunk if chunks else None, rope=rope,
         )  # fmt: skip
 
-    def rope_in_attention(self, meta: AttentionMetadata, dtype: torch.dtype,
+    def rope_in_attention(self, max_query_len: int, dtype: torch.dtype,
                           head_dim: int) -> bool:  # fmt: skip
-        """Whether this decode step's rotary and K/V store may run inside the attention
+        """Whether a step's rotary and K/V store may run inside the decode attention
         kernel (`ROPE_IN_ATTENTION`, experimental, off: gpu_engine.md says what it was
         measured at): one token per request, 16-bit activations (fp32's rounding steps are
         no-ops, so the compiler may contract differently from the rotary kernel's) and a
         power-of-2 head size."""
-        return (ROPE_IN_ATTENTION and meta.max_query_len == 1
+        return (ROPE_IN_ATTENTION and max_query_len == 1
                 and dtype in (torch.float16, torch.bfloat16)
                 and head_dim >= 16 and head_dim & (head_dim - 1) == 0)  # fmt: skip
 
