@@ -2,6 +2,10 @@
 triton_attn.ROPE_IN_ATTENTION) against the rotary + K/V store kernel followed by the decode
 attention kernel, on one decode step: the output and the whole cache must be the same bits.
 Run through the Triton interpreter by tests/triton_cases.py (case names `rope_in_attention`).
+The requests' owners of the new token (the program whose chunk holds it) vary between the
+first, a middle and the last program; the interpreter runs a request's programs in order,
+so a store by a later program than the owner shows, one by an earlier program only on a GPU
+(test_triton_attention.py's GPU test, where they run at once).
 """
 
 from __future__ import annotations

@@ -64,8 +64,9 @@ class Attention(nn.Module):
             # Rotary of q and k and the K/V store in one kernel (the qkv GEMV's epilogue, a
             # kernel of their own, or, experimental, the decode attention kernel).
             cfg = self._rope_epilogue(x)
+            group = self.num_heads // self.num_kv_heads
             if cfg is None and backend.rope_in_attention(meta.max_query_len, x.dtype,
-                                                             self.head_dim):
+                                                             self.head_dim, group):
                 rope = backend.kernels.DecodeRope(self.qkv_proj(x), rotary.cos_sin,
                                                   meta.slot_mapping, self.num_heads)  # fmt: skip
                 out = backend.forward(None, None, None, kv[0], kv[1], meta, self.scale, rope)

@@ -130,8 +130,9 @@ class TritonAttentionBackend(AttentionBackend):
                 torch.zeros(1, 1, **i64), q_len, 1.0, num_splits=splits, chunk_splits=chunks,
                 block_n=launch.block_n, num_warps=launch.num_warps, num_stages=launch.num_stages,
             )  # fmt: skip
-        if self.rope_in_attention(1, k_cache.dtype, head_dim):
-            # decode steps with rotary in attention (the table as RotaryEmbedding builds it)
+        if self.rope_in_attention(1, k_cache.dtype, head_dim, group):
+            # decode steps with rotary in attention (the table as RotaryEmbedding builds it;
+            # the activations' dtype is the cache's, as the engine allocates it)
             qkv = torch.zeros(1, (num_heads + 2 * kv_heads) * head_dim, dtype=k_cache.dtype,
                               device=device)  # fmt: skip
             rope = ops.DecodeRope(qkv, torch.zeros(1, head_dim, device=device),
@@ -189,14 +190,15 @@ class TritonAttentionBackend(AttentionBackend):
             chunk_splits=chunks, min_chunk=self.min_chunk if chunks else None, rope=rope,
         )  # fmt: skip
 
-    def rope_in_attention(self, max_query_len: int, dtype: torch.dtype,
-                          head_dim: int) -> bool:  # fmt: skip
+    def rope_in_attention(self, max_query_len: int, dtype: torch.dtype, head_dim: int,
+                          group: int) -> bool:  # fmt: skip
         """Whether a step's rotary and K/V store may run inside the decode attention
         kernel (`ROPE_IN_ATTENTION`, experimental, off: gpu_engine.md says what it was
         measured at): one token per request, 16-bit activations (fp32's rounding steps are
-        no-ops, so the compiler may contract differently from the rotary kernel's) and a
-        power-of-2 head size."""
+        no-ops, so the compiler may contract differently from the rotary kernel's), a
+        power-of-2 head size and a query-head group the decode kernel takes."""
         return (ROPE_IN_ATTENTION and max_query_len == 1
+                and group <= self.kernels.DECODE_MAX_ROWS
                 and dtype in (torch.float16, torch.bfloat16)
                 and head_dim >= 16 and head_dim & (head_dim - 1) == 0)  # fmt: skip
 

@@ -177,7 +177,8 @@ def _paged_attn_decode_kernel(
     if ROPE:
         q = _rope_q(qkv_ptr, stride_qkv, cos_sin_ptr, stride_rope, q_start, tok, head, row_ok,
                     pos, HEAD_DIM, BLOCK_M)  # fmt: skip
-        if pid_s == ((seq_len - 1) // chunk) % num_splits:  # the new token's chunk is ours
+        # the new token's chunk is ours (a request without a token stores nothing)
+        if (q_len > 0) & (pid_s == ((seq_len - 1) // chunk) % num_splits):
             _rope_store_kv(qkv_ptr, stride_qkv, cos_sin_ptr, stride_rope, slot_ptr, k_cache,
                            v_cache, q_start, tl.max(pos, 0), kvh, stride_cp, stride_cs,
                            stride_ch, Q_HEADS, KV_HEADS, HEAD_DIM, PAGE_SIZE)  # fmt: skip

@@ -342,7 +342,8 @@ def _rope_launch(rope: DecodeRope, k_cache: torch.Tensor, max_query_len: int,
     """(the tensor standing in for q, the decode kernel's ROPE arguments), after checking
     that the step and shapes are ones it serves."""
     qkv, head_dim, kv_heads = rope.qkv, k_cache.shape[3], k_cache.shape[2]
-    if max_query_len != 1 or (kernel or DECODE_KERNEL) == "generic":
+    if (max_query_len != 1 or (kernel or DECODE_KERNEL) == "generic"
+            or rope.q_heads // kv_heads > DECODE_MAX_ROWS):  # fmt: skip
         raise ValueError("rotary in attention serves decode steps (one token per request) "
                          "on the decode kernel")  # fmt: skip
     if qkv.shape[1] != (rope.q_heads + 2 * kv_heads) * head_dim or qkv.stride(-1) != 1:
