@@ -193,8 +193,8 @@ class TritonAttentionBackend(AttentionBackend):
     def rope_in_attention(self, max_query_len: int, dtype: torch.dtype, head_dim: int,
                           group: int) -> bool:  # fmt: skip
         """Whether a step's rotary and K/V store may run inside the decode attention
-        kernel (`ROPE_IN_ATTENTION`, experimental, off: gpu_engine.md says what it was
-        measured at): one token per request, 16-bit activations (fp32's rounding steps are
+        kernel (`ROPE_IN_ATTENTION`, experimental, off until measured on a GPU): one token
+        per request, 16-bit activations (fp32's rounding steps are
         no-ops, so the compiler may contract differently from the rotary kernel's), a
         power-of-2 head size and a query-head group the decode kernel takes."""
         return (ROPE_IN_ATTENTION and max_query_len == 1
