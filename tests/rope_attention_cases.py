@@ -109,12 +109,21 @@ def rope_model_error(backend, ops, dtype=torch.float16, page_size=4, seed=0) -> 
 
 def rope_warm_up_error(backend, ops, dtype) -> float:
     """With ROPE_IN_ATTENTION on, the warm-up also compiles the decode kernel's rope variant
-    for each chunking (4 more variants), still writing only to page 0."""
+    for each chunking (`warm_up_rope`: 4 variants), writing only to page 0: the largest
+    change of pages 1.. (inf for another count; 0 variants while it is off)."""
     from specserve.layers.attention import triton_attn
-    from tests.triton_cases import warm_up_error
 
+    gen = torch.Generator().manual_seed(0)
+    k_cache = torch.randn(3, 4, 2, 16, generator=gen).to(dtype)
+    v_cache = torch.randn(3, 4, 2, 16, generator=gen).to(dtype)
+    before = (k_cache[1:].clone(), v_cache[1:].clone())
+    if backend.warm_up_rope(6, (k_cache, v_cache)) != 0:
+        return float("inf")
     previous, triton_attn.ROPE_IN_ATTENTION = triton_attn.ROPE_IN_ATTENTION, True
     try:
-        return warm_up_error(backend, dtype, variants=17)
+        if backend.warm_up_rope(6, (k_cache, v_cache)) != 4:
+            return float("inf")
     finally:
         triton_attn.ROPE_IN_ATTENTION = previous
+    return max((k_cache[1:] - before[0]).abs().max().item(),
+               (v_cache[1:] - before[1]).abs().max().item())  # fmt: skip

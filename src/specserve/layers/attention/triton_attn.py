@@ -109,9 +109,7 @@ class TritonAttentionBackend(AttentionBackend):
         kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
         group = num_heads // kv_heads
         device = k_cache.device
-        chunkings = [(1, None), (2, None)]
-        if self.batch_invariant:  # fewer programs than chunks, and as many
-            chunkings += [(2, MAX_SPLITS), (MAX_SPLITS, MAX_SPLITS)]
+        chunkings = self._chunkings()
         shapes = [(q_len, splits, chunks)
                   for q_len in sorted({max(1, rows // group)
                                        for rows in (16, 32, ops.DECODE_MAX_ROWS)})
@@ -130,23 +128,39 @@ class TritonAttentionBackend(AttentionBackend):
                 torch.zeros(1, 1, **i64), q_len, 1.0, num_splits=splits, chunk_splits=chunks,
                 block_n=launch.block_n, num_warps=launch.num_warps, num_stages=launch.num_stages,
             )  # fmt: skip
-        if self.rope_in_attention(1, k_cache.dtype, head_dim, group):
-            # decode steps with rotary in attention (the table as RotaryEmbedding builds it;
-            # the activations' dtype is the cache's, as the engine allocates it)
-            qkv = torch.zeros(1, (num_heads + 2 * kv_heads) * head_dim, dtype=k_cache.dtype,
-                              device=device)  # fmt: skip
-            rope = ops.DecodeRope(qkv, torch.zeros(1, head_dim, device=device),
-                                  torch.zeros(1, **i64), num_heads)  # fmt: skip
-            for splits, chunks in chunkings:
-                ops.paged_attention(
-                    None, k_cache, v_cache, torch.zeros(1, **i64), torch.tensor([0, 1], **i64),
-                    torch.ones(1, **i64), torch.zeros(1, 1, **i64), 1, 1.0, num_splits=splits,
-                    chunk_splits=chunks, block_n=self.decode.block_n,
-                    num_warps=self.decode.num_warps, num_stages=self.decode.num_stages,
-                    rope=rope,
-                )  # fmt: skip
-            return len(shapes) + len(chunkings)
-        return len(shapes)
+        return len(shapes) + self.warm_up_rope(num_heads, kv_cache)
+
+    def _chunkings(self) -> list[tuple[int, int | None]]:
+        """(programs, chunks) per (request, KV head) the warm-up compiles for: unsplit,
+        split, and with `batch_invariant` fewer programs than chunks and as many."""
+        chunkings = [(1, None), (2, None)]
+        if self.batch_invariant:
+            chunkings += [(2, MAX_SPLITS), (MAX_SPLITS, MAX_SPLITS)]
+        return chunkings
+
+    def warm_up_rope(self, num_heads: int, kv_cache: tuple[torch.Tensor, torch.Tensor]) -> int:
+        """The decode kernel's variants with rotary in attention, where it would be taken
+        (one per chunking; none while it is off). Writes only to page 0; returns the count.
+        The activations' dtype is taken as the cache's, as the engine allocates it."""
+        k_cache, v_cache = kv_cache
+        kv_heads, head_dim, device = k_cache.shape[2], k_cache.shape[3], k_cache.device
+        if not self.rope_in_attention(1, k_cache.dtype, head_dim, num_heads // kv_heads):
+            return 0
+        ops, i64 = self.kernels, dict(dtype=torch.int64, device=device)
+        qkv = torch.zeros(1, (num_heads + 2 * kv_heads) * head_dim, dtype=k_cache.dtype,
+                          device=device)  # fmt: skip
+        # (the cos/sin table as RotaryEmbedding builds it: fp32)
+        rope = ops.DecodeRope(qkv, torch.zeros(1, head_dim, device=device),
+                              torch.zeros(1, **i64), num_heads)  # fmt: skip
+        chunkings = self._chunkings()
+        for splits, chunks in chunkings:
+            ops.paged_attention(
+                None, k_cache, v_cache, torch.zeros(1, **i64), torch.tensor([0, 1], **i64),
+                torch.ones(1, **i64), torch.zeros(1, 1, **i64), 1, 1.0, num_splits=splits,
+                chunk_splits=chunks, block_n=self.decode.block_n,
+                num_warps=self.decode.num_warps, num_stages=self.decode.num_stages, rope=rope,
+            )  # fmt: skip
+        return len(chunkings)
 
     def choose_num_splits(self, meta: AttentionMetadata, num_kv_heads: int, group: int,
                           device: torch.device) -> int:  # fmt: skip
