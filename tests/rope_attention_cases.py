@@ -109,21 +109,18 @@ def rope_model_error(backend, ops, dtype=torch.float16, page_size=4, seed=0) -> 
 
 def rope_warm_up_error(backend, ops, dtype) -> float:
     """With ROPE_IN_ATTENTION on, the warm-up also compiles the decode kernel's rope variant
-    for each chunking (`warm_up_rope`: 4 variants), writing only to page 0: the largest
-    change of pages 1.. (inf for another count; 0 variants while it is off)."""
+    for each chunking (`warm_up_rope`: 4 variants, none while it is off), writing only to
+    page 0 (triton_cases.page0_only_error)."""
     from specserve.layers.attention import triton_attn
+    from tests.triton_cases import page0_only_error
 
-    gen = torch.Generator().manual_seed(0)
-    k_cache = torch.randn(3, 4, 2, 16, generator=gen).to(dtype)
-    v_cache = torch.randn(3, 4, 2, 16, generator=gen).to(dtype)
-    before = (k_cache[1:].clone(), v_cache[1:].clone())
-    if backend.warm_up_rope(6, (k_cache, v_cache)) != 0:
-        return float("inf")
-    previous, triton_attn.ROPE_IN_ATTENTION = triton_attn.ROPE_IN_ATTENTION, True
-    try:
-        if backend.warm_up_rope(6, (k_cache, v_cache)) != 4:
-            return float("inf")
-    finally:
-        triton_attn.ROPE_IN_ATTENTION = previous
-    return max((k_cache[1:] - before[0]).abs().max().item(),
-               (v_cache[1:] - before[1]).abs().max().item())  # fmt: skip
+    def warm(kv) -> int:
+        if backend.warm_up_rope(6, kv) != 0:  # off
+            return -1
+        previous, triton_attn.ROPE_IN_ATTENTION = triton_attn.ROPE_IN_ATTENTION, True
+        try:
+            return backend.warm_up_rope(6, kv)
+        finally:
+            triton_attn.ROPE_IN_ATTENTION = previous
+
+    return page0_only_error(dtype, warm, 4)

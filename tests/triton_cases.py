@@ -226,19 +226,25 @@ def _small(q_lens, ends, seq_lens, page_size, dtype=torch.float16, seed=0):
                       **SMALL)  # fmt: skip
 
 
-def warm_up_error(backend, dtype) -> float:
-    """The backend's start-up warm-up runs its 13 variants (3 query heights x unsplit, split,
-    and the batch invariance's chunks with fewer and with as many programs; prefill) for 6
-    query heads over 2 KV heads, and writes nothing outside page 0: the error is the largest
-    change of pages 1.. (inf when the variant count is wrong)."""
+def page0_only_error(dtype, warm, variants: int) -> float:
+    """`warm((k_cache, v_cache))` on random caches of 3 pages (2 KV heads of 16) must return
+    `variants` and write nothing outside page 0: the largest change of pages 1.. (inf for
+    another count)."""
     gen = torch.Generator().manual_seed(0)
     k_cache = torch.randn(3, 4, 2, 16, generator=gen).to(dtype)
     v_cache = torch.randn(3, 4, 2, 16, generator=gen).to(dtype)
     before = (k_cache[1:].clone(), v_cache[1:].clone())
-    if backend.warm_up(6, (k_cache, v_cache)) != 13:
+    if warm((k_cache, v_cache)) != variants:
         return float("inf")
     return max((k_cache[1:] - before[0]).abs().max().item(),
                (v_cache[1:] - before[1]).abs().max().item())
+
+
+def warm_up_error(backend, dtype) -> float:
+    """The backend's start-up warm-up runs its 13 variants (3 query heights x unsplit, split,
+    and the batch invariance's chunks with fewer and with as many programs; prefill) for 6
+    query heads over 2 KV heads, and writes nothing outside page 0."""
+    return page0_only_error(dtype, lambda kv: backend.warm_up(6, kv), 13)
 
 
 def interpreter_cases() -> dict[str, tuple]:
