@@ -65,7 +65,8 @@ def combine(runs: list[dict]) -> dict:
                                   for k in {k for r in runs for k in r["loop_wait_reasons"]}},
                gc={k: (max if k == "max_ms" else sum)(r["gc"][k] for r in runs)
                    for k in runs[0]["gc"]},
-               repeats=[r["output_tok_s"] for r in runs])  # fmt: skip
+               repeats=[r["output_tok_s"] for r in runs],
+               tokens_sha256=[r["tokens_sha256"] for r in runs])  # fmt: skip
     return row
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import hashlib
 import json
 import sys
 import tempfile
@@ -77,8 +78,8 @@ def run(engine: LLMEngine, batch: int, prompt_len: int, new_tokens: int, seed: i
     gen = torch.Generator().manual_seed(batch + 1000 * seed)
     prompts = torch.randint(0, 32000, (batch, prompt_len), generator=gen).tolist()
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-    for p in prompts:
-        engine.add_request(p, params)
+    ids = [engine.add_request(p, params) for p in prompts]
+    tokens_of = {}  # each request's output tokens, kept when it finishes
     # Prefill first (not timed), then time decoding alone.
     while any(r.cached_len < len(r.prompt_token_ids) for r in engine.requests.values()):
         engine.step()
@@ -95,8 +96,9 @@ def run(engine: LLMEngine, batch: int, prompt_len: int, new_tokens: int, seed: i
     while engine.has_unfinished():
         running.append(len(engine.requests))
         t = time.perf_counter()
-        engine.step()
+        outputs = engine.step()
         walls.append(time.perf_counter() - t)
+        tokens_of.update((o.request_id, o.token_ids) for o in outputs if o.finished)
         if full is None and len(engine.requests) < batch:
             left = engine.requests.values()
             done = sum(len(r.output_token_ids) for r in left) + new_tokens * (batch - len(left))
@@ -106,6 +108,7 @@ def run(engine: LLMEngine, batch: int, prompt_len: int, new_tokens: int, seed: i
     tokens = batch * new_tokens - produced
     if full is None:  # no step was timed
         full = (seconds, tokens)
+    digest = hashlib.sha256(repr([tokens_of.get(i) for i in ids]).encode()).hexdigest()
     in_order = list(walls)
     walls.sort()
     median = walls[len(walls) // 2]
@@ -151,6 +154,9 @@ def run(engine: LLMEngine, batch: int, prompt_len: int, new_tokens: int, seed: i
         # the collector's pauses while decoding (none of generation 2 once start-up froze
         # what it built, as the server's engine process does)
         "gc": GC_PAUSES.summary(),
+        # the requests' output tokens, hashed in the order they were added: engines that
+        # must compute the same thing (an A/B of a kernel path) must read the same digest
+        "tokens_sha256": digest[:16],
     }
 
 

@@ -17,10 +17,16 @@ def test_gpu_engine_bench_reports_whole_run_and_full_batch_rates(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(REPO / "src"), HF_HUB_OFFLINE="1")
     cmd = [sys.executable, str(REPO / "scripts" / "gpu_engine_bench.py"), "--tiny",
            "--batches", "1", "3", "--prompt-len", "16", "--new-tokens", "12", "--repeats", "2",
-           "--only", "plain", "K=3 fixed", "--out", str(out)]  # fmt: skip
+           "--only", "plain", "K=3 fixed", "--again", "--out", str(out)]  # fmt: skip
     subprocess.run(cmd, check=True, env=env, capture_output=True, timeout=300)
     results = json.loads(out.with_suffix(".json").read_text())
+    again = results.pop("plain (again, last)")
     assert list(results) == ["plain", "eagle3 K=3 fixed (sim. accept len 3.0)"]
+    # the same engine built again computes the same tokens: the same digests, repeat by
+    # repeat (and the repeats' prompts differ, so theirs differ)
+    digests = [r["tokens_sha256"] for r in results["plain"]["rows"]]
+    assert digests == [r["tokens_sha256"] for r in again["rows"]]
+    assert all(len(set(d)) == 2 for d in digests)
     for name, res in results.items():
         assert [r["batch"] for r in res["rows"]] == [1, 3]
         for row in res["rows"]:
