@@ -174,10 +174,6 @@ AB_VARIANTS = {
              "with rotary and the K/V store kept out of the qkv GEMV's epilogue"),
     "rope64": ("rope epilogue at 64 rows", {"rope_max_block_m": 64},
                "with the rope epilogue offered to 32- and 64-row qkv tiles too"),
-    "rope_in_attention": ("rotary in attention", {"rope_in_attention": True},
-                          "with decode steps' rotary and K/V store inside the decode "
-                          "attention kernel where the qkv GEMV takes no rope epilogue "
-                          "(triton_attn.ROPE_IN_ATTENTION, experimental)"),
     "late_metadata": ("metadata after the wait", {"early_metadata": False},
                       "with decode attention reading its metadata only after its PDL wait"),
     "invariance": ("batch variant", {"disable_batch_invariance": True},
@@ -266,7 +262,7 @@ def main() -> None:
 
     gated, rope_fits = TritonMergedGatedMLP._gated, gemv_module.rope_fits
     chunks = TritonAttentionBackend.invariant_chunks
-    min_chunk, rope_attn = triton_attn.INVARIANT_MIN_CHUNK, triton_attn.ROPE_IN_ATTENTION
+    min_chunk = triton_attn.INVARIANT_MIN_CHUNK
     rope_rows = gemv_rope.ROPE_MAX_BLOCK_M
     early_metadata = triton_kernels.PDL_EARLY_METADATA
 
@@ -285,8 +281,6 @@ def main() -> None:
             chunks if extra.pop("attn_chunks", True) else lambda *a: None)
         # this engine only (restored below): its backend's shortest invariant chunk
         triton_attn.INVARIANT_MIN_CHUNK = extra.pop("attn_min_chunk", min_chunk)
-        # this engine only (restored below): rotary and the K/V store in decode attention
-        triton_attn.ROPE_IN_ATTENTION = extra.pop("rope_in_attention", rope_attn)
         # this engine only (restored below): the tallest qkv tile the rope epilogue takes
         gemv_rope.ROPE_MAX_BLOCK_M = extra.pop("rope_max_block_m", rope_rows)
         # this engine only (restored below): decode attention's metadata read under PDL
@@ -328,7 +322,7 @@ def main() -> None:
             torch.cuda.empty_cache()
     TritonMergedGatedMLP._gated, gemv_module.rope_fits = gated, rope_fits
     TritonAttentionBackend.invariant_chunks = chunks
-    triton_attn.INVARIANT_MIN_CHUNK, triton_attn.ROPE_IN_ATTENTION = min_chunk, rope_attn
+    triton_attn.INVARIANT_MIN_CHUNK = min_chunk
     gemv_rope.ROPE_MAX_BLOCK_M, triton_kernels.PDL_EARLY_METADATA = rope_rows, early_metadata
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

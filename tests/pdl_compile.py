@@ -181,9 +181,6 @@ def _launch_all() -> None:
         runs[f"attention-{kernel}-split"] = (
             lambda kernel=kernel: attn.paged_attention(q, cache, cache, *meta, 1, 1.0,
                                                        num_splits=2, kernel=kernel))  # fmt: skip
-    decode_rope = attn.DecodeRope(torch.zeros(2, 512, **bf16), cos_sin, pos, 4)
-    runs["attention-decode-rope-split"] = lambda: attn.paged_attention(
-        None, cache, cache, *meta, 1, 1.0, num_splits=2, rope=decode_rope)
 
     for label, launch in runs.items():
         _LABEL[0] = label

@@ -226,25 +226,19 @@ def _small(q_lens, ends, seq_lens, page_size, dtype=torch.float16, seed=0):
                       **SMALL)  # fmt: skip
 
 
-def page0_only_error(dtype, warm, variants: int) -> float:
-    """`warm((k_cache, v_cache))` on random caches of 3 pages (2 KV heads of 16) must return
-    `variants` and write nothing outside page 0: the largest change of pages 1.. (inf for
-    another count)."""
+def warm_up_error(backend, dtype) -> float:
+    """The backend's start-up warm-up runs its 13 variants (3 query heights x unsplit, split,
+    and the batch invariance's chunks with fewer and with as many programs; prefill) for 6
+    query heads over 2 KV heads, and writes nothing outside page 0: the error is the largest
+    change of pages 1.. (inf when the variant count is wrong)."""
     gen = torch.Generator().manual_seed(0)
     k_cache = torch.randn(3, 4, 2, 16, generator=gen).to(dtype)
     v_cache = torch.randn(3, 4, 2, 16, generator=gen).to(dtype)
     before = (k_cache[1:].clone(), v_cache[1:].clone())
-    if warm((k_cache, v_cache)) != variants:
+    if backend.warm_up(6, (k_cache, v_cache)) != 13:
         return float("inf")
     return max((k_cache[1:] - before[0]).abs().max().item(),
                (v_cache[1:] - before[1]).abs().max().item())
-
-
-def warm_up_error(backend, dtype) -> float:
-    """The backend's start-up warm-up runs its 13 variants (3 query heights x unsplit, split,
-    and the batch invariance's chunks with fewer and with as many programs; prefill) for 6
-    query heads over 2 KV heads, and writes nothing outside page 0."""
-    return page0_only_error(dtype, lambda kv: backend.warm_up(6, kv), 13)
 
 
 def interpreter_cases() -> dict[str, tuple]:
@@ -312,12 +306,6 @@ def interpreter_cases() -> dict[str, tuple]:
     cases["invariance-fixed-chunks-at150-generic"] = ("invariance", (True, 150),
                                                       dict(kernel="generic"))  # fmt: skip
     cases["invariance-control-free-splits"] = ("invariance", (False, 150), {})
-    from tests.rope_attention_cases import ROPE_CASES
-
-    for suffix, kw in ROPE_CASES.items():
-        cases[f"rope_in_attention-{suffix}"] = ("rope_in_attention", (), kw)
-    cases["rope_in_attention-model-float16"] = ("rope_model", ("float16",), {})
-    cases["rope_in_attention-warm_up-float16"] = ("rope_warm_up", ("float16",), {})
     for dtype in ("float16", "float32"):
         for op in ("rms_norm", "add_rms_norm", "rotary", "silu_and_mul"):
             cases[f"{op}-{dtype}"] = (op, (dtype,), {})
@@ -330,10 +318,6 @@ def run_case(name: str, spec: tuple, kernels, ops) -> float:
         return kv_write_error(kernels, _small(*args, seed=len(name)))
     if kind == "invariance":
         return split_invariance_error(kernels, args[0], first=args[1], block_n=16, **kw)
-    if kind == "rope_in_attention":
-        from tests.rope_attention_cases import rope_in_attention_error
-
-        return rope_in_attention_error(kernels, ops, **kw)
     if kind == "attn":
         q_lens, ends, seq_lens, ps = args
         batch = make_batch(q_lens, ends, seq_lens, ps, dtype=kw.get("dtype", torch.float16),
@@ -349,10 +333,6 @@ def run_case(name: str, spec: tuple, kernels, ops) -> float:
         return model_cases.model_error(backend, dtype, "cpu", args[1], fused_ops=ops)
     if kind == "runner":
         return model_cases.runner_padding_error(backend, dtype, "cpu")
-    if kind in ("rope_model", "rope_warm_up"):
-        from tests import rope_attention_cases
-
-        return getattr(rope_attention_cases, f"{kind}_error")(backend, ops, dtype)
     if kind == "drafter":
         from tests.drafter_cases import drafter_graph_error
 

@@ -61,18 +61,10 @@ class Attention(nn.Module):
     def forward(self, x, rotary, backend, kv, meta: AttentionMetadata, defer_reduce=False):
         t = x.shape[0]
         if self.q_norm is None and fused_kv_store(rotary, backend):
-            # Rotary of q and k and the K/V store in one kernel (the qkv GEMV's epilogue, a
-            # kernel of their own, or, experimental, the decode attention kernel).
-            cfg = self._rope_epilogue(x)
-            group = self.num_heads // self.num_kv_heads
-            if cfg is None and backend.rope_in_attention(meta.max_query_len, x.dtype,
-                                                             self.head_dim, group):
-                rope = backend.kernels.DecodeRope(self.qkv_proj(x), rotary.cos_sin,
-                                                  meta.slot_mapping, self.num_heads)  # fmt: skip
-                out = backend.forward(None, None, None, kv[0], kv[1], meta, self.scale, rope)
-            else:
-                q = self._qkv_rotate_and_store(x, rotary, kv, meta, cfg)
-                out = backend.forward(q, None, None, kv[0], kv[1], meta, self.scale)
+            # Rotary of q and k and the K/V store in one kernel (the qkv GEMV's epilogue, or
+            # a kernel of their own); the backend only attends.
+            q = self._qkv_rotate_and_store(x, rotary, kv, meta)
+            out = backend.forward(q, None, None, kv[0], kv[1], meta, self.scale)
             return self._output(out.reshape(t, self.num_heads * self.head_dim), defer_reduce)
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split(self.split_sizes, dim=-1)
@@ -85,30 +77,18 @@ class Attention(nn.Module):
         out = backend.forward(q, k, v, kv[0], kv[1], meta, self.scale)
         return self._output(out.reshape(t, self.num_heads * self.head_dim), defer_reduce)
 
-    def _rope_epilogue(self, x):
-        """The qkv GEMV configuration that takes rotary and the K/V store in its epilogue
-        for x's rows (`rope_in_qkv` and a tile that fits), or None."""
+    def _qkv_rotate_and_store(self, x, rotary, kv, meta) -> torch.Tensor:
+        """Rotated q [T, heads, D]; k rotated and v stored into the paged cache `kv`."""
         proj = self.qkv_proj
         plan = getattr(proj, "gemv_plan", None)
-        if not self.rope_in_qkv or plan is None:
-            return None
-        from specserve.layers import gemv  # a kernel module: imported when first used
-
-        cfg = plan.config_for(x.shape[0], *proj.weight.shape, proj.weight.dtype)
-        if cfg is not None and gemv.rope_fits(cfg, self.head_dim, proj.weight.shape[1]):
-            return cfg
-        return None
-
-    def _qkv_rotate_and_store(self, x, rotary, kv, meta, cfg) -> torch.Tensor:
-        """Rotated q [T, heads, D]; k rotated and v stored into the paged cache `kv` (in the
-        qkv GEMV's epilogue with `cfg`, from `_rope_epilogue`, else by the rotary module)."""
-        proj = self.qkv_proj
-        if cfg is not None:
+        if self.rope_in_qkv and plan is not None:
             from specserve.layers import gemv  # a kernel module: imported when first used
 
-            store = gemv.RopeStore(meta.positions, meta.slot_mapping, rotary.cos_sin,
-                                   self.num_heads, self.num_kv_heads, kv[0], kv[1])  # fmt: skip
-            return gemv.gemv(x, proj.weight, proj.bias, cfg, rope=store)
+            cfg = plan.config_for(x.shape[0], *proj.weight.shape, proj.weight.dtype)
+            if cfg is not None and gemv.rope_fits(cfg, self.head_dim, proj.weight.shape[1]):
+                store = gemv.RopeStore(meta.positions, meta.slot_mapping, rotary.cos_sin,
+                                       self.num_heads, self.num_kv_heads, kv[0], kv[1])  # fmt: skip
+                return gemv.gemv(x, proj.weight, proj.bias, cfg, rope=store)
         return rotary.rotate_and_store(meta.positions, proj(x), self.num_heads,
                                        self.num_kv_heads, kv[0], kv[1],
                                        meta.slot_mapping)  # fmt: skip

@@ -26,10 +26,6 @@ INVARIANT_MIN_CHUNK = 32
 # MAX_SPLITS chunks whatever their program count (`batch_invariant`): the GEMVs' shared row
 # buckets (layers/gemv_plan.py SHARED_ROWS) keep a row's bits up to the same request count.
 INVARIANT_MAX_REQUESTS = 16
-# Experimental, off until measured on a GPU: a decode step's rotary and K/V store inside the
-# decode attention kernel (one kernel less a layer where the qkv GEMV takes no rope epilogue:
-# more than 16 rows). gpu_engine_bench.py --ab-rope-in-attention turns it on.
-ROPE_IN_ATTENTION = False
 
 
 @dataclass(frozen=True)
@@ -109,7 +105,9 @@ class TritonAttentionBackend(AttentionBackend):
         kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
         group = num_heads // kv_heads
         device = k_cache.device
-        chunkings = self._chunkings()
+        chunkings = [(1, None), (2, None)]
+        if self.batch_invariant:  # fewer programs than chunks, and as many
+            chunkings += [(2, MAX_SPLITS), (MAX_SPLITS, MAX_SPLITS)]
         shapes = [(q_len, splits, chunks)
                   for q_len in sorted({max(1, rows // group)
                                        for rows in (16, 32, ops.DECODE_MAX_ROWS)})
@@ -128,39 +126,7 @@ class TritonAttentionBackend(AttentionBackend):
                 torch.zeros(1, 1, **i64), q_len, 1.0, num_splits=splits, chunk_splits=chunks,
                 block_n=launch.block_n, num_warps=launch.num_warps, num_stages=launch.num_stages,
             )  # fmt: skip
-        return len(shapes) + self.warm_up_rope(num_heads, kv_cache)
-
-    def _chunkings(self) -> list[tuple[int, int | None]]:
-        """(programs, chunks) per (request, KV head) the warm-up compiles for: unsplit,
-        split, and with `batch_invariant` fewer programs than chunks and as many."""
-        chunkings = [(1, None), (2, None)]
-        if self.batch_invariant:
-            chunkings += [(2, MAX_SPLITS), (MAX_SPLITS, MAX_SPLITS)]
-        return chunkings
-
-    def warm_up_rope(self, num_heads: int, kv_cache: tuple[torch.Tensor, torch.Tensor]) -> int:
-        """The decode kernel's variants with rotary in attention, where it would be taken
-        (one per chunking; none while it is off). Writes only to page 0; returns the count.
-        The activations' dtype is taken as the cache's, as the engine allocates it."""
-        k_cache, v_cache = kv_cache
-        kv_heads, head_dim, device = k_cache.shape[2], k_cache.shape[3], k_cache.device
-        if not self.rope_in_attention(1, k_cache.dtype, head_dim, num_heads // kv_heads):
-            return 0
-        ops, i64 = self.kernels, dict(dtype=torch.int64, device=device)
-        qkv = torch.zeros(1, (num_heads + 2 * kv_heads) * head_dim, dtype=k_cache.dtype,
-                          device=device)  # fmt: skip
-        # (the cos/sin table as RotaryEmbedding builds it: fp32)
-        rope = ops.DecodeRope(qkv, torch.zeros(1, head_dim, device=device),
-                              torch.zeros(1, **i64), num_heads)  # fmt: skip
-        chunkings = self._chunkings()
-        for splits, chunks in chunkings:
-            ops.paged_attention(
-                None, k_cache, v_cache, torch.zeros(1, **i64), torch.tensor([0, 1], **i64),
-                torch.ones(1, **i64), torch.zeros(1, 1, **i64), 1, 1.0, num_splits=splits,
-                chunk_splits=chunks, block_n=self.decode.block_n,
-                num_warps=self.decode.num_warps, num_stages=self.decode.num_stages, rope=rope,
-            )  # fmt: skip
-        return len(chunkings)
+        return len(shapes)
 
     def choose_num_splits(self, meta: AttentionMetadata, num_kv_heads: int, group: int,
                           device: torch.device) -> int:  # fmt: skip
@@ -179,42 +145,25 @@ class TritonAttentionBackend(AttentionBackend):
             self.programs_per_sm, MIN_SPLIT_TOKENS, MAX_SPLITS,
         )  # fmt: skip
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
-                rope=None):  # fmt: skip
-        """Attention of q over the cache after storing k, v (None: stored already). With
-        `rope` (triton_kernels.DecodeRope; q, k, v None), a decode step whose rotary and
-        K/V store run inside the attention kernel (`rope_in_attention`)."""
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
         ops = self.kernels
         ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        kv_heads, device = k_cache.shape[2], k_cache.device
-        num_heads = rope.q_heads if rope is not None else q.shape[1]
-        splits = self.choose_num_splits(meta, kv_heads, num_heads // kv_heads, device)
-        rows = meta.max_query_len * num_heads // kv_heads
+        kv_heads = k_cache.shape[2]
+        splits = self.choose_num_splits(meta, kv_heads, q.shape[1] // kv_heads, q.device)
+        rows = meta.max_query_len * q.shape[1] // kv_heads
         decode_like = rows <= ops.DECODE_MAX_ROWS
         launch = self.decode if decode_like else self.prefill
         invariant = (self.batch_invariant and decode_like
                      and meta.num_requests <= INVARIANT_MAX_REQUESTS)  # fmt: skip
-        chunks = self.invariant_chunks(device) if invariant else None
+        chunks = self.invariant_chunks(q.device) if invariant else None
         if chunks:
             splits = min(splits, chunks)  # no program without a chunk
         return ops.paged_attention(
             q, k_cache, v_cache, meta.positions, meta.query_start_loc, meta.seq_lens,
             meta.block_tables, meta.max_query_len, scale, num_splits=splits,
             block_n=launch.block_n, num_warps=launch.num_warps, num_stages=launch.num_stages,
-            chunk_splits=chunks, min_chunk=self.min_chunk if chunks else None, rope=rope,
+            chunk_splits=chunks, min_chunk=self.min_chunk if chunks else None,
         )  # fmt: skip
-
-    def rope_in_attention(self, max_query_len: int, dtype: torch.dtype, head_dim: int,
-                          group: int) -> bool:  # fmt: skip
-        """Whether a step's rotary and K/V store may run inside the decode attention
-        kernel (`ROPE_IN_ATTENTION`, experimental, off until measured on a GPU): one token
-        per request, 16-bit activations (fp32's rounding steps are
-        no-ops, so the compiler may contract differently from the rotary kernel's), a
-        power-of-2 head size and a query-head group the decode kernel takes."""
-        return (ROPE_IN_ATTENTION and max_query_len == 1
-                and group <= self.kernels.DECODE_MAX_ROWS
-                and dtype in (torch.float16, torch.bfloat16)
-                and head_dim >= 16 and head_dim & (head_dim - 1) == 0)  # fmt: skip
 
     def invariant_chunks(self, device: torch.device) -> int | None:
         """How many chunks batch-invariant steps cut keys into on `device`: MAX_SPLITS on a

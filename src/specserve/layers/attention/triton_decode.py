@@ -25,7 +25,6 @@ import triton
 import triton.language as tl
 
 from specserve.layers.pdl_kernel import pdl_enter
-from specserve.layers.triton_rotary import _round, rope_pair
 
 
 @triton.jit
@@ -53,64 +52,13 @@ def _kv_load(k_cache, v_cache, page, n, n_ok, kvh, stride_cp, stride_cs, stride_
     return k, v
 
 
-@triton.jit
-def _rope_rows(src, cos_sin_ptr, stride_rope, pos, ok, HALF: tl.constexpr):
-    """Rotated halves [rows, HALF] of the head rows at `src` [rows, 1] (a qkv projection's
-    q or k heads) at positions `pos` [rows], as the rotary + K/V store kernel rotates them
-    (triton_rotary.py: its loads, cos/sin rounding and `rope_pair`), so the bits agree."""
-    dtype = src.dtype.element_ty
-    i = tl.arange(0, HALF)[None, :]
-    x1 = tl.load(src + i, mask=ok[:, None], other=0.0).to(tl.float32)
-    x2 = tl.load(src + HALF + i, mask=ok[:, None], other=0.0).to(tl.float32)
-    cs = cos_sin_ptr + tl.maximum(pos, 0)[:, None] * stride_rope + i
-    return rope_pair(x1, x2, _round(tl.load(cs), dtype), _round(tl.load(cs + HALF), dtype),
-                     dtype)  # fmt: skip
-
-
-@triton.jit
-def _rope_q(qkv_ptr, stride_qkv, cos_sin_ptr, stride_rope, q_start, tok, head, row_ok, pos,
-            HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):  # fmt: skip
-    """The program's query rows [BLOCK_M, HEAD_DIM] rotated from the qkv projection, in its
-    dtype: the values the rotary kernel would have stored for them."""
-    src = qkv_ptr + (q_start + tok)[:, None] * stride_qkv + head[:, None] * HEAD_DIM
-    o1, o2 = _rope_rows(src, cos_sin_ptr, stride_rope, pos, row_ok, HEAD_DIM // 2)
-    # [o1 | o2] along the head dimension: join pairs, then the halves' order back
-    q = tl.reshape(tl.permute(tl.join(o1, o2), (0, 2, 1)), (BLOCK_M, HEAD_DIM))
-    return q.to(qkv_ptr.dtype.element_ty)
-
-
-@triton.jit
-def _rope_store_kv(qkv_ptr, stride_qkv, cos_sin_ptr, stride_rope, slot_ptr, k_cache, v_cache,
-                   q_start, pos, kvh, stride_cp, stride_cs, stride_ch, Q_HEADS: tl.constexpr,
-                   KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                   PAGE_SIZE: tl.constexpr):  # fmt: skip
-    """One token's K (rotated) and V of KV head kvh from the qkv projection into the paged
-    caches at its slot (< 0: not stored), as the rotary + K/V store kernel stores them."""
-    slot = tl.load(slot_ptr + q_start)
-    one = tl.zeros([1], tl.int32)  # a one-row block
-    row = qkv_ptr + q_start * stride_qkv + one[:, None]
-    stored = (slot + one) >= 0  # [1]
-    k1, k2 = _rope_rows(row + (Q_HEADS + kvh) * HEAD_DIM, cos_sin_ptr, stride_rope, pos + one,
-                        stored, HEAD_DIM // 2)  # fmt: skip
-    slot = tl.maximum(slot, 0)
-    dst = ((slot // PAGE_SIZE).to(tl.int64) * stride_cp + (slot % PAGE_SIZE) * stride_cs
-           + kvh * stride_ch + one[:, None])  # fmt: skip
-    i = tl.arange(0, HEAD_DIM // 2)[None, :]
-    tl.store(k_cache + dst + i, k1.to(k_cache.dtype.element_ty), mask=stored[:, None])
-    tl.store(k_cache + dst + HEAD_DIM // 2 + i, k2.to(k_cache.dtype.element_ty),
-             mask=stored[:, None])  # fmt: skip
-    d = tl.arange(0, HEAD_DIM)[None, :]
-    v = tl.load(row + (Q_HEADS + KV_HEADS + kvh) * HEAD_DIM + d, mask=stored[:, None])
-    tl.store(v_cache + dst + d, v.to(v_cache.dtype.element_ty), mask=stored[:, None])
-
-
 # The step's metadata are views into one upload whose alignment varies from step to step:
 # not specialized on (see triton_kernels.py, where the generic kernel does the same).
 METADATA = ["positions", "query_start_loc", "seq_lens", "block_tables"]
 # What neither attention kernel specializes on: strides and split counts that vary with the
 # batch, and the metadata addresses (nchunk_ptr is seq_lens where nothing is split).
 NOT_SPECIALIZED = ["stride_bt", "num_splits", "chunk_splits", "min_chunk", "stride_os",
-                   "stride_ls", "stride_lt", "nchunk_ptr", "slot_ptr", *METADATA]  # fmt: skip
+                   "stride_ls", "stride_lt", "nchunk_ptr", *METADATA]  # fmt: skip
 
 
 @triton.jit
@@ -133,16 +81,11 @@ def _paged_attn_decode_kernel(
     BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PREFETCH: tl.constexpr,
     USE_PDL: tl.constexpr = False, LOOP: tl.constexpr = False,
     ROW_CHUNKS: tl.constexpr = False, EARLY_METADATA: tl.constexpr = True,
-    ROPE: tl.constexpr = False, Q_HEADS: tl.constexpr = 0, qkv_ptr=None, slot_ptr=None,
-    cos_sin_ptr=None, stride_qkv=0, stride_rope=0,
 ):  # fmt: skip
     # Same arguments and grid as _paged_attn_kernel; all of a request's rows fit BLOCK_M.
     # LOOP: fewer programs than chunks (otherwise each program has at most its own chunk,
     # and the kernel compiles without the loop, whose registers it does not need).
     # ROW_CHUNKS (triton_kernels.py): each row's keys are chunked by its own length.
-    # ROPE (one token per request): q comes rotated from the qkv projection at qkv_ptr, and
-    # the program whose chunk holds the token stores its K (rotated) and V at its slot
-    # first, the rotary + K/V store kernel's work (triton_rotary.py, same bits).
     if USE_PDL and not EARLY_METADATA:  # the wait before any read
         pdl_enter()
     pid_bh = tl.program_id(1)
@@ -174,18 +117,8 @@ def _paged_attn_decode_kernel(
     d_ok = d < HEAD_DIM
     if USE_PDL and EARLY_METADATA:  # layers/pdl.py: q and the new K/V come from kernels before
         pdl_enter()  # (the metadata above is written by no PDL kernel: read before it)
-    if ROPE:
-        q = _rope_q(qkv_ptr, stride_qkv, cos_sin_ptr, stride_rope, q_start, tok, head, row_ok,
-                    pos, HEAD_DIM, BLOCK_M)  # fmt: skip
-        # the new token's chunk is ours (a request without a token stores nothing)
-        if (q_len > 0) & (pid_s == ((seq_len - 1) // chunk) % num_splits):
-            _rope_store_kv(qkv_ptr, stride_qkv, cos_sin_ptr, stride_rope, slot_ptr, k_cache,
-                           v_cache, q_start, tl.max(pos, 0), kvh, stride_cp, stride_cs,
-                           stride_ch, Q_HEADS, KV_HEADS, HEAD_DIM, PAGE_SIZE)  # fmt: skip
-            tl.debug_barrier()  # stored before any thread of the program reads it back
-    else:
-        q_off = (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
-        q = tl.load(q_ptr + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    q_off = (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
+    q = tl.load(q_ptr + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     # Keys visible to any row: up to the last position (positions ascend), within seq_len.
     kv_end = tl.minimum(seq_len, tl.max(pos, 0) + 1)
     # ROW_CHUNKS: the chunk of the step's last rows

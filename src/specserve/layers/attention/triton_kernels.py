@@ -22,8 +22,6 @@ TRITON_INTERPRET is read.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
@@ -230,7 +228,6 @@ def paged_attention(
     kernel: str | None = None,
     chunk_splits: int | None = None,
     min_chunk: int | None = None,
-    rope: DecodeRope | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed queries q [T, H, D] over the paged cache; returns [T, H, D].
 
@@ -247,23 +244,16 @@ def paged_attention(
     iteration), num_warps and num_stages override the tuned defaults (the "decode" kernel
     takes at least DECODE_MIN_STAGES). kernel picks what serves decode-like steps (at most
     DECODE_MAX_ROWS rows per request): one of DECODE_KERNELS, default DECODE_KERNEL; other
-    steps always take the generic kernel. With `rope` (q None; one token per request, the
-    decode kernel) the queries come from a qkv projection, rotated in the kernel, which
-    also stores each token's K and V (`DecodeRope`).
+    steps always take the generic kernel.
     """
+    num_tokens, num_heads, head_dim = q.shape
     _check_cache(k_cache, v_cache)
     kv_heads = k_cache.shape[2]
-    rope_args = {}
-    if rope is not None:
-        q, rope_args = _rope_launch(rope, k_cache, max_query_len, kernel)
-        num_tokens, num_heads, head_dim = rope.qkv.shape[0], rope.q_heads, k_cache.shape[3]
-    else:
-        num_tokens, num_heads, head_dim = q.shape
     group = num_heads // kv_heads
     if q.stride(-1) != 1:
         q = q.contiguous()
     if out is None:
-        out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
+        out = torch.empty_like(q)
     num_requests = seq_lens.shape[0]
     if num_tokens == 0 or num_requests == 0:
         return out
@@ -315,7 +305,7 @@ def paged_attention(
         KV_HEADS=kv_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
         PAGE_SIZE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_N=block_n,
         SPLIT=split, LOOP=num_splits < chunks, ROW_CHUNKS=row_chunks, num_warps=num_warps,
-        num_stages=num_stages, **extra, **rope_args, **launch_pdl,
+        num_stages=num_stages, **extra, **launch_pdl,
     )  # fmt: skip
     if split:
         _split_reduce_kernel[(num_tokens, num_heads)](
@@ -323,38 +313,6 @@ def paged_attention(
             slots, BLOCK_S=MAX_REDUCE_SPLITS, HEAD_DIM=head_dim, BLOCK_D=block_d, **launch_pdl,
         )  # fmt: skip
     return out
-
-
-@dataclass(frozen=True)
-class DecodeRope:
-    """A decode step's rotary + K/V store inside attention: the qkv projection [T, (q_heads
-    + 2 * kv_heads) * D] (T tokens, one per request), the cos/sin table [positions, D] (cos
-    in the first half) and each token's KV slot (< 0: not stored)."""
-
-    qkv: torch.Tensor
-    cos_sin: torch.Tensor
-    slot_mapping: torch.Tensor
-    q_heads: int
-
-
-def _rope_launch(rope: DecodeRope, k_cache: torch.Tensor, max_query_len: int,
-                 kernel: str | None) -> tuple[torch.Tensor, dict]:  # fmt: skip
-    """(the tensor standing in for q, the decode kernel's ROPE arguments), after checking
-    that the step and shapes are ones it serves."""
-    qkv, head_dim, kv_heads = rope.qkv, k_cache.shape[3], k_cache.shape[2]
-    if (max_query_len != 1 or (kernel or DECODE_KERNEL) == "generic"
-            or rope.q_heads // kv_heads > DECODE_MAX_ROWS):  # fmt: skip
-        raise ValueError("rotary in attention serves decode steps (one token per request) "
-                         "on the decode kernel")  # fmt: skip
-    if qkv.shape[1] != (rope.q_heads + 2 * kv_heads) * head_dim or qkv.stride(-1) != 1:
-        raise ValueError("a rope attention needs contiguous [q; k; v] rows of the cache's heads")
-    if head_dim & (head_dim - 1) or head_dim < 16:
-        raise ValueError(f"rotary in attention needs a power-of-2 head size, got {head_dim}")
-    args = dict(ROPE=True, Q_HEADS=rope.q_heads, qkv_ptr=qkv, slot_ptr=rope.slot_mapping,
-                cos_sin_ptr=rope.cos_sin, stride_qkv=qkv.stride(0),
-                stride_rope=rope.cos_sin.stride(0))  # fmt: skip
-    # q's stand-in: [T, q_heads, D] strides of zero (the kernel reads no q)
-    return qkv.as_strided((qkv.shape[0], rope.q_heads, head_dim), (0, 0, 1)), args
 
 
 def decode_num_splits(num_programs: int, max_seq_len: int, num_sms: int,
