@@ -1,0 +1,158 @@
+"""Why a host-paced engine runs slower than another of the same configuration (GPU).
+
+On the default model (SmolLM2-135M) steps take ~1-2 ms and the host paces them, and the
+same configuration built twice in one process has read up to 30% apart
+(gpu_default_model.md). This builds engines on a random SmolLM2-shaped bf16 model (hidden
+576, 30 layers, 9/3 heads, vocabulary 49152) and a random EAGLE-3 head, in the bench's order
+and then the first once more, and records per decode step: wall time, the main thread's CPU
+time, the process's CPU time (all threads), the CPU the main thread ran on, the device span
+and idle gap (the step loop's CUDA events), and the threads alive; GPU clocks before and
+after each run. If a slow engine spends more CPU time per step, the host does more work or
+runs slower per instruction; if only its wall time grows, it waits (another thread, the OS,
+the driver).
+
+    PYTHONPATH=src python scripts/diag_host_pace.py --out $OUT/host_pace
+    PYTHONPATH=src python scripts/diag_host_pace.py --cpu --new-tokens 8 --out /tmp/hp  # smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_engine_bench import LLAMA_8B, random_head, random_model  # noqa: E402
+
+from specserve.config import EngineConfig  # noqa: E402
+from specserve.engine.engine import LLMEngine  # noqa: E402
+from specserve.sampling_params import SamplingParams  # noqa: E402
+
+SMOLLM2 = replace(LLAMA_8B, vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                  num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64,
+                  rope_theta=100000.0, tie_word_embeddings=True)  # fmt: skip
+
+
+def current_cpu() -> int:
+    """The CPU the calling (main) thread last ran on (/proc: field 39 of its stat)."""
+    try:
+        with open("/proc/thread-self/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[36])
+    except OSError:
+        return -1
+
+
+def clocks() -> str | None:
+    """SM and memory clocks, power and temperature now (nvidia-smi), None without it."""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=clocks.sm,clocks.mem,power.draw,temperature.gpu",
+             "--format=csv,noheader"], capture_output=True, text=True, timeout=10)  # fmt: skip
+        return out.stdout.strip() or None
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+
+
+def med(xs: list[float]) -> float:
+    return round(statistics.median(xs), 4) if xs else 0.0
+
+
+def run(engine: LLMEngine, batch: int, prompt_len: int, new_tokens: int, seed: int) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    for p in torch.randint(0, 32000, (batch, prompt_len), generator=gen).tolist():
+        engine.add_request(p, params)
+    while any(r.cached_len < len(r.prompt_token_ids) for r in engine.requests.values()):
+        engine.step()
+    engine.loop.drain()
+    engine.loop.times.clear()
+    before = clocks()
+    wall, thread_cpu, proc_cpu, cpus = [], [], [], {}
+    produced = sum(len(r.output_token_ids) for r in engine.requests.values())
+    t_start = time.perf_counter()
+    while engine.has_unfinished():
+        w, c, p = time.perf_counter(), time.thread_time(), time.process_time()
+        engine.step()
+        wall.append((time.perf_counter() - w) * 1e3)
+        thread_cpu.append((time.thread_time() - c) * 1e3)
+        proc_cpu.append((time.process_time() - p) * 1e3)
+        cpu = current_cpu()
+        cpus[cpu] = cpus.get(cpu, 0) + 1
+    seconds = time.perf_counter() - t_start
+    times = engine.loop.times
+    return {
+        "tok_s": round((batch * new_tokens - produced) / seconds, 1),
+        "steps": len(wall),
+        "wall_ms_p50": med(wall),
+        "wall_ms_mean": round(sum(wall) / max(1, len(wall)), 4),
+        "thread_cpu_ms_p50": med(thread_cpu),
+        "process_cpu_ms_p50": med(proc_cpu),
+        "device_span_ms_p50": med(times.step_ms),
+        "gap_ms_p50": med(times.gap_ms),
+        "host_wait_ms_p50": med(times.wait_ms),
+        "cpus": dict(sorted(cpus.items(), key=lambda kv: -kv[1])[:4]),
+        "threads": sorted(t.name for t in threading.enumerate()),
+        "clocks_before_after": [before, clocks()],
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--cpu", action="store_true", help="a smoke test on the CPU")
+    args = ap.parse_args()
+    device = "cpu" if args.cpu else "cuda"
+    shape = replace(SMOLLM2, num_layers=8) if args.cpu else SMOLLM2
+    model = random_model(shape, device)
+    head = random_head(shape, Path(tempfile.mkdtemp()) / "head")
+    base = dict(device=device, dtype="bfloat16", max_num_seqs=max(16, args.batch),
+                cuda_graph_max_batch=max(16, args.batch), kv_cache_bytes=2**30,
+                max_num_batched_tokens=4096, max_model_len=4096)  # fmt: skip
+    # mean acceptance length 2.5 at K=3: about the shipped head's real rate (~0.7 a draft)
+    spec = dict(speculative_algorithm="eagle3", speculative_draft_model_path=str(head),
+                speculative_num_steps=3, speculative_simulate_acceptance=2.5)  # fmt: skip
+    configs = [
+        ("plain", {"speculative_algorithm": "none"}),
+        ("eagle3 K=3 fixed", {**spec, "speculative_policy": "fixed"}),
+        ("eagle3 goodput", {**spec, "speculative_policy": "goodput"}),
+        ("eagle3 policy off", {**spec, "speculative_policy": "off"}),
+        ("plain (again)", {"speculative_algorithm": "none"}),
+        ("eagle3 K=3 fixed (again)", {**spec, "speculative_policy": "fixed"}),
+    ]
+    results = {}
+    for name, extra in configs:
+        engine = LLMEngine(EngineConfig(**base, **extra), model=model)
+        run(engine, args.batch, args.prompt_len, 16, seed=99)  # warm-up: first-use compiles
+        gc.collect()
+        gc.freeze()
+        results[name] = [run(engine, args.batch, args.prompt_len, args.new_tokens, seed)
+                         for seed in range(args.repeats)]  # fmt: skip
+        print(name, json.dumps([{k: r[k] for k in ("tok_s", "wall_ms_p50", "thread_cpu_ms_p50",
+                                                  "process_cpu_ms_p50", "device_span_ms_p50",
+                                                  "gap_ms_p50", "cpus")}
+                                for r in results[name]]), flush=True)  # fmt: skip
+        gc.unfreeze()
+        del engine
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".json").write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
