@@ -52,6 +52,19 @@ def current_cpu() -> int:
         return -1
 
 
+def steal_and_mhz() -> tuple[int, float]:
+    """The machine's CPU steal time so far (all CPUs, in clock ticks: time a hypervisor ran
+    something else while this VM's CPUs wanted to run) and the mean CPU MHz now."""
+    try:
+        with open("/proc/stat") as f:
+            steal = int(f.readline().split()[8])
+        with open("/proc/cpuinfo") as f:
+            mhz = [float(line.split(":")[1]) for line in f if line.startswith("cpu MHz")]
+        return steal, round(sum(mhz) / max(1, len(mhz)), 1)
+    except (OSError, IndexError, ValueError):
+        return -1, -1.0
+
+
 def clocks() -> str | None:
     """SM and memory clocks, power and temperature now (nvidia-smi), None without it."""
     try:
@@ -76,7 +89,7 @@ def run(engine: LLMEngine, batch: int, prompt_len: int, new_tokens: int, seed: i
         engine.step()
     engine.loop.drain()
     engine.loop.times.clear()
-    before = clocks()
+    before, steal0 = clocks(), steal_and_mhz()
     wall, thread_cpu, proc_cpu, cpus = [], [], [], {}
     produced = sum(len(r.output_token_ids) for r in engine.requests.values())
     t_start = time.perf_counter()
@@ -89,6 +102,7 @@ def run(engine: LLMEngine, batch: int, prompt_len: int, new_tokens: int, seed: i
         cpu = current_cpu()
         cpus[cpu] = cpus.get(cpu, 0) + 1
     seconds = time.perf_counter() - t_start
+    steal1 = steal_and_mhz()
     times = engine.loop.times
     return {
         "tok_s": round((batch * new_tokens - produced) / seconds, 1),
@@ -103,6 +117,9 @@ def run(engine: LLMEngine, batch: int, prompt_len: int, new_tokens: int, seed: i
         "cpus": dict(sorted(cpus.items(), key=lambda kv: -kv[1])[:4]),
         "threads": sorted(t.name for t in threading.enumerate()),
         "clocks_before_after": [before, clocks()],
+        # CPU steal ticks during the run (all CPUs), mean CPU MHz before and after
+        "steal_ticks": steal1[0] - steal0[0],
+        "cpu_mhz_before_after": [steal0[1], steal1[1]],
     }
 
 
@@ -143,7 +160,8 @@ def main() -> None:
                          for seed in range(args.repeats)]  # fmt: skip
         print(name, json.dumps([{k: r[k] for k in ("tok_s", "wall_ms_p50", "thread_cpu_ms_p50",
                                                   "process_cpu_ms_p50", "device_span_ms_p50",
-                                                  "gap_ms_p50", "cpus")}
+                                                  "gap_ms_p50", "cpus", "steal_ticks",
+                                                  "cpu_mhz_before_after")}
                                 for r in results[name]]), flush=True)  # fmt: skip
         gc.unfreeze()
         del engine
