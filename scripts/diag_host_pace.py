@@ -92,6 +92,8 @@ def run(engine: LLMEngine, batch: int, prompt_len: int, new_tokens: int, seed: i
     before, steal0 = clocks(), steal_and_mhz()
     wall, thread_cpu, proc_cpu, cpus = [], [], [], {}
     produced = sum(len(r.output_token_ids) for r in engine.requests.values())
+    trace = engine.spec.policy.trace if engine.spec is not None else None
+    decisions0 = trace.num_decisions if trace is not None else 0
     t_start = time.perf_counter()
     while engine.has_unfinished():
         w, c, p = time.perf_counter(), time.thread_time(), time.process_time()
@@ -104,6 +106,14 @@ def run(engine: LLMEngine, batch: int, prompt_len: int, new_tokens: int, seed: i
     seconds = time.perf_counter() - t_start
     steal1 = steal_and_mhz()
     times = engine.loop.times
+    ks = []  # each decode step's K (the policy's decisions of this run, in order)
+    if trace is not None:
+        decisions = trace.dump()
+        ks = [
+            d["k"] for d in decisions[max(0, len(decisions) - (trace.num_decisions - decisions0)) :]
+        ]
+    # steady K=3 steps (the step before ran K=3 too): their median wall and CPU time
+    steady = [i for i in range(1, min(len(ks), len(wall))) if ks[i] == ks[i - 1] == 3]
     return {
         "tok_s": round((batch * new_tokens - produced) / seconds, 1),
         "steps": len(wall),
@@ -114,6 +124,11 @@ def run(engine: LLMEngine, batch: int, prompt_len: int, new_tokens: int, seed: i
         "device_span_ms_p50": med(times.step_ms),
         "gap_ms_p50": med(times.gap_ms),
         "host_wait_ms_p50": med(times.wait_ms),
+        "steady_k3_steps": len(steady),
+        "steady_k3_wall_ms_p50": med([wall[i] for i in steady]),
+        "steady_k3_cpu_ms_p50": med([thread_cpu[i] for i in steady]),
+        "ks": ks,
+        "wall_ms": [round(w, 3) for w in wall],
         "cpus": dict(sorted(cpus.items(), key=lambda kv: -kv[1])[:4]),
         "threads": sorted(t.name for t in threading.enumerate()),
         "clocks_before_after": [before, clocks()],
@@ -158,11 +173,17 @@ def main() -> None:
         gc.freeze()
         results[name] = [run(engine, args.batch, args.prompt_len, args.new_tokens, seed)
                          for seed in range(args.repeats)]  # fmt: skip
-        print(name, json.dumps([{k: r[k] for k in ("tok_s", "wall_ms_p50", "thread_cpu_ms_p50",
-                                                  "process_cpu_ms_p50", "device_span_ms_p50",
-                                                  "gap_ms_p50", "cpus", "steal_ticks",
-                                                  "cpu_mhz_before_after")}
-                                for r in results[name]]), flush=True)  # fmt: skip
+        shown = (
+            "tok_s",
+            "steps",
+            "wall_ms_p50",
+            "thread_cpu_ms_p50",
+            "device_span_ms_p50",
+            "steady_k3_steps",
+            "steady_k3_wall_ms_p50",
+            "steady_k3_cpu_ms_p50",
+        )
+        print(name, json.dumps([{k: r[k] for k in shown} for r in results[name]]), flush=True)
         gc.unfreeze()
         del engine
         gc.collect()
