@@ -18,8 +18,11 @@ the driver).
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gc
+import io
 import json
+import pstats
 import statistics
 import subprocess
 import sys
@@ -146,6 +149,17 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--cpu", action="store_true", help="a smoke test on the CPU")
+    ap.add_argument(
+        "--fixed-only",
+        type=int,
+        default=0,
+        help="build this many fixed K=3 engines instead of the bench's order",
+    )
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="one more run per engine under cProfile: its top functions",
+    )
     args = ap.parse_args()
     device = "cpu" if args.cpu else "cuda"
     shape = replace(SMOLLM2, num_layers=8) if args.cpu else SMOLLM2
@@ -165,7 +179,9 @@ def main() -> None:
         ("plain (again)", {"speculative_algorithm": "none"}),
         ("eagle3 K=3 fixed (again)", {**spec, "speculative_policy": "fixed"}),
     ]
-    results = {}
+    if args.fixed_only:
+        configs = [(f"eagle3 K=3 fixed #{i}", configs[1][1]) for i in range(args.fixed_only)]
+    results, profiles = {}, {}
     for name, extra in configs:
         engine = LLMEngine(EngineConfig(**base, **extra), model=model)
         run(engine, args.batch, args.prompt_len, 16, seed=99)  # warm-up: first-use compiles
@@ -184,6 +200,15 @@ def main() -> None:
             "steady_k3_cpu_ms_p50",
         )
         print(name, json.dumps([{k: r[k] for k in shown} for r in results[name]]), flush=True)
+        if args.profile:
+            prof = cProfile.Profile()
+            prof.enable()
+            run(engine, args.batch, args.prompt_len, args.new_tokens, seed=7)
+            prof.disable()
+            text = io.StringIO()
+            pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(25)
+            profiles[name] = text.getvalue()
+            print(profiles[name][-4000:], flush=True)
         gc.unfreeze()
         del engine
         gc.collect()
@@ -191,6 +216,10 @@ def main() -> None:
             torch.cuda.empty_cache()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(results, indent=1))
+    if profiles:
+        args.out.with_suffix(".profiles.txt").write_text(
+            "\n".join(f"== {k}\n{v}" for k, v in profiles.items())
+        )
 
 
 if __name__ == "__main__":
