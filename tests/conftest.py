@@ -25,6 +25,34 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(skip)
 
 
+def pytest_collection_finish(session):
+    """Start the Triton interpreter runs the selected tests read, in their order, beside
+    the tests (tests/interpreter_run.py)."""
+    from tests.interpreter_run import start_in_background
+
+    runs = []
+    for item in session.items:
+        run = getattr(item.module, "INTERPRETER", None)
+        if run and "interpreter_results" in item.fixturenames and run not in runs:
+            if not item.get_closest_marker("skip"):
+                runs.append(run)
+    start_in_background(runs)
+
+
+@pytest.fixture(scope="module")
+def interpreter_results(request) -> dict:
+    """The results of the interpreter run the test file names in `INTERPRETER`."""
+    from tests.interpreter_run import interpreter_results as run
+
+    return run(*request.module.INTERPRETER)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    from tests.interpreter_run import stop_background
+
+    stop_background()
+
+
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("llama"), "llama")

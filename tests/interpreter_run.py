@@ -1,7 +1,15 @@
 """Kernel cases run through the Triton interpreter on the CPU, in a subprocess: TRITON_INTERPRET
 is read when kernels are defined and would leak into other tests otherwise. A module that
 uses this writes its results as one JSON line when run as `python -m MODULE` with
-TRITON_INTERPRET=1; its fixture calls `interpreter_results(MODULE)`."""
+TRITON_INTERPRET=1; its test file names it in `INTERPRETER = (MODULE, timeout)`, and the
+module-scoped fixture `interpreter_results` (conftest.py) gives its tests those results.
+
+The runs take most of the CPU suite's time and need no test's state, so once pytest has
+collected the tests, conftest.py starts them (`start_in_background`): one after another in
+the order their tests come, in a second process while the other tests run in this one (two
+cores: about a third off the suite's time). A fixture then waits for its run's result; a
+run nobody started goes in the foreground.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +17,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
@@ -28,18 +37,99 @@ def interpreter_unusable() -> str | None:
     return None
 
 
+def _run(module: str, timeout: int) -> tuple[int, str, str]:
+    """`python -m module` under the interpreter, one intra-op thread (the tests run beside
+    it): (exit status, stdout, stderr); a run past `timeout` seconds is killed (status -9)."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    proc = subprocess.Popen([sys.executable, "-m", module], cwd=ROOT, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    with _lock:
+        _background.running.add(proc)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        err += f"\n{module}: killed after {timeout} s"
+    finally:
+        with _lock:
+            _background.running.discard(proc)
+    return proc.returncode, out, err
+
+
+class _Background:
+    """The runs started ahead: their queue, results (module -> _run's triple) and events."""
+
+    def __init__(self):
+        self.queue: list[tuple[str, int]] = []
+        self.results: dict[str, tuple[int, str, str]] = {}
+        self.done: dict[str, threading.Event] = {}
+        self.running: set[subprocess.Popen] = set()  # this run's and the foreground's
+        self.stopped = False
+
+    def work(self) -> None:
+        while True:
+            with _lock:
+                if self.stopped or not self.queue:
+                    return
+                module, timeout = self.queue.pop(0)
+            try:
+                self.results[module] = _run(module, timeout)
+            except Exception as e:  # reported by the fixture that reads it
+                self.results[module] = (1, "", f"{module}: {type(e).__name__}: {e}")
+            finally:
+                self.done[module].set()
+
+
+_lock = threading.Lock()
+_background = _Background()
+
+
+def start_in_background(runs: list[tuple[str, int]]) -> None:
+    """Run these (module, timeout) one after another in a thread, from now on (none when
+    the interpreter is unusable: their tests skip)."""
+    if interpreter_unusable() or not runs:
+        return
+    with _lock:
+        for module, timeout in runs:
+            if module not in _background.done:
+                _background.done[module] = threading.Event()
+                _background.queue.append((module, timeout))
+    threading.Thread(target=_background.work, name="interpreter-runs", daemon=True).start()
+
+
+def stop_background() -> None:
+    """Drop the runs not started and kill those running (the session is over)."""
+    with _lock:
+        _background.stopped = True
+        _background.queue.clear()
+        for proc in _background.running:
+            proc.kill()
+
+
 def interpreter_results(module: str, timeout: int = 600) -> dict:
     """The JSON results `python -m module` prints under the interpreter (skips the calling
-    test when the interpreter is unusable)."""
+    test when the interpreter is unusable): the background run's when one was started, else
+    a run now."""
     reason = interpreter_unusable()
     if reason:
         pytest.skip(reason)
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
-    proc = subprocess.run([sys.executable, "-m", module], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    with _lock:
+        queued = any(m == module for m, _ in _background.queue)
+        if queued:  # not started yet: run it here rather than wait behind others
+            _background.queue = [(m, t) for m, t in _background.queue if m != module]
+        event = None if queued else _background.done.get(module)
+    if event is not None:
+        event.wait()
+        status, out, err = _background.results[module]
+    else:
+        status, out, err = _run(module, timeout)
+        if queued:
+            _background.results[module] = (status, out, err)
+            _background.done[module].set()
+    assert status == 0, err[-4000:]
+    return json.loads(out.strip().splitlines()[-1])
 
 
 def record_case(results: dict, name: str, fn, *args, **kwargs) -> None:

@@ -15,8 +15,6 @@ import sys
 import pytest
 import torch
 
-from tests.interpreter_run import interpreter_results as run_interpreter
-
 NAN, INF = float("nan"), float("inf")
 
 
@@ -103,9 +101,9 @@ def run_cases() -> dict:
     return results
 
 
-@pytest.fixture(scope="module")
-def interpreter_results() -> dict:
-    return run_interpreter("tests.test_argmax")
+# the interpreter run (module, timeout) whose results the `interpreter_results` fixture
+# gives this file's tests (conftest.py; started in the background: tests/interpreter_run.py)
+INTERPRETER = ("tests.test_argmax", 600)
 
 
 @pytest.mark.parametrize("name", [f"{c}-{d}" for c in CASES for d in DTYPES]

@@ -15,7 +15,6 @@ import sys
 import pytest
 import torch
 
-from tests.interpreter_run import interpreter_results as run_interpreter
 from tests.interpreter_run import record_case
 
 TOL = {"bfloat16": 8e-3, "float32": 2e-6, "float16": 1e-3}  # bfloat16 first: names hold both
@@ -132,9 +131,9 @@ def run_cases() -> dict:
     return results
 
 
-@pytest.fixture(scope="module")
-def interpreter_results() -> dict:
-    return run_interpreter("tests.test_fusion")
+# the interpreter run (module, timeout) whose results the `interpreter_results` fixture
+# gives this file's tests (conftest.py; started in the background: tests/interpreter_run.py)
+INTERPRETER = ("tests.test_fusion", 600)
 
 
 def _names(cases) -> list[str]:

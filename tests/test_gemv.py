@@ -21,7 +21,6 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from tests.interpreter_run import interpreter_results as run_interpreter
 from tests.triton_cases import rel_err
 
 TOL = {torch.float32: 2e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}
@@ -169,9 +168,9 @@ def run_cases() -> dict:
     return results
 
 
-@pytest.fixture(scope="module")
-def interpreter_results() -> dict:
-    return run_interpreter("tests.test_gemv")
+# the interpreter run (module, timeout) whose results the `interpreter_results` fixture
+# gives this file's tests (conftest.py; started in the background: tests/interpreter_run.py)
+INTERPRETER = ("tests.test_gemv", 600)
 
 
 def _case_names() -> list[str]:

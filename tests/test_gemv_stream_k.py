@@ -17,7 +17,6 @@ import sys
 import pytest
 import torch
 
-from tests.interpreter_run import interpreter_results as run_interpreter
 from tests.interpreter_run import record_case
 from tests.triton_cases import rel_err
 
@@ -95,9 +94,9 @@ def run_cases() -> dict:
     return results
 
 
-@pytest.fixture(scope="module")
-def interpreter_results() -> dict:
-    return run_interpreter("tests.test_gemv_stream_k")
+# the interpreter run (module, timeout) whose results the `interpreter_results` fixture
+# gives this file's tests (conftest.py; started in the background: tests/interpreter_run.py)
+INTERPRETER = ("tests.test_gemv_stream_k", 600)
 
 
 def _names() -> list[str]:

@@ -4,11 +4,12 @@ already seen during it. On the GPU a new variant stalls a step for ~0.5 s."""
 
 from __future__ import annotations
 
-from tests.interpreter_run import interpreter_results
+# the interpreter run (module, timeout) whose results the `interpreter_results` fixture
+# gives this file's tests (conftest.py; started in the background: tests/interpreter_run.py)
+INTERPRETER = ("tests.specialization_run", 600)
 
 
-def test_no_kernel_variant_first_compiled_while_serving():
-    results = interpreter_results("tests.specialization_run")
-    assert results["startup"] > 0
-    new = [f"{n['kernel']} at {n['site']}: {n['key']}" for n in results["new"]]
+def test_no_kernel_variant_first_compiled_while_serving(interpreter_results):
+    assert interpreter_results["startup"] > 0
+    new = [f"{n['kernel']} at {n['site']}: {n['key']}" for n in interpreter_results["new"]]
     assert not new, "variants first compiled after start-up:\n" + "\n".join(new)

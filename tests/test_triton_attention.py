@@ -11,15 +11,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.interpreter_run import interpreter_results as run_interpreter
 from tests.triton_cases import attention_error, interpreter_cases, kv_write_error, make_batch
 
 CASES = interpreter_cases()
 
 
-@pytest.fixture(scope="module")
-def interpreter_results() -> dict:
-    return run_interpreter("tests.triton_cases", timeout=900)
+# the interpreter run (module, timeout) whose results the `interpreter_results` fixture
+# gives this file's tests (conftest.py; started in the background: tests/interpreter_run.py)
+INTERPRETER = ("tests.triton_cases", 900)
 
 
 def _tolerance(name: str) -> float:

@@ -13,7 +13,6 @@ import sys
 import pytest
 import torch
 
-from tests.interpreter_run import interpreter_results as run_interpreter
 from tests.model_cases import model_error
 from tests.triton_cases import (
     add_rms_norm_error,
@@ -141,9 +140,9 @@ def norm_into_halves() -> dict:
     return {"equal": torch.equal(packed, separate), "err": rel_err(packed, ref)}
 
 
-@pytest.fixture(scope="module")
-def interpreter_results() -> dict:
-    return run_interpreter("tests.test_triton_ops")
+# the interpreter run (module, timeout) whose results the `interpreter_results` fixture
+# gives this file's tests (conftest.py; started in the background: tests/interpreter_run.py)
+INTERPRETER = ("tests.test_triton_ops", 600)
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
