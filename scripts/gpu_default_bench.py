@@ -12,7 +12,12 @@ counts output tokens over wall time, prefill included. Every
 configuration is warmed up first (Triton compiles each new shape once; every timed prompt is
 prefilled once, as the first prefill of a length is slower), then the garbage collector is
 frozen as the server's engine process does (`--no-gc-freeze`: not; each row reports the
-collector's pauses); `--again` builds the first configuration once more, last. Each
+collector's pauses); `--again` builds the first configuration once more, last. Every engine
+stays alive and their runs are interleaved (at each batch size, repeat by repeat, one run of
+each configuration in turn): these steps are paced by the host, whose CPU runs identical
+steps up to 60% slower for stretches on the lent machines (gpu_default_model.md, run 17), so
+a stretch falls on every configuration's runs rather than on one engine's.
+`--sequential`: each engine built, measured and let go in turn (the runs up to session 15). Each
 engine's entry holds the target's GEMV plan and what whole-step tuning changed, and its
 speculation counters (which include the warm-up's requests). Also reports how many
 outputs equal the no-speculation outputs token for token (greedy speculation is lossless in
@@ -165,6 +170,103 @@ def measure(llm: LLM, prompts: list[list[int]], batch: int, args) -> tuple:
     return row, tokens, series(engine, decisions0)
 
 
+def build(base: dict, extra: dict, convs: list, args) -> tuple[LLM, list, float]:
+    """An engine of one configuration, warmed up: (the LLM, the chat prompts as token ids,
+    start-up seconds)."""
+    t0 = time.perf_counter()
+    llm = LLM(None, **base, **extra)
+    startup = time.perf_counter() - t0
+    prompts = [llm.apply_chat_template(c) for c in convs]
+    # Warm-up: Triton compiles each new shape once, and the first prefill of each prompt
+    # length in the process is slower (~2x in the first engine: library set-up per
+    # shape): every prompt the timed runs use is prefilled once first.
+    for b in args.batches:
+        run_batch(llm, [prompts[i % len(prompts)] for i in range(b)], 16)
+    for p in prompts[: max(args.batch1_prompts, max(args.batches))]:
+        run_batch(llm, [p], 2)
+    return llm, prompts, startup
+
+
+def freeze(args) -> None:
+    if not args.no_gc_freeze:  # as server/engine_proc.py does after loading
+        gc.collect()
+        gc.freeze()
+
+
+def release() -> None:
+    """After the caller dropped an engine: its cycles collected and its memory freed."""
+    gc.unfreeze()  # the engine's cycles must be collectable to free its memory
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+START = time.perf_counter()  # the runs' start times count from here
+
+
+def timed(llm: LLM, prompts: list, batch: int, args) -> tuple:
+    """One `measure` run, with when it started and the collector's pauses during it."""
+    GC_PAUSES.clear()
+    started = time.perf_counter() - START
+    row, tokens, steps = measure(llm, prompts, batch, args)
+    row["started_s"] = round(started, 3)
+    return row, tokens, steps, GC_PAUSES.summary()
+
+
+def finish(name, extra, llm, prompts, startup, runs, args, results, plain_tokens,
+           step_series) -> None:  # fmt: skip
+    """One configuration's rows from its runs (by batch size: the median run, every run's
+    rate, the collector's pauses summed), its greedy identities, plan and tuning reports,
+    and the goodput policy's trace, into results / plain_tokens / step_series."""
+    rows, row_tokens = [], {}
+    for b in args.batches:
+        done = runs[b]
+        last_series = done[-1][2]  # the last run's steps (after an idle engine, too)
+        started = [run[0]["started_s"] for run in done]  # in run order
+        done = sorted(done, key=lambda run: run[0]["output_tok_s"])
+        row, tokens, _, _ = done[len(done) // 2]
+        row["tok_s_of_runs"] = [run[0]["output_tok_s"] for run in done]
+        row["started_s_of_runs"] = started
+        pauses = [run[3] for run in done]
+        row["gc"] = {k: (max if k == "max_ms" else sum)(p[k] for p in pauses)
+                     for k in pauses[0]}  # fmt: skip
+        if name == "plain":
+            plain_tokens[b] = tokens
+        row["identical_to_plain"] = sum(t == p for t, p in zip(tokens, plain_tokens[b]))
+        print(name, json.dumps(row), flush=True)
+        rows.append(row)
+        if b == 1:  # the median run is the only run at batch 1
+            step_series[name] = last_series
+        else:
+            step_series[f"{name}, batch {b}, last run"] = last_series
+        row_tokens[b] = tokens
+    spec_stats = {k: v for k, v in llm.engine.stats().items() if k.startswith("spec_")}
+    results[name] = {"startup_s": round(startup, 2), "rows": rows, "spec": spec_stats}
+    for row in rows if llm.engine.spec is not None else ():
+        # up to SHARED_ROWS requests and MAX_ROWS rows a step, a verify row rounds as
+        # the request's decode row (GemvPlan.step_requests)
+        k_max = llm.engine.spec.k_max
+        if row["batch"] <= SHARED_ROWS and row["batch"] * (k_max + 1) <= MAX_ROWS:
+            own = own_k0_tokens(llm, prompts, row["batch"], args)
+            row["identical_to_own_k0"] = sum(
+                t == p for t, p in zip(row_tokens[row["batch"]], own))  # fmt: skip
+            print(name, f"batch {row['batch']} identical to its own K=0:",
+                  row["identical_to_own_k0"], "of", len(own), flush=True)  # fmt: skip
+    # which kernel serves each of the target's decode-sized linears: where the buckets up to
+    # SHARED_ROWS meet torch (cuBLAS picks kernels by row count), a verify row may round
+    # apart from a decode row, and greedy speculation from plain decoding
+    plan = getattr(llm.engine.runner.model, "gemv_plan", None)
+    results[name]["gemv_plan"] = plan.summary() if plan is not None else None
+    # what start-up tuning changed: the plan, and the verify steps' own tiles
+    results[name].update(tuning_reports(llm.engine))
+    if extra.get("speculative_policy") == "goodput":  # the policy's own account
+        spec = llm.engine.spec
+        trace = {"decisions": spec.policy.trace.dump(), "cost": spec.cost.snapshot()}
+        trace_path = Path(args.out).with_name(Path(args.out).name + "_goodput_trace.json")
+        trace_path.parent.mkdir(parents=True, exist_ok=True)
+        trace_path.write_text(json.dumps(trace))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="default_model")
@@ -179,6 +281,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3,
                     help="runs per batch size above 1 (short runs); the median is reported")
     ap.add_argument("--smoke", action="store_true", help="CPU, 2 prompts, a few tokens")
+    ap.add_argument("--sequential", action="store_true",
+                    help="build, measure and let go each engine in turn (sessions 4-15's "
+                         "runs) instead of keeping every engine and interleaving their runs")
     add_run_args(ap)
     ap.add_argument("--ab-invariance", action="store_true",
                     help="also plain and fixed K=3 with --disable-batch-invariance (cuBLAS "
@@ -187,7 +292,7 @@ def main() -> None:
     device = "auto"
     if args.smoke:
         args.max_tokens, args.batches, args.batch1_prompts, device = 8, [1, 2], 1, "cpu"
-        args.repeats = 1
+        args.repeats = min(args.repeats, 2)
     head = shipped_head_path()
     convs = read_conversations(Path(head) / "heldout_prompts.jsonl") + read_conversations(UNLIKE)
     spec = dict(speculative_algorithm="eagle3", speculative_draft_model_path=str(head),
@@ -204,76 +309,39 @@ def main() -> None:
         configs["eagle3 K=3 fixed, batch variant"] = {**configs["eagle3 K=3 fixed"], **variant}
     if args.again:  # what the order alone changes
         configs["plain (again, last)"] = configs["plain"]
+    kv_bytes = 2**26 if args.smoke else 4 * 2**30  # per engine: all of them stay alive
     base = dict(device=device, max_num_seqs=max(args.batches),
-                cuda_graph_max_batch=max(args.batches), kv_cache_bytes=4 * 2**30)  # fmt: skip
+                cuda_graph_max_batch=max(args.batches), kv_cache_bytes=kv_bytes)  # fmt: skip
     if args.max_num_batched_tokens:
         base["max_num_batched_tokens"] = args.max_num_batched_tokens
     results, plain_tokens, step_series = {}, {}, {}
     start = time.perf_counter()
-    for name, extra in configs.items():
-        t0 = time.perf_counter()
-        llm = LLM(None, **base, **extra)
-        startup = time.perf_counter() - t0
-        prompts = [llm.apply_chat_template(c) for c in convs]
-        # Warm-up: Triton compiles each new shape once, and the first prefill of each prompt
-        # length in the process is slower (~2x in the first engine: library set-up per
-        # shape): every prompt the timed runs use is prefilled once first.
+    if args.sequential:  # each engine built, measured and let go in turn
+        for name, extra in configs.items():
+            llm, prompts, startup = build(base, extra, convs, args)
+            freeze(args)
+            runs = {b: [] for b in args.batches}
+            for b in args.batches:
+                for _ in range(1 if b == 1 else args.repeats):
+                    runs[b].append(timed(llm, prompts, b, args))
+            finish(name, extra, llm, prompts, startup, runs, args, results, plain_tokens,
+                   step_series)  # fmt: skip
+            del llm
+            release()
+    else:  # every engine alive, their runs interleaved: the host's pace falls on all alike
+        built = {name: build(base, extra, convs, args) for name, extra in configs.items()}
+        freeze(args)
+        runs = {name: {b: [] for b in args.batches} for name in configs}
         for b in args.batches:
-            run_batch(llm, [prompts[i % len(prompts)] for i in range(b)], 16)
-        for p in prompts[: max(args.batch1_prompts, max(args.batches))]:
-            run_batch(llm, [p], 2)
-        if not args.no_gc_freeze:  # as server/engine_proc.py does after loading
-            gc.collect()
-            gc.freeze()
-        rows, row_tokens = [], {}
-        for b in args.batches:
-            GC_PAUSES.clear()
-            runs = [measure(llm, prompts, b, args) for _ in range(1 if b == 1 else args.repeats)]
-            last_series = runs[-1][2]  # the last run's steps (after an idle engine, too)
-            runs.sort(key=lambda run: run[0]["output_tok_s"])
-            row, tokens, _ = runs[len(runs) // 2]
-            row["tok_s_of_runs"] = [run[0]["output_tok_s"] for run in runs]
-            row["gc"] = GC_PAUSES.summary()  # over this batch size's runs
-            if name == "plain":
-                plain_tokens[b] = tokens
-            row["identical_to_plain"] = sum(t == p for t, p in zip(tokens, plain_tokens[b]))
-            print(name, json.dumps(row), flush=True)
-            rows.append(row)
-            if b == 1:  # the median run is the only run at batch 1
-                step_series[name] = last_series
-            else:
-                step_series[f"{name}, batch {b}, last run"] = last_series
-            row_tokens[b] = tokens
-        spec_stats = {k: v for k, v in llm.engine.stats().items() if k.startswith("spec_")}
-        results[name] = {"startup_s": round(startup, 2), "rows": rows, "spec": spec_stats}
-        for row in rows if llm.engine.spec is not None else ():
-            # up to SHARED_ROWS requests and MAX_ROWS rows a step, a verify row rounds as
-            # the request's decode row (GemvPlan.step_requests)
-            k_max = llm.engine.spec.k_max
-            if row["batch"] <= SHARED_ROWS and row["batch"] * (k_max + 1) <= MAX_ROWS:
-                own = own_k0_tokens(llm, prompts, row["batch"], args)
-                row["identical_to_own_k0"] = sum(
-                    t == p for t, p in zip(row_tokens[row["batch"]], own))  # fmt: skip
-                print(name, f"batch {row['batch']} identical to its own K=0:",
-                      row["identical_to_own_k0"], "of", len(own), flush=True)  # fmt: skip
-        # which kernel serves each of the target's decode-sized linears: where the buckets up to
-        # SHARED_ROWS meet torch (cuBLAS picks kernels by row count), a verify row may round
-        # apart from a decode row, and greedy speculation from plain decoding
-        plan = getattr(llm.engine.runner.model, "gemv_plan", None)
-        results[name]["gemv_plan"] = plan.summary() if plan is not None else None
-        # what start-up tuning changed: the plan, and the verify steps' own tiles
-        results[name].update(tuning_reports(llm.engine))
-        if extra.get("speculative_policy") == "goodput":  # the policy's own account
-            spec = llm.engine.spec
-            trace = {"decisions": spec.policy.trace.dump(), "cost": spec.cost.snapshot()}
-            trace_path = Path(args.out).with_name(Path(args.out).name + "_goodput_trace.json")
-            trace_path.parent.mkdir(parents=True, exist_ok=True)
-            trace_path.write_text(json.dumps(trace))
-        gc.unfreeze()  # the engine's cycles must be collectable to free its memory
-        del llm
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+            for _ in range(1 if b == 1 else args.repeats):
+                for name, (llm, prompts, _) in built.items():
+                    runs[name][b].append(timed(llm, prompts, b, args))
+        for name, extra in configs.items():
+            llm, prompts, startup = built.pop(name)
+            finish(name, extra, llm, prompts, startup, runs[name], args, results,
+                   plain_tokens, step_series)  # fmt: skip
+            del llm
+            release()
     plain = {r["batch"]: r["output_tok_s"] for r in results["plain"]["rows"]}
     lines = ["| config | " + " | ".join(f"batch {b} tok/s (x plain)" for b in args.batches)
              + f" | tokens per step (batch {args.batches[0]}) |",

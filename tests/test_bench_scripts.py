@@ -42,3 +42,26 @@ def test_gpu_engine_bench_reports_whole_run_and_full_batch_rates(tmp_path):
     assert md.count("| plain | ") == 2 and "While every request decodes" in md
     speculative = [line for line in md.splitlines() if line.startswith("| eagle3")]
     assert len(speculative) == 2 and all("x)" in line for line in speculative)
+
+
+def test_gpu_default_bench_interleaves_engines_and_speculation_equals_own_plain(tmp_path):
+    # the default model (embedded GGUF) and its shipped head on the CPU (`--smoke`: batches
+    # 1 and 2, a few tokens, two runs at batch 2); every engine alive, runs interleaved
+    out = tmp_path / "default"
+    env = dict(os.environ, PYTHONPATH=str(REPO / "src"), HF_HUB_OFFLINE="1")
+    cmd = [sys.executable, str(REPO / "scripts" / "gpu_default_bench.py"), "--smoke",
+           "--out", str(out)]  # fmt: skip
+    subprocess.run(cmd, check=True, env=env, capture_output=True, timeout=600)
+    results = json.loads(out.with_suffix(".json").read_text())["results"]
+    names = ["plain", "eagle3 K=3 fixed", "eagle3 goodput (default)", "eagle3 policy off"]
+    assert list(results) == names
+    starts = []  # batch 2's runs: (start, config), every configuration's first run first
+    for name in names:
+        one, two = results[name]["rows"]
+        assert (one["batch"], two["batch"]) == (1, 2) and len(two["tok_s_of_runs"]) == 2
+        starts += [(s, name) for s in two["started_s_of_runs"]]
+        if name != "plain":  # greedy speculation reproduces the engine's own K=0 tokens
+            assert one["identical_to_own_k0"] == one["requests"] == 1
+            assert two["identical_to_own_k0"] == two["requests"] == 2
+    assert [name for _, name in sorted(starts)] == names * 2
+    assert "| plain | " in out.with_suffix(".md").read_text()
