@@ -14,7 +14,8 @@ REPO = Path(__file__).resolve().parent.parent
 
 def test_gpu_engine_bench_reports_whole_run_and_full_batch_rates(tmp_path):
     out = tmp_path / "bench"
-    env = dict(os.environ, PYTHONPATH=str(REPO / "src"), HF_HUB_OFFLINE="1")
+    env = dict(os.environ, PYTHONPATH=str(REPO / "src"), HF_HUB_OFFLINE="1",
+               OMP_NUM_THREADS="1")  # fmt: skip (one intra-op thread, as below)
     cmd = [sys.executable, str(REPO / "scripts" / "gpu_engine_bench.py"), "--tiny",
            "--batches", "1", "3", "--prompt-len", "16", "--new-tokens", "12", "--repeats", "2",
            "--only", "plain", "K=3 fixed", "--again", "--out", str(out)]  # fmt: skip
@@ -48,7 +49,10 @@ def test_gpu_default_bench_interleaves_engines_and_speculation_equals_own_plain(
     # the default model (embedded GGUF) and its shipped head on the CPU (`--smoke`: batches
     # 1 and 2, a few tokens, two runs at batch 2); every engine alive, runs interleaved
     out = tmp_path / "default"
-    env = dict(os.environ, PYTHONPATH=str(REPO / "src"), HF_HUB_OFFLINE="1")
+    # one intra-op thread: the interpreter runs share the machine (tests/interpreter_run.py),
+    # and spinning threads on a busy 2-core machine slow every op down many times
+    env = dict(os.environ, PYTHONPATH=str(REPO / "src"), HF_HUB_OFFLINE="1",
+               OMP_NUM_THREADS="1")  # fmt: skip
     cmd = [sys.executable, str(REPO / "scripts" / "gpu_default_bench.py"), "--smoke",
            "--out", str(out)]  # fmt: skip
     subprocess.run(cmd, check=True, env=env, capture_output=True, timeout=600)
