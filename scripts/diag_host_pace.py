@@ -3,13 +3,13 @@
 On the default model (SmolLM2-135M) steps take ~1-2 ms and the host paces them, and the
 same configuration built twice in one process has read up to 30% apart
 (gpu_default_model.md). This builds engines on a random SmolLM2-shaped bf16 model (hidden
-576, 30 layers, 9/3 heads, vocabulary 49152) and a random EAGLE-3 head, in the bench's order
-and then the first once more, and records per decode step: wall time, the main thread's CPU
-time, the process's CPU time (all threads), the CPU the main thread ran on, the device span
-and idle gap (the step loop's CUDA events), and the threads alive; GPU clocks before and
-after each run. If a slow engine spends more CPU time per step, the host does more work or
-runs slower per instruction; if only its wall time grows, it waits (another thread, the OS,
-the driver).
+576, 30 layers, 9/3 heads, vocabulary 49152) and a random EAGLE-3 head, in the bench's
+order and then plain and fixed K=3 once more, and records per decode step: wall time, the
+main thread's CPU time, the process's CPU time (all threads), the CPU the main thread ran
+on, the device span and idle gap (the step loop's CUDA events), and the threads alive; GPU
+clocks before and after each run. If a slow engine spends more CPU time per step, the host
+does more work or runs slower per instruction; if only its wall time grows, it waits
+(another thread, the OS, the driver).
 
     PYTHONPATH=src python scripts/diag_host_pace.py --out $OUT/host_pace
     PYTHONPATH=src python scripts/diag_host_pace.py --cpu --new-tokens 8 --out /tmp/hp  # smoke
@@ -97,7 +97,6 @@ def run(engine: LLMEngine, batch: int, prompt_len: int, new_tokens: int, seed: i
     produced = sum(len(r.output_token_ids) for r in engine.requests.values())
     trace = engine.spec.policy.trace if engine.spec is not None else None
     decisions0 = trace.num_decisions if trace is not None else 0
-    t_start = time.perf_counter()
     while engine.has_unfinished():
         w, c, p = time.perf_counter(), time.thread_time(), time.process_time()
         engine.step()
@@ -106,7 +105,7 @@ def run(engine: LLMEngine, batch: int, prompt_len: int, new_tokens: int, seed: i
         proc_cpu.append((time.process_time() - p) * 1e3)
         cpu = current_cpu()
         cpus[cpu] = cpus.get(cpu, 0) + 1
-    seconds = time.perf_counter() - t_start
+    seconds = sum(wall) / 1e3  # the steps alone (this loop's own sampling left out)
     steal1 = steal_and_mhz()
     times = engine.loop.times
     ks = []  # each decode step's K (the policy's decisions of this run, in order)

@@ -222,11 +222,13 @@ def finish(name, extra, llm, prompts, startup, runs, args, results, plain_tokens
     for b in args.batches:
         done = runs[b]
         last_series = done[-1][2]  # the last run's steps (after an idle engine, too)
-        started = [run[0]["started_s"] for run in done]  # in run order
+        # (start second, tok/s) of each run in run order: a slow stretch of the host shows
+        # as runs of every configuration slow at the same time
+        started = [[run[0]["started_s"], run[0]["output_tok_s"]] for run in done]
         done = sorted(done, key=lambda run: run[0]["output_tok_s"])
         row, tokens, _, _ = done[len(done) // 2]
         row["tok_s_of_runs"] = [run[0]["output_tok_s"] for run in done]
-        row["started_s_of_runs"] = started
+        row["runs_started_s_tok_s"] = started
         pauses = [run[3] for run in done]
         row["gc"] = {k: (max if k == "max_ms" else sum)(p[k] for p in pauses)
                      for k in pauses[0]}  # fmt: skip
@@ -281,6 +283,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3,
                     help="runs per batch size above 1 (short runs); the median is reported")
     ap.add_argument("--smoke", action="store_true", help="CPU, 2 prompts, a few tokens")
+    ap.add_argument("--only", nargs="+", default=None,
+                    help="plain and the configurations whose names contain one of these")
     ap.add_argument("--sequential", action="store_true",
                     help="build, measure and let go each engine in turn (sessions 4-15's "
                          "runs) instead of keeping every engine and interleaving their runs")
@@ -309,6 +313,9 @@ def main() -> None:
         configs["eagle3 K=3 fixed, batch variant"] = {**configs["eagle3 K=3 fixed"], **variant}
     if args.again:  # what the order alone changes
         configs["plain (again, last)"] = configs["plain"]
+    if args.only:
+        keep = [k for k in configs if k == "plain" or any(o in k for o in args.only)]
+        configs = {k: configs[k] for k in keep}
     kv_bytes = 2**26 if args.smoke else 4 * 2**30  # per engine: all of them stay alive
     base = dict(device=device, max_num_seqs=max(args.batches),
                 cuda_graph_max_batch=max(args.batches), kv_cache_bytes=kv_bytes)  # fmt: skip

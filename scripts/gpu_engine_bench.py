@@ -80,10 +80,14 @@ def run(engine: LLMEngine, batch: int, prompt_len: int, new_tokens: int, seed: i
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     ids = [engine.add_request(p, params) for p in prompts]
     tokens_of = {}  # each request's output tokens, kept when it finishes
+
+    def keep(outputs) -> None:
+        tokens_of.update((o.request_id, o.token_ids) for o in outputs if o.finished)
+
     # Prefill first (not timed), then time decoding alone.
     while any(r.cached_len < len(r.prompt_token_ids) for r in engine.requests.values()):
-        engine.step()
-    engine.loop.drain()  # the last prefill step, in flight under overlap, is not timed
+        keep(engine.step())
+    keep(engine.loop.drain())  # the last prefill step, in flight under overlap, is not timed
     sync()
     steps0 = engine.num_steps
     loop0 = engine.loop.stats()
@@ -98,7 +102,7 @@ def run(engine: LLMEngine, batch: int, prompt_len: int, new_tokens: int, seed: i
         t = time.perf_counter()
         outputs = engine.step()
         walls.append(time.perf_counter() - t)
-        tokens_of.update((o.request_id, o.token_ids) for o in outputs if o.finished)
+        keep(outputs)
         if full is None and len(engine.requests) < batch:
             left = engine.requests.values()
             done = sum(len(r.output_token_ids) for r in left) + new_tokens * (batch - len(left))

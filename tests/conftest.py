@@ -30,12 +30,14 @@ def pytest_collection_finish(session):
     the tests (tests/interpreter_run.py)."""
     from tests.interpreter_run import start_in_background
 
+    if session.config.option.collectonly:
+        return
     runs = []
     for item in session.items:
-        run = getattr(item.module, "INTERPRETER", None)
-        if run and "interpreter_results" in item.fixturenames and run not in runs:
-            if not item.get_closest_marker("skip"):
-                runs.append(run)
+        run = getattr(getattr(item, "module", None), "INTERPRETER", None)
+        needs = "interpreter_results" in getattr(item, "fixturenames", ())
+        if run and needs and run not in runs and not item.get_closest_marker("skip"):
+            runs.append(run)
     start_in_background(runs)
 
 

@@ -46,6 +46,8 @@ def _run(module: str, timeout: int) -> tuple[int, str, str]:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
     with _lock:
         _background.running.add(proc)
+        if _background.stopped:  # the session ended while this one started
+            proc.kill()
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -122,12 +124,15 @@ def interpreter_results(module: str, timeout: int = 600) -> dict:
         event = None if queued else _background.done.get(module)
     if event is not None:
         event.wait()
-        status, out, err = _background.results[module]
+        status, out, err = _background.results.get(module, (1, "", f"{module}: run failed"))
     else:
-        status, out, err = _run(module, timeout)
-        if queued:
-            _background.results[module] = (status, out, err)
-            _background.done[module].set()
+        try:
+            status, out, err = result = _run(module, timeout)
+            if queued:
+                _background.results[module] = result
+        finally:  # nobody waits for a result that never comes
+            if queued:
+                _background.done[module].set()
     assert status == 0, err[-4000:]
     return json.loads(out.strip().splitlines()[-1])
 
