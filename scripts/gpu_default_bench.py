@@ -213,6 +213,17 @@ def timed(llm: LLM, prompts: list, batch: int, args) -> tuple:
     return row, tokens, steps, GC_PAUSES.summary()
 
 
+def run_interleaved(built: dict, args) -> dict:
+    """The engines' timed runs (name -> batch -> runs): at each batch size, repeat by
+    repeat, one run of each engine in turn."""
+    runs = {name: {b: [] for b in args.batches} for name in built}
+    for b in args.batches:
+        for _ in range(1 if b == 1 else args.repeats):
+            for name, (llm, prompts, _) in built.items():
+                runs[name][b].append(timed(llm, prompts, b, args))
+    return runs
+
+
 def finish(name, extra, llm, prompts, startup, runs, args, results, plain_tokens,
            step_series) -> None:  # fmt: skip
     """One configuration's rows from its runs (by batch size: the median run, every run's
@@ -323,29 +334,16 @@ def main() -> None:
         base["max_num_batched_tokens"] = args.max_num_batched_tokens
     results, plain_tokens, step_series = {}, {}, {}
     start = time.perf_counter()
-    if args.sequential:  # each engine built, measured and let go in turn
-        for name, extra in configs.items():
-            llm, prompts, startup = build(base, extra, convs, args)
-            freeze(args)
-            runs = {b: [] for b in args.batches}
-            for b in args.batches:
-                for _ in range(1 if b == 1 else args.repeats):
-                    runs[b].append(timed(llm, prompts, b, args))
-            finish(name, extra, llm, prompts, startup, runs, args, results, plain_tokens,
-                   step_series)  # fmt: skip
-            del llm
-            release()
-    else:  # every engine alive, their runs interleaved: the host's pace falls on all alike
-        built = {name: build(base, extra, convs, args) for name, extra in configs.items()}
+    # --sequential: each engine built, measured and let go in turn; else every engine alive
+    # and their runs interleaved, so that the host's pace falls on all of them alike
+    groups = [[name] for name in configs] if args.sequential else [list(configs)]
+    for group in groups:
+        built = {name: build(base, configs[name], convs, args) for name in group}
         freeze(args)
-        runs = {name: {b: [] for b in args.batches} for name in configs}
-        for b in args.batches:
-            for _ in range(1 if b == 1 else args.repeats):
-                for name, (llm, prompts, _) in built.items():
-                    runs[name][b].append(timed(llm, prompts, b, args))
-        for name, extra in configs.items():
+        runs = run_interleaved(built, args)
+        for name in group:
             llm, prompts, startup = built.pop(name)
-            finish(name, extra, llm, prompts, startup, runs[name], args, results,
+            finish(name, configs[name], llm, prompts, startup, runs[name], args, results,
                    plain_tokens, step_series)  # fmt: skip
             del llm
             release()
