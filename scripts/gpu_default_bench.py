@@ -7,7 +7,9 @@ head's held-out prompts (training kinds) and the prompts unlike its training dat
 (docs/benchmarks/eagle3_unlike_prompts.jsonl), chat template applied, greedy, up to
 --max-tokens new tokens (stopping at EOS like a real client). At batch b the first b prompts
 (cycled) are submitted together and run to completion; batch 1 runs --batch1-prompts prompts
-one after another (larger batches run --repeats times, the median reported). Throughput
+one after another (larger batches run --repeats times: the median run reported, and beside
+it the median over repeats of each run's rate over the plain run of the same repeat,
+`x_plain_paired`, which a slow stretch of the host skews less). Throughput
 counts output tokens over wall time, prefill included. Every
 configuration is warmed up first (Triton compiles each new shape once; every timed prompt is
 prefilled once, as the first prefill of a length is slower), then the garbage collector is
@@ -40,6 +42,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -224,6 +227,19 @@ def run_interleaved(built: dict, args) -> dict:
     return runs
 
 
+def paired_ratio(row: dict, plain_row: dict) -> float | None:
+    """The median over repeats of a run's rate over the plain engine's run of the same
+    repeat (None with one run): interleaved, the two ran seconds apart, so a slow stretch of
+    the host falls on both, where the ratio of the two medians can pair a slow run with a
+    fast one."""
+    runs = [t for _, t in sorted(row["runs_started_s_tok_s"])]
+    base = [t for _, t in sorted(plain_row["runs_started_s_tok_s"])]
+    if len(runs) < 2 or len(runs) != len(base):
+        return None
+    ratios = sorted(a / b for a, b in zip(runs, base))
+    return round(statistics.median(ratios), 3)
+
+
 def finish(name, extra, llm, prompts, startup, runs, args, results, plain_tokens,
            step_series) -> None:  # fmt: skip
     """One configuration's rows from its runs (by batch size: the median run, every run's
@@ -347,13 +363,20 @@ def main() -> None:
                    plain_tokens, step_series)  # fmt: skip
             del llm
             release()
-    plain = {r["batch"]: r["output_tok_s"] for r in results["plain"]["rows"]}
+    plain = {r["batch"]: r for r in results["plain"]["rows"]}
     lines = ["| config | " + " | ".join(f"batch {b} tok/s (x plain)" for b in args.batches)
              + f" | tokens per step (batch {args.batches[0]}) |",
              "|---|" + "---|" * (len(args.batches) + 1)]  # fmt: skip
     for name, res in results.items():
-        cells = [f"{r['output_tok_s']} ({r['output_tok_s'] / plain[r['batch']]:.2f}x)"
-                 for r in res["rows"]]  # fmt: skip
+        cells = []
+        for r in res["rows"]:
+            base = plain[r["batch"]]
+            cell = f"{r['output_tok_s']} ({r['output_tok_s'] / base['output_tok_s']:.2f}x"
+            paired = paired_ratio(r, base)
+            if paired is not None:
+                r["x_plain_paired"] = paired
+                cell += f"; paired {paired:.2f}x"
+            cells.append(cell + ")")
         r1 = res["rows"][0]
         steps_len = f"{r1['output_tokens'] / r1['steps']:.2f}"  # prefill steps included
         lines.append(f"| {name} | " + " | ".join(cells) + f" | {steps_len} |")

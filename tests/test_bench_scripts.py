@@ -70,5 +70,12 @@ def test_gpu_default_bench_interleaves_engines_and_speculation_equals_own_plain(
         if name != "plain":  # greedy speculation reproduces the engine's own K=0 tokens
             assert one["identical_to_own_k0"] == one["requests"] == 1
             assert two["identical_to_own_k0"] == two["requests"] == 2
+        # the median of each repeat's rate over plain's run of the same repeat
+        base = [t for _, t in sorted(results["plain"]["rows"][1]["runs_started_s_tok_s"])]
+        mine = [t for _, t in sorted(runs)]
+        expected = sorted(a / b for a, b in zip(mine, base))
+        assert two["x_plain_paired"] == round((expected[0] + expected[1]) / 2, 3)
+        assert "x_plain_paired" not in one  # one run at batch 1: nothing to pair
     assert [name for _, name in sorted(starts)] == names * 2
-    assert "| plain | " in out.with_suffix(".md").read_text()
+    md = out.with_suffix(".md").read_text()
+    assert "| plain | " in md and md.count("paired") == 3  # batch 2 of each configuration
