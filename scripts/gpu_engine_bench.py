@@ -191,9 +191,6 @@ AB_VARIANTS = {
     "verify_tiles": ("verify tiles off", {"disable_verify_tiles": True},
                      "with verify steps of up to 16 requests on their decode tiles at every "
                      "row count (--disable-verify-tiles)"),
-    "balanced": ("no balanced GEMV ranges", {"disable_gemv_balanced": True},
-                 "with the 64-row GEMV tiles of balanced ranges not proposed "
-                 "(--disable-gemv-balanced)"),
     "stream_k": ("stream-K candidates", {"gemv_stream_k": True},
                  "with the stream-K GEMV tiles among the candidates above 16 rows "
                  "(--gemv-stream-k, experimental)"),

@@ -70,17 +70,6 @@ def _interpreter_cases() -> dict[str, tuple]:
         cases[f"tma-m{bm}-float16-m{rows}"] = (tma, rows, 72, 200, "float16", False)
         split = GemvConfig(block_n=32, block_k=32, split_k=3, block_m=bm, tma=True)
         cases[f"tma-m{bm}-split3-bias-float32-m{rows}"] = (split, rows, 40, 256, "float32", True)
-    # balanced ranges: N cut into `parts` ranges of 10-11 rows (72 / 7), 20 (40 / 2 under a
-    # K split) and 14-15 (100 / 7, 16-row blocks, several a program at 40 rows)
-    for rows in (33, 64):
-        bal = GemvConfig(block_n=16, block_k=64, block_m=64, parts=7)
-        cases[f"balanced-p7-float16-m{rows}"] = (bal, rows, 72, 200, "float16", False)
-    bal = GemvConfig(block_n=16, block_k=64, block_m=64, parts=7)
-    cases["balanced-p7-bias-float32-m64"] = (bal, 64, 72, 200, "float32", True)
-    bal = GemvConfig(block_n=32, block_k=32, split_k=3, block_m=64, parts=2)
-    cases["balanced-p2-split3-float16-m40"] = (bal, 40, 40, 256, "float16", False)
-    bal = GemvConfig(block_n=16, block_k=64, parts=7)
-    cases["balanced-p7-m16-float16-m40"] = (bal, 40, 100, 300, "float16", False)
     tail = GemvConfig(block_n=16, block_k=32, split_k=3, tma=True)  # the last slice's K tail
     cases["tma-split3-ktail-float16-m5"] = (tail, 5, 72, 200, "float16", False)
     for dtype in ("float16", "float32", "bfloat16"):
@@ -90,21 +79,6 @@ def _interpreter_cases() -> dict[str, tuple]:
             fma_split = GemvConfig(block_n=16, block_k=32, split_k=3, use_dot=False)
             cases[f"fma-split3-{dtype}-m{rows}"] = (fma_split, rows, 40, 256, dtype, rows == 2)
     return cases
-
-
-def gated_balanced_error(dtype, device="cpu", rows: int = 33, n: int = 40, k: int = 96,
-                         parts: int = 3) -> float:  # fmt: skip
-    """Relative error of a gated GEMV (SiLU-and-mul in the epilogue) over balanced ranges
-    against silu(x gate^T) * (x up^T) in float64."""
-    from specserve.layers.gemv import GemvConfig, gemv
-
-    gen = torch.Generator().manual_seed(3)
-    x = torch.randn(rows, k, generator=gen).to(dtype=dtype, device=device)
-    w = (torch.randn(2 * n, k, generator=gen) / k**0.5).to(dtype=dtype, device=device)
-    cfg = GemvConfig(block_n=16, block_k=32, block_m=64, parts=parts)  # 13-14 rows a range
-    out = gemv(x, w, None, cfg, gated=True)
-    gate, up = (x.double() @ w.double().T).split(n, dim=-1)
-    return rel_err(out, torch.nn.functional.silu(gate) * up)
 
 
 def model_decode_errors(dtype, device, config, seed=0) -> dict[str, float]:
@@ -186,10 +160,6 @@ def run_cases() -> dict:
                 getattr(torch, dtype), 40, mode="gated")  # fmt: skip
         except Exception as e:
             results[f"rows-invariant-{dtype}"] = f"{type(e).__name__}: {e}"
-        try:
-            results[f"balanced-gated-{dtype}"] = gated_balanced_error(getattr(torch, dtype))
-        except Exception as e:
-            results[f"balanced-gated-{dtype}"] = f"{type(e).__name__}: {e}"
         cfg = GemvConfig(block_n=16, block_k=32, split_k=2)
         try:
             results[f"model-{dtype}"] = model_decode_errors(getattr(torch, dtype), "cpu", cfg)
@@ -232,13 +202,6 @@ def test_interpreter_shared_configs_give_rows_independent_of_m(dtype, interprete
     assert interpreter_results[f"rows-invariant-{dtype}"] == []
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float16"])
-def test_interpreter_gated_gemv_over_balanced_ranges(dtype, interpreter_results):
-    err = interpreter_results[f"balanced-gated-{dtype}"]
-    assert isinstance(err, float), err
-    assert err <= 3 * TOL[getattr(torch, dtype)], err
-
-
 # ---- the plan and the module switch (no kernel runs) -------------------------------------
 def test_tma_configs_need_the_matrix_unit_path_and_16_byte_weight_rows():
     from specserve.layers.gemv_configs import GemvConfig
@@ -246,51 +209,6 @@ def test_tma_configs_need_the_matrix_unit_path_and_16_byte_weight_rows():
     tma = GemvConfig(64, 128, tma=True)
     assert tma.supports(64, 4096, 4096) and not tma.supports(64, 4096, 4100)  # 8200 bytes
     assert not GemvConfig(8, 512, use_dot=False, tma=True).supports(1, 4096, 4096)
-
-
-def test_balanced_ranges_make_whole_waves_at_64_rows_only():
-    from specserve.layers.gemv_configs import (
-        GemvConfig,
-        balanced,
-        candidate_configs,
-        gated_config,
-        set_balanced,
-        verify_candidates,
-    )
-    from specserve.layers.gemv_rope import rope_fits
-
-    def programs(c, n):
-        return (c.parts or -(-n // c.block_n)) * c.split_k
-
-    for n, k in ((6144, 4096), (28672, 4096), (4096, 14336), (128256, 4096)):
-        cands = candidate_configs(64, n, k, num_sms=132)
-        plain = [c for c in cands if not c.parts]
-        for c in (c for c in cands if c.parts):
-            assert programs(c, n) % 132 == 0  # whole waves of 132 programs
-            assert -(-n // c.parts) <= c.block_n  # every range fits its tile
-            twin = next(t for t in plain if t == GemvConfig(**{**c.__dict__, "parts": 0}))
-            assert programs(c, n) == -(-programs(twin, n) // 132) * 132  # no extra wave
-            half = gated_config(c)  # the gate/up epilogue's tile keeps the ranges
-            if half is not None:  # (unsplit tiles of 32+ rows)
-                assert half.parts == c.parts and -(-(n // 2) // half.parts) <= half.block_n
-            assert not rope_fits(c, 128, k)  # a range cuts heads
-        # tiles already in whole waves are not proposed again
-        assert all(balanced(t, n, 132) is None for t in plain if programs(t, n) % 132 == 0)
-        assert not any(c.parts for c in candidate_configs(16, n, k, 132))
-        assert not any(c.parts for c in candidate_configs(32, n, k, 132))
-        shared = candidate_configs(16, n, k, 132)[0]
-        assert not any(c.parts for c in verify_candidates(shared, 64, n, k, 132))
-    assert any(c.parts for c in candidate_configs(64, 6144, 4096, 132))
-    set_balanced(False)
-    try:
-        assert not any(c.parts for c in candidate_configs(64, 6144, 4096, 132))
-    finally:
-        set_balanced(True)
-    # a range longer than the tile, the CUDA-core path, TMA: not supported
-    assert not GemvConfig(64, 128, block_m=64, parts=90).supports(64, 6144, 4096)
-    assert GemvConfig(64, 128, block_m=64, parts=96).supports(64, 6144, 4096)
-    assert not GemvConfig(8, 512, use_dot=False, parts=1000).supports(1, 6144, 4096)
-    assert not GemvConfig(64, 128, tma=True, parts=132).supports(64, 6144, 4096)
 
 
 GPU_SHAPES = {  # (N, K): Llama-3.1-8B, its EAGLE-3 head's fc, SmolLM2-135M
@@ -329,33 +247,6 @@ def test_gpu_every_candidate_matches_torch(dtype, shape):
     for rows, split in ((1, 1), (33, 2), (64, 1)):  # weight tiles through a tensor descriptor
         cfg = GemvConfig(64, 128, split, num_stages=4, block_m=row_block(rows), tma=True)
         assert gemv_error(cfg, rows, n, k, dtype, "cuda", bias=True) < GPU_TOL[dtype], str(cfg)
-
-
-@pytest.mark.gpu
-def test_gpu_balanced_tiles_match_torch():
-    """The balanced-range candidates at the 8B shapes (64 and 50 rows, bf16), and the gate/up
-    projection's through the gated epilogue, against torch."""
-    from specserve.layers.gemv import candidate_configs, gated_config, gemv
-
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    dtype = torch.bfloat16
-    for shape in ("qkv", "o", "gate_up", "down", "lm_head"):
-        n, k = GPU_SHAPES[shape]
-        cands = [c for c in candidate_configs(64, n, k, sms) if c.parts]
-        assert cands, shape
-        for cfg in cands:
-            for rows in (64, 50):
-                err = gemv_error(cfg, rows, n, k, dtype, "cuda", seed=rows)
-                assert err < GPU_TOL[dtype], (shape, rows, str(cfg), err)
-            half = gated_config(cfg) if shape == "gate_up" else None
-            if half is not None:
-                gen = torch.Generator().manual_seed(5)
-                x = torch.randn(64, k, generator=gen).to(dtype=dtype, device="cuda")
-                w = (torch.randn(n, k, generator=gen) / k**0.5).to(dtype=dtype, device="cuda")
-                gate, up = (x.double() @ w.double().T).split(n // 2, dim=-1)
-                ref = torch.nn.functional.silu(gate) * up
-                err = rel_err(gemv(x, w, None, half, gated=True), ref)
-                assert err < 2 * GPU_TOL[dtype], (shape, "gated", str(half), err)
 
 
 @pytest.mark.gpu

@@ -49,9 +49,6 @@ _HELP = {
     "gemv_stream_k": "EXPERIMENTAL: also time stream-K GEMV tiles (one program per "
     "multiprocessor, split tiles summed by the last to finish) for steps of more than 16 "
     "rows (on an H200, start-up chose none for the Llama-3.1-8B shape)",
-    "disable_gemv_balanced": "no GEMV tiles with balanced ranges among the 64-row candidates "
-    "(a tile whose program count is not whole waves, again with its rows cut into exactly "
-    "whole waves' worth of equal ranges)",
     "disable_fusion": "keep SiLU-and-mul and the split-K passes of the output and down "
     "projections as kernels of their own (by default fused into the GEMV and the next "
     "RMSNorm; same results)",

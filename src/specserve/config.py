@@ -53,7 +53,6 @@ class EngineConfig:
     disable_verify_tiles: bool = False  # (no start-up search of faster same-bits tiles)
     disable_pdl: bool = False  # no programmatic dependent launch (layers/pdl.py)
     gemv_stream_k: bool = False  # experimental: stream-K GEMV candidates above 16 rows
-    disable_gemv_balanced: bool = False  # no balanced-range GEMV candidates at 64 rows
     disable_fusion: bool = False  # SiLU-and-mul and split-K passes as kernels of their own
     overlap_schedule: str = "auto"  # auto: on for CUDA, off on CPU; on; off
     disable_overlap_schedule: bool = False  # the synchronous step loop (same as off)

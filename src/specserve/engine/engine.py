@@ -87,10 +87,9 @@ class LLMEngine:
             # Decode-sized linears: cuBLAS or a Triton GEMV, whichever this GPU runs faster
             # per shape (measured now; the drafter shares the selector's measurements).
             if not config.disable_gemv:
-                from specserve.layers.gemv_configs import set_balanced, set_stream_k
+                from specserve.layers.gemv_configs import set_stream_k
 
                 set_stream_k(config.gemv_stream_k)  # for this engine's selection and tuning
-                set_balanced(not config.disable_gemv_balanced)
                 k_max = config.speculative_num_steps if config.speculative_algorithm else 0
                 batch = min(config.max_num_seqs, config.cuda_graph_max_batch)
                 self.gemv_selector = GemvSelector(

@@ -46,11 +46,6 @@ at their rows' slots: results equal the plain GEMV with the same tile followed b
 `rotary_store_kv`, and the qkv output is never written. Matrix-unit tiles of up to 16 rows
 only (`rope_fits` says why).
 
-Balanced ranges (`GemvConfig.parts`): the N axis cut into `parts` ranges of equal rows
-(within one), each a program's (at most BLOCK_N rows, the rest of its tile re-reading its
-last row and discarded), so that a grid of whole waves gives every multiprocessor the same
-bytes to stream where tiles of BLOCK_N rows would leave some with one program more.
-
 Programmatic dependent launch (layers/pdl.py): each program first asks L2 for the first
 lines of its weight slice (`PREFETCH`, weights are never written while serving), then waits
 for the previous kernel, so the weight stream starts during that kernel's tail.
@@ -109,7 +104,7 @@ PDL_PREFETCH_MAX_LINES = 16
 # are the rope epilogue's positions and slots (views into the step's one upload, aligned or
 # not, runtime/packing.py) and page size (start-up compiles its variants on stand-ins).
 @triton.jit(do_not_specialize=["M", "iters_per_split", "stride_os", "pos_ptr", "slot_ptr",
-                               "page_size", "n_parts"])  # fmt: skip
+                               "page_size"])  # fmt: skip
 def _gemv_kernel(
     x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, iters_per_split,
     stride_xm, stride_wn, stride_om, stride_os,
@@ -121,8 +116,7 @@ def _gemv_kernel(
     pos_ptr=None, slot_ptr=None, cos_sin_ptr=None, k_cache=None, v_cache=None,
     stride_cs=0, stride_page=0, stride_slot=0, page_size=1,
     ROPE: tl.constexpr = False, HEAD_DIM: tl.constexpr = 0, Q_HEADS: tl.constexpr = 0,
-    K_HEADS: tl.constexpr = 0, ROW_BLOCKS: tl.constexpr = 1, n_parts=1,
-    BALANCED: tl.constexpr = False,
+    K_HEADS: tl.constexpr = 0, ROW_BLOCKS: tl.constexpr = 1,
 ):  # fmt: skip
     tl.static_assert(ROW_BLOCKS == 1 or ROW_BLOCKS == 2 or ROW_BLOCKS == 4)
     pid_m = tl.program_id(0)  # fastest: the row blocks of one weight tile run together
@@ -136,22 +130,16 @@ def _gemv_kernel(
         j = (pid_n % (HEAD_DIM // BLOCK_N)) * (BLOCK_N // 2)
         c = tl.arange(0, BLOCK_N)
         n = head * HEAD_DIM + j + c // 2 + (c % 2) * (HEAD_DIM // 2)
-        n_end = N
-    elif BALANCED:  # rows [pid_n N / n_parts, (pid_n + 1) N / n_parts)
-        head, j = 0, 0
-        n = (pid_n * N) // n_parts + tl.arange(0, BLOCK_N)
-        n_end = ((pid_n + 1) * N) // n_parts  # this program's rows end here
     else:
         head, j = 0, 0
         n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_end = N
     kk = tl.arange(0, BLOCK_K)
-    # Weight rows past the program's last re-read that row (discarded at the store): no mask
-    # on the streamed loads. Input rows past M are masked (zero-filled, not fetched).
+    # Weight rows past N re-read row N-1 (discarded at the store): no mask on the streamed
+    # loads. Input rows past M are masked (zero-filled, not fetched).
     x_rows = x_ptr + m[:, None] * stride_xm
     step = BLOCK_M * stride_xm  # from one row block to the next
-    w_rows = w_ptr + tl.minimum(n, n_end - 1).to(tl.int64)[:, None] * stride_wn
-    u_rows = w_ptr + (tl.minimum(n, n_end - 1) + N).to(tl.int64)[:, None] * stride_wn  # GATED
+    w_rows = w_ptr + tl.minimum(n, N - 1).to(tl.int64)[:, None] * stride_wn
+    u_rows = w_ptr + (tl.minimum(n, N - 1) + N).to(tl.int64)[:, None] * stride_wn  # GATED: up
     # Slices start at multiples of BLOCK_K (which the compiler sees: aligned vector loads).
     k_lo = pid_s * iters_per_split * BLOCK_K
     iters = tl.minimum(iters_per_split, tl.cdiv(K - k_lo, BLOCK_K))
@@ -196,21 +184,21 @@ def _gemv_kernel(
             if ROW_BLOCKS > 2:
                 acc_u2 = _mac(acc_u2, x2, w, USE_DOT, IEEE)
                 acc_u3 = _mac(acc_u3, x3, w, USE_DOT, IEEE)
-    _finish(acc, acc_u, m, n, pid_s, M, N, n_end, b_ptr, out_ptr, stride_om,
+    _finish(acc, acc_u, m, n, pid_s, M, N, b_ptr, out_ptr, stride_om,
             stride_os, head, j, pos_ptr, slot_ptr, cos_sin_ptr, k_cache, v_cache,
             stride_cs, stride_page, stride_slot, page_size, BLOCK_M, BLOCK_N,
             USE_DOT, HAS_BIAS, PARTIAL, GATED, ROPE, HEAD_DIM, Q_HEADS, K_HEADS)
     if ROW_BLOCKS > 1:
-        _finish(acc1, acc_u1, m + BLOCK_M, n, pid_s, M, N, n_end, b_ptr, out_ptr, stride_om,
+        _finish(acc1, acc_u1, m + BLOCK_M, n, pid_s, M, N, b_ptr, out_ptr, stride_om,
                 stride_os, head, j, pos_ptr, slot_ptr, cos_sin_ptr, k_cache, v_cache,
                 stride_cs, stride_page, stride_slot, page_size, BLOCK_M, BLOCK_N,
                 USE_DOT, HAS_BIAS, PARTIAL, GATED, ROPE, HEAD_DIM, Q_HEADS, K_HEADS)
     if ROW_BLOCKS > 2:
-        _finish(acc2, acc_u2, m + 2 * BLOCK_M, n, pid_s, M, N, n_end, b_ptr, out_ptr, stride_om,
+        _finish(acc2, acc_u2, m + 2 * BLOCK_M, n, pid_s, M, N, b_ptr, out_ptr, stride_om,
                 stride_os, head, j, pos_ptr, slot_ptr, cos_sin_ptr, k_cache, v_cache,
                 stride_cs, stride_page, stride_slot, page_size, BLOCK_M, BLOCK_N,
                 USE_DOT, HAS_BIAS, PARTIAL, GATED, ROPE, HEAD_DIM, Q_HEADS, K_HEADS)
-        _finish(acc3, acc_u3, m + 3 * BLOCK_M, n, pid_s, M, N, n_end, b_ptr, out_ptr, stride_om,
+        _finish(acc3, acc_u3, m + 3 * BLOCK_M, n, pid_s, M, N, b_ptr, out_ptr, stride_om,
                 stride_os, head, j, pos_ptr, slot_ptr, cos_sin_ptr, k_cache, v_cache,
                 stride_cs, stride_page, stride_slot, page_size, BLOCK_M, BLOCK_N,
                 USE_DOT, HAS_BIAS, PARTIAL, GATED, ROPE, HEAD_DIM, Q_HEADS, K_HEADS)
@@ -247,7 +235,7 @@ def call_prefetch(cfg: GemvConfig, n: int, k: int, elem_bytes: int, gated: bool 
         return gemv_stream_k.prefetch_lines(cfg)
     iters_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k)
     split_k = triton.cdiv(k, iters_per_split * cfg.block_k)
-    programs = (cfg.parts or triton.cdiv(n, cfg.block_n)) * split_k * (1 + gated)
+    programs = triton.cdiv(n, cfg.block_n) * split_k * (1 + gated)
     return prefetch_lines(cfg, programs, iters_per_split, elem_bytes)
 
 
@@ -328,10 +316,7 @@ def gemv(
     else:
         dst, strides = out, (out.stride(0), 0)
     blocks = row_blocks(cfg, rows, x.element_size(), gated, silu)
-    if cfg.parts and not cfg.supports(rows, n, k):
-        raise ValueError(f"gemv ({cfg}) cannot cut {n} rows into {cfg.parts} ranges")
-    n_programs = cfg.parts or triton.cdiv(n, cfg.block_n)
-    grid = (triton.cdiv(rows, block_m * blocks), n_programs, split_k)
+    grid = (triton.cdiv(rows, block_m * blocks), triton.cdiv(n, cfg.block_n), split_k)
     args = (x2, weight, bias if has_bias else weight, dst, rows, n, k, iters_per_split,
             x2.stride(0), weight.stride(0), *strides)  # fmt: skip
     launch = pdl.launch_options(x.device)
@@ -341,8 +326,7 @@ def gemv(
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, USE_DOT=cfg.use_dot,
         IEEE=x.dtype == torch.float32, EVEN_K=k % cfg.block_k == 0,
         HAS_BIAS=has_bias and not partial, PARTIAL=partial, SILU=silu, GATED=gated,
-        ROW_BLOCKS=blocks, n_parts=max(cfg.parts, 1), BALANCED=cfg.parts > 0,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch,
+        ROW_BLOCKS=blocks, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch,
         **rope_kw,
     )  # fmt: skip
     if cfg.tma:

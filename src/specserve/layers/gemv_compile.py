@@ -22,11 +22,11 @@ def variant_key(cfg: GemvConfig, rows: int, n: int, k: int, dtype: torch.dtype,
                 prefetch: int = 0, blocks: int = 1) -> tuple:  # fmt: skip
     """What decides which compiled Triton variant a call uses (tile, path, row block of the
     CUDA-core path, row blocks per program, `gemv_configs.row_blocks`, split or not, whether
-    K divides into blocks, weight loads, schedule, balanced ranges, dtype, and under PDL the
-    lines prefetched, `gemv.call_prefetch`, which depend on the shape)."""
+    K divides into blocks, weight loads, dtype, and under PDL the lines prefetched,
+    `gemv.call_prefetch`, which depend on the shape)."""
     bm = cfg.block_m if cfg.use_dot else max(1, 1 << (rows - 1).bit_length())
     return (bm, blocks, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages, cfg.use_dot,
-            cfg.split_k > 1, k % cfg.block_k == 0, cfg.tma, cfg.stream_k, cfg.parts > 0, dtype,
+            cfg.split_k > 1, k % cfg.block_k == 0, cfg.tma, cfg.stream_k, dtype,
             prefetch)  # fmt: skip
 
 

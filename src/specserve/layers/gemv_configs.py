@@ -26,16 +26,12 @@ class GemvConfig:
     block_m: int = 16
     tma: bool = False  # weight tiles through a tensor descriptor (matrix-unit path only)
     stream_k: bool = False  # one program per multiprocessor (gemv_stream_k.py)
-    # > 0: the N axis cut into this many ranges of equal rows (within one), one per program
-    # (times the K split), each at most block_n rows; 0: tiles of block_n rows
-    parts: int = 0
 
     def __str__(self) -> str:
         kind = f"dot m{self.block_m}" if self.use_dot else "fma"
         return (f"{kind} n{self.block_n} k{self.block_k} s{self.split_k} "
                 f"w{self.num_warps} st{self.num_stages}"
-                + (" tma" if self.tma else "") + (" sk" if self.stream_k else "")
-                + (f" p{self.parts}" if self.parts else ""))  # fmt: skip
+                + (" tma" if self.tma else "") + (" sk" if self.stream_k else ""))  # fmt: skip
 
     @property
     def max_rows(self) -> int:
@@ -50,9 +46,6 @@ class GemvConfig:
         if rows > self.max_rows or (self.tma and (not self.use_dot or k % 8)):
             return False
         if self.stream_k and (not self.use_dot or self.tma or self.split_k > 1):
-            return False
-        if self.parts and (not self.use_dot or self.tma or self.stream_k
-                           or not 0 < triton.cdiv(n, self.parts) <= self.block_n):  # fmt: skip
             return False
         return self.split_k == 1 or triton.cdiv(k, self.split_k) >= self.block_k
 
@@ -115,35 +108,6 @@ _SPLIT_EXTRA = {16: GemvConfig(32, 128, split_k=3, num_warps=2, num_stages=4),
 _STREAM_K = {32: [GemvConfig(64, 128, num_stages=4)],
              64: [GemvConfig(64, 128, num_stages=4), GemvConfig(128, 64, num_stages=4)]}
 _STREAM_K_ON = [False]
-# Balanced ranges (`GemvConfig.parts`) for the 64-row tiles: a tile whose program count is
-# not a whole number of waves on `num_sms` multiprocessors is proposed again with its rows
-# cut into exactly that many waves' programs, so no multiprocessor runs one more program
-# than another (the row block of a plain decode step at batch 64; `set_balanced`).
-_BALANCED_ROWS = 64
-_BALANCED_ON = [True]
-
-
-def set_balanced(on: bool) -> None:
-    """Propose the balanced-range tiles to selection from now on (or stop)."""
-    _BALANCED_ON[0] = bool(on)
-
-
-def balanced_enabled() -> bool:
-    return _BALANCED_ON[0]
-
-
-def balanced(cfg: GemvConfig, n: int, num_sms: int) -> GemvConfig | None:
-    """`cfg` with its N axis cut into whole waves' worth of equal ranges, or None where its
-    programs already make whole waves (or it runs no plain tiles)."""
-    if cfg.parts or cfg.stream_k or cfg.tma or not cfg.use_dot:
-        return None
-    programs = triton.cdiv(n, cfg.block_n) * cfg.split_k
-    if programs % num_sms == 0:
-        return None
-    slots = triton.cdiv(programs, num_sms) * num_sms
-    if slots % cfg.split_k:
-        return None
-    return replace(cfg, parts=slots // cfg.split_k)
 
 
 def set_stream_k(on: bool) -> None:
@@ -160,9 +124,8 @@ def candidate_configs(rows: int, n: int, k: int, num_sms: int) -> list[GemvConfi
     order of preference on a tie: the CUDA-core product for one or two rows, the unsplit
     tiles of the row block, and, for a long K (K > N: few output tiles, long rows), one
     K split that brings the program count to about one wave of `num_sms`; then the sweep's
-    split for the row block (`_SPLIT_EXTRA`: K >= N at up to 16 rows and at 64); at 64 rows,
-    each of those again with balanced ranges (`balanced`) while they are switched on; and
-    the stream-K tiles of the row blocks of 32 and 64 while they are switched on."""
+    split for the row block (`_SPLIT_EXTRA`: K >= N at up to 16 rows and at 64); and the
+    stream-K tiles of the row blocks of 32 and 64 while they are switched on."""
     bm = row_block(rows)
     tiles = ([_FMA] if rows <= 2 else []) + [replace(t, block_m=bm) for t in _TILES[bm]]
     if k > n:
@@ -174,8 +137,6 @@ def candidate_configs(rows: int, n: int, k: int, num_sms: int) -> list[GemvConfi
     extra = _SPLIT_EXTRA.get(bm)
     if extra is not None and k >= n:
         tiles.append(replace(extra, block_m=bm))
-    if _BALANCED_ON[0] and bm == _BALANCED_ROWS:
-        tiles += [b for t in tiles if (b := balanced(t, n, num_sms)) is not None]
     if _STREAM_K_ON[0]:
         tiles += [replace(t, block_m=bm, stream_k=True) for t in _STREAM_K.get(bm, ())]
     return [t for t in tiles if t.supports(rows, n, k)]
@@ -191,7 +152,7 @@ def verify_candidates(shared: GemvConfig, rows: int, n: int, k: int,
     (runtime/verify_tiles.py)."""
     out: list[GemvConfig] = []
     for t in candidate_configs(rows, n, k, num_sms):
-        if not t.use_dot or t.stream_k or t.tma or t.parts:
+        if not t.use_dot or t.stream_k or t.tma:
             continue
         t = replace(t, block_m=16, split_k=shared.split_k)
         if (t != shared and t not in out and t.supports(rows, n, k)

@@ -87,13 +87,11 @@ def rope_fits(cfg: GemvConfig, head_dim: int, k: int) -> bool:
     which the epilogue's pair split changes: on the H200 its q then differs from the plain
     tile's by an ulp) of at most ROPE_MAX_BLOCK_M rows whose columns hold whole pairs of one
     head (BLOCK_N divides head_dim), its weight rows through pointers (not a descriptor's
-    contiguous tiles), K not split, and the data-parallel schedule of head-aligned tiles (a
-    stream-K tile's sum depends on which tiles its columns share; a balanced range cuts
-    heads)."""
+    contiguous tiles), K not split, and the data-parallel schedule (a stream-K tile's sum
+    depends on which tiles its columns share)."""
     iters_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k)
     return (cfg.use_dot and cfg.block_m <= ROPE_MAX_BLOCK_M and not cfg.stream_k
-            and not cfg.parts and head_dim % cfg.block_n == 0 and cfg.block_n % 2 == 0
-            and not cfg.tma
+            and head_dim % cfg.block_n == 0 and cfg.block_n % 2 == 0 and not cfg.tma
             and triton.cdiv(k, iters_per_split * cfg.block_k) == 1)  # fmt: skip
 
 

@@ -44,7 +44,7 @@ from specserve.layers.gemv_compile import (  # noqa: F401 (compile_tasks: tests 
     compile_variants,
     variant_key,
 )
-from specserve.layers.gemv_configs import balanced_enabled, stream_k_enabled
+from specserve.layers.gemv_configs import stream_k_enabled
 from specserve.layers.gemv_plan import (  # noqa: F401 (SHARED_ROWS: callers import it here)
     ROW_BUCKETS,
     SHARED_ROWS,
@@ -224,7 +224,7 @@ class GemvSelector:
         index = torch.device(device).index
         self.measured = _MEASURED.setdefault(
             (index, self.row_buckets, self.margin, self.after_producer, self.batch_invariant,
-             stream_k_enabled(), balanced_enabled()),
+             stream_k_enabled()),
             self.measured,
         )  # fmt: skip
         biases = {key: b for key, b in (biases or {}).items() if key in shapes}

@@ -69,20 +69,19 @@ def _mac(acc, x, w, USE_DOT: tl.constexpr, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _finish(acc, acc_u, m, n, pid_s, M, N, n_end, b_ptr, out_ptr, stride_om, stride_os, head,
-            j, pos_ptr, slot_ptr, cos_sin_ptr, k_cache, v_cache, stride_cs, stride_page,
+def _finish(acc, acc_u, m, n, pid_s, M, N, b_ptr, out_ptr, stride_om, stride_os, head, j,
+            pos_ptr, slot_ptr, cos_sin_ptr, k_cache, v_cache, stride_cs, stride_page,
             stride_slot, page_size, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
             USE_DOT: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,
             GATED: tl.constexpr, ROPE: tl.constexpr, HEAD_DIM: tl.constexpr,
             Q_HEADS: tl.constexpr, K_HEADS: tl.constexpr):  # fmt: skip
-    """The epilogue of one row block `m` and the columns `n` below `n_end` (N, or where a
-    balanced range ends): partial sums to the split's workspace, or bias, rounding, GATED's
-    SiLU-and-mul and ROPE's rotary and K/V store, and the output."""
+    """The epilogue of one row block `m`: partial sums to the split's workspace, or bias,
+    rounding, GATED's SiLU-and-mul and ROPE's rotary and K/V store, and the output."""
     if not USE_DOT:
         acc = tl.sum(acc, axis=2)
         if GATED:
             acc_u = tl.sum(acc_u, axis=2)
-    ok = (m < M)[:, None] & (n < n_end)[None, :]
+    ok = (m < M)[:, None] & (n < N)[None, :]
     if PARTIAL:
         dst = out_ptr + pid_s * stride_os + m[:, None] * stride_om + n[None, :]
         tl.store(dst, acc, mask=ok)
