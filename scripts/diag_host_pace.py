@@ -159,6 +159,14 @@ def main() -> None:
         action="store_true",
         help="one more run per engine under cProfile: its top functions",
     )
+    ap.add_argument(
+        "--acceptance",
+        type=float,
+        default=2.5,
+        help="simulated mean acceptance length at K=3 (0: the random head's own, about none: "
+        "the greedy verification inside the verify graphs, as on the default model)",
+    )
+    ap.add_argument("--only", nargs="+", default=None, help="configurations by name")
     args = ap.parse_args()
     device = "cpu" if args.cpu else "cuda"
     shape = replace(SMOLLM2, num_layers=8) if args.cpu else SMOLLM2
@@ -169,7 +177,9 @@ def main() -> None:
                 max_num_batched_tokens=4096, max_model_len=4096)  # fmt: skip
     # mean acceptance length 2.5 at K=3: about the shipped head's real rate (~0.7 a draft)
     spec = dict(speculative_algorithm="eagle3", speculative_draft_model_path=str(head),
-                speculative_num_steps=3, speculative_simulate_acceptance=2.5)  # fmt: skip
+                speculative_num_steps=3)  # fmt: skip
+    if args.acceptance:
+        spec["speculative_simulate_acceptance"] = args.acceptance
     configs = [
         ("plain", {"speculative_algorithm": "none"}),
         ("eagle3 K=3 fixed", {**spec, "speculative_policy": "fixed"}),
@@ -180,6 +190,8 @@ def main() -> None:
     ]
     if args.fixed_only:
         configs = [(f"eagle3 K=3 fixed #{i}", configs[1][1]) for i in range(args.fixed_only)]
+    if args.only:
+        configs = [(name, extra) for name, extra in configs if name in args.only]
     results, profiles = {}, {}
     for name, extra in configs:
         engine = LLMEngine(EngineConfig(**base, **extra), model=model)
@@ -205,9 +217,9 @@ def main() -> None:
             run(engine, args.batch, args.prompt_len, args.new_tokens, seed=7)
             prof.disable()
             text = io.StringIO()
-            pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(25)
+            pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(40)
             profiles[name] = text.getvalue()
-            print(profiles[name][-4000:], flush=True)
+            print(profiles[name][-7000:], flush=True)
         gc.unfreeze()
         del engine
         gc.collect()
