@@ -39,6 +39,8 @@ from gpu_engine_bench import LLAMA_8B, random_head, random_model  # noqa: E402
 
 from specserve.config import EngineConfig  # noqa: E402
 from specserve.engine.engine import LLMEngine  # noqa: E402
+from specserve.engine.step_loop import StepLoop  # noqa: E402
+from specserve.runtime import packing  # noqa: E402
 from specserve.sampling_params import SamplingParams  # noqa: E402
 
 SMOLLM2 = replace(LLAMA_8B, vocab_size=49152, hidden_size=576, intermediate_size=1536,
@@ -167,6 +169,13 @@ def main() -> None:
         "the greedy verification inside the verify graphs, as on the default model)",
     )
     ap.add_argument("--only", nargs="+", default=None, help="configurations by name")
+    ap.add_argument(
+        "--ab-host",
+        action="store_true",
+        help="each configuration twice in a row, the second with the host paths of before "
+        "session 16 (timing events made anew each step, a shifted step's positions through "
+        "torch operations: packing.SHIFT_KERNEL, StepLoop.REUSE_EVENTS)",
+    )
     args = ap.parse_args()
     device = "cpu" if args.cpu else "cuda"
     shape = replace(SMOLLM2, num_layers=8) if args.cpu else SMOLLM2
@@ -192,8 +201,13 @@ def main() -> None:
         configs = [(f"eagle3 K=3 fixed #{i}", configs[1][1]) for i in range(args.fixed_only)]
     if args.only:
         configs = [(name, extra) for name, extra in configs if name in args.only]
+    if args.ab_host:
+        configs = [c for name, extra in configs
+                   for c in ((name, extra), (f"{name} (host baseline)", extra))]  # fmt: skip
     results, profiles = {}, {}
     for name, extra in configs:
+        baseline = name.endswith("(host baseline)")
+        packing.SHIFT_KERNEL = StepLoop.REUSE_EVENTS = not baseline
         engine = LLMEngine(EngineConfig(**base, **extra), model=model)
         run(engine, args.batch, args.prompt_len, 16, seed=99)  # warm-up: first-use compiles
         gc.collect()

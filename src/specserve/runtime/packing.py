@@ -128,6 +128,13 @@ def upload(lists: list[list[int]], device: torch.device) -> list[torch.Tensor]:
 # loop ~0.15 us a token and ~0.5 us a segment; a 2048-token prefill packs in 117 us
 # instead of 324, a 256-token verify step of 64 requests costs the same either way).
 VECTOR_MIN_TOKENS = 512
+# On CUDA a shifted step's positions, slots and lengths are moved in one kernel
+# (runtime/shift_kernel.py) instead of about ten torch operations (False: the torch path)
+SHIFT_KERNEL = True
+
+
+def use_shift_kernel(device: torch.device) -> bool:
+    return SHIFT_KERNEL and device.type == "cuda"
 
 
 def positions_and_slots(segments: list[Segment], tables: list[int], max_pages: int,
@@ -204,7 +211,11 @@ def pack(
             [input_ids, positions, slots, starts, seq_lens, tables, owner], device
         )
     tables_t = tables_t.view(len(segments), max_pages)
-    if shift is not None:
+    if shift is not None and use_shift_kernel(device):
+        from specserve.runtime.shift_kernel import shift_in_place
+
+        shift_in_place(pos_t, slots_t, owner_t, shift, tables_t, lens_t, page_size)
+    elif shift is not None:
         padded = any(s.pad for s in segments)
         rows = owner_t.clamp(min=0) if padded else owner_t
         pos_t += shift[rows]  # padding repeats its segment's last position: shifted too
