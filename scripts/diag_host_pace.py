@@ -39,7 +39,6 @@ from gpu_engine_bench import LLAMA_8B, random_head, random_model  # noqa: E402
 
 from specserve.config import EngineConfig  # noqa: E402
 from specserve.engine.engine import LLMEngine  # noqa: E402
-from specserve.engine.step_loop import StepLoop  # noqa: E402
 from specserve.runtime import packing  # noqa: E402
 from specserve.sampling_params import SamplingParams  # noqa: E402
 
@@ -172,9 +171,8 @@ def main() -> None:
     ap.add_argument(
         "--ab-host",
         action="store_true",
-        help="each configuration twice in a row, the second with the host paths of before "
-        "session 16 (timing events made anew each step, a shifted step's positions through "
-        "torch operations: packing.SHIFT_KERNEL, StepLoop.REUSE_EVENTS)",
+        help="each configuration twice in a row, the second with a shifted step's positions "
+        "moved through torch operations as before session 16 (packing.SHIFT_KERNEL False)",
     )
     args = ap.parse_args()
     device = "cpu" if args.cpu else "cuda"
@@ -207,7 +205,7 @@ def main() -> None:
     results, profiles = {}, {}
     for name, extra in configs:
         baseline = name.endswith("(host baseline)")
-        packing.SHIFT_KERNEL = StepLoop.REUSE_EVENTS = not baseline
+        packing.SHIFT_KERNEL = not baseline
         engine = LLMEngine(EngineConfig(**base, **extra), model=model)
         run(engine, args.batch, args.prompt_len, 16, seed=99)  # warm-up: first-use compiles
         gc.collect()

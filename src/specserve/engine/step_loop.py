@@ -56,8 +56,6 @@ if TYPE_CHECKING:
 class StepLoop:
     """Runs an engine's steps; `overlap` keeps one step in flight between calls."""
 
-    REUSE_EVENTS = True  # False: three new timing events a step (for host-cost A/Bs)
-
     def __init__(self, engine: LLMEngine, overlap: bool):
         self.engine = engine
         self.overlap = overlap
@@ -65,11 +63,6 @@ class StepLoop:
         self.times = StepTimes()
         self._timed = engine.kv.pool.device.type == "cuda"
         self._last_end = None  # CUDA event: end of the last processed step's device work
-        # Timing events whose times were read, recorded again by later steps: creating three
-        # events a step and looking up the current stream at each record cost the host tens
-        # of microseconds a step on the H200's host (diag_host_pace.py --profile)
-        self._free_events: list = []
-        self._stream = None  # the stream steps run on, looked up once a step
         self._idle = True
         self.num_waits = 0  # steps launched only after the previous step's tokens were read
         self.wait_reasons: Counter[str] = Counter()  # why (`_wait_reason`) -> steps
@@ -172,11 +165,10 @@ class StepLoop:
         # Device timeline: a step starts with its first real work (drafting, else the
         # forward), so host work that leaves the device idle counts in the gap before it.
         events = self._events()
-        stream = self._stream
         t0 = time.perf_counter()
         if drafting:
             if events is not None:
-                events[0].record(stream)
+                events[0].record()
             if inflight is not None:
                 spec.proposer.propose(drafting, inflight)
             else:
@@ -186,8 +178,8 @@ class StepLoop:
         step_input = runner.prepare(batch, inflight)
         if events is not None:
             if not drafting:  # the step starts with the forward: before its event
-                events[0].record(stream)
-            events[1].record(stream)
+                events[0].record()
+            events[1].record()
         hidden, aux = runner.forward(step_input, spec.aux_layer_ids if spec else ())
         sampled = runner.sample_async(step_input, hidden, spec.simulate_rate if spec else None)
         # Taken now: graph outputs are overwritten by the next step's replay.
@@ -216,20 +208,13 @@ class StepLoop:
         )  # fmt: skip
         self._idle = False
         if events is not None:
-            events[2].record(stream)
+            events[2].record()
         return launched
 
     def _events(self):
-        """Three timing events for the next step (reused once read), and its stream."""
         if not self._timed:
             return None
-        if not self.REUSE_EVENTS:  # as before: each record looks up the current stream
-            self._stream = None
-            return tuple(torch.cuda.Event(enable_timing=True) for _ in range(3))
-        self._stream = torch.cuda.current_stream()
-        free = self._free_events
-        return tuple(free.pop() if free else torch.cuda.Event(enable_timing=True)
-                     for _ in range(3))  # fmt: skip
+        return tuple(torch.cuda.Event(enable_timing=True) for _ in range(3))
 
     def _commit_drafter(self, step: LaunchedStep, items: list[ScheduledRequest],
                         accepted: list[int]) -> None:
@@ -311,17 +296,12 @@ class StepLoop:
         if step.events is None:
             return step.host_ms
         start, target_start, end = step.events
-        step.events = None  # read once: its events are recorded again by later steps
         end.synchronize()
         target_ms = target_start.elapsed_time(end)
         self.times.step_ms.append(start.elapsed_time(end))
         self.times.target_ms.append(target_ms)
         if self._last_end is not None and not step.after_idle:
             self.times.gap_ms.append(self._last_end.elapsed_time(start))
-        if self.REUSE_EVENTS:  # every time read: free to record again
-            self._free_events += (start, target_start)
-            if self._last_end is not None:
-                self._free_events.append(self._last_end)
         self._last_end = end
         return target_ms
 
