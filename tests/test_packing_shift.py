@@ -51,19 +51,23 @@ def mismatches(device: str, seed: int = 0) -> list[str]:
 
     from specserve.runtime import packing
 
-    out = []
-    for name, (n, tokens, pad) in CASES.items():
-        segments, shift = _case(n, tokens, pad, seed + len(name))
-        dev = torch.device(device)
-        results = []
-        for kernel in (False, True):
-            packing.use_shift_kernel = lambda _device, _k=kernel: _k
-            ids, meta, last = packing.pack(copy.deepcopy(segments), PAGE, dev, shift.to(dev))
-            results.append([t.cpu().tolist() for t in (ids, meta.positions, meta.slot_mapping,
-                                                        meta.seq_lens, meta.query_start_loc,
-                                                        meta.block_tables)] + [last])
-        if results[0] != results[1]:
-            out.append(name)
+    out, chooser = [], packing.use_shift_kernel
+    try:
+        for name, (n, tokens, pad) in CASES.items():
+            segments, shift = _case(n, tokens, pad, seed + len(name))
+            dev = torch.device(device)
+            results = []
+            for kernel in (False, True):
+                packing.use_shift_kernel = lambda _device, _k=kernel: _k
+                ids, meta, last = packing.pack(copy.deepcopy(segments), PAGE, dev,
+                                               shift.to(dev))  # fmt: skip
+                tensors = (ids, meta.positions, meta.slot_mapping, meta.seq_lens,
+                           meta.query_start_loc, meta.block_tables)  # fmt: skip
+                results.append([t.cpu().tolist() for t in tensors] + [last])
+            if results[0] != results[1]:
+                out.append(name)
+    finally:
+        packing.use_shift_kernel = chooser
     return out
 
 
