@@ -4,8 +4,9 @@
 # $OUT/gpu_tests/summary.txt. A device call may run 600 s, so the files come in four groups
 # of at most 520 s of limits each: one call per group (group 3, test_gemv, compiles every
 # GEMV candidate: run it when the GEMV kernel or its candidates change; group 4 holds the
-# attention, argmax and small fused kernels, and the verify tiles' search). The device has no
-# openai/uvicorn (the server tests are not GPU tests). Usage on the device (repository root):
+# attention, argmax and small fused kernels, the verify tiles' search and the shift kernel).
+# The device has no openai/uvicorn (the server tests are not GPU tests). Usage on the device
+# (repository root):
 #   PYTHONPATH=src bash scripts/gpu_tests.sh 1          # group 1 (then: ... gpu_tests.sh 2)
 #   PYTHONPATH=src bash scripts/gpu_tests.sh test_cuda_graphs.py test_pdl_gpu.py   # 150 s each
 #   PYTHONPATH=src bash scripts/gpu_tests.sh test_pdl_gpu.py:330 test_plan_tuning.py:80
@@ -19,13 +20,14 @@ export HF_HUB_OFFLINE=1
 # added the rope epilogue cases to pdl_gpu; session 11 on the H200: pdl_gpu 227 s,
 # plan_tuning 35, gemv_stream_k 12-43, cuda_graphs 9, spec_host_paths 7, drafter_graphs 32,
 # feature_graphs 65, overlap_gpu 70; session 13: verify_tiles 56, triton_attention 62;
-# session 14: pdl_gpu over 300 (17 of its 18 tests), overlap_gpu 114, triton_attention 91)
+# session 14: pdl_gpu over 300 (17 of its 18 tests), overlap_gpu 114, triton_attention 91;
+# session 16: packing_shift 4 s)
 group1=(test_pdl_gpu.py:380 test_gemv_stream_k.py:90 test_cuda_graphs.py:40)
 group2=(test_plan_tuning.py:80 test_drafter_graphs.py:100 test_feature_graphs.py:130
         test_overlap_gpu.py:150 test_spec_host_paths.py:40)
 group3=(test_gemv.py:520)
 group4=(test_triton_attention.py:100 test_argmax.py:90 test_triton_ops.py:60
-        test_verify_tiles.py:120)
+        test_verify_tiles.py:120 test_packing_shift.py:60)
 case "${1:-}" in
   1) files=("${group1[@]}") ;;
   2) files=("${group2[@]}") ;;
