@@ -372,7 +372,8 @@ def main() -> None:
         for r in res["rows"]:
             base = plain[r["batch"]]
             cell = f"{r['output_tok_s']} ({r['output_tok_s'] / base['output_tok_s']:.2f}x"
-            paired = paired_ratio(r, base)
+            # (one engine after another, --sequential: a pair's runs are minutes apart)
+            paired = None if args.sequential else paired_ratio(r, base)
             if paired is not None:
                 r["x_plain_paired"] = paired
                 cell += f"; paired {paired:.2f}x"

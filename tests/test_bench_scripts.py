@@ -45,6 +45,28 @@ def test_gpu_engine_bench_reports_whole_run_and_full_batch_rates(tmp_path):
     assert len(speculative) == 2 and all("x)" in line for line in speculative)
 
 
+def test_paired_ratio_pairs_each_repeat_with_plains_run_of_that_repeat():
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        from gpu_default_bench import paired_ratio
+    finally:
+        sys.path.remove(str(REPO / "scripts"))
+
+    def row(*runs):  # (start second, tok/s) of each run, out of run order
+        return {"runs_started_s_tok_s": sorted(runs, key=lambda run: run[1])}
+
+    plain = row((0.0, 100.0), (10.0, 50.0), (20.0, 100.0), (30.0, 100.0))  # a slow stretch
+    spec = row((1.0, 150.0), (11.0, 60.0), (21.0, 140.0), (31.0, 130.0))  # at 10 s
+    # per repeat 1.5, 1.2, 1.4, 1.3: their median 1.35 (the reported median runs, the
+    # third of four by rate, give 140 against 100: 1.40)
+    assert paired_ratio(spec, plain) == 1.35
+    spec = row((1.0, 150.0), (11.0, 60.0), (21.0, 140.0))
+    plain = row((0.0, 100.0), (10.0, 50.0), (20.0, 100.0))
+    assert paired_ratio(spec, plain) == 1.4  # odd count: the middle ratio (1.2, 1.4, 1.5)
+    assert paired_ratio(row((1.0, 150.0)), row((0.0, 100.0))) is None  # one run
+    assert paired_ratio(spec, row((0.0, 100.0), (10.0, 50.0))) is None  # unpaired
+
+
 def test_gpu_default_bench_interleaves_engines_and_speculation_equals_own_plain(tmp_path):
     # the default model (embedded GGUF) and its shipped head on the CPU (`--smoke`: batches
     # 1 and 2, a few tokens, two runs at batch 2; plain, fixed K=3 and goodput); every

@@ -94,11 +94,16 @@ def test_the_cases_shift_across_page_ends_and_pad():
     crossed = padded = 0
     for name, (n, tokens, pad) in CASES.items():
         segments, shift = _case(n, tokens, pad, len(name))
-        _, meta, _ = pack(segments, PAGE, torch.device("cpu"), shift)
+        _, meta, last_rows = pack(segments, PAGE, torch.device("cpu"), shift)
         _, base, _ = pack(segments, PAGE, torch.device("cpu"), None)
         crossed += int(((meta.positions // PAGE) != (base.positions // PAGE)).sum())
         padded += sum(s.pad for s in segments)
         assert torch.equal(meta.seq_lens, base.seq_lens + shift)
+        # padding repeats its own segment's last position, moved by that segment's shift
+        for s, last in zip(segments, last_rows):
+            rows = meta.positions[last + 1 : last + 1 + s.pad]
+            assert torch.equal(rows, meta.positions[last].expand(s.pad))
+            assert torch.all(meta.slot_mapping[last + 1 : last + 1 + s.pad] == 0)
     assert crossed > 0 and padded > 0
 
 

@@ -139,9 +139,10 @@ def use_shift_kernel(device: torch.device) -> bool:
 
 def positions_and_slots(segments: list[Segment], tables: list[int], max_pages: int,
                         page_size: int, pads: list[int] | None = None):  # fmt: skip
-    """Each token's position, KV slot and segment (-1: padding), as numpy arrays: what
-    pack's loop computes, vectorized for large steps. `tables`: the segments' page tables,
-    each padded to max_pages; `pads`: padding per segment (default: each one's `pad`)."""
+    """Each token's position, KV slot and segment (~segment, below 0: padding of that
+    segment), as numpy arrays: what pack's loop computes, vectorized for large steps.
+    `tables`: the segments' page tables, each padded to max_pages; `pads`: padding per
+    segment (default: each one's `pad`)."""
     n = len(segments)
     lens = np.fromiter((len(s.token_ids) for s in segments), np.int64, n)
     if pads is None:
@@ -155,7 +156,7 @@ def positions_and_slots(segments: list[Segment], tables: list[int], max_pages: i
     positions = starts[seg] + np.minimum(j, seg_lens - 1)  # padding: the last position
     page = np.asarray(tables, np.int64).reshape(n, max_pages)[seg, positions // page_size]
     slots = np.where(real, page * page_size + positions % page_size, 0)
-    return positions, slots, np.where(real, seg, -1)
+    return positions, slots, np.where(real, seg, ~seg)
 
 
 def pack(
@@ -206,7 +207,7 @@ def pack(
                 positions += [end - 1] * s.pad
                 slots += [0] * s.pad
             if shift is not None:
-                owner += [b] * len(s.token_ids) + [-1] * s.pad  # -1: padding
+                owner += [b] * len(s.token_ids) + [~b] * s.pad  # ~b: b's padding
         ids_t, pos_t, slots_t, starts_t, lens_t, tables_t, owner_t = upload(
             [input_ids, positions, slots, starts, seq_lens, tables, owner], device
         )
@@ -217,7 +218,7 @@ def pack(
         shift_in_place(pos_t, slots_t, owner_t, shift, tables_t, lens_t, page_size)
     elif shift is not None:
         padded = any(s.pad for s in segments)
-        rows = owner_t.clamp(min=0) if padded else owner_t
+        rows = torch.where(owner_t >= 0, owner_t, ~owner_t) if padded else owner_t
         pos_t += shift[rows]  # padding repeats its segment's last position: shifted too
         page = tables_t[rows, (pos_t // page_size).clamp(max=max_pages - 1)]
         slots_t = page * page_size + pos_t % page_size

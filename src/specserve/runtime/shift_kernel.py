@@ -18,13 +18,16 @@ import triton.language as tl
 BLOCK = 256
 
 
-@triton.jit
+# The step's tensors are views into one upload (their alignment changes step to step) and
+# its sizes change with the batch: none is specialized on, so no step waits for a compile.
+@triton.jit(do_not_specialize=["pos_ptr", "slot_ptr", "owner_ptr", "shift_ptr", "tables_ptr",
+                               "lens_ptr", "T", "B", "max_pages", "stride_table"])  # fmt: skip
 def _shift_kernel(pos_ptr, slot_ptr, owner_ptr, shift_ptr, tables_ptr, lens_ptr, T, B,
                   max_pages, stride_table, page_size, BLOCK: tl.constexpr):  # fmt: skip
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = i < T
     owner = tl.load(owner_ptr + i, mask=ok, other=0)
-    row = tl.maximum(owner, 0)  # padding (-1) reads segment 0's shift, as the torch path
+    row = tl.where(owner >= 0, owner, -owner - 1)  # padding of segment b: ~b
     pos = tl.load(pos_ptr + i, mask=ok, other=0) + tl.load(shift_ptr + row, mask=ok, other=0)
     page_index = tl.minimum(pos // page_size, max_pages - 1)
     page = tl.load(tables_ptr + row * stride_table + page_index, mask=ok, other=0)
@@ -39,9 +42,10 @@ def _shift_kernel(pos_ptr, slot_ptr, owner_ptr, shift_ptr, tables_ptr, lens_ptr,
 def shift_in_place(positions: torch.Tensor, slots: torch.Tensor, owner: torch.Tensor,
                    shift: torch.Tensor, tables: torch.Tensor, seq_lens: torch.Tensor,
                    page_size: int) -> None:  # fmt: skip
-    """positions [T] += shift[owner]; slots [T] from `tables` [B, max_pages] at the new
-    positions (0 where owner is -1, padding); seq_lens [B] += shift [B]. All int64, in place
-    (slots' old values are not read)."""
+    """positions [T] += shift[row]; slots [T] from `tables` [B, max_pages] at the new
+    positions (0 for padding); seq_lens [B] += shift [B], where `owner` [T] holds each
+    token's segment row, ~row for its padding. All int64, in place (slots' old values are
+    not read)."""
     n, b = positions.shape[0], seq_lens.shape[0]
     if n == 0 and b == 0:
         return
