@@ -18,6 +18,7 @@ from specserve.layers import pdl
 from specserve.layers.attention import get_backend
 from specserve.model.llama import LlamaForCausalLM
 from specserve.model.loader import load_config, load_model, load_tokenizer, resolve_model
+from specserve.runtime import packing
 from specserve.runtime.model_runner import ModelRunner
 from specserve.sampling_params import SamplingParams
 from specserve.spec.speculator import Speculator
@@ -101,6 +102,10 @@ class LLMEngine:
         if device.type == "cuda":  # compile every attention variant now, not mid-serving
             self.runner.backend.warm_up(self.model_config.num_heads, self.kv.layers[0])
         self.spec = Speculator(self) if config.speculative_algorithm else None
+        if self.spec is not None and packing.use_shift_kernel(device):
+            from specserve.runtime import shift_kernel
+
+            shift_kernel.warm_up(device)  # (overlapped steps after drafting ones shift)
         self.plan_tuning = None  # what whole-step GEMV tuning changed (CUDA graphs only)
         self.verify_tiles = None  # the verify steps' own GEMV tiles (runtime/verify_tiles.py)
         if device.type == "cuda" and not config.disable_cuda_graph:

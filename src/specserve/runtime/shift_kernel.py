@@ -21,7 +21,8 @@ BLOCK = 256
 # The step's tensors are views into one upload (their alignment changes step to step) and
 # its sizes change with the batch: none is specialized on, so no step waits for a compile.
 @triton.jit(do_not_specialize=["pos_ptr", "slot_ptr", "owner_ptr", "shift_ptr", "tables_ptr",
-                               "lens_ptr", "T", "B", "max_pages", "stride_table"])  # fmt: skip
+                               "lens_ptr", "T", "B", "max_pages", "stride_table",
+                               "page_size"])  # fmt: skip
 def _shift_kernel(pos_ptr, slot_ptr, owner_ptr, shift_ptr, tables_ptr, lens_ptr, T, B,
                   max_pages, stride_table, page_size, BLOCK: tl.constexpr):  # fmt: skip
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -52,3 +53,11 @@ def shift_in_place(positions: torch.Tensor, slots: torch.Tensor, owner: torch.Te
     grid = (triton.cdiv(max(n, b), BLOCK),)
     _shift_kernel[grid](positions, slots, owner, shift, tables, seq_lens, n, b,
                         tables.shape[1], tables.stride(0), page_size, BLOCK=BLOCK)  # fmt: skip
+
+
+def warm_up(device: torch.device) -> None:
+    """Compile the kernel now (engine start-up), not at the first shifted step: its one
+    variant serves every step (it specializes on no input)."""
+    i64 = dict(dtype=torch.int64, device=device)
+    one = [torch.zeros(1, **i64) for _ in range(5)]
+    shift_in_place(one[0], one[1], one[2], one[3], torch.zeros(1, 1, **i64), one[4], 16)
