@@ -167,6 +167,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("mlp"))
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds of every mode")
     ap.add_argument("--gate-up", default="128,64,4,4", help="engine tile: n,k,warps,stages")
     ap.add_argument("--down", default="64,128,2,4,5", help="engine tile: n,k,split,warps,st")
     ap.add_argument("--tiles", default="64,64,64,128,3", help="probe: bn1,bk1,bn2,bk2,stages")
@@ -218,14 +219,15 @@ def main() -> None:
     result["max_rel_diff_vs_engine"] = checks
     times: dict[str, list[float]] = {m: [] for m in ("engine", "two", "fused",
                                                      "fused, no prefetch")}  # fmt: skip
-    for _ in range(3):  # interleaved rounds
+    for _ in range(args.rounds):  # interleaved
         times["engine"].append(time_graph(engine, args.layers, args.reps))
         for mode in ("two", "fused", "fused, no prefetch"):
             times[mode].append(time_graph(probe(mode), args.layers, args.reps))
     result["us_per_layer"] = {m: [round(t, 2) for t in v] for m, v in times.items()}
     print(json.dumps(result, indent=1))
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "persistent_mlp_probe.json").write_text(json.dumps(result, indent=1))
+    name = "persistent_mlp_probe_" + args.tiles.replace(",", "_") + ".json"
+    (args.out / name).write_text(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":
