@@ -39,7 +39,7 @@ from gpu_engine_bench import LLAMA_8B, random_head, random_model  # noqa: E402
 
 from specserve.config import EngineConfig  # noqa: E402
 from specserve.engine.engine import LLMEngine  # noqa: E402
-from specserve.runtime import packing  # noqa: E402
+from specserve.runtime import cuda_graphs, packing  # noqa: E402
 from specserve.sampling_params import SamplingParams  # noqa: E402
 
 SMOLLM2 = replace(LLAMA_8B, vocab_size=49152, hidden_size=576, intermediate_size=1536,
@@ -174,6 +174,13 @@ def main() -> None:
         help="each configuration twice in a row, the second with a shifted step's positions "
         "moved through torch operations as before session 16 (packing.SHIFT_KERNEL False)",
     )
+    ap.add_argument(
+        "--ab-stage",
+        action="store_true",
+        help="each configuration twice in a row, the second with the step copied into the "
+        "graphs' static buffers through torch operations as before session 17 "
+        "(cuda_graphs.STAGE_KERNEL False)",
+    )
     args = ap.parse_args()
     device = "cpu" if args.cpu else "cuda"
     shape = replace(SMOLLM2, num_layers=8) if args.cpu else SMOLLM2
@@ -202,10 +209,13 @@ def main() -> None:
     if args.ab_host:
         configs = [c for name, extra in configs
                    for c in ((name, extra), (f"{name} (host baseline)", extra))]  # fmt: skip
+    if args.ab_stage:
+        configs = [c for name, extra in configs
+                   for c in ((name, extra), (f"{name} (torch staging)", extra))]  # fmt: skip
     results, profiles = {}, {}
     for name, extra in configs:
-        baseline = name.endswith("(host baseline)")
-        packing.SHIFT_KERNEL = not baseline
+        packing.SHIFT_KERNEL = not name.endswith("(host baseline)")
+        cuda_graphs.STAGE_KERNEL = not name.endswith("(torch staging)")
         engine = LLMEngine(EngineConfig(**base, **extra), model=model)
         run(engine, args.batch, args.prompt_len, 16, seed=99)  # warm-up: first-use compiles
         gc.collect()

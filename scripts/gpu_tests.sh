@@ -27,7 +27,7 @@ group2=(test_plan_tuning.py:80 test_drafter_graphs.py:100 test_feature_graphs.py
         test_overlap_gpu.py:150 test_spec_host_paths.py:40)
 group3=(test_gemv.py:520)
 group4=(test_triton_attention.py:100 test_argmax.py:90 test_triton_ops.py:60
-        test_verify_tiles.py:120 test_packing_shift.py:60)
+        test_verify_tiles.py:120 test_packing_shift.py:60 test_graph_staging.py:60)
 case "${1:-}" in
   1) files=("${group1[@]}") ;;
   2) files=("${group2[@]}") ;;

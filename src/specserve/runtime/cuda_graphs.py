@@ -27,6 +27,14 @@ from specserve.layers.attention import AttentionBackend, AttentionMetadata
 
 KVLayers = list[tuple[torch.Tensor, torch.Tensor]]
 
+# On CUDA a step is copied into the static buffers by one kernel (runtime/stage_kernel.py)
+# instead of up to ten torch operations (False: the torch path)
+STAGE_KERNEL = True
+
+
+def use_stage_kernel(device: torch.device) -> bool:
+    return STAGE_KERNEL and device.type == "cuda"
+
 
 @dataclass(frozen=True)
 class CaptureReport:
@@ -204,8 +212,7 @@ class CudaGraphRunner:
 
     @property
     def static_bytes(self) -> int:
-        bufs = [self.input_ids, self.positions, self.slot_mapping, self.seq_lens,
-                self.block_tables, *self.query_start.values()]  # fmt: skip
+        bufs = [*self.static_inputs, *self.query_start.values()]
         return sum(b.numel() * b.element_size() for b in bufs)
 
     def keys(self) -> list[tuple[int, int]]:
@@ -259,15 +266,19 @@ class CudaGraphRunner:
         self._graphs = {key: (graph, *out) for key, (graph, out) in graphs.items()}
         return self.report
 
-    @torch.inference_mode()
-    def run(
-        self, input_ids: torch.Tensor, meta: AttentionMetadata
-    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """Copy the step into the static buffers (padding the batch to its bucket), replay
-        its graph; return the hidden states (and aux hidden states, unless the graph gave
-        them to `feature_writer`) of the real tokens."""
-        num_requests, q = meta.num_requests, meta.max_query_len
-        n, batch = num_requests * q, self.bucket_for(num_requests)
+    @property
+    def static_inputs(self) -> tuple[torch.Tensor, ...]:
+        """The buffers a step is copied into: token ids, positions, KV slots, sequence
+        lengths, page tables."""
+        return (self.input_ids, self.positions, self.slot_mapping, self.seq_lens,
+                self.block_tables)  # fmt: skip
+
+    def _stage_torch(self, input_ids: torch.Tensor, meta: AttentionMetadata, batch: int,
+                     q: int) -> None:  # fmt: skip
+        """`run`'s copy of the step into the static buffers, padded to `batch` requests,
+        through torch (a launch per copy and per fill)."""
+        num_requests = meta.num_requests
+        n = num_requests * q
         self.input_ids[:n].copy_(input_ids, non_blocking=True)
         self.positions[:n].copy_(meta.positions, non_blocking=True)
         self.slot_mapping[:n].copy_(meta.slot_mapping, non_blocking=True)
@@ -281,6 +292,23 @@ class CudaGraphRunner:
             self.slot_mapping[padded] = 0
             self.seq_lens[num_requests:batch] = 1
             self.block_tables[num_requests:batch, 0] = 0
+
+    @torch.inference_mode()
+    def run(
+        self, input_ids: torch.Tensor, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Copy the step into the static buffers (padding the batch to its bucket), replay
+        its graph; return the hidden states (and aux hidden states, unless the graph gave
+        them to `feature_writer`) of the real tokens."""
+        num_requests, q = meta.num_requests, meta.max_query_len
+        n, batch = num_requests * q, self.bucket_for(num_requests)
+        if use_stage_kernel(input_ids.device):  # one launch (runtime/stage_kernel.py)
+            from specserve.runtime.stage_kernel import stage
+
+            stage(input_ids, meta.positions, meta.slot_mapping, meta.seq_lens,
+                  meta.block_tables, self.static_inputs, batch, q)  # fmt: skip
+        else:
+            self._stage_torch(input_ids, meta, batch, q)
         if self.use_graphs:
             graph, hidden, aux, head = self._graphs[(batch, q)]
             graph.replay()

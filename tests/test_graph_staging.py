@@ -1,0 +1,135 @@
+"""A step's copy into the target graphs' static input buffers (runtime/cuda_graphs.py
+`CudaGraphRunner.run`): the one-kernel path (runtime/stage_kernel.py, CUDA's) writes what the
+torch path writes, and nothing else, through the Triton interpreter on the CPU (decode and
+verify steps, batches padded to a bucket or not, long page tables, steps packed at any
+offset of their upload) and on a GPU (`-m gpu`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+PAGE = 4
+MAX_BATCH, MAX_Q, MAX_PAGES = 160, 4, 96
+CASES = {  # name: (requests, tokens each, bucket)
+    "decode-1": (1, 1, 1),
+    "decode-5-in-8": (5, 1, 8),
+    "verify-3x4-in-4": (3, 4, 4),
+    "verify-8x4": (8, 4, 8),
+    "decode-13-in-16-long": (13, 1, 16),
+    "verify-130x4-in-160": (130, 4, 160),  # 520 tokens: pack's numpy branch
+}
+
+
+def _step(requests: int, tokens: int, seed: int, device: torch.device):
+    """A packed step (packing.pack, as the engine uploads it) of `requests` segments of
+    `tokens` tokens at random starts, with random page tables."""
+    from specserve.runtime.packing import Segment, pack
+
+    rng = random.Random(seed)
+    segments = []
+    for _ in range(requests):
+        start = rng.randint(0, 300)
+        pages = -(-(start + tokens) // PAGE)
+        table = rng.sample(range(1, 400), pages)
+        segments.append(Segment(table, start, [rng.randint(0, 999) for _ in range(tokens)]))
+    ids, meta, _ = pack(segments, PAGE, device)
+    return ids, meta
+
+
+def _buffers(device: torch.device):
+    """Static buffers as the runner holds them, filled with a marker the copy must keep
+    wherever it does not write."""
+    i64 = dict(dtype=torch.int64, device=device)
+    return SimpleNamespace(
+        input_ids=torch.full((MAX_BATCH * MAX_Q,), -7, **i64),
+        positions=torch.full((MAX_BATCH * MAX_Q,), -7, **i64),
+        slot_mapping=torch.full((MAX_BATCH * MAX_Q,), -7, **i64),
+        seq_lens=torch.full((MAX_BATCH,), -7, **i64),
+        block_tables=torch.full((MAX_BATCH, MAX_PAGES), -7, **i64),
+    )
+
+
+def mismatches(device: str, seed: int = 0) -> list[str]:
+    """Cases whose kernel path leaves any static buffer different from the torch path."""
+    from specserve.runtime.cuda_graphs import CudaGraphRunner
+    from specserve.runtime.stage_kernel import stage
+
+    dev, out = torch.device(device), []
+    for name, (requests, tokens, bucket) in CASES.items():
+        ids, meta = _step(requests, tokens, seed + len(name), dev)
+        torch_path, kernel_path = _buffers(dev), _buffers(dev)
+        CudaGraphRunner._stage_torch(torch_path, ids, meta, bucket, tokens)
+        static = (kernel_path.input_ids, kernel_path.positions, kernel_path.slot_mapping,
+                  kernel_path.seq_lens, kernel_path.block_tables)  # fmt: skip
+        stage(ids, meta.positions, meta.slot_mapping, meta.seq_lens, meta.block_tables,
+              static, bucket, tokens)  # fmt: skip
+        for key in vars(torch_path):
+            if not torch.equal(getattr(torch_path, key), getattr(kernel_path, key)):
+                out.append(f"{name}: {key}")
+    return out
+
+
+def run_cases() -> dict:
+    from specserve.runtime import stage_kernel
+    from tests.specialization_run import KEYS, install
+
+    install()  # records each launch's compile key (what Triton's JIT would compile)
+    try:
+        stage_kernel.warm_up(torch.device("cpu"))  # as engine start-up does on CUDA
+        startup = set(KEYS)
+        found = mismatches("cpu")
+        new = [repr(k) for k in KEYS if k not in startup]
+        return {"mismatches": found, "new_variants": new}
+    except Exception as e:  # reported by the test
+        return {"mismatches": f"{type(e).__name__}: {e}"}
+
+
+# the interpreter run (module, timeout) whose results the `interpreter_results` fixture gives
+INTERPRETER = ("tests.test_graph_staging", 300)
+
+
+def test_interpreter_stage_kernel_writes_what_the_torch_path_writes(interpreter_results):
+    assert interpreter_results["mismatches"] == []
+
+
+def test_interpreter_no_step_compiles_a_variant_start_up_did_not(interpreter_results):
+    # the step's tensors are views into one upload at any alignment, and its sizes vary
+    assert interpreter_results["new_variants"] == []
+
+
+def test_the_cases_pad_and_reach_past_one_block():
+    # what the kernel must get right: padded requests (length 1, first page 0, zero
+    # tokens), tables wider than a row of the kernel's block, steps packed from numpy
+    from specserve.runtime.cuda_graphs import CudaGraphRunner
+    from specserve.runtime.stage_kernel import BLOCK
+
+    padded = widest = cells = 0
+    for name, (requests, tokens, bucket) in CASES.items():
+        ids, meta = _step(requests, tokens, len(name), torch.device("cpu"))
+        bufs = _buffers(torch.device("cpu"))
+        CudaGraphRunner._stage_torch(bufs, ids, meta, bucket, tokens)
+        padded += bucket - requests
+        widest = max(widest, meta.block_tables.shape[1])
+        cells = max(cells, requests * meta.block_tables.shape[1])
+        if bucket > requests:
+            assert torch.all(bufs.seq_lens[requests:bucket] == 1)
+            assert torch.all(bufs.block_tables[requests:bucket, 0] == 0)
+            assert torch.all(bufs.input_ids[requests * tokens : bucket * tokens] == 0)
+    assert padded > 0 and widest > 32 and cells > 2 * BLOCK
+
+
+@pytest.mark.gpu
+def test_gpu_stage_kernel_writes_what_the_torch_path_writes():
+    assert mismatches("cuda") == []
+
+
+if __name__ == "__main__":  # the interpreter run (TRITON_INTERPRET=1), see the fixture
+    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+    sys.stdout.write("\n" + json.dumps(run_cases()) + "\n")
