@@ -125,6 +125,22 @@ def test_the_cases_pad_and_reach_past_one_block():
     assert padded > 0 and widest > 32 and cells > 2 * BLOCK
 
 
+def test_steps_the_kernel_cannot_take_go_through_torch():
+    # pack's steps qualify; a strided or int32 tensor from elsewhere is not read wrongly
+    from specserve.layers.attention import AttentionMetadata
+    from specserve.runtime.stage_kernel import stageable
+
+    ids, meta = _step(3, 4, 0, torch.device("cpu"))
+    assert stageable(ids, meta)
+    assert not stageable(torch.arange(24)[::2], meta)
+    assert not stageable(ids.int(), meta)
+    wide = torch.zeros(3, 2 * meta.block_tables.shape[1], dtype=torch.int64)
+    strided = AttentionMetadata(meta.positions, meta.slot_mapping, meta.query_start_loc,
+                                meta.seq_lens, wide[:, ::2], meta.max_query_len,
+                                meta.max_seq_len)  # fmt: skip
+    assert not stageable(ids, strided)
+
+
 @pytest.mark.gpu
 def test_gpu_stage_kernel_writes_what_the_torch_path_writes():
     assert mismatches("cuda") == []

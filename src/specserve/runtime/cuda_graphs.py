@@ -302,12 +302,15 @@ class CudaGraphRunner:
         them to `feature_writer`) of the real tokens."""
         num_requests, q = meta.num_requests, meta.max_query_len
         n, batch = num_requests * q, self.bucket_for(num_requests)
+        staged = False
         if use_stage_kernel(input_ids.device):  # one launch (runtime/stage_kernel.py)
-            from specserve.runtime.stage_kernel import stage
+            from specserve.runtime.stage_kernel import stage, stageable
 
-            stage(input_ids, meta.positions, meta.slot_mapping, meta.seq_lens,
-                  meta.block_tables, self.static_inputs, batch, q)  # fmt: skip
-        else:
+            if stageable(input_ids, meta):
+                stage(input_ids, meta.positions, meta.slot_mapping, meta.seq_lens,
+                      meta.block_tables, self.static_inputs, batch, q)  # fmt: skip
+                staged = True
+        if not staged:
             self._stage_torch(input_ids, meta, batch, q)
         if self.use_graphs:
             graph, hidden, aux, head = self._graphs[(batch, q)]

@@ -43,6 +43,16 @@ def _stage_kernel(ids_src, pos_src, slot_src, lens_src, tables_src, ids_dst, pos
     tl.store(tables_dst + pad_row * stride_dst, tl.zeros_like(pad_row), mask=pad_row < batch)
 
 
+def stageable(input_ids: torch.Tensor, meta) -> bool:
+    """Whether the kernel can take this step: int64 token ids, positions, slots and lengths
+    in one piece each, page-table rows in one piece (as `packing.pack` uploads them; the
+    torch path takes anything else)."""
+    flat = (input_ids, meta.positions, meta.slot_mapping, meta.seq_lens)
+    tables = meta.block_tables
+    return (all(t.dtype == torch.int64 and t.dim() == 1 and t.is_contiguous() for t in flat)
+            and tables.dtype == torch.int64 and tables.stride(1) == 1)  # fmt: skip
+
+
 def stage(input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
           seq_lens: torch.Tensor, tables: torch.Tensor, dst: tuple, batch: int,
           q: int) -> None:  # fmt: skip
