@@ -96,7 +96,7 @@ def _mlp_kernel(x, wgu, h, wd, part, counter, NH: tl.constexpr, K1: tl.constexpr
         for t in range(pid, NH // BN1, nprog):
             _gate_up_tile(x, wgu, h, t, rows, NH, K1, BN1, BK1)
     if PHASE == 0:
-        if PREFETCH:
+        if PREFETCH and pid < (N2 // BN2) * SPLIT2:  # programs with a down unit
             nt = pid // SPLIT2
             k0 = (pid % SPLIT2) * (NH // SPLIT2)
             n = nt * BN2 + tl.arange(0, BN2)
