@@ -96,12 +96,13 @@ def _mlp_kernel(x, wgu, h, wd, part, counter, NH: tl.constexpr, K1: tl.constexpr
         for t in range(pid, NH // BN1, nprog):
             _gate_up_tile(x, wgu, h, t, rows, NH, K1, BN1, BK1)
     if PHASE == 0:
-        if PREFETCH and pid < (N2 // BN2) * SPLIT2:  # programs with a down unit
-            nt = pid // SPLIT2
-            k0 = (pid % SPLIT2) * (NH // SPLIT2)
-            n = nt * BN2 + tl.arange(0, BN2)
-            line = tl.arange(0, 8) * 64  # 128-byte lines of bf16
-            prefetch_l2(wd + n[:, None].to(tl.int64) * NH + k0 + line[None, :])
+        if PREFETCH:
+            if pid < (N2 // BN2) * SPLIT2:  # programs with a down unit
+                nt = pid // SPLIT2
+                k0 = (pid % SPLIT2) * (NH // SPLIT2)
+                n = nt * BN2 + tl.arange(0, BN2)
+                line = tl.arange(0, 8) * 64  # 128-byte lines of bf16
+                prefetch_l2(wd + n[:, None].to(tl.int64) * NH + k0 + line[None, :])
         tl.debug_barrier()  # every thread's h stores before the arrival
         tl.atomic_add(counter, 1, sem="release")
         seen = tl.atomic_add(counter, 0, sem="acquire")
