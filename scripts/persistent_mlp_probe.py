@@ -31,12 +31,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
+from l2_prefetch_probe import time_graph
 
 from specserve.layers import pdl
 from specserve.layers.gemv import GemvConfig, gemv
@@ -141,25 +141,6 @@ def launch(mode: str, x, wgu, h, wd, part, counter, programs: int, tiles: dict) 
         _mlp_kernel[(HIDDEN // tiles["bn2"] * 2,)](*args, PHASE=2, PREFETCH=False, **common)
     else:
         _mlp_kernel[(programs,)](*args, PHASE=0, PREFETCH=mode == "fused", **common)
-
-
-def time_graph(fn, layers: int, reps: int) -> float:
-    for i in range(layers):
-        fn(i)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(layers):
-            fn(i)
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / layers)
-    return statistics.median(times)
 
 
 @torch.inference_mode()

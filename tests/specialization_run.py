@@ -67,6 +67,21 @@ def install() -> None:
     InterpretedFunction.run = run
 
 
+def after_start_up(warm_up, mismatches) -> dict:
+    """A host-side kernel's interpreter run (TRITON_INTERPRET=1): `warm_up()` as engine
+    start-up calls it, then `mismatches()` (its cases against the torch path, a list of
+    names). Returns {"mismatches": ..., "new_variants": the compile keys the cases needed
+    that start-up did not compile}; an exception's text as the mismatches."""
+    install()  # records each launch's compile key (what Triton's JIT would compile)
+    try:
+        warm_up()
+        startup = set(KEYS)
+        found = mismatches()
+        return {"mismatches": found, "new_variants": [repr(k) for k in KEYS if k not in startup]}
+    except Exception as e:  # reported by the test
+        return {"mismatches": f"{type(e).__name__}: {e}"}
+
+
 def _prompt(rng, n):
     return [rng.randrange(3, 384) for _ in range(n)]
 

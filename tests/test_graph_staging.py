@@ -78,17 +78,10 @@ def mismatches(device: str, seed: int = 0) -> list[str]:
 
 def run_cases() -> dict:
     from specserve.runtime import stage_kernel
-    from tests.specialization_run import KEYS, install
+    from tests.specialization_run import after_start_up
 
-    install()  # records each launch's compile key (what Triton's JIT would compile)
-    try:
-        stage_kernel.warm_up(torch.device("cpu"))  # as engine start-up does on CUDA
-        startup = set(KEYS)
-        found = mismatches("cpu")
-        new = [repr(k) for k in KEYS if k not in startup]
-        return {"mismatches": found, "new_variants": new}
-    except Exception as e:  # reported by the test
-        return {"mismatches": f"{type(e).__name__}: {e}"}
+    return after_start_up(lambda: stage_kernel.warm_up(torch.device("cpu")),
+                          lambda: mismatches("cpu"))  # fmt: skip
 
 
 # the interpreter run (module, timeout) whose results the `interpreter_results` fixture gives
