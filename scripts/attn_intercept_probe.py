@@ -65,6 +65,8 @@ def main() -> None:
                 ys.append(us)
                 del case
             long = [(x, y) for x, y in zip(xs, ys) if x >= 512]
+            if len(long) < 2:  # a line needs two contexts of 512 keys or more
+                continue
             intercept, slope = fit([x for x, _ in long], [y for _, y in long])
             bytes_per_key = 2 * batch * KV_HEADS * HEAD_DIM * 2
             fits.append(dict(pdl=use_pdl, batch=batch, programs=batch * KV_HEADS,

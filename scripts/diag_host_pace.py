@@ -39,7 +39,7 @@ from gpu_engine_bench import LLAMA_8B, random_head, random_model  # noqa: E402
 
 from specserve.config import EngineConfig  # noqa: E402
 from specserve.engine.engine import LLMEngine  # noqa: E402
-from specserve.runtime import cuda_graphs, packing  # noqa: E402
+from specserve.runtime import graph_staging, packing  # noqa: E402
 from specserve.sampling_params import SamplingParams  # noqa: E402
 
 SMOLLM2 = replace(LLAMA_8B, vocab_size=49152, hidden_size=576, intermediate_size=1536,
@@ -179,7 +179,7 @@ def main() -> None:
         action="store_true",
         help="each configuration twice in a row, the second with the step copied into the "
         "graphs' static buffers through torch operations as before session 17 "
-        "(cuda_graphs.STAGE_KERNEL False)",
+        "(graph_staging.STAGE_KERNEL False)",
     )
     args = ap.parse_args()
     device = "cpu" if args.cpu else "cuda"
@@ -214,8 +214,8 @@ def main() -> None:
                    for c in ((name, extra), (f"{name} (torch staging)", extra))]  # fmt: skip
     results, profiles = {}, {}
     for name, extra in configs:
-        packing.SHIFT_KERNEL = not name.endswith("(host baseline)")
-        cuda_graphs.STAGE_KERNEL = not name.endswith("(torch staging)")
+        packing.SHIFT_KERNEL = "(host baseline)" not in name
+        graph_staging.STAGE_KERNEL = "(torch staging)" not in name
         engine = LLMEngine(EngineConfig(**base, **extra), model=model)
         run(engine, args.batch, args.prompt_len, 16, seed=99)  # warm-up: first-use compiles
         gc.collect()
@@ -248,6 +248,7 @@ def main() -> None:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     args.out.parent.mkdir(parents=True, exist_ok=True)
+    results["args"] = {k: str(v) for k, v in vars(args).items()}  # what was run
     args.out.with_suffix(".json").write_text(json.dumps(results, indent=1))
     if profiles:
         args.out.with_suffix(".profiles.txt").write_text(

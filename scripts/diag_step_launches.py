@@ -37,10 +37,10 @@ LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaun
 
 
 def _origin(event) -> str:
-    """The op a launch came from: its nearest profiled parent (an aten op), else "(none:
-    a Triton kernel or a direct call)"."""
+    """The op a launch came from: its nearest profiled parent (an aten op), else "(no aten
+    parent)": a Triton kernel's launch, a graph's, or another direct call."""
     parent = event.cpu_parent
-    return parent.name if parent is not None else "(none: Triton or direct)"
+    return parent.name if parent is not None else "(no aten parent)"
 
 
 def profile_steps(engine: LLMEngine, batch: int, steps: int) -> dict:

@@ -1,6 +1,6 @@
 """Probe: does one persistent launch for a layer's MLP at 64 rows beat two launches?
 
-At batch 64 about 5-6 us of every launch in a decode step is neither weight nor K/V
+At batch 64 about 4-5 us of every launch in a decode step is neither weight nor K/V
 streaming (gpu_engine.md, run 37): each launch ramps up and drains, and under PDL the next
 one's programs cannot take a multiprocessor until the last one's leave it. A persistent
 layer kernel would keep its programs resident across the dependencies and stream the next
@@ -12,8 +12,8 @@ graphs with PDL, median us per layer:
 
   engine      the engine's kernels: gemv(gated) then gemv(down, partial sums), tiles as
               given (start-up selection's choice at 64 rows by default)
-  two         this probe's simple tile loops, one launch per projection (224 gate/up
-              tiles, 128 down units)
+  two         this probe's simple tile loops, one launch per projection (one program
+              per gate/up tile and per down unit: 224 and 128 with the default tiles)
   fused       the same loops in one launch of as many programs as are resident at once
               (at most two a multiprocessor): each does its gate/up tiles, arrives at a
               counter, asks L2 for the first lines of its first down tile, waits for every
@@ -25,6 +25,8 @@ against `two` says how far the probe's loops are from the engine's tuned tiles. 
 outputs are compared (fused and two against engine, bf16 rounding apart). Needs CUDA.
 
     PYTHONPATH=src python scripts/persistent_mlp_probe.py --out $OUT/mlp
+    PYTHONPATH=src python scripts/persistent_mlp_probe.py --tiles 128,64,64,128,4 --rounds 5 \
+        --out $OUT/mlp
 """
 
 from __future__ import annotations
@@ -124,7 +126,8 @@ def _consts(x, tiles: dict) -> dict:
 def fused_programs(x, wgu, h, wd, part, counter, sms: int, tiles: dict) -> tuple[int, dict]:
     """Programs of the fused launch: as many as are resident at once, at most two a
     multiprocessor (the barrier needs every program resident), from the compiled kernel's
-    registers and shared memory."""
+    registers and shared memory (the build that asks L2 for lines; the one that does not
+    runs the same loops with no more of either)."""
     kernel = _mlp_kernel.warmup(x, wgu, h, wd, part, counter, PHASE=0, PREFETCH=True,
                                 grid=(1,), **_consts(x, tiles))  # fmt: skip
     kernel._init_handles()

@@ -79,7 +79,7 @@ def after_start_up(warm_up, mismatches) -> dict:
         found = mismatches()
         return {"mismatches": found, "new_variants": [repr(k) for k in KEYS if k not in startup]}
     except Exception as e:  # reported by the test
-        return {"mismatches": f"{type(e).__name__}: {e}"}
+        return {"mismatches": f"{type(e).__name__}: {e}", "new_variants": []}
 
 
 def _prompt(rng, n):

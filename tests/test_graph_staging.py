@@ -1,8 +1,9 @@
-"""A step's copy into the target graphs' static input buffers (runtime/cuda_graphs.py
+"""A step's copy into the target graphs' static input buffers (runtime/graph_staging.py,
 `CudaGraphRunner.run`): the one-kernel path (runtime/stage_kernel.py, CUDA's) writes what the
 torch path writes, and nothing else, through the Triton interpreter on the CPU (decode and
-verify steps, batches padded to a bucket or not, long page tables, steps packed at any
-offset of their upload) and on a GPU (`-m gpu`)."""
+verify steps, batches padded to a bucket or not, page tables wider than a program's block,
+a page table whose rows are not back to back, steps packed at any offset of their upload)
+and on a GPU (`-m gpu`)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import json
 import os
 import random
 import sys
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -22,7 +24,7 @@ CASES = {  # name: (requests, tokens each, bucket)
     "decode-5-in-8": (5, 1, 8),
     "verify-3x4-in-4": (3, 4, 4),
     "verify-8x4": (8, 4, 8),
-    "decode-13-in-16-long": (13, 1, 16),
+    "decode-13-in-16": (13, 1, 16),
     "verify-130x4-in-160": (130, 4, 160),  # 520 tokens: pack's numpy branch
 }
 
@@ -56,16 +58,32 @@ def _buffers(device: torch.device):
     )
 
 
+def _spread_rows(meta):
+    """`meta` with its page table's rows apart (a column slice of a wider table)."""
+    tables = meta.block_tables
+    wide = torch.full((tables.shape[0], tables.shape[1] + 5), 999, dtype=tables.dtype,
+                      device=tables.device)  # fmt: skip
+    wide[:, : tables.shape[1]] = tables
+    return replace(meta, block_tables=wide[:, : tables.shape[1]])
+
+
 def mismatches(device: str, seed: int = 0) -> list[str]:
     """Cases whose kernel path leaves any static buffer different from the torch path."""
-    from specserve.runtime.cuda_graphs import CudaGraphRunner
+    from specserve.runtime.graph_staging import stage_torch, stageable
     from specserve.runtime.stage_kernel import stage
 
     dev, out = torch.device(device), []
-    for name, (requests, tokens, bucket) in CASES.items():
+    cases = [(name, *case, False) for name, case in CASES.items()]
+    cases.append(("verify-8x4, rows apart", 8, 4, 8, True))
+    for name, requests, tokens, bucket, spread in cases:
         ids, meta = _step(requests, tokens, seed + len(name), dev)
+        if spread:
+            meta = _spread_rows(meta)
+        if not stageable(ids, meta):
+            out.append(f"{name}: not stageable")
+            continue
         torch_path, kernel_path = _buffers(dev), _buffers(dev)
-        CudaGraphRunner._stage_torch(torch_path, ids, meta, bucket, tokens)
+        stage_torch(torch_path, ids, meta, bucket, tokens)
         static = (kernel_path.input_ids, kernel_path.positions, kernel_path.slot_mapping,
                   kernel_path.seq_lens, kernel_path.block_tables)  # fmt: skip
         stage(ids, meta.positions, meta.slot_mapping, meta.seq_lens, meta.block_tables,
@@ -99,39 +117,36 @@ def test_interpreter_no_step_compiles_a_variant_start_up_did_not(interpreter_res
 
 def test_the_cases_pad_and_reach_past_one_block():
     # what the kernel must get right: padded requests (length 1, first page 0, zero
-    # tokens), tables wider than a row of the kernel's block, steps packed from numpy
-    from specserve.runtime.cuda_graphs import CudaGraphRunner
+    # tokens), page tables of more cells than a program's block, steps packed from numpy
+    from specserve.runtime.graph_staging import stage_torch
     from specserve.runtime.stage_kernel import BLOCK
 
-    padded = widest = cells = 0
+    padded = cells = 0
     for name, (requests, tokens, bucket) in CASES.items():
         ids, meta = _step(requests, tokens, len(name), torch.device("cpu"))
         bufs = _buffers(torch.device("cpu"))
-        CudaGraphRunner._stage_torch(bufs, ids, meta, bucket, tokens)
+        stage_torch(bufs, ids, meta, bucket, tokens)
         padded += bucket - requests
-        widest = max(widest, meta.block_tables.shape[1])
         cells = max(cells, requests * meta.block_tables.shape[1])
         if bucket > requests:
             assert torch.all(bufs.seq_lens[requests:bucket] == 1)
             assert torch.all(bufs.block_tables[requests:bucket, 0] == 0)
             assert torch.all(bufs.input_ids[requests * tokens : bucket * tokens] == 0)
-    assert padded > 0 and widest > 32 and cells > 2 * BLOCK
+    assert padded > 0 and cells > 2 * BLOCK
 
 
 def test_steps_the_kernel_cannot_take_go_through_torch():
-    # pack's steps qualify; a strided or int32 tensor from elsewhere is not read wrongly
-    from specserve.layers.attention import AttentionMetadata
-    from specserve.runtime.stage_kernel import stageable
+    # pack's steps qualify (also with a table's rows apart); a strided or int32 tensor, or
+    # a table of no columns, from elsewhere is not read wrongly
+    from specserve.runtime.graph_staging import stageable
 
     ids, meta = _step(3, 4, 0, torch.device("cpu"))
-    assert stageable(ids, meta)
+    assert stageable(ids, meta) and stageable(ids, _spread_rows(meta))
     assert not stageable(torch.arange(24)[::2], meta)
     assert not stageable(ids.int(), meta)
-    wide = torch.zeros(3, 2 * meta.block_tables.shape[1], dtype=torch.int64)
-    strided = AttentionMetadata(meta.positions, meta.slot_mapping, meta.query_start_loc,
-                                meta.seq_lens, wide[:, ::2], meta.max_query_len,
-                                meta.max_seq_len)  # fmt: skip
-    assert not stageable(ids, strided)
+    columns = torch.zeros(3, 2 * meta.block_tables.shape[1], dtype=torch.int64)
+    assert not stageable(ids, replace(meta, block_tables=columns[:, ::2]))
+    assert not stageable(ids, replace(meta, block_tables=columns[:, :0]))
 
 
 @pytest.mark.gpu

@@ -109,12 +109,6 @@ class LLMEngine:
         self.plan_tuning = None  # what whole-step GEMV tuning changed (CUDA graphs only)
         self.verify_tiles = None  # the verify steps' own GEMV tiles (runtime/verify_tiles.py)
         if device.type == "cuda" and not config.disable_cuda_graph:
-            from specserve.runtime import cuda_graphs
-
-            if cuda_graphs.use_stage_kernel(device):
-                from specserve.runtime import stage_kernel
-
-                stage_kernel.warm_up(device)  # (every step's copy into the static buffers)
             self.runner.graphs = self._capture_graphs()
         if self.spec is not None:
             self.spec.start(self)

@@ -17,7 +17,8 @@ attention/triton_kernels.py, attention/triton_decode.py, attention/triton_kv_wri
 - every program calls `gdc_wait()` unconditionally, before its first read of anything an
   earlier kernel may have written and before its first write (an earlier kernel may still
   be reading what it overwrites, e.g. a buffer the allocator has handed out again).
-  Exempt: what only torch ops and copies write (launched without PDL), such as the
+  Exempt: what only work launched without PDL writes (torch ops, copies, and the host
+  path's own kernels: runtime/stage_kernel.py, runtime/shift_kernel.py), such as the
   step's attention metadata. A kernel starts only once its predecessor has passed its
   own wait (or, launched without PDL, completed), so all such work launched before it
   has completed by then;

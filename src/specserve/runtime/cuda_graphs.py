@@ -24,16 +24,9 @@ import torch
 from torch import nn
 
 from specserve.layers.attention import AttentionBackend, AttentionMetadata
+from specserve.runtime.graph_staging import stage_step, use_stage_kernel
 
 KVLayers = list[tuple[torch.Tensor, torch.Tensor]]
-
-# On CUDA a step is copied into the static buffers by one kernel (runtime/stage_kernel.py)
-# instead of up to ten torch operations (False: the torch path)
-STAGE_KERNEL = True
-
-
-def use_stage_kernel(device: torch.device) -> bool:
-    return STAGE_KERNEL and device.type == "cuda"
 
 
 @dataclass(frozen=True)
@@ -212,7 +205,8 @@ class CudaGraphRunner:
 
     @property
     def static_bytes(self) -> int:
-        bufs = [*self.static_inputs, *self.query_start.values()]
+        bufs = [self.input_ids, self.positions, self.slot_mapping, self.seq_lens,
+                self.block_tables, *self.query_start.values()]  # fmt: skip
         return sum(b.numel() * b.element_size() for b in bufs)
 
     def keys(self) -> list[tuple[int, int]]:
@@ -257,6 +251,11 @@ class CudaGraphRunner:
         """Capture every (bucket, tokens per request) shape into `pool` or a new one (the
         engine keeps the target's and the drafter's graphs in separate pools: their outputs
         may be alive at the same time); see `capture_graphs`."""
+        device = self.input_ids.device
+        if use_stage_kernel(device):  # compiled now, not at the first step
+            from specserve.runtime import stage_kernel
+
+            stage_kernel.warm_up(device)
         if not self.use_graphs:
             self.report = CaptureReport(0, 0.0, 0.0, 0, self.static_bytes)
             return self.report
@@ -265,33 +264,6 @@ class CudaGraphRunner:
         )
         self._graphs = {key: (graph, *out) for key, (graph, out) in graphs.items()}
         return self.report
-
-    @property
-    def static_inputs(self) -> tuple[torch.Tensor, ...]:
-        """The buffers a step is copied into: token ids, positions, KV slots, sequence
-        lengths, page tables."""
-        return (self.input_ids, self.positions, self.slot_mapping, self.seq_lens,
-                self.block_tables)  # fmt: skip
-
-    def _stage_torch(self, input_ids: torch.Tensor, meta: AttentionMetadata, batch: int,
-                     q: int) -> None:  # fmt: skip
-        """`run`'s copy of the step into the static buffers, padded to `batch` requests,
-        through torch (a launch per copy and per fill)."""
-        num_requests = meta.num_requests
-        n = num_requests * q
-        self.input_ids[:n].copy_(input_ids, non_blocking=True)
-        self.positions[:n].copy_(meta.positions, non_blocking=True)
-        self.slot_mapping[:n].copy_(meta.slot_mapping, non_blocking=True)
-        self.seq_lens[:num_requests].copy_(meta.seq_lens, non_blocking=True)
-        width = meta.block_tables.shape[1]
-        self.block_tables[:num_requests, :width].copy_(meta.block_tables, non_blocking=True)
-        if batch > num_requests:
-            padded = slice(n, batch * q)
-            self.input_ids[padded] = 0
-            self.positions[padded] = 0
-            self.slot_mapping[padded] = 0
-            self.seq_lens[num_requests:batch] = 1
-            self.block_tables[num_requests:batch, 0] = 0
 
     @torch.inference_mode()
     def run(
@@ -302,16 +274,7 @@ class CudaGraphRunner:
         them to `feature_writer`) of the real tokens."""
         num_requests, q = meta.num_requests, meta.max_query_len
         n, batch = num_requests * q, self.bucket_for(num_requests)
-        staged = False
-        if use_stage_kernel(input_ids.device):  # one launch (runtime/stage_kernel.py)
-            from specserve.runtime.stage_kernel import stage, stageable
-
-            if stageable(input_ids, meta):
-                stage(input_ids, meta.positions, meta.slot_mapping, meta.seq_lens,
-                      meta.block_tables, self.static_inputs, batch, q)  # fmt: skip
-                staged = True
-        if not staged:
-            self._stage_torch(input_ids, meta, batch, q)
+        stage_step(self, input_ids, meta, batch, q)  # one launch on CUDA (graph_staging.py)
         if self.use_graphs:
             graph, hidden, aux, head = self._graphs[(batch, q)]
             graph.replay()

@@ -1,10 +1,10 @@
-"""One kernel that copies a step into the target graphs' static input buffers
-(runtime/cuda_graphs.py `CudaGraphRunner.run`): token ids, positions and KV slots of the
-real tokens, zeros for the padding up to the batch bucket; sequence lengths, 1 for padded
-requests; the page tables' rows, and column 0 of padded requests' rows set to page 0.
-Through torch that is five copies and, when the batch is not a bucket size, five fills: a
-launch each, before every graph replay. Same integers as the torch path
-(tests/test_graph_staging.py).
+"""One kernel that copies a step into the target graphs' static input buffers, what
+runtime/graph_staging.py `stage_torch` does in up to ten launches (the same integers:
+tests/test_graph_staging.py).
+
+It is launched without PDL, as a torch copy is: the attention kernels of the graph read
+what it writes before their PDL wait (layers/pdl.py), which holds only for work that has
+completed before the graph's first kernel starts.
 
 Imported lazily (it defines a kernel: TRITON_INTERPRET is read then).
 """
@@ -43,31 +43,21 @@ def _stage_kernel(ids_src, pos_src, slot_src, lens_src, tables_src, ids_dst, pos
     tl.store(tables_dst + pad_row * stride_dst, tl.zeros_like(pad_row), mask=pad_row < batch)
 
 
-def stageable(input_ids: torch.Tensor, meta) -> bool:
-    """Whether the kernel can take this step: int64 token ids, positions, slots and lengths
-    in one piece each, page-table rows in one piece (as `packing.pack` uploads them; the
-    torch path takes anything else)."""
-    flat = (input_ids, meta.positions, meta.slot_mapping, meta.seq_lens)
-    tables = meta.block_tables
-    return (all(t.dtype == torch.int64 and t.dim() == 1 and t.is_contiguous() for t in flat)
-            and tables.dtype == torch.int64 and tables.stride(1) == 1)  # fmt: skip
-
-
 def stage(input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-          seq_lens: torch.Tensor, tables: torch.Tensor, dst: tuple, batch: int,
-          q: int) -> None:  # fmt: skip
+          seq_lens: torch.Tensor, tables: torch.Tensor, dst: tuple[torch.Tensor, ...],
+          batch: int, q: int) -> None:  # fmt: skip
     """Copy a step of `seq_lens.shape[0]` requests of q tokens into `dst` = (input_ids,
     positions, slot_mapping, seq_lens, block_tables) static buffers, padded to `batch`
-    requests (what `CudaGraphRunner.run` does through torch). All int64; `tables` [R, W]
-    (any row stride), W at most the static tables' width."""
+    requests. All int64 (`graph_staging.stageable`); `tables` [R, W], any row stride,
+    0 < W <= the static tables' width."""
     ids_dst, pos_dst, slot_dst, lens_dst, tables_dst = dst
     requests, width = seq_lens.shape[0], tables.shape[1]
     n, padded_n = input_ids.shape[0], batch * q
     size = max(padded_n, batch, requests * width, 1)
     grid = (triton.cdiv(size, BLOCK),)
     _stage_kernel[grid](input_ids, positions, slots, seq_lens, tables, ids_dst, pos_dst,
-                        slot_dst, lens_dst, tables_dst, n, padded_n, requests, batch,
-                        max(width, 1), tables.stride(0), tables_dst.stride(0),
+                        slot_dst, lens_dst, tables_dst, n, padded_n, requests, batch, width,
+                        tables.stride(0), tables_dst.stride(0),
                         BLOCK=BLOCK)  # fmt: skip
 
 
