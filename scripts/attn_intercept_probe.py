@@ -42,6 +42,8 @@ def main() -> None:
     ap.add_argument("--contexts", type=int, nargs="+",
                     default=[32, 128, 256, 512, 640, 768, 1024, 2048])  # fmt: skip
     ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--launch", default=None,
+                    help="block_n,warps,stages of the decode kernel (default: DECODE_LAUNCH)")
     args = ap.parse_args()
     props = torch.cuda.get_device_properties(0)
     min_bytes = 4 * getattr(props, "L2_cache_size", 64 << 20)
@@ -50,6 +52,8 @@ def main() -> None:
                              dtype=torch.bfloat16) for _ in "kv")  # fmt: skip
     gen = torch.Generator().manual_seed(0)
     cfg = ("decode", DECODE_LAUNCH.block_n, DECODE_LAUNCH.num_warps, DECODE_LAUNCH.num_stages)
+    if args.launch:
+        cfg = ("decode", *(int(v) for v in args.launch.split(",")))
     rows, fits = [], []
     for use_pdl in (True, False):
         pdl.set_enabled(use_pdl)
@@ -77,7 +81,8 @@ def main() -> None:
     result = dict(device=props.name, sms=props.multi_processor_count, config=list(cfg),
                   splits=1, fits=fits, rows=rows)  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "attn_intercept_probe.json").write_text(json.dumps(result, indent=1))
+    suffix = "" if not args.launch else "_" + args.launch.replace(",", "_")
+    (args.out / f"attn_intercept_probe{suffix}.json").write_text(json.dumps(result, indent=1))
     lines = ["| PDL | batch | " + " | ".join(f"{c} keys" for c in args.contexts)
              + " | intercept us | stream TB/s |",
              "|---|---|" + "---|" * (len(args.contexts) + 2)]  # fmt: skip
@@ -86,7 +91,7 @@ def main() -> None:
         lines.append(f"| {'on' if f['pdl'] else 'off'} | {f['batch']} | "
                      + " | ".join(str(u) for u in us)
                      + f" | {f['intercept_us']} | {f['stream_tbps']} |")  # fmt: skip
-    (args.out / "attn_intercept_probe.md").write_text("\n".join(lines) + "\n")
+    (args.out / f"attn_intercept_probe{suffix}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
