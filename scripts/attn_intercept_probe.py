@@ -42,8 +42,11 @@ def main() -> None:
     ap.add_argument("--contexts", type=int, nargs="+",
                     default=[32, 128, 256, 512, 640, 768, 1024, 2048])  # fmt: skip
     ap.add_argument("--reps", type=int, default=7)
-    ap.add_argument("--launch", default=None,
-                    help="block_n,warps,stages of the decode kernel (default: DECODE_LAUNCH)")
+    ap.add_argument(
+        "--launch",
+        default=None,
+        help="block_n,warps,stages of the decode kernel (default: DECODE_LAUNCH)",
+    )
     args = ap.parse_args()
     props = torch.cuda.get_device_properties(0)
     min_bytes = 4 * getattr(props, "L2_cache_size", 64 << 20)
