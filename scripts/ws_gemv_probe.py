@@ -28,6 +28,8 @@ import argparse
 import itertools
 import json
 import statistics
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -53,9 +55,21 @@ SMEM_BYTES = 220 * 1024
 
 
 @triton.jit
-def _tile_kernel(x_desc, w_desc, out_ptr, N, K, stride_om, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-                 WS: tl.constexpr, GATED: tl.constexpr, USE_PDL: tl.constexpr = False):
+def _tile_kernel(
+    x_desc,
+    w_desc,
+    out_ptr,
+    N,
+    K,
+    stride_om,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    STAGES: tl.constexpr,
+    WS: tl.constexpr,
+    GATED: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
+):
     pid = tl.program_id(0)
     n0 = pid * BLOCK_N
     if USE_PDL:
@@ -120,8 +134,9 @@ def torch_fn(gated: bool):
 
 def candidates(gated: bool, grid: dict) -> list[tuple]:
     out = []
-    for bn, bk, warps, stages, ws in itertools.product(grid["block_n"], grid["block_k"],
-                                                       grid["warps"], grid["stages"], grid["ws"]):
+    for bn, bk, warps, stages, ws in itertools.product(
+        grid["block_n"], grid["block_k"], grid["warps"], grid["stages"], grid["ws"]
+    ):
         if stages * (ROWS + bn * (2 if gated else 1)) * bk * 2 > SMEM_BYTES:
             continue
         out.append((bn, bk, warps, stages, bool(ws)))
@@ -133,10 +148,66 @@ def label(c: tuple) -> str:
     return f"{'ws ' if ws else 'tma'} n{bn} k{bk} w{warps} st{stages}"
 
 
+def probe_shape(name: str, grid: dict, args, min_bytes: int) -> dict:
+    """Compile, check and time every candidate of one shape."""
+    n, k, gated, cfg = SHAPES[name]
+    dt = torch.bfloat16
+    w = torch.empty((2 * n if gated else n, k), device="cuda", dtype=dt).normal_(0, 0.02)
+    x = torch.randn(ROWS, k, device="cuda", dtype=dt)
+    cands = candidates(gated, grid)
+    failed, no_pdl = {}, set()
+
+    def build(c):  # in a child first (a compiler abort must not end the probe), under PDL,
+        # else without it (labelled "nopdl"); the child leaves the binary in Triton's cache
+        for use_pdl, key in ((True, label(c)), (False, label(c) + " nopdl")):
+            cmd = [sys.executable, __file__, "--compile-one", name, *map(str, map(int, c)),
+                   str(use_pdl)]  # fmt: skip
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+            if done.returncode == 0:
+                tile_fn(*c, gated, use_pdl=use_pdl)(x, w, compile_only=True)
+                if not use_pdl:
+                    no_pdl.add(c)
+                return
+            failed[key] = f"rc {done.returncode}: {done.stderr[-400:]}"
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(args.workers) as pool:
+        list(pool.map(build, cands))
+    compile_s = time.perf_counter() - t0
+    fns = {"engine": engine_fn(cfg, gated), "torch": torch_fn(gated)}
+    fns.update({label(c): tile_fn(*c, gated) for c in cands if label(c) not in failed})
+    fns.update({label(c) + " nopdl": tile_fn(*c, gated, use_pdl=False) for c in no_pdl})
+    ref = fns["engine"](x, w).float()
+    errors = {}
+    for key, fn in list(fns.items()):
+        try:
+            y = fn(x, w)
+            torch.cuda.synchronize()
+            errors[key] = round((y.float() - ref).abs().max().item(), 5)
+        except Exception as e:  # noqa: BLE001
+            failed[key] = f"{type(e).__name__}: {str(e)[-300:]}"
+            del fns[key]
+    rotation = rotation_set([w], min_bytes)
+    times = {key: [] for key in fns}
+    for _ in range(args.rounds):  # rounds interleave the candidates
+        for key, fn in fns.items():
+            times[key].append(time_in_graph_us(after_producer(fn, x), x, rotation, args.reps))
+    med = {key: round(statistics.median(v), 2) for key, v in times.items()}
+    ranked = sorted(med.items(), key=lambda kv: kv[1])
+    gb = w.numel() * 2 / 1e3
+    print(name, "engine", med["engine"], "torch", med["torch"], "best", ranked[:4],
+          f"failed {len(failed)}", flush=True)  # fmt: skip
+    return dict(
+        n=n, k=k, gated=gated, engine_tile=str(cfg), weight_mb=round(gb, 1),
+        compile_s=round(compile_s, 1), us=dict(ranked), max_abs_err=errors,
+        tbps={key: round(gb / us / 1e3, 2) for key, us in ranked[:8]}, failed=failed,
+    )  # fmt: skip
+
+
 @torch.inference_mode()
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--out", type=Path)
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES))
     ap.add_argument("--block-n", type=int, nargs="+", default=[64, 128, 256])
     ap.add_argument("--block-k", type=int, nargs="+", default=[64, 128])
@@ -146,68 +217,26 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--workers", type=int, default=16)
+    ap.add_argument("--compile-one", nargs=7, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.compile_one:  # a child of probe_shape's build
+        name, *tile, use_pdl = args.compile_one
+        n, k, gated, _ = SHAPES[name]
+        w = torch.empty((2 * n if gated else n, k), device="cuda", dtype=torch.bfloat16)
+        x = torch.empty(ROWS, k, device="cuda", dtype=torch.bfloat16)
+        bn, bk, warps, stages, ws = map(int, tile)
+        tile_fn(bn, bk, warps, stages, bool(ws), gated, use_pdl == "True")(x, w, True)
+        return
     grid = {"block_n": args.block_n, "block_k": args.block_k, "warps": args.warps,
             "stages": args.stages, "ws": args.ws}  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
     props = torch.cuda.get_device_properties(0)
     min_bytes = 4 * getattr(props, "L2_cache_size", 64 << 20)
-    dt = torch.bfloat16
     report = dict(device=props.name, triton=triton.__version__, pdl=pdl.active(torch.device(
         "cuda")), rows=ROWS, shapes={})  # fmt: skip
     for name in args.shapes:
-        n, k, gated, cfg = SHAPES[name]
-        w = torch.empty((2 * n if gated else n, k), device="cuda", dtype=dt).normal_(0, 0.02)
-        x = torch.randn(ROWS, k, device="cuda", dtype=dt)
-        cands = candidates(gated, grid)
-        failed, no_pdl = {}, set()
-
-        def build(c):  # under PDL, else without it (labelled "nopdl")
-            try:
-                tile_fn(*c, gated)(x, w, compile_only=True)
-                return
-            except Exception as e:  # noqa: BLE001 (listed in the report)
-                failed[label(c)] = f"{type(e).__name__}: {str(e)[-300:]}"
-            try:
-                tile_fn(*c, gated, use_pdl=False)(x, w, compile_only=True)
-                no_pdl.add(c)
-            except Exception as e:  # noqa: BLE001
-                failed[label(c) + " nopdl"] = f"{type(e).__name__}: {str(e)[-300:]}"
-
-        t0 = time.perf_counter()
-        with ThreadPoolExecutor(args.workers) as pool:
-            list(pool.map(build, cands))
-        compile_s = time.perf_counter() - t0
-        fns = {"engine": engine_fn(cfg, gated), "torch": torch_fn(gated)}
-        fns.update({label(c): tile_fn(*c, gated) for c in cands if label(c) not in failed})
-        fns.update({label(c) + " nopdl": tile_fn(*c, gated, use_pdl=False) for c in no_pdl})
-        ref = fns["engine"](x, w).float()
-        errors = {}
-        for key, fn in list(fns.items()):
-            try:
-                y = fn(x, w)
-                torch.cuda.synchronize()
-                errors[key] = round((y.float() - ref).abs().max().item(), 5)
-            except Exception as e:  # noqa: BLE001
-                failed[key] = f"{type(e).__name__}: {str(e)[-300:]}"
-                del fns[key]
-        rotation = rotation_set([w], min_bytes)
-        times = {key: [] for key in fns}
-        for _ in range(args.rounds):  # rounds interleave the candidates
-            for key, fn in fns.items():
-                times[key].append(time_in_graph_us(after_producer(fn, x), x, rotation, args.reps))
-        med = {key: round(statistics.median(v), 2) for key, v in times.items()}
-        ranked = sorted(med.items(), key=lambda kv: kv[1])
-        gb = w.numel() * 2 / 1e3
-        report["shapes"][name] = dict(
-            n=n, k=k, gated=gated, engine_tile=str(cfg), weight_mb=round(gb, 1),
-            compile_s=round(compile_s, 1), us=dict(ranked), max_abs_err=errors,
-            tbps={key: round(gb / us / 1e3, 2) for key, us in ranked[:8]}, failed=failed,
-        )  # fmt: skip
-        print(name, "engine", med["engine"], "torch", med["torch"], "best", ranked[:4],
-              f"failed {len(failed)}", flush=True)
+        report["shapes"][name] = probe_shape(name, grid, args, min_bytes)
         (args.out / "ws_gemv_probe.json").write_text(json.dumps(report, indent=1))
-        del rotation, w
         torch.cuda.empty_cache()
 
 
