@@ -11,6 +11,8 @@ kernel that feeds it in the model (`gemv_timing.after_producer`), in CUDA graphs
 where the device has it; us per call, median of the rounds:
 
   engine       gemv() with the tile start-up selection chose at 64 rows (run 37's plan)
+  engine TILE  gemv() with another tile (--engine-tiles), by pointer loads or "tma" (the
+               engine's tensor-descriptor weight loads; x by pointers)
   torch        F.linear (cuBLAS); gate_up: F.linear then SiLU-and-mul
   tma nBN kBK wW stS        a plain tile loop over tensor-descriptor loads of x and the weight
   ws  nBN kBK wW stS        the same loop with warp_specialize=True
@@ -48,7 +50,9 @@ ROWS = 64
 SHAPES = {  # name -> (N, K, gated, the engine's tile at 64 rows: run 37's plan)
     "qkv": (6144, 4096, False, GemvConfig(64, 128, 1, 8, 5, True, 64)),
     "o": (4096, 4096, False, GemvConfig(32, 256, 1, 4, 4, True, 64)),
-    "gate_up": (14336, 4096, True, GemvConfig(128, 64, 1, 4, 4, True, 64)),
+    # gated: gated_config of the plan's n128 tile for the [28672, 4096] weight, each program
+    # streaming 64 rows of both halves
+    "gate_up": (14336, 4096, True, GemvConfig(64, 64, 1, 4, 4, True, 64)),
     "down": (4096, 14336, False, GemvConfig(64, 128, 2, 4, 5, True, 64)),
 }
 SMEM_BYTES = 220 * 1024
@@ -175,6 +179,15 @@ def probe_shape(name: str, grid: dict, args, min_bytes: int) -> dict:
         list(pool.map(build, cands))
     compile_s = time.perf_counter() - t0
     fns = {"engine": engine_fn(cfg, gated), "torch": torch_fn(gated)}
+    for t in args.engine_tiles:
+        bn, bk, split, warps, stages = map(int, t.split(","))
+        for tma in (False, True):
+            c = GemvConfig(bn, bk, split, warps, stages, True, ROWS, tma=tma)
+            try:
+                gemv(x, w, None, c, compile_only=True, gated=gated)
+                fns[f"engine {c}"] = engine_fn(c, gated)
+            except Exception as e:  # noqa: BLE001
+                failed[f"engine {c}"] = f"{type(e).__name__}: {str(e)[-300:]}"
     fns.update({label(c): tile_fn(*c, gated) for c in cands if label(c) not in failed})
     fns.update({label(c) + " nopdl": tile_fn(*c, gated, use_pdl=False) for c in no_pdl})
     ref = fns["engine"](x, w).float()
@@ -217,6 +230,13 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--workers", type=int, default=16)
+    ap.add_argument(
+        "--engine-tiles",
+        nargs="*",
+        default=[],
+        metavar="N,K,SPLIT,WARPS,STAGES",
+        help="more tiles of the engine's gemv to time, each by pointers and tma",
+    )
     ap.add_argument("--compile-one", nargs=7, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.compile_one:  # a child of probe_shape's build
