@@ -191,9 +191,6 @@ AB_VARIANTS = {
     "verify_tiles": ("verify tiles off", {"disable_verify_tiles": True},
                      "with verify steps of up to 16 requests on their decode tiles at every "
                      "row count (--disable-verify-tiles)"),
-    "wide_tile": ("no wide tile", {"wide_tiles": False},
-                  "without the 64-row tile for wide weights (gemv_configs.WIDE_TILES: the "
-                  "gated gate/up kernel's n64 k128)"),
     "stream_k": ("stream-K candidates", {"gemv_stream_k": True},
                  "with the stream-K GEMV tiles among the candidates above 16 rows "
                  "(--gemv-stream-k, experimental)"),
@@ -262,7 +259,7 @@ def main() -> None:
         first = next(iter(configs))
         configs[f"{first} (again, last)"] = configs[first]
     from specserve.layers import gemv as gemv_module  # kernel modules: imported when needed
-    from specserve.layers import gemv_configs, gemv_rope, triton_argmax
+    from specserve.layers import gemv_rope, triton_argmax
     from specserve.layers.attention import triton_attn, triton_kernels
     from specserve.layers.attention.triton_attn import TritonAttentionBackend
     from specserve.layers.triton_ops import TritonMergedGatedMLP
@@ -272,7 +269,6 @@ def main() -> None:
     min_chunk = triton_attn.INVARIANT_MIN_CHUNK
     rope_rows = gemv_rope.ROPE_MAX_BLOCK_M
     early_metadata = triton_kernels.PDL_EARLY_METADATA
-    wide = dict(gemv_configs.WIDE_TILES)
 
     results = {}
     for name, extra in configs.items():
@@ -293,9 +289,6 @@ def main() -> None:
         gemv_rope.ROPE_MAX_BLOCK_M = extra.pop("rope_max_block_m", rope_rows)
         # this engine only (restored below): decode attention's metadata read under PDL
         triton_kernels.PDL_EARLY_METADATA = extra.pop("early_metadata", early_metadata)
-        # this engine only (restored below): the wide weights' extra candidates
-        gemv_configs.WIDE_TILES.clear()
-        gemv_configs.WIDE_TILES.update(wide if extra.pop("wide_tiles", True) else {})
         t0 = time.perf_counter()
         engine = LLMEngine(EngineConfig(**base, **extra), model=model)
         startup = time.perf_counter() - t0
@@ -335,7 +328,6 @@ def main() -> None:
     TritonAttentionBackend.invariant_chunks = chunks
     triton_attn.INVARIANT_MIN_CHUNK = min_chunk
     gemv_rope.ROPE_MAX_BLOCK_M, triton_kernels.PDL_EARLY_METADATA = rope_rows, early_metadata
-    gemv_configs.WIDE_TILES.update(wide)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(results, indent=2))

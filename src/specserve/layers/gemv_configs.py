@@ -94,12 +94,6 @@ _TILES = {
          # w4 st4 tile, o 12.2 against 13.3 for the st3 tile
          GemvConfig(64, 128, num_warps=8, num_stages=5), GemvConfig(32, 256, num_stages=4)],
 }  # fmt: skip
-# Tiles for wide weights (N >= 4K: a merged gate/up projection, the logits) at 64 rows: the
-# gated gate/up kernel runs the tile of half the plain choice's width (`gated_config`), and
-# n64 k128 w4 st4 gated streamed the 8B's [28672, 4096] in 61.8 us against 63.6 for the
-# n64 k64 tile start-up had chosen (scripts/ws_gemv_probe.py, gpu_kernels.md). A bench A/B
-# empties the list (scripts/gpu_engine_bench.py --ab-wide-tile).
-WIDE_TILES = {64: [GemvConfig(128, 128, num_warps=4, num_stages=4)]}
 _FMA = GemvConfig(8, 512, num_warps=4, num_stages=2, use_dot=False)
 _SPLIT_TILE = GemvConfig(64, 128, num_stages=4)
 # Splits that won the wide sweep on the H200 (scripts/gemv_sweep.py, gpu_kernels.md) where the
@@ -128,15 +122,12 @@ def stream_k_enabled() -> bool:
 def candidate_configs(rows: int, n: int, k: int, num_sms: int) -> list[GemvConfig]:
     """The configurations start-up selection times for `rows` rows of a weight [n, k], in
     order of preference on a tie: the CUDA-core product for one or two rows, the unsplit
-    tiles of the row block (and for a wide weight, N >= 4K, `WIDE_TILES`), and, for a long
-    K (K > N: few output tiles, long rows), one K split that brings the program count to
-    about one wave of `num_sms`; then the sweep's split for the row block (`_SPLIT_EXTRA`:
-    K >= N at up to 16 rows and at 64); and the stream-K tiles of the row blocks of 32 and
-    64 while they are switched on."""
+    tiles of the row block, and, for a long K (K > N: few output tiles, long rows), one
+    K split that brings the program count to about one wave of `num_sms`; then the sweep's
+    split for the row block (`_SPLIT_EXTRA`: K >= N at up to 16 rows and at 64); and the
+    stream-K tiles of the row blocks of 32 and 64 while they are switched on."""
     bm = row_block(rows)
     tiles = ([_FMA] if rows <= 2 else []) + [replace(t, block_m=bm) for t in _TILES[bm]]
-    if n >= 4 * k:
-        tiles += [replace(t, block_m=bm) for t in WIDE_TILES.get(bm, ())]
     if k > n:
         programs = triton.cdiv(n, _SPLIT_TILE.block_n)
         want = triton.next_power_of_2(triton.cdiv(num_sms, programs))
