@@ -271,6 +271,13 @@ def main() -> None:
     early_metadata = triton_kernels.PDL_EARLY_METADATA
 
     results = {}
+    device_info = None  # which GPU: lent H200s differ by a few percent
+    if torch.cuda.is_available():
+        from gpu_bench_parts import copy_bandwidth
+
+        name = torch.cuda.get_device_properties(0).name
+        device_info = {"name": name, "copy_tb_s": round(copy_bandwidth() / 1e12, 3)}
+        print("device", device_info, flush=True)
     for name, extra in configs.items():
         extra = dict(extra)
         # read at each call, and by the drafter's graphs when captured: for this engine
@@ -330,7 +337,7 @@ def main() -> None:
     gemv_rope.ROPE_MAX_BLOCK_M, triton_kernels.PDL_EARLY_METADATA = rope_rows, early_metadata
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(results, indent=2))
+    out.with_suffix(".json").write_text(json.dumps({**results, "device": device_info}, indent=2))
     lines = table(results, args.batches, "output_tok_s")
     lines += ["", "While every request decodes (until the first one ends):", ""]
     lines += table(results, args.batches, "full_batch_tok_s")
