@@ -153,7 +153,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds of every mode")
-    ap.add_argument("--gate-up", default="128,64,4,4", help="engine tile: n,k,warps,stages")
+    # the gated kernel's tile: gated_config (half the width) of the plan's n128 k64 choice
+    ap.add_argument("--gate-up", default="64,64,4,4", help="engine gated tile: n,k,warps,stages")
     ap.add_argument("--down", default="64,128,2,4,5", help="engine tile: n,k,split,warps,st")
     ap.add_argument("--tiles", default="64,64,64,128,3", help="probe: bn1,bk1,bn2,bk2,stages")
     args = ap.parse_args()
