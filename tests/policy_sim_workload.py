@@ -35,6 +35,13 @@ class Noise:
     sigma: float = 0.2  # lognormal
     outlier_p: float = 0.02
     outlier_x: float = 3.0
+    # Slow stretches: from a step, with probability stretch_p, every step at every K takes
+    # stretch_x times as long, for a run of about stretch_len steps (geometric). On the H200
+    # the default model's batch-1 steps ran 1.7-2x slower in stretches of 20-120 steps at
+    # every K (gpu_default_model.md, run 19; contention on the lent machine's host).
+    stretch_p: float = 0.0
+    stretch_len: float = 40.0
+    stretch_x: float = 1.75
 
 
 @dataclass
@@ -68,12 +75,20 @@ class SimRequest:
 
 @functools.lru_cache(maxsize=16)
 def noise_factors(noise: Noise, seed: int, steps: int = 8192) -> tuple[float, ...]:
-    """Multiplicative noise of the periods step by step: lognormal (mean 1) and outliers."""
+    """Multiplicative noise of the periods step by step: lognormal (mean 1), outliers and
+    slow stretches."""
     rng = random.Random(seed + 7919)
-    out = []
+    slow = random.Random(seed + 104729)  # its own stream: without stretches, the same draws
+    out, left = [], 0
     for _ in range(steps):
         x = math.exp(rng.gauss(0.0, noise.sigma) - noise.sigma**2 / 2)
-        out.append(x * noise.outlier_x if rng.random() < noise.outlier_p else x)
+        x = x * noise.outlier_x if rng.random() < noise.outlier_p else x
+        if noise.stretch_p:
+            if left == 0 and slow.random() < noise.stretch_p:
+                left = 1 + int(slow.expovariate(1.0 / noise.stretch_len))
+            if left:
+                x, left = x * noise.stretch_x, left - 1
+        out.append(x)
     return tuple(out)
 
 
