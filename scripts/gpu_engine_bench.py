@@ -197,27 +197,35 @@ AB_VARIANTS = {
 }
 
 
-def force_plan(model, specs) -> callable:
-    """Serve the model's GEMV plan keys in `specs` ("rows,n,k:bn,bk,split,warps,stages", bf16
-    matrix-unit tiles of the rows' block) with those tiles; returns what puts them back. The
-    model's plan (shared by the bench's engines) must have been selected already."""
+def force_plan(specs) -> callable:
+    """Until the returned function is called: every engine built serves the GEMV plan keys
+    in `specs` ("rows,n,k:bn,bk,split,warps,stages", bf16 matrix-unit tiles of the rows'
+    block) with those tiles, set once whole-step tuning has revised the plan start-up
+    selected (each engine selects its own plan; its graphs are captured after)."""
+    if not specs:
+        return lambda: None
     from specserve.layers.gemv import GemvConfig, row_block
+    from specserve.runtime import plan_tuning
 
-    plan, old = getattr(model, "gemv_plan", None), {}
-    if specs and plan is None:
-        raise SystemExit("--ab-plan needs the plan an engine selected before (CUDA, 'plain' first)")
+    forced = []
     for spec in specs:
         shape, tile = spec.split(":")
         rows, n, k = map(int, shape.split(","))
         bn, bk, split, warps, stages = map(int, tile.split(","))
-        key = (rows, n, k, torch.bfloat16)
-        old[key] = plan.choices[key].config
-        plan.set_config([key], GemvConfig(bn, bk, split, warps, stages, True, row_block(rows)),
-                        tuned=False)  # fmt: skip
+        cfg = GemvConfig(bn, bk, split, warps, stages, True, row_block(rows))
+        forced.append(((rows, n, k, torch.bfloat16), cfg))
+    tune = plan_tuning.tune_engine_plan
+
+    def tune_then_force(graphs, plan, *args, **kwargs):
+        report = tune(graphs, plan, *args, **kwargs)
+        for key, cfg in forced:
+            plan.set_config([key], cfg)
+        return report
+
+    plan_tuning.tune_engine_plan = tune_then_force
 
     def restore() -> None:
-        for key, cfg in old.items():
-            plan.set_config([key], cfg, tuned=False)
+        plan_tuning.tune_engine_plan = tune
 
     return restore
 
@@ -246,8 +254,8 @@ def main() -> None:
                         help=f"also plain and fixed K=3 {what} ('{label}')")
     add_run_args(ap)
     ap.add_argument("--ab-plan", nargs="+", default=None, metavar="ROWS,N,K:BN,BK,SPLIT,W,ST",
-                    help="also plain with these GEMV plan choices forced and whole-step tuning "
-                         "off (e.g. another machine's), the plan put back afterwards")
+                    help="also plain with these GEMV plan choices forced after whole-step "
+                         "tuning (e.g. another machine's choices)")
     ap.add_argument("--only", nargs="+", default=None,
                     help="run only the configurations whose names contain one of these")
     args = ap.parse_args()
@@ -282,8 +290,7 @@ def main() -> None:
             configs[f"plain, {label}"] = {**configs["plain"], **change}
             configs[f"eagle3 K=3 fixed, {label}"] = {**configs[fixed], **change}
     if args.ab_plan:
-        configs["plain, forced plan"] = {**configs["plain"], "disable_gemv_tuning": True,
-                                         "force_plan": args.ab_plan}  # fmt: skip
+        configs["plain, forced plan"] = {**configs["plain"], "force_plan": args.ab_plan}
     if args.only:
         configs = {k: v for k, v in configs.items() if any(o in k for o in args.only)}
     if args.again:  # the first engine once more at the end: what the order alone changes
@@ -327,7 +334,7 @@ def main() -> None:
         gemv_rope.ROPE_MAX_BLOCK_M = extra.pop("rope_max_block_m", rope_rows)
         # this engine only (restored below): decode attention's metadata read under PDL
         triton_kernels.PDL_EARLY_METADATA = extra.pop("early_metadata", early_metadata)
-        restore = force_plan(model, extra.pop("force_plan", ()))  # this engine only
+        restore = force_plan(extra.pop("force_plan", ()))  # this engine only
         t0 = time.perf_counter()
         engine = LLMEngine(EngineConfig(**base, **extra), model=model)
         startup = time.perf_counter() - t0
