@@ -191,6 +191,9 @@ AB_VARIANTS = {
     "verify_tiles": ("verify tiles off", {"disable_verify_tiles": True},
                      "with verify steps of up to 16 requests on their decode tiles at every "
                      "row count (--disable-verify-tiles)"),
+    "norm_after": ("plain keys timed alone", {"norm_after": False},
+                   "with the plain GEMV keys of norm-feeding projections timed without the "
+                   "norm after them (gemv_select.NORM_AFTER off, as before session 18)"),
     "stream_k": ("stream-K candidates", {"gemv_stream_k": True},
                  "with the stream-K GEMV tiles among the candidates above 16 rows "
                  "(--gemv-stream-k, experimental)"),
@@ -297,7 +300,7 @@ def main() -> None:
         first = next(iter(configs))
         configs[f"{first} (again, last)"] = configs[first]
     from specserve.layers import gemv as gemv_module  # kernel modules: imported when needed
-    from specserve.layers import gemv_rope, triton_argmax
+    from specserve.layers import gemv_rope, gemv_select, triton_argmax
     from specserve.layers.attention import triton_attn, triton_kernels
     from specserve.layers.attention.triton_attn import TritonAttentionBackend
     from specserve.layers.triton_ops import TritonMergedGatedMLP
@@ -334,6 +337,8 @@ def main() -> None:
         gemv_rope.ROPE_MAX_BLOCK_M = extra.pop("rope_max_block_m", rope_rows)
         # this engine only (restored below): decode attention's metadata read under PDL
         triton_kernels.PDL_EARLY_METADATA = extra.pop("early_metadata", early_metadata)
+        # this engine only (restored below): how norm-feeding projections' plain keys time
+        gemv_select.NORM_AFTER = extra.pop("norm_after", True)
         restore = force_plan(extra.pop("force_plan", ()))  # this engine only
         t0 = time.perf_counter()
         engine = LLMEngine(EngineConfig(**base, **extra), model=model)
@@ -375,6 +380,7 @@ def main() -> None:
     TritonAttentionBackend.invariant_chunks = chunks
     triton_attn.INVARIANT_MIN_CHUNK = min_chunk
     gemv_rope.ROPE_MAX_BLOCK_M, triton_kernels.PDL_EARLY_METADATA = rope_rows, early_metadata
+    gemv_select.NORM_AFTER = True
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps({**results, "device": device_info}, indent=2))

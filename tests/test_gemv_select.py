@@ -371,7 +371,7 @@ def test_candidates_are_timed_after_a_kernel_that_writes_their_input(monkeypatch
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     inputs = []
     monkeypatch.setattr(gemv_select, "time_in_graph_us",
-                        lambda fn, x, ws, reps: fn(x, ws[0]) or 1.0)  # fmt: skip
+                        lambda fn, x, ws, reps: (fn(x, ws[0]), 1.0)[1])  # fmt: skip
     monkeypatch.setattr(gemv_select, "torch_linear", lambda x, w: inputs.append(x.clone()))
     for producer, factor in [(True, 2), (False, 1)]:
         inputs.clear()
@@ -398,3 +398,54 @@ def test_first_calls_do_not_count_against_the_budget(monkeypatch):
         selector._measure_shape(96, 64, torch.float16, jobs, [torch.zeros(96, 64)],
                                 time.perf_counter())  # fmt: skip
         assert (selector.skipped > 0) == untried
+
+
+def test_plain_keys_of_norm_feeding_shapes_are_timed_with_the_norm(monkeypatch):
+    """A shape whose projection feeds the residual add + RMSNorm (one with a fusion) is timed
+    under its plain key as the model runs it: torch, then add + norm; a split tile's partial
+    sums reduced inside the norm (no reduce kernel of their own); an unsplit tile, then add +
+    norm. Other shapes' plain keys, and every shape's with NORM_AFTER off, are timed alone."""
+    from specserve.layers import gemv_select, gemv_timing, triton_ops
+    from specserve.layers.gemv import GemvConfig, SplitKSum
+
+    calls = []
+
+    def fake_gemv(x, w, bias, cfg, defer_reduce=False, **kwargs):
+        calls.append(("gemv", cfg.split_k, defer_reduce))
+        out = torch.zeros(x.shape[0], w.shape[0])
+        if cfg.split_k > 1 and defer_reduce:
+            return SplitKSum(torch.zeros(cfg.split_k, *out.shape), None, out, out.shape)
+        return out  # (a split reduced by its own pass, when not deferred)
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(gemv_select, "time_in_graph_us",
+                        lambda fn, x, ws, reps: (fn(x, ws[0]), 1.0)[1])  # fmt: skip
+    monkeypatch.setattr(gemv_select, "torch_linear", lambda x, w: calls.append("torch"))
+    monkeypatch.setattr(gemv_select, "gemv", fake_gemv)
+    monkeypatch.setattr(gemv_timing, "gemv", fake_gemv)
+    monkeypatch.setattr(triton_ops, "add_rms_norm", lambda *a: calls.append("add+norm"))
+    monkeypatch.setattr(triton_ops, "split_k_add_rms_norm",
+                        lambda *a: calls.append("split pass+add+norm"))  # fmt: skip
+    down, qkv = (96, 64, torch.float32), (48, 64, torch.float32)
+    split, unsplit = GemvConfig(32, 32, split_k=2), GemvConfig(32, 64)
+    x = torch.randn(4, 64)
+
+    def timed(shape, cfg) -> list:  # what one call runs (the eager first one, then the timed)
+        calls.clear()
+        selector._measure(cfg, x, [torch.randn(*shape[:2])])
+        half = len(calls) // 2
+        assert calls[:half] == calls[half:]
+        return calls[:half]
+
+    for on in (True, False):
+        monkeypatch.setattr(gemv_select, "NORM_AFTER", on)
+        selector = gemv_select.GemvSelector(after_producer=False)
+        selector.norm_after = gemv_select.norm_fed_shapes({down: "silu+split_k"}, [down, qkv])
+        assert selector.norm_after == ({down} if on else set())
+        for shape in (down, qkv):
+            with_norm = on and shape == down
+            assert timed(shape, None) == (["add+norm"] if with_norm else ["torch"])
+            assert timed(shape, split) == ([("gemv", 2, True), "split pass+add+norm"]
+                                           if with_norm else [("gemv", 2, False)])  # fmt: skip
+            assert timed(shape, unsplit) == ([("gemv", 1, True), "add+norm"]
+                                             if with_norm else [("gemv", 1, False)])  # fmt: skip

@@ -26,6 +26,14 @@ to SHARED_ROWS choose among the Triton configurations alone, even when cuBLAS wa
 (`GemvPlan.torch_varies` lists those shapes; whole-step tuning does not offer torch there
 either; a fused key's torch choice is the unfused path through the shape's own choice, so it
 stays a candidate). `batch_invariant=False` keeps torch a candidate everywhere.
+
+A projection whose output feeds the residual add + RMSNorm (attention's o_proj, a merged
+MLP's down projection: the shapes with a fusion) is timed with that norm after it under
+its plain key too, a K split's second pass inside the norm as the model runs it
+(`NORM_AFTER`): timed alone, a split paid a reduce kernel that the model does not run and
+an unsplit tile did not pay the norm kernel it needs, and at 64 rows selection took the
+8B's unsplit down tile about half the time, 1.4% slower a step than the split one
+(gpu_engine.md, session 18).
 """
 
 from __future__ import annotations
@@ -60,11 +68,15 @@ from specserve.layers.gemv_timing import (  # noqa: F401 (rotation_set: scripts 
     time_in_graph_us,
     torch_linear,
 )
+from specserve.layers.linear import NORM_FUSION
 
 log = logging.getLogger(__name__)
 
 ShapeKey = tuple[int, int, torch.dtype]  # (N, K, dtype) of a weight [N, K]
 GEMV_DTYPES = (torch.float16, torch.bfloat16)
+# Plain keys of the shapes that feed a norm are timed with it (the module docstring; a
+# bench A/B switches it off: scripts/gpu_engine_bench.py --ab-norm-after)
+NORM_AFTER = True
 
 
 def bucket_candidates(buckets: tuple[int, ...], n: int, k: int, num_sms: int) -> list[tuple]:
@@ -140,6 +152,12 @@ def _winner(times: dict, margin: float) -> GemvConfig | None:
 _MEASURED: dict[tuple, dict[PlanKey, GemvChoice]] = {}
 
 
+def norm_fed_shapes(fused: dict[ShapeKey, str] | None, shapes) -> set[ShapeKey]:
+    """The shapes among `shapes` whose plain keys are timed with the residual add + RMSNorm
+    after them: those of projections that feed it (a fusion in `fused`), while NORM_AFTER."""
+    return set(fused or ()) & set(shapes) if NORM_AFTER else set()
+
+
 class GemvSelector:
     """Measures torch (cuBLAS) against the Triton GEMV's candidate configurations for every
     (row bucket, N, K, dtype) of the weights it is given, and returns the plan.
@@ -193,6 +211,7 @@ class GemvSelector:
         self.elapsed_s = self.compile_s = 0.0
         self.compiled = 0  # Triton variants compiled by the last select()
         self.skipped = 0  # candidates left untried when the budget ran out
+        self.norm_after: set[ShapeKey] = set()  # shapes timed with the norm after them
 
     @torch.inference_mode()
     def select(self, weights: dict[ShapeKey, list[torch.Tensor]],
@@ -224,10 +243,11 @@ class GemvSelector:
         index = torch.device(device).index
         self.measured = _MEASURED.setdefault(
             (index, self.row_buckets, self.margin, self.after_producer, self.batch_invariant,
-             stream_k_enabled()),
+             stream_k_enabled(), NORM_AFTER),
             self.measured,
         )  # fmt: skip
         biases = {key: b for key, b in (biases or {}).items() if key in shapes}
+        self.norm_after = norm_fed_shapes(fused, shapes)
         torch_varies = frozenset()
         if self.batch_invariant:
             one = {shape: ws[0] for shape, ws in shapes.items()}
@@ -320,13 +340,16 @@ class GemvSelector:
     def _measure(self, cfg: GemvConfig | None, x: torch.Tensor, rotation,
                  *fusion) -> tuple[float, float]:  # fmt: skip
         """(device time of one call in us, seconds the first, eager call took)."""
-        if fusion:  # against what the model runs unfused: the shape's plain choice
-            n, k = rotation[0].shape
-            plain = self.measured.get((x.shape[0], n, k, x.dtype))
+        n, k = rotation[0].shape
+        if fusion or (n, k, x.dtype) in self.norm_after:
             residual = torch.randn(x.shape[0], n, device=x.device, dtype=x.dtype)
             norm_weight = torch.ones(n, device=x.device, dtype=x.dtype)
+        if fusion:  # against what the model runs unfused: the shape's plain choice
+            plain = self.measured.get((x.shape[0], n, k, x.dtype))
             fn = down_and_norm(cfg, fusion[0], residual, norm_weight,
                                plain.config if plain else None)  # fmt: skip
+        elif (n, k, x.dtype) in self.norm_after:  # the projection, then add + RMSNorm
+            fn = down_and_norm(cfg, NORM_FUSION, residual, norm_weight)
         else:
             fn = torch_linear if cfg is None else (lambda x, w: gemv(x, w, None, cfg))
         if self.after_producer:
