@@ -208,12 +208,15 @@ def force_plan(specs) -> callable:
     if not specs:
         return lambda: None
     from specserve.layers.gemv import GemvConfig, row_block
+    from specserve.layers.gemv_plan import SHARED_ROWS
     from specserve.runtime import plan_tuning
 
     forced = []
     for spec in specs:
         shape, tile = spec.split(":")
         rows, n, k = map(int, shape.split(","))
+        if rows <= SHARED_ROWS:  # one choice serves those buckets together
+            raise SystemExit(f"--ab-plan forces row buckets above {SHARED_ROWS} only: {spec}")
         bn, bk, split, warps, stages = map(int, tile.split(","))
         cfg = GemvConfig(bn, bk, split, warps, stages, True, row_block(rows))
         forced.append(((rows, n, k, torch.bfloat16), cfg))
@@ -222,7 +225,9 @@ def force_plan(specs) -> callable:
     def tune_then_force(graphs, plan, *args, **kwargs):
         report = tune(graphs, plan, *args, **kwargs)
         for key, cfg in forced:
-            plan.set_config([key], cfg)
+            if key not in plan.choices:
+                raise SystemExit(f"--ab-plan: the plan has no key {key}")
+            plan.set_config([key], cfg, tuned=False)
         return report
 
     plan_tuning.tune_engine_plan = tune_then_force
@@ -339,7 +344,10 @@ def main() -> None:
         triton_kernels.PDL_EARLY_METADATA = extra.pop("early_metadata", early_metadata)
         # this engine only (restored below): how norm-feeding projections' plain keys time
         gemv_select.NORM_AFTER = extra.pop("norm_after", True)
-        restore = force_plan(extra.pop("force_plan", ()))  # this engine only
+        forced = extra.pop("force_plan", ())
+        if forced and extra.get("disable_gemv_tuning"):
+            raise SystemExit("--ab-plan forces its choices after whole-step tuning: keep it on")
+        restore = force_plan(forced)  # this engine only
         t0 = time.perf_counter()
         engine = LLMEngine(EngineConfig(**base, **extra), model=model)
         startup = time.perf_counter() - t0
@@ -358,6 +366,8 @@ def main() -> None:
         rows = [combine([run(engine, b, args.prompt_len, args.new_tokens, seed)
                          for seed in range(args.repeats)]) for b in args.batches]  # fmt: skip
         results[name] = {
+            "device": device_info,
+            "forced_plan": forced or None,  # --ab-plan's specs, set after tuning
             "startup_s": round(startup, 2),
             "graphs": graphs.__dict__ if graphs else None,
             "drafter_graphs": drafter.report.__dict__ if drafter else None,
@@ -383,7 +393,7 @@ def main() -> None:
     gemv_select.NORM_AFTER = True
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({**results, "device": device_info}, indent=2))
+    out.with_suffix(".json").write_text(json.dumps(results, indent=2))
     lines = table(results, args.batches, "output_tok_s")
     lines += ["", "While every request decodes (until the first one ends):", ""]
     lines += table(results, args.batches, "full_batch_tok_s")

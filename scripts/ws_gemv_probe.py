@@ -166,13 +166,18 @@ def probe_shape(name: str, grid: dict, args, min_bytes: int) -> dict:
         for use_pdl, key in ((True, label(c)), (False, label(c) + " nopdl")):
             cmd = [sys.executable, __file__, "--compile-one", name, *map(str, map(int, c)),
                    str(use_pdl)]  # fmt: skip
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+            try:
+                done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+            except subprocess.TimeoutExpired:
+                failed[key] = "compile timed out (300 s)"
+                continue
             if done.returncode == 0:
                 tile_fn(*c, gated, use_pdl=use_pdl)(x, w, compile_only=True)
                 if not use_pdl:
                     no_pdl.add(c)
                 return
-            failed[key] = f"rc {done.returncode}: {done.stderr[-400:]}"
+            last = done.stderr.strip().splitlines()[-1:] or [""]  # the exception, no paths
+            failed[key] = f"rc {done.returncode}: {last[0][-200:]}"
 
     t0 = time.perf_counter()
     with ThreadPoolExecutor(args.workers) as pool:
@@ -187,7 +192,7 @@ def probe_shape(name: str, grid: dict, args, min_bytes: int) -> dict:
                 gemv(x, w, None, c, compile_only=True, gated=gated)
                 fns[f"engine {c}"] = engine_fn(c, gated)
             except Exception as e:  # noqa: BLE001
-                failed[f"engine {c}"] = f"{type(e).__name__}: {str(e)[-300:]}"
+                failed[f"engine {c}"] = f"{type(e).__name__}: {str(e).splitlines()[-1][-200:]}"
     fns.update({label(c): tile_fn(*c, gated) for c in cands if label(c) not in failed})
     fns.update({label(c) + " nopdl": tile_fn(*c, gated, use_pdl=False) for c in no_pdl})
     ref = fns["engine"](x, w).float()
@@ -207,13 +212,13 @@ def probe_shape(name: str, grid: dict, args, min_bytes: int) -> dict:
             times[key].append(time_in_graph_us(after_producer(fn, x), x, rotation, args.reps))
     med = {key: round(statistics.median(v), 2) for key, v in times.items()}
     ranked = sorted(med.items(), key=lambda kv: kv[1])
-    gb = w.numel() * 2 / 1e3
+    kb = w.numel() * 2 / 1e3
     print(name, "engine", med["engine"], "torch", med["torch"], "best", ranked[:4],
           f"failed {len(failed)}", flush=True)  # fmt: skip
     return dict(
-        n=n, k=k, gated=gated, engine_tile=str(cfg), weight_mb=round(gb, 1),
+        n=n, k=k, gated=gated, engine_tile=str(cfg), weight_mb=round(kb / 1e3, 1),
         compile_s=round(compile_s, 1), us=dict(ranked), max_abs_err=errors,
-        tbps={key: round(gb / us / 1e3, 2) for key, us in ranked[:8]}, failed=failed,
+        tbps={key: round(kb / us / 1e3, 2) for key, us in ranked[:8]}, failed=failed,
     )  # fmt: skip
 
 

@@ -401,12 +401,16 @@ def test_first_calls_do_not_count_against_the_budget(monkeypatch):
 
 
 def test_plain_keys_of_norm_feeding_shapes_are_timed_with_the_norm(monkeypatch):
-    """A shape whose projection feeds the residual add + RMSNorm (one with a fusion) is timed
-    under its plain key as the model runs it: torch, then add + norm; a split tile's partial
-    sums reduced inside the norm (no reduce kernel of their own); an unsplit tile, then add +
-    norm. Other shapes' plain keys, and every shape's with NORM_AFTER off, are timed alone."""
+    """A shape whose projection hands the residual add + RMSNorm its output (o_proj's
+    NORM_FUSION, a down projection's "split_k" fusion) is measured under its plain key tagged
+    NORM_TIMED, and timed as the model runs it: torch, then add + norm; a split tile's
+    partial sums reduced inside the norm (no reduce kernel of their own); an unsplit tile,
+    then add + norm. Its o_proj key is not measured again. Other shapes' plain keys (a
+    "silu"-only down projection's too), and every shape's with NORM_AFTER off, are timed
+    alone, untagged."""
     from specserve.layers import gemv_select, gemv_timing, triton_ops
     from specserve.layers.gemv import GemvConfig, SplitKSum
+    from specserve.layers.gemv_select import NORM_TIMED, job_keys, norm_fed_shapes
 
     calls = []
 
@@ -426,13 +430,16 @@ def test_plain_keys_of_norm_feeding_shapes_are_timed_with_the_norm(monkeypatch):
     monkeypatch.setattr(triton_ops, "add_rms_norm", lambda *a: calls.append("add+norm"))
     monkeypatch.setattr(triton_ops, "split_k_add_rms_norm",
                         lambda *a: calls.append("split pass+add+norm"))  # fmt: skip
-    down, qkv = (96, 64, torch.float32), (48, 64, torch.float32)
+    f32 = torch.float32
+    down, o, qkv, head_down = (96, 64, f32), (64, 64, f32), (48, 64, f32), (80, 64, f32)
+    fused = {down: "silu+split_k", o: "norm", head_down: "silu"}
+    shapes = [down, o, qkv, head_down]
     split, unsplit = GemvConfig(32, 32, split_k=2), GemvConfig(32, 64)
     x = torch.randn(4, 64)
 
-    def timed(shape, cfg) -> list:  # what one call runs (the eager first one, then the timed)
+    def timed(shape, cfg, *tag) -> list:  # one call's kernels (the eager call, then timed)
         calls.clear()
-        selector._measure(cfg, x, [torch.randn(*shape[:2])])
+        selector._measure(cfg, x, [torch.randn(*shape[:2])], *tag)
         half = len(calls) // 2
         assert calls[:half] == calls[half:]
         return calls[:half]
@@ -440,12 +447,19 @@ def test_plain_keys_of_norm_feeding_shapes_are_timed_with_the_norm(monkeypatch):
     for on in (True, False):
         monkeypatch.setattr(gemv_select, "NORM_AFTER", on)
         selector = gemv_select.GemvSelector(after_producer=False)
-        selector.norm_after = gemv_select.norm_fed_shapes({down: "silu+split_k"}, [down, qkv])
-        assert selector.norm_after == ({down} if on else set())
-        for shape in (down, qkv):
-            with_norm = on and shape == down
-            assert timed(shape, None) == (["add+norm"] if with_norm else ["torch"])
-            assert timed(shape, split) == ([("gemv", 2, True), "split pass+add+norm"]
-                                           if with_norm else [("gemv", 2, False)])  # fmt: skip
-            assert timed(shape, unsplit) == ([("gemv", 1, True), "add+norm"]
-                                             if with_norm else [("gemv", 1, False)])  # fmt: skip
+        selector.norm_after = norm_fed_shapes(fused, shapes)
+        assert selector.norm_after == ({down, o} if on else set())
+        jobs = job_keys(shapes, fused, selector.norm_after)
+        if on:
+            assert set(jobs) == {(*down, NORM_TIMED), (*o, NORM_TIMED), qkv, head_down,
+                                 (*down, "silu+split_k"), (*head_down, "silu")}  # fmt: skip
+        else:
+            assert set(jobs) == {*shapes, *((*s, f) for s, f in fused.items())}
+        for shape in shapes:
+            tag = (NORM_TIMED,) if (*shape, NORM_TIMED) in jobs else ()
+            with_norm = bool(tag)
+            alone = [["torch"], [("gemv", 2, False)], [("gemv", 1, False)]]
+            normed = [["add+norm"], [("gemv", 2, True), "split pass+add+norm"],
+                      [("gemv", 1, True), "add+norm"]]  # fmt: skip
+            got = [timed(shape, cfg, *tag) for cfg in (None, split, unsplit)]
+            assert got == (normed if with_norm else alone)

@@ -56,13 +56,20 @@ def test_goodput_matches_the_best_fixed_k(case):
 
 
 def test_slow_stretches_scale_whole_runs_of_steps():
-    """The simulator's slow stretches (Noise.stretch_*): every step of a stretch is the
-    no-stretch draw times stretch_x, stretches come about as often and last about as long as
-    asked, and without them the draws are those of the recorded decisions."""
+    """The simulator's slow stretches (Noise.stretch_*): without them the draws are those the
+    recorded decisions were made with (the formula before stretches, rebuilt here); every
+    step of a stretch is that draw times stretch_x, and stretches come about as often and
+    last about as long as asked."""
+    import math
+    import random
+
     from tests.policy_sim_workload import noise_factors
 
     base = noise_factors(Noise(sigma=0.05), 3)
-    assert noise_factors(Noise(sigma=0.05, stretch_p=0.0), 3) == base
+    rng, sigma = random.Random(3 + 7919), 0.05  # the draws before stretches existed
+    for x in base:
+        want = math.exp(rng.gauss(0.0, sigma) - sigma**2 / 2)
+        assert x == (want * 3.0 if rng.random() < 0.02 else want)
     slow = noise_factors(Noise(sigma=0.05, stretch_p=1 / 150, stretch_len=40, stretch_x=1.75), 3)
     marks = []
     for a, b in zip(base, slow):

@@ -27,13 +27,18 @@ to SHARED_ROWS choose among the Triton configurations alone, even when cuBLAS wa
 either; a fused key's torch choice is the unfused path through the shape's own choice, so it
 stays a candidate). `batch_invariant=False` keeps torch a candidate everywhere.
 
-A projection whose output feeds the residual add + RMSNorm (attention's o_proj, a merged
-MLP's down projection: the shapes with a fusion) is timed with that norm after it under
-its plain key too, a K split's second pass inside the norm as the model runs it
-(`NORM_AFTER`): timed alone, a split paid a reduce kernel that the model does not run and
-an unsplit tile did not pay the norm kernel it needs, and at 64 rows selection took the
-8B's unsplit down tile about half the time, 1.4% slower a step than the split one
-(gpu_engine.md, session 18).
+A projection whose output feeds the residual add + RMSNorm unreduced (attention's o_proj,
+a merged MLP's down projection with its split-K pass in the norm: `norm_fed_shapes`) is
+timed with that norm after it under its plain key too, a K split's second pass inside the
+norm as the model runs it (`NORM_AFTER`; such a shape's o_proj key, which timed the same,
+is no longer measured): timed alone, a split paid a reduce kernel that the model does not
+run and an unsplit tile did not pay the norm kernel it needs, and at 64 rows selection took
+the 8B's unsplit down tile in 3 of session 18's 10 engine runs, 1.4% slower a step than the
+split one (gpu_engine.md). Those choices are cached apart from the same shape's choices
+timed alone (`NORM_TIMED`), which a model whose projection of that shape feeds no norm
+(an EAGLE-3 head, a model run without fusions) gets; a drafter whose plan shares the
+target's selector shares the target's, which the cache hands it when it asks for the same
+timing.
 """
 
 from __future__ import annotations
@@ -75,8 +80,10 @@ log = logging.getLogger(__name__)
 ShapeKey = tuple[int, int, torch.dtype]  # (N, K, dtype) of a weight [N, K]
 GEMV_DTYPES = (torch.float16, torch.bfloat16)
 # Plain keys of the shapes that feed a norm are timed with it (the module docstring; a
-# bench A/B switches it off: scripts/gpu_engine_bench.py --ab-norm-after)
+# bench A/B switches it off: scripts/gpu_engine_bench.py --ab-norm-after), and cached under
+# the key with this tag
 NORM_AFTER = True
+NORM_TIMED = "+norm"
 
 
 def bucket_candidates(buckets: tuple[int, ...], n: int, k: int, num_sms: int) -> list[tuple]:
@@ -148,14 +155,33 @@ def _winner(times: dict, margin: float) -> GemvConfig | None:
 
 
 # (device index, row buckets, margin, after_producer, batch_invariant, stream-K candidates on)
-# -> the choices measured so far in this process.
+# -> the choices measured so far in this process, by plan key (a plain key timed with the
+# norm after it tagged NORM_TIMED).
 _MEASURED: dict[tuple, dict[PlanKey, GemvChoice]] = {}
 
 
 def norm_fed_shapes(fused: dict[ShapeKey, str] | None, shapes) -> set[ShapeKey]:
     """The shapes among `shapes` whose plain keys are timed with the residual add + RMSNorm
-    after them: those of projections that feed it (a fusion in `fused`), while NORM_AFTER."""
-    return set(fused or ()) & set(shapes) if NORM_AFTER else set()
+    after them, while NORM_AFTER: those of projections that hand it their output, a K
+    split's partial sums unreduced (`fused`: o_proj's NORM_FUSION, a down projection's
+    fusion with "split_k"; not a "silu"-only one, whose MLP reduces its own split)."""
+    if not NORM_AFTER:
+        return set()
+    return {s for s, f in (fused or {}).items()
+            if s in shapes and (f == NORM_FUSION or "split_k" in f)}  # fmt: skip
+
+
+def job_keys(shapes, fused: dict[ShapeKey, str] | None,
+             norm_fed: set[ShapeKey]) -> dict[tuple, ShapeKey]:  # fmt: skip
+    """{what selection measures (its cache key less the bucket): the weight shape}: each
+    shape's plain key, tagged NORM_TIMED where timed with the norm (`norm_fed`), and one
+    key per fused projection, (N, K, dtype, fusion), except o_proj's NORM_FUSION where the
+    plain key is timed with the norm already (the same timing: its plain choice serves)."""
+    jobs = {(*s, NORM_TIMED) if s in norm_fed else s: s for s in shapes}
+    for s, f in (fused or {}).items():
+        if s in shapes and not (f == NORM_FUSION and s in norm_fed):
+            jobs[(*s, f)] = s
+    return jobs
 
 
 class GemvSelector:
@@ -235,19 +261,17 @@ class GemvSelector:
         if not shapes:
             return GemvPlan({}, self.row_buckets)
         # a fused projection is one more "shape" to measure: (N, K, dtype, fusion)
-        jobs_of = {**{shape: shape for shape in shapes},
-                   **{(*shape, f): shape for shape, f in (fused or {}).items()
-                      if shape in shapes}}  # fmt: skip
+        self.norm_after = norm_fed_shapes(fused, shapes)
+        jobs_of = job_keys(shapes, fused, self.norm_after)
         start = time.perf_counter()
         device = next(iter(shapes.values()))[0].device
         index = torch.device(device).index
         self.measured = _MEASURED.setdefault(
             (index, self.row_buckets, self.margin, self.after_producer, self.batch_invariant,
-             stream_k_enabled(), NORM_AFTER),
+             stream_k_enabled()),
             self.measured,
         )  # fmt: skip
         biases = {key: b for key, b in (biases or {}).items() if key in shapes}
-        self.norm_after = norm_fed_shapes(fused, shapes)
         torch_varies = frozenset()
         if self.batch_invariant:
             one = {shape: ws[0] for shape, ws in shapes.items()}
@@ -279,12 +303,12 @@ class GemvSelector:
             # Each shape gets an equal share of what is left; its clones live only meanwhile.
             left = self.budget_s - (time.perf_counter() - measure_start)
             # a fused key's torch is the unfused path through the shape's own choice
-            torch_shared = bool(fusion) or (n, k, dtype) not in torch_varies
+            torch_shared = fusion not in ([], [NORM_TIMED]) or (n, k, dtype) not in torch_varies
             self._measure_shape(n, k, dtype, jobs, rotation_set(shapes[(n, k, dtype)], min_bytes),
                                 time.perf_counter() + left / (len(todo) - i), *fusion,
                                 torch_shared=torch_shared)  # fmt: skip
-        choices = {(b, *key): self.measured[(b, *key)] for key in jobs_of
-                   for b in self.measured_buckets}  # fmt: skip
+        choices = {(b, *[p for p in key if p != NORM_TIMED]): self.measured[(b, *key)]
+                   for key in jobs_of for b in self.measured_buckets}  # fmt: skip
         plan = GemvPlan(choices, self.row_buckets, torch_varies=torch_varies,
                         by_requests=self.batch_invariant)  # fmt: skip
         torch.cuda.empty_cache()
@@ -308,16 +332,18 @@ class GemvSelector:
                    for c in (self.measured.get((b, *shape)) for b in shared)):  # fmt: skip
                 for b in shared:
                     self.measured.pop((b, *shape), None)
+                    self.measured.pop((b, *shape, NORM_TIMED), None)
 
 
     def _measure_shape(self, n: int, k: int, dtype: torch.dtype, jobs, rotation,
                        deadline: float, *fusion: str,
                        torch_shared: bool = True) -> None:  # fmt: skip
         """Time torch and every candidate per row bucket (with a `fusion`: as the fused
-        down projection and the norm after it); record each bucket's choice (`choose`;
-        `torch_shared` False: not torch for the buckets up to SHARED_ROWS)."""
+        projection and the norm after it; NORM_TIMED: the plain projection and the norm
+        after it); record each bucket's choice (`choose`; `torch_shared` False: not torch
+        for the buckets up to SHARED_ROWS)."""
         device = rotation[0].device
-        cols = fused_input_cols(k, fusion[0]) if fusion else k
+        cols = fused_input_cols(k, fusion[0]) if fusion and fusion[0] != NORM_TIMED else k
         runs = [(b, torch.randn(b, cols, device=device, dtype=dtype), [None, *cands])
                 for b, cands in jobs]  # fmt: skip
         times: dict[int, dict] = {b: {} for b, _, _ in runs}
@@ -341,15 +367,17 @@ class GemvSelector:
                  *fusion) -> tuple[float, float]:  # fmt: skip
         """(device time of one call in us, seconds the first, eager call took)."""
         n, k = rotation[0].shape
-        if fusion or (n, k, x.dtype) in self.norm_after:
+        if fusion:
             residual = torch.randn(x.shape[0], n, device=x.device, dtype=x.dtype)
             norm_weight = torch.ones(n, device=x.device, dtype=x.dtype)
-        if fusion:  # against what the model runs unfused: the shape's plain choice
-            plain = self.measured.get((x.shape[0], n, k, x.dtype))
+        if fusion == (NORM_TIMED,):  # a plain key: the projection, then add + RMSNorm
+            fn = down_and_norm(cfg, NORM_FUSION, residual, norm_weight)
+        elif fusion:  # against what the model runs unfused: the shape's plain choice
+            shape = (n, k, x.dtype)
+            plain = self.measured.get((x.shape[0], *shape,
+                                       *[NORM_TIMED] * (shape in self.norm_after)))
             fn = down_and_norm(cfg, fusion[0], residual, norm_weight,
                                plain.config if plain else None)  # fmt: skip
-        elif (n, k, x.dtype) in self.norm_after:  # the projection, then add + RMSNorm
-            fn = down_and_norm(cfg, NORM_FUSION, residual, norm_weight)
         else:
             fn = torch_linear if cfg is None else (lambda x, w: gemv(x, w, None, cfg))
         if self.after_producer:
