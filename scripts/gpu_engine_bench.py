@@ -191,7 +191,7 @@ AB_VARIANTS = {
     "verify_tiles": ("verify tiles off", {"disable_verify_tiles": True},
                      "with verify steps of up to 16 requests on their decode tiles at every "
                      "row count (--disable-verify-tiles)"),
-    "norm_after": ("plain keys timed alone", {"norm_after": False},
+    "norm_after": ("GEMV keys timed alone", {"norm_after": False},
                    "with the plain GEMV keys of norm-feeding projections timed without the "
                    "norm after them (gemv_select.NORM_AFTER off, as before session 18)"),
     "stream_k": ("stream-K candidates", {"gemv_stream_k": True},
