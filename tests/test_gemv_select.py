@@ -90,15 +90,21 @@ def test_small_batch_engines_measure_the_shared_buckets_and_forget_torch_where_i
     variant = GemvSelector(max_rows=64, max_requests=16, batch_invariant=False)
     assert variant.measured_buckets == ROW_BUCKETS  # looked up by rows: every bucket
 
+    from specserve.layers.gemv_select import NORM_TIMED
+
     selector = GemvSelector()
     shape, other = (96, 64, torch.float16), (32, 64, torch.float16)
+    normed = (48, 64, torch.float16)  # cached only as timed with the norm after it
     tile = GemvConfig(32, 64)
     for b in ROW_BUCKETS:
         selector.measured[(b, *shape)] = GemvChoice(None if b <= 16 else tile, 1.0, 1.0, 3)
         selector.measured[(b, *other)] = GemvChoice(None, 1.0, 1.0, 3)
         selector.measured[(b, *shape, "norm")] = GemvChoice(None, 1.0, 1.0, 3)
-    selector._forget_torch_choices(frozenset({shape}))
+        selector.measured[(b, *normed, NORM_TIMED)] = GemvChoice(None, 1.0, 1.0, 3)
+    selector._forget_torch_choices(frozenset({shape, normed}))
     assert [(b, *shape) in selector.measured for b in ROW_BUCKETS] == [False] * 5 + [True] * 2
+    assert [(b, *normed, NORM_TIMED) in selector.measured
+            for b in ROW_BUCKETS] == [False] * 5 + [True] * 2  # fmt: skip
     assert all((b, *other) in selector.measured for b in ROW_BUCKETS)
     assert all((b, *shape, "norm") in selector.measured for b in ROW_BUCKETS)  # unfused: kept
 

@@ -328,11 +328,11 @@ class GemvSelector:
         they chose torch: they are measured again, together (one shared choice)."""
         shared = [b for b in self.row_buckets if b <= SHARED_ROWS]
         for shape in torch_varies:
-            if any(c is not None and c.config is None
-                   for c in (self.measured.get((b, *shape)) for b in shared)):  # fmt: skip
-                for b in shared:
-                    self.measured.pop((b, *shape), None)
-                    self.measured.pop((b, *shape, NORM_TIMED), None)
+            for key in (shape, (*shape, NORM_TIMED)):  # timed alone, or with the norm
+                if any(c is not None and c.config is None
+                       for c in (self.measured.get((b, *key)) for b in shared)):  # fmt: skip
+                    for b in shared:
+                        self.measured.pop((b, *key), None)
 
 
     def _measure_shape(self, n: int, k: int, dtype: torch.dtype, jobs, rotation,
