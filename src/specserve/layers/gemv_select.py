@@ -374,8 +374,8 @@ class GemvSelector:
             fn = down_and_norm(cfg, NORM_FUSION, residual, norm_weight)
         elif fusion:  # against what the model runs unfused: the shape's plain choice
             shape = (n, k, x.dtype)
-            plain = self.measured.get((x.shape[0], *shape,
-                                       *[NORM_TIMED] * (shape in self.norm_after)))
+            tag = (NORM_TIMED,) if shape in self.norm_after else ()  # how it was timed
+            plain = self.measured.get((x.shape[0], *shape, *tag))
             fn = down_and_norm(cfg, fusion[0], residual, norm_weight,
                                plain.config if plain else None)  # fmt: skip
         else:
