@@ -32,6 +32,7 @@ from specserve.config import EngineConfig  # noqa: E402
 from specserve.engine.engine import LLMEngine  # noqa: E402
 from specserve.layers.gemv_select import GemvPlan  # noqa: E402
 from specserve.sampling_params import SamplingParams  # noqa: E402
+from specserve.spec.policy import NO_LOAD  # noqa: E402
 
 SMOLLM2 = replace(
     LLAMA_8B, vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
@@ -106,14 +107,14 @@ def trace_policy(engine: LLMEngine) -> list:
     policy, records = engine.spec.policy, []
     choose = policy.choose
 
-    def traced(reqs, extra_tokens=0):
-        ks = choose(reqs, extra_tokens)
+    def traced(reqs, load=NO_LOAD):
+        ks = choose(reqs, load)
         if reqs:
             n, kt = len(reqs), max(ks) if ks else 0
-            costs = [round(policy.cost.period_ms(n, k, extra_tokens), 3)
+            costs = [round(policy.cost.period_ms(n, k, load.prefill_tokens), 3)
                      for k in range(policy.k_max + 1)]  # fmt: skip
             records.append({"t": round(time.perf_counter(), 5), "n": n, "k": kt,
-                            "extra": extra_tokens, "probe": policy._probe is not None,
+                            "extra": load.prefill_tokens, "probe": policy._probe is not None,
                             "cost_ms": costs})  # fmt: skip
         return ks
 

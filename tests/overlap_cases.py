@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 
 from specserve import LLM, SamplingParams
-from specserve.spec.policy import PerRequestPolicy, SpeculationPolicy
+from specserve.spec.policy import NO_LOAD, PerRequestPolicy, SpeculationPolicy
 from tests.tiny_models import VOCAB, make_random_eagle3_head, make_tiny_model
 
 GREEDY = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True)
@@ -50,7 +50,7 @@ class StepDraftLens(SpeculationPolicy):
         super().__init__(k_max)
         self.rng, self.choices = random.Random(seed), choices
 
-    def choose(self, reqs, extra_tokens=0):
+    def choose(self, reqs, load=NO_LOAD):
         k = min(self.rng.choice(self.choices), self.k_max)
         return [k] * len(reqs)
 

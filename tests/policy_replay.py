@@ -10,7 +10,7 @@ import random
 
 from specserve.spec.acceptance import AcceptanceModel
 from specserve.spec.cost_model import CurveModel, StepCostModel
-from specserve.spec.policy import GoodputPolicy
+from specserve.spec.policy import GoodputPolicy, StepLoad
 from specserve.spec.step_periods import PeriodLog
 
 
@@ -40,7 +40,7 @@ def replay(padded: bool, seed: int, steps: int = 1500) -> tuple[list[tuple], Goo
             live.append(ReplayRequest(f"r{next_id}", rng.randint(2, 120)))
             next_id += 1
         extra = rng.choice((0, 0, 0, 0, 37, 256))
-        ks = policy.choose(live, extra)
+        ks = policy.choose(live, StepLoad(extra))
         out.append((tuple(ks), policy.predicted_tokens, policy.predicted_ms))
         acceptance.update_many([(r.request_id, k, min(k, int(rng.expovariate(0.7))))
                                 for r, k in zip(live, ks) if k])  # fmt: skip

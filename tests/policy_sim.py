@@ -28,6 +28,7 @@ from specserve.spec.policy import (
     OffPolicy,
     SchedulePolicy,
     SpeculationPolicy,
+    StepLoad,
 )
 from specserve.spec.speculator import Speculator
 from specserve.spec.step_periods import PeriodLog
@@ -92,7 +93,7 @@ class Simulator:
 
     def prefill(self, reqs: list[SimRequest], after_idle: bool) -> None:
         """A prefill-only step (no decoding request: the policy is asked for nothing)."""
-        self.policy.choose([], sum(64 for _ in reqs))
+        self.policy.choose([], StepLoad(64 * len(reqs)))
         self._flush()
         self.clock_ms += self._noisy(self.regime.prefill_ms + 0.05 * len(reqs))
         batch = [ScheduledRequest(r, 64) for r in reqs]
@@ -101,7 +102,7 @@ class Simulator:
 
     def decode(self, reqs: list[SimRequest], wl: Workload, result: SimResult) -> None:
         n, regime = len(reqs), self.regime
-        ks = self.policy.choose(reqs, 0)
+        ks = self.policy.choose(reqs)
         ks = [min(k, r.max_useful_drafts) for k, r in zip(ks, reqs)]  # the scheduler's cap
         k = max(ks)
         if k and self.prev_k == 0 and self.pending is not None and regime.early_share:

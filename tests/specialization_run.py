@@ -130,7 +130,7 @@ def main(full: bool = False) -> None:
 
             steps = 0
 
-            def choose(self, reqs, extra_tokens=0):
+            def choose(self, reqs, load=None):
                 self.steps += 1
                 return [0 if self.steps <= plain else 3] * len(reqs)
 

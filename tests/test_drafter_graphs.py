@@ -53,7 +53,7 @@ class _UniformRandomK(SpeculationPolicy):
         super().__init__(k_max)
         self.rng = random.Random(seed)
 
-    def choose(self, reqs, extra_tokens=0):
+    def choose(self, reqs, load=None):
         k = self.rng.choice(range(2, self.k_max + 1))
         return [k] * len(reqs)
 

@@ -164,7 +164,10 @@ def test_chunked_prefill_features_in_flight(models, reference, padded):
     """A prefill chunk that stops one token short of the prompt's end draws no token, yet
     its features are in flight when the next step (its first decode, drafting) is launched
     ahead: the drafter's catch-up takes them from the step in flight."""
-    llm = eagle3(models, "on", padded, page_size=4, max_num_batched_tokens=11)
+    # step 1: the first prompt (5) and 23 of the second's 24 tokens fill the budget of 28;
+    # step 2 decodes both, drafting (drafts take the budget prefill leaves)
+    prompts = prompts_for(lengths=(5, 24))
+    llm = eagle3(models, "on", padded, page_size=4, max_num_batched_tokens=28, choices=(3,))
     seen = count_gathers(llm)
     proposer, short_chunks = llm.engine.spec.proposer, []
     catch_up_inputs = proposer._catch_up_inputs
@@ -177,8 +180,8 @@ def test_chunked_prefill_features_in_flight(models, reference, padded):
         return catch_up_inputs(items, prev)
 
     proposer._catch_up_inputs = spy
-    outs = llm.generate(prompts_for(), GREEDY)
-    assert [o.token_ids for o in outs] == [t for t, _, _ in reference(GREEDY)]
+    outs = llm.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == [t for t, _, _ in reference(GREEDY, prompts)]
     assert short_chunks
     ran_ahead(llm, seen)
 

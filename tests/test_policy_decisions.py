@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from specserve.spec.policy import GoodputPolicy
+from specserve.spec.policy import NO_LOAD, GoodputPolicy
 from tests.policy_replay import replay
 from tests.policy_sim import simulate
 from tests.test_policy_regimes import CASES as REGIMES
@@ -46,8 +46,8 @@ def _record_choices(monkeypatch) -> list[tuple]:
     steps: list[tuple] = []
     choose = GoodputPolicy.choose
 
-    def recorded(self, reqs, extra_tokens=0):
-        ks = choose(self, reqs, extra_tokens)
+    def recorded(self, reqs, load=NO_LOAD):
+        ks = choose(self, reqs, load)
         d = self.trace.recent[-1] if ks else None
         values = "" if d is None else "/".join(
             [_values(*d.tokens), _values(*d.period_ms), _values(*d.switch_ms),

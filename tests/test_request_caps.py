@@ -10,6 +10,7 @@ import pytest
 
 from specserve import LLM, SamplingParams
 from specserve.engine.request import Request
+from specserve.spec.policy import NO_LOAD
 from tests.overlap_cases import (
     StepDraftLens,
     churn,
@@ -28,9 +29,9 @@ class CapCheck(StepDraftLens):
         super().__init__(k_max, seed)
         self.seen: list[tuple[int, int]] = []
 
-    def choose(self, reqs, extra_tokens=0):
+    def choose(self, reqs, load=NO_LOAD):
         self.seen += [(r.max_useful_drafts, max(0, r.num_left - 1)) for r in reqs]
-        return self._decided(super().choose(reqs, extra_tokens))
+        return self._decided(super().choose(reqs, load))
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.triton_cases import attention_error, interpreter_cases, kv_write_error, make_batch
+from tests.triton_cases import (
+    attention_error,
+    interpreter_cases,
+    kv_write_error,
+    make_batch,
+    mixed_step_error,
+)
 
 CASES = interpreter_cases()
 
@@ -164,6 +170,22 @@ def test_gpu_mixed_prefill_decode_verify(dtype, page_size, num_splits):
     batch = make_batch(q_lens, ends, seq_lens, page_size, dtype=dtype, device="cuda",
                        seed=num_splits or 0, **GPU_SHAPE)  # fmt: skip
     err = attention_error(_kernels(), batch, num_splits)
+    assert err < GPU_TOL[dtype], err
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_gpu_mixed_step_through_backend(dtype, page_size):
+    # decode and verify rows (the scheduler puts them first) launched apart from two
+    # prefill chunks, one after 200 cached tokens
+    gen = torch.Generator().manual_seed(page_size)
+    decode_lens = torch.randint(40, 3000, (40,), generator=gen).tolist()
+    q_lens = [1 + 3 * (b % 2) for b in range(40)] + [300, 512]
+    seq_lens = decode_lens + [500, 512]
+    ends = [s - 1 for s in seq_lens]
+    err = mixed_step_error(_kernels(), q_lens, ends, seq_lens, page_size, seed=1,
+                           device="cuda", dtype=dtype, shape=GPU_SHAPE)  # fmt: skip
     assert err < GPU_TOL[dtype], err
 
 

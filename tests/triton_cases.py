@@ -110,6 +110,45 @@ def attention_error(kernels, batch: Batch, num_splits, block_n=None, **launch) -
     return rel_err(out, ref)
 
 
+def mixed_step_error(kernels, q_lens, ends, seq_lens, page_size, seed: int, device="cpu",
+                     dtype=torch.float16, shape=None) -> float:  # fmt: skip
+    """The backend's forward over a mixed step whose decode/verify requests lead (the
+    scheduler's order) against the reference; inf unless it launched the short requests and
+    the prefill chunks apart, each launch over its own requests and tokens (the one-launch
+    control: q_lens whose first request is a prefill chunk)."""
+    from types import SimpleNamespace
+
+    from specserve.layers.attention.triton_attn import TritonAttentionBackend
+
+    shape = shape or SMALL
+    batch = make_batch(q_lens, ends, seq_lens, page_size, dtype=dtype, device=device,
+                       seed=seed, **shape)  # fmt: skip
+    batch.meta.query_lens, batch.meta.seq_bounds = list(q_lens), list(seq_lens)
+    launches = []
+
+    def paged_attention(q, *args, **kw):
+        launches.append((q.shape[0], args[5].shape[0], args[6]))  # tokens, requests, q_len
+        return kernels.paged_attention(q, *args, **kw)
+
+    recorder = SimpleNamespace(**{k: getattr(kernels, k) for k in dir(kernels)
+                                  if not k.startswith("__")})  # fmt: skip
+    recorder.paged_attention = paged_attention
+    backend = TritonAttentionBackend(kernels=recorder)
+    scale = batch.q.shape[-1] ** -0.5
+    ref = reference(batch, scale)
+    out = backend.forward(batch.q, batch.k, batch.v, batch.k_cache.clone(),
+                          batch.v_cache.clone(), batch.meta, scale)  # fmt: skip
+    short = backend.short_prefix(batch.meta, shape["group"])
+    if 0 < short < len(q_lens):
+        want = [(sum(q_lens[:short]), short, max(q_lens[:short])),
+                (sum(q_lens[short:]), len(q_lens) - short, max(q_lens[short:]))]
+    else:
+        want = [(sum(q_lens), len(q_lens), max(q_lens))]
+    if launches != want:
+        return float("inf")
+    return rel_err(out, ref)
+
+
 def kv_write_error(kernels, batch: Batch) -> float:
     """0.0 when the Triton KV write stores exactly what the reference stores (a slot of -1
     must be skipped)."""
@@ -261,6 +300,13 @@ def interpreter_cases() -> dict[str, tuple]:
         cases[f"mixed-page{ps}"] = (
             "attn", ([9, 1, 4, 1], [40, 50, 30, 0], [41, 51, 32, 1], ps), dict(ns=None),
         )  # fmt: skip
+    # mixed steps through the backend: decode/verify rows first, then prefill chunks of more
+    # than DECODE_MAX_ROWS rows (the short rows and the chunks launched apart); a chunk first
+    # (one launch for all)
+    cases["split-mixed-step"] = ("mixed", ([1, 4, 1, 40, 70], [30, 60, 9, 79, 69],
+                                           [31, 63, 10, 80, 70], 16), {})  # fmt: skip
+    cases["split-mixed-step-page1"] = ("mixed", ([3, 1, 33], [20, 70, 40], [21, 71, 41], 1), {})
+    cases["split-mixed-chunk-first"] = ("mixed", ([40, 1, 2], [45, 30, 8], [46, 31, 9], 16), {})
     # GQA decode/verify through each decode-path kernel: 3 KV heads of 4 query heads (a wrong
     # head grouping reads another head's K/V), 2 of 3 (a group that is no power of two), MHA
     gqa = dict(kv_heads=3, group=4, head_dim=32)
@@ -316,6 +362,8 @@ def run_case(name: str, spec: tuple, kernels, ops) -> float:
     kind, args, kw = spec
     if kind == "kv_write":
         return kv_write_error(kernels, _small(*args, seed=len(name)))
+    if kind == "mixed":
+        return mixed_step_error(kernels, *args, seed=len(name))
     if kind == "invariance":
         return split_invariance_error(kernels, args[0], first=args[1], block_n=16, **kw)
     if kind == "attn":

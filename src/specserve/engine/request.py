@@ -80,7 +80,7 @@ class Request:
     spec: SpecStats = field(default_factory=lambda: SpecStats())
     # Drafts beyond this could never be committed (max_tokens or the context limit):
     # max(0, num_left - 1) when the scheduler hands the request to the policy, which reads it
-    # for every request every step (`Scheduler._draft_lens` stores it then: no property chain
+    # for every request every step (`Scheduler._draft` stores it then: no property chain
     # per read). Stale between schedules: read `num_left` elsewhere.
     max_useful_drafts: int = field(default=0, init=False)
 

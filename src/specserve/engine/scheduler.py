@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from specserve.engine.kv_cache import KVCache
 from specserve.engine.request import Request, RequestStatus
+from specserve.spec.policy_base import StepLoad
 
 if TYPE_CHECKING:
     from specserve.spec.policy import SpeculationPolicy
@@ -47,6 +48,9 @@ class ScheduledRequest:
 class Scheduler:
     """Owns the waiting and running queues and the KV pages of every request."""
 
+    # How fast the queue's prompt-to-output ratio follows finished requests (EWMA weight)
+    RATIO_WEIGHT = 1 / 16
+
     def __init__(self, kv: KVCache, max_num_seqs: int, max_num_batched_tokens: int):
         self.kv = kv
         self.max_num_seqs = max_num_seqs
@@ -54,6 +58,9 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        # Mean prompt and output tokens of finished requests (EWMA): the prefill each
+        # generated token brings along while requests queue (`StepLoad.prefill_per_token`).
+        self._prompt_mean = self._output_mean = 0.0
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -63,76 +70,100 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self, policy: SpeculationPolicy | None = None) -> list[ScheduledRequest]:
-        """Pick this step's requests. The policy gives each decoding request a draft
-        length; its pages then cover the K+1 verify tokens (KV lookahead)."""
+        """Pick this step's requests: every running request's next committed token or
+        prefill chunk, then new requests while budget, pages and sequence slots last, then
+        drafts. Speculation takes only what is left: the policy gets the step's remaining
+        token budget (`StepLoad`) and each request's drafts get pages only from the free
+        ones, none while a waiting request lacks pages (its lookahead then stays within
+        the pages it holds). Decode and verify rows come first in the step, prefill chunks
+        after them (attention serves the two groups with different kernels)."""
         budget = self.max_num_batched_tokens
         batch: list[ScheduledRequest] = []
         preempted = False
-        draft_lens = self._draft_lens(policy, budget)
         running, page_size = self.running, self.kv.page_size
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
-            left = req.num_left
-            if left <= 0:  # done once the step in flight is processed (overlap)
+            if req.num_left <= 0:  # done once the step in flight is processed (overlap)
                 i += 1
                 continue
             uncached = req.num_uncached
             n = min(uncached, budget)
-            k = 0
-            if uncached == 1 and draft_lens:
-                # Drafts may pass max_tokens, never the context: the tokens past max_tokens
-                # are dropped when processed (as those past a stop are), and the step's
-                # draft lengths stay uniform (no host wait for mixed ones under overlap).
-                room = req.max_len - req.committed_len - 1
-                k = max(0, min(draft_lens.get(id(req), 0), budget - 1, room))
             # Pages for this step's tokens past whatever the step in flight may commit.
             reserve = req.cached_len + n + req.num_inflight_drafts
-            if reserve + k > len(req.page_table) * page_size:  # else its pages cover it
-                while not self.kv.grow(req.page_table, reserve + k):
-                    if k > 0:  # give up the lookahead before taking anyone's pages: first
-                        k = min(k, left - 1) if k > left - 1 else 0  # the useless drafts
-                        continue
+            if reserve > len(req.page_table) * page_size:  # else its pages cover it
+                while not self.kv.grow(req.page_table, reserve):
                     self._preempt(running[-1])
                     preempted = True
                     if req.status is not RequestStatus.RUNNING:
                         break
                 if req.status is not RequestStatus.RUNNING:
                     continue  # it preempted itself: running[i] is the next request
-            batch.append(ScheduledRequest(req, n, k, uncached == 1))  # decoding: 1 token
-            budget -= n + k
+            batch.append(ScheduledRequest(req, n, 0, uncached == 1))  # decoding: 1 token
+            budget -= n
             i += 1
         # Admit new work only when nothing was preempted, so a preempted request is not
         # immediately displaced by one that arrived after it.
+        short_of_pages = preempted
         while self.waiting and budget > 0 and not preempted:
             if len(self.running) >= self.max_num_seqs:
                 break
             req = self.waiting[0]
             n = min(req.num_uncached, budget)
             if not self.kv.grow(req.page_table, req.cached_len + n):
+                short_of_pages = True
                 break
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             batch.append(ScheduledRequest(req, n))
             budget -= n
+        if policy is not None:
+            self._draft(batch, policy, budget, short_of_pages)
+        batch.sort(key=_prefill_last)  # stable: arrival order within each group
         return batch
 
-    def _draft_lens(self, policy: SpeculationPolicy | None, budget: int) -> dict[int, int]:
-        if policy is None:
-            return {}
+    def _draft(self, batch: list[ScheduledRequest], policy: SpeculationPolicy, budget: int,
+               short_of_pages: bool) -> None:  # fmt: skip
+        """Draft lengths from the policy for the step's decoding requests, within `budget`
+        tokens and the pages they can get (none while a waiting request lacks pages)."""
         decoding, prefill = [], 0
-        for r in self.running:
-            uncached = r.num_uncached
-            if uncached > 1:
-                prefill += uncached
-            elif uncached == 1:
-                left = r.num_left
-                if left > 0:
-                    r.max_useful_drafts = left - 1  # the policy's cap, read for each request
-                    decoding.append(r)
-        ks = policy.choose(decoding, min(prefill, budget))
-        return {id(r): k for r, k in zip(decoding, ks)}
+        for s in batch:
+            if s.decoding:
+                r = s.request
+                r.max_useful_drafts = r.num_left - 1  # the policy's cap, read for each request
+                decoding.append(s)
+            else:
+                prefill += s.num_tokens
+        per_token = self.prefill_per_token if self.waiting else 0.0
+        load = StepLoad(prefill, budget, per_token)
+        ks = policy.choose([s.request for s in decoding], load)
+        cap = load.k_cap(len(decoding), max(ks, default=0))
+        page_size = self.kv.page_size
+        for s, k in zip(decoding, ks):
+            req = s.request
+            # Drafts may pass max_tokens, never the context: the tokens past max_tokens are
+            # dropped when processed (as those past a stop are), and the step's draft lengths
+            # stay uniform (no host wait for mixed ones under overlap).
+            k = max(0, min(k, cap, req.max_len - req.committed_len - 1))
+            if not k:
+                continue
+            reserve = req.cached_len + 1 + req.num_inflight_drafts  # held already
+            held = len(req.page_table) * page_size
+            if reserve + k > held and (short_of_pages or not self.kv.grow(req.page_table,
+                                                                           reserve + k)):
+                # no page for the lookahead: first drop the drafts that could never be
+                # committed, then keep what the pages it holds cover
+                k = min(k, max(0, req.num_left - 1))
+                if reserve + k > held and (short_of_pages
+                                           or not self.kv.grow(req.page_table, reserve + k)):
+                    k = max(0, held - reserve)
+            s.draft_len = k
+
+    @property
+    def prefill_per_token(self) -> float:
+        """Prompt tokens per generated token of the requests finished lately (EWMA)."""
+        return self._prompt_mean / self._output_mean if self._output_mean > 0 else 0.0
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
@@ -153,3 +184,12 @@ class Scheduler:
             self.waiting.remove(req)
         self.kv.release(req.page_table)
         req.status = RequestStatus.FINISHED
+        generated = len(req.output_token_ids)
+        if generated and req.finish_reason != "abort":
+            w = self.RATIO_WEIGHT if self._output_mean else 1.0
+            self._prompt_mean += w * (len(req.prompt_token_ids) - self._prompt_mean)
+            self._output_mean += w * (generated - self._output_mean)
+
+
+def _prefill_last(s: ScheduledRequest) -> bool:
+    return not s.decoding

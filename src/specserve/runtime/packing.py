@@ -212,6 +212,7 @@ def pack(
             [input_ids, positions, slots, starts, seq_lens, tables, owner], device
         )
     tables_t = tables_t.view(len(segments), max_pages)
+    query_lens = [len(s.token_ids) + s.pad for s in segments]
     if shift is not None and use_shift_kernel(device):
         from specserve.runtime.shift_kernel import shift_in_place
 
@@ -231,8 +232,10 @@ def pack(
         query_start_loc=starts_t,
         seq_lens=lens_t,
         block_tables=tables_t,
-        max_query_len=max(len(s.token_ids) + s.pad for s in segments),
+        max_query_len=max(query_lens),
         max_seq_len=max(bounds),
+        query_lens=query_lens,
+        seq_bounds=bounds,
     )
     last_rows = [e - 1 - s.pad for e, s in zip(starts[1:], segments)]
     return ids_t, meta, last_rows

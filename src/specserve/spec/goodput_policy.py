@@ -11,7 +11,7 @@ from operator import attrgetter
 from specserve.spec.acceptance import AcceptanceModel
 from specserve.spec.buckets import batch_bucket
 from specserve.spec.cost_model import StepCostModel
-from specserve.spec.policy_base import SpeculationPolicy
+from specserve.spec.policy_base import NO_LOAD, SpeculationPolicy, StepLoad
 from specserve.spec.policy_trim import trim_drafts
 from specserve.spec.switch_costs import there_and_back_row
 
@@ -90,20 +90,22 @@ class GoodputPolicy(SpeculationPolicy):
         self._idle: dict[str, int] = {}  # steps each request was trimmed (unpadded)
         self._running_k: int | None = None  # the last step's K unless it was a probe
 
-    def choose(self, reqs, extra_tokens=0):
+    def choose(self, reqs, load: StepLoad = NO_LOAD):
         n = len(reqs)
         if n == 0:
             self._running_k = None
             return self._decided([])
         self.num_steps += 1
         k_max = self.k_max
+        extra_tokens = load.prefill_tokens
+        k_budget = load.k_cap(n, k_max)  # the step's budget left for drafts
         self.acceptance.tick()
         cums = self.acceptance.cumulatives(map(_request_id, reqs))  # K = 0..K_max each
-        if min(map(_max_useful_drafts, reqs)) >= k_max:  # every request may draft K_max
+        if k_budget == k_max and min(map(_max_useful_drafts, reqs)) >= k_max:
             caps, k_top, full = [k_max] * n, k_max, True  # (the usual case)
             tokens = list(map(sum, zip(*cums)))[: k_max + 1]  # (acceptance's K_max may be larger)
         else:
-            caps = [min(k_max, r.max_useful_drafts) for r in reqs]
+            caps = [min(k_budget, r.max_useful_drafts) for r in reqs]
             k_top = max(caps)
             full = min(caps) == k_top  # every request may draft k_top
             if full:
@@ -117,6 +119,11 @@ class GoodputPolicy(SpeculationPolicy):
                        for k in range(k_top + 1)]  # fmt: skip
             tokens = [t for _, t, _ in trimmed]
             costs = [ms for _, _, ms in trimmed]
+        saturated = None
+        if load.prefill_per_token and k_top:
+            saturated = self._queued_prefill_ms(n, tokens, extra_tokens, load.prefill_per_token)
+            costs = [ms + more for ms, more in zip(costs, saturated)]
+            uncapped = [ms + more for ms, more in zip(uncapped, saturated)]
         bucket = batch_bucket(n)
         self._bucket_steps[bucket] = self._bucket_steps.get(bucket, 0) + 1
         # The K in use: the last step's (not a probe's), else the bucket's preferred one.
@@ -144,6 +151,8 @@ class GoodputPolicy(SpeculationPolicy):
                 self.predicted_tokens = sum(c[min(k, cap)] for c, cap in zip(cums, caps))
             if extra_tokens:
                 self.predicted_ms = self.cost.step_ms([min(k, c) for c in caps], extra_tokens)
+                if saturated is not None:
+                    self.predicted_ms += saturated[k]
             else:  # step_ms of a padded step without prefill: period_ms(n, k)
                 self.predicted_ms = uncapped[k]
             self.trace.decided(n, k, probe=probe, tokens=tokens, period_ms=costs,
@@ -154,7 +163,25 @@ class GoodputPolicy(SpeculationPolicy):
             ks = self._request_probe(reqs, ks, list(trimmed[k][0]))
         self.predicted_tokens = sum(c[k] for c, k in zip(cums, ks))
         self.predicted_ms = self.cost.step_ms(ks, extra_tokens)
+        if saturated is not None:
+            self.predicted_ms += saturated[k]
         return self._decided(ks, probe=probe, tokens=tokens, period_ms=costs, switch_ms=switch)
+
+    def _queued_prefill_ms(self, n: int, tokens: list[float], extra_tokens: int,
+                           per_token: float) -> list[float]:  # fmt: skip
+        """What each K's step costs beyond itself while requests wait for admission: the
+        tokens it commits beyond plain decoding's finish requests sooner, so the queue's
+        prefill (per_token prompt tokens per generated token) comes sooner; priced at the
+        target's cost of that many more tokens in a step of this one's size (a closed loop
+        at steady state does that prefill once per request whatever K is: what K changes is
+        how much decode work each prefill token rides with)."""
+        target = self.cost.target
+        out = []
+        for k, t in enumerate(tokens):
+            size = n * (k + 1) + extra_tokens
+            more = per_token * (t - tokens[0])
+            out.append(target(size + more) - target(size) if more > 0 else 0.0)
+        return out
 
     @staticmethod
     def _tokens(cums: list[list[float]], caps: list[int], k_top: int) -> list[float]:

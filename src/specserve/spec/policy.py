@@ -15,14 +15,17 @@ from __future__ import annotations
 
 from specserve.spec.goodput_policy import GoodputPolicy
 from specserve.spec.policy_base import (
+    NO_LOAD,
     FixedPolicy,
     OffPolicy,
     PerRequestPolicy,
     SchedulePolicy,
     SpeculationPolicy,
+    StepLoad,
 )
 from specserve.spec.policy_trace import Decision, PolicyTrace
 
 __all__ = ["POLICIES", "Decision", "PolicyTrace", "SpeculationPolicy", "OffPolicy",
-           "FixedPolicy", "SchedulePolicy", "PerRequestPolicy", "GoodputPolicy"]
+           "FixedPolicy", "SchedulePolicy", "PerRequestPolicy", "GoodputPolicy", "StepLoad",
+           "NO_LOAD"]
 POLICIES = ("off", "fixed", "schedule", "goodput")

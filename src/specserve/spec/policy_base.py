@@ -6,9 +6,37 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from specserve.engine.request import Request
 from specserve.spec.policy_trace import PolicyTrace
+
+
+@dataclass(frozen=True)
+class StepLoad:
+    """What else a step carries, as the scheduler hands it to the policy after it has
+    scheduled every committed token (decodes, prefill chunks, admissions): speculation takes
+    what is left, never a share of prefill's budget.
+
+    prefill_tokens: prefill tokens in the step. draft_budget: the most draft tokens the step
+    may add (None: no bound). prefill_per_token: while requests wait for admission (budget,
+    KV pages or sequence slots), the prefill each committed token brings into later steps
+    (the queue's prompt tokens per generated token): finishing requests sooner admits the
+    next ones sooner, so in a saturated server every extra token committed now costs that
+    much prefill soon; 0 when nobody waits (prefill arrives at its own pace)."""
+
+    prefill_tokens: int = 0
+    draft_budget: int | None = None
+    prefill_per_token: float = 0.0
+
+    def k_cap(self, n: int, k_max: int) -> int:
+        """The largest K every one of n decoding requests can draft within the budget."""
+        if self.draft_budget is None or n == 0:
+            return k_max
+        return max(0, min(k_max, self.draft_budget // n))
+
+
+NO_LOAD = StepLoad()
 
 
 class SpeculationPolicy(ABC):
@@ -21,8 +49,9 @@ class SpeculationPolicy(ABC):
         self.predicted_ms = 0.0
 
     @abstractmethod
-    def choose(self, reqs: list[Request], extra_tokens: int = 0) -> list[int]:
-        """Draft lengths for `reqs`; `extra_tokens` counts prefill tokens sharing the step."""
+    def choose(self, reqs: list[Request], load: StepLoad = NO_LOAD) -> list[int]:
+        """Draft lengths for `reqs`, within `load.draft_budget`; `load` says what else the
+        step carries."""
 
     def _decided(self, ks: list[int], **expected) -> list[int]:
         """Trace the decision; returns `ks`."""
@@ -36,15 +65,15 @@ class SpeculationPolicy(ABC):
 class OffPolicy(SpeculationPolicy):
     """K=0 for every request, every step (plain decoding)."""
 
-    def choose(self, reqs, extra_tokens=0):
+    def choose(self, reqs, load=NO_LOAD):
         return self._decided([0] * len(reqs))
 
 
 class FixedPolicy(SpeculationPolicy):
-    """K_max for every request, every step."""
+    """K_max for every request, every step the budget allows (else as many as it does)."""
 
-    def choose(self, reqs, extra_tokens=0):
-        return self._decided([self.k_max] * len(reqs))
+    def choose(self, reqs, load=NO_LOAD):
+        return self._decided([load.k_cap(len(reqs), self.k_max)] * len(reqs))
 
 
 class SchedulePolicy(SpeculationPolicy):
@@ -61,12 +90,12 @@ class SchedulePolicy(SpeculationPolicy):
             ) from None
         self.table = [(b, min(k, k_max)) for b, k in pairs]
 
-    def choose(self, reqs, extra_tokens=0):
+    def choose(self, reqs, load=NO_LOAD):
         k = 0
         for min_batch, table_k in self.table:
             if len(reqs) >= min_batch:
                 k = table_k
-        return self._decided([k] * len(reqs))
+        return self._decided([min(k, load.k_cap(len(reqs), k))] * len(reqs))
 
 
 class PerRequestPolicy(SpeculationPolicy):
@@ -76,5 +105,5 @@ class PerRequestPolicy(SpeculationPolicy):
         super().__init__(k_max)
         self.fn = fn
 
-    def choose(self, reqs, extra_tokens=0):
+    def choose(self, reqs, load=NO_LOAD):
         return self._decided([self.fn(r) for r in reqs])

@@ -25,10 +25,40 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [B, max_pages] int64, page ids (padding is page 0)
     max_query_len: int
     max_seq_len: int
+    # Host copies the model runner's packing keeps (None where metadata is built by hand):
+    # each request's query length (padding included) and the longest KV length it may reach.
+    # A backend can then serve a step's short rows and its prefill chunks apart (mixed steps).
+    query_lens: list[int] | None = None
+    seq_bounds: list[int] | None = None
 
     @property
     def num_requests(self) -> int:
         return self.seq_lens.shape[0]
+
+    def head(self, n: int) -> AttentionMetadata:
+        """The metadata of the first n requests, whose tokens lead the step's."""
+        query_lens, seq_bounds = self._host()
+        return AttentionMetadata(
+            self.positions, self.slot_mapping, self.query_start_loc[: n + 1], self.seq_lens[:n],
+            self.block_tables[:n], max(query_lens[:n]), max(seq_bounds[:n]), query_lens[:n],
+            seq_bounds[:n],
+        )  # fmt: skip
+
+    def tail(self, n: int) -> AttentionMetadata:
+        """The metadata of the requests from n on, for their tokens alone: token offsets
+        start at 0 at the first of them (sum(query_lens[:n]) into the step)."""
+        query_lens, seq_bounds = self._host()
+        first = sum(query_lens[:n])
+        return AttentionMetadata(
+            self.positions[first:], self.slot_mapping[first:],
+            self.query_start_loc[n:] - first, self.seq_lens[n:], self.block_tables[n:],
+            max(query_lens[n:]), max(seq_bounds[n:]), query_lens[n:], seq_bounds[n:],
+        )  # fmt: skip
+
+    def _host(self) -> tuple[list[int], list[int]]:
+        if self.query_lens is None or self.seq_bounds is None:
+            raise ValueError("splitting a step's metadata needs its host query lengths")
+        return self.query_lens, self.seq_bounds
 
 
 class AttentionBackend(ABC):

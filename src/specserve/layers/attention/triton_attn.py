@@ -146,8 +146,38 @@ class TritonAttentionBackend(AttentionBackend):
         )  # fmt: skip
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+        """Write the new K/V, then attend. A mixed step (decode or verify rows first, then
+        prefill chunks: the scheduler's order) runs its short rows through the decode path
+        and its chunks through the prefill tiles, each launch over its own requests: a
+        one-token row inside a 128-row prefill tile would pay for the whole tile (on the
+        8B shape that made decode rows in mixed steps ~30x dearer than in decode steps)."""
         ops = self.kernels
         ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        group = q.shape[1] // k_cache.shape[2]
+        n = self.short_prefix(meta, group)
+        if n == 0 or n == meta.num_requests:
+            return self._attend(q, k_cache, v_cache, meta, scale)
+        out = torch.empty_like(q)
+        tokens = sum(meta.query_lens[:n])  # the short rows' tokens lead the step's
+        self._attend(q[:tokens], k_cache, v_cache, meta.head(n), scale, out[:tokens])
+        self._attend(q[tokens:], k_cache, v_cache, meta.tail(n), scale, out[tokens:])
+        return out
+
+    def short_prefix(self, meta: AttentionMetadata, group: int) -> int:
+        """How many leading requests have decode-sized queries (at most DECODE_MAX_ROWS rows
+        a KV head); 0 without the host query lengths."""
+        if meta.query_lens is None:
+            return 0
+        most = self.kernels.DECODE_MAX_ROWS // group
+        n = 0
+        for q_len in meta.query_lens:
+            if q_len > most:
+                break
+            n += 1
+        return n
+
+    def _attend(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, out=None):
+        ops = self.kernels
         kv_heads = k_cache.shape[2]
         splits = self.choose_num_splits(meta, kv_heads, q.shape[1] // kv_heads, q.device)
         rows = meta.max_query_len * q.shape[1] // kv_heads
@@ -160,7 +190,7 @@ class TritonAttentionBackend(AttentionBackend):
             splits = min(splits, chunks)  # no program without a chunk
         return ops.paged_attention(
             q, k_cache, v_cache, meta.positions, meta.query_start_loc, meta.seq_lens,
-            meta.block_tables, meta.max_query_len, scale, num_splits=splits,
+            meta.block_tables, meta.max_query_len, scale, num_splits=splits, out=out,
             block_n=launch.block_n, num_warps=launch.num_warps, num_stages=launch.num_stages,
             chunk_splits=chunks, min_chunk=self.min_chunk if chunks else None,
         )  # fmt: skip
