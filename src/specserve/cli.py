@@ -11,6 +11,9 @@ from specserve.errors import SpecserveError
 
 _HELP = {
     "model": "Hugging Face model folder or .gguf file (default: embedded SmolLM2-135M-Instruct)",
+    "load_format": "auto: read the model's weights; dummy: random weights of its shape, for "
+    "benchmarks (--model then names a preset: llama-3.1-8b, llama-3.1-70b, smollm2-135m, or a "
+    "config.json; an EAGLE-3 drafter without a path gets a random head)",
     "dtype": "compute dtype: auto, float32, float16, bfloat16",
     "device": "auto, cpu, cuda, cuda:N",
     "page_size": "tokens per KV cache page",

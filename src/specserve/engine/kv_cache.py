@@ -131,7 +131,7 @@ def kv_cache_pages(
         budget = config.kv_cache_bytes or CPU_KV_CACHE_BYTES
         pages, source = budget // page_bytes, f"a budget of {budget / 2**30:.2f} GiB"
     else:
-        drafter_token_bytes, drafter_weight_bytes = _drafter_needs(config, dtype)
+        drafter_token_bytes, drafter_weight_bytes = _drafter_needs(config, model_cfg, dtype)
         gc.collect()  # engines that are gone but not yet collected still hold their pools
         free_bytes, total_bytes = torch.cuda.mem_get_info(device)
         # Memory PyTorch's allocator holds but no tensor uses (a previous engine's) is free too.
@@ -163,24 +163,43 @@ def kv_cache_pages(
     return pages
 
 
-def _drafter_needs(config: EngineConfig, dtype: torch.dtype) -> tuple[int, int]:
+def _drafter_needs(config: EngineConfig, target: ModelConfig,
+                   dtype: torch.dtype) -> tuple[int, int]:  # fmt: skip
     """(KV bytes per token, weight bytes) of the configured drafter, before it is loaded;
     weights estimated from its safetensors files (at most the loaded size when it keeps or
-    narrows their dtype)."""
+    narrows their dtype), or from its shape when its weights are random (--load-format
+    dummy)."""
     algo, path = config.speculative_algorithm, config.speculative_draft_model_path
-    if algo not in ("draft", "eagle3") or path is None:
+    dummy = config.load_format == "dummy"
+    if algo not in ("draft", "eagle3") or (path is None and not dummy):
         return 0, 0
     if algo == "eagle3":
         from specserve.model.eagle3_config import Eagle3Config
 
-        layer = Eagle3Config.load(path).layer
+        if path is None:  # a random head of the target's shape (model/dummy.py)
+            from specserve.model.dummy import dummy_eagle3_config
+            from specserve.model.eagle3 import Eagle3Head
+
+            head_cfg = dummy_eagle3_config(target)
+            with torch.device("meta"):
+                head = Eagle3Head(head_cfg, head_cfg.aux_layer_ids(target.num_layers))
+            layer = head_cfg.layer
+            weight_bytes = sum(p.numel() for p in head.parameters()) * dtype.itemsize
+        else:
+            layer = Eagle3Config.load(path).layer
+            weight_bytes = _file_bytes(Path(path), "*.safetensors")
         # Its KV plus its feature store (one projected target feature per KV slot).
-        token_bytes = layer.kv_bytes_per_token(dtype) + layer.hidden_size * dtype.itemsize
-        return token_bytes, _file_bytes(Path(path), "*.safetensors")
+        return layer.kv_bytes_per_token(dtype) + layer.hidden_size * dtype.itemsize, weight_bytes
     from specserve.model.loader import load_config, resolve_model
 
-    source = resolve_model(path)
-    kv_token_bytes = load_config(source).kv_bytes_per_token(dtype)
+    source = resolve_model(path, config.load_format)
+    draft_cfg = load_config(source)
+    kv_token_bytes = draft_cfg.kv_bytes_per_token(dtype)
+    if source.kind == "dummy":
+        weights = draft_cfg.hidden_size * (2 * draft_cfg.vocab_size + draft_cfg.num_layers * (
+            2 * draft_cfg.num_heads * draft_cfg.head_dim + 2 * draft_cfg.num_kv_heads
+            * draft_cfg.head_dim + 3 * draft_cfg.intermediate_size))  # fmt: skip
+        return kv_token_bytes, weights * dtype.itemsize
     if source.kind == "gguf":  # quantized on disk: about 4 bits a weight, 16 once loaded
         return kv_token_bytes, 4 * source.path.stat().st_size
     return kv_token_bytes, _file_bytes(source.path, "*.safetensors")

@@ -24,13 +24,17 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 @dataclass(frozen=True)
 class ModelSource:
-    """Where a model lives: a Hugging Face folder or a GGUF file."""
+    """Where a model lives: a Hugging Face folder, a GGUF file, or (kind "dummy", random
+    weights: model/dummy.py) the shape a preset name or config.json gives."""
 
     path: Path
-    kind: str  # "hf" | "gguf"
+    kind: str  # "hf" | "gguf" | "dummy"
 
     @property
     def name(self) -> str:
+        if self.kind == "dummy":
+            named = self.path.parent if self.path.suffix == ".json" else self.path
+            return f"dummy-{named.name}"
         return self.path.stem if self.kind == "gguf" else self.path.name
 
 
@@ -47,8 +51,14 @@ def default_model_path() -> Path:
     return Path(next(iter(spec.submodule_search_locations))) / DEFAULT_MODEL_FILE
 
 
-def resolve_model(model: str | None) -> ModelSource:
-    """Turn a --model value (None for the default) into a ModelSource."""
+def resolve_model(model: str | None, load_format: str = "auto") -> ModelSource:
+    """Turn a --model value (None for the default) into a ModelSource; with load_format
+    "dummy", the value names a shape (model/dummy.py)."""
+    if load_format == "dummy":
+        from specserve.model.dummy import DEFAULT_PRESET, check_dummy_ref
+
+        check_dummy_ref(model)
+        return ModelSource(Path(model or DEFAULT_PRESET), "dummy")
     path = default_model_path() if model is None else Path(model)
     if path.is_file() and path.suffix == ".gguf":
         return ModelSource(path, "gguf")
@@ -64,6 +74,10 @@ def resolve_model(model: str | None) -> ModelSource:
 
 
 def load_config(source: ModelSource) -> ModelConfig:
+    if source.kind == "dummy":
+        from specserve.model.dummy import dummy_config
+
+        return dummy_config(str(source.path))
     if source.kind == "gguf":
         from specserve.model.gguf_file import gguf_config
 
@@ -77,9 +91,15 @@ def load_model(
     device: torch.device,
     progress: bool = False,
     config: ModelConfig | None = None,
+    seed: int = 0,
 ) -> LlamaForCausalLM:
-    """Build the model on the meta device and fill every parameter from the checkpoint."""
+    """Build the model on the meta device and fill every parameter from the checkpoint (a
+    dummy source: random weights from `seed`, built on the device)."""
     cfg = config or load_config(source)
+    if source.kind == "dummy":
+        from specserve.model.dummy import build_dummy_model
+
+        return build_dummy_model(cfg, dtype, device, seed)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
     if source.kind == "gguf":
@@ -198,9 +218,17 @@ def safetensors_tensors(folder: Path) -> tuple[Iterator[tuple[str, torch.Tensor]
 
 
 def load_tokenizer(source: ModelSource):
-    """The Hugging Face tokenizer (with chat template) of the model."""
+    """The Hugging Face tokenizer (with chat template) of the model (a dummy source: its
+    folder's, else a synthetic one: model/dummy.py)."""
     from transformers import AutoTokenizer
 
+    if source.kind == "dummy":
+        from specserve.model.dummy import synthetic_tokenizer, tokenizer_folder
+
+        folder = tokenizer_folder(str(source.path))
+        if folder is None:
+            return synthetic_tokenizer(load_config(source))
+        return AutoTokenizer.from_pretrained(str(folder))
     if source.kind == "gguf":
         return AutoTokenizer.from_pretrained(str(source.path.parent), gguf_file=source.path.name)
     if not any((source.path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):

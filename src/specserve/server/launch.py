@@ -43,7 +43,8 @@ class _Server(uvicorn.Server):
 def run_server(engine_config: EngineConfig, config: ServerConfig) -> int:
     """Serve until SIGTERM/SIGINT; returns the process exit code."""
     logging.basicConfig(level=config.log_level.upper(), format="%(levelname)s %(message)s")
-    source = resolve_model(engine_config.model)  # a bad path fails before anything starts
+    # a bad path fails before anything starts
+    source = resolve_model(engine_config.model, engine_config.load_format)
     metrics = ServerMetrics()
     client = EngineClient(engine_config, metrics, config.max_queue)
     try:

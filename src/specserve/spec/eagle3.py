@@ -273,9 +273,14 @@ def build_eagle3_proposer(engine: LLMEngine) -> Eagle3Proposer:
     batch bucket and tokens per request)."""
     cfg = engine.config
     device = engine.kv.pool.device
-    head = load_eagle3_head(
-        cfg.speculative_draft_model_path, engine.model_config, engine.dtype, device
-    ).merge_projections()
+    if cfg.speculative_draft_model_path is None:  # --load-format dummy: a random head
+        from specserve.model.dummy import build_dummy_eagle3_head
+
+        head = build_dummy_eagle3_head(engine.model_config, engine.dtype, device, cfg.seed)
+    else:
+        head = load_eagle3_head(cfg.speculative_draft_model_path, engine.model_config,
+                                engine.dtype, device)  # fmt: skip
+    head = head.merge_projections()
     kv = KVCache(head.config.layer, engine.kv.allocator.num_pages, cfg.page_size,
                  engine.dtype, device)
     embed = engine.runner.model.model.embed_tokens

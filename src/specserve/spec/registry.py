@@ -23,10 +23,10 @@ def build_proposer(engine: LLMEngine) -> Proposer:
         from specserve.model.loader import load_config, load_model, resolve_model
         from specserve.spec.draft_model import DraftModelProposer
 
-        source = resolve_model(cfg.speculative_draft_model_path)
+        source = resolve_model(cfg.speculative_draft_model_path, cfg.load_format)
         draft_cfg = load_config(source)
         device = engine.kv.pool.device
-        model = load_model(source, engine.dtype, device, config=draft_cfg)
+        model = load_model(source, engine.dtype, device, config=draft_cfg, seed=cfg.seed + 1)
         kv = KVCache(draft_cfg, engine.kv.allocator.num_pages, cfg.page_size, engine.dtype, device)
         if device.type == "cuda":  # its own head layout's attention variants, before serving
             engine.runner.backend.warm_up(draft_cfg.num_heads, kv.layers[0])
