@@ -128,3 +128,39 @@ def test_sweep_writes_json_table_and_plot(tiny_llama, tmp_path, capsys):
     assert page.count("\n| off |") == 2 and "specserve bench sweep" in page
     assert "![" in page and "tiny.png" in page
     assert (out_dir / "tiny.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_matrix_mode_runs_each_server_at_every_point(tiny_llama, tmp_path):
+    """Two servers (off, goodput at one simulated acceptance), two closed-loop levels and one
+    Poisson rate: rows, server /metrics figures, ratios, page and plot."""
+    out_dir = tmp_path / "matrix"
+    rc = main(["bench", "sweep", "--matrix", "adaptive", "--model", str(tiny_llama),
+               "--server-args", "--speculative-algorithm ngram", "--policies", "off,goodput",
+               "--acceptance", "1.5", "--concurrency", "1,2", "--request-rates", "20",
+               "--poisson-seconds", "0.2", "--num-prompts", "2", "--dataset", "random",
+               "--input-len", "16", "--output-len", "4", "--ignore-eos", "--warmup", "1",
+               "--omp-threads", "1", "--output-dir", str(out_dir), "--name", "mx",
+               "--no-progress"])
+    assert rc == 0
+    matrix = json.loads((out_dir / "mx.json").read_text())
+    assert matrix["kind"] == "specserve-bench-matrix" and matrix["skipped"] == []
+    assert [s["name"] for s in matrix["servers"]] == ["off", "goodput@L1.5"]
+    points = [("closed", 1), ("closed", 2), ("poisson", 20.0)]
+    assert [(r["matrix"]["config"], r["matrix"]["arrival"], r["matrix"]["level"])
+            for r in matrix["results"]] == [("off", *p) for p in points] + [
+        ("goodput", *p) for p in points]
+    for r in matrix["results"]:
+        assert r["completed"] == r["num_requests"] == 8  # MIN_REQUESTS: the floor per point
+        assert r["total_output_tokens"] == 8 * 4 == r["server"]["generation_tokens"]
+        goodput = r["matrix"]["policy"] == "goodput"
+        assert ("--speculative-simulate-acceptance" in r["server_flags"]) == goodput
+    assert matrix["results"][-1]["server"]["speculation"]["simulated_acceptance"]
+    ratios = matrix["ratios"]
+    assert [(r["arrival"], r["level"]) for r in ratios] == points
+    for r in ratios:
+        assert r["best_baseline"] == "off" and r["all_requests_ok"]
+        tput = r["output_throughput"]
+        assert r["goodput_over_off"] == r["goodput_over_best"] == tput["goodput"] / tput["off"]
+    page = (out_dir / "mx.md").read_text()
+    assert "## Acceptance 1.5" in page and "| closed | c=2 |" in page and "mx.png" in page
+    assert (out_dir / "mx.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

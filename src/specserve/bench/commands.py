@@ -1,4 +1,5 @@
-"""The `specserve bench` subcommands (serve, sweep, plot): their flags and what they run."""
+"""The `specserve bench` subcommands (serve, sweep, plot, throughput): their flags and what
+they run."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from pathlib import Path
 
 from specserve.bench.datasets import DATASETS, build_dataset, resolve_tokenizer
 from specserve.bench.load import ENDPOINTS, LoadConfig, normalize_base_url
+from specserve.bench.matrix import MATRIX_ONLY_FLAGS, add_matrix_args
+from specserve.bench.throughput import add_throughput_args, throughput_command
 from specserve.errors import SpecserveError
 
 
@@ -63,15 +66,18 @@ def add_bench_commands(bench: argparse.ArgumentParser) -> None:
     w.add_argument("--config", action="append", metavar="NAME=FLAGS",
                    help="a server configuration (repeatable); default: off, ngram fixed K=3, "
                         "ngram goodput K=3")
-    w.add_argument("--concurrency", default="1,4,16,32", help="comma-separated levels")
+    w.add_argument("--concurrency", help="comma-separated levels (default 1,4,16,32; with "
+                                          "--matrix 1,4,16,64,128,256,512)")
     w.add_argument("--warmup", type=int, default=2, help="requests per server before measuring")
     w.add_argument("--omp-threads", type=int, default=None,
                    help="OMP_NUM_THREADS of the servers (CPU: 1 avoids oversubscription)")
     w.add_argument("--output-dir", default="bench-results")
-    w.add_argument("--name", default="sweep", help="stem of the output files")
+    w.add_argument("--name", help="stem of the output files (default sweep; with --matrix, "
+                                   "matrix)")
     w.add_argument("--title", help="title of the plot")
     w.add_argument("--log-dir", help="keep server logs here (default: a temporary folder)")
     _add_workload_args(w, num_prompts=8)
+    add_matrix_args(w)
     w.set_defaults(func=_sweep)
 
     p = sub.add_parser("plot", help="redraw plots from saved sweep or serve results")
@@ -79,6 +85,11 @@ def add_bench_commands(bench: argparse.ArgumentParser) -> None:
     p.add_argument("-o", "--output", help="PNG path (default: the first file with .png)")
     p.add_argument("--title")
     p.set_defaults(func=_plot)
+
+    t = sub.add_parser("throughput", help="offline throughput: the engine in this process, "
+                                          "every request submitted at once")
+    add_throughput_args(t)
+    t.set_defaults(func=throughput_command)
 
 
 def _dataset(args, n: int, tokenizer):
@@ -128,6 +139,31 @@ def _serve(args: argparse.Namespace) -> int:
     return 0 if report["completed"] else 1
 
 
+def _sweep_setup(args: argparse.Namespace):
+    """What a sweep and a matrix share: the model's name, a dataset maker, the flags and
+    environment of every server, and the load template."""
+    from specserve.model.loader import resolve_model
+
+    model_name = args.model or resolve_model(None).name
+    tokenizer, how = (None, "")
+    if args.dataset != "jsonl":
+        tokenizer, how = resolve_tokenizer(args.tokenizer or args.model, model_name)
+
+    def make_dataset(n: int):
+        dataset = _dataset(args, n, tokenizer)
+        dataset.notes.insert(0, how)
+        return dataset
+
+    server_args = (["--model", args.model] if args.model else []) + shlex.split(args.server_args)
+    env = {"OMP_NUM_THREADS": str(args.omp_threads)} if args.omp_threads else None
+    load = _wrap(lambda: LoadConfig(
+        base_url="http://127.0.0.1", endpoint=args.endpoint, ignore_eos=args.ignore_eos,
+        temperature=args.temperature, timeout_s=args.timeout, seed=args.seed,
+        extra_body=args.extra_body,
+    ))
+    return model_name, make_dataset, server_args, env, load
+
+
 def _sweep(args: argparse.Namespace) -> int:
     from specserve.bench.sweep import (
         SweepPlan,
@@ -137,26 +173,20 @@ def _sweep(args: argparse.Namespace) -> int:
         run_sweep,
         write_outputs,
     )
-    from specserve.model.loader import resolve_model
 
-    levels = _wrap(lambda: [int(c) for c in args.concurrency.split(",") if c.strip()])
+    if args.matrix or args.matrix_file:
+        return _matrix_sweep(args)
+    given = [f"--{f.replace('_', '-')}" for f in MATRIX_ONLY_FLAGS
+             if getattr(args, f) is not None]
+    if given:
+        raise SpecserveError(f"{', '.join(given)} need --matrix adaptive or --matrix-file")
+    text = args.concurrency or "1,4,16,32"
+    levels = _wrap(lambda: [int(c) for c in text.split(",") if c.strip()])
     if not levels or min(levels) < 1:
-        raise SpecserveError(f"--concurrency needs positive integers; got {args.concurrency!r}")
+        raise SpecserveError(f"--concurrency needs positive integers; got {text!r}")
     configs = _wrap(lambda: parse_configs(args.config))
-    model_name = args.model or resolve_model(None).name
-    tokenizer, how = (None, "")
-    if args.dataset != "jsonl":
-        tokenizer, how = resolve_tokenizer(args.tokenizer or args.model, model_name)
-    datasets = {c: _dataset(args, max(args.num_prompts, c), tokenizer) for c in levels}
-    for d in datasets.values():
-        d.notes.insert(0, how)
-    server_args = (["--model", args.model] if args.model else []) + shlex.split(args.server_args)
-    env = {"OMP_NUM_THREADS": str(args.omp_threads)} if args.omp_threads else None
-    load = _wrap(lambda: LoadConfig(
-        base_url="http://127.0.0.1", endpoint=args.endpoint, ignore_eos=args.ignore_eos,
-        temperature=args.temperature, timeout_s=args.timeout, seed=args.seed,
-        extra_body=args.extra_body,
-    ))
+    model_name, make_dataset, server_args, env, load = _sweep_setup(args)
+    datasets = {c: make_dataset(max(args.num_prompts, c)) for c in levels}
     plan = SweepPlan(configs, levels, args.num_prompts, server_args, load, args.warmup, env,
                      Path(args.log_dir) if args.log_dir else None)
     rows = run_sweep(plan, datasets, progress=not args.no_progress)
@@ -173,16 +203,88 @@ def _sweep(args: argparse.Namespace) -> int:
         "concurrencies": levels,
         "results": rows,
     }
-    paths = write_outputs(sweep, Path(args.output_dir), args.name)
+    paths = write_outputs(sweep, Path(args.output_dir), args.name or "sweep")
     print(markdown_table(rows))
     print("wrote " + ", ".join(str(p) for p in paths.values()))
     return 0 if all(r["completed"] for r in rows) else 1
 
 
-def _plot(args: argparse.Namespace) -> int:
-    from specserve.bench.plot import load_rows, plot_rows
+def _matrix_sweep(args: argparse.Namespace) -> int:
+    from dataclasses import asdict
 
-    rows = _wrap(lambda: load_rows(args.results))
+    from specserve.bench.matrix import matrix_spec, servers
+    from specserve.bench.matrix_report import point_ratios, ratio_summary, write_matrix_outputs
+    from specserve.bench.matrix_run import MatrixPlan, run_matrix
+    from specserve.bench.report import save_json
+    from specserve.bench.sweep import machine_info
+
+    if args.config:
+        raise SpecserveError("--config and --matrix are exclusive: the matrix names its own "
+                             "configurations (choose them with --policies and --k)")
+    spec = _wrap(lambda: matrix_spec(args.matrix_file, args))
+    runs, skipped = servers(spec)
+    for s in skipped:
+        print(f"[matrix] skipped {s['config']} at acceptance {s['acceptance']:g}: "
+              f"{s['reason']}", flush=True)
+    model_name, make_dataset, server_args, env, load = _sweep_setup(args)
+    plan = MatrixPlan(spec, runs, args.num_prompts, server_args, load, args.warmup, env,
+                      Path(args.log_dir) if args.log_dir else None)
+    out_dir, stem = Path(args.output_dir), args.name or "matrix"
+    matrix = {
+        "kind": "specserve-bench-matrix",
+        "title": args.title or f"specserve {model_name}: goodput vs off and fixed K, "
+                               f"{args.input_len} in / {args.output_len} out",
+        "command": _command_line(),
+        "machine": machine_info(),
+        "model": model_name,
+        "server_args": server_args,
+        "server_env": env,
+        "spec": asdict(spec),
+        "simulated": {str(a): spec.simulate_value(a) if spec.simulate_as == "rate" else a
+                      for a in spec.acceptance},
+        "servers": [{**asdict(r), "name": r.name} for r in runs],
+        "skipped": skipped,
+    }
+
+    def save_partial(rows: list[dict]) -> None:
+        # a matrix runs for an hour on a GPU: a server that fails later loses nothing before
+        save_json({**matrix, "partial": True, "results": rows,
+                   "ratios": point_ratios(rows, spec.acceptance)}, out_dir / f"{stem}.json")
+
+    rows, poisson = _wrap(lambda: run_matrix(plan, make_dataset, progress=not args.no_progress,
+                                             on_server_done=save_partial))
+    ratios = point_ratios(rows, spec.acceptance)
+    matrix.update(partial=False, poisson_rates=[asdict(p) for p in poisson], results=rows,
+                  ratios=ratios)
+    paths = write_matrix_outputs(matrix, out_dir, stem)
+    for acceptance in spec.acceptance:
+        here = [r for r in ratios if r["acceptance"] == acceptance]
+        print(f"[matrix] acceptance {acceptance:g}: {ratio_summary(here)}")
+    print("wrote " + ", ".join(str(p) for p in paths.values()))
+    return 0 if all(r["completed"] == r["num_requests"] for r in rows) else 1
+
+
+def _plot(args: argparse.Namespace) -> int:
+    from specserve.bench.plot import load_rows, plot_ratios, plot_rows
+
     out = args.output or str(Path(args.results[0]).with_suffix(".png"))
+    matrix = _wrap(lambda: _matrix_file(args.results))
+    if matrix is not None:
+        print(f"wrote {_wrap(lambda: plot_ratios(matrix['ratios'], out, title=args.title))}")
+        return 0
+    rows = _wrap(lambda: load_rows(args.results))
     print(f"wrote {_wrap(lambda: plot_rows(rows, out, title=args.title))}")
     return 0
+
+
+def _matrix_file(paths: list[str]) -> dict | None:
+    """The matrix results when the files are one matrix JSON (drawn as ratios), else None."""
+    if len(paths) != 1:
+        return None
+    try:
+        data = json.loads(Path(paths[0]).read_text())
+    except (OSError, json.JSONDecodeError):
+        return None  # load_rows says what is wrong with it
+    if isinstance(data, dict) and data.get("kind") == "specserve-bench-matrix":
+        return data
+    return None

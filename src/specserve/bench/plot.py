@@ -3,7 +3,8 @@ throughput, p50 inter-token latency (per streamed chunk) and p50 time per output
 
 Reads sweep JSON (`specserve bench sweep`) and single-run JSON (`specserve bench serve
 --save-result`, labelled by its --label or the file name), so separate runs can be drawn on
-one figure.
+one figure. The adaptive-speculation matrix (`bench sweep --matrix`) is drawn as ratios:
+goodput ÷ the best baseline per point (`plot_ratios`).
 """
 
 from __future__ import annotations
@@ -74,6 +75,48 @@ def plot_rows(rows: list[dict], out_path: str | Path, title: str | None = None) 
         ax.set_ylim(bottom=0)
         ax.grid(True, alpha=0.3)
     axes[0].legend()
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    out_path = Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_path, dpi=110)
+    plt.close(fig)
+    return out_path
+
+
+def plot_ratios(ratios: list[dict], out_path: str | Path, title: str | None = None) -> Path:
+    """The adaptive-speculation matrix: goodput ÷ the best of off and fixed K at every point,
+    a panel per arrival (closed: against concurrency; Poisson: against the request rate), a
+    line per acceptance; the dashed line at 1 is where goodput matches the best."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    points = [r for r in ratios if r.get("goodput_over_best") is not None]
+    if not points:
+        raise PlotError("no point has both a goodput and a baseline result to compare")
+    arrivals = [a for a in ("closed", "poisson") if any(r["arrival"] == a for r in points)]
+    fig, axes = plt.subplots(1, len(arrivals), figsize=(6.0 * len(arrivals), 4.4),
+                             squeeze=False)
+    for ax, arrival in zip(axes[0], arrivals):
+        mine = [r for r in points if r["arrival"] == arrival]
+        for acceptance in dict.fromkeys(r["acceptance"] for r in mine):
+            line = sorted((r for r in mine if r["acceptance"] == acceptance),
+                          key=lambda r: r["level"])
+            ax.plot([r["level"] for r in line], [r["goodput_over_best"] for r in line],
+                    marker="o", label=f"acceptance {acceptance:g}")
+        ax.axhline(1.0, color="gray", linestyle="--", linewidth=1)
+        levels = sorted({r["level"] for r in mine})
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(levels, [f"{x:g}" if arrival == "closed" else f"{x:.3g}" for x in levels])
+        ax.minorticks_off()
+        ax.set_xlabel("concurrency (closed loop)" if arrival == "closed"
+                      else "request rate (Poisson, req/s)")
+        ax.set_ylabel("goodput ÷ max(off, best fixed K)")
+        ax.grid(True, alpha=0.3)
+        ax.legend()
     if title:
         fig.suptitle(title)
     fig.tight_layout()

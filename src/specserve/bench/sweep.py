@@ -4,6 +4,7 @@ results as JSON, a markdown table and a plot.
 Every configuration sees the same prompts at a given concurrency (the dataset is built once
 per level with a fixed seed). A level sends max(num_prompts, concurrency) requests so that the
 concurrency is actually reached. Each server gets warm-up requests before it is measured.
+`warm_up` and `measure` serve the adaptive-speculation matrix too (matrix_run.py).
 """
 
 from __future__ import annotations
@@ -81,6 +82,31 @@ def machine_info() -> dict:
     return info
 
 
+def warm_up(load: LoadConfig, server: ServerProcess, prompt: BenchPrompt, n: int) -> None:
+    """n short requests one at a time, not measured (first requests pay one-off costs)."""
+    if n:
+        warm = Dataset("warmup", [BenchPrompt(prompt.prompt, min(prompt.max_tokens, 16))] * n)
+        benchmark(replace(load, base_url=server.url, max_concurrency=1,
+                          request_rate=float("inf")), warm, progress=False)
+
+
+def measure(cfg: LoadConfig, dataset: Dataset, label: str, flags: list[str],
+            progress: bool = True, desc: str | None = None) -> dict:
+    """One measured run, labelled, with the machine's load average around it; prints a line."""
+    load_before = _load_avg()
+    report = benchmark(cfg, dataset, progress=progress, desc=desc or label)
+    # Other work on the machine skews a comparison across configurations, which run at
+    # different times: keep the 1-minute load average around each run.
+    report["load_avg_1m"] = [load_before, _load_avg()]
+    report["label"] = label
+    report["server_flags"] = flags
+    print(f"[sweep] {desc or label:>24} {report['output_throughput']:8.1f} tok/s  "
+          f"p50 ITL {_ms(report['itl_ms']['p50'])} ms  "
+          f"p50 TPOT {_ms(report['tpot_ms']['p50'])} ms  "
+          f"errors {report['failed']}", flush=True)
+    return report
+
+
 def run_sweep(plan: SweepPlan, datasets: dict[int, Dataset], progress: bool = True) -> list[dict]:
     """Every configuration at every concurrency; returns one report per (config, level)."""
     log_dir = plan.log_dir or Path(tempfile.mkdtemp(prefix="specserve-sweep-"))
@@ -90,26 +116,11 @@ def run_sweep(plan: SweepPlan, datasets: dict[int, Dataset], progress: bool = Tr
         print(f"[sweep] starting server '{name}': specserve serve {flags_text}", flush=True)
         with ServerProcess(plan.server_args + flags, log_dir / f"{name}.log",
                            env=plan.server_env) as server:
-            if plan.warmup_requests:
-                first = datasets[plan.concurrencies[0]].prompts[0]
-                warm = Dataset("warmup", [BenchPrompt(first.prompt, min(first.max_tokens, 16))]
-                               * plan.warmup_requests)
-                benchmark(replace(plan.load, base_url=server.url, max_concurrency=1), warm,
-                          progress=False)
+            warm_up(plan.load, server, datasets[plan.concurrencies[0]].prompts[0],
+                    plan.warmup_requests)
             for c in plan.concurrencies:
                 cfg = replace(plan.load, base_url=server.url, max_concurrency=c)
-                load_before = _load_avg()
-                report = benchmark(cfg, datasets[c], progress=progress, desc=f"{name} c={c}")
-                # Other work on the machine skews a comparison across configurations, which
-                # run at different times: keep the 1-minute load average around each run.
-                report["load_avg_1m"] = [load_before, _load_avg()]
-                report["label"] = name
-                report["server_flags"] = flags
-                rows.append(report)
-                print(f"[sweep] {name:>20} c={c:<4} {report['output_throughput']:8.1f} tok/s  "
-                      f"p50 ITL {_ms(report['itl_ms']['p50'])} ms  "
-                      f"p50 TPOT {_ms(report['tpot_ms']['p50'])} ms  "
-                      f"errors {report['failed']}", flush=True)
+                rows.append(measure(cfg, datasets[c], name, flags, progress, f"{name} c={c}"))
     return rows
 
 

@@ -1,0 +1,108 @@
+"""Runs the adaptive-speculation matrix: one server at a time, each serving every load point of
+its configuration before the next starts (a server start costs about a minute on a GPU).
+
+Every configuration sees the same prompts and the same arrival times at a point (datasets are
+built once per request count with a fixed seed, and the load's seed is fixed). Each row is the
+runner's report (with the server's /metrics figures: draft-length mix, acceptance) plus a
+`matrix` entry naming its configuration, acceptance and point.
+"""
+
+from __future__ import annotations
+
+import shlex
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from specserve.bench.datasets import Dataset
+from specserve.bench.load import LoadConfig
+from specserve.bench.matrix import (
+    MatrixSpec,
+    Point,
+    ServerRun,
+    closed_points,
+    poisson_points,
+    requests_for,
+)
+from specserve.bench.server_process import ServerProcess
+from specserve.bench.sweep import measure, warm_up
+
+
+@dataclass
+class MatrixPlan:
+    """The matrix plus what every server and every run shares."""
+
+    spec: MatrixSpec
+    runs: list[ServerRun]
+    num_prompts: int
+    server_args: list[str]
+    load: LoadConfig  # the template: base_url, max_concurrency and request_rate set per point
+    warmup_requests: int = 2
+    server_env: dict[str, str] | None = None
+    log_dir: Path | None = None
+
+
+def point_load(load: LoadConfig, url: str, point: Point) -> LoadConfig:
+    """The load of one point: a concurrency limit (closed) or Poisson arrivals (open)."""
+    if point.arrival == "closed":
+        return replace(load, base_url=url, max_concurrency=int(point.level),
+                       request_rate=float("inf"))
+    return replace(load, base_url=url, max_concurrency=None, request_rate=point.level)
+
+
+def off_peak_request_rate(rows: list[dict]) -> float | None:
+    """The highest request throughput the off server reached in the closed loop."""
+    rates = [r["request_throughput"] for r in rows
+             if r["matrix"]["config"] == "off" and r["matrix"]["arrival"] == "closed"]
+    return max(rates, default=None)
+
+
+def run_matrix(plan: MatrixPlan, make_dataset: Callable[[int], Dataset], progress: bool = True,
+               on_server_done: Callable[[list[dict]], None] | None = None,
+               ) -> tuple[list[dict], list[Point]]:
+    """Every server at every point; returns the rows and the Poisson points as resolved.
+    `on_server_done` gets the rows so far each time a server has served all its points."""
+    log_dir = plan.log_dir or Path(tempfile.mkdtemp(prefix="specserve-matrix-"))
+    datasets: dict[int, Dataset] = {}
+
+    def dataset(point: Point) -> Dataset:
+        n = requests_for(plan.spec, point, plan.num_prompts)
+        if n not in datasets:
+            datasets[n] = make_dataset(n)
+        return datasets[n]
+
+    rows: list[dict] = []
+    closed = closed_points(plan.spec)
+    poisson: list[Point] | None = None
+    if not plan.spec.relative_rates:
+        poisson = poisson_points(plan.spec, None)
+    for run in plan.runs:
+        flags = plan.server_args + run.flags
+        print(f"[matrix] starting server '{run.name}': specserve serve {shlex.join(flags)}",
+              flush=True)
+        with ServerProcess(flags, log_dir / f"{run.name}.log", env=plan.server_env) as server:
+            first = closed[0] if closed else (poisson or [Point("closed", 1)])[0]
+            warm_up(plan.load, server, dataset(first).prompts[0], plan.warmup_requests)
+            for point in closed:
+                rows.append(_measure_point(plan.load, server, run, point, dataset(point),
+                                           progress))
+            if poisson is None:  # relative rates: off's closed loop has just run
+                poisson = poisson_points(plan.spec, off_peak_request_rate(rows))
+            for point in poisson:
+                rows.append(_measure_point(plan.load, server, run, point, dataset(point),
+                                           progress))
+        if on_server_done is not None:
+            on_server_done(rows)
+    return rows, poisson or []
+
+
+def _measure_point(load: LoadConfig, server: ServerProcess, run: ServerRun, point: Point,
+                   dataset: Dataset, progress: bool) -> dict:
+    report = measure(point_load(load, server.url, point), dataset, run.config, run.flags,
+                     progress, f"{run.name} {point.label}")
+    report["matrix"] = {"config": run.config, "policy": run.policy, "k": run.k,
+                        "acceptance": run.acceptance, "arrival": point.arrival,
+                        "level": point.level, "rate_fraction": point.fraction,
+                        "server": run.name}
+    return report

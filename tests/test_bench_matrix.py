@@ -1,0 +1,252 @@
+"""The adaptive-speculation matrix without a server: which servers for which acceptance (and
+which the engine would refuse), the flags and file that choose them, the run order, the
+ratios, and the markdown page and plot written from synthetic result rows."""
+
+from __future__ import annotations
+
+import json
+from contextlib import contextmanager
+
+import pytest
+
+from specserve.bench import matrix_run, sweep
+from specserve.bench.datasets import BenchPrompt, Dataset
+from specserve.bench.load import LoadConfig
+from specserve.bench.matrix import (
+    MatrixSpec,
+    Point,
+    matrix_spec,
+    poisson_points,
+    requests_for,
+    servers,
+)
+from specserve.bench.matrix_report import point_ratios, ratio_summary, write_matrix_outputs
+from specserve.bench.report import summarize
+from specserve.cli import build_parser, main
+
+
+def _flag(run, name: str) -> str | None:
+    return run.flags[run.flags.index(name) + 1] if name in run.flags else None
+
+
+def _mean_len(rate: float, k: int) -> float:
+    return sum(rate ** i for i in range(k + 1))
+
+
+def test_default_matrix_runs_every_k_with_one_drafter_quality_per_acceptance():
+    runs, skipped = servers(MatrixSpec())
+    assert skipped == []
+    assert [r.name for r in runs] == ["off"] + [
+        f"{c}@L{a}" for a in ("1.5", "3", "4.5")
+        for c in ("fixed-k1", "fixed-k2", "fixed-k3", "fixed-k5", "goodput")]
+    assert runs[0].flags == ["--speculative-policy", "off"] and runs[0].acceptance is None
+    for acceptance, k_max in ((1.5, 3), (3.0, 3), (4.5, 5)):
+        here = [r for r in runs if r.acceptance == acceptance]
+        goodput = here[-1]
+        assert goodput.policy == "goodput" and goodput.k == k_max
+        assert _flag(goodput, "--speculative-num-steps") == str(k_max)
+        # every configuration drafts with the same per-token rate: the one whose mean
+        # acceptance length at goodput's K_max is the acceptance asked for
+        rates = {_flag(r, "--speculative-simulate-acceptance") for r in here}
+        assert len(rates) == 1
+        assert _mean_len(float(rates.pop()), k_max) == pytest.approx(acceptance, abs=1e-4)
+        assert [(r.policy, r.k) for r in here[:-1]] == [("fixed", k) for k in (1, 2, 3, 5)]
+
+
+def test_length_mode_skips_what_the_server_refuses_and_says_why():
+    runs, skipped = servers(MatrixSpec(simulate_as="length"))
+    assert [(s["config"], s["acceptance"]) for s in skipped] == [
+        ("fixed-k1", 3.0), ("fixed-k1", 4.5), ("fixed-k2", 4.5), ("fixed-k3", 4.5)]
+    assert "at most K+1 = 2" in skipped[0]["reason"]
+    assert [r.config for r in runs if r.acceptance == 4.5] == ["fixed-k5", "goodput"]
+    assert all(_flag(r, "--speculative-simulate-acceptance") == f"{r.acceptance:g}"
+               for r in runs if r.acceptance is not None)
+    # a rate (<= 1) is valid at every K and goes to the servers as it is
+    runs, skipped = servers(MatrixSpec(acceptance=[0.7], fixed_k=[1], simulate_as="length"))
+    assert skipped == [] and {_flag(r, "--speculative-simulate-acceptance")
+                              for r in runs[1:]} == {"0.7"}
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"policies": ["fixed", "goodput"]}, "fractions of the off"),
+    ({"arrival": ["poisson"]}, "fractions of the off"),
+    ({"relative_rates": [], "request_rates": []}, "need request rates"),
+    ({"fixed_k": [0]}, r"\[1, 16\]"),
+    ({"policies": ["eagle"]}, "policies must be among"),
+    ({"arrival": ["open"]}, "arrival must be among"),
+    ({"acceptance": [4.5], "goodput_k_max": {4.5: 3}}, "raise goodput_k_max"),
+    ({"simulate_as": "both"}, "rate or length"),
+])
+def test_spec_refuses_what_cannot_run(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        MatrixSpec(**kwargs)
+
+
+def test_flags_override_the_file_which_overrides_defaults(tmp_path):
+    f = tmp_path / "matrix.json"
+    f.write_text(json.dumps({"acceptance": [3.0], "fixed_k": [2, 5], "concurrency": [1, 8],
+                             "request_rates": [4, "0.5x"], "goodput_k_max": {"3.0": 4},
+                             "poisson_seconds": 5}))
+    args = build_parser().parse_args(["bench", "sweep", "--matrix-file", str(f), "--k", "1,3",
+                                      "--arrival", "closed", "--concurrency", "1,64,256"])
+    spec = matrix_spec(args.matrix_file, args)
+    assert spec.acceptance == [3.0] and spec.fixed_k == [1, 3]
+    assert spec.concurrency == [1, 64, 256] and spec.arrival == ["closed"]
+    assert spec.request_rates == [4.0] and spec.relative_rates == [0.5]
+    assert spec.k_max_for(3.0) == 4 and spec.poisson_seconds == 5
+    args = build_parser().parse_args(["bench", "sweep", "--matrix", "adaptive", "--k-max",
+                                      "1.5:2", "--request-rates", "2,0.25x"])
+    spec = matrix_spec(None, args)
+    assert spec.k_max_for(1.5) == 2 and spec.k_max_for(4.5) == 5
+    assert spec.request_rates == [2.0] and spec.relative_rates == [0.25]
+    f.write_text('{"acceptence": [3.0]}')
+    with pytest.raises(ValueError, match="unknown key"):
+        matrix_spec(str(f), args)
+
+
+def test_matrix_flags_need_matrix_mode_and_exclude_config(capsys):
+    assert main(["bench", "sweep", "--k", "1,3"]) == 2
+    assert "--k need --matrix" in capsys.readouterr().err
+    assert main(["bench", "sweep", "--matrix", "adaptive", "--config", "x="]) == 2
+    assert "exclusive" in capsys.readouterr().err
+
+
+def test_requests_per_point_reach_a_steady_state():
+    spec = MatrixSpec(requests_per_concurrency=2, poisson_seconds=20)
+    assert requests_for(spec, Point("closed", 1), 8) == 8
+    assert requests_for(spec, Point("closed", 64), 8) == 128
+    assert requests_for(spec, Point("closed", 4), 50) == 50
+    assert requests_for(spec, Point("poisson", 3.3), 8) == 66
+    points = poisson_points(MatrixSpec(request_rates=[30.0], relative_rates=[0.5, 0.9]), 40.0)
+    assert [(p.level, p.fraction) for p in points] == [(20.0, 0.5), (30.0, None), (36.0, 0.9)]
+    assert points[0].label == "20 req/s (0.5x)" and Point("closed", 16).label == "c=16"
+    with pytest.raises(ValueError, match="completed no request"):
+        poisson_points(MatrixSpec(), None)
+
+
+def _row(config, policy, k, acceptance, arrival, level, tput, ok=True, mix=None):
+    r = summarize([], 1.0, None, config={"max_concurrency": level})
+    r.update(output_throughput=tput, request_throughput=tput / 10, label=config,
+             num_requests=4, completed=4 if ok else 3)
+    r["server"] = {"speculation": {"draft_length_mix": mix, "mean_acceptance_length": 2.5}
+                   } if mix else None
+    r["matrix"] = {"config": config, "policy": policy, "k": k, "acceptance": acceptance,
+                   "arrival": arrival, "level": level, "rate_fraction": None,
+                   "server": config}
+    return r
+
+
+def _rows():
+    rows = []
+    for arrival, level, off, k1, k3, goodput in (("closed", 1, 100, 150, 180, 190),
+                                                  ("closed", 64, 1000, 900, 700, 990),
+                                                  ("poisson", 5.0, 300, 310, 305, 320)):
+        rows.append(_row("off", "off", None, None, arrival, level, off))
+        rows.append(_row("fixed-k1", "fixed", 1, 3.0, arrival, level, k1))
+        rows.append(_row("fixed-k3", "fixed", 3, 3.0, arrival, level, k3, ok=level != 64))
+        rows.append(_row("goodput", "goodput", 3, 3.0, arrival, level, goodput,
+                         mix={"0": 0.25, "3": 0.75}))
+    rows.append(_row("fixed-k1", "fixed", 1, 1.5, "closed", 1, 120))  # no goodput at 1.5
+    return rows
+
+
+def test_ratios_against_the_best_baseline_and_off():
+    ratios = point_ratios(_rows(), [3.0, 1.5])
+    by_point = {(r["acceptance"], r["arrival"], r["level"]): r for r in ratios}
+    low = by_point[(3.0, "closed", 1)]
+    assert low["best_baseline"] == "fixed-k3"
+    assert low["goodput_over_best"] == pytest.approx(190 / 180)
+    assert low["goodput_over_off"] == pytest.approx(1.9)
+    assert low["output_throughput"] == {"off": 100, "fixed-k1": 150, "fixed-k3": 180,
+                                        "goodput": 190}
+    high = by_point[(3.0, "closed", 64)]
+    assert high["best_baseline"] == "off" and high["goodput_over_best"] == pytest.approx(0.99)
+    assert not high["all_requests_ok"] and low["all_requests_ok"]
+    assert by_point[(3.0, "poisson", 5.0)]["goodput_over_best"] == pytest.approx(320 / 310)
+    assert high["goodput_speculation"]["draft_length_mix"] == {"0": 0.25, "3": 0.75}
+    # off serves every acceptance; without goodput there is no ratio
+    alone = by_point[(1.5, "closed", 1)]
+    assert alone["best_baseline"] == "fixed-k1" and alone["goodput_over_best"] is None
+    assert [r["level"] for r in ratios if r["acceptance"] == 1.5] == [1, 64, 5.0]
+    here = [r for r in ratios if r["acceptance"] == 3.0]
+    assert ratio_summary(here) == ("goodput ÷ best: below 1.00 at 1 of 3 points; minimum "
+                                   "0.990 (c=64), median 1.032")
+
+
+def test_page_and_plot_from_rows(tmp_path, capsys):
+    spec = MatrixSpec(acceptance=[3.0, 1.5], fixed_k=[1, 3], simulate_as="length")
+    runs, skipped = servers(spec)
+    rows = _rows()
+    matrix = {"kind": "specserve-bench-matrix", "title": "t", "command": "specserve bench x",
+              "machine": {"cpu": "cpu"}, "server_args": ["--model", "m"],
+              "spec": json.loads(json.dumps(spec.__dict__)), "simulated": {"3.0": 3.0},
+              "servers": [{**r.__dict__, "name": r.name} for r in runs],
+              "skipped": skipped, "results": rows, "ratios": point_ratios(rows, [3.0, 1.5])}
+    paths = write_matrix_outputs(matrix, tmp_path, "mx")
+    page = paths["markdown"].read_text()
+    assert "## Acceptance 3 (--speculative-simulate-acceptance 3.0)" in page
+    assert "## Acceptance 1.5" in page and "skipped `fixed-k1` at 3" in page
+    assert ("| arrival | load | off | fixed-k1 | fixed-k3 | goodput | goodput ÷ best | "
+            "goodput ÷ off |") in page
+    assert ("| closed | c=64 (errors) | 1000.0 | 900.0 | 700.0 | 990.0 | 0.990 | 0.990 | off | "
+            "0:25%, 3:75% | 2.50 |") in page
+    assert "| poisson | 5 req/s |" in page
+    assert "![goodput ÷ best baseline per point](mx.png)" in page
+    assert page.count("\n| fixed-k1 | ") == 4  # the detail table: every run
+    png = paths["png"].read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    saved = json.loads(paths["json"].read_text())
+    assert saved["ratios"][0]["goodput_over_best"] == pytest.approx(190 / 180)
+    out = tmp_path / "again.png"
+    assert main(["bench", "plot", str(paths["json"]), "-o", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_each_server_serves_every_point_before_the_next_starts(monkeypatch, tmp_path):
+    events = []
+
+    @contextmanager
+    def fake_server(args, log_path, env=None):
+        events.append(("start", log_path.stem))
+        yield type("Server", (), {"url": "http://127.0.0.1:1"})()
+        events.append(("stop", log_path.stem))
+
+    def fake_benchmark(cfg, dataset, progress=True, desc=""):
+        if cfg.max_concurrency == 1 and len(dataset.prompts) == 1:  # the warm-up
+            return {}
+        events.append(("run", cfg.max_concurrency, cfg.request_rate, len(dataset.prompts)))
+        level = cfg.max_concurrency or 0
+        r = _row("x", "off", None, None, "closed", level, 10.0 * level)
+        r["request_throughput"] = 2.0 * level  # off's peak: 8 req/s at c=4
+        return r
+
+    monkeypatch.setattr(matrix_run, "ServerProcess", fake_server)
+    monkeypatch.setattr(sweep, "benchmark", fake_benchmark)
+    spec = MatrixSpec(acceptance=[3.0], fixed_k=[2], concurrency=[4, 1],
+                      relative_rates=[0.5], poisson_seconds=2)
+    runs, _ = servers(spec)
+    load = LoadConfig("http://127.0.0.1")
+    made = []
+
+    def make_dataset(n):
+        made.append(n)
+        return Dataset("d", [BenchPrompt("p", 4)] * n)
+
+    plan = matrix_run.MatrixPlan(spec, runs, 2, [], load, warmup_requests=1, log_dir=tmp_path)
+    saved = []
+    rows, poisson = matrix_run.run_matrix(plan, make_dataset, progress=False,
+                                          on_server_done=lambda rows: saved.append(len(rows)))
+    assert saved == [3, 6, 9]  # the rows so far, after each server
+    assert [(p.level, p.fraction) for p in poisson] == [(4.0, 0.5)]
+    inf = float("inf")
+    per_server = [("run", 1, inf, 8), ("run", 4, inf, 8), ("run", None, 4.0, 8)]
+    assert events == [("start", "off"), *per_server, ("stop", "off"),
+                      ("start", "fixed-k2@L3"), *per_server, ("stop", "fixed-k2@L3"),
+                      ("start", "goodput@L3"), *per_server, ("stop", "goodput@L3")]
+    assert made == [8]  # one dataset per request count, shared by every server
+    assert [(r["matrix"]["config"], r["matrix"]["arrival"], r["matrix"]["level"])
+            for r in rows[:3]] == [("off", "closed", 1), ("off", "closed", 4),
+                                   ("off", "poisson", 4.0)]
+    assert rows[-1]["matrix"] == {"config": "goodput", "policy": "goodput", "k": 3,
+                                  "acceptance": 3.0, "arrival": "poisson", "level": 4.0,
+                                  "rate_fraction": 0.5, "server": "goodput@L3"}
