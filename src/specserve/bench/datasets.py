@@ -220,7 +220,7 @@ def resolve_tokenizer(name_or_path: str | None, served_model: str | None):
     the name specserve serves it under, "dummy-NAME") gets its synthetic tokenizer; (None,
     reason) when there is none."""
     from specserve.model.dummy import PRESETS, dummy_config, synthetic_tokenizer
-    from specserve.model.loader import default_model_path, load_tokenizer, resolve_model
+    from specserve.model.loader import default_model_path, resolve_model
 
     for cand in (name_or_path, served_model):
         preset = cand[len("dummy-"):] if cand and cand.startswith("dummy-") else cand
@@ -238,7 +238,7 @@ def resolve_tokenizer(name_or_path: str | None, served_model: str | None):
     for cand in candidates:
         if cand and Path(cand).exists():
             try:
-                return load_tokenizer(resolve_model(cand)), f"tokenizer of {Path(cand).name}"
+                return _local_tokenizer(cand), f"tokenizer of {Path(cand).name}"
             except Exception as e:  # a broken folder: say so and fall back
                 if cand == name_or_path:
                     raise DatasetError(f"--tokenizer {cand!r} cannot be loaded: {e}") from e
@@ -246,6 +246,18 @@ def resolve_tokenizer(name_or_path: str | None, served_model: str | None):
         raise DatasetError(f"--tokenizer {name_or_path!r} is not a local folder or .gguf file "
                            "(nothing is downloaded)")
     return None, f"no local tokenizer for model {served_model!r}"
+
+
+def _local_tokenizer(path: str):
+    """The tokenizer of a local model; of a config.json (or a folder with one and no
+    tokenizer), the synthetic tokenizer --load-format dummy serves it with."""
+    from specserve.model.dummy import tokenizer_folder
+    from specserve.model.loader import load_tokenizer, resolve_model
+
+    p = Path(path)
+    config_only = (p.suffix == ".json" or (p / "config.json").is_file()) and (
+        tokenizer_folder(path) is None)
+    return load_tokenizer(resolve_model(path, "dummy" if config_only else "auto"))
 
 
 def build_dataset(kind: str, n: int, input_len: int, output_len: int, range_ratio: float,
