@@ -135,8 +135,7 @@ class Scheduler:
                 decoding.append(s)
             else:
                 prefill += s.num_tokens
-        per_token = self.prefill_per_token if self.waiting else 0.0
-        load = StepLoad(prefill, budget, per_token)
+        load = StepLoad(prefill, budget, self.prefill_per_token, bool(self.waiting))
         ks = policy.choose([s.request for s in decoding], load)
         cap = load.k_cap(len(decoding), max(ks, default=0))
         page_size = self.kv.page_size

@@ -76,6 +76,7 @@ class GoodputPolicy(SpeculationPolicy):
     PROBE_MIN_GAIN = 0.1
     REQUEST_PROBE_EVERY = 32
     PROBE_MIN_ALPHA = 0.1
+    RATE_WEIGHT = 1 / 64  # the running rate's EWMA weight per step
 
     def __init__(self, k_max: int, cost: StepCostModel, acceptance: AcceptanceModel):
         super().__init__(k_max)
@@ -89,6 +90,8 @@ class GoodputPolicy(SpeculationPolicy):
         self._probe: tuple[int, int, int] | None = None  # (bucket, K, steps left)
         self._idle: dict[str, int] = {}  # steps each request was trimmed (unpadded)
         self._running_k: int | None = None  # the last step's K unless it was a probe
+        # the server's committed tokens and period per step, EWMAs over every step (`rate`)
+        self._rate_tokens = self._rate_ms = 0.0
 
     def choose(self, reqs, load: StepLoad = NO_LOAD):
         n = len(reqs)
@@ -119,27 +122,33 @@ class GoodputPolicy(SpeculationPolicy):
                        for k in range(k_top + 1)]  # fmt: skip
             tokens = [t for _, t, _ in trimmed]
             costs = [ms for _, _, ms in trimmed]
+        # Each K's extra commits bring their requests' successors' prefill sooner: priced in
+        # steps that take new work (prefill), and in any step while requests wait.
+        per_token = load.prefill_per_token if extra_tokens or load.waiting else 0.0
         saturated = None
-        if load.prefill_per_token and k_top:
-            saturated = self._queued_prefill_ms(n, tokens, extra_tokens, load.prefill_per_token)
+        if per_token and k_top:
+            saturated = self._queued_prefill_ms(n, tokens, extra_tokens, per_token)
             costs = [ms + more for ms, more in zip(costs, saturated)]
             uncapped = [ms + more for ms, more in zip(uncapped, saturated)]
         bucket = batch_bucket(n)
-        self._bucket_steps[bucket] = self._bucket_steps.get(bucket, 0) + 1
         # The K in use: the last step's (not a probe's), else the bucket's preferred one.
         current = self._running_k
         if current is None or current > k_top:
             current = self._preferred.get(bucket)
         sw = self.cost.switch_costs(n, costs[0])
         switch = there_and_back_row(sw, current, k_top)  # leaving it pays a switch and back
-        best = self._preferred_k(bucket, current, tokens, costs, switch, n)
-        # Requests that never drafted have the global estimate only, and while plain
-        # decoding is preferred nothing would tell otherwise: drafting is probed soon.
-        unknown = best == 0 and not any(map(self.acceptance.has_observations,
-                                            (r.request_id for r in reqs)))  # fmt: skip
-        back = switch if best == current else there_and_back_row(sw, best, k_top)
-        k, probe = self._probe_k(bucket, best, n, tokens, costs, back, cells, unknown)
-        self._last_run[(bucket, k)] = self._bucket_steps[bucket]
+        if extra_tokens and self._rate_ms > 0:
+            k, probe = self._marginal_k(tokens, costs, switch), False
+        else:
+            self._bucket_steps[bucket] = self._bucket_steps.get(bucket, 0) + 1
+            best = self._preferred_k(bucket, current, tokens, costs, switch, n)
+            # Requests that never drafted have the global estimate only, and while plain
+            # decoding is preferred nothing would tell otherwise: drafting is probed soon.
+            unknown = best == 0 and not any(map(self.acceptance.has_observations,
+                                                (r.request_id for r in reqs)))  # fmt: skip
+            back = switch if best == current else there_and_back_row(sw, best, k_top)
+            k, probe = self._probe_k(bucket, best, n, tokens, costs, back, cells, unknown)
+            self._last_run[(bucket, k)] = self._bucket_steps[bucket]
         self._running_k = None if probe else k
         if trimmed is None and self.cost.padded:
             # Drafts past a request's cap cost nothing in a padded step (K <= the largest
@@ -167,14 +176,38 @@ class GoodputPolicy(SpeculationPolicy):
             self.predicted_ms += saturated[k]
         return self._decided(ks, probe=probe, tokens=tokens, period_ms=costs, switch_ms=switch)
 
+    def observe_rate(self, committed: int, period_ms: float) -> None:
+        """A step (any step, mixed ones included) committed this many tokens in period_ms:
+        the server's running tokens per ms (`rate`) follows it."""
+        w = self.RATE_WEIGHT if self._rate_ms > 0 else 1.0
+        self._rate_tokens += w * (committed - self._rate_tokens)
+        self._rate_ms += w * (period_ms - self._rate_ms)
+
+    @property
+    def rate(self) -> float:
+        """The server's committed tokens per ms over recent steps (0 before any)."""
+        return self._rate_tokens / self._rate_ms if self._rate_ms > 0 else 0.0
+
+    def _marginal_k(self, tokens: list[float], costs: list[float], switch: list[float]) -> int:
+        """A step that carries prefill: the K whose tokens beyond their cost at the server's
+        running rate are the most (tokens - rate x ms). The step's own tokens per ms would
+        rank them wrong: its prefill costs the same at every K, so the ratio spreads that
+        cost over more tokens at a larger K and drafts where the extra verify rows, at the
+        full GEMM slope once prefill fills the step, earn less than the server earns on
+        average. Such a step is no probe (a mixed step's period measures no K), and a K
+        other than the one in use pays the switch there and back."""
+        rate = self.rate
+        scores = [t - rate * (ms + sw) for t, ms, sw in zip(tokens, costs, switch)]
+        return scores.index(max(scores))  # the first of equals: the fewer drafts
+
     def _queued_prefill_ms(self, n: int, tokens: list[float], extra_tokens: int,
                            per_token: float) -> list[float]:  # fmt: skip
-        """What each K's step costs beyond itself while requests wait for admission: the
-        tokens it commits beyond plain decoding's finish requests sooner, so the queue's
-        prefill (per_token prompt tokens per generated token) comes sooner; priced at the
-        target's cost of that many more tokens in a step of this one's size (a closed loop
-        at steady state does that prefill once per request whatever K is: what K changes is
-        how much decode work each prefill token rides with)."""
+        """What each K's step costs beyond itself in the prefill its commits bring: the
+        tokens it commits beyond plain decoding's finish requests sooner, so their
+        successors' prefill (per_token prompt tokens per generated token) comes sooner;
+        priced at the target's cost of that many more tokens in a step of this one's size
+        (a closed loop prefills once per request whatever K is: what K changes is how much
+        decode work each prefill token rides with)."""
         target = self.cost.target
         out = []
         for k, t in enumerate(tokens):

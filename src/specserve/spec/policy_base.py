@@ -19,15 +19,17 @@ class StepLoad:
     what is left, never a share of prefill's budget.
 
     prefill_tokens: prefill tokens in the step. draft_budget: the most draft tokens the step
-    may add (None: no bound). prefill_per_token: while requests wait for admission (budget,
-    KV pages or sequence slots), the prefill each committed token brings into later steps
-    (the queue's prompt tokens per generated token): finishing requests sooner admits the
-    next ones sooner, so in a saturated server every extra token committed now costs that
-    much prefill soon; 0 when nobody waits (prefill arrives at its own pace)."""
+    may add (None: no bound). prefill_per_token: the prompt tokens per generated token of
+    the requests finished lately: in a loaded server each token committed sooner finishes
+    its request sooner and brings the next request's prefill sooner, so a token drafted now
+    costs that much prefill soon (a closed loop prefills once per request whatever K is: K
+    changes how much decode work each prefill token rides with). waiting: requests wait for
+    admission (budget, KV pages or sequence slots)."""
 
     prefill_tokens: int = 0
     draft_budget: int | None = None
     prefill_per_token: float = 0.0
+    waiting: bool = False
 
     def k_cap(self, n: int, k_max: int) -> int:
         """The largest K every one of n decoding requests can draft within the budget."""

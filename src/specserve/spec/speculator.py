@@ -152,15 +152,19 @@ class Speculator:
             decision, _ = self.policy.trace.processed(
                 len(decoding), max(len(s.drafts) for s in decoding))
         period_ms = None
+        committed, self._last_committed = self._last_committed, 0  # (observe sets it)
         if prev_s is not None and resolved_s > prev_s and not after_idle:
             period_ms = (resolved_s - prev_s) * 1e3
             if decision is not None:
                 decision.observed_ms = period_ms
+            observe_rate = getattr(self.policy, "observe_rate", None)
+            if observe_rate is not None:
+                observe_rate(committed, period_ms)
         if not only_decodes:
             self.periods.stop()
             return
         if period_ms is not None:
-            self.policy.trace.observed_goodput = self._last_committed / period_ms * 1e3
+            self.policy.trace.observed_goodput = committed / period_ms * 1e3
         self.periods.add(len(decoding), max(len(s.drafts) for s in decoding),
                          period_ms if prev_decodes else None, decision)
 
