@@ -250,3 +250,18 @@ def test_each_server_serves_every_point_before_the_next_starts(monkeypatch, tmp_
     assert rows[-1]["matrix"] == {"config": "goodput", "policy": "goodput", "k": 3,
                                   "acceptance": 3.0, "arrival": "poisson", "level": 4.0,
                                   "rate_fraction": 0.5, "server": "goodput@L3"}
+
+
+def test_a_matrix_without_a_baseline_keeps_its_results(tmp_path, capsys):
+    # goodput alone (no off, no fixed K): nothing to divide by, yet the JSON and page are
+    # written (a plot error must not lose a run's results)
+    rows = [r for r in _rows() if r["label"].startswith("goodput")]
+    spec = MatrixSpec(acceptance=[3.0], policies=["goodput"], arrival=["closed"])
+    matrix = {"kind": "specserve-bench-matrix", "title": "t", "command": "specserve bench x",
+              "machine": {"cpu": "cpu"}, "server_args": [],
+              "spec": json.loads(json.dumps(spec.__dict__)), "simulated": {},
+              "servers": [], "skipped": [], "results": rows,
+              "ratios": point_ratios(rows, [3.0])}
+    paths = write_matrix_outputs(matrix, tmp_path, "alone")
+    assert set(paths) == {"json", "markdown"} and paths["json"].is_file()
+    assert "no plot" in capsys.readouterr().out

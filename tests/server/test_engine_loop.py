@@ -87,3 +87,39 @@ def test_error_field_paths():
     assert _field_path(("body", "messages", 0, "content")) == "messages[0].content"
     assert _field_path(("body", "stop", "list[constrained-str]", 1)) == "stop[1]"
     assert _field_path(("body",)) is None
+
+
+def test_a_crashed_engine_is_logged_whole_and_reported_by_its_error(caplog):
+    """The engine's traceback goes to the server's log; every waiting stream gets the error
+    itself (its last line), not the engine's internals."""
+    import asyncio
+    import logging
+
+    from specserve.server.engine_client import (
+        EngineClient,
+        EngineDeadError,
+        RequestStream,
+        _Tracked,
+    )
+
+    client = EngineClient.__new__(EngineClient)
+    client.dead_reason = None
+    stream = RequestStream(["a"])
+    client._tracked = {"a": _Tracked(stream, 0, 0.0)}
+    trace = ('Traceback (most recent call last):\n  File "engine.py", line 1, in step\n'
+             "RuntimeError: a step's input token is neither on the host nor in flight\n")
+    with caplog.at_level(logging.ERROR, logger="specserve"):
+        client._dispatch(("fatal", trace))
+    assert client.dead_reason == "crashed" and not client._tracked
+    assert 'File "engine.py", line 1' in caplog.text
+
+    async def first():
+        return await stream.__anext__()
+
+    try:
+        asyncio.run(first())
+    except EngineDeadError as e:
+        assert str(e) == ("the engine process failed: RuntimeError: a step's input token is "
+                          "neither on the host nor in flight")
+    else:
+        raise AssertionError("the stream did not end with the engine's error")

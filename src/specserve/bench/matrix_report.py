@@ -163,14 +163,19 @@ def markdown_page(matrix: dict, stem: str) -> str:
 
 
 def write_matrix_outputs(matrix: dict, out_dir: Path, stem: str) -> dict[str, Path]:
-    """<stem>.json, <stem>.md and <stem>.png (goodput ÷ best) in out_dir."""
-    from specserve.bench.plot import plot_ratios
+    """<stem>.json, <stem>.md and <stem>.png (goodput ÷ best) in out_dir; no PNG, with a
+    line saying why, when no point has goodput and a baseline to compare (a run of one
+    configuration still keeps its results)."""
+    from specserve.bench.plot import PlotError, plot_ratios
 
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = {"json": save_json(matrix, out_dir / f"{stem}.json")}
     page = out_dir / f"{stem}.md"
     page.write_text(markdown_page(matrix, stem))
     paths["markdown"] = page
-    paths["png"] = plot_ratios(matrix["ratios"], out_dir / f"{stem}.png",
-                               title=matrix.get("title"))
+    try:
+        paths["png"] = plot_ratios(matrix["ratios"], out_dir / f"{stem}.png",
+                                   title=matrix.get("title"))
+    except PlotError as e:
+        print(f"[matrix] no plot: {e}")
     return paths

@@ -10,6 +10,7 @@ not block the event loop.
 from __future__ import annotations
 
 import asyncio
+import logging
 import multiprocessing as mp
 import threading
 import time
@@ -26,6 +27,8 @@ from specserve.server.engine_proc import (
     run_engine,
 )
 from specserve.server.metrics import ServerMetrics
+
+log = logging.getLogger("specserve")
 
 
 class EngineDeadError(SpecserveError):
@@ -235,7 +238,11 @@ class EngineClient:
             self._fail_all(EngineDeadError("the server is shutting down"))
         else:
             self.dead_reason = "crashed" if kind == "fatal" else "exited"
-            self._fail_all(EngineDeadError(f"the engine process failed: {payload}"))
+            # The whole traceback goes to the server's log; clients get its last line (the
+            # error itself), not the engine's internals.
+            log.error("the engine process %s: %s", self.dead_reason, payload)
+            cause = str(payload).strip().splitlines()[-1] if payload else self.dead_reason
+            self._fail_all(EngineDeadError(f"the engine process failed: {cause}"))
 
     def _on_report(self, report: StepReport) -> None:
         self.stats = report.stats
