@@ -75,14 +75,7 @@ def plot_rows(rows: list[dict], out_path: str | Path, title: str | None = None) 
         ax.set_ylim(bottom=0)
         ax.grid(True, alpha=0.3)
     axes[0].legend()
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    out_path = Path(out_path)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out_path, dpi=110)
-    plt.close(fig)
-    return out_path
+    return _save(fig, out_path, title)
 
 
 def plot_ratios(ratios: list[dict], out_path: str | Path, title: str | None = None) -> Path:
@@ -117,6 +110,13 @@ def plot_ratios(ratios: list[dict], out_path: str | Path, title: str | None = No
         ax.set_ylabel("goodput ÷ max(off, best fixed K)")
         ax.grid(True, alpha=0.3)
         ax.legend()
+    return _save(fig, out_path, title)
+
+
+def _save(fig, out_path: str | Path, title: str | None) -> Path:
+    """Title, lay out, write the PNG (its folder made), close the figure."""
+    import matplotlib.pyplot as plt
+
     if title:
         fig.suptitle(title)
     fig.tight_layout()
