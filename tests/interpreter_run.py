@@ -1,8 +1,13 @@
 """Kernel cases run through the Triton interpreter on the CPU, in a subprocess: TRITON_INTERPRET
 is read when kernels are defined and would leak into other tests otherwise. A module that
 uses this writes its results as one JSON line when run as `python -m MODULE` with
-TRITON_INTERPRET=1; its test file names it in `INTERPRETER = (MODULE, timeout)`, and the
+TRITON_INTERPRET=1; its test file names it in `INTERPRETER = (MODULE, seconds)`, and the
 module-scoped fixture `interpreter_results` (conftest.py) gives its tests those results.
+
+`seconds` is what the run takes on an idle machine, not a limit: a loaded machine must give
+slow tests, not killed runs and errors. The run dies with the test process (whose own limit,
+a CI job's, bounds it) and is killed when the session ends; SPECSERVE_TEST_TIMEOUT_SCALE=X
+kills a child process after X times its seconds (`child_timeout`).
 
 The runs take most of the CPU suite's time and need no test's state, so once pytest has
 collected the tests, conftest.py starts them (`start_in_background`): one after another in
@@ -37,12 +42,38 @@ def interpreter_unusable() -> str | None:
     return None
 
 
-def _run(module: str, timeout: int) -> tuple[int, str, str]:
+def child_timeout(seconds: float) -> float | None:
+    """The limit of a test's child process that takes `seconds` on an idle machine: none
+    (the test run's own limit bounds it), unless SPECSERVE_TEST_TIMEOUT_SCALE=X asks for X
+    times `seconds` (0 or unset: none)."""
+    scale = float(os.environ.get("SPECSERVE_TEST_TIMEOUT_SCALE") or 0)
+    return seconds * scale if scale > 0 else None
+
+
+# `python -m MODULE` that dies with the thread that started it (Linux: PR_SET_PDEATHSIG), so
+# a test process killed by its job's limit leaves no interpreter run behind.
+_LAUNCH = """\
+import ctypes, os, runpy, signal, sys
+try:
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+except (OSError, AttributeError):  # not Linux: the session's end still kills it
+    pass
+if os.getppid() != int(sys.argv[2]):  # the parent died before prctl took effect
+    sys.exit(1)
+module = sys.argv[1]
+sys.argv = [module]
+runpy.run_module(module, run_name="__main__", alter_sys=True)
+"""
+
+
+def _run(module: str, seconds: float) -> tuple[int, str, str]:
     """`python -m module` under the interpreter, one intra-op thread (the tests run beside
-    it): (exit status, stdout, stderr); a run past `timeout` seconds is killed (status -9)."""
+    it): (exit status, stdout, stderr). Killed (status -9) only past `child_timeout`."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
-    proc = subprocess.Popen([sys.executable, "-m", module], cwd=ROOT, env=env, text=True,
+    timeout = child_timeout(seconds)
+    proc = subprocess.Popen([sys.executable, "-c", _LAUNCH, module, str(os.getpid())],
+                            cwd=ROOT, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
     with _lock:
         _background.running.add(proc)
@@ -53,7 +84,8 @@ def _run(module: str, timeout: int) -> tuple[int, str, str]:
     except subprocess.TimeoutExpired:
         proc.kill()
         out, err = proc.communicate()
-        err += f"\n{module}: killed after {timeout} s"
+        err += (f"\n{module}: killed after {timeout:.0f} s "
+                f"(SPECSERVE_TEST_TIMEOUT_SCALE x {seconds} s)")
     finally:
         with _lock:
             _background.running.discard(proc)
@@ -64,7 +96,7 @@ class _Background:
     """The runs started ahead: their queue, results (module -> _run's triple) and events."""
 
     def __init__(self):
-        self.queue: list[tuple[str, int]] = []
+        self.queue: list[tuple[str, float]] = []
         self.results: dict[str, tuple[int, str, str]] = {}
         self.done: dict[str, threading.Event] = {}
         self.running: set[subprocess.Popen] = set()  # this run's and the foreground's
@@ -75,9 +107,9 @@ class _Background:
             with _lock:
                 if self.stopped or not self.queue:
                     return
-                module, timeout = self.queue.pop(0)
+                module, seconds = self.queue.pop(0)
             try:
-                self.results[module] = _run(module, timeout)
+                self.results[module] = _run(module, seconds)
             except Exception as e:  # reported by the fixture that reads it
                 self.results[module] = (1, "", f"{module}: {type(e).__name__}: {e}")
             finally:
@@ -88,16 +120,16 @@ _lock = threading.Lock()
 _background = _Background()
 
 
-def start_in_background(runs: list[tuple[str, int]]) -> None:
-    """Run these (module, timeout) one after another in a thread, from now on (none when
+def start_in_background(runs: list[tuple[str, float]]) -> None:
+    """Run these (module, seconds) one after another in a thread, from now on (none when
     the interpreter is unusable: their tests skip)."""
     if interpreter_unusable() or not runs:
         return
     with _lock:
-        for module, timeout in runs:
+        for module, seconds in runs:
             if module not in _background.done:
                 _background.done[module] = threading.Event()
-                _background.queue.append((module, timeout))
+                _background.queue.append((module, seconds))
     threading.Thread(target=_background.work, name="interpreter-runs", daemon=True).start()
 
 
@@ -110,7 +142,7 @@ def stop_background() -> None:
             proc.kill()
 
 
-def interpreter_results(module: str, timeout: int = 600) -> dict:
+def interpreter_results(module: str, seconds: float = 600) -> dict:
     """The JSON results `python -m module` prints under the interpreter (skips the calling
     test when the interpreter is unusable): the background run's when one was started, else
     a run now."""
@@ -127,7 +159,7 @@ def interpreter_results(module: str, timeout: int = 600) -> dict:
         status, out, err = _background.results.get(module, (1, "", f"{module}: run failed"))
     else:
         try:
-            status, out, err = result = _run(module, timeout)
+            status, out, err = result = _run(module, seconds)
             if queued:
                 _background.results[module] = result
         finally:  # nobody waits for a result that never comes

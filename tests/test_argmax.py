@@ -101,7 +101,7 @@ def run_cases() -> dict:
     return results
 
 
-# the interpreter run (module, timeout) whose results the `interpreter_results` fixture
+# the interpreter run (module, seconds idle) whose results the `interpreter_results` fixture
 # gives this file's tests (conftest.py; started in the background: tests/interpreter_run.py)
 INTERPRETER = ("tests.test_argmax", 600)
 
@@ -143,13 +143,14 @@ def test_kernels_wait_before_touching_memory():
     each kernel waits before its first load and store and signals after; off, neither."""
     import subprocess
 
-    from tests.interpreter_run import ROOT
+    from tests.interpreter_run import ROOT, child_timeout
 
     pytest.importorskip("triton")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     proc = subprocess.run([sys.executable, "-m", "tests.test_argmax", "compile"], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+                          env=env, capture_output=True, text=True,
+                          timeout=child_timeout(300))  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
     compiled = json.loads(proc.stdout.strip().splitlines()[-1])
     assert len(compiled) == 4, compiled

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.interpreter_run import child_timeout
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -19,7 +21,8 @@ def test_gpu_engine_bench_reports_whole_run_and_full_batch_rates(tmp_path):
     cmd = [sys.executable, str(REPO / "scripts" / "gpu_engine_bench.py"), "--tiny",
            "--batches", "1", "3", "--prompt-len", "16", "--new-tokens", "12", "--repeats", "2",
            "--only", "plain", "K=3 fixed", "--again", "--out", str(out)]  # fmt: skip
-    subprocess.run(cmd, check=True, env=env, capture_output=True, timeout=300)
+    subprocess.run(cmd, check=True, env=env, capture_output=True,
+                   timeout=child_timeout(300))
     results = json.loads(out.with_suffix(".json").read_text())
     again = results.pop("plain (again, last)")
     assert list(results) == ["plain", "eagle3 K=3 fixed (sim. accept len 3.0)"]
@@ -78,7 +81,8 @@ def test_gpu_default_bench_interleaves_engines_and_speculation_equals_own_plain(
                OMP_NUM_THREADS="1")  # fmt: skip
     cmd = [sys.executable, str(REPO / "scripts" / "gpu_default_bench.py"), "--smoke",
            "--only", "fixed", "goodput", "--out", str(out)]  # fmt: skip
-    subprocess.run(cmd, check=True, env=env, capture_output=True, timeout=900)
+    subprocess.run(cmd, check=True, env=env, capture_output=True,
+                   timeout=child_timeout(900))
     results = json.loads(out.with_suffix(".json").read_text())["results"]
     names = ["plain", "eagle3 K=3 fixed", "eagle3 goodput (default)"]
     assert list(results) == names

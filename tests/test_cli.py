@@ -1,13 +1,17 @@
-"""`specserve generate` streams text and exits 0; bad input exits 2 with a clear message."""
+"""`specserve generate` streams text and exits 0; bad input exits 2 with a one-line message
+that names the flag as typed, before any model is loaded."""
 
 from __future__ import annotations
 
+import re
 import sys
 
 import pytest
+import torch
 
-from specserve import LLM, SamplingParams
+from specserve import LLM, ConfigError, SamplingParams
 from specserve.cli import main
+from specserve.config import EngineConfig
 
 
 def run(capsys, *argv) -> tuple[int, str, str]:
@@ -42,22 +46,77 @@ def test_generate_without_chat_template_and_with_a_seed(tiny_llama, capsys):
     assert first == llm.generate("Héllo wörld", params)[0].text + "\n"
 
 
+def test_a_prompt_longer_than_the_context_exits_2_after_loading(tiny_llama, capsys):
+    code, out, err = run(capsys, "a long enough prompt for the context check",
+                         "--model", str(tiny_llama), "--max-model-len", "8")
+    assert code == 2
+    assert out == ""
+    last = err.strip().splitlines()[-1]  # after the start-up progress
+    assert last.startswith("specserve: error: ") and "this model's context is 8 tokens" in last
+
+
+@pytest.fixture
+def no_loading(monkeypatch):
+    """Fail the test if anything starts loading a model."""
+    def loading(*args, **kwargs):
+        raise AssertionError("the model loader was reached")
+
+    import specserve.engine.engine as engine
+    import specserve.llm as llm
+    import specserve.server.launch as launch
+
+    monkeypatch.setattr(engine, "resolve_model", loading)
+    monkeypatch.setattr(engine, "load_model", loading)
+    monkeypatch.setattr(llm.LLM, "__init__", loading)
+    monkeypatch.setattr(launch, "run_server", loading)
+
+
+CUDA_MISSING = pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+
+
 @pytest.mark.parametrize(
     "argv,message",
     [
-        (["--max-tokens", "0"], "max_tokens must be an integer >= 1; got 0"),
-        (["--top-p", "1.5"], "top_p must be in (0, 1]; got 1.5"),
-        (["--temperature", "-1"], "temperature must be in [0, 100]"),
-        (["--max-model-len", "8"], "this model's context is 8 tokens"),
+        (["--max-tokens", "0"], "--max-tokens must be an integer >= 1; got 0"),
+        (["--temperature", "-1"], "--temperature must be in [0, 100]; got -1.0"),
+        (["--top-p", "1.5"], "--top-p must be in (0, 1]; got 1.5"),
+        (["--top-k", "-2"], "--top-k must be a non-negative integer"),
+        (["--min-p", "2"], "--min-p must be in [0, 1]"),
+        (["--stop", ""], "--stop must be non-empty strings"),
+        (["--page-size", "0"], "--page-size must be >= 1; got 0"),
+        (["--device", "tpu"], "--device must be auto, cpu, cuda or cuda:N; got 'tpu'"),
+        (["--model", "m", "--speculative-algorithm", "eagle3"],
+         "--speculative-algorithm eagle3 needs --speculative-draft-model-path"),
+        (["--speculative-policy", "schedule", "--speculative-algorithm", "ngram"],
+         "--speculative-policy schedule needs --speculative-schedule"),
+        (["--overlap-schedule", "on", "--disable-overlap-schedule"],
+         "--disable-overlap-schedule contradicts --overlap-schedule on"),
+        pytest.param(["--device", "cuda"], "--device cuda needs a CUDA GPU but",
+                     marks=CUDA_MISSING),
     ],
 )
-def test_bad_request_exits_2_with_a_message(tiny_llama, capsys, argv, message):
-    code, out, err = run(capsys, "a long enough prompt for the context check",
-                         "--model", str(tiny_llama), *argv)
-    assert code == 2
-    assert out == ""
-    last = err.strip().splitlines()[-1]  # after the weight-loading progress bar
-    assert last.startswith("specserve: error: ") and message in last
+def test_bad_arguments_exit_2_before_loading(no_loading, capsys, argv, message):
+    code, out, err = run(capsys, "hi", *argv)
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1, "one line, no traceback"
+    assert err.startswith("specserve: error: ") and message in err
+
+
+@pytest.mark.parametrize("argv", [["--page-size", "0"], pytest.param(["--device", "cuda"],
+                                                                     marks=CUDA_MISSING)])
+def test_serve_refuses_bad_engine_flags_before_loading(no_loading, capsys, argv):
+    assert main(["serve", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("specserve: error: --")
+
+
+def test_algorithm_errors_offer_auto(no_loading, capsys):
+    with pytest.raises(ConfigError, match="must be auto, eagle3, draft, ngram or none"):
+        EngineConfig(speculative_algorithm="medusa")
+    with pytest.raises(SystemExit) as exc:
+        main(["generate", "hi", "--speculative-algorithm", "medusa"])
+    assert exc.value.code == 2
+    assert "'auto'" in capsys.readouterr().err
 
 
 def test_missing_model_exits_2(tmp_path, capsys):
@@ -77,6 +136,21 @@ def test_usage_errors_exit_2(capsys):
     assert "invalid int value: 'many'" in capsys.readouterr().err
 
 
-def test_bad_engine_option_exits_2(tiny_llama, capsys):
-    code, _, err = run(capsys, "hi", "--model", str(tiny_llama), "--page-size", "0")
-    assert code == 2 and "page_size must be >= 1" in err
+def test_engine_errors_after_loading_name_the_flags(tiny_llama, capsys):
+    # the prompt fits the context but not the KV cache: found only once the model is known
+    code, _, err = run(capsys, "hi", "--model", str(tiny_llama), "--page-size", "4",
+                       "--num-kv-pages", "5", "--max-tokens", "100", "--quiet")
+    assert code == 2
+    assert err.startswith("specserve: error: ") and err.count("\n") == 1
+    assert "--max-tokens (100)" in err and "lower --max-tokens" in err
+
+
+def test_quiet_keeps_stderr_silent_and_progress_reports_start_up(tiny_llama, capsys):
+    code, out, err = run(capsys, "hi", "--model", str(tiny_llama), "--max-tokens", "3",
+                         "--quiet")
+    assert code == 0 and out and err == ""
+    code, _, err = run(capsys, "hi", "--model", str(tiny_llama), "--max-tokens", "3")
+    assert code == 0
+    lines = [line for line in err.splitlines() if line.startswith("specserve: ")]
+    assert lines[0] == f"specserve: loading {tiny_llama.name} on cpu..."
+    assert re.fullmatch(r"specserve: ready in \d+\.\d s", lines[-1])

@@ -3,8 +3,31 @@
 from __future__ import annotations
 
 import json
+from argparse import Namespace
 
+import pytest
+import torch
+
+from specserve import ConfigError
 from specserve.cli import main
+from specserve.model.eagle3 import shipped_head_path
+from specserve.spec.eval_draft import draft_path
+
+
+def write_prompts(path, count: int):
+    path.write_text("\n".join(json.dumps({"prompt": f"The quick brown fox number {i}"})
+                              for i in range(count)))
+    return path
+
+
+@pytest.fixture
+def no_loading(monkeypatch):
+    import specserve.llm as llm
+
+    def loading(*args, **kwargs):
+        raise AssertionError("the model loader was reached")
+
+    monkeypatch.setattr(llm.LLM, "__init__", loading)
 
 
 def test_eval_draft_copy_drafter_accepts_everything(tiny_llama, tmp_path, capsys):
@@ -47,3 +70,52 @@ def test_table_without_rich(monkeypatch, capsys):
                                  position_rates=[0.9, 0.6])])
     out = capsys.readouterr().out
     assert "2 | 2.500 | 6/8 | 0.90 0.60" in out
+
+
+def test_the_embedded_model_is_evaluated_with_its_shipped_head():
+    assert draft_path(Namespace(draft=None, algorithm="eagle3", target=None)) == str(
+        shipped_head_path())
+    assert draft_path(Namespace(draft="h", algorithm="eagle3", target=None)) == "h"
+    assert draft_path(Namespace(draft=None, algorithm="ngram", target="m")) is None
+    with pytest.raises(ConfigError, match="--algorithm eagle3 needs --draft .*no --target"):
+        draft_path(Namespace(draft=None, algorithm="eagle3", target="some/model"))
+    with pytest.raises(ConfigError, match="--algorithm draft needs --draft"):
+        draft_path(Namespace(draft=None, algorithm="draft", target=None))
+
+
+def test_a_split_that_selects_no_prompts_is_an_error(tmp_path, capsys, no_loading):
+    data = write_prompts(tmp_path / "prompts.jsonl", 12)
+    rc = main(["eval-draft", "--data", str(data), "--split", "train"])  # 32 held out
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert ("--split train selects no prompts: --data has 12 prompts and 12 of them are held "
+            "out for evaluation (--num-prompts 32 source texts") in err
+    assert "leaving 0 for --split train; lower --num-prompts below 12" in err
+    rc = main(["eval-draft", "--data", str(write_prompts(tmp_path / "none.jsonl", 0))])
+    assert rc == 2 and "--data has 0 prompts" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--k", "0"], "--k must be at least 1"),
+    (["--num-prompts", "0"], "--num-prompts must be at least 1"),
+    (["--algorithm", "draft"], "--algorithm draft needs --draft"),
+    pytest.param(["--device", "cuda"], "--device cuda needs a CUDA GPU",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="has CUDA")),
+])
+def test_bad_arguments_are_refused_before_loading(tmp_path, capsys, no_loading, argv, message):
+    data = write_prompts(tmp_path / "prompts.jsonl", 12)
+    assert main(["eval-draft", "--data", str(data), "--num-prompts", "2", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_eval_draft_runs_the_shipped_head_by_default(tmp_path, capsys):
+    data = write_prompts(tmp_path / "prompts.jsonl", 12)
+    out = tmp_path / "eval.json"
+    rc = main(["eval-draft", "--data", str(data), "--num-prompts", "2", "--max-tokens", "8",
+               "--k", "2", "--out", str(out)])
+    assert rc == 0
+    saved = json.loads(out.read_text())
+    assert saved["draft"] == str(shipped_head_path()) and saved["num_prompts"] == 2
+    assert saved["results"][0]["drafted"] > 0

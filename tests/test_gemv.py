@@ -168,7 +168,7 @@ def run_cases() -> dict:
     return results
 
 
-# the interpreter run (module, timeout) whose results the `interpreter_results` fixture
+# the interpreter run (module, seconds idle) whose results the `interpreter_results` fixture
 # gives this file's tests (conftest.py; started in the background: tests/interpreter_run.py)
 INTERPRETER = ("tests.test_gemv", 600)
 

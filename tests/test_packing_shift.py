@@ -80,7 +80,7 @@ def run_cases() -> dict:
                           lambda: mismatches("cpu"))  # fmt: skip
 
 
-# the interpreter run (module, timeout) whose results the `interpreter_results` fixture gives
+# the interpreter run (module, seconds idle) whose results the `interpreter_results` fixture gives
 INTERPRETER = ("tests.test_packing_shift", 300)
 
 

@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from specserve.layers import pdl
+from tests.interpreter_run import child_timeout
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -91,7 +92,8 @@ def compiled() -> dict:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     proc = subprocess.run([sys.executable, "-m", "tests.pdl_compile"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
+                          capture_output=True, text=True,
+                          timeout=child_timeout(600))  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 

@@ -4,7 +4,7 @@ already seen during it. On the GPU a new variant stalls a step for ~0.5 s."""
 
 from __future__ import annotations
 
-# the interpreter run (module, timeout) whose results the `interpreter_results` fixture
+# the interpreter run (module, seconds idle) whose results the `interpreter_results` fixture
 # gives this file's tests (conftest.py; started in the background: tests/interpreter_run.py)
 INTERPRETER = ("tests.specialization_run", 600)
 

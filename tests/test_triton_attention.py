@@ -22,7 +22,7 @@ from tests.triton_cases import (
 CASES = interpreter_cases()
 
 
-# the interpreter run (module, timeout) whose results the `interpreter_results` fixture
+# the interpreter run (module, seconds idle) whose results the `interpreter_results` fixture
 # gives this file's tests (conftest.py; started in the background: tests/interpreter_run.py)
 INTERPRETER = ("tests.triton_cases", 900)
 

@@ -140,7 +140,7 @@ def norm_into_halves() -> dict:
     return {"equal": torch.equal(packed, separate), "err": rel_err(packed, ref)}
 
 
-# the interpreter run (module, timeout) whose results the `interpreter_results` fixture
+# the interpreter run (module, seconds idle) whose results the `interpreter_results` fixture
 # gives this file's tests (conftest.py; started in the background: tests/interpreter_run.py)
 INTERPRETER = ("tests.test_triton_ops", 600)
 

@@ -13,6 +13,7 @@ from specserve.sampling_params import SamplingParams
 __all__ = [
     "LLM",
     "SamplingParams",
+    "CompletionOutput",
     "SpecserveError",
     "ConfigError",
     "CheckpointError",
@@ -24,8 +25,8 @@ __all__ = [
 
 def __getattr__(name: str):
     # LLM pulls in torch and the model code; import it lazily so `specserve --help` stays fast.
-    if name == "LLM":
-        from specserve.llm import LLM
+    if name in ("LLM", "CompletionOutput"):
+        from specserve import llm
 
-        return LLM
+        return getattr(llm, name)
     raise AttributeError(name)

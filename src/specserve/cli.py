@@ -4,101 +4,46 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import MISSING, fields
+from dataclasses import fields
 
 from specserve.config import EngineConfig
-from specserve.errors import SpecserveError
+from specserve.engine_args import (  # noqa: F401  (add_engine_args: used by other commands)
+    ENGINE_FLAGS,
+    ArgumentParser,
+    add_engine_args,
+    engine_arg_groups,
+    engine_config,
+    flag_message,
+    has_engine_args,
+)
+from specserve.errors import InvalidRequestError, SpecserveError
 
-_HELP = {
-    "model": "Hugging Face model folder or .gguf file (default: embedded SmolLM2-135M-Instruct)",
-    "load_format": "auto: read the model's weights; dummy: random weights of its shape, for "
-    "benchmarks (--model then names a preset: llama-3.1-8b, llama-3.1-70b, smollm2-135m, or a "
-    "config.json; an EAGLE-3 drafter without a path gets a random head)",
-    "dtype": "compute dtype: auto, float32, float16, bfloat16",
-    "device": "auto, cpu, cuda, cuda:N",
-    "page_size": "tokens per KV cache page",
-    "kv_cache_bytes": "KV cache memory budget in bytes (default: 256 MiB on CPU; on CUDA "
-    "--kv-cache-memory-fraction of the free memory)",
-    "kv_cache_memory_fraction": "on CUDA without --kv-cache-bytes: the share of the GPU memory "
-    "free after loading the weights that the KV cache takes",
-    "num_kv_pages": "KV cache size in pages (overrides --kv-cache-bytes)",
-    "max_num_seqs": "most requests running at once",
-    "max_num_batched_tokens": "per-step token budget; longer prefills are chunked",
-    "max_model_len": "context length limit (default: the model's)",
-    "seed": "seed for requests that bring none",
-    "speculative_algorithm": "eagle3, draft, ngram, none, or auto (default: eagle3 with the "
-    "shipped head on the embedded default model, none for other models)",
-    "speculative_draft_model_path": "draft model folder/.gguf or EAGLE-3 head folder",
-    "speculative_num_steps": "K_max, the most draft tokens per request per step",
-    "speculative_policy": "off, fixed, schedule, goodput (default with a drafter: goodput)",
-    "speculative_schedule": "batch size -> K table for the schedule policy, e.g. 1:4,16:2,64:0",
-    "attention_backend": "auto (triton on CUDA, torch on CPU), torch, triton",
-    "disable_cuda_graph": "run every step eagerly (debugging)",
-    "disable_gemv": "no start-up choice of Triton GEMV kernels: cuBLAS for every linear "
-                    "(the same kernels on every start)",
-    "disable_gemv_tuning": "keep the GEMV kernels start-up selection timed alone, without "
-    "revising them in whole decode steps (runtime/plan_tuning.py) nor searching verify "
-    "tiles (runtime/verify_tiles.py)",
-    "disable_batch_invariance": "let cuBLAS serve decode-sized linears of up to 16 rows even "
-    "where it rounds a row differently at different row counts, and verify steps take the "
-    "kernels of their row count, not of their requests' decode step, and attention splits "
-    "a request's keys by the step's program count (faster on some shapes; greedy "
-    "speculation may then drift from plain decoding)",
-    "disable_verify_tiles": "verify steps of up to 16 requests run the GEMV tiles their "
-    "requests' decode steps run at every row count, without the start-up search for faster "
-    "tiles that give their rows the same bits (runtime/verify_tiles.py)",
-    "disable_pdl": "launch Triton kernels without programmatic dependent launch (on by default "
-    "on GPUs of compute capability 9+: a kernel starts while the previous one ends)",
-    "gemv_stream_k": "EXPERIMENTAL: also time stream-K GEMV tiles (one program per "
-    "multiprocessor, split tiles summed by the last to finish) for steps of more than 16 "
-    "rows (on an H200, start-up chose none for the Llama-3.1-8B shape)",
-    "disable_fusion": "keep SiLU-and-mul and the split-K passes of the output and down "
-    "projections as kernels of their own (by default fused into the GEMV and the next "
-    "RMSNorm; same results)",
-    "overlap_schedule": "auto (on for CUDA, off on CPU), on, off: build step N+1 on the CPU "
-    "while step N runs",
-    "disable_overlap_schedule": "the synchronous step loop (same as --overlap-schedule off)",
-    "cuda_graph_max_batch": "largest batch bucket captured as a CUDA graph",
-    "speculative_simulate_acceptance": "BENCHMARKING ONLY: replace acceptance by seeded draws "
-    "(rate per token <= 1, or mean acceptance length > 1); outputs are not the model's",
-}
+SAMPLING_FLAGS = {"max_tokens": "--max-tokens", "temperature": "--temperature",
+                  "top_k": "--top-k", "top_p": "--top-p", "min_p": "--min-p",
+                  "seed": "--sampling-seed", "stop": "--stop"}  # SamplingParams field -> flag
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """One flag per EngineConfig field, defaults taken from the dataclass."""
-    for f in fields(EngineConfig):
-        default = None if f.default is MISSING else f.default
-        annotation = str(f.type)
-        flag = "--" + f.name.replace("_", "-")
-        if annotation == "bool":
-            parser.add_argument(flag, action="store_true", help=_HELP.get(f.name))
-            continue
-        kind = str if "str" in annotation else float if "float" in annotation else int
-        parser.add_argument(flag, type=kind, default=default, help=_HELP.get(f.name))
+def _sampling_params(args: argparse.Namespace):
+    from specserve.sampling_params import SamplingParams
 
-
-def engine_config(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(**{f.name: getattr(args, f.name) for f in fields(EngineConfig)})
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                          top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                          seed=args.sampling_seed, stop=args.stop or [])  # fmt: skip
 
 
 def _generate(args: argparse.Namespace) -> int:
+    params = _sampling_params(args)  # refused here, before the model loads
     from specserve.llm import LLM
-    from specserve.sampling_params import SamplingParams
 
     cfg = engine_config(args)
-    llm = LLM(progress=True, **{f.name: getattr(cfg, f.name) for f in fields(EngineConfig)})
-    prompt: str | list[int] = args.prompt
+    llm = LLM(progress=not args.quiet,
+              **{f.name: getattr(cfg, f.name) for f in fields(EngineConfig)})
     if llm.tokenizer.chat_template and not args.no_chat_template:
-        prompt = llm.apply_chat_template([{"role": "user", "content": args.prompt}])
-    params = SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        min_p=args.min_p,
-        seed=args.sampling_seed,
-        stop=args.stop or [],
-    )
+        # what llm.chat does: the answer of an instruct model, not a continuation
+        prompt: str | list[int] = llm.apply_chat_template(
+            [{"role": "user", "content": args.prompt}])
+    else:
+        prompt = args.prompt
     for delta in llm.stream(prompt, params):
         sys.stdout.write(delta)
         sys.stdout.flush()
@@ -107,16 +52,20 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from specserve.server.config import ServerConfig
+    from specserve.server.config import ServerConfig, resolve_api_key
     from specserve.server.launch import run_server
 
     try:
         cfg = engine_config(args)
         server = ServerConfig(
-            host=args.host, port=args.port, api_key=args.api_key,
+            host=args.host, port=args.port,
+            api_key=resolve_api_key(args.api_key, args.api_key_file),
             served_model_names=args.served_model_name or [], max_queue=args.max_queue,
             shutdown_timeout_s=args.shutdown_timeout, log_level=args.uvicorn_log_level,
             access_log=not args.disable_uvicorn_access_log,
+            max_request_bytes=args.max_request_bytes,
+            request_read_timeout_s=args.request_read_timeout,
+            keep_alive_timeout_s=args.keep_alive_timeout, public_metrics=args.public_metrics,
         )
     except ValueError as e:
         raise SpecserveError(str(e)) from e
@@ -128,18 +77,37 @@ def _add_serve_parser(sub) -> None:
 
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (FastAPI + uvicorn)")
     add_engine_args(srv)
-    srv.add_argument("--host", default=D.host, help="address to bind")
-    srv.add_argument("--port", type=int, default=D.port)
-    srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
-    srv.add_argument("--served-model-name", nargs="+", default=None,
+    net = srv.add_argument_group("serving")
+    net.add_argument("--host", default=D.host, help="address to bind")
+    net.add_argument("--port", type=int, default=D.port, metavar="N", help="port to listen on")
+    net.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                      help="model name(s) clients use (default: the model's name)")
-    srv.add_argument("--max-queue", type=int, default=D.max_queue,
-                     help="engine requests allowed to wait; beyond it 429 + Retry-After")
-    srv.add_argument("--shutdown-timeout", type=float, default=D.shutdown_timeout_s,
+    net.add_argument("--max-queue", type=int, default=D.max_queue, metavar="N",
+                     help="engine requests (prompts x n) allowed to wait for a running slot; "
+                          "beyond it 429 + Retry-After")
+    net.add_argument("--shutdown-timeout", type=float, default=D.shutdown_timeout_s,
+                     metavar="S",
                      help="seconds SIGTERM waits for in-flight requests before aborting them")
-    srv.add_argument("--uvicorn-log-level", default=D.log_level,
-                     choices=["critical", "error", "warning", "info", "debug"])
-    srv.add_argument("--disable-uvicorn-access-log", action="store_true")
+    net.add_argument("--uvicorn-log-level", default=D.log_level,
+                     choices=["critical", "error", "warning", "info", "debug"],
+                     help="how much the HTTP server logs")
+    net.add_argument("--disable-uvicorn-access-log", action="store_true",
+                     help="no log line per HTTP request")
+    sec = srv.add_argument_group("security and limits")
+    sec.add_argument("--api-key", default=None, metavar="KEY",
+                     help="require 'Authorization: Bearer KEY' on every route but /health "
+                          "(visible in `ps`: prefer --api-key-file or SPECSERVE_API_KEY)")
+    sec.add_argument("--api-key-file", default=None, metavar="FILE",
+                     help="read the API key from the first line of this file")
+    sec.add_argument("--public-metrics", action="store_true",
+                     help="serve /metrics without the API key (Prometheus scrapers)")
+    sec.add_argument("--max-request-bytes", type=int, default=D.max_request_bytes,
+                     metavar="N", help="largest request body accepted (413 beyond)")
+    sec.add_argument("--request-read-timeout", type=float, default=D.request_read_timeout_s,
+                     metavar="S", help="seconds a request's headers, and its body, may take "
+                     "to arrive; stalled connections are closed")
+    sec.add_argument("--keep-alive-timeout", type=float, default=D.keep_alive_timeout_s,
+                     metavar="S", help="seconds an idle kept-alive connection stays open")
     srv.set_defaults(func=_serve)
 
 
@@ -169,21 +137,46 @@ def _add_bench_parser(sub) -> None:
     add_bench_commands(bench)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="specserve", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="generate text for one prompt, streamed to stdout")
-    gen.add_argument("prompt")
-    add_engine_args(gen)
-    gen.add_argument("--max-tokens", type=int, default=128)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--min-p", type=float, default=0.0)
-    gen.add_argument("--sampling-seed", type=int, default=None)
-    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
-    gen.add_argument("--no-chat-template", action="store_true", help="send the prompt as is")
+def _add_generate_parser(sub) -> None:
+    from specserve.sampling_params import SamplingParams as D  # defaults of the Python API
+
+    gen = sub.add_parser("generate", help="generate text for one prompt, streamed to stdout",
+                         description="Answer one prompt (with the model's chat template) "
+                         "and stream the text to stdout; start-up progress goes to stderr.")
+    gen.add_argument("prompt", help="the prompt (a user message, unless --no-chat-template)")
+    gen.add_argument("--no-chat-template", action="store_true",
+                     help="send the prompt as is, without the model's chat template")
+    gen.add_argument("-q", "--quiet", action="store_true",
+                     help="print only the generated text (no start-up progress on stderr)")
+    groups = engine_arg_groups(gen)
+    sampling = groups["sampling"]
+    sampling.add_argument("--max-tokens", type=int, default=D.max_tokens, metavar="N",
+                          help="most tokens to generate")
+    sampling.add_argument("--temperature", type=float, default=D.temperature, metavar="X",
+                          help="randomness of sampling; 0 always picks the likeliest token")
+    sampling.add_argument("--top-k", type=int, default=D.top_k, metavar="N",
+                          help="sample among the N likeliest tokens only; 0 turns this off")
+    sampling.add_argument("--top-p", type=float, default=D.top_p, metavar="X",
+                          help="sample among the likeliest tokens whose probabilities add up "
+                          "to X; 1 turns this off")
+    sampling.add_argument("--min-p", type=float, default=D.min_p, metavar="X",
+                          help="skip tokens less likely than X times the likeliest; 0 turns "
+                          "this off")
+    sampling.add_argument("--sampling-seed", type=int, default=None, metavar="N",
+                          help="seed of this prompt's random draws (default: one drawn from "
+                          "--seed, so a run repeats itself)")
+    sampling.add_argument("--stop", action="append", metavar="TEXT",
+                          help="stop where this text appears (it is not printed); repeat the "
+                          "flag for several (default: none)")
+    add_engine_args(gen, groups)
     gen.set_defaults(func=_generate)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `specserve` command and its subcommands."""
+    parser = ArgumentParser(prog="specserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=ArgumentParser)
+    _add_generate_parser(sub)
     _add_serve_parser(sub)
     _add_train_parser(sub)
     from specserve.spec.eval_draft import add_eval_draft_parser
@@ -193,12 +186,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _as_typed(error: SpecserveError, args: argparse.Namespace) -> str:
+    """The error's message with option names written as the flags the user typed."""
+    message = str(error)
+    if isinstance(error, InvalidRequestError) and args.command == "generate":
+        message = flag_message(message, SAMPLING_FLAGS)
+    if has_engine_args(args):
+        message = flag_message(message, ENGINE_FLAGS)
+    return message
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run the command line; exit status 2 for a usage or configuration error."""
     args = build_parser().parse_args(argv)
     try:
+        if has_engine_args(args):  # every check that needs no model, before any loads
+            engine_config(args).check_device()
         return args.func(args)
     except SpecserveError as e:
-        print(f"specserve: error: {e}", file=sys.stderr)
+        print(f"specserve: error: {_as_typed(e, args)}", file=sys.stderr)
         return 2
 
 

@@ -11,6 +11,16 @@ from specserve.errors import ConfigError
 SPECULATIVE_ALGORITHMS = (None, "ngram", "draft", "eagle3")
 LOAD_FORMATS = ("auto", "dummy")
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# The values each option accepts, as users spell them (the CLI offers these as its choices).
+DTYPE_CHOICES = ("auto", *_DTYPES)
+SPECULATIVE_ALGORITHM_CHOICES = ("auto", "eagle3", "draft", "ngram", "none")
+SPECULATIVE_POLICY_CHOICES = ("goodput", "fixed", "schedule", "off")
+ATTENTION_BACKEND_CHOICES = ("auto", "torch", "triton")
+OVERLAP_SCHEDULE_CHOICES = ("auto", "on", "off")
+
+
+def _one_of(choices: tuple[str, ...]) -> str:
+    return ", ".join(choices[:-1]) + " or " + choices[-1]
 
 
 @dataclass
@@ -65,10 +75,9 @@ class EngineConfig:
     cuda_graph_max_batch: int = 256
 
     def __post_init__(self) -> None:
-        if self.dtype != "auto" and self.dtype not in _DTYPES:
-            raise ConfigError(
-                f"dtype must be one of auto, {', '.join(_DTYPES)}; got {self.dtype!r}"
-            )
+        if self.dtype not in DTYPE_CHOICES:
+            raise ConfigError(f"dtype must be {_one_of(DTYPE_CHOICES)}; got {self.dtype!r}")
+        self._check_device_name()
         if self.page_size < 1:
             raise ConfigError(f"page_size must be >= 1; got {self.page_size}")
         if self.num_kv_pages is not None and self.num_kv_pages < 1:
@@ -89,14 +98,12 @@ class EngineConfig:
             raise ConfigError(
                 f"load_format must be one of {', '.join(LOAD_FORMATS)}; got {self.load_format!r}"
             )
-        if self.attention_backend not in ("auto", "torch", "triton"):
-            raise ConfigError(
-                f"attention_backend must be auto, torch or triton; got {self.attention_backend!r}"
-            )
-        if self.overlap_schedule not in ("auto", "on", "off"):
-            raise ConfigError(
-                f"overlap_schedule must be auto, on or off; got {self.overlap_schedule!r}"
-            )
+        if self.attention_backend not in ATTENTION_BACKEND_CHOICES:
+            raise ConfigError(f"attention_backend must be {_one_of(ATTENTION_BACKEND_CHOICES)}; "
+                              f"got {self.attention_backend!r}")
+        if self.overlap_schedule not in OVERLAP_SCHEDULE_CHOICES:
+            raise ConfigError(f"overlap_schedule must be {_one_of(OVERLAP_SCHEDULE_CHOICES)}; "
+                              f"got {self.overlap_schedule!r}")
         if self.disable_overlap_schedule and self.overlap_schedule == "on":
             raise ConfigError("disable_overlap_schedule contradicts overlap_schedule on")
         if self.speculative_algorithm == "auto":
@@ -105,8 +112,7 @@ class EngineConfig:
             self.speculative_algorithm = None
         if self.speculative_algorithm not in SPECULATIVE_ALGORITHMS:
             raise ConfigError(
-                "speculative_algorithm must be one of "
-                f"{', '.join(a for a in SPECULATIVE_ALGORITHMS if a)} or none; "
+                f"speculative_algorithm must be {_one_of(SPECULATIVE_ALGORITHM_CHOICES)}; "
                 f"got {self.speculative_algorithm!r}"
             )
         random_head = self.speculative_algorithm == "eagle3" and self.load_format == "dummy"
@@ -119,9 +125,9 @@ class EngineConfig:
             )
         if self.speculative_policy is None:
             self.speculative_policy = "goodput" if self.speculative_algorithm else "off"
-        if self.speculative_policy not in ("off", "fixed", "schedule", "goodput"):
+        if self.speculative_policy not in SPECULATIVE_POLICY_CHOICES:
             raise ConfigError(
-                "speculative_policy must be one of off, fixed, schedule, goodput; "
+                f"speculative_policy must be {_one_of(SPECULATIVE_POLICY_CHOICES)}; "
                 f"got {self.speculative_policy!r}"
             )
         if self.speculative_policy == "schedule" and not self.speculative_schedule:
@@ -150,6 +156,33 @@ class EngineConfig:
             if (head / "config.json").is_file():
                 self.speculative_algorithm = "eagle3"
                 self.speculative_draft_model_path = str(head)
+
+    def _check_device_name(self) -> None:
+        if self.device == "auto":
+            return
+        try:
+            torch.device(self.device)
+        except (RuntimeError, TypeError):
+            raise ConfigError(
+                f"device must be auto, cpu, cuda or cuda:N; got {self.device!r}"
+            ) from None
+
+    def check_device(self) -> None:
+        """Refuse a CUDA device this machine lacks, before anything is loaded (torch would
+        fail deep inside the loading with an AssertionError). Not part of __post_init__: a
+        config for a GPU may be built and inspected on a machine without one."""
+        device = self.torch_device()
+        if device.type != "cuda":
+            return
+        if torch.version.cuda is None and torch.version.hip is None:
+            why = f"this PyTorch ({torch.__version__}) was built without CUDA"
+        elif not torch.cuda.is_available():
+            why = "no CUDA GPU is visible"
+        elif device.index is not None and device.index >= torch.cuda.device_count():
+            why = f"only {torch.cuda.device_count()} CUDA GPU(s) are visible"
+        else:
+            return
+        raise ConfigError(f"device {self.device} needs a CUDA GPU but {why}; use cpu or auto")
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

@@ -1,4 +1,5 @@
-"""The offline API: LLM(model=...).generate(prompts, SamplingParams(...))."""
+"""The offline API: `LLM(model).generate(prompts, params)` continues text as given;
+`LLM.chat(messages, params)` answers a conversation through the model's chat template."""
 
 from __future__ import annotations
 
@@ -10,26 +11,52 @@ from tqdm import tqdm
 from specserve.config import EngineConfig
 from specserve.engine.engine import LLMEngine, RequestOutput
 from specserve.engine.request import SpecStats
+from specserve.errors import InvalidRequestError
+from specserve.runtime.sampled_tokens import TokenLogprobs
 from specserve.sampling_params import SamplingParams
 
 Prompt = str | list[int]
+Message = dict[str, str]  # {"role": "system" | "user" | "assistant", "content": text}
 
 
 @dataclass
 class CompletionOutput:
-    """One finished generation."""
+    """One finished generation.
+
+    `text` and `token_ids` are what was generated (a stop string is cut off the text);
+    `finish_reason` is "stop" (end of sequence, stop string or stop token), "length"
+    (max_tokens or the context) or "abort". `logprobs` is None unless the request's
+    SamplingParams asked for them (`logprobs=k`): then one TokenLogprobs per token of
+    `token_ids`, each with the token's log-probability (`.logprob`) and the k likeliest
+    tokens as (token id, log-probability) pairs (`.top`), under the model's own distribution
+    (before temperature and filters).
+    """
 
     request_id: str
-    prompt: str | None
+    prompt: str | None  # the prompt's text when it was given as text
     prompt_token_ids: list[int]
     text: str
     token_ids: list[int]
     finish_reason: str
     spec_stats: SpecStats | None = None  # drafted / accepted counts when speculating
+    logprobs: list[TokenLogprobs] | None = None
 
 
 class LLM:
-    """Generate text with a local model; keyword arguments are EngineConfig fields."""
+    """Generate text with a local model, in this process.
+
+    `model`: a Hugging Face model folder or .gguf file (default: the embedded
+    SmolLM2-135M-Instruct); other keyword arguments are EngineConfig fields, as the flags of
+    `specserve generate` (`dtype="float32"`, `speculative_algorithm="ngram"`, ...).
+    `progress=True` reports the start-up phases and their timings on stderr.
+
+        from specserve import LLM, SamplingParams
+        llm = LLM()
+        print(llm.chat([{"role": "user", "content": "Tell me a joke."}])[0].text)
+        outs = llm.generate(["The capital of France is"], SamplingParams(max_tokens=8))
+
+    SamplingParams() is greedy with at most 128 new tokens, as `specserve generate`.
+    """
 
     def __init__(self, model: str | None = None, progress: bool = False, **engine_kwargs):
         known = {f.name for f in fields(EngineConfig)}
@@ -39,8 +66,14 @@ class LLM:
         self.engine = LLMEngine(EngineConfig(model=model, **engine_kwargs), progress=progress)
         self.tokenizer = self.engine.tokenizer
 
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        """Token ids of a conversation, ready for the assistant's reply."""
+    def apply_chat_template(self, messages: list[Message]) -> list[int]:
+        """Token ids of a conversation through the model's chat template, ready for the
+        assistant's reply (as the server's /v1/chat/completions builds them)."""
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise InvalidRequestError(
+                "this model has no chat template; send the prompt as text to generate()",
+                "messages",
+            )
         out = self.tokenizer.apply_chat_template(
             messages, add_generation_prompt=True, tokenize=True
         )
@@ -52,7 +85,18 @@ class LLM:
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
     ) -> list[CompletionOutput]:
-        """Run every prompt to completion, batched together; outputs keep prompt order."""
+        """Continue each prompt as it is, all batched together; outputs keep prompt order.
+
+        A prompt is text (tokenized with the tokenizer's special tokens, such as a BOS, but
+        no chat template) or token ids: this is a completion, as the server's
+        /v1/completions. An instruct model answers questions through `chat`, which is what
+        `specserve generate` does unless told --no-chat-template. `params`: one
+        SamplingParams for every prompt, or one per prompt (default: greedy, 128 tokens).
+
+            outs = llm.generate(["1, 2, 3,", "The capital of France is"],
+                                SamplingParams(max_tokens=8))
+            print(outs[0].text, outs[0].token_ids, outs[0].finish_reason)
+        """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if params is None or isinstance(params, SamplingParams):
@@ -68,17 +112,44 @@ class LLM:
                 self.engine.abort_request(rid)
             raise
         finished: dict[str, RequestOutput] = {}
+        logprobs: dict[str, list[TokenLogprobs]] = {rid: [] for rid in ids}
         bar = tqdm(total=len(ids), desc="Generating", disable=not use_tqdm)
         while self.engine.has_unfinished():
             for out in self.engine.step():
+                if out.new_logprobs and out.request_id in logprobs:
+                    logprobs[out.request_id] += out.new_logprobs
                 if out.finished:
                     finished[out.request_id] = out
                     bar.update(1)
         bar.close()
-        return [_completion(finished[rid]) for rid in ids]
+        return [_completion(finished[rid], logprobs[rid] if p.logprobs is not None else None)
+                for rid, p in zip(ids, params)]  # fmt: skip
+
+    def chat(
+        self,
+        messages: list[Message] | Sequence[list[Message]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[CompletionOutput]:
+        """Answer one conversation (a list of {"role", "content"} messages) or several (a
+        list of them) through the model's chat template; one output per conversation. The
+        same prompt tokens as the server's /v1/chat/completions, so the same greedy text.
+
+            out = llm.chat([{"role": "user", "content": "Tell me a joke."}])[0]
+            print(out.text)
+        """
+        one = bool(messages) and isinstance(messages[0], dict)
+        conversations = [messages] if one else list(messages)
+        prompts = [self.apply_chat_template(list(c)) for c in conversations]
+        return self.generate(prompts, params, use_tqdm)
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[str]:
-        """Yield text deltas of one prompt as they are decoded."""
+        """Yield the text of one prompt as it is decoded (no chat template: pass
+        `apply_chat_template(messages)` for a conversation).
+
+            for delta in llm.stream("Once upon a time"):
+                print(delta, end="", flush=True)
+        """
         rid = self.engine.add_request(prompt, params or SamplingParams())
         try:
             while True:
@@ -92,7 +163,7 @@ class LLM:
             self.engine.abort_request(rid)
 
 
-def _completion(out: RequestOutput) -> CompletionOutput:
+def _completion(out: RequestOutput, logprobs: list[TokenLogprobs] | None) -> CompletionOutput:
     return CompletionOutput(
         request_id=out.request_id,
         prompt=out.prompt,
@@ -101,4 +172,5 @@ def _completion(out: RequestOutput) -> CompletionOutput:
         token_ids=out.token_ids,
         finish_reason=out.finish_reason or "abort",
         spec_stats=out.spec_stats,
+        logprobs=logprobs,
     )

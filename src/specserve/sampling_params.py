@@ -9,15 +9,27 @@ from specserve.errors import InvalidRequestError
 
 @dataclass
 class SamplingParams:
-    """How to sample one request. temperature 0 means greedy.
+    """How to sample one request. The defaults are `specserve generate`'s: greedy decoding
+    (temperature 0: always the likeliest token) of at most 128 new tokens.
+
+    Why not vLLM's defaults (temperature 1.0, 16 tokens): sampled at temperature 1, a small
+    instruct model such as the embedded SmolLM2 rambles, and 16 tokens cut most answers
+    short; greedy output is also reproducible and, with speculation on, exactly the plain
+    decoding's. The HTTP server follows the OpenAI API instead (temperature 1.0 unless the
+    request says otherwise).
 
     top_k 0 (or -1) disables top-k; top_p 1.0 and min_p 0.0 disable their filters.
     `seed` makes sampled output reproducible: the random draws depend only on the seed and the
-    token's position, never on batch composition or preemption.
+    token's position, never on batch composition or preemption (without one, the engine draws
+    a seed from its own `seed`). `stop` strings end the output and are not part of it;
+    `logprobs=k` puts the chosen token's log-probability and the k likeliest alternatives of
+    every generated token in `CompletionOutput.logprobs`.
+
+    Example: `SamplingParams(max_tokens=64, temperature=0.7, top_p=0.9, seed=1)`.
     """
 
-    max_tokens: int = 16
-    temperature: float = 1.0
+    max_tokens: int = 128
+    temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
     min_p: float = 0.0
@@ -60,4 +72,5 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
+        """Temperature 0: the likeliest token, no random draw."""
         return self.temperature == 0.0

@@ -39,7 +39,7 @@ class ServerProcess(BenchServerProcess):
 
     def metrics(self) -> dict[str, float]:
         """Unlabelled samples of /metrics by name."""
-        text = httpx.get(self.url + "/metrics", timeout=10).text
+        text = httpx.get(self.url + "/metrics", headers=self.headers, timeout=10).text
         out = {}
         for line in text.splitlines():
             m = re.match(r"^([a-zA-Z_:][a-zA-Z0-9_:]*(?:\{[^}]*\})?) ([-0-9.e+Na]+)$", line)

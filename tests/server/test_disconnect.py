@@ -81,7 +81,7 @@ def test_dropped_whole_response_is_aborted(server):
 
 def test_metrics_exported(server, client):
     client.completions.create(model="tinyllama", prompt="a b c", max_tokens=4)
-    text = httpx.get(server.url + "/metrics").text
+    text = httpx.get(server.url + "/metrics", headers=server.headers).text
     for name in [
         'specserve_requests_total{endpoint="/v1/completions",status="200"}',
         "specserve_prompt_tokens_total", "specserve_generation_tokens_total",

@@ -49,10 +49,12 @@ def parse_metrics(text: str) -> dict[Sample, float]:
     return out
 
 
-def scrape(base_url: str, timeout_s: float = 10.0) -> dict[Sample, float] | None:
-    """The server's metrics now, or None when it has no /metrics."""
+def scrape(base_url: str, timeout_s: float = 10.0,
+           api_key: str | None = None) -> dict[Sample, float] | None:  # fmt: skip
+    """The server's metrics now, or None when it has no /metrics (or refuses the key)."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
     try:
-        resp = httpx.get(base_url + "/metrics", timeout=timeout_s)
+        resp = httpx.get(base_url + "/metrics", headers=headers, timeout=timeout_s)
     except httpx.HTTPError:
         return None
     if resp.status_code != 200:

@@ -37,12 +37,13 @@ def _answered(results: list[RequestResult]) -> int:
     return sum(1 for r in results if r.ok or (r.error or "").startswith(("HTTP", "stream error")))
 
 
-def _settled_scrape(base_url: str, before: dict | None, answered: int, wait_s: float = 5.0):
+def _settled_scrape(base_url: str, before: dict | None, answered: int, api_key: str | None,
+                    wait_s: float = 5.0):  # fmt: skip
     """/metrics after the run. The server counts a request once its response has ended,
     which can be a moment after the client saw the last byte: wait for the counts to arrive."""
     deadline = time.monotonic() + wait_s
     while True:
-        after = scrape(base_url)
+        after = scrape(base_url, api_key=api_key)
         if after is None or before is None:
             return after
         counts_requests = any(name == "specserve_requests_total" for name, _ in after)
@@ -55,7 +56,7 @@ def _settled_scrape(base_url: str, before: dict | None, answered: int, wait_s: f
 def benchmark(cfg: LoadConfig, dataset: Dataset, progress: bool = True,
               desc: str = "requests") -> dict:
     """Run the load and return the report (a JSON-ready dict)."""
-    before = scrape(cfg.base_url)
+    before = scrape(cfg.base_url, api_key=cfg.api_key)
     bar = None
     if progress:
         from tqdm import tqdm
@@ -68,7 +69,7 @@ def benchmark(cfg: LoadConfig, dataset: Dataset, progress: bool = True,
     finally:
         if bar is not None:
             bar.close()
-    after = _settled_scrape(cfg.base_url, before, _answered(results))
+    after = _settled_scrape(cfg.base_url, before, _answered(results), cfg.api_key)
     config = asdict(cfg)
     config.pop("api_key", None)
     if cfg.request_rate == float("inf"):

@@ -12,6 +12,7 @@ from specserve.engine.detokenizer import IncrementalDetokenizer, TokenDecoder
 from specserve.engine.kv_cache import KVCache, kv_cache_pages
 from specserve.engine.request import Request, SpecStats
 from specserve.engine.scheduler import Scheduler
+from specserve.engine.startup import StartupProgress
 from specserve.engine.step_loop import StepLoop
 from specserve.errors import InvalidRequestError, RequestTooLargeError
 from specserve.layers import pdl
@@ -55,24 +56,32 @@ class LLMEngine:
     ):
         """Load `config.model`, or serve a prebuilt `model` (benchmarks build random-weight
         models of real shapes on the GPU; without a tokenizer, prompts are token ids and
-        outputs carry no text)."""
+        outputs carry no text). `progress`: the start-up phases and their timings on stderr
+        (engine/startup.py), else in the log."""
         self.config = config
+        config.check_device()  # a missing GPU in one line, not deep inside the loading
         device = config.torch_device()
+        startup = StartupProgress(progress)
         # Process-wide: every Triton launch from now on (warm-up, graph capture, eager steps).
         pdl.set_enabled(not config.disable_pdl)
         if model is None:
             self.source = resolve_model(config.model, config.load_format)
-            self.model_config = load_config(self.source)
-            self.dtype = config.torch_dtype(self.model_config.dtype)
-            self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(self.source)
-            model = load_model(self.source, self.dtype, device, progress, self.model_config,
-                               seed=config.seed)  # fmt: skip
+            with startup.phase(f"loading {self.source.name} on {device}"):
+                self.model_config = load_config(self.source)
+                self.dtype = config.torch_dtype(self.model_config.dtype)
+                self.tokenizer = (tokenizer if tokenizer is not None
+                                  else load_tokenizer(self.source))  # fmt: skip
+                model = load_model(self.source, self.dtype, device, progress, self.model_config,
+                                   seed=config.seed)  # fmt: skip
         else:
             self.source, self.model_config = None, model.config
             self.dtype = model.lm_head_weight.dtype
             self.tokenizer = tokenizer
         num_pages = kv_cache_pages(config, self.model_config, self.dtype, device)
         self.kv = KVCache(self.model_config, num_pages, config.page_size, self.dtype, device)
+        if progress:
+            startup.note(f"{str(self.dtype).removeprefix('torch.')} weights; KV cache: "
+                         f"{num_pages} pages of {config.page_size} tokens")
         self.max_model_len = min(
             config.max_model_len or self.model_config.max_position_embeddings,
             self.model_config.max_position_embeddings,
@@ -97,12 +106,17 @@ class LLMEngine:
                 self.gemv_selector = GemvSelector(
                     max_rows=batch * (k_max + 1), max_requests=batch,
                     batch_invariant=not config.disable_batch_invariance)  # fmt: skip
-                use_gemv(model, self.gemv_selector)
+                with startup.phase("choosing GEMV kernels (timed on this GPU)"):
+                    use_gemv(model, self.gemv_selector)
         self.runner = ModelRunner(model, self.kv, get_backend(config.backend_name()))
         self.runner.backend.batch_invariant = not config.disable_batch_invariance
         if device.type == "cuda":  # compile every attention variant now, not mid-serving
-            self.runner.backend.warm_up(self.model_config.num_heads, self.kv.layers[0])
-        self.spec = Speculator(self) if config.speculative_algorithm else None
+            with startup.phase("compiling attention kernels"):
+                self.runner.backend.warm_up(self.model_config.num_heads, self.kv.layers[0])
+        self.spec = None
+        if config.speculative_algorithm:
+            with startup.phase(f"setting up the {config.speculative_algorithm} drafter"):
+                self.spec = Speculator(self)
         if self.spec is not None and packing.use_shift_kernel(device):
             from specserve.runtime import shift_kernel
 
@@ -110,9 +124,12 @@ class LLMEngine:
         self.plan_tuning = None  # what whole-step GEMV tuning changed (CUDA graphs only)
         self.verify_tiles = None  # the verify steps' own GEMV tiles (runtime/verify_tiles.py)
         if device.type == "cuda" and not config.disable_cuda_graph:
-            self.runner.graphs = self._capture_graphs()
+            self.runner.graphs = self._capture_graphs(startup)
         if self.spec is not None:
-            self.spec.start(self)
+            policy = config.speculative_policy
+            with startup.phase("timing steps for the goodput policy" if policy == "goodput"
+                               else f"setting up the {policy} policy"):  # fmt: skip
+                self.spec.start(self)
         tokenizer_eos = getattr(self.tokenizer, "eos_token_id", None)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids) | frozenset(
             [tokenizer_eos] if tokenizer_eos is not None else []
@@ -124,8 +141,9 @@ class LLMEngine:
         self._arrivals = itertools.count()
         self._rng = random.Random(config.seed)
         self.loop = StepLoop(self, overlap=config.overlap_enabled())
+        startup.ready()
 
-    def _capture_graphs(self):
+    def _capture_graphs(self, startup: StartupProgress):
         """Capture decode and verify graphs for every batch bucket and draft length."""
         from specserve.runtime.cuda_graphs import CudaGraphRunner, default_batch_buckets
 
@@ -151,17 +169,20 @@ class LLMEngine:
             from specserve.layers.gemv_select import SHARED_ROWS, plan_candidates
             from specserve.runtime.plan_tuning import tune_engine_plan
 
-            self.plan_tuning = tune_engine_plan(
-                graphs, plan, plan_candidates(self.kv.layers[0][0].device, plan.torch_varies),
-                SHARED_ROWS,
-                verify_tokens=k_max + 1)  # fmt: skip
+            with startup.phase("tuning GEMV kernels in whole steps"):
+                self.plan_tuning = tune_engine_plan(
+                    graphs, plan, plan_candidates(self.kv.layers[0][0].device, plan.torch_varies),
+                    SHARED_ROWS,
+                    verify_tokens=k_max + 1)  # fmt: skip
             if k_max and plan.by_requests and not self.config.disable_verify_tiles:
                 # verify steps of up to SHARED_ROWS requests: faster tiles, same bits
                 from specserve.runtime.verify_tiles import tune_engine_verify_tiles
 
-                self.verify_tiles = tune_engine_verify_tiles(graphs, plan, SHARED_ROWS,
-                                                             k_max + 1)  # fmt: skip
-        report = graphs.capture()
+                with startup.phase("searching verify-step kernels"):
+                    self.verify_tiles = tune_engine_verify_tiles(graphs, plan, SHARED_ROWS,
+                                                                 k_max + 1)  # fmt: skip
+        with startup.phase("capturing CUDA graphs"):
+            report = graphs.capture()
         log.info(
             "captured %d CUDA graphs in %.1f s (warm-up %.1f s, first replays %.2f s), graph "
             "memory %.1f MiB", report.num_graphs, report.capture_s, report.warmup_s,

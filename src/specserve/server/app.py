@@ -14,8 +14,8 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from fastapi import Depends, FastAPI, Request, Response
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from specserve.server.config import ServerConfig
 from specserve.server.engine_client import (
@@ -24,9 +24,11 @@ from specserve.server.engine_client import (
     EngineRequestError,
     QueueFullError,
     RequestStream,
+    RequestTooBigError,
     ShuttingDownError,
 )
 from specserve.server.errors import APIError, install_error_handlers
+from specserve.server.guard import RequestGuard
 from specserve.server.inputs import InputProcessor, PreparedRequest, model_check
 from specserve.server.metrics import ServerMetrics
 from specserve.server.openai_format import (
@@ -36,14 +38,16 @@ from specserve.server.openai_format import (
     TokenText,
     sse,
 )
+from specserve.server.openapi import document_openapi, errors, generation_responses
 from specserve.server.protocol import (
+    ChatCompletionChunk,
     ChatCompletionRequest,
+    ChatCompletionResponse,
     CompletionRequest,
-    ErrorResponse,
+    CompletionResponse,
     ModelList,
 )
 
-_ERRORS = {s: {"model": ErrorResponse} for s in (400, 401, 404, 429, 503)}
 _ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models")
 
 
@@ -84,30 +88,30 @@ def build_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="specserve", version="0.1.0", lifespan=lifespan)
     created = int(time.time())
     install_error_handlers(app)
+    cfg = state.config
+    # Outermost last: the status counter sees what the guard refuses too.
+    app.add_middleware(RequestGuard, api_key=cfg.api_key, public_metrics=cfg.public_metrics,
+                       max_body_bytes=cfg.max_request_bytes,
+                       read_timeout_s=cfg.request_read_timeout_s,
+                       draining=lambda: state.draining)  # fmt: skip
     app.add_middleware(_StatusCounter, metrics=state.metrics)
     state.metrics.engine_stats = lambda: state.client.stats
     state.metrics.in_flight = lambda: state.client.num_in_flight
 
-    async def authorize(request: Request) -> None:
-        key = state.config.api_key
-        if key is None:
-            return
-        if request.headers.get("authorization", "") != f"Bearer {key}":
-            raise APIError(401, "missing or incorrect API key; send 'Authorization: Bearer "
-                           "<key>'", type="invalid_request_error", code="invalid_api_key")
-
-    @app.get("/health")
+    @app.get("/health", response_class=Response, responses={
+        200: {"description": "the engine runs", "content": {}}, **errors(503)})
     async def health() -> Response:
         if not state.client.alive:
             return APIError(503, "the engine is not running").response()
         return Response(status_code=200)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse, responses={
+        200: {"description": "Prometheus text exposition format",
+              "content": {"text/plain": {"schema": {"type": "string"}}}}, **errors(401)})
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
 
-    @app.get("/v1/models", response_model=ModelList, responses=_ERRORS,
-             dependencies=[Depends(authorize)])
+    @app.get("/v1/models", response_model=ModelList, responses=errors(401))
     async def models() -> dict:
         info = state.client.info
         return {"object": "list", "data": [
@@ -116,7 +120,8 @@ def build_app(state: ServerState) -> FastAPI:
             for name in state.served_names
         ]}
 
-    @app.post("/v1/completions", responses=_ERRORS, dependencies=[Depends(authorize)])
+    @app.post("/v1/completions", response_model=None,
+              responses=generation_responses(CompletionResponse, CompletionResponse))
     async def completions(body: CompletionRequest, request: Request) -> Response:
         model = model_check(body.model, state.served_names)
         prompts = await state.inputs.completion_prompts(body)
@@ -128,7 +133,8 @@ def build_app(state: ServerState) -> FastAPI:
         fmt.simulated = state.client.info.simulated_acceptance
         return await _serve(state, request, body, prepared, fmt)
 
-    @app.post("/v1/chat/completions", responses=_ERRORS, dependencies=[Depends(authorize)])
+    @app.post("/v1/chat/completions", response_model=None,
+              responses=generation_responses(ChatCompletionResponse, ChatCompletionChunk))
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         model = model_check(body.model, state.served_names)
         ids = await state.inputs.chat_prompt(body)
@@ -145,6 +151,9 @@ def build_app(state: ServerState) -> FastAPI:
         fmt.simulated = state.client.info.simulated_acceptance
         return await _serve(state, request, body, prepared, fmt)
 
+    document_openapi(app, secured=cfg.api_key is not None,
+                     open_paths=RequestGuard.open_paths_for(cfg.public_metrics),
+                     models=(ChatCompletionChunk,))
     return app
 
 
@@ -157,6 +166,8 @@ async def _serve(state: ServerState, request: Request, body, prepared: PreparedR
     except QueueFullError as e:
         raise APIError(429, str(e), code="queue_full",
                        headers={"Retry-After": str(state.config.retry_after_s)}) from e
+    except RequestTooBigError as e:
+        raise APIError(400, str(e), param="n", code="too_many_choices") from e
     except EngineDeadError as e:
         raise _unavailable(e) from e
     if body.stream:

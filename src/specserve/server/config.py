@@ -2,16 +2,25 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
+
+API_KEY_ENV = "SPECSERVE_API_KEY"
 
 
 @dataclass
 class ServerConfig:
     """How the HTTP process listens, authenticates, queues and shuts down.
 
-    `max_queue` bounds the engine requests allowed to wait for a running slot (a request with
-    n choices counts n); beyond it requests get 429 with Retry-After. `shutdown_timeout_s` is
-    how long SIGTERM waits for in-flight requests before aborting them.
+    `max_queue` bounds the engine requests allowed to wait for a running slot (each prompt of
+    a request times its n choices counts one); beyond it requests get 429 with Retry-After,
+    and one request that alone would queue more gets 400. `shutdown_timeout_s` is how long
+    SIGTERM waits for in-flight requests before aborting them. With `api_key` set every
+    route but /health needs it, /metrics too unless `public_metrics`. A request's headers
+    and body must arrive within `request_read_timeout_s` (stalled connections are closed),
+    its body may not exceed `max_request_bytes`, and an idle kept-alive connection is
+    closed after `keep_alive_timeout_s`.
     """
 
     host: str = "127.0.0.1"
@@ -23,6 +32,10 @@ class ServerConfig:
     retry_after_s: int = 1
     access_log: bool = True
     log_level: str = "info"
+    max_request_bytes: int = 8 * 2**20
+    request_read_timeout_s: float = 30.0
+    keep_alive_timeout_s: float = 5.0
+    public_metrics: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -32,4 +45,32 @@ class ServerConfig:
         if self.shutdown_timeout_s < 0:
             raise ValueError(f"shutdown_timeout must be >= 0; got {self.shutdown_timeout_s}")
         if self.api_key is not None and not self.api_key:
-            raise ValueError("api_key must not be empty")
+            raise ValueError("the API key must not be empty")
+        if self.max_request_bytes < 1024:
+            raise ValueError(f"max_request_bytes must be >= 1024; got {self.max_request_bytes}")
+        if self.request_read_timeout_s <= 0 or self.keep_alive_timeout_s <= 0:
+            raise ValueError("request_read_timeout and keep_alive_timeout must be positive")
+
+
+def resolve_api_key(flag: str | None, key_file: str | None) -> str | None:
+    """The API key from --api-key, else --api-key-file (its first line), else the
+    SPECSERVE_API_KEY environment variable (neither of the last two shows in `ps`); None
+    when none is given. Raises ValueError when the flag and the file are both given, the
+    file cannot be read or the key is empty."""
+    if flag is not None and key_file is not None:
+        raise ValueError("give the API key once: --api-key or --api-key-file, not both")
+    if key_file is not None:
+        try:
+            lines = Path(key_file).read_text().splitlines()
+        except OSError as e:
+            raise ValueError(f"--api-key-file {key_file!r} cannot be read: {e.strerror}") from e
+        key = lines[0].strip() if lines else ""
+        if not key:
+            raise ValueError(f"--api-key-file {key_file!r} holds no key on its first line")
+        return key
+    if flag is not None:
+        return flag
+    env = os.environ.get(API_KEY_ENV)
+    if env is not None and not env.strip():
+        raise ValueError(f"{API_KEY_ENV} is set but empty")
+    return env.strip() if env else None

@@ -12,8 +12,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing as mp
+import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from specserve.config import EngineConfig
@@ -41,6 +43,11 @@ class ShuttingDownError(EngineDeadError):
 
 class QueueFullError(SpecserveError):
     """More requests wait for the engine than --max-queue allows; retry later."""
+
+
+class RequestTooBigError(SpecserveError):
+    """One API request fans out into more engine requests than the server can ever hold
+    (running slots plus --max-queue): retrying cannot help."""
 
 
 class EngineRequestError(SpecserveError):
@@ -111,6 +118,8 @@ class EngineClient:
         self.info: EngineInfo | None = None
         self.stats: dict = {}
         self.dead_reason: str | None = None
+        # called in the event loop once the engine process is found dead (the server exits)
+        self.on_dead: Callable[[], None] | None = None
         self._tracked: dict[str, _Tracked] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._reader: threading.Thread | None = None
@@ -178,24 +187,36 @@ class EngineClient:
     def num_in_flight(self) -> int:
         return len(self._tracked)
 
-    def waiting_estimate(self) -> int:
-        """Engine requests waiting for a running slot. While the engine last reported an
-        empty wait queue it can still admit up to max_num_seqs; otherwise what it runs now
-        is its capacity (pages are the limit)."""
-        capacity = self.info.max_num_seqs
+    def running_capacity(self) -> int:
+        """Engine requests that can run at once. While the engine last reported an empty
+        wait queue it can still admit up to max_num_seqs; otherwise what it runs now is its
+        capacity (pages are the limit)."""
         if self.stats.get("waiting", 0) > 0:
-            capacity = self.stats.get("running", 0)
-        return max(0, self.num_in_flight - capacity)
+            return self.stats.get("running", 0)
+        return self.info.max_num_seqs
+
+    def waiting_estimate(self) -> int:
+        """Engine requests waiting for a running slot."""
+        return max(0, self.num_in_flight - self.running_capacity())
 
     def submit(self, requests: list[AddRequest]) -> RequestStream:
-        """Queue the engine requests of one API request (its choices), or raise
-        QueueFullError when the wait queue cannot take them all."""
+        """Queue the engine requests of one API request (each prompt's choices), or raise
+        QueueFullError when the wait queue cannot take them all now, RequestTooBigError
+        when it never could (more than the running slots and the queue together)."""
         if self.dead_reason is not None or not self._proc.is_alive():
             raise EngineDeadError(f"the engine is not running ({self.dead_reason or 'exited'})")
-        if self.num_in_flight and self.waiting_estimate() + len(requests) > self.max_queue:
+        capacity = self.running_capacity()
+        if len(requests) > capacity + self.max_queue:
+            raise RequestTooBigError(
+                f"this request needs {len(requests)} engine requests (prompts x n); the server "
+                f"runs {capacity} at once and queues at most {self.max_queue} more: send fewer "
+                "prompts or a smaller n"
+            )
+        waiting = max(0, self.num_in_flight + len(requests) - capacity)
+        if waiting > self.max_queue:
             raise QueueFullError(
-                f"{self.waiting_estimate()} requests are waiting (limit {self.max_queue}); "
-                "retry later"
+                f"{self.waiting_estimate()} requests are waiting and this one would add "
+                f"{len(requests)} (limit {self.max_queue}); retry later"
             )
         stream = RequestStream([r.request_id for r in requests])
         now = time.monotonic()
@@ -240,9 +261,28 @@ class EngineClient:
             self.dead_reason = "crashed" if kind == "fatal" else "exited"
             # The whole traceback goes to the server's log; clients get its last line (the
             # error itself), not the engine's internals.
-            log.error("the engine process %s: %s", self.dead_reason, payload)
             cause = str(payload).strip().splitlines()[-1] if payload else self.dead_reason
+            if kind == "fatal":
+                log.error("the engine process crashed: %s", payload)
+            else:
+                cause = f"{cause} ({self.exit_description()})"
+                log.error("the engine process died: %s", cause)
             self._fail_all(EngineDeadError(f"the engine process failed: {cause}"))
+            if self.on_dead is not None:
+                self.on_dead()
+
+    def exit_description(self) -> str:
+        """How the engine process ended: its exit code or the signal that killed it."""
+        self._proc.join(1.0)  # its pipe closed: it is gone or going
+        code = self._proc.exitcode
+        if code is None:
+            return "still running, its pipe closed"
+        if code < 0:
+            try:
+                return f"killed by {signal.Signals(-code).name}"
+            except ValueError:
+                return f"killed by signal {-code}"
+        return f"exit code {code}"
 
     def _on_report(self, report: StepReport) -> None:
         self.stats = report.stats

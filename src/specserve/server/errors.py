@@ -102,7 +102,8 @@ def validation_error(exc: RequestValidationError) -> APIError:
     top = param.split(".")[0].split("[")[0]
     others = {p.split(".")[0].split("[")[0] for p in params if p} - {top}
     extra = f" (also invalid: {', '.join(sorted(others))})" if others else ""
-    return bad_request(f"{param}: {first.get('msg', 'invalid value')}{extra}", param)
+    msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+    return bad_request(f"{param}: {msg}{extra}", param)
 
 
 def install_error_handlers(app: FastAPI) -> None:

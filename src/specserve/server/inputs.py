@@ -9,6 +9,8 @@ import asyncio
 import uuid
 from dataclasses import dataclass
 
+from jinja2 import TemplateError
+
 from specserve.errors import InvalidRequestError
 from specserve.sampling_params import SamplingParams
 from specserve.server.engine_proc import AddRequest, EngineInfo
@@ -92,8 +94,11 @@ class InputProcessor:
                 out = await asyncio.to_thread(self._apply_template, messages)
             else:
                 out = self._apply_template(messages)
-        except Exception as e:  # template errors (roles that must alternate...) are input
+        except TemplateError as e:  # the template's own checks (roles that must alternate...)
             raise bad_request(f"the chat template rejected the messages: {e}", "messages") from e
+        except Exception as e:  # anything else: how it failed is not the client's business
+            raise bad_request("the chat template could not render these messages",
+                              "messages") from e
         ids = out["input_ids"] if hasattr(out, "keys") else out
         return list(ids)
 

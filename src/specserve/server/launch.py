@@ -20,12 +20,14 @@ from specserve.model.loader import load_tokenizer, resolve_model
 from specserve.server.app import ServerState, build_app
 from specserve.server.config import ServerConfig
 from specserve.server.engine_client import EngineClient
+from specserve.server.guard import guarded_h11
 from specserve.server.inputs import InputProcessor
 from specserve.server.metrics import ServerMetrics
 from specserve.server.openai_format import SIMULATED_FINGERPRINT, TokenText
 
 logger = logging.getLogger("specserve.server")
 _SHUTDOWN_BACKSTOP_S = 5.0
+ENGINE_DIED_EXIT_CODE = 3  # the server ran, then its engine process died
 
 
 class _Server(uvicorn.Server):
@@ -71,8 +73,14 @@ def run_server(engine_config: EngineConfig, config: ServerConfig) -> int:
         # A backstop: the app itself aborts what is left after shutdown_timeout_s.
         timeout_graceful_shutdown=config.shutdown_timeout_s + _SHUTDOWN_BACKSTOP_S,
         lifespan="on",
+        # h11 with a deadline for request headers (server/guard.py); idle keep-alive too
+        http=guarded_h11(config.request_read_timeout_s),
+        timeout_keep_alive=config.keep_alive_timeout_s,
     )
     server = _Server(uv_config, state)
+    # A dead engine ends the server (in-flight requests have failed already): exit non-zero
+    # so that a process manager restarts it (README, Serving).
+    client.on_dead = lambda: setattr(server, "should_exit", True)
     # uvicorn re-raises the signal it handled once it has shut down; with these handlers in
     # place that is a no-op and the command exits 0 instead of dying from the signal.
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -88,4 +96,7 @@ def run_server(engine_config: EngineConfig, config: ServerConfig) -> int:
         server.run()
     finally:
         client.kill()
+    if client.dead_reason in ("crashed", "exited"):
+        logger.error("exiting: the engine process %s", client.dead_reason)
+        return ENGINE_DIED_EXIT_CODE
     return 0 if server.started else 1

@@ -247,9 +247,15 @@ class ChatFormatter(_Formatter):
         return out
 
 
+# Line separators JSON allows raw but line-splitting clients (Python's str.splitlines, so
+# httpx's aiter_lines) break events at: sent as \u escapes, the same text once decoded.
+_SSE_ESCAPES = str.maketrans({"\u2028": "\\u2028", "\u2029": "\\u2029", "\u0085": "\\u0085"})
+
+
 def sse(obj: dict) -> bytes:
-    """One server-sent event carrying a JSON object."""
-    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+    """One server-sent event carrying a JSON object, on one line for any line splitter."""
+    text = json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+    return b"data: " + text.translate(_SSE_ESCAPES).encode() + b"\n\n"
 
 
 SSE_DONE = b"data: [DONE]\n\n"

@@ -1,7 +1,9 @@
 """Request and response bodies of the OpenAI-compatible API (pydantic models).
 
-Requests are validated here for types and ranges (a failure becomes a 400 naming the field);
-what needs the model (prompt length, token ids) is checked in server/inputs.py. Fields the
+Requests are validated here for types and ranges (a failure becomes a 400 naming the field),
+strictly: a string is not a number, a boolean not an integer ("max_tokens": "4" or a token id
+true is a 400, not coerced); what needs the model (prompt length, token ids) is checked in
+server/inputs.py. Fields the
 API defines but specserve does not implement are accepted at their neutral value and
 rejected otherwise, so a request never silently means something else. Unknown fields are
 ignored, like other OpenAI-compatible servers do.
@@ -11,15 +13,28 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
+
+def _unicode(text: str) -> str:
+    """Text the tokenizer can take: JSON's \\ud800-style escapes can carry a lone UTF-16
+    surrogate, which is no character."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"holds an unpaired surrogate (U+{ord(text[e.start]):04X}) at "
+                         f"character {e.start}; send valid Unicode text") from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_unicode)]
 Int64 = Annotated[int, Field(ge=-(2**63), lt=2**64)]
 TokenId = Annotated[int, Field(ge=0, lt=2**31)]
-StopStr = Annotated[str, Field(min_length=1, max_length=1000)]
+StopStr = Annotated[Text, Field(min_length=1, max_length=1000)]
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
 
 
 class StreamOptions(_Strict):
@@ -53,8 +68,8 @@ class CompletionRequest(SamplingFields):
     """POST /v1/completions."""
 
     prompt: (
-        Annotated[str, Field(max_length=10_000_000)]
-        | Annotated[list[str], Field(min_length=1, max_length=1024)]
+        Annotated[Text, Field(max_length=10_000_000)]
+        | Annotated[list[Text], Field(min_length=1, max_length=1024)]
         | Annotated[list[TokenId], Field(min_length=1)]
         | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]],
                     Field(min_length=1, max_length=1024)]
@@ -70,7 +85,7 @@ class TextPart(_Strict):
     """A text part of a message's content."""
 
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class OtherPart(BaseModel):
@@ -84,8 +99,8 @@ class ChatMessage(_Strict):
     """One message of the conversation."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart | OtherPart] | None = None
-    name: str | None = None
+    content: Text | list[TextPart | OtherPart] | None = None
+    name: Text | None = None
 
 
 class ResponseFormat(_Strict):
@@ -191,6 +206,34 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+
+
+class DeltaMessage(BaseModel):
+    """What a streamed chat chunk adds to its choice's message."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChunkChoice(BaseModel):
+    """One choice of a streamed chat chunk."""
+
+    index: int
+    delta: DeltaMessage
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    """One server-sent event of POST /v1/chat/completions with stream true (the last one,
+    with stream_options.include_usage, has no choices and the usage)."""
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChunkChoice]
+    usage: Usage | None = None
 
 
 class ModelCard(BaseModel):

@@ -3,12 +3,14 @@ speculative decoding: mean acceptance length and per-position acceptance at K = 
 
 from __future__ import annotations
 
+import argparse
 import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from specserve.errors import ConfigError
 from specserve.sampling_params import SamplingParams
 from specserve.spec.acceptance import AcceptanceModel
 from specserve.spec.policy import FixedPolicy
@@ -88,13 +90,63 @@ def _print_table(title: str, results: list[DraftEval]) -> None:
     Console().print(table)
 
 
-def run_eval_draft(args) -> int:
-    from specserve.llm import LLM
-    from specserve.train.prompts import load_prompts
+def draft_path(args: argparse.Namespace) -> str | None:
+    """--draft, else the EAGLE-3 head shipped for the embedded model when that is the
+    target; a drafter that needs a path and has none is an error."""
+    if args.draft is not None or args.algorithm == "ngram":
+        return args.draft
+    if args.target is None and args.algorithm == "eagle3":
+        from specserve.model.eagle3 import shipped_head_path
 
-    ks = list(dict.fromkeys(args.k))  # the order given: the most wanted K first
+        head = shipped_head_path()
+        if (head / "config.json").is_file():
+            return str(head)
+    what = "EAGLE-3 head folder" if args.algorithm == "eagle3" else "draft model"
+    raise ConfigError(f"--algorithm {args.algorithm} needs --draft (the {what}); only the "
+                      "embedded model (no --target) has a shipped EAGLE-3 head")
+
+
+def select_prompts(args: argparse.Namespace) -> list:
+    """The prompts of --split: the held-out ones (as many as --num-prompts), or up to
+    --num-prompts of those left for training; a split that selects none is an error that
+    says where the prompts went."""
+    from specserve.train.prompts import HELDOUT_FRACTION, load_prompts, read_source
+
     train, heldout = load_prompts(args.data, args.seed, None, args.num_prompts)
     items = heldout if args.split == "heldout" else train[: args.num_prompts]
+    if items:
+        return items
+    total = sum(len(read_source(name)) for name in args.data)
+    held = total - len(train)
+    fix = (f"lower --num-prompts below {total} or add prompts" if args.split == "train" and total
+           else "add prompts")  # fmt: skip
+    raise ConfigError(
+        f"--split {args.split} selects no prompts: --data has {total} prompts and {held} of "
+        f"them are held out for evaluation (--num-prompts {args.num_prompts} source texts, "
+        f"or {HELDOUT_FRACTION:.0%} of each source if that is more, picked by --seed "
+        f"{args.seed}), leaving {len(train)} for --split train; {fix}"
+    )
+
+
+def run_eval_draft(args: argparse.Namespace) -> int:
+    """The eval-draft command: every argument checked, then the engine loaded and run."""
+    from specserve.config import EngineConfig
+    from specserve.engine_args import flag_message
+    from specserve.llm import LLM
+
+    ks = list(dict.fromkeys(args.k))  # the order given: the most wanted K first
+    for flag, values in (("--k", ks), ("--num-prompts", [args.num_prompts]),
+                         ("--max-tokens", [args.max_tokens])):  # fmt: skip
+        if min(values) < 1:
+            raise ConfigError(f"{flag} must be at least 1; got {min(values)}")
+    if max(ks) > 16:
+        raise ConfigError(f"--k takes draft lengths of at most 16; got {max(ks)}")
+    try:  # a missing GPU now, not after reading the prompts
+        EngineConfig(device=args.device, speculative_algorithm="none").check_device()
+    except ConfigError as e:
+        raise ConfigError(flag_message(str(e), {"device": "--device"})) from None
+    draft = draft_path(args)
+    items = select_prompts(args)
     engine_opts = {}
     if args.kv_cache_gib is not None:
         engine_opts["kv_cache_bytes"] = int(args.kv_cache_gib * 2**30)
@@ -102,7 +154,7 @@ def run_eval_draft(args) -> int:
         args.target,
         progress=True,
         speculative_algorithm=args.algorithm,
-        speculative_draft_model_path=args.draft,
+        speculative_draft_model_path=draft,
         speculative_num_steps=max(ks),
         speculative_policy="fixed",
         dtype=args.dtype,
@@ -119,7 +171,7 @@ def run_eval_draft(args) -> int:
     def payload(results: list[DraftEval]) -> dict:
         return {
             "target": args.target,
-            "draft": args.draft,
+            "draft": draft,
             "algorithm": args.algorithm,
             "data": args.data,
             "split": args.split,
@@ -143,25 +195,33 @@ def run_eval_draft(args) -> int:
 
 
 def add_eval_draft_parser(sub) -> None:
+    """The `specserve eval-draft` subcommand."""
     p = sub.add_parser(
         "eval-draft", help="mean acceptance length and per-position acceptance of a drafter"
     )
-    p.add_argument("--target", default=None, help="target model (default: embedded SmolLM2)")
-    p.add_argument("--draft", default=None, help="EAGLE-3 head folder or draft model path")
-    p.add_argument("--algorithm", default="eagle3", choices=["eagle3", "draft", "ngram"])
+    p.add_argument("--target", default=None,
+                   help="target model (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--draft", default=None,
+                   help="EAGLE-3 head folder or draft model (default: the head shipped for the "
+                   "embedded model, when --target is not given)")
+    p.add_argument("--algorithm", default="eagle3", choices=["eagle3", "draft", "ngram"],
+                   help="the kind of drafter")
     p.add_argument("--data", nargs="+", default=["stdlib", "shakespeare"],
                    help="prompt sources: stdlib, shakespeare, or JSONL files")
     p.add_argument("--split", default="heldout", choices=["heldout", "train"],
-                   help="held-out prompts of the training split (same --data and --seed)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--num-prompts", type=int, default=32)
-    p.add_argument("--max-tokens", type=int, default=128)
+                   help="heldout: the prompts train-eagle3 keeps out of training (same --data "
+                   "and --seed); train: prompts it may train on")
+    p.add_argument("--seed", type=int, default=0, help="seed of the held-out choice")
+    p.add_argument("--num-prompts", type=int, default=32,
+                   help="prompts to run (also the number held out)")
+    p.add_argument("--max-tokens", type=int, default=128, help="tokens generated per prompt")
     p.add_argument("--k", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6, 7],
                    help="draft lengths, run in this order (results are saved after each)")
     p.add_argument("--kv-cache-gib", type=float, default=None,
                    help="target KV cache size (default: the engine's)")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
+                   help="compute precision of the target")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     p.add_argument("--append", action="store_true",
                    help="keep the results already in --out and add these after them")

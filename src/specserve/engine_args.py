@@ -1,0 +1,219 @@
+"""The engine's command-line flags: one per EngineConfig field, defaults from the dataclass,
+in groups read in order (model, sampling, speculation, performance, advanced), each with one
+line of help; specserve's parser class (defaults in the help, a short usage line); and config
+errors worded with the flags as users type them."""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import re
+from contextlib import contextmanager
+from dataclasses import MISSING, fields
+
+from specserve.config import (
+    ATTENTION_BACKEND_CHOICES,
+    DTYPE_CHOICES,
+    LOAD_FORMATS,
+    OVERLAP_SCHEDULE_CHOICES,
+    SPECULATIVE_ALGORITHM_CHOICES,
+    SPECULATIVE_POLICY_CHOICES,
+    EngineConfig,
+)
+
+GROUPS = {  # title -> one line under it, in the order the help shows them
+    "model": "what to run, and where",
+    "sampling": "how tokens are chosen",
+    "speculation": "speculative decoding: draft tokens cheaply, verify them in one pass",
+    "performance": "memory and batching",
+    "advanced": "GPU kernels and the step loop; the defaults suit nearly every use",
+}
+
+# field -> (group, help). Help is a user's sentence: what the flag does, and its default
+# where the default is not a plain value the formatter can show.
+_FLAGS: dict[str, tuple[str, str]] = {
+    "model": ("model", "Hugging Face model folder or .gguf file (default: the embedded "
+              "SmolLM2-135M-Instruct)"),
+    "load_format": ("model", "auto reads the weights; dummy builds random weights of the "
+                    "model's shape, for benchmarks (--model may then name a preset: "
+                    "llama-3.1-8b, llama-3.1-70b, smollm2-135m)"),
+    "dtype": ("model", "compute precision; auto: float32 on CPU, the checkpoint's own on GPU"),
+    "device": ("model", "where to run: auto (a GPU when there is one), cpu, cuda or cuda:N"),
+    "max_model_len": ("model", "longest prompt plus output, in tokens (default: the model's "
+                      "context length)"),
+    "seed": ("sampling", "seed of the random draws of requests that bring no seed of their own"),
+    "speculative_algorithm": ("speculation", "how to draft: auto uses the shipped EAGLE-3 head "
+                              "with the embedded model and nothing with others; eagle3 and "
+                              "draft need --speculative-draft-model-path; ngram copies from "
+                              "the prompt; none turns speculation off"),
+    "speculative_draft_model_path": ("speculation", "EAGLE-3 head folder, or a small model "
+                                     "with the target's tokenizer (default: the shipped head "
+                                     "for the embedded model)"),
+    "speculative_num_steps": ("speculation", "most draft tokens per request and step (K_max)"),
+    "speculative_policy": ("speculation", "how many tokens to draft each step: goodput picks "
+                           "the fastest from measured costs, fixed always drafts "
+                           "--speculative-num-steps, schedule follows --speculative-schedule, "
+                           "off never drafts (default: goodput with a drafter)"),
+    "speculative_schedule": ("speculation", "draft length by batch size for the schedule "
+                             "policy, e.g. 1:4,16:2,64:0 (default: none)"),
+    "page_size": ("performance", "tokens per KV cache page"),
+    "kv_cache_bytes": ("performance", "KV cache size in bytes (default: 256 MiB on CPU; on "
+                       "a GPU, --kv-cache-memory-fraction of its free memory)"),
+    "kv_cache_memory_fraction": ("performance", "on a GPU, without --kv-cache-bytes: the share "
+                                 "of the memory left free by the weights that the KV cache "
+                                 "takes"),
+    "num_kv_pages": ("performance", "KV cache size in pages, instead of bytes (default: from "
+                     "--kv-cache-bytes)"),
+    "max_num_seqs": ("performance", "most requests running at once"),
+    "max_num_batched_tokens": ("performance", "most tokens one step processes; longer prompts "
+                               "are read in chunks"),
+    "speculative_simulate_acceptance": ("advanced", "BENCHMARKING ONLY: accept drafts by "
+                                        "seeded random draws (a rate per token up to 1, or a "
+                                        "mean acceptance length above 1); the output is not "
+                                        "the model's (default: off)"),
+    "attention_backend": ("advanced", "attention kernels; auto: triton on a GPU, torch on CPU"),
+    "overlap_schedule": ("advanced", "prepare the next step on the CPU while the GPU runs this "
+                         "one; auto: on with a GPU, off on CPU"),
+    "disable_overlap_schedule": ("advanced", argparse.SUPPRESS),  # = --overlap-schedule off
+    "disable_cuda_graph": ("advanced", "run every GPU step eagerly, without CUDA graphs "
+                           "(slower; for debugging)"),
+    "cuda_graph_max_batch": ("advanced", "largest batch captured as a CUDA graph; larger "
+                             "batches run eagerly"),
+    "disable_gemv": ("advanced", "use cuBLAS for every linear layer instead of choosing "
+                     "Triton kernels at start-up (the same kernels on every start)"),
+    "disable_gemv_tuning": ("advanced", "keep the kernels chosen by timing each layer alone, "
+                            "without timing them again in whole steps (shorter start-up)"),
+    "disable_batch_invariance": ("advanced", "allow faster kernels whose rounding changes "
+                                 "with the batch size (greedy output with speculation may "
+                                 "then differ from plain decoding)"),
+    "disable_verify_tiles": ("advanced", "skip the start-up search for faster kernels for "
+                             "speculative verify steps (shorter start-up)"),
+    "disable_pdl": ("advanced", "launch GPU kernels strictly one after another, without "
+                    "programmatic dependent launch (Hopper GPUs and later)"),
+    "gemv_stream_k": ("advanced", "EXPERIMENTAL: also try stream-K kernels for steps of more "
+                      "than 16 rows at start-up"),
+    "disable_fusion": ("advanced", "run SiLU-and-mul and split-K reductions as kernels of "
+                       "their own (the same results, slower)"),
+}
+
+_CHOICES = {
+    "load_format": LOAD_FORMATS,
+    "dtype": DTYPE_CHOICES,
+    "speculative_algorithm": SPECULATIVE_ALGORITHM_CHOICES,
+    "speculative_policy": SPECULATIVE_POLICY_CHOICES,
+    "attention_backend": ATTENTION_BACKEND_CHOICES,
+    "overlap_schedule": OVERLAP_SCHEDULE_CHOICES,
+}
+
+_METAVARS = {"model": "PATH", "speculative_draft_model_path": "PATH", "device": "DEVICE",
+             "speculative_schedule": "TABLE", "kv_cache_bytes": "BYTES",
+             "speculative_simulate_acceptance": "RATE|LEN"}
+
+ENGINE_FLAGS = {f.name: "--" + f.name.replace("_", "-") for f in fields(EngineConfig)}
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every option's default in its help, except where the help says it already, where
+    there is none (None) and for switches (off unless given)."""
+
+    @staticmethod
+    def _has_default(action: argparse.Action) -> bool:
+        default = action.default
+        return bool(action.option_strings) and not (
+            default is None or default is False or default is argparse.SUPPRESS)
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or not self._has_default(action):
+            return text
+        return super()._get_help_string(action)
+
+    def _format_action(self, action: argparse.Action) -> str:
+        if not action.help and self._has_default(action):  # no help: still its default
+            action = copy.copy(action)
+            action.help = "default: %(default)s"
+        return super()._format_action(action)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """specserve's parsers (subcommands included): defaults shown, and a usage line that
+    names the positionals and says [options] rather than listing forty flags."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    @contextmanager
+    def _short_usage(self):
+        if self.usage is not None:
+            yield
+            return
+        formatter = self._get_formatter()
+        positionals = [formatter._format_args(a, a.dest)
+                       for a in self._actions if not a.option_strings]  # fmt: skip
+        self.usage = " ".join(["%(prog)s", "[options]", *positionals])
+        try:
+            yield
+        finally:
+            self.usage = None
+
+    def format_usage(self) -> str:
+        """The usage line (errors print it)."""
+        with self._short_usage():
+            return super().format_usage()
+
+    def format_help(self) -> str:
+        """The help, with the short usage line."""
+        with self._short_usage():
+            return super().format_help()
+
+
+def engine_arg_groups(parser: argparse.ArgumentParser) -> dict[str, argparse._ArgumentGroup]:
+    """The help's groups, in their order, for a command to add its own flags to."""
+    return {title: parser.add_argument_group(title, about) for title, about in GROUPS.items()}
+
+
+def add_engine_args(
+    parser: argparse.ArgumentParser, groups: dict[str, argparse._ArgumentGroup] | None = None
+) -> dict[str, argparse._ArgumentGroup]:
+    """One flag per EngineConfig field, its default taken from the dataclass, in its group
+    (`groups`, else new ones); returns the groups."""
+    groups = groups or engine_arg_groups(parser)
+    for f in fields(EngineConfig):
+        group, help_text = _FLAGS[f.name]
+        add = groups[group].add_argument
+        flag = ENGINE_FLAGS[f.name]
+        annotation = str(f.type)
+        if annotation == "bool":
+            add(flag, action="store_true", help=help_text)
+            continue
+        default = None if f.default is MISSING else f.default
+        kind = str if "str" in annotation else float if "float" in annotation else int
+        metavar = None if f.name in _CHOICES else _METAVARS.get(f.name, "N" if kind is int else "X")
+        add(flag, type=kind, default=default, choices=_CHOICES.get(f.name), metavar=metavar,
+            help=help_text)
+    return groups
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The EngineConfig the parsed engine flags describe (raises ConfigError)."""
+    return EngineConfig(**{f.name: getattr(args, f.name) for f in fields(EngineConfig)})
+
+
+def has_engine_args(args: argparse.Namespace) -> bool:
+    """Whether the command took the engine flags."""
+    return all(hasattr(args, name) for name in ENGINE_FLAGS)
+
+
+def flag_message(message: str, flags: dict[str, str]) -> str:
+    """`message` with the option names it mentions written as the flags users type
+    (`flags`: name -> flag): names with an underscore wherever they stand, one-word names
+    (model, device, seed...) only where they open the message, since elsewhere they are
+    likely plain words."""
+    for name, flag in flags.items():
+        if "_" in name:
+            message = re.sub(rf"\b{name}\b", flag, message)
+    first = message.split(" ", 1)[0]
+    if first in flags:
+        message = flags[first] + message[len(first):]
+    return message

@@ -1,0 +1,113 @@
+"""The Python API: `LLM.chat` is the chat template plus `generate`; `CompletionOutput`
+carries the engine's logprobs when asked; defaults and start-up progress as documented."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from specserve import LLM, InvalidRequestError, SamplingParams
+from tests.tiny_models import CHAT_TEMPLATE
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "The quick brown fox"}],
+    [{"role": "system", "content": "Speculative decoding"},
+     {"role": "user", "content": "Paged attention stores keys"}],
+]
+GREEDY = SamplingParams(max_tokens=10, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama):
+    return LLM(str(tiny_llama))
+
+
+def test_chat_is_the_chat_template_then_generate(llm):
+    one = llm.chat(CONVERSATIONS[0], GREEDY)
+    both = llm.chat(CONVERSATIONS, GREEDY)
+    assert len(one) == 1 and len(both) == 2
+    for conversation, out in zip(CONVERSATIONS, both):
+        text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n"
+                       for m in conversation) + "<|im_start|>assistant\n"  # CHAT_TEMPLATE
+        ids = llm.tokenizer.encode(text, add_special_tokens=False)
+        assert llm.apply_chat_template(conversation) == ids
+        assert out.prompt_token_ids == ids
+        ref = llm.generate([ids], GREEDY)[0]
+        assert (out.token_ids, out.text) == (ref.token_ids, ref.text)
+    assert one[0].token_ids == both[0].token_ids
+    assert "<|im_start|>" in CHAT_TEMPLATE
+
+
+def test_generate_sends_text_without_the_chat_template(llm):
+    out = llm.generate("The quick brown fox", GREEDY)[0]
+    assert out.prompt == "The quick brown fox"
+    assert out.prompt_token_ids == llm.tokenizer.encode("The quick brown fox")
+
+
+def test_chat_without_a_template_says_what_to_do(llm):
+    template, llm.tokenizer.chat_template = llm.tokenizer.chat_template, None
+    try:
+        with pytest.raises(InvalidRequestError, match="no chat template.*generate") as err:
+            llm.chat(CONVERSATIONS[0])
+        assert err.value.field == "messages"
+    finally:
+        llm.tokenizer.chat_template = template
+
+
+def _engine_logprobs(llm: LLM, prompts: list[list[int]], params: SamplingParams):
+    """Each request's TokenLogprobs as the engine keeps them (Request.output_logprobs)."""
+    engine = llm.engine
+    rids = [engine.add_request(p, params) for p in prompts]
+    requests = [engine.requests[rid] for rid in rids]
+    while engine.has_unfinished():
+        engine.step()
+    return [r.output_token_ids for r in requests], [r.output_logprobs for r in requests]
+
+
+def test_logprobs_through_completion_output_equal_the_engines(llm):
+    prompts = [llm.apply_chat_template(c) for c in CONVERSATIONS]
+    params = SamplingParams(max_tokens=9, ignore_eos=True, logprobs=3)
+    outs = llm.generate(prompts, params)
+    tokens, logprobs = _engine_logprobs(llm, prompts, params)
+    assert [o.token_ids for o in outs] == tokens
+    assert [o.logprobs for o in outs] == logprobs
+    for out in outs:
+        assert len(out.logprobs) == len(out.token_ids) == 9
+        for token, lp in zip(out.token_ids, out.logprobs):
+            assert len(lp.top) == 3
+            assert lp.top[0] == (token, lp.logprob)  # greedy: the likeliest token
+    assert llm.generate(prompts, GREEDY)[0].logprobs is None  # not asked for
+
+
+def test_logprobs_of_speculative_steps_cover_every_token(llm, tiny_llama):
+    """A drafter that is always right (the target itself) commits several tokens a step;
+    each keeps its own logprobs, as plain decoding computes them."""
+    spec = LLM(str(tiny_llama), speculative_algorithm="draft",
+               speculative_draft_model_path=str(tiny_llama), speculative_policy="fixed")
+    prompts = [llm.apply_chat_template(c) for c in CONVERSATIONS]
+    params = SamplingParams(max_tokens=9, ignore_eos=True, logprobs=2)
+    plain, drafted = llm.generate(prompts, params), spec.generate(prompts, params)
+    for a, b in zip(plain, drafted):
+        assert b.spec_stats.accepted > 0
+        assert a.token_ids == b.token_ids and len(b.logprobs) == len(b.token_ids)
+        for x, y in zip(a.logprobs, b.logprobs):
+            assert x.logprob == pytest.approx(y.logprob, abs=1e-4)
+            assert [t for t, _ in x.top] == [t for t, _ in y.top]
+
+
+def test_sampling_defaults_are_greedy_with_128_tokens():
+    params = SamplingParams()
+    assert params.greedy and params.max_tokens == 128
+    assert "greedy" in SamplingParams.__doc__ and "128" in SamplingParams.__doc__
+
+
+def test_progress_reports_start_up_on_stderr(tiny_llama, capsys):
+    LLM(str(tiny_llama), progress=True)
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("specserve: ")]
+    assert lines[0] == f"specserve: loading {tiny_llama.name} on cpu..."
+    assert re.fullmatch(rf"specserve: loading {tiny_llama.name} on cpu: \d+\.\d s", lines[1])
+    assert re.fullmatch(r"specserve: ready in \d+\.\d s", lines[-1])
+    LLM(str(tiny_llama))
+    assert capsys.readouterr().err == ""
