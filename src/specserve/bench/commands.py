@@ -167,7 +167,6 @@ def _sweep_setup(args: argparse.Namespace):
 def _sweep(args: argparse.Namespace) -> int:
     from specserve.bench.sweep import (
         SweepPlan,
-        machine_info,
         markdown_table,
         parse_configs,
         run_sweep,
@@ -194,11 +193,7 @@ def _sweep(args: argparse.Namespace) -> int:
         "kind": "specserve-bench-sweep",
         "title": args.title or f"specserve {model_name}: {args.dataset} prompts, "
                                f"{args.input_len} in / {args.output_len} out",
-        "command": _command_line(),
-        "machine": machine_info(),
-        "model": model_name,
-        "server_args": server_args,
-        "server_env": env,
+        **_run_header(model_name, server_args, env),
         "configs": configs,
         "concurrencies": levels,
         "results": rows,
@@ -209,6 +204,14 @@ def _sweep(args: argparse.Namespace) -> int:
     return 0 if all(r["completed"] for r in rows) else 1
 
 
+def _run_header(model_name: str, server_args: list[str], env: dict | None) -> dict:
+    """What every sweep's JSON says about how it ran: command, machine, model, servers."""
+    from specserve.bench.sweep import machine_info
+
+    return {"command": _command_line(), "machine": machine_info(), "model": model_name,
+            "server_args": server_args, "server_env": env}  # fmt: skip
+
+
 def _matrix_sweep(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
@@ -216,7 +219,6 @@ def _matrix_sweep(args: argparse.Namespace) -> int:
     from specserve.bench.matrix_report import point_ratios, ratio_summary, write_matrix_outputs
     from specserve.bench.matrix_run import MatrixPlan, run_matrix
     from specserve.bench.report import save_json
-    from specserve.bench.sweep import machine_info
 
     if args.config:
         raise SpecserveError("--config and --matrix are exclusive: the matrix names its own "
@@ -234,11 +236,7 @@ def _matrix_sweep(args: argparse.Namespace) -> int:
         "kind": "specserve-bench-matrix",
         "title": args.title or f"specserve {model_name}: goodput vs off and fixed K, "
                                f"{args.input_len} in / {args.output_len} out",
-        "command": _command_line(),
-        "machine": machine_info(),
-        "model": model_name,
-        "server_args": server_args,
-        "server_env": env,
+        **_run_header(model_name, server_args, env),
         "spec": asdict(spec),
         "simulated": {str(a): spec.simulate_value(a) if spec.simulate_as == "rate" else a
                       for a in spec.acceptance},
