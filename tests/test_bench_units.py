@@ -178,3 +178,33 @@ def test_plot_redraws_from_saved_json(tmp_path, capsys):
     capsys.readouterr()
     assert main(["bench", "plot", str(tmp_path / "bad.json")]) == 2
     assert "neither a sweep nor a bench result" in capsys.readouterr().err
+
+
+def test_results_never_carry_an_api_key(monkeypatch):
+    from specserve.bench import commands
+
+    monkeypatch.setattr("sys.argv", ["specserve", "bench", "sweep", "--server-args",
+                                     "--api-key s3cret --port 1", "--api-key=x2", "--model", "m"])
+    line = commands._command_line()
+    assert "s3cret" not in line and "x2" not in line and "--port 1" in line
+    assert commands.redact_keys(["--api-key", "k", "--model", "m"]) == [
+        "--api-key", "REDACTED", "--model", "m"]
+
+
+def test_a_run_with_failures_keeps_the_servers_log_tail(monkeypatch):
+    from specserve.bench import sweep
+
+    def fake_benchmark(cfg, dataset, progress, desc, failed=3):
+        return {"failed": failed, "output_throughput": 1.0, "itl_ms": {"p50": None},
+                "tpot_ms": {"p50": None}}  # fmt: skip
+
+    class Server:
+        def log_tail(self, chars):
+            return "ERROR the engine process crashed: RuntimeError: boom"
+
+    monkeypatch.setattr(sweep, "benchmark", fake_benchmark)
+    report = sweep.measure(None, None, "goodput", [], progress=False, server=Server())
+    assert "RuntimeError: boom" in report["server_log_tail"]
+    monkeypatch.setattr(sweep, "benchmark", lambda *a, **k: fake_benchmark(*a, **k, failed=0))
+    assert "server_log_tail" not in sweep.measure(None, None, "off", [], progress=False,
+                                                  server=Server())  # fmt: skip

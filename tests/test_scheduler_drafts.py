@@ -104,6 +104,17 @@ def test_a_request_waiting_for_pages_gets_them_before_any_lookahead():
     assert [s.draft_len for s in batch] == [3, 3] and sched.kv.allocator.num_free == 1
 
 
+def test_short_of_pages_every_request_drafts_as_few():
+    # one request's pages cover K=3 (positions 5..8 on its 3rd page), the other's only K=1:
+    # while a prompt waits for pages both draft 1 (one length: the step need not wait)
+    sched = _sched(num_pages=1 + 5 + 2, page_size=4, budget=100)
+    roomy, tight = _decoding(sched, 2, prompt_len=6)
+    sched.kv.grow(roomy.page_table, 12)  # 3 pages: positions 0..11
+    sched.add(_request(9, prompt_len=16))  # 4 pages: it cannot be admitted
+    batch = sched.schedule(Recording(k_max=3))
+    assert [s.draft_len for s in batch] == [1, 1]
+
+
 def test_the_policy_learns_the_prefill_per_token_and_whether_requests_wait():
     sched = _sched(num_pages=400, page_size=4, budget=64, max_num_seqs=2)
     for i in range(2):

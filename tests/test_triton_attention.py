@@ -184,7 +184,7 @@ def test_gpu_mixed_step_through_backend(dtype, page_size):
     q_lens = [1 + 3 * (b % 2) for b in range(40)] + [300, 512]
     seq_lens = decode_lens + [500, 512]
     ends = [s - 1 for s in seq_lens]
-    err = mixed_step_error(_kernels(), q_lens, ends, seq_lens, page_size, seed=1,
+    err = mixed_step_error(_kernels(), q_lens, ends, seq_lens, page_size, split_at=40, seed=1,
                            device="cuda", dtype=dtype, shape=GPU_SHAPE)  # fmt: skip
     assert err < GPU_TOL[dtype], err
 

@@ -110,12 +110,12 @@ def attention_error(kernels, batch: Batch, num_splits, block_n=None, **launch) -
     return rel_err(out, ref)
 
 
-def mixed_step_error(kernels, q_lens, ends, seq_lens, page_size, seed: int, device="cpu",
-                     dtype=torch.float16, shape=None) -> float:  # fmt: skip
+def mixed_step_error(kernels, q_lens, ends, seq_lens, page_size, split_at: int, seed: int,
+                     device="cpu", dtype=torch.float16, shape=None) -> float:  # fmt: skip
     """The backend's forward over a mixed step whose decode/verify requests lead (the
-    scheduler's order) against the reference; inf unless it launched the short requests and
-    the prefill chunks apart, each launch over its own requests and tokens (the one-launch
-    control: q_lens whose first request is a prefill chunk)."""
+    scheduler's order) against the reference; inf unless it launched the first `split_at`
+    requests and the rest apart, each launch over its own requests and tokens (split_at 0:
+    one launch, the control where a prefill chunk comes first)."""
     from types import SimpleNamespace
 
     from specserve.layers.attention.triton_attn import TritonAttentionBackend
@@ -138,10 +138,10 @@ def mixed_step_error(kernels, q_lens, ends, seq_lens, page_size, seed: int, devi
     ref = reference(batch, scale)
     out = backend.forward(batch.q, batch.k, batch.v, batch.k_cache.clone(),
                           batch.v_cache.clone(), batch.meta, scale)  # fmt: skip
-    short = backend.short_prefix(batch.meta, shape["group"])
-    if 0 < short < len(q_lens):
-        want = [(sum(q_lens[:short]), short, max(q_lens[:short])),
-                (sum(q_lens[short:]), len(q_lens) - short, max(q_lens[short:]))]
+    n = split_at
+    if n:
+        want = [(sum(q_lens[:n]), n, max(q_lens[:n])),
+                (sum(q_lens[n:]), len(q_lens) - n, max(q_lens[n:]))]
     else:
         want = [(sum(q_lens), len(q_lens), max(q_lens))]
     if launches != want:
@@ -303,10 +303,13 @@ def interpreter_cases() -> dict[str, tuple]:
     # mixed steps through the backend: decode/verify rows first, then prefill chunks of more
     # than DECODE_MAX_ROWS rows (the short rows and the chunks launched apart); a chunk first
     # (one launch for all)
+    # (2 query heads a KV head: requests of up to 32 tokens are short)
     cases["split-mixed-step"] = ("mixed", ([1, 4, 1, 40, 70], [30, 60, 9, 79, 69],
-                                           [31, 63, 10, 80, 70], 16), {})  # fmt: skip
-    cases["split-mixed-step-page1"] = ("mixed", ([3, 1, 33], [20, 70, 40], [21, 71, 41], 1), {})
-    cases["split-mixed-chunk-first"] = ("mixed", ([40, 1, 2], [45, 30, 8], [46, 31, 9], 16), {})
+                                           [31, 63, 10, 80, 70], 16, 3), {})  # fmt: skip
+    cases["split-mixed-step-page1"] = ("mixed", ([3, 1, 33], [20, 70, 40], [21, 71, 41], 1, 2),
+                                       {})  # fmt: skip
+    cases["split-mixed-chunk-first"] = ("mixed", ([40, 1, 2], [45, 30, 8], [46, 31, 9], 16, 0),
+                                        {})  # fmt: skip
     # GQA decode/verify through each decode-path kernel: 3 KV heads of 4 query heads (a wrong
     # head grouping reads another head's K/V), 2 of 3 (a group that is no power of two), MHA
     gqa = dict(kv_heads=3, group=4, head_dim=32)

@@ -1,4 +1,6 @@
-"""The `specserve` command: generate, serve, bench, train-eagle3, eval-draft."""
+"""The `specserve` command: generate, serve, bench, train-eagle3, eval-draft. Exit status:
+0 done, 2 an error the user can fix (said in one line), and for `serve` 1 when it could not
+start and 3 when its engine process died while serving."""
 
 from __future__ import annotations
 
@@ -197,7 +199,9 @@ def _as_typed(error: SpecserveError, args: argparse.Namespace) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the command line; exit status 2 for a usage or configuration error."""
+    """Run the command line. Exit status: 0 done; 2 an error the user can fix (a flag, a
+    file, a model that cannot load), said in one line; `serve` also 1 when it could not
+    start and 3 when its engine process died while serving."""
     args = build_parser().parse_args(argv)
     try:
         if has_engine_args(args):  # every check that needs no model, before any loads

@@ -36,7 +36,8 @@ _FLAGS: dict[str, tuple[str, str]] = {
               "SmolLM2-135M-Instruct)"),
     "load_format": ("model", "auto reads the weights; dummy builds random weights of the "
                     "model's shape, for benchmarks (--model may then name a preset: "
-                    "llama-3.1-8b, llama-3.1-70b, smollm2-135m)"),
+                    "llama-3.1-8b, smollm2-135m, or llama-3.1-70b, whose 141 GB of bf16 "
+                    "weights need more than one GPU), or a config.json"),
     "dtype": ("model", "compute precision; auto: float32 on CPU, the checkpoint's own on GPU"),
     "device": ("model", "where to run: auto (a GPU when there is one), cpu, cuda or cuda:N"),
     "max_model_len": ("model", "longest prompt plus output, in tokens (default: the model's "

@@ -103,7 +103,7 @@ def test_a_crashed_engine_is_logged_whole_and_reported_by_its_error(caplog):
     )
 
     client = EngineClient.__new__(EngineClient)
-    client.dead_reason, client.on_dead = None, None
+    client.dead_reason, client.on_dead, client.shutting_down = None, None, False
     stream = RequestStream(["a"])
     client._tracked = {"a": _Tracked(stream, 0, 0.0)}
     trace = ('Traceback (most recent call last):\n  File "engine.py", line 1, in step\n'

@@ -109,8 +109,30 @@ def _wrap(fn):
 
 
 def _command_line() -> str | None:
+    """The bench command as run, API keys masked (results get shared)."""
     argv = sys.argv[1:]
-    return "specserve " + shlex.join(argv[argv.index("bench"):]) if "bench" in argv else None
+    if "bench" not in argv:
+        return None
+    words = [shlex.join(redact_keys(shlex.split(w))) if " " in w else w
+             for w in argv[argv.index("bench"):]]  # (--server-args "... --api-key K")
+    return "specserve " + shlex.join(redact_keys(words))
+
+
+def redact_keys(args: list[str]) -> list[str]:
+    """args with the value of every --api-key masked."""
+    out, hide = [], False
+    for a in args:
+        if hide:
+            out.append("REDACTED")
+            hide = False
+        elif a == "--api-key":
+            out.append(a)
+            hide = True
+        elif a.startswith("--api-key="):
+            out.append("--api-key=REDACTED")
+        else:
+            out.append(a)
+    return out
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -209,7 +231,7 @@ def _run_header(model_name: str, server_args: list[str], env: dict | None) -> di
     from specserve.bench.sweep import machine_info
 
     return {"command": _command_line(), "machine": machine_info(), "model": model_name,
-            "server_args": server_args, "server_env": env}  # fmt: skip
+            "server_args": redact_keys(server_args), "server_env": env}  # fmt: skip
 
 
 def _matrix_sweep(args: argparse.Namespace) -> int:

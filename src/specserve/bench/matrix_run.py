@@ -100,7 +100,7 @@ def run_matrix(plan: MatrixPlan, make_dataset: Callable[[int], Dataset], progres
 def _measure_point(load: LoadConfig, server: ServerProcess, run: ServerRun, point: Point,
                    dataset: Dataset, progress: bool) -> dict:
     report = measure(point_load(load, server.url, point), dataset, run.config, run.flags,
-                     progress, f"{run.name} {point.label}")
+                     progress, f"{run.name} {point.label}", server)
     report["matrix"] = {"config": run.config, "policy": run.policy, "k": run.k,
                         "acceptance": run.acceptance, "arrival": point.arrival,
                         "level": point.level, "rate_fraction": point.fraction,

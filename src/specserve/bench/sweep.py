@@ -22,6 +22,8 @@ from specserve.bench.report import save_json
 from specserve.bench.runner import benchmark
 from specserve.bench.server_process import ServerProcess
 
+_LOG_TAIL_CHARS = 6000  # of a server's log, kept with a run whose requests failed
+
 DEFAULT_CONFIGS = {
     "off": "--speculative-algorithm none",
     "ngram-fixed-k3": "--speculative-algorithm ngram --speculative-policy fixed "
@@ -91,10 +93,15 @@ def warm_up(load: LoadConfig, server: ServerProcess, prompt: BenchPrompt, n: int
 
 
 def measure(cfg: LoadConfig, dataset: Dataset, label: str, flags: list[str],
-            progress: bool = True, desc: str | None = None) -> dict:
-    """One measured run, labelled, with the machine's load average around it; prints a line."""
+            progress: bool = True, desc: str | None = None,
+            server: ServerProcess | None = None) -> dict:  # fmt: skip
+    """One measured run, labelled, with the machine's load average around it; prints a line.
+    When requests failed, the tail of the server's log goes into the report (the server's
+    log folder may be gone with the machine that ran it)."""
     load_before = _load_avg()
     report = benchmark(cfg, dataset, progress=progress, desc=desc or label)
+    if report["failed"] and server is not None:
+        report["server_log_tail"] = server.log_tail(_LOG_TAIL_CHARS)
     # Other work on the machine skews a comparison across configurations, which run at
     # different times: keep the 1-minute load average around each run.
     report["load_avg_1m"] = [load_before, _load_avg()]
@@ -120,7 +127,8 @@ def run_sweep(plan: SweepPlan, datasets: dict[int, Dataset], progress: bool = Tr
                     plan.warmup_requests)
             for c in plan.concurrencies:
                 cfg = replace(plan.load, base_url=server.url, max_concurrency=c)
-                rows.append(measure(cfg, datasets[c], name, flags, progress, f"{name} c={c}"))
+                rows.append(measure(cfg, datasets[c], name, flags, progress, f"{name} c={c}",
+                                    server))  # fmt: skip
     return rows
 
 

@@ -139,6 +139,7 @@ class Scheduler:
         ks = policy.choose([s.request for s in decoding], load)
         cap = load.k_cap(len(decoding), max(ks, default=0))
         page_size = self.kv.page_size
+        page_cap = cap  # the most drafts every request's pages allow
         for s, k in zip(decoding, ks):
             req = s.request
             # Drafts may pass max_tokens, never the context: the tokens past max_tokens are
@@ -157,7 +158,11 @@ class Scheduler:
                 if reserve + k > held and (short_of_pages
                                            or not self.kv.grow(req.page_table, reserve + k)):
                     k = max(0, held - reserve)
+                    page_cap = min(page_cap, k)
             s.draft_len = k
+        if page_cap < cap:  # short of pages: one draft length for all, as the policy chose
+            for s in decoding:
+                s.draft_len = min(s.draft_len, page_cap)
 
     @property
     def prefill_per_token(self) -> float:

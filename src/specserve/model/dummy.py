@@ -12,6 +12,7 @@ benchmark speculation.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -87,6 +88,17 @@ def tokenizer_folder(ref: str | None) -> Path | None:
     return None
 
 
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    """Modules built inside get `dtype` parameters directly."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
+
+
 def _init_(module: torch.nn.Module, seed: int) -> None:
     """Norm weights 1, every other parameter N(0, 0.02), from a seeded generator."""
     params = list(module.named_parameters())
@@ -106,8 +118,8 @@ def build_dummy_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device
     """A LlamaForCausalLM of `cfg` with random weights, built in place on `device`."""
     from specserve.model.llama import LlamaForCausalLM
 
-    with torch.device(device):
-        model = LlamaForCausalLM(cfg).to(dtype)
+    with torch.device(device), _default_dtype(dtype):  # (no float32 copy first: 8B is 32 GB)
+        model = LlamaForCausalLM(cfg)
     _init_(model, seed)
     model.rotary.materialize(torch.device(device))
     return model.eval()
@@ -127,8 +139,8 @@ def build_dummy_eagle3_head(target: ModelConfig, dtype: torch.dtype, device: tor
     from specserve.model.eagle3 import Eagle3Head
 
     cfg = dummy_eagle3_config(target)
-    with torch.device(device):
-        head = Eagle3Head(cfg, cfg.aux_layer_ids(target.num_layers)).to(dtype)
+    with torch.device(device), _default_dtype(dtype):
+        head = Eagle3Head(cfg, cfg.aux_layer_ids(target.num_layers))
     _init_(head, seed + 1)
     draft_vocab = cfg.draft_vocab_size
     head.d2t = torch.zeros(draft_vocab, dtype=torch.int64, device=device)  # draft id i: id i

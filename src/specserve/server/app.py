@@ -167,7 +167,8 @@ async def _serve(state: ServerState, request: Request, body, prepared: PreparedR
         raise APIError(429, str(e), code="queue_full",
                        headers={"Retry-After": str(state.config.retry_after_s)}) from e
     except RequestTooBigError as e:
-        raise APIError(400, str(e), param="n", code="too_many_choices") from e
+        param = "n" if body.n > 1 else "prompt"
+        raise APIError(400, str(e), param=param, code="too_many_choices") from e
     except EngineDeadError as e:
         raise _unavailable(e) from e
     if body.stream:

@@ -31,6 +31,7 @@ from specserve.server.engine_proc import (
 from specserve.server.metrics import ServerMetrics
 
 log = logging.getLogger("specserve")
+_CAUSE_CHARS = 300  # of an engine's error, what clients are told
 
 
 class EngineDeadError(SpecserveError):
@@ -120,6 +121,7 @@ class EngineClient:
         self.dead_reason: str | None = None
         # called in the event loop once the engine process is found dead (the server exits)
         self.on_dead: Callable[[], None] | None = None
+        self.shutting_down = False  # the engine was told to stop: its end is no failure
         self._tracked: dict[str, _Tracked] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._reader: threading.Thread | None = None
@@ -158,6 +160,7 @@ class EngineClient:
 
     async def shutdown(self, timeout_s: float = 10.0) -> None:
         """Abort whatever is left, stop the engine process and wait for it."""
+        self.shutting_down = True
         if self._proc.is_alive():
             self._inbox.put(("shutdown", None))
             await asyncio.to_thread(self._proc.join, timeout_s)
@@ -205,14 +208,14 @@ class EngineClient:
         when it never could (more than the running slots and the queue together)."""
         if self.dead_reason is not None or not self._proc.is_alive():
             raise EngineDeadError(f"the engine is not running ({self.dead_reason or 'exited'})")
-        capacity = self.running_capacity()
-        if len(requests) > capacity + self.max_queue:
+        most = self.info.max_num_seqs + self.max_queue  # never more, however idle
+        if len(requests) > most:
             raise RequestTooBigError(
                 f"this request needs {len(requests)} engine requests (prompts x n); the server "
-                f"runs {capacity} at once and queues at most {self.max_queue} more: send fewer "
-                "prompts or a smaller n"
+                f"runs at most {self.info.max_num_seqs} at once and queues {self.max_queue} "
+                "more: send fewer prompts or a smaller n"
             )
-        waiting = max(0, self.num_in_flight + len(requests) - capacity)
+        waiting = max(0, self.num_in_flight + len(requests) - self.running_capacity())
         if waiting > self.max_queue:
             raise QueueFullError(
                 f"{self.waiting_estimate()} requests are waiting and this one would add "
@@ -241,8 +244,8 @@ class EngineClient:
         while True:
             try:
                 msg = self._conn.recv()
-            except (EOFError, OSError):
-                msg = ("dead", "the engine process exited")
+            except (EOFError, OSError):  # (this thread may wait for the process to end)
+                msg = ("dead", f"the engine process exited ({self.exit_description()})")
             try:
                 self._loop.call_soon_threadsafe(self._dispatch, msg)
             except RuntimeError:  # the loop is closed: the server is gone
@@ -257,22 +260,24 @@ class EngineClient:
         elif kind == "stopped":
             self.dead_reason = "stopped"
             self._fail_all(EngineDeadError("the server is shutting down"))
+        elif self.shutting_down:  # it was told to stop; it did
+            self.dead_reason = "stopped"
+            self._fail_all(EngineDeadError("the server is shutting down"))
         else:
             self.dead_reason = "crashed" if kind == "fatal" else "exited"
             # The whole traceback goes to the server's log; clients get its last line (the
-            # error itself), not the engine's internals.
+            # error itself, cut short), not the engine's internals.
+            log.error("the engine process %s: %s", self.dead_reason, payload)
             cause = str(payload).strip().splitlines()[-1] if payload else self.dead_reason
-            if kind == "fatal":
-                log.error("the engine process crashed: %s", payload)
-            else:
-                cause = f"{cause} ({self.exit_description()})"
-                log.error("the engine process died: %s", cause)
+            if len(cause) > _CAUSE_CHARS:
+                cause = cause[: _CAUSE_CHARS - 3] + "..."
             self._fail_all(EngineDeadError(f"the engine process failed: {cause}"))
             if self.on_dead is not None:
                 self.on_dead()
 
     def exit_description(self) -> str:
-        """How the engine process ended: its exit code or the signal that killed it."""
+        """How the engine process ended: its exit code or the signal that killed it (waits
+        up to a second for it to end: call it off the event loop)."""
         self._proc.join(1.0)  # its pipe closed: it is gone or going
         code = self._proc.exitcode
         if code is None:

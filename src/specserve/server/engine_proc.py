@@ -13,6 +13,7 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import signal
 import threading
 import time
 import traceback
@@ -87,7 +88,12 @@ class StepReport:
 
 
 def run_engine(config: EngineConfig, inbox: mp.Queue, conn: Connection) -> None:
-    """Entry point of the engine process (spawned by EngineClient)."""
+    """Entry point of the engine process (spawned by EngineClient). It ignores SIGINT and
+    SIGTERM: the HTTP process drains and then stops it (a Ctrl-C in the terminal, or a
+    service manager signalling the whole process group, reaches both); if the HTTP process
+    is gone, the engine notices and exits."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     outbox = Outbox(conn)
     try:
         _run(config, inbox, outbox)

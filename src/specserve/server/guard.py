@@ -33,7 +33,7 @@ class RequestGuard:
                  read_timeout_s: float, draining: Callable[[], bool] = lambda: False):  # fmt: skip
         self.app = app
         self.draining = draining  # a server shutting down stops waiting for slow bodies
-        self.expected = f"Bearer {api_key}".encode() if api_key else None
+        self.expected = api_key.encode() if api_key else None
         self.open_paths = self.open_paths_for(public_metrics)
         self.max_body_bytes = max_body_bytes
         self.read_timeout_s = read_timeout_s
@@ -78,9 +78,13 @@ class RequestGuard:
         return OPEN_PATHS | ({"/metrics"} if public_metrics else frozenset())
 
     def _authorized(self, scope) -> bool:
+        """The Authorization header carries the key: scheme "Bearer" in any case (RFC 7235),
+        the token compared in constant time."""
         for name, value in scope.get("headers") or ():
             if name == b"authorization":
-                return hmac.compare_digest(value, self.expected)
+                scheme, _, token = value.strip().partition(b" ")
+                return scheme.lower() == b"bearer" and hmac.compare_digest(
+                    token.strip(), self.expected)
         return False
 
     async def _read_body(self, receive, send) -> bytes | None:

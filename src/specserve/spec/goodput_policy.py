@@ -13,6 +13,7 @@ from specserve.spec.buckets import batch_bucket
 from specserve.spec.cost_model import StepCostModel
 from specserve.spec.policy_base import NO_LOAD, SpeculationPolicy, StepLoad
 from specserve.spec.policy_trim import trim_drafts
+from specserve.spec.serving_rate import ServingRate, marginal_k, queued_prefill_ms
 from specserve.spec.switch_costs import there_and_back_row
 
 _request_id = attrgetter("request_id")
@@ -76,7 +77,6 @@ class GoodputPolicy(SpeculationPolicy):
     PROBE_MIN_GAIN = 0.1
     REQUEST_PROBE_EVERY = 32
     PROBE_MIN_ALPHA = 0.1
-    RATE_WEIGHT = 1 / 64  # the running rate's EWMA weight per step
 
     def __init__(self, k_max: int, cost: StepCostModel, acceptance: AcceptanceModel):
         super().__init__(k_max)
@@ -90,8 +90,7 @@ class GoodputPolicy(SpeculationPolicy):
         self._probe: tuple[int, int, int] | None = None  # (bucket, K, steps left)
         self._idle: dict[str, int] = {}  # steps each request was trimmed (unpadded)
         self._running_k: int | None = None  # the last step's K unless it was a probe
-        # the server's committed tokens and period per step, EWMAs over every step (`rate`)
-        self._rate_tokens = self._rate_ms = 0.0
+        self.rate = ServingRate()  # the server's tokens per ms: prices steps with prefill
 
     def choose(self, reqs, load: StepLoad = NO_LOAD):
         n = len(reqs)
@@ -103,6 +102,9 @@ class GoodputPolicy(SpeculationPolicy):
         extra_tokens = load.prefill_tokens
         k_budget = load.k_cap(n, k_max)  # the step's budget left for drafts
         self.acceptance.tick()
+        if k_budget == 0:  # prefill took the budget: no choice to make, nothing learned
+            self.predicted_tokens, self.predicted_ms = float(n), 0.0
+            return self._decided([0] * n)
         cums = self.acceptance.cumulatives(map(_request_id, reqs))  # K = 0..K_max each
         if k_budget == k_max and min(map(_max_useful_drafts, reqs)) >= k_max:
             caps, k_top, full = [k_max] * n, k_max, True  # (the usual case)
@@ -122,32 +124,35 @@ class GoodputPolicy(SpeculationPolicy):
                        for k in range(k_top + 1)]  # fmt: skip
             tokens = [t for _, t, _ in trimmed]
             costs = [ms for _, _, ms in trimmed]
-        # Each K's extra commits bring their requests' successors' prefill sooner: priced in
-        # steps that take new work (prefill), and in any step while requests wait.
+        # In a loaded server each step's commits bring their successors' prefill: priced in
+        # the ranking (not in predicted_ms) where the step takes new work or requests wait.
         per_token = load.prefill_per_token if extra_tokens or load.waiting else 0.0
-        saturated = None
+        ranking = costs
         if per_token and k_top:
-            saturated = self._queued_prefill_ms(n, tokens, extra_tokens, per_token)
-            costs = [ms + more for ms, more in zip(costs, saturated)]
-            uncapped = [ms + more for ms, more in zip(uncapped, saturated)]
+            queued = queued_prefill_ms(self.cost.target, n, tokens, extra_tokens, per_token)
+            ranking = [ms + more for ms, more in zip(costs, queued)]
         bucket = batch_bucket(n)
         # The K in use: the last step's (not a probe's), else the bucket's preferred one.
         current = self._running_k
         if current is None or current > k_top:
             current = self._preferred.get(bucket)
-        sw = self.cost.switch_costs(n, costs[0])
+        # (an unmeasured switch is priced at a plain decode step's period: without prefill)
+        sw = self.cost.switch_costs(n, None if extra_tokens else costs[0])
         switch = there_and_back_row(sw, current, k_top)  # leaving it pays a switch and back
-        if extra_tokens and self._rate_ms > 0:
-            k, probe = self._marginal_k(tokens, costs, switch), False
+        if extra_tokens and self.rate.ready:
+            # A step carrying prefill: ranked by its marginal tokens, never a probe (its
+            # period measures no K; a probe under way resumes at the next decode step).
+            k = marginal_k(tokens, ranking, switch, self.rate.value, self.DWELL_STEPS)
+            probe = False
         else:
             self._bucket_steps[bucket] = self._bucket_steps.get(bucket, 0) + 1
-            best = self._preferred_k(bucket, current, tokens, costs, switch, n)
+            best = self._preferred_k(bucket, current, tokens, ranking, switch, n)
             # Requests that never drafted have the global estimate only, and while plain
             # decoding is preferred nothing would tell otherwise: drafting is probed soon.
             unknown = best == 0 and not any(map(self.acceptance.has_observations,
                                                 (r.request_id for r in reqs)))  # fmt: skip
             back = switch if best == current else there_and_back_row(sw, best, k_top)
-            k, probe = self._probe_k(bucket, best, n, tokens, costs, back, cells, unknown)
+            k, probe = self._probe_k(bucket, best, n, tokens, ranking, back, cells, unknown)
             self._last_run[(bucket, k)] = self._bucket_steps[bucket]
         self._running_k = None if probe else k
         if trimmed is None and self.cost.padded:
@@ -160,11 +165,9 @@ class GoodputPolicy(SpeculationPolicy):
                 self.predicted_tokens = sum(c[min(k, cap)] for c, cap in zip(cums, caps))
             if extra_tokens:
                 self.predicted_ms = self.cost.step_ms([min(k, c) for c in caps], extra_tokens)
-                if saturated is not None:
-                    self.predicted_ms += saturated[k]
             else:  # step_ms of a padded step without prefill: period_ms(n, k)
                 self.predicted_ms = uncapped[k]
-            self.trace.decided(n, k, probe=probe, tokens=tokens, period_ms=costs,
+            self.trace.decided(n, k, probe=probe, tokens=tokens, period_ms=ranking,
                                switch_ms=switch)  # fmt: skip
             return [k] * n
         ks = [min(k, c) for c in caps]
@@ -172,49 +175,13 @@ class GoodputPolicy(SpeculationPolicy):
             ks = self._request_probe(reqs, ks, list(trimmed[k][0]))
         self.predicted_tokens = sum(c[k] for c, k in zip(cums, ks))
         self.predicted_ms = self.cost.step_ms(ks, extra_tokens)
-        if saturated is not None:
-            self.predicted_ms += saturated[k]
-        return self._decided(ks, probe=probe, tokens=tokens, period_ms=costs, switch_ms=switch)
+        return self._decided(ks, probe=probe, tokens=tokens, period_ms=ranking,
+                             switch_ms=switch)  # fmt: skip
 
     def observe_rate(self, committed: int, period_ms: float) -> None:
         """A step (any step, mixed ones included) committed this many tokens in period_ms:
         the server's running tokens per ms (`rate`) follows it."""
-        w = self.RATE_WEIGHT if self._rate_ms > 0 else 1.0
-        self._rate_tokens += w * (committed - self._rate_tokens)
-        self._rate_ms += w * (period_ms - self._rate_ms)
-
-    @property
-    def rate(self) -> float:
-        """The server's committed tokens per ms over recent steps (0 before any)."""
-        return self._rate_tokens / self._rate_ms if self._rate_ms > 0 else 0.0
-
-    def _marginal_k(self, tokens: list[float], costs: list[float], switch: list[float]) -> int:
-        """A step that carries prefill: the K whose tokens beyond their cost at the server's
-        running rate are the most (tokens - rate x ms). The step's own tokens per ms would
-        rank them wrong: its prefill costs the same at every K, so the ratio spreads that
-        cost over more tokens at a larger K and drafts where the extra verify rows, at the
-        full GEMM slope once prefill fills the step, earn less than the server earns on
-        average. Such a step is no probe (a mixed step's period measures no K), and a K
-        other than the one in use pays the switch there and back."""
-        rate = self.rate
-        scores = [t - rate * (ms + sw) for t, ms, sw in zip(tokens, costs, switch)]
-        return scores.index(max(scores))  # the first of equals: the fewer drafts
-
-    def _queued_prefill_ms(self, n: int, tokens: list[float], extra_tokens: int,
-                           per_token: float) -> list[float]:  # fmt: skip
-        """What each K's step costs beyond itself in the prefill its commits bring: the
-        tokens it commits beyond plain decoding's finish requests sooner, so their
-        successors' prefill (per_token prompt tokens per generated token) comes sooner;
-        priced at the target's cost of that many more tokens in a step of this one's size
-        (a closed loop prefills once per request whatever K is: what K changes is how much
-        decode work each prefill token rides with)."""
-        target = self.cost.target
-        out = []
-        for k, t in enumerate(tokens):
-            size = n * (k + 1) + extra_tokens
-            more = per_token * (t - tokens[0])
-            out.append(target(size + more) - target(size) if more > 0 else 0.0)
-        return out
+        self.rate.observe(committed, period_ms)
 
     @staticmethod
     def _tokens(cums: list[list[float]], caps: list[int], k_top: int) -> list[float]:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -30,10 +30,29 @@ class AttentionMetadata:
     # A backend can then serve a step's short rows and its prefill chunks apart (mixed steps).
     query_lens: list[int] | None = None
     seq_bounds: list[int] | None = None
+    # split(): its answer per threshold, computed once a step (every layer asks)
+    _splits: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def num_requests(self) -> int:
         return self.seq_lens.shape[0]
+
+    def split(self, most: int) -> tuple[int, AttentionMetadata, AttentionMetadata] | None:
+        """(tokens, head, tail) for a step whose leading requests have at most `most`
+        query tokens each and the rest more: the first `tokens` tokens are theirs. None
+        when there is nothing to split: every request or none is short, or the host query
+        lengths are unknown (metadata built for a CUDA graph or by hand)."""
+        if most in self._splits:
+            return self._splits[most]
+        out = None
+        if self.query_lens is not None:
+            if len(self.query_lens) != self.num_requests:
+                raise ValueError("query_lens does not match the step's requests")
+            n = next((i for i, q in enumerate(self.query_lens) if q > most), len(self.query_lens))
+            if 0 < n < self.num_requests:
+                out = (sum(self.query_lens[:n]), self.head(n), self.tail(n))
+        self._splits[most] = out
+        return out
 
     def head(self, n: int) -> AttentionMetadata:
         """The metadata of the first n requests, whose tokens lead the step's."""

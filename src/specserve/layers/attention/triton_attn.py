@@ -153,28 +153,19 @@ class TritonAttentionBackend(AttentionBackend):
         8B shape that made decode rows in mixed steps ~30x dearer than in decode steps)."""
         ops = self.kernels
         ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        group = q.shape[1] // k_cache.shape[2]
-        n = self.short_prefix(meta, group)
-        if n == 0 or n == meta.num_requests:
+        split = meta.split(self.short_query_len(q.shape[1] // k_cache.shape[2]))
+        if split is None:
             return self._attend(q, k_cache, v_cache, meta, scale)
+        tokens, head, tail = split  # the short rows' tokens lead the step's
         out = torch.empty_like(q)
-        tokens = sum(meta.query_lens[:n])  # the short rows' tokens lead the step's
-        self._attend(q[:tokens], k_cache, v_cache, meta.head(n), scale, out[:tokens])
-        self._attend(q[tokens:], k_cache, v_cache, meta.tail(n), scale, out[tokens:])
+        self._attend(q[:tokens], k_cache, v_cache, head, scale, out[:tokens])
+        self._attend(q[tokens:], k_cache, v_cache, tail, scale, out[tokens:])
         return out
 
-    def short_prefix(self, meta: AttentionMetadata, group: int) -> int:
-        """How many leading requests have decode-sized queries (at most DECODE_MAX_ROWS rows
-        a KV head); 0 without the host query lengths."""
-        if meta.query_lens is None:
-            return 0
-        most = self.kernels.DECODE_MAX_ROWS // group
-        n = 0
-        for q_len in meta.query_lens:
-            if q_len > most:
-                break
-            n += 1
-        return n
+    def short_query_len(self, group: int) -> int:
+        """The longest query (tokens) of a request the decode path serves: DECODE_MAX_ROWS
+        rows a KV head."""
+        return self.kernels.DECODE_MAX_ROWS // group
 
     def _attend(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, out=None):
         ops = self.kernels
