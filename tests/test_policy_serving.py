@@ -14,7 +14,7 @@ from tests.serving_sim import K_MAX, POLICIES, ServingRegime, compare, simulate
 
 PROMPT, OUTPUT = 512, 256  # the H200 runs' shape, unscaled: a step costs the same CPU time
 # whatever the lengths, and the attention term follows the context
-CONCURRENCY = (16, 64, 128, 256)
+CONCURRENCY = (16, 64, 128, 256, 512)  # (512: 256 run, 256 always wait)
 ACCEPT_LENS = (1.5, 3.0)
 # Seeds per concurrency, for goodput and for the others: goodput's path (which K its
 # hysteresis settles on first, where its probes fall) varies by seed far more than plain
@@ -22,7 +22,8 @@ ACCEPT_LENS = (1.5, 3.0)
 # cost the least CPU time (a step of the real scheduler and policy costs about 35 us per
 # request here). At 256, seeds 0-3 spread goodput's ratios by about 0.5%.
 FOUR = (0, 1, 2, 3)
-SEEDS = {16: (FOUR, FOUR), 64: (FOUR, FOUR), 128: ((0, 1), (0,)), 256: ((0,), (0,))}
+SEEDS = {16: (FOUR, FOUR), 64: (FOUR, FOUR), 128: ((0, 1), (0,)), 256: ((0,), (0,)),
+         512: ((0,), (0,))}
 VS_BEST, VS_OFF = 0.98, 0.99
 
 # What these regimes caught (seeds as below): at 8853f33 (drafts took the budget before

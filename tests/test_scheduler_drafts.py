@@ -66,7 +66,7 @@ def test_drafts_take_the_budget_admissions_leave():
     assert [(s.num_tokens, s.draft_len) for s in batch] == [(1, 1)] * 4 + [(12, 0)]
     n, load = policy.loads[-1]
     assert n == 4 and load.prefill_tokens == 12 and load.draft_budget == 4
-    assert load.prefill_per_token == 0.0 and not load.waiting  # nothing finished, none waits
+    assert load.prefill_per_token == 0.0  # nothing finished yet
 
 
 def test_decode_and_verify_rows_lead_the_step():
@@ -115,7 +115,7 @@ def test_short_of_pages_every_request_drafts_as_few():
     assert [s.draft_len for s in batch] == [1, 1]
 
 
-def test_the_policy_learns_the_prefill_per_token_and_whether_requests_wait():
+def test_the_policy_learns_the_prefill_per_token():
     sched = _sched(num_pages=400, page_size=4, budget=64, max_num_seqs=2)
     for i in range(2):
         sched.add(_request(i, prompt_len=10, max_tokens=5))
@@ -129,11 +129,9 @@ def test_the_policy_learns_the_prefill_per_token_and_whether_requests_wait():
     _run_step(sched)
     policy = Recording(k_max=3)
     sched.schedule(policy)
-    assert policy.loads[-1][1].prefill_per_token == 2.0 and policy.loads[-1][1].waiting
+    assert policy.loads[-1][1].prefill_per_token == 2.0
     # an aborted request's lengths say nothing about the requests to come
     aborted = sched.running[0]
     aborted.finish_reason = "abort"
     sched.finish(aborted)
     assert sched.prefill_per_token == 2.0
-    sched.schedule(policy)  # the waiting request took its slot: none waits
-    assert policy.loads[-1][1].prefill_per_token == 2.0 and not policy.loads[-1][1].waiting

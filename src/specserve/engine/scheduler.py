@@ -59,7 +59,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         # Mean prompt and output tokens of finished requests (EWMA): the prefill each
-        # generated token brings along while requests queue (`StepLoad.prefill_per_token`).
+        # generated token brings along (`StepLoad.prefill_per_token`).
         self._prompt_mean = self._output_mean = 0.0
 
     def add(self, req: Request) -> None:
@@ -135,7 +135,7 @@ class Scheduler:
                 decoding.append(s)
             else:
                 prefill += s.num_tokens
-        load = StepLoad(prefill, budget, self.prefill_per_token, bool(self.waiting))
+        load = StepLoad(prefill, budget, self.prefill_per_token)
         ks = policy.choose([s.request for s in decoding], load)
         cap = load.k_cap(len(decoding), max(ks, default=0))
         page_size = self.kv.page_size

@@ -124,9 +124,10 @@ class GoodputPolicy(SpeculationPolicy):
                        for k in range(k_top + 1)]  # fmt: skip
             tokens = [t for _, t, _ in trimmed]
             costs = [ms for _, _, ms in trimmed]
-        # In a loaded server each step's commits bring their successors' prefill: priced in
-        # the ranking (not in predicted_ms) where the step takes new work or requests wait.
-        per_token = load.prefill_per_token if extra_tokens or load.waiting else 0.0
+        # A step taking new work (prefill): its commits bring their successors' prefill,
+        # priced in the ranking (not in predicted_ms). (Decode-only steps leave it out: in
+        # the simulator, pricing it there too while requests waited lost 2% at C=512, L=3.)
+        per_token = load.prefill_per_token if extra_tokens else 0.0
         ranking = costs
         if per_token and k_top:
             queued = queued_prefill_ms(self.cost.target, n, tokens, extra_tokens, per_token)

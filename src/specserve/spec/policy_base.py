@@ -20,16 +20,14 @@ class StepLoad:
 
     prefill_tokens: prefill tokens in the step. draft_budget: the most draft tokens the step
     may add (None: no bound). prefill_per_token: the prompt tokens per generated token of
-    the requests finished lately: in a loaded server each token committed sooner finishes
-    its request sooner and brings the next request's prefill sooner, so a token drafted now
-    costs that much prefill soon (a closed loop prefills once per request whatever K is: K
-    changes how much decode work each prefill token rides with). waiting: requests wait for
-    admission (budget, KV pages or sequence slots)."""
+    the requests finished lately: in a server taking new work each committed token brings
+    that much prefill into the steps after it (a request finished admits the next; a closed
+    loop prefills once per request whatever K is: K changes how much decode work each
+    prefill token rides with)."""
 
     prefill_tokens: int = 0
     draft_budget: int | None = None
     prefill_per_token: float = 0.0
-    waiting: bool = False
 
     def k_cap(self, n: int, k_max: int) -> int:
         """The largest K every one of n decoding requests can draft within the budget."""
