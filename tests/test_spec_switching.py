@@ -151,3 +151,58 @@ def test_prompt_catch_up_in_prefill_changes_no_draft(setup, monkeypatch, lone):
     without, ref = drafts_of(LLM(target, **kw))
     assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
     assert len(with_prefill) > (8 if lone else 20) and with_prefill == without
+
+
+@pytest.mark.parametrize("algo", ["draft", "eagle3"])
+def test_long_catch_ups_run_in_bounded_passes(setup, algo):
+    """Requests that drafted nothing for 20 tokens all catch up in one step: with a step
+    budget of 16 tokens the drafter's passes stay within it (plus the step's own pass: a
+    host pair and the step in flight's tokens per request, at most K + 2), and output and
+    acceptance equal those of drafting all along."""
+    target, drafters, prompts = setup
+    kw = dict(speculative_algorithm=algo, speculative_draft_model_path=drafters[algo],
+              speculative_num_steps=3, speculative_policy="fixed", max_num_batched_tokens=16)
+    always = LLM(target, **kw)
+    ref = _record(always)
+    plain = always.generate(prompts, GREEDY)
+
+    late = LLM(target, **kw)
+    late.engine.spec.policy = PerRequestPolicy(3, lambda r: 0 if r.num_generated < 20 else 3)
+    got = _record(late)
+    proposer, passes = late.engine.spec.proposer, []
+    module = proposer.head if algo == "eagle3" else proposer.model
+    forward = module.forward
+
+    def counted(ids_or_embeds, *args, **kwargs):
+        passes.append(ids_or_embeds.shape[0])
+        return forward(ids_or_embeds, *args, **kwargs)
+
+    module.forward = counted
+    outs = late.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    bound = 16 + len(prompts) * (3 + 2)
+    assert passes and max(passes) <= bound
+    assert sum(passes) > bound  # the catch-up was longer than one pass may take
+    by_key = {(r, length, k): a for r, length, k, a in ref}
+    matched = [(tuple(g[:3]), g[3]) for g in got if tuple(g[:3]) in by_key]
+    assert len(matched) >= 3
+    for key, a in matched:
+        assert by_key[key] == a
+
+
+def test_bounded_passes_keep_every_token_once_in_order():
+    from specserve.runtime.packing import Segment
+    from specserve.spec.proposer import bounded_passes
+
+    rng = random.Random(0)
+    segments = [Segment([i], rng.randrange(50), list(range(rng.randrange(1, 30))))
+                for i in range(9)]
+    passes = bounded_passes(segments, 7)
+    assert all(sum(len(s.token_ids) for s in p) <= 7 for p in passes)
+    for seg in segments:
+        pieces = [(n, s) for n, p in enumerate(passes) for s in p if s.page_table is seg.page_table]
+        assert [t for _, s in pieces for t in s.token_ids] == list(seg.token_ids)
+        assert [s.start for _, s in pieces] == [
+            seg.start + sum(len(s.token_ids) for _, s in pieces[:i]) for i in range(len(pieces))]
+        assert len({n for n, _ in pieces}) == len(pieces)  # one piece per pass, passes in order
+        assert [n for n, _ in pieces] == sorted(n for n, _ in pieces)

@@ -12,7 +12,7 @@ from specserve.layers.attention import AttentionBackend
 from specserve.model.llama import LlamaForCausalLM
 from specserve.runtime.model_runner import dummy_forward
 from specserve.runtime.packing import Segment, pack, to_device
-from specserve.spec.proposer import Proposer, chain_draft
+from specserve.spec.proposer import Proposer, bounded_passes, chain_draft
 
 
 class DraftModelProposer(Proposer):
@@ -40,6 +40,7 @@ class DraftModelProposer(Proposer):
 
     @torch.inference_mode()
     def propose(self, items: list[ScheduledRequest]) -> None:
+        self._bound_catch_up(items)
         segments = []
         for it in items:
             req = it.request
@@ -54,6 +55,24 @@ class DraftModelProposer(Proposer):
             return self._forward(segs, tokens)
 
         chain_draft(items, first, step)
+
+    def _bound_catch_up(self, items: list[ScheduledRequest]) -> None:
+        """When the step's catch-up would pass `max_pass_tokens`, every committed token
+        before each request's last one runs first, in bounded passes; the step's own
+        extend then feeds one token per request."""
+        pending = sum(it.request.committed_len - it.request.draft_cached_len for it in items)
+        if pending <= self.max_pass_tokens:
+            return
+        segments = []
+        for it in items:
+            req = it.request
+            start, end = req.draft_cached_len, req.committed_len - 1
+            if end > start:
+                segments.append(Segment(req.page_table, start, req.token_ids(start, end)))
+                req.draft_cached_len = end
+        for group in bounded_passes(segments, self.max_pass_tokens):
+            packed_ids, meta, _ = pack(group, self.kv.page_size, self.kv.pool.device)
+            self.model(packed_ids, meta, self.kv.layers, self.backend)
 
     def _forward(self, segments: list[Segment], input_ids=None) -> torch.Tensor:
         packed_ids, meta, last_rows = pack(segments, self.kv.page_size, self.kv.pool.device)

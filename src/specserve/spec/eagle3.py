@@ -31,7 +31,7 @@ from specserve.spec.eagle3_capture import (  # noqa: F401 (catch_up_lengths: imp
     catch_up_lengths,
 )
 from specserve.spec.eagle3_graphs import DrafterGraphs, draft_pass_meta
-from specserve.spec.proposer import Proposer, chain_draft, draw_drafts
+from specserve.spec.proposer import Proposer, bounded_passes, chain_draft, draw_drafts
 
 if TYPE_CHECKING:
     from specserve.engine.engine import LLMEngine
@@ -100,6 +100,7 @@ class Eagle3Proposer(Proposer):
         """Catch up and draft. Greedy steps with one draft length leave the drafts on the
         device (`device_drafts`); with `prev`, the step in flight, a request's newest tokens
         and features are read from it on the device (`reads_inflight` must hold)."""
+        self._bound_catch_up(items)
         segments, tail = self._catch_up_inputs(items, prev)
         if self.reads_inflight(items):
             drafts = self._greedy_chain(segments, tail, items[0].draft_len)
@@ -124,6 +125,25 @@ class Eagle3Proposer(Proposer):
             return step_logits
 
         chain_draft([items[i] for i in drafting], logits, step, self._draw)
+
+    def _bound_catch_up(self, items: list[ScheduledRequest]) -> None:
+        """When the step's catch-up would pass `max_pass_tokens`, the pairs of committed
+        tokens before each request's last one run first, in bounded passes (no logits);
+        the step's own pass then takes one host pair and the step in flight's tokens per
+        request, a captured shape."""
+        k = max(it.draft_len for it in items)
+        pending = sum(it.request.committed_len - 1 - it.request.draft_cached_len for it in items)
+        if pending + len(items) * (k + 2) <= self.max_pass_tokens:
+            return
+        segments = []
+        for it in items:
+            req = it.request
+            start, end = req.draft_cached_len, req.committed_len - 2
+            if end > start:
+                segments.append(Segment(req.page_table, start, req.token_ids(start + 1, end + 1)))
+                req.draft_cached_len = end
+        for group in bounded_passes(segments, self.max_pass_tokens):
+            self._pass(group, None, logits=False)
 
     def _catch_up_inputs(self, items, prev: InflightStep | None):
         """Each item's catch-up segment: pairs from its drafter's cached length to its last
@@ -285,6 +305,7 @@ def build_eagle3_proposer(engine: LLMEngine) -> Eagle3Proposer:
                  engine.dtype, device)
     embed = engine.runner.model.model.embed_tokens
     proposer = Eagle3Proposer(head, embed, kv, engine.runner.backend)
+    proposer.max_pass_tokens = cfg.max_num_batched_tokens
     if device.type == "cuda" and cfg.backend_name() == "triton":
         from specserve.layers.linear import use_gemv
         from specserve.layers.triton_ops import use_triton_ops

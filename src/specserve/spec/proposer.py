@@ -14,7 +14,7 @@ from specserve.layers.sampler import (
     filter_logits,
     gumbel_noise,
 )
-from specserve.runtime.packing import to_device
+from specserve.runtime.packing import Segment, to_device
 
 DRAFT_STREAM = 1
 
@@ -38,6 +38,8 @@ class Proposer(ABC):
     """
 
     aux_layer_ids: tuple[int, ...] = ()
+    # Tokens one catch-up pass may carry; longer catch-ups are split (`bounded_passes`).
+    max_pass_tokens = 2048
     needs_commit = True  # False: `commit` does nothing (the loop skips building its inputs)
 
     @abstractmethod
@@ -108,6 +110,27 @@ def draw_drafts(logits: torch.Tensor, items: list[ScheduledRequest], step: int):
     drawn = argmax_rows(filtered + gumbel_noise(st, logits.shape[-1], DRAFT_STREAM))
     probs = filtered.softmax(dim=-1)
     return torch.where(st.temperature > 0, drawn, greedy), probs
+
+
+def bounded_passes(segments: list[Segment], max_tokens: int) -> list[list[Segment]]:
+    """Catch-up segments regrouped into passes of at most max_tokens tokens, in order; a
+    segment that does not fit continues in the next pass (its pieces run one pass after
+    another, like prefill chunks). After a long stretch without drafting, every running
+    request catches up at once (512 requests x 128 tokens is 65k tokens, gigabytes of
+    activations that sizing the KV cache for one step's token budget never reserved)."""
+    passes, current, used = [], [], 0
+    for seg in segments:
+        start, tokens = seg.start, list(seg.token_ids)
+        while tokens:
+            if used == max_tokens:
+                passes.append(current)
+                current, used = [], 0
+            piece = tokens[: max_tokens - used]
+            current.append(Segment(seg.page_table, start, piece))
+            start, tokens, used = start + len(piece), tokens[len(piece) :], used + len(piece)
+    if current:
+        passes.append(current)
+    return passes
 
 
 def chain_draft(items: list[ScheduledRequest], first, step_fn, draw=draw_drafts) -> None:

@@ -30,7 +30,10 @@ def build_proposer(engine: LLMEngine) -> Proposer:
         kv = KVCache(draft_cfg, engine.kv.allocator.num_pages, cfg.page_size, engine.dtype, device)
         if device.type == "cuda":  # its own head layout's attention variants, before serving
             engine.runner.backend.warm_up(draft_cfg.num_heads, kv.layers[0])
-        return DraftModelProposer(model, kv, engine.runner.backend, engine.model_config.vocab_size)
+        proposer = DraftModelProposer(model, kv, engine.runner.backend,
+                                      engine.model_config.vocab_size)  # fmt: skip
+        proposer.max_pass_tokens = cfg.max_num_batched_tokens
+        return proposer
     if algo == "eagle3":
         from specserve.spec.eagle3 import build_eagle3_proposer
 
