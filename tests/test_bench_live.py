@@ -123,7 +123,8 @@ def test_sweep_writes_json_table_and_plot(tiny_llama, tmp_path, capsys):
     for r in sweep["results"]:
         assert r["completed"] == r["num_requests"] == 2
         assert r["total_output_tokens"] == 8 == r["server"]["generation_tokens"]
-    assert sweep["machine"]["cpu_count"] >= 1
+        assert r["server"]["step_ms_mean"] > 0 and r["server"]["loop_waits"] >= 0
+    assert sweep["machine"]["cpu_count"] >= 1 and sweep["partial"] is False
     page = (out_dir / "tiny.md").read_text()
     assert page.count("\n| off |") == 2 and "specserve bench sweep" in page
     assert "![" in page and "tiny.png" in page

@@ -234,9 +234,11 @@ def test_each_server_serves_every_point_before_the_next_starts(monkeypatch, tmp_
 
     plan = matrix_run.MatrixPlan(spec, runs, 2, [], load, warmup_requests=1, log_dir=tmp_path)
     saved = []
-    rows, poisson = matrix_run.run_matrix(plan, make_dataset, progress=False,
-                                          on_server_done=lambda rows: saved.append(len(rows)))
+    result = matrix_run.run_matrix(plan, make_dataset, progress=False,
+                                   on_server_done=lambda res: saved.append(len(res.rows)))
+    rows, poisson = result.rows, result.poisson
     assert saved == [3, 6, 9]  # the rows so far, after each server
+    assert result.failed_servers == []
     assert [(p.level, p.fraction) for p in poisson] == [(4.0, 0.5)]
     inf = float("inf")
     per_server = [("run", 1, inf, 8), ("run", 4, inf, 8), ("run", None, 4.0, 8)]
@@ -265,3 +267,62 @@ def test_a_matrix_without_a_baseline_keeps_its_results(tmp_path, capsys):
     paths = write_matrix_outputs(matrix, tmp_path, "alone")
     assert set(paths) == {"json", "markdown"} and paths["json"].is_file()
     assert "no plot" in capsys.readouterr().out
+
+
+def test_a_server_that_cannot_start_costs_only_its_own_points(monkeypatch, tmp_path):
+    from specserve.bench.server_process import ServerStartError
+
+    started = []
+
+    @contextmanager
+    def healthy(log_path):
+        yield type("Server", (), {"url": "http://127.0.0.1:1"})()
+
+    def fake_server(args, log_path, env=None):
+        started.append(log_path.stem)
+        if log_path.stem.startswith("fixed-k5"):
+            raise ServerStartError("the server exited with 1:\n...\ntorch.OutOfMemoryError: CUDA")
+        return healthy(log_path)
+
+    def fake_benchmark(cfg, dataset, progress=True, desc=""):
+        level = cfg.max_concurrency or 0
+        return _row("x", "off", None, None, "closed", level, 10.0 * level)
+
+    monkeypatch.setattr(matrix_run, "ServerProcess", fake_server)
+    monkeypatch.setattr(sweep, "benchmark", fake_benchmark)
+    spec = MatrixSpec(acceptance=[4.5], fixed_k=[3, 5], concurrency=[1], arrival=["closed"])
+    runs, _ = servers(spec)
+    plan = matrix_run.MatrixPlan(spec, runs, 2, [], LoadConfig("http://127.0.0.1"),
+                                 warmup_requests=0, log_dir=tmp_path)
+    seen = []
+    result = matrix_run.run_matrix(plan, lambda n: Dataset("d", [BenchPrompt("p", 4)] * n),
+                                   progress=False,
+                                   on_server_done=lambda res: seen.append(len(res.failed_servers)))
+    assert started == ["off", "fixed-k3@L4.5", "fixed-k5@L4.5", "goodput@L4.5"]
+    assert [r["matrix"]["server"] for r in result.rows] == ["off", "fixed-k3@L4.5", "goodput@L4.5"]
+    assert [f["server"] for f in result.failed_servers] == ["fixed-k5@L4.5"]
+    assert "OutOfMemoryError" in result.failed_servers[0]["error"]
+    assert seen == [0, 0, 1, 1]
+
+
+def test_a_sweep_hands_its_rows_on_after_each_server(monkeypatch, tmp_path):
+    """The plain sweep saves as it goes, as the matrix does: a server that fails (or a
+    SIGTERM) later loses none of the rows before it."""
+
+    @contextmanager
+    def fake_server(args, log_path, env=None):
+        yield type("Server", (), {"url": "http://127.0.0.1:1"})()
+
+    def fake_benchmark(cfg, dataset, progress=True, desc=""):
+        return _row("x", "off", None, None, "closed", cfg.max_concurrency, 1.0)
+
+    monkeypatch.setattr(sweep, "ServerProcess", fake_server)
+    monkeypatch.setattr(sweep, "benchmark", fake_benchmark)
+    monkeypatch.setattr(sweep, "warm_up", lambda *a, **k: None)
+    data = {c: Dataset("d", [BenchPrompt("p", 4)] * 2) for c in (1, 2)}
+    plan = sweep.SweepPlan({"a": [], "b": ["--x"]}, [1, 2], 2, [], LoadConfig("http://h"),
+                           0, None, tmp_path)
+    saved = []
+    rows = sweep.run_sweep(plan, data, progress=False,
+                           on_server_done=lambda r: saved.append(len(r)))
+    assert saved == [2, 4] and len(rows) == 4

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 
 import pytest
 
@@ -88,6 +89,12 @@ specserve_requests_total{endpoint="/v1/completions",status="200"} 2.0
 specserve_generation_tokens_total 10.0
 specserve_spec_draft_tokens_total 4.0
 specserve_spec_accepted_tokens_total 2.0
+specserve_engine_step_duration_seconds_sum 1.0
+specserve_engine_step_duration_seconds_count 100.0
+specserve_engine_step_gap_seconds_sum 0.5
+specserve_engine_step_gap_seconds_count 100.0
+specserve_engine_loop_waits 3.0
+specserve_engine_loop_waits_by_reason_total{reason="sampled"} 3.0
 """
 _AFTER = """
 specserve_requests_total{endpoint="/v1/completions",status="200"} 5.0
@@ -108,6 +115,13 @@ specserve_spec_position_accepted_total{position="1"} 2.0
 specserve_engine_spec_policy_info{spec_policy="GoodputPolicy"} 1.0
 specserve_engine_spec_simulated_acceptance 0.0
 specserve_engine_spec_observed_goodput 123.5
+specserve_engine_step_duration_seconds_sum 2.0
+specserve_engine_step_duration_seconds_count 300.0
+specserve_engine_step_gap_seconds_sum 0.6
+specserve_engine_step_gap_seconds_count 300.0
+specserve_engine_loop_waits 10.0
+specserve_engine_loop_waits_by_reason_total{reason="sampled"} 4.0
+specserve_engine_loop_waits_by_reason_total{reason="mixed_draft_lens"} 6.0
 """
 
 
@@ -115,6 +129,10 @@ def test_metrics_difference_and_speculation_figures():
     fig = server_figures(parse_metrics(_BEFORE), parse_metrics(_AFTER))
     assert fig["requests_by_status"] == {"200": 3, "429": 1}
     assert fig["prompt_tokens"] == 30 and fig["generation_tokens"] == 30
+    assert fig["step_ms_mean"] == pytest.approx(5.0)
+    assert fig["step_gap_ms_mean"] == pytest.approx(0.5)
+    assert fig["loop_waits"] == 7
+    assert fig["loop_wait_reasons"] == {"sampled": 1, "mixed_draft_lens": 6}
     spec = fig["speculation"]
     assert spec["draft_tokens"] == 30 and spec["accepted_tokens"] == 15
     assert spec["acceptance_rate"] == 0.5
@@ -208,3 +226,86 @@ def test_a_run_with_failures_keeps_the_servers_log_tail(monkeypatch):
     monkeypatch.setattr(sweep, "benchmark", lambda *a, **k: fake_benchmark(*a, **k, failed=0))
     assert "server_log_tail" not in sweep.measure(None, None, "off", [], progress=False,
                                                   server=Server())  # fmt: skip
+
+
+def test_engine_loop_waits_by_reason_reach_the_bench():
+    """The server exports the loop's waits by reason as a labelled counter; the bench reads
+    them back into its server figures."""
+    from specserve.server.metrics import ServerMetrics
+
+    metrics = ServerMetrics()
+    stats = {"loop_waits": 0, "loop_wait_reasons": {}}
+    metrics.engine_stats = lambda: stats
+    before = parse_metrics(metrics.render().decode())
+    stats = {"loop_waits": 5, "loop_wait_reasons": {"sampled": 2, "host_drafts": 3}}
+    metrics.observe_steps([0.002, 0.004], [0.001, 0.001])
+    fig = server_figures(before, parse_metrics(metrics.render().decode()))
+    assert fig["loop_waits"] == 5
+    assert fig["loop_wait_reasons"] == {"host_drafts": 3, "sampled": 2}
+    assert fig["step_ms_mean"] == pytest.approx(3.0)
+    assert fig["step_gap_ms_mean"] == pytest.approx(1.0)
+
+
+def _wait_gone(pid: int, timeout_s: float = 30.0) -> bool:
+    import os
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        try:  # a zombie (our grandchild reparented to init, or to us) counts as gone
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().split()[2] == "Z":
+                    return True
+        except OSError:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signal: Linux")
+def test_a_killed_bench_leaves_no_server_behind(tmp_path):
+    """A bench killed outright (SIGKILL: no handler runs) takes its servers with it."""
+    import signal
+    import subprocess
+
+    script = tmp_path / "bench.py"
+    script.write_text(
+        "import subprocess, sys, time\n"
+        "from specserve.bench.server_process import _die_with_parent\n"
+        "p = subprocess.Popen(['sleep', '600'], preexec_fn=_die_with_parent,\n"
+        "                     start_new_session=True)\n"
+        "print(p.pid, flush=True)\n"
+        "time.sleep(600)\n")
+    bench = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    server_pid = int(bench.stdout.readline())
+    bench.send_signal(signal.SIGKILL)
+    bench.wait()
+    assert _wait_gone(server_pid)
+
+
+def test_sigterm_ends_the_bench_through_its_cleanup(tmp_path):
+    """SIGTERM (a timeout, a job scheduler) unwinds like an exception: `with` blocks stop
+    their servers and the exit status says how it ended."""
+    import signal
+    import subprocess
+
+    marker = tmp_path / "cleaned"
+    script = tmp_path / "bench.py"
+    script.write_text(
+        "import sys, time\n"
+        "from specserve.bench.server_process import terminate_as_exit\n"
+        "terminate_as_exit()\n"
+        "try:\n"
+        "    print('ready', flush=True)\n"
+        "    time.sleep(600)\n"
+        "finally:\n"
+        f"    open({str(marker)!r}, 'w').write('yes')\n")
+    bench = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    assert bench.stdout.readline().strip() == "ready"
+    bench.send_signal(signal.SIGTERM)
+    assert bench.wait(timeout=60) == 128 + signal.SIGTERM
+    assert marker.read_text() == "yes"

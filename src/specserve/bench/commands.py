@@ -187,6 +187,7 @@ def _sweep_setup(args: argparse.Namespace):
 
 
 def _sweep(args: argparse.Namespace) -> int:
+    from specserve.bench.server_process import terminate_as_exit
     from specserve.bench.sweep import (
         SweepPlan,
         markdown_table,
@@ -194,6 +195,9 @@ def _sweep(args: argparse.Namespace) -> int:
         run_sweep,
         write_outputs,
     )
+
+    terminate_as_exit()
+    from specserve.bench.report import save_json
 
     if args.matrix or args.matrix_file:
         return _matrix_sweep(args)
@@ -210,7 +214,6 @@ def _sweep(args: argparse.Namespace) -> int:
     datasets = {c: make_dataset(max(args.num_prompts, c)) for c in levels}
     plan = SweepPlan(configs, levels, args.num_prompts, server_args, load, args.warmup, env,
                      Path(args.log_dir) if args.log_dir else None)
-    rows = run_sweep(plan, datasets, progress=not args.no_progress)
     sweep = {
         "kind": "specserve-bench-sweep",
         "title": args.title or f"specserve {model_name}: {args.dataset} prompts, "
@@ -218,9 +221,15 @@ def _sweep(args: argparse.Namespace) -> int:
         **_run_header(model_name, server_args, env),
         "configs": configs,
         "concurrencies": levels,
-        "results": rows,
     }
-    paths = write_outputs(sweep, Path(args.output_dir), args.name or "sweep")
+    out_dir, stem = Path(args.output_dir), args.name or "sweep"
+
+    def save_partial(rows: list[dict]) -> None:  # a later server's failure loses nothing
+        save_json({**sweep, "partial": True, "results": rows}, out_dir / f"{stem}.json")
+
+    rows = run_sweep(plan, datasets, progress=not args.no_progress, on_server_done=save_partial)
+    sweep.update(partial=False, results=rows)
+    paths = write_outputs(sweep, out_dir, stem)
     print(markdown_table(rows))
     print("wrote " + ", ".join(str(p) for p in paths.values()))
     return 0 if all(r["completed"] for r in rows) else 1
@@ -266,22 +275,28 @@ def _matrix_sweep(args: argparse.Namespace) -> int:
         "skipped": skipped,
     }
 
-    def save_partial(rows: list[dict]) -> None:
+    def save_partial(result) -> None:
         # a matrix runs for an hour on a GPU: a server that fails later loses nothing before
-        save_json({**matrix, "partial": True, "results": rows,
-                   "ratios": point_ratios(rows, spec.acceptance)}, out_dir / f"{stem}.json")
+        save_json({**matrix, "partial": True, "results": result.rows,
+                   "failed_servers": result.failed_servers,
+                   "ratios": point_ratios(result.rows, spec.acceptance)},
+                  out_dir / f"{stem}.json")  # fmt: skip
 
-    rows, poisson = _wrap(lambda: run_matrix(plan, make_dataset, progress=not args.no_progress,
-                                             on_server_done=save_partial))
+    result = _wrap(lambda: run_matrix(plan, make_dataset, progress=not args.no_progress,
+                                      on_server_done=save_partial))
+    rows = result.rows
     ratios = point_ratios(rows, spec.acceptance)
-    matrix.update(partial=False, poisson_rates=[asdict(p) for p in poisson], results=rows,
-                  ratios=ratios)
+    matrix.update(partial=False, poisson_rates=[asdict(p) for p in result.poisson],
+                  results=rows, failed_servers=result.failed_servers, ratios=ratios)
     paths = write_matrix_outputs(matrix, out_dir, stem)
     for acceptance in spec.acceptance:
         here = [r for r in ratios if r["acceptance"] == acceptance]
         print(f"[matrix] acceptance {acceptance:g}: {ratio_summary(here)}")
+    for failed in result.failed_servers:
+        print(f"[matrix] server '{failed['server']}' did not start: its points are missing")
     print("wrote " + ", ".join(str(p) for p in paths.values()))
-    return 0 if all(r["completed"] == r["num_requests"] for r in rows) else 1
+    complete = all(r["completed"] == r["num_requests"] for r in rows)
+    return 0 if complete and not result.failed_servers else 1
 
 
 def _plot(args: argparse.Namespace) -> int:

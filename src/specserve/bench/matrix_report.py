@@ -104,17 +104,21 @@ def ratio_table(ratios: list[dict], configs: list[str]) -> str:
 def detail_table(rows: list[dict]) -> str:
     """Markdown: every run, with latency and what the server's /metrics counted."""
     head = ("| config | acceptance | point | requests ok/sent | output tok/s | TTFT p50 ms | "
-            "TPOT p50 ms | accept len | draft-length mix | load 1m |")
+            "TPOT p50 ms | step ms | waits | accept len | draft-length mix | load 1m |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         m = r["matrix"]
-        spec = (r.get("server") or {}).get("speculation") or {}
+        server = r.get("server") or {}
+        spec = server.get("speculation") or {}
         accept = spec.get("mean_acceptance_length")
         load = r.get("load_avg_1m") or [None]
+        waits = ", ".join(f"{k} {v}" for k, v in (server.get("loop_wait_reasons") or {}).items())
         cells = [m["config"], "all" if m["acceptance"] is None else f"{m['acceptance']:g}",
                  Point(m["arrival"], m["level"], m.get("rate_fraction")).label,
                  f"{r['completed']}/{r['num_requests']}", f"{r['output_throughput']:.1f}",
                  _ms(r["ttft_ms"]["p50"]), _ms(r["tpot_ms"]["p50"]),
+                 "-" if "step_ms_mean" not in server else f"{server['step_ms_mean']:.2f}",
+                 waits or str(server.get("loop_waits", "-")),
                  "-" if accept is None else f"{accept:.2f}", _mix(spec),
                  "-" if None in load else "→".join(f"{x:.1f}" for x in load)]
         lines.append("| " + " | ".join(cells) + " |")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import shlex
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from specserve.bench.datasets import Dataset
@@ -25,7 +25,7 @@ from specserve.bench.matrix import (
     poisson_points,
     requests_for,
 )
-from specserve.bench.server_process import ServerProcess
+from specserve.bench.server_process import ServerProcess, ServerStartError
 from specserve.bench.sweep import measure, warm_up
 
 
@@ -58,11 +58,22 @@ def off_peak_request_rate(rows: list[dict]) -> float | None:
     return max(rates, default=None)
 
 
+@dataclass
+class MatrixResult:
+    """The rows of every run, the Poisson points as resolved, and the servers that never
+    became healthy (name and the end of their log): their points are missing, the rest ran."""
+
+    rows: list[dict] = field(default_factory=list)
+    poisson: list[Point] = field(default_factory=list)
+    failed_servers: list[dict] = field(default_factory=list)
+
+
 def run_matrix(plan: MatrixPlan, make_dataset: Callable[[int], Dataset], progress: bool = True,
-               on_server_done: Callable[[list[dict]], None] | None = None,
-               ) -> tuple[list[dict], list[Point]]:
-    """Every server at every point; returns the rows and the Poisson points as resolved.
-    `on_server_done` gets the rows so far each time a server has served all its points."""
+               on_server_done: Callable[[MatrixResult], None] | None = None) -> MatrixResult:
+    """Every server at every point. `on_server_done` gets the result so far each time a
+    server has served all its points or failed to start (a matrix runs for an hour on a
+    GPU: one server that cannot start, e.g. out of memory at a large K, costs only its own
+    points)."""
     log_dir = plan.log_dir or Path(tempfile.mkdtemp(prefix="specserve-matrix-"))
     datasets: dict[int, Dataset] = {}
 
@@ -72,7 +83,8 @@ def run_matrix(plan: MatrixPlan, make_dataset: Callable[[int], Dataset], progres
             datasets[n] = make_dataset(n)
         return datasets[n]
 
-    rows: list[dict] = []
+    result = MatrixResult()
+    rows = result.rows
     closed = closed_points(plan.spec)
     poisson: list[Point] | None = None
     if not plan.spec.relative_rates:
@@ -81,7 +93,18 @@ def run_matrix(plan: MatrixPlan, make_dataset: Callable[[int], Dataset], progres
         flags = plan.server_args + run.flags
         print(f"[matrix] starting server '{run.name}': specserve serve {shlex.join(flags)}",
               flush=True)
-        with ServerProcess(flags, log_dir / f"{run.name}.log", env=plan.server_env) as server:
+        try:
+            started = ServerProcess(flags, log_dir / f"{run.name}.log", env=plan.server_env)
+        except ServerStartError as e:
+            error = str(e)
+            last = next((ln for ln in reversed(error.splitlines()) if ln.strip()), error)
+            print(f"[matrix] server '{run.name}' did not start, its points are left out: "
+                  f"{last.strip()[:300]}", flush=True)
+            result.failed_servers.append({"server": run.name, "error": error[-3000:]})
+            if on_server_done is not None:
+                on_server_done(result)
+            continue
+        with started as server:
             first = closed[0] if closed else (poisson or [Point("closed", 1)])[0]
             warm_up(plan.load, server, dataset(first).prompts[0], plan.warmup_requests)
             for point in closed:
@@ -92,9 +115,10 @@ def run_matrix(plan: MatrixPlan, make_dataset: Callable[[int], Dataset], progres
             for point in poisson:
                 rows.append(_measure_point(plan.load, server, run, point, dataset(point),
                                            progress))
+        result.poisson = poisson
         if on_server_done is not None:
-            on_server_done(rows)
-    return rows, poisson or []
+            on_server_done(result)
+    return result
 
 
 def _measure_point(load: LoadConfig, server: ServerProcess, run: ServerRun, point: Point,

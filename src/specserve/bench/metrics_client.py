@@ -120,9 +120,29 @@ def server_figures(before: dict | None, after: dict | None) -> dict | None:
         value = _counter(before, after, key)
         if value is not None:
             out[key] = int(value)
+    out.update(step_figures(before, after))
     spec = speculation_figures(before, after)
     if spec:
         out["speculation"] = spec
+    return out
+
+
+def step_figures(before: dict, after: dict) -> dict:
+    """How the engine's steps went during the run: mean step time and idle gap between
+    steps (ms, from specserve's histograms), and the steps launched only after the previous
+    step's tokens reached the host (overlap lost), in all and by reason."""
+    out: dict = {}
+    for key, name in (("step_ms_mean", "specserve_engine_step_duration_seconds"),
+                      ("step_gap_ms_mean", "specserve_engine_step_gap_seconds")):
+        total, count = _delta(before, after, name + "_sum"), _delta(before, after, name + "_count")
+        if total is not None and count:
+            out[key] = 1000.0 * total / count
+    waits = _delta(before, after, "specserve_engine_loop_waits")
+    if waits is not None:
+        out["loop_waits"] = int(waits)
+        reasons = _by_label(before, after, "specserve_engine_loop_waits_by_reason_total", "reason")
+        if reasons:
+            out["loop_wait_reasons"] = reasons
     return out
 
 

@@ -25,6 +25,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _die_with_parent() -> None:
+    """In the child before exec (Linux): SIGTERM when the bench dies, however it dies (a
+    killed bench must not leave a server holding the GPU's memory)."""
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
+def terminate_as_exit() -> None:
+    """SIGTERM ends this process as an exception would (exit status 143), so that servers
+    are stopped and finished results written on the way out."""
+
+    def handler(signum, frame):
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, handler)
+
+
 class ServerProcess:
     """Starts `specserve serve ARGS` in its own process group, waits for /health, and stops it
     with SIGTERM (then SIGKILL of its group) on `stop` or when used as a context manager."""
@@ -42,6 +61,7 @@ class ServerProcess:
         self.proc = subprocess.Popen(
             self.cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
             env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})},
+            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
         )
         try:
             self._wait_healthy(start_timeout_s)

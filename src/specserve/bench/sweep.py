@@ -13,6 +13,7 @@ import os
 import platform
 import shlex
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -107,15 +108,20 @@ def measure(cfg: LoadConfig, dataset: Dataset, label: str, flags: list[str],
     report["load_avg_1m"] = [load_before, _load_avg()]
     report["label"] = label
     report["server_flags"] = flags
+    steps = report.get("server") or {}
+    step_ms = f"  step {steps['step_ms_mean']:.2f} ms" if "step_ms_mean" in steps else ""
+    waits = f"  waits {steps['loop_waits']}" if "loop_waits" in steps else ""
     print(f"[sweep] {desc or label:>24} {report['output_throughput']:8.1f} tok/s  "
           f"p50 ITL {_ms(report['itl_ms']['p50'])} ms  "
-          f"p50 TPOT {_ms(report['tpot_ms']['p50'])} ms  "
+          f"p50 TPOT {_ms(report['tpot_ms']['p50'])} ms{step_ms}{waits}  "
           f"errors {report['failed']}", flush=True)
     return report
 
 
-def run_sweep(plan: SweepPlan, datasets: dict[int, Dataset], progress: bool = True) -> list[dict]:
-    """Every configuration at every concurrency; returns one report per (config, level)."""
+def run_sweep(plan: SweepPlan, datasets: dict[int, Dataset], progress: bool = True,
+              on_server_done: Callable[[list[dict]], None] | None = None) -> list[dict]:
+    """Every configuration at every concurrency; returns one report per (config, level).
+    `on_server_done` gets the reports so far after each server (to save them as it goes)."""
     log_dir = plan.log_dir or Path(tempfile.mkdtemp(prefix="specserve-sweep-"))
     rows = []
     for name, flags in plan.configs.items():
@@ -129,6 +135,8 @@ def run_sweep(plan: SweepPlan, datasets: dict[int, Dataset], progress: bool = Tr
                 cfg = replace(plan.load, base_url=server.url, max_concurrency=c)
                 rows.append(measure(cfg, datasets[c], name, flags, progress, f"{name} c={c}",
                                     server))  # fmt: skip
+        if on_server_done is not None:
+            on_server_done(rows)
     return rows
 
 

@@ -152,6 +152,15 @@ _ENGINE_LISTS = {
 }
 
 
+# Engine stats that are {label: count} dicts, exported as labelled counters.
+_ENGINE_DICTS = {
+    "loop_wait_reasons": (
+        "specserve_engine_loop_waits_by_reason", "reason",
+        "steps launched only after the previous step's tokens reached the host, by reason",
+    ),
+}
+
+
 class _EngineCollector:
     """Reads the engine's latest stats at scrape time."""
 
@@ -175,6 +184,12 @@ class _EngineCollector:
                 family = CounterMetricFamily(name, doc, labels=[label])
                 for i, v in enumerate(value):
                     family.add_metric([str(i)], v)
+                yield family
+            elif key in _ENGINE_DICTS and isinstance(value, dict):
+                name, label, doc = _ENGINE_DICTS[key]
+                family = CounterMetricFamily(name, doc, labels=[label])
+                for k, v in sorted(value.items()):
+                    family.add_metric([str(k)], v)
                 yield family
             elif isinstance(value, str):  # e.g. the policy's name
                 family = GaugeMetricFamily(f"specserve_engine_{safe}_info", f"engine {key}",
