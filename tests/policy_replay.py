@@ -15,7 +15,10 @@ from specserve.spec.step_periods import PeriodLog
 
 
 class ReplayRequest:
-    """What the policy reads of a request: its id and how many drafts it can still use."""
+    """What the policy reads of a request: its id, how many drafts it can still use and
+    (while dormant) its drafter's backlog, none here (decode-only: the drafter keeps up)."""
+
+    drafter_backlog = 0
 
     def __init__(self, request_id: str, left: int):
         self.request_id, self.left = request_id, left

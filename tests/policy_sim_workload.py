@@ -47,7 +47,8 @@ class Noise:
 
 @dataclass
 class SimRequest:
-    """What the policy reads of a request (`request_id`, `max_useful_drafts`) and its truth."""
+    """What the policy reads of a request (`request_id`, `max_useful_drafts`,
+    `drafter_backlog`: none in decode-only steps, the drafter keeps up) and its truth."""
 
     request_id: str
     length: int
@@ -57,6 +58,7 @@ class SimRequest:
     hard: bool = False
     drafted: bool = False
     hard_until: int = 0  # tokens: a hard start (the opening of an answer)
+    drafter_backlog: int = 0
 
     @property
     def max_useful_drafts(self) -> int:

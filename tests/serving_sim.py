@@ -70,6 +70,17 @@ ATTN_MS_PER_CONTEXT_TOKEN = KV_BYTES_PER_TOKEN_8B / ATTN_BYTES_PER_MS
 HOST_MS = 0.2
 HOST_MS_PER_ROW = 0.002
 
+# The drafter's upkeep while speculation is on (any policy but off): the EAGLE-3 head takes
+# every prompt token in the steps that prefill it (`catch_up_prefill`) and every token
+# decoded without drafts sooner or later (ride-alongs every CATCH_UP_STEPS tokens, or the
+# catch-up when drafting resumes), and its fc projects every token's auxiliary hidden states
+# into the feature store. One head layer costs ~2.6% of the 8B target per token (0.60 ms at
+# 1,024 tokens against the target's 45.98 ms at 2,048), its fc about a fifth of that. At
+# C=512, L=1.5 on the H200 goodput ran 91% of its steps at K=0 and reached 0.948 of plain
+# decoding: this upkeep is most of what it paid there.
+HEAD_MS_PER_TOKEN = HEAD_8B[1024] / 1024
+FEATURE_MS_PER_TOKEN = HEAD_MS_PER_TOKEN / 5
+
 TARGET = CurveModel(H200_8B)
 DRAFTER = CurveModel(HEAD_8B)
 POLICIES = ("off", 1, 2, 3, "goodput")
@@ -96,13 +107,20 @@ class ServingRegime:
         return rate_for_mean_accept_len(self.accept_len, K_MAX)
 
 
-def step_ms(decode_rows: int, k: int, prefill_tokens: int, context_tokens: int) -> float:
+def step_ms(decode_rows: int, k: int, prefill_tokens: int, context_tokens: int,
+            catch_up_tokens: int = 0, features: bool = False) -> float:  # fmt: skip
     """The true cost of a step: `decode_rows` rows padded to K drafts (CUDA graphs verify a
     step at its longest draft), `prefill_tokens` of prompt chunks, `context_tokens` the decode
-    rows' summed context (their KV read by attention)."""
-    ms = TARGET(decode_rows * (k + 1) + prefill_tokens)
+    rows' summed context (their KV read by attention); with speculation on, the tokens the
+    drafter catches up on beyond its draft passes' own and (`features`) every token's
+    features."""
+    tokens = decode_rows * (k + 1) + prefill_tokens
+    ms = TARGET(tokens)
     if k:
         ms += k * DRAFTER(decode_rows)
+    ms += HEAD_MS_PER_TOKEN * catch_up_tokens
+    if features:
+        ms += FEATURE_MS_PER_TOKEN * tokens
     rows = decode_rows + (1 if prefill_tokens else 0)  # prefill chunks: one launch
     return ms + ATTN_MS_PER_CONTEXT_TOKEN * context_tokens + HOST_MS + HOST_MS_PER_ROW * rows
 
@@ -227,7 +245,20 @@ def simulate(name: str | int, regime: ServingRegime, seed: int = 0, drain: bool 
                     k = s.draft_len
             else:
                 prefill += s.num_tokens
-        ms = step_ms(rows, k, prefill, context)
+        # The drafter's upkeep, as the step loop keeps it (`Speculator.keeps_drafter`):
+        # while kept, every request's new tokens (prompt chunks, tokens decoded without
+        # drafts: ride-alongs, amortized); a drafting request catches up on what it has
+        # not seen beyond its draft pass's own K + 1 tokens.
+        keeps = asked is not None and not getattr(policy, "dormant", False)
+        catch_up = 0
+        for s in batch if asked is not None else ():
+            req = s.request
+            if keeps or s.draft_len:
+                seen_to = req.cached_len + s.num_tokens - 1
+                extra = seen_to - req.draft_cached_len - (s.draft_len + 1 if s.draft_len else 0)
+                catch_up += max(0, extra)
+                req.draft_cached_len = max(req.draft_cached_len, seen_to)
+        ms = step_ms(rows, k, prefill, context, catch_up, features=asked is not None)
         clock += ms
         sampling = [s for s in batch if s.samples]  # (before the chunks are cached)
         for s in batch:

@@ -34,6 +34,7 @@ H200_CURVE = CurveModel(H200)
 class FakeRequest:
     request_id: str
     max_useful_drafts: int = 100
+    drafter_backlog: int = 0
 
 
 def _policy(curve=H200, drafter=HEAD, alpha=0.7, k_max=4, padded=True):

@@ -206,3 +206,60 @@ def test_bounded_passes_keep_every_token_once_in_order():
             seg.start + sum(len(s.token_ids) for _, s in pieces[:i]) for i in range(len(pieces))]
         assert len({n for n, _ in pieces}) == len(pieces)  # one piece per pass, passes in order
         assert [n for n, _ in pieces] == sorted(n for n, _ in pieces)
+
+
+class _DormantThenDrafting(PerRequestPolicy):
+    """Plain decoding and a dormant drafter for the first tokens of every request, then K=3
+    (the goodput policy's dormancy, forced)."""
+
+    def __init__(self, plain_tokens: int):
+        super().__init__(3, lambda r: 0 if r.num_generated < plain_tokens else 3)
+        self.plain_tokens = plain_tokens
+        self.dormant = True
+
+    def choose(self, reqs, load=None):
+        ks = super().choose(reqs) if load is None else super().choose(reqs, load)
+        self.dormant = not any(ks)
+        return ks
+
+
+def test_a_dormant_drafter_takes_no_upkeep_and_drafts_exactly_after_waking(setup):
+    """While the policy is dormant the EAGLE-3 head takes neither prompt chunks nor
+    ride-alongs (threshold at its default, the pause longer than it); the first drafting
+    step catches up on everything, in bounded passes, and output and acceptance equal those
+    of drafting all along."""
+    from specserve.spec.eagle3 import Eagle3Proposer
+
+    target, drafters, prompts = setup
+    kw = dict(speculative_algorithm="eagle3", speculative_draft_model_path=drafters["eagle3"],
+              speculative_num_steps=3, speculative_policy="fixed", max_num_batched_tokens=16)
+    params = SamplingParams(max_tokens=160, temperature=0.0, ignore_eos=True)
+    always = LLM(target, **kw)
+    ref = _record(always)
+    plain = always.generate(prompts, params)
+
+    late = LLM(target, **kw)
+    late.engine.spec.policy = _DormantThenDrafting(140)  # past CATCH_UP_STEPS (128)
+    got = _record(late)
+    proposer, upkeep = late.engine.spec.proposer, []
+    catch_up = Eagle3Proposer.catch_up_prefill
+    proposer.catch_up_prefill = lambda items: (upkeep.append(len(items)),
+                                               catch_up(proposer, items))
+    propose, policy, ride_alongs = proposer.propose, late.engine.spec.policy, []
+
+    def spied(items, prev=None):
+        if policy.dormant:
+            ride_alongs.extend(it for it in items if it.draft_len == 0)
+        return propose(items, prev)
+
+    proposer.propose = spied
+    assert late.engine.spec.keeps_drafter is False
+    outs = late.generate(prompts, params)
+    assert upkeep == []  # no prompt chunk caught up while dormant (nor after: none left)
+    assert ride_alongs == []
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    by_key = {(r, length, k): a for r, length, k, a in ref}
+    matched = [(tuple(g[:3]), g[3]) for g in got if tuple(g[:3]) in by_key]
+    assert len(matched) >= 3
+    for key, a in matched:
+        assert by_key[key] == a

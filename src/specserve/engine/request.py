@@ -110,6 +110,12 @@ class Request:
         return known[start - prompt : end - prompt]
 
     @property
+    def drafter_backlog(self) -> int:
+        """Committed tokens the drafter has not taken yet: what it catches up on when the
+        request next drafts (an EAGLE-3 head's pairs end one token short)."""
+        return max(0, self.committed_len - 1 - self.draft_cached_len)
+
+    @property
     def num_generated(self) -> int:
         return len(self.output_token_ids) + len(self.unprocessed_token_ids) + self.num_inflight
 

@@ -105,10 +105,13 @@ class StepLoop:
 
     def _drafting(self, batch: list[ScheduledRequest]) -> list[ScheduledRequest]:
         """The requests the proposer runs for: drafting, or catching the drafter up (not
-        when the policy never drafts: the drafter's state would never be read)."""
+        when the policy never drafts or is dormant: the drafter's state would not be read
+        soon)."""
         spec = self.engine.spec
         if spec is None or not spec.may_draft:
             return []
+        if not spec.keeps_drafter:
+            return [s for s in batch if s.draft_len > 0]
         wants = spec.proposer.wants_catch_up
         return [s for s in batch if s.draft_len > 0 or (s.decoding and wants(s.request))]
 
@@ -190,7 +193,7 @@ class StepLoop:
         # device order), and each sampled request has at least one token in flight.
         for s in batch:
             s.request.cached_len += s.num_tokens
-        if spec is not None and spec.may_draft:  # after the draw: its copy is not delayed
+        if spec is not None and spec.keeps_drafter:  # after the draw: its copy is not delayed
             prefilled = [s for s in batch if not s.decoding]
             if prefilled:
                 spec.proposer.catch_up_prefill(prefilled)

@@ -256,6 +256,16 @@ class StepCostModel:
             return 0.0
         return self.switch_costs(n)[direction(k_from, k_to)]
 
+    def catch_up_ms(self, tokens: int) -> float:
+        """A drafter's catch-up over `tokens` tokens (bounded passes of many tokens each):
+        its per-token cost at the largest batch start-up measured, where a pass costs
+        about in proportion to its tokens; 0 without a drafter curve."""
+        drafter = self.drafter
+        if drafter is None or tokens <= 0:
+            return 0.0
+        largest = drafter.sizes[-1]
+        return drafter(largest) / largest * tokens
+
     def switch_costs(self, n: int, plain_ms: float | None = None) -> dict[str, float]:
         """switch_ms by direction ("up", "down", "lateral") at batch size n. A bucket without
         measurements borrows the nearest measured bucket's; unmeasured anywhere: switching

@@ -243,9 +243,9 @@ class Eagle3Proposer(Proposer):
             if end > start:
                 segments.append(Segment(req.page_table, start, req.token_ids(start + 1, end + 1)))
                 req.draft_cached_len = end
-        if segments:
-            with torch.inference_mode():
-                self._pass(segments, None, logits=False)
+        with torch.inference_mode():  # (after a dormant stretch: the whole prompt so far)
+            for group in bounded_passes(segments, self.max_pass_tokens):
+                self._pass(group, None, logits=False)
 
     def wants_catch_up(self, req) -> bool:
         """Bound the catch-up a request will need: after CATCH_UP_STEPS generated tokens

@@ -20,6 +20,9 @@ _request_id = attrgetter("request_id")
 _max_useful_drafts = attrgetter("max_useful_drafts")
 
 
+_unseen = attrgetter("drafter_backlog")
+
+
 class GoodputPolicy(SpeculationPolicy):
     """One draft length K per step, the one with the most expected committed tokens per
     millisecond: sum_r E_r[tokens | min(K, cap_r) drafts] / period(batch, K).
@@ -57,6 +60,15 @@ class GoodputPolicy(SpeculationPolicy):
     has drafted yet (their acceptance is only the global estimate). A K never measured at
     any batch size is measured at once. A K > 0 whose expected gain is under PROBE_MIN_GAIN
     tokens per request is not probed.
+
+    Dormancy: keeping the drafter ready costs even while it does not draft (an EAGLE-3 head
+    takes every prompt token and every plain-decoded token, a few percent of the target's
+    work on the 8B shape). After DORMANT_AFTER decisions in a row for K=0 (probes aside)
+    the policy is `dormant`: the engine stops that upkeep, and every K > 0 is priced with
+    the catch-up it would cost (the batch's unseen tokens at the drafter's per-token cost,
+    on top of the switch) until a decision for K > 0 wakes it. A probe drafts without
+    waking it, on the DORMANT_PROBE_ROWS requests with the least to catch up (its catch-up
+    is the probe's own switch cost).
     """
 
     HYSTERESIS = 0.03
@@ -77,6 +89,9 @@ class GoodputPolicy(SpeculationPolicy):
     PROBE_MIN_GAIN = 0.1
     REQUEST_PROBE_EVERY = 32
     PROBE_MIN_ALPHA = 0.1
+    DORMANT_AFTER = 64
+    DORMANT_PROBE_ROWS = 16  # requests a probe drafts on while dormant
+    WAKE_STEPS = 256
 
     def __init__(self, k_max: int, cost: StepCostModel, acceptance: AcceptanceModel):
         super().__init__(k_max)
@@ -91,6 +106,8 @@ class GoodputPolicy(SpeculationPolicy):
         self._idle: dict[str, int] = {}  # steps each request was trimmed (unpadded)
         self._running_k: int | None = None  # the last step's K unless it was a probe
         self.rate = ServingRate()  # the server's tokens per ms: prices steps with prefill
+        self.dormant = False  # the drafter's upkeep is stopped (see the class docstring)
+        self._plain_decisions = 0  # decisions for K=0 in a row (probes aside)
 
     def choose(self, reqs, load: StepLoad = NO_LOAD):
         n = len(reqs)
@@ -139,7 +156,16 @@ class GoodputPolicy(SpeculationPolicy):
             current = self._preferred.get(bucket)
         # (an unmeasured switch is priced at a plain decode step's period: without prefill)
         sw = self.cost.switch_costs(n, None if extra_tokens else costs[0])
-        switch = there_and_back_row(sw, current, k_top)  # leaving it pays a switch and back
+        base_switch = there_and_back_row(sw, current, k_top)  # leaving it: a switch and back
+        switch, wake, probe_wake = base_switch, 0.0, 0.0
+        if self.dormant:  # drafting first costs the batch's catch-up (a probe: its rows')
+            unseen = sorted(map(_unseen, reqs))
+            # (the catch-up is upkeep deferred, not lost: a wake's is spread over
+            # WAKE_STEPS steps, a request's life, where a switch's over DWELL_STEPS)
+            spread = self.DWELL_STEPS / self.WAKE_STEPS
+            wake = spread * self.cost.catch_up_ms(sum(unseen))
+            probe_wake = spread * self.cost.catch_up_ms(sum(unseen[: self.DORMANT_PROBE_ROWS]))
+            switch = [ms + wake if k else ms for k, ms in enumerate(base_switch)]
         if extra_tokens and self.rate.ready:
             # A step carrying prefill: ranked by its marginal tokens, never a probe (its
             # period measures no K; a probe under way resumes at the next decode step).
@@ -150,12 +176,32 @@ class GoodputPolicy(SpeculationPolicy):
             best = self._preferred_k(bucket, current, tokens, ranking, switch, n)
             # Requests that never drafted have the global estimate only, and while plain
             # decoding is preferred nothing would tell otherwise: drafting is probed soon.
-            unknown = best == 0 and not any(map(self.acceptance.has_observations,
-                                                (r.request_id for r in reqs)))  # fmt: skip
-            back = switch if best == current else there_and_back_row(sw, best, k_top)
+            # (Not while dormant: requests admitted then never drafted, by design.)
+            unknown = best == 0 and not self.dormant and not any(map(
+                self.acceptance.has_observations, (r.request_id for r in reqs)))  # fmt: skip
+            back = base_switch if best == current else there_and_back_row(sw, best, k_top)
+            if probe_wake:
+                back = [ms + probe_wake if k else ms for k, ms in enumerate(back)]
             k, probe = self._probe_k(bucket, best, n, tokens, ranking, back, cells, unknown)
             self._last_run[(bucket, k)] = self._bucket_steps[bucket]
         self._running_k = None if probe else k
+        if not probe:
+            self._plain_decisions = self._plain_decisions + 1 if k == 0 else 0
+            self.dormant = self._plain_decisions >= self.DORMANT_AFTER
+        elif self.dormant and k and wake > probe_wake:
+            # A probe while dormant drafts on the requests the drafter has seen most of: a
+            # padded step's period is the same, their catch-up far shorter than everyone's
+            # (and every request drafts whose catch-up fits a draft pass's own shape).
+            ks = [0] * n
+            order = sorted(range(n), key=lambda i: _unseen(reqs[i]))
+            for rank, i in enumerate(order):
+                if rank >= self.DORMANT_PROBE_ROWS and _unseen(reqs[i]) > 2 * (k + 1):
+                    break
+                ks[i] = min(k, caps[i])
+            self.predicted_tokens = sum(c[d] for c, d in zip(cums, ks))
+            self.predicted_ms = self.cost.step_ms(ks, extra_tokens)
+            return self._decided(ks, probe=True, tokens=tokens, period_ms=ranking,
+                                 switch_ms=switch)  # fmt: skip
         if trimmed is None and self.cost.padded:
             # Drafts past a request's cap cost nothing in a padded step (K <= the largest
             # cap) and their tokens are dropped; one draft length for every request lets the

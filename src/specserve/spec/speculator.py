@@ -68,6 +68,13 @@ class Speculator:
         return not isinstance(self.policy, OffPolicy)
 
     @property
+    def keeps_drafter(self) -> bool:
+        """Whether the drafter is kept up to date as requests go (prompt chunks and
+        ride-alongs caught up): unless no step drafts (off) or the policy is dormant (it
+        has chosen plain decoding for long; the drafter catches up when drafting resumes)."""
+        return self.may_draft and not getattr(self.policy, "dormant", False)
+
+    @property
     def scheduling_policy(self) -> SpeculationPolicy | None:
         """The policy the scheduler asks for draft lengths (None: every K is 0)."""
         return self.policy if self.may_draft else None
