@@ -76,13 +76,13 @@ SMALL = Regime("small", SMALL_TARGET, SMALL_HEAD, 1.10, 0.012, 1.20, 0.25, 0.03,
 # A 4 ms GPU-bound step: host work mostly hidden, speculation 2x at batch 1, 1.5x at 64, and
 # a loss at 256 (verify of 1024 tokens).
 LARGE = Regime("large", H200_8B, HEAD_8B, 1.0, 0.01, 1.3, 0.25, 0.03, 0.01)
-# SmolLM2-135M + its EAGLE-3 head on the H200 as measured (docs/benchmarks/
-# gpu_default_model_run5_goodput_trace.json), host-bound throughout: steady periods at batch
-# 1 of 0.975 ms plain and 1.82 ms at K=3 (about flat in K), at 8 of 1.08 and 2.19, at 64 of
-# 1.92 and 5.2 (plain decoding wins there by a few percent). The step before a change of K
-# carries most of the change (its successor's launch ran before it resolved): a drafting step
-# before a plain one is 0.6 ms short, a plain step before drafting 3.5-6.5 ms long (the
-# drafter's eager catch-up after a long plain run); the first plain steps are 0.17 ms short.
+# SmolLM2-135M + its EAGLE-3 head on the H200 as measured (gpu_default_model_run5_goodput_
+# trace.json, in git history), host-bound throughout: steady periods at batch 1 of 0.975 ms
+# plain and 1.82 ms at K=3 (about flat in K), at 8 of 1.08 and 2.19, at 64 of 1.92 and 5.2
+# (plain decoding wins there by a few percent). The step before a change of K carries most of
+# the change (its successor's launch ran before it resolved): a drafting step before a plain
+# one is 0.6 ms short, a plain step before drafting 3.5-6.5 ms long (the drafter's eager
+# catch-up after a long plain run); the first plain steps are 0.17 ms short.
 MEASURED = Regime("measured", SMALL_TARGET, SMALL_HEAD, 0.96, 0.015, 1.70, 0.02, 0.03, 0.008,
                   stall_share=0.1, down_share=-0.35, eager_ms=3.5, early_share=0.0,
                   next_launch_share=0.7, catch_up_before=True, prompt_catch_up=False)
