@@ -3,6 +3,8 @@ fraction of the free device memory less the drafter's weights, shared with its K
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -17,8 +19,9 @@ CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
 
 def _pages(device=CPU, **kw):
-    return kv_cache_pages(EngineConfig(speculative_algorithm="none", **kw), CFG,
-                          torch.float32, device)  # fmt: skip
+    # (without CUDA graphs: their outputs' share is test_..._every_graphs_outputs's)
+    config = EngineConfig(speculative_algorithm="none", disable_cuda_graph=True, **kw)
+    return kv_cache_pages(config, CFG, torch.float32, device)
 
 
 def test_explicit_sizes_and_the_cpu_default():
@@ -60,7 +63,8 @@ def test_cuda_budget_leaves_room_for_the_eagle3_head(monkeypatch, tmp_path_facto
     free = 1000 * page + weights
     _fake_cuda(monkeypatch, free, 2 * free)
     config = EngineConfig(model=str(target), speculative_algorithm="eagle3",
-                          speculative_draft_model_path=str(head), kv_cache_memory_fraction=1.0)
+                          speculative_draft_model_path=str(head), kv_cache_memory_fraction=1.0,
+                          disable_cuda_graph=True)
     assert kv_cache_pages(config, cfg, torch.float32, CUDA) == 1000 * page // (page + head_page)
 
 
@@ -79,3 +83,32 @@ def test_cuda_memory_too_small_for_one_sequence_is_refused(monkeypatch):
     with pytest.raises(ConfigError, match="kv-cache-memory-fraction"):
         _pages(CUDA)
     assert _pages(CUDA, max_model_len=64) == 9  # a shorter context fits
+
+
+def test_cuda_budget_leaves_room_for_every_graphs_outputs(monkeypatch):
+    """Each captured (batch bucket, tokens per request) keeps its outputs alive in the
+    graph pool (logits, hidden states, tokens): the KV budget leaves room for all of them,
+    more at a larger K (K=5 ran out of memory at start-up on the H200 without this)."""
+    from specserve.engine.kv_cache import graph_output_bytes
+
+    eight_b = replace(CFG, vocab_size=128256, hidden_size=4096)
+    k3 = EngineConfig(speculative_algorithm="ngram", speculative_num_steps=3)
+    k5 = EngineConfig(speculative_algorithm="ngram", speculative_num_steps=5)
+    # buckets 1, 2, 4, 8, 16, 32, ..., 256: 2,191 requests; q = 1..K+1 tokens each
+    assert graph_output_bytes(k3, eight_b, torch.bfloat16) == 2191 * 10 * (
+        (128256 + 4096) * 2 + 16)
+    assert graph_output_bytes(k5, eight_b, torch.bfloat16) == 2191 * 21 * (
+        (128256 + 4096) * 2 + 16)
+    assert graph_output_bytes(replace(k5, disable_cuda_graph=True), eight_b,
+                              torch.bfloat16) == 0  # fmt: skip
+    plain = EngineConfig(speculative_algorithm="none", max_num_seqs=4)
+    reserve = graph_output_bytes(plain, CFG, torch.float32)
+    assert reserve == (1 + 2 + 4) * 1 * ((CFG.vocab_size + CFG.hidden_size) * 4 + 16)
+    _fake_cuda(monkeypatch, 1000 * PAGE, 4000 * PAGE)
+    long_cfg = replace(CFG, max_position_embeddings=4000)  # no full-context cap here
+    config = EngineConfig(speculative_algorithm="none", max_num_seqs=4,
+                          kv_cache_memory_fraction=1.0)
+    assert kv_cache_pages(replace(config, disable_cuda_graph=True), long_cfg, torch.float32,
+                          CUDA) == 1000  # fmt: skip
+    with_graphs = kv_cache_pages(config, long_cfg, torch.float32, CUDA)
+    assert with_graphs == (1000 * PAGE - reserve) // PAGE < 1000
