@@ -42,6 +42,16 @@ def _record(llm):
     return seen
 
 
+def _assert_same_acceptance(ref, got):
+    """Drafts depend only on the committed context: at the same (request, length) with the
+    same draft length the same number of drafts is accepted, whatever came before."""
+    by_key = {(r, length, k): a for r, length, k, a in ref}
+    matched = [(tuple(g[:3]), g[3]) for g in got if tuple(g[:3]) in by_key]
+    assert len(matched) >= 3
+    for key, a in matched:
+        assert by_key[key] == a
+
+
 @pytest.mark.parametrize("algo, ride_along", [("draft", False), ("eagle3", False),
                                                ("eagle3", True)])
 def test_acceptance_after_pause_equals_acceptance_without(setup, algo, ride_along, monkeypatch):
@@ -73,13 +83,7 @@ def test_acceptance_after_pause_equals_acceptance_without(setup, algo, ride_alon
     assert bool(catch_ups) == ride_along
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
 
-    # Drafts depend only on the committed context, so at the same (request, length) with the
-    # same draft length the same number of drafts is accepted, pause or not.
-    by_key = {(r, length, k): a for r, length, k, a in ref}
-    matched = [(tuple(g[:3]), g[3]) for g in got if tuple(g[:3]) in by_key]
-    assert len(matched) >= 3
-    for key, a in matched:
-        assert by_key[key] == a
+    _assert_same_acceptance(ref, got)
 
 
 def test_per_request_speculation_state_is_dropped(setup):
@@ -183,11 +187,7 @@ def test_long_catch_ups_run_in_bounded_passes(setup, algo):
     bound = 16 + len(prompts) * (3 + 2)
     assert passes and max(passes) <= bound
     assert sum(passes) > bound  # the catch-up was longer than one pass may take
-    by_key = {(r, length, k): a for r, length, k, a in ref}
-    matched = [(tuple(g[:3]), g[3]) for g in got if tuple(g[:3]) in by_key]
-    assert len(matched) >= 3
-    for key, a in matched:
-        assert by_key[key] == a
+    _assert_same_acceptance(ref, got)
 
 
 def test_bounded_passes_keep_every_token_once_in_order():
@@ -258,8 +258,4 @@ def test_a_dormant_drafter_takes_no_upkeep_and_drafts_exactly_after_waking(setup
     assert upkeep == []  # no prompt chunk caught up while dormant (nor after: none left)
     assert ride_alongs == []
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
-    by_key = {(r, length, k): a for r, length, k, a in ref}
-    matched = [(tuple(g[:3]), g[3]) for g in got if tuple(g[:3]) in by_key]
-    assert len(matched) >= 3
-    for key, a in matched:
-        assert by_key[key] == a
+    _assert_same_acceptance(ref, got)

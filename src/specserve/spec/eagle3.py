@@ -132,13 +132,17 @@ class Eagle3Proposer(Proposer):
         the step's own pass then takes one host pair and the step in flight's tokens per
         request, a captured shape."""
         k = max(it.draft_len for it in items)
-        pending = sum(it.request.committed_len - 1 - it.request.draft_cached_len for it in items)
-        if pending + len(items) * (k + 2) <= self.max_pass_tokens:
-            return
+        pending = sum(it.request.drafter_backlog for it in items)
+        if pending + len(items) * (k + 2) > self.max_pass_tokens:
+            self._catch_up_pairs([(it.request, it.request.committed_len - 2) for it in items])
+
+    def _catch_up_pairs(self, ends) -> None:
+        """Head passes (no logits, at most `max_pass_tokens` tokens each) over every pair
+        from each request's drafter position to `end` (request, end), which becomes its
+        drafter position: the pair at `end` is left to the next pass."""
         segments = []
-        for it in items:
-            req = it.request
-            start, end = req.draft_cached_len, req.committed_len - 2
+        for req, end in ends:
+            start = req.draft_cached_len
             if end > start:
                 segments.append(Segment(req.page_table, start, req.token_ids(start + 1, end + 1)))
                 req.draft_cached_len = end
@@ -236,16 +240,8 @@ class Eagle3Proposer(Proposer):
         step catches up exactly one pair (a captured shape) instead of the whole prompt (an
         eager extend), also when the prefill stopped one token short of the end (the next
         step feeds that token as a decode and drafts from the pair before it)."""
-        segments = []
-        for it in items:
-            req = it.request
-            start, end = req.draft_cached_len, req.cached_len - 1
-            if end > start:
-                segments.append(Segment(req.page_table, start, req.token_ids(start + 1, end + 1)))
-                req.draft_cached_len = end
         with torch.inference_mode():  # (after a dormant stretch: the whole prompt so far)
-            for group in bounded_passes(segments, self.max_pass_tokens):
-                self._pass(group, None, logits=False)
+            self._catch_up_pairs([(it.request, it.request.cached_len - 1) for it in items])
 
     def wants_catch_up(self, req) -> bool:
         """Bound the catch-up a request will need: after CATCH_UP_STEPS generated tokens
