@@ -18,9 +18,7 @@ from specserve.spec.switch_costs import there_and_back_row
 
 _request_id = attrgetter("request_id")
 _max_useful_drafts = attrgetter("max_useful_drafts")
-
-
-_unseen = attrgetter("drafter_backlog")
+_unseen = attrgetter("drafter_backlog")  # tokens a request's drafter has yet to catch up on
 
 
 class GoodputPolicy(SpeculationPolicy):
