@@ -78,7 +78,7 @@ def _add_serve_parser(sub) -> None:
     from specserve.server.config import ServerConfig as D  # defaults come from the dataclass
 
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (FastAPI + uvicorn)")
-    add_engine_args(srv)
+    advanced = add_engine_args(srv)["advanced"]
     net = srv.add_argument_group("serving")
     net.add_argument("--host", default=D.host, help="address to bind")
     net.add_argument("--port", type=int, default=D.port, metavar="N", help="port to listen on")
@@ -90,11 +90,11 @@ def _add_serve_parser(sub) -> None:
     net.add_argument("--shutdown-timeout", type=float, default=D.shutdown_timeout_s,
                      metavar="S",
                      help="seconds SIGTERM waits for in-flight requests before aborting them")
-    net.add_argument("--uvicorn-log-level", default=D.log_level,
-                     choices=["critical", "error", "warning", "info", "debug"],
-                     help="how much the HTTP server logs")
-    net.add_argument("--disable-uvicorn-access-log", action="store_true",
-                     help="no log line per HTTP request")
+    advanced.add_argument("--uvicorn-log-level", default=D.log_level,
+                          choices=["critical", "error", "warning", "info", "debug"],
+                          help="how much the HTTP server logs")
+    advanced.add_argument("--disable-uvicorn-access-log", action="store_true",
+                          help="no log line per HTTP request")
     sec = srv.add_argument_group("security and limits")
     sec.add_argument("--api-key", default=None, metavar="KEY",
                      help="require 'Authorization: Bearer KEY' on every route but /health "

@@ -57,13 +57,13 @@ _FLAGS: dict[str, tuple[str, str]] = {
                            "off never drafts (default: goodput with a drafter)"),
     "speculative_schedule": ("speculation", "draft length by batch size for the schedule "
                              "policy, e.g. 1:4,16:2,64:0 (default: none)"),
-    "page_size": ("performance", "tokens per KV cache page"),
-    "kv_cache_bytes": ("performance", "KV cache size in bytes (default: 256 MiB on CPU; on "
+    "page_size": ("advanced", "tokens per KV cache page"),
+    "kv_cache_bytes": ("advanced", "KV cache size in bytes (default: 256 MiB on CPU; on "
                        "a GPU, --kv-cache-memory-fraction of its free memory)"),
     "kv_cache_memory_fraction": ("performance", "on a GPU, without --kv-cache-bytes: the share "
                                  "of the memory left free by the weights that the KV cache "
                                  "takes"),
-    "num_kv_pages": ("performance", "KV cache size in pages, instead of bytes (default: from "
+    "num_kv_pages": ("advanced", "KV cache size in pages, instead of bytes (default: from "
                      "--kv-cache-bytes)"),
     "max_num_seqs": ("performance", "most requests running at once"),
     "max_num_batched_tokens": ("performance", "most tokens one step processes; longer prompts "
