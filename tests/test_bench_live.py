@@ -115,14 +115,16 @@ def test_sweep_writes_json_table_and_plot(tiny_llama, tmp_path, capsys):
                "--concurrency", "1,2", "--num-prompts", "2", "--dataset", "random",
                "--input-len", "16", "--output-len", "4", "--ignore-eos", "--warmup", "1",
                "--omp-threads", "1", "--output-dir", str(out_dir), "--name", "tiny",
-               "--no-progress"])
+               "--no-progress", "--requests-per-concurrency", "2"])
     assert rc == 0
     sweep = json.loads((out_dir / "tiny.json").read_text())
     assert [(r["label"], r["config"]["max_concurrency"]) for r in sweep["results"]] == [
         ("off", 1), ("off", 2)]
+    # max(--num-prompts, 2 x concurrency) requests a level
+    assert [r["num_requests"] for r in sweep["results"]] == [2, 4]
     for r in sweep["results"]:
-        assert r["completed"] == r["num_requests"] == 2
-        assert r["total_output_tokens"] == 8 == r["server"]["generation_tokens"]
+        assert r["completed"] == r["num_requests"]
+        assert r["total_output_tokens"] == 4 * r["num_requests"] == r["server"]["generation_tokens"]
         assert r["server"]["step_ms_mean"] > 0 and r["server"]["loop_waits"] >= 0
     assert sweep["machine"]["cpu_count"] >= 1 and sweep["partial"] is False
     page = (out_dir / "tiny.md").read_text()

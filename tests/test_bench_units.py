@@ -309,3 +309,8 @@ def test_sigterm_ends_the_bench_through_its_cleanup(tmp_path):
     bench.send_signal(signal.SIGTERM)
     assert bench.wait(timeout=60) == 128 + signal.SIGTERM
     assert marker.read_text() == "yes"
+
+
+def test_a_sweep_refuses_a_nonpositive_request_count(capsys):
+    assert main(["bench", "sweep", "--requests-per-concurrency", "0"]) == 2
+    assert "--requests-per-concurrency must be positive" in capsys.readouterr().err

@@ -210,8 +210,13 @@ def _sweep(args: argparse.Namespace) -> int:
     if not levels or min(levels) < 1:
         raise SpecserveError(f"--concurrency needs positive integers; got {text!r}")
     configs = _wrap(lambda: parse_configs(args.config))
+    per_level = _wrap(lambda: float(args.requests_per_concurrency or 1.0))
+    if per_level <= 0:
+        raise SpecserveError(f"--requests-per-concurrency must be positive; got {per_level}")
     model_name, make_dataset, server_args, env, load = _sweep_setup(args)
-    datasets = {c: make_dataset(max(args.num_prompts, c)) for c in levels}
+    # enough requests at each level for a steady state (a closed loop's first and last
+    # waves run below its concurrency)
+    datasets = {c: make_dataset(max(args.num_prompts, math.ceil(per_level * c))) for c in levels}
     plan = SweepPlan(configs, levels, args.num_prompts, server_args, load, args.warmup, env,
                      Path(args.log_dir) if args.log_dir else None)
     sweep = {

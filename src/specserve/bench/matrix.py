@@ -233,7 +233,8 @@ _FLAGS = {
     "requests_per_concurrency": ("requests_per_concurrency", float),
     "poisson_seconds": ("poisson_seconds", float),
 }
-MATRIX_ONLY_FLAGS = [f for f in _FLAGS if f != "concurrency"] + ["request_rates"]
+MATRIX_ONLY_FLAGS = ([f for f in _FLAGS if f not in ("concurrency", "requests_per_concurrency")]
+                     + ["request_rates"])  # fmt: skip
 
 
 def read_matrix_file(path: str | Path) -> dict:
@@ -291,5 +292,8 @@ def add_matrix_args(p) -> None:
                    help="rate (default): every configuration gets the per-token rate of L at "
                         "K_max; length: each gets L (fixed K < L-1 skipped)")
     g.add_argument("--requests-per-concurrency", help="closed loop: at least this many "
-                                                      "requests per request in flight (2)")
+                                                      "requests per request in flight (matrix: "
+                                                      "2; also for a plain sweep, where each "
+                                                      "level otherwise sends max(--num-prompts,"
+                                                      " concurrency))")
     g.add_argument("--poisson-seconds", help="Poisson: at least rate * this many requests (20)")

@@ -2,8 +2,9 @@
 results as JSON, a markdown table and a plot.
 
 Every configuration sees the same prompts at a given concurrency (the dataset is built once
-per level with a fixed seed). A level sends max(num_prompts, concurrency) requests so that the
-concurrency is actually reached. Each server gets warm-up requests before it is measured.
+per level with a fixed seed). A level sends max(num_prompts, R x concurrency) requests (R:
+--requests-per-concurrency, default 1) so that the concurrency is actually reached, for more
+than one wave with R > 1. Each server gets warm-up requests before it is measured.
 `warm_up` and `measure` serve the adaptive-speculation matrix too (matrix_run.py).
 """
 
