@@ -145,15 +145,16 @@ class LLMEngine:
 
     def _capture_graphs(self, startup: StartupProgress):
         """Capture decode and verify graphs for every batch bucket and draft length."""
-        from specserve.runtime.cuda_graphs import CudaGraphRunner, default_batch_buckets
+        from specserve.runtime.cuda_graphs import CudaGraphRunner, engine_graph_shapes
 
         k_max = self.config.speculative_num_steps if self.spec else 0
+        buckets, tokens_per_request = engine_graph_shapes(self.config)  # (kv_cache sizes for them)
         graphs = CudaGraphRunner(
             self.runner.model,
             self.kv.layers,
             self.runner.backend,
-            default_batch_buckets(min(self.config.max_num_seqs, self.config.cuda_graph_max_batch)),
-            tokens_per_request=tuple(range(1, k_max + 2)),
+            buckets,
+            tokens_per_request=tokens_per_request,
             max_seq_len=self.max_model_len,
             aux_layer_ids=self.spec.aux_layer_ids if self.spec else (),
             # EAGLE-3's feature projection and store write inside each graph: a step that

@@ -173,11 +173,10 @@ def graph_output_bytes(config: EngineConfig, model_cfg: ModelConfig, dtype: torc
     13.3 GB at K=5. 0 without graphs."""
     if config.disable_cuda_graph:
         return 0
-    from specserve.runtime.cuda_graphs import default_batch_buckets
+    from specserve.runtime.cuda_graphs import engine_graph_shapes
 
-    k_max = config.speculative_num_steps if config.speculative_algorithm else 0
-    buckets = default_batch_buckets(min(config.max_num_seqs, config.cuda_graph_max_batch))
-    rows = sum(buckets) * sum(range(1, k_max + 2))
+    buckets, tokens_per_request = engine_graph_shapes(config)
+    rows = sum(buckets) * sum(tokens_per_request)
     aux = 3 if config.speculative_algorithm == "eagle3" else 0  # EAGLE-3's captured layers
     per_row = (model_cfg.vocab_size + (1 + aux) * model_cfg.hidden_size) * dtype.itemsize + 16
     return rows * per_row

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from specserve.config import EngineConfig
 from specserve.layers.attention import AttentionBackend, AttentionMetadata
 from specserve.runtime.graph_staging import stage_step, use_stage_kernel
 
@@ -62,6 +63,14 @@ def default_batch_buckets(max_batch: int) -> tuple[int, ...]:
     """1, 2, 4, 8, then multiples of 16, up to and including max_batch."""
     small = [b for b in (1, 2, 4, 8) if b < max_batch]
     return tuple(small + list(range(16, max_batch, 16)) + [max_batch])
+
+
+def engine_graph_shapes(config: EngineConfig) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(batch buckets, tokens per request) of an engine's target graphs: buckets up to
+    min(max_num_seqs, cuda_graph_max_batch); 1..K_max + 1 tokens with speculation, else 1."""
+    k_max = config.speculative_num_steps if config.speculative_algorithm else 0
+    buckets = default_batch_buckets(min(config.max_num_seqs, config.cuda_graph_max_batch))
+    return buckets, tuple(range(1, k_max + 2))
 
 
 def static_meta(bufs, batch: int, q: int) -> AttentionMetadata:

@@ -28,12 +28,12 @@ def capture_drafter_graphs(
 ) -> DrafterGraphs:
     """Graphs for draft steps and catch-ups (`catch_up_lengths`); use_graphs=False: the
     same padded path, eager."""
-    from specserve.runtime.cuda_graphs import default_batch_buckets
+    from specserve.runtime.cuda_graphs import engine_graph_shapes
 
     cfg = engine.config
     graphs = DrafterGraphs(
         proposer.head, proposer.embed, proposer.kv.layers[0], proposer.backend,
-        default_batch_buckets(min(cfg.max_num_seqs, cfg.cuda_graph_max_batch)),
+        engine_graph_shapes(cfg)[0],
         catch_up_lengths(cfg.speculative_num_steps), engine.max_model_len, use_graphs,
         chain_lengths=tuple(range(2, cfg.speculative_num_steps + 1)),  # every K >= 2
         feature_store=proposer.feature_store,
