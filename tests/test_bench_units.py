@@ -228,22 +228,28 @@ def test_a_run_with_failures_keeps_the_servers_log_tail(monkeypatch):
                                                   server=Server())  # fmt: skip
 
 
-def test_engine_loop_waits_by_reason_reach_the_bench():
-    """The server exports the loop's waits by reason as a labelled counter; the bench reads
-    them back into its server figures."""
+def test_engine_loop_figures_reach_the_bench():
+    """The server exports the loop's waits by reason as a labelled counter and its device
+    and wait time totals as counters; the bench reads them back into its server figures."""
     from specserve.server.metrics import ServerMetrics
 
     metrics = ServerMetrics()
-    stats = {"loop_waits": 0, "loop_wait_reasons": {}}
+    totals = {"device_step_ms": 100.0, "device_gap_ms": 10.0, "host_wait_ms": 1.0}
+    stats = {"loop_waits": 0, "loop_wait_reasons": {}, **totals}
     metrics.engine_stats = lambda: stats
     before = parse_metrics(metrics.render().decode())
-    stats = {"loop_waits": 5, "loop_wait_reasons": {"sampled": 2, "host_drafts": 3}}
+    stats = {"loop_waits": 5, "loop_wait_reasons": {"sampled": 2, "host_drafts": 3},
+             "device_step_ms": 104.0, "device_gap_ms": 11.0, "host_wait_ms": 1.5}
     metrics.observe_steps([0.002, 0.004], [0.001, 0.001])
     fig = server_figures(before, parse_metrics(metrics.render().decode()))
     assert fig["loop_waits"] == 5
     assert fig["loop_wait_reasons"] == {"host_drafts": 3, "sampled": 2}
     assert fig["step_ms_mean"] == pytest.approx(3.0)
     assert fig["step_gap_ms_mean"] == pytest.approx(1.0)
+    # Per step over the run: the device's busy and idle time, the host's waits.
+    assert fig["device_busy_ms_mean"] == pytest.approx(2.0)
+    assert fig["device_idle_ms_mean"] == pytest.approx(0.5)
+    assert fig["host_wait_ms_mean"] == pytest.approx(0.25)
 
 
 def _wait_gone(pid: int, timeout_s: float = 30.0) -> bool:

@@ -129,14 +129,23 @@ def server_figures(before: dict | None, after: dict | None) -> dict | None:
 
 def step_figures(before: dict, after: dict) -> dict:
     """How the engine's steps went during the run: mean step time and idle gap between
-    steps (ms, from specserve's histograms), and the steps launched only after the previous
-    step's tokens reached the host (overlap lost), in all and by reason."""
+    steps (ms, from specserve's histograms); per step on average, the device's busy and
+    idle time and the host's wait for drawn tokens (ms, GPU servers: a device busy for
+    most of the step bounds it, else the host does); and the steps launched only after the
+    previous step's tokens reached the host (overlap lost), in all and by reason."""
     out: dict = {}
+    count = _delta(before, after, "specserve_engine_step_duration_seconds_count")
     for key, name in (("step_ms_mean", "specserve_engine_step_duration_seconds"),
                       ("step_gap_ms_mean", "specserve_engine_step_gap_seconds")):
-        total, count = _delta(before, after, name + "_sum"), _delta(before, after, name + "_count")
-        if total is not None and count:
-            out[key] = 1000.0 * total / count
+        total, n = _delta(before, after, name + "_sum"), _delta(before, after, name + "_count")
+        if total is not None and n:
+            out[key] = 1000.0 * total / n
+    for key, name in (("device_busy_ms_mean", "specserve_engine_device_step_ms_total"),
+                      ("device_idle_ms_mean", "specserve_engine_device_gap_ms_total"),
+                      ("host_wait_ms_mean", "specserve_engine_host_wait_ms_total")):
+        total = _delta(before, after, name)
+        if total and count:
+            out[key] = total / count
     waits = _delta(before, after, "specserve_engine_loop_waits")
     if waits is not None:
         out["loop_waits"] = int(waits)

@@ -111,6 +111,8 @@ def measure(cfg: LoadConfig, dataset: Dataset, label: str, flags: list[str],
     report["server_flags"] = flags
     steps = report.get("server") or {}
     step_ms = f"  step {steps['step_ms_mean']:.2f} ms" if "step_ms_mean" in steps else ""
+    if "device_busy_ms_mean" in steps:
+        step_ms += f" (device {steps['device_busy_ms_mean']:.2f})"
     waits = f"  waits {steps['loop_waits']}" if "loop_waits" in steps else ""
     print(f"[sweep] {desc or label:>24} {report['output_throughput']:8.1f} tok/s  "
           f"p50 ITL {_ms(report['itl_ms']['p50'])} ms  "

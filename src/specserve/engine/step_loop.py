@@ -66,6 +66,9 @@ class StepLoop:
         self._idle = True
         self.num_waits = 0  # steps launched only after the previous step's tokens were read
         self.wait_reasons: Counter[str] = Counter()  # why (`_wait_reason`) -> steps
+        # Running totals (ms) for metrics: device spans of steps (CUDA events; none on the
+        # CPU), idle device gaps between back-to-back steps, host waits for drawn tokens.
+        self.totals = {"device_step_ms": 0.0, "device_gap_ms": 0.0, "host_wait_ms": 0.0}
 
     def step(self) -> list[RequestOutput]:
         """Launch the next step; process the previous one (overlap) or this one (sync)."""
@@ -140,8 +143,9 @@ class StepLoop:
 
     def stats(self) -> dict:
         """Loop figures for metrics: steps launched after waiting for the previous step's
-        tokens, in all and by reason."""
-        return {"loop_waits": self.num_waits, "loop_wait_reasons": dict(self.wait_reasons)}
+        tokens, in all and by reason; running totals of device and wait times (`totals`)."""
+        return {"loop_waits": self.num_waits, "loop_wait_reasons": dict(self.wait_reasons),
+                **self.totals}
 
     @staticmethod
     def _settle(batch: list[ScheduledRequest]) -> list[ScheduledRequest]:
@@ -231,7 +235,9 @@ class StepLoop:
         t0 = time.perf_counter()
         result = step.result = step.sampled.result()
         step.resolved_s = time.perf_counter()
-        self.times.wait_ms.append((step.resolved_s - t0) * 1e3)
+        wait_ms = (step.resolved_s - t0) * 1e3
+        self.times.wait_ms.append(wait_ms)
+        self.totals["host_wait_ms"] += wait_ms
         # Requests preempted since the launch recompute from their tokens: their KV and
         # drafter state start over.
         kept = [s.request.num_preemptions == n for s, n in zip(step.batch, step.preemptions)]
@@ -301,10 +307,14 @@ class StepLoop:
         start, target_start, end = step.events
         end.synchronize()
         target_ms = target_start.elapsed_time(end)
-        self.times.step_ms.append(start.elapsed_time(end))
+        step_ms = start.elapsed_time(end)
+        self.times.step_ms.append(step_ms)
         self.times.target_ms.append(target_ms)
+        self.totals["device_step_ms"] += step_ms
         if self._last_end is not None and not step.after_idle:
-            self.times.gap_ms.append(self._last_end.elapsed_time(start))
+            gap_ms = self._last_end.elapsed_time(start)
+            self.times.gap_ms.append(gap_ms)
+            self.totals["device_gap_ms"] += gap_ms
         self._last_end = end
         return target_ms
 

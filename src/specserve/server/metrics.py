@@ -38,6 +38,12 @@ _ENGINE_GAUGES = {
 }
 _ENGINE_COUNTERS = {
     "preemptions": ("specserve_preemptions", "requests preempted for lack of KV pages"),
+    "device_step_ms": ("specserve_engine_device_step_ms",
+                       "device time of engine steps, first kernel to last (GPU only), ms"),
+    "device_gap_ms": ("specserve_engine_device_gap_ms",
+                      "device idle time between back-to-back engine steps (GPU only), ms"),
+    "host_wait_ms": ("specserve_engine_host_wait_ms",
+                     "time the engine blocked waiting for steps' drawn tokens, ms"),
 }
 
 
