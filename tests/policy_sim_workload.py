@@ -38,8 +38,7 @@ class Noise:
     # Slow stretches: from a step, with probability stretch_p, every step at every K takes
     # stretch_x times as long, for a run of about stretch_len steps (geometric). On the H200
     # the default model's batch-1 steps ran 1.7-2x slower at every K in seven stretches of
-    # 11-37 steps out of 730 (gpu_default_model.md, run 19; contention on the lent
-    # machine's host).
+    # 11-37 steps out of 730 (contention on the lent machine's host).
     stretch_p: float = 0.0
     stretch_len: float = 40.0
     stretch_x: float = 1.75

@@ -14,7 +14,7 @@ from tests.policy_sim import K_MAX, LARGE, MEASURED, SMALL, Noise, Workload, com
 # least (> 1) or loses to it by (< 1)[, simulation options: period noise, seeds]).
 COSTLY_SWITCHES = replace(SMALL, name="costly switches", eager_ms=15.0, stall_share=1.0)
 # Its periods vary by about 5% (2% are outliers). Answers open with a hard stretch (up to
-# 16 tokens) after which drafts are accepted at the usual rates (in run 5, requests whose
+# 16 tokens) after which drafts are accepted at the usual rates (on the H200, requests whose
 # first drafts failed accepted 80-90% once drafted again). Fixed K=3 beats plain decoding by
 # 1.26x at batch 1 and 1.05x at 8 here (1.32x and 1.10x measured). Eight requests of such
 # varied acceptance make one seed's result vary a lot: eight seeds.
@@ -29,7 +29,7 @@ CASES = {
     "GPU-bound batch 256, plain best": (LARGE, Workload(256, 1), 1.0),
     "costly switches batch 1": (COSTLY_SWITCHES, Workload(1, 8), 1.15),
     "costly switches batch 8": (COSTLY_SWITCHES, Workload(8, 3), 1.05),
-    # SmolLM2 + its head on the H200 (run 5)
+    # SmolLM2 + its head as measured on the H200
     "measured batch 1": (MEASURED, MEASURED_LOAD, 1.2, MEASURED_RUN),
     "measured batch 8": (MEASURED, replace(MEASURED_LOAD, batch=8, rounds=3), 1.03,
                          MEASURED_RUN),
@@ -83,10 +83,10 @@ def test_slow_stretches_scale_whole_runs_of_steps():
 
 def test_goodput_under_slow_stretches():
     """Stretches of steps 1.75x slower at every K (as the default model's batch-1 steps ran on
-    the H200, gpu_default_model.md run 19): goodput stays within 10% of the best fixed K on
+    the H200): goodput stays within 10% of the best fixed K on
     the measured engine at batch 1 and within 5% on the GPU-bound one (these seeds: 0.927
     and 0.956 of it; over 24 seeds 0.943 and 0.951, against 0.975 and 0.974 without
-    stretches: gpu_default_model.md, session 18, says what was tried)."""
+    stretches)."""
     stretches = {"stretch_p": 1 / 150, "stretch_len": 40, "stretch_x": 1.75}
     r = compare(MEASURED, MEASURED_LOAD, seeds=tuple(range(8)),
                 noise=Noise(sigma=0.05, **stretches))  # fmt: skip

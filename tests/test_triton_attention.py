@@ -138,7 +138,7 @@ def test_gpu_fixed_chunks_keep_a_rows_bits_at_any_program_count(kernel):
     for fixed, first in cases:
         assert split_invariance_error(_kernels(), fixed, "cuda", torch.bfloat16, GPU_SHAPE,
                                       first=first, **launch) == 0.0, (fixed, first)  # fmt: skip
-    # chunks of at least 128 keys (the A/B of gpu_engine_bench --ab-attn-min-chunk)
+    # chunks of at least 128 keys (the A/B of benchmarks/gpu_engine.py --ab-attn-min-chunk)
     assert split_invariance_error(_kernels(), True, "cuda", torch.bfloat16, GPU_SHAPE,
                                   first=1021, min_chunk=128, **launch) == 0.0  # fmt: skip
 

@@ -20,7 +20,7 @@ columns and one of `split_k` slices of the K axis. Two inner products:
 Weight tiles of the matrix-unit path come through pointer loads or (`tma`) a host-built
 tensor descriptor, fetched by Hopper's copy engine (rows past N and columns past K read as
 zeros): a candidate for the 64-row GEMMs where pointer loads stay near 3 TB/s; not proposed
-at start-up until a sweep shows it winning (scripts/gemv_sweep.py --tma 0 1).
+at start-up until a sweep shows it winning.
 
 With split_k > 1 each slice writes fp32 partial sums to a workspace and a second kernel adds
 them in a fixed order: results are bitwise reproducible run to run (no atomics), and the
@@ -52,7 +52,7 @@ for the previous kernel, so the weight stream starts during that kernel's tail.
 
 Which configuration (or cuBLAS) serves a shape is measured on the device at start-up
 (`gemv_select.py`); `candidate_configs` (gemv_configs.py) only proposes the tiles that won
-somewhere in the H200 sweep (scripts/gpu_kernel_bench.py). Imported lazily: kernels are
+somewhere in a sweep of tiles on the H200. Imported lazily: kernels are
 defined at first import, which is when TRITON_INTERPRET is read.
 """
 

@@ -90,13 +90,13 @@ _TILES = {
     64: [GemvConfig(32, 256, num_stages=3), GemvConfig(64, 128, num_stages=4),
          GemvConfig(128, 64, num_stages=4), GemvConfig(128, 128, num_warps=8, num_stages=3),
          GemvConfig(256, 64, num_warps=8, num_stages=3),  # fewer re-reads of x from L2
-         # the 64-row sweep's winners (gemv_sweep.json): qkv 16.6 us against 17.9 for the
+         # the 64-row sweep's winners on the H200: qkv 16.6 us against 17.9 for the
          # w4 st4 tile, o 12.2 against 13.3 for the st3 tile
          GemvConfig(64, 128, num_warps=8, num_stages=5), GemvConfig(32, 256, num_stages=4)],
 }  # fmt: skip
 _FMA = GemvConfig(8, 512, num_warps=4, num_stages=2, use_dot=False)
 _SPLIT_TILE = GemvConfig(64, 128, num_stages=4)
-# Splits that won the wide sweep on the H200 (scripts/gemv_sweep.py, gpu_kernels.md) where the
+# Splits that won a wide sweep of tiles and splits on the H200 where the
 # one-wave split above does not reach, for K >= N: at up to 16 rows three slices of narrow
 # tiles (o, down, the EAGLE-3 fc), at 64 rows two slices with a deeper pipeline (down, fc;
 # o_proj, whose split's second pass runs inside the next norm when timed fused with it).
@@ -104,7 +104,7 @@ _SPLIT_EXTRA = {16: GemvConfig(32, 128, split_k=3, num_warps=2, num_stages=4),
                 64: GemvConfig(64, 128, split_k=2, num_stages=5)}  # fmt: skip
 # Stream-K tiles (gemv_stream_k.py) for the row blocks above the shared buckets: candidates
 # only while `set_stream_k(True)` (EngineConfig.gemv_stream_k; on the H200 selection took
-# none for the 8B shape: gpu_engine.md runs 19 and 30).
+# none for the 8B shape).
 _STREAM_K = {32: [GemvConfig(64, 128, num_stages=4)],
              64: [GemvConfig(64, 128, num_stages=4), GemvConfig(128, 64, num_stages=4)]}
 _STREAM_K_ON = [False]

@@ -75,9 +75,9 @@ class RopeStore:
     v_cache: torch.Tensor
 
 
-# The row blocks the rope epilogue serves. On the H200 (docs/benchmarks/gpu_engine.md, run 19)
-# it pays at 16-row tiles (8B plain decode at batch 1: +1.6%, K=3 at batch 1: +3%) and loses
-# at 64-row tiles (batch 64: -1.4% against cuBLAS's qkv and the rotary kernel).
+# The row blocks the rope epilogue serves. On the H200 it pays at 16-row tiles (8B plain
+# decode at batch 1: +1.6%, K=3 at batch 1: +3%) and loses at 64-row tiles (batch 64: -1.4%
+# against cuBLAS's qkv and the rotary kernel).
 ROPE_MAX_BLOCK_M = 16
 
 

@@ -33,8 +33,8 @@ timed with that norm after it under its plain key too, a K split's second pass i
 norm as the model runs it (`NORM_AFTER`; such a shape's o_proj key, which timed the same,
 is no longer measured): timed alone, a split paid a reduce kernel that the model does not
 run and an unsplit tile did not pay the norm kernel it needs, and at 64 rows selection took
-the 8B's unsplit down tile in 3 of session 18's 10 engine runs, 1.4% slower a step than the
-split one (gpu_engine.md). Those choices are cached apart from the same shape's choices
+the 8B's unsplit down tile in 3 of 10 engine runs, 1.4% slower a step than the split one.
+Those choices are cached apart from the same shape's choices
 timed alone (`NORM_TIMED`), which a model whose projection of that shape feeds no norm
 (an EAGLE-3 head, a model run without fusions) gets; a drafter whose plan shares the
 target's selector shares the target's, which the cache hands it when it asks for the same
@@ -65,7 +65,7 @@ from specserve.layers.gemv_plan import (  # noqa: F401 (SHARED_ROWS: callers imp
     GemvPlan,
     PlanKey,
 )
-from specserve.layers.gemv_timing import (  # noqa: F401 (rotation_set: scripts import it here)
+from specserve.layers.gemv_timing import (  # noqa: F401 (rotation_set: imported from here)
     after_producer,
     down_and_norm,
     fused_input_cols,
@@ -80,7 +80,7 @@ log = logging.getLogger(__name__)
 ShapeKey = tuple[int, int, torch.dtype]  # (N, K, dtype) of a weight [N, K]
 GEMV_DTYPES = (torch.float16, torch.bfloat16)
 # Plain keys of the shapes that feed a norm are timed with it (the module docstring; a
-# bench A/B switches it off: scripts/gpu_engine_bench.py --ab-norm-after), and cached under
+# bench A/B switches it off: benchmarks/gpu_engine.py --ab-norm-after), and cached under
 # the key with this tag
 NORM_AFTER = True
 NORM_TIMED = "+norm"

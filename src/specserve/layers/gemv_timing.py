@@ -43,7 +43,7 @@ def after_producer(fn, x: torch.Tensor):
     short programs overlaps the tail of its own previous call and ranks better than it runs
     between its neighbours: on the H200 at batch 1 the 8B qkv projection's back-to-back
     winner was ~2 us a layer slower in a layer's chain than another tile, and cuBLAS's
-    gate_up ~1.5 us slower than a Triton tile (scripts/norm_gap_probe.py, gpu_pdl.md).
+    gate_up ~1.5 us slower than a Triton tile.
 
     The norm spans the input's full width (a fused down projection's [gate | up] rows too)
     and is in every timing, torch's included: times (and the plan summary's speed-ups) are

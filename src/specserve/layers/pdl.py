@@ -27,8 +27,7 @@ attention/triton_kernels.py, attention/triton_decode.py, attention/triton_kv_wri
   chain, so a kernel that waits on its direct predecessor also sees every write before it.
 
 The prologue is one function, `pdl_kernel.pdl_enter`. (Signalling before the wait, so
-that the next kernel becomes resident earlier, was measured on the H200 and did not pay:
-docs/benchmarks/gpu_pdl.md, session 6.)
+that the next kernel becomes resident earlier, was measured on the H200 and did not pay.)
 
 Kernels of torch and cuBLAS are launched as usual and need nothing: a PDL kernel after one
 of them starts when it ends; a plain launch after a PDL kernel waits for it as always.

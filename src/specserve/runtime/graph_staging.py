@@ -15,8 +15,7 @@ import torch
 
 from specserve.layers.attention import AttentionMetadata
 
-# The one-kernel path on CUDA (False: torch's copies everywhere; scripts/diag_host_pace.py
-# --ab-stage compares the two)
+# The one-kernel path on CUDA (False: torch's copies everywhere, which cost the host more)
 STAGE_KERNEL = True
 
 

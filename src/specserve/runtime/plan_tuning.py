@@ -7,8 +7,8 @@ Between its real neighbours a kernel can rank differently: the next kernel launc
 under PDL and overlaps its tail, a tile that ramps up slowly waits on the small kernel
 before it, and at batch 1 a whole layer is ~14 kernels of a few microseconds of boundary
 each. On the H200 at batch 1 the qkv projection's standalone winner was ~2 us a layer slower
-in a layer's chain than another tile, and cuBLAS's gate_up ~1.5 us slower than a Triton tile
-(scripts/norm_gap_probe.py; gpu_engine.md). So the plan's choices for the row buckets a
+in a layer's chain than another tile, and cuBLAS's gate_up ~1.5 us slower than a Triton tile.
+So the plan's choices for the row buckets a
 tuning step reaches are revisited here, one projection (plan key) at a time, largest first
 (coordinate descent, one pass): each of its candidates (cuBLAS and the configurations
 selection proposes for the bucket) is installed in the plan, the step is captured in a CUDA

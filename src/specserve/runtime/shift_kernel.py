@@ -3,7 +3,7 @@ them (runtime/packing.py `pack` with `shift`): each token's position moves right
 request's accept length in flight, its KV slot is read again from the page table at the new
 position (padding: slot 0), and each request's sequence length grows by it. The torch path
 runs it as about ten small operations, a launch each; this is one launch (on the H200 a
-small model's K=3 step 1.3-1.7% shorter: docs/benchmarks/gpu_default_model.md). Same integers
+small model's K=3 step 1.3-1.7% shorter). Same integers
 (tests/test_packing_shift.py).
 
 Imported lazily (it defines a kernel: TRITON_INTERPRET is read then).

@@ -6,7 +6,7 @@ request run the 16-row tile its requests' decode steps run (a program takes up t
 blocks, layers/gemv.py), so each row keeps its decode bits. That tile was chosen for 1-16
 rows; at 32 or 64 rows a narrow one re-reads every row of x from L2 per program, and on the
 H200 verify steps of 16 requests at K=3 took 8.1 ms against 6.2 with each bucket's own
-tiles (gpu_engine.md, runs 24-25). Another 16-row tile with the same K split may give every
+tiles. Another 16-row tile with the same K split may give every
 row the same bits (on the matrix units the sums of a row block do not depend on the tile's
 width, warps or pipeline depth, as far as the device shows), so each of the engine's verify
 steps that reaches a row bucket above SHARED_ROWS is tuned here, per projection, in the

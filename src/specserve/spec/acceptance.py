@@ -25,7 +25,7 @@ class AcceptanceModel:
     request). A request's estimate adds REQUEST_PRIOR_WEIGHT pseudo-observations at the
     global rate: requests differ (a head's per-prompt rates spread by about 0.15 around
     its mean, a Beta prior of about 8 observations), so one or two rejections must not turn
-    speculation off (in run 5 on the H200, with a prior of 2, one rejected first draft sent a
+    speculation off (on the H200, with a prior of 2, one rejected first draft sent a
     request to plain decoding for a hundred steps, though it accepted 80-90% later on).
 
     While a request does not draft nothing new is observed, and acceptance drifts along a

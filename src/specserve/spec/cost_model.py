@@ -209,7 +209,7 @@ class StepCostModel:
         1/(count + 1) down to WEIGHT; one after STALE_AGE observations of other cells (a
         probe of a K not in use) weighs STALE_WEIGHT. An observation far off (past CUT and
         the cell's spread) is cut and weighs at most WEIGHT, so one slow step moves an
-        estimate little, in a probe too (in run 5 one short step had reset the batch-1 K=3
+        estimate little, in a probe too (on the H200 one short step once reset a batch-1 K=3
         cell of 368 observations), while a lasting change widens the spread and is followed
         within a few. A probe's far observation is `doubtful` (the policy measures it again
         soon); if the next one is far on the same side too, the period changed while the K

@@ -25,7 +25,7 @@ class PeriodLog:
 
     A step's period runs from the previous step's tokens reaching the host to its own. Under
     overlap scheduling the next step is launched inside that period, so a step whose
-    successor runs another K carries part of the switch: on SmolLM2 on the H200 (run 5) a
+    successor runs another K carries part of the switch: on SmolLM2 on the H200 a
     plain step before drafting resumed took 3.5-6.5 ms more than a plain one (the drafter's
     catch-up, launched before it resolved) and a drafting step before a plain one 0.6 ms
     less; and the last step before the engine idles has nothing launched inside it. So:

@@ -20,7 +20,7 @@ def direction(k_from: int, k_to: int) -> str:
 
 class SwitchCosts:
     """Switch costs in ms by (batch bucket, direction), robust means, signed: the steps
-    around a switch may take less than steady ones (run 5 on the H200: about -0.9 ms down and
+    around a switch may take less than steady ones (SmolLM2 on the H200: about -0.9 ms down and
     +4 ms up at batch 1). A bucket without measurements borrows the nearest measured
     bucket's; a direction measured at no bucket costs the owner's prior to or from plain
     decoding, nothing between K > 0. A sample comes from four step periods, so it is noisy:

@@ -20,7 +20,7 @@ MIN_SPLIT_TOKENS = 128  # a KV chunk shorter than this is not worth a separate p
 # The shortest chunk of batch-invariant steps, in keys (one 32-key block: chunks as short as
 # the split count's by program count; longer ones cut the partials a verify step writes and
 # merges, at a cost to parallelism: on the H200 chunks of 128+ keys lost 1-3% at batches
-# 1-16, plain and K=3 alike, gpu_engine.md run 26)
+# 1-16, plain and K=3 alike)
 INVARIANT_MIN_CHUNK = 32
 # Decode and verify steps of up to this many requests cut every request's keys into
 # MAX_SPLITS chunks whatever their program count (`batch_invariant`): the GEMVs' shared row
@@ -139,7 +139,7 @@ class TritonAttentionBackend(AttentionBackend):
         if device not in self._sms:
             self._sms[device] = _num_sms(device)
         # As many splits as keep every program in one wave: a second wave of short
-        # programs plus the merge cost more than idle slots (gpu_kernels.md, attention).
+        # programs plus the merge cost more than idle slots.
         return self.kernels.decode_num_splits(
             meta.num_requests * num_kv_heads, meta.max_seq_len, self._sms[device],
             self.programs_per_sm, MIN_SPLIT_TOKENS, MAX_SPLITS,

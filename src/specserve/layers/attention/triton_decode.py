@@ -10,7 +10,7 @@ queries and the first page ids together) instead of four; under PDL the metadata
 happen before the wait for the kernels before, the queries' after it (torch ops and copies
 write the metadata, no PDL kernel: layers/pdl.py; q and the newest K/V come from the
 kernels before; asking L2 for the first K/V block before the wait too lost 2% at batch 64
-on the H200: gpu_engine.md, run 32); K and V of a block are requested together; the page
+on the H200); K and V of a block are requested together; the page
 ids of the next block are fetched a block ahead, which lets Triton's pipeliner
 (num_stages >= 3) keep the next K/V block in flight in shared memory while this one is
 computed. PREFETCH does that by hand instead, in registers (no pipeliner).

@@ -52,8 +52,8 @@ DECODE_KERNELS = ("decode", "prefetch", "generic")
 # issues the next block's loads only after this block's math).
 DECODE_MIN_STAGES = 3
 # Under PDL the decode kernel reads its metadata before it waits for the kernel before it
-# (triton_decode.py; +0.3% at batch 64 on the H200, within the repeats' spread:
-# gpu_engine.md run 33); off for A/Bs.
+# (triton_decode.py; +0.3% at batch 64 on the H200, within the repeats' spread); off for
+# A/Bs.
 PDL_EARLY_METADATA = True
 # Integers that vary from step to step (the page-table width, the split count, the strides
 # of the per-split buffers, which scale with the token count) are not specialized on:
@@ -322,8 +322,7 @@ def decode_num_splits(num_programs: int, max_seq_len: int, num_sms: int,
     keeps the programs within one wave (`programs_per_sm` resident per multiprocessor): the
     most splits that still fit, none once the pairs alone fill the wave (a second wave of
     short programs and the merge kernel cost more than the idle slots), and no chunk shorter
-    than `min_split_tokens`. The backend's policy (`TritonAttentionBackend.choose_num_splits`);
-    gpu_kernel_bench.py measures it against every split count."""
+    than `min_split_tokens`. The backend's policy (`TritonAttentionBackend.choose_num_splits`)."""
     slots = int(programs_per_sm * num_sms)
     by_length = -(-max_seq_len // min_split_tokens)
     return max(1, min(slots // max(1, num_programs), by_length, max_splits))
