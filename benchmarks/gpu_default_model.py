@@ -53,11 +53,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_report import GC_PAUSES, tuning_reports  # noqa: E402
 from gpu_engine import add_run_args  # noqa: E402 (options shared with it)
 
+from specserve.core.config import shipped_head_path  # noqa: E402
+from specserve.core.sampling_params import SamplingParams  # noqa: E402
 from specserve.layers.gemv_configs import MAX_ROWS  # noqa: E402
 from specserve.layers.gemv_select import SHARED_ROWS  # noqa: E402
 from specserve.llm import LLM  # noqa: E402
-from specserve.model.eagle3 import shipped_head_path  # noqa: E402
-from specserve.sampling_params import SamplingParams  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 UNLIKE = REPO / "docs" / "benchmarks" / "eagle3_unlike_prompts.jsonl"

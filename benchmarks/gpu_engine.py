@@ -25,12 +25,12 @@ from pathlib import Path
 
 import torch
 
-from specserve.config import EngineConfig
+from specserve.core.config import EngineConfig
+from specserve.core.model_config import ModelConfig
+from specserve.core.sampling_params import SamplingParams
 from specserve.engine.engine import LLMEngine
 from specserve.model.eagle3 import Eagle3Config, Eagle3Head, save_eagle3_head
-from specserve.model.hf_config import ModelConfig
 from specserve.model.llama import LlamaForCausalLM
-from specserve.sampling_params import SamplingParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ab_engines import AB_VARIANTS, force_plan  # noqa: E402

@@ -30,9 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gpu_engine import LLAMA_8B, random_head, random_model  # noqa: E402
 
-from specserve.config import EngineConfig  # noqa: E402
+from specserve.core.config import EngineConfig  # noqa: E402
+from specserve.core.sampling_params import SamplingParams  # noqa: E402
 from specserve.engine.engine import LLMEngine  # noqa: E402
-from specserve.sampling_params import SamplingParams  # noqa: E402
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2, head_dim=16,
             num_layers=8, vocab_size=512)  # fmt: skip

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from specserve.engine.kv_cache import KVCache
+from specserve.core.kv_cache import KVCache
 from specserve.model.eagle3 import Eagle3Config, Eagle3Head
 from specserve.runtime.packing import Segment
 from specserve.spec.eagle3 import Eagle3Proposer

@@ -152,7 +152,7 @@ def model_fusion_case(dtype, device, config, backend=None, seed=0, cfg=None,
     (config_for with a fusion gives None): the MLP runs SiLU-and-mul (in the gate/up GEMV's
     epilogue where `config` does not split K) and the plain choice, whose split still
     reduces in the next norm."""
-    from specserve.engine.kv_cache import KVCache
+    from specserve.core.kv_cache import KVCache
     from specserve.layers import gemv as gemv_module
     from specserve.layers import triton_norm, triton_ops
     from specserve.layers.attention import TorchAttentionBackend

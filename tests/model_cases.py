@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import torch
 
-from specserve.engine.kv_cache import KVCache
+from specserve.core.kv_cache import KVCache
+from specserve.core.model_config import ModelConfig
 from specserve.layers.attention import AttentionMetadata, TorchAttentionBackend
-from specserve.model.hf_config import ModelConfig
 from specserve.model.llama import LlamaForCausalLM
 from specserve.runtime.cuda_graphs import CudaGraphRunner
 

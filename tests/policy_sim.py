@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from specserve.engine.scheduler import ScheduledRequest
+from specserve.core.batch import ScheduledRequest
 from specserve.spec.acceptance import AcceptanceModel
 from specserve.spec.policy import (
     FixedPolicy,

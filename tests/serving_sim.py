@@ -35,9 +35,10 @@ from dataclasses import dataclass, field
 import torch
 
 from specserve import SamplingParams
-from specserve.engine.kv_cache import KVCache
-from specserve.engine.request import Request
+from specserve.core.kv_cache import KVCache
+from specserve.core.request import Request
 from specserve.engine.scheduler import Scheduler
+from specserve.runtime.verify import rate_for_mean_accept_len
 from specserve.spec.acceptance import AcceptanceModel
 from specserve.spec.cost_model import CurveModel, StepCostModel
 from specserve.spec.policy import (
@@ -47,7 +48,6 @@ from specserve.spec.policy import (
     SchedulePolicy,
     SpeculationPolicy,
 )
-from specserve.spec.verify import rate_for_mean_accept_len
 from tests.policy_sim import bare_speculator
 from tests.policy_sim_engines import H200_8B, HEAD_8B
 from tests.test_kv_cache import tiny_config

@@ -11,7 +11,7 @@ import torch
 
 from specserve import LLM, ConfigError, SamplingParams
 from specserve.cli import main
-from specserve.config import EngineConfig
+from specserve.core.config import EngineConfig
 
 
 def run(capsys, *argv) -> tuple[int, str, str]:

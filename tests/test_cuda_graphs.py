@@ -20,7 +20,7 @@ def test_default_buckets_cover_every_batch_size():
 def _runner(use_graphs=False, device="cpu", backend=None):
     cfg = tiny_config()
     model = tiny_model(cfg, torch.float32, device)
-    from specserve.engine.kv_cache import KVCache
+    from specserve.core.kv_cache import KVCache
 
     kv = KVCache(cfg, 16, 4, torch.float32, device)
     backend = backend or TorchAttentionBackend()
@@ -66,7 +66,7 @@ def test_gpu_capture_reports_time_and_memory():
 def test_no_collection_while_capturing_pauses_the_collector_and_restores_it():
     import gc
 
-    from specserve.runtime.cuda_graphs import no_collection_while_capturing
+    from specserve.core.graph_timing import no_collection_while_capturing
 
     assert gc.isenabled()
     with no_collection_while_capturing():

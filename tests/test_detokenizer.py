@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specserve import LLM, SamplingParams
-from specserve.engine.detokenizer import IncrementalDetokenizer
+from specserve.core.detokenizer import IncrementalDetokenizer
 
 
 def _byte_chars() -> dict[int, str]:

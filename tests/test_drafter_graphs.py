@@ -18,7 +18,7 @@ from tests.tiny_models import VOCAB, make_random_eagle3_head, make_tiny_model
 
 
 def test_graph_keys_and_which_passes_have_one():
-    from specserve.engine.kv_cache import KVCache
+    from specserve.core.kv_cache import KVCache
     from specserve.runtime.packing import Segment
     from specserve.spec.eagle3 import catch_up_lengths
     from specserve.spec.eagle3_graphs import DrafterGraphs
@@ -77,7 +77,7 @@ def test_padded_drafter_keeps_greedy_output(tmp_path_factory, policy, overlap):
                   overlap_schedule=overlap)
         proposer, seen = llm.engine.spec.proposer, {"run": [], "run_chain": []}
         if padded:
-            proposer.graphs = capture_drafter_graphs(proposer, llm.engine, use_graphs=False)
+            proposer.graphs = capture_drafter_graphs(proposer, llm.engine.target, use_graphs=False)
             for name in seen:
                 fn = getattr(proposer.graphs, name)
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from specserve import LLM, SamplingParams
-from specserve.errors import CheckpointError, ConfigError
+from specserve.core.errors import CheckpointError, ConfigError
 from specserve.model.dummy import PRESETS, dummy_config, synthetic_tokenizer
 from specserve.model.loader import resolve_model
 

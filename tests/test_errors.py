@@ -19,7 +19,7 @@ from specserve import (
     SamplingParams,
     UnsupportedModelError,
 )
-from specserve.model.hf_config import config_from_dict, load_hf_config
+from specserve.core.model_config import config_from_dict, load_hf_config
 from tests.tiny_models import hf_greedy, make_tiny_model
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)

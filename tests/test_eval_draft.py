@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from specserve import ConfigError
+from specserve.bench.eval_draft import draft_path
 from specserve.cli import main
-from specserve.model.eagle3 import shipped_head_path
-from specserve.spec.eval_draft import draft_path
+from specserve.core.config import shipped_head_path
 
 
 def write_prompts(path, count: int):
@@ -63,7 +63,7 @@ def test_table_without_rich(monkeypatch, capsys):
     """GPU machines may lack rich: the results print as plain lines."""
     import sys
 
-    from specserve.spec.eval_draft import DraftEval, _print_table
+    from specserve.bench.eval_draft import DraftEval, _print_table
 
     monkeypatch.setitem(sys.modules, "rich.console", None)  # import fails
     _print_table("t", [DraftEval(k=2, verify_steps=4, drafted=8, accepted=6,

@@ -37,7 +37,7 @@ def _eagle3(models, policy: str, in_graph: bool, **kw) -> LLM:
     install_padded_runner(llm, tokens_per_request=(1, 2, 3, 4),
                           aux_layer_ids=llm.engine.spec.aux_layer_ids, in_graph=in_graph)
     proposer = llm.engine.spec.proposer
-    proposer.graphs = capture_drafter_graphs(proposer, llm.engine, use_graphs=False)
+    proposer.graphs = capture_drafter_graphs(proposer, llm.engine.target, use_graphs=False)
     return llm
 
 

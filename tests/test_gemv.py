@@ -85,7 +85,7 @@ def model_decode_errors(dtype, device, config, seed=0) -> dict[str, float]:
     """A tiny Llama's hidden states and logits over steps of 1..8 tokens (and one of 12, past
     the plan's largest bucket: torch) with every linear through `config`, against plain
     torch modules."""
-    from specserve.engine.kv_cache import KVCache
+    from specserve.core.kv_cache import KVCache
     from specserve.layers.attention import TorchAttentionBackend
     from specserve.layers.gemv_select import GemvPlan
     from specserve.layers.linear import use_gemv

@@ -63,7 +63,7 @@ def test_verify_steps_look_up_the_bucket_of_their_request_count():
     plan.step_requests = 8
     assert plan.config_for(32, *key) == tall
 
-    from specserve.engine.kv_cache import KVCache
+    from specserve.core.kv_cache import KVCache
 
     cfg = tiny_config()
     model = tiny_model(cfg, torch.float32, "cpu")

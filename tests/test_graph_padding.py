@@ -160,7 +160,7 @@ def test_graph_accept_lengths_are_greedy_verifications():
     every request drafting q - 1, on random ids and argmaxes with many matches."""
     import torch
 
-    from specserve.spec.verify import greedy_accept_lens, verify_greedy
+    from specserve.runtime.verify import greedy_accept_lens, verify_greedy
 
     gen = torch.Generator().manual_seed(3)
     for q in (2, 4, 6):

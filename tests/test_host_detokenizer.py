@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from specserve.engine.detokenizer import IncrementalDetokenizer, TokenDecoder
+from specserve.core.detokenizer import IncrementalDetokenizer, TokenDecoder
 
 CORPUS = ["The quick brown fox jumps over the lazy dog. Héllo wörld, naïve café 你好 🙂 . , ! ?"]
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specserve.engine.request import Request
-from specserve.sampling_params import SamplingParams
+from specserve.core.request import Request
+from specserve.core.sampling_params import SamplingParams
 
 EOS = 2
 

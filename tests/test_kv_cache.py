@@ -16,8 +16,8 @@ from hypothesis.stateful import (
     rule,
 )
 
-from specserve.engine.kv_cache import KVCache, PageAllocator
-from specserve.model.hf_config import ModelConfig
+from specserve.core.kv_cache import KVCache, PageAllocator
+from specserve.core.model_config import ModelConfig
 
 
 def tiny_config(num_layers: int = 2) -> ModelConfig:

@@ -8,9 +8,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-from specserve.config import EngineConfig
-from specserve.engine.kv_cache import CPU_KV_CACHE_BYTES, kv_cache_pages
-from specserve.errors import ConfigError
+from specserve.core.config import EngineConfig
+from specserve.core.errors import ConfigError
+from specserve.engine.kv_sizing import CPU_KV_CACHE_BYTES, kv_cache_pages
 from tests.model_cases import tiny_config
 
 CFG = tiny_config()  # 2 layers, 2 KV heads of 16: 256 bytes a token in fp32
@@ -54,7 +54,7 @@ def test_cuda_budget_leaves_room_for_the_eagle3_head(monkeypatch, tmp_path_facto
     target = make_tiny_model(tmp_path_factory.mktemp("t"), "llama", num_layers=4)
     head = make_random_eagle3_head(tmp_path_factory.mktemp("h"), target, 50)
     weights = (head / "model.safetensors").stat().st_size
-    from specserve.model.hf_config import load_hf_config
+    from specserve.core.model_config import load_hf_config
 
     cfg = load_hf_config(target)
     page = 16 * cfg.kv_bytes_per_token(torch.float32)
@@ -89,7 +89,7 @@ def test_cuda_budget_leaves_room_for_every_graphs_outputs(monkeypatch):
     """Each captured (batch bucket, tokens per request) keeps its outputs alive in the
     graph pool (logits, hidden states, tokens): the KV budget leaves room for all of them,
     more at a larger K (K=5 ran out of memory at start-up on the H200 without this)."""
-    from specserve.engine.kv_cache import graph_output_bytes
+    from specserve.engine.kv_sizing import graph_output_bytes
 
     eight_b = replace(CFG, vocab_size=128256, hidden_size=4096)
     k3 = EngineConfig(speculative_algorithm="ngram", speculative_num_steps=3)

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from specserve import CheckpointError
-from specserve.engine.kv_cache import KVCache
+from specserve.core.kv_cache import KVCache
 from specserve.layers.attention import TorchAttentionBackend
 from specserve.model.llama import LlamaForCausalLM
 from specserve.model.loader import checkpoint_layout, load_model, resolve_model

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 
 from specserve import LLM, SamplingParams
-from specserve.config import EngineConfig
-from specserve.errors import ConfigError
+from specserve.core.config import EngineConfig
+from specserve.core.errors import ConfigError
 from tests.overlap_cases import (
     GREEDY,
     count_gathers,

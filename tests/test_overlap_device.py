@@ -55,7 +55,7 @@ def eagle3(models, overlap: str, padded=False, seed=5, choices=(0, 1, 2, 3, 3), 
         install_padded_runner(llm, tokens_per_request=(1, 2, 3, 4),
                               aux_layer_ids=llm.engine.spec.aux_layer_ids)  # fmt: skip
         proposer = llm.engine.spec.proposer
-        proposer.graphs = capture_drafter_graphs(proposer, llm.engine, use_graphs=False)
+        proposer.graphs = capture_drafter_graphs(proposer, llm.engine.target, use_graphs=False)
     return llm
 
 

@@ -51,7 +51,7 @@ def _steps_in_graphs(dtype, use_pdl: bool, fuse: bool, device="cuda", silu: bool
     """Prefill two requests eagerly, then a decode step (1 token each) and a verify step (4
     tokens each), each captured in a CUDA graph and replayed (on the CPU: run eagerly):
     hidden states, logits, KV."""
-    from specserve.engine.kv_cache import KVCache
+    from specserve.core.kv_cache import KVCache
     from specserve.layers.attention.triton_attn import TritonAttentionBackend
     from specserve.layers.gemv import GemvConfig
     from specserve.layers.gemv_select import GemvPlan

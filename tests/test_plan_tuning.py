@@ -163,7 +163,7 @@ def test_step_timer_finds_the_keys_a_step_looks_up_and_restores_the_padding(monk
 def test_gpu_engine_tunes_its_plan_unless_told_not_to(tiny_llama):
     """An engine on the GPU reports its tuning (steps timed, the time before and after per
     group); with disable_gemv_tuning it keeps selection's plan and reports none."""
-    from specserve.config import EngineConfig
+    from specserve.core.config import EngineConfig
     from specserve.engine.engine import LLMEngine
 
     for off in (False, True):
@@ -188,7 +188,7 @@ def test_gpu_engine_plan_gives_a_row_the_same_bits_at_every_shared_row_count(tin
     that row alone (`rows_apart`). The engine speculates (n-gram, K=3), so its plan reaches
     64 rows, its cuBLAS check covers them, and it searches verify tiles for them
     (runtime/verify_tiles.py)."""
-    from specserve.config import EngineConfig
+    from specserve.core.config import EngineConfig
     from specserve.engine.engine import LLMEngine
     from specserve.layers.gemv_select import SHARED_ROWS
 

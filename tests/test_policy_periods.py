@@ -4,7 +4,7 @@ that neither collapse on one rejection nor freeze while a request does not draft
 
 from __future__ import annotations
 
-from specserve.engine.scheduler import ScheduledRequest
+from specserve.core.batch import ScheduledRequest
 from specserve.spec.acceptance import AcceptanceModel
 from specserve.spec.cost_model import CurveModel, StepCostModel
 from specserve.spec.policy import GoodputPolicy

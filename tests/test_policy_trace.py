@@ -10,7 +10,7 @@ from dataclasses import asdict
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specserve.engine.scheduler import ScheduledRequest
+from specserve.core.batch import ScheduledRequest
 from specserve.spec.acceptance import AcceptanceModel
 from specserve.spec.policy import FixedPolicy
 from specserve.spec.policy_trace import Decision, PolicyTrace

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from specserve import LLM, SamplingParams
-from specserve.engine.request import Request
+from specserve.core.request import Request
 from specserve.spec.policy import NO_LOAD
 from tests.overlap_cases import (
     StepDraftLens,

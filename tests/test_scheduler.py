@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specserve import SamplingParams
-from specserve.engine.kv_cache import KVCache
-from specserve.engine.request import Request, RequestStatus
+from specserve.core.kv_cache import KVCache
+from specserve.core.request import Request, RequestStatus
 from specserve.engine.scheduler import Scheduler
 from tests.test_kv_cache import tiny_config
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 
 from specserve import SamplingParams
-from specserve.engine.kv_cache import KVCache
-from specserve.engine.request import Request
+from specserve.core.kv_cache import KVCache
+from specserve.core.request import Request
 from specserve.engine.scheduler import Scheduler
 from specserve.spec.policy import NO_LOAD, FixedPolicy, SpeculationPolicy
 from tests.test_kv_cache import tiny_config

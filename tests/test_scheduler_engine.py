@@ -9,7 +9,7 @@ import random
 import pytest
 
 from specserve import LLM, RequestTooLargeError, SamplingParams
-from specserve.engine.request import RequestStatus
+from specserve.core.request import RequestStatus
 from tests.tiny_models import VOCAB
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)

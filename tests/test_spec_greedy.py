@@ -8,7 +8,7 @@ import random
 import pytest
 
 from specserve import LLM, SamplingParams
-from specserve.engine.kv_cache import KVCache as KVCacheLike
+from specserve.core.kv_cache import KVCache as KVCacheLike
 from specserve.spec.policy import PerRequestPolicy
 from tests.tiny_models import VOCAB, make_tiny_model
 
@@ -186,8 +186,8 @@ def test_eagle3_mixed_draft_lengths(eagle_target):
 def test_lookahead_never_costs_a_preemption():
     """When pages are short, a request gives up its draft lookahead (K drops to 0) before
     the scheduler preempts anyone: speculation's memory cost is only ever spare pages."""
-    from specserve.engine.kv_cache import PageAllocator
-    from specserve.engine.request import Request, RequestStatus
+    from specserve.core.kv_cache import PageAllocator
+    from specserve.core.request import Request, RequestStatus
     from specserve.engine.scheduler import Scheduler
     from specserve.spec.policy import FixedPolicy
 

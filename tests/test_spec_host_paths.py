@@ -19,9 +19,9 @@ import torch
 
 from specserve import LLM, SamplingParams
 from specserve.runtime import inflight
+from specserve.runtime.verify import verify_greedy
 from specserve.spec import eagle3_graph_inputs
 from specserve.spec.policy import FixedPolicy
-from specserve.spec.verify import verify_greedy
 from tests.model_cases import install_padded_runner
 from tests.overlap_cases import make_models, prompts_for, record_drafts, spec_kwargs
 
@@ -41,7 +41,7 @@ def _engine(models, overlap: str, **kw) -> LLM:
     install_padded_runner(llm, tokens_per_request=(1, 2, 3, 4),
                           aux_layer_ids=llm.engine.spec.aux_layer_ids)  # fmt: skip
     proposer = llm.engine.spec.proposer
-    proposer.graphs = capture_drafter_graphs(proposer, llm.engine, use_graphs=False)
+    proposer.graphs = capture_drafter_graphs(proposer, llm.engine.target, use_graphs=False)
     return llm
 
 

@@ -7,7 +7,7 @@ import torch
 
 from specserve import LLM, SamplingParams
 from specserve.layers.sampler import SamplingTensors, filter_logits
-from specserve.spec.verify import verify
+from specserve.runtime.verify import verify
 
 
 def _tv(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -29,7 +29,7 @@ def prompt_file(tmp_path_factory):
 
 
 def test_generation_time_budget(target):
-    from specserve.config import EngineConfig
+    from specserve.core.config import EngineConfig
     from specserve.engine.engine import LLMEngine
     from specserve.train.distill import generate_samples
     from specserve.train.prompts import PromptItem
@@ -47,7 +47,7 @@ def test_generation_time_budget(target):
 def test_generation_deadline_keeps_greedy_prefixes(target, monkeypatch, overlap):
     """Past budget + grace, running requests stop and their partial replies are kept: they
     are prefixes of the full greedy replies. A fake clock ticks once per reading."""
-    from specserve.config import EngineConfig
+    from specserve.core.config import EngineConfig
     from specserve.engine.engine import LLMEngine
     from specserve.train import distill
     from specserve.train.prompts import PromptItem
@@ -97,7 +97,7 @@ def test_generation_retries_on_the_safe_engine_path(target, prompt_file, tmp_pat
     failed = [r for r in records if r.get("event") == "generation_failed"]
     assert len(failed) == 1 and "boom" in failed[0]["error"]
     # The user's own errors are not retried: they would fail the same way, later.
-    from specserve.errors import InvalidRequestError
+    from specserve.core.errors import InvalidRequestError
 
     def refused(engine, *args, **kwargs):
         calls.append("refused")

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from specserve.cli import main
+from specserve.core.model_config import load_hf_config
 from specserve.model.eagle3 import load_eagle3_head
-from specserve.model.hf_config import load_hf_config
 from specserve.model.loader import load_model, resolve_model
 from specserve.train.distill import Sample
 from specserve.train.features import record_features

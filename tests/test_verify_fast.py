@@ -8,11 +8,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from specserve.engine.scheduler import ScheduledRequest
+from specserve.core.batch import ScheduledRequest
+from specserve.core.sampling_params import SamplingParams
 from specserve.layers.sampler import build_sampling_tensors
 from specserve.runtime.model_runner import ModelRunner, StepInput
-from specserve.sampling_params import SamplingParams
-from specserve.spec.verify import verify, verify_greedy
+from specserve.runtime.verify import verify, verify_greedy
 
 VOCAB, HIDDEN = 64, 8
 

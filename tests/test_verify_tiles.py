@@ -150,7 +150,7 @@ def test_gpu_verify_tiles_give_verify_rows_their_decode_bits(tiny_llama):
     of its K=3 verify steps (8 and 16 requests: 32 and 64 rows) with the real step output
     and a timer that favours every candidate, so each one with the step's bits is kept; then
     every row of its verify steps (20-64 rows) has the bits of the same row alone."""
-    from specserve.config import EngineConfig
+    from specserve.core.config import EngineConfig
     from specserve.engine.engine import LLMEngine
     from specserve.layers.gemv_configs import verify_candidates as cands
     from specserve.layers.gemv_select import SHARED_ROWS

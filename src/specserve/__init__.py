@@ -1,6 +1,6 @@
 """specserve: an LLM inference server whose speculative decoding adapts to load."""
 
-from specserve.errors import (
+from specserve.core.errors import (
     CheckpointError,
     ConfigError,
     InvalidRequestError,
@@ -8,7 +8,7 @@ from specserve.errors import (
     SpecserveError,
     UnsupportedModelError,
 )
-from specserve.sampling_params import SamplingParams
+from specserve.core.sampling_params import SamplingParams
 
 __all__ = [
     "LLM",

@@ -8,8 +8,9 @@ import argparse
 import sys
 from dataclasses import fields
 
-from specserve.config import EngineConfig
-from specserve.engine_args import (  # noqa: F401  (add_engine_args: used by other commands)
+from specserve.core.config import EngineConfig
+from specserve.core.errors import InvalidRequestError, SpecserveError
+from specserve.engine_args import (
     ENGINE_FLAGS,
     ArgumentParser,
     add_engine_args,
@@ -18,7 +19,6 @@ from specserve.engine_args import (  # noqa: F401  (add_engine_args: used by oth
     flag_message,
     has_engine_args,
 )
-from specserve.errors import InvalidRequestError, SpecserveError
 
 SAMPLING_FLAGS = {"max_tokens": "--max-tokens", "temperature": "--temperature",
                   "top_k": "--top-k", "top_p": "--top-p", "min_p": "--min-p",
@@ -26,7 +26,7 @@ SAMPLING_FLAGS = {"max_tokens": "--max-tokens", "temperature": "--temperature",
 
 
 def _sampling_params(args: argparse.Namespace):
-    from specserve.sampling_params import SamplingParams
+    from specserve.core.sampling_params import SamplingParams
 
     return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                           top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
@@ -140,7 +140,7 @@ def _add_bench_parser(sub) -> None:
 
 
 def _add_generate_parser(sub) -> None:
-    from specserve.sampling_params import SamplingParams as D  # defaults of the Python API
+    from specserve.core.sampling_params import SamplingParams as D  # defaults of the Python API
 
     gen = sub.add_parser("generate", help="generate text for one prompt, streamed to stdout",
                          description="Answer one prompt (with the model's chat template) "
@@ -181,7 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate_parser(sub)
     _add_serve_parser(sub)
     _add_train_parser(sub)
-    from specserve.spec.eval_draft import add_eval_draft_parser
+    from specserve.bench.eval_draft import add_eval_draft_parser
 
     add_eval_draft_parser(sub)
     _add_bench_parser(sub)

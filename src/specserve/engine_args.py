@@ -11,7 +11,7 @@ import re
 from contextlib import contextmanager
 from dataclasses import MISSING, fields
 
-from specserve.config import (
+from specserve.core.config import (
     ATTENTION_BACKEND_CHOICES,
     DTYPE_CHOICES,
     LOAD_FORMATS,

@@ -8,12 +8,12 @@ from dataclasses import dataclass, fields
 
 from tqdm import tqdm
 
-from specserve.config import EngineConfig
+from specserve.core.config import EngineConfig
+from specserve.core.errors import InvalidRequestError
+from specserve.core.request import SpecStats
+from specserve.core.sampling_params import SamplingParams
 from specserve.engine.engine import LLMEngine, RequestOutput
-from specserve.engine.request import SpecStats
-from specserve.errors import InvalidRequestError
 from specserve.runtime.sampled_tokens import TokenLogprobs
-from specserve.sampling_params import SamplingParams
 
 Prompt = str | list[int]
 Message = dict[str, str]  # {"role": "system" | "user" | "assistant", "content": text}

@@ -8,9 +8,9 @@ import queue
 
 import pytest
 
-from specserve.config import EngineConfig
+from specserve.core.config import EngineConfig
+from specserve.core.sampling_params import SamplingParams
 from specserve.engine.engine import LLMEngine
-from specserve.sampling_params import SamplingParams
 from specserve.server.engine_proc import AddRequest, EngineLoop, Outbox, OutputDelta
 from specserve.server.errors import _field_path
 from specserve.server.inputs import choice_seed

@@ -14,7 +14,7 @@ from specserve.bench.datasets import DATASETS, build_dataset, resolve_tokenizer
 from specserve.bench.load import ENDPOINTS, LoadConfig, normalize_base_url
 from specserve.bench.matrix import MATRIX_ONLY_FLAGS, add_matrix_args
 from specserve.bench.throughput import add_throughput_args, throughput_command
-from specserve.errors import SpecserveError
+from specserve.core.errors import SpecserveError
 
 
 def _add_workload_args(p: argparse.ArgumentParser, num_prompts: int) -> None:

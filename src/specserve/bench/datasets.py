@@ -19,7 +19,7 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from specserve.errors import SpecserveError
+from specserve.core.errors import SpecserveError
 
 TEXT_SOURCES = ("shakespeare", "stdlib")
 DATASETS = ("random", "jsonl", *TEXT_SOURCES)

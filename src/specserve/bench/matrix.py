@@ -83,7 +83,7 @@ class MatrixSpec:
         is `acceptance` (a rate <= 1 as it is)."""
         if acceptance <= 1.0:
             return acceptance
-        from specserve.spec.verify import rate_for_mean_accept_len  # the engine's conversion
+        from specserve.runtime.verify import rate_for_mean_accept_len  # the engine's conversion
 
         return round(rate_for_mean_accept_len(acceptance, self.k_max_for(acceptance)), 6)
 

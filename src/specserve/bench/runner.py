@@ -13,7 +13,7 @@ from specserve.bench.datasets import Dataset
 from specserve.bench.load import LoadConfig, RequestResult, run_load
 from specserve.bench.metrics_client import api_requests_by_status, scrape, server_figures
 from specserve.bench.report import summarize
-from specserve.errors import SpecserveError
+from specserve.core.errors import SpecserveError
 
 
 class BenchError(SpecserveError):

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 
-from specserve.errors import SpecserveError
+from specserve.core.errors import SpecserveError
 
 
 class ServerStartError(SpecserveError):

@@ -17,7 +17,7 @@ import time
 from collections import Counter
 from dataclasses import asdict, dataclass, fields
 
-from specserve.errors import SpecserveError
+from specserve.core.errors import SpecserveError
 
 # engine.stats() counters that only grow: the timed run's figure is after - before.
 _COUNTERS = ("steps", "preemptions", "loop_waits", "loop_wait_reasons", "spec_steps_by_draft_len",
@@ -91,7 +91,7 @@ def speculation_of(outputs) -> dict | None:
 
 def run_throughput(llm, work: ThroughputWorkload, progress: bool = False) -> dict:
     """Warm up, then time every request submitted at once; returns the report's numbers."""
-    from specserve.sampling_params import SamplingParams
+    from specserve.core.sampling_params import SamplingParams
 
     engine = llm.engine
     vocab = prompt_token_ids(llm.tokenizer, engine.model_config.vocab_size)
@@ -127,7 +127,7 @@ def run_throughput(llm, work: ThroughputWorkload, progress: bool = False) -> dic
 
 def add_throughput_args(p: argparse.ArgumentParser) -> None:
     """Every engine flag (as `serve` has them) plus the workload's."""
-    from specserve.cli import add_engine_args
+    from specserve.engine_args import add_engine_args
 
     add_engine_args(p)  # --seed is the engine's and seeds the prompts too
     p.add_argument("--num-prompts", type=int, default=ThroughputWorkload.num_prompts)
@@ -175,8 +175,8 @@ def throughput_command(args: argparse.Namespace) -> int:
     """Build the engine from the flags, run the workload, print and save the report."""
     from specserve.bench.report import save_json
     from specserve.bench.sweep import machine_info
-    from specserve.cli import engine_config
-    from specserve.config import EngineConfig
+    from specserve.core.config import EngineConfig
+    from specserve.engine_args import engine_config
     from specserve.llm import LLM
 
     try:

@@ -7,22 +7,24 @@ import logging
 import random
 from dataclasses import dataclass, field
 
-from specserve.config import EngineConfig
-from specserve.engine.detokenizer import IncrementalDetokenizer, TokenDecoder
-from specserve.engine.kv_cache import KVCache, kv_cache_pages
-from specserve.engine.request import Request, SpecStats
+from specserve.core.config import EngineConfig
+from specserve.core.detokenizer import IncrementalDetokenizer, TokenDecoder
+from specserve.core.errors import InvalidRequestError, RequestTooLargeError
+from specserve.core.kv_cache import KVCache
+from specserve.core.request import Request, SpecStats
+from specserve.core.sampling_params import SamplingParams
+from specserve.engine.kv_sizing import kv_cache_pages
 from specserve.engine.scheduler import Scheduler
 from specserve.engine.startup import StartupProgress
 from specserve.engine.step_loop import StepLoop
-from specserve.errors import InvalidRequestError, RequestTooLargeError
 from specserve.layers import pdl
 from specserve.layers.attention import get_backend
 from specserve.model.llama import LlamaForCausalLM
 from specserve.model.loader import load_config, load_model, load_tokenizer, resolve_model
 from specserve.runtime import packing
 from specserve.runtime.model_runner import ModelRunner
-from specserve.sampling_params import SamplingParams
 from specserve.spec.speculator import Speculator
+from specserve.spec.target import TargetParts
 
 log = logging.getLogger("specserve")
 
@@ -113,10 +115,13 @@ class LLMEngine:
         if device.type == "cuda":  # compile every attention variant now, not mid-serving
             with startup.phase("compiling attention kernels"):
                 self.runner.backend.warm_up(self.model_config.num_heads, self.kv.layers[0])
+        # What speculation is built from (it never sees this engine).
+        self.target = TargetParts(config, self.model_config, self.dtype, self.kv, self.runner,
+                                  self.max_model_len, getattr(self, "gemv_selector", None))
         self.spec = None
         if config.speculative_algorithm:
             with startup.phase(f"setting up the {config.speculative_algorithm} drafter"):
-                self.spec = Speculator(self)
+                self.spec = Speculator(self.target)
         if self.spec is not None and packing.use_shift_kernel(device):
             from specserve.runtime import shift_kernel
 
@@ -129,7 +134,7 @@ class LLMEngine:
             policy = config.speculative_policy
             with startup.phase("timing steps for the goodput policy" if policy == "goodput"
                                else f"setting up the {policy} policy"):  # fmt: skip
-                self.spec.start(self)
+                self.spec.start(self.target)
         tokenizer_eos = getattr(self.tokenizer, "eos_token_id", None)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids) | frozenset(
             [tokenizer_eos] if tokenizer_eos is not None else []

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specserve.engine.scheduler import ScheduledRequest
+from specserve.core.batch import ScheduledRequest
 from specserve.runtime.inflight import InflightStep
 from specserve.runtime.model_runner import StepInput, num_drafts
 from specserve.runtime.sampled_tokens import SampledTokens, StepResult

@@ -11,38 +11,15 @@ recomputed later from its prompt and the tokens it already generated.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from specserve.engine.kv_cache import KVCache
-from specserve.engine.request import Request, RequestStatus
+from specserve.core.batch import ScheduledRequest
+from specserve.core.kv_cache import KVCache
+from specserve.core.request import Request, RequestStatus
 from specserve.spec.policy_base import StepLoad
 
 if TYPE_CHECKING:
     from specserve.spec.policy import SpeculationPolicy
-
-
-@dataclass
-class ScheduledRequest:
-    """One request's share of a step: `num_tokens` committed tokens starting at
-    `cached_len`, plus up to `draft_len` speculative tokens that the proposer fills in
-    (`drafts`, and `draft_probs` [k, V] when the drafter sampled from a distribution)."""
-
-    request: Request
-    num_tokens: int
-    draft_len: int = 0
-    decoding: bool = False  # one committed token to feed (not a prefill chunk)
-    drafts: list[int] = field(default_factory=list)
-    draft_probs: Any = None
-    # Drafts the proposer left on the device instead: (tokens [B, k], this request's row);
-    # `drafts` gets their values once the step's tokens reach the host.
-    device_drafts: Any = None
-
-    @property
-    def samples(self) -> bool:
-        """Whether this chunk reaches the end of the request's tokens, so a token is drawn."""
-        req = self.request
-        return req.cached_len + self.num_tokens == req.committed_len
 
 
 class Scheduler:

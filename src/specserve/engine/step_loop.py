@@ -45,8 +45,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from specserve.core.batch import ScheduledRequest
 from specserve.engine.launched_step import LaunchedStep, StepTimes
-from specserve.engine.scheduler import ScheduledRequest
 from specserve.runtime.model_runner import num_drafts
 
 if TYPE_CHECKING:

@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from specserve.core.graph_timing import no_collection_while_capturing, replay_ms
 from specserve.layers.gemv import GemvConfig, SplitKSum, gemv
 from specserve.layers.linear import NORM_FUSION
-from specserve.runtime.cuda_graphs import no_collection_while_capturing, replay_ms
 
 NORM_EPS = 1e-5  # the timed norm's; any value times alike
 

@@ -7,7 +7,7 @@ import math
 import torch
 from torch import nn
 
-from specserve.model.hf_config import RopeScaling
+from specserve.core.model_config import RopeScaling
 
 
 def inverse_frequencies(

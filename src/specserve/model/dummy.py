@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from specserve.errors import CheckpointError
-from specserve.model.hf_config import ModelConfig, config_from_dict
+from specserve.core.errors import CheckpointError
+from specserve.core.model_config import ModelConfig, config_from_dict
 
 _LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}  # fmt: skip

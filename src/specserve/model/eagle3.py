@@ -23,7 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specserve.errors import CheckpointError
+from specserve.core.errors import CheckpointError
+from specserve.core.model_config import ModelConfig
 from specserve.layers.activation import GatedMLP, MergedGatedMLP
 from specserve.layers.attention import AttentionBackend, AttentionMetadata
 from specserve.layers.linear import MergedLinear
@@ -35,7 +36,6 @@ from specserve.model.eagle3_config import (
     Eagle3Config,
     default_aux_layer_ids,
 )
-from specserve.model.hf_config import ModelConfig
 from specserve.model.llama import fused_kv_store
 
 __all__ = [
@@ -45,15 +45,8 @@ __all__ = [
     "default_aux_layer_ids",
     "load_eagle3_head",
     "save_eagle3_head",
-    "shipped_head_path",
 ]
 _IGNORED_TENSORS = ("embed_tokens.weight", "model.embed_tokens.weight")
-
-
-def shipped_head_path() -> Path:
-    """The EAGLE-3 head shipped for the embedded default model (SmolLM2-135M-Instruct);
-    docs/eagle3_training.md says how it was trained."""
-    return Path(__file__).resolve().parent.parent / "data" / "eagle3-smollm2-135m"
 
 
 class Eagle3Attention(nn.Module):

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import torch
 
-from specserve.errors import CheckpointError, UnsupportedModelError
-from specserve.model.hf_config import ModelConfig, config_from_dict
+from specserve.core.errors import CheckpointError, UnsupportedModelError
+from specserve.core.model_config import ModelConfig, config_from_dict
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from specserve.errors import CheckpointError, UnsupportedModelError
-from specserve.model.hf_config import ModelConfig, config_from_dict
+from specserve.core.errors import CheckpointError, UnsupportedModelError
+from specserve.core.model_config import ModelConfig, config_from_dict
 
 _ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 _LAYER_NAMES = {

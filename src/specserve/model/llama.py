@@ -15,12 +15,12 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from specserve.core.model_config import ModelConfig
 from specserve.layers.activation import MergedGatedMLP
 from specserve.layers.attention import AttentionBackend, AttentionMetadata
 from specserve.layers.linear import NORM_FUSION, MergedLinear, dense
 from specserve.layers.norm import RMSNorm
 from specserve.layers.rotary import RotaryEmbedding
-from specserve.model.hf_config import ModelConfig
 
 if TYPE_CHECKING:
     from specserve.layers.gemv_select import GemvPlan

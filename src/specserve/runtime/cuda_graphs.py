@@ -13,9 +13,7 @@ and attend only to that slot.
 from __future__ import annotations
 
 import bisect
-import contextlib
 import gc
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,7 +21,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from specserve.config import EngineConfig
+from specserve.core.config import EngineConfig
+from specserve.core.graph_timing import no_collection_while_capturing
 from specserve.layers.attention import AttentionBackend, AttentionMetadata
 from specserve.runtime.graph_staging import stage_step, use_stage_kernel
 
@@ -40,23 +39,6 @@ class CaptureReport:
     graph_pool_bytes: int  # growth of reserved device memory over the captures
     static_bytes: int  # the static input buffers
     first_replay_s: float = 0.0  # one replay of every graph after capture (see capture_graphs)
-
-
-@contextlib.contextmanager
-def no_collection_while_capturing():
-    """Keep Python's cyclic garbage collector off until the block ends. An engine dropped
-    earlier in the process (a benchmark's previous configuration, a test's) is freed only
-    by the collector; if it ran mid-capture, the old engine's CUDA graphs would be destroyed
-    inside the new capture, which CUDA forbids: the capture is invalidated and start-up
-    fails at a later launch (seen on the H200: "operation failed due to a previous error
-    during capture"). torch.cuda.graph no longer collects before each capture."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def default_batch_buckets(max_batch: int) -> tuple[int, ...]:
@@ -87,19 +69,6 @@ def static_meta(bufs, batch: int, q: int) -> AttentionMetadata:
         max_query_len=q,
         max_seq_len=bufs.max_seq_len,
     )
-
-
-def replay_ms(graph: torch.cuda.CUDAGraph, reps: int) -> float:
-    """Median device time (ms) of `reps` replays of a captured (and uploaded) graph, each
-    between its own pair of CUDA events."""
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-              for _ in range(reps)]  # fmt: skip
-    for start, end in events:
-        start.record()
-        graph.replay()
-        end.record()
-    torch.cuda.synchronize()
-    return statistics.median(start.elapsed_time(end) for start, end in events)
 
 
 @torch.inference_mode()
@@ -247,7 +216,7 @@ class CudaGraphRunner:
         head = None
         if self.logits_head is not None:
             from specserve.layers.sampler import argmax_rows
-            from specserve.spec.verify import greedy_accept_lens
+            from specserve.runtime.verify import greedy_accept_lens
 
             logits = self.logits_head(hidden)
             tokens = argmax_rows(logits)

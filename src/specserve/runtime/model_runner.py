@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from specserve.engine.kv_cache import KVCache
-from specserve.engine.scheduler import ScheduledRequest
+from specserve.core.batch import ScheduledRequest
+from specserve.core.kv_cache import KVCache
 from specserve.layers.attention import AttentionBackend, AttentionMetadata
 from specserve.layers.sampler import SamplingTensors, argmax_rows, sample
 from specserve.model.llama import LlamaForCausalLM
@@ -20,7 +20,7 @@ from specserve.runtime.sampled_tokens import (
     TokenLogprobs,
     logprob_tensors,
 )
-from specserve.spec.verify import VerifyResult, verify, verify_greedy
+from specserve.runtime.verify import VerifyResult, verify, verify_greedy
 
 __all__ = ["InflightStep", "ModelRunner", "StepInput", "StepResult", "TokenLogprobs", "num_drafts"]
 

@@ -31,12 +31,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specserve.core.graph_timing import no_collection_while_capturing, replay_ms
 from specserve.layers.gemv_plan import GemvPlan
-from specserve.runtime.cuda_graphs import (
-    CudaGraphRunner,
-    no_collection_while_capturing,
-    replay_ms,
-)
+from specserve.runtime.cuda_graphs import CudaGraphRunner
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""Server options (HTTP side); the engine's options stay in specserve.config.EngineConfig."""
+"""Server options (HTTP side); the engine's options stay in specserve.core.config.EngineConfig."""
 
 from __future__ import annotations
 

@@ -18,8 +18,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from specserve.config import EngineConfig
-from specserve.errors import CheckpointError, SpecserveError
+from specserve.core.config import EngineConfig
+from specserve.core.errors import CheckpointError, SpecserveError
 from specserve.server.engine_proc import (
     AddRequest,
     EngineInfo,

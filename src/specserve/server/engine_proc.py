@@ -20,9 +20,9 @@ import traceback
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 
-from specserve.config import EngineConfig
-from specserve.errors import InvalidRequestError, SpecserveError
-from specserve.sampling_params import SamplingParams
+from specserve.core.config import EngineConfig
+from specserve.core.errors import InvalidRequestError, SpecserveError
+from specserve.core.sampling_params import SamplingParams
 
 _IDLE_POLL_S = 0.5  # how often an idle engine checks that its parent is still alive
 

@@ -13,7 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from specserve.errors import InvalidRequestError
+from specserve.core.errors import InvalidRequestError
 
 logger = logging.getLogger("specserve.server")
 

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 from jinja2 import TemplateError
 
-from specserve.errors import InvalidRequestError
-from specserve.sampling_params import SamplingParams
+from specserve.core.errors import InvalidRequestError
+from specserve.core.sampling_params import SamplingParams
 from specserve.server.engine_proc import AddRequest, EngineInfo
 from specserve.server.errors import APIError, bad_request, from_invalid_request
 from specserve.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields

@@ -15,7 +15,7 @@ import signal
 
 import uvicorn
 
-from specserve.config import EngineConfig
+from specserve.core.config import EngineConfig
 from specserve.model.loader import load_tokenizer, resolve_model
 from specserve.server.app import ServerState, build_app
 from specserve.server.config import ServerConfig

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from specserve.engine.kv_cache import KVCache
-from specserve.engine.scheduler import ScheduledRequest
-from specserve.errors import UnsupportedModelError
+from specserve.core.batch import ScheduledRequest
+from specserve.core.errors import UnsupportedModelError
+from specserve.core.kv_cache import KVCache
 from specserve.layers.attention import AttentionBackend
 from specserve.model.llama import LlamaForCausalLM
 from specserve.runtime.model_runner import dummy_forward

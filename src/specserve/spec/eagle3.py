@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from specserve.engine.kv_cache import KVCache
-from specserve.engine.scheduler import ScheduledRequest
+from specserve.core.batch import ScheduledRequest
+from specserve.core.kv_cache import KVCache
 from specserve.layers.attention import AttentionBackend
 from specserve.layers.sampler import argmax_rows
 from specserve.model.eagle3 import Eagle3Head, load_eagle3_head
@@ -34,7 +34,7 @@ from specserve.spec.eagle3_graphs import DrafterGraphs, draft_pass_meta
 from specserve.spec.proposer import Proposer, bounded_passes, chain_draft, draw_drafts
 
 if TYPE_CHECKING:
-    from specserve.engine.engine import LLMEngine
+    from specserve.spec.target import TargetParts
 
 # A request that goes this many generated tokens without drafting brings its drafter up to
 # date in that step (ride-along), so that the catch-up when drafting resumes stays short.
@@ -282,25 +282,25 @@ class Eagle3Proposer(Proposer):
         return run
 
 
-def build_eagle3_proposer(engine: LLMEngine) -> Eagle3Proposer:
+def build_eagle3_proposer(target: TargetParts) -> Eagle3Proposer:
     """The head loaded for the engine's target, its projections merged as the target's; on
     CUDA with the Triton backend its norms, rotary and MLP use the fused kernels, and
     unless CUDA graphs are disabled every head pass shape is captured now (one graph per
     batch bucket and tokens per request)."""
-    cfg = engine.config
-    device = engine.kv.pool.device
+    cfg = target.config
+    device = target.kv.pool.device
     if cfg.speculative_draft_model_path is None:  # --load-format dummy: a random head
         from specserve.model.dummy import build_dummy_eagle3_head
 
-        head = build_dummy_eagle3_head(engine.model_config, engine.dtype, device, cfg.seed)
+        head = build_dummy_eagle3_head(target.model_config, target.dtype, device, cfg.seed)
     else:
-        head = load_eagle3_head(cfg.speculative_draft_model_path, engine.model_config,
-                                engine.dtype, device)  # fmt: skip
+        head = load_eagle3_head(cfg.speculative_draft_model_path, target.model_config,
+                                target.dtype, device)  # fmt: skip
     head = head.merge_projections()
-    kv = KVCache(head.config.layer, engine.kv.allocator.num_pages, cfg.page_size,
-                 engine.dtype, device)
-    embed = engine.runner.model.model.embed_tokens
-    proposer = Eagle3Proposer(head, embed, kv, engine.runner.backend)
+    kv = KVCache(head.config.layer, target.kv.allocator.num_pages, cfg.page_size,
+                 target.dtype, device)
+    embed = target.runner.model.model.embed_tokens
+    proposer = Eagle3Proposer(head, embed, kv, target.runner.backend)
     proposer.max_pass_tokens = cfg.max_num_batched_tokens
     if device.type == "cuda" and cfg.backend_name() == "triton":
         from specserve.layers.linear import use_gemv
@@ -312,9 +312,9 @@ def build_eagle3_proposer(engine: LLMEngine) -> Eagle3Proposer:
         # projection with the SiLU prologue only.
         head.midlayer.mlp.fuse_split_k = False
         if not cfg.disable_gemv:
-            use_gemv(head, getattr(engine, "gemv_selector", None))
+            use_gemv(head, target.gemv_selector)
     if device.type == "cuda":  # eager catch-ups of any length never wait for a compiler
         proposer.backend.warm_up(head.config.layer.num_heads, kv.layers[0])
     if device.type == "cuda" and not cfg.disable_cuda_graph:
-        proposer.graphs = capture_drafter_graphs(proposer, engine)
+        proposer.graphs = capture_drafter_graphs(proposer, target)
     return proposer

@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING
 from specserve.spec.eagle3_graphs import DrafterGraphs
 
 if TYPE_CHECKING:
-    from specserve.engine.engine import LLMEngine
     from specserve.spec.eagle3 import Eagle3Proposer
+    from specserve.spec.target import TargetParts
 
 log = logging.getLogger("specserve")
 
@@ -24,17 +24,17 @@ def catch_up_lengths(k_max: int) -> tuple[int, ...]:
 
 
 def capture_drafter_graphs(
-    proposer: Eagle3Proposer, engine: LLMEngine, use_graphs: bool = True
+    proposer: Eagle3Proposer, target: TargetParts, use_graphs: bool = True
 ) -> DrafterGraphs:
     """Graphs for draft steps and catch-ups (`catch_up_lengths`); use_graphs=False: the
     same padded path, eager."""
     from specserve.runtime.cuda_graphs import engine_graph_shapes
 
-    cfg = engine.config
+    cfg = target.config
     graphs = DrafterGraphs(
         proposer.head, proposer.embed, proposer.kv.layers[0], proposer.backend,
         engine_graph_shapes(cfg)[0],
-        catch_up_lengths(cfg.speculative_num_steps), engine.max_model_len, use_graphs,
+        catch_up_lengths(cfg.speculative_num_steps), target.max_model_len, use_graphs,
         chain_lengths=tuple(range(2, cfg.speculative_num_steps + 1)),  # every K >= 2
         feature_store=proposer.feature_store,
     )  # fmt: skip

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from specserve.engine.scheduler import ScheduledRequest
+from specserve.core.batch import ScheduledRequest
 from specserve.spec.proposer import Proposer
 
 

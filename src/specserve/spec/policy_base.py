@@ -8,7 +8,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from specserve.engine.request import Request
+from specserve.core.request import Request
 from specserve.spec.policy_trace import PolicyTrace
 
 

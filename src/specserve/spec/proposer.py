@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import torch
 
-from specserve.engine.scheduler import ScheduledRequest
+from specserve.core.batch import ScheduledRequest
 from specserve.layers.sampler import (
     argmax_rows,
     build_sampling_tensors,

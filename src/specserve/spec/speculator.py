@@ -6,7 +6,8 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from specserve.engine.scheduler import ScheduledRequest
+from specserve.core.batch import ScheduledRequest
+from specserve.runtime.verify import rate_for_mean_accept_len
 from specserve.spec.acceptance import AcceptanceModel
 from specserve.spec.cost_model import StepCostModel, measure_curve, powers_of_two
 from specserve.spec.policy import (
@@ -19,10 +20,9 @@ from specserve.spec.policy import (
 from specserve.spec.proposer import Proposer
 from specserve.spec.registry import build_proposer
 from specserve.spec.step_periods import PeriodLog
-from specserve.spec.verify import rate_for_mean_accept_len
 
 if TYPE_CHECKING:
-    from specserve.engine.engine import LLMEngine
+    from specserve.spec.target import TargetParts
 
 log = logging.getLogger("specserve")
 
@@ -30,10 +30,10 @@ log = logging.getLogger("specserve")
 class Speculator:
     """Owns speculation for an engine; the batch itself never knows about it."""
 
-    def __init__(self, engine: LLMEngine):
-        cfg = engine.config
+    def __init__(self, target: TargetParts):
+        cfg = target.config
         self.k_max = cfg.speculative_num_steps
-        self.proposer: Proposer = build_proposer(engine)
+        self.proposer: Proposer = build_proposer(target)
         self.acceptance = AcceptanceModel(self.k_max)
         self.simulate_rate = None
         sim = cfg.speculative_simulate_acceptance
@@ -51,10 +51,10 @@ class Speculator:
         self._last_resolved_s: float | None = None
         self._last_committed = 0
 
-    def start(self, engine: LLMEngine) -> None:
+    def start(self, target: TargetParts) -> None:
         """Build the policy once the target runs as it will serve (graphs captured), so the
         cost model measures the real step times."""
-        self.policy = self._build_policy(engine)
+        self.policy = self._build_policy(target)
 
     @property
     def aux_layer_ids(self) -> tuple[int, ...]:
@@ -79,8 +79,8 @@ class Speculator:
         """The policy the scheduler asks for draft lengths (None: every K is 0)."""
         return self.policy if self.may_draft else None
 
-    def _build_policy(self, engine: LLMEngine) -> SpeculationPolicy:
-        cfg = engine.config
+    def _build_policy(self, target: TargetParts) -> SpeculationPolicy:
+        cfg = target.config
         name = cfg.speculative_policy
         if name == "off":
             return OffPolicy(self.k_max)
@@ -88,24 +88,21 @@ class Speculator:
             return FixedPolicy(self.k_max)
         if name == "schedule":
             return SchedulePolicy(self.k_max, cfg.speculative_schedule)
-        self.cost = self.periods.cost = self.measure_costs(engine)
+        self.cost = self.periods.cost = self.measure_costs(target)
         return GoodputPolicy(self.k_max, self.cost, self.acceptance)
 
-    def measure_costs(self, engine: LLMEngine) -> StepCostModel:
+    def measure_costs(self, target: TargetParts) -> StepCostModel:
         """Seed the step cost model: the target timed by tokens per step and the drafter by
         batch on this machine; real steps' periods refine it (`observe_period`)."""
-        runner = engine.runner
-        limit = min(
-            engine.config.max_num_batched_tokens,
-            engine.config.max_num_seqs * (self.k_max + 1),
-        )
-        target = measure_curve(runner.time_forward, powers_of_two(limit))
+        runner, cfg = target.runner, target.config
+        limit = min(cfg.max_num_batched_tokens, cfg.max_num_seqs * (self.k_max + 1))
+        forward = measure_curve(runner.time_forward, powers_of_two(limit))
         drafter = None
         timer = self.proposer.step_timer()
         if timer is not None:
-            drafter = measure_curve(timer, powers_of_two(engine.config.max_num_seqs))
+            drafter = measure_curve(timer, powers_of_two(cfg.max_num_seqs))
         # With CUDA graphs, decode/verify steps pad every request to the step's longest draft.
-        return StepCostModel(target, drafter, padded=runner.graphs is not None)
+        return StepCostModel(forward, drafter, padded=runner.graphs is not None)
 
     def observe(
         self,

@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from specserve.errors import SpecserveError
-from specserve.sampling_params import SamplingParams
+from specserve.core.errors import SpecserveError
+from specserve.core.sampling_params import SamplingParams
 from specserve.train.config import TrainConfig
 from specserve.train.prompts import PromptItem, PromptSourceError, load_prompts
 
@@ -216,7 +216,7 @@ def _generate(cfg: TrainConfig, prompts: list[PromptItem], heldout_prompts: list
     head), KV for gen_batch sequences of full length, large prefill steps (prompts join in
     bursts), and on GPU a CUDA graph for every batch size up to gen_batch with the
     overlapped step loop; `safe` runs the synchronous loop eagerly instead."""
-    from specserve.config import EngineConfig
+    from specserve.core.config import EngineConfig
     from specserve.engine.engine import LLMEngine
     from specserve.model.loader import load_tokenizer, resolve_model
 

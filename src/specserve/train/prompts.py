@@ -23,7 +23,7 @@ import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
-from specserve.errors import SpecserveError
+from specserve.core.errors import SpecserveError
 
 MAX_TEXT_CHARS = 1500  # keeps prompts around 400 tokens
 _SKIP_STDLIB = ("test", "tests", "idlelib", "site-packages", "dist-packages", "lib2to3",

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from specserve.errors import SpecserveError
+from specserve.core.errors import SpecserveError
 from specserve.model.eagle3 import (
     Eagle3Config,
     Eagle3Head,

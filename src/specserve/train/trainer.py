@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from specserve.errors import SpecserveError
+from specserve.core.errors import SpecserveError
 from specserve.model.eagle3 import Eagle3Head
 from specserve.model.loader import load_config, load_model, resolve_model
 from specserve.train.config import TrainConfig

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-from specserve.errors import ConfigError
+from specserve.core.errors import ConfigError
 
 SPECULATIVE_ALGORITHMS = (None, "ngram", "draft", "eagle3")
 LOAD_FORMATS = ("auto", "dummy")
@@ -150,8 +151,6 @@ class EngineConfig:
         if self.load_format == "dummy":
             return  # random weights: nothing a shipped head was trained for
         if self.model is None and self.speculative_draft_model_path is None:
-            from specserve.model.eagle3 import shipped_head_path
-
             head = shipped_head_path()
             if (head / "config.json").is_file():
                 self.speculative_algorithm = "eagle3"
@@ -209,3 +208,9 @@ class EngineConfig:
         if self.torch_device().type == "cpu":
             return torch.float32
         return checkpoint_dtype if checkpoint_dtype != torch.float32 else torch.bfloat16
+
+
+def shipped_head_path() -> Path:
+    """The EAGLE-3 head shipped for the embedded default model (SmolLM2-135M-Instruct);
+    docs/eagle3_training.md says how it was trained."""
+    return Path(__file__).resolve().parent.parent / "data" / "eagle3-smollm2-135m"

@@ -10,8 +10,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from specserve.errors import ConfigError
-from specserve.sampling_params import SamplingParams
+from specserve.core.errors import ConfigError
+from specserve.core.sampling_params import SamplingParams
 from specserve.spec.acceptance import AcceptanceModel
 from specserve.spec.policy import FixedPolicy
 
@@ -96,7 +96,7 @@ def draft_path(args: argparse.Namespace) -> str | None:
     if args.draft is not None or args.algorithm == "ngram":
         return args.draft
     if args.target is None and args.algorithm == "eagle3":
-        from specserve.model.eagle3 import shipped_head_path
+        from specserve.core.config import shipped_head_path
 
         head = shipped_head_path()
         if (head / "config.json").is_file():
@@ -130,7 +130,7 @@ def select_prompts(args: argparse.Namespace) -> list:
 
 def run_eval_draft(args: argparse.Namespace) -> int:
     """The eval-draft command: every argument checked, then the engine loaded and run."""
-    from specserve.config import EngineConfig
+    from specserve.core.config import EngineConfig
     from specserve.engine_args import flag_message
     from specserve.llm import LLM
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from specserve.engine.detokenizer import IncrementalDetokenizer
-from specserve.sampling_params import SamplingParams
+from specserve.core.detokenizer import IncrementalDetokenizer
+from specserve.core.sampling_params import SamplingParams
 
 
 @dataclass

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from specserve.errors import CheckpointError, UnsupportedModelError
+from specserve.core.errors import CheckpointError, UnsupportedModelError
 
 # architecture name -> (qkv bias, q/k norm)
 _FAMILIES = {

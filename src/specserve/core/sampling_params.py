@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from specserve.errors import InvalidRequestError
+from specserve.core.errors import InvalidRequestError
 
 
 @dataclass
