@@ -8,8 +8,8 @@ import torch
 from specserve.core.kv_cache import KVCache
 from specserve.model.eagle3 import Eagle3Config, Eagle3Head
 from specserve.runtime.packing import Segment
-from specserve.spec.eagle3 import Eagle3Proposer
-from specserve.spec.eagle3_graphs import DrafterGraphs
+from specserve.speculative.eagle3 import Eagle3Proposer
+from specserve.speculative.eagle3_graphs import DrafterGraphs
 from tests.model_cases import _rel, tiny_config
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 
 from specserve import LLM, SamplingParams
-from specserve.spec.policy import NO_LOAD, PerRequestPolicy, SpeculationPolicy
+from specserve.speculative.policy import NO_LOAD, PerRequestPolicy, SpeculationPolicy
 from tests.tiny_models import VOCAB, make_random_eagle3_head, make_tiny_model
 
 GREEDY = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True)

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import random
 
-from specserve.spec.acceptance import AcceptanceModel
-from specserve.spec.cost_model import CurveModel, StepCostModel
-from specserve.spec.policy import GoodputPolicy, StepLoad
-from specserve.spec.step_periods import PeriodLog
+from specserve.speculative.acceptance import AcceptanceModel
+from specserve.speculative.cost_model import CurveModel, StepCostModel
+from specserve.speculative.policy import GoodputPolicy, StepLoad
+from specserve.speculative.step_periods import PeriodLog
 
 
 class ReplayRequest:

@@ -21,8 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from specserve.core.batch import ScheduledRequest
-from specserve.spec.acceptance import AcceptanceModel
-from specserve.spec.policy import (
+from specserve.speculative.acceptance import AcceptanceModel
+from specserve.speculative.policy import (
     FixedPolicy,
     GoodputPolicy,
     OffPolicy,
@@ -30,8 +30,8 @@ from specserve.spec.policy import (
     SpeculationPolicy,
     StepLoad,
 )
-from specserve.spec.speculator import Speculator
-from specserve.spec.step_periods import PeriodLog
+from specserve.speculative.speculator import Speculator
+from specserve.speculative.step_periods import PeriodLog
 from tests.policy_sim_engines import LARGE, MEASURED, SMALL, Regime
 from tests.policy_sim_workload import Noise, SimRequest, Workload, make_requests, noise_factors
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from specserve.spec.cost_model import CurveModel, StepCostModel
+from specserve.speculative.cost_model import CurveModel, StepCostModel
 
 # shared/DESIGN.md: H200, Llama-3.1-8B shape, step ms by tokens; an EAGLE-3 head pass by batch.
 H200_8B = {1: 4.22, 16: 4.44, 64: 4.60, 128: 6.11, 256: 6.91, 512: 12.06, 1024: 22.94,

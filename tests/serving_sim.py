@@ -39,9 +39,9 @@ from specserve.core.kv_cache import KVCache
 from specserve.core.request import Request
 from specserve.engine.scheduler import Scheduler
 from specserve.runtime.verify import rate_for_mean_accept_len
-from specserve.spec.acceptance import AcceptanceModel
-from specserve.spec.cost_model import CurveModel, StepCostModel
-from specserve.spec.policy import (
+from specserve.speculative.acceptance import AcceptanceModel
+from specserve.speculative.cost_model import CurveModel, StepCostModel
+from specserve.speculative.policy import (
     FixedPolicy,
     GoodputPolicy,
     OffPolicy,

@@ -110,7 +110,7 @@ def main(full: bool = False) -> None:
     """Start up, serve the workload (`full`: longer prompts and plain stretches, like the GPU
     runs; the test's is shorter but meets the same parities of token and request counts)."""
     from specserve import SamplingParams
-    from specserve.spec.policy import SpeculationPolicy
+    from specserve.speculative.policy import SpeculationPolicy
 
     install()
     rng = random.Random(0)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import random
 
-from specserve.spec.cost_model import CurveModel, StepCostModel, there_and_back
+from specserve.speculative.cost_model import CurveModel, StepCostModel, there_and_back
 
 TARGET = CurveModel({1: 0.45, 64: 0.5, 256: 0.7})
 DRAFTER = CurveModel({1: 0.09, 64: 0.1})

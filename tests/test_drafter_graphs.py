@@ -11,8 +11,8 @@ import torch
 
 from specserve import LLM, SamplingParams
 from specserve.layers.attention import TorchAttentionBackend
-from specserve.spec.eagle3 import capture_drafter_graphs
-from specserve.spec.policy import PerRequestPolicy, SpeculationPolicy
+from specserve.speculative.eagle3 import capture_drafter_graphs
+from specserve.speculative.policy import PerRequestPolicy, SpeculationPolicy
 from tests.drafter_cases import drafter_graph_error
 from tests.tiny_models import VOCAB, make_random_eagle3_head, make_tiny_model
 
@@ -20,8 +20,8 @@ from tests.tiny_models import VOCAB, make_random_eagle3_head, make_tiny_model
 def test_graph_keys_and_which_passes_have_one():
     from specserve.core.kv_cache import KVCache
     from specserve.runtime.packing import Segment
-    from specserve.spec.eagle3 import catch_up_lengths
-    from specserve.spec.eagle3_graphs import DrafterGraphs
+    from specserve.speculative.eagle3 import catch_up_lengths
+    from specserve.speculative.eagle3_graphs import DrafterGraphs
     from tests.drafter_cases import _head
 
     head, embed = _head(torch.float32, "cpu")

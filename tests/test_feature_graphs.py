@@ -12,7 +12,7 @@ from torch.overrides import TorchFunctionMode
 
 from specserve import LLM, SamplingParams
 from specserve.runtime.cuda_graphs import CudaGraphRunner
-from specserve.spec.eagle3 import capture_drafter_graphs
+from specserve.speculative.eagle3 import capture_drafter_graphs
 from tests.model_cases import install_padded_runner
 from tests.overlap_cases import StepDraftLens, make_models, prompts_for, spec_kwargs
 

@@ -9,7 +9,7 @@ import random
 import pytest
 
 from specserve import LLM, SamplingParams
-from specserve.spec.policy import PerRequestPolicy
+from specserve.speculative.policy import PerRequestPolicy
 from tests.model_cases import install_padded_runner
 from tests.tiny_models import VOCAB
 
@@ -102,7 +102,7 @@ def test_dense_greedy_verify_takes_the_graphs_tokens(tiny_llama, tmp_path, draft
     rejected), in the synchronous loop and under overlap (drafts left on the device)."""
     from specserve.runtime import model_runner
     from specserve.runtime.model_runner import num_drafts
-    from specserve.spec import verify
+    from specserve.speculative import verify
     from tests.tiny_models import make_tiny_model
 
     rng = random.Random(6)

@@ -19,8 +19,8 @@ import random
 import pytest
 
 from specserve import LLM, SamplingParams
-from specserve.spec.eagle3 import capture_drafter_graphs
-from specserve.spec.policy import PerRequestPolicy
+from specserve.speculative.eagle3 import capture_drafter_graphs
+from specserve.speculative.policy import PerRequestPolicy
 from tests.model_cases import install_padded_runner
 from tests.overlap_cases import (
     GREEDY,

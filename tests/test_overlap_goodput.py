@@ -10,8 +10,8 @@ from unittest import mock
 import pytest
 
 from specserve import LLM, SamplingParams
-from specserve.spec.cost_model import CurveModel, StepCostModel
-from specserve.spec.speculator import Speculator
+from specserve.speculative.cost_model import CurveModel, StepCostModel
+from specserve.speculative.speculator import Speculator
 from tests.overlap_cases import make_models, make_reference, prompts_for
 
 # The step costs the policy sees, in ms (target by tokens per step, drafter by batch): fixed,

@@ -11,7 +11,7 @@ import random
 import pytest
 
 from specserve import LLM, SamplingParams
-from specserve.spec.policy import PerRequestPolicy
+from specserve.speculative.policy import PerRequestPolicy
 from tests.overlap_cases import (
     StepDraftLens,
     count_gathers,

@@ -10,9 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specserve.spec.acceptance import AcceptanceModel
-from specserve.spec.cost_model import CurveModel, StepCostModel, batch_bucket
-from specserve.spec.policy import GoodputPolicy, SchedulePolicy
+from specserve.speculative.acceptance import AcceptanceModel
+from specserve.speculative.cost_model import CurveModel, StepCostModel, batch_bucket
+from specserve.speculative.policy import GoodputPolicy, SchedulePolicy
 from tests.policy_sim import (
     Noise,
     Regime,

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from specserve.spec.policy import NO_LOAD, GoodputPolicy
+from specserve.speculative.policy import NO_LOAD, GoodputPolicy
 from tests.policy_replay import replay
 from tests.policy_sim import simulate
 from tests.test_policy_regimes import CASES as REGIMES

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from specserve.spec.cost_model import CurveModel, StepCostModel
+from specserve.speculative.cost_model import CurveModel, StepCostModel
 from tests.policy_replay import replay
 from tests.policy_sim import LARGE, MEASURED, SMALL, Noise, Workload, simulate
 

@@ -5,7 +5,7 @@ K), and drafts within the budget the scheduler leaves."""
 
 from __future__ import annotations
 
-from specserve.spec.policy import StepLoad
+from specserve.speculative.policy import StepLoad
 from tests.test_policy import _measured, _policy, _reqs
 
 N, PREFILL = 64, 1984  # 64 decode rows beside a prefill chunk filling a 2048-token budget

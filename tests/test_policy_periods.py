@@ -5,11 +5,11 @@ that neither collapse on one rejection nor freeze while a request does not draft
 from __future__ import annotations
 
 from specserve.core.batch import ScheduledRequest
-from specserve.spec.acceptance import AcceptanceModel
-from specserve.spec.cost_model import CurveModel, StepCostModel
-from specserve.spec.policy import GoodputPolicy
-from specserve.spec.speculator import Speculator
-from specserve.spec.step_periods import PeriodLog
+from specserve.speculative.acceptance import AcceptanceModel
+from specserve.speculative.cost_model import CurveModel, StepCostModel
+from specserve.speculative.policy import GoodputPolicy
+from specserve.speculative.speculator import Speculator
+from specserve.speculative.step_periods import PeriodLog
 
 FLAT = CurveModel({1: 1.0, 64: 1.0})
 

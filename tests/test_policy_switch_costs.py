@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from specserve.spec.acceptance import AcceptanceModel
-from specserve.spec.cost_model import CurveModel, StepCostModel
-from specserve.spec.policy import GoodputPolicy
+from specserve.speculative.acceptance import AcceptanceModel
+from specserve.speculative.cost_model import CurveModel, StepCostModel
+from specserve.speculative.policy import GoodputPolicy
 from tests.policy_sim import SMALL, Noise, SimRequest, SimResult, Simulator, Workload
 
 FLAT = CurveModel({1: 1.0, 64: 1.0})

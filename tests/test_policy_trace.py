@@ -11,9 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specserve.core.batch import ScheduledRequest
-from specserve.spec.acceptance import AcceptanceModel
-from specserve.spec.policy import FixedPolicy
-from specserve.spec.policy_trace import Decision, PolicyTrace
+from specserve.speculative.acceptance import AcceptanceModel
+from specserve.speculative.policy import FixedPolicy
+from specserve.speculative.policy_trace import Decision, PolicyTrace
 from tests.policy_sim import bare_speculator
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from specserve import LLM, SamplingParams
 from specserve.core.request import Request
-from specserve.spec.policy import NO_LOAD
+from specserve.speculative.policy import NO_LOAD
 from tests.overlap_cases import (
     StepDraftLens,
     churn,

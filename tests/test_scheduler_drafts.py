@@ -10,7 +10,7 @@ from specserve import SamplingParams
 from specserve.core.kv_cache import KVCache
 from specserve.core.request import Request
 from specserve.engine.scheduler import Scheduler
-from specserve.spec.policy import NO_LOAD, FixedPolicy, SpeculationPolicy
+from specserve.speculative.policy import NO_LOAD, FixedPolicy, SpeculationPolicy
 from tests.test_kv_cache import tiny_config
 
 

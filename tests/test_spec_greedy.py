@@ -9,7 +9,7 @@ import pytest
 
 from specserve import LLM, SamplingParams
 from specserve.core.kv_cache import KVCache as KVCacheLike
-from specserve.spec.policy import PerRequestPolicy
+from specserve.speculative.policy import PerRequestPolicy
 from tests.tiny_models import VOCAB, make_tiny_model
 
 MAX_NEW = 16
@@ -189,7 +189,7 @@ def test_lookahead_never_costs_a_preemption():
     from specserve.core.kv_cache import PageAllocator
     from specserve.core.request import Request, RequestStatus
     from specserve.engine.scheduler import Scheduler
-    from specserve.spec.policy import FixedPolicy
+    from specserve.speculative.policy import FixedPolicy
 
     class Pool:  # the KVCache page logic without tensors
         page_size = 4

@@ -20,8 +20,8 @@ import torch
 from specserve import LLM, SamplingParams
 from specserve.runtime import inflight
 from specserve.runtime.verify import verify_greedy
-from specserve.spec import eagle3_graph_inputs
-from specserve.spec.policy import FixedPolicy
+from specserve.speculative import eagle3_graph_inputs
+from specserve.speculative.policy import FixedPolicy
 from tests.model_cases import install_padded_runner
 from tests.overlap_cases import make_models, prompts_for, record_drafts, spec_kwargs
 
@@ -34,7 +34,7 @@ def models(tmp_path_factory):
 
 
 def _engine(models, overlap: str, **kw) -> LLM:
-    from specserve.spec.eagle3 import capture_drafter_graphs
+    from specserve.speculative.eagle3 import capture_drafter_graphs
 
     kw = {"speculative_num_steps": 3, **spec_kwargs(models, "eagle3"), "page_size": 4, **kw}
     llm = LLM(models["target"], overlap_schedule=overlap, **kw)

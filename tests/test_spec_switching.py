@@ -8,7 +8,7 @@ import random
 import pytest
 
 from specserve import LLM, SamplingParams
-from specserve.spec.policy import PerRequestPolicy
+from specserve.speculative.policy import PerRequestPolicy
 from tests.tiny_models import VOCAB, make_random_eagle3_head, make_tiny_model
 
 GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
@@ -58,7 +58,7 @@ def test_acceptance_after_pause_equals_acceptance_without(setup, algo, ride_alon
     """ride_along: the EAGLE-3 head consumes queued features during the pause (threshold
     lowered to 2 steps) instead of catching up all at once when drafting resumes."""
     if ride_along:
-        monkeypatch.setattr("specserve.spec.eagle3.CATCH_UP_STEPS", 2)
+        monkeypatch.setattr("specserve.speculative.eagle3.CATCH_UP_STEPS", 2)
     target, drafters, prompts = setup
     kw = dict(speculative_algorithm=algo, speculative_draft_model_path=drafters[algo],
               speculative_num_steps=3)
@@ -111,7 +111,7 @@ def test_prompt_catch_up_in_prefill_changes_no_draft(setup, monkeypatch, lone):
     the whole prompt in its first drafting step instead. lone: a 17-token prompt alone, so
     the prefill stops one token short (a chunk of 16) and the next step feeds the last
     prompt token as a drafting decode, which must still have a pair to catch up on."""
-    from specserve.spec.eagle3 import Eagle3Proposer
+    from specserve.speculative.eagle3 import Eagle3Proposer
 
     target, drafters, prompts = setup
     if lone:
@@ -192,7 +192,7 @@ def test_long_catch_ups_run_in_bounded_passes(setup, algo):
 
 def test_bounded_passes_keep_every_token_once_in_order():
     from specserve.runtime.packing import Segment
-    from specserve.spec.proposer import bounded_passes
+    from specserve.speculative.proposer import bounded_passes
 
     rng = random.Random(0)
     segments = [Segment([i], rng.randrange(50), list(range(rng.randrange(1, 30))))
@@ -228,7 +228,7 @@ def test_a_dormant_drafter_takes_no_upkeep_and_drafts_exactly_after_waking(setup
     ride-alongs (threshold at its default, the pause longer than it); the first drafting
     step catches up on everything, in bounded passes, and output and acceptance equal those
     of drafting all along."""
-    from specserve.spec.eagle3 import Eagle3Proposer
+    from specserve.speculative.eagle3 import Eagle3Proposer
 
     target, drafters, prompts = setup
     kw = dict(speculative_algorithm="eagle3", speculative_draft_model_path=drafters["eagle3"],

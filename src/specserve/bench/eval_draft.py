@@ -12,8 +12,8 @@ from pathlib import Path
 
 from specserve.core.errors import ConfigError
 from specserve.core.sampling_params import SamplingParams
-from specserve.spec.acceptance import AcceptanceModel
-from specserve.spec.policy import FixedPolicy
+from specserve.speculative.acceptance import AcceptanceModel
+from specserve.speculative.policy import FixedPolicy
 
 
 @dataclass

@@ -23,8 +23,8 @@ from specserve.model.llama import LlamaForCausalLM
 from specserve.model.loader import load_config, load_model, load_tokenizer, resolve_model
 from specserve.runtime import packing
 from specserve.runtime.model_runner import ModelRunner
-from specserve.spec.speculator import Speculator
-from specserve.spec.target import TargetParts
+from specserve.speculative.speculator import Speculator
+from specserve.speculative.target import TargetParts
 
 log = logging.getLogger("specserve")
 

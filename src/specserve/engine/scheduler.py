@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING
 from specserve.core.batch import ScheduledRequest
 from specserve.core.kv_cache import KVCache
 from specserve.core.request import Request, RequestStatus
-from specserve.spec.policy_base import StepLoad
+from specserve.speculative.policy_base import StepLoad
 
 if TYPE_CHECKING:
-    from specserve.spec.policy import SpeculationPolicy
+    from specserve.speculative.policy import SpeculationPolicy
 
 
 class Scheduler:

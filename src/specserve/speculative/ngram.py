@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from specserve.core.batch import ScheduledRequest
-from specserve.spec.proposer import Proposer
+from specserve.speculative.proposer import Proposer
 
 
 class NgramProposer(Proposer):

@@ -8,21 +8,21 @@ from typing import TYPE_CHECKING
 
 from specserve.core.batch import ScheduledRequest
 from specserve.runtime.verify import rate_for_mean_accept_len
-from specserve.spec.acceptance import AcceptanceModel
-from specserve.spec.cost_model import StepCostModel, measure_curve, powers_of_two
-from specserve.spec.policy import (
+from specserve.speculative.acceptance import AcceptanceModel
+from specserve.speculative.cost_model import StepCostModel, measure_curve, powers_of_two
+from specserve.speculative.policy import (
     FixedPolicy,
     GoodputPolicy,
     OffPolicy,
     SchedulePolicy,
     SpeculationPolicy,
 )
-from specserve.spec.proposer import Proposer
-from specserve.spec.registry import build_proposer
-from specserve.spec.step_periods import PeriodLog
+from specserve.speculative.proposer import Proposer
+from specserve.speculative.registry import build_proposer
+from specserve.speculative.step_periods import PeriodLog
 
 if TYPE_CHECKING:
-    from specserve.spec.target import TargetParts
+    from specserve.speculative.target import TargetParts
 
 log = logging.getLogger("specserve")
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-from specserve.spec.buckets import batch_bucket, nearest_bucket
-from specserve.spec.robust_mean import RobustMean
+from specserve.speculative.buckets import batch_bucket, nearest_bucket
+from specserve.speculative.robust_mean import RobustMean
 
 DIRECTIONS = ("up", "down", "lateral")
 

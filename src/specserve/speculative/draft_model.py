@@ -12,7 +12,7 @@ from specserve.layers.attention import AttentionBackend
 from specserve.model.llama import LlamaForCausalLM
 from specserve.runtime.model_runner import dummy_forward
 from specserve.runtime.packing import Segment, pack, to_device
-from specserve.spec.proposer import Proposer, bounded_passes, chain_draft
+from specserve.speculative.proposer import Proposer, bounded_passes, chain_draft
 
 
 class DraftModelProposer(Proposer):

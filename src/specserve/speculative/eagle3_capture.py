@@ -7,11 +7,11 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from specserve.spec.eagle3_graphs import DrafterGraphs
+from specserve.speculative.eagle3_graphs import DrafterGraphs
 
 if TYPE_CHECKING:
-    from specserve.spec.eagle3 import Eagle3Proposer
-    from specserve.spec.target import TargetParts
+    from specserve.speculative.eagle3 import Eagle3Proposer
+    from specserve.speculative.target import TargetParts
 
 log = logging.getLogger("specserve")
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from specserve.spec.proposer import Proposer
+from specserve.speculative.proposer import Proposer
 
 if TYPE_CHECKING:
-    from specserve.spec.target import TargetParts
+    from specserve.speculative.target import TargetParts
 
 
 def build_proposer(target: TargetParts) -> Proposer:
@@ -15,13 +15,13 @@ def build_proposer(target: TargetParts) -> Proposer:
     cfg = target.config
     algo = cfg.speculative_algorithm
     if algo == "ngram":
-        from specserve.spec.ngram import NgramProposer
+        from specserve.speculative.ngram import NgramProposer
 
         return NgramProposer()
     if algo == "draft":
         from specserve.core.kv_cache import KVCache
         from specserve.model.loader import load_config, load_model, resolve_model
-        from specserve.spec.draft_model import DraftModelProposer
+        from specserve.speculative.draft_model import DraftModelProposer
 
         source = resolve_model(cfg.speculative_draft_model_path, cfg.load_format)
         draft_cfg = load_config(source)
@@ -35,7 +35,7 @@ def build_proposer(target: TargetParts) -> Proposer:
         proposer.max_pass_tokens = cfg.max_num_batched_tokens
         return proposer
     if algo == "eagle3":
-        from specserve.spec.eagle3 import build_eagle3_proposer
+        from specserve.speculative.eagle3 import build_eagle3_proposer
 
         return build_eagle3_proposer(target)
     raise ValueError(f"unknown speculative algorithm {algo!r}")

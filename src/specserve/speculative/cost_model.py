@@ -16,10 +16,15 @@ from __future__ import annotations
 
 import math
 
-from specserve.spec.buckets import batch_bucket, nearest_bucket
-from specserve.spec.cost_curves import CurveModel, measure_curve, powers_of_two
-from specserve.spec.robust_mean import RobustMean
-from specserve.spec.switch_costs import SwitchCosts, direction, there_and_back, there_and_back_row
+from specserve.speculative.buckets import batch_bucket, nearest_bucket
+from specserve.speculative.cost_curves import CurveModel, measure_curve, powers_of_two
+from specserve.speculative.robust_mean import RobustMean
+from specserve.speculative.switch_costs import (
+    SwitchCosts,
+    direction,
+    there_and_back,
+    there_and_back_row,
+)
 
 __all__ = ["CurveModel", "RobustMean", "StepCostModel", "batch_bucket", "measure_curve",
            "powers_of_two", "there_and_back", "there_and_back_row"]

@@ -37,7 +37,7 @@ from specserve.model.eagle3 import Eagle3Head
 from specserve.runtime.cuda_graphs import CaptureReport, capture_graphs, static_meta
 from specserve.runtime.inflight import CatchUpTail
 from specserve.runtime.packing import Segment
-from specserve.spec.eagle3_graph_inputs import load_pass
+from specserve.speculative.eagle3_graph_inputs import load_pass
 
 
 def draft_pass_meta(positions: torch.Tensor, block_tables: torch.Tensor, page_size: int,

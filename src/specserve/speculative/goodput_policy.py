@@ -8,13 +8,13 @@ from __future__ import annotations
 import math
 from operator import attrgetter
 
-from specserve.spec.acceptance import AcceptanceModel
-from specserve.spec.buckets import batch_bucket
-from specserve.spec.cost_model import StepCostModel
-from specserve.spec.policy_base import NO_LOAD, SpeculationPolicy, StepLoad
-from specserve.spec.policy_trim import trim_drafts
-from specserve.spec.serving_rate import ServingRate, marginal_k, queued_prefill_ms
-from specserve.spec.switch_costs import there_and_back_row
+from specserve.speculative.acceptance import AcceptanceModel
+from specserve.speculative.buckets import batch_bucket
+from specserve.speculative.cost_model import StepCostModel
+from specserve.speculative.policy_base import NO_LOAD, SpeculationPolicy, StepLoad
+from specserve.speculative.policy_trim import trim_drafts
+from specserve.speculative.serving_rate import ServingRate, marginal_k, queued_prefill_ms
+from specserve.speculative.switch_costs import there_and_back_row
 
 _request_id = attrgetter("request_id")
 _max_useful_drafts = attrgetter("max_useful_drafts")

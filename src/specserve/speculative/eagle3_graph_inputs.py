@@ -1,4 +1,4 @@
-"""Inputs of one EAGLE-3 head pass into DrafterGraphs' static buffers (spec/eagle3_graphs.py).
+"""Inputs of one EAGLE-3 head pass into DrafterGraphs' static buffers (eagle3_graphs.py).
 
 The integers (seq_lens, last rows, token ids, positions, KV slots, a catch-up tail's rows)
 go up as one host image in one copy (pinned arena memory on CUDA), the page tables in a
@@ -17,7 +17,7 @@ from specserve.runtime.inflight import CatchUpTail
 from specserve.runtime.packing import VECTOR_MIN_TOKENS, positions_and_slots, staging_int64
 
 if TYPE_CHECKING:
-    from specserve.spec.eagle3_graphs import DrafterGraphs
+    from specserve.speculative.eagle3_graphs import DrafterGraphs
 
 
 def load_pass(g: DrafterGraphs, segments, hidden, input_ids, tail=None) -> tuple[int, int, int]:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from specserve.spec.cost_model import StepCostModel
-from specserve.spec.policy_trace import Decision
+from specserve.speculative.cost_model import StepCostModel
+from specserve.speculative.policy_trace import Decision
 
 CHAIN = 5  # steps of a chain kept: a switch sample needs the two before it and two after
 

@@ -13,8 +13,8 @@ the speculator with each step's measured period once the step is processed.
 
 from __future__ import annotations
 
-from specserve.spec.goodput_policy import GoodputPolicy
-from specserve.spec.policy_base import (
+from specserve.speculative.goodput_policy import GoodputPolicy
+from specserve.speculative.policy_base import (
     NO_LOAD,
     FixedPolicy,
     OffPolicy,
@@ -23,7 +23,7 @@ from specserve.spec.policy_base import (
     SpeculationPolicy,
     StepLoad,
 )
-from specserve.spec.policy_trace import Decision, PolicyTrace
+from specserve.speculative.policy_trace import Decision, PolicyTrace
 
 __all__ = ["POLICIES", "Decision", "PolicyTrace", "SpeculationPolicy", "OffPolicy",
            "FixedPolicy", "SchedulePolicy", "PerRequestPolicy", "GoodputPolicy", "StepLoad",

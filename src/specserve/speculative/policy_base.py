@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from specserve.core.request import Request
-from specserve.spec.policy_trace import PolicyTrace
+from specserve.speculative.policy_trace import PolicyTrace
 
 
 @dataclass(frozen=True)

@@ -26,15 +26,15 @@ from specserve.layers.sampler import argmax_rows
 from specserve.model.eagle3 import Eagle3Head, load_eagle3_head
 from specserve.runtime.inflight import InflightStep
 from specserve.runtime.packing import Segment, pack, to_device, upload
-from specserve.spec.eagle3_capture import (  # noqa: F401 (catch_up_lengths: imported from here)
+from specserve.speculative.eagle3_capture import (  # noqa: F401 (catch_up_lengths: imported from here)
     capture_drafter_graphs,
     catch_up_lengths,
 )
-from specserve.spec.eagle3_graphs import DrafterGraphs, draft_pass_meta
-from specserve.spec.proposer import Proposer, bounded_passes, chain_draft, draw_drafts
+from specserve.speculative.eagle3_graphs import DrafterGraphs, draft_pass_meta
+from specserve.speculative.proposer import Proposer, bounded_passes, chain_draft, draw_drafts
 
 if TYPE_CHECKING:
-    from specserve.spec.target import TargetParts
+    from specserve.speculative.target import TargetParts
 
 # A request that goes this many generated tokens without drafting brings its drafter up to
 # date in that step (ride-along), so that the catch-up when drafting resumes stays short.

@@ -3,7 +3,7 @@ verified draft then costs its share of the target's time."""
 
 from __future__ import annotations
 
-from specserve.spec.cost_model import StepCostModel
+from specserve.speculative.cost_model import StepCostModel
 
 
 def trim_drafts(cost: StepCostModel, cums: list[list[float]], caps: list[int], k: int,
