@@ -7,37 +7,76 @@ import torch
 
 # --ab-FLAG: (the configuration's label, what changes in it, the help text's "with ...")
 AB_VARIANTS = {
-    "argmax": ("torch argmax", {"argmax": "off"},
-               "with the Triton row argmax switched off (layers/triton_argmax.py: torch's)"),
-    "tuning": ("GEMV plan untuned", {"disable_gemv_tuning": True},
-               "with the selection's GEMV plan as measured (no whole-step tuning)"),
-    "head": ("logits after the graph", {"head": False},
-             "with the target's graphs recaptured without the logits head"),
-    "gate": ("SiLU-and-mul kernel", {"gate": False},
-             "with SiLU-and-mul kept out of the gate/up GEMV's epilogue"),
-    "rope": ("rotary kernel", {"rope": False},
-             "with rotary and the K/V store kept out of the qkv GEMV's epilogue"),
-    "rope64": ("rope epilogue at 64 rows", {"rope_max_block_m": 64},
-               "with the rope epilogue offered to 32- and 64-row qkv tiles too"),
-    "late_metadata": ("metadata after the wait", {"early_metadata": False},
-                      "with decode attention reading its metadata only after its PDL wait"),
-    "invariance": ("batch variant", {"disable_batch_invariance": True},
-                   "with --disable-batch-invariance (cuBLAS where it rounds rows apart, "
-                   "verify steps by row count, attention chunks by program count)"),
-    "attn_chunks": ("attention chunks by program count", {"attn_chunks": False},
-                    "with attention's fixed chunks off alone (the GEMV rule kept)"),
-    "attn_min_chunk": ("attention chunks of 128+ keys", {"attn_min_chunk": 128},
-                       "with batch-invariant attention chunks of at least 128 keys (4 blocks) "
-                       "instead of one block"),
-    "verify_tiles": ("verify tiles off", {"disable_verify_tiles": True},
-                     "with verify steps of up to 16 requests on their decode tiles at every "
-                     "row count (--disable-verify-tiles)"),
-    "norm_after": ("GEMV keys timed alone", {"norm_after": False},
-                   "with the plain GEMV keys of norm-feeding projections timed without the "
-                   "norm after them (gemv_select.NORM_AFTER off, as before session 18)"),
-    "stream_k": ("stream-K candidates", {"gemv_stream_k": True},
-                 "with the stream-K GEMV tiles among the candidates above 16 rows "
-                 "(--gemv-stream-k, experimental)"),
+    "argmax": (
+        "torch argmax",
+        {"argmax": "off"},
+        "with the Triton row argmax switched off (layers/triton_argmax.py: torch's)",
+    ),
+    "tuning": (
+        "GEMV plan untuned",
+        {"disable_gemv_tuning": True},
+        "with the selection's GEMV plan as measured (no whole-step tuning)",
+    ),
+    "head": (
+        "logits after the graph",
+        {"head": False},
+        "with the target's graphs recaptured without the logits head",
+    ),
+    "gate": (
+        "SiLU-and-mul kernel",
+        {"gate": False},
+        "with SiLU-and-mul kept out of the gate/up GEMV's epilogue",
+    ),
+    "rope": (
+        "rotary kernel",
+        {"rope": False},
+        "with rotary and the K/V store kept out of the qkv GEMV's epilogue",
+    ),
+    "rope64": (
+        "rope epilogue at 64 rows",
+        {"rope_max_block_m": 64},
+        "with the rope epilogue offered to 32- and 64-row qkv tiles too",
+    ),
+    "late_metadata": (
+        "metadata after the wait",
+        {"early_metadata": False},
+        "with decode attention reading its metadata only after its PDL wait",
+    ),
+    "invariance": (
+        "batch variant",
+        {"disable_batch_invariance": True},
+        "with --disable-batch-invariance (cuBLAS where it rounds rows apart, "
+        "verify steps by row count, attention chunks by program count)",
+    ),
+    "attn_chunks": (
+        "attention chunks by program count",
+        {"attn_chunks": False},
+        "with attention's fixed chunks off alone (the GEMV rule kept)",
+    ),
+    "attn_min_chunk": (
+        "attention chunks of 128+ keys",
+        {"attn_min_chunk": 128},
+        "with batch-invariant attention chunks of at least 128 keys (4 blocks) "
+        "instead of one block",
+    ),
+    "verify_tiles": (
+        "verify tiles off",
+        {"disable_verify_tiles": True},
+        "with verify steps of up to 16 requests on their decode tiles at every "
+        "row count (--disable-verify-tiles)",
+    ),
+    "norm_after": (
+        "GEMV keys timed alone",
+        {"norm_after": False},
+        "with the plain GEMV keys of norm-feeding projections timed without the "
+        "norm after them (gemv_select.NORM_AFTER off, as before session 18)",
+    ),
+    "stream_k": (
+        "stream-K candidates",
+        {"gemv_stream_k": True},
+        "with the stream-K GEMV tiles among the candidates above 16 rows "
+        "(--gemv-stream-k, experimental)",
+    ),
 }
 
 

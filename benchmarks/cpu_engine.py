@@ -54,8 +54,14 @@ def machine() -> dict:
     cpu = {k: fields[k].strip() for k in pick if k in fields}
     flags = fields.get("Flags", "").split()
     cpu["vector extensions"] = " ".join(f for f in ("avx2", "avx512f", "avx512_bf16") if f in flags)
-    mem_kb = next((int(line.split()[1]) for line in Path("/proc/meminfo").read_text().splitlines()
-                   if line.startswith("MemTotal")), 0)
+    mem_kb = next(
+        (
+            int(line.split()[1])
+            for line in Path("/proc/meminfo").read_text().splitlines()
+            if line.startswith("MemTotal")
+        ),
+        0,
+    )
     return {
         "cpu": cpu,
         "nproc": len(os.sched_getaffinity(0)),
@@ -98,8 +104,14 @@ def run_transformers(hf, prompts: list[list[int]], new_tokens: int, pad_id: int)
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     start = time.perf_counter()
     with torch.no_grad():
-        out = hf.generate(ids, attention_mask=mask, do_sample=False, pad_token_id=pad_id,
-                          max_new_tokens=new_tokens, min_new_tokens=new_tokens)
+        out = hf.generate(
+            ids,
+            attention_mask=mask,
+            do_sample=False,
+            pad_token_id=pad_id,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+        )
     seconds = time.perf_counter() - start
     assert out.shape[1] == width + new_tokens
     return seconds, out[:, width:].tolist()
@@ -123,8 +135,7 @@ def measure(llm, hf, prompts, batch, new_tokens, repeats, pad_id) -> dict:
             times[name].append(total)
             tokens[name] = outs
     n = len(prompts) * new_tokens
-    result = {"batch": batch, "prompts": len(prompts), "new_tokens": new_tokens,
-              "output_tokens": n}
+    result = {"batch": batch, "prompts": len(prompts), "new_tokens": new_tokens, "output_tokens": n}
     for name in times:
         result[f"{name}_s"] = [round(t, 3) for t in times[name]]
         result[f"{name}_tok_s"] = round(n / statistics.median(times[name]), 2)
@@ -191,9 +202,11 @@ def write_report(report: dict) -> None:
         return f"{r[f'{name}_tok_s']:.1f} ({rates[0]:.1f}-{rates[-1]:.1f})"
 
     for r in report["results"]:
-        lines.append(f"| {r['threads']} | {r['batch']} | {spread(r, 'specserve')} | "
-                     f"{spread(r, 'transformers')} | **{r['ratio']:.2f}** | "
-                     f"{r['identical_sequences']} |")
+        lines.append(
+            f"| {r['threads']} | {r['batch']} | {spread(r, 'specserve')} | "
+            f"{spread(r, 'transformers')} | **{r['ratio']:.2f}** | "
+            f"{r['identical_sequences']} |"
+        )
     cpu = m["cpu"]
     lines += [
         "",
@@ -229,8 +242,9 @@ def write_report(report: dict) -> None:
         lines.append("| category | " + " | ".join(names) + " |")
         lines.append("|---|" + "---|" * len(names))
         for c in cats:
-            lines.append(f"| {c} | " + " | ".join(
-                f"{report['breakdown'][n][c]:.0f}%" for n in names) + " |")
+            lines.append(
+                f"| {c} | " + " | ".join(f"{report['breakdown'][n][c]:.0f}%" for n in names) + " |"
+            )
     (out / "cpu_engine.md").write_text("\n".join(lines) + "\n")
 
 
@@ -239,12 +253,20 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--batch1-prompts", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--threads", type=int, nargs="+", default=[torch.get_num_threads()],
-                    help="torch thread counts to measure (default: torch's default)")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        nargs="+",
+        default=[torch.get_num_threads()],
+        help="torch thread counts to measure (default: torch's default)",
+    )
     ap.add_argument("--profile", action="store_true", help="add the time breakdown")
     ap.add_argument("--no-write", action="store_true", help="print only")
-    ap.add_argument("--render-only", action="store_true",
-                    help="rewrite cpu_engine.md from cpu_engine.json without measuring")
+    ap.add_argument(
+        "--render-only",
+        action="store_true",
+        help="rewrite cpu_engine.md from cpu_engine.json without measuring",
+    )
     args = ap.parse_args()
     if args.render_only:
         write_report(json.loads((ROOT / "docs/benchmarks/cpu_engine.json").read_text()))
@@ -285,9 +307,11 @@ def main() -> None:
         for batch in (1, 16):
             group = prompts[:batch]
             report["breakdown"][f"specserve b{batch}"] = time_breakdown(
-                lambda g=group: run_specserve(llm, g, few))
+                lambda g=group: run_specserve(llm, g, few)
+            )
             report["breakdown"][f"transformers b{batch}"] = time_breakdown(
-                lambda g=group: run_transformers(hf, g, few, pad_id))
+                lambda g=group: run_transformers(hf, g, few, pad_id)
+            )
         print(json.dumps(report["breakdown"], indent=1))
     report["load_before"] = round(load_before, 2)
     report["load_after"] = round(os.getloadavg()[0], 2)

@@ -77,20 +77,27 @@ def main() -> None:
         "none": dict(speculative_algorithm="none"),
         "ngram K=fixed": dict(speculative_algorithm="ngram", speculative_policy="fixed"),
         "draft=copy K=fixed": dict(
-            speculative_algorithm="draft", speculative_draft_model_path=model,
-            speculative_policy="fixed"),
+            speculative_algorithm="draft",
+            speculative_draft_model_path=model,
+            speculative_policy="fixed",
+        ),
         "draft=copy policy=off": dict(
-            speculative_algorithm="draft", speculative_draft_model_path=model,
-            speculative_policy="off"),
+            speculative_algorithm="draft",
+            speculative_draft_model_path=model,
+            speculative_policy="off",
+        ),
         "draft=copy goodput": dict(
-            speculative_algorithm="draft", speculative_draft_model_path=model),
+            speculative_algorithm="draft", speculative_draft_model_path=model
+        ),
         "ngram goodput": dict(speculative_algorithm="ngram"),
     }
     if args.eagle3_head:
         for policy in ("fixed", "goodput"):
             configs[f"eagle3 {policy}"] = dict(
-                speculative_algorithm="eagle3", speculative_draft_model_path=args.eagle3_head,
-                speculative_policy=policy)
+                speculative_algorithm="eagle3",
+                speculative_draft_model_path=args.eagle3_head,
+                speculative_policy=policy,
+            )
 
     results: dict = {}
     for name, kw in configs.items():

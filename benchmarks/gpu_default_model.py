@@ -108,13 +108,15 @@ def series(engine, since: int = 0) -> dict:
     step (prefill steps too), and the policy's K and measured period of each step with
     decoding requests, from its `since`-th decision on (the decisions the run made)."""
     times = engine.loop.times
-    out = {name: [round(v, 3) for v in getattr(times, name)]
-           for name in ("step_ms", "gap_ms", "wait_ms")}  # fmt: skip
+    out = {
+        name: [round(v, 3) for v in getattr(times, name)]
+        for name in ("step_ms", "gap_ms", "wait_ms")
+    }
     spec = engine.spec
     if spec is not None:
         trace = spec.policy.trace
         decisions = trace.dump()  # the last TRACE_STEPS of them
-        decisions = decisions[max(0, len(decisions) - (trace.num_decisions - since)):]
+        decisions = decisions[max(0, len(decisions) - (trace.num_decisions - since)) :]
         out["k"] = [d["k"] for d in decisions]
         out["period_ms"] = [d["observed_ms"] and round(d["observed_ms"], 3) for d in decisions]
     return out
@@ -129,10 +131,10 @@ def own_k0_tokens(llm: LLM, prompts: list[list[int]], batch: int, args) -> list[
     policy.choose = lambda reqs, *_: [0] * len(reqs)  # this instance only, until deleted
     try:
         if batch == 1:
-            return [run_batch(llm, [p], args.max_tokens)[0][0]
-                    for p in prompts[: args.batch1_prompts]]  # fmt: skip
-        return run_batch(llm, [prompts[i % len(prompts)] for i in range(batch)],
-                         args.max_tokens)[0]  # fmt: skip
+            return [
+                run_batch(llm, [p], args.max_tokens)[0][0] for p in prompts[: args.batch1_prompts]
+            ]
+        return run_batch(llm, [prompts[i % len(prompts)] for i in range(batch)], args.max_tokens)[0]
     finally:
         del policy.choose
 
@@ -154,22 +156,29 @@ def measure(llm: LLM, prompts: list[list[int]], batch: int, args) -> tuple:
         tokens, seconds = run_batch(llm, chosen, args.max_tokens)
     stats = engine.stats()
     num_out = sum(len(t) for t in tokens)
-    row = {"batch": batch, "requests": len(chosen), "output_tokens": num_out,
-           "seconds": round(seconds, 3), "output_tok_s": round(num_out / seconds, 1),
-           "steps": stats["steps"] - stats0["steps"],
-           "loop_waits": stats["loop_waits"] - stats0["loop_waits"],
-           "loop_wait_reasons": counter_delta(stats0["loop_wait_reasons"],
-                                              stats["loop_wait_reasons"])}  # fmt: skip
+    row = {
+        "batch": batch,
+        "requests": len(chosen),
+        "output_tokens": num_out,
+        "seconds": round(seconds, 3),
+        "output_tok_s": round(num_out / seconds, 1),
+        "steps": stats["steps"] - stats0["steps"],
+        "loop_waits": stats["loop_waits"] - stats0["loop_waits"],
+        "loop_wait_reasons": counter_delta(stats0["loop_wait_reasons"], stats["loop_wait_reasons"]),
+    }
     row["timeline"] = timeline(engine.loop.times)
     if "spec_position_drafted" in stats:
-        drafted = [a - b for a, b in zip(stats["spec_position_drafted"],
-                                         stats0["spec_position_drafted"])]  # fmt: skip
-        accepted = [a - b for a, b in zip(stats["spec_position_accepted"],
-                                          stats0["spec_position_accepted"])]  # fmt: skip
+        drafted = [
+            a - b for a, b in zip(stats["spec_position_drafted"], stats0["spec_position_drafted"])
+        ]
+        accepted = [
+            a - b for a, b in zip(stats["spec_position_accepted"], stats0["spec_position_accepted"])
+        ]
         row["draft_tokens"] = sum(drafted)
         row["accepted_tokens"] = sum(accepted)
-        row["per_position_acceptance"] = [round(a / d, 3) if d else None
-                                          for a, d in zip(accepted, drafted)]  # fmt: skip
+        row["per_position_acceptance"] = [
+            round(a / d, 3) if d else None for a, d in zip(accepted, drafted)
+        ]
     return row, tokens, series(engine, decisions0)
 
 
@@ -240,8 +249,9 @@ def paired_ratio(row: dict, plain_row: dict) -> float | None:
     return round(statistics.median(ratios), 3)
 
 
-def finish(name, extra, llm, prompts, startup, runs, args, results, plain_tokens,
-           step_series) -> None:  # fmt: skip
+def finish(
+    name, extra, llm, prompts, startup, runs, args, results, plain_tokens, step_series
+) -> None:
     """One configuration's rows from its runs (by batch size: the median run, every run's
     rate, the collector's pauses summed), its greedy identities, plan and tuning reports,
     and the goodput policy's trace, into results / plain_tokens / step_series."""
@@ -257,8 +267,7 @@ def finish(name, extra, llm, prompts, startup, runs, args, results, plain_tokens
         row["tok_s_of_runs"] = [run[0]["output_tok_s"] for run in done]
         row["runs_started_s_tok_s"] = started
         pauses = [run[3] for run in done]
-        row["gc"] = {k: (max if k == "max_ms" else sum)(p[k] for p in pauses)
-                     for k in pauses[0]}  # fmt: skip
+        row["gc"] = {k: (max if k == "max_ms" else sum)(p[k] for p in pauses) for k in pauses[0]}
         if name == "plain":
             plain_tokens[b] = tokens
         row["identical_to_plain"] = sum(t == p for t, p in zip(tokens, plain_tokens[b]))
@@ -277,10 +286,15 @@ def finish(name, extra, llm, prompts, startup, runs, args, results, plain_tokens
         k_max = llm.engine.spec.k_max
         if row["batch"] <= SHARED_ROWS and row["batch"] * (k_max + 1) <= MAX_ROWS:
             own = own_k0_tokens(llm, prompts, row["batch"], args)
-            row["identical_to_own_k0"] = sum(
-                t == p for t, p in zip(row_tokens[row["batch"]], own))  # fmt: skip
-            print(name, f"batch {row['batch']} identical to its own K=0:",
-                  row["identical_to_own_k0"], "of", len(own), flush=True)  # fmt: skip
+            row["identical_to_own_k0"] = sum(t == p for t, p in zip(row_tokens[row["batch"]], own))
+            print(
+                name,
+                f"batch {row['batch']} identical to its own K=0:",
+                row["identical_to_own_k0"],
+                "of",
+                len(own),
+                flush=True,
+            )
     # which kernel serves each of the target's decode-sized linears: where the buckets up to
     # SHARED_ROWS meet torch (cuBLAS picks kernels by row count), a verify row may round
     # apart from a decode row, and greedy speculation from plain decoding
@@ -301,24 +315,42 @@ def main() -> None:
     ap.add_argument("--out", default="default_model")
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
-    ap.add_argument("--max-num-batched-tokens", type=int, default=None,
-                    help="the engines' per-step token budget (default: the engine's); a "
-                         "batch whose prompts exceed it runs a step mixing its last prefill "
-                         "chunk with the others' decode or verify rows, outside batch "
-                         "invariance")  # fmt: skip
+    ap.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="the engines' per-step token budget (default: the engine's); a "
+        "batch whose prompts exceed it runs a step mixing its last prefill "
+        "chunk with the others' decode or verify rows, outside batch "
+        "invariance",
+    )
     ap.add_argument("--batch1-prompts", type=int, default=8)
-    ap.add_argument("--repeats", type=int, default=3,
-                    help="runs per batch size above 1 (short runs); the median is reported")
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="runs per batch size above 1 (short runs); the median is reported",
+    )
     ap.add_argument("--smoke", action="store_true", help="CPU, 2 prompts, a few tokens")
-    ap.add_argument("--only", nargs="+", default=None,
-                    help="plain and the configurations whose names contain one of these")
-    ap.add_argument("--sequential", action="store_true",
-                    help="build, measure and let go each engine in turn (sessions 4-15's "
-                         "runs) instead of keeping every engine and interleaving their runs")
+    ap.add_argument(
+        "--only",
+        nargs="+",
+        default=None,
+        help="plain and the configurations whose names contain one of these",
+    )
+    ap.add_argument(
+        "--sequential",
+        action="store_true",
+        help="build, measure and let go each engine in turn (sessions 4-15's "
+        "runs) instead of keeping every engine and interleaving their runs",
+    )
     add_run_args(ap)
-    ap.add_argument("--ab-invariance", action="store_true",
-                    help="also plain and fixed K=3 with --disable-batch-invariance (cuBLAS "
-                         "where it rounds rows apart; verify steps by row count)")
+    ap.add_argument(
+        "--ab-invariance",
+        action="store_true",
+        help="also plain and fixed K=3 with --disable-batch-invariance (cuBLAS "
+        "where it rounds rows apart; verify steps by row count)",
+    )
     args = ap.parse_args()
     device = "auto"
     if args.smoke:
@@ -326,8 +358,11 @@ def main() -> None:
         args.repeats = min(args.repeats, 2)
     head = shipped_head_path()
     convs = read_conversations(Path(head) / "heldout_prompts.jsonl") + read_conversations(UNLIKE)
-    spec = dict(speculative_algorithm="eagle3", speculative_draft_model_path=str(head),
-                speculative_num_steps=3)  # fmt: skip
+    spec = dict(
+        speculative_algorithm="eagle3",
+        speculative_draft_model_path=str(head),
+        speculative_num_steps=3,
+    )
     configs = {
         "plain": {"speculative_algorithm": "none"},
         "eagle3 K=3 fixed": {**spec, "speculative_policy": "fixed"},
@@ -344,8 +379,12 @@ def main() -> None:
         keep = [k for k in configs if k == "plain" or any(o in k for o in args.only)]
         configs = {k: configs[k] for k in keep}
     kv_bytes = 2**26 if args.smoke else 4 * 2**30  # per engine: all of them stay alive
-    base = dict(device=device, max_num_seqs=max(args.batches),
-                cuda_graph_max_batch=max(args.batches), kv_cache_bytes=kv_bytes)  # fmt: skip
+    base = dict(
+        device=device,
+        max_num_seqs=max(args.batches),
+        cuda_graph_max_batch=max(args.batches),
+        kv_cache_bytes=kv_bytes,
+    )
     if args.max_num_batched_tokens:
         base["max_num_batched_tokens"] = args.max_num_batched_tokens
     results, plain_tokens, step_series = {}, {}, {}
@@ -359,14 +398,27 @@ def main() -> None:
         runs = run_interleaved(built, args)
         for name in group:
             llm, prompts, startup = built.pop(name)
-            finish(name, configs[name], llm, prompts, startup, runs[name], args, results,
-                   plain_tokens, step_series)  # fmt: skip
+            finish(
+                name,
+                configs[name],
+                llm,
+                prompts,
+                startup,
+                runs[name],
+                args,
+                results,
+                plain_tokens,
+                step_series,
+            )
             del llm
             release()
     plain = {r["batch"]: r for r in results["plain"]["rows"]}
-    lines = ["| config | " + " | ".join(f"batch {b} tok/s (x plain)" for b in args.batches)
-             + f" | tokens per step (batch {args.batches[0]}) |",
-             "|---|" + "---|" * (len(args.batches) + 1)]  # fmt: skip
+    lines = [
+        "| config | "
+        + " | ".join(f"batch {b} tok/s (x plain)" for b in args.batches)
+        + f" | tokens per step (batch {args.batches[0]}) |",
+        "|---|" + "---|" * (len(args.batches) + 1),
+    ]
     for name, res in results.items():
         cells = []
         for r in res["rows"]:
@@ -383,9 +435,13 @@ def main() -> None:
         lines.append(f"| {name} | " + " | ".join(cells) + f" | {steps_len} |")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    payload = {"device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
-               "torch": torch.__version__, "max_tokens": args.max_tokens,
-               "total_s": round(time.perf_counter() - start, 1), "results": results}  # fmt: skip
+    payload = {
+        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+        "torch": torch.__version__,
+        "max_tokens": args.max_tokens,
+        "total_s": round(time.perf_counter() - start, 1),
+        "results": results,
+    }
     out.with_suffix(".json").write_text(json.dumps(payload, indent=2))
     out.with_name(out.name + "_steps.json").write_text(json.dumps(step_series))
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")

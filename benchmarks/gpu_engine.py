@@ -37,11 +37,21 @@ from ab_engines import AB_VARIANTS, force_plan  # noqa: E402
 from bench_report import GC_PAUSES, combine, table, tuning_reports  # noqa: E402
 
 LLAMA_8B = ModelConfig(
-    architecture="LlamaForCausalLM", vocab_size=128256, hidden_size=4096,
-    intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
-    rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=8192,
-    tie_word_embeddings=False, dtype=torch.bfloat16, eos_token_ids=(),
-)  # fmt: skip
+    architecture="LlamaForCausalLM",
+    vocab_size=128256,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_layers=32,
+    num_heads=32,
+    num_kv_heads=8,
+    head_dim=128,
+    rms_norm_eps=1e-5,
+    rope_theta=500000.0,
+    max_position_embeddings=8192,
+    tie_word_embeddings=False,
+    dtype=torch.bfloat16,
+    eos_token_ids=(),
+)
 
 
 @torch.no_grad()
@@ -122,8 +132,9 @@ def run(engine: LLMEngine, batch: int, prompt_len: int, new_tokens: int, seed: i
     span = sum(times.step_ms) / max(1, len(times.step_ms))
     target = sum(times.target_ms) / max(1, len(times.target_ms))
     gap = sum(times.gap_ms) / max(1, len(times.gap_ms))
-    reasons = {k: v - loop0["loop_wait_reasons"].get(k, 0)
-               for k, v in loop["loop_wait_reasons"].items()}  # fmt: skip
+    reasons = {
+        k: v - loop0["loop_wait_reasons"].get(k, 0) for k, v in loop["loop_wait_reasons"].items()
+    }
     return {
         "batch": batch,
         "decode_tokens": tokens,
@@ -151,8 +162,9 @@ def run(engine: LLMEngine, batch: int, prompt_len: int, new_tokens: int, seed: i
         "gap_ms_per_step": round(gap, 4),
         "slow_steps_ms": round(sum(w for w in walls if w > 2 * median) * 1e3, 1),
         # where they fell: (step index, ms, requests in the engine before the step)
-        "slow_steps": [(i, round(w * 1e3, 2), running[i]) for i, w in enumerate(in_order)
-                       if w > 2 * median],
+        "slow_steps": [
+            (i, round(w * 1e3, 2), running[i]) for i, w in enumerate(in_order) if w > 2 * median
+        ],
         # steps launched only after the previous step's tokens reached the host, and why
         "loop_waits": loop["loop_waits"] - loop0["loop_waits"],
         "loop_wait_reasons": {k: v for k, v in reasons.items() if v},
@@ -167,11 +179,15 @@ def run(engine: LLMEngine, batch: int, prompt_len: int, new_tokens: int, seed: i
 
 def add_run_args(ap: argparse.ArgumentParser) -> None:
     """The options this bench shares with gpu_default_model.py: --again, --no-gc-freeze."""
-    ap.add_argument("--again", action="store_true",
-                    help="run the first configuration again as the last engine")
-    ap.add_argument("--no-gc-freeze", action="store_true",
-                    help="leave the collector walking what start-up built (the server's "
-                         "engine process freezes it, and so does this bench by default)")
+    ap.add_argument(
+        "--again", action="store_true", help="run the first configuration again as the last engine"
+    )
+    ap.add_argument(
+        "--no-gc-freeze",
+        action="store_true",
+        help="leave the collector walking what start-up built (the server's "
+        "engine process freezes it, and so does this bench by default)",
+    )
 
 
 def main() -> None:
@@ -181,18 +197,34 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 64])
     ap.add_argument("--tiny", action="store_true", help="a small shape on the CPU (smoke test)")
-    ap.add_argument("--repeats", type=int, default=1,
-                    help="time each batch size this many times (new requests, whose seeds draw "
-                         "new simulated acceptance) and report the sums")  # fmt: skip
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="time each batch size this many times (new requests, whose seeds draw "
+        "new simulated acceptance) and report the sums",
+    )
     for flag, (label, _, what) in AB_VARIANTS.items():
-        ap.add_argument(f"--ab-{flag.replace('_', '-')}", action="store_true",
-                        help=f"also plain and fixed K=3 {what} ('{label}')")
+        ap.add_argument(
+            f"--ab-{flag.replace('_', '-')}",
+            action="store_true",
+            help=f"also plain and fixed K=3 {what} ('{label}')",
+        )
     add_run_args(ap)
-    ap.add_argument("--ab-plan", nargs="+", default=None, metavar="ROWS,N,K:BN,BK,SPLIT,W,ST",
-                    help="also plain with these GEMV plan choices forced after whole-step "
-                         "tuning (e.g. another machine's choices)")
-    ap.add_argument("--only", nargs="+", default=None,
-                    help="run only the configurations whose names contain one of these")
+    ap.add_argument(
+        "--ab-plan",
+        nargs="+",
+        default=None,
+        metavar="ROWS,N,K:BN,BK,SPLIT,W,ST",
+        help="also plain with these GEMV plan choices forced after whole-step "
+        "tuning (e.g. another machine's choices)",
+    )
+    ap.add_argument(
+        "--only",
+        nargs="+",
+        default=None,
+        help="run only the configurations whose names contain one of these",
+    )
     args = ap.parse_args()
     device = "cpu" if args.tiny else "cuda"
     tiny = dict(
@@ -206,12 +238,21 @@ def main() -> None:
     shape = replace(LLAMA_8B, **tiny) if args.tiny else LLAMA_8B
     model = random_model(shape, device)
     head = random_head(shape, Path(tempfile.mkdtemp()) / "head")
-    base = dict(device=device, dtype="bfloat16", max_num_seqs=max(args.batches),
-                cuda_graph_max_batch=max(args.batches),
-                kv_cache_bytes=2**26 if args.tiny else 24 * 2**30,
-                max_num_batched_tokens=4096, max_model_len=4096)  # fmt: skip
-    spec = dict(speculative_algorithm="eagle3", speculative_draft_model_path=str(head),
-                speculative_num_steps=3, speculative_simulate_acceptance=3.0)  # fmt: skip
+    base = dict(
+        device=device,
+        dtype="bfloat16",
+        max_num_seqs=max(args.batches),
+        cuda_graph_max_batch=max(args.batches),
+        kv_cache_bytes=2**26 if args.tiny else 24 * 2**30,
+        max_num_batched_tokens=4096,
+        max_model_len=4096,
+    )
+    spec = dict(
+        speculative_algorithm="eagle3",
+        speculative_draft_model_path=str(head),
+        speculative_num_steps=3,
+        speculative_simulate_acceptance=3.0,
+    )
     configs = {
         "plain": {"speculative_algorithm": "none"},
         "eagle3 K=3 fixed (sim. accept len 3.0)": {**spec, "speculative_policy": "fixed"},
@@ -262,7 +303,8 @@ def main() -> None:
         gemv_module.rope_fits = rope_fits if extra.pop("rope", True) else lambda *a: False
         # this engine only (restored below): attention chunks keys by its program count
         TritonAttentionBackend.invariant_chunks = (
-            chunks if extra.pop("attn_chunks", True) else lambda *a: None)
+            chunks if extra.pop("attn_chunks", True) else lambda *a: None
+        )
         # this engine only (restored below): its backend's shortest invariant chunk
         triton_attn.INVARIANT_MIN_CHUNK = extra.pop("attn_min_chunk", min_chunk)
         # this engine only (restored below): the tallest qkv tile the rope epilogue takes
@@ -290,8 +332,15 @@ def main() -> None:
         drafter = getattr(engine.spec.proposer, "graphs", None) if engine.spec else None
         for b in args.batches:  # warm-up: Triton compiles each new shape on first use
             run(engine, b, args.prompt_len, 24)  # the timed prompt length: its first-use costs too
-        rows = [combine([run(engine, b, args.prompt_len, args.new_tokens, seed)
-                         for seed in range(args.repeats)]) for b in args.batches]  # fmt: skip
+        rows = [
+            combine(
+                [
+                    run(engine, b, args.prompt_len, args.new_tokens, seed)
+                    for seed in range(args.repeats)
+                ]
+            )
+            for b in args.batches
+        ]
         results[name] = {
             "device": device_info,
             "forced_plan": forced or None,  # --ab-plan's specs, set after tuning

@@ -34,8 +34,15 @@ from specserve.core.config import EngineConfig  # noqa: E402
 from specserve.core.sampling_params import SamplingParams  # noqa: E402
 from specserve.engine.engine import LLMEngine  # noqa: E402
 
-TINY = dict(hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2, head_dim=16,
-            num_layers=8, vocab_size=512)  # fmt: skip
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    num_layers=8,
+    vocab_size=512,
+)
 
 
 def sync() -> None:
@@ -108,8 +115,11 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 64])
-    ap.add_argument("--smoke", action="store_true",
-                    help="tiny random models on the CPU, a few tokens (checks the script)")
+    ap.add_argument(
+        "--smoke",
+        action="store_true",
+        help="tiny random models on the CPU, a few tokens (checks the script)",
+    )
     args = ap.parse_args()
     args.warmup_prompt_len, args.warmup_tokens = 64, 24
     if args.smoke:
@@ -117,9 +127,14 @@ def main() -> None:
         args.warmup_prompt_len, args.warmup_tokens = 8, 3
     device = "cpu" if args.smoke else "cuda"
     start = time.perf_counter()
-    base = dict(device=device, max_num_seqs=max(args.batches),
-                cuda_graph_max_batch=max(args.batches), max_num_batched_tokens=4096,
-                max_model_len=2048, overlap_schedule="on")  # fmt: skip
+    base = dict(
+        device=device,
+        max_num_seqs=max(args.batches),
+        cuda_graph_max_batch=max(args.batches),
+        max_num_batched_tokens=4096,
+        max_model_len=2048,
+        overlap_schedule="on",
+    )
     results: dict[str, dict] = {}
 
     def record(name: str, engine: LLMEngine, t0: float) -> None:
@@ -131,13 +146,17 @@ def main() -> None:
     t0 = time.perf_counter()
     shape = replace(LLAMA_8B, **TINY) if args.smoke else LLAMA_8B
     if args.smoke:
-        small = LLMEngine(EngineConfig(**base, dtype="float32", speculative_algorithm="none",
-                                       kv_cache_bytes=2**24),
-                          model=random_model(replace(shape, num_layers=2), device))
+        small = LLMEngine(
+            EngineConfig(
+                **base, dtype="float32", speculative_algorithm="none", kv_cache_bytes=2**24
+            ),
+            model=random_model(replace(shape, num_layers=2), device),
+        )
         small_name = "tiny 2-layer (smoke)"
     else:
-        small = LLMEngine(EngineConfig(model=None, speculative_algorithm=None,
-                                       kv_cache_bytes=4 * 2**30, **base))
+        small = LLMEngine(
+            EngineConfig(model=None, speculative_algorithm=None, kv_cache_bytes=4 * 2**30, **base)
+        )
         small_name = "SmolLM2-135M"
     record(small_name, small, t0)
     del small
@@ -146,20 +165,33 @@ def main() -> None:
     kv_bytes = 2**25 if args.smoke else 16 * 2**30
     big = "8B shape (tiny, smoke)" if args.smoke else "Llama-3.1-8B shape"
     t0 = time.perf_counter()
-    engine = LLMEngine(EngineConfig(**base, dtype="bfloat16", speculative_algorithm="none",
-                                    kv_cache_bytes=kv_bytes), model=model)
+    engine = LLMEngine(
+        EngineConfig(
+            **base, dtype="bfloat16", speculative_algorithm="none", kv_cache_bytes=kv_bytes
+        ),
+        model=model,
+    )
     record(big, engine, t0)
     del engine
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    head = random_head(shape, Path(tempfile.mkdtemp()) / "head",
-                       draft_vocab=256 if args.smoke else 32000)
+    head = random_head(
+        shape, Path(tempfile.mkdtemp()) / "head", draft_vocab=256 if args.smoke else 32000
+    )
     t0 = time.perf_counter()
-    engine = LLMEngine(EngineConfig(
-        **base, dtype="bfloat16", kv_cache_bytes=kv_bytes, speculative_algorithm="eagle3",
-        speculative_draft_model_path=str(head), speculative_num_steps=3,
-        speculative_policy="fixed", speculative_simulate_acceptance=3.0,
-    ), model=model)  # fmt: skip
+    engine = LLMEngine(
+        EngineConfig(
+            **base,
+            dtype="bfloat16",
+            kv_cache_bytes=kv_bytes,
+            speculative_algorithm="eagle3",
+            speculative_draft_model_path=str(head),
+            speculative_num_steps=3,
+            speculative_policy="fixed",
+            speculative_simulate_acceptance=3.0,
+        ),
+        model=model,
+    )
     record(f"{big} + EAGLE-3 K=3 (sim. accept len 3.0)", engine, t0)
     results["total_s"] = round(time.perf_counter() - start, 1)
     results["device"] = torch.cuda.get_device_name() if device == "cuda" else "cpu"

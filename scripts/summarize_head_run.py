@@ -12,8 +12,9 @@ from pathlib import Path
 
 
 def _records(folder: Path) -> list[dict]:
-    return [json.loads(line) for line in (folder / "log.jsonl").read_text().splitlines()
-            if line.strip()]
+    return [
+        json.loads(line) for line in (folder / "log.jsonl").read_text().splitlines() if line.strip()
+    ]
 
 
 def _fmt(xs, digits=2) -> str:
@@ -28,16 +29,20 @@ def summarize(folder: Path) -> str:
     lines = []
     for name in ("engine", "generated", "features", "train_budget"):
         for r in by_event.get(name, []):
-            lines.append(f"- {name}: " + ", ".join(f"{k}={v}" for k, v in r.items()
-                                                  if k != "event"))
+            lines.append(
+                f"- {name}: " + ", ".join(f"{k}={v}" for k, v in r.items() if k != "event")
+            )
     start = (by_event.get("start") or [{}])[-1]
     if start:
-        lines.append(f"- draft vocabulary {start.get('draft_vocab_size')}, coverage "
-                     f"{start.get('draft_coverage', 0):.4%}; by size "
-                     + ", ".join(f"{k}: {v:.4f}" for k, v in start.get("coverage_by_size",
-                                                                        {}).items()))
-        lines.append(f"- training tokens {start.get('train_tokens')}, started at "
-                     f"{start.get('seconds_since_start')} s")
+        lines.append(
+            f"- draft vocabulary {start.get('draft_vocab_size')}, coverage "
+            f"{start.get('draft_coverage', 0):.4%}; by size "
+            + ", ".join(f"{k}: {v:.4f}" for k, v in start.get("coverage_by_size", {}).items())
+        )
+        lines.append(
+            f"- training tokens {start.get('train_tokens')}, started at "
+            f"{start.get('seconds_since_start')} s"
+        )
     done = (by_event.get("done") or [{}])[-1]
     for key in ("steps", "train_samples", "train_seconds", "total_seconds", "peak_gpu_gib"):
         if key in done:
@@ -45,20 +50,29 @@ def summarize(folder: Path) -> str:
 
     steps = by_event.get("step", [])
     if steps:
-        lines += ["", "| step | loss | step-0 loss | batch acc, step 0 / 1 / 2 | lr | seconds |",
-                  "|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            "| step | loss | step-0 loss | batch acc, step 0 / 1 / 2 | lr | seconds |",
+            "|---|---|---|---|---|---|",
+        ]
         pick = {max(1, round(len(steps) * f)) - 1 for f in (0.02, 0.1, 0.25, 0.5, 0.75, 1.0)}
         for i in sorted(pick):
             r = steps[i]
-            lines.append(f"| {r['step']} | {r['loss']:.2f} | {r['step_losses'][0]:.2f} | "
-                         f"{_fmt(r['acc'][:3])} | {r['lr']:.1e} | {r['seconds']} |")
+            lines.append(
+                f"| {r['step']} | {r['loss']:.2f} | {r['step_losses'][0]:.2f} | "
+                f"{_fmt(r['acc'][:3])} | {r['lr']:.1e} | {r['seconds']} |"
+            )
     evals = by_event.get("eval", [])
     if evals:
-        lines += ["", "| step | step_acc k = 0 / 1 / 2 / 3 | mean acceptance length, K = 1 .. |",
-                  "|---|---|---|"]
+        lines += [
+            "",
+            "| step | step_acc k = 0 / 1 / 2 / 3 | mean acceptance length, K = 1 .. |",
+            "|---|---|---|",
+        ]
         for r in evals:
-            lines.append(f"| {r['step']} | {_fmt(r['step_acc'][:4])} | "
-                         f"{_fmt(r['mean_accept_len'])} |")
+            lines.append(
+                f"| {r['step']} | {_fmt(r['step_acc'][:4])} | {_fmt(r['mean_accept_len'])} |"
+            )
         lines.append(f"(anchors: {evals[-1].get('anchors')})")
     for name, label in (("eval_heldout.json", "held-out"), ("eval_unlike.json", "unlike")):
         path = folder / name
@@ -66,13 +80,19 @@ def summarize(folder: Path) -> str:
             lines.append(f"\n{name}: missing")
             continue
         data = json.loads(path.read_text())
-        lines += ["", f"{label}: {data['num_prompts']} prompts, {data['max_tokens']} new tokens",
-                  "| prompts | K | mean acceptance length | accepted / drafted | "
-                  "per-position acceptance | seconds |", "|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            f"{label}: {data['num_prompts']} prompts, {data['max_tokens']} new tokens",
+            "| prompts | K | mean acceptance length | accepted / drafted | "
+            "per-position acceptance | seconds |",
+            "|---|---|---|---|---|---|",
+        ]
         for r in sorted(data["results"], key=lambda r: r["k"]):
             rates = " ".join(f"{x:.2f}" for x in r["position_rates"])
-            lines.append(f"| {label} | {r['k']} | {r['mean_accept_len']:.2f} | "
-                         f"{r['accepted']} / {r['drafted']} | {rates} | {r.get('seconds')} |")
+            lines.append(
+                f"| {label} | {r['k']} | {r['mean_accept_len']:.2f} | "
+                f"{r['accepted']} / {r['drafted']} | {rates} | {r.get('seconds')} |"
+            )
     return "\n".join(lines)
 
 

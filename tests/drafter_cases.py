@@ -25,8 +25,7 @@ def _head(dtype, device, draft_vocab=40, seed=0):
         head.t2d[ids] = True
     head = head.to(dtype=dtype, device=device).eval()
     head.rotary.materialize(torch.device(device))
-    embed = torch.nn.Embedding(target.vocab_size, target.hidden_size).to(dtype=dtype,
-                                                                        device=device)
+    embed = torch.nn.Embedding(target.vocab_size, target.hidden_size).to(dtype=dtype, device=device)
     return head, embed
 
 
@@ -41,12 +40,29 @@ def drafter_graph_error(backend, dtype, device, use_graphs=False, page_size=4, f
     kv = [KVCache(head.config.layer, 40, page_size, dtype, device) for _ in "abc"]
     eager = Eagle3Proposer(head, embed, kv[0], backend)
     graphed = Eagle3Proposer(head, embed, kv[1], backend)
-    graphed.graphs = DrafterGraphs(head, embed, kv[1].layers[0], backend, (1, 4, 8),
-                                   (1, 2, 4, 8), max_seq_len=64, use_graphs=use_graphs,
-                                   chain_lengths=(3,))
+    graphed.graphs = DrafterGraphs(
+        head,
+        embed,
+        kv[1].layers[0],
+        backend,
+        (1, 4, 8),
+        (1, 2, 4, 8),
+        max_seq_len=64,
+        use_graphs=use_graphs,
+        chain_lengths=(3,),
+    )
     graphed.graphs.capture()
-    chain = DrafterGraphs(head, embed, kv[2].layers[0], backend, (1, 4, 8), (1, 2, 4, 8),
-                          max_seq_len=64, use_graphs=use_graphs, chain_lengths=(2, 3))
+    chain = DrafterGraphs(
+        head,
+        embed,
+        kv[2].layers[0],
+        backend,
+        (1, 4, 8),
+        (1, 2, 4, 8),
+        max_seq_len=64,
+        use_graphs=use_graphs,
+        chain_lengths=(2, 3),
+    )
     chain.capture()
     tables = [kv[0].allocator.allocate(4) for _ in range(3)]
     starts, lens = [5, 2, 0], [3, 1, 3]

@@ -33,8 +33,9 @@ def silu_gemv_case(cfg, rows: int, n: int, k: int, dtype, device, bias=False, se
     return {"equal": torch.equal(fused, unfused), "err": rel_err(fused, ref)}
 
 
-def gated_gemv_case(cfg, rows: int, n: int, k: int, dtype, device, bias=False, seed=0,
-                    half=False) -> dict:  # fmt: skip
+def gated_gemv_case(
+    cfg, rows: int, n: int, k: int, dtype, device, bias=False, seed=0, half=False
+) -> dict:
     """{"equal": the gated GEMV of a [gate; up] weight [2n, k] == the plain GEMV then
     silu_and_mul of its halves bitwise, "err": its relative error against a float64
     reference}. half: the gated GEMV through the tile of half cfg's width (as the MLP runs
@@ -57,8 +58,19 @@ def gated_gemv_case(cfg, rows: int, n: int, k: int, dtype, device, bias=False, s
     return {"equal": torch.equal(fused, unfused), "err": rel_err(fused, ref)}
 
 
-def rope_gemv_case(cfg, rows: int, q_heads: int, kv_heads: int, head_dim: int, k: int, dtype,
-                   device, bias=False, seed=0, page_size=4) -> dict:  # fmt: skip
+def rope_gemv_case(
+    cfg,
+    rows: int,
+    q_heads: int,
+    kv_heads: int,
+    head_dim: int,
+    k: int,
+    dtype,
+    device,
+    bias=False,
+    seed=0,
+    page_size=4,
+) -> dict:
     """{"equal": the qkv GEMV with the rope epilogue == the plain GEMV then rotary_store_kv,
     bit for bit in q and in both caches (whose other slots keep their contents; one row's
     slot is -1, not stored), "err": q's relative error against the torch rotary of a
@@ -81,27 +93,39 @@ def rope_gemv_case(cfg, rows: int, q_heads: int, kv_heads: int, head_dim: int, k
     cache = _rand(gen, 2, pages, page_size, kv_heads, head_dim, dtype=dtype, device=device)
     caches = {name: cache.clone() for name in ("fused", "unfused")}
     plain = gemv(x, w, b, cfg)
-    q_unfused = rotary_store_kv(positions, plain, rope.cos_sin, q_heads, kv_heads,
-                                caches["unfused"][0], caches["unfused"][1], slots)  # fmt: skip
-    store = RopeStore(positions, slots, rope.cos_sin, q_heads, kv_heads, caches["fused"][0],
-                      caches["fused"][1])  # fmt: skip
+    q_unfused = rotary_store_kv(
+        positions,
+        plain,
+        rope.cos_sin,
+        q_heads,
+        kv_heads,
+        caches["unfused"][0],
+        caches["unfused"][1],
+        slots,
+    )
+    store = RopeStore(
+        positions, slots, rope.cos_sin, q_heads, kv_heads, caches["fused"][0], caches["fused"][1]
+    )
     q_fused = gemv(x, w, b, cfg, rope=store)
     ref = (x.double() @ w.double().T + (b.double() if bias else 0)).to(dtype)
-    q_ref, _ = rope(positions, ref[:, : q_heads * head_dim].view(rows, q_heads, head_dim),
-                    ref[:, q_heads * head_dim : (q_heads + kv_heads) * head_dim]
-                    .view(rows, kv_heads, head_dim))  # fmt: skip
+    q_ref, _ = rope(
+        positions,
+        ref[:, : q_heads * head_dim].view(rows, q_heads, head_dim),
+        ref[:, q_heads * head_dim : (q_heads + kv_heads) * head_dim].view(rows, kv_heads, head_dim),
+    )
     written = (caches["fused"] != cache).flatten(3).any(-1).any(0).flatten()  # [slots]
     same_caches = torch.equal(caches["fused"], caches["unfused"])
     return {
         "equal": torch.equal(q_fused, q_unfused) and same_caches,
         "err": rel_err(q_fused, q_ref.double()),
-        "stored": sorted(torch.nonzero(written).flatten().tolist()) == sorted(
-            s for s in slots.tolist() if s >= 0),
+        "stored": sorted(torch.nonzero(written).flatten().tolist())
+        == sorted(s for s in slots.tolist() if s >= 0),
     }
 
 
-def split_norm_case(cfg, rows: int, n: int, k: int, dtype, device, bias=False, silu=False,
-                    seed=0) -> dict:  # fmt: skip
+def split_norm_case(
+    cfg, rows: int, n: int, k: int, dtype, device, bias=False, silu=False, seed=0
+) -> dict:
     """A split-K GEMV handed unreduced to the fused second pass + residual add + RMSNorm,
     against the GEMV reduced by its own pass, then the add + RMSNorm kernel: whether the
     GEMV output, the residual stream and the normed output are each bitwise equal."""
@@ -138,8 +162,17 @@ def set_fusions(model, silu: bool, split_k: bool, gate: bool = True) -> None:
             module.fuse_silu, module.fuse_split_k, module.fuse_gate = silu, split_k, gate
 
 
-def model_fusion_case(dtype, device, config, backend=None, seed=0, cfg=None,
-                      steps=(1, 3, 8), silu=True, fused_choice=True) -> dict:  # fmt: skip
+def model_fusion_case(
+    dtype,
+    device,
+    config,
+    backend=None,
+    seed=0,
+    cfg=None,
+    steps=(1, 3, 8),
+    silu=True,
+    fused_choice=True,
+) -> dict:
     """A tiny Llama on the Triton path with every linear through `config` (a K split
     engages the fusions), steps of 1, 3 and 8 tokens: {"equal": fuse=True (without the
     SiLU prologue when not `silu`) gives the hidden states, logits and KV of fuse=False bit

@@ -72,9 +72,14 @@ def _run(module: str, seconds: float) -> tuple[int, str, str]:
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     timeout = child_timeout(seconds)
-    proc = subprocess.Popen([sys.executable, "-c", _LAUNCH, module, str(os.getpid())],
-                            cwd=ROOT, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _LAUNCH, module, str(os.getpid())],
+        cwd=ROOT,
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     with _lock:
         _background.running.add(proc)
         if _background.stopped:  # the session ended while this one started
@@ -84,8 +89,9 @@ def _run(module: str, seconds: float) -> tuple[int, str, str]:
     except subprocess.TimeoutExpired:
         proc.kill()
         out, err = proc.communicate()
-        err += (f"\n{module}: killed after {timeout:.0f} s "
-                f"(SPECSERVE_TEST_TIMEOUT_SCALE x {seconds} s)")
+        err += (
+            f"\n{module}: killed after {timeout:.0f} s (SPECSERVE_TEST_TIMEOUT_SCALE x {seconds} s)"
+        )
     finally:
         with _lock:
             _background.running.discard(proc)

@@ -15,10 +15,19 @@ from specserve.runtime.cuda_graphs import CudaGraphRunner
 
 def tiny_config(**overrides) -> ModelConfig:
     fields = dict(
-        architecture="LlamaForCausalLM", vocab_size=97, hidden_size=64, intermediate_size=96,
-        num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5,
-        rope_theta=10000.0, max_position_embeddings=256, tie_word_embeddings=False,
-    )  # fmt: skip
+        architecture="LlamaForCausalLM",
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=96,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
     fields.update(overrides)
     return ModelConfig(**fields)
 
@@ -48,8 +57,15 @@ def build_meta(tables, starts, ends, page_size, device) -> AttentionMetadata:
     def dev(x):
         return torch.tensor(x, dtype=torch.int64, device=device)
 
-    return AttentionMetadata(dev(positions), dev(slots), dev(qsl), dev(ends), dev(padded),
-                             max(e - s for s, e in zip(starts, ends)), max(ends))  # fmt: skip
+    return AttentionMetadata(
+        dev(positions),
+        dev(slots),
+        dev(qsl),
+        dev(ends),
+        dev(padded),
+        max(e - s for s, e in zip(starts, ends)),
+        max(ends),
+    )
 
 
 def _steps(prompt_lens, q_after):
@@ -62,8 +78,9 @@ def _steps(prompt_lens, q_after):
     return steps
 
 
-def model_error(backend, dtype, device, page_size, fused_ops=None, seed=0,
-                prompt_lens=(6, 4, 3), q_after=(1, 3)) -> float:  # fmt: skip
+def model_error(
+    backend, dtype, device, page_size, fused_ops=None, seed=0, prompt_lens=(6, 4, 3), q_after=(1, 3)
+) -> float:
     """Largest relative error of the final hidden states, `backend` (with the Triton fused
     ops when `fused_ops`, the triton_ops module, is given) against the torch backend and
     plain modules, over a prefill, decode and verify steps."""
@@ -101,8 +118,9 @@ def runner_padding_error(backend, dtype, device, page_size=4, use_graphs=False, 
     pages = -(-(max(prompt_lens) + 8) // page_size)
     kv = [KVCache(cfg, 1 + 3 * pages, page_size, dtype, device) for _ in "ab"]
     tables = [kv[0].allocator.allocate(pages) for _ in prompt_lens]
-    runner = CudaGraphRunner(model, kv[1].layers, backend, (1, 4), (1, 3), max_seq_len=64,
-                             use_graphs=use_graphs)  # fmt: skip
+    runner = CudaGraphRunner(
+        model, kv[1].layers, backend, (1, 4), (1, 3), max_seq_len=64, use_graphs=use_graphs
+    )
     runner.capture()
     gen = torch.Generator().manual_seed(seed)
     worst = 0.0
@@ -144,10 +162,18 @@ def install_padded_runner(llm, tokens_per_request, aux_layer_ids=(), in_graph=Tr
 
     runner, spec = llm.engine.runner, llm.engine.spec
     writer = spec.proposer.feature_writer() if spec and aux_layer_ids and in_graph else None
-    graphs = CudaGraphRunner(runner.model, runner.kv.layers, runner.backend, (1, 2, 4, 8),
-                             tokens_per_request=tokens_per_request, max_seq_len=512,
-                             aux_layer_ids=aux_layer_ids, use_graphs=False, feature_writer=writer,
-                             logits_head=logits_head(runner.model))  # fmt: skip
+    graphs = CudaGraphRunner(
+        runner.model,
+        runner.kv.layers,
+        runner.backend,
+        (1, 2, 4, 8),
+        tokens_per_request=tokens_per_request,
+        max_seq_len=512,
+        aux_layer_ids=aux_layer_ids,
+        use_graphs=False,
+        feature_writer=writer,
+        logits_head=logits_head(runner.model),
+    )
     graphs.capture()
     runner.graphs = graphs
     calls = {"graph": 0}

@@ -32,8 +32,11 @@ def spec_kwargs(models, drafter: str | None) -> dict:
     if drafter == "ngram":
         return dict(speculative_algorithm="ngram", speculative_policy="fixed")
     algo = "eagle3" if drafter == "eagle3" else "draft"
-    return dict(speculative_algorithm=algo, speculative_draft_model_path=models[drafter],
-                speculative_policy="fixed")
+    return dict(
+        speculative_algorithm=algo,
+        speculative_draft_model_path=models[drafter],
+        speculative_policy="fixed",
+    )
 
 
 def random_draft_lens(llm, seed=11):
@@ -214,7 +217,8 @@ def churn(engine, prompts, params, seed=21, arrive_p=0.5, abort_p=0.08):
             victim = rng.choice(live)
             inflight = engine.loop.inflight
             in_flight_aborts += inflight is not None and any(
-                s.request.request_id == victim for s in inflight.step_input.sampled)
+                s.request.request_id == victim for s in inflight.step_input.sampled
+            )
             engine.abort_request(victim)
             aborted.add(victim)
     return ids, finished, aborted, in_flight_aborts

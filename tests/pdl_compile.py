@@ -22,8 +22,13 @@ import torch
 LAUNCHES: list[tuple] = []  # (label, JITFunction, args, kwargs)
 _LABEL = ["?"]
 _OPTIONS = ("num_warps", "num_stages", "num_ctas", "launch_pdl")
-_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
-          torch.int64: "i64", torch.int32: "i32"}  # fmt: skip
+_TYPES = {
+    torch.bfloat16: "bf16",
+    torch.float16: "fp16",
+    torch.float32: "fp32",
+    torch.int64: "i64",
+    torch.int32: "i32",
+}
 MARKS = {
     "wait": ("griddepcontrol.wait",),
     "launch": ("griddepcontrol.launch_dependents",),
@@ -45,8 +50,7 @@ def _record() -> None:
 def _signature(fn, args, kwargs) -> tuple[dict, dict, dict]:
     """What Triton's JIT would compile the launch under: types, constexprs (integer 1s
     too) and 16-divisibility of aligned pointers and integers, unless not specialized on."""
-    bound = dict(zip(fn.arg_names, args)) | {k: v for k, v in kwargs.items()
-                                             if k not in _OPTIONS}  # fmt: skip
+    bound = dict(zip(fn.arg_names, args)) | {k: v for k, v in kwargs.items() if k not in _OPTIONS}
     signature, constexprs, attrs = {}, {}, {}
     for i, p in enumerate(fn.params):
         value = bound[p.name] if p.name in bound else p.default
@@ -72,12 +76,15 @@ def _signature(fn, args, kwargs) -> tuple[dict, dict, dict]:
 def _marks(ptx: str) -> dict:
     # instructions, less a guarding predicate ("@%p1 ld.global.b32 ...")
     lines = [re.sub(r"^@!?%p\d+\s+", "", line.strip()) for line in ptx.splitlines()]
-    marks = {name: next((i for i, line in enumerate(lines) if line.startswith(pats)), None)
-             for name, pats in MARKS.items()}  # fmt: skip
+    marks = {
+        name: next((i for i, line in enumerate(lines) if line.startswith(pats)), None)
+        for name, pats in MARKS.items()
+    }
     # the distinct loads (opcodes) before the wait, if any
     before = lines[: marks["wait"]] if marks["wait"] is not None else []
-    marks["loads_before_wait"] = sorted({line.split()[0] for line in before
-                                         if line.startswith(MARKS["load"])})  # fmt: skip
+    marks["loads_before_wait"] = sorted(
+        {line.split()[0] for line in before if line.startswith(MARKS["load"])}
+    )
     return marks
 
 
@@ -116,13 +123,16 @@ def norm_tail_matches(use_pdl: bool, rows: int, n: int) -> bool:
     for _, fn, args, kwargs in LAUNCHES:
         signature, constexprs, attrs = _signature(fn, args, kwargs)
         options = {k: v for k, v in kwargs.items() if k in _OPTIONS}
-        kernel = triton.compile(ASTSource(fn, signature, constexprs, attrs),
-                                target=GPUTarget("cuda", 90, 32), options=options)  # fmt: skip
+        kernel = triton.compile(
+            ASTSource(fn, signature, constexprs, attrs),
+            target=GPUTarget("cuda", 90, 32),
+            options=options,
+        )
         code[fn.__name__] = _instructions(kernel.asm["ptx"])
     fused, plain = code["_split_k_add_rms_norm_kernel"], code["_add_rms_norm_kernel"]
     first_load = next(i for i, ins in enumerate(plain) if "ld.global" in ins)
     barrier = next(i for i, ins in enumerate(fused) if ins.startswith("bar.sync"))
-    tail = fused[barrier + 1:]
+    tail = fused[barrier + 1 :]
     start = next(i for i, ins in enumerate(tail) if "ld.global" in ins)
     return tail[start:] == plain[first_load:]
 
@@ -145,42 +155,54 @@ def _launch_all() -> None:
     runs = {
         "gemv-dot": lambda: gemv(x, w, None, GemvConfig(32, 128)),
         "gemv-fma-bias": lambda: gemv(x, w, w[0], GemvConfig(8, 256, use_dot=False)),
-        "gemv-dot-split-silu": lambda: gemv(torch.zeros(2, 1024, **bf16), w, None,
-                                            GemvConfig(64, 128, split_k=2), silu=True),
+        "gemv-dot-split-silu": lambda: gemv(
+            torch.zeros(2, 1024, **bf16), w, None, GemvConfig(64, 128, split_k=2), silu=True
+        ),
         "split-k-add-rms-norm": lambda: split_k_add_rms_norm(
             gemv(x, w, None, GemvConfig(64, 128, split_k=2), defer_reduce=True),
-            torch.zeros(2, 256, **bf16), torch.ones(256, **bf16), 1e-5),
+            torch.zeros(2, 256, **bf16),
+            torch.ones(256, **bf16),
+            1e-5,
+        ),
         "rms-norm": lambda: rms_norm(x, torch.ones(512, **bf16), 1e-5),
         "add-rms-norm": lambda: add_rms_norm(x, x, torch.ones(512, **bf16), 1e-5),
         "silu-and-mul": lambda: silu_and_mul(x, x),
     }
     pos, cos_sin = torch.zeros(2, **i64), torch.zeros(16, 64, dtype=torch.float32)
     cache = torch.zeros(4, 16, 2, 64, **bf16)
-    runs["rotary"] = lambda: rotary(pos, torch.zeros(2, 4, 64, **bf16),
-                                    torch.zeros(2, 2, 64, **bf16), cos_sin)  # fmt: skip
-    runs["rotary-store-kv"] = lambda: rotary_store_kv(pos, torch.zeros(2, 512, **bf16), cos_sin,
-                                                      4, 2, cache, cache, pos)  # fmt: skip
+    runs["rotary"] = lambda: rotary(
+        pos, torch.zeros(2, 4, 64, **bf16), torch.zeros(2, 2, 64, **bf16), cos_sin
+    )
+    runs["rotary-store-kv"] = lambda: rotary_store_kv(
+        pos, torch.zeros(2, 512, **bf16), cos_sin, 4, 2, cache, cache, pos
+    )
     qkv_w = torch.zeros(512, 512, **bf16)  # 4 q heads and 2 + 2 kv heads of 64
     rope = RopeStore(pos, pos, cos_sin, 4, 2, cache, cache)
     runs["gemv-dot-rope"] = lambda: gemv(x, qkv_w, None, GemvConfig(64, 128), rope=rope)
     runs["gemv-dot-rope-bias"] = lambda: gemv(x, qkv_w, qkv_w[0], GemvConfig(32, 64), rope=rope)
     x64 = torch.zeros(64, 512, **bf16)
-    runs["gemv-stream-k-bias"] = lambda: gemv(x64, w, w[0], GemvConfig(64, 128, block_m=64,
-                                                                   stream_k=True))  # fmt: skip
-    runs["gemv-stream-k-silu"] = lambda: gemv(torch.zeros(64, 1024, **bf16), w, None,
-                                              GemvConfig(32, 64, block_m=64, stream_k=True),
-                                              silu=True)  # fmt: skip
-    runs["gemv-stream-k-gated"] = lambda: gemv(x64, w, None, GemvConfig(32, 64, block_m=64,
-                                                                      stream_k=True),
-                                               gated=True)  # fmt: skip
-    runs["kv-write"] = lambda: attn.write_kv(torch.zeros(2, 2, 64, **bf16),
-                                             torch.zeros(2, 2, 64, **bf16), cache, cache, pos)
+    runs["gemv-stream-k-bias"] = lambda: gemv(
+        x64, w, w[0], GemvConfig(64, 128, block_m=64, stream_k=True)
+    )
+    runs["gemv-stream-k-silu"] = lambda: gemv(
+        torch.zeros(64, 1024, **bf16),
+        w,
+        None,
+        GemvConfig(32, 64, block_m=64, stream_k=True),
+        silu=True,
+    )
+    runs["gemv-stream-k-gated"] = lambda: gemv(
+        x64, w, None, GemvConfig(32, 64, block_m=64, stream_k=True), gated=True
+    )
+    runs["kv-write"] = lambda: attn.write_kv(
+        torch.zeros(2, 2, 64, **bf16), torch.zeros(2, 2, 64, **bf16), cache, cache, pos
+    )
     meta = (pos, torch.tensor([0, 1, 2]), torch.ones(2, **i64), torch.zeros(2, 4, **i64))
     q = torch.zeros(2, 4, 64, **bf16)
     for kernel in attn.DECODE_KERNELS:
-        runs[f"attention-{kernel}-split"] = (
-            lambda kernel=kernel: attn.paged_attention(q, cache, cache, *meta, 1, 1.0,
-                                                       num_splits=2, kernel=kernel))  # fmt: skip
+        runs[f"attention-{kernel}-split"] = lambda kernel=kernel: attn.paged_attention(
+            q, cache, cache, *meta, 1, 1.0, num_splits=2, kernel=kernel
+        )
 
     for label, launch in runs.items():
         _LABEL[0] = label
@@ -207,10 +229,14 @@ def main() -> dict:
             options = {k: v for k, v in kwargs.items() if k in _OPTIONS}
             try:
                 signature, constexprs, attrs = _signature(fn, args, kwargs)
-                kernel = triton.compile(ASTSource(fn, signature, constexprs, attrs),
-                                        target=target, options=options)  # fmt: skip
-                results[name] = {**_marks(kernel.asm["ptx"]), "use_pdl": constexprs["USE_PDL"],
-                                 "launch_pdl": options.get("launch_pdl", False)}  # fmt: skip
+                kernel = triton.compile(
+                    ASTSource(fn, signature, constexprs, attrs), target=target, options=options
+                )
+                results[name] = {
+                    **_marks(kernel.asm["ptx"]),
+                    "use_pdl": constexprs["USE_PDL"],
+                    "launch_pdl": options.get("launch_pdl", False),
+                }
             except Exception as e:  # reported per launch by the test
                 results[name] = f"{type(e).__name__}: {e}"[:2000]
     for use_pdl in (True, False):

@@ -45,8 +45,9 @@ def replay(padded: bool, seed: int, steps: int = 1500) -> tuple[list[tuple], Goo
         extra = rng.choice((0, 0, 0, 0, 37, 256))
         ks = policy.choose(live, StepLoad(extra))
         out.append((tuple(ks), policy.predicted_tokens, policy.predicted_ms))
-        acceptance.update_many([(r.request_id, k, min(k, int(rng.expovariate(0.7))))
-                                for r, k in zip(live, ks) if k])  # fmt: skip
+        acceptance.update_many(
+            [(r.request_id, k, min(k, int(rng.expovariate(0.7)))) for r, k in zip(live, ks) if k]
+        )
         k = max(ks)
         ms = cost.seed_ms(len(live), k) * (1.6 + 0.3 * (k > 0)) * rng.lognormvariate(0, 0.1)
         periods.add(len(live), k, None if extra else ms, None)

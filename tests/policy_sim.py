@@ -35,8 +35,22 @@ from specserve.speculative.step_periods import PeriodLog
 from tests.policy_sim_engines import LARGE, MEASURED, SMALL, Regime
 from tests.policy_sim_workload import Noise, SimRequest, Workload, make_requests, noise_factors
 
-__all__ = ["K_MAX", "LARGE", "MEASURED", "SMALL", "Noise", "Regime", "SimRequest", "SimResult",
-           "Simulator", "Workload", "compare", "make_requests", "noise_factors", "simulate"]
+__all__ = [
+    "K_MAX",
+    "LARGE",
+    "MEASURED",
+    "SMALL",
+    "Noise",
+    "Regime",
+    "SimRequest",
+    "SimResult",
+    "Simulator",
+    "Workload",
+    "compare",
+    "make_requests",
+    "noise_factors",
+    "simulate",
+]
 
 K_MAX = 3
 NOISE = Noise()  # the default (frozen)
@@ -68,8 +82,14 @@ def bare_speculator(policy: SpeculationPolicy, acceptance: AcceptanceModel) -> S
 class Simulator:
     """One policy against one regime: the clock, the requests, one-step-late observations."""
 
-    def __init__(self, policy: SpeculationPolicy, acceptance: AcceptanceModel, regime: Regime,
-                 noise: Noise, seed: int):  # fmt: skip
+    def __init__(
+        self,
+        policy: SpeculationPolicy,
+        acceptance: AcceptanceModel,
+        regime: Regime,
+        noise: Noise,
+        seed: int,
+    ):
         self.policy, self.acceptance, self.regime = policy, acceptance, regime
         self.spec = bare_speculator(policy, acceptance)
         self.noise_at = noise_factors(noise, seed)  # by step: the same for every policy
@@ -173,8 +193,9 @@ class Simulator:
         self.prev_k = None
 
 
-def simulate(policy_name: str | int, regime: Regime, wl: Workload, seed: int = 0,
-             noise: Noise = NOISE) -> tuple[SimResult, SpeculationPolicy]:  # fmt: skip
+def simulate(
+    policy_name: str | int, regime: Regime, wl: Workload, seed: int = 0, noise: Noise = NOISE
+) -> tuple[SimResult, SpeculationPolicy]:
     """Run the workload under "goodput" or a fixed K (int); returns the measured part."""
     acceptance = AcceptanceModel(K_MAX)
     policy: SpeculationPolicy

@@ -9,8 +9,7 @@ from dataclasses import dataclass
 from specserve.speculative.cost_model import CurveModel, StepCostModel
 
 # shared/DESIGN.md: H200, Llama-3.1-8B shape, step ms by tokens; an EAGLE-3 head pass by batch.
-H200_8B = {1: 4.22, 16: 4.44, 64: 4.60, 128: 6.11, 256: 6.91, 512: 12.06, 1024: 22.94,
-           2048: 45.98}  # fmt: skip
+H200_8B = {1: 4.22, 16: 4.44, 64: 4.60, 128: 6.11, 256: 6.91, 512: 12.06, 1024: 22.94, 2048: 45.98}
 HEAD_8B = {1: 0.20, 64: 0.22, 256: 0.30, 1024: 0.60}
 # SmolLM2-135M: a ~0.5 ms graph replay that hardly grows with tokens; a tiny head.
 SMALL_TARGET = {1: 0.45, 8: 0.46, 32: 0.48, 64: 0.50, 256: 0.70, 1024: 1.80}
@@ -51,8 +50,9 @@ class Regime:
     def host(self, n: int, k: int) -> float:
         if not k:
             return self.host0 + self.host_per_req0 * n
-        return (self.host_spec + self.host_per_k * k
-                + (self.host_per_req + self.host_per_req_k * k) * n)  # fmt: skip
+        return (
+            self.host_spec + self.host_per_k * k + (self.host_per_req + self.host_per_req_k * k) * n
+        )
 
     def period(self, n: int, k: int) -> float:
         if self.steady is not None:
@@ -62,8 +62,24 @@ class Regime:
     @staticmethod
     def steady_only(steady: Callable[[int, int], float]) -> Regime:
         """Periods from `steady` alone: no switch penalty, no early resolve, no catch-up."""
-        return Regime("steady", {1: 1.0}, {1: 1.0}, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0,
-                      0.0, 0, 0.0, 0.0, steady)  # fmt: skip
+        return Regime(
+            "steady",
+            {1: 1.0},
+            {1: 1.0},
+            0.0,
+            0.0,
+            0.0,
+            0.0,
+            0.0,
+            0.0,
+            0.0,
+            0.0,
+            0.0,
+            0,
+            0.0,
+            0.0,
+            steady,
+        )
 
     def seeds(self) -> StepCostModel:
         """What start-up measures: device work alone, no host work; padded (CUDA graphs)."""
@@ -83,6 +99,21 @@ LARGE = Regime("large", H200_8B, HEAD_8B, 1.0, 0.01, 1.3, 0.25, 0.03, 0.01)
 # the change (its successor's launch ran before it resolved): a drafting step before a plain
 # one is 0.6 ms short, a plain step before drafting 3.5-6.5 ms long (the drafter's eager
 # catch-up after a long plain run); the first plain steps are 0.17 ms short.
-MEASURED = Regime("measured", SMALL_TARGET, SMALL_HEAD, 0.96, 0.015, 1.70, 0.02, 0.03, 0.008,
-                  stall_share=0.1, down_share=-0.35, eager_ms=3.5, early_share=0.0,
-                  next_launch_share=0.7, catch_up_before=True, prompt_catch_up=False)
+MEASURED = Regime(
+    "measured",
+    SMALL_TARGET,
+    SMALL_HEAD,
+    0.96,
+    0.015,
+    1.70,
+    0.02,
+    0.03,
+    0.008,
+    stall_share=0.1,
+    down_share=-0.35,
+    eager_ms=3.5,
+    early_share=0.0,
+    next_launch_share=0.7,
+    catch_up_before=True,
+    prompt_catch_up=False,
+)

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 # SmolLM2 + shipped head on the H200 measured 0.68 / 0.67 / 0.75 per position (conditional);
 # outside hard phases (about 9% of steps) a typical request accepts a little more.
 PROFILE = (0.73, 0.72, 0.80)
+
+
 @dataclass(frozen=True)
 class Workload:
     """Requests of the run: batch 1 runs `rounds` requests one after another, batch b runs

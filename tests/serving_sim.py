@@ -107,8 +107,14 @@ class ServingRegime:
         return rate_for_mean_accept_len(self.accept_len, K_MAX)
 
 
-def step_ms(decode_rows: int, k: int, prefill_tokens: int, context_tokens: int,
-            catch_up_tokens: int = 0, features: bool = False) -> float:  # fmt: skip
+def step_ms(
+    decode_rows: int,
+    k: int,
+    prefill_tokens: int,
+    context_tokens: int,
+    catch_up_tokens: int = 0,
+    features: bool = False,
+) -> float:
     """The true cost of a step: `decode_rows` rows padded to K drafts (CUDA graphs verify a
     step at its longest draft), `prefill_tokens` of prompt chunks, `context_tokens` the decode
     rows' summed context (their KV read by attention); with speculation on, the tokens the
@@ -175,9 +181,15 @@ def k_mix(counts: list[int]) -> str:
 
 
 def _request(i: int, regime: ServingRegime, max_tokens: int) -> Request:
-    return Request(f"r{i}", [1 + (i + j) % 1000 for j in range(regime.prompt)],
-                   SamplingParams(max_tokens=max_tokens, ignore_eos=True), arrival=i, seed=0,
-                   max_len=8192, eos_token_ids=frozenset())  # fmt: skip
+    return Request(
+        f"r{i}",
+        [1 + (i + j) % 1000 for j in range(regime.prompt)],
+        SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+        arrival=i,
+        seed=0,
+        max_len=8192,
+        eos_token_ids=frozenset(),
+    )
 
 
 def _check_step(sched: Scheduler, batch: list) -> None:
@@ -193,8 +205,9 @@ def _check_step(sched: Scheduler, batch: list) -> None:
     assert len(held) == len(set(held)) == kv.allocator.num_used
 
 
-def simulate(name: str | int, regime: ServingRegime, seed: int = 0, drain: bool = False,
-             check: bool = False) -> ServingResult:  # fmt: skip
+def simulate(
+    name: str | int, regime: ServingRegime, seed: int = 0, drain: bool = False, check: bool = False
+) -> ServingResult:
     """Run `regime` under policy `name` ("off", "goodput" or a fixed K) to the end of its
     measured window; `drain`: then stop sending and run every request to its end; `check`:
     assert the scheduler's promises every step (`_check_step`).
@@ -312,8 +325,11 @@ def simulate(name: str | int, regime: ServingRegime, seed: int = 0, drain: bool 
     return res
 
 
-def compare(regime: ServingRegime, seeds: tuple[int, ...] = (0,),
-            baseline_seeds: tuple[int, ...] | None = None) -> dict:  # fmt: skip
+def compare(
+    regime: ServingRegime,
+    seeds: tuple[int, ...] = (0,),
+    baseline_seeds: tuple[int, ...] | None = None,
+) -> dict:
     """Tokens per ms of every policy (summed over its seeds), goodput's two ratios and its K
     mix. Goodput runs `seeds`; plain decoding and the fixed Ks `baseline_seeds` (default: the
     same): their rates vary little by seed, goodput's path (which K its hysteresis settles

@@ -94,9 +94,16 @@ def _start(folder: Path, policy: str):
 
     target = make_tiny_model(folder / "target", "llama", num_layers=4)
     head = make_random_eagle3_head(folder / "head", target, 200)
-    llm = LLM(str(target), attention_backend="triton", speculative_algorithm="eagle3",
-              speculative_draft_model_path=str(head), speculative_policy=policy,
-              speculative_num_steps=3, max_num_seqs=8, dtype="float32")  # fmt: skip
+    llm = LLM(
+        str(target),
+        attention_backend="triton",
+        speculative_algorithm="eagle3",
+        speculative_draft_model_path=str(head),
+        speculative_policy=policy,
+        speculative_num_steps=3,
+        max_num_seqs=8,
+        dtype="float32",
+    )
     engine = llm.engine
     proposer = engine.spec.proposer
     use_triton_ops(engine.runner.model)
@@ -136,13 +143,18 @@ def main(full: bool = False) -> None:
 
         engine = llm.engine
         engine.spec.policy = PlainThenDraft(engine.spec.k_max)
-        llm.generate([_prompt(rng, 40)], SamplingParams(max_tokens=plain + 10, temperature=0.0,
-                                                          ignore_eos=True))  # fmt: skip
+        llm.generate(
+            [_prompt(rng, 40)],
+            SamplingParams(max_tokens=plain + 10, temperature=0.0, ignore_eos=True),
+        )
         engine.spec.policy = PlainThenDraft(engine.spec.k_max)
         engine.spec.policy.steps = plain + 1
         llm.generate([_prompt(rng, n) for n in (3, 9, 16, 31, 47, 64, 77, 100)], greedy)
-    new = [{"kernel": k[0], "key": repr(k[1:]), "site": site}
-           for k, site in KEYS.items() if k not in startup]  # fmt: skip
+    new = [
+        {"kernel": k[0], "key": repr(k[1:]), "site": site}
+        for k, site in KEYS.items()
+        if k not in startup
+    ]
     print(json.dumps({"startup": len(startup), "new": new}))
 
 

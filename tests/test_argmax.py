@@ -18,8 +18,9 @@ import torch
 NAN, INF = float("nan"), float("inf")
 
 
-def case_rows(rows: int, n_cols: int, dtype: torch.dtype, kind: str, seed: int,
-              device="cpu") -> torch.Tensor:  # fmt: skip
+def case_rows(
+    rows: int, n_cols: int, dtype: torch.dtype, kind: str, seed: int, device="cpu"
+) -> torch.Tensor:
     """rows x n_cols values of one kind: "random", "ties" (few distinct values: ties in
     every chunk), "planted" (the maximum planted twice per row, in two chunks or one),
     "special" (NaN, inf, -inf, signed zeros, subnormals; one pattern per row)."""
@@ -40,7 +41,8 @@ def case_rows(rows: int, n_cols: int, dtype: torch.dtype, kind: str, seed: int,
             lambda v: v.index_fill_(0, torch.tensor([last, n // 3]), NAN),  # first NaN wins
             lambda v: v.fill_(NAN),
             lambda v: v.index_fill_(0, torch.tensor([0, last]), INF).index_fill_(
-                0, torch.tensor([n // 2]), -NAN),  # -NaN above +inf
+                0, torch.tensor([n // 2]), -NAN
+            ),  # -NaN above +inf
             lambda v: v.fill_(-0.0).index_fill_(0, torch.tensor([last]), 0.0),  # -0 == +0
             lambda v: v.fill_(-INF).index_fill_(0, torch.tensor([last]), -3.0),
             lambda v: v.mul_(1e-40),  # fp32 subnormals (zeros in fp16/bf16: ties)
@@ -82,20 +84,21 @@ def run_cases() -> dict:
         for dtype in DTYPES:
             x = case_rows(rows, n_cols, getattr(torch, dtype), kind, seed=len(name))
             try:
-                results[f"{name}-{dtype}"] = mismatches(triton_argmax(x, block=block),
-                                                        x.argmax(-1))  # fmt: skip
+                results[f"{name}-{dtype}"] = mismatches(triton_argmax(x, block=block), x.argmax(-1))
             except Exception as e:  # reported per case by the test
                 results[f"{name}-{dtype}"] = f"{type(e).__name__}: {e}"
     wide = case_rows(4, 96, torch.float32, "planted", seed=1)
-    results["strided-rows"] = mismatches(triton_argmax(wide[:, 5:90], block=16),
-                                         wide[:, 5:90].argmax(-1))  # fmt: skip
+    results["strided-rows"] = mismatches(
+        triton_argmax(wide[:, 5:90], block=16), wide[:, 5:90].argmax(-1)
+    )
     results["no-rows"] = mismatches(triton_argmax(wide[:0], block=16), wide[:0].argmax(-1))
     from specserve.layers import triton_argmax as ta
 
     ta.uses_triton = lambda x: True  # the dispatcher's shapes, as on CUDA
     many = case_rows(6, 5000, torch.float16, "planted", seed=2)
-    results["dispatch-3d"] = mismatches(ta.argmax_rows(many.view(2, 3, -1)).flatten(),
-                                        many.argmax(-1))  # fmt: skip
+    results["dispatch-3d"] = mismatches(
+        ta.argmax_rows(many.view(2, 3, -1)).flatten(), many.argmax(-1)
+    )
     one = ta.argmax_rows(many[4])
     results["dispatch-1d"] = [] if one.shape == () and one == many[4].argmax() else [str(one)]
     return results
@@ -106,8 +109,11 @@ def run_cases() -> dict:
 INTERPRETER = ("tests.test_argmax", 600)
 
 
-@pytest.mark.parametrize("name", [f"{c}-{d}" for c in CASES for d in DTYPES]
-                         + ["strided-rows", "no-rows", "dispatch-3d", "dispatch-1d"])  # fmt: skip
+@pytest.mark.parametrize(
+    "name",
+    [f"{c}-{d}" for c in CASES for d in DTYPES]
+    + ["strided-rows", "no-rows", "dispatch-3d", "dispatch-1d"],
+)
 def test_interpreter_equals_torch_argmax(name, interpreter_results):
     assert interpreter_results[name] == [], interpreter_results[name]
 
@@ -148,9 +154,14 @@ def test_kernels_wait_before_touching_memory():
     pytest.importorskip("triton")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
-    proc = subprocess.run([sys.executable, "-m", "tests.test_argmax", "compile"], cwd=ROOT,
-                          env=env, capture_output=True, text=True,
-                          timeout=child_timeout(300))  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.test_argmax", "compile"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=child_timeout(300),
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     compiled = json.loads(proc.stdout.strip().splitlines()[-1])
     assert len(compiled) == 4, compiled
@@ -183,11 +194,16 @@ def compile_cases() -> dict:
         for _, fn, args, kwargs in pc.LAUNCHES:
             options = {k: v for k, v in kwargs.items() if k in pc._OPTIONS}
             try:
-                kernel = triton.compile(ASTSource(fn, *pc._signature(fn, args, kwargs)),
-                                        target=GPUTarget("cuda", 90, 32), options=options)
+                kernel = triton.compile(
+                    ASTSource(fn, *pc._signature(fn, args, kwargs)),
+                    target=GPUTarget("cuda", 90, 32),
+                    options=options,
+                )
                 marks = pc._marks(kernel.asm["ptx"])
                 results[f"{fn.__name__}/{mode}"] = {
-                    **marks, "launch_pdl": options.get("launch_pdl", False)}
+                    **marks,
+                    "launch_pdl": options.get("launch_pdl", False),
+                }
             except Exception as e:  # reported per kernel by the test
                 results[f"{fn.__name__}/{mode}"] = f"{type(e).__name__}: {e}"[:2000]
     return results

@@ -44,37 +44,65 @@ class FlakyServer:
         if kind in (0, 1):
             status = 500 if kind == 0 else 429
             body = json.dumps({"error": {"message": "no", "type": "server_error"}}).encode()
-            await send({"type": "http.response.start", "status": status,
-                        "headers": [(b"content-type", b"application/json")]})
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": status,
+                    "headers": [(b"content-type", b"application/json")],
+                }
+            )
             await send({"type": "http.response.body", "body": body})
             return
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", b"text/event-stream")]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-type", b"text/event-stream")],
+            }
+        )
         await send({"type": "http.response.body", "body": _chunk(" one"), "more_body": True})
         if kind == 2:
-            err = {"error": {"message": "engine died", "type": "server_error",
-                             "code": "engine_unavailable"}}
-            await send({"type": "http.response.body", "more_body": True,
-                        "body": b"data: " + json.dumps(err).encode() + b"\n\n"})
+            err = {
+                "error": {
+                    "message": "engine died",
+                    "type": "server_error",
+                    "code": "engine_unavailable",
+                }
+            }
+            await send(
+                {
+                    "type": "http.response.body",
+                    "more_body": True,
+                    "body": b"data: " + json.dumps(err).encode() + b"\n\n",
+                }
+            )
         elif kind == 4:
-            usage = {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 3,
-                                              "total_tokens": 8}}
+            usage = {
+                "choices": [],
+                "usage": {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8},
+            }
             for text in (" two", " three"):
-                await send({"type": "http.response.body", "body": _chunk(text),
-                            "more_body": True})
-            await send({"type": "http.response.body", "more_body": True,
-                        "body": b"data: " + json.dumps(usage).encode() + b"\n\n"})
+                await send({"type": "http.response.body", "body": _chunk(text), "more_body": True})
+            await send(
+                {
+                    "type": "http.response.body",
+                    "more_body": True,
+                    "body": b"data: " + json.dumps(usage).encode() + b"\n\n",
+                }
+            )
         if kind != 3:
-            await send({"type": "http.response.body", "body": b"data: [DONE]\n\n",
-                        "more_body": True})
+            await send(
+                {"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": True}
+            )
         await send({"type": "http.response.body", "body": b""})
 
 
 @pytest.fixture(scope="module")
 def flaky_url():
     port = free_port()
-    config = uvicorn.Config(FlakyServer(), host="127.0.0.1", port=port, log_level="error",
-                            lifespan="off")
+    config = uvicorn.Config(
+        FlakyServer(), host="127.0.0.1", port=port, log_level="error", lifespan="off"
+    )
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -93,7 +121,9 @@ def test_errors_counted_by_kind(flaky_url):
     assert report["num_requests"] == 10
     assert report["completed"] == 2 and report["failed"] == 8
     assert report["errors"] == {
-        "HTTP 500": 2, "HTTP 429": 2, "stream error (engine_unavailable)": 2,
+        "HTTP 500": 2,
+        "HTTP 429": 2,
+        "stream error (engine_unavailable)": 2,
         "stream ended before [DONE]": 2,
     }
     assert "server_error" in report["error_examples"]["HTTP 429"]
@@ -111,8 +141,7 @@ def test_unreachable_server_is_counted_not_raised():
 
 
 def test_cli_exits_2_when_no_model_can_be_listed(capsys):
-    rc = main(["bench", "serve", "--base-url", f"http://127.0.0.1:{free_port()}",
-               "--no-progress"])
+    rc = main(["bench", "serve", "--base-url", f"http://127.0.0.1:{free_port()}", "--no-progress"])
     assert rc == 2
     assert "cannot list models" in capsys.readouterr().err
 
@@ -120,7 +149,20 @@ def test_cli_exits_2_when_no_model_can_be_listed(capsys):
 def test_cli_refuses_conversations_on_completions(tmp_path, capsys):
     data = tmp_path / "chats.jsonl"
     data.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
-    rc = main(["bench", "serve", "--base-url", f"http://127.0.0.1:{free_port()}", "--model",
-               "m", "--dataset", "jsonl", "--dataset-path", str(data), "--no-progress"])
+    rc = main(
+        [
+            "bench",
+            "serve",
+            "--base-url",
+            f"http://127.0.0.1:{free_port()}",
+            "--model",
+            "m",
+            "--dataset",
+            "jsonl",
+            "--dataset-path",
+            str(data),
+            "--no-progress",
+        ]
+    )
     assert rc == 2
     assert "use --endpoint chat" in capsys.readouterr().err

@@ -21,8 +21,10 @@ def server_counts(url: str) -> dict[str, float]:
         return sum(float(m.group(1)) for m in re.finditer(pattern + r" ([-0-9.e+]+)$", text, re.M))
 
     return {
-        "ok": total(r'specserve_requests_total\{endpoint="/v1/(?:chat/)?completions",'
-                    r'status="200"\}'),
+        "ok": total(
+            r'specserve_requests_total\{endpoint="/v1/(?:chat/)?completions",'
+            r'status="200"\}'
+        ),
         "prompt_tokens": total(r"specserve_prompt_tokens_total"),
         "generation_tokens": total(r"specserve_generation_tokens_total"),
         "draft_tokens": total(r"specserve_spec_draft_tokens_total"),
@@ -33,8 +35,16 @@ def server_counts(url: str) -> dict[str, float]:
 @pytest.fixture(scope="module")
 def server(tiny_llama, tmp_path_factory):
     # n-gram speculation on, so the report's speculation section is exercised too.
-    args = ["--model", str(tiny_llama), "--speculative-algorithm", "ngram",
-            "--speculative-policy", "fixed", "--speculative-num-steps", "2"]
+    args = [
+        "--model",
+        str(tiny_llama),
+        "--speculative-algorithm",
+        "ngram",
+        "--speculative-policy",
+        "fixed",
+        "--speculative-num-steps",
+        "2",
+    ]
     log = tmp_path_factory.mktemp("bench-server") / "server.log"
     with ServerProcess(args, log, env={"OMP_NUM_THREADS": "1"}) as s:
         yield s
@@ -50,9 +60,26 @@ def test_counts_equal_server_metrics(server, tiny_llama, tmp_path, capsys):
     before = server_counts(server.url)
     result = tmp_path / "run.json"
     rc, out = run_bench(
-        capsys, "--base-url", server.url + "/v1", "--dataset", "random", "--tokenizer",
-        str(tiny_llama), "--num-prompts", "6", "--max-concurrency", "3", "--input-len", "24",
-        "--output-len", "8", "--range-ratio", "0.5", "--ignore-eos", "--save-result", str(result),
+        capsys,
+        "--base-url",
+        server.url + "/v1",
+        "--dataset",
+        "random",
+        "--tokenizer",
+        str(tiny_llama),
+        "--num-prompts",
+        "6",
+        "--max-concurrency",
+        "3",
+        "--input-len",
+        "24",
+        "--output-len",
+        "8",
+        "--range-ratio",
+        "0.5",
+        "--ignore-eos",
+        "--save-result",
+        str(result),
     )
     assert rc == 0
     after = server_counts(server.url)
@@ -77,9 +104,22 @@ def test_counts_equal_server_metrics(server, tiny_llama, tmp_path, capsys):
 
 def test_ignore_eos_gives_max_tokens(server, tmp_path, capsys):
     result = tmp_path / "run.json"
-    rc, _ = run_bench(capsys, "--base-url", server.url, "--dataset", "stdlib", "--num-prompts",
-                      "4", "--input-len", "16", "--output-len", "5", "--ignore-eos",
-                      "--save-result", str(result))
+    rc, _ = run_bench(
+        capsys,
+        "--base-url",
+        server.url,
+        "--dataset",
+        "stdlib",
+        "--num-prompts",
+        "4",
+        "--input-len",
+        "16",
+        "--output-len",
+        "5",
+        "--ignore-eos",
+        "--save-result",
+        str(result),
+    )
     report = json.loads(result.read_text())
     assert rc == 0 and report["total_output_tokens"] == 4 * 5
     assert any("no local tokenizer" in n for n in report["dataset"]["notes"])
@@ -88,18 +128,43 @@ def test_ignore_eos_gives_max_tokens(server, tmp_path, capsys):
 def test_chat_conversations_with_poisson_arrivals(server, tmp_path, capsys):
     data = tmp_path / "chats.jsonl"
     lines = [
-        {"messages": [{"role": "system", "content": "Be brief."},
-                      {"role": "user", "content": "The quick brown fox"}], "max_tokens": 4},
-        {"conversations": [{"from": "human", "value": "Paged attention stores"},
-                           {"from": "gpt", "value": "keys and values"}]},
+        {
+            "messages": [
+                {"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "The quick brown fox"},
+            ],
+            "max_tokens": 4,
+        },
+        {
+            "conversations": [
+                {"from": "human", "value": "Paged attention stores"},
+                {"from": "gpt", "value": "keys and values"},
+            ]
+        },
         {"prompt": "Speculative decoding drafts tokens"},
     ]
     data.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
     before = server_counts(server.url)
     result = tmp_path / "chat.json"
-    rc, _ = run_bench(capsys, "--base-url", server.url, "--endpoint", "chat", "--dataset",
-                      "jsonl", "--dataset-path", str(data), "--num-prompts", "5",
-                      "--request-rate", "40", "--output-len", "6", "--save-result", str(result))
+    rc, _ = run_bench(
+        capsys,
+        "--base-url",
+        server.url,
+        "--endpoint",
+        "chat",
+        "--dataset",
+        "jsonl",
+        "--dataset-path",
+        str(data),
+        "--num-prompts",
+        "5",
+        "--request-rate",
+        "40",
+        "--output-len",
+        "6",
+        "--save-result",
+        str(result),
+    )
     after = server_counts(server.url)
     report = json.loads(result.read_text())
     assert rc == 0 and report["completed"] == 5
@@ -111,15 +176,44 @@ def test_chat_conversations_with_poisson_arrivals(server, tmp_path, capsys):
 
 def test_sweep_writes_json_table_and_plot(tiny_llama, tmp_path, capsys):
     out_dir = tmp_path / "sweep"
-    rc = main(["bench", "sweep", "--model", str(tiny_llama), "--config", "off=",
-               "--concurrency", "1,2", "--num-prompts", "2", "--dataset", "random",
-               "--input-len", "16", "--output-len", "4", "--ignore-eos", "--warmup", "1",
-               "--omp-threads", "1", "--output-dir", str(out_dir), "--name", "tiny",
-               "--no-progress", "--requests-per-concurrency", "2"])
+    rc = main(
+        [
+            "bench",
+            "sweep",
+            "--model",
+            str(tiny_llama),
+            "--config",
+            "off=",
+            "--concurrency",
+            "1,2",
+            "--num-prompts",
+            "2",
+            "--dataset",
+            "random",
+            "--input-len",
+            "16",
+            "--output-len",
+            "4",
+            "--ignore-eos",
+            "--warmup",
+            "1",
+            "--omp-threads",
+            "1",
+            "--output-dir",
+            str(out_dir),
+            "--name",
+            "tiny",
+            "--no-progress",
+            "--requests-per-concurrency",
+            "2",
+        ]
+    )
     assert rc == 0
     sweep = json.loads((out_dir / "tiny.json").read_text())
     assert [(r["label"], r["config"]["max_concurrency"]) for r in sweep["results"]] == [
-        ("off", 1), ("off", 2)]
+        ("off", 1),
+        ("off", 2),
+    ]
     # max(--num-prompts, 2 x concurrency) requests a level
     assert [r["num_requests"] for r in sweep["results"]] == [2, 4]
     for r in sweep["results"]:
@@ -137,21 +231,55 @@ def test_matrix_mode_runs_each_server_at_every_point(tiny_llama, tmp_path):
     """Two servers (off, goodput at one simulated acceptance), two closed-loop levels and one
     Poisson rate: rows, server /metrics figures, ratios, page and plot."""
     out_dir = tmp_path / "matrix"
-    rc = main(["bench", "sweep", "--matrix", "adaptive", "--model", str(tiny_llama),
-               "--server-args", "--speculative-algorithm ngram", "--policies", "off,goodput",
-               "--acceptance", "1.5", "--concurrency", "1,2", "--request-rates", "20",
-               "--poisson-seconds", "0.2", "--num-prompts", "2", "--dataset", "random",
-               "--input-len", "16", "--output-len", "4", "--ignore-eos", "--warmup", "1",
-               "--omp-threads", "1", "--output-dir", str(out_dir), "--name", "mx",
-               "--no-progress"])
+    rc = main(
+        [
+            "bench",
+            "sweep",
+            "--matrix",
+            "adaptive",
+            "--model",
+            str(tiny_llama),
+            "--server-args",
+            "--speculative-algorithm ngram",
+            "--policies",
+            "off,goodput",
+            "--acceptance",
+            "1.5",
+            "--concurrency",
+            "1,2",
+            "--request-rates",
+            "20",
+            "--poisson-seconds",
+            "0.2",
+            "--num-prompts",
+            "2",
+            "--dataset",
+            "random",
+            "--input-len",
+            "16",
+            "--output-len",
+            "4",
+            "--ignore-eos",
+            "--warmup",
+            "1",
+            "--omp-threads",
+            "1",
+            "--output-dir",
+            str(out_dir),
+            "--name",
+            "mx",
+            "--no-progress",
+        ]
+    )
     assert rc == 0
     matrix = json.loads((out_dir / "mx.json").read_text())
     assert matrix["kind"] == "specserve-bench-matrix" and matrix["skipped"] == []
     assert [s["name"] for s in matrix["servers"]] == ["off", "goodput@L1.5"]
     points = [("closed", 1), ("closed", 2), ("poisson", 20.0)]
-    assert [(r["matrix"]["config"], r["matrix"]["arrival"], r["matrix"]["level"])
-            for r in matrix["results"]] == [("off", *p) for p in points] + [
-        ("goodput", *p) for p in points]
+    assert [
+        (r["matrix"]["config"], r["matrix"]["arrival"], r["matrix"]["level"])
+        for r in matrix["results"]
+    ] == [("off", *p) for p in points] + [("goodput", *p) for p in points]
     for r in matrix["results"]:
         assert r["completed"] == r["num_requests"] == 8  # MIN_REQUESTS: the floor per point
         assert r["total_output_tokens"] == 8 * 4 == r["server"]["generation_tokens"]

@@ -30,15 +30,17 @@ def _flag(run, name: str) -> str | None:
 
 
 def _mean_len(rate: float, k: int) -> float:
-    return sum(rate ** i for i in range(k + 1))
+    return sum(rate**i for i in range(k + 1))
 
 
 def test_default_matrix_runs_every_k_with_one_drafter_quality_per_acceptance():
     runs, skipped = servers(MatrixSpec())
     assert skipped == []
     assert [r.name for r in runs] == ["off"] + [
-        f"{c}@L{a}" for a in ("1.5", "3", "4.5")
-        for c in ("fixed-k1", "fixed-k2", "fixed-k3", "fixed-k5", "goodput")]
+        f"{c}@L{a}"
+        for a in ("1.5", "3", "4.5")
+        for c in ("fixed-k1", "fixed-k2", "fixed-k3", "fixed-k5", "goodput")
+    ]
     assert runs[0].flags == ["--speculative-policy", "off"] and runs[0].acceptance is None
     for acceptance, k_max in ((1.5, 3), (3.0, 3), (4.5, 5)):
         here = [r for r in runs if r.acceptance == acceptance]
@@ -56,27 +58,38 @@ def test_default_matrix_runs_every_k_with_one_drafter_quality_per_acceptance():
 def test_length_mode_skips_what_the_server_refuses_and_says_why():
     runs, skipped = servers(MatrixSpec(simulate_as="length"))
     assert [(s["config"], s["acceptance"]) for s in skipped] == [
-        ("fixed-k1", 3.0), ("fixed-k1", 4.5), ("fixed-k2", 4.5), ("fixed-k3", 4.5)]
+        ("fixed-k1", 3.0),
+        ("fixed-k1", 4.5),
+        ("fixed-k2", 4.5),
+        ("fixed-k3", 4.5),
+    ]
     assert "at most K+1 = 2" in skipped[0]["reason"]
     assert [r.config for r in runs if r.acceptance == 4.5] == ["fixed-k5", "goodput"]
-    assert all(_flag(r, "--speculative-simulate-acceptance") == f"{r.acceptance:g}"
-               for r in runs if r.acceptance is not None)
+    assert all(
+        _flag(r, "--speculative-simulate-acceptance") == f"{r.acceptance:g}"
+        for r in runs
+        if r.acceptance is not None
+    )
     # a rate (<= 1) is valid at every K and goes to the servers as it is
     runs, skipped = servers(MatrixSpec(acceptance=[0.7], fixed_k=[1], simulate_as="length"))
-    assert skipped == [] and {_flag(r, "--speculative-simulate-acceptance")
-                              for r in runs[1:]} == {"0.7"}
+    assert skipped == [] and {_flag(r, "--speculative-simulate-acceptance") for r in runs[1:]} == {
+        "0.7"
+    }
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"policies": ["fixed", "goodput"]}, "fractions of the off"),
-    ({"arrival": ["poisson"]}, "fractions of the off"),
-    ({"relative_rates": [], "request_rates": []}, "need request rates"),
-    ({"fixed_k": [0]}, r"\[1, 16\]"),
-    ({"policies": ["eagle"]}, "policies must be among"),
-    ({"arrival": ["open"]}, "arrival must be among"),
-    ({"acceptance": [4.5], "goodput_k_max": {4.5: 3}}, "raise goodput_k_max"),
-    ({"simulate_as": "both"}, "rate or length"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"policies": ["fixed", "goodput"]}, "fractions of the off"),
+        ({"arrival": ["poisson"]}, "fractions of the off"),
+        ({"relative_rates": [], "request_rates": []}, "need request rates"),
+        ({"fixed_k": [0]}, r"\[1, 16\]"),
+        ({"policies": ["eagle"]}, "policies must be among"),
+        ({"arrival": ["open"]}, "arrival must be among"),
+        ({"acceptance": [4.5], "goodput_k_max": {4.5: 3}}, "raise goodput_k_max"),
+        ({"simulate_as": "both"}, "rate or length"),
+    ],
+)
 def test_spec_refuses_what_cannot_run(kwargs, message):
     with pytest.raises(ValueError, match=message):
         MatrixSpec(**kwargs)
@@ -84,18 +97,40 @@ def test_spec_refuses_what_cannot_run(kwargs, message):
 
 def test_flags_override_the_file_which_overrides_defaults(tmp_path):
     f = tmp_path / "matrix.json"
-    f.write_text(json.dumps({"acceptance": [3.0], "fixed_k": [2, 5], "concurrency": [1, 8],
-                             "request_rates": [4, "0.5x"], "goodput_k_max": {"3.0": 4},
-                             "poisson_seconds": 5}))
-    args = build_parser().parse_args(["bench", "sweep", "--matrix-file", str(f), "--k", "1,3",
-                                      "--arrival", "closed", "--concurrency", "1,64,256"])
+    f.write_text(
+        json.dumps(
+            {
+                "acceptance": [3.0],
+                "fixed_k": [2, 5],
+                "concurrency": [1, 8],
+                "request_rates": [4, "0.5x"],
+                "goodput_k_max": {"3.0": 4},
+                "poisson_seconds": 5,
+            }
+        )
+    )
+    args = build_parser().parse_args(
+        [
+            "bench",
+            "sweep",
+            "--matrix-file",
+            str(f),
+            "--k",
+            "1,3",
+            "--arrival",
+            "closed",
+            "--concurrency",
+            "1,64,256",
+        ]
+    )
     spec = matrix_spec(args.matrix_file, args)
     assert spec.acceptance == [3.0] and spec.fixed_k == [1, 3]
     assert spec.concurrency == [1, 64, 256] and spec.arrival == ["closed"]
     assert spec.request_rates == [4.0] and spec.relative_rates == [0.5]
     assert spec.k_max_for(3.0) == 4 and spec.poisson_seconds == 5
-    args = build_parser().parse_args(["bench", "sweep", "--matrix", "adaptive", "--k-max",
-                                      "1.5:2", "--request-rates", "2,0.25x"])
+    args = build_parser().parse_args(
+        ["bench", "sweep", "--matrix", "adaptive", "--k-max", "1.5:2", "--request-rates", "2,0.25x"]
+    )
     spec = matrix_spec(None, args)
     assert spec.k_max_for(1.5) == 2 and spec.k_max_for(4.5) == 5
     assert spec.request_rates == [2.0] and spec.relative_rates == [0.25]
@@ -126,26 +161,42 @@ def test_requests_per_point_reach_a_steady_state():
 
 def _row(config, policy, k, acceptance, arrival, level, tput, ok=True, mix=None):
     r = summarize([], 1.0, None, config={"max_concurrency": level})
-    r.update(output_throughput=tput, request_throughput=tput / 10, label=config,
-             num_requests=4, completed=4 if ok else 3)
-    r["server"] = {"speculation": {"draft_length_mix": mix, "mean_acceptance_length": 2.5}
-                   } if mix else None
-    r["matrix"] = {"config": config, "policy": policy, "k": k, "acceptance": acceptance,
-                   "arrival": arrival, "level": level, "rate_fraction": None,
-                   "server": config}
+    r.update(
+        output_throughput=tput,
+        request_throughput=tput / 10,
+        label=config,
+        num_requests=4,
+        completed=4 if ok else 3,
+    )
+    r["server"] = (
+        {"speculation": {"draft_length_mix": mix, "mean_acceptance_length": 2.5}} if mix else None
+    )
+    r["matrix"] = {
+        "config": config,
+        "policy": policy,
+        "k": k,
+        "acceptance": acceptance,
+        "arrival": arrival,
+        "level": level,
+        "rate_fraction": None,
+        "server": config,
+    }
     return r
 
 
 def _rows():
     rows = []
-    for arrival, level, off, k1, k3, goodput in (("closed", 1, 100, 150, 180, 190),
-                                                  ("closed", 64, 1000, 900, 700, 990),
-                                                  ("poisson", 5.0, 300, 310, 305, 320)):
+    for arrival, level, off, k1, k3, goodput in (
+        ("closed", 1, 100, 150, 180, 190),
+        ("closed", 64, 1000, 900, 700, 990),
+        ("poisson", 5.0, 300, 310, 305, 320),
+    ):
         rows.append(_row("off", "off", None, None, arrival, level, off))
         rows.append(_row("fixed-k1", "fixed", 1, 3.0, arrival, level, k1))
         rows.append(_row("fixed-k3", "fixed", 3, 3.0, arrival, level, k3, ok=level != 64))
-        rows.append(_row("goodput", "goodput", 3, 3.0, arrival, level, goodput,
-                         mix={"0": 0.25, "3": 0.75}))
+        rows.append(
+            _row("goodput", "goodput", 3, 3.0, arrival, level, goodput, mix={"0": 0.25, "3": 0.75})
+        )
     rows.append(_row("fixed-k1", "fixed", 1, 1.5, "closed", 1, 120))  # no goodput at 1.5
     return rows
 
@@ -157,8 +208,12 @@ def test_ratios_against_the_best_baseline_and_off():
     assert low["best_baseline"] == "fixed-k3"
     assert low["goodput_over_best"] == pytest.approx(190 / 180)
     assert low["goodput_over_off"] == pytest.approx(1.9)
-    assert low["output_throughput"] == {"off": 100, "fixed-k1": 150, "fixed-k3": 180,
-                                        "goodput": 190}
+    assert low["output_throughput"] == {
+        "off": 100,
+        "fixed-k1": 150,
+        "fixed-k3": 180,
+        "goodput": 190,
+    }
     high = by_point[(3.0, "closed", 64)]
     assert high["best_baseline"] == "off" and high["goodput_over_best"] == pytest.approx(0.99)
     assert not high["all_requests_ok"] and low["all_requests_ok"]
@@ -169,27 +224,39 @@ def test_ratios_against_the_best_baseline_and_off():
     assert alone["best_baseline"] == "fixed-k1" and alone["goodput_over_best"] is None
     assert [r["level"] for r in ratios if r["acceptance"] == 1.5] == [1, 64, 5.0]
     here = [r for r in ratios if r["acceptance"] == 3.0]
-    assert ratio_summary(here) == ("goodput ÷ best: below 1.00 at 1 of 3 points; minimum "
-                                   "0.990 (c=64), median 1.032")
+    assert ratio_summary(here) == (
+        "goodput ÷ best: below 1.00 at 1 of 3 points; minimum 0.990 (c=64), median 1.032"
+    )
 
 
 def test_page_and_plot_from_rows(tmp_path, capsys):
     spec = MatrixSpec(acceptance=[3.0, 1.5], fixed_k=[1, 3], simulate_as="length")
     runs, skipped = servers(spec)
     rows = _rows()
-    matrix = {"kind": "specserve-bench-matrix", "title": "t", "command": "specserve bench x",
-              "machine": {"cpu": "cpu"}, "server_args": ["--model", "m"],
-              "spec": json.loads(json.dumps(spec.__dict__)), "simulated": {"3.0": 3.0},
-              "servers": [{**r.__dict__, "name": r.name} for r in runs],
-              "skipped": skipped, "results": rows, "ratios": point_ratios(rows, [3.0, 1.5])}
+    matrix = {
+        "kind": "specserve-bench-matrix",
+        "title": "t",
+        "command": "specserve bench x",
+        "machine": {"cpu": "cpu"},
+        "server_args": ["--model", "m"],
+        "spec": json.loads(json.dumps(spec.__dict__)),
+        "simulated": {"3.0": 3.0},
+        "servers": [{**r.__dict__, "name": r.name} for r in runs],
+        "skipped": skipped,
+        "results": rows,
+        "ratios": point_ratios(rows, [3.0, 1.5]),
+    }
     paths = write_matrix_outputs(matrix, tmp_path, "mx")
     page = paths["markdown"].read_text()
     assert "## Acceptance 3 (--speculative-simulate-acceptance 3.0)" in page
     assert "## Acceptance 1.5" in page and "skipped `fixed-k1` at 3" in page
-    assert ("| arrival | load | off | fixed-k1 | fixed-k3 | goodput | goodput ÷ best | "
-            "goodput ÷ off |") in page
-    assert ("| closed | c=64 (errors) | 1000.0 | 900.0 | 700.0 | 990.0 | 0.990 | 0.990 | off | "
-            "0:25%, 3:75% | 2.50 |") in page
+    assert (
+        "| arrival | load | off | fixed-k1 | fixed-k3 | goodput | goodput ÷ best | goodput ÷ off |"
+    ) in page
+    assert (
+        "| closed | c=64 (errors) | 1000.0 | 900.0 | 700.0 | 990.0 | 0.990 | 0.990 | off | "
+        "0:25%, 3:75% | 2.50 |"
+    ) in page
     assert "| poisson | 5 req/s |" in page
     assert "![goodput ÷ best baseline per point](mx.png)" in page
     assert page.count("\n| fixed-k1 | ") == 4  # the detail table: every run
@@ -222,8 +289,9 @@ def test_each_server_serves_every_point_before_the_next_starts(monkeypatch, tmp_
 
     monkeypatch.setattr(matrix_run, "ServerProcess", fake_server)
     monkeypatch.setattr(sweep, "benchmark", fake_benchmark)
-    spec = MatrixSpec(acceptance=[3.0], fixed_k=[2], concurrency=[4, 1],
-                      relative_rates=[0.5], poisson_seconds=2)
+    spec = MatrixSpec(
+        acceptance=[3.0], fixed_k=[2], concurrency=[4, 1], relative_rates=[0.5], poisson_seconds=2
+    )
     runs, _ = servers(spec)
     load = LoadConfig("http://127.0.0.1")
     made = []
@@ -234,24 +302,40 @@ def test_each_server_serves_every_point_before_the_next_starts(monkeypatch, tmp_
 
     plan = matrix_run.MatrixPlan(spec, runs, 2, [], load, warmup_requests=1, log_dir=tmp_path)
     saved = []
-    result = matrix_run.run_matrix(plan, make_dataset, progress=False,
-                                   on_server_done=lambda res: saved.append(len(res.rows)))
+    result = matrix_run.run_matrix(
+        plan, make_dataset, progress=False, on_server_done=lambda res: saved.append(len(res.rows))
+    )
     rows, poisson = result.rows, result.poisson
     assert saved == [3, 6, 9]  # the rows so far, after each server
     assert result.failed_servers == []
     assert [(p.level, p.fraction) for p in poisson] == [(4.0, 0.5)]
     inf = float("inf")
     per_server = [("run", 1, inf, 8), ("run", 4, inf, 8), ("run", None, 4.0, 8)]
-    assert events == [("start", "off"), *per_server, ("stop", "off"),
-                      ("start", "fixed-k2@L3"), *per_server, ("stop", "fixed-k2@L3"),
-                      ("start", "goodput@L3"), *per_server, ("stop", "goodput@L3")]
+    assert events == [
+        ("start", "off"),
+        *per_server,
+        ("stop", "off"),
+        ("start", "fixed-k2@L3"),
+        *per_server,
+        ("stop", "fixed-k2@L3"),
+        ("start", "goodput@L3"),
+        *per_server,
+        ("stop", "goodput@L3"),
+    ]
     assert made == [8]  # one dataset per request count, shared by every server
-    assert [(r["matrix"]["config"], r["matrix"]["arrival"], r["matrix"]["level"])
-            for r in rows[:3]] == [("off", "closed", 1), ("off", "closed", 4),
-                                   ("off", "poisson", 4.0)]
-    assert rows[-1]["matrix"] == {"config": "goodput", "policy": "goodput", "k": 3,
-                                  "acceptance": 3.0, "arrival": "poisson", "level": 4.0,
-                                  "rate_fraction": 0.5, "server": "goodput@L3"}
+    assert [
+        (r["matrix"]["config"], r["matrix"]["arrival"], r["matrix"]["level"]) for r in rows[:3]
+    ] == [("off", "closed", 1), ("off", "closed", 4), ("off", "poisson", 4.0)]
+    assert rows[-1]["matrix"] == {
+        "config": "goodput",
+        "policy": "goodput",
+        "k": 3,
+        "acceptance": 3.0,
+        "arrival": "poisson",
+        "level": 4.0,
+        "rate_fraction": 0.5,
+        "server": "goodput@L3",
+    }
 
 
 def test_a_matrix_without_a_baseline_keeps_its_results(tmp_path, capsys):
@@ -259,11 +343,19 @@ def test_a_matrix_without_a_baseline_keeps_its_results(tmp_path, capsys):
     # written (a plot error must not lose a run's results)
     rows = [r for r in _rows() if r["label"].startswith("goodput")]
     spec = MatrixSpec(acceptance=[3.0], policies=["goodput"], arrival=["closed"])
-    matrix = {"kind": "specserve-bench-matrix", "title": "t", "command": "specserve bench x",
-              "machine": {"cpu": "cpu"}, "server_args": [],
-              "spec": json.loads(json.dumps(spec.__dict__)), "simulated": {},
-              "servers": [], "skipped": [], "results": rows,
-              "ratios": point_ratios(rows, [3.0])}
+    matrix = {
+        "kind": "specserve-bench-matrix",
+        "title": "t",
+        "command": "specserve bench x",
+        "machine": {"cpu": "cpu"},
+        "server_args": [],
+        "spec": json.loads(json.dumps(spec.__dict__)),
+        "simulated": {},
+        "servers": [],
+        "skipped": [],
+        "results": rows,
+        "ratios": point_ratios(rows, [3.0]),
+    }
     paths = write_matrix_outputs(matrix, tmp_path, "alone")
     assert set(paths) == {"json", "markdown"} and paths["json"].is_file()
     assert "no plot" in capsys.readouterr().out
@@ -292,12 +384,16 @@ def test_a_server_that_cannot_start_costs_only_its_own_points(monkeypatch, tmp_p
     monkeypatch.setattr(sweep, "benchmark", fake_benchmark)
     spec = MatrixSpec(acceptance=[4.5], fixed_k=[3, 5], concurrency=[1], arrival=["closed"])
     runs, _ = servers(spec)
-    plan = matrix_run.MatrixPlan(spec, runs, 2, [], LoadConfig("http://127.0.0.1"),
-                                 warmup_requests=0, log_dir=tmp_path)
+    plan = matrix_run.MatrixPlan(
+        spec, runs, 2, [], LoadConfig("http://127.0.0.1"), warmup_requests=0, log_dir=tmp_path
+    )
     seen = []
-    result = matrix_run.run_matrix(plan, lambda n: Dataset("d", [BenchPrompt("p", 4)] * n),
-                                   progress=False,
-                                   on_server_done=lambda res: seen.append(len(res.failed_servers)))
+    result = matrix_run.run_matrix(
+        plan,
+        lambda n: Dataset("d", [BenchPrompt("p", 4)] * n),
+        progress=False,
+        on_server_done=lambda res: seen.append(len(res.failed_servers)),
+    )
     assert started == ["off", "fixed-k3@L4.5", "fixed-k5@L4.5", "goodput@L4.5"]
     assert [r["matrix"]["server"] for r in result.rows] == ["off", "fixed-k3@L4.5", "goodput@L4.5"]
     assert [f["server"] for f in result.failed_servers] == ["fixed-k5@L4.5"]
@@ -320,9 +416,11 @@ def test_a_sweep_hands_its_rows_on_after_each_server(monkeypatch, tmp_path):
     monkeypatch.setattr(sweep, "benchmark", fake_benchmark)
     monkeypatch.setattr(sweep, "warm_up", lambda *a, **k: None)
     data = {c: Dataset("d", [BenchPrompt("p", 4)] * 2) for c in (1, 2)}
-    plan = sweep.SweepPlan({"a": [], "b": ["--x"]}, [1, 2], 2, [], LoadConfig("http://h"),
-                           0, None, tmp_path)
+    plan = sweep.SweepPlan(
+        {"a": [], "b": ["--x"]}, [1, 2], 2, [], LoadConfig("http://h"), 0, None, tmp_path
+    )
     saved = []
-    rows = sweep.run_sweep(plan, data, progress=False,
-                           on_server_done=lambda r: saved.append(len(r)))
+    rows = sweep.run_sweep(
+        plan, data, progress=False, on_server_done=lambda r: saved.append(len(r))
+    )
     assert saved == [2, 4] and len(rows) == 4

@@ -22,21 +22,55 @@ def test_prompts_are_seeded_ids_of_the_vocabulary(tiny_llama):
 
 
 def test_engine_counts_are_the_timed_runs():
-    before = {"steps": 4, "preemptions": 1, "spec_steps_by_draft_len": [3, 1],
-              "loop_wait_reasons": {"sampled": 2}, "kv_pages_total": 100}
-    after = {"steps": 10, "preemptions": 1, "spec_steps_by_draft_len": [5, 1, 7],
-             "loop_wait_reasons": {"sampled": 3, "host_drafts": 4}, "kv_pages_total": 100}
+    before = {
+        "steps": 4,
+        "preemptions": 1,
+        "spec_steps_by_draft_len": [3, 1],
+        "loop_wait_reasons": {"sampled": 2},
+        "kv_pages_total": 100,
+    }
+    after = {
+        "steps": 10,
+        "preemptions": 1,
+        "spec_steps_by_draft_len": [5, 1, 7],
+        "loop_wait_reasons": {"sampled": 3, "host_drafts": 4},
+        "kv_pages_total": 100,
+    }
     assert engine_counts(before, after) == {
-        "steps": 6, "preemptions": 0, "spec_steps_by_draft_len": [2, 0, 7],
-        "loop_wait_reasons": {"sampled": 1, "host_drafts": 4}}
+        "steps": 6,
+        "preemptions": 0,
+        "spec_steps_by_draft_len": [2, 0, 7],
+        "loop_wait_reasons": {"sampled": 1, "host_drafts": 4},
+    }
 
 
 def test_throughput_counts_every_token(tiny_llama, tmp_path, capsys):
     out = tmp_path / "tp.json"
-    rc = main(["bench", "throughput", "--model", str(tiny_llama), "--num-prompts", "5",
-               "--input-len", "12", "--output-len", "6", "--num-warmup", "2",
-               "--speculative-algorithm", "ngram", "--speculative-policy", "fixed",
-               "--speculative-num-steps", "2", "--no-progress", "--save-result", str(out)])
+    rc = main(
+        [
+            "bench",
+            "throughput",
+            "--model",
+            str(tiny_llama),
+            "--num-prompts",
+            "5",
+            "--input-len",
+            "12",
+            "--output-len",
+            "6",
+            "--num-warmup",
+            "2",
+            "--speculative-algorithm",
+            "ngram",
+            "--speculative-policy",
+            "fixed",
+            "--speculative-num-steps",
+            "2",
+            "--no-progress",
+            "--save-result",
+            str(out),
+        ]
+    )
     assert rc == 0
     report = json.loads(out.read_text())
     assert report["kind"] == "specserve-bench-throughput" and report["model"] == tiny_llama.name

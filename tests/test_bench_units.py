@@ -54,10 +54,21 @@ def test_text_excerpts(tiny_llama):
 
 def test_jsonl_shapes_and_errors(tmp_path):
     f = tmp_path / "d.jsonl"
-    f.write_text(json.dumps({"prompt": "hi", "max_tokens": 3}) + "\n\n" + json.dumps(
-        {"conversations": [{"from": "human", "value": "a"}, {"from": "gpt", "value": "b"},
-                           {"from": "human", "value": "c"}, {"from": "gpt", "value": "d"}]}
-    ) + "\n")
+    f.write_text(
+        json.dumps({"prompt": "hi", "max_tokens": 3})
+        + "\n\n"
+        + json.dumps(
+            {
+                "conversations": [
+                    {"from": "human", "value": "a"},
+                    {"from": "gpt", "value": "b"},
+                    {"from": "human", "value": "c"},
+                    {"from": "gpt", "value": "d"},
+                ]
+            }
+        )
+        + "\n"
+    )
     ds = jsonl_dataset(f, 3, output_len=7)
     assert ds.prompts[0].prompt == "hi" and ds.prompts[0].max_tokens == 3
     assert [m["content"] for m in ds.prompts[1].prompt] == ["a", "b", "c"]
@@ -141,21 +152,32 @@ def test_metrics_difference_and_speculation_figures():
     assert spec["accepted_per_step"] == {"0": 4, "3": 6}
     assert spec["acceptance_by_position"] == {"0": 0.5, "1": 0.25}
     assert spec["policy"] == "GoodputPolicy" and "simulated_acceptance" not in spec
-    assert spec["engine_gauges"] == {"spec_observed_goodput": 123.5,
-                                     "spec_simulated_acceptance": 0.0}
-    vllm = parse_metrics('vllm:generation_tokens_total{model_name="m"} 7\n'
-                         "vllm:spec_decode_num_drafts_total 2\n"
-                         "vllm:spec_decode_num_draft_tokens_total 6\n"
-                         "vllm:spec_decode_num_accepted_tokens_total 3\n")
+    assert spec["engine_gauges"] == {
+        "spec_observed_goodput": 123.5,
+        "spec_simulated_acceptance": 0.0,
+    }
+    vllm = parse_metrics(
+        'vllm:generation_tokens_total{model_name="m"} 7\n'
+        "vllm:spec_decode_num_drafts_total 2\n"
+        "vllm:spec_decode_num_draft_tokens_total 6\n"
+        "vllm:spec_decode_num_accepted_tokens_total 3\n"
+    )
     fig = server_figures({}, vllm)
     assert fig["generation_tokens"] == 7 and fig["speculation"]["mean_acceptance_length"] == 2.5
     assert server_figures(None, vllm) is None
 
 
 def _result(ttft, latency, tokens, ok=True, error=None):
-    return RequestResult(ok=ok, error=error, prompt_tokens=4 if ok else None,
-                         output_tokens=tokens, usage_reported=ok, ttft_s=ttft,
-                         latency_s=latency, itl_s=[0.01] * max(0, tokens - 1))
+    return RequestResult(
+        ok=ok,
+        error=error,
+        prompt_tokens=4 if ok else None,
+        output_tokens=tokens,
+        usage_reported=ok,
+        ttft_s=ttft,
+        latency_s=latency,
+        itl_s=[0.01] * max(0, tokens - 1),
+    )
 
 
 def test_summary_numbers_and_rows():
@@ -179,8 +201,11 @@ def _fake_report(label, c, tput, itl):
 
 
 def test_plot_redraws_from_saved_json(tmp_path, capsys):
-    rows = [_fake_report(name, c, 10.0 * c * k, 5.0 + c) for k, name in ((1, "off"), (2, "ngram"))
-            for c in (1, 4, 16)]
+    rows = [
+        _fake_report(name, c, 10.0 * c * k, 5.0 + c)
+        for k, name in ((1, "off"), (2, "ngram"))
+        for c in (1, 4, 16)
+    ]
     sweep = tmp_path / "s.json"
     sweep.write_text(json.dumps({"kind": "specserve-bench-sweep", "results": rows}))
     single = tmp_path / "extra-run.json"
@@ -201,20 +226,39 @@ def test_plot_redraws_from_saved_json(tmp_path, capsys):
 def test_results_never_carry_an_api_key(monkeypatch):
     from specserve.bench import commands
 
-    monkeypatch.setattr("sys.argv", ["specserve", "bench", "sweep", "--server-args",
-                                     "--api-key s3cret --port 1", "--api-key=x2", "--model", "m"])
+    monkeypatch.setattr(
+        "sys.argv",
+        [
+            "specserve",
+            "bench",
+            "sweep",
+            "--server-args",
+            "--api-key s3cret --port 1",
+            "--api-key=x2",
+            "--model",
+            "m",
+        ],
+    )
     line = commands._command_line()
     assert "s3cret" not in line and "x2" not in line and "--port 1" in line
     assert commands.redact_keys(["--api-key", "k", "--model", "m"]) == [
-        "--api-key", "REDACTED", "--model", "m"]
+        "--api-key",
+        "REDACTED",
+        "--model",
+        "m",
+    ]
 
 
 def test_a_run_with_failures_keeps_the_servers_log_tail(monkeypatch):
     from specserve.bench import sweep
 
     def fake_benchmark(cfg, dataset, progress, desc, failed=3):
-        return {"failed": failed, "output_throughput": 1.0, "itl_ms": {"p50": None},
-                "tpot_ms": {"p50": None}}  # fmt: skip
+        return {
+            "failed": failed,
+            "output_throughput": 1.0,
+            "itl_ms": {"p50": None},
+            "tpot_ms": {"p50": None},
+        }
 
     class Server:
         def log_tail(self, chars):
@@ -224,8 +268,9 @@ def test_a_run_with_failures_keeps_the_servers_log_tail(monkeypatch):
     report = sweep.measure(None, None, "goodput", [], progress=False, server=Server())
     assert "RuntimeError: boom" in report["server_log_tail"]
     monkeypatch.setattr(sweep, "benchmark", lambda *a, **k: fake_benchmark(*a, **k, failed=0))
-    assert "server_log_tail" not in sweep.measure(None, None, "off", [], progress=False,
-                                                  server=Server())  # fmt: skip
+    assert "server_log_tail" not in sweep.measure(
+        None, None, "off", [], progress=False, server=Server()
+    )
 
 
 def test_engine_loop_figures_reach_the_bench():
@@ -238,8 +283,13 @@ def test_engine_loop_figures_reach_the_bench():
     stats = {"loop_waits": 0, "loop_wait_reasons": {}, **totals}
     metrics.engine_stats = lambda: stats
     before = parse_metrics(metrics.render().decode())
-    stats = {"loop_waits": 5, "loop_wait_reasons": {"sampled": 2, "host_drafts": 3},
-             "device_step_ms": 104.0, "device_gap_ms": 11.0, "host_wait_ms": 1.5}
+    stats = {
+        "loop_waits": 5,
+        "loop_wait_reasons": {"sampled": 2, "host_drafts": 3},
+        "device_step_ms": 104.0,
+        "device_gap_ms": 11.0,
+        "host_wait_ms": 1.5,
+    }
     metrics.observe_steps([0.002, 0.004], [0.001, 0.001])
     fig = server_figures(before, parse_metrics(metrics.render().decode()))
     assert fig["loop_waits"] == 5
@@ -285,7 +335,8 @@ def test_a_killed_bench_leaves_no_server_behind(tmp_path):
         "p = subprocess.Popen(['sleep', '600'], preexec_fn=_die_with_parent,\n"
         "                     start_new_session=True)\n"
         "print(p.pid, flush=True)\n"
-        "time.sleep(600)\n")
+        "time.sleep(600)\n"
+    )
     bench = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
     server_pid = int(bench.stdout.readline())
     bench.send_signal(signal.SIGKILL)
@@ -309,7 +360,8 @@ def test_sigterm_ends_the_bench_through_its_cleanup(tmp_path):
         "    print('ready', flush=True)\n"
         "    time.sleep(600)\n"
         "finally:\n"
-        f"    open({str(marker)!r}, 'w').write('yes')\n")
+        f"    open({str(marker)!r}, 'w').write('yes')\n"
+    )
     bench = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
     assert bench.stdout.readline().strip() == "ready"
     bench.send_signal(signal.SIGTERM)

@@ -16,13 +16,30 @@ REPO = Path(__file__).resolve().parent.parent
 
 def test_gpu_engine_bench_reports_whole_run_and_full_batch_rates(tmp_path):
     out = tmp_path / "bench"
-    env = dict(os.environ, PYTHONPATH=str(REPO / "src"), HF_HUB_OFFLINE="1",
-               OMP_NUM_THREADS="1")  # fmt: skip (one intra-op thread, as below)
-    cmd = [sys.executable, str(REPO / "benchmarks" / "gpu_engine.py"), "--tiny",
-           "--batches", "1", "3", "--prompt-len", "16", "--new-tokens", "12", "--repeats", "2",
-           "--only", "plain", "K=3 fixed", "--again", "--out", str(out)]  # fmt: skip
-    subprocess.run(cmd, check=True, env=env, capture_output=True,
-                   timeout=child_timeout(300))
+    env = dict(
+        os.environ, PYTHONPATH=str(REPO / "src"), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1"
+    )  # (one intra-op thread, as below)
+    cmd = [
+        sys.executable,
+        str(REPO / "benchmarks" / "gpu_engine.py"),
+        "--tiny",
+        "--batches",
+        "1",
+        "3",
+        "--prompt-len",
+        "16",
+        "--new-tokens",
+        "12",
+        "--repeats",
+        "2",
+        "--only",
+        "plain",
+        "K=3 fixed",
+        "--again",
+        "--out",
+        str(out),
+    ]
+    subprocess.run(cmd, check=True, env=env, capture_output=True, timeout=child_timeout(300))
     results = json.loads(out.with_suffix(".json").read_text())
     again = results.pop("plain (again, last)")
     assert list(results) == ["plain", "eagle3 K=3 fixed (sim. accept len 3.0)"]
@@ -77,12 +94,18 @@ def test_gpu_default_bench_interleaves_engines_and_speculation_equals_own_plain(
     out = tmp_path / "default"
     # one intra-op thread: the interpreter runs share the machine (tests/interpreter_run.py),
     # and spinning threads on a busy 2-core machine slow every op down many times
-    env = dict(os.environ, PYTHONPATH=str(REPO / "src"), HF_HUB_OFFLINE="1",
-               OMP_NUM_THREADS="1")  # fmt: skip
-    cmd = [sys.executable, str(REPO / "benchmarks" / "gpu_default_model.py"), "--smoke",
-           "--only", "fixed", "goodput", "--out", str(out)]  # fmt: skip
-    subprocess.run(cmd, check=True, env=env, capture_output=True,
-                   timeout=child_timeout(900))
+    env = dict(os.environ, PYTHONPATH=str(REPO / "src"), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    cmd = [
+        sys.executable,
+        str(REPO / "benchmarks" / "gpu_default_model.py"),
+        "--smoke",
+        "--only",
+        "fixed",
+        "goodput",
+        "--out",
+        str(out),
+    ]
+    subprocess.run(cmd, check=True, env=env, capture_output=True, timeout=child_timeout(900))
     results = json.loads(out.with_suffix(".json").read_text())["results"]
     names = ["plain", "eagle3 K=3 fixed", "eagle3 goodput (default)"]
     assert list(results) == names

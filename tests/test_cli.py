@@ -24,8 +24,9 @@ def test_generate_streams_the_greedy_text(tiny_llama, capsys, monkeypatch):
     writes: list[str] = []
     write = sys.stdout.write
     monkeypatch.setattr(sys.stdout, "write", lambda s: writes.append(s) or write(s))
-    code, out, _ = run(capsys, "The quick brown fox", "--model", str(tiny_llama),
-                       "--max-tokens", "12")
+    code, out, _ = run(
+        capsys, "The quick brown fox", "--model", str(tiny_llama), "--max-tokens", "12"
+    )
     assert code == 0
     llm = LLM(str(tiny_llama))
     ids = llm.apply_chat_template([{"role": "user", "content": "The quick brown fox"}])
@@ -35,8 +36,18 @@ def test_generate_streams_the_greedy_text(tiny_llama, capsys, monkeypatch):
 
 
 def test_generate_without_chat_template_and_with_a_seed(tiny_llama, capsys):
-    argv = ["Héllo wörld", "--model", str(tiny_llama), "--max-tokens", "10",
-            "--no-chat-template", "--temperature", "1.0", "--sampling-seed", "5"]
+    argv = [
+        "Héllo wörld",
+        "--model",
+        str(tiny_llama),
+        "--max-tokens",
+        "10",
+        "--no-chat-template",
+        "--temperature",
+        "1.0",
+        "--sampling-seed",
+        "5",
+    ]
     code, first, _ = run(capsys, *argv)
     assert code == 0
     code, second, _ = run(capsys, *argv)
@@ -47,8 +58,14 @@ def test_generate_without_chat_template_and_with_a_seed(tiny_llama, capsys):
 
 
 def test_a_prompt_longer_than_the_context_exits_2_after_loading(tiny_llama, capsys):
-    code, out, err = run(capsys, "a long enough prompt for the context check",
-                         "--model", str(tiny_llama), "--max-model-len", "8")
+    code, out, err = run(
+        capsys,
+        "a long enough prompt for the context check",
+        "--model",
+        str(tiny_llama),
+        "--max-model-len",
+        "8",
+    )
     assert code == 2
     assert out == ""
     last = err.strip().splitlines()[-1]  # after the start-up progress
@@ -58,6 +75,7 @@ def test_a_prompt_longer_than_the_context_exits_2_after_loading(tiny_llama, caps
 @pytest.fixture
 def no_loading(monkeypatch):
     """Fail the test if anything starts loading a model."""
+
     def loading(*args, **kwargs):
         raise AssertionError("the model loader was reached")
 
@@ -85,14 +103,21 @@ CUDA_MISSING = pytest.mark.skipif(torch.cuda.is_available(), reason="this machin
         (["--stop", ""], "--stop must be non-empty strings"),
         (["--page-size", "0"], "--page-size must be >= 1; got 0"),
         (["--device", "tpu"], "--device must be auto, cpu, cuda or cuda:N; got 'tpu'"),
-        (["--model", "m", "--speculative-algorithm", "eagle3"],
-         "--speculative-algorithm eagle3 needs --speculative-draft-model-path"),
-        (["--speculative-policy", "schedule", "--speculative-algorithm", "ngram"],
-         "--speculative-policy schedule needs --speculative-schedule"),
-        (["--overlap-schedule", "on", "--disable-overlap-schedule"],
-         "--disable-overlap-schedule contradicts --overlap-schedule on"),
-        pytest.param(["--device", "cuda"], "--device cuda needs a CUDA GPU but",
-                     marks=CUDA_MISSING),
+        (
+            ["--model", "m", "--speculative-algorithm", "eagle3"],
+            "--speculative-algorithm eagle3 needs --speculative-draft-model-path",
+        ),
+        (
+            ["--speculative-policy", "schedule", "--speculative-algorithm", "ngram"],
+            "--speculative-policy schedule needs --speculative-schedule",
+        ),
+        (
+            ["--overlap-schedule", "on", "--disable-overlap-schedule"],
+            "--disable-overlap-schedule contradicts --overlap-schedule on",
+        ),
+        pytest.param(
+            ["--device", "cuda"], "--device cuda needs a CUDA GPU but", marks=CUDA_MISSING
+        ),
     ],
 )
 def test_bad_arguments_exit_2_before_loading(no_loading, capsys, argv, message):
@@ -102,8 +127,9 @@ def test_bad_arguments_exit_2_before_loading(no_loading, capsys, argv, message):
     assert err.startswith("specserve: error: ") and message in err
 
 
-@pytest.mark.parametrize("argv", [["--page-size", "0"], pytest.param(["--device", "cuda"],
-                                                                     marks=CUDA_MISSING)])
+@pytest.mark.parametrize(
+    "argv", [["--page-size", "0"], pytest.param(["--device", "cuda"], marks=CUDA_MISSING)]
+)
 def test_serve_refuses_bad_engine_flags_before_loading(no_loading, capsys, argv):
     assert main(["serve", *argv]) == 2
     err = capsys.readouterr().err
@@ -138,16 +164,26 @@ def test_usage_errors_exit_2(capsys):
 
 def test_engine_errors_after_loading_name_the_flags(tiny_llama, capsys):
     # the prompt fits the context but not the KV cache: found only once the model is known
-    code, _, err = run(capsys, "hi", "--model", str(tiny_llama), "--page-size", "4",
-                       "--num-kv-pages", "5", "--max-tokens", "100", "--quiet")
+    code, _, err = run(
+        capsys,
+        "hi",
+        "--model",
+        str(tiny_llama),
+        "--page-size",
+        "4",
+        "--num-kv-pages",
+        "5",
+        "--max-tokens",
+        "100",
+        "--quiet",
+    )
     assert code == 2
     assert err.startswith("specserve: error: ") and err.count("\n") == 1
     assert "--max-tokens (100)" in err and "lower --max-tokens" in err
 
 
 def test_quiet_keeps_stderr_silent_and_progress_reports_start_up(tiny_llama, capsys):
-    code, out, err = run(capsys, "hi", "--model", str(tiny_llama), "--max-tokens", "3",
-                         "--quiet")
+    code, out, err = run(capsys, "hi", "--model", str(tiny_llama), "--max-tokens", "3", "--quiet")
     assert code == 0 and out and err == ""
     code, _, err = run(capsys, "hi", "--model", str(tiny_llama), "--max-tokens", "3")
     assert code == 0

@@ -16,20 +16,41 @@ GROUPS = ["model", "sampling", "speculation", "performance", "advanced"]
 EXPECTED = {
     "model": {"--model", "--load-format", "--dtype", "--device", "--max-model-len"},
     "sampling": {"--seed"},
-    "speculation": {"--speculative-algorithm", "--speculative-draft-model-path",
-                    "--speculative-num-steps", "--speculative-policy",
-                    "--speculative-schedule"},
-    "performance": {"--kv-cache-memory-fraction", "--max-num-seqs",
-                    "--max-num-batched-tokens"},
-    "advanced": {"--page-size", "--kv-cache-bytes", "--num-kv-pages",
-                 "--disable-gemv", "--disable-gemv-tuning", "--disable-batch-invariance",
-                 "--disable-verify-tiles", "--disable-pdl", "--gemv-stream-k",
-                 "--disable-fusion", "--cuda-graph-max-batch", "--disable-cuda-graph",
-                 "--attention-backend", "--overlap-schedule",
-                 "--speculative-simulate-acceptance"},
+    "speculation": {
+        "--speculative-algorithm",
+        "--speculative-draft-model-path",
+        "--speculative-num-steps",
+        "--speculative-policy",
+        "--speculative-schedule",
+    },
+    "performance": {"--kv-cache-memory-fraction", "--max-num-seqs", "--max-num-batched-tokens"},
+    "advanced": {
+        "--page-size",
+        "--kv-cache-bytes",
+        "--num-kv-pages",
+        "--disable-gemv",
+        "--disable-gemv-tuning",
+        "--disable-batch-invariance",
+        "--disable-verify-tiles",
+        "--disable-pdl",
+        "--gemv-stream-k",
+        "--disable-fusion",
+        "--cuda-graph-max-batch",
+        "--disable-cuda-graph",
+        "--attention-backend",
+        "--overlap-schedule",
+        "--speculative-simulate-acceptance",
+    },
 }
-GENERATE_SAMPLING = {"--max-tokens", "--temperature", "--top-k", "--top-p", "--min-p",
-                     "--sampling-seed", "--stop"}
+GENERATE_SAMPLING = {
+    "--max-tokens",
+    "--temperature",
+    "--top-k",
+    "--top-p",
+    "--min-p",
+    "--sampling-seed",
+    "--stop",
+}
 
 
 def help_of(capsys, monkeypatch, *command: str) -> str:
@@ -75,13 +96,15 @@ def test_flags_are_grouped_with_gpu_switches_under_advanced(capsys, monkeypatch,
             extra = {"--uvicorn-log-level", "--disable-uvicorn-access-log"}
         assert flags_in(parts[group]) == flags | extra, group
     if command == "serve":  # what a user reads before the advanced knobs: at most 25 flags
-        outside = set().union(*(flags_in(t) for name, t in parts.items()
-                                if name not in ("advanced", "options")))
+        outside = set().union(
+            *(flags_in(t) for name, t in parts.items() if name not in ("advanced", "options"))
+        )
         assert len(outside) <= 25, sorted(outside)
     # one way to say it documented; the other still works
     assert "--disable-overlap-schedule" not in text
-    args = subparser(command).parse_args(["--disable-overlap-schedule"]
-                                         + (["hi"] if command == "generate" else []))
+    args = subparser(command).parse_args(
+        ["--disable-overlap-schedule"] + (["hi"] if command == "generate" else [])
+    )
     assert args.disable_overlap_schedule
 
 
@@ -92,10 +115,16 @@ def test_every_default_is_shown(capsys, monkeypatch, command):
     for action in subparser(command)._actions:
         if not action.option_strings or action.help == argparse.SUPPRESS:
             continue
-        block = next(b for b in blocks if re.match(rf"  (-\w, )?{action.option_strings[-1]}\b",
-                                                   b.lstrip("\n")))  # fmt: skip
-        if action.default is not None and action.default is not False and \
-                action.default is not argparse.SUPPRESS:  # fmt: skip
+        block = next(
+            b
+            for b in blocks
+            if re.match(rf"  (-\w, )?{action.option_strings[-1]}\b", b.lstrip("\n"))
+        )
+        if (
+            action.default is not None
+            and action.default is not False
+            and action.default is not argparse.SUPPRESS
+        ):
             assert "default" in block, block
     assert "(default: 128)" in help_of(capsys, monkeypatch, "generate")  # --max-tokens
 

@@ -24,8 +24,9 @@ def _runner(use_graphs=False, device="cpu", backend=None):
 
     kv = KVCache(cfg, 16, 4, torch.float32, device)
     backend = backend or TorchAttentionBackend()
-    return CudaGraphRunner(model, kv.layers, backend, (1, 4, 8), (1, 4), max_seq_len=32,
-                           use_graphs=use_graphs)  # fmt: skip
+    return CudaGraphRunner(
+        model, kv.layers, backend, (1, 4, 8), (1, 4), max_seq_len=32, use_graphs=use_graphs
+    )
 
 
 def test_bucket_and_can_run():
@@ -49,8 +50,9 @@ def test_padded_steps_match_direct_forward_and_write_only_page_zero():
 def test_gpu_graph_replay_matches_eager(dtype):
     from specserve.layers.attention.triton_attn import TritonAttentionBackend
 
-    err = runner_padding_error(TritonAttentionBackend(), dtype, "cuda", page_size=16,
-                               use_graphs=True)  # fmt: skip
+    err = runner_padding_error(
+        TritonAttentionBackend(), dtype, "cuda", page_size=16, use_graphs=True
+    )
     assert err < 1e-2, err
 
 

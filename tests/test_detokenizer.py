@@ -75,8 +75,11 @@ def test_byte_ids_round_trip(tok):
     assert len(byte_ids(tok, "🙂")) == 4
 
 
-@given(text=texts, mode=st.sampled_from(["bpe", "bytes", "mixed"]),
-       prompt=st.sampled_from(["", "Héllo wörld ", "你好 🙂"]))
+@given(
+    text=texts,
+    mode=st.sampled_from(["bpe", "bytes", "mixed"]),
+    prompt=st.sampled_from(["", "Héllo wörld ", "你好 🙂"]),
+)
 @settings(max_examples=150, deadline=None)
 def test_deltas_concatenate_to_the_text(tok, text, mode, prompt):
     ids = tokenize(tok, text, mode)
@@ -159,8 +162,7 @@ N = 24
 @pytest.fixture(scope="module")
 def greedy_run(tiny_llama):
     llm = LLM(str(tiny_llama))
-    out = llm.generate([PROMPT], SamplingParams(max_tokens=N, temperature=0.0,
-                                                ignore_eos=True))[0]
+    out = llm.generate([PROMPT], SamplingParams(max_tokens=N, temperature=0.0, ignore_eos=True))[0]
     return llm, out
 
 
@@ -190,8 +192,9 @@ def test_stop_token_ids_end_the_request(greedy_run):
     llm, ref = greedy_run
     stop_token = ref.token_ids[5]
     j = ref.token_ids.index(stop_token)
-    params = SamplingParams(max_tokens=N, temperature=0.0, ignore_eos=True,
-                            stop_token_ids=[stop_token])
+    params = SamplingParams(
+        max_tokens=N, temperature=0.0, ignore_eos=True, stop_token_ids=[stop_token]
+    )
     out = llm.generate([PROMPT], params)[0]
     assert out.finish_reason == "stop"
     assert out.token_ids == ref.token_ids[: j + 1]
@@ -214,6 +217,5 @@ def test_eos_ends_the_request_and_ignore_eos_keeps_going(greedy_run, tiny_llama,
     out = llm.generate([PROMPT], SamplingParams(max_tokens=N, temperature=0.0))[0]
     assert out.finish_reason == "stop"
     assert out.token_ids == ref.token_ids[: j + 1]
-    kept = llm.generate([PROMPT], SamplingParams(max_tokens=N, temperature=0.0,
-                                                 ignore_eos=True))[0]
+    kept = llm.generate([PROMPT], SamplingParams(max_tokens=N, temperature=0.0, ignore_eos=True))[0]
     assert kept.finish_reason == "length" and kept.token_ids == ref.token_ids

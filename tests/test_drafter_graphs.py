@@ -26,9 +26,17 @@ def test_graph_keys_and_which_passes_have_one():
 
     head, embed = _head(torch.float32, "cpu")
     kv = KVCache(head.config.layer, 8, 4, torch.float32, torch.device("cpu"))
-    graphs = DrafterGraphs(head, embed, kv.layers[0], TorchAttentionBackend(),
-                           (1, 2, 4, 8, 16, 32, 48, 64, 80), catch_up_lengths(3), 64,
-                           use_graphs=False, chain_lengths=(3,))  # fmt: skip
+    graphs = DrafterGraphs(
+        head,
+        embed,
+        kv.layers[0],
+        TorchAttentionBackend(),
+        (1, 2, 4, 8, 16, 32, 48, 64, 80),
+        catch_up_lengths(3),
+        64,
+        use_graphs=False,
+        chain_lengths=(3,),
+    )
     assert catch_up_lengths(3) == (1, 2, 3, 4, 8)
     assert len(graphs.keys()) == 9 * 5 + 8 * 4  # chains: buckets <= 64, catch-ups <= 4
     assert graphs.keys()[0] == (80, 8, 0)
@@ -58,8 +66,9 @@ class _UniformRandomK(SpeculationPolicy):
         return [k] * len(reqs)
 
 
-@pytest.mark.parametrize("policy, overlap", [("mixed", "off"), ("fixed", "off"),
-                                             ("mixed", "on"), ("uniform", "on")])
+@pytest.mark.parametrize(
+    "policy, overlap", [("mixed", "off"), ("fixed", "off"), ("mixed", "on"), ("uniform", "on")]
+)
 def test_padded_drafter_keeps_greedy_output(tmp_path_factory, policy, overlap):
     """mixed: random draft lengths per request (one padded pass per draft step); fixed: every
     request drafts K (whole proposing steps as chains); uniform: a random K per step for all
@@ -72,9 +81,14 @@ def test_padded_drafter_keeps_greedy_output(tmp_path_factory, policy, overlap):
     plain = [o.token_ids for o in LLM(str(target)).generate(prompts, params)]
 
     def drafts_of(padded: bool):
-        llm = LLM(str(target), speculative_algorithm="eagle3", speculative_num_steps=3,
-                  speculative_draft_model_path=str(head), speculative_policy="fixed",
-                  overlap_schedule=overlap)
+        llm = LLM(
+            str(target),
+            speculative_algorithm="eagle3",
+            speculative_num_steps=3,
+            speculative_draft_model_path=str(head),
+            speculative_policy="fixed",
+            overlap_schedule=overlap,
+        )
         proposer, seen = llm.engine.spec.proposer, {"run": [], "run_chain": []}
         if padded:
             proposer.graphs = capture_drafter_graphs(proposer, llm.engine.target, use_graphs=False)
@@ -112,8 +126,9 @@ def test_gpu_drafter_graphs_match_eager(dtype):
     from specserve.layers import triton_ops
     from specserve.layers.attention.triton_attn import TritonAttentionBackend
 
-    err = drafter_graph_error(TritonAttentionBackend(), dtype, "cuda", use_graphs=True,
-                              page_size=16, fused_ops=triton_ops)  # fmt: skip
+    err = drafter_graph_error(
+        TritonAttentionBackend(), dtype, "cuda", use_graphs=True, page_size=16, fused_ops=triton_ops
+    )
     assert err < 2e-2, err
 
 
@@ -121,9 +136,15 @@ def test_gpu_drafter_graphs_match_eager(dtype):
 def test_gpu_engine_captures_and_drafts_through_graphs(tmp_path_factory):
     target = make_tiny_model(tmp_path_factory.mktemp("t"), "llama", num_layers=4)
     head = make_random_eagle3_head(tmp_path_factory.mktemp("h"), target, 200)
-    llm = LLM(str(target), device="cuda", speculative_algorithm="eagle3", max_num_seqs=8,
-              speculative_num_steps=3, speculative_draft_model_path=str(head),
-              speculative_policy="fixed")  # fmt: skip
+    llm = LLM(
+        str(target),
+        device="cuda",
+        speculative_algorithm="eagle3",
+        max_num_seqs=8,
+        speculative_num_steps=3,
+        speculative_draft_model_path=str(head),
+        speculative_policy="fixed",
+    )
     graphs = llm.engine.spec.proposer.graphs
     assert graphs is not None and graphs.report.num_graphs == len(graphs.keys()) > 0
     passes = []
@@ -135,6 +156,12 @@ def test_gpu_engine_captures_and_drafts_through_graphs(tmp_path_factory):
     outs = llm.generate(prompts, params)
     assert all(len(o.token_ids) == 12 for o in outs)
     assert len(passes) >= 3 and sum(o.spec_stats.drafted for o in outs) > 0
-    off = LLM(str(target), device="cuda", speculative_algorithm="eagle3", disable_cuda_graph=True,
-              speculative_draft_model_path=str(head), max_num_seqs=8)  # fmt: skip
+    off = LLM(
+        str(target),
+        device="cuda",
+        speculative_algorithm="eagle3",
+        disable_cuda_graph=True,
+        speculative_draft_model_path=str(head),
+        max_num_seqs=8,
+    )
     assert off.engine.spec.proposer.graphs is None and off.engine.runner.graphs is None

@@ -14,10 +14,18 @@ from specserve.core.errors import CheckpointError, ConfigError
 from specserve.model.dummy import PRESETS, dummy_config, synthetic_tokenizer
 from specserve.model.loader import resolve_model
 
-TINY = {"architectures": ["LlamaForCausalLM"], "vocab_size": 300, "hidden_size": 64,
-        "intermediate_size": 128, "num_hidden_layers": 8, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "max_position_embeddings": 256, "eos_token_id": 2,
-        "bos_token_id": 1}  # fmt: skip
+TINY = {
+    "architectures": ["LlamaForCausalLM"],
+    "vocab_size": 300,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+    "eos_token_id": 2,
+    "bos_token_id": 1,
+}
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 
 
@@ -30,12 +38,23 @@ def tiny_config(tmp_path_factory):
 
 def test_presets_have_the_real_shapes():
     cfg = dummy_config("llama-3.1-8b")
-    assert (cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads,
-            cfg.intermediate_size, cfg.vocab_size) == (4096, 32, 32, 8, 14336, 128256)  # fmt: skip
+    assert (
+        cfg.hidden_size,
+        cfg.num_layers,
+        cfg.num_heads,
+        cfg.num_kv_heads,
+        cfg.intermediate_size,
+        cfg.vocab_size,
+    ) == (4096, 32, 32, 8, 14336, 128256)
     assert cfg.rope_scaling is not None and cfg.rope_theta == 500000.0
     cfg = dummy_config("llama-3.1-70b")
-    assert (cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads,
-            cfg.intermediate_size) == (8192, 80, 64, 8, 28672)  # fmt: skip
+    assert (
+        cfg.hidden_size,
+        cfg.num_layers,
+        cfg.num_heads,
+        cfg.num_kv_heads,
+        cfg.intermediate_size,
+    ) == (8192, 80, 64, 8, 28672)
     assert dummy_config(None) == dummy_config("smollm2-135m")  # the default model's shape
     assert resolve_model("llama-3.1-8b", "dummy").name == "dummy-llama-3.1-8b"
 
@@ -82,9 +101,14 @@ def test_dummy_weights_are_seeded(tiny_config):
 
 
 def test_random_eagle3_head_drafts(tiny_config):
-    llm = LLM(str(tiny_config), load_format="dummy", speculative_algorithm="eagle3",
-              speculative_policy="fixed", speculative_num_steps=3,
-              speculative_simulate_acceptance=3.0)  # fmt: skip
+    llm = LLM(
+        str(tiny_config),
+        load_format="dummy",
+        speculative_algorithm="eagle3",
+        speculative_policy="fixed",
+        speculative_num_steps=3,
+        speculative_simulate_acceptance=3.0,
+    )
     head = llm.engine.spec.proposer.head
     assert head.config.target_hidden_size == TINY["hidden_size"]
     assert head.config.draft_vocab_size == TINY["vocab_size"]  # min(32000, vocab)
@@ -106,9 +130,13 @@ def test_server_serves_a_dummy_model(tiny_config, tmp_path):
     with ServerProcess(tiny_config, tmp_path, "--load-format", "dummy") as server:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
         assert client.models.list().data[0].id == f"dummy-{tiny_config.parent.name}"
-        out = client.completions.create(model=f"dummy-{tiny_config.parent.name}",
-                                        prompt="5 6 7", max_tokens=4, temperature=0.0,
-                                        extra_body={"ignore_eos": True})  # fmt: skip
+        out = client.completions.create(
+            model=f"dummy-{tiny_config.parent.name}",
+            prompt="5 6 7",
+            max_tokens=4,
+            temperature=0.0,
+            extra_body={"ignore_eos": True},
+        )
         assert out.usage.prompt_tokens == 3 and out.usage.completion_tokens == 4
         assert len(out.choices[0].text.split()) == 4
     assert set(PRESETS) >= {"llama-3.1-8b", "llama-3.1-70b", "smollm2-135m"}

@@ -52,8 +52,15 @@ def test_round_trip_in_public_layout(tmp_path, target_cfg):
     names = set(load_file(tmp_path / "model.safetensors"))
     h, ht = target_cfg.hidden_size, target_cfg.hidden_size
     assert load_file(tmp_path / "model.safetensors")["fc.weight"].shape == (h, 3 * ht)
-    assert {"d2t", "t2d", "norm.weight", "lm_head.weight", "midlayer.hidden_norm.weight",
-            "midlayer.self_attn.q_proj.weight", "midlayer.mlp.down_proj.weight"} <= names
+    assert {
+        "d2t",
+        "t2d",
+        "norm.weight",
+        "lm_head.weight",
+        "midlayer.hidden_norm.weight",
+        "midlayer.self_attn.q_proj.weight",
+        "midlayer.mlp.down_proj.weight",
+    } <= names
     loaded = load_eagle3_head(tmp_path, target_cfg, torch.float32, "cpu")
     assert loaded.aux_layer_ids == default_aux_layer_ids(8) == (2, 4, 5)
     for name, tensor in head.state_dict().items():
@@ -91,17 +98,24 @@ def _edit(folder, config=None, tensors=None):
     [
         (None, lambda t: t.pop("midlayer.mlp.up_proj.weight"), CheckpointError, "lacks"),
         (None, lambda t: t.update(extra=torch.zeros(2)), CheckpointError, "unexpected"),
-        (None, lambda t: t.update({"fc.weight": torch.zeros(64, 128)}), CheckpointError,
-         "shape"),
+        (None, lambda t: t.update({"fc.weight": torch.zeros(64, 128)}), CheckpointError, "shape"),
         (None, lambda t: t.pop("d2t"), CheckpointError, "d2t"),
         (None, lambda t: t.update(d2t=t["d2t"] + 10_000), CheckpointError, "outside"),
         (lambda c: c.update(vocab_size=1000), None, CheckpointError, "vocabulary"),
         (lambda c: c.update(target_hidden_size=32), None, CheckpointError, "hidden size"),
         (lambda c: c.update(draft_vocab_size=5000), None, CheckpointError, "draft_vocab_size"),
-        (lambda c: c.update(architectures=["LlamaForCausalLM"]), None, UnsupportedModelError,
-         "EAGLE-3"),
-        (lambda c: c.update(eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 3, 9]}), None,
-         UnsupportedModelError, "do not fit"),
+        (
+            lambda c: c.update(architectures=["LlamaForCausalLM"]),
+            None,
+            UnsupportedModelError,
+            "EAGLE-3",
+        ),
+        (
+            lambda c: c.update(eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 3, 9]}),
+            None,
+            UnsupportedModelError,
+            "do not fit",
+        ),
     ],
 )
 def test_bad_heads_get_clear_errors(tmp_path, target_cfg, config, tensors, error, words):
@@ -114,9 +128,11 @@ def test_bad_heads_get_clear_errors(tmp_path, target_cfg, config, tensors, error
 def test_aux_layer_convention_and_ignored_embedding(tmp_path, target_cfg):
     save_eagle3_head(random_head(target_cfg), tmp_path)
     # Public files list layers whose OUTPUT is read: the inputs of the next layers.
-    _edit(tmp_path, lambda c: c.update(eagle_config={"eagle_aux_hidden_state_layer_ids":
-                                                     [0, 3, 6]}),
-          lambda t: t.update({"embed_tokens.weight": torch.zeros(3, 3)}))
+    _edit(
+        tmp_path,
+        lambda c: c.update(eagle_config={"eagle_aux_hidden_state_layer_ids": [0, 3, 6]}),
+        lambda t: t.update({"embed_tokens.weight": torch.zeros(3, 3)}),
+    )
     head = load_eagle3_head(tmp_path, target_cfg, torch.float32, "cpu")
     assert head.aux_layer_ids == (1, 4, 7)
     cfg = Eagle3Config.for_target(target_cfg, 96, (1, 4, 7))
@@ -149,10 +165,14 @@ class PagedKV:
         width = max(len(self.tables[r]) for r, _, _ in reqs)
         tables = [self.tables[r] + [0] * (width - len(self.tables[r])) for r, _, _ in reqs]
         return AttentionMetadata(
-            positions=torch.tensor(positions), slot_mapping=torch.tensor(slots),
-            query_start_loc=torch.tensor(starts), seq_lens=torch.tensor(seq_lens),
-            block_tables=torch.tensor(tables), max_query_len=max(c for _, _, c in reqs),
-            max_seq_len=max(seq_lens))
+            positions=torch.tensor(positions),
+            slot_mapping=torch.tensor(slots),
+            query_start_loc=torch.tensor(starts),
+            seq_lens=torch.tensor(seq_lens),
+            block_tables=torch.tensor(tables),
+            max_query_len=max(c for _, _, c in reqs),
+            max_seq_len=max(seq_lens),
+        )
 
 
 @pytest.mark.parametrize("page_size, merged", [(1, False), (16, False), (16, True)])
@@ -170,8 +190,13 @@ def test_paged_forward_equals_dense_forward(target_cfg, page_size, merged):
         hidden = head.project(aux)
         dense, past = [], []
         for k in range(steps + 1):
-            out, kv = head.forward_dense(embeds[k], hidden, positions + k, past,
-                                         ttt_mask(width, k, aux.device) if k else None)
+            out, kv = head.forward_dense(
+                embeds[k],
+                hidden,
+                positions + k,
+                past,
+                ttt_mask(width, k, aux.device) if k else None,
+            )
             past.append(kv)
             dense.append(out)
             hidden = out
@@ -193,8 +218,7 @@ def test_paged_forward_equals_dense_forward(target_cfg, page_size, merged):
                 step0[r].append(part)
                 done[r] += c
         for r, n in enumerate(lengths):
-            torch.testing.assert_close(torch.cat(step0[r]), dense[0][r, :n], atol=1e-5,
-                                       rtol=1e-5)
+            torch.testing.assert_close(torch.cat(step0[r]), dense[0][r, :n], atol=1e-5, rtol=1e-5)
         # Chain drafting from the last committed entry: one token per request per step.
         prev = [step0[r][-1][-1] for r in (0, 1)]
         for k in range(1, steps + 1):

@@ -122,8 +122,11 @@ def test_extra_tensor(tiny_llama, tmp_path):
 def test_shape_mismatch(tiny_llama, tmp_path):
     folder = copy_model(tiny_llama, tmp_path / "m")
     edit_config(folder, intermediate_size=96)
-    with pytest.raises(CheckpointError, match=r"'model\.layers\.\d\.mlp\.\w+\.weight' has shape "
-                                              r"\(.*128.*\), the config implies \(.*96.*\)"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"'model\.layers\.\d\.mlp\.\w+\.weight' has shape "
+        r"\(.*128.*\), the config implies \(.*96.*\)",
+    ):
         LLM(str(folder))
 
 
@@ -157,9 +160,20 @@ def test_prompt_token_outside_the_vocabulary(llm):
 
 @pytest.mark.parametrize(
     "field,value",
-    [("max_tokens", 0), ("max_tokens", -3), ("max_tokens", 2.5), ("temperature", -0.1),
-     ("temperature", 1000.0), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2), ("min_p", 1.5),
-     ("seed", "x"), ("stop", [""]), ("logprobs", 99)],
+    [
+        ("max_tokens", 0),
+        ("max_tokens", -3),
+        ("max_tokens", 2.5),
+        ("temperature", -0.1),
+        ("temperature", 1000.0),
+        ("top_p", 0.0),
+        ("top_p", 1.5),
+        ("top_k", -2),
+        ("min_p", 1.5),
+        ("seed", "x"),
+        ("stop", [""]),
+        ("logprobs", 99),
+    ],
 )
 def test_bad_sampling_params_name_the_field(field, value):
     with pytest.raises(InvalidRequestError, match=f"^{field} .*got") as err:
@@ -188,16 +202,36 @@ def test_a_bad_prompt_in_a_batch_leaves_nothing_queued(llm):
 # ---- config keys of transformers 4.x and 5.x ---------------------------------------------
 
 _COMMON = dict(
-    architectures=["LlamaForCausalLM"], vocab_size=384, hidden_size=64, intermediate_size=128,
-    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
-    max_position_embeddings=512, tie_word_embeddings=False, bos_token_id=0, eos_token_id=[2, 3],
+    architectures=["LlamaForCausalLM"],
+    vocab_size=384,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    rms_norm_eps=1e-5,
+    max_position_embeddings=512,
+    tie_word_embeddings=False,
+    bos_token_id=0,
+    eos_token_id=[2, 3],
 )
-_LLAMA3 = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-           "original_max_position_embeddings": 64}
-LLAMA_4X = dict(_COMMON, rope_theta=500000.0, rope_scaling={"rope_type": "llama3", **_LLAMA3},
-                torch_dtype="bfloat16")
-LLAMA_5X = dict(_COMMON, rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0,
-                                          **_LLAMA3}, dtype="bfloat16")
+_LLAMA3 = {
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
+LLAMA_4X = dict(
+    _COMMON,
+    rope_theta=500000.0,
+    rope_scaling={"rope_type": "llama3", **_LLAMA3},
+    torch_dtype="bfloat16",
+)
+LLAMA_5X = dict(
+    _COMMON,
+    rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, **_LLAMA3},
+    dtype="bfloat16",
+)
 
 
 def test_4x_and_5x_config_keys_mean_the_same():
@@ -208,8 +242,9 @@ def test_4x_and_5x_config_keys_mean_the_same():
     older = dict(LLAMA_4X, rope_scaling={"type": "llama3", **_LLAMA3})  # pre-4.45 spelling
     assert config_from_dict(older) == new
     plain_4x = dict(_COMMON, rope_theta=1e6, torch_dtype="float16")
-    plain_5x = dict(_COMMON, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
-                    dtype="float16")
+    plain_5x = dict(
+        _COMMON, rope_parameters={"rope_type": "default", "rope_theta": 1e6}, dtype="float16"
+    )
     assert config_from_dict(plain_4x) == config_from_dict(plain_5x)
     assert config_from_dict(plain_5x).rope_scaling is None
 
@@ -220,8 +255,14 @@ def test_4x_config_folder_generates_like_5x(tiny_llama, tmp_path):
     folder = copy_model(tiny_llama, tmp_path / "m")
     raw = json.loads((folder / "config.json").read_text())
     rope = dict(raw.pop("rope_parameters"))
-    edit_config(folder, rope_parameters=None, dtype=None, rope_theta=rope.pop("rope_theta"),
-                rope_scaling=rope, torch_dtype=raw["dtype"])
+    edit_config(
+        folder,
+        rope_parameters=None,
+        dtype=None,
+        rope_theta=rope.pop("rope_theta"),
+        rope_scaling=rope,
+        torch_dtype=raw["dtype"],
+    )
     assert "rope_parameters" not in json.loads((folder / "config.json").read_text())
     assert load_hf_config(folder) == load_hf_config(tiny_llama)
     new = LLM(str(tiny_llama)).generate(PROMPTS, GREEDY)

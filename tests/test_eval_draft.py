@@ -15,8 +15,9 @@ from specserve.core.config import shipped_head_path
 
 
 def write_prompts(path, count: int):
-    path.write_text("\n".join(json.dumps({"prompt": f"The quick brown fox number {i}"})
-                              for i in range(count)))
+    path.write_text(
+        "\n".join(json.dumps({"prompt": f"The quick brown fox number {i}"}) for i in range(count))
+    )
     return path
 
 
@@ -36,11 +37,28 @@ def test_eval_draft_copy_drafter_accepts_everything(tiny_llama, tmp_path, capsys
         "\n".join(json.dumps({"prompt": f"The quick brown fox number {i}"}) for i in range(12))
     )
     out = tmp_path / "eval.json"
-    rc = main([
-        "eval-draft", "--target", str(tiny_llama), "--algorithm", "draft",
-        "--draft", str(tiny_llama), "--data", str(data), "--num-prompts", "4",
-        "--max-tokens", "12", "--k", "1", "3", "--out", str(out),
-    ])
+    rc = main(
+        [
+            "eval-draft",
+            "--target",
+            str(tiny_llama),
+            "--algorithm",
+            "draft",
+            "--draft",
+            str(tiny_llama),
+            "--data",
+            str(data),
+            "--num-prompts",
+            "4",
+            "--max-tokens",
+            "12",
+            "--k",
+            "1",
+            "3",
+            "--out",
+            str(out),
+        ]
+    )
     assert rc == 0
     results = json.loads(out.read_text())["results"]
     assert [r["k"] for r in results] == [1, 3]
@@ -50,11 +68,30 @@ def test_eval_draft_copy_drafter_accepts_everything(tiny_llama, tmp_path, capsys
         assert 1.0 < r["mean_accept_len"] <= r["k"] + 1
     assert "mean accept len" in capsys.readouterr().out
     # K in the order given; --append keeps the earlier results.
-    rc = main([
-        "eval-draft", "--target", str(tiny_llama), "--algorithm", "draft",
-        "--draft", str(tiny_llama), "--data", str(data), "--num-prompts", "2",
-        "--max-tokens", "6", "--k", "2", "1", "2", "--out", str(out), "--append",
-    ])
+    rc = main(
+        [
+            "eval-draft",
+            "--target",
+            str(tiny_llama),
+            "--algorithm",
+            "draft",
+            "--draft",
+            str(tiny_llama),
+            "--data",
+            str(data),
+            "--num-prompts",
+            "2",
+            "--max-tokens",
+            "6",
+            "--k",
+            "2",
+            "1",
+            "2",
+            "--out",
+            str(out),
+            "--append",
+        ]
+    )
     assert rc == 0
     assert [r["k"] for r in json.loads(out.read_text())["results"]] == [1, 3, 2, 1]
 
@@ -66,15 +103,17 @@ def test_table_without_rich(monkeypatch, capsys):
     from specserve.bench.eval_draft import DraftEval, _print_table
 
     monkeypatch.setitem(sys.modules, "rich.console", None)  # import fails
-    _print_table("t", [DraftEval(k=2, verify_steps=4, drafted=8, accepted=6,
-                                 position_rates=[0.9, 0.6])])
+    _print_table(
+        "t", [DraftEval(k=2, verify_steps=4, drafted=8, accepted=6, position_rates=[0.9, 0.6])]
+    )
     out = capsys.readouterr().out
     assert "2 | 2.500 | 6/8 | 0.90 0.60" in out
 
 
 def test_the_embedded_model_is_evaluated_with_its_shipped_head():
     assert draft_path(Namespace(draft=None, algorithm="eagle3", target=None)) == str(
-        shipped_head_path())
+        shipped_head_path()
+    )
     assert draft_path(Namespace(draft="h", algorithm="eagle3", target=None)) == "h"
     assert draft_path(Namespace(draft=None, algorithm="ngram", target="m")) is None
     with pytest.raises(ConfigError, match="--algorithm eagle3 needs --draft .*no --target"):
@@ -89,20 +128,28 @@ def test_a_split_that_selects_no_prompts_is_an_error(tmp_path, capsys, no_loadin
     assert rc == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1
-    assert ("--split train selects no prompts: --data has 12 prompts and 12 of them are held "
-            "out for evaluation (--num-prompts 32 source texts") in err
+    assert (
+        "--split train selects no prompts: --data has 12 prompts and 12 of them are held "
+        "out for evaluation (--num-prompts 32 source texts"
+    ) in err
     assert "leaving 0 for --split train; lower --num-prompts below 12" in err
     rc = main(["eval-draft", "--data", str(write_prompts(tmp_path / "none.jsonl", 0))])
     assert rc == 2 and "--data has 0 prompts" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["--k", "0"], "--k must be at least 1"),
-    (["--num-prompts", "0"], "--num-prompts must be at least 1"),
-    (["--algorithm", "draft"], "--algorithm draft needs --draft"),
-    pytest.param(["--device", "cuda"], "--device cuda needs a CUDA GPU",
-                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="has CUDA")),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--k", "0"], "--k must be at least 1"),
+        (["--num-prompts", "0"], "--num-prompts must be at least 1"),
+        (["--algorithm", "draft"], "--algorithm draft needs --draft"),
+        pytest.param(
+            ["--device", "cuda"],
+            "--device cuda needs a CUDA GPU",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="has CUDA"),
+        ),
+    ],
+)
 def test_bad_arguments_are_refused_before_loading(tmp_path, capsys, no_loading, argv, message):
     data = write_prompts(tmp_path / "prompts.jsonl", 12)
     assert main(["eval-draft", "--data", str(data), "--num-prompts", "2", *argv]) == 2
@@ -113,8 +160,21 @@ def test_bad_arguments_are_refused_before_loading(tmp_path, capsys, no_loading, 
 def test_eval_draft_runs_the_shipped_head_by_default(tmp_path, capsys):
     data = write_prompts(tmp_path / "prompts.jsonl", 12)
     out = tmp_path / "eval.json"
-    rc = main(["eval-draft", "--data", str(data), "--num-prompts", "2", "--max-tokens", "8",
-               "--k", "2", "--out", str(out)])
+    rc = main(
+        [
+            "eval-draft",
+            "--data",
+            str(data),
+            "--num-prompts",
+            "2",
+            "--max-tokens",
+            "8",
+            "--k",
+            "2",
+            "--out",
+            str(out),
+        ]
+    )
     assert rc == 0
     saved = json.loads(out.read_text())
     assert saved["draft"] == str(shipped_head_path()) and saved["num_prompts"] == 2

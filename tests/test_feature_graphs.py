@@ -25,8 +25,13 @@ def models(tmp_path_factory):
 
 
 def _eagle3(models, policy: str, in_graph: bool, **kw) -> LLM:
-    kw = {"speculative_num_steps": 3, **spec_kwargs(models, "eagle3"), "page_size": 4,
-          "overlap_schedule": "on", **kw}  # fmt: skip
+    kw = {
+        "speculative_num_steps": 3,
+        **spec_kwargs(models, "eagle3"),
+        "page_size": 4,
+        "overlap_schedule": "on",
+        **kw,
+    }
     if policy == "off":
         kw["speculative_policy"] = "off"
     else:
@@ -34,8 +39,12 @@ def _eagle3(models, policy: str, in_graph: bool, **kw) -> LLM:
     llm = LLM(models["target"], **kw)
     if policy != "off":
         llm.engine.spec.policy = StepDraftLens(3, seed=7, choices=(0, 0, 1, 3))
-    install_padded_runner(llm, tokens_per_request=(1, 2, 3, 4),
-                          aux_layer_ids=llm.engine.spec.aux_layer_ids, in_graph=in_graph)
+    install_padded_runner(
+        llm,
+        tokens_per_request=(1, 2, 3, 4),
+        aux_layer_ids=llm.engine.spec.aux_layer_ids,
+        in_graph=in_graph,
+    )
     proposer = llm.engine.spec.proposer
     proposer.graphs = capture_drafter_graphs(proposer, llm.engine.target, use_graphs=False)
     return llm
@@ -130,8 +139,12 @@ def test_a_step_that_does_not_draft_makes_the_torch_calls_of_a_plain_step(models
 
 
 def _gpu_engine(models, policy: str, in_graph: bool) -> LLM:
-    kw = {"speculative_num_steps": 3, **spec_kwargs(models, "eagle3"), "device": "cuda",
-          "overlap_schedule": "on"}  # fmt: skip
+    kw = {
+        "speculative_num_steps": 3,
+        **spec_kwargs(models, "eagle3"),
+        "device": "cuda",
+        "overlap_schedule": "on",
+    }
     if policy == "off":
         kw["speculative_policy"] = "off"
     else:
@@ -143,8 +156,15 @@ def _gpu_engine(models, policy: str, in_graph: bool) -> LLM:
     assert engine.runner.graphs is not None and engine.runner.graphs.feature_writer is not None
     if not in_graph:  # as before: graphs return the aux, features projected eagerly after
         old = engine.runner.graphs
-        graphs = CudaGraphRunner(old.model, old.kv_layers, old.backend, old.batch_buckets,
-                                 old.tokens_per_request, old.max_seq_len, old.aux_layer_ids)
+        graphs = CudaGraphRunner(
+            old.model,
+            old.kv_layers,
+            old.backend,
+            old.batch_buckets,
+            old.tokens_per_request,
+            old.max_seq_len,
+            old.aux_layer_ids,
+        )
         del old
         engine.runner.graphs = None
         graphs.capture()

@@ -79,10 +79,16 @@ def _norm_cases() -> dict[str, tuple]:
     cases = {}
     for dtype in ("float16", "float32"):
         for rows in (1, 5):
-            cases[f"norm-dot-split3-{dtype}-m{rows}"] = ("dot-split3", rows, 72, 200, dtype,
-                                                         False, False)  # fmt: skip
-        cases[f"norm-dot-split3-{dtype}-silu-bias"] = ("dot-split3", 3, 64, 200, dtype, True,
-                                                       True)  # fmt: skip
+            cases[f"norm-dot-split3-{dtype}-m{rows}"] = (
+                "dot-split3",
+                rows,
+                72,
+                200,
+                dtype,
+                False,
+                False,
+            )
+        cases[f"norm-dot-split3-{dtype}-silu-bias"] = ("dot-split3", 3, 64, 200, dtype, True, True)
     cases["norm-fma-split2-bfloat16-silu"] = ("fma-split2", 2, 72, 200, "bfloat16", False, True)
     return cases
 
@@ -102,32 +108,93 @@ def run_cases() -> dict:
     record = functools.partial(record_case, results)
 
     for name, (cfg, rows, n, k, dtype, bias) in _silu_cases().items():
-        record(name, silu_gemv_case, configs[cfg], rows, n, k, getattr(torch, dtype), "cpu",
-               bias, seed=len(name))  # fmt: skip
+        record(
+            name,
+            silu_gemv_case,
+            configs[cfg],
+            rows,
+            n,
+            k,
+            getattr(torch, dtype),
+            "cpu",
+            bias,
+            seed=len(name),
+        )
     for name, (cfg, rows, n, k, dtype, bias, half) in _gated_cases().items():
-        record(name, gated_gemv_case, configs[cfg], rows, n, k, getattr(torch, dtype), "cpu",
-               bias, seed=len(name), half=half)  # fmt: skip
+        record(
+            name,
+            gated_gemv_case,
+            configs[cfg],
+            rows,
+            n,
+            k,
+            getattr(torch, dtype),
+            "cpu",
+            bias,
+            seed=len(name),
+            half=half,
+        )
     for name, (cfg, rows, qh, kvh, hd, k, dtype, bias) in _rope_cases().items():
-        record(name, rope_gemv_case, configs[cfg], rows, qh, kvh, hd, k, getattr(torch, dtype),
-               "cpu", bias, seed=len(name))  # fmt: skip
+        record(
+            name,
+            rope_gemv_case,
+            configs[cfg],
+            rows,
+            qh,
+            kvh,
+            hd,
+            k,
+            getattr(torch, dtype),
+            "cpu",
+            bias,
+            seed=len(name),
+        )
     for name, (cfg, rows, n, k, dtype, bias, silu) in _norm_cases().items():
-        record(name, split_norm_case, configs[cfg], rows, n, k, getattr(torch, dtype), "cpu",
-               bias, silu, seed=len(name))  # fmt: skip
+        record(
+            name,
+            split_norm_case,
+            configs[cfg],
+            rows,
+            n,
+            k,
+            getattr(torch, dtype),
+            "cpu",
+            bias,
+            silu,
+            seed=len(name),
+        )
     split = GemvConfig(block_n=16, block_k=32, split_k=2)
     for dtype in ("float32", "float16"):
         record(f"model-{dtype}", model_fusion_case, getattr(torch, dtype), "cpu", split)
-    record("model-float16-split-k-only", model_fusion_case, torch.float16, "cpu", split,
-           silu=False)  # fmt: skip
-    record("model-float16-fused-slower", model_fusion_case, torch.float16, "cpu", split,
-           fused_choice=False)  # fmt: skip
+    record("model-float16-split-k-only", model_fusion_case, torch.float16, "cpu", split, silu=False)
+    record(
+        "model-float16-fused-slower",
+        model_fusion_case,
+        torch.float16,
+        "cpu",
+        split,
+        fused_choice=False,
+    )
     for dtype in ("float32", "float16"):  # unsplit: SiLU-and-mul in the gate/up epilogue
-        record(f"gated-model-{dtype}", model_fusion_case, getattr(torch, dtype), "cpu",
-               GemvConfig(block_n=32, block_k=32), fused_choice=False)  # fmt: skip
+        record(
+            f"gated-model-{dtype}",
+            model_fusion_case,
+            getattr(torch, dtype),
+            "cpu",
+            GemvConfig(block_n=32, block_k=32),
+            fused_choice=False,
+        )
     from specserve.layers.attention.triton_attn import TritonAttentionBackend
 
     for dtype in ("float32", "float16"):  # tiles of one head: rotary + K/V store in qkv
-        record(f"rope-model-{dtype}", model_fusion_case, getattr(torch, dtype), "cpu",
-               GemvConfig(block_n=16, block_k=32), TritonAttentionBackend())  # fmt: skip
+        record(
+            f"rope-model-{dtype}",
+            model_fusion_case,
+            getattr(torch, dtype),
+            "cpu",
+            GemvConfig(block_n=16, block_k=32),
+            TritonAttentionBackend(),
+        )
     return results
 
 
@@ -170,12 +237,14 @@ def test_interpreter_rope_epilogue_equals_gemv_then_rotary_store(name, interpret
 def test_interpreter_split_k_pass_fused_into_add_rms_norm(name, interpreter_results):
     res = interpreter_results[name]
     assert isinstance(res, dict), f"{name} raised {res}"
-    assert res == {"deferred": True, "out": True, "total": True, "normed": True,
-                   "reduce": True}, name  # fmt: skip
+    assert res == {"deferred": True, "out": True, "total": True, "normed": True, "reduce": True}, (
+        name
+    )
 
 
-@pytest.mark.parametrize("case", ["float32", "float16", "float16-split-k-only",
-                                  "float16-fused-slower"])  # fmt: skip
+@pytest.mark.parametrize(
+    "case", ["float32", "float16", "float16-split-k-only", "float16-fused-slower"]
+)
 def test_interpreter_model_fused_equals_unfused(case, interpreter_results):
     res = interpreter_results[f"model-{case}"]
     assert isinstance(res, dict), res
@@ -258,10 +327,15 @@ def test_gated_projections_and_their_epilogue_tiles():
     assert gated_projections(model) == set()
     # the tile of half the width where the epilogue applies, else None
     assert gated_config(GemvConfig(128, 64, num_stages=4, block_m=64)) == GemvConfig(
-        64, 64, num_stages=4, block_m=64)  # fmt: skip
+        64, 64, num_stages=4, block_m=64
+    )
     assert gated_config(GemvConfig(32, 256, tma=True)) == GemvConfig(16, 256, tma=True)
-    for no in (None, GemvConfig(64, 128, split_k=2), GemvConfig(16, 256),
-               GemvConfig(8, 512, use_dot=False)):  # fmt: skip
+    for no in (
+        None,
+        GemvConfig(64, 128, split_k=2),
+        GemvConfig(16, 256),
+        GemvConfig(8, 512, use_dot=False),
+    ):
         assert gated_config(no) is None
 
 
@@ -296,8 +370,9 @@ def test_selection_compiles_one_variant_per_prefetch_under_pdl():
     assert len(compile_tasks({o: jobs, gate_up: jobs}, shapes)) == 1
     assert len(compile_tasks({o: jobs, gate_up: jobs}, shapes, pdl_on=True)) == 2
     # the epilogue streams both halves: twice the programs, its own prefetch
-    gated = compile_tasks({}, shapes, {gate_up: [(1, [GemvConfig(128, 128, num_stages=4)])]},
-                          pdl_on=True)  # fmt: skip
+    gated = compile_tasks(
+        {}, shapes, {gate_up: [(1, [GemvConfig(128, 128, num_stages=4)])]}, pdl_on=True
+    )
     (key,) = gated
     assert key[-3] == call_prefetch(cfg, 14336, 4096, 2, gated=True) == 2  # cfg: the half tile
     # a shape whose layers have a bias: each variant also with one (the task's last item)
@@ -328,8 +403,13 @@ def test_selection_compiles_the_rope_variants_of_qkv_candidates_that_fit():
     assert not rope_fits(GemvConfig(48, 128), 64, 4096)  # does not divide the head
     qkv = (6144, 4096, torch.bfloat16)
     shapes = {qkv: [torch.zeros(6144, 4096, dtype=torch.bfloat16)]}
-    tiles = [GemvConfig(64, 128), GemvConfig(256, 64), GemvConfig(64, 128, split_k=2),
-             GemvConfig(32, 256, num_stages=4), GemvConfig(64, 128, block_m=64)]  # fmt: skip
+    tiles = [
+        GemvConfig(64, 128),
+        GemvConfig(256, 64),
+        GemvConfig(64, 128, split_k=2),
+        GemvConfig(32, 256, num_stages=4),
+        GemvConfig(64, 128, block_m=64),
+    ]
     jobs = [(1, tiles), (4, tiles)]
     tasks = compile_tasks({qkv: jobs}, shapes, rope_jobs={qkv: ((32, 8, 128), jobs)})
     rope = [t for t in tasks.values() if isinstance(t[3], tuple)]
@@ -356,11 +436,15 @@ def test_plan_serves_a_fused_down_projection_by_its_own_measurement():
 
     plain, fused = GemvConfig(64, 128), GemvConfig(64, 128, 4)
     key = (96, 64, torch.float16)
-    plan = GemvPlan({(1, *key): GemvChoice(plain, 10.0, 9.0, 3),
-                     (1, *key, "silu+split_k"): GemvChoice(fused, 12.0, 8.0, 3),
-                     (2, *key): GemvChoice(plain, 10.0, 9.0, 3),
-                     (2, *key, "silu+split_k"): GemvChoice(None, 12.0, 12.0, 3)},
-                    row_buckets=(1, 2))  # fmt: skip
+    plan = GemvPlan(
+        {
+            (1, *key): GemvChoice(plain, 10.0, 9.0, 3),
+            (1, *key, "silu+split_k"): GemvChoice(fused, 12.0, 8.0, 3),
+            (2, *key): GemvChoice(plain, 10.0, 9.0, 3),
+            (2, *key, "silu+split_k"): GemvChoice(None, 12.0, 12.0, 3),
+        },
+        row_buckets=(1, 2),
+    )
     assert plan.config_for(1, *key) == plain  # a plain call of the shape
     assert plan.config_for(1, *key, "silu+split_k") == fused
     assert plan.config_for(2, *key, "silu+split_k") is None  # fused measured slower: torch
@@ -382,8 +466,7 @@ def test_selection_times_a_fused_down_projection_against_the_unfused_path(monkey
     monkeypatch.setattr(selector, "_measure", fake)
     jobs = bucket_candidates(ROW_BUCKETS, 96, 64, num_sms=132)
     for fusion in ((), ("silu+split_k",), ("norm",)):
-        selector._measure_shape(96, 64, torch.float16, jobs, [torch.zeros(96, 64)], 1e18,
-                                *fusion)  # fmt: skip
+        selector._measure_shape(96, 64, torch.float16, jobs, [torch.zeros(96, 64)], 1e18, *fusion)
     assert {cols for cols, fusion in seen if fusion == ("silu+split_k",)} == {128}  # [gate|up]
     assert {cols for cols, fusion in seen if fusion != ("silu+split_k",)} == {64}  # o_proj too
     for b in ROW_BUCKETS:

@@ -63,7 +63,13 @@ def _interpreter_cases() -> dict[str, tuple]:
             cases[f"dot-m{bm}-float16-m{rows}"] = (cfg, rows, 72, 200, "float16", False)
         split = GemvConfig(block_n=32, block_k=32, split_k=3, block_m=bm)
         cases[f"dot-m{bm}-split3-bias-float16-m{rows_list[-1]}"] = (
-            split, rows_list[-1], 40, 256, "float16", True)  # fmt: skip
+            split,
+            rows_list[-1],
+            40,
+            256,
+            "float16",
+            True,
+        )
     # weight tiles through a tensor descriptor: N and K off the tile (zero-filled edges)
     for bm, rows in ((16, 5), (64, 33), (64, 64)):
         tma = GemvConfig(block_n=16, block_k=64, block_m=bm, tma=True)
@@ -112,8 +118,9 @@ def model_decode_errors(dtype, device, config, seed=0) -> dict[str, float]:
     return errs
 
 
-def row_invariance_failures(dtype, n: int = 72, k: int = 600, device: str = "cpu",
-                            shared=None, mode: str = "plain") -> list[str]:  # fmt: skip
+def row_invariance_failures(
+    dtype, n: int = 72, k: int = 600, device: str = "cpu", shared=None, mode: str = "plain"
+) -> list[str]:
     """The configurations the selector may share across row buckets 1..16 (a long K: a K
     split among them; K off the block sizes) whose rows for M = 1, 4, 16, 20 or 64 differ,
     bit for bit, from the same rows computed 16 at a time (M = 20 and 64: a verify step's
@@ -136,7 +143,7 @@ def row_invariance_failures(dtype, n: int = 72, k: int = 600, device: str = "cpu
     kw = dict(silu=mode == "silu", gated=mode == "gated")
     failures = []
     for cfg in shared:
-        alone = torch.cat([gemv(x[i:i + 16], w, None, cfg, **kw) for i in range(0, 64, 16)])
+        alone = torch.cat([gemv(x[i : i + 16], w, None, cfg, **kw) for i in range(0, 64, 16)])
         for m in (1, 4, 16, 20, 64):
             if not torch.equal(gemv(x[:m], w, None, cfg, **kw), alone[:m]):
                 failures.append(f"{cfg} M={m}")
@@ -149,15 +156,17 @@ def run_cases() -> dict:
     results: dict = {}
     for name, (cfg, rows, n, k, dtype, bias) in _interpreter_cases().items():
         try:
-            results[name] = gemv_error(cfg, rows, n, k, getattr(torch, dtype), "cpu", bias,
-                                       seed=len(name))  # fmt: skip
+            results[name] = gemv_error(
+                cfg, rows, n, k, getattr(torch, dtype), "cpu", bias, seed=len(name)
+            )
         except Exception as e:  # reported per case by the test
             results[name] = f"{type(e).__name__}: {e}"
     for dtype in ("float32", "float16"):
         try:
             results[f"rows-invariant-{dtype}"] = row_invariance_failures(getattr(torch, dtype))
             results[f"rows-invariant-{dtype}"] += row_invariance_failures(
-                getattr(torch, dtype), 40, mode="gated")  # fmt: skip
+                getattr(torch, dtype), 40, mode="gated"
+            )
         except Exception as e:
             results[f"rows-invariant-{dtype}"] = f"{type(e).__name__}: {e}"
         cfg = GemvConfig(block_n=16, block_k=32, split_k=2)
@@ -212,16 +221,25 @@ def test_tma_configs_need_the_matrix_unit_path_and_16_byte_weight_rows():
 
 
 GPU_SHAPES = {  # (N, K): Llama-3.1-8B, its EAGLE-3 head's fc, SmolLM2-135M
-    "qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
-    "lm_head": (128256, 4096), "eagle_fc": (4096, 12288), "smol_qkv": (960, 576),
-    "smol_down": (576, 1536), "smol_lm_head": (49152, 576),
-}  # fmt: skip
+    "qkv": (6144, 4096),
+    "o": (4096, 4096),
+    "gate_up": (28672, 4096),
+    "down": (4096, 14336),
+    "lm_head": (128256, 4096),
+    "eagle_fc": (4096, 12288),
+    "smol_qkv": (960, 576),
+    "smol_down": (576, 1536),
+    "smol_lm_head": (49152, 576),
+}
 GPU_TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape, dtype", [(s, torch.bfloat16) for s in sorted(GPU_SHAPES)]
-                         + [("down", torch.float16), ("smol_qkv", torch.float16)])  # fmt: skip
+@pytest.mark.parametrize(
+    "shape, dtype",
+    [(s, torch.bfloat16) for s in sorted(GPU_SHAPES)]
+    + [("down", torch.float16), ("smol_qkv", torch.float16)],
+)
 def test_gpu_every_candidate_matches_torch(dtype, shape):
     """Every start-up candidate of every shape in bf16 (the kernels are generic in the
     dtype: fp16 at two shapes; each case compiles all its candidates, about 30 s)."""
@@ -229,13 +247,26 @@ def test_gpu_every_candidate_matches_torch(dtype, shape):
 
     n, k = GPU_SHAPES[shape]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    runs = [(rows, cfg) for rows in (1, 2, 13, 32, 64)  # every variant: fma 1/2, blocks 16-64
-            for cfg in candidate_configs(rows, n, k, sms)]  # fmt: skip
+    runs = [
+        (rows, cfg)
+        for rows in (1, 2, 13, 32, 64)  # every variant: fma 1/2, blocks 16-64
+        for cfg in candidate_configs(rows, n, k, sms)
+    ]
     w = torch.zeros(n, k, device="cuda", dtype=dtype)
     gemv(torch.zeros(1, k, device="cuda", dtype=dtype), w, None, runs[0][1], compile_only=True)
     with ThreadPoolExecutor(8) as pool:  # compile them in parallel first, as the selector does
-        list(pool.map(lambda run: gemv(torch.zeros(run[0], k, device="cuda", dtype=dtype), w,
-                                       None, run[1], compile_only=True), runs))  # fmt: skip
+        list(
+            pool.map(
+                lambda run: gemv(
+                    torch.zeros(run[0], k, device="cuda", dtype=dtype),
+                    w,
+                    None,
+                    run[1],
+                    compile_only=True,
+                ),
+                runs,
+            )
+        )
     for rows, cfg in runs:
         err = gemv_error(cfg, rows, n, k, dtype, "cuda", seed=rows)
         assert err < GPU_TOL[dtype], (shape, rows, str(cfg), err)
@@ -258,14 +289,21 @@ def test_gpu_shared_tiles_give_verify_rows_the_bits_of_decode_rows(dtype):
     bit for bit those of the same rows run 16 at a time (what a verify step of up to 16
     requests needs: the rows of its requests' decode steps)."""
     failures = []
-    for n, k, mode in ((6144, 4096, "plain"), (4096, 4096, "plain"), (4096, 14336, "plain"),
-                       (128256, 4096, "plain"), (4096, 14336, "silu"),
-                       (14336, 4096, "gated")):  # fmt: skip
+    for n, k, mode in (
+        (6144, 4096, "plain"),
+        (4096, 4096, "plain"),
+        (4096, 14336, "plain"),
+        (128256, 4096, "plain"),
+        (4096, 14336, "silu"),
+        (14336, 4096, "gated"),
+    ):
         from specserve.layers.gemv_select import bucket_candidates
 
         (_, shared), *_ = bucket_candidates((1,), n, k, num_sms=132)
-        failures += [f"{n}x{k} {mode}: {f}" for f in row_invariance_failures(
-            dtype, n, k, "cuda", shared, mode)]  # fmt: skip
+        failures += [
+            f"{n}x{k} {mode}: {f}"
+            for f in row_invariance_failures(dtype, n, k, "cuda", shared, mode)
+        ]
     assert failures == []
 
 
@@ -274,8 +312,10 @@ def test_gpu_gemv_is_graph_safe_and_reproducible():
     from specserve.layers.gemv import GemvConfig, gemv
 
     w = torch.randn(4096, 14336, device="cuda", dtype=torch.bfloat16)
-    cases = ((4, GemvConfig(block_n=64, block_k=128, split_k=8)),
-             (64, GemvConfig(block_n=64, block_k=128, split_k=4, block_m=64)))  # fmt: skip
+    cases = (
+        (4, GemvConfig(block_n=64, block_k=128, split_k=8)),
+        (64, GemvConfig(block_n=64, block_k=128, split_k=4, block_m=64)),
+    )
     for rows, cfg in cases:
         x = torch.randn(rows, 14336, device="cuda", dtype=torch.bfloat16)
         eager = gemv(x, w, None, cfg)

@@ -18,8 +18,10 @@ def test_plan_buckets_rows_and_falls_back_to_torch():
     from specserve.layers.gemv_select import ROW_BUCKETS, GemvChoice, GemvPlan, GemvSelector
 
     cfg = GemvConfig(block_n=64, block_k=128, split_k=4)
-    choices = {(4, 96, 64, torch.float16): GemvChoice(cfg, 10.0, 8.0, 5),
-               (1, 96, 64, torch.float16): GemvChoice(None, 10.0, 10.0, 5)}  # fmt: skip
+    choices = {
+        (4, 96, 64, torch.float16): GemvChoice(cfg, 10.0, 8.0, 5),
+        (1, 96, 64, torch.float16): GemvChoice(None, 10.0, 10.0, 5),
+    }
     plan = GemvPlan(choices, row_buckets=(1, 2, 4, 8))
     assert [plan.config_for(r, 96, 64, torch.float16) for r in (3, 4)] == [cfg, cfg]
     assert plan.config_for(1, 96, 64, torch.float16) is None  # torch measured faster
@@ -52,11 +54,19 @@ def test_verify_steps_look_up_the_bucket_of_their_request_count():
 
     shared, tall = GemvConfig(32, 64), GemvConfig(64, 64, block_m=64)
     key = (96, 64, torch.float16)
-    plan = GemvPlan({(b, *key): GemvChoice(shared if b <= 16 else tall, 2.0, 1.0, 3)
-                     for b in ROW_BUCKETS})  # fmt: skip
+    plan = GemvPlan(
+        {(b, *key): GemvChoice(shared if b <= 16 else tall, 2.0, 1.0, 3) for b in ROW_BUCKETS}
+    )
     assert plan.config_for(32, *key) == tall  # no step: by rows
-    for reqs, rows, want in [(8, 32, shared), (16, 64, shared), (1, 4, shared), (4, 4, shared),
-                             (32, 32, tall), (17, 64, tall), (1, 65, None)]:  # fmt: skip
+    for reqs, rows, want in [
+        (8, 32, shared),
+        (16, 64, shared),
+        (1, 4, shared),
+        (4, 4, shared),
+        (32, 32, tall),
+        (17, 64, tall),
+        (1, 65, None),
+    ]:
         plan.step_requests = reqs
         assert plan.config_for(rows, *key) == want, (reqs, rows)
     plan.by_requests = False  # --disable-batch-invariance: by rows alone
@@ -70,9 +80,12 @@ def test_verify_steps_look_up_the_bucket_of_their_request_count():
     plan = use_gemv(model, plan=GemvPlan())
     meta = build_meta([[1], [2], [3]], [0, 0, 0], [2, 1, 3], 4, "cpu")  # 3 requests, 6 rows
     with torch.inference_mode():
-        model(torch.zeros(6, dtype=torch.long), meta, KVCache(cfg, 4, 4, torch.float32,
-                                                              "cpu").layers,
-              TorchAttentionBackend())  # fmt: skip
+        model(
+            torch.zeros(6, dtype=torch.long),
+            meta,
+            KVCache(cfg, 4, 4, torch.float32, "cpu").layers,
+            TorchAttentionBackend(),
+        )
     assert plan.step_requests == 3
 
 
@@ -103,8 +116,9 @@ def test_small_batch_engines_measure_the_shared_buckets_and_forget_torch_where_i
         selector.measured[(b, *normed, NORM_TIMED)] = GemvChoice(None, 1.0, 1.0, 3)
     selector._forget_torch_choices(frozenset({shape, normed}))
     assert [(b, *shape) in selector.measured for b in ROW_BUCKETS] == [False] * 5 + [True] * 2
-    assert [(b, *normed, NORM_TIMED) in selector.measured
-            for b in ROW_BUCKETS] == [False] * 5 + [True] * 2  # fmt: skip
+    assert [(b, *normed, NORM_TIMED) in selector.measured for b in ROW_BUCKETS] == [False] * 5 + [
+        True
+    ] * 2
     assert all((b, *other) in selector.measured for b in ROW_BUCKETS)
     assert all((b, *shape, "norm") in selector.measured for b in ROW_BUCKETS)  # unfused: kept
 
@@ -128,8 +142,9 @@ def test_use_gemv_switches_modules_and_back_without_touching_weights():
     assert torch.equal(model.compute_logits(x), x @ model.lm_head_weight.T)
     use_gemv(model, enable=False)
     assert model.gemv_plan is None
-    assert all(type(m) in (nn.Linear, MergedLinear) for m in model.modules()
-               if isinstance(m, nn.Linear))  # fmt: skip
+    assert all(
+        type(m) in (nn.Linear, MergedLinear) for m in model.modules() if isinstance(m, nn.Linear)
+    )
     after = model.state_dict()
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in after)
 
@@ -148,7 +163,7 @@ def test_gemv_weights_groups_shapes_and_the_tied_logits_projection():
     assert groups[(cfg.vocab_size, h, torch.float32)][0] is not None  # the tied embedding
     assert linear_biases(model) == {}
     biased = tiny_model(tiny_config(qkv_bias=True), torch.float32, "cpu")
-    (key, bias), = linear_biases(biased).items()  # Qwen2's qkv: one bias per shape
+    ((key, bias),) = linear_biases(biased).items()  # Qwen2's qkv: one bias per shape
     assert key == qkv and bias.shape == (qkv[0],)
 
 
@@ -168,11 +183,15 @@ def test_candidate_configs_are_the_pruned_winners():
             # splits for a long K, and for a square weight where the row block has one
             assert any(c.split_k > 1 for c in cands) == (k > n or (k == n and bm != 32))
     down = candidate_configs(1, 4096, 14336, num_sms=132)
-    assert [str(c) for c in down if c.split_k > 1] == ["dot m16 n64 k128 s4 w4 st4",
-                                                       "dot m16 n32 k128 s3 w2 st4"]  # fmt: skip
+    assert [str(c) for c in down if c.split_k > 1] == [
+        "dot m16 n64 k128 s4 w4 st4",
+        "dot m16 n32 k128 s3 w2 st4",
+    ]
     down = candidate_configs(64, 4096, 14336, num_sms=132)
-    assert [str(c) for c in down if c.split_k > 1] == ["dot m64 n64 k128 s4 w4 st4",
-                                                       "dot m64 n64 k128 s2 w4 st5"]  # fmt: skip
+    assert [str(c) for c in down if c.split_k > 1] == [
+        "dot m64 n64 k128 s4 w4 st4",
+        "dot m64 n64 k128 s2 w4 st5",
+    ]
     o_proj = candidate_configs(8, 4096, 4096, num_sms=132)
     assert [str(c) for c in o_proj if c.split_k > 1] == ["dot m16 n32 k128 s3 w2 st4"]
     o_proj = candidate_configs(64, 4096, 4096, num_sms=132)
@@ -266,10 +285,12 @@ def test_selection_leaves_torch_out_of_small_buckets_where_it_is_batch_variant(m
 
     def select(torch_shared, deadline=1e18) -> dict:
         selector = GemvSelector()
-        monkeypatch.setattr(selector, "_measure",
-                            lambda cfg, x, rotation: (us(cfg, x.shape[0]), 0.0))  # fmt: skip
-        selector._measure_shape(96, 64, torch.float16, jobs, [torch.zeros(96, 64)], deadline,
-                                torch_shared=torch_shared)  # fmt: skip
+        monkeypatch.setattr(
+            selector, "_measure", lambda cfg, x, rotation: (us(cfg, x.shape[0]), 0.0)
+        )
+        selector._measure_shape(
+            96, 64, torch.float16, jobs, [torch.zeros(96, 64)], deadline, torch_shared=torch_shared
+        )
         return {r: selector.measured[(r, 96, 64, torch.float16)] for r in ROW_BUCKETS}
 
     for torch_shared in (True, False):
@@ -312,6 +333,7 @@ def test_torch_rows_agree_compares_each_row_count_with_the_full_batch(monkeypatc
 
     assert torch_rows_agree(w, 16, linear=per_row)
     assert torch_rows_agree(w, 16, bias, linear=per_row)
+
     def by_count(x, w, b=None):  # another kernel from 8 rows on
         return per_row(x, w, b) * (1 + (len(x) >= 8) * 1e-3)
 
@@ -337,8 +359,10 @@ def test_torch_rows_agree_compares_each_row_count_with_the_full_batch(monkeypatc
     assert sorted(checked) == [((24, 32), False, 16), ((48, 32), True, 16)]
     assert gemv_invariance.torch_varies(weights, {}, 1) == frozenset()  # one row: nothing
 
-    plan = GemvPlan({(1, 24, 32, torch.float32): GemvChoice(None, 1.0, math.inf, 3)},
-                    torch_varies=frozenset({plain}))  # fmt: skip
+    plan = GemvPlan(
+        {(1, 24, 32, torch.float32): GemvChoice(None, 1.0, math.inf, 3)},
+        torch_varies=frozenset({plain}),
+    )
     assert plan.summary()[0]["torch_varies"] is True
     assert plan.summary()[0]["speedup"] is None  # not a finite ratio: no Infinity in JSON
 
@@ -367,8 +391,9 @@ def test_candidates_are_timed_after_a_kernel_that_writes_their_input(monkeypatch
 
     monkeypatch.setattr(triton_norm, "rms_norm", fake_norm)
     seen = []
-    run = gemv_timing.after_producer(lambda x, w: seen.append(x.clone()) or x @ w.T,
-                                     torch.ones(1, 4))  # fmt: skip
+    run = gemv_timing.after_producer(
+        lambda x, w: seen.append(x.clone()) or x @ w.T, torch.ones(1, 4)
+    )
     x, w = torch.randn(1, 4), torch.randn(3, 4)
     assert torch.equal(run(x, w), (2 * x) @ w.T) and torch.equal(seen[0], 2 * x)
     run(x, w)
@@ -376,8 +401,9 @@ def test_candidates_are_timed_after_a_kernel_that_writes_their_input(monkeypatch
 
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     inputs = []
-    monkeypatch.setattr(gemv_select, "time_in_graph_us",
-                        lambda fn, x, ws, reps: (fn(x, ws[0]), 1.0)[1])  # fmt: skip
+    monkeypatch.setattr(
+        gemv_select, "time_in_graph_us", lambda fn, x, ws, reps: (fn(x, ws[0]), 1.0)[1]
+    )
     monkeypatch.setattr(gemv_select, "torch_linear", lambda x, w: inputs.append(x.clone()))
     for producer, factor in [(True, 2), (False, 1)]:
         inputs.clear()
@@ -401,6 +427,7 @@ def test_first_calls_do_not_count_against_the_budget(monkeypatch):
         selector = GemvSelector()
         monkeypatch.setattr(selector, "_measure", lambda cfg, x, rotation, s=first_call_s: (1.0, s))
         jobs = bucket_candidates(ROW_BUCKETS, 96, 64, num_sms=132)
-        selector._measure_shape(96, 64, torch.float16, jobs, [torch.zeros(96, 64)],
-                                time.perf_counter())  # fmt: skip
+        selector._measure_shape(
+            96, 64, torch.float16, jobs, [torch.zeros(96, 64)], time.perf_counter()
+        )
         assert (selector.skipped > 0) == untried

@@ -29,14 +29,16 @@ def test_plain_keys_of_norm_feeding_shapes_are_timed_with_the_norm(monkeypatch):
         return out  # (a split reduced by its own pass, when not deferred)
 
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
-    monkeypatch.setattr(gemv_select, "time_in_graph_us",
-                        lambda fn, x, ws, reps: (fn(x, ws[0]), 1.0)[1])  # fmt: skip
+    monkeypatch.setattr(
+        gemv_select, "time_in_graph_us", lambda fn, x, ws, reps: (fn(x, ws[0]), 1.0)[1]
+    )
     monkeypatch.setattr(gemv_select, "torch_linear", lambda x, w: calls.append("torch"))
     monkeypatch.setattr(gemv_select, "gemv", fake_gemv)
     monkeypatch.setattr(gemv_timing, "gemv", fake_gemv)
     monkeypatch.setattr(triton_ops, "add_rms_norm", lambda *a: calls.append("add+norm"))
-    monkeypatch.setattr(triton_ops, "split_k_add_rms_norm",
-                        lambda *a: calls.append("split pass+add+norm"))  # fmt: skip
+    monkeypatch.setattr(
+        triton_ops, "split_k_add_rms_norm", lambda *a: calls.append("split pass+add+norm")
+    )
     f32 = torch.float32
     down, o, qkv, head_down = (96, 64, f32), (64, 64, f32), (48, 64, f32), (80, 64, f32)
     fused = {down: "silu+split_k", o: "norm", head_down: "silu"}
@@ -58,15 +60,24 @@ def test_plain_keys_of_norm_feeding_shapes_are_timed_with_the_norm(monkeypatch):
         assert selector.norm_after == ({down, o} if on else set())
         jobs = job_keys(shapes, fused, selector.norm_after)
         if on:
-            assert set(jobs) == {(*down, NORM_TIMED), (*o, NORM_TIMED), qkv, head_down,
-                                 (*down, "silu+split_k"), (*head_down, "silu")}  # fmt: skip
+            assert set(jobs) == {
+                (*down, NORM_TIMED),
+                (*o, NORM_TIMED),
+                qkv,
+                head_down,
+                (*down, "silu+split_k"),
+                (*head_down, "silu"),
+            }
         else:
             assert set(jobs) == {*shapes, *((*s, f) for s, f in fused.items())}
         for shape in shapes:
             tag = (NORM_TIMED,) if (*shape, NORM_TIMED) in jobs else ()
             with_norm = bool(tag)
             alone = [["torch"], [("gemv", 2, False)], [("gemv", 1, False)]]
-            normed = [["add+norm"], [("gemv", 2, True), "split pass+add+norm"],
-                      [("gemv", 1, True), "add+norm"]]  # fmt: skip
+            normed = [
+                ["add+norm"],
+                [("gemv", 2, True), "split pass+add+norm"],
+                [("gemv", 1, True), "add+norm"],
+            ]
             got = [timed(shape, cfg, *tag) for cfg in (None, split, unsplit)]
             assert got == (normed if with_norm else alone)

@@ -33,8 +33,9 @@ def split_tiles(rows: int, n: int, k: int, cfg, programs: int) -> int:
     return sum(owner[t * iters] != owner[t * iters + iters - 1] for t in range(tiles))
 
 
-def stream_k_case(cfg, rows: int, n: int, k: int, dtype, device, bias=False, silu=False,
-                  seed=0) -> dict:  # fmt: skip
+def stream_k_case(
+    cfg, rows: int, n: int, k: int, dtype, device, bias=False, silu=False, seed=0
+) -> dict:
     """{"err": against float64, "same": a second call's bits, "counters": the tile counters'
     sum after the calls (0: put back), "split": tiles split between programs}."""
     from specserve.layers import gemv_stream_k
@@ -51,9 +52,13 @@ def stream_k_case(cfg, rows: int, n: int, k: int, dtype, device, bias=False, sil
         x = (gate.double() * x[:, k:].double()).to(dtype)
     ref = x.double() @ w.double().T + (b.double() if bias else 0)
     counters = gemv_stream_k._COUNTERS[out.device]  # (cuda:0, not cuda)
-    return {"err": rel_err(out, ref), "same": torch.equal(out, again),
-            "counters": int(counters.abs().sum()), "dtype": str(out.dtype),
-            "split": split_tiles(rows, n, k, cfg, gemv_stream_k.num_programs(out.device))}
+    return {
+        "err": rel_err(out, ref),
+        "same": torch.equal(out, again),
+        "counters": int(counters.abs().sum()),
+        "dtype": str(out.dtype),
+        "split": split_tiles(rows, n, k, cfg, gemv_stream_k.num_programs(out.device)),
+    }
 
 
 def _cases() -> dict[str, tuple]:
@@ -85,12 +90,32 @@ def run_cases() -> dict:
     record = functools.partial(record_case, results)
 
     for name, (cfg, rows, n, k, dtype, bias, silu) in _cases().items():
-        record(name, stream_k_case, cfg, rows, n, k, getattr(torch, dtype), "cpu", bias, silu,
-               seed=len(name))  # fmt: skip
+        record(
+            name,
+            stream_k_case,
+            cfg,
+            rows,
+            n,
+            k,
+            getattr(torch, dtype),
+            "cpu",
+            bias,
+            silu,
+            seed=len(name),
+        )
     for dtype in ("float32", "float16"):  # SiLU-and-mul as the gate/up epilogue
-        record(f"gated-{dtype}-r33", gated_gemv_case, GemvConfig(32, 64, block_m=64,
-                                                                  stream_k=True),
-               33, 72, 200, getattr(torch, dtype), "cpu", bias=True, seed=33)  # fmt: skip
+        record(
+            f"gated-{dtype}-r33",
+            gated_gemv_case,
+            GemvConfig(32, 64, block_m=64, stream_k=True),
+            33,
+            72,
+            200,
+            getattr(torch, dtype),
+            "cpu",
+            bias=True,
+            seed=33,
+        )
     return results
 
 
@@ -157,8 +182,9 @@ def test_stream_k_schedule_gives_every_split_tile_its_pieces_in_k_order():
                     hi = ((t * iters + iters) * programs - 1) // units
                     if lo == hi:
                         continue
-                    ranges = [written[(q, 0 if t == starts[q] // iters else 1)]
-                              for q in range(lo, hi + 1)]  # fmt: skip
+                    ranges = [
+                        written[(q, 0 if t == starts[q] // iters else 1)] for q in range(lo, hi + 1)
+                    ]
                     assert [r[0] for r in ranges] == [t] * (hi - lo + 1)
                     assert ranges[0][1] == 0 and ranges[-1][2] == iters
                     assert all(a[2] == b[1] for a, b in zip(ranges, ranges[1:]))
@@ -176,8 +202,9 @@ def test_stream_k_candidates_only_when_switched_on_and_only_above_16_rows():
         assert not has_stream_k(64)
         gemv_configs.set_stream_k(True)
         assert has_stream_k(64) and has_stream_k(32) and not has_stream_k(16)
-        assert str(next(c for c in candidate_configs(64, 6144, 4096, 132) if c.stream_k)
-                   ).endswith(" sk")  # fmt: skip
+        assert str(next(c for c in candidate_configs(64, 6144, 4096, 132) if c.stream_k)).endswith(
+            " sk"
+        )
     finally:
         gemv_configs.set_stream_k(False)
     assert not GemvConfig(64, 128, split_k=2, stream_k=True).supports(64, 4096, 4096)
@@ -196,8 +223,7 @@ def test_stream_k_candidates_only_when_switched_on_and_only_above_16_rows():
 
 
 # ---- GPU ------------------------------------------------------------------------------------
-_SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
-           "down": (4096, 14336)}  # fmt: skip
+_SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 
 
 @pytest.mark.gpu
@@ -215,13 +241,15 @@ def test_gpu_stream_k_at_8b_shapes(dtype):
         for name, (n, k) in _SHAPES.items():
             for rows in (33, 64):
                 for cfg in (c for c in candidate_configs(rows, n, k, 132) if c.stream_k):
-                    res = stream_k_case(cfg, rows, n, k, dtype, "cuda", silu=name == "down",
-                                        seed=rows)  # fmt: skip
+                    res = stream_k_case(
+                        cfg, rows, n, k, dtype, "cuda", silu=name == "down", seed=rows
+                    )
                     assert res["err"] < TOL[dtype] and res["same"], (name, rows, str(cfg), res)
                     assert res["counters"] == 0 and res["split"] > 0, (name, str(cfg), res)
                     if name == "gate_up" and gated_config(cfg) is not None:
-                        gated = gated_gemv_case(gated_config(cfg), rows, n // 2, k, dtype,
-                                                "cuda", seed=rows)  # fmt: skip
+                        gated = gated_gemv_case(
+                            gated_config(cfg), rows, n // 2, k, dtype, "cuda", seed=rows
+                        )
                         assert gated["err"] < TOL[dtype], (rows, str(cfg), gated)
     finally:
         gemv_configs.set_stream_k(False)

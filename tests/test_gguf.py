@@ -38,8 +38,7 @@ def hf_model():
 
 @pytest.fixture(scope="module")
 def chat_prompts(specserve_llm):
-    return [specserve_llm.apply_chat_template([{"role": "user", "content": q}])
-            for q in QUESTIONS]
+    return [specserve_llm.apply_chat_template([{"role": "user", "content": q}]) for q in QUESTIONS]
 
 
 def test_default_model_is_the_smollm2_gguf(specserve_llm):
@@ -63,8 +62,13 @@ def test_greedy_matches_transformers_gguf_load(specserve_llm, hf_model, chat_pro
     with torch.no_grad():
         for ids in chat_prompts:
             x = torch.tensor([ids])
-            y = hf_model.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
-                                  max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS)
-            expected.append(y[0, len(ids):].tolist())
+            y = hf_model.generate(
+                x,
+                attention_mask=torch.ones_like(x),
+                do_sample=False,
+                max_new_tokens=NEW_TOKENS,
+                min_new_tokens=NEW_TOKENS,
+            )
+            expected.append(y[0, len(ids) :].tolist())
     assert [o.token_ids for o in outs] == expected
     assert "Paris" in outs[0].text  # a trained model, not noise

@@ -20,9 +20,14 @@ def test_padded_graph_steps_keep_greedy_output(tiny_llama):
     params = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True)
     plain = [o.token_ids for o in LLM(str(tiny_llama)).generate(prompts, params)]
 
-    llm = LLM(str(tiny_llama), speculative_algorithm="draft",
-              speculative_draft_model_path=str(tiny_llama), speculative_num_steps=4,
-              speculative_policy="fixed", page_size=4)
+    llm = LLM(
+        str(tiny_llama),
+        speculative_algorithm="draft",
+        speculative_draft_model_path=str(tiny_llama),
+        speculative_num_steps=4,
+        speculative_policy="fixed",
+        page_size=4,
+    )
     calls = install_padded_runner(llm, tokens_per_request=(1, 2, 3, 4, 5))
     pick = random.Random(9)
     llm.engine.spec.policy = PerRequestPolicy(4, lambda req: pick.choice([0, 1, 2, 4]))
@@ -50,10 +55,12 @@ def test_graph_head_serves_greedy_sampled_and_logprob_steps(tiny_llama):
     greedy-only steps take the graph's tokens."""
     rng = random.Random(5)
     prompts = [[rng.randrange(3, VOCAB) for _ in range(n)] for n in (3, 7, 12, 4)]
-    params = [SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True),
-              SamplingParams(max_tokens=9, temperature=0.9, seed=11, ignore_eos=True),
-              SamplingParams(max_tokens=9, temperature=0.0, logprobs=3, ignore_eos=True),
-              SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True)]  # fmt: skip
+    params = [
+        SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_tokens=9, temperature=0.9, seed=11, ignore_eos=True),
+        SamplingParams(max_tokens=9, temperature=0.0, logprobs=3, ignore_eos=True),
+        SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True),
+    ]
     plain = _run_engine(LLM(str(tiny_llama), page_size=4), prompts, params)
     llm = LLM(str(tiny_llama), page_size=4)
     calls = install_padded_runner(llm, tokens_per_request=(1,))
@@ -110,9 +117,15 @@ def test_dense_greedy_verify_takes_the_graphs_tokens(tiny_llama, tmp_path, draft
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     plain = [o.token_ids for o in LLM(str(tiny_llama)).generate(prompts, params)]
     draft = tiny_llama if drafter == "target" else make_tiny_model(tmp_path, "llama", seed=1)
-    llm = LLM(str(tiny_llama), speculative_algorithm="draft",
-              speculative_draft_model_path=str(draft), speculative_num_steps=3,
-              speculative_policy="fixed", page_size=4, overlap_schedule=overlap)  # fmt: skip
+    llm = LLM(
+        str(tiny_llama),
+        speculative_algorithm="draft",
+        speculative_draft_model_path=str(draft),
+        speculative_num_steps=3,
+        speculative_policy="fixed",
+        page_size=4,
+        overlap_schedule=overlap,
+    )
     calls = install_padded_runner(llm, tokens_per_request=(1, 2, 3, 4))
     runner = llm.engine.runner
     sample, kept = runner.sample_async, verify.argmax_rows
@@ -120,8 +133,12 @@ def test_dense_greedy_verify_takes_the_graphs_tokens(tiny_llama, tmp_path, draft
 
     def watched(step, hidden, *args):
         lens = [num_drafts(s) for s in step.sampled]
-        dense = (runner.step_head is not None and lens and min(lens) == max(lens) > 0
-                 and len(step.sample_rows) == hidden.shape[0])  # fmt: skip
+        dense = (
+            runner.step_head is not None
+            and lens
+            and min(lens) == max(lens) > 0
+            and len(step.sample_rows) == hidden.shape[0]
+        )
         seen["in_dense"] = dense
         try:
             out = sample(step, hidden, *args)
@@ -166,8 +183,11 @@ def test_graph_accept_lengths_are_greedy_verifications():
     for q in (2, 4, 6):
         choice = torch.randint(0, 3, (64, q), generator=gen)
         logits = torch.nn.functional.one_hot(choice, 5).float()
-        drafts = torch.where(torch.rand(64, q - 1, generator=gen) < 0.8, choice[:, :-1],
-                             torch.randint(0, 3, (64, q - 1), generator=gen))  # fmt: skip
+        drafts = torch.where(
+            torch.rand(64, q - 1, generator=gen) < 0.8,
+            choice[:, :-1],
+            torch.randint(0, 3, (64, q - 1), generator=gen),
+        )
         ids = torch.cat([torch.zeros(64, 1, dtype=torch.int64), drafts], dim=1)
         ref = verify_greedy(logits, drafts, None)
         assert torch.equal(greedy_accept_lens(ids, choice), ref.accept_len)

@@ -61,8 +61,9 @@ def _buffers(device: torch.device):
 def _spread_rows(meta):
     """`meta` with its page table's rows apart (a column slice of a wider table)."""
     tables = meta.block_tables
-    wide = torch.full((tables.shape[0], tables.shape[1] + 5), 999, dtype=tables.dtype,
-                      device=tables.device)  # fmt: skip
+    wide = torch.full(
+        (tables.shape[0], tables.shape[1] + 5), 999, dtype=tables.dtype, device=tables.device
+    )
     wide[:, : tables.shape[1]] = tables
     return replace(meta, block_tables=wide[:, : tables.shape[1]])
 
@@ -84,10 +85,23 @@ def mismatches(device: str, seed: int = 0) -> list[str]:
             continue
         torch_path, kernel_path = _buffers(dev), _buffers(dev)
         stage_torch(torch_path, ids, meta, bucket, tokens)
-        static = (kernel_path.input_ids, kernel_path.positions, kernel_path.slot_mapping,
-                  kernel_path.seq_lens, kernel_path.block_tables)  # fmt: skip
-        stage(ids, meta.positions, meta.slot_mapping, meta.seq_lens, meta.block_tables,
-              static, bucket, tokens)  # fmt: skip
+        static = (
+            kernel_path.input_ids,
+            kernel_path.positions,
+            kernel_path.slot_mapping,
+            kernel_path.seq_lens,
+            kernel_path.block_tables,
+        )
+        stage(
+            ids,
+            meta.positions,
+            meta.slot_mapping,
+            meta.seq_lens,
+            meta.block_tables,
+            static,
+            bucket,
+            tokens,
+        )
         for key in vars(torch_path):
             if not torch.equal(getattr(torch_path, key), getattr(kernel_path, key)):
                 out.append(f"{name}: {key}")
@@ -98,8 +112,9 @@ def run_cases() -> dict:
     from specserve.runtime import stage_kernel
     from tests.specialization_run import after_start_up
 
-    return after_start_up(lambda: stage_kernel.warm_up(torch.device("cpu")),
-                          lambda: mismatches("cpu"))  # fmt: skip
+    return after_start_up(
+        lambda: stage_kernel.warm_up(torch.device("cpu")), lambda: mismatches("cpu")
+    )
 
 
 # the interpreter run (module, seconds idle) whose results the `interpreter_results` fixture gives

@@ -52,18 +52,28 @@ def byte_fallback_tokenizer():
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
-    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"),
-                                           normalizers.Replace(" ", "▁")])
-    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
-                                     decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence(
+        [
+            decoders.Replace("▁", " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            decoders.Strip(" ", 1, 0),
+        ]
+    )
     byte_tokens = [f"<0x{b:02X}>" for b in range(256)]
-    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<unk>", "<s>", "</s>",
-                                                                   *byte_tokens])
+    trainer = trainers.BpeTrainer(
+        vocab_size=320, special_tokens=["<unk>", "<s>", "</s>", *byte_tokens]
+    )
     tok.train_from_iterator(CORPUS * 4, trainer)
     spec = json.loads(tok.to_str())  # byte tokens are ordinary vocabulary, not special
     spec["added_tokens"] = [t for t in spec["added_tokens"] if t["content"] not in byte_tokens]
-    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(spec)),
-                                   bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer.from_str(json.dumps(spec)),
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+    )
 
 
 def wordpiece_tokenizer():
@@ -74,10 +84,15 @@ def wordpiece_tokenizer():
     tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
     tok.decoder = decoders.WordPiece(cleanup=False)  # transformers cleans up instead
-    tok.train_from_iterator(CORPUS * 4, trainers.WordPieceTrainer(
-        vocab_size=200, special_tokens=["[UNK]", "[SEP]"]))
-    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]",
-                                   sep_token="[SEP]", clean_up_tokenization_spaces=True)
+    tok.train_from_iterator(
+        CORPUS * 4, trainers.WordPieceTrainer(vocab_size=200, special_tokens=["[UNK]", "[SEP]"])
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        unk_token="[UNK]",
+        sep_token="[SEP]",
+        clean_up_tokenization_spaces=True,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -111,9 +126,13 @@ def test_paths_chosen(tokenizers):
 ids_strategy = st.lists(st.one_of(st.integers(0, 400), st.integers(0, 49151)), max_size=30)
 
 
-@given(name=st.sampled_from(["tiny", "smollm2", "byte_fallback", "wordpiece"]),
-       ids=ids_strategy, prompt=ids_strategy, path=st.sampled_from(["stream", "decode"]),
-       stop=st.lists(st.sampled_from(["a", "o w", "🙂", "\ufffd", "你好", ". "]), max_size=2))
+@given(
+    name=st.sampled_from(["tiny", "smollm2", "byte_fallback", "wordpiece"]),
+    ids=ids_strategy,
+    prompt=ids_strategy,
+    path=st.sampled_from(["stream", "decode"]),
+    stop=st.lists(st.sampled_from(["a", "o w", "🙂", "\ufffd", "你好", ". "]), max_size=2),
+)
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 def test_same_deltas_as_the_plain_algorithm(tokenizers, name, ids, prompt, path, stop):
     tok = tokenizers[name]
@@ -128,12 +147,15 @@ def test_same_deltas_as_the_plain_algorithm(tokenizers, name, ids, prompt, path,
     assert (fast.text, fast.stopped) == (ref.text, ref.stopped)
 
 
-@pytest.mark.parametrize("text", [
-    "Héllo wörld 你好世界 🙂🙂 naïve — café.",
-    "Hello , world ! What ? It 's fine . (yes)",
-    "👩‍👩‍👧 emoji sequences and 🇫🇷 flags",
-    "tabs\tand\nnew lines\n\n  double  spaces ",
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "Héllo wörld 你好世界 🙂🙂 naïve — café.",
+        "Hello , world ! What ? It 's fine . (yes)",
+        "👩‍👩‍👧 emoji sequences and 🇫🇷 flags",
+        "tabs\tand\nnew lines\n\n  double  spaces ",
+    ],
+)
 def test_whole_text_equals_decode(tokenizers, text):
     """For tokenizers whose decode concatenates (byte-level, byte-fallback), the streamed text
     is what `decode` gives for the whole output, special tokens in the middle included."""
@@ -147,7 +169,7 @@ def test_whole_text_equals_decode(tokenizers, text):
         deltas = stream_deltas(detok, ids)
         want = tok.decode(ids, skip_special_tokens=True)
         if name == "byte_fallback":  # the context keeps the first token's leading space
-            want = tok.decode(prompt + ids, skip_special_tokens=True)[len("Say:"):]
+            want = tok.decode(prompt + ids, skip_special_tokens=True)[len("Say:") :]
         assert "".join(deltas) == detok.text == want, name
         assert not any("\ufffd" in d for d in deltas), name
 

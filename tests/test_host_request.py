@@ -48,13 +48,18 @@ class FakeDetokenizer:
     detokenize=st.booleans(),
 )
 @settings(max_examples=300, deadline=None)
-def test_finish_reasons(prompt_len, max_tokens, max_len, ignore_eos, stop_ids, tokens,
-                        detokenize):
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos,
-                            stop_token_ids=stop_ids)
-    req = Request("r", list(range(prompt_len)), params, arrival=0, seed=0, max_len=max_len,
-                  eos_token_ids=frozenset([EOS]),
-                  detokenizer=FakeDetokenizer() if detokenize else None)
+def test_finish_reasons(prompt_len, max_tokens, max_len, ignore_eos, stop_ids, tokens, detokenize):
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos, stop_token_ids=stop_ids)
+    req = Request(
+        "r",
+        list(range(prompt_len)),
+        params,
+        arrival=0,
+        seed=0,
+        max_len=max_len,
+        eos_token_ids=frozenset([EOS]),
+        detokenizer=FakeDetokenizer() if detokenize else None,
+    )
     for token in tokens:
         req.append_token(token)
         assert req.finish_reason == expected_finish(req, token, detokenize and token == 7)
@@ -62,12 +67,24 @@ def test_finish_reasons(prompt_len, max_tokens, max_len, ignore_eos, stop_ids, t
             break
 
 
-@given(prompt_len=st.integers(1, 20), outputs=st.integers(0, 10),
-       unprocessed=st.integers(0, 4), inflight=st.integers(0, 2), cached=st.integers(0, 30))
+@given(
+    prompt_len=st.integers(1, 20),
+    outputs=st.integers(0, 10),
+    unprocessed=st.integers(0, 4),
+    inflight=st.integers(0, 2),
+    cached=st.integers(0, 30),
+)
 def test_length_properties(prompt_len, outputs, unprocessed, inflight, cached):
     params = SamplingParams(max_tokens=25)
-    req = Request("r", list(range(prompt_len)), params, arrival=0, seed=0, max_len=40,
-                  eos_token_ids=frozenset())
+    req = Request(
+        "r",
+        list(range(prompt_len)),
+        params,
+        arrival=0,
+        seed=0,
+        max_len=40,
+        eos_token_ids=frozenset(),
+    )
     req.output_token_ids = list(range(outputs))
     req.unprocessed_token_ids = list(range(unprocessed))
     req.num_inflight, req.cached_len = inflight, cached

@@ -103,8 +103,9 @@ class AllocatorMachine(RuleBasedStateMachine):
 
 
 TestAllocatorStateMachine = AllocatorMachine.TestCase
-TestAllocatorStateMachine.settings = settings(max_examples=60, stateful_step_count=40,
-                                              deadline=None)
+TestAllocatorStateMachine.settings = settings(
+    max_examples=60, stateful_step_count=40, deadline=None
+)
 
 
 @given(st.lists(st.integers(1, 7), min_size=1, max_size=6))

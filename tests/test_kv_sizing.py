@@ -62,14 +62,24 @@ def test_cuda_budget_leaves_room_for_the_eagle3_head(monkeypatch, tmp_path_facto
     head_page += 16 * cfg.hidden_size * 4  # the feature store
     free = 1000 * page + weights
     _fake_cuda(monkeypatch, free, 2 * free)
-    config = EngineConfig(model=str(target), speculative_algorithm="eagle3",
-                          speculative_draft_model_path=str(head), kv_cache_memory_fraction=1.0,
-                          disable_cuda_graph=True)
+    config = EngineConfig(
+        model=str(target),
+        speculative_algorithm="eagle3",
+        speculative_draft_model_path=str(head),
+        kv_cache_memory_fraction=1.0,
+        disable_cuda_graph=True,
+    )
     assert kv_cache_pages(config, cfg, torch.float32, CUDA) == 1000 * page // (page + head_page)
 
 
-@pytest.mark.parametrize("bad", [dict(kv_cache_memory_fraction=0.0),
-                                 dict(kv_cache_memory_fraction=1.5), dict(kv_cache_bytes=0)])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(kv_cache_memory_fraction=0.0),
+        dict(kv_cache_memory_fraction=1.5),
+        dict(kv_cache_bytes=0),
+    ],
+)
 def test_bad_sizes_are_refused(bad):
     with pytest.raises(ConfigError, match=next(iter(bad))):
         EngineConfig(**bad)
@@ -95,20 +105,20 @@ def test_cuda_budget_leaves_room_for_every_graphs_outputs(monkeypatch):
     k3 = EngineConfig(speculative_algorithm="ngram", speculative_num_steps=3)
     k5 = EngineConfig(speculative_algorithm="ngram", speculative_num_steps=5)
     # buckets 1, 2, 4, 8, 16, 32, ..., 256: 2,191 requests; q = 1..K+1 tokens each
-    assert graph_output_bytes(k3, eight_b, torch.bfloat16) == 2191 * 10 * (
-        (128256 + 4096) * 2 + 16)
-    assert graph_output_bytes(k5, eight_b, torch.bfloat16) == 2191 * 21 * (
-        (128256 + 4096) * 2 + 16)
-    assert graph_output_bytes(replace(k5, disable_cuda_graph=True), eight_b,
-                              torch.bfloat16) == 0  # fmt: skip
+    assert graph_output_bytes(k3, eight_b, torch.bfloat16) == 2191 * 10 * ((128256 + 4096) * 2 + 16)
+    assert graph_output_bytes(k5, eight_b, torch.bfloat16) == 2191 * 21 * ((128256 + 4096) * 2 + 16)
+    assert graph_output_bytes(replace(k5, disable_cuda_graph=True), eight_b, torch.bfloat16) == 0
     plain = EngineConfig(speculative_algorithm="none", max_num_seqs=4)
     reserve = graph_output_bytes(plain, CFG, torch.float32)
     assert reserve == (1 + 2 + 4) * 1 * ((CFG.vocab_size + CFG.hidden_size) * 4 + 16)
     _fake_cuda(monkeypatch, 1000 * PAGE, 4000 * PAGE)
     long_cfg = replace(CFG, max_position_embeddings=4000)  # no full-context cap here
-    config = EngineConfig(speculative_algorithm="none", max_num_seqs=4,
-                          kv_cache_memory_fraction=1.0)
-    assert kv_cache_pages(replace(config, disable_cuda_graph=True), long_cfg, torch.float32,
-                          CUDA) == 1000  # fmt: skip
+    config = EngineConfig(
+        speculative_algorithm="none", max_num_seqs=4, kv_cache_memory_fraction=1.0
+    )
+    assert (
+        kv_cache_pages(replace(config, disable_cuda_graph=True), long_cfg, torch.float32, CUDA)
+        == 1000
+    )
     with_graphs = kv_cache_pages(config, long_cfg, torch.float32, CUDA)
     assert with_graphs == (1000 * PAGE - reserve) // PAGE < 1000

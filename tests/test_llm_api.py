@@ -12,8 +12,10 @@ from tests.tiny_models import CHAT_TEMPLATE
 
 CONVERSATIONS = [
     [{"role": "user", "content": "The quick brown fox"}],
-    [{"role": "system", "content": "Speculative decoding"},
-     {"role": "user", "content": "Paged attention stores keys"}],
+    [
+        {"role": "system", "content": "Speculative decoding"},
+        {"role": "user", "content": "Paged attention stores keys"},
+    ],
 ]
 GREEDY = SamplingParams(max_tokens=10, ignore_eos=True)
 
@@ -28,8 +30,10 @@ def test_chat_is_the_chat_template_then_generate(llm):
     both = llm.chat(CONVERSATIONS, GREEDY)
     assert len(one) == 1 and len(both) == 2
     for conversation, out in zip(CONVERSATIONS, both):
-        text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n"
-                       for m in conversation) + "<|im_start|>assistant\n"  # CHAT_TEMPLATE
+        text = (
+            "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in conversation)
+            + "<|im_start|>assistant\n"
+        )  # CHAT_TEMPLATE
         ids = llm.tokenizer.encode(text, add_special_tokens=False)
         assert llm.apply_chat_template(conversation) == ids
         assert out.prompt_token_ids == ids
@@ -83,8 +87,12 @@ def test_logprobs_through_completion_output_equal_the_engines(llm):
 def test_logprobs_of_speculative_steps_cover_every_token(llm, tiny_llama):
     """A drafter that is always right (the target itself) commits several tokens a step;
     each keeps its own logprobs, as plain decoding computes them."""
-    spec = LLM(str(tiny_llama), speculative_algorithm="draft",
-               speculative_draft_model_path=str(tiny_llama), speculative_policy="fixed")
+    spec = LLM(
+        str(tiny_llama),
+        speculative_algorithm="draft",
+        speculative_draft_model_path=str(tiny_llama),
+        speculative_policy="fixed",
+    )
     prompts = [llm.apply_chat_template(c) for c in CONVERSATIONS]
     params = SamplingParams(max_tokens=9, ignore_eos=True, logprobs=2)
     plain, drafted = llm.generate(prompts, params), spec.generate(prompts, params)

@@ -14,8 +14,11 @@ CPU = torch.device("cpu")
 
 
 def test_pack_keeps_the_host_lengths_and_split_slices_them():
-    segments = [Segment([1, 2], 5, [7]), Segment([3, 4], 9, [7, 8, 9], pad=1, max_shift=2),
-                Segment([5, 6, 7], 0, list(range(40)))]  # fmt: skip
+    segments = [
+        Segment([1, 2], 5, [7]),
+        Segment([3, 4], 9, [7, 8, 9], pad=1, max_shift=2),
+        Segment([5, 6, 7], 0, list(range(40))),
+    ]
     _, meta, _ = pack(segments, 16, CPU)
     assert meta.query_lens == [1, 4, 40] and meta.seq_bounds == [6, 14, 40]
     tokens, head, tail = meta.split(most=4)

@@ -37,13 +37,22 @@ def test_layout_maps_checkpoint_names_to_merged_rows():
         model = LlamaForCausalLM(tiny_config(qkv_bias=True))
     layout = checkpoint_layout(model)
     prefix = "model.layers.1."
-    assert layout[prefix + "self_attn.q_proj.weight"] == (prefix + "self_attn.qkv_proj.weight",
-                                                          0, (64, 64))
+    assert layout[prefix + "self_attn.q_proj.weight"] == (
+        prefix + "self_attn.qkv_proj.weight",
+        0,
+        (64, 64),
+    )
     assert layout[prefix + "self_attn.k_proj.weight"][1:] == (64, (32, 64))
-    assert layout[prefix + "self_attn.v_proj.bias"] == (prefix + "self_attn.qkv_proj.bias",
-                                                        96, (32,))
-    assert layout[prefix + "mlp.up_proj.weight"] == (prefix + "mlp.gate_up_proj.weight",
-                                                     96, (96, 64))
+    assert layout[prefix + "self_attn.v_proj.bias"] == (
+        prefix + "self_attn.qkv_proj.bias",
+        96,
+        (32,),
+    )
+    assert layout[prefix + "mlp.up_proj.weight"] == (
+        prefix + "mlp.gate_up_proj.weight",
+        96,
+        (96, 64),
+    )
     assert not any("qkv_proj" in k or "gate_up_proj" in k for k in layout)
 
 
@@ -57,17 +66,33 @@ def test_merged_weights_equal_the_checkpoint_tensors(tiny_qwen2):
     assert torch.equal(mlp.gate_up_proj.weight, want)
 
 
-@pytest.mark.parametrize("edit, match", [
-    (lambda t: t.pop("model.layers.0.self_attn.k_proj.weight"),
-     r"lacks 1 tensor.*'?model\.layers\.0\.self_attn\.k_proj\.weight"),
-    (lambda t: t.update({"model.layers.1.self_attn.v_proj.weight": torch.zeros(8, 64)}),
-     r"'model\.layers\.1\.self_attn\.v_proj\.weight' has shape \(8, 64\)"),
-    (lambda t: t.update({"model.layers.0.mlp.up_proj.weight":
-                         t["model.layers.0.mlp.up_proj.weight"].to(torch.int32)}),
-     r"'model\.layers\.0\.mlp\.up_proj\.weight' has dtype torch\.int32"),
-    (lambda t: t.update({"model.layers.0.self_attn.qkv_proj.weight": torch.zeros(2, 2)}),
-     r"unexpected tensor 'model\.layers\.0\.self_attn\.qkv_proj\.weight'"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "edit, match",
+    [
+        (
+            lambda t: t.pop("model.layers.0.self_attn.k_proj.weight"),
+            r"lacks 1 tensor.*'?model\.layers\.0\.self_attn\.k_proj\.weight",
+        ),
+        (
+            lambda t: t.update({"model.layers.1.self_attn.v_proj.weight": torch.zeros(8, 64)}),
+            r"'model\.layers\.1\.self_attn\.v_proj\.weight' has shape \(8, 64\)",
+        ),
+        (
+            lambda t: t.update(
+                {
+                    "model.layers.0.mlp.up_proj.weight": t["model.layers.0.mlp.up_proj.weight"].to(
+                        torch.int32
+                    )
+                }
+            ),
+            r"'model\.layers\.0\.mlp\.up_proj\.weight' has dtype torch\.int32",
+        ),
+        (
+            lambda t: t.update({"model.layers.0.self_attn.qkv_proj.weight": torch.zeros(2, 2)}),
+            r"unexpected tensor 'model\.layers\.0\.self_attn\.qkv_proj\.weight'",
+        ),
+    ],
+)
 def test_strict_loading_names_the_checkpoint_tensor(tiny_llama, tmp_path, edit, match):
     folder = _edited(tiny_llama, tmp_path / "m", edit)
     with pytest.raises(CheckpointError, match=match):
@@ -75,8 +100,9 @@ def test_strict_loading_names_the_checkpoint_tensor(tiny_llama, tmp_path, edit, 
 
 
 def test_qkv_bias_is_required_when_the_config_has_it(tiny_qwen2, tmp_path):
-    folder = _edited(tiny_qwen2, tmp_path / "m",
-                     lambda t: t.pop("model.layers.1.self_attn.q_proj.bias"))
+    folder = _edited(
+        tiny_qwen2, tmp_path / "m", lambda t: t.pop("model.layers.1.self_attn.q_proj.bias")
+    )
     with pytest.raises(CheckpointError, match=r"lacks 1 tensor.*q_proj\.bias"):
         _load(folder)
 

@@ -35,8 +35,7 @@ def reference(models):
     return make_reference(models)
 
 
-@pytest.mark.parametrize("kw", [{}, dict(page_size=1), dict(page_size=4,
-                                                             max_num_batched_tokens=9)])
+@pytest.mark.parametrize("kw", [{}, dict(page_size=1), dict(page_size=4, max_num_batched_tokens=9)])
 def test_plain_greedy_identical(models, reference, kw):
     _, outs = generate(models, prompts_for(), GREEDY, "on", **kw)
     assert outs == reference(GREEDY)
@@ -44,8 +43,9 @@ def test_plain_greedy_identical(models, reference, kw):
 
 @pytest.mark.parametrize("drafter", ["copy", "random", "ngram", "eagle3"])
 def test_speculative_greedy_identical_random_draft_lengths(models, reference, drafter):
-    llm, outs = generate(models, prompts_for(), GREEDY, "on", drafter, random_k=True,
-                          speculative_num_steps=4)
+    llm, outs = generate(
+        models, prompts_for(), GREEDY, "on", drafter, random_k=True, speculative_num_steps=4
+    )
     assert outs == reference(GREEDY)
     assert sum(k * n for k, n in enumerate(llm.engine.spec.policy.trace.steps_by_draft_len))
 
@@ -69,16 +69,25 @@ def test_stops_and_max_tokens_identical(models, reference, drafter):
     assert [len(t) for t, _, _ in expected][3:5] == [1, 2]
     assert any(r == "stop" for _, _, r in expected)
     assert len(expected[7][0]) == 40 - len(prompts_for()[7])  # stopped by the context limit
-    _, outs = generate(models, prompts_for(), params, "on", drafter, speculative_num_steps=7,
-                        max_model_len=40)
+    _, outs = generate(
+        models, prompts_for(), params, "on", drafter, speculative_num_steps=7, max_model_len=40
+    )
     assert outs == expected
 
 
 @pytest.mark.parametrize("drafter", [None, "random", "eagle3"])
 def test_preemption_identical(models, reference, drafter):
     kw = dict(page_size=4, num_kv_pages=24)
-    llm, outs = generate(models, prompts_for(), GREEDY, "on", drafter, random_k=bool(drafter),
-                          speculative_num_steps=3, **kw)
+    llm, outs = generate(
+        models,
+        prompts_for(),
+        GREEDY,
+        "on",
+        drafter,
+        random_k=bool(drafter),
+        speculative_num_steps=3,
+        **kw,
+    )
     assert outs == reference(GREEDY)
     assert llm.engine.scheduler.num_preemptions > 0
 
@@ -86,8 +95,12 @@ def test_preemption_identical(models, reference, drafter):
 @pytest.mark.parametrize("drafter", [None, "random"])
 def test_seeded_sampling_and_logprobs_identical(models, drafter):
     prompts = prompts_for()
-    params = [SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, seed=100 + i,
-                             logprobs=2, ignore_eos=True) for i in range(len(prompts))]
+    params = [
+        SamplingParams(
+            max_tokens=12, temperature=0.9, top_p=0.95, seed=100 + i, logprobs=2, ignore_eos=True
+        )
+        for i in range(len(prompts))
+    ]
     params[3] = SamplingParams(max_tokens=12, temperature=0.0, logprobs=1, ignore_eos=True)
     params[4] = SamplingParams(max_tokens=12, temperature=0.7, seed=5, ignore_eos=True)
     results = {}
@@ -101,8 +114,9 @@ def test_seeded_sampling_and_logprobs_identical(models, drafter):
 def test_config_flags():
     assert EngineConfig(model="x", device="cpu").overlap_enabled() is False
     assert EngineConfig(model="x", device="cpu", overlap_schedule="on").overlap_enabled()
-    assert not EngineConfig(model="x", device="cuda", disable_overlap_schedule=True,
-                            speculative_algorithm="none").overlap_enabled()
+    assert not EngineConfig(
+        model="x", device="cuda", disable_overlap_schedule=True, speculative_algorithm="none"
+    ).overlap_enabled()
     assert EngineConfig(model="x", device="cuda", speculative_algorithm="none").overlap_enabled()
     with pytest.raises(ConfigError, match="overlap_schedule"):
         EngineConfig(model="x", overlap_schedule="sometimes")
@@ -123,8 +137,12 @@ def test_overlap_does_the_same_work(models):
     drafter that is always right both loops run the same steps and accept every draft."""
     results = {}
     for overlap in ("off", "on"):
-        llm = LLM(models["target"], overlap_schedule=overlap, **spec_kwargs(models, "copy"),
-                  speculative_num_steps=3)
+        llm = LLM(
+            models["target"],
+            overlap_schedule=overlap,
+            **spec_kwargs(models, "copy"),
+            speculative_num_steps=3,
+        )
         fed = []
         schedule = llm.engine.scheduler.schedule
 
@@ -150,11 +168,11 @@ def test_graph_padded_steps_identical(models, reference, drafter):
     decode steps whose input ids are gathered from the step in flight."""
     from tests.model_cases import install_padded_runner
 
-    llm = LLM(models["target"], overlap_schedule="on", page_size=4,
-              **spec_kwargs(models, drafter))
+    llm = LLM(models["target"], overlap_schedule="on", page_size=4, **spec_kwargs(models, drafter))
     spec = llm.engine.spec
-    calls = install_padded_runner(llm, tokens_per_request=(1, 2, 3, 4),
-                                  aux_layer_ids=spec.aux_layer_ids if spec else ())
+    calls = install_padded_runner(
+        llm, tokens_per_request=(1, 2, 3, 4), aux_layer_ids=spec.aux_layer_ids if spec else ()
+    )
     if drafter:
         random_draft_lens(llm, seed=4)
     seen = count_gathers(llm)

@@ -52,8 +52,9 @@ def eagle3(models, overlap: str, padded=False, seed=5, choices=(0, 1, 2, 3, 3), 
     llm = LLM(models["target"], overlap_schedule=overlap, **kw)
     llm.engine.spec.policy = StepDraftLens(3, seed, choices)
     if padded:
-        install_padded_runner(llm, tokens_per_request=(1, 2, 3, 4),
-                              aux_layer_ids=llm.engine.spec.aux_layer_ids)  # fmt: skip
+        install_padded_runner(
+            llm, tokens_per_request=(1, 2, 3, 4), aux_layer_ids=llm.engine.spec.aux_layer_ids
+        )
         proposer = llm.engine.spec.proposer
         proposer.graphs = capture_drafter_graphs(proposer, llm.engine.target, use_graphs=False)
     return llm
@@ -65,10 +66,15 @@ def ran_ahead(llm, seen) -> None:
     assert llm.engine.loop.num_waits < seen["moved"]
 
 
-@pytest.mark.parametrize("padded, kw, sampled", [
-    (False, {}, False), (False, dict(page_size=1), False), (True, dict(page_size=4), False),
-    (False, {}, True),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "padded, kw, sampled",
+    [
+        (False, {}, False),
+        (False, dict(page_size=1), False),
+        (True, dict(page_size=4), False),
+        (False, {}, True),
+    ],
+)
 def test_simulated_acceptance_same_tokens(models, padded, kw, sampled):
     """Partial acceptance every step: positions, KV slots and the drafter's inputs move by
     accept lengths only the device knows. Tokens equal the synchronous loop's, up to the
@@ -77,8 +83,10 @@ def test_simulated_acceptance_same_tokens(models, padded, kw, sampled):
     drafts are drawn on the host) and plain ones after a speculative step run ahead with
     its sampling counters moved on the device."""
     prompts = prompts_for()
-    params = [SamplingParams(max_tokens=36, temperature=0.0, ignore_eos=True, seed=i)
-              for i in range(len(prompts))]  # fmt: skip
+    params = [
+        SamplingParams(max_tokens=36, temperature=0.0, ignore_eos=True, seed=i)
+        for i in range(len(prompts))
+    ]
     if sampled:
         params[2] = SamplingParams(max_tokens=36, temperature=0.8, seed=2, ignore_eos=True)
     outs, accepted = {}, {}
@@ -110,8 +118,9 @@ def test_drafts_equal_host_chain(models, reference, padded):
     ref_llm.generate(prompts_for(), params)
     matched = 0
     for seed in (5, 6):
-        llm = eagle3(models, "on", padded, seed=seed, choices=(0, 1, 2, 3),
-                     page_size=4 if padded else 16)  # fmt: skip
+        llm = eagle3(
+            models, "on", padded, seed=seed, choices=(0, 1, 2, 3), page_size=4 if padded else 16
+        )
         seen = count_gathers(llm)
         got = record_drafts(llm)
         outs = llm.generate(prompts_for(), params)
@@ -174,9 +183,12 @@ def test_chunked_prefill_features_in_flight(models, reference, padded):
 
     def spy(items, prev):
         if prev is not None:
-            short_chunks.extend(it for it in items
-                                if id(it.request) in {id(s.request) for s in prev.scheduled}
-                                and id(it.request) not in prev.rows)  # fmt: skip
+            short_chunks.extend(
+                it
+                for it in items
+                if id(it.request) in {id(s.request) for s in prev.scheduled}
+                and id(it.request) not in prev.rows
+            )
         return catch_up_inputs(items, prev)
 
     proposer._catch_up_inputs = spy
@@ -192,8 +204,12 @@ def test_waiting_path_drops_requests_that_stopped(models, reference):
     in the next step."""
     params = stop_params(reference(GREEDY))
     expected = reference(params)
-    llm = LLM(models["target"], overlap_schedule="on", speculative_num_steps=3,
-              **spec_kwargs(models, "random"))  # fmt: skip
+    llm = LLM(
+        models["target"],
+        overlap_schedule="on",
+        speculative_num_steps=3,
+        **spec_kwargs(models, "random"),
+    )
     runner, stopped = llm.engine.runner, []
     prepare = runner.prepare
 
@@ -201,9 +217,11 @@ def test_waiting_path_drops_requests_that_stopped(models, reference):
         for s in batch:
             req = s.request
             p = req.params
-            stopped.extend(t for t in req.unprocessed_token_ids
-                           if t in p.stop_token_ids or (not p.ignore_eos
-                                                        and t in req.eos_token_ids))
+            stopped.extend(
+                t
+                for t in req.unprocessed_token_ids
+                if t in p.stop_token_ids or (not p.ignore_eos and t in req.eos_token_ids)
+            )
         return prepare(batch, prev)
 
     runner.prepare = spy

@@ -53,9 +53,15 @@ def synthetic_clock(spec) -> None:
 
 def goodput(models, overlap: str, **kw) -> LLM:
     with mock.patch.object(Speculator, "measure_costs", fixed_costs):
-        llm = LLM(models["target"], overlap_schedule=overlap, speculative_algorithm="eagle3",
-                  speculative_draft_model_path=models["eagle3"], speculative_num_steps=3,
-                  speculative_policy="goodput", **kw)  # fmt: skip
+        llm = LLM(
+            models["target"],
+            overlap_schedule=overlap,
+            speculative_algorithm="eagle3",
+            speculative_draft_model_path=models["eagle3"],
+            speculative_num_steps=3,
+            speculative_policy="goodput",
+            **kw,
+        )
     synthetic_clock(llm.engine.spec)
     policy = llm.engine.spec.policy
     # Probe every K often (each probe is a switch there and back): K changes every few steps.
@@ -101,8 +107,9 @@ def test_max_tokens_batch_drafts_past_the_end_without_waits(models, reference, p
     and the overlap loop never waits; the tokens past max_tokens never reach the client:
     outputs equal plain decoding."""
     prompts = prompts_for()[:4]
-    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-              for n in (30, 6, 17, 11)]  # fmt: skip
+    params = [
+        SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (30, 6, 17, 11)
+    ]
     want = [reference(p, [q])[0] for p, q in zip(params, prompts)]
     llm = goodput(models, "on")
     spec = llm.engine.spec

@@ -70,11 +70,19 @@ def test_cuda_overlap_stops_identical(gpu_models, spec):
     under overlap) cannot flip a near-tie between the two loops."""
     target, _ = gpu_models
     kw = dict(dtype="float32", max_model_len=40)
-    kw.update(dict(speculative_algorithm="draft", speculative_draft_model_path=target, **SPEC)
-              if spec else dict(speculative_algorithm="none"))
+    kw.update(
+        dict(speculative_algorithm="draft", speculative_draft_model_path=target, **SPEC)
+        if spec
+        else dict(speculative_algorithm="none")
+    )
     prompts = prompts_for()
-    _, ref = _run(target, prompts, SamplingParams(max_tokens=14, temperature=0.0,
-                                                  ignore_eos=True), "off", **kw)
+    _, ref = _run(
+        target,
+        prompts,
+        SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True),
+        "off",
+        **kw,
+    )
     params = stop_params(ref)
     _, sync = _run(target, prompts, params, "off", **kw)
     _, overlap = _run(target, prompts, params, "on", **kw)
@@ -86,8 +94,10 @@ def test_cuda_overlap_preemption_and_seeded(gpu_models):
     target, _ = gpu_models
     kw = dict(dtype="float32", page_size=4, num_kv_pages=40, speculative_algorithm="none")
     prompts = prompts_for()
-    params = [SamplingParams(max_tokens=16, temperature=0.8, seed=i, ignore_eos=True)
-              for i in range(len(prompts))]
+    params = [
+        SamplingParams(max_tokens=16, temperature=0.8, seed=i, ignore_eos=True)
+        for i in range(len(prompts))
+    ]
     _, sync = _run(target, prompts, params, "off", **kw)
     engine, overlap = _run(target, prompts, params, "on", **kw)
     assert overlap == sync
@@ -96,14 +106,24 @@ def test_cuda_overlap_preemption_and_seeded(gpu_models):
 
 # fp32: the two loops pad catch-ups differently (the step in flight's rows), which in half
 # precision may change GEMM rounding and flip a near tie between drafts.
-EAGLE3 = dict(dtype="float32", speculative_algorithm="eagle3", speculative_num_steps=3,
-              speculative_policy="fixed")  # fmt: skip
+EAGLE3 = dict(
+    dtype="float32",
+    speculative_algorithm="eagle3",
+    speculative_num_steps=3,
+    speculative_policy="fixed",
+)
 
 
 def _eagle3(gpu_models, overlap, seed=5, choices=(0, 1, 2, 3, 3), **kw):
     target, head = gpu_models
-    llm = LLM(target, device="cuda", overlap_schedule=overlap,
-              speculative_draft_model_path=head, **EAGLE3, **kw)  # fmt: skip
+    llm = LLM(
+        target,
+        device="cuda",
+        overlap_schedule=overlap,
+        speculative_draft_model_path=head,
+        **EAGLE3,
+        **kw,
+    )
     engine = llm.engine
     assert engine.runner.graphs is not None and engine.spec.proposer.graphs is not None
     engine.spec.policy = StepDraftLens(3, seed, choices)
@@ -116,8 +136,10 @@ def test_cuda_eagle3_runs_ahead_same_tokens(gpu_models):
     graphs fed there) and draws the synchronous loop's tokens (up to each request's last
     few, where the host's draft-length cap is an upper bound under overlap)."""
     prompts = prompts_for()
-    params = [SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, seed=i)
-              for i in range(len(prompts))]  # fmt: skip
+    params = [
+        SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, seed=i)
+        for i in range(len(prompts))
+    ]
     outs = {}
     for overlap in ("off", "on"):
         llm = _eagle3(gpu_models, overlap, speculative_simulate_acceptance=0.6)
@@ -127,8 +149,10 @@ def test_cuda_eagle3_runs_ahead_same_tokens(gpu_models):
         seen = count_gathers(llm)
         result = llm.generate(prompts, params)
         outs[overlap] = [o.token_ids[: 40 - 8] for o in result]
-        assert llm.engine.kv.allocator.num_used == 0 and sum(
-            o.spec_stats.accepted for o in result) > 20
+        assert (
+            llm.engine.kv.allocator.num_used == 0
+            and sum(o.spec_stats.accepted for o in result) > 20
+        )
         assert chains
     assert outs["on"] == outs["off"]
     assert seen["moved"] > 5 and llm.engine.loop.num_waits < seen["moved"]
@@ -159,12 +183,19 @@ def test_cuda_eagle3_arrivals_aborts_and_preemption(gpu_models):
     target, _ = gpu_models
     prompts = prompts_for(seed=8, lengths=(3, 12, 7, 20, 5, 16, 9, 2, 14, 6))
     kw = dict(page_size=4, num_kv_pages=18, max_model_len=64)
-    _, ref = _run(target, prompts_for(), SamplingParams(max_tokens=14, temperature=0.0,
-                  ignore_eos=True), "off", dtype="float32", speculative_algorithm="none")
+    _, ref = _run(
+        target,
+        prompts_for(),
+        SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True),
+        "off",
+        dtype="float32",
+        speculative_algorithm="none",
+    )
     params = stop_params(ref)
     params = [params[i % len(params)] for i in range(len(prompts))]
-    _, expected = _run(target, prompts, params, "off", dtype="float32",
-                       speculative_algorithm="none", **kw)  # fmt: skip
+    _, expected = _run(
+        target, prompts, params, "off", dtype="float32", speculative_algorithm="none", **kw
+    )
     llm = _eagle3(gpu_models, "on", **kw)
     seen = count_gathers(llm)
     engine, rng = llm.engine, random.Random(21)

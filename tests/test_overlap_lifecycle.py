@@ -44,8 +44,11 @@ def test_abort_while_in_flight(models, reference):
                     finished[out.request_id] = out.token_ids
             inflight = engine.loop.inflight
             if turn in (2, 3) and inflight is not None:
-                victim = next(s.request.request_id for s in inflight.step_input.sampled
-                              if s.request.request_id not in aborted)
+                victim = next(
+                    s.request.request_id
+                    for s in inflight.step_input.sampled
+                    if s.request.request_id not in aborted
+                )
                 engine.abort_request(victim)
                 aborted.add(victim)
             if not engine.has_unfinished():
@@ -73,8 +76,13 @@ def test_server_engine_loop_with_overlap(models, reference):
     outbox = Outbox(writer)
     prompts = prompts_for()
     long = SamplingParams(max_tokens=400, ignore_eos=True)
-    inbox.put(("add", [AddRequest(f"r{i}", p, GREEDY) for i, p in enumerate(prompts)]
-               + [AddRequest("long", prompts[0], long)]))
+    inbox.put(
+        (
+            "add",
+            [AddRequest(f"r{i}", p, GREEDY) for i, p in enumerate(prompts)]
+            + [AddRequest("long", prompts[0], long)],
+        )
+    )
     loop = EngineLoop(engine, inbox, outbox)
     tokens: dict[str, list[int]] = {}
     done: set[str] = set()
@@ -87,8 +95,7 @@ def test_server_engine_loop_with_overlap(models, reference):
             tokens.setdefault(delta.request_id, []).extend(delta.new_token_ids)
             if delta.finished:
                 done.add(delta.request_id)
-    assert [tokens[f"r{i}"] for i in range(len(prompts))] == [t for t, _, _ in
-                                                              reference(GREEDY)]
+    assert [tokens[f"r{i}"] for i in range(len(prompts))] == [t for t, _, _ in reference(GREEDY)]
     assert "long" not in done and engine.stats()["overlap_schedule"] is True
     inbox.put(("abort", ["long"]))
     inbox.put(("shutdown", None))
@@ -108,8 +115,14 @@ def test_random_arrivals_aborts_and_preemption(models, reference, drafter):
     params = stop_params(reference(GREEDY))
     params = [params[i % len(params)] for i in range(len(prompts))]
     expected = reference(params, prompts)
-    llm = LLM(models["target"], overlap_schedule="on", page_size=4, num_kv_pages=20,
-              speculative_num_steps=3, **spec_kwargs(models, drafter))
+    llm = LLM(
+        models["target"],
+        overlap_schedule="on",
+        page_size=4,
+        num_kv_pages=20,
+        speculative_num_steps=3,
+        **spec_kwargs(models, drafter),
+    )
     if drafter:
         random_draft_lens(llm, seed=22)
     engine = llm.engine

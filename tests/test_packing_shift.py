@@ -59,10 +59,15 @@ def mismatches(device: str, seed: int = 0) -> list[str]:
             results = []
             for kernel in (False, True):
                 packing.use_shift_kernel = lambda _device, _k=kernel: _k
-                ids, meta, last = packing.pack(copy.deepcopy(segments), PAGE, dev,
-                                               shift.to(dev))  # fmt: skip
-                tensors = (ids, meta.positions, meta.slot_mapping, meta.seq_lens,
-                           meta.query_start_loc, meta.block_tables)  # fmt: skip
+                ids, meta, last = packing.pack(copy.deepcopy(segments), PAGE, dev, shift.to(dev))
+                tensors = (
+                    ids,
+                    meta.positions,
+                    meta.slot_mapping,
+                    meta.seq_lens,
+                    meta.query_start_loc,
+                    meta.block_tables,
+                )
                 results.append([t.cpu().tolist() for t in tensors] + [last])
             if results[0] != results[1]:
                 out.append(name)
@@ -76,8 +81,9 @@ def run_cases() -> dict:
     from tests.specialization_run import after_start_up
 
     # steps of 1-600 tokens, views at any offset
-    return after_start_up(lambda: shift_kernel.warm_up(torch.device("cpu")),
-                          lambda: mismatches("cpu"))  # fmt: skip
+    return after_start_up(
+        lambda: shift_kernel.warm_up(torch.device("cpu")), lambda: mismatches("cpu")
+    )
 
 
 # the interpreter run (module, seconds idle) whose results the `interpreter_results` fixture gives

@@ -60,13 +60,21 @@ def test_engine_and_cli_carry_the_switches(restore_pdl, tiny_llama):
     defaults = engine_config(build_parser().parse_args(["generate", "hi"]))
     assert not defaults.disable_pdl and not defaults.disable_fusion
     pdl.set_enabled(True)
-    engine = LLMEngine(type(cfg)(model=str(tiny_llama), device="cpu", disable_pdl=True,
-                                 num_kv_pages=16))  # fmt: skip
+    engine = LLMEngine(
+        type(cfg)(model=str(tiny_llama), device="cpu", disable_pdl=True, num_kv_pages=16)
+    )
     assert pdl.is_enabled() is False  # set at start-up, before any kernel is compiled
     assert engine.runner.backend.batch_invariant  # by default (attention's fixed chunks)
     args = build_parser().parse_args(["generate", "hi", "--disable-batch-invariance"])
-    engine = LLMEngine(replace(engine_config(args), model=str(tiny_llama), device="cpu",
-                               speculative_algorithm="none", num_kv_pages=16))  # fmt: skip
+    engine = LLMEngine(
+        replace(
+            engine_config(args),
+            model=str(tiny_llama),
+            device="cpu",
+            speculative_algorithm="none",
+            num_kv_pages=16,
+        )
+    )
     assert engine.runner.backend.batch_invariant is False
 
 
@@ -91,26 +99,44 @@ def compiled() -> dict:
         pytest.skip("this triton has no CUDA backend to compile with")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
-    proc = subprocess.run([sys.executable, "-m", "tests.pdl_compile"], cwd=ROOT, env=env,
-                          capture_output=True, text=True,
-                          timeout=child_timeout(600))  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.pdl_compile"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=child_timeout(600),
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def _launches(compiled: dict, mode: str) -> dict:
-    return {k: v for k, v in compiled.items() if k.endswith("/" + mode) and "/" in k[:-5]
-            and not k.startswith("norm-tail")}  # fmt: skip
+    return {
+        k: v
+        for k, v in compiled.items()
+        if k.endswith("/" + mode) and "/" in k[:-5] and not k.startswith("norm-tail")
+    }
 
 
 def test_pdl_kernels_wait_before_touching_memory(compiled):
     launches = _launches(compiled, "pdl")
     kernels = {name.split("/")[1] for name in launches}
-    assert kernels >= {"_gemv_kernel", "_gemv_split_k_reduce_kernel", "_rms_norm_kernel",
-                       "_add_rms_norm_kernel", "_split_k_add_rms_norm_kernel",
-                       "_silu_and_mul_kernel", "_rotary_kernel", "_rotary_store_kv_kernel",
-                       "_kv_write_kernel", "_paged_attn_decode_kernel", "_paged_attn_kernel",
-                       "_split_reduce_kernel", "_gemv_stream_k_kernel"}, kernels  # fmt: skip
+    assert kernels >= {
+        "_gemv_kernel",
+        "_gemv_split_k_reduce_kernel",
+        "_rms_norm_kernel",
+        "_add_rms_norm_kernel",
+        "_split_k_add_rms_norm_kernel",
+        "_silu_and_mul_kernel",
+        "_rotary_kernel",
+        "_rotary_store_kv_kernel",
+        "_kv_write_kernel",
+        "_paged_attn_decode_kernel",
+        "_paged_attn_kernel",
+        "_split_reduce_kernel",
+        "_gemv_stream_k_kernel",
+    }, kernels
     for name, marks in launches.items():
         assert isinstance(marks, dict), f"{name} did not compile: {marks}"
         assert marks["use_pdl"] and marks["launch_pdl"], name
@@ -121,8 +147,9 @@ def test_pdl_kernels_wait_before_touching_memory(compiled):
             # 64-bit integers only, never q (16/32-bit) nor K/V (async copies)
             assert marks["load"] is not None and marks["load"] < wait, (name, marks)
             early = marks["loads_before_wait"]
-            assert early and all(re.fullmatch(r"ld\.global(\.nc)?(\.v[24])?\.[bus]64", op)
-                                 for op in early), (name, early)  # fmt: skip
+            assert early and all(
+                re.fullmatch(r"ld\.global(\.nc)?(\.v[24])?\.[bus]64", op) for op in early
+            ), (name, early)
         else:
             assert marks["load"] is not None and marks["load"] > wait, (name, marks)
         if "_gemv_kernel" in name or "_gemv_stream_k_kernel" in name:

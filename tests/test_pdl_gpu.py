@@ -46,8 +46,9 @@ def _graph_replay(fn):
     return out
 
 
-def _steps_in_graphs(dtype, use_pdl: bool, fuse: bool, device="cuda", silu: bool = True,
-                     split_k: int = 2) -> list[torch.Tensor]:  # fmt: skip
+def _steps_in_graphs(
+    dtype, use_pdl: bool, fuse: bool, device="cuda", silu: bool = True, split_k: int = 2
+) -> list[torch.Tensor]:
     """Prefill two requests eagerly, then a decode step (1 token each) and a verify step (4
     tokens each), each captured in a CUDA graph and replayed (on the CPU: run eagerly):
     hidden states, logits, KV."""
@@ -60,14 +61,20 @@ def _steps_in_graphs(dtype, use_pdl: bool, fuse: bool, device="cuda", silu: bool
     from tests.model_cases import build_meta, tiny_config, tiny_model
 
     pdl.set_enabled(use_pdl)
-    cfg = tiny_config(hidden_size=256, intermediate_size=768, num_heads=4, num_kv_heads=2,
-                      head_dim=64, vocab_size=1000, max_position_embeddings=512)  # fmt: skip
+    cfg = tiny_config(
+        hidden_size=256,
+        intermediate_size=768,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+        vocab_size=1000,
+        max_position_embeddings=512,
+    )
     model = tiny_model(cfg, dtype, device)
     use_triton_ops(model, fuse=fuse)
     if fuse and not silu:
         set_fusions(model, silu=False, split_k=True)
-    use_gemv(model, plan=GemvPlan(row_buckets=(1, 2, 4, 8),
-                                  default=GemvConfig(64, 128, split_k)))  # fmt: skip
+    use_gemv(model, plan=GemvPlan(row_buckets=(1, 2, 4, 8), default=GemvConfig(64, 128, split_k)))
     backend = TritonAttentionBackend(num_splits=2)  # the split-merge kernel too
     kv = KVCache(cfg, 64, 16, dtype, device)
     tables = [list(range(1, 9)), list(range(9, 17))]
@@ -99,8 +106,12 @@ def test_gpu_graph_steps_same_bits_with_pdl_and_fusion_on_or_off(dtype, restore_
         pytest.skip("PDL needs compute capability 9+")
     base = _steps_in_graphs(dtype, use_pdl=False, fuse=False)
     assert all(torch.isfinite(t).all() for t in base[:6])
-    for use_pdl, fuse, silu in ((True, False, True), (False, True, True), (True, True, True),
-                                (True, True, False)):  # fmt: skip
+    for use_pdl, fuse, silu in (
+        (True, False, True),
+        (False, True, True),
+        (True, True, True),
+        (True, True, False),
+    ):
         outs = _steps_in_graphs(dtype, use_pdl, fuse, silu=silu)
         same = [torch.equal(a, b) for a, b in zip(outs, base)]
         assert all(same), (use_pdl, fuse, silu, same)
@@ -155,18 +166,31 @@ def test_gpu_rope_epilogue_equals_separate_kernels(dtype, restore_pdl):
     rotary_store_kv: q and both caches bit for bit, with PDL on and off."""
     from specserve.layers.gemv import GemvConfig
 
-    runs = [((32, 8, 128, 4096), rows, cfg) for rows in (1, 4, 16, 33, 64)
-            for cfg in (GemvConfig(32, 256, num_stages=4), GemvConfig(64, 128),
-                        GemvConfig(128, 128, num_warps=8))]  # fmt: skip
-    runs += [((9, 3, 64, 576), rows, cfg) for rows in (1, 5, 16, 64)
-             for cfg in (GemvConfig(64, 64), GemvConfig(32, 128, num_stages=4))]  # fmt: skip
+    runs = [
+        ((32, 8, 128, 4096), rows, cfg)
+        for rows in (1, 4, 16, 33, 64)
+        for cfg in (
+            GemvConfig(32, 256, num_stages=4),
+            GemvConfig(64, 128),
+            GemvConfig(128, 128, num_warps=8),
+        )
+    ]
+    runs += [
+        ((9, 3, 64, 576), rows, cfg)
+        for rows in (1, 5, 16, 64)
+        for cfg in (GemvConfig(64, 64), GemvConfig(32, 128, num_stages=4))
+    ]
     for use_pdl in (True, False):
         pdl.set_enabled(use_pdl)
         for (qh, kvh, hd, k), rows, cfg in runs:
-            res = rope_gemv_case(cfg, rows, qh, kvh, hd, k, dtype, "cuda", seed=rows,
-                                 page_size=16)  # fmt: skip
+            res = rope_gemv_case(cfg, rows, qh, kvh, hd, k, dtype, "cuda", seed=rows, page_size=16)
             assert res["equal"] and res["stored"] and res["err"] < 1e-2, (
-                use_pdl, qh, rows, str(cfg), res)  # fmt: skip
+                use_pdl,
+                qh,
+                rows,
+                str(cfg),
+                res,
+            )
 
 
 _DOWN = (4096, 14336)  # Llama-3.1-8B's down projection (N, K)
@@ -180,17 +204,25 @@ def test_gpu_fused_kernels_equal_separate_at_8b_shape(dtype, use_pdl, restore_pd
     pdl.set_enabled(use_pdl)
     n, k = _DOWN
     runs = [(rows, GemvConfig(64, 128, 4, num_stages=4)) for rows in (1, 2, 5, 16)]
-    runs += [(33, GemvConfig(64, 128, 4, block_m=64)), (64, GemvConfig(64, 128, 1, block_m=64)),
-             (1, GemvConfig(8, 512, use_dot=False, num_stages=2)),
-             (2, GemvConfig(16, 256, 2, use_dot=False))]  # fmt: skip
+    runs += [
+        (33, GemvConfig(64, 128, 4, block_m=64)),
+        (64, GemvConfig(64, 128, 1, block_m=64)),
+        (1, GemvConfig(8, 512, use_dot=False, num_stages=2)),
+        (2, GemvConfig(16, 256, 2, use_dot=False)),
+    ]
     for rows, cfg in runs:
         res = silu_gemv_case(cfg, rows, n, k, dtype, "cuda", seed=rows)
         assert res["equal"] and res["err"] < 1e-2, (rows, str(cfg), res)
         if cfg.split_k > 1:
             for silu in (False, True):
                 res = split_norm_case(cfg, rows, n, k, dtype, "cuda", silu=silu, seed=rows)
-                assert res == {"deferred": True, "out": True, "total": True, "normed": True,
-                               "reduce": True}, (rows, str(cfg), silu, res)  # fmt: skip
+                assert res == {
+                    "deferred": True,
+                    "out": True,
+                    "total": True,
+                    "normed": True,
+                    "reduce": True,
+                }, (rows, str(cfg), silu, res)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -202,18 +234,18 @@ def test_gpu_gated_epilogue_equals_separate_kernels_at_8b_shape(dtype, restore_p
 
     pdl.set_enabled(True)
     n, k = 14336, 4096
-    runs = [(1, n, GemvConfig(128, 128, block_m=16), (True, False)),
-            (16, n, GemvConfig(64, 128, num_stages=4, block_m=16), (True, False)),
-            (64, n, GemvConfig(128, 128, num_warps=8, num_stages=3, block_m=64), (True,)),
-            (64, n, GemvConfig(128, 64, num_stages=4, block_m=64), (True,)),
-            (64, n, GemvConfig(256, 64, num_warps=8, num_stages=3, block_m=64), (True,)),
-            (33, n, GemvConfig(128, 128, num_warps=8, num_stages=3, block_m=64, tma=True),
-             (True,)),
-            # N off every tile: the last gate tile runs into the up rows, the last up tile
-            # past the weight
-            (3, 1000, GemvConfig(64, 128, block_m=16), (True, False)),
-            (64, 1000, GemvConfig(128, 64, num_stages=4, block_m=64, tma=True),
-             (True,))]  # fmt: skip
+    runs = [
+        (1, n, GemvConfig(128, 128, block_m=16), (True, False)),
+        (16, n, GemvConfig(64, 128, num_stages=4, block_m=16), (True, False)),
+        (64, n, GemvConfig(128, 128, num_warps=8, num_stages=3, block_m=64), (True,)),
+        (64, n, GemvConfig(128, 64, num_stages=4, block_m=64), (True,)),
+        (64, n, GemvConfig(256, 64, num_warps=8, num_stages=3, block_m=64), (True,)),
+        (33, n, GemvConfig(128, 128, num_warps=8, num_stages=3, block_m=64, tma=True), (True,)),
+        # N off every tile: the last gate tile runs into the up rows, the last up tile
+        # past the weight
+        (3, 1000, GemvConfig(64, 128, block_m=16), (True, False)),
+        (64, 1000, GemvConfig(128, 64, num_stages=4, block_m=64, tma=True), (True,)),
+    ]
     for rows, cols, cfg, halves in runs:
         for half in halves:
             res = gated_gemv_case(cfg, rows, cols, k, dtype, "cuda", seed=rows, half=half)
@@ -225,8 +257,9 @@ def test_gpu_model_gated_mlp_equals_unfused_on_triton_attention(dtype):
     from specserve.layers.attention.triton_attn import TritonAttentionBackend
     from specserve.layers.gemv import GemvConfig
 
-    res = model_fusion_case(dtype, "cuda", GemvConfig(32, 32), TritonAttentionBackend(),
-                            fused_choice=False)  # fmt: skip
+    res = model_fusion_case(
+        dtype, "cuda", GemvConfig(32, 32), TritonAttentionBackend(), fused_choice=False
+    )
     assert res["equal"] and (res["gated_gemvs"], res["silu_gemvs"]) == (6, 0), res
     assert res["err"] < 3e-2, res
 
@@ -248,8 +281,14 @@ def test_gpu_engine_tokens_same_with_pdl_and_fusion_off(tiny_llama, restore_pdl)
     prompts = [[5, 9, 13, 2, 7], list(range(3, 40)), [11] * 20]
     outs = {}
     for off in (False, True):
-        llm = LLM(str(tiny_llama), device="cuda", dtype="bfloat16", max_num_seqs=4,
-                  disable_pdl=off, disable_fusion=off)  # fmt: skip
+        llm = LLM(
+            str(tiny_llama),
+            device="cuda",
+            dtype="bfloat16",
+            max_num_seqs=4,
+            disable_pdl=off,
+            disable_fusion=off,
+        )
         assert pdl.is_enabled() is not off
         outs[off] = [o.token_ids for o in llm.generate(prompts, params)]
         del llm

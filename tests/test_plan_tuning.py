@@ -30,8 +30,10 @@ class FakeTimer:
 
     def __call__(self, batch, q):
         self.calls.append((batch, q))
-        return sum(self.cost.get((shape, self.plan.config_for(batch, *shape)), 100.0)
-                   for shape in (BIG, SMALL))  # fmt: skip
+        return sum(
+            self.cost.get((shape, self.plan.config_for(batch, *shape)), 100.0)
+            for shape in (BIG, SMALL)
+        )
 
 
 def test_descent_keeps_the_fastest_candidate_past_the_margin_for_every_shared_key():
@@ -114,7 +116,8 @@ def test_engine_plan_groups_shared_buckets_with_decode_and_verify_and_the_larges
     steps, key_sets = seen["shared"]
     assert steps == [(1, 1), (1, 4)]
     assert sorted(map(sorted, key_sets)) == sorted(
-        sorted((b, *s) for b in (1, 2, 4)) for s in (BIG, SMALL))  # fmt: skip
+        sorted((b, *s) for b in (1, 2, 4)) for s in (BIG, SMALL)
+    )
     assert seen["64"] == ([(64, 1)], [[(64, *BIG)]])
     seen.clear()
 
@@ -148,8 +151,10 @@ def test_step_timer_finds_the_keys_a_step_looks_up_and_restores_the_padding(monk
     runner = _runner()
     model = runner.model
     keys = [(b, n, k, dt) for b in (1, 2, 4) for (n, k, dt) in gemv_weights(model)]
-    use_gemv(model, plan=GemvPlan({k: GemvChoice(None, 1.0, 1.0, 1) for k in keys},
-                                  row_buckets=(1, 2, 4)))  # fmt: skip
+    use_gemv(
+        model,
+        plan=GemvPlan({k: GemvChoice(None, 1.0, 1.0, 1) for k in keys}, row_buckets=(1, 2, 4)),
+    )
     runner.logits_head = lambda hidden: model.compute_logits(hidden, fp32=False)
     timer = plan_tuning.StepTimer(runner, context=20, reps=1)
     used = timer.keys_used([(1, 1), (4, 1), (4, 4)])  # 16 rows: past the plan, torch
@@ -167,8 +172,15 @@ def test_gpu_engine_tunes_its_plan_unless_told_not_to(tiny_llama):
     from specserve.engine.engine import LLMEngine
 
     for off in (False, True):
-        engine = LLMEngine(EngineConfig(model=str(tiny_llama), device="cuda", dtype="bfloat16",
-                                        max_num_seqs=4, disable_gemv_tuning=off))  # fmt: skip
+        engine = LLMEngine(
+            EngineConfig(
+                model=str(tiny_llama),
+                device="cuda",
+                dtype="bfloat16",
+                max_num_seqs=4,
+                disable_gemv_tuning=off,
+            )
+        )
         report = engine.plan_tuning
         if off:
             assert report is None
@@ -192,14 +204,22 @@ def test_gpu_engine_plan_gives_a_row_the_same_bits_at_every_shared_row_count(tin
     from specserve.engine.engine import LLMEngine
     from specserve.layers.gemv_select import SHARED_ROWS
 
-    engine = LLMEngine(EngineConfig(model=str(tiny_llama), device="cuda", dtype="bfloat16",
-                                    max_num_seqs=SHARED_ROWS, speculative_algorithm="ngram",
-                                    speculative_num_steps=3))  # fmt: skip
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(tiny_llama),
+            device="cuda",
+            dtype="bfloat16",
+            max_num_seqs=SHARED_ROWS,
+            speculative_algorithm="ngram",
+            speculative_num_steps=3,
+        )
+    )
     assert engine.runner.model.gemv_plan.max_rows == 4 * SHARED_ROWS  # verify of 16: 64 rows
     apart = rows_apart(engine.runner.model)
     del engine
     assert not apart, (
-        f"rows rounded apart (name, requests, rows, rows apart, choice at 1, at rows): {apart}")
+        f"rows rounded apart (name, requests, rows, rows apart, choice at 1, at rows): {apart}"
+    )
 
 
 def rows_apart(model) -> list[tuple]:
@@ -236,8 +256,13 @@ def rows_apart(model) -> list[tuple]:
             parts.append((name, m, w))
             parts.append((f"{name} (to the norm)", lambda x, m=m: whole(m(x, True)), w))
         elif isinstance(m, Attention):
-            parts.append((f"{name} output (to the norm)",
-                          lambda x, m=m: whole(m._output(x, True)), m.o_proj.weight))  # fmt: skip
+            parts.append(
+                (
+                    f"{name} output (to the norm)",
+                    lambda x, m=m: whole(m._output(x, True)),
+                    m.o_proj.weight,
+                )
+            )
     parts.append(("logits", model.compute_logits, model.lm_head_weight))
     assert len(parts) > 6
     steps = [(reqs, reqs * q) for reqs in (1, 4, 5, 8, SHARED_ROWS) for q in (1, 4)][1:]
@@ -245,16 +270,25 @@ def rows_apart(model) -> list[tuple]:
     apart = []
     with torch.inference_mode():
         for name, fn, weight in parts:
-            x = torch.randn(plan.max_rows, weight.shape[1], generator=gen, device="cuda",
-                            dtype=weight.dtype)  # fmt: skip
+            x = torch.randn(
+                plan.max_rows, weight.shape[1], generator=gen, device="cuda", dtype=weight.dtype
+            )
             plan.step_requests = 1
             alone = torch.cat([fn(x[i : i + 1]) for i in range(plan.max_rows)])  # row by row
             for reqs, rows in steps:
                 plan.step_requests = reqs
                 same = (fn(x[:rows]) == alone[:rows]).flatten(1).all(1)
                 if not same.all():
-                    apart.append((name, reqs, rows, int((~same).sum()), choice(weight, 1),
-                                  choice(weight, rows)))  # fmt: skip
+                    apart.append(
+                        (
+                            name,
+                            reqs,
+                            rows,
+                            int((~same).sum()),
+                            choice(weight, 1),
+                            choice(weight, rows),
+                        )
+                    )
     plan.step_requests = None
     return apart
 

@@ -72,8 +72,9 @@ class _Loop:
     def __init__(self, policy, acc, n, rate=0.81, seed=0):
         self.sim = Simulator(policy, acc, Regime.steady_only(real_ms), Noise(0.0, 0.0), seed)
         rates = (rate,) * policy.k_max
-        self.reqs = [SimRequest(f"r{i}", 10**9, rates, random.Random(seed * 1000 + i))
-                     for i in range(n)]  # fmt: skip
+        self.reqs = [
+            SimRequest(f"r{i}", 10**9, rates, random.Random(seed * 1000 + i)) for i in range(n)
+        ]
         self.workload = Workload(n, 1, hard_enter=0.0)
 
     def run(self, steps, true_ms=real_ms, noise=0.0, seed=0):
@@ -161,8 +162,9 @@ def test_caps_respect_max_useful_drafts(padded):
     reqs = [FakeRequest("a", 1), FakeRequest("b", 0)]
     _measured(policy, 2)
     assert policy.choose(reqs) == ([1, 1] if padded else [1, 0])
-    assert policy.predicted_tokens == pytest.approx(sum(
-        policy.acceptance.cumulative(r.request_id)[k] for r, k in zip(reqs, (1, 0))))
+    assert policy.predicted_tokens == pytest.approx(
+        sum(policy.acceptance.cumulative(r.request_id)[k] for r, k in zip(reqs, (1, 0)))
+    )
 
 
 def test_schedule_table():
@@ -253,6 +255,7 @@ def test_request_probe_refreshes_a_trimmed_request():
     for _ in range(3 * policy.REQUEST_PROBE_EVERY):
         ks = policy.choose(reqs)
         drafted.append(ks[0])
-        acc.update_many([(r.request_id, k, 0 if i < 16 else k)
-                         for i, (r, k) in enumerate(zip(reqs, ks)) if k])  # fmt: skip
+        acc.update_many(
+            [(r.request_id, k, 0 if i < 16 else k) for i, (r, k) in enumerate(zip(reqs, ks)) if k]
+        )
     assert drafted.count(0) >= 2 * policy.REQUEST_PROBE_EVERY and max(drafted) > 0, drafted

@@ -25,8 +25,11 @@ from tests.policy_sim import simulate
 from tests.test_policy_regimes import CASES as REGIMES
 
 RECORD = Path(__file__).with_name("policy_decisions.json")
-REPLAYS = {"replay padded": (True, 11), "replay unpadded": (False, 11),
-           "replay padded, seed 5": (True, 5)}  # fmt: skip
+REPLAYS = {
+    "replay padded": (True, 11),
+    "replay unpadded": (False, 11),
+    "replay padded, seed 5": (True, 5),
+}
 
 
 def _values(*xs) -> str:
@@ -37,9 +40,12 @@ def _fingerprint(steps: list[tuple]) -> dict:
     """steps: (draft lengths, probe, values) per decision."""
     ks = hashlib.sha256(repr([s[0] for s in steps]).encode()).hexdigest()[:16]
     values = hashlib.sha256("|".join(s[2] for s in steps).encode()).hexdigest()[:16]
-    return {"k": "".join(str(max(s[0], default=0)) if s[0] else "-" for s in steps),
-            "probe": "".join("p" if s[1] else "." for s in steps),
-            "draft_lens": ks, "values": values}  # fmt: skip
+    return {
+        "k": "".join(str(max(s[0], default=0)) if s[0] else "-" for s in steps),
+        "probe": "".join("p" if s[1] else "." for s in steps),
+        "draft_lens": ks,
+        "values": values,
+    }
 
 
 def _record_choices(monkeypatch) -> list[tuple]:
@@ -49,9 +55,18 @@ def _record_choices(monkeypatch) -> list[tuple]:
     def recorded(self, reqs, load=NO_LOAD):
         ks = choose(self, reqs, load)
         d = self.trace.recent[-1] if ks else None
-        values = "" if d is None else "/".join(
-            [_values(*d.tokens), _values(*d.period_ms), _values(*d.switch_ms),
-             _values(self.predicted_tokens, self.predicted_ms)])  # fmt: skip
+        values = (
+            ""
+            if d is None
+            else "/".join(
+                [
+                    _values(*d.tokens),
+                    _values(*d.period_ms),
+                    _values(*d.switch_ms),
+                    _values(self.predicted_tokens, self.predicted_ms),
+                ]
+            )
+        )
         steps.append((tuple(ks), d is not None and d.probe, values))
         return ks
 
@@ -65,8 +80,13 @@ def run_case(name: str, monkeypatch) -> dict:
         replay(*REPLAYS[name])
     else:
         regime, workload, *_ = REGIMES[name]
-        simulate("goodput", regime, workload, 0, *(
-            [REGIMES[name][3]["noise"]] if len(REGIMES[name]) > 3 else []))  # fmt: skip
+        simulate(
+            "goodput",
+            regime,
+            workload,
+            0,
+            *([REGIMES[name][3]["noise"]] if len(REGIMES[name]) > 3 else []),
+        )
     return _fingerprint(steps)
 
 

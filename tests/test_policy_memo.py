@@ -18,8 +18,10 @@ CASES = {
 
 
 def _decisions(policy) -> list[tuple]:
-    return [(d["k"], d["probe"], d["tokens"], d["period_ms"], d["switch_ms"])
-            for d in policy.trace.dump()]  # fmt: skip
+    return [
+        (d["k"], d["probe"], d["tokens"], d["period_ms"], d["switch_ms"])
+        for d in policy.trace.dump()
+    ]
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -34,7 +34,8 @@ def test_speculator_records_steady_step_periods_only():
     seen = []
     policy.cost.observe = lambda n, k, ms: seen.append((n, k, round(ms, 6)))
     policy.cost.observe_switch = lambda n, k0, k, ms, steady: seen.append(
-        ("switch", n, k0, k, round(ms, 6), round(steady, 6)))
+        ("switch", n, k0, k, round(ms, 6), round(steady, 6))
+    )
 
     def step(k, resolved_s, n=4, prefill=False, after_idle=False):
         batch = []
@@ -59,14 +60,30 @@ def test_speculator_records_steady_step_periods_only():
     step(0, 2.000, after_idle=True)  # after an idle engine: starts a chain
     step(0, 2.004, n=2)  # steady, two requests: 4 ms
     step(0, 2.008, n=2)  # not classified yet
-    assert seen == [(4, 3, 10.0), (4, 3, 10.0), (4, 0, 4.0), ("switch", 4, 3, 0, -1.0, 4.0),
-                    (2, 0, 4.0)]
-    recorded = [(d["k"], d["recorded"], round(d["observed_ms"] or 0, 6))
-                for d in policy.trace.dump()]  # fmt: skip
-    assert recorded == [(3, "", 0), (3, "steady", 10.0), (3, "steady", 10.0),
-                        (3, "before_switch", 8.0), (0, "switch", 5.0), (0, "steady", 4.0),
-                        (0, "", 4.0), (0, "", 10.0), (0, "", 5.0), (0, "", 0),
-                        (0, "steady", 4.0), (0, "", 4.0)]
+    assert seen == [
+        (4, 3, 10.0),
+        (4, 3, 10.0),
+        (4, 0, 4.0),
+        ("switch", 4, 3, 0, -1.0, 4.0),
+        (2, 0, 4.0),
+    ]
+    recorded = [
+        (d["k"], d["recorded"], round(d["observed_ms"] or 0, 6)) for d in policy.trace.dump()
+    ]
+    assert recorded == [
+        (3, "", 0),
+        (3, "steady", 10.0),
+        (3, "steady", 10.0),
+        (3, "before_switch", 8.0),
+        (0, "switch", 5.0),
+        (0, "steady", 4.0),
+        (0, "", 4.0),
+        (0, "", 10.0),
+        (0, "", 5.0),
+        (0, "", 0),
+        (0, "steady", 4.0),
+        (0, "", 4.0),
+    ]
     assert policy.trace.switches == 1 and policy.trace.k_changes == 1
 
 

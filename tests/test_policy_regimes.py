@@ -31,10 +31,13 @@ CASES = {
     "costly switches batch 8": (COSTLY_SWITCHES, Workload(8, 3), 1.05),
     # SmolLM2 + its head as measured on the H200
     "measured batch 1": (MEASURED, MEASURED_LOAD, 1.2, MEASURED_RUN),
-    "measured batch 8": (MEASURED, replace(MEASURED_LOAD, batch=8, rounds=3), 1.03,
-                         MEASURED_RUN),
-    "measured batch 64, plain best": (MEASURED, replace(MEASURED_LOAD, batch=64, rounds=2),
-                                      1.0, MEASURED_RUN),
+    "measured batch 8": (MEASURED, replace(MEASURED_LOAD, batch=8, rounds=3), 1.03, MEASURED_RUN),
+    "measured batch 64, plain best": (
+        MEASURED,
+        replace(MEASURED_LOAD, batch=64, rounds=2),
+        1.0,
+        MEASURED_RUN,
+    ),
 }
 
 
@@ -88,8 +91,9 @@ def test_goodput_under_slow_stretches():
     and 0.956 of it; over 24 seeds 0.943 and 0.951, against 0.975 and 0.974 without
     stretches)."""
     stretches = {"stretch_p": 1 / 150, "stretch_len": 40, "stretch_x": 1.75}
-    r = compare(MEASURED, MEASURED_LOAD, seeds=tuple(range(8)),
-                noise=Noise(sigma=0.05, **stretches))  # fmt: skip
+    r = compare(
+        MEASURED, MEASURED_LOAD, seeds=tuple(range(8)), noise=Noise(sigma=0.05, **stretches)
+    )
     assert r["goodput"] >= 0.9 * r["best_fixed"], r
     r = compare(LARGE, Workload(1, 8), seeds=(0, 1, 2, 3), noise=Noise(**stretches))
     assert r["goodput"] >= 0.95 * r["best_fixed"], r

@@ -52,8 +52,13 @@ class PlainTrace:
 values = st.lists(st.floats(0, 10), min_size=1, max_size=4)
 ops = st.one_of(
     st.tuples(st.just("record"), st.lists(st.integers(0, 5), max_size=9)),
-    st.tuples(st.just("decided"), st.integers(1, 9), st.integers(0, 5), st.booleans(),
-              st.one_of(st.none(), values)),
+    st.tuples(
+        st.just("decided"),
+        st.integers(1, 9),
+        st.integers(0, 5),
+        st.booleans(),
+        st.one_of(st.none(), values),
+    ),
     st.tuples(st.just("no_decode")),
 )
 
@@ -68,8 +73,9 @@ def test_trace_equals_plain_rules(seq):
             plain.record(op[1])
         elif op[0] == "decided":
             _, n, k, probe, xs = op
-            expected = {} if xs is None else dict(probe=probe, tokens=xs, period_ms=xs,
-                                                    switch_ms=xs)  # fmt: skip
+            expected = (
+                {} if xs is None else dict(probe=probe, tokens=xs, period_ms=xs, switch_ms=xs)
+            )
             trace.decided(n, k, **expected)
             plain.decided(n, k, **expected)
         else:
@@ -79,7 +85,11 @@ def test_trace_equals_plain_rules(seq):
         assert trace.steps_by_step_k == plain.by_step
         assert trace.last_draft_lens == plain.last
         assert (trace.probe_steps, trace.switches, trace.k_changes, trace.num_decisions) == (
-            plain.probes, plain.switches, plain.k_changes, plain.n)
+            plain.probes,
+            plain.switches,
+            plain.k_changes,
+            plain.n,
+        )
         assert type(trace.probe_steps) is int
         assert trace.dump() == plain.recent
 
@@ -97,13 +107,18 @@ def test_observe_hands_over_the_plain_lists(steps):
     update_many = acceptance.update_many
     acceptance.update_many = lambda items: (seen.append(list(items)), update_many(items))
     for rows in steps:
-        batch = [ScheduledRequest(_Req(f"r{j}"), 1, decoding=dec, drafts=[0] * k)
-                 for j, (dec, k, _, _) in enumerate(rows)]  # fmt: skip
+        batch = [
+            ScheduledRequest(_Req(f"r{j}"), 1, decoding=dec, drafts=[0] * k)
+            for j, (dec, k, _, _) in enumerate(rows)
+        ]
         committed = {id(s): c for s, (_, _, c, known) in zip(batch, rows) if known}
         spec.observe(batch, committed, 1.0, 1.0)
         decoding = [s for s in batch if s.decoding]
-        assert seen[-1] == [(s.request.request_id, len(s.drafts), committed.get(id(s), 1) - 1)
-                            for s in decoding if s.drafts]  # fmt: skip
+        assert seen[-1] == [
+            (s.request.request_id, len(s.drafts), committed.get(id(s), 1) - 1)
+            for s in decoding
+            if s.drafts
+        ]
         assert spec.policy.trace.last_draft_lens == [len(s.drafts) for s in decoding]
         assert spec._last_committed == sum(committed.values())
     assert len(seen) == len(steps)

@@ -8,8 +8,10 @@ from specserve.train.prompts import PromptItem, load_prompts
 
 
 def test_only_a_trailing_variant_marker_counts():
-    assert (PromptItem("stdlib:os.path:12#v2", []).source_key,
-            PromptItem("stdlib:os.path:12#v2", []).variant) == ("stdlib:os.path:12", 2)
+    assert (
+        PromptItem("stdlib:os.path:12#v2", []).source_key,
+        PromptItem("stdlib:os.path:12#v2", []).variant,
+    ) == ("stdlib:os.path:12", 2)
     for key in ("chat#2.jsonl:3", "a#vx.jsonl:0"):  # '#' in a JSONL file's name
         assert (PromptItem(key, []).source_key, PromptItem(key, []).variant) == (key, 0)
 

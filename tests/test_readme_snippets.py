@@ -41,10 +41,13 @@ def server(tiny_llama, tmp_path_factory):
     line = next(ln for ln in shell.splitlines() if ln.startswith("specserve serve"))
     args = shlex.split(line.split("&")[0])[2:]
     port = args.index("--port")
-    del args[port:port + 2]  # ServerProcess picks a free port
+    del args[port : port + 2]  # ServerProcess picks a free port
     env = {"TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}  # a small, shared machine
-    srv = ServerProcess([*args, "--model", str(tiny_llama)],
-                        tmp_path_factory.mktemp("readme") / "server.log", env=env)
+    srv = ServerProcess(
+        [*args, "--model", str(tiny_llama)],
+        tmp_path_factory.mktemp("readme") / "server.log",
+        env=env,
+    )
     srv.api_key = args[args.index("--api-key") + 1]
     yield srv
     srv.stop()
@@ -63,13 +66,18 @@ def test_llm_chat_answers_as_the_chat_endpoint(server, tiny_llama):
 
     client = openai.OpenAI(base_url=server.url + "/v1", api_key=server.api_key, max_retries=0)
     llm = LLM(str(tiny_llama))
-    conversations = [[{"role": "user", "content": "The quick brown fox"}],
-                     [{"role": "system", "content": "Paged attention"},
-                      {"role": "user", "content": "Speculative decoding drafts tokens"}]]
+    conversations = [
+        [{"role": "user", "content": "The quick brown fox"}],
+        [
+            {"role": "system", "content": "Paged attention"},
+            {"role": "user", "content": "Speculative decoding drafts tokens"},
+        ],
+    ]
     served = client.models.list().data[0].id
     for messages in conversations:
-        reply = client.chat.completions.create(model=served, messages=messages, max_tokens=12,
-                                               temperature=0)
+        reply = client.chat.completions.create(
+            model=served, messages=messages, max_tokens=12, temperature=0
+        )
         out = llm.chat(messages, SamplingParams(max_tokens=12))[0]
         assert reply.choices[0].message.content == out.text
         assert reply.usage.completion_tokens == len(out.token_ids)

@@ -41,19 +41,33 @@ def models(tmp_path_factory):
 
 def test_new_request_cap():
     for max_tokens, max_len, want in ((5, 100, 4), (50, 12, 1), (1, 100, 0), (3, 10, 0)):
-        req = Request("r", list(range(10)), SamplingParams(max_tokens=max_tokens), arrival=0,
-                      seed=0, max_len=max_len, eos_token_ids=frozenset())
+        req = Request(
+            "r",
+            list(range(10)),
+            SamplingParams(max_tokens=max_tokens),
+            arrival=0,
+            seed=0,
+            max_len=max_len,
+            eos_token_ids=frozenset(),
+        )
         assert req.max_useful_drafts == want == max(0, req.num_left - 1)
 
 
 @pytest.mark.parametrize("overlap, drafter", [("off", "random"), ("on", "eagle3")])
 def test_stored_cap_equals_computed_whenever_read(models, overlap, drafter):
     prompts = prompts_for(seed=8, lengths=(3, 12, 7, 20, 5, 16, 9, 2, 14, 6, 31, 23))
-    params = stop_params(make_reference(models)(SamplingParams(max_tokens=14, temperature=0.0,
-                                                               ignore_eos=True)))
+    params = stop_params(
+        make_reference(models)(SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True))
+    )
     params = [params[i % len(params)] for i in range(len(prompts))]
-    llm = LLM(models["target"], overlap_schedule=overlap, page_size=4, num_kv_pages=20,
-              speculative_num_steps=3, **spec_kwargs(models, drafter))
+    llm = LLM(
+        models["target"],
+        overlap_schedule=overlap,
+        page_size=4,
+        num_kv_pages=20,
+        speculative_num_steps=3,
+        **spec_kwargs(models, drafter),
+    )
     policy = llm.engine.spec.policy = CapCheck(3, seed=5)
     engine = llm.engine
     _, finished, aborted, _ = churn(engine, prompts, params, arrive_p=0.6, abort_p=0.05)

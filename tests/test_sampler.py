@@ -57,8 +57,9 @@ distinct_logits = st.lists(
     min_p=st.one_of(st.just(0.0), st.floats(0.0, 1.0)),
 )
 @settings(max_examples=250, deadline=None)
-def test_filters_never_emit_a_token_outside_the_allowed_set(logits, temperature, top_k, top_p,
-                                                            min_p):
+def test_filters_never_emit_a_token_outside_the_allowed_set(
+    logits, temperature, top_k, top_p, min_p
+):
     array = np.array(logits, dtype=np.float32)
     allowed = allowed_set(array, temperature, top_k, top_p, min_p)
     assume(allowed is not None)
@@ -158,9 +159,15 @@ def test_greedy_rows_in_a_mixed_batch_are_argmax():
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(12, 50, generator=gen)
     temps = [0.0, 1.0, 0.0, 2.0, 0.0, 0.7, 0.0, 1.0, 0.0, 1.0, 0.0, 0.0]
-    params = [SamplingParams(temperature=t, top_k=5 if i % 3 == 0 else 0,
-                             top_p=0.8 if i % 4 == 1 else 1.0, min_p=0.1 if i == 9 else 0.0)
-              for i, t in enumerate(temps)]
+    params = [
+        SamplingParams(
+            temperature=t,
+            top_k=5 if i % 3 == 0 else 0,
+            top_p=0.8 if i % 4 == 1 else 1.0,
+            min_p=0.1 if i == 9 else 0.0,
+        )
+        for i, t in enumerate(temps)
+    ]
     tokens = sample(logits, tensors(params, range(12), range(12)))
     greedy = logits.argmax(dim=-1)
     for i, t in enumerate(temps):
@@ -218,8 +225,15 @@ def test_seeded_output_independent_of_batch(alone, tiny_qwen2):
     batch = [fillers[0], prompts[0], fillers[1], prompts[1], fillers[2], prompts[2]]
     filler_params = SamplingParams(max_tokens=10, temperature=0.8)
     got = llm.generate(
-        batch, [filler_params, params[0], SamplingParams(temperature=0.0, max_tokens=5),
-                params[1], filler_params, params[2]]
+        batch,
+        [
+            filler_params,
+            params[0],
+            SamplingParams(temperature=0.0, max_tokens=5),
+            params[1],
+            filler_params,
+            params[2],
+        ],
     )
     assert [got[i].token_ids for i in (1, 3, 5)] == outs
 

@@ -27,8 +27,7 @@ class Sim:
     """Drives a Scheduler the way LLMEngine does, without a model, checking invariants."""
 
     def __init__(self, num_pages, page_size, budget, max_num_seqs=64):
-        self.kv = KVCache(tiny_config(1), num_pages, page_size, torch.float32,
-                          torch.device("cpu"))
+        self.kv = KVCache(tiny_config(1), num_pages, page_size, torch.float32, torch.device("cpu"))
         self.sched = Scheduler(self.kv, max_num_seqs, budget)
         self.budget = budget
         self.arrivals = 0
@@ -108,8 +107,11 @@ def expected_tokens(req: Request) -> list[int]:
     spare_pages=st.integers(0, 12),
     budget=st.integers(1, 40),
     max_num_seqs=st.integers(1, 6),
-    work=st.lists(st.tuples(st.integers(1, 30), st.integers(1, 12), st.integers(0, 6)),
-                  min_size=1, max_size=10),
+    work=st.lists(
+        st.tuples(st.integers(1, 30), st.integers(1, 12), st.integers(0, 6)),
+        min_size=1,
+        max_size=10,
+    ),
 )
 @settings(max_examples=120, deadline=None)
 def test_random_workloads_keep_invariants(page_size, spare_pages, budget, max_num_seqs, work):

@@ -32,9 +32,15 @@ def _sched(num_pages: int, page_size: int, budget: int, max_num_seqs: int = 16) 
 
 
 def _request(i: int, prompt_len: int, max_tokens: int = 50) -> Request:
-    return Request(f"r{i}", list(range(1, prompt_len + 1)),
-                   SamplingParams(max_tokens=max_tokens, temperature=0.0), arrival=i, seed=0,
-                   max_len=10_000, eos_token_ids=frozenset())  # fmt: skip
+    return Request(
+        f"r{i}",
+        list(range(1, prompt_len + 1)),
+        SamplingParams(max_tokens=max_tokens, temperature=0.0),
+        arrival=i,
+        seed=0,
+        max_len=10_000,
+        eos_token_ids=frozenset(),
+    )
 
 
 def _run_step(sched: Scheduler, policy: SpeculationPolicy | None = None):
@@ -80,7 +86,9 @@ def test_decode_and_verify_rows_lead_the_step():
     sched.running.insert(0, prefilling)
     batch = sched.schedule(Recording(k_max=2))
     assert [(s.request, s.decoding, s.draft_len) for s in batch] == [
-        (decoding, True, 2), (prefilling, False, 0)]  # fmt: skip
+        (decoding, True, 2),
+        (prefilling, False, 0),
+    ]
 
 
 def test_a_request_waiting_for_pages_gets_them_before_any_lookahead():

@@ -39,8 +39,16 @@ def test_engine_preemption_mid_decode_keeps_greedy_output(tiny_llama, reference)
         running = [r.request_id for r in engine.scheduler.running]
         mid_decode = len(req.output_token_ids) > 0
         original(req)
-        events.append((req.request_id, running, mid_decode, list(req.page_table),
-                       req.cached_len, [r.request_id for r in engine.scheduler.waiting]))
+        events.append(
+            (
+                req.request_id,
+                running,
+                mid_decode,
+                list(req.page_table),
+                req.cached_len,
+                [r.request_id for r in engine.scheduler.waiting],
+            )
+        )
 
     engine.scheduler._preempt = spy
     ids = [engine.add_request(p, GREEDY) for p in prompts]

@@ -91,8 +91,13 @@ def test_mixed_per_request_draft_lengths(target):
     """Random draft lengths per request and per step (0 included) change nothing."""
     folder, other, prompts, plain = target
     for path in (folder, other):
-        llm = LLM(folder, speculative_algorithm="draft", speculative_draft_model_path=path,
-                  speculative_num_steps=7, speculative_policy="fixed")
+        llm = LLM(
+            folder,
+            speculative_algorithm="draft",
+            speculative_draft_model_path=path,
+            speculative_num_steps=7,
+            speculative_policy="fixed",
+        )
         rng = random.Random(11)
         seen = set()
 
@@ -112,8 +117,12 @@ def test_drafter_catches_up_after_pause(target):
     """After a stretch with no speculation the drafter catches up: a copy-drafter is still
     always right (its KV covers every committed token)."""
     folder, _, prompts, plain = target
-    llm = LLM(folder, speculative_algorithm="draft", speculative_draft_model_path=folder,
-              speculative_policy="fixed")
+    llm = LLM(
+        folder,
+        speculative_algorithm="draft",
+        speculative_draft_model_path=folder,
+        speculative_policy="fixed",
+    )
     steps = {"n": 0}
 
     def draft_len(req):
@@ -134,8 +143,13 @@ def test_stop_inside_accepted_drafts(target):
     stop_at = plain[3][5]
     params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, stop_token_ids=[stop_at])
     expected = [o.token_ids for o in LLM(folder).generate(prompts, params)]
-    llm = LLM(folder, speculative_algorithm="draft", speculative_draft_model_path=folder,
-              speculative_num_steps=7, speculative_policy="fixed")
+    llm = LLM(
+        folder,
+        speculative_algorithm="draft",
+        speculative_draft_model_path=folder,
+        speculative_num_steps=7,
+        speculative_policy="fixed",
+    )
     assert [o.token_ids for o in llm.generate(prompts, params)] == expected
     assert llm.engine.kv.allocator.num_used == 0
 
@@ -164,8 +178,12 @@ def eagle_target(request, tmp_path_factory):
 def test_eagle3_greedy_identical(eagle_target, k, kw):
     folder, head, prompts, plain = eagle_target
     llm, outs = _run(
-        folder, prompts, speculative_algorithm="eagle3", speculative_draft_model_path=head,
-        speculative_num_steps=k, **kw,
+        folder,
+        prompts,
+        speculative_algorithm="eagle3",
+        speculative_draft_model_path=head,
+        speculative_num_steps=k,
+        **kw,
     )
     assert [o.token_ids for o in outs] == plain
     assert sum(o.spec_stats.drafted for o in outs) > 0
@@ -175,8 +193,13 @@ def test_eagle3_greedy_identical(eagle_target, k, kw):
 
 def test_eagle3_mixed_draft_lengths(eagle_target):
     folder, head, prompts, plain = eagle_target
-    llm = LLM(folder, speculative_algorithm="eagle3", speculative_draft_model_path=head,
-              speculative_num_steps=7, speculative_policy="fixed")
+    llm = LLM(
+        folder,
+        speculative_algorithm="eagle3",
+        speculative_draft_model_path=head,
+        speculative_num_steps=7,
+        speculative_policy="fixed",
+    )
     rng = random.Random(5)
     llm.engine.spec.policy = PerRequestPolicy(7, lambda req: rng.choice([0, 0, 1, 3, 7]))
     assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == plain
@@ -201,8 +224,15 @@ def test_lookahead_never_costs_a_preemption():
     sched = Scheduler(Pool(), max_num_seqs=8, max_num_batched_tokens=64)
     reqs = []
     for i in range(2):
-        r = Request(f"r{i}", list(range(3, 17)), SamplingParams(max_tokens=40), arrival=i,
-                    seed=0, max_len=512, eos_token_ids=frozenset())
+        r = Request(
+            f"r{i}",
+            list(range(3, 17)),
+            SamplingParams(max_tokens=40),
+            arrival=i,
+            seed=0,
+            max_len=512,
+            eos_token_ids=frozenset(),
+        )
         r.output_token_ids = [5]  # committed 15, cached 14: decoding
         r.cached_len = 14
         assert Pool.grow(Pool(), r.page_table, 15)  # 4 pages each

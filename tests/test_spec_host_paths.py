@@ -38,8 +38,9 @@ def _engine(models, overlap: str, **kw) -> LLM:
 
     kw = {"speculative_num_steps": 3, **spec_kwargs(models, "eagle3"), "page_size": 4, **kw}
     llm = LLM(models["target"], overlap_schedule=overlap, **kw)
-    install_padded_runner(llm, tokens_per_request=(1, 2, 3, 4),
-                          aux_layer_ids=llm.engine.spec.aux_layer_ids)  # fmt: skip
+    install_padded_runner(
+        llm, tokens_per_request=(1, 2, 3, 4), aux_layer_ids=llm.engine.spec.aux_layer_ids
+    )
     proposer = llm.engine.spec.proposer
     proposer.graphs = capture_drafter_graphs(proposer, llm.engine.target, use_graphs=False)
     return llm
@@ -123,8 +124,10 @@ def test_greedy_verify_prefix_equals_assembled_tokens():
     for row, want, a in zip(res.tokens.tolist(), assembled.tolist(), res.accept_len.tolist()):
         assert row[: a + 1] == want[: a + 1]
     full = verify_greedy(logits, drafts, None)  # every row drafted 3
-    assert full.accept_len.tolist() == verify_greedy(logits, drafts, torch.full((6,), 3)
-                                                     ).accept_len.tolist()  # fmt: skip
+    assert (
+        full.accept_len.tolist()
+        == verify_greedy(logits, drafts, torch.full((6,), 3)).accept_len.tolist()
+    )
 
 
 @pytest.mark.gpu
@@ -163,8 +166,9 @@ def test_pack_vectorized_equals_the_loop(monkeypatch, shifted):
             start, n = rng.randint(0, 30), rng.choice([1, 1, 4, rng.randint(1, 20)])
             pad = rng.choice([0, 0, 3])
             table = rng.sample(range(1, 200), -(-(start + n + 3) // page_size))
-            segments.append(packing.Segment(table, start, [rng.randrange(500) for _ in
-                                                           range(n)], pad, 3))  # fmt: skip
+            segments.append(
+                packing.Segment(table, start, [rng.randrange(500) for _ in range(n)], pad, 3)
+            )
         shift = None
         if shifted:
             shift = torch.tensor([rng.randint(0, 3) for _ in segments])
@@ -172,8 +176,17 @@ def test_pack_vectorized_equals_the_loop(monkeypatch, shifted):
         for threshold in (0, 10**9):
             monkeypatch.setattr(packing, "VECTOR_MIN_TOKENS", threshold)
             ids, meta, last_rows = packing.pack(segments, page_size, torch.device("cpu"), shift)
-            got.append((ids.tolist(), meta.positions.tolist(), meta.slot_mapping.tolist(),
-                        meta.query_start_loc.tolist(), meta.seq_lens.tolist(),
-                        meta.block_tables.tolist(), meta.max_query_len, meta.max_seq_len,
-                        last_rows))  # fmt: skip
+            got.append(
+                (
+                    ids.tolist(),
+                    meta.positions.tolist(),
+                    meta.slot_mapping.tolist(),
+                    meta.query_start_loc.tolist(),
+                    meta.seq_lens.tolist(),
+                    meta.block_tables.tolist(),
+                    meta.max_query_len,
+                    meta.max_seq_len,
+                    last_rows,
+                )
+            )
         assert got[0] == got[1], trial

@@ -49,9 +49,7 @@ def test_verify_first_two_tokens_follow_target(top_p, deterministic_drafts):
     else:
         drafts = torch.stack([torch.multinomial(q[j], n, True, generator=gen) for j in range(k)], 1)
         probs = q[None].expand(n, k, vocab)
-    res = verify(
-        target[None].expand(n, k + 1, vocab), drafts, torch.full((n,), k), st, probs
-    )
+    res = verify(target[None].expand(n, k + 1, vocab), drafts, torch.full((n,), k), st, probs)
     first = torch.bincount(res.tokens[:, 0], minlength=vocab).float()
     assert _tv(first, p[0]) < 0.01
     # Second token: among rows that committed at least 2 tokens, whose first token was x,
@@ -76,8 +74,14 @@ def test_engine_sampled_speculation_matches_plain(tiny_llama, tmp_path):
 
     def marginals(llm, seed_offset):
         ps = [
-            SamplingParams(max_tokens=3, temperature=1.0, top_k=4, top_p=0.95,
-                           seed=s + seed_offset, ignore_eos=True)
+            SamplingParams(
+                max_tokens=3,
+                temperature=1.0,
+                top_k=4,
+                top_p=0.95,
+                seed=s + seed_offset,
+                ignore_eos=True,
+            )
             for s in range(n)
         ]
         outs = llm.generate([prompt] * n, ps)

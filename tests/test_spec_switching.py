@@ -52,16 +52,20 @@ def _assert_same_acceptance(ref, got):
         assert by_key[key] == a
 
 
-@pytest.mark.parametrize("algo, ride_along", [("draft", False), ("eagle3", False),
-                                               ("eagle3", True)])
+@pytest.mark.parametrize(
+    "algo, ride_along", [("draft", False), ("eagle3", False), ("eagle3", True)]
+)
 def test_acceptance_after_pause_equals_acceptance_without(setup, algo, ride_along, monkeypatch):
     """ride_along: the EAGLE-3 head consumes queued features during the pause (threshold
     lowered to 2 steps) instead of catching up all at once when drafting resumes."""
     if ride_along:
         monkeypatch.setattr("specserve.speculative.eagle3.CATCH_UP_STEPS", 2)
     target, drafters, prompts = setup
-    kw = dict(speculative_algorithm=algo, speculative_draft_model_path=drafters[algo],
-              speculative_num_steps=3)
+    kw = dict(
+        speculative_algorithm=algo,
+        speculative_draft_model_path=drafters[algo],
+        speculative_num_steps=3,
+    )
     always = LLM(target, speculative_policy="fixed", **kw)
     ref = _record(always)
     plain = always.generate(prompts, GREEDY)
@@ -78,7 +82,9 @@ def test_acceptance_after_pause_equals_acceptance_without(setup, algo, ride_alon
     proposer, catch_ups = paused.engine.spec.proposer, []
     propose = proposer.propose
     proposer.propose = lambda items: (
-        catch_ups.extend(it for it in items if it.draft_len == 0), propose(items))
+        catch_ups.extend(it for it in items if it.draft_len == 0),
+        propose(items),
+    )
     outs = paused.generate(prompts, GREEDY)
     assert bool(catch_ups) == ride_along
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
@@ -90,8 +96,12 @@ def test_per_request_speculation_state_is_dropped(setup):
     """Finished and aborted requests leave no acceptance estimates behind (a long-running
     server would otherwise grow without bound)."""
     target, drafters, prompts = setup
-    llm = LLM(target, speculative_algorithm="draft", speculative_draft_model_path=drafters["draft"],
-              speculative_policy="fixed")
+    llm = LLM(
+        target,
+        speculative_algorithm="draft",
+        speculative_draft_model_path=drafters["draft"],
+        speculative_policy="fixed",
+    )
     llm.generate(prompts, GREEDY)
     engine = llm.engine
     rid = engine.add_request(prompts[0], GREEDY)
@@ -118,16 +128,23 @@ def test_prompt_catch_up_in_prefill_changes_no_draft(setup, monkeypatch, lone):
         prompts = [list(range(5, 22))]
     else:
         prompts = prompts + [list(range(5, 45))]  # 40 tokens: 3 chunks of at most 16
-    kw = dict(speculative_algorithm="eagle3", speculative_draft_model_path=drafters["eagle3"],
-              speculative_num_steps=3, speculative_policy="fixed",
-              max_num_batched_tokens=16)  # fmt: skip
+    kw = dict(
+        speculative_algorithm="eagle3",
+        speculative_draft_model_path=drafters["eagle3"],
+        speculative_num_steps=3,
+        speculative_policy="fixed",
+        max_num_batched_tokens=16,
+    )
 
     def drafts_of(llm):
         seen, observe = [], llm.engine.spec.observe
 
         def wrapped(batch, committed, draft_ms, target_ms):
-            seen.extend((s.request.prompt_token_ids[0], s.request.committed_len, tuple(s.drafts))
-                        for s in batch if s.drafts)  # fmt: skip
+            seen.extend(
+                (s.request.prompt_token_ids[0], s.request.committed_len, tuple(s.drafts))
+                for s in batch
+                if s.drafts
+            )
             observe(batch, committed, draft_ms, target_ms)
 
         llm.engine.spec.observe = wrapped
@@ -138,9 +155,15 @@ def test_prompt_catch_up_in_prefill_changes_no_draft(setup, monkeypatch, lone):
 
     def recorded(self, items):
         catch_up(self, items)
-        chunks.extend((len(it.request.prompt_token_ids), it.request.cached_len,
-                       it.request.committed_len, it.request.draft_cached_len)
-                      for it in items)  # fmt: skip
+        chunks.extend(
+            (
+                len(it.request.prompt_token_ids),
+                it.request.cached_len,
+                it.request.committed_len,
+                it.request.draft_cached_len,
+            )
+            for it in items
+        )
 
     monkeypatch.setattr(Eagle3Proposer, "catch_up_prefill", recorded)
     with_prefill, outs = drafts_of(llm)
@@ -164,8 +187,13 @@ def test_long_catch_ups_run_in_bounded_passes(setup, algo):
     host pair and the step in flight's tokens per request, at most K + 2), and output and
     acceptance equal those of drafting all along."""
     target, drafters, prompts = setup
-    kw = dict(speculative_algorithm=algo, speculative_draft_model_path=drafters[algo],
-              speculative_num_steps=3, speculative_policy="fixed", max_num_batched_tokens=16)
+    kw = dict(
+        speculative_algorithm=algo,
+        speculative_draft_model_path=drafters[algo],
+        speculative_num_steps=3,
+        speculative_policy="fixed",
+        max_num_batched_tokens=16,
+    )
     always = LLM(target, **kw)
     ref = _record(always)
     plain = always.generate(prompts, GREEDY)
@@ -195,15 +223,17 @@ def test_bounded_passes_keep_every_token_once_in_order():
     from specserve.speculative.proposer import bounded_passes
 
     rng = random.Random(0)
-    segments = [Segment([i], rng.randrange(50), list(range(rng.randrange(1, 30))))
-                for i in range(9)]
+    segments = [
+        Segment([i], rng.randrange(50), list(range(rng.randrange(1, 30)))) for i in range(9)
+    ]
     passes = bounded_passes(segments, 7)
     assert all(sum(len(s.token_ids) for s in p) <= 7 for p in passes)
     for seg in segments:
         pieces = [(n, s) for n, p in enumerate(passes) for s in p if s.page_table is seg.page_table]
         assert [t for _, s in pieces for t in s.token_ids] == list(seg.token_ids)
         assert [s.start for _, s in pieces] == [
-            seg.start + sum(len(s.token_ids) for _, s in pieces[:i]) for i in range(len(pieces))]
+            seg.start + sum(len(s.token_ids) for _, s in pieces[:i]) for i in range(len(pieces))
+        ]
         assert len({n for n, _ in pieces}) == len(pieces)  # one piece per pass, passes in order
         assert [n for n, _ in pieces] == sorted(n for n, _ in pieces)
 
@@ -231,8 +261,13 @@ def test_a_dormant_drafter_takes_no_upkeep_and_drafts_exactly_after_waking(setup
     from specserve.speculative.eagle3 import Eagle3Proposer
 
     target, drafters, prompts = setup
-    kw = dict(speculative_algorithm="eagle3", speculative_draft_model_path=drafters["eagle3"],
-              speculative_num_steps=3, speculative_policy="fixed", max_num_batched_tokens=16)
+    kw = dict(
+        speculative_algorithm="eagle3",
+        speculative_draft_model_path=drafters["eagle3"],
+        speculative_num_steps=3,
+        speculative_policy="fixed",
+        max_num_batched_tokens=16,
+    )
     params = SamplingParams(max_tokens=160, temperature=0.0, ignore_eos=True)
     always = LLM(target, **kw)
     ref = _record(always)
@@ -243,8 +278,7 @@ def test_a_dormant_drafter_takes_no_upkeep_and_drafts_exactly_after_waking(setup
     got = _record(late)
     proposer, upkeep = late.engine.spec.proposer, []
     catch_up = Eagle3Proposer.catch_up_prefill
-    proposer.catch_up_prefill = lambda items: (upkeep.append(len(items)),
-                                               catch_up(proposer, items))
+    proposer.catch_up_prefill = lambda items: (upkeep.append(len(items)), catch_up(proposer, items))
     propose, policy, ride_alongs = proposer.propose, late.engine.spec.policy, []
 
     def spied(items, prev=None):

@@ -48,8 +48,18 @@ LAYOUTS = {
 @pytest.mark.parametrize("page_size,group", [(1, 1), (4, 3), (16, 2)])
 def test_matches_dense_attention(layout, page_size, group):
     q_lens, ends, seq_lens = LAYOUTS[layout]
-    batch = make_batch(q_lens, ends, seq_lens, page_size, kv_heads=2, group=group,
-                       head_dim=8, dtype=torch.float32, device="cpu", seed=len(layout))
+    batch = make_batch(
+        q_lens,
+        ends,
+        seq_lens,
+        page_size,
+        kv_heads=2,
+        group=group,
+        head_dim=8,
+        dtype=torch.float32,
+        device="cpu",
+        seed=len(layout),
+    )
     scale = 8**-0.5
     expected = dense(batch, scale)
     kc, vc = batch.k_cache.clone(), batch.v_cache.clone()
@@ -66,9 +76,11 @@ def test_layout_is_reused_within_a_step_and_rebuilt_for_the_next():
         kc, vc = batch.k_cache.clone(), batch.v_cache.clone()
         out = backend.forward(batch.q, batch.k, batch.v, kc, vc, batch.meta, scale)
         torch.testing.assert_close(out, dense(batch, scale), rtol=1e-5, atol=1e-5)
-    backend.forward(first.q, first.k, first.v, first.k_cache.clone(), first.v_cache.clone(),
-                    first.meta, scale)
+    backend.forward(
+        first.q, first.k, first.v, first.k_cache.clone(), first.v_cache.clone(), first.meta, scale
+    )
     layout = backend._layout
-    backend.forward(first.q, first.k, first.v, first.k_cache.clone(), first.v_cache.clone(),
-                    first.meta, scale)
+    backend.forward(
+        first.q, first.k, first.v, first.k_cache.clone(), first.v_cache.clone(), first.meta, scale
+    )
     assert backend._layout is layout

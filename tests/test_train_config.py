@@ -10,8 +10,20 @@ from specserve.train.config import TrainConfig
 
 def test_coverage_shrinking_and_an_initial_head_are_refused_together(tmp_path, capsys):
     with pytest.raises(ValueError, match="--init-head"):
-        TrainConfig(out=str(tmp_path), data=["stdlib"], init_head=str(tmp_path),
-                    min_draft_coverage=0.99)  # fmt: skip
-    rc = main(["train-eagle3", "--out", str(tmp_path / "o"), "--data", "stdlib",
-               "--init-head", str(tmp_path), "--min-draft-coverage", "0.99"])
+        TrainConfig(
+            out=str(tmp_path), data=["stdlib"], init_head=str(tmp_path), min_draft_coverage=0.99
+        )
+    rc = main(
+        [
+            "train-eagle3",
+            "--out",
+            str(tmp_path / "o"),
+            "--data",
+            "stdlib",
+            "--init-head",
+            str(tmp_path),
+            "--min-draft-coverage",
+            "0.99",
+        ]
+    )
     assert rc == 2 and "--init-head" in capsys.readouterr().err

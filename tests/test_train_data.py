@@ -52,15 +52,17 @@ def test_generation_deadline_keeps_greedy_prefixes(target, monkeypatch, overlap)
     from specserve.train import distill
     from specserve.train.prompts import PromptItem
 
-    engine = LLMEngine(EngineConfig(model=str(target), max_num_seqs=2, num_kv_pages=64,
-                                    overlap_schedule=overlap))
+    engine = LLMEngine(
+        EngineConfig(model=str(target), max_num_seqs=2, num_kv_pages=64, overlap_schedule=overlap)
+    )
     prompts = [PromptItem(str(i), [{"role": "user", "content": f"hi {i}"}]) for i in range(6)]
     kw = dict(max_new_tokens=40, temperature=0.0, seed=0, max_prompt_tokens=64, progress=False)
     full = distill.generate_samples(engine, prompts[:2], **kw)
     ticks = iter(range(10**6))
     monkeypatch.setattr(distill.time, "monotonic", lambda: float(next(ticks)))
-    cut = distill.generate_samples(engine, prompts, time_budget_s=1.5, grace_s=12.0,
-                                   min_partial_tokens=3, **kw)
+    cut = distill.generate_samples(
+        engine, prompts, time_budget_s=1.5, grace_s=12.0, min_partial_tokens=3, **kw
+    )
     assert [s.key for s in cut] == ["0", "1"]  # no prompt started after the budget
     for short, whole in zip(cut, full):
         assert 3 <= short.response_len < whole.response_len == 40
@@ -69,9 +71,10 @@ def test_generation_deadline_keeps_greedy_prefixes(target, monkeypatch, overlap)
     again = distill.generate_samples(engine, prompts[:2], **kw)  # the engine stays usable
     assert [s.token_ids for s in again] == [s.token_ids for s in full]
     # Without detokenization (TokenIdsOnly, as train-eagle3 runs it): the same token ids.
-    ids_only = LLMEngine(EngineConfig(model=str(target), max_num_seqs=2, num_kv_pages=64,
-                                      overlap_schedule=overlap),
-                         tokenizer=distill.TokenIdsOnly(engine.tokenizer))
+    ids_only = LLMEngine(
+        EngineConfig(model=str(target), max_num_seqs=2, num_kv_pages=64, overlap_schedule=overlap),
+        tokenizer=distill.TokenIdsOnly(engine.tokenizer),
+    )
     same = distill.generate_samples(ids_only, prompts[:2], **kw)
     assert [s.token_ids for s in same] == [s.token_ids for s in full]
 
@@ -130,11 +133,13 @@ def test_draft_vocab_is_most_frequent_reply_tokens():
 def test_prompt_sources(tmp_path, prompt_file):
     lib = tmp_path / "lib"
     (lib / "test").mkdir(parents=True)
-    code = ('"""A module docstring long enough to be worth summarizing: ' + "words " * 10 + '"""\n'
-            "def visible(x):\n    '''Doc.'''\n    y = x + 1\n    return y * 2\n\n"
-            "def _hidden(x):\n    a = 1\n    b = 2\n    return a + b\n\n"
-            "class Box:\n    def put(self, item):\n        self.items = []\n"
-            "        self.items.append(item)\n        return item\n")
+    code = (
+        '"""A module docstring long enough to be worth summarizing: ' + "words " * 10 + '"""\n'
+        "def visible(x):\n    '''Doc.'''\n    y = x + 1\n    return y * 2\n\n"
+        "def _hidden(x):\n    a = 1\n    b = 2\n    return a + b\n\n"
+        "class Box:\n    def put(self, item):\n        self.items = []\n"
+        "        self.items.append(item)\n        return item\n"
+    )
     (lib / "mod.py").write_text(code)
     (lib / "test" / "test_mod.py").write_text(code)
     keys = sorted(p.key.rsplit(":", 1)[0] for p in stdlib_prompts(lib))

@@ -49,8 +49,15 @@ def test_loss_falls_and_acceptance_rises(trained):
 
 def test_outputs_and_strict_reload(trained, target):
     out, result = trained
-    for name in ("data.jsonl", "heldout_prompts.jsonl", "log.jsonl", "metrics.json",
-                 "state.pt", "config.json", "model.safetensors"):
+    for name in (
+        "data.jsonl",
+        "heldout_prompts.jsonl",
+        "log.jsonl",
+        "metrics.json",
+        "state.pt",
+        "config.json",
+        "model.safetensors",
+    ):
         assert (out / name).is_file(), name
     raw = json.loads((out / "config.json").read_text())
     assert raw["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 1, 2]
@@ -66,10 +73,32 @@ def test_outputs_and_strict_reload(trained, target):
 def test_resume_continues_from_checkpoint(trained, target, prompt_file, tmp_path, capsys):
     out, _ = trained
     shutil.copytree(out, tmp_path / "run", dirs_exist_ok=True)
-    args = ["train-eagle3", "--target", str(target), "--data", str(prompt_file), "--out",
-            str(tmp_path / "run"), "--steps", "70", "--batch-size", "8", "--ttt-steps", "3",
-            "--draft-vocab-size", "128", "--heldout-prompts", "4", "--max-new-tokens", "32",
-            "--aux-layer-ids", "1", "2", "3", "--no-progress"]
+    args = [
+        "train-eagle3",
+        "--target",
+        str(target),
+        "--data",
+        str(prompt_file),
+        "--out",
+        str(tmp_path / "run"),
+        "--steps",
+        "70",
+        "--batch-size",
+        "8",
+        "--ttt-steps",
+        "3",
+        "--draft-vocab-size",
+        "128",
+        "--heldout-prompts",
+        "4",
+        "--max-new-tokens",
+        "32",
+        "--aux-layer-ids",
+        "1",
+        "2",
+        "3",
+        "--no-progress",
+    ]
     assert main(args) == 2  # a checkpoint is there and --resume was not given
     assert "--resume" in capsys.readouterr().err
     assert main(args + ["--resume"]) == 0
@@ -88,8 +117,9 @@ def test_resume_continues_from_checkpoint(trained, target, prompt_file, tmp_path
 def test_init_head_continues_training(trained, target, prompt_file, tmp_path):
     out, result = trained
     shutil.copy(out / "data.jsonl", tmp_path / "data.jsonl")
-    cfg = train_config(tmp_path, target, prompt_file, init_head=str(out), steps=5, resume=True,
-                  draft_vocab_size=64)  # the head's own vocabulary wins
+    cfg = train_config(
+        tmp_path, target, prompt_file, init_head=str(out), steps=5, resume=True, draft_vocab_size=64
+    )  # the head's own vocabulary wins
     more = train(cfg)
     assert more.head.config.draft_vocab_size == 128
     assert torch.equal(more.head.d2t, result.head.d2t)
@@ -100,10 +130,14 @@ def test_init_head_continues_training(trained, target, prompt_file, tmp_path):
 def test_features_are_inputs_of_the_aux_layers(target):
     transformers = pytest.importorskip("transformers")
     model = load_model(resolve_model(str(target)), torch.float32, torch.device("cpu"))
-    samples = [Sample("a", [5, 9, 11, 40, 7, 3, 90], 2), Sample("b", list(range(20, 45)), 4),
-               Sample("c", [8, 8, 8], 1)]
-    store = record_features(model, samples, tuple(AUX), tokens_per_batch=16, page_size=4,
-                            progress=False)  # several batches, sequences across pages
+    samples = [
+        Sample("a", [5, 9, 11, 40, 7, 3, 90], 2),
+        Sample("b", list(range(20, 45)), 4),
+        Sample("c", [8, 8, 8], 1),
+    ]
+    store = record_features(
+        model, samples, tuple(AUX), tokens_per_batch=16, page_size=4, progress=False
+    )  # several batches, sequences across pages
     ref = transformers.AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
     for i, s in enumerate(samples):
         rows = slice(store.offsets[i], store.offsets[i + 1])
@@ -111,16 +145,17 @@ def test_features_are_inputs_of_the_aux_layers(target):
             o = ref(torch.tensor([s.token_ids]), output_hidden_states=True)
         want = torch.cat([o.hidden_states[j][0] for j in AUX], dim=-1)  # [j] enters layer j
         torch.testing.assert_close(store.aux[rows], want, atol=1e-4, rtol=1e-4)
-        torch.testing.assert_close(store.hidden[rows], o.hidden_states[-1][0], atol=1e-4,
-                                   rtol=1e-4)
+        torch.testing.assert_close(store.hidden[rows], o.hidden_states[-1][0], atol=1e-4, rtol=1e-4)
         assert torch.equal(store.argmax[rows], o.logits[0].argmax(-1))
 
 
 def test_ttt_mask_and_acceptance_stats():
     mask = ttt_mask(3, 2, torch.device("cpu"))
-    assert mask.int().tolist() == [[1, 0, 0, 1, 0, 0, 1, 0, 0],
-                                   [1, 1, 0, 0, 1, 0, 0, 1, 0],
-                                   [1, 1, 1, 0, 0, 1, 0, 0, 1]]
+    assert mask.int().tolist() == [
+        [1, 0, 0, 1, 0, 0, 1, 0, 0],
+        [1, 1, 0, 0, 1, 0, 0, 1, 0],
+        [1, 1, 1, 0, 0, 1, 0, 0, 1],
+    ]
     t = torch.tensor
     valid = [t([[True, True, True, False]]), t([[True, True, False, False]])]
     correct = [t([[True, False, True, False]]), t([[True, True, False, False]])]

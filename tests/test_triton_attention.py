@@ -57,8 +57,9 @@ def test_decode_num_splits_keeps_one_wave():
 
     def meta(num_requests, max_seq_len, q_len=1):
         lens = torch.full((num_requests,), max_seq_len)
-        return AttentionMetadata(None, None, torch.arange(num_requests + 1) * q_len, lens,
-                                 None, q_len, max_seq_len)  # fmt: skip
+        return AttentionMetadata(
+            None, None, torch.arange(num_requests + 1) * q_len, lens, None, q_len, max_seq_len
+        )
 
     backend, cpu = TritonAttentionBackend(), torch.device("cpu")
     for b, ctx in ((1, 4096), (2, 4096), (3, 300), (16, 4096), (64, 100)):
@@ -86,15 +87,17 @@ def test_backend_fixes_the_chunks_of_decode_and_verify_steps_up_to_16_requests()
     assert INVARIANT_MAX_REQUESTS == SHARED_ROWS  # the GEMVs' shared buckets: one guarantee
     calls = []
     fake = SimpleNamespace(
-        DECODE_MAX_ROWS=64, write_kv=lambda *a: None,
+        DECODE_MAX_ROWS=64,
+        write_kv=lambda *a: None,
         decode_num_splits=lambda *a: 3,
         paged_attention=lambda *a, **kw: calls.append(kw) or a[0],
-    )  # fmt: skip
+    )
 
     def step(backend, num_requests, q_len):
         lens = torch.full((num_requests,), 500)
-        meta = AttentionMetadata(None, None, torch.arange(num_requests + 1) * q_len, lens,
-                                 None, q_len, 500)  # fmt: skip
+        meta = AttentionMetadata(
+            None, None, torch.arange(num_requests + 1) * q_len, lens, None, q_len, 500
+        )
         q = torch.zeros(num_requests * q_len, 8, 4)
         backend.forward(q, q[:, :2], q[:, :2], torch.zeros(1, 1, 2, 4), None, meta, 1.0)
         return calls[-1]["chunk_splits"], calls[-1]["num_splits"]
@@ -136,11 +139,19 @@ def test_gpu_fixed_chunks_keep_a_rows_bits_at_any_program_count(kernel):
     # 1021 and 3069: across a chunk boundary; 3069: chunks of 3 and 4 key blocks
     cases = [(True, 150), (False, 150)] + [(True, 1021), (True, 3069)] * (kernel != "generic")
     for fixed, first in cases:
-        assert split_invariance_error(_kernels(), fixed, "cuda", torch.bfloat16, GPU_SHAPE,
-                                      first=first, **launch) == 0.0, (fixed, first)  # fmt: skip
+        assert (
+            split_invariance_error(
+                _kernels(), fixed, "cuda", torch.bfloat16, GPU_SHAPE, first=first, **launch
+            )
+            == 0.0
+        ), (fixed, first)
     # chunks of at least 128 keys (the A/B of benchmarks/gpu_engine.py --ab-attn-min-chunk)
-    assert split_invariance_error(_kernels(), True, "cuda", torch.bfloat16, GPU_SHAPE,
-                                  first=1021, min_chunk=128, **launch) == 0.0  # fmt: skip
+    assert (
+        split_invariance_error(
+            _kernels(), True, "cuda", torch.bfloat16, GPU_SHAPE, first=1021, min_chunk=128, **launch
+        )
+        == 0.0
+    )
 
 
 def _kernels():
@@ -153,8 +164,16 @@ def _kernels():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_gpu_kv_write_exact(dtype, page_size):
-    batch = make_batch([37, 1, 5], [36, 900, 40], [37, 901, 41], page_size, dtype=dtype,
-                       device="cuda", seed=page_size, **GPU_SHAPE)  # fmt: skip
+    batch = make_batch(
+        [37, 1, 5],
+        [36, 900, 40],
+        [37, 901, 41],
+        page_size,
+        dtype=dtype,
+        device="cuda",
+        seed=page_size,
+        **GPU_SHAPE,
+    )
     assert kv_write_error(_kernels(), batch) == 0.0
 
 
@@ -167,8 +186,16 @@ def test_gpu_mixed_prefill_decode_verify(dtype, page_size, num_splits):
     q_lens = [300, 1, 1, 4, 8]
     ends = [499, 2999, 63, 1199, 700]
     seq_lens = [500, 3000, 64, 1203, 701]
-    batch = make_batch(q_lens, ends, seq_lens, page_size, dtype=dtype, device="cuda",
-                       seed=num_splits or 0, **GPU_SHAPE)  # fmt: skip
+    batch = make_batch(
+        q_lens,
+        ends,
+        seq_lens,
+        page_size,
+        dtype=dtype,
+        device="cuda",
+        seed=num_splits or 0,
+        **GPU_SHAPE,
+    )
     err = attention_error(_kernels(), batch, num_splits)
     assert err < GPU_TOL[dtype], err
 
@@ -184,8 +211,18 @@ def test_gpu_mixed_step_through_backend(dtype, page_size):
     q_lens = [1 + 3 * (b % 2) for b in range(40)] + [300, 512]
     seq_lens = decode_lens + [500, 512]
     ends = [s - 1 for s in seq_lens]
-    err = mixed_step_error(_kernels(), q_lens, ends, seq_lens, page_size, split_at=40, seed=1,
-                           device="cuda", dtype=dtype, shape=GPU_SHAPE)  # fmt: skip
+    err = mixed_step_error(
+        _kernels(),
+        q_lens,
+        ends,
+        seq_lens,
+        page_size,
+        split_at=40,
+        seed=1,
+        device="cuda",
+        dtype=dtype,
+        shape=GPU_SHAPE,
+    )
     assert err < GPU_TOL[dtype], err
 
 
@@ -200,19 +237,29 @@ def test_gpu_decode_and_verify_batches(dtype, q_len, num_splits, launch):
     seq_lens = torch.randint(q_len + 3, 4096, (num_requests,), generator=gen).tolist()
     # every other request has speculative positions laid 3 past its seq_len's end
     ends = [s - 1 - 3 * (b % 2) for b, s in enumerate(seq_lens)]
-    batch = make_batch([q_len] * num_requests, ends, seq_lens, 16, dtype=dtype, device="cuda",
-                       seed=q_len, **GPU_SHAPE)  # fmt: skip
+    batch = make_batch(
+        [q_len] * num_requests,
+        ends,
+        seq_lens,
+        16,
+        dtype=dtype,
+        device="cuda",
+        seed=q_len,
+        **GPU_SHAPE,
+    )
     block_n, warps, stages = launch
-    err = attention_error(_kernels(), batch, num_splits, block_n, num_warps=warps,
-                          num_stages=stages)  # fmt: skip
+    err = attention_error(
+        _kernels(), batch, num_splits, block_n, num_warps=warps, num_stages=stages
+    )
     assert err < GPU_TOL[dtype], err
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gpu_fresh_prefill_long(dtype):
-    batch = make_batch([1500, 700], [1499, 699], [1500, 700], 16, dtype=dtype, device="cuda",
-                       seed=3, **GPU_SHAPE)  # fmt: skip
+    batch = make_batch(
+        [1500, 700], [1499, 699], [1500, 700], 16, dtype=dtype, device="cuda", seed=3, **GPU_SHAPE
+    )
     err = attention_error(_kernels(), batch, None)
     assert err < GPU_TOL[dtype], err
 
@@ -228,10 +275,21 @@ def test_gpu_decode_kernels_at_batch_64(dtype, kernel):
         gen = torch.Generator().manual_seed(q_len)
         seq_lens = torch.randint(q_len + 3, 3000, (64,), generator=gen).tolist()
         ends = [s - 1 - 3 * (b % 2) for b, s in enumerate(seq_lens)]
-        batch = make_batch([q_len] * 64, ends, seq_lens, 16, dtype=dtype, device="cuda",
-                           seed=q_len, **GPU_SHAPE)  # fmt: skip
-        for splits, (block_n, warps, stages) in ((1, (64, 4, 3)), (None, (32, 4, 4)),
-                                                 (7, (16, 4, 1))):  # fmt: skip
-            err = attention_error(_kernels(), batch, splits, block_n, num_warps=warps,
-                                  num_stages=stages, kernel=kernel)  # fmt: skip
+        batch = make_batch(
+            [q_len] * 64, ends, seq_lens, 16, dtype=dtype, device="cuda", seed=q_len, **GPU_SHAPE
+        )
+        for splits, (block_n, warps, stages) in (
+            (1, (64, 4, 3)),
+            (None, (32, 4, 4)),
+            (7, (16, 4, 1)),
+        ):
+            err = attention_error(
+                _kernels(),
+                batch,
+                splits,
+                block_n,
+                num_warps=warps,
+                num_stages=stages,
+                kernel=kernel,
+            )
             assert err < GPU_TOL[dtype], (q_len, splits, block_n, warps, stages, err)

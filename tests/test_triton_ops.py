@@ -32,9 +32,20 @@ def _ops():
 
 
 # ---- the fused rotary + KV write --------------------------------------------------------
-def rotary_store_errors(ops, kernels, dtype, device, tokens=9, q_heads=6, kv_heads=2,
-                        head_dim=16, page_size=4, cache_dtype=None, strided=False,
-                        seed=0) -> dict[str, float]:  # fmt: skip
+def rotary_store_errors(
+    ops,
+    kernels,
+    dtype,
+    device,
+    tokens=9,
+    q_heads=6,
+    kv_heads=2,
+    head_dim=16,
+    page_size=4,
+    cache_dtype=None,
+    strided=False,
+    seed=0,
+) -> dict[str, float]:
     """{"ref": error against rotary module + reference KV write, "unfused": largest absolute
     difference from the separate Triton rotary and KV-write kernels (0: bit-identical),
     "page0": largest change of page 0 outside slot 0}. Token 0 is skipped (slot -1), the
@@ -49,7 +60,7 @@ def rotary_store_errors(ops, kernels, dtype, device, tokens=9, q_heads=6, kv_hea
     qkv = qkv.to(dtype=dtype, device=device)
     num_pages = 2 + -(-tokens // page_size) * 2
     real = tokens - 3
-    slots = (torch.randperm((num_pages - 1) * page_size, generator=gen)[:real] + page_size)
+    slots = torch.randperm((num_pages - 1) * page_size, generator=gen)[:real] + page_size
     slots = torch.cat([torch.tensor([-1]), slots, torch.tensor([0, 0])]).to(device)
     positions = torch.randint(0, 256, (tokens,), generator=gen).to(device)
     rope = RotaryEmbedding(head_dim, 10000.0, 256)
@@ -61,8 +72,7 @@ def rotary_store_errors(ops, kernels, dtype, device, tokens=9, q_heads=6, kv_hea
     q, k, v = qkv.split([q_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1)
     q, k, v = (t.reshape(tokens, -1, head_dim) for t in (q, k, v))
     fk, fv = k_cache.clone(), v_cache.clone()
-    q_fused = ops.rotary_store_kv(positions, qkv, rope.cos_sin, q_heads, kv_heads, fk, fv,
-                                  slots)  # fmt: skip
+    q_fused = ops.rotary_store_kv(positions, qkv, rope.cos_sin, q_heads, kv_heads, fk, fv, slots)
     rq, rk = rope(positions, q, k)
     rk_cache, rv_cache = k_cache.clone(), v_cache.clone()
     keep = slots >= 0
@@ -77,13 +87,17 @@ def rotary_store_errors(ops, kernels, dtype, device, tokens=9, q_heads=6, kv_hea
     # pages 1..: the real tokens; slot 0 of page 0: the two padding tokens' writes race on
     # a GPU (stores of either may land last, chunk by chunk), so each element holds one of
     # theirs (the separate kernels' rotary, which the fused kernel matches bit for bit)
-    pad_ok = all(((cache[0, 0] == src[-2].to(cache_dtype))
-                  | (cache[0, 0] == src[-1].to(cache_dtype))).all().item()
-                 for cache, src in ((fk, uk), (fv, v)))  # fmt: skip
+    pad_ok = all(
+        ((cache[0, 0] == src[-2].to(cache_dtype)) | (cache[0, 0] == src[-1].to(cache_dtype)))
+        .all()
+        .item()
+        for cache, src in ((fk, uk), (fv, v))
+    )
     page0 = max(diff(fk[0, 1:], k_cache[0, 1:]), diff(fv[0, 1:], v_cache[0, 1:]), 0.0)
     return {
-        "ref": max(rel_err(q_fused, rq), rel_err(fk[1:], rk_cache[1:]),
-                   rel_err(fv[1:], rv_cache[1:])),  # fmt: skip
+        "ref": max(
+            rel_err(q_fused, rq), rel_err(fk[1:], rk_cache[1:]), rel_err(fv[1:], rv_cache[1:])
+        ),
         "unfused": max(diff(q_fused, uq), diff(fk[1:], uk_cache[1:]), diff(fv[1:], uv_cache[1:])),
         "page0": page0 if pad_ok else float("inf"),
     }
@@ -168,8 +182,9 @@ def test_gpu_fused_ops_match_modules(dtype):
     ops = _ops()
     assert rms_norm_error(ops, dtype, "cuda", rows=33, dim=4096) < TOL[dtype]
     assert add_rms_norm_error(ops, dtype, "cuda", rows=33, dim=4096) < TOL[dtype]
-    assert rotary_error(ops, dtype, "cuda", tokens=65, q_heads=32, k_heads=8, head_dim=128) < (
-        TOL[dtype]
+    assert (
+        rotary_error(ops, dtype, "cuda", tokens=65, q_heads=32, k_heads=8, head_dim=128)
+        < (TOL[dtype])
     )
     assert silu_and_mul_error(ops, dtype, "cuda", rows=17, dim=14336) < TOL[dtype]
 
@@ -181,9 +196,18 @@ def test_gpu_fused_ops_match_modules(dtype):
 def test_gpu_rotary_store_kv(dtype, tokens, page_size):
     from specserve.layers.attention import triton_kernels
 
-    errs = rotary_store_errors(_ops(), triton_kernels, dtype, "cuda", tokens=tokens + 3,
-                               q_heads=32, kv_heads=8, head_dim=128, page_size=page_size,
-                               seed=tokens)  # fmt: skip
+    errs = rotary_store_errors(
+        _ops(),
+        triton_kernels,
+        dtype,
+        "cuda",
+        tokens=tokens + 3,
+        q_heads=32,
+        kv_heads=8,
+        head_dim=128,
+        page_size=page_size,
+        seed=tokens,
+    )
     assert errs["ref"] < TOL[dtype], errs
     assert errs["unfused"] == 0.0, errs
     assert errs["page0"] == 0.0, errs

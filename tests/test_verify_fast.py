@@ -31,9 +31,14 @@ def _step(lens, temps, gen, with_probs=False, logprobs=None, on_device=False):
     draft length, as the EAGLE-3 chain leaves them), the others' on the host."""
     sampled, rows, row, ids, device = [], [], 0, [], {}
     for i, (k, temp) in enumerate(zip(lens, temps)):
-        params = SamplingParams(temperature=temp, top_k=5 if i % 3 == 1 else 0,
-                                top_p=0.9 if i % 3 == 2 else 1.0, seed=i, max_tokens=10,
-                                logprobs=logprobs)  # fmt: skip
+        params = SamplingParams(
+            temperature=temp,
+            top_k=5 if i % 3 == 1 else 0,
+            top_p=0.9 if i % 3 == 2 else 1.0,
+            seed=i,
+            max_tokens=10,
+            logprobs=logprobs,
+        )
         req = SimpleNamespace(params=params, seed=1000 + i, committed_len=20 + i)
         s = ScheduledRequest(req, 1, k, decoding=True)
         drafts = torch.randint(0, VOCAB, (k,), generator=gen).tolist()
@@ -70,8 +75,12 @@ def _reference(runner, step, hidden, simulate_rate):
     padded = logits[torch.tensor(index)].view(len(sampled), k_max + 1, -1)
     draft_t = torch.tensor(drafts, dtype=torch.int64).view(len(sampled), k_max)
     reqs = [s.request for s in sampled]
-    st = build_sampling_tensors([r.params for r in reqs], [r.seed for r in reqs],
-                                [r.committed_len for r in reqs], torch.device("cpu"))  # fmt: skip
+    st = build_sampling_tensors(
+        [r.params for r in reqs],
+        [r.seed for r in reqs],
+        [r.committed_len for r in reqs],
+        torch.device("cpu"),
+    )
     probs = None
     if any(s.draft_probs is not None for s in sampled):
         probs = torch.zeros(len(sampled), k_max, logits.shape[-1])
@@ -91,20 +100,23 @@ def _reference(runner, step, hidden, simulate_rate):
 @pytest.mark.parametrize("temp", ["greedy", "sampled", "mixed"])
 @pytest.mark.parametrize("simulate_rate", [None, 0.7])
 @pytest.mark.parametrize("with_probs, on_device", [(False, False), (True, False), (False, True)])
-def test_runner_verify_matches_general_verifier(lens, temp, simulate_rate, with_probs,
-                                                on_device):
+def test_runner_verify_matches_general_verifier(lens, temp, simulate_rate, with_probs, on_device):
     gen = torch.Generator().manual_seed(len(lens) * 7 + int(with_probs))
     weight = torch.randn(VOCAB, HIDDEN, generator=gen) * 3
-    temps = {"greedy": [0.0] * len(lens), "sampled": [1.0] * len(lens),
-             "mixed": [0.0, 0.8] * len(lens)}[temp][: len(lens)]  # fmt: skip
+    temps = {
+        "greedy": [0.0] * len(lens),
+        "sampled": [1.0] * len(lens),
+        "mixed": [0.0, 0.8] * len(lens),
+    }[temp][: len(lens)]
     runner = _runner(weight)
     for trial in range(5):
         step, hidden = _step(lens, temps, gen, with_probs, on_device=on_device)
         result = runner.sample_async(step, hidden, simulate_rate).result()
         assert result.tokens == _reference(runner, step, hidden, simulate_rate), trial
         if any(s.device_drafts is not None for s in step.sampled):  # they come back
-            assert [d[: len(s.expected_drafts)] for d, s in zip(result.drafts, step.sampled)
-                    ] == [s.expected_drafts for s in step.sampled]  # fmt: skip
+            assert [d[: len(s.expected_drafts)] for d, s in zip(result.drafts, step.sampled)] == [
+                s.expected_drafts for s in step.sampled
+            ]
 
 
 def test_greedy_drafts_equal_to_argmax_are_all_accepted():

@@ -15,16 +15,21 @@ from specserve.layers.gemv_configs import GemvConfig, verify_candidates
 from specserve.layers.gemv_plan import GemvChoice, GemvPlan
 from specserve.runtime.verify_tiles import compile_todo, tune_verify_tiles, verify_steps
 
-S, A, B, C = (GemvConfig(32, 256, num_stages=4), GemvConfig(64, 128, num_stages=4),
-              GemvConfig(128, 128), GemvConfig(128, 64, num_stages=4))  # fmt: skip
+S, A, B, C = (
+    GemvConfig(32, 256, num_stages=4),
+    GemvConfig(64, 128, num_stages=4),
+    GemvConfig(128, 128),
+    GemvConfig(128, 64, num_stages=4),
+)
 BIG, SMALL = (96, 64, torch.float16), (32, 64, torch.float16)  # (N, K, dtype)
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
 
 def _plan() -> GemvPlan:
     keys = [(b, *shape) for b in BUCKETS for shape in (BIG, SMALL)]
-    return GemvPlan({k: GemvChoice(S if k[0] <= 16 else C, 10.0, 9.0, 3) for k in keys},
-                    row_buckets=BUCKETS)  # fmt: skip
+    return GemvPlan(
+        {k: GemvChoice(S if k[0] <= 16 else C, 10.0, 9.0, 3) for k in keys}, row_buckets=BUCKETS
+    )
 
 
 def test_a_verify_step_of_up_to_16_requests_takes_its_verify_tile_and_nothing_else_does():
@@ -55,8 +60,7 @@ def test_candidates_are_16_row_tiles_with_the_shared_split():
     for rows in (32, 64):
         cands = verify_candidates(shared, rows, 4096, 14336, 132)
         assert cands and shared not in cands and len(set(cands)) == len(cands)
-        assert all(c.block_m == 16 and c.split_k == 3 and c.use_dot and not c.tma
-                   for c in cands)  # fmt: skip
+        assert all(c.block_m == 16 and c.split_k == 3 and c.use_dot and not c.tma for c in cands)
     plain = verify_candidates(S, 64, 6144, 4096, 132)
     assert plain and all(c.split_k == 1 for c in plain)
     assert any(c.block_n >= 128 for c in plain)  # the wide tiles of 64 rows among them
@@ -72,8 +76,9 @@ def test_verify_steps_are_the_largest_batch_of_up_to_16_requests_per_row_bucket(
 def test_what_the_search_may_run_is_compiled_first_per_projection_with_a_triton_tile():
     plan = _plan()
     plan.set_config([(b, *SMALL) for b in (1, 2, 4, 8, 16)], None)  # cuBLAS: nothing to try
-    todo = compile_todo(plan, {64: (16, 4), 32: (8, 4)},
-                        lambda shared, rows, key: [A, B] if rows == 64 else [C], 16)
+    todo = compile_todo(
+        plan, {64: (16, 4), 32: (8, 4)}, lambda shared, rows, key: [A, B] if rows == 64 else [C], 16
+    )
     assert todo == {BIG: [(32, [S, C]), (64, [S, A, B])]}
 
 
@@ -95,8 +100,10 @@ class Fakes:
     def timer(self, batch, q):
         self.timings += 1
         self.plan.step_requests = batch
-        t = sum(self.cost.get((shape, self.plan.config_for(batch * q, *shape)), 100.0)
-                for shape in (BIG, SMALL))  # fmt: skip
+        t = sum(
+            self.cost.get((shape, self.plan.config_for(batch * q, *shape)), 100.0)
+            for shape in (BIG, SMALL)
+        )
         self.plan.step_requests = None
         return t
 
@@ -105,11 +112,19 @@ def test_search_keeps_a_faster_tile_with_the_same_bits_and_never_one_with_other_
     plan = _plan()
     # BIG: A fastest but other bits, B faster than S (kept), C faster still by 0.1% of the
     # step (inside the margin); SMALL: nothing beats S
-    cost = {(BIG, S): 20.0, (BIG, A): 1.0, (BIG, B): 10.0, (BIG, C): 9.99,
-            (SMALL, S): 5.0, (SMALL, A): 6.0, (SMALL, B): 7.0}  # fmt: skip
+    cost = {
+        (BIG, S): 20.0,
+        (BIG, A): 1.0,
+        (BIG, B): 10.0,
+        (BIG, C): 9.99,
+        (SMALL, S): 5.0,
+        (SMALL, A): 6.0,
+        (SMALL, B): 7.0,
+    }
     fakes = Fakes(plan, cost, other={A})
-    report = tune_verify_tiles(plan, {64: (16, 4)}, lambda shared, rows, key: [A, B, C],
-                               fakes.timer, fakes.output, 16)  # fmt: skip
+    report = tune_verify_tiles(
+        plan, {64: (16, 4)}, lambda shared, rows, key: [A, B, C], fakes.timer, fakes.output, 16
+    )
     assert plan.verify == {(64, *BIG): B}
     assert report.changes == [((64, *BIG), str(S), str(B))]
     assert ((64, *BIG), str(A)) in report.rejected and ((64, *SMALL), str(A)) in report.rejected
@@ -158,9 +173,15 @@ def test_gpu_verify_tiles_give_verify_rows_their_decode_bits(tiny_llama):
     from specserve.runtime.verify_tiles import StepOutput
     from tests.test_plan_tuning import rows_apart
 
-    config = EngineConfig(model=str(tiny_llama), device="cuda", dtype="bfloat16",
-                          max_num_seqs=SHARED_ROWS, speculative_algorithm="ngram",
-                          speculative_num_steps=3, disable_verify_tiles=True)  # fmt: skip
+    config = EngineConfig(
+        model=str(tiny_llama),
+        device="cuda",
+        dtype="bfloat16",
+        max_num_seqs=SHARED_ROWS,
+        speculative_algorithm="ngram",
+        speculative_num_steps=3,
+        disable_verify_tiles=True,
+    )
     engine = LLMEngine(config)
     assert engine.verify_tiles is None
     model, graphs = engine.runner.model, engine.runner.graphs
@@ -171,9 +192,14 @@ def test_gpu_verify_tiles_give_verify_rows_their_decode_bits(tiny_llama):
     steps = verify_steps(plan, graphs.batch_buckets, 4, SHARED_ROWS)
     assert set(steps) == {32, 64}
     report = tune_verify_tiles(
-        plan, steps, lambda s, rows, key: cands(s, rows, key[1], key[2], 132),
-        lambda b, q: 10.0 - len(plan.verify), StepOutput(graphs, 64), SHARED_ROWS,
-        keys_used=StepTimer(graphs, 64, 1).keys_used)  # fmt: skip
+        plan,
+        steps,
+        lambda s, rows, key: cands(s, rows, key[1], key[2], 132),
+        lambda b, q: 10.0 - len(plan.verify),
+        StepOutput(graphs, 64),
+        SHARED_ROWS,
+        keys_used=StepTimer(graphs, 64, 1).keys_used,
+    )
     # (no kept tile: on this device no other tile gives the shared tile's bits, and verify
     # tiles change nothing)
     assert report.changes, report.rejected

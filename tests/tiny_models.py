@@ -126,8 +126,9 @@ def hf_greedy(folder: Path, prompts: list[list[int]], max_new_tokens: int) -> li
     return outs
 
 
-def make_random_eagle3_head(folder: Path, target_folder: Path, draft_vocab: int = 200,
-                            seed: int = 0) -> Path:
+def make_random_eagle3_head(
+    folder: Path, target_folder: Path, draft_vocab: int = 200, seed: int = 0
+) -> Path:
     """A random EAGLE-3 head in the public layout (real names and shapes) for a target."""
     from specserve.core.model_config import load_hf_config
     from specserve.model.eagle3 import Eagle3Config, Eagle3Head, save_eagle3_head

@@ -27,15 +27,35 @@ def write_prompt_file(path: Path) -> Path:
         elif i % 3 == 1:
             lines.append({"messages": [{"role": "user", "content": text}]})
         else:
-            lines.append({"conversations": [{"from": "human", "value": text},
-                                             {"from": "gpt", "value": "dropped"}]})
+            lines.append(
+                {
+                    "conversations": [
+                        {"from": "human", "value": text},
+                        {"from": "gpt", "value": "dropped"},
+                    ]
+                }
+            )
     path.write_text("".join(json.dumps(r) + "\n" for r in lines))
     return path
 
 
 def train_config(out, target, prompt_file, **kw) -> TrainConfig:
-    base = dict(out=str(out), data=[str(prompt_file)], target=str(target), steps=60,
-                batch_size=8, lr=5e-3, warmup_steps=5, ttt_steps=3, draft_vocab_size=128,
-                heldout_prompts=4, max_new_tokens=32, aux_layer_ids=AUX, gen_batch=32,
-                save_every=30, eval_every=30, progress=False)
+    base = dict(
+        out=str(out),
+        data=[str(prompt_file)],
+        target=str(target),
+        steps=60,
+        batch_size=8,
+        lr=5e-3,
+        warmup_steps=5,
+        ttt_steps=3,
+        draft_vocab_size=128,
+        heldout_prompts=4,
+        max_new_tokens=32,
+        aux_layer_ids=AUX,
+        gen_batch=32,
+        save_every=30,
+        eval_every=30,
+        progress=False,
+    )
     return TrainConfig(**{**base, **kw})

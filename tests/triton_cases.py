@@ -42,8 +42,9 @@ class Batch:
     meta: AttentionMetadata
 
 
-def make_batch(q_lens, ends, seq_lens, page_size, kv_heads, group, head_dim, dtype, device,
-               seed: int) -> Batch:  # fmt: skip
+def make_batch(
+    q_lens, ends, seq_lens, page_size, kv_heads, group, head_dim, dtype, device, seed: int
+) -> Batch:
     gen = torch.Generator().manual_seed(seed)
     pages_per_req = [-(-max(s, e + 1) // page_size) for s, e in zip(seq_lens, ends)]
     num_pages = 1 + sum(pages_per_req) + 3
@@ -75,9 +76,14 @@ def make_batch(q_lens, ends, seq_lens, page_size, kv_heads, group, head_dim, dty
         max_query_len=max(q_lens),
         max_seq_len=max(seq_lens),
     )
-    return Batch(rand(total, kv_heads * group, head_dim), rand(total, kv_heads, head_dim),
-                 rand(total, kv_heads, head_dim), rand(*cache_shape), rand(*cache_shape),
-                 meta)  # fmt: skip
+    return Batch(
+        rand(total, kv_heads * group, head_dim),
+        rand(total, kv_heads, head_dim),
+        rand(total, kv_heads, head_dim),
+        rand(*cache_shape),
+        rand(*cache_shape),
+        meta,
+    )
 
 
 def reference(batch: Batch, scale: float) -> torch.Tensor:
@@ -100,18 +106,41 @@ def attention_error(kernels, batch: Batch, num_splits, block_n=None, **launch) -
     ops = backend.kernels
     ops.write_kv(batch.k, batch.v, kc, vc, batch.meta.slot_mapping)
     kv_heads = kc.shape[2]
-    splits = backend.choose_num_splits(batch.meta, kv_heads, batch.q.shape[1] // kv_heads,
-                                       batch.q.device)  # fmt: skip
+    splits = backend.choose_num_splits(
+        batch.meta, kv_heads, batch.q.shape[1] // kv_heads, batch.q.device
+    )
     out = torch.full_like(batch.q, float("nan"))
     m = batch.meta
-    ops.paged_attention(batch.q, kc, vc, m.positions, m.query_start_loc, m.seq_lens,
-                        m.block_tables, m.max_query_len, scale, num_splits=splits,
-                        block_n=block_n, out=out, **launch)  # fmt: skip
+    ops.paged_attention(
+        batch.q,
+        kc,
+        vc,
+        m.positions,
+        m.query_start_loc,
+        m.seq_lens,
+        m.block_tables,
+        m.max_query_len,
+        scale,
+        num_splits=splits,
+        block_n=block_n,
+        out=out,
+        **launch,
+    )
     return rel_err(out, ref)
 
 
-def mixed_step_error(kernels, q_lens, ends, seq_lens, page_size, split_at: int, seed: int,
-                     device="cpu", dtype=torch.float16, shape=None) -> float:  # fmt: skip
+def mixed_step_error(
+    kernels,
+    q_lens,
+    ends,
+    seq_lens,
+    page_size,
+    split_at: int,
+    seed: int,
+    device="cpu",
+    dtype=torch.float16,
+    shape=None,
+) -> float:
     """The backend's forward over a mixed step whose decode/verify requests lead (the
     scheduler's order) against the reference; inf unless it launched the first `split_at`
     requests and the rest apart, each launch over its own requests and tokens (split_at 0:
@@ -121,8 +150,9 @@ def mixed_step_error(kernels, q_lens, ends, seq_lens, page_size, split_at: int, 
     from specserve.layers.attention.triton_attn import TritonAttentionBackend
 
     shape = shape or SMALL
-    batch = make_batch(q_lens, ends, seq_lens, page_size, dtype=dtype, device=device,
-                       seed=seed, **shape)  # fmt: skip
+    batch = make_batch(
+        q_lens, ends, seq_lens, page_size, dtype=dtype, device=device, seed=seed, **shape
+    )
     batch.meta.query_lens, batch.meta.seq_bounds = list(q_lens), list(seq_lens)
     launches = []
 
@@ -130,18 +160,22 @@ def mixed_step_error(kernels, q_lens, ends, seq_lens, page_size, split_at: int, 
         launches.append((q.shape[0], args[5].shape[0], args[6]))  # tokens, requests, q_len
         return kernels.paged_attention(q, *args, **kw)
 
-    recorder = SimpleNamespace(**{k: getattr(kernels, k) for k in dir(kernels)
-                                  if not k.startswith("__")})  # fmt: skip
+    recorder = SimpleNamespace(
+        **{k: getattr(kernels, k) for k in dir(kernels) if not k.startswith("__")}
+    )
     recorder.paged_attention = paged_attention
     backend = TritonAttentionBackend(kernels=recorder)
     scale = batch.q.shape[-1] ** -0.5
     ref = reference(batch, scale)
-    out = backend.forward(batch.q, batch.k, batch.v, batch.k_cache.clone(),
-                          batch.v_cache.clone(), batch.meta, scale)  # fmt: skip
+    out = backend.forward(
+        batch.q, batch.k, batch.v, batch.k_cache.clone(), batch.v_cache.clone(), batch.meta, scale
+    )
     n = split_at
     if n:
-        want = [(sum(q_lens[:n]), n, max(q_lens[:n])),
-                (sum(q_lens[n:]), len(q_lens) - n, max(q_lens[n:]))]
+        want = [
+            (sum(q_lens[:n]), n, max(q_lens[:n])),
+            (sum(q_lens[n:]), len(q_lens) - n, max(q_lens[n:])),
+        ]
     else:
         want = [(sum(q_lens), len(q_lens), max(q_lens))]
     if launches != want:
@@ -161,8 +195,9 @@ def kv_write_error(kernels, batch: Batch) -> float:
     return float(not (torch.equal(kc, rk) and torch.equal(vc, rv)))
 
 
-def split_invariance_error(kernels, fixed_chunks: bool, device="cpu", dtype=torch.float32,
-                           shape=None, first=150, **launch) -> float:  # fmt: skip
+def split_invariance_error(
+    kernels, fixed_chunks: bool, device="cpu", dtype=torch.float32, shape=None, first=150, **launch
+) -> float:
     """A request verifying 4 tokens at positions first..first+3 among 6 requests, and each
     of those 4 rows decoded alone (the request's length then ends at the row), each step
     under 1, 3 and 32 programs per (request, KV head) (32: one chunk each, no loop). By
@@ -176,9 +211,16 @@ def split_invariance_error(kernels, fixed_chunks: bool, device="cpu", dtype=torc
 
     others = [(40, 1), (90, 1), (7, 1), (130, 1), (60, 1)]  # (position, q_len)
     shape = shape or dict(kv_heads=2, group=2, head_dim=32)
-    batch = make_batch([4] + [q for _, q in others], [first + 3] + [e for e, _ in others],
-                       [first + 4] + [e + 1 for e, _ in others], 16, dtype=dtype,
-                       device=device, seed=3, **shape)  # fmt: skip
+    batch = make_batch(
+        [4] + [q for _, q in others],
+        [first + 3] + [e for e, _ in others],
+        [first + 4] + [e + 1 for e, _ in others],
+        16,
+        dtype=dtype,
+        device=device,
+        seed=3,
+        **shape,
+    )
     m = batch.meta
     kernels.write_kv(batch.k, batch.v, batch.k_cache, batch.v_cache, m.slot_mapping)
     scale = 0.125
@@ -188,21 +230,33 @@ def split_invariance_error(kernels, fixed_chunks: bool, device="cpu", dtype=torc
 
     def attend(q, meta, splits):
         return kernels.paged_attention(
-            q, batch.k_cache, batch.v_cache, meta.positions, meta.query_start_loc,
-            meta.seq_lens, meta.block_tables, meta.max_query_len, scale, num_splits=splits,
-            chunk_splits=chunks, **launch,
-        )  # fmt: skip
+            q,
+            batch.k_cache,
+            batch.v_cache,
+            meta.positions,
+            meta.query_start_loc,
+            meta.seq_lens,
+            meta.block_tables,
+            meta.max_query_len,
+            scale,
+            num_splits=splits,
+            chunk_splits=chunks,
+            **launch,
+        )
 
     counts = (1, 3, 32)
     verified = [attend(batch.q, m, splits) for splits in counts]
     same, right = True, True
     for i in range(4):
         alone = AttentionMetadata(
-            positions=m.positions[i : i + 1], slot_mapping=m.slot_mapping[i : i + 1],
+            positions=m.positions[i : i + 1],
+            slot_mapping=m.slot_mapping[i : i + 1],
             query_start_loc=torch.tensor([0, 1], device=device),
             seq_lens=torch.tensor([first + i + 1], device=device),
-            block_tables=m.block_tables[:1], max_query_len=1, max_seq_len=first + i + 1,
-        )  # fmt: skip
+            block_tables=m.block_tables[:1],
+            max_query_len=1,
+            max_seq_len=first + i + 1,
+        )
         rows = [attend(batch.q[i : i + 1], alone, splits)[0] for splits in counts]
         rows += [out[i] for out in verified]
         same &= all(torch.equal(r, rows[0]) for r in rows[1:])
@@ -227,8 +281,9 @@ def add_rms_norm_error(ops, dtype, device, rows=5, dim=96, seed=0) -> float:
     from specserve.layers.norm import RMSNorm
 
     gen = torch.Generator().manual_seed(seed)
-    x, r = ((torch.randn(rows, dim, generator=gen) * 3).to(dtype=dtype, device=device)
-            for _ in "xr")  # fmt: skip
+    x, r = (
+        (torch.randn(rows, dim, generator=gen) * 3).to(dtype=dtype, device=device) for _ in "xr"
+    )
     norm = RMSNorm(dim, 1e-6).to(dtype=dtype, device=device)
     norm.weight.data = torch.randn(dim, generator=gen).to(dtype=dtype, device=device)
     total, out = ops.add_rms_norm(x, r, norm.weight, norm.eps)
@@ -261,8 +316,9 @@ SMALL = dict(kv_heads=2, group=2, head_dim=32)
 
 
 def _small(q_lens, ends, seq_lens, page_size, dtype=torch.float16, seed=0):
-    return make_batch(q_lens, ends, seq_lens, page_size, dtype=dtype, device="cpu", seed=seed,
-                      **SMALL)  # fmt: skip
+    return make_batch(
+        q_lens, ends, seq_lens, page_size, dtype=dtype, device="cpu", seed=seed, **SMALL
+    )
 
 
 def warm_up_error(backend, dtype) -> float:
@@ -276,8 +332,9 @@ def warm_up_error(backend, dtype) -> float:
     before = (k_cache[1:].clone(), v_cache[1:].clone())
     if backend.warm_up(6, (k_cache, v_cache)) != 13:
         return float("inf")
-    return max((k_cache[1:] - before[0]).abs().max().item(),
-               (v_cache[1:] - before[1]).abs().max().item())
+    return max(
+        (k_cache[1:] - before[0]).abs().max().item(), (v_cache[1:] - before[1]).abs().max().item()
+    )
 
 
 def interpreter_cases() -> dict[str, tuple]:
@@ -298,45 +355,61 @@ def interpreter_cases() -> dict[str, tuple]:
             for ns in (1, 2):
                 cases[f"verify-q{q}-page{ps}-split{ns}"] = ("attn", args, dict(ns=ns))
         cases[f"mixed-page{ps}"] = (
-            "attn", ([9, 1, 4, 1], [40, 50, 30, 0], [41, 51, 32, 1], ps), dict(ns=None),
-        )  # fmt: skip
+            "attn",
+            ([9, 1, 4, 1], [40, 50, 30, 0], [41, 51, 32, 1], ps),
+            dict(ns=None),
+        )
     # mixed steps through the backend: decode/verify rows first, then prefill chunks of more
     # than DECODE_MAX_ROWS rows (the short rows and the chunks launched apart); a chunk first
     # (one launch for all)
     # (2 query heads a KV head: requests of up to 32 tokens are short)
-    cases["split-mixed-step"] = ("mixed", ([1, 4, 1, 40, 70], [30, 60, 9, 79, 69],
-                                           [31, 63, 10, 80, 70], 16, 3), {})  # fmt: skip
-    cases["split-mixed-step-page1"] = ("mixed", ([3, 1, 33], [20, 70, 40], [21, 71, 41], 1, 2),
-                                       {})  # fmt: skip
-    cases["split-mixed-chunk-first"] = ("mixed", ([40, 1, 2], [45, 30, 8], [46, 31, 9], 16, 0),
-                                        {})  # fmt: skip
+    cases["split-mixed-step"] = (
+        "mixed",
+        ([1, 4, 1, 40, 70], [30, 60, 9, 79, 69], [31, 63, 10, 80, 70], 16, 3),
+        {},
+    )
+    cases["split-mixed-step-page1"] = ("mixed", ([3, 1, 33], [20, 70, 40], [21, 71, 41], 1, 2), {})
+    cases["split-mixed-chunk-first"] = ("mixed", ([40, 1, 2], [45, 30, 8], [46, 31, 9], 16, 0), {})
     # GQA decode/verify through each decode-path kernel: 3 KV heads of 4 query heads (a wrong
     # head grouping reads another head's K/V), 2 of 3 (a group that is no power of two), MHA
     gqa = dict(kv_heads=3, group=4, head_dim=32)
     for kernel in ("decode", "prefetch", "generic"):
         cases[f"gqa4-decode-{kernel}-split3"] = (
-            "attn", ([1] * 3, [9, 40, 70], [10, 41, 71], 16), dict(ns=3, shape=gqa, kernel=kernel),
-        )  # fmt: skip
+            "attn",
+            ([1] * 3, [9, 40, 70], [10, 41, 71], 16),
+            dict(ns=3, shape=gqa, kernel=kernel),
+        )
         cases[f"gqa4-verify-q4-{kernel}"] = (
-            "attn", ([4, 4], [20, 35], [21, 38], 4), dict(ns=2, shape=gqa, kernel=kernel),
-        )  # fmt: skip
+            "attn",
+            ([4, 4], [20, 35], [21, 38], 4),
+            dict(ns=2, shape=gqa, kernel=kernel),
+        )
     cases["gqa4-decode-split1"] = (
-        "attn", ([1] * 3, [0, 16, 40], [1, 17, 41], 16), dict(ns=1, shape=gqa),
-    )  # fmt: skip
+        "attn",
+        ([1] * 3, [0, 16, 40], [1, 17, 41], 16),
+        dict(ns=1, shape=gqa),
+    )
     cases["gqa4-verify-q16-rows64-split2"] = (
-        "attn", ([16], [40], [43], 16), dict(ns=2, shape=gqa),
-    )  # fmt: skip
+        "attn",
+        ([16], [40], [43], 16),
+        dict(ns=2, shape=gqa),
+    )
     for kernel, q in (("decode", 1), ("decode", 5), ("prefetch", 5)):
         cases[f"gqa3-q{q}-{kernel}-split2"] = (
-            "attn", ([q] * 2, [30, 47], [31, 50], 16),
+            "attn",
+            ([q] * 2, [30, 47], [31, 50], 16),
             dict(ns=2, shape=dict(kv_heads=2, group=3, head_dim=32), kernel=kernel),
-        )  # fmt: skip
+        )
     cases["mha-verify-q3-split2"] = (
-        "attn", ([3, 1], [25, 33], [26, 34], 16), dict(ns=2, shape=dict(SMALL, group=1)),
-    )  # fmt: skip
+        "attn",
+        ([3, 1], [25, 33], [26, 34], 16),
+        dict(ns=2, shape=dict(SMALL, group=1)),
+    )
     cases["prefill-fp32-page16"] = (
-        "attn", ([17, 3], [16, 25], [17, 26], 16), dict(ns=2, dtype=torch.float32),
-    )  # fmt: skip
+        "attn",
+        ([17, 3], [16, 25], [17, 26], 16),
+        dict(ns=2, dtype=torch.float32),
+    )
     for dtype, ps in (("float32", 1), ("float16", 16)):
         cases[f"model-{dtype}-page{ps}"] = ("model", (dtype, ps), {})
     cases["graph_runner_padding-float32"] = ("runner", ("float32",), {})
@@ -346,14 +419,19 @@ def interpreter_cases() -> dict[str, tuple]:
     # in one loop (triton_decode._flat_chunks): the min64 case below, and on the GPU 3069
     for first in (150, 509):
         cases[f"invariance-fixed-chunks-at{first}"] = ("invariance", (True, first), {})
-    cases["invariance-fixed-chunks-at509-prefetch"] = ("invariance", (True, 509),
-                                                       dict(kernel="prefetch"))  # fmt: skip
+    cases["invariance-fixed-chunks-at509-prefetch"] = (
+        "invariance",
+        (True, 509),
+        dict(kernel="prefetch"),
+    )
     # chunks of at least 4 blocks (64 keys, where 509 keys would give one-block chunks)
-    cases["invariance-fixed-chunks-at509-min64"] = ("invariance", (True, 509),
-                                                    dict(min_chunk=64))  # fmt: skip
+    cases["invariance-fixed-chunks-at509-min64"] = ("invariance", (True, 509), dict(min_chunk=64))
     # the generic kernel chunks by the request's length: exact away from a chunk boundary
-    cases["invariance-fixed-chunks-at150-generic"] = ("invariance", (True, 150),
-                                                      dict(kernel="generic"))  # fmt: skip
+    cases["invariance-fixed-chunks-at150-generic"] = (
+        "invariance",
+        (True, 150),
+        dict(kernel="generic"),
+    )
     cases["invariance-control-free-splits"] = ("invariance", (False, 150), {})
     for dtype in ("float16", "float32"):
         for op in ("rms_norm", "add_rms_norm", "rotary", "silu_and_mul"):
@@ -371,8 +449,16 @@ def run_case(name: str, spec: tuple, kernels, ops) -> float:
         return split_invariance_error(kernels, args[0], first=args[1], block_n=16, **kw)
     if kind == "attn":
         q_lens, ends, seq_lens, ps = args
-        batch = make_batch(q_lens, ends, seq_lens, ps, dtype=kw.get("dtype", torch.float16),
-                           device="cpu", seed=len(name), **kw.get("shape", SMALL))  # fmt: skip
+        batch = make_batch(
+            q_lens,
+            ends,
+            seq_lens,
+            ps,
+            dtype=kw.get("dtype", torch.float16),
+            device="cpu",
+            seed=len(name),
+            **kw.get("shape", SMALL),
+        )
         launch = {"kernel": kw["kernel"]} if "kernel" in kw else {}
         return attention_error(kernels, batch, kw["ns"], block_n=16, **launch)
     dtype = getattr(torch, args[0])

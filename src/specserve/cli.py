@@ -20,17 +20,29 @@ from specserve.engine_args import (
     has_engine_args,
 )
 
-SAMPLING_FLAGS = {"max_tokens": "--max-tokens", "temperature": "--temperature",
-                  "top_k": "--top-k", "top_p": "--top-p", "min_p": "--min-p",
-                  "seed": "--sampling-seed", "stop": "--stop"}  # SamplingParams field -> flag
+SAMPLING_FLAGS = {
+    "max_tokens": "--max-tokens",
+    "temperature": "--temperature",
+    "top_k": "--top-k",
+    "top_p": "--top-p",
+    "min_p": "--min-p",
+    "seed": "--sampling-seed",
+    "stop": "--stop",
+}  # SamplingParams field -> flag
 
 
 def _sampling_params(args: argparse.Namespace):
     from specserve.core.sampling_params import SamplingParams
 
-    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                          top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                          seed=args.sampling_seed, stop=args.stop or [])  # fmt: skip
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        seed=args.sampling_seed,
+        stop=args.stop or [],
+    )
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -38,12 +50,14 @@ def _generate(args: argparse.Namespace) -> int:
     from specserve.llm import LLM
 
     cfg = engine_config(args)
-    llm = LLM(progress=not args.quiet,
-              **{f.name: getattr(cfg, f.name) for f in fields(EngineConfig)})
+    llm = LLM(
+        progress=not args.quiet, **{f.name: getattr(cfg, f.name) for f in fields(EngineConfig)}
+    )
     if llm.tokenizer.chat_template and not args.no_chat_template:
         # what llm.chat does: the answer of an instruct model, not a continuation
         prompt: str | list[int] = llm.apply_chat_template(
-            [{"role": "user", "content": args.prompt}])
+            [{"role": "user", "content": args.prompt}]
+        )
     else:
         prompt = args.prompt
     for delta in llm.stream(prompt, params):
@@ -60,14 +74,18 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         cfg = engine_config(args)
         server = ServerConfig(
-            host=args.host, port=args.port,
+            host=args.host,
+            port=args.port,
             api_key=resolve_api_key(args.api_key, args.api_key_file),
-            served_model_names=args.served_model_name or [], max_queue=args.max_queue,
-            shutdown_timeout_s=args.shutdown_timeout, log_level=args.uvicorn_log_level,
+            served_model_names=args.served_model_name or [],
+            max_queue=args.max_queue,
+            shutdown_timeout_s=args.shutdown_timeout,
+            log_level=args.uvicorn_log_level,
             access_log=not args.disable_uvicorn_access_log,
             max_request_bytes=args.max_request_bytes,
             request_read_timeout_s=args.request_read_timeout,
-            keep_alive_timeout_s=args.keep_alive_timeout, public_metrics=args.public_metrics,
+            keep_alive_timeout_s=args.keep_alive_timeout,
+            public_metrics=args.public_metrics,
         )
     except ValueError as e:
         raise SpecserveError(str(e)) from e
@@ -82,34 +100,78 @@ def _add_serve_parser(sub) -> None:
     net = srv.add_argument_group("serving")
     net.add_argument("--host", default=D.host, help="address to bind")
     net.add_argument("--port", type=int, default=D.port, metavar="N", help="port to listen on")
-    net.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
-                     help="model name(s) clients use (default: the model's name)")
-    net.add_argument("--max-queue", type=int, default=D.max_queue, metavar="N",
-                     help="engine requests (prompts x n) allowed to wait for a running slot; "
-                          "beyond it 429 + Retry-After")
-    net.add_argument("--shutdown-timeout", type=float, default=D.shutdown_timeout_s,
-                     metavar="S",
-                     help="seconds SIGTERM waits for in-flight requests before aborting them")
-    advanced.add_argument("--uvicorn-log-level", default=D.log_level,
-                          choices=["critical", "error", "warning", "info", "debug"],
-                          help="how much the HTTP server logs")
-    advanced.add_argument("--disable-uvicorn-access-log", action="store_true",
-                          help="no log line per HTTP request")
+    net.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="model name(s) clients use (default: the model's name)",
+    )
+    net.add_argument(
+        "--max-queue",
+        type=int,
+        default=D.max_queue,
+        metavar="N",
+        help="engine requests (prompts x n) allowed to wait for a running slot; "
+        "beyond it 429 + Retry-After",
+    )
+    net.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=D.shutdown_timeout_s,
+        metavar="S",
+        help="seconds SIGTERM waits for in-flight requests before aborting them",
+    )
+    advanced.add_argument(
+        "--uvicorn-log-level",
+        default=D.log_level,
+        choices=["critical", "error", "warning", "info", "debug"],
+        help="how much the HTTP server logs",
+    )
+    advanced.add_argument(
+        "--disable-uvicorn-access-log", action="store_true", help="no log line per HTTP request"
+    )
     sec = srv.add_argument_group("security and limits")
-    sec.add_argument("--api-key", default=None, metavar="KEY",
-                     help="require 'Authorization: Bearer KEY' on every route but /health "
-                          "(visible in `ps`: prefer --api-key-file or SPECSERVE_API_KEY)")
-    sec.add_argument("--api-key-file", default=None, metavar="FILE",
-                     help="read the API key from the first line of this file")
-    sec.add_argument("--public-metrics", action="store_true",
-                     help="serve /metrics without the API key (Prometheus scrapers)")
-    sec.add_argument("--max-request-bytes", type=int, default=D.max_request_bytes,
-                     metavar="N", help="largest request body accepted (413 beyond)")
-    sec.add_argument("--request-read-timeout", type=float, default=D.request_read_timeout_s,
-                     metavar="S", help="seconds a request's headers, and its body, may take "
-                     "to arrive; stalled connections are closed")
-    sec.add_argument("--keep-alive-timeout", type=float, default=D.keep_alive_timeout_s,
-                     metavar="S", help="seconds an idle kept-alive connection stays open")
+    sec.add_argument(
+        "--api-key",
+        default=None,
+        metavar="KEY",
+        help="require 'Authorization: Bearer KEY' on every route but /health "
+        "(visible in `ps`: prefer --api-key-file or SPECSERVE_API_KEY)",
+    )
+    sec.add_argument(
+        "--api-key-file",
+        default=None,
+        metavar="FILE",
+        help="read the API key from the first line of this file",
+    )
+    sec.add_argument(
+        "--public-metrics",
+        action="store_true",
+        help="serve /metrics without the API key (Prometheus scrapers)",
+    )
+    sec.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=D.max_request_bytes,
+        metavar="N",
+        help="largest request body accepted (413 beyond)",
+    )
+    sec.add_argument(
+        "--request-read-timeout",
+        type=float,
+        default=D.request_read_timeout_s,
+        metavar="S",
+        help="seconds a request's headers, and its body, may take "
+        "to arrive; stalled connections are closed",
+    )
+    sec.add_argument(
+        "--keep-alive-timeout",
+        type=float,
+        default=D.keep_alive_timeout_s,
+        metavar="S",
+        help="seconds an idle kept-alive connection stays open",
+    )
     srv.set_defaults(func=_serve)
 
 
@@ -142,34 +204,72 @@ def _add_bench_parser(sub) -> None:
 def _add_generate_parser(sub) -> None:
     from specserve.core.sampling_params import SamplingParams as D  # defaults of the Python API
 
-    gen = sub.add_parser("generate", help="generate text for one prompt, streamed to stdout",
-                         description="Answer one prompt (with the model's chat template) "
-                         "and stream the text to stdout; start-up progress goes to stderr.")
+    gen = sub.add_parser(
+        "generate",
+        help="generate text for one prompt, streamed to stdout",
+        description="Answer one prompt (with the model's chat template) "
+        "and stream the text to stdout; start-up progress goes to stderr.",
+    )
     gen.add_argument("prompt", help="the prompt (a user message, unless --no-chat-template)")
-    gen.add_argument("--no-chat-template", action="store_true",
-                     help="send the prompt as is, without the model's chat template")
-    gen.add_argument("-q", "--quiet", action="store_true",
-                     help="print only the generated text (no start-up progress on stderr)")
+    gen.add_argument(
+        "--no-chat-template",
+        action="store_true",
+        help="send the prompt as is, without the model's chat template",
+    )
+    gen.add_argument(
+        "-q",
+        "--quiet",
+        action="store_true",
+        help="print only the generated text (no start-up progress on stderr)",
+    )
     groups = engine_arg_groups(gen)
     sampling = groups["sampling"]
-    sampling.add_argument("--max-tokens", type=int, default=D.max_tokens, metavar="N",
-                          help="most tokens to generate")
-    sampling.add_argument("--temperature", type=float, default=D.temperature, metavar="X",
-                          help="randomness of sampling; 0 always picks the likeliest token")
-    sampling.add_argument("--top-k", type=int, default=D.top_k, metavar="N",
-                          help="sample among the N likeliest tokens only; 0 turns this off")
-    sampling.add_argument("--top-p", type=float, default=D.top_p, metavar="X",
-                          help="sample among the likeliest tokens whose probabilities add up "
-                          "to X; 1 turns this off")
-    sampling.add_argument("--min-p", type=float, default=D.min_p, metavar="X",
-                          help="skip tokens less likely than X times the likeliest; 0 turns "
-                          "this off")
-    sampling.add_argument("--sampling-seed", type=int, default=None, metavar="N",
-                          help="seed of this prompt's random draws (default: one drawn from "
-                          "--seed, so a run repeats itself)")
-    sampling.add_argument("--stop", action="append", metavar="TEXT",
-                          help="stop where this text appears (it is not printed); repeat the "
-                          "flag for several (default: none)")
+    sampling.add_argument(
+        "--max-tokens", type=int, default=D.max_tokens, metavar="N", help="most tokens to generate"
+    )
+    sampling.add_argument(
+        "--temperature",
+        type=float,
+        default=D.temperature,
+        metavar="X",
+        help="randomness of sampling; 0 always picks the likeliest token",
+    )
+    sampling.add_argument(
+        "--top-k",
+        type=int,
+        default=D.top_k,
+        metavar="N",
+        help="sample among the N likeliest tokens only; 0 turns this off",
+    )
+    sampling.add_argument(
+        "--top-p",
+        type=float,
+        default=D.top_p,
+        metavar="X",
+        help="sample among the likeliest tokens whose probabilities add up to X; 1 turns this off",
+    )
+    sampling.add_argument(
+        "--min-p",
+        type=float,
+        default=D.min_p,
+        metavar="X",
+        help="skip tokens less likely than X times the likeliest; 0 turns this off",
+    )
+    sampling.add_argument(
+        "--sampling-seed",
+        type=int,
+        default=None,
+        metavar="N",
+        help="seed of this prompt's random draws (default: one drawn from "
+        "--seed, so a run repeats itself)",
+    )
+    sampling.add_argument(
+        "--stop",
+        action="append",
+        metavar="TEXT",
+        help="stop where this text appears (it is not printed); repeat the "
+        "flag for several (default: none)",
+    )
     add_engine_args(gen, groups)
     gen.set_defaults(func=_generate)
 

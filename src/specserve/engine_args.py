@@ -32,69 +32,127 @@ GROUPS = {  # title -> one line under it, in the order the help shows them
 # field -> (group, help). Help is a user's sentence: what the flag does, and its default
 # where the default is not a plain value the formatter can show.
 _FLAGS: dict[str, tuple[str, str]] = {
-    "model": ("model", "Hugging Face model folder or .gguf file (default: the embedded "
-              "SmolLM2-135M-Instruct)"),
-    "load_format": ("model", "auto reads the weights; dummy builds random weights of the "
-                    "model's shape, for benchmarks (--model may then name a preset: "
-                    "llama-3.1-8b, smollm2-135m, or llama-3.1-70b, whose 141 GB of bf16 "
-                    "weights need more than one GPU), or a config.json"),
+    "model": (
+        "model",
+        "Hugging Face model folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)",
+    ),
+    "load_format": (
+        "model",
+        "auto reads the weights; dummy builds random weights of the "
+        "model's shape, for benchmarks (--model may then name a preset: "
+        "llama-3.1-8b, smollm2-135m, or llama-3.1-70b, whose 141 GB of bf16 "
+        "weights need more than one GPU), or a config.json",
+    ),
     "dtype": ("model", "compute precision; auto: float32 on CPU, the checkpoint's own on GPU"),
     "device": ("model", "where to run: auto (a GPU when there is one), cpu, cuda or cuda:N"),
-    "max_model_len": ("model", "longest prompt plus output, in tokens (default: the model's "
-                      "context length)"),
+    "max_model_len": (
+        "model",
+        "longest prompt plus output, in tokens (default: the model's context length)",
+    ),
     "seed": ("sampling", "seed of the random draws of requests that bring no seed of their own"),
-    "speculative_algorithm": ("speculation", "how to draft: auto uses the shipped EAGLE-3 head "
-                              "with the embedded model and nothing with others; eagle3 and "
-                              "draft need --speculative-draft-model-path; ngram copies from "
-                              "the prompt; none turns speculation off"),
-    "speculative_draft_model_path": ("speculation", "EAGLE-3 head folder, or a small model "
-                                     "with the target's tokenizer (default: the shipped head "
-                                     "for the embedded model)"),
+    "speculative_algorithm": (
+        "speculation",
+        "how to draft: auto uses the shipped EAGLE-3 head "
+        "with the embedded model and nothing with others; eagle3 and "
+        "draft need --speculative-draft-model-path; ngram copies from "
+        "the prompt; none turns speculation off",
+    ),
+    "speculative_draft_model_path": (
+        "speculation",
+        "EAGLE-3 head folder, or a small model "
+        "with the target's tokenizer (default: the shipped head "
+        "for the embedded model)",
+    ),
     "speculative_num_steps": ("speculation", "most draft tokens per request and step (K_max)"),
-    "speculative_policy": ("speculation", "how many tokens to draft each step: goodput picks "
-                           "the fastest from measured costs, fixed always drafts "
-                           "--speculative-num-steps, schedule follows --speculative-schedule, "
-                           "off never drafts (default: goodput with a drafter)"),
-    "speculative_schedule": ("speculation", "draft length by batch size for the schedule "
-                             "policy, e.g. 1:4,16:2,64:0 (default: none)"),
+    "speculative_policy": (
+        "speculation",
+        "how many tokens to draft each step: goodput picks "
+        "the fastest from measured costs, fixed always drafts "
+        "--speculative-num-steps, schedule follows --speculative-schedule, "
+        "off never drafts (default: goodput with a drafter)",
+    ),
+    "speculative_schedule": (
+        "speculation",
+        "draft length by batch size for the schedule policy, e.g. 1:4,16:2,64:0 (default: none)",
+    ),
     "page_size": ("advanced", "tokens per KV cache page"),
-    "kv_cache_bytes": ("advanced", "KV cache size in bytes (default: 256 MiB on CPU; on "
-                       "a GPU, --kv-cache-memory-fraction of its free memory)"),
-    "kv_cache_memory_fraction": ("performance", "on a GPU, without --kv-cache-bytes: the share "
-                                 "of the memory left free by the weights that the KV cache "
-                                 "takes"),
-    "num_kv_pages": ("advanced", "KV cache size in pages, instead of bytes (default: from "
-                     "--kv-cache-bytes)"),
+    "kv_cache_bytes": (
+        "advanced",
+        "KV cache size in bytes (default: 256 MiB on CPU; on "
+        "a GPU, --kv-cache-memory-fraction of its free memory)",
+    ),
+    "kv_cache_memory_fraction": (
+        "performance",
+        "on a GPU, without --kv-cache-bytes: the share "
+        "of the memory left free by the weights that the KV cache "
+        "takes",
+    ),
+    "num_kv_pages": (
+        "advanced",
+        "KV cache size in pages, instead of bytes (default: from --kv-cache-bytes)",
+    ),
     "max_num_seqs": ("performance", "most requests running at once"),
-    "max_num_batched_tokens": ("performance", "most tokens one step processes; longer prompts "
-                               "are read in chunks"),
-    "speculative_simulate_acceptance": ("advanced", "BENCHMARKING ONLY: accept drafts by "
-                                        "seeded random draws (a rate per token up to 1, or a "
-                                        "mean acceptance length above 1); the output is not "
-                                        "the model's (default: off)"),
+    "max_num_batched_tokens": (
+        "performance",
+        "most tokens one step processes; longer prompts are read in chunks",
+    ),
+    "speculative_simulate_acceptance": (
+        "advanced",
+        "BENCHMARKING ONLY: accept drafts by "
+        "seeded random draws (a rate per token up to 1, or a "
+        "mean acceptance length above 1); the output is not "
+        "the model's (default: off)",
+    ),
     "attention_backend": ("advanced", "attention kernels; auto: triton on a GPU, torch on CPU"),
-    "overlap_schedule": ("advanced", "prepare the next step on the CPU while the GPU runs this "
-                         "one; auto: on with a GPU, off on CPU"),
+    "overlap_schedule": (
+        "advanced",
+        "prepare the next step on the CPU while the GPU runs this "
+        "one; auto: on with a GPU, off on CPU",
+    ),
     "disable_overlap_schedule": ("advanced", argparse.SUPPRESS),  # = --overlap-schedule off
-    "disable_cuda_graph": ("advanced", "run every GPU step eagerly, without CUDA graphs "
-                           "(slower; for debugging)"),
-    "cuda_graph_max_batch": ("advanced", "largest batch captured as a CUDA graph; larger "
-                             "batches run eagerly"),
-    "disable_gemv": ("advanced", "use cuBLAS for every linear layer instead of choosing "
-                     "Triton kernels at start-up (the same kernels on every start)"),
-    "disable_gemv_tuning": ("advanced", "keep the kernels chosen by timing each layer alone, "
-                            "without timing them again in whole steps (shorter start-up)"),
-    "disable_batch_invariance": ("advanced", "allow faster kernels whose rounding changes "
-                                 "with the batch size (greedy output with speculation may "
-                                 "then differ from plain decoding)"),
-    "disable_verify_tiles": ("advanced", "skip the start-up search for faster kernels for "
-                             "speculative verify steps (shorter start-up)"),
-    "disable_pdl": ("advanced", "launch GPU kernels strictly one after another, without "
-                    "programmatic dependent launch (Hopper GPUs and later)"),
-    "gemv_stream_k": ("advanced", "EXPERIMENTAL: also try stream-K kernels for steps of more "
-                      "than 16 rows at start-up"),
-    "disable_fusion": ("advanced", "run SiLU-and-mul and split-K reductions as kernels of "
-                       "their own (the same results, slower)"),
+    "disable_cuda_graph": (
+        "advanced",
+        "run every GPU step eagerly, without CUDA graphs (slower; for debugging)",
+    ),
+    "cuda_graph_max_batch": (
+        "advanced",
+        "largest batch captured as a CUDA graph; larger batches run eagerly",
+    ),
+    "disable_gemv": (
+        "advanced",
+        "use cuBLAS for every linear layer instead of choosing "
+        "Triton kernels at start-up (the same kernels on every start)",
+    ),
+    "disable_gemv_tuning": (
+        "advanced",
+        "keep the kernels chosen by timing each layer alone, "
+        "without timing them again in whole steps (shorter start-up)",
+    ),
+    "disable_batch_invariance": (
+        "advanced",
+        "allow faster kernels whose rounding changes "
+        "with the batch size (greedy output with speculation may "
+        "then differ from plain decoding)",
+    ),
+    "disable_verify_tiles": (
+        "advanced",
+        "skip the start-up search for faster kernels for "
+        "speculative verify steps (shorter start-up)",
+    ),
+    "disable_pdl": (
+        "advanced",
+        "launch GPU kernels strictly one after another, without "
+        "programmatic dependent launch (Hopper GPUs and later)",
+    ),
+    "gemv_stream_k": (
+        "advanced",
+        "EXPERIMENTAL: also try stream-K kernels for steps of more than 16 rows at start-up",
+    ),
+    "disable_fusion": (
+        "advanced",
+        "run SiLU-and-mul and split-K reductions as kernels of "
+        "their own (the same results, slower)",
+    ),
 }
 
 _CHOICES = {
@@ -106,9 +164,14 @@ _CHOICES = {
     "overlap_schedule": OVERLAP_SCHEDULE_CHOICES,
 }
 
-_METAVARS = {"model": "PATH", "speculative_draft_model_path": "PATH", "device": "DEVICE",
-             "speculative_schedule": "TABLE", "kv_cache_bytes": "BYTES",
-             "speculative_simulate_acceptance": "RATE|LEN"}
+_METAVARS = {
+    "model": "PATH",
+    "speculative_draft_model_path": "PATH",
+    "device": "DEVICE",
+    "speculative_schedule": "TABLE",
+    "kv_cache_bytes": "BYTES",
+    "speculative_simulate_acceptance": "RATE|LEN",
+}
 
 ENGINE_FLAGS = {f.name: "--" + f.name.replace("_", "-") for f in fields(EngineConfig)}
 
@@ -121,7 +184,8 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     def _has_default(action: argparse.Action) -> bool:
         default = action.default
         return bool(action.option_strings) and not (
-            default is None or default is False or default is argparse.SUPPRESS)
+            default is None or default is False or default is argparse.SUPPRESS
+        )
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
@@ -150,8 +214,9 @@ class ArgumentParser(argparse.ArgumentParser):
             yield
             return
         formatter = self._get_formatter()
-        positionals = [formatter._format_args(a, a.dest)
-                       for a in self._actions if not a.option_strings]  # fmt: skip
+        positionals = [
+            formatter._format_args(a, a.dest) for a in self._actions if not a.option_strings
+        ]
         self.usage = " ".join(["%(prog)s", "[options]", *positionals])
         try:
             yield
@@ -191,8 +256,14 @@ def add_engine_args(
         default = None if f.default is MISSING else f.default
         kind = str if "str" in annotation else float if "float" in annotation else int
         metavar = None if f.name in _CHOICES else _METAVARS.get(f.name, "N" if kind is int else "X")
-        add(flag, type=kind, default=default, choices=_CHOICES.get(f.name), metavar=metavar,
-            help=help_text)
+        add(
+            flag,
+            type=kind,
+            default=default,
+            choices=_CHOICES.get(f.name),
+            metavar=metavar,
+            help=help_text,
+        )
     return groups
 
 
@@ -216,5 +287,5 @@ def flag_message(message: str, flags: dict[str, str]) -> str:
             message = re.sub(rf"\b{name}\b", flag, message)
     first = message.split(" ", 1)[0]
     if first in flags:
-        message = flags[first] + message[len(first):]
+        message = flags[first] + message[len(first) :]
     return message

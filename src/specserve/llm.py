@@ -122,8 +122,10 @@ class LLM:
                     finished[out.request_id] = out
                     bar.update(1)
         bar.close()
-        return [_completion(finished[rid], logprobs[rid] if p.logprobs is not None else None)
-                for rid, p in zip(ids, params)]  # fmt: skip
+        return [
+            _completion(finished[rid], logprobs[rid] if p.logprobs is not None else None)
+            for rid, p in zip(ids, params)
+        ]
 
     def chat(
         self,

@@ -64,8 +64,14 @@ class ServerProcess(BenchServerProcess):
 @pytest.fixture(scope="package")
 def server(tiny_llama, tmp_path_factory):
     """The default server of this package's tests (API key required)."""
-    srv = ServerProcess(tiny_llama, tmp_path_factory.mktemp("server"),
-                        "--served-model-name", "tinyllama", "tiny-alias", api_key=API_KEY)
+    srv = ServerProcess(
+        tiny_llama,
+        tmp_path_factory.mktemp("server"),
+        "--served-model-name",
+        "tinyllama",
+        "tiny-alias",
+        api_key=API_KEY,
+    )
     yield srv
     srv.stop()
 

@@ -39,7 +39,8 @@ def _stream_text(chunks) -> tuple[dict[int, str], dict[int, str | None]]:
 def test_models_and_auth(server, client):
     assert [m.id for m in client.models.list().data] == [MODEL, "tiny-alias"]
     assert client.completions.create(model="tiny-alias", prompt="a", max_tokens=1).model == (
-        "tiny-alias")
+        "tiny-alias"
+    )
     r = httpx.get(server.url + "/v1/models")
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
     bad = openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0)
@@ -58,18 +59,26 @@ def test_greedy_equals_offline_generate(client, offline):
     assert [c.text for c in sorted(got.choices, key=lambda c: c.index)] == expected
     assert got.usage.completion_tokens == 12 * len(PROMPTS)
     for i, prompt in enumerate(PROMPTS):  # the concatenated stream equals the whole text
-        chunks = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12,
-                                           temperature=0, stream=True,
-                                           extra_body={"ignore_eos": True})
+        chunks = client.completions.create(
+            model=MODEL,
+            prompt=prompt,
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
         texts, reasons = _stream_text(chunks)
         assert texts[0] == expected[i] and reasons[0] == "length"
 
 
 def test_chat_stream_equals_whole_and_usage(client, offline, tiny_llama):
-    messages = [{"role": "system", "content": "Be brief."},
-                {"role": "user", "content": "Tell me about café 你好"}]
-    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10,
-                                           temperature=0)
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Tell me about café 你好"},
+    ]
+    whole = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=10, temperature=0
+    )
     ChatCompletionResponse.model_validate(whole.model_dump())
     prompt_ids = offline.apply_chat_template(messages)
     offline_out = offline.generate(prompt_ids, SamplingParams(max_tokens=10, temperature=0.0))[0]
@@ -78,9 +87,16 @@ def test_chat_stream_equals_whole_and_usage(client, offline, tiny_llama):
     assert whole.usage.prompt_tokens == len(prompt_ids)
     assert whole.usage.completion_tokens == len(offline_out.token_ids)
     assert whole.usage.total_tokens == len(prompt_ids) + len(offline_out.token_ids)
-    chunks = list(client.chat.completions.create(
-        model=MODEL, messages=messages, max_completion_tokens=10, temperature=0, stream=True,
-        stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            max_completion_tokens=10,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     texts, reasons = _stream_text(chunks)
     assert texts[0] == whole.choices[0].message.content
@@ -101,23 +117,40 @@ def test_n_choices_and_seeds_reproduce(client):
     assert single.choices[0].text == ta[0]
     texts, _ = _stream_text(client.completions.create(**kw, stream=True))
     assert [texts[i] for i in range(3)] == ta
-    chat = dict(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=8,
-                n=2, seed=7, temperature=1.0)
+    chat = dict(
+        model=MODEL,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=8,
+        n=2,
+        seed=7,
+        temperature=1.0,
+    )
     c1, c2 = client.chat.completions.create(**chat), client.chat.completions.create(**chat)
     assert [c.message.content for c in c1.choices] == [c.message.content for c in c2.choices]
     assert len(c1.choices) == 2 and c1.usage.completion_tokens <= 16
 
 
 def test_stop_strings(client):
-    base = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=24,
-                                     temperature=0, extra_body={"ignore_eos": True})
+    base = client.completions.create(
+        model=MODEL,
+        prompt=PROMPTS[1],
+        max_tokens=24,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
     text = base.choices[0].text
-    stop = next(text[i:i + 2] for i in range(3, len(text) - 2) if text[i:i + 2].strip())
+    stop = next(text[i : i + 2] for i in range(3, len(text) - 2) if text[i : i + 2].strip())
     cut = text[: text.find(stop)]
     for stream in (False, True):
-        out = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=24,
-                                        temperature=0, stop=[stop, "\x00never"],
-                                        stream=stream, extra_body={"ignore_eos": True})
+        out = client.completions.create(
+            model=MODEL,
+            prompt=PROMPTS[1],
+            max_tokens=24,
+            temperature=0,
+            stop=[stop, "\x00never"],
+            stream=stream,
+            extra_body={"ignore_eos": True},
+        )
         if stream:
             texts, reasons = _stream_text(out)
             assert texts[0] == cut and reasons[0] == "stop"
@@ -126,8 +159,14 @@ def test_stop_strings(client):
 
 
 def test_completion_logprobs_shape(client):
-    out = client.completions.create(model=MODEL, prompt="The quick", max_tokens=6,
-                                    temperature=0, logprobs=3, extra_body={"ignore_eos": True})
+    out = client.completions.create(
+        model=MODEL,
+        prompt="The quick",
+        max_tokens=6,
+        temperature=0,
+        logprobs=3,
+        extra_body={"ignore_eos": True},
+    )
     lp = out.choices[0].logprobs
     n = out.usage.completion_tokens
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == n == 6
@@ -135,17 +174,28 @@ def test_completion_logprobs_shape(client):
     for tok, chosen, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
         assert 3 <= len(top) <= 4 and top[tok] == pytest.approx(chosen)
         assert chosen <= 0 and chosen == pytest.approx(max(top.values()))  # greedy
-    streamed = client.completions.create(model=MODEL, prompt="The quick", max_tokens=6,
-                                         temperature=0, logprobs=3, stream=True,
-                                         extra_body={"ignore_eos": True})
+    streamed = client.completions.create(
+        model=MODEL,
+        prompt="The quick",
+        max_tokens=6,
+        temperature=0,
+        logprobs=3,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
     tokens = [t for c in streamed for ch in c.choices if ch.logprobs for t in ch.logprobs.tokens]
     assert tokens == lp.tokens
 
 
 def test_chat_logprobs_shape(client):
     out = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=5,
-        temperature=0, logprobs=True, top_logprobs=2)
+        model=MODEL,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=5,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
     content = out.choices[0].logprobs.content
     assert len(content) == out.usage.completion_tokens
     for entry in content:
@@ -153,7 +203,8 @@ def test_chat_logprobs_shape(client):
         assert isinstance(entry.bytes, list) and all(0 <= b < 256 for b in entry.bytes)
         assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob)  # greedy
     plain = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=5)
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=5
+    )
     assert plain.choices[0].logprobs is None
 
 
@@ -164,6 +215,5 @@ def test_token_id_prompts_and_defaults(client, offline):
     assert a.choices[0].text == b.choices[0].text
     assert a.usage.prompt_tokens == len(ids)
     # the legacy completions default of 16 tokens
-    d = client.completions.create(prompt=PROMPTS[0], model=MODEL,
-                                  extra_body={"ignore_eos": True})
+    d = client.completions.create(prompt=PROMPTS[0], model=MODEL, extra_body={"ignore_eos": True})
     assert d.usage.completion_tokens == 16

@@ -14,17 +14,25 @@ LONG = 480  # tokens a dropped request would need to finish (context is 512)
 
 
 def _finished(server, reason: str) -> float:
-    return server.metrics().get(f'specserve_request_finished_total{{finish_reason="{reason}"}}',
-                                0.0)
+    return server.metrics().get(
+        f'specserve_request_finished_total{{finish_reason="{reason}"}}', 0.0
+    )
 
 
 async def _open_and_drop(server, started: asyncio.Event, reached: list, all_in: asyncio.Event):
-    body = {"model": "tinyllama", "prompt": "The quick brown fox", "max_tokens": LONG,
-            "stream": True, "ignore_eos": True, "temperature": 0}
+    body = {
+        "model": "tinyllama",
+        "prompt": "The quick brown fox",
+        "max_tokens": LONG,
+        "stream": True,
+        "ignore_eos": True,
+        "temperature": 0,
+    }
     limits = httpx.Limits(max_connections=1)
     async with httpx.AsyncClient(timeout=120, limits=limits) as http:
-        async with http.stream("POST", server.url + "/v1/completions", json=body,
-                               headers=server.headers) as r:
+        async with http.stream(
+            "POST", server.url + "/v1/completions", json=body, headers=server.headers
+        ) as r:
             assert r.status_code == 200
             lines = r.aiter_lines()  # held, not broken out of: that would close the stream
             events = 0
@@ -48,8 +56,10 @@ def test_dropped_streams_free_their_pages(server):
 
     async def run():
         started, all_in, reached = asyncio.Event(), asyncio.Event(), []
-        tasks = [asyncio.create_task(_open_and_drop(server, started, reached, all_in))
-                 for _ in range(NUM_STREAMS)]
+        tasks = [
+            asyncio.create_task(_open_and_drop(server, started, reached, all_in))
+            for _ in range(NUM_STREAMS)
+        ]
         await asyncio.wait_for(all_in.wait(), 120)
         during = await asyncio.to_thread(server.metrics)
         started.set()
@@ -58,8 +68,10 @@ def test_dropped_streams_free_their_pages(server):
 
     during = asyncio.run(run())
     assert during["specserve_kv_pages_used"] > 0
-    assert during["specserve_num_requests_running"] + during[
-        "specserve_num_requests_waiting"] == NUM_STREAMS
+    assert (
+        during["specserve_num_requests_running"] + during["specserve_num_requests_waiting"]
+        == NUM_STREAMS
+    )
     assert server.wait_metric("specserve_kv_pages_used", 0.0) == 0.0
     after = server.metrics()
     assert after["specserve_num_requests_running"] == 0
@@ -70,11 +82,20 @@ def test_dropped_streams_free_their_pages(server):
 
 def test_dropped_whole_response_is_aborted(server):
     aborted_before = _finished(server, "abort")
-    body = {"model": "tinyllama", "prompt": "The quick", "max_tokens": LONG, "n": 8,
-            "ignore_eos": True}
+    body = {
+        "model": "tinyllama",
+        "prompt": "The quick",
+        "max_tokens": LONG,
+        "n": 8,
+        "ignore_eos": True,
+    }
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(server.url + "/v1/completions", json=body, headers=server.headers,
-                   timeout=httpx.Timeout(60, read=0.5))
+        httpx.post(
+            server.url + "/v1/completions",
+            json=body,
+            headers=server.headers,
+            timeout=httpx.Timeout(60, read=0.5),
+        )
     assert server.wait_metric("specserve_kv_pages_used", 0.0) == 0.0
     assert _finished(server, "abort") - aborted_before == 8
 
@@ -84,14 +105,18 @@ def test_metrics_exported(server, client):
     text = httpx.get(server.url + "/metrics", headers=server.headers).text
     for name in [
         'specserve_requests_total{endpoint="/v1/completions",status="200"}',
-        "specserve_prompt_tokens_total", "specserve_generation_tokens_total",
+        "specserve_prompt_tokens_total",
+        "specserve_generation_tokens_total",
         "specserve_time_to_first_token_seconds_bucket",
         "specserve_inter_token_latency_seconds_bucket",
         "specserve_e2e_request_latency_seconds_bucket",
         "specserve_engine_step_gap_seconds_bucket",
         "specserve_engine_step_duration_seconds_bucket",
-        "specserve_num_requests_running", "specserve_num_requests_waiting",
-        "specserve_kv_pages_used", "specserve_kv_pages_total", "specserve_preemptions_total",
+        "specserve_num_requests_running",
+        "specserve_num_requests_waiting",
+        "specserve_kv_pages_used",
+        "specserve_kv_pages_total",
+        "specserve_preemptions_total",
     ]:
         assert name in text, name
     assert "specserve_spec_" not in text  # no speculation, no speculation metrics

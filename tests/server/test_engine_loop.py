@@ -37,8 +37,16 @@ def test_loop_adds_refuses_aborts_and_stops(engine):
     outbox = Outbox(writer)
     ids = engine.tokenize("The quick brown fox")
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    inbox.put(("add", [AddRequest("a", ids, params), AddRequest("a", ids, params),
-                       AddRequest("b", ids, SamplingParams(max_tokens=400, ignore_eos=True))]))
+    inbox.put(
+        (
+            "add",
+            [
+                AddRequest("a", ids, params),
+                AddRequest("a", ids, params),
+                AddRequest("b", ids, SamplingParams(max_tokens=400, ignore_eos=True)),
+            ],
+        )
+    )
     loop = EngineLoop(engine, inbox, outbox)
     # Run turns by hand until "a" finishes, then abort "b" and shut down.
     deltas: list[OutputDelta] = []
@@ -54,8 +62,9 @@ def test_loop_adds_refuses_aborts_and_stops(engine):
     assert [(e.request_id, e.status, e.field) for e in errors] == [("a", 400, "id")]
     a = [d for d in deltas if d.request_id == "a"]
     assert sum(len(d.new_token_ids) for d in a) == 6 and a[-1].finish_reason == "length"
-    expected = engine.tokenizer.decode(sum((d.new_token_ids for d in a), []),
-                                       skip_special_tokens=True)
+    expected = engine.tokenizer.decode(
+        sum((d.new_token_ids for d in a), []), skip_special_tokens=True
+    )
     assert "".join(d.delta_text for d in a) == expected
     assert loop.report.gap_s == [] and engine.stats()["kv_pages_used"] > 0  # "b" still runs
     inbox.put(("abort", ["b"]))
@@ -106,8 +115,10 @@ def test_a_crashed_engine_is_logged_whole_and_reported_by_its_error(caplog):
     client.dead_reason, client.on_dead, client.shutting_down = None, None, False
     stream = RequestStream(["a"])
     client._tracked = {"a": _Tracked(stream, 0, 0.0)}
-    trace = ('Traceback (most recent call last):\n  File "engine.py", line 1, in step\n'
-             "RuntimeError: a step's input token is neither on the host nor in flight\n")
+    trace = (
+        'Traceback (most recent call last):\n  File "engine.py", line 1, in step\n'
+        "RuntimeError: a step's input token is neither on the host nor in flight\n"
+    )
     with caplog.at_level(logging.ERROR, logger="specserve"):
         client._dispatch(("fatal", trace))
     assert client.dead_reason == "crashed" and not client._tracked
@@ -119,7 +130,9 @@ def test_a_crashed_engine_is_logged_whole_and_reported_by_its_error(caplog):
     try:
         asyncio.run(first())
     except EngineDeadError as e:
-        assert str(e) == ("the engine process failed: RuntimeError: a step's input token is "
-                          "neither on the host nor in flight")
+        assert str(e) == (
+            "the engine process failed: RuntimeError: a step's input token is "
+            "neither on the host nor in flight"
+        )
     else:
         raise AssertionError("the stream did not end with the engine's error")

@@ -28,10 +28,22 @@ def guarded(tiny_llama, tmp_path_factory):
     folder = tmp_path_factory.mktemp("hardening")
     key_file = folder / "key"
     key_file.write_text(KEY + "\n")
-    srv = ServerProcess(tiny_llama, folder, "--api-key-file", str(key_file),
-                        "--request-read-timeout", "1", "--max-request-bytes", "65536",
-                        "--max-num-seqs", "4", "--max-queue", "64",
-                        "--served-model-name", "tinyllama")  # fmt: skip
+    srv = ServerProcess(
+        tiny_llama,
+        folder,
+        "--api-key-file",
+        str(key_file),
+        "--request-read-timeout",
+        "1",
+        "--max-request-bytes",
+        "65536",
+        "--max-num-seqs",
+        "4",
+        "--max-queue",
+        "64",
+        "--served-model-name",
+        "tinyllama",
+    )
     srv.api_key = KEY  # (for the helpers: headers, metrics)
     yield srv
     srv.stop()
@@ -53,8 +65,11 @@ def _read_all(sock: socket.socket) -> bytes:
 def test_no_key_no_body_read(guarded):
     """A 100 MB body without the key gets its 401 after the headers, before the body is
     sent (here: never sent), and /health stays fast meanwhile."""
-    sock = _raw(guarded, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
-                b"Content-Type: application/json\r\nContent-Length: 100000000\r\n\r\n")
+    sock = _raw(
+        guarded,
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+        b"Content-Type: application/json\r\nContent-Length: 100000000\r\n\r\n",
+    )
     sock.sendall(b"{" + b" " * 65536)
     started = time.monotonic()
     reply = _read_all(sock)
@@ -77,8 +92,9 @@ def test_body_limit_and_media_type(guarded):
 
     r = httpx.post(guarded.url + "/v1/completions", content=chunks(), headers=h, timeout=30)
     assert r.status_code == 413
-    r = httpx.post(guarded.url + "/v1/completions", data={"prompt": "hi"}, headers=h,
-                   timeout=30)  # a form, as curl -d sends
+    r = httpx.post(
+        guarded.url + "/v1/completions", data={"prompt": "hi"}, headers=h, timeout=30
+    )  # a form, as curl -d sends
     assert r.status_code == 415 and "application/json" in r.json()["error"]["message"]
 
 
@@ -90,8 +106,10 @@ def test_stalled_connections_are_closed(guarded):
     assert 0.5 < time.monotonic() - started < 8
     sock.close()
     # a body that never finishes: 408
-    head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
-            "Content-Type: application/json\r\nContent-Length: 100\r\n\r\n")
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+        "Content-Type: application/json\r\nContent-Length: 100\r\n\r\n"
+    )
     sock = _raw(guarded, head.encode() + b'{"pro')
     reply = _read_all(sock)
     assert reply.startswith(b"HTTP/1.1 408"), reply[:200]
@@ -102,17 +120,19 @@ def test_stalled_connections_are_closed(guarded):
     sock.close()
 
 
-@pytest.mark.parametrize("change, param", [
-    ({"max_tokens": "4"}, "max_tokens"),
-    ({"stream": "yes"}, "stream"),
-    ({"temperature": "0.5"}, "temperature"),
-    ({"prompt": [True, 5]}, "prompt"),
-    ({"n": 1.0}, "n"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "change, param",
+    [
+        ({"max_tokens": "4"}, "max_tokens"),
+        ({"stream": "yes"}, "stream"),
+        ({"temperature": "0.5"}, "temperature"),
+        ({"prompt": [True, 5]}, "prompt"),
+        ({"n": 1.0}, "n"),
+    ],
+)
 def test_types_are_not_coerced(guarded, change, param):
     body = {"model": "tinyllama", "prompt": "hello", "max_tokens": 2, **change}
-    r = httpx.post(guarded.url + "/v1/completions", json=body, headers=guarded.headers,
-                   timeout=30)
+    r = httpx.post(guarded.url + "/v1/completions", json=body, headers=guarded.headers, timeout=30)
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"].startswith(param), err
@@ -120,11 +140,17 @@ def test_types_are_not_coerced(guarded, change, param):
 
 
 def test_broken_text_is_named_without_internals(guarded):
-    body = {"model": "tinyllama", "max_tokens": 2,
-            "messages": [{"role": "user", "content": "hi \ud800 there"}]}
-    r = httpx.post(guarded.url + "/v1/chat/completions", headers=guarded.headers, timeout=30,
-                   content=json.dumps(body).encode(),  # ensure_ascii: a \\ud800 escape
-                   )  # fmt: skip
+    body = {
+        "model": "tinyllama",
+        "max_tokens": 2,
+        "messages": [{"role": "user", "content": "hi \ud800 there"}],
+    }
+    r = httpx.post(
+        guarded.url + "/v1/chat/completions",
+        headers=guarded.headers,
+        timeout=30,
+        content=json.dumps(body).encode(),  # ensure_ascii: a \\ud800 escape
+    )
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == "messages[0].content"
@@ -136,12 +162,10 @@ def test_admission_counts_prompts(guarded):
     """1,024 prompts on an idle server with 4 running slots and a queue of 64 can never fit:
     400 naming n; 60 can (4 run, 56 wait)."""
     body = {"model": "tinyllama", "prompt": [[5, 6, 7]] * 1024, "max_tokens": 1}
-    r = httpx.post(guarded.url + "/v1/completions", json=body, headers=guarded.headers,
-                   timeout=60)
+    r = httpx.post(guarded.url + "/v1/completions", json=body, headers=guarded.headers, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["code"] == "too_many_choices", r.text
     body["prompt"] = [[5, 6, 7]] * 60
-    r = httpx.post(guarded.url + "/v1/completions", json=body, headers=guarded.headers,
-                   timeout=120)
+    r = httpx.post(guarded.url + "/v1/completions", json=body, headers=guarded.headers, timeout=120)
     assert r.status_code == 200 and len(r.json()["choices"]) == 60
 
 
@@ -150,19 +174,22 @@ def test_the_key_guards_metrics_and_docs(guarded, tiny_llama, tmp_path, monkeypa
         assert httpx.get(guarded.url + path, timeout=10).status_code == 401, path
         r = httpx.get(guarded.url + path, headers={"Authorization": "Bearer wrong"}, timeout=10)
         assert r.status_code == 401, path
-        assert httpx.get(guarded.url + path, headers=guarded.headers,
-                         timeout=10).status_code == 200, path  # fmt: skip
+        assert (
+            httpx.get(guarded.url + path, headers=guarded.headers, timeout=10).status_code == 200
+        ), path
     # the scheme in any case (RFC 7235)
-    r = httpx.get(guarded.url + "/v1/models", headers={"Authorization": f"bearer {KEY}"},
-                  timeout=10)  # fmt: skip
+    r = httpx.get(
+        guarded.url + "/v1/models", headers={"Authorization": f"bearer {KEY}"}, timeout=10
+    )
     assert r.status_code == 200
     # the key from the environment (the server process inherits it); /metrics opened
     monkeypatch.setenv("SPECSERVE_API_KEY", "from-env")
     with ServerProcess(tiny_llama, tmp_path, "--public-metrics") as srv:
         assert httpx.get(srv.url + "/metrics", timeout=10).status_code == 200
         assert httpx.get(srv.url + "/v1/models", timeout=10).status_code == 401
-        ok = httpx.get(srv.url + "/v1/models", headers={"Authorization": "Bearer from-env"},
-                       timeout=10)  # fmt: skip
+        ok = httpx.get(
+            srv.url + "/v1/models", headers={"Authorization": "Bearer from-env"}, timeout=10
+        )
         assert ok.status_code == 200
 
 
@@ -195,10 +222,14 @@ def test_a_dead_engine_ends_the_server(tiny_llama, tmp_path):
     server logs how the engine ended and exits 3 (for a process manager to restart it)."""
     srv = ServerProcess(tiny_llama, tmp_path, "--served-model-name", "tinyllama")
     try:
-        children = subprocess.run(["pgrep", "-P", str(srv.proc.pid)], capture_output=True,
-                                  text=True).stdout.split()  # fmt: skip
-        engines = [int(pid) for pid in children
-                   if "specserve" in _cmdline(pid) or "multiprocessing" in _cmdline(pid)]
+        children = subprocess.run(
+            ["pgrep", "-P", str(srv.proc.pid)], capture_output=True, text=True
+        ).stdout.split()
+        engines = [
+            int(pid)
+            for pid in children
+            if "specserve" in _cmdline(pid) or "multiprocessing" in _cmdline(pid)
+        ]
         assert engines, children
         body = {"prompt": "The quick", "max_tokens": 400, "stream": True, "ignore_eos": True}
         lines = []

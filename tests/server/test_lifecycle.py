@@ -19,9 +19,16 @@ MAX_TOKENS = 300
 
 @pytest.fixture(scope="module")
 def small_server(tiny_llama, tmp_path_factory):
-    srv = ServerProcess(tiny_llama, tmp_path_factory.mktemp("small"),
-                        "--max-num-seqs", "2", "--max-queue", "2",
-                        "--served-model-name", "tinyllama")
+    srv = ServerProcess(
+        tiny_llama,
+        tmp_path_factory.mktemp("small"),
+        "--max-num-seqs",
+        "2",
+        "--max-queue",
+        "2",
+        "--served-model-name",
+        "tinyllama",
+    )
     yield srv
     srv.stop()
 
@@ -30,10 +37,20 @@ def small_server(tiny_llama, tmp_path_factory):
 def spec_server(tiny_llama, tmp_path_factory):
     """Speculating (the model drafts for itself, so every greedy draft is accepted); SIGTERM
     aborts at once."""
-    srv = ServerProcess(tiny_llama, tmp_path_factory.mktemp("spec"),
-                        "--speculative-algorithm", "draft", "--speculative-draft-model-path",
-                        str(tiny_llama), "--speculative-policy", "fixed",
-                        "--shutdown-timeout", "0", "--served-model-name", "tinyllama")
+    srv = ServerProcess(
+        tiny_llama,
+        tmp_path_factory.mktemp("spec"),
+        "--speculative-algorithm",
+        "draft",
+        "--speculative-draft-model-path",
+        str(tiny_llama),
+        "--speculative-policy",
+        "fixed",
+        "--shutdown-timeout",
+        "0",
+        "--served-model-name",
+        "tinyllama",
+    )
     yield srv
     srv.stop()
 
@@ -44,8 +61,11 @@ def test_burst_beyond_queue_gets_429(small_server):
     async def one():
         try:
             out = await client.completions.create(
-                model="tinyllama", prompt="The quick", max_tokens=MAX_TOKENS,
-                extra_body={"ignore_eos": True})
+                model="tinyllama",
+                prompt="The quick",
+                max_tokens=MAX_TOKENS,
+                extra_body={"ignore_eos": True},
+            )
             return out
         except openai.RateLimitError as e:
             return e
@@ -66,8 +86,7 @@ def test_burst_beyond_queue_gets_429(small_server):
         assert out.choices[0].finish_reason == "length"
     assert small_server.wait_metric("specserve_kv_pages_used", 0.0) == 0.0
     m = small_server.metrics()
-    assert m['specserve_requests_total{endpoint="/v1/completions",status="429"}'] == len(
-        rejected)
+    assert m['specserve_requests_total{endpoint="/v1/completions",status="429"}'] == len(rejected)
 
 
 def test_speculation_through_the_server(small_server, spec_server):
@@ -75,11 +94,15 @@ def test_speculation_through_the_server(small_server, spec_server):
     outs = []
     for srv in (small_server, spec_server):
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
-        kw = dict(model="tinyllama", prompt="The quick brown", max_tokens=24, temperature=0,
-                  extra_body={"ignore_eos": True})
+        kw = dict(
+            model="tinyllama",
+            prompt="The quick brown",
+            max_tokens=24,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
         whole = client.completions.create(**kw).choices[0].text
-        streamed = "".join(c.choices[0].text for c in client.completions.create(**kw,
-                                                                                stream=True))
+        streamed = "".join(c.choices[0].text for c in client.completions.create(**kw, stream=True))
         assert streamed == whole
         outs.append(whole)
     assert outs[0] == outs[1]
@@ -88,18 +111,28 @@ def test_speculation_through_the_server(small_server, spec_server):
     assert m["specserve_spec_accepted_tokens_total"] == m["specserve_spec_draft_tokens_total"]
     assert m['specserve_engine_spec_policy_info{spec_policy="FixedPolicy"}'] == 1
     assert m["specserve_engine_spec_simulated_acceptance"] == 0
-    assert sum(v for k, v in m.items() if k.startswith(
-        "specserve_spec_draft_length_steps_total{draft_len=")) > 0
+    assert (
+        sum(
+            v
+            for k, v in m.items()
+            if k.startswith("specserve_spec_draft_length_steps_total{draft_len=")
+        )
+        > 0
+    )
     assert not any(k.startswith("specserve_spec_") for k in small_server.metrics())
 
 
 def _stream_in_thread(server, max_tokens: int, first_event: threading.Event, out: list):
-    body = {"prompt": "The quick", "max_tokens": max_tokens, "stream": True,
-            "ignore_eos": True, "stream_options": {"include_usage": True}}
+    body = {
+        "prompt": "The quick",
+        "max_tokens": max_tokens,
+        "stream": True,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True},
+    }
     lines = []
     try:
-        with httpx.stream("POST", server.url + "/v1/completions", json=body,
-                          timeout=120) as r:
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=120) as r:
             for line in r.iter_lines():
                 if line.startswith("data: "):
                     lines.append(line[6:])

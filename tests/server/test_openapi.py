@@ -35,16 +35,18 @@ def test_the_document_says_what_the_server_answers(document):
     ok = document["paths"]["/v1/completions"]["post"]["responses"]["200"]
     assert ok["content"]["application/json"]["schema"]["$ref"].endswith("/CompletionResponse")
     chat = document["paths"]["/v1/chat/completions"]["post"]["responses"]["200"]
-    assert chat["content"]["application/json"]["schema"]["$ref"].endswith(
-        "/ChatCompletionResponse")
+    assert chat["content"]["application/json"]["schema"]["$ref"].endswith("/ChatCompletionResponse")
     assert "ChatCompletionChunk" in chat["description"]
     metrics = document["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
     assert list(metrics) == ["text/plain"]
     assert "503" in document["paths"]["/health"]["get"]["responses"]
     # the key: every operation but /health needs it
     assert document["components"]["securitySchemes"]["bearer"]["scheme"] == "bearer"
-    secured = {path for path, item in document["paths"].items()
-               if all("security" in op for op in item.values())}  # fmt: skip
+    secured = {
+        path
+        for path, item in document["paths"].items()
+        if all("security" in op for op in item.values())
+    }
     assert secured == set(document["paths"]) - {"/health"}
 
 
@@ -53,13 +55,20 @@ def test_responses_meet_the_document(server):
     5xx, every status, content type and JSON body as documented. (schemathesis's own pytest
     plugin does not run under this pytest: its Python API, with hypothesis, does the same.)"""
     schema = schemathesis.openapi.from_url(server.url + "/openapi.json", headers=server.headers)
-    checks = [not_a_server_error, status_code_conformance, content_type_conformance,
-              response_schema_conformance]  # fmt: skip
+    checks = [
+        not_a_server_error,
+        status_code_conformance,
+        content_type_conformance,
+        response_schema_conformance,
+    ]
     operations = [result.ok() for result in schema.get_all_operations()]
     assert len(operations) == 5
 
-    runs = [(op, mode) for op, mode in itertools.product(operations, GenerationMode)
-            if mode is GenerationMode.POSITIVE or op.method.upper() == "POST"]  # fmt: skip
+    runs = [
+        (op, mode)
+        for op, mode in itertools.product(operations, GenerationMode)
+        if mode is GenerationMode.POSITIVE or op.method.upper() == "POST"
+    ]
     for operation, mode in runs:
         _fuzz(operation, mode, server.headers, checks)
     # Generated bodies seldom make it to a 200: the documented successes, whole and streamed,
@@ -74,21 +83,43 @@ def test_responses_meet_the_document(server):
 SUCCESSES = [
     ("/v1/completions", {"prompt": "The quick", "max_tokens": 3}),
     ("/v1/completions", {"prompt": [[5, 6], [7]], "max_tokens": 2, "n": 2, "logprobs": 2}),
-    ("/v1/completions", {"prompt": "The quick", "max_tokens": 3, "stream": True,
-                         "stream_options": {"include_usage": True}}),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
-                              "logprobs": True, "top_logprobs": 2}),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
-                              "stream": True, "stream_options": {"include_usage": True}}),
-]  # fmt: skip
+    (
+        "/v1/completions",
+        {
+            "prompt": "The quick",
+            "max_tokens": 3,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    ),
+    (
+        "/v1/chat/completions",
+        {
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 3,
+            "logprobs": True,
+            "top_logprobs": 2,
+        },
+    ),
+    (
+        "/v1/chat/completions",
+        {
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 3,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    ),
+]
 
 
 def _fuzz(operation, mode: GenerationMode, headers: dict, checks: list) -> None:
     """One operation's generated requests in one generation mode (a few examples each)."""
 
     @given(case=operation.as_strategy(mode))
-    @settings(max_examples=10, deadline=None, suppress_health_check=list(HealthCheck),
-              database=None)
+    @settings(
+        max_examples=10, deadline=None, suppress_health_check=list(HealthCheck), database=None
+    )
     def check(case):
         if mode is GenerationMode.POSITIVE and isinstance(case.body, dict):
             # keep generation cheap on a CPU (n up to 128, max_tokens up to the context)

@@ -15,10 +15,18 @@ PROMPTS = ["The quick brown fox", "Paged attention stores keys", "Héllo wörld"
 
 @pytest.fixture(scope="module")
 def spec_server(tiny_llama, tmp_path_factory):
-    srv = ServerProcess(tiny_llama, tmp_path_factory.mktemp("spec"),
-                        "--speculative-algorithm", "draft",
-                        "--speculative-draft-model-path", str(tiny_llama),
-                        "--speculative-num-steps", "3", "--speculative-policy", "fixed")
+    srv = ServerProcess(
+        tiny_llama,
+        tmp_path_factory.mktemp("spec"),
+        "--speculative-algorithm",
+        "draft",
+        "--speculative-draft-model-path",
+        str(tiny_llama),
+        "--speculative-num-steps",
+        "3",
+        "--speculative-policy",
+        "fixed",
+    )
     yield srv
     srv.stop()
 
@@ -26,12 +34,17 @@ def spec_server(tiny_llama, tmp_path_factory):
 def test_speculating_server_is_lossless_and_reports(spec_server, tiny_llama):
     client = openai.OpenAI(base_url=spec_server.url + "/v1", api_key="none", max_retries=0)
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
-    expected = [o.text for o in LLM(str(tiny_llama), speculative_algorithm="none")
-                .generate(PROMPTS, params)]
+    expected = [
+        o.text for o in LLM(str(tiny_llama), speculative_algorithm="none").generate(PROMPTS, params)
+    ]
     for prompt, text in zip(PROMPTS, expected):
-        out = client.completions.create(model=client.models.list().data[0].id, prompt=prompt,
-                                        max_tokens=20, temperature=0.0,
-                                        extra_body={"ignore_eos": True})
+        out = client.completions.create(
+            model=client.models.list().data[0].id,
+            prompt=prompt,
+            max_tokens=20,
+            temperature=0.0,
+            extra_body={"ignore_eos": True},
+        )
         assert out.choices[0].text == text
         assert out.system_fingerprint is None
     m = spec_server.metrics()
@@ -43,20 +56,30 @@ def test_speculating_server_is_lossless_and_reports(spec_server, tiny_llama):
 
 
 def test_simulated_acceptance_marks_every_response(tiny_llama, tmp_path):
-    srv = ServerProcess(tiny_llama, tmp_path, "--speculative-algorithm", "ngram",
-                        "--speculative-policy", "fixed",
-                        "--speculative-simulate-acceptance", "0.5")
+    srv = ServerProcess(
+        tiny_llama,
+        tmp_path,
+        "--speculative-algorithm",
+        "ngram",
+        "--speculative-policy",
+        "fixed",
+        "--speculative-simulate-acceptance",
+        "0.5",
+    )
     try:
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0)
         model = client.models.list().data[0].id
         out = client.completions.create(model=model, prompt="a b a b a b", max_tokens=8)
         assert out.system_fingerprint == SIMULATED_FINGERPRINT
         chat = client.chat.completions.create(
-            model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=8)
+            model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=8
+        )
         assert chat.system_fingerprint == SIMULATED_FINGERPRINT
-        chunks = list(client.chat.completions.create(
-            model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=8,
-            stream=True))
+        chunks = list(
+            client.chat.completions.create(
+                model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=8, stream=True
+            )
+        )
         assert chunks and all(c.system_fingerprint == SIMULATED_FINGERPRINT for c in chunks)
         assert srv.metrics()["specserve_engine_spec_simulated_acceptance"] == 1
         assert "SIMULATED ACCEPTANCE" in srv.log()

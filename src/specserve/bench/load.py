@@ -52,8 +52,9 @@ class LoadConfig:
     def __post_init__(self) -> None:
         self.base_url = normalize_base_url(self.base_url)
         if self.endpoint not in ENDPOINTS:
-            raise ValueError(f"endpoint must be one of {', '.join(ENDPOINTS)}; got "
-                             f"{self.endpoint!r}")
+            raise ValueError(
+                f"endpoint must be one of {', '.join(ENDPOINTS)}; got {self.endpoint!r}"
+            )
         if self.max_concurrency is not None and self.max_concurrency < 1:
             raise ValueError(f"max_concurrency must be >= 1; got {self.max_concurrency}")
         if not self.request_rate > 0:
@@ -85,11 +86,17 @@ class RequestResult:
 
 
 def request_body(cfg: LoadConfig, p: BenchPrompt) -> dict:
-    body: dict = {"model": cfg.model, "max_tokens": p.max_tokens, "temperature": cfg.temperature,
-                  "stream": True, "stream_options": {"include_usage": True}}
+    body: dict = {
+        "model": cfg.model,
+        "max_tokens": p.max_tokens,
+        "temperature": cfg.temperature,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     if cfg.endpoint == "chat":
-        messages = p.prompt if isinstance(p.prompt, list) else [
-            {"role": "user", "content": p.prompt}]
+        messages = (
+            p.prompt if isinstance(p.prompt, list) else [{"role": "user", "content": p.prompt}]
+        )
         body["messages"] = messages
     else:
         if isinstance(p.prompt, list):
@@ -123,8 +130,9 @@ def _chunk_text(obj: dict, chat: bool) -> str:
     return "".join(parts)
 
 
-async def send_request(client: httpx.AsyncClient, cfg: LoadConfig, p: BenchPrompt,
-                       run_start: float) -> RequestResult:
+async def send_request(
+    client: httpx.AsyncClient, cfg: LoadConfig, p: BenchPrompt, run_start: float
+) -> RequestResult:
     """Stream one request; never raises for a server or network failure."""
     r = RequestResult()
     chat = cfg.endpoint == "chat"
@@ -136,8 +144,9 @@ async def send_request(client: httpx.AsyncClient, cfg: LoadConfig, p: BenchPromp
     done = False
     try:
         body = request_body(cfg, p)
-        async with client.stream("POST", cfg.base_url + ENDPOINTS[cfg.endpoint], json=body,
-                                 headers=headers) as resp:
+        async with client.stream(
+            "POST", cfg.base_url + ENDPOINTS[cfg.endpoint], json=body, headers=headers
+        ) as resp:
             if resp.status_code != 200:
                 text = (await resp.aread()).decode(errors="replace")
                 r.error, r.error_message = f"HTTP {resp.status_code}", text[:500]
@@ -184,9 +193,11 @@ async def send_request(client: httpx.AsyncClient, cfg: LoadConfig, p: BenchPromp
     return r
 
 
-async def run_load(cfg: LoadConfig, prompts: list[BenchPrompt],
-                   on_done: Callable[[RequestResult], None] | None = None,
-                   ) -> tuple[list[RequestResult], float]:
+async def run_load(
+    cfg: LoadConfig,
+    prompts: list[BenchPrompt],
+    on_done: Callable[[RequestResult], None] | None = None,
+) -> tuple[list[RequestResult], float]:
     """Send every prompt; returns the results (in prompt order) and the run's duration."""
     limit = cfg.max_concurrency or len(prompts)
     semaphore = asyncio.Semaphore(limit)

@@ -58,17 +58,24 @@ class MatrixSpec:
             raise ValueError("request rates must be positive")
         if "poisson" in self.arrival and not (self.request_rates or self.relative_rates):
             raise ValueError("Poisson arrivals need request rates (e.g. 2,8 or 0.5x)")
-        if "poisson" in self.arrival and self.relative_rates and not (
-                "off" in self.policies and "closed" in self.arrival):
-            raise ValueError("relative request rates (0.5x) are fractions of the off "
-                             "configuration's highest closed-loop request throughput: run off "
-                             "with closed arrivals, or give rates in requests/s")
+        if (
+            "poisson" in self.arrival
+            and self.relative_rates
+            and not ("off" in self.policies and "closed" in self.arrival)
+        ):
+            raise ValueError(
+                "relative request rates (0.5x) are fractions of the off "
+                "configuration's highest closed-loop request throughput: run off "
+                "with closed arrivals, or give rates in requests/s"
+            )
         if self.requests_per_concurrency <= 0 or self.poisson_seconds <= 0:
             raise ValueError("requests_per_concurrency and poisson_seconds must be positive")
         for a in self.acceptance:
             if self.simulate_as == "rate" and a > self.k_max_for(a) + 1:
-                raise ValueError(f"acceptance length {a} is more than K_max + 1 tokens a step "
-                                 f"(K_max {self.k_max_for(a)}); raise goodput_k_max for it")
+                raise ValueError(
+                    f"acceptance length {a} is more than K_max + 1 tokens a step "
+                    f"(K_max {self.k_max_for(a)}); raise goodput_k_max for it"
+                )
 
     def k_max_for(self, acceptance: float) -> int:
         """The goodput policy's K_max at an acceptance: as given, else 3 up to L = 3 and 5
@@ -145,12 +152,25 @@ def servers(spec: MatrixSpec) -> tuple[list[ServerRun], list[dict]]:
         for policy, k in candidates:
             config = f"fixed-k{k}" if policy == "fixed" else "goodput"
             if sim > k + 1:  # the engine's check: a mean length is at most K + 1 tokens
-                skipped.append({"config": config, "acceptance": acceptance, "reason": (
-                    f"the server refuses a mean acceptance length {sim:g} at K={k} (at most "
-                    f"K+1 = {k + 1})")})
+                skipped.append(
+                    {
+                        "config": config,
+                        "acceptance": acceptance,
+                        "reason": (
+                            f"the server refuses a mean acceptance length {sim:g} at K={k} "
+                            f"(at most K+1 = {k + 1})"
+                        ),
+                    }
+                )
                 continue
-            flags = ["--speculative-policy", policy, "--speculative-num-steps", str(k),
-                     "--speculative-simulate-acceptance", f"{sim:g}"]
+            flags = [
+                "--speculative-policy",
+                policy,
+                "--speculative-num-steps",
+                str(k),
+                "--speculative-simulate-acceptance",
+                f"{sim:g}",
+            ]
             runs.append(ServerRun(config, policy, k, acceptance, flags))
     return runs, skipped
 
@@ -169,8 +189,10 @@ def poisson_points(spec: MatrixSpec, off_peak_rps: float | None) -> list[Point]:
     points = [Point("poisson", r) for r in spec.request_rates]
     if spec.relative_rates:
         if not off_peak_rps:
-            raise ValueError("relative request rates need the off configuration's closed-loop "
-                             "request throughput, and it completed no request")
+            raise ValueError(
+                "relative request rates need the off configuration's closed-loop "
+                "request throughput, and it completed no request"
+            )
         points += [Point("poisson", round(f * off_peak_rps, 4), f) for f in spec.relative_rates]
     return sorted(points, key=lambda p: p.level)
 
@@ -186,6 +208,7 @@ def requests_for(spec: MatrixSpec, point: Point, num_prompts: int) -> int:
 
 
 # ---- from the command line and a JSON file ----------------------------------------------------
+
 
 def _floats(text: str) -> list[float]:
     return [float(x) for x in text.split(",") if x.strip()]
@@ -233,8 +256,9 @@ _FLAGS = {
     "requests_per_concurrency": ("requests_per_concurrency", float),
     "poisson_seconds": ("poisson_seconds", float),
 }
-MATRIX_ONLY_FLAGS = ([f for f in _FLAGS if f not in ("concurrency", "requests_per_concurrency")]
-                     + ["request_rates"])  # fmt: skip
+MATRIX_ONLY_FLAGS = [f for f in _FLAGS if f not in ("concurrency", "requests_per_concurrency")] + [
+    "request_rates"
+]
 
 
 def read_matrix_file(path: str | Path) -> dict:
@@ -249,8 +273,9 @@ def read_matrix_file(path: str | Path) -> dict:
     known = {f.name for f in fields(MatrixSpec)} - {"relative_rates"}
     unknown = set(data) - known
     if unknown:
-        raise ValueError(f"--matrix-file has unknown key(s) {sorted(unknown)}; known: "
-                         f"{sorted(known)}")
+        raise ValueError(
+            f"--matrix-file has unknown key(s) {sorted(unknown)}; known: {sorted(known)}"
+        )
     if "request_rates" in data:
         data["request_rates"], data["relative_rates"] = _rates(data["request_rates"])
     return data
@@ -271,29 +296,48 @@ def matrix_spec(file_path: str | None, args) -> MatrixSpec:
 def add_matrix_args(p) -> None:
     """The matrix flags of `bench sweep` (None when not given: the file or default rules)."""
     g = p.add_argument_group("adaptive-speculation matrix (with --matrix or --matrix-file)")
-    g.add_argument("--matrix", choices=["adaptive"],
-                   help="run the adaptive-speculation matrix: off, fixed K, goodput at each "
-                        "simulated acceptance, closed-loop and Poisson points, with ratios")
-    g.add_argument("--matrix-file", help="JSON object of matrix settings (keys: acceptance, "
-                                         "fixed_k, policies, goodput_k_max, concurrency, "
-                                         "arrival, request_rates, simulate_as, "
-                                         "requests_per_concurrency, poisson_seconds)")
-    g.add_argument("--acceptance", help="simulated mean acceptance lengths at K_max "
-                                        "(default 1.5,3.0,4.5; <= 1: per-token rates)")
+    g.add_argument(
+        "--matrix",
+        choices=["adaptive"],
+        help="run the adaptive-speculation matrix: off, fixed K, goodput at each "
+        "simulated acceptance, closed-loop and Poisson points, with ratios",
+    )
+    g.add_argument(
+        "--matrix-file",
+        help="JSON object of matrix settings (keys: acceptance, "
+        "fixed_k, policies, goodput_k_max, concurrency, "
+        "arrival, request_rates, simulate_as, "
+        "requests_per_concurrency, poisson_seconds)",
+    )
+    g.add_argument(
+        "--acceptance",
+        help="simulated mean acceptance lengths at K_max "
+        "(default 1.5,3.0,4.5; <= 1: per-token rates)",
+    )
     g.add_argument("--k", help="fixed draft lengths K (default 1,2,3,5)")
     g.add_argument("--policies", help="configurations among off,fixed,goodput (default all)")
-    g.add_argument("--k-max", help="goodput K_max per acceptance, L:K pairs (default 3 up to "
-                                   "L=3, else 5)")
+    g.add_argument(
+        "--k-max", help="goodput K_max per acceptance, L:K pairs (default 3 up to L=3, else 5)"
+    )
     g.add_argument("--arrival", help="closed and/or poisson (default closed,poisson)")
-    g.add_argument("--request-rates", help="Poisson rates: requests/s, or fractions of off's "
-                                           "peak closed-loop request rate like 0.5x "
-                                           "(default 0.25x,0.5x,0.75x,0.9x)")
-    g.add_argument("--simulate-as", choices=SIMULATE_AS,
-                   help="rate (default): every configuration gets the per-token rate of L at "
-                        "K_max; length: each gets L (fixed K < L-1 skipped)")
-    g.add_argument("--requests-per-concurrency", help="closed loop: at least this many "
-                                                      "requests per request in flight (matrix: "
-                                                      "2; also for a plain sweep, where each "
-                                                      "level otherwise sends max(--num-prompts,"
-                                                      " concurrency))")
+    g.add_argument(
+        "--request-rates",
+        help="Poisson rates: requests/s, or fractions of off's "
+        "peak closed-loop request rate like 0.5x "
+        "(default 0.25x,0.5x,0.75x,0.9x)",
+    )
+    g.add_argument(
+        "--simulate-as",
+        choices=SIMULATE_AS,
+        help="rate (default): every configuration gets the per-token rate of L at "
+        "K_max; length: each gets L (fixed K < L-1 skipped)",
+    )
+    g.add_argument(
+        "--requests-per-concurrency",
+        help="closed loop: at least this many "
+        "requests per request in flight (matrix: "
+        "2; also for a plain sweep, where each "
+        "level otherwise sends max(--num-prompts,"
+        " concurrency))",
+    )
     g.add_argument("--poisson-seconds", help="Poisson: at least rate * this many requests (20)")

@@ -46,15 +46,19 @@ class MatrixPlan:
 def point_load(load: LoadConfig, url: str, point: Point) -> LoadConfig:
     """The load of one point: a concurrency limit (closed) or Poisson arrivals (open)."""
     if point.arrival == "closed":
-        return replace(load, base_url=url, max_concurrency=int(point.level),
-                       request_rate=float("inf"))
+        return replace(
+            load, base_url=url, max_concurrency=int(point.level), request_rate=float("inf")
+        )
     return replace(load, base_url=url, max_concurrency=None, request_rate=point.level)
 
 
 def off_peak_request_rate(rows: list[dict]) -> float | None:
     """The highest request throughput the off server reached in the closed loop."""
-    rates = [r["request_throughput"] for r in rows
-             if r["matrix"]["config"] == "off" and r["matrix"]["arrival"] == "closed"]
+    rates = [
+        r["request_throughput"]
+        for r in rows
+        if r["matrix"]["config"] == "off" and r["matrix"]["arrival"] == "closed"
+    ]
     return max(rates, default=None)
 
 
@@ -68,8 +72,12 @@ class MatrixResult:
     failed_servers: list[dict] = field(default_factory=list)
 
 
-def run_matrix(plan: MatrixPlan, make_dataset: Callable[[int], Dataset], progress: bool = True,
-               on_server_done: Callable[[MatrixResult], None] | None = None) -> MatrixResult:
+def run_matrix(
+    plan: MatrixPlan,
+    make_dataset: Callable[[int], Dataset],
+    progress: bool = True,
+    on_server_done: Callable[[MatrixResult], None] | None = None,
+) -> MatrixResult:
     """Every server at every point. `on_server_done` gets the result so far each time a
     server has served all its points or failed to start (a matrix runs for an hour on a
     GPU: one server that cannot start, e.g. out of memory at a large K, costs only its own
@@ -91,15 +99,20 @@ def run_matrix(plan: MatrixPlan, make_dataset: Callable[[int], Dataset], progres
         poisson = poisson_points(plan.spec, None)
     for run in plan.runs:
         flags = plan.server_args + run.flags
-        print(f"[matrix] starting server '{run.name}': specserve serve {shlex.join(flags)}",
-              flush=True)
+        print(
+            f"[matrix] starting server '{run.name}': specserve serve {shlex.join(flags)}",
+            flush=True,
+        )
         try:
             started = ServerProcess(flags, log_dir / f"{run.name}.log", env=plan.server_env)
         except ServerStartError as e:
             error = str(e)
             last = next((ln for ln in reversed(error.splitlines()) if ln.strip()), error)
-            print(f"[matrix] server '{run.name}' did not start, its points are left out: "
-                  f"{last.strip()[:300]}", flush=True)
+            print(
+                f"[matrix] server '{run.name}' did not start, its points are left out: "
+                f"{last.strip()[:300]}",
+                flush=True,
+            )
             result.failed_servers.append({"server": run.name, "error": error[-3000:]})
             if on_server_done is not None:
                 on_server_done(result)
@@ -108,25 +121,42 @@ def run_matrix(plan: MatrixPlan, make_dataset: Callable[[int], Dataset], progres
             first = closed[0] if closed else (poisson or [Point("closed", 1)])[0]
             warm_up(plan.load, server, dataset(first).prompts[0], plan.warmup_requests)
             for point in closed:
-                rows.append(_measure_point(plan.load, server, run, point, dataset(point),
-                                           progress))
+                rows.append(_measure_point(plan.load, server, run, point, dataset(point), progress))
             if poisson is None:  # relative rates: off's closed loop has just run
                 poisson = poisson_points(plan.spec, off_peak_request_rate(rows))
             for point in poisson:
-                rows.append(_measure_point(plan.load, server, run, point, dataset(point),
-                                           progress))
+                rows.append(_measure_point(plan.load, server, run, point, dataset(point), progress))
         result.poisson = poisson
         if on_server_done is not None:
             on_server_done(result)
     return result
 
 
-def _measure_point(load: LoadConfig, server: ServerProcess, run: ServerRun, point: Point,
-                   dataset: Dataset, progress: bool) -> dict:
-    report = measure(point_load(load, server.url, point), dataset, run.config, run.flags,
-                     progress, f"{run.name} {point.label}", server)
-    report["matrix"] = {"config": run.config, "policy": run.policy, "k": run.k,
-                        "acceptance": run.acceptance, "arrival": point.arrival,
-                        "level": point.level, "rate_fraction": point.fraction,
-                        "server": run.name}
+def _measure_point(
+    load: LoadConfig,
+    server: ServerProcess,
+    run: ServerRun,
+    point: Point,
+    dataset: Dataset,
+    progress: bool,
+) -> dict:
+    report = measure(
+        point_load(load, server.url, point),
+        dataset,
+        run.config,
+        run.flags,
+        progress,
+        f"{run.name} {point.label}",
+        server,
+    )
+    report["matrix"] = {
+        "config": run.config,
+        "policy": run.policy,
+        "k": run.k,
+        "acceptance": run.acceptance,
+        "arrival": point.arrival,
+        "level": point.level,
+        "rate_fraction": point.fraction,
+        "server": run.name,
+    }
     return report

@@ -21,10 +21,14 @@ _API_ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
 _COUNTERS = {
     "prompt_tokens": ("specserve_prompt_tokens_total", "vllm:prompt_tokens_total"),
     "generation_tokens": ("specserve_generation_tokens_total", "vllm:generation_tokens_total"),
-    "draft_tokens": ("specserve_spec_draft_tokens_total",
-                     "vllm:spec_decode_num_draft_tokens_total"),
-    "accepted_tokens": ("specserve_spec_accepted_tokens_total",
-                        "vllm:spec_decode_num_accepted_tokens_total"),
+    "draft_tokens": (
+        "specserve_spec_draft_tokens_total",
+        "vllm:spec_decode_num_draft_tokens_total",
+    ),
+    "accepted_tokens": (
+        "specserve_spec_accepted_tokens_total",
+        "vllm:spec_decode_num_accepted_tokens_total",
+    ),
     "verify_steps": ("specserve_spec_verify_steps_total", "vllm:spec_decode_num_drafts_total"),
     "preemptions": ("specserve_preemptions_total", "vllm:num_preemptions_total"),
     "engine_steps": ("specserve_engine_steps", ""),
@@ -49,8 +53,9 @@ def parse_metrics(text: str) -> dict[Sample, float]:
     return out
 
 
-def scrape(base_url: str, timeout_s: float = 10.0,
-           api_key: str | None = None) -> dict[Sample, float] | None:  # fmt: skip
+def scrape(
+    base_url: str, timeout_s: float = 10.0, api_key: str | None = None
+) -> dict[Sample, float] | None:
     """The server's metrics now, or None when it has no /metrics (or refuses the key)."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
     try:
@@ -66,8 +71,11 @@ def _total(samples: dict[Sample, float], name: str, **match: str) -> float | Non
     """Sum of a metric over label sets that match; None when the server has no such metric."""
     if not name:
         return None
-    found = [v for (n, labels), v in samples.items()
-             if n == name and all(dict(labels).get(k) == val for k, val in match.items())]
+    found = [
+        v
+        for (n, labels), v in samples.items()
+        if n == name and all(dict(labels).get(k) == val for k, val in match.items())
+    ]
     return sum(found) if found else None
 
 
@@ -88,12 +96,15 @@ def _counter(before: dict, after: dict, key: str) -> float | None:
 
 def api_requests_by_status(before: dict, after: dict) -> dict[str, int]:
     """API requests to the completion endpoints during the run, by HTTP status."""
-    statuses = sorted({dict(labels).get("status", "") for (n, labels) in after
-                       if n == "specserve_requests_total"})
+    statuses = sorted(
+        {dict(labels).get("status", "") for (n, labels) in after if n == "specserve_requests_total"}
+    )
     out = {}
     for status in statuses:
-        n = sum(_delta(before, after, "specserve_requests_total", endpoint=e, status=status) or 0
-                for e in _API_ENDPOINTS)
+        n = sum(
+            _delta(before, after, "specserve_requests_total", endpoint=e, status=status) or 0
+            for e in _API_ENDPOINTS
+        )
         if n:
             out[status] = int(n)
     return out
@@ -101,8 +112,10 @@ def api_requests_by_status(before: dict, after: dict) -> dict[str, int]:
 
 def _by_label(before: dict, after: dict, name: str, label: str) -> dict[str, int]:
     """Run deltas of a labelled counter, by label value (numeric order), zeros dropped."""
-    keys = sorted({dict(labels).get(label, "") for (n, labels) in after if n == name},
-                  key=lambda k: int(k) if k.isdigit() else 0)
+    keys = sorted(
+        {dict(labels).get(label, "") for (n, labels) in after if n == name},
+        key=lambda k: int(k) if k.isdigit() else 0,
+    )
     counts = {k: int(_delta(before, after, name, **{label: k}) or 0) for k in keys}
     return {k: v for k, v in counts.items() if v}
 
@@ -135,14 +148,18 @@ def step_figures(before: dict, after: dict) -> dict:
     previous step's tokens reached the host (overlap lost), in all and by reason."""
     out: dict = {}
     count = _delta(before, after, "specserve_engine_step_duration_seconds_count")
-    for key, name in (("step_ms_mean", "specserve_engine_step_duration_seconds"),
-                      ("step_gap_ms_mean", "specserve_engine_step_gap_seconds")):
+    for key, name in (
+        ("step_ms_mean", "specserve_engine_step_duration_seconds"),
+        ("step_gap_ms_mean", "specserve_engine_step_gap_seconds"),
+    ):
         total, n = _delta(before, after, name + "_sum"), _delta(before, after, name + "_count")
         if total is not None and n:
             out[key] = 1000.0 * total / n
-    for key, name in (("device_busy_ms_mean", "specserve_engine_device_step_ms_total"),
-                      ("device_idle_ms_mean", "specserve_engine_device_gap_ms_total"),
-                      ("host_wait_ms_mean", "specserve_engine_host_wait_ms_total")):
+    for key, name in (
+        ("device_busy_ms_mean", "specserve_engine_device_step_ms_total"),
+        ("device_idle_ms_mean", "specserve_engine_device_gap_ms_total"),
+        ("host_wait_ms_mean", "specserve_engine_host_wait_ms_total"),
+    ):
         total = _delta(before, after, name)
         if total and count:
             out[key] = total / count
@@ -183,16 +200,20 @@ def speculation_figures(before: dict, after: dict) -> dict:
     drafted_at = _by_label(before, after, "specserve_spec_position_drafted_total", "position")
     accepted_at = _by_label(before, after, "specserve_spec_position_accepted_total", "position")
     if drafted_at:
-        out["acceptance_by_position"] = {k: accepted_at.get(k, 0) / n
-                                         for k, n in drafted_at.items()}
+        out["acceptance_by_position"] = {
+            k: accepted_at.get(k, 0) / n for k, n in drafted_at.items()
+        }
     for (name, labels), value in after.items():
         if name == "specserve_engine_spec_policy_info" and value:
             out["policy"] = dict(labels).get("spec_policy")
     if _total(after, "specserve_engine_spec_simulated_acceptance"):
         out["simulated_acceptance"] = True  # outputs were not the model's: say so
     # Numeric speculation stats the engine exports as gauges (goodput...), as of the run's end.
-    gauges = {name.removeprefix("specserve_engine_"): v for (name, labels), v in after.items()
-              if name.startswith("specserve_engine_spec_") and not labels}
+    gauges = {
+        name.removeprefix("specserve_engine_"): v
+        for (name, labels), v in after.items()
+        if name.startswith("specserve_engine_spec_") and not labels
+    }
     if gauges:
         out["engine_gauges"] = gauges
     return out

@@ -91,22 +91,27 @@ def plot_ratios(ratios: list[dict], out_path: str | Path, title: str | None = No
     if not points:
         raise PlotError("no point has both a goodput and a baseline result to compare")
     arrivals = [a for a in ("closed", "poisson") if any(r["arrival"] == a for r in points)]
-    fig, axes = plt.subplots(1, len(arrivals), figsize=(6.0 * len(arrivals), 4.4),
-                             squeeze=False)
+    fig, axes = plt.subplots(1, len(arrivals), figsize=(6.0 * len(arrivals), 4.4), squeeze=False)
     for ax, arrival in zip(axes[0], arrivals):
         mine = [r for r in points if r["arrival"] == arrival]
         for acceptance in dict.fromkeys(r["acceptance"] for r in mine):
-            line = sorted((r for r in mine if r["acceptance"] == acceptance),
-                          key=lambda r: r["level"])
-            ax.plot([r["level"] for r in line], [r["goodput_over_best"] for r in line],
-                    marker="o", label=f"acceptance {acceptance:g}")
+            line = sorted(
+                (r for r in mine if r["acceptance"] == acceptance), key=lambda r: r["level"]
+            )
+            ax.plot(
+                [r["level"] for r in line],
+                [r["goodput_over_best"] for r in line],
+                marker="o",
+                label=f"acceptance {acceptance:g}",
+            )
         ax.axhline(1.0, color="gray", linestyle="--", linewidth=1)
         levels = sorted({r["level"] for r in mine})
         ax.set_xscale("log", base=2)
         ax.set_xticks(levels, [f"{x:g}" if arrival == "closed" else f"{x:.3g}" for x in levels])
         ax.minorticks_off()
-        ax.set_xlabel("concurrency (closed loop)" if arrival == "closed"
-                      else "request rate (Poisson, req/s)")
+        ax.set_xlabel(
+            "concurrency (closed loop)" if arrival == "closed" else "request rate (Poisson, req/s)"
+        )
         ax.set_ylabel("goodput ÷ max(off, best fixed K)")
         ax.grid(True, alpha=0.3)
         ax.legend()

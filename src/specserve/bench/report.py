@@ -30,8 +30,9 @@ def _tokens_per_chunk(ok: list[RequestResult]) -> float | None:
     return tokens / chunks if chunks else None
 
 
-def summarize(results: list[RequestResult], duration_s: float, server: dict | None = None,
-              **context) -> dict:
+def summarize(
+    results: list[RequestResult], duration_s: float, server: dict | None = None, **context
+) -> dict:
     """The report as a JSON-ready dict. `context` (config, dataset...) is stored as given."""
     ok = [r for r in results if r.ok]
     errors = Counter(r.error for r in results if not r.ok)
@@ -90,8 +91,12 @@ def report_rows(report: dict) -> list[tuple[str, str]]:
     for key in LATENCIES:
         s = report[key]
         label = key.removesuffix("_ms").replace("_", " ").upper().replace("E2E LATENCY", "E2E")
-        rows.append((f"{label} mean / p50 / p90 / p99 (ms)",
-                     " / ".join(_fmt(s[k], 1) for k in ("mean", "p50", "p90", "p99"))))
+        rows.append(
+            (
+                f"{label} mean / p50 / p90 / p99 (ms)",
+                " / ".join(_fmt(s[k], 1) for k in ("mean", "p50", "p90", "p99")),
+            )
+        )
     rows.append(("tokens per streamed chunk", _fmt(report.get("tokens_per_chunk"), 2)))
     for kind, n in report["errors"].items():
         rows.append((f"errors: {kind}", str(n)))

@@ -28,8 +28,10 @@ def served_model(base_url: str, api_key: str | None = None) -> str:
         resp.raise_for_status()
         return resp.json()["data"][0]["id"]
     except (httpx.HTTPError, KeyError, IndexError, ValueError) as e:
-        raise BenchError(f"cannot list models at {base_url}/v1/models ({e}); is the server "
-                         "running? pass --model to skip this") from e
+        raise BenchError(
+            f"cannot list models at {base_url}/v1/models ({e}); is the server "
+            "running? pass --model to skip this"
+        ) from e
 
 
 def _answered(results: list[RequestResult]) -> int:
@@ -37,8 +39,9 @@ def _answered(results: list[RequestResult]) -> int:
     return sum(1 for r in results if r.ok or (r.error or "").startswith(("HTTP", "stream error")))
 
 
-def _settled_scrape(base_url: str, before: dict | None, answered: int, api_key: str | None,
-                    wait_s: float = 5.0):  # fmt: skip
+def _settled_scrape(
+    base_url: str, before: dict | None, answered: int, api_key: str | None, wait_s: float = 5.0
+):
     """/metrics after the run. The server counts a request once its response has ended,
     which can be a moment after the client saw the last byte: wait for the counts to arrive."""
     deadline = time.monotonic() + wait_s
@@ -53,8 +56,9 @@ def _settled_scrape(base_url: str, before: dict | None, answered: int, api_key: 
         time.sleep(0.05)
 
 
-def benchmark(cfg: LoadConfig, dataset: Dataset, progress: bool = True,
-              desc: str = "requests") -> dict:
+def benchmark(
+    cfg: LoadConfig, dataset: Dataset, progress: bool = True, desc: str = "requests"
+) -> dict:
     """Run the load and return the report (a JSON-ready dict)."""
     before = scrape(cfg.base_url, api_key=cfg.api_key)
     bar = None
@@ -75,9 +79,10 @@ def benchmark(cfg: LoadConfig, dataset: Dataset, progress: bool = True,
     if cfg.request_rate == float("inf"):
         config["request_rate"] = "inf"  # JSON has no infinity
     report = summarize(
-        results, duration_s, server_figures(before, after),
+        results,
+        duration_s,
+        server_figures(before, after),
         config=config,
-        dataset={"name": dataset.name, "num_prompts": len(dataset.prompts),
-                 "notes": dataset.notes},
+        dataset={"name": dataset.name, "num_prompts": len(dataset.prompts), "notes": dataset.notes},
     )
     return report

@@ -48,18 +48,37 @@ class ServerProcess:
     """Starts `specserve serve ARGS` in its own process group, waits for /health, and stops it
     with SIGTERM (then SIGKILL of its group) on `stop` or when used as a context manager."""
 
-    def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None,
-                 start_timeout_s: float = 600.0):
+    def __init__(
+        self,
+        args: list[str],
+        log_path: Path,
+        env: dict[str, str] | None = None,
+        start_timeout_s: float = 600.0,
+    ):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        self.cmd = [sys.executable, "-m", "specserve.cli", "serve", "--host", "127.0.0.1",
-                    "--port", str(self.port), "--disable-uvicorn-access-log",
-                    "--uvicorn-log-level", "warning", *args]
+        self.cmd = [
+            sys.executable,
+            "-m",
+            "specserve.cli",
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--disable-uvicorn-access-log",
+            "--uvicorn-log-level",
+            "warning",
+            *args,
+        ]
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(log_path, "wb")
         self.proc = subprocess.Popen(
-            self.cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
+            self.cmd,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
             env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})},
             preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
         )
@@ -77,15 +96,17 @@ class ServerProcess:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise ServerStartError(
-                    f"the server exited with {self.proc.returncode}:\n{self.log_tail()}")
+                    f"the server exited with {self.proc.returncode}:\n{self.log_tail()}"
+                )
             try:
                 if httpx.get(self.url + "/health", timeout=2).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
             time.sleep(0.25)
-        raise ServerStartError(f"the server was not healthy after {timeout_s:.0f} s:\n"
-                               f"{self.log_tail()}")
+        raise ServerStartError(
+            f"the server was not healthy after {timeout_s:.0f} s:\n{self.log_tail()}"
+        )
 
     def stop(self, timeout_s: float = 30.0) -> None:
         if self.proc.poll() is None:

@@ -29,9 +29,9 @@ _LOG_TAIL_CHARS = 6000  # of a server's log, kept with a run whose requests fail
 DEFAULT_CONFIGS = {
     "off": "--speculative-algorithm none",
     "ngram-fixed-k3": "--speculative-algorithm ngram --speculative-policy fixed "
-                      "--speculative-num-steps 3",
+    "--speculative-num-steps 3",
     "ngram-goodput-k3": "--speculative-algorithm ngram --speculative-policy goodput "
-                        "--speculative-num-steps 3",
+    "--speculative-num-steps 3",
 }
 
 
@@ -58,8 +58,10 @@ def parse_configs(specs: list[str] | None) -> dict[str, list[str]]:
     for spec in specs:
         name, sep, flags = spec.partition("=")
         if not sep or not name:
-            raise ValueError(f"--config takes NAME=FLAGS (e.g. 'ngram-k3=--speculative-"
-                             f"algorithm ngram'); got {spec!r}")
+            raise ValueError(
+                f"--config takes NAME=FLAGS (e.g. 'ngram-k3=--speculative-"
+                f"algorithm ngram'); got {spec!r}"
+            )
         out[name] = shlex.split(flags)
     return out
 
@@ -74,8 +76,12 @@ def machine_info() -> dict:
                 break
     except OSError:
         pass
-    info = {"cpu": cpu, "cpu_count": os.cpu_count(), "python": platform.python_version(),
-            "system": f"{platform.system()} {platform.machine()}"}
+    info = {
+        "cpu": cpu,
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "system": f"{platform.system()} {platform.machine()}",
+    }
     try:
         import torch
 
@@ -90,13 +96,22 @@ def warm_up(load: LoadConfig, server: ServerProcess, prompt: BenchPrompt, n: int
     """n short requests one at a time, not measured (first requests pay one-off costs)."""
     if n:
         warm = Dataset("warmup", [BenchPrompt(prompt.prompt, min(prompt.max_tokens, 16))] * n)
-        benchmark(replace(load, base_url=server.url, max_concurrency=1,
-                          request_rate=float("inf")), warm, progress=False)
+        benchmark(
+            replace(load, base_url=server.url, max_concurrency=1, request_rate=float("inf")),
+            warm,
+            progress=False,
+        )
 
 
-def measure(cfg: LoadConfig, dataset: Dataset, label: str, flags: list[str],
-            progress: bool = True, desc: str | None = None,
-            server: ServerProcess | None = None) -> dict:  # fmt: skip
+def measure(
+    cfg: LoadConfig,
+    dataset: Dataset,
+    label: str,
+    flags: list[str],
+    progress: bool = True,
+    desc: str | None = None,
+    server: ServerProcess | None = None,
+) -> dict:
     """One measured run, labelled, with the machine's load average around it; prints a line.
     When requests failed, the tail of the server's log goes into the report (the server's
     log folder may be gone with the machine that ran it)."""
@@ -114,15 +129,22 @@ def measure(cfg: LoadConfig, dataset: Dataset, label: str, flags: list[str],
     if "device_busy_ms_mean" in steps:
         step_ms += f" (device {steps['device_busy_ms_mean']:.2f})"
     waits = f"  waits {steps['loop_waits']}" if "loop_waits" in steps else ""
-    print(f"[sweep] {desc or label:>24} {report['output_throughput']:8.1f} tok/s  "
-          f"p50 ITL {_ms(report['itl_ms']['p50'])} ms  "
-          f"p50 TPOT {_ms(report['tpot_ms']['p50'])} ms{step_ms}{waits}  "
-          f"errors {report['failed']}", flush=True)
+    print(
+        f"[sweep] {desc or label:>24} {report['output_throughput']:8.1f} tok/s  "
+        f"p50 ITL {_ms(report['itl_ms']['p50'])} ms  "
+        f"p50 TPOT {_ms(report['tpot_ms']['p50'])} ms{step_ms}{waits}  "
+        f"errors {report['failed']}",
+        flush=True,
+    )
     return report
 
 
-def run_sweep(plan: SweepPlan, datasets: dict[int, Dataset], progress: bool = True,
-              on_server_done: Callable[[list[dict]], None] | None = None) -> list[dict]:
+def run_sweep(
+    plan: SweepPlan,
+    datasets: dict[int, Dataset],
+    progress: bool = True,
+    on_server_done: Callable[[list[dict]], None] | None = None,
+) -> list[dict]:
     """Every configuration at every concurrency; returns one report per (config, level).
     `on_server_done` gets the reports so far after each server (to save them as it goes)."""
     log_dir = plan.log_dir or Path(tempfile.mkdtemp(prefix="specserve-sweep-"))
@@ -130,14 +152,17 @@ def run_sweep(plan: SweepPlan, datasets: dict[int, Dataset], progress: bool = Tr
     for name, flags in plan.configs.items():
         flags_text = shlex.join(plan.server_args + flags)
         print(f"[sweep] starting server '{name}': specserve serve {flags_text}", flush=True)
-        with ServerProcess(plan.server_args + flags, log_dir / f"{name}.log",
-                           env=plan.server_env) as server:
-            warm_up(plan.load, server, datasets[plan.concurrencies[0]].prompts[0],
-                    plan.warmup_requests)
+        with ServerProcess(
+            plan.server_args + flags, log_dir / f"{name}.log", env=plan.server_env
+        ) as server:
+            warm_up(
+                plan.load, server, datasets[plan.concurrencies[0]].prompts[0], plan.warmup_requests
+            )
             for c in plan.concurrencies:
                 cfg = replace(plan.load, base_url=server.url, max_concurrency=c)
-                rows.append(measure(cfg, datasets[c], name, flags, progress, f"{name} c={c}",
-                                    server))  # fmt: skip
+                rows.append(
+                    measure(cfg, datasets[c], name, flags, progress, f"{name} c={c}", server)
+                )
         if on_server_done is not None:
             on_server_done(rows)
     return rows
@@ -166,9 +191,11 @@ def _load(pair: list | None) -> str:
 
 def markdown_table(rows: list[dict]) -> str:
     """One line per (configuration, concurrency)."""
-    head = ("| config | concurrency | requests ok/sent | req/s | output tok/s | TTFT p50 ms | "
-            "ITL p50 ms | TPOT p50 ms | e2e p50 ms | tok/chunk | accept len | draft-length mix | "
-            "load 1m |")
+    head = (
+        "| config | concurrency | requests ok/sent | req/s | output tok/s | TTFT p50 ms | "
+        "ITL p50 ms | TPOT p50 ms | e2e p50 ms | tok/chunk | accept len | draft-length mix | "
+        "load 1m |"
+    )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         spec = ((r.get("server") or {}).get("speculation")) or {}
@@ -200,17 +227,32 @@ def markdown_report(sweep: dict, stem: str) -> str:
     """The sweep as a page: command, machine, configurations, plot and table."""
     m = sweep.get("machine") or {}
     env = " ".join(f"{k}={v}" for k, v in (sweep.get("server_env") or {}).items())
-    lines = [f"# {sweep.get('title') or 'specserve bench sweep'}", "",
-             "Reproduce (from the repository root):", "", "```bash",
-             sweep.get("command") or "specserve bench sweep", "```", "",
-             f"Machine: {m.get('cpu')}, {m.get('cpu_count')} CPUs, {m.get('system')}, "
-             f"Python {m.get('python')}, torch {m.get('torch')}, GPU: {m.get('gpu') or 'none'}.",
-             "", "Server configurations (one server at a time):", ""]
+    lines = [
+        f"# {sweep.get('title') or 'specserve bench sweep'}",
+        "",
+        "Reproduce (from the repository root):",
+        "",
+        "```bash",
+        sweep.get("command") or "specserve bench sweep",
+        "```",
+        "",
+        f"Machine: {m.get('cpu')}, {m.get('cpu_count')} CPUs, {m.get('system')}, "
+        f"Python {m.get('python')}, torch {m.get('torch')}, GPU: {m.get('gpu') or 'none'}.",
+        "",
+        "Server configurations (one server at a time):",
+        "",
+    ]
     for name, flags in sweep["configs"].items():
         cmd = shlex.join(["specserve", "serve", *sweep.get("server_args", []), *flags])
         lines.append(f"- `{name}`: `{(env + ' ') if env else ''}{cmd}`")
-    lines += ["", f"![output throughput, p50 ITL and p50 TPOT against concurrency]({stem}.png)",
-              "", markdown_table(sweep["results"]), _COLUMNS, ""]
+    lines += [
+        "",
+        f"![output throughput, p50 ITL and p50 TPOT against concurrency]({stem}.png)",
+        "",
+        markdown_table(sweep["results"]),
+        _COLUMNS,
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -223,6 +265,5 @@ def write_outputs(sweep: dict, out_dir: Path, stem: str) -> dict[str, Path]:
     page = out_dir / f"{stem}.md"
     page.write_text(markdown_report(sweep, stem))
     paths["markdown"] = page
-    paths["png"] = plot_rows(sweep["results"], out_dir / f"{stem}.png",
-                             title=sweep.get("title"))
+    paths["png"] = plot_rows(sweep["results"], out_dir / f"{stem}.png", title=sweep.get("title"))
     return paths

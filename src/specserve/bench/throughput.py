@@ -20,9 +20,19 @@ from dataclasses import asdict, dataclass, fields
 from specserve.core.errors import SpecserveError
 
 # engine.stats() counters that only grow: the timed run's figure is after - before.
-_COUNTERS = ("steps", "preemptions", "loop_waits", "loop_wait_reasons", "spec_steps_by_draft_len",
-             "spec_steps_by_step_k", "spec_probe_steps", "spec_switches", "spec_k_changes",
-             "spec_position_drafted", "spec_position_accepted")
+_COUNTERS = (
+    "steps",
+    "preemptions",
+    "loop_waits",
+    "loop_wait_reasons",
+    "spec_steps_by_draft_len",
+    "spec_steps_by_step_k",
+    "spec_probe_steps",
+    "spec_switches",
+    "spec_k_changes",
+    "spec_position_drafted",
+    "spec_position_accepted",
+)
 
 
 @dataclass
@@ -83,10 +93,15 @@ def speculation_of(outputs) -> dict | None:
     drafted = sum(s.drafted for s in stats)
     accepted = sum(s.accepted for s in stats)
     verify_steps = sum(s.verify_steps for s in stats)
-    return {"draft_tokens": drafted, "accepted_tokens": accepted, "verify_steps": verify_steps,
-            "acceptance_rate": accepted / drafted if drafted else None,
-            "mean_acceptance_length": (accepted + verify_steps) / verify_steps
-            if verify_steps else None}
+    return {
+        "draft_tokens": drafted,
+        "accepted_tokens": accepted,
+        "verify_steps": verify_steps,
+        "acceptance_rate": accepted / drafted if drafted else None,
+        "mean_acceptance_length": (accepted + verify_steps) / verify_steps
+        if verify_steps
+        else None,
+    }
 
 
 def run_throughput(llm, work: ThroughputWorkload, progress: bool = False) -> dict:
@@ -96,13 +111,17 @@ def run_throughput(llm, work: ThroughputWorkload, progress: bool = False) -> dic
     engine = llm.engine
     vocab = prompt_token_ids(llm.tokenizer, engine.model_config.vocab_size)
     if work.warmup_requests:
-        warm = random_prompts(work.warmup_requests, min(work.input_len, 16), vocab,
-                              work.seed + 1)
-        llm.generate(warm, SamplingParams(max_tokens=min(work.output_len, 8),
-                                          temperature=work.temperature, ignore_eos=True))
+        warm = random_prompts(work.warmup_requests, min(work.input_len, 16), vocab, work.seed + 1)
+        llm.generate(
+            warm,
+            SamplingParams(
+                max_tokens=min(work.output_len, 8), temperature=work.temperature, ignore_eos=True
+            ),
+        )
     prompts = random_prompts(work.num_prompts, work.input_len, vocab, work.seed)
-    params = SamplingParams(max_tokens=work.output_len, temperature=work.temperature,
-                            ignore_eos=work.ignore_eos)
+    params = SamplingParams(
+        max_tokens=work.output_len, temperature=work.temperature, ignore_eos=work.ignore_eos
+    )
     before = engine.stats()
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=progress)
@@ -131,25 +150,44 @@ def add_throughput_args(p: argparse.ArgumentParser) -> None:
 
     add_engine_args(p)  # --seed is the engine's and seeds the prompts too
     p.add_argument("--num-prompts", type=int, default=ThroughputWorkload.num_prompts)
-    p.add_argument("--input-len", type=int, default=ThroughputWorkload.input_len,
-                   help="prompt tokens (random token ids)")
-    p.add_argument("--output-len", type=int, default=ThroughputWorkload.output_len,
-                   help="max_tokens of each request")
+    p.add_argument(
+        "--input-len",
+        type=int,
+        default=ThroughputWorkload.input_len,
+        help="prompt tokens (random token ids)",
+    )
+    p.add_argument(
+        "--output-len",
+        type=int,
+        default=ThroughputWorkload.output_len,
+        help="max_tokens of each request",
+    )
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-    p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
-                   help="generate output-len tokens whatever the model says (default on)")
-    p.add_argument("--num-warmup", type=int, default=ThroughputWorkload.warmup_requests,
-                   help="short untimed requests first")
+    p.add_argument(
+        "--ignore-eos",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="generate output-len tokens whatever the model says (default on)",
+    )
+    p.add_argument(
+        "--num-warmup",
+        type=int,
+        default=ThroughputWorkload.warmup_requests,
+        help="short untimed requests first",
+    )
     p.add_argument("--save-result", help="write the report as JSON to this file")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
-_ROWS = (("requests", "num_requests", "{:,}"), ("elapsed (s)", "elapsed_s", "{:.2f}"),
-         ("prompt tokens", "total_prompt_tokens", "{:,}"),
-         ("output tokens", "total_output_tokens", "{:,}"),
-         ("requests/s", "requests_per_s", "{:.3f}"),
-         ("output tokens/s", "output_tokens_per_s", "{:,.1f}"),
-         ("total tokens/s", "total_tokens_per_s", "{:,.1f}"))
+_ROWS = (
+    ("requests", "num_requests", "{:,}"),
+    ("elapsed (s)", "elapsed_s", "{:.2f}"),
+    ("prompt tokens", "total_prompt_tokens", "{:,}"),
+    ("output tokens", "total_output_tokens", "{:,}"),
+    ("requests/s", "requests_per_s", "{:.3f}"),
+    ("output tokens/s", "output_tokens_per_s", "{:,.1f}"),
+    ("total tokens/s", "total_tokens_per_s", "{:,.1f}"),
+)
 
 
 def _print(report: dict) -> None:
@@ -166,8 +204,10 @@ def _print(report: dict) -> None:
         if key in counts:
             table.add_row(f"engine: {key.replace('_', ' ')}", str(counts[key]))
     for key, value in (report["speculation"] or {}).items():
-        table.add_row(f"spec: {key.replace('_', ' ')}",
-                      "-" if value is None else f"{value:,.3f}".rstrip("0").rstrip("."))
+        table.add_row(
+            f"spec: {key.replace('_', ' ')}",
+            "-" if value is None else f"{value:,.3f}".rstrip("0").rstrip("."),
+        )
     Console().print(table)
 
 
@@ -180,19 +220,31 @@ def throughput_command(args: argparse.Namespace) -> int:
     from specserve.llm import LLM
 
     try:
-        work = ThroughputWorkload(args.num_prompts, args.input_len, args.output_len,
-                                  args.temperature, args.ignore_eos, args.seed, args.num_warmup)
+        work = ThroughputWorkload(
+            args.num_prompts,
+            args.input_len,
+            args.output_len,
+            args.temperature,
+            args.ignore_eos,
+            args.seed,
+            args.num_warmup,
+        )
         cfg = engine_config(args)
     except ValueError as e:
         raise SpecserveError(str(e)) from e
-    llm = LLM(progress=not args.no_progress,
-              **{f.name: getattr(cfg, f.name) for f in fields(EngineConfig)})
+    llm = LLM(
+        progress=not args.no_progress,
+        **{f.name: getattr(cfg, f.name) for f in fields(EngineConfig)},
+    )
     source = llm.engine.source
-    report = {"kind": "specserve-bench-throughput",
-              "model": source.path.name if source is not None else str(cfg.model),
-              "workload": asdict(work), "engine_config": asdict(llm.engine.config),
-              "machine": machine_info(),
-              **run_throughput(llm, work, progress=not args.no_progress)}
+    report = {
+        "kind": "specserve-bench-throughput",
+        "model": source.path.name if source is not None else str(cfg.model),
+        "workload": asdict(work),
+        "engine_config": asdict(llm.engine.config),
+        "machine": machine_info(),
+        **run_throughput(llm, work, progress=not args.no_progress),
+    }
     _print(report)
     if args.save_result:
         print(f"saved {save_json(report, args.save_result)}")

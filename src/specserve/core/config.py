@@ -86,8 +86,9 @@ class EngineConfig:
         if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
             raise ConfigError(f"kv_cache_bytes must be positive; got {self.kv_cache_bytes}")
         if not 0.0 < self.kv_cache_memory_fraction <= 1.0:
-            raise ConfigError("kv_cache_memory_fraction must be in (0, 1]; got "
-                              f"{self.kv_cache_memory_fraction}")
+            raise ConfigError(
+                f"kv_cache_memory_fraction must be in (0, 1]; got {self.kv_cache_memory_fraction}"
+            )
         if self.max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be >= 1; got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
@@ -100,11 +101,15 @@ class EngineConfig:
                 f"load_format must be one of {', '.join(LOAD_FORMATS)}; got {self.load_format!r}"
             )
         if self.attention_backend not in ATTENTION_BACKEND_CHOICES:
-            raise ConfigError(f"attention_backend must be {_one_of(ATTENTION_BACKEND_CHOICES)}; "
-                              f"got {self.attention_backend!r}")
+            raise ConfigError(
+                f"attention_backend must be {_one_of(ATTENTION_BACKEND_CHOICES)}; "
+                f"got {self.attention_backend!r}"
+            )
         if self.overlap_schedule not in OVERLAP_SCHEDULE_CHOICES:
-            raise ConfigError(f"overlap_schedule must be {_one_of(OVERLAP_SCHEDULE_CHOICES)}; "
-                              f"got {self.overlap_schedule!r}")
+            raise ConfigError(
+                f"overlap_schedule must be {_one_of(OVERLAP_SCHEDULE_CHOICES)}; "
+                f"got {self.overlap_schedule!r}"
+            )
         if self.disable_overlap_schedule and self.overlap_schedule == "on":
             raise ConfigError("disable_overlap_schedule contradicts overlap_schedule on")
         if self.speculative_algorithm == "auto":

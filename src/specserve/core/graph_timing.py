@@ -30,8 +30,10 @@ def no_collection_while_capturing():
 def replay_ms(graph: torch.cuda.CUDAGraph, reps: int) -> float:
     """Median device time (ms) of `reps` replays of a captured (and uploaded) graph, each
     between its own pair of CUDA events."""
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-              for _ in range(reps)]  # fmt: skip
+    events = [
+        (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+        for _ in range(reps)
+    ]
     for start, end in events:
         start.record()
         graph.replay()

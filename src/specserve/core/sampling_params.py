@@ -48,27 +48,37 @@ class SamplingParams:
         if self.top_k == -1:
             self.top_k = 0
         checks = [
-            ("max_tokens", isinstance(self.max_tokens, int) and self.max_tokens >= 1,
-             "must be an integer >= 1"),
+            (
+                "max_tokens",
+                isinstance(self.max_tokens, int) and self.max_tokens >= 1,
+                "must be an integer >= 1",
+            ),
             ("temperature", 0.0 <= float(self.temperature) <= 100.0, "must be in [0, 100]"),
-            ("top_k", isinstance(self.top_k, int) and self.top_k >= 0,
-             "must be a non-negative integer (0 or -1 disables it)"),
+            (
+                "top_k",
+                isinstance(self.top_k, int) and self.top_k >= 0,
+                "must be a non-negative integer (0 or -1 disables it)",
+            ),
             ("top_p", 0.0 < float(self.top_p) <= 1.0, "must be in (0, 1]"),
             ("min_p", 0.0 <= float(self.min_p) <= 1.0, "must be in [0, 1]"),
             ("seed", self.seed is None or isinstance(self.seed, int), "must be an integer"),
-            ("logprobs", self.logprobs is None or (isinstance(self.logprobs, int)
-             and 0 <= self.logprobs <= 20), "must be an integer in [0, 20]"),
+            (
+                "logprobs",
+                self.logprobs is None
+                or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
+                "must be an integer in [0, 20]",
+            ),
             ("n", isinstance(self.n, int) and 1 <= self.n <= 128, "must be an integer in [1, 128]"),
-            ("stop", all(isinstance(s, str) and s for s in self.stop),
-             "must be non-empty strings"),
-            ("stop_token_ids", all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
-             "must be non-negative integers"),
+            ("stop", all(isinstance(s, str) and s for s in self.stop), "must be non-empty strings"),
+            (
+                "stop_token_ids",
+                all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+                "must be non-negative integers",
+            ),
         ]
         for name, ok, what in checks:
             if not ok:
-                raise InvalidRequestError(
-                    f"{name} {what}; got {getattr(self, name)!r}", field=name
-                )
+                raise InvalidRequestError(f"{name} {what}; got {getattr(self, name)!r}", field=name)
 
     @property
     def greedy(self) -> bool:

@@ -71,10 +71,10 @@ class LLMEngine:
             with startup.phase(f"loading {self.source.name} on {device}"):
                 self.model_config = load_config(self.source)
                 self.dtype = config.torch_dtype(self.model_config.dtype)
-                self.tokenizer = (tokenizer if tokenizer is not None
-                                  else load_tokenizer(self.source))  # fmt: skip
-                model = load_model(self.source, self.dtype, device, progress, self.model_config,
-                                   seed=config.seed)  # fmt: skip
+                self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(self.source)
+                model = load_model(
+                    self.source, self.dtype, device, progress, self.model_config, seed=config.seed
+                )
         else:
             self.source, self.model_config = None, model.config
             self.dtype = model.lm_head_weight.dtype
@@ -82,8 +82,10 @@ class LLMEngine:
         num_pages = kv_cache_pages(config, self.model_config, self.dtype, device)
         self.kv = KVCache(self.model_config, num_pages, config.page_size, self.dtype, device)
         if progress:
-            startup.note(f"{str(self.dtype).removeprefix('torch.')} weights; KV cache: "
-                         f"{num_pages} pages of {config.page_size} tokens")
+            startup.note(
+                f"{str(self.dtype).removeprefix('torch.')} weights; KV cache: "
+                f"{num_pages} pages of {config.page_size} tokens"
+            )
         self.max_model_len = min(
             config.max_model_len or self.model_config.max_position_embeddings,
             self.model_config.max_position_embeddings,
@@ -106,8 +108,10 @@ class LLMEngine:
                 k_max = config.speculative_num_steps if config.speculative_algorithm else 0
                 batch = min(config.max_num_seqs, config.cuda_graph_max_batch)
                 self.gemv_selector = GemvSelector(
-                    max_rows=batch * (k_max + 1), max_requests=batch,
-                    batch_invariant=not config.disable_batch_invariance)  # fmt: skip
+                    max_rows=batch * (k_max + 1),
+                    max_requests=batch,
+                    batch_invariant=not config.disable_batch_invariance,
+                )
                 with startup.phase("choosing GEMV kernels (timed on this GPU)"):
                     use_gemv(model, self.gemv_selector)
         self.runner = ModelRunner(model, self.kv, get_backend(config.backend_name()))
@@ -116,8 +120,15 @@ class LLMEngine:
             with startup.phase("compiling attention kernels"):
                 self.runner.backend.warm_up(self.model_config.num_heads, self.kv.layers[0])
         # What speculation is built from (it never sees this engine).
-        self.target = TargetParts(config, self.model_config, self.dtype, self.kv, self.runner,
-                                  self.max_model_len, getattr(self, "gemv_selector", None))
+        self.target = TargetParts(
+            config,
+            self.model_config,
+            self.dtype,
+            self.kv,
+            self.runner,
+            self.max_model_len,
+            getattr(self, "gemv_selector", None),
+        )
         self.spec = None
         if config.speculative_algorithm:
             with startup.phase(f"setting up the {config.speculative_algorithm} drafter"):
@@ -132,8 +143,11 @@ class LLMEngine:
             self.runner.graphs = self._capture_graphs(startup)
         if self.spec is not None:
             policy = config.speculative_policy
-            with startup.phase("timing steps for the goodput policy" if policy == "goodput"
-                               else f"setting up the {policy} policy"):  # fmt: skip
+            with startup.phase(
+                "timing steps for the goodput policy"
+                if policy == "goodput"
+                else f"setting up the {policy} policy"
+            ):
                 self.spec.start(self.target)
         tokenizer_eos = getattr(self.tokenizer, "eos_token_id", None)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids) | frozenset(
@@ -177,23 +191,31 @@ class LLMEngine:
 
             with startup.phase("tuning GEMV kernels in whole steps"):
                 self.plan_tuning = tune_engine_plan(
-                    graphs, plan, plan_candidates(self.kv.layers[0][0].device, plan.torch_varies),
+                    graphs,
+                    plan,
+                    plan_candidates(self.kv.layers[0][0].device, plan.torch_varies),
                     SHARED_ROWS,
-                    verify_tokens=k_max + 1)  # fmt: skip
+                    verify_tokens=k_max + 1,
+                )
             if k_max and plan.by_requests and not self.config.disable_verify_tiles:
                 # verify steps of up to SHARED_ROWS requests: faster tiles, same bits
                 from specserve.runtime.verify_tiles import tune_engine_verify_tiles
 
                 with startup.phase("searching verify-step kernels"):
-                    self.verify_tiles = tune_engine_verify_tiles(graphs, plan, SHARED_ROWS,
-                                                                 k_max + 1)  # fmt: skip
+                    self.verify_tiles = tune_engine_verify_tiles(
+                        graphs, plan, SHARED_ROWS, k_max + 1
+                    )
         with startup.phase("capturing CUDA graphs"):
             report = graphs.capture()
         log.info(
             "captured %d CUDA graphs in %.1f s (warm-up %.1f s, first replays %.2f s), graph "
-            "memory %.1f MiB", report.num_graphs, report.capture_s, report.warmup_s,
-            report.first_replay_s, report.graph_pool_bytes / 2**20,
-        )  # fmt: skip
+            "memory %.1f MiB",
+            report.num_graphs,
+            report.capture_s,
+            report.warmup_s,
+            report.first_replay_s,
+            report.graph_pool_bytes / 2**20,
+        )
         return graphs
 
     # ---- requests -------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from specserve.core.model_config import ModelConfig
 log = logging.getLogger("specserve")
 CPU_KV_CACHE_BYTES = 256 * 2**20
 
+
 def kv_cache_pages(
     config: EngineConfig, model_cfg: ModelConfig, dtype: torch.dtype, device: torch.device
 ) -> int:
@@ -40,12 +41,15 @@ def kv_cache_pages(
         # Memory PyTorch's allocator holds but no tensor uses (a previous engine's) is free too.
         free_bytes += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
         graph_bytes = graph_output_bytes(config, model_cfg, dtype)
-        budget = (int(config.kv_cache_memory_fraction * free_bytes) - drafter_weight_bytes
-                  - graph_bytes)  # fmt: skip
+        budget = (
+            int(config.kv_cache_memory_fraction * free_bytes) - drafter_weight_bytes - graph_bytes
+        )
         per_page = page_bytes + config.page_size * drafter_token_bytes
         # No more than every sequence at full context (plus its draft lookahead) can use.
-        max_len = min(config.max_model_len or model_cfg.max_position_embeddings,
-                      model_cfg.max_position_embeddings)
+        max_len = min(
+            config.max_model_len or model_cfg.max_position_embeddings,
+            model_cfg.max_position_embeddings,
+        )
         lookahead = 2 * (config.speculative_num_steps + 1) if config.speculative_algorithm else 2
         usable = config.max_num_seqs * -(-(max_len + lookahead) // config.page_size) + 1
         pages = min(max(budget, 0) // per_page, usable)
@@ -59,13 +63,21 @@ def kv_cache_pages(
                 "--kv-cache-memory-fraction, lower --max-model-len, or set --kv-cache-bytes "
                 "or --num-kv-pages"
             )
-        source = (f"{config.kv_cache_memory_fraction:.2f} of {free_bytes / 2**30:.1f} GiB free "
-                  f"(of {total_bytes / 2**30:.1f} GiB), at most {usable} pages usable, drafter "
-                  f"weights {drafter_weight_bytes / 2**30:.2f} GiB, CUDA graphs' outputs "
-                  f"{graph_bytes / 2**30:.2f} GiB, drafter KV "
-                  f"{pages * config.page_size * drafter_token_bytes / 2**30:.2f} GiB")
-    log.info("KV cache: %d pages of %d tokens, %d tokens, %.2f GiB (%s)", pages,
-             config.page_size, pages * config.page_size, pages * page_bytes / 2**30, source)
+        source = (
+            f"{config.kv_cache_memory_fraction:.2f} of {free_bytes / 2**30:.1f} GiB free "
+            f"(of {total_bytes / 2**30:.1f} GiB), at most {usable} pages usable, drafter "
+            f"weights {drafter_weight_bytes / 2**30:.2f} GiB, CUDA graphs' outputs "
+            f"{graph_bytes / 2**30:.2f} GiB, drafter KV "
+            f"{pages * config.page_size * drafter_token_bytes / 2**30:.2f} GiB"
+        )
+    log.info(
+        "KV cache: %d pages of %d tokens, %d tokens, %.2f GiB (%s)",
+        pages,
+        config.page_size,
+        pages * config.page_size,
+        pages * page_bytes / 2**30,
+        source,
+    )
     return pages
 
 
@@ -85,8 +97,9 @@ def graph_output_bytes(config: EngineConfig, model_cfg: ModelConfig, dtype: torc
     return rows * per_row
 
 
-def _drafter_needs(config: EngineConfig, target: ModelConfig,
-                   dtype: torch.dtype) -> tuple[int, int]:  # fmt: skip
+def _drafter_needs(
+    config: EngineConfig, target: ModelConfig, dtype: torch.dtype
+) -> tuple[int, int]:
     """(KV bytes per token, weight bytes) of the configured drafter, before it is loaded;
     weights estimated from its safetensors files (at most the loaded size when it keeps or
     narrows their dtype), or from its shape when its weights are random (--load-format
@@ -118,9 +131,15 @@ def _drafter_needs(config: EngineConfig, target: ModelConfig,
     draft_cfg = load_config(source)
     kv_token_bytes = draft_cfg.kv_bytes_per_token(dtype)
     if source.kind == "dummy":
-        weights = draft_cfg.hidden_size * (2 * draft_cfg.vocab_size + draft_cfg.num_layers * (
-            2 * draft_cfg.num_heads * draft_cfg.head_dim + 2 * draft_cfg.num_kv_heads
-            * draft_cfg.head_dim + 3 * draft_cfg.intermediate_size))  # fmt: skip
+        weights = draft_cfg.hidden_size * (
+            2 * draft_cfg.vocab_size
+            + draft_cfg.num_layers
+            * (
+                2 * draft_cfg.num_heads * draft_cfg.head_dim
+                + 2 * draft_cfg.num_kv_heads * draft_cfg.head_dim
+                + 3 * draft_cfg.intermediate_size
+            )
+        )
         return kv_token_bytes, weights * dtype.itemsize
     if source.kind == "gguf":  # quantized on disk: about 4 bits a weight, 16 once loaded
         return kv_token_bytes, 4 * source.path.stat().st_size

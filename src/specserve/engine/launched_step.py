@@ -36,8 +36,14 @@ class LaunchedStep:
         """This step as the next one reads it on the device, before it is resolved."""
         sampled = self.step_input.sampled
         rows = {id(s.request): r for r, s in enumerate(sampled)}
-        return InflightStep(self.sampled.tokens, self.sampled.accept_len, rows,
-                            [num_drafts(s) for s in sampled], self.batch, self.consumed)
+        return InflightStep(
+            self.sampled.tokens,
+            self.sampled.accept_len,
+            rows,
+            [num_drafts(s) for s in sampled],
+            self.batch,
+            self.consumed,
+        )
 
 
 @dataclass

@@ -100,8 +100,13 @@ class Scheduler:
         batch.sort(key=_prefill_last)  # stable: arrival order within each group
         return batch
 
-    def _draft(self, batch: list[ScheduledRequest], policy: SpeculationPolicy, budget: int,
-               short_of_pages: bool) -> None:  # fmt: skip
+    def _draft(
+        self,
+        batch: list[ScheduledRequest],
+        policy: SpeculationPolicy,
+        budget: int,
+        short_of_pages: bool,
+    ) -> None:
         """Draft lengths from the policy for the step's decoding requests, within `budget`
         tokens and the pages they can get (none while a waiting request lacks pages)."""
         decoding, prefill = [], 0
@@ -127,13 +132,15 @@ class Scheduler:
                 continue
             reserve = req.cached_len + 1 + req.num_inflight_drafts  # held already
             held = len(req.page_table) * page_size
-            if reserve + k > held and (short_of_pages or not self.kv.grow(req.page_table,
-                                                                           reserve + k)):
+            if reserve + k > held and (
+                short_of_pages or not self.kv.grow(req.page_table, reserve + k)
+            ):
                 # no page for the lookahead: first drop the drafts that could never be
                 # committed, then keep what the pages it holds cover
                 k = min(k, max(0, req.num_left - 1))
-                if reserve + k > held and (short_of_pages
-                                           or not self.kv.grow(req.page_table, reserve + k)):
+                if reserve + k > held and (
+                    short_of_pages or not self.kv.grow(req.page_table, reserve + k)
+                ):
                     k = max(0, held - reserve)
                     page_cap = min(page_cap, k)
             s.draft_len = k

@@ -118,8 +118,9 @@ class StepLoop:
         wants = spec.proposer.wants_catch_up
         return [s for s in batch if s.draft_len > 0 or (s.decoding and wants(s.request))]
 
-    def _wait_reason(self, prev: LaunchedStep, batch: list[ScheduledRequest],
-                     drafting: list[ScheduledRequest]) -> str | None:  # fmt: skip
+    def _wait_reason(
+        self, prev: LaunchedStep, batch: list[ScheduledRequest], drafting: list[ScheduledRequest]
+    ) -> str | None:
         """None when `batch` can be launched before prev's tokens reach the host, built on
         the device from prev's drawn tokens and accept lengths (runtime/inflight.py): when
         its drafter reads them there (EAGLE-3, greedy, one draft length) and, after a
@@ -136,16 +137,21 @@ class StepLoop:
             return None
         moved = {id(s.request): num_drafts(s) for s in prev.step_input.sampled}
         max_len = self.engine.max_model_len
-        if all(s.request.committed_len + moved.get(id(s.request), 0) + s.draft_len <= max_len
-               for s in batch):  # fmt: skip
+        if all(
+            s.request.committed_len + moved.get(id(s.request), 0) + s.draft_len <= max_len
+            for s in batch
+        ):
             return None
         return "context_limit"
 
     def stats(self) -> dict:
         """Loop figures for metrics: steps launched after waiting for the previous step's
         tokens, in all and by reason; running totals of device and wait times (`totals`)."""
-        return {"loop_waits": self.num_waits, "loop_wait_reasons": dict(self.wait_reasons),
-                **self.totals}
+        return {
+            "loop_waits": self.num_waits,
+            "loop_wait_reasons": dict(self.wait_reasons),
+            **self.totals,
+        }
 
     @staticmethod
     def _settle(batch: list[ScheduledRequest]) -> list[ScheduledRequest]:
@@ -190,8 +196,9 @@ class StepLoop:
         hidden, aux = runner.forward(step_input, spec.aux_layer_ids if spec else ())
         sampled = runner.sample_async(step_input, hidden, spec.simulate_rate if spec else None)
         # Taken now: graph outputs are overwritten by the next step's replay.
-        features = (spec.proposer.features(aux, step_input.meta.slot_mapping)
-                    if spec is not None else None)  # fmt: skip
+        features = (
+            spec.proposer.features(aux, step_input.meta.slot_mapping) if spec is not None else None
+        )
         t2 = time.perf_counter()
         # Bookkeeping that needs no drawn token: the fed tokens are in the KV cache (in
         # device order), and each sampled request has at least one token in flight.
@@ -205,14 +212,17 @@ class StepLoop:
             s.request.num_inflight += 1
             s.request.num_inflight_drafts += num_drafts(s)
         launched = LaunchedStep(
-            batch, step_input, sampled, features,
+            batch,
+            step_input,
+            sampled,
+            features,
             speculative=any(num_drafts(s) for s in batch),
             draft_ms=(t1 - t0) * 1e3,
             host_ms=(t2 - t1) * 1e3,
             preemptions=[s.request.num_preemptions for s in batch],
             events=events,
             after_idle=self._idle,
-        )  # fmt: skip
+        )
         self._idle = False
         if events is not None:
             events[2].record()
@@ -223,8 +233,9 @@ class StepLoop:
             return None
         return tuple(torch.cuda.Event(enable_timing=True) for _ in range(3))
 
-    def _commit_drafter(self, step: LaunchedStep, items: list[ScheduledRequest],
-                        accepted: list[int]) -> None:
+    def _commit_drafter(
+        self, step: LaunchedStep, items: list[ScheduledRequest], accepted: list[int]
+    ) -> None:
         rows = dict(zip(map(id, step.batch), step.step_input.first_rows))
         first_rows = [rows[id(s)] for s in items]
         self.engine.spec.proposer.commit(items, accepted, step.features, first_rows)
@@ -322,5 +333,6 @@ class StepLoop:
 def _stop_token_in(req, tokens: list[int]) -> bool:
     """Whether committing `tokens` finishes the request at a stop token (or EOS)."""
     p = req.params
-    return any(t in p.stop_token_ids or (not p.ignore_eos and t in req.eos_token_ids)
-               for t in tokens)  # fmt: skip
+    return any(
+        t in p.stop_token_ids or (not p.ignore_eos and t in req.eos_token_ids) for t in tokens
+    )

@@ -103,21 +103,51 @@ PDL_PREFETCH_MAX_LINES = 16
 # rows x N) are not specialized on: M = 1 would otherwise compile a variant of its own; nor
 # are the rope epilogue's positions and slots (views into the step's one upload, aligned or
 # not, runtime/packing.py) and page size (start-up compiles its variants on stand-ins).
-@triton.jit(do_not_specialize=["M", "iters_per_split", "stride_os", "pos_ptr", "slot_ptr",
-                               "page_size"])  # fmt: skip
+@triton.jit(
+    do_not_specialize=["M", "iters_per_split", "stride_os", "pos_ptr", "slot_ptr", "page_size"]
+)
 def _gemv_kernel(
-    x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, iters_per_split,
-    stride_xm, stride_wn, stride_om, stride_os,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    USE_DOT: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr,
-    HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, SILU: tl.constexpr = False,
-    USE_PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
-    w_desc=None, TMA: tl.constexpr = False, GATED: tl.constexpr = False,
-    pos_ptr=None, slot_ptr=None, cos_sin_ptr=None, k_cache=None, v_cache=None,
-    stride_cs=0, stride_page=0, stride_slot=0, page_size=1,
-    ROPE: tl.constexpr = False, HEAD_DIM: tl.constexpr = 0, Q_HEADS: tl.constexpr = 0,
-    K_HEADS: tl.constexpr = 0, ROW_BLOCKS: tl.constexpr = 1,
-):  # fmt: skip
+    x_ptr,
+    w_ptr,
+    b_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    iters_per_split,
+    stride_xm,
+    stride_wn,
+    stride_om,
+    stride_os,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    IEEE: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    PARTIAL: tl.constexpr,
+    SILU: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False,
+    PREFETCH: tl.constexpr = 0,
+    w_desc=None,
+    TMA: tl.constexpr = False,
+    GATED: tl.constexpr = False,
+    pos_ptr=None,
+    slot_ptr=None,
+    cos_sin_ptr=None,
+    k_cache=None,
+    v_cache=None,
+    stride_cs=0,
+    stride_page=0,
+    stride_slot=0,
+    page_size=1,
+    ROPE: tl.constexpr = False,
+    HEAD_DIM: tl.constexpr = 0,
+    Q_HEADS: tl.constexpr = 0,
+    K_HEADS: tl.constexpr = 0,
+    ROW_BLOCKS: tl.constexpr = 1,
+):
     tl.static_assert(ROW_BLOCKS == 1 or ROW_BLOCKS == 2 or ROW_BLOCKS == 4)
     pid_m = tl.program_id(0)  # fastest: the row blocks of one weight tile run together
     pid_n = tl.program_id(1)
@@ -169,39 +199,156 @@ def _gemv_kernel(
             x1 = _load_rows(x_rows + step, k, m + BLOCK_M < M, K, SILU, X_IN_BLOCKS)
             acc1 = _mac(acc1, x1, w, USE_DOT, IEEE)
         if ROW_BLOCKS > 2:
-            x2 = _load_rows(x_rows + 2 * step, k, m + 2 * BLOCK_M < M, K, SILU,
-                            X_IN_BLOCKS)  # fmt: skip
+            x2 = _load_rows(x_rows + 2 * step, k, m + 2 * BLOCK_M < M, K, SILU, X_IN_BLOCKS)
             acc2 = _mac(acc2, x2, w, USE_DOT, IEEE)
-            x3 = _load_rows(x_rows + 3 * step, k, m + 3 * BLOCK_M < M, K, SILU,
-                            X_IN_BLOCKS)  # fmt: skip
+            x3 = _load_rows(x_rows + 3 * step, k, m + 3 * BLOCK_M < M, K, SILU, X_IN_BLOCKS)
             acc3 = _mac(acc3, x3, w, USE_DOT, IEEE)
         if GATED:
-            w = _w_tile(u_rows, w_desc, N + pid_n * BLOCK_N, k_lo + i * BLOCK_K, k, K, TMA,
-                        EVEN_K)  # fmt: skip
+            w = _w_tile(u_rows, w_desc, N + pid_n * BLOCK_N, k_lo + i * BLOCK_K, k, K, TMA, EVEN_K)
             acc_u = _mac(acc_u, x, w, USE_DOT, IEEE)
             if ROW_BLOCKS > 1:
                 acc_u1 = _mac(acc_u1, x1, w, USE_DOT, IEEE)
             if ROW_BLOCKS > 2:
                 acc_u2 = _mac(acc_u2, x2, w, USE_DOT, IEEE)
                 acc_u3 = _mac(acc_u3, x3, w, USE_DOT, IEEE)
-    _finish(acc, acc_u, m, n, pid_s, M, N, b_ptr, out_ptr, stride_om,
-            stride_os, head, j, pos_ptr, slot_ptr, cos_sin_ptr, k_cache, v_cache,
-            stride_cs, stride_page, stride_slot, page_size, BLOCK_M, BLOCK_N,
-            USE_DOT, HAS_BIAS, PARTIAL, GATED, ROPE, HEAD_DIM, Q_HEADS, K_HEADS)
+    _finish(
+        acc,
+        acc_u,
+        m,
+        n,
+        pid_s,
+        M,
+        N,
+        b_ptr,
+        out_ptr,
+        stride_om,
+        stride_os,
+        head,
+        j,
+        pos_ptr,
+        slot_ptr,
+        cos_sin_ptr,
+        k_cache,
+        v_cache,
+        stride_cs,
+        stride_page,
+        stride_slot,
+        page_size,
+        BLOCK_M,
+        BLOCK_N,
+        USE_DOT,
+        HAS_BIAS,
+        PARTIAL,
+        GATED,
+        ROPE,
+        HEAD_DIM,
+        Q_HEADS,
+        K_HEADS,
+    )
     if ROW_BLOCKS > 1:
-        _finish(acc1, acc_u1, m + BLOCK_M, n, pid_s, M, N, b_ptr, out_ptr, stride_om,
-                stride_os, head, j, pos_ptr, slot_ptr, cos_sin_ptr, k_cache, v_cache,
-                stride_cs, stride_page, stride_slot, page_size, BLOCK_M, BLOCK_N,
-                USE_DOT, HAS_BIAS, PARTIAL, GATED, ROPE, HEAD_DIM, Q_HEADS, K_HEADS)
+        _finish(
+            acc1,
+            acc_u1,
+            m + BLOCK_M,
+            n,
+            pid_s,
+            M,
+            N,
+            b_ptr,
+            out_ptr,
+            stride_om,
+            stride_os,
+            head,
+            j,
+            pos_ptr,
+            slot_ptr,
+            cos_sin_ptr,
+            k_cache,
+            v_cache,
+            stride_cs,
+            stride_page,
+            stride_slot,
+            page_size,
+            BLOCK_M,
+            BLOCK_N,
+            USE_DOT,
+            HAS_BIAS,
+            PARTIAL,
+            GATED,
+            ROPE,
+            HEAD_DIM,
+            Q_HEADS,
+            K_HEADS,
+        )
     if ROW_BLOCKS > 2:
-        _finish(acc2, acc_u2, m + 2 * BLOCK_M, n, pid_s, M, N, b_ptr, out_ptr, stride_om,
-                stride_os, head, j, pos_ptr, slot_ptr, cos_sin_ptr, k_cache, v_cache,
-                stride_cs, stride_page, stride_slot, page_size, BLOCK_M, BLOCK_N,
-                USE_DOT, HAS_BIAS, PARTIAL, GATED, ROPE, HEAD_DIM, Q_HEADS, K_HEADS)
-        _finish(acc3, acc_u3, m + 3 * BLOCK_M, n, pid_s, M, N, b_ptr, out_ptr, stride_om,
-                stride_os, head, j, pos_ptr, slot_ptr, cos_sin_ptr, k_cache, v_cache,
-                stride_cs, stride_page, stride_slot, page_size, BLOCK_M, BLOCK_N,
-                USE_DOT, HAS_BIAS, PARTIAL, GATED, ROPE, HEAD_DIM, Q_HEADS, K_HEADS)
+        _finish(
+            acc2,
+            acc_u2,
+            m + 2 * BLOCK_M,
+            n,
+            pid_s,
+            M,
+            N,
+            b_ptr,
+            out_ptr,
+            stride_om,
+            stride_os,
+            head,
+            j,
+            pos_ptr,
+            slot_ptr,
+            cos_sin_ptr,
+            k_cache,
+            v_cache,
+            stride_cs,
+            stride_page,
+            stride_slot,
+            page_size,
+            BLOCK_M,
+            BLOCK_N,
+            USE_DOT,
+            HAS_BIAS,
+            PARTIAL,
+            GATED,
+            ROPE,
+            HEAD_DIM,
+            Q_HEADS,
+            K_HEADS,
+        )
+        _finish(
+            acc3,
+            acc_u3,
+            m + 3 * BLOCK_M,
+            n,
+            pid_s,
+            M,
+            N,
+            b_ptr,
+            out_ptr,
+            stride_om,
+            stride_os,
+            head,
+            j,
+            pos_ptr,
+            slot_ptr,
+            cos_sin_ptr,
+            k_cache,
+            v_cache,
+            stride_cs,
+            stride_page,
+            stride_slot,
+            page_size,
+            BLOCK_M,
+            BLOCK_N,
+            USE_DOT,
+            HAS_BIAS,
+            PARTIAL,
+            GATED,
+            ROPE,
+            HEAD_DIM,
+            Q_HEADS,
+            K_HEADS,
+        )
 
 
 DEFAULT_CONFIG = GemvConfig(block_n=64, block_k=128)
@@ -220,8 +367,7 @@ def prefetch_lines(cfg: GemvConfig, programs: int, iters_per_split: int, elem_by
     PDL_PREFETCH_BYTES over the kernel's `programs` weight tiles, at most the program's own
     slice and PDL_PREFETCH_MAX_LINES, rounded down to a power of 2 (0: none)."""
     per_row = PDL_PREFETCH_BYTES // (programs * cfg.block_n * 128)
-    lines = min(per_row, iters_per_split * cfg.block_k * elem_bytes // 128,
-                PDL_PREFETCH_MAX_LINES)  # fmt: skip
+    lines = min(per_row, iters_per_split * cfg.block_k * elem_bytes // 128, PDL_PREFETCH_MAX_LINES)
     return 1 << (lines.bit_length() - 1) if lines >= 1 else 0
 
 
@@ -317,18 +463,39 @@ def gemv(
         dst, strides = out, (out.stride(0), 0)
     blocks = row_blocks(cfg, rows, x.element_size(), gated, silu)
     grid = (triton.cdiv(rows, block_m * blocks), triton.cdiv(n, cfg.block_n), split_k)
-    args = (x2, weight, bias if has_bias else weight, dst, rows, n, k, iters_per_split,
-            x2.stride(0), weight.stride(0), *strides)  # fmt: skip
+    args = (
+        x2,
+        weight,
+        bias if has_bias else weight,
+        dst,
+        rows,
+        n,
+        k,
+        iters_per_split,
+        x2.stride(0),
+        weight.stride(0),
+        *strides,
+    )
     launch = pdl.launch_options(x.device)
     if launch["USE_PDL"]:
         launch["PREFETCH"] = call_prefetch(cfg, n, k, weight.element_size(), gated)
     consts = dict(
-        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, USE_DOT=cfg.use_dot,
-        IEEE=x.dtype == torch.float32, EVEN_K=k % cfg.block_k == 0,
-        HAS_BIAS=has_bias and not partial, PARTIAL=partial, SILU=silu, GATED=gated,
-        ROW_BLOCKS=blocks, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch,
+        BLOCK_M=block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        USE_DOT=cfg.use_dot,
+        IEEE=x.dtype == torch.float32,
+        EVEN_K=k % cfg.block_k == 0,
+        HAS_BIAS=has_bias and not partial,
+        PARTIAL=partial,
+        SILU=silu,
+        GATED=gated,
+        ROW_BLOCKS=blocks,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+        **launch,
         **rope_kw,
-    )  # fmt: skip
+    )
     if cfg.tma:
         if not cfg.use_dot:
             raise ValueError(f"gemv ({cfg}): tensor-descriptor loads need the matrix-unit path")

@@ -18,21 +18,45 @@ from specserve.layers.gemv_configs import gated_config, row_blocks
 log = logging.getLogger(__name__)
 
 
-def variant_key(cfg: GemvConfig, rows: int, n: int, k: int, dtype: torch.dtype,
-                prefetch: int = 0, blocks: int = 1) -> tuple:  # fmt: skip
+def variant_key(
+    cfg: GemvConfig,
+    rows: int,
+    n: int,
+    k: int,
+    dtype: torch.dtype,
+    prefetch: int = 0,
+    blocks: int = 1,
+) -> tuple:
     """What decides which compiled Triton variant a call uses (tile, path, row block of the
     CUDA-core path, row blocks per program, `gemv_configs.row_blocks`, split or not, whether
     K divides into blocks, weight loads, dtype, and under PDL the lines prefetched,
     `gemv.call_prefetch`, which depend on the shape)."""
     bm = cfg.block_m if cfg.use_dot else max(1, 1 << (rows - 1).bit_length())
-    return (bm, blocks, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages, cfg.use_dot,
-            cfg.split_k > 1, k % cfg.block_k == 0, cfg.tma, cfg.stream_k, dtype,
-            prefetch)  # fmt: skip
+    return (
+        bm,
+        blocks,
+        cfg.block_n,
+        cfg.block_k,
+        cfg.num_warps,
+        cfg.num_stages,
+        cfg.use_dot,
+        cfg.split_k > 1,
+        k % cfg.block_k == 0,
+        cfg.tma,
+        cfg.stream_k,
+        dtype,
+        prefetch,
+    )
 
 
-def compile_tasks(todo: dict, shapes: dict, gated_jobs: dict | None = None,
-                  pdl_on: bool = False, rope_jobs: dict | None = None,
-                  biased: frozenset = frozenset()) -> dict:  # fmt: skip
+def compile_tasks(
+    todo: dict,
+    shapes: dict,
+    gated_jobs: dict | None = None,
+    pdl_on: bool = False,
+    rope_jobs: dict | None = None,
+    biased: frozenset = frozenset(),
+) -> dict:
     """{variant: (config, rows, a weight, mode, bias)}: each distinct Triton variant the
     candidates of `todo` ({(N, K, dtype[, fusion]): [(rows, configs)]}) need, mode "silu"
     for a fused down projection's prologue; for `gated_jobs` ({(N, K, dtype) of a merged
@@ -94,12 +118,10 @@ def compile_variants(tasks: dict[tuple, tuple], device: torch.device, workers: i
         silu = mode == "silu"
         try:
             with torch.cuda.device(device):  # Triton compiles for the current device
-                x = torch.zeros(rows, w.shape[1] * (2 if silu else 1), device=device,
-                                dtype=w.dtype)  # fmt: skip
+                x = torch.zeros(rows, w.shape[1] * (2 if silu else 1), device=device, dtype=w.dtype)
                 rope = _rope_stand_in(mode[1], rows, w) if isinstance(mode, tuple) else None
                 b = torch.zeros(w.shape[0], device=device, dtype=w.dtype) if bias else None
-                gemv(x, w, b, cfg, compile_only=True, silu=silu, gated=mode == "gated",
-                     rope=rope)  # fmt: skip
+                gemv(x, w, b, cfg, compile_only=True, silu=silu, gated=mode == "gated", rope=rope)
         except Exception as e:  # measured as failing (inf) later
             log.debug("GEMV candidate %s does not compile: %s", cfg, e)
 

@@ -29,9 +29,12 @@ class GemvConfig:
 
     def __str__(self) -> str:
         kind = f"dot m{self.block_m}" if self.use_dot else "fma"
-        return (f"{kind} n{self.block_n} k{self.block_k} s{self.split_k} "
-                f"w{self.num_warps} st{self.num_stages}"
-                + (" tma" if self.tma else "") + (" sk" if self.stream_k else ""))  # fmt: skip
+        return (
+            f"{kind} n{self.block_n} k{self.block_k} s{self.split_k} "
+            f"w{self.num_warps} st{self.num_stages}"
+            + (" tma" if self.tma else "")
+            + (" sk" if self.stream_k else "")
+        )
 
     @property
     def max_rows(self) -> int:
@@ -55,8 +58,9 @@ class GemvConfig:
 SMEM_BUDGET = 192 << 10
 
 
-def row_blocks(cfg: GemvConfig, rows: int, elem_bytes: int, gated: bool = False,
-               silu: bool = False) -> int:
+def row_blocks(
+    cfg: GemvConfig, rows: int, elem_bytes: int, gated: bool = False, silu: bool = False
+) -> int:
     """Row blocks of cfg.block_m rows each program of a matrix-unit call on `rows` rows
     takes (1, 2 or 4; gemv.py ROW_BLOCKS): every weight tile is loaded once for all of them,
     and each block's sums are those of a program of one block, so a tile shared by the row
@@ -83,30 +87,47 @@ def row_block(rows: int) -> int:
 # blocks carry the same tile family plus wider ones (every program re-reads its rows of x
 # from L2: 512 KB per program at M = 64, K = 4096).
 _TILES = {
-    16: [GemvConfig(32, 256, num_warps=4, num_stages=4), GemvConfig(64, 128, num_stages=4),
-         GemvConfig(128, 128, num_stages=3), GemvConfig(16, 256, num_warps=2, num_stages=5)],
-    32: [GemvConfig(32, 256, num_stages=4), GemvConfig(64, 128, num_stages=4),
-         GemvConfig(128, 128, num_stages=3), GemvConfig(16, 256, num_warps=2, num_stages=4)],
-    64: [GemvConfig(32, 256, num_stages=3), GemvConfig(64, 128, num_stages=4),
-         GemvConfig(128, 64, num_stages=4), GemvConfig(128, 128, num_warps=8, num_stages=3),
-         GemvConfig(256, 64, num_warps=8, num_stages=3),  # fewer re-reads of x from L2
-         # the 64-row sweep's winners on the H200: qkv 16.6 us against 17.9 for the
-         # w4 st4 tile, o 12.2 against 13.3 for the st3 tile
-         GemvConfig(64, 128, num_warps=8, num_stages=5), GemvConfig(32, 256, num_stages=4)],
-}  # fmt: skip
+    16: [
+        GemvConfig(32, 256, num_warps=4, num_stages=4),
+        GemvConfig(64, 128, num_stages=4),
+        GemvConfig(128, 128, num_stages=3),
+        GemvConfig(16, 256, num_warps=2, num_stages=5),
+    ],
+    32: [
+        GemvConfig(32, 256, num_stages=4),
+        GemvConfig(64, 128, num_stages=4),
+        GemvConfig(128, 128, num_stages=3),
+        GemvConfig(16, 256, num_warps=2, num_stages=4),
+    ],
+    64: [
+        GemvConfig(32, 256, num_stages=3),
+        GemvConfig(64, 128, num_stages=4),
+        GemvConfig(128, 64, num_stages=4),
+        GemvConfig(128, 128, num_warps=8, num_stages=3),
+        GemvConfig(256, 64, num_warps=8, num_stages=3),  # fewer re-reads of x from L2
+        # the 64-row sweep's winners on the H200: qkv 16.6 us against 17.9 for the
+        # w4 st4 tile, o 12.2 against 13.3 for the st3 tile
+        GemvConfig(64, 128, num_warps=8, num_stages=5),
+        GemvConfig(32, 256, num_stages=4),
+    ],
+}
 _FMA = GemvConfig(8, 512, num_warps=4, num_stages=2, use_dot=False)
 _SPLIT_TILE = GemvConfig(64, 128, num_stages=4)
 # Splits that won a wide sweep of tiles and splits on the H200 where the
 # one-wave split above does not reach, for K >= N: at up to 16 rows three slices of narrow
 # tiles (o, down, the EAGLE-3 fc), at 64 rows two slices with a deeper pipeline (down, fc;
 # o_proj, whose split's second pass runs inside the next norm when timed fused with it).
-_SPLIT_EXTRA = {16: GemvConfig(32, 128, split_k=3, num_warps=2, num_stages=4),
-                64: GemvConfig(64, 128, split_k=2, num_stages=5)}  # fmt: skip
+_SPLIT_EXTRA = {
+    16: GemvConfig(32, 128, split_k=3, num_warps=2, num_stages=4),
+    64: GemvConfig(64, 128, split_k=2, num_stages=5),
+}
 # Stream-K tiles (gemv_stream_k.py) for the row blocks above the shared buckets: candidates
 # only while `set_stream_k(True)` (EngineConfig.gemv_stream_k; on the H200 selection took
 # none for the 8B shape).
-_STREAM_K = {32: [GemvConfig(64, 128, num_stages=4)],
-             64: [GemvConfig(64, 128, num_stages=4), GemvConfig(128, 64, num_stages=4)]}
+_STREAM_K = {
+    32: [GemvConfig(64, 128, num_stages=4)],
+    64: [GemvConfig(64, 128, num_stages=4), GemvConfig(128, 64, num_stages=4)],
+}
 _STREAM_K_ON = [False]
 
 
@@ -142,8 +163,9 @@ def candidate_configs(rows: int, n: int, k: int, num_sms: int) -> list[GemvConfi
     return [t for t in tiles if t.supports(rows, n, k)]
 
 
-def verify_candidates(shared: GemvConfig, rows: int, n: int, k: int,
-                      num_sms: int) -> list[GemvConfig]:  # fmt: skip
+def verify_candidates(
+    shared: GemvConfig, rows: int, n: int, k: int, num_sms: int
+) -> list[GemvConfig]:
     """Tiles that may serve `rows` rows (a verify step of up to 16 requests) of a weight
     [n, k] where `shared`, a 16-row tile, serves the decode rows: the tiles proposed for that
     many rows, as 16-row tiles (several row blocks per program, `row_blocks`) with shared's
@@ -155,8 +177,12 @@ def verify_candidates(shared: GemvConfig, rows: int, n: int, k: int,
         if not t.use_dot or t.stream_k or t.tma:
             continue
         t = replace(t, block_m=16, split_k=shared.split_k)
-        if (t != shared and t not in out and t.supports(rows, n, k)
-                and k_slices(t, k) == k_slices(shared, k)):  # fmt: skip
+        if (
+            t != shared
+            and t not in out
+            and t.supports(rows, n, k)
+            and k_slices(t, k) == k_slices(shared, k)
+        ):
             out.append(t)
     return out
 

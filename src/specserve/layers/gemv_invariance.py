@@ -19,8 +19,9 @@ ShapeKey = tuple[int, int, torch.dtype]  # (N, K, dtype) of a weight [N, K]
 _TORCH_ROWS: dict[tuple, bool] = {}
 
 
-def torch_rows_agree(w: torch.Tensor, max_rows: int, bias: torch.Tensor | None = None,
-                     linear=F.linear) -> bool:  # fmt: skip
+def torch_rows_agree(
+    w: torch.Tensor, max_rows: int, bias: torch.Tensor | None = None, linear=F.linear
+) -> bool:
     """Whether `linear(x, w, bias)` (torch's) gives every row the same bits at each row count
     1..max_rows, on seeded random rows: two kernels that reduce in different orders round
     some of a random row's outputs apart."""
@@ -30,8 +31,9 @@ def torch_rows_agree(w: torch.Tensor, max_rows: int, bias: torch.Tensor | None =
     return all(torch.equal(linear(x[:m], w, bias), full[:m]) for m in range(1, max_rows))
 
 
-def torch_varies(weights: dict[ShapeKey, torch.Tensor], biases: dict[ShapeKey, torch.Tensor],
-                 rows: int) -> frozenset[ShapeKey]:  # fmt: skip
+def torch_varies(
+    weights: dict[ShapeKey, torch.Tensor], biases: dict[ShapeKey, torch.Tensor], rows: int
+) -> frozenset[ShapeKey]:
     """The shapes of `weights` (one weight each) whose torch linear changes a row's bits
     between row counts up to `rows`, checked with the shape's bias where its layers have
     one (`biases`) and without otherwise; each (device, shape, bias, rows) once a process."""

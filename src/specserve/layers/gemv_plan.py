@@ -66,8 +66,10 @@ class GemvPlan:
         if self.row_buckets[0] < 1 or self.row_buckets[-1] > MAX_ROWS:
             raise ValueError(f"row buckets must lie in 1..{MAX_ROWS}")
         self.max_rows = self.row_buckets[-1]
-        self._bucket = [0] + [self.row_buckets[bisect.bisect_left(self.row_buckets, r)]
-                              for r in range(1, self.max_rows + 1)]  # fmt: skip
+        self._bucket = [0] + [
+            self.row_buckets[bisect.bisect_left(self.row_buckets, r)]
+            for r in range(1, self.max_rows + 1)
+        ]
         self.choices = dict(choices or {})
         self._configs = {k: c.config for k, c in self.choices.items() if c.config is not None}
         self.default = default
@@ -77,8 +79,9 @@ class GemvPlan:
         self.asked: set[PlanKey] | None = None  # when a set: every key config_for looks up
         self.verify: dict[PlanKey, GemvConfig] = {}
 
-    def config_for(self, rows: int, n: int, k: int, dtype: torch.dtype,
-                   fusion: str | None = None) -> GemvConfig | None:  # fmt: skip
+    def config_for(
+        self, rows: int, n: int, k: int, dtype: torch.dtype, fusion: str | None = None
+    ) -> GemvConfig | None:
         """The configuration for `rows` rows of a weight [n, k] (with `fusion`'s neighbours
         fused in, if that was measured); None: torch."""
         if rows < 1 or rows > self.max_rows:
@@ -97,8 +100,9 @@ class GemvPlan:
             cfg = self.verify.get((self._bucket[rows], *key[1:]), cfg)
         return cfg if cfg is None or rows <= cfg.max_rows else None
 
-    def set_config(self, keys: list[PlanKey], config: GemvConfig | None,
-                   tuned: bool = True) -> None:  # fmt: skip
+    def set_config(
+        self, keys: list[PlanKey], config: GemvConfig | None, tuned: bool = True
+    ) -> None:
         """Serve measured `keys` with `config` (None: torch) from now on, keeping what was
         measured for them; `tuned`: marked as changed by tuning (runtime/plan_tuning.py,
         which also puts choices back, unmarked, after trying others)."""
@@ -113,8 +117,13 @@ class GemvPlan:
             else:
                 self._configs[key] = config
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-               defer_reduce: bool = False):  # fmt: skip
+    def linear(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        defer_reduce: bool = False,
+    ):
         """F.linear(x, weight, bias) through the planned kernel (defer_reduce: a split-K
         GEMV's output unreduced, a `SplitKSum`, as `gemv` returns it)."""
         k = x.shape[-1]
@@ -127,14 +136,23 @@ class GemvPlan:
     def summary(self) -> list[dict]:
         """One JSON-ready row per measured key."""
         return [
-            dict(rows=b, n=n, k=k, dtype=str(dt).removeprefix("torch."),
-                 kernel=str(c.config) if c.config else "torch", torch_us=round(c.torch_us, 2),
-                 best_us=round(c.best_us, 2), speedup=_ratio(c.torch_us, c.best_us),
-                 tried=c.tried, **({"fusion": fused[0]} if fused else {}),
-                 **({"tuned": True} if c.tuned else {}),
-                 **({"torch_varies": True} if (n, k, dt) in self.torch_varies else {}))  # fmt: skip
-            for (b, n, k, dt, *fused), c in sorted(self.choices.items(),
-                                                   key=lambda i: (*i[0][:3], i[0][4:]))
+            dict(
+                rows=b,
+                n=n,
+                k=k,
+                dtype=str(dt).removeprefix("torch."),
+                kernel=str(c.config) if c.config else "torch",
+                torch_us=round(c.torch_us, 2),
+                best_us=round(c.best_us, 2),
+                speedup=_ratio(c.torch_us, c.best_us),
+                tried=c.tried,
+                **({"fusion": fused[0]} if fused else {}),
+                **({"tuned": True} if c.tuned else {}),
+                **({"torch_varies": True} if (n, k, dt) in self.torch_varies else {}),
+            )
+            for (b, n, k, dt, *fused), c in sorted(
+                self.choices.items(), key=lambda i: (*i[0][:3], i[0][4:])
+            )
         ]
 
 

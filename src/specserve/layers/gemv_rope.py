@@ -20,10 +20,29 @@ from specserve.layers.triton_rotary import rope_pair
 
 
 @triton.jit
-def rope_store(y, m, m_ok, head, j, pos_ptr, slot_ptr, cos_sin_ptr, q_ptr, k_cache, v_cache,
-                stride_qm, stride_cs, stride_page, stride_slot, page_size,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-                Q_HEADS: tl.constexpr, K_HEADS: tl.constexpr):  # fmt: skip
+def rope_store(
+    y,
+    m,
+    m_ok,
+    head,
+    j,
+    pos_ptr,
+    slot_ptr,
+    cos_sin_ptr,
+    q_ptr,
+    k_cache,
+    v_cache,
+    stride_qm,
+    stride_cs,
+    stride_page,
+    stride_slot,
+    page_size,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    Q_HEADS: tl.constexpr,
+    K_HEADS: tl.constexpr,
+):
     """The `rope` epilogue for one tile y [BLOCK_M, BLOCK_N] (the output dtype) of head
     `head` of a [q; k; v] projection, its columns the pairs (j + c, j + c + HEAD_DIM / 2)
     side by side: q rotated into q_ptr [rows, Q_HEADS * HEAD_DIM], k rotated and v as is
@@ -33,13 +52,18 @@ def rope_store(y, m, m_ok, head, j, pos_ptr, slot_ptr, cos_sin_ptr, q_ptr, k_cac
     slot = tl.load(slot_ptr + m, mask=m_ok, other=-1)
     stored = (m_ok & (slot >= 0))[:, None]
     slot = tl.maximum(slot, 0)
-    cache_row = ((slot // page_size).to(tl.int64) * stride_page
-                 + (slot % page_size) * stride_slot)[:, None]  # fmt: skip
+    cache_row = ((slot // page_size).to(tl.int64) * stride_page + (slot % page_size) * stride_slot)[
+        :, None
+    ]
     # (each branch names its own values: Triton merges same-named values of both branches)
     if head >= Q_HEADS + K_HEADS:  # v: stored as computed
         c = tl.arange(0, BLOCK_N)
-        v_dst = (v_cache + cache_row + (head - Q_HEADS - K_HEADS) * HEAD_DIM
-                 + (j + c // 2 + (c % 2) * HALF)[None, :])  # fmt: skip
+        v_dst = (
+            v_cache
+            + cache_row
+            + (head - Q_HEADS - K_HEADS) * HEAD_DIM
+            + (j + c // 2 + (c % 2) * HALF)[None, :]
+        )
         tl.store(v_dst, y.to(v_cache.dtype.element_ty), mask=stored)
     else:
         dtype = y.dtype
@@ -90,9 +114,15 @@ def rope_fits(cfg: GemvConfig, head_dim: int, k: int) -> bool:
     contiguous tiles), K not split, and the data-parallel schedule (a stream-K tile's sum
     depends on which tiles its columns share)."""
     iters_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k)
-    return (cfg.use_dot and cfg.block_m <= ROPE_MAX_BLOCK_M and not cfg.stream_k
-            and head_dim % cfg.block_n == 0 and cfg.block_n % 2 == 0 and not cfg.tma
-            and triton.cdiv(k, iters_per_split * cfg.block_k) == 1)  # fmt: skip
+    return (
+        cfg.use_dot
+        and cfg.block_m <= ROPE_MAX_BLOCK_M
+        and not cfg.stream_k
+        and head_dim % cfg.block_n == 0
+        and cfg.block_n % 2 == 0
+        and not cfg.tma
+        and triton.cdiv(k, iters_per_split * cfg.block_k) == 1
+    )
 
 
 def rope_args(rope: RopeStore, n: int, head_dim: int) -> dict:
@@ -101,14 +131,23 @@ def rope_args(rope: RopeStore, n: int, head_dim: int) -> dict:
 
     k_cache = rope.k_cache
     if n != (rope.q_heads + 2 * rope.kv_heads) * head_dim or k_cache.shape[2:] != (
-        rope.kv_heads, head_dim
+        rope.kv_heads,
+        head_dim,
     ):
         raise ValueError("a rope gemv needs a [q; k; v] weight of the cache's heads")
     check_cache(k_cache, rope.v_cache)
     return dict(
-        pos_ptr=rope.positions, slot_ptr=rope.slot_mapping, cos_sin_ptr=rope.cos_sin,
-        k_cache=k_cache, v_cache=rope.v_cache, stride_cs=rope.cos_sin.stride(0),
-        stride_page=k_cache.stride(0), stride_slot=k_cache.stride(1),
-        page_size=k_cache.shape[1], ROPE=True, HEAD_DIM=head_dim, Q_HEADS=rope.q_heads,
+        pos_ptr=rope.positions,
+        slot_ptr=rope.slot_mapping,
+        cos_sin_ptr=rope.cos_sin,
+        k_cache=k_cache,
+        v_cache=rope.v_cache,
+        stride_cs=rope.cos_sin.stride(0),
+        stride_page=k_cache.stride(0),
+        stride_slot=k_cache.stride(1),
+        page_size=k_cache.shape[1],
+        ROPE=True,
+        HEAD_DIM=head_dim,
+        Q_HEADS=rope.q_heads,
         K_HEADS=rope.kv_heads,
-    )  # fmt: skip
+    )

@@ -90,14 +90,22 @@ def bucket_candidates(buckets: tuple[int, ...], n: int, k: int, num_sms: int) ->
     """(bucket, configurations to time) for each row bucket of a weight [n, k]: the buckets up
     to SHARED_ROWS all time the same list, the configurations that serve every row count up
     to SHARED_ROWS in one row block of 16 (no CUDA-core path); larger buckets their own."""
-    shared = [c for c in candidate_configs(SHARED_ROWS, n, k, num_sms)
-              if c.use_dot and c.block_m == SHARED_ROWS]  # fmt: skip
-    return [(b, list(shared) if b <= SHARED_ROWS else candidate_configs(b, n, k, num_sms))
-            for b in buckets]  # fmt: skip
+    shared = [
+        c
+        for c in candidate_configs(SHARED_ROWS, n, k, num_sms)
+        if c.use_dot and c.block_m == SHARED_ROWS
+    ]
+    return [
+        (b, list(shared) if b <= SHARED_ROWS else candidate_configs(b, n, k, num_sms))
+        for b in buckets
+    ]
 
 
-def plan_candidates(device: torch.device, torch_varies: frozenset[ShapeKey] = frozenset(),
-                    num_sms: int | None = None):  # fmt: skip
+def plan_candidates(
+    device: torch.device,
+    torch_varies: frozenset[ShapeKey] = frozenset(),
+    num_sms: int | None = None,
+):
     """candidates(plan key) -> the choices for that key's row bucket, torch first (None),
     then the configurations selection times there (`bucket_candidates`); torch is left out
     of the plain keys' buckets up to SHARED_ROWS of the shapes (N, K, dtype) in
@@ -114,8 +122,9 @@ def plan_candidates(device: torch.device, torch_varies: frozenset[ShapeKey] = fr
     return candidates
 
 
-def choose(times: dict[int, dict], margin: float,
-           torch_shared: bool = True) -> dict[int, GemvChoice]:  # fmt: skip
+def choose(
+    times: dict[int, dict], margin: float, torch_shared: bool = True
+) -> dict[int, GemvChoice]:
     """Each bucket's choice from its measured times ({bucket: {config or None (torch): us}}).
     The buckets up to SHARED_ROWS share one: the configuration measured in all of them with
     the least total time, if that total beats torch's total by `margin`, else torch (so at
@@ -126,14 +135,19 @@ def choose(times: dict[int, dict], margin: float,
     out: dict[int, GemvChoice] = {}
     shared = [b for b in times if b <= SHARED_ROWS]
     if shared:
-        total = {c: sum(times[b].get(c, math.inf) for b in shared)
-                 for c in dict.fromkeys(c for b in shared for c in times[b])}  # fmt: skip
+        total = {
+            c: sum(times[b].get(c, math.inf) for b in shared)
+            for c in dict.fromkeys(c for b in shared for c in times[b])
+        }
         if not torch_shared:
             total[None] = math.inf  # any configuration that runs wins
         cfg = _winner(total, margin)
         if cfg is None and not torch_shared:
-            log.warning("no Triton configuration ran in every bucket up to %d rows: cuBLAS "
-                        "serves them although it rounds rows apart by row count", SHARED_ROWS)
+            log.warning(
+                "no Triton configuration ran in every bucket up to %d rows: cuBLAS "
+                "serves them although it rounds rows apart by row count",
+                SHARED_ROWS,
+            )
         for b in shared:
             out[b] = GemvChoice(cfg, times[b][None], times[b][cfg], len(times[b]))
     for b in times:
@@ -167,12 +181,14 @@ def norm_fed_shapes(fused: dict[ShapeKey, str] | None, shapes) -> set[ShapeKey]:
     fusion with "split_k"; not a "silu"-only one, whose MLP reduces its own split)."""
     if not NORM_AFTER:
         return set()
-    return {s for s, f in (fused or {}).items()
-            if s in shapes and (f == NORM_FUSION or "split_k" in f)}  # fmt: skip
+    return {
+        s for s, f in (fused or {}).items() if s in shapes and (f == NORM_FUSION or "split_k" in f)
+    }
 
 
-def job_keys(shapes, fused: dict[ShapeKey, str] | None,
-             norm_fed: set[ShapeKey]) -> dict[tuple, ShapeKey]:  # fmt: skip
+def job_keys(
+    shapes, fused: dict[ShapeKey, str] | None, norm_fed: set[ShapeKey]
+) -> dict[tuple, ShapeKey]:
     """{what selection measures (its cache key less the bucket): the weight shape}: each
     shape's plain key, tagged NORM_TIMED where timed with the norm (`norm_fed`), and one
     key per fused projection, (N, K, dtype, fusion), except o_proj's NORM_FUSION where the
@@ -217,15 +233,24 @@ class GemvSelector:
     On a CPU the plan is empty: torch everywhere.
     """
 
-    def __init__(self, row_buckets: tuple[int, ...] = ROW_BUCKETS, budget_s: float = 20.0,
-                 margin: float = 0.02, reps: int = 5, max_rows: int | None = None,
-                 compile_workers: int | None = None, after_producer: bool = True,
-                 batch_invariant: bool = True,
-                 max_requests: int | None = None):  # fmt: skip
+    def __init__(
+        self,
+        row_buckets: tuple[int, ...] = ROW_BUCKETS,
+        budget_s: float = 20.0,
+        margin: float = 0.02,
+        reps: int = 5,
+        max_rows: int | None = None,
+        compile_workers: int | None = None,
+        after_producer: bool = True,
+        batch_invariant: bool = True,
+        max_requests: int | None = None,
+    ):
         buckets = tuple(sorted(row_buckets))
         if max_rows is not None:
-            buckets = tuple(b for b in buckets if b < max_rows) + tuple(
-                b for b in buckets if b >= max_rows)[:1]  # fmt: skip
+            buckets = (
+                tuple(b for b in buckets if b < max_rows)
+                + tuple(b for b in buckets if b >= max_rows)[:1]
+            )
         self.row_buckets = buckets
         self.budget_s, self.margin, self.reps = budget_s, margin, reps
         self.after_producer, self.batch_invariant = after_producer, batch_invariant
@@ -240,11 +265,14 @@ class GemvSelector:
         self.norm_after: set[ShapeKey] = set()  # shapes timed with the norm after them
 
     @torch.inference_mode()
-    def select(self, weights: dict[ShapeKey, list[torch.Tensor]],
-               fused: dict[ShapeKey, str] | None = None,
-               gated: set[ShapeKey] | None = None,
-               rope: dict[ShapeKey, tuple] | None = None,
-               biases: dict[ShapeKey, torch.Tensor] | None = None) -> GemvPlan:  # fmt: skip
+    def select(
+        self,
+        weights: dict[ShapeKey, list[torch.Tensor]],
+        fused: dict[ShapeKey, str] | None = None,
+        gated: set[ShapeKey] | None = None,
+        rope: dict[ShapeKey, tuple] | None = None,
+        biases: dict[ShapeKey, torch.Tensor] | None = None,
+    ) -> GemvPlan:
         """The plan for `weights` (grouped by shape); `fused`: shapes of projections that
         fuse neighbours into the GEMV (linear.fused_projections), with the fusion, timed
         with them too; `gated`: merged gate/up shapes whose MLP may run SiLU-and-mul in the
@@ -255,8 +283,11 @@ class GemvSelector:
         (linear.rope_projections, with their heads), whose rope variants are compiled alike;
         `biases`: a bias of each shape whose layers have one (linear.linear_biases): its
         variants compile with a bias, and cuBLAS's batch invariance is checked with it."""
-        shapes = {key: [w for w in ws if w.stride(-1) == 1] for key, ws in weights.items()
-                  if ws and ws[0].is_cuda and key[2] in GEMV_DTYPES}  # fmt: skip
+        shapes = {
+            key: [w for w in ws if w.stride(-1) == 1]
+            for key, ws in weights.items()
+            if ws and ws[0].is_cuda and key[2] in GEMV_DTYPES
+        }
         shapes = {key: ws for key, ws in shapes.items() if ws}
         if not shapes:
             return GemvPlan({}, self.row_buckets)
@@ -267,10 +298,16 @@ class GemvSelector:
         device = next(iter(shapes.values()))[0].device
         index = torch.device(device).index
         self.measured = _MEASURED.setdefault(
-            (index, self.row_buckets, self.margin, self.after_producer, self.batch_invariant,
-             stream_k_enabled()),
+            (
+                index,
+                self.row_buckets,
+                self.margin,
+                self.after_producer,
+                self.batch_invariant,
+                stream_k_enabled(),
+            ),
             self.measured,
-        )  # fmt: skip
+        )
         biases = {key: b for key, b in (biases or {}).items() if key in shapes}
         torch_varies = frozenset()
         if self.batch_invariant:
@@ -278,22 +315,38 @@ class GemvSelector:
             torch_varies = gemv_invariance.torch_varies(one, biases, self.row_buckets[-1])
             self._forget_torch_choices(torch_varies)
         if torch_varies:
-            log.info("cuBLAS rounds a row differently at different row counts for %d weight "
-                     "shapes; Triton serves their buckets up to %d rows: %s", len(torch_varies),
-                     SHARED_ROWS, sorted(shape[:2] for shape in torch_varies))  # fmt: skip
+            log.info(
+                "cuBLAS rounds a row differently at different row counts for %d weight "
+                "shapes; Triton serves their buckets up to %d rows: %s",
+                len(torch_varies),
+                SHARED_ROWS,
+                sorted(shape[:2] for shape in torch_varies),
+            )
         props = torch.cuda.get_device_properties(device)
         sms = props.multi_processor_count
-        todo = {key: bucket_candidates(tuple(b for b in self.measured_buckets
-                                             if (b, *key) not in self.measured),
-                                       key[0], key[1], sms)
-                for key in jobs_of}  # fmt: skip
+        todo = {
+            key: bucket_candidates(
+                tuple(b for b in self.measured_buckets if (b, *key) not in self.measured),
+                key[0],
+                key[1],
+                sms,
+            )
+            for key in jobs_of
+        }
         todo = {key: jobs for key, jobs in todo.items() if jobs}
-        gated_jobs = {key: bucket_candidates(self.row_buckets, key[0], key[1], sms)
-                      for key in gated or () if key in shapes}  # fmt: skip
-        rope_jobs = {key: (heads, bucket_candidates(self.row_buckets, key[0], key[1], sms))
-                     for key, heads in (rope or {}).items() if key in shapes}  # fmt: skip
-        tasks = compile_tasks(todo, shapes, gated_jobs, pdl.active(device), rope_jobs,
-                              frozenset(biases))  # fmt: skip
+        gated_jobs = {
+            key: bucket_candidates(self.row_buckets, key[0], key[1], sms)
+            for key in gated or ()
+            if key in shapes
+        }
+        rope_jobs = {
+            key: (heads, bucket_candidates(self.row_buckets, key[0], key[1], sms))
+            for key, heads in (rope or {}).items()
+            if key in shapes
+        }
+        tasks = compile_tasks(
+            todo, shapes, gated_jobs, pdl.active(device), rope_jobs, frozenset(biases)
+        )
         self.compiled = compile_variants(tasks, device, self.compile_workers)
         self.compile_s = time.perf_counter() - start
         self.skipped = 0
@@ -304,22 +357,42 @@ class GemvSelector:
             left = self.budget_s - (time.perf_counter() - measure_start)
             # a fused key's torch is the unfused path through the shape's own choice
             torch_shared = fusion not in ([], [NORM_TIMED]) or (n, k, dtype) not in torch_varies
-            self._measure_shape(n, k, dtype, jobs, rotation_set(shapes[(n, k, dtype)], min_bytes),
-                                time.perf_counter() + left / (len(todo) - i), *fusion,
-                                torch_shared=torch_shared)  # fmt: skip
-        choices = {(b, *[p for p in key if p != NORM_TIMED]): self.measured[(b, *key)]
-                   for key in jobs_of for b in self.measured_buckets}  # fmt: skip
-        plan = GemvPlan(choices, self.row_buckets, torch_varies=torch_varies,
-                        by_requests=self.batch_invariant)  # fmt: skip
+            self._measure_shape(
+                n,
+                k,
+                dtype,
+                jobs,
+                rotation_set(shapes[(n, k, dtype)], min_bytes),
+                time.perf_counter() + left / (len(todo) - i),
+                *fusion,
+                torch_shared=torch_shared,
+            )
+        choices = {
+            (b, *[p for p in key if p != NORM_TIMED]): self.measured[(b, *key)]
+            for key in jobs_of
+            for b in self.measured_buckets
+        }
+        plan = GemvPlan(
+            choices, self.row_buckets, torch_varies=torch_varies, by_requests=self.batch_invariant
+        )
         torch.cuda.empty_cache()
         self.elapsed_s = time.perf_counter() - start
         if self.skipped:
-            log.warning("GEMV selection hit its %.1f s measuring budget: %d candidates "
-                        "untried", self.budget_s, self.skipped)  # fmt: skip
+            log.warning(
+                "GEMV selection hit its %.1f s measuring budget: %d candidates untried",
+                self.budget_s,
+                self.skipped,
+            )
         won = sum(c.config is not None for c in plan.choices.values())
-        log.info("GEMV selection: Triton serves %d of %d decode shapes (%.1f s, %d variants "
-                 "compiled in %.1f s)", won, len(plan.choices), self.elapsed_s, self.compiled,
-                 self.compile_s)  # fmt: skip
+        log.info(
+            "GEMV selection: Triton serves %d of %d decode shapes (%.1f s, %d variants "
+            "compiled in %.1f s)",
+            won,
+            len(plan.choices),
+            self.elapsed_s,
+            self.compiled,
+            self.compile_s,
+        )
         return plan
 
     def _forget_torch_choices(self, torch_varies: frozenset[ShapeKey]) -> None:
@@ -329,23 +402,34 @@ class GemvSelector:
         shared = [b for b in self.row_buckets if b <= SHARED_ROWS]
         for shape in torch_varies:
             for key in (shape, (*shape, NORM_TIMED)):  # timed alone, or with the norm
-                if any(c is not None and c.config is None
-                       for c in (self.measured.get((b, *key)) for b in shared)):  # fmt: skip
+                if any(
+                    c is not None and c.config is None
+                    for c in (self.measured.get((b, *key)) for b in shared)
+                ):
                     for b in shared:
                         self.measured.pop((b, *key), None)
 
-
-    def _measure_shape(self, n: int, k: int, dtype: torch.dtype, jobs, rotation,
-                       deadline: float, *fusion: str,
-                       torch_shared: bool = True) -> None:  # fmt: skip
+    def _measure_shape(
+        self,
+        n: int,
+        k: int,
+        dtype: torch.dtype,
+        jobs,
+        rotation,
+        deadline: float,
+        *fusion: str,
+        torch_shared: bool = True,
+    ) -> None:
         """Time torch and every candidate per row bucket (with a `fusion`: as the fused
         projection and the norm after it; NORM_TIMED: the plain projection and the norm
         after it); record each bucket's choice (`choose`; `torch_shared` False: not torch
         for the buckets up to SHARED_ROWS)."""
         device = rotation[0].device
         cols = fused_input_cols(k, fusion[0]) if fusion and fusion[0] != NORM_TIMED else k
-        runs = [(b, torch.randn(b, cols, device=device, dtype=dtype), [None, *cands])
-                for b, cands in jobs]  # fmt: skip
+        runs = [
+            (b, torch.randn(b, cols, device=device, dtype=dtype), [None, *cands])
+            for b, cands in jobs
+        ]
         times: dict[int, dict] = {b: {} for b, _, _ in runs}
         for rnd in range(max(len(cands) for _, _, cands in runs)):  # torch first, then...
             for b, x, cands in runs:
@@ -357,14 +441,14 @@ class GemvSelector:
                 if not needed and time.perf_counter() > deadline:
                     self.skipped += 1
                     continue
-                times[b][cands[rnd]], first_call_s = self._measure(cands[rnd], x, rotation,
-                                                                   *fusion)  # fmt: skip
+                times[b][cands[rnd]], first_call_s = self._measure(cands[rnd], x, rotation, *fusion)
                 deadline += first_call_s
         for b, choice in choose(times, self.margin, torch_shared).items():
             self.measured[(b, n, k, dtype, *fusion)] = choice
 
-    def _measure(self, cfg: GemvConfig | None, x: torch.Tensor, rotation,
-                 *fusion) -> tuple[float, float]:  # fmt: skip
+    def _measure(
+        self, cfg: GemvConfig | None, x: torch.Tensor, rotation, *fusion
+    ) -> tuple[float, float]:
         """(device time of one call in us, seconds the first, eager call took)."""
         n, k = rotation[0].shape
         if fusion:
@@ -376,8 +460,9 @@ class GemvSelector:
             shape = (n, k, x.dtype)
             tag = (NORM_TIMED,) if shape in self.norm_after else ()  # how it was timed
             plain = self.measured.get((x.shape[0], *shape, *tag))
-            fn = down_and_norm(cfg, fusion[0], residual, norm_weight,
-                               plain.config if plain else None)  # fmt: skip
+            fn = down_and_norm(
+                cfg, fusion[0], residual, norm_weight, plain.config if plain else None
+            )
         else:
             fn = torch_linear if cfg is None else (lambda x, w: gemv(x, w, None, cfg))
         if self.after_producer:

@@ -30,9 +30,18 @@ def split_k_sum(part_ptr, b_ptr, n, ok, split_k, stride_ps, HAS_BIAS: tl.constex
 
 @triton.jit(do_not_specialize=["split_k", "stride_ps"])  # stride_ps = rows x N
 def _gemv_split_k_reduce_kernel(
-    part_ptr, b_ptr, out_ptr, N, split_k, stride_ps, stride_pm, stride_om,
-    HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False,
-):  # fmt: skip
+    part_ptr,
+    b_ptr,
+    out_ptr,
+    N,
+    split_k,
+    stride_ps,
+    stride_pm,
+    stride_om,
+    HAS_BIAS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
+):
     if USE_PDL:
         pdl_enter()
     m = tl.program_id(0)
@@ -66,10 +75,17 @@ class SplitKSum:
 def _reduce_launch(partials: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor):
     n = out.shape[1]
     grid = (out.shape[0], triton.cdiv(n, REDUCE_BLOCK))
-    args = (partials, bias if bias is not None else partials, out, n, partials.shape[0],
-            partials.stride(0), partials.stride(1), out.stride(0))  # fmt: skip
-    consts = dict(HAS_BIAS=bias is not None, BLOCK=REDUCE_BLOCK,
-                  **pdl.launch_options(out.device))  # fmt: skip
+    args = (
+        partials,
+        bias if bias is not None else partials,
+        out,
+        n,
+        partials.shape[0],
+        partials.stride(0),
+        partials.stride(1),
+        out.stride(0),
+    )
+    consts = dict(HAS_BIAS=bias is not None, BLOCK=REDUCE_BLOCK, **pdl.launch_options(out.device))
     return grid, args, consts
 
 

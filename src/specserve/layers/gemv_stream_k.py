@@ -53,13 +53,32 @@ def _tile_rows_cols(t, num_m, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
 
 @triton.jit(do_not_specialize=["M", "units"])
 def _gemv_stream_k_kernel(
-    x_ptr, w_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, units, iters, num_m,
-    stride_xm, stride_wn, stride_om,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    IEEE: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-    SILU: tl.constexpr = False, USE_PDL: tl.constexpr = False, GATED: tl.constexpr = False,
+    x_ptr,
+    w_ptr,
+    b_ptr,
+    out_ptr,
+    ws_ptr,
+    cnt_ptr,
+    M,
+    N,
+    K,
+    units,
+    iters,
+    num_m,
+    stride_xm,
+    stride_wn,
+    stride_om,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    IEEE: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SILU: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False,
+    GATED: tl.constexpr = False,
     PREFETCH: tl.constexpr = 0,
-):  # fmt: skip
+):
     p = tl.program_id(0)
     programs = tl.num_programs(0)
     start = p * units // programs
@@ -107,14 +126,35 @@ def _gemv_stream_k_kernel(
         if (k_lo == 0) & (k_hi == iters):  # the whole tile: finished here
             _finish(acc, acc_u, m, n, M, N, b_ptr, out_ptr, stride_om, HAS_BIAS, GATED)
         else:
-            _piece(acc, acc_u, p, t, first_tile, units, iters, programs, m, n, M, N, b_ptr,
-                   out_ptr, ws_ptr, cnt_ptr, stride_om, HAS_BIAS, BLOCK_M, BLOCK_N,
-                   GATED)  # fmt: skip
+            _piece(
+                acc,
+                acc_u,
+                p,
+                t,
+                first_tile,
+                units,
+                iters,
+                programs,
+                m,
+                n,
+                M,
+                N,
+                b_ptr,
+                out_ptr,
+                ws_ptr,
+                cnt_ptr,
+                stride_om,
+                HAS_BIAS,
+                BLOCK_M,
+                BLOCK_N,
+                GATED,
+            )
 
 
 @triton.jit
-def _finish(acc, acc_u, m, n, M, N, b_ptr, out_ptr, stride_om, HAS_BIAS: tl.constexpr,
-            GATED: tl.constexpr):  # fmt: skip
+def _finish(
+    acc, acc_u, m, n, M, N, b_ptr, out_ptr, stride_om, HAS_BIAS: tl.constexpr, GATED: tl.constexpr
+):
     """A tile's whole sums: bias, rounding (GATED: as the [gate | up] output, then as
     silu_and_mul rounds), and the store."""
     if HAS_BIAS:
@@ -129,9 +169,29 @@ def _finish(acc, acc_u, m, n, M, N, b_ptr, out_ptr, stride_om, HAS_BIAS: tl.cons
 
 
 @triton.jit
-def _piece(acc, acc_u, p, t, first_tile, units, iters, programs, m, n, M, N, b_ptr, out_ptr,
-           ws_ptr, cnt_ptr, stride_om, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-           BLOCK_N: tl.constexpr, GATED: tl.constexpr):  # fmt: skip
+def _piece(
+    acc,
+    acc_u,
+    p,
+    t,
+    first_tile,
+    units,
+    iters,
+    programs,
+    m,
+    n,
+    M,
+    N,
+    b_ptr,
+    out_ptr,
+    ws_ptr,
+    cnt_ptr,
+    stride_om,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    GATED: tl.constexpr,
+):
     """Program p's piece of split tile t: its partial sums (GATED: both halves') to the
     workspace, its count on the tile's counter; the last to count sums every piece in K
     order and finishes."""
@@ -194,8 +254,17 @@ def num_programs(device: torch.device) -> int:
     return 4
 
 
-def launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cfg: GemvConfig,
-           out: torch.Tensor, silu: bool, gated: bool, consts: dict, compile_only: bool) -> None:
+def launch(
+    x2: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    cfg: GemvConfig,
+    out: torch.Tensor,
+    silu: bool,
+    gated: bool,
+    consts: dict,
+    compile_only: bool,
+) -> None:
     """Run (or compile only) the stream-K kernel for x2 [rows, K or 2K with silu] @ weight^T
     (gated: a [gate; up] weight, silu(gate) * up) into out: `consts` carries the launch's
     PDL keywords."""
@@ -210,17 +279,44 @@ def launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cf
         work = torch.empty(1, dtype=torch.float32, device=x2.device)
         count = torch.empty(1, dtype=torch.int32, device=x2.device)
     else:
-        work = torch.empty((grid[0] * 2, (2 if gated else 1) * cfg.block_m * cfg.block_n),
-                           dtype=torch.float32, device=x2.device)  # fmt: skip
+        work = torch.empty(
+            (grid[0] * 2, (2 if gated else 1) * cfg.block_m * cfg.block_n),
+            dtype=torch.float32,
+            device=x2.device,
+        )
         count = counters(x2.device, tiles)
-    args = (x2, weight, bias if bias is not None else weight, out, work, count, rows, n, k,
-            units, iters, num_m, x2.stride(0), weight.stride(0), out.stride(0))  # fmt: skip
+    args = (
+        x2,
+        weight,
+        bias if bias is not None else weight,
+        out,
+        work,
+        count,
+        rows,
+        n,
+        k,
+        units,
+        iters,
+        num_m,
+        x2.stride(0),
+        weight.stride(0),
+        out.stride(0),
+    )
     if consts.get("USE_PDL"):
         consts = dict(consts, PREFETCH=prefetch_lines(cfg))
-    consts = dict(consts, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                  IEEE=x2.dtype == torch.float32, EVEN_K=k % cfg.block_k == 0,
-                  HAS_BIAS=bias is not None, SILU=silu, GATED=gated, num_warps=cfg.num_warps,
-                  num_stages=cfg.num_stages)  # fmt: skip
+    consts = dict(
+        consts,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        IEEE=x2.dtype == torch.float32,
+        EVEN_K=k % cfg.block_k == 0,
+        HAS_BIAS=bias is not None,
+        SILU=silu,
+        GATED=gated,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
     if compile_only:
         _gemv_stream_k_kernel.warmup(*args, grid=grid, **consts)
     else:

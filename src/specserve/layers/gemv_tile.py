@@ -69,12 +69,40 @@ def _mac(acc, x, w, USE_DOT: tl.constexpr, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _finish(acc, acc_u, m, n, pid_s, M, N, b_ptr, out_ptr, stride_om, stride_os, head, j,
-            pos_ptr, slot_ptr, cos_sin_ptr, k_cache, v_cache, stride_cs, stride_page,
-            stride_slot, page_size, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-            USE_DOT: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,
-            GATED: tl.constexpr, ROPE: tl.constexpr, HEAD_DIM: tl.constexpr,
-            Q_HEADS: tl.constexpr, K_HEADS: tl.constexpr):  # fmt: skip
+def _finish(
+    acc,
+    acc_u,
+    m,
+    n,
+    pid_s,
+    M,
+    N,
+    b_ptr,
+    out_ptr,
+    stride_om,
+    stride_os,
+    head,
+    j,
+    pos_ptr,
+    slot_ptr,
+    cos_sin_ptr,
+    k_cache,
+    v_cache,
+    stride_cs,
+    stride_page,
+    stride_slot,
+    page_size,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    PARTIAL: tl.constexpr,
+    GATED: tl.constexpr,
+    ROPE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    Q_HEADS: tl.constexpr,
+    K_HEADS: tl.constexpr,
+):
     """The epilogue of one row block `m`: partial sums to the split's workspace, or bias,
     rounding, GATED's SiLU-and-mul and ROPE's rotary and K/V store, and the output."""
     if not USE_DOT:
@@ -94,9 +122,29 @@ def _finish(acc, acc_u, m, n, pid_s, M, N, b_ptr, out_ptr, stride_om, stride_os,
         if GATED:  # rounded as the [gate | up] output, then as silu_and_mul rounds
             y = silu_mul(y, acc_u.to(out_ptr.dtype.element_ty), out_ptr.dtype.element_ty)
         if ROPE:  # rounded as the qkv output, then as rotary_store_kv rounds
-            rope_store(y, m, m < M, head, j, pos_ptr, slot_ptr, cos_sin_ptr, out_ptr,
-                        k_cache, v_cache, stride_om, stride_cs, stride_page, stride_slot,
-                        page_size, BLOCK_M, BLOCK_N, HEAD_DIM, Q_HEADS, K_HEADS)  # fmt: skip
+            rope_store(
+                y,
+                m,
+                m < M,
+                head,
+                j,
+                pos_ptr,
+                slot_ptr,
+                cos_sin_ptr,
+                out_ptr,
+                k_cache,
+                v_cache,
+                stride_om,
+                stride_cs,
+                stride_page,
+                stride_slot,
+                page_size,
+                BLOCK_M,
+                BLOCK_N,
+                HEAD_DIM,
+                Q_HEADS,
+                K_HEADS,
+            )
         else:
             dst = out_ptr + m[:, None] * stride_om + n[None, :]
             tl.store(dst, y, mask=ok)

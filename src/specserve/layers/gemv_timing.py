@@ -59,8 +59,9 @@ def after_producer(fn, x: torch.Tensor):
     return run
 
 
-def rotation_set(weights: list[torch.Tensor], min_bytes: int, min_calls: int = 4,
-                 max_calls: int = 256) -> list[torch.Tensor]:  # fmt: skip
+def rotation_set(
+    weights: list[torch.Tensor], min_bytes: int, min_calls: int = 4, max_calls: int = 256
+) -> list[torch.Tensor]:
     """Weights of one shape to call in turn when timing: distinct ones (the model's own, then
     clones) until together they exceed `min_bytes`, so that they stream from memory, not
     from L2; then repeats up to `min_calls`, so a graph's launch cost is spread out."""
@@ -87,8 +88,13 @@ def fused_input_cols(k: int, fusion: str) -> int:
     return k if fusion == NORM_FUSION else 2 * k
 
 
-def down_and_norm(cfg: GemvConfig | None, fusion: str, residual: torch.Tensor,
-                  norm_weight: torch.Tensor, unfused: GemvConfig | None = None):  # fmt: skip
+def down_and_norm(
+    cfg: GemvConfig | None,
+    fusion: str,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    unfused: GemvConfig | None = None,
+):
     """fn(x, w): a projection and the add + RMSNorm after it, as the model runs them. A
     merged MLP's down projection (triton_ops.TritonMergedGatedMLP) from its gate_up output:
     with cfg, the Triton GEMV with the parts of `fusion` ("silu": SiLU-and-mul as its

@@ -35,8 +35,13 @@ class MergedLinear(nn.Linear):
         return out
 
 
-def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-          plan: GemvPlan | None = None, defer_reduce: bool = False):  # fmt: skip
+def dense(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    plan: GemvPlan | None = None,
+    defer_reduce: bool = False,
+):
     """F.linear, through `plan`'s measured GEMV choice when one is installed. defer_reduce:
     where that choice splits K, return its partial sums unreduced (`gemv.SplitKSum`) for an
     RMSNorm with residual to reduce (triton_ops.TritonRMSNorm); only such a norm may read
@@ -125,8 +130,9 @@ def linear_biases(model: nn.Module) -> dict[tuple[int, int, torch.dtype], torch.
     biases = {}
     for m in model.modules():
         if isinstance(m, nn.Linear) and m.bias is not None:
-            biases.setdefault((m.weight.shape[0], m.weight.shape[1], m.weight.dtype),
-                              m.bias.detach())  # fmt: skip
+            biases.setdefault(
+                (m.weight.shape[0], m.weight.shape[1], m.weight.dtype), m.bias.detach()
+            )
     return biases
 
 
@@ -139,13 +145,20 @@ def rope_projections(model: nn.Module) -> dict[tuple[int, int, torch.dtype], tup
         if getattr(module, "rope_in_qkv", False) and getattr(module, "q_norm", None) is None:
             w = module.qkv_proj.weight
             shapes[(w.shape[0], w.shape[1], w.dtype)] = (
-                module.num_heads, module.num_kv_heads, module.head_dim)  # fmt: skip
+                module.num_heads,
+                module.num_kv_heads,
+                module.head_dim,
+            )
     return shapes
 
 
-def use_gemv(model: nn.Module, selector: GemvSelector | None = None,
-             plan: GemvPlan | None = None, enable: bool = True,
-             max_rows: int | None = None) -> GemvPlan | None:  # fmt: skip
+def use_gemv(
+    model: nn.Module,
+    selector: GemvSelector | None = None,
+    plan: GemvPlan | None = None,
+    enable: bool = True,
+    max_rows: int | None = None,
+) -> GemvPlan | None:
     """Route the model's linear layers (and its logits projection, for models with a
     `gemv_plan` attribute) through a GEMV plan: `plan` when given, else the one `selector`
     (default: GemvSelector(max_rows=max_rows)) measures for the model's weights on their
@@ -158,9 +171,13 @@ def use_gemv(model: nn.Module, selector: GemvSelector | None = None,
         from specserve.layers.gemv_select import GemvSelector
 
         selector = selector or GemvSelector(max_rows=max_rows)
-        plan = selector.select(gemv_weights(model), fused_projections(model),
-                               gated_projections(model), rope_projections(model),
-                               linear_biases(model))  # fmt: skip
+        plan = selector.select(
+            gemv_weights(model),
+            fused_projections(model),
+            gated_projections(model),
+            rope_projections(model),
+            linear_biases(model),
+        )
     mapping = _GEMV if enable else {v: k for k, v in _GEMV.items()}
     for module in model.modules():
         new_class = mapping.get(type(module))

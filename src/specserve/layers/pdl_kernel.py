@@ -20,5 +20,11 @@ def pdl_enter():
 @triton.jit
 def prefetch_l2(ptrs):
     """Ask L2 for the lines holding `ptrs` (no registers filled, nothing waits for them)."""
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs],
-                              dtype=tl.int32, is_pure=False, pack=1)  # fmt: skip
+    tl.inline_asm_elementwise(
+        "prefetch.global.L2 [$1]; mov.u32 $0, 0;",
+        "=r,l",
+        [ptrs],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )

@@ -10,9 +10,7 @@ from torch import nn
 from specserve.core.model_config import RopeScaling
 
 
-def inverse_frequencies(
-    head_dim: int, theta: float, scaling: RopeScaling | None
-) -> torch.Tensor:
+def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
     """The fp32 inverse frequencies, llama3-scaled when `scaling` is given."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
     inv_freq = 1.0 / (theta**exponents)

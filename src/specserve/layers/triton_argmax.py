@@ -58,8 +58,9 @@ def _rank(x):
 
 
 @triton.jit
-def _argmax_chunk_kernel(x_ptr, best_ptr, stride_x, n_cols, n_chunks, BLOCK: tl.constexpr,
-                         USE_PDL: tl.constexpr = False):  # fmt: skip
+def _argmax_chunk_kernel(
+    x_ptr, best_ptr, stride_x, n_cols, n_chunks, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False
+):
     if USE_PDL:
         pdl_enter()
     row = tl.program_id(0)
@@ -72,14 +73,16 @@ def _argmax_chunk_kernel(x_ptr, best_ptr, stride_x, n_cols, n_chunks, BLOCK: tl.
 
 
 @triton.jit
-def _argmax_partials_kernel(best_ptr, out_ptr, n_chunks, CHUNKS: tl.constexpr,
-                            USE_PDL: tl.constexpr = False):  # fmt: skip
+def _argmax_partials_kernel(
+    best_ptr, out_ptr, n_chunks, CHUNKS: tl.constexpr, USE_PDL: tl.constexpr = False
+):
     if USE_PDL:
         pdl_enter()
     row = tl.program_id(0)
     chunks = tl.arange(0, CHUNKS)
-    best = tl.load(best_ptr + row * n_chunks + chunks, mask=chunks < n_chunks,
-                   other=9223372036854775807)  # fmt: skip
+    best = tl.load(
+        best_ptr + row * n_chunks + chunks, mask=chunks < n_chunks, other=9223372036854775807
+    )
     best = tl.min(best, 0)
     tl.store(out_ptr + row, best - ((best >> 32) << 32))  # the low 32 bits: the column
 
@@ -95,8 +98,10 @@ def triton_argmax(x: torch.Tensor, block: int | None = None, num_warps: int = 4)
     """argmax over the columns of x [rows, V] (rows of unit column stride), int64 [rows],
     by the two kernels (on the CPU: through the Triton interpreter)."""
     if x.dim() != 2 or x.stride(1) != 1 or x.shape[1] == 0:
-        raise ValueError(f"need [rows, V > 0] with contiguous rows, got {tuple(x.shape)} "
-                         f"with strides {x.stride()}")  # fmt: skip
+        raise ValueError(
+            f"need [rows, V > 0] with contiguous rows, got {tuple(x.shape)} "
+            f"with strides {x.stride()}"
+        )
     rows, n_cols = x.shape
     block = chunk_block(n_cols, x.element_size(), block)
     n_chunks = triton.cdiv(n_cols, block)
@@ -106,12 +111,23 @@ def triton_argmax(x: torch.Tensor, block: int | None = None, num_warps: int = 4)
     best = torch.empty(rows, n_chunks, dtype=torch.int64, device=x.device)  # (rank, column)
     options = pdl.launch_options(x.device)
     _argmax_chunk_kernel[(rows, n_chunks)](
-        x, best, x.stride(0), n_cols, n_chunks, BLOCK=block, num_warps=num_warps, **options,
-    )  # fmt: skip
+        x,
+        best,
+        x.stride(0),
+        n_cols,
+        n_chunks,
+        BLOCK=block,
+        num_warps=num_warps,
+        **options,
+    )
     _argmax_partials_kernel[(rows,)](
-        best, out, n_chunks, CHUNKS=triton.next_power_of_2(n_chunks),
-        num_warps=4 if n_chunks > 256 else 1, **options,
-    )  # fmt: skip
+        best,
+        out,
+        n_chunks,
+        CHUNKS=triton.next_power_of_2(n_chunks),
+        num_warps=4 if n_chunks > 256 else 1,
+        **options,
+    )
     return out
 
 

@@ -27,8 +27,17 @@ from specserve.layers.pdl_kernel import pdl_enter
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, n_cols, eps,
-                     BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):  # fmt: skip
+def _rms_norm_kernel(
+    x_ptr,
+    w_ptr,
+    out_ptr,
+    stride_x,
+    stride_o,
+    n_cols,
+    eps,
+    BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
+):
     if USE_PDL:
         pdl_enter()
     row = tl.program_id(0)
@@ -59,23 +68,58 @@ def _add_rms_norm_row(x_row, r_row, w_ptr, sum_row, out_row, n_cols, eps, BLOCK:
 
 
 @triton.jit
-def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, sum_ptr, out_ptr, stride_x, stride_r, stride_s,
-                         stride_o, n_cols, eps, BLOCK: tl.constexpr,
-                         USE_PDL: tl.constexpr = False):  # fmt: skip
+def _add_rms_norm_kernel(
+    x_ptr,
+    r_ptr,
+    w_ptr,
+    sum_ptr,
+    out_ptr,
+    stride_x,
+    stride_r,
+    stride_s,
+    stride_o,
+    n_cols,
+    eps,
+    BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
+):
     if USE_PDL:
         pdl_enter()
     row = tl.program_id(0)
-    _add_rms_norm_row(x_ptr + row * stride_x, r_ptr + row * stride_r, w_ptr,
-                      sum_ptr + row * stride_s, out_ptr + row * stride_o, n_cols, eps,
-                      BLOCK)  # fmt: skip
+    _add_rms_norm_row(
+        x_ptr + row * stride_x,
+        r_ptr + row * stride_r,
+        w_ptr,
+        sum_ptr + row * stride_s,
+        out_ptr + row * stride_o,
+        n_cols,
+        eps,
+        BLOCK,
+    )
 
 
 @triton.jit(do_not_specialize=["split_k", "stride_ps"])  # stride_ps = rows x N
 def _split_k_add_rms_norm_kernel(
-    part_ptr, b_ptr, y_ptr, r_ptr, w_ptr, sum_ptr, out_ptr, split_k, stride_ps, stride_pm,
-    stride_y, stride_r, stride_s, stride_o, n_cols, eps,
-    HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False,
-):  # fmt: skip
+    part_ptr,
+    b_ptr,
+    y_ptr,
+    r_ptr,
+    w_ptr,
+    sum_ptr,
+    out_ptr,
+    split_k,
+    stride_ps,
+    stride_pm,
+    stride_y,
+    stride_r,
+    stride_s,
+    stride_o,
+    n_cols,
+    eps,
+    HAS_BIAS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
+):
     if USE_PDL:
         pdl_enter()
     row = tl.program_id(0)
@@ -85,8 +129,16 @@ def _split_k_add_rms_norm_kernel(
     y_row = y_ptr + row * stride_y
     tl.store(y_row + n, y.to(y_ptr.dtype.element_ty), mask=ok)  # the GEMV's output row
     tl.debug_barrier()  # written by every thread of the program, read back by others
-    _add_rms_norm_row(y_row, r_ptr + row * stride_r, w_ptr, sum_ptr + row * stride_s,
-                      out_ptr + row * stride_o, n_cols, eps, BLOCK)  # fmt: skip
+    _add_rms_norm_row(
+        y_row,
+        r_ptr + row * stride_r,
+        w_ptr,
+        sum_ptr + row * stride_s,
+        out_ptr + row * stride_o,
+        n_cols,
+        eps,
+        BLOCK,
+    )
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -101,8 +153,9 @@ def _launch(n: int) -> dict:
     return dict(BLOCK=block, num_warps=min(16, max(1, block // 256)))
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """weight * (x / rms(x)) over the last dim, with RMSNorm's rounding; into `out` (2-D,
     x's rows, unit column stride: e.g. one half of a wider buffer) when given."""
     x2 = _rows(x)
@@ -113,9 +166,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     n = x2.shape[-1]
     if x2.shape[0]:
         _rms_norm_kernel[(x2.shape[0],)](
-            x2, weight, out, x2.stride(0), out.stride(0), n, eps, **_launch(n),
+            x2,
+            weight,
+            out,
+            x2.stride(0),
+            out.stride(0),
+            n,
+            eps,
+            **_launch(n),
             **pdl.launch_options(x.device),
-        )  # fmt: skip
+        )
     return out if out.dim() == x.dim() else out.view(x.shape)
 
 
@@ -128,14 +188,24 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     n = x2.shape[-1]
     if x2.shape[0]:
         _add_rms_norm_kernel[(x2.shape[0],)](
-            x2, r2, weight, total, out, x2.stride(0), r2.stride(0), total.stride(0),
-            out.stride(0), n, eps, **_launch(n), **pdl.launch_options(x.device),
-        )  # fmt: skip
+            x2,
+            r2,
+            weight,
+            total,
+            out,
+            x2.stride(0),
+            r2.stride(0),
+            total.stride(0),
+            out.stride(0),
+            n,
+            eps,
+            **_launch(n),
+            **pdl.launch_options(x.device),
+        )
     return total.view(x.shape), out.view(x.shape)
 
 
-def split_k_add_rms_norm(x: SplitKSum, residual: torch.Tensor, weight: torch.Tensor,
-                         eps: float):  # fmt: skip
+def split_k_add_rms_norm(x: SplitKSum, residual: torch.Tensor, weight: torch.Tensor, eps: float):
     """add_rms_norm(x.reduce(), residual, ...) in one kernel, for x the unreduced partial
     sums of a split-K GEMV: the GEMV's second pass, the residual add and the norm, with the
     same results (x.out receives the GEMV's output too)."""
@@ -148,9 +218,24 @@ def split_k_add_rms_norm(x: SplitKSum, residual: torch.Tensor, weight: torch.Ten
     n = y.shape[-1]
     if y.shape[0]:
         _split_k_add_rms_norm_kernel[(y.shape[0],)](
-            part, x.bias if x.bias is not None else part, y, r2, weight, total, out,
-            part.shape[0], part.stride(0), part.stride(1), y.stride(0), r2.stride(0),
-            total.stride(0), out.stride(0), n, eps, HAS_BIAS=x.bias is not None,
-            **_launch(n), **pdl.launch_options(y.device),
-        )  # fmt: skip
+            part,
+            x.bias if x.bias is not None else part,
+            y,
+            r2,
+            weight,
+            total,
+            out,
+            part.shape[0],
+            part.stride(0),
+            part.stride(1),
+            y.stride(0),
+            r2.stride(0),
+            total.stride(0),
+            out.stride(0),
+            n,
+            eps,
+            HAS_BIAS=x.bias is not None,
+            **_launch(n),
+            **pdl.launch_options(y.device),
+        )
     return total.view(x.shape), out.view(x.shape)

@@ -44,8 +44,17 @@ from specserve.layers.triton_rotary import rotary, rotary_store_kv
 
 
 @triton.jit
-def _silu_and_mul_kernel(g_ptr, u_ptr, o_ptr, stride_g, stride_u, stride_o, n_cols,
-                         BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):  # fmt: skip
+def _silu_and_mul_kernel(
+    g_ptr,
+    u_ptr,
+    o_ptr,
+    stride_g,
+    stride_u,
+    stride_o,
+    n_cols,
+    BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
+):
     if USE_PDL:
         pdl_enter()
     row = tl.program_id(0)
@@ -70,9 +79,16 @@ def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     block = min(2048, triton.next_power_of_2(n))
     if g2.shape[0]:
         _silu_and_mul_kernel[(g2.shape[0], triton.cdiv(n, block))](
-            g2, u2, out, g2.stride(0), u2.stride(0), out.stride(0), n, BLOCK=block,
+            g2,
+            u2,
+            out,
+            g2.stride(0),
+            u2.stride(0),
+            out.stride(0),
+            n,
+            BLOCK=block,
             **pdl.launch_options(gate.device),
-        )  # fmt: skip
+        )
     return out.view(gate.shape)
 
 
@@ -104,11 +120,13 @@ class TritonRotaryEmbedding(RotaryEmbedding):
     def forward(self, positions, q, k):
         return rotary(positions, q, k, self.cos_sin)
 
-    def rotate_and_store(self, positions, qkv, q_heads, kv_heads, k_cache, v_cache,
-                         slot_mapping) -> torch.Tensor:  # fmt: skip
+    def rotate_and_store(
+        self, positions, qkv, q_heads, kv_heads, k_cache, v_cache, slot_mapping
+    ) -> torch.Tensor:
         """Rotated q [T, q_heads, D] from a qkv projection; rotated k and v stored."""
-        return rotary_store_kv(positions, qkv, self.cos_sin, q_heads, kv_heads, k_cache,
-                               v_cache, slot_mapping)  # fmt: skip
+        return rotary_store_kv(
+            positions, qkv, self.cos_sin, q_heads, kv_heads, k_cache, v_cache, slot_mapping
+        )
 
 
 class TritonGatedMLP(GatedMLP):
@@ -139,8 +157,9 @@ class TritonMergedGatedMLP(MergedGatedMLP):
     def gemv_fusion(self) -> str | None:
         """Which fusions are on ("silu+split_k", "silu", "split_k"; None): start-up selection
         times the down projection's candidates with them (gemv_timing.down_and_norm)."""
-        parts = [name for name, on in (("silu", self.fuse_silu), ("split_k", self.fuse_split_k))
-                 if on]  # fmt: skip
+        parts = [
+            name for name, on in (("silu", self.fuse_silu), ("split_k", self.fuse_split_k)) if on
+        ]
         return "+".join(parts) or None
 
     def forward(self, x: torch.Tensor, defer_reduce: bool = False):
@@ -153,8 +172,9 @@ class TritonMergedGatedMLP(MergedGatedMLP):
             cfg = plan.config_for(rows, *down.weight.shape, down.weight.dtype, fusion)
         defer = defer_reduce and self.fuse_split_k
         if cfg is not None and self.fuse_silu:
-            return gemv(self.gate_up_proj(x), down.weight, down.bias, cfg, silu=True,
-                        defer_reduce=defer)  # fmt: skip
+            return gemv(
+                self.gate_up_proj(x), down.weight, down.bias, cfg, silu=True, defer_reduce=defer
+            )
         act = self._gated(x, rows)  # SiLU-and-mul in the gate/up epilogue, or its own kernel
         if act is None:
             gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)

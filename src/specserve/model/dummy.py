@@ -21,28 +21,59 @@ import torch
 from specserve.core.errors import CheckpointError
 from specserve.core.model_config import ModelConfig, config_from_dict
 
-_LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}  # fmt: skip
+_LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
 _LLAMA31 = {
-    "architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "rms_norm_eps": 1e-5,
-    "rope_theta": 500000.0, "rope_scaling": _LLAMA3_ROPE, "max_position_embeddings": 131072,
-    "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009], "dtype": "bfloat16",
-    "num_key_value_heads": 8, "tie_word_embeddings": False,
-}  # fmt: skip
+    "architectures": ["LlamaForCausalLM"],
+    "vocab_size": 128256,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "rope_scaling": _LLAMA3_ROPE,
+    "max_position_embeddings": 131072,
+    "bos_token_id": 128000,
+    "eos_token_id": [128001, 128008, 128009],
+    "dtype": "bfloat16",
+    "num_key_value_heads": 8,
+    "tie_word_embeddings": False,
+}
 # Hugging Face config.json contents of the shapes benchmarks use.
 PRESETS: dict[str, dict] = {
-    "llama-3.1-8b": {**_LLAMA31, "hidden_size": 4096, "intermediate_size": 14336,
-                     "num_hidden_layers": 32, "num_attention_heads": 32},
-    "llama-3.1-70b": {**_LLAMA31, "hidden_size": 8192, "intermediate_size": 28672,
-                      "num_hidden_layers": 80, "num_attention_heads": 64},
-    "smollm2-135m": {
-        "architectures": ["LlamaForCausalLM"], "vocab_size": 49152, "hidden_size": 576,
-        "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
-        "num_key_value_heads": 3, "rms_norm_eps": 1e-5, "rope_theta": 100000.0,
-        "max_position_embeddings": 8192, "tie_word_embeddings": True, "bos_token_id": 1,
-        "eos_token_id": 2, "dtype": "bfloat16",
+    "llama-3.1-8b": {
+        **_LLAMA31,
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
     },
-}  # fmt: skip
+    "llama-3.1-70b": {
+        **_LLAMA31,
+        "hidden_size": 8192,
+        "intermediate_size": 28672,
+        "num_hidden_layers": 80,
+        "num_attention_heads": 64,
+    },
+    "smollm2-135m": {
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": 49152,
+        "hidden_size": 576,
+        "intermediate_size": 1536,
+        "num_hidden_layers": 30,
+        "num_attention_heads": 9,
+        "num_key_value_heads": 3,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 100000.0,
+        "max_position_embeddings": 8192,
+        "tie_word_embeddings": True,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "dtype": "bfloat16",
+    },
+}
 DEFAULT_PRESET = "smollm2-135m"  # the embedded default model's shape
 _WEIGHT_STD = 0.02  # random weights as models are initialized for training
 _CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
@@ -113,8 +144,7 @@ def _init_(module: torch.nn.Module, seed: int) -> None:
                 p.normal_(0.0, _WEIGHT_STD, generator=gen)
 
 
-def build_dummy_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
-                      seed: int = 0):  # fmt: skip
+def build_dummy_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int = 0):
     """A LlamaForCausalLM of `cfg` with random weights, built in place on `device`."""
     from specserve.model.llama import LlamaForCausalLM
 
@@ -133,8 +163,9 @@ def dummy_eagle3_config(target: ModelConfig, draft_vocab_size: int = 32000):
     return Eagle3Config.for_target(target, min(draft_vocab_size, target.vocab_size))
 
 
-def build_dummy_eagle3_head(target: ModelConfig, dtype: torch.dtype, device: torch.device,
-                            seed: int = 0):  # fmt: skip
+def build_dummy_eagle3_head(
+    target: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int = 0
+):
     """An EAGLE-3 head of `dummy_eagle3_config(target)` with random weights."""
     from specserve.model.eagle3 import Eagle3Head
 

@@ -185,9 +185,15 @@ class Eagle3Head(nn.Module):
         x = self._packed_layer_input(embeds, hidden)
         if attn.merged() is not None and fused_kv_store(self.rotary, backend):
             # Rotary of q and k and the K/V store in one kernel; the backend only attends.
-            q = self.rotary.rotate_and_store(meta.positions, attn.qkv_proj(x), attn.num_heads,
-                                             attn.num_kv_heads, kv[0], kv[1],
-                                             meta.slot_mapping)  # fmt: skip
+            q = self.rotary.rotate_and_store(
+                meta.positions,
+                attn.qkv_proj(x),
+                attn.num_heads,
+                attn.num_kv_heads,
+                kv[0],
+                kv[1],
+                meta.slot_mapping,
+            )
             out = backend.forward(q, None, None, kv[0], kv[1], meta, attn.scale)
         else:
             q, k, v = attn.qkv(x, meta.positions, self.rotary)
@@ -338,8 +344,10 @@ def save_eagle3_head(head: Eagle3Head, folder: str | Path) -> Path:
     from safetensors.torch import save_file
 
     if head.midlayer.self_attn.merged() is not None:
-        raise ValueError("save_eagle3_head writes the public layout: save the head before "
-                         "merge_projections (a serving head's qkv_proj is not a checkpoint name)")
+        raise ValueError(
+            "save_eagle3_head writes the public layout: save the head before "
+            "merge_projections (a serving head's qkv_proj is not a checkpoint name)"
+        )
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     tensors = {n: p.detach().cpu().contiguous() for n, p in head.named_parameters()}

@@ -79,8 +79,9 @@ class Eagle3Config:
     ) -> Eagle3Config:
         """A head shaped like one layer of `target`. `aux_layer_ids` are input-layer ids
         (None: the default); the file records them only when they differ from the default."""
-        layer = replace(target, num_layers=1, tie_word_embeddings=False, qkv_bias=False,
-                        qk_norm=False)
+        layer = replace(
+            target, num_layers=1, tie_word_embeddings=False, qkv_bias=False, qk_norm=False
+        )
         file_ids = None
         if aux_layer_ids is not None and tuple(aux_layer_ids) != default_aux_layer_ids(
             target.num_layers
@@ -97,8 +98,14 @@ class Eagle3Config:
             raise UnsupportedModelError(
                 f"architectures {archs!r} is not an EAGLE-3 head; expected [{ARCHITECTURE!r}]"
             )
-        layer = config_from_dict({**raw, "architectures": ["LlamaForCausalLM"],
-                                  "num_hidden_layers": 1, "tie_word_embeddings": False})
+        layer = config_from_dict(
+            {
+                **raw,
+                "architectures": ["LlamaForCausalLM"],
+                "num_hidden_layers": 1,
+                "tie_word_embeddings": False,
+            }
+        )
         ids = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
         try:
             return cls(
@@ -140,7 +147,9 @@ class Eagle3Config:
         if c.rope_scaling is not None:
             s = c.rope_scaling
             raw["rope_scaling"] = {
-                "rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
+                "rope_type": "llama3",
+                "factor": s.factor,
+                "low_freq_factor": s.low_freq_factor,
                 "high_freq_factor": s.high_freq_factor,
                 "original_max_position_embeddings": s.original_max_position_embeddings,
             }

@@ -86,12 +86,25 @@ class Attention(nn.Module):
 
             cfg = plan.config_for(x.shape[0], *proj.weight.shape, proj.weight.dtype)
             if cfg is not None and gemv.rope_fits(cfg, self.head_dim, proj.weight.shape[1]):
-                store = gemv.RopeStore(meta.positions, meta.slot_mapping, rotary.cos_sin,
-                                       self.num_heads, self.num_kv_heads, kv[0], kv[1])  # fmt: skip
+                store = gemv.RopeStore(
+                    meta.positions,
+                    meta.slot_mapping,
+                    rotary.cos_sin,
+                    self.num_heads,
+                    self.num_kv_heads,
+                    kv[0],
+                    kv[1],
+                )
                 return gemv.gemv(x, proj.weight, proj.bias, cfg, rope=store)
-        return rotary.rotate_and_store(meta.positions, proj(x), self.num_heads,
-                                       self.num_kv_heads, kv[0], kv[1],
-                                       meta.slot_mapping)  # fmt: skip
+        return rotary.rotate_and_store(
+            meta.positions,
+            proj(x),
+            self.num_heads,
+            self.num_kv_heads,
+            kv[0],
+            kv[1],
+            meta.slot_mapping,
+        )
 
     def _output(self, out: torch.Tensor, defer_reduce: bool):
         o = self.o_proj

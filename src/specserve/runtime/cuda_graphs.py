@@ -183,8 +183,14 @@ class CudaGraphRunner:
 
     @property
     def static_bytes(self) -> int:
-        bufs = [self.input_ids, self.positions, self.slot_mapping, self.seq_lens,
-                self.block_tables, *self.query_start.values()]  # fmt: skip
+        bufs = [
+            self.input_ids,
+            self.positions,
+            self.slot_mapping,
+            self.seq_lens,
+            self.block_tables,
+            *self.query_start.values(),
+        ]
         return sum(b.numel() * b.element_size() for b in bufs)
 
     def keys(self) -> list[tuple[int, int]]:
@@ -258,8 +264,11 @@ class CudaGraphRunner:
             graph.replay()
         else:
             hidden, aux, head = self._forward(batch, q)
-        self.last_head = None if head is None else (
-            head[0][:n], head[1][:n], *(lens[:num_requests] for lens in head[2:]))
+        self.last_head = (
+            None
+            if head is None
+            else (head[0][:n], head[1][:n], *(lens[:num_requests] for lens in head[2:]))
+        )
         if self.feature_writer is not None:
             return hidden[:n], []
         return hidden[:n], [a[:n] for a in aux]

@@ -40,27 +40,39 @@ def stageable(input_ids: torch.Tensor, meta: AttentionMetadata) -> bool:
     piece (as `packing.pack` uploads them)."""
     flat = (input_ids, meta.positions, meta.slot_mapping, meta.seq_lens)
     tables = meta.block_tables
-    return (all(t.dtype == torch.int64 and t.dim() == 1 and t.is_contiguous() for t in flat)
-            and tables.dtype == torch.int64 and tables.shape[1] > 0
-            and tables.stride(1) == 1)  # fmt: skip
+    return (
+        all(t.dtype == torch.int64 and t.dim() == 1 and t.is_contiguous() for t in flat)
+        and tables.dtype == torch.int64
+        and tables.shape[1] > 0
+        and tables.stride(1) == 1
+    )
 
 
-def stage_step(bufs: StaticInputs, input_ids: torch.Tensor, meta: AttentionMetadata,
-               batch: int, q: int) -> None:  # fmt: skip
+def stage_step(
+    bufs: StaticInputs, input_ids: torch.Tensor, meta: AttentionMetadata, batch: int, q: int
+) -> None:
     """Copy a step of `meta.num_requests` requests of q tokens into `bufs`, padded to `batch`
     requests: by the kernel where it applies, else through torch."""
     if use_stage_kernel(input_ids.device) and stageable(input_ids, meta):
         from specserve.runtime.stage_kernel import stage  # (defines a kernel: lazily)
 
-        stage(input_ids, meta.positions, meta.slot_mapping, meta.seq_lens, meta.block_tables,
-              (bufs.input_ids, bufs.positions, bufs.slot_mapping, bufs.seq_lens,
-               bufs.block_tables), batch, q)  # fmt: skip
+        stage(
+            input_ids,
+            meta.positions,
+            meta.slot_mapping,
+            meta.seq_lens,
+            meta.block_tables,
+            (bufs.input_ids, bufs.positions, bufs.slot_mapping, bufs.seq_lens, bufs.block_tables),
+            batch,
+            q,
+        )
     else:
         stage_torch(bufs, input_ids, meta, batch, q)
 
 
-def stage_torch(bufs: StaticInputs, input_ids: torch.Tensor, meta: AttentionMetadata,
-                batch: int, q: int) -> None:  # fmt: skip
+def stage_torch(
+    bufs: StaticInputs, input_ids: torch.Tensor, meta: AttentionMetadata, batch: int, q: int
+) -> None:
     """`stage_step` through torch (a launch per copy and per fill on a GPU)."""
     num_requests = meta.num_requests
     n = num_requests * q

@@ -105,8 +105,10 @@ def place_device_tokens(batch, input_ids, last_rows, missing, prev_rows, prev, d
         return
     lists, sources = [], []
     if missing:
-        lists += [[last_rows[i] - num_drafts(batch[i]) for i in missing],
-                  [prev_rows[i] for i in missing]]  # fmt: skip
+        lists += [
+            [last_rows[i] - num_drafts(batch[i]) for i in missing],
+            [prev_rows[i] for i in missing],
+        ]
         sources.append(prev.last_tokens)
     by_tensor: dict[int, tuple[torch.Tensor, list[int], list[int]]] = {}
     for i, s in enumerate(batch):
@@ -133,13 +135,11 @@ def _place_dense(batch, input_ids, missing, prev_rows, prev) -> bool:
     are that step's last drawn token and its drafts: two copies, nothing uploaded."""
     n = len(batch)
     first = batch[0].device_drafts
-    if (first is None or len(missing) != n or len(prev.num_drafts) != n
-            or prev_rows[-1] != n - 1):  # fmt: skip
+    if first is None or len(missing) != n or len(prev.num_drafts) != n or prev_rows[-1] != n - 1:
         return False
     drafts = first[0]
     k = drafts.shape[1]
-    if (input_ids.shape[0] != n * (k + 1) or drafts.shape[0] != n
-            or prev_rows != list(range(n))):  # fmt: skip
+    if input_ids.shape[0] != n * (k + 1) or drafts.shape[0] != n or prev_rows != list(range(n)):
         return False
     for b, s in enumerate(batch):
         dev = s.device_drafts

@@ -82,8 +82,11 @@ class ModelRunner:
         shift = sample_shift = None
         if moved:
             shift = prev.accepted(prev_rows)
-            sample_shift = (shift if len(sampled) == len(batch)
-                            else prev.accepted([prev_rows[i] for i in sampled]))  # fmt: skip
+            sample_shift = (
+                shift
+                if len(sampled) == len(batch)
+                else prev.accepted([prev_rows[i] for i in sampled])
+            )
         input_ids, meta, last_rows = pack(segments, self.kv.page_size, self.device, shift)
         place_device_tokens(batch, input_ids, last_rows, missing, prev_rows, prev, self.device)
         first_rows = [last - len(seg.token_ids) + 1 for last, seg in zip(last_rows, segments)]
@@ -91,8 +94,9 @@ class ModelRunner:
         for i in sampled:
             last = last_rows[i]
             sample_rows += range(last - num_drafts(batch[i]), last + 1)
-        return StepInput(input_ids, meta, first_rows, [batch[i] for i in sampled], sample_rows,
-                         sample_shift)  # fmt: skip
+        return StepInput(
+            input_ids, meta, first_rows, [batch[i] for i in sampled], sample_rows, sample_shift
+        )
 
     @torch.inference_mode()
     def forward(self, step: StepInput, aux_layer_ids: tuple[int, ...] = ()):
@@ -215,8 +219,9 @@ class ModelRunner:
                 # (sample_shift), which overwrites the graph's
                 result = VerifyResult(choice, head[3].clone())
             else:
-                result = verify_greedy(padded, drafts_t, lens_t, seeds, positions,
-                                       simulate_rate, choice)  # fmt: skip
+                result = verify_greedy(
+                    padded, drafts_t, lens_t, seeds, positions, simulate_rate, choice
+                )
         else:
             if st is None:
                 st = _sampling_tensors(reqs, seeds, positions, torch.zeros_like(seeds), device)
@@ -224,11 +229,19 @@ class ModelRunner:
             result = verify(padded, drafts_t, lens_t, st, probs, simulate_rate)
         # Drafts the host has not seen go back with the tokens (statistics only).
         on_device = any(s.device_drafts is not None for s in sampled)
-        return self._with_logprobs(step, logits, result.tokens, result.accept_len, want, k_max,
-                                   drafts_t if on_device else None)  # fmt: skip
+        return self._with_logprobs(
+            step,
+            logits,
+            result.tokens,
+            result.accept_len,
+            want,
+            k_max,
+            drafts_t if on_device else None,
+        )
 
-    def _with_logprobs(self, step, logits, tokens, accept_len, want, k_max,
-                       drafts=None) -> SampledTokens:  # fmt: skip
+    def _with_logprobs(
+        self, step, logits, tokens, accept_len, want, k_max, drafts=None
+    ) -> SampledTokens:
         device = self.device
         if all(w is None for w in want):
             return SampledTokens(tokens, accept_len, want, drafts=drafts)

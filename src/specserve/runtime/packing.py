@@ -44,8 +44,9 @@ class PinnedArena:
 
     def __init__(self, half_slots: int = 1 << 20):
         self.half_slots = half_slots
-        self.halves = [torch.empty(half_slots, dtype=torch.int64, pin_memory=True)
-                       for _ in range(2)]  # fmt: skip
+        self.halves = [
+            torch.empty(half_slots, dtype=torch.int64, pin_memory=True) for _ in range(2)
+        ]
         self.arrays = [h.numpy() for h in self.halves]
         self.events: list = [None, None]
         self.current, self.used = 0, 0
@@ -137,8 +138,13 @@ def use_shift_kernel(device: torch.device) -> bool:
     return SHIFT_KERNEL and device.type == "cuda"
 
 
-def positions_and_slots(segments: list[Segment], tables: list[int], max_pages: int,
-                        page_size: int, pads: list[int] | None = None):  # fmt: skip
+def positions_and_slots(
+    segments: list[Segment],
+    tables: list[int],
+    max_pages: int,
+    page_size: int,
+    pads: list[int] | None = None,
+):
     """Each token's position, KV slot and segment (~segment, below 0: padding of that
     segment), as numpy arrays: what pack's loop computes, vectorized for large steps.
     `tables`: the segments' page tables, each padded to max_pages; `pads`: padding per

@@ -53,8 +53,9 @@ def _label(cfg) -> str:
     return str(cfg) if cfg is not None else "torch"
 
 
-def fill_scratch_step(graphs: CudaGraphRunner, batch: int, q: int, context: int,
-                      slot: int = 0) -> None:  # fmt: skip
+def fill_scratch_step(
+    graphs: CudaGraphRunner, batch: int, q: int, context: int, slot: int = 0
+) -> None:
     """Set a graph runner's static buffers to a step of `batch` requests of q tokens, every
     request at `context` tokens (at most the runner's) on the scratch page 0, its new K/V
     stored at `slot` (-1: not stored). `reset_scratch_step` puts the padding values back."""
@@ -125,8 +126,13 @@ class StepTimer:
             self._reset()
 
 
-def tune_plan(plan: GemvPlan, groups: dict[str, tuple[list[tuple[int, int]], list[tuple]]],
-              candidates, timer, margin: float = 0.003) -> TuningReport:  # fmt: skip
+def tune_plan(
+    plan: GemvPlan,
+    groups: dict[str, tuple[list[tuple[int, int]], list[tuple]]],
+    candidates,
+    timer,
+    margin: float = 0.003,
+) -> TuningReport:
     """Coordinate descent over the plan's keys, per group: {name: ([(batch, tokens per
     request) steps to time], [plan keys tuned together: each a list of keys sharing one
     choice])}. `candidates(key)` lists a key's configurations (None: torch); `timer(batch,
@@ -177,9 +183,15 @@ def tune_plan(plan: GemvPlan, groups: dict[str, tuple[list[tuple[int, int]], lis
     return report
 
 
-def tune_engine_plan(graphs: CudaGraphRunner, plan: GemvPlan, candidates,
-                     shared_rows: int, verify_tokens: int = 0, context: int = 512,
-                     reps: int = 10) -> TuningReport:  # fmt: skip
+def tune_engine_plan(
+    graphs: CudaGraphRunner,
+    plan: GemvPlan,
+    candidates,
+    shared_rows: int,
+    verify_tokens: int = 0,
+    context: int = 512,
+    reps: int = 10,
+) -> TuningReport:
     """Tune `plan` (the target's) in its own decode steps: the buckets up to `shared_rows`
     together at batch 1 (decode, and verify of `verify_tokens` per request when > 1), and
     the plan's largest row bucket, if the graph runner has that batch bucket, at that batch
@@ -200,8 +212,11 @@ def tune_engine_plan(graphs: CudaGraphRunner, plan: GemvPlan, candidates,
             groups[group][1].append(keys)
     groups = {name: (steps, keys) for name, (steps, keys) in groups.items() if steps and keys}
     report = tune_plan(plan, groups, candidates, timer)
-    log.info("GEMV plan tuned in whole steps in %.1f s (%d steps timed): %s; %d changes",
-             report.seconds, report.evaluations,
-             ", ".join(f"{n} {a:.3f} -> {b:.3f} ms" for n, (a, b) in report.steps_ms.items()),
-             len(report.changes))  # fmt: skip
+    log.info(
+        "GEMV plan tuned in whole steps in %.1f s (%d steps timed): %s; %d changes",
+        report.seconds,
+        report.evaluations,
+        ", ".join(f"{n} {a:.3f} -> {b:.3f} ms" for n, (a, b) in report.steps_ms.items()),
+        len(report.changes),
+    )
     return report

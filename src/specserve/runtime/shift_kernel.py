@@ -20,11 +20,35 @@ BLOCK = 256
 
 # The step's tensors are views into one upload (their alignment changes step to step) and
 # its sizes change with the batch: none is specialized on, so no step waits for a compile.
-@triton.jit(do_not_specialize=["pos_ptr", "slot_ptr", "owner_ptr", "shift_ptr", "tables_ptr",
-                               "lens_ptr", "T", "B", "max_pages", "stride_table",
-                               "page_size"])  # fmt: skip
-def _shift_kernel(pos_ptr, slot_ptr, owner_ptr, shift_ptr, tables_ptr, lens_ptr, T, B,
-                  max_pages, stride_table, page_size, BLOCK: tl.constexpr):  # fmt: skip
+@triton.jit(
+    do_not_specialize=[
+        "pos_ptr",
+        "slot_ptr",
+        "owner_ptr",
+        "shift_ptr",
+        "tables_ptr",
+        "lens_ptr",
+        "T",
+        "B",
+        "max_pages",
+        "stride_table",
+        "page_size",
+    ]
+)
+def _shift_kernel(
+    pos_ptr,
+    slot_ptr,
+    owner_ptr,
+    shift_ptr,
+    tables_ptr,
+    lens_ptr,
+    T,
+    B,
+    max_pages,
+    stride_table,
+    page_size,
+    BLOCK: tl.constexpr,
+):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = i < T
     owner = tl.load(owner_ptr + i, mask=ok, other=0)
@@ -40,9 +64,15 @@ def _shift_kernel(pos_ptr, slot_ptr, owner_ptr, shift_ptr, tables_ptr, lens_ptr,
     tl.store(lens_ptr + i, lens + tl.load(shift_ptr + i, mask=b_ok, other=0), mask=b_ok)
 
 
-def shift_in_place(positions: torch.Tensor, slots: torch.Tensor, owner: torch.Tensor,
-                   shift: torch.Tensor, tables: torch.Tensor, seq_lens: torch.Tensor,
-                   page_size: int) -> None:  # fmt: skip
+def shift_in_place(
+    positions: torch.Tensor,
+    slots: torch.Tensor,
+    owner: torch.Tensor,
+    shift: torch.Tensor,
+    tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    page_size: int,
+) -> None:
     """positions [T] += shift[row]; slots [T] from `tables` [B, max_pages] at the new
     positions (0 for padding); seq_lens [B] += shift [B], where `owner` [T] holds each
     token's segment row, ~row for its padding. All int64, in place (slots' old values are
@@ -51,8 +81,20 @@ def shift_in_place(positions: torch.Tensor, slots: torch.Tensor, owner: torch.Te
     if n == 0 and b == 0:
         return
     grid = (triton.cdiv(max(n, b), BLOCK),)
-    _shift_kernel[grid](positions, slots, owner, shift, tables, seq_lens, n, b,
-                        tables.shape[1], tables.stride(0), page_size, BLOCK=BLOCK)  # fmt: skip
+    _shift_kernel[grid](
+        positions,
+        slots,
+        owner,
+        shift,
+        tables,
+        seq_lens,
+        n,
+        b,
+        tables.shape[1],
+        tables.stride(0),
+        page_size,
+        BLOCK=BLOCK,
+    )
 
 
 def warm_up(device: torch.device) -> None:

@@ -20,13 +20,47 @@ BLOCK = 512
 
 # The step's tensors are views into one upload (their alignment changes step to step) and
 # its sizes change with the batch: none is specialized on, so no step waits for a compile.
-@triton.jit(do_not_specialize=["ids_src", "pos_src", "slot_src", "lens_src", "tables_src",
-                               "ids_dst", "pos_dst", "slot_dst", "lens_dst", "tables_dst",
-                               "n", "padded_n", "requests", "batch", "width",
-                               "stride_src", "stride_dst"])  # fmt: skip
-def _stage_kernel(ids_src, pos_src, slot_src, lens_src, tables_src, ids_dst, pos_dst,
-                  slot_dst, lens_dst, tables_dst, n, padded_n, requests, batch, width,
-                  stride_src, stride_dst, BLOCK: tl.constexpr):  # fmt: skip
+@triton.jit(
+    do_not_specialize=[
+        "ids_src",
+        "pos_src",
+        "slot_src",
+        "lens_src",
+        "tables_src",
+        "ids_dst",
+        "pos_dst",
+        "slot_dst",
+        "lens_dst",
+        "tables_dst",
+        "n",
+        "padded_n",
+        "requests",
+        "batch",
+        "width",
+        "stride_src",
+        "stride_dst",
+    ]
+)
+def _stage_kernel(
+    ids_src,
+    pos_src,
+    slot_src,
+    lens_src,
+    tables_src,
+    ids_dst,
+    pos_dst,
+    slot_dst,
+    lens_dst,
+    tables_dst,
+    n,
+    padded_n,
+    requests,
+    batch,
+    width,
+    stride_src,
+    stride_dst,
+    BLOCK: tl.constexpr,
+):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     real = i < n  # tokens: the step's, then padding (zeros) up to the bucket's
     token = i < padded_n
@@ -43,9 +77,16 @@ def _stage_kernel(ids_src, pos_src, slot_src, lens_src, tables_src, ids_dst, pos
     tl.store(tables_dst + pad_row * stride_dst, tl.zeros_like(pad_row), mask=pad_row < batch)
 
 
-def stage(input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-          seq_lens: torch.Tensor, tables: torch.Tensor, dst: tuple[torch.Tensor, ...],
-          batch: int, q: int) -> None:  # fmt: skip
+def stage(
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    slots: torch.Tensor,
+    seq_lens: torch.Tensor,
+    tables: torch.Tensor,
+    dst: tuple[torch.Tensor, ...],
+    batch: int,
+    q: int,
+) -> None:
     """Copy a step of `seq_lens.shape[0]` requests of q tokens into `dst` = (input_ids,
     positions, slot_mapping, seq_lens, block_tables) static buffers, padded to `batch`
     requests. All int64 (`graph_staging.stageable`); `tables` [R, W], any row stride,
@@ -55,10 +96,26 @@ def stage(input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
     n, padded_n = input_ids.shape[0], batch * q
     size = max(padded_n, batch, requests * width, 1)
     grid = (triton.cdiv(size, BLOCK),)
-    _stage_kernel[grid](input_ids, positions, slots, seq_lens, tables, ids_dst, pos_dst,
-                        slot_dst, lens_dst, tables_dst, n, padded_n, requests, batch, width,
-                        tables.stride(0), tables_dst.stride(0),
-                        BLOCK=BLOCK)  # fmt: skip
+    _stage_kernel[grid](
+        input_ids,
+        positions,
+        slots,
+        seq_lens,
+        tables,
+        ids_dst,
+        pos_dst,
+        slot_dst,
+        lens_dst,
+        tables_dst,
+        n,
+        padded_n,
+        requests,
+        batch,
+        width,
+        tables.stride(0),
+        tables_dst.stride(0),
+        BLOCK=BLOCK,
+    )
 
 
 def warm_up(device: torch.device) -> None:

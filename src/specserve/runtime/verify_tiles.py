@@ -58,12 +58,15 @@ class StepOutput:
     def __init__(self, graphs: CudaGraphRunner, context: int, seed: int = 0):
         self.graphs, self.context = graphs, min(context, graphs.max_seq_len)
         gen = torch.Generator(device=graphs.input_ids.device).manual_seed(seed)
-        self.pages = [torch.randn(cache[0].shape, generator=gen, device=cache.device
-                                  ).to(cache.dtype)
-                      for layer in graphs.kv_layers for cache in layer[:2]]  # fmt: skip
+        self.pages = [
+            torch.randn(cache[0].shape, generator=gen, device=cache.device).to(cache.dtype)
+            for layer in graphs.kv_layers
+            for cache in layer[:2]
+        ]
         vocab = graphs.model.config.vocab_size
-        self.ids = torch.randint(vocab, graphs.input_ids.shape, generator=gen,
-                                 device=graphs.input_ids.device)  # fmt: skip
+        self.ids = torch.randint(
+            vocab, graphs.input_ids.shape, generator=gen, device=graphs.input_ids.device
+        )
 
     @torch.inference_mode()
     def __call__(self, batch: int, q: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,8 +75,9 @@ class StepOutput:
             cache[0].copy_(page)
         fill_scratch_step(g, batch, q, self.context, slot=-1)
         try:
-            hidden, _ = g.model(self.ids[:n], static_meta(g, batch, q), g.kv_layers,
-                                g.backend, g.aux_layer_ids)  # fmt: skip
+            hidden, _ = g.model(
+                self.ids[:n], static_meta(g, batch, q), g.kv_layers, g.backend, g.aux_layer_ids
+            )
             logits = g.logits_head(hidden) if g.logits_head is not None else hidden
             return hidden.clone(), logits.clone()
         finally:
@@ -87,14 +91,21 @@ def verify_steps(plan: GemvPlan, batch_buckets, q: int, shared_rows: int) -> dic
     for batch in sorted(batch_buckets):
         rows = batch * q
         if batch <= shared_rows < rows <= plan.max_rows:
-            steps[plan.row_buckets[[b >= rows for b in plan.row_buckets].index(True)]] = (
-                batch, q)  # fmt: skip
+            steps[plan.row_buckets[[b >= rows for b in plan.row_buckets].index(True)]] = (batch, q)
     return steps
 
 
-def tune_verify_tiles(plan: GemvPlan, steps: dict, candidates, timer, output,
-                      shared_rows: int, margin: float = 0.003, keys_used=None,
-                      budget_s: float = 30.0) -> VerifyTilesReport:  # fmt: skip
+def tune_verify_tiles(
+    plan: GemvPlan,
+    steps: dict,
+    candidates,
+    timer,
+    output,
+    shared_rows: int,
+    margin: float = 0.003,
+    keys_used=None,
+    budget_s: float = 30.0,
+) -> VerifyTilesReport:
     """For each (row bucket: (batch, q)) of `steps`, each plan key the step looks up
     (`keys_used(steps)`; default every key) whose shared choice is a Triton tile, largest
     weight first: try `candidates(shared tile, rows, key)` as the key's verify tile at that
@@ -118,7 +129,8 @@ def tune_verify_tiles(plan: GemvPlan, steps: dict, candidates, timer, output,
     # step an equal share of what is left of the budget
     for i, (vb, (batch, q)) in enumerate(sorted(steps.items(), reverse=True)):
         deadline = time.perf_counter() + (budget_s - (time.perf_counter() - start)) / (
-            len(steps) - i)  # fmt: skip
+            len(steps) - i
+        )
         used = keys_used([(batch, q)]) if keys_used is not None else set(plan.choices)
         keys = [key for key, _ in shared_tiles(plan, used, shared_rows).values()]
         reference = output(batch, q)
@@ -160,9 +172,11 @@ def tune_verify_tiles(plan: GemvPlan, steps: dict, candidates, timer, output,
 def shared_tiles(plan: GemvPlan, keys, shared_rows: int) -> dict:
     """{(N, K, dtype[, fusion]): (a plan key among `keys`, its tile)} for each projection
     whose choice for the buckets up to shared_rows (one, shared) is a Triton tile."""
-    return {key[1:]: (key, plan.choices[key].config) for key in sorted(keys, key=str)
-            if key in plan.choices and key[0] <= shared_rows
-            and plan.choices[key].config is not None}  # fmt: skip
+    return {
+        key[1:]: (key, plan.choices[key].config)
+        for key in sorted(keys, key=str)
+        if key in plan.choices and key[0] <= shared_rows and plan.choices[key].config is not None
+    }
 
 
 def _set(plan: GemvPlan, vkey: tuple, cfg) -> None:
@@ -172,9 +186,14 @@ def _set(plan: GemvPlan, vkey: tuple, cfg) -> None:
         plan.verify[vkey] = cfg
 
 
-def tune_engine_verify_tiles(graphs: CudaGraphRunner, plan: GemvPlan, shared_rows: int,
-                             verify_tokens: int, context: int = 512,
-                             reps: int = 10) -> VerifyTilesReport | None:  # fmt: skip
+def tune_engine_verify_tiles(
+    graphs: CudaGraphRunner,
+    plan: GemvPlan,
+    shared_rows: int,
+    verify_tokens: int,
+    context: int = 512,
+    reps: int = 10,
+) -> VerifyTilesReport | None:
     """`tune_verify_tiles` for an engine's target: the verify steps of `verify_tokens` per
     request that its graph runner captures (None: no such step reaches past shared_rows)."""
     from specserve.layers.gemv_configs import verify_candidates
@@ -194,14 +213,28 @@ def tune_engine_verify_tiles(graphs: CudaGraphRunner, plan: GemvPlan, shared_row
     compiled = _compile(graphs.model, plan, steps, candidates, shared_rows, device)
     compile_s = time.perf_counter() - start
     timer = StepTimer(graphs, context, reps)
-    report = tune_verify_tiles(plan, steps, candidates, timer, StepOutput(graphs, context),
-                               shared_rows, keys_used=timer.keys_used)  # fmt: skip
+    report = tune_verify_tiles(
+        plan,
+        steps,
+        candidates,
+        timer,
+        StepOutput(graphs, context),
+        shared_rows,
+        keys_used=timer.keys_used,
+    )
     report.compiled, report.compile_s = compiled, compile_s
-    log.info("verify tiles tuned in %.1f s (%d steps timed; %d variants compiled first in "
-             "%.1f s): %s; %d kept, %d with other bits, %d untried (budget)", report.seconds,
-             report.evaluations, compiled, compile_s,
-             ", ".join(f"{n} {a:.3f} -> {b:.3f} ms" for n, (a, b) in report.steps_ms.items()),
-             len(report.changes), len(report.rejected), report.skipped)  # fmt: skip
+    log.info(
+        "verify tiles tuned in %.1f s (%d steps timed; %d variants compiled first in "
+        "%.1f s): %s; %d kept, %d with other bits, %d untried (budget)",
+        report.seconds,
+        report.evaluations,
+        compiled,
+        compile_s,
+        ", ".join(f"{n} {a:.3f} -> {b:.3f} ms" for n, (a, b) in report.steps_ms.items()),
+        len(report.changes),
+        len(report.rejected),
+        report.skipped,
+    )
     return report
 
 
@@ -212,13 +245,15 @@ def compile_todo(plan: GemvPlan, steps: dict, candidates, shared_rows: int) -> d
     todo: dict = {}
     for vb, (batch, q) in sorted(steps.items()):
         for key, (_, cfg) in shared_tiles(plan, plan.choices, shared_rows).items():
-            todo.setdefault(key, []).append((batch * q, [cfg, *candidates(cfg, batch * q,
-                                                                          (vb, *key))]))
+            todo.setdefault(key, []).append(
+                (batch * q, [cfg, *candidates(cfg, batch * q, (vb, *key))])
+            )
     return todo
 
 
-def _compile(model, plan: GemvPlan, steps: dict, candidates, shared_rows: int,
-             device: torch.device) -> int:
+def _compile(
+    model, plan: GemvPlan, steps: dict, candidates, shared_rows: int, device: torch.device
+) -> int:
     """Compile every GEMV variant the search may run (`compile_todo`, with the gated and
     rope epilogues' variants of the shapes that take them), in parallel as selection does,
     so that the search's budget goes to timing; returns how many."""
@@ -234,11 +269,16 @@ def _compile(model, plan: GemvPlan, steps: dict, candidates, shared_rows: int,
     )
 
     weights = {key: [w for w in ws if w.stride(-1) == 1] for key, ws in gemv_weights(model).items()}
-    todo = {key: jobs for key, jobs in compile_todo(plan, steps, candidates, shared_rows).items()
-            if weights.get(key[:3])}  # fmt: skip
+    todo = {
+        key: jobs
+        for key, jobs in compile_todo(plan, steps, candidates, shared_rows).items()
+        if weights.get(key[:3])
+    }
     gated = {key: todo[key] for key in gated_projections(model) if key in todo}
-    rope = {key: (heads, todo[key]) for key, heads in rope_projections(model).items()
-            if key in todo}  # fmt: skip
-    tasks = compile_tasks(todo, weights, gated, pdl.active(device), rope,
-                          frozenset(linear_biases(model)))  # fmt: skip
+    rope = {
+        key: (heads, todo[key]) for key, heads in rope_projections(model).items() if key in todo
+    }
+    tasks = compile_tasks(
+        todo, weights, gated, pdl.active(device), rope, frozenset(linear_biases(model))
+    )
     return compile_variants(tasks, device, min(8, os.cpu_count() or 1))

@@ -90,51 +90,86 @@ def build_app(state: ServerState) -> FastAPI:
     install_error_handlers(app)
     cfg = state.config
     # Outermost last: the status counter sees what the guard refuses too.
-    app.add_middleware(RequestGuard, api_key=cfg.api_key, public_metrics=cfg.public_metrics,
-                       max_body_bytes=cfg.max_request_bytes,
-                       read_timeout_s=cfg.request_read_timeout_s,
-                       draining=lambda: state.draining)  # fmt: skip
+    app.add_middleware(
+        RequestGuard,
+        api_key=cfg.api_key,
+        public_metrics=cfg.public_metrics,
+        max_body_bytes=cfg.max_request_bytes,
+        read_timeout_s=cfg.request_read_timeout_s,
+        draining=lambda: state.draining,
+    )
     app.add_middleware(_StatusCounter, metrics=state.metrics)
     state.metrics.engine_stats = lambda: state.client.stats
     state.metrics.in_flight = lambda: state.client.num_in_flight
 
-    @app.get("/health", response_class=Response, responses={
-        200: {"description": "the engine runs", "content": {}}, **errors(503)})
+    @app.get(
+        "/health",
+        response_class=Response,
+        responses={200: {"description": "the engine runs", "content": {}}, **errors(503)},
+    )
     async def health() -> Response:
         if not state.client.alive:
             return APIError(503, "the engine is not running").response()
         return Response(status_code=200)
 
-    @app.get("/metrics", response_class=PlainTextResponse, responses={
-        200: {"description": "Prometheus text exposition format",
-              "content": {"text/plain": {"schema": {"type": "string"}}}}, **errors(401)})
+    @app.get(
+        "/metrics",
+        response_class=PlainTextResponse,
+        responses={
+            200: {
+                "description": "Prometheus text exposition format",
+                "content": {"text/plain": {"schema": {"type": "string"}}},
+            },
+            **errors(401),
+        },
+    )
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models", response_model=ModelList, responses=errors(401))
     async def models() -> dict:
         info = state.client.info
-        return {"object": "list", "data": [
-            {"id": name, "object": "model", "created": created, "owned_by": "specserve",
-             "max_model_len": info.max_model_len}
-            for name in state.served_names
-        ]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": name,
+                    "object": "model",
+                    "created": created,
+                    "owned_by": "specserve",
+                    "max_model_len": info.max_model_len,
+                }
+                for name in state.served_names
+            ],
+        }
 
-    @app.post("/v1/completions", response_model=None,
-              responses=generation_responses(CompletionResponse, CompletionResponse))
+    @app.post(
+        "/v1/completions",
+        response_model=None,
+        responses=generation_responses(CompletionResponse, CompletionResponse),
+    )
     async def completions(body: CompletionRequest, request: Request) -> Response:
         model = model_check(body.model, state.served_names)
         prompts = await state.inputs.completion_prompts(body)
         prepared = state.inputs.prepare(
             "cmpl", body, prompts, body.max_tokens, "max_tokens", body.logprobs
         )
-        fmt = CompletionFormatter(prepared.request_id, model, len(prepared.requests),
-                                  prepared.num_prompt_tokens, body.logprobs, state.token_text)
+        fmt = CompletionFormatter(
+            prepared.request_id,
+            model,
+            len(prepared.requests),
+            prepared.num_prompt_tokens,
+            body.logprobs,
+            state.token_text,
+        )
         fmt.simulated = state.client.info.simulated_acceptance
         return await _serve(state, request, body, prepared, fmt)
 
-    @app.post("/v1/chat/completions", response_model=None,
-              responses=generation_responses(ChatCompletionResponse, ChatCompletionChunk))
+    @app.post(
+        "/v1/chat/completions",
+        response_model=None,
+        responses=generation_responses(ChatCompletionResponse, ChatCompletionChunk),
+    )
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         model = model_check(body.model, state.served_names)
         ids = await state.inputs.chat_prompt(body)
@@ -146,26 +181,37 @@ def build_app(state: ServerState) -> FastAPI:
         prepared = state.inputs.prepare(
             "chatcmpl", body, [ids], asked, param, logprobs, prompt_param="messages"
         )
-        fmt = ChatFormatter(prepared.request_id, model, len(prepared.requests),
-                            prepared.num_prompt_tokens, logprobs, state.token_text)
+        fmt = ChatFormatter(
+            prepared.request_id,
+            model,
+            len(prepared.requests),
+            prepared.num_prompt_tokens,
+            logprobs,
+            state.token_text,
+        )
         fmt.simulated = state.client.info.simulated_acceptance
         return await _serve(state, request, body, prepared, fmt)
 
-    document_openapi(app, secured=cfg.api_key is not None,
-                     open_paths=RequestGuard.open_paths_for(cfg.public_metrics),
-                     models=(ChatCompletionChunk,))
+    document_openapi(
+        app,
+        secured=cfg.api_key is not None,
+        open_paths=RequestGuard.open_paths_for(cfg.public_metrics),
+        models=(ChatCompletionChunk,),
+    )
     return app
 
 
-async def _serve(state: ServerState, request: Request, body, prepared: PreparedRequest,
-                 fmt) -> Response:
+async def _serve(
+    state: ServerState, request: Request, body, prepared: PreparedRequest, fmt
+) -> Response:
     if state.draining:
         raise APIError(503, "the server is shutting down", code="shutting_down")
     try:
         stream = state.client.submit(prepared.requests)
     except QueueFullError as e:
-        raise APIError(429, str(e), code="queue_full",
-                       headers={"Retry-After": str(state.config.retry_after_s)}) from e
+        raise APIError(
+            429, str(e), code="queue_full", headers={"Retry-After": str(state.config.retry_after_s)}
+        ) from e
     except RequestTooBigError as e:
         param = "n" if body.n > 1 else "prompt"
         raise APIError(400, str(e), param=param, code="too_many_choices") from e
@@ -173,9 +219,13 @@ async def _serve(state: ServerState, request: Request, body, prepared: PreparedR
         raise _unavailable(e) from e
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return _EngineStream(state.client, stream, _events(stream, fmt, include_usage),
-                             media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache"})
+        return _EngineStream(
+            state.client,
+            stream,
+            _events(stream, fmt, include_usage),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache"},
+        )
     try:
         await _collect(stream, fmt, request)
     finally:

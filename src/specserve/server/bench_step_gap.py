@@ -24,8 +24,11 @@ import time
 
 import httpx
 
-_SAMPLE = re.compile(r'^(specserve_engine_step_(?:gap|duration)_seconds)_(bucket|sum|count)'
-                     r'(?:\{le="([^"]+)"\})? ([0-9.e+-]+)$', re.M)
+_SAMPLE = re.compile(
+    r"^(specserve_engine_step_(?:gap|duration)_seconds)_(bucket|sum|count)"
+    r'(?:\{le="([^"]+)"\})? ([0-9.e+-]+)$',
+    re.M,
+)
 
 
 def _scrape(url: str) -> dict:
@@ -53,13 +56,23 @@ def _summary(before: dict, after: dict) -> dict:
         return float("inf")
 
     mean = total / count if count else float("nan")
-    return {"count": int(count), "mean_ms": 1e3 * mean, "p50_ms": 1e3 * quantile(0.5),
-            "p90_ms": 1e3 * quantile(0.9), "p99_ms": 1e3 * quantile(0.99)}
+    return {
+        "count": int(count),
+        "mean_ms": 1e3 * mean,
+        "p50_ms": 1e3 * quantile(0.5),
+        "p90_ms": 1e3 * quantile(0.9),
+        "p99_ms": 1e3 * quantile(0.99),
+    }
 
 
 async def _one(http: httpx.AsyncClient, url: str, prompt: str, max_tokens: int) -> int:
-    body = {"prompt": prompt, "max_tokens": max_tokens, "stream": True, "ignore_eos": True,
-            "temperature": 0}
+    body = {
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "stream": True,
+        "ignore_eos": True,
+        "temperature": 0,
+    }
     events = 0
     async with http.stream("POST", url + "/v1/completions", json=body) as r:
         r.raise_for_status()
@@ -72,10 +85,12 @@ async def _load(url: str, streams: int, max_tokens: int) -> float:
     limits = httpx.Limits(max_connections=streams + 8)
     async with httpx.AsyncClient(timeout=3600, limits=limits) as http:
         start = time.perf_counter()
-        await asyncio.gather(*[
-            _one(http, url, f"Request {i}: write a story about caches.", max_tokens)
-            for i in range(streams)
-        ])
+        await asyncio.gather(
+            *[
+                _one(http, url, f"Request {i}: write a story about caches.", max_tokens)
+                for i in range(streams)
+            ]
+        )
         return time.perf_counter() - start
 
 
@@ -106,15 +121,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default=None)
     parser.add_argument("--streams", type=int, default=256)
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--pin-engine-cpu", type=int, default=None,
-                        help="run the engine process alone on this CPU (Linux)")
+    parser.add_argument(
+        "--pin-engine-cpu",
+        type=int,
+        default=None,
+        help="run the engine process alone on this CPU (Linux)",
+    )
     argv = sys.argv[1:] if argv is None else argv
-    extra = argv[argv.index("--") + 1:] if "--" in argv else []
+    extra = argv[argv.index("--") + 1 :] if "--" in argv else []
     args = parser.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "specserve.cli", "serve", "--port", str(port),
-           "--disable-uvicorn-access-log", "--uvicorn-log-level", "warning", *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "specserve.cli",
+        "serve",
+        "--port",
+        str(port),
+        "--disable-uvicorn-access-log",
+        "--uvicorn-log-level",
+        "warning",
+        *extra,
+    ]
     if args.model:
         cmd += ["--model", args.model]
     proc = subprocess.Popen(cmd, env=dict(os.environ, HF_HUB_OFFLINE="1"))
@@ -137,13 +166,19 @@ def main(argv: list[str] | None = None) -> int:
         proc.send_signal(signal.SIGTERM)
         proc.wait(120)
     tokens = args.streams * args.max_tokens
-    print(f"{args.streams} streams x {args.max_tokens} tokens in {wall_s:.1f} s "
-          f"({tokens / wall_s:.0f} tok/s)")
-    for name, label in (("specserve_engine_step_gap_seconds", "step gap"),
-                        ("specserve_engine_step_duration_seconds", "step duration")):
+    print(
+        f"{args.streams} streams x {args.max_tokens} tokens in {wall_s:.1f} s "
+        f"({tokens / wall_s:.0f} tok/s)"
+    )
+    for name, label in (
+        ("specserve_engine_step_gap_seconds", "step gap"),
+        ("specserve_engine_step_duration_seconds", "step duration"),
+    ):
         s = _summary(before[name], after[name])
-        print(f"{label}: n={s['count']} mean={s['mean_ms']:.3f} ms  p50<={s['p50_ms']:.3f} ms"
-              f"  p90<={s['p90_ms']:.3f} ms  p99<={s['p99_ms']:.3f} ms")
+        print(
+            f"{label}: n={s['count']} mean={s['mean_ms']:.3f} ms  p50<={s['p50_ms']:.3f} ms"
+            f"  p90<={s['p90_ms']:.3f} ms  p99<={s['p99_ms']:.3f} ms"
+        )
     return 0
 
 

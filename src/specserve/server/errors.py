@@ -94,8 +94,10 @@ def validation_error(exc: RequestValidationError) -> APIError:
     # The most specific location wins (for a union: the member the value came closest to).
     params = [_field_path(tuple(e.get("loc", ()))) for e in errors]
     # Among equals, a broken constraint says more than a type mismatch of another member.
-    best = max(range(len(errors)), key=lambda i: (
-        len(params[i] or ""), not str(errors[i].get("type", "")).endswith("_type")))
+    best = max(
+        range(len(errors)),
+        key=lambda i: (len(params[i] or ""), not str(errors[i].get("type", "")).endswith("_type")),
+    )
     param, first = params[best], errors[best]
     if param is None:
         return bad_request("the body must be a JSON object", None)

@@ -29,8 +29,15 @@ class RequestGuard:
     """Authentication, size, time and media-type checks of every HTTP request (see the
     module); everything that passes reaches `app` with its body already read."""
 
-    def __init__(self, app, api_key: str | None, public_metrics: bool, max_body_bytes: int,
-                 read_timeout_s: float, draining: Callable[[], bool] = lambda: False):  # fmt: skip
+    def __init__(
+        self,
+        app,
+        api_key: str | None,
+        public_metrics: bool,
+        max_body_bytes: int,
+        read_timeout_s: float,
+        draining: Callable[[], bool] = lambda: False,
+    ):
         self.app = app
         self.draining = draining  # a server shutting down stops waiting for slow bodies
         self.expected = api_key.encode() if api_key else None
@@ -45,9 +52,14 @@ class RequestGuard:
         path = scope.get("path", "")
         if self.expected is not None and path not in self.open_paths:
             if not self._authorized(scope):
-                await _reply(send, 401, "missing or incorrect API key; send 'Authorization: "
-                             "Bearer <key>'", "authentication_error", "invalid_api_key",
-                             [(b"www-authenticate", b"Bearer")])  # fmt: skip
+                await _reply(
+                    send,
+                    401,
+                    "missing or incorrect API key; send 'Authorization: Bearer <key>'",
+                    "authentication_error",
+                    "invalid_api_key",
+                    [(b"www-authenticate", b"Bearer")],
+                )
                 return
         if scope.get("method") not in _BODY_METHODS:
             await self.app(scope, receive, send)
@@ -60,12 +72,18 @@ class RequestGuard:
         if path.startswith(API_PREFIX):
             content_type = headers.get(b"content-type")
             if content_type is None:  # read as JSON, as clients that send none mean it
-                scope = {**scope, "headers": [*scope["headers"],
-                                              (b"content-type", b"application/json")]}
+                scope = {
+                    **scope,
+                    "headers": [*scope["headers"], (b"content-type", b"application/json")],
+                }
             elif not _is_json(content_type):
-                await _reply(send, 415, "send the body as JSON with 'Content-Type: "
-                             "application/json'", "invalid_request_error",
-                             "unsupported_media_type")  # fmt: skip
+                await _reply(
+                    send,
+                    415,
+                    "send the body as JSON with 'Content-Type: application/json'",
+                    "invalid_request_error",
+                    "unsupported_media_type",
+                )
                 return
         body = await self._read_body(receive, send)
         if body is None:
@@ -84,7 +102,8 @@ class RequestGuard:
             if name == b"authorization":
                 scheme, _, token = value.strip().partition(b" ")
                 return scheme.lower() == b"bearer" and hmac.compare_digest(
-                    token.strip(), self.expected)
+                    token.strip(), self.expected
+                )
         return False
 
     async def _read_body(self, receive, send) -> bytes | None:
@@ -104,12 +123,17 @@ class RequestGuard:
             if not pending.done():
                 pending.cancel()
                 if self.draining():
-                    await _reply(send, 503, "the server is shutting down", "server_error",
-                                 "shutting_down")
+                    await _reply(
+                        send, 503, "the server is shutting down", "server_error", "shutting_down"
+                    )
                 else:
-                    await _reply(send, 408, f"the request body did not arrive within "
-                                 f"{self.read_timeout_s:g} s", "invalid_request_error",
-                                 "request_timeout")  # fmt: skip
+                    await _reply(
+                        send,
+                        408,
+                        f"the request body did not arrive within {self.read_timeout_s:g} s",
+                        "invalid_request_error",
+                        "request_timeout",
+                    )
                 return None
             message, pending = pending.result(), None
             if message["type"] == "http.disconnect":
@@ -124,8 +148,13 @@ class RequestGuard:
                 return b"".join(chunks)
 
     async def _too_large(self, send) -> None:
-        await _reply(send, 413, f"the request body is larger than {self.max_body_bytes} bytes "
-                     "(--max-request-bytes)", "invalid_request_error", "request_too_large")
+        await _reply(
+            send,
+            413,
+            f"the request body is larger than {self.max_body_bytes} bytes (--max-request-bytes)",
+            "invalid_request_error",
+            "request_too_large",
+        )
 
 
 def _is_json(content_type: bytes) -> bool:
@@ -148,15 +177,26 @@ def _replay(body: bytes, receive):
     return replay
 
 
-async def _reply(send, status: int, message: str, type: str, code: str,
-                 headers: list[tuple[bytes, bytes]] = ()) -> None:  # fmt: skip
+async def _reply(
+    send, status: int, message: str, type: str, code: str, headers: list[tuple[bytes, bytes]] = ()
+) -> None:
     """An OpenAI-style error body; the connection closes after it (an unread body stays
     unread)."""
-    body = json.dumps({"error": {"message": message, "type": type, "param": None,
-                                 "code": code}}).encode()  # fmt: skip
-    await send({"type": "http.response.start", "status": status, "headers": [
-        (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-        (b"connection", b"close"), *headers]})  # fmt: skip
+    body = json.dumps(
+        {"error": {"message": message, "type": type, "param": None, "code": code}}
+    ).encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                (b"connection", b"close"),
+                *headers,
+            ],
+        }
+    )
     await send({"type": "http.response.body", "body": body})
 
 

@@ -70,9 +70,7 @@ class InputProcessor:
 
     async def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
         if not getattr(self.tokenizer, "chat_template", None):
-            raise bad_request(
-                "this model has no chat template; use /v1/completions", "messages"
-            )
+            raise bad_request("this model has no chat template; use /v1/completions", "messages")
         messages = []
         for i, m in enumerate(req.messages):
             content = m.content
@@ -97,8 +95,9 @@ class InputProcessor:
         except TemplateError as e:  # the template's own checks (roles that must alternate...)
             raise bad_request(f"the chat template rejected the messages: {e}", "messages") from e
         except Exception as e:  # anything else: how it failed is not the client's business
-            raise bad_request("the chat template could not render these messages",
-                              "messages") from e
+            raise bad_request(
+                "the chat template could not render these messages", "messages"
+            ) from e
         ids = out["input_ids"] if hasattr(out, "keys") else out
         return list(ids)
 
@@ -115,8 +114,7 @@ class InputProcessor:
         bad = next((t for t in ids if t >= info.vocab_size), None)
         if bad is not None:
             raise bad_request(
-                f"token id {bad} is out of range; this model's ids lie in "
-                f"[0, {info.vocab_size})",
+                f"token id {bad} is out of range; this model's ids lie in [0, {info.vocab_size})",
                 param,
             )
         if len(ids) >= info.max_model_len:
@@ -219,16 +217,14 @@ def check_unsupported(req: SamplingFields) -> None:
         if req.suffix:
             raise bad_request("suffix is not supported", "suffix")
         if req.best_of is not None and req.best_of != req.n:
-            raise bad_request("best_of must equal n (best-of ranking is not supported)",
-                              "best_of")
+            raise bad_request("best_of must equal n (best-of ranking is not supported)", "best_of")
     if isinstance(req, ChatCompletionRequest):
         if req.tools:
             raise bad_request("tools are not supported", "tools")
         if req.tool_choice not in (None, "none", "auto"):
             raise bad_request("tool_choice is not supported", "tool_choice")
         if req.response_format is not None and req.response_format.type != "text":
-            raise bad_request("response_format other than text is not supported",
-                              "response_format")
+            raise bad_request("response_format other than text is not supported", "response_format")
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
 

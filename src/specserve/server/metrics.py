@@ -16,16 +16,63 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 _LATENCY_BUCKETS = (
-    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
-    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0,
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
 )
 _ITL_BUCKETS = (
-    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
-    0.75, 1.0, 2.5, 5.0,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
 )
 _GAP_BUCKETS = (
-    1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1,
-    0.25, 1.0,
+    1e-5,
+    2.5e-5,
+    5e-5,
+    1e-4,
+    2.5e-4,
+    5e-4,
+    1e-3,
+    2.5e-3,
+    5e-3,
+    1e-2,
+    2.5e-2,
+    5e-2,
+    0.1,
+    0.25,
+    1.0,
 )
 _STEP_BUCKETS = (*_GAP_BUCKETS, 2.5, 5.0, 10.0, 30.0)
 # Engine stats exported under fixed names; any other number the engine reports is exported
@@ -38,12 +85,18 @@ _ENGINE_GAUGES = {
 }
 _ENGINE_COUNTERS = {
     "preemptions": ("specserve_preemptions", "requests preempted for lack of KV pages"),
-    "device_step_ms": ("specserve_engine_device_step_ms",
-                       "device time of engine steps, first kernel to last (GPU only), ms"),
-    "device_gap_ms": ("specserve_engine_device_gap_ms",
-                      "device idle time between back-to-back engine steps (GPU only), ms"),
-    "host_wait_ms": ("specserve_engine_host_wait_ms",
-                     "time the engine blocked waiting for steps' drawn tokens, ms"),
+    "device_step_ms": (
+        "specserve_engine_device_step_ms",
+        "device time of engine steps, first kernel to last (GPU only), ms",
+    ),
+    "device_gap_ms": (
+        "specserve_engine_device_gap_ms",
+        "device idle time between back-to-back engine steps (GPU only), ms",
+    ),
+    "host_wait_ms": (
+        "specserve_engine_host_wait_ms",
+        "time the engine blocked waiting for steps' drawn tokens, ms",
+    ),
 }
 
 
@@ -55,12 +108,16 @@ class ServerMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter(
-            "specserve_requests", "API requests by endpoint and HTTP status",
-            ["endpoint", "status"], registry=r,
+            "specserve_requests",
+            "API requests by endpoint and HTTP status",
+            ["endpoint", "status"],
+            registry=r,
         )
         self.finished = Counter(
-            "specserve_request_finished", "engine requests (choices) finished, by reason",
-            ["finish_reason"], registry=r,
+            "specserve_request_finished",
+            "engine requests (choices) finished, by reason",
+            ["finish_reason"],
+            registry=r,
         )
         self.prompt_tokens = Counter(
             "specserve_prompt_tokens", "prompt tokens of accepted requests", registry=r
@@ -69,25 +126,34 @@ class ServerMetrics:
             "specserve_generation_tokens", "tokens generated", registry=r
         )
         self.ttft = Histogram(
-            "specserve_time_to_first_token_seconds", "submission to first generated token",
-            buckets=_LATENCY_BUCKETS, registry=r,
+            "specserve_time_to_first_token_seconds",
+            "submission to first generated token",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         )
         self.itl = Histogram(
-            "specserve_inter_token_latency_seconds", "time between tokens of a request",
-            buckets=_ITL_BUCKETS, registry=r,
+            "specserve_inter_token_latency_seconds",
+            "time between tokens of a request",
+            buckets=_ITL_BUCKETS,
+            registry=r,
         )
         self.e2e = Histogram(
-            "specserve_e2e_request_latency_seconds", "submission to last token",
-            buckets=_LATENCY_BUCKETS, registry=r,
+            "specserve_e2e_request_latency_seconds",
+            "submission to last token",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         )
         self.step_duration = Histogram(
-            "specserve_engine_step_duration_seconds", "one model step in the engine process",
-            buckets=_STEP_BUCKETS, registry=r,
+            "specserve_engine_step_duration_seconds",
+            "one model step in the engine process",
+            buckets=_STEP_BUCKETS,
+            registry=r,
         )
         self.step_gap = Histogram(
             "specserve_engine_step_gap_seconds",
             "engine idle time between back-to-back model steps (IPC, scheduling overhead)",
-            buckets=_GAP_BUCKETS, registry=r,
+            buckets=_GAP_BUCKETS,
+            registry=r,
         )
         self.engine_stats: Callable[[], dict] = dict
         self.in_flight: Callable[[], int] = lambda: 0
@@ -127,8 +193,10 @@ class SpecMetrics:
             "specserve_spec_verify_steps", "request-steps that verified drafts", registry=registry
         )
         self.accept_len = Counter(
-            "specserve_spec_accepted_per_step", "verify request-steps by drafts accepted",
-            ["accepted"], registry=registry,
+            "specserve_spec_accepted_per_step",
+            "verify request-steps by drafts accepted",
+            ["accepted"],
+            registry=registry,
         )
 
     def observe(self, spec_stats) -> None:
@@ -143,17 +211,24 @@ class SpecMetrics:
 # Engine stats that are lists, exported as labelled counters: key -> (name, label, doc).
 _ENGINE_LISTS = {
     "spec_steps_by_draft_len": (
-        "specserve_spec_draft_length_steps", "draft_len",
+        "specserve_spec_draft_length_steps",
+        "draft_len",
         "request-steps by the draft length the policy chose (0: plain decoding)",
     ),
     "spec_steps_by_step_k": (
-        "specserve_spec_step_k_steps", "k", "steps by the one draft length chosen for the step",
+        "specserve_spec_step_k_steps",
+        "k",
+        "steps by the one draft length chosen for the step",
     ),
     "spec_position_drafted": (
-        "specserve_spec_position_drafted", "position", "draft tokens proposed, by position",
+        "specserve_spec_position_drafted",
+        "position",
+        "draft tokens proposed, by position",
     ),
     "spec_position_accepted": (
-        "specserve_spec_position_accepted", "position", "draft tokens accepted, by position",
+        "specserve_spec_position_accepted",
+        "position",
+        "draft tokens accepted, by position",
     ),
 }
 
@@ -161,7 +236,8 @@ _ENGINE_LISTS = {
 # Engine stats that are {label: count} dicts, exported as labelled counters.
 _ENGINE_DICTS = {
     "loop_wait_reasons": (
-        "specserve_engine_loop_waits_by_reason", "reason",
+        "specserve_engine_loop_waits_by_reason",
+        "reason",
         "steps launched only after the previous step's tokens reached the host, by reason",
     ),
 }
@@ -198,13 +274,15 @@ class _EngineCollector:
                     family.add_metric([str(k)], v)
                 yield family
             elif isinstance(value, str):  # e.g. the policy's name
-                family = GaugeMetricFamily(f"specserve_engine_{safe}_info", f"engine {key}",
-                                           labels=[key])
+                family = GaugeMetricFamily(
+                    f"specserve_engine_{safe}_info", f"engine {key}", labels=[key]
+                )
                 family.add_metric([value], 1)
                 yield family
             elif isinstance(value, bool):  # e.g. simulated acceptance: say it loudly
-                yield GaugeMetricFamily(f"specserve_engine_{safe}", f"engine {key}",
-                                        value=int(value))
+                yield GaugeMetricFamily(
+                    f"specserve_engine_{safe}", f"engine {key}", value=int(value)
+                )
             elif not isinstance(value, (int, float)) or value != value:
                 continue  # other shapes, and NaN
             elif key in _ENGINE_COUNTERS:

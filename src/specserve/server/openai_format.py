@@ -17,15 +17,17 @@ _MIN_LOGPROB = -9999.0  # JSON has no -inf
 SIMULATED_FINGERPRINT = "specserve-SIMULATED-ACCEPTANCE-outputs-are-not-the-model's"
 
 
-
 def _lp(x: float) -> float:
     return x if x > _MIN_LOGPROB else _MIN_LOGPROB
 
 
 def _byte_decoder() -> dict[str, int]:
     """Inverse of the GPT-2 byte-level alphabet: printable stand-in character -> byte."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
-            *range(ord("®"), ord("ÿ") + 1)]
+    keep = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
     chars, extra = {}, 0
     for b in range(256):
         if b in keep:
@@ -119,8 +121,13 @@ class _Formatter:
     simulated = False  # set when the engine simulates acceptance: every response says so
 
     def _envelope(self, obj: str, choices: list, usage_field: bool) -> dict:
-        out = {"id": self.id, "object": obj, "created": self.created, "model": self.model,
-               "choices": choices}
+        out = {
+            "id": self.id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
         if self.simulated:
             out["system_fingerprint"] = SIMULATED_FINGERPRINT
         if usage_field:
@@ -160,8 +167,12 @@ class CompletionFormatter(_Formatter):
         self._absorb(index, delta)
         if not delta.delta_text and lp is None and not delta.finished:
             return None
-        choice = {"index": index, "text": delta.delta_text, "logprobs": lp,
-                  "finish_reason": delta.finish_reason if delta.finished else None}
+        choice = {
+            "index": index,
+            "text": delta.delta_text,
+            "logprobs": lp,
+            "finish_reason": delta.finish_reason if delta.finished else None,
+        }
         return self._envelope(self.chunk_object, [choice], usage_field)
 
     def add(self, index: int, delta: OutputDelta) -> None:
@@ -176,10 +187,18 @@ class CompletionFormatter(_Formatter):
         for i, c in enumerate(self.choices):
             lp = None
             if self.logprobs is not None:
-                lp = {k: [x for part in c.logprobs for x in part[k]]
-                      for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
-            choices.append({"index": i, "text": "".join(c.text), "logprobs": lp,
-                            "finish_reason": c.finish_reason})
+                lp = {
+                    k: [x for part in c.logprobs for x in part[k]]
+                    for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+                }
+            choices.append(
+                {
+                    "index": i,
+                    "text": "".join(c.text),
+                    "logprobs": lp,
+                    "finish_reason": c.finish_reason,
+                }
+            )
         out = self._envelope("text_completion", choices, False)
         out["usage"] = self.usage()
         return out
@@ -205,10 +224,18 @@ class ChatFormatter(_Formatter):
 
     def role_chunks(self, usage_field: bool) -> list[dict]:
         return [
-            self._envelope(self.chunk_object, [{
-                "index": i, "delta": {"role": "assistant", "content": ""},
-                "logprobs": None, "finish_reason": None,
-            }], usage_field)
+            self._envelope(
+                self.chunk_object,
+                [
+                    {
+                        "index": i,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                ],
+                usage_field,
+            )
             for i in range(len(self.choices))
         ]
 
@@ -236,7 +263,8 @@ class ChatFormatter(_Formatter):
             {
                 "index": i,
                 "message": {"role": "assistant", "content": "".join(c.text)},
-                "logprobs": None if self.logprobs is None
+                "logprobs": None
+                if self.logprobs is None
                 else {"content": c.logprobs, "refusal": None},
                 "finish_reason": c.finish_reason,
             }

@@ -27,33 +27,55 @@ def generation_responses(body: type[BaseModel], chunk: type[BaseModel]) -> dict:
     events whose data are `chunk` objects (an error object when the request fails midway),
     the last one `[DONE]`."""
     event = {
-        "type": "object", "required": ["data"],
-        "properties": {"event": {"type": "string"}, "data": {"anyOf": [
-            {"const": "[DONE]"},
-            {"type": "string", "pattern": "^\\{", "contentMediaType": "application/json",
-             "contentSchema": {"anyOf": [{"$ref": _REF.format(model=chunk.__name__)},
-                                         {"$ref": _REF.format(model="ErrorResponse")}]}},
-        ]}},
-    }  # fmt: skip
+        "type": "object",
+        "required": ["data"],
+        "properties": {
+            "event": {"type": "string"},
+            "data": {
+                "anyOf": [
+                    {"const": "[DONE]"},
+                    {
+                        "type": "string",
+                        "pattern": "^\\{",
+                        "contentMediaType": "application/json",
+                        "contentSchema": {
+                            "anyOf": [
+                                {"$ref": _REF.format(model=chunk.__name__)},
+                                {"$ref": _REF.format(model="ErrorResponse")},
+                            ]
+                        },
+                    },
+                ]
+            },
+        },
+    }
     return {
-        200: {"model": body, "description": f"the completion; with stream true, server-sent "
-              f"events whose data are {chunk.__name__} objects, then [DONE]",
-              "content": {"text/event-stream": {"schema": event}}},
+        200: {
+            "model": body,
+            "description": f"the completion; with stream true, server-sent "
+            f"events whose data are {chunk.__name__} objects, then [DONE]",
+            "content": {"text/event-stream": {"schema": event}},
+        },
         **errors(400, 401, 404, 408, 413, 415, 429, 503),
     }
 
 
-def document_openapi(app: FastAPI, secured: bool, open_paths=OPEN_PATHS,
-                     models: tuple[type[BaseModel], ...] = ()) -> None:  # fmt: skip
+def document_openapi(
+    app: FastAPI, secured: bool, open_paths=OPEN_PATHS, models: tuple[type[BaseModel], ...] = ()
+) -> None:
     """Replace `app.openapi` by the corrected document (built once, on first request);
     `models`: schemas the document must hold that no route names (stream chunks)."""
 
     def openapi() -> dict:
         if app.openapi_schema is not None:
             return app.openapi_schema
-        doc = get_openapi(title=app.title, version=app.version, routes=app.routes,
-                          description="OpenAI-compatible completions and chat completions "
-                          "with adaptive speculative decoding")  # fmt: skip
+        doc = get_openapi(
+            title=app.title,
+            version=app.version,
+            routes=app.routes,
+            description="OpenAI-compatible completions and chat completions "
+            "with adaptive speculative decoding",
+        )
         for path, item in doc.get("paths", {}).items():
             for operation in item.values():
                 operation.get("responses", {}).pop("422", None)

@@ -22,8 +22,10 @@ def _unicode(text: str) -> str:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise ValueError(f"holds an unpaired surrogate (U+{ord(text[e.start]):04X}) at "
-                         f"character {e.start}; send valid Unicode text") from None
+        raise ValueError(
+            f"holds an unpaired surrogate (U+{ord(text[e.start]):04X}) at "
+            f"character {e.start}; send valid Unicode text"
+        ) from None
     return text
 
 
@@ -71,8 +73,10 @@ class CompletionRequest(SamplingFields):
         Annotated[Text, Field(max_length=10_000_000)]
         | Annotated[list[Text], Field(min_length=1, max_length=1024)]
         | Annotated[list[TokenId], Field(min_length=1)]
-        | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]],
-                    Field(min_length=1, max_length=1024)]
+        | Annotated[
+            list[Annotated[list[TokenId], Field(min_length=1)]],
+            Field(min_length=1, max_length=1024),
+        ]
     )
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=20)

@@ -43,8 +43,9 @@ class AcceptanceModel:
     IDLE_GRACE = 4
     IDLE_QUANTUM = 8
 
-    def __init__(self, k_max: int, prior: float = 0.6, decay: float = 0.95,
-                 global_decay: float = 0.995):  # fmt: skip
+    def __init__(
+        self, k_max: int, prior: float = 0.6, decay: float = 0.95, global_decay: float = 0.995
+    ):
         self.k_max = k_max
         self.prior = prior
         self.decay = decay
@@ -68,8 +69,9 @@ class AcceptanceModel:
     def _global_entry(self) -> tuple:
         if self._global is None or self._global[2] != self._version:
             m = self.PRIOR_WEIGHT
-            alpha = [(h + m * self.prior) / (n + m)
-                     for h, n in zip(self._global_hits, self._global_seen)]  # fmt: skip
+            alpha = [
+                (h + m * self.prior) / (n + m) for h, n in zip(self._global_hits, self._global_seen)
+            ]
             self._global = (alpha, cumulative_tokens(alpha), self._version)
         return self._global
 

@@ -26,8 +26,16 @@ from specserve.speculative.switch_costs import (
     there_and_back_row,
 )
 
-__all__ = ["CurveModel", "RobustMean", "StepCostModel", "batch_bucket", "measure_curve",
-           "powers_of_two", "there_and_back", "there_and_back_row"]
+__all__ = [
+    "CurveModel",
+    "RobustMean",
+    "StepCostModel",
+    "batch_bucket",
+    "measure_curve",
+    "powers_of_two",
+    "there_and_back",
+    "there_and_back_row",
+]
 
 
 class StepCostModel:
@@ -98,8 +106,15 @@ class StepCostModel:
             above = [b for (b, kk) in self._cells if kk == k and b > bucket]
             if below and above:
                 lo, hi = max(below), min(above)
-                return (self.seed_ms(lo, k), self._cells[(lo, k)], extra,
-                        self.seed_ms(hi, k), self._cells[(hi, k)], n - lo, hi - lo)  # fmt: skip
+                return (
+                    self.seed_ms(lo, k),
+                    self._cells[(lo, k)],
+                    extra,
+                    self.seed_ms(hi, k),
+                    self._cells[(hi, k)],
+                    n - lo,
+                    hi - lo,
+                )
         return self.seed_ms(n, k), self._ratio_cell(bucket, k), extra
 
     def _ratio_cell(self, bucket: int, k: int):
@@ -252,8 +267,10 @@ class StepCostModel:
     def snapshot(self) -> dict:
         """The online tables as plain data (diagnostics): "bucket:K" -> (ratio of period to
         seed, observations) and "bucket:direction" -> (switch cost in ms, observations)."""
-        return {"ratio": _fmt(self._cells, lambda c: math.exp(c.value)),
-                "switch_ms": _fmt(self.switches.cells, lambda c: c.value)}  # fmt: skip
+        return {
+            "ratio": _fmt(self._cells, lambda c: math.exp(c.value)),
+            "switch_ms": _fmt(self.switches.cells, lambda c: c.value),
+        }
 
     def switch_ms(self, n: int, k_from: int, k_to: int) -> float:
         """What a switch from K=k_from to k_to costs beyond steady steps (may be negative)."""
@@ -278,15 +295,18 @@ class StepCostModel:
         caller knows it), between K > 0 nothing. One direction may be negative; a switch
         there and back costs the sum (`there_and_back`). Read only (it may be cached)."""
         return self.switches.costs(
-            n, lambda: self.SWITCH_PRIOR * (plain_ms or self.period_ms(n, 0)), self.memoize)
+            n, lambda: self.SWITCH_PRIOR * (plain_ms or self.period_ms(n, 0)), self.memoize
+        )
 
-    def observe_switch(self, n: int, k_from: int, k_to: int, excess_ms: float,
-                       steady_ms: float) -> None:  # fmt: skip
+    def observe_switch(
+        self, n: int, k_from: int, k_to: int, excess_ms: float, steady_ms: float
+    ) -> None:
         """A switch from K=k_from to k_to cost excess_ms beyond steady steps (`PeriodLog`:
         the step before it and the first after it, less the steady ones on either side);
         steady_ms, the new K's steady period, scales the outlier cut (`SwitchCosts`)."""
-        self.switches.observe(n, k_from, k_to, excess_ms, steady_ms,
-                              lambda: self.SWITCH_PRIOR * self.period_ms(n, 0))  # fmt: skip
+        self.switches.observe(
+            n, k_from, k_to, excess_ms, steady_ms, lambda: self.SWITCH_PRIOR * self.period_ms(n, 0)
+        )
 
 
 def _read(plan: tuple) -> float:

@@ -55,18 +55,24 @@ class Eagle3Proposer(Proposer):
         self.backend: AttentionBackend = backend
         self.aux_layer_ids = head.aux_layer_ids
         self.target_vocab = head.config.vocab_size
-        self.draft_ids = head.draft_to_target(torch.arange(head.config.draft_vocab_size,
-                                                           device=head.d2t.device))
+        self.draft_ids = head.draft_to_target(
+            torch.arange(head.config.draft_vocab_size, device=head.d2t.device)
+        )
         self.graphs: DrafterGraphs | None = None
         # Projected target features by KV slot: [pages * page size, H] (page 0: scratch).
         num_slots = kv.pool.shape[2] * kv.page_size
-        self.feature_store = torch.zeros(num_slots, head.config.layer.hidden_size,
-                                         dtype=head.fc.weight.dtype, device=kv.pool.device)
+        self.feature_store = torch.zeros(
+            num_slots,
+            head.config.layer.hidden_size,
+            dtype=head.fc.weight.dtype,
+            device=kv.pool.device,
+        )
 
     def _target_logits(self, draft_logits: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits -> logits over the target vocabulary (-inf outside)."""
-        full = torch.full((draft_logits.shape[0], self.target_vocab), float("-inf"),
-                          device=draft_logits.device)  # fmt: skip
+        full = torch.full(
+            (draft_logits.shape[0], self.target_vocab), float("-inf"), device=draft_logits.device
+        )
         full[:, self.draft_ids] = draft_logits
         return full
 
@@ -75,8 +81,13 @@ class Eagle3Proposer(Proposer):
             return self.draft_ids[argmax_rows(draft_logits)], None
         return draw_drafts(self._target_logits(draft_logits), items, step)
 
-    def _pass(self, segments: list[Segment], hidden: torch.Tensor | None, input_ids=None,
-              logits: bool = True):  # fmt: skip
+    def _pass(
+        self,
+        segments: list[Segment],
+        hidden: torch.Tensor | None,
+        input_ids=None,
+        logits: bool = True,
+    ):
         """One head pass: (output at each segment's last token, its draft logits or None).
         `hidden` None: the catch-up's features, read from the store by slot."""
         if self.graphs is not None and self.graphs.can_run(segments):
@@ -200,15 +211,17 @@ class Eagle3Proposer(Proposer):
         hidden = self.feature_store[meta.slot_mapping]
         if k == 0:
             if tail is not None:
-                dest, src, _ = tail.index(self._starts(last_rows, segments),
-                                          [len(seg.token_ids) for seg in segments])
+                dest, src, _ = tail.index(
+                    self._starts(last_rows, segments), [len(seg.token_ids) for seg in segments]
+                )
                 dest_t, src_t = upload([dest, src], device)
                 ids[dest_t] = tail.tokens.reshape(-1)[src_t]
             self.head(self.embed(ids), hidden, meta, self.kv.layers[0], self.backend)
             return None, None, None, None
         if tail is not None:
-            dest, src, last_rows = tail.index(self._starts(last_rows, segments),
-                                              [len(seg.token_ids) for seg in segments])
+            dest, src, last_rows = tail.index(
+                self._starts(last_rows, segments), [len(seg.token_ids) for seg in segments]
+            )
             dest_t, src_t, last_t = upload([dest, src, last_rows], device)
             ids[dest_t] = tail.tokens.reshape(-1)[src_t]
             last_t = last_t + tail.accepted
@@ -222,8 +235,7 @@ class Eagle3Proposer(Proposer):
 
         def step(tokens, hidden, positions):
             pass_meta = draft_pass_meta(positions, tables, self.kv.page_size, bound, query_start)
-            out = self.head(self.embed(tokens), hidden, pass_meta, self.kv.layers[0],
-                            self.backend)  # fmt: skip
+            out = self.head(self.embed(tokens), hidden, pass_meta, self.kv.layers[0], self.backend)
             return out, self.head.compute_logits(out)
 
         return last, self.head.compute_logits(last), meta.positions[last_t], step
@@ -273,8 +285,12 @@ class Eagle3Proposer(Proposer):
         def run(n: int) -> None:
             device = self.kv.pool.device
             segments = [Segment([0], 0, [0]) for _ in range(n)]
-            hidden = torch.zeros(n, self.head.config.layer.hidden_size,
-                                 dtype=self.head.fc.weight.dtype, device=device)  # fmt: skip
+            hidden = torch.zeros(
+                n,
+                self.head.config.layer.hidden_size,
+                dtype=self.head.fc.weight.dtype,
+                device=device,
+            )
             with torch.inference_mode():
                 _, logits = self._pass(segments, hidden)
                 self.draft_ids[argmax_rows(logits)].tolist()
@@ -294,11 +310,13 @@ def build_eagle3_proposer(target: TargetParts) -> Eagle3Proposer:
 
         head = build_dummy_eagle3_head(target.model_config, target.dtype, device, cfg.seed)
     else:
-        head = load_eagle3_head(cfg.speculative_draft_model_path, target.model_config,
-                                target.dtype, device)  # fmt: skip
+        head = load_eagle3_head(
+            cfg.speculative_draft_model_path, target.model_config, target.dtype, device
+        )
     head = head.merge_projections()
-    kv = KVCache(head.config.layer, target.kv.allocator.num_pages, cfg.page_size,
-                 target.dtype, device)
+    kv = KVCache(
+        head.config.layer, target.kv.allocator.num_pages, cfg.page_size, target.dtype, device
+    )
     embed = target.runner.model.model.embed_tokens
     proposer = Eagle3Proposer(head, embed, kv, target.runner.backend)
     proposer.max_pass_tokens = cfg.max_num_batched_tokens

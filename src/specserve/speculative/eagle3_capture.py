@@ -32,16 +32,25 @@ def capture_drafter_graphs(
 
     cfg = target.config
     graphs = DrafterGraphs(
-        proposer.head, proposer.embed, proposer.kv.layers[0], proposer.backend,
+        proposer.head,
+        proposer.embed,
+        proposer.kv.layers[0],
+        proposer.backend,
         engine_graph_shapes(cfg)[0],
-        catch_up_lengths(cfg.speculative_num_steps), target.max_model_len, use_graphs,
+        catch_up_lengths(cfg.speculative_num_steps),
+        target.max_model_len,
+        use_graphs,
         chain_lengths=tuple(range(2, cfg.speculative_num_steps + 1)),  # every K >= 2
         feature_store=proposer.feature_store,
-    )  # fmt: skip
+    )
     report = graphs.capture()
     log.info(
         "captured %d EAGLE-3 drafter CUDA graphs in %.1f s (warm-up %.1f s), graph memory "
-        "%.1f MiB, static buffers %.1f MiB", report.num_graphs, report.capture_s,
-        report.warmup_s, report.graph_pool_bytes / 2**20, report.static_bytes / 2**20,
-    )  # fmt: skip
+        "%.1f MiB, static buffers %.1f MiB",
+        report.num_graphs,
+        report.capture_s,
+        report.warmup_s,
+        report.graph_pool_bytes / 2**20,
+        report.static_bytes / 2**20,
+    )
     return graphs

@@ -46,8 +46,7 @@ def load_pass(g: DrafterGraphs, segments, hidden, input_ids, tail=None) -> tuple
         last_rows.append(b * q + n - 1)
         tables += table + [0] * (width - len(table))
     if vectorized:
-        pos, slots, _ = positions_and_slots(segments, tables, width, ps,
-                                            [q - n for n in lens])  # fmt: skip
+        pos, slots, _ = positions_and_slots(segments, tables, width, ps, [q - n for n in lens])
     n_pad = batch - num_requests  # padded requests: position 0 on page 0
     n = batch * q
     seq_lens += [1] * n_pad
@@ -95,8 +94,7 @@ def load_pass(g: DrafterGraphs, segments, hidden, input_ids, tail=None) -> tuple
             raise ValueError("device input ids are only taken for one-token passes")
         g.input_ids[:num_requests].copy_(input_ids)
     if hidden is None:  # every row's feature by its slot (padding rows: scratch slot 0)
-        torch.index_select(g.feature_store, 0, g.slot_mapping[:n],
-                           out=g.hidden[:n])
+        torch.index_select(g.feature_store, 0, g.slot_mapping[:n], out=g.hidden[:n])
     elif all(k == q for k in lens):
         g.hidden[: num_requests * q].copy_(hidden)
     else:
@@ -110,6 +108,12 @@ def _is_dense(tail: CatchUpTail, lens: list[int], q: int) -> bool:
     """Whether request b's pass is row b of the tail's tokens, whole: tail lengths, pass
     lengths and the tokens' width all q, rows in order."""
     n = len(lens)
-    return (tail.tokens.shape[0] == n and tail.tokens.shape[1] == q and tail.rows[-1] == n - 1
-            and tail.lens == lens and lens[0] == q and tail.rows == list(range(n))
-            and all(k == q for k in lens))  # fmt: skip
+    return (
+        tail.tokens.shape[0] == n
+        and tail.tokens.shape[1] == q
+        and tail.rows[-1] == n - 1
+        and tail.lens == lens
+        and lens[0] == q
+        and tail.rows == list(range(n))
+        and all(k == q for k in lens)
+    )

@@ -40,16 +40,20 @@ from specserve.runtime.packing import Segment
 from specserve.speculative.eagle3_graph_inputs import load_pass
 
 
-def draft_pass_meta(positions: torch.Tensor, block_tables: torch.Tensor, page_size: int,
-                    max_seq_len: int, query_start: torch.Tensor) -> AttentionMetadata:
+def draft_pass_meta(
+    positions: torch.Tensor,
+    block_tables: torch.Tensor,
+    page_size: int,
+    max_seq_len: int,
+    query_start: torch.Tensor,
+) -> AttentionMetadata:
     """Metadata of a one-token-per-request draft pass at `positions` [B] (on the device),
     with KV slots from the page tables; `query_start` is arange(B + 1). Positions [P, B]
     give the fields of P such passes at once (`chain_pass_metas`)."""
     rows = query_start[:-1]
     return AttentionMetadata(
         positions=positions,
-        slot_mapping=block_tables[rows, positions // page_size] * page_size
-        + positions % page_size,
+        slot_mapping=block_tables[rows, positions // page_size] * page_size + positions % page_size,
         query_start_loc=query_start,
         seq_lens=positions + 1,
         block_tables=block_tables,
@@ -58,17 +62,29 @@ def draft_pass_meta(positions: torch.Tensor, block_tables: torch.Tensor, page_si
     )
 
 
-def chain_pass_metas(last_positions: torch.Tensor, passes: int, block_tables: torch.Tensor,
-                     page_size: int, max_seq_len: int,
-                     query_start: torch.Tensor) -> list[AttentionMetadata]:  # fmt: skip
+def chain_pass_metas(
+    last_positions: torch.Tensor,
+    passes: int,
+    block_tables: torch.Tensor,
+    page_size: int,
+    max_seq_len: int,
+    query_start: torch.Tensor,
+) -> list[AttentionMetadata]:
     """The metadata of a chain's `passes` one-token draft passes after the catch-up, whose
     last rows sat at `last_positions` [B]: positions, KV slots and lengths of all passes
     computed together ([passes, B], a handful of kernels for the chain, not per pass)."""
     steps = torch.arange(1, passes + 1, device=last_positions.device)
     positions = last_positions.unsqueeze(0) + steps.unsqueeze(1)
     every = draft_pass_meta(positions, block_tables, page_size, max_seq_len, query_start)
-    return [replace(every, positions=every.positions[j], slot_mapping=every.slot_mapping[j],
-                    seq_lens=every.seq_lens[j]) for j in range(passes)]  # fmt: skip
+    return [
+        replace(
+            every,
+            positions=every.positions[j],
+            slot_mapping=every.slot_mapping[j],
+            seq_lens=every.seq_lens[j],
+        )
+        for j in range(passes)
+    ]
 
 
 class DrafterGraphs:
@@ -118,34 +134,48 @@ class DrafterGraphs:
         n_max = max_b * max_q
         sizes = (max_b, max_b, n_max, n_max, n_max, n_max, n_max)
         self.ints = torch.zeros(sum(sizes), **i64)
-        (self.seq_lens, self.last_rows, self.input_ids, self.positions, self.slot_mapping,
-         self.tail_dest, self.tail_src) = self.ints.split(sizes)  # fmt: skip
+        (
+            self.seq_lens,
+            self.last_rows,
+            self.input_ids,
+            self.positions,
+            self.slot_mapping,
+            self.tail_dest,
+            self.tail_src,
+        ) = self.ints.split(sizes)
         self._offsets = np.cumsum((0,) + sizes)[:-1].tolist()
         self.seq_lens.fill_(1)
         self.block_tables = torch.zeros(max_b, self.max_pages, **i64)
-        self.query_start = {q: torch.arange(max_b + 1, **i64) * q
-                            for q in {1, *self.tokens_per_request}}  # 1: chains' draft passes
+        self.query_start = {
+            q: torch.arange(max_b + 1, **i64) * q for q in {1, *self.tokens_per_request}
+        }  # 1: chains' draft passes
         hidden_size = head.config.layer.hidden_size
-        self.hidden = torch.zeros(max_b * max_q, hidden_size, dtype=head.fc.weight.dtype,
-                                  device=device)  # fmt: skip
+        self.hidden = torch.zeros(
+            max_b * max_q, hidden_size, dtype=head.fc.weight.dtype, device=device
+        )
         # draft id -> target id, one gather (d2t applied once here)
-        self.draft_ids = head.draft_to_target(torch.arange(head.config.draft_vocab_size,
-                                                           device=device))  # fmt: skip
+        self.draft_ids = head.draft_to_target(
+            torch.arange(head.config.draft_vocab_size, device=device)
+        )
         self._graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, tuple]] = {}
         self.report: CaptureReport | None = None
 
     @property
     def static_bytes(self) -> int:
         bufs = [self.ints, self.block_tables, self.hidden, *self.query_start.values()]
-        return sum(b.numel() * b.element_size() for b in bufs)  # fmt: skip
+        return sum(b.numel() * b.element_size() for b in bufs)
 
     def keys(self) -> list[tuple[int, int, int]]:
         """Every (batch bucket, tokens per request, chain drafts or 0 for one pass), largest
         first."""
         keys = [(b, q, 0) for b in self.batch_buckets for q in self.tokens_per_request]
-        keys += [(b, q, k) for k in self.chain_lengths for b in self.batch_buckets
-                 for q in self.tokens_per_request
-                 if b <= self.chain_max_batch and q <= k + 1]  # fmt: skip
+        keys += [
+            (b, q, k)
+            for k in self.chain_lengths
+            for b in self.batch_buckets
+            for q in self.tokens_per_request
+            if b <= self.chain_max_batch and q <= k + 1
+        ]
         return sorted(keys, key=lambda k: (k[0] * k[1], k[1], k[2]), reverse=True)
 
     def bucket_for(self, num_requests: int) -> int:
@@ -189,8 +219,7 @@ class DrafterGraphs:
         n = batch * q
         meta = static_meta(self, batch, q)
         embeds = self.embed(self.input_ids[:n])
-        return self.head(embeds, self.hidden[:n], meta, self.kv_layer, self.backend,
-                         with_normed)  # fmt: skip
+        return self.head(embeds, self.hidden[:n], meta, self.kv_layer, self.backend, with_normed)
 
     def _forward(self, batch: int, q: int) -> tuple[torch.Tensor, torch.Tensor]:
         last = self._pass(batch, q)[self.last_rows[:batch]]
@@ -204,12 +233,18 @@ class DrafterGraphs:
         out, normed = self._pass(batch, q, with_normed=True)
         last = out[rows]
         drafts = [self.draft_ids[self.head.greedy_normed(normed[rows])]]
-        metas = chain_pass_metas(self.positions[rows], k - 1, self.block_tables[:batch],
-                                 self.page_size, self.max_seq_len,
-                                 self.query_start[1][: batch + 1])  # fmt: skip
+        metas = chain_pass_metas(
+            self.positions[rows],
+            k - 1,
+            self.block_tables[:batch],
+            self.page_size,
+            self.max_seq_len,
+            self.query_start[1][: batch + 1],
+        )
         for meta in metas:
-            last, normed = self.head(self.embed(drafts[-1]), last, meta, self.kv_layer,
-                                     self.backend, with_normed=True)  # fmt: skip
+            last, normed = self.head(
+                self.embed(drafts[-1]), last, meta, self.kv_layer, self.backend, with_normed=True
+            )
             drafts.append(self.draft_ids[self.head.greedy_normed(normed)])
         return (torch.stack(drafts, dim=1),)
 
@@ -243,8 +278,13 @@ class DrafterGraphs:
         return last[:num_requests], logits[:num_requests]
 
     @torch.inference_mode()
-    def run_chain(self, segments: list[Segment], hidden: torch.Tensor | None, k: int,
-                  tail: CatchUpTail | None = None) -> torch.Tensor:  # fmt: skip
+    def run_chain(
+        self,
+        segments: list[Segment],
+        hidden: torch.Tensor | None,
+        k: int,
+        tail: CatchUpTail | None = None,
+    ) -> torch.Tensor:
         """A whole greedy proposing step: the catch-up pass over `segments` and `hidden` (or
         the feature store, as in `run`), then k-1 draft passes; returns the drafts [B, k]
         (target ids) on the device."""
@@ -269,8 +309,13 @@ class DrafterGraphs:
         self.hidden[:n].copy_(hidden)
         self.positions[:n].copy_(positions)
         self.positions[n:batch] = 0  # padded requests: position 0 on page 0
-        meta = draft_pass_meta(self.positions[:batch], self.block_tables[:batch],
-                               self.page_size, self.max_seq_len, self.query_start[1][: batch + 1])
+        meta = draft_pass_meta(
+            self.positions[:batch],
+            self.block_tables[:batch],
+            self.page_size,
+            self.max_seq_len,
+            self.query_start[1][: batch + 1],
+        )
         self.slot_mapping[:batch].copy_(meta.slot_mapping)
         self.seq_lens[:batch].copy_(meta.seq_lens)
         self.last_rows[:batch].copy_(self.query_start[1][:batch])

@@ -135,8 +135,9 @@ class GoodputPolicy(SpeculationPolicy):
         costs, uncapped, cells = self.cost.period_table(n, k_top, extra_tokens)
         trimmed = None
         if k_top and not self.cost.padded:  # eager verify steps: every draft costs
-            trimmed = [trim_drafts(self.cost, cums, caps, k, extra_tokens)
-                       for k in range(k_top + 1)]  # fmt: skip
+            trimmed = [
+                trim_drafts(self.cost, cums, caps, k, extra_tokens) for k in range(k_top + 1)
+            ]
             tokens = [t for _, t, _ in trimmed]
             costs = [ms for _, _, ms in trimmed]
         # A step taking new work (prefill): its commits bring their successors' prefill,
@@ -175,8 +176,11 @@ class GoodputPolicy(SpeculationPolicy):
             # Requests that never drafted have the global estimate only, and while plain
             # decoding is preferred nothing would tell otherwise: drafting is probed soon.
             # (Not while dormant: requests admitted then never drafted, by design.)
-            unknown = best == 0 and not self.dormant and not any(map(
-                self.acceptance.has_observations, (r.request_id for r in reqs)))  # fmt: skip
+            unknown = (
+                best == 0
+                and not self.dormant
+                and not any(map(self.acceptance.has_observations, (r.request_id for r in reqs)))
+            )
             back = base_switch if best == current else there_and_back_row(sw, best, k_top)
             if probe_wake:
                 back = [ms + probe_wake if k else ms for k, ms in enumerate(back)]
@@ -198,8 +202,7 @@ class GoodputPolicy(SpeculationPolicy):
                 ks[i] = min(k, caps[i])
             self.predicted_tokens = sum(c[d] for c, d in zip(cums, ks))
             self.predicted_ms = self.cost.step_ms(ks, extra_tokens)
-            return self._decided(ks, probe=True, tokens=tokens, period_ms=ranking,
-                                 switch_ms=switch)  # fmt: skip
+            return self._decided(ks, probe=True, tokens=tokens, period_ms=ranking, switch_ms=switch)
         if trimmed is None and self.cost.padded:
             # Drafts past a request's cap cost nothing in a padded step (K <= the largest
             # cap) and their tokens are dropped; one draft length for every request lets the
@@ -212,16 +215,16 @@ class GoodputPolicy(SpeculationPolicy):
                 self.predicted_ms = self.cost.step_ms([min(k, c) for c in caps], extra_tokens)
             else:  # step_ms of a padded step without prefill: period_ms(n, k)
                 self.predicted_ms = uncapped[k]
-            self.trace.decided(n, k, probe=probe, tokens=tokens, period_ms=ranking,
-                               switch_ms=switch)  # fmt: skip
+            self.trace.decided(
+                n, k, probe=probe, tokens=tokens, period_ms=ranking, switch_ms=switch
+            )
             return [k] * n
         ks = [min(k, c) for c in caps]
         if trimmed is not None:
             ks = self._request_probe(reqs, ks, list(trimmed[k][0]))
         self.predicted_tokens = sum(c[k] for c, k in zip(cums, ks))
         self.predicted_ms = self.cost.step_ms(ks, extra_tokens)
-        return self._decided(ks, probe=probe, tokens=tokens, period_ms=ranking,
-                             switch_ms=switch)  # fmt: skip
+        return self._decided(ks, probe=probe, tokens=tokens, period_ms=ranking, switch_ms=switch)
 
     def observe_rate(self, committed: int, period_ms: float) -> None:
         """A step (any step, mixed ones included) committed this many tokens in period_ms:
@@ -240,8 +243,7 @@ class GoodputPolicy(SpeculationPolicy):
                     tokens[k] += c[min(k, cap)]
         return tokens
 
-    def _preferred_k(self, bucket: int, current: int | None, tokens, costs, switch,
-                     n: int) -> int:  # fmt: skip
+    def _preferred_k(self, bucket: int, current: int | None, tokens, costs, switch, n: int) -> int:
         """The K with the best goodput, with what switching to it from the K in use and back
         costs spread over DWELL_STEPS; the K in use unless that is beaten by HYSTERESIS or,
         where periods vary more, by NOISE_Z standard errors of the two period estimates."""
@@ -263,8 +265,17 @@ class GoodputPolicy(SpeculationPolicy):
         steady = min(self.PROBE_MAX_STEADY, max(1, round(self.PROBE_MS / max(period_ms, 1e-3))))
         return 1 + steady + 1  # (_probe_k computes it inline)
 
-    def _probe_k(self, bucket: int, best: int, n: int, tokens, costs, back: list[float],
-                 cells: list, unknown: bool) -> tuple[int, bool]:  # fmt: skip
+    def _probe_k(
+        self,
+        bucket: int,
+        best: int,
+        n: int,
+        tokens,
+        costs,
+        back: list[float],
+        cells: list,
+        unknown: bool,
+    ) -> tuple[int, bool]:
         """The K to run this step: `best`, or a probe that is due (the most overdue). `back`:
         what switching from `best` to each K and back costs; `cells`: the cost model's at n's
         bucket."""

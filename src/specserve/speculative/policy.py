@@ -25,7 +25,17 @@ from specserve.speculative.policy_base import (
 )
 from specserve.speculative.policy_trace import Decision, PolicyTrace
 
-__all__ = ["POLICIES", "Decision", "PolicyTrace", "SpeculationPolicy", "OffPolicy",
-           "FixedPolicy", "SchedulePolicy", "PerRequestPolicy", "GoodputPolicy", "StepLoad",
-           "NO_LOAD"]
+__all__ = [
+    "POLICIES",
+    "Decision",
+    "PolicyTrace",
+    "SpeculationPolicy",
+    "OffPolicy",
+    "FixedPolicy",
+    "SchedulePolicy",
+    "PerRequestPolicy",
+    "GoodputPolicy",
+    "StepLoad",
+    "NO_LOAD",
+]
 POLICIES = ("off", "fixed", "schedule", "goodput")

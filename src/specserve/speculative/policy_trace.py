@@ -70,9 +70,15 @@ class PolicyTrace:
             by_step.extend([0] * (step_k + 1 - len(by_step)))
         by_step[step_k] += 1
 
-    def decided(self, num_reqs: int, k: int, probe: bool = False,
-                tokens: list[float] | None = None, period_ms: list[float] | None = None,
-                switch_ms: list[float] | None = None) -> None:  # fmt: skip
+    def decided(
+        self,
+        num_reqs: int,
+        k: int,
+        probe: bool = False,
+        tokens: list[float] | None = None,
+        period_ms: list[float] | None = None,
+        switch_ms: list[float] | None = None,
+    ) -> None:
         """A step with decoding requests was given draft lengths, `k` the largest; the rest
         as in `Decision`."""
         n = self.num_decisions = self.num_decisions + 1

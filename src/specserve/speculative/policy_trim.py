@@ -6,8 +6,9 @@ from __future__ import annotations
 from specserve.speculative.cost_model import StepCostModel
 
 
-def trim_drafts(cost: StepCostModel, cums: list[list[float]], caps: list[int], k: int,
-                extra_tokens: int) -> tuple[list[int], float, float]:  # fmt: skip
+def trim_drafts(
+    cost: StepCostModel, cums: list[list[float]], caps: list[int], k: int, extra_tokens: int
+) -> tuple[list[int], float, float]:
     """Unpadded verify steps at K = k: drop the drafts of lowest expected gain while that
     raises the step's expected goodput (each dropped draft saves its target time). `cums`:
     each request's expected tokens by draft length; `caps`: its most useful drafts. Returns

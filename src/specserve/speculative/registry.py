@@ -30,8 +30,9 @@ def build_proposer(target: TargetParts) -> Proposer:
         kv = KVCache(draft_cfg, target.kv.allocator.num_pages, cfg.page_size, target.dtype, device)
         if device.type == "cuda":  # its own head layout's attention variants, before serving
             target.runner.backend.warm_up(draft_cfg.num_heads, kv.layers[0])
-        proposer = DraftModelProposer(model, kv, target.runner.backend,
-                                      target.model_config.vocab_size)  # fmt: skip
+        proposer = DraftModelProposer(
+            model, kv, target.runner.backend, target.model_config.vocab_size
+        )
         proposer.max_pass_tokens = cfg.max_num_batched_tokens
         return proposer
     if algo == "eagle3":

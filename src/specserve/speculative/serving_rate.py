@@ -35,8 +35,13 @@ class ServingRate:
         return self.steps >= self.MIN_STEPS and self.value > 0
 
 
-def queued_prefill_ms(target: Callable[[float], float], n: int, tokens: list[float],
-                      extra_tokens: int, per_token: float) -> list[float]:  # fmt: skip
+def queued_prefill_ms(
+    target: Callable[[float], float],
+    n: int,
+    tokens: list[float],
+    extra_tokens: int,
+    per_token: float,
+) -> list[float]:
     """What each K's commits bring in prefill, priced on the target's curve at the step's
     size: a loaded server prefills `per_token` prompt tokens for every token it generates (a
     request finished admits the next), so a step committing t tokens brings per_token x t
@@ -50,8 +55,9 @@ def queued_prefill_ms(target: Callable[[float], float], n: int, tokens: list[flo
     return out
 
 
-def marginal_k(tokens: list[float], costs: list[float], switch: list[float], rate: float,
-               dwell_steps: int) -> int:  # fmt: skip
+def marginal_k(
+    tokens: list[float], costs: list[float], switch: list[float], rate: float, dwell_steps: int
+) -> int:
     """The K whose tokens beyond their cost at the server's running rate are the most
     (tokens - rate x ms), a switch there and back spread over `dwell_steps`. For a step that
     carries prefill, the step's own tokens per ms would rank K wrong: its prefill costs the

@@ -154,7 +154,8 @@ class Speculator:
         decision = None
         if decoding:
             decision, _ = self.policy.trace.processed(
-                len(decoding), max(len(s.drafts) for s in decoding))
+                len(decoding), max(len(s.drafts) for s in decoding)
+            )
         period_ms = None
         committed, self._last_committed = self._last_committed, 0  # (observe sets it)
         if prev_s is not None and resolved_s > prev_s and not after_idle:
@@ -169,8 +170,12 @@ class Speculator:
             return
         if period_ms is not None:
             self.policy.trace.observed_goodput = committed / period_ms * 1e3
-        self.periods.add(len(decoding), max(len(s.drafts) for s in decoding),
-                         period_ms if prev_decodes else None, decision)
+        self.periods.add(
+            len(decoding),
+            max(len(s.drafts) for s in decoding),
+            period_ms if prev_decodes else None,
+            decision,
+        )
 
     def stats(self) -> dict:
         """Speculation figures for metrics: decisions, acceptance, goodput."""

@@ -59,14 +59,23 @@ class SwitchCosts:
         plan = self._plans.get(n) if memoize else None
         if plan is None:
             bucket = batch_bucket(n)
-            plan = tuple((d, self.cells.get((bucket, d)) or nearest_bucket(self.cells, bucket, d))
-                         for d in DIRECTIONS)  # fmt: skip
+            plan = tuple(
+                (d, self.cells.get((bucket, d)) or nearest_bucket(self.cells, bucket, d))
+                for d in DIRECTIONS
+            )
             if memoize:
                 self._plans[n] = plan
         return plan
 
-    def observe(self, n: int, k_from: int, k_to: int, excess_ms: float, steady_ms: float,
-                prior: Callable[[], float]) -> None:  # fmt: skip
+    def observe(
+        self,
+        n: int,
+        k_from: int,
+        k_to: int,
+        excess_ms: float,
+        steady_ms: float,
+        prior: Callable[[], float],
+    ) -> None:
         """A switch from K=k_from to k_to cost excess_ms beyond steady steps; steady_ms, the
         new K's steady period, scales the outlier cut; `prior()` as in `costs`."""
         if k_from == k_to or steady_ms <= 0:

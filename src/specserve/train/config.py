@@ -52,9 +52,20 @@ class TrainConfig:
     progress: bool = True
 
     def __post_init__(self) -> None:
-        positive = ("steps", "batch_size", "ttt_steps", "draft_vocab_size", "max_new_tokens",
-                    "max_prompt_tokens", "max_seq_len", "gen_batch", "feature_batch_tokens",
-                    "save_every", "eval_every", "prompt_variants")
+        positive = (
+            "steps",
+            "batch_size",
+            "ttt_steps",
+            "draft_vocab_size",
+            "max_new_tokens",
+            "max_prompt_tokens",
+            "max_seq_len",
+            "gen_batch",
+            "feature_batch_tokens",
+            "save_every",
+            "eval_every",
+            "prompt_variants",
+        )
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1; got {getattr(self, name)}")
@@ -65,14 +76,16 @@ class TrainConfig:
         if self.heldout_prompts < 0 or self.warmup_steps < 0:
             raise ValueError("heldout_prompts and warmup_steps must be >= 0")
         if self.save_dtype not in ("bfloat16", "float16", "float32"):
-            raise ValueError(f"save_dtype must be bfloat16, float16 or float32; got "
-                             f"{self.save_dtype!r}")
+            raise ValueError(
+                f"save_dtype must be bfloat16, float16 or float32; got {self.save_dtype!r}"
+            )
         if self.min_draft_coverage is not None and not 0 < self.min_draft_coverage <= 1:
-            raise ValueError(f"min_draft_coverage must be in (0, 1]; got "
-                             f"{self.min_draft_coverage}")
+            raise ValueError(f"min_draft_coverage must be in (0, 1]; got {self.min_draft_coverage}")
         if self.min_draft_coverage is not None and self.init_head is not None:
-            raise ValueError("--min-draft-coverage chooses a new head's draft vocabulary; "
-                             "--init-head keeps its head's: give one of them")
+            raise ValueError(
+                "--min-draft-coverage chooses a new head's draft vocabulary; "
+                "--init-head keeps its head's: give one of them"
+            )
         if not self.data:
             raise ValueError("give at least one --data source")
 
@@ -94,10 +107,10 @@ _HELP = {
     "train_time_s": "stop training after this many seconds (the schedule follows the clock)",
     "end_by": "stop training by this Unix time (shortens --train-time-s; for fixed leases)",
     "prompt_variants": "requests of different kinds per source text (stdlib, shakespeare); "
-                       "all first kinds come before any second one",
+    "all first kinds come before any second one",
     "min_draft_coverage": "shrink the draft vocabulary (multiples of 1024, at most "
-                          "--draft-vocab-size) to the smallest holding this share of reply "
-                          "tokens",
+    "--draft-vocab-size) to the smallest holding this share of reply "
+    "tokens",
     "resume": "continue from the checkpoint in --out (data and step restored)",
 }
 
@@ -109,8 +122,9 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
         default = f.default_factory() if f.default_factory is not MISSING else f.default
         help_text = _HELP.get(f.name)
         if f.name == "progress":
-            parser.add_argument("--no-progress", dest="progress", action="store_false",
-                                help="no progress bars")
+            parser.add_argument(
+                "--no-progress", dest="progress", action="store_false", help="no progress bars"
+            )
         elif f.type == "bool":
             parser.add_argument(flag, action="store_true", help=help_text)
         elif f.name in ("data", "aux_layer_ids"):
@@ -120,8 +134,13 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
             kind = {"int": int, "float": float, "int | None": int, "float | None": float}.get(
                 f.type, str
             )
-            parser.add_argument(flag, type=kind, default=default, required=f.default is MISSING
-                                and f.default_factory is MISSING, help=help_text)
+            parser.add_argument(
+                flag,
+                type=kind,
+                default=default,
+                required=f.default is MISSING and f.default_factory is MISSING,
+                help=help_text,
+            )
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:

@@ -142,8 +142,11 @@ def generate_samples(
 
 
 def build_draft_vocab(
-    samples: list[Sample], vocab_size: int, draft_vocab_size: int,
-    min_coverage: float | None = None, granularity: int = 1024,
+    samples: list[Sample],
+    vocab_size: int,
+    draft_vocab_size: int,
+    min_coverage: float | None = None,
+    granularity: int = 1024,
 ) -> tuple[torch.Tensor, torch.Tensor, float]:
     """(d2t, t2d, coverage): the `draft_vocab_size` most frequent reply tokens (ties and any
     shortfall filled by prompt-token frequency, then by lowest id), sorted by id.
@@ -160,8 +163,9 @@ def build_draft_vocab(
     if min_coverage is not None:
         draft_vocab_size = min(draft_vocab_size, vocab_size)
         curve = coverage_curve(samples, range(granularity, draft_vocab_size, granularity))
-        draft_vocab_size = next((n for n, c in curve.items() if c >= min_coverage),
-                                draft_vocab_size)
+        draft_vocab_size = next(
+            (n for n, c in curve.items() if c >= min_coverage), draft_vocab_size
+        )
     chosen = ranked[:draft_vocab_size].sort().values
     d2t = chosen - torch.arange(draft_vocab_size)
     t2d = torch.zeros(vocab_size, dtype=torch.bool)
@@ -172,8 +176,9 @@ def build_draft_vocab(
 def token_counts(samples: list[Sample], size: int = 0, replies: bool = True) -> torch.Tensor:
     """[max(size, largest id + 1)] occurrences of every token id in the replies (or the
     prompts) of `samples`, counted in one pass over a flat tensor."""
-    parts = (s.token_ids[s.prompt_len :] if replies else s.token_ids[: s.prompt_len]
-             for s in samples)
+    parts = (
+        s.token_ids[s.prompt_len :] if replies else s.token_ids[: s.prompt_len] for s in samples
+    )
     flat = torch.tensor(list(itertools.chain.from_iterable(parts)), dtype=torch.int64)
     return torch.bincount(flat, minlength=size)
 
@@ -182,8 +187,7 @@ def coverage_curve(samples: list[Sample], sizes) -> dict[int, float]:
     """Fraction of reply tokens held by the n most frequent reply tokens, for each n."""
     counts = token_counts(samples).sort(descending=True).values.cumsum(0)
     total = max(int(counts[-1]) if len(counts) else 0, 1)
-    return {n: int(counts[min(n, len(counts)) - 1]) / total if len(counts) else 0.0
-            for n in sizes}
+    return {n: int(counts[min(n, len(counts)) - 1]) / total if len(counts) else 0.0 for n in sizes}
 
 
 def vocab_coverage(samples: list[Sample], t2d: torch.Tensor) -> float:
@@ -196,8 +200,17 @@ def _write_samples(path: Path, train: list[Sample], heldout: list[Sample]) -> No
     with open(path, "w") as f:
         for split, samples in (("train", train), ("heldout", heldout)):
             for s in samples:
-                f.write(json.dumps({"split": split, "key": s.key, "prompt_len": s.prompt_len,
-                                    "token_ids": s.token_ids}) + "\n")
+                f.write(
+                    json.dumps(
+                        {
+                            "split": split,
+                            "key": s.key,
+                            "prompt_len": s.prompt_len,
+                            "token_ids": s.token_ids,
+                        }
+                    )
+                    + "\n"
+                )
 
 
 def _read_samples(path: Path) -> tuple[list[Sample], list[Sample]]:
@@ -205,12 +218,19 @@ def _read_samples(path: Path) -> tuple[list[Sample], list[Sample]]:
     for line in path.read_text().splitlines():
         r = json.loads(line)
         (train if r["split"] == "train" else heldout).append(
-            Sample(r["key"], r["token_ids"], r["prompt_len"]))
+            Sample(r["key"], r["token_ids"], r["prompt_len"])
+        )
     return train, heldout
 
 
-def _generate(cfg: TrainConfig, prompts: list[PromptItem], heldout_prompts: list[PromptItem],
-              log, budget_s: float | None, safe: bool) -> tuple[list[Sample], list[Sample], int]:
+def _generate(
+    cfg: TrainConfig,
+    prompts: list[PromptItem],
+    heldout_prompts: list[PromptItem],
+    log,
+    budget_s: float | None,
+    safe: bool,
+) -> tuple[list[Sample], list[Sample], int]:
     """(held-out samples, training samples, engine steps) from a fresh engine: plain
     decoding (no speculation: the default model would otherwise draft with the shipped
     head), KV for gen_batch sequences of full length, large prefill steps (prompts join in
@@ -224,20 +244,48 @@ def _generate(cfg: TrainConfig, prompts: list[PromptItem], heldout_prompts: list
     page = 16
     max_len = cfg.max_prompt_tokens + cfg.max_new_tokens + 1
     pages_per_seq = -(-max_len // page) + 1
-    mode = (dict(disable_overlap_schedule=True, disable_cuda_graph=True) if safe
-            else dict(cuda_graph_max_batch=cfg.gen_batch))
-    engine = LLMEngine(EngineConfig(
-        model=cfg.target, dtype=cfg.dtype, device=cfg.device, page_size=page,
-        num_kv_pages=cfg.gen_batch * pages_per_seq + 2, max_num_seqs=cfg.gen_batch,
-        max_num_batched_tokens=16384, max_model_len=max_len, seed=cfg.seed,
-        speculative_algorithm=None, **mode),
-        progress=cfg.progress, tokenizer=TokenIdsOnly(load_tokenizer(resolve_model(cfg.target))))
-    log({"event": "engine", "safe": safe, "seconds": round(time.monotonic() - t_load, 1),
-         "backend": engine.config.backend_name(), "device": str(engine.config.torch_device()),
-         "cuda_graphs": engine.runner.graphs is not None, "max_num_seqs": cfg.gen_batch,
-         "prompts": len(prompts), "heldout_prompts": len(heldout_prompts)})
-    gen = dict(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, seed=cfg.seed,
-               max_prompt_tokens=cfg.max_prompt_tokens, progress=cfg.progress)
+    mode = (
+        dict(disable_overlap_schedule=True, disable_cuda_graph=True)
+        if safe
+        else dict(cuda_graph_max_batch=cfg.gen_batch)
+    )
+    engine = LLMEngine(
+        EngineConfig(
+            model=cfg.target,
+            dtype=cfg.dtype,
+            device=cfg.device,
+            page_size=page,
+            num_kv_pages=cfg.gen_batch * pages_per_seq + 2,
+            max_num_seqs=cfg.gen_batch,
+            max_num_batched_tokens=16384,
+            max_model_len=max_len,
+            seed=cfg.seed,
+            speculative_algorithm=None,
+            **mode,
+        ),
+        progress=cfg.progress,
+        tokenizer=TokenIdsOnly(load_tokenizer(resolve_model(cfg.target))),
+    )
+    log(
+        {
+            "event": "engine",
+            "safe": safe,
+            "seconds": round(time.monotonic() - t_load, 1),
+            "backend": engine.config.backend_name(),
+            "device": str(engine.config.torch_device()),
+            "cuda_graphs": engine.runner.graphs is not None,
+            "max_num_seqs": cfg.gen_batch,
+            "prompts": len(prompts),
+            "heldout_prompts": len(heldout_prompts),
+        }
+    )
+    gen = dict(
+        max_new_tokens=cfg.max_new_tokens,
+        temperature=cfg.temperature,
+        seed=cfg.seed,
+        max_prompt_tokens=cfg.max_prompt_tokens,
+        progress=cfg.progress,
+    )
     heldout = generate_samples(engine, heldout_prompts, desc="Generating (held-out)", **gen)
     train = generate_samples(engine, prompts, time_budget_s=budget_s, **gen)
     return heldout, train, engine.num_steps
@@ -248,44 +296,64 @@ def distill(cfg: TrainConfig, out: Path, log) -> tuple[list[Sample], list[Sample
     data_path = out / "data.jsonl"
     if cfg.resume and data_path.is_file():
         return _read_samples(data_path)
-    prompts, heldout_prompts = load_prompts(cfg.data, cfg.seed, cfg.num_prompts,
-                                            cfg.heldout_prompts, cfg.prompt_variants)
+    prompts, heldout_prompts = load_prompts(
+        cfg.data, cfg.seed, cfg.num_prompts, cfg.heldout_prompts, cfg.prompt_variants
+    )
     if not prompts:
-        raise PromptSourceError(f"--data {cfg.data} leaves no training prompts after the "
-                                f"{len(heldout_prompts)} held out")
+        raise PromptSourceError(
+            f"--data {cfg.data} leaves no training prompts after the "
+            f"{len(heldout_prompts)} held out"
+        )
     with open(out / "heldout_prompts.jsonl", "w") as f:
         for p in heldout_prompts:
             f.write(json.dumps({"key": p.key, "messages": p.messages}) + "\n")
     t0 = time.monotonic()
     try:
-        heldout, train, engine_steps = _generate(cfg, prompts, heldout_prompts, log,
-                                                 cfg.gen_time_s, safe=False)
+        heldout, train, engine_steps = _generate(
+            cfg, prompts, heldout_prompts, log, cfg.gen_time_s, safe=False
+        )
         failed = False
     except SpecserveError:
         raise  # the user's input or configuration: the same on any path, say it now
     except Exception as e:  # one retry on the engine's most tested path, for fixed leases
-        log({"event": "generation_failed", "error": repr(e)[:1000],
-             "traceback": traceback.format_exc()[-3000:]})
+        log(
+            {
+                "event": "generation_failed",
+                "error": repr(e)[:1000],
+                "traceback": traceback.format_exc()[-3000:],
+            }
+        )
         failed = True
     if failed:
         gc.collect()
         spent = time.monotonic() - t0
         budget = None if cfg.gen_time_s is None else max(30.0, cfg.gen_time_s - spent)
-        heldout, train, engine_steps = _generate(cfg, prompts, heldout_prompts, log, budget,
-                                                 safe=True)
+        heldout, train, engine_steps = _generate(
+            cfg, prompts, heldout_prompts, log, budget, safe=True
+        )
     seconds = time.monotonic() - t0
     if not train:
-        raise SpecserveError(f"generation finished no training sample within --gen-time-s "
-                             f"{cfg.gen_time_s}: raise it or lower --max-new-tokens")
+        raise SpecserveError(
+            f"generation finished no training sample within --gen-time-s "
+            f"{cfg.gen_time_s}: raise it or lower --max-new-tokens"
+        )
     gc.collect()  # the engine's KV cache and graphs: the feature store needs the memory
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     _write_samples(data_path, train, heldout)
     new_tokens = sum(s.response_len for s in train + heldout)
-    log({"event": "generated", "train_samples": len(train), "heldout_samples": len(heldout),
-         "prompts_available": len(prompts), "reply_tokens": new_tokens,
-         "tokens": sum(len(s.token_ids) for s in train + heldout),
-         "capped_replies": sum(s.response_len >= cfg.max_new_tokens for s in train),
-         "engine_steps": engine_steps,
-         "seconds": round(seconds, 1), "reply_tokens_per_s": round(new_tokens / seconds, 1)})
+    log(
+        {
+            "event": "generated",
+            "train_samples": len(train),
+            "heldout_samples": len(heldout),
+            "prompts_available": len(prompts),
+            "reply_tokens": new_tokens,
+            "tokens": sum(len(s.token_ids) for s in train + heldout),
+            "capped_replies": sum(s.response_len >= cfg.max_new_tokens for s in train),
+            "engine_steps": engine_steps,
+            "seconds": round(seconds, 1),
+            "reply_tokens_per_s": round(new_tokens / seconds, 1),
+        }
+    )
     return train, heldout

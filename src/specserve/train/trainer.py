@@ -77,8 +77,10 @@ def train(cfg: TrainConfig) -> TrainResult:
     out.mkdir(parents=True, exist_ok=True)
     state_path = out / "state.pt"
     if state_path.exists() and not cfg.resume:
-        raise SpecserveError(f"{out} holds a training checkpoint; pass --resume to continue it "
-                             "or choose another --out")
+        raise SpecserveError(
+            f"{out} holds a training checkpoint; pass --resume to continue it "
+            "or choose another --out"
+        )
     log_file = open(out / "log.jsonl", "a")
 
     def log(record: dict) -> None:
@@ -92,8 +94,11 @@ def train(cfg: TrainConfig) -> TrainResult:
     target_cfg = load_config(source)
     train_samples, heldout_samples = distill(cfg, out, log)
 
-    dtype = _DTYPES[cfg.dtype] if cfg.dtype != "auto" else (
-        torch.bfloat16 if device.type == "cuda" else torch.float32)
+    dtype = (
+        _DTYPES[cfg.dtype]
+        if cfg.dtype != "auto"
+        else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    )
     model = load_model(source, dtype, device, cfg.progress, target_cfg)
     head, coverage = make_head(cfg, target_cfg, train_samples, device)
     aux_ids = head.aux_layer_ids
@@ -102,10 +107,21 @@ def train(cfg: TrainConfig) -> TrainResult:
     store = record_features(model, train_samples, aux_ids, **rec)
     held = record_features(model, heldout_samples, aux_ids, **rec) if heldout_samples else None
     _sync(device)
-    log({"event": "features", "tokens": store.offsets[-1],
-         "seconds": round(time.monotonic() - t_rec, 1),
-         "gib": round(sum(t.numel() * t.element_size() for t in
-                          (store.aux, store.hidden, store.argmax, store.tokens)) / 2**30, 2)})
+    log(
+        {
+            "event": "features",
+            "tokens": store.offsets[-1],
+            "seconds": round(time.monotonic() - t_rec, 1),
+            "gib": round(
+                sum(
+                    t.numel() * t.element_size()
+                    for t in (store.aux, store.hidden, store.argmax, store.tokens)
+                )
+                / 2**30,
+                2,
+            ),
+        }
+    )
     draft_ids = head.draft_to_target(torch.arange(head.config.draft_vocab_size, device=device))
     embed = model.model.embed_tokens.weight.detach()
     target_head = model.lm_head_weight.detach()[draft_ids]  # in the target's dtype
@@ -115,8 +131,13 @@ def train(cfg: TrainConfig) -> TrainResult:
             head.norm.weight.copy_(model.model.norm.weight.float())
     del model
     trainee = Trainee(head, embed, target_head, cfg)
-    opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0,
-                            fused=device.type == "cuda")
+    opt = torch.optim.AdamW(
+        head.parameters(),
+        lr=cfg.lr,
+        betas=(0.9, 0.95),
+        weight_decay=0.0,
+        fused=device.type == "cuda",
+    )
     step = 0
     if cfg.resume and state_path.exists():
         state = torch.load(state_path, map_location=device, weights_only=False)
@@ -124,28 +145,42 @@ def train(cfg: TrainConfig) -> TrainResult:
         opt.load_state_dict(state["optimizer"])
         step = state["step"]  # --steps of this invocation sets the new end
     curve = coverage_curve(train_samples, range(4096, 32769, 4096))
-    log({"event": "start", "step": step, "config": asdict(cfg), "draft_coverage": coverage,
-         "draft_vocab_size": head.config.draft_vocab_size, "coverage_by_size": curve,
-         "train_tokens": store.offsets[-1], "aux_layer_ids": list(aux_ids),
-         "seconds_since_start": round(time.monotonic() - t_start, 1)})
+    log(
+        {
+            "event": "start",
+            "step": step,
+            "config": asdict(cfg),
+            "draft_coverage": coverage,
+            "draft_vocab_size": head.config.draft_vocab_size,
+            "coverage_by_size": curve,
+            "train_tokens": store.offsets[-1],
+            "aux_layer_ids": list(aux_ids),
+            "seconds_since_start": round(time.monotonic() - t_start, 1),
+        }
+    )
 
     def checkpoint() -> None:
-        torch.save({"head": head.state_dict(), "optimizer": opt.state_dict(), "step": step},
-                   state_path.with_suffix(".tmp"))
+        torch.save(
+            {"head": head.state_dict(), "optimizer": opt.state_dict(), "step": step},
+            state_path.with_suffix(".tmp"),
+        )
         state_path.with_suffix(".tmp").replace(state_path)
         save_head(head, out, _DTYPES[cfg.save_dtype])
 
     initial = {}
     if step == 0:  # the untrained head, for comparison
-        initial = {"heldout": trainee.evaluate(held) if held is not None else {},
-                   "train_subset": trainee.evaluate(_subset(store, 64))}
+        initial = {
+            "heldout": trainee.evaluate(held) if held is not None else {},
+            "train_subset": trainee.evaluate(_subset(store, 64)),
+        }
         log({"event": "eval", "step": 0, **initial["heldout"]})
     losses: list[torch.Tensor] = []  # detached device scalars: read when logging
     skipped = 0  # batches dropped for running out of device memory
     per_epoch = max(1, -(-len(store) // cfg.batch_size))
     epochs: dict[int, list[list[int]]] = {}
-    bar = tqdm(total=cfg.steps, initial=step, desc="Training", unit="step",
-               disable=not cfg.progress)
+    bar = tqdm(
+        total=cfg.steps, initial=step, desc="Training", unit="step", disable=not cfg.progress
+    )
     start = time.monotonic()
     budget_s = cfg.train_time_s
     if cfg.end_by is not None:  # an absolute deadline (Unix time) shortens the budget
@@ -176,8 +211,14 @@ def train(cfg: TrainConfig) -> TrainResult:
             opt.zero_grad(set_to_none=True)
             torch.cuda.empty_cache()
             skipped += 1
-            log({"event": "skipped_batch", "step": step, "samples": len(batch),
-                 "tokens": sum(store.length(i) for i in batch)})
+            log(
+                {
+                    "event": "skipped_batch",
+                    "step": step,
+                    "samples": len(batch),
+                    "tokens": sum(store.length(i) for i in batch),
+                }
+            )
             if skipped > 20:
                 raise
             step += 1
@@ -189,14 +230,21 @@ def train(cfg: TrainConfig) -> TrainResult:
         bar.update(1)
         last = step >= cfg.steps or (budget_s is not None and progress() >= 1.0)
         if step % 10 == 0 or last:
-            acc = [float(c.sum()) / max(float(v.sum()), 1.0)
-                   for c, v in zip(res.correct, res.valid)]
+            acc = [
+                float(c.sum()) / max(float(v.sum()), 1.0) for c, v in zip(res.correct, res.valid)
+            ]
             loss = float(losses[-1])
             bar.set_postfix(loss=f"{loss:.3f}")
-            log({"step": step, "loss": round(loss, 4),
-                 "step_losses": [round(x, 4) for x in res.step_losses.tolist()],
-                 "acc": acc, "lr": opt.param_groups[0]["lr"],
-                 "seconds": round(time.monotonic() - start, 1)})
+            log(
+                {
+                    "step": step,
+                    "loss": round(loss, 4),
+                    "step_losses": [round(x, 4) for x in res.step_losses.tolist()],
+                    "acc": acc,
+                    "lr": opt.param_groups[0]["lr"],
+                    "seconds": round(time.monotonic() - start, 1),
+                }
+            )
         if held is not None and (step % cfg.eval_every == 0 or last):
             log({"event": "eval", "step": step, **trainee.evaluate(held)})
         if step % cfg.save_every == 0 or last:
@@ -231,20 +279,29 @@ def _subset(store: FeatureStore, count: int) -> FeatureStore:
     """The first `count` samples of a store (views, no copies)."""
     n = min(count, len(store))
     end = store.offsets[n]
-    return FeatureStore(store.aux[:end], store.hidden[:end], store.argmax[:end],
-                        store.tokens[:end], store.offsets[: n + 1], store.prompt_lens[:n])
+    return FeatureStore(
+        store.aux[:end],
+        store.hidden[:end],
+        store.argmax[:end],
+        store.tokens[:end],
+        store.offsets[: n + 1],
+        store.prompt_lens[:n],
+    )
 
 
 def run_cli(cfg: TrainConfig) -> int:
     """`specserve train-eagle3`: train, then print where the head is and how it does."""
     result = train(cfg)
     m = result.metrics
-    print(f"EAGLE-3 head written to {cfg.out} after {m['steps']} steps "
-          f"(draft vocabulary covers {m['draft_coverage']:.1%} of reply tokens)")
+    print(
+        f"EAGLE-3 head written to {cfg.out} after {m['steps']} steps "
+        f"(draft vocabulary covers {m['draft_coverage']:.1%} of reply tokens)"
+    )
     for name in ("heldout", "train_subset"):
         stats = m.get(name) or {}
         if stats:
-            accept = ", ".join(f"K={k + 1}: {v:.2f}" for k, v in
-                               enumerate(stats["mean_accept_len"]))
+            accept = ", ".join(
+                f"K={k + 1}: {v:.2f}" for k, v in enumerate(stats["mean_accept_len"])
+            )
             print(f"{name}: teacher-forced mean acceptance length {accept}")
     return 0

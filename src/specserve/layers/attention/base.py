@@ -58,10 +58,16 @@ class AttentionMetadata:
         """The metadata of the first n requests, whose tokens lead the step's."""
         query_lens, seq_bounds = self._host()
         return AttentionMetadata(
-            self.positions, self.slot_mapping, self.query_start_loc[: n + 1], self.seq_lens[:n],
-            self.block_tables[:n], max(query_lens[:n]), max(seq_bounds[:n]), query_lens[:n],
+            self.positions,
+            self.slot_mapping,
+            self.query_start_loc[: n + 1],
+            self.seq_lens[:n],
+            self.block_tables[:n],
+            max(query_lens[:n]),
+            max(seq_bounds[:n]),
+            query_lens[:n],
             seq_bounds[:n],
-        )  # fmt: skip
+        )
 
     def tail(self, n: int) -> AttentionMetadata:
         """The metadata of the requests from n on, for their tokens alone: token offsets
@@ -69,10 +75,16 @@ class AttentionMetadata:
         query_lens, seq_bounds = self._host()
         first = sum(query_lens[:n])
         return AttentionMetadata(
-            self.positions[first:], self.slot_mapping[first:],
-            self.query_start_loc[n:] - first, self.seq_lens[n:], self.block_tables[n:],
-            max(query_lens[n:]), max(seq_bounds[n:]), query_lens[n:], seq_bounds[n:],
-        )  # fmt: skip
+            self.positions[first:],
+            self.slot_mapping[first:],
+            self.query_start_loc[n:] - first,
+            self.seq_lens[n:],
+            self.block_tables[n:],
+            max(query_lens[n:]),
+            max(seq_bounds[n:]),
+            query_lens[n:],
+            seq_bounds[n:],
+        )
 
     def _host(self) -> tuple[list[int], list[int]]:
         if self.query_lens is None or self.seq_bounds is None:

@@ -42,11 +42,22 @@ class TorchAttentionBackend(AttentionBackend):
     def _layout_for(self, meta: AttentionMetadata, num_tokens: int, page_size: int):
         # Keyed by object identity (the key holds references, so ids are never reused): a
         # step's metadata is built once and not modified while its layers run.
-        key = (meta, meta.positions, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-               meta.max_query_len, meta.max_seq_len, num_tokens, page_size)
-        if self._layout_key is not None and all(
-            a is b for a, b in zip(key[:5], self._layout_key[:5])
-        ) and key[5:] == self._layout_key[5:]:
+        key = (
+            meta,
+            meta.positions,
+            meta.query_start_loc,
+            meta.seq_lens,
+            meta.block_tables,
+            meta.max_query_len,
+            meta.max_seq_len,
+            num_tokens,
+            page_size,
+        )
+        if (
+            self._layout_key is not None
+            and all(a is b for a, b in zip(key[:5], self._layout_key[:5]))
+            and key[5:] == self._layout_key[5:]
+        ):
             return self._layout
         self._layout = _build_layout(meta, num_tokens, page_size)
         self._layout_key = key
@@ -78,7 +89,11 @@ class TorchAttentionBackend(AttentionBackend):
             keys = keys.repeat_interleave(group, dim=1)
             values = values.repeat_interleave(group, dim=1)
         out = F.scaled_dot_product_attention(
-            q_pad.transpose(1, 2), keys, values, attn_mask=layout.mask, scale=scale,
+            q_pad.transpose(1, 2),
+            keys,
+            values,
+            attn_mask=layout.mask,
+            scale=scale,
             enable_gqa=native_gqa,
         )
         out = out.transpose(1, 2)  # [B, max_q, h, d]

@@ -108,10 +108,11 @@ class TritonAttentionBackend(AttentionBackend):
         chunkings = [(1, None), (2, None)]
         if self.batch_invariant:  # fewer programs than chunks, and as many
             chunkings += [(2, MAX_SPLITS), (MAX_SPLITS, MAX_SPLITS)]
-        shapes = [(q_len, splits, chunks)
-                  for q_len in sorted({max(1, rows // group)
-                                       for rows in (16, 32, ops.DECODE_MAX_ROWS)})
-                  for splits, chunks in chunkings]  # fmt: skip
+        shapes = [
+            (q_len, splits, chunks)
+            for q_len in sorted({max(1, rows // group) for rows in (16, 32, ops.DECODE_MAX_ROWS)})
+            for splits, chunks in chunkings
+        ]
         shapes.append((ops.DECODE_MAX_ROWS // group + 1, 1, None))  # prefill-like
         i64 = dict(dtype=torch.int64, device=device)
         for q_len, splits, chunks in shapes:
@@ -121,15 +122,26 @@ class TritonAttentionBackend(AttentionBackend):
             ops.write_kv(kv, kv, k_cache, v_cache, slots)
             launch = self.decode if q_len * group <= ops.DECODE_MAX_ROWS else self.prefill
             ops.paged_attention(
-                q, k_cache, v_cache, torch.arange(q_len, **i64) % 1,
-                torch.tensor([0, q_len], **i64), torch.ones(1, **i64),
-                torch.zeros(1, 1, **i64), q_len, 1.0, num_splits=splits, chunk_splits=chunks,
-                block_n=launch.block_n, num_warps=launch.num_warps, num_stages=launch.num_stages,
-            )  # fmt: skip
+                q,
+                k_cache,
+                v_cache,
+                torch.arange(q_len, **i64) % 1,
+                torch.tensor([0, q_len], **i64),
+                torch.ones(1, **i64),
+                torch.zeros(1, 1, **i64),
+                q_len,
+                1.0,
+                num_splits=splits,
+                chunk_splits=chunks,
+                block_n=launch.block_n,
+                num_warps=launch.num_warps,
+                num_stages=launch.num_stages,
+            )
         return len(shapes)
 
-    def choose_num_splits(self, meta: AttentionMetadata, num_kv_heads: int, group: int,
-                          device: torch.device) -> int:  # fmt: skip
+    def choose_num_splits(
+        self, meta: AttentionMetadata, num_kv_heads: int, group: int, device: torch.device
+    ) -> int:
         """How many chunks to cut each request's KV length into for this step."""
         if self.num_splits is not None:
             return self.num_splits
@@ -141,9 +153,13 @@ class TritonAttentionBackend(AttentionBackend):
         # As many splits as keep every program in one wave: a second wave of short
         # programs plus the merge cost more than idle slots.
         return self.kernels.decode_num_splits(
-            meta.num_requests * num_kv_heads, meta.max_seq_len, self._sms[device],
-            self.programs_per_sm, MIN_SPLIT_TOKENS, MAX_SPLITS,
-        )  # fmt: skip
+            meta.num_requests * num_kv_heads,
+            meta.max_seq_len,
+            self._sms[device],
+            self.programs_per_sm,
+            MIN_SPLIT_TOKENS,
+            MAX_SPLITS,
+        )
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
         """Write the new K/V, then attend. A mixed step (decode or verify rows first, then
@@ -174,17 +190,30 @@ class TritonAttentionBackend(AttentionBackend):
         rows = meta.max_query_len * q.shape[1] // kv_heads
         decode_like = rows <= ops.DECODE_MAX_ROWS
         launch = self.decode if decode_like else self.prefill
-        invariant = (self.batch_invariant and decode_like
-                     and meta.num_requests <= INVARIANT_MAX_REQUESTS)  # fmt: skip
+        invariant = (
+            self.batch_invariant and decode_like and meta.num_requests <= INVARIANT_MAX_REQUESTS
+        )
         chunks = self.invariant_chunks(q.device) if invariant else None
         if chunks:
             splits = min(splits, chunks)  # no program without a chunk
         return ops.paged_attention(
-            q, k_cache, v_cache, meta.positions, meta.query_start_loc, meta.seq_lens,
-            meta.block_tables, meta.max_query_len, scale, num_splits=splits, out=out,
-            block_n=launch.block_n, num_warps=launch.num_warps, num_stages=launch.num_stages,
-            chunk_splits=chunks, min_chunk=self.min_chunk if chunks else None,
-        )  # fmt: skip
+            q,
+            k_cache,
+            v_cache,
+            meta.positions,
+            meta.query_start_loc,
+            meta.seq_lens,
+            meta.block_tables,
+            meta.max_query_len,
+            scale,
+            num_splits=splits,
+            out=out,
+            block_n=launch.block_n,
+            num_warps=launch.num_warps,
+            num_stages=launch.num_stages,
+            chunk_splits=chunks,
+            min_chunk=self.min_chunk if chunks else None,
+        )
 
     def invariant_chunks(self, device: torch.device) -> int | None:
         """How many chunks batch-invariant steps cut keys into on `device`: MAX_SPLITS on a

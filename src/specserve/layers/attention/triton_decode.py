@@ -42,8 +42,20 @@ def _attend_block(q, k, v, n, n_ok, pos, m_i, l_i, acc, qk_scale):
 
 
 @triton.jit
-def _kv_load(k_cache, v_cache, page, n, n_ok, kvh, stride_cp, stride_cs, stride_ch, d, d_ok,
-             PAGE_SIZE: tl.constexpr):  # fmt: skip
+def _kv_load(
+    k_cache,
+    v_cache,
+    page,
+    n,
+    n_ok,
+    kvh,
+    stride_cp,
+    stride_cs,
+    stride_ch,
+    d,
+    d_ok,
+    PAGE_SIZE: tl.constexpr,
+):
     """Issue the loads of one K/V block: keys n of KV head kvh, their pages already known."""
     off = page.to(tl.int64) * stride_cp + (n % PAGE_SIZE) * stride_cs + kvh * stride_ch
     mask = n_ok[:, None] & d_ok[None, :]
@@ -57,8 +69,17 @@ def _kv_load(k_cache, v_cache, page, n, n_ok, kvh, stride_cp, stride_cs, stride_
 METADATA = ["positions", "query_start_loc", "seq_lens", "block_tables"]
 # What neither attention kernel specializes on: strides and split counts that vary with the
 # batch, and the metadata addresses (nchunk_ptr is seq_lens where nothing is split).
-NOT_SPECIALIZED = ["stride_bt", "num_splits", "chunk_splits", "min_chunk", "stride_os",
-                   "stride_ls", "stride_lt", "nchunk_ptr", *METADATA]  # fmt: skip
+NOT_SPECIALIZED = [
+    "stride_bt",
+    "num_splits",
+    "chunk_splits",
+    "min_chunk",
+    "stride_os",
+    "stride_ls",
+    "stride_lt",
+    "nchunk_ptr",
+    *METADATA,
+]
 
 
 @triton.jit
@@ -71,17 +92,45 @@ def chunk_len(length, chunk_splits, min_chunk, BLOCK_N: tl.constexpr):
 
 @triton.jit(do_not_specialize=NOT_SPECIALIZED)
 def _paged_attn_decode_kernel(
-    q_ptr, k_cache, v_cache, out_ptr, lse_ptr,
-    positions, query_start_loc, seq_lens, block_tables,
-    stride_qt, stride_qh, stride_cp, stride_cs, stride_ch, stride_bt,
-    stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
-    qk_scale, num_splits, chunk_splits, min_chunk, nchunk_ptr,
-    KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PREFETCH: tl.constexpr,
-    USE_PDL: tl.constexpr = False, LOOP: tl.constexpr = False,
-    ROW_CHUNKS: tl.constexpr = False, EARLY_METADATA: tl.constexpr = True,
-):  # fmt: skip
+    q_ptr,
+    k_cache,
+    v_cache,
+    out_ptr,
+    lse_ptr,
+    positions,
+    query_start_loc,
+    seq_lens,
+    block_tables,
+    stride_qt,
+    stride_qh,
+    stride_cp,
+    stride_cs,
+    stride_ch,
+    stride_bt,
+    stride_os,
+    stride_ot,
+    stride_oh,
+    stride_ls,
+    stride_lt,
+    qk_scale,
+    num_splits,
+    chunk_splits,
+    min_chunk,
+    nchunk_ptr,
+    KV_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
+    LOOP: tl.constexpr = False,
+    ROW_CHUNKS: tl.constexpr = False,
+    EARLY_METADATA: tl.constexpr = True,
+):
     # Same arguments and grid as _paged_attn_kernel; all of a request's rows fit BLOCK_M.
     # LOOP: fewer programs than chunks (otherwise each program has at most its own chunk,
     # and the kernel compiles without the loop, whose registers it does not need).
@@ -130,61 +179,294 @@ def _paged_attn_decode_kernel(
                 later = chunk_len(pos + 1, chunk_splits, min_chunk, BLOCK_N) != chunk
                 count = tl.where(later, tl.cdiv(seq_len, chunk_b) + chunk_splits * 256, count)
             tl.store(nchunk_ptr + (q_start + tok) * stride_lt + head, count, mask=row_ok)
-    _chunks(q, k_cache, v_cache, out_ptr, lse_ptr, table, page, n, pid_s, num_splits, chunk,
-            num_chunks, 0, seq_len, kv_end, kvh, pos, q_start, tok, head, row_ok, stride_cp,
-            stride_cs, stride_ch, stride_os, stride_ot, stride_oh, stride_ls, stride_lt, d,
-            d_ok, qk_scale, BLOCK_M, BLOCK_D, PAGE_SIZE, BLOCK_N, SPLIT, PREFETCH,
-            LOOP)  # fmt: skip
+    _chunks(
+        q,
+        k_cache,
+        v_cache,
+        out_ptr,
+        lse_ptr,
+        table,
+        page,
+        n,
+        pid_s,
+        num_splits,
+        chunk,
+        num_chunks,
+        0,
+        seq_len,
+        kv_end,
+        kvh,
+        pos,
+        q_start,
+        tok,
+        head,
+        row_ok,
+        stride_cp,
+        stride_cs,
+        stride_ch,
+        stride_os,
+        stride_ot,
+        stride_oh,
+        stride_ls,
+        stride_lt,
+        d,
+        d_ok,
+        qk_scale,
+        BLOCK_M,
+        BLOCK_D,
+        PAGE_SIZE,
+        BLOCK_N,
+        SPLIT,
+        PREFETCH,
+        LOOP,
+    )
     if ROW_CHUNKS:
         if chunk_b != chunk:  # the step's rows cross a chunk boundary (at most one)
             n = pid_s * chunk_b + tl.arange(0, BLOCK_N)
             page = tl.load(table + n // PAGE_SIZE, mask=n < seq_len, other=0)
-            _chunks(q, k_cache, v_cache, out_ptr, lse_ptr, table, page, n, pid_s, num_splits,
-                    chunk_b, tl.cdiv(seq_len, chunk_b), chunk_splits, seq_len, kv_end, kvh,
-                    pos, q_start, tok, head, row_ok, stride_cp, stride_cs, stride_ch,
-                    stride_os, stride_ot, stride_oh, stride_ls, stride_lt, d, d_ok, qk_scale,
-                    BLOCK_M, BLOCK_D, PAGE_SIZE, BLOCK_N, SPLIT, PREFETCH, LOOP)  # fmt: skip
+            _chunks(
+                q,
+                k_cache,
+                v_cache,
+                out_ptr,
+                lse_ptr,
+                table,
+                page,
+                n,
+                pid_s,
+                num_splits,
+                chunk_b,
+                tl.cdiv(seq_len, chunk_b),
+                chunk_splits,
+                seq_len,
+                kv_end,
+                kvh,
+                pos,
+                q_start,
+                tok,
+                head,
+                row_ok,
+                stride_cp,
+                stride_cs,
+                stride_ch,
+                stride_os,
+                stride_ot,
+                stride_oh,
+                stride_ls,
+                stride_lt,
+                d,
+                d_ok,
+                qk_scale,
+                BLOCK_M,
+                BLOCK_D,
+                PAGE_SIZE,
+                BLOCK_N,
+                SPLIT,
+                PREFETCH,
+                LOOP,
+            )
 
 
 @triton.jit
-def _chunks(q, k_cache, v_cache, out_ptr, lse_ptr, table, page, n, pid_s, num_splits, chunk,
-            num_chunks, slot_base, seq_len, kv_end, kvh, pos, q_start, tok, head, row_ok,
-            stride_cp, stride_cs, stride_ch, stride_os, stride_ot, stride_oh, stride_ls,
-            stride_lt, d, d_ok, qk_scale, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-            PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-            PREFETCH: tl.constexpr, LOOP: tl.constexpr):  # fmt: skip
+def _chunks(
+    q,
+    k_cache,
+    v_cache,
+    out_ptr,
+    lse_ptr,
+    table,
+    page,
+    n,
+    pid_s,
+    num_splits,
+    chunk,
+    num_chunks,
+    slot_base,
+    seq_len,
+    kv_end,
+    kvh,
+    pos,
+    q_start,
+    tok,
+    head,
+    row_ok,
+    stride_cp,
+    stride_cs,
+    stride_ch,
+    stride_os,
+    stride_ot,
+    stride_oh,
+    stride_ls,
+    stride_lt,
+    d,
+    d_ok,
+    qk_scale,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    LOOP: tl.constexpr,
+):
     """The program's chunks of one chunking (n, page: its first chunk's first keys and page
     ids), each to slot slot_base + its index."""
     if LOOP and not PREFETCH:  # one pipelined loop over the blocks of all its chunks
-        _flat_chunks(q, k_cache, v_cache, out_ptr, lse_ptr, table, page, pid_s, num_splits,
-                     chunk, num_chunks, slot_base, kv_end, kvh, pos, q_start, tok, head,
-                     row_ok, stride_cp, stride_cs, stride_ch, stride_os, stride_ot, stride_oh,
-                     stride_ls, stride_lt, d, d_ok, qk_scale, BLOCK_M, BLOCK_D, PAGE_SIZE,
-                     BLOCK_N)  # fmt: skip
+        _flat_chunks(
+            q,
+            k_cache,
+            v_cache,
+            out_ptr,
+            lse_ptr,
+            table,
+            page,
+            pid_s,
+            num_splits,
+            chunk,
+            num_chunks,
+            slot_base,
+            kv_end,
+            kvh,
+            pos,
+            q_start,
+            tok,
+            head,
+            row_ok,
+            stride_cp,
+            stride_cs,
+            stride_ch,
+            stride_os,
+            stride_ot,
+            stride_oh,
+            stride_ls,
+            stride_lt,
+            d,
+            d_ok,
+            qk_scale,
+            BLOCK_M,
+            BLOCK_D,
+            PAGE_SIZE,
+            BLOCK_N,
+        )
     elif LOOP:
         for j in range(pid_s, num_chunks, num_splits):
             if j != pid_s:  # this chunk's first page ids (the first chunk's are in hand)
                 n = j * chunk + tl.arange(0, BLOCK_N)
                 page = tl.load(table + n // PAGE_SIZE, mask=n < seq_len, other=0)
-            _chunk_out(q, k_cache, v_cache, out_ptr, lse_ptr, table, page, n, j, slot_base + j,
-                       chunk, kv_end, kvh, pos, q_start, tok, head, row_ok, stride_cp,
-                       stride_cs, stride_ch, stride_os, stride_ot, stride_oh, stride_ls,
-                       stride_lt, d, d_ok, qk_scale, BLOCK_M, BLOCK_D, PAGE_SIZE, BLOCK_N,
-                       SPLIT, PREFETCH)  # fmt: skip
+            _chunk_out(
+                q,
+                k_cache,
+                v_cache,
+                out_ptr,
+                lse_ptr,
+                table,
+                page,
+                n,
+                j,
+                slot_base + j,
+                chunk,
+                kv_end,
+                kvh,
+                pos,
+                q_start,
+                tok,
+                head,
+                row_ok,
+                stride_cp,
+                stride_cs,
+                stride_ch,
+                stride_os,
+                stride_ot,
+                stride_oh,
+                stride_ls,
+                stride_lt,
+                d,
+                d_ok,
+                qk_scale,
+                BLOCK_M,
+                BLOCK_D,
+                PAGE_SIZE,
+                BLOCK_N,
+                SPLIT,
+                PREFETCH,
+            )
     else:  # past the request's chunks the program writes an empty partial, never merged
-        _chunk_out(q, k_cache, v_cache, out_ptr, lse_ptr, table, page, n, pid_s,
-                   slot_base + pid_s, chunk, kv_end, kvh, pos, q_start, tok, head, row_ok,
-                   stride_cp, stride_cs, stride_ch, stride_os, stride_ot, stride_oh, stride_ls,
-                   stride_lt, d, d_ok, qk_scale, BLOCK_M, BLOCK_D, PAGE_SIZE, BLOCK_N, SPLIT,
-                   PREFETCH)  # fmt: skip
+        _chunk_out(
+            q,
+            k_cache,
+            v_cache,
+            out_ptr,
+            lse_ptr,
+            table,
+            page,
+            n,
+            pid_s,
+            slot_base + pid_s,
+            chunk,
+            kv_end,
+            kvh,
+            pos,
+            q_start,
+            tok,
+            head,
+            row_ok,
+            stride_cp,
+            stride_cs,
+            stride_ch,
+            stride_os,
+            stride_ot,
+            stride_oh,
+            stride_ls,
+            stride_lt,
+            d,
+            d_ok,
+            qk_scale,
+            BLOCK_M,
+            BLOCK_D,
+            PAGE_SIZE,
+            BLOCK_N,
+            SPLIT,
+            PREFETCH,
+        )
 
 
 @triton.jit
-def _flat_chunks(q, k_cache, v_cache, out_ptr, lse_ptr, table, page, pid_s, num_splits, chunk,
-                 num_chunks, slot_base, kv_end, kvh, pos, q_start, tok, head, row_ok,
-                 stride_cp, stride_cs, stride_ch, stride_os, stride_ot, stride_oh, stride_ls,
-                 stride_lt, d, d_ok, qk_scale, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-                 PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+def _flat_chunks(
+    q,
+    k_cache,
+    v_cache,
+    out_ptr,
+    lse_ptr,
+    table,
+    page,
+    pid_s,
+    num_splits,
+    chunk,
+    num_chunks,
+    slot_base,
+    kv_end,
+    kvh,
+    pos,
+    q_start,
+    tok,
+    head,
+    row_ok,
+    stride_cp,
+    stride_cs,
+    stride_ch,
+    stride_os,
+    stride_ot,
+    stride_oh,
+    stride_ls,
+    stride_lt,
+    d,
+    d_ok,
+    qk_scale,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     """The program's chunks pid_s, pid_s + num_splits, ... as one loop over their key blocks
     (page: the first block's page ids), so that the pipeliner keeps the next block in flight
     across chunk ends too (a chunk may be a single block); at each chunk's last block its
@@ -201,43 +483,159 @@ def _flat_chunks(q, k_cache, v_cache, out_ptr, lse_ptr, table, page, pid_s, num_
         j = pid_s + (i // blocks) * num_splits
         n = j * chunk + (i % blocks) * BLOCK_N + keys
         n_ok = n < tl.minimum(j * chunk + chunk, kv_end)
-        k, v = _kv_load(k_cache, v_cache, page, n, n_ok, kvh, stride_cp, stride_cs, stride_ch,
-                        d, d_ok, PAGE_SIZE)  # fmt: skip
+        k, v = _kv_load(
+            k_cache,
+            v_cache,
+            page,
+            n,
+            n_ok,
+            kvh,
+            stride_cp,
+            stride_cs,
+            stride_ch,
+            d,
+            d_ok,
+            PAGE_SIZE,
+        )
         nxt = (pid_s + ((i + 1) // blocks) * num_splits) * chunk + ((i + 1) % blocks) * BLOCK_N
         # (after the last block: unused, and read only within the request's keys)
         page = tl.load(table + (nxt + keys) // PAGE_SIZE, mask=nxt + keys < kv_end, other=0)
         m_i, l_i, acc = _attend_block(q, k, v, n, n_ok, pos, m_i, l_i, acc, qk_scale)
         end = tok * 0 + i % blocks == blocks - 1  # per row (all alike): the chunk's last block
-        store_chunk(out_ptr, lse_ptr, m_i, l_i, acc, slot_base + j, q_start, tok, head,
-                    row_ok & end, d, d_ok, stride_os, stride_ot, stride_oh, stride_ls,
-                    stride_lt, True)  # fmt: skip
+        store_chunk(
+            out_ptr,
+            lse_ptr,
+            m_i,
+            l_i,
+            acc,
+            slot_base + j,
+            q_start,
+            tok,
+            head,
+            row_ok & end,
+            d,
+            d_ok,
+            stride_os,
+            stride_ot,
+            stride_oh,
+            stride_ls,
+            stride_lt,
+            True,
+        )
         m_i = tl.where(end, float("-inf"), m_i)
         l_i = tl.where(end, 0.0, l_i)
         acc = tl.where(end[:, None], 0.0, acc)
 
 
 @triton.jit
-def _chunk_out(q, k_cache, v_cache, out_ptr, lse_ptr, table, page, n, j, slot, chunk, kv_end,
-               kvh, pos, q_start, tok, head, row_ok, stride_cp, stride_cs, stride_ch,
-               stride_os, stride_ot, stride_oh, stride_ls, stride_lt, d, d_ok, qk_scale,
-               BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
-               BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PREFETCH: tl.constexpr):  # fmt: skip
+def _chunk_out(
+    q,
+    k_cache,
+    v_cache,
+    out_ptr,
+    lse_ptr,
+    table,
+    page,
+    n,
+    j,
+    slot,
+    chunk,
+    kv_end,
+    kvh,
+    pos,
+    q_start,
+    tok,
+    head,
+    row_ok,
+    stride_cp,
+    stride_cs,
+    stride_ch,
+    stride_os,
+    stride_ot,
+    stride_oh,
+    stride_ls,
+    stride_lt,
+    d,
+    d_ok,
+    qk_scale,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr,
+    PREFETCH: tl.constexpr,
+):
     """Chunk j's keys [j * chunk, min((j + 1) * chunk, kv_end)) for the program's rows (n,
     page: its first block's keys and page ids): the output, or with SPLIT the partial output
     and its log-sum-exp in `slot`."""
     lo = j * chunk
     hi = tl.minimum(lo + chunk, kv_end)
-    m_i, l_i, acc = _attend_chunk(q, k_cache, v_cache, table, page, n, lo, hi, kvh, pos,
-                                  stride_cp, stride_cs, stride_ch, d, d_ok, qk_scale, BLOCK_M,
-                                  BLOCK_D, PAGE_SIZE, BLOCK_N, PREFETCH)  # fmt: skip
-    store_chunk(out_ptr, lse_ptr, m_i, l_i, acc, slot, q_start, tok, head, row_ok, d, d_ok,
-                stride_os, stride_ot, stride_oh, stride_ls, stride_lt, SPLIT)  # fmt: skip
+    m_i, l_i, acc = _attend_chunk(
+        q,
+        k_cache,
+        v_cache,
+        table,
+        page,
+        n,
+        lo,
+        hi,
+        kvh,
+        pos,
+        stride_cp,
+        stride_cs,
+        stride_ch,
+        d,
+        d_ok,
+        qk_scale,
+        BLOCK_M,
+        BLOCK_D,
+        PAGE_SIZE,
+        BLOCK_N,
+        PREFETCH,
+    )
+    store_chunk(
+        out_ptr,
+        lse_ptr,
+        m_i,
+        l_i,
+        acc,
+        slot,
+        q_start,
+        tok,
+        head,
+        row_ok,
+        d,
+        d_ok,
+        stride_os,
+        stride_ot,
+        stride_oh,
+        stride_ls,
+        stride_lt,
+        SPLIT,
+    )
 
 
 @triton.jit
-def store_chunk(out_ptr, lse_ptr, m_i, l_i, acc, slot, q_start, tok, head, row_ok, d, d_ok,
-                stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
-                SPLIT: tl.constexpr):  # fmt: skip
+def store_chunk(
+    out_ptr,
+    lse_ptr,
+    m_i,
+    l_i,
+    acc,
+    slot,
+    q_start,
+    tok,
+    head,
+    row_ok,
+    d,
+    d_ok,
+    stride_os,
+    stride_ot,
+    stride_oh,
+    stride_ls,
+    stride_lt,
+    SPLIT: tl.constexpr,
+):
     """A chunk's normalized output for the program's rows: with SPLIT in fp32 to `slot`
     with its log-sum-exp (both attention kernels' partials), else as the output."""
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -254,10 +652,29 @@ def store_chunk(out_ptr, lse_ptr, m_i, l_i, acc, slot, q_start, tok, head, row_o
 
 
 @triton.jit
-def _attend_chunk(q, k_cache, v_cache, table, page, n, lo, hi, kvh, pos, stride_cp, stride_cs,
-                  stride_ch, d, d_ok, qk_scale, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-                  PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                  PREFETCH: tl.constexpr):  # fmt: skip
+def _attend_chunk(
+    q,
+    k_cache,
+    v_cache,
+    table,
+    page,
+    n,
+    lo,
+    hi,
+    kvh,
+    pos,
+    stride_cp,
+    stride_cs,
+    stride_ch,
+    d,
+    d_ok,
+    qk_scale,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PREFETCH: tl.constexpr,
+):
     """Online softmax of the rows of q over keys [lo, hi) (n: the first block's keys, page:
     their page ids): (row max, row sum, unnormalized output)."""
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -265,22 +682,59 @@ def _attend_chunk(q, k_cache, v_cache, table, page, n, lo, hi, kvh, pos, stride_
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     n_ok = n < hi
     if PREFETCH:  # K/V of this block in registers, the next block's page ids in flight
-        k, v = _kv_load(k_cache, v_cache, page, n, n_ok, kvh, stride_cp, stride_cs, stride_ch,
-                        d, d_ok, PAGE_SIZE)  # fmt: skip
+        k, v = _kv_load(
+            k_cache,
+            v_cache,
+            page,
+            n,
+            n_ok,
+            kvh,
+            stride_cp,
+            stride_cs,
+            stride_ch,
+            d,
+            d_ok,
+            PAGE_SIZE,
+        )
         page = tl.load(table + (n + BLOCK_N) // PAGE_SIZE, mask=n + BLOCK_N < hi, other=0)
     for _ in range(lo, hi, BLOCK_N):
         n_next = n + BLOCK_N
         ok_next = n_next < hi
         if PREFETCH:  # the next block's K/V load while this block is computed
-            k_next, v_next = _kv_load(k_cache, v_cache, page, n_next, ok_next, kvh, stride_cp,
-                                      stride_cs, stride_ch, d, d_ok, PAGE_SIZE)  # fmt: skip
-            page = tl.load(table + (n_next + BLOCK_N) // PAGE_SIZE,
-                           mask=n_next + BLOCK_N < hi, other=0)  # fmt: skip
+            k_next, v_next = _kv_load(
+                k_cache,
+                v_cache,
+                page,
+                n_next,
+                ok_next,
+                kvh,
+                stride_cp,
+                stride_cs,
+                stride_ch,
+                d,
+                d_ok,
+                PAGE_SIZE,
+            )
+            page = tl.load(
+                table + (n_next + BLOCK_N) // PAGE_SIZE, mask=n_next + BLOCK_N < hi, other=0
+            )
             m_i, l_i, acc = _attend_block(q, k, v, n, n_ok, pos, m_i, l_i, acc, qk_scale)
             k, v = k_next, v_next
         else:  # K and V requested together, the next page ids alongside
-            k, v = _kv_load(k_cache, v_cache, page, n, n_ok, kvh, stride_cp, stride_cs,
-                            stride_ch, d, d_ok, PAGE_SIZE)  # fmt: skip
+            k, v = _kv_load(
+                k_cache,
+                v_cache,
+                page,
+                n,
+                n_ok,
+                kvh,
+                stride_cp,
+                stride_cs,
+                stride_ch,
+                d,
+                d_ok,
+                PAGE_SIZE,
+            )
             page = tl.load(table + n_next // PAGE_SIZE, mask=ok_next, other=0)
             m_i, l_i, acc = _attend_block(q, k, v, n, n_ok, pos, m_i, l_i, acc, qk_scale)
         n, n_ok = n_next, ok_next

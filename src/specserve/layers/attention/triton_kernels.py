@@ -55,6 +55,8 @@ DECODE_MIN_STAGES = 3
 # (triton_decode.py; +0.3% at batch 64 on the H200, within the repeats' spread); off for
 # A/Bs.
 PDL_EARLY_METADATA = True
+
+
 # Integers that vary from step to step (the page-table width, the split count, the strides
 # of the per-split buffers, which scale with the token count) are not specialized on:
 # Triton would otherwise compile a new variant when one first turns 1 or a multiple of 16,
@@ -64,16 +66,43 @@ PDL_EARLY_METADATA = True
 # they are read as scalars and gathers, which alignment does not speed up.
 @triton.jit(do_not_specialize=NOT_SPECIALIZED)
 def _paged_attn_kernel(
-    q_ptr, k_cache, v_cache, out_ptr, lse_ptr,
-    positions, query_start_loc, seq_lens, block_tables,
-    stride_qt, stride_qh, stride_cp, stride_cs, stride_ch, stride_bt,
-    stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
-    qk_scale, num_splits, chunk_splits, min_chunk, nchunk_ptr,
-    KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, USE_PDL: tl.constexpr = False,
-    LOOP: tl.constexpr = False, ROW_CHUNKS: tl.constexpr = False,
-):  # fmt: skip
+    q_ptr,
+    k_cache,
+    v_cache,
+    out_ptr,
+    lse_ptr,
+    positions,
+    query_start_loc,
+    seq_lens,
+    block_tables,
+    stride_qt,
+    stride_qh,
+    stride_cp,
+    stride_cs,
+    stride_ch,
+    stride_bt,
+    stride_os,
+    stride_ot,
+    stride_oh,
+    stride_ls,
+    stride_lt,
+    qk_scale,
+    num_splits,
+    chunk_splits,
+    min_chunk,
+    nchunk_ptr,
+    KV_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
+    LOOP: tl.constexpr = False,
+    ROW_CHUNKS: tl.constexpr = False,
+):
     # ROW_CHUNKS is the decode kernel's alone (the same contract): here chunks always follow
     # the row block's key range, so a verify step crossing a chunk boundary may round its
     # later rows apart from their decode steps.
@@ -112,26 +141,115 @@ def _paged_attn_kernel(
 
     if LOOP:  # fewer programs than chunks: chunks j, j + num_splits, ...
         for j in range(pid_s, num_chunks, num_splits):
-            _generic_chunk_out(q, k_cache, v_cache, out_ptr, lse_ptr, block_tables, b, j, chunk,
-                               kv_end, kvh, pos, q_start, tok, head, row_ok, stride_cp,
-                               stride_cs, stride_ch, stride_bt, stride_os, stride_ot, stride_oh,
-                               stride_ls, stride_lt, d, d_ok, qk_scale, BLOCK_M, BLOCK_D,
-                               PAGE_SIZE, BLOCK_N, SPLIT)  # fmt: skip
+            _generic_chunk_out(
+                q,
+                k_cache,
+                v_cache,
+                out_ptr,
+                lse_ptr,
+                block_tables,
+                b,
+                j,
+                chunk,
+                kv_end,
+                kvh,
+                pos,
+                q_start,
+                tok,
+                head,
+                row_ok,
+                stride_cp,
+                stride_cs,
+                stride_ch,
+                stride_bt,
+                stride_os,
+                stride_ot,
+                stride_oh,
+                stride_ls,
+                stride_lt,
+                d,
+                d_ok,
+                qk_scale,
+                BLOCK_M,
+                BLOCK_D,
+                PAGE_SIZE,
+                BLOCK_N,
+                SPLIT,
+            )
     else:  # at most the program's own chunk (past the request's: an empty partial, unmerged)
-        _generic_chunk_out(q, k_cache, v_cache, out_ptr, lse_ptr, block_tables, b, pid_s, chunk,
-                           kv_end, kvh, pos, q_start, tok, head, row_ok, stride_cp, stride_cs,
-                           stride_ch, stride_bt, stride_os, stride_ot, stride_oh, stride_ls,
-                           stride_lt, d, d_ok, qk_scale, BLOCK_M, BLOCK_D, PAGE_SIZE, BLOCK_N,
-                           SPLIT)  # fmt: skip
+        _generic_chunk_out(
+            q,
+            k_cache,
+            v_cache,
+            out_ptr,
+            lse_ptr,
+            block_tables,
+            b,
+            pid_s,
+            chunk,
+            kv_end,
+            kvh,
+            pos,
+            q_start,
+            tok,
+            head,
+            row_ok,
+            stride_cp,
+            stride_cs,
+            stride_ch,
+            stride_bt,
+            stride_os,
+            stride_ot,
+            stride_oh,
+            stride_ls,
+            stride_lt,
+            d,
+            d_ok,
+            qk_scale,
+            BLOCK_M,
+            BLOCK_D,
+            PAGE_SIZE,
+            BLOCK_N,
+            SPLIT,
+        )
 
 
 @triton.jit
-def _generic_chunk_out(q, k_cache, v_cache, out_ptr, lse_ptr, block_tables, b, j, chunk, kv_end,
-                       kvh, pos, q_start, tok, head, row_ok, stride_cp, stride_cs, stride_ch,
-                       stride_bt, stride_os, stride_ot, stride_oh, stride_ls, stride_lt, d,
-                       d_ok, qk_scale, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-                       PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                       SPLIT: tl.constexpr):  # fmt: skip
+def _generic_chunk_out(
+    q,
+    k_cache,
+    v_cache,
+    out_ptr,
+    lse_ptr,
+    block_tables,
+    b,
+    j,
+    chunk,
+    kv_end,
+    kvh,
+    pos,
+    q_start,
+    tok,
+    head,
+    row_ok,
+    stride_cp,
+    stride_cs,
+    stride_ch,
+    stride_bt,
+    stride_os,
+    stride_ot,
+    stride_oh,
+    stride_ls,
+    stride_lt,
+    d,
+    d_ok,
+    qk_scale,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr,
+):
     """Chunk j's keys for the program's rows: the output, or with SPLIT the partial output
     and its log-sum-exp in slot j."""
     lo = j * chunk
@@ -157,17 +275,47 @@ def _generic_chunk_out(q, k_cache, v_cache, out_ptr, lse_ptr, block_tables, b, j
         v = tl.load(v_cache + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
         m_i = m_new
-    store_chunk(out_ptr, lse_ptr, m_i, l_i, acc, j, q_start, tok, head, row_ok, d, d_ok,
-                stride_os, stride_ot, stride_oh, stride_ls, stride_lt, SPLIT)  # fmt: skip
+    store_chunk(
+        out_ptr,
+        lse_ptr,
+        m_i,
+        l_i,
+        acc,
+        j,
+        q_start,
+        tok,
+        head,
+        row_ok,
+        d,
+        d_ok,
+        stride_os,
+        stride_ot,
+        stride_oh,
+        stride_ls,
+        stride_lt,
+        SPLIT,
+    )
 
 
 @triton.jit(do_not_specialize=["stride_ps", "stride_ls", "stride_lt", "num_slots"])
 def _split_reduce_kernel(
-    part_ptr, lse_ptr, nchunk_ptr, out_ptr,
-    stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, stride_ot, stride_oh, num_slots,
-    BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr = False,
-):  # fmt: skip
+    part_ptr,
+    lse_ptr,
+    nchunk_ptr,
+    out_ptr,
+    stride_ps,
+    stride_pt,
+    stride_ph,
+    stride_ls,
+    stride_lt,
+    stride_ot,
+    stride_oh,
+    num_slots,
+    BLOCK_S: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
+):
     # Row (token t, head h) of a split step: its chunks' partial outputs (nchunk_ptr[t, h] %
     # 256 of them, from slot nchunk_ptr[t, h] // 256 on: the decode kernel's ROW_CHUNKS puts
     # a second chunking after the first) weighed by their log-sum-exp, written to out in its
@@ -203,11 +351,13 @@ def _split_reduce_kernel(
         w = tl.where(s < count, tl.exp2(lse_s - m), 0.0)  # empty chunks weigh 0 too
         denom += w
         in_count = d_ok & (d * 0 + s < count)  # (a tensor mask, as the interpreter needs)
-        acc += tl.load(part_row + last * stride_ps, mask=in_count, other=0.0,
-                       cache_modifier=".cg") * w  # fmt: skip
+        acc += (
+            tl.load(part_row + last * stride_ps, mask=in_count, other=0.0, cache_modifier=".cg") * w
+        )
     out = acc / tl.where(denom > 0, denom, 1.0)
-    tl.store(out_ptr + t * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty),
-             mask=d_ok)  # fmt: skip
+    tl.store(
+        out_ptr + t * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d_ok
+    )
 
 
 def paged_attention(
@@ -265,8 +415,10 @@ def paged_attention(
     num_warps = num_warps or (4 if decode_like else 8)
     chunks = chunk_splits or num_splits
     if chunks < num_splits or chunks > MAX_REDUCE_SPLITS:
-        raise ValueError(f"chunk_splits ({chunks}) must be within num_splits ({num_splits}) "
-                         f"and {MAX_REDUCE_SPLITS}")  # fmt: skip
+        raise ValueError(
+            f"chunk_splits ({chunks}) must be within num_splits ({num_splits}) "
+            f"and {MAX_REDUCE_SPLITS}"
+        )
     grid = (triton.cdiv(rows, block_m), num_requests * kv_heads, num_splits)
     # the shortest chunk in keys, whole blocks (by default chunks of one block are allowed)
     min_keys = triton.cdiv(min_chunk or 1, block_n) * block_n if chunk_splits else block_n
@@ -274,10 +426,10 @@ def paged_attention(
     slots = chunks * (2 if row_chunks else 1)
     split = chunks > 1 or row_chunks
     if split:
-        part = torch.empty((slots, num_tokens, num_heads, head_dim), dtype=torch.float32,
-                           device=q.device)  # fmt: skip
-        lse = torch.empty((slots, num_tokens, num_heads), dtype=torch.float32,
-                          device=q.device)  # fmt: skip
+        part = torch.empty(
+            (slots, num_tokens, num_heads, head_dim), dtype=torch.float32, device=q.device
+        )
+        lse = torch.empty((slots, num_tokens, num_heads), dtype=torch.float32, device=q.device)
         nchunk = torch.empty((num_tokens, num_heads), dtype=torch.int32, device=q.device)
         dst, dst_strides, lse_strides = part, part.stride()[:3], lse.stride()[:2]
     else:
@@ -297,27 +449,69 @@ def paged_attention(
     else:
         launch = _paged_attn_kernel[grid]
     launch(
-        q, k_cache, v_cache, dst, lse,
-        positions, query_start_loc, seq_lens, block_tables,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_tables.stride(0), *dst_strides, *lse_strides,
-        scale * LOG2E, num_splits, chunks, min_keys, nchunk,
-        KV_HEADS=kv_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
-        PAGE_SIZE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_N=block_n,
-        SPLIT=split, LOOP=num_splits < chunks, ROW_CHUNKS=row_chunks, num_warps=num_warps,
-        num_stages=num_stages, **extra, **launch_pdl,
-    )  # fmt: skip
+        q,
+        k_cache,
+        v_cache,
+        dst,
+        lse,
+        positions,
+        query_start_loc,
+        seq_lens,
+        block_tables,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        block_tables.stride(0),
+        *dst_strides,
+        *lse_strides,
+        scale * LOG2E,
+        num_splits,
+        chunks,
+        min_keys,
+        nchunk,
+        KV_HEADS=kv_heads,
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        PAGE_SIZE=k_cache.shape[1],
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        SPLIT=split,
+        LOOP=num_splits < chunks,
+        ROW_CHUNKS=row_chunks,
+        num_warps=num_warps,
+        num_stages=num_stages,
+        **extra,
+        **launch_pdl,
+    )
     if split:
         _split_reduce_kernel[(num_tokens, num_heads)](
-            part, lse, nchunk, out, *part.stride()[:3], *lse.stride()[:2], *out.stride()[:2],
-            slots, BLOCK_S=MAX_REDUCE_SPLITS, HEAD_DIM=head_dim, BLOCK_D=block_d, **launch_pdl,
-        )  # fmt: skip
+            part,
+            lse,
+            nchunk,
+            out,
+            *part.stride()[:3],
+            *lse.stride()[:2],
+            *out.stride()[:2],
+            slots,
+            BLOCK_S=MAX_REDUCE_SPLITS,
+            HEAD_DIM=head_dim,
+            BLOCK_D=block_d,
+            **launch_pdl,
+        )
     return out
 
 
-def decode_num_splits(num_programs: int, max_seq_len: int, num_sms: int,
-                      programs_per_sm: float = 4, min_split_tokens: int = 128,
-                      max_splits: int = MAX_REDUCE_SPLITS) -> int:  # fmt: skip
+def decode_num_splits(
+    num_programs: int,
+    max_seq_len: int,
+    num_sms: int,
+    programs_per_sm: float = 4,
+    min_split_tokens: int = 128,
+    max_splits: int = MAX_REDUCE_SPLITS,
+) -> int:
     """A split count for a decode-like step of `num_programs` (request, KV head) pairs that
     keeps the programs within one wave (`programs_per_sm` resident per multiprocessor): the
     most splits that still fit, none once the pairs alone fill the wave (a second wave of

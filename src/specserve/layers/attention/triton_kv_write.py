@@ -20,11 +20,20 @@ from specserve.layers.pdl_kernel import pdl_enter
 
 @triton.jit(do_not_specialize=["slot_ptr"])  # a view into the step's upload
 def _kv_write_kernel(
-    k_ptr, v_ptr, k_cache, v_cache, slot_ptr,
-    stride_kt, stride_vt, stride_page, stride_slot,
-    PAGE_SIZE: tl.constexpr, ROW: tl.constexpr, BLOCK: tl.constexpr,
+    k_ptr,
+    v_ptr,
+    k_cache,
+    v_cache,
+    slot_ptr,
+    stride_kt,
+    stride_vt,
+    stride_page,
+    stride_slot,
+    PAGE_SIZE: tl.constexpr,
+    ROW: tl.constexpr,
+    BLOCK: tl.constexpr,
     USE_PDL: tl.constexpr = False,
-):  # fmt: skip
+):
     if USE_PDL:  # layers/pdl.py
         pdl_enter()
     t = tl.program_id(0)
@@ -51,11 +60,20 @@ def write_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
     _check_cache(k_cache, v_cache)
     row = k_cache.shape[2] * k_cache.shape[3]
     _kv_write_kernel[(num_tokens,)](
-        k, v, k_cache, v_cache, slot_mapping,
-        k.stride(0), v.stride(0), k_cache.stride(0), k_cache.stride(1),
-        PAGE_SIZE=k_cache.shape[1], ROW=row, BLOCK=triton.next_power_of_2(row),
+        k,
+        v,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        k.stride(0),
+        v.stride(0),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        PAGE_SIZE=k_cache.shape[1],
+        ROW=row,
+        BLOCK=triton.next_power_of_2(row),
         **pdl.launch_options(k.device),
-    )  # fmt: skip
+    )
 
 
 def check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
@@ -63,8 +81,10 @@ def check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
     head_dim) rows and equal strides."""
     kvh, hd = k_cache.shape[2:]
     if k_cache.stride()[2:] != (hd, 1) or k_cache.stride() != v_cache.stride():
-        raise ValueError("K/V caches must be [pages, page_size, kv_heads, head_dim] with "
-                         "contiguous (kv_heads, head_dim) rows and equal strides")  # fmt: skip
+        raise ValueError(
+            "K/V caches must be [pages, page_size, kv_heads, head_dim] with "
+            "contiguous (kv_heads, head_dim) rows and equal strides"
+        )
 
 
 _check_cache = check_cache
