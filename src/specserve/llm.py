@@ -12,7 +12,8 @@ from specserve.core.config import EngineConfig
 from specserve.core.errors import InvalidRequestError
 from specserve.core.request import SpecStats
 from specserve.core.sampling_params import SamplingParams
-from specserve.engine.engine import LLMEngine, RequestOutput
+from specserve.engine.engine import LLMEngine
+from specserve.engine.outputs import RequestOutput
 from specserve.runtime.sampled_tokens import TokenLogprobs
 
 Prompt = str | list[int]

@@ -5,15 +5,15 @@ from __future__ import annotations
 import itertools
 import logging
 import random
-from dataclasses import dataclass, field
 
 from specserve.core.config import EngineConfig
 from specserve.core.detokenizer import IncrementalDetokenizer, TokenDecoder
 from specserve.core.errors import InvalidRequestError, RequestTooLargeError
 from specserve.core.kv_cache import KVCache
-from specserve.core.request import Request, SpecStats
+from specserve.core.request import Request
 from specserve.core.sampling_params import SamplingParams
 from specserve.engine.kv_sizing import kv_cache_pages
+from specserve.engine.outputs import RequestOutput, RequestSink
 from specserve.engine.scheduler import Scheduler
 from specserve.engine.startup import StartupProgress
 from specserve.engine.step_loop import StepLoop
@@ -27,23 +27,6 @@ from specserve.speculative.speculator import Speculator
 from specserve.speculative.target import TargetParts
 
 log = logging.getLogger("specserve")
-
-
-@dataclass(slots=True)
-class RequestOutput:
-    """A request's state after a step: cumulative text and tokens plus this step's delta."""
-
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    text: str
-    token_ids: list[int]  # the request's own list (grows while it runs; do not mutate)
-    delta_text: str
-    finished: bool
-    finish_reason: str | None
-    num_new_tokens: int = 0  # tokens committed this step: token_ids[-num_new_tokens:]
-    new_logprobs: list = field(default_factory=list)  # their TokenLogprobs, if asked for
-    spec_stats: SpecStats | None = None  # present when the engine speculates
 
 
 class LLMEngine:
@@ -156,10 +139,18 @@ class LLMEngine:
         # How ids become text, decided once for every request (engine/detokenizer.py).
         self.token_decoder = TokenDecoder(self.tokenizer) if self.tokenizer is not None else None
         self.requests: dict[str, Request] = {}
-        self.num_steps = 0  # target forwards run so far
         self._arrivals = itertools.count()
         self._rng = random.Random(config.seed)
-        self.loop = StepLoop(self, overlap=config.overlap_enabled())
+        # Where processed requests go: finished ones leave, every one gets its output.
+        self.sink = RequestSink(self.scheduler, self.requests, self.spec)
+        self.loop = StepLoop(
+            self.scheduler,
+            self.runner,
+            self.spec,
+            self.sink,
+            max_model_len=self.max_model_len,
+            overlap=config.overlap_enabled(),
+        )
         startup.ready()
 
     def _capture_graphs(self, startup: StartupProgress):
@@ -281,14 +272,12 @@ class LLMEngine:
         req = self.requests.get(request_id)
         if req is not None and not req.finished:
             req.finish_reason = "abort"
-            self._finish(req)
+            self.sink.finish(req)
 
-    def _finish(self, req: Request) -> None:
-        """A request leaves: its pages go back, per-request speculation state is dropped."""
-        self.scheduler.finish(req)
-        self.requests.pop(req.request_id, None)
-        if self.spec is not None:
-            self.spec.acceptance.forget(req.request_id)
+    @property
+    def num_steps(self) -> int:
+        """Target forwards run so far."""
+        return self.loop.num_steps
 
     def has_unfinished(self) -> bool:
         """Requests queued or running, or a step still in flight (overlap scheduling)."""
@@ -299,26 +288,6 @@ class LLMEngine:
         """Run one step; return the outputs of every request that produced a token. Under
         overlap scheduling these are the previous step's (engine/step_loop.py)."""
         return self.loop.step()
-
-    def _output(self, req: Request, num_new: int) -> RequestOutput:
-        detokenizer, finished = req.detokenizer, req.finished
-        if detokenizer is not None:
-            text, delta = detokenizer.text, detokenizer.pop_delta(finished)
-        else:
-            text = delta = ""
-        return RequestOutput(  # positional, in field order: twice as fast as keywords
-            req.request_id,
-            req.prompt,
-            req.prompt_token_ids,
-            text,
-            req.output_token_ids,  # token_ids: a live view, no per-step copy
-            delta,
-            finished,
-            req.finish_reason,
-            num_new,
-            req.output_logprobs[-num_new:] if req.output_logprobs and num_new else [],
-            req.spec if self.spec is not None else None,
-        )
 
     def stats(self) -> dict:
         return {

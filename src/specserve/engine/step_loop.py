@@ -50,18 +50,33 @@ from specserve.engine.launched_step import LaunchedStep, StepTimes
 from specserve.runtime.model_runner import num_drafts
 
 if TYPE_CHECKING:
-    from specserve.engine.engine import LLMEngine, RequestOutput
+    from specserve.engine.outputs import RequestOutput, RequestSink
+    from specserve.engine.scheduler import Scheduler
+    from specserve.runtime.model_runner import ModelRunner
+    from specserve.speculative.speculator import Speculator
 
 
 class StepLoop:
-    """Runs an engine's steps; `overlap` keeps one step in flight between calls."""
+    """Runs an engine's steps over its scheduler, runner and speculator (None: plain
+    decoding), handing processed requests to `sink`; `overlap` keeps one step in flight
+    between calls."""
 
-    def __init__(self, engine: LLMEngine, overlap: bool):
-        self.engine = engine
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        runner: ModelRunner,
+        spec: Speculator | None,
+        sink: RequestSink,
+        max_model_len: int,
+        overlap: bool,
+    ):
+        self.scheduler, self.runner, self.spec, self.sink = scheduler, runner, spec, sink
+        self.max_model_len = max_model_len
         self.overlap = overlap
+        self.num_steps = 0  # steps launched (target forwards)
         self.inflight: LaunchedStep | None = None
         self.times = StepTimes()
-        self._timed = engine.kv.pool.device.type == "cuda"
+        self._timed = runner.kv.pool.device.type == "cuda"
         self._last_end = None  # CUDA event: end of the last processed step's device work
         self._idle = True
         self.num_waits = 0  # steps launched only after the previous step's tokens were read
@@ -103,14 +118,14 @@ class StepLoop:
 
     # ---- launch ---------------------------------------------------------------------------
     def _schedule(self):
-        spec = self.engine.spec
-        return self.engine.scheduler.schedule(spec.scheduling_policy if spec else None)
+        spec = self.spec
+        return self.scheduler.schedule(spec.scheduling_policy if spec else None)
 
     def _drafting(self, batch: list[ScheduledRequest]) -> list[ScheduledRequest]:
         """The requests the proposer runs for: drafting, or catching the drafter up (not
         when the policy never drafts or is dormant: the drafter's state would not be read
         soon)."""
-        spec = self.engine.spec
+        spec = self.spec
         if spec is None or not spec.may_draft:
             return []
         if not spec.keeps_drafter:
@@ -127,7 +142,7 @@ class StepLoop:
         speculative step, every position it may reach lies within the context. Else why
         not: "sampled" (a drafting request samples), "mixed_draft_lens", "host_drafts" (the
         proposer drafts on the host) or "context_limit"."""
-        if drafting and not self.engine.spec.proposer.reads_inflight(drafting):
+        if drafting and not self.spec.proposer.reads_inflight(drafting):
             if any(s.request.params.temperature > 0 for s in drafting):
                 return "sampled"
             if len({s.draft_len for s in drafting}) > 1:
@@ -136,7 +151,7 @@ class StepLoop:
         if not prev.speculative:
             return None
         moved = {id(s.request): num_drafts(s) for s in prev.step_input.sampled}
-        max_len = self.engine.max_model_len
+        max_len = self.max_model_len
         if all(
             s.request.committed_len + moved.get(id(s.request), 0) + s.draft_len <= max_len
             for s in batch
@@ -169,11 +184,11 @@ class StepLoop:
         return settled
 
     def _launch(self, prev: LaunchedStep | None, batch, drafting) -> LaunchedStep | None:
-        engine, spec = self.engine, self.engine.spec
+        spec = self.spec
         if not batch:
             self._idle = True
             return None
-        engine.num_steps += 1
+        self.num_steps += 1
         inflight = prev.inflight() if prev is not None and prev.result is None else None
         # Device timeline: a step starts with its first real work (drafting, else the
         # forward), so host work that leaves the device idle counts in the gap before it.
@@ -187,7 +202,7 @@ class StepLoop:
             else:
                 spec.proposer.propose(drafting)
         t1 = time.perf_counter()
-        runner = engine.runner
+        runner = self.runner
         step_input = runner.prepare(batch, inflight)
         if events is not None:
             if not drafting:  # the step starts with the forward: before its event
@@ -238,7 +253,7 @@ class StepLoop:
     ) -> None:
         rows = dict(zip(map(id, step.batch), step.step_input.first_rows))
         first_rows = [rows[id(s)] for s in items]
-        self.engine.spec.proposer.commit(items, accepted, step.features, first_rows)
+        self.spec.proposer.commit(items, accepted, step.features, first_rows)
 
     # ---- resolve: the step's tokens on the host ---------------------------------------
     def _resolve(self, step: LaunchedStep) -> None:
@@ -266,7 +281,7 @@ class StepLoop:
             if id(req) in unmoved:
                 req.cached_len += len(tokens) - 1  # accepted drafts: their KV is valid
             req.unprocessed_token_ids = list(tokens)
-        spec = self.engine.spec
+        spec = self.spec
         if spec is not None and (spec.proposer.needs_commit or step.consumed):
             items = [s for s, keep in zip(step.batch, kept) if keep]
             consumed = step.consumed
@@ -281,7 +296,7 @@ class StepLoop:
     def _process(self, step: LaunchedStep) -> list[RequestOutput]:
         if step.result is None:
             self._resolve(step)
-        engine, spec, result = self.engine, self.engine.spec, step.result
+        spec, result, sink = self.spec, step.result, self.sink
         live = [
             (s, tokens, lps)
             for s, tokens, lps in zip(step.step_input.sampled, result.tokens, result.logprobs)
@@ -306,8 +321,8 @@ class StepLoop:
                 if req.finish_reason is not None:
                     break
             if req.finish_reason is not None:
-                engine._finish(req)
-            outputs.append(engine._output(req, len(req.output_token_ids) - before))
+                sink.finish(req)
+            outputs.append(sink.output(req, len(req.output_token_ids) - before))
         return outputs
 
     def _record_times(self, step: LaunchedStep) -> float:
