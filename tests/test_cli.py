@@ -79,12 +79,12 @@ def no_loading(monkeypatch):
     def loading(*args, **kwargs):
         raise AssertionError("the model loader was reached")
 
-    import specserve.engine.engine as engine
+    import specserve.engine.builder as builder
     import specserve.llm as llm
     import specserve.server.launch as launch
 
-    monkeypatch.setattr(engine, "resolve_model", loading)
-    monkeypatch.setattr(engine, "load_model", loading)
+    monkeypatch.setattr(builder, "resolve_model", loading)
+    monkeypatch.setattr(builder, "load_model", loading)
     monkeypatch.setattr(llm.LLM, "__init__", loading)
     monkeypatch.setattr(launch, "run_server", loading)
 

@@ -52,31 +52,30 @@ from specserve.runtime.model_runner import num_drafts
 if TYPE_CHECKING:
     from specserve.engine.outputs import RequestOutput, RequestSink
     from specserve.engine.scheduler import Scheduler
-    from specserve.runtime.model_runner import ModelRunner
     from specserve.speculative.speculator import Speculator
+    from specserve.speculative.target import TargetParts
 
 
 class StepLoop:
-    """Runs an engine's steps over its scheduler, runner and speculator (None: plain
-    decoding), handing processed requests to `sink`; `overlap` keeps one step in flight
-    between calls."""
+    """Runs an engine's steps over its scheduler, the target's runner and the speculator
+    (None: plain decoding), handing processed requests to `sink`; `overlap` keeps one step
+    in flight between calls."""
 
     def __init__(
         self,
         scheduler: Scheduler,
-        runner: ModelRunner,
+        target: TargetParts,
         spec: Speculator | None,
         sink: RequestSink,
-        max_model_len: int,
         overlap: bool,
     ):
-        self.scheduler, self.runner, self.spec, self.sink = scheduler, runner, spec, sink
-        self.max_model_len = max_model_len
+        self.scheduler, self.runner, self.spec, self.sink = scheduler, target.runner, spec, sink
+        self.max_model_len = target.max_model_len
         self.overlap = overlap
         self.num_steps = 0  # steps launched (target forwards)
         self.inflight: LaunchedStep | None = None
         self.times = StepTimes()
-        self._timed = runner.kv.pool.device.type == "cuda"
+        self._timed = target.kv.pool.device.type == "cuda"
         self._last_end = None  # CUDA event: end of the last processed step's device work
         self._idle = True
         self.num_waits = 0  # steps launched only after the previous step's tokens were read
