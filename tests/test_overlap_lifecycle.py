@@ -67,7 +67,15 @@ def test_server_engine_loop_with_overlap(models, reference):
     import multiprocessing as mp
     import queue
 
-    from specserve.server.engine_proc import AddRequest, EngineLoop, Outbox, OutputDelta
+    from specserve.server.engine_proc import EngineLoop, Outbox
+    from specserve.server.messages import (
+        AbortRequests,
+        AddRequest,
+        AddRequests,
+        OutputDelta,
+        Shutdown,
+        Stopped,
+    )
 
     llm = LLM(models["target"], overlap_schedule="on")
     engine = llm.engine
@@ -77,10 +85,9 @@ def test_server_engine_loop_with_overlap(models, reference):
     prompts = prompts_for()
     long = SamplingParams(max_tokens=400, ignore_eos=True)
     inbox.put(
-        (
-            "add",
+        AddRequests(
             [AddRequest(f"r{i}", p, GREEDY) for i, p in enumerate(prompts)]
-            + [AddRequest("long", prompts[0], long)],
+            + [AddRequest("long", prompts[0], long)]
         )
     )
     loop = EngineLoop(engine, inbox, outbox)
@@ -90,17 +97,17 @@ def test_server_engine_loop_with_overlap(models, reference):
         loop._drain(block=False)
         loop._step()
         loop._send()
-        kind, report = reader.recv()
+        report = reader.recv()
         for delta in (OutputDelta(*t) for t in report.outputs):
             tokens.setdefault(delta.request_id, []).extend(delta.new_token_ids)
             if delta.finished:
                 done.add(delta.request_id)
     assert [tokens[f"r{i}"] for i in range(len(prompts))] == [t for t, _, _ in reference(GREEDY)]
     assert "long" not in done and engine.stats()["overlap_schedule"] is True
-    inbox.put(("abort", ["long"]))
-    inbox.put(("shutdown", None))
+    inbox.put(AbortRequests(["long"]))
+    inbox.put(Shutdown())
     loop.run()
-    while reader.recv()[0] != "stopped":
+    while not isinstance(reader.recv(), Stopped):
         pass
     assert engine.kv.allocator.num_used == 0
     outbox.close()

@@ -11,9 +11,19 @@ import pytest
 from specserve.core.config import EngineConfig
 from specserve.core.sampling_params import SamplingParams
 from specserve.engine.engine import LLMEngine
-from specserve.server.engine_proc import AddRequest, EngineLoop, Outbox, OutputDelta
+from specserve.server.engine_proc import EngineLoop, Outbox
 from specserve.server.errors import _field_path
 from specserve.server.inputs import choice_seed
+from specserve.server.messages import (
+    AbortRequests,
+    AddRequest,
+    AddRequests,
+    Fatal,
+    OutputDelta,
+    Shutdown,
+    StepReport,
+    Stopped,
+)
 from specserve.server.openai_format import TokenText
 
 
@@ -22,12 +32,12 @@ def engine(tiny_llama):
     return LLMEngine(EngineConfig(model=str(tiny_llama)))
 
 
-def _messages(conn, until: str) -> list:
+def _messages(conn, until: type) -> list:
     out = []
     while True:
         msg = conn.recv()
         out.append(msg)
-        if msg[0] == until:
+        if isinstance(msg, until):
             return out
 
 
@@ -38,13 +48,12 @@ def test_loop_adds_refuses_aborts_and_stops(engine):
     ids = engine.tokenize("The quick brown fox")
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     inbox.put(
-        (
-            "add",
+        AddRequests(
             [
                 AddRequest("a", ids, params),
                 AddRequest("a", ids, params),
                 AddRequest("b", ids, SamplingParams(max_tokens=400, ignore_eos=True)),
-            ],
+            ]
         )
     )
     loop = EngineLoop(engine, inbox, outbox)
@@ -55,8 +64,8 @@ def test_loop_adds_refuses_aborts_and_stops(engine):
         loop._drain(block=False)
         loop._step()
         loop._send()
-        kind, report = reader.recv()
-        assert kind == "step"
+        report = reader.recv()
+        assert isinstance(report, StepReport)
         deltas += [OutputDelta(*t) for t in report.outputs]
         errors += report.errors
     assert [(e.request_id, e.status, e.field) for e in errors] == [("a", 400, "id")]
@@ -67,11 +76,11 @@ def test_loop_adds_refuses_aborts_and_stops(engine):
     )
     assert "".join(d.delta_text for d in a) == expected
     assert loop.report.gap_s == [] and engine.stats()["kv_pages_used"] > 0  # "b" still runs
-    inbox.put(("abort", ["b"]))
-    inbox.put(("shutdown", None))
+    inbox.put(AbortRequests(["b"]))
+    inbox.put(Shutdown())
     loop.run()
-    msgs = _messages(reader, "stopped")
-    assert msgs[-2][1].stats["kv_pages_used"] == 0  # the abort was reported before stopping
+    msgs = _messages(reader, Stopped)
+    assert msgs[-2].stats["kv_pages_used"] == 0  # the abort was reported before stopping
     assert not engine.has_unfinished()
     outbox.close()
 
@@ -120,7 +129,7 @@ def test_a_crashed_engine_is_logged_whole_and_reported_by_its_error(caplog):
         "RuntimeError: a step's input token is neither on the host nor in flight\n"
     )
     with caplog.at_level(logging.ERROR, logger="specserve"):
-        client._dispatch(("fatal", trace))
+        client._dispatch(Fatal(trace))
     assert client.dead_reason == "crashed" and not client._tracked
     assert 'File "engine.py", line 1' in caplog.text
 

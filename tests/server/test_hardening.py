@@ -16,7 +16,7 @@ import time
 import httpx
 import pytest
 
-from specserve.server.engine_proc import OutputDelta
+from specserve.server.messages import OutputDelta
 from tests.server.conftest import ServerProcess
 
 KEY = "hardening-key"

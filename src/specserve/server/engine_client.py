@@ -20,13 +20,20 @@ from dataclasses import dataclass
 
 from specserve.core.config import EngineConfig
 from specserve.core.errors import CheckpointError, SpecserveError
-from specserve.server.engine_proc import (
+from specserve.server.engine_proc import run_engine
+from specserve.server.messages import (
+    AbortRequests,
     AddRequest,
+    AddRequests,
+    Dead,
     EngineInfo,
+    Fatal,
+    LoadFailed,
     OutputDelta,
     RequestError,
+    Shutdown,
     StepReport,
-    run_engine,
+    Stopped,
 )
 from specserve.server.metrics import ServerMetrics
 
@@ -136,13 +143,12 @@ class EngineClient:
             if time.monotonic() > deadline:
                 raise EngineDeadError(f"the engine did not load the model in {timeout_s:.0f} s")
         msg = self._conn.recv()
-        if msg[0] == "load_error":
-            _, kind, message, tb = msg
+        if isinstance(msg, LoadFailed):
             self._proc.join(5)
-            if kind == "user":
-                raise CheckpointError(message)
-            raise EngineDeadError(f"the engine failed to load the model:\n{tb}")
-        self.info = msg[1]
+            if msg.user:
+                raise CheckpointError(msg.message)
+            raise EngineDeadError(f"the engine failed to load the model:\n{msg.traceback}")
+        self.info = msg.info
         self.stats = {
             "running": 0,
             "waiting": 0,
@@ -162,7 +168,7 @@ class EngineClient:
         """Abort whatever is left, stop the engine process and wait for it."""
         self.shutting_down = True
         if self._proc.is_alive():
-            self._inbox.put(("shutdown", None))
+            self._inbox.put(Shutdown())
             await asyncio.to_thread(self._proc.join, timeout_s)
         if self._proc.is_alive():
             self._proc.terminate()
@@ -174,7 +180,7 @@ class EngineClient:
     def kill(self, grace_s: float = 5.0) -> None:
         """Stop the engine process without an event loop (start-up failures, final exit)."""
         if self._proc.is_alive() and grace_s > 0:
-            self._inbox.put(("shutdown", None))
+            self._inbox.put(Shutdown())
             self._proc.join(grace_s)
         if self._proc.is_alive():
             self._proc.terminate()
@@ -226,7 +232,7 @@ class EngineClient:
         for i, r in enumerate(requests):
             self._tracked[r.request_id] = _Tracked(stream, i, now)
             self.metrics.prompt_tokens.inc(len(r.prompt_token_ids))
-        self._inbox.put(("add", requests))
+        self._inbox.put(AddRequests(requests))
         return stream
 
     def abort(self, stream: RequestStream) -> None:
@@ -237,7 +243,7 @@ class EngineClient:
             self.metrics.finished.labels("abort").inc()
         stream.unfinished.clear()
         if ids and self._proc.is_alive():
-            self._inbox.put(("abort", ids))
+            self._inbox.put(AbortRequests(ids))
 
     # ---- reports from the engine ----------------------------------------------------------
     def _read(self) -> None:
@@ -245,26 +251,26 @@ class EngineClient:
             try:
                 msg = self._conn.recv()
             except (EOFError, OSError):  # (this thread may wait for the process to end)
-                msg = ("dead", f"the engine process exited ({self.exit_description()})")
+                msg = Dead(f"the engine process exited ({self.exit_description()})")
             try:
                 self._loop.call_soon_threadsafe(self._dispatch, msg)
             except RuntimeError:  # the loop is closed: the server is gone
                 return
-            if msg[0] in ("dead", "fatal", "stopped"):
+            if isinstance(msg, (Dead, Fatal, Stopped)):
                 return
 
-    def _dispatch(self, msg: tuple) -> None:
-        kind, payload = msg
-        if kind == "step":
-            self._on_report(payload)
-        elif kind == "stopped":
+    def _dispatch(self, msg) -> None:
+        if isinstance(msg, StepReport):
+            self._on_report(msg)
+        elif isinstance(msg, Stopped):
             self.dead_reason = "stopped"
             self._fail_all(EngineDeadError("the server is shutting down"))
         elif self.shutting_down:  # it was told to stop; it did
             self.dead_reason = "stopped"
             self._fail_all(EngineDeadError("the server is shutting down"))
         else:
-            self.dead_reason = "crashed" if kind == "fatal" else "exited"
+            self.dead_reason = "crashed" if isinstance(msg, Fatal) else "exited"
+            payload = msg.traceback if isinstance(msg, Fatal) else msg.reason
             # The whole traceback goes to the server's log; clients get its last line (the
             # error itself, cut short), not the engine's internals.
             log.error("the engine process %s: %s", self.dead_reason, payload)

@@ -1,9 +1,10 @@
 """The engine process: owns an LLMEngine and runs its step loop, fed through a queue.
 
-The HTTP process sends `add`, `abort` and `shutdown` messages; this process answers with
-one message per loop turn carrying every request's output delta of the step, the engine's
-stats and the step timings. Deltas, not cumulative outputs, cross the process boundary so
-the bytes pickled per step stay proportional to the tokens produced.
+The HTTP process sends `AddRequests`, `AbortRequests` and `Shutdown` (server/messages.py);
+this process answers with one `StepReport` per loop turn carrying every request's output
+delta of the step, the engine's stats and the step timings. Deltas, not cumulative outputs,
+cross the process boundary so the bytes pickled per step stay proportional to the tokens
+produced.
 """
 
 from __future__ import annotations
@@ -17,74 +18,25 @@ import signal
 import threading
 import time
 import traceback
-from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 
 from specserve.core.config import EngineConfig
 from specserve.core.errors import InvalidRequestError, SpecserveError
-from specserve.core.sampling_params import SamplingParams
+from specserve.server.messages import (
+    AbortRequests,
+    AddRequest,
+    AddRequests,
+    EngineInfo,
+    Fatal,
+    LoadFailed,
+    Ready,
+    RequestError,
+    Shutdown,
+    StepReport,
+    Stopped,
+)
 
 _IDLE_POLL_S = 0.5  # how often an idle engine checks that its parent is still alive
-
-
-@dataclass
-class EngineInfo:
-    """What the HTTP process needs to validate requests before they are queued."""
-
-    model_name: str
-    vocab_size: int
-    max_model_len: int
-    kv_capacity_tokens: int
-    kv_pages_total: int
-    max_num_seqs: int
-    simulated_acceptance: bool = False  # outputs are not the model's: mark every response
-
-
-@dataclass
-class OutputDelta:
-    """One engine request's progress in one step. On the wire it is a plain tuple of its
-    fields in order (`astuple`-like, built by `_delta`): tuples pickle several times faster
-    than dataclasses, and pickling happens between steps."""
-
-    request_id: str
-    delta_text: str
-    new_token_ids: list[int]
-    # (logprob of the chosen token, [(id, logprob) of the top alternatives]) per new token;
-    # None when the request did not ask for logprobs.
-    new_logprobs: list[tuple[float, list[tuple[int, float]]]] | None
-    finished: bool
-    finish_reason: str | None
-    spec_stats: object | None = None  # the request's SpecStats, sent with its last delta
-
-
-@dataclass
-class AddRequest:
-    """Queue one already tokenized and validated prompt."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-
-
-@dataclass
-class RequestError:
-    """The engine refused a request at add time (validation the HTTP side could not do)."""
-
-    request_id: str
-    message: str
-    field: str | None
-    status: int  # 400 for InvalidRequestError, 500 otherwise
-
-
-@dataclass
-class StepReport:
-    """Everything one loop turn produced; `outputs` holds OutputDelta field tuples."""
-
-    outputs: list[tuple] = field(default_factory=list)
-    errors: list[RequestError] = field(default_factory=list)
-    stats: dict = field(default_factory=dict)
-    step_s: list[float] = field(default_factory=list)  # model step durations
-    gap_s: list[float] = field(default_factory=list)  # idle time between back-to-back steps
 
 
 def run_engine(config: EngineConfig, inbox: mp.Queue, conn: Connection) -> None:
@@ -113,8 +65,8 @@ def _run(config: EngineConfig, inbox: mp.Queue, outbox: Outbox) -> None:
         gc.collect()
         gc.freeze()
     except Exception as e:  # report any load failure to the parent, which exits with it
-        kind = "user" if isinstance(e, (SpecserveError, ValueError)) else "internal"
-        outbox.send(("load_error", kind, f"{type(e).__name__}: {e}", traceback.format_exc()))
+        user = isinstance(e, (SpecserveError, ValueError))
+        outbox.send(LoadFailed(user, f"{type(e).__name__}: {e}", traceback.format_exc()))
         return
     info = EngineInfo(
         model_name=engine.source.name,
@@ -125,13 +77,13 @@ def _run(config: EngineConfig, inbox: mp.Queue, outbox: Outbox) -> None:
         max_num_seqs=config.max_num_seqs,
         simulated_acceptance=engine.spec is not None and engine.spec.simulate_rate is not None,
     )
-    outbox.send(("ready", info))
+    outbox.send(Ready(info))
     try:
         EngineLoop(engine, inbox, outbox).run()
     except BrokenPipeError:
         pass  # the HTTP process is gone; nothing to report to
     except Exception:
-        outbox.send(("fatal", traceback.format_exc()))
+        outbox.send(Fatal(traceback.format_exc()))
 
 
 class Outbox:
@@ -145,7 +97,7 @@ class Outbox:
         self.thread = threading.Thread(target=self._run, name="engine-outbox", daemon=True)
         self.thread.start()
 
-    def send(self, msg: tuple) -> None:
+    def send(self, msg) -> None:
         if self.broken:
             raise BrokenPipeError("the HTTP process stopped reading")
         # Pickled here, written by the thread: a write to a full pipe then blocks only the
@@ -199,7 +151,7 @@ class EngineLoop:
                 self._send()
         self.engine_abort_all()
         self._send()  # final stats: nothing running, every page free
-        self.outbox.send(("stopped", None))
+        self.outbox.send(Stopped())
 
     def _step(self) -> None:
         start = time.perf_counter()
@@ -215,7 +167,7 @@ class EngineLoop:
 
     def _send(self) -> None:
         self.report.stats = self.engine.stats()
-        self.outbox.send(("step", self.report))
+        self.outbox.send(self.report)
         self.report = StepReport()
         self.dirty = False
 
@@ -232,15 +184,14 @@ class EngineLoop:
                     continue
                 return True
             block = False
-            kind, payload = msg
-            if kind == "shutdown":
+            if isinstance(msg, Shutdown):
                 return False
             self.dirty = True
-            if kind == "add":
-                for req in payload:
+            if isinstance(msg, AddRequests):
+                for req in msg.requests:
                     self._add(req)
-            elif kind == "abort":
-                for rid in payload:
+            elif isinstance(msg, AbortRequests):
+                for rid in msg.request_ids:
                     self.engine.abort_request(rid)
                 if not self.engine.has_unfinished():
                     self.last_step_end = None

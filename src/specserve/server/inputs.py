@@ -13,8 +13,8 @@ from jinja2 import TemplateError
 
 from specserve.core.errors import InvalidRequestError
 from specserve.core.sampling_params import SamplingParams
-from specserve.server.engine_proc import AddRequest, EngineInfo
 from specserve.server.errors import APIError, bad_request, from_invalid_request
+from specserve.server.messages import AddRequest, EngineInfo
 from specserve.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 
 _THREAD_TOKENIZE_CHARS = 4096  # longer prompts are tokenized off the event loop

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import time
 
-from specserve.server.engine_proc import OutputDelta
+from specserve.server.messages import OutputDelta
 
 _MIN_LOGPROB = -9999.0  # JSON has no -inf
 SIMULATED_FINGERPRINT = "specserve-SIMULATED-ACCEPTANCE-outputs-are-not-the-model's"
