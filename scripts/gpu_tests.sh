@@ -8,8 +8,8 @@
 # The device has no openai/uvicorn (the server tests are not GPU tests). Usage on the device
 # (repository root):
 #   PYTHONPATH=src bash scripts/gpu_tests.sh 1          # group 1 (then: ... gpu_tests.sh 2)
-#   PYTHONPATH=src bash scripts/gpu_tests.sh test_cuda_graphs.py test_pdl_gpu.py   # 150 s each
-#   PYTHONPATH=src bash scripts/gpu_tests.sh test_pdl_gpu.py:330 test_plan_tuning.py:80
+#   PYTHONPATH=src bash scripts/gpu_tests.sh runtime/test_cuda_graphs.py layers/test_pdl_gpu.py  # 150 s each
+#   PYTHONPATH=src bash scripts/gpu_tests.sh layers/test_pdl_gpu.py:330 runtime/test_plan_tuning.py:80
 set -u
 out="${OUT:-/tmp}/gpu_tests"
 mkdir -p "$out"
@@ -22,12 +22,14 @@ export HF_HUB_OFFLINE=1
 # feature_graphs 65, overlap_gpu 70; session 13: verify_tiles 56, triton_attention 62;
 # session 14: pdl_gpu over 300 (17 of its 18 tests), overlap_gpu 114, triton_attention 91;
 # session 16: packing_shift 4 s)
-group1=(test_pdl_gpu.py:380 test_gemv_stream_k.py:90 test_cuda_graphs.py:40)
-group2=(test_plan_tuning.py:80 test_drafter_graphs.py:100 test_feature_graphs.py:130
-        test_overlap_gpu.py:150 test_spec_host_paths.py:40)
-group3=(test_gemv.py:520)
-group4=(test_triton_attention.py:100 test_argmax.py:90 test_triton_ops.py:60
-        test_verify_tiles.py:120 test_packing_shift.py:60 test_graph_staging.py:60)
+group1=(layers/test_pdl_gpu.py:380 layers/test_gemv_stream_k.py:90 runtime/test_cuda_graphs.py:40)
+group2=(runtime/test_plan_tuning.py:80 speculative/test_drafter_graphs.py:100
+        runtime/test_feature_graphs.py:130 engine/test_overlap_gpu.py:150
+        speculative/test_spec_host_paths.py:40)
+group3=(layers/test_gemv.py:520)
+group4=(layers/test_triton_attention.py:100 layers/test_argmax.py:90 layers/test_triton_ops.py:60
+        runtime/test_verify_tiles.py:120 runtime/test_packing_shift.py:60
+        runtime/test_graph_staging.py:60)
 case "${1:-}" in
   1) files=("${group1[@]}") ;;
   2) files=("${group2[@]}") ;;
@@ -38,12 +40,12 @@ case "${1:-}" in
 esac
 : > "$out/summary.txt"
 for entry in "${files[@]}"; do
-  f="${entry%%:*}"; limit="${entry##*:}"
+  f="${entry%%:*}"; limit="${entry##*:}"; log="$out/$(basename "${f%.py}").log"
   start=$(date +%s)
   timeout "$limit" python3 -m pytest -v -m gpu "tests/$f" -p no:cacheprovider --tb=short \
-    > "$out/${f%.py}.log" 2>&1
+    > "$log" 2>&1
   rc=$?
-  last=$(grep -E "passed|failed|error|skipped" "$out/${f%.py}.log" | tail -1)
-  [ $rc -eq 124 ] && last="TIMED OUT after ${limit} s ($(grep -c PASSED "$out/${f%.py}.log") passed lines)"
+  last=$(grep -E "passed|failed|error|skipped" "$log" | tail -1)
+  [ $rc -eq 124 ] && last="TIMED OUT after ${limit} s ($(grep -c PASSED "$log") passed lines)"
   echo "$f rc=$rc $(( $(date +%s) - start ))s: $last" | tee -a "$out/summary.txt"
 done

@@ -14,7 +14,7 @@ import torch  # noqa: E402
 # subprocesses (or anything else on a small machine) slows every op down many times.
 torch.set_num_threads(1)
 
-from tests.tiny_models import make_tiny_model  # noqa: E402
+from tests.support.tiny_models import make_tiny_model  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):
@@ -27,8 +27,8 @@ def pytest_collection_modifyitems(config, items):
 
 def pytest_collection_finish(session):
     """Start the Triton interpreter runs the selected tests read, in their order, beside
-    the tests (tests/interpreter_run.py)."""
-    from tests.interpreter_run import start_in_background
+    the tests (tests/support/interpreter_run.py)."""
+    from tests.support.interpreter_run import start_in_background
 
     if session.config.option.collectonly:
         return
@@ -44,13 +44,13 @@ def pytest_collection_finish(session):
 @pytest.fixture(scope="module")
 def interpreter_results(request) -> dict:
     """The results of the interpreter run the test file names in `INTERPRETER`."""
-    from tests.interpreter_run import interpreter_results as run
+    from tests.support.interpreter_run import interpreter_results as run
 
     return run(*request.module.INTERPRETER)
 
 
 def pytest_sessionfinish(session, exitstatus):
-    from tests.interpreter_run import stop_background
+    from tests.support.interpreter_run import stop_background
 
     stop_background()
 

@@ -8,7 +8,7 @@ import re
 import pytest
 
 from specserve import LLM, InvalidRequestError, SamplingParams
-from tests.tiny_models import CHAT_TEMPLATE
+from tests.support.tiny_models import CHAT_TEMPLATE
 
 CONVERSATIONS = [
     [{"role": "user", "content": "The quick brown fox"}],

@@ -1,0 +1,159 @@
+"""The goodput policy under the overlap loop: its K changes between steps (probes, switches)
+and drafts past max_tokens (their tokens dropped) keep outputs equal to plain decoding,
+and with one draft length per step (greedy, EAGLE-3) no step waits for the previous step's
+tokens; waits that do happen (the context limit) are counted by reason in engine.stats()."""
+
+from __future__ import annotations
+
+from unittest import mock
+
+import pytest
+
+from specserve import LLM, SamplingParams
+from specserve.speculative.cost_model import CurveModel, StepCostModel
+from specserve.speculative.speculator import Speculator
+from tests.support.overlap_cases import make_models, make_reference, prompts_for
+
+# The step costs the policy sees, in ms (target by tokens per step, drafter by batch): fixed,
+# so that its decisions depend on the tokens alone, not on how busy the test machine is.
+TARGET_MS = {1: 10.0, 2: 10.4, 4: 11.0, 8: 12.0, 16: 14.0, 32: 18.0, 64: 26.0}
+DRAFTER_MS = {1: 1.0, 2: 1.05, 4: 1.1, 8: 1.2, 16: 1.4}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    return make_models(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def reference(models):
+    return make_reference(models)
+
+
+def fixed_costs(spec, engine) -> StepCostModel:
+    """Speculator.measure_costs' stand-in: the tables above instead of timing the models."""
+    return StepCostModel(CurveModel(TARGET_MS), CurveModel(DRAFTER_MS))
+
+
+def synthetic_clock(spec) -> None:
+    """Each step's period comes from the cost table (target pass plus one drafter pass per
+    draft token) instead of perf_counter: the policy's trace is the same on every machine."""
+    observe, clock = spec.observe_period, [0.0]
+
+    def observe_period(batch, resolved_s, after_idle):
+        decoding = [s for s in batch if s.decoding] or batch
+        k = max((len(s.drafts) for s in decoding), default=0)
+        n = len(decoding)
+        ms = CurveModel(TARGET_MS)(n * (k + 1)) + k * CurveModel(DRAFTER_MS)(n)
+        clock[0] += ms / 1e3
+        observe(batch, clock[0], after_idle)
+
+    spec.observe_period = observe_period
+
+
+def goodput(models, overlap: str, **kw) -> LLM:
+    with mock.patch.object(Speculator, "measure_costs", fixed_costs):
+        llm = LLM(
+            models["target"],
+            overlap_schedule=overlap,
+            speculative_algorithm="eagle3",
+            speculative_draft_model_path=models["eagle3"],
+            speculative_num_steps=3,
+            speculative_policy="goodput",
+            **kw,
+        )
+    synthetic_clock(llm.engine.spec)
+    policy = llm.engine.spec.policy
+    # Probe every K often (each probe is a switch there and back): K changes every few steps.
+    policy.PROBE_EVERY, policy.PROBE_MIN_GAIN, policy.PROBE_MAX_INTERVAL = 1, 0.0, 4
+    policy.PROBE_BUDGET = policy.PROBE_MAX_BUDGET = 1.0
+    return llm
+
+
+def k_changes(llm) -> int:
+    ks = [d["k"] for d in llm.engine.spec.policy.trace.dump()]
+    return sum(a != b for a, b in zip(ks, ks[1:]))
+
+
+@pytest.mark.parametrize("overlap", ["off", "on"])
+def test_batch1_k_changes_and_caps_run_ahead(models, reference, overlap):
+    """Requests one after another, K changing between steps and capped near each request's
+    end (max_tokens 5..40): outputs equal plain decoding; the overlap loop never waits."""
+    prompts = prompts_for()[:4]
+    limits = [40, 5, 23, 9]
+    outs = []
+    llm = goodput(models, overlap)
+    for prompt, n in zip(prompts, limits):
+        params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+        out = llm.generate([prompt], params)[0]
+        outs.append((out.token_ids, out.text, out.finish_reason))
+        want = reference(params, [prompt])[0]
+        assert outs[-1] == want
+    stats = llm.engine.stats()
+    assert k_changes(llm) >= 10
+    assert stats["loop_waits"] == 0 and stats["loop_wait_reasons"] == {}
+    assert llm.engine.kv.allocator.num_used == 0
+
+
+def _batch_generate(llm, prompts, params):
+    return [(o.token_ids, o.text, o.finish_reason) for o in llm.generate(prompts, params)]
+
+
+@pytest.mark.parametrize("policy", ["k3", "goodput_padded"])
+def test_max_tokens_batch_drafts_past_the_end_without_waits(models, reference, policy):
+    """Requests of one batch reaching their max_tokens at different steps: with K=3 for
+    every request (a fixed K, or goodput with verify steps padded as under CUDA graphs)
+    each draws full drafts up to its end, past max_tokens, so draft lengths stay uniform
+    and the overlap loop never waits; the tokens past max_tokens never reach the client:
+    outputs equal plain decoding."""
+    prompts = prompts_for()[:4]
+    params = [
+        SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (30, 6, 17, 11)
+    ]
+    want = [reference(p, [q])[0] for p, q in zip(params, prompts)]
+    llm = goodput(models, "on")
+    spec = llm.engine.spec
+    if policy == "k3":
+        spec.policy.choose = lambda reqs, extra=0: [3] * len(reqs)
+    else:  # the goodput policy as under CUDA graphs: K probed and switched, caps padded
+        spec.cost.padded = True
+    lens = []
+    schedule = llm.engine.scheduler.schedule
+
+    def spy(p=None):
+        batch = schedule(p)
+        lens.append([s.draft_len for s in batch if s.decoding])
+        return batch
+
+    llm.engine.scheduler.schedule = spy
+    assert _batch_generate(llm, prompts, params) == want
+    stats = llm.engine.stats()
+    assert stats["loop_waits"] == 0 and stats["loop_wait_reasons"] == {}
+    assert all(len(set(ks)) <= 1 for ks in lens)
+    if policy == "k3":  # the last steps of short requests drafted past their end
+        assert sum(1 for ks in lens if ks and ks[0] == 3) >= 9
+    assert llm.engine.kv.allocator.num_used == 0
+
+
+def test_context_limit_keeps_the_cap(models, reference):
+    """Requests limited by the context (not max_tokens) never draft past it: their draft
+    length is capped near the end (such steps may wait); outputs equal plain decoding."""
+    prompts = prompts_for()[:4]
+    params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+    want = reference(params, prompts, max_model_len=48)
+    llm = goodput(models, "on", max_model_len=48)
+    llm.engine.spec.policy.choose = lambda reqs, extra=0: [3] * len(reqs)
+    schedule = llm.engine.scheduler.schedule
+
+    def spy(p=None):
+        batch = schedule(p)
+        for s in batch:
+            assert s.request.committed_len + s.draft_len < 48
+        return batch
+
+    llm.engine.scheduler.schedule = spy
+    got = _batch_generate(llm, prompts, params)
+    assert got == want
+    assert all(reason == "length" for _, _, reason in got)
+    stats = llm.engine.stats()
+    assert set(stats["loop_wait_reasons"]) <= {"mixed_draft_lens", "context_limit"}

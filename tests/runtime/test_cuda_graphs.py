@@ -1,0 +1,111 @@
+"""The CUDA-graph runner: bucketing, padding that touches only scratch page 0, and (on a
+GPU) captured graphs that reproduce the eager forward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specserve.layers.attention import TorchAttentionBackend
+from specserve.runtime.cuda_graphs import CudaGraphRunner, default_batch_buckets
+from tests.support.model_cases import build_meta, runner_padding_error, tiny_config, tiny_model
+
+
+def test_default_buckets_cover_every_batch_size():
+    buckets = default_batch_buckets(100)
+    assert buckets[:4] == (1, 2, 4, 8) and buckets[-1] == 100
+    assert default_batch_buckets(1) == (1,)
+
+
+def _runner(use_graphs=False, device="cpu", backend=None):
+    cfg = tiny_config()
+    model = tiny_model(cfg, torch.float32, device)
+    from specserve.core.kv_cache import KVCache
+
+    kv = KVCache(cfg, 16, 4, torch.float32, device)
+    backend = backend or TorchAttentionBackend()
+    return CudaGraphRunner(
+        model, kv.layers, backend, (1, 4, 8), (1, 4), max_seq_len=32, use_graphs=use_graphs
+    )
+
+
+def test_bucket_and_can_run():
+    runner = _runner()
+    assert [runner.bucket_for(n) for n in (1, 2, 4, 5, 8)] == [1, 4, 4, 8, 8]
+    uniform = build_meta([[1, 2, 3], [4, 5]], [5, 2], [9, 6], 4, "cpu")  # 4 tokens each
+    assert runner.can_run(uniform, 8)
+    ragged = build_meta([[1, 2, 3], [4, 5]], [5, 2], [9, 5], 4, "cpu")  # 4 and 3 tokens
+    assert not runner.can_run(ragged, 7)
+    too_long = build_meta([list(range(1, 10))], [33], [34], 4, "cpu")
+    assert not runner.can_run(too_long, 1)
+    assert runner.keys()[0] == (8, 4)  # captured largest first
+
+
+def test_padded_steps_match_direct_forward_and_write_only_page_zero():
+    assert runner_padding_error(TorchAttentionBackend(), torch.float32, "cpu") < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_graph_replay_matches_eager(dtype):
+    from specserve.layers.attention.triton_attn import TritonAttentionBackend
+
+    err = runner_padding_error(
+        TritonAttentionBackend(), dtype, "cuda", page_size=16, use_graphs=True
+    )
+    assert err < 1e-2, err
+
+
+@pytest.mark.gpu
+def test_gpu_capture_reports_time_and_memory():
+    from specserve.layers.attention.triton_attn import TritonAttentionBackend
+
+    runner = _runner(use_graphs=True, device="cuda", backend=TritonAttentionBackend())
+    report = runner.capture()
+    assert report.num_graphs == 6 and report.capture_s > 0 and report.graph_pool_bytes > 0
+
+
+def test_no_collection_while_capturing_pauses_the_collector_and_restores_it():
+    import gc
+
+    from specserve.core.graph_timing import no_collection_while_capturing
+
+    assert gc.isenabled()
+    with no_collection_while_capturing():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError), no_collection_while_capturing():
+        raise RuntimeError("a failed capture")
+    assert gc.isenabled()
+
+
+@pytest.mark.gpu
+def test_gpu_capture_survives_a_dropped_runner_collected_meanwhile():
+    """A dropped runner with captured graphs, freed only by the cyclic collector (as an
+    engine is): the collector must not run while the next runner captures (it destroyed the
+    old graphs inside a capture on the H200, in a benchmark's third engine), and a capture
+    with the collector running at every allocation still succeeds."""
+    import gc
+
+    from specserve.layers.attention.triton_attn import TritonAttentionBackend
+
+    old = _runner(use_graphs=True, device="cuda", backend=TritonAttentionBackend())
+    old.capture()
+    old.cycle = old
+    new = _runner(use_graphs=True, device="cuda", backend=TritonAttentionBackend())
+    forward, seen = new.model.forward, []
+
+    def watched(*args, **kwargs):
+        if torch.cuda.is_current_stream_capturing():
+            seen.append(gc.isenabled())
+        return forward(*args, **kwargs)
+
+    new.model.forward = watched
+    del old
+    thresholds = gc.get_threshold()
+    gc.set_threshold(1, 1, 1)
+    try:
+        assert new.capture().num_graphs == 6
+    finally:
+        gc.set_threshold(*thresholds)
+    assert seen and not any(seen)

@@ -1,0 +1,167 @@
+"""EAGLE-3 drafter graphs: head passes padded to a batch bucket and a uniform length equal the
+eager passes and write only scratch page 0 beyond the real KV (eagerly on the CPU, replayed
+on a GPU); greedy speculation through the padded path equals plain decoding."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from specserve import LLM, SamplingParams
+from specserve.layers.attention import TorchAttentionBackend
+from specserve.speculative.eagle3 import capture_drafter_graphs
+from specserve.speculative.policy import PerRequestPolicy, SpeculationPolicy
+from tests.support.drafter_cases import drafter_graph_error
+from tests.support.tiny_models import VOCAB, make_random_eagle3_head, make_tiny_model
+
+
+def test_graph_keys_and_which_passes_have_one():
+    from specserve.core.kv_cache import KVCache
+    from specserve.runtime.packing import Segment
+    from specserve.speculative.eagle3 import catch_up_lengths
+    from specserve.speculative.eagle3_graphs import DrafterGraphs
+    from tests.support.drafter_cases import _head
+
+    head, embed = _head(torch.float32, "cpu")
+    kv = KVCache(head.config.layer, 8, 4, torch.float32, torch.device("cpu"))
+    graphs = DrafterGraphs(
+        head,
+        embed,
+        kv.layers[0],
+        TorchAttentionBackend(),
+        (1, 2, 4, 8, 16, 32, 48, 64, 80),
+        catch_up_lengths(3),
+        64,
+        use_graphs=False,
+        chain_lengths=(3,),
+    )
+    assert catch_up_lengths(3) == (1, 2, 3, 4, 8)
+    assert len(graphs.keys()) == 9 * 5 + 8 * 4  # chains: buckets <= 64, catch-ups <= 4
+    assert graphs.keys()[0] == (80, 8, 0)
+    segs = [Segment([1, 2], 3, [7] * 3)] * 3
+    assert graphs.can_run(segs) and graphs.can_run_chain(segs, 3)
+    assert not graphs.can_run_chain(segs, 2)  # no chain of 2 captured
+    assert not graphs.can_run_chain([Segment([1, 2], 3, [7] * 5)], 3)  # catch-up pads to 8
+    assert not graphs.can_run_chain([Segment([1, 2], 6, [7])], 3)  # drafts past its pages
+    assert not graphs.can_run_chain(segs * 22, 3) and graphs.can_run(segs * 22)  # 66 requests
+    assert not graphs.can_run([Segment([1, 2], 3, [7] * 9)])  # a catch-up longer than 8
+
+
+def test_padded_head_passes_match_eager_and_write_only_page_zero():
+    assert drafter_graph_error(TorchAttentionBackend(), torch.float32, "cpu") < 1e-5
+
+
+class _UniformRandomK(SpeculationPolicy):
+    """One random draft length >= 2 per step for every request (the goodput policy chooses one
+    K per step)."""
+
+    def __init__(self, k_max: int, seed: int):
+        super().__init__(k_max)
+        self.rng = random.Random(seed)
+
+    def choose(self, reqs, load=None):
+        k = self.rng.choice(range(2, self.k_max + 1))
+        return [k] * len(reqs)
+
+
+@pytest.mark.parametrize(
+    "policy, overlap", [("mixed", "off"), ("fixed", "off"), ("mixed", "on"), ("uniform", "on")]
+)
+def test_padded_drafter_keeps_greedy_output(tmp_path_factory, policy, overlap):
+    """mixed: random draft lengths per request (one padded pass per draft step); fixed: every
+    request drafts K (whole proposing steps as chains); uniform: a random K per step for all
+    (chains of every captured K); with the overlapped loop too."""
+    target = make_tiny_model(tmp_path_factory.mktemp("t"), "llama", num_layers=4)
+    head = make_random_eagle3_head(tmp_path_factory.mktemp("h"), target, 200)
+    rng = random.Random(4)
+    prompts = [[rng.randrange(3, VOCAB) for _ in range(n)] for n in (2, 9, 14, 30, 5)]
+    params = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True)
+    plain = [o.token_ids for o in LLM(str(target)).generate(prompts, params)]
+
+    def drafts_of(padded: bool):
+        llm = LLM(
+            str(target),
+            speculative_algorithm="eagle3",
+            speculative_num_steps=3,
+            speculative_draft_model_path=str(head),
+            speculative_policy="fixed",
+            overlap_schedule=overlap,
+        )
+        proposer, seen = llm.engine.spec.proposer, {"run": [], "run_chain": []}
+        if padded:
+            proposer.graphs = capture_drafter_graphs(proposer, llm.engine.target, use_graphs=False)
+            for name in seen:
+                fn = getattr(proposer.graphs, name)
+
+                def spy(segments, hidden, *rest, fn=fn, name=name):
+                    k = rest[0] if name == "run_chain" else None  # run_chain(.., k, tail)
+                    seen[name].append((len(segments), k))
+                    return fn(segments, hidden, *rest)
+
+                setattr(proposer.graphs, name, spy)
+        if policy == "mixed":
+            pick = random.Random(9)
+            llm.engine.spec.policy = PerRequestPolicy(3, lambda req: pick.choice([0, 1, 2, 3]))
+        if policy == "uniform":
+            llm.engine.spec.policy = _UniformRandomK(3, seed=5)
+        outs = llm.generate(prompts, params)
+        assert [o.token_ids for o in outs] == plain
+        stats = [(o.spec_stats.drafted, o.spec_stats.accepted) for o in outs]
+        return stats, seen
+
+    eager_stats, _ = drafts_of(False)
+    padded_stats, seen = drafts_of(True)
+    passes = [n for n, _ in (seen["run"] if policy == "mixed" else seen["run_chain"])]
+    assert len(passes) > 5 and max(passes) > 1  # padded passes ran, some with 2+ requests
+    if policy == "uniform":  # chains of every K >= 2 were captured and used
+        assert {k for _, k in seen["run_chain"]} == {2, 3}
+    assert padded_stats == eager_stats  # same drafts, so the same acceptance
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_drafter_graphs_match_eager(dtype):
+    from specserve.layers import triton_ops
+    from specserve.layers.attention.triton_attn import TritonAttentionBackend
+
+    err = drafter_graph_error(
+        TritonAttentionBackend(), dtype, "cuda", use_graphs=True, page_size=16, fused_ops=triton_ops
+    )
+    assert err < 2e-2, err
+
+
+@pytest.mark.gpu
+def test_gpu_engine_captures_and_drafts_through_graphs(tmp_path_factory):
+    target = make_tiny_model(tmp_path_factory.mktemp("t"), "llama", num_layers=4)
+    head = make_random_eagle3_head(tmp_path_factory.mktemp("h"), target, 200)
+    llm = LLM(
+        str(target),
+        device="cuda",
+        speculative_algorithm="eagle3",
+        max_num_seqs=8,
+        speculative_num_steps=3,
+        speculative_draft_model_path=str(head),
+        speculative_policy="fixed",
+    )
+    graphs = llm.engine.spec.proposer.graphs
+    assert graphs is not None and graphs.report.num_graphs == len(graphs.keys()) > 0
+    passes = []
+    for name in ("run", "run_chain"):
+        fn = getattr(graphs, name)
+        setattr(graphs, name, lambda *a, fn=fn: (passes.append(len(a[0])), fn(*a))[1])
+    prompts = [[5, 6, 7, 8, 9], [10, 11], [12] * 9]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    outs = llm.generate(prompts, params)
+    assert all(len(o.token_ids) == 12 for o in outs)
+    assert len(passes) >= 3 and sum(o.spec_stats.drafted for o in outs) > 0
+    off = LLM(
+        str(target),
+        device="cuda",
+        speculative_algorithm="eagle3",
+        disable_cuda_graph=True,
+        speculative_draft_model_path=str(head),
+        max_num_seqs=8,
+    )
+    assert off.engine.spec.proposer.graphs is None and off.engine.runner.graphs is None

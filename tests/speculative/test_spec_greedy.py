@@ -1,0 +1,246 @@
+"""Greedy speculative output is token-identical to plain decoding, for every proposer, draft
+length, page size, under preemption and with mixed per-request draft lengths."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from specserve import LLM, SamplingParams
+from specserve.core.kv_cache import KVCache as KVCacheLike
+from specserve.speculative.policy import PerRequestPolicy
+from tests.support.tiny_models import VOCAB, make_tiny_model
+
+MAX_NEW = 16
+GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+
+
+def _prompts(seed=3):
+    rng = random.Random(seed)
+    lengths = [1, 4, 9, 16, 17, 23, 31, 40, 6]
+    prompts = [[rng.randrange(3, VOCAB) for _ in range(n)] for n in lengths]
+    # Repetitive prompts give n-gram lookup something to find.
+    prompts[1] = [7, 8, 9, 10] * 6
+    prompts[5] = [50, 51, 52] * 9
+    return prompts
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def target(request, tmp_path_factory):
+    folder = request.getfixturevalue(f"tiny_{request.param}")
+    other = make_tiny_model(tmp_path_factory.mktemp("draft"), request.param, seed=7, num_layers=1)
+    prompts = _prompts()
+    plain = [o.token_ids for o in LLM(str(folder)).generate(prompts, GREEDY)]
+    return str(folder), str(other), prompts, plain
+
+
+def _run(folder, prompts, **kw):
+    llm = LLM(folder, speculative_policy="fixed", **kw)
+    outs = llm.generate(prompts, GREEDY)
+    assert llm.engine.kv.allocator.num_used == 0
+    return llm, outs
+
+
+@pytest.mark.parametrize("k", [1, 3, 7])
+@pytest.mark.parametrize("drafter", ["copy", "random", "ngram"])
+def test_greedy_identical(target, drafter, k):
+    folder, other, prompts, plain = target
+    if drafter == "ngram":
+        kw = dict(speculative_algorithm="ngram")
+    else:
+        kw = dict(
+            speculative_algorithm="draft",
+            speculative_draft_model_path=folder if drafter == "copy" else other,
+        )
+    llm, outs = _run(folder, prompts, speculative_num_steps=k, page_size=16, **kw)
+    assert [o.token_ids for o in outs] == plain
+    stats = [o.spec_stats for o in outs]
+    drafted = sum(s.drafted for s in stats)
+    accepted = sum(s.accepted for s in stats)
+    assert drafted > 0
+    if drafter == "copy":
+        assert accepted == drafted  # a drafter that is the target is always right
+    if drafter == "random":
+        assert accepted < drafted
+
+
+@pytest.mark.parametrize("mode", ["page1", "preemption", "chunked"])
+def test_greedy_identical_modes(target, mode):
+    folder, other, prompts, plain = target
+    kw = {
+        "page1": dict(page_size=1),
+        "preemption": dict(page_size=4, num_kv_pages=24),
+        "chunked": dict(page_size=4, max_num_batched_tokens=9),
+    }[mode]
+    for path in (folder, other):
+        llm, outs = _run(
+            folder,
+            prompts,
+            speculative_algorithm="draft",
+            speculative_draft_model_path=path,
+            speculative_num_steps=3,
+            **kw,
+        )
+        assert [o.token_ids for o in outs] == plain
+        if mode == "preemption":
+            assert llm.engine.scheduler.num_preemptions > 0
+
+
+def test_mixed_per_request_draft_lengths(target):
+    """Random draft lengths per request and per step (0 included) change nothing."""
+    folder, other, prompts, plain = target
+    for path in (folder, other):
+        llm = LLM(
+            folder,
+            speculative_algorithm="draft",
+            speculative_draft_model_path=path,
+            speculative_num_steps=7,
+            speculative_policy="fixed",
+        )
+        rng = random.Random(11)
+        seen = set()
+
+        def draft_len(req, rng=rng, seen=seen):
+            k = rng.choice([0, 0, 1, 2, 3, 5, 7])
+            seen.add(k)
+            return k
+
+        llm.engine.spec.policy = PerRequestPolicy(7, draft_len)
+        outs = llm.generate(prompts, GREEDY)
+        assert [o.token_ids for o in outs] == plain
+        assert {0, 7} <= seen
+        assert llm.engine.kv.allocator.num_used == 0
+
+
+def test_drafter_catches_up_after_pause(target):
+    """After a stretch with no speculation the drafter catches up: a copy-drafter is still
+    always right (its KV covers every committed token)."""
+    folder, _, prompts, plain = target
+    llm = LLM(
+        folder,
+        speculative_algorithm="draft",
+        speculative_draft_model_path=folder,
+        speculative_policy="fixed",
+    )
+    steps = {"n": 0}
+
+    def draft_len(req):
+        steps["n"] += 1
+        return 0 if (steps["n"] // 20) % 2 == 0 else 3
+
+    llm.engine.spec.policy = PerRequestPolicy(3, draft_len)
+    outs = llm.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == plain
+    stats = [o.spec_stats for o in outs]
+    assert sum(s.drafted for s in stats) > 0
+    assert sum(s.accepted for s in stats) == sum(s.drafted for s in stats)
+
+
+def test_stop_inside_accepted_drafts(target):
+    """A stop token among accepted drafts ends the request there, as without speculation."""
+    folder, _, prompts, plain = target
+    stop_at = plain[3][5]
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, stop_token_ids=[stop_at])
+    expected = [o.token_ids for o in LLM(folder).generate(prompts, params)]
+    llm = LLM(
+        folder,
+        speculative_algorithm="draft",
+        speculative_draft_model_path=folder,
+        speculative_num_steps=7,
+        speculative_policy="fixed",
+    )
+    assert [o.token_ids for o in llm.generate(prompts, params)] == expected
+    assert llm.engine.kv.allocator.num_used == 0
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def eagle_target(request, tmp_path_factory):
+    from tests.support.tiny_models import make_random_eagle3_head
+
+    folder = make_tiny_model(tmp_path_factory.mktemp("t4"), request.param, num_layers=4)
+    head = make_random_eagle3_head(tmp_path_factory.mktemp("head"), folder, 200)
+    prompts = _prompts()
+    plain = [o.token_ids for o in LLM(str(folder)).generate(prompts, GREEDY)]
+    return str(folder), str(head), prompts, plain
+
+
+@pytest.mark.parametrize(
+    "k, kw",
+    [
+        (1, dict(page_size=16)),
+        (3, dict(page_size=1)),
+        (7, dict(page_size=16)),
+        (3, dict(page_size=4, num_kv_pages=24)),  # forced preemption
+        (3, dict(page_size=4, max_num_batched_tokens=9)),  # chunked prefill
+    ],
+)
+def test_eagle3_greedy_identical(eagle_target, k, kw):
+    folder, head, prompts, plain = eagle_target
+    llm, outs = _run(
+        folder,
+        prompts,
+        speculative_algorithm="eagle3",
+        speculative_draft_model_path=head,
+        speculative_num_steps=k,
+        **kw,
+    )
+    assert [o.token_ids for o in outs] == plain
+    assert sum(o.spec_stats.drafted for o in outs) > 0
+    if "num_kv_pages" in kw:
+        assert llm.engine.scheduler.num_preemptions > 0
+
+
+def test_eagle3_mixed_draft_lengths(eagle_target):
+    folder, head, prompts, plain = eagle_target
+    llm = LLM(
+        folder,
+        speculative_algorithm="eagle3",
+        speculative_draft_model_path=head,
+        speculative_num_steps=7,
+        speculative_policy="fixed",
+    )
+    rng = random.Random(5)
+    llm.engine.spec.policy = PerRequestPolicy(7, lambda req: rng.choice([0, 0, 1, 3, 7]))
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == plain
+    assert llm.engine.kv.allocator.num_used == 0
+
+
+def test_lookahead_never_costs_a_preemption():
+    """When pages are short, a request gives up its draft lookahead (K drops to 0) before
+    the scheduler preempts anyone: speculation's memory cost is only ever spare pages."""
+    from specserve.core.kv_cache import PageAllocator
+    from specserve.core.request import Request, RequestStatus
+    from specserve.engine.scheduler import Scheduler
+    from specserve.speculative.policy import FixedPolicy
+
+    class Pool:  # the KVCache page logic without tensors
+        page_size = 4
+        allocator = PageAllocator(9)  # 8 usable pages = 32 tokens
+        grow = KVCacheLike.grow
+        release = KVCacheLike.release
+        pages_needed = KVCacheLike.pages_needed
+
+    sched = Scheduler(Pool(), max_num_seqs=8, max_num_batched_tokens=64)
+    reqs = []
+    for i in range(2):
+        r = Request(
+            f"r{i}",
+            list(range(3, 17)),
+            SamplingParams(max_tokens=40),
+            arrival=i,
+            seed=0,
+            max_len=512,
+            eos_token_ids=frozenset(),
+        )
+        r.output_token_ids = [5]  # committed 15, cached 14: decoding
+        r.cached_len = 14
+        assert Pool.grow(Pool(), r.page_table, 15)  # 4 pages each
+        r.status = RequestStatus.RUNNING
+        sched.running.append(r)
+        reqs.append(r)
+    batch = sched.schedule(FixedPolicy(7))
+    assert sched.num_preemptions == 0
+    assert [s.request for s in batch] == reqs
+    assert all(s.num_tokens == 1 for s in batch)
+    assert sum(s.draft_len for s in batch) < 14  # not both could have had their lookahead

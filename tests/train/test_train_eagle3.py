@@ -1,0 +1,165 @@
+"""train-eagle3's training side: target features against transformers, the training-time-test
+bookkeeping, and a tiny end-to-end run (loss falls, acceptance rises, the head reloads
+strictly, training resumes from its checkpoint). Its data side: test_train_data.py."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from specserve.cli import main
+from specserve.core.model_config import load_hf_config
+from specserve.model.eagle3 import load_eagle3_head
+from specserve.model.loader import load_model, resolve_model
+from specserve.train.distill import Sample
+from specserve.train.features import record_features
+from specserve.train.trainer import train
+from specserve.train.ttt import UnrollOutput, acceptance_stats, ttt_mask
+from tests.support.train_cases import AUX, make_target, train_config, write_prompt_file
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    return make_target(tmp_path_factory.mktemp("target4"))
+
+
+@pytest.fixture(scope="module")
+def prompt_file(tmp_path_factory):
+    return write_prompt_file(tmp_path_factory.mktemp("prompts") / "prompts.jsonl")
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, target, prompt_file):
+    out = tmp_path_factory.mktemp("run")
+    return out, train(train_config(out, target, prompt_file))
+
+
+def test_loss_falls_and_acceptance_rises(trained):
+    _, result = trained
+    first, last = result.losses[:5], result.losses[-5:]
+    assert sum(last) / 5 < 0.9 * sum(first) / 5
+    before = result.metrics["initial"]["train_subset"]
+    after = result.metrics["train_subset"]
+    assert after["step_acc"][0] > before["step_acc"][0] + 0.03
+    assert after["mean_accept_len"][-1] > before["mean_accept_len"][-1]
+
+
+def test_outputs_and_strict_reload(trained, target):
+    out, result = trained
+    for name in (
+        "data.jsonl",
+        "heldout_prompts.jsonl",
+        "log.jsonl",
+        "metrics.json",
+        "state.pt",
+        "config.json",
+        "model.safetensors",
+    ):
+        assert (out / name).is_file(), name
+    raw = json.loads((out / "config.json").read_text())
+    assert raw["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 1, 2]
+    head = load_eagle3_head(out, load_hf_config(target), torch.bfloat16, "cpu")
+    assert head.aux_layer_ids == tuple(AUX)
+    trained_w = result.head.state_dict()
+    for name, tensor in head.state_dict().items():
+        assert torch.equal(tensor, trained_w[name].to(tensor.dtype)), name
+    curve = [json.loads(ln) for ln in (out / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in curve if "loss" in r] == [10, 20, 30, 40, 50, 60]
+
+
+def test_resume_continues_from_checkpoint(trained, target, prompt_file, tmp_path, capsys):
+    out, _ = trained
+    shutil.copytree(out, tmp_path / "run", dirs_exist_ok=True)
+    args = [
+        "train-eagle3",
+        "--target",
+        str(target),
+        "--data",
+        str(prompt_file),
+        "--out",
+        str(tmp_path / "run"),
+        "--steps",
+        "70",
+        "--batch-size",
+        "8",
+        "--ttt-steps",
+        "3",
+        "--draft-vocab-size",
+        "128",
+        "--heldout-prompts",
+        "4",
+        "--max-new-tokens",
+        "32",
+        "--aux-layer-ids",
+        "1",
+        "2",
+        "3",
+        "--no-progress",
+    ]
+    assert main(args) == 2  # a checkpoint is there and --resume was not given
+    assert "--resume" in capsys.readouterr().err
+    assert main(args + ["--resume"]) == 0
+    assert "mean acceptance length" in capsys.readouterr().out
+    records = [json.loads(ln) for ln in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r.get("event") == "start"] == [0, 60]
+    assert not [r for r in records if r.get("event") == "generated"][1:]  # data reused
+    assert torch.load(tmp_path / "run" / "state.pt", weights_only=False)["step"] == 70
+    # A time budget ends training early, whatever --steps says.
+    steps_at = args.index("--steps") + 1
+    long_run = args[:steps_at] + ["100000"] + args[steps_at + 1 :]
+    assert main(long_run + ["--resume", "--train-time-s", "1"]) == 0
+    assert 70 < torch.load(tmp_path / "run" / "state.pt", weights_only=False)["step"] < 100000
+
+
+def test_init_head_continues_training(trained, target, prompt_file, tmp_path):
+    out, result = trained
+    shutil.copy(out / "data.jsonl", tmp_path / "data.jsonl")
+    cfg = train_config(
+        tmp_path, target, prompt_file, init_head=str(out), steps=5, resume=True, draft_vocab_size=64
+    )  # the head's own vocabulary wins
+    more = train(cfg)
+    assert more.head.config.draft_vocab_size == 128
+    assert torch.equal(more.head.d2t, result.head.d2t)
+    start = more.metrics["initial"]["train_subset"]["step_acc"][0]
+    assert start == pytest.approx(result.metrics["train_subset"]["step_acc"][0], abs=0.02)
+
+
+def test_features_are_inputs_of_the_aux_layers(target):
+    transformers = pytest.importorskip("transformers")
+    model = load_model(resolve_model(str(target)), torch.float32, torch.device("cpu"))
+    samples = [
+        Sample("a", [5, 9, 11, 40, 7, 3, 90], 2),
+        Sample("b", list(range(20, 45)), 4),
+        Sample("c", [8, 8, 8], 1),
+    ]
+    store = record_features(
+        model, samples, tuple(AUX), tokens_per_batch=16, page_size=4, progress=False
+    )  # several batches, sequences across pages
+    ref = transformers.AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
+    for i, s in enumerate(samples):
+        rows = slice(store.offsets[i], store.offsets[i + 1])
+        with torch.no_grad():
+            o = ref(torch.tensor([s.token_ids]), output_hidden_states=True)
+        want = torch.cat([o.hidden_states[j][0] for j in AUX], dim=-1)  # [j] enters layer j
+        torch.testing.assert_close(store.aux[rows], want, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(store.hidden[rows], o.hidden_states[-1][0], atol=1e-4, rtol=1e-4)
+        assert torch.equal(store.argmax[rows], o.logits[0].argmax(-1))
+
+
+def test_ttt_mask_and_acceptance_stats():
+    mask = ttt_mask(3, 2, torch.device("cpu"))
+    assert mask.int().tolist() == [
+        [1, 0, 0, 1, 0, 0, 1, 0, 0],
+        [1, 1, 0, 0, 1, 0, 0, 1, 0],
+        [1, 1, 1, 0, 0, 1, 0, 0, 1],
+    ]
+    t = torch.tensor
+    valid = [t([[True, True, True, False]]), t([[True, True, False, False]])]
+    correct = [t([[True, False, True, False]]), t([[True, True, False, False]])]
+    stats = acceptance_stats([UnrollOutput(torch.zeros(()), [0.0, 0.0], valid, correct)])
+    assert stats["step_acc"] == [pytest.approx(2 / 3), 1.0]
+    assert stats["chain"] == [pytest.approx(2 / 3), pytest.approx(1 / 3)]
+    assert stats["mean_accept_len"] == [pytest.approx(5 / 3), 2.0]
