@@ -10,7 +10,7 @@ AB_VARIANTS = {
     "argmax": (
         "torch argmax",
         {"argmax": "off"},
-        "with the Triton row argmax switched off (layers/triton_argmax.py: torch's)",
+        "with the Triton row argmax switched off (kernels/triton_argmax.py: torch's)",
     ),
     "tuning": (
         "GEMV plan untuned",
@@ -87,9 +87,9 @@ def force_plan(specs) -> callable:
     selected (each engine selects its own plan; its graphs are captured after)."""
     if not specs:
         return lambda: None
-    from specserve.layers.gemv import GemvConfig, row_block
-    from specserve.layers.gemv_plan import SHARED_ROWS
-    from specserve.runtime import plan_tuning
+    from specserve.kernels.gemv import GemvConfig, row_block
+    from specserve.kernels.gemv_plan import SHARED_ROWS
+    from specserve.tuning import plan_tuning
 
     forced = []
     for spec in specs:

@@ -55,9 +55,9 @@ from gpu_engine import add_run_args  # noqa: E402 (options shared with it)
 
 from specserve.core.config import shipped_head_path  # noqa: E402
 from specserve.core.sampling_params import SamplingParams  # noqa: E402
-from specserve.layers.gemv_configs import MAX_ROWS  # noqa: E402
-from specserve.layers.gemv_select import SHARED_ROWS  # noqa: E402
+from specserve.kernels.gemv_configs import MAX_ROWS  # noqa: E402
 from specserve.llm import LLM  # noqa: E402
+from specserve.tuning.gemv_select import SHARED_ROWS  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 UNLIKE = REPO / "docs" / "benchmarks" / "eagle3_unlike_prompts.jsonl"

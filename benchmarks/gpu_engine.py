@@ -272,11 +272,13 @@ def main() -> None:
     if args.again:  # the first engine once more at the end: what the order alone changes
         first = next(iter(configs))
         configs[f"{first} (again, last)"] = configs[first]
-    from specserve.layers import gemv as gemv_module  # kernel modules: imported when needed
-    from specserve.layers import gemv_rope, gemv_select, triton_argmax
-    from specserve.layers.attention import triton_attn, triton_kernels
+    from specserve.kernels import gemv as gemv_module  # kernel modules: imported when needed
+    from specserve.kernels import gemv_rope, triton_argmax
+    from specserve.kernels.attention import triton_kernels
+    from specserve.layers.attention import triton_attn
     from specserve.layers.attention.triton_attn import TritonAttentionBackend
     from specserve.layers.triton_ops import TritonMergedGatedMLP
+    from specserve.tuning import gemv_select
 
     gated, rope_fits = TritonMergedGatedMLP._gated, gemv_module.rope_fits
     chunks = TritonAttentionBackend.invariant_chunks

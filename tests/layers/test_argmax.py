@@ -1,4 +1,4 @@
-"""The two-kernel row argmax (layers/triton_argmax.py) equals torch.argmax index for index:
+"""The two-kernel row argmax (kernels/triton_argmax.py) equals torch.argmax index for index:
 through the Triton interpreter on the CPU (in a subprocess, tests/support/interpreter_run.py) over
 fp32/fp16/bf16 rows of several chunks, the last one partial, with ties within and across
 chunks, NaN (any sign, anywhere), -inf and signed-zero rows, subnormals and strided rows;
@@ -77,7 +77,7 @@ def mismatches(ours: torch.Tensor, ref: torch.Tensor) -> list:
 
 
 def run_cases() -> dict:
-    from specserve.layers.triton_argmax import triton_argmax
+    from specserve.kernels.triton_argmax import triton_argmax
 
     results = {}
     for name, (rows, n_cols, kind, block) in CASES.items():
@@ -92,7 +92,7 @@ def run_cases() -> dict:
         triton_argmax(wide[:, 5:90], block=16), wide[:, 5:90].argmax(-1)
     )
     results["no-rows"] = mismatches(triton_argmax(wide[:0], block=16), wide[:0].argmax(-1))
-    from specserve.layers import triton_argmax as ta
+    from specserve.kernels import triton_argmax as ta
 
     ta.uses_triton = lambda x: True  # the dispatcher's shapes, as on CUDA
     many = case_rows(6, 5000, torch.float16, "planted", seed=2)
@@ -120,7 +120,7 @@ def test_interpreter_equals_torch_argmax(name, interpreter_results):
 
 def test_block_and_dispatch_rules():
     pytest.importorskip("triton")
-    from specserve.layers import triton_argmax as ta
+    from specserve.kernels import triton_argmax as ta
 
     assert ta.chunk_block(128256, 4) == 2048 and ta.chunk_block(32000, 2) == 4096
     assert ta.chunk_block(128256, 2, block=512) == 512
@@ -135,7 +135,7 @@ def test_block_and_dispatch_rules():
 
 def test_mode_switch():
     pytest.importorskip("triton")
-    from specserve.layers import triton_argmax as ta
+    from specserve.kernels import triton_argmax as ta
 
     previous = ta.set_mode("off")  # (this module's tests run under "always")
     assert ta.set_mode("graphs") == "off"
@@ -181,8 +181,8 @@ def compile_cases() -> dict:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from specserve.layers import pdl
-    from specserve.layers.triton_argmax import triton_argmax
+    from specserve.kernels import pdl
+    from specserve.kernels.triton_argmax import triton_argmax
     from tests.support import pdl_compile as pc
 
     pc._record()  # launches recorded, not run
@@ -216,7 +216,7 @@ SHAPES = [(128256, torch.float32), (128256, torch.bfloat16), (32000, torch.bfloa
 @pytest.fixture(autouse=True)
 def kernels_on():
     """The dispatcher's kernels on for eager calls too (by default only in graph capture)."""
-    from specserve.layers import triton_argmax
+    from specserve.kernels import triton_argmax
 
     previous = triton_argmax.set_mode("always")
     yield
@@ -228,7 +228,7 @@ def kernels_on():
 @pytest.mark.parametrize("n_cols,dtype", SHAPES)
 @pytest.mark.parametrize("kind", ["random", "planted", "ties", "special"])
 def test_gpu_equals_torch_argmax(rows, n_cols, dtype, kind):
-    from specserve.layers.triton_argmax import argmax_rows, uses_triton
+    from specserve.kernels.triton_argmax import argmax_rows, uses_triton
 
     x = case_rows(rows, n_cols, dtype, kind, seed=rows + n_cols, device="cuda")
     assert uses_triton(x)
@@ -240,7 +240,7 @@ def test_gpu_equals_torch_argmax(rows, n_cols, dtype, kind):
 
 @pytest.mark.gpu
 def test_gpu_graphs_mode_takes_the_kernels_only_in_capture():
-    from specserve.layers import triton_argmax as ta
+    from specserve.kernels import triton_argmax as ta
 
     previous = ta.set_mode("graphs")
     try:
@@ -258,8 +258,8 @@ def test_gpu_graphs_mode_takes_the_kernels_only_in_capture():
 @pytest.mark.gpu
 @pytest.mark.parametrize("use_pdl", [True, False])
 def test_gpu_cuda_graph_replay(use_pdl):
-    from specserve.layers import pdl
-    from specserve.layers.triton_argmax import argmax_rows
+    from specserve.kernels import pdl
+    from specserve.kernels.triton_argmax import argmax_rows
 
     previous = pdl.set_enabled(use_pdl)
     try:

@@ -21,7 +21,7 @@ TOL = {"bfloat16": 8e-3, "float32": 2e-6, "float16": 1e-3}  # bfloat16 first: na
 
 
 def _configs() -> dict:
-    from specserve.layers.gemv import GemvConfig
+    from specserve.kernels.gemv import GemvConfig
 
     return {
         "dot": GemvConfig(block_n=16, block_k=32),
@@ -94,7 +94,7 @@ def _norm_cases() -> dict[str, tuple]:
 
 
 def run_cases() -> dict:
-    from specserve.layers.gemv import GemvConfig
+    from specserve.kernels.gemv import GemvConfig
     from tests.support.fusion_cases import (
         gated_gemv_case,
         model_fusion_case,
@@ -308,8 +308,8 @@ def test_fused_projections_report_their_fusions():
 
 
 def test_gated_projections_and_their_epilogue_tiles():
-    from specserve.layers.gemv import GemvConfig
-    from specserve.layers.gemv_configs import gated_config
+    from specserve.kernels.gemv import GemvConfig
+    from specserve.kernels.gemv_configs import gated_config
     from specserve.layers.linear import gated_projections
     from specserve.layers.triton_ops import use_triton_ops
     from tests.support.fusion_cases import set_fusions
@@ -340,8 +340,8 @@ def test_gated_projections_and_their_epilogue_tiles():
 
 
 def test_selection_compiles_the_gated_variants_of_gate_up_candidates():
-    from specserve.layers.gemv import GemvConfig
-    from specserve.layers.gemv_select import compile_tasks
+    from specserve.kernels.gemv import GemvConfig
+    from specserve.tuning.gemv_select import compile_tasks
 
     gate_up, down = (256, 64, torch.float16), (64, 128, torch.float16)
     shapes = {gate_up: [torch.zeros(256, 64)], down: [torch.zeros(64, 128)]}
@@ -359,8 +359,8 @@ def test_selection_compiles_the_gated_variants_of_gate_up_candidates():
 def test_selection_compiles_one_variant_per_prefetch_under_pdl():
     """Under PDL the GEMV's L2 prefetch (lines per program, from the shape) is a compile-time
     constant: one tile on two shapes is two variants to compile, without PDL one."""
-    from specserve.layers.gemv import GemvConfig, call_prefetch
-    from specserve.layers.gemv_select import compile_tasks
+    from specserve.kernels.gemv import GemvConfig, call_prefetch
+    from specserve.tuning.gemv_select import compile_tasks
 
     o, gate_up = (4096, 4096, torch.bfloat16), (28672, 4096, torch.bfloat16)
     shapes = {o: [torch.zeros(1, 1)], gate_up: [torch.zeros(1, 1)]}
@@ -385,10 +385,10 @@ def test_selection_compiles_the_rope_variants_of_qkv_candidates_that_fit():
     data-parallel schedule, run the rope epilogue (`rope_fits`);
     selection compiles their rope variants, one per tile and head layout, on a qkv weight;
     rope_projections finds the qkv shapes of attention blocks that fuse."""
-    from specserve.layers.gemv import GemvConfig, rope_fits
-    from specserve.layers.gemv_select import compile_tasks
+    from specserve.kernels.gemv import GemvConfig, rope_fits
     from specserve.layers.linear import rope_projections
     from specserve.layers.triton_ops import use_triton_ops
+    from specserve.tuning.gemv_select import compile_tasks
     from tests.support.model_cases import tiny_config, tiny_model
 
     assert rope_fits(GemvConfig(64, 128), 128, 4096)
@@ -431,8 +431,8 @@ def test_selection_compiles_the_rope_variants_of_qkv_candidates_that_fit():
 
 
 def test_plan_serves_a_fused_down_projection_by_its_own_measurement():
-    from specserve.layers.gemv import GemvConfig
-    from specserve.layers.gemv_select import GemvChoice, GemvPlan
+    from specserve.kernels.gemv import GemvConfig
+    from specserve.tuning.gemv_select import GemvChoice, GemvPlan
 
     plain, fused = GemvConfig(64, 128), GemvConfig(64, 128, 4)
     key = (96, 64, torch.float16)
@@ -454,7 +454,7 @@ def test_plan_serves_a_fused_down_projection_by_its_own_measurement():
 
 
 def test_selection_times_a_fused_down_projection_against_the_unfused_path(monkeypatch):
-    from specserve.layers.gemv_select import ROW_BUCKETS, GemvSelector, bucket_candidates
+    from specserve.tuning.gemv_select import ROW_BUCKETS, GemvSelector, bucket_candidates
 
     selector = GemvSelector()
     seen = []

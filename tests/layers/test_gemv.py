@@ -1,4 +1,4 @@
-"""The Triton GEMV (layers/gemv.py), its start-up selection (gemv_select.py) and the linear
+"""The Triton GEMV (kernels/gemv.py), its start-up selection (gemv_select.py) and the linear
 layers' switch to it (linear.use_gemv).
 
 On the CPU the kernel runs through the Triton interpreter in one subprocess (fp16/fp32 for
@@ -28,7 +28,7 @@ TOL = {torch.float32: 2e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}
 
 def gemv_error(config, rows: int, n: int, k: int, dtype, device, bias=False, seed=0):
     """Relative error of gemv against a float64 reference; inf when two calls differ."""
-    from specserve.layers.gemv import gemv
+    from specserve.kernels.gemv import gemv
 
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, k, generator=gen).to(dtype=dtype, device=device)
@@ -42,7 +42,7 @@ def gemv_error(config, rows: int, n: int, k: int, dtype, device, bias=False, see
 
 
 def _interpreter_cases() -> dict[str, tuple]:
-    from specserve.layers.gemv import GemvConfig
+    from specserve.kernels.gemv import GemvConfig
 
     dot = GemvConfig(block_n=32, block_k=64)
     cases: dict[str, tuple] = {}
@@ -93,8 +93,7 @@ def model_decode_errors(dtype, device, config, seed=0) -> dict[str, float]:
     torch modules."""
     from specserve.core.kv_cache import KVCache
     from specserve.layers.attention import TorchAttentionBackend
-    from specserve.layers.gemv_select import GemvPlan
-    from specserve.layers.linear import use_gemv
+    from specserve.tuning.gemv_select import GemvPlan, use_gemv
     from tests.support.model_cases import build_meta, tiny_config, tiny_model
 
     cfg = tiny_config()
@@ -127,9 +126,9 @@ def row_invariance_failures(
     rows, 2 and 4 row blocks per program, `gemv_configs.row_blocks`). `shared`: those
     configurations (default: the selector's candidates); `mode` "silu" (x holds [gate | up])
     or "gated" (the weight [gate; up] of 2n rows, through each one's `gated_config`)."""
-    from specserve.layers.gemv import gemv
-    from specserve.layers.gemv_configs import gated_config
-    from specserve.layers.gemv_select import bucket_candidates
+    from specserve.kernels.gemv import gemv
+    from specserve.kernels.gemv_configs import gated_config
+    from specserve.tuning.gemv_select import bucket_candidates
 
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(64, k * (2 if mode == "silu" else 1), generator=gen)
@@ -151,7 +150,7 @@ def row_invariance_failures(
 
 
 def run_cases() -> dict:
-    from specserve.layers.gemv import GemvConfig
+    from specserve.kernels.gemv import GemvConfig
 
     results: dict = {}
     for name, (cfg, rows, n, k, dtype, bias) in _interpreter_cases().items():
@@ -213,7 +212,7 @@ def test_interpreter_shared_configs_give_rows_independent_of_m(dtype, interprete
 
 # ---- the plan and the module switch (no kernel runs) -------------------------------------
 def test_tma_configs_need_the_matrix_unit_path_and_16_byte_weight_rows():
-    from specserve.layers.gemv_configs import GemvConfig
+    from specserve.kernels.gemv_configs import GemvConfig
 
     tma = GemvConfig(64, 128, tma=True)
     assert tma.supports(64, 4096, 4096) and not tma.supports(64, 4096, 4100)  # 8200 bytes
@@ -243,7 +242,7 @@ GPU_TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
 def test_gpu_every_candidate_matches_torch(dtype, shape):
     """Every start-up candidate of every shape in bf16 (the kernels are generic in the
     dtype: fp16 at two shapes; each case compiles all its candidates, about 30 s)."""
-    from specserve.layers.gemv import GemvConfig, candidate_configs, gemv, row_block
+    from specserve.kernels.gemv import GemvConfig, candidate_configs, gemv, row_block
 
     n, k = GPU_SHAPES[shape]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -297,7 +296,7 @@ def test_gpu_shared_tiles_give_verify_rows_the_bits_of_decode_rows(dtype):
         (4096, 14336, "silu"),
         (14336, 4096, "gated"),
     ):
-        from specserve.layers.gemv_select import bucket_candidates
+        from specserve.tuning.gemv_select import bucket_candidates
 
         (_, shared), *_ = bucket_candidates((1,), n, k, num_sms=132)
         failures += [
@@ -309,7 +308,7 @@ def test_gpu_shared_tiles_give_verify_rows_the_bits_of_decode_rows(dtype):
 
 @pytest.mark.gpu
 def test_gpu_gemv_is_graph_safe_and_reproducible():
-    from specserve.layers.gemv import GemvConfig, gemv
+    from specserve.kernels.gemv import GemvConfig, gemv
 
     w = torch.randn(4096, 14336, device="cuda", dtype=torch.bfloat16)
     cases = (
@@ -336,9 +335,8 @@ def test_gpu_gemv_is_graph_safe_and_reproducible():
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gpu_selector_plans_a_model_that_still_matches_torch(dtype):
-    from specserve.layers import gemv_select
-    from specserve.layers.gemv_select import GemvSelector
-    from specserve.layers.linear import use_gemv
+    from specserve.tuning import gemv_select
+    from specserve.tuning.gemv_select import GemvSelector, use_gemv
     from tests.support.model_cases import tiny_config, tiny_model
 
     gemv_select._MEASURED.clear()  # engines of earlier tests may have measured these shapes
@@ -377,7 +375,7 @@ def test_gpu_selector_plans_a_model_that_still_matches_torch(dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gpu_model_decode_through_gemv(dtype):
-    from specserve.layers.gemv import GemvConfig
+    from specserve.kernels.gemv import GemvConfig
 
     errs = model_decode_errors(dtype, "cuda", GemvConfig(block_n=32, block_k=64, split_k=2))
     assert max(errs["q1"], errs["q3"], errs["q8"]) < 3 * GPU_TOL[dtype], errs

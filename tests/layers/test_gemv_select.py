@@ -10,12 +10,12 @@ import pytest
 import torch
 from torch import nn
 
-from specserve.layers.gemv_plan import GemvChoice
+from specserve.kernels.gemv_plan import GemvChoice
 
 
 def test_plan_buckets_rows_and_falls_back_to_torch():
-    from specserve.layers.gemv import GemvConfig
-    from specserve.layers.gemv_select import ROW_BUCKETS, GemvChoice, GemvPlan, GemvSelector
+    from specserve.kernels.gemv import GemvConfig
+    from specserve.tuning.gemv_select import ROW_BUCKETS, GemvChoice, GemvPlan, GemvSelector
 
     cfg = GemvConfig(block_n=64, block_k=128, split_k=4)
     choices = {
@@ -46,10 +46,10 @@ def test_verify_steps_look_up_the_bucket_of_their_request_count():
     runs the shared choice of its request count's bucket at any row count the plan serves:
     a verify row rounds as the same request's decode row. Larger steps, and calls outside
     a step, go by rows."""
+    from specserve.kernels.gemv import GemvConfig
+    from specserve.kernels.gemv_plan import ROW_BUCKETS, GemvPlan
     from specserve.layers.attention import TorchAttentionBackend
-    from specserve.layers.gemv import GemvConfig
-    from specserve.layers.gemv_plan import ROW_BUCKETS, GemvPlan
-    from specserve.layers.linear import use_gemv
+    from specserve.tuning.gemv_select import use_gemv
     from tests.support.model_cases import build_meta, tiny_config, tiny_model
 
     shared, tall = GemvConfig(32, 64), GemvConfig(64, 64, block_m=64)
@@ -94,8 +94,8 @@ def test_small_batch_engines_measure_the_shared_buckets_and_forget_torch_where_i
     bucket: only those are measured (the plan still serves up to its largest bucket's rows).
     A shape found to vary with a bias its cached measurement lacked has its shared torch
     choice measured again, all shared buckets together."""
-    from specserve.layers.gemv import GemvConfig
-    from specserve.layers.gemv_select import ROW_BUCKETS, GemvSelector
+    from specserve.kernels.gemv import GemvConfig
+    from specserve.tuning.gemv_select import ROW_BUCKETS, GemvSelector
 
     assert GemvSelector(max_rows=64, max_requests=16).measured_buckets == (1, 2, 4, 8, 16)
     assert GemvSelector(max_rows=64, max_requests=16).row_buckets == ROW_BUCKETS
@@ -103,7 +103,7 @@ def test_small_batch_engines_measure_the_shared_buckets_and_forget_torch_where_i
     variant = GemvSelector(max_rows=64, max_requests=16, batch_invariant=False)
     assert variant.measured_buckets == ROW_BUCKETS  # looked up by rows: every bucket
 
-    from specserve.layers.gemv_select import NORM_TIMED
+    from specserve.tuning.gemv_select import NORM_TIMED
 
     selector = GemvSelector()
     shape, other = (96, 64, torch.float16), (32, 64, torch.float16)
@@ -124,8 +124,8 @@ def test_small_batch_engines_measure_the_shared_buckets_and_forget_torch_where_i
 
 
 def test_use_gemv_switches_modules_and_back_without_touching_weights():
-    from specserve.layers.gemv_select import GemvPlan, GemvSelector
-    from specserve.layers.linear import GemvLinear, GemvMergedLinear, MergedLinear, use_gemv
+    from specserve.layers.linear import GemvLinear, GemvMergedLinear, MergedLinear
+    from specserve.tuning.gemv_select import GemvPlan, GemvSelector, use_gemv
     from tests.support.model_cases import tiny_config, tiny_model
 
     model = tiny_model(tiny_config(), torch.float32, "cpu")
@@ -168,7 +168,7 @@ def test_gemv_weights_groups_shapes_and_the_tied_logits_projection():
 
 
 def test_candidate_configs_are_the_pruned_winners():
-    from specserve.layers.gemv import candidate_configs
+    from specserve.kernels.gemv import candidate_configs
 
     shapes = ((6144, 4096), (128256, 4096), (576, 576), (4096, 14336), (576, 1536))
     for n, k in shapes:
@@ -199,8 +199,8 @@ def test_candidate_configs_are_the_pruned_winners():
 
 
 def test_small_buckets_time_one_shared_list_without_the_cuda_core_path():
-    from specserve.layers.gemv import candidate_configs
-    from specserve.layers.gemv_select import ROW_BUCKETS, bucket_candidates
+    from specserve.kernels.gemv import candidate_configs
+    from specserve.tuning.gemv_select import ROW_BUCKETS, bucket_candidates
 
     for n, k in ((4096, 4096), (4096, 14336), (576, 576)):
         jobs = dict(bucket_candidates(ROW_BUCKETS, n, k, num_sms=132))
@@ -214,7 +214,7 @@ def test_small_buckets_time_one_shared_list_without_the_cuda_core_path():
 def _fake_selection(monkeypatch, us) -> dict:
     """The selector's choices for one shape [96, 64] with `_measure` replaced by
     `us(config, rows)` (microseconds; config None: torch)."""
-    from specserve.layers.gemv_select import ROW_BUCKETS, GemvSelector, bucket_candidates
+    from specserve.tuning.gemv_select import ROW_BUCKETS, GemvSelector, bucket_candidates
 
     selector = GemvSelector()
     monkeypatch.setattr(selector, "_measure", lambda cfg, x, rotation: (us(cfg, x.shape[0]), 0.0))
@@ -224,7 +224,7 @@ def _fake_selection(monkeypatch, us) -> dict:
 
 
 def test_selection_shares_one_config_over_small_buckets(monkeypatch):
-    from specserve.layers.gemv_select import ROW_BUCKETS, bucket_candidates
+    from specserve.tuning.gemv_select import ROW_BUCKETS, bucket_candidates
 
     jobs = dict(bucket_candidates(ROW_BUCKETS, 96, 64, num_sms=132))
     a, b = jobs[1][0], jobs[1][1]
@@ -246,7 +246,7 @@ def test_selection_shares_one_config_over_small_buckets(monkeypatch):
 
 
 def test_selection_keeps_torch_unless_a_config_wins_over_the_small_buckets(monkeypatch):
-    from specserve.layers.gemv_select import ROW_BUCKETS, GemvPlan, bucket_candidates
+    from specserve.tuning.gemv_select import ROW_BUCKETS, GemvPlan, bucket_candidates
 
     a = bucket_candidates((4,), 96, 64, num_sms=132)[0][1][0]
 
@@ -269,8 +269,8 @@ def test_selection_leaves_torch_out_of_small_buckets_where_it_is_batch_variant(m
     """Where cuBLAS rounds a row differently at different row counts, the small buckets take
     the configuration fastest summed over them even though torch is faster; the larger
     buckets still choose torch where it wins. Tuning's candidates follow the same rule."""
-    from specserve.layers import gemv_select
-    from specserve.layers.gemv_select import (
+    from specserve.tuning import gemv_select
+    from specserve.tuning.gemv_select import (
         ROW_BUCKETS,
         GemvSelector,
         bucket_candidates,
@@ -319,9 +319,9 @@ def test_torch_rows_agree_compares_each_row_count_with_the_full_batch(monkeypatc
     result depends on the row count (as cuBLAS's kernel choice may), or that takes another
     path for one row with a bias (as PyTorch's addmm does), does not. torch_varies checks
     each shape once, with the bias of its layers where they have one."""
-    from specserve.layers import gemv_invariance
-    from specserve.layers.gemv_invariance import torch_rows_agree
-    from specserve.layers.gemv_plan import GemvPlan
+    from specserve.kernels.gemv_plan import GemvPlan
+    from specserve.tuning import gemv_invariance
+    from specserve.tuning.gemv_invariance import torch_rows_agree
 
     w, bias = torch.randn(24, 32), torch.randn(24)
 
@@ -368,7 +368,7 @@ def test_torch_rows_agree_compares_each_row_count_with_the_full_batch(monkeypatc
 
 
 def test_rotation_set_exceeds_the_cache_with_distinct_weights():
-    from specserve.layers.gemv_select import rotation_set
+    from specserve.tuning.gemv_select import rotation_set
 
     own = [torch.zeros(10, 10), torch.ones(10, 10)]  # 400 bytes each
     rotation = rotation_set(own, min_bytes=1000)
@@ -381,7 +381,8 @@ def test_candidates_are_timed_after_a_kernel_that_writes_their_input(monkeypatch
     """Selection times each call as the model runs it: after a small kernel (the Triton
     RMSNorm, faked here) that writes the input the call then reads, every call, into one
     buffer; with after_producer=False the call reads x itself (calls back to back)."""
-    from specserve.layers import gemv_select, gemv_timing, triton_norm
+    from specserve.kernels import triton_norm
+    from specserve.tuning import gemv_select, gemv_timing
 
     produced = []
 
@@ -421,7 +422,7 @@ def test_first_calls_do_not_count_against_the_budget(monkeypatch):
     first call leaves time for every candidate; reported as no candidate untried."""
     import time
 
-    from specserve.layers.gemv_select import ROW_BUCKETS, GemvSelector, bucket_candidates
+    from specserve.tuning.gemv_select import ROW_BUCKETS, GemvSelector, bucket_candidates
 
     for first_call_s, untried in [(3600.0, False), (0.0, True)]:
         selector = GemvSelector()

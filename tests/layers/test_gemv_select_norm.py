@@ -15,9 +15,10 @@ def test_plain_keys_of_norm_feeding_shapes_are_timed_with_the_norm(monkeypatch):
     then add + norm. Its o_proj key is not measured again. Other shapes' plain keys (a
     "silu"-only down projection's too), and every shape's with NORM_AFTER off, are timed
     alone, untagged."""
-    from specserve.layers import gemv_select, gemv_timing, triton_ops
-    from specserve.layers.gemv import GemvConfig, SplitKSum
-    from specserve.layers.gemv_select import NORM_TIMED, job_keys, norm_fed_shapes
+    from specserve.kernels.gemv import GemvConfig, SplitKSum
+    from specserve.layers import triton_ops
+    from specserve.tuning import gemv_select, gemv_timing
+    from specserve.tuning.gemv_select import NORM_TIMED, job_keys, norm_fed_shapes
 
     calls = []
 

@@ -1,4 +1,4 @@
-"""The stream-K GEMV (layers/gemv_stream_k.py): through the Triton interpreter on the CPU in
+"""The stream-K GEMV (kernels/gemv_stream_k.py): through the Triton interpreter on the CPU in
 one subprocess (4 programs, so tiles split between programs and the last to finish sums
 them): right against a float64 reference with and without bias and the SiLU prologue, the
 same bits on a second call, every tile counter back at zero, the gated epilogue right (the
@@ -38,8 +38,8 @@ def stream_k_case(
 ) -> dict:
     """{"err": against float64, "same": a second call's bits, "counters": the tile counters'
     sum after the calls (0: put back), "split": tiles split between programs}."""
-    from specserve.layers import gemv_stream_k
-    from specserve.layers.gemv import gemv
+    from specserve.kernels import gemv_stream_k
+    from specserve.kernels.gemv import gemv
 
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, 2 * k if silu else k, generator=gen).to(dtype=dtype, device=device)
@@ -64,7 +64,7 @@ def stream_k_case(
 def _cases() -> dict[str, tuple]:
     """name -> (config, rows, n, k, dtype, bias, silu); K and N off the blocks, shapes whose
     units do not fall to the 4 programs in whole tiles."""
-    from specserve.layers.gemv import GemvConfig
+    from specserve.kernels.gemv import GemvConfig
 
     m16 = GemvConfig(16, 32, stream_k=True)
     m32 = GemvConfig(32, 64, block_m=32, stream_k=True)
@@ -83,7 +83,7 @@ def _cases() -> dict[str, tuple]:
 
 
 def run_cases() -> dict:
-    from specserve.layers.gemv import GemvConfig
+    from specserve.kernels.gemv import GemvConfig
     from tests.support.fusion_cases import gated_gemv_case
 
     results: dict = {}
@@ -147,7 +147,7 @@ def test_interpreter_stream_k_gated_epilogue(dtype, interpreter_results):
     """SiLU-and-mul in the stream-K gate/up GEMV's epilogue, both halves' pieces summed by
     the last program: right against a float64 reference (not bitwise the plain stream-K's:
     its tiles split elsewhere)."""
-    from specserve.layers.gemv import GemvConfig
+    from specserve.kernels.gemv import GemvConfig
 
     res = interpreter_results[f"gated-{dtype}-r33"]
     assert isinstance(res, dict), res
@@ -191,8 +191,8 @@ def test_stream_k_schedule_gives_every_split_tile_its_pieces_in_k_order():
 
 
 def test_stream_k_candidates_only_when_switched_on_and_only_above_16_rows():
-    from specserve.layers import gemv_configs
-    from specserve.layers.gemv_configs import GemvConfig, candidate_configs, gated_config
+    from specserve.kernels import gemv_configs
+    from specserve.kernels.gemv_configs import GemvConfig, candidate_configs, gated_config
 
     def has_stream_k(rows):
         return any(c.stream_k for c in candidate_configs(rows, 6144, 4096, 132))
@@ -214,8 +214,8 @@ def test_stream_k_candidates_only_when_switched_on_and_only_above_16_rows():
     assert half == GemvConfig(32, 128, block_m=64, stream_k=True)  # the gated half tile
     assert split_tiles(64, 6144, 4096, GemvConfig(64, 128, block_m=64), 132) > 0
     # under PDL its L2 prefetch depends on the tile alone: one variant whatever the shape
-    from specserve.layers.gemv import call_prefetch
-    from specserve.layers.gemv_stream_k import prefetch_lines
+    from specserve.kernels.gemv import call_prefetch
+    from specserve.kernels.gemv_stream_k import prefetch_lines
 
     sk = GemvConfig(64, 128, block_m=64, stream_k=True)
     assert call_prefetch(sk, 6144, 4096, 2) == call_prefetch(sk, 28672, 4096, 2, True) == 4
@@ -232,8 +232,8 @@ def test_gpu_stream_k_at_8b_shapes(dtype):
     """Every stream-K candidate at Llama-3.1-8B's projections (the down projection with the
     SiLU prologue) at 33 and 64 rows: right, reproducible, counters put back; gate/up's
     gated half tile right."""
-    from specserve.layers import gemv_configs
-    from specserve.layers.gemv_configs import candidate_configs, gated_config
+    from specserve.kernels import gemv_configs
+    from specserve.kernels.gemv_configs import candidate_configs, gated_config
     from tests.support.fusion_cases import gated_gemv_case
 
     gemv_configs.set_stream_k(True)
@@ -260,8 +260,8 @@ def test_gpu_stream_k_same_bits_over_graph_replays():
     """200 replays of a captured stream-K GEMV (the 8B gate/up at 64 rows, PDL as the engine
     runs it) give the first replay's bits every time, and leave the counters at zero: the
     pieces of a split tile are always all written before the last program sums them."""
-    from specserve.layers import gemv_stream_k
-    from specserve.layers.gemv import GemvConfig, gemv
+    from specserve.kernels import gemv_stream_k
+    from specserve.kernels.gemv import GemvConfig, gemv
 
     cfg = GemvConfig(128, 64, block_m=64, num_stages=4, stream_k=True)
     x = torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16)

@@ -1,9 +1,9 @@
-"""Programmatic dependent launch (layers/pdl.py) on the CPU: the switch and where it holds,
+"""Programmatic dependent launch (kernels/pdl.py) on the CPU: the switch and where it holds,
 the engine and CLI options, the GEMV's prefetch sizing, and (tests/support/pdl_compile.py, in a
 subprocess without the interpreter) every decode-path kernel compiled for sm_90 with PDL
 on and off: on, each program waits before its first global load, store or async copy and
 signals its dependents after the wait, the GEMV prefetching weight lines before it and the
-decode attention kernel reading its metadata before it (layers/pdl.py: only torch ops and
+decode attention kernel reading its metadata before it (kernels/pdl.py: only torch ops and
 copies write that); off,
 no grid-dependency instruction at all. The fused split-K + add + RMSNorm kernel's norm
 compiles to the add + RMSNorm kernel's instructions (the same reduction order, hence the
@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from specserve.layers import pdl
+from specserve.kernels import pdl
 from tests.support.interpreter_run import child_timeout
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -79,7 +79,7 @@ def test_engine_and_cli_carry_the_switches(restore_pdl, tiny_llama):
 
 
 def test_gemv_prefetch_sizing():
-    from specserve.layers.gemv import PDL_PREFETCH_MAX_LINES, GemvConfig, prefetch_lines
+    from specserve.kernels.gemv import PDL_PREFETCH_MAX_LINES, GemvConfig, prefetch_lines
 
     cfg = GemvConfig(block_n=32, block_k=256)
     # Llama-3.1-8B qkv at batch 1: 192 tiles of 32 rows, 8 MiB over them = 10.7 lines a row

@@ -1,4 +1,4 @@
-"""On a GPU: programmatic dependent launch (layers/pdl.py) and the kernel fusions
+"""On a GPU: programmatic dependent launch (kernels/pdl.py) and the kernel fusions
 (use_triton_ops(fuse=...)) change no bit. A tiny Llama's decode and verify steps inside CUDA
 graphs, every linear through the Triton GEMV with a K split (both fusions engaged), give the
 same hidden states, logits and KV cache with PDL on or off and fusion on or off; the fused
@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specserve.layers import pdl
+from specserve.kernels import pdl
 from tests.support.fusion_cases import (
     gated_gemv_case,
     model_fusion_case,
@@ -53,11 +53,10 @@ def _steps_in_graphs(
     tokens each), each captured in a CUDA graph and replayed (on the CPU: run eagerly):
     hidden states, logits, KV."""
     from specserve.core.kv_cache import KVCache
+    from specserve.kernels.gemv import GemvConfig
     from specserve.layers.attention.triton_attn import TritonAttentionBackend
-    from specserve.layers.gemv import GemvConfig
-    from specserve.layers.gemv_select import GemvPlan
-    from specserve.layers.linear import use_gemv
     from specserve.layers.triton_ops import use_triton_ops
+    from specserve.tuning.gemv_select import GemvPlan, use_gemv
     from tests.support.model_cases import build_meta, tiny_config, tiny_model
 
     pdl.set_enabled(use_pdl)
@@ -134,7 +133,7 @@ def test_gpu_graph_steps_same_bits_with_the_gate_up_epilogue(dtype, restore_pdl,
         gated_calls.append(gated)
         return plain_gemv(*args, gated=gated, **kwargs)
 
-    from specserve.layers import gemv as gemv_module
+    from specserve.kernels import gemv as gemv_module
 
     rope_calls = []
     plain_module_gemv = gemv_module.gemv
@@ -164,7 +163,7 @@ def test_gpu_rope_epilogue_equals_separate_kernels(dtype, restore_pdl):
     through the 16-row tiles selection proposes, at 1-16 rows and at the 33 and 64 of verify
     steps of up to 16 requests (which the 16-row bucket serves), against the plain GEMV then
     rotary_store_kv: q and both caches bit for bit, with PDL on and off."""
-    from specserve.layers.gemv import GemvConfig
+    from specserve.kernels.gemv import GemvConfig
 
     runs = [
         ((32, 8, 128, 4096), rows, cfg)
@@ -199,7 +198,7 @@ _DOWN = (4096, 14336)  # Llama-3.1-8B's down projection (N, K)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("use_pdl", [True, False])
 def test_gpu_fused_kernels_equal_separate_at_8b_shape(dtype, use_pdl, restore_pdl):
-    from specserve.layers.gemv import GemvConfig
+    from specserve.kernels.gemv import GemvConfig
 
     pdl.set_enabled(use_pdl)
     n, k = _DOWN
@@ -230,7 +229,7 @@ def test_gpu_gated_epilogue_equals_separate_kernels_at_8b_shape(dtype, restore_p
     """SiLU-and-mul in the gate/up GEMV's epilogue (Llama-3.1-8B's [gate; up] 28672 x 4096),
     through the tile of half the chosen width as the MLP runs it (and through the same tile
     where that fits in shared memory), against the plain GEMV then silu_and_mul: same bits."""
-    from specserve.layers.gemv import GemvConfig
+    from specserve.kernels.gemv import GemvConfig
 
     pdl.set_enabled(True)
     n, k = 14336, 4096
@@ -254,8 +253,8 @@ def test_gpu_gated_epilogue_equals_separate_kernels_at_8b_shape(dtype, restore_p
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gpu_model_gated_mlp_equals_unfused_on_triton_attention(dtype):
+    from specserve.kernels.gemv import GemvConfig
     from specserve.layers.attention.triton_attn import TritonAttentionBackend
-    from specserve.layers.gemv import GemvConfig
 
     res = model_fusion_case(
         dtype, "cuda", GemvConfig(32, 32), TritonAttentionBackend(), fused_choice=False
@@ -266,8 +265,8 @@ def test_gpu_model_gated_mlp_equals_unfused_on_triton_attention(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gpu_model_fused_equals_unfused_on_triton_attention(dtype):
+    from specserve.kernels.gemv import GemvConfig
     from specserve.layers.attention.triton_attn import TritonAttentionBackend
-    from specserve.layers.gemv import GemvConfig
 
     res = model_fusion_case(dtype, "cuda", GemvConfig(16, 32, 2), TritonAttentionBackend())
     assert res["equal"] and res["fused_norms"] == 12, res  # o_proj and down, 2 layers x 3
@@ -296,10 +295,9 @@ def test_gpu_engine_tokens_same_with_pdl_and_fusion_off(tiny_llama, restore_pdl)
 
 
 def test_gpu_selection_times_the_fused_down_projection():
-    from specserve.layers import gemv_select
-    from specserve.layers.gemv_select import GemvSelector
-    from specserve.layers.linear import use_gemv
     from specserve.layers.triton_ops import use_triton_ops
+    from specserve.tuning import gemv_select
+    from specserve.tuning.gemv_select import GemvSelector, use_gemv
     from tests.support.model_cases import tiny_config, tiny_model
     from tests.support.triton_cases import rel_err
 

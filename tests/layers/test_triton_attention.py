@@ -43,7 +43,7 @@ def test_interpreter_matches_reference(name, interpreter_results):
 
 
 def test_decode_num_splits_keeps_one_wave():
-    from specserve.layers.attention.triton_kernels import decode_num_splits
+    from specserve.kernels.attention.triton_kernels import decode_num_splits
 
     assert decode_num_splits(64 * 8, 131072, 132) == 1  # batch 64 x 8 KV heads: a full wave
     assert decode_num_splits(8 * 8, 131072, 132) == 8  # 512 of 528 slots
@@ -76,13 +76,13 @@ def test_backend_fixes_the_chunks_of_decode_and_verify_steps_up_to_16_requests()
     (the kernels' bits under both: `invariance-*` interpreter cases)."""
     from types import SimpleNamespace
 
+    from specserve.kernels.gemv_plan import SHARED_ROWS
     from specserve.layers.attention import AttentionMetadata
     from specserve.layers.attention.triton_attn import (
         INVARIANT_MAX_REQUESTS,
         MAX_SPLITS,
         TritonAttentionBackend,
     )
-    from specserve.layers.gemv_plan import SHARED_ROWS
 
     assert INVARIANT_MAX_REQUESTS == SHARED_ROWS  # the GEMVs' shared buckets: one guarantee
     calls = []
@@ -155,7 +155,7 @@ def test_gpu_fixed_chunks_keep_a_rows_bits_at_any_program_count(kernel):
 
 
 def _kernels():
-    from specserve.layers.attention import triton_kernels
+    from specserve.kernels.attention import triton_kernels
 
     return triton_kernels
 

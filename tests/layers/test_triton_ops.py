@@ -114,8 +114,8 @@ CASES = {
 
 
 def run_cases() -> dict:
+    from specserve.kernels.attention import triton_kernels as kernels
     from specserve.layers import triton_ops as ops
-    from specserve.layers.attention import triton_kernels as kernels
 
     results = {}
     for name, kw in CASES.items():
@@ -194,7 +194,7 @@ def test_gpu_fused_ops_match_modules(dtype):
 @pytest.mark.parametrize("tokens", [1, 4, 64, 300])
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_gpu_rotary_store_kv(dtype, tokens, page_size):
-    from specserve.layers.attention import triton_kernels
+    from specserve.kernels.attention import triton_kernels
 
     errs = rotary_store_errors(
         _ops(),

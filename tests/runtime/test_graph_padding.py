@@ -109,7 +109,7 @@ def test_dense_greedy_verify_takes_the_graphs_tokens(tiny_llama, tmp_path, draft
     rejected), in the synchronous loop and under overlap (drafts left on the device)."""
     from specserve.runtime import model_runner
     from specserve.runtime.model_runner import num_drafts
-    from specserve.speculative import verify
+    from specserve.runtime import verify
     from tests.support.tiny_models import make_tiny_model
 
     rng = random.Random(6)

@@ -1,4 +1,4 @@
-"""Whole-step GEMV plan tuning (runtime/plan_tuning.py): on the CPU, the coordinate descent
+"""Whole-step GEMV plan tuning (tuning/plan_tuning.py): on the CPU, the coordinate descent
 over plan keys with a fake step timer (the fastest candidate kept only past the margin, keys
 of shared buckets changed together, largest weight first, the report) and the grouping of an
 engine's plan into tuning steps; on a GPU, the step timer on a real graph runner (a captured
@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specserve.layers.gemv_configs import GemvConfig
-from specserve.layers.gemv_plan import GemvChoice, GemvPlan
-from specserve.runtime import plan_tuning
+from specserve.kernels.gemv_configs import GemvConfig
+from specserve.kernels.gemv_plan import GemvChoice, GemvPlan
+from specserve.tuning import plan_tuning
 
 A, B, C = GemvConfig(32, 256), GemvConfig(64, 128), GemvConfig(128, 128)
 BIG, SMALL = (96, 64, torch.float16), (32, 64, torch.float16)  # (N, K, dtype)
@@ -144,7 +144,8 @@ def test_step_timer_finds_the_keys_a_step_looks_up_and_restores_the_padding(monk
     """On the CPU (the runner's eager path, a plan of torch choices): the keys the decode
     step looks up are the model's projections at that bucket, logits included; the static
     buffers hold their padding values afterwards."""
-    from specserve.layers.linear import gemv_weights, use_gemv
+    from specserve.layers.linear import gemv_weights
+    from specserve.tuning.gemv_select import use_gemv
     from tests.runtime.test_cuda_graphs import _runner
 
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
@@ -199,10 +200,10 @@ def test_gpu_engine_plan_gives_a_row_the_same_bits_at_every_shared_row_count(tin
     count: GemvPlan.step_requests) and a step with a prefill chunk, every row of them against
     that row alone (`rows_apart`). The engine speculates (n-gram, K=3), so its plan reaches
     64 rows, its cuBLAS check covers them, and it searches verify tiles for them
-    (runtime/verify_tiles.py)."""
+    (tuning/verify_tiles.py)."""
     from specserve.core.config import EngineConfig
     from specserve.engine.engine import LLMEngine
-    from specserve.layers.gemv_select import SHARED_ROWS
+    from specserve.tuning.gemv_select import SHARED_ROWS
 
     engine = LLMEngine(
         EngineConfig(
@@ -231,11 +232,11 @@ def rows_apart(model) -> list[tuple]:
     prefill
     chunk: (part, requests, rows, rows whose bits differ, choice at 1 row, at rows) for each
     step where some differ."""
-    from specserve.layers.gemv import SplitKSum
-    from specserve.layers.gemv_select import SHARED_ROWS
+    from specserve.kernels.gemv import SplitKSum
     from specserve.layers.linear import GemvLinear, GemvMergedLinear
     from specserve.layers.triton_ops import TritonMergedGatedMLP
     from specserve.model.llama import Attention
+    from specserve.tuning.gemv_select import SHARED_ROWS
 
     plan = model.gemv_plan
     gen = torch.Generator(device="cuda").manual_seed(0)

@@ -1,4 +1,4 @@
-"""Verify tiles (runtime/verify_tiles.py, GemvPlan.verify): on the CPU, the plan's lookup
+"""Verify tiles (tuning/verify_tiles.py, GemvPlan.verify): on the CPU, the plan's lookup
 (a verify step of up to 16 requests at 32 or 64 rows takes its verify tile, every other
 step the shared choice; whole-step tuning of a shared choice drops the verify tiles matched
 to it), the candidates, the verify steps of an engine's graph buckets, and the search with
@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specserve.layers.gemv_configs import GemvConfig, verify_candidates
-from specserve.layers.gemv_plan import GemvChoice, GemvPlan
-from specserve.runtime.verify_tiles import compile_todo, tune_verify_tiles, verify_steps
+from specserve.kernels.gemv_configs import GemvConfig, verify_candidates
+from specserve.kernels.gemv_plan import GemvChoice, GemvPlan
+from specserve.tuning.verify_tiles import compile_todo, tune_verify_tiles, verify_steps
 
 S, A, B, C = (
     GemvConfig(32, 256, num_stages=4),
@@ -167,10 +167,10 @@ def test_gpu_verify_tiles_give_verify_rows_their_decode_bits(tiny_llama):
     every row of its verify steps (20-64 rows) has the bits of the same row alone."""
     from specserve.core.config import EngineConfig
     from specserve.engine.engine import LLMEngine
-    from specserve.layers.gemv_configs import verify_candidates as cands
-    from specserve.layers.gemv_select import SHARED_ROWS
-    from specserve.runtime.plan_tuning import StepTimer
-    from specserve.runtime.verify_tiles import StepOutput
+    from specserve.kernels.gemv_configs import verify_candidates as cands
+    from specserve.tuning.gemv_select import SHARED_ROWS
+    from specserve.tuning.plan_tuning import StepTimer
+    from specserve.tuning.verify_tiles import StepOutput
     from tests.runtime.test_plan_tuning import rows_apart
 
     config = EngineConfig(

@@ -20,7 +20,7 @@ def _rand(gen, *shape, dtype, device, scale=1.0):
 def silu_gemv_case(cfg, rows: int, n: int, k: int, dtype, device, bias=False, seed=0) -> dict:
     """{"equal": fused == silu_and_mul + gemv bitwise, "err": relative error of the fused
     result against a float64 reference of the unfused arithmetic}."""
-    from specserve.layers.gemv import gemv
+    from specserve.kernels.gemv import gemv
     from specserve.layers.triton_ops import silu_and_mul
 
     gen = torch.Generator().manual_seed(seed)
@@ -43,7 +43,7 @@ def gated_gemv_case(
     it) against the plain one through cfg."""
     from dataclasses import replace
 
-    from specserve.layers.gemv import gemv
+    from specserve.kernels.gemv import gemv
     from specserve.layers.triton_ops import silu_and_mul
 
     gen = torch.Generator().manual_seed(seed)
@@ -76,9 +76,9 @@ def rope_gemv_case(
     bit for bit in q and in both caches (whose other slots keep their contents; one row's
     slot is -1, not stored), "err": q's relative error against the torch rotary of a
     float64 product, "stored": the cache slots the rows wrote}."""
-    from specserve.layers.gemv import RopeStore, gemv
+    from specserve.kernels.gemv import RopeStore, gemv
+    from specserve.kernels.triton_rotary import rotary_store_kv
     from specserve.layers.rotary import RotaryEmbedding
-    from specserve.layers.triton_rotary import rotary_store_kv
 
     gen = torch.Generator().manual_seed(seed)
     n = (q_heads + 2 * kv_heads) * head_dim
@@ -130,7 +130,7 @@ def split_norm_case(
     """A split-K GEMV handed unreduced to the fused second pass + residual add + RMSNorm,
     against the GEMV reduced by its own pass, then the add + RMSNorm kernel: whether the
     GEMV output, the residual stream and the normed output are each bitwise equal."""
-    from specserve.layers.gemv import SplitKSum, gemv
+    from specserve.kernels.gemv import SplitKSum, gemv
     from specserve.layers.triton_ops import add_rms_norm, split_k_add_rms_norm
 
     gen = torch.Generator().manual_seed(seed)
@@ -187,11 +187,11 @@ def model_fusion_case(
     epilogue where `config` does not split K) and the plain choice, whose split still
     reduces in the next norm."""
     from specserve.core.kv_cache import KVCache
-    from specserve.layers import gemv as gemv_module
-    from specserve.layers import triton_norm, triton_ops
+    from specserve.kernels import gemv as gemv_module
+    from specserve.kernels import triton_norm
+    from specserve.layers import triton_ops
     from specserve.layers.attention import TorchAttentionBackend
-    from specserve.layers.gemv_select import GemvPlan
-    from specserve.layers.linear import use_gemv
+    from specserve.tuning.gemv_select import GemvPlan, use_gemv
     from tests.support.model_cases import build_meta, tiny_config, tiny_model
 
     cfg = cfg or tiny_config()

@@ -108,8 +108,8 @@ def norm_tail_matches(use_pdl: bool, rows: int, n: int) -> bool:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from specserve.layers import pdl
-    from specserve.layers.gemv import GemvConfig, gemv
+    from specserve.kernels import pdl
+    from specserve.kernels.gemv import GemvConfig, gemv
     from specserve.layers.triton_ops import add_rms_norm, split_k_add_rms_norm
 
     LAUNCHES.clear()
@@ -139,8 +139,8 @@ def norm_tail_matches(use_pdl: bool, rows: int, n: int) -> bool:
 
 def _launch_all() -> None:
     """Every launcher of the decode path on small CPU tensors of bf16 (the GPU's dtype)."""
-    from specserve.layers.attention import triton_kernels as attn
-    from specserve.layers.gemv import GemvConfig, RopeStore, gemv
+    from specserve.kernels.attention import triton_kernels as attn
+    from specserve.kernels.gemv import GemvConfig, RopeStore, gemv
     from specserve.layers.triton_ops import (
         add_rms_norm,
         rms_norm,
@@ -214,7 +214,7 @@ def main() -> dict:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from specserve.layers import pdl
+    from specserve.kernels import pdl
 
     _record()
     results: dict = {}

@@ -483,8 +483,8 @@ def main() -> None:
     import os
 
     assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+    from specserve.kernels.attention import triton_kernels as kernels
     from specserve.layers import triton_ops as ops
-    from specserve.layers.attention import triton_kernels as kernels
 
     results = {}
     for name, spec in interpreter_cases().items():

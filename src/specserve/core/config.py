@@ -63,12 +63,12 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto: triton on CUDA, torch on CPU
     disable_cuda_graph: bool = False
     disable_gemv: bool = False  # cuBLAS for every linear (no start-up kernel selection)
-    disable_gemv_tuning: bool = False  # keep selection's choices (runtime/plan_tuning.py)
+    disable_gemv_tuning: bool = False  # keep selection's choices (tuning/plan_tuning.py)
     # cuBLAS may serve decode rows even where a row's bits change with the row count
     disable_batch_invariance: bool = False
     # verify steps of up to 16 requests keep the decode steps' GEMV tiles at 32-64 rows
     disable_verify_tiles: bool = False  # (no start-up search of faster same-bits tiles)
-    disable_pdl: bool = False  # no programmatic dependent launch (layers/pdl.py)
+    disable_pdl: bool = False  # no programmatic dependent launch (kernels/pdl.py)
     gemv_stream_k: bool = False  # experimental: stream-K GEMV candidates above 16 rows
     disable_fusion: bool = False  # SiLU-and-mul and split-K passes as kernels of their own
     overlap_schedule: str = "auto"  # auto: on for CUDA, off on CPU; on; off

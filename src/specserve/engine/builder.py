@@ -84,10 +84,9 @@ def set_up_kernels(config: EngineConfig, model: LlamaForCausalLM, startup: Start
     the GEMV selector (the drafter reuses its measurements), or None."""
     if config.torch_device().type != "cuda" or config.backend_name() != "triton":
         return None
-    from specserve.layers.gemv_configs import set_stream_k
-    from specserve.layers.gemv_select import GemvSelector
-    from specserve.layers.linear import use_gemv
+    from specserve.kernels.gemv_configs import set_stream_k
     from specserve.layers.triton_ops import use_triton_ops
+    from specserve.tuning.gemv_select import GemvSelector, use_gemv
 
     # fused RMSNorm / rotary / SiLU-and-mul (same rounding); with fusion, SiLU and the
     # down projection's split-K pass also fold into their neighbours (same results)
@@ -198,8 +197,8 @@ def capture_target_graphs(
     plan = getattr(runner.model, "gemv_plan", None)
     if plan is not None and plan.choices and not config.disable_gemv_tuning:
         # the selection's choices revised where the whole step runs faster
-        from specserve.layers.gemv_select import SHARED_ROWS, plan_candidates
-        from specserve.runtime.plan_tuning import tune_engine_plan
+        from specserve.tuning.gemv_select import SHARED_ROWS, plan_candidates
+        from specserve.tuning.plan_tuning import tune_engine_plan
 
         candidates = plan_candidates(kv.layers[0][0].device, plan.torch_varies)
         with startup.phase("tuning GEMV kernels in whole steps"):
@@ -208,7 +207,7 @@ def capture_target_graphs(
             )
         if k_max and plan.by_requests and not config.disable_verify_tiles:
             # verify steps of up to SHARED_ROWS requests: faster tiles, same bits
-            from specserve.runtime.verify_tiles import tune_engine_verify_tiles
+            from specserve.tuning.verify_tiles import tune_engine_verify_tiles
 
             with startup.phase("searching verify-step kernels"):
                 out.verify_tiles = tune_engine_verify_tiles(graphs, plan, SHARED_ROWS, k_max + 1)

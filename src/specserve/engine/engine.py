@@ -25,7 +25,7 @@ from specserve.engine.outputs import RequestOutput, RequestSink
 from specserve.engine.scheduler import Scheduler
 from specserve.engine.startup import StartupProgress
 from specserve.engine.step_loop import StepLoop
-from specserve.layers import pdl
+from specserve.kernels import pdl
 from specserve.model.llama import LlamaForCausalLM
 
 log = logging.getLogger("specserve")

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 if TYPE_CHECKING:
-    from specserve.layers.gemv_select import GemvPlan, GemvSelector
+    from specserve.kernels.gemv_plan import GemvPlan
 
 
 class MergedLinear(nn.Linear):
@@ -152,32 +152,10 @@ def rope_projections(model: nn.Module) -> dict[tuple[int, int, torch.dtype], tup
     return shapes
 
 
-def use_gemv(
-    model: nn.Module,
-    selector: GemvSelector | None = None,
-    plan: GemvPlan | None = None,
-    enable: bool = True,
-    max_rows: int | None = None,
-) -> GemvPlan | None:
+def install_gemv_plan(model: nn.Module, plan: GemvPlan | None, enable: bool = True) -> None:
     """Route the model's linear layers (and its logits projection, for models with a
-    `gemv_plan` attribute) through a GEMV plan: `plan` when given, else the one `selector`
-    (default: GemvSelector(max_rows=max_rows)) measures for the model's weights on their
-    device (fused projections timed with their fusions: call use_triton_ops first).
-    max_rows: the most tokens a captured decode/verify step holds (None: every row
-    bucket up to 64). Call it once the weights are on the device and before CUDA graphs are
-    captured; pass one selector for a target and its drafter, so shared shapes are measured
-    once. enable=False switches back to plain torch. Returns the plan installed."""
-    if enable and plan is None:
-        from specserve.layers.gemv_select import GemvSelector
-
-        selector = selector or GemvSelector(max_rows=max_rows)
-        plan = selector.select(
-            gemv_weights(model),
-            fused_projections(model),
-            gated_projections(model),
-            rope_projections(model),
-            linear_biases(model),
-        )
+    `gemv_plan` attribute) through `plan` (tuning/gemv_select.py's `use_gemv` measures one);
+    enable=False switches back to plain torch."""
     mapping = _GEMV if enable else {v: k for k, v in _GEMV.items()}
     for module in model.modules():
         new_class = mapping.get(type(module))
@@ -187,4 +165,3 @@ def use_gemv(
             module.gemv_plan = plan if enable else None
     if hasattr(model, "gemv_plan"):
         model.gemv_plan = plan if enable else None
-    return plan if enable else None

@@ -84,10 +84,10 @@ def gumbel_noise(st: SamplingTensors, vocab: int, stream: int = 0) -> torch.Tens
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """x.argmax(dim=-1), the same indices; on CUDA through the Triton row argmax where it
-    applies (layers/triton_argmax.py, imported when first needed: a kernel module)."""
+    applies (kernels/triton_argmax.py, imported when first needed: a kernel module)."""
     if not x.is_cuda:
         return x.argmax(dim=-1)
-    from specserve.layers.triton_argmax import argmax_rows as kernels
+    from specserve.kernels.triton_argmax import argmax_rows as kernels
 
     return kernels(x)
 

@@ -27,20 +27,20 @@ import triton
 import triton.language as tl
 from torch import nn
 
-from specserve.layers import pdl
-from specserve.layers.activation import GatedMLP, MergedGatedMLP
-from specserve.layers.gemv import SplitKSum, gemv, silu_mul
-from specserve.layers.gemv_configs import gated_config
-from specserve.layers.linear import dense
-from specserve.layers.norm import RMSNorm
-from specserve.layers.pdl_kernel import pdl_enter
-from specserve.layers.rotary import RotaryEmbedding
-from specserve.layers.triton_norm import (
+from specserve.kernels import pdl
+from specserve.kernels.gemv import SplitKSum, gemv, silu_mul
+from specserve.kernels.gemv_configs import gated_config
+from specserve.kernels.pdl_kernel import pdl_enter
+from specserve.kernels.triton_norm import (
     add_rms_norm,
     rms_norm,
     split_k_add_rms_norm,
 )
-from specserve.layers.triton_rotary import rotary, rotary_store_kv
+from specserve.kernels.triton_rotary import rotary, rotary_store_kv
+from specserve.layers.activation import GatedMLP, MergedGatedMLP
+from specserve.layers.linear import dense
+from specserve.layers.norm import RMSNorm
+from specserve.layers.rotary import RotaryEmbedding
 
 
 @triton.jit

@@ -23,7 +23,7 @@ from specserve.layers.norm import RMSNorm
 from specserve.layers.rotary import RotaryEmbedding
 
 if TYPE_CHECKING:
-    from specserve.layers.gemv_select import GemvPlan
+    from specserve.kernels.gemv_plan import GemvPlan
 
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -82,7 +82,7 @@ class Attention(nn.Module):
         proj = self.qkv_proj
         plan = getattr(proj, "gemv_plan", None)
         if self.rope_in_qkv and plan is not None:
-            from specserve.layers import gemv  # a kernel module: imported when first used
+            from specserve.kernels import gemv  # a kernel module: imported when first used
 
             cfg = plan.config_for(x.shape[0], *proj.weight.shape, proj.weight.dtype)
             if cfg is not None and gemv.rope_fits(cfg, self.head_dim, proj.weight.shape[1]):
@@ -115,7 +115,7 @@ class Attention(nn.Module):
         cfg = plan.config_for(out.shape[0], *o.weight.shape, o.weight.dtype, NORM_FUSION)
         if cfg is None:  # measured slower than the plain choice (whose split defers too)
             return dense(out, o.weight, o.bias, plan, defer_reduce=True)
-        from specserve.layers.gemv import gemv  # a kernel module: imported when first used
+        from specserve.kernels.gemv import gemv  # a kernel module: imported when first used
 
         return gemv(out, o.weight, o.bias, cfg, defer_reduce=True)
 

@@ -136,7 +136,7 @@ class CudaGraphRunner:
 
     `logits_head(hidden)` (the model's logits in the activation dtype, when given) runs inside
     each graph too, with the row argmax of its logits (the Triton kernels while capturing,
-    layers/triton_argmax.py): after `run`, `last_head` holds the real rows' (logits, greedy
+    kernels/triton_argmax.py): after `run`, `last_head` holds the real rows' (logits, greedy
     tokens), views of graph memory that the next replay overwrites, and for steps of q > 1
     tokens per request each request's greedy accept length (`greedy_accept_lens`: its drafts,
     the input rows after the first, accepted while they equal the argmax of the row before).

@@ -3,7 +3,7 @@ runtime/graph_staging.py `stage_torch` does in up to ten launches (the same inte
 tests/test_graph_staging.py).
 
 It is launched without PDL, as a torch copy is: the attention kernels of the graph read
-what it writes before their PDL wait (layers/pdl.py), which holds only for work that has
+what it writes before their PDL wait (kernels/pdl.py), which holds only for work that has
 completed before the graph's first kernel starts.
 
 Imported lazily (it defines a kernel: TRITON_INTERPRET is read then).

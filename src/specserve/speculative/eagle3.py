@@ -321,8 +321,8 @@ def build_eagle3_proposer(target: TargetParts) -> Eagle3Proposer:
     proposer = Eagle3Proposer(head, embed, kv, target.runner.backend)
     proposer.max_pass_tokens = cfg.max_num_batched_tokens
     if device.type == "cuda" and cfg.backend_name() == "triton":
-        from specserve.layers.linear import use_gemv
         from specserve.layers.triton_ops import use_triton_ops
+        from specserve.tuning.gemv_select import use_gemv
 
         use_triton_ops(head, fuse=not cfg.disable_fusion)
         # The head's MLP output is never handed on unreduced (plain passes add it; the chain

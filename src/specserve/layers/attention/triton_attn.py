@@ -24,7 +24,7 @@ MIN_SPLIT_TOKENS = 128  # a KV chunk shorter than this is not worth a separate p
 INVARIANT_MIN_CHUNK = 32
 # Decode and verify steps of up to this many requests cut every request's keys into
 # MAX_SPLITS chunks whatever their program count (`batch_invariant`): the GEMVs' shared row
-# buckets (layers/gemv_plan.py SHARED_ROWS) keep a row's bits up to the same request count.
+# buckets (kernels/gemv_plan.py SHARED_ROWS) keep a row's bits up to the same request count.
 INVARIANT_MAX_REQUESTS = 16
 
 
@@ -89,7 +89,7 @@ class TritonAttentionBackend(AttentionBackend):
     @property
     def kernels(self) -> ModuleType:
         if self._kernels is None:
-            from specserve.layers.attention import triton_kernels
+            from specserve.kernels.attention import triton_kernels
 
             self._kernels = triton_kernels
         return self._kernels

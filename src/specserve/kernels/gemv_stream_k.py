@@ -29,15 +29,15 @@ import torch
 import triton
 import triton.language as tl
 
-from specserve.layers.gemv import (  # gemv.py imports this module when first needed
+from specserve.kernels.gemv import (  # gemv.py imports this module when first needed
     PDL_PREFETCH_BYTES,
     PDL_PREFETCH_MAX_LINES,
     _load_x,
     _mac,
     silu_mul,
 )
-from specserve.layers.gemv_configs import GemvConfig
-from specserve.layers.pdl_kernel import pdl_enter, prefetch_l2
+from specserve.kernels.gemv_configs import GemvConfig
+from specserve.kernels.pdl_kernel import pdl_enter, prefetch_l2
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}  # per device, kept at zero by the kernel
 MAX_TILES = 1 << 16  # counters per device (256 KiB): lm_head at 64 rows has ~2,000 tiles

@@ -11,8 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
-from specserve.layers import pdl
-from specserve.layers.pdl_kernel import pdl_enter
+from specserve.kernels import pdl
+from specserve.kernels.pdl_kernel import pdl_enter
 
 
 @triton.jit
@@ -248,7 +248,7 @@ def rotary_store_kv(
     `positions`, k and v stored at `slot_mapping` in the paged caches [pages, page_size,
     kv_heads, D] (slots < 0 skipped), all in one kernel; returns the rotated q [T, q_heads,
     D]. Same values as `rotary` followed by the attention backend's KV write."""
-    from specserve.layers.attention.triton_kernels import check_cache
+    from specserve.kernels.attention.triton_kernels import check_cache
 
     num_tokens = qkv.shape[0]
     head_dim = k_cache.shape[3]

@@ -3,7 +3,7 @@
 
 Batch invariance has such a step look its GEMVs up by request count: its K + 1 rows per
 request run the 16-row tile its requests' decode steps run (a program takes up to 4 row
-blocks, layers/gemv.py), so each row keeps its decode bits. That tile was chosen for 1-16
+blocks, kernels/gemv.py), so each row keeps its decode bits. That tile was chosen for 1-16
 rows; at 32 or 64 rows a narrow one re-reads every row of x from L2 per program, and on the
 H200 verify steps of 16 requests at K=3 took 8.1 ms against 6.2 with each bucket's own
 tiles. Another 16-row tile with the same K split may give every
@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specserve.layers.gemv_plan import GemvPlan
+from specserve.kernels.gemv_plan import GemvPlan
 from specserve.runtime.cuda_graphs import CudaGraphRunner, static_meta
-from specserve.runtime.plan_tuning import StepTimer, fill_scratch_step, reset_scratch_step
+from specserve.tuning.plan_tuning import StepTimer, fill_scratch_step, reset_scratch_step
 
 log = logging.getLogger(__name__)
 
@@ -196,7 +196,7 @@ def tune_engine_verify_tiles(
 ) -> VerifyTilesReport | None:
     """`tune_verify_tiles` for an engine's target: the verify steps of `verify_tokens` per
     request that its graph runner captures (None: no such step reaches past shared_rows)."""
-    from specserve.layers.gemv_configs import verify_candidates
+    from specserve.kernels.gemv_configs import verify_candidates
 
     if verify_tokens not in graphs.tokens_per_request or graphs.backend.name != "triton":
         return None  # (StepOutput's unstored slots: the Triton kernels skip them)
@@ -259,14 +259,14 @@ def _compile(
     so that the search's budget goes to timing; returns how many."""
     import os
 
-    from specserve.layers import pdl
-    from specserve.layers.gemv_compile import compile_tasks, compile_variants
+    from specserve.kernels import pdl
     from specserve.layers.linear import (
         gated_projections,
         gemv_weights,
         linear_biases,
         rope_projections,
     )
+    from specserve.tuning.gemv_compile import compile_tasks, compile_variants
 
     weights = {key: [w for w in ws if w.stride(-1) == 1] for key, ws in gemv_weights(model).items()}
     todo = {

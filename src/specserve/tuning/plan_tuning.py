@@ -2,7 +2,7 @@
 the target's captured decode (and verify) forward, with every other choice as it stands,
 and kept where the step gets faster.
 
-Selection (layers/gemv_select.py) times each candidate on its own, over rotating weights.
+Selection (tuning/gemv_select.py) times each candidate on its own, over rotating weights.
 Between its real neighbours a kernel can rank differently: the next kernel launches early
 under PDL and overlaps its tail, a tile that ramps up slowly waits on the small kernel
 before it, and at batch 1 a whole layer is ~14 kernels of a few microseconds of boundary
@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specserve.core.graph_timing import no_collection_while_capturing, replay_ms
-from specserve.layers.gemv_plan import GemvPlan
+from specserve.kernels.gemv_plan import GemvPlan
 from specserve.runtime.cuda_graphs import CudaGraphRunner
 
 log = logging.getLogger(__name__)

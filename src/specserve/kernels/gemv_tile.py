@@ -1,4 +1,4 @@
-"""The GEMV kernel's per-tile pieces (layers/gemv.py, gemv_stream_k.py): loading a tile of x
+"""The GEMV kernel's per-tile pieces (kernels/gemv.py, gemv_stream_k.py): loading a tile of x
 (with the SiLU-and-mul prologue) and of the weight, the tile product on the matrix units or
 the CUDA cores, and the epilogue of one row block (bias, rounding, the
 gated SiLU-and-mul, the rope store, or a K split's partial sums). Imported by gemv.py, like
@@ -10,7 +10,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from specserve.layers.gemv_rope import rope_store
+from specserve.kernels.gemv_rope import rope_store
 
 
 @triton.jit

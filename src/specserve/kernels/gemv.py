@@ -46,7 +46,7 @@ at their rows' slots: results equal the plain GEMV with the same tile followed b
 `rotary_store_kv`, and the qkv output is never written. Matrix-unit tiles of up to 16 rows
 only (`rope_fits` says why).
 
-Programmatic dependent launch (layers/pdl.py): each program first asks L2 for the first
+Programmatic dependent launch (kernels/pdl.py): each program first asks L2 for the first
 lines of its weight slice (`PREFETCH`, weights are never written while serving), then waits
 for the previous kernel, so the weight stream starts during that kernel's tail.
 
@@ -62,8 +62,8 @@ import torch
 import triton
 import triton.language as tl
 
-from specserve.layers import pdl
-from specserve.layers.gemv_configs import (  # noqa: F401 (also importable from here)
+from specserve.kernels import pdl
+from specserve.kernels.gemv_configs import (  # noqa: F401 (also importable from here)
     FMA_MAX_ROWS,
     MAX_ROWS,
     GemvConfig,
@@ -71,18 +71,18 @@ from specserve.layers.gemv_configs import (  # noqa: F401 (also importable from 
     row_block,
     row_blocks,
 )
-from specserve.layers.gemv_rope import (  # noqa: F401 (RopeStore, rope_fits: also from here)
+from specserve.kernels.gemv_rope import (  # noqa: F401 (RopeStore, rope_fits: also from here)
     RopeStore,
     rope_args,
     rope_fits,
 )
-from specserve.layers.gemv_split_k import (  # noqa: F401 (SplitKSum, split_k_sum: from here)
+from specserve.kernels.gemv_split_k import (  # noqa: F401 (SplitKSum, split_k_sum: from here)
     SplitKSum,
     _gemv_split_k_reduce_kernel,
     _reduce_launch,
     split_k_sum,
 )
-from specserve.layers.gemv_tile import (  # noqa: F401 (silu_mul, _load_x: also from here)
+from specserve.kernels.gemv_tile import (  # noqa: F401 (silu_mul, _load_x: also from here)
     _finish,
     _load_rows,
     _load_x,
@@ -90,7 +90,7 @@ from specserve.layers.gemv_tile import (  # noqa: F401 (silu_mul, _load_x: also 
     _w_tile,
     silu_mul,
 )
-from specserve.layers.pdl_kernel import pdl_enter, prefetch_l2
+from specserve.kernels.pdl_kernel import pdl_enter, prefetch_l2
 
 # Under PDL, the weight bytes one GEMV asks L2 for before it waits for the previous kernel,
 # over all its programs (a fraction of the H200's 50 MB L2, about what streams in during a
@@ -376,7 +376,7 @@ def call_prefetch(cfg: GemvConfig, n: int, k: int, elem_bytes: int, gated: bool 
     weight [n, k] (gated: [2n, k], both halves streamed): `prefetch_lines` for the call's
     program count and K slice, as `gemv` launches it (stream-K: its own, by tile)."""
     if cfg.stream_k:
-        from specserve.layers import gemv_stream_k
+        from specserve.kernels import gemv_stream_k
 
         return gemv_stream_k.prefetch_lines(cfg)
     iters_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k)
@@ -442,7 +442,7 @@ def gemv(
     if rows == 0:
         return None if compile_only else out.view(out_shape)
     if cfg.stream_k:  # one program per multiprocessor (gemv_stream_k.py)
-        from specserve.layers import gemv_stream_k
+        from specserve.kernels import gemv_stream_k
 
         if cfg.tma or not cfg.use_dot:
             raise ValueError(f"gemv ({cfg}): stream-K runs matrix-unit pointer tiles only")

@@ -21,9 +21,9 @@ import torch
 import triton
 import triton.language as tl
 
-from specserve.layers import pdl
-from specserve.layers.gemv import SplitKSum, split_k_sum
-from specserve.layers.pdl_kernel import pdl_enter
+from specserve.kernels import pdl
+from specserve.kernels.gemv import SplitKSum, split_k_sum
+from specserve.kernels.pdl_kernel import pdl_enter
 
 
 @triton.jit

@@ -18,7 +18,7 @@ give minus its magnitude bits for a positive value, its magnitude bits for a neg
 sign or payload, ranks first, so the first NaN wins as in torch. A row of -inf ties
 throughout and gives index 0. Columns past the row's end rank after every value.
 
-Launches follow the PDL convention (layers/pdl.py): both kernels run `pdl_enter` first.
+Launches follow the PDL convention (kernels/pdl.py): both kernels run `pdl_enter` first.
 Nothing syncs with the host and the partials come from `torch.empty`, so the call can be
 captured in a CUDA graph.
 """
@@ -29,8 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from specserve.layers import pdl
-from specserve.layers.pdl_kernel import pdl_enter
+from specserve.kernels import pdl
+from specserve.kernels.pdl_kernel import pdl_enter
 
 # When argmax_rows takes the kernels (`set_mode`): "graphs" (the default) only while a CUDA
 # graph is being captured, "always", or "off". On the H200 the

@@ -49,23 +49,34 @@ import os
 import time
 
 import torch
+from torch import nn
 
-from specserve.layers import gemv_invariance, pdl
-from specserve.layers.gemv import GemvConfig, candidate_configs, gemv
-from specserve.layers.gemv_compile import (  # noqa: F401 (compile_tasks: tests import it here)
-    compile_tasks,
-    compile_variants,
-    variant_key,
-)
-from specserve.layers.gemv_configs import stream_k_enabled
-from specserve.layers.gemv_plan import (  # noqa: F401 (SHARED_ROWS: callers import it here)
+from specserve.kernels import pdl
+from specserve.kernels.gemv import GemvConfig, candidate_configs, gemv
+from specserve.kernels.gemv_configs import stream_k_enabled
+from specserve.kernels.gemv_plan import (  # noqa: F401 (SHARED_ROWS: callers import it here)
     ROW_BUCKETS,
     SHARED_ROWS,
     GemvChoice,
     GemvPlan,
     PlanKey,
 )
-from specserve.layers.gemv_timing import (  # noqa: F401 (rotation_set: imported from here)
+from specserve.layers.linear import (
+    NORM_FUSION,
+    fused_projections,
+    gated_projections,
+    gemv_weights,
+    install_gemv_plan,
+    linear_biases,
+    rope_projections,
+)
+from specserve.tuning import gemv_invariance
+from specserve.tuning.gemv_compile import (  # noqa: F401 (compile_tasks: tests import it here)
+    compile_tasks,
+    compile_variants,
+    variant_key,
+)
+from specserve.tuning.gemv_timing import (  # noqa: F401 (rotation_set: imported from here)
     after_producer,
     down_and_norm,
     fused_input_cols,
@@ -73,7 +84,6 @@ from specserve.layers.gemv_timing import (  # noqa: F401 (rotation_set: imported
     time_in_graph_us,
     torch_linear,
 )
-from specserve.layers.linear import NORM_FUSION
 
 log = logging.getLogger(__name__)
 
@@ -476,3 +486,31 @@ class GemvSelector:
             return float("inf"), time.perf_counter() - first
         first_s = time.perf_counter() - first
         return time_in_graph_us(fn, x, rotation, self.reps), first_s
+
+
+def use_gemv(
+    model: nn.Module,
+    selector: GemvSelector | None = None,
+    plan: GemvPlan | None = None,
+    enable: bool = True,
+    max_rows: int | None = None,
+) -> GemvPlan | None:
+    """Route the model's linear layers (and its logits projection, for models with a
+    `gemv_plan` attribute) through a GEMV plan: `plan` when given, else the one `selector`
+    (default: GemvSelector(max_rows=max_rows)) measures for the model's weights on their
+    device (fused projections timed with their fusions: call use_triton_ops first).
+    max_rows: the most tokens a captured decode/verify step holds (None: every row
+    bucket up to 64). Call it once the weights are on the device and before CUDA graphs are
+    captured; pass one selector for a target and its drafter, so shared shapes are measured
+    once. enable=False switches back to plain torch. Returns the plan installed."""
+    if enable and plan is None:
+        selector = selector or GemvSelector(max_rows=max_rows)
+        plan = selector.select(
+            gemv_weights(model),
+            fused_projections(model),
+            gated_projections(model),
+            rope_projections(model),
+            linear_biases(model),
+        )
+    install_gemv_plan(model, plan, enable)
+    return plan if enable else None

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from specserve.layers.gemv import MAX_ROWS, GemvConfig, gemv
+from specserve.kernels.gemv import MAX_ROWS, GemvConfig, gemv
 
 PlanKey = tuple  # (row bucket, N, K, dtype), and + (fusion,) for a fused projection
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
@@ -29,7 +29,7 @@ class GemvChoice:
     torch_us: float
     best_us: float
     tried: int
-    tuned: bool = False  # changed by whole-step tuning (runtime/plan_tuning.py)
+    tuned: bool = False  # changed by whole-step tuning (tuning/plan_tuning.py)
 
 
 class GemvPlan:
@@ -52,7 +52,7 @@ class GemvPlan:
     (`--disable-batch-invariance`) calls go by their row count alone. `verify`: {(row bucket
     above SHARED_ROWS, N, K, dtype[, fusion]): configuration} that such a step runs at that
     many rows instead of the shared choice, one found at start-up to give the step's rows the
-    same bits and a faster step (runtime/verify_tiles.py)."""
+    same bits and a faster step (tuning/verify_tiles.py)."""
 
     def __init__(
         self,
@@ -104,7 +104,7 @@ class GemvPlan:
         self, keys: list[PlanKey], config: GemvConfig | None, tuned: bool = True
     ) -> None:
         """Serve measured `keys` with `config` (None: torch) from now on, keeping what was
-        measured for them; `tuned`: marked as changed by tuning (runtime/plan_tuning.py,
+        measured for them; `tuned`: marked as changed by tuning (tuning/plan_tuning.py,
         which also puts choices back, unmarked, after trying others)."""
         for key in keys:
             if key[0] <= SHARED_ROWS and self.choices[key].config != config:

@@ -13,7 +13,7 @@ KV head) take in turn, each chunk's partial output written with its log-sum-exp,
 second kernel merges them in chunk order; the chunk size is computed on the device from the
 request's own length, so the launch shape does not depend on the data (CUDA-graph safe),
 and a row's bits do not depend on the program count (the backend's batch invariance).
-Every kernel here may be launched with programmatic dependent launch (layers/pdl.py): it
+Every kernel here may be launched with programmatic dependent launch (kernels/pdl.py): it
 waits for the previous kernel before its first read or write.
 
 Imported lazily: kernels are defined when this module is first imported, which is when
@@ -26,19 +26,19 @@ import torch
 import triton
 import triton.language as tl
 
-from specserve.layers import pdl
-from specserve.layers.attention.triton_decode import (
+from specserve.kernels import pdl
+from specserve.kernels.attention.triton_decode import (
     NOT_SPECIALIZED,
     _paged_attn_decode_kernel,
     chunk_len,
     store_chunk,
 )
-from specserve.layers.attention.triton_kv_write import (  # noqa: F401 (callers use them here)
+from specserve.kernels.attention.triton_kv_write import (  # noqa: F401 (callers use them here)
     _check_cache,
     check_cache,
     write_kv,
 )
-from specserve.layers.pdl_kernel import pdl_enter
+from specserve.kernels.pdl_kernel import pdl_enter
 
 LOG2E = 1.4426950408889634
 DECODE_MAX_ROWS = 64  # rows per request up to which the split (decode/verify) path is used
@@ -106,7 +106,7 @@ def _paged_attn_kernel(
     # ROW_CHUNKS is the decode kernel's alone (the same contract): here chunks always follow
     # the row block's key range, so a verify step crossing a chunk boundary may round its
     # later rows apart from their decode steps.
-    if USE_PDL:  # layers/pdl.py
+    if USE_PDL:  # kernels/pdl.py
         pdl_enter()
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -324,7 +324,7 @@ def _split_reduce_kernel(
     # independent of each other; past the row's count they read nothing and weigh 0), so the
     # sum's order depends on neither the program count nor how Triton lays out a tile. The
     # partials are read once, past L1 (.cg).
-    if USE_PDL:  # layers/pdl.py
+    if USE_PDL:  # kernels/pdl.py
         pdl_enter()
     t = tl.program_id(0)
     h = tl.program_id(1)

@@ -12,8 +12,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from specserve.layers.gemv import GemvConfig, RopeStore, call_prefetch, gemv, rope_fits
-from specserve.layers.gemv_configs import gated_config, row_blocks
+from specserve.kernels.gemv import GemvConfig, RopeStore, call_prefetch, gemv, rope_fits
+from specserve.kernels.gemv_configs import gated_config, row_blocks
 
 log = logging.getLogger(__name__)
 

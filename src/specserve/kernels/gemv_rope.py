@@ -15,8 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from specserve.layers.gemv_configs import GemvConfig
-from specserve.layers.triton_rotary import rope_pair
+from specserve.kernels.gemv_configs import GemvConfig
+from specserve.kernels.triton_rotary import rope_pair
 
 
 @triton.jit
@@ -127,7 +127,7 @@ def rope_fits(cfg: GemvConfig, head_dim: int, k: int) -> bool:
 
 def rope_args(rope: RopeStore, n: int, head_dim: int) -> dict:
     """The kernel's rope arguments, after checking the shapes agree."""
-    from specserve.layers.attention.triton_kv_write import check_cache
+    from specserve.kernels.attention.triton_kv_write import check_cache
 
     k_cache = rope.k_cache
     if n != (rope.q_heads + 2 * rope.kv_heads) * head_dim or k_cache.shape[2:] != (

@@ -12,8 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from specserve.layers import pdl
-from specserve.layers.pdl_kernel import pdl_enter
+from specserve.kernels import pdl
+from specserve.kernels.pdl_kernel import pdl_enter
 
 
 @triton.jit

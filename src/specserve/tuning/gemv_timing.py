@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from specserve.core.graph_timing import no_collection_while_capturing, replay_ms
-from specserve.layers.gemv import GemvConfig, SplitKSum, gemv
+from specserve.kernels.gemv import GemvConfig, SplitKSum, gemv
 from specserve.layers.linear import NORM_FUSION
 
 NORM_EPS = 1e-5  # the timed norm's; any value times alike
@@ -48,7 +48,7 @@ def after_producer(fn, x: torch.Tensor):
     The norm spans the input's full width (a fused down projection's [gate | up] rows too)
     and is in every timing, torch's included: times (and the plan summary's speed-ups) are
     of norm + projection, not comparable with those measured before this rule."""
-    from specserve.layers.triton_norm import rms_norm  # a kernel module: imported when used
+    from specserve.kernels.triton_norm import rms_norm  # a kernel module: imported when used
 
     buf = torch.empty_like(x)
     ones = torch.ones(x.shape[-1], device=x.device, dtype=x.dtype)
@@ -105,7 +105,7 @@ def down_and_norm(
     split-K pass always in the norm. Where the model would compute SiLU-and-mul in the
     gate/up GEMV's epilogue instead (triton_ops `fuse_gate`, decided by gate/up's own
     choice), the unfused path here still pays the separate kernel: selection leans toward
-    the prologue there, and whole-step tuning (runtime/plan_tuning.py) settles it."""
+    the prologue there, and whole-step tuning (tuning/plan_tuning.py) settles it."""
     from specserve.layers.triton_ops import add_rms_norm, silu_and_mul, split_k_add_rms_norm
 
     silu = cfg is not None and "silu" in fusion

@@ -171,7 +171,7 @@ def verify_candidates(
     many rows, as 16-row tiles (several row blocks per program, `row_blocks`) with shared's
     K slices (`k_slices`), since a row's sums can depend on where they are split. Whether
     one gives a row the same bits as `shared` is for the device to say
-    (runtime/verify_tiles.py)."""
+    (tuning/verify_tiles.py)."""
     out: list[GemvConfig] = []
     for t in candidate_configs(rows, n, k, num_sms):
         if not t.use_dot or t.stream_k or t.tma:

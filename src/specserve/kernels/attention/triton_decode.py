@@ -8,7 +8,7 @@ Where the time goes at decode is waiting on memory, so: the metadata a program n
 its first K/V bytes take two round trips (request bounds and length, then positions,
 queries and the first page ids together) instead of four; under PDL the metadata loads
 happen before the wait for the kernels before, the queries' after it (torch ops and copies
-write the metadata, no PDL kernel: layers/pdl.py; q and the newest K/V come from the
+write the metadata, no PDL kernel: kernels/pdl.py; q and the newest K/V come from the
 kernels before; asking L2 for the first K/V block before the wait too lost 2% at batch 64
 on the H200); K and V of a block are requested together; the page
 ids of the next block are fetched a block ahead, which lets Triton's pipeliner
@@ -24,7 +24,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from specserve.layers.pdl_kernel import pdl_enter
+from specserve.kernels.pdl_kernel import pdl_enter
 
 
 @triton.jit
@@ -164,7 +164,7 @@ def _paged_attn_decode_kernel(
     pos = tl.load(positions + q_start + tok, mask=row_ok, other=-1).to(tl.int32)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
-    if USE_PDL and EARLY_METADATA:  # layers/pdl.py: q and the new K/V come from kernels before
+    if USE_PDL and EARLY_METADATA:  # kernels/pdl.py: q and the new K/V come from kernels before
         pdl_enter()  # (the metadata above is written by no PDL kernel: read before it)
     q_off = (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
     q = tl.load(q_ptr + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0)

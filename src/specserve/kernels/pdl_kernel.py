@@ -1,4 +1,4 @@
-"""The prologue every PDL-launched kernel of the decode path runs (layers/pdl.py says why,
+"""The prologue every PDL-launched kernel of the decode path runs (kernels/pdl.py says why,
 and the contract it keeps), and the L2 prefetch a kernel may issue before its wait. Kernel
 code: imported by the kernel modules only, so that it is defined when they are
 (TRITON_INTERPRET is read then)."""

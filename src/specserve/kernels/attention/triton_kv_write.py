@@ -2,7 +2,7 @@
 cache, slots < 0 skipped, and the cache layout every attention kernel indexes
 (`check_cache`). Used by the Triton attention backend when the model's fused rotary + KV
 write did not store the rows already; may be launched with programmatic dependent launch
-(layers/pdl.py).
+(kernels/pdl.py).
 
 Imported by triton_kernels.py, and like it only when kernels may be defined (TRITON_INTERPRET
 is read then).
@@ -14,8 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from specserve.layers import pdl
-from specserve.layers.pdl_kernel import pdl_enter
+from specserve.kernels import pdl
+from specserve.kernels.pdl_kernel import pdl_enter
 
 
 @triton.jit(do_not_specialize=["slot_ptr"])  # a view into the step's upload
@@ -34,7 +34,7 @@ def _kv_write_kernel(
     BLOCK: tl.constexpr,
     USE_PDL: tl.constexpr = False,
 ):
-    if USE_PDL:  # layers/pdl.py
+    if USE_PDL:  # kernels/pdl.py
         pdl_enter()
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t)
