@@ -23,6 +23,13 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if "gpu" in item.keywords:
                 item.add_marker(skip)
+    # Modules whose tests read a Triton interpreter run go last, whole (their module-scoped
+    # fixtures set up once): their runs start in the background when collection ends
+    # (`pytest_collection_finish`) and finish while every other test runs here.
+    last = [i for i in items if getattr(getattr(i, "module", None), "INTERPRETER", None)]
+    if last:
+        moved = set(map(id, last))
+        items[:] = [i for i in items if id(i) not in moved] + last
 
 
 def pytest_collection_finish(session):

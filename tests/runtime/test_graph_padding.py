@@ -107,9 +107,8 @@ def test_dense_greedy_verify_takes_the_graphs_tokens(tiny_llama, tmp_path, draft
     argmax or verification of its own, and the output stays plain decoding's: with the
     target as its own drafter (every draft accepted) and with another model (most
     rejected), in the synchronous loop and under overlap (drafts left on the device)."""
-    from specserve.runtime import model_runner
+    from specserve.runtime import model_runner, verify
     from specserve.runtime.model_runner import num_drafts
-    from specserve.runtime import verify
     from tests.support.tiny_models import make_tiny_model
 
     rng = random.Random(6)
