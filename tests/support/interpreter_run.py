@@ -10,10 +10,10 @@ a CI job's, bounds it) and is killed when the session ends; SPECSERVE_TEST_TIMEO
 kills a child process after X times its seconds (`child_timeout`).
 
 The runs take most of the CPU suite's time and need no test's state, so once pytest has
-collected the tests, conftest.py starts them (`start_in_background`): one after another in
-the order their tests come, in a second process while the other tests run in this one (two
-cores: about a third off the suite's time). A fixture then waits for its run's result; a
-run nobody started goes in the foreground.
+collected the tests, conftest.py starts them (`start_in_background`): one after another,
+the longest first, in a second process while the other tests run in this one (two cores);
+their tests run last. A fixture then waits for its run's result; a run nobody started yet
+goes in the foreground.
 """
 
 from __future__ import annotations
@@ -127,12 +127,14 @@ _background = _Background()
 
 
 def start_in_background(runs: list[tuple[str, float]]) -> None:
-    """Run these (module, seconds) one after another in a thread, from now on (none when
-    the interpreter is unusable: their tests skip)."""
+    """Run these (module, seconds) one after another in a thread, from now on, the longest
+    first: the tests that read them come last, and a run still queued when its test comes
+    goes in the foreground, so the two share the runs and the long one does not start
+    last (none when the interpreter is unusable: their tests skip)."""
     if interpreter_unusable() or not runs:
         return
     with _lock:
-        for module, seconds in runs:
+        for module, seconds in sorted(runs, key=lambda run: -run[1]):
             if module not in _background.done:
                 _background.done[module] = threading.Event()
                 _background.queue.append((module, seconds))
