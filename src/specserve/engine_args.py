@@ -118,6 +118,11 @@ _FLAGS: dict[str, tuple[str, str]] = {
         "advanced",
         "largest batch captured as a CUDA graph; larger batches run eagerly",
     ),
+    "cuda_graph_max_tokens": (
+        "advanced",
+        "largest step that mixes prefill chunks with decode rows captured as a CUDA graph, "
+        "in tokens; larger ones run eagerly; 0: all eagerly",
+    ),
     "disable_gemv": (
         "advanced",
         "use cuBLAS for every linear layer instead of choosing "

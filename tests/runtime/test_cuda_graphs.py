@@ -8,7 +8,13 @@ import torch
 
 from specserve.layers.attention import TorchAttentionBackend
 from specserve.runtime.cuda_graphs import CudaGraphRunner, default_batch_buckets
-from tests.support.model_cases import build_meta, runner_padding_error, tiny_config, tiny_model
+from tests.support.model_cases import (
+    build_meta,
+    runner_mixed_error,
+    runner_padding_error,
+    tiny_config,
+    tiny_model,
+)
 
 
 def test_default_buckets_cover_every_batch_size():
@@ -45,6 +51,34 @@ def test_padded_steps_match_direct_forward_and_write_only_page_zero():
     assert runner_padding_error(TorchAttentionBackend(), torch.float32, "cpu") < 1e-5
 
 
+def test_mixed_steps_match_direct_forward_and_write_only_page_zero():
+    assert runner_mixed_error(TorchAttentionBackend(), torch.float32, "cpu") < 1e-5
+
+
+def test_mixed_buckets_pad_a_request_and_cover_every_step():
+    from specserve.runtime.cuda_graphs import (
+        default_token_buckets,
+        mixed_keys,
+        mixed_request_buckets,
+    )
+
+    assert default_token_buckets(512) == (32, 64, 128, 256, 384, 512)
+    assert default_token_buckets(100) == (32, 64, 100) and default_token_buckets(0) == ()
+    assert mixed_request_buckets(256) == (4, 16, 64, 256, 257)
+    assert mixed_request_buckets(100) == (4, 16, 64, 101)
+    assert mixed_request_buckets(3) == (4,) and mixed_request_buckets(4) == (4, 5)
+    requests, tokens = mixed_request_buckets(256), default_token_buckets(512)
+    keys = set(mixed_keys(requests, tokens))
+    runner = _runner()
+    runner.mixed_requests, runner.mixed_tokens = requests, tokens
+    for num_tokens in range(1, 513):
+        for num_requests in range(1, min(num_tokens, 256) + 1):
+            batch, padded = runner.mixed_bucket_for(num_requests, num_tokens)
+            assert batch > num_requests and padded >= num_tokens and (batch, padded) in keys
+    assert len(keys) == 26  # what an engine of 256 requests and 512 tokens captures
+    assert runner.mixed_bucket_for(256, 513) is None and runner.mixed_bucket_for(257, 512) is None
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gpu_graph_replay_matches_eager(dtype):
@@ -53,6 +87,15 @@ def test_gpu_graph_replay_matches_eager(dtype):
     err = runner_padding_error(
         TritonAttentionBackend(), dtype, "cuda", page_size=16, use_graphs=True
     )
+    assert err < 1e-2, err
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_mixed_graph_replay_matches_eager(dtype):
+    from specserve.layers.attention.triton_attn import TritonAttentionBackend
+
+    err = runner_mixed_error(TritonAttentionBackend(), dtype, "cuda", page_size=16, use_graphs=True)
     assert err < 1e-2, err
 
 

@@ -106,7 +106,7 @@ class _CountCalls(TorchFunctionMode):
 
 def _ops_per_step(llm, aux_layer_ids, steps: int = 8) -> list[list[str]]:
     """Torch calls of each steady decode step of 3 requests, graph replays free."""
-    install_padded_runner(llm, tokens_per_request=(1,), aux_layer_ids=aux_layer_ids)
+    install_padded_runner(llm, tokens_per_request=(1,), aux_layer_ids=aux_layer_ids, mixed=False)
     graphs = llm.engine.runner.graphs
     with torch.inference_mode():
         graphs._graphs = {key: (_FreeReplay(), *graphs._forward(*key)) for key in graphs.keys()}
@@ -144,6 +144,10 @@ def _gpu_engine(models, policy: str, in_graph: bool) -> LLM:
         **spec_kwargs(models, "eagle3"),
         "device": "cuda",
         "overlap_schedule": "on",
+        # decode and verify graphs alone: the shadow store below mirrors their steps (a
+        # mixed step's graph keeps no aux to mirror; tests/runtime/test_cuda_graphs.py
+        # and the CPU cases above cover mixed steps)
+        "cuda_graph_max_tokens": 0,
     }
     if policy == "off":
         kw["speculative_policy"] = "off"

@@ -14,7 +14,11 @@ from tests.support.model_cases import install_padded_runner
 from tests.support.tiny_models import VOCAB
 
 
-def test_padded_graph_steps_keep_greedy_output(tiny_llama):
+@pytest.mark.parametrize("budget", [2048, 12])
+def test_padded_graph_steps_keep_greedy_output(tiny_llama, budget):
+    """Decode and verify steps through the padded graph path, and (a 12-token budget: the
+    prompts in chunks beside verify rows) steps mixing prefill chunks with them through the
+    mixed graphs' path."""
     rng = random.Random(4)
     prompts = [[rng.randrange(3, VOCAB) for _ in range(n)] for n in (2, 9, 14, 30, 5)]
     params = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True)
@@ -27,6 +31,7 @@ def test_padded_graph_steps_keep_greedy_output(tiny_llama):
         speculative_num_steps=4,
         speculative_policy="fixed",
         page_size=4,
+        max_num_batched_tokens=budget,
     )
     calls = install_padded_runner(llm, tokens_per_request=(1, 2, 3, 4, 5))
     pick = random.Random(9)
@@ -34,6 +39,7 @@ def test_padded_graph_steps_keep_greedy_output(tiny_llama):
     outs = llm.generate(prompts, params)
     assert [o.token_ids for o in outs] == plain
     assert calls["graph"] > 5  # decode/verify steps went through the padded graph path
+    assert calls["mixed"] >= (1 if budget > 60 else 5)  # and steps carrying prefill
     assert llm.engine.kv.allocator.num_used == 0
 
 

@@ -19,13 +19,14 @@ import torch
 
 PAGE = 4
 MAX_BATCH, MAX_Q, MAX_PAGES = 160, 4, 96
-CASES = {  # name: (requests, tokens each, bucket)
-    "decode-1": (1, 1, 1),
-    "decode-5-in-8": (5, 1, 8),
-    "verify-3x4-in-4": (3, 4, 4),
-    "verify-8x4": (8, 4, 8),
-    "decode-13-in-16": (13, 1, 16),
-    "verify-130x4-in-160": (130, 4, 160),  # 520 tokens: pack's numpy branch
+CASES = {  # name: (requests, tokens each, bucket, padded tokens: bucket x tokens each)
+    "decode-1": (1, 1, 1, 1),
+    "decode-5-in-8": (5, 1, 8, 8),
+    "verify-3x4-in-4": (3, 4, 4, 16),
+    "verify-8x4": (8, 4, 8, 32),
+    "decode-13-in-16": (13, 1, 16, 16),
+    "verify-130x4-in-160": (130, 4, 160, 640),  # 520 tokens: pack's numpy branch
+    "mixed-3x5-in-4-and-32": (3, 5, 4, 32),  # a mixed graph's token bucket
 }
 
 
@@ -75,8 +76,8 @@ def mismatches(device: str, seed: int = 0) -> list[str]:
 
     dev, out = torch.device(device), []
     cases = [(name, *case, False) for name, case in CASES.items()]
-    cases.append(("verify-8x4, rows apart", 8, 4, 8, True))
-    for name, requests, tokens, bucket, spread in cases:
+    cases.append(("verify-8x4, rows apart", 8, 4, 8, 32, True))
+    for name, requests, tokens, bucket, padded, spread in cases:
         ids, meta = _step(requests, tokens, seed + len(name), dev)
         if spread:
             meta = _spread_rows(meta)
@@ -84,7 +85,7 @@ def mismatches(device: str, seed: int = 0) -> list[str]:
             out.append(f"{name}: not stageable")
             continue
         torch_path, kernel_path = _buffers(dev), _buffers(dev)
-        stage_torch(torch_path, ids, meta, bucket, tokens)
+        stage_torch(torch_path, ids, meta, bucket, padded)
         static = (
             kernel_path.input_ids,
             kernel_path.positions,
@@ -100,7 +101,7 @@ def mismatches(device: str, seed: int = 0) -> list[str]:
             meta.block_tables,
             static,
             bucket,
-            tokens,
+            padded,
         )
         for key in vars(torch_path):
             if not torch.equal(getattr(torch_path, key), getattr(kernel_path, key)):
@@ -137,16 +138,16 @@ def test_the_cases_pad_and_reach_past_one_block():
     from specserve.runtime.stage_kernel import BLOCK
 
     padded = cells = 0
-    for name, (requests, tokens, bucket) in CASES.items():
+    for name, (requests, tokens, bucket, padded_tokens) in CASES.items():
         ids, meta = _step(requests, tokens, len(name), torch.device("cpu"))
         bufs = _buffers(torch.device("cpu"))
-        stage_torch(bufs, ids, meta, bucket, tokens)
+        stage_torch(bufs, ids, meta, bucket, padded_tokens)
         padded += bucket - requests
         cells = max(cells, requests * meta.block_tables.shape[1])
         if bucket > requests:
             assert torch.all(bufs.seq_lens[requests:bucket] == 1)
             assert torch.all(bufs.block_tables[requests:bucket, 0] == 0)
-            assert torch.all(bufs.input_ids[requests * tokens : bucket * tokens] == 0)
+        assert torch.all(bufs.input_ids[requests * tokens : padded_tokens] == 0)
     assert padded > 0 and cells > 2 * BLOCK
 
 

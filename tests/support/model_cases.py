@@ -141,6 +141,59 @@ def runner_padding_error(backend, dtype, device, page_size=4, use_graphs=False, 
     return worst
 
 
+def runner_mixed_error(backend, dtype, device, page_size=4, use_graphs=False, seed=0) -> float:
+    """Run steps mixing prefill chunks with decode and verify rows through a
+    CudaGraphRunner's mixed graphs (padded to request and token buckets) and directly;
+    return the largest relative error of the hidden states and of the KV pages outside
+    scratch page 0. The steps: two prompts together (the second short enough to pass for
+    a verify row, after a chunk), then decode and verify rows beside joining prompts, one
+    of them longer than a tile (TILE_ROWS rows: 64 tokens of this model's 2 query heads a
+    KV head)."""
+    from dataclasses import replace
+
+    cfg = tiny_config()
+    model = tiny_model(cfg, dtype, device, seed)
+    steps = [  # (request, first position, tokens)
+        [(0, 0, 5), (1, 0, 3)],
+        [(0, 5, 1), (1, 3, 3), (2, 0, 7)],
+        [(0, 6, 3), (1, 6, 1), (2, 7, 1), (3, 0, 70)],
+        [(0, 9, 2), (3, 70, 1), (1, 7, 12)],
+    ]
+    pages = -(-96 // page_size)
+    kv = [KVCache(cfg, 1 + 4 * pages, page_size, dtype, device) for _ in "ab"]
+    tables = [kv[0].allocator.allocate(pages) for _ in range(4)]
+    runner = CudaGraphRunner(
+        model,
+        kv[1].layers,
+        backend,
+        (1, 4),
+        (1, 3),
+        max_seq_len=128,
+        use_graphs=use_graphs,
+        mixed_requests=(4, 8),
+        mixed_tokens=(16, 32, 128),
+    )
+    runner.capture()
+    gen = torch.Generator().manual_seed(seed)
+    worst = 0.0
+    with torch.inference_mode():
+        for step in steps:
+            starts = [start for _, start, _ in step]
+            ends = [start + n for _, start, n in step]
+            meta = build_meta([tables[r] for r, _, _ in step], starts, ends, page_size, device)
+            meta = replace(meta, query_lens=[n for *_, n in step], seq_bounds=ends)
+            ids = torch.randint(cfg.vocab_size, (meta.positions.shape[0],), generator=gen)
+            ids = ids.to(device)
+            ref, _ = model(ids, meta, kv[0].layers, backend)
+            assert not runner.can_run(meta, ids.shape[0])
+            assert runner.can_run_mixed(meta, ids.shape[0])
+            out, _ = runner.run_mixed(ids, meta)
+            worst = max(worst, _rel(out, ref))
+    for (ka, va), (kb, vb) in zip(kv[0].layers, kv[1].layers):
+        worst = max(worst, _rel(kb[1:], ka[1:]), _rel(vb[1:], va[1:]))
+    return worst
+
+
 def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
     out, ref = out.double(), ref.double()
     if not torch.isfinite(out).all():
@@ -153,11 +206,15 @@ def logits_head(model):
     return lambda hidden: model.compute_logits(hidden, fp32=False)
 
 
-def install_padded_runner(llm, tokens_per_request, aux_layer_ids=(), in_graph=True) -> dict:
+def install_padded_runner(
+    llm, tokens_per_request, aux_layer_ids=(), in_graph=True, mixed=True
+) -> dict:
     """Give `llm`'s engine the CUDA-graph runner's padded path, run eagerly (buckets 1-8,
-    contexts up to 512), as on a GPU (with aux layers and `in_graph`, the drafter's feature
+    contexts up to 512; with `mixed`, steps mixing prefill chunks with decode rows up to
+    64 tokens too), as on a GPU (with aux layers and `in_graph`, the drafter's feature
     writer runs inside that path, as in a graph; the logits and greedy tokens always do, as
-    the engine's graphs take them); returns {"graph": steps it served}."""
+    the engine's graphs take them); returns {"graph": decode and verify steps it served,
+    "mixed": mixed steps}."""
     from specserve.runtime.cuda_graphs import CudaGraphRunner
 
     runner, spec = llm.engine.runner, llm.engine.spec
@@ -173,15 +230,21 @@ def install_padded_runner(llm, tokens_per_request, aux_layer_ids=(), in_graph=Tr
         use_graphs=False,
         feature_writer=writer,
         logits_head=logits_head(runner.model),
+        mixed_requests=(4, 8, 16) if mixed else (),
+        mixed_tokens=(16, 64) if mixed else (),
     )
     graphs.capture()
     runner.graphs = graphs
-    calls = {"graph": 0}
-    run = graphs.run
+    calls = {"graph": 0, "mixed": 0}
+    run, run_mixed = graphs.run, graphs.run_mixed
 
     def counting_run(*args):
         calls["graph"] += 1
         return run(*args)
 
-    graphs.run = counting_run
+    def counting_run_mixed(*args):
+        calls["mixed"] += 1
+        return run_mixed(*args)
+
+    graphs.run, graphs.run_mixed = counting_run, counting_run_mixed
     return calls

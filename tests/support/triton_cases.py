@@ -413,6 +413,10 @@ def interpreter_cases() -> dict[str, tuple]:
     for dtype, ps in (("float32", 1), ("float16", 16)):
         cases[f"model-{dtype}-page{ps}"] = ("model", (dtype, ps), {})
     cases["graph_runner_padding-float32"] = ("runner", ("float32",), {})
+    # mixed steps' graphs: the short rows unsplit and split in two (their merge reads the
+    # chunk counts the launch cleared for the chunks' rows among its tokens)
+    cases["graph_runner_mixed-float32"] = ("runner_mixed", ("float32", 1), {})
+    cases["graph_runner_mixed_split2-float32"] = ("runner_mixed", ("float32", 2), {})
     cases["drafter_graphs_padding-float32"] = ("drafter", ("float32",), {})
     cases["warm_up-float16"] = ("warm_up", ("float16",), {})
     # 509: the verified rows cross a chunk boundary (512 keys); chunks of several key blocks
@@ -465,11 +469,14 @@ def run_case(name: str, spec: tuple, kernels, ops) -> float:
     from specserve.layers.attention.triton_attn import LaunchConfig, TritonAttentionBackend
 
     small = LaunchConfig(block_n=16, num_warps=4, num_stages=2)  # several loop iterations
-    backend = TritonAttentionBackend(decode=small, prefill=small, kernels=kernels)
+    splits = args[1] if kind == "runner_mixed" else None
+    backend = TritonAttentionBackend(splits, decode=small, prefill=small, kernels=kernels)
     if kind == "model":
         return model_cases.model_error(backend, dtype, "cpu", args[1], fused_ops=ops)
     if kind == "runner":
         return model_cases.runner_padding_error(backend, dtype, "cpu")
+    if kind == "runner_mixed":
+        return model_cases.runner_mixed_error(backend, dtype, "cpu")
     if kind == "drafter":
         from tests.support.drafter_cases import drafter_graph_error
 

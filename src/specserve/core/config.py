@@ -74,6 +74,9 @@ class EngineConfig:
     overlap_schedule: str = "auto"  # auto: on for CUDA, off on CPU; on; off
     disable_overlap_schedule: bool = False  # the synchronous step loop (same as off)
     cuda_graph_max_batch: int = 256
+    # steps that mix prefill chunks with decode rows, up to this many tokens, run as CUDA
+    # graphs too (runtime/cuda_graphs.py); 0: eagerly
+    cuda_graph_max_tokens: int = 512
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:
@@ -91,6 +94,10 @@ class EngineConfig:
             )
         if self.max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be >= 1; got {self.max_num_seqs}")
+        if self.cuda_graph_max_tokens < 0:
+            raise ConfigError(
+                f"cuda_graph_max_tokens must be >= 0; got {self.cuda_graph_max_tokens}"
+            )
         if self.max_num_batched_tokens < 1:
             raise ConfigError(
                 f"max_num_batched_tokens must be >= 1; got {self.max_num_batched_tokens}"

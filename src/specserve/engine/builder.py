@@ -171,13 +171,20 @@ def capture_target_graphs(
     """On CUDA (unless disabled): decode and verify graphs for every batch bucket and draft
     length, installed in the runner, after the GEMV plan's choices are revised in whole
     steps and verify steps get their own tiles."""
-    from specserve.runtime.cuda_graphs import CudaGraphRunner, engine_graph_shapes
+    from specserve.runtime.cuda_graphs import (
+        CudaGraphRunner,
+        engine_graph_shapes,
+        engine_mixed_shapes,
+    )
 
     config, runner, kv = target.config, target.runner, target.kv
     if config.torch_device().type != "cuda" or config.disable_cuda_graph:
         return CapturedGraphs(None)
     k_max = config.speculative_num_steps if spec else 0
     buckets, tokens_per_request = engine_graph_shapes(config)  # (KV sizing reserves for them)
+    mixed_requests, mixed_tokens = (
+        engine_mixed_shapes(config) if runner.backend.mixed_graphs else ((), ())
+    )
     graphs = CudaGraphRunner(
         runner.model,
         kv.layers,
@@ -192,6 +199,9 @@ def capture_target_graphs(
         # the logits and their greedy tokens inside each graph: a greedy decode step
         # launches nothing more to sample (model_runner.sample_async)
         logits_head=lambda hidden: runner.model.compute_logits(hidden, fp32=False),
+        # steps carrying prefill chunks: graphs by (requests, tokens)
+        mixed_requests=mixed_requests,
+        mixed_tokens=mixed_tokens,
     )
     out = CapturedGraphs(graphs)
     plan = getattr(runner.model, "gemv_plan", None)

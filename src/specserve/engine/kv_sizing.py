@@ -88,13 +88,16 @@ def graph_output_bytes(config: EngineConfig, model_cfg: ModelConfig, dtype: torc
     13.3 GB at K=5. 0 without graphs."""
     if config.disable_cuda_graph:
         return 0
-    from specserve.runtime.cuda_graphs import engine_graph_shapes
+    from specserve.runtime.cuda_graphs import engine_graph_shapes, engine_mixed_shapes, mixed_keys
 
     buckets, tokens_per_request = engine_graph_shapes(config)
     rows = sum(buckets) * sum(tokens_per_request)
     aux = 3 if config.speculative_algorithm == "eagle3" else 0  # EAGLE-3's captured layers
     per_row = (model_cfg.vocab_size + (1 + aux) * model_cfg.hidden_size) * dtype.itemsize + 16
-    return rows * per_row
+    # mixed steps' graphs keep their final hidden states only (aux too without EAGLE-3's
+    # in-graph feature store, but only EAGLE-3 asks for aux)
+    mixed_rows = sum(t for _, t in mixed_keys(*engine_mixed_shapes(config)))
+    return rows * per_row + mixed_rows * model_cfg.hidden_size * dtype.itemsize
 
 
 def _drafter_needs(

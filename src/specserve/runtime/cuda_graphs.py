@@ -1,13 +1,24 @@
-"""CUDA graphs of the target forward, keyed by (batch-size bucket, tokens per request).
+"""CUDA graphs of the target forward, keyed by (batch-size bucket, tokens per request), and
+of mixed steps, keyed by (request bucket, token bucket).
 
 Decode (1 token per request) and verify (K+1 tokens per request) steps have static shapes once
 the batch is padded to a bucket, so each (bucket, tokens) pair gets one graph, captured at
 start-up into one shared memory pool. A step copies its tensors into static input buffers
 and replays the graph of its shape; nothing is captured or allocated afterwards.
 
-Padding requests are harmless by construction: their tokens sit at position 0 with
+A step that carries prefill chunks beside its decode and verify rows (a "mixed" step: under
+load, every request that joins brings one) has no uniform shape; eagerly it costs the host
+a launch per kernel, which on a small model is several times the device's time (16-27 ms
+against ~1-3 ms for the default model's 30 layers on the H200). Its graphs are keyed by the
+step's token count, padded to a token bucket, and its request count, padded to a request
+bucket: the dense layers see the padded tokens, and attention takes the step's composition
+from the device (`layers.attention.MixedLayout`): the leading short rows through the decode
+path, the prefill chunks' row blocks through a tile list.
+
+Padding is harmless by construction: padded requests and tokens sit at position 0 with
 seq_len 1, write their K/V to slot 0 of page 0 (the scratch page the allocator never lends)
-and attend only to that slot.
+and attend only to that slot (a mixed step's padded tokens belong to its last padded
+request).
 """
 
 from __future__ import annotations
@@ -24,7 +35,9 @@ from torch import nn
 from specserve.core.config import EngineConfig
 from specserve.core.graph_timing import no_collection_while_capturing
 from specserve.layers.attention import AttentionBackend, AttentionMetadata
+from specserve.layers.attention.base import MixedLayout, max_mixed_tiles, mixed_tiles
 from specserve.runtime.graph_staging import stage_step, use_stage_kernel
+from specserve.runtime.packing import staging_int64
 
 KVLayers = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -45,6 +58,51 @@ def default_batch_buckets(max_batch: int) -> tuple[int, ...]:
     """1, 2, 4, 8, then multiples of 16, up to and including max_batch."""
     small = [b for b in (1, 2, 4, 8) if b < max_batch]
     return tuple(small + list(range(16, max_batch, 16)) + [max_batch])
+
+
+def default_token_buckets(max_tokens: int) -> tuple[int, ...]:
+    """Token counts of mixed-step graphs: 32, 64, 128, 256, then multiples of 128, up to
+    and including max_tokens (the dense layers run the padded count: finer steps where
+    it costs more); none for max_tokens < 1."""
+    if max_tokens < 1:
+        return ()
+    small = [t for t in (32, 64, 128, 256) if t < max_tokens]
+    return tuple(small + list(range(384, max_tokens, 128)) + [max_tokens])
+
+
+def mixed_request_buckets(max_requests: int) -> tuple[int, ...]:
+    """Request counts of mixed-step graphs, padding included: powers of four from 4 up to
+    max_requests, then max_requests + 1 (a mixed step pads at least one request, which owns
+    its padded tokens). Padded requests cost attention a few empty programs and the dense
+    layers nothing, so coarse buckets lose little and save captures."""
+    buckets = [4]
+    while buckets[-1] * 4 <= max_requests:
+        buckets.append(4 * buckets[-1])
+    if buckets[-1] <= max_requests:
+        buckets.append(max_requests + 1)
+    return tuple(buckets)
+
+
+def engine_mixed_shapes(config: EngineConfig) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(request buckets, token buckets) of an engine's mixed-step graphs: tokens up to
+    min(cuda_graph_max_tokens, max_num_batched_tokens); none when that is 0."""
+    tokens = default_token_buckets(min(config.cuda_graph_max_tokens, config.max_num_batched_tokens))
+    if not tokens:
+        return (), ()
+    batch = min(config.max_num_seqs, config.cuda_graph_max_batch)
+    return mixed_request_buckets(batch), tokens
+
+
+def mixed_keys(request_buckets, token_buckets) -> list[tuple[int, int]]:
+    """The (requests, tokens) pairs worth a graph: a step has at least a token a request,
+    and its request bucket is the smallest above its count."""
+    keys = []
+    for t in token_buckets:
+        for b in request_buckets:
+            keys.append((b, t))
+            if b > t:
+                break
+    return keys
 
 
 def engine_graph_shapes(config: EngineConfig) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -157,6 +215,8 @@ class CudaGraphRunner:
         use_graphs: bool = True,
         feature_writer: Callable[[list[torch.Tensor], torch.Tensor], None] | None = None,
         logits_head: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        mixed_requests: tuple[int, ...] = (),
+        mixed_tokens: tuple[int, ...] = (),
     ):
         self.model, self.kv_layers, self.backend = model, kv_layers, backend
         self.batch_buckets = tuple(sorted(set(batch_buckets)))
@@ -167,18 +227,29 @@ class CudaGraphRunner:
         self.feature_writer = feature_writer
         self.logits_head = logits_head
         self.last_head: tuple[torch.Tensor, ...] | None = None  # see above
+        self.mixed_requests = tuple(sorted(set(mixed_requests))) if mixed_tokens else ()
+        self.mixed_tokens = tuple(sorted(set(mixed_tokens))) if mixed_requests else ()
         device = kv_layers[0][0].device
         page_size = kv_layers[0][0].shape[1]
         max_b, max_q = self.batch_buckets[-1], self.tokens_per_request[-1]
         self.max_pages = -(-max_seq_len // page_size)
+        max_r = max((max_b, *self.mixed_requests))
+        max_t = max((max_b * max_q, *self.mixed_tokens))
         i64 = dict(dtype=torch.int64, device=device)
-        self.input_ids = torch.zeros(max_b * max_q, **i64)
-        self.positions = torch.zeros(max_b * max_q, **i64)
-        self.slot_mapping = torch.zeros(max_b * max_q, **i64)
-        self.seq_lens = torch.ones(max_b, **i64)
-        self.block_tables = torch.zeros(max_b, self.max_pages, **i64)
+        self.input_ids = torch.zeros(max_t, **i64)
+        self.positions = torch.zeros(max_t, **i64)
+        self.slot_mapping = torch.zeros(max_t, **i64)
+        self.seq_lens = torch.ones(max_r, **i64)
+        self.block_tables = torch.zeros(max_r, self.max_pages, **i64)
         self.query_start = {q: torch.arange(max_b + 1, **i64) * q for q in self.tokens_per_request}
-        self._graphs: dict[tuple[int, int], tuple] = {}  # key -> (graph, hidden, aux, head)
+        # A mixed step's host-built integers (MixedLayout), one copy: its query starts, its
+        # short rows' starts and its tile list, laid out per graph from offset 0.
+        self.group = model.config.num_heads // model.config.num_kv_heads
+        # the short rows a mixed step's decode-path launch serves: decode and verify rows
+        self.short_query_len = max_q
+        most = [2 * (b + 1) + 2 * max_mixed_tiles(t, b, self.group) for b, t in self.mixed_keys()]
+        self.mixed_block = torch.zeros(max(most, default=0), **i64)
+        self._graphs: dict[tuple, tuple] = {}  # key -> (graph, hidden, aux, head)
         self.report: CaptureReport | None = None
 
     @property
@@ -190,16 +261,35 @@ class CudaGraphRunner:
             self.seq_lens,
             self.block_tables,
             *self.query_start.values(),
+            self.mixed_block,
         ]
         return sum(b.numel() * b.element_size() for b in bufs)
 
-    def keys(self) -> list[tuple[int, int]]:
-        """Every (batch bucket, tokens per request), largest step first."""
+    def mixed_keys(self) -> list[tuple[int, int]]:
+        """Every (request bucket, token bucket) of mixed steps."""
+        return mixed_keys(self.mixed_requests, self.mixed_tokens)
+
+    def keys(self) -> list[tuple]:
+        """Every (batch bucket, tokens per request) and (request bucket, 0, token bucket) of
+        a mixed step, largest step first."""
         keys = [(b, q) for b in self.batch_buckets for q in self.tokens_per_request]
-        return sorted(keys, key=lambda k: (k[0] * k[1], k[1]), reverse=True)
+        keys += [(b, 0, t) for b, t in self.mixed_keys()]
+
+        def size(key):
+            return (key[0] * key[1], key[1]) if len(key) == 2 else (key[2], key[0])
+
+        return sorted(keys, key=size, reverse=True)
 
     def bucket_for(self, num_requests: int) -> int:
         return self.batch_buckets[bisect.bisect_left(self.batch_buckets, num_requests)]
+
+    def mixed_bucket_for(self, num_requests: int, num_tokens: int) -> tuple[int, int] | None:
+        """The mixed graph's (request bucket, token bucket) of a step, or None: beyond them."""
+        b = bisect.bisect_right(self.mixed_requests, num_requests)  # above: one padded
+        t = bisect.bisect_left(self.mixed_tokens, num_tokens)
+        if b == len(self.mixed_requests) or t == len(self.mixed_tokens):
+            return None
+        return self.mixed_requests[b], self.mixed_tokens[t]
 
     def can_run(self, meta: AttentionMetadata, num_tokens: int) -> bool:
         """Whether this step has a graph: uniform query length q (B * q == tokens) with a
@@ -213,12 +303,70 @@ class CudaGraphRunner:
             and meta.block_tables.shape[1] <= self.max_pages
         )
 
-    def _forward(self, batch: int, q: int):
-        meta = static_meta(self, batch, q)
-        ids = self.input_ids[: batch * q]
+    def can_run_mixed(self, meta: AttentionMetadata, num_tokens: int) -> bool:
+        """Whether this step has a mixed graph: its host query lengths known (packed by the
+        runner), buckets for its requests and tokens, contexts within max_seq_len."""
+        return (
+            meta.query_lens is not None
+            and self.mixed_bucket_for(meta.num_requests, num_tokens) is not None
+            and meta.max_seq_len <= self.max_seq_len
+            and meta.block_tables.shape[1] <= self.max_pages
+        )
+
+    def _mixed_views(self, batch: int, tokens: int):
+        """The mixed block's (query starts [B+1], short starts [B+1], tiles [N, 2]) of the
+        graph (batch, tokens)."""
+        count = max_mixed_tiles(tokens, batch, self.group)
+        qsl, short, tiles = self.mixed_block[: 2 * (batch + 1) + 2 * count].split(
+            [batch + 1, batch + 1, 2 * count]
+        )
+        return qsl, short, tiles.view(count, 2)
+
+    def _mixed_meta(self, batch: int, tokens: int) -> AttentionMetadata:
+        qsl, short, tiles = self._mixed_views(batch, tokens)
+        short_tokens = min(batch * self.short_query_len, tokens)
+        return AttentionMetadata(
+            positions=self.positions[:tokens],
+            slot_mapping=self.slot_mapping[:tokens],
+            query_start_loc=qsl,
+            seq_lens=self.seq_lens[:batch],
+            block_tables=self.block_tables[:batch],
+            max_query_len=tokens,
+            max_seq_len=self.max_seq_len,
+            mixed=MixedLayout(short, self.short_query_len, short_tokens, tiles),
+        )
+
+    def _stage_mixed(self, meta: AttentionMetadata, batch: int, tokens: int) -> None:
+        """The host half of a mixed step's staging: query starts (the padded tokens go to
+        the last padded request), the short rows' starts and the tile list, one copy."""
+        query_lens, n = meta.query_lens, meta.num_requests
+        short = 0  # leading requests of decode and verify length
+        while short < n and query_lens[short] <= self.short_query_len:
+            short += 1
+        starts = [0]
+        for q in query_lens:
+            starts.append(starts[-1] + q)
+        starts += [starts[-1]] * (batch - n - 1) + [tokens]
+        short_starts = starts[: short + 1] + [starts[short]] * (batch - short)
+        count = max_mixed_tiles(tokens, batch, self.group)
+        values = starts + short_starts + mixed_tiles(query_lens, short, self.group, count)
+        host_view, host = staging_int64(len(values), self.mixed_block.device)
+        host_view[:] = values
+        self.mixed_block[: len(values)].copy_(host, non_blocking=True)
+
+    def _forward(self, batch: int, q: int, tokens: int = 0):
+        """The graphed forward of (batch, q), or with q = 0 of a mixed step of `tokens`."""
+        if q == 0:
+            meta = self._mixed_meta(batch, tokens)
+            ids = self.input_ids[:tokens]
+        else:
+            meta = static_meta(self, batch, q)
+            ids = self.input_ids[: batch * q]
         hidden, aux = self.model(ids, meta, self.kv_layers, self.backend, self.aux_layer_ids)
         if aux and self.feature_writer is not None:
             self.feature_writer(aux, meta.slot_mapping)
+        if q == 0:  # its logits are projected after it, for the rows that sample
+            return hidden, aux if self.feature_writer is None else [], None
         head = None
         if self.logits_head is not None:
             from specserve.layers.sampler import argmax_rows
@@ -258,7 +406,7 @@ class CudaGraphRunner:
         them to `feature_writer`) of the real tokens."""
         num_requests, q = meta.num_requests, meta.max_query_len
         n, batch = num_requests * q, self.bucket_for(num_requests)
-        stage_step(self, input_ids, meta, batch, q)  # one launch on CUDA (graph_staging.py)
+        stage_step(self, input_ids, meta, batch, batch * q)  # one launch on CUDA (graph_staging.py)
         if self.use_graphs:
             graph, hidden, aux, head = self._graphs[(batch, q)]
             graph.replay()
@@ -271,4 +419,22 @@ class CudaGraphRunner:
         )
         if self.feature_writer is not None:
             return hidden[:n], []
+        return hidden[:n], [a[:n] for a in aux]
+
+    @torch.inference_mode()
+    def run_mixed(
+        self, input_ids: torch.Tensor, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """`run` for a step `can_run_mixed` accepts: staged into the buffers padded to its
+        (request, token) buckets, its graph replayed; no logits are taken inside."""
+        n = input_ids.shape[0]
+        batch, tokens = self.mixed_bucket_for(meta.num_requests, n)
+        stage_step(self, input_ids, meta, batch, tokens)
+        self._stage_mixed(meta, batch, tokens)
+        if self.use_graphs:
+            graph, hidden, aux, _ = self._graphs[(batch, 0, tokens)]
+            graph.replay()
+        else:
+            hidden, aux, _ = self._forward(batch, 0, tokens)
+        self.last_head = None
         return hidden[:n], [a[:n] for a in aux]

@@ -1,6 +1,6 @@
 """A step's copy into the target graphs' static input buffers (`CudaGraphRunner.run`): token
-ids, positions and KV slots of the real tokens and zeros for the padding up to the batch
-bucket; sequence lengths, 1 for padded requests; the page tables' rows, and column 0 of a
+ids, positions and KV slots of the real tokens and zeros for the padding up to the graph's
+token count; sequence lengths, 1 for padded requests; the page tables' rows, and column 0 of a
 padded request's row set to the scratch page 0 (runtime/cuda_graphs.py says why padding is
 harmless). On CUDA one kernel does it (runtime/stage_kernel.py), elsewhere, or for tensors
 the kernel does not take, torch: five copies and, off bucket sizes, five fills, a launch
@@ -49,10 +49,10 @@ def stageable(input_ids: torch.Tensor, meta: AttentionMetadata) -> bool:
 
 
 def stage_step(
-    bufs: StaticInputs, input_ids: torch.Tensor, meta: AttentionMetadata, batch: int, q: int
+    bufs: StaticInputs, input_ids: torch.Tensor, meta: AttentionMetadata, batch: int, tokens: int
 ) -> None:
-    """Copy a step of `meta.num_requests` requests of q tokens into `bufs`, padded to `batch`
-    requests: by the kernel where it applies, else through torch."""
+    """Copy a step of `meta.num_requests` requests into `bufs`, padded to `batch` requests
+    and `tokens` tokens: by the kernel where it applies, else through torch."""
     if use_stage_kernel(input_ids.device) and stageable(input_ids, meta):
         from specserve.runtime.stage_kernel import stage  # (defines a kernel: lazily)
 
@@ -64,28 +64,29 @@ def stage_step(
             meta.block_tables,
             (bufs.input_ids, bufs.positions, bufs.slot_mapping, bufs.seq_lens, bufs.block_tables),
             batch,
-            q,
+            tokens,
         )
     else:
-        stage_torch(bufs, input_ids, meta, batch, q)
+        stage_torch(bufs, input_ids, meta, batch, tokens)
 
 
 def stage_torch(
-    bufs: StaticInputs, input_ids: torch.Tensor, meta: AttentionMetadata, batch: int, q: int
+    bufs: StaticInputs, input_ids: torch.Tensor, meta: AttentionMetadata, batch: int, tokens: int
 ) -> None:
     """`stage_step` through torch (a launch per copy and per fill on a GPU)."""
     num_requests = meta.num_requests
-    n = num_requests * q
+    n = input_ids.shape[0]
     bufs.input_ids[:n].copy_(input_ids, non_blocking=True)
     bufs.positions[:n].copy_(meta.positions, non_blocking=True)
     bufs.slot_mapping[:n].copy_(meta.slot_mapping, non_blocking=True)
     bufs.seq_lens[:num_requests].copy_(meta.seq_lens, non_blocking=True)
     width = meta.block_tables.shape[1]
     bufs.block_tables[:num_requests, :width].copy_(meta.block_tables, non_blocking=True)
-    if batch > num_requests:
-        padded = slice(n, batch * q)
+    if tokens > n:
+        padded = slice(n, tokens)
         bufs.input_ids[padded] = 0
         bufs.positions[padded] = 0
         bufs.slot_mapping[padded] = 0
+    if batch > num_requests:
         bufs.seq_lens[num_requests:batch] = 1
         bufs.block_tables[num_requests:batch, 0] = 0

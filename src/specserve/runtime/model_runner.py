@@ -101,15 +101,19 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, step: StepInput, aux_layer_ids: tuple[int, ...] = ()):
         """Hidden states of every packed token, and the requested auxiliary ones; through a
-        captured CUDA graph when the step has one (uniform tokens per request), whose
-        replay already gave the aux to the drafter's feature writer (none returned)."""
+        captured CUDA graph when the step has one (uniform tokens per request, or a mixed
+        step within the mixed graphs' buckets), whose replay already gave the aux to the
+        drafter's feature writer (none returned)."""
         graphs = self.graphs
         self.step_head = None
-        if graphs is not None and graphs.can_run(step.meta, step.input_ids.shape[0]):
+        num_tokens = step.input_ids.shape[0]
+        if graphs is not None and graphs.can_run(step.meta, num_tokens):
             hidden, aux = graphs.run(step.input_ids, step.meta)
             if graphs.last_head is not None:
                 self.step_head = (hidden, *graphs.last_head)
             return hidden, aux
+        if graphs is not None and graphs.can_run_mixed(step.meta, num_tokens):
+            return graphs.run_mixed(step.input_ids, step.meta)
         return self.model(step.input_ids, step.meta, self.kv.layers, self.backend, aux_layer_ids)
 
     def _logits(self, hidden: torch.Tensor, rows, fp32: bool) -> torch.Tensor:

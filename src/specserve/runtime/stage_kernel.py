@@ -85,15 +85,15 @@ def stage(
     tables: torch.Tensor,
     dst: tuple[torch.Tensor, ...],
     batch: int,
-    q: int,
+    tokens: int,
 ) -> None:
-    """Copy a step of `seq_lens.shape[0]` requests of q tokens into `dst` = (input_ids,
-    positions, slot_mapping, seq_lens, block_tables) static buffers, padded to `batch`
-    requests. All int64 (`graph_staging.stageable`); `tables` [R, W], any row stride,
+    """Copy a step of `seq_lens.shape[0]` requests into `dst` = (input_ids, positions,
+    slot_mapping, seq_lens, block_tables) static buffers, padded to `batch` requests and
+    `tokens` tokens. All int64 (`graph_staging.stageable`); `tables` [R, W], any row stride,
     0 < W <= the static tables' width."""
     ids_dst, pos_dst, slot_dst, lens_dst, tables_dst = dst
     requests, width = seq_lens.shape[0], tables.shape[1]
-    n, padded_n = input_ids.shape[0], batch * q
+    n, padded_n = input_ids.shape[0], tokens
     size = max(padded_n, batch, requests * width, 1)
     grid = (triton.cdiv(size, BLOCK),)
     _stage_kernel[grid](
@@ -124,4 +124,4 @@ def warm_up(device: torch.device) -> None:
     i64 = dict(dtype=torch.int64, device=device)
     src = [torch.zeros(1, **i64) for _ in range(4)]
     dst = (*(torch.zeros(2, **i64) for _ in range(4)), torch.zeros(2, 2, **i64))
-    stage(*src, torch.zeros(1, 1, **i64), dst, batch=2, q=1)
+    stage(*src, torch.zeros(1, 1, **i64), dst, batch=2, tokens=2)

@@ -118,8 +118,12 @@ class EngineClient:
         ctx = mp.get_context("spawn")
         self._inbox = ctx.Queue()
         self._conn, child_conn = ctx.Pipe(duplex=False)
+        # the engine logs (its start-up phases and their times) as this process does
+        level = logging.getLogger("specserve").getEffectiveLevel()
         self._proc = ctx.Process(
-            target=run_engine, args=(config, self._inbox, child_conn), name="specserve-engine"
+            target=run_engine,
+            args=(config, self._inbox, child_conn, level),
+            name="specserve-engine",
         )
         self._proc.start()
         child_conn.close()  # so the reader sees EOF when the engine process dies

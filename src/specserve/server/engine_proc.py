@@ -10,6 +10,7 @@ produced.
 from __future__ import annotations
 
 import gc
+import logging
 import multiprocessing as mp
 import os
 import pickle
@@ -39,11 +40,15 @@ from specserve.server.messages import (
 _IDLE_POLL_S = 0.5  # how often an idle engine checks that its parent is still alive
 
 
-def run_engine(config: EngineConfig, inbox: mp.Queue, conn: Connection) -> None:
+def run_engine(
+    config: EngineConfig, inbox: mp.Queue, conn: Connection, log_level: int = logging.INFO
+) -> None:
     """Entry point of the engine process (spawned by EngineClient). It ignores SIGINT and
     SIGTERM: the HTTP process drains and then stops it (a Ctrl-C in the terminal, or a
     service manager signalling the whole process group, reaches both); if the HTTP process
-    is gone, the engine notices and exits."""
+    is gone, the engine notices and exits. It logs at `log_level` (the server's) on stderr,
+    as the HTTP process does."""
+    logging.basicConfig(level=log_level, format="%(levelname)s %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     outbox = Outbox(conn)

@@ -64,7 +64,7 @@ PDL_EARLY_METADATA = True
 # one upload (runtime/packing.py), 16-byte aligned or not with the parity of the token and
 # request counts, and each unseen combination would be a new variant (~0.5 s on the GPU);
 # they are read as scalars and gathers, which alignment does not speed up.
-@triton.jit(do_not_specialize=NOT_SPECIALIZED)
+@triton.jit(do_not_specialize=[*NOT_SPECIALIZED, "tiles_ptr"])
 def _paged_attn_kernel(
     q_ptr,
     k_cache,
@@ -91,6 +91,7 @@ def _paged_attn_kernel(
     chunk_splits,
     min_chunk,
     nchunk_ptr,
+    tiles_ptr,
     KV_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -102,19 +103,32 @@ def _paged_attn_kernel(
     USE_PDL: tl.constexpr = False,
     LOOP: tl.constexpr = False,
     ROW_CHUNKS: tl.constexpr = False,
+    TILES: tl.constexpr = False,
 ):
     # ROW_CHUNKS is the decode kernel's alone (the same contract): here chunks always follow
     # the row block's key range, so a verify step crossing a chunk boundary may round its
     # later rows apart from their decode steps.
+    # TILES: program (i, KV head) takes the row block tiles_ptr[i] = (request, block) instead
+    # of (block, request x KV head); a request below 0 is no work (the list's padding).
     if USE_PDL:  # kernels/pdl.py
         pdl_enter()
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
     pid_s = tl.program_id(2)
-    b = pid_bh // KV_HEADS
-    kvh = pid_bh % KV_HEADS
+    if TILES:
+        tile = tl.program_id(0)
+        b = tl.load(tiles_ptr + 2 * tile)
+        pid_m = tl.load(tiles_ptr + 2 * tile + 1)
+        live = b >= 0
+        b = tl.maximum(b, 0)
+        kvh = tl.program_id(1)
+    else:
+        pid_m = tl.program_id(0)
+        pid_bh = tl.program_id(1)
+        b = pid_bh // KV_HEADS
+        kvh = pid_bh % KV_HEADS
     q_start = tl.load(query_start_loc + b)
     q_len = tl.load(query_start_loc + b + 1) - q_start
+    if TILES:
+        q_len = tl.where(live, q_len, 0)
     seq_len = tl.load(seq_lens + b)
 
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -378,6 +392,9 @@ def paged_attention(
     kernel: str | None = None,
     chunk_splits: int | None = None,
     min_chunk: int | None = None,
+    tiles: torch.Tensor | None = None,
+    tile_rows: int = 128,
+    clear: bool = False,
 ) -> torch.Tensor:
     """Causal attention of packed queries q [T, H, D] over the paged cache; returns [T, H, D].
 
@@ -395,6 +412,13 @@ def paged_attention(
     takes at least DECODE_MIN_STAGES). kernel picks what serves decode-like steps (at most
     DECODE_MAX_ROWS rows per request): one of DECODE_KERNELS, default DECODE_KERNEL; other
     steps always take the generic kernel.
+
+    `tiles` [N, 2] int64 lists the row blocks to compute as (request, block of `tile_rows`
+    rows), a request below 0 being none: the generic kernel then runs N programs per KV head
+    whatever the requests' lengths (a CUDA graph's fixed grid over a step's prefill chunks;
+    rows of requests without a tile are left alone). `clear` zeroes `out` first and the
+    split path's per-row chunk counts, so rows that no program writes come out 0 (a graph's
+    padding, and rows of requests another launch serves).
     """
     num_tokens, num_heads, head_dim = q.shape
     _check_cache(k_cache, v_cache)
@@ -403,13 +427,17 @@ def paged_attention(
     if q.stride(-1) != 1:
         q = q.contiguous()
     if out is None:
-        out = torch.empty_like(q)
+        out = torch.zeros_like(q) if clear else torch.empty_like(q)
+    elif clear:
+        out.zero_()
     num_requests = seq_lens.shape[0]
     if num_tokens == 0 or num_requests == 0:
         return out
     rows = max_query_len * group
-    decode_like = rows <= DECODE_MAX_ROWS
+    decode_like = rows <= DECODE_MAX_ROWS and tiles is None
     block_m = max(16, triton.next_power_of_2(rows)) if decode_like else 128
+    if tiles is not None:
+        block_m = tile_rows
     block_n = block_n or 64
     block_d = max(16, triton.next_power_of_2(head_dim))
     num_warps = num_warps or (4 if decode_like else 8)
@@ -420,6 +448,8 @@ def paged_attention(
             f"and {MAX_REDUCE_SPLITS}"
         )
     grid = (triton.cdiv(rows, block_m), num_requests * kv_heads, num_splits)
+    if tiles is not None:
+        grid = (tiles.shape[0], kv_heads, num_splits)
     # the shortest chunk in keys, whole blocks (by default chunks of one block are allowed)
     min_keys = triton.cdiv(min_chunk or 1, block_n) * block_n if chunk_splits else block_n
     row_chunks = chunk_splits is not None  # rows chunked by their own length: two chunkings
@@ -430,7 +460,8 @@ def paged_attention(
             (slots, num_tokens, num_heads, head_dim), dtype=torch.float32, device=q.device
         )
         lse = torch.empty((slots, num_tokens, num_heads), dtype=torch.float32, device=q.device)
-        nchunk = torch.empty((num_tokens, num_heads), dtype=torch.int32, device=q.device)
+        alloc = torch.zeros if clear else torch.empty
+        nchunk = alloc((num_tokens, num_heads), dtype=torch.int32, device=q.device)
         dst, dst_strides, lse_strides = part, part.stride()[:3], lse.stride()[:2]
     else:
         lse, dst = out, out  # lse unused
@@ -448,6 +479,8 @@ def paged_attention(
             num_stages = max(num_stages, DECODE_MIN_STAGES)
     else:
         launch = _paged_attn_kernel[grid]
+        extra["tiles_ptr"] = seq_lens if tiles is None else tiles  # (unread without tiles)
+        extra["TILES"] = tiles is not None
     launch(
         q,
         k_cache,

@@ -30,6 +30,9 @@ class AttentionMetadata:
     # A backend can then serve a step's short rows and its prefill chunks apart (mixed steps).
     query_lens: list[int] | None = None
     seq_bounds: list[int] | None = None
+    # A mixed step in a CUDA graph (runtime/cuda_graphs.py): its two launches' shares, fixed
+    # in shape; None elsewhere.
+    mixed: MixedLayout | None = None
     # split(): its answer per threshold, computed once a step (every layer asks)
     _splits: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
@@ -92,6 +95,49 @@ class AttentionMetadata:
         return self.query_lens, self.seq_bounds
 
 
+# Rows (token x query head of one KV head) per program of a mixed graph's prefill launch.
+TILE_ROWS = 128
+
+
+@dataclass
+class MixedLayout:
+    """A mixed step (decode and verify rows, then prefill chunks) laid out for one CUDA graph
+    whatever its composition: launch shapes fixed by the graph's (requests, tokens) bucket,
+    the split between the two kinds of rows given on the device.
+
+    The leading requests of at most `short_query_len` tokens are "short": `short_query_start`
+    [B+1] bounds their tokens as query_start_loc does and gives every later request none, so
+    a decode-path launch over the first `short_tokens` tokens serves them alone. The others'
+    rows are cut into blocks of TILE_ROWS rows, listed in `tiles` [N, 2] as (request, block),
+    (-1, 0) past the step's: a prefill-path launch of N programs per KV head serves them.
+    Rows of neither (the graph's padding) come out 0.
+    """
+
+    short_query_start: torch.Tensor  # [B + 1] int64
+    short_query_len: int
+    short_tokens: int
+    tiles: torch.Tensor  # [N, 2] int64
+
+
+def mixed_tiles(query_lens: list[int], first: int, group: int, count: int) -> list[int]:
+    """`MixedLayout.tiles` flattened: (request, block) for the TILE_ROWS-row blocks of
+    requests `first`.. (query_lens: each request's tokens; group: query heads per KV head),
+    then (-1, 0) up to `count` tiles. Raises if they do not fit."""
+    tiles = []
+    for b in range(first, len(query_lens)):
+        for block in range(-(-query_lens[b] * group // TILE_ROWS)):
+            tiles += (b, block)
+    if len(tiles) > 2 * count:
+        raise ValueError(f"{len(tiles) // 2} row blocks do not fit {count} tiles")
+    return tiles + [-1, 0] * (count - len(tiles) // 2)
+
+
+def max_mixed_tiles(num_tokens: int, num_requests: int, group: int) -> int:
+    """The most tiles a step of up to `num_tokens` tokens over `num_requests` requests can
+    need: its rows in whole blocks, plus one partial block per request."""
+    return -(-num_tokens * group // TILE_ROWS) + num_requests
+
+
 class AttentionBackend(ABC):
     """Writes the new tokens' K/V into the paged cache, then attends causally.
 
@@ -105,6 +151,9 @@ class AttentionBackend(ABC):
     # backend's arithmetic could depend on it (the Triton backend's KV splits); the engine
     # sets it from --disable-batch-invariance.
     batch_invariant: bool = True
+    # Serves a mixed step inside a CUDA graph (`AttentionMetadata.mixed`): launch shapes
+    # that do not depend on the step's composition.
+    mixed_graphs: bool = False
 
     @abstractmethod
     def forward(

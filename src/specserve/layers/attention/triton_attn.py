@@ -13,7 +13,7 @@ from types import ModuleType
 
 import torch
 
-from specserve.layers.attention.base import AttentionBackend, AttentionMetadata
+from specserve.layers.attention.base import TILE_ROWS, AttentionBackend, AttentionMetadata
 
 MAX_SPLITS = 32
 MIN_SPLIT_TOKENS = 128  # a KV chunk shorter than this is not worth a separate program
@@ -67,6 +67,7 @@ class TritonAttentionBackend(AttentionBackend):
     """
 
     name = "triton"
+    mixed_graphs = True
 
     def __init__(
         self,
@@ -169,6 +170,8 @@ class TritonAttentionBackend(AttentionBackend):
         8B shape that made decode rows in mixed steps ~30x dearer than in decode steps)."""
         ops = self.kernels
         ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if meta.mixed is not None:
+            return self._attend_mixed(q, k_cache, v_cache, meta, scale)
         split = meta.split(self.short_query_len(q.shape[1] // k_cache.shape[2]))
         if split is None:
             return self._attend(q, k_cache, v_cache, meta, scale)
@@ -178,12 +181,54 @@ class TritonAttentionBackend(AttentionBackend):
         self._attend(q[tokens:], k_cache, v_cache, tail, scale, out[tokens:])
         return out
 
+    def _attend_mixed(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+        """A mixed step of a CUDA graph (`MixedLayout`): the short rows through the decode
+        path (as a decode or verify step of the graph's request count would take them:
+        the same split count and chunking), then the prefill chunks' listed row blocks.
+        The first launch also writes zeros over the rows of the chunks among its tokens;
+        the second, after it, overwrites them."""
+        mixed = meta.mixed
+        out = torch.empty_like(q)
+        n = min(mixed.short_tokens, q.shape[0])
+        short = AttentionMetadata(
+            meta.positions,
+            meta.slot_mapping,
+            mixed.short_query_start,
+            meta.seq_lens,
+            meta.block_tables,
+            mixed.short_query_len,
+            meta.max_seq_len,
+        )
+        self._attend(q[:n], k_cache, v_cache, short, scale, out[:n], clear=True)
+        if n < q.shape[0]:
+            out[n:].zero_()
+        self.kernels.paged_attention(
+            q,
+            k_cache,
+            v_cache,
+            meta.positions,
+            meta.query_start_loc,
+            meta.seq_lens,
+            meta.block_tables,
+            meta.max_query_len,
+            scale,
+            out=out,
+            block_n=self.prefill.block_n,
+            num_warps=self.prefill.num_warps,
+            num_stages=self.prefill.num_stages,
+            tiles=mixed.tiles,
+            tile_rows=TILE_ROWS,
+        )
+        return out
+
     def short_query_len(self, group: int) -> int:
         """The longest query (tokens) of a request the decode path serves: DECODE_MAX_ROWS
         rows a KV head."""
         return self.kernels.DECODE_MAX_ROWS // group
 
-    def _attend(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, out=None):
+    def _attend(
+        self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, out=None, clear=False
+    ):
         ops = self.kernels
         kv_heads = k_cache.shape[2]
         splits = self.choose_num_splits(meta, kv_heads, q.shape[1] // kv_heads, q.device)
@@ -213,6 +258,7 @@ class TritonAttentionBackend(AttentionBackend):
             num_stages=launch.num_stages,
             chunk_splits=chunks,
             min_chunk=self.min_chunk if chunks else None,
+            clear=clear,
         )
 
     def invariant_chunks(self, device: torch.device) -> int | None:
