@@ -104,13 +104,30 @@ def test_cuda_budget_leaves_room_for_every_graphs_outputs(monkeypatch):
     eight_b = replace(CFG, vocab_size=128256, hidden_size=4096)
     k3 = EngineConfig(speculative_algorithm="ngram", speculative_num_steps=3)
     k5 = EngineConfig(speculative_algorithm="ngram", speculative_num_steps=5)
-    # buckets 1, 2, 4, 8, 16, 32, ..., 256: 2,191 requests; q = 1..K+1 tokens each
-    assert graph_output_bytes(k3, eight_b, torch.bfloat16) == 2191 * 10 * ((128256 + 4096) * 2 + 16)
-    assert graph_output_bytes(k5, eight_b, torch.bfloat16) == 2191 * 21 * ((128256 + 4096) * 2 + 16)
+    # buckets 1, 2, 4, 8, 16, 32, ..., 256: 2,191 requests; q = 1..K+1 tokens each; and
+    # mixed steps' hidden states: token buckets 32, 64, 128, 256, 384, 512 by 3, 4, 4, 5, 5
+    # and 5 request buckets (4, 16, 64, 256, 257 up to the first above the tokens): 6,624 rows
+    mixed = 6624 * 4096 * 2
+    assert graph_output_bytes(k3, eight_b, torch.bfloat16) == (
+        2191 * 10 * ((128256 + 4096) * 2 + 16) + mixed
+    )
+    assert graph_output_bytes(k5, eight_b, torch.bfloat16) == (
+        2191 * 21 * ((128256 + 4096) * 2 + 16) + mixed
+    )
+    no_mixed = replace(k3, cuda_graph_max_tokens=0)
+    assert graph_output_bytes(no_mixed, eight_b, torch.bfloat16) == (
+        2191 * 10 * ((128256 + 4096) * 2 + 16)
+    )
     assert graph_output_bytes(replace(k5, disable_cuda_graph=True), eight_b, torch.bfloat16) == 0
     plain = EngineConfig(speculative_algorithm="none", max_num_seqs=4)
     reserve = graph_output_bytes(plain, CFG, torch.float32)
-    assert reserve == (1 + 2 + 4) * 1 * ((CFG.vocab_size + CFG.hidden_size) * 4 + 16)
+    # mixed: request buckets 4 and 5 at every token bucket
+    mixed_rows = 2 * (32 + 64 + 128 + 256 + 384 + 512)
+    assert (
+        reserve
+        == (1 + 2 + 4) * 1 * ((CFG.vocab_size + CFG.hidden_size) * 4 + 16)
+        + mixed_rows * CFG.hidden_size * 4
+    )
     _fake_cuda(monkeypatch, 1000 * PAGE, 4000 * PAGE)
     long_cfg = replace(CFG, max_position_embeddings=4000)  # no full-context cap here
     config = EngineConfig(

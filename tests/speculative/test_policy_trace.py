@@ -106,6 +106,7 @@ def test_observe_hands_over_the_plain_lists(steps):
     seen = []
     update_many = acceptance.update_many
     acceptance.update_many = lambda items: (seen.append(list(items)), update_many(items))
+    verify_steps = 0
     for rows in steps:
         batch = [
             ScheduledRequest(_Req(f"r{j}"), 1, decoding=dec, drafts=[0] * k)
@@ -114,14 +115,17 @@ def test_observe_hands_over_the_plain_lists(steps):
         committed = {id(s): c for s, (_, _, c, known) in zip(batch, rows) if known}
         spec.observe(batch, committed, 1.0, 1.0)
         decoding = [s for s in batch if s.decoding]
-        assert seen[-1] == [
+        verified = [
             (s.request.request_id, len(s.drafts), committed.get(id(s), 1) - 1)
             for s in decoding
             if s.drafts
         ]
+        if verified:  # (a step without drafts has nothing to tell the acceptance model)
+            verify_steps += 1
+            assert seen[-1] == verified
         assert spec.policy.trace.last_draft_lens == [len(s.drafts) for s in decoding]
         assert spec._last_committed == sum(committed.values())
-    assert len(seen) == len(steps)
+    assert len(seen) == verify_steps
 
 
 class _Req:

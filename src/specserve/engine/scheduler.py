@@ -119,7 +119,9 @@ class Scheduler:
                 prefill += s.num_tokens
         load = StepLoad(prefill, budget, self.prefill_per_token)
         ks = policy.choose([s.request for s in decoding], load)
-        cap = load.k_cap(len(decoding), max(ks, default=0))
+        if not any(ks):  # plain decoding (often, with the goodput policy dormant): done
+            return
+        cap = load.k_cap(len(decoding), max(ks))
         page_size = self.kv.page_size
         page_cap = cap  # the most drafts every request's pages allow
         for s, k in zip(decoding, ks):

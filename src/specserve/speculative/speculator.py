@@ -114,16 +114,16 @@ class Speculator:
         """After a step: acceptance per request, decision trace."""
         if not self.may_draft:
             return
-        # One pass over the batch for both lists (this runs every step).
-        verified, draft_lens = [], []
-        get = committed.get
-        for s in batch:
-            if s.decoding:
-                drafts = len(s.drafts)
-                draft_lens.append(drafts)
-                if drafts:
-                    verified.append((s.request.request_id, drafts, get(id(s), 1) - 1))
-        self.acceptance.update_many(verified)
+        decoding = [s for s in batch if s.decoding]  # (this runs every step)
+        draft_lens = [len(s.drafts) for s in decoding]
+        if any(draft_lens):
+            get = committed.get
+            verified = [
+                (s.request.request_id, d, get(id(s), 1) - 1)
+                for s, d in zip(decoding, draft_lens)
+                if d
+            ]
+            self.acceptance.update_many(verified)
         policy = self.policy
         trace = policy.trace
         trace.record(draft_lens)
@@ -152,10 +152,9 @@ class Speculator:
         prev_decodes, prev_s = self._last_decodes, self._last_resolved_s
         self._last_decodes, self._last_resolved_s = only_decodes, resolved_s
         decision = None
+        step_k = max([len(s.drafts) for s in decoding]) if decoding else 0
         if decoding:
-            decision, _ = self.policy.trace.processed(
-                len(decoding), max(len(s.drafts) for s in decoding)
-            )
+            decision, _ = self.policy.trace.processed(len(decoding), step_k)
         period_ms = None
         committed, self._last_committed = self._last_committed, 0  # (observe sets it)
         if prev_s is not None and resolved_s > prev_s and not after_idle:
@@ -170,12 +169,7 @@ class Speculator:
             return
         if period_ms is not None:
             self.policy.trace.observed_goodput = committed / period_ms * 1e3
-        self.periods.add(
-            len(decoding),
-            max(len(s.drafts) for s in decoding),
-            period_ms if prev_decodes else None,
-            decision,
-        )
+        self.periods.add(len(decoding), step_k, period_ms if prev_decodes else None, decision)
 
     def stats(self) -> dict:
         """Speculation figures for metrics: decisions, acceptance, goodput."""
