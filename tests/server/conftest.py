@@ -70,6 +70,8 @@ def server(tiny_llama, tmp_path_factory):
         "--served-model-name",
         "tinyllama",
         "tiny-alias",
+        "--uvicorn-log-level",  # (after the wrapper's warning: the log shows INFO records)
+        "info",
         api_key=API_KEY,
     )
     yield srv

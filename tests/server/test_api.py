@@ -3,6 +3,8 @@ n > 1, stop strings, seeds, usage, logprobs, and parity with the offline LLM."""
 
 from __future__ import annotations
 
+import re
+
 import httpx
 import openai
 import pytest
@@ -47,6 +49,13 @@ def test_models_and_auth(server, client):
     with pytest.raises(openai.AuthenticationError):
         bad.completions.create(model=MODEL, prompt="hi", max_tokens=1)
     assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_the_log_shows_the_engines_start_up(server):
+    # the engine process logs as the HTTP process does: its start-up phases and their times
+    log = server.log()
+    assert re.search(r"INFO loading .+: \d+\.\d s", log), log
+    assert re.search(r"INFO ready in \d+\.\d s", log), log
 
 
 def test_greedy_equals_offline_generate(client, offline):
