@@ -36,6 +36,7 @@ EXPECTED = {
         "--gemv-stream-k",
         "--disable-fusion",
         "--cuda-graph-max-batch",
+        "--cuda-graph-max-tokens",
         "--disable-cuda-graph",
         "--attention-backend",
         "--overlap-schedule",
