@@ -145,3 +145,55 @@ def test_a_crashed_engine_is_logged_whole_and_reported_by_its_error(caplog):
         )
     else:
         raise AssertionError("the stream did not end with the engine's error")
+
+
+def test_deltas_queued_behind_each_other_come_out_as_one():
+    """An HTTP process behind the engine sends one event for a choice's queued deltas: the
+    same text, tokens and logprobs, the last one's finish; deltas of other choices, errors
+    and the end keep their order."""
+    import asyncio
+
+    from specserve.server.engine_client import _END, RequestStream
+    from specserve.server.messages import OutputDelta
+
+    def delta(rid, text, ids, finished=False, stats=None):
+        lps = [(-0.5, [(i, -0.5)]) for i in ids]
+        return OutputDelta(rid, text, ids, lps, finished, "stop" if finished else None, stats)
+
+    stream = RequestStream(["a", "b"])
+    for item in (
+        (0, delta("a", "He", [1])),
+        (0, delta("a", "llo", [2, 3], stats="s1")),
+        (0, delta("a", "!", [4])),
+        (1, delta("b", "x", [5])),
+        (1, delta("b", "y", [6], finished=True)),
+        (0, delta("a", ".", [7], finished=True)),
+        _END,
+    ):
+        stream._put(item)
+
+    async def drain():
+        return [item async for item in stream]
+
+    out = asyncio.run(drain())
+    assert [(i, d.delta_text, d.new_token_ids, d.finished) for i, d in out] == [
+        (0, "Hello!", [1, 2, 3, 4], False),
+        (1, "xy", [5, 6], True),
+        (0, ".", [7], True),
+    ]
+    assert out[0][1].new_logprobs == [(-0.5, [(i, -0.5)]) for i in (1, 2, 3, 4)]
+    assert out[0][1].spec_stats == "s1" and out[1][1].finish_reason == "stop"
+
+    # one delta at a time (the HTTP process keeps up): each as it came, nothing merged
+    stream = RequestStream(["a"])
+
+    async def one_by_one():
+        got = []
+        for i in range(3):
+            stream._put((0, delta("a", str(i), [i])))
+            got.append(await stream.__anext__())
+        stream._put(_END)
+        return got, [x async for x in stream]
+
+    got, rest = asyncio.run(one_by_one())
+    assert [d.delta_text for _, d in got] == ["0", "1", "2"] and rest == []

@@ -72,12 +72,18 @@ _END = object()
 
 class RequestStream:
     """Async iterator over (choice index, OutputDelta) of one API request's engine requests
-    (one per choice); ends when every one has finished."""
+    (one per choice); ends when every one has finished.
+
+    Deltas of one choice that queued up behind each other (the HTTP process fell behind the
+    engine: a fast model's one-token steps arrive faster than events go out) come out as
+    one (`merge_deltas`): one event instead of several, the same text, tokens and logprobs.
+    """
 
     def __init__(self, request_ids: list[str]):
         self.request_ids = request_ids
         self.unfinished = set(request_ids)
         self._queue: asyncio.Queue = asyncio.Queue()
+        self._next = None  # an item taken from the queue while merging, not yet returned
 
     @property
     def finished(self) -> bool:
@@ -90,12 +96,45 @@ class RequestStream:
         return self
 
     async def __anext__(self) -> tuple[int, OutputDelta]:
-        item = await self._queue.get()
+        item, self._next = self._next, None
+        if item is None:
+            item = await self._queue.get()
         if item is _END:
             raise StopAsyncIteration
         if isinstance(item, BaseException):
             raise item
-        return item
+        queue = self._queue
+        if queue.empty():
+            return item
+        index, delta = item
+        parts = [delta]
+        while not queue.empty():
+            more = queue.get_nowait()
+            if more is _END or isinstance(more, BaseException) or more[0] != index:
+                self._next = more
+                break
+            parts.append(more[1])
+        return index, merge_deltas(parts)
+
+
+def merge_deltas(parts: list[OutputDelta]) -> OutputDelta:
+    """Consecutive deltas of one engine request as one: texts, tokens and logprobs joined,
+    the last one's finish."""
+    if len(parts) == 1:
+        return parts[0]
+    last = parts[-1]
+    logprobs = None
+    if parts[0].new_logprobs is not None:
+        logprobs = [lp for p in parts for lp in p.new_logprobs]
+    return OutputDelta(
+        last.request_id,
+        "".join(p.delta_text for p in parts),
+        [t for p in parts for t in p.new_token_ids],
+        logprobs,
+        last.finished,
+        last.finish_reason,
+        next((p.spec_stats for p in reversed(parts) if p.spec_stats is not None), None),
+    )
 
 
 @dataclass
