@@ -202,24 +202,8 @@ class TritonAttentionBackend(AttentionBackend):
         self._attend(q[:n], k_cache, v_cache, short, scale, out[:n], clear=True)
         if n < q.shape[0]:
             out[n:].zero_()
-        self.kernels.paged_attention(
-            q,
-            k_cache,
-            v_cache,
-            meta.positions,
-            meta.query_start_loc,
-            meta.seq_lens,
-            meta.block_tables,
-            meta.max_query_len,
-            scale,
-            out=out,
-            block_n=self.prefill.block_n,
-            num_warps=self.prefill.num_warps,
-            num_stages=self.prefill.num_stages,
-            tiles=mixed.tiles,
-            tile_rows=TILE_ROWS,
-        )
-        return out
+        tiles = dict(tiles=mixed.tiles, tile_rows=TILE_ROWS)
+        return self._launch(q, k_cache, v_cache, meta, scale, self.prefill, out=out, **tiles)
 
     def short_query_len(self, group: int) -> int:
         """The longest query (tokens) of a request the decode path serves: DECODE_MAX_ROWS
@@ -241,7 +225,23 @@ class TritonAttentionBackend(AttentionBackend):
         chunks = self.invariant_chunks(q.device) if invariant else None
         if chunks:
             splits = min(splits, chunks)  # no program without a chunk
-        return ops.paged_attention(
+        return self._launch(
+            q,
+            k_cache,
+            v_cache,
+            meta,
+            scale,
+            launch,
+            num_splits=splits,
+            out=out,
+            chunk_splits=chunks,
+            min_chunk=self.min_chunk if chunks else None,
+            clear=clear,
+        )
+
+    def _launch(self, q, k_cache, v_cache, meta, scale, launch: LaunchConfig, **options):
+        """`paged_attention` over `meta`'s requests with `launch`'s configuration."""
+        return self.kernels.paged_attention(
             q,
             k_cache,
             v_cache,
@@ -251,14 +251,10 @@ class TritonAttentionBackend(AttentionBackend):
             meta.block_tables,
             meta.max_query_len,
             scale,
-            num_splits=splits,
-            out=out,
             block_n=launch.block_n,
             num_warps=launch.num_warps,
             num_stages=launch.num_stages,
-            chunk_splits=chunks,
-            min_chunk=self.min_chunk if chunks else None,
-            clear=clear,
+            **options,
         )
 
     def invariant_chunks(self, device: torch.device) -> int | None:
