@@ -63,7 +63,8 @@ def test_engine_and_cli_carry_the_switches(restore_pdl, tiny_llama):
     engine = LLMEngine(
         type(cfg)(model=str(tiny_llama), device="cpu", disable_pdl=True, num_kv_pages=16)
     )
-    assert pdl.is_enabled() is False  # set at start-up, before any kernel is compiled
+    # the engine's own switch, in force while its start-up and steps run; not the process's
+    assert not engine.kernel_options.pdl and pdl.is_enabled() is True
     assert engine.runner.backend.batch_invariant  # by default (attention's fixed chunks)
     args = build_parser().parse_args(["generate", "hi", "--disable-batch-invariance"])
     engine = LLMEngine(

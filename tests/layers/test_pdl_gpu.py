@@ -288,7 +288,7 @@ def test_gpu_engine_tokens_same_with_pdl_and_fusion_off(tiny_llama, restore_pdl)
             disable_pdl=off,
             disable_fusion=off,
         )
-        assert pdl.is_enabled() is not off
+        assert llm.engine.kernel_options.pdl is not off
         outs[off] = [o.token_ids for o in llm.generate(prompts, params)]
         del llm
     assert outs[False] == outs[True]

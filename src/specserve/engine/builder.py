@@ -84,7 +84,6 @@ def set_up_kernels(config: EngineConfig, model: LlamaForCausalLM, startup: Start
     the GEMV selector (the drafter reuses its measurements), or None."""
     if config.torch_device().type != "cuda" or config.backend_name() != "triton":
         return None
-    from specserve.kernels.gemv_configs import set_stream_k
     from specserve.layers.triton_ops import use_triton_ops
     from specserve.tuning.gemv_select import GemvSelector, use_gemv
 
@@ -93,7 +92,6 @@ def set_up_kernels(config: EngineConfig, model: LlamaForCausalLM, startup: Start
     use_triton_ops(model, fuse=not config.disable_fusion)
     if config.disable_gemv:
         return None
-    set_stream_k(config.gemv_stream_k)  # for this engine's selection and tuning
     k_max = config.speculative_num_steps if config.speculative_algorithm else 0
     batch = min(config.max_num_seqs, config.cuda_graph_max_batch)
     selector = GemvSelector(

@@ -5,10 +5,12 @@ from __future__ import annotations
 import itertools
 import logging
 import random
+from dataclasses import replace
 
 from specserve.core.config import EngineConfig
 from specserve.core.detokenizer import IncrementalDetokenizer, TokenDecoder
 from specserve.core.errors import InvalidRequestError, RequestTooLargeError
+from specserve.core.kernel_options import current, using
 from specserve.core.request import Request
 from specserve.core.sampling_params import SamplingParams
 from specserve.engine.builder import (
@@ -25,7 +27,6 @@ from specserve.engine.outputs import RequestOutput, RequestSink
 from specserve.engine.scheduler import Scheduler
 from specserve.engine.startup import StartupProgress
 from specserve.engine.step_loop import StepLoop
-from specserve.kernels import pdl
 from specserve.model.llama import LlamaForCausalLM
 
 log = logging.getLogger("specserve")
@@ -47,9 +48,18 @@ class LLMEngine:
         (engine/startup.py), else in the log."""
         self.config = config
         config.check_device()  # a missing GPU in one line, not deep inside the loading
+        # This engine's kernel switches: in force while its start-up and its steps run
+        # (warm-up, selection, graph capture, eager steps), whatever other engines use; the
+        # config's, and the process default's where the config names none (benchmarks A/B
+        # the argmax and the staging kernel so).
+        self.kernel_options = replace(
+            current(), pdl=not config.disable_pdl, stream_k=config.gemv_stream_k
+        )
+        with using(self.kernel_options):
+            self._start(config, progress, model, tokenizer)
+
+    def _start(self, config: EngineConfig, progress: bool, model, tokenizer) -> None:
         startup = StartupProgress(progress)
-        # Process-wide: every Triton launch from now on (warm-up, graph capture, eager steps).
-        pdl.set_enabled(not config.disable_pdl)
         loaded = load_target(config, startup, progress, model, tokenizer)
         self.source, self.model_config = loaded.source, loaded.model_config
         self.dtype, self.tokenizer = loaded.dtype, loaded.tokenizer
@@ -153,7 +163,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one step; return the outputs of every request that produced a token. Under
         overlap scheduling these are the previous step's (engine/step_loop.py)."""
-        return self.loop.step()
+        with using(self.kernel_options):
+            return self.loop.step()
 
     def stats(self) -> dict:
         return {

@@ -8,6 +8,8 @@ from dataclasses import dataclass, replace
 
 import triton
 
+from specserve.core.kernel_options import current, set_default
+
 MAX_ROWS = 64  # the tallest row block; more rows go to torch
 FMA_MAX_ROWS = 8
 
@@ -122,22 +124,21 @@ _SPLIT_EXTRA = {
     64: GemvConfig(64, 128, split_k=2, num_stages=5),
 }
 # Stream-K tiles (gemv_stream_k.py) for the row blocks above the shared buckets: candidates
-# only while `set_stream_k(True)` (EngineConfig.gemv_stream_k; on the H200 selection took
-# none for the 8B shape).
+# only under `KernelOptions.stream_k` (EngineConfig.gemv_stream_k, or the process default
+# by `set_stream_k`; on the H200 selection took none for the 8B shape).
 _STREAM_K = {
     32: [GemvConfig(64, 128, num_stages=4)],
     64: [GemvConfig(64, 128, num_stages=4), GemvConfig(128, 64, num_stages=4)],
 }
-_STREAM_K_ON = [False]
 
 
 def set_stream_k(on: bool) -> None:
-    """Propose the stream-K tiles to selection from now on (or stop)."""
-    _STREAM_K_ON[0] = bool(on)
+    """Propose the stream-K tiles to selection from now on outside engines (or stop)."""
+    set_default(stream_k=bool(on))
 
 
 def stream_k_enabled() -> bool:
-    return _STREAM_K_ON[0]
+    return current().stream_k
 
 
 def candidate_configs(rows: int, n: int, k: int, num_sms: int) -> list[GemvConfig]:
@@ -158,7 +159,7 @@ def candidate_configs(rows: int, n: int, k: int, num_sms: int) -> list[GemvConfi
     extra = _SPLIT_EXTRA.get(bm)
     if extra is not None and k >= n:
         tiles.append(replace(extra, block_m=bm))
-    if _STREAM_K_ON[0]:
+    if current().stream_k:
         tiles += [replace(t, block_m=bm, stream_k=True) for t in _STREAM_K.get(bm, ())]
     return [t for t in tiles if t.supports(rows, n, k)]
 

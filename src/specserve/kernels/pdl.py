@@ -35,9 +35,10 @@ of them starts when it ends; a plain launch after a PDL kernel waits for it as a
 Numerics do not change: the kernels run the same loops in the same order; the only
 additions are the wait, the launch signal and L2 prefetches.
 
-The switch is process-wide (`set_enabled`); the engine sets it at start-up from
-`EngineConfig.disable_pdl`, before it compiles, warms up or captures anything. Launches
-read it when they are made, so CUDA graphs keep what they captured. PDL is active only on
+The switch is `KernelOptions.pdl` (core/kernel_options.py): an engine's from
+`EngineConfig.disable_pdl` while its start-up and steps run, else the process default
+(`set_enabled`). Launches read it when they are made, so CUDA graphs keep what they
+captured. PDL is active only on
 CUDA devices of compute capability 9 or more, never under the Triton interpreter (the CPU
 tests), and only with a Triton that has `tl.extra.cuda.gdc_wait`.
 """
@@ -48,21 +49,21 @@ import os
 
 import torch
 
-_enabled = True  # set by the engine at start-up (EngineConfig.disable_pdl)
+from specserve.core.kernel_options import current, set_default
+
 _capable: dict[int, bool] = {}  # CUDA device index -> whether it and Triton support PDL
 
 
 def set_enabled(enabled: bool) -> bool:
-    """Turn PDL on (where supported) or off for launches from now on; returns the previous
-    setting. CUDA graphs captured earlier keep the launches they captured."""
-    global _enabled
-    previous, _enabled = _enabled, bool(enabled)
-    return previous
+    """Turn PDL on (where supported) or off for launches from now on outside engines (the
+    process default); returns the previous setting. CUDA graphs captured earlier keep the
+    launches they captured."""
+    return set_default(pdl=bool(enabled)).pdl
 
 
 def is_enabled() -> bool:
-    """The switch as set (whether or not this machine supports PDL)."""
-    return _enabled
+    """The switch in force (whether or not this machine supports PDL)."""
+    return current().pdl
 
 
 def _device_capable(device: torch.device) -> bool:
@@ -80,7 +81,7 @@ def _device_capable(device: torch.device) -> bool:
 
 def active(device: torch.device) -> bool:
     """Whether kernels launched on `device` now use PDL."""
-    if not _enabled or device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+    if not current().pdl or device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
         return False
     return _device_capable(device)
 

@@ -29,15 +29,16 @@ import torch
 import triton
 import triton.language as tl
 
+from specserve.core.kernel_options import ARGMAX_MODES, KernelOptions, current, set_default
 from specserve.kernels import pdl
 from specserve.kernels.pdl_kernel import pdl_enter
 
-# When argmax_rows takes the kernels (`set_mode`): "graphs" (the default) only while a CUDA
-# graph is being captured, "always", or "off". On the H200 the
-# two kernels replay in 2-3 us against torch's 27 us for a 128k row inside a graph, but
-# launched eagerly their two Python launches take 66 us against torch's 35.
-MODES = ("off", "graphs", "always")
-_MODE = "graphs"
+# When argmax_rows takes the kernels (`KernelOptions.argmax`, the process default by
+# `set_mode`): "graphs" (the default) only while a CUDA graph is being captured, "always",
+# or "off". On the H200 the two kernels replay in 2-3 us against torch's 27 us for a 128k
+# row inside a graph, but launched eagerly their two Python launches take 66 us against
+# torch's 35.
+MODES = ARGMAX_MODES
 MIN_TRITON_VOCAB = 4096  # below this, one torch reduce block is about as fast
 BLOCK_BYTES = 8192  # stage 1 reads this much of a row per program (fp32: 2048 columns)
 MAX_CHUNKS = 1024  # stage 2 reduces at most this many partials per row in one block
@@ -132,22 +133,20 @@ def triton_argmax(x: torch.Tensor, block: int | None = None, num_warps: int = 4)
 
 
 def set_mode(mode: str) -> str:
-    """When argmax_rows may use the kernels (one of MODES; `uses_triton` says where);
-    returns the previous mode."""
-    global _MODE
-    if mode not in MODES:
-        raise ValueError(f"argmax mode must be one of {MODES}, got {mode!r}")
-    previous, _MODE = _MODE, mode
-    return previous
+    """When argmax_rows may use the kernels outside engines (the process default; one of
+    MODES; `uses_triton` says where); returns the previous mode."""
+    KernelOptions(argmax=mode)  # (refuses an unknown mode before anything changes)
+    return set_default(argmax=mode).argmax
 
 
 def uses_triton(x: torch.Tensor) -> bool:
     """Whether argmax_rows takes the Triton path for x: allowed by the mode (`set_mode`: in
     "graphs", only during a CUDA graph's capture), on CUDA, at least MIN_TRITON_VOCAB
     columns, some rows, and rows of unit column stride that one row stride walks."""
-    if _MODE == "off" or not x.is_cuda or x.dim() == 0 or x.numel() == 0:
+    mode = current().argmax
+    if mode == "off" or not x.is_cuda or x.dim() == 0 or x.numel() == 0:
         return False
-    if _MODE == "graphs" and not torch.cuda.is_current_stream_capturing():
+    if mode == "graphs" and not torch.cuda.is_current_stream_capturing():
         return False
     if x.shape[-1] < MIN_TRITON_VOCAB:
         return False

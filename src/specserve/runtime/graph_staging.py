@@ -13,10 +13,8 @@ from typing import Protocol
 
 import torch
 
+from specserve.core.kernel_options import current
 from specserve.layers.attention import AttentionMetadata
-
-# The one-kernel path on CUDA (False: torch's copies everywhere, which cost the host more)
-STAGE_KERNEL = True
 
 
 class StaticInputs(Protocol):
@@ -31,7 +29,7 @@ class StaticInputs(Protocol):
 
 def use_stage_kernel(device: torch.device) -> bool:
     """Whether steps on `device` are staged by the kernel."""
-    return STAGE_KERNEL and device.type == "cuda"
+    return current().stage_kernel and device.type == "cuda"  # (off: torch's copies)
 
 
 def stageable(input_ids: torch.Tensor, meta: AttentionMetadata) -> bool:

@@ -7,6 +7,7 @@ start pays compilation about once and no step waits for it.
 
 from __future__ import annotations
 
+import contextvars
 import logging
 from concurrent.futures import ThreadPoolExecutor
 
@@ -127,6 +128,9 @@ def compile_variants(tasks: dict[tuple, tuple], device: torch.device, workers: i
 
     first, *rest = tasks.values()
     build(first)  # the kernels' first compilation sets up Triton's per-device state
+    # each worker's task under the caller's kernel options (core/kernel_options.py: the
+    # engine's PDL choice decides which variant is compiled)
+    caller = contextvars.copy_context()
     with ThreadPoolExecutor(workers) as pool:
-        list(pool.map(build, rest))
+        list(pool.map(lambda task: caller.copy().run(build, task), rest))
     return len(tasks)
