@@ -66,7 +66,9 @@ class GoodputPolicy(SpeculationPolicy):
     the catch-up it would cost (the batch's unseen tokens at the drafter's per-token cost,
     on top of the switch) until a decision for K > 0 wakes it. A probe drafts without
     waking it, on the DORMANT_PROBE_ROWS requests with the least to catch up (its catch-up
-    is the probe's own switch cost).
+    is the probe's own switch cost). While dormant, a decision for K=0 that every K > 0
+    misses by SETTLE_MARGIN (before switch costs) holds SETTLED_STEPS steps without
+    deliberating: on a fast model the deliberation itself would cost a tenth of a step.
     """
 
     HYSTERESIS = 0.03
