@@ -102,6 +102,7 @@ CUDA_MISSING = pytest.mark.skipif(torch.cuda.is_available(), reason="this machin
         (["--min-p", "2"], "--min-p must be in [0, 1]"),
         (["--stop", ""], "--stop must be non-empty strings"),
         (["--page-size", "0"], "--page-size must be >= 1; got 0"),
+        (["--cuda-graph-max-tokens", "-1"], "--cuda-graph-max-tokens must be >= 0; got -1"),
         (["--device", "tpu"], "--device must be auto, cpu, cuda or cuda:N; got 'tpu'"),
         (
             ["--model", "m", "--speculative-algorithm", "eagle3"],
