@@ -277,13 +277,19 @@ class ChatFormatter(_Formatter):
 
 # Line separators JSON allows raw but line-splitting clients (Python's str.splitlines, so
 # httpx's aiter_lines) break events at: sent as \u escapes, the same text once decoded.
-_SSE_ESCAPES = str.maketrans({"\u2028": "\\u2028", "\u2029": "\\u2029", "\u0085": "\\u0085"})
+_SSE_ESCAPES = (("\u2028", "\\u2028"), ("\u2029", "\\u2029"), ("\u0085", "\\u0085"))
 
 
 def sse(obj: dict) -> bytes:
-    """One server-sent event carrying a JSON object, on one line for any line splitter."""
+    """One server-sent event carrying a JSON object, on one line for any line splitter.
+    (ASCII text has none of the separators: `isascii` is a flag, and `replace` only runs
+    where one is found; a `str.translate` table of them costs ~0.1 us a character.)"""
     text = json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
-    return b"data: " + text.translate(_SSE_ESCAPES).encode() + b"\n\n"
+    if not text.isascii():
+        for sep, escaped in _SSE_ESCAPES:
+            if sep in text:
+                text = text.replace(sep, escaped)
+    return b"data: " + text.encode() + b"\n\n"
 
 
 SSE_DONE = b"data: [DONE]\n\n"
