@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from specserve.layers.attention import TorchAttentionBackend
-from specserve.runtime.cuda_graphs import CudaGraphRunner, default_batch_buckets
+from specserve.runtime.cuda_graphs import CudaGraphRunner
+from specserve.runtime.graph_shapes import default_batch_buckets
 from tests.support.model_cases import (
     build_meta,
     runner_mixed_error,
@@ -56,7 +57,7 @@ def test_mixed_steps_match_direct_forward_and_write_only_page_zero():
 
 
 def test_mixed_buckets_pad_a_request_and_cover_every_step():
-    from specserve.runtime.cuda_graphs import (
+    from specserve.runtime.graph_shapes import (
         default_token_buckets,
         mixed_keys,
         mixed_request_buckets,

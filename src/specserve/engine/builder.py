@@ -169,11 +169,8 @@ def capture_target_graphs(
     """On CUDA (unless disabled): decode and verify graphs for every batch bucket and draft
     length, installed in the runner, after the GEMV plan's choices are revised in whole
     steps and verify steps get their own tiles."""
-    from specserve.runtime.cuda_graphs import (
-        CudaGraphRunner,
-        engine_graph_shapes,
-        engine_mixed_shapes,
-    )
+    from specserve.runtime.cuda_graphs import CudaGraphRunner
+    from specserve.runtime.graph_shapes import engine_graph_shapes, engine_mixed_shapes
 
     config, runner, kv = target.config, target.runner, target.kv
     if config.torch_device().type != "cuda" or config.disable_cuda_graph:

@@ -88,7 +88,7 @@ def graph_output_bytes(config: EngineConfig, model_cfg: ModelConfig, dtype: torc
     13.3 GB at K=5. 0 without graphs."""
     if config.disable_cuda_graph:
         return 0
-    from specserve.runtime.cuda_graphs import engine_graph_shapes, engine_mixed_shapes, mixed_keys
+    from specserve.runtime.graph_shapes import engine_graph_shapes, engine_mixed_shapes, mixed_keys
 
     buckets, tokens_per_request = engine_graph_shapes(config)
     rows = sum(buckets) * sum(tokens_per_request)

@@ -28,7 +28,7 @@ def capture_drafter_graphs(
 ) -> DrafterGraphs:
     """Graphs for draft steps and catch-ups (`catch_up_lengths`); use_graphs=False: the
     same padded path, eager."""
-    from specserve.runtime.cuda_graphs import engine_graph_shapes
+    from specserve.runtime.graph_shapes import engine_graph_shapes
 
     cfg = target.config
     graphs = DrafterGraphs(
