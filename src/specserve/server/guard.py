@@ -7,9 +7,10 @@
   timeout (408); POSTs to the API with a Content-Type other than JSON get 415 (none given
   is read as JSON). The key
   is compared in constant time. /health is always open, /metrics when asked.
-- `guarded_h11` (uvicorn's h11 protocol): a connection whose request headers do not arrive
-  within the read timeout is closed. uvicorn times only idle kept-alive connections, so a
-  client trickling headers (slowloris) would hold its socket, and a shutdown, forever.
+- `guarded_http` (uvicorn's HTTP protocol: httptools' C parser where it is installed, else
+  h11): a connection whose request headers do not arrive within the read timeout is closed.
+  uvicorn times only idle kept-alive connections, so a client trickling headers (slowloris)
+  would hold its socket, and a shutdown, forever.
 """
 
 from __future__ import annotations
@@ -200,12 +201,26 @@ async def _reply(
     await send({"type": "http.response.body", "body": body})
 
 
-def guarded_h11(read_timeout_s: float):
-    """uvicorn's h11 protocol class, closing a connection whose request headers (the first
-    request's, or a kept-alive connection's next) do not arrive within read_timeout_s."""
-    from uvicorn.protocols.http.h11_impl import H11Protocol
+def http_protocol_base() -> type:
+    """uvicorn's HTTP/1.1 protocol class: httptools' (a C parser, a fraction of h11's CPU per
+    streamed event) where that package is installed, else the pure-Python h11 one."""
+    try:
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+    except ImportError:
+        from uvicorn.protocols.http.h11_impl import H11Protocol
 
-    class GuardedH11Protocol(H11Protocol):
+        return H11Protocol
+    return HttpToolsProtocol
+
+
+def guarded_http(read_timeout_s: float, base: type | None = None) -> type:
+    """`base` (default `http_protocol_base()`), closing a connection whose request headers
+    (the first request's, or a kept-alive connection's next) do not arrive within
+    read_timeout_s. Both of uvicorn's protocols start a request's cycle once its headers are
+    parsed and mark it complete with the response."""
+    base = base or http_protocol_base()
+
+    class GuardedProtocol(base):
         _headers_timer: asyncio.TimerHandle | None = None
 
         def connection_made(self, transport) -> None:
@@ -243,4 +258,5 @@ def guarded_h11(read_timeout_s: float):
             if not self._headers_done() and not self.transport.is_closing():
                 self.transport.close()
 
-    return GuardedH11Protocol
+    GuardedProtocol.__name__ = f"Guarded{base.__name__}"
+    return GuardedProtocol

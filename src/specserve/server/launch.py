@@ -20,7 +20,7 @@ from specserve.model.loader import load_tokenizer, resolve_model
 from specserve.server.app import ServerState, build_app
 from specserve.server.config import ServerConfig
 from specserve.server.engine_client import EngineClient
-from specserve.server.guard import guarded_h11
+from specserve.server.guard import guarded_http
 from specserve.server.inputs import InputProcessor
 from specserve.server.metrics import ServerMetrics
 from specserve.server.openai_format import SIMULATED_FINGERPRINT, TokenText
@@ -73,8 +73,10 @@ def run_server(engine_config: EngineConfig, config: ServerConfig) -> int:
         # A backstop: the app itself aborts what is left after shutdown_timeout_s.
         timeout_graceful_shutdown=config.shutdown_timeout_s + _SHUTDOWN_BACKSTOP_S,
         lifespan="on",
-        # h11 with a deadline for request headers (server/guard.py); idle keep-alive too
-        http=guarded_h11(config.request_read_timeout_s),
+        # httptools (else h11) with a deadline for request headers (server/guard.py); idle
+        # keep-alive too; uvloop's event loop where it is installed
+        http=guarded_http(config.request_read_timeout_s),
+        loop="auto",
         timeout_keep_alive=config.keep_alive_timeout_s,
     )
     server = _Server(uv_config, state)
