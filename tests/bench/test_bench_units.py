@@ -106,6 +106,9 @@ specserve_engine_step_gap_seconds_sum 0.5
 specserve_engine_step_gap_seconds_count 100.0
 specserve_engine_loop_waits 3.0
 specserve_engine_loop_waits_by_reason_total{reason="sampled"} 3.0
+specserve_spec_step_period_ms_total{k="0"} 10.0
+specserve_spec_timed_steps_total{k="0"} 10.0
+specserve_spec_drafter_eager_passes_total 4.0
 """
 _AFTER = """
 specserve_requests_total{endpoint="/v1/completions",status="200"} 5.0
@@ -133,6 +136,13 @@ specserve_engine_step_gap_seconds_count 300.0
 specserve_engine_loop_waits 10.0
 specserve_engine_loop_waits_by_reason_total{reason="sampled"} 4.0
 specserve_engine_loop_waits_by_reason_total{reason="mixed_draft_lens"} 6.0
+specserve_spec_step_period_ms_total{k="0"} 19.5
+specserve_spec_step_period_ms_total{k="3"} 7.5
+specserve_spec_timed_steps_total{k="0"} 20.0
+specserve_spec_timed_steps_total{k="3"} 3.0
+specserve_spec_dormant_steps_total 6.0
+specserve_spec_drafter_eager_passes_total 9.0
+specserve_spec_drafter_eager_tokens_total 130.0
 """
 
 
@@ -152,6 +162,10 @@ def test_metrics_difference_and_speculation_figures():
     assert spec["accepted_per_step"] == {"0": 4, "3": 6}
     assert spec["acceptance_by_position"] == {"0": 0.5, "1": 0.25}
     assert spec["policy"] == "GoodputPolicy" and "simulated_acceptance" not in spec
+    # mean periods by K over the run: (19.5 - 10) / (20 - 10) and 7.5 / 3
+    assert spec["step_ms_by_k"] == {"0": pytest.approx(0.95), "3": pytest.approx(2.5)}
+    assert spec["dormant_steps"] == 6 and spec["drafter_eager_passes"] == 5
+    assert spec["drafter_eager_tokens"] == 130
     assert spec["engine_gauges"] == {
         "spec_observed_goodput": 123.5,
         "spec_simulated_acceptance": 0.0,

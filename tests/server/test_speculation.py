@@ -53,6 +53,16 @@ def test_speculating_server_is_lossless_and_reports(spec_server, tiny_llama):
     assert m["specserve_spec_accepted_tokens_total"] == m["specserve_spec_draft_tokens_total"]
     assert m['specserve_spec_draft_length_steps_total{draft_len="3"}'] > 0
     assert m['specserve_spec_step_k_steps_total{k="3"}'] > 0
+    # K=3 steps' periods: as many timed as there were, each taking some time; the draft
+    # model drafts eagerly, a pass for each step's catch-up and each further draft
+    timed = m['specserve_spec_timed_steps_total{k="3"}']
+    assert 0 < timed <= m['specserve_spec_step_k_steps_total{k="3"}']
+    assert m['specserve_spec_step_period_ms_total{k="3"}'] > 0
+    assert m["specserve_spec_drafter_eager_passes_total"] >= 3 * timed
+    assert (
+        m["specserve_spec_drafter_eager_tokens_total"]
+        >= m["specserve_spec_drafter_eager_passes_total"]
+    )
 
 
 def test_simulated_acceptance_marks_every_response(tiny_llama, tmp_path):

@@ -288,8 +288,12 @@ def test_a_dormant_drafter_takes_no_upkeep_and_drafts_exactly_after_waking(setup
 
     proposer.propose = spied
     assert late.engine.spec.keeps_drafter is False
+    eager_before = late.engine.stats()["spec_drafter_eager_passes"]
     outs = late.generate(prompts, params)
     assert upkeep == []  # no prompt chunk caught up while dormant (nor after: none left)
     assert ride_alongs == []
+    stats = late.engine.stats()  # (metrics: steps with the upkeep stopped, eager passes)
+    assert 0 < stats["spec_dormant_steps"] < stats["steps"]
+    assert stats["spec_drafter_eager_passes"] > eager_before  # the catch-ups (on the CPU)
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
     _assert_same_acceptance(ref, got)

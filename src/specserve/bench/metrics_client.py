@@ -110,14 +110,17 @@ def api_requests_by_status(before: dict, after: dict) -> dict[str, int]:
     return out
 
 
-def _by_label(before: dict, after: dict, name: str, label: str) -> dict[str, int]:
-    """Run deltas of a labelled counter, by label value (numeric order), zeros dropped."""
+def _by_label(
+    before: dict, after: dict, name: str, label: str, exact: bool = True
+) -> dict[str, int | float]:
+    """Run deltas of a labelled counter, by label value (numeric order), zeros dropped;
+    whole numbers unless `exact` is False."""
     keys = sorted(
         {dict(labels).get(label, "") for (n, labels) in after if n == name},
         key=lambda k: int(k) if k.isdigit() else 0,
     )
-    counts = {k: int(_delta(before, after, name, **{label: k}) or 0) for k in keys}
-    return {k: v for k, v in counts.items() if v}
+    counts = {k: _delta(before, after, name, **{label: k}) or 0 for k in keys}
+    return {k: int(v) if exact else v for k, v in counts.items() if v}
 
 
 def _draft_len_mix(before: dict, after: dict) -> dict[str, int]:
@@ -206,6 +209,14 @@ def speculation_figures(before: dict, after: dict) -> dict:
     for (name, labels), value in after.items():
         if name == "specserve_engine_spec_policy_info" and value:
             out["policy"] = dict(labels).get("spec_policy")
+    periods = _by_label(before, after, "specserve_spec_step_period_ms_total", "k", exact=False)
+    timed = _by_label(before, after, "specserve_spec_timed_steps_total", "k")
+    if timed:  # the mean period of a step at each K, under this policy
+        out["step_ms_by_k"] = {k: periods.get(k, 0.0) / n for k, n in timed.items()}
+    for key in ("dormant_steps", "drafter_eager_passes", "drafter_eager_tokens"):
+        value = _delta(before, after, f"specserve_spec_{key}_total")
+        if value:
+            out[key] = int(value)
     if _total(after, "specserve_engine_spec_simulated_acceptance"):
         out["simulated_acceptance"] = True  # outputs were not the model's: say so
     # Numeric speculation stats the engine exports as gauges (goodput...), as of the run's end.

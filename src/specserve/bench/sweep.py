@@ -129,6 +129,9 @@ def measure(
     if "device_busy_ms_mean" in steps:
         step_ms += f" (device {steps['device_busy_ms_mean']:.2f})"
     waits = f"  waits {steps['loop_waits']}" if "loop_waits" in steps else ""
+    by_k = (steps.get("speculation") or {}).get("step_ms_by_k")
+    if by_k:  # a speculating server's mean step at each K it ran
+        step_ms += " [" + ", ".join(f"K={k} {ms:.2f}" for k, ms in by_k.items()) + "]"
     print(
         f"[sweep] {desc or label:>24} {report['output_throughput']:8.1f} tok/s  "
         f"p50 ITL {_ms(report['itl_ms']['p50'])} ms  "

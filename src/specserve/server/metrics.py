@@ -97,6 +97,18 @@ _ENGINE_COUNTERS = {
         "specserve_engine_host_wait_ms",
         "time the engine blocked waiting for steps' drawn tokens, ms",
     ),
+    "spec_dormant_steps": (
+        "specserve_spec_dormant_steps",
+        "steps taken while the drafter's upkeep was stopped (goodput policy, dormant)",
+    ),
+    "spec_drafter_eager_passes": (
+        "specserve_spec_drafter_eager_passes",
+        "drafter passes run eagerly (no graph replay): catch-ups, ride-alongs, draft steps",
+    ),
+    "spec_drafter_eager_tokens": (
+        "specserve_spec_drafter_eager_tokens",
+        "tokens the drafter's eager passes took",
+    ),
 }
 
 
@@ -219,6 +231,16 @@ _ENGINE_LISTS = {
         "specserve_spec_step_k_steps",
         "k",
         "steps by the one draft length chosen for the step",
+    ),
+    "spec_period_ms_by_step_k": (
+        "specserve_spec_step_period_ms",
+        "k",
+        "wall-clock periods of steps (ms, summed) by the step's draft length",
+    ),
+    "spec_timed_steps_by_step_k": (
+        "specserve_spec_timed_steps",
+        "k",
+        "steps whose period was measured, by the step's draft length",
     ),
     "spec_position_drafted": (
         "specserve_spec_position_drafted",

@@ -72,11 +72,13 @@ class DraftModelProposer(Proposer):
                 req.draft_cached_len = end
         for group in bounded_passes(segments, self.max_pass_tokens):
             packed_ids, meta, _ = pack(group, self.kv.page_size, self.kv.pool.device)
+            self.count_eager(len(packed_ids))
             self.model(packed_ids, meta, self.kv.layers, self.backend)
 
     def _forward(self, segments: list[Segment], input_ids=None) -> torch.Tensor:
         packed_ids, meta, last_rows = pack(segments, self.kv.page_size, self.kv.pool.device)
         input_ids = packed_ids if input_ids is None else input_ids
+        self.count_eager(len(input_ids))
         hidden, _ = self.model(input_ids, meta, self.kv.layers, self.backend)
         return self.model.compute_logits(hidden[to_device(last_rows, hidden.device)])
 

@@ -93,6 +93,7 @@ class Eagle3Proposer(Proposer):
         if self.graphs is not None and self.graphs.can_run(segments):
             return self.graphs.run(segments, hidden, input_ids)
         ids, meta, last_rows = pack(segments, self.kv.page_size, self.kv.pool.device)
+        self.count_eager(len(ids))
         if hidden is None:
             hidden = self.feature_store[meta.slot_mapping]
         embeds = self.embed(ids if input_ids is None else input_ids)
@@ -208,6 +209,7 @@ class Eagle3Proposer(Proposer):
         ride-along: nobody drafts from it) the pass only writes the head's KV."""
         device = self.kv.pool.device
         ids, meta, last_rows = pack(segments, self.kv.page_size, device)
+        self.count_eager(len(ids))
         hidden = self.feature_store[meta.slot_mapping]
         if k == 0:
             if tail is not None:
@@ -235,6 +237,7 @@ class Eagle3Proposer(Proposer):
 
         def step(tokens, hidden, positions):
             pass_meta = draft_pass_meta(positions, tables, self.kv.page_size, bound, query_start)
+            self.count_eager(len(tokens))
             out = self.head(self.embed(tokens), hidden, pass_meta, self.kv.layers[0], self.backend)
             return out, self.head.compute_logits(out)
 

@@ -47,6 +47,12 @@ class PolicyTrace:
     predicted_goodput: float = 0.0  # tokens/s the policy expected of the last step
     observed_goodput: float = 0.0  # tokens/s the last step delivered
     num_decisions: int = 0
+    # Wall-clock periods of processed steps by the step's K (the previous step's tokens on
+    # the host to its own; steps after an idle engine are not timed): their sum (ms) and
+    # count, so that a K's mean step under this policy is seen next to another policy's
+    period_ms_by_step_k: list[float] = field(default_factory=list)
+    timed_steps_by_step_k: list[int] = field(default_factory=list)
+    dormant_steps: int = 0  # processed steps during which the drafter's upkeep was stopped
     recent: deque = field(default_factory=lambda: deque(maxlen=TRACE_STEPS))
     _pending: deque = field(default_factory=lambda: deque(maxlen=4))  # decided, not processed
     _last_k: int | None = None  # K of the last decision; None after a step without decodes
@@ -69,6 +75,15 @@ class PolicyTrace:
         if len(by_step) <= step_k:
             by_step.extend([0] * (step_k + 1 - len(by_step)))
         by_step[step_k] += 1
+
+    def timed(self, step_k: int, period_ms: float) -> None:
+        """A processed step's measured period, by its K."""
+        sums, counts = self.period_ms_by_step_k, self.timed_steps_by_step_k
+        if len(sums) <= step_k:
+            sums.extend([0.0] * (step_k + 1 - len(sums)))
+            counts.extend([0] * (step_k + 1 - len(counts)))
+        sums[step_k] += period_ms
+        counts[step_k] += 1
 
     def decided(
         self,

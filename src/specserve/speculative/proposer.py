@@ -41,6 +41,14 @@ class Proposer(ABC):
     # Tokens one catch-up pass may carry; longer catch-ups are split (`bounded_passes`).
     max_pass_tokens = 2048
     needs_commit = True  # False: `commit` does nothing (the loop skips building its inputs)
+    # Drafter passes run eagerly (kernel by kernel from Python, not a graph replay) and the
+    # tokens they took: on a small model each costs the host about as much as a whole step.
+    eager_passes = 0
+    eager_tokens = 0
+
+    def count_eager(self, num_tokens: int) -> None:
+        self.eager_passes += 1
+        self.eager_tokens += num_tokens
 
     @abstractmethod
     def propose(self, items: list[ScheduledRequest]) -> None: ...

@@ -153,12 +153,17 @@ class Speculator:
         self._last_decodes, self._last_resolved_s = only_decodes, resolved_s
         decision = None
         step_k = max([len(s.drafts) for s in decoding]) if decoding else 0
+        trace = self.policy.trace
         if decoding:
-            decision, _ = self.policy.trace.processed(len(decoding), step_k)
+            decision, _ = trace.processed(len(decoding), step_k)
+        if not self.keeps_drafter:
+            trace.dormant_steps += 1
         period_ms = None
         committed, self._last_committed = self._last_committed, 0  # (observe sets it)
         if prev_s is not None and resolved_s > prev_s and not after_idle:
             period_ms = (resolved_s - prev_s) * 1e3
+            if decoding:
+                trace.timed(step_k, period_ms)
             if decision is not None:
                 decision.observed_ms = period_ms
             observe_rate = getattr(self.policy, "observe_rate", None)
@@ -168,7 +173,7 @@ class Speculator:
             self.periods.stop()
             return
         if period_ms is not None:
-            self.policy.trace.observed_goodput = committed / period_ms * 1e3
+            trace.observed_goodput = committed / period_ms * 1e3
         self.periods.add(len(decoding), step_k, period_ms if prev_decodes else None, decision)
 
     def stats(self) -> dict:
@@ -187,4 +192,9 @@ class Speculator:
             "spec_observed_goodput": trace.observed_goodput,
             "spec_position_drafted": list(self.acceptance.position_drafted),
             "spec_position_accepted": list(self.acceptance.position_accepted),
+            "spec_period_ms_by_step_k": list(trace.period_ms_by_step_k),
+            "spec_timed_steps_by_step_k": list(trace.timed_steps_by_step_k),
+            "spec_dormant_steps": trace.dormant_steps,
+            "spec_drafter_eager_passes": self.proposer.eager_passes,
+            "spec_drafter_eager_tokens": self.proposer.eager_tokens,
         }
