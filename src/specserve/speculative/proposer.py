@@ -42,7 +42,7 @@ class Proposer(ABC):
     max_pass_tokens = 2048
     needs_commit = True  # False: `commit` does nothing (the loop skips building its inputs)
     # Drafter passes run eagerly (kernel by kernel from Python, not a graph replay) and the
-    # tokens they took: on a small model each costs the host about as much as a whole step.
+    # tokens they took: each pays the host for every launch, which a fast model feels.
     eager_passes = 0
     eager_tokens = 0
 
