@@ -2,7 +2,8 @@
 store write run in the graph (on its static slot mapping), so a step that does not draft
 costs the host what a plain step costs, and the store holds the same bits as when the
 features were taken eagerly after the replay. On the CPU through the graph runner's padded
-path run eagerly; on a GPU (marked) through captured graphs."""
+path run eagerly; on a GPU (marked) through captured graphs. ("plain": a speculating engine
+whose every step has K=0; under the off policy the target keeps no features at all.)"""
 
 from __future__ import annotations
 
@@ -24,6 +25,10 @@ def models(tmp_path_factory):
     return make_models(tmp_path_factory)
 
 
+def _policy(name: str) -> StepDraftLens:
+    return StepDraftLens(3, seed=7, choices=(0,) if name == "plain" else (0, 0, 1, 3))
+
+
 def _eagle3(models, policy: str, in_graph: bool, **kw) -> LLM:
     kw = {
         "speculative_num_steps": 3,
@@ -32,13 +37,10 @@ def _eagle3(models, policy: str, in_graph: bool, **kw) -> LLM:
         "overlap_schedule": "on",
         **kw,
     }
-    if policy == "off":
-        kw["speculative_policy"] = "off"
-    else:
+    if policy != "plain":
         kw["speculative_simulate_acceptance"] = 0.6  # accept lengths move the slots
     llm = LLM(models["target"], **kw)
-    if policy != "off":
-        llm.engine.spec.policy = StepDraftLens(3, seed=7, choices=(0, 0, 1, 3))
+    llm.engine.spec.policy = _policy(policy)
     install_padded_runner(
         llm,
         tokens_per_request=(1, 2, 3, 4),
@@ -65,7 +67,7 @@ def _watch_aux(llm) -> dict:
     return seen
 
 
-@pytest.mark.parametrize("policy", ["off", "mixed"])
+@pytest.mark.parametrize("policy", ["plain", "mixed"])
 @pytest.mark.parametrize("num_prompts", [3, 4])  # padded to bucket 4, and not
 def test_store_after_graph_path_steps_equals_eager_features(models, policy, num_prompts):
     prompts = prompts_for()[:num_prompts]
@@ -128,11 +130,12 @@ def _ops_per_step(llm, aux_layer_ids, steps: int = 8) -> list[list[str]]:
 
 def test_a_step_that_does_not_draft_makes_the_torch_calls_of_a_plain_step(models):
     plain = LLM(models["target"], page_size=4, overlap_schedule="on")
-    off = _eagle3(models, "off", in_graph=True)
+    k0 = _eagle3(models, "plain", in_graph=True)
+    assert k0.engine.spec.aux_layer_ids  # (features taken, inside the graphs)
     plain_calls = _ops_per_step(plain, ())
-    off_calls = _ops_per_step(off, off.engine.spec.aux_layer_ids)
-    assert off_calls == plain_calls
-    assert "index_copy_" not in sum(off_calls, [])
+    k0_calls = _ops_per_step(k0, k0.engine.spec.aux_layer_ids)
+    assert k0_calls == plain_calls
+    assert "index_copy_" not in sum(k0_calls, [])
 
 
 # ---- GPU: captured graphs -------------------------------------------------------------
@@ -149,14 +152,11 @@ def _gpu_engine(models, policy: str, in_graph: bool) -> LLM:
         # and the CPU cases above cover mixed steps)
         "cuda_graph_max_tokens": 0,
     }
-    if policy == "off":
-        kw["speculative_policy"] = "off"
-    else:
+    if policy != "plain":
         kw["speculative_simulate_acceptance"] = 0.6
     llm = LLM(models["target"], **kw)
     engine = llm.engine
-    if policy != "off":
-        engine.spec.policy = StepDraftLens(3, seed=7, choices=(0, 0, 1, 3))
+    engine.spec.policy = _policy(policy)
     assert engine.runner.graphs is not None and engine.runner.graphs.feature_writer is not None
     if not in_graph:  # as before: graphs return the aux, features projected eagerly after
         old = engine.runner.graphs
@@ -206,7 +206,7 @@ def _shadow_store(llm) -> torch.Tensor:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("policy", ["off", "mixed"])
+@pytest.mark.parametrize("policy", ["plain", "mixed"])
 @pytest.mark.parametrize("num_prompts", [3, 4, 8])  # padded to bucket 4, and not
 def test_gpu_store_after_graph_steps_equals_eager_features(models, policy, num_prompts):
     """Against the graphs as before (aux out, features projected eagerly on the real rows):

@@ -5,9 +5,10 @@
   drafter's catch-up copied as one block and accept lengths read without an upload; the
   tokens equal the synchronous loop's (where none of these run) and the fast paths ran.
 - The EAGLE-3 feature store: a request catches its drafter up on features written by any
-  earlier step, however long ago; after plain steps under the off policy (which keeps no
+  earlier step, however long ago; after plain steps of a dormant policy (which keeps no
   drafter state up to date along the way) the drafts equal those of an engine that always
-  drafts, at the same committed context.
+  drafts, at the same committed context. Under the off policy the target keeps no drafter
+  inputs at all: the store stays empty.
 - Greedy verification returns the argmax row: its committed prefix equals the assembled
   tokens of the general verifier.
 """
@@ -21,7 +22,7 @@ from specserve import LLM, SamplingParams
 from specserve.runtime import inflight
 from specserve.runtime.verify import verify_greedy
 from specserve.speculative import eagle3_graph_inputs
-from specserve.speculative.policy import FixedPolicy
+from specserve.speculative.policy import FixedPolicy, PerRequestPolicy
 from tests.support.model_cases import install_padded_runner
 from tests.support.overlap_cases import make_models, prompts_for, record_drafts, spec_kwargs
 
@@ -82,16 +83,26 @@ def test_dense_speculative_steps_equal_the_synchronous_loop(models, monkeypatch)
     assert [o.token_ids for o in llm.generate(prompts, PARAMS)] == outs["on"]
 
 
+class _Dormant(PerRequestPolicy):
+    """Plain decoding with the drafter's upkeep stopped (the goodput policy's dormancy)."""
+
+    dormant = True
+
+    def __init__(self):
+        super().__init__(3, lambda r: 0)
+
+
 def test_catch_up_from_the_store_after_plain_steps(models):
-    """Off for a stretch (no ride-along, no drafter work at all), then fixed K: the first
-    drafts after the pause equal those of an engine that drafted all along."""
+    """Dormant for a stretch (no ride-along, no drafter work at all), then fixed K: the
+    first drafts after the pause equal those of an engine that drafted all along."""
     prompts = prompts_for()[:4]
     always = _engine(models, "on", speculative_policy="fixed")
     want = record_drafts(always)
     ref = [o.token_ids for o in always.generate(prompts, PARAMS)]
 
-    llm = _engine(models, "on", speculative_policy="off")
+    llm = _engine(models, "on", speculative_policy="fixed")
     engine = llm.engine
+    engine.spec.policy = _Dormant()
     proposer, runs = engine.spec.proposer, []
     propose = proposer.propose
     proposer.propose = lambda items, *prev: (runs.append(len(items)), propose(items, *prev))
@@ -99,7 +110,7 @@ def test_catch_up_from_the_store_after_plain_steps(models):
     ids = [engine.add_request(p, PARAMS) for p in prompts]
     for _ in range(12):
         engine.step()
-    assert not runs  # the off policy: the proposer never ran
+    assert not runs  # dormant: the proposer never ran
     engine.spec.policy = FixedPolicy(3)
     outs = {}
     while engine.has_unfinished():
@@ -190,3 +201,19 @@ def test_pack_vectorized_equals_the_loop(monkeypatch, shifted):
                 )
             )
         assert got[0] == got[1], trial
+
+
+def test_the_off_policy_keeps_no_drafter_inputs(models):
+    """Under `--speculative-policy off` the target writes no EAGLE-3 features (nothing will
+    ever draft from them): no auxiliary layers, an empty store, outputs as plain decoding."""
+    prompts = prompts_for()[:4]
+    plain = LLM(models["target"], page_size=4, speculative_algorithm="none")
+    ref = [o.token_ids for o in plain.generate(prompts, PARAMS)]
+    llm = _engine(models, "on", speculative_policy="off")
+    spec = llm.engine.spec
+    assert spec.aux_layer_ids == () and spec.feature_writer() is None
+    assert [o.token_ids for o in llm.generate(prompts, PARAMS)] == ref
+    assert not spec.proposer.feature_store.any()
+    fixed = _engine(models, "on", speculative_policy="fixed")  # (and K > 0 writes them)
+    fixed.generate(prompts, PARAMS)
+    assert fixed.engine.spec.proposer.feature_store.any()

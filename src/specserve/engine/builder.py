@@ -190,7 +190,7 @@ def capture_target_graphs(
         aux_layer_ids=spec.aux_layer_ids if spec else (),
         # EAGLE-3's feature projection and store write inside each graph: a step that
         # does not draft is one replay, as a plain one.
-        feature_writer=spec.proposer.feature_writer() if spec else None,
+        feature_writer=spec.feature_writer() if spec else None,
         # the logits and their greedy tokens inside each graph: a greedy decode step
         # launches nothing more to sample (model_runner.sample_async)
         logits_head=lambda hidden: runner.model.compute_logits(hidden, fp32=False),

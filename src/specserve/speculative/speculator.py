@@ -33,6 +33,10 @@ class Speculator:
     def __init__(self, target: TargetParts):
         cfg = target.config
         self.k_max = cfg.speculative_num_steps
+        # The off policy never drafts in this engine's life: the target keeps no drafter
+        # inputs either (no auxiliary hidden states, no feature store writes), so a step
+        # costs a plain one on the device too.
+        self.never_drafts = cfg.speculative_policy == "off"
         self.proposer: Proposer = build_proposer(target)
         self.acceptance = AcceptanceModel(self.k_max)
         self.simulate_rate = None
@@ -58,7 +62,12 @@ class Speculator:
 
     @property
     def aux_layer_ids(self) -> tuple[int, ...]:
-        return self.proposer.aux_layer_ids
+        """The target layers whose hidden states the drafter reads (none under off)."""
+        return () if self.never_drafts else self.proposer.aux_layer_ids
+
+    def feature_writer(self):
+        """The proposer's in-graph feature writer (see Proposer), none under off."""
+        return None if self.never_drafts else self.proposer.feature_writer()
 
     @property
     def may_draft(self) -> bool:
