@@ -229,8 +229,13 @@ def test_plot_redraws_from_saved_json(tmp_path, capsys):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
     assert main(["bench", "plot", str(sweep)]) == 0
     assert (tmp_path / "s.png").exists()
+    rows[-1]["server"] = {
+        "step_ms_mean": 1.5,
+        "speculation": {"step_ms_by_k": {"0": 0.85, "3": 1.7}},
+    }
     table = markdown_table(rows)
     assert table.count("\n") == 2 + len(rows) and "| ngram | 16 |" in table
+    assert "| 1.50 (K=0 0.85, K=3 1.70) |" in table  # a speculating server's steps by K
     (tmp_path / "bad.json").write_text("[1, 2]")
     capsys.readouterr()
     assert main(["bench", "plot", str(tmp_path / "bad.json")]) == 2

@@ -10,7 +10,7 @@ import statistics
 from pathlib import Path
 
 from specserve.bench.matrix import Point
-from specserve.bench.report import save_json
+from specserve.bench.report import save_json, step_ms_by_k
 
 _UNITS = {"closed": "concurrency", "poisson": "req/s"}
 
@@ -156,6 +156,9 @@ def detail_table(rows: list[dict]) -> str:
         accept = spec.get("mean_acceptance_length")
         load = r.get("load_avg_1m") or [None]
         waits = ", ".join(f"{k} {v}" for k, v in (server.get("loop_wait_reasons") or {}).items())
+        step = "-" if "step_ms_mean" not in server else f"{server['step_ms_mean']:.2f}"
+        if step_ms_by_k(spec):
+            step += f" ({step_ms_by_k(spec)})"
         cells = [
             m["config"],
             "all" if m["acceptance"] is None else f"{m['acceptance']:g}",
@@ -164,7 +167,7 @@ def detail_table(rows: list[dict]) -> str:
             f"{r['output_throughput']:.1f}",
             _ms(r["ttft_ms"]["p50"]),
             _ms(r["tpot_ms"]["p50"]),
-            "-" if "step_ms_mean" not in server else f"{server['step_ms_mean']:.2f}",
+            step,
             waits or str(server.get("loop_waits", "-")),
             "-" if accept is None else f"{accept:.2f}",
             _mix(spec),

@@ -121,7 +121,15 @@ def report_rows(report: dict) -> list[tuple[str, str]]:
     if spec.get("acceptance_by_position"):
         rates = ", ".join(f"{v:.2f}" for v in spec["acceptance_by_position"].values())
         rows.append(("spec: acceptance by position", rates))
+    if spec.get("step_ms_by_k"):
+        rows.append(("spec: mean step ms by K", step_ms_by_k(spec)))
     return rows
+
+
+def step_ms_by_k(spec: dict) -> str:
+    """A speculating server's mean step period at each K it ran ("K=0 0.85, K=3 1.70"), or
+    "" when it reported none."""
+    return ", ".join(f"K={k} {ms:.2f}" for k, ms in (spec.get("step_ms_by_k") or {}).items())
 
 
 def print_report(report: dict, title: str = "specserve bench") -> None:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from specserve.bench.datasets import BenchPrompt, Dataset
 from specserve.bench.load import LoadConfig
-from specserve.bench.report import save_json
+from specserve.bench.report import save_json, step_ms_by_k
 from specserve.bench.runner import benchmark
 from specserve.bench.server_process import ServerProcess
 
@@ -129,9 +129,9 @@ def measure(
     if "device_busy_ms_mean" in steps:
         step_ms += f" (device {steps['device_busy_ms_mean']:.2f})"
     waits = f"  waits {steps['loop_waits']}" if "loop_waits" in steps else ""
-    by_k = (steps.get("speculation") or {}).get("step_ms_by_k")
+    by_k = step_ms_by_k(steps.get("speculation") or {})
     if by_k:  # a speculating server's mean step at each K it ran
-        step_ms += " [" + ", ".join(f"K={k} {ms:.2f}" for k, ms in by_k.items()) + "]"
+        step_ms += f" [{by_k}]"
     print(
         f"[sweep] {desc or label:>24} {report['output_throughput']:8.1f} tok/s  "
         f"p50 ITL {_ms(report['itl_ms']['p50'])} ms  "
@@ -196,20 +196,24 @@ def markdown_table(rows: list[dict]) -> str:
     """One line per (configuration, concurrency)."""
     head = (
         "| config | concurrency | requests ok/sent | req/s | output tok/s | TTFT p50 ms | "
-        "ITL p50 ms | TPOT p50 ms | e2e p50 ms | tok/chunk | accept len | draft-length mix | "
-        "load 1m |"
+        "ITL p50 ms | TPOT p50 ms | e2e p50 ms | tok/chunk | step ms | accept len | "
+        "draft-length mix | load 1m |"
     )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
-        spec = ((r.get("server") or {}).get("speculation")) or {}
+        server = r.get("server") or {}
+        spec = server.get("speculation") or {}
         accept = spec.get("mean_acceptance_length")
+        step = "-" if "step_ms_mean" not in server else f"{server['step_ms_mean']:.2f}"
+        if step_ms_by_k(spec):
+            step += f" ({step_ms_by_k(spec)})"
         mix = ", ".join(f"{k}:{v:.0%}" for k, v in (spec.get("draft_length_mix") or {}).items())
         lines.append(
             f"| {r['label']} | {r['config']['max_concurrency']} | {r['completed']}/"
             f"{r['num_requests']} | {r['request_throughput']:.2f} | {r['output_throughput']:.1f} "
             f"| {_ms(r['ttft_ms']['p50'])} | {_ms(r['itl_ms']['p50'])} | "
             f"{_ms(r['tpot_ms']['p50'])} | {_ms(r['e2e_latency_ms']['p50'])} | "
-            f"{_num(r.get('tokens_per_chunk'))} | {_num(accept)} | {mix or '-'} | "
+            f"{_num(r.get('tokens_per_chunk'))} | {step} | {_num(accept)} | {mix or '-'} | "
             f"{_load(r.get('load_avg_1m'))} |"
         )
     return "\n".join(lines) + "\n"
@@ -219,7 +223,8 @@ _COLUMNS = (
     "TTFT: request sent to first text chunk. ITL: gap between successive text chunks (one "
     "chunk can carry several tokens when speculating). TPOT: (e2e - TTFT) / (output tokens - "
     "1). tok/chunk: output tokens per text chunk after the first, specserve's mean tokens per "
-    "decode step for the request. accept len and draft-length mix: from the server's /metrics, "
+    "decode step for the request. step ms: the server's mean step (by K when it speculates). "
+    "accept len and draft-length mix: from the server's /metrics, "
     "when it exports them. load 1m: the machine's 1-minute load average before and after the "
     "run (other work on the machine makes configurations measured at different times hard to "
     "compare)."
