@@ -83,3 +83,11 @@ def client(server):
     import openai
 
     return openai.OpenAI(base_url=server.url + "/v1", api_key=server.api_key, max_retries=0)
+
+
+def read_all(sock) -> bytes:
+    """Everything a raw socket receives until the server closes it."""
+    out = b""
+    while chunk := sock.recv(65536):
+        out += chunk
+    return out

@@ -14,6 +14,7 @@ import pytest
 import uvicorn
 
 from specserve.server.guard import guarded_http, http_protocol_base
+from tests.server.conftest import read_all
 
 TIMEOUT_S = 0.5
 
@@ -59,26 +60,19 @@ def server(request):
     thread.join(10)
 
 
-def _read_all(sock: socket.socket) -> bytes:
-    out = b""
-    while chunk := sock.recv(65536):
-        out += chunk
-    return out
-
-
 def test_headers_deadline(server):
     # headers that never finish: closed after the deadline, nothing sent
     sock = socket.create_connection(("127.0.0.1", server), timeout=10)
     sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n")
     started = time.monotonic()
-    assert _read_all(sock) == b""
+    assert read_all(sock) == b""
     assert TIMEOUT_S * 0.8 < time.monotonic() - started < 8
     sock.close()
     # complete headers: a response; the connection, kept alive, then closes when idle
     sock = socket.create_connection(("127.0.0.1", server), timeout=10)
     sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
     started = time.monotonic()
-    reply = _read_all(sock)
+    reply = read_all(sock)
     assert reply.startswith(b"HTTP/1.1 200") and reply.endswith(b"\r\n\r\nok")
     assert time.monotonic() - started < 30  # the guard's deadline, not uvicorn's 60 s
     sock.close()

@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from specserve.server.messages import OutputDelta
-from tests.server.conftest import ServerProcess
+from tests.server.conftest import ServerProcess, read_all
 
 KEY = "hardening-key"
 
@@ -55,13 +55,6 @@ def _raw(server, data: bytes) -> socket.socket:
     return sock
 
 
-def _read_all(sock: socket.socket) -> bytes:
-    out = b""
-    while chunk := sock.recv(65536):
-        out += chunk
-    return out
-
-
 def test_no_key_no_body_read(guarded):
     """A 100 MB body without the key gets its 401 after the headers, before the body is
     sent (here: never sent), and /health stays fast meanwhile."""
@@ -72,7 +65,7 @@ def test_no_key_no_body_read(guarded):
     )
     sock.sendall(b"{" + b" " * 65536)
     started = time.monotonic()
-    reply = _read_all(sock)
+    reply = read_all(sock)
     assert reply.startswith(b"HTTP/1.1 401"), reply[:200]
     assert b"invalid_api_key" in reply
     assert time.monotonic() - started < 5  # answered without waiting for 100 MB
@@ -102,7 +95,7 @@ def test_stalled_connections_are_closed(guarded):
     # headers that never finish: the connection is closed after the read timeout
     sock = _raw(guarded, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
     started = time.monotonic()
-    assert _read_all(sock) == b""
+    assert read_all(sock) == b""
     assert 0.5 < time.monotonic() - started < 8
     sock.close()
     # a body that never finishes: 408
@@ -111,12 +104,12 @@ def test_stalled_connections_are_closed(guarded):
         "Content-Type: application/json\r\nContent-Length: 100\r\n\r\n"
     )
     sock = _raw(guarded, head.encode() + b'{"pro')
-    reply = _read_all(sock)
+    reply = read_all(sock)
     assert reply.startswith(b"HTTP/1.1 408"), reply[:200]
     sock.close()
     # an idle kept-alive connection after a response is closed too
     sock = _raw(guarded, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
-    assert _read_all(sock).startswith(b"HTTP/1.1 200")
+    assert read_all(sock).startswith(b"HTTP/1.1 200")
     sock.close()
 
 
