@@ -62,6 +62,7 @@ if os.getppid() != int(sys.argv[2]):  # the parent died before prctl took effect
     sys.exit(1)
 module = sys.argv[1]
 sys.argv = [module]
+import tests.support.interpreter_dot  # noqa: E402,F401 (a dot whose bits ignore its shape)
 runpy.run_module(module, run_name="__main__", alter_sys=True)
 """
 
