@@ -171,7 +171,7 @@ def test_graph_padded_steps_identical(models, reference, drafter):
     llm = LLM(models["target"], overlap_schedule="on", page_size=4, **spec_kwargs(models, drafter))
     spec = llm.engine.spec
     calls = install_padded_runner(
-        llm, tokens_per_request=(1, 2, 3, 4), aux_layer_ids=spec.aux_layer_ids if spec else ()
+        llm, q_lens=(1, 2, 3, 4), aux_layer_ids=spec.aux_layer_ids if spec else ()
     )
     if drafter:
         random_draft_lens(llm, seed=4)

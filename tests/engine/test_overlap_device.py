@@ -52,9 +52,7 @@ def eagle3(models, overlap: str, padded=False, seed=5, choices=(0, 1, 2, 3, 3), 
     llm = LLM(models["target"], overlap_schedule=overlap, **kw)
     llm.engine.spec.policy = StepDraftLens(3, seed, choices)
     if padded:
-        install_padded_runner(
-            llm, tokens_per_request=(1, 2, 3, 4), aux_layer_ids=llm.engine.spec.aux_layer_ids
-        )
+        install_padded_runner(llm, q_lens=(1, 2, 3, 4), aux_layer_ids=llm.engine.spec.aux_layer_ids)
         proposer = llm.engine.spec.proposer
         proposer.graphs = capture_drafter_graphs(proposer, llm.engine.target, use_graphs=False)
     return llm

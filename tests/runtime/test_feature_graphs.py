@@ -43,7 +43,7 @@ def _eagle3(models, policy: str, in_graph: bool, **kw) -> LLM:
     llm.engine.spec.policy = _policy(policy)
     install_padded_runner(
         llm,
-        tokens_per_request=(1, 2, 3, 4),
+        q_lens=(1, 2, 3, 4),
         aux_layer_ids=llm.engine.spec.aux_layer_ids,
         in_graph=in_graph,
     )
@@ -108,7 +108,7 @@ class _CountCalls(TorchFunctionMode):
 
 def _ops_per_step(llm, aux_layer_ids, steps: int = 8) -> list[list[str]]:
     """Torch calls of each steady decode step of 3 requests, graph replays free."""
-    install_padded_runner(llm, tokens_per_request=(1,), aux_layer_ids=aux_layer_ids, mixed=False)
+    install_padded_runner(llm, q_lens=(1,), aux_layer_ids=aux_layer_ids, mixed=False)
     graphs = llm.engine.runner.graphs
     with torch.inference_mode():
         graphs._graphs = {key: (_FreeReplay(), *graphs._forward(*key)) for key in graphs.keys()}
@@ -165,7 +165,7 @@ def _gpu_engine(models, policy: str, in_graph: bool) -> LLM:
             old.kv_layers,
             old.backend,
             old.batch_buckets,
-            old.tokens_per_request,
+            old.q_lens,
             old.max_seq_len,
             old.aux_layer_ids,
         )
@@ -192,8 +192,8 @@ def _shadow_store(llm) -> torch.Tensor:
 
     def graph_step(input_ids, meta):
         out = run(input_ids, meta)
-        batch, q = graphs.bucket_for(meta.num_requests), meta.max_query_len
-        project(graphs._graphs[(batch, q)][2], graphs.slot_mapping[: batch * q])
+        batch, q_len = graphs.bucket_for(meta.num_requests), meta.max_query_len
+        project(graphs._graphs[(batch, q_len)][2], graphs.slot_mapping[: batch * q_len])
         return out
 
     def eager_step(aux, slots=None):

@@ -33,7 +33,7 @@ def test_padded_graph_steps_keep_greedy_output(tiny_llama, budget):
         page_size=4,
         max_num_batched_tokens=budget,
     )
-    calls = install_padded_runner(llm, tokens_per_request=(1, 2, 3, 4, 5))
+    calls = install_padded_runner(llm, q_lens=(1, 2, 3, 4, 5))
     pick = random.Random(9)
     llm.engine.spec.policy = PerRequestPolicy(4, lambda req: pick.choice([0, 1, 2, 4]))
     outs = llm.generate(prompts, params)
@@ -69,7 +69,7 @@ def test_graph_head_serves_greedy_sampled_and_logprob_steps(tiny_llama):
     ]
     plain = _run_engine(LLM(str(tiny_llama), page_size=4), prompts, params)
     llm = LLM(str(tiny_llama), page_size=4)
-    calls = install_padded_runner(llm, tokens_per_request=(1,))
+    calls = install_padded_runner(llm, q_lens=(1,))
     heads = []
     sample = llm.engine.runner.sample_async
 
@@ -114,7 +114,6 @@ def test_dense_greedy_verify_takes_the_graphs_tokens(tiny_llama, tmp_path, draft
     target as its own drafter (every draft accepted) and with another model (most
     rejected), in the synchronous loop and under overlap (drafts left on the device)."""
     from specserve.runtime import model_runner, verify
-    from specserve.runtime.model_runner import num_drafts
     from tests.support.tiny_models import make_tiny_model
 
     rng = random.Random(6)
@@ -131,17 +130,17 @@ def test_dense_greedy_verify_takes_the_graphs_tokens(tiny_llama, tmp_path, draft
         page_size=4,
         overlap_schedule=overlap,
     )
-    calls = install_padded_runner(llm, tokens_per_request=(1, 2, 3, 4))
+    calls = install_padded_runner(llm, q_lens=(1, 2, 3, 4))
     runner = llm.engine.runner
     sample, kept = runner.sample_async, verify.argmax_rows
     seen = {"dense": [], "in_dense": False}
 
     def watched(step, hidden, *args):
-        lens = [num_drafts(s) for s in step.sampled]
+        draft_lens = [s.drafted for s in step.sampled]
         dense = (
             runner.step_head is not None
-            and lens
-            and min(lens) == max(lens) > 0
+            and draft_lens
+            and min(draft_lens) == max(draft_lens) > 0
             and len(step.sample_rows) == hidden.shape[0]
         )
         seen["in_dense"] = dense

@@ -110,7 +110,7 @@ def test_engine_plan_groups_shared_buckets_with_decode_and_verify_and_the_larges
     monkeypatch.setattr(plan_tuning, "StepTimer", Timer)
 
     class Graphs:
-        batch_buckets, tokens_per_request = (1, 2, 4, 8, 16, 32, 64), (1, 2, 3, 4)
+        batch_buckets, q_lens = (1, 2, 4, 8, 16, 32, 64), (1, 2, 3, 4)
 
     plan_tuning.tune_engine_plan(Graphs(), plan, None, shared_rows=16, verify_tokens=4)
     steps, key_sets = seen["shared"]
@@ -122,7 +122,7 @@ def test_engine_plan_groups_shared_buckets_with_decode_and_verify_and_the_larges
     seen.clear()
 
     class Plain:
-        batch_buckets, tokens_per_request = (1, 2, 4), (1,)
+        batch_buckets, q_lens = (1, 2, 4), (1,)
 
     plan_tuning.tune_engine_plan(Plain(), plan, None, shared_rows=16, verify_tokens=1)
     assert list(seen) == ["shared"] and seen["shared"][0] == [(1, 1)]

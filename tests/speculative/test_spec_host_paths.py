@@ -39,9 +39,7 @@ def _engine(models, overlap: str, **kw) -> LLM:
 
     kw = {"speculative_num_steps": 3, **spec_kwargs(models, "eagle3"), "page_size": 4, **kw}
     llm = LLM(models["target"], overlap_schedule=overlap, **kw)
-    install_padded_runner(
-        llm, tokens_per_request=(1, 2, 3, 4), aux_layer_ids=llm.engine.spec.aux_layer_ids
-    )
+    install_padded_runner(llm, q_lens=(1, 2, 3, 4), aux_layer_ids=llm.engine.spec.aux_layer_ids)
     proposer = llm.engine.spec.proposer
     proposer.graphs = capture_drafter_graphs(proposer, llm.engine.target, use_graphs=False)
     return llm

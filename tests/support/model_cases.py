@@ -210,9 +210,7 @@ def logits_head(model):
     return lambda hidden: model.compute_logits(hidden, fp32=False)
 
 
-def install_padded_runner(
-    llm, tokens_per_request, aux_layer_ids=(), in_graph=True, mixed=True
-) -> dict:
+def install_padded_runner(llm, q_lens, aux_layer_ids=(), in_graph=True, mixed=True) -> dict:
     """Give `llm`'s engine the CUDA-graph runner's padded path, run eagerly (buckets 1-8,
     contexts up to 512; with `mixed`, steps mixing prefill chunks with decode rows up to
     64 tokens too), as on a GPU (with aux layers and `in_graph`, the drafter's feature
@@ -228,7 +226,7 @@ def install_padded_runner(
         runner.kv.layers,
         runner.backend,
         (1, 2, 4, 8),
-        tokens_per_request=tokens_per_request,
+        q_lens=q_lens,
         max_seq_len=512,
         aux_layer_ids=aux_layer_ids,
         use_graphs=False,

@@ -176,7 +176,7 @@ def capture_target_graphs(
     if config.torch_device().type != "cuda" or config.disable_cuda_graph:
         return CapturedGraphs(None)
     k_max = config.speculative_num_steps if spec else 0
-    buckets, tokens_per_request = engine_graph_shapes(config)  # (KV sizing reserves for them)
+    buckets, q_lens = engine_graph_shapes(config)  # (KV sizing reserves for them)
     mixed_requests, mixed_tokens = (
         engine_mixed_shapes(config) if runner.backend.mixed_graphs else ((), ())
     )
@@ -185,7 +185,7 @@ def capture_target_graphs(
         kv.layers,
         runner.backend,
         buckets,
-        tokens_per_request=tokens_per_request,
+        q_lens=q_lens,
         max_seq_len=target.max_model_len,
         aux_layer_ids=spec.aux_layer_ids if spec else (),
         # EAGLE-3's feature projection and store write inside each graph: a step that

@@ -90,8 +90,8 @@ def graph_output_bytes(config: EngineConfig, model_cfg: ModelConfig, dtype: torc
         return 0
     from specserve.runtime.graph_shapes import engine_graph_shapes, engine_mixed_shapes, mixed_keys
 
-    buckets, tokens_per_request = engine_graph_shapes(config)
-    rows = sum(buckets) * sum(tokens_per_request)
+    buckets, q_lens = engine_graph_shapes(config)
+    rows = sum(buckets) * sum(q_lens)
     aux = 3 if config.speculative_algorithm == "eagle3" else 0  # EAGLE-3's captured layers
     per_row = (model_cfg.vocab_size + (1 + aux) * model_cfg.hidden_size) * dtype.itemsize + 16
     # mixed steps' graphs keep their final hidden states only (aux too without EAGLE-3's

@@ -10,7 +10,7 @@ import torch
 
 from specserve.core.batch import ScheduledRequest
 from specserve.runtime.inflight import InflightStep
-from specserve.runtime.model_runner import StepInput, num_drafts
+from specserve.runtime.model_runner import StepInput
 from specserve.runtime.sampled_tokens import SampledTokens, StepResult
 
 
@@ -40,7 +40,7 @@ class LaunchedStep:
             self.sampled.tokens,
             self.sampled.accept_len,
             rows,
-            [num_drafts(s) for s in sampled],
+            [s.drafted for s in sampled],
             self.batch,
             self.consumed,
         )

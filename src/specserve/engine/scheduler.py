@@ -118,37 +118,39 @@ class Scheduler:
             else:
                 prefill += s.num_tokens
         load = StepLoad(prefill, budget, self.prefill_per_token)
-        ks = policy.choose([s.request for s in decoding], load)
-        if not any(ks):  # plain decoding (often, with the goodput policy dormant): done
+        draft_lens = policy.choose([s.request for s in decoding], load)
+        if not any(draft_lens):  # plain decoding (often, with the goodput policy dormant): done
             return
-        cap = load.k_cap(len(decoding), max(ks))
+        cap = load.k_cap(len(decoding), max(draft_lens))
         page_size = self.kv.page_size
         page_cap = cap  # the most drafts every request's pages allow
-        for s, k in zip(decoding, ks):
+        clamped = []
+        for s, draft_len in zip(decoding, draft_lens):
             req = s.request
             # Drafts may pass max_tokens, never the context: the tokens past max_tokens are
             # dropped when processed (as those past a stop are), and the step's draft lengths
             # stay uniform (no host wait for mixed ones under overlap).
-            k = max(0, min(k, cap, req.max_len - req.committed_len - 1))
-            if not k:
-                continue
-            reserve = req.cached_len + 1 + req.num_inflight_drafts  # held already
-            held = len(req.page_table) * page_size
-            if reserve + k > held and (
-                short_of_pages or not self.kv.grow(req.page_table, reserve + k)
-            ):
-                # no page for the lookahead: first drop the drafts that could never be
-                # committed, then keep what the pages it holds cover
-                k = min(k, max(0, req.num_left - 1))
-                if reserve + k > held and (
-                    short_of_pages or not self.kv.grow(req.page_table, reserve + k)
+            draft_len = max(0, min(draft_len, cap, req.max_len - req.committed_len - 1))
+            if draft_len:
+                reserve = req.cached_len + 1 + req.num_inflight_drafts  # held already
+                held = len(req.page_table) * page_size
+                if reserve + draft_len > held and (
+                    short_of_pages or not self.kv.grow(req.page_table, reserve + draft_len)
                 ):
-                    k = max(0, held - reserve)
-                    page_cap = min(page_cap, k)
-            s.draft_len = k
-        if page_cap < cap:  # short of pages: one draft length for all, as the policy chose
-            for s in decoding:
-                s.draft_len = min(s.draft_len, page_cap)
+                    # no page for the lookahead: first drop the drafts that could never be
+                    # committed, then keep what the pages it holds cover
+                    draft_len = min(draft_len, max(0, req.num_left - 1))
+                    if reserve + draft_len > held and (
+                        short_of_pages or not self.kv.grow(req.page_table, reserve + draft_len)
+                    ):
+                        draft_len = max(0, held - reserve)
+                        page_cap = min(page_cap, draft_len)
+            clamped.append(draft_len)
+        # The one place a step's draft lengths are set (the overlap loop only shrinks them
+        # to the context once it has waited for the step in flight: StepLoop._settle).
+        # Short of pages: one draft length for all, as the policy chose.
+        for s, draft_len in zip(decoding, clamped):
+            s.draft_len = min(draft_len, page_cap)
 
     @property
     def prefill_per_token(self) -> float:

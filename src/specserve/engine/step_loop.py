@@ -47,7 +47,6 @@ import torch
 
 from specserve.core.batch import ScheduledRequest
 from specserve.engine.launched_step import LaunchedStep, StepTimes
-from specserve.runtime.model_runner import num_drafts
 
 if TYPE_CHECKING:
     from specserve.engine.outputs import RequestOutput, RequestSink
@@ -149,7 +148,7 @@ class StepLoop:
             return "host_drafts"
         if not prev.speculative:
             return None
-        moved = {id(s.request): num_drafts(s) for s in prev.step_input.sampled}
+        moved = {id(s.request): s.drafted for s in prev.step_input.sampled}
         max_len = self.max_model_len
         if all(
             s.request.committed_len + moved.get(id(s.request), 0) + s.draft_len <= max_len
@@ -224,13 +223,13 @@ class StepLoop:
                 spec.proposer.catch_up_prefill(prefilled)
         for s in step_input.sampled:
             s.request.num_inflight += 1
-            s.request.num_inflight_drafts += num_drafts(s)
+            s.request.num_inflight_drafts += s.drafted
         launched = LaunchedStep(
             batch,
             step_input,
             sampled,
             features,
-            speculative=any(num_drafts(s) for s in batch),
+            speculative=any(s.drafted for s in batch),
             draft_ms=(t1 - t0) * 1e3,
             host_ms=(t2 - t1) * 1e3,
             preemptions=[s.request.num_preemptions for s in batch],
@@ -271,7 +270,7 @@ class StepLoop:
         for r, (s, tokens) in enumerate(zip(step.step_input.sampled, result.tokens)):
             req = s.request
             req.num_inflight -= 1
-            req.num_inflight_drafts -= num_drafts(s)
+            req.num_inflight_drafts -= s.drafted
             if s.device_drafts is not None:  # the host sees them now (statistics)
                 s.drafts = result.drafts[r][: s.draft_len]
             accepted[id(s)] = len(tokens) - 1

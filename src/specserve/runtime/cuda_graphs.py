@@ -54,18 +54,18 @@ class CaptureReport:
     first_replay_s: float = 0.0  # one replay of every graph after capture (see capture_graphs)
 
 
-def static_meta(bufs, batch: int, q: int) -> AttentionMetadata:
-    """Attention metadata of `batch` requests of q tokens each over the static buffers of a
-    graph runner (`positions`, `slot_mapping`, `query_start` by q, `seq_lens`,
+def static_meta(bufs, batch: int, q_len: int) -> AttentionMetadata:
+    """Attention metadata of `batch` requests of q_len tokens each over the static buffers of
+    a graph runner (`positions`, `slot_mapping`, `query_start` by q_len, `seq_lens`,
     `block_tables`, `max_seq_len`): views, so a captured graph reads what each step copies in."""
-    n = batch * q
+    n = batch * q_len
     return AttentionMetadata(
         positions=bufs.positions[:n],
         slot_mapping=bufs.slot_mapping[:n],
-        query_start_loc=bufs.query_start[q][: batch + 1],
+        query_start_loc=bufs.query_start[q_len][: batch + 1],
         seq_lens=bufs.seq_lens[:batch],
         block_tables=bufs.block_tables[:batch],
-        max_query_len=q,
+        max_query_len=q_len,
         max_seq_len=bufs.max_seq_len,
     )
 
@@ -120,10 +120,10 @@ def capture_graphs(keys: list[tuple], forward, static_bytes: int, pool=None):
 
 
 class CudaGraphRunner:
-    """Captures `model.forward` per (batch bucket, tokens per request) and replays it.
+    """Captures `model.forward` per (batch bucket, q_len: tokens per request) and replays it.
 
-    `run(input_ids, meta)` serves any step whose requests all have the same query length q
-    (in `tokens_per_request`), at most the largest bucket of requests, and contexts up to
+    `run(input_ids, meta)` serves any step whose requests all have the same query length
+    q_len (in `q_lens`), at most the largest bucket of requests, and contexts up to
     `max_seq_len`. Its outputs are views into graph memory, valid until the next `run`.
     With `use_graphs=False` the same padded static buffers go through the eager forward
     (for debugging, and for testing the padding on the CPU).
@@ -136,11 +136,11 @@ class CudaGraphRunner:
     `logits_head(hidden)` (the model's logits in the activation dtype, when given) runs inside
     each graph too, with the row argmax of its logits (the Triton kernels while capturing,
     kernels/triton_argmax.py): after `run`, `last_head` holds the real rows' (logits, greedy
-    tokens), views of graph memory that the next replay overwrites, and for steps of q > 1
+    tokens), views of graph memory that the next replay overwrites, and for steps of q_len > 1
     tokens per request each request's greedy accept length (`greedy_accept_lens`: its drafts,
     the input rows after the first, accepted while they equal the argmax of the row before).
     A greedy decode step without logprobs then samples without launching anything more, and
-    so does a greedy verify step whose requests all draft q - 1; other steps (sampled,
+    so does a greedy verify step whose requests all draft q_len - 1; other steps (sampled,
     logprobs, shorter drafts) read the logits from there instead of projecting again.
     """
 
@@ -150,7 +150,7 @@ class CudaGraphRunner:
         kv_layers: KVLayers,
         backend: AttentionBackend,
         batch_buckets: tuple[int, ...],
-        tokens_per_request: tuple[int, ...] = (1,),
+        q_lens: tuple[int, ...] = (1,),
         max_seq_len: int = 4096,
         aux_layer_ids: tuple[int, ...] = (),
         use_graphs: bool = True,
@@ -161,7 +161,7 @@ class CudaGraphRunner:
     ):
         self.model, self.kv_layers, self.backend = model, kv_layers, backend
         self.batch_buckets = tuple(sorted(set(batch_buckets)))
-        self.tokens_per_request = tuple(sorted(set(tokens_per_request)))
+        self.q_lens = tuple(sorted(set(q_lens)))
         self.max_seq_len = max_seq_len
         self.aux_layer_ids = aux_layer_ids
         self.use_graphs = use_graphs
@@ -172,22 +172,22 @@ class CudaGraphRunner:
         self.mixed_tokens = tuple(sorted(set(mixed_tokens))) if mixed_requests else ()
         device = kv_layers[0][0].device
         page_size = kv_layers[0][0].shape[1]
-        max_b, max_q = self.batch_buckets[-1], self.tokens_per_request[-1]
+        max_b, max_q_len = self.batch_buckets[-1], self.q_lens[-1]
         self.max_pages = -(-max_seq_len // page_size)
         max_r = max((max_b, *self.mixed_requests))
-        max_t = max((max_b * max_q, *self.mixed_tokens))
+        max_t = max((max_b * max_q_len, *self.mixed_tokens))
         i64 = dict(dtype=torch.int64, device=device)
         self.input_ids = torch.zeros(max_t, **i64)
         self.positions = torch.zeros(max_t, **i64)
         self.slot_mapping = torch.zeros(max_t, **i64)
         self.seq_lens = torch.ones(max_r, **i64)
         self.block_tables = torch.zeros(max_r, self.max_pages, **i64)
-        self.query_start = {q: torch.arange(max_b + 1, **i64) * q for q in self.tokens_per_request}
+        self.query_start = {q_len: torch.arange(max_b + 1, **i64) * q_len for q_len in self.q_lens}
         # A mixed step's host-built integers (MixedLayout), one copy: its query starts, its
         # short rows' starts and its tile list, laid out per graph from offset 0.
         self.group = model.config.num_heads // model.config.num_kv_heads
         # the short rows a mixed step's decode-path launch serves: decode and verify rows
-        self.short_query_len = max_q
+        self.short_query_len = max_q_len
         most = [2 * (b + 1) + 2 * max_mixed_tiles(t, b, self.group) for b, t in self.mixed_keys()]
         self.mixed_block = torch.zeros(max(most, default=0), **i64)
         self._graphs: dict[tuple, tuple] = {}  # key -> (graph, hidden, aux, head)
@@ -211,9 +211,9 @@ class CudaGraphRunner:
         return mixed_keys(self.mixed_requests, self.mixed_tokens)
 
     def keys(self) -> list[tuple]:
-        """Every (batch bucket, tokens per request) and (request bucket, 0, token bucket) of
-        a mixed step, largest step first."""
-        keys = [(b, q) for b in self.batch_buckets for q in self.tokens_per_request]
+        """Every (batch bucket, q_len) and (request bucket, 0, token bucket) of a mixed step,
+        largest step first."""
+        keys = [(b, q_len) for b in self.batch_buckets for q_len in self.q_lens]
         keys += [(b, 0, t) for b, t in self.mixed_keys()]
 
         def size(key):
@@ -233,13 +233,13 @@ class CudaGraphRunner:
         return self.mixed_requests[b], self.mixed_tokens[t]
 
     def can_run(self, meta: AttentionMetadata, num_tokens: int) -> bool:
-        """Whether this step has a graph: uniform query length q (B * q == tokens) with a
-        captured q, a bucket for B, and contexts within max_seq_len."""
-        q, num_requests = meta.max_query_len, meta.num_requests
+        """Whether this step has a graph: uniform query length q_len (B * q_len == tokens)
+        with a captured q_len, a bucket for B, and contexts within max_seq_len."""
+        q_len, num_requests = meta.max_query_len, meta.num_requests
         return (
-            q in self.query_start
+            q_len in self.query_start
             and 0 < num_requests <= self.batch_buckets[-1]
-            and num_requests * q == num_tokens
+            and num_requests * q_len == num_tokens
             and meta.max_seq_len <= self.max_seq_len
             and meta.block_tables.shape[1] <= self.max_pages
         )
@@ -295,18 +295,18 @@ class CudaGraphRunner:
         host_view[:] = values
         self.mixed_block[: len(values)].copy_(host, non_blocking=True)
 
-    def _forward(self, batch: int, q: int, tokens: int = 0):
-        """The graphed forward of (batch, q), or with q = 0 of a mixed step of `tokens`."""
-        if q == 0:
+    def _forward(self, batch: int, q_len: int, tokens: int = 0):
+        """The graphed forward of (batch, q_len), or with q_len = 0 of a mixed step of `tokens`."""
+        if q_len == 0:
             meta = self._mixed_meta(batch, tokens)
             ids = self.input_ids[:tokens]
         else:
-            meta = static_meta(self, batch, q)
-            ids = self.input_ids[: batch * q]
+            meta = static_meta(self, batch, q_len)
+            ids = self.input_ids[: batch * q_len]
         hidden, aux = self.model(ids, meta, self.kv_layers, self.backend, self.aux_layer_ids)
         if aux and self.feature_writer is not None:
             self.feature_writer(aux, meta.slot_mapping)
-        if q == 0:  # its logits are projected after it, for the rows that sample
+        if q_len == 0:  # its logits are projected after it, for the rows that sample
             return hidden, aux if self.feature_writer is None else [], None
         head = None
         if self.logits_head is not None:
@@ -316,14 +316,14 @@ class CudaGraphRunner:
             logits = self.logits_head(hidden)
             tokens = argmax_rows(logits)
             head = (logits, tokens)
-            if q > 1:  # a verify step: its greedy accept lengths too
-                head += (greedy_accept_lens(ids.view(batch, q), tokens.view(batch, q)),)
+            if q_len > 1:  # a verify step: its greedy accept lengths too
+                head += (greedy_accept_lens(ids.view(batch, q_len), tokens.view(batch, q_len)),)
         return hidden, aux, head
 
     def capture(self, pool=None) -> CaptureReport:
-        """Capture every (bucket, tokens per request) shape into `pool` or a new one (the
-        engine keeps the target's and the drafter's graphs in separate pools: their outputs
-        may be alive at the same time); see `capture_graphs`."""
+        """Capture every (bucket, q_len) shape into `pool` or a new one (the engine keeps
+        the target's and the drafter's graphs in separate pools: their outputs may be alive
+        at the same time); see `capture_graphs`."""
         device = self.input_ids.device
         if use_stage_kernel(device):  # compiled now, not at the first step
             from specserve.runtime import stage_kernel
@@ -345,14 +345,15 @@ class CudaGraphRunner:
         """Copy the step into the static buffers (padding the batch to its bucket), replay
         its graph; return the hidden states (and aux hidden states, unless the graph gave
         them to `feature_writer`) of the real tokens."""
-        num_requests, q = meta.num_requests, meta.max_query_len
-        n, batch = num_requests * q, self.bucket_for(num_requests)
-        stage_step(self, input_ids, meta, batch, batch * q)  # one launch on CUDA (graph_staging.py)
+        num_requests, q_len = meta.num_requests, meta.max_query_len
+        n, batch = num_requests * q_len, self.bucket_for(num_requests)
+        # one launch on CUDA (graph_staging.py)
+        stage_step(self, input_ids, meta, batch, batch * q_len)
         if self.use_graphs:
-            graph, hidden, aux, head = self._graphs[(batch, q)]
+            graph, hidden, aux, head = self._graphs[(batch, q_len)]
             graph.replay()
         else:
-            hidden, aux, head = self._forward(batch, q)
+            hidden, aux, head = self._forward(batch, q_len)
         self.last_head = (
             None
             if head is None

@@ -60,7 +60,7 @@ def mixed_keys(request_buckets, token_buckets) -> list[tuple[int, int]]:
 
 
 def engine_graph_shapes(config: EngineConfig) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(batch buckets, tokens per request) of an engine's target graphs: buckets up to
+    """(batch buckets, q_lens: tokens per request) of an engine's target graphs: buckets up to
     min(max_num_seqs, cuda_graph_max_batch); 1..K_max + 1 tokens with speculation, else 1."""
     k_max = config.speculative_num_steps if config.speculative_algorithm else 0
     buckets = default_batch_buckets(min(config.max_num_seqs, config.cuda_graph_max_batch))

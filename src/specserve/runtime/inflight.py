@@ -18,11 +18,6 @@ import torch
 from specserve.runtime.packing import to_device, upload
 
 
-def num_drafts(s) -> int:
-    """Drafts of a scheduled request, whether their values are on the host or the device."""
-    return s.draft_len if s.device_drafts is not None else len(s.drafts)
-
-
 @dataclass
 class CatchUpTail:
     """Catch-up tokens still on the device: the last lens[b] token ids of segment b (0: none)
@@ -51,7 +46,7 @@ class CatchUpTail:
 class InflightStep:
     """Step N's results on the device, by row: its sampled requests in order.
 
-    Row r drew tokens[r, :accept_len[r] + 1] after num_drafts[r] drafts (`accept_len` None:
+    Row r drew tokens[r, :accept_len[r] + 1] after drafted[r] drafts (`accept_len` None:
     a plain step, one token per row). `scheduled` are N's scheduled requests (sampled or
     not: a prefill chunk that drew no token fed the target too). `consumed` collects the
     requests whose drafter the next step caught up on N's rows (so N's resolve adds their
@@ -61,7 +56,7 @@ class InflightStep:
     tokens: torch.Tensor  # [R, W]
     accept_len: torch.Tensor | None  # [R]
     rows: dict[int, int]  # id(request) -> row
-    num_drafts: list[int]
+    drafted: list[int]  # ScheduledRequest.drafted of each row
     scheduled: list = field(default_factory=list)  # ScheduledRequest of step N
     consumed: set[int] = field(default_factory=set)
     _padded: torch.Tensor | None = field(default=None, repr=False)  # accept_len, then a 0
@@ -83,7 +78,7 @@ class InflightStep:
         device = self.tokens.device
         if self.accept_len is None:
             return torch.zeros(len(rows), dtype=torch.int64, device=device)
-        last = len(self.num_drafts)
+        last = len(self.drafted)
         if len(rows) == last and rows == list(range(last)):  # the same requests in order
             return self.accept_len
         if self._padded is None:
@@ -93,7 +88,7 @@ class InflightStep:
     def catch_up_tail(self, rows: list[int]) -> CatchUpTail:
         """The drafter's catch-up inputs from this step for requests at `rows` (-1: not in
         this step): each one's drawn tokens, as many as it may have committed."""
-        lens = [self.num_drafts[r] + 1 if r >= 0 else 0 for r in rows]
+        lens = [self.drafted[r] + 1 if r >= 0 else 0 for r in rows]
         return CatchUpTail(self.tokens, rows, lens, self.accepted(rows))
 
 
@@ -106,7 +101,7 @@ def place_device_tokens(batch, input_ids, last_rows, missing, prev_rows, prev, d
     lists, sources = [], []
     if missing:
         lists += [
-            [last_rows[i] - num_drafts(batch[i]) for i in missing],
+            [last_rows[i] - batch[i].drafted for i in missing],
             [prev_rows[i] for i in missing],
         ]
         sources.append(prev.last_tokens)
@@ -116,9 +111,9 @@ def place_device_tokens(batch, input_ids, last_rows, missing, prev_rows, prev, d
             continue
         tokens, row = s.device_drafts
         _, dest, src = by_tensor.setdefault(id(tokens), (tokens, [], []))
-        k = s.draft_len
-        dest += range(last_rows[i] - k + 1, last_rows[i] + 1)
-        src += range(row * tokens.shape[1], row * tokens.shape[1] + k)
+        draft_len = s.draft_len
+        dest += range(last_rows[i] - draft_len + 1, last_rows[i] + 1)
+        src += range(row * tokens.shape[1], row * tokens.shape[1] + draft_len)
     for tokens, dest, src in by_tensor.values():
         lists += [dest, src]
         sources.append(tokens.reshape(-1))
@@ -131,21 +126,22 @@ def place_device_tokens(batch, input_ids, last_rows, missing, prev_rows, prev, d
 
 def _place_dense(batch, input_ids, missing, prev_rows, prev) -> bool:
     """The common speculative step under overlap: every request was row b of the step
-    in flight and drafts k tokens into row b of one device tensor, so its k+1 inputs
+    in flight and drafts draft_len tokens into row b of one device tensor, so its q_len inputs
     are that step's last drawn token and its drafts: two copies, nothing uploaded."""
     n = len(batch)
     first = batch[0].device_drafts
-    if first is None or len(missing) != n or len(prev.num_drafts) != n or prev_rows[-1] != n - 1:
+    if first is None or len(missing) != n or len(prev.drafted) != n or prev_rows[-1] != n - 1:
         return False
     drafts = first[0]
-    k = drafts.shape[1]
-    if input_ids.shape[0] != n * (k + 1) or drafts.shape[0] != n or prev_rows != list(range(n)):
+    draft_len = drafts.shape[1]
+    q_len = draft_len + 1
+    if input_ids.shape[0] != n * q_len or drafts.shape[0] != n or prev_rows != list(range(n)):
         return False
     for b, s in enumerate(batch):
         dev = s.device_drafts
-        if dev is None or dev[0] is not drafts or dev[1] != b or s.draft_len != k:
+        if dev is None or dev[0] is not drafts or dev[1] != b or s.draft_len != draft_len:
             return False
-    rows = input_ids.view(n, k + 1)
+    rows = input_ids.view(n, q_len)
     rows[:, 0] = prev.last_tokens
     rows[:, 1:] = drafts
     return True

@@ -12,7 +12,7 @@ from specserve.layers.attention import AttentionBackend, AttentionMetadata
 from specserve.layers.sampler import SamplingTensors, argmax_rows, sample
 from specserve.model.llama import LlamaForCausalLM
 from specserve.runtime.cuda_graphs import CudaGraphRunner
-from specserve.runtime.inflight import InflightStep, num_drafts, place_device_tokens
+from specserve.runtime.inflight import InflightStep, place_device_tokens
 from specserve.runtime.packing import Segment, pack, to_device, upload
 from specserve.runtime.sampled_tokens import (
     SampledTokens,
@@ -22,7 +22,7 @@ from specserve.runtime.sampled_tokens import (
 )
 from specserve.runtime.verify import VerifyResult, verify, verify_greedy
 
-__all__ = ["InflightStep", "ModelRunner", "StepInput", "StepResult", "TokenLogprobs", "num_drafts"]
+__all__ = ["InflightStep", "ModelRunner", "StepInput", "StepResult", "TokenLogprobs"]
 
 
 @dataclass
@@ -70,14 +70,14 @@ class ModelRunner:
                 missing.append(i)
                 ids = ids + [0]
             drafts = s.drafts if s.device_drafts is None else [0] * s.draft_len
-            shift = prev.num_drafts[row] if moved and row >= 0 else 0
+            shift = prev.drafted[row] if moved and row >= 0 else 0
             segments.append(Segment(req.page_table, start, ids + drafts, max_shift=shift))
             prev_rows.append(row)
         if self.graphs is not None and all(s.decoding for s in batch):
             # Decode/verify steps with mixed draft lengths: pad to one length per request.
-            width = max(len(seg.token_ids) for seg in segments)
+            max_q_len = max(len(seg.token_ids) for seg in segments)
             for seg in segments:
-                seg.pad = width - len(seg.token_ids)
+                seg.pad = max_q_len - len(seg.token_ids)
         sampled = [i for i, s in enumerate(batch) if s.samples]
         shift = sample_shift = None
         if moved:
@@ -93,7 +93,7 @@ class ModelRunner:
         sample_rows = []
         for i in sampled:
             last = last_rows[i]
-            sample_rows += range(last - num_drafts(batch[i]), last + 1)
+            sample_rows += range(last - batch[i].drafted, last + 1)
         return StepInput(
             input_ids, meta, first_rows, [batch[i] for i in sampled], sample_rows, sample_shift
         )
@@ -159,78 +159,81 @@ class ModelRunner:
             return SampledTokens(torch.zeros(0, 1, dtype=torch.int64, device=device), None, [])
         reqs = [s.request for s in sampled]
         want = [r.params.logprobs for r in reqs]
-        lens = [num_drafts(s) for s in sampled]
-        k_max = max(lens)
+        draft_lens = [s.drafted for s in sampled]
+        max_draft_len = max(draft_lens)
         greedy = all(r.params.temperature == 0 for r in reqs)
         rows = step.sample_rows  # increasing: every row of `hidden` when it spans them all
         all_rows = len(rows) == hidden.shape[0] and rows[-1] == len(rows) - 1
         # Greedy rows without logprobs only take argmaxes of their logits: no fp32 copy.
         fp32 = not greedy or any(w is not None for w in want)
         head = self.step_head if self.step_head and self.step_head[0] is hidden else None
-        if k_max == 0 and greedy:
+        if max_draft_len == 0 and greedy:
             if head is not None and all_rows and not fp32:  # tokens the graph took
                 return self._with_logprobs(step, head[1], head[2][:, None], None, want, 0)
             logits = self._logits(hidden, None if all_rows else to_device(rows, device), fp32)
             tokens = argmax_rows(logits)[:, None]  # the sampler's greedy rows, no tensors
             return self._with_logprobs(step, logits, tokens, None, want, 0)
-        num, width = len(sampled), k_max + 1
-        uniform = all(k == k_max for k in lens)
+        num, max_q_len = len(sampled), max_draft_len + 1
+        uniform = all(draft_len == max_draft_len for draft_len in draft_lens)
         # A decode/verify step where every row samples and every request drafts K: logits
         # and drafts are views of the step's rows, and a greedy one uploads nothing.
-        dense = uniform and all_rows and k_max > 0
+        dense = uniform and all_rows and max_draft_len > 0
         ints = {}
         if not all_rows:
             ints["rows"] = rows
         if not dense:
             index = []  # logit row of each (request, j <= K), repeating the last (short drafts)
             draft_rows, offset = [], 0  # input row of each (request, j < K)
-            for k in lens:
+            for draft_len in draft_lens:
                 # Short drafts are padded with their last row's token (ignored past the length).
-                draft_rows += rows[offset + 1 : offset + k + 1] + [rows[offset + k]] * (k_max - k)
+                pad = max_draft_len - draft_len
+                draft_rows += (
+                    rows[offset + 1 : offset + draft_len + 1] + [rows[offset + draft_len]] * pad
+                )
                 if not uniform:
-                    index += [offset + min(j, k) for j in range(width)]
-                offset += k + 1
+                    index += [offset + min(j, draft_len) for j in range(max_q_len)]
+                offset += draft_len + 1
             ints["draft_rows"] = draft_rows
             if not uniform:
                 ints["index"] = index
         if not (greedy and uniform):
-            ints["lens"] = lens
+            ints["draft_lens"] = draft_lens
         if not greedy or simulate_rate is not None:  # counters: seeded draws
             ints["seeds"] = [r.seed for r in reqs]
             ints["positions"] = [r.committed_len for r in reqs]
         if not greedy:
             ints["top_k"] = [r.params.top_k for r in reqs]
         t = dict(zip(ints, upload(list(ints.values()), device))) if ints else {}
-        seeds, positions, lens_t = t.get("seeds"), t.get("positions"), t.get("lens")
+        seeds, positions, draft_lens_t = t.get("seeds"), t.get("positions"), t.get("draft_lens")
         if positions is not None and step.sample_shift is not None:
             positions = positions + step.sample_shift  # moved by the step in flight's accepts
         logits = self._logits(hidden, None if all_rows else t["rows"], fp32)
         st = None if greedy else _sampling_tensors(reqs, seeds, positions, t["top_k"], device)
-        if k_max == 0:
+        if max_draft_len == 0:
             return self._with_logprobs(step, logits, sample(logits, st)[:, None], None, want, 0)
         vocab = logits.shape[-1]
-        padded = (logits if uniform else logits[t["index"]]).view(num, width, vocab)
+        padded = (logits if uniform else logits[t["index"]]).view(num, max_q_len, vocab)
         if dense:
-            drafts_t = step.input_ids.view(num, width)[:, 1:]
+            drafts_t = step.input_ids.view(num, max_q_len)[:, 1:]
         else:
-            drafts_t = step.input_ids[t["draft_rows"]].view(num, k_max)
+            drafts_t = step.input_ids[t["draft_rows"]].view(num, max_draft_len)
         if st is None and all(s.draft_probs is None for s in sampled):
             # a dense step's rows are the graph's rows: its greedy tokens are the argmaxes,
-            # and the graph verified them too (every request drafts K: q = K + 1)
-            choice = head[2].view(num, width) if head is not None and dense else None
+            # and the graph verified them too (every request drafts K: q_len = K + 1)
+            choice = head[2].view(num, max_q_len) if head is not None and dense else None
             if choice is not None and simulate_rate is None and len(head) > 3:
                 # a copy: the next step may read the lengths after its own replay
                 # (sample_shift), which overwrites the graph's
                 result = VerifyResult(choice, head[3].clone())
             else:
                 result = verify_greedy(
-                    padded, drafts_t, lens_t, seeds, positions, simulate_rate, choice
+                    padded, drafts_t, draft_lens_t, seeds, positions, simulate_rate, choice
                 )
         else:
             if st is None:
                 st = _sampling_tensors(reqs, seeds, positions, torch.zeros_like(seeds), device)
-            probs = self._draft_probs(sampled, drafts_t, k_max, vocab)
-            result = verify(padded, drafts_t, lens_t, st, probs, simulate_rate)
+            probs = self._draft_probs(sampled, drafts_t, max_draft_len, vocab)
+            result = verify(padded, drafts_t, draft_lens_t, st, probs, simulate_rate)
         # Drafts the host has not seen go back with the tokens (statistics only).
         on_device = any(s.device_drafts is not None for s in sampled)
         return self._with_logprobs(
@@ -239,12 +242,12 @@ class ModelRunner:
             result.tokens,
             result.accept_len,
             want,
-            k_max,
+            max_draft_len,
             drafts_t if on_device else None,
         )
 
     def _with_logprobs(
-        self, step, logits, tokens, accept_len, want, k_max, drafts=None
+        self, step, logits, tokens, accept_len, want, max_draft_len, drafts=None
     ) -> SampledTokens:
         device = self.device
         if all(w is None for w in want):
@@ -253,26 +256,28 @@ class ModelRunner:
         # host keeps the accepted ones.
         flat, lp_rows, row = [], [], 0
         for r, s in enumerate(step.sampled):
-            k = num_drafts(s)
-            flat += [r * (k_max + 1) + j for j in range(k + 1)]
-            lp_rows.append(list(range(row, row + k + 1)))
-            row += k + 1
+            q_len = s.drafted + 1
+            flat += [r * (max_draft_len + 1) + j for j in range(q_len)]
+            lp_rows.append(list(range(row, row + q_len)))
+            row += q_len
         chosen = tokens.reshape(-1)[to_device(flat, device)]
         lp = logprob_tensors(logits, chosen, max(w or 0 for w in want))
         return SampledTokens(tokens, accept_len, want, lp, lp_rows, drafts)
 
-    def _draft_probs(self, sampled, drafts_t, k_max: int, vocab: int) -> torch.Tensor | None:
+    def _draft_probs(
+        self, sampled, drafts_t, max_draft_len: int, vocab: int
+    ) -> torch.Tensor | None:
         """[R, K, V] drafter distributions (point masses for deterministic drafts), or None
         when no request's drafter drew from a distribution."""
         if all(s.draft_probs is None for s in sampled):
             return None
-        probs = torch.zeros(len(sampled), k_max, vocab, device=self.device)
+        probs = torch.zeros(len(sampled), max_draft_len, vocab, device=self.device)
         for i, s in enumerate(sampled):
-            k = num_drafts(s)
+            drafted = s.drafted
             if s.draft_probs is not None:
-                probs[i, :k] = s.draft_probs[:k]
-            elif k:
-                probs[i, torch.arange(k), drafts_t[i, :k]] = 1.0
+                probs[i, :drafted] = s.draft_probs[:drafted]
+            elif drafted:
+                probs[i, torch.arange(drafted), drafts_t[i, :drafted]] = 1.0
         return probs
 
 

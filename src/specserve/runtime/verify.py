@@ -37,11 +37,11 @@ class VerifyResult:
     accept_len: torch.Tensor  # [R] int64
 
 
-def _uniforms(seeds: torch.Tensor, positions: torch.Tensor, k_max: int, stream: int):
+def _uniforms(seeds: torch.Tensor, positions: torch.Tensor, max_draft_len: int, stream: int):
     """[R, K] uniforms, one per draft position, from (seed, position, stream)."""
-    counters = positions[:, None] + torch.arange(k_max, device=positions.device)
-    seeds = (seeds + stream * 0x632BE5AB)[:, None].expand(-1, k_max)
-    return hash_uniform(seeds.reshape(-1), counters.reshape(-1), 1).view(-1, k_max)
+    counters = positions[:, None] + torch.arange(max_draft_len, device=positions.device)
+    seeds = (seeds + stream * 0x632BE5AB)[:, None].expand(-1, max_draft_len)
+    return hash_uniform(seeds.reshape(-1), counters.reshape(-1), 1).view(-1, max_draft_len)
 
 
 def _accepted(ok: torch.Tensor) -> torch.Tensor:
@@ -50,10 +50,10 @@ def _accepted(ok: torch.Tensor) -> torch.Tensor:
 
 
 def greedy_accept_lens(ids: torch.Tensor, choice: torch.Tensor) -> torch.Tensor:
-    """[B] accept lengths of greedy verification for a verify step's input ids [B, q] (the
-    last committed token, then q - 1 drafts) and its rows' argmaxes [B, q]: `verify_greedy`
-    where every request drafts q - 1, in the form a CUDA graph takes it from its static
-    inputs (runtime/cuda_graphs.py)."""
+    """[B] accept lengths of greedy verification for a verify step's input ids [B, q_len]
+    (the last committed token, then q_len - 1 drafts) and its rows' argmaxes [B, q_len]:
+    `verify_greedy` where every request drafts q_len - 1, in the form a CUDA graph takes it
+    from its static inputs (runtime/cuda_graphs.py)."""
     return _accepted(ids[:, 1:] == choice[:, :-1])
 
 
@@ -75,15 +75,15 @@ def verify_greedy(
     Row r's tokens past accept_len[r] are unspecified (never committed nor read): without
     simulation the argmax row itself is returned, whose first accept_len + 1 entries are the
     accepted drafts (each equals the argmax there) and the bonus."""
-    k_max = target_logits.shape[1] - 1
+    max_draft_len = target_logits.shape[1] - 1
     if greedy_choice is None:
         greedy_choice = argmax_rows(target_logits)  # [R, K+1]
     if simulate_rate is None:
-        ok = drafts == greedy_choice[:, :k_max]
+        ok = drafts == greedy_choice[:, :max_draft_len]
     else:
-        ok = _uniforms(seeds, positions, k_max, SIMULATE_STREAM) < simulate_rate
+        ok = _uniforms(seeds, positions, max_draft_len, SIMULATE_STREAM) < simulate_rate
     if draft_lens is not None:
-        ok &= torch.arange(k_max, device=drafts.device)[None, :] < draft_lens[:, None]
+        ok &= torch.arange(max_draft_len, device=drafts.device)[None, :] < draft_lens[:, None]
     accept_len = _accepted(ok)
     if simulate_rate is None:
         return VerifyResult(greedy_choice, accept_len)
@@ -113,14 +113,16 @@ def verify(
         return verify_greedy(
             target_logits, drafts, draft_lens, st.seeds, st.positions, simulate_rate
         )
-    num_rows, width, vocab = target_logits.shape
-    k_max = width - 1
-    valid = torch.arange(k_max, device=drafts.device)[None, :] < draft_lens[:, None]  # [R, K]
+    num_rows, max_q_len, vocab = target_logits.shape
+    max_draft_len = max_q_len - 1
+    valid = (
+        torch.arange(max_draft_len, device=drafts.device)[None, :] < draft_lens[:, None]
+    )  # [R, K]
     greedy_choice = argmax_rows(target_logits)  # [R, K+1]
-    greedy_ok = (drafts == greedy_choice[:, :k_max]) & valid
+    greedy_ok = (drafts == greedy_choice[:, :max_draft_len]) & valid
     simulated = simulate_rate is not None
 
-    rep = lambda t: t.repeat_interleave(width)  # noqa: E731
+    rep = lambda t: t.repeat_interleave(max_q_len)  # noqa: E731
     flat_st = replace(
         st,
         temperature=rep(st.temperature),
@@ -128,20 +130,22 @@ def verify(
         top_p=rep(st.top_p),
         min_p=rep(st.min_p),
     )
-    filtered = filter_logits(target_logits.reshape(num_rows * width, vocab), flat_st)
-    filtered = filtered.view(num_rows, width, vocab)
+    filtered = filter_logits(target_logits.reshape(num_rows * max_q_len, vocab), flat_st)
+    filtered = filtered.view(num_rows, max_q_len, vocab)
     p = filtered.softmax(dim=-1)
     if simulated:
-        ok = (_uniforms(st.seeds, st.positions, k_max, SIMULATE_STREAM) < simulate_rate) & valid
-    elif k_max:
+        ok = (
+            _uniforms(st.seeds, st.positions, max_draft_len, SIMULATE_STREAM) < simulate_rate
+        ) & valid
+    elif max_draft_len:
         index = drafts[:, :, None].clamp(min=0)
-        p_draft = p[:, :k_max].gather(2, index)[:, :, 0]
+        p_draft = p[:, :max_draft_len].gather(2, index)[:, :, 0]
         q_draft = (
             torch.ones_like(p_draft)
             if draft_probs is None
             else (draft_probs.gather(2, index)[:, :, 0])
         )
-        u = _uniforms(st.seeds, st.positions, k_max, ACCEPT_STREAM)
+        u = _uniforms(st.seeds, st.positions, max_draft_len, ACCEPT_STREAM)
         sampled_ok = (u * q_draft < p_draft) & valid
         ok = torch.where(st.temperature[:, None] > 0, sampled_ok, greedy_ok)
     else:
@@ -152,9 +156,9 @@ def verify(
     # (drawn from the filtered logits themselves, exactly as the plain sampler does).
     at_final = accept_len[:, None, None].expand(-1, 1, vocab)
     final_logits = filtered.gather(1, at_final)[:, 0]
-    if k_max and not simulated:
+    if max_draft_len and not simulated:
         p_final = p.gather(1, at_final)[:, 0]
-        at = accept_len.clamp(max=k_max - 1)
+        at = accept_len.clamp(max=max_draft_len - 1)
         if draft_probs is None:
             q_final = torch.zeros_like(p_final)
             q_final.scatter_(1, drafts.gather(1, at[:, None]).clamp(min=0), 1.0)
@@ -178,13 +182,13 @@ def _assemble(drafts, bonus, accept_len) -> torch.Tensor:
     return tokens.scatter(1, accept_len[:, None], bonus[:, None])
 
 
-def rate_for_mean_accept_len(mean_len: float, k: int) -> float:
-    """The per-token acceptance rate a whose expected tokens per verify step at K=k,
-    (1 - a^(k+1)) / (1 - a), equals mean_len (bisection)."""
+def rate_for_mean_accept_len(mean_len: float, draft_len: int) -> float:
+    """The per-token acceptance rate a whose expected tokens per verify step at draft length
+    K = draft_len, (1 - a^(K+1)) / (1 - a), equals mean_len (bisection)."""
     lo, hi = 0.0, 1.0
     for _ in range(60):
         mid = (lo + hi) / 2
-        if sum(mid**i for i in range(k + 1)) < mean_len:
+        if sum(mid**i for i in range(draft_len + 1)) < mean_len:
             lo = mid
         else:
             hi = mid

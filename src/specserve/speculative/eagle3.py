@@ -173,7 +173,7 @@ class Eagle3Proposer(Proposer):
             pair_tokens = req.token_ids(start + 1, req.committed_len)
             row = in_prev.get(id(req), -1)
             if row >= 0:  # its newest tokens are in flight: as many as prev may commit
-                pair_tokens = pair_tokens + [0] * (prev.num_drafts[row] + 1)
+                pair_tokens = pair_tokens + [0] * (prev.drafted[row] + 1)
                 prev.consumed.add(id(req))  # prev's resolve adds its accepted drafts
             segments.append(Segment(req.page_table, start, pair_tokens))
             rows.append(row)

@@ -198,7 +198,7 @@ def tune_engine_plan(
     (decode). Only keys the steps look up are tuned."""
     timer = StepTimer(graphs, context, reps)
     one = [(1, 1)] + ([(1, verify_tokens)] if verify_tokens > 1 else [])
-    one = [s for s in one if s[1] in graphs.tokens_per_request]
+    one = [s for s in one if s[1] in graphs.q_lens]
     top = plan.row_buckets[-1]
     big = [(top, 1)] if top > shared_rows and top in graphs.batch_buckets else []
     used = timer.keys_used(one + big)  # the projections these steps run (logits too)

@@ -198,7 +198,7 @@ def tune_engine_verify_tiles(
     request that its graph runner captures (None: no such step reaches past shared_rows)."""
     from specserve.kernels.gemv_configs import verify_candidates
 
-    if verify_tokens not in graphs.tokens_per_request or graphs.backend.name != "triton":
+    if verify_tokens not in graphs.q_lens or graphs.backend.name != "triton":
         return None  # (StepOutput's unstored slots: the Triton kernels skip them)
     steps = verify_steps(plan, graphs.batch_buckets, verify_tokens, shared_rows)
     if not steps:
