@@ -71,8 +71,8 @@ def goodput(models, overlap: str, **kw) -> LLM:
 
 
 def k_changes(llm) -> int:
-    ks = [d["k"] for d in llm.engine.spec.policy.trace.dump()]
-    return sum(a != b for a, b in zip(ks, ks[1:]))
+    max_draft_lens = [d["k"] for d in llm.engine.spec.policy.trace.dump()]
+    return sum(a != b for a, b in zip(max_draft_lens, max_draft_lens[1:]))
 
 
 @pytest.mark.parametrize("overlap", ["off", "on"])
@@ -117,21 +117,21 @@ def test_max_tokens_batch_drafts_past_the_end_without_waits(models, reference, p
         spec.policy.choose = lambda reqs, extra=0: [3] * len(reqs)
     else:  # the goodput policy as under CUDA graphs: K probed and switched, caps padded
         spec.cost.padded = True
-    lens = []
+    draft_lens_by_step = []
     schedule = llm.engine.scheduler.schedule
 
     def spy(p=None):
         batch = schedule(p)
-        lens.append([s.draft_len for s in batch if s.decoding])
+        draft_lens_by_step.append([s.draft_len for s in batch if s.decoding])
         return batch
 
     llm.engine.scheduler.schedule = spy
     assert _batch_generate(llm, prompts, params) == want
     stats = llm.engine.stats()
     assert stats["loop_waits"] == 0 and stats["loop_wait_reasons"] == {}
-    assert all(len(set(ks)) <= 1 for ks in lens)
+    assert all(len(set(draft_lens)) <= 1 for draft_lens in draft_lens_by_step)
     if policy == "k3":  # the last steps of short requests drafted past their end
-        assert sum(1 for ks in lens if ks and ks[0] == 3) >= 9
+        assert sum(1 for draft_lens in draft_lens_by_step if draft_lens and draft_lens[0] == 3) >= 9
     assert llm.engine.kv.allocator.num_used == 0
 
 

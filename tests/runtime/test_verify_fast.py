@@ -25,12 +25,12 @@ def _runner(weight):
     return runner
 
 
-def _step(lens, temps, gen, with_probs=False, logprobs=None, on_device=False):
+def _step(draft_lens, temps, gen, with_probs=False, logprobs=None, on_device=False):
     """A verify step's StepInput: each request's last token then its drafts in the input
-    ids; `on_device`: greedy requests' drafts are left on the device (a [B, k] tensor per
+    ids; `on_device`: greedy requests' drafts are left on the device (a [B, draft_len] tensor per
     draft length, as the EAGLE-3 chain leaves them), the others' on the host."""
     sampled, rows, row, ids, device = [], [], 0, [], {}
-    for i, (k, temp) in enumerate(zip(lens, temps)):
+    for i, (draft_len, temp) in enumerate(zip(draft_lens, temps)):
         params = SamplingParams(
             temperature=temp,
             top_k=5 if i % 3 == 1 else 0,
@@ -40,19 +40,19 @@ def _step(lens, temps, gen, with_probs=False, logprobs=None, on_device=False):
             logprobs=logprobs,
         )
         req = SimpleNamespace(params=params, seed=1000 + i, committed_len=20 + i)
-        s = ScheduledRequest(req, 1, k, decoding=True)
-        drafts = torch.randint(0, VOCAB, (k,), generator=gen).tolist()
-        if on_device and temp == 0 and k:
-            device.setdefault(k, []).append((s, drafts))
+        s = ScheduledRequest(req, 1, draft_len, decoding=True)
+        drafts = torch.randint(0, VOCAB, (draft_len,), generator=gen).tolist()
+        if on_device and temp == 0 and draft_len:
+            device.setdefault(draft_len, []).append((s, drafts))
         else:
             s.drafts = drafts
-        if with_probs and temp > 0 and k:
-            s.draft_probs = torch.rand(k, VOCAB, generator=gen).softmax(-1)
+        if with_probs and temp > 0 and draft_len:
+            s.draft_probs = torch.rand(draft_len, VOCAB, generator=gen).softmax(-1)
         s.expected_drafts = drafts  # what the reference verifies
         sampled.append(s)
         ids += [int(torch.randint(0, VOCAB, (1,), generator=gen))] + drafts
-        rows += range(row, row + k + 1)
-        row += k + 1
+        rows += range(row, row + draft_len + 1)
+        row += draft_len + 1
     for items in device.values():
         tokens = torch.tensor([d for _, d in items[::-1]])  # rows in another order
         for r, (s, _) in enumerate(items[::-1]):
@@ -65,15 +65,15 @@ def _reference(runner, step, hidden, simulate_rate):
     """The general path: logits gathered into [R, K+1, V], every sampling tensor built."""
     sampled = step.sampled
     logits = runner.model.compute_logits(hidden[torch.tensor(step.sample_rows)])
-    k_max = max(len(s.expected_drafts) for s in sampled)
+    max_draft_len = max(len(s.expected_drafts) for s in sampled)
     index, drafts, offset = [], [], 0
     for s in sampled:
-        k = len(s.expected_drafts)
-        index += [offset + min(j, k) for j in range(k_max + 1)]
-        drafts += s.expected_drafts + [0] * (k_max - k)
-        offset += k + 1
-    padded = logits[torch.tensor(index)].view(len(sampled), k_max + 1, -1)
-    draft_t = torch.tensor(drafts, dtype=torch.int64).view(len(sampled), k_max)
+        draft_len = len(s.expected_drafts)
+        index += [offset + min(j, draft_len) for j in range(max_draft_len + 1)]
+        drafts += s.expected_drafts + [0] * (max_draft_len - draft_len)
+        offset += draft_len + 1
+    padded = logits[torch.tensor(index)].view(len(sampled), max_draft_len + 1, -1)
+    draft_t = torch.tensor(drafts, dtype=torch.int64).view(len(sampled), max_draft_len)
     reqs = [s.request for s in sampled]
     st = build_sampling_tensors(
         [r.params for r in reqs],
@@ -83,34 +83,36 @@ def _reference(runner, step, hidden, simulate_rate):
     )
     probs = None
     if any(s.draft_probs is not None for s in sampled):
-        probs = torch.zeros(len(sampled), k_max, logits.shape[-1])
+        probs = torch.zeros(len(sampled), max_draft_len, logits.shape[-1])
         for i, s in enumerate(sampled):
-            k = len(s.expected_drafts)
+            draft_len = len(s.expected_drafts)
             if s.draft_probs is not None:
-                probs[i, :k] = s.draft_probs
-            elif k:
-                probs[i, torch.arange(k), draft_t[i, :k]] = 1.0
-    lens = torch.tensor([len(s.expected_drafts) for s in sampled])
-    res = verify(padded, draft_t, lens, st, probs, simulate_rate if k_max else None)
+                probs[i, :draft_len] = s.draft_probs
+            elif draft_len:
+                probs[i, torch.arange(draft_len), draft_t[i, :draft_len]] = 1.0
+    draft_lens = torch.tensor([len(s.expected_drafts) for s in sampled])
+    res = verify(padded, draft_t, draft_lens, st, probs, simulate_rate if max_draft_len else None)
     accept = res.accept_len.tolist()
     return [row[: a + 1] for row, a in zip(res.tokens.tolist(), accept)]
 
 
-@pytest.mark.parametrize("lens", [[3] * 6, [3, 0, 1, 3, 2, 0], [2], [0, 0, 0]])
+@pytest.mark.parametrize("draft_lens", [[3] * 6, [3, 0, 1, 3, 2, 0], [2], [0, 0, 0]])
 @pytest.mark.parametrize("temp", ["greedy", "sampled", "mixed"])
 @pytest.mark.parametrize("simulate_rate", [None, 0.7])
 @pytest.mark.parametrize("with_probs, on_device", [(False, False), (True, False), (False, True)])
-def test_runner_verify_matches_general_verifier(lens, temp, simulate_rate, with_probs, on_device):
-    gen = torch.Generator().manual_seed(len(lens) * 7 + int(with_probs))
+def test_runner_verify_matches_general_verifier(
+    draft_lens, temp, simulate_rate, with_probs, on_device
+):
+    gen = torch.Generator().manual_seed(len(draft_lens) * 7 + int(with_probs))
     weight = torch.randn(VOCAB, HIDDEN, generator=gen) * 3
     temps = {
-        "greedy": [0.0] * len(lens),
-        "sampled": [1.0] * len(lens),
-        "mixed": [0.0, 0.8] * len(lens),
-    }[temp][: len(lens)]
+        "greedy": [0.0] * len(draft_lens),
+        "sampled": [1.0] * len(draft_lens),
+        "mixed": [0.0, 0.8] * len(draft_lens),
+    }[temp][: len(draft_lens)]
     runner = _runner(weight)
     for trial in range(5):
-        step, hidden = _step(lens, temps, gen, with_probs, on_device=on_device)
+        step, hidden = _step(draft_lens, temps, gen, with_probs, on_device=on_device)
         result = runner.sample_async(step, hidden, simulate_rate).result()
         assert result.tokens == _reference(runner, step, hidden, simulate_rate), trial
         if any(s.device_drafts is not None for s in step.sampled):  # they come back

@@ -119,8 +119,8 @@ def test_uniform_acceptance_gives_uniform_k():
     for padded in (True, False):
         policy, _ = _policy(alpha=0.7, padded=padded)
         for n in (1, 16, 64, 256):
-            ks = policy.choose(_reqs(n))
-            assert len(set(ks)) == 1, (padded, n, ks)
+            draft_lens = policy.choose(_reqs(n))
+            assert len(set(draft_lens)) == 1, (padded, n, draft_lens)
 
 
 def test_flat_cost_speculates_at_k_max():
@@ -145,12 +145,12 @@ def test_mixed_acceptance_unpadded_trims_poor_requests_padded_does_not():
                 acc.update(r.request_id, 4, 0)
             for r in reqs[16:]:  # these mostly succeed
                 acc.update(r.request_id, 4, 3)
-        ks = policy.choose(reqs)
-        assert min(ks[16:]) >= 1
+        draft_lens = policy.choose(reqs)
+        assert min(draft_lens[16:]) >= 1
         if padded:  # a padded verify step costs the same: shorter drafts would only lose
-            assert len(set(ks)) == 1
+            assert len(set(draft_lens)) == 1
         else:
-            assert max(ks[:16]) == 0
+            assert max(draft_lens[:16]) == 0
 
 
 @pytest.mark.parametrize("padded", [False, True])
@@ -204,9 +204,9 @@ def test_noise_does_not_flap_the_choice():
     assert switches <= 20
 
 
-def _model_goodput(policy, acc, reqs, ks):
-    tokens = sum(acc.expected_tokens(r.request_id, k) for r, k in zip(reqs, ks))
-    return tokens / policy.cost.step_ms(ks)
+def _model_goodput(policy, acc, reqs, draft_lens):
+    tokens = sum(acc.expected_tokens(r.request_id, k) for r, k in zip(reqs, draft_lens))
+    return tokens / policy.cost.step_ms(draft_lens)
 
 
 @settings(max_examples=60, deadline=None)
@@ -230,8 +230,8 @@ def test_choice_beats_every_fixed_k(n, alphas, scale, ratios, padded):
     for k, ratio in enumerate(ratios):
         policy.cost.observe(n, k, policy.cost.seed_ms(n, k) * ratio)
         policy.cost.observe(n, k, policy.cost.seed_ms(n, k) * ratio)
-    ks = policy.choose(reqs)
-    best = _model_goodput(policy, acc, reqs, ks)
+    draft_lens = policy.choose(reqs)
+    best = _model_goodput(policy, acc, reqs, draft_lens)
     for k in range(5):
         assert best >= _model_goodput(policy, acc, reqs, [k] * n) * (1 - 1e-9)
 
@@ -253,9 +253,13 @@ def test_request_probe_refreshes_a_trimmed_request():
     assert acc.alpha("r0")[0] >= policy.PROBE_MIN_ALPHA
     drafted = []
     for _ in range(3 * policy.REQUEST_PROBE_EVERY):
-        ks = policy.choose(reqs)
-        drafted.append(ks[0])
+        draft_lens = policy.choose(reqs)
+        drafted.append(draft_lens[0])
         acc.update_many(
-            [(r.request_id, k, 0 if i < 16 else k) for i, (r, k) in enumerate(zip(reqs, ks)) if k]
+            [
+                (r.request_id, k, 0 if i < 16 else k)
+                for i, (r, k) in enumerate(zip(reqs, draft_lens))
+                if k
+            ]
         )
     assert drafted.count(0) >= 2 * policy.REQUEST_PROBE_EVERY and max(drafted) > 0, drafted

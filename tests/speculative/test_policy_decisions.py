@@ -38,12 +38,12 @@ def _values(*xs) -> str:
 
 def _fingerprint(steps: list[tuple]) -> dict:
     """steps: (draft lengths, probe, values) per decision."""
-    ks = hashlib.sha256(repr([s[0] for s in steps]).encode()).hexdigest()[:16]
+    draft_lens = hashlib.sha256(repr([s[0] for s in steps]).encode()).hexdigest()[:16]
     values = hashlib.sha256("|".join(s[2] for s in steps).encode()).hexdigest()[:16]
     return {
         "k": "".join(str(max(s[0], default=0)) if s[0] else "-" for s in steps),
         "probe": "".join("p" if s[1] else "." for s in steps),
-        "draft_lens": ks,
+        "draft_lens": draft_lens,
         "values": values,
     }
 
@@ -53,8 +53,8 @@ def _record_choices(monkeypatch) -> list[tuple]:
     choose = GoodputPolicy.choose
 
     def recorded(self, reqs, load=NO_LOAD):
-        ks = choose(self, reqs, load)
-        d = self.trace.recent[-1] if ks else None
+        draft_lens = choose(self, reqs, load)
+        d = self.trace.recent[-1] if draft_lens else None
         values = (
             ""
             if d is None
@@ -67,8 +67,8 @@ def _record_choices(monkeypatch) -> list[tuple]:
                 ]
             )
         )
-        steps.append((tuple(ks), d is not None and d.probe, values))
-        return ks
+        steps.append((tuple(draft_lens), d is not None and d.probe, values))
+        return draft_lens
 
     monkeypatch.setattr(GoodputPolicy, "choose", recorded)
     return steps

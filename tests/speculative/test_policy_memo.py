@@ -43,7 +43,7 @@ def test_recorded_steps_decide_the_same_with_memoized_reads(padded, monkeypatch)
         monkeypatch.setattr(StepCostModel, "memoize", memoize)
         runs.append(replay(padded, seed=11)[0])
     assert runs[0] == runs[1]
-    assert len({max(ks, default=0) for ks, _, _ in runs[0]}) > 1
+    assert len({max(draft_lens, default=0) for draft_lens, _, _ in runs[0]}) > 1
 
 
 def test_a_new_cell_changes_what_periods_read():

@@ -21,9 +21,11 @@ def _mixed_choice(rate: float, per_token: float = 0.0) -> int:
     policy, _ = _policy(alpha=0.8, k_max=3)
     _measured(policy, N)
     _running(policy, rate)
-    ks = policy.choose(_reqs(N), StepLoad(PREFILL, draft_budget=None, prefill_per_token=per_token))
-    assert len(set(ks)) == 1
-    return ks[0]
+    draft_lens = policy.choose(
+        _reqs(N), StepLoad(PREFILL, draft_budget=None, prefill_per_token=per_token)
+    )
+    assert len(set(draft_lens)) == 1
+    return draft_lens[0]
 
 
 def test_a_mixed_step_drafts_when_its_extra_tokens_beat_the_running_rate():
@@ -78,8 +80,8 @@ def test_no_probe_in_a_mixed_step_and_drafts_within_the_budget():
     _running(policy, 10.0)
     probes = policy.trace.probe_steps
     for _ in range(300):  # decode-only steps this many would have probed every K by now
-        ks = policy.choose(_reqs(N), StepLoad(PREFILL, draft_budget=N * 2))
-        assert max(ks) <= 2  # 128 tokens of budget for 64 requests
+        draft_lens = policy.choose(_reqs(N), StepLoad(PREFILL, draft_budget=N * 2))
+        assert max(draft_lens) <= 2  # 128 tokens of budget for 64 requests
     assert policy.trace.probe_steps == probes
     for _ in range(300):
         policy.choose(_reqs(N))

@@ -98,5 +98,5 @@ def test_a_request_that_never_drafted_is_probed_at_plain_decoding():
                 acc.update("a", 3, 0)
         for k in range(4):  # all measured lately
             policy._last_run[(1, k)] = 0
-        ks = [policy.choose([_Req("a")])[0] for _ in range(policy.PROBE_EVERY + 2)]
-        assert (max(ks) > 0) == probed, (seen, ks)
+        draft_lens = [policy.choose([_Req("a")])[0] for _ in range(policy.PROBE_EVERY + 2)]
+        assert (max(draft_lens) > 0) == probed, (seen, draft_lens)

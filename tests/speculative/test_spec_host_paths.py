@@ -126,8 +126,8 @@ def test_greedy_verify_prefix_equals_assembled_tokens():
     logits = torch.randn(6, 4, 11, generator=gen)
     argmax = logits.argmax(-1)
     drafts = torch.where(torch.rand(6, 3, generator=gen) < 0.7, argmax[:, :3], 0)
-    lens = torch.tensor([3, 2, 1, 0, 3, 3])
-    res = verify_greedy(logits, drafts, lens)
+    draft_lens = torch.tensor([3, 2, 1, 0, 3, 3])
+    res = verify_greedy(logits, drafts, draft_lens)
     assembled = torch.cat([drafts, torch.zeros(6, 1, dtype=torch.int64)], dim=1)
     assembled[torch.arange(6), res.accept_len] = argmax[torch.arange(6), res.accept_len]
     for row, want, a in zip(res.tokens.tolist(), assembled.tolist(), res.accept_len.tolist()):

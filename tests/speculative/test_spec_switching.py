@@ -248,9 +248,9 @@ class _DormantThenDrafting(PerRequestPolicy):
         self.dormant = True
 
     def choose(self, reqs, load=None):
-        ks = super().choose(reqs) if load is None else super().choose(reqs, load)
-        self.dormant = not any(ks)
-        return ks
+        draft_lens = super().choose(reqs) if load is None else super().choose(reqs, load)
+        self.dormant = not any(draft_lens)
+        return draft_lens
 
 
 def test_a_dormant_drafter_takes_no_upkeep_and_drafts_exactly_after_waking(setup):

@@ -43,15 +43,19 @@ def replay(padded: bool, seed: int, steps: int = 1500) -> tuple[list[tuple], Goo
             live.append(ReplayRequest(f"r{next_id}", rng.randint(2, 120)))
             next_id += 1
         extra = rng.choice((0, 0, 0, 0, 37, 256))
-        ks = policy.choose(live, StepLoad(extra))
-        out.append((tuple(ks), policy.predicted_tokens, policy.predicted_ms))
+        draft_lens = policy.choose(live, StepLoad(extra))
+        out.append((tuple(draft_lens), policy.predicted_tokens, policy.predicted_ms))
         acceptance.update_many(
-            [(r.request_id, k, min(k, int(rng.expovariate(0.7)))) for r, k in zip(live, ks) if k]
+            [
+                (r.request_id, k, min(k, int(rng.expovariate(0.7))))
+                for r, k in zip(live, draft_lens)
+                if k
+            ]
         )
-        k = max(ks)
+        k = max(draft_lens)
         ms = cost.seed_ms(len(live), k) * (1.6 + 0.3 * (k > 0)) * rng.lognormvariate(0, 0.1)
         periods.add(len(live), k, None if extra else ms, None)
-        for r, kr in zip(live, ks):
+        for r, kr in zip(live, draft_lens):
             r.left -= 1 + (kr and rng.randint(0, kr))
         done = [r for r in live if r.left <= 0]
         live = [r for r in live if r.left > 0]

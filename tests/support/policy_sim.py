@@ -128,9 +128,9 @@ class Simulator:
 
     def decode(self, reqs: list[SimRequest], wl: Workload, result: SimResult) -> None:
         n, regime = len(reqs), self.regime
-        ks = self.policy.choose(reqs)
-        ks = [min(k, r.max_useful_drafts) for k, r in zip(ks, reqs)]  # the scheduler's cap
-        k = max(ks)
+        # the scheduler's cap
+        draft_lens = [min(k, r.max_useful_drafts) for k, r in zip(self.policy.choose(reqs), reqs)]
+        k = max(draft_lens)
         if k and self.prev_k == 0 and self.pending is not None and regime.early_share:
             # The drafter needs the last plain step's tokens: it is resolved before this
             # launch, so the host work of the launch falls in this step's period, not in it.
@@ -138,7 +138,9 @@ class Simulator:
             shift = regime.early_share * regime.host(n, 0) / 1e3
             self.pending = (batch, committed, resolved_s - shift, idle)
         ms = regime.period(n, k)
-        first = regime.prompt_catch_up and any(kr and not r.drafted for kr, r in zip(ks, reqs))
+        first = regime.prompt_catch_up and any(
+            kr and not r.drafted for kr, r in zip(draft_lens, reqs)
+        )
         eager = first
         before_ms = 0.0  # lands in the last step's period (launched before it resolved)
         if self.prev_k is not None and self.prev_k != k:
@@ -168,7 +170,7 @@ class Simulator:
         self.plain_run = 0 if k else self.plain_run + 1
         self.prev_k = k
         batch, committed = [], {}
-        for r, kr in zip(reqs, ks):
+        for r, kr in zip(reqs, draft_lens):
             s = ScheduledRequest(r, 1, kr, decoding=True)
             s.drafts = [0] * kr
             accepted = r.accept(kr, wl) if kr else 0

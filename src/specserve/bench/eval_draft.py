@@ -37,7 +37,7 @@ class DraftEval:
 def evaluate(
     llm,
     prompts: list[list[int]],
-    ks: list[int],
+    draft_lens: list[int],
     max_tokens: int,
     on_result: Callable[[list[DraftEval]], None] | None = None,
 ) -> list[DraftEval]:
@@ -46,7 +46,7 @@ def evaluate(
     spec = llm.engine.spec
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     results = []
-    for k in ks:
+    for k in draft_lens:
         spec.policy = FixedPolicy(k)
         spec.acceptance = AcceptanceModel(spec.k_max)
         t0 = time.monotonic()
@@ -145,16 +145,16 @@ def run_eval_draft(args: argparse.Namespace) -> int:
     from specserve.engine_args import flag_message
     from specserve.llm import LLM
 
-    ks = list(dict.fromkeys(args.k))  # the order given: the most wanted K first
+    draft_lens = list(dict.fromkeys(args.k))  # the order given: the most wanted K first
     for flag, values in (
-        ("--k", ks),
+        ("--k", draft_lens),
         ("--num-prompts", [args.num_prompts]),
         ("--max-tokens", [args.max_tokens]),
     ):
         if min(values) < 1:
             raise ConfigError(f"{flag} must be at least 1; got {min(values)}")
-    if max(ks) > 16:
-        raise ConfigError(f"--k takes draft lengths of at most 16; got {max(ks)}")
+    if max(draft_lens) > 16:
+        raise ConfigError(f"--k takes draft lengths of at most 16; got {max(draft_lens)}")
     try:  # a missing GPU now, not after reading the prompts
         EngineConfig(device=args.device, speculative_algorithm="none").check_device()
     except ConfigError as e:
@@ -169,7 +169,7 @@ def run_eval_draft(args: argparse.Namespace) -> int:
         progress=True,
         speculative_algorithm=args.algorithm,
         speculative_draft_model_path=draft,
-        speculative_num_steps=max(ks),
+        speculative_num_steps=max(draft_lens),
         speculative_policy="fixed",
         dtype=args.dtype,
         device=args.device,
@@ -202,7 +202,7 @@ def run_eval_draft(args: argparse.Namespace) -> int:
             tmp.write_text(json.dumps(payload(results), indent=2) + "\n")
             tmp.replace(args.out)
 
-    results = evaluate(llm, prompts, ks, args.max_tokens, on_result=save)
+    results = evaluate(llm, prompts, draft_lens, args.max_tokens, on_result=save)
     _print_table(f"{args.algorithm} drafter on {len(prompts)} {args.split} prompts", results)
     save(results)
     return 0

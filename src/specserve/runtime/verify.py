@@ -115,9 +115,8 @@ def verify(
         )
     num_rows, max_q_len, vocab = target_logits.shape
     max_draft_len = max_q_len - 1
-    valid = (
-        torch.arange(max_draft_len, device=drafts.device)[None, :] < draft_lens[:, None]
-    )  # [R, K]
+    # [R, K]
+    valid = torch.arange(max_draft_len, device=drafts.device)[None, :] < draft_lens[:, None]
     greedy_choice = argmax_rows(target_logits)  # [R, K+1]
     greedy_ok = (drafts == greedy_choice[:, :max_draft_len]) & valid
     simulated = simulate_rate is not None

@@ -39,9 +39,9 @@ __all__ = [
 
 
 class StepCostModel:
-    """Predicted wall-clock ms of a step: `n` decoding requests with draft lengths `ks`
-    (K = max(ks) sets the shape), plus `extra_tokens` prefill tokens; and what the first
-    step at a new K costs on top (`switch_ms`).
+    """Predicted wall-clock ms of a step: `n` decoding requests with draft lengths
+    `draft_lens` (K = max(draft_lens) sets the shape), plus `extra_tokens` prefill tokens;
+    and what the first step at a new K costs on top (`switch_ms`).
 
     period(n, K) = seed(n, K) * ratio[bucket(n), K]; seed = target(n (K+1)) + K drafter(n).
     A cell without observations interpolates the periods of the nearest buckets measured
@@ -145,17 +145,17 @@ class StepCostModel:
             plan = self._plans[key] = make(*key)
         return plan
 
-    def periods_ms(self, n: int, k_top: int, extra_tokens: int = 0) -> list[float]:
-        """period_ms for K = 0..k_top, none above a larger K's measured at this batch bucket:
-        a step with fewer drafts does less work, so a cell estimated higher (few
+    def periods_ms(self, n: int, max_draft_len: int, extra_tokens: int = 0) -> list[float]:
+        """period_ms for K = 0..max_draft_len, none above a larger K's measured at this batch
+        bucket: a step with fewer drafts does less work, so a cell estimated higher (few
         observations, or borrowed) is taken at the larger K's period."""
-        return self.period_table(n, k_top, extra_tokens)[0]
+        return self.period_table(n, max_draft_len, extra_tokens)[0]
 
-    def period_table(self, n: int, k_top: int, extra_tokens: int = 0) -> tuple:
-        """What the policy reads each step, in one lookup: (periods_ms(n, k_top,
-        extra_tokens), [period_ms(n, k, extra_tokens) for K = 0..k_top] (not capped),
-        cells(n, k_top))."""
-        reads, cells = self._plan((n, k_top, extra_tokens, "all"), self._periods_plan)
+    def period_table(self, n: int, max_draft_len: int, extra_tokens: int = 0) -> tuple:
+        """What the policy reads each step, in one lookup: (periods_ms(n, max_draft_len,
+        extra_tokens), [period_ms(n, k, extra_tokens) for K = 0..max_draft_len] (not capped),
+        cells(n, max_draft_len))."""
+        reads, cells = self._plan((n, max_draft_len, extra_tokens, "all"), self._periods_plan)
         exp, raw = math.exp, []
         for plan in reads:  # _read, inlined
             if len(plan) == 3:
@@ -167,7 +167,7 @@ class StepCostModel:
             else:
                 raw.append(_read(plan))
         out, cap = list(raw), math.inf
-        for k in range(k_top, -1, -1):
+        for k in range(max_draft_len, -1, -1):
             if cap < out[k]:  # min(out[k], cap)
                 out[k] = cap
             cell = cells[k]
@@ -175,23 +175,25 @@ class StepCostModel:
                 cap = out[k]
         return out, raw, cells
 
-    def _periods_plan(self, n: int, k_top: int, extra_tokens: int, _) -> tuple:
+    def _periods_plan(self, n: int, max_draft_len: int, extra_tokens: int, _) -> tuple:
         bucket = batch_bucket(n)
-        reads = [self._period_plan(n, k, extra_tokens) for k in range(k_top + 1)]
-        return reads, [self._cells.get((bucket, k)) for k in range(k_top + 1)]
+        reads = [self._period_plan(n, k, extra_tokens) for k in range(max_draft_len + 1)]
+        return reads, [self._cells.get((bucket, k)) for k in range(max_draft_len + 1)]
 
-    def cells(self, n: int, k_top: int) -> list:
+    def cells(self, n: int, max_draft_len: int) -> list:
         """The table's cells (`RobustMean`, read only; None where not measured) at n's bucket
-        for K = 0..k_top: what observations, doubtful and surprised read, in one lookup."""
-        return self._plan((n, k_top, 0, "all"), self._periods_plan)[1]
+        for K = 0..max_draft_len: what observations, doubtful and surprised read, in one
+        lookup."""
+        return self._plan((n, max_draft_len, 0, "all"), self._periods_plan)[1]
 
-    def step_ms(self, ks: list[int], extra_tokens: int = 0) -> float:
+    def step_ms(self, draft_lens: list[int], extra_tokens: int = 0) -> float:
         """A step with these per-request draft lengths (nonempty)."""
-        n, k = len(ks), max(ks)
-        ms = self.period_ms(n, k, extra_tokens)
+        n, max_draft_len = len(draft_lens), max(draft_lens)
+        ms = self.period_ms(n, max_draft_len, extra_tokens)
         if not self.padded or extra_tokens:
-            full = n * (k + 1) + extra_tokens
-            ms -= self.target(full) - self.target(full - (n * k - sum(ks)))
+            full = n * (max_draft_len + 1) + extra_tokens
+            padding = n * max_draft_len - sum(draft_lens)
+            ms -= self.target(full) - self.target(full - padding)
         return ms
 
     def measured_k(self, k: int) -> bool:

@@ -104,8 +104,8 @@ class Eagle3Proposer(Proposer):
     def reads_inflight(self, items: list[ScheduledRequest]) -> bool:
         """Whether `propose` can take the step in flight's tokens from the device for these
         items: greedy, one draft length for all (the device chain)."""
-        k = items[0].draft_len
-        return all(it.draft_len == k and it.request.params.temperature == 0 for it in items)
+        draft_len = items[0].draft_len
+        return all(it.draft_len == draft_len and it.request.params.temperature == 0 for it in items)
 
     @torch.inference_mode()
     def propose(self, items: list[ScheduledRequest], prev: InflightStep | None = None) -> None:
@@ -143,9 +143,9 @@ class Eagle3Proposer(Proposer):
         tokens before each request's last one run first, in bounded passes (no logits);
         the step's own pass then takes one host pair and the step in flight's tokens per
         request, a captured shape."""
-        k = max(it.draft_len for it in items)
+        max_draft_len = max(it.draft_len for it in items)
         pending = sum(it.request.drafter_backlog for it in items)
-        if pending + len(items) * (k + 2) > self.max_pass_tokens:
+        if pending + len(items) * (max_draft_len + 2) > self.max_pass_tokens:
             self._catch_up_pairs([(it.request, it.request.committed_len - 2) for it in items])
 
     def _catch_up_pairs(self, ends) -> None:
@@ -182,36 +182,37 @@ class Eagle3Proposer(Proposer):
         tail = prev.catch_up_tail(rows) if any(r >= 0 for r in rows) else None
         return segments, tail
 
-    def _greedy_chain(self, segments, tail, k: int) -> torch.Tensor | None:
-        """The catch-up pass, then k-1 draft passes fed their own argmax drafts, at
-        positions computed on the device: drafts [B, k] (target ids) on the device, None
-        for k = 0. One replay when a chain graph fits, else a graph or eager pass each."""
+    def _greedy_chain(self, segments, tail, draft_len: int) -> torch.Tensor | None:
+        """The catch-up pass, then draft_len - 1 draft passes fed their own argmax drafts,
+        at positions computed on the device: drafts [B, draft_len] (target ids) on the
+        device, None for draft_len = 0. One replay when a chain graph fits, else a graph or
+        eager pass each."""
         graphs = self.graphs
-        if graphs is not None and k >= 2 and graphs.can_run_chain(segments, k):
-            return graphs.run_chain(segments, None, k, tail)
+        if graphs is not None and draft_len >= 2 and graphs.can_run_chain(segments, draft_len):
+            return graphs.run_chain(segments, None, draft_len, tail)
         if graphs is not None and graphs.can_run(segments):
             last, logits = graphs.run(segments, None, None, tail)
             positions, step = graphs.last_positions(len(segments)), graphs.run_step
         else:
-            last, logits, positions, step = self._eager_catch_up(segments, tail, k)
-        if k == 0:
+            last, logits, positions, step = self._eager_catch_up(segments, tail, draft_len)
+        if draft_len == 0:
             return None
         drafts = [self.draft_ids[argmax_rows(logits)]]
-        for _ in range(k - 1):
+        for _ in range(draft_len - 1):
             positions = positions + 1
             last, logits = step(drafts[-1], last, positions)
             drafts.append(self.draft_ids[argmax_rows(logits)])
         return torch.stack(drafts, dim=1)
 
-    def _eager_catch_up(self, segments, tail, k: int):
+    def _eager_catch_up(self, segments, tail, draft_len: int):
         """The catch-up pass without graphs: (output and logits at each drafting row, its
-        position, a one-token draft pass at device positions for the chain); for k = 0 (a
-        ride-along: nobody drafts from it) the pass only writes the head's KV."""
+        position, a one-token draft pass at device positions for the chain); for draft_len = 0
+        (a ride-along: nobody drafts from it) the pass only writes the head's KV."""
         device = self.kv.pool.device
         ids, meta, last_rows = pack(segments, self.kv.page_size, device)
         self.count_eager(len(ids))
         hidden = self.feature_store[meta.slot_mapping]
-        if k == 0:
+        if draft_len == 0:
             if tail is not None:
                 dest, src, _ = tail.index(
                     self._starts(last_rows, segments), [len(seg.token_ids) for seg in segments]
@@ -232,7 +233,7 @@ class Eagle3Proposer(Proposer):
         out = self.head(self.embed(ids), hidden, meta, self.kv.layers[0], self.backend)
         last = out[last_t]
         # Draft passes stay within each request's pages: they cover its chain.
-        tables, bound = meta.block_tables, meta.max_seq_len + k - 1
+        tables, bound = meta.block_tables, meta.max_seq_len + draft_len - 1
         query_start = torch.arange(len(segments) + 1, device=device)
 
         def step(tokens, hidden, positions):

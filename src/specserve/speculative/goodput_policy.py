@@ -147,21 +147,22 @@ class GoodputPolicy(SpeculationPolicy):
             return self._decided([0] * n, **expected)  # (the held decision's expectations)
         cums = self.acceptance.cumulatives(map(_request_id, reqs))  # K = 0..K_max each
         if k_budget == k_max and min(map(_max_useful_drafts, reqs)) >= k_max:
-            caps, k_top, full = [k_max] * n, k_max, True  # (the usual case)
+            caps, max_draft_len, full = [k_max] * n, k_max, True  # (the usual case)
             tokens = list(map(sum, zip(*cums)))[: k_max + 1]  # (acceptance's K_max may be larger)
         else:
             caps = [min(k_budget, r.max_useful_drafts) for r in reqs]
-            k_top = max(caps)
-            full = min(caps) == k_top  # every request may draft k_top
+            max_draft_len = max(caps)
+            full = min(caps) == max_draft_len  # every request may draft max_draft_len
             if full:
-                tokens = [sum(col) for col, _ in zip(zip(*cums), range(k_top + 1))]
+                tokens = [sum(col) for col, _ in zip(zip(*cums), range(max_draft_len + 1))]
             else:
-                tokens = self._tokens(cums, caps, k_top)
-        costs, uncapped, cells = self.cost.period_table(n, k_top, extra_tokens)
+                tokens = self._tokens(cums, caps, max_draft_len)
+        costs, uncapped, cells = self.cost.period_table(n, max_draft_len, extra_tokens)
         trimmed = None
-        if k_top and not self.cost.padded:  # eager verify steps: every draft costs
+        if max_draft_len and not self.cost.padded:  # eager verify steps: every draft costs
             trimmed = [
-                trim_drafts(self.cost, cums, caps, k, extra_tokens) for k in range(k_top + 1)
+                trim_drafts(self.cost, cums, caps, k, extra_tokens)
+                for k in range(max_draft_len + 1)
             ]
             tokens = [t for _, t, _ in trimmed]
             costs = [ms for _, _, ms in trimmed]
@@ -170,17 +171,18 @@ class GoodputPolicy(SpeculationPolicy):
         # the simulator, pricing it there too while requests waited lost 2% at C=512, L=3.)
         per_token = load.prefill_per_token if extra_tokens else 0.0
         ranking = costs
-        if per_token and k_top:
+        if per_token and max_draft_len:
             queued = queued_prefill_ms(self.cost.target, n, tokens, extra_tokens, per_token)
             ranking = [ms + more for ms, more in zip(costs, queued)]
         bucket = batch_bucket(n)
         # The K in use: the last step's (not a probe's), else the bucket's preferred one.
         current = self._running_k
-        if current is None or current > k_top:
+        if current is None or current > max_draft_len:
             current = self._preferred.get(bucket)
         # (an unmeasured switch is priced at a plain decode step's period: without prefill)
         sw = self.cost.switch_costs(n, None if extra_tokens else costs[0])
-        base_switch = there_and_back_row(sw, current, k_top)  # leaving it: a switch and back
+        # leaving it: a switch and back
+        base_switch = there_and_back_row(sw, current, max_draft_len)
         switch, wake, probe_wake = base_switch, 0.0, 0.0
         if self.dormant:  # drafting first costs the batch's catch-up (a probe: its rows')
             unseen = sorted(map(_unseen, reqs))
@@ -206,7 +208,7 @@ class GoodputPolicy(SpeculationPolicy):
                 and not self.dormant
                 and not any(map(self.acceptance.has_observations, (r.request_id for r in reqs)))
             )
-            back = base_switch if best == current else there_and_back_row(sw, best, k_top)
+            back = base_switch if best == current else there_and_back_row(sw, best, max_draft_len)
             if probe_wake:
                 back = [ms + probe_wake if k else ms for k, ms in enumerate(back)]
             k, probe = self._probe_k(bucket, best, n, tokens, ranking, back, cells, unknown)
@@ -226,15 +228,17 @@ class GoodputPolicy(SpeculationPolicy):
             # A probe while dormant drafts on the requests the drafter has seen most of: a
             # padded step's period is the same, their catch-up far shorter than everyone's
             # (and every request drafts whose catch-up fits a draft pass's own shape).
-            ks = [0] * n
+            draft_lens = [0] * n
             order = sorted(range(n), key=lambda i: _unseen(reqs[i]))
             for rank, i in enumerate(order):
                 if rank >= self.DORMANT_PROBE_ROWS and _unseen(reqs[i]) > 2 * (k + 1):
                     break
-                ks[i] = min(k, caps[i])
-            self.predicted_tokens = sum(c[d] for c, d in zip(cums, ks))
-            self.predicted_ms = self.cost.step_ms(ks, extra_tokens)
-            return self._decided(ks, probe=True, tokens=tokens, period_ms=ranking, switch_ms=switch)
+                draft_lens[i] = min(k, caps[i])
+            self.predicted_tokens = sum(c[d] for c, d in zip(cums, draft_lens))
+            self.predicted_ms = self.cost.step_ms(draft_lens, extra_tokens)
+            return self._decided(
+                draft_lens, probe=True, tokens=tokens, period_ms=ranking, switch_ms=switch
+            )
         if trimmed is None and self.cost.padded:
             # Drafts past a request's cap cost nothing in a padded step (K <= the largest
             # cap) and their tokens are dropped; one draft length for every request lets the
@@ -251,12 +255,14 @@ class GoodputPolicy(SpeculationPolicy):
                 n, k, probe=probe, tokens=tokens, period_ms=ranking, switch_ms=switch
             )
             return [k] * n
-        ks = [min(k, c) for c in caps]
+        draft_lens = [min(k, c) for c in caps]
         if trimmed is not None:
-            ks = self._request_probe(reqs, ks, list(trimmed[k][0]))
-        self.predicted_tokens = sum(c[k] for c, k in zip(cums, ks))
-        self.predicted_ms = self.cost.step_ms(ks, extra_tokens)
-        return self._decided(ks, probe=probe, tokens=tokens, period_ms=ranking, switch_ms=switch)
+            draft_lens = self._request_probe(reqs, draft_lens, list(trimmed[k][0]))
+        self.predicted_tokens = sum(c[k] for c, k in zip(cums, draft_lens))
+        self.predicted_ms = self.cost.step_ms(draft_lens, extra_tokens)
+        return self._decided(
+            draft_lens, probe=probe, tokens=tokens, period_ms=ranking, switch_ms=switch
+        )
 
     def observe_rate(self, committed: int, period_ms: float) -> None:
         """A step (any step, mixed ones included) committed this many tokens in period_ms:
@@ -264,14 +270,14 @@ class GoodputPolicy(SpeculationPolicy):
         self.rate.observe(committed, period_ms)
 
     @staticmethod
-    def _tokens(cums: list[list[float]], caps: list[int], k_top: int) -> list[float]:
-        """Expected committed tokens of the step at each uniform K = 0..k_top."""
-        full = [c for c, cap in zip(cums, caps) if cap >= k_top]
-        tokens = [sum(col) for col, _ in zip(zip(*full), range(k_top + 1))] if full else []
-        tokens += [0.0] * (k_top + 1 - len(tokens))
+    def _tokens(cums: list[list[float]], caps: list[int], max_draft_len: int) -> list[float]:
+        """Expected committed tokens of the step at each uniform K = 0..max_draft_len."""
+        full = [c for c, cap in zip(cums, caps) if cap >= max_draft_len]
+        tokens = [sum(col) for col, _ in zip(zip(*full), range(max_draft_len + 1))] if full else []
+        tokens += [0.0] * (max_draft_len + 1 - len(tokens))
         for c, cap in zip(cums, caps):
-            if cap < k_top:
-                for k in range(k_top + 1):
+            if cap < max_draft_len:
+                for k in range(max_draft_len + 1):
                     tokens[k] += c[min(k, cap)]
         return tokens
 
@@ -370,16 +376,16 @@ class GoodputPolicy(SpeculationPolicy):
         self._probe = (bucket, probe, probe_len - 1)
         return probe, True
 
-    def _request_probe(self, reqs, full: list[int], ks: list[int]) -> list[int]:
+    def _request_probe(self, reqs, full: list[int], draft_lens: list[int]) -> list[int]:
         """Acceptance is only observed at the depths drafted: a request trimmed below the
         step's K for REQUEST_PROBE_EVERY steps drafts fully once, unless its first drafts
         have proven useless, so a pessimistic estimate cannot keep it shallow for good."""
         idle = {}
         for i, r in enumerate(reqs):
-            steps = 0 if ks[i] >= full[i] else self._idle.get(r.request_id, 0) + 1
+            steps = 0 if draft_lens[i] >= full[i] else self._idle.get(r.request_id, 0) + 1
             alpha0 = self.acceptance.alpha(r.request_id)[0] if self.k_max else 0.0
             if steps >= self.REQUEST_PROBE_EVERY and alpha0 >= self.PROBE_MIN_ALPHA:
-                ks[i], steps = full[i], 0
+                draft_lens[i], steps = full[i], 0
             idle[r.request_id] = steps
         self._idle = idle
-        return ks
+        return draft_lens

@@ -29,11 +29,12 @@ class StepLoad:
     draft_budget: int | None = None
     prefill_per_token: float = 0.0
 
-    def k_cap(self, n: int, k_max: int) -> int:
-        """The largest K every one of n decoding requests can draft within the budget."""
+    def k_cap(self, n: int, max_draft_len: int) -> int:
+        """The largest K up to `max_draft_len` that every one of n decoding requests can
+        draft within the budget."""
         if self.draft_budget is None or n == 0:
-            return k_max
-        return max(0, min(k_max, self.draft_budget // n))
+            return max_draft_len
+        return max(0, min(max_draft_len, self.draft_budget // n))
 
 
 NO_LOAD = StepLoad()
@@ -53,13 +54,13 @@ class SpeculationPolicy(ABC):
         """Draft lengths for `reqs`, within `load.draft_budget`; `load` says what else the
         step carries."""
 
-    def _decided(self, ks: list[int], **expected) -> list[int]:
-        """Trace the decision; returns `ks`."""
-        if ks:
-            self.trace.decided(len(ks), max(ks), **expected)
+    def _decided(self, draft_lens: list[int], **expected) -> list[int]:
+        """Trace the decision; returns `draft_lens`."""
+        if draft_lens:
+            self.trace.decided(len(draft_lens), max(draft_lens), **expected)
         else:
             self.trace.no_decode()
-        return ks
+        return draft_lens
 
 
 class OffPolicy(SpeculationPolicy):

@@ -64,17 +64,17 @@ class PolicyTrace:
         if not draft_lens:
             return
         by_len, by_step = self.steps_by_draft_len, self.steps_by_step_k
-        step_k = max(draft_lens)
-        if len(by_len) <= step_k:
-            by_len.extend([0] * (step_k + 1 - len(by_len)))
-        if min(draft_lens) == step_k:  # one draft length (the usual case)
-            by_len[step_k] += len(draft_lens)
+        max_draft_len = max(draft_lens)
+        if len(by_len) <= max_draft_len:
+            by_len.extend([0] * (max_draft_len + 1 - len(by_len)))
+        if min(draft_lens) == max_draft_len:  # one draft length (the usual case)
+            by_len[max_draft_len] += len(draft_lens)
         else:
             for k in draft_lens:
                 by_len[k] += 1
-        if len(by_step) <= step_k:
-            by_step.extend([0] * (step_k + 1 - len(by_step)))
-        by_step[step_k] += 1
+        if len(by_step) <= max_draft_len:
+            by_step.extend([0] * (max_draft_len + 1 - len(by_step)))
+        by_step[max_draft_len] += 1
 
     def timed(self, step_k: int, period_ms: float) -> None:
         """A processed step's measured period, by its K."""

@@ -13,17 +13,19 @@ def trim_drafts(
     raises the step's expected goodput (each dropped draft saves its target time). `cums`:
     each request's expected tokens by draft length; `caps`: its most useful drafts. Returns
     (draft lengths, expected tokens, ms)."""
-    ks = [min(k, c) for c in caps]
-    tokens = sum(c[kr] for c, kr in zip(cums, ks))
-    ms = cost.step_ms(ks, extra_tokens)
+    draft_lens = [min(k, c) for c in caps]
+    tokens = sum(c[kr] for c, kr in zip(cums, draft_lens))
+    ms = cost.step_ms(draft_lens, extra_tokens)
     if not k:
-        return ks, tokens, ms
+        return draft_lens, tokens, ms
     drops = sorted(
-        (c[j + 1] - c[j], -j, r) for r, (c, kr) in enumerate(zip(cums, ks)) for j in range(kr)
+        (c[j + 1] - c[j], -j, r)
+        for r, (c, kr) in enumerate(zip(cums, draft_lens))
+        for j in range(kr)
     )
-    target, period = cost.target, cost.period_ms(len(ks), k, extra_tokens)
-    full = len(ks) * (k + 1) + extra_tokens
-    capped = len(ks) * k - sum(ks)  # drafts short of k already (max_useful_drafts)
+    target, period = cost.target, cost.period_ms(len(draft_lens), k, extra_tokens)
+    full = len(draft_lens) * (k + 1) + extra_tokens
+    capped = len(draft_lens) * k - sum(draft_lens)  # drafts short of k already (max_useful_drafts)
     left = tokens
     best, best_count = tokens / ms, 0
     for count, (gain, _, _) in enumerate(drops, 1):
@@ -32,12 +34,12 @@ def trim_drafts(
         if step_ms > 0 and left / step_ms > best:
             best, best_count = left / step_ms, count
     if not best_count:
-        return ks, tokens, ms
-    trimmed = list(ks)
+        return draft_lens, tokens, ms
+    trimmed = list(draft_lens)
     for _, neg_j, r in drops[:best_count]:
         trimmed[r] = min(trimmed[r], -neg_j)
     trimmed_tokens = sum(c[kr] for c, kr in zip(cums, trimmed))
     trimmed_ms = cost.step_ms(trimmed, extra_tokens)
     if trimmed_tokens / trimmed_ms < tokens / ms:  # its K changed, and the table says no
-        return ks, tokens, ms
+        return draft_lens, tokens, ms
     return trimmed, trimmed_tokens, trimmed_ms

@@ -105,12 +105,16 @@ def there_and_back(sw: dict[str, float], a: int | None, b: int) -> float:
     return max(0.0, sw["up"] + sw["down"])
 
 
-def there_and_back_row(sw: dict[str, float], a: int | None, k_top: int) -> list[float]:
-    """[there_and_back(sw, a, b) for b = 0..k_top] (the policy's row of every step)."""
+def there_and_back_row(sw: dict[str, float], a: int | None, max_draft_len: int) -> list[float]:
+    """[there_and_back(sw, a, b) for b = 0..max_draft_len] (the policy's row of every step)."""
     if a is None:
-        return [0.0] * (k_top + 1)
+        return [0.0] * (max_draft_len + 1)
     plain = max(0.0, sw["up"] + sw["down"])  # to or from K=0 (b or a is 0)
-    row = [plain] + [max(0.0, 2 * sw["lateral"])] * k_top if a else [plain] * (k_top + 1)
-    if a <= k_top:
+    row = (
+        [plain] + [max(0.0, 2 * sw["lateral"])] * max_draft_len
+        if a
+        else [plain] * (max_draft_len + 1)
+    )
+    if a <= max_draft_len:
         row[a] = 0.0
     return row
