@@ -34,10 +34,10 @@ class CatchUpTail:
     def index(self, row_starts: list[int], seg_lens: list[int]) -> tuple[list, list, list]:
         """(dest, src, last): packed rows of the tail tokens, their flat index in `tokens`,
         and each segment's last committed row if nothing was accepted (add `accepted`)."""
-        dest, src, last, width = [], [], [], self.tokens.shape[1]
+        dest, src, last, max_q_len = [], [], [], self.tokens.shape[1]
         for start, n, row, k in zip(row_starts, seg_lens, self.rows, self.lens):
             dest += range(start + n - k, start + n)
-            src += range(row * width, row * width + k)
+            src += range(row * max_q_len, row * max_q_len + k)
             last.append(start + n - max(k, 1))
         return dest, src, last
 

@@ -53,16 +53,16 @@ def _to_host(t: torch.Tensor) -> torch.Tensor:
 class SampledTokens:
     """Tokens drawn by one step for its sampled requests (in `StepInput.sampled` order).
 
-    `tokens` [R, W] on the device: request r's new tokens are tokens[r, :accept_len[r] + 1]
-    (plain steps: W = 1 and accept lengths are all 0). `want_logprobs[r]` is the top-k count
-    request r asked for (None: no logprobs); `lp_rows` maps each (r, j < W) with j <= its
-    draft count to a row of the logprob tensors. `drafts` [R, K] (device drafts the host
-    has not seen) come back too. `tokens` may be a view of the target graph's output (a
-    greedy decode step's, or a greedy verify step's whose requests all draft K;
-    runtime/cuda_graphs.py), valid until the next target replay: its readers (the host copy
-    here, the next step's inputs and the drafter's catch-up) are all enqueued before that
-    replay. (The accept lengths such a verify step takes from its graph are copied: the next
-    step may read them after its replay.)
+    `tokens` [R, W] on the device (W: the step's max_q_len): request r's new tokens are
+    tokens[r, :accept_len[r] + 1] (plain steps: W = 1 and accept lengths are all 0).
+    `want_logprobs[r]` is the top-k count request r asked for (None: no logprobs); `lp_rows`
+    maps each (r, j < W) with j <= its draft count to a row of the logprob tensors. `drafts`
+    [R, K] (device drafts the host has not seen) come back too. `tokens` may be a view of
+    the target graph's output (a greedy decode step's, or a greedy verify step's whose
+    requests all draft K; runtime/cuda_graphs.py), valid until the next target replay: its
+    readers (the host copy here, the next step's inputs and the drafter's catch-up) are all
+    enqueued before that replay. (The accept lengths such a verify step takes from its graph
+    are copied: the next step may read them after its replay.)
     """
 
     def __init__(
@@ -100,11 +100,11 @@ class SampledTokens:
         if self._event is not None:
             self._event.synchronize()
         host = self._host.tolist()
-        width = self.tokens.shape[1]
+        max_q_len = self.tokens.shape[1]
         if self.accept_len is None:  # one token a row
-            rows = host if width == 1 and not self._has_drafts else [t[:1] for t in host]
+            rows = host if max_q_len == 1 and not self._has_drafts else [t[:1] for t in host]
         else:
-            rows = [t[: t[width] + 1] for t in host]
+            rows = [t[: t[max_q_len] + 1] for t in host]
         logprobs: list = [None] * len(rows)
         if self._lp_host is not None:
             chosen, top_lp, top_ids = (t.tolist() for t in self._lp_host)
@@ -118,7 +118,7 @@ class SampledTokens:
                 ]
         drafts = None
         if self._has_drafts:
-            skip = width + (self.accept_len is not None)
+            skip = max_q_len + (self.accept_len is not None)
             drafts = [t[skip:] for t in host]
         self._result = StepResult(rows, logprobs, drafts)
         return self._result
