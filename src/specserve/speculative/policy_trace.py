@@ -76,14 +76,14 @@ class PolicyTrace:
             by_step.extend([0] * (max_draft_len + 1 - len(by_step)))
         by_step[max_draft_len] += 1
 
-    def timed(self, step_k: int, period_ms: float) -> None:
+    def timed(self, max_draft_len: int, period_ms: float) -> None:
         """A processed step's measured period, by its K."""
-        sums, counts = self.period_ms_by_step_k, self.timed_steps_by_step_k
-        if len(sums) <= step_k:
-            sums.extend([0.0] * (step_k + 1 - len(sums)))
-            counts.extend([0] * (step_k + 1 - len(counts)))
-        sums[step_k] += period_ms
-        counts[step_k] += 1
+        sums, counts = self.period_ms_by_max_draft_len, self.timed_steps_by_max_draft_len
+        if len(sums) <= max_draft_len:
+            sums.extend([0.0] * (max_draft_len + 1 - len(sums)))
+            counts.extend([0] * (max_draft_len + 1 - len(counts)))
+        sums[max_draft_len] += period_ms
+        counts[max_draft_len] += 1
 
     def decided(
         self,

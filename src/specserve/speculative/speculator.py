@@ -161,10 +161,10 @@ class Speculator:
         prev_decodes, prev_s = self._last_decodes, self._last_resolved_s
         self._last_decodes, self._last_resolved_s = only_decodes, resolved_s
         decision = None
-        step_k = max([len(s.drafts) for s in decoding]) if decoding else 0
+        max_draft_len = max([len(s.drafts) for s in decoding]) if decoding else 0
         trace = self.policy.trace
         if decoding:
-            decision, _ = trace.processed(len(decoding), step_k)
+            decision, _ = trace.processed(len(decoding), max_draft_len)
         if not self.keeps_drafter:
             trace.dormant_steps += 1
         period_ms = None
@@ -172,7 +172,7 @@ class Speculator:
         if prev_s is not None and resolved_s > prev_s and not after_idle:
             period_ms = (resolved_s - prev_s) * 1e3
             if decoding:
-                trace.timed(step_k, period_ms)
+                trace.timed(max_draft_len, period_ms)
             if decision is not None:
                 decision.observed_ms = period_ms
             observe_rate = getattr(self.policy, "observe_rate", None)
@@ -183,7 +183,9 @@ class Speculator:
             return
         if period_ms is not None:
             trace.observed_goodput = committed / period_ms * 1e3
-        self.periods.add(len(decoding), step_k, period_ms if prev_decodes else None, decision)
+        self.periods.add(
+            len(decoding), max_draft_len, period_ms if prev_decodes else None, decision
+        )
 
     def stats(self) -> dict:
         """Speculation figures for metrics: decisions, acceptance, goodput."""
