@@ -78,7 +78,7 @@ class PolicyTrace:
 
     def timed(self, max_draft_len: int, period_ms: float) -> None:
         """A processed step's measured period, by its K."""
-        sums, counts = self.period_ms_by_max_draft_len, self.timed_steps_by_max_draft_len
+        sums, counts = self.period_ms_by_step_k, self.timed_steps_by_step_k
         if len(sums) <= max_draft_len:
             sums.extend([0.0] * (max_draft_len + 1 - len(sums)))
             counts.extend([0] * (max_draft_len + 1 - len(counts)))
