@@ -39,6 +39,51 @@ class StepInput:
     sample_shift: torch.Tensor | None = None
 
 
+@dataclass
+class SamplePlan:
+    """How a step's sampled requests draw their tokens, read once from the step."""
+
+    draft_lens: list[int]  # drafts each sampled request carries (`ScheduledRequest.drafted`)
+    max_draft_len: int
+    greedy: bool  # every sampled request decodes greedily
+    all_rows: bool  # the sampled rows are every row of the step's hidden states, in order
+    fp32: bool  # sampling or logprobs read fp32 logits (greedy argmaxes need none)
+    uniform: bool  # every request drafts max_draft_len
+    want: list[int | None]  # the logprobs each request asked for
+    # What the step's CUDA graph took from these hidden states (`ModelRunner.step_head`):
+    # (hidden, logits, greedy tokens[, greedy accept lengths]); None when it took nothing.
+    head: tuple[torch.Tensor, ...] | None
+
+    @classmethod
+    def of(cls, step: StepInput, hidden: torch.Tensor, step_head) -> SamplePlan:
+        reqs = [s.request for s in step.sampled]
+        want = [r.params.logprobs for r in reqs]
+        draft_lens = [s.drafted for s in step.sampled]
+        max_draft_len = max(draft_lens)
+        greedy = all(r.params.temperature == 0 for r in reqs)
+        rows = step.sample_rows  # increasing: every row of `hidden` when it spans them all
+        return cls(
+            draft_lens=draft_lens,
+            max_draft_len=max_draft_len,
+            greedy=greedy,
+            all_rows=len(rows) == hidden.shape[0] and rows[-1] == len(rows) - 1,
+            fp32=not greedy or any(w is not None for w in want),
+            uniform=all(d == max_draft_len for d in draft_lens),
+            want=want,
+            head=step_head if step_head and step_head[0] is hidden else None,
+        )
+
+    @property
+    def max_q_len(self) -> int:
+        return self.max_draft_len + 1
+
+    @property
+    def dense(self) -> bool:
+        """A decode/verify step where every row samples and every request drafts K: logits
+        and drafts are views of the step's rows, and a greedy one uploads nothing."""
+        return self.uniform and self.all_rows and self.max_draft_len > 0
+
+
 class ModelRunner:
     """Owns the target model, its KV cache and the attention backend."""
 
@@ -153,86 +198,105 @@ class ModelRunner:
         (logit rows, draft rows, draft lengths, sampling parameters) goes to the device in
         one pinned copy of integers and, when a request samples, one of floats; the drafts
         themselves are read from the step's input ids (wherever the proposer left them)."""
-        device = self.device
-        sampled = step.sampled
-        if not sampled:
-            return SampledTokens(torch.zeros(0, 1, dtype=torch.int64, device=device), None, [])
+        if not step.sampled:
+            empty = torch.zeros(0, 1, dtype=torch.int64, device=self.device)
+            return SampledTokens(empty, None, [])
+        plan = SamplePlan.of(step, hidden, self.step_head)
+        if plan.max_draft_len == 0 and plan.greedy:
+            return self._greedy_plain(step, hidden, plan)
+        t = self._upload(step, plan, simulate_rate)
+        logits = self._logits(hidden, None if plan.all_rows else t["rows"], plan.fp32)
+        if plan.max_draft_len == 0:  # plain sampling
+            tokens = sample(logits, t["sampling"])[:, None]
+            return self._with_logprobs(step, logits, tokens, None, plan.want, 0)
+        return self._verify(step, plan, t, logits, simulate_rate)
+
+    def _greedy_plain(self, step: StepInput, hidden: torch.Tensor, plan: SamplePlan):
+        """Plain greedy decoding: the argmax of each sampled row (the tokens the step's graph
+        took already, when it took them for exactly these rows)."""
+        head, want = plan.head, plan.want
+        if head is not None and plan.all_rows and not plan.fp32:  # tokens the graph took
+            return self._with_logprobs(step, head[1], head[2][:, None], None, want, 0)
+        rows = None if plan.all_rows else to_device(step.sample_rows, self.device)
+        logits = self._logits(hidden, rows, plan.fp32)
+        tokens = argmax_rows(logits)[:, None]  # the sampler's greedy rows, no tensors
+        return self._with_logprobs(step, logits, tokens, None, want, 0)
+
+    def _upload(self, step: StepInput, plan: SamplePlan, simulate_rate: float | None) -> dict:
+        """The integers the step's sampling or verification reads, in one copy: the logit
+        rows (unless every row), each (request, j < K)'s draft row and, with short drafts,
+        each (request, j <= K)'s logit row (unless dense), the draft lengths (unless greedy
+        and uniform), seeds and positions (seeded draws: sampling or simulated acceptance),
+        top-k; and `sampling`, the sampling tensors (None when greedy)."""
+        sampled, rows = step.sampled, step.sample_rows
         reqs = [s.request for s in sampled]
-        want = [r.params.logprobs for r in reqs]
-        draft_lens = [s.drafted for s in sampled]
-        max_draft_len = max(draft_lens)
-        greedy = all(r.params.temperature == 0 for r in reqs)
-        rows = step.sample_rows  # increasing: every row of `hidden` when it spans them all
-        all_rows = len(rows) == hidden.shape[0] and rows[-1] == len(rows) - 1
-        # Greedy rows without logprobs only take argmaxes of their logits: no fp32 copy.
-        fp32 = not greedy or any(w is not None for w in want)
-        head = self.step_head if self.step_head and self.step_head[0] is hidden else None
-        if max_draft_len == 0 and greedy:
-            if head is not None and all_rows and not fp32:  # tokens the graph took
-                return self._with_logprobs(step, head[1], head[2][:, None], None, want, 0)
-            logits = self._logits(hidden, None if all_rows else to_device(rows, device), fp32)
-            tokens = argmax_rows(logits)[:, None]  # the sampler's greedy rows, no tensors
-            return self._with_logprobs(step, logits, tokens, None, want, 0)
-        num, max_q_len = len(sampled), max_draft_len + 1
-        uniform = all(draft_len == max_draft_len for draft_len in draft_lens)
-        # A decode/verify step where every row samples and every request drafts K: logits
-        # and drafts are views of the step's rows, and a greedy one uploads nothing.
-        dense = uniform and all_rows and max_draft_len > 0
         ints = {}
-        if not all_rows:
+        if not plan.all_rows:
             ints["rows"] = rows
-        if not dense:
+        if plan.max_draft_len and not plan.dense:
+            max_draft_len, uniform = plan.max_draft_len, plan.uniform
             index = []  # logit row of each (request, j <= K), repeating the last (short drafts)
             draft_rows, offset = [], 0  # input row of each (request, j < K)
-            for draft_len in draft_lens:
+            for draft_len in plan.draft_lens:
                 # Short drafts are padded with their last row's token (ignored past the length).
                 pad = max_draft_len - draft_len
                 draft_rows += (
                     rows[offset + 1 : offset + draft_len + 1] + [rows[offset + draft_len]] * pad
                 )
                 if not uniform:
-                    index += [offset + min(j, draft_len) for j in range(max_q_len)]
+                    index += [offset + min(j, draft_len) for j in range(plan.max_q_len)]
                 offset += draft_len + 1
             ints["draft_rows"] = draft_rows
             if not uniform:
                 ints["index"] = index
-        if not (greedy and uniform):
-            ints["draft_lens"] = draft_lens
-        if not greedy or simulate_rate is not None:  # counters: seeded draws
+        if plan.max_draft_len and not (plan.greedy and plan.uniform):
+            ints["draft_lens"] = plan.draft_lens
+        if not plan.greedy or simulate_rate is not None:  # counters: seeded draws
             ints["seeds"] = [r.seed for r in reqs]
             ints["positions"] = [r.committed_len for r in reqs]
-        if not greedy:
+        if not plan.greedy:
             ints["top_k"] = [r.params.top_k for r in reqs]
-        t = dict(zip(ints, upload(list(ints.values()), device))) if ints else {}
-        seeds, positions, draft_lens_t = t.get("seeds"), t.get("positions"), t.get("draft_lens")
-        if positions is not None and step.sample_shift is not None:
-            positions = positions + step.sample_shift  # moved by the step in flight's accepts
-        logits = self._logits(hidden, None if all_rows else t["rows"], fp32)
-        st = None if greedy else _sampling_tensors(reqs, seeds, positions, t["top_k"], device)
-        if max_draft_len == 0:
-            return self._with_logprobs(step, logits, sample(logits, st)[:, None], None, want, 0)
-        vocab = logits.shape[-1]
-        padded = (logits if uniform else logits[t["index"]]).view(num, max_q_len, vocab)
-        if dense:
+        t = dict(zip(ints, upload(list(ints.values()), self.device))) if ints else {}
+        if "positions" in t and step.sample_shift is not None:
+            t["positions"] = t["positions"] + step.sample_shift  # moved by the step in flight
+        t["sampling"] = None
+        if not plan.greedy:
+            t["sampling"] = _sampling_tensors(
+                reqs, t["seeds"], t["positions"], t["top_k"], self.device
+            )
+        return t
+
+    def _verify(
+        self,
+        step: StepInput,
+        plan: SamplePlan,
+        t: dict,
+        logits: torch.Tensor,
+        simulate_rate: float | None,
+    ) -> SampledTokens:
+        """Verify every request's drafts against the target's rows: greedily (in the step's
+        graph, when it verified them already) or by rejection sampling."""
+        sampled = step.sampled
+        num, max_q_len, vocab = len(sampled), plan.max_q_len, logits.shape[-1]
+        padded = (logits if plan.uniform else logits[t["index"]]).view(num, max_q_len, vocab)
+        if plan.dense:
             drafts_t = step.input_ids.view(num, max_q_len)[:, 1:]
         else:
-            drafts_t = step.input_ids[t["draft_rows"]].view(num, max_draft_len)
-        if st is None and all(s.draft_probs is None for s in sampled):
-            # a dense step's rows are the graph's rows: its greedy tokens are the argmaxes,
-            # and the graph verified them too (every request drafts K: q_len = K + 1)
-            choice = head[2].view(num, max_q_len) if head is not None and dense else None
-            if choice is not None and simulate_rate is None and len(head) > 3:
-                # a copy: the next step may read the lengths after its own replay
-                # (sample_shift), which overwrites the graph's
-                result = VerifyResult(choice, head[3].clone())
-            else:
-                result = verify_greedy(
-                    padded, drafts_t, draft_lens_t, seeds, positions, simulate_rate, choice
-                )
+            drafts_t = step.input_ids[t["draft_rows"]].view(num, plan.max_draft_len)
+        seeds, positions, draft_lens_t = t.get("seeds"), t.get("positions"), t.get("draft_lens")
+        if plan.greedy and all(s.draft_probs is None for s in sampled):
+            result = self._verify_greedy(plan, padded, drafts_t, t, simulate_rate)
         else:
-            if st is None:
-                st = _sampling_tensors(reqs, seeds, positions, torch.zeros_like(seeds), device)
-            probs = self._draft_probs(sampled, drafts_t, max_draft_len, vocab)
+            st = t["sampling"]
+            if st is None:  # greedy, verifying a drafter that drew from a distribution
+                st = _sampling_tensors(
+                    [s.request for s in sampled],
+                    seeds,
+                    positions,
+                    torch.zeros_like(seeds),
+                    self.device,
+                )
+            probs = self._draft_probs(sampled, drafts_t, plan.max_draft_len, vocab)
             result = verify(padded, drafts_t, draft_lens_t, st, probs, simulate_rate)
         # Drafts the host has not seen go back with the tokens (statistics only).
         on_device = any(s.device_drafts is not None for s in sampled)
@@ -241,9 +305,31 @@ class ModelRunner:
             logits,
             result.tokens,
             result.accept_len,
-            want,
-            max_draft_len,
+            plan.want,
+            plan.max_draft_len,
             drafts_t if on_device else None,
+        )
+
+    @staticmethod
+    def _verify_greedy(plan: SamplePlan, padded, drafts_t, t: dict, simulate_rate):
+        """Greedy verification: taken from the step's graph when it verified these rows
+        already (a dense step: its greedy tokens are the rows' argmaxes, and every request
+        drafts K, q_len = K + 1), else computed (from the graph's argmaxes where it took
+        them)."""
+        head, num = plan.head, padded.shape[0]
+        choice = head[2].view(num, plan.max_q_len) if head is not None and plan.dense else None
+        if choice is not None and simulate_rate is None and len(head) > 3:
+            # a copy: the next step may read the lengths after its own replay (sample_shift),
+            # which overwrites the graph's
+            return VerifyResult(choice, head[3].clone())
+        return verify_greedy(
+            padded,
+            drafts_t,
+            t.get("draft_lens"),
+            t.get("seeds"),
+            t.get("positions"),
+            simulate_rate,
+            choice,
         )
 
     def _with_logprobs(
