@@ -43,6 +43,7 @@ class StepInput:
 class SamplePlan:
     """How a step's sampled requests draw their tokens, read once from the step."""
 
+    reqs: list  # the sampled requests
     draft_lens: list[int]  # drafts each sampled request carries (`ScheduledRequest.drafted`)
     max_draft_len: int
     greedy: bool  # every sampled request decodes greedily
@@ -63,6 +64,7 @@ class SamplePlan:
         greedy = all(r.params.temperature == 0 for r in reqs)
         rows = step.sample_rows  # increasing: every row of `hidden` when it spans them all
         return cls(
+            reqs=reqs,
             draft_lens=draft_lens,
             max_draft_len=max_draft_len,
             greedy=greedy,
@@ -228,8 +230,7 @@ class ModelRunner:
         each (request, j <= K)'s logit row (unless dense), the draft lengths (unless greedy
         and uniform), seeds and positions (seeded draws: sampling or simulated acceptance),
         top-k; and `sampling`, the sampling tensors (None when greedy)."""
-        sampled, rows = step.sampled, step.sample_rows
-        reqs = [s.request for s in sampled]
+        rows, reqs = step.sample_rows, plan.reqs
         ints = {}
         if not plan.all_rows:
             ints["rows"] = rows
@@ -290,7 +291,7 @@ class ModelRunner:
             st = t["sampling"]
             if st is None:  # greedy, verifying a drafter that drew from a distribution
                 st = _sampling_tensors(
-                    [s.request for s in sampled],
+                    plan.reqs,
                     seeds,
                     positions,
                     torch.zeros_like(seeds),
