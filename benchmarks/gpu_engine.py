@@ -54,6 +54,22 @@ LLAMA_8B = ModelConfig(
 )
 
 
+def copy_bandwidth(num_bytes: int = 2 << 30) -> float:
+    """Device-to-device copy bandwidth in bytes/s (bytes read plus written), the best of ten
+    copies: lent H200s differ by a few percent, and this says which kind a run had."""
+    src = torch.empty(num_bytes, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(10):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end))
+    return 2 * num_bytes / (best / 1e3)
+
+
 @torch.no_grad()
 def random_model(cfg: ModelConfig, device) -> LlamaForCausalLM:
     with torch.device(device):
@@ -289,8 +305,6 @@ def main() -> None:
     results = {}
     device_info = None  # which GPU: lent H200s differ by a few percent
     if torch.cuda.is_available():
-        from gpu_bench_parts import copy_bandwidth
-
         name = torch.cuda.get_device_properties(0).name
         device_info = {"name": name, "copy_tb_s": round(copy_bandwidth() / 1e12, 3)}
         print("device", device_info, flush=True)
