@@ -3,8 +3,8 @@ against silu_and_mul followed by the GEMV, the gated GEMV (SiLU-and-mul as the g
 projection's epilogue) against the plain GEMV then silu_and_mul, the split-K second pass
 fused with the residual add and RMSNorm against the separate pass and add + RMSNorm kernel,
 and a tiny Llama's steps with use_triton_ops(fuse=True) against fuse=False. Shared by the
-interpreter run (tests/layers/test_fusion.py, CPU) and the GPU tests
-(tests/layers/test_pdl_gpu.py)."""
+interpreter run (tests/kernels/test_fusion.py, CPU) and the GPU tests
+(tests/kernels/test_pdl_gpu.py)."""
 
 from __future__ import annotations
 

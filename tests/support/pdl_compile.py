@@ -2,7 +2,7 @@
 without one, with programmatic dependent launch on and off, and reads the PTX: the
 interpreter never runs the `if USE_PDL:` branches, so this is where they are checked.
 
-Run as `python -m tests.support.pdl_compile` without TRITON_INTERPRET (tests/layers/test_pdl.py
+Run as `python -m tests.support.pdl_compile` without TRITON_INTERPRET (tests/kernels/test_pdl.py
 does): launches are intercepted instead of run (JITFunction.run records them), PDL is forced on
 for the CPU tensors the launchers get, and each recorded launch is compiled through
 triton.compile for GPUTarget("cuda", 90, 32). Prints one JSON line: per launch, where in

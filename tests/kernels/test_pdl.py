@@ -7,7 +7,7 @@ decode attention kernel reading its metadata before it (kernels/pdl.py: only tor
 copies write that); off,
 no grid-dependency instruction at all. The fused split-K + add + RMSNorm kernel's norm
 compiles to the add + RMSNorm kernel's instructions (the same reduction order, hence the
-same bits on the GPU). GPU checks: tests/layers/test_pdl_gpu.py."""
+same bits on the GPU). GPU checks: tests/kernels/test_pdl_gpu.py."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ interpreter on the CPU in one subprocess (fp16/fp32 for the matrix-unit path, wh
 tl.dot the interpreter computes wrongly; bf16 too on the CUDA-core path): the GEMV's SiLU
 prologue, SiLU-and-mul as the gate/up GEMV's epilogue, the split-K pass fused with the
 residual add and RMSNorm, and a tiny Llama with use_triton_ops(fuse=True) against
-fuse=False. The same cases run on a GPU in tests/layers/test_pdl_gpu.py."""
+fuse=False. The same cases run on a GPU in tests/kernels/test_pdl_gpu.py."""
 
 from __future__ import annotations
 
@@ -200,7 +200,7 @@ def run_cases() -> dict:
 
 # the interpreter run (module, seconds idle) whose results the `interpreter_results` fixture
 # gives this file's tests (conftest.py; started in the background: tests/support/interpreter_run.py)
-INTERPRETER = ("tests.layers.test_fusion", 600)
+INTERPRETER = ("tests.kernels.test_fusion", 600)
 
 
 def _names(cases) -> list[str]:

@@ -171,7 +171,7 @@ def test_gpu_verify_tiles_give_verify_rows_their_decode_bits(tiny_llama):
     from specserve.tuning.gemv_select import SHARED_ROWS
     from specserve.tuning.plan_tuning import StepTimer
     from specserve.tuning.verify_tiles import StepOutput
-    from tests.runtime.test_plan_tuning import rows_apart
+    from tests.tuning.test_plan_tuning import rows_apart
 
     config = EngineConfig(
         model=str(tiny_llama),

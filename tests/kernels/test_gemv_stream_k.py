@@ -121,7 +121,7 @@ def run_cases() -> dict:
 
 # the interpreter run (module, seconds idle) whose results the `interpreter_results` fixture
 # gives this file's tests (conftest.py; started in the background: tests/support/interpreter_run.py)
-INTERPRETER = ("tests.layers.test_gemv_stream_k", 600)
+INTERPRETER = ("tests.kernels.test_gemv_stream_k", 600)
 
 
 def _names() -> list[str]:

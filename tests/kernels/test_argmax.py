@@ -106,7 +106,7 @@ def run_cases() -> dict:
 
 # the interpreter run (module, seconds idle) whose results the `interpreter_results` fixture
 # gives this file's tests (conftest.py; started in the background: tests/support/interpreter_run.py)
-INTERPRETER = ("tests.layers.test_argmax", 600)
+INTERPRETER = ("tests.kernels.test_argmax", 600)
 
 
 @pytest.mark.parametrize(
@@ -155,7 +155,7 @@ def test_kernels_wait_before_touching_memory():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     proc = subprocess.run(
-        [sys.executable, "-m", "tests.layers.test_argmax", "compile"],
+        [sys.executable, "-m", "tests.kernels.test_argmax", "compile"],
         cwd=ROOT,
         env=env,
         capture_output=True,
