@@ -21,9 +21,13 @@ EXPECTED = {
         "--speculative-draft-model-path",
         "--speculative-num-steps",
         "--speculative-policy",
-        "--speculative-schedule",
     },
-    "performance": {"--kv-cache-memory-fraction", "--max-num-seqs", "--max-num-batched-tokens"},
+    "performance": {
+        "--kv-cache-memory-fraction",
+        "--max-num-seqs",
+        "--max-num-batched-tokens",
+        "--tensor-parallel-size",
+    },
     "advanced": {
         "--page-size",
         "--kv-cache-bytes",
@@ -41,6 +45,8 @@ EXPECTED = {
         "--attention-backend",
         "--overlap-schedule",
         "--speculative-simulate-acceptance",
+        "--debug-tp-check",
+        "--speculative-schedule",
     },
 }
 GENERATE_SAMPLING = {
@@ -107,6 +113,8 @@ def test_flags_are_grouped_with_gpu_switches_under_advanced(capsys, monkeypatch,
         ["--disable-overlap-schedule"] + (["hi"] if command == "generate" else [])
     )
     assert args.disable_overlap_schedule
+    args = subparser(command).parse_args(["--tp", "2"] + (["hi"] if command == "generate" else []))
+    assert args.tensor_parallel_size == 2  # the short alias
 
 
 @pytest.mark.parametrize("command", ["generate", "serve", "eval-draft", "train-eagle3"])
@@ -119,7 +127,8 @@ def test_every_default_is_shown(capsys, monkeypatch, command):
         block = next(
             b
             for b in blocks
-            if re.match(rf"  (-\w, )?{action.option_strings[-1]}\b", b.lstrip("\n"))
+            if re.match(rf"  (-\w, )?{action.option_strings[0]}\b", b.lstrip("\n"))
+            or re.match(rf"  -\w, {action.option_strings[-1]}\b", b.lstrip("\n"))
         )
         if (
             action.default is not None

@@ -50,6 +50,15 @@ _FLAGS: dict[str, tuple[str, str]] = {
         "longest prompt plus output, in tokens (default: the model's context length)",
     ),
     "seed": ("sampling", "seed of the random draws of requests that bring no seed of their own"),
+    "tensor_parallel_size": (
+        "performance",
+        "GPUs to shard the model over (tensor parallelism), one process each; alias --tp",
+    ),
+    "debug_tp_check": (
+        "advanced",
+        "under tensor parallelism, compare every step's tokens across the ranks and stop at "
+        "the first difference (slow: for debugging)",
+    ),
     "speculative_algorithm": (
         "speculation",
         "how to draft: auto uses the shipped EAGLE-3 head "
@@ -72,7 +81,7 @@ _FLAGS: dict[str, tuple[str, str]] = {
         "off never drafts (default: goodput with a drafter)",
     ),
     "speculative_schedule": (
-        "speculation",
+        "advanced",
         "draft length by batch size for the schedule policy, e.g. 1:4,16:2,64:0 (default: none)",
     ),
     "page_size": ("advanced", "tokens per KV cache page"),
@@ -159,6 +168,8 @@ _FLAGS: dict[str, tuple[str, str]] = {
         "their own (the same results, slower)",
     ),
 }
+
+_ALIASES = {"tensor_parallel_size": ("--tp",)}
 
 _CHOICES = {
     "load_format": LOAD_FORMATS,
@@ -254,6 +265,7 @@ def add_engine_args(
         group, help_text = _FLAGS[f.name]
         add = groups[group].add_argument
         flag = ENGINE_FLAGS[f.name]
+        aliases = _ALIASES.get(f.name, ())
         annotation = str(f.type)
         if annotation == "bool":
             add(flag, action="store_true", help=help_text)
@@ -263,6 +275,7 @@ def add_engine_args(
         metavar = None if f.name in _CHOICES else _METAVARS.get(f.name, "N" if kind is int else "X")
         add(
             flag,
+            *aliases,
             type=kind,
             default=default,
             choices=_CHOICES.get(f.name),

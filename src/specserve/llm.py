@@ -67,6 +67,17 @@ class LLM:
         self.engine = LLMEngine(EngineConfig(model=model, **engine_kwargs), progress=progress)
         self.tokenizer = self.engine.tokenizer
 
+    def close(self) -> None:
+        """Stop what the engine started beyond this process (the other ranks under tensor
+        parallelism); the LLM is unusable afterwards. `with LLM(...) as llm:` calls it."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def apply_chat_template(self, messages: list[Message]) -> list[int]:
         """Token ids of a conversation through the model's chat template, ready for the
         assistant's reply (as the server's /v1/chat/completions builds them)."""

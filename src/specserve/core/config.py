@@ -77,6 +77,10 @@ class EngineConfig:
     # steps that mix prefill chunks with decode rows, up to this many tokens, run as CUDA
     # graphs too (runtime/cuda_graphs.py); 0: eagerly
     cuda_graph_max_tokens: int = 512
+    # ranks (devices) the model is sharded over (engine/tensor_parallel.py)
+    tensor_parallel_size: int = 1
+    # compare every step's tokens across ranks (one collective a step: for debugging)
+    debug_tp_check: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:
@@ -92,6 +96,8 @@ class EngineConfig:
             raise ConfigError(
                 f"kv_cache_memory_fraction must be in (0, 1]; got {self.kv_cache_memory_fraction}"
             )
+        if self.tensor_parallel_size < 1:
+            raise ConfigError(f"tensor_parallel_size must be >= 1; got {self.tensor_parallel_size}")
         if self.max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be >= 1; got {self.max_num_seqs}")
         if self.cuda_graph_max_tokens < 0:

@@ -18,6 +18,10 @@ class CheckpointError(SpecserveError):
     shape mismatches."""
 
 
+class TensorParallelError(SpecserveError):
+    """The ranks of a tensor-parallel group disagree (--debug-tp-check) or one of them died."""
+
+
 class InvalidRequestError(SpecserveError, ValueError):
     """A request's prompt or sampling parameters are invalid; `field` names the culprit."""
 

@@ -58,11 +58,18 @@ def load_target(
 
 
 def build_kv_cache(
-    config: EngineConfig, loaded: LoadedTarget, startup: StartupProgress, progress: bool
+    config: EngineConfig,
+    loaded: LoadedTarget,
+    startup: StartupProgress,
+    progress: bool,
+    parallel=None,
 ) -> KVCache:
-    """The target's paged KV cache, sized by engine/kv_sizing.py."""
+    """The target's paged KV cache, sized by engine/kv_sizing.py (under tensor parallelism
+    the same number of pages on every rank: the fewest any rank's memory allows)."""
     device = config.torch_device()
     num_pages = kv_cache_pages(config, loaded.model_config, loaded.dtype, device)
+    if parallel is not None:
+        num_pages = parallel.min_over_ranks(num_pages)
     kv = KVCache(loaded.model_config, num_pages, config.page_size, loaded.dtype, device)
     if progress:
         startup.note(

@@ -27,6 +27,13 @@ from specserve.engine.outputs import RequestOutput, RequestSink
 from specserve.engine.scheduler import Scheduler
 from specserve.engine.startup import StartupProgress
 from specserve.engine.step_loop import StepLoop
+from specserve.engine.step_plan import (
+    MirrorSink,
+    PlanChannel,
+    PlanFollower,
+    PlanPublisher,
+    TokenCheck,
+)
 from specserve.model.llama import LlamaForCausalLM
 
 log = logging.getLogger("specserve")
@@ -41,13 +48,22 @@ class LLMEngine:
         progress: bool = False,
         tokenizer=None,
         model: LlamaForCausalLM | None = None,
+        rank: int = 0,
+        address: str | None = None,
     ):
         """Load `config.model`, or serve a prebuilt `model` (benchmarks build random-weight
         models of real shapes on the GPU; without a tokenizer, prompts are token ids and
         outputs carry no text). `progress`: the start-up phases and their timings on stderr
-        (engine/startup.py), else in the log."""
+        (engine/startup.py), else in the log. Under tensor parallelism the engine built with
+        rank 0 spawns the other ranks (engine/tensor_parallel.py), which build theirs with
+        their `rank` and the group's `address` and `follow` rank 0's plans."""
         self.config = config
         config.check_device()  # a missing GPU in one line, not deep inside the loading
+        self.parallel = None
+        if config.tensor_parallel_size > 1:
+            from specserve.engine import tensor_parallel
+
+            self.parallel = tensor_parallel.start(config, rank, address)
         # This engine's kernel switches: in force while its start-up and its steps run
         # (warm-up, selection, graph capture, eager steps), whatever other engines use; the
         # config's, and the process default's where the config names none (benchmarks A/B
@@ -56,14 +72,14 @@ class LLMEngine:
             current(), pdl=not config.disable_pdl, stream_k=config.gemv_stream_k
         )
         with using(self.kernel_options):
-            self._start(config, progress, model, tokenizer)
+            self._start(config, progress, model, tokenizer, rank)
 
-    def _start(self, config: EngineConfig, progress: bool, model, tokenizer) -> None:
+    def _start(self, config: EngineConfig, progress: bool, model, tokenizer, rank: int) -> None:
         startup = StartupProgress(progress)
         loaded = load_target(config, startup, progress, model, tokenizer)
         self.source, self.model_config = loaded.source, loaded.model_config
         self.dtype, self.tokenizer = loaded.dtype, loaded.tokenizer
-        self.kv = build_kv_cache(config, loaded, startup, progress)
+        self.kv = build_kv_cache(config, loaded, startup, progress, self.parallel)
         self.max_model_len = context_limit(config, self.model_config)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         # The target's parts, which speculation is built from (it never sees this engine).
@@ -74,6 +90,8 @@ class LLMEngine:
         self.plan_tuning, self.verify_tiles = tuned.plan_tuning, tuned.verify_tiles
         if self.spec is not None:
             start_speculator(self.spec, self.target, startup)
+            if rank > 0:  # rank 0's policy decides every step's draft lengths
+                self.spec.follow()
         self.eos_token_ids = eos_token_ids(self.model_config, self.tokenizer)
         # How ids become text, decided once for every request (core/detokenizer.py).
         self.token_decoder = TokenDecoder(self.tokenizer) if self.tokenizer is not None else None
@@ -83,6 +101,18 @@ class LLMEngine:
         self.sink = RequestSink(self.scheduler, self.requests, self.spec)
         overlap = config.overlap_enabled()
         self.loop = StepLoop(self.scheduler, self.target, self.spec, self.sink, overlap)
+        self.follower = None
+        if self.parallel is not None:
+            channel = PlanChannel(self.parallel.control, self.parallel.rank)
+            check = config.debug_tp_check
+            if self.parallel.rank == 0:
+                self.loop.plans = self.sink.plans = PlanPublisher(channel)
+                self.loop.token_check = self.loop.plans.resolved if check else None
+            else:
+                tokens = TokenCheck(rank) if check else None
+                self.follower = PlanFollower(channel, tokens)
+                self.loop.token_check = tokens.local if check else None
+                self.loop.sink = MirrorSink(self.follower, self.spec)
         startup.ready()
 
     # ---- requests -------------------------------------------------------------------------
@@ -165,6 +195,37 @@ class LLMEngine:
         overlap scheduling these are the previous step's (engine/step_loop.py)."""
         with using(self.kernel_options):
             return self.loop.step()
+
+    # ---- tensor parallelism ------------------------------------------------------------
+    def follow(self) -> None:
+        """A rank > 0: replay rank 0's step plans until it stops the group."""
+        follower = self.follower
+        with using(self.kernel_options):
+            while True:
+                plan = follower.next()
+                if plan.stop:
+                    break
+                if plan.drain:
+                    follower.batch(plan)  # (its requests that left)
+                    self.loop.drain()
+                    continue
+                batch, drafting = follower.batch(plan)
+                self.loop.replay(batch, drafting, plan.keeps_drafter, plan.waited)
+            self.loop.drain()
+        self.parallel.close()
+
+    def close(self) -> None:
+        """Release what outlives a step: under tensor parallelism, stop the other ranks
+        (rank 0) and leave the process groups. Idempotent; a single-device engine holds
+        nothing to release."""
+        parallel, self.parallel = self.parallel, None
+        if parallel is None:
+            return
+        if self.loop.plans is not None:
+            self.loop.drain()
+            self.loop.plans.stop()
+            self.loop.plans = self.sink.plans = None
+        parallel.close()
 
     def stats(self) -> dict:
         return {

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from specserve.core.request import Request, SpecStats
 from specserve.engine.scheduler import Scheduler
+from specserve.engine.step_plan import PlanPublisher
 from specserve.speculative.speculator import Speculator
 
 
@@ -35,13 +36,17 @@ class RequestSink:
         self.scheduler = scheduler
         self.requests = requests
         self.spec = spec
+        self.plans: PlanPublisher | None = None  # rank 0 under tensor parallelism
 
     def finish(self, req: Request) -> None:
-        """A request leaves: its pages go back, per-request speculation state is dropped."""
+        """A request leaves: its pages go back, per-request speculation state is dropped
+        (and the other ranks drop their mirrors of it)."""
         self.scheduler.finish(req)
         self.requests.pop(req.request_id, None)
         if self.spec is not None:
             self.spec.acceptance.forget(req.request_id)
+        if self.plans is not None:
+            self.plans.gone(req)
 
     def output(self, req: Request, num_new: int) -> RequestOutput:
         """The request's state after this step, with the `num_new` tokens it committed."""

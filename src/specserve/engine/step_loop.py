@@ -47,6 +47,7 @@ import torch
 
 from specserve.core.batch import ScheduledRequest
 from specserve.engine.launched_step import LaunchedStep, StepTimes
+from specserve.engine.step_plan import PlanPublisher
 
 if TYPE_CHECKING:
     from specserve.engine.outputs import RequestOutput, RequestSink
@@ -72,6 +73,11 @@ class StepLoop:
         self.max_model_len = target.max_model_len
         self.overlap = overlap
         self.num_steps = 0  # steps launched (target forwards)
+        self.num_resolved = 0  # steps whose tokens reached the host
+        self.plans: PlanPublisher | None = None  # rank 0 under tensor parallelism
+        # under tensor parallelism with the debug check: compares each step's tokens across
+        # ranks (engine/step_plan.py: TokenCheck)
+        self.token_check = None
         self.inflight: LaunchedStep | None = None
         self.times = StepTimes()
         self._timed = target.kv.pool.device.type == "cuda"
@@ -99,7 +105,27 @@ class StepLoop:
             self._resolve(prev)
             batch = self._settle(batch)
             drafting = self._drafting(batch)
-        launched = self._launch(prev, batch, drafting)
+        keeps_drafter = self.spec is not None and self.spec.keeps_drafter
+        if self.plans is not None:  # tensor parallelism: every other rank replays it
+            self.plans.publish(batch, drafting, keeps_drafter, reason is not None)
+        return self._run(prev, batch, drafting, keeps_drafter)
+
+    def replay(
+        self,
+        batch: list[ScheduledRequest],
+        drafting: list[ScheduledRequest],
+        keeps_drafter: bool,
+        waited: bool,
+    ) -> list[RequestOutput]:
+        """A step that rank 0 planned (engine/step_plan.py), on this rank's mirrors of its
+        requests: the same launch, in the same order, as rank 0's."""
+        prev, self.inflight = self.inflight, None
+        if waited and prev is not None and prev.result is None:
+            self._resolve(prev)
+        return self._run(prev, batch, drafting, keeps_drafter)
+
+    def _run(self, prev, batch, drafting, keeps_drafter: bool) -> list[RequestOutput]:
+        launched = self._launch(prev, batch, drafting, keeps_drafter)
         if self.overlap:
             self.inflight, done = launched, prev
         else:
@@ -112,6 +138,8 @@ class StepLoop:
         callers that time decoding from a settled state, e.g. after prefill."""
         prev, self.inflight = self.inflight, None
         self._idle = True
+        if self.plans is not None and prev is not None:  # the other ranks drain too
+            self.plans.drain()
         return self._process(prev) if prev is not None else []
 
     # ---- launch ---------------------------------------------------------------------------
@@ -181,7 +209,9 @@ class StepLoop:
                 settled.append(s)
         return settled
 
-    def _launch(self, prev: LaunchedStep | None, batch, drafting) -> LaunchedStep | None:
+    def _launch(
+        self, prev: LaunchedStep | None, batch, drafting, keeps_drafter: bool
+    ) -> LaunchedStep | None:
         spec = self.spec
         if not batch:
             self._idle = True
@@ -217,7 +247,7 @@ class StepLoop:
         # device order), and each sampled request has at least one token in flight.
         for s in batch:
             s.request.cached_len += s.num_tokens
-        if spec is not None and spec.keeps_drafter:  # after the draw: its copy is not delayed
+        if keeps_drafter:  # after the draw: its copy is not delayed
             prefilled = [s for s in batch if not s.decoding]
             if prefilled:
                 spec.proposer.catch_up_prefill(prefilled)
@@ -259,6 +289,9 @@ class StepLoop:
         t0 = time.perf_counter()
         result = step.result = step.sampled.result()
         step.resolved_s = time.perf_counter()
+        if self.token_check is not None:
+            self.token_check(self.num_resolved, result.tokens)
+        self.num_resolved += 1
         wait_ms = (step.resolved_s - t0) * 1e3
         self.times.wait_ms.append(wait_ms)
         self.totals["host_wait_ms"] += wait_ms

@@ -155,6 +155,7 @@ class EngineLoop:
             if self.dirty:
                 self._send()
         self.engine_abort_all()
+        self.engine.close()  # (tensor parallelism: the other ranks stop)
         self._send()  # final stats: nothing running, every page free
         self.outbox.send(Stopped())
 

@@ -44,16 +44,19 @@ class CurveModel:
 
 
 def measure_curve(
-    run: Callable[[int], None], sizes: list[int], repeats: int = 2, budget_s: float = 4.0
+    run: Callable[[int], None],
+    sizes: list[int],
+    repeats: int = 2,
+    budget_s: float | None = 4.0,
 ) -> CurveModel:
     """Time `run(size)` (which must synchronize) for sizes in ascending order; keep the
     fastest run of each (the least disturbed by other work on the machine; the online
     table corrects the rest). Sizes left once `budget_s` is spent are extrapolated from the
-    last two points, so start-up stays short on slow machines."""
+    last two points, so start-up stays short on slow machines (None: every size)."""
     points: dict[int, float] = {}
     start = time.perf_counter()
     for size in sorted(sizes):
-        if len(points) >= 2 and time.perf_counter() - start > budget_s:
+        if budget_s is not None and len(points) >= 2 and time.perf_counter() - start > budget_s:
             break
         run(size)  # warm-up
         times = []

@@ -60,6 +60,12 @@ class Speculator:
         cost model measures the real step times."""
         self.policy = self._build_policy(target)
 
+    def follow(self) -> None:
+        """A rank > 0 under tensor parallelism: rank 0's policy decides each step's draft
+        lengths and whether the drafter is kept up to date (its step plans say so); this
+        rank keeps no policy of its own (its start-up measured in step with rank 0's)."""
+        self.policy = OffPolicy(self.k_max)
+
     @property
     def aux_layer_ids(self) -> tuple[int, ...]:
         """The target layers whose hidden states the drafter reads (none under off)."""
@@ -105,11 +111,14 @@ class Speculator:
         batch on this machine; real steps' periods refine it (`observe_period`)."""
         runner, cfg = target.runner, target.config
         limit = min(cfg.max_num_batched_tokens, cfg.max_num_seqs * (self.k_max + 1))
-        forward = measure_curve(runner.time_forward, powers_of_two(limit))
+        # Under tensor parallelism every rank times the same sizes (their forwards' collectives
+        # pair up), so no rank may stop early on its own clock.
+        budget_s = None if cfg.tensor_parallel_size > 1 else 4.0
+        forward = measure_curve(runner.time_forward, powers_of_two(limit), budget_s=budget_s)
         drafter = None
         timer = self.proposer.step_timer()
         if timer is not None:
-            drafter = measure_curve(timer, powers_of_two(cfg.max_num_seqs))
+            drafter = measure_curve(timer, powers_of_two(cfg.max_num_seqs), budget_s=budget_s)
         # With CUDA graphs, decode/verify steps pad every request to the step's longest draft.
         return StepCostModel(forward, drafter, padded=runner.graphs is not None)
 

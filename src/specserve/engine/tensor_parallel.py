@@ -1,0 +1,137 @@
+"""Tensor parallelism's processes: one per device. Rank 0 runs in the process that builds the
+engine (the `LLM` user's, or the server's engine process); it spawns the other ranks of its
+machine, each of which builds the same engine on its device and replays rank 0's step plans
+until told to stop (engine/step_plan.py). Every rank joins torch.distributed: NCCL on GPUs
+(gloo on the CPU) for the forward's tensors, and a gloo group for the plans.
+
+A rank that dies makes the others fail rather than hang: rank 0 watches the processes it
+spawned and exits with their exit code and a message naming the rank (a collective it waits
+in could not return otherwise); the other ranks' collectives fail when rank 0's connections
+close (they also run as daemons of rank 0's process).
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import socket
+import threading
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from specserve.core.config import EngineConfig
+from specserve.core.parallel import TensorParallel
+
+log = logging.getLogger("specserve")
+
+# How long a collective may wait for the other ranks (start-up included: a rank loading its
+# shard of a large checkpoint from a slow disk keeps the others waiting in the first one).
+COLLECTIVE_TIMEOUT = timedelta(minutes=30)
+
+
+@dataclass
+class ParallelContext:
+    """This rank's place in the tensor-parallel group: the group for the forward's tensors
+    (`tp`), the control group for plans, and on rank 0 the processes it spawned."""
+
+    tp: TensorParallel
+    control: object
+    processes: list = field(default_factory=list)
+    closing: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def rank(self) -> int:
+        return self.tp.rank
+
+    def min_over_ranks(self, value: int) -> int:
+        """The smallest of every rank's value (e.g. KV pages: each device's free memory)."""
+        t = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.control)
+        return int(t.item())
+
+    def close(self) -> None:
+        """Wait for the spawned ranks (after the stop plan) and leave the groups."""
+        self.closing.set()
+        for p in self.processes:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.terminate()
+        self.processes = []
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def free_address() -> str:
+    """host:port of a free TCP port on this machine (the rendezvous of a one-node group)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+def start(config: EngineConfig, rank: int, address: str | None) -> ParallelContext:
+    """Join (rank 0: first spawn) the tensor-parallel group of `config`."""
+    size = config.tensor_parallel_size
+    processes = []
+    if rank == 0:
+        address = address or free_address()
+        ctx = mp.get_context("spawn")
+        for r in range(1, size):
+            p = ctx.Process(
+                target=follower_main,
+                args=(config, r, address, logging.getLogger("specserve").getEffectiveLevel()),
+                name=f"specserve-tp{r}",
+                daemon=True,
+            )
+            p.start()
+            processes.append(p)
+    device = config.torch_device()
+    if device.type == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://{address}",
+        rank=rank,
+        world_size=size,
+        timeout=COLLECTIVE_TIMEOUT,
+    )
+    control = dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT)
+    context = ParallelContext(TensorParallel(rank, size, dist.group.WORLD), control, processes)
+    if processes:
+        threading.Thread(target=_watch, args=(processes, context.closing), daemon=True).start()
+        # at interpreter exit the spawned ranks (daemons) are terminated: no failure then
+        atexit.register(context.closing.set)
+    return context
+
+
+def _watch(processes: list, closing: threading.Event) -> None:
+    """Rank 0: a spawned rank that exits before it is told to stop ends this process too,
+    with a message naming it, instead of leaving a collective waiting forever."""
+    from multiprocessing.connection import wait
+
+    sentinels = {p.sentinel: p for p in processes}
+    while sentinels:
+        for s in wait(list(sentinels)):
+            p = sentinels.pop(s)
+            if p.exitcode != 0 and not closing.is_set():
+                log.error(
+                    "tensor-parallel rank %s (process %s) exited with code %s; stopping",
+                    p.name.removeprefix("specserve-tp"),
+                    p.pid,
+                    p.exitcode,
+                )
+                os._exit(1)
+
+
+def follower_main(config: EngineConfig, rank: int, address: str, log_level: int) -> None:
+    """A rank > 0: build the engine on this rank's device, replay plans until the stop."""
+    logging.basicConfig(level=log_level, format=f"%(levelname)s [tp{rank}] %(message)s")
+    from specserve.engine.engine import LLMEngine
+
+    engine = LLMEngine(config, rank=rank, address=address)
+    engine.follow()

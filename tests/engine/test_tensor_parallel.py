@@ -1,0 +1,153 @@
+"""Tensor parallelism's control plane on the CPU (gloo): rank 0's step plans, replayed by the
+other ranks on mirrors of its requests (engine/step_plan.py), processes started and stopped
+by the engine (engine/tensor_parallel.py), a rank's death as a clear failure."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from specserve import SamplingParams
+from specserve.core.batch import ScheduledRequest
+from specserve.core.errors import TensorParallelError
+from specserve.core.request import Request, RequestStatus
+from specserve.engine.step_plan import PlanFollower, PlanPublisher, TokenCheck
+from tests.support.overlap_cases import prompts_for
+from tests.support.spawned import run_spawned
+from tests.support.tiny_models import make_random_eagle3_head, make_tiny_model
+
+
+class _Wire:
+    """A channel that hands each plan over in this process."""
+
+    def __init__(self):
+        self.plans = []
+
+    def send(self, plan):
+        self.plans.append(plan)
+
+    def recv(self):
+        return self.plans.pop(0)
+
+
+def _request(rid: str, prompt: list[int]) -> Request:
+    return Request(rid, prompt, SamplingParams(max_tokens=8, seed=5), 0, 11, 64, frozenset({2}))
+
+
+def test_plans_keep_mirrors_of_pages_preemptions_and_departures():
+    wire = _Wire()
+    publisher, follower = PlanPublisher(wire), PlanFollower(wire)
+    a, b = _request("a", [5, 6, 7]), _request("b", [9] * 20)
+    a.page_table, b.page_table = [3], [4, 8]
+    step = [ScheduledRequest(a, 3), ScheduledRequest(b, 16)]
+    publisher.publish(step, [], keeps_drafter=True, waited=False)
+    plan = follower.next()
+    assert [p.request_id for p in plan.added] == ["a", "b"]  # first scheduled: sent whole
+    batch, drafting = follower.batch(plan)
+    mirror_a, mirror_b = follower.requests["a"], follower.requests["b"]
+    assert mirror_a.seed == 11 and mirror_a.params.seed == 5 and mirror_a.detokenizer is None
+    assert [(s.request, s.num_tokens) for s in batch] == [(mirror_a, 3), (mirror_b, 16)]
+    assert mirror_a.page_table == [3] and mirror_b.page_table == [4, 8] and drafting == []
+    assert plan.keeps_drafter and not plan.waited
+
+    # a decodes and drafts into a new page; b is preempted and comes back with new pages
+    a.page_table.append(12)
+    mirror_b.cached_len = b.cached_len = 16
+    b.num_preemptions, b.page_table = 1, [20, 21]
+    step = [
+        ScheduledRequest(a, 1, draft_len=3, decoding=True),
+        ScheduledRequest(b, 20),
+    ]
+    publisher.publish(step, [step[0]], keeps_drafter=False, waited=True)
+    plan = follower.next()
+    assert plan.added == [] and [r.new_pages for r in plan.rows] == [[12], [20, 21]]
+    batch, drafting = follower.batch(plan)
+    assert mirror_a.page_table == [3, 12] and mirror_b.page_table == [20, 21]
+    assert mirror_b.cached_len == 0 and mirror_b.num_preemptions == 1  # recomputed
+    assert drafting == [batch[0]] and batch[0].draft_len == 3 and batch[0].decoding
+    assert plan.waited and not plan.keeps_drafter
+
+    # a leaves on rank 0 (a stop string, an abort): the next plan drops its mirror
+    publisher.gone(a)
+    publisher.gone(_request("never-scheduled", [1]))  # rank 0 never sent it: nothing to say
+    publisher.publish([ScheduledRequest(b, 1, decoding=True)], [], False, False)
+    plan = follower.next()
+    assert plan.gone == ["a"]
+    follower.batch(plan)
+    assert "a" not in follower.requests and mirror_a.status is RequestStatus.FINISHED
+    publisher.stop()
+    assert follower.next().stop
+
+
+def test_the_token_check_stops_a_rank_at_its_first_difference():
+    check = TokenCheck(rank=1)
+    check.remote([(0, [[5, 6]])])  # rank 0's tokens may come first ...
+    check.local(0, [[5, 6]])
+    check.local(1, [[7], [8, 9]])  # ... or this rank's
+    with pytest.raises(TensorParallelError, match=r"step 1: rank 1's tokens \[\[7\], \[8, 9\]\]"):
+        check.remote([(1, [[7], [8, 4]])])
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    target = make_tiny_model(tmp_path_factory.mktemp("tp_target"), "llama", num_layers=4)
+    head = make_random_eagle3_head(tmp_path_factory.mktemp("tp_head"), target, 200)
+    return str(target), str(head)
+
+
+def _generate_under_tp(target: str, head: str) -> dict:
+    """Rank 0 of two (the other rank spawned by the engine), every step's tokens compared
+    across the ranks: plain, EAGLE-3 and n-gram speculation, greedy and sampled, with and
+    without overlap scheduling."""
+    from specserve import LLM
+
+    prompts = prompts_for()
+    greedy = SamplingParams(max_tokens=14, ignore_eos=True)
+    sampled = [
+        SamplingParams(max_tokens=14, ignore_eos=True, temperature=0.9, seed=i)
+        for i in range(len(prompts))
+    ]
+    eagle3 = dict(speculative_algorithm="eagle3", speculative_draft_model_path=head)
+    runs = {
+        "plain": dict(speculative_algorithm="none"),
+        "eagle3 overlap": dict(eagle3, speculative_policy="fixed", overlap_schedule="on"),
+        "eagle3 goodput": dict(eagle3, speculative_policy="goodput"),
+        "ngram": dict(speculative_algorithm="ngram", speculative_policy="fixed"),
+    }
+    out = {}
+    for name, kwargs in runs.items():
+        # (a smaller step budget: the goodput policy's start-up times every step size)
+        tp = dict(tensor_parallel_size=2, debug_tp_check=True, max_num_batched_tokens=256)
+        with LLM(target, **tp, **kwargs) as llm:
+            out[name] = [o.token_ids for o in llm.generate(prompts, greedy)]
+            if name != "plain":
+                llm.generate(prompts, sampled)  # (ranks agree: the check passes)
+    return out
+
+
+def test_speculation_under_tensor_parallelism_equals_its_plain_decoding(models):
+    status, out = run_spawned(_generate_under_tp, *models)
+    assert status == "ok", out
+    assert all(len(t) == 14 for t in out["plain"])
+    for name in ("eagle3 overlap", "eagle3 goodput", "ngram"):
+        assert out[name] == out["plain"], name
+
+
+def _lose_a_rank(target: str) -> None:
+    from specserve import LLM
+
+    llm = LLM(target, tensor_parallel_size=2, speculative_algorithm="none")
+    llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4))
+    os.kill(llm.engine.parallel.processes[0].pid, signal.SIGKILL)
+    llm.generate([[5, 6, 7]], SamplingParams(max_tokens=64))  # waits for the dead rank
+
+
+def test_a_dead_rank_stops_rank_0_instead_of_hanging(models):
+    # rank 0 exits (its watcher: "tensor-parallel rank 1 ... exited"), or on the CPU the
+    # plan's broadcast fails first when the dead rank's connection closes; never a hang
+    status, detail = run_spawned(_lose_a_rank, models[0], timeout_s=120)
+    assert (status, detail) == ("exit", 1) or (
+        status == "error" and detail.startswith("TensorParallelError: rank 0 lost the")
+    ), detail
