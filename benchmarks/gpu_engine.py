@@ -334,7 +334,7 @@ def main() -> None:
             raise SystemExit("--ab-plan forces its choices after whole-step tuning: keep it on")
         restore = force_plan(forced)  # this engine only
         t0 = time.perf_counter()
-        engine = LLMEngine(EngineConfig(**base, **extra), model=model)
+        engine = LLMEngine(EngineConfig.from_flags(**base, **extra), model=model)
         startup = time.perf_counter() - t0
         if not head and engine.runner.graphs is not None:  # recaptured without the head
             graphs, engine.runner.graphs = engine.runner.graphs, None

@@ -147,7 +147,7 @@ def main() -> None:
     shape = replace(LLAMA_8B, **TINY) if args.smoke else LLAMA_8B
     if args.smoke:
         small = LLMEngine(
-            EngineConfig(
+            EngineConfig.from_flags(
                 **base, dtype="float32", speculative_algorithm="none", kv_cache_bytes=2**24
             ),
             model=random_model(replace(shape, num_layers=2), device),
@@ -155,7 +155,9 @@ def main() -> None:
         small_name = "tiny 2-layer (smoke)"
     else:
         small = LLMEngine(
-            EngineConfig(model=None, speculative_algorithm=None, kv_cache_bytes=4 * 2**30, **base)
+            EngineConfig.from_flags(
+                model=None, speculative_algorithm=None, kv_cache_bytes=4 * 2**30, **base
+            )
         )
         small_name = "SmolLM2-135M"
     record(small_name, small, t0)
@@ -166,7 +168,7 @@ def main() -> None:
     big = "8B shape (tiny, smoke)" if args.smoke else "Llama-3.1-8B shape"
     t0 = time.perf_counter()
     engine = LLMEngine(
-        EngineConfig(
+        EngineConfig.from_flags(
             **base, dtype="bfloat16", speculative_algorithm="none", kv_cache_bytes=kv_bytes
         ),
         model=model,
@@ -180,7 +182,7 @@ def main() -> None:
     )
     t0 = time.perf_counter()
     engine = LLMEngine(
-        EngineConfig(
+        EngineConfig.from_flags(
             **base,
             dtype="bfloat16",
             kv_cache_bytes=kv_bytes,

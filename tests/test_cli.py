@@ -139,7 +139,7 @@ def test_serve_refuses_bad_engine_flags_before_loading(no_loading, capsys, argv)
 
 def test_algorithm_errors_offer_auto(no_loading, capsys):
     with pytest.raises(ConfigError, match="must be auto, eagle3, draft, ngram or none"):
-        EngineConfig(speculative_algorithm="medusa")
+        EngineConfig.from_flags(speculative_algorithm="medusa")
     with pytest.raises(SystemExit) as exc:
         main(["generate", "hi", "--speculative-algorithm", "medusa"])
     assert exc.value.code == 2

@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import fields
 
-from specserve.core.config import EngineConfig
 from specserve.core.errors import InvalidRequestError, SpecserveError
 from specserve.engine_args import (
     ENGINE_FLAGS,
@@ -50,9 +48,7 @@ def _generate(args: argparse.Namespace) -> int:
     from specserve.llm import LLM
 
     cfg = engine_config(args)
-    llm = LLM(
-        progress=not args.quiet, **{f.name: getattr(cfg, f.name) for f in fields(EngineConfig)}
-    )
+    llm = LLM(progress=not args.quiet, **cfg.flags())
     if llm.tokenizer.chat_template and not args.no_chat_template:
         # what llm.chat does: the answer of an instruct model, not a continuation
         prompt: str | list[int] = llm.apply_chat_template(
@@ -305,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if has_engine_args(args):  # every check that needs no model, before any loads
-            engine_config(args).check_device()
+            engine_config(args).load.check_device()
         return args.func(args)
     except SpecserveError as e:
         print(f"specserve: error: {_as_typed(e, args)}", file=sys.stderr)

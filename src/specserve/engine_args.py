@@ -1,7 +1,7 @@
-"""The engine's command-line flags: one per EngineConfig field, defaults from the dataclass,
-in groups read in order (model, sampling, speculation, performance, advanced), each with one
-line of help; specserve's parser class (defaults in the help, a short usage line); and config
-errors worded with the flags as users type them."""
+"""The engine's command-line flags: one per flat EngineConfig option (FLAG_FIELDS), defaults
+from its section's dataclass, in groups read in order (model, sampling, speculation,
+performance, advanced), each with one line of help; specserve's parser class (defaults in the
+help, a short usage line); and config errors worded with the flags as users type them."""
 
 from __future__ import annotations
 
@@ -9,16 +9,16 @@ import argparse
 import copy
 import re
 from contextlib import contextmanager
-from dataclasses import MISSING, fields
+from dataclasses import MISSING
 
-from specserve.core.config import (
+from specserve.core.config import FLAG_FIELDS, EngineConfig, flag_fields
+from specserve.core.config_sections import (
     ATTENTION_BACKEND_CHOICES,
     DTYPE_CHOICES,
     LOAD_FORMATS,
     OVERLAP_SCHEDULE_CHOICES,
     SPECULATIVE_ALGORITHM_CHOICES,
     SPECULATIVE_POLICY_CHOICES,
-    EngineConfig,
 )
 
 GROUPS = {  # title -> one line under it, in the order the help shows them
@@ -29,7 +29,7 @@ GROUPS = {  # title -> one line under it, in the order the help shows them
     "advanced": "GPU kernels and the step loop; the defaults suit nearly every use",
 }
 
-# field -> (group, help). Help is a user's sentence: what the flag does, and its default
+# flat option -> (group, help). Help is a user's sentence: what the flag does, and its default
 # where the default is not a plain value the formatter can show.
 _FLAGS: dict[str, tuple[str, str]] = {
     "model": (
@@ -189,7 +189,7 @@ _METAVARS = {
     "speculative_simulate_acceptance": "RATE|LEN",
 }
 
-ENGINE_FLAGS = {f.name: "--" + f.name.replace("_", "-") for f in fields(EngineConfig)}
+ENGINE_FLAGS = {name: "--" + name.replace("_", "-") for name in FLAG_FIELDS}
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -258,27 +258,27 @@ def engine_arg_groups(parser: argparse.ArgumentParser) -> dict[str, argparse._Ar
 def add_engine_args(
     parser: argparse.ArgumentParser, groups: dict[str, argparse._ArgumentGroup] | None = None
 ) -> dict[str, argparse._ArgumentGroup]:
-    """One flag per EngineConfig field, its default taken from the dataclass, in its group
-    (`groups`, else new ones); returns the groups."""
+    """One flag per flat EngineConfig option, its default taken from its section's
+    dataclass, in its group (`groups`, else new ones); returns the groups."""
     groups = groups or engine_arg_groups(parser)
-    for f in fields(EngineConfig):
-        group, help_text = _FLAGS[f.name]
+    for name, f in flag_fields().items():
+        group, help_text = _FLAGS[name]
         add = groups[group].add_argument
-        flag = ENGINE_FLAGS[f.name]
-        aliases = _ALIASES.get(f.name, ())
+        flag = ENGINE_FLAGS[name]
+        aliases = _ALIASES.get(name, ())
         annotation = str(f.type)
         if annotation == "bool":
             add(flag, action="store_true", help=help_text)
             continue
         default = None if f.default is MISSING else f.default
         kind = str if "str" in annotation else float if "float" in annotation else int
-        metavar = None if f.name in _CHOICES else _METAVARS.get(f.name, "N" if kind is int else "X")
+        metavar = None if name in _CHOICES else _METAVARS.get(name, "N" if kind is int else "X")
         add(
             flag,
             *aliases,
             type=kind,
             default=default,
-            choices=_CHOICES.get(f.name),
+            choices=_CHOICES.get(name),
             metavar=metavar,
             help=help_text,
         )
@@ -287,7 +287,7 @@ def add_engine_args(
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     """The EngineConfig the parsed engine flags describe (raises ConfigError)."""
-    return EngineConfig(**{f.name: getattr(args, f.name) for f in fields(EngineConfig)})
+    return EngineConfig.from_flags(**{name: getattr(args, name) for name in FLAG_FIELDS})
 
 
 def has_engine_args(args: argparse.Namespace) -> bool:

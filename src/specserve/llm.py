@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 from tqdm import tqdm
 
@@ -47,8 +47,9 @@ class LLM:
     """Generate text with a local model, in this process.
 
     `model`: a Hugging Face model folder or .gguf file (default: the embedded
-    SmolLM2-135M-Instruct); other keyword arguments are EngineConfig fields, as the flags of
-    `specserve generate` (`dtype="float32"`, `speculative_algorithm="ngram"`, ...).
+    SmolLM2-135M-Instruct); other keyword arguments are the engine's options by their flat
+    names (`EngineConfig.from_flags`), as the flags of `specserve generate`
+    (`dtype="float32"`, `speculative_algorithm="ngram"`, ...).
     `progress=True` reports the start-up phases and their timings on stderr.
 
         from specserve import LLM, SamplingParams
@@ -60,11 +61,8 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, progress: bool = False, **engine_kwargs):
-        known = {f.name for f in fields(EngineConfig)}
-        unknown = set(engine_kwargs) - known
-        if unknown:
-            raise TypeError(f"unknown LLM option(s) {sorted(unknown)}; known: {sorted(known)}")
-        self.engine = LLMEngine(EngineConfig(model=model, **engine_kwargs), progress=progress)
+        config = EngineConfig.from_flags(model=model, **engine_kwargs)  # TypeError: unknown
+        self.engine = LLMEngine(config, progress=progress)
         self.tokenizer = self.engine.tokenizer
 
     def close(self) -> None:

@@ -20,7 +20,7 @@ CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
 def _pages(device=CPU, **kw):
     # (without CUDA graphs: their outputs' share is test_..._every_graphs_outputs's)
-    config = EngineConfig(speculative_algorithm="none", disable_cuda_graph=True, **kw)
+    config = EngineConfig.from_flags(speculative_algorithm="none", disable_cuda_graph=True, **kw)
     return kv_cache_pages(config, CFG, torch.float32, device)
 
 
@@ -62,7 +62,7 @@ def test_cuda_budget_leaves_room_for_the_eagle3_head(monkeypatch, tmp_path_facto
     head_page += 16 * cfg.hidden_size * 4  # the feature store
     free = 1000 * page + weights
     _fake_cuda(monkeypatch, free, 2 * free)
-    config = EngineConfig(
+    config = EngineConfig.from_flags(
         model=str(target),
         speculative_algorithm="eagle3",
         speculative_draft_model_path=str(head),
@@ -82,7 +82,7 @@ def test_cuda_budget_leaves_room_for_the_eagle3_head(monkeypatch, tmp_path_facto
 )
 def test_bad_sizes_are_refused(bad):
     with pytest.raises(ConfigError, match=next(iter(bad))):
-        EngineConfig(**bad)
+        EngineConfig.from_flags(**bad)
 
 
 def test_cuda_memory_too_small_for_one_sequence_is_refused(monkeypatch):
@@ -102,8 +102,8 @@ def test_cuda_budget_leaves_room_for_every_graphs_outputs(monkeypatch):
     from specserve.engine.kv_sizing import graph_output_bytes
 
     eight_b = replace(CFG, vocab_size=128256, hidden_size=4096)
-    k3 = EngineConfig(speculative_algorithm="ngram", speculative_num_steps=3)
-    k5 = EngineConfig(speculative_algorithm="ngram", speculative_num_steps=5)
+    k3 = EngineConfig.from_flags(speculative_algorithm="ngram", speculative_num_steps=3)
+    k5 = EngineConfig.from_flags(speculative_algorithm="ngram", speculative_num_steps=5)
     # buckets 1, 2, 4, 8, 16, 32, ..., 256: 2,191 requests; q = 1..K+1 tokens each; and
     # mixed steps' hidden states: token buckets 32, 64, 128, 256, 384, 512 by 3, 4, 4, 5, 5
     # and 5 request buckets (4, 16, 64, 256, 257 up to the first above the tokens): 6,624 rows
@@ -114,12 +114,13 @@ def test_cuda_budget_leaves_room_for_every_graphs_outputs(monkeypatch):
     assert graph_output_bytes(k5, eight_b, torch.bfloat16) == (
         2191 * 21 * ((128256 + 4096) * 2 + 16) + mixed
     )
-    no_mixed = replace(k3, cuda_graph_max_tokens=0)
+    no_mixed = replace(k3, execution=replace(k3.execution, cuda_graph_max_tokens=0))
     assert graph_output_bytes(no_mixed, eight_b, torch.bfloat16) == (
         2191 * 10 * ((128256 + 4096) * 2 + 16)
     )
-    assert graph_output_bytes(replace(k5, disable_cuda_graph=True), eight_b, torch.bfloat16) == 0
-    plain = EngineConfig(speculative_algorithm="none", max_num_seqs=4)
+    no_graphs = replace(k5, execution=replace(k5.execution, disable_cuda_graph=True))
+    assert graph_output_bytes(no_graphs, eight_b, torch.bfloat16) == 0
+    plain = EngineConfig.from_flags(speculative_algorithm="none", max_num_seqs=4)
     reserve = graph_output_bytes(plain, CFG, torch.float32)
     # mixed: request buckets 4 and 5 at every token bucket
     mixed_rows = 2 * (32 + 64 + 128 + 256 + 384 + 512)
@@ -130,11 +131,16 @@ def test_cuda_budget_leaves_room_for_every_graphs_outputs(monkeypatch):
     )
     _fake_cuda(monkeypatch, 1000 * PAGE, 4000 * PAGE)
     long_cfg = replace(CFG, max_position_embeddings=4000)  # no full-context cap here
-    config = EngineConfig(
+    config = EngineConfig.from_flags(
         speculative_algorithm="none", max_num_seqs=4, kv_cache_memory_fraction=1.0
     )
     assert (
-        kv_cache_pages(replace(config, disable_cuda_graph=True), long_cfg, torch.float32, CUDA)
+        kv_cache_pages(
+            replace(config, execution=replace(config.execution, disable_cuda_graph=True)),
+            long_cfg,
+            torch.float32,
+            CUDA,
+        )
         == 1000
     )
     with_graphs = kv_cache_pages(config, long_cfg, torch.float32, CUDA)

@@ -120,16 +120,18 @@ def test_seeded_sampling_and_logprobs_identical(models, drafter):
 
 
 def test_config_flags():
-    assert EngineConfig(model="x", device="cpu").overlap_enabled() is False
-    assert EngineConfig(model="x", device="cpu", overlap_schedule="on").overlap_enabled()
-    assert not EngineConfig(
+    assert EngineConfig.from_flags(model="x", device="cpu").overlap_enabled() is False
+    assert EngineConfig.from_flags(model="x", device="cpu", overlap_schedule="on").overlap_enabled()
+    assert not EngineConfig.from_flags(
         model="x", device="cuda", disable_overlap_schedule=True, speculative_algorithm="none"
     ).overlap_enabled()
-    assert EngineConfig(model="x", device="cuda", speculative_algorithm="none").overlap_enabled()
+    assert EngineConfig.from_flags(
+        model="x", device="cuda", speculative_algorithm="none"
+    ).overlap_enabled()
     with pytest.raises(ConfigError, match="overlap_schedule"):
-        EngineConfig(model="x", overlap_schedule="sometimes")
+        EngineConfig.from_flags(model="x", overlap_schedule="sometimes")
     with pytest.raises(ConfigError, match="contradicts"):
-        EngineConfig(model="x", overlap_schedule="on", disable_overlap_schedule=True)
+        EngineConfig.from_flags(model="x", overlap_schedule="on", disable_overlap_schedule=True)
     import argparse
 
     from specserve.cli import add_engine_args, engine_config

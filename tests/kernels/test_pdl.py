@@ -16,7 +16,6 @@ import os
 import re
 import subprocess
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -56,24 +55,26 @@ def test_engine_and_cli_carry_the_switches(restore_pdl, tiny_llama):
 
     args = build_parser().parse_args(["generate", "hi", "--disable-pdl", "--disable-fusion"])
     cfg = engine_config(args)
-    assert cfg.disable_pdl and cfg.disable_fusion
+    assert cfg.execution.disable_pdl and cfg.execution.disable_fusion
     defaults = engine_config(build_parser().parse_args(["generate", "hi"]))
-    assert not defaults.disable_pdl and not defaults.disable_fusion
+    assert not defaults.execution.disable_pdl and not defaults.execution.disable_fusion
     pdl.set_enabled(True)
     engine = LLMEngine(
-        type(cfg)(model=str(tiny_llama), device="cpu", disable_pdl=True, num_kv_pages=16)
+        type(cfg).from_flags(model=str(tiny_llama), device="cpu", disable_pdl=True, num_kv_pages=16)
     )
     # the engine's own switch, in force while its start-up and steps run; not the process's
     assert not engine.kernel_options.pdl and pdl.is_enabled() is True
     assert engine.runner.backend.batch_invariant  # by default (attention's fixed chunks)
     args = build_parser().parse_args(["generate", "hi", "--disable-batch-invariance"])
     engine = LLMEngine(
-        replace(
-            engine_config(args),
-            model=str(tiny_llama),
-            device="cpu",
-            speculative_algorithm="none",
-            num_kv_pages=16,
+        type(cfg).from_flags(
+            **{
+                **engine_config(args).flags(),
+                "model": str(tiny_llama),
+                "device": "cpu",
+                "speculative_algorithm": "none",
+                "num_kv_pages": 16,
+            }
         )
     )
     assert engine.runner.backend.batch_invariant is False

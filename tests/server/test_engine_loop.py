@@ -29,7 +29,7 @@ from specserve.server.openai_format import TokenText
 
 @pytest.fixture(scope="module")
 def engine(tiny_llama):
-    return LLMEngine(EngineConfig(model=str(tiny_llama)))
+    return LLMEngine(EngineConfig.from_flags(model=str(tiny_llama)))
 
 
 def _messages(conn, until: type) -> list:

@@ -34,7 +34,7 @@ def test_generation_time_budget(target):
     from specserve.train.distill import generate_samples
     from specserve.train.prompts import PromptItem
 
-    engine = LLMEngine(EngineConfig(model=str(target), max_num_seqs=2, num_kv_pages=64))
+    engine = LLMEngine(EngineConfig.from_flags(model=str(target), max_num_seqs=2, num_kv_pages=64))
     prompts = [PromptItem(str(i), [{"role": "user", "content": f"hi {i}"}]) for i in range(6)]
     kw = dict(max_new_tokens=4, temperature=0.0, seed=0, max_prompt_tokens=64, progress=False)
     assert generate_samples(engine, prompts, time_budget_s=0.0, **kw) == []
@@ -53,7 +53,9 @@ def test_generation_deadline_keeps_greedy_prefixes(target, monkeypatch, overlap)
     from specserve.train.prompts import PromptItem
 
     engine = LLMEngine(
-        EngineConfig(model=str(target), max_num_seqs=2, num_kv_pages=64, overlap_schedule=overlap)
+        EngineConfig.from_flags(
+            model=str(target), max_num_seqs=2, num_kv_pages=64, overlap_schedule=overlap
+        )
     )
     prompts = [PromptItem(str(i), [{"role": "user", "content": f"hi {i}"}]) for i in range(6)]
     kw = dict(max_new_tokens=40, temperature=0.0, seed=0, max_prompt_tokens=64, progress=False)
@@ -72,7 +74,9 @@ def test_generation_deadline_keeps_greedy_prefixes(target, monkeypatch, overlap)
     assert [s.token_ids for s in again] == [s.token_ids for s in full]
     # Without detokenization (TokenIdsOnly, as train-eagle3 runs it): the same token ids.
     ids_only = LLMEngine(
-        EngineConfig(model=str(target), max_num_seqs=2, num_kv_pages=64, overlap_schedule=overlap),
+        EngineConfig.from_flags(
+            model=str(target), max_num_seqs=2, num_kv_pages=64, overlap_schedule=overlap
+        ),
         tokenizer=distill.TokenIdsOnly(engine.tokenizer),
     )
     same = distill.generate_samples(ids_only, prompts[:2], **kw)
@@ -87,7 +91,7 @@ def test_generation_retries_on_the_safe_engine_path(target, prompt_file, tmp_pat
     real, calls, records = distill.generate_samples, [], []
 
     def flaky(engine, *args, **kwargs):
-        calls.append(engine.config.disable_overlap_schedule)
+        calls.append(engine.config.execution.disable_overlap_schedule)
         if len(calls) == 1:
             raise RuntimeError("boom")
         return real(engine, *args, **kwargs)

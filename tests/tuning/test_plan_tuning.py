@@ -174,7 +174,7 @@ def test_gpu_engine_tunes_its_plan_unless_told_not_to(tiny_llama):
 
     for off in (False, True):
         engine = LLMEngine(
-            EngineConfig(
+            EngineConfig.from_flags(
                 model=str(tiny_llama),
                 device="cuda",
                 dtype="bfloat16",
@@ -206,7 +206,7 @@ def test_gpu_engine_plan_gives_a_row_the_same_bits_at_every_shared_row_count(tin
     from specserve.tuning.gemv_select import SHARED_ROWS
 
     engine = LLMEngine(
-        EngineConfig(
+        EngineConfig.from_flags(
             model=str(tiny_llama),
             device="cuda",
             dtype="bfloat16",

@@ -173,7 +173,7 @@ def test_gpu_verify_tiles_give_verify_rows_their_decode_bits(tiny_llama):
     from specserve.tuning.verify_tiles import StepOutput
     from tests.tuning.test_plan_tuning import rows_apart
 
-    config = EngineConfig(
+    config = EngineConfig.from_flags(
         model=str(tiny_llama),
         device="cuda",
         dtype="bfloat16",

@@ -141,7 +141,7 @@ def select_prompts(args: argparse.Namespace) -> list:
 
 def run_eval_draft(args: argparse.Namespace) -> int:
     """The eval-draft command: every argument checked, then the engine loaded and run."""
-    from specserve.core.config import EngineConfig
+    from specserve.core.config_sections import ModelLoadConfig
     from specserve.engine_args import flag_message
     from specserve.llm import LLM
 
@@ -156,7 +156,7 @@ def run_eval_draft(args: argparse.Namespace) -> int:
     if max(draft_lens) > 16:
         raise ConfigError(f"--k takes draft lengths of at most 16; got {max(draft_lens)}")
     try:  # a missing GPU now, not after reading the prompts
-        EngineConfig(device=args.device, speculative_algorithm="none").check_device()
+        ModelLoadConfig(device=args.device).check_device()
     except ConfigError as e:
         raise ConfigError(flag_message(str(e), {"device": "--device"})) from None
     draft = draft_path(args)

@@ -15,7 +15,7 @@ import argparse
 import random
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 
 from specserve.core.errors import SpecserveError
 
@@ -215,7 +215,6 @@ def throughput_command(args: argparse.Namespace) -> int:
     """Build the engine from the flags, run the workload, print and save the report."""
     from specserve.bench.report import save_json
     from specserve.bench.sweep import machine_info
-    from specserve.core.config import EngineConfig
     from specserve.engine_args import engine_config
     from specserve.llm import LLM
 
@@ -232,16 +231,13 @@ def throughput_command(args: argparse.Namespace) -> int:
         cfg = engine_config(args)
     except ValueError as e:
         raise SpecserveError(str(e)) from e
-    llm = LLM(
-        progress=not args.no_progress,
-        **{f.name: getattr(cfg, f.name) for f in fields(EngineConfig)},
-    )
+    llm = LLM(progress=not args.no_progress, **cfg.flags())
     source = llm.engine.source
     report = {
         "kind": "specserve-bench-throughput",
-        "model": source.path.name if source is not None else str(cfg.model),
+        "model": source.path.name if source is not None else str(cfg.load.model),
         "workload": asdict(work),
-        "engine_config": asdict(llm.engine.config),
+        "engine_config": llm.engine.config.flags(),
         "machine": machine_info(),
         **run_throughput(llm, work, progress=not args.no_progress),
     }

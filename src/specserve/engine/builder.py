@@ -44,16 +44,16 @@ def load_target(
     model: LlamaForCausalLM | None,
     tokenizer,
 ) -> LoadedTarget:
-    """`config.model` loaded on its device, or the prebuilt `model` as it is."""
+    """`config.load.model` loaded on its device, or the prebuilt `model` as it is."""
     if model is not None:
         return LoadedTarget(None, model.config, model.lm_head_weight.dtype, tokenizer, model)
-    device = config.torch_device()
-    source = resolve_model(config.model, config.load_format)
+    device = config.load.torch_device()
+    source = resolve_model(config.load.model, config.load.format)
     with startup.phase(f"loading {source.name} on {device}"):
         model_config = load_config(source)
-        dtype = config.torch_dtype(model_config.dtype)
+        dtype = config.load.torch_dtype(model_config.dtype)
         tokenizer = tokenizer if tokenizer is not None else load_tokenizer(source)
-        model = load_model(source, dtype, device, progress, model_config, seed=config.seed)
+        model = load_model(source, dtype, device, progress, model_config, seed=config.load.seed)
     return LoadedTarget(source, model_config, dtype, tokenizer, model)
 
 
@@ -66,15 +66,15 @@ def build_kv_cache(
 ) -> KVCache:
     """The target's paged KV cache, sized by engine/kv_sizing.py (under tensor parallelism
     the same number of pages on every rank: the fewest any rank's memory allows)."""
-    device = config.torch_device()
+    device = config.load.torch_device()
     num_pages = kv_cache_pages(config, loaded.model_config, loaded.dtype, device)
     if parallel is not None:
         num_pages = parallel.min_over_ranks(num_pages)
-    kv = KVCache(loaded.model_config, num_pages, config.page_size, loaded.dtype, device)
+    kv = KVCache(loaded.model_config, num_pages, config.cache.page_size, loaded.dtype, device)
     if progress:
         startup.note(
             f"{str(loaded.dtype).removeprefix('torch.')} weights; KV cache: "
-            f"{num_pages} pages of {config.page_size} tokens"
+            f"{num_pages} pages of {config.cache.page_size} tokens"
         )
     return kv
 
@@ -82,29 +82,29 @@ def build_kv_cache(
 def context_limit(config: EngineConfig, model_config: ModelConfig) -> int:
     """The longest sequence served: --max-model-len within the model's positions."""
     positions = model_config.max_position_embeddings
-    return min(config.max_model_len or positions, positions)
+    return min(config.scheduler.max_model_len or positions, positions)
 
 
 def set_up_kernels(config: EngineConfig, model: LlamaForCausalLM, startup: StartupProgress):
     """On CUDA with the Triton backend: the fused Triton ops, and decode-sized linears through
     cuBLAS or a Triton GEMV, whichever this GPU runs faster per shape (measured now). Returns
     the GEMV selector (the drafter reuses its measurements), or None."""
-    if config.torch_device().type != "cuda" or config.backend_name() != "triton":
+    if config.load.torch_device().type != "cuda" or config.backend_name() != "triton":
         return None
     from specserve.layers.triton_ops import use_triton_ops
     from specserve.tuning.gemv_select import GemvSelector, use_gemv
 
     # fused RMSNorm / rotary / SiLU-and-mul (same rounding); with fusion, SiLU and the
     # down projection's split-K pass also fold into their neighbours (same results)
-    use_triton_ops(model, fuse=not config.disable_fusion)
-    if config.disable_gemv:
+    use_triton_ops(model, fuse=not config.execution.disable_fusion)
+    if config.execution.disable_gemv:
         return None
-    k_max = config.speculative_num_steps if config.speculative_algorithm else 0
-    batch = min(config.max_num_seqs, config.cuda_graph_max_batch)
+    k_max = config.speculative.num_steps if config.speculative.algorithm else 0
+    batch = min(config.scheduler.max_num_seqs, config.execution.cuda_graph_max_batch)
     selector = GemvSelector(
         max_rows=batch * (k_max + 1),
         max_requests=batch,
-        batch_invariant=not config.disable_batch_invariance,
+        batch_invariant=not config.execution.disable_batch_invariance,
     )
     with startup.phase("choosing GEMV kernels (timed on this GPU)"):
         use_gemv(model, selector)
@@ -123,8 +123,8 @@ def build_target(
     parts speculation is built from."""
     selector = set_up_kernels(config, loaded.model, startup)
     runner = ModelRunner(loaded.model, kv, get_backend(config.backend_name()))
-    runner.backend.batch_invariant = not config.disable_batch_invariance
-    if config.torch_device().type == "cuda":
+    runner.backend.batch_invariant = not config.execution.disable_batch_invariance
+    if config.load.torch_device().type == "cuda":
         with startup.phase("compiling attention kernels"):
             runner.backend.warm_up(loaded.model_config.num_heads, kv.layers[0])
     return TargetParts(
@@ -136,11 +136,11 @@ def build_speculator(target: TargetParts, startup: StartupProgress) -> Speculato
     """The speculator of --speculative-algorithm (its proposer built; its policy starts
     once graphs are captured, `start_speculator`), or None."""
     config = target.config
-    if not config.speculative_algorithm:
+    if not config.speculative.algorithm:
         return None
-    with startup.phase(f"setting up the {config.speculative_algorithm} drafter"):
+    with startup.phase(f"setting up the {config.speculative.algorithm} drafter"):
         spec = Speculator(target)
-    device = config.torch_device()
+    device = config.load.torch_device()
     if packing.use_shift_kernel(device):
         from specserve.runtime import shift_kernel
 
@@ -150,7 +150,7 @@ def build_speculator(target: TargetParts, startup: StartupProgress) -> Speculato
 
 def start_speculator(spec: Speculator, target: TargetParts, startup: StartupProgress) -> None:
     """Build the policy now that the target runs as it will serve (goodput times steps)."""
-    policy = target.config.speculative_policy
+    policy = target.config.speculative.policy
     what = (
         "timing steps for the goodput policy"
         if policy == "goodput"
@@ -180,9 +180,9 @@ def capture_target_graphs(
     from specserve.runtime.graph_shapes import engine_graph_shapes, engine_mixed_shapes
 
     config, runner, kv = target.config, target.runner, target.kv
-    if config.torch_device().type != "cuda" or config.disable_cuda_graph:
+    if config.load.torch_device().type != "cuda" or config.execution.disable_cuda_graph:
         return CapturedGraphs(None)
-    k_max = config.speculative_num_steps if spec else 0
+    k_max = config.speculative.num_steps if spec else 0
     buckets, q_lens = engine_graph_shapes(config)  # (KV sizing reserves for them)
     mixed_requests, mixed_tokens = (
         engine_mixed_shapes(config) if runner.backend.mixed_graphs else ((), ())
@@ -207,7 +207,7 @@ def capture_target_graphs(
     )
     out = CapturedGraphs(graphs)
     plan = getattr(runner.model, "gemv_plan", None)
-    if plan is not None and plan.choices and not config.disable_gemv_tuning:
+    if plan is not None and plan.choices and not config.execution.disable_gemv_tuning:
         # the selection's choices revised where the whole step runs faster
         from specserve.tuning.gemv_select import SHARED_ROWS, plan_candidates
         from specserve.tuning.plan_tuning import tune_engine_plan
@@ -217,7 +217,7 @@ def capture_target_graphs(
             out.plan_tuning = tune_engine_plan(
                 graphs, plan, candidates, SHARED_ROWS, verify_tokens=k_max + 1
             )
-        if k_max and plan.by_requests and not config.disable_verify_tiles:
+        if k_max and plan.by_requests and not config.execution.disable_verify_tiles:
             # verify steps of up to SHARED_ROWS requests: faster tiles, same bits
             from specserve.tuning.verify_tiles import tune_engine_verify_tiles
 

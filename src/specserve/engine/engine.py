@@ -51,16 +51,16 @@ class LLMEngine:
         rank: int = 0,
         address: str | None = None,
     ):
-        """Load `config.model`, or serve a prebuilt `model` (benchmarks build random-weight
+        """Load `config.load.model`, or serve a prebuilt `model` (benchmarks build random-weight
         models of real shapes on the GPU; without a tokenizer, prompts are token ids and
         outputs carry no text). `progress`: the start-up phases and their timings on stderr
         (engine/startup.py), else in the log. Under tensor parallelism the engine built with
         rank 0 spawns the other ranks (engine/tensor_parallel.py), which build theirs with
         their `rank` and the group's `address` and `follow` rank 0's plans."""
         self.config = config
-        config.check_device()  # a missing GPU in one line, not deep inside the loading
+        config.load.check_device()  # a missing GPU in one line, not deep inside the loading
         self.parallel = None
-        if config.tensor_parallel_size > 1:
+        if config.parallel.tensor_parallel_size > 1:
             from specserve.engine import tensor_parallel
 
             self.parallel = tensor_parallel.start(config, rank, address)
@@ -69,7 +69,7 @@ class LLMEngine:
         # config's, and the process default's where the config names none (benchmarks A/B
         # the argmax and the staging kernel so).
         self.kernel_options = replace(
-            current(), pdl=not config.disable_pdl, stream_k=config.gemv_stream_k
+            current(), pdl=not config.execution.disable_pdl, stream_k=config.execution.gemv_stream_k
         )
         with using(self.kernel_options):
             self._start(config, progress, model, tokenizer, rank)
@@ -81,7 +81,9 @@ class LLMEngine:
         self.dtype, self.tokenizer = loaded.dtype, loaded.tokenizer
         self.kv = build_kv_cache(config, loaded, startup, progress, self.parallel)
         self.max_model_len = context_limit(config, self.model_config)
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(
+            self.kv, config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens
+        )
         # The target's parts, which speculation is built from (it never sees this engine).
         self.target = build_target(config, loaded, self.kv, self.max_model_len, startup)
         self.runner, self.gemv_selector = self.target.runner, self.target.gemv_selector
@@ -96,7 +98,7 @@ class LLMEngine:
         # How ids become text, decided once for every request (core/detokenizer.py).
         self.token_decoder = TokenDecoder(self.tokenizer) if self.tokenizer is not None else None
         self.requests: dict[str, Request] = {}
-        self._arrivals, self._rng = itertools.count(), random.Random(config.seed)
+        self._arrivals, self._rng = itertools.count(), random.Random(config.load.seed)
         # Where processed requests go: finished ones leave, every one gets its output.
         self.sink = RequestSink(self.scheduler, self.requests, self.spec)
         overlap = config.overlap_enabled()
@@ -104,7 +106,7 @@ class LLMEngine:
         self.follower = None
         if self.parallel is not None:
             channel = PlanChannel(self.parallel.control, self.parallel.rank)
-            check = config.debug_tp_check
+            check = config.parallel.debug_check
             if self.parallel.rank == 0:
                 self.loop.plans = self.sink.plans = PlanPublisher(channel)
                 self.loop.token_check = self.loop.plans.resolved if check else None

@@ -28,11 +28,11 @@ def kv_cache_pages(
     and the drafter's pools together; the rest is left to CUDA graphs and activations. It is
     capped at what max_num_seqs sequences of full context could use (small models).
     Elsewhere 256 MiB. The size is logged."""
-    page_bytes = config.page_size * model_cfg.kv_bytes_per_token(dtype)
-    if config.num_kv_pages is not None:
-        pages, source = config.num_kv_pages, "num_kv_pages"
-    elif config.kv_cache_bytes is not None or device.type != "cuda":
-        budget = config.kv_cache_bytes or CPU_KV_CACHE_BYTES
+    page_bytes = config.cache.page_size * model_cfg.kv_bytes_per_token(dtype)
+    if config.cache.num_pages is not None:
+        pages, source = config.cache.num_pages, "num_kv_pages"
+    elif config.cache.size_bytes is not None or device.type != "cuda":
+        budget = config.cache.size_bytes or CPU_KV_CACHE_BYTES
         pages, source = budget // page_bytes, f"a budget of {budget / 2**30:.2f} GiB"
     else:
         drafter_token_bytes, drafter_weight_bytes = _drafter_needs(config, model_cfg, dtype)
@@ -41,40 +41,40 @@ def kv_cache_pages(
         # Memory PyTorch's allocator holds but no tensor uses (a previous engine's) is free too.
         free_bytes += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
         graph_bytes = graph_output_bytes(config, model_cfg, dtype)
-        budget = (
-            int(config.kv_cache_memory_fraction * free_bytes) - drafter_weight_bytes - graph_bytes
-        )
-        per_page = page_bytes + config.page_size * drafter_token_bytes
+        budget = int(config.cache.memory_fraction * free_bytes) - drafter_weight_bytes - graph_bytes
+        per_page = page_bytes + config.cache.page_size * drafter_token_bytes
         # No more than every sequence at full context (plus its draft lookahead) can use.
         max_len = min(
-            config.max_model_len or model_cfg.max_position_embeddings,
+            config.scheduler.max_model_len or model_cfg.max_position_embeddings,
             model_cfg.max_position_embeddings,
         )
-        lookahead = 2 * (config.speculative_num_steps + 1) if config.speculative_algorithm else 2
-        usable = config.max_num_seqs * -(-(max_len + lookahead) // config.page_size) + 1
+        lookahead = 2 * (config.speculative.num_steps + 1) if config.speculative.algorithm else 2
+        usable = (
+            config.scheduler.max_num_seqs * -(-(max_len + lookahead) // config.cache.page_size) + 1
+        )
         pages = min(max(budget, 0) // per_page, usable)
-        one_sequence = -(-(max_len + lookahead) // config.page_size) + 1
+        one_sequence = -(-(max_len + lookahead) // config.cache.page_size) + 1
         if pages < one_sequence:
             raise ConfigError(
                 f"the GPU has {free_bytes / 2**30:.2f} of {total_bytes / 2**30:.1f} GiB free "
-                f"after loading the weights; {config.kv_cache_memory_fraction:.2f} of it buys "
+                f"after loading the weights; {config.cache.memory_fraction:.2f} of it buys "
                 f"{pages} KV pages, fewer than one {max_len}-token sequence needs "
                 f"({one_sequence}). Free GPU memory (another engine in this process?), raise "
                 "--kv-cache-memory-fraction, lower --max-model-len, or set --kv-cache-bytes "
                 "or --num-kv-pages"
             )
         source = (
-            f"{config.kv_cache_memory_fraction:.2f} of {free_bytes / 2**30:.1f} GiB free "
+            f"{config.cache.memory_fraction:.2f} of {free_bytes / 2**30:.1f} GiB free "
             f"(of {total_bytes / 2**30:.1f} GiB), at most {usable} pages usable, drafter "
             f"weights {drafter_weight_bytes / 2**30:.2f} GiB, CUDA graphs' outputs "
             f"{graph_bytes / 2**30:.2f} GiB, drafter KV "
-            f"{pages * config.page_size * drafter_token_bytes / 2**30:.2f} GiB"
+            f"{pages * config.cache.page_size * drafter_token_bytes / 2**30:.2f} GiB"
         )
     log.info(
         "KV cache: %d pages of %d tokens, %d tokens, %.2f GiB (%s)",
         pages,
-        config.page_size,
-        pages * config.page_size,
+        config.cache.page_size,
+        pages * config.cache.page_size,
         pages * page_bytes / 2**30,
         source,
     )
@@ -86,13 +86,13 @@ def graph_output_bytes(config: EngineConfig, model_cfg: ModelConfig, dtype: torc
     logits, final and auxiliary hidden states, greedy tokens), one set per (batch bucket,
     tokens per request), all in one pool: 6.3 GB for the 8B shape at K=3 and 256 requests,
     13.3 GB at K=5. 0 without graphs."""
-    if config.disable_cuda_graph:
+    if config.execution.disable_cuda_graph:
         return 0
     from specserve.runtime.graph_shapes import engine_graph_shapes, engine_mixed_shapes, mixed_keys
 
     buckets, q_lens = engine_graph_shapes(config)
     rows = sum(buckets) * sum(q_lens)
-    aux = 3 if config.speculative_algorithm == "eagle3" else 0  # EAGLE-3's captured layers
+    aux = 3 if config.speculative.algorithm == "eagle3" else 0  # EAGLE-3's captured layers
     per_row = (model_cfg.vocab_size + (1 + aux) * model_cfg.hidden_size) * dtype.itemsize + 16
     # mixed steps' graphs keep their final hidden states only (aux too without EAGLE-3's
     # in-graph feature store, but only EAGLE-3 asks for aux)
@@ -107,8 +107,8 @@ def _drafter_needs(
     weights estimated from its safetensors files (at most the loaded size when it keeps or
     narrows their dtype), or from its shape when its weights are random (--load-format
     dummy)."""
-    algo, path = config.speculative_algorithm, config.speculative_draft_model_path
-    dummy = config.load_format == "dummy"
+    algo, path = config.speculative.algorithm, config.speculative.draft_model_path
+    dummy = config.load.format == "dummy"
     if algo not in ("draft", "eagle3") or (path is None and not dummy):
         return 0, 0
     if algo == "eagle3":
@@ -130,7 +130,7 @@ def _drafter_needs(
         return layer.kv_bytes_per_token(dtype) + layer.hidden_size * dtype.itemsize, weight_bytes
     from specserve.model.loader import load_config, resolve_model
 
-    source = resolve_model(path, config.load_format)
+    source = resolve_model(path, config.load.format)
     draft_cfg = load_config(source)
     kv_token_bytes = draft_cfg.kv_bytes_per_token(dtype)
     if source.kind == "dummy":

@@ -75,7 +75,7 @@ def free_address() -> str:
 
 def start(config: EngineConfig, rank: int, address: str | None) -> ParallelContext:
     """Join (rank 0: first spawn) the tensor-parallel group of `config`."""
-    size = config.tensor_parallel_size
+    size = config.parallel.tensor_parallel_size
     processes = []
     if rank == 0:
         address = address or free_address()
@@ -89,7 +89,7 @@ def start(config: EngineConfig, rank: int, address: str | None) -> ParallelConte
             )
             p.start()
             processes.append(p)
-    device = config.torch_device()
+    device = config.load.torch_device()
     if device.type == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count())
     backend = "nccl" if device.type == "cuda" else "gloo"

@@ -124,8 +124,8 @@ _SPLIT_EXTRA = {
     64: GemvConfig(64, 128, split_k=2, num_stages=5),
 }
 # Stream-K tiles (gemv_stream_k.py) for the row blocks above the shared buckets: candidates
-# only under `KernelOptions.stream_k` (EngineConfig.gemv_stream_k, or the process default
-# by `set_stream_k`; on the H200 selection took none for the 8B shape).
+# only under `KernelOptions.stream_k` (EngineConfig.execution.gemv_stream_k, or the process
+# default by `set_stream_k`; on the H200 selection took none for the 8B shape).
 _STREAM_K = {
     32: [GemvConfig(64, 128, num_stages=4)],
     64: [GemvConfig(64, 128, num_stages=4), GemvConfig(128, 64, num_stages=4)],

@@ -36,8 +36,8 @@ Numerics do not change: the kernels run the same loops in the same order; the on
 additions are the wait, the launch signal and L2 prefetches.
 
 The switch is `KernelOptions.pdl` (core/kernel_options.py): an engine's from
-`EngineConfig.disable_pdl` while its start-up and steps run, else the process default
-(`set_enabled`). Launches read it when they are made, so CUDA graphs keep what they
+`EngineConfig.execution.disable_pdl` while its start-up and steps run, else the process
+default (`set_enabled`). Launches read it when they are made, so CUDA graphs keep what they
 captured. PDL is active only on
 CUDA devices of compute capability 9 or more, never under the Triton interpreter (the CPU
 tests), and only with a Triton that has `tl.extra.cuda.gdc_wait`.

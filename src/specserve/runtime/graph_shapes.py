@@ -40,10 +40,12 @@ def mixed_request_buckets(max_requests: int) -> tuple[int, ...]:
 def engine_mixed_shapes(config: EngineConfig) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(request buckets, token buckets) of an engine's mixed-step graphs: tokens up to
     min(cuda_graph_max_tokens, max_num_batched_tokens); none when that is 0."""
-    tokens = default_token_buckets(min(config.cuda_graph_max_tokens, config.max_num_batched_tokens))
+    tokens = default_token_buckets(
+        min(config.execution.cuda_graph_max_tokens, config.scheduler.max_num_batched_tokens)
+    )
     if not tokens:
         return (), ()
-    batch = min(config.max_num_seqs, config.cuda_graph_max_batch)
+    batch = min(config.scheduler.max_num_seqs, config.execution.cuda_graph_max_batch)
     return mixed_request_buckets(batch), tokens
 
 
@@ -62,6 +64,8 @@ def mixed_keys(request_buckets, token_buckets) -> list[tuple[int, int]]:
 def engine_graph_shapes(config: EngineConfig) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(batch buckets, q_lens: tokens per request) of an engine's target graphs: buckets up to
     min(max_num_seqs, cuda_graph_max_batch); 1..K_max + 1 tokens with speculation, else 1."""
-    k_max = config.speculative_num_steps if config.speculative_algorithm else 0
-    buckets = default_batch_buckets(min(config.max_num_seqs, config.cuda_graph_max_batch))
+    k_max = config.speculative.num_steps if config.speculative.algorithm else 0
+    buckets = default_batch_buckets(
+        min(config.scheduler.max_num_seqs, config.execution.cuda_graph_max_batch)
+    )
     return buckets, tuple(range(1, k_max + 2))

@@ -79,7 +79,7 @@ def _run(config: EngineConfig, inbox: mp.Queue, outbox: Outbox) -> None:
         max_model_len=engine.max_model_len,
         kv_capacity_tokens=engine.kv.capacity_tokens,
         kv_pages_total=engine.kv.allocator.num_usable,
-        max_num_seqs=config.max_num_seqs,
+        max_num_seqs=config.scheduler.max_num_seqs,
         simulated_acceptance=engine.spec is not None and engine.spec.simulate_rate is not None,
     )
     outbox.send(Ready(info))
@@ -128,7 +128,7 @@ def _leave_a_core_for_http(config: EngineConfig) -> None:
     """On CPU, intra-op threads on every core fight the HTTP process for CPU time, and
     OpenMP workers that spin while a core is taken slow steps down by an order of magnitude;
     so the engine uses one core less unless OMP_NUM_THREADS says otherwise."""
-    if config.torch_device().type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+    if config.load.torch_device().type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         import torch
 
         torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))

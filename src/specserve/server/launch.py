@@ -46,7 +46,7 @@ def run_server(engine_config: EngineConfig, config: ServerConfig) -> int:
     """Serve until SIGTERM/SIGINT; returns the process exit code."""
     logging.basicConfig(level=config.log_level.upper(), format="%(levelname)s %(message)s")
     # a bad path fails before anything starts
-    source = resolve_model(engine_config.model, engine_config.load_format)
+    source = resolve_model(engine_config.load.model, engine_config.load.format)
     metrics = ServerMetrics()
     client = EngineClient(engine_config, metrics, config.max_queue)
     try:

@@ -309,34 +309,34 @@ def build_eagle3_proposer(target: TargetParts) -> Eagle3Proposer:
     batch bucket and tokens per request)."""
     cfg = target.config
     device = target.kv.pool.device
-    if cfg.speculative_draft_model_path is None:  # --load-format dummy: a random head
+    if cfg.speculative.draft_model_path is None:  # --load-format dummy: a random head
         from specserve.model.dummy import build_dummy_eagle3_head
 
-        head = build_dummy_eagle3_head(target.model_config, target.dtype, device, cfg.seed)
+        head = build_dummy_eagle3_head(target.model_config, target.dtype, device, cfg.load.seed)
     else:
         head = load_eagle3_head(
-            cfg.speculative_draft_model_path, target.model_config, target.dtype, device
+            cfg.speculative.draft_model_path, target.model_config, target.dtype, device
         )
     head = head.merge_projections()
     kv = KVCache(
-        head.config.layer, target.kv.allocator.num_pages, cfg.page_size, target.dtype, device
+        head.config.layer, target.kv.allocator.num_pages, cfg.cache.page_size, target.dtype, device
     )
     embed = target.runner.model.model.embed_tokens
     proposer = Eagle3Proposer(head, embed, kv, target.runner.backend)
-    proposer.max_pass_tokens = cfg.max_num_batched_tokens
+    proposer.max_pass_tokens = cfg.scheduler.max_num_batched_tokens
     if device.type == "cuda" and cfg.backend_name() == "triton":
         from specserve.layers.triton_ops import use_triton_ops
         from specserve.tuning.gemv_select import use_gemv
 
-        use_triton_ops(head, fuse=not cfg.disable_fusion)
+        use_triton_ops(head, fuse=not cfg.execution.disable_fusion)
         # The head's MLP output is never handed on unreduced (plain passes add it; the chain
         # passes' final norm with residual takes a tensor): selection times the down
         # projection with the SiLU prologue only.
         head.midlayer.mlp.fuse_split_k = False
-        if not cfg.disable_gemv:
+        if not cfg.execution.disable_gemv:
             use_gemv(head, target.gemv_selector)
     if device.type == "cuda":  # eager catch-ups of any length never wait for a compiler
         proposer.backend.warm_up(head.config.layer.num_heads, kv.layers[0])
-    if device.type == "cuda" and not cfg.disable_cuda_graph:
+    if device.type == "cuda" and not cfg.execution.disable_cuda_graph:
         proposer.graphs = capture_drafter_graphs(proposer, target)
     return proposer

@@ -37,10 +37,10 @@ def capture_drafter_graphs(
         proposer.kv.layers[0],
         proposer.backend,
         engine_graph_shapes(cfg)[0],
-        catch_up_lengths(cfg.speculative_num_steps),
+        catch_up_lengths(cfg.speculative.num_steps),
         target.max_model_len,
         use_graphs,
-        chain_lengths=tuple(range(2, cfg.speculative_num_steps + 1)),  # every K >= 2
+        chain_lengths=tuple(range(2, cfg.speculative.num_steps + 1)),  # every K >= 2
         feature_store=proposer.feature_store,
     )
     report = graphs.capture()

@@ -11,9 +11,9 @@ if TYPE_CHECKING:
 
 
 def build_proposer(target: TargetParts) -> Proposer:
-    """The proposer of `target.config.speculative_algorithm`, sharing the target's pages."""
+    """The proposer of `target.config.speculative.algorithm`, sharing the target's pages."""
     cfg = target.config
-    algo = cfg.speculative_algorithm
+    algo = cfg.speculative.algorithm
     if algo == "ngram":
         from specserve.speculative.ngram import NgramProposer
 
@@ -23,17 +23,19 @@ def build_proposer(target: TargetParts) -> Proposer:
         from specserve.model.loader import load_config, load_model, resolve_model
         from specserve.speculative.draft_model import DraftModelProposer
 
-        source = resolve_model(cfg.speculative_draft_model_path, cfg.load_format)
+        source = resolve_model(cfg.speculative.draft_model_path, cfg.load.format)
         draft_cfg = load_config(source)
         device = target.kv.pool.device
-        model = load_model(source, target.dtype, device, config=draft_cfg, seed=cfg.seed + 1)
-        kv = KVCache(draft_cfg, target.kv.allocator.num_pages, cfg.page_size, target.dtype, device)
+        model = load_model(source, target.dtype, device, config=draft_cfg, seed=cfg.load.seed + 1)
+        kv = KVCache(
+            draft_cfg, target.kv.allocator.num_pages, cfg.cache.page_size, target.dtype, device
+        )
         if device.type == "cuda":  # its own head layout's attention variants, before serving
             target.runner.backend.warm_up(draft_cfg.num_heads, kv.layers[0])
         proposer = DraftModelProposer(
             model, kv, target.runner.backend, target.model_config.vocab_size
         )
-        proposer.max_pass_tokens = cfg.max_num_batched_tokens
+        proposer.max_pass_tokens = cfg.scheduler.max_num_batched_tokens
         return proposer
     if algo == "eagle3":
         from specserve.speculative.eagle3 import build_eagle3_proposer

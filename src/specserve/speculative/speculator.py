@@ -32,15 +32,15 @@ class Speculator:
 
     def __init__(self, target: TargetParts):
         cfg = target.config
-        self.k_max = cfg.speculative_num_steps
+        self.k_max = cfg.speculative.num_steps
         # The off policy never drafts in this engine's life: the target keeps no drafter
         # inputs either (no auxiliary hidden states, no feature store writes), so a step
         # costs a plain one on the device too.
-        self.never_drafts = cfg.speculative_policy == "off"
+        self.never_drafts = cfg.speculative.policy == "off"
         self.proposer: Proposer = build_proposer(target)
         self.acceptance = AcceptanceModel(self.k_max)
         self.simulate_rate = None
-        sim = cfg.speculative_simulate_acceptance
+        sim = cfg.speculative.simulate_acceptance
         if sim is not None:
             self.simulate_rate = sim if sim <= 1.0 else rate_for_mean_accept_len(sim, self.k_max)
             log.warning(
@@ -96,13 +96,13 @@ class Speculator:
 
     def _build_policy(self, target: TargetParts) -> SpeculationPolicy:
         cfg = target.config
-        name = cfg.speculative_policy
+        name = cfg.speculative.policy
         if name == "off":
             return OffPolicy(self.k_max)
         if name == "fixed":
             return FixedPolicy(self.k_max)
         if name == "schedule":
-            return SchedulePolicy(self.k_max, cfg.speculative_schedule)
+            return SchedulePolicy(self.k_max, cfg.speculative.schedule)
         self.cost = self.periods.cost = self.measure_costs(target)
         return GoodputPolicy(self.k_max, self.cost, self.acceptance)
 
@@ -110,15 +110,18 @@ class Speculator:
         """Seed the step cost model: the target timed by tokens per step and the drafter by
         batch on this machine; real steps' periods refine it (`observe_period`)."""
         runner, cfg = target.runner, target.config
-        limit = min(cfg.max_num_batched_tokens, cfg.max_num_seqs * (self.k_max + 1))
+        limit = min(
+            cfg.scheduler.max_num_batched_tokens, cfg.scheduler.max_num_seqs * (self.k_max + 1)
+        )
         # Under tensor parallelism every rank times the same sizes (their forwards' collectives
         # pair up), so no rank may stop early on its own clock.
-        budget_s = None if cfg.tensor_parallel_size > 1 else 4.0
+        budget_s = None if cfg.parallel.tensor_parallel_size > 1 else 4.0
         forward = measure_curve(runner.time_forward, powers_of_two(limit), budget_s=budget_s)
         drafter = None
         timer = self.proposer.step_timer()
         if timer is not None:
-            drafter = measure_curve(timer, powers_of_two(cfg.max_num_seqs), budget_s=budget_s)
+            sizes = powers_of_two(cfg.scheduler.max_num_seqs)
+            drafter = measure_curve(timer, sizes, budget_s=budget_s)
         # With CUDA graphs, decode/verify steps pad every request to the step's longest draft.
         return StepCostModel(forward, drafter, padded=runner.graphs is not None)
 

@@ -81,7 +81,7 @@ def generate_samples(
     replies (greedy prefixes of the full replies) have `min_partial_tokens` tokens or more.
     Prompts longer than `max_prompt_tokens` are skipped. Returns samples in prompt order."""
     tok = engine.tokenizer
-    slots = engine.config.max_num_seqs
+    slots = engine.config.scheduler.max_num_seqs
     burst = max(1, slots // 8)
     pending = iter(enumerate(prompts))
     running: dict[str, tuple[int, PromptItem, list[int]]] = {}
@@ -250,7 +250,7 @@ def _generate(
         else dict(cuda_graph_max_batch=cfg.gen_batch)
     )
     engine = LLMEngine(
-        EngineConfig(
+        EngineConfig.from_flags(
             model=cfg.target,
             dtype=cfg.dtype,
             device=cfg.device,
@@ -272,7 +272,7 @@ def _generate(
             "safe": safe,
             "seconds": round(time.monotonic() - t_load, 1),
             "backend": engine.config.backend_name(),
-            "device": str(engine.config.torch_device()),
+            "device": str(engine.config.load.torch_device()),
             "cuda_graphs": engine.runner.graphs is not None,
             "max_num_seqs": cfg.gen_batch,
             "prompts": len(prompts),

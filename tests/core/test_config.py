@@ -1,0 +1,212 @@
+"""EngineConfig in sections: the flat option names map one to one onto section fields and
+round-trip, unknown names are refused by name, each section checks its own fields with
+messages naming the flat option, and the checks across sections run in EngineConfig."""
+
+from __future__ import annotations
+
+from dataclasses import MISSING, fields
+
+import pytest
+
+from specserve.core.config import FLAG_FIELDS, EngineConfig, flag_fields, shipped_head_path
+from specserve.core.config_sections import (
+    CacheConfig,
+    ExecutionConfig,
+    ModelLoadConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
+from specserve.core.errors import ConfigError
+from specserve.engine_args import ENGINE_FLAGS, add_engine_args, flag_message
+
+DEFAULTS = {name: f.default for name, f in flag_fields().items()}
+
+# Every flat option at a value other than its default, already in normal form (so the
+# config keeps it as given): a flag the table drops or maps wrong cannot come back.
+EVERY_FLAG = {
+    "model": "some/model",
+    "load_format": "dummy",
+    "dtype": "bfloat16",
+    "device": "cpu",
+    "page_size": 32,
+    "kv_cache_bytes": 2**20,
+    "kv_cache_memory_fraction": 0.5,
+    "num_kv_pages": 64,
+    "max_num_seqs": 8,
+    "max_num_batched_tokens": 512,
+    "max_model_len": 1024,
+    "tensor_parallel_size": 4,
+    "seed": 7,
+    "speculative_algorithm": "draft",
+    "speculative_draft_model_path": "some/draft",
+    "speculative_num_steps": 5,
+    "speculative_policy": "schedule",
+    "speculative_schedule": "1:4,16:2,64:0",
+    "speculative_simulate_acceptance": 2.5,
+    "attention_backend": "torch",
+    "disable_cuda_graph": True,
+    "disable_gemv": True,
+    "disable_gemv_tuning": True,
+    "disable_batch_invariance": True,
+    "disable_verify_tiles": True,
+    "disable_pdl": True,
+    "gemv_stream_k": True,
+    "disable_fusion": True,
+    "overlap_schedule": "off",
+    "disable_overlap_schedule": True,
+    "cuda_graph_max_batch": 64,
+    "cuda_graph_max_tokens": 0,
+    "debug_tp_check": True,
+}
+
+
+def test_every_flag_maps_to_exactly_one_section_field():
+    section_fields = {
+        (section.name, f.name)
+        for section in fields(EngineConfig)
+        for f in fields(section.default_factory)
+    }
+    targets = list(FLAG_FIELDS.values())
+    assert len(set(targets)) == len(targets), "two flags share a field"
+    assert set(targets) == section_fields, "a field without a flag, or a flag without a field"
+    assert all(f.default is not MISSING for f in flag_fields().values())
+
+
+@pytest.mark.parametrize(
+    "given",
+    [
+        EVERY_FLAG,
+        {"speculative_algorithm": "ngram", "speculative_policy": "fixed"},
+        {"speculative_algorithm": None, "speculative_policy": "off", "page_size": 8},
+        {"model": "m", "speculative_algorithm": None, "speculative_policy": "off", "seed": 3},
+    ],
+)
+def test_flat_round_trip(given):
+    assert set(EVERY_FLAG) == set(FLAG_FIELDS)
+    assert all(EVERY_FLAG[name] != DEFAULTS[name] for name in FLAG_FIELDS)
+    config = EngineConfig.from_flags(**given)
+    assert config.flags() == {**DEFAULTS, **given}
+    assert list(config.flags()) == list(FLAG_FIELDS)  # the CLI's order
+    for name, value in given.items():  # each lands in its own section's field
+        section, attr = FLAG_FIELDS[name]
+        assert getattr(getattr(config, section), attr) == value
+    assert EngineConfig.from_flags(**config.flags()) == config
+
+
+def test_defaults_resolve_speculation_and_round_trip():
+    config = EngineConfig.from_flags()
+    assert config == EngineConfig()
+    assert EngineConfig.from_flags(**config.flags()) == config
+    head = shipped_head_path()
+    assert config.speculative.algorithm == "eagle3"  # the embedded model's shipped head
+    assert config.speculative.draft_model_path == str(head)
+    assert config.speculative.policy == "goodput"
+    assert config.flags() == {
+        **DEFAULTS,
+        "speculative_algorithm": "eagle3",
+        "speculative_draft_model_path": str(head),
+        "speculative_policy": "goodput",
+    }
+    other = EngineConfig.from_flags(model="some/model")  # other models: no speculation
+    assert other.speculative.algorithm is None and other.speculative.policy == "off"
+    dummy = EngineConfig.from_flags(load_format="dummy")  # random weights: nor here
+    assert dummy.speculative.algorithm is None
+
+
+def test_cli_flags_are_the_flat_names_with_section_defaults():
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    args = parser.parse_args([])
+    assert list(ENGINE_FLAGS) == list(FLAG_FIELDS)
+    assert {name: getattr(args, name) for name in FLAG_FIELDS} == DEFAULTS
+
+
+def test_an_unknown_flat_name_is_refused_by_name():
+    with pytest.raises(TypeError, match="unknown engine option.*'speculative_steps'"):
+        EngineConfig.from_flags(speculative_steps=3)
+    with pytest.raises(TypeError, match="'size_bytes'"):  # a field's name is not a flag
+        EngineConfig.from_flags(size_bytes=2**20)
+    from specserve.llm import LLM
+
+    with pytest.raises(TypeError, match="'pages'"):  # before anything loads
+        LLM(pages=4)
+
+
+SECTION_ERRORS = [
+    (ModelLoadConfig, dict(dtype="fp8"), "dtype must be auto, float32"),
+    (ModelLoadConfig, dict(device="gpu0"), "device must be auto, cpu, cuda or cuda:N"),
+    (ModelLoadConfig, dict(format="random"), "load_format must be one of auto, dummy"),
+    (CacheConfig, dict(page_size=0), "page_size must be >= 1"),
+    (CacheConfig, dict(num_pages=0), "num_kv_pages must be >= 1"),
+    (CacheConfig, dict(size_bytes=0), "kv_cache_bytes must be positive"),
+    (CacheConfig, dict(memory_fraction=1.5), r"kv_cache_memory_fraction must be in \(0, 1\]"),
+    (SchedulerConfig, dict(max_num_seqs=0), "max_num_seqs must be >= 1"),
+    (SchedulerConfig, dict(max_num_batched_tokens=0), "max_num_batched_tokens must be >= 1"),
+    (ParallelConfig, dict(tensor_parallel_size=0), "tensor_parallel_size must be >= 1"),
+    (SpeculativeConfig, dict(algorithm="medusa"), "speculative_algorithm must be auto, eagle3"),
+    (SpeculativeConfig, dict(num_steps=17), r"speculative_num_steps must be in \[1, 16\]"),
+    (SpeculativeConfig, dict(num_steps=0), r"speculative_num_steps must be in \[1, 16\]"),
+    (SpeculativeConfig, dict(policy="sometimes"), "speculative_policy must be goodput, fixed"),
+    (
+        SpeculativeConfig,
+        dict(algorithm="ngram", policy="schedule"),
+        "speculative_policy schedule needs speculative_schedule",
+    ),
+    (
+        SpeculativeConfig,
+        dict(num_steps=3, simulate_acceptance=4.5),
+        "speculative_simulate_acceptance is a per-token acceptance rate",
+    ),
+    (ExecutionConfig, dict(cuda_graph_max_tokens=-1), "cuda_graph_max_tokens must be >= 0"),
+    (ExecutionConfig, dict(attention_backend="flash"), "attention_backend must be auto, torch"),
+    (ExecutionConfig, dict(overlap_schedule="sometimes"), "overlap_schedule must be auto, on"),
+    (
+        ExecutionConfig,
+        dict(overlap_schedule="on", disable_overlap_schedule=True),
+        "disable_overlap_schedule contradicts overlap_schedule on",
+    ),
+]
+
+
+@pytest.mark.parametrize("section, kwargs, message", SECTION_ERRORS)
+def test_sections_check_their_fields_in_flat_words(section, kwargs, message):
+    with pytest.raises(ConfigError, match=message) as err:
+        section(**kwargs)
+    assert str(err.value).split(" ", 1)[0] in FLAG_FIELDS  # the option as users name it
+    # the same refusal through the flat names, worded as the flag on the command line
+    types = {f.name: f.default_factory for f in fields(EngineConfig)}
+    flat_name = {(types[sec], attr): flat for flat, (sec, attr) in FLAG_FIELDS.items()}
+    flat = {flat_name[(section, attr)]: value for attr, value in kwargs.items()}
+    with pytest.raises(ConfigError, match=message) as err:
+        EngineConfig.from_flags(**flat)
+    assert flag_message(str(err.value), ENGINE_FLAGS).startswith("--")
+
+
+def test_checks_across_sections():
+    with pytest.raises(ConfigError, match="speculative_algorithm draft needs "):
+        EngineConfig.from_flags(speculative_algorithm="draft")
+    with pytest.raises(ConfigError, match="speculative_algorithm eagle3 needs "):
+        EngineConfig.from_flags(model="m", speculative_algorithm="eagle3")
+    # random weights: an EAGLE-3 head without a path is a random head of the target's shape
+    random_head = EngineConfig.from_flags(load_format="dummy", speculative_algorithm="eagle3")
+    assert random_head.speculative.draft_model_path is None
+    # auto is resolved from the model, on a section of the config's own
+    given = SpeculativeConfig()
+    assert given.algorithm == "auto" and given.policy is None  # pending until resolved
+    config = EngineConfig(load=ModelLoadConfig(model="m"), speculative=given)
+    assert config.speculative.algorithm is None and config.speculative.policy == "off"
+    assert given.algorithm == "auto" and given.policy is None
+
+
+def test_methods_across_sections():
+    cpu = EngineConfig.from_flags(model="m", device="cpu")
+    assert cpu.backend_name() == "torch" and not cpu.overlap_enabled()
+    cuda = EngineConfig.from_flags(model="m", device="cuda")  # built without a GPU too
+    assert cuda.backend_name() == "triton" and cuda.overlap_enabled()
+    assert (
+        EngineConfig.from_flags(model="m", device="cuda", attention_backend="torch").backend_name()
+        == "torch"
+    )
