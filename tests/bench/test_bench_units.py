@@ -140,6 +140,8 @@ specserve_spec_step_period_ms_total{k="0"} 19.5
 specserve_spec_step_period_ms_total{k="3"} 7.5
 specserve_spec_timed_steps_total{k="0"} 20.0
 specserve_spec_timed_steps_total{k="3"} 3.0
+specserve_spec_step_device_ms_total{k="0"} 14.0
+specserve_spec_step_device_ms_total{k="3"} 6.0
 specserve_spec_dormant_steps_total 6.0
 specserve_spec_drafter_eager_passes_total 9.0
 specserve_spec_drafter_eager_tokens_total 130.0
@@ -164,6 +166,8 @@ def test_metrics_difference_and_speculation_figures():
     assert spec["policy"] == "GoodputPolicy" and "simulated_acceptance" not in spec
     # mean periods by K over the run: (19.5 - 10) / (20 - 10) and 7.5 / 3
     assert spec["step_ms_by_k"] == {"0": pytest.approx(0.95), "3": pytest.approx(2.5)}
+    # and their device spans (the run's first snapshot had none): 14 / 10 and 6 / 3
+    assert spec["device_ms_by_k"] == {"0": pytest.approx(1.4), "3": pytest.approx(2.0)}
     assert spec["dormant_steps"] == 6 and spec["drafter_eager_passes"] == 5
     assert spec["drafter_eager_tokens"] == 130
     assert spec["engine_gauges"] == {
@@ -231,11 +235,12 @@ def test_plot_redraws_from_saved_json(tmp_path, capsys):
     assert (tmp_path / "s.png").exists()
     rows[-1]["server"] = {
         "step_ms_mean": 1.5,
-        "speculation": {"step_ms_by_k": {"0": 0.85, "3": 1.7}},
+        "speculation": {"step_ms_by_k": {"0": 0.85, "3": 1.7}, "device_ms_by_k": {"3": 1.6}},
     }
     table = markdown_table(rows)
     assert table.count("\n") == 2 + len(rows) and "| ngram | 16 |" in table
-    assert "| 1.50 (K=0 0.85, K=3 1.70) |" in table  # a speculating server's steps by K
+    # a speculating server's steps by K, with their device spans where timed
+    assert "| 1.50 (K=0 0.85, K=3 1.70 (device 1.60)) |" in table
     (tmp_path / "bad.json").write_text("[1, 2]")
     capsys.readouterr()
     assert main(["bench", "plot", str(tmp_path / "bad.json")]) == 2

@@ -213,6 +213,9 @@ def speculation_figures(before: dict, after: dict) -> dict:
     timed = _by_label(before, after, "specserve_spec_timed_steps_total", "k")
     if timed:  # the mean period of a step at each K, under this policy
         out["step_ms_by_k"] = {k: periods.get(k, 0.0) / n for k, n in timed.items()}
+        device = _by_label(before, after, "specserve_spec_step_device_ms_total", "k", exact=False)
+        if any(device.values()):  # and its device span (CUDA): host-bound where far below
+            out["device_ms_by_k"] = {k: device.get(k, 0.0) / n for k, n in timed.items()}
     for key in ("dormant_steps", "drafter_eager_passes", "drafter_eager_tokens"):
         value = _delta(before, after, f"specserve_spec_{key}_total")
         if value:

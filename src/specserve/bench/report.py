@@ -127,9 +127,14 @@ def report_rows(report: dict) -> list[tuple[str, str]]:
 
 
 def step_ms_by_k(spec: dict) -> str:
-    """A speculating server's mean step period at each K it ran ("K=0 0.85, K=3 1.70"), or
-    "" when it reported none."""
-    return ", ".join(f"K={k} {ms:.2f}" for k, ms in (spec.get("step_ms_by_k") or {}).items())
+    """A speculating server's mean step period at each K it ran ("K=0 0.85, K=3 1.70"), with
+    its device span where the server timed one ("K=0 0.85 (device 0.80), ..."), or "" when it
+    reported none."""
+    device = spec.get("device_ms_by_k") or {}
+    return ", ".join(
+        f"K={k} {ms:.2f}" + (f" (device {device[k]:.2f})" if k in device else "")
+        for k, ms in (spec.get("step_ms_by_k") or {}).items()
+    )
 
 
 def print_report(report: dict, title: str = "specserve bench") -> None:

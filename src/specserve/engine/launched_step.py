@@ -30,6 +30,7 @@ class LaunchedStep:
     after_idle: bool = False  # nothing ran just before it (no gap to measure)
     result: StepResult | None = None  # set when resolved
     resolved_s: float = 0.0  # perf_counter when its tokens reached the host
+    device_ms: float | None = None  # its device span (CUDA events), once processed
     consumed: set[int] = field(default_factory=set)  # see InflightStep.consumed
 
     def inflight(self) -> InflightStep:

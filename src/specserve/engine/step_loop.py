@@ -339,7 +339,7 @@ class StepLoop:
                 batch = [s for s in step.batch if not s.request.finished]
                 committed = {id(s): len(tokens) for s, tokens, _ in live}
                 spec.observe(batch, committed, step.draft_ms, target_ms)
-            spec.observe_period(step.batch, step.resolved_s, step.after_idle)
+            spec.observe_period(step.batch, step.resolved_s, step.after_idle, step.device_ms)
         outputs = []
         for s, tokens, lps in live:
             req = s.request
@@ -364,7 +364,7 @@ class StepLoop:
         start, target_start, end = step.events
         end.synchronize()
         target_ms = target_start.elapsed_time(end)
-        step_ms = start.elapsed_time(end)
+        step_ms = step.device_ms = start.elapsed_time(end)
         self.times.step_ms.append(step_ms)
         self.times.target_ms.append(target_ms)
         self.totals["device_step_ms"] += step_ms

@@ -242,6 +242,11 @@ _ENGINE_LISTS = {
         "k",
         "steps whose period was measured, by the step's draft length",
     ),
+    "spec_device_ms_by_step_k": (
+        "specserve_spec_step_device_ms",
+        "k",
+        "device spans of those steps (ms, summed; CUDA only) by the step's draft length",
+    ),
     "spec_position_drafted": (
         "specserve_spec_position_drafted",
         "position",

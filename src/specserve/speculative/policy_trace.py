@@ -52,6 +52,9 @@ class PolicyTrace:
     # count, so that a K's mean step under this policy is seen next to another policy's
     period_ms_by_step_k: list[float] = field(default_factory=list)
     timed_steps_by_step_k: list[int] = field(default_factory=list)
+    # the device's span of those steps (CUDA events; not on the CPU): beside the periods, it
+    # says whether a K's steps are long on the device or wait for the host
+    device_ms_by_step_k: list[float] = field(default_factory=list)
     dormant_steps: int = 0  # processed steps during which the drafter's upkeep was stopped
     recent: deque = field(default_factory=lambda: deque(maxlen=TRACE_STEPS))
     _pending: deque = field(default_factory=lambda: deque(maxlen=4))  # decided, not processed
@@ -76,14 +79,19 @@ class PolicyTrace:
             by_step.extend([0] * (max_draft_len + 1 - len(by_step)))
         by_step[max_draft_len] += 1
 
-    def timed(self, max_draft_len: int, period_ms: float) -> None:
-        """A processed step's measured period, by its K."""
+    def timed(self, max_draft_len: int, period_ms: float, device_ms: float | None = None) -> None:
+        """A processed step's measured period (and device span, if timed), by its K."""
         sums, counts = self.period_ms_by_step_k, self.timed_steps_by_step_k
+        device = self.device_ms_by_step_k
         if len(sums) <= max_draft_len:
-            sums.extend([0.0] * (max_draft_len + 1 - len(sums)))
-            counts.extend([0] * (max_draft_len + 1 - len(counts)))
+            more = max_draft_len + 1 - len(sums)
+            sums.extend([0.0] * more)
+            counts.extend([0] * more)
+            device.extend([0.0] * more)
         sums[max_draft_len] += period_ms
         counts[max_draft_len] += 1
+        if device_ms is not None:
+            device[max_draft_len] += device_ms
 
     def decided(
         self,

@@ -156,7 +156,11 @@ class Speculator:
             trace.predicted_goodput = policy.predicted_tokens / policy.predicted_ms * 1e3
 
     def observe_period(
-        self, batch: list[ScheduledRequest], resolved_s: float, after_idle: bool
+        self,
+        batch: list[ScheduledRequest],
+        resolved_s: float,
+        after_idle: bool,
+        device_ms: float | None = None,
     ) -> None:
         """A step's period: from the previous step's tokens reaching the host to its own
         (`resolved_s`, perf_counter seconds), which is what a step costs in throughput under
@@ -165,7 +169,7 @@ class Speculator:
         decode-only too and the engine did not idle between), which decides with one step of
         hindsight which are steady samples of their K and what a change of K cost
         (`PeriodLog`); any other step ends its chain. The policy's trace gets the period and
-        its use."""
+        its use, and the step's device span (`device_ms`, None where untimed)."""
         if not self.may_draft:  # the off policy: nothing to learn
             return
         decoding = [s for s in batch if s.decoding]
@@ -184,7 +188,7 @@ class Speculator:
         if prev_s is not None and resolved_s > prev_s and not after_idle:
             period_ms = (resolved_s - prev_s) * 1e3
             if decoding:
-                trace.timed(max_draft_len, period_ms)
+                trace.timed(max_draft_len, period_ms, device_ms)
             if decision is not None:
                 decision.observed_ms = period_ms
             observe_rate = getattr(self.policy, "observe_rate", None)
@@ -217,6 +221,7 @@ class Speculator:
             "spec_position_accepted": list(self.acceptance.position_accepted),
             "spec_period_ms_by_step_k": list(trace.period_ms_by_step_k),
             "spec_timed_steps_by_step_k": list(trace.timed_steps_by_step_k),
+            "spec_device_ms_by_step_k": list(trace.device_ms_by_step_k),
             "spec_dormant_steps": trace.dormant_steps,
             "spec_drafter_eager_passes": self.proposer.eager_passes,
             "spec_drafter_eager_tokens": self.proposer.eager_tokens,
