@@ -47,6 +47,9 @@ EXPECTED = {
         "--speculative-simulate-acceptance",
         "--debug-tp-check",
         "--speculative-schedule",
+        "--nnodes",
+        "--node-rank",
+        "--dist-init-addr",
     },
 }
 GENERATE_SAMPLING = {

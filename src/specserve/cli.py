@@ -48,7 +48,31 @@ def _generate(args: argparse.Namespace) -> int:
     from specserve.llm import LLM
 
     cfg = engine_config(args)
-    llm = LLM(progress=not args.quiet, **cfg.flags())
+    if cfg.parallel.node_rank > 0:
+        return _follow_node(cfg)
+    with LLM(progress=not args.quiet, **cfg.flags()) as llm:
+        _print_stream(llm, args, params)
+    return 0
+
+
+def _follow_node(cfg) -> int:
+    """A machine other than the first under tensor parallelism (--node-rank > 0): its ranks
+    follow rank 0 (on machine 0) until it stops them; nothing is served or printed here."""
+    from specserve.engine.engine import LLMEngine
+    from specserve.engine.tensor_parallel import node_ranks
+
+    ranks = node_ranks(cfg)
+    par = cfg.parallel
+    print(
+        f"specserve: machine {par.node_rank} of {par.nnodes}: ranks {ranks[0]}-{ranks[-1]} "
+        f"follow rank 0 at {par.dist_init_addr}",
+        file=sys.stderr,
+    )
+    LLMEngine(cfg).follow()
+    return 0
+
+
+def _print_stream(llm, args: argparse.Namespace, params) -> None:
     if llm.tokenizer.chat_template and not args.no_chat_template:
         # what llm.chat does: the answer of an instruct model, not a continuation
         prompt: str | list[int] = llm.apply_chat_template(
@@ -60,7 +84,6 @@ def _generate(args: argparse.Namespace) -> int:
         sys.stdout.write(delta)
         sys.stdout.flush()
     sys.stdout.write("\n")
-    return 0
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -85,6 +108,8 @@ def _serve(args: argparse.Namespace) -> int:
         )
     except ValueError as e:
         raise SpecserveError(str(e)) from e
+    if cfg.parallel.node_rank > 0:  # machine 0 serves; this one's ranks follow it
+        return _follow_node(cfg)
     return run_server(cfg, server)
 
 

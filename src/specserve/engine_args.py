@@ -54,6 +54,20 @@ _FLAGS: dict[str, tuple[str, str]] = {
         "performance",
         "GPUs to shard the model over (tensor parallelism), one process each; alias --tp",
     ),
+    "nnodes": (
+        "advanced",
+        "machines the tensor-parallel ranks run on (each runs --tensor-parallel-size / "
+        "--nnodes of them)",
+    ),
+    "node_rank": (
+        "advanced",
+        "this machine's index among --nnodes: 0 runs the scheduler and serves; the others "
+        "run their ranks and follow it",
+    ),
+    "dist_init_addr": (
+        "advanced",
+        "host:port of machine 0 where every rank meets (needed with --nnodes > 1)",
+    ),
     "debug_tp_check": (
         "advanced",
         "under tensor parallelism, compare every step's tokens across the ranks and stop at "
@@ -187,6 +201,7 @@ _METAVARS = {
     "speculative_schedule": "TABLE",
     "kv_cache_bytes": "BYTES",
     "speculative_simulate_acceptance": "RATE|LEN",
+    "dist_init_addr": "HOST:PORT",
 }
 
 ENGINE_FLAGS = {name: "--" + name.replace("_", "-") for name in FLAG_FIELDS}

@@ -151,3 +151,46 @@ def test_a_dead_rank_stops_rank_0_instead_of_hanging(models):
     assert (status, detail) == ("exit", 1) or (
         status == "error" and detail.startswith("TensorParallelError: rank 0 lost the")
     ), detail
+
+
+def _machine(target: str, node_rank: int, nnodes: int, address: str | None) -> list | None:
+    """One machine of a two-rank group: machine 0 generates (rank 0), machine 1 follows."""
+    from specserve import LLM
+    from specserve.core.config import EngineConfig
+    from specserve.engine.engine import LLMEngine
+
+    flags = dict(
+        model=target,
+        tensor_parallel_size=2,
+        nnodes=nnodes,
+        node_rank=node_rank,
+        dist_init_addr=address,
+        debug_tp_check=True,
+        speculative_algorithm="ngram",
+        speculative_policy="fixed",
+    )
+    if node_rank > 0:
+        LLMEngine(EngineConfig.from_flags(**flags)).follow()
+        return None
+    with LLM(**flags) as llm:
+        greedy = SamplingParams(max_tokens=12, ignore_eos=True)
+        return [o.token_ids for o in llm.generate(prompts_for(), greedy)]
+
+
+def test_two_machines_over_loopback_run_as_one(models):
+    import multiprocessing as mp
+
+    from specserve.engine.tensor_parallel import free_address
+
+    status, one = run_spawned(_machine, models[0], 0, 1, None)
+    assert status == "ok", one
+    address = free_address()
+    machine_1 = mp.get_context("spawn").Process(
+        target=_machine, args=(models[0], 1, 2, address), daemon=True
+    )
+    machine_1.start()
+    status, two = run_spawned(_machine, models[0], 0, 2, address)
+    machine_1.join(timeout=60)
+    assert status == "ok", two
+    assert machine_1.exitcode == 0  # stopped by rank 0, not killed
+    assert two == one

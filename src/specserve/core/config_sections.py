@@ -139,15 +139,34 @@ class SchedulerConfig:
 @dataclass
 class ParallelConfig:
     """How many devices the model is sharded over (`tensor_parallel_size`, one process each:
-    engine/tensor_parallel.py), and `debug_check`: every rank's tokens compared with rank
-    0's at each step (for debugging; adds host work, no collective)."""
+    engine/tensor_parallel.py), on how many machines (`nnodes`, this one `node_rank`, meeting
+    at `dist_init_addr`), and `debug_check`: every rank's tokens compared with rank 0's at
+    each step (for debugging; adds host work, no collective)."""
 
     tensor_parallel_size: int = 1
     debug_check: bool = False
+    # several machines: each runs tensor_parallel_size / nnodes ranks; machine node_rank 0
+    # runs rank 0 (the scheduler) and serves; all meet at dist_init_addr (host:port)
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
             raise ConfigError(f"tensor_parallel_size must be >= 1; got {self.tensor_parallel_size}")
+        if self.nnodes < 1 or self.tensor_parallel_size % self.nnodes:
+            raise ConfigError(
+                f"nnodes must divide tensor_parallel_size ({self.tensor_parallel_size}); "
+                f"got {self.nnodes}"
+            )
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ConfigError(f"node_rank must be in [0, nnodes); got {self.node_rank}")
+        if self.nnodes > 1 and not self.dist_init_addr:
+            raise ConfigError("nnodes > 1 needs dist_init_addr (machine 0's host:port)")
+        if self.dist_init_addr is not None:
+            host, _, port = self.dist_init_addr.rpartition(":")
+            if not host or not port.isdigit():
+                raise ConfigError(f"dist_init_addr must be host:port; got {self.dist_init_addr!r}")
 
 
 @dataclass

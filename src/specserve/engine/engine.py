@@ -48,15 +48,16 @@ class LLMEngine:
         progress: bool = False,
         tokenizer=None,
         model: LlamaForCausalLM | None = None,
-        rank: int = 0,
+        rank: int | None = None,
         address: str | None = None,
     ):
         """Load `config.load.model`, or serve a prebuilt `model` (benchmarks build random-weight
         models of real shapes on the GPU; without a tokenizer, prompts are token ids and
         outputs carry no text). `progress`: the start-up phases and their timings on stderr
-        (engine/startup.py), else in the log. Under tensor parallelism the engine built with
-        rank 0 spawns the other ranks (engine/tensor_parallel.py), which build theirs with
-        their `rank` and the group's `address` and `follow` rank 0's plans."""
+        (engine/startup.py), else in the log. Under tensor parallelism the engine built
+        without a `rank` is its machine's first rank and spawns the machine's others
+        (engine/tensor_parallel.py), which build theirs with their `rank` and the group's
+        `address`; every rank but 0 then `follow`s rank 0's plans."""
         self.config = config
         config.load.check_device()  # a missing GPU in one line, not deep inside the loading
         self.parallel = None
@@ -64,6 +65,7 @@ class LLMEngine:
             from specserve.engine import tensor_parallel
 
             self.parallel = tensor_parallel.start(config, rank, address)
+        rank = self.parallel.rank if self.parallel is not None else 0
         # This engine's kernel switches: in force while its start-up and its steps run
         # (warm-up, selection, graph capture, eager steps), whatever other engines use; the
         # config's, and the process default's where the config names none (benchmarks A/B

@@ -1,8 +1,12 @@
 """Tensor parallelism's processes: one per device. Rank 0 runs in the process that builds the
 engine (the `LLM` user's, or the server's engine process); it spawns the other ranks of its
 machine, each of which builds the same engine on its device and replays rank 0's step plans
-until told to stop (engine/step_plan.py). Every rank joins torch.distributed: NCCL on GPUs
-(gloo on the CPU) for the forward's tensors, and a gloo group for the plans.
+until told to stop (engine/step_plan.py). Over several machines (`--nnodes`), each other
+machine's `specserve serve --node-rank N` (or `generate`) runs its first rank the same way,
+spawning that machine's others; every rank meets at `--dist-init-addr` (machine 0's
+host:port), the standard torch.distributed TCP rendezvous. Every rank joins
+torch.distributed: NCCL on GPUs (gloo on the CPU) for the forward's tensors, and a gloo group
+for the plans.
 
 A rank that dies makes the others fail rather than hang: rank 0 watches the processes it
 spawned and exits with their exit code and a message naming the rank (a collective it waits
@@ -73,14 +77,25 @@ def free_address() -> str:
         return f"127.0.0.1:{s.getsockname()[1]}"
 
 
-def start(config: EngineConfig, rank: int, address: str | None) -> ParallelContext:
-    """Join (rank 0: first spawn) the tensor-parallel group of `config`."""
-    size = config.parallel.tensor_parallel_size
+def node_ranks(config: EngineConfig) -> range:
+    """The ranks this machine runs (`--node-rank` of `--nnodes`, each running as many)."""
+    par = config.parallel
+    per_node = par.tensor_parallel_size // par.nnodes
+    return range(par.node_rank * per_node, (par.node_rank + 1) * per_node)
+
+
+def start(config: EngineConfig, rank: int | None, address: str | None) -> ParallelContext:
+    """Join the tensor-parallel group of `config` as `rank` (None: this machine's first, which
+    spawns the machine's other ranks first). The group meets at `--dist-init-addr` (given
+    with several machines), else at a free port of this one."""
+    par = config.parallel
+    size, local = par.tensor_parallel_size, node_ranks(config)
     processes = []
-    if rank == 0:
-        address = address or free_address()
+    if rank is None:
+        rank = local[0]
+        address = address or par.dist_init_addr or free_address()
         ctx = mp.get_context("spawn")
-        for r in range(1, size):
+        for r in local[1:]:
             p = ctx.Process(
                 target=follower_main,
                 args=(config, r, address, logging.getLogger("specserve").getEffectiveLevel()),
@@ -91,7 +106,7 @@ def start(config: EngineConfig, rank: int, address: str | None) -> ParallelConte
             processes.append(p)
     device = config.load.torch_device()
     if device.type == "cuda":
-        torch.cuda.set_device(rank % torch.cuda.device_count())
+        torch.cuda.set_device(rank - local[0])  # this machine's devices 0, 1, ...
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(
         backend,
@@ -110,7 +125,8 @@ def start(config: EngineConfig, rank: int, address: str | None) -> ParallelConte
 
 
 def _watch(processes: list, closing: threading.Event) -> None:
-    """Rank 0: a spawned rank that exits before it is told to stop ends this process too,
+    """A machine's first rank: a rank it spawned that exits before it is told to stop ends
+    this process too,
     with a message naming it, instead of leaving a collective waiting forever."""
     from multiprocessing.connection import wait
 
