@@ -118,8 +118,10 @@ def _generate_under_tp(target: str, head: str) -> dict:
     }
     out = {}
     for name, kwargs in runs.items():
-        # (a smaller step budget: the goodput policy's start-up times every step size)
-        tp = dict(tensor_parallel_size=2, debug_tp_check=True, max_num_batched_tokens=256)
+        # (a small step: the goodput policy's start-up times every step size under TP)
+        tp = dict(
+            tensor_parallel_size=2, debug_tp_check=True, max_num_batched_tokens=256, max_num_seqs=8
+        )
         with LLM(target, **tp, **kwargs) as llm:
             out[name] = [o.token_ids for o in llm.generate(prompts, greedy)]
             if name != "plain":
