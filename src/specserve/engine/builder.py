@@ -207,7 +207,10 @@ def capture_target_graphs(
     )
     out = CapturedGraphs(graphs)
     plan = getattr(runner.model, "gemv_plan", None)
-    if plan is not None and plan.choices and not config.execution.disable_gemv_tuning:
+    # Whole-step tuning decides on each rank's own clock how many steps to time next; under
+    # tensor parallelism the ranks' steps (and their collectives) would stop pairing up.
+    tunes = not config.execution.disable_gemv_tuning and config.parallel.tensor_parallel_size == 1
+    if plan is not None and plan.choices and tunes:
         # the selection's choices revised where the whole step runs faster
         from specserve.tuning.gemv_select import SHARED_ROWS, plan_candidates
         from specserve.tuning.plan_tuning import tune_engine_plan
