@@ -14,8 +14,9 @@ from safetensors.torch import load_file, save_file
 from specserve import CheckpointError
 from specserve.core.kv_cache import KVCache
 from specserve.layers.attention import TorchAttentionBackend
+from specserve.model.checkpoint import checkpoint_layout
 from specserve.model.llama import LlamaForCausalLM
-from specserve.model.loader import checkpoint_layout, load_model, resolve_model
+from specserve.model.loader import load_model, resolve_model
 from tests.support.model_cases import build_meta, tiny_config
 
 

@@ -52,8 +52,10 @@ def make_tiny_model(
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
     num_layers: int = 2,
+    overrides: dict | None = None,
 ) -> Path:
-    """Write config.json, model.safetensors and a tokenizer for a random model."""
+    """Write config.json, model.safetensors and a tokenizer for a random model (`overrides`:
+    config fields to change, e.g. head counts)."""
     import transformers
 
     common = dict(
@@ -69,6 +71,7 @@ def make_tiny_model(
         eos_token_id=2,
         pad_token_id=0,
     )
+    common.update(overrides or {})
     if family == "llama":
         cfg = transformers.LlamaConfig(
             **common,
@@ -87,7 +90,7 @@ def make_tiny_model(
         cfg = transformers.Qwen2Config(**common, tie_word_embeddings=tie is not False)
         cls = transformers.Qwen2ForCausalLM
     elif family == "qwen3":
-        cfg = transformers.Qwen3Config(**common, head_dim=16, tie_word_embeddings=bool(tie))
+        cfg = transformers.Qwen3Config(**{"head_dim": 16, **common}, tie_word_embeddings=bool(tie))
         cls = transformers.Qwen3ForCausalLM
     else:
         raise ValueError(family)

@@ -12,6 +12,7 @@ import torch
 from specserve.core.config import EngineConfig
 from specserve.core.kv_cache import KVCache
 from specserve.core.model_config import ModelConfig
+from specserve.core.parallel import SINGLE_RANK, TensorParallel
 from specserve.engine.kv_sizing import kv_cache_pages
 from specserve.engine.startup import StartupProgress
 from specserve.layers.attention import get_backend
@@ -43,8 +44,10 @@ def load_target(
     progress: bool,
     model: LlamaForCausalLM | None,
     tokenizer,
+    tp: TensorParallel = SINGLE_RANK,
 ) -> LoadedTarget:
-    """`config.load.model` loaded on its device, or the prebuilt `model` as it is."""
+    """`config.load.model` loaded on its device (under tensor parallelism, this rank's shard
+    of it), or the prebuilt `model` as it is."""
     if model is not None:
         return LoadedTarget(None, model.config, model.lm_head_weight.dtype, tokenizer, model)
     device = config.load.torch_device()
@@ -53,7 +56,9 @@ def load_target(
         model_config = load_config(source)
         dtype = config.load.torch_dtype(model_config.dtype)
         tokenizer = tokenizer if tokenizer is not None else load_tokenizer(source)
-        model = load_model(source, dtype, device, progress, model_config, seed=config.load.seed)
+        model = load_model(
+            source, dtype, device, progress, model_config, seed=config.load.seed, tp=tp
+        )
     return LoadedTarget(source, model_config, dtype, tokenizer, model)
 
 
@@ -67,10 +72,11 @@ def build_kv_cache(
     """The target's paged KV cache, sized by engine/kv_sizing.py (under tensor parallelism
     the same number of pages on every rank: the fewest any rank's memory allows)."""
     device = config.load.torch_device()
-    num_pages = kv_cache_pages(config, loaded.model_config, loaded.dtype, device)
+    kv_cfg = loaded.model.kv_config  # this rank's KV heads
+    num_pages = kv_cache_pages(config, loaded.model_config, loaded.dtype, device, kv_cfg)
     if parallel is not None:
         num_pages = parallel.min_over_ranks(num_pages)
-    kv = KVCache(loaded.model_config, num_pages, config.cache.page_size, loaded.dtype, device)
+    kv = KVCache(kv_cfg, num_pages, config.cache.page_size, loaded.dtype, device)
     if progress:
         startup.note(
             f"{str(loaded.dtype).removeprefix('torch.')} weights; KV cache: "
@@ -126,7 +132,7 @@ def build_target(
     runner.backend.batch_invariant = not config.execution.disable_batch_invariance
     if config.load.torch_device().type == "cuda":
         with startup.phase("compiling attention kernels"):
-            runner.backend.warm_up(loaded.model_config.num_heads, kv.layers[0])
+            runner.backend.warm_up(loaded.model.num_heads, kv.layers[0])  # (this rank's)
     return TargetParts(
         config, loaded.model_config, loaded.dtype, kv, runner, max_model_len, selector
     )

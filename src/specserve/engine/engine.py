@@ -11,6 +11,7 @@ from specserve.core.config import EngineConfig
 from specserve.core.detokenizer import IncrementalDetokenizer, TokenDecoder
 from specserve.core.errors import InvalidRequestError, RequestTooLargeError
 from specserve.core.kernel_options import current, using
+from specserve.core.parallel import SINGLE_RANK
 from specserve.core.request import Request
 from specserve.core.sampling_params import SamplingParams
 from specserve.engine.builder import (
@@ -78,7 +79,8 @@ class LLMEngine:
 
     def _start(self, config: EngineConfig, progress: bool, model, tokenizer, rank: int) -> None:
         startup = StartupProgress(progress)
-        loaded = load_target(config, startup, progress, model, tokenizer)
+        tp = self.parallel.tp if self.parallel is not None else SINGLE_RANK
+        loaded = load_target(config, startup, progress, model, tokenizer, tp)
         self.source, self.model_config = loaded.source, loaded.model_config
         self.dtype, self.tokenizer = loaded.dtype, loaded.tokenizer
         self.kv = build_kv_cache(config, loaded, startup, progress, self.parallel)

@@ -18,7 +18,11 @@ CPU_KV_CACHE_BYTES = 256 * 2**20
 
 
 def kv_cache_pages(
-    config: EngineConfig, model_cfg: ModelConfig, dtype: torch.dtype, device: torch.device
+    config: EngineConfig,
+    model_cfg: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    kv_cfg: ModelConfig | None = None,
 ) -> int:
     """Pages of the target's KV cache (the drafter's pool, if any, gets as many).
 
@@ -27,8 +31,9 @@ def kv_cache_pages(
     loaded), less the drafter's weights, divided by the bytes a page costs in the target's
     and the drafter's pools together; the rest is left to CUDA graphs and activations. It is
     capped at what max_num_seqs sequences of full context could use (small models).
-    Elsewhere 256 MiB. The size is logged."""
-    page_bytes = config.cache.page_size * model_cfg.kv_bytes_per_token(dtype)
+    Elsewhere 256 MiB. The size is logged. `kv_cfg`: the shape of this rank's KV heads under
+    tensor parallelism (the drafter and the graphs' outputs are whole on every rank)."""
+    page_bytes = config.cache.page_size * (kv_cfg or model_cfg).kv_bytes_per_token(dtype)
     if config.cache.num_pages is not None:
         pages, source = config.cache.num_pages, "num_kv_pages"
     elif config.cache.size_bytes is not None or device.type != "cuda":

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 if TYPE_CHECKING:
+    from specserve.core.parallel import TensorSlice
     from specserve.kernels.gemv_plan import GemvPlan
 
 
@@ -19,12 +20,21 @@ class MergedLinear(nn.Linear):
     output rows, in order), e.g. q/k/v or gate/up: one GEMM instead of several.
 
     Checkpoints keep the separate tensors; the loader copies each into its row range
-    (`shard_rows`), strictly, under the checkpoint's own names.
+    (`shard_rows`), strictly, under the checkpoint's own names. Under tensor parallelism a
+    rank holds some rows of each (column-parallel): `slices` names which rows of the
+    checkpoint tensor (weight and bias alike); a projection absent there is held whole.
     """
 
-    def __init__(self, in_features: int, shards: dict[str, int], bias: bool = False):
+    def __init__(
+        self,
+        in_features: int,
+        shards: dict[str, int],
+        bias: bool = False,
+        slices: dict[str, TensorSlice | None] | None = None,
+    ):
         super().__init__(in_features, sum(shards.values()), bias=bias)
         self.shards = dict(shards)
+        self.slices = {k: v for k, v in (slices or {}).items() if v is not None}
 
     def shard_rows(self) -> dict[str, tuple[int, int]]:
         """Checkpoint projection name -> (first row, rows) in the merged weight."""

@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 from torch import nn
 
+from specserve.core.parallel import SINGLE_RANK
 from specserve.kernels import pdl
 from specserve.kernels.gemv import SplitKSum, gemv, silu_mul
 from specserve.kernels.gemv_configs import gated_config
@@ -147,7 +148,9 @@ class TritonMergedGatedMLP(MergedGatedMLP):
     (torch, the fused choice measured slower as at 64 rows, or `fuse_silu` off),
     `fuse_gate` computes SiLU-and-mul in the gate/up GEMV's epilogue instead, when the
     Triton GEMV serves that (`_gated`): each activation computed once, the [gate | up]
-    output never written."""
+    output never written. Over several tensor-parallel ranks the down projection's output
+    is reduced before the all-reduce (`MergedGatedMLP.forward`): `fuse_split_k` stays off.
+    """
 
     fuse_silu = False
     fuse_split_k = False
@@ -162,7 +165,7 @@ class TritonMergedGatedMLP(MergedGatedMLP):
         ]
         return "+".join(parts) or None
 
-    def forward(self, x: torch.Tensor, defer_reduce: bool = False):
+    def partial(self, x: torch.Tensor, defer_reduce: bool = False):
         down = self.down_proj
         plan = getattr(down, "gemv_plan", None)
         fusion = self.gemv_fusion
@@ -219,12 +222,16 @@ def use_triton_ops(model: nn.Module, enable: bool = True, fuse: bool = True) -> 
         if new_class is not None:
             module.__class__ = new_class
             changed += 1
+        # Over several ranks a row-parallel output is all-reduced whole: no K split of it
+        # is handed on unreduced.
+        single = getattr(module, "tp", SINGLE_RANK).size == 1
         if isinstance(module, TritonMergedGatedMLP):
-            module.fuse_silu = module.fuse_split_k = module.fuse_gate = fuse
+            module.fuse_silu = module.fuse_gate = fuse
+            module.fuse_split_k = fuse and single
         elif isinstance(module, MergedGatedMLP):
             for name in ("fuse_silu", "fuse_split_k", "fuse_gate"):
                 module.__dict__.pop(name, None)
         if hasattr(type(module), "split_k_to_norm"):  # attention: its output projection's
-            module.split_k_to_norm = enable and fuse  # K split reduced in the norm after it
+            module.split_k_to_norm = enable and fuse and single  # K split reduced in the norm
             module.rope_in_qkv = enable and fuse  # and rotary + K/V store in the qkv GEMV
     return changed

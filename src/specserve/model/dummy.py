@@ -20,6 +20,7 @@ import torch
 
 from specserve.core.errors import CheckpointError
 from specserve.core.model_config import ModelConfig, config_from_dict
+from specserve.core.parallel import SINGLE_RANK, TensorParallel
 
 _LLAMA3_ROPE = {
     "rope_type": "llama3",
@@ -144,14 +145,47 @@ def _init_(module: torch.nn.Module, seed: int) -> None:
                 p.normal_(0.0, _WEIGHT_STD, generator=gen)
 
 
-def build_dummy_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int = 0):
-    """A LlamaForCausalLM of `cfg` with random weights, built in place on `device`."""
+def build_dummy_model(
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    seed: int = 0,
+    tp: TensorParallel = SINGLE_RANK,
+):
+    """A LlamaForCausalLM of `cfg` with random weights, built in place on `device`. A
+    tensor-parallel rank holds its shard of the unsharded model's weights of the same seed
+    (so benchmarks at any size run the same model): each parameter is drawn whole on the
+    device, as the unsharded model draws it, one at a time, and the rank keeps its part."""
     from specserve.model.llama import LlamaForCausalLM
 
+    if tp.size > 1:
+        return _sharded_dummy_model(cfg, dtype, torch.device(device), seed, tp)
     with torch.device(device), _default_dtype(dtype):  # (no float32 copy first: 8B is 32 GB)
         model = LlamaForCausalLM(cfg)
     _init_(model, seed)
     model.rotary.materialize(torch.device(device))
+    return model.eval()
+
+
+def _sharded_dummy_model(
+    cfg: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int, tp: TensorParallel
+):
+    from specserve.model.checkpoint import assign_weights, full_tensors
+    from specserve.model.llama import LlamaForCausalLM
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg, tp)
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def draw(name: str, shape: tuple[int, ...]) -> torch.Tensor:  # as `_init_` draws it
+        full = torch.empty(shape, dtype=dtype, device=device)
+        if name.endswith("norm.weight"):
+            return full.fill_(1.0)
+        return full.normal_(0.0, _WEIGHT_STD, generator=gen)
+
+    with torch.no_grad():
+        assign_weights(model, full_tensors(model, draw), dtype, device)
+    model.rotary.materialize(device)
     return model.eval()
 
 

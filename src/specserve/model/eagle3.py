@@ -293,7 +293,8 @@ def load_eagle3_head(
     for another target (hidden size or vocabulary)."""
     from safetensors import safe_open
 
-    from specserve.model.loader import assign_weights, safetensors_files
+    from specserve.model.checkpoint import assign_weights
+    from specserve.model.loader import safetensors_files
 
     folder = Path(folder)
     cfg = Eagle3Config.load(folder)

@@ -1,4 +1,5 @@
-"""GGUF (llama.cpp) checkpoints: config from metadata, tensors dequantized with `gguf`."""
+"""GGUF (llama.cpp) checkpoints: config from metadata, tensors dequantized with `gguf`, a
+tensor-parallel rank dequantizing only its part of each (the file is memory-mapped)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 
 from specserve.core.errors import CheckpointError, UnsupportedModelError
 from specserve.core.model_config import ModelConfig, config_from_dict
+from specserve.core.parallel import TensorSlice
 
 _ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 _LAYER_NAMES = {
@@ -99,21 +101,69 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def gguf_tensors(path: Path, cfg: ModelConfig) -> tuple[Iterator[tuple[str, torch.Tensor]], int]:
-    """Yield (Hugging Face name, fp32 tensor) for every tensor of the file."""
-    from gguf.quants import dequantize
+class GgufTensor:
+    """A tensor of a GGUF file, dequantized when read, and only the part asked for.
 
+    Rows (a column-parallel or vocabulary shard) are sliced from the memory-mapped data
+    before dequantizing: quantization blocks run along a row. Columns (a row-parallel
+    shard) are sliced in the quantized bytes when both ends fall on a block boundary (every
+    row's blocks from the first to the last), else the rows are dequantized whole and then
+    sliced. llama.cpp permutes the rows of attn_q / attn_k within each head: a shard holds
+    whole heads, so it is un-permuted after slicing, head by head as the whole tensor is.
+    """
+
+    def __init__(self, tensor, permuted_heads: int | None = None):
+        self.tensor = tensor
+        self.permuted_heads = permuted_heads  # the whole tensor's heads, or None
+        self.shape = tuple(int(d) for d in reversed(tensor.shape))
+
+    def read(self, part: TensorSlice | None) -> torch.Tensor:
+        array = self._dequantized(part)
+        if self.permuted_heads is not None:
+            array = _unpermute(array, self.permuted_heads * array.shape[0] // self.shape[0])
+        return torch.from_numpy(np.array(array, dtype=np.float32, copy=True))
+
+    def _dequantized(self, part: TensorSlice | None) -> np.ndarray:
+        from gguf.constants import GGML_QUANT_SIZES
+        from gguf.quants import dequantize
+
+        data, kind, shape = self.tensor.data, self.tensor.tensor_type, self.shape
+        # quantized data is [rows, bytes of a row]; plain float data [rows, columns]
+        in_bytes = data.dtype == np.uint8
+        if part is None or (part.dim == 0 and len(shape) == 1 and in_bytes):
+            array = dequantize(data, kind).reshape(shape)
+            return array if part is None else part_of(array, part)
+        end = part.start + part.length
+        if part.dim == 0:
+            return dequantize(data[part.start : end], kind).reshape(part.length, *shape[1:])
+        block, block_bytes = GGML_QUANT_SIZES[kind]
+        if not in_bytes:
+            return dequantize(data[:, part.start : end], kind)
+        if part.start % block == 0 and end % block == 0:
+            cols = slice(part.start // block * block_bytes, end // block * block_bytes)
+            return dequantize(data[:, cols], kind).reshape(shape[0], part.length)
+        return part_of(dequantize(data, kind).reshape(shape), part)
+
+
+def part_of(array: np.ndarray, part: TensorSlice) -> np.ndarray:
+    index = [slice(None)] * array.ndim
+    index[part.dim] = slice(part.start, part.start + part.length)
+    return array[tuple(index)]
+
+
+def gguf_tensors(path: Path, cfg: ModelConfig) -> tuple[Iterator[tuple[str, GgufTensor]], int]:
+    """(Hugging Face name, tensor not read yet) for every tensor of the file, and how many
+    there are; read, a tensor is fp32."""
     r = _reader(path)
     arch = _field(r, "general.architecture")
 
     def iterate():
         for t in r.tensors:
-            array = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
-            array = array.reshape(tuple(int(d) for d in reversed(t.shape)))
+            heads = None
             if arch == "llama" and t.name.endswith("attn_q.weight"):
-                array = _unpermute(array, cfg.num_heads)
+                heads = cfg.num_heads
             elif arch == "llama" and t.name.endswith("attn_k.weight"):
-                array = _unpermute(array, cfg.num_kv_heads)
-            yield _hf_name(t.name), torch.from_numpy(np.array(array, copy=True))
+                heads = cfg.num_kv_heads
+            yield _hf_name(t.name), GgufTensor(t, heads)
 
     return iterate(), len(r.tensors)

