@@ -1,0 +1,44 @@
+"""The server with tensor parallelism (two CPU ranks, gloo): the real openai client gets the
+same greedy completions as from a one-rank server, streamed and not, with speculation and
+every step's tokens compared across ranks; SIGTERM stops every rank."""
+
+from __future__ import annotations
+
+import openai
+import psutil
+
+from tests.server.conftest import ServerProcess
+
+
+def _completions(srv: ServerProcess) -> list[str]:
+    client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
+    model = client.models.list().data[0].id
+    texts = []
+    for prompt in ("hello there", "one two three four"):
+        r = client.completions.create(model=model, prompt=prompt, max_tokens=10, temperature=0)
+        texts.append(r.choices[0].text)
+    stream = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=8,
+        temperature=0,
+        stream=True,
+    )
+    texts.append("".join(c.choices[0].delta.content or "" for c in stream if c.choices))
+    return texts
+
+
+def test_a_tensor_parallel_server_answers_as_one_rank(tiny_llama, tmp_path):
+    flags = ("--speculative-algorithm", "ngram", "--speculative-policy", "fixed")
+    one = ServerProcess(tiny_llama, tmp_path, *flags)
+    try:
+        expected = _completions(one)
+    finally:
+        one.stop()
+    two = ServerProcess(tiny_llama, tmp_path, *flags, "--tp", "2", "--debug-tp-check")
+    try:
+        ranks = [p for p in psutil.Process(two.proc.pid).children(recursive=True)]
+        assert _completions(two) == expected
+    finally:
+        assert two.terminate() == 0
+    assert not [p for p in ranks if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
