@@ -107,19 +107,23 @@ class LLMEngine:
         self.sink = RequestSink(self.scheduler, self.requests, self.spec)
         overlap = config.overlap_enabled()
         self.loop = StepLoop(self.scheduler, self.target, self.spec, self.sink, overlap)
-        self.follower = None
-        if self.parallel is not None:
-            channel = PlanChannel(self.parallel.control, self.parallel.rank)
-            check = config.parallel.debug_check
-            if self.parallel.rank == 0:
-                self.loop.plans = self.sink.plans = PlanPublisher(channel)
-                self.loop.token_check = self.loop.plans.resolved if check else None
-            else:
-                tokens = TokenCheck(rank) if check else None
-                self.follower = PlanFollower(channel, tokens)
-                self.loop.token_check = tokens.local if check else None
-                self.loop.sink = MirrorSink(self.follower, self.spec)
+        self.follower = self._connect_ranks(config, rank) if self.parallel else None
         startup.ready()
+
+    def _connect_ranks(self, config: EngineConfig, rank: int) -> PlanFollower | None:
+        """Tensor parallelism: rank 0 publishes each step's plan (and with the debug check its
+        tokens); any other rank gets a follower of those plans, its outputs go nowhere."""
+        channel = PlanChannel(self.parallel.control, rank)
+        check = config.parallel.debug_check
+        if rank == 0:
+            self.loop.plans = self.sink.plans = PlanPublisher(channel)
+            self.loop.token_check = self.loop.plans.resolved if check else None
+            return None
+        tokens = TokenCheck(rank) if check else None
+        follower = PlanFollower(channel, tokens)
+        self.loop.token_check = tokens.local if check else None
+        self.loop.sink = MirrorSink(follower, self.spec)
+        return follower
 
     # ---- requests -------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
