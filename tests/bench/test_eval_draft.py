@@ -179,3 +179,27 @@ def test_eval_draft_runs_the_shipped_head_by_default(tmp_path, capsys):
     saved = json.loads(out.read_text())
     assert saved["draft"] == str(shipped_head_path()) and saved["num_prompts"] == 2
     assert saved["results"][0]["drafted"] > 0
+
+
+def _eval_draft_main(argv: list[str]) -> int:
+    from specserve.cli import main as cli_main
+
+    return cli_main(argv)
+
+
+def test_eval_draft_under_tensor_parallelism(tiny_llama, tmp_path):
+    """--tp 2 (CPU, gloo): rank 0's fixed policy sets each K for both ranks; the copy
+    drafter (whole on each rank) drafts what the sharded target, equal up to rounding,
+    mostly takes."""
+    from tests.support.spawned import run_spawned
+
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("\n".join(json.dumps({"prompt": f"Count to {i}"}) for i in range(8)))
+    out = tmp_path / "eval.json"
+    argv = ["eval-draft", "--target", str(tiny_llama), "--algorithm", "draft"]
+    argv += ["--draft", str(tiny_llama), "--data", str(data), "--num-prompts", "2"]
+    argv += ["--max-tokens", "8", "--k", "2", "--tp", "2", "--out", str(out)]
+    assert run_spawned(_eval_draft_main, argv) == ("ok", 0)
+    (result,) = json.loads(out.read_text())["results"]
+    assert result["k"] == 2 and result["drafted"] > 0
+    assert result["accepted"] >= 0.9 * result["drafted"]

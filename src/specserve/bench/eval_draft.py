@@ -173,6 +173,7 @@ def run_eval_draft(args: argparse.Namespace) -> int:
         speculative_policy="fixed",
         dtype=args.dtype,
         device=args.device,
+        tensor_parallel_size=args.tensor_parallel_size,
         max_num_seqs=max(1, min(len(items), 256)),  # all prompts at once, no idle graphs
         **engine_opts,
     )
@@ -202,7 +203,8 @@ def run_eval_draft(args: argparse.Namespace) -> int:
             tmp.write_text(json.dumps(payload(results), indent=2) + "\n")
             tmp.replace(args.out)
 
-    results = evaluate(llm, prompts, draft_lens, args.max_tokens, on_result=save)
+    with llm:  # (tensor parallelism: the other ranks stop)
+        results = evaluate(llm, prompts, draft_lens, args.max_tokens, on_result=save)
     _print_table(f"{args.algorithm} drafter on {len(prompts)} {args.split} prompts", results)
     save(results)
     return 0
@@ -266,6 +268,14 @@ def add_eval_draft_parser(sub) -> None:
         help="compute precision of the target",
     )
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    p.add_argument(
+        "--tensor-parallel-size",
+        "--tp",
+        type=int,
+        default=1,
+        metavar="N",
+        help="GPUs to shard the target over (one process each)",
+    )
     p.add_argument("--out", default=None, help="write the results as JSON here")
     p.add_argument(
         "--append",
