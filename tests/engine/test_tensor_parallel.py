@@ -99,9 +99,11 @@ def models(tmp_path_factory):
 
 def _generate_under_tp(target: str, head: str) -> dict:
     """Rank 0 of two (the other rank spawned by the engine), every step's tokens compared
-    across the ranks: plain, EAGLE-3 and n-gram speculation, greedy and sampled, with and
+    across the ranks: plain, EAGLE-3, a draft model and n-gram speculation under fixed,
+    goodput, random per-step and random per-request K, greedy and seeded sampling, with and
     without overlap scheduling."""
     from specserve import LLM
+    from tests.support.overlap_cases import StepDraftLens, random_draft_lens
 
     prompts = prompts_for()
     greedy = SamplingParams(max_tokens=14, ignore_eos=True)
@@ -110,11 +112,16 @@ def _generate_under_tp(target: str, head: str) -> dict:
         for i in range(len(prompts))
     ]
     eagle3 = dict(speculative_algorithm="eagle3", speculative_draft_model_path=head)
+    fixed = dict(speculative_policy="fixed")
     runs = {
         "plain": dict(speculative_algorithm="none"),
-        "eagle3 overlap": dict(eagle3, speculative_policy="fixed", overlap_schedule="on"),
+        "eagle3 overlap": dict(eagle3, **fixed, overlap_schedule="on"),
         "eagle3 goodput": dict(eagle3, speculative_policy="goodput"),
-        "ngram": dict(speculative_algorithm="ngram", speculative_policy="fixed"),
+        "eagle3 K per step": dict(eagle3, **fixed, overlap_schedule="on"),
+        "draft model": dict(
+            speculative_algorithm="draft", speculative_draft_model_path=target, **fixed
+        ),
+        "ngram K per request": dict(speculative_algorithm="ngram", **fixed),
     }
     out = {}
     for name, kwargs in runs.items():
@@ -123,9 +130,20 @@ def _generate_under_tp(target: str, head: str) -> dict:
             tensor_parallel_size=2, debug_tp_check=True, max_num_batched_tokens=256, max_num_seqs=8
         )
         with LLM(target, **tp, **kwargs) as llm:
-            out[name] = [o.token_ids for o in llm.generate(prompts, greedy)]
-            if name != "plain":
-                llm.generate(prompts, sampled)  # (ranks agree: the check passes)
+
+            def run(params, name=name, llm=llm):
+                spec = llm.engine.spec  # rank 0's policy decides for both ranks
+                if name == "eagle3 K per step":
+                    spec.policy = StepDraftLens(spec.k_max, seed=5)
+                elif name == "ngram K per request":
+                    random_draft_lens(llm)
+                return [o.token_ids for o in llm.generate(prompts, params)]
+
+            out[name] = run(greedy)
+            # seeded sampling repeats itself where the draft lengths do (not goodput's: they
+            # follow the clock)
+            if name not in ("plain", "eagle3 goodput"):
+                out[name + " sampled"] = run(sampled) == run(sampled)
     return out
 
 
@@ -133,8 +151,9 @@ def test_speculation_under_tensor_parallelism_equals_its_plain_decoding(models):
     status, out = run_spawned(_generate_under_tp, *models)
     assert status == "ok", out
     assert all(len(t) == 14 for t in out["plain"])
-    for name in ("eagle3 overlap", "eagle3 goodput", "ngram"):
+    for name in [n for n in out if n != "plain" and not n.endswith("sampled")]:
         assert out[name] == out["plain"], name
+        assert out.get(name + " sampled", True), f"{name}: seeded sampling not reproducible"
 
 
 def _lose_a_rank(target: str) -> None:

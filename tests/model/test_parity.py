@@ -45,3 +45,33 @@ def test_greedy_matches_transformers(family_ref, mode):
     assert llm.engine.kv.allocator.num_used == 0
     if mode == "preemption":
         assert llm.engine.scheduler.num_preemptions > 0
+
+
+def _generate_sharded(runs: list[tuple[str, str]], tp: int) -> list[list[list[int]]]:
+    """Each (model folder, mode) under `tp` ranks (rank 0 here, the others spawned)."""
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+    outs = []
+    for folder, mode in runs:
+        with LLM(folder, tensor_parallel_size=tp, debug_tp_check=True, **MODES[mode]) as llm:
+            outs.append([o.token_ids for o in llm.generate(_prompts(), params)])
+            assert llm.engine.kv.allocator.num_used == 0
+    return outs
+
+
+@pytest.mark.parametrize(
+    "tp, runs",
+    [
+        (2, [("llama", "preemption"), ("qwen2", "chunked_prefill"), ("qwen3", "page16")]),
+        (4, [("llama", "preemption")]),  # fewer KV heads (2) than ranks: replicated
+    ],
+)
+def test_greedy_matches_transformers_under_tensor_parallelism(request, tp, runs):
+    from tests.support.spawned import run_spawned
+
+    folders = {name: request.getfixturevalue(f"tiny_{name}") for name, _ in runs}
+    status, outs = run_spawned(
+        _generate_sharded, [(str(folders[name]), mode) for name, mode in runs], tp
+    )
+    assert status == "ok", outs
+    for (name, _), got in zip(runs, outs):
+        assert got == hf_greedy(folders[name], _prompts(), MAX_NEW), name
