@@ -215,3 +215,15 @@ def test_two_machines_over_loopback_run_as_one(models):
     assert status == "ok", two
     assert machine_1.exitcode == 0  # stopped by rank 0, not killed
     assert two == one
+
+
+def test_one_rank_starts_no_process_group(models):
+    """--tp 1 (the default) joins no group: no NCCL or gloo, every collective a no-op."""
+    import torch.distributed as dist
+
+    from specserve import LLM
+
+    llm = LLM(models[0], speculative_algorithm="none")
+    llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3))
+    assert llm.engine.parallel is None and not dist.is_initialized()
+    assert llm.engine.runner.model.tp.size == 1

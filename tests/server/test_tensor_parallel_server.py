@@ -42,3 +42,20 @@ def test_a_tensor_parallel_server_answers_as_one_rank(tiny_llama, tmp_path):
     finally:
         assert two.terminate() == 0
     assert not [p for p in ranks if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
+def test_a_dead_rank_ends_the_server_with_its_name(tiny_llama, tmp_path):
+    srv = ServerProcess(tiny_llama, tmp_path, "--tp", "2", "--speculative-algorithm", "none")
+    try:
+        # the server's engine process (rank 0) spawned rank 1: a spawned process of a spawned one
+        (rank_1,) = [
+            p
+            for p in psutil.Process(srv.proc.pid).children(recursive=True)
+            if "spawn_main" in " ".join(p.cmdline()) and p.ppid() != srv.proc.pid
+        ]
+        rank_1.kill()
+        code = srv.proc.wait(timeout=60)  # not a hang
+    finally:
+        srv.stop()
+    assert code != 0
+    assert "tensor-parallel rank 1" in srv.log() and "exited with code -9" in srv.log()

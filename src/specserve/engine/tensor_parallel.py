@@ -134,6 +134,7 @@ def _watch(processes: list, closing: threading.Event) -> None:
     while sentinels:
         for s in wait(list(sentinels)):
             p = sentinels.pop(s)
+            p.join(timeout=5)  # (reaped: its exit code is known)
             if p.exitcode != 0 and not closing.is_set():
                 log.error(
                     "tensor-parallel rank %s (process %s) exited with code %s; stopping",
