@@ -40,13 +40,13 @@ def synthetic_clock(spec) -> None:
     draft token) instead of perf_counter: the policy's trace is the same on every machine."""
     observe, clock = spec.observe_period, [0.0]
 
-    def observe_period(batch, resolved_s, after_idle):
+    def observe_period(batch, resolved_s, after_idle, device_ms=None):
         decoding = [s for s in batch if s.decoding] or batch
         k = max((len(s.drafts) for s in decoding), default=0)
         n = len(decoding)
         ms = CurveModel(TARGET_MS)(n * (k + 1)) + k * CurveModel(DRAFTER_MS)(n)
         clock[0] += ms / 1e3
-        observe(batch, clock[0], after_idle)
+        observe(batch, clock[0], after_idle, device_ms)
 
     spec.observe_period = observe_period
 

@@ -99,10 +99,12 @@ def models(tmp_path_factory):
 
 def _generate_under_tp(target: str, head: str) -> dict:
     """Rank 0 of two (the other rank spawned by the engine), every step's tokens compared
-    across the ranks: plain, EAGLE-3, a draft model and n-gram speculation under fixed,
-    goodput, random per-step and random per-request K, greedy and seeded sampling, with and
-    without overlap scheduling."""
+    across the ranks: plain; EAGLE-3 under the goodput policy, then (rank 0's policy swapped:
+    the other rank follows its plans) fixed, random per-step and random per-request K, with
+    overlap scheduling; a draft model; n-gram; greedy, and seeded sampling where the draft
+    lengths repeat (goodput's follow the clock)."""
     from specserve import LLM
+    from specserve.speculative.policy import FixedPolicy
     from tests.support.overlap_cases import StepDraftLens, random_draft_lens
 
     prompts = prompts_for()
@@ -111,39 +113,49 @@ def _generate_under_tp(target: str, head: str) -> dict:
         SamplingParams(max_tokens=14, ignore_eos=True, temperature=0.9, seed=i)
         for i in range(len(prompts))
     ]
-    eagle3 = dict(speculative_algorithm="eagle3", speculative_draft_model_path=head)
     fixed = dict(speculative_policy="fixed")
-    runs = {
+    engines = {
         "plain": dict(speculative_algorithm="none"),
-        "eagle3 overlap": dict(eagle3, **fixed, overlap_schedule="on"),
-        "eagle3 goodput": dict(eagle3, speculative_policy="goodput"),
-        "eagle3 K per step": dict(eagle3, **fixed, overlap_schedule="on"),
+        "eagle3": dict(
+            speculative_algorithm="eagle3",
+            speculative_draft_model_path=head,
+            speculative_policy="goodput",
+            overlap_schedule="on",
+        ),
         "draft model": dict(
             speculative_algorithm="draft", speculative_draft_model_path=target, **fixed
         ),
-        "ngram K per request": dict(speculative_algorithm="ngram", **fixed),
+        "ngram": dict(speculative_algorithm="ngram", **fixed),
+    }
+    policies = {  # rank 0's policy for each run (None: the engine's own)
+        "plain": [None],
+        "eagle3": [None, "fixed", "per step", "per request"],
+        "draft model": [None],
+        "ngram": ["per request"],
     }
     out = {}
-    for name, kwargs in runs.items():
-        # (a small step: the goodput policy's start-up times every step size under TP)
-        tp = dict(
-            tensor_parallel_size=2, debug_tp_check=True, max_num_batched_tokens=256, max_num_seqs=8
-        )
+    # (a small step: the goodput policy's start-up times every step size under TP)
+    tp = dict(
+        tensor_parallel_size=2, debug_tp_check=True, max_num_batched_tokens=256, max_num_seqs=8
+    )
+    for engine, kwargs in engines.items():
         with LLM(target, **tp, **kwargs) as llm:
+            spec = llm.engine.spec
+            for policy in policies[engine]:
 
-            def run(params, name=name, llm=llm):
-                spec = llm.engine.spec  # rank 0's policy decides for both ranks
-                if name == "eagle3 K per step":
-                    spec.policy = StepDraftLens(spec.k_max, seed=5)
-                elif name == "ngram K per request":
-                    random_draft_lens(llm)
-                return [o.token_ids for o in llm.generate(prompts, params)]
+                def run(params, policy=policy, spec=spec, llm=llm):
+                    if policy == "fixed":
+                        spec.policy = FixedPolicy(spec.k_max)
+                    elif policy == "per step":
+                        spec.policy = StepDraftLens(spec.k_max, seed=5)
+                    elif policy == "per request":
+                        random_draft_lens(llm)
+                    return [o.token_ids for o in llm.generate(prompts, params)]
 
-            out[name] = run(greedy)
-            # seeded sampling repeats itself where the draft lengths do (not goodput's: they
-            # follow the clock)
-            if name not in ("plain", "eagle3 goodput"):
-                out[name + " sampled"] = run(sampled) == run(sampled)
+                name = f"{engine} {policy or ''}".strip()
+                out[name] = run(greedy)
+                if engine != "plain" and spec.policy.__class__.__name__ != "GoodputPolicy":
+                    out[name + " sampled"] = run(sampled) == run(sampled)
     return out
 
 
@@ -151,7 +163,9 @@ def test_speculation_under_tensor_parallelism_equals_its_plain_decoding(models):
     status, out = run_spawned(_generate_under_tp, *models)
     assert status == "ok", out
     assert all(len(t) == 14 for t in out["plain"])
-    for name in [n for n in out if n != "plain" and not n.endswith("sampled")]:
+    names = [n for n in out if n != "plain" and not n.endswith("sampled")]
+    assert len(names) == 6 and sum(n.endswith("sampled") for n in out) == 5
+    for name in names:
         assert out[name] == out["plain"], name
         assert out.get(name + " sampled", True), f"{name}: seeded sampling not reproducible"
 

@@ -61,8 +61,9 @@ def _generate_sharded(runs: list[tuple[str, str]], tp: int) -> list[list[list[in
 @pytest.mark.parametrize(
     "tp, runs",
     [
-        (2, [("llama", "preemption"), ("qwen2", "chunked_prefill"), ("qwen3", "page16")]),
-        (4, [("llama", "preemption")]),  # fewer KV heads (2) than ranks: replicated
+        (2, [("llama", "preemption"), ("qwen2", "chunked_prefill")]),
+        # fewer KV heads (2) than ranks: replicated
+        (4, [("llama", "preemption"), ("qwen3", "page16")]),
     ],
 )
 def test_greedy_matches_transformers_under_tensor_parallelism(request, tp, runs):
