@@ -241,3 +241,16 @@ def test_one_rank_starts_no_process_group(models):
     llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3))
     assert llm.engine.parallel is None and not dist.is_initialized()
     assert llm.engine.runner.model.tp.size == 1
+
+
+def _split_three_ways(target: str) -> None:
+    from specserve import LLM
+
+    LLM(target, tensor_parallel_size=3, speculative_algorithm="none")
+
+
+def test_a_shape_the_ranks_cannot_split_is_a_clear_error(models):
+    # every rank fails alike; rank 0's own error reaches the caller (not an exit for the others)
+    status, detail = run_spawned(_split_three_ways, models[0], timeout_s=120)
+    assert status == "error", detail
+    assert detail.startswith("ConfigError: num_heads 4 is not divisible by tensor_parallel_size 3")

@@ -75,7 +75,12 @@ class LLMEngine:
             current(), pdl=not config.execution.disable_pdl, stream_k=config.execution.gemv_stream_k
         )
         with using(self.kernel_options):
-            self._start(config, progress, model, tokenizer, rank)
+            try:
+                self._start(config, progress, model, tokenizer, rank)
+            except BaseException:
+                if self.parallel is not None:  # the error stands; the other ranks stop
+                    self.parallel.abort()
+                raise
 
     def _start(self, config: EngineConfig, progress: bool, model, tokenizer, rank: int) -> None:
         startup = StartupProgress(progress)

@@ -36,6 +36,7 @@ log = logging.getLogger("specserve")
 # How long a collective may wait for the other ranks (start-up included: a rank loading its
 # shard of a large checkpoint from a slow disk keeps the others waiting in the first one).
 COLLECTIVE_TIMEOUT = timedelta(minutes=30)
+GRACE_S = 5.0  # how long a failed rank's machine-mate may take to fail on its own
 
 
 @dataclass
@@ -57,6 +58,13 @@ class ParallelContext:
         t = torch.tensor([value], dtype=torch.int64)
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.control)
         return int(t.item())
+
+    def abort(self) -> None:
+        """Start-up failed on this rank: stop the ranks it spawned, without waiting for them."""
+        self.closing.set()
+        for p in self.processes:
+            p.terminate()
+        self.close()
 
     def close(self) -> None:
         """Wait for the spawned ranks (after the stop plan) and leave the groups."""
@@ -135,7 +143,9 @@ def _watch(processes: list, closing: threading.Event) -> None:
         for s in wait(list(sentinels)):
             p = sentinels.pop(s)
             p.join(timeout=5)  # (reaped: its exit code is known)
-            if p.exitcode != 0 and not closing.is_set():
+            # A failure every rank meets (a shape the ranks cannot split, a bad checkpoint)
+            # reaches this rank too within moments: then its own error stands, not this exit.
+            if p.exitcode != 0 and not closing.wait(GRACE_S):
                 log.error(
                     "tensor-parallel rank %s (process %s) exited with code %s; stopping",
                     p.name.removeprefix("specserve-tp"),
