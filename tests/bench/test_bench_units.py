@@ -145,6 +145,12 @@ specserve_spec_step_device_ms_total{k="3"} 6.0
 specserve_spec_dormant_steps_total 6.0
 specserve_spec_drafter_eager_passes_total 9.0
 specserve_spec_drafter_eager_tokens_total 130.0
+specserve_spec_plain_step_period_ms_total{part="dormant"} 5.0
+specserve_spec_plain_step_period_ms_total{part="prefill"} 6.0
+specserve_spec_plain_timed_steps_total{part="dormant"} 5.0
+specserve_spec_plain_timed_steps_total{part="prefill"} 2.0
+specserve_spec_plain_step_device_ms_total{part="dormant"} 4.5
+specserve_spec_plain_step_device_ms_total{part="prefill"} 2.0
 """
 
 
@@ -168,6 +174,9 @@ def test_metrics_difference_and_speculation_figures():
     assert spec["step_ms_by_k"] == {"0": pytest.approx(0.95), "3": pytest.approx(2.5)}
     # and their device spans (the run's first snapshot had none): 14 / 10 and 6 / 3
     assert spec["device_ms_by_k"] == {"0": pytest.approx(1.4), "3": pytest.approx(2.0)}
+    # plain steps apart: with the drafter dormant (5.0 / 5), with prefill (6.0 / 2)
+    assert spec["plain_step_ms_by_part"] == {"dormant": 1.0, "prefill": 3.0}
+    assert spec["plain_device_ms_by_part"] == {"dormant": 0.9, "prefill": 1.0}
     assert spec["dormant_steps"] == 6 and spec["drafter_eager_passes"] == 5
     assert spec["drafter_eager_tokens"] == 130
     assert spec["engine_gauges"] == {
@@ -235,12 +244,21 @@ def test_plot_redraws_from_saved_json(tmp_path, capsys):
     assert (tmp_path / "s.png").exists()
     rows[-1]["server"] = {
         "step_ms_mean": 1.5,
-        "speculation": {"step_ms_by_k": {"0": 0.85, "3": 1.7}, "device_ms_by_k": {"3": 1.6}},
+        "speculation": {
+            "step_ms_by_k": {"0": 0.85, "3": 1.7},
+            "device_ms_by_k": {"3": 1.6},
+            "plain_step_ms_by_part": {"dormant": 0.8, "prefill": 1.6},
+            "plain_device_ms_by_part": {"dormant": 0.7},
+        },
     }
     table = markdown_table(rows)
     assert table.count("\n") == 2 + len(rows) and "| ngram | 16 |" in table
     # a speculating server's steps by K, with their device spans where timed
-    assert "| 1.50 (K=0 0.85, K=3 1.70 (device 1.60)) |" in table
+    # and its plain steps with the drafter dormant and with prefill apart
+    assert (
+        "| 1.50 (K=0 0.85, K=3 1.70 (device 1.60); K=0 dormant 0.80 (device 0.70),"
+        " with prefill 1.60) |" in table
+    )
     (tmp_path / "bad.json").write_text("[1, 2]")
     capsys.readouterr()
     assert main(["bench", "plot", str(tmp_path / "bad.json")]) == 2

@@ -216,6 +216,13 @@ def speculation_figures(before: dict, after: dict) -> dict:
         device = _by_label(before, after, "specserve_spec_step_device_ms_total", "k", exact=False)
         if any(device.values()):  # and its device span (CUDA): host-bound where far below
             out["device_ms_by_k"] = {k: device.get(k, 0.0) / n for k, n in timed.items()}
+    parts = _by_label(before, after, "specserve_spec_plain_timed_steps_total", "part")
+    if parts:  # plain steps with the drafter dormant, or with prefill: their mean period
+        ms = _by_label(before, after, "specserve_spec_plain_step_period_ms_total", "part", False)
+        out["plain_step_ms_by_part"] = {k: ms.get(k, 0.0) / n for k, n in parts.items()}
+        dev = _by_label(before, after, "specserve_spec_plain_step_device_ms_total", "part", False)
+        if any(dev.values()):
+            out["plain_device_ms_by_part"] = {k: dev.get(k, 0.0) / n for k, n in parts.items()}
     for key in ("dormant_steps", "drafter_eager_passes", "drafter_eager_tokens"):
         value = _delta(before, after, f"specserve_spec_{key}_total")
         if value:

@@ -128,13 +128,26 @@ def report_rows(report: dict) -> list[tuple[str, str]]:
 
 def step_ms_by_k(spec: dict) -> str:
     """A speculating server's mean step period at each K it ran ("K=0 0.85, K=3 1.70"), with
-    its device span where the server timed one ("K=0 0.85 (device 0.80), ..."), or "" when it
-    reported none."""
+    its device span where the server timed one ("K=0 0.85 (device 0.80), ..."), then its plain
+    steps with the drafter dormant and with prefill apart ("; K=0 dormant 0.80, with prefill
+    1.60"), or "" when it reported none."""
     device = spec.get("device_ms_by_k") or {}
-    return ", ".join(
+    text = ", ".join(
         f"K={k} {ms:.2f}" + (f" (device {device[k]:.2f})" if k in device else "")
         for k, ms in (spec.get("step_ms_by_k") or {}).items()
     )
+    parts = spec.get("plain_step_ms_by_part") or {}
+    part_device = spec.get("plain_device_ms_by_part") or {}
+    if parts:  # "; K=0 dormant 0.98 (device 0.90), with prefill 1.60"
+        text += "; K=0 " + ", ".join(
+            f"{_PART_NAMES.get(part, part)} {ms:.2f}"
+            + (f" (device {part_device[part]:.2f})" if part in part_device else "")
+            for part, ms in parts.items()
+        )
+    return text
+
+
+_PART_NAMES = {"prefill": "with prefill"}
 
 
 def print_report(report: dict, title: str = "specserve bench") -> None:

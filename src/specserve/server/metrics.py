@@ -267,6 +267,21 @@ _ENGINE_DICTS = {
         "reason",
         "steps launched only after the previous step's tokens reached the host, by reason",
     ),
+    "spec_plain_ms_by_part": (
+        "specserve_spec_plain_step_period_ms",
+        "part",
+        "wall-clock periods of plain (K=0) steps (ms, summed): dormant drafter, or with prefill",
+    ),
+    "spec_plain_device_ms_by_part": (
+        "specserve_spec_plain_step_device_ms",
+        "part",
+        "device spans of those steps (ms, summed; CUDA only): dormant drafter, or with prefill",
+    ),
+    "spec_plain_steps_by_part": (
+        "specserve_spec_plain_timed_steps",
+        "part",
+        "plain (K=0) steps whose period was measured: dormant drafter, or with prefill",
+    ),
 }
 
 

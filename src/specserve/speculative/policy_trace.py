@@ -56,6 +56,12 @@ class PolicyTrace:
     # says whether a K's steps are long on the device or wait for the host
     device_ms_by_step_k: list[float] = field(default_factory=list)
     dormant_steps: int = 0  # processed steps during which the drafter's upkeep was stopped
+    # Plain (K=0) steps by part: "dormant" (the drafter's upkeep stopped) and "prefill" (a
+    # prompt chunk in the step): their periods and device spans (ms, summed) and counts, so
+    # that what a plain step costs with and without upkeep or prefill is seen apart
+    plain_ms_by_part: dict[str, float] = field(default_factory=dict)
+    plain_device_ms_by_part: dict[str, float] = field(default_factory=dict)
+    plain_steps_by_part: dict[str, int] = field(default_factory=dict)
     recent: deque = field(default_factory=lambda: deque(maxlen=TRACE_STEPS))
     _pending: deque = field(default_factory=lambda: deque(maxlen=4))  # decided, not processed
     _last_k: int | None = None  # K of the last decision; None after a step without decodes
@@ -79,8 +85,15 @@ class PolicyTrace:
             by_step.extend([0] * (max_draft_len + 1 - len(by_step)))
         by_step[max_draft_len] += 1
 
-    def timed(self, max_draft_len: int, period_ms: float, device_ms: float | None = None) -> None:
-        """A processed step's measured period (and device span, if timed), by its K."""
+    def timed(
+        self,
+        max_draft_len: int,
+        period_ms: float,
+        device_ms: float | None = None,
+        parts: tuple[str, ...] = (),
+    ) -> None:
+        """A processed step's measured period (and device span, if timed), by its K; a plain
+        step's also under each of its `parts` ("dormant", "prefill")."""
         sums, counts = self.period_ms_by_step_k, self.timed_steps_by_step_k
         device = self.device_ms_by_step_k
         if len(sums) <= max_draft_len:
@@ -92,6 +105,13 @@ class PolicyTrace:
         counts[max_draft_len] += 1
         if device_ms is not None:
             device[max_draft_len] += device_ms
+        if max_draft_len == 0:
+            for part in parts:
+                self.plain_ms_by_part[part] = self.plain_ms_by_part.get(part, 0.0) + period_ms
+                self.plain_steps_by_part[part] = self.plain_steps_by_part.get(part, 0) + 1
+                if device_ms is not None:
+                    spans = self.plain_device_ms_by_part
+                    spans[part] = spans.get(part, 0.0) + device_ms
 
     def decided(
         self,

@@ -181,14 +181,16 @@ class Speculator:
         trace = self.policy.trace
         if decoding:
             decision, _ = trace.processed(len(decoding), max_draft_len)
-        if not self.keeps_drafter:
+        dormant = not self.keeps_drafter
+        if dormant:
             trace.dormant_steps += 1
         period_ms = None
         committed, self._last_committed = self._last_committed, 0  # (observe sets it)
         if prev_s is not None and resolved_s > prev_s and not after_idle:
             period_ms = (resolved_s - prev_s) * 1e3
             if decoding:
-                trace.timed(max_draft_len, period_ms, device_ms)
+                parts = ("dormant",) * dormant + ("prefill",) * (not only_decodes)
+                trace.timed(max_draft_len, period_ms, device_ms, parts)
             if decision is not None:
                 decision.observed_ms = period_ms
             observe_rate = getattr(self.policy, "observe_rate", None)
@@ -223,6 +225,9 @@ class Speculator:
             "spec_timed_steps_by_step_k": list(trace.timed_steps_by_step_k),
             "spec_device_ms_by_step_k": list(trace.device_ms_by_step_k),
             "spec_dormant_steps": trace.dormant_steps,
+            "spec_plain_ms_by_part": dict(trace.plain_ms_by_part),
+            "spec_plain_device_ms_by_part": dict(trace.plain_device_ms_by_part),
+            "spec_plain_steps_by_part": dict(trace.plain_steps_by_part),
             "spec_drafter_eager_passes": self.proposer.eager_passes,
             "spec_drafter_eager_tokens": self.proposer.eager_tokens,
         }
