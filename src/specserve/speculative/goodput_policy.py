@@ -11,6 +11,7 @@ from operator import attrgetter
 from specserve.speculative.acceptance import AcceptanceModel
 from specserve.speculative.buckets import batch_bucket
 from specserve.speculative.cost_model import StepCostModel
+from specserve.speculative.mode_rates import ModeRates
 from specserve.speculative.policy_base import NO_LOAD, SpeculationPolicy, StepLoad
 from specserve.speculative.policy_trim import trim_drafts
 from specserve.speculative.serving_rate import ServingRate, marginal_k, queued_prefill_ms
@@ -109,6 +110,7 @@ class GoodputPolicy(SpeculationPolicy):
         self._idle: dict[str, int] = {}  # steps each request was trimmed (unpadded)
         self._running_k: int | None = None  # the last step's K unless it was a probe
         self.rate = ServingRate()  # the server's tokens per ms: prices steps with prefill
+        self.modes = ModeRates()  # what plain decoding and drafting delivered, all costs in
         self.dormant = False  # the drafter's upkeep is stopped (see the class docstring)
         self._plain_decisions = 0  # decisions for K=0 in a row (probes aside)
         # (steps left, period ms, expectations): a dormant decision for K=0 that every
@@ -212,16 +214,23 @@ class GoodputPolicy(SpeculationPolicy):
             if probe_wake:
                 back = [ms + probe_wake if k else ms for k, ms in enumerate(back)]
             k, probe = self._probe_k(bucket, best, n, tokens, ranking, back, cells, unknown)
+        # Drafting that delivered less than plain decoding here, all costs in, is overruled
+        # (`ModeRates`: what the steady cells do not see; retrials keep it measured).
+        held = bool(k) and not probe and self.modes.holds_back(bucket, self.num_steps)
+        if held:
+            k = 0
+        if not (extra_tokens and self.rate.ready):
             self._last_run[(bucket, k)] = self._bucket_steps[bucket]
         self._running_k = None if probe else k
         if not probe:
             self._plain_decisions = self._plain_decisions + 1 if k == 0 else 0
             self.dormant = self._plain_decisions >= self.DORMANT_AFTER
             if self.dormant and k == 0 and self._probe is None:
-                # far from drafting (every K > 0 short by SETTLE_MARGIN before any switch):
-                # the decision holds for a while; near it, each step deliberates
+                # far from drafting (every K > 0 short by SETTLE_MARGIN before any switch,
+                # or drafting held back): the decision holds for a while; near it, each
+                # step deliberates
                 g0 = tokens[0] / ranking[0] * (1.0 - self.SETTLE_MARGIN)
-                if all(t <= g0 * ms for t, ms in zip(tokens[1:], ranking[1:])):
+                if held or all(t <= g0 * ms for t, ms in zip(tokens[1:], ranking[1:])):
                     expected = dict(tokens=tokens, period_ms=ranking, switch_ms=switch)
                     self._settled = (self.SETTLED_STEPS - 1, costs[0], expected)
         elif self.dormant and k and wake > probe_wake:
@@ -264,10 +273,23 @@ class GoodputPolicy(SpeculationPolicy):
             draft_lens, probe=probe, tokens=tokens, period_ms=ranking, switch_ms=switch
         )
 
-    def observe_rate(self, committed: int, period_ms: float) -> None:
+    def observe_rate(
+        self,
+        committed: int,
+        period_ms: float,
+        num_decoding: int = 0,
+        dormant: bool = False,
+        probe: bool = False,
+    ) -> None:
         """A step (any step, mixed ones included) committed this many tokens in period_ms:
-        the server's running tokens per ms (`rate`) follows it."""
+        the server's running tokens per ms (`rate`) follows it; so does its mode's rate
+        (`modes`) if it had decoding requests and was no probe: "plain" with the drafter
+        dormant (`dormant`: at the step), else "drafting"."""
         self.rate.observe(committed, period_ms)
+        if num_decoding and not probe:
+            mode = "plain" if dormant else "drafting"
+            bucket = batch_bucket(num_decoding)
+            self.modes.observe(bucket, mode, committed / num_decoding, period_ms, self.num_steps)
 
     @staticmethod
     def _tokens(cums: list[list[float]], caps: list[int], max_draft_len: int) -> list[float]:

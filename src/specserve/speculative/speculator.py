@@ -195,7 +195,8 @@ class Speculator:
                 decision.observed_ms = period_ms
             observe_rate = getattr(self.policy, "observe_rate", None)
             if observe_rate is not None:
-                observe_rate(committed, period_ms)
+                probe = decision is not None and decision.probe
+                observe_rate(committed, period_ms, len(decoding), dormant, probe)
         if not only_decodes:
             self.periods.stop()
             return
@@ -228,6 +229,7 @@ class Speculator:
             "spec_plain_ms_by_part": dict(trace.plain_ms_by_part),
             "spec_plain_device_ms_by_part": dict(trace.plain_device_ms_by_part),
             "spec_plain_steps_by_part": dict(trace.plain_steps_by_part),
+            "spec_drafting_held": getattr(getattr(self.policy, "modes", None), "num_held", 0),
             "spec_drafter_eager_passes": self.proposer.eager_passes,
             "spec_drafter_eager_tokens": self.proposer.eager_tokens,
         }
