@@ -1,0 +1,110 @@
+"""The goodput policy checks its model against what each mode delivered, all costs in
+(`ModeRates`): where drafting, measured over its whole stretches (switches, catch-ups, steps
+with prefill, plain steps with the drafter kept up), committed fewer tokens per request per
+ms than plain decoding with the drafter dormant, a decision to draft is overruled, until a
+retrial measures drafting again."""
+
+from __future__ import annotations
+
+from specserve.core.batch import ScheduledRequest
+from specserve.speculative.mode_rates import ModeRates
+from specserve.speculative.speculator import Speculator
+from specserve.speculative.step_periods import PeriodLog
+from tests.speculative.test_policy import _measured, _policy, _reqs
+
+N = 16
+
+
+def _rates(plain: float, drafting: float, steps: int = ModeRates.MIN_STEPS, at: int = 0):
+    """ModeRates with `steps` steps of each mode at bucket 16 (tokens per request per ms),
+    the last on policy step `at`."""
+    modes = ModeRates()
+    for i in range(steps):
+        modes.observe(N, "plain", plain, 1.0, at - steps + i + 1)
+        modes.observe(N, "drafting", drafting, 1.0, at - steps + i + 1)
+    return modes
+
+
+def test_drafting_is_held_back_only_where_it_lost_on_enough_steps():
+    assert not _rates(1.0, 0.995).holds_back(N, 1)  # within MARGIN
+    assert _rates(1.0, 0.95).holds_back(N, 1)
+    assert not _rates(1.0, 0.95, steps=ModeRates.MIN_STEPS - 1).holds_back(N, 1)  # too few
+    assert not _rates(1.0, 0.95).holds_back(32, 1)  # another batch bucket: not measured
+    assert not _rates(0.95, 1.0).holds_back(N, 1)
+    modes = _rates(1.0, 0.95)
+    assert modes.rate(N, "plain") == 1.0 and modes.rate(N, "drafting") == 0.95
+    assert modes.rate(32, "plain") is None
+
+
+def test_a_retrial_measures_drafting_again_and_a_lost_one_doubles_the_wait():
+    retry = ModeRates.RETRY_STEPS
+    modes = _rates(1.0, 0.9)  # drafting last ran on step 0
+    assert modes.holds_back(N, retry - 1) and modes.num_held == 1
+    assert not modes.holds_back(N, retry)  # a retrial: drafting's rate starts over ...
+    assert modes.rate(N, "drafting") is None
+    for step in range(retry, retry + ModeRates.MIN_STEPS):  # ... and is let through
+        assert not modes.holds_back(N, step)
+        modes.observe(N, "drafting", 0.9, 1.0, step)  # it lost again
+    last = retry + ModeRates.MIN_STEPS - 1
+    assert modes.holds_back(N, last + 1)
+    assert modes.holds_back(N, last + 2 * retry - 1)  # the next retrial waits twice as long
+    assert not modes.holds_back(N, last + 2 * retry)
+    for step in range(last + 2 * retry, last + 2 * retry + ModeRates.MIN_STEPS):
+        modes.observe(N, "drafting", 1.1, 1.0, step)  # this one won: no more holding back
+    assert not modes.holds_back(N, last + 2 * retry + ModeRates.MIN_STEPS)
+    assert modes._retry == {}  # and the waits start over the next time drafting loses
+
+
+def test_the_policy_decodes_plainly_where_drafting_lost_and_settles_dormant():
+    policy, _ = _policy(alpha=0.8, k_max=3)
+    _measured(policy, N)
+    assert max(policy.choose(_reqs(N))) == 3  # the model's choice: drafting pays
+    policy.modes = _rates(1.0, 0.9, at=policy.num_steps)
+    decided = 0
+    while not policy.dormant:  # (probes still measure the other Ks: they are not held)
+        k = max(policy.choose(_reqs(N)))
+        if not policy.trace.recent[-1].probe:
+            assert k == 0
+            decided += 1
+    assert decided == policy.DORMANT_AFTER and policy.modes.num_held == decided
+    # dormant and held back: the decision holds without deliberating (settled steps)
+    assert policy.choose(_reqs(N)) == [0] * N and policy._settled is not None
+    # where drafting won, the model decides again
+    policy, _ = _policy(alpha=0.8, k_max=3)
+    _measured(policy, N)
+    policy.modes = _rates(1.0, 1.2, at=policy.num_steps)
+    assert max(policy.choose(_reqs(N))) == 3 and policy.modes.num_held == 0
+
+
+def test_each_step_counts_for_its_mode_probes_and_steps_without_decodes_for_none():
+    """Through the speculator: a step's committed tokens per decoding request and its
+    period go to "plain" while the policy is dormant, else to "drafting" (plain steps with
+    the drafter kept up included); probes and steps without decoding requests to neither."""
+    policy, acceptance = _policy(alpha=0.8, k_max=3)
+    spec = Speculator.__new__(Speculator)
+    spec.policy, spec.cost, spec.periods = policy, policy.cost, PeriodLog(policy.cost)
+    spec._last_decodes, spec._last_resolved_s, spec._last_committed = False, None, 0
+    spec.acceptance = acceptance
+    clock = [1.0]
+
+    def step(k, committed, dormant=False, probe=False, decodes=N):
+        policy.dormant = dormant
+        batch = []
+        for _ in range(decodes):
+            s = ScheduledRequest(None, 1, k, decoding=True)
+            s.drafts = [0] * k
+            batch.append(s)
+        if not decodes:
+            batch.append(ScheduledRequest(None, 16))
+        policy._decided([k] * decodes, probe=probe)
+        spec._last_committed = committed
+        clock[0] += 0.002
+        spec.observe_period(batch, clock[0], False)
+
+    step(0, N)  # the first: no period
+    step(3, 2 * N)  # drafting: 2 tokens per request in 2 ms
+    step(0, N)  # a plain step with the drafter awake: drafting's too
+    step(0, N, dormant=True)
+    step(3, 2 * N, dormant=True, probe=True)  # a probe while dormant: neither
+    step(0, 0, decodes=0)  # prefill only: neither
+    assert policy.modes.snapshot() == {"16:drafting": (0.75, 2), "16:plain": (0.5, 1)}
