@@ -103,7 +103,8 @@ def sync() -> None:
 
 def run(engine: LLMEngine, batch: int, prompt_len: int, new_tokens: int, seed: int = 0) -> dict:
     gen = torch.Generator().manual_seed(batch + 1000 * seed)
-    prompts = torch.randint(0, 32000, (batch, prompt_len), generator=gen).tolist()
+    vocab = min(32000, engine.model_config.vocab_size)
+    prompts = torch.randint(0, vocab, (batch, prompt_len), generator=gen).tolist()
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     ids = [engine.add_request(p, params) for p in prompts]
     tokens_of = {}  # each request's output tokens, kept when it finishes

@@ -1,5 +1,6 @@
 """The GPU engine benchmark's own arithmetic, run on the CPU at a tiny shape (`--tiny`): the
-rows it reports and the markdown tables the committed results come from."""
+rows it reports and the markdown tables the committed results come from; the tensor-parallel
+benchmark's dry run on gloo."""
 
 from __future__ import annotations
 
@@ -129,3 +130,31 @@ def test_gpu_default_bench_interleaves_engines_and_speculation_equals_own_plain(
     assert [name for _, name in sorted(starts)] == names * 2
     md = out.with_suffix(".md").read_text()
     assert "| plain | " in md and md.count("paired") == 3  # batch 2 of each configuration
+
+
+def test_the_tensor_parallel_benchmark_dry_run(tmp_path, monkeypatch):
+    """benchmarks/tp_engine.py on gloo at a tiny shape (its dry run): every tensor-parallel
+    size and configuration runs, greedy outputs are the same at every size, and the
+    collective share is measured where there are collectives."""
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    sys.modules.pop("tp_engine", None)
+    import tp_engine
+
+    for name, value in tp_engine.NO_MULTICAST.items():  # (restored after the test)
+        monkeypatch.setenv(name, value)
+
+    out = tmp_path / "tp"
+    argv = ["--cpu", "--model", "tiny", "--tp", "1", "2", "--batches", "2", "--prompt-len", "8"]
+    argv += ["--new-tokens", "6", "--profile-steps", "2", "--out", str(out)]
+    results = tp_engine.main(argv)
+    rows = {(r["tp"], r["config"]): r for r in results["rows"]}
+    assert set(rows) == {(tp, c) for tp in (1, 2) for c in ("plain", "k3")}
+    for config in ("plain", "k3"):  # the same tokens whatever the number of ranks
+        assert rows[(1, config)]["tokens_sha256"] == rows[(2, config)]["tokens_sha256"]
+        assert rows[(1, config)]["collective_share"] is None  # one rank: no collective
+        assert 0 < rows[(2, config)]["collective_share"] < 1
+        assert rows[(2, config)]["output_tok_s"] > 0
+    assert rows[(1, "k3")]["tokens_per_request_step"] > 1  # K=3 drafts (simulated 3.0)
+    assert results["env"]["NCCL_NVLS_ENABLE"] == "0"  # NVLink multicast off, for the ranks too
+    table = out.with_suffix(".md").read_text()
+    assert "| k3 | 2 |" in table and "TP=2 tok/s" in table
