@@ -1,14 +1,16 @@
 """Tensor-parallel benchmark of the whole engine: a random-weight model of a preset shape
 (`--load-format dummy`), each rank building only its shard, at each tensor-parallel size
 asked for, side by side in one run: plain decode at each batch size and EAGLE-3 K=3 at a
-simulated acceptance (a random head of the target's shape, replicated on every rank),
+simulated acceptance (a random head of the target's shape, whole on every rank or sharded
+like the target: `--heads replicated sharded`),
 512-token prompts, 256 output tokens (ignore_eos). Per row: decode tok/s, ms per step, and
 the share of a decode step spent in collectives on rank 0 (a profile of a few steps: NCCL
 kernels over all kernels on GPUs; on CPUs, gloo's collectives over the steps' wall time,
 waits for the other ranks included).
 
     python benchmarks/tp_engine.py --model llama-3.1-8b --tp 1 2 4 8 --out results/tp_8b
-    python benchmarks/tp_engine.py --model llama-3.1-70b --tp 4 8 --out results/tp_70b
+    python benchmarks/tp_engine.py --model llama-3.1-70b --tp 4 8 --heads replicated sharded \
+        --out results/tp_70b
     NCCL_P2P_DISABLE=1 python benchmarks/tp_engine.py ...   # collectives through host memory
     python benchmarks/tp_engine.py --cpu --model tiny --tp 1 2 --batches 2 --prompt-len 16 \
         --new-tokens 8 --out results/tp_dry   # the dry run: gloo on the CPU, a tiny shape
@@ -111,6 +113,13 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument(
         "--configs", nargs="+", default=["plain", "k3"], choices=["plain", "k3", "goodput"]
     )
+    ap.add_argument(
+        "--heads",
+        nargs="+",
+        default=["replicated"],
+        choices=["replicated", "sharded"],
+        help="EAGLE-3 head designs to run (--speculative-head-parallel)",
+    )
     ap.add_argument("--profile-steps", type=int, default=16, help="0: no collective share")
     ap.add_argument("--cpu", action="store_true", help="gloo on the CPU, float32 (dry run)")
     ap.add_argument("--out", default="tp_engine")
@@ -146,12 +155,19 @@ def main(argv: list[str] | None = None) -> dict:
     results: dict = {"model": args.model, "env": {k: os.environ.get(k) for k in NO_MULTICAST}}
     results["nccl_p2p_disable"] = os.environ.get("NCCL_P2P_DISABLE")
     rows = results["rows"] = []
+    runs = [
+        (name, head if name != "plain" else None)
+        for name in args.configs
+        for head in (args.heads if name != "plain" else [None])
+    ]
     for tp in args.tp:
-        for name in args.configs:
+        for name, head in runs:
+            extra = dict(configs[name], tensor_parallel_size=tp)
+            if head is not None:
+                extra["speculative_head_parallel"] = head
+                name = f"{name}, head {head}" if len(args.heads) > 1 else name
             t0 = time.perf_counter()
-            engine = LLMEngine(
-                EngineConfig.from_flags(**base, **configs[name], tensor_parallel_size=tp)
-            )
+            engine = LLMEngine(EngineConfig.from_flags(**base, **extra))
             startup = time.perf_counter() - t0
             try:
                 for b in args.batches:  # warm-up: first-use compiles of each shape

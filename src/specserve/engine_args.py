@@ -15,6 +15,7 @@ from specserve.core.config import FLAG_FIELDS, EngineConfig, flag_fields
 from specserve.core.config_sections import (
     ATTENTION_BACKEND_CHOICES,
     DTYPE_CHOICES,
+    HEAD_PARALLEL_CHOICES,
     LOAD_FORMATS,
     OVERLAP_SCHEDULE_CHOICES,
     SPECULATIVE_ALGORITHM_CHOICES,
@@ -126,6 +127,11 @@ _FLAGS: dict[str, tuple[str, str]] = {
         "mean acceptance length above 1); the output is not "
         "the model's (default: off)",
     ),
+    "speculative_head_parallel": (
+        "advanced",
+        "under tensor parallelism, an EAGLE-3 head whole on every rank (no collective "
+        "per draft pass) or sharded like the model (its fc whole)",
+    ),
     "attention_backend": ("advanced", "attention kernels; auto: triton on a GPU, torch on CPU"),
     "overlap_schedule": (
         "advanced",
@@ -190,6 +196,7 @@ _CHOICES = {
     "dtype": DTYPE_CHOICES,
     "speculative_algorithm": SPECULATIVE_ALGORITHM_CHOICES,
     "speculative_policy": SPECULATIVE_POLICY_CHOICES,
+    "speculative_head_parallel": HEAD_PARALLEL_CHOICES,
     "attention_backend": ATTENTION_BACKEND_CHOICES,
     "overlap_schedule": OVERLAP_SCHEDULE_CHOICES,
 }

@@ -134,8 +134,8 @@ def test_gpu_default_bench_interleaves_engines_and_speculation_equals_own_plain(
 
 def test_the_tensor_parallel_benchmark_dry_run(tmp_path, monkeypatch):
     """benchmarks/tp_engine.py on gloo at a tiny shape (its dry run): every tensor-parallel
-    size and configuration runs, greedy outputs are the same at every size, and the
-    collective share is measured where there are collectives."""
+    size, configuration and head design runs, outputs are the same at every size and for
+    both head designs, and the collective share is measured where there are collectives."""
     monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
     sys.modules.pop("tp_engine", None)
     import tp_engine
@@ -145,16 +145,20 @@ def test_the_tensor_parallel_benchmark_dry_run(tmp_path, monkeypatch):
 
     out = tmp_path / "tp"
     argv = ["--cpu", "--model", "tiny", "--tp", "1", "2", "--batches", "2", "--prompt-len", "8"]
-    argv += ["--new-tokens", "6", "--profile-steps", "2", "--out", str(out)]
-    results = tp_engine.main(argv)
+    argv += ["--new-tokens", "6", "--profile-steps", "2", "--heads", "replicated", "sharded"]
+    results = tp_engine.main([*argv, "--out", str(out)])
     rows = {(r["tp"], r["config"]): r for r in results["rows"]}
-    assert set(rows) == {(tp, c) for tp in (1, 2) for c in ("plain", "k3")}
-    for config in ("plain", "k3"):  # the same tokens whatever the number of ranks
+    configs = ("plain", "k3, head replicated", "k3, head sharded")
+    assert set(rows) == {(tp, c) for tp in (1, 2) for c in configs}
+    # the same tokens whatever the number of ranks, and (acceptance simulated: the drafts
+    # are the output) the same drafts from the head whole or sharded
+    assert len({rows[(tp, c)]["tokens_sha256"][0] for tp in (1, 2) for c in configs[1:]}) == 1
+    for config in configs:
         assert rows[(1, config)]["tokens_sha256"] == rows[(2, config)]["tokens_sha256"]
         assert rows[(1, config)]["collective_share"] is None  # one rank: no collective
         assert 0 < rows[(2, config)]["collective_share"] < 1
         assert rows[(2, config)]["output_tok_s"] > 0
-    assert rows[(1, "k3")]["tokens_per_request_step"] > 1  # K=3 drafts (simulated 3.0)
+    assert rows[(1, configs[1])]["tokens_per_request_step"] > 1  # K=3 drafts (simulated 3.0)
     assert results["env"]["NCCL_NVLS_ENABLE"] == "0"  # NVLink multicast off, for the ranks too
     table = out.with_suffix(".md").read_text()
-    assert "| k3 | 2 |" in table and "TP=2 tok/s" in table
+    assert "| k3, head sharded | 2 |" in table and "TP=2 tok/s" in table

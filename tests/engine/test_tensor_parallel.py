@@ -101,8 +101,9 @@ def _generate_under_tp(target: str, head: str) -> dict:
     """Rank 0 of two (the other rank spawned by the engine), every step's tokens compared
     across the ranks: plain; EAGLE-3 under the goodput policy, then (rank 0's policy swapped:
     the other rank follows its plans) fixed, random per-step and random per-request K, with
-    overlap scheduling; a draft model; n-gram; greedy, and seeded sampling where the draft
-    lengths repeat (goodput's follow the clock)."""
+    overlap scheduling; EAGLE-3 with the head sharded too (fixed and random per-step K); a
+    draft model; n-gram; greedy, and seeded sampling where the draft lengths repeat
+    (goodput's follow the clock)."""
     from specserve import LLM
     from specserve.speculative.policy import FixedPolicy
     from tests.support.overlap_cases import StepDraftLens, random_draft_lens
@@ -122,6 +123,13 @@ def _generate_under_tp(target: str, head: str) -> dict:
             speculative_policy="goodput",
             overlap_schedule="on",
         ),
+        "eagle3 sharded head": dict(
+            speculative_algorithm="eagle3",
+            speculative_draft_model_path=head,
+            speculative_head_parallel="sharded",
+            overlap_schedule="on",
+            **fixed,
+        ),
         "draft model": dict(
             speculative_algorithm="draft", speculative_draft_model_path=target, **fixed
         ),
@@ -130,6 +138,7 @@ def _generate_under_tp(target: str, head: str) -> dict:
     policies = {  # rank 0's policy for each run (None: the engine's own)
         "plain": [None],
         "eagle3": [None, "fixed", "per step", "per request"],
+        "eagle3 sharded head": [None, "per step"],
         "draft model": [None],
         "ngram": ["per request"],
     }
@@ -164,7 +173,7 @@ def test_speculation_under_tensor_parallelism_equals_its_plain_decoding(models):
     assert status == "ok", out
     assert all(len(t) == 14 for t in out["plain"])
     names = [n for n in out if n != "plain" and not n.endswith("sampled")]
-    assert len(names) == 6 and sum(n.endswith("sampled") for n in out) == 5
+    assert len(names) == 8 and sum(n.endswith("sampled") for n in out) == 7
     for name in names:
         assert out[name] == out["plain"], name
         assert out.get(name + " sampled", True), f"{name}: seeded sampling not reproducible"

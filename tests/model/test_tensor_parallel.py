@@ -303,3 +303,39 @@ def test_a_rank_reads_only_its_slices_of_safetensors(cases, unsharded, monkeypat
     rows = -(-VOCAB // 3)
     embed = model.model.embed_tokens.weight
     assert torch.equal(embed, ref.model.embed_tokens.weight[rows : 2 * rows])
+
+
+def test_a_sharded_eagle3_head_computes_the_whole_heads_outputs(tmp_path):
+    """`--speculative-head-parallel sharded`: each of two ranks holds half the head's query
+    and KV heads, MLP columns and draft vocabulary (fc whole) and, over a prefill and a decode
+    step, gets the whole head's outputs, logits and draft ids; loaded from a checkpoint
+    (its slices only) and built as a dummy of the same seed alike."""
+    from specserve.core.model_config import load_hf_config
+    from specserve.model.dummy import build_dummy_eagle3_head
+    from specserve.model.eagle3 import load_eagle3_head
+    from tests.support.tiny_models import make_random_eagle3_head
+    from tests.support.tp_cases import DUMMY_SEED, head_results, head_steps
+
+    target = make_tiny_model(tmp_path / "target", num_layers=8)  # (the dummy's default aux)
+    folder = make_random_eagle3_head(tmp_path / "head", target, draft_vocab=101)  # (odd: padded)
+    cfg = load_hf_config(target)
+    cpu = torch.device("cpu")
+    whole = {
+        "loaded": head_steps(load_eagle3_head(folder, cfg, torch.float32, cpu).merge_projections()),
+        "dummy": head_steps(
+            build_dummy_eagle3_head(cfg, torch.float32, cpu, DUMMY_SEED).merge_projections()
+        ),
+    }
+    ranks = run_ranks(head_results, 2, str(folder), cfg)
+    for rank, got in enumerate(ranks):
+        for kind, want in whole.items():
+            assert got[kind]["heads"] == (want["heads"][0] // 2, want["heads"][1] // 2)
+            for key, value in want.items():
+                if key == "heads":
+                    continue
+                if key.startswith("greedy"):
+                    assert torch.equal(torch.from_numpy(got[kind][key]), value), (rank, kind, key)
+                else:
+                    torch.testing.assert_close(
+                        torch.from_numpy(got[kind][key]), value, **TOL, msg=f"{rank} {kind} {key}"
+                    )

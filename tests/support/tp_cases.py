@@ -137,3 +137,43 @@ def rank_results(cases: list[Case]) -> dict:
                 }
             out[f"{case.name}/{size}"] = result
     return out
+
+
+def head_steps(head) -> dict:
+    """An EAGLE-3 head (serving form) over a prefill of two requests' tokens and a decode
+    step, on its KV cache sized from `kv_config` (this rank's KV heads): its outputs, fp32
+    logits and greedy draft ids at each step. Inputs are seeded: the same on every rank."""
+    h = head.config.layer.hidden_size
+    gen = torch.Generator().manual_seed(11)
+    lens = [len(p) for p in PROMPTS]
+    pages = -(-(max(lens) + 1) // PAGE_SIZE)
+    kv = KVCache(head.kv_config, 1 + pages * len(PROMPTS), PAGE_SIZE, torch.float32, "cpu")
+    tables = [kv.allocator.allocate(pages) for _ in PROMPTS]
+    backend = TorchAttentionBackend()
+    out = {"heads": (head.midlayer.self_attn.num_heads, head.kv_config.num_kv_heads)}
+    steps = [([0] * len(lens), lens), (lens, [n + 1 for n in lens])]
+    with torch.inference_mode():
+        for i, (starts, ends) in enumerate(steps):
+            t = sum(e - s for s, e in zip(starts, ends))
+            embeds, hidden = torch.randn(t, h, generator=gen), torch.randn(t, h, generator=gen)
+            meta = build_meta(tables, starts, ends, PAGE_SIZE, "cpu")
+            y = head(embeds, hidden, meta, kv.layers[0], backend)
+            out[f"out/{i}"] = y
+            out[f"logits/{i}"] = head.compute_logits(y)
+            out[f"greedy/{i}"] = head.greedy(y)
+    return out
+
+
+def head_results(folder: str, target: ModelConfig) -> dict:
+    """On each rank of a group of two: `head_steps` of the EAGLE-3 head in `folder` and of
+    a random head of the target's shape (seed DUMMY_SEED), each loaded or built as this
+    rank's shard."""
+    from specserve.model.dummy import build_dummy_eagle3_head
+    from specserve.model.eagle3 import load_eagle3_head
+    from tests.support.distributed import tensor_parallel_groups
+
+    tp = tensor_parallel_groups([2])[2]
+    cpu = torch.device("cpu")
+    loaded = load_eagle3_head(folder, target, torch.float32, cpu, tp).merge_projections()
+    dummy = build_dummy_eagle3_head(target, torch.float32, cpu, DUMMY_SEED, tp)
+    return {"loaded": head_steps(loaded), "dummy": head_steps(dummy.merge_projections())}

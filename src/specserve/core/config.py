@@ -43,6 +43,7 @@ FLAG_FIELDS: dict[str, tuple[str, str]] = {
     "speculative_policy": ("speculative", "policy"),
     "speculative_schedule": ("speculative", "schedule"),
     "speculative_simulate_acceptance": ("speculative", "simulate_acceptance"),
+    "speculative_head_parallel": ("speculative", "head_parallel"),
     "attention_backend": ("execution", "attention_backend"),
     "disable_cuda_graph": ("execution", "disable_cuda_graph"),
     "disable_gemv": ("execution", "disable_gemv"),

@@ -18,6 +18,7 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 DTYPE_CHOICES = ("auto", *_DTYPES)
 SPECULATIVE_ALGORITHM_CHOICES = ("auto", "eagle3", "draft", "ngram", "none")
 SPECULATIVE_POLICY_CHOICES = ("goodput", "fixed", "schedule", "off")
+HEAD_PARALLEL_CHOICES = ("replicated", "sharded")
 ATTENTION_BACKEND_CHOICES = ("auto", "torch", "triton")
 OVERLAP_SCHEDULE_CHOICES = ("auto", "on", "off")
 
@@ -188,8 +189,16 @@ class SpeculativeConfig:
     policy: str | None = None  # off | fixed | schedule | goodput (default)
     schedule: str | None = None  # batch size -> K table, e.g. "1:4,16:2,64:0"
     simulate_acceptance: float | None = None  # benchmarking only, see above
+    # Under tensor parallelism, an EAGLE-3 head whole on every rank (no collective in a
+    # draft pass) or sharded like the target (heads, MLP columns, draft vocabulary; fc whole)
+    head_parallel: str = "replicated"
 
     def __post_init__(self) -> None:
+        if self.head_parallel not in HEAD_PARALLEL_CHOICES:
+            raise ConfigError(
+                f"speculative_head_parallel must be {_one_of(HEAD_PARALLEL_CHOICES)}; "
+                f"got {self.head_parallel!r}"
+            )
         if self.algorithm in ("none", ""):
             self.algorithm = None
         if self.algorithm != "auto" and self.algorithm not in SPECULATIVE_ALGORITHMS:

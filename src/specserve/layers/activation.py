@@ -11,16 +11,23 @@ from specserve.layers.parallel import row_parallel_linear
 
 
 class GatedMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)), with Hugging Face parameter names."""
+    """down(silu(gate(x)) * up(x)), with Hugging Face parameter names. Under tensor
+    parallelism (`tp`) a rank holds its columns of gate and up and those input columns of
+    down_proj (their `weight_slice`s), and the ranks' outputs are summed."""
 
-    def __init__(self, hidden: int, intermediate: int):
+    def __init__(self, hidden: int, intermediate: int, tp: TensorParallel = SINGLE_RANK):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.tp = tp
+        part = tp.even_slice(0, intermediate, "intermediate_size")
+        local = intermediate if part is None else part.length
+        self.gate_proj = nn.Linear(hidden, local, bias=False)
+        self.up_proj = nn.Linear(hidden, local, bias=False)
+        if part is not None:
+            self.gate_proj.weight_slice = self.up_proj.weight_slice = part
+        self.down_proj = row_parallel_linear(intermediate, hidden, tp, "intermediate_size")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.tp.all_reduce(self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)))
 
 
 class MergedGatedMLP(nn.Module):

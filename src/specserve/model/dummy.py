@@ -170,11 +170,21 @@ def build_dummy_model(
 def _sharded_dummy_model(
     cfg: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int, tp: TensorParallel
 ):
-    from specserve.model.checkpoint import assign_weights, full_tensors
     from specserve.model.llama import LlamaForCausalLM
 
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, tp)
+    _init_shard_(model, dtype, device, seed)
+    model.rotary.materialize(device)
+    return model.eval()
+
+
+def _init_shard_(module: torch.nn.Module, dtype: torch.dtype, device: torch.device, seed: int):
+    """Fill a meta-built rank's shard with its part of the weights `_init_` gives the
+    unsharded module of the same seed: each parameter drawn whole on the device, one at a
+    time, in the same order, and cut to the rank's part."""
+    from specserve.model.checkpoint import assign_weights, full_tensors
+
     gen = torch.Generator(device=device).manual_seed(seed)
 
     def draw(name: str, shape: tuple[int, ...]) -> torch.Tensor:  # as `_init_` draws it
@@ -184,9 +194,7 @@ def _sharded_dummy_model(
         return full.normal_(0.0, _WEIGHT_STD, generator=gen)
 
     with torch.no_grad():
-        assign_weights(model, full_tensors(model, draw), dtype, device)
-    model.rotary.materialize(device)
-    return model.eval()
+        assign_weights(module, full_tensors(module, draw), dtype, device)
 
 
 def dummy_eagle3_config(target: ModelConfig, draft_vocab_size: int = 32000):
@@ -198,15 +206,25 @@ def dummy_eagle3_config(target: ModelConfig, draft_vocab_size: int = 32000):
 
 
 def build_dummy_eagle3_head(
-    target: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int = 0
+    target: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    seed: int = 0,
+    tp: TensorParallel = SINGLE_RANK,
 ):
-    """An EAGLE-3 head of `dummy_eagle3_config(target)` with random weights."""
+    """An EAGLE-3 head of `dummy_eagle3_config(target)` with random weights (with `tp`,
+    that rank's shard of the same weights)."""
     from specserve.model.eagle3 import Eagle3Head
 
     cfg = dummy_eagle3_config(target)
-    with torch.device(device), _default_dtype(dtype):
-        head = Eagle3Head(cfg, cfg.aux_layer_ids(target.num_layers))
-    _init_(head, seed + 1)
+    if tp.size > 1:
+        with torch.device("meta"):
+            head = Eagle3Head(cfg, cfg.aux_layer_ids(target.num_layers), tp)
+        _init_shard_(head, dtype, torch.device(device), seed + 1)
+    else:
+        with torch.device(device), _default_dtype(dtype):
+            head = Eagle3Head(cfg, cfg.aux_layer_ids(target.num_layers))
+        _init_(head, seed + 1)
     draft_vocab = cfg.draft_vocab_size
     head.d2t = torch.zeros(draft_vocab, dtype=torch.int64, device=device)  # draft id i: id i
     head.t2d = torch.zeros(target.vocab_size, dtype=torch.bool, device=device)

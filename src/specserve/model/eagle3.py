@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -25,10 +26,18 @@ from torch import nn
 
 from specserve.core.errors import CheckpointError
 from specserve.core.model_config import ModelConfig
+from specserve.core.parallel import SINGLE_RANK, TensorParallel
 from specserve.layers.activation import GatedMLP, MergedGatedMLP
 from specserve.layers.attention import AttentionBackend, AttentionMetadata
 from specserve.layers.linear import MergedLinear
 from specserve.layers.norm import RMSNorm
+from specserve.layers.parallel import (
+    attention_heads,
+    gather_logits,
+    head_slice,
+    row_parallel_linear,
+    vocab_parallel_head,
+)
 from specserve.layers.rotary import RotaryEmbedding
 from specserve.layers.sampler import argmax_rows
 from specserve.model.eagle3_config import (
@@ -51,19 +60,30 @@ _IGNORED_TENSORS = ("embed_tokens.weight", "model.embed_tokens.weight")
 
 class Eagle3Attention(nn.Module):
     """Grouped-query attention whose q/k/v read 2*H inputs (embedding ++ hidden); after
-    `merge`, one `qkv_proj` holds the three (`merged()`)."""
+    `merge`, one `qkv_proj` holds the three (`merged()`). Under tensor parallelism (`tp`) it
+    holds the rank's query heads and the KV heads they read (`num_heads`, `num_kv_heads`
+    are this rank's), as the target's attention does, and o_proj is row-parallel (its owner
+    all-reduces the output)."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE_RANK):
         super().__init__()
-        self.num_heads, self.num_kv_heads = cfg.num_heads, cfg.num_kv_heads
+        self.tp = tp
+        heads = attention_heads(cfg.num_heads, cfg.num_kv_heads, tp)
+        self.num_heads, self.num_kv_heads = heads.q_count, heads.kv_count
         self.head_dim = cfg.head_dim
         self.scale = cfg.head_dim**-0.5
         h2, d = 2 * cfg.hidden_size, cfg.head_dim
-        self.split_sizes = [cfg.num_heads * d, cfg.num_kv_heads * d, cfg.num_kv_heads * d]
-        self.q_proj = nn.Linear(h2, cfg.num_heads * d, bias=False)
-        self.k_proj = nn.Linear(h2, cfg.num_kv_heads * d, bias=False)
-        self.v_proj = nn.Linear(h2, cfg.num_kv_heads * d, bias=False)
-        self.o_proj = nn.Linear(cfg.num_heads * d, cfg.hidden_size, bias=False)
+        self.split_sizes = [self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d]
+        self.q_proj = nn.Linear(h2, self.num_heads * d, bias=False)
+        self.k_proj = nn.Linear(h2, self.num_kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(h2, self.num_kv_heads * d, bias=False)
+        if tp.size > 1:  # the rows of the rank's heads (the loader reads only those)
+            kv = head_slice(heads.kv_start, heads.kv_count, cfg.num_kv_heads, d, tp)
+            self.q_proj.weight_slice = head_slice(
+                heads.q_start, heads.q_count, cfg.num_heads, d, tp
+            )
+            self.k_proj.weight_slice = self.v_proj.weight_slice = kv
+        self.o_proj = row_parallel_linear(cfg.num_heads * d, cfg.hidden_size, tp, "num_heads")
 
     def merge(self) -> None:
         """q/k/v stacked into one `qkv_proj` (the same values; one GEMM reads them)."""
@@ -94,34 +114,54 @@ class Eagle3Attention(nn.Module):
 
 
 class Eagle3Layer(nn.Module):
-    """The head's decoder layer (checkpoint prefix `midlayer.`)."""
+    """The head's decoder layer (checkpoint prefix `midlayer.`), the rank's share of it
+    under tensor parallelism."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE_RANK):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Eagle3Attention(cfg)
+        self.self_attn = Eagle3Attention(cfg, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, tp)
 
 
 class Eagle3Head(nn.Module):
-    """The EAGLE-3 draft head; parameter names are the public checkpoint's."""
+    """The EAGLE-3 draft head; parameter names are the public checkpoint's.
 
-    def __init__(self, cfg: Eagle3Config, aux_layer_ids: tuple[int, ...] = ()):
+    Sharded for a tensor-parallel rank (`tp`), as the target is: the layer's heads and MLP
+    columns split (its outputs all-reduced), the draft vocabulary split (logits gathered),
+    `fc` whole on every rank (it reads the target's replicated residual stream, so the
+    features need no gather). Every rank computes the same outputs and logits as the whole
+    head; `kv_config` sizes the rank's share of the head's KV cache."""
+
+    def __init__(
+        self,
+        cfg: Eagle3Config,
+        aux_layer_ids: tuple[int, ...] = (),
+        tp: TensorParallel = SINGLE_RANK,
+    ):
         super().__init__()
         c = cfg.layer
         self.config = cfg
+        self.tp = tp
         self.aux_layer_ids = tuple(aux_layer_ids)
         self.fc = nn.Linear(3 * cfg.target_hidden_size, c.hidden_size, bias=False)
-        self.midlayer = Eagle3Layer(c)
+        self.midlayer = Eagle3Layer(c, tp)
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.lm_head = nn.Linear(c.hidden_size, cfg.draft_vocab_size, bias=False)
+        self.lm_head = vocab_parallel_head(c.hidden_size, cfg.draft_vocab_size, tp)
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
         self.register_buffer("t2d", torch.zeros(c.vocab_size, dtype=torch.bool))
         self.rotary = RotaryEmbedding(
             c.head_dim, c.rope_theta, c.max_position_embeddings, c.rope_scaling
         )
+
+    @property
+    def kv_config(self) -> ModelConfig:
+        """The config the head's KV cache is sized from: its layer's, with this rank's head
+        counts."""
+        attn = self.midlayer.self_attn
+        return replace(self.config.layer, num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads)
 
     def project(self, aux: torch.Tensor) -> torch.Tensor:
         """[T, 3*H_target] concatenated auxiliary hidden states -> [T, H]."""
@@ -160,8 +200,8 @@ class Eagle3Head(nn.Module):
         m.self_attn.merge()
         mlp = m.mlp
         gate, up, down = mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight
-        with torch.device("meta"):
-            merged = MergedGatedMLP(down.shape[0], gate.shape[0])
+        with torch.device("meta"):  # (the rank's columns: the whole MLP's, then its share)
+            merged = MergedGatedMLP(down.shape[0], gate.shape[0] * mlp.tp.size, mlp.tp)
         merged.gate_up_proj.weight = _stacked([gate, up])
         merged.down_proj.weight = down
         m.mlp = merged
@@ -198,7 +238,9 @@ class Eagle3Head(nn.Module):
         else:
             q, k, v = attn.qkv(x, meta.positions, self.rotary)
             out = backend.forward(q, k, v, kv[0], kv[1], meta, attn.scale)
-        out = attn.o_proj(out.reshape(q.shape[0], attn.num_heads * attn.head_dim))
+        out = attn.tp.all_reduce(
+            attn.o_proj(out.reshape(q.shape[0], attn.num_heads * attn.head_dim))
+        )
         if with_normed:
             y, h = self._mlp(out, hidden)
             normed, total = self.norm(y, h)
@@ -242,12 +284,16 @@ class Eagle3Head(nn.Module):
             out = F.scaled_dot_product_attention(
                 q, keys, values, attn_mask=attn_mask, scale=attn.scale
             )
-        out = attn.o_proj(out.transpose(1, 2).reshape(b, n, -1))
+        out = attn.tp.all_reduce(attn.o_proj(out.transpose(1, 2).reshape(b, n, -1)))
         return self._finish(out, hidden), (k, v)
 
     def compute_logits(self, out: torch.Tensor) -> torch.Tensor:
-        """fp32 draft-vocabulary logits of head outputs."""
-        return self.lm_head(self.norm(out)).float()
+        """fp32 draft-vocabulary logits of head outputs (the whole draft vocabulary's on
+        every rank)."""
+        return self._logits(self.norm(out)).float()
+
+    def _logits(self, normed: torch.Tensor) -> torch.Tensor:
+        return gather_logits(self.lm_head(normed), self.config.draft_vocab_size, self.tp)
 
     def greedy(self, out: torch.Tensor) -> torch.Tensor:
         """The argmax draft ids of head outputs: compute_logits' argmax, without its fp32
@@ -256,7 +302,7 @@ class Eagle3Head(nn.Module):
 
     def greedy_normed(self, normed: torch.Tensor) -> torch.Tensor:
         """`greedy` of outputs already through the final norm (forward's `with_normed`)."""
-        return argmax_rows(self.lm_head(normed))
+        return argmax_rows(self._logits(normed))
 
     def draft_to_target(self, ids: torch.Tensor) -> torch.Tensor:
         """Map draft-vocabulary ids to target-vocabulary ids."""
@@ -286,15 +332,17 @@ def load_eagle3_head(
     target_config: ModelConfig,
     dtype: torch.dtype,
     device: torch.device | str,
+    tp: TensorParallel = SINGLE_RANK,
 ) -> Eagle3Head:
-    """Build the head on the meta device and fill it strictly from `folder`.
+    """Build the head on the meta device and fill it strictly from `folder` (with `tp`, the
+    rank's shard, reading only its part of each tensor).
 
     Fails with CheckpointError on missing or extra tensors, shape mismatches, or a head made
     for another target (hidden size or vocabulary)."""
     from safetensors import safe_open
 
     from specserve.model.checkpoint import assign_weights
-    from specserve.model.loader import safetensors_files
+    from specserve.model.loader import SafetensorsTensor, safetensors_files
 
     folder = Path(folder)
     cfg = Eagle3Config.load(folder)
@@ -310,7 +358,7 @@ def load_eagle3_head(
         )
     aux_ids = cfg.aux_layer_ids(target_config.num_layers)
     with torch.device("meta"):
-        head = Eagle3Head(cfg, aux_ids)
+        head = Eagle3Head(cfg, aux_ids, tp)
     buffers = {"d2t": (cfg.draft_vocab_size,), "t2d": (cfg.vocab_size,)}
     found: dict[str, torch.Tensor] = {}
     handles = [safe_open(str(f), framework="pt", device="cpu") for f in safetensors_files(folder)]
@@ -323,7 +371,7 @@ def load_eagle3_head(
                 if name in buffers:
                     found[name] = h.get_tensor(name)
                     continue
-                yield name, h.get_tensor(name)
+                yield name, SafetensorsTensor(h, name)  # (read when assigned: the part)
 
     assign_weights(head, weights(), dtype, torch.device(device))
     for name, shape in buffers.items():

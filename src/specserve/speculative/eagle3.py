@@ -21,6 +21,7 @@ import torch
 
 from specserve.core.batch import ScheduledRequest
 from specserve.core.kv_cache import KVCache
+from specserve.core.parallel import SINGLE_RANK
 from specserve.layers.attention import AttentionBackend
 from specserve.layers.sampler import argmax_rows
 from specserve.model.eagle3 import Eagle3Head, load_eagle3_head
@@ -309,17 +310,22 @@ def build_eagle3_proposer(target: TargetParts) -> Eagle3Proposer:
     batch bucket and tokens per request)."""
     cfg = target.config
     device = target.kv.pool.device
+    # Under tensor parallelism the head is whole on every rank, or sharded as the target is
+    # (--speculative-head-parallel); either way every rank drafts the same tokens.
+    tp = SINGLE_RANK
+    if cfg.speculative.head_parallel == "sharded":
+        tp = getattr(target.runner.model, "tp", SINGLE_RANK)
     if cfg.speculative.draft_model_path is None:  # --load-format dummy: a random head
         from specserve.model.dummy import build_dummy_eagle3_head
 
-        head = build_dummy_eagle3_head(target.model_config, target.dtype, device, cfg.load.seed)
+        head = build_dummy_eagle3_head(target.model_config, target.dtype, device, cfg.load.seed, tp)
     else:
         head = load_eagle3_head(
-            cfg.speculative.draft_model_path, target.model_config, target.dtype, device
+            cfg.speculative.draft_model_path, target.model_config, target.dtype, device, tp
         )
     head = head.merge_projections()
     kv = KVCache(
-        head.config.layer, target.kv.allocator.num_pages, cfg.cache.page_size, target.dtype, device
+        head.kv_config, target.kv.allocator.num_pages, cfg.cache.page_size, target.dtype, device
     )
     embed = target.runner.model.model.embed_tokens
     proposer = Eagle3Proposer(head, embed, kv, target.runner.backend)
@@ -336,7 +342,7 @@ def build_eagle3_proposer(target: TargetParts) -> Eagle3Proposer:
         if not cfg.execution.disable_gemv:
             use_gemv(head, target.gemv_selector)
     if device.type == "cuda":  # eager catch-ups of any length never wait for a compiler
-        proposer.backend.warm_up(head.config.layer.num_heads, kv.layers[0])
+        proposer.backend.warm_up(head.midlayer.self_attn.num_heads, kv.layers[0])
     if device.type == "cuda" and not cfg.execution.disable_cuda_graph:
         proposer.graphs = capture_drafter_graphs(proposer, target)
     return proposer
