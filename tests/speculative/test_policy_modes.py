@@ -55,6 +55,23 @@ def test_a_retrial_measures_drafting_again_and_a_lost_one_doubles_the_wait():
     assert modes._retry == {}  # and the waits start over the next time drafting loses
 
 
+def test_steps_while_held_back_do_not_count_as_drafting():
+    """Held back, the policy decodes plainly with the drafter still awake until it goes
+    dormant: those steps are the holding's, not drafting's (they would pull drafting's
+    rate towards plain decoding's); a decision that goes through counts again."""
+    modes = _rates(1.0, 0.9)
+    assert modes.holds_back(N, 1)
+    modes.observe(N, "drafting", 5.0, 1.0, 2)  # an awake plain step while held back
+    assert modes.rate(N, "drafting") == 0.9
+    assert not modes.holds_back(32, 2)  # another bucket: not held
+    modes.observe(32, "drafting", 5.0, 1.0, 2)
+    assert modes.rate(32, "drafting") is None and modes._cells[(32, "drafting")].steps == 1
+    modes = _rates(1.0, 1.1)
+    assert not modes.holds_back(N, 1)
+    modes.observe(N, "drafting", 1.1, 1.0, 2)
+    assert modes._cells[(N, "drafting")].steps == ModeRates.MIN_STEPS + 1
+
+
 def test_the_policy_decodes_plainly_where_drafting_lost_and_settles_dormant():
     policy, _ = _policy(alpha=0.8, k_max=3)
     _measured(policy, N)

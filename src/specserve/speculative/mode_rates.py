@@ -48,13 +48,19 @@ class ModeRates:
     def __init__(self) -> None:
         self._cells: dict[tuple[int, str], _Rate] = {}
         self._retry: dict[int, int] = {}  # bucket -> steps between retrials of drafting
+        # buckets whose last decision to draft was overruled: their awake plain steps until
+        # dormancy are the holding's, not drafting's, so they are not counted
+        self._holding: set[int] = set()
         self.num_held = 0  # decisions to draft overruled (exported as a statistic)
 
     def observe(
         self, bucket: int, mode: str, tokens_per_request: float, period_ms: float, step: int
     ) -> None:
         """A step of `mode` ("plain" or "drafting") at `bucket` on policy step `step`
-        committed this many tokens per decoding request in period_ms."""
+        committed this many tokens per decoding request in period_ms (not counted: drafting
+        steps at a bucket being held back, plain ones with the drafter still awake)."""
+        if mode == "drafting" and bucket in self._holding:
+            return
         cell = self._cells.get((bucket, mode))
         if cell is None:
             cell = self._cells[(bucket, mode)] = _Rate()
@@ -74,6 +80,7 @@ class ModeRates:
         the class)."""
         drafting = self._cells.get((bucket, "drafting"))
         plain = self._cells.get((bucket, "plain"))
+        self._holding.discard(bucket)
         if drafting is None or plain is None:
             return False
         if drafting.steps < self.MIN_STEPS or plain.steps < self.MIN_STEPS:
@@ -88,6 +95,7 @@ class ModeRates:
             self._retry[bucket] = min(2 * retry, self.MAX_RETRY)
             self._cells[(bucket, "drafting")] = _Rate(last=step)
             return False
+        self._holding.add(bucket)
         self.num_held += 1
         return True
 
