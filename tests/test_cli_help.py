@@ -45,6 +45,7 @@ EXPECTED = {
         "--attention-backend",
         "--overlap-schedule",
         "--speculative-simulate-acceptance",
+        "--speculative-head-parallel",
         "--debug-tp-check",
         "--speculative-schedule",
         "--nnodes",

@@ -47,6 +47,7 @@ EVERY_FLAG = {
     "speculative_policy": "schedule",
     "speculative_schedule": "1:4,16:2,64:0",
     "speculative_simulate_acceptance": 2.5,
+    "speculative_head_parallel": "sharded",
     "attention_backend": "torch",
     "disable_cuda_graph": True,
     "disable_gemv": True,
@@ -157,6 +158,11 @@ SECTION_ERRORS = [
     (SpeculativeConfig, dict(num_steps=17), r"speculative_num_steps must be in \[1, 16\]"),
     (SpeculativeConfig, dict(num_steps=0), r"speculative_num_steps must be in \[1, 16\]"),
     (SpeculativeConfig, dict(policy="sometimes"), "speculative_policy must be goodput, fixed"),
+    (
+        SpeculativeConfig,
+        dict(head_parallel="split"),
+        "speculative_head_parallel must be replicated or sharded",
+    ),
     (
         SpeculativeConfig,
         dict(algorithm="ngram", policy="schedule"),
