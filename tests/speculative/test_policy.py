@@ -174,6 +174,19 @@ def test_schedule_table():
     assert policy.choose(_reqs(64)) == [0] * 64
 
 
+def test_dormant_probes_measure_k_max_only_within_their_budget():
+    """Dormant at batch 64, plain decoding best: a probe drafts on a few requests only, so
+    it is priced by their tokens, and only K_max is probed (it measures acceptance at every
+    depth): probes of every K, each priced as if every request drafted, took 84 of 2,500
+    steps here (2-3% of the throughput at 256 and 512 requests in the serving simulator)."""
+    policy, acc = _policy(k_max=3, alpha=0.81)
+    chosen, _ = _Loop(policy, acc, 64).run(3000)
+    late = chosen[500:]
+    assert policy.dormant
+    assert set(late) == {0, 3}
+    assert sum(1 for k in late if k) <= 0.006 * len(late)
+
+
 def test_reprobes_and_follows_a_change_in_costs():
     """Settled on plain decoding at batch 64, the policy keeps measuring speculation (at a
     bounded cost) and switches once speculative steps become cheap."""

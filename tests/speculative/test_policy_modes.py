@@ -2,7 +2,8 @@
 (`ModeRates`): where drafting, measured over its whole stretches (switches, catch-ups, steps
 with prefill, plain steps with the drafter kept up), committed fewer tokens per request per
 ms than plain decoding with the drafter dormant, a decision to draft is overruled, until a
-retrial measures drafting again."""
+retrial measures drafting again; where drafting delivered more, a decision for plain
+decoding is overruled the other way. Steps carrying prefill count for neither mode."""
 
 from __future__ import annotations
 
@@ -125,3 +126,40 @@ def test_each_step_counts_for_its_mode_probes_and_steps_without_decodes_for_none
     step(3, 2 * N, dormant=True, probe=True)  # a probe while dormant: neither
     step(0, 0, decodes=0)  # prefill only: neither
     assert policy.modes.snapshot() == {"16:drafting": (0.75, 2), "16:plain": (0.5, 1)}
+    policy.dormant = False  # a step carrying prefill beside its decodes: neither
+    batch = [ScheduledRequest(None, 1, 0, decoding=True) for _ in range(N)]
+    batch[0].drafts = []
+    batch.append(ScheduledRequest(None, 16))
+    policy._decided([0] * N)
+    spec._last_committed = N
+    clock[0] += 0.002
+    spec.observe_period(batch, clock[0], False)
+    assert policy.modes.snapshot() == {"16:drafting": (0.75, 2), "16:plain": (0.5, 1)}
+
+
+def test_plain_decoding_is_overruled_where_drafting_delivered_more():
+    """The other way round: drafting measured above plain decoding by more than MARGIN
+    (both over MIN_STEPS) overrules a decision for K=0 (to the K the model rates best
+    among K > 0); plain decoding's rate gets retrials that double as drafting's do."""
+    assert _rates(1.0, 1.05).favors_drafting(N, 1)
+    assert not _rates(1.0, 1.005).favors_drafting(N, 1)  # within MARGIN
+    assert not _rates(1.0, 1.05, steps=ModeRates.MIN_STEPS - 1).favors_drafting(N, 1)
+    assert not _rates(1.05, 1.0).favors_drafting(N, 1)
+    retry = ModeRates.RETRY_STEPS
+    modes = _rates(1.0, 1.1)  # plain decoding last ran on step 0
+    assert modes.favors_drafting(N, retry - 1) and modes.num_favored == 1
+    assert not modes.favors_drafting(N, retry)  # a retrial: plain's rate starts over
+    assert modes.rate(N, "plain") is None and modes._plain_retry[N] == 2 * retry
+    for step in range(retry, retry + ModeRates.MIN_STEPS):
+        modes.observe(N, "plain", 1.2, 1.0, step)  # plain decoding won this time
+    assert not modes.favors_drafting(N, retry + ModeRates.MIN_STEPS)
+    assert modes._plain_retry == {}
+
+    policy, _ = _policy(alpha=0.05, k_max=3)  # the model's choice: plain decoding
+    _measured(policy, N)
+    while not policy.dormant:
+        policy.choose(_reqs(N))
+    policy.modes = _rates(1.0, 1.2, at=policy.num_steps)  # drafting delivered more
+    policy._settled = None
+    k = max(policy.choose(_reqs(N)))
+    assert k > 0 and policy.modes.num_favored == 1 and not policy.dormant

@@ -24,7 +24,8 @@ class _Rate:
 class ModeRates:
     """Committed tokens per request per ms over the steps of each mode at each batch bucket:
     "plain" (the drafter dormant, not a probe) and "drafting" (the drafter kept up: every
-    step, K = 0 ones included, switches, catch-ups and prefill alike). The step cost model
+    decode-only step, K = 0 ones included, switches and catch-ups alike; steps carrying
+    prefill follow the load's prefill, not the mode, and count for neither). The step cost model
     prices steady steps of one K; what it leaves out (the drafter's catch-up after a stretch
     of plain decoding, its upkeep while plain steps run awake, probes, the host's work of a
     speculative step) is in these rates. On SmolLM2 on the H200, chat at concurrency 16,
@@ -37,7 +38,9 @@ class ModeRates:
     bucket (RETRY_STEPS, doubled after each retrial that lost again, up to MAX_RETRY; back
     to RETRY_STEPS once drafting wins), its rate starts over and decisions to draft go
     through until it is measured again, so that a change of load or acceptance is found.
-    Plain decoding's rate needs no retrial: a held-back bucket decodes plainly."""
+    `favors_drafting(bucket, step)` is the other way round: drafting delivered more than
+    plain decoding by more than MARGIN, so a decision for plain decoding is overruled, with
+    retrials of plain decoding's rate alike."""
 
     WEIGHT = 1 / 256  # decay per observation of a cell (a plain mean until it spans enough)
     MIN_STEPS = 128  # steps of a mode at a bucket before its rate is trusted
@@ -52,6 +55,8 @@ class ModeRates:
         # dormancy are the holding's, not drafting's, so they are not counted
         self._holding: set[int] = set()
         self.num_held = 0  # decisions to draft overruled (exported as a statistic)
+        self._plain_retry: dict[int, int] = {}  # the same for plain decoding's rate
+        self.num_favored = 0  # decisions for plain decoding overruled
 
     def observe(
         self, bucket: int, mode: str, tokens_per_request: float, period_ms: float, step: int
@@ -97,6 +102,30 @@ class ModeRates:
             return False
         self._holding.add(bucket)
         self.num_held += 1
+        return True
+
+    def favors_drafting(self, bucket: int, step: int) -> bool:
+        """Whether a decision for plain decoding at `bucket` on policy step `step` is
+        overruled the other way: drafting delivered more than plain decoding there by more
+        than MARGIN, both measured over MIN_STEPS steps (where the cost model sees a tie,
+        e.g. steps carrying prefill, whose verify rows ride along cheaply). Plain
+        decoding's rate gets retrials as drafting's does (see the class), so a change of
+        load is found."""
+        drafting = self._cells.get((bucket, "drafting"))
+        plain = self._cells.get((bucket, "plain"))
+        if drafting is None or plain is None:
+            return False
+        if drafting.steps < self.MIN_STEPS or plain.steps < self.MIN_STEPS:
+            return False
+        if drafting.value <= plain.value * (1.0 + self.MARGIN):
+            self._plain_retry.pop(bucket, None)
+            return False
+        retry = self._plain_retry.get(bucket, self.RETRY_STEPS)
+        if step - plain.last >= retry:
+            self._plain_retry[bucket] = min(2 * retry, self.MAX_RETRY)
+            self._cells[(bucket, "plain")] = _Rate(last=step)
+            return False
+        self.num_favored += 1
         return True
 
     def snapshot(self) -> dict:

@@ -196,7 +196,9 @@ class Speculator:
             observe_rate = getattr(self.policy, "observe_rate", None)
             if observe_rate is not None:
                 probe = decision is not None and decision.probe
-                observe_rate(committed, period_ms, len(decoding), dormant, probe)
+                # (the modes' rates from decode-only steps: see GoodputPolicy.observe_rate)
+                decodes = len(decoding) if only_decodes else 0
+                observe_rate(committed, period_ms, decodes, dormant, probe)
         if not only_decodes:
             self.periods.stop()
             return
