@@ -26,13 +26,13 @@ for name, extra in configs.items():
     gc.collect(); gc.freeze()
     run(engine, 64, 48, 24)
     run(engine, 64, 48, 256)
-    params = SamplingParams(max_tokens=3000, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=2000, temperature=0.0, ignore_eos=True)
     for i in range(64):
         engine.add_request(list(range(100 + i, 148 + i)), params)
     for _ in range(200):
         engine.step()
     raw = f"{out}/{name}.raw"
-    p = subprocess.Popen(["py-spy", "record", "--pid", str(os.getpid()), "-d", "10", "-r", "1000", "-f", "raw", "-o", raw, "--nonblocking"],
+    p = subprocess.Popen(["py-spy", "record", "--pid", str(os.getpid()), "-d", "2", "-r", "1000", "-f", "raw", "-o", raw, "--nonblocking"],
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     n0, t0 = engine.num_steps, time.perf_counter()
     while p.poll() is None:
