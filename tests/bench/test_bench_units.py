@@ -151,6 +151,9 @@ specserve_spec_plain_timed_steps_total{part="dormant"} 5.0
 specserve_spec_plain_timed_steps_total{part="prefill"} 2.0
 specserve_spec_plain_step_device_ms_total{part="dormant"} 4.5
 specserve_spec_plain_step_device_ms_total{part="prefill"} 2.0
+specserve_spec_drafter_wakes_total{cause="prefill"} 3.0
+specserve_spec_drafter_wakes_total{cause="decode"} 1.0
+specserve_spec_plain_overruled_total 2.0
 """
 
 
@@ -179,6 +182,8 @@ def test_metrics_difference_and_speculation_figures():
     assert spec["plain_device_ms_by_part"] == {"dormant": 0.9, "prefill": 1.0}
     assert spec["dormant_steps"] == 6 and spec["drafter_eager_passes"] == 5
     assert spec["drafter_eager_tokens"] == 130
+    assert spec["drafter_wakes"] == {"prefill": 3, "decode": 1}  # (none before the run)
+    assert spec["plain_overruled"] == 2
     assert spec["engine_gauges"] == {
         "spec_observed_goodput": 123.5,
         "spec_simulated_acceptance": 0.0,

@@ -197,8 +197,10 @@ def test_reprobes_and_follows_a_change_in_costs():
     probes = sum(1 for k in late if k)
     assert 0 < probes <= 0.05 * len(late)  # still probed, rarely
     cheap = lambda n, k: 5.0 + 0.1 * k  # noqa: E731 (speculation nearly free now)
+    assert policy.dormant and policy.trace.wakes == {}
     chosen, _ = loop.run(1500, true_ms=cheap, seed=1)
     assert chosen[-200:].count(3) >= 180
+    assert policy.trace.wakes == {"decode": 1}  # woken once, at a decode-only step
 
 
 def test_noise_does_not_flap_the_choice():

@@ -163,3 +163,4 @@ def test_plain_decoding_is_overruled_where_drafting_delivered_more():
     policy._settled = None
     k = max(policy.choose(_reqs(N)))
     assert k > 0 and policy.modes.num_favored == 1 and not policy.dormant
+    assert policy.trace.wakes == {"favored": 1}  # a wake, by its cause

@@ -223,7 +223,16 @@ def speculation_figures(before: dict, after: dict) -> dict:
         dev = _by_label(before, after, "specserve_spec_plain_step_device_ms_total", "part", False)
         if any(dev.values()):
             out["plain_device_ms_by_part"] = {k: dev.get(k, 0.0) / n for k, n in parts.items()}
-    for key in ("dormant_steps", "drafting_held", "drafter_eager_passes", "drafter_eager_tokens"):
+    wakes = _by_label(before, after, "specserve_spec_drafter_wakes_total", "cause")
+    if wakes:  # what woke a dormant drafter, by cause
+        out["drafter_wakes"] = wakes
+    for key in (
+        "dormant_steps",
+        "drafting_held",
+        "plain_overruled",
+        "drafter_eager_passes",
+        "drafter_eager_tokens",
+    ):
         value = _delta(before, after, f"specserve_spec_{key}_total")
         if value:
             out[key] = int(value)

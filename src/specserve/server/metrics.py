@@ -105,6 +105,10 @@ _ENGINE_COUNTERS = {
         "specserve_spec_drafting_held",
         "decisions to draft overruled: drafting delivered less than plain decoding (goodput)",
     ),
+    "spec_plain_overruled": (
+        "specserve_spec_plain_overruled",
+        "decisions for plain decoding overruled: drafting delivered more (goodput)",
+    ),
     "spec_drafter_eager_passes": (
         "specserve_spec_drafter_eager_passes",
         "drafter passes run eagerly (no graph replay): catch-ups, ride-alongs, draft steps",
@@ -285,6 +289,11 @@ _ENGINE_DICTS = {
         "specserve_spec_plain_timed_steps",
         "part",
         "plain (K=0) steps whose period was measured: dormant drafter, or with prefill",
+    ),
+    "spec_wakes": (
+        "specserve_spec_drafter_wakes",
+        "cause",
+        "decisions that woke a dormant drafter (goodput): prefill, decode or favored",
     ),
 }
 

@@ -225,13 +225,19 @@ class GoodputPolicy(SpeculationPolicy):
         held = bool(k) and not probe and self.modes.holds_back(bucket, self.num_steps)
         if held:
             k = 0
-        elif not k and not probe and len(tokens) > 1:
-            if self.modes.favors_drafting(bucket, self.num_steps):
+        favored = False
+        if not held and not k and not probe and len(tokens) > 1:
+            favored = self.modes.favors_drafting(bucket, self.num_steps)
+            if favored:
                 k = max(range(1, len(tokens)), key=lambda j: tokens[j] / ranking[j])
         if not (extra_tokens and self.rate.ready):
             self._last_run[(bucket, k)] = self._bucket_steps[bucket]
         self._running_k = None if probe else k
         if not probe:
+            if k and self.dormant:  # a wake: the batch's catch-up follows
+                cause = "favored" if favored else "prefill" if extra_tokens else "decode"
+                wakes = self.trace.wakes
+                wakes[cause] = wakes.get(cause, 0) + 1
             self._plain_decisions = self._plain_decisions + 1 if k == 0 else 0
             self.dormant = self._plain_decisions >= self.DORMANT_AFTER
             if self.dormant and k == 0 and self._probe is None:

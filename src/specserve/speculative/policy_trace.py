@@ -62,6 +62,11 @@ class PolicyTrace:
     plain_ms_by_part: dict[str, float] = field(default_factory=dict)
     plain_device_ms_by_part: dict[str, float] = field(default_factory=dict)
     plain_steps_by_part: dict[str, int] = field(default_factory=dict)
+    # Decisions that woke a dormant drafter (goodput), by cause: "prefill" (a step carrying
+    # prefill, ranked by its marginal tokens), "decode" (the model's choice at a decode-only
+    # step) or "favored" (the mode check overruled plain decoding): each wake costs the
+    # batch's catch-up, so where plain decoding is best they say what keeps it awake
+    wakes: dict[str, int] = field(default_factory=dict)
     recent: deque = field(default_factory=lambda: deque(maxlen=TRACE_STEPS))
     _pending: deque = field(default_factory=lambda: deque(maxlen=4))  # decided, not processed
     _last_k: int | None = None  # K of the last decision; None after a step without decodes

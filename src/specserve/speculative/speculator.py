@@ -232,6 +232,8 @@ class Speculator:
             "spec_plain_device_ms_by_part": dict(trace.plain_device_ms_by_part),
             "spec_plain_steps_by_part": dict(trace.plain_steps_by_part),
             "spec_drafting_held": getattr(getattr(self.policy, "modes", None), "num_held", 0),
+            "spec_plain_overruled": getattr(getattr(self.policy, "modes", None), "num_favored", 0),
+            "spec_wakes": dict(trace.wakes),
             "spec_drafter_eager_passes": self.proposer.eager_passes,
             "spec_drafter_eager_tokens": self.proposer.eager_tokens,
         }
