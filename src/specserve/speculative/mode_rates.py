@@ -83,22 +83,8 @@ class ModeRates:
     def holds_back(self, bucket: int, step: int) -> bool:
         """Whether a decision to draft at `bucket` on policy step `step` is overruled (see
         the class)."""
-        drafting = self._cells.get((bucket, "drafting"))
-        plain = self._cells.get((bucket, "plain"))
         self._holding.discard(bucket)
-        if drafting is None or plain is None:
-            return False
-        if drafting.steps < self.MIN_STEPS or plain.steps < self.MIN_STEPS:
-            return False  # (a retrial under way, too)
-        if drafting.value >= plain.value * (1.0 - self.MARGIN):
-            self._retry.pop(bucket, None)  # drafting wins: retrials back to the start
-            return False
-        retry = self._retry.get(bucket, self.RETRY_STEPS)
-        if step - drafting.last >= retry:
-            # a retrial: drafting's rate starts over; the next one waits twice as long
-            # unless this one wins
-            self._retry[bucket] = min(2 * retry, self.MAX_RETRY)
-            self._cells[(bucket, "drafting")] = _Rate(last=step)
+        if not self._overrules(bucket, "drafting", step, self._retry):
             return False
         self._holding.add(bucket)
         self.num_held += 1
@@ -111,21 +97,31 @@ class ModeRates:
         e.g. steps carrying prefill, whose verify rows ride along cheaply). Plain
         decoding's rate gets retrials as drafting's does (see the class), so a change of
         load is found."""
+        if not self._overrules(bucket, "plain", step, self._plain_retry):
+            return False
+        self.num_favored += 1
+        return True
+
+    def _overrules(self, bucket: int, loser: str, step: int, retries: dict[int, int]) -> bool:
+        """Whether mode `loser` delivered less than the other at `bucket` by more than
+        MARGIN, both measured over MIN_STEPS, and no retrial of it is due (`retries`: its
+        waits by bucket). A due retrial starts its rate over and doubles the next wait
+        unless it wins; a win sets the waits back to the start."""
         drafting = self._cells.get((bucket, "drafting"))
         plain = self._cells.get((bucket, "plain"))
         if drafting is None or plain is None:
             return False
         if drafting.steps < self.MIN_STEPS or plain.steps < self.MIN_STEPS:
+            return False  # (a retrial under way, too)
+        lost, won = (drafting, plain) if loser == "drafting" else (plain, drafting)
+        if lost.value * (1.0 + self.MARGIN) >= won.value:
+            retries.pop(bucket, None)  # it holds its own: retrials back to the start
             return False
-        if drafting.value <= plain.value * (1.0 + self.MARGIN):
-            self._plain_retry.pop(bucket, None)
+        retry = retries.get(bucket, self.RETRY_STEPS)
+        if step - lost.last >= retry:
+            retries[bucket] = min(2 * retry, self.MAX_RETRY)
+            self._cells[(bucket, loser)] = _Rate(last=step)
             return False
-        retry = self._plain_retry.get(bucket, self.RETRY_STEPS)
-        if step - plain.last >= retry:
-            self._plain_retry[bucket] = min(2 * retry, self.MAX_RETRY)
-            self._cells[(bucket, "plain")] = _Rate(last=step)
-            return False
-        self.num_favored += 1
         return True
 
     def snapshot(self) -> dict:
