@@ -67,9 +67,11 @@ class GoodputPolicy(SpeculationPolicy):
     the catch-up it would cost (the batch's unseen tokens at the drafter's per-token cost,
     on top of the switch) until a decision for K > 0 wakes it. A probe drafts without
     waking it, on the DORMANT_PROBE_ROWS requests with the least to catch up (its catch-up
-    is the probe's own switch cost). While dormant, a decision for K=0 that every K > 0
-    misses by SETTLE_MARGIN (before switch costs) holds SETTLED_STEPS steps without
-    deliberating: on a fast model the deliberation itself would cost a tenth of a step.
+    is the probe's own switch cost; with more requests than that, only K_max is probed,
+    priced by those rows' tokens, within DORMANT_PROBE_BUDGET). While dormant, a decision
+    for K=0 that every K > 0 misses by SETTLE_MARGIN (before switch costs) holds
+    SETTLED_STEPS steps without deliberating: on a fast model the deliberation itself would
+    cost a tenth of a step.
     """
 
     HYSTERESIS = 0.03
@@ -414,9 +416,8 @@ class GoodputPolicy(SpeculationPolicy):
                     interval = every * steps
                 if cap < interval:
                     interval = cap
-                if only is not None:
-                    pass  # (dormant: within its budget unless doubted, below)
-                elif 0 < seen < self.FRESH_OBSERVATIONS and (gap < fresh_gap or cell.surprised):
+                fresh = 0 < seen < self.FRESH_OBSERVATIONS  # (dormant: within budget)
+                if only is None and fresh and (gap < fresh_gap or cell.surprised):
                     interval = min(interval, every << seen)  # it may be the best, or moved
                 if cell is not None and cell.doubt is not None:
                     interval = min(interval, 2 * every * steps)  # far off once: confirm or
