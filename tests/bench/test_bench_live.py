@@ -227,6 +227,78 @@ def test_sweep_writes_json_table_and_plot(tiny_llama, tmp_path, capsys):
     assert (out_dir / "tiny.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_side_by_side_rounds_take_turns(tiny_llama, tmp_path, capsys):
+    """--rounds 2: both servers up at once, each level measured once a round by each
+    configuration in turn, the order rotated; medians with paired ratios to the first
+    configuration in the JSON and on the page, the plot from the median rounds."""
+    out_dir = tmp_path / "rounds"
+    rc = main(
+        [
+            "bench",
+            "sweep",
+            "--model",
+            str(tiny_llama),
+            "--server-args=--num-kv-pages 64",
+            "--config",
+            "off=",
+            "--config",
+            "ngram=--speculative-algorithm ngram --speculative-policy fixed",
+            "--concurrency",
+            "1,2",
+            "--rounds",
+            "2",
+            "--num-prompts",
+            "2",
+            "--dataset",
+            "random",
+            "--input-len",
+            "8",
+            "--output-len",
+            "4",
+            "--ignore-eos",
+            "--warmup",
+            "1",
+            "--omp-threads",
+            "1",
+            "--output-dir",
+            str(out_dir),
+            "--name",
+            "turns",
+            "--no-progress",
+        ]
+    )
+    assert rc == 0
+    sweep = json.loads((out_dir / "turns.json").read_text())
+    order = [(r["round"], r["config"]["max_concurrency"], r["label"]) for r in sweep["results"]]
+    assert order == [
+        (0, 1, "off"),
+        (0, 1, "ngram"),
+        (0, 2, "off"),
+        (0, 2, "ngram"),
+        (1, 1, "ngram"),
+        (1, 1, "off"),
+        (1, 2, "ngram"),
+        (1, 2, "off"),
+    ]
+    assert all(r["completed"] == r["num_requests"] for r in sweep["results"])
+    assert sweep["rounds"] == 2 and sweep["partial"] is False
+    summary = {(e["config"], e["concurrency"]): e for e in sweep["summary"]}
+    assert set(summary) == {(n, c) for n in ("off", "ngram") for c in (1, 2)}
+    for (name, c), e in summary.items():
+        runs = [
+            r["output_throughput"]
+            for r in sweep["results"]
+            if r["label"] == name and r["config"]["max_concurrency"] == c
+        ]
+        assert e["rounds"] == 2 and e["output_throughput_median"] == pytest.approx(sum(runs) / 2)
+        assert e["reference"] == "off" and e["ratio_to"] > 0
+    assert summary[("off", 1)]["ratio_to"] == 1.0
+    page = (out_dir / "turns.md").read_text()
+    assert "side by side, 2 rounds" in page and "÷ off (median of rounds)" in page
+    assert "| ngram (round 2) | 1 |" in page
+    assert (out_dir / "turns.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_matrix_mode_runs_each_server_at_every_point(tiny_llama, tmp_path):
     """Two servers (off, goodput at one simulated acceptance), two closed-loop levels and one
     Poisson rate: rows, server /metrics figures, ratios, page and plot."""

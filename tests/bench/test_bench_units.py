@@ -18,7 +18,13 @@ from specserve.bench.datasets import (
 from specserve.bench.load import LoadConfig, RequestResult, normalize_base_url, request_body
 from specserve.bench.metrics_client import parse_metrics, server_figures
 from specserve.bench.report import report_rows, summarize
-from specserve.bench.sweep import markdown_table, parse_configs
+from specserve.bench.sweep import (
+    markdown_table,
+    median_rows,
+    medians_table,
+    parse_configs,
+    round_medians,
+)
 from specserve.cli import main
 from specserve.model.loader import load_tokenizer, resolve_model
 
@@ -419,3 +425,53 @@ def test_sigterm_ends_the_bench_through_its_cleanup(tmp_path):
 def test_a_sweep_refuses_a_nonpositive_request_count(capsys):
     assert main(["bench", "sweep", "--requests-per-concurrency", "0"]) == 2
     assert "--requests-per-concurrency must be positive" in capsys.readouterr().err
+
+
+def test_side_by_side_rounds_need_sized_caches_and_distinct_levels(capsys):
+    """Servers side by side must each be told their KV cache size (else the first takes most
+    of a GPU); the rounds repeat the levels, so a level listed twice is refused; the matrix
+    keeps one server at a time."""
+    base = ["bench", "sweep", "--rounds", "2", "--config", "a=", "--config", "b=--num-kv-pages 8"]
+    assert main(base) == 2
+    err = capsys.readouterr().err
+    assert "--kv-cache-bytes or --num-kv-pages" in err and "unsized: a" in err
+    assert main([*base, "--server-args=--kv-cache-bytes=1000000", "--concurrency", "1,1"]) == 2
+    assert "list each concurrency once" in capsys.readouterr().err
+    assert main(["bench", "sweep", "--rounds", "0"]) == 2
+    assert "--rounds must be at least 1" in capsys.readouterr().err
+    assert main(["bench", "sweep", "--matrix", "adaptive", "--rounds", "3"]) == 2
+    assert "one server at a time" in capsys.readouterr().err
+
+
+def test_round_medians_pair_each_round_with_the_reference():
+    """Medians over rounds, and each round's ratio to the reference taken within the round:
+    a slow round for both leaves the ratio alone; a failed run counts in no round."""
+
+    def row(label, c, rnd, tput, failed=0):
+        return {
+            "label": label,
+            "config": {"max_concurrency": c},
+            "round": rnd,
+            "output_throughput": tput,
+            "failed": failed,
+        }
+
+    rows = [
+        row("off", 4, 0, 100.0),
+        row("goodput", 4, 0, 95.0),
+        row("off", 4, 1, 50.0),  # a slow stretch of the host: both runs of the round
+        row("goodput", 4, 1, 49.0),
+        row("off", 4, 2, 90.0),
+        row("goodput", 4, 2, 99.0, failed=1),
+    ]
+    summary = {(e["config"], e["concurrency"]): e for e in round_medians(rows, "off")}
+    off, goodput = summary[("off", 4)], summary[("goodput", 4)]
+    assert off["rounds"] == 3 and off["output_throughput_median"] == 90.0
+    assert (off["output_throughput_min"], off["output_throughput_max"]) == (50.0, 100.0)
+    assert off["ratio_to"] == 1.0 and off["reference"] == "off"
+    assert goodput["rounds"] == 2 and goodput["output_throughput_median"] == 72.0
+    assert goodput["ratio_to"] == pytest.approx((0.95 + 0.98) / 2)
+    picked = median_rows(rows)
+    assert sorted((r["label"], r["round"]) for r in picked) == [("goodput", 1), ("off", 2)]
+    table = medians_table(round_medians(rows, "off"))
+    assert "÷ off (median of rounds)" in table and "| goodput | 4 | 2 | 72.0 |" in table

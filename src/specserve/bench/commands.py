@@ -109,6 +109,14 @@ def add_bench_commands(bench: argparse.ArgumentParser) -> None:
     )
     w.add_argument("--warmup", type=int, default=2, help="requests per server before measuring")
     w.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="above 1: the servers side by side, every concurrency measured once a round "
+        "with each configuration in turn; medians and paired ratios to the first "
+        "configuration (needs --kv-cache-bytes or --num-kv-pages in the server flags)",
+    )
+    w.add_argument(
         "--omp-threads",
         type=int,
         default=None,
@@ -260,8 +268,11 @@ def _sweep(args: argparse.Namespace) -> int:
     from specserve.bench.sweep import (
         SweepPlan,
         markdown_table,
+        medians_table,
         parse_configs,
+        round_medians,
         run_sweep,
+        sized_kv_cache,
         write_outputs,
     )
 
@@ -269,6 +280,11 @@ def _sweep(args: argparse.Namespace) -> int:
     from specserve.bench.report import save_json
 
     if args.matrix or args.matrix_file:
+        if args.rounds != 1:
+            raise SpecserveError(
+                "--rounds applies to a sweep of --config servers; the matrix runs one server "
+                "at a time"
+            )
         return _matrix_sweep(args)
     given = [f"--{f.replace('_', '-')}" for f in MATRIX_ONLY_FLAGS if getattr(args, f) is not None]
     if given:
@@ -281,6 +297,22 @@ def _sweep(args: argparse.Namespace) -> int:
     per_level = _wrap(lambda: float(args.requests_per_concurrency or 1.0))
     if per_level <= 0:
         raise SpecserveError(f"--requests-per-concurrency must be positive; got {per_level}")
+    if args.rounds < 1:
+        raise SpecserveError(f"--rounds must be at least 1; got {args.rounds}")
+    if args.rounds > 1:
+        if len(set(levels)) < len(levels):
+            raise SpecserveError(
+                f"with --rounds, list each concurrency once (the rounds repeat them); got {text!r}"
+            )
+        base_flags = shlex.split(args.server_args)
+        unsized = [n for n, f in configs.items() if not sized_kv_cache(base_flags + f)]
+        if unsized:
+            raise SpecserveError(
+                f"--rounds {args.rounds} runs every configuration's server at once, so each "
+                "needs a KV cache size that fits beside the others: add --kv-cache-bytes or "
+                "--num-kv-pages to --server-args (without one, a GPU server takes most of the "
+                f"free memory); unsized: {', '.join(unsized)}"
+            )
     model_name, make_dataset, server_args, env, load = _sweep_setup(args)
     # enough requests at each level for a steady state (a closed loop's first and last
     # waves run below its concurrency)
@@ -294,6 +326,7 @@ def _sweep(args: argparse.Namespace) -> int:
         args.warmup,
         env,
         Path(args.log_dir) if args.log_dir else None,
+        rounds=args.rounds,
     )
     sweep = {
         "kind": "specserve-bench-sweep",
@@ -303,6 +336,7 @@ def _sweep(args: argparse.Namespace) -> int:
         **_run_header(model_name, server_args, env),
         "configs": configs,
         "concurrencies": levels,
+        "rounds": args.rounds,
     }
     out_dir, stem = Path(args.output_dir), args.name or "sweep"
 
@@ -311,8 +345,12 @@ def _sweep(args: argparse.Namespace) -> int:
 
     rows = run_sweep(plan, datasets, progress=not args.no_progress, on_server_done=save_partial)
     sweep.update(partial=False, results=rows)
+    if args.rounds > 1:
+        sweep["summary"] = round_medians(rows, reference=next(iter(configs)))
     paths = write_outputs(sweep, out_dir, stem)
     print(markdown_table(rows))
+    if args.rounds > 1:
+        print(medians_table(sweep["summary"]))
     print("wrote " + ", ".join(str(p) for p in paths.values()))
     return 0 if all(r["completed"] for r in rows) else 1
 

@@ -6,6 +6,14 @@ per level with a fixed seed). A level sends max(num_prompts, R x concurrency) re
 --requests-per-concurrency, default 1) so that the concurrency is actually reached, for more
 than one wave with R > 1. Each server gets warm-up requests before it is measured.
 `warm_up` and `measure` serve the adaptive-speculation matrix too (matrix_run.py).
+
+With `rounds` > 1 the servers run side by side and every (concurrency, configuration) is
+measured once a round, the configurations taking turns at each concurrency (their order
+rotated by one each round); `round_medians` sums the rounds up. Where the host paces the
+steps (a small model), the lent machines' CPUs run identical steps up to 60% slower for
+stretches of seconds: one server after another, such a stretch lands on one configuration
+and decides the comparison; taking turns spreads it over all of them, and a ratio taken
+within a round (`ratio_to`) pairs runs seconds apart.
 """
 
 from __future__ import annotations
@@ -13,8 +21,11 @@ from __future__ import annotations
 import os
 import platform
 import shlex
+import statistics
 import tempfile
+from collections import defaultdict
 from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -48,6 +59,17 @@ class SweepPlan:
     warmup_requests: int = 2
     server_env: dict[str, str] | None = None
     log_dir: Path | None = None
+    rounds: int = 1  # > 1: the servers side by side, taking turns (module docstring)
+
+
+# Flags that size a server's KV cache without reference to the free device memory: servers
+# that run side by side need one (else the first takes most of the GPU's memory).
+KV_SIZE_FLAGS = ("--kv-cache-bytes", "--num-kv-pages")
+
+
+def sized_kv_cache(flags: list[str]) -> bool:
+    """Whether server flags give the KV cache an explicit size."""
+    return any(f == k or f.startswith(k + "=") for f in flags for k in KV_SIZE_FLAGS)
 
 
 def parse_configs(specs: list[str] | None) -> dict[str, list[str]]:
@@ -148,9 +170,12 @@ def run_sweep(
     progress: bool = True,
     on_server_done: Callable[[list[dict]], None] | None = None,
 ) -> list[dict]:
-    """Every configuration at every concurrency; returns one report per (config, level).
+    """Every configuration at every concurrency; returns one report per (config, level), or
+    with `plan.rounds` > 1 one per (round, level, config) (`run_side_by_side`).
     `on_server_done` gets the reports so far after each server (to save them as it goes)."""
     log_dir = plan.log_dir or Path(tempfile.mkdtemp(prefix="specserve-sweep-"))
+    if plan.rounds > 1:
+        return run_side_by_side(plan, datasets, log_dir, progress, on_server_done)
     rows = []
     for name, flags in plan.configs.items():
         flags_text = shlex.join(plan.server_args + flags)
@@ -169,6 +194,99 @@ def run_sweep(
         if on_server_done is not None:
             on_server_done(rows)
     return rows
+
+
+def run_side_by_side(
+    plan: SweepPlan,
+    datasets: dict[int, Dataset],
+    log_dir: Path,
+    progress: bool = True,
+    on_round_done: Callable[[list[dict]], None] | None = None,
+) -> list[dict]:
+    """Every configuration's server started (and warmed up) first, then `plan.rounds` rounds:
+    at each concurrency every configuration in turn, the order rotated by one each round.
+    Each report carries its `round` (0-based); `on_round_done` gets the reports so far
+    after each round. Every server is stopped on the way out, whatever happened."""
+    names = list(plan.configs)
+    rows: list[dict] = []
+    with ExitStack() as stack:
+        servers = {}
+        for name in names:
+            flags = plan.configs[name]
+            flags_text = shlex.join(plan.server_args + flags)
+            print(f"[sweep] starting server '{name}': specserve serve {flags_text}", flush=True)
+            server = stack.enter_context(
+                ServerProcess(
+                    plan.server_args + flags, log_dir / f"{name}.log", env=plan.server_env
+                )
+            )
+            warm_up(
+                plan.load, server, datasets[plan.concurrencies[0]].prompts[0], plan.warmup_requests
+            )
+            servers[name] = server
+        for r in range(plan.rounds):
+            shift = r % len(names)
+            order = names[shift:] + names[:shift]
+            for c in plan.concurrencies:
+                for name in order:
+                    server = servers[name]
+                    cfg = replace(plan.load, base_url=server.url, max_concurrency=c)
+                    desc = f"{name} c={c} round {r + 1}/{plan.rounds}"
+                    row = measure(
+                        cfg, datasets[c], name, plan.configs[name], progress, desc, server
+                    )
+                    row["round"] = r
+                    rows.append(row)
+            if on_round_done is not None:
+                on_round_done(rows)
+    return rows
+
+
+def round_medians(rows: list[dict], reference: str | None = None) -> list[dict]:
+    """Per (configuration, concurrency), over the rounds of a side-by-side sweep: the median
+    output throughput, its lowest and highest, and with `reference` (a configuration's name)
+    `ratio_to`: the median over rounds of this configuration's throughput over the
+    reference's at the same concurrency in the same round (paired, see the module
+    docstring). Rounds where a run had failed requests count in neither."""
+    by_point: dict[tuple[str, int], dict[int, float]] = defaultdict(dict)
+    for r in rows:
+        if r["failed"]:
+            continue
+        key = (r["label"], r["config"]["max_concurrency"])
+        by_point[key][r.get("round", 0)] = r["output_throughput"]
+    out = []
+    for (label, c), tput in by_point.items():
+        values = list(tput.values())
+        entry = {
+            "config": label,
+            "concurrency": c,
+            "rounds": len(values),
+            "output_throughput_median": statistics.median(values),
+            "output_throughput_min": min(values),
+            "output_throughput_max": max(values),
+        }
+        ref = by_point.get((reference, c), {}) if reference is not None else {}
+        ratios = [v / ref[rnd] for rnd, v in tput.items() if ref.get(rnd)]
+        if reference is not None:
+            entry["reference"] = reference
+            entry["ratio_to"] = statistics.median(ratios) if ratios else None
+        out.append(entry)
+    return out
+
+
+def median_rows(rows: list[dict]) -> list[dict]:
+    """One report per (configuration, concurrency): the round whose output throughput is the
+    median (the lower of the middle two for an even count) among the rounds without failed
+    requests (among all, if every round had some), for plotting."""
+    groups: dict[tuple[str, int], list[dict]] = defaultdict(list)
+    for r in rows:
+        groups[(r["label"], r["config"]["max_concurrency"])].append(r)
+    out = []
+    for group in groups.values():
+        clean = [r for r in group if not r["failed"]] or group
+        ranked = sorted(clean, key=lambda r: r["output_throughput"])
+        out.append(ranked[(len(ranked) - 1) // 2])
+    return out
 
 
 def _load_avg() -> float | None:
@@ -193,7 +311,7 @@ def _load(pair: list | None) -> str:
 
 
 def markdown_table(rows: list[dict]) -> str:
-    """One line per (configuration, concurrency)."""
+    """One line per (configuration, concurrency), per round in a side-by-side sweep."""
     head = (
         "| config | concurrency | requests ok/sent | req/s | output tok/s | TTFT p50 ms | "
         "ITL p50 ms | TPOT p50 ms | e2e p50 ms | tok/chunk | step ms | accept len | "
@@ -208,14 +326,35 @@ def markdown_table(rows: list[dict]) -> str:
         if step_ms_by_k(spec):
             step += f" ({step_ms_by_k(spec)})"
         mix = ", ".join(f"{k}:{v:.0%}" for k, v in (spec.get("draft_length_mix") or {}).items())
+        label = r["label"] if "round" not in r else f"{r['label']} (round {r['round'] + 1})"
         lines.append(
-            f"| {r['label']} | {r['config']['max_concurrency']} | {r['completed']}/"
+            f"| {label} | {r['config']['max_concurrency']} | {r['completed']}/"
             f"{r['num_requests']} | {r['request_throughput']:.2f} | {r['output_throughput']:.1f} "
             f"| {_ms(r['ttft_ms']['p50'])} | {_ms(r['itl_ms']['p50'])} | "
             f"{_ms(r['tpot_ms']['p50'])} | {_ms(r['e2e_latency_ms']['p50'])} | "
             f"{_num(r.get('tokens_per_chunk'))} | {step} | {_num(accept)} | {mix or '-'} | "
             f"{_load(r.get('load_avg_1m'))} |"
         )
+    return "\n".join(lines) + "\n"
+
+
+def medians_table(summary: list[dict]) -> str:
+    """`round_medians` as a markdown table."""
+    reference = next((e["reference"] for e in summary if "reference" in e), None)
+    head = "| config | concurrency | rounds | output tok/s median | lowest – highest |"
+    if reference is not None:
+        head += f" ÷ {reference} (median of rounds) |"
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for e in summary:
+        line = (
+            f"| {e['config']} | {e['concurrency']} | {e['rounds']} | "
+            f"{e['output_throughput_median']:.1f} | {e['output_throughput_min']:.1f} – "
+            f"{e['output_throughput_max']:.1f} |"
+        )
+        if reference is not None:
+            ratio = e.get("ratio_to")
+            line += " - |" if ratio is None else f" {ratio:.3f} |"
+        lines.append(line)
     return "\n".join(lines) + "\n"
 
 
@@ -247,16 +386,29 @@ def markdown_report(sweep: dict, stem: str) -> str:
         f"Machine: {m.get('cpu')}, {m.get('cpu_count')} CPUs, {m.get('system')}, "
         f"Python {m.get('python')}, torch {m.get('torch')}, GPU: {m.get('gpu') or 'none'}.",
         "",
-        "Server configurations (one server at a time):",
-        "",
     ]
+    rounds = sweep.get("rounds") or 1
+    if rounds > 1:
+        lines += [
+            f"Server configurations (side by side, {rounds} rounds: at each concurrency every "
+            "configuration in turn, the order rotated each round):",
+            "",
+        ]
+    else:
+        lines += ["Server configurations (one server at a time):", ""]
+    lines += []
     for name, flags in sweep["configs"].items():
         cmd = shlex.join(["specserve", "serve", *sweep.get("server_args", []), *flags])
         lines.append(f"- `{name}`: `{(env + ' ') if env else ''}{cmd}`")
+    plotted = "the median round of each point" if rounds > 1 else "each run"
     lines += [
         "",
-        f"![output throughput, p50 ITL and p50 TPOT against concurrency]({stem}.png)",
+        f"![output throughput, p50 ITL and p50 TPOT against concurrency ({plotted})]({stem}.png)",
         "",
+    ]
+    if sweep.get("summary"):
+        lines += [medians_table(sweep["summary"]), ""]
+    lines += [
         markdown_table(sweep["results"]),
         _COLUMNS,
         "",
@@ -273,5 +425,8 @@ def write_outputs(sweep: dict, out_dir: Path, stem: str) -> dict[str, Path]:
     page = out_dir / f"{stem}.md"
     page.write_text(markdown_report(sweep, stem))
     paths["markdown"] = page
-    paths["png"] = plot_rows(sweep["results"], out_dir / f"{stem}.png", title=sweep.get("title"))
+    rows = sweep["results"]
+    if (sweep.get("rounds") or 1) > 1:
+        rows = median_rows(rows)
+    paths["png"] = plot_rows(rows, out_dir / f"{stem}.png", title=sweep.get("title"))
     return paths
