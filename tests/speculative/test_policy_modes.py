@@ -1,11 +1,15 @@
 """The goodput policy checks its model against what each mode delivered, all costs in
-(`ModeRates`): where drafting, measured over its whole stretches (switches, catch-ups, steps
-with prefill, plain steps with the drafter kept up), committed fewer tokens per request per
-ms than plain decoding with the drafter dormant, a decision to draft is overruled, until a
-retrial measures drafting again; where drafting delivered more, a decision for plain
-decoding is overruled the other way. Steps carrying prefill count for neither mode."""
+(`ModeRates`): each mode's factor is its delivered over its expected goodput, drafting's
+measured over its whole stretches (switches, catch-ups, plain steps with the drafter kept
+up), plain decoding's with the drafter dormant; where a decision's expected goodput of
+drafting, times drafting's factor, falls short of plain decoding's times plain's, the
+decision to draft is overruled, until a retrial measures drafting again; the other way
+round, a decision for plain decoding is overruled. Steps carrying prefill count for neither
+mode."""
 
 from __future__ import annotations
+
+import pytest
 
 from specserve.core.batch import ScheduledRequest
 from specserve.speculative.mode_rates import ModeRates
@@ -16,43 +20,70 @@ from tests.speculative.test_policy import _measured, _policy, _reqs
 N = 16
 
 
+TIE = (1.0, 1.0)  # a decision expecting drafting and plain decoding to deliver alike
+
+
 def _rates(plain: float, drafting: float, steps: int = ModeRates.MIN_STEPS, at: int = 0):
-    """ModeRates with `steps` steps of each mode at bucket 16 (tokens per request per ms),
-    the last on policy step `at`."""
+    """ModeRates with `steps` steps of each mode at bucket 16 whose delivered goodput was
+    `plain` and `drafting` times what their decisions expected (the factors), the last on
+    policy step `at`."""
     modes = ModeRates()
     for i in range(steps):
-        modes.observe(N, "plain", plain, 1.0, at - steps + i + 1)
-        modes.observe(N, "drafting", drafting, 1.0, at - steps + i + 1)
+        modes.observe(N, "plain", plain, 1.0, 1.0, 1.0, at - steps + i + 1)
+        modes.observe(N, "drafting", drafting, 1.0, 1.0, 1.0, at - steps + i + 1)
     return modes
 
 
 def test_drafting_is_held_back_only_where_it_lost_on_enough_steps():
-    assert not _rates(1.0, 0.995).holds_back(N, 1)  # within MARGIN
-    assert _rates(1.0, 0.95).holds_back(N, 1)
-    assert not _rates(1.0, 0.95, steps=ModeRates.MIN_STEPS - 1).holds_back(N, 1)  # too few
-    assert not _rates(1.0, 0.95).holds_back(32, 1)  # another batch bucket: not measured
-    assert not _rates(0.95, 1.0).holds_back(N, 1)
+    assert not _rates(1.0, 0.995).holds_back(N, 1, *TIE)  # within MARGIN
+    assert _rates(1.0, 0.95).holds_back(N, 1, *TIE)
+    assert not _rates(1.0, 0.95, steps=ModeRates.MIN_STEPS - 1).holds_back(N, 1, *TIE)
+    assert not _rates(1.0, 0.95).holds_back(32, 1, *TIE)  # another bucket: not measured
+    assert not _rates(0.95, 1.0).holds_back(N, 1, *TIE)
+    # the decision's own expectations count: drafting expected 10% ahead survives a 5% loss
+    assert not _rates(1.0, 0.95).holds_back(N, 1, 1.1, 1.0)
+    assert _rates(1.0, 0.95).holds_back(N, 1, 1.03, 1.0)
     modes = _rates(1.0, 0.95)
     assert modes.rate(N, "plain") == 1.0 and modes.rate(N, "drafting") == 0.95
     assert modes.rate(32, "plain") is None
 
 
+def test_factors_follow_the_expectations_not_the_requests_acceptance():
+    """Drafting measured while hard requests ran (few tokens a step, as expected of them)
+    delivered what was expected: it is not held back when an easy request's decision
+    expects drafting to win, though its raw tokens per ms were below plain decoding's. On
+    the H200 with the default model, one request at a time, raw rates held drafting back
+    on 60-500 decisions a run where fixed K=3 delivered 1.09x plain decoding."""
+    modes = ModeRates()
+    for step in range(ModeRates.MIN_STEPS):
+        modes.observe(N, "plain", 1.0, 1.0, 1.0, 1.0, step)  # 1 token a request in 1 ms
+        modes.observe(N, "drafting", 1.2, 1.2, 2.0, 2.0, step)  # 0.6 tokens a ms, expected
+    assert modes.rate(N, "drafting") == 1.0 and modes.rate(N, "plain") == 1.0
+    assert not modes.holds_back(N, ModeRates.MIN_STEPS, 2.4 / 2.0, 1.0)  # an easy request
+    assert modes.holds_back(N, ModeRates.MIN_STEPS, 1.2 / 2.0, 1.0)  # a hard one: as expected
+    # what the expectations miss lowers the factor: periods 25% over, tokens 10% under
+    modes = ModeRates()
+    for step in range(ModeRates.MIN_STEPS):
+        modes.observe(N, "drafting", 0.9 * 2.4, 2.4, 2.5, 2.0, step)
+    assert modes.rate(N, "drafting") == pytest.approx(0.9 / 1.25)
+
+
 def test_a_retrial_measures_drafting_again_and_a_lost_one_doubles_the_wait():
     retry = ModeRates.RETRY_STEPS
     modes = _rates(1.0, 0.9)  # drafting last ran on step 0
-    assert modes.holds_back(N, retry - 1) and modes.num_held == 1
-    assert not modes.holds_back(N, retry)  # a retrial: drafting's rate starts over ...
+    assert modes.holds_back(N, retry - 1, *TIE) and modes.num_held == 1
+    assert not modes.holds_back(N, retry, *TIE)  # a retrial: drafting's factor starts over ...
     assert modes.rate(N, "drafting") is None
     for step in range(retry, retry + ModeRates.MIN_STEPS):  # ... and is let through
-        assert not modes.holds_back(N, step)
-        modes.observe(N, "drafting", 0.9, 1.0, step)  # it lost again
+        assert not modes.holds_back(N, step, *TIE)
+        modes.observe(N, "drafting", 0.9, 1.0, 1.0, 1.0, step)  # it lost again
     last = retry + ModeRates.MIN_STEPS - 1
-    assert modes.holds_back(N, last + 1)
-    assert modes.holds_back(N, last + 2 * retry - 1)  # the next retrial waits twice as long
-    assert not modes.holds_back(N, last + 2 * retry)
+    assert modes.holds_back(N, last + 1, *TIE)
+    assert modes.holds_back(N, last + 2 * retry - 1, *TIE)  # the next retrial: twice the wait
+    assert not modes.holds_back(N, last + 2 * retry, *TIE)
     for step in range(last + 2 * retry, last + 2 * retry + ModeRates.MIN_STEPS):
-        modes.observe(N, "drafting", 1.1, 1.0, step)  # this one won: no more holding back
-    assert not modes.holds_back(N, last + 2 * retry + ModeRates.MIN_STEPS)
+        modes.observe(N, "drafting", 1.1, 1.0, 1.0, 1.0, step)  # it won: no more holding back
+    assert not modes.holds_back(N, last + 2 * retry + ModeRates.MIN_STEPS, *TIE)
     assert modes._retry == {}  # and the waits start over the next time drafting loses
 
 
@@ -61,15 +92,15 @@ def test_steps_while_held_back_do_not_count_as_drafting():
     dormant: those steps are the holding's, not drafting's (they would pull drafting's
     rate towards plain decoding's); a decision that goes through counts again."""
     modes = _rates(1.0, 0.9)
-    assert modes.holds_back(N, 1)
-    modes.observe(N, "drafting", 5.0, 1.0, 2)  # an awake plain step while held back
+    assert modes.holds_back(N, 1, *TIE)
+    modes.observe(N, "drafting", 5.0, 1.0, 1.0, 1.0, 2)  # an awake plain step while held back
     assert modes.rate(N, "drafting") == 0.9
-    assert not modes.holds_back(32, 2)  # another bucket: not held
-    modes.observe(32, "drafting", 5.0, 1.0, 2)
+    assert not modes.holds_back(32, 2, *TIE)  # another bucket: not held
+    modes.observe(32, "drafting", 5.0, 1.0, 1.0, 1.0, 2)
     assert modes.rate(32, "drafting") is None and modes._cells[(32, "drafting")].steps == 1
     modes = _rates(1.0, 1.1)
-    assert not modes.holds_back(N, 1)
-    modes.observe(N, "drafting", 1.1, 1.0, 2)
+    assert not modes.holds_back(N, 1, *TIE)
+    modes.observe(N, "drafting", 1.1, 1.0, 1.0, 1.0, 2)
     assert modes._cells[(N, "drafting")].steps == ModeRates.MIN_STEPS + 1
 
 
@@ -77,7 +108,7 @@ def test_the_policy_decodes_plainly_where_drafting_lost_and_settles_dormant():
     policy, _ = _policy(alpha=0.8, k_max=3)
     _measured(policy, N)
     assert max(policy.choose(_reqs(N))) == 3  # the model's choice: drafting pays
-    policy.modes = _rates(1.0, 0.9, at=policy.num_steps)
+    policy.modes = _rates(1.0, 0.2, at=policy.num_steps)  # (its expected gain: under 5x)
     decided = 0
     while not policy.dormant:  # (probes still measure the other Ks: they are not held)
         k = max(policy.choose(_reqs(N)))
@@ -96,14 +127,18 @@ def test_the_policy_decodes_plainly_where_drafting_lost_and_settles_dormant():
 
 def test_each_step_counts_for_its_mode_probes_and_steps_without_decodes_for_none():
     """Through the speculator: a step's committed tokens per decoding request and its
-    period go to "plain" while the policy is dormant, else to "drafting" (plain steps with
-    the drafter kept up included); probes and steps without decoding requests to neither."""
+    period, beside what its decision expected of them at the step's K, go to "plain" while
+    the policy is dormant, else to "drafting" (plain steps with the drafter kept up
+    included); probes, steps without decoding requests and decisions that expected nothing
+    to neither."""
     policy, acceptance = _policy(alpha=0.8, k_max=3)
     spec = Speculator.__new__(Speculator)
     spec.policy, spec.cost, spec.periods = policy, policy.cost, PeriodLog(policy.cost)
     spec._last_decodes, spec._last_resolved_s, spec._last_committed = False, None, 0
     spec.acceptance = acceptance
     clock = [1.0]
+    # a decision's expectations at K = 0..3: committed tokens (16 requests), periods (ms)
+    EXPECTED = dict(tokens=[N, 1.5 * N, 1.75 * N, 2 * N], period_ms=[1.0, 1.5, 1.75, 2.0])
 
     def step(k, committed, dormant=False, probe=False, decodes=N):
         policy.dormant = dormant
@@ -114,7 +149,7 @@ def test_each_step_counts_for_its_mode_probes_and_steps_without_decodes_for_none
             batch.append(s)
         if not decodes:
             batch.append(ScheduledRequest(None, 16))
-        policy._decided([k] * decodes, probe=probe)
+        policy._decided([k] * decodes, probe=probe, **EXPECTED)
         spec._last_committed = committed
         clock[0] += 0.002
         spec.observe_period(batch, clock[0], False)
@@ -125,12 +160,22 @@ def test_each_step_counts_for_its_mode_probes_and_steps_without_decodes_for_none
     step(0, N, dormant=True)
     step(3, 2 * N, dormant=True, probe=True)  # a probe while dormant: neither
     step(0, 0, decodes=0)  # prefill only: neither
+    # drafting: as expected (1), then an awake plain step in twice its expected period;
+    # plain: a dormant step in twice its expected period
+    assert policy.modes.snapshot() == {"16:drafting": (0.75, 2), "16:plain": (0.5, 1)}
+    policy.dormant = False  # a decision that expected nothing: neither
+    policy._decided([0] * N)
+    spec._last_committed = N
+    clock[0] += 0.002
+    spec.observe_period(
+        [ScheduledRequest(None, 1, 0, decoding=True) for _ in range(N)], clock[0], False
+    )
     assert policy.modes.snapshot() == {"16:drafting": (0.75, 2), "16:plain": (0.5, 1)}
     policy.dormant = False  # a step carrying prefill beside its decodes: neither
     batch = [ScheduledRequest(None, 1, 0, decoding=True) for _ in range(N)]
     batch[0].drafts = []
     batch.append(ScheduledRequest(None, 16))
-    policy._decided([0] * N)
+    policy._decided([0] * N, **EXPECTED)
     spec._last_committed = N
     clock[0] += 0.002
     spec.observe_period(batch, clock[0], False)
@@ -141,25 +186,26 @@ def test_plain_decoding_is_overruled_where_drafting_delivered_more():
     """The other way round: drafting measured above plain decoding by more than MARGIN
     (both over MIN_STEPS) overrules a decision for K=0 (to the K the model rates best
     among K > 0); plain decoding's rate gets retrials that double as drafting's do."""
-    assert _rates(1.0, 1.05).favors_drafting(N, 1)
-    assert not _rates(1.0, 1.005).favors_drafting(N, 1)  # within MARGIN
-    assert not _rates(1.0, 1.05, steps=ModeRates.MIN_STEPS - 1).favors_drafting(N, 1)
-    assert not _rates(1.05, 1.0).favors_drafting(N, 1)
+    assert _rates(1.0, 1.05).favors_drafting(N, 1, *TIE)
+    assert not _rates(1.0, 1.005).favors_drafting(N, 1, *TIE)  # within MARGIN
+    assert not _rates(1.0, 1.05, steps=ModeRates.MIN_STEPS - 1).favors_drafting(N, 1, *TIE)
+    assert not _rates(1.05, 1.0).favors_drafting(N, 1, *TIE)
+    assert not _rates(1.0, 1.05).favors_drafting(N, 1, 0.9, 1.0)  # expected 10% behind
     retry = ModeRates.RETRY_STEPS
     modes = _rates(1.0, 1.1)  # plain decoding last ran on step 0
-    assert modes.favors_drafting(N, retry - 1) and modes.num_favored == 1
-    assert not modes.favors_drafting(N, retry)  # a retrial: plain's rate starts over
+    assert modes.favors_drafting(N, retry - 1, *TIE) and modes.num_favored == 1
+    assert not modes.favors_drafting(N, retry, *TIE)  # a retrial: plain's factor starts over
     assert modes.rate(N, "plain") is None and modes._plain_retry[N] == 2 * retry
     for step in range(retry, retry + ModeRates.MIN_STEPS):
-        modes.observe(N, "plain", 1.2, 1.0, step)  # plain decoding won this time
-    assert not modes.favors_drafting(N, retry + ModeRates.MIN_STEPS)
+        modes.observe(N, "plain", 1.2, 1.0, 1.0, 1.0, step)  # plain decoding won this time
+    assert not modes.favors_drafting(N, retry + ModeRates.MIN_STEPS, *TIE)
     assert modes._plain_retry == {}
 
     policy, _ = _policy(alpha=0.05, k_max=3)  # the model's choice: plain decoding
     _measured(policy, N)
     while not policy.dormant:
         policy.choose(_reqs(N))
-    policy.modes = _rates(1.0, 1.2, at=policy.num_steps)  # drafting delivered more
+    policy.modes = _rates(1.0, 3.0, at=policy.num_steps)  # drafting delivered far more
     policy._settled = None
     k = max(policy.choose(_reqs(N)))
     assert k > 0 and policy.modes.num_favored == 1 and not policy.dormant

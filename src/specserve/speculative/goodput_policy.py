@@ -142,6 +142,9 @@ class GoodputPolicy(SpeculationPolicy):
         if settled is not None:
             left, ms, expected = settled
             self._settled = (left - 1, ms, expected) if left > 1 else None
+            then = expected["tokens"][0]  # (one token a request at K=0: the batch then)
+            if then != n:  # the expectations per request stay the held decision's
+                expected = dict(expected, tokens=[t * n / then for t in expected["tokens"]])
             bucket = batch_bucket(n)
             if not load.prefill_tokens:
                 steps = self._bucket_steps[bucket] = self._bucket_steps.get(bucket, 0) + 1
@@ -224,14 +227,21 @@ class GoodputPolicy(SpeculationPolicy):
             k, probe = self._probe_k(bucket, best, n, tokens, ranking, back, cells, unknown, probed)
         # Drafting that delivered less than plain decoding here, all costs in, is overruled
         # (`ModeRates`: what the steady cells do not see; retrials keep it measured).
-        held = bool(k) and not probe and self.modes.holds_back(bucket, self.num_steps)
+        plain = tokens[0] / ranking[0]
+        held = (
+            bool(k)
+            and not probe
+            and self.modes.holds_back(bucket, self.num_steps, tokens[k] / ranking[k], plain)
+        )
         if held:
             k = 0
         favored = False
         if not held and not k and not probe and len(tokens) > 1:
-            favored = self.modes.favors_drafting(bucket, self.num_steps)
+            best = max(range(1, len(tokens)), key=lambda j: tokens[j] / ranking[j])
+            drafting = tokens[best] / ranking[best]
+            favored = self.modes.favors_drafting(bucket, self.num_steps, drafting, plain)
             if favored:
-                k = max(range(1, len(tokens)), key=lambda j: tokens[j] / ranking[j])
+                k = best
         if not (extra_tokens and self.rate.ready):
             self._last_run[(bucket, k)] = self._bucket_steps[bucket]
         self._running_k = None if probe else k
@@ -297,20 +307,24 @@ class GoodputPolicy(SpeculationPolicy):
         num_decoding: int = 0,
         dormant: bool = False,
         probe: bool = False,
+        expected: tuple[float, float] | None = None,
     ) -> None:
         """A step (any step, mixed ones included) committed this many tokens in period_ms:
-        the server's running tokens per ms (`rate`) follows it; so does its mode's rate
+        the server's running tokens per ms (`rate`) follows it; so does its mode's factor
         (`modes`) if it was a decode-only step (`num_decoding`: its requests; 0 for a step
-        carrying prefill) and no probe: "plain" with the drafter dormant (`dormant`: at the
-        step), else "drafting". Steps carrying prefill are left out of the modes: their
-        tokens per request per ms follow the load's prefill, not the mode (a cold start's
-        burst of prompts charged to the mode that ran first made drafting look 5% worse
-        than plain decoding in the serving simulator where it was 7% better)."""
+        carrying prefill), no probe, and its decision said what it `expected` (tokens per
+        request, period ms): "plain" with the drafter dormant (`dormant`: at the step), else
+        "drafting". Steps carrying prefill are left out of the modes: their tokens per
+        request per ms follow the load's prefill, not the mode (a cold start's burst of
+        prompts charged to the mode that ran first made drafting look 5% worse than plain
+        decoding in the serving simulator where it was 7% better)."""
         self.rate.observe(committed, period_ms)
-        if num_decoding and not probe:
+        if num_decoding and not probe and expected is not None:
             mode = "plain" if dormant else "drafting"
             bucket = batch_bucket(num_decoding)
-            self.modes.observe(bucket, mode, committed / num_decoding, period_ms, self.num_steps)
+            tokens, ms = expected
+            per_request = committed / num_decoding
+            self.modes.observe(bucket, mode, per_request, tokens, period_ms, ms, self.num_steps)
 
     @staticmethod
     def _tokens(cums: list[list[float]], caps: list[int], max_draft_len: int) -> list[float]:

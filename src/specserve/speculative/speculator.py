@@ -196,9 +196,10 @@ class Speculator:
             observe_rate = getattr(self.policy, "observe_rate", None)
             if observe_rate is not None:
                 probe = decision is not None and decision.probe
-                # (the modes' rates from decode-only steps: see GoodputPolicy.observe_rate)
+                # (the modes' factors from decode-only steps: see GoodputPolicy.observe_rate)
                 decodes = len(decoding) if only_decodes else 0
-                observe_rate(committed, period_ms, decodes, dormant, probe)
+                expected = _expected(decision, max_draft_len)
+                observe_rate(committed, period_ms, decodes, dormant, probe, expected)
         if not only_decodes:
             self.periods.stop()
             return
@@ -237,3 +238,13 @@ class Speculator:
             "spec_drafter_eager_passes": self.proposer.eager_passes,
             "spec_drafter_eager_tokens": self.proposer.eager_tokens,
         }
+
+
+def _expected(decision, k: int) -> tuple[float, float] | None:
+    """What a step's decision expected of it at the step's K: committed tokens per request
+    and the period (ms); None where it said nothing (policies other than goodput, a step
+    whose budget left no choice)."""
+    if decision is None or decision.tokens is None or decision.period_ms is None:
+        return None
+    k = min(k, len(decision.tokens) - 1, len(decision.period_ms) - 1)
+    return decision.tokens[k] / decision.num_reqs, decision.period_ms[k]
