@@ -10,12 +10,12 @@ from dataclasses import MISSING, dataclass, field, fields
 class TrainConfig:
     """What to train on and how.
 
-    Data: prompts from `data` (stdlib, shakespeare, JSONL files), replies written by the target
-    (greedy at temperature 0, else seeded sampling). Training: `steps` optimizer steps of
-    `batch_size` samples, AdamW at `lr` with linear warm-up and cosine decay, `ttt_steps`
-    unrolled steps per sample. Time budgets (seconds) stop generation early and make the
-    learning-rate schedule follow the clock, training stopping when the budget is spent, so a
-    run fits a fixed lease; the log records the counts reached.
+    Data: prompts from `data` (stdlib, shakespeare, self-chat, JSONL files), replies written
+    by the target (greedy at temperature 0, else seeded sampling). Training: `steps`
+    optimizer steps of `batch_size` samples, AdamW at `lr` with linear warm-up and cosine
+    decay, `ttt_steps` unrolled steps per sample. Time budgets (seconds) stop generation
+    early and make the learning-rate schedule follow the clock, training stopping when the
+    budget is spent, so a run fits a fixed lease; the log records the counts reached.
     """
 
     out: str
@@ -28,6 +28,7 @@ class TrainConfig:
     ttt_steps: int = 7
     draft_vocab_size: int = 16384
     num_prompts: int | None = None
+    self_chat_prompts: int = 2000
     heldout_prompts: int = 64
     max_new_tokens: int = 256
     max_prompt_tokens: int = 512
@@ -73,8 +74,8 @@ class TrainConfig:
             raise ValueError(f"lr must be positive; got {self.lr}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0; got {self.temperature}")
-        if self.heldout_prompts < 0 or self.warmup_steps < 0:
-            raise ValueError("heldout_prompts and warmup_steps must be >= 0")
+        if self.heldout_prompts < 0 or self.warmup_steps < 0 or self.self_chat_prompts < 0:
+            raise ValueError("heldout_prompts, warmup_steps and self_chat_prompts must be >= 0")
         if self.save_dtype not in ("bfloat16", "float16", "float32"):
             raise ValueError(
                 f"save_dtype must be bfloat16, float16 or float32; got {self.save_dtype!r}"
@@ -92,13 +93,15 @@ class TrainConfig:
 
 _HELP = {
     "out": "output folder: the head (config.json, model.safetensors), data, log, checkpoint",
-    "data": "prompt sources: stdlib, shakespeare, or JSONL files of prompts/conversations",
+    "data": "prompt sources: stdlib, shakespeare, self-chat (user turns the target writes), "
+    "or JSONL files of prompts/conversations",
     "target": "target model folder or .gguf (default: embedded SmolLM2-135M-Instruct)",
     "steps": "optimizer steps",
     "batch_size": "samples per step",
     "ttt_steps": "unrolled training-time-test steps",
     "draft_vocab_size": "draft vocabulary size (most frequent target tokens of the replies)",
     "num_prompts": "cap on training prompts (default: all)",
+    "self_chat_prompts": "prompts --data self-chat draws (seeded by --seed)",
     "heldout_prompts": "prompts kept out of training for the acceptance estimate",
     "temperature": "target's sampling temperature for the replies (0 = greedy)",
     "aux_layer_ids": "target layers whose input the head reads (default: 2, L//2, L-3)",

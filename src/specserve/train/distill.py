@@ -19,6 +19,13 @@ from specserve.core.errors import SpecserveError
 from specserve.core.sampling_params import SamplingParams
 from specserve.train.config import TrainConfig
 from specserve.train.prompts import PromptItem, PromptSourceError, load_prompts
+from specserve.train.self_chat import (
+    SELF_CHAT,
+    SelfChatConfig,
+    SelfChatReport,
+    engine_generate,
+    self_chat_prompts,
+)
 
 
 @dataclass
@@ -223,24 +230,16 @@ def _read_samples(path: Path) -> tuple[list[Sample], list[Sample]]:
     return train, heldout
 
 
-def _generate(
-    cfg: TrainConfig,
-    prompts: list[PromptItem],
-    heldout_prompts: list[PromptItem],
-    log,
-    budget_s: float | None,
-    safe: bool,
-) -> tuple[list[Sample], list[Sample], int]:
-    """(held-out samples, training samples, engine steps) from a fresh engine: plain
-    decoding (no speculation: the default model would otherwise draft with the shipped
-    head), KV for gen_batch sequences of full length, large prefill steps (prompts join in
-    bursts), and on GPU a CUDA graph for every batch size up to gen_batch with the
-    overlapped step loop; `safe` runs the synchronous loop eagerly instead."""
+def _engine(cfg: TrainConfig, safe: bool = False):
+    """The generation engine: plain decoding (no speculation: the default model would
+    otherwise draft with the shipped head), KV for gen_batch sequences of full length, large
+    prefill steps (prompts join in bursts), and on GPU a CUDA graph for every batch size up
+    to gen_batch with the overlapped step loop; `safe`: the synchronous loop, eagerly. Its
+    tokenizer decodes nothing (`TokenIdsOnly`)."""
     from specserve.core.config import EngineConfig
     from specserve.engine.engine import LLMEngine
     from specserve.model.loader import load_tokenizer, resolve_model
 
-    t_load = time.monotonic()
     page = 16
     max_len = cfg.max_prompt_tokens + cfg.max_new_tokens + 1
     pages_per_seq = -(-max_len // page) + 1
@@ -249,7 +248,7 @@ def _generate(
         if safe
         else dict(cuda_graph_max_batch=cfg.gen_batch)
     )
-    engine = LLMEngine(
+    return LLMEngine(
         EngineConfig.from_flags(
             model=cfg.target,
             dtype=cfg.dtype,
@@ -266,6 +265,51 @@ def _generate(
         progress=cfg.progress,
         tokenizer=TokenIdsOnly(load_tokenizer(resolve_model(cfg.target))),
     )
+
+
+def _self_chat(cfg: TrainConfig, log) -> list[PromptItem]:
+    """--data self-chat: the target writes cfg.self_chat_prompts user turns (seeded by
+    cfg.seed) on a generation engine of its own, let go before the replies are written."""
+    t0 = time.monotonic()
+    engine = _engine(cfg)
+    report = SelfChatReport()
+    sc = SelfChatConfig(
+        cfg.self_chat_prompts,
+        seed=cfg.seed,
+        answer_tokens=cfg.max_new_tokens,
+        batch=cfg.gen_batch,
+    )
+    tokenizer = engine.tokenizer._tokenizer  # (the generation engine's decodes nothing)
+    items = self_chat_prompts(tokenizer, engine_generate(engine), sc, report)
+    log(
+        {
+            "event": "self_chat",
+            "prompts": report.kept,
+            "two_turn": report.multi_turn,
+            "candidates": report.attempts,
+            "dropped": report.dropped,
+            "seconds": round(time.monotonic() - t0, 1),
+        }
+    )
+    del engine
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return items
+
+
+def _generate(
+    cfg: TrainConfig,
+    prompts: list[PromptItem],
+    heldout_prompts: list[PromptItem],
+    log,
+    budget_s: float | None,
+    safe: bool,
+) -> tuple[list[Sample], list[Sample], int]:
+    """(held-out samples, training samples, engine steps) from a fresh engine (`_engine`);
+    `safe` runs the synchronous loop eagerly instead."""
+    t_load = time.monotonic()
+    engine = _engine(cfg, safe)
     log(
         {
             "event": "engine",
@@ -296,8 +340,9 @@ def distill(cfg: TrainConfig, out: Path, log) -> tuple[list[Sample], list[Sample
     data_path = out / "data.jsonl"
     if cfg.resume and data_path.is_file():
         return _read_samples(data_path)
+    made = {SELF_CHAT: _self_chat(cfg, log)} if SELF_CHAT in cfg.data else None
     prompts, heldout_prompts = load_prompts(
-        cfg.data, cfg.seed, cfg.num_prompts, cfg.heldout_prompts, cfg.prompt_variants
+        cfg.data, cfg.seed, cfg.num_prompts, cfg.heldout_prompts, cfg.prompt_variants, made
     )
     if not prompts:
         raise PromptSourceError(

@@ -8,7 +8,9 @@ Sources (the `--data` values of `specserve train-eagle3`):
   cut into passages, with the same four kinds of request;
 - a path to a JSONL file: one prompt per line, as {"prompt": str}, {"messages": [...]} or a
   ShareGPT-style {"conversations": [{"from"|"role": ..., "value"|"content": ...}]}; trailing
-  assistant turns are dropped, since the target writes its own replies.
+  assistant turns are dropped, since the target writes its own replies;
+- `self-chat`: user turns the target writes itself (train/self_chat.py); made with the
+  engine before the others are read, and handed to `load_prompts` (`made`).
 """
 
 from __future__ import annotations
@@ -241,6 +243,10 @@ def jsonl_prompts(path: Path) -> list[PromptItem]:
 
 
 def read_source(name: str, variants: int = 1) -> list[PromptItem]:
+    if name == "self-chat":
+        raise PromptSourceError(
+            "--data self-chat is written by the target: train-eagle3 makes it with the engine"
+        )
     if name == "stdlib":
         return stdlib_prompts(variants=variants)
     if name == "shakespeare":
@@ -249,7 +255,8 @@ def read_source(name: str, variants: int = 1) -> list[PromptItem]:
     if path.is_file():
         return jsonl_prompts(path)
     raise PromptSourceError(
-        f"--data {name!r} is neither 'stdlib', 'shakespeare' nor an existing JSONL file"
+        f"--data {name!r} is neither 'stdlib', 'shakespeare', 'self-chat' nor an existing "
+        "JSONL file"
     )
 
 
@@ -283,14 +290,17 @@ def load_prompts(
     num_prompts: int | None,
     num_heldout: int,
     variants: int = 1,
+    made: dict[str, list[PromptItem]] | None = None,
 ) -> tuple[list[PromptItem], list[PromptItem]]:
-    """(train, held-out). Held-out prompts are the first variants of the reserved source
+    """(train, held-out) of the named sources (`made`: sources already made, by name, such
+    as self-chat's). Held-out prompts are the first variants of the reserved source
     texts (`reserved_keys`) in hash order; training prompts are all others, shuffled with
     `seed`; both interleave the sources so that each contributes evenly. With `variants`
     > 1, the training list holds every first variant before any second one, and so on, so a
     time-limited generation covers as many distinct texts as it can."""
     rng = random.Random(seed)
-    pools = [read_source(name, variants) for name in sources]
+    made = made or {}
+    pools = [made[name] if name in made else read_source(name, variants) for name in sources]
     reserved = reserved_keys([p for pool in pools for p in pool], seed, num_heldout)
     held_pools = []
     for pool in pools:

@@ -1,0 +1,213 @@
+"""--data self-chat: the target writes user turns from the chat template's user-turn prefix
+(the Magpie recipe); kept turns ended at end-of-turn, are long enough, hold no template text
+and are new; a share grows into two-turn conversations; everything repeats under a seed."""
+
+from __future__ import annotations
+
+import pytest
+
+from specserve.core.sampling_params import SamplingParams
+from specserve.train.prompts import PromptSourceError, load_prompts, read_source
+from specserve.train.self_chat import (
+    SELF_CHAT,
+    SelfChatConfig,
+    SelfChatError,
+    SelfChatReport,
+    engine_generate,
+    self_chat_prompts,
+    special_texts,
+    user_turn_prefix,
+)
+from tests.support.train_cases import make_target, train_config, write_prompt_file
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    return make_target(tmp_path_factory.mktemp("self_chat_target"))
+
+
+@pytest.fixture(scope="module")
+def tokenizer(target):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(target))
+
+
+def test_the_user_turn_prefix_is_the_template_up_to_the_users_text(tokenizer):
+    first = user_turn_prefix(tokenizer, [])
+    assert tokenizer.decode(first) == "<|im_start|>user\n"
+    history = [{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Hello"}]
+    second = tokenizer.decode(user_turn_prefix(tokenizer, history))
+    assert second == (
+        "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\nHello<|im_end|>\n"
+        "<|im_start|>user\n"
+    )
+    assert {"<|im_start|>", "<|im_end|>", "<|endoftext|>"} <= set(special_texts(tokenizer))
+
+
+def test_a_template_that_changes_the_users_text_is_refused(tokenizer):
+    import copy
+
+    upper = copy.deepcopy(tokenizer)
+    upper.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] | upper }}"
+        "<|im_end|>\n{% endfor %}"
+    )
+    with pytest.raises(SelfChatError, match="does not copy a user message's text"):
+        user_turn_prefix(upper, [])
+
+
+class Scripted:
+    """A stand-in for the target: each candidate's turn follows from its sampling seed, so a
+    run repeats itself under a seed; answers (greedy) are one sentence."""
+
+    TURNS = [
+        ("How do I keep basil alive on a windowsill?", "stop"),
+        ("", "stop"),  # empty
+        ("What is <|im_start|>assistant a list?", "stop"),  # the template leaking in
+        ("Why?", "stop"),  # too short
+        ("how do i keep basil   alive on a windowsill", "stop"),  # a duplicate
+        ("Tell me about the history of the bicycle and", "length"),  # unfinished
+    ]
+
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+        self.first = user_turn_prefix(tokenizer, [])
+        self.prompts: list[list[int]] = []
+
+    def __call__(self, prompts, params):
+        self.prompts += prompts
+        out = []
+        for prompt, p in zip(prompts, params):
+            if p.temperature == 0:  # an answer
+                text, reason = "Water it twice a week.", "stop"
+            elif prompt != self.first:  # a second turn: new unless its seed says otherwise
+                text, reason = f"And in winter, case {p.seed % 4}?", "stop"
+            else:
+                text, reason = self.TURNS[p.seed % len(self.TURNS)]
+                if p.seed % len(self.TURNS) == 0 and p.seed >= len(self.TURNS):
+                    text = f"Question {p.seed}: how do I keep basil alive on a windowsill?"
+            out.append((self.tok.encode(text, add_special_tokens=False), reason))
+        return out
+
+
+def _first_turns(report: dict | SelfChatReport) -> int:
+    """Candidates accounted for: first turns kept, and those dropped (second turns apart)."""
+    kept, dropped = (
+        (report.kept, report.dropped)
+        if isinstance(report, SelfChatReport)
+        else (report["prompts"], report["dropped"])
+    )
+    return kept + sum(n for why, n in dropped.items() if not why.startswith(("second", "answer")))
+
+
+def _run(tokenizer, seed, count=5, **kw):
+    report = SelfChatReport()
+    cfg = SelfChatConfig(count, seed=seed, batch=4, multi_turn_share=0.5, **kw)
+    items = self_chat_prompts(tokenizer, Scripted(tokenizer), cfg, report)
+    return items, report
+
+
+def test_turns_are_filtered_deduplicated_and_repeat_under_a_seed(tokenizer):
+    items, report = _run(tokenizer, seed=0)
+    assert len(items) == report.kept == 5 and _first_turns(report) == report.attempts
+    again, _ = _run(tokenizer, seed=0)
+    assert [(p.key, p.messages) for p in items] == [(p.key, p.messages) for p in again]
+    other, _ = _run(tokenizer, seed=1)
+    assert [p.messages for p in other] != [p.messages for p in items]
+    specials = special_texts(tokenizer)
+    for p in items:
+        assert p.key.startswith(f"{SELF_CHAT}/") and p.source_key == p.key
+        assert [m["role"] for m in p.messages] in (
+            ["user"],
+            ["user", "assistant", "user"],
+        )
+        for m in p.messages:
+            assert m["content"] == m["content"].strip() and len(m["content"].split()) >= 2
+            assert not any(s in m["content"] for s in specials)
+    assert len({p.key for p in items}) == len(items)
+    firsts = [p.messages[0]["content"].lower() for p in items]
+    assert len(set(firsts)) == len(firsts)
+    assert report.multi_turn == sum(len(p.messages) == 3 for p in items) > 0
+    for reason in ("empty", "template", "short", "duplicate", "unfinished"):
+        assert report.dropped.get(reason, 0) > 0, reason
+    # the second turn repeats the first's answer history and is new too
+    for p in items:
+        if len(p.messages) == 3:
+            assert p.messages[1]["content"] == "Water it twice a week."
+            assert p.messages[2]["content"] != p.messages[0]["content"]
+
+
+def test_attempts_are_bounded_when_turns_run_out(tokenizer):
+    items, report = _run(tokenizer, seed=0, count=1000, max_attempts=30)
+    assert report.attempts == 30 and len(items) < 30
+
+
+def test_self_chat_is_made_by_train_eagle3_not_read():
+    with pytest.raises(PromptSourceError, match="written by the target"):
+        read_source(SELF_CHAT)
+    from specserve.train.prompts import PromptItem
+
+    made = [
+        PromptItem(f"{SELF_CHAT}/{i}", [{"role": "user", "content": f"q {i}"}]) for i in range(50)
+    ]
+    train, heldout = load_prompts([SELF_CHAT], 0, None, 3, made={SELF_CHAT: made})
+    assert len(heldout) == 3 and len(train) == 47
+    assert {p.key for p in train} | {p.key for p in heldout} == {p.key for p in made}
+
+
+def test_through_the_engine_every_candidate_starts_at_the_user_prefix(target, tokenizer):
+    """The real engine writes the candidates (a random tiny model: few end at end-of-turn);
+    every prompt is the template's user prefix, every candidate finishes, and a second run
+    with the same seed draws the same turns."""
+    from specserve.core.config import EngineConfig
+    from specserve.engine.engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig.from_flags(model=str(target), max_num_seqs=8, num_kv_pages=64))
+    seen = []
+
+    def generate(prompts, params):
+        seen.append((prompts, params))
+        return engine_generate(engine)(prompts, params)
+
+    cfg = SelfChatConfig(
+        4, seed=3, max_turn_tokens=6, min_chars=1, min_words=1, batch=8, max_attempts=16
+    )
+    reports = [SelfChatReport(), SelfChatReport()]
+    runs = [self_chat_prompts(tokenizer, generate, cfg, r) for r in reports]
+    assert [p.messages for p in runs[0]] == [p.messages for p in runs[1]]
+    assert reports[0].attempts == 16 or reports[0].kept == 4
+    prefix = user_turn_prefix(tokenizer, [])
+    firsts = [
+        (pr, pa)
+        for prompts, params in seen
+        for pr, pa in zip(prompts, params)
+        if pa.temperature > 0 and pr == prefix
+    ]
+    assert len(firsts) == reports[0].attempts + reports[1].attempts
+    assert all(isinstance(pa, SamplingParams) and pa.max_tokens == 6 for _, pa in firsts)
+    assert not engine.has_unfinished()
+    assert _first_turns(reports[0]) == reports[0].attempts
+
+
+def test_distillation_with_self_chat_logs_it_and_trains_on_the_rest(target, tmp_path):
+    """train-eagle3 --data self-chat FILE: the target writes its self-chat prompts first (an
+    event in the log), then the replies to every prompt."""
+    from specserve.train.distill import distill
+
+    prompt_file = write_prompt_file(tmp_path / "prompts.jsonl")
+    cfg = train_config(
+        tmp_path,
+        target,
+        prompt_file,
+        data=[SELF_CHAT, str(prompt_file)],
+        self_chat_prompts=3,
+        max_new_tokens=4,
+        num_prompts=8,
+    )
+    records = []
+    train, heldout = distill(cfg, tmp_path, records.append)
+    events = [r for r in records if r.get("event") == "self_chat"]
+    assert len(events) == 1 and events[0]["candidates"] > 0
+    assert _first_turns(events[0]) == events[0]["candidates"]
+    assert len(train) == 8 and len(heldout) == 4
