@@ -96,6 +96,44 @@ def test_eval_draft_copy_drafter_accepts_everything(tiny_llama, tmp_path, capsys
     assert [r["k"] for r in json.loads(out.read_text())["results"]] == [1, 3, 2, 1]
 
 
+def test_several_sources_are_reported_side_by_side(tiny_llama, tmp_path, capsys):
+    """--data with two files: the run's totals and each file's own figures from the same
+    run (a copy drafter accepts everything in both), printed side by side."""
+    a = write_prompts(tmp_path / "a.jsonl", 8)
+    b = tmp_path / "b.jsonl"
+    b.write_text("\n".join(json.dumps({"prompt": f"Paged attention {i} stores"}) for i in range(8)))
+    out = tmp_path / "eval.json"
+    argv = ["eval-draft", "--target", str(tiny_llama), "--algorithm", "draft"]
+    argv += ["--draft", str(tiny_llama), "--data", str(a), str(b), "--num-prompts", "4"]
+    assert main([*argv, "--max-tokens", "8", "--k", "2", "--out", str(out)]) == 0
+    (result,) = json.loads(out.read_text())["results"]
+    assert set(result["by_source"]) == {"a.jsonl", "b.jsonl"}
+    mine = result["by_source"].values()
+    assert sum(f["num_prompts"] for f in mine) == 4
+    assert sum(f["verify_steps"] for f in mine) == result["verify_steps"]
+    assert sum(f["accepted"] for f in mine) == result["accepted"]
+    for f in mine:
+        assert f["num_prompts"] > 0 and f["accepted"] == f["drafted"] > 0
+        assert f["position_rates"] == [1.0, 1.0]
+    printed = capsys.readouterr().out
+    assert "mean accept len by source: K | a.jsonl | b.jsonl | all" in printed
+
+
+def test_a_sources_position_rates_come_from_its_histogram():
+    from specserve.bench.eval_draft import _source_figures
+    from specserve.core.request import SpecStats
+
+    one, two = SpecStats(), SpecStats()
+    for accepted in (0, 1, 2, 2):
+        one.record(2, accepted)
+    two.record(2, 1)
+    figures = _source_figures(2, [one, two])
+    # steps accepting 0/1/2: 1/2/2; position 0: 4 of 5 went on; position 1: 2 of 4
+    assert figures["position_rates"] == [0.8, 0.5]
+    assert figures["verify_steps"] == 5 and figures["accepted"] == 6
+    assert figures["mean_accept_len"] == pytest.approx(11 / 5)
+
+
 def test_table_without_rich(monkeypatch, capsys):
     """GPU machines may lack rich: the results print as plain lines."""
     import sys

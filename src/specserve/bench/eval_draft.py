@@ -27,6 +27,7 @@ class DraftEval:
     position_rates: list[float] = field(default_factory=list)
     seconds: float = 0.0
     generated: int = 0
+    by_source: dict[str, dict] = field(default_factory=dict)  # see `evaluate`
 
     @property
     def mean_accept_len(self) -> float:
@@ -40,9 +41,12 @@ def evaluate(
     draft_lens: list[int],
     max_tokens: int,
     on_result: Callable[[list[DraftEval]], None] | None = None,
+    sources: list[str] | None = None,
 ) -> list[DraftEval]:
     """Run the prompts greedily at each fixed K (in the order given) with the llm's drafter;
-    `on_result` sees the results so far after each K (to save them as they come)."""
+    `on_result` sees the results so far after each K (to save them as they come). With
+    `sources` (each prompt's source), every result also holds each source's own figures
+    (`by_source`), from the same run."""
     spec = llm.engine.spec
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     results = []
@@ -52,20 +56,48 @@ def evaluate(
         t0 = time.monotonic()
         outs = llm.generate(prompts, params)
         stats = [o.spec_stats for o in outs]
-        results.append(
-            DraftEval(
-                k=k,
-                verify_steps=sum(s.verify_steps for s in stats),
-                drafted=sum(s.drafted for s in stats),
-                accepted=sum(s.accepted for s in stats),
-                position_rates=[round(r, 4) for r in spec.acceptance.position_rates()[:k]],
-                seconds=round(time.monotonic() - t0, 2),
-                generated=sum(len(o.token_ids) for o in outs),
-            )
+        result = DraftEval(
+            k=k,
+            verify_steps=sum(s.verify_steps for s in stats),
+            drafted=sum(s.drafted for s in stats),
+            accepted=sum(s.accepted for s in stats),
+            position_rates=[round(r, 4) for r in spec.acceptance.position_rates()[:k]],
+            seconds=round(time.monotonic() - t0, 2),
+            generated=sum(len(o.token_ids) for o in outs),
         )
+        if sources is not None and len(set(sources)) > 1:
+            for name in dict.fromkeys(sources):
+                mine = [s for s, src in zip(stats, sources) if src == name]
+                result.by_source[name] = _source_figures(k, mine)
+        results.append(result)
         if on_result is not None:
             on_result(results)
     return results
+
+
+def _source_figures(k: int, stats: list) -> dict:
+    """One source's figures at draft length k: its prompts' verify steps, drafts and
+    accepted drafts summed; mean acceptance length; per-position acceptance from the
+    accepted-drafts histogram (position i: steps accepting more than i over steps accepting
+    at least i; every verify step drafts k)."""
+    steps = sum(s.verify_steps for s in stats)
+    accepted = sum(s.accepted for s in stats)
+    hist = [0] * (k + 1)
+    for s in stats:
+        for j, n in enumerate(s.accept_hist[: k + 1]):
+            hist[j] += n
+    rates = []
+    for i in range(k):
+        reached = sum(hist[i:])
+        rates.append(round(sum(hist[i + 1 :]) / reached, 4) if reached else 0.0)
+    return {
+        "num_prompts": len(stats),
+        "verify_steps": steps,
+        "drafted": sum(s.drafted for s in stats),
+        "accepted": accepted,
+        "mean_accept_len": (accepted + steps) / max(steps, 1),
+        "position_rates": rates,
+    }
 
 
 def _print_table(title: str, results: list[DraftEval]) -> None:
@@ -96,6 +128,17 @@ def _print_table(title: str, results: list[DraftEval]) -> None:
     Console().print(table)
 
 
+def _print_sources(results: list[DraftEval]) -> None:
+    """Each source's mean acceptance length side by side, a row per K (several sources)."""
+    names = list(dict.fromkeys(n for r in results for n in r.by_source))
+    if not names:
+        return
+    print("mean accept len by source: K | " + " | ".join(names) + " | all")
+    for r in sorted(results, key=lambda r: r.k):
+        figures = [f"{r.by_source[n]['mean_accept_len']:.3f}" for n in names]
+        print(f"{r.k} | " + " | ".join(figures) + f" | {r.mean_accept_len:.3f}")
+
+
 def draft_path(args: argparse.Namespace) -> str | None:
     """--draft, else the EAGLE-3 head shipped for the embedded model when that is the
     target; a drafter that needs a path and has none is an error."""
@@ -114,16 +157,16 @@ def draft_path(args: argparse.Namespace) -> str | None:
     )
 
 
-def select_prompts(args: argparse.Namespace) -> list:
-    """The prompts of --split: the held-out ones (as many as --num-prompts), or up to
-    --num-prompts of those left for training; a split that selects none is an error that
-    says where the prompts went."""
+def select_prompts(args: argparse.Namespace) -> tuple[list, list[str]]:
+    """The prompts of --split, and the --data source of each: the held-out ones (as many as
+    --num-prompts), or up to --num-prompts of those left for training; a split that selects
+    none is an error that says where the prompts went."""
     from specserve.train.prompts import HELDOUT_FRACTION, load_prompts, read_source
 
     train, heldout = load_prompts(args.data, args.seed, None, args.num_prompts)
     items = heldout if args.split == "heldout" else train[: args.num_prompts]
     if items:
-        return items
+        return items, _sources(args.data, items)
     total = sum(len(read_source(name)) for name in args.data)
     held = total - len(train)
     fix = (
@@ -137,6 +180,20 @@ def select_prompts(args: argparse.Namespace) -> list:
         f"or {HELDOUT_FRACTION:.0%} of each source if that is more, picked by --seed "
         f"{args.seed}), leaving {len(train)} for --split train; {fix}"
     )
+
+
+def _sources(names: list[str], items: list) -> list[str]:
+    """The --data source each prompt came from (a file by its name)."""
+    from specserve.train.prompts import read_source
+
+    if len(names) == 1:
+        return [names[0]] * len(items)
+    owner = {}
+    for name in names:
+        label = Path(name).name if Path(name).is_file() else name
+        for p in read_source(name):
+            owner.setdefault(p.key, label)
+    return [owner.get(p.key, "?") for p in items]
 
 
 def run_eval_draft(args: argparse.Namespace) -> int:
@@ -160,7 +217,7 @@ def run_eval_draft(args: argparse.Namespace) -> int:
     except ConfigError as e:
         raise ConfigError(flag_message(str(e), {"device": "--device"})) from None
     draft = draft_path(args)
-    items = select_prompts(args)
+    items, sources = select_prompts(args)
     engine_opts = {}
     if args.kv_cache_gib is not None:
         engine_opts["kv_cache_bytes"] = int(args.kv_cache_gib * 2**30)
@@ -204,8 +261,11 @@ def run_eval_draft(args: argparse.Namespace) -> int:
             tmp.replace(args.out)
 
     with llm:  # (tensor parallelism: the other ranks stop)
-        results = evaluate(llm, prompts, draft_lens, args.max_tokens, on_result=save)
+        results = evaluate(
+            llm, prompts, draft_lens, args.max_tokens, on_result=save, sources=sources
+        )
     _print_table(f"{args.algorithm} drafter on {len(prompts)} {args.split} prompts", results)
+    _print_sources(results)
     save(results)
     return 0
 
@@ -234,7 +294,8 @@ def add_eval_draft_parser(sub) -> None:
         "--data",
         nargs="+",
         default=["stdlib", "shakespeare"],
-        help="prompt sources: stdlib, shakespeare, or JSONL files",
+        help="prompt sources: stdlib, shakespeare, or JSONL files (several: each one's "
+        "figures side by side too)",
     )
     p.add_argument(
         "--split",
