@@ -226,3 +226,32 @@ def test_token_id_prompts_and_defaults(client, offline):
     # the legacy completions default of 16 tokens
     d = client.completions.create(prompt=PROMPTS[0], model=MODEL, extra_body={"ignore_eos": True})
     assert d.usage.completion_tokens == 16
+
+
+def test_logit_bias_and_min_tokens_equal_offline_generate(client, offline):
+    """logit_bias through the openai client (token ids as strings) and min_tokens (vLLM's
+    extension, extra_body): the offline engine's output with the same rules."""
+    bias = {40: 5.0, 41: 5.0, 2: 30.0}  # 2: EOS, all but certain once allowed
+    params = SamplingParams(max_tokens=10, temperature=0.0, logit_bias=bias, min_tokens=4)
+    expected = offline.generate(PROMPTS[:2], params)
+    got = client.completions.create(
+        model=MODEL,
+        prompt=PROMPTS[:2],
+        max_tokens=10,
+        temperature=0,
+        logit_bias={str(t): b for t, b in bias.items()},
+        extra_body={"min_tokens": 4},
+    )
+    choices = sorted(got.choices, key=lambda c: c.index)
+    assert [c.text for c in choices] == [o.text for o in expected]
+    assert [c.finish_reason for c in choices] == ["stop", "stop"]
+    assert got.usage.completion_tokens == sum(len(o.token_ids) for o in expected) == 2 * 5
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=10,
+        temperature=0,
+        logit_bias={"2": 30.0},
+        extra_body={"min_tokens": 3},
+    )
+    assert chat.usage.completion_tokens == 4 and chat.choices[0].finish_reason == "stop"

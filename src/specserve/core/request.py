@@ -95,6 +95,11 @@ class Request:
         self.max_useful_drafts = max(0, self._output_limit - 1)
 
     @property
+    def stop_ids(self) -> frozenset[int]:
+        """The tokens that end its output: EOS (unless ignore_eos) and its stop tokens."""
+        return self._stop_token_ids
+
+    @property
     def all_token_ids(self) -> list[int]:
         """Every token whose value the host knows (all committed ones but the in-flight)."""
         return self.prompt_token_ids + self.output_token_ids + self.unprocessed_token_ids

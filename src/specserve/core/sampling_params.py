@@ -23,7 +23,10 @@ class SamplingParams:
     token's position, never on batch composition or preemption (without one, the engine draws
     a seed from its own `seed`). `stop` strings end the output and are not part of it;
     `logprobs=k` puts the chosen token's log-probability and the k likeliest alternatives of
-    every generated token in `CompletionOutput.logprobs`.
+    every generated token in `CompletionOutput.logprobs`. `logit_bias` ({token id: bias in
+    [-100, 100]}) is added to those tokens' logits before every draw, and `min_tokens` keeps
+    EOS and the stop tokens from being drawn before that many tokens are generated; both
+    apply to every row speculation verifies too, so greedy output stays the plain decoding's.
 
     Example: `SamplingParams(max_tokens=64, temperature=0.7, top_p=0.9, seed=1)`.
     """
@@ -39,6 +42,8 @@ class SamplingParams:
     ignore_eos: bool = False
     n: int = 1
     logprobs: int | None = None  # None: none; k >= 0: the chosen token's plus the top k
+    logit_bias: dict[int, float] | None = None
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -47,6 +52,9 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        if self.logit_bias is not None:
+            self.logit_bias = dict(self.logit_bias) or None
+        bias = self.logit_bias or {}
         checks = [
             (
                 "max_tokens",
@@ -75,10 +83,28 @@ class SamplingParams:
                 all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
                 "must be non-negative integers",
             ),
+            (
+                "logit_bias",
+                all(isinstance(t, int) and t >= 0 for t in bias)
+                and all(
+                    isinstance(b, (int, float)) and -100.0 <= b <= 100.0 for b in bias.values()
+                ),
+                "must map non-negative token ids to biases in [-100, 100]",
+            ),
+            (
+                "min_tokens",
+                isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
+                "must be an integer in [0, max_tokens]",
+            ),
         ]
         for name, ok, what in checks:
             if not ok:
                 raise InvalidRequestError(f"{name} {what}; got {getattr(self, name)!r}", field=name)
+
+    @property
+    def shapes_logits(self) -> bool:
+        """Whether the logits are changed before a draw (`logit_bias`, `min_tokens`)."""
+        return bool(self.logit_bias) or self.min_tokens > 0
 
     @property
     def greedy(self) -> bool:

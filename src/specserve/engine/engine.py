@@ -158,6 +158,11 @@ class LLMEngine:
                 f"{self.max_model_len} tokens, so prompts must be shorter than that",
                 "prompt",
             )
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise InvalidRequestError(
+                f"logit_bias token ids must lie in [0, {vocab}); got {max(params.logit_bias)}",
+                "logit_bias",
+            )
         total = min(len(ids) + params.max_tokens, self.max_model_len)
         if total > self.kv.capacity_tokens:
             raise RequestTooLargeError(

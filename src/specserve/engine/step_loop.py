@@ -167,7 +167,9 @@ class StepLoop:
         its drafter reads them there (EAGLE-3, greedy, one draft length) and, after a
         speculative step, every position it may reach lies within the context. Else why
         not: "sampled" (a drafting request samples), "mixed_draft_lens", "host_drafts" (the
-        proposer drafts on the host) or "context_limit"."""
+        proposer drafts on the host), "min_tokens" (after a speculative step, a request
+        whose EOS is still masked: which rows may end its output depends on prev's count;
+        runtime/logit_shaping.py) or "context_limit"."""
         if drafting and not self.spec.proposer.reads_inflight(drafting):
             if any(s.request.params.temperature > 0 for s in drafting):
                 return "sampled"
@@ -176,6 +178,8 @@ class StepLoop:
             return "host_drafts"
         if not prev.speculative:
             return None
+        if any(s.request.params.min_tokens > s.request.num_generated for s in batch):
+            return "min_tokens"  # which rows may end the output depends on prev's count
         moved = {id(s.request): s.drafted for s in prev.step_input.sampled}
         max_len = self.max_model_len
         if all(

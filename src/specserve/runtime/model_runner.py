@@ -13,6 +13,7 @@ from specserve.layers.sampler import SamplingTensors, argmax_rows, sample
 from specserve.model.llama import LlamaForCausalLM
 from specserve.runtime.cuda_graphs import CudaGraphRunner
 from specserve.runtime.inflight import InflightStep, place_device_tokens
+from specserve.runtime.logit_shaping import shape_logits, shapes_step
 from specserve.runtime.packing import Segment, pack, to_device, upload
 from specserve.runtime.sampled_tokens import (
     SampledTokens,
@@ -52,8 +53,10 @@ class SamplePlan:
     uniform: bool  # every request drafts max_draft_len
     want: list[int | None]  # the logprobs each request asked for
     # What the step's CUDA graph took from these hidden states (`ModelRunner.step_head`):
-    # (hidden, logits, greedy tokens[, greedy accept lengths]); None when it took nothing.
+    # (hidden, logits, greedy tokens[, greedy accept lengths]); None when it took nothing
+    # or a request's logits are changed first (its greedy tokens are not the graph's).
     head: tuple[torch.Tensor, ...] | None
+    shaped: bool = False  # a request's logits are changed before the draw (logit_shaping.py)
 
     @classmethod
     def of(cls, step: StepInput, hidden: torch.Tensor, step_head) -> SamplePlan:
@@ -63,6 +66,7 @@ class SamplePlan:
         max_draft_len = max(draft_lens)
         greedy = all(r.params.temperature == 0 for r in reqs)
         rows = step.sample_rows  # increasing: every row of `hidden` when it spans them all
+        shaped = shapes_step(step.sampled)
         return cls(
             reqs=reqs,
             draft_lens=draft_lens,
@@ -72,7 +76,8 @@ class SamplePlan:
             fp32=not greedy or any(w is not None for w in want),
             uniform=all(d == max_draft_len for d in draft_lens),
             want=want,
-            head=step_head if step_head and step_head[0] is hidden else None,
+            head=step_head if step_head and step_head[0] is hidden and not shaped else None,
+            shaped=shaped,
         )
 
     @property
@@ -208,6 +213,8 @@ class ModelRunner:
             return self._greedy_plain(step, hidden, plan)
         t = self._upload(step, plan, simulate_rate)
         logits = self._logits(hidden, None if plan.all_rows else t["rows"], plan.fp32)
+        if plan.shaped:
+            logits = shape_logits(logits, step.sampled)
         if plan.max_draft_len == 0:  # plain sampling
             tokens = sample(logits, t["sampling"])[:, None]
             return self._with_logprobs(step, logits, tokens, None, plan.want, 0)
@@ -221,6 +228,8 @@ class ModelRunner:
             return self._with_logprobs(step, head[1], head[2][:, None], None, want, 0)
         rows = None if plan.all_rows else to_device(step.sample_rows, self.device)
         logits = self._logits(hidden, rows, plan.fp32)
+        if plan.shaped:
+            logits = shape_logits(logits, step.sampled)
         tokens = argmax_rows(logits)[:, None]  # the sampler's greedy rows, no tensors
         return self._with_logprobs(step, logits, tokens, None, want, 0)
 

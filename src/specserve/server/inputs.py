@@ -197,9 +197,26 @@ class InputProcessor:
                 stop_token_ids=list(req.stop_token_ids or []),
                 ignore_eos=req.ignore_eos,
                 logprobs=logprobs,
+                logit_bias=_logit_bias(req.logit_bias),
+                min_tokens=req.min_tokens or 0,
             )
         except InvalidRequestError as e:
             raise from_invalid_request(e, {"max_tokens": max_tokens_param}) from e
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """The API's {"token id": bias} as {token id: bias}; a key that is no token id is a 400."""
+    if not bias:
+        return None
+    out = {}
+    for key, value in bias.items():
+        if not (key.isascii() and key.isdigit()):
+            raise bad_request(
+                f"logit_bias keys must be token ids (non-negative integers); got {key!r}",
+                "logit_bias",
+            )
+        out[int(key)] = float(value)
+    return out
 
 
 def check_unsupported(req: SamplingFields) -> None:
@@ -207,8 +224,6 @@ def check_unsupported(req: SamplingFields) -> None:
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(req, name):
             raise bad_request(f"{name} is not supported; leave it at 0", name)
-    if req.logit_bias:
-        raise bad_request("logit_bias is not supported", "logit_bias")
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
     if isinstance(req, CompletionRequest):

@@ -62,7 +62,8 @@ class SamplingFields(_Strict):
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+    min_tokens: int | None = Field(None, ge=0)  # (vLLM's extension: EOS masked until then)
     user: str | None = None
 
 
