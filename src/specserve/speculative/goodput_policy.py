@@ -237,11 +237,11 @@ class GoodputPolicy(SpeculationPolicy):
             k = 0
         favored = False
         if not held and not k and not probe and len(tokens) > 1:
-            best = max(range(1, len(tokens)), key=lambda j: tokens[j] / ranking[j])
-            drafting = tokens[best] / ranking[best]
+            top = max(range(1, len(tokens)), key=lambda j: tokens[j] / ranking[j])
+            drafting = tokens[top] / ranking[top]
             favored = self.modes.favors_drafting(bucket, self.num_steps, drafting, plain)
             if favored:
-                k = best
+                k = top
         if not (extra_tokens and self.rate.ready):
             self._last_run[(bucket, k)] = self._bucket_steps[bucket]
         self._running_k = None if probe else k
