@@ -61,23 +61,37 @@ def test_greedy_output_equals_transformers(models, case):
         assert all(o.finish_reason == "stop" for o in outs)
 
 
-@pytest.mark.parametrize("overlap", ["off", "on"])
-@pytest.mark.parametrize("drafter", ["copy", "random", "ngram", "eagle3"])
-@pytest.mark.parametrize("random_k", [False, True])
-def test_speculation_keeps_plain_decodings_output(models, drafter, overlap, random_k):
+SPECULATION = [
+    (drafter, overlap, False)
+    for drafter in ("copy", "random", "ngram", "eagle3")
+    for overlap in ("off", "on")
+] + [("copy", "on", True), ("eagle3", "on", True)]  # (random K per request)
+
+
+@pytest.fixture(scope="module")
+def plain(models):
+    """Plain decoding's outputs with each case's rules (the synchronous loop)."""
     prompts = prompts_for()
-    for bias, min_tokens in CASES.values():
-        params = SamplingParams(
-            max_tokens=14, temperature=0.0, logit_bias=bias, min_tokens=min_tokens
+    return {case: generate(models, prompts, _params(case), "off")[1] for case in CASES}
+
+
+def _params(case: str) -> SamplingParams:
+    bias, min_tokens = CASES[case]
+    return SamplingParams(max_tokens=14, temperature=0.0, logit_bias=bias, min_tokens=min_tokens)
+
+
+@pytest.mark.parametrize(("drafter", "overlap", "random_k"), SPECULATION)
+def test_speculation_keeps_plain_decodings_output(models, plain, drafter, overlap, random_k):
+    for case in CASES:
+        llm, outs = generate(
+            models, prompts_for(), _params(case), overlap, drafter, random_k=random_k
         )
-        _, plain = generate(models, prompts, params, "off")
-        llm, outs = generate(models, prompts, params, overlap, drafter, random_k=random_k)
-        assert outs == plain, (bias, min_tokens)
-        stats = llm.engine.stats()
-        if overlap == "on" and drafter == "eagle3" and not random_k and min_tokens:
+        assert outs == plain[case], case
+        waits = llm.engine.stats()["loop_wait_reasons"]
+        if overlap == "on" and drafter == "eagle3" and not random_k and CASES[case][1]:
             # an EAGLE-3 step builds on the step in flight, except where min_tokens hangs on
             # that step's count
-            assert stats["loop_wait_reasons"].get("min_tokens", 0) > 0
+            assert waits.get("min_tokens", 0) > 0
 
 
 def test_sampling_draws_from_the_changed_distribution(models):
