@@ -255,3 +255,23 @@ def test_logit_bias_and_min_tokens_equal_offline_generate(client, offline):
         extra_body={"min_tokens": 3},
     )
     assert chat.usage.completion_tokens == 4 and chat.choices[0].finish_reason == "stop"
+
+
+def test_penalties_equal_offline_generate(client, offline):
+    """presence_penalty and frequency_penalty (the API's) and repetition_penalty (vLLM's
+    extension) through the openai client: the offline engine's output with the same."""
+    rules = dict(presence_penalty=1.5, frequency_penalty=0.5, repetition_penalty=1.4)
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, **rules)
+    expected = [o.text for o in offline.generate(PROMPTS[:2], params)]
+    got = client.completions.create(
+        model=MODEL,
+        prompt=PROMPTS[:2],
+        max_tokens=10,
+        temperature=0,
+        presence_penalty=1.5,
+        frequency_penalty=0.5,
+        extra_body={"repetition_penalty": 1.4, "ignore_eos": True},
+    )
+    assert [c.text for c in sorted(got.choices, key=lambda c: c.index)] == expected
+    plain = offline.generate(PROMPTS[:2], SamplingParams(max_tokens=10, ignore_eos=True))
+    assert expected != [o.text for o in plain]  # the penalties changed something

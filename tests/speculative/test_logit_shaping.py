@@ -20,18 +20,44 @@ def models(tmp_path_factory):
     return make_models(tmp_path_factory)
 
 
-def _hf_greedy(folder: str, prompts, max_new: int, bias: dict, min_new: int) -> list[list[int]]:
-    from transformers import AutoModelForCausalLM
+class _OpenAIPenalties:
+    """OpenAI's presence and frequency penalties over the generated tokens, written from its
+    documented formula on transformers' raw logits (a LogitsProcessor)."""
+
+    def __init__(self, prompt_len: int, presence: float, frequency: float):
+        self.prompt_len, self.presence, self.frequency = prompt_len, presence, frequency
+
+    def __call__(self, input_ids, scores):
+        for row, ids in zip(scores, input_ids):
+            counts = torch.bincount(ids[self.prompt_len :], minlength=scores.shape[-1]).float()
+            row -= self.frequency * counts + self.presence * (counts > 0).float()
+        return scores
+
+
+def _hf_greedy(folder: str, prompts, max_new: int, rules: dict) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM, LogitsProcessorList
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    bias = rules.get("logit_bias") or {}
     out = []
     for prompt in prompts:
+        custom = LogitsProcessorList()
+        if rules.get("presence_penalty") or rules.get("frequency_penalty"):
+            custom.append(
+                _OpenAIPenalties(
+                    len(prompt),
+                    rules.get("presence_penalty", 0.0),
+                    rules.get("frequency_penalty", 0.0),
+                )
+            )
         ids = model.generate(
             torch.tensor([prompt]),
             max_new_tokens=max_new,
             do_sample=False,
             sequence_bias={(t,): b for t, b in bias.items()} or None,
-            min_new_tokens=min_new,
+            min_new_tokens=rules.get("min_tokens", 0),
+            repetition_penalty=rules.get("repetition_penalty", 1.0),
+            logits_processor=custom,
             eos_token_id=EOS,
             pad_token_id=0,
         )
@@ -41,24 +67,36 @@ def _hf_greedy(folder: str, prompts, max_new: int, bias: dict, min_new: int) -> 
 
 CASES = {
     # EOS all but certain: min_tokens decides where the output ends
-    "eos forced after min_tokens": ({EOS: 40.0}, 5),
+    "eos forced after min_tokens": dict(logit_bias={EOS: 40.0}, min_tokens=5),
     # the likeliest tokens pushed around, EOS left alone
-    "biases": ({40: 4.0, 41: 4.0, 100: -100.0, 7: 2.5}, 0),
-    "both": ({EOS: 6.0, 60: 3.0}, 3),
+    "biases": dict(logit_bias={40: 4.0, 41: 4.0, 100: -100.0, 7: 2.5}),
+    "both": dict(logit_bias={EOS: 6.0, 60: 3.0}, min_tokens=3),
+    "repetition": dict(repetition_penalty=1.8),
+    "presence and frequency": dict(presence_penalty=1.5, frequency_penalty=0.7),
+    "everything": dict(
+        repetition_penalty=1.3,
+        presence_penalty=0.5,
+        frequency_penalty=0.4,
+        logit_bias={60: 2.0},
+        min_tokens=3,
+    ),
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_greedy_output_equals_transformers(models, case):
-    bias, min_tokens = CASES[case]
+    rules = CASES[case]
     prompts = prompts_for()[:5]
-    params = SamplingParams(max_tokens=12, temperature=0.0, logit_bias=bias, min_tokens=min_tokens)
+    params = SamplingParams(max_tokens=12, temperature=0.0, **rules)
     outs = LLM(models["target"]).generate(prompts, params)
-    expected = _hf_greedy(models["target"], prompts, 12, bias, min_tokens)
+    expected = _hf_greedy(models["target"], prompts, 12, rules)
     assert [o.token_ids for o in outs] == expected
     if case == "eos forced after min_tokens":
         assert all(len(o.token_ids) == 6 and o.token_ids[-1] == EOS for o in outs)
         assert all(o.finish_reason == "stop" for o in outs)
+    if case in ("repetition", "presence and frequency"):  # the penalties changed something
+        plain = LLM(models["target"]).generate(prompts, SamplingParams(max_tokens=12))
+        assert [o.token_ids for o in outs] != [o.token_ids for o in plain]
 
 
 SPECULATION = [
@@ -76,8 +114,7 @@ def plain(models):
 
 
 def _params(case: str) -> SamplingParams:
-    bias, min_tokens = CASES[case]
-    return SamplingParams(max_tokens=14, temperature=0.0, logit_bias=bias, min_tokens=min_tokens)
+    return SamplingParams(max_tokens=14, temperature=0.0, **CASES[case])
 
 
 @pytest.mark.parametrize(("drafter", "overlap", "random_k"), SPECULATION)
@@ -88,10 +125,15 @@ def test_speculation_keeps_plain_decodings_output(models, plain, drafter, overla
         )
         assert outs == plain[case], case
         waits = llm.engine.stats()["loop_wait_reasons"]
-        if overlap == "on" and drafter == "eagle3" and not random_k and CASES[case][1]:
-            # an EAGLE-3 step builds on the step in flight, except where min_tokens hangs on
-            # that step's count
-            assert waits.get("min_tokens", 0) > 0
+        rules = CASES[case]
+        penalized = _params(case).penalized
+        if overlap == "on" and drafter == "eagle3" and not random_k and not penalized:
+            if rules.get("min_tokens"):
+                # an EAGLE-3 step builds on the step in flight, except where min_tokens
+                # hangs on that step's count
+                assert waits.get("min_tokens", 0) > 0
+        if overlap == "on" and penalized:  # every row's penalties count prev's tokens
+            assert waits.get("penalties", 0) > 0
 
 
 def test_sampling_draws_from_the_changed_distribution(models):

@@ -27,6 +27,11 @@ class SamplingParams:
     [-100, 100]}) is added to those tokens' logits before every draw, and `min_tokens` keeps
     EOS and the stop tokens from being drawn before that many tokens are generated; both
     apply to every row speculation verifies too, so greedy output stays the plain decoding's.
+    `presence_penalty` and `frequency_penalty` (OpenAI's, in [-2, 2]) lower a token's logit
+    once if it was generated already and once per time it was; `repetition_penalty` (> 0,
+    1 is off; transformers' and vLLM's) divides a positive logit, multiplies a negative one,
+    of every token in the prompt or the output. A verified draft counts for the rows after
+    it, as it would have in plain decoding.
 
     Example: `SamplingParams(max_tokens=64, temperature=0.7, top_p=0.9, seed=1)`.
     """
@@ -44,6 +49,9 @@ class SamplingParams:
     logprobs: int | None = None  # None: none; k >= 0: the chosen token's plus the top k
     logit_bias: dict[int, float] | None = None
     min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -91,6 +99,17 @@ class SamplingParams:
                 ),
                 "must map non-negative token ids to biases in [-100, 100]",
             ),
+            ("presence_penalty", -2.0 <= float(self.presence_penalty) <= 2.0, "must be in [-2, 2]"),
+            (
+                "frequency_penalty",
+                -2.0 <= float(self.frequency_penalty) <= 2.0,
+                "must be in [-2, 2]",
+            ),
+            (
+                "repetition_penalty",
+                0.0 < float(self.repetition_penalty) <= 10.0,
+                "must be in (0, 10]",
+            ),
             (
                 "min_tokens",
                 isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
@@ -102,9 +121,19 @@ class SamplingParams:
                 raise InvalidRequestError(f"{name} {what}; got {getattr(self, name)!r}", field=name)
 
     @property
+    def penalized(self) -> bool:
+        """Whether a draw depends on the tokens so far (the penalties)."""
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
+
+    @property
     def shapes_logits(self) -> bool:
-        """Whether the logits are changed before a draw (`logit_bias`, `min_tokens`)."""
-        return bool(self.logit_bias) or self.min_tokens > 0
+        """Whether the logits are changed before a draw (`logit_bias`, `min_tokens`, the
+        penalties)."""
+        return bool(self.logit_bias) or self.min_tokens > 0 or self.penalized
 
     @property
     def greedy(self) -> bool:

@@ -214,7 +214,7 @@ class ModelRunner:
         t = self._upload(step, plan, simulate_rate)
         logits = self._logits(hidden, None if plan.all_rows else t["rows"], plan.fp32)
         if plan.shaped:
-            logits = shape_logits(logits, step.sampled)
+            logits = shape_logits(logits, step)
         if plan.max_draft_len == 0:  # plain sampling
             tokens = sample(logits, t["sampling"])[:, None]
             return self._with_logprobs(step, logits, tokens, None, plan.want, 0)
@@ -229,7 +229,7 @@ class ModelRunner:
         rows = None if plan.all_rows else to_device(step.sample_rows, self.device)
         logits = self._logits(hidden, rows, plan.fp32)
         if plan.shaped:
-            logits = shape_logits(logits, step.sampled)
+            logits = shape_logits(logits, step)
         tokens = argmax_rows(logits)[:, None]  # the sampler's greedy rows, no tensors
         return self._with_logprobs(step, logits, tokens, None, want, 0)
 

@@ -199,6 +199,9 @@ class InputProcessor:
                 logprobs=logprobs,
                 logit_bias=_logit_bias(req.logit_bias),
                 min_tokens=req.min_tokens or 0,
+                presence_penalty=req.presence_penalty or 0.0,
+                frequency_penalty=req.frequency_penalty or 0.0,
+                repetition_penalty=req.repetition_penalty or 1.0,
             )
         except InvalidRequestError as e:
             raise from_invalid_request(e, {"max_tokens": max_tokens_param}) from e
@@ -221,9 +224,6 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
 
 def check_unsupported(req: SamplingFields) -> None:
     """Fields the API defines that specserve does not implement: only neutral values pass."""
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(req, name):
-            raise bad_request(f"{name} is not supported; leave it at 0", name)
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
     if isinstance(req, CompletionRequest):

@@ -64,6 +64,7 @@ class SamplingFields(_Strict):
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
     min_tokens: int | None = Field(None, ge=0)  # (vLLM's extension: EOS masked until then)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)  # (vLLM's extension)
     user: str | None = None
 
 
