@@ -93,6 +93,10 @@ class Request:
             frozenset() if p.ignore_eos else self.eos_token_ids
         )
         self.max_useful_drafts = max(0, self._output_limit - 1)
+        # Read for every request of every step (runtime/logit_shaping.py, the step loop's
+        # waits): plain attributes, not SamplingParams' properties.
+        self.shapes_logits = p.shapes_logits
+        self.penalized = p.penalized
 
     @property
     def stop_ids(self) -> frozenset[int]:

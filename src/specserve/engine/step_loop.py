@@ -171,7 +171,7 @@ class StepLoop:
         before each row), "min_tokens" (after a speculative step, a request
         whose EOS is still masked: which rows may end its output depends on prev's count;
         runtime/logit_shaping.py) or "context_limit"."""
-        if any(s.request.params.penalized for s in batch):
+        if any(s.request.penalized for s in batch):
             return "penalties"  # a row's penalties count prev's tokens
         if drafting and not self.spec.proposer.reads_inflight(drafting):
             if any(s.request.params.temperature > 0 for s in drafting):

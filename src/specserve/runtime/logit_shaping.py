@@ -19,7 +19,7 @@ import torch
 
 def shapes_step(sampled) -> bool:
     """Whether any sampled request of a step has its logits changed."""
-    return any(s.request.params.shapes_logits for s in sampled)
+    return any(s.request.shapes_logits for s in sampled)
 
 
 def shape_logits(logits: torch.Tensor, step) -> torch.Tensor:
@@ -75,7 +75,7 @@ def _penalize(out: torch.Tensor, step) -> None:
     offset = total = 0
     for s in step.sampled:
         rows = s.drafted + 1
-        if s.request.params.penalized:
+        if s.request.penalized:
             spans.append((s.request, offset, rows, total))
             for j in range(1, rows):  # row j counts drafts 0..j-1
                 draft_rows += [total + j] * j
