@@ -18,13 +18,8 @@ from specserve.bench.datasets import (
 from specserve.bench.load import LoadConfig, RequestResult, normalize_base_url, request_body
 from specserve.bench.metrics_client import parse_metrics, server_figures
 from specserve.bench.report import report_rows, summarize
-from specserve.bench.sweep import (
-    markdown_table,
-    median_rows,
-    medians_table,
-    parse_configs,
-    round_medians,
-)
+from specserve.bench.rounds import median_rows, medians_table, round_medians
+from specserve.bench.sweep import markdown_table, parse_configs
 from specserve.cli import main
 from specserve.model.loader import load_tokenizer, resolve_model
 

@@ -264,13 +264,12 @@ def _sweep_setup(args: argparse.Namespace):
 
 
 def _sweep(args: argparse.Namespace) -> int:
+    from specserve.bench.rounds import medians_table, round_medians
     from specserve.bench.server_process import terminate_as_exit
     from specserve.bench.sweep import (
         SweepPlan,
         markdown_table,
-        medians_table,
         parse_configs,
-        round_medians,
         run_sweep,
         sized_kv_cache,
         write_outputs,

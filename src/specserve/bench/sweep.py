@@ -9,7 +9,7 @@ than one wave with R > 1. Each server gets warm-up requests before it is measure
 
 With `rounds` > 1 the servers run side by side and every (concurrency, configuration) is
 measured once a round, the configurations taking turns at each concurrency (their order
-rotated by one each round); `round_medians` sums the rounds up. Where the host paces the
+rotated by one each round); bench/rounds.py sums the rounds up. Where the host paces the
 steps (a small model), the lent machines' CPUs run identical steps up to 60% slower for
 stretches of seconds: one server after another, such a stretch lands on one configuration
 and decides the comparison; taking turns spreads it over all of them, and a ratio taken
@@ -21,9 +21,7 @@ from __future__ import annotations
 import os
 import platform
 import shlex
-import statistics
 import tempfile
-from collections import defaultdict
 from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, replace
@@ -32,6 +30,7 @@ from pathlib import Path
 from specserve.bench.datasets import BenchPrompt, Dataset
 from specserve.bench.load import LoadConfig
 from specserve.bench.report import save_json, step_ms_by_k
+from specserve.bench.rounds import median_rows, medians_table
 from specserve.bench.runner import benchmark
 from specserve.bench.server_process import ServerProcess
 
@@ -242,53 +241,6 @@ def run_side_by_side(
     return rows
 
 
-def round_medians(rows: list[dict], reference: str | None = None) -> list[dict]:
-    """Per (configuration, concurrency), over the rounds of a side-by-side sweep: the median
-    output throughput, its lowest and highest, and with `reference` (a configuration's name)
-    `ratio_to`: the median over rounds of this configuration's throughput over the
-    reference's at the same concurrency in the same round (paired, see the module
-    docstring). Rounds where a run had failed requests count in neither."""
-    by_point: dict[tuple[str, int], dict[int, float]] = defaultdict(dict)
-    for r in rows:
-        if r["failed"]:
-            continue
-        key = (r["label"], r["config"]["max_concurrency"])
-        by_point[key][r.get("round", 0)] = r["output_throughput"]
-    out = []
-    for (label, c), tput in by_point.items():
-        values = list(tput.values())
-        entry = {
-            "config": label,
-            "concurrency": c,
-            "rounds": len(values),
-            "output_throughput_median": statistics.median(values),
-            "output_throughput_min": min(values),
-            "output_throughput_max": max(values),
-        }
-        ref = by_point.get((reference, c), {}) if reference is not None else {}
-        ratios = [v / ref[rnd] for rnd, v in tput.items() if ref.get(rnd)]
-        if reference is not None:
-            entry["reference"] = reference
-            entry["ratio_to"] = statistics.median(ratios) if ratios else None
-        out.append(entry)
-    return out
-
-
-def median_rows(rows: list[dict]) -> list[dict]:
-    """One report per (configuration, concurrency): the round whose output throughput is the
-    median (the lower of the middle two for an even count) among the rounds without failed
-    requests (among all, if every round had some), for plotting."""
-    groups: dict[tuple[str, int], list[dict]] = defaultdict(list)
-    for r in rows:
-        groups[(r["label"], r["config"]["max_concurrency"])].append(r)
-    out = []
-    for group in groups.values():
-        clean = [r for r in group if not r["failed"]] or group
-        ranked = sorted(clean, key=lambda r: r["output_throughput"])
-        out.append(ranked[(len(ranked) - 1) // 2])
-    return out
-
-
 def _load_avg() -> float | None:
     try:
         return os.getloadavg()[0]
@@ -335,26 +287,6 @@ def markdown_table(rows: list[dict]) -> str:
             f"{_num(r.get('tokens_per_chunk'))} | {step} | {_num(accept)} | {mix or '-'} | "
             f"{_load(r.get('load_avg_1m'))} |"
         )
-    return "\n".join(lines) + "\n"
-
-
-def medians_table(summary: list[dict]) -> str:
-    """`round_medians` as a markdown table."""
-    reference = next((e["reference"] for e in summary if "reference" in e), None)
-    head = "| config | concurrency | rounds | output tok/s median | lowest – highest |"
-    if reference is not None:
-        head += f" ÷ {reference} (median of rounds) |"
-    lines = [head, "|" + "---|" * (head.count("|") - 1)]
-    for e in summary:
-        line = (
-            f"| {e['config']} | {e['concurrency']} | {e['rounds']} | "
-            f"{e['output_throughput_median']:.1f} | {e['output_throughput_min']:.1f} – "
-            f"{e['output_throughput_max']:.1f} |"
-        )
-        if reference is not None:
-            ratio = e.get("ratio_to")
-            line += " - |" if ratio is None else f" {ratio:.3f} |"
-        lines.append(line)
     return "\n".join(lines) + "\n"
 
 
