@@ -39,7 +39,13 @@ def _step(draft_lens, temps, gen, with_probs=False, logprobs=None, on_device=Fal
             max_tokens=10,
             logprobs=logprobs,
         )
-        req = SimpleNamespace(params=params, seed=1000 + i, committed_len=20 + i)
+        req = SimpleNamespace(
+            params=params,
+            seed=1000 + i,
+            committed_len=20 + i,
+            shapes_logits=params.shapes_logits,
+            penalized=params.penalized,
+        )
         s = ScheduledRequest(req, 1, draft_len, decoding=True)
         drafts = torch.randint(0, VOCAB, (draft_len,), generator=gen).tolist()
         if on_device and temp == 0 and draft_len:
