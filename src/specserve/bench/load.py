@@ -8,6 +8,11 @@ successive chunks carrying text (one chunk may carry several tokens under specul
 decoding: TPOT, computed from the token count, is the per-token figure). A failure of any kind
 (HTTP status, an error event in the stream, a broken connection, a timeout) is recorded with
 its kind and never stops the run.
+
+A multi-turn conversation is one closed-loop user: it holds one slot of `max_concurrency`
+from its first turn to its last, and each turn is sent once the previous answer is in, with
+that answer in its history. After a failed turn the rest of its conversation is recorded as
+not sent (their history would lack an answer).
 """
 
 from __future__ import annotations
@@ -22,9 +27,12 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from specserve.bench.conversations import Conversation
 from specserve.bench.datasets import BenchPrompt
 
 ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+PREFIX_SEPARATOR = "\n\n"  # completions: between the shared prefix and the prompt
+NOT_SENT = "not sent (an earlier turn failed)"
 
 
 def normalize_base_url(url: str) -> str:
@@ -69,8 +77,11 @@ class RequestResult:
     error: str | None = None  # the kind: "HTTP 429", "stream error (server_error)", "timeout"
     error_message: str | None = None
     prompt_tokens: int | None = None  # from the usage chunk
+    # usage.prompt_tokens_details.cached_tokens: None when the server did not report it
+    cached_prompt_tokens: int | None = None
     output_tokens: int = 0  # usage's completion_tokens, else text chunks counted
     usage_reported: bool = False
+    turn: int = 0  # its turn in a multi-turn conversation (0-based); 0 for a single request
     start_s: float = 0.0
     ttft_s: float | None = None
     latency_s: float = 0.0
@@ -97,15 +108,31 @@ def request_body(cfg: LoadConfig, p: BenchPrompt) -> dict:
         messages = (
             p.prompt if isinstance(p.prompt, list) else [{"role": "user", "content": p.prompt}]
         )
-        body["messages"] = messages
+        body["messages"] = _with_system_prefix(messages, p.prefix) if p.prefix else messages
     else:
         if isinstance(p.prompt, list):
             raise ValueError("chat conversations need --endpoint chat")
-        body["prompt"] = p.prompt
+        body["prompt"] = p.prefix + PREFIX_SEPARATOR + p.prompt if p.prefix else p.prompt
     if cfg.ignore_eos:  # not an OpenAI field: sent only when asked for
         body["ignore_eos"] = True
     body.update(cfg.extra_body)
     return body
+
+
+def _with_system_prefix(messages: list[dict], prefix: str) -> list[dict]:
+    """The messages with the prefix as their system message: in front of the conversation's
+    own system message when it has one (chat templates take one, first)."""
+    if messages and messages[0].get("role") == "system":
+        first = messages[0]
+        return [{**first, "content": prefix + PREFIX_SEPARATOR + first["content"]}, *messages[1:]]
+    return [{"role": "system", "content": prefix}, *messages]
+
+
+def _cached_tokens(usage: dict) -> int | None:
+    """OpenAI's usage.prompt_tokens_details.cached_tokens; None when absent or null."""
+    details = usage.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    return cached if isinstance(cached, int) else None
 
 
 def _error_kind(exc: BaseException) -> str:
@@ -178,6 +205,7 @@ async def send_request(
                 if usage:
                     r.usage_reported = True
                     r.prompt_tokens = usage.get("prompt_tokens")
+                    r.cached_prompt_tokens = _cached_tokens(usage)
                     r.output_tokens = usage.get("completion_tokens") or 0
         if not done:
             r.error, r.error_message = "stream ended before [DONE]", None
@@ -193,12 +221,41 @@ async def send_request(
     return r
 
 
+async def send_conversation(
+    client: httpx.AsyncClient,
+    cfg: LoadConfig,
+    conversation: Conversation,
+    run_start: float,
+    on_done: Callable[[RequestResult], None] | None = None,
+) -> list[RequestResult]:
+    """Every turn of the conversation, one after another, each with the answers so far; a
+    result per turn (after a failed turn, NOT_SENT for the rest)."""
+    chat = cfg.endpoint == "chat"
+    answers: list[str] = []
+    results: list[RequestResult] = []
+    for turn in range(conversation.turns):
+        if results and not results[-1].ok:
+            failed = results[-1]
+            r = RequestResult(error=NOT_SENT, error_message=f"turn {failed.turn}: {failed.error}")
+        else:
+            p = conversation.turn_prompt(turn, answers, chat)
+            r = await send_request(client, cfg, p, run_start)
+            answers.append(r.output_text)
+        r.turn = turn
+        results.append(r)
+        if on_done is not None:
+            on_done(r)
+    return results
+
+
 async def run_load(
     cfg: LoadConfig,
-    prompts: list[BenchPrompt],
+    prompts: list[BenchPrompt | Conversation],
     on_done: Callable[[RequestResult], None] | None = None,
 ) -> tuple[list[RequestResult], float]:
-    """Send every prompt; returns the results (in prompt order) and the run's duration."""
+    """Send every prompt, and every turn of every conversation; returns the results (in
+    prompt order, a conversation's turns in turn order) and the run's duration. Arrivals and
+    the concurrency limit count conversations, not turns."""
     limit = cfg.max_concurrency or len(prompts)
     semaphore = asyncio.Semaphore(limit)
     rng = random.Random(cfg.seed)
@@ -214,11 +271,16 @@ async def run_load(
                 on_done(result)
             return result
 
+        async def user(c: Conversation) -> list[RequestResult]:
+            async with semaphore:  # one slot for the whole conversation
+                return await send_conversation(client, cfg, c, run_start, on_done)
+
         tasks = []
         for i, p in enumerate(prompts):
             if i and math.isfinite(cfg.request_rate):
                 await asyncio.sleep(rng.expovariate(cfg.request_rate))
-            tasks.append(asyncio.create_task(one(p)))
-        results = await asyncio.gather(*tasks)
+            tasks.append(asyncio.create_task(user(p) if isinstance(p, Conversation) else one(p)))
+        done = await asyncio.gather(*tasks)
         duration_s = time.perf_counter() - run_start
-    return list(results), duration_s
+    results = [r for item in done for r in (item if isinstance(item, list) else [item])]
+    return results, duration_s

@@ -1,5 +1,7 @@
 """Turns request results into the benchmark report: throughput, latency percentiles, errors
-by kind and the server's own counts; prints it as a table and saves it as JSON."""
+by kind, the prefix cache's share of the prompt tokens (where the server reports cached
+tokens), figures by conversation turn (multi-turn runs) and the server's own counts; prints
+it as a table and saves it as JSON."""
 
 from __future__ import annotations
 
@@ -30,6 +32,36 @@ def _tokens_per_chunk(ok: list[RequestResult]) -> float | None:
     return tokens / chunks if chunks else None
 
 
+def _cache_hit_share(ok: list[RequestResult]) -> float | None:
+    """Cached prompt tokens ÷ prompt tokens over the requests whose usage reported both; None
+    when none did (a server that does not report cached tokens: unknown, not 0)."""
+    known = [r for r in ok if r.cached_prompt_tokens is not None and r.prompt_tokens]
+    prompt = sum(r.prompt_tokens for r in known)
+    return sum(r.cached_prompt_tokens for r in known) / prompt if prompt else None
+
+
+def _by_turn(results: list[RequestResult]) -> list[dict] | None:
+    """Per turn of a multi-turn run (0-based): its completed requests, mean TTFT, mean prompt
+    tokens and prefix-cache hit share; None for a run of single requests."""
+    if all(r.turn == 0 for r in results):
+        return None
+    rows = []
+    for turn in range(max(r.turn for r in results) + 1):
+        ok = [r for r in results if r.ok and r.turn == turn]
+        ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]
+        prompts = [r.prompt_tokens for r in ok if r.prompt_tokens is not None]
+        rows.append(
+            {
+                "turn": turn,
+                "completed": len(ok),
+                "ttft_ms_mean": float(np.mean(ttfts)) * 1e3 if ttfts else None,
+                "prompt_tokens_mean": float(np.mean(prompts)) if prompts else None,
+                "prefix_cache_hit_share": _cache_hit_share(ok),
+            }
+        )
+    return rows
+
+
 def summarize(
     results: list[RequestResult], duration_s: float, server: dict | None = None, **context
 ) -> dict:
@@ -41,6 +73,7 @@ def summarize(
         if not r.ok and r.error not in examples:
             examples[r.error] = r.error_message
     input_tokens = sum(r.prompt_tokens or 0 for r in ok)
+    cached = [r.cached_prompt_tokens for r in ok if r.cached_prompt_tokens is not None]
     output_tokens = sum(r.output_tokens for r in ok)
     per_s = (lambda x: x / duration_s) if duration_s > 0 else (lambda x: 0.0)
     report = {
@@ -54,6 +87,10 @@ def summarize(
         "total_input_tokens": input_tokens,
         "total_output_tokens": output_tokens,
         "token_counts_from_usage": all(r.usage_reported for r in ok),
+        # usage.prompt_tokens_details.cached_tokens, where the server reports it
+        "cached_tokens_reported": len(cached),
+        "total_cached_prompt_tokens": sum(cached) if cached else None,
+        "prefix_cache_hit_share": _cache_hit_share(ok),
         "request_throughput": per_s(len(ok)),
         "output_throughput": per_s(output_tokens),
         "total_token_throughput": per_s(input_tokens + output_tokens),
@@ -64,6 +101,7 @@ def summarize(
         # Tokens per streamed text chunk after the first: a server that streams one chunk per
         # step (specserve does) shows its mean tokens committed per decode step here.
         "tokens_per_chunk": _tokens_per_chunk(ok),
+        "by_turn": _by_turn(results),
         "server": server,
     }
     return report
@@ -98,6 +136,7 @@ def report_rows(report: dict) -> list[tuple[str, str]]:
             )
         )
     rows.append(("tokens per streamed chunk", _fmt(report.get("tokens_per_chunk"), 2)))
+    rows += _cache_rows(report)
     for kind, n in report["errors"].items():
         rows.append((f"errors: {kind}", str(n)))
     server = report.get("server") or {}
@@ -123,6 +162,32 @@ def report_rows(report: dict) -> list[tuple[str, str]]:
         rows.append(("spec: acceptance by position", rates))
     if spec.get("step_ms_by_k"):
         rows.append(("spec: mean step ms by K", step_ms_by_k(spec)))
+    return rows
+
+
+def _share(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1%}"
+
+
+def _cache_rows(report: dict) -> list[tuple[str, str]]:
+    """The prefix cache's hit share when the server reported cached tokens, and a multi-turn
+    run's figures by turn."""
+    rows = []
+    share = report.get("prefix_cache_hit_share")
+    if share is not None:
+        reported, completed = report["cached_tokens_reported"], report["completed"]
+        value = f"{_share(share)} ({_fmt(report['total_cached_prompt_tokens'])} tokens)"
+        if reported < completed:
+            value += f", reported by {reported} of {completed} requests"
+        rows.append(("prefix cache hit share", value))
+    for t in report.get("by_turn") or []:
+        rows.append(
+            (
+                f"turn {t['turn'] + 1}: TTFT mean (ms) / prompt tokens / cache hit",
+                f"{_fmt(t['ttft_ms_mean'], 1)} / {_fmt(t['prompt_tokens_mean'], 0)}"
+                f" / {_share(t['prefix_cache_hit_share'])}",
+            )
+        )
     return rows
 
 

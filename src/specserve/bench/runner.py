@@ -65,7 +65,7 @@ def benchmark(
     if progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=len(dataset.prompts), desc=desc, unit="req", leave=False)
+        bar = tqdm(total=dataset.num_requests, desc=desc, unit="req", leave=False)
     try:
         results, duration_s = asyncio.run(
             run_load(cfg, dataset.prompts, on_done=(lambda _: bar.update(1)) if bar else None)
@@ -83,6 +83,11 @@ def benchmark(
         duration_s,
         server_figures(before, after),
         config=config,
-        dataset={"name": dataset.name, "num_prompts": len(dataset.prompts), "notes": dataset.notes},
+        dataset={
+            "name": dataset.name,
+            "num_prompts": len(dataset.prompts),  # conversations, for multi-turn
+            "shared_prefix_len": dataset.shared_prefix_len,
+            "notes": dataset.notes,
+        },
     )
     return report

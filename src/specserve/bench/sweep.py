@@ -27,6 +27,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from specserve.bench.conversations import Conversation
 from specserve.bench.datasets import BenchPrompt, Dataset
 from specserve.bench.load import LoadConfig
 from specserve.bench.report import save_json, step_ms_by_k
@@ -113,8 +114,13 @@ def machine_info() -> dict:
     return info
 
 
-def warm_up(load: LoadConfig, server: ServerProcess, prompt: BenchPrompt, n: int) -> None:
-    """n short requests one at a time, not measured (first requests pay one-off costs)."""
+def warm_up(
+    load: LoadConfig, server: ServerProcess, prompt: BenchPrompt | Conversation, n: int
+) -> None:
+    """n short requests one at a time, not measured (first requests pay one-off costs); of a
+    conversation, its first turn."""
+    if isinstance(prompt, Conversation):
+        prompt = prompt.turn_prompt(0, [], chat=load.endpoint == "chat")
     if n:
         warm = Dataset("warmup", [BenchPrompt(prompt.prompt, min(prompt.max_tokens, 16))] * n)
         benchmark(
