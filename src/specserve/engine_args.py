@@ -115,6 +115,11 @@ _FLAGS: dict[str, tuple[str, str]] = {
         "advanced",
         "KV cache size in pages, instead of bytes (default: from --kv-cache-bytes)",
     ),
+    "disable_prefix_caching": (
+        "performance",
+        "free a request's KV pages when it ends, instead of keeping them for later requests "
+        "that begin with the same tokens (a shared system prompt, earlier turns of a chat)",
+    ),
     "max_num_seqs": ("performance", "most requests running at once"),
     "max_num_batched_tokens": (
         "performance",

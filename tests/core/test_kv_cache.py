@@ -38,7 +38,7 @@ def tiny_config(num_layers: int = 2) -> ModelConfig:
 
 
 def snapshot(alloc: PageAllocator) -> tuple:
-    return (list(alloc._free), list(alloc._owned), alloc.num_free, alloc.num_used)
+    return (list(alloc._free), list(alloc._refs), alloc.num_free, alloc.num_used)
 
 
 class AllocatorMachine(RuleBasedStateMachine):

@@ -110,7 +110,11 @@ def test_chat_stream_equals_whole_and_usage(client, offline, tiny_llama):
     texts, reasons = _stream_text(chunks)
     assert texts[0] == whole.choices[0].message.content
     assert reasons[0] == whole.choices[0].finish_reason
-    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+    usage = chunks[-1].usage
+    assert chunks[-1].choices == [] and usage.total_tokens == whole.usage.total_tokens
+    assert usage.completion_tokens == whole.usage.completion_tokens
+    # the same prompt again: its whole pages were cached by the first request
+    assert usage.prompt_tokens_details.cached_tokens == (len(prompt_ids) - 1) // 16 * 16
     assert all(c.usage is None for c in chunks[:-1])
 
 
@@ -275,3 +279,33 @@ def test_penalties_equal_offline_generate(client, offline):
     assert [c.text for c in sorted(got.choices, key=lambda c: c.index)] == expected
     plain = offline.generate(PROMPTS[:2], SamplingParams(max_tokens=10, ignore_eos=True))
     assert expected != [o.text for o in plain]  # the penalties changed something
+
+
+def test_prefix_cache_through_the_api(server, client, offline):
+    """A second chat turn finds the first turn's pages: usage reports the cached prompt
+    tokens (whole pages, fewer than the prompt), /metrics counts them, and the answer is
+    the model's own."""
+    system = "You answer questions about paged attention and speculative decoding. " * 3
+    first = [
+        {"role": "system", "content": system},
+        {"role": "user", "content": "The quick brown fox"},
+    ]
+    a = client.chat.completions.create(model=MODEL, messages=first, max_tokens=8, temperature=0)
+    assert a.usage.prompt_tokens_details.cached_tokens == 0  # (nothing like it before)
+    before = server.metrics()
+    second = first + [
+        {"role": "assistant", "content": a.choices[0].message.content},
+        {"role": "user", "content": "Paged attention"},
+    ]
+    b = client.chat.completions.create(model=MODEL, messages=second, max_tokens=8, temperature=0)
+    ids = offline.apply_chat_template(second)
+    cached = b.usage.prompt_tokens_details.cached_tokens
+    assert len(offline.apply_chat_template(first)) - 16 < cached < len(ids) and cached % 16 == 0
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    assert b.choices[0].message.content == offline.generate(ids, params)[0].text
+    after = server.wait_metric(
+        "specserve_prefix_cache_hit_tokens_total",
+        before["specserve_prefix_cache_hit_tokens_total"] + cached,
+    )
+    assert after == before["specserve_prefix_cache_hit_tokens_total"] + cached
+    assert server.metrics()["specserve_prefix_cache_pages"] > 0

@@ -29,6 +29,7 @@ FLAG_FIELDS: dict[str, tuple[str, str]] = {
     "kv_cache_bytes": ("cache", "size_bytes"),
     "kv_cache_memory_fraction": ("cache", "memory_fraction"),
     "num_kv_pages": ("cache", "num_pages"),
+    "disable_prefix_caching": ("cache", "disable_prefix_caching"),
     "max_num_seqs": ("scheduler", "max_num_seqs"),
     "max_num_batched_tokens": ("scheduler", "max_num_batched_tokens"),
     "max_model_len": ("scheduler", "max_model_len"),

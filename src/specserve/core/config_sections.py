@@ -98,12 +98,15 @@ class ModelLoadConfig:
 class CacheConfig:
     """The paged KV cache: `num_pages` pages when given, else as many as `size_bytes` buys;
     without either, 256 MiB on the CPU and on CUDA `memory_fraction` of the device memory
-    free after the weights are loaded (engine/kv_sizing.py: kv_cache_pages)."""
+    free after the weights are loaded (engine/kv_sizing.py: kv_cache_pages). Unless
+    `disable_prefix_caching`, pages of computed tokens outlive their request until evicted
+    (core/prefix_cache.py)."""
 
     page_size: int = 16  # tokens per page
     size_bytes: int | None = None
     memory_fraction: float = 0.9
     num_pages: int | None = None
+    disable_prefix_caching: bool = False  # pages of computed tokens go when their request does
 
     def __post_init__(self) -> None:
         if self.page_size < 1:

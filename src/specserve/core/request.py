@@ -77,6 +77,14 @@ class Request:
     # Drafter state: positions < draft_cached_len are in the drafter's KV (EAGLE-3's
     # features of the positions after it wait in its feature store, by KV slot).
     draft_cached_len: int = 0
+    # Prefix caching (core/prefix_cache.py): the keys of its full pages so far, how many
+    # leading pages of its table are in the cache, on how many of those the drafter's
+    # entries are marked valid, and the prompt tokens found cached when it was first
+    # admitted (usage.prompt_tokens_details.cached_tokens).
+    page_keys: list[int] = field(default_factory=list)
+    published_pages: int = 0
+    drafter_pages: int = 0
+    num_cached_prompt_tokens: int = 0
     spec: SpecStats = field(default_factory=lambda: SpecStats())
     # Drafts beyond this could never be committed (max_tokens or the context limit):
     # max(0, num_left - 1) when the scheduler hands the request to the policy, which reads it
@@ -125,6 +133,11 @@ class Request:
         return max(0, self.committed_len - 1 - self.draft_cached_len)
 
     @property
+    def num_known(self) -> int:
+        """Tokens whose values the host knows (committed_len less the in-flight)."""
+        return self._prompt_len + len(self.output_token_ids) + len(self.unprocessed_token_ids)
+
+    @property
     def num_generated(self) -> int:
         return len(self.output_token_ids) + len(self.unprocessed_token_ids) + self.num_inflight
 
@@ -152,6 +165,7 @@ class Request:
         """Forget all KV (target and drafter): the request will be recomputed."""
         self.cached_len = 0
         self.draft_cached_len = 0
+        self.published_pages = self.drafter_pages = 0
 
     @property
     def finished(self) -> bool:

@@ -12,6 +12,7 @@ from specserve.core.detokenizer import IncrementalDetokenizer, TokenDecoder
 from specserve.core.errors import InvalidRequestError, RequestTooLargeError
 from specserve.core.kernel_options import current, using
 from specserve.core.parallel import SINGLE_RANK
+from specserve.core.prefix_cache import PrefixCache
 from specserve.core.request import Request
 from specserve.core.sampling_params import SamplingParams
 from specserve.engine.builder import (
@@ -103,6 +104,9 @@ class LLMEngine:
             start_speculator(self.spec, self.target, startup)
             if rank > 0:  # rank 0's policy decides every step's draft lengths
                 self.spec.follow()
+        if not config.cache.disable_prefix_caching and rank == 0:  # (rank 0 lends all pages)
+            successor = self.spec is not None and self.spec.proposer.reads_next_token
+            self.scheduler.prefix = PrefixCache(self.kv, successor_bound=successor)
         self.eos_token_ids = eos_token_ids(self.model_config, self.tokenizer)
         # How ids become text, decided once for every request (core/detokenizer.py).
         self.token_decoder = TokenDecoder(self.tokenizer) if self.tokenizer is not None else None
@@ -254,8 +258,21 @@ class LLMEngine:
             "kv_pages_used": self.kv.allocator.num_used,
             "kv_pages_total": self.kv.allocator.num_usable,
             "preemptions": self.scheduler.num_preemptions,
+            **self._prefix_stats(),
             "steps": self.num_steps,
             "overlap_schedule": self.loop.overlap,
             **self.loop.stats(),
             **(self.spec.stats() if self.spec else {}),
+        }
+
+    def _prefix_stats(self) -> dict:
+        prefix = self.scheduler.prefix
+        if prefix is None:
+            return {}
+        return {
+            "prefix_cache_queried_tokens": prefix.queried_tokens,
+            "prefix_cache_hit_tokens": prefix.hit_tokens,
+            "prefix_cache_pages": prefix.num_pages,
+            "prefix_cache_idle_pages": self.kv.allocator.num_idle,
+            "prefix_cache_evictions": self.kv.allocator.num_evictions,
         }

@@ -26,6 +26,7 @@ class RequestOutput:
     num_new_tokens: int = 0  # tokens committed this step: token_ids[-num_new_tokens:]
     new_logprobs: list = field(default_factory=list)  # their TokenLogprobs, if asked for
     spec_stats: SpecStats | None = None  # present when the engine speculates
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache
 
 
 class RequestSink:
@@ -67,4 +68,5 @@ class RequestSink:
             num_new,
             req.output_logprobs[-num_new:] if req.output_logprobs and num_new else [],
             req.spec if self.spec is not None else None,
+            req.num_cached_prompt_tokens,
         )

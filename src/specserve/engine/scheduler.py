@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from specserve.core.batch import ScheduledRequest
 from specserve.core.kv_cache import KVCache
+from specserve.core.prefix_cache import PrefixCache
 from specserve.core.request import Request, RequestStatus
 from specserve.speculative.policy_base import StepLoad
 
@@ -28,8 +29,15 @@ class Scheduler:
     # How fast the queue's prompt-to-output ratio follows finished requests (EWMA weight)
     RATIO_WEIGHT = 1 / 16
 
-    def __init__(self, kv: KVCache, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(
+        self,
+        kv: KVCache,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        prefix: PrefixCache | None = None,
+    ):
         self.kv = kv
+        self.prefix = prefix  # prefix caching: admitted requests start from cached pages
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
@@ -57,10 +65,16 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         batch: list[ScheduledRequest] = []
         preempted = False
-        running, page_size = self.running, self.kv.page_size
+        running, page_size, prefix = self.running, self.kv.page_size, self.prefix
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
+            if prefix is not None and (
+                req.cached_len >= (req.published_pages + 1) * page_size
+                or req.drafter_pages < req.published_pages
+                and req.draft_cached_len >= (req.drafter_pages + 1) * page_size
+            ):
+                prefix.publish(req)  # its pages that filled up, for later requests
             if req.num_left <= 0:  # done once the step in flight is processed (overlap)
                 i += 1
                 continue
@@ -86,10 +100,17 @@ class Scheduler:
             if len(self.running) >= self.max_num_seqs:
                 break
             req = self.waiting[0]
+            if prefix is not None:
+                prefix.attach(req)
             n = min(req.num_uncached, budget)
             if not self.kv.grow(req.page_table, req.cached_len + n):
+                if req.page_table:  # its cached pages go back (idle, still cached)
+                    self.kv.release(req.page_table)
+                    req.reset_cache()
                 short_of_pages = True
                 break
+            if prefix is not None and req.num_preemptions == 0:
+                prefix.admitted(req)
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
@@ -157,9 +178,14 @@ class Scheduler:
         """Prompt tokens per generated token of the requests finished lately (EWMA)."""
         return self._prompt_mean / self._output_mean if self._output_mean > 0 else 0.0
 
+    def _release(self, req: Request) -> None:
+        if self.prefix is not None:
+            self.prefix.publish(req)  # its last full pages stay for later requests
+        self.kv.release(req.page_table)
+
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
-        self.kv.release(req.page_table)
+        self._release(req)
         req.reset_cache()
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
@@ -174,7 +200,7 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        self.kv.release(req.page_table)
+        self._release(req)
         req.status = RequestStatus.FINISHED
         generated = len(req.output_token_ids)
         if generated and req.finish_reason != "abort":

@@ -60,6 +60,9 @@ class PlannedRow:
     decoding: bool
     preemptions: int
     new_pages: list[int]
+    # With its first pages (first plan, or after a preemption): the cached and drafter
+    # lengths it starts from (nonzero after a prefix cache hit).
+    start: tuple[int, int] | None = None
 
 
 @dataclass(slots=True)
@@ -185,11 +188,12 @@ class PlanPublisher:
             start = known[1] if known[0] == req.num_preemptions else 0
             table = req.page_table
             sent[rid] = (req.num_preemptions, len(table))
-            plan.rows.append(
-                PlannedRow(
-                    rid, s.num_tokens, s.draft_len, s.decoding, req.num_preemptions, table[start:]
-                )
+            row = PlannedRow(
+                rid, s.num_tokens, s.draft_len, s.decoding, req.num_preemptions, table[start:]
             )
+            if start == 0 and req.cached_len:  # a prefix cache hit: it starts past 0
+                row.start = (req.cached_len, req.draft_cached_len)
+            plan.rows.append(row)
         if drafting:
             index = {id(s): i for i, s in enumerate(batch)}
             plan.drafting = [index[id(s)] for s in drafting]
@@ -234,6 +238,8 @@ class PlanFollower:
                 req.num_preemptions = row.preemptions
                 req.page_table = []
             req.page_table.extend(row.new_pages)
+            if row.start is not None:
+                req.cached_len, req.draft_cached_len = row.start
             batch.append(ScheduledRequest(req, row.num_tokens, row.draft_len, row.decoding))
         return batch, [batch[i] for i in plan.drafting]
 

@@ -134,6 +134,7 @@ def merge_deltas(parts: list[OutputDelta]) -> OutputDelta:
         last.finished,
         last.finish_reason,
         next((p.spec_stats for p in reversed(parts) if p.spec_stats is not None), None),
+        last.num_cached_tokens,
     )
 
 

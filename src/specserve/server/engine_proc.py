@@ -232,4 +232,5 @@ def _delta(out) -> tuple:
         out.finish_reason,
         # The request's speculation totals, once: metrics add them up when it finishes.
         out.spec_stats if finished else None,
+        out.num_cached_tokens if finished else None,
     )

@@ -42,6 +42,7 @@ class OutputDelta:
     finished: bool
     finish_reason: str | None
     spec_stats: object | None = None  # the request's SpecStats, sent with its last delta
+    num_cached_tokens: int | None = None  # its prompt tokens found cached, with its last delta
 
 
 @dataclass

@@ -82,9 +82,29 @@ _ENGINE_GAUGES = {
     "waiting": ("specserve_num_requests_waiting", "requests waiting in the engine's queue"),
     "kv_pages_used": ("specserve_kv_pages_used", "KV cache pages held by requests"),
     "kv_pages_total": ("specserve_kv_pages_total", "KV cache pages that can be lent"),
+    "prefix_cache_pages": (
+        "specserve_prefix_cache_pages",
+        "KV pages in the prefix cache (held by requests or idle)",
+    ),
+    "prefix_cache_idle_pages": (
+        "specserve_prefix_cache_idle_pages",
+        "cached KV pages no request holds: evictable, counted as free",
+    ),
 }
 _ENGINE_COUNTERS = {
     "preemptions": ("specserve_preemptions", "requests preempted for lack of KV pages"),
+    "prefix_cache_queried_tokens": (
+        "specserve_prefix_cache_queried_tokens",
+        "prompt tokens of admitted requests looked up in the prefix cache",
+    ),
+    "prefix_cache_hit_tokens": (
+        "specserve_prefix_cache_hit_tokens",
+        "prompt tokens found in the prefix cache (hit rate: this / queried tokens)",
+    ),
+    "prefix_cache_evictions": (
+        "specserve_prefix_cache_evictions",
+        "cached KV pages evicted to make room",
+    ),
     "device_step_ms": (
         "specserve_engine_device_step_ms",
         "device time of engine steps, first kernel to last (GPU only), ms",

@@ -76,7 +76,7 @@ def _is_byte_level(tokenizer) -> bool:
 class _Choice:
     """Accumulated state of one choice."""
 
-    __slots__ = ("text", "num_tokens", "finish_reason", "logprobs", "text_offset")
+    __slots__ = ("text", "num_tokens", "finish_reason", "logprobs", "text_offset", "cached_tokens")
 
     def __init__(self) -> None:
         self.text: list[str] = []
@@ -84,6 +84,7 @@ class _Choice:
         self.finish_reason: str | None = None
         self.logprobs: list = []  # completions: the four parallel lists; chat: entries
         self.text_offset = 0
+        self.cached_tokens = 0  # its prompt tokens the prefix cache had
 
 
 class _Formatter:
@@ -98,15 +99,20 @@ class _Formatter:
         self.created = int(time.time())
         self.choices = [_Choice() for _ in range(num_choices)]
         self.num_prompt_tokens = num_prompt_tokens
+        # Choice i of prompt p is choices[p * per_prompt + i]: a prompt's cached tokens
+        # count once, as its prompt tokens do.
+        self.per_prompt = 1
         self.logprobs = logprobs  # None: no logprobs
         self.token_text: TokenText = text
 
     def usage(self) -> dict:
         completion = sum(c.num_tokens for c in self.choices)
+        cached = sum(c.cached_tokens for c in self.choices[:: self.per_prompt])
         return {
             "prompt_tokens": self.num_prompt_tokens,
             "completion_tokens": completion,
             "total_tokens": self.num_prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": cached},
         }
 
     def _absorb(self, index: int, delta: OutputDelta) -> _Choice:
@@ -116,6 +122,7 @@ class _Formatter:
         c.num_tokens += len(delta.new_token_ids)
         if delta.finished:
             c.finish_reason = delta.finish_reason
+            c.cached_tokens = delta.num_cached_tokens or 0
         return c
 
     simulated = False  # set when the engine simulates acceptance: every response says so

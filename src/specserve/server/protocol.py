@@ -129,12 +129,19 @@ class ChatCompletionRequest(SamplingFields):
 
 
 # ---- responses (documentation of the shapes; built as dicts in openai_format.py) ----------
+class PromptTokensDetails(BaseModel):
+    """Where the prompt tokens came from."""
+
+    cached_tokens: int  # found in the prefix cache: not computed again
+
+
 class Usage(BaseModel):
     """Token counts of a request."""
 
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class CompletionLogprobs(BaseModel):

@@ -50,6 +50,7 @@ class Eagle3Proposer(Proposer):
     sampled requests pay for logits over the whole target vocabulary."""
 
     needs_commit = False  # features reach the store at launch; nothing to queue
+    reads_next_token = True  # head position i pairs token i's feature with token i + 1
 
     def __init__(self, head: Eagle3Head, embed: torch.nn.Embedding, kv: KVCache, backend):
         self.head, self.embed, self.kv = head, embed, kv

@@ -38,6 +38,9 @@ class Proposer(ABC):
     """
 
     aux_layer_ids: tuple[int, ...] = ()
+    # Its state at position i reads the token at i + 1 (EAGLE-3's pairs): a cached page's
+    # drafter entries hold only for the token that followed the page (core/prefix_cache.py).
+    reads_next_token = False
     # Tokens one catch-up pass may carry; longer catch-ups are split (`bounded_passes`).
     max_pass_tokens = 2048
     needs_commit = True  # False: `commit` does nothing (the loop skips building its inputs)

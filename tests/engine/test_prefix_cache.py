@@ -1,0 +1,121 @@
+"""Prefix caching through the engine: output identical with caching on and off for every
+proposer, policy and loop (shared system prompts, multi-turn histories, repeats, forced
+preemption), cache hits that really happen, drafter state reused only where valid, and page
+counts exact at the end."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from specserve import LLM, SamplingParams
+from specserve.speculative.policy_base import PerRequestPolicy
+from tests.support.overlap_cases import (
+    StepDraftLens,
+    make_models,
+    random_draft_lens,
+    record_drafts,
+    spec_kwargs,
+)
+from tests.support.tiny_models import VOCAB
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    return make_models(tmp_path_factory)
+
+
+def _conversations(seed=5, n=4, system_len=37):
+    """First turns: one system prompt, then each request's own question."""
+    rng = random.Random(seed)
+    system = [rng.randrange(3, VOCAB) for _ in range(system_len)]
+    return [
+        system + [rng.randrange(3, VOCAB) for _ in range(rng.randrange(3, 20))] for _ in range(n)
+    ]
+
+
+def _run(models, drafter, caching: bool, k_mode="fixed", system_len=37, **kw):
+    """Two rounds: first turns; then each second turn (first turn + its answer + a new
+    question) with one first turn repeated. Returns (outputs, per-request accepted drafts,
+    engine stats)."""
+    llm = LLM(
+        models["target"], disable_prefix_caching=not caching, **spec_kwargs(models, drafter), **kw
+    )
+    if k_mode == "random":
+        random_draft_lens(llm)
+    elif k_mode == "step":
+        llm.engine.spec.policy = StepDraftLens(llm.engine.spec.k_max, seed=4)
+    elif k_mode == "dormant_first":  # the first turns' drafter is left behind
+        policy = llm.engine.spec.policy
+        llm.engine.spec.policy = PerRequestPolicy(policy.k_max, lambda req: 0)
+        llm.engine.spec.policy.dormant = True
+    drafts = record_drafts(llm) if drafter else {}
+    rng = random.Random(9)
+    first = _conversations(system_len=system_len)
+    outs = llm.generate(first, GREEDY)
+    if k_mode == "dormant_first":
+        llm.engine.spec.policy = policy
+    second = [
+        p + o.token_ids + [rng.randrange(3, VOCAB) for _ in range(5)] for p, o in zip(first, outs)
+    ]
+    outs2 = llm.generate(second + [first[2]], GREEDY)
+    engine = llm.engine
+    assert engine.kv.allocator.num_used == 0 and not engine.requests  # nothing held
+    results = [o.token_ids for o in outs + outs2]
+    return results, {**engine.stats(), "drafts": drafts}
+
+
+@pytest.mark.parametrize("overlap", ["off", "on"])
+@pytest.mark.parametrize("drafter", [None, "ngram", "copy", "eagle3"])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_greedy_identical_with_caching(models, drafter, page_size, overlap):
+    kw = dict(page_size=page_size, overlap_schedule=overlap)
+    off, _ = _run(models, drafter, False, **kw)
+    on, stats = _run(models, drafter, True, **kw)
+    assert on == off
+    # second turns find their first turn (prompt and answer), the repeat its whole prompt
+    assert stats["prefix_cache_hit_tokens"] > 4 * 40
+
+
+@pytest.mark.parametrize("k_mode", ["fixed", "dormant_first"])
+@pytest.mark.parametrize("overlap", ["off", "on"])
+@pytest.mark.parametrize("drafter", ["copy", "eagle3"])
+def test_drafter_state_reused_where_valid(models, drafter, overlap, k_mode):
+    """With a fixed K the drafter drafts the same tokens from cached pages as from
+    recomputed ones, at every step of every request, and takes fewer tokens to catch up:
+    its entries on cached pages were reused, and only where they were valid (stale entries,
+    e.g. a page's last one made for another successor token, change the drafts).
+    `dormant_first`: the first turns never update the drafter, so their pages carry no
+    drafter entries and the second turns' drafters catch up over the cached pages."""
+    # The system prompt fills 9 pages: its last page's successor is each request's own.
+    kw = dict(page_size=4, overlap_schedule=overlap, system_len=36)
+    off, off_stats = _run(models, drafter, False, k_mode, **kw)
+    on, stats = _run(models, drafter, True, k_mode, **kw)
+    assert on == off
+    assert len(stats["drafts"]) > 10 and stats["drafts"] == off_stats["drafts"]
+    if k_mode == "fixed":
+        assert stats["spec_drafter_eager_tokens"] < off_stats["spec_drafter_eager_tokens"]
+
+
+@pytest.mark.parametrize("drafter", ["copy", "eagle3"])
+@pytest.mark.parametrize("k_mode", ["random", "step"])
+def test_random_draft_lengths_identical(models, drafter, k_mode):
+    kw = dict(page_size=4, overlap_schedule="on" if k_mode == "step" else "off")
+    assert (
+        _run(models, drafter, True, k_mode, **kw)[0]
+        == _run(models, drafter, False, k_mode, **kw)[0]
+    )
+
+
+@pytest.mark.parametrize("drafter", [None, "eagle3", "copy"])
+def test_preemption_identical(models, drafter):
+    """A cache too small for the batch: requests are preempted, their pages go back to the
+    cache and they find them again."""
+    kw = dict(page_size=4, num_kv_pages=40, max_num_batched_tokens=24, overlap_schedule="on")
+    off, off_stats = _run(models, drafter, False, **kw)
+    on, stats = _run(models, drafter, True, **kw)
+    assert on == off
+    assert stats["preemptions"] > 0 and stats["prefix_cache_evictions"] > 0
