@@ -52,20 +52,24 @@ def test_plans_keep_mirrors_of_pages_preemptions_and_departures():
     assert mirror_a.page_table == [3] and mirror_b.page_table == [4, 8] and drafting == []
     assert plan.keeps_drafter and not plan.waited
 
-    # a decodes and drafts into a new page; b is preempted and comes back with new pages
+    # a decodes and drafts into a new page; b is preempted and comes back with new pages,
+    # the first of them a prefix cache hit (its drafter's entries valid on half of it)
     a.page_table.append(12)
-    mirror_b.cached_len = b.cached_len = 16
+    mirror_b.cached_len = mirror_b.draft_cached_len = 18
     b.num_preemptions, b.page_table = 1, [20, 21]
+    b.cached_len, b.draft_cached_len = 16, 8
     step = [
         ScheduledRequest(a, 1, draft_len=3, decoding=True),
-        ScheduledRequest(b, 20),
+        ScheduledRequest(b, 4),
     ]
     publisher.publish(step, [step[0]], keeps_drafter=False, waited=True)
     plan = follower.next()
     assert plan.added == [] and [r.new_pages for r in plan.rows] == [[12], [20, 21]]
+    assert [r.start for r in plan.rows] == [None, (16, 8)]
     batch, drafting = follower.batch(plan)
     assert mirror_a.page_table == [3, 12] and mirror_b.page_table == [20, 21]
-    assert mirror_b.cached_len == 0 and mirror_b.num_preemptions == 1  # recomputed
+    assert mirror_b.num_preemptions == 1  # recomputed past its cached prefix:
+    assert (mirror_b.cached_len, mirror_b.draft_cached_len) == (16, 8)
     assert drafting == [batch[0]] and batch[0].draft_len == 3 and batch[0].decoding
     assert plan.waited and not plan.keeps_drafter
 
@@ -103,7 +107,8 @@ def _generate_under_tp(target: str, head: str) -> dict:
     the other rank follows its plans) fixed, random per-step and random per-request K, with
     overlap scheduling; EAGLE-3 with the head sharded too (fixed and random per-step K); a
     draft model; n-gram; greedy, and seeded sampling where the draft lengths repeat
-    (goodput's follow the clock)."""
+    (goodput's follow the clock). Each engine runs the prompts several times: the prefix
+    cache's hits start rows past 0 on every rank."""
     from specserve import LLM
     from specserve.speculative.policy import FixedPolicy
     from tests.support.overlap_cases import StepDraftLens, random_draft_lens
@@ -165,6 +170,10 @@ def _generate_under_tp(target: str, head: str) -> dict:
                 out[name] = run(greedy)
                 if engine != "plain" and spec.policy.__class__.__name__ != "GoodputPolicy":
                     out[name + " sampled"] = run(sampled) == run(sampled)
+            # runs after the first find their prompts' pages cached (rows start past 0)
+            out.setdefault("prefix hits", {})[engine] = llm.engine.stats()[
+                "prefix_cache_hit_tokens"
+            ]
     return out
 
 
@@ -172,6 +181,8 @@ def test_speculation_under_tensor_parallelism_equals_its_plain_decoding(models):
     status, out = run_spawned(_generate_under_tp, *models)
     assert status == "ok", out
     assert all(len(t) == 14 for t in out["plain"])
+    hits = out.pop("prefix hits")
+    assert all(hits[engine] > 0 for engine in hits if engine != "plain"), hits  # (one run)
     names = [n for n in out if n != "plain" and not n.endswith("sampled")]
     assert len(names) == 8 and sum(n.endswith("sampled") for n in out) == 7
     for name in names:

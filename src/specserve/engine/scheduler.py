@@ -69,11 +69,7 @@ class Scheduler:
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
-            if prefix is not None and (
-                req.cached_len >= (req.published_pages + 1) * page_size
-                or req.drafter_pages < req.published_pages
-                and req.draft_cached_len >= (req.drafter_pages + 1) * page_size
-            ):
+            if prefix is not None and req.cached_len >= (req.published_pages + 1) * page_size:
                 prefix.publish(req)  # its pages that filled up, for later requests
             if req.num_left <= 0:  # done once the step in flight is processed (overlap)
                 i += 1
