@@ -176,8 +176,9 @@ def test_chat_conversations_with_poisson_arrivals(server, tmp_path, capsys):
 
 def test_multi_turn_conversations_grow_turn_by_turn(server, tiny_llama, tmp_path, capsys):
     """Multi-turn chats with a shared system prefix: every turn answered (the server takes
-    the assistant messages of the history), the counts equal /metrics, and each turn's
-    prompt is longer than the last by at least its new 8-token question."""
+    the assistant messages of the history), the counts equal /metrics, each turn's prompt
+    is longer than the last by at least its new 8-token question, and the server's prefix
+    cache serves most of the later turns' prompts."""
     before = server_counts(server.url)
     result = tmp_path / "turns.json"
     rc, out = run_bench(
@@ -213,8 +214,10 @@ def test_multi_turn_conversations_grow_turn_by_turn(server, tiny_llama, tmp_path
     assert [t["completed"] for t in report["by_turn"]] == [2, 2, 2]
     means = [t["prompt_tokens_mean"] for t in report["by_turn"]]
     assert means[1] - means[0] >= 8 and means[2] - means[1] >= 8
-    share = report["prefix_cache_hit_share"]  # None until the server reports cached tokens
-    assert share is None or 0 <= share <= 1
+    # later turns find the earlier turns' pages in the server's prefix cache (whole pages)
+    assert 0 < report["prefix_cache_hit_share"] < 1 and report["cached_tokens_reported"] == 6
+    assert report["total_cached_prompt_tokens"] % 16 == 0
+    assert all(t["prefix_cache_hit_share"] > 0.3 for t in report["by_turn"][1:])
     assert "turn 3: TTFT mean (ms)" in out
 
 

@@ -117,8 +117,12 @@ def test_server_engine_loop_with_overlap(models, reference):
 def test_random_arrivals_aborts_and_preemption(models, reference, drafter):
     """Requests arrive and are aborted at random turns (often while their step is in
     flight) with a small KV cache and random draft lengths: every request that is not
-    aborted produces exactly the tokens of the synchronous loop, and no page is left."""
+    aborted produces exactly the tokens of the synchronous loop, and no page is left. Most
+    prompts share a stem, so requests also start from pages the prefix cache kept (of
+    finished, aborted and preempted requests) while those are evicted and reused."""
     prompts = prompts_for(seed=8, lengths=(3, 12, 7, 20, 5, 16, 9, 2, 14, 6))
+    stem = prompts_for(seed=9, lengths=(9, 1))[0]
+    prompts = [stem + p if i % 3 else p for i, p in enumerate(prompts)]
     params = stop_params(reference(GREEDY))
     params = [params[i % len(params)] for i in range(len(prompts))]
     expected = reference(params, prompts)
@@ -136,6 +140,7 @@ def test_random_arrivals_aborts_and_preemption(models, reference, drafter):
     ids, finished, aborted, in_flight_aborts = churn(engine, prompts, params, arrive_p=0.6)
     assert engine.kv.allocator.num_used == 0 and not engine.requests
     assert in_flight_aborts and engine.scheduler.num_preemptions > 0
+    assert engine.stats()["prefix_cache_hit_tokens"] > 0
     assert len(finished) + len(aborted) == len(prompts)
     for rid, i in ids.items():
         if rid not in aborted:
