@@ -32,6 +32,7 @@ EXPECTED = {
         "--page-size",
         "--kv-cache-bytes",
         "--num-kv-pages",
+        "--disable-prefix-caching",
         "--disable-gemv",
         "--disable-gemv-tuning",
         "--disable-batch-invariance",

@@ -116,7 +116,7 @@ _FLAGS: dict[str, tuple[str, str]] = {
         "KV cache size in pages, instead of bytes (default: from --kv-cache-bytes)",
     ),
     "disable_prefix_caching": (
-        "performance",
+        "advanced",
         "free a request's KV pages when it ends, instead of keeping them for later requests "
         "that begin with the same tokens (a shared system prompt, earlier turns of a chat)",
     ),

@@ -33,6 +33,7 @@ EVERY_FLAG = {
     "kv_cache_bytes": 2**20,
     "kv_cache_memory_fraction": 0.5,
     "num_kv_pages": 64,
+    "disable_prefix_caching": True,
     "max_num_seqs": 8,
     "max_num_batched_tokens": 512,
     "max_model_len": 1024,

@@ -4,10 +4,11 @@ random publish / attach / release / allocate sequences."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from specserve.core.kv_cache import KVCache
 from specserve.core.prefix_cache import PrefixCache
@@ -109,39 +110,103 @@ def test_idle_pages_are_free_and_evicted_least_recently_released_deepest_first()
     assert alloc.num_free == 3
 
 
-def test_every_page_accounted_for_under_random_traffic():
-    rng = random.Random(0)
-    kv = _kv(num_pages=24)
-    cache = PrefixCache(kv, successor_bound=True)
-    alloc = kv.allocator
-    stems = [[rng.randrange(50) for _ in range(9)] for _ in range(3)]
-    live: list[Request] = []
-    for _ in range(400):
-        if live and rng.random() < 0.4:
-            req = live.pop(rng.randrange(len(live)))
-            cache.publish(req)
-            kv.release(req.page_table)
-            continue
-        tokens = rng.choice(stems) + [rng.randrange(50) for _ in range(rng.randrange(1, 12))]
-        req = _request(tokens)
-        cache.attach(req)
-        assert req.token_ids(0, req.cached_len) == tokens[: req.cached_len]
-        for i, page in enumerate(req.page_table):  # the pages hold its own tokens
-            assert cache._entries[page][1].tokens == tuple(tokens[i * PAGE : (i + 1) * PAGE])
-        if not kv.grow(req.page_table, len(tokens)):
-            kv.release(req.page_table)
-            continue
-        req.cached_len = len(tokens) - 1
-        req.draft_cached_len = rng.randrange(req.cached_len + 1)
-        cache.publish(req)
-        live.append(req)
-        held = {}
-        for r in live:
-            for p in r.page_table:
+class PrefixCacheMachine(RuleBasedStateMachine):
+    """Random admissions (attach, then pages of its own), computation (publishing pages as
+    they fill, the drafter behind or level), finishing, aborting and preempting (publish,
+    release; a preempted request comes back with its tokens and finds its pages again or
+    not), and raw allocations that evict idle pages, against a model of who holds what."""
+
+    def __init__(self):
+        super().__init__()
+        self.kv = _kv(num_pages=20)
+        self.cache = PrefixCache(self.kv, successor_bound=True)
+        self.live: list[Request] = []
+        self.preempted: list[Request] = []
+        self.raw: list[list[int]] = []
+        self.stems = [[s * 7 % 50 + i for i in range(9)] for s in range(3)]
+
+    def _admit(self, req: Request) -> None:
+        self.cache.attach(req)
+        tokens = req.all_token_ids
+        assert req.cached_len < len(tokens)
+        for i, page in enumerate(req.page_table):  # every page it found holds its tokens
+            assert self.cache._entries[page][1].tokens == tuple(tokens[i * PAGE : (i + 1) * PAGE])
+        if self.kv.grow(req.page_table, len(tokens)):
+            self.live.append(req)
+        else:
+            self.kv.release(req.page_table)
+            req.reset_cache()
+
+    @rule(stem=st.integers(0, 2), tail=st.lists(st.integers(0, 49), min_size=1, max_size=11))
+    def admit(self, stem, tail):
+        self._admit(_request(self.stems[stem] + tail))
+
+    @precondition(lambda self: self.preempted)
+    @rule(data=st.data())
+    def readmit(self, data):
+        self._admit(self.preempted.pop(data.draw(st.integers(0, len(self.preempted) - 1))))
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data(), lag=st.integers(0, 6))
+    def compute(self, data, lag):
+        """It computes every token it holds but the last; its drafter `lag` behind."""
+        req = self.live[data.draw(st.integers(0, len(self.live) - 1))]
+        req.cached_len = max(req.cached_len, req.num_known - 1)
+        req.draft_cached_len = max(req.draft_cached_len, req.cached_len - lag)
+        self.cache.publish(req)
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data(), new=st.lists(st.integers(0, 49), min_size=1, max_size=6))
+    def generate(self, data, new):
+        """It commits more tokens (pages for them when there are any)."""
+        req = self.live[data.draw(st.integers(0, len(self.live) - 1))]
+        if self.kv.grow(req.page_table, req.num_known + len(new)):
+            req.output_token_ids.extend(new)
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data(), preempt=st.booleans())
+    def leave(self, data, preempt):
+        """Finished, aborted or preempted: its full pages published, all released."""
+        req = self.live.pop(data.draw(st.integers(0, len(self.live) - 1)))
+        self.cache.publish(req)
+        self.kv.release(req.page_table)
+        if preempt:
+            req.reset_cache()
+            self.preempted.append(req)
+
+    @rule(n=st.integers(1, 6))
+    def allocate(self, n):
+        if n <= self.kv.allocator.num_free:
+            self.raw.append(self.kv.allocator.allocate(n))
+
+    @precondition(lambda self: self.raw)
+    @rule()
+    def free(self):
+        self.kv.allocator.free(self.raw.pop())
+
+    @invariant()
+    def every_page_accounted_for(self):
+        alloc, cache = self.kv.allocator, self.cache
+        held: dict[int, int] = {}
+        for pages in [r.page_table for r in self.live] + self.raw:
+            for p in pages:
                 held[p] = held.get(p, 0) + 1
-        for page in range(1, kv.allocator.num_pages):
-            assert alloc._refs[page] == held.get(page, 0)
-            assert (page in alloc._idle) == (page in cache._entries and page not in held)
-        assert alloc.num_free == len(alloc._free) + len(alloc._idle)
+        for page in range(1, alloc.num_pages):
+            assert alloc._refs[page] == held.get(page, 0) >= 0
+            idle, free = page in alloc._idle, page in alloc._free
+            assert idle + free + (page in held) == 1  # exactly one state
+            assert idle == (page in cache._entries and page not in held)
         assert alloc.num_used == len(held)
         assert {cache._pages[k] for k in cache._pages} == set(cache._entries)
+        assert len(cache._pages) == len(cache._entries)
+
+    def teardown(self):
+        for req in self.live:
+            self.kv.release(req.page_table)
+        for pages in self.raw:
+            self.kv.allocator.free(pages)
+        assert self.kv.allocator.num_used == 0  # every page back, cached ones idle
+
+
+TestPrefixCacheMachine = PrefixCacheMachine.TestCase
+TestPrefixCacheMachine.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 NUM_STREAMS = 200
-LONG = 480  # tokens a dropped request would need to finish (context is 512)
+LONG = 400  # tokens a dropped request would need to finish (context is 512)
 
 
 def _finished(server, reason: str) -> float:
@@ -19,10 +19,16 @@ def _finished(server, reason: str) -> float:
     )
 
 
-async def _open_and_drop(server, started: asyncio.Event, reached: list, all_in: asyncio.Event):
+# Every stream's prompt begins the same (several pages): they share cached pages.
+SHARED = "Paged attention stores keys and values in fixed size pages. " * 3
+
+
+async def _open_and_drop(
+    server, started: asyncio.Event, reached: list, all_in: asyncio.Event, i: int
+):
     body = {
         "model": "tinyllama",
-        "prompt": "The quick brown fox",
+        "prompt": SHARED + f"The quick brown fox {i}",
         "max_tokens": LONG,
         "stream": True,
         "ignore_eos": True,
@@ -51,14 +57,17 @@ async def _open_and_drop(server, started: asyncio.Event, reached: list, all_in: 
 
 
 def test_dropped_streams_free_their_pages(server):
+    """Streams sharing a prompt prefix (their requests hold its cached pages together) are
+    dropped mid-stream: every page is released, the shared ones stay cached, idle."""
     aborted_before = _finished(server, "abort")
     length_before = _finished(server, "length")
+    hits_before = server.metrics().get("specserve_prefix_cache_hit_tokens_total", 0.0)
 
     async def run():
         started, all_in, reached = asyncio.Event(), asyncio.Event(), []
         tasks = [
-            asyncio.create_task(_open_and_drop(server, started, reached, all_in))
-            for _ in range(NUM_STREAMS)
+            asyncio.create_task(_open_and_drop(server, started, reached, all_in, i))
+            for i in range(NUM_STREAMS)
         ]
         await asyncio.wait_for(all_in.wait(), 120)
         during = await asyncio.to_thread(server.metrics)
@@ -78,6 +87,8 @@ def test_dropped_streams_free_their_pages(server):
     assert after["specserve_num_requests_in_flight"] == 0
     assert _finished(server, "length") == length_before  # none ran to the end
     assert _finished(server, "abort") - aborted_before == NUM_STREAMS
+    assert after["specserve_prefix_cache_hit_tokens_total"] - hits_before >= 32 * NUM_STREAMS // 2
+    assert after["specserve_prefix_cache_idle_pages"] == after["specserve_prefix_cache_pages"] > 0
 
 
 def test_dropped_whole_response_is_aborted(server):
