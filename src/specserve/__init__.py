@@ -8,11 +8,12 @@ from specserve.core.errors import (
     SpecserveError,
     UnsupportedModelError,
 )
-from specserve.core.sampling_params import SamplingParams
+from specserve.core.sampling_params import Grammar, SamplingParams
 
 __all__ = [
     "LLM",
     "SamplingParams",
+    "Grammar",
     "CompletionOutput",
     "SpecserveError",
     "ConfigError",

@@ -105,6 +105,8 @@ class Request:
         # waits): plain attributes, not SamplingParams' properties.
         self.shapes_logits = p.shapes_logits
         self.penalized = p.penalized
+        self.constrained = p.grammar is not None
+        self.grammar_state = None  # its grammar matcher (runtime/grammar.py), made on first use
 
     @property
     def stop_ids(self) -> frozenset[int]:

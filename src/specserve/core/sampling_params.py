@@ -7,6 +7,27 @@ from dataclasses import dataclass, field
 from specserve.core.errors import InvalidRequestError
 
 
+GRAMMAR_KINDS = ("json", "json_schema", "regex")
+
+
+@dataclass(frozen=True)
+class Grammar:
+    """What the output must match: any JSON value (`json`: OpenAI's json_object), the JSON
+    schema given as a JSON string (`json_schema`), or a regular expression (`regex`)."""
+
+    kind: str
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in GRAMMAR_KINDS:
+            raise InvalidRequestError(
+                f"grammar kind must be one of {', '.join(GRAMMAR_KINDS)}; got {self.kind!r}",
+                field="grammar",
+            )
+        if self.kind != "json" and not (isinstance(self.source, str) and self.source):
+            raise InvalidRequestError(f"a {self.kind} grammar needs its source", field="grammar")
+
+
 @dataclass
 class SamplingParams:
     """How to sample one request. The defaults are `specserve generate`'s: greedy decoding
@@ -31,7 +52,9 @@ class SamplingParams:
     once if it was generated already and once per time it was; `repetition_penalty` (> 0,
     1 is off; transformers' and vLLM's) divides a positive logit, multiplies a negative one,
     of every token in the prompt or the output. A verified draft counts for the rows after
-    it, as it would have in plain decoding.
+    it, as it would have in plain decoding. `grammar` (a Grammar) constrains the output to
+    JSON, a JSON schema or a regular expression: every row's distribution is masked to the
+    tokens the grammar allows there (runtime/grammar.py), drafts included.
 
     Example: `SamplingParams(max_tokens=64, temperature=0.7, top_p=0.9, seed=1)`.
     """
@@ -52,6 +75,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    grammar: Grammar | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -115,6 +139,11 @@ class SamplingParams:
                 isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
                 "must be an integer in [0, max_tokens]",
             ),
+            (
+                "min_tokens",
+                not (self.min_tokens and self.grammar is not None),
+                "cannot be combined with a grammar (its end may come first)",
+            ),
         ]
         for name, ok, what in checks:
             if not ok:
@@ -132,8 +161,13 @@ class SamplingParams:
     @property
     def shapes_logits(self) -> bool:
         """Whether the logits are changed before a draw (`logit_bias`, `min_tokens`, the
-        penalties)."""
-        return bool(self.logit_bias) or self.min_tokens > 0 or self.penalized
+        penalties, a grammar)."""
+        return (
+            bool(self.logit_bias)
+            or self.min_tokens > 0
+            or self.penalized
+            or self.grammar is not None
+        )
 
     @property
     def greedy(self) -> bool:

@@ -37,6 +37,7 @@ from specserve.engine.step_plan import (
     TokenCheck,
 )
 from specserve.model.llama import LlamaForCausalLM
+from specserve.runtime.grammar import GrammarCompiler
 
 log = logging.getLogger("specserve")
 
@@ -108,6 +109,9 @@ class LLMEngine:
             successor = self.spec is not None and self.spec.proposer.reads_next_token
             self.scheduler.prefix = PrefixCache(self.kv, successor_bound=successor)
         self.eos_token_ids = eos_token_ids(self.model_config, self.tokenizer)
+        self.runner.grammars = GrammarCompiler(
+            self.tokenizer, self.model_config.vocab_size, self.eos_token_ids
+        )
         # How ids become text, decided once for every request (core/detokenizer.py).
         self.token_decoder = TokenDecoder(self.tokenizer) if self.tokenizer is not None else None
         self.requests: dict[str, Request] = {}
@@ -167,6 +171,8 @@ class LLMEngine:
                 f"logit_bias token ids must lie in [0, {vocab}); got {max(params.logit_bias)}",
                 "logit_bias",
             )
+        if params.grammar is not None:
+            self.runner.grammars.compile(params.grammar)  # (cached for its matcher)
         total = min(len(ids) + params.max_tokens, self.max_model_len)
         if total > self.kv.capacity_tokens:
             raise RequestTooLargeError(

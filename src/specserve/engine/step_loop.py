@@ -167,12 +167,15 @@ class StepLoop:
         its drafter reads them there (EAGLE-3, greedy, one draft length) and, after a
         speculative step, every position it may reach lies within the context. Else why
         not: "sampled" (a drafting request samples), "mixed_draft_lens", "host_drafts" (the
-        proposer drafts on the host), "penalties" (a request's penalties count every token
+        proposer drafts on the host), "grammar" (a request's masks follow every token before
+        each row: runtime/grammar.py), "penalties" (a request's penalties count every token
         before each row), "min_tokens" (after a speculative step, a request
         whose EOS is still masked: which rows may end its output depends on prev's count;
         runtime/logit_shaping.py) or "context_limit"."""
         if any(s.request.penalized for s in batch):
             return "penalties"  # a row's penalties count prev's tokens
+        if any(s.request.constrained for s in batch):
+            return "grammar"  # a row's mask follows prev's tokens
         if drafting and not self.spec.proposer.reads_inflight(drafting):
             if any(s.request.params.temperature > 0 for s in drafting):
                 return "sampled"

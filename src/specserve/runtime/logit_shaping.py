@@ -2,7 +2,8 @@
 the penalties (`repetition_penalty` over the prompt and output tokens, then
 `frequency_penalty` and `presence_penalty` over the output tokens), `logit_bias`, and EOS
 and the stop tokens masked while fewer than `min_tokens` tokens are generated
-(SamplingParams). They apply to every logit row a request has in the step (its last
+(SamplingParams), then the mask of a request's grammar (runtime/grammar.py). They apply
+to every logit row a request has in the step (its last
 committed token's and each draft's, each at its own output position, the drafts before a
 row counting as generated for it), so verification sees the distribution plain decoding
 draws from, and greedy output with speculation stays plain decoding's. The drafters draft
@@ -16,16 +17,19 @@ from __future__ import annotations
 
 import torch
 
+from specserve.runtime.grammar import GrammarCompiler, mask_grammars
+
 
 def shapes_step(sampled) -> bool:
     """Whether any sampled request of a step has its logits changed."""
     return any(s.request.shapes_logits for s in sampled)
 
 
-def shape_logits(logits: torch.Tensor, step) -> torch.Tensor:
+def shape_logits(logits: torch.Tensor, step, grammars: GrammarCompiler | None) -> torch.Tensor:
     """A copy of `logits` ([rows, vocab]: each sampled request's rows in order, its last
     committed token's, then one per draft; `step` the StepInput they came from) with each
-    request's changes applied. A row j draws the request's generated token number
+    request's changes applied, its grammar's mask last (`grammars`: the engine's compiler,
+    runtime/grammar.py). A row j draws the request's generated token number
     `num_generated + j` (counted from 0)."""
     out = logits.clone()
     _penalize(out, step)
@@ -62,6 +66,8 @@ def shape_logits(logits: torch.Tensor, step) -> torch.Tensor:
             torch.tensor(mask_tokens, device=device),
         )
         out.index_put_(index, torch.tensor(float("-inf"), device=device, dtype=out.dtype))
+    if grammars is not None:
+        mask_grammars(out, step, grammars)
     return out
 
 

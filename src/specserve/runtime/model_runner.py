@@ -13,6 +13,7 @@ from specserve.layers.sampler import SamplingTensors, argmax_rows, sample
 from specserve.model.llama import LlamaForCausalLM
 from specserve.runtime.cuda_graphs import CudaGraphRunner
 from specserve.runtime.inflight import InflightStep, place_device_tokens
+from specserve.runtime.grammar import GrammarCompiler
 from specserve.runtime.logit_shaping import shape_logits, shapes_step
 from specserve.runtime.packing import Segment, pack, to_device, upload
 from specserve.runtime.sampled_tokens import (
@@ -100,6 +101,7 @@ class ModelRunner:
         self.backend = backend
         self.device = kv.pool.device
         self.graphs: CudaGraphRunner | None = None  # set by the engine on CUDA
+        self.grammars: GrammarCompiler | None = None  # structured output (set by the engine)
         # (hidden, logits, greedy tokens[, greedy accept lengths]) of the last forward,
         # where its graph took them (CudaGraphRunner.last_head)
         self.step_head: tuple[torch.Tensor, ...] | None = None
@@ -214,7 +216,7 @@ class ModelRunner:
         t = self._upload(step, plan, simulate_rate)
         logits = self._logits(hidden, None if plan.all_rows else t["rows"], plan.fp32)
         if plan.shaped:
-            logits = shape_logits(logits, step)
+            logits = shape_logits(logits, step, self.grammars)
         if plan.max_draft_len == 0:  # plain sampling
             tokens = sample(logits, t["sampling"])[:, None]
             return self._with_logprobs(step, logits, tokens, None, plan.want, 0)
@@ -229,7 +231,7 @@ class ModelRunner:
         rows = None if plan.all_rows else to_device(step.sample_rows, self.device)
         logits = self._logits(hidden, rows, plan.fp32)
         if plan.shaped:
-            logits = shape_logits(logits, step)
+            logits = shape_logits(logits, step, self.grammars)
         tokens = argmax_rows(logits)[:, None]  # the sampler's greedy rows, no tensors
         return self._with_logprobs(step, logits, tokens, None, want, 0)
 

@@ -1,0 +1,132 @@
+"""Structured output: a request's grammar (SamplingParams.grammar: JSON, a JSON schema, a
+regular expression) compiled by xgrammar for the model's tokenizer, one matcher per request,
+and each step's token masks.
+
+xgrammar over llguidance, by measurement (SmolLM2's 49,152-token vocabulary, a three-field
+JSON schema, CPU): a token's mask and advance take 12 us against 92 us, compiling takes 0.2 s
+against 0.5 s, and both roll back.
+
+Speculation stays lossless: a constrained request has a mask on every logit row of the step,
+the row of its last committed token and one per draft, each from its matcher advanced through
+the drafts before it (then rolled back). Verification therefore compares each draft with the
+masked distribution plain decoding draws from, and the bonus token is drawn from it too: an
+illegal draft has probability 0 and is rejected, so the rows after it are never read (they
+keep the last legal state's mask). The matcher follows the committed tokens lazily, when the
+next step needs its masks; the overlapped loop waits for the step in flight first (wait
+reason "grammar"), as the masks depend on its tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+import xgrammar as xgr
+
+from specserve.core.errors import InvalidRequestError
+from specserve.core.sampling_params import Grammar
+
+
+class GrammarCompiler:
+    """Grammars compiled for one tokenizer (cached by xgrammar); the tokenizer's tables are
+    built on the first grammar (0.2 s for a 49k vocabulary), not at start-up."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_ids):
+        self.tokenizer, self.vocab_size = tokenizer, vocab_size
+        self.stop_ids = sorted(stop_ids)
+        self._compiler: xgr.GrammarCompiler | None = None
+
+    def compile(self, grammar: Grammar) -> xgr.CompiledGrammar:
+        """The compiled grammar; a grammar xgrammar refuses is the request's error (400)."""
+        if self.tokenizer is None:
+            raise InvalidRequestError(
+                "structured output needs the model's tokenizer; this engine has none", "grammar"
+            )
+        if self._compiler is None:
+            info = xgr.TokenizerInfo.from_huggingface(
+                self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_ids
+            )
+            self._compiler = xgr.GrammarCompiler(info)
+        compiler = self._compiler
+        try:
+            if grammar.kind == "json":
+                return compiler.compile_builtin_json_grammar()
+            if grammar.kind == "json_schema":
+                return compiler.compile_json_schema(grammar.source, any_whitespace=False)
+            return compiler.compile_regex(grammar.source)
+        except (RuntimeError, ValueError, TypeError) as e:
+            reason = str(e).split("Check failed:")[-1].strip()
+            raise InvalidRequestError(
+                f"the {grammar.kind} grammar cannot be used: {reason}", "grammar"
+            ) from e
+
+    def state(self, req) -> GrammarState:
+        """The request's matcher, made on first use (on every rank: each masks its logits)."""
+        if req.grammar_state is None:
+            req.grammar_state = GrammarState(xgr.GrammarMatcher(self.compile(req.params.grammar)))
+        return req.grammar_state
+
+
+class GrammarState:
+    """One request's matcher and how many of its output tokens it has taken."""
+
+    __slots__ = ("matcher", "num_taken")
+
+    def __init__(self, matcher: xgr.GrammarMatcher):
+        self.matcher, self.num_taken = matcher, 0
+
+    def follow(self, output: list[int]) -> None:
+        """Take the committed output tokens it has not seen (drawn under its masks, so
+        legal; past the grammar's end, under ignore_eos, there is nothing to take)."""
+        matcher = self.matcher
+        for token in output[self.num_taken :]:
+            if not matcher.is_terminated():
+                matcher.accept_token(token)
+        self.num_taken = len(output)
+
+    def fill(self, bitmask: torch.Tensor, first_row: int, drafts: list[int]) -> None:
+        """Masks of rows first_row.. (the next token, then after each draft in turn): each
+        draft is taken, then all are rolled back. Rows after an illegal draft, or after the
+        grammar's end, keep the mask before it (never read: see the module doc)."""
+        matcher, taken = self.matcher, 0
+        row = first_row
+        for j in range(len(drafts) + 1):
+            if matcher.is_terminated():  # (its output ended: nothing constrains the rest)
+                end = row + len(drafts) + 1
+                bitmask[row + j : end] = -1 if j == 0 else bitmask[row + j - 1]
+                break
+            matcher.fill_next_token_bitmask(bitmask, row + j)
+            if j == len(drafts) or not matcher.accept_token(drafts[j]):
+                bitmask[row + j + 1 : row + len(drafts) + 1] = bitmask[row + j]
+                break
+            taken += 1
+        if taken:
+            matcher.rollback(taken)
+
+
+def mask_grammars(out: torch.Tensor, step, compiler: GrammarCompiler) -> None:
+    """Mask, in place, every logit row of the step's constrained requests to the tokens their
+    grammars allow there. Their drafts come from the step's input ids (one copy to the host
+    for all of them)."""
+    spans, inputs = [], []  # (state, first logit row, drafts); the drafts' input rows
+    offset = 0
+    for s in step.sampled:
+        rows = s.drafted + 1
+        req = s.request
+        if req.constrained:
+            state = compiler.state(req)
+            state.follow(req.output_token_ids + req.unprocessed_token_ids)
+            spans.append((state, offset, rows))
+            inputs += step.sample_rows[offset + 1 : offset + rows]
+        offset += rows
+    if not spans:
+        return
+    drafts = step.input_ids[torch.tensor(inputs, device=out.device)].tolist() if inputs else []
+    bitmask = xgr.allocate_token_bitmask(out.shape[0], compiler.vocab_size)
+    rows_masked, used = [], 0
+    for state, first, rows in spans:
+        state.fill(bitmask, first, drafts[used : used + rows - 1])
+        used += rows - 1
+        rows_masked += range(first, first + rows)
+    bitmask = bitmask.to(out.device, non_blocking=True)
+    xgr.apply_token_bitmask_inplace(
+        out, bitmask, vocab_size=compiler.vocab_size, indices=rows_masked
+    )

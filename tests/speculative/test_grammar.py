@@ -1,0 +1,154 @@
+"""Structured output (SamplingParams.grammar): greedy output equals transformers' generate
+with xgrammar's own logits processor (its HF integration, not ours) for JSON, a JSON schema and
+a regular expression; with speculation (a draft model, n-gram, EAGLE-3; fixed and random K;
+both loops) it equals plain constrained decoding; sampled output, plain and speculative, is
+always legal; bad grammars are refused by name."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+import xgrammar as xgr
+
+from specserve import LLM, Grammar, SamplingParams
+from specserve.core.errors import InvalidRequestError
+from tests.support.overlap_cases import generate, make_models, prompts_for
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 4}, "ok": {"type": "boolean"}},
+    "required": ["name", "ok"],
+}
+GRAMMARS = {
+    "json": Grammar("json"),
+    "schema": Grammar("json_schema", json.dumps(SCHEMA)),
+    "regex": Grammar("regex", r"(ab|c){1,4}-[0-9]{2,3}"),
+}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    return make_models(tmp_path_factory)
+
+
+def _params(name: str, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=kw.pop("max_tokens", 16), grammar=GRAMMARS[name], **kw)
+
+
+def _hf_greedy(folder, prompts, grammar: Grammar, eos: list[int], max_new: int):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from xgrammar.contrib.hf import LogitsProcessor
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    info = xgr.TokenizerInfo.from_huggingface(
+        AutoTokenizer.from_pretrained(folder),
+        vocab_size=model.config.vocab_size,
+        stop_token_ids=eos,
+    )
+    compiler = xgr.GrammarCompiler(info)
+    if grammar.kind == "json":
+        compiled = compiler.compile_builtin_json_grammar()
+    elif grammar.kind == "json_schema":
+        compiled = compiler.compile_json_schema(grammar.source, any_whitespace=False)
+    else:
+        compiled = compiler.compile_regex(grammar.source)
+    out = []
+    for prompt in prompts:
+        ids = model.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=max_new,
+            do_sample=False,
+            logits_processor=[LogitsProcessor(compiled)],
+            eos_token_id=eos,
+            pad_token_id=0,
+        )
+        out.append(ids[0, len(prompt) :].tolist())
+    return out
+
+
+@pytest.mark.parametrize("name", list(GRAMMARS))
+def test_greedy_output_equals_transformers_with_xgrammar(models, name):
+    prompts = prompts_for()[:5]
+    llm = LLM(models["target"])
+    outs = llm.generate(prompts, _params(name, max_tokens=48))
+    eos = sorted(llm.engine.eos_token_ids)
+    assert [o.token_ids for o in outs] == _hf_greedy(
+        models["target"], prompts, GRAMMARS[name], eos, 48
+    )
+    finished = [o for o in outs if o.finish_reason == "stop"]
+    if name != "json":  # (bounded grammars: the outputs end)
+        assert len(finished) == len(outs)
+    for o in finished:  # complete outputs are what the grammar describes
+        if name == "schema":
+            value = json.loads(o.text)
+            assert set(value) == {"name", "ok"} and isinstance(value["ok"], bool)
+        elif name == "json":
+            json.loads(o.text)
+        else:
+            assert re.fullmatch(GRAMMARS[name].source, o.text), o.text
+    unconstrained = llm.generate(prompts, SamplingParams(max_tokens=48))
+    assert [o.token_ids for o in outs] != [o.token_ids for o in unconstrained]
+
+
+SPECULATION = [
+    (drafter, overlap, False)
+    for drafter in ("copy", "random", "ngram", "eagle3")
+    for overlap in ("off", "on")
+] + [("copy", "on", True), ("eagle3", "on", True)]  # (random K per request)
+
+
+@pytest.fixture(scope="module")
+def plain(models):
+    return {name: generate(models, prompts_for(), _params(name), "off")[1] for name in GRAMMARS}
+
+
+@pytest.mark.parametrize(("drafter", "overlap", "random_k"), SPECULATION)
+def test_speculation_keeps_plain_constrained_output(models, plain, drafter, overlap, random_k):
+    for name in GRAMMARS:
+        llm, outs = generate(
+            models, prompts_for(), _params(name), overlap, drafter, random_k=random_k
+        )
+        assert outs == plain[name], name
+        if overlap == "on":  # the masks follow the step in flight's tokens
+            assert llm.engine.stats()["loop_wait_reasons"].get("grammar", 0) > 0
+
+
+def _legal(llm, grammar: Grammar, tokens: list[int]) -> bool:
+    matcher = xgr.GrammarMatcher(llm.engine.runner.grammars.compile(grammar))
+    return all(matcher.is_terminated() or matcher.accept_token(t) for t in tokens)
+
+
+@pytest.mark.parametrize("drafter", [None, "random", "eagle3"])
+def test_sampled_output_is_always_legal(models, drafter):
+    """Sampled at temperature 1.5 with and without speculation (rejection sampling against
+    the masked distribution): every token of every output is one the grammar allows."""
+    prompts = prompts_for()
+    for name in GRAMMARS:
+        params = [_params(name, temperature=1.5, seed=i, max_tokens=20) for i in range(8)]
+        llm = LLM(models["target"], **(_spec(models, drafter)))
+        outs = llm.generate(prompts, params)
+        assert all(_legal(llm, GRAMMARS[name], o.token_ids) for o in outs), name
+        assert len({tuple(o.token_ids) for o in outs}) > 4  # sampled, not one answer
+
+
+def _spec(models, drafter):
+    from tests.support.overlap_cases import spec_kwargs
+
+    return spec_kwargs(models, drafter)
+
+
+def test_bad_grammars_are_refused(models):
+    llm = LLM(models["target"])
+    with pytest.raises(InvalidRequestError, match="json_schema grammar cannot be used") as e:
+        llm.engine.add_request([5, 6], SamplingParams(grammar=Grammar("json_schema", "{oops")))
+    assert e.value.field == "grammar"
+    with pytest.raises(InvalidRequestError, match="regex grammar cannot be used"):
+        llm.engine.add_request([5, 6], SamplingParams(grammar=Grammar("regex", "(unclosed")))
+    with pytest.raises(InvalidRequestError, match="grammar kind must be one of"):
+        Grammar("yaml", "x")
+    with pytest.raises(InvalidRequestError, match="min_tokens cannot be combined"):
+        SamplingParams(min_tokens=2, grammar=Grammar("json"))
+    assert not llm.engine.requests and llm.engine.kv.allocator.num_used == 0
