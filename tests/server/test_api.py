@@ -309,3 +309,78 @@ def test_prefix_cache_through_the_api(server, client, offline):
     )
     assert after == before["specserve_prefix_cache_hit_tokens_total"] + cached
     assert server.metrics()["specserve_prefix_cache_pages"] > 0
+
+
+def test_structured_output_through_the_openai_client(client, offline):
+    """chat.completions.parse with a pydantic model: the reply is that model, and it is
+    what offline generate gives under the same schema; json_object mode as offline's
+    object schema."""
+    import json
+
+    from pydantic import BaseModel, Field
+
+    from specserve import Grammar
+
+    class Pet(BaseModel):
+        name: str = Field(max_length=4)
+        happy: bool
+
+    messages = [{"role": "user", "content": "The quick brown fox"}]
+    got = client.beta.chat.completions.parse(
+        model=MODEL, messages=messages, response_format=Pet, max_tokens=48, temperature=0
+    )
+    pet = got.choices[0].message.parsed
+    assert isinstance(pet, Pet) and got.choices[0].finish_reason == "stop"
+    ids = offline.apply_chat_template(messages)
+    schema = json.dumps(
+        {**Pet.model_json_schema(), "additionalProperties": False}  # (the client's strict form)
+    )
+    params = SamplingParams(max_tokens=48, grammar=Grammar("json_schema", schema))
+    assert got.choices[0].message.content == offline.generate(ids, params)[0].text
+    mode = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        response_format={"type": "json_object"},
+        max_tokens=12,
+        temperature=0,
+        stream=True,
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in mode if c.choices)
+    params = SamplingParams(max_tokens=12, grammar=Grammar("json_schema", '{"type": "object"}'))
+    assert text == offline.generate(ids, params)[0].text and text.startswith("{")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_bad_response_formats_are_400s_naming_it(client, stream):
+    cases = {
+        "uniqueItems": {
+            "type": "json_schema",
+            "json_schema": {
+                "name": "x",
+                "schema": {"type": "array", "items": {"type": "string"}, "uniqueItems": True},
+            },
+        },
+        "needs json_schema.schema": {"type": "json_schema", "json_schema": {"name": "x"}},
+        "cannot be used": {
+            "type": "json_schema",
+            "json_schema": {
+                "name": "x",
+                "schema": {"type": "array", "prefixItems": [], "items": False, "minItems": 2},
+            },
+        },
+    }
+    for words, fmt in cases.items():
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(
+                model=MODEL,
+                messages=[{"role": "user", "content": "hi"}],
+                response_format=fmt,
+                max_tokens=4,
+                stream=stream,
+            )
+        assert words in e.value.body["message"] and e.value.body["param"] == "response_format"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(
+            model=MODEL, prompt="hi", max_tokens=4, extra_body={"response_format": {"type": "xml"}}
+        )
+    assert "response_format" in str(e.value)

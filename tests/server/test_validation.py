@@ -71,7 +71,19 @@ CASES = [
     ("chat/completions", {"top_logprobs": 3}, 400, "top_logprobs"),
     ("chat/completions", {"logprobs": True, "top_logprobs": 50}, 400, "top_logprobs"),
     ("chat/completions", {"tools": [{"type": "function"}]}, 400, "tools"),
-    ("chat/completions", {"response_format": {"type": "json_object"}}, 400, "response_format"),
+    ("chat/completions", {"response_format": {"type": "yaml"}}, 400, "response_format.type"),
+    (
+        "completions",
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": 5}}},
+        400,
+        "response_format.json_schema.schema",
+    ),
+    (
+        "chat/completions",
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+        400,
+        "response_format",
+    ),
     ("chat/completions", {"model": "nope"}, 404, "model"),
 ]
 

@@ -142,9 +142,14 @@ def _spec(models, drafter):
 
 def test_bad_grammars_are_refused(models):
     llm = LLM(models["target"])
-    with pytest.raises(InvalidRequestError, match="json_schema grammar cannot be used") as e:
+    with pytest.raises(InvalidRequestError, match="the JSON schema is not JSON") as e:
         llm.engine.add_request([5, 6], SamplingParams(grammar=Grammar("json_schema", "{oops")))
     assert e.value.field == "grammar"
+    impossible = {"type": "array", "prefixItems": [], "items": False, "minItems": 2}
+    with pytest.raises(InvalidRequestError, match="json_schema grammar cannot be used"):
+        llm.engine.add_request(
+            [5, 6], SamplingParams(grammar=Grammar("json_schema", json.dumps(impossible)))
+        )
     with pytest.raises(InvalidRequestError, match="regex grammar cannot be used"):
         llm.engine.add_request([5, 6], SamplingParams(grammar=Grammar("regex", "(unclosed")))
     with pytest.raises(InvalidRequestError, match="grammar kind must be one of"):
@@ -152,3 +157,45 @@ def test_bad_grammars_are_refused(models):
     with pytest.raises(InvalidRequestError, match="min_tokens cannot be combined"):
         SamplingParams(min_tokens=2, grammar=Grammar("json"))
     assert not llm.engine.requests and llm.engine.kv.allocator.num_used == 0
+
+
+def test_schema_features_it_cannot_enforce_are_named():
+    """xgrammar compiles these but lets instances violating them through (checked here with
+    one such instance each, so the list stays honest): they are refused by name."""
+    from specserve.runtime.grammar import unsupported_schema_features
+
+    unenforced = {
+        "not": ({"properties": {"a": {"not": {"type": "string"}}}}, {"a": "x"}),
+        "uniqueItems": (
+            {"type": "array", "items": {"type": "string"}, "uniqueItems": True},
+            ["a", "a"],
+        ),
+        "allOf": ({"allOf": [{"required": ["a"]}, {"required": ["b"]}]}, {"a": 1}),
+        "format 'iri'": ({"type": "string", "format": "iri"}, "%"),
+    }
+    tok = _tokenizer()
+    compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(tok, stop_token_ids=[2]))
+    for name, (schema, instance) in unenforced.items():
+        assert unsupported_schema_features(schema) == [name]
+        matcher = xgr.GrammarMatcher(compiler.compile_json_schema(json.dumps(schema)))
+        text = json.dumps(instance)
+        assert all(matcher.accept_token(t) for t in tok.encode(text, add_special_tokens=False))
+    nested = {
+        "type": "object",
+        "properties": {"if": {"type": "string"}, "b": {"$ref": "https://x.org/s.json"}},
+        "$defs": {"d": {"dependentRequired": {"a": ["b"]}, "format": "date"}},
+    }
+    assert unsupported_schema_features(nested) == [
+        "$ref 'https://x.org/s.json' (only references within the schema)",
+        "dependentRequired",
+    ]
+    assert unsupported_schema_features(SCHEMA) == []
+
+
+def _tokenizer():
+    import tempfile
+    from pathlib import Path
+
+    from tests.support.tiny_models import make_tokenizer
+
+    return make_tokenizer(Path(tempfile.mkdtemp()))

@@ -6,7 +6,6 @@ from dataclasses import dataclass, field
 
 from specserve.core.errors import InvalidRequestError
 
-
 GRAMMAR_KINDS = ("json", "json_schema", "regex")
 
 
@@ -17,15 +16,16 @@ class Grammar:
 
     kind: str
     source: str = ""
+    field: str = field(default="grammar", compare=False)  # what errors name (the API's field)
 
     def __post_init__(self) -> None:
         if self.kind not in GRAMMAR_KINDS:
             raise InvalidRequestError(
                 f"grammar kind must be one of {', '.join(GRAMMAR_KINDS)}; got {self.kind!r}",
-                field="grammar",
+                field=self.field,
             )
         if self.kind != "json" and not (isinstance(self.source, str) and self.source):
-            raise InvalidRequestError(f"a {self.kind} grammar needs its source", field="grammar")
+            raise InvalidRequestError(f"a {self.kind} grammar needs its source", field=self.field)
 
 
 @dataclass

@@ -18,11 +18,83 @@ reason "grammar"), as the masks depend on its tokens.
 
 from __future__ import annotations
 
+import json
+
 import torch
 import xgrammar as xgr
 
 from specserve.core.errors import InvalidRequestError
 from specserve.core.sampling_params import Grammar
+
+# JSON schema keywords xgrammar compiles but does not enforce (measured: it accepts an
+# instance that violates them): refused by name rather than silently ignored. `oneOf` is
+# enforced as anyOf (pydantic's unions produce it; their alternatives rarely overlap).
+UNENFORCED_KEYWORDS = frozenset(
+    {
+        "not",
+        "if",
+        "then",
+        "else",
+        "allOf",
+        "uniqueItems",
+        "dependentRequired",
+        "dependentSchemas",
+        "minContains",
+        "maxContains",
+    }
+)
+FORMATS = frozenset(
+    {
+        "email",
+        "date",
+        "time",
+        "date-time",
+        "duration",
+        "ipv4",
+        "ipv6",
+        "hostname",
+        "uuid",
+        "uri",
+        "uri-reference",
+        "uri-template",
+        "json-pointer",
+        "relative-json-pointer",
+    }
+)
+
+
+def unsupported_schema_features(schema) -> list[str]:
+    """What a JSON schema asks for that its grammar would not enforce: keywords, formats,
+    references outside the schema (each named once, in the order found)."""
+    found: list[str] = []
+
+    def note(what: str) -> None:
+        if what not in found:
+            found.append(what)
+
+    def walk(node, in_properties=False) -> None:
+        if isinstance(node, list):
+            for item in node:
+                walk(item)
+        if not isinstance(node, dict):
+            return
+        for key, value in node.items():
+            if in_properties:  # property names, not keywords
+                walk(value)
+                continue
+            if key in UNENFORCED_KEYWORDS:
+                note(key)
+            elif key == "format" and isinstance(value, str) and value not in FORMATS:
+                note(f"format {value!r}")
+            elif key == "$ref" and isinstance(value, str) and not value.startswith("#"):
+                note(f"$ref {value!r} (only references within the schema)")
+            if key in ("properties", "patternProperties", "$defs", "definitions"):
+                walk(value, in_properties=True)
+            elif key not in ("enum", "const", "default", "examples"):
+                walk(value)
+
+    walk(schema)
+    return found
 
 
 class GrammarCompiler:
@@ -46,6 +118,8 @@ class GrammarCompiler:
             )
             self._compiler = xgr.GrammarCompiler(info)
         compiler = self._compiler
+        if grammar.kind == "json_schema":
+            self._check_schema(grammar)
         try:
             if grammar.kind == "json":
                 return compiler.compile_builtin_json_grammar()
@@ -55,8 +129,23 @@ class GrammarCompiler:
         except (RuntimeError, ValueError, TypeError) as e:
             reason = str(e).split("Check failed:")[-1].strip()
             raise InvalidRequestError(
-                f"the {grammar.kind} grammar cannot be used: {reason}", "grammar"
+                f"the {grammar.kind} grammar cannot be used: {reason}", grammar.field
             ) from e
+
+    @staticmethod
+    def _check_schema(grammar: Grammar) -> None:
+        try:
+            schema = json.loads(grammar.source)
+        except ValueError as e:
+            raise InvalidRequestError(f"the JSON schema is not JSON: {e}", grammar.field) from e
+        if not isinstance(schema, (dict, bool)):
+            raise InvalidRequestError("a JSON schema must be an object", grammar.field)
+        missing = unsupported_schema_features(schema)
+        if missing:
+            raise InvalidRequestError(
+                "the JSON schema uses what structured output cannot enforce: " + ", ".join(missing),
+                grammar.field,
+            )
 
     def state(self, req) -> GrammarState:
         """The request's matcher, made on first use (on every rank: each masks its logits)."""

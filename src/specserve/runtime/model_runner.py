@@ -12,8 +12,8 @@ from specserve.layers.attention import AttentionBackend, AttentionMetadata
 from specserve.layers.sampler import SamplingTensors, argmax_rows, sample
 from specserve.model.llama import LlamaForCausalLM
 from specserve.runtime.cuda_graphs import CudaGraphRunner
-from specserve.runtime.inflight import InflightStep, place_device_tokens
 from specserve.runtime.grammar import GrammarCompiler
+from specserve.runtime.inflight import InflightStep, place_device_tokens
 from specserve.runtime.logit_shaping import shape_logits, shapes_step
 from specserve.runtime.packing import Segment, pack, to_device, upload
 from specserve.runtime.sampled_tokens import (

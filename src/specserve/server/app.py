@@ -162,6 +162,7 @@ def build_app(state: ServerState) -> FastAPI:
             body.logprobs,
             state.token_text,
         )
+        await state.inputs.check_grammar(prepared)
         fmt.per_prompt = len(prepared.requests) // len(prompts)
         fmt.simulated = state.client.info.simulated_acceptance
         return await _serve(state, request, body, prepared, fmt)
@@ -190,6 +191,7 @@ def build_app(state: ServerState) -> FastAPI:
             logprobs,
             state.token_text,
         )
+        await state.inputs.check_grammar(prepared)
         fmt.per_prompt = len(prepared.requests)  # one prompt, n choices
         fmt.simulated = state.client.info.simulated_acceptance
         return await _serve(state, request, body, prepared, fmt)

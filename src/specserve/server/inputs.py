@@ -6,16 +6,23 @@ reaches the client as a 400 naming the field.
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
 from dataclasses import dataclass
 
 from jinja2 import TemplateError
 
 from specserve.core.errors import InvalidRequestError
-from specserve.core.sampling_params import SamplingParams
+from specserve.core.sampling_params import Grammar, SamplingParams
+from specserve.runtime.grammar import GrammarCompiler
 from specserve.server.errors import APIError, bad_request, from_invalid_request
 from specserve.server.messages import AddRequest, EngineInfo
-from specserve.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from specserve.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ResponseFormat,
+    SamplingFields,
+)
 
 _THREAD_TOKENIZE_CHARS = 4096  # longer prompts are tokenized off the event loop
 _MASK_62 = (1 << 62) - 1
@@ -48,6 +55,18 @@ class InputProcessor:
     def __init__(self, tokenizer, info: EngineInfo):
         self.tokenizer = tokenizer
         self.info = info
+        eos = getattr(tokenizer, "eos_token_id", None)
+        self.grammars = GrammarCompiler(tokenizer, info.vocab_size, [] if eos is None else [eos])
+
+    async def check_grammar(self, prepared: PreparedRequest) -> None:
+        """Compile the request's grammar here, off the event loop, so that one the engine
+        would refuse is a 400 before any stream starts (xgrammar caches what it compiled)."""
+        grammar = prepared.requests[0].params.grammar
+        if grammar is not None:
+            try:
+                await asyncio.to_thread(self.grammars.compile, grammar)
+            except InvalidRequestError as e:
+                raise from_invalid_request(e, {}) from e
 
     # ---- prompts --------------------------------------------------------------------------
     async def encode(self, text: str) -> list[int]:
@@ -202,9 +221,24 @@ class InputProcessor:
                 presence_penalty=req.presence_penalty or 0.0,
                 frequency_penalty=req.frequency_penalty or 0.0,
                 repetition_penalty=req.repetition_penalty or 1.0,
+                grammar=_grammar(req.response_format),
             )
         except InvalidRequestError as e:
             raise from_invalid_request(e, {"max_tokens": max_tokens_param}) from e
+
+
+def _grammar(fmt: ResponseFormat | None) -> Grammar | None:
+    """response_format as the grammar the output must match (None: plain text)."""
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":  # a JSON object, as OpenAI's JSON mode
+        return Grammar("json_schema", '{"type": "object"}', field="response_format")
+    if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+        raise bad_request(
+            "response_format of type json_schema needs json_schema.schema", "response_format"
+        )
+    source = json.dumps(fmt.json_schema.schema_)
+    return Grammar("json_schema", source, field="response_format")
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
@@ -238,8 +272,6 @@ def check_unsupported(req: SamplingFields) -> None:
             raise bad_request("tools are not supported", "tools")
         if req.tool_choice not in (None, "none", "auto"):
             raise bad_request("tool_choice is not supported", "tool_choice")
-        if req.response_format is not None and req.response_format.type != "text":
-            raise bad_request("response_format other than text is not supported", "response_format")
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
 

@@ -45,6 +45,25 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Strict):
+    """response_format.json_schema: the schema the output must follow (`strict` is accepted
+    and changes nothing: the output always follows it)."""
+
+    model_config = ConfigDict(populate_by_name=True)
+    name: str = Field(max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    """response_format: text (no constraint), json_object (a JSON object) or json_schema
+    (output matching the schema: runtime/grammar.py)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class SamplingFields(_Strict):
     """Fields shared by completions and chat completions."""
 
@@ -65,6 +84,7 @@ class SamplingFields(_Strict):
     logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
     min_tokens: int | None = Field(None, ge=0)  # (vLLM's extension: EOS masked until then)
     repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)  # (vLLM's extension)
+    response_format: ResponseFormat | None = None
     user: str | None = None
 
 
@@ -109,12 +129,6 @@ class ChatMessage(_Strict):
     name: Text | None = None
 
 
-class ResponseFormat(_Strict):
-    """response_format: only plain text is supported."""
-
-    type: str
-
-
 class ChatCompletionRequest(SamplingFields):
     """POST /v1/chat/completions."""
 
@@ -125,7 +139,6 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    response_format: ResponseFormat | None = None
 
 
 # ---- responses (documentation of the shapes; built as dicts in openai_format.py) ----------
