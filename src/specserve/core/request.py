@@ -39,6 +39,7 @@ class RequestStatus(enum.Enum):
 
 
 _FINISHED = RequestStatus.FINISHED  # a module constant: half the cost of the enum lookup
+NEVER = 1 << 62  # a length no request reaches
 
 
 @dataclass(eq=False)  # one object per request: identity is equality (and hashing)
@@ -84,6 +85,9 @@ class Request:
     page_keys: list[int] = field(default_factory=list)
     published_pages: int = 0
     drafter_pages: int = 0
+    # The cached length at which its prompt's pages are published (once; the rest when it
+    # leaves): one comparison a step (Scheduler.schedule). Never, without prefix caching.
+    publish_at: int = NEVER
     num_cached_prompt_tokens: int = 0
     spec: SpecStats = field(default_factory=lambda: SpecStats())
     # Drafts beyond this could never be committed (max_tokens or the context limit):
@@ -168,6 +172,7 @@ class Request:
         self.cached_len = 0
         self.draft_cached_len = 0
         self.published_pages = self.drafter_pages = 0
+        self.publish_at = NEVER
 
     @property
     def finished(self) -> bool:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from specserve.core.batch import ScheduledRequest
 from specserve.core.kv_cache import KVCache
 from specserve.core.prefix_cache import PrefixCache
-from specserve.core.request import Request, RequestStatus
+from specserve.core.request import NEVER, Request, RequestStatus
 from specserve.speculative.policy_base import StepLoad
 
 if TYPE_CHECKING:
@@ -69,8 +69,9 @@ class Scheduler:
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
-            if prefix is not None and req.cached_len >= (req.published_pages + 1) * page_size:
-                prefix.publish(req)  # its pages that filled up, for later requests
+            if req.cached_len >= req.publish_at:  # its prompt's pages, for later requests
+                prefix.publish(req)
+                req.publish_at = NEVER  # (its other pages when it leaves)
             if req.num_left <= 0:  # done once the step in flight is processed (overlap)
                 i += 1
                 continue
@@ -105,8 +106,13 @@ class Scheduler:
                     req.reset_cache()
                 short_of_pages = True
                 break
-            if prefix is not None and req.num_preemptions == 0:
-                prefix.admitted(req)
+            if prefix is not None:
+                if req.num_preemptions == 0:
+                    prefix.admitted(req)
+                # Publishing as it computes costs the host per page; its prompt's pages
+                # (system prompts, earlier turns: what concurrent requests share) go once
+                # computed, its output's when it leaves.
+                req.publish_at = (req.num_known - 1) // page_size * page_size or NEVER
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
