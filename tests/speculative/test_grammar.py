@@ -15,7 +15,7 @@ import xgrammar as xgr
 
 from specserve import LLM, Grammar, SamplingParams
 from specserve.core.errors import InvalidRequestError
-from tests.support.overlap_cases import generate, make_models, prompts_for
+from tests.support.overlap_cases import SPECULATION_PATHS, generate, make_models, prompts_for
 
 SCHEMA = {
     "type": "object",
@@ -93,19 +93,12 @@ def test_greedy_output_equals_transformers_with_xgrammar(models, name):
     assert [o.token_ids for o in outs] != [o.token_ids for o in unconstrained]
 
 
-SPECULATION = [
-    (drafter, overlap, False)
-    for drafter in ("copy", "random", "ngram", "eagle3")
-    for overlap in ("off", "on")
-] + [("copy", "on", True), ("eagle3", "on", True)]  # (random K per request)
-
-
 @pytest.fixture(scope="module")
 def plain(models):
     return {name: generate(models, prompts_for(), _params(name), "off")[1] for name in GRAMMARS}
 
 
-@pytest.mark.parametrize(("drafter", "overlap", "random_k"), SPECULATION)
+@pytest.mark.parametrize(("drafter", "overlap", "random_k"), SPECULATION_PATHS)
 def test_speculation_keeps_plain_constrained_output(models, plain, drafter, overlap, random_k):
     for name in GRAMMARS:
         llm, outs = generate(

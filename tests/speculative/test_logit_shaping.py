@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from specserve import LLM, SamplingParams
-from tests.support.overlap_cases import generate, make_models, prompts_for
+from tests.support.overlap_cases import SPECULATION_PATHS, generate, make_models, prompts_for
 
 EOS = 2  # the tiny models' <|im_end|>
 
@@ -99,13 +99,6 @@ def test_greedy_output_equals_transformers(models, case):
         assert [o.token_ids for o in outs] != [o.token_ids for o in plain]
 
 
-SPECULATION = [
-    (drafter, overlap, False)
-    for drafter in ("copy", "random", "ngram", "eagle3")
-    for overlap in ("off", "on")
-] + [("copy", "on", True), ("eagle3", "on", True)]  # (random K per request)
-
-
 @pytest.fixture(scope="module")
 def plain(models):
     """Plain decoding's outputs with each case's rules (the synchronous loop)."""
@@ -117,7 +110,7 @@ def _params(case: str) -> SamplingParams:
     return SamplingParams(max_tokens=14, temperature=0.0, **CASES[case])
 
 
-@pytest.mark.parametrize(("drafter", "overlap", "random_k"), SPECULATION)
+@pytest.mark.parametrize(("drafter", "overlap", "random_k"), SPECULATION_PATHS)
 def test_speculation_keeps_plain_decodings_output(models, plain, drafter, overlap, random_k):
     for case in CASES:
         llm, outs = generate(

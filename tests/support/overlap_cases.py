@@ -10,6 +10,13 @@ from specserve.speculative.policy import NO_LOAD, PerRequestPolicy, SpeculationP
 from tests.support.tiny_models import VOCAB, make_random_eagle3_head, make_tiny_model
 
 GREEDY = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True)
+# (drafter, overlap, random K per request): the paths where a per-request logit change
+# can go wrong under speculation (every drafter in both loops, mixed draft lengths)
+SPECULATION_PATHS = [
+    (drafter, overlap, False)
+    for drafter in ("copy", "random", "ngram", "eagle3")
+    for overlap in ("off", "on")
+] + [("copy", "on", True), ("eagle3", "on", True)]
 
 
 def prompts_for(seed=3, lengths=(1, 4, 9, 16, 17, 23, 31, 6)):
