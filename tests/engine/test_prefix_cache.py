@@ -41,9 +41,10 @@ def _run(models, drafter, caching: bool, k_mode="fixed", system_len=37, **kw):
     """Two rounds: first turns; then each second turn (first turn + its answer + a new
     question) with one first turn repeated. Returns (outputs, per-request accepted drafts,
     engine stats)."""
-    llm = LLM(
-        models["target"], disable_prefix_caching=not caching, **spec_kwargs(models, drafter), **kw
-    )
+    spec = spec_kwargs(models, drafter)
+    if k_mode == "goodput":
+        spec["speculative_policy"] = "goodput"
+    llm = LLM(models["target"], disable_prefix_caching=not caching, **spec, **kw)
     if k_mode == "random":
         random_draft_lens(llm)
     elif k_mode == "step":
@@ -101,9 +102,10 @@ def test_drafter_state_reused_where_valid(models, drafter, overlap, k_mode):
 
 
 @pytest.mark.parametrize("drafter", ["copy", "eagle3"])
-@pytest.mark.parametrize("k_mode", ["random", "step"])
-def test_random_draft_lengths_identical(models, drafter, k_mode):
-    kw = dict(page_size=4, overlap_schedule="on" if k_mode == "step" else "off")
+@pytest.mark.parametrize("k_mode", ["random", "step", "goodput"])
+def test_draft_length_policies_identical(models, drafter, k_mode):
+    """Random K per request, one random K per step, and the goodput policy."""
+    kw = dict(page_size=4, overlap_schedule="off" if k_mode == "random" else "on")
     assert (
         _run(models, drafter, True, k_mode, **kw)[0]
         == _run(models, drafter, False, k_mode, **kw)[0]
