@@ -41,6 +41,8 @@ class CompletionOutput:
     finish_reason: str
     spec_stats: SpecStats | None = None  # drafted / accepted counts when speculating
     logprobs: list[TokenLogprobs] | None = None
+    # With prompt_logprobs=k: per prompt token (None for the first, which nothing rates)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 class LLM:
@@ -185,4 +187,5 @@ def _completion(out: RequestOutput, logprobs: list[TokenLogprobs] | None) -> Com
         finish_reason=out.finish_reason or "abort",
         spec_stats=out.spec_stats,
         logprobs=logprobs,
+        prompt_logprobs=list(out.prompt_logprobs) if out.prompt_logprobs is not None else None,
     )

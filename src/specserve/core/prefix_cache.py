@@ -73,8 +73,8 @@ class PrefixCache:
         size = self.page_size
         known = req.num_known
         max_pages = (known - 1) // size
-        if max_pages <= 0:
-            return
+        if max_pages <= 0 or req.params.prompt_logprobs is not None:
+            return  # (prompt logprobs: every prompt token's logits are computed)
         keys = self._keys(req, max_pages)
         pages, drafter_pages = [], 0
         parent = _ROOT

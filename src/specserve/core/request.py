@@ -67,6 +67,8 @@ class Request:
     prompt: str | None = None
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list = field(default_factory=list)  # TokenLogprobs per output token
+    # With params.prompt_logprobs: TokenLogprobs per prompt token (None for the first)
+    prompt_logprobs: list = field(default_factory=list)
     unprocessed_token_ids: list[int] = field(default_factory=list)  # see the class doc
     num_inflight: int = 0  # tokens drawn by the step in flight, values still on the device
     num_inflight_drafts: int = 0  # its drafts: it may commit up to this many more tokens

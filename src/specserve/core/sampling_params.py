@@ -44,7 +44,9 @@ class SamplingParams:
     token's position, never on batch composition or preemption (without one, the engine draws
     a seed from its own `seed`). `stop` strings end the output and are not part of it;
     `logprobs=k` puts the chosen token's log-probability and the k likeliest alternatives of
-    every generated token in `CompletionOutput.logprobs`. `logit_bias` ({token id: bias in
+    every generated token in `CompletionOutput.logprobs`, and `prompt_logprobs=k` those of
+    every prompt token after the first in `CompletionOutput.prompt_logprobs` (the prompt is
+    then computed whole: no prefix cache hit). `logit_bias` ({token id: bias in
     [-100, 100]}) is added to those tokens' logits before every draw, and `min_tokens` keeps
     EOS and the stop tokens from being drawn before that many tokens are generated; both
     apply to every row speculation verifies too, so greedy output stays the plain decoding's.
@@ -70,6 +72,7 @@ class SamplingParams:
     ignore_eos: bool = False
     n: int = 1
     logprobs: int | None = None  # None: none; k >= 0: the chosen token's plus the top k
+    prompt_logprobs: int | None = None  # the same for each prompt token after the first
     logit_bias: dict[int, float] | None = None
     min_tokens: int = 0
     presence_penalty: float = 0.0
@@ -106,6 +109,12 @@ class SamplingParams:
                 "logprobs",
                 self.logprobs is None
                 or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
+                "must be an integer in [0, 20]",
+            ),
+            (
+                "prompt_logprobs",
+                self.prompt_logprobs is None
+                or (isinstance(self.prompt_logprobs, int) and 0 <= self.prompt_logprobs <= 20),
                 "must be an integer in [0, 20]",
             ),
             ("n", isinstance(self.n, int) and 1 <= self.n <= 128, "must be an integer in [1, 128]"),

@@ -27,6 +27,7 @@ class RequestOutput:
     new_logprobs: list = field(default_factory=list)  # their TokenLogprobs, if asked for
     spec_stats: SpecStats | None = None  # present when the engine speculates
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache
+    prompt_logprobs: list | None = None  # TokenLogprobs per prompt token, when asked for
 
 
 class RequestSink:
@@ -69,4 +70,5 @@ class RequestSink:
             req.output_logprobs[-num_new:] if req.output_logprobs and num_new else [],
             req.spec if self.spec is not None else None,
             req.num_cached_prompt_tokens,
+            req.prompt_logprobs if req.params.prompt_logprobs is not None else None,
         )

@@ -252,6 +252,14 @@ class StepLoop:
         features = (
             spec.proposer.features(aux, step_input.meta.slot_mapping) if spec is not None else None
         )
+        rated = []  # prompt chunks of requests that ask for prompt logprobs (last in the batch)
+        for s in reversed(batch):
+            if s.decoding:
+                break
+            if s.request.params.prompt_logprobs is not None:
+                rated.append(s)
+        if rated:
+            runner.prompt_logprobs(batch, rated, step_input, hidden)
         t2 = time.perf_counter()
         # Bookkeeping that needs no drawn token: the fed tokens are in the KV cache (in
         # device order), and each sampled request has at least one token in flight.
