@@ -384,3 +384,48 @@ def test_bad_response_formats_are_400s_naming_it(client, stream):
             model=MODEL, prompt="hi", max_tokens=4, extra_body={"response_format": {"type": "xml"}}
         )
     assert "response_format" in str(e.value)
+
+
+def test_echo_and_prompt_scoring(client, offline):
+    """Completions' echo: the prompt ahead of the text, its tokens' logprobs ahead of the
+    generated ones (the first rated by nothing), equal to offline prompt_logprobs; with
+    max_tokens 0 the prompt alone (how evaluation harnesses score text), streamed or not."""
+    prompt = "Paged attention stores keys"
+    ids = offline.engine.tokenize(prompt)
+    ref = offline.generate(prompt, SamplingParams(max_tokens=4, prompt_logprobs=2))[0]
+    both = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=4, temperature=0, logprobs=2, echo=True
+    )
+    c = both.choices[0]
+    assert c.text == prompt + ref.text
+    lp = c.logprobs
+    assert len(lp.tokens) == len(ids) + len(ref.token_ids) and lp.token_logprobs[0] is None
+    assert lp.top_logprobs[0] is None and lp.text_offset == sorted(lp.text_offset)
+    expected = [r.logprob for r in ref.prompt_logprobs[1:]]
+    assert lp.token_logprobs[1 : len(ids)] == pytest.approx(expected, abs=1e-5)
+    assert "".join(lp.tokens[: len(ids)]) == prompt  # (byte-level tokens of the prompt)
+    scored = client.completions.create(
+        model=MODEL, prompt=[prompt, prompt], max_tokens=0, logprobs=1, echo=True
+    )
+    for choice in scored.choices:
+        assert choice.text == prompt and choice.finish_reason == "length"
+        assert choice.logprobs.token_logprobs[1:] == pytest.approx(expected, abs=1e-5)
+        assert len(choice.logprobs.tokens) == len(ids)
+    assert scored.usage.completion_tokens == 0
+    chunks = list(
+        client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=0, logprobs=1, echo=True, stream=True
+        )
+    )
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == prompt
+    streamed = [
+        x
+        for ch in chunks
+        if ch.choices and ch.choices[0].logprobs
+        for x in ch.choices[0].logprobs.token_logprobs
+    ]
+    assert streamed[1:] == pytest.approx(expected, abs=1e-5)
+    plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, echo=True)
+    assert plain.choices[0].text.startswith(prompt) and plain.choices[0].logprobs is None
+    with pytest.raises(openai.BadRequestError, match="max_tokens 0"):
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=0)

@@ -151,8 +151,9 @@ def build_app(state: ServerState) -> FastAPI:
     async def completions(body: CompletionRequest, request: Request) -> Response:
         model = model_check(body.model, state.served_names)
         prompts = await state.inputs.completion_prompts(body)
+        score_only = body.max_tokens == 0  # (with echo: one token is drawn, none returned)
         prepared = state.inputs.prepare(
-            "cmpl", body, prompts, body.max_tokens, "max_tokens", body.logprobs
+            "cmpl", body, prompts, 1 if score_only else body.max_tokens, "max_tokens", body.logprobs
         )
         fmt = CompletionFormatter(
             prepared.request_id,
@@ -164,6 +165,11 @@ def build_app(state: ServerState) -> FastAPI:
         )
         await state.inputs.check_grammar(prepared)
         fmt.per_prompt = len(prepared.requests) // len(prompts)
+        if body.echo:
+            fmt.echo = [
+                (state.inputs.prompt_text(body, i, ids), ids) for i, ids in enumerate(prompts)
+            ]
+            fmt.score_only = score_only
         fmt.simulated = state.client.info.simulated_acceptance
         return await _serve(state, request, body, prepared, fmt)
 

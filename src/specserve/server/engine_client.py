@@ -135,6 +135,7 @@ def merge_deltas(parts: list[OutputDelta]) -> OutputDelta:
         last.finish_reason,
         next((p.spec_stats for p in reversed(parts) if p.spec_stats is not None), None),
         last.num_cached_tokens,
+        next((p.prompt_logprobs for p in parts if p.prompt_logprobs is not None), None),
     )
 
 

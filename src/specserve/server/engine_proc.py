@@ -233,4 +233,13 @@ def _delta(out) -> tuple:
         # The request's speculation totals, once: metrics add them up when it finishes.
         out.spec_stats if finished else None,
         out.num_cached_tokens if finished else None,
+        _prompt_logprobs(out)
+        if out.prompt_logprobs is not None and n == len(out.token_ids)
+        else None,
     )
+
+
+def _prompt_logprobs(out) -> list:
+    """A request's prompt logprobs as OutputDelta carries them (sent with its first delta)."""
+    first, *rest = out.prompt_logprobs
+    return [first] + [(lp.logprob, [tuple(t) for t in lp.top]) for lp in rest]

@@ -87,6 +87,15 @@ class InputProcessor:
             return [list(p)]
         return [list(ids) for ids in p]
 
+    def prompt_text(self, req: CompletionRequest, index: int, ids: list[int]) -> str:
+        """Prompt `index` as echo returns it: the text sent, or token ids decoded."""
+        p = req.prompt
+        if isinstance(p, str):
+            return p
+        if isinstance(p[0], str):
+            return p[index]
+        return self.tokenizer.decode(ids) if self.tokenizer is not None else ""
+
     async def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
         if not getattr(self.tokenizer, "chat_template", None):
             raise bad_request("this model has no chat template; use /v1/completions", "messages")
@@ -222,6 +231,8 @@ class InputProcessor:
                 frequency_penalty=req.frequency_penalty or 0.0,
                 repetition_penalty=req.repetition_penalty or 1.0,
                 grammar=_grammar(req.response_format),
+                # completions' echo with logprobs: the prompt's tokens are rated too
+                prompt_logprobs=logprobs if getattr(req, "echo", False) else None,
             )
         except InvalidRequestError as e:
             raise from_invalid_request(e, {"max_tokens": max_tokens_param}) from e
@@ -261,8 +272,11 @@ def check_unsupported(req: SamplingFields) -> None:
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
     if isinstance(req, CompletionRequest):
-        if req.echo:
-            raise bad_request("echo is not supported", "echo")
+        if req.max_tokens == 0 and not req.echo:
+            raise bad_request(
+                "max_tokens 0 generates nothing; it is for scoring a prompt, with echo true",
+                "max_tokens",
+            )
         if req.suffix:
             raise bad_request("suffix is not supported", "suffix")
         if req.best_of is not None and req.best_of != req.n:

@@ -43,6 +43,9 @@ class OutputDelta:
     finish_reason: str | None
     spec_stats: object | None = None  # the request's SpecStats, sent with its last delta
     num_cached_tokens: int | None = None  # its prompt tokens found cached, with its last delta
+    # With prompt logprobs asked for, with its first delta: None for the first prompt token,
+    # then (logprob, [(id, logprob) of the top alternatives]) per prompt token
+    prompt_logprobs: list | None = None
 
 
 @dataclass

@@ -76,7 +76,15 @@ def _is_byte_level(tokenizer) -> bool:
 class _Choice:
     """Accumulated state of one choice."""
 
-    __slots__ = ("text", "num_tokens", "finish_reason", "logprobs", "text_offset", "cached_tokens")
+    __slots__ = (
+        "text",
+        "num_tokens",
+        "finish_reason",
+        "logprobs",
+        "text_offset",
+        "cached_tokens",
+        "echoed",
+    )
 
     def __init__(self) -> None:
         self.text: list[str] = []
@@ -85,6 +93,7 @@ class _Choice:
         self.logprobs: list = []  # completions: the four parallel lists; chat: entries
         self.text_offset = 0
         self.cached_tokens = 0  # its prompt tokens the prefix cache had
+        self.echoed = False  # its prompt went out ahead of its text (completions' echo)
 
 
 class _Formatter:
@@ -152,6 +161,57 @@ class CompletionFormatter(_Formatter):
     top_logprobs, text_offset)."""
 
     chunk_object = "text_completion"
+    echo: list[tuple[str, list[int]]] | None = None  # per prompt (text, ids), with echo
+    score_only = False  # max_tokens 0 with echo: the prompt and its logprobs, nothing more
+
+    def _take(self, index: int, delta: OutputDelta) -> tuple[str, dict | None]:
+        """A delta's text and logprobs part, after the prompt when this is the choice's
+        first (echo), absorbed into the choice."""
+        c = self.choices[index]
+        head, head_lp = "", None
+        if self.echo is not None and not c.echoed:
+            c.echoed = True
+            head, ids = self.echo[index // self.per_prompt]
+            if self.logprobs is not None:
+                head_lp = self._prompt_part(ids, delta.prompt_logprobs, c.text_offset)
+            c.text.append(head)
+            c.text_offset += len(head)
+        if self.score_only:  # (the one token drawn is not part of the answer)
+            delta = OutputDelta(
+                delta.request_id,
+                "",
+                [],
+                None,
+                delta.finished,
+                "length",
+                delta.spec_stats,
+                delta.num_cached_tokens,
+            )
+        lp = self._logprobs(c, delta)
+        self._absorb(index, delta)
+        if head_lp is not None and lp is not None:
+            lp = {k: head_lp[k] + lp[k] for k in head_lp}
+        return head + delta.delta_text, lp if lp is not None else head_lp
+
+    def _prompt_part(self, ids: list[int], rated: list | None, offset: int) -> dict:
+        """The prompt's tokens as legacy logprobs: the first rated by nothing (None)."""
+        rated = rated or [None] * len(ids)
+        part = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for tid, entry in zip(ids, rated):
+            text, raw = self.token_text.get(tid)
+            part["tokens"].append(text)
+            part["text_offset"].append(offset)
+            offset += len(bytes(raw).decode(errors="ignore"))
+            if entry is None:
+                part["token_logprobs"].append(None)
+                part["top_logprobs"].append(None)
+                continue
+            lp, top = entry
+            tops = {self.token_text.get(t)[0]: _lp(v) for t, v in top}
+            tops.setdefault(text, _lp(lp))
+            part["token_logprobs"].append(_lp(lp))
+            part["top_logprobs"].append(tops)
+        return part
 
     def _logprobs(self, c: _Choice, delta: OutputDelta) -> dict | None:
         if self.logprobs is None or delta.new_logprobs is None:
@@ -170,24 +230,21 @@ class CompletionFormatter(_Formatter):
         return part
 
     def chunk(self, index: int, delta: OutputDelta, usage_field: bool) -> dict | None:
-        lp = self._logprobs(self.choices[index], delta)
-        self._absorb(index, delta)
-        if not delta.delta_text and lp is None and not delta.finished:
+        text, lp = self._take(index, delta)
+        if not text and lp is None and not delta.finished:
             return None
         choice = {
             "index": index,
-            "text": delta.delta_text,
+            "text": text,
             "logprobs": lp,
-            "finish_reason": delta.finish_reason if delta.finished else None,
+            "finish_reason": self.choices[index].finish_reason if delta.finished else None,
         }
         return self._envelope(self.chunk_object, [choice], usage_field)
 
     def add(self, index: int, delta: OutputDelta) -> None:
-        c = self.choices[index]
-        lp = self._logprobs(c, delta)
-        self._absorb(index, delta)
+        _, lp = self._take(index, delta)
         if lp is not None:
-            c.logprobs.append(lp)
+            self.choices[index].logprobs.append(lp)
 
     def response(self) -> dict:
         choices = []

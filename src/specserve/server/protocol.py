@@ -100,7 +100,7 @@ class CompletionRequest(SamplingFields):
             Field(min_length=1, max_length=1024),
         ]
     )
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=0)  # 0: with echo, score the prompt only
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
     best_of: int | None = Field(None, ge=1, le=128)
