@@ -192,3 +192,38 @@ def _tokenizer():
     from tests.support.tiny_models import make_tokenizer
 
     return make_tokenizer(Path(tempfile.mkdtemp()))
+
+
+@pytest.mark.parametrize("drafter", ["copy", "eagle3"])
+def test_past_the_grammars_end_under_ignore_eos(models, drafter):
+    """ignore_eos runs past a bounded grammar's end: every row there is free, as plain
+    decoding's are, also the rows after a draft that ends the grammar."""
+    params = _params("regex", ignore_eos=True, max_tokens=24)
+    plain = generate(models, prompts_for(), params, "off")[1]
+    assert all(len(tokens) == 24 for tokens, _, _ in plain)
+    assert _run_spec(models, params, drafter) == plain
+
+
+def _run_spec(models, params, drafter):
+    return generate(models, prompts_for(), params, "on", drafter)[1]
+
+
+def test_rows_after_a_draft_that_ends_the_grammar_are_free():
+    """The row after a drafted EOS that ends the grammar is verified under ignore_eos: its
+    mask allows every token, as plain decoding's row after a committed EOS does (rows after
+    an illegal draft repeat the mask before it: never read)."""
+    from specserve.runtime.grammar import GrammarCompiler, GrammarState
+
+    tok = _tokenizer()
+    compiler = GrammarCompiler(tok, 384, [2])
+    state = GrammarState(xgr.GrammarMatcher(compiler.compile(Grammar("regex", "ab"))))
+    state.follow(tok.encode("ab", add_special_tokens=False))
+    bitmask = xgr.allocate_token_bitmask(4, 384)
+    state.fill(bitmask, 0, [2, 7, 9])  # EOS, then anything
+    assert (bitmask[1:] == -1).all()  # free past the end
+    assert (bitmask[0] != -1).any()  # only EOS before it
+    assert not state.matcher.is_terminated()  # rolled back
+    state = GrammarState(xgr.GrammarMatcher(compiler.compile(Grammar("regex", "ab"))))
+    bitmask = xgr.allocate_token_bitmask(3, 384)
+    state.fill(bitmask, 0, [2, 7])  # an illegal first draft
+    assert (bitmask[1] == bitmask[0]).all() and (bitmask[2] == bitmask[0]).all()

@@ -2,11 +2,13 @@
 their content and everything before it, and a new request whose tokens begin the same way
 starts from those pages instead of computing them again.
 
-Keys form a hash chain: a page's key hashes its parent's key with its own tokens, so one
-dictionary lookup per page finds the longest cached prefix, and a page is only ever found
-after the same tokens in the same order (a radix tree gives the same matches; the chain
-needs no tree upkeep when pages are evicted one by one). Each entry keeps its parent key and
-tokens, and a lookup compares them: a hash collision is a miss, never a wrong page.
+Keys form a hash chain: a page's key is a BLAKE2b digest of its parent's key and its own
+tokens, so one dictionary lookup per page finds the longest cached prefix, and a page is
+only ever found after the same tokens in the same order (a radix tree gives the same
+matches; the chain needs no tree upkeep when pages are evicted one by one). A cryptographic
+digest, not Python's hash: that one is unkeyed and invertible, so a client could craft two
+prefixes with one key and be served KV computed after the other's tokens. Each entry also
+keeps its parent key and tokens, which a lookup compares.
 
 A page holds more than the target's KV: the drafter's inputs and state at the same slots
 (EAGLE-3's features and head KV, a draft model's KV). The target's entries depend only on
@@ -21,17 +23,19 @@ request catches up from the first page where none had.
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
+from hashlib import blake2b
 
 from specserve.core.kv_cache import KVCache
 from specserve.core.request import Request
 
-_ROOT = 0  # the parent key of a request's first page
+_ROOT = b"specserve prefix"  # the parent key of a request's first page
 
 
 @dataclass(slots=True)
 class CachedPage:
-    parent: int
+    parent: bytes
     tokens: tuple[int, ...]
     successor: int  # the token after the page when it was published
     drafter: bool  # the drafter's entries of the whole page were computed
@@ -43,8 +47,8 @@ class PrefixCache:
     def __init__(self, kv: KVCache, successor_bound: bool = False):
         self.kv, self.page_size = kv, kv.page_size
         self.successor_bound = successor_bound
-        self._pages: dict[int, int] = {}  # key -> page
-        self._entries: dict[int, tuple[int, CachedPage]] = {}  # page -> (key, entry)
+        self._pages: dict[bytes, int] = {}  # key -> page
+        self._entries: dict[int, tuple[bytes, CachedPage]] = {}  # page -> (key, entry)
         kv.allocator.on_evict = self._evicted
         # Counters (engine.stats(), /metrics): prompt tokens looked up and found.
         self.queried_tokens = 0
@@ -55,14 +59,15 @@ class PrefixCache:
         """Pages in the cache (held by requests or idle)."""
         return len(self._entries)
 
-    def _keys(self, req: Request, num_pages: int) -> list[int]:
+    def _keys(self, req: Request, num_pages: int) -> list[bytes]:
         """The request's first num_pages page keys (kept on it: tokens never change once the
         host knows them)."""
         keys, size = req.page_keys, self.page_size
         while len(keys) < num_pages:
             i = len(keys)
-            tokens = tuple(req.token_ids(i * size, (i + 1) * size))
-            keys.append(hash((keys[-1] if keys else _ROOT, tokens)))
+            digest = blake2b(keys[-1] if keys else _ROOT, digest_size=16)
+            digest.update(array("q", req.token_ids(i * size, (i + 1) * size)).tobytes())
+            keys.append(digest.digest())
         return keys
 
     def attach(self, req: Request) -> None:
@@ -70,6 +75,8 @@ class PrefixCache:
         (all but its last: a step must compute at least one token): its page table starts
         with those pages, its cached length at their end, and its drafter length at the end
         of the pages whose drafter entries are there."""
+        if req.page_table:
+            raise RuntimeError(f"request {req.request_id} holds pages already")
         size = self.page_size
         known = req.num_known
         max_pages = (known - 1) // size

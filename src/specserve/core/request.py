@@ -84,7 +84,7 @@ class Request:
     # leading pages of its table are in the cache, on how many of those the drafter's
     # entries are marked valid, and the prompt tokens found cached when it was first
     # admitted (usage.prompt_tokens_details.cached_tokens).
-    page_keys: list[int] = field(default_factory=list)
+    page_keys: list[bytes] = field(default_factory=list)
     published_pages: int = 0
     drafter_pages: int = 0
     # The cached length at which its prompt's pages are published (once; the rest when it
@@ -127,6 +127,8 @@ class Request:
     def token_ids(self, start: int, end: int) -> list[int]:
         """all_token_ids[start:end] without building the whole list."""
         prompt = self._prompt_len
+        if end <= prompt:
+            return self.prompt_token_ids[start:end]
         if start < prompt:
             return self.all_token_ids[start:end]
         known = self.output_token_ids

@@ -174,7 +174,7 @@ class StepLoop:
         runtime/logit_shaping.py) or "context_limit"."""
         if any(s.request.penalized for s in batch):
             return "penalties"  # a row's penalties count prev's tokens
-        if any(s.request.constrained for s in batch):
+        if any(s.request.constrained and s.decoding for s in batch):
             return "grammar"  # a row's mask follows prev's tokens
         if drafting and not self.spec.proposer.reads_inflight(drafting):
             if any(s.request.params.temperature > 0 for s in drafting):

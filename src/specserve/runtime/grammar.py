@@ -26,6 +26,8 @@ import xgrammar as xgr
 from specserve.core.errors import InvalidRequestError
 from specserve.core.sampling_params import Grammar
 
+CACHE_BYTES = 256 << 20  # compiled grammars kept (distinct schemas would grow it forever)
+
 # JSON schema keywords xgrammar compiles but does not enforce (measured: it accepts an
 # instance that violates them): refused by name rather than silently ignored. `oneOf` is
 # enforced as anyOf (pydantic's unions produce it; their alternatives rarely overlap).
@@ -37,6 +39,7 @@ UNENFORCED_KEYWORDS = frozenset(
         "else",
         "allOf",
         "uniqueItems",
+        "contains",
         "dependentRequired",
         "dependentSchemas",
         "minContains",
@@ -116,7 +119,7 @@ class GrammarCompiler:
             info = xgr.TokenizerInfo.from_huggingface(
                 self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_ids
             )
-            self._compiler = xgr.GrammarCompiler(info)
+            self._compiler = xgr.GrammarCompiler(info, cache_limit_bytes=CACHE_BYTES)
         compiler = self._compiler
         if grammar.kind == "json_schema":
             self._check_schema(grammar)
@@ -173,14 +176,14 @@ class GrammarState:
 
     def fill(self, bitmask: torch.Tensor, first_row: int, drafts: list[int]) -> None:
         """Masks of rows first_row.. (the next token, then after each draft in turn): each
-        draft is taken, then all are rolled back. Rows after an illegal draft, or after the
-        grammar's end, keep the mask before it (never read: see the module doc)."""
+        draft is taken, then all are rolled back. Rows after an illegal draft keep the mask
+        before it (never read: see the module doc); rows past the grammar's end (reached
+        under ignore_eos) allow every token, as plain decoding's rows there do."""
         matcher, taken = self.matcher, 0
         row = first_row
         for j in range(len(drafts) + 1):
-            if matcher.is_terminated():  # (its output ended: nothing constrains the rest)
-                end = row + len(drafts) + 1
-                bitmask[row + j : end] = -1 if j == 0 else bitmask[row + j - 1]
+            if matcher.is_terminated():  # its output ended (the rest, under ignore_eos, is free)
+                bitmask[row + j : row + len(drafts) + 1] = -1
                 break
             matcher.fill_next_token_bitmask(bitmask, row + j)
             if j == len(drafts) or not matcher.accept_token(drafts[j]):
