@@ -43,6 +43,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self._stalled: tuple | None = None  # (request, budget, free and cached pages): short
         # Mean prompt and output tokens of finished requests (EWMA): the prefill each
         # generated token brings along (`StepLoad.prefill_per_token`).
         self._prompt_mean = self._output_mean = 0.0
@@ -97,6 +98,13 @@ class Scheduler:
             if len(self.running) >= self.max_num_seqs:
                 break
             req = self.waiting[0]
+            # The request that lacked pages last time, asking as much, when nothing has
+            # freed or joined the cache since: it would lack them again (and a long
+            # prompt's lookup costs).
+            state = (req, budget, self.kv.allocator.num_free, prefix.num_pages if prefix else 0)
+            if state == self._stalled:
+                short_of_pages = True
+                break
             if prefix is not None:
                 prefix.attach(req)
             n = min(req.num_uncached, budget)
@@ -104,6 +112,7 @@ class Scheduler:
                 if req.page_table:  # its cached pages go back (idle, still cached)
                     self.kv.release(req.page_table)
                     req.reset_cache()
+                self._stalled = state
                 short_of_pages = True
                 break
             if prefix is not None:
