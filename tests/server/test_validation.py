@@ -71,7 +71,15 @@ CASES = [
     ("chat/completions", {"max_completion_tokens": 100000}, 400, "max_completion_tokens"),
     ("chat/completions", {"top_logprobs": 3}, 400, "top_logprobs"),
     ("chat/completions", {"logprobs": True, "top_logprobs": 50}, 400, "top_logprobs"),
-    ("chat/completions", {"tools": [{"type": "function"}]}, 400, "tools"),
+    ("chat/completions", {"tools": [{"type": "function"}]}, 400, "tools[0].function"),
+    # the tiny model's template renders no tools
+    (
+        "chat/completions",
+        {"tools": [{"type": "function", "function": {"name": "f"}}]},
+        400,
+        "tools",
+    ),
+    ("chat/completions", {"tool_choice": "required"}, 400, "tool_choice"),
     ("chat/completions", {"response_format": {"type": "yaml"}}, 400, "response_format.type"),
     (
         "completions",

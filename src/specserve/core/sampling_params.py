@@ -6,13 +6,14 @@ from dataclasses import dataclass, field
 
 from specserve.core.errors import InvalidRequestError
 
-GRAMMAR_KINDS = ("json", "json_schema", "regex")
+GRAMMAR_KINDS = ("json", "json_schema", "regex", "ebnf")
 
 
 @dataclass(frozen=True)
 class Grammar:
-    """What the output must match: any JSON value (`json`: OpenAI's json_object), the JSON
-    schema given as a JSON string (`json_schema`), or a regular expression (`regex`)."""
+    """What the output must match: any JSON value (`json`), the JSON schema given as a JSON
+    string (`json_schema`), a regular expression (`regex`) or an EBNF grammar (`ebnf`, in
+    xgrammar's dialect: `root ::= ...`)."""
 
     kind: str
     source: str = ""

@@ -128,6 +128,8 @@ class GrammarCompiler:
                 return compiler.compile_builtin_json_grammar()
             if grammar.kind == "json_schema":
                 return compiler.compile_json_schema(grammar.source, any_whitespace=False)
+            if grammar.kind == "ebnf":
+                return compiler.compile_grammar(grammar.source)
             return compiler.compile_regex(grammar.source)
         except (RuntimeError, ValueError, TypeError) as e:
             reason = str(e).split("Check failed:")[-1].strip()

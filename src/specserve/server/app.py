@@ -199,6 +199,8 @@ def build_app(state: ServerState) -> FastAPI:
         )
         await state.inputs.check_grammar(prepared)
         fmt.per_prompt = len(prepared.requests)  # one prompt, n choices
+        if body.tools and body.tool_choice != "none":
+            fmt.tools_format = state.inputs.tool_format
         fmt.simulated = state.client.info.simulated_acceptance
         return await _serve(state, request, body, prepared, fmt)
 

@@ -20,9 +20,11 @@ from specserve.server.messages import AddRequest, EngineInfo
 from specserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    NamedToolChoice,
     ResponseFormat,
     SamplingFields,
 )
+from specserve.server.tools import call_grammar, tool_format
 
 _THREAD_TOKENIZE_CHARS = 4096  # longer prompts are tokenized off the event loop
 _MASK_62 = (1 << 62) - 1
@@ -57,6 +59,8 @@ class InputProcessor:
         self.info = info
         eos = getattr(tokenizer, "eos_token_id", None)
         self.grammars = GrammarCompiler(tokenizer, info.vocab_size, [] if eos is None else [eos])
+        template = getattr(tokenizer, "chat_template", None)
+        self.tool_format = tool_format(template if isinstance(template, str) else None)
 
     async def check_grammar(self, prepared: PreparedRequest) -> None:
         """Compile the request's grammar here, off the event loop, so that one the engine
@@ -113,13 +117,22 @@ class InputProcessor:
                         )
                     texts.append(part.text)
                 content = "".join(texts)
-            messages.append({"role": m.role, "content": content or ""})
+            message = {"role": m.role, "content": content or ""}
+            if m.tool_calls:
+                message["tool_calls"] = [_template_call(c) for c in m.tool_calls]
+            if m.tool_call_id is not None:
+                message["tool_call_id"] = m.tool_call_id
+            messages.append(message)
+        tools = None
+        if req.tools and req.tool_choice != "none":
+            self.tools_format_for(req)  # (a 400 when the template renders none)
+            tools = [t.model_dump(exclude_none=True) for t in req.tools]
         size = sum(len(m["content"]) for m in messages)
         try:
             if size > _THREAD_TOKENIZE_CHARS:
-                out = await asyncio.to_thread(self._apply_template, messages)
+                out = await asyncio.to_thread(self._apply_template, messages, tools)
             else:
-                out = self._apply_template(messages)
+                out = self._apply_template(messages, tools)
         except TemplateError as e:  # the template's own checks (roles that must alternate...)
             raise bad_request(f"the chat template rejected the messages: {e}", "messages") from e
         except Exception as e:  # anything else: how it failed is not the client's business
@@ -129,9 +142,9 @@ class InputProcessor:
         ids = out["input_ids"] if hasattr(out, "keys") else out
         return list(ids)
 
-    def _apply_template(self, messages: list[dict]):
+    def _apply_template(self, messages: list[dict], tools: list[dict] | None = None):
         return self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True
+            messages, tools=tools, add_generation_prompt=True, tokenize=True
         )
 
     # ---- checks ---------------------------------------------------------------------------
@@ -198,6 +211,7 @@ class InputProcessor:
                 "n",
             )
         request_id = f"{prefix}-{uuid.uuid4().hex}"
+        grammar = self.grammar_of(req)
         requests = []
         for p, ids in enumerate(prompts):
             self.check_prompt(ids, prompt_param)
@@ -205,13 +219,34 @@ class InputProcessor:
             for i in range(req.n):
                 choice = p * req.n + i
                 seed = None if req.seed is None else choice_seed(req.seed, choice)
-                params = self.sampling_params(req, max_tokens, max_tokens_param, logprobs, seed)
+                params = self.sampling_params(
+                    req, max_tokens, max_tokens_param, logprobs, seed, grammar
+                )
                 requests.append(AddRequest(f"{request_id}-{choice}", ids, params))
         return PreparedRequest(request_id, requests, sum(len(ids) for ids in prompts))
 
+    def grammar_of(self, req: SamplingFields) -> Grammar | None:
+        """What the output must match: response_format's, or a tool call when tool_choice
+        forces one (server/tools.py)."""
+        choice = getattr(req, "tool_choice", None)
+        if choice == "required" or isinstance(choice, NamedToolChoice):
+            tools = [t.model_dump(exclude_none=True) for t in req.tools]
+            name = choice.function.name if isinstance(choice, NamedToolChoice) else None
+            return call_grammar(tools, self.tools_format_for(req), name)
+        return _grammar(req.response_format)
+
+    def tools_format_for(self, req: ChatCompletionRequest) -> str:
+        """The tool call format of this model (a 400 when its template renders no tools)."""
+        if self.tool_format is None:
+            raise bad_request(
+                "this model's chat template does not render tools; send the request without tools",
+                "tools",
+            )
+        return self.tool_format
+
     @staticmethod
     def sampling_params(
-        req: SamplingFields, max_tokens: int, max_tokens_param: str, logprobs, seed
+        req: SamplingFields, max_tokens: int, max_tokens_param: str, logprobs, seed, grammar
     ) -> SamplingParams:
         try:
             return SamplingParams(
@@ -230,12 +265,26 @@ class InputProcessor:
                 presence_penalty=req.presence_penalty or 0.0,
                 frequency_penalty=req.frequency_penalty or 0.0,
                 repetition_penalty=req.repetition_penalty or 1.0,
-                grammar=_grammar(req.response_format),
+                grammar=grammar,
                 # completions' echo with logprobs: the prompt's tokens are rated too
                 prompt_logprobs=logprobs if getattr(req, "echo", False) else None,
             )
         except InvalidRequestError as e:
             raise from_invalid_request(e, {"max_tokens": max_tokens_param}) from e
+
+
+def _template_call(call) -> dict:
+    """An assistant message's tool call as chat templates read it: arguments as a dict
+    (the API sends a JSON string; templates print them as JSON)."""
+    try:
+        arguments = json.loads(call.function.arguments)
+    except ValueError:
+        arguments = call.function.arguments
+    return {
+        "id": call.id,
+        "type": "function",
+        "function": {"name": call.function.name, "arguments": arguments},
+    }
 
 
 def _grammar(fmt: ResponseFormat | None) -> Grammar | None:
@@ -282,10 +331,20 @@ def check_unsupported(req: SamplingFields) -> None:
         if req.best_of is not None and req.best_of != req.n:
             raise bad_request("best_of must equal n (best-of ranking is not supported)", "best_of")
     if isinstance(req, ChatCompletionRequest):
-        if req.tools:
-            raise bad_request("tools are not supported", "tools")
-        if req.tool_choice not in (None, "none", "auto"):
-            raise bad_request("tool_choice is not supported", "tool_choice")
+        choice = req.tool_choice
+        if choice not in (None, "none", "auto") and not req.tools:
+            raise bad_request("tool_choice required or a function needs tools", "tool_choice")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in {
+            t.function.name for t in req.tools
+        }:
+            raise bad_request(
+                f"tool_choice names {choice.function.name!r}, which is not among the tools",
+                "tool_choice",
+            )
+        if choice not in (None, "none", "auto") and req.response_format is not None:
+            raise bad_request(
+                "response_format and a forced tool_choice cannot be combined", "response_format"
+            )
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
 

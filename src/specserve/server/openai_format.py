@@ -12,6 +12,7 @@ import json
 import time
 
 from specserve.server.messages import OutputDelta
+from specserve.server.tools import CallStream, parse_calls
 
 _MIN_LOGPROB = -9999.0  # JSON has no -inf
 SIMULATED_FINGERPRINT = "specserve-SIMULATED-ACCEPTANCE-outputs-are-not-the-model's"
@@ -303,16 +304,34 @@ class ChatFormatter(_Formatter):
             for i in range(len(self.choices))
         ]
 
+    tools_format: str | None = None  # with tools offered: their call format (server/tools.py)
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self._calls: dict[int, CallStream] = {}  # streamed choices' held-back calls
+
     def chunk(self, index: int, delta: OutputDelta, usage_field: bool) -> dict | None:
         self._absorb(index, delta)
         entries = self._entries(delta)
-        if not delta.delta_text and entries is None and not delta.finished:
+        text, calls = delta.delta_text, []
+        finish = delta.finish_reason if delta.finished else None
+        if self.tools_format is not None:  # a call is held back until the reply ends
+            stream = self._calls.setdefault(index, CallStream(self.tools_format))
+            text = stream.push(text)
+            if delta.finished:
+                rest, calls = stream.finish()
+                text += rest
+                finish = "tool_calls" if calls else finish
+        if not text and not calls and entries is None and not delta.finished:
             return None
+        message = {"content": text} if text else {}
+        if calls:
+            message["tool_calls"] = [{"index": i, **call} for i, call in enumerate(calls)]
         choice = {
             "index": index,
-            "delta": {"content": delta.delta_text} if delta.delta_text else {},
+            "delta": message,
             "logprobs": None if entries is None else {"content": entries, "refusal": None},
-            "finish_reason": delta.finish_reason if delta.finished else None,
+            "finish_reason": finish,
         }
         return self._envelope(self.chunk_object, [choice], usage_field)
 
@@ -323,17 +342,25 @@ class ChatFormatter(_Formatter):
             c.logprobs.extend(entries)
 
     def response(self) -> dict:
-        choices = [
-            {
-                "index": i,
-                "message": {"role": "assistant", "content": "".join(c.text)},
-                "logprobs": None
-                if self.logprobs is None
-                else {"content": c.logprobs, "refusal": None},
-                "finish_reason": c.finish_reason,
-            }
-            for i, c in enumerate(self.choices)
-        ]
+        choices = []
+        for i, c in enumerate(self.choices):
+            message = {"role": "assistant", "content": "".join(c.text)}
+            finish = c.finish_reason
+            if self.tools_format is not None:
+                content, calls = parse_calls(message["content"], self.tools_format)
+                if calls:
+                    message = {"role": "assistant", "content": content, "tool_calls": calls}
+                    finish = "tool_calls"
+            choices.append(
+                {
+                    "index": i,
+                    "message": message,
+                    "logprobs": None
+                    if self.logprobs is None
+                    else {"content": c.logprobs, "refusal": None},
+                    "finish_reason": finish,
+                }
+            )
         out = self._envelope("chat.completion", choices, False)
         out["usage"] = self.usage()
         return out

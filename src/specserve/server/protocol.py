@@ -121,12 +121,56 @@ class OtherPart(BaseModel):
     type: str
 
 
+class FunctionCall(_Strict):
+    """A call the assistant made: the function's name and its arguments as a JSON string."""
+
+    name: str
+    arguments: str
+
+
+class ToolCall(_Strict):
+    """One tool call of an assistant message."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
-    """One message of the conversation."""
+    """One message of the conversation (a tool's result: role tool with tool_call_id)."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[TextPart | OtherPart] | None = None
     name: Text | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+
+class FunctionDef(_Strict):
+    """A function the model may call: its name, what it does, its parameters' JSON schema."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDef(_Strict):
+    """tools[i]: a function tool."""
+
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    """tool_choice naming the function to call."""
+
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -137,8 +181,8 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[ToolDef] | None = Field(None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
 
 
 # ---- responses (documentation of the shapes; built as dicts in openai_format.py) ----------

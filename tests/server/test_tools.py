@@ -1,0 +1,207 @@
+"""Tool calling: call formats found in chat templates, calls parsed from whole and streamed
+replies, a forced call (tool_choice required or named) always a valid call of the right
+function, and the API end to end through the openai client with a Hermes-style template."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import openai
+import pytest
+from pydantic import BaseModel, Field
+
+from specserve import LLM, SamplingParams
+from specserve.server.tools import CallStream, call_grammar, parse_calls, tool_format
+from tests.server.conftest import API_KEY, ServerProcess
+
+HERMES_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\nTools: {{ tools | tojson }}\nCall one as "
+    '<tool_call>\n{"name": ..., "arguments": ...}\n</tool_call><|im_end|>\n{% endif %}'
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m.get('tool_calls') %}{% for c in m['tool_calls'] %}<tool_call>\n"
+    "{{ {'name': c['function']['name'], 'arguments': c['function']['arguments']} | tojson }}"
+    "\n</tool_call>{% endfor %}{% else %}{{ m['content'] }}{% endif %}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+LLAMA3_HINT = '{% if tools %}Respond as {"name": function name, "parameters": ...}{% endif %}'
+
+
+class Weather(BaseModel):
+    city: str = Field(max_length=6)
+    celsius: object  # (any JSON value: short to render)
+
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string", "maxLength": 6}, "celsius": {}},
+                "required": ["city", "celsius"],
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "get_time",
+            "parameters": {
+                "type": "object",
+                "properties": {"zone": {"enum": ["utc", "cet"]}},
+                "required": ["zone"],
+            },
+        },
+    },
+]
+
+
+def test_call_formats_of_templates():
+    assert tool_format(HERMES_TEMPLATE) == "hermes"
+    assert tool_format(LLAMA3_HINT + "{{ tools }}<|python_tag|>") == "llama3"
+    assert tool_format("{% for m in messages %}{{ m.content }}{% endfor %}") is None
+
+
+def test_calls_parsed_from_replies():
+    text = (
+        'Let me look.\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "utc"}}'
+        "\n</tool_call>"
+    )
+    content, calls = parse_calls(text + text[12:], "hermes")
+    assert content == "Let me look." and len(calls) == 2
+    assert calls[0]["function"] == {"name": "get_time", "arguments": '{"zone": "utc"}'}
+    assert calls[0]["id"].startswith("call_") and calls[0]["id"] != calls[1]["id"]
+    assert parse_calls("<tool_call>\n{oops}\n</tool_call>", "hermes")[1] == []
+    assert parse_calls("just text", "hermes") == ("just text", [])
+    content, calls = parse_calls('<|python_tag|>{"name": "f", "parameters": {"a": 1}}', "llama3")
+    assert content is None and calls[0]["function"] == {"name": "f", "arguments": '{"a": 1}'}
+    assert parse_calls("The answer is {not a call}", "llama3")[1] == []
+
+
+@pytest.mark.parametrize("fmt", ["hermes", "llama3"])
+def test_a_streamed_call_is_held_back_and_text_is_not(fmt):
+    call = (
+        '<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>'
+        if fmt == "hermes"
+        else '{"name": "f", "parameters": {"x": 1}}'
+    )
+    prefix = ["Sure", ", ", "ok "] if fmt == "hermes" else [" "]
+    stream = CallStream(fmt)
+    sent = "".join(stream.push(p) for p in prefix)
+    # the call in pieces of 3 characters: its start split across them
+    sent += "".join(stream.push(call[i : i + 3]) for i in range(0, len(call), 3))
+    rest, calls = stream.finish()
+    assert sent == ("Sure, ok " if fmt == "hermes" else "") and rest == ""
+    assert [c["function"]["name"] for c in calls] == ["f"]
+    stream = CallStream(fmt)  # text that only looked like a call's start goes out
+    pieces = ["<tool", "box> is", " not a call"] if fmt == "hermes" else ["  ", "{a} is text"]
+    sent = "".join(stream.push(p) for p in pieces)
+    rest, calls = stream.finish()
+    assert sent + rest == "".join(pieces) and calls == []
+
+
+@pytest.mark.parametrize("fmt", ["hermes", "llama3"])
+@pytest.mark.parametrize("name", [None, "get_weather"])
+def test_a_forced_call_is_a_valid_call(tiny_llama, fmt, name):
+    """The grammar of tool_choice required / named: greedy and sampled replies of a random
+    model are calls of the right function whose arguments follow its schema."""
+    llm = LLM(str(tiny_llama))
+    grammar = call_grammar(TOOLS, fmt, name)
+    params = [SamplingParams(max_tokens=256, grammar=grammar)] + [
+        SamplingParams(max_tokens=256, grammar=grammar, temperature=1.0, seed=s) for s in range(4)
+    ]
+    for out in llm.generate([[5, 6, 7]] * len(params), params):
+        content, calls = parse_calls(out.text, fmt)
+        assert out.finish_reason == "stop" and len(calls) == 1, repr(out.text)
+        function = calls[0]["function"]
+        assert function["name"] == (name or function["name"])
+        arguments = json.loads(function["arguments"])
+        if function["name"] == "get_weather":
+            Weather.model_validate(arguments)
+        else:
+            assert arguments["zone"] in ("utc", "cet")
+
+
+@pytest.fixture(scope="module")
+def tool_server(tiny_llama, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("hermes")
+    shutil.copytree(tiny_llama, folder, dirs_exist_ok=True)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["chat_template"] = HERMES_TEMPLATE
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    (folder / "chat_template.jinja").unlink(missing_ok=True)
+    srv = ServerProcess(folder, tmp_path_factory.mktemp("tools"), api_key=API_KEY)
+    yield srv
+    srv.stop()
+
+
+def test_tools_through_the_openai_client(tool_server):
+    client = openai.OpenAI(base_url=tool_server.url + "/v1", api_key=API_KEY, max_retries=0)
+    model = client.models.list().data[0].id
+    tools = TOOLS[1:]  # (short: the tiny model's context is 512 tokens)
+    messages = [{"role": "user", "content": "Time?"}]
+    forced = client.chat.completions.create(
+        model=model,
+        messages=messages,
+        tools=tools,
+        tool_choice={"type": "function", "function": {"name": "get_time"}},
+        max_tokens=100,
+        temperature=0,
+    )
+    choice = forced.choices[0]
+    assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
+    call = choice.message.tool_calls[0]
+    assert call.function.name == "get_time"
+    assert json.loads(call.function.arguments)["zone"] in ("utc", "cet")
+    streamed = client.chat.completions.create(
+        model=model,
+        messages=messages,
+        tools=tools,
+        tool_choice="required",
+        max_tokens=100,
+        temperature=0,
+        stream=True,
+    )
+    chunks = [ch for ch in streamed if ch.choices]
+    calls = [tc for ch in chunks for tc in (ch.choices[0].delta.tool_calls or [])]
+    assert [(c.function.name, c.function.arguments) for c in calls] == [
+        (call.function.name, call.function.arguments)  # (greedy: the same call)
+    ]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert not any("<tool" in (ch.choices[0].delta.content or "") for ch in chunks)
+    # the call and its result go back through the template
+    follow_up = messages + [
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": "noon"},
+    ]
+    answer = client.chat.completions.create(
+        model=model, messages=follow_up, tools=tools, max_tokens=8, temperature=0
+    )
+    assert answer.choices[0].finish_reason in ("length", "stop", "tool_calls")
+    assert answer.usage.prompt_tokens > forced.usage.prompt_tokens + 20  # the call rendered
+    none = client.chat.completions.create(
+        model=model, messages=messages, tools=tools, tool_choice="none", max_tokens=8
+    )
+    assert none.choices[0].message.tool_calls is None
+    assert none.usage.prompt_tokens < forced.usage.prompt_tokens  # no tools rendered
+    with pytest.raises(openai.BadRequestError, match="not among the tools"):
+        client.chat.completions.create(
+            model=model,
+            messages=messages,
+            tools=tools,
+            max_tokens=8,
+            tool_choice={"type": "function", "function": {"name": "nope"}},
+        )
+
+
+def test_a_template_without_tools_refuses_them(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(
+            model="tinyllama",
+            messages=[{"role": "user", "content": "hi"}],
+            tools=TOOLS,
+            max_tokens=4,
+        )
+    assert "does not render tools" in e.value.body["message"] and e.value.body["param"] == "tools"
