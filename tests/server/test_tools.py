@@ -205,3 +205,17 @@ def test_a_template_without_tools_refuses_them(client):
             max_tokens=4,
         )
     assert "does not render tools" in e.value.body["message"] and e.value.body["param"] == "tools"
+
+
+def test_a_forced_call_refuses_parameters_it_cannot_enforce():
+    from specserve.core.errors import InvalidRequestError
+
+    tools = [
+        {
+            "type": "function",
+            "function": {"name": "f", "parameters": {"type": "array", "uniqueItems": True}},
+        }
+    ]
+    with pytest.raises(InvalidRequestError, match="tool 'f' use .* uniqueItems") as e:
+        call_grammar(tools, "hermes")
+    assert e.value.field == "tools"

@@ -113,7 +113,8 @@ class GrammarCompiler:
         """The compiled grammar; a grammar xgrammar refuses is the request's error (400)."""
         if self.tokenizer is None:
             raise InvalidRequestError(
-                "structured output needs the model's tokenizer; this engine has none", "grammar"
+                "structured output needs the model's tokenizer; this engine has none",
+                grammar.field,
             )
         if self._compiler is None:
             info = xgr.TokenizerInfo.from_huggingface(

@@ -18,7 +18,9 @@ import uuid
 
 import xgrammar as xgr
 
+from specserve.core.errors import InvalidRequestError
 from specserve.core.sampling_params import Grammar
+from specserve.runtime.grammar import unsupported_schema_features
 
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
@@ -49,6 +51,13 @@ def call_grammar(tools: list[dict], fmt: str, name: str | None = None) -> Gramma
         if name is not None and function["name"] != name:
             continue
         parameters = function.get("parameters") or {"type": "object"}
+        missing = unsupported_schema_features(parameters)
+        if missing:
+            raise InvalidRequestError(
+                f"the parameters of tool {function['name']!r} use what a forced call cannot "
+                "enforce: " + ", ".join(missing),
+                "tools",
+            )
         schemas.append(
             {
                 "type": "object",
