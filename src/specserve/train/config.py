@@ -20,6 +20,7 @@ class TrainConfig:
 
     out: str
     data: list[str] = field(default_factory=lambda: ["stdlib", "shakespeare"])
+    data_weights: list[float] | None = None
     target: str | None = None
     steps: int = 1000
     batch_size: int = 16
@@ -89,12 +90,21 @@ class TrainConfig:
             )
         if not self.data:
             raise ValueError("give at least one --data source")
+        if self.data_weights is not None and (
+            len(self.data_weights) != len(self.data) or min(self.data_weights) <= 0
+        ):
+            raise ValueError(
+                f"--data-weights needs one positive weight per --data source "
+                f"({len(self.data)}: {' '.join(self.data)}); got {self.data_weights}"
+            )
 
 
 _HELP = {
     "out": "output folder: the head (config.json, model.safetensors), data, log, checkpoint",
     "data": "prompt sources: stdlib, shakespeare, self-chat (user turns the target writes), "
     "or JSONL files of prompts/conversations",
+    "data_weights": "one weight per --data source: each source's share of the training "
+    "prompts, spread evenly through them (default: equal shares)",
     "target": "target model folder or .gguf (default: embedded SmolLM2-135M-Instruct)",
     "steps": "optimizer steps",
     "batch_size": "samples per step",
@@ -130,8 +140,8 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
             )
         elif f.type == "bool":
             parser.add_argument(flag, action="store_true", help=help_text)
-        elif f.name in ("data", "aux_layer_ids"):
-            kind = str if f.name == "data" else int
+        elif f.name in ("data", "data_weights", "aux_layer_ids"):
+            kind = {"data": str, "data_weights": float, "aux_layer_ids": int}[f.name]
             parser.add_argument(flag, nargs="+", type=kind, default=default, help=help_text)
         else:
             kind = {"int": int, "float": float, "int | None": int, "float | None": float}.get(

@@ -342,7 +342,13 @@ def distill(cfg: TrainConfig, out: Path, log) -> tuple[list[Sample], list[Sample
         return _read_samples(data_path)
     made = {SELF_CHAT: _self_chat(cfg, log)} if SELF_CHAT in cfg.data else None
     prompts, heldout_prompts = load_prompts(
-        cfg.data, cfg.seed, cfg.num_prompts, cfg.heldout_prompts, cfg.prompt_variants, made
+        cfg.data,
+        cfg.seed,
+        cfg.num_prompts,
+        cfg.heldout_prompts,
+        cfg.prompt_variants,
+        made,
+        cfg.data_weights,
     )
     if not prompts:
         raise PromptSourceError(

@@ -278,10 +278,19 @@ def reserved_keys(items: list[PromptItem], seed: int, num_heldout: int) -> set[s
     return {p.source_key for p in ranked[: max(by_fraction, num_heldout)]}
 
 
-def _interleave(pools: list[list[PromptItem]]) -> list[PromptItem]:
-    return [
-        pool[i] for i in range(max(map(len, pools), default=0)) for pool in pools if i < len(pool)
+def _interleave(
+    pools: list[list[PromptItem]], weights: list[float] | None = None
+) -> list[PromptItem]:
+    """The pools' items merged so that any prefix holds each pool's share (its weight over
+    the sum, equal by default) while it lasts: item j of a pool of weight w sits at (j +
+    1/2) / w; ties keep the pools' order."""
+    weights = weights or [1.0] * len(pools)
+    slots = [
+        ((j + 0.5) / w, n, j)
+        for n, (pool, w) in enumerate(zip(pools, weights))
+        for j in range(len(pool))
     ]
+    return [pools[n][j] for _, n, j in sorted(slots)]
 
 
 def load_prompts(
@@ -291,11 +300,13 @@ def load_prompts(
     num_heldout: int,
     variants: int = 1,
     made: dict[str, list[PromptItem]] | None = None,
+    weights: list[float] | None = None,
 ) -> tuple[list[PromptItem], list[PromptItem]]:
     """(train, held-out) of the named sources (`made`: sources already made, by name, such
     as self-chat's). Held-out prompts are the first variants of the reserved source
     texts (`reserved_keys`) in hash order; training prompts are all others, shuffled with
-    `seed`; both interleave the sources so that each contributes evenly. With `variants`
+    `seed`; both interleave the sources so that each contributes evenly (the training
+    prompts in proportion to `weights`, one per source, when given). With `variants`
     > 1, the training list holds every first variant before any second one, and so on, so a
     time-limited generation covers as many distinct texts as it can."""
     rng = random.Random(seed)
@@ -318,7 +329,7 @@ def load_prompts(
             rest = [p for p in pool if p.source_key not in reserved and p.variant == v]
             rng.shuffle(rest)
             train_pools.append(rest)
-        train += _interleave(train_pools)
+        train += _interleave(train_pools, weights)
     if num_prompts is not None:
         train = train[:num_prompts]
     return train, heldout
