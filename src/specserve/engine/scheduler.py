@@ -17,6 +17,7 @@ from specserve.core.batch import ScheduledRequest
 from specserve.core.kv_cache import KVCache
 from specserve.core.prefix_cache import PrefixCache
 from specserve.core.request import NEVER, Request, RequestStatus
+from specserve.engine.overlap_wait import RunningCounts
 from specserve.speculative.policy_base import StepLoad
 
 if TYPE_CHECKING:
@@ -41,7 +42,10 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
+        # Joined by admission only, left by preemption and finish (abort included), which
+        # keep `counts` (what the overlap loop checks each step: engine/overlap_wait.py).
         self.running: list[Request] = []
+        self.counts = RunningCounts()
         self.num_preemptions = 0
         self._stalled: tuple | None = None  # (request, budget, free and cached pages): short
         # Mean prompt and output tokens of finished requests (EWMA): the prefill each
@@ -125,6 +129,7 @@ class Scheduler:
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
+            self.counts.add(req)
             batch.append(ScheduledRequest(req, n))
             budget -= n
         if policy is not None:
@@ -179,7 +184,7 @@ class Scheduler:
                         page_cap = min(page_cap, draft_len)
             clamped.append(draft_len)
         # The one place a step's draft lengths are set (the overlap loop only shrinks them
-        # to the context once it has waited for the step in flight: StepLoop._settle).
+        # to the context once it has waited for the step in flight: overlap_wait.settle).
         # Short of pages: one draft length for all, as the policy chose.
         for s, draft_len in zip(decoding, clamped):
             s.draft_len = min(draft_len, page_cap)
@@ -196,6 +201,7 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
+        self.counts.add(req, -1)
         self._release(req)
         req.reset_cache()
         req.status = RequestStatus.WAITING
@@ -209,6 +215,7 @@ class Scheduler:
         """Remove a finished or aborted request and return its pages."""
         if req in self.running:
             self.running.remove(req)
+            self.counts.add(req, -1)
         elif req in self.waiting:
             self.waiting.remove(req)
         self._release(req)

@@ -6,9 +6,9 @@ the tokens: committed and cached lengths, drafter state), then processed (stop c
 detokenization, outputs, statistics). The synchronous loop does all three in one call.
 
 The overlap loop launches step N+1 before it processes step N, and in the common cases
-before N's tokens reach the host at all (`_wait_reason`). The host counts N as one token per
-sampled request (`Request.num_inflight`; its pages cover all of N's drafts being accepted)
-and builds N+1 from N's results on the device (runtime/inflight.py):
+before N's tokens reach the host at all (engine/overlap_wait.py). The host counts N as one
+token per sampled request (`Request.num_inflight`; its pages cover all of N's drafts being
+accepted) and builds N+1 from N's results on the device (runtime/inflight.py):
 
 - N+1's input token for a request of N is N's last drawn token (the bonus), gathered there.
 - After a speculative N, a request is packed as if N accepted nothing and moved right by
@@ -25,7 +25,8 @@ and builds N+1 from N's results on the device (runtime/inflight.py):
   drafter caught up on N's rows: `InflightStep.consumed`).
 
 Otherwise (a proposer drafting on the host: n-gram, draft model; sampled requests that
-draft; mixed draft lengths; a position that could pass the context) the loop waits for N's
+draft; mixed draft lengths; a position that could pass the context; rows that read N's
+tokens on the host: penalties, a grammar, a pending min_tokens) the loop waits for N's
 tokens (resolve), settles the batch on them (requests they end by length, stop token or EOS
 leave it; draft lengths shrink to what can still be committed), then drafts and launches.
 Either way N is processed while N+1 runs.
@@ -47,7 +48,9 @@ import torch
 
 from specserve.core.batch import ScheduledRequest
 from specserve.engine.launched_step import LaunchedStep, StepTimes
+from specserve.engine.overlap_wait import settle, wait_reason
 from specserve.engine.step_plan import PlanPublisher
+from specserve.runtime.prompt_logprobs import prompt_logprobs
 
 if TYPE_CHECKING:
     from specserve.engine.outputs import RequestOutput, RequestSink
@@ -84,7 +87,7 @@ class StepLoop:
         self._last_end = None  # CUDA event: end of the last processed step's device work
         self._idle = True
         self.num_waits = 0  # steps launched only after the previous step's tokens were read
-        self.wait_reasons: Counter[str] = Counter()  # why (`_wait_reason`) -> steps
+        self.wait_reasons: Counter[str] = Counter()  # why (`wait_reason`) -> steps
         # Running totals (ms) for metrics: device spans of steps (CUDA events; none on the
         # CPU), idle device gaps between back-to-back steps, host waits for drawn tokens.
         self.totals = {"device_step_ms": 0.0, "device_gap_ms": 0.0, "host_wait_ms": 0.0}
@@ -96,14 +99,15 @@ class StepLoop:
         drafting = self._drafting(batch)
         reason = None
         if prev is not None and prev.result is None:
-            reason = self._wait_reason(prev, batch, drafting)
+            counts = self.scheduler.counts
+            reason = wait_reason(prev, batch, drafting, counts, self.spec, self.max_model_len)
         if reason is not None:
             # Scheduled while step N runs (pages grown for all of its drafts); this step
             # cannot be built from N's results on the device: wait for them, then settle.
             self.num_waits += 1
             self.wait_reasons[reason] += 1
             self._resolve(prev)
-            batch = self._settle(batch)
+            batch = settle(batch)
             drafting = self._drafting(batch)
         keeps_drafter = self.spec is not None and self.spec.keeps_drafter
         if self.plans is not None:  # tensor parallelism: every other rank replays it
@@ -159,42 +163,6 @@ class StepLoop:
         wants = spec.proposer.wants_catch_up
         return [s for s in batch if s.draft_len > 0 or (s.decoding and wants(s.request))]
 
-    def _wait_reason(
-        self, prev: LaunchedStep, batch: list[ScheduledRequest], drafting: list[ScheduledRequest]
-    ) -> str | None:
-        """None when `batch` can be launched before prev's tokens reach the host, built on
-        the device from prev's drawn tokens and accept lengths (runtime/inflight.py): when
-        its drafter reads them there (EAGLE-3, greedy, one draft length) and, after a
-        speculative step, every position it may reach lies within the context. Else why
-        not: "sampled" (a drafting request samples), "mixed_draft_lens", "host_drafts" (the
-        proposer drafts on the host), "grammar" (a request's masks follow every token before
-        each row: runtime/grammar.py), "penalties" (a request's penalties count every token
-        before each row), "min_tokens" (after a speculative step, a request
-        whose EOS is still masked: which rows may end its output depends on prev's count;
-        runtime/logit_shaping.py) or "context_limit"."""
-        if any(s.request.penalized for s in batch):
-            return "penalties"  # a row's penalties count prev's tokens
-        if any(s.request.constrained and s.decoding for s in batch):
-            return "grammar"  # a row's mask follows prev's tokens
-        if drafting and not self.spec.proposer.reads_inflight(drafting):
-            if any(s.request.params.temperature > 0 for s in drafting):
-                return "sampled"
-            if len({s.draft_len for s in drafting}) > 1:
-                return "mixed_draft_lens"
-            return "host_drafts"
-        if not prev.speculative:
-            return None
-        if any(s.request.params.min_tokens > s.request.num_generated for s in batch):
-            return "min_tokens"  # which rows may end the output depends on prev's count
-        moved = {id(s.request): s.drafted for s in prev.step_input.sampled}
-        max_len = self.max_model_len
-        if all(
-            s.request.committed_len + moved.get(id(s.request), 0) + s.draft_len <= max_len
-            for s in batch
-        ):
-            return None
-        return "context_limit"
-
     def stats(self) -> dict:
         """Loop figures for metrics: steps launched after waiting for the previous step's
         tokens, in all and by reason; running totals of device and wait times (`totals`)."""
@@ -203,21 +171,6 @@ class StepLoop:
             "loop_wait_reasons": dict(self.wait_reasons),
             **self.totals,
         }
-
-    @staticmethod
-    def _settle(batch: list[ScheduledRequest]) -> list[ScheduledRequest]:
-        """After waiting for the previous step's tokens: requests they end leave the batch
-        (max_tokens, the context, a stop or EOS token among them; stop strings need the
-        detokenizer and are found when the tokens are processed), draft lengths shrink to
-        what the context leaves (as the synchronous loop's: drafts may pass max_tokens, and
-        seeded draws depend on the draft lengths)."""
-        settled = []
-        for s in batch:
-            req = s.request
-            if req.num_left > 0 and not _stop_token_in(req, req.unprocessed_token_ids):
-                s.draft_len = min(s.draft_len, req.max_len - req.committed_len - 1)
-                settled.append(s)
-        return settled
 
     def _launch(
         self, prev: LaunchedStep | None, batch, drafting, keeps_drafter: bool
@@ -252,14 +205,7 @@ class StepLoop:
         features = (
             spec.proposer.features(aux, step_input.meta.slot_mapping) if spec is not None else None
         )
-        rated = []  # prompt chunks of requests that ask for prompt logprobs (last in the batch)
-        for s in reversed(batch):
-            if s.decoding:
-                break
-            if s.request.params.prompt_logprobs is not None:
-                rated.append(s)
-        if rated:
-            runner.prompt_logprobs(batch, rated, step_input, hidden)
+        prompt_logprobs(runner.model, batch, step_input, hidden)  # prefill chunks that ask
         t2 = time.perf_counter()
         # Bookkeeping that needs no drawn token: the fed tokens are in the KV cache (in
         # device order), and each sampled request has at least one token in flight.
@@ -392,11 +338,3 @@ class StepLoop:
             self.totals["device_gap_ms"] += gap_ms
         self._last_end = end
         return target_ms
-
-
-def _stop_token_in(req, tokens: list[int]) -> bool:
-    """Whether committing `tokens` finishes the request at a stop token (or EOS)."""
-    p = req.params
-    return any(
-        t in p.stop_token_ids or (not p.ignore_eos and t in req.eos_token_ids) for t in tokens
-    )

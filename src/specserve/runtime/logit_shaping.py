@@ -11,7 +11,7 @@ without them (their drafts are then rejected more often).
 
 The host's token counts are exact where they matter: the step loop waits for the step in
 flight when a request of the next one is penalized or its min_tokens hangs on that step's
-count (`StepLoop._wait_reason`). Drafts are read where they are, on the device."""
+count (engine/overlap_wait.py). Drafts are read where they are, on the device."""
 
 from __future__ import annotations
 

@@ -181,39 +181,6 @@ class ModelRunner:
         return self.model.compute_logits(hidden if rows is None else hidden[rows], fp32)
 
     @torch.inference_mode()
-    def prompt_logprobs(
-        self, batch: list[ScheduledRequest], chunks, step: StepInput, hidden: torch.Tensor
-    ) -> None:
-        """The logprobs of the prompt tokens that `chunks` (prompt chunks of `batch`, the
-        step's scheduled requests, that ask for them; before their tokens are counted
-        cached) feed, appended to each request's `prompt_logprobs`: the row of position p
-        rates prompt token p + 1. Read at once, as the step's graph outputs are overwritten
-        by the next replay; the copy to the host waits for this step (a rare request)."""
-        first_rows = {id(s): row for s, row in zip(batch, step.first_rows)}
-        rows, targets, spans = [], [], []
-        for s in chunks:
-            req, start = s.request, s.request.cached_len
-            prompt, done = req.prompt_token_ids, req.prompt_logprobs
-            if not done:
-                done.append(None)  # the first prompt token is rated by nothing
-            lo, hi = max(start, len(done) - 1), min(start + s.num_tokens, len(prompt) - 1)
-            if lo < hi:  # (a recomputed prompt, after a preemption, is rated once)
-                spans.append((req, req.params.prompt_logprobs, len(rows), hi - lo))
-                row = first_rows[id(s)] - start
-                rows += range(row + lo, row + hi)
-                targets += prompt[lo + 1 : hi + 1]
-        if not rows:
-            return
-        logits = self.model.compute_logits(hidden[to_device(rows, self.device)], True)
-        k = max(want for _, want, _, _ in spans)
-        chosen, top_lp, top_ids = logprob_tensors(logits, to_device(targets, self.device), k)
-        chosen, top_lp, top_ids = chosen.tolist(), top_lp.tolist(), top_ids.tolist()
-        for req, want, at, n in spans:
-            for r in range(at, at + n):
-                top = list(zip(top_ids[r][:want], top_lp[r][:want]))
-                req.prompt_logprobs.append(TokenLogprobs(chosen[r], top))
-
-    @torch.inference_mode()
     def time_forward(self, num_tokens: int) -> None:
         """A synchronized decode-shaped step of `num_tokens` tokens on the scratch page (for
         the cost model): one token per request, or several per request beyond the largest

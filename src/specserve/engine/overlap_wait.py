@@ -1,0 +1,118 @@
+"""When the overlap loop waits for the step in flight (engine/step_loop.py), and the batch it
+then settles on that step's tokens.
+
+A step is built from the step in flight's results on the device in the common cases; it
+waits for them on the host when its rows need their values or count there (`wait_reason`).
+Three such needs belong to requests, not to the step (penalties, a grammar, a pending
+min_tokens); the scheduler counts the running requests that have them (`RunningCounts`) so
+that a step's rows are scanned for them only while one of them runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from specserve.core.batch import ScheduledRequest
+from specserve.core.request import Request
+
+if TYPE_CHECKING:
+    from specserve.engine.launched_step import LaunchedStep
+    from specserve.speculative.speculator import Speculator
+
+
+@dataclass
+class RunningCounts:
+    """How many of the scheduler's running requests are penalized, grammar-constrained or
+    ask for min_tokens: what may make a step wait for the step in flight's tokens whoever
+    else is in it. The scheduler keeps them as requests join and leave `running`
+    (admission, preemption, finish, abort); a step's rows are a subset of the running
+    requests, so a zero count means no row of the step has that need."""
+
+    penalized: int = 0
+    constrained: int = 0
+    min_tokens: int = 0
+
+    def add(self, req: Request, n: int = 1) -> None:
+        """Count `req` in (`n` = 1: it joined) or out (`n` = -1: it left)."""
+        if req.penalized:
+            self.penalized += n
+        if req.constrained:
+            self.constrained += n
+        if req.params.min_tokens > 0:
+            self.min_tokens += n
+
+    @classmethod
+    def of(cls, requests) -> RunningCounts:
+        """The counts of `requests`, scanned afresh."""
+        counts = cls()
+        for req in requests:
+            counts.add(req)
+        return counts
+
+
+def wait_reason(
+    prev: LaunchedStep,
+    batch: list[ScheduledRequest],
+    drafting: list[ScheduledRequest],
+    counts: RunningCounts,
+    spec: Speculator | None,
+    max_model_len: int,
+) -> str | None:
+    """None when `batch` can be launched before prev's tokens reach the host, built on the
+    device from prev's drawn tokens and accept lengths (runtime/inflight.py): when its
+    drafter reads them there (EAGLE-3, greedy, one draft length) and, after a speculative
+    step, every position it may reach lies within the context. Else why not: "penalties"
+    (a request's penalties count every token before each row), "grammar" (a decoding
+    request's masks follow every token before each row: runtime/grammar.py), "sampled" (a
+    drafting request samples), "mixed_draft_lens", "host_drafts" (the proposer drafts on
+    the host), "min_tokens" (after a speculative step, a request whose EOS is still masked:
+    which rows may end its output depends on prev's count; runtime/logit_shaping.py) or
+    "context_limit". `counts`: the scheduler's running requests', of which `batch` is a
+    subset; a zero count skips its scan of the batch."""
+    if counts.penalized and any(s.request.penalized for s in batch):
+        return "penalties"  # a row's penalties count prev's tokens
+    if counts.constrained and any(s.request.constrained and s.decoding for s in batch):
+        return "grammar"  # a row's mask follows prev's tokens
+    if drafting and not spec.proposer.reads_inflight(drafting):
+        if any(s.request.params.temperature > 0 for s in drafting):
+            return "sampled"
+        if len({s.draft_len for s in drafting}) > 1:
+            return "mixed_draft_lens"
+        return "host_drafts"
+    if not prev.speculative:
+        return None
+    if counts.min_tokens and any(
+        s.request.params.min_tokens > s.request.num_generated for s in batch
+    ):
+        return "min_tokens"  # which rows may end the output depends on prev's count
+    moved = {id(s.request): s.drafted for s in prev.step_input.sampled}
+    if all(
+        s.request.committed_len + moved.get(id(s.request), 0) + s.draft_len <= max_model_len
+        for s in batch
+    ):
+        return None
+    return "context_limit"
+
+
+def settle(batch: list[ScheduledRequest]) -> list[ScheduledRequest]:
+    """After waiting for the previous step's tokens: requests they end leave the batch
+    (max_tokens, the context, a stop or EOS token among them; stop strings need the
+    detokenizer and are found when the tokens are processed), draft lengths shrink to what
+    the context leaves (as the synchronous loop's: drafts may pass max_tokens, and seeded
+    draws depend on the draft lengths)."""
+    settled = []
+    for s in batch:
+        req = s.request
+        if req.num_left > 0 and not _stop_token_in(req, req.unprocessed_token_ids):
+            s.draft_len = min(s.draft_len, req.max_len - req.committed_len - 1)
+            settled.append(s)
+    return settled
+
+
+def _stop_token_in(req: Request, tokens: list[int]) -> bool:
+    """Whether committing `tokens` finishes the request at a stop token (or EOS)."""
+    p = req.params
+    return any(
+        t in p.stop_token_ids or (not p.ignore_eos and t in req.eos_token_ids) for t in tokens
+    )
