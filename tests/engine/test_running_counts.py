@@ -1,7 +1,8 @@
 """The scheduler's running counts (penalized, grammar-constrained and min_tokens requests:
 what the overlap loop's wait check reads, engine/overlap_wait.py) equal a fresh scan of its
 running requests after every admission, preemption, re-admission, finish and abort, and the
-wait check that reads them answers as the scan of every row of the step did."""
+wait check that reads them answers as the scan of every row of the step did. The context
+count, near the context under an overlapped drive: test_context_count.py."""
 
 from __future__ import annotations
 
@@ -83,7 +84,7 @@ class Driver:
         prev = SimpleNamespace(
             speculative=self.rng.random() < 0.5, step_input=SimpleNamespace(sampled=[])
         )
-        reason = wait_reason(prev, batch, [], sched.counts, None, MAX_LEN)
+        reason = wait_reason(prev, batch, [], sched.counts, None)
         assert reason == scanned_wait_reason(prev, batch)
         self.seen["waits"].add(reason)
         for s in batch:
@@ -158,11 +159,11 @@ def test_only_decoding_constrained_rows_wait_and_min_tokens_by_its_count():
     speculative = SimpleNamespace(speculative=True, step_input=SimpleNamespace(sampled=[]))
     batch = sched.schedule()  # its prompt: no mask yet
     assert sched.counts == RunningCounts(constrained=1)
-    assert wait_reason(speculative, batch, [], sched.counts, None, MAX_LEN) is None
+    assert wait_reason(speculative, batch, [], sched.counts, None) is None
     constrained.cached_len += 3
     constrained.append_token(7)
     batch = sched.schedule()
-    assert wait_reason(speculative, batch, [], sched.counts, None, MAX_LEN) == "grammar"
+    assert wait_reason(speculative, batch, [], sched.counts, None) == "grammar"
     constrained.finish_reason = "abort"
     sched.finish(constrained)
     assert sched.counts == RunningCounts()
@@ -173,9 +174,9 @@ def test_only_decoding_constrained_rows_wait_and_min_tokens_by_its_count():
     for generated in range(3):
         batch = sched.schedule()
         assert req.num_generated == generated
-        assert wait_reason(plain, batch, [], sched.counts, None, MAX_LEN) is None
+        assert wait_reason(plain, batch, [], sched.counts, None) is None
         expected = "min_tokens" if generated < 2 else None
-        assert wait_reason(speculative, batch, [], sched.counts, None, MAX_LEN) == expected
+        assert wait_reason(speculative, batch, [], sched.counts, None) == expected
         req.cached_len += batch[0].num_tokens
         req.append_token(7)
     assert sched.counts == RunningCounts(min_tokens=1)  # counted until it leaves

@@ -93,7 +93,10 @@ class LLMEngine:
         self.kv = build_kv_cache(config, loaded, startup, progress, self.parallel)
         self.max_model_len = context_limit(config, self.model_config)
         self.scheduler = Scheduler(
-            self.kv, config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens
+            self.kv,
+            config.scheduler.max_num_seqs,
+            config.scheduler.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
         )
         # The target's parts, which speculation is built from (it never sees this engine).
         self.target = build_target(config, loaded, self.kv, self.max_model_len, startup)

@@ -36,6 +36,7 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         prefix: PrefixCache | None = None,
+        max_model_len: int = NEVER,
     ):
         self.kv = kv
         self.prefix = prefix  # prefix caching: admitted requests start from cached pages
@@ -43,9 +44,10 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
         # Joined by admission only, left by preemption and finish (abort included), which
-        # keep `counts` (what the overlap loop checks each step: engine/overlap_wait.py).
+        # keep `counts` (what the overlap loop checks each step: engine/overlap_wait.py;
+        # the context it holds rows to: `max_model_len`).
         self.running: list[Request] = []
-        self.counts = RunningCounts()
+        self.counts = RunningCounts(max_model_len=max_model_len)
         self.num_preemptions = 0
         self._stalled: tuple | None = None  # (request, budget, free and cached pages): short
         # Mean prompt and output tokens of finished requests (EWMA): the prefill each
@@ -159,6 +161,10 @@ class Scheduler:
         if not any(draft_lens):  # plain decoding (often, with the goodput policy dormant): done
             return
         cap = load.k_cap(len(decoding), max(draft_lens))
+        # Every draft length set below is at most cap: the bound the overlap loop's context
+        # count rests on (overlap_wait.max_reach).
+        if cap > self.counts.max_drafts:
+            self.counts.raise_max_drafts(cap, self.running)
         page_size = self.kv.page_size
         page_cap = cap  # the most drafts every request's pages allow
         clamped = []

@@ -73,7 +73,6 @@ class StepLoop:
         overlap: bool,
     ):
         self.scheduler, self.runner, self.spec, self.sink = scheduler, target.runner, spec, sink
-        self.max_model_len = target.max_model_len
         self.overlap = overlap
         self.num_steps = 0  # steps launched (target forwards)
         self.num_resolved = 0  # steps whose tokens reached the host
@@ -99,8 +98,7 @@ class StepLoop:
         drafting = self._drafting(batch)
         reason = None
         if prev is not None and prev.result is None:
-            counts = self.scheduler.counts
-            reason = wait_reason(prev, batch, drafting, counts, self.spec, self.max_model_len)
+            reason = wait_reason(prev, batch, drafting, self.scheduler.counts, self.spec)
         if reason is not None:
             # Scheduled while step N runs (pages grown for all of its drafts); this step
             # cannot be built from N's results on the device: wait for them, then settle.
