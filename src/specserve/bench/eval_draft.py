@@ -219,6 +219,8 @@ def run_eval_draft(args: argparse.Namespace) -> int:
     draft = draft_path(args)
     items, sources = select_prompts(args)
     engine_opts = {}
+    if not args.serving_kernels:  # acceptance, not speed: start in seconds
+        engine_opts.update(disable_gemv=True, disable_cuda_graph=True)
     if args.kv_cache_gib is not None:
         engine_opts["kv_cache_bytes"] = int(args.kv_cache_gib * 2**30)
     llm = LLM(
@@ -338,6 +340,13 @@ def add_eval_draft_parser(sub) -> None:
         help="GPUs to shard the target over (one process each)",
     )
     p.add_argument("--out", default=None, help="write the results as JSON here")
+    p.add_argument(
+        "--serving-kernels",
+        action="store_true",
+        help="choose GEMV kernels by timing and capture CUDA graphs as the server does "
+        "(a longer start-up; by default cuBLAS, eagerly: acceptance is the same up to "
+        "rounding, and the evaluation does not time the steps)",
+    )
     p.add_argument(
         "--append",
         action="store_true",

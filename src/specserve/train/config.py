@@ -51,6 +51,7 @@ class TrainConfig:
     min_draft_coverage: float | None = None
     save_dtype: str = "bfloat16"
     resume: bool = False
+    generate_only: bool = False
     progress: bool = True
 
     def __post_init__(self) -> None:
@@ -125,6 +126,8 @@ _HELP = {
     "--draft-vocab-size) to the smallest holding this share of reply "
     "tokens",
     "resume": "continue from the checkpoint in --out (data and step restored)",
+    "generate_only": "write the prompts' replies (data.jsonl) and stop; train on them later "
+    "with --resume (fixed leases: generation and training in separate calls)",
 }
 
 

@@ -33,7 +33,7 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 class TrainResult:
     """What a run produced: the head, per-step losses, and held-out / train acceptance."""
 
-    head: Eagle3Head
+    head: Eagle3Head | None  # None after --generate-only
     losses: list[float] = field(default_factory=list)
     metrics: dict = field(default_factory=dict)
 
@@ -93,6 +93,9 @@ def train(cfg: TrainConfig) -> TrainResult:
     source = resolve_model(cfg.target)
     target_cfg = load_config(source)
     train_samples, heldout_samples = distill(cfg, out, log)
+    if cfg.generate_only:
+        log({"event": "generate_only", "train_samples": len(train_samples)})
+        return TrainResult(None, metrics={"train_samples": len(train_samples)})
 
     dtype = (
         _DTYPES[cfg.dtype]
@@ -293,6 +296,12 @@ def run_cli(cfg: TrainConfig) -> int:
     """`specserve train-eagle3`: train, then print where the head is and how it does."""
     result = train(cfg)
     m = result.metrics
+    if result.head is None:
+        print(
+            f"{m['train_samples']} training samples written to {cfg.out}/data.jsonl; "
+            "train on them with --resume"
+        )
+        return 0
     print(
         f"EAGLE-3 head written to {cfg.out} after {m['steps']} steps "
         f"(draft vocabulary covers {m['draft_coverage']:.1%} of reply tokens)"
