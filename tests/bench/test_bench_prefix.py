@@ -379,3 +379,16 @@ def test_cli_multi_turn_run_saves_the_figures(stub, tiny_llama, tmp_path, capsys
     assert "prefix cache hit share" in printed and "turn 2: TTFT" in printed
     assert main([*args, "--turns", "2"]) == 2
     assert "--turns applies to --dataset multi-turn only" in capsys.readouterr().err
+
+
+def test_sweep_warm_up_sends_the_shared_prefix(stub):
+    # (it once sent the prompt alone: the first measured request then missed the cache)
+    stub.reset()
+    load = LoadConfig(base_url="http://unused", model="stub", endpoint="completions")
+    warm_up(load, SimpleNamespace(url=stub.url), BenchPrompt("question", 64, prefix="shared"), 2)
+    assert [b["prompt"] for b, _ in stub.requests] == ["shared\n\nquestion"] * 2
+    assert all(b["max_tokens"] == 16 for b, _ in stub.requests)
+    stub.reset()
+    c = replace(Conversation(["first question", "second"], [40, 40]), prefix="shared")
+    warm_up(replace(load, endpoint="chat"), SimpleNamespace(url=stub.url), c, 1)
+    assert stub.requests[0][0]["messages"][0] == {"role": "system", "content": "shared"}

@@ -118,11 +118,12 @@ def warm_up(
     load: LoadConfig, server: ServerProcess, prompt: BenchPrompt | Conversation, n: int
 ) -> None:
     """n short requests one at a time, not measured (first requests pay one-off costs); of a
-    conversation, its first turn."""
+    conversation, its first turn. The workload's shared prefix goes with them, so a prefix
+    cache is warm when measuring starts, as it is in a server serving that prefix."""
     if isinstance(prompt, Conversation):
         prompt = prompt.turn_prompt(0, [], chat=load.endpoint == "chat")
     if n:
-        warm = Dataset("warmup", [BenchPrompt(prompt.prompt, min(prompt.max_tokens, 16))] * n)
+        warm = Dataset("warmup", [replace(prompt, max_tokens=min(prompt.max_tokens, 16))] * n)
         benchmark(
             replace(load, base_url=server.url, max_concurrency=1, request_rate=float("inf")),
             warm,
