@@ -21,28 +21,9 @@ from specserve.engine.scheduler import Scheduler
 from specserve.speculative.policy import NO_LOAD, FixedPolicy, SpeculationPolicy
 from tests.core.test_kv_cache import tiny_config
 from tests.engine.test_running_counts import KINDS
+from tests.support.wait_oracle import scanned_wait_reason
 
 CONTEXT = 40
-
-
-def scanned_wait_reason(prev, batch, max_model_len: int) -> str | None:
-    """The overlap loop's wait check as it was, scanning every row (no drafting rows): the
-    oracle."""
-    if any(s.request.penalized for s in batch):
-        return "penalties"
-    if any(s.request.constrained and s.decoding for s in batch):
-        return "grammar"
-    if not prev.speculative:
-        return None
-    if any(s.request.params.min_tokens > s.request.num_generated for s in batch):
-        return "min_tokens"
-    moved = {id(s.request): s.drafted for s in prev.step_input.sampled}
-    if all(
-        s.request.committed_len + moved.get(id(s.request), 0) + s.draft_len <= max_model_len
-        for s in batch
-    ):
-        return None
-    return "context_limit"
 
 
 class RisingK(SpeculationPolicy):

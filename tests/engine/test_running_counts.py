@@ -18,6 +18,7 @@ from specserve.core.request import Request, RequestStatus
 from specserve.engine.overlap_wait import RunningCounts, wait_reason
 from specserve.engine.scheduler import Scheduler
 from tests.core.test_kv_cache import tiny_config
+from tests.support.wait_oracle import scanned_wait_reason
 
 MAX_LEN = 10_000
 
@@ -30,20 +31,6 @@ KINDS = {
     "penalized min_tokens": dict(frequency_penalty=0.3, min_tokens=2),
     "penalized constrained": dict(presence_penalty=-0.5, grammar=Grammar("json")),
 }
-
-
-def scanned_wait_reason(prev, batch) -> str | None:
-    """The overlap loop's wait check as it was, scanning every row (no drafting rows, no
-    context limit in reach): the oracle."""
-    if any(s.request.penalized for s in batch):
-        return "penalties"
-    if any(s.request.constrained and s.decoding for s in batch):
-        return "grammar"
-    if not prev.speculative:
-        return None
-    if any(s.request.params.min_tokens > s.request.num_generated for s in batch):
-        return "min_tokens"
-    return None
 
 
 class Driver:
