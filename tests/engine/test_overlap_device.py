@@ -211,7 +211,7 @@ def test_waiting_path_drops_requests_that_stopped(models, reference):
     runner, stopped = llm.engine.runner, []
     prepare = runner.prepare
 
-    def spy(batch, prev=None):
+    def spy(batch, prev=None, *rest):
         for s in batch:
             req = s.request
             p = req.params
@@ -220,7 +220,7 @@ def test_waiting_path_drops_requests_that_stopped(models, reference):
                 for t in req.unprocessed_token_ids
                 if t in p.stop_token_ids or (not p.ignore_eos and t in req.eos_token_ids)
             )
-        return prepare(batch, prev)
+        return prepare(batch, prev, *rest)
 
     runner.prepare = spy
     outs = llm.generate(prompts_for(), params)

@@ -42,8 +42,8 @@ def test_the_engines_mixed_steps_lead_with_their_decode_rows(tiny_llama):
     engine.add_request(list(range(3, 43)), greedy)  # a 40-token prompt joins them
     prepare, seen = engine.runner.prepare, []
 
-    def spy(batch, prev=None):
-        step = prepare(batch, prev)
+    def spy(batch, prev=None, *rest):
+        step = prepare(batch, prev, *rest)
         seen.append(step.meta)
         return step
 

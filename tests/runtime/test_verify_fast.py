@@ -11,7 +11,8 @@ import torch
 from specserve.core.batch import ScheduledRequest
 from specserve.core.sampling_params import SamplingParams
 from specserve.layers.sampler import build_sampling_tensors
-from specserve.runtime.model_runner import ModelRunner, StepInput
+from specserve.runtime.model_runner import ModelRunner
+from specserve.runtime.step_input import StepInput
 from specserve.runtime.verify import verify, verify_greedy
 
 VOCAB, HIDDEN = 64, 8

@@ -75,7 +75,7 @@ def count_gathers(llm) -> dict:
     seen = {"gathered": 0, "steps": 0, "moved": 0, "drafted_ahead": 0}
     prepare = runner.prepare
 
-    def spy(batch, prev=None):
+    def spy(batch, prev=None, *rest):
         seen["steps"] += 1
         seen["gathered"] += prev is not None
         moved = prev is not None and prev.speculative
@@ -92,7 +92,7 @@ def count_gathers(llm) -> dict:
             end = req.cached_len + s.num_tokens + ahead + s.draft_len
             assert end <= llm.engine.max_model_len
             assert len(req.page_table) * kv.page_size >= end
-        return prepare(batch, prev)
+        return prepare(batch, prev, *rest)
 
     runner.prepare = spy
     sched, schedule = llm.engine.scheduler, llm.engine.scheduler.schedule

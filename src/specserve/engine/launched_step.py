@@ -10,8 +10,8 @@ import torch
 
 from specserve.core.batch import ScheduledRequest
 from specserve.runtime.inflight import InflightStep
-from specserve.runtime.model_runner import StepInput
 from specserve.runtime.sampled_tokens import SampledTokens, StepResult
+from specserve.runtime.step_input import StepInput
 
 
 @dataclass

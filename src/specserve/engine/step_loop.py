@@ -192,7 +192,7 @@ class StepLoop:
                 spec.proposer.propose(drafting)
         t1 = time.perf_counter()
         runner = self.runner
-        step_input = runner.prepare(batch, inflight)
+        step_input = runner.prepare(batch, inflight, self.scheduler.counts.constrained > 0)
         if events is not None:
             if not drafting:  # the step starts with the forward: before its event
                 events[0].record()

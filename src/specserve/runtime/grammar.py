@@ -197,27 +197,59 @@ class GrammarState:
             matcher.rollback(taken)
 
 
-def mask_grammars(out: torch.Tensor, step, compiler: GrammarCompiler) -> None:
-    """Mask, in place, every logit row of the step's constrained requests to the tokens their
-    grammars allow there. Their drafts come from the step's input ids (one copy to the host
-    for all of them)."""
-    spans, inputs = [], []  # (state, first logit row, drafts); the drafts' input rows
-    offset = 0
+def _constrained_spans(step):
+    """(request, its first logit row, its rows) of each constrained sampled request, and the
+    input rows of their drafts in that order."""
+    spans, inputs, offset = [], [], 0
     for s in step.sampled:
         rows = s.drafted + 1
-        req = s.request
-        if req.constrained:
-            state = compiler.state(req)
-            state.follow(req.output_token_ids + req.unprocessed_token_ids)
-            spans.append((state, offset, rows))
+        if s.request.constrained:
+            spans.append((s.request, offset, rows))
             inputs += step.sample_rows[offset + 1 : offset + rows]
         offset += rows
+    return spans, inputs
+
+
+def copy_drafts(step) -> tuple[torch.Tensor, torch.cuda.Event | None] | None:
+    """Start copying the drafts of the step's constrained requests to the host, queued before
+    the forward (call it when the step is packed): `mask_grammars` then waits for the drafts
+    alone and fills the masks while the forward runs, not after it. (host tensor, the event
+    that marks its copy done; None on the CPU, where it is done), or None: no drafts."""
+    _, inputs = _constrained_spans(step)
+    if not inputs:
+        return None
+    device = step.input_ids.device
+    drafts = step.input_ids[torch.tensor(inputs, device=device)]
+    if device.type != "cuda":
+        return drafts, None
+    host = torch.empty(drafts.shape, dtype=drafts.dtype, pin_memory=True)
+    host.copy_(drafts, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    return host, done
+
+
+def mask_grammars(out: torch.Tensor, step, compiler: GrammarCompiler) -> None:
+    """Mask, in place, every logit row of the step's constrained requests to the tokens their
+    grammars allow there. Their drafts come from the step's input ids: the copy started when
+    the step was packed (`copy_drafts`, `step.grammar_drafts`), else one copy to the host."""
+    spans, inputs = _constrained_spans(step)
     if not spans:
         return
-    drafts = step.input_ids[torch.tensor(inputs, device=out.device)].tolist() if inputs else []
+    if not inputs:
+        drafts = []
+    elif step.grammar_drafts is not None:
+        host, done = step.grammar_drafts
+        if done is not None:
+            done.synchronize()  # the drafts only, not the forward queued after them
+        drafts = host.tolist()
+    else:
+        drafts = step.input_ids[torch.tensor(inputs, device=out.device)].tolist()
     bitmask = xgr.allocate_token_bitmask(out.shape[0], compiler.vocab_size)
     rows_masked, used = [], 0
-    for state, first, rows in spans:
+    for req, first, rows in spans:
+        state = compiler.state(req)
+        state.follow(req.output_token_ids + req.unprocessed_token_ids)
         state.fill(bitmask, first, drafts[used : used + rows - 1])
         used += rows - 1
         rows_masked += range(first, first + rows)

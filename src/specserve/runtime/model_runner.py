@@ -2,19 +2,17 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from specserve.core.batch import ScheduledRequest
 from specserve.core.kv_cache import KVCache
-from specserve.layers.attention import AttentionBackend, AttentionMetadata
+from specserve.layers.attention import AttentionBackend
 from specserve.layers.sampler import SamplingTensors, argmax_rows, sample
 from specserve.model.llama import LlamaForCausalLM
 from specserve.runtime.cuda_graphs import CudaGraphRunner
-from specserve.runtime.grammar import GrammarCompiler
+from specserve.runtime.grammar import GrammarCompiler, copy_drafts
 from specserve.runtime.inflight import InflightStep, place_device_tokens
-from specserve.runtime.logit_shaping import shape_logits, shapes_step
+from specserve.runtime.logit_shaping import shape_logits
 from specserve.runtime.packing import Segment, pack, to_device, upload
 from specserve.runtime.sampled_tokens import (
     SampledTokens,
@@ -22,74 +20,10 @@ from specserve.runtime.sampled_tokens import (
     TokenLogprobs,
     logprob_tensors,
 )
+from specserve.runtime.step_input import SamplePlan, StepInput
 from specserve.runtime.verify import VerifyResult, verify, verify_greedy
 
 __all__ = ["InflightStep", "ModelRunner", "StepInput", "StepResult", "TokenLogprobs"]
-
-
-@dataclass
-class StepInput:
-    """Everything the forward pass of one step reads, on the device."""
-
-    input_ids: torch.Tensor  # [T]
-    meta: AttentionMetadata
-    first_rows: list[int]  # first packed row of each scheduled request
-    sampled: list[ScheduledRequest]  # requests that draw tokens this step
-    sample_rows: list[int]  # their logit rows: last committed token, then each draft
-    # [R] per sampled request: how far the step in flight moved it on the device (its
-    # accept length: the host packed it as if that step accepted nothing); None: nowhere.
-    sample_shift: torch.Tensor | None = None
-
-
-@dataclass
-class SamplePlan:
-    """How a step's sampled requests draw their tokens, read once from the step."""
-
-    reqs: list  # the sampled requests
-    draft_lens: list[int]  # drafts each sampled request carries (`ScheduledRequest.drafted`)
-    max_draft_len: int
-    greedy: bool  # every sampled request decodes greedily
-    all_rows: bool  # the sampled rows are every row of the step's hidden states, in order
-    fp32: bool  # sampling or logprobs read fp32 logits (greedy argmaxes need none)
-    uniform: bool  # every request drafts max_draft_len
-    want: list[int | None]  # the logprobs each request asked for
-    # What the step's CUDA graph took from these hidden states (`ModelRunner.step_head`):
-    # (hidden, logits, greedy tokens[, greedy accept lengths]); None when it took nothing
-    # or a request's logits are changed first (its greedy tokens are not the graph's).
-    head: tuple[torch.Tensor, ...] | None
-    shaped: bool = False  # a request's logits are changed before the draw (logit_shaping.py)
-
-    @classmethod
-    def of(cls, step: StepInput, hidden: torch.Tensor, step_head) -> SamplePlan:
-        reqs = [s.request for s in step.sampled]
-        want = [r.params.logprobs for r in reqs]
-        draft_lens = [s.drafted for s in step.sampled]
-        max_draft_len = max(draft_lens)
-        greedy = all(r.params.temperature == 0 for r in reqs)
-        rows = step.sample_rows  # increasing: every row of `hidden` when it spans them all
-        shaped = shapes_step(step.sampled)
-        return cls(
-            reqs=reqs,
-            draft_lens=draft_lens,
-            max_draft_len=max_draft_len,
-            greedy=greedy,
-            all_rows=len(rows) == hidden.shape[0] and rows[-1] == len(rows) - 1,
-            fp32=not greedy or any(w is not None for w in want),
-            uniform=all(d == max_draft_len for d in draft_lens),
-            want=want,
-            head=step_head if step_head and step_head[0] is hidden and not shaped else None,
-            shaped=shaped,
-        )
-
-    @property
-    def max_q_len(self) -> int:
-        return self.max_draft_len + 1
-
-    @property
-    def dense(self) -> bool:
-        """A decode/verify step where every row samples and every request drafts K: logits
-        and drafts are views of the step's rows, and a greedy one uploads nothing."""
-        return self.uniform and self.all_rows and self.max_draft_len > 0
 
 
 class ModelRunner:
@@ -106,12 +40,19 @@ class ModelRunner:
         # where its graph took them (CudaGraphRunner.last_head)
         self.step_head: tuple[torch.Tensor, ...] | None = None
 
-    def prepare(self, batch: list[ScheduledRequest], prev: InflightStep | None = None) -> StepInput:
+    def prepare(
+        self,
+        batch: list[ScheduledRequest],
+        prev: InflightStep | None = None,
+        constrained: bool = False,
+    ) -> StepInput:
         """Pack the step. With `prev`, the step in flight: a request of it has its last
         committed token on the device (gathered from prev's drawn tokens) and, when prev
         drafted, sits further right by prev's accept length than the host knows (packed as
         if nothing was accepted, shifted on the device). Drafts the proposer left on the
-        device (`device_drafts`) are placed on the device too. Nothing here waits."""
+        device (`device_drafts`) are placed on the device too. `constrained`: a request of
+        the batch may follow a grammar (its drafts start their copy to the host now,
+        runtime/grammar.py: copy_drafts). Nothing here waits."""
         segments, prev_rows, missing = [], [], []
         moved = prev is not None and prev.speculative
         for i, s in enumerate(batch):
@@ -148,9 +89,12 @@ class ModelRunner:
         for i in sampled:
             last = last_rows[i]
             sample_rows += range(last - batch[i].drafted, last + 1)
-        return StepInput(
+        step = StepInput(
             input_ids, meta, first_rows, [batch[i] for i in sampled], sample_rows, sample_shift
         )
+        if constrained:
+            step.grammar_drafts = copy_drafts(step)
+        return step
 
     @torch.inference_mode()
     def forward(self, step: StepInput, aux_layer_ids: tuple[int, ...] = ()):

@@ -14,7 +14,7 @@ from specserve.runtime.packing import to_device
 from specserve.runtime.sampled_tokens import TokenLogprobs, logprob_tensors
 
 if TYPE_CHECKING:
-    from specserve.runtime.model_runner import StepInput
+    from specserve.runtime.step_input import StepInput
 
 
 def rated_chunks(batch: list[ScheduledRequest]) -> list[ScheduledRequest]:
