@@ -102,12 +102,16 @@ def test_a_streamed_call_is_held_back_and_text_is_not(fmt):
     assert sent + rest == "".join(pieces) and calls == []
 
 
+@pytest.fixture(scope="module")
+def llm(tiny_llama):
+    return LLM(str(tiny_llama))
+
+
 @pytest.mark.parametrize("fmt", ["hermes", "llama3"])
 @pytest.mark.parametrize("name", [None, "get_weather"])
-def test_a_forced_call_is_a_valid_call(tiny_llama, fmt, name):
+def test_a_forced_call_is_a_valid_call(llm, fmt, name):
     """The grammar of tool_choice required / named: greedy and sampled replies of a random
     model are calls of the right function whose arguments follow its schema."""
-    llm = LLM(str(tiny_llama))
     grammar = call_grammar(TOOLS, fmt, name)
     params = [SamplingParams(max_tokens=256, grammar=grammar)] + [
         SamplingParams(max_tokens=256, grammar=grammar, temperature=1.0, seed=s) for s in range(4)

@@ -93,20 +93,25 @@ def test_greedy_output_equals_transformers_with_xgrammar(models, name):
     assert [o.token_ids for o in outs] != [o.token_ids for o in unconstrained]
 
 
+def _every_grammar() -> tuple[list, list, list[str]]:
+    """Every prompt under each grammar, in one batch: prompts, parameters, grammar names."""
+    names = [name for name in GRAMMARS for _ in prompts_for()]
+    return prompts_for() * len(GRAMMARS), [_params(name) for name in names], names
+
+
 @pytest.fixture(scope="module")
 def plain(models):
-    return {name: generate(models, prompts_for(), _params(name), "off")[1] for name in GRAMMARS}
+    prompts, params, _ = _every_grammar()
+    return generate(models, prompts, params, "off")[1]
 
 
 @pytest.mark.parametrize(("drafter", "overlap", "random_k"), SPECULATION_PATHS)
 def test_speculation_keeps_plain_constrained_output(models, plain, drafter, overlap, random_k):
-    for name in GRAMMARS:
-        llm, outs = generate(
-            models, prompts_for(), _params(name), overlap, drafter, random_k=random_k
-        )
-        assert outs == plain[name], name
-        if overlap == "on":  # the masks follow the step in flight's tokens
-            assert llm.engine.stats()["loop_wait_reasons"].get("grammar", 0) > 0
+    prompts, params, names = _every_grammar()
+    llm, outs = generate(models, prompts, params, overlap, drafter, random_k=random_k)
+    assert outs == plain, sorted({n for n, a, b in zip(names, outs, plain) if a != b})
+    if overlap == "on":  # the masks follow the step in flight's tokens
+        assert llm.engine.stats()["loop_wait_reasons"].get("grammar", 0) > 0
 
 
 def _legal(llm, grammar: Grammar, tokens: list[int]) -> bool:
@@ -119,9 +124,9 @@ def test_sampled_output_is_always_legal(models, drafter):
     """Sampled at temperature 1.5 with and without speculation (rejection sampling against
     the masked distribution): every token of every output is one the grammar allows."""
     prompts = prompts_for()
+    llm = LLM(models["target"], **(_spec(models, drafter)))
     for name in GRAMMARS:
         params = [_params(name, temperature=1.5, seed=i, max_tokens=20) for i in range(8)]
-        llm = LLM(models["target"], **(_spec(models, drafter)))
         outs = llm.generate(prompts, params)
         assert all(_legal(llm, GRAMMARS[name], o.token_ids) for o in outs), name
         assert len({tuple(o.token_ids) for o in outs}) > 4  # sampled, not one answer

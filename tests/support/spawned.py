@@ -6,10 +6,12 @@ test instead of the suite."""
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import queue
 import time
 import traceback
 from collections.abc import Callable
+from contextlib import contextmanager
 
 
 def _main(fn: Callable, args: tuple, out) -> None:
@@ -22,11 +24,14 @@ def _main(fn: Callable, args: tuple, out) -> None:
 def run_spawned(fn: Callable, *args, timeout_s: float = 240.0):
     """fn(*args) in a spawned process: ("ok", result), ("error", text) when it raised, or
     ("exit", exit code) when the process ended without a result. A process still running
-    after `timeout_s` is killed and the call raises TimeoutError."""
+    after `timeout_s` is killed and the call raises TimeoutError. It and the ranks it spawns
+    use one intra-op thread each, as tests/support/distributed.py's ranks do: with a thread
+    per core each, two CPU ranks took twice as long on an idle 2-core machine."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     proc = ctx.Process(target=_main, args=(fn, args, out))  # not a daemon: it spawns ranks
-    proc.start()
+    with one_intra_op_thread():
+        proc.start()
     deadline = time.monotonic() + timeout_s
     try:
         while True:
@@ -46,3 +51,18 @@ def run_spawned(fn: Callable, *args, timeout_s: float = 240.0):
         proc.join(timeout=30)
         if proc.is_alive():
             proc.kill()
+
+
+@contextmanager
+def one_intra_op_thread():
+    """OMP_NUM_THREADS=1 for the processes started inside (a spawned process reads it when
+    it loads torch and hands it on to the ranks it spawns); the caller's is restored."""
+    saved = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = saved
