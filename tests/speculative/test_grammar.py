@@ -217,18 +217,18 @@ def test_rows_after_a_draft_that_ends_the_grammar_are_free():
     """The row after a drafted EOS that ends the grammar is verified under ignore_eos: its
     mask allows every token, as plain decoding's row after a committed EOS does (rows after
     an illegal draft repeat the mask before it: never read)."""
-    from specserve.runtime.grammar import GrammarCompiler, GrammarState
+    from specserve.runtime.grammar import BatchFill, GrammarCompiler, GrammarState, fill_masks
 
     tok = _tokenizer()
     compiler = GrammarCompiler(tok, 384, [2])
     state = GrammarState(xgr.GrammarMatcher(compiler.compile(Grammar("regex", "ab"))))
     state.follow(tok.encode("ab", add_special_tokens=False))
     bitmask = xgr.allocate_token_bitmask(4, 384)
-    state.fill(bitmask, 0, [2, 7, 9])  # EOS, then anything
+    fill_masks(bitmask, [(state.matcher, 0, [2, 7, 9])], BatchFill())  # EOS, then anything
     assert (bitmask[1:] == -1).all()  # free past the end
     assert (bitmask[0] != -1).any()  # only EOS before it
     assert not state.matcher.is_terminated()  # rolled back
     state = GrammarState(xgr.GrammarMatcher(compiler.compile(Grammar("regex", "ab"))))
     bitmask = xgr.allocate_token_bitmask(3, 384)
-    state.fill(bitmask, 0, [2, 7])  # an illegal first draft
+    fill_masks(bitmask, [(state.matcher, 0, [2, 7])], BatchFill())  # an illegal first draft
     assert (bitmask[1] == bitmask[0]).all() and (bitmask[2] == bitmask[0]).all()

@@ -13,12 +13,15 @@ masked distribution plain decoding draws from, and the bonus token is drawn from
 illegal draft has probability 0 and is rejected, so the rows after it are never read (they
 keep the last legal state's mask). The matcher follows the committed tokens lazily, when the
 next step needs its masks; the overlapped loop waits for the step in flight first (wait
-reason "grammar"), as the masks depend on its tokens.
+reason "grammar"), as the masks depend on its tokens. A step's masks are filled position-major
+(`fill_masks`): the rows of every request at one draft position in one xgrammar batch fill,
+threaded when there are many.
 """
 
 from __future__ import annotations
 
 import json
+import os
 
 import torch
 import xgrammar as xgr
@@ -27,6 +30,11 @@ from specserve.core.errors import InvalidRequestError
 from specserve.core.sampling_params import Grammar
 
 CACHE_BYTES = 256 << 20  # compiled grammars kept (distinct schemas would grow it forever)
+# A step's mask fill, threaded from THREADED_MIN_ROWS rows at one draft position: xgrammar
+# starts its threads on every call (about 30 us each on the H200 host), so fewer rows fill
+# faster on one; 4 threads beat 8 up to 256 rows there (benchmarks/cpu_grammar_masks.py).
+FILL_THREADS = max(1, min(4, (os.cpu_count() or 1) // 2))
+THREADED_MIN_ROWS = 64
 
 # JSON schema keywords xgrammar compiles but does not enforce (measured: it accepts an
 # instance that violates them): refused by name rather than silently ignored. `oneOf` is
@@ -108,6 +116,7 @@ class GrammarCompiler:
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
         self.stop_ids = sorted(stop_ids)
         self._compiler: xgr.GrammarCompiler | None = None
+        self.batch_fill = BatchFill(FILL_THREADS)  # a step's masks
 
     def compile(self, grammar: Grammar) -> xgr.CompiledGrammar:
         """The compiled grammar; a grammar xgrammar refuses is the request's error (400)."""
@@ -177,24 +186,63 @@ class GrammarState:
                 matcher.accept_token(token)
         self.num_taken = len(output)
 
-    def fill(self, bitmask: torch.Tensor, first_row: int, drafts: list[int]) -> None:
-        """Masks of rows first_row.. (the next token, then after each draft in turn): each
-        draft is taken, then all are rolled back. Rows after an illegal draft keep the mask
-        before it (never read: see the module doc); rows past the grammar's end (reached
-        under ignore_eos) allow every token, as plain decoding's rows there do."""
-        matcher, taken = self.matcher, 0
-        row = first_row
-        for j in range(len(drafts) + 1):
+
+class BatchFill:
+    """Masks of many matchers' rows by xgrammar's batch fill, one C++ call for them all: on
+    this thread, or over `threads` threads from THREADED_MIN_ROWS rows. A single matcher's
+    row is filled directly (no lists to convert)."""
+
+    def __init__(self, threads: int = 1):
+        self.serial = xgr.BatchGrammarMatcher(1)
+        self.threaded = xgr.BatchGrammarMatcher(threads) if threads > 1 else self.serial
+
+    def __call__(
+        self, matchers: list[xgr.GrammarMatcher], bitmask: torch.Tensor, rows: list[int]
+    ) -> None:
+        if len(matchers) == 1:
+            matchers[0].fill_next_token_bitmask(bitmask, rows[0])
+        else:
+            batch = self.threaded if len(matchers) >= THREADED_MIN_ROWS else self.serial
+            batch.batch_fill_next_token_bitmask(matchers, bitmask, rows)
+
+
+def fill_masks(
+    bitmask: torch.Tensor,
+    spans: list[tuple[xgr.GrammarMatcher, int, list[int]]],
+    batch_fill: BatchFill,
+) -> None:
+    """Fill the mask rows of each (matcher, first row, drafts): row first + j is the mask
+    after drafts[:j], each taken in turn, then all rolled back. Rows after an illegal draft
+    keep the mask before it (never read: see the module doc); rows past the grammar's end
+    (reached under ignore_eos) allow every token, as plain decoding's rows there do.
+
+    Position-major: at each draft position, one batch fill of the rows of every request still
+    live there (grammar not ended, drafts so far legal), then each takes its draft there
+    (one call each: xgrammar's batch accept and rollback convert their lists slower)."""
+    live, j = spans, 0
+    while live:
+        filling = []
+        for span in live:
+            matcher, first, drafts = span
             if matcher.is_terminated():  # its output ended (the rest, under ignore_eos, is free)
-                bitmask[row + j : row + len(drafts) + 1] = -1
-                break
-            matcher.fill_next_token_bitmask(bitmask, row + j)
-            if j == len(drafts) or not matcher.accept_token(drafts[j]):
-                bitmask[row + j + 1 : row + len(drafts) + 1] = bitmask[row + j]
-                break
-            taken += 1
-        if taken:
-            matcher.rollback(taken)
+                bitmask[first + j : first + len(drafts) + 1] = -1
+                if j:
+                    matcher.rollback(j)
+            else:
+                filling.append(span)
+        if filling:
+            batch_fill([s[0] for s in filling], bitmask, [first + j for _, first, _ in filling])
+        live = []
+        for span in filling:
+            matcher, first, drafts = span
+            if j < len(drafts):
+                if matcher.accept_token(drafts[j]):
+                    live.append(span)
+                    continue
+                bitmask[first + j + 1 : first + len(drafts) + 1] = bitmask[first + j]
+            if j:  # (it took drafts[:j])
+                matcher.rollback(j)
+        j += 1
 
 
 def _constrained_spans(step):
@@ -246,13 +294,14 @@ def mask_grammars(out: torch.Tensor, step, compiler: GrammarCompiler) -> None:
     else:
         drafts = step.input_ids[torch.tensor(inputs, device=out.device)].tolist()
     bitmask = xgr.allocate_token_bitmask(out.shape[0], compiler.vocab_size)
-    rows_masked, used = [], 0
+    rows_masked, filling, used = [], [], 0
     for req, first, rows in spans:
         state = compiler.state(req)
         state.follow(req.output_token_ids + req.unprocessed_token_ids)
-        state.fill(bitmask, first, drafts[used : used + rows - 1])
+        filling.append((state.matcher, first, drafts[used : used + rows - 1]))
         used += rows - 1
         rows_masked += range(first, first + rows)
+    fill_masks(bitmask, filling, compiler.batch_fill)
     bitmask = bitmask.to(out.device, non_blocking=True)
     xgr.apply_token_bitmask_inplace(
         out, bitmask, vocab_size=compiler.vocab_size, indices=rows_masked
