@@ -27,12 +27,17 @@ PY
 if [ "$DEST" = "$SHIPPED" ]; then
   BENCH=$REPO/docs/benchmarks
   cp "$SRC/log.jsonl" "$BENCH/eagle3_smollm2_train_log.jsonl"
-  for f in heldout unlike; do
+  # the code recipe's evaluations, or the chat recipe's (the new head's, the replaced one's)
+  for f in heldout unlike chat; do
     if [ -f "$SRC/eval_$f.json" ]; then cp "$SRC/eval_$f.json" "$BENCH/eagle3_smollm2_eval_$f.json"; fi
   done
+  if [ -f "$SRC/shipped_eval_chat.json" ]; then
+    cp "$SRC/shipped_eval_chat.json" "$BENCH/eagle3_smollm2_eval_chat_previous_head.json"
+  fi
   # The GPU machine's absolute paths do not belong in the repository: the run folder becomes
-  # RUN, repository files become repository-relative.
-  sed -E -i 's#"/[^"]*/docs/benchmarks/#"docs/benchmarks/#g; s#"/[^"]*/run(/|")#"RUN\1#g' \
+  # RUN, the chat recipe's work folder WORK, repository files become repository-relative.
+  sed -E -i 's#"/[^"]*/docs/benchmarks/#"docs/benchmarks/#g; s#"/[^"]*/run(/|")#"RUN\1#g;
+      s#"/[^"]*/(src/specserve/data/)#"\1#g; s#"/[^"]*/chat-head/#"WORK/#g' \
     "$BENCH"/eagle3_smollm2_train_log.jsonl "$BENCH"/eagle3_smollm2_eval_*.json
 fi
 ${PYTHON:-python3} "$REPO/scripts/summarize_head_run.py" "$SRC"
