@@ -14,6 +14,7 @@ import torch  # noqa: E402
 # subprocesses (or anything else on a small machine) slows every op down many times.
 torch.set_num_threads(1)
 
+from tests.support.spies import remove_spies  # noqa: E402
 from tests.support.tiny_models import make_tiny_model  # noqa: E402
 
 
@@ -60,6 +61,13 @@ def pytest_sessionfinish(session, exitstatus):
     from tests.support.interpreter_run import stop_background
 
     stop_background()
+
+
+@pytest.fixture(autouse=True)
+def _remove_spies():
+    """Spies set with `spy_on` come off when each test ends (tests/support/spies.py)."""
+    yield
+    remove_spies()
 
 
 @pytest.fixture(scope="session")

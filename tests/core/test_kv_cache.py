@@ -1,7 +1,10 @@
 """PageAllocator and KVCache invariants: pages are never handed out twice, never lost, and
-misuse raises without changing the pool."""
+misuse raises without changing the pool; a dropped engine's pool is freed at once."""
 
 from __future__ import annotations
+
+import gc
+import weakref
 
 import pytest
 import torch
@@ -16,6 +19,7 @@ from hypothesis.stateful import (
     rule,
 )
 
+from specserve import LLM, SamplingParams
 from specserve.core.kv_cache import KVCache, PageAllocator
 from specserve.core.model_config import ModelConfig
 
@@ -212,3 +216,25 @@ def test_grow_release_random(ops):
         owned = [p for t in tables for p in t]
         assert len(owned) == len(set(owned)) and 0 not in owned
         assert kv.allocator.num_free + len(owned) == kv.allocator.num_usable
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [{}, dict(speculative_algorithm="ngram", speculative_policy="fixed", overlap_schedule="on")],
+)
+def test_a_dropped_engine_frees_its_kv_cache_at_once(tiny_llama, kw):
+    """No reference cycle holds the KV cache (256 MiB on the CPU, most of a GPU's memory):
+    it goes with its engine, not at some later full garbage collection (the prefix cache's
+    eviction hook made one)."""
+    llm = LLM(str(tiny_llama), device="cpu", **kw)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    for _ in range(2):  # the second run starts from the first's cached pages
+        llm.generate([[5, 6, 7, 8] * 5], params)
+    assert llm.engine.stats()["prefix_cache_hit_tokens"] > 0
+    pool = weakref.ref(llm.engine.kv.pool)
+    gc.disable()
+    try:
+        del llm
+        assert pool() is None
+    finally:
+        gc.enable()

@@ -23,6 +23,7 @@ from tests.support.overlap_cases import (
     spec_kwargs,
     stop_params,
 )
+from tests.support.spies import spy_on
 
 
 @pytest.fixture(scope="module")
@@ -164,7 +165,7 @@ def test_overlap_does_the_same_work(models):
             assert all(s.num_tokens == 1 for s in batch if s.request.num_generated > 0)
             return batch
 
-        llm.engine.scheduler.schedule = spy
+        spy_on(llm.engine.scheduler, "schedule", spy)
         outs = llm.generate(prompts_for(), GREEDY)
         stats = [(o.spec_stats.drafted, o.spec_stats.accepted) for o in outs]
         results[overlap] = (llm.engine.num_steps, sum(fed), stats)

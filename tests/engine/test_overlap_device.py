@@ -34,6 +34,7 @@ from tests.support.overlap_cases import (
     spec_kwargs,
     stop_params,
 )
+from tests.support.spies import spy_on
 
 
 @pytest.fixture(scope="module")
@@ -189,7 +190,7 @@ def test_chunked_prefill_features_in_flight(models, reference, padded):
             )
         return catch_up_inputs(items, prev)
 
-    proposer._catch_up_inputs = spy
+    spy_on(proposer, "_catch_up_inputs", spy)
     outs = llm.generate(prompts, GREEDY)
     assert [o.token_ids for o in outs] == [t for t, _, _ in reference(GREEDY, prompts)]
     assert short_chunks
@@ -222,7 +223,7 @@ def test_waiting_path_drops_requests_that_stopped(models, reference):
             )
         return prepare(batch, prev, *rest)
 
-    runner.prepare = spy
+    spy_on(runner, "prepare", spy)
     outs = llm.generate(prompts_for(), params)
     assert [(o.token_ids, o.text, o.finish_reason) for o in outs] == expected
     assert llm.engine.loop.num_waits > 0 and stopped == []

@@ -13,6 +13,7 @@ from specserve import LLM, SamplingParams
 from specserve.speculative.cost_model import CurveModel, StepCostModel
 from specserve.speculative.speculator import Speculator
 from tests.support.overlap_cases import make_models, make_reference, prompts_for
+from tests.support.spies import spy_on
 
 # The step costs the policy sees, in ms (target by tokens per step, drafter by batch): fixed,
 # so that its decisions depend on the tokens alone, not on how busy the test machine is.
@@ -48,7 +49,7 @@ def synthetic_clock(spec) -> None:
         clock[0] += ms / 1e3
         observe(batch, clock[0], after_idle, device_ms)
 
-    spec.observe_period = observe_period
+    spy_on(spec, "observe_period", observe_period)
 
 
 def goodput(models, overlap: str, **kw) -> LLM:
@@ -125,7 +126,7 @@ def test_max_tokens_batch_drafts_past_the_end_without_waits(models, reference, p
         draft_lens_by_step.append([s.draft_len for s in batch if s.decoding])
         return batch
 
-    llm.engine.scheduler.schedule = spy
+    spy_on(llm.engine.scheduler, "schedule", spy)
     assert _batch_generate(llm, prompts, params) == want
     stats = llm.engine.stats()
     assert stats["loop_waits"] == 0 and stats["loop_wait_reasons"] == {}
@@ -151,7 +152,7 @@ def test_context_limit_keeps_the_cap(models, reference):
             assert s.request.committed_len + s.draft_len < 48
         return batch
 
-    llm.engine.scheduler.schedule = spy
+    spy_on(llm.engine.scheduler, "schedule", spy)
     got = _batch_generate(llm, prompts, params)
     assert got == want
     assert all(reason == "length" for _, _, reason in got)

@@ -10,6 +10,7 @@ import pytest
 
 from specserve import LLM, RequestTooLargeError, SamplingParams
 from specserve.core.request import RequestStatus
+from tests.support.spies import spy_on
 from tests.support.tiny_models import VOCAB
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
@@ -50,7 +51,7 @@ def test_engine_preemption_mid_decode_keeps_greedy_output(tiny_llama, reference)
             )
         )
 
-    engine.scheduler._preempt = spy
+    spy_on(engine.scheduler, "_preempt", spy)
     ids = [engine.add_request(p, GREEDY) for p in prompts]
     outputs = {}
     while engine.has_unfinished():

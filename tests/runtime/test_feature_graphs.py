@@ -16,6 +16,7 @@ from specserve.runtime.cuda_graphs import CudaGraphRunner
 from specserve.speculative.eagle3 import capture_drafter_graphs
 from tests.support.model_cases import install_padded_runner
 from tests.support.overlap_cases import StepDraftLens, make_models, prompts_for, spec_kwargs
+from tests.support.spies import spy_on
 
 PARAMS = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
 
@@ -63,7 +64,7 @@ def _watch_aux(llm) -> dict:
         seen["aux"] += bool(aux)
         return hidden, aux
 
-    graphs.run = watched
+    spy_on(graphs, "run", watched)
     return seen
 
 

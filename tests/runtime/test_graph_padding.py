@@ -11,6 +11,7 @@ import pytest
 from specserve import LLM, SamplingParams
 from specserve.speculative.policy import PerRequestPolicy
 from tests.support.model_cases import install_padded_runner
+from tests.support.spies import spy_on
 from tests.support.tiny_models import VOCAB
 
 
@@ -77,7 +78,7 @@ def test_graph_head_serves_greedy_sampled_and_logprob_steps(tiny_llama):
         heads.append(llm.engine.runner.step_head is not None)
         return sample(step, hidden, *args)
 
-    llm.engine.runner.sample_async = watched
+    spy_on(llm.engine.runner, "sample_async", watched)
     padded = _run_engine(llm, prompts, params)
     for (tokens, lps), (ref_tokens, ref_lps) in zip(padded.values(), plain.values()):
         assert tokens == ref_tokens and len(lps) == len(ref_lps)
@@ -162,7 +163,8 @@ def test_dense_greedy_verify_takes_the_graphs_tokens(tiny_llama, tmp_path, draft
         assert not seen["in_dense"], "a dense greedy verify step verified on its own"
         return verify_greedy(*args)
 
-    runner.sample_async, verify.argmax_rows = watched, argmax
+    spy_on(runner, "sample_async", watched)
+    verify.argmax_rows = argmax
     model_runner.verify_greedy = verified
     try:
         outs = llm.generate(prompts, params)

@@ -9,6 +9,7 @@ import torch
 
 from specserve import LLM, SamplingParams
 from specserve.runtime.packing import Segment, pack
+from tests.support.spies import spy_on
 
 CPU = torch.device("cpu")
 
@@ -47,7 +48,7 @@ def test_the_engines_mixed_steps_lead_with_their_decode_rows(tiny_llama):
         seen.append(step.meta)
         return step
 
-    engine.runner.prepare = spy
+    spy_on(engine.runner, "prepare", spy)
     engine.step()
     meta = seen[-1]
     assert meta.query_lens == [1, 1, 40]

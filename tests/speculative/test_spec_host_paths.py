@@ -25,6 +25,7 @@ from specserve.speculative import eagle3_graph_inputs
 from specserve.speculative.policy import FixedPolicy, PerRequestPolicy
 from tests.support.model_cases import install_padded_runner
 from tests.support.overlap_cases import make_models, prompts_for, record_drafts, spec_kwargs
+from tests.support.spies import spy_on
 
 PARAMS = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
 
@@ -103,7 +104,9 @@ def test_catch_up_from_the_store_after_plain_steps(models):
     engine.spec.policy = _Dormant()
     proposer, runs = engine.spec.proposer, []
     propose = proposer.propose
-    proposer.propose = lambda items, *prev: (runs.append(len(items)), propose(items, *prev))
+    spy_on(
+        proposer, "propose", lambda items, *prev: (runs.append(len(items)), propose(items, *prev))
+    )
     got = record_drafts(llm)
     ids = [engine.add_request(p, PARAMS) for p in prompts]
     for _ in range(12):

@@ -9,6 +9,7 @@ import pytest
 
 from specserve import LLM, SamplingParams
 from specserve.speculative.policy import PerRequestPolicy
+from tests.support.spies import spy_on
 from tests.support.tiny_models import VOCAB, make_random_eagle3_head, make_tiny_model
 
 GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
@@ -38,7 +39,7 @@ def _record(llm):
                 seen.append((s.request.prompt_token_ids[0], before, len(s.drafts), n - 1))
         observe(batch, committed, draft_ms, target_ms)
 
-    spec.observe = wrapped
+    spy_on(spec, "observe", wrapped)
     return seen
 
 
@@ -81,9 +82,10 @@ def test_acceptance_after_pause_equals_acceptance_without(setup, algo, ride_alon
     got = _record(paused)
     proposer, catch_ups = paused.engine.spec.proposer, []
     propose = proposer.propose
-    proposer.propose = lambda items: (
-        catch_ups.extend(it for it in items if it.draft_len == 0),
-        propose(items),
+    spy_on(
+        proposer,
+        "propose",
+        lambda items: (catch_ups.extend(it for it in items if it.draft_len == 0), propose(items)),
     )
     outs = paused.generate(prompts, GREEDY)
     assert bool(catch_ups) == ride_along
@@ -147,7 +149,7 @@ def test_prompt_catch_up_in_prefill_changes_no_draft(setup, monkeypatch, lone):
             )
             observe(batch, committed, draft_ms, target_ms)
 
-        llm.engine.spec.observe = wrapped
+        spy_on(llm.engine.spec, "observe", wrapped)
         return seen, llm.generate(prompts, GREEDY)
 
     llm = LLM(target, **kw)
@@ -209,7 +211,7 @@ def test_long_catch_ups_run_in_bounded_passes(setup, algo):
         passes.append(ids_or_embeds.shape[0])
         return forward(ids_or_embeds, *args, **kwargs)
 
-    module.forward = counted
+    spy_on(module, "forward", counted)
     outs = late.generate(prompts, GREEDY)
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
     bound = 16 + len(prompts) * (3 + 2)
@@ -278,7 +280,11 @@ def test_a_dormant_drafter_takes_no_upkeep_and_drafts_exactly_after_waking(setup
     got = _record(late)
     proposer, upkeep = late.engine.spec.proposer, []
     catch_up = Eagle3Proposer.catch_up_prefill
-    proposer.catch_up_prefill = lambda items: (upkeep.append(len(items)), catch_up(proposer, items))
+    spy_on(
+        proposer,
+        "catch_up_prefill",
+        lambda items: (upkeep.append(len(items)), catch_up(proposer, items)),
+    )
     propose, policy, ride_alongs = proposer.propose, late.engine.spec.policy, []
 
     def spied(items, prev=None):
@@ -286,7 +292,7 @@ def test_a_dormant_drafter_takes_no_upkeep_and_drafts_exactly_after_waking(setup
             ride_alongs.extend(it for it in items if it.draft_len == 0)
         return propose(items, prev)
 
-    proposer.propose = spied
+    spy_on(proposer, "propose", spied)
     assert late.engine.spec.keeps_drafter is False
     eager_before = late.engine.stats()["spec_drafter_eager_passes"]
     outs = late.generate(prompts, params)

@@ -11,6 +11,7 @@ from specserve.core.model_config import ModelConfig
 from specserve.layers.attention import AttentionMetadata, TorchAttentionBackend
 from specserve.model.llama import LlamaForCausalLM
 from specserve.runtime.cuda_graphs import CudaGraphRunner
+from tests.support.spies import spy_on
 
 
 def tiny_config(**overrides) -> ModelConfig:
@@ -248,5 +249,6 @@ def install_padded_runner(llm, q_lens, aux_layer_ids=(), in_graph=True, mixed=Tr
         calls["mixed"] += 1
         return run_mixed(*args)
 
-    graphs.run, graphs.run_mixed = counting_run, counting_run_mixed
+    spy_on(graphs, "run", counting_run)
+    spy_on(graphs, "run_mixed", counting_run_mixed)
     return calls

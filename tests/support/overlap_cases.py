@@ -7,6 +7,7 @@ import random
 
 from specserve import LLM, SamplingParams
 from specserve.speculative.policy import NO_LOAD, PerRequestPolicy, SpeculationPolicy
+from tests.support.spies import spy_on
 from tests.support.tiny_models import VOCAB, make_random_eagle3_head, make_tiny_model
 
 GREEDY = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True)
@@ -70,7 +71,8 @@ def count_gathers(llm) -> dict:
     (`gathered`), those of them after a speculative step (`moved`: positions shifted by its
     accept lengths there) and those that drafted (`drafted_ahead`); checks the host's
     bounds on every step: exact lengths once the previous step is resolved, upper bounds
-    (its drafts all accepted) within the context and the pages when it is not."""
+    (its drafts all accepted) within the context and the pages when it is not. Its spies
+    stay on until the test ends, as `record_drafts`'s (tests/support/spies.py)."""
     runner, kv = llm.engine.runner, llm.engine.kv
     seen = {"gathered": 0, "steps": 0, "moved": 0, "drafted_ahead": 0}
     prepare = runner.prepare
@@ -94,7 +96,7 @@ def count_gathers(llm) -> dict:
             assert len(req.page_table) * kv.page_size >= end
         return prepare(batch, prev, *rest)
 
-    runner.prepare = spy
+    spy_on(runner, "prepare", spy)
     sched, schedule = llm.engine.scheduler, llm.engine.scheduler.schedule
 
     def check(policy=None):
@@ -111,7 +113,7 @@ def count_gathers(llm) -> dict:
             assert len(req.page_table) <= kv.pages_needed(req.committed_len + 2 * lookahead)
         return batch
 
-    sched.schedule = check
+    spy_on(sched, "schedule", check)
     return seen
 
 
@@ -191,7 +193,7 @@ def record_drafts(llm) -> dict:
                 drafts[(index[req.request_id], length, len(s.drafts))] = tuple(s.drafts)
         return process(step)
 
-    loop._process = spy
+    spy_on(loop, "_process", spy)
     add = llm.engine.add_request
 
     def add_spy(prompt, params=None, request_id=None):
@@ -199,7 +201,7 @@ def record_drafts(llm) -> dict:
         index[rid] = len(index)
         return rid
 
-    llm.engine.add_request = add_spy
+    spy_on(llm.engine, "add_request", add_spy)
     return drafts
 
 

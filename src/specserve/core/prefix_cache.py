@@ -24,6 +24,7 @@ request catches up from the first page where none had.
 from __future__ import annotations
 
 from array import array
+from collections.abc import Callable
 from dataclasses import dataclass
 from hashlib import blake2b
 
@@ -49,7 +50,7 @@ class PrefixCache:
         self.successor_bound = successor_bound
         self._pages: dict[bytes, int] = {}  # key -> page
         self._entries: dict[int, tuple[bytes, CachedPage]] = {}  # page -> (key, entry)
-        kv.allocator.on_evict = self._evicted
+        kv.allocator.on_evict = _forget_evicted(self._pages, self._entries)
         # Counters (engine.stats(), /metrics): prompt tokens looked up and found.
         self.queried_tokens = 0
         self.hit_tokens = 0
@@ -149,6 +150,15 @@ class PrefixCache:
                 cached[1].drafter = True
         req.drafter_pages = max(req.drafter_pages, drafted)
 
-    def _evicted(self, page: int) -> None:
-        key, _ = self._entries.pop(page)
-        del self._pages[key]
+
+def _forget_evicted(pages: dict, entries: dict) -> Callable[[int], None]:
+    """The allocator's eviction hook: drops an evicted page from the cache's dictionaries.
+    It holds them, not the cache: a bound method of the cache would make a reference cycle
+    (cache -> KV cache -> allocator -> cache) that keeps the KV pool alive after its engine
+    is dropped, until a full garbage collection."""
+
+    def forget(page: int) -> None:
+        key, _ = entries.pop(page)
+        del pages[key]
+
+    return forget
