@@ -28,6 +28,7 @@ import xgrammar as xgr
 
 from specserve.core.errors import InvalidRequestError
 from specserve.core.sampling_params import Grammar
+from specserve.runtime.packing import to_device_tensor
 
 CACHE_BYTES = 256 << 20  # compiled grammars kept (distinct schemas would grow it forever)
 # A step's mask fill, threaded from THREADED_MIN_ROWS rows at one draft position: xgrammar
@@ -267,7 +268,7 @@ def copy_drafts(step) -> tuple[torch.Tensor, torch.cuda.Event | None] | None:
     if not inputs:
         return None
     device = step.input_ids.device
-    drafts = step.input_ids[torch.tensor(inputs, device=device)]
+    drafts = step.input_ids[to_device_tensor(torch.tensor(inputs), device)]
     if device.type != "cuda":
         return drafts, None
     host = torch.empty(drafts.shape, dtype=drafts.dtype, pin_memory=True)
@@ -293,16 +294,17 @@ def mask_grammars(out: torch.Tensor, step, compiler: GrammarCompiler) -> None:
         drafts = host.tolist()
     else:
         drafts = step.input_ids[torch.tensor(inputs, device=out.device)].tolist()
-    bitmask = xgr.allocate_token_bitmask(out.shape[0], compiler.vocab_size)
-    rows_masked, filling, used = [], [], 0
+    # Every row's mask, all tokens allowed (-1) where no grammar fills it: no row indices
+    # to upload. Pinned on a GPU: an upload from pageable memory would wait for the forward.
+    shape = xgr.get_bitmask_shape(out.shape[0], compiler.vocab_size)
+    bitmask = torch.full(shape, -1, dtype=torch.int32, pin_memory=out.is_cuda)
+    filling, used = [], 0
     for req, first, rows in spans:
         state = compiler.state(req)
         state.follow(req.output_token_ids + req.unprocessed_token_ids)
         filling.append((state.matcher, first, drafts[used : used + rows - 1]))
         used += rows - 1
-        rows_masked += range(first, first + rows)
     fill_masks(bitmask, filling, compiler.batch_fill)
-    bitmask = bitmask.to(out.device, non_blocking=True)
     xgr.apply_token_bitmask_inplace(
-        out, bitmask, vocab_size=compiler.vocab_size, indices=rows_masked
+        out, to_device_tensor(bitmask, out.device), vocab_size=compiler.vocab_size
     )
