@@ -15,10 +15,10 @@ import torch
 from specserve import Grammar, SamplingParams
 from specserve.core.kv_cache import KVCache
 from specserve.core.request import Request, RequestStatus
-from specserve.engine.overlap_wait import RunningCounts, wait_reason
+from specserve.engine.overlap_wait import RunningCounts, sampling_reason, wait_reason
 from specserve.engine.scheduler import Scheduler
 from tests.core.test_kv_cache import tiny_config
-from tests.support.wait_oracle import scanned_wait_reason
+from tests.support.wait_oracle import scanned_sampling_reason, scanned_wait_reason
 
 MAX_LEN = 10_000
 
@@ -73,7 +73,10 @@ class Driver:
         )
         reason = wait_reason(prev, batch, [], sched.counts, None)
         assert reason == scanned_wait_reason(prev, batch)
+        late = sampling_reason(batch, sched.counts)
+        assert late == scanned_sampling_reason(batch)
         self.seen["waits"].add(reason)
+        self.seen["waits"].add(late and f"{late}_before_sampling")
         for s in batch:
             req = s.request
             req.cached_len += s.num_tokens
@@ -130,7 +133,8 @@ def test_running_counts_equal_a_fresh_scan(seed):
     seen = driver.seen
     assert driver.sched.num_preemptions > 0
     assert seen["aborted running"] and seen["aborted waiting"] and seen["finished"]
-    assert {"penalties", "grammar", "min_tokens", None} <= seen["waits"]
+    waits = {"penalties_before_sampling", "grammar_before_sampling", "min_tokens", None}
+    assert waits <= seen["waits"]
 
 
 def test_only_decoding_constrained_rows_wait_and_min_tokens_by_its_count():
@@ -147,10 +151,12 @@ def test_only_decoding_constrained_rows_wait_and_min_tokens_by_its_count():
     batch = sched.schedule()  # its prompt: no mask yet
     assert sched.counts == RunningCounts(constrained=1)
     assert wait_reason(speculative, batch, [], sched.counts, None) is None
+    assert sampling_reason(batch, sched.counts) is None
     constrained.cached_len += 3
     constrained.append_token(7)
     batch = sched.schedule()
-    assert wait_reason(speculative, batch, [], sched.counts, None) == "grammar"
+    assert wait_reason(speculative, batch, [], sched.counts, None) is None  # launched first
+    assert sampling_reason(batch, sched.counts) == "grammar"
     constrained.finish_reason = "abort"
     sched.finish(constrained)
     assert sched.counts == RunningCounts()

@@ -107,7 +107,9 @@ def _generate_under_tp(target: str, head: str) -> dict:
     the other rank follows its plans) fixed, random per-step and random per-request K, with
     overlap scheduling; EAGLE-3 with the head sharded too (fixed and random per-step K); a
     draft model; n-gram; greedy, and seeded sampling where the draft lengths repeat
-    (goodput's follow the clock). Each engine runs the prompts several times: the prefix
+    (goodput's follow the clock); with penalties, plain and EAGLE-3 at fixed K (its steps
+    launched before the step in flight's tokens are read, which its penalties count before
+    sampling, on every rank). Each engine runs the prompts several times: the prefix
     cache's hits start rows past 0 on every rank."""
     from specserve import LLM
     from specserve.speculative.policy import FixedPolicy
@@ -119,6 +121,9 @@ def _generate_under_tp(target: str, head: str) -> dict:
         SamplingParams(max_tokens=14, ignore_eos=True, temperature=0.9, seed=i)
         for i in range(len(prompts))
     ]
+    penalized = SamplingParams(
+        max_tokens=14, ignore_eos=True, presence_penalty=1.5, frequency_penalty=0.5
+    )
     fixed = dict(speculative_policy="fixed")
     engines = {
         "plain": dict(speculative_algorithm="none"),
@@ -170,6 +175,10 @@ def _generate_under_tp(target: str, head: str) -> dict:
                 out[name] = run(greedy)
                 if engine != "plain" and spec.policy.__class__.__name__ != "GoodputPolicy":
                     out[name + " sampled"] = run(sampled) == run(sampled)
+                if name in ("plain", "eagle3 fixed"):
+                    out[name + " penalized"] = run(penalized)
+                    waits = llm.engine.stats()["loop_wait_reasons"]
+                    out[name + " late"] = waits.get("penalties_before_sampling", 0)
             # runs after the first find their prompts' pages cached (rows start past 0)
             out.setdefault("prefix hits", {})[engine] = llm.engine.stats()[
                 "prefix_cache_hit_tokens"
@@ -183,6 +192,9 @@ def test_speculation_under_tensor_parallelism_equals_its_plain_decoding(models):
     assert all(len(t) == 14 for t in out["plain"])
     hits = out.pop("prefix hits")
     assert all(hits[engine] > 0 for engine in hits if engine != "plain"), hits  # (one run)
+    assert out.pop("eagle3 fixed late") > 0, "no step read the step in flight before sampling"
+    out.pop("plain late")
+    assert out.pop("eagle3 fixed penalized") == out.pop("plain penalized")
     names = [n for n in out if n != "plain" and not n.endswith("sampled")]
     assert len(names) == 8 and sum(n.endswith("sampled") for n in out) == 7
     for name in names:

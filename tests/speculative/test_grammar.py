@@ -110,8 +110,11 @@ def test_speculation_keeps_plain_constrained_output(models, plain, drafter, over
     prompts, params, names = _every_grammar()
     llm, outs = generate(models, prompts, params, overlap, drafter, random_k=random_k)
     assert outs == plain, sorted({n for n, a, b in zip(names, outs, plain) if a != b})
-    if overlap == "on":  # the masks follow the step in flight's tokens
-        assert llm.engine.stats()["loop_wait_reasons"].get("grammar", 0) > 0
+    waits = llm.engine.stats()["loop_wait_reasons"]
+    if overlap == "on" and drafter == "eagle3" and not random_k:
+        # steps built on the step in flight (drafts on the device): the masks follow its
+        # tokens, read once the step's forward is queued (host drafters wait before it)
+        assert waits.get("grammar_before_sampling", 0) > 0
 
 
 def _legal(llm, grammar: Grammar, tokens: list[int]) -> bool:

@@ -129,8 +129,9 @@ def test_speculation_keeps_plain_decodings_output(models, plain, drafter, overla
             # an EAGLE-3 step builds on the step in flight, except where min_tokens hangs
             # on that step's count
             assert waits.get("min_tokens", 0) > 0
-        if overlap == "on" and penalized:  # every row's penalties count prev's tokens
-            assert waits.get("penalties", 0) > 0
+        if overlap == "on" and drafter == "eagle3" and not random_k and penalized:
+            # every row's penalties count prev's tokens, read before sampling
+            assert waits.get("penalties_before_sampling", 0) > 0
 
 
 def test_sampling_draws_from_the_changed_distribution(models):

@@ -8,10 +8,6 @@ from __future__ import annotations
 def scanned_wait_reason(prev, batch, max_model_len: int = 1 << 62) -> str | None:
     """The reason the check gives for `batch` after `prev`, scanning every row (no drafting
     rows); `max_model_len`: the context limit (default: out of reach)."""
-    if any(s.request.penalized for s in batch):
-        return "penalties"
-    if any(s.request.constrained and s.decoding for s in batch):
-        return "grammar"
     if not prev.speculative:
         return None
     if any(s.request.params.min_tokens > s.request.num_generated for s in batch):
@@ -23,3 +19,12 @@ def scanned_wait_reason(prev, batch, max_model_len: int = 1 << 62) -> str | None
     ):
         return None
     return "context_limit"
+
+
+def scanned_sampling_reason(batch) -> str | None:
+    """Why `batch` reads the step in flight's tokens before it samples, scanning every row."""
+    if any(s.request.penalized for s in batch):
+        return "penalties"
+    if any(s.request.constrained and s.decoding for s in batch):
+        return "grammar"
+    return None

@@ -243,7 +243,7 @@ class LLMEngine:
                     self.loop.drain()
                     continue
                 batch, drafting = follower.batch(plan)
-                self.loop.replay(batch, drafting, plan.keeps_drafter, plan.waited)
+                self.loop.replay(batch, drafting, plan.keeps_drafter, plan.waited, plan.late)
             self.loop.drain()
         self.parallel.close()
 

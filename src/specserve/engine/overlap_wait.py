@@ -2,7 +2,10 @@
 then settles on that step's tokens.
 
 A step is built from the step in flight's results on the device in the common cases; it
-waits for them on the host when its rows need their values or count there (`wait_reason`).
+waits for them on the host when its rows need their values or count there before it is
+launched (`wait_reason`), or only before it samples (`sampling_reason`: penalties and
+grammar masks change its logits by every token before each row; the loop reads the step in
+flight's tokens once this step's forward is queued, and fills the changes while it runs).
 Three such needs belong to requests, not to the step (penalties, a grammar, a pending
 min_tokens), and a fourth, a row that may reach past the context after a speculative step,
 is possible only for requests whose prompt and max_tokens come within two steps' drafts of
@@ -92,18 +95,12 @@ def wait_reason(
     """None when `batch` can be launched before prev's tokens reach the host, built on the
     device from prev's drawn tokens and accept lengths (runtime/inflight.py): when its
     drafter reads them there (EAGLE-3, greedy, one draft length) and, after a speculative
-    step, every position it may reach lies within the context. Else why not: "penalties"
-    (a request's penalties count every token before each row), "grammar" (a decoding
-    request's masks follow every token before each row: runtime/grammar.py), "sampled" (a
+    step, every position it may reach lies within the context. Else why not: "sampled" (a
     drafting request samples), "mixed_draft_lens", "host_drafts" (the proposer drafts on
     the host), "min_tokens" (after a speculative step, a request whose EOS is still masked:
     which rows may end its output depends on prev's count; runtime/logit_shaping.py) or
     "context_limit" (past `counts.max_model_len`). `counts`: the scheduler's running
     requests', of which `batch` is a subset; a zero count skips its scan of the batch."""
-    if counts.penalized and any(s.request.penalized for s in batch):
-        return "penalties"  # a row's penalties count prev's tokens
-    if counts.constrained and any(s.request.constrained and s.decoding for s in batch):
-        return "grammar"  # a row's mask follows prev's tokens
     if drafting and not spec.proposer.reads_inflight(drafting):
         if any(s.request.params.temperature > 0 for s in drafting):
             return "sampled"
@@ -125,6 +122,18 @@ def wait_reason(
     ):
         return None
     return "context_limit"
+
+
+def sampling_reason(batch: list[ScheduledRequest], counts: RunningCounts) -> str | None:
+    """Why a step launched before the step in flight's tokens reach the host must read them
+    before it samples, or None: "penalties" (a request's penalties count every token before
+    each row) or "grammar" (a decoding request's masks follow every token before each row:
+    runtime/grammar.py). Zero counts skip the scans, as in `wait_reason`."""
+    if counts.penalized and any(s.request.penalized for s in batch):
+        return "penalties"
+    if counts.constrained and any(s.request.constrained and s.decoding for s in batch):
+        return "grammar"
+    return None
 
 
 def settle(batch: list[ScheduledRequest]) -> list[ScheduledRequest]:

@@ -25,11 +25,13 @@ accepted) and builds N+1 from N's results on the device (runtime/inflight.py):
   drafter caught up on N's rows: `InflightStep.consumed`).
 
 Otherwise (a proposer drafting on the host: n-gram, draft model; sampled requests that
-draft; mixed draft lengths; a position that could pass the context; rows that read N's
-tokens on the host: penalties, a grammar, a pending min_tokens) the loop waits for N's
-tokens (resolve), settles the batch on them (requests they end by length, stop token or EOS
-leave it; draft lengths shrink to what can still be committed), then drafts and launches.
-Either way N is processed while N+1 runs.
+draft; mixed draft lengths; a position that could pass the context; a pending min_tokens)
+the loop waits for N's tokens (resolve), settles the batch on them (requests they end by
+length, stop token or EOS leave it; draft lengths shrink to what can still be committed),
+then drafts and launches. Rows whose logits change by N's tokens on the host (penalties, a
+grammar's masks) need them only to sample: N+1's forward is queued first, then N is
+resolved (its tokens come before that forward on the stream) and the changes are made while
+the forward runs. Either way N is processed while N+1 runs.
 
 Stop conditions are therefore found one step late: a request that finished in step N may
 already be in step N+1, whose tokens for it are dropped. Its pages are freed (on finish,
@@ -48,7 +50,7 @@ import torch
 
 from specserve.core.batch import ScheduledRequest
 from specserve.engine.launched_step import LaunchedStep, StepTimes
-from specserve.engine.overlap_wait import settle, wait_reason
+from specserve.engine.overlap_wait import sampling_reason, settle, wait_reason
 from specserve.engine.step_plan import PlanPublisher
 from specserve.runtime.prompt_logprobs import prompt_logprobs
 
@@ -96,9 +98,14 @@ class StepLoop:
         prev, self.inflight = self.inflight, None
         batch = self._schedule()
         drafting = self._drafting(batch)
-        reason = None
+        reason = late = None
         if prev is not None and prev.result is None:
-            reason = wait_reason(prev, batch, drafting, self.scheduler.counts, self.spec)
+            counts = self.scheduler.counts
+            reason = wait_reason(prev, batch, drafting, counts, self.spec)
+            if reason is None:
+                late = sampling_reason(batch, counts)
+        if late is not None:  # launched now; the step in flight is read before sampling
+            self.wait_reasons[f"{late}_before_sampling"] += 1
         if reason is not None:
             # Scheduled while step N runs (pages grown for all of its drafts); this step
             # cannot be built from N's results on the device: wait for them, then settle.
@@ -109,8 +116,8 @@ class StepLoop:
             drafting = self._drafting(batch)
         keeps_drafter = self.spec is not None and self.spec.keeps_drafter
         if self.plans is not None:  # tensor parallelism: every other rank replays it
-            self.plans.publish(batch, drafting, keeps_drafter, reason is not None)
-        return self._run(prev, batch, drafting, keeps_drafter)
+            self.plans.publish(batch, drafting, keeps_drafter, reason is not None, late is not None)
+        return self._run(prev, batch, drafting, keeps_drafter, late is not None)
 
     def replay(
         self,
@@ -118,16 +125,21 @@ class StepLoop:
         drafting: list[ScheduledRequest],
         keeps_drafter: bool,
         waited: bool,
+        late: bool = False,
     ) -> list[RequestOutput]:
         """A step that rank 0 planned (engine/step_plan.py), on this rank's mirrors of its
-        requests: the same launch, in the same order, as rank 0's."""
+        requests: the same launch, in the same order, as rank 0's (`waited`: the step in
+        flight resolved before it, `late`: before it samples)."""
         prev, self.inflight = self.inflight, None
         if waited and prev is not None and prev.result is None:
             self._resolve(prev)
-        return self._run(prev, batch, drafting, keeps_drafter)
+        return self._run(prev, batch, drafting, keeps_drafter, late)
 
-    def _run(self, prev, batch, drafting, keeps_drafter: bool) -> list[RequestOutput]:
-        launched = self._launch(prev, batch, drafting, keeps_drafter)
+    def _run(
+        self, prev, batch, drafting, keeps_drafter: bool, late: bool = False
+    ) -> list[RequestOutput]:
+        """Launch the step (`late`: resolving `prev` before it samples) and process one."""
+        launched = self._launch(prev, batch, drafting, keeps_drafter, late)
         if self.overlap:
             self.inflight, done = launched, prev
         else:
@@ -171,7 +183,7 @@ class StepLoop:
         }
 
     def _launch(
-        self, prev: LaunchedStep | None, batch, drafting, keeps_drafter: bool
+        self, prev: LaunchedStep | None, batch, drafting, keeps_drafter: bool, late: bool
     ) -> LaunchedStep | None:
         spec = self.spec
         if not batch:
@@ -198,6 +210,8 @@ class StepLoop:
                 events[0].record()
             events[1].record()
         hidden, aux = runner.forward(step_input, spec.aux_layer_ids if spec else ())
+        if late and prev is not None and prev.result is None:  # queued before this forward
+            self._resolve(prev)  # (penalties and masks read them: sampling_reason)
         sampled = runner.sample_async(step_input, hidden, spec.simulate_rate if spec else None)
         # Taken now: graph outputs are overwritten by the next step's replay.
         features = (

@@ -75,6 +75,7 @@ class StepPlan:
     drafting: list[int] = field(default_factory=list)  # rows the proposer runs for
     keeps_drafter: bool = False
     waited: bool = False  # rank 0 resolved the step in flight before launching this one
+    late: bool = False  # ... or once this one's forward was queued, before it samples
     tokens: list = field(default_factory=list)  # --debug-tp-check: (step, rank 0's tokens)
     drain: bool = False  # no step: process the one in flight (StepLoop.drain)
     stop: bool = False
@@ -165,8 +166,9 @@ class PlanPublisher:
         drafting: list[ScheduledRequest],
         keeps_drafter: bool,
         waited: bool,
+        late: bool = False,
     ) -> None:
-        plan = self._plan(keeps_drafter=keeps_drafter, waited=waited)
+        plan = self._plan(keeps_drafter=keeps_drafter, waited=waited, late=late)
         sent = self._sent
         for s in batch:
             req = s.request

@@ -293,7 +293,8 @@ _ENGINE_DICTS = {
     "loop_wait_reasons": (
         "specserve_engine_loop_waits_by_reason",
         "reason",
-        "steps launched only after the previous step's tokens reached the host, by reason",
+        "steps that waited for the previous step's tokens on the host, by reason (launched "
+        "after them; *_before_sampling: launched first, sampled after them)",
     ),
     "spec_plain_ms_by_part": (
         "specserve_spec_plain_step_period_ms",
