@@ -73,8 +73,8 @@ class Driver:
         )
         reason = wait_reason(prev, batch, [], sched.counts, None)
         assert reason == scanned_wait_reason(prev, batch)
-        late = sampling_reason(batch, sched.counts)
-        assert late == scanned_sampling_reason(batch)
+        late = sampling_reason(prev, batch, sched.counts)
+        assert late == scanned_sampling_reason(prev, batch)
         self.seen["waits"].add(reason)
         self.seen["waits"].add(late and f"{late}_before_sampling")
         for s in batch:
@@ -133,7 +133,8 @@ def test_running_counts_equal_a_fresh_scan(seed):
     seen = driver.seen
     assert driver.sched.num_preemptions > 0
     assert seen["aborted running"] and seen["aborted waiting"] and seen["finished"]
-    waits = {"penalties_before_sampling", "grammar_before_sampling", "min_tokens", None}
+    waits = {"penalties_before_sampling", "grammar_before_sampling", "min_tokens_before_sampling"}
+    waits.add(None)
     assert waits <= seen["waits"]
 
 
@@ -151,12 +152,12 @@ def test_only_decoding_constrained_rows_wait_and_min_tokens_by_its_count():
     batch = sched.schedule()  # its prompt: no mask yet
     assert sched.counts == RunningCounts(constrained=1)
     assert wait_reason(speculative, batch, [], sched.counts, None) is None
-    assert sampling_reason(batch, sched.counts) is None
+    assert sampling_reason(speculative, batch, sched.counts) is None
     constrained.cached_len += 3
     constrained.append_token(7)
     batch = sched.schedule()
     assert wait_reason(speculative, batch, [], sched.counts, None) is None  # launched first
-    assert sampling_reason(batch, sched.counts) == "grammar"
+    assert sampling_reason(speculative, batch, sched.counts) == "grammar"
     constrained.finish_reason = "abort"
     sched.finish(constrained)
     assert sched.counts == RunningCounts()
@@ -167,9 +168,10 @@ def test_only_decoding_constrained_rows_wait_and_min_tokens_by_its_count():
     for generated in range(3):
         batch = sched.schedule()
         assert req.num_generated == generated
-        assert wait_reason(plain, batch, [], sched.counts, None) is None
+        assert sampling_reason(plain, batch, sched.counts) is None
         expected = "min_tokens" if generated < 2 else None
-        assert wait_reason(speculative, batch, [], sched.counts, None) == expected
+        assert sampling_reason(speculative, batch, sched.counts) == expected
+        assert wait_reason(speculative, batch, [], sched.counts, None) is None
         req.cached_len += batch[0].num_tokens
         req.append_token(7)
     assert sched.counts == RunningCounts(min_tokens=1)  # counted until it leaves

@@ -126,9 +126,9 @@ def test_speculation_keeps_plain_decodings_output(models, plain, drafter, overla
         assert outs == expected, sorted({n for n, a, b in zip(names, outs, expected) if a != b})
         waits = llm.engine.stats()["loop_wait_reasons"]
         if overlap == "on" and drafter == "eagle3" and not random_k and not penalized:
-            # an EAGLE-3 step builds on the step in flight, except where min_tokens hangs
-            # on that step's count
-            assert waits.get("min_tokens", 0) > 0
+            # an EAGLE-3 step builds on the step in flight, and reads its tokens before
+            # sampling where min_tokens hangs on that step's count
+            assert waits.get("min_tokens_before_sampling", 0) > 0
         if overlap == "on" and drafter == "eagle3" and not random_k and penalized:
             # every row's penalties count prev's tokens, read before sampling
             assert waits.get("penalties_before_sampling", 0) > 0

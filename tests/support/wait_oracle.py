@@ -10,8 +10,6 @@ def scanned_wait_reason(prev, batch, max_model_len: int = 1 << 62) -> str | None
     rows); `max_model_len`: the context limit (default: out of reach)."""
     if not prev.speculative:
         return None
-    if any(s.request.params.min_tokens > s.request.num_generated for s in batch):
-        return "min_tokens"
     moved = {id(s.request): s.drafted for s in prev.step_input.sampled}
     if all(
         s.request.committed_len + moved.get(id(s.request), 0) + s.draft_len <= max_model_len
@@ -21,10 +19,14 @@ def scanned_wait_reason(prev, batch, max_model_len: int = 1 << 62) -> str | None
     return "context_limit"
 
 
-def scanned_sampling_reason(batch) -> str | None:
-    """Why `batch` reads the step in flight's tokens before it samples, scanning every row."""
+def scanned_sampling_reason(prev, batch) -> str | None:
+    """Why `batch` reads prev's tokens before it samples, scanning every row."""
     if any(s.request.penalized for s in batch):
         return "penalties"
     if any(s.request.constrained and s.decoding for s in batch):
         return "grammar"
+    if prev.speculative and any(
+        s.request.params.min_tokens > s.request.num_generated for s in batch
+    ):
+        return "min_tokens"
     return None

@@ -3,9 +3,10 @@ then settles on that step's tokens.
 
 A step is built from the step in flight's results on the device in the common cases; it
 waits for them on the host when its rows need their values or count there before it is
-launched (`wait_reason`), or only before it samples (`sampling_reason`: penalties and
-grammar masks change its logits by every token before each row; the loop reads the step in
-flight's tokens once this step's forward is queued, and fills the changes while it runs).
+launched (`wait_reason`), or only before it samples (`sampling_reason`: penalties, grammar
+masks and a pending min_tokens change its logits by the tokens before each row; the loop
+reads the step in flight's tokens once this step's forward is queued, and makes the changes
+while it runs).
 Three such needs belong to requests, not to the step (penalties, a grammar, a pending
 min_tokens), and a fourth, a row that may reach past the context after a speculative step,
 is possible only for requests whose prompt and max_tokens come within two steps' drafts of
@@ -97,9 +98,7 @@ def wait_reason(
     drafter reads them there (EAGLE-3, greedy, one draft length) and, after a speculative
     step, every position it may reach lies within the context. Else why not: "sampled" (a
     drafting request samples), "mixed_draft_lens", "host_drafts" (the proposer drafts on
-    the host), "min_tokens" (after a speculative step, a request whose EOS is still masked:
-    which rows may end its output depends on prev's count; runtime/logit_shaping.py) or
-    "context_limit" (past `counts.max_model_len`). `counts`: the scheduler's running
+    the host) or "context_limit" (past `counts.max_model_len`). `counts`: the scheduler's running
     requests', of which `batch` is a subset; a zero count skips its scan of the batch."""
     if drafting and not spec.proposer.reads_inflight(drafting):
         if any(s.request.params.temperature > 0 for s in drafting):
@@ -109,10 +108,6 @@ def wait_reason(
         return "host_drafts"
     if not prev.speculative:
         return None
-    if counts.min_tokens and any(
-        s.request.params.min_tokens > s.request.num_generated for s in batch
-    ):
-        return "min_tokens"  # which rows may end the output depends on prev's count
     if not counts.near_context:
         return None  # no row can pass the context, whatever prev accepts
     limit = counts.max_model_len
@@ -124,15 +119,25 @@ def wait_reason(
     return "context_limit"
 
 
-def sampling_reason(batch: list[ScheduledRequest], counts: RunningCounts) -> str | None:
-    """Why a step launched before the step in flight's tokens reach the host must read them
-    before it samples, or None: "penalties" (a request's penalties count every token before
-    each row) or "grammar" (a decoding request's masks follow every token before each row:
-    runtime/grammar.py). Zero counts skip the scans, as in `wait_reason`."""
+def sampling_reason(
+    prev: LaunchedStep, batch: list[ScheduledRequest], counts: RunningCounts
+) -> str | None:
+    """Why a step launched before prev's tokens reach the host must read them before it
+    samples, or None: "penalties" (a request's penalties count every token before each
+    row), "grammar" (a decoding request's masks follow every token before each row:
+    runtime/grammar.py) or "min_tokens" (after a speculative step, a request whose EOS is
+    still masked: which rows may end its output depends on prev's count;
+    runtime/logit_shaping.py). Zero counts skip the scans, as in `wait_reason`."""
     if counts.penalized and any(s.request.penalized for s in batch):
         return "penalties"
     if counts.constrained and any(s.request.constrained and s.decoding for s in batch):
         return "grammar"
+    if (
+        prev.speculative
+        and counts.min_tokens
+        and any(s.request.params.min_tokens > s.request.num_generated for s in batch)
+    ):
+        return "min_tokens"
     return None
 
 

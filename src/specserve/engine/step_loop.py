@@ -25,13 +25,13 @@ accepted) and builds N+1 from N's results on the device (runtime/inflight.py):
   drafter caught up on N's rows: `InflightStep.consumed`).
 
 Otherwise (a proposer drafting on the host: n-gram, draft model; sampled requests that
-draft; mixed draft lengths; a position that could pass the context; a pending min_tokens)
-the loop waits for N's tokens (resolve), settles the batch on them (requests they end by
-length, stop token or EOS leave it; draft lengths shrink to what can still be committed),
-then drafts and launches. Rows whose logits change by N's tokens on the host (penalties, a
-grammar's masks) need them only to sample: N+1's forward is queued first, then N is
-resolved (its tokens come before that forward on the stream) and the changes are made while
-the forward runs. Either way N is processed while N+1 runs.
+draft; mixed draft lengths; a position that could pass the context) the loop waits for
+N's tokens (resolve), settles the batch on them (requests they end by length, stop token or
+EOS leave it; draft lengths shrink to what can still be committed), then drafts and
+launches. Rows whose logits change by N's tokens on the host (penalties, a grammar's masks,
+a pending min_tokens after a speculative N) need them only to sample: N+1's forward is
+queued first, then N is resolved (its tokens come before that forward on the stream) and
+the changes are made while the forward runs. Either way N is processed while N+1 runs.
 
 Stop conditions are therefore found one step late: a request that finished in step N may
 already be in step N+1, whose tokens for it are dropped. Its pages are freed (on finish,
@@ -103,7 +103,7 @@ class StepLoop:
             counts = self.scheduler.counts
             reason = wait_reason(prev, batch, drafting, counts, self.spec)
             if reason is None:
-                late = sampling_reason(batch, counts)
+                late = sampling_reason(prev, batch, counts)
         if late is not None:  # launched now; the step in flight is read before sampling
             self.wait_reasons[f"{late}_before_sampling"] += 1
         if reason is not None:
@@ -211,7 +211,7 @@ class StepLoop:
             events[1].record()
         hidden, aux = runner.forward(step_input, spec.aux_layer_ids if spec else ())
         if late and prev is not None and prev.result is None:  # queued before this forward
-            self._resolve(prev)  # (penalties and masks read them: sampling_reason)
+            self._resolve(prev)  # (logit changes read them: sampling_reason)
         sampled = runner.sample_async(step_input, hidden, spec.simulate_rate if spec else None)
         # Taken now: graph outputs are overwritten by the next step's replay.
         features = (

@@ -9,9 +9,10 @@ row counting as generated for it), so verification sees the distribution plain d
 draws from, and greedy output with speculation stays plain decoding's. The drafters draft
 without them (their drafts are then rejected more often).
 
-The host's token counts are exact where they matter: the step loop waits for the step in
-flight when a request of the next one is penalized or its min_tokens hangs on that step's
-count (engine/overlap_wait.py). Drafts are read where they are, on the device."""
+The host's token counts are exact where they matter: the step loop reads the step in
+flight's tokens before the next one samples when a request of it is penalized, constrained
+or its min_tokens hangs on that step's count (engine/overlap_wait.py: sampling_reason).
+Drafts are read where they are, on the device."""
 
 from __future__ import annotations
 
