@@ -1,8 +1,9 @@
 """Overlap scheduling on CUDA, with CUDA graphs and the Triton backend: token-identical to
 the synchronous loop, plain and speculative, with stops found one step late; device step
 timing recorded; EAGLE-3 steps launched before the previous step's accept lengths reach
-the host (chain graphs fed on the device), with random arrivals, aborts and preemption.
-Skipped without a GPU."""
+the host (chain graphs fed on the device), with random arrivals, aborts and preemption;
+penalties, min_tokens and grammar masks read the step in flight before sampling. Skipped
+without a GPU."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import random
 
 import pytest
 
-from specserve import LLM, SamplingParams
+from specserve import LLM, Grammar, SamplingParams
 from specserve.speculative.policy import PerRequestPolicy
 from tests.support.overlap_cases import (
     StepDraftLens,
@@ -102,6 +103,42 @@ def test_cuda_overlap_preemption_and_seeded(gpu_models):
     engine, overlap = _run(target, prompts, params, "on", **kw)
     assert overlap == sync
     assert engine.scheduler.num_preemptions > 0
+
+
+@pytest.mark.parametrize(
+    "reason,shaped",
+    [
+        (
+            "penalties",
+            [
+                SamplingParams(max_tokens=16, presence_penalty=1.5, frequency_penalty=0.5),
+                SamplingParams(max_tokens=16, repetition_penalty=1.3, min_tokens=12),
+            ],
+        ),
+        ("min_tokens", [SamplingParams(max_tokens=16, min_tokens=10)]),
+        (
+            "grammar",
+            [
+                SamplingParams(max_tokens=16, grammar=Grammar("json")),
+                SamplingParams(max_tokens=16, grammar=Grammar("regex", r"(ab|c){1,4}-[0-9]{2,3}")),
+            ],
+        ),
+    ],
+)
+def test_cuda_overlap_logit_changes_read_before_sampling(gpu_models, reason, shaped):
+    """Penalties, a pending min_tokens and grammar masks under EAGLE-3 with CUDA graphs:
+    steps launched before the step in flight's tokens reach the host, which those changes
+    read once the step's forward is queued, draw the synchronous loop's tokens (fp32:
+    requests end at different steps, so batches differ between the loops)."""
+    target, head = gpu_models
+    prompts = [p for p in prompts_for() for _ in shaped]
+    params = shaped * len(prompts_for())
+    kw = dict(dtype="float32", speculative_algorithm="eagle3", speculative_draft_model_path=head)
+    _, sync = _run(target, prompts, params, "off", **kw, **SPEC)
+    engine, overlap = _run(target, prompts, params, "on", **kw, **SPEC)
+    assert overlap == sync
+    waits = engine.stats()["loop_wait_reasons"]
+    assert waits.get(f"{reason}_before_sampling", 0) > 0, waits
 
 
 # fp32: the two loops pad catch-ups differently (the step in flight's rows), which in half
