@@ -93,6 +93,10 @@ def test_counts_equal_server_metrics(server, tiny_llama, tmp_path, capsys):
     assert report["server"]["generation_tokens"] == report["total_output_tokens"]
     for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_latency_ms"):
         assert report[key]["p50"] is not None and report[key]["p50"] >= 0
+    # the server's time to first token, in parts stamped on one clock that add up to it
+    parts = report["server"]["ttft_parts_ms_mean"]
+    assert set(parts) == {"to_engine", "in_engine", "back"} and min(parts.values()) >= 0
+    assert sum(parts.values()) == pytest.approx(report["server"]["ttft_ms_mean"], rel=1e-6)
     assert report["output_throughput"] > 0
     assert "tokenizer of" in report["dataset"]["notes"][0]
     if "specserve_spec_draft_tokens_total" in httpx.get(server.url + "/metrics").text:

@@ -137,6 +137,7 @@ def server_figures(before: dict | None, after: dict | None) -> dict | None:
         if value is not None:
             out[key] = int(value)
     out.update(step_figures(before, after))
+    out.update(ttft_figures(before, after))
     spec = speculation_figures(before, after)
     if spec:
         out["speculation"] = spec
@@ -172,6 +173,29 @@ def step_figures(before: dict, after: dict) -> dict:
         reasons = _by_label(before, after, "specserve_engine_loop_waits_by_reason_total", "reason")
         if reasons:
             out["loop_wait_reasons"] = reasons
+    return out
+
+
+def ttft_figures(before: dict, after: dict) -> dict:
+    """The server's own mean time to first token (ms, from a request's submission to the
+    server handling its first tokens) and its parts, which add up to it: to_engine,
+    in_engine and back (server/metrics.py)."""
+
+    def mean_ms(name: str, **match: str) -> float | None:
+        total = _delta(before, after, name + "_sum", **match)
+        count = _delta(before, after, name + "_count", **match)
+        return 1000.0 * total / count if total is not None and count else None
+
+    out: dict = {}
+    ttft = mean_ms("specserve_time_to_first_token_seconds")
+    if ttft is not None:
+        out["ttft_ms_mean"] = ttft
+    parts = {
+        part: mean_ms("specserve_time_to_first_token_parts_seconds", part=part)
+        for part in ("to_engine", "in_engine", "back")
+    }
+    if all(v is not None for v in parts.values()):
+        out["ttft_parts_ms_mean"] = parts
     return out
 
 

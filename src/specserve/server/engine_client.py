@@ -349,7 +349,7 @@ class EngineClient:
             tracked = self._tracked.get(delta.request_id)
             if tracked is None:
                 continue  # aborted while the step ran
-            self._observe(tracked, delta, now)
+            self._observe(tracked, delta, now, report.sent_at)
             tracked.stream._put((tracked.index, delta))
             if delta.finished:
                 self._finish(delta.request_id, tracked)
@@ -359,13 +359,17 @@ class EngineClient:
                 self.abort(tracked.stream)
                 tracked.stream._put(EngineRequestError(err))
 
-    def _observe(self, tracked: _Tracked, delta: OutputDelta, now: float) -> None:
+    def _observe(self, tracked: _Tracked, delta: OutputDelta, now: float, sent: float) -> None:
         m = self.metrics
         n = len(delta.new_token_ids)
         if n:
             m.generation_tokens.inc(n)
             if tracked.last_token_at is None:
                 m.ttft.observe(now - tracked.arrival)
+                if delta.added_at is not None:  # its parts, on the machine's one clock
+                    m.ttft_parts.labels("to_engine").observe(delta.added_at - tracked.arrival)
+                    m.ttft_parts.labels("in_engine").observe(sent - delta.added_at)
+                    m.ttft_parts.labels("back").observe(now - sent)
             else:
                 m.itl.observe((now - tracked.last_token_at) / n)
             tracked.last_token_at = now

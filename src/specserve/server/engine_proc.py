@@ -144,6 +144,8 @@ class EngineLoop:
         self.report = StepReport()
         self.dirty = False  # something changed that the HTTP side has not heard of
         self.last_step_end: float | None = None
+        # request id -> when it was taken in, until its first tokens (or its end) are reported
+        self.added_at: dict[str, float] = {}
         self.parent = mp.parent_process()
 
     def run(self) -> None:
@@ -166,13 +168,14 @@ class EngineLoop:
         outputs = self.engine.step()
         end = time.perf_counter()
         self.report.step_s.append(end - start)
-        self.report.outputs += [_delta(o) for o in outputs]
+        self.report.outputs += [_delta(o, self.added_at) for o in outputs]
         self.dirty = True
         # Only back-to-back steps count: time spent idle without work is not a gap.
         self.last_step_end = end if self.engine.has_unfinished() else None
 
     def _send(self) -> None:
         self.report.stats = self.engine.stats()
+        self.report.sent_at = time.monotonic()
         self.outbox.send(self.report)
         self.report = StepReport()
         self.dirty = False
@@ -199,12 +202,14 @@ class EngineLoop:
             elif isinstance(msg, AbortRequests):
                 for rid in msg.request_ids:
                     self.engine.abort_request(rid)
+                    self.added_at.pop(rid, None)
                 if not self.engine.has_unfinished():
                     self.last_step_end = None
 
     def _add(self, req: AddRequest) -> None:
         try:
             self.engine.add_request(req.prompt_token_ids, req.params, req.request_id)
+            self.added_at[req.request_id] = time.monotonic()
         except InvalidRequestError as e:
             self.report.errors.append(RequestError(req.request_id, str(e), e.field, 400))
         except Exception as e:
@@ -215,11 +220,14 @@ class EngineLoop:
     def engine_abort_all(self) -> None:
         for rid in list(self.engine.requests):
             self.engine.abort_request(rid)
+        self.added_at.clear()
 
 
-def _delta(out) -> tuple:
-    """A RequestOutput as OutputDelta fields (a tuple, see OutputDelta)."""
+def _delta(out, added_at: dict[str, float]) -> tuple:
+    """A RequestOutput as OutputDelta fields (a tuple, see OutputDelta); `added_at`: when
+    requests were taken in, each sent (and dropped) with its first tokens."""
     n, finished = out.num_new_tokens, out.finished
+    added = added_at.pop(out.request_id, None) if n or finished else None
     new_lp = None
     if out.new_logprobs:
         new_lp = [(lp.logprob, [tuple(t) for t in lp.top]) for lp in out.new_logprobs]
@@ -236,6 +244,7 @@ def _delta(out) -> tuple:
         _prompt_logprobs(out)
         if out.prompt_logprobs is not None and n == len(out.token_ids)
         else None,
+        added if n else None,
     )
 
 

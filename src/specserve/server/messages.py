@@ -46,6 +46,9 @@ class OutputDelta:
     # With prompt logprobs asked for, with its first delta: None for the first prompt token,
     # then (logprob, [(id, logprob) of the top alternatives]) per prompt token
     prompt_logprobs: list | None = None
+    # With its first generated tokens: when the engine process took the request in
+    # (time.monotonic(), one clock for every process of the machine).
+    added_at: float | None = None
 
 
 @dataclass
@@ -76,6 +79,7 @@ class StepReport:
     stats: dict = field(default_factory=dict)
     step_s: list[float] = field(default_factory=list)  # model step durations
     gap_s: list[float] = field(default_factory=list)  # idle time between back-to-back steps
+    sent_at: float = 0.0  # time.monotonic() when the engine process sent it
 
 
 @dataclass

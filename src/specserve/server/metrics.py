@@ -171,6 +171,16 @@ class ServerMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        self.ttft_parts = Histogram(
+            "specserve_time_to_first_token_parts_seconds",
+            "time to first token in parts that add up to it: to_engine (submission to the "
+            "engine process taking the request in, behind the step it was running), in_engine "
+            "(scheduling, prefill and the first token's steps, to the report that carries it "
+            "being sent), back (that report to the server and its handling)",
+            ["part"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
         self.itl = Histogram(
             "specserve_inter_token_latency_seconds",
             "time between tokens of a request",
