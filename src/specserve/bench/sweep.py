@@ -157,6 +157,11 @@ def measure(
     if "device_busy_ms_mean" in steps:
         step_ms += f" (device {steps['device_busy_ms_mean']:.2f})"
     waits = f"  waits {steps['loop_waits']}" if "loop_waits" in steps else ""
+    parts = steps.get("ttft_parts_ms_mean")
+    if parts:  # the server's TTFT and where it went (metrics_client.ttft_figures)
+        waits += "  server TTFT {:.1f} ms ({:.1f} to engine, {:.1f} in, {:.1f} back)".format(
+            steps["ttft_ms_mean"], parts["to_engine"], parts["in_engine"], parts["back"]
+        )
     by_k = step_ms_by_k(steps.get("speculation") or {})
     if by_k:  # a speculating server's mean step at each K it ran
         step_ms += f" [{by_k}]"
