@@ -10,6 +10,7 @@ import pytest
 from specserve import LLM, Grammar, SamplingParams
 from specserve.runtime.grammar import _constrained_spans
 from tests.support.overlap_cases import make_models, prompts_for, spec_kwargs
+from tests.support.spies import spy_on
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +29,7 @@ def _spy(llm) -> list[tuple[object, list[int]]]:
         seen.append((step.grammar_drafts, step.input_ids[rows].tolist() if rows else []))
         return step
 
-    runner.prepare = spy
+    spy_on(runner, "prepare", spy)
     return seen
 
 
@@ -45,8 +46,7 @@ def test_constrained_drafts_are_copied_when_the_step_is_packed(models, drafter, 
     with_drafts = [(copied, drafts) for copied, drafts in seen if drafts]
     assert with_drafts  # constrained requests drafted
     for copied, drafts in with_drafts:
-        host, _ = copied
-        assert host.tolist() == drafts
+        assert copied.host.tolist() == drafts
     seen.clear()
     llm.generate(prompts, SamplingParams(max_tokens=12))  # no grammar: nothing copied
     assert seen and all(copied is None for copied, _ in seen)

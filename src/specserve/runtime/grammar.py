@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+from typing import NamedTuple
 
 import torch
 import xgrammar as xgr
@@ -259,41 +260,48 @@ def _constrained_spans(step):
     return spans, inputs
 
 
-def copy_drafts(step) -> tuple[torch.Tensor, torch.cuda.Event | None] | None:
+class PackedDrafts(NamedTuple):
+    """A step's constrained requests (`_constrained_spans`) and their drafts on their way to
+    the host: `host` (None: no drafts), done when `done` is (None: done already)."""
+
+    spans: list
+    host: torch.Tensor | None
+    done: torch.cuda.Event | None
+
+
+def copy_drafts(step) -> PackedDrafts | None:
     """Start copying the drafts of the step's constrained requests to the host, queued before
     the forward (call it when the step is packed): `mask_grammars` then waits for the drafts
-    alone and fills the masks while the forward runs, not after it. (host tensor, the event
-    that marks its copy done; None on the CPU, where it is done), or None: no drafts."""
-    _, inputs = _constrained_spans(step)
-    if not inputs:
+    alone and fills the masks while the forward runs, not after it. None: no constrained
+    request samples in the step."""
+    spans, inputs = _constrained_spans(step)
+    if not spans:
         return None
+    if not inputs:
+        return PackedDrafts(spans, None, None)
     device = step.input_ids.device
     drafts = step.input_ids[to_device_tensor(torch.tensor(inputs), device)]
     if device.type != "cuda":
-        return drafts, None
+        return PackedDrafts(spans, drafts, None)
     host = torch.empty(drafts.shape, dtype=drafts.dtype, pin_memory=True)
     host.copy_(drafts, non_blocking=True)
     done = torch.cuda.Event()
     done.record()
-    return host, done
+    return PackedDrafts(spans, host, done)
 
 
 def mask_grammars(out: torch.Tensor, step, compiler: GrammarCompiler) -> None:
     """Mask, in place, every logit row of the step's constrained requests to the tokens their
     grammars allow there. Their drafts come from the step's input ids: the copy started when
-    the step was packed (`copy_drafts`, `step.grammar_drafts`), else one copy to the host."""
-    spans, inputs = _constrained_spans(step)
-    if not spans:
+    the step was packed (`copy_drafts`, `step.grammar_drafts`), else one started now (after
+    the forward: it waits for it)."""
+    packed = step.grammar_drafts or copy_drafts(step)
+    if packed is None:
         return
-    if not inputs:
-        drafts = []
-    elif step.grammar_drafts is not None:
-        host, done = step.grammar_drafts
-        if done is not None:
-            done.synchronize()  # the drafts only, not the forward queued after them
-        drafts = host.tolist()
-    else:
-        drafts = step.input_ids[torch.tensor(inputs, device=out.device)].tolist()
+    if packed.done is not None:
+        packed.done.synchronize()  # the drafts only, not the forward queued after them
+    drafts = packed.host.tolist() if packed.host is not None else []
+    spans = packed.spans
     # Every row's mask, all tokens allowed (-1) where no grammar fills it: no row indices
     # to upload. Pinned on a GPU: an upload from pageable memory would wait for the forward.
     shape = xgr.get_bitmask_shape(out.shape[0], compiler.vocab_size)

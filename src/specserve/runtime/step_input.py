@@ -25,7 +25,7 @@ class StepInput:
     # [R] per sampled request: how far the step in flight moved it on the device (its
     # accept length: the host packed it as if that step accepted nothing); None: nowhere.
     sample_shift: torch.Tensor | None = None
-    grammar_drafts: tuple | None = None  # the constrained requests' drafts on their way to the host
+    grammar_drafts: tuple | None = None  # runtime/grammar.py: PackedDrafts, at pack time
 
 
 @dataclass
