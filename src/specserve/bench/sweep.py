@@ -158,8 +158,9 @@ def measure(
         step_ms += f" (device {steps['device_busy_ms_mean']:.2f})"
     waits = f"  waits {steps['loop_waits']}" if "loop_waits" in steps else ""
     parts = steps.get("ttft_parts_ms_mean")
+    ttft = ""
     if parts:  # the server's TTFT and where it went (metrics_client.ttft_figures)
-        waits += "  server TTFT {:.1f} ms ({:.1f} to engine, {:.1f} in, {:.1f} back)".format(
+        ttft = "  server TTFT {:.1f} ms ({:.1f} to engine, {:.1f} in, {:.1f} back)".format(
             steps["ttft_ms_mean"], parts["to_engine"], parts["in_engine"], parts["back"]
         )
     by_k = step_ms_by_k(steps.get("speculation") or {})
@@ -168,7 +169,7 @@ def measure(
     print(
         f"[sweep] {desc or label:>24} {report['output_throughput']:8.1f} tok/s  "
         f"p50 ITL {_ms(report['itl_ms']['p50'])} ms  "
-        f"p50 TPOT {_ms(report['tpot_ms']['p50'])} ms{step_ms}{waits}  "
+        f"p50 TPOT {_ms(report['tpot_ms']['p50'])} ms{step_ms}{waits}{ttft}  "
         f"errors {report['failed']}",
         flush=True,
     )
