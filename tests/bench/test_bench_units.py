@@ -328,7 +328,8 @@ def test_engine_loop_figures_reach_the_bench():
 
     metrics = ServerMetrics()
     totals = {"device_step_ms": 100.0, "device_gap_ms": 10.0, "host_wait_ms": 1.0}
-    stats = {"loop_waits": 0, "loop_wait_reasons": {}, **totals}
+    host = {"schedule": 1.0, "prepare": 2.0, "sample": 3.0}
+    stats = {"loop_waits": 0, "loop_wait_reasons": {}, "host_ms_by_part": host, **totals}
     metrics.engine_stats = lambda: stats
     before = parse_metrics(metrics.render().decode())
     stats = {
@@ -337,6 +338,7 @@ def test_engine_loop_figures_reach_the_bench():
         "device_step_ms": 104.0,
         "device_gap_ms": 11.0,
         "host_wait_ms": 1.5,
+        "host_ms_by_part": {"schedule": 1.5, "prepare": 2.0, "sample": 7.0, "process": 0.5},
     }
     metrics.observe_steps([0.002, 0.004], [0.001, 0.001])
     fig = server_figures(before, parse_metrics(metrics.render().decode()))
@@ -348,6 +350,10 @@ def test_engine_loop_figures_reach_the_bench():
     assert fig["device_busy_ms_mean"] == pytest.approx(2.0)
     assert fig["device_idle_ms_mean"] == pytest.approx(0.5)
     assert fig["host_wait_ms_mean"] == pytest.approx(0.25)
+    # the host's time a step by part (parts without time in the run left out)
+    assert fig["host_ms_by_part_mean"] == pytest.approx(
+        {"schedule": 0.25, "sample": 2.0, "process": 0.25}
+    )
 
 
 def _wait_gone(pid: int, timeout_s: float = 30.0) -> bool:

@@ -191,3 +191,21 @@ def test_graph_padded_steps_identical(models, reference, drafter):
     assert [(o.token_ids, o.text, o.finish_reason) for o in outs] == reference(GREEDY)
     assert calls["graph"] > 5 and (drafter or seen["gathered"] > 0)
     assert llm.engine.kv.allocator.num_used == 0
+
+
+@pytest.mark.parametrize("overlap", ["off", "on"])
+def test_host_time_by_part(models, overlap):
+    """The loop accounts its host time by part (metrics: specserve_engine_host_ms{part}):
+    every part of a speculative step is there, none negative, and together with the waits
+    for drawn tokens they fit in the time the steps took."""
+    import time
+
+    llm = LLM(models["target"], overlap_schedule=overlap, **spec_kwargs(models, "eagle3"))
+    start = time.perf_counter()
+    llm.generate(prompts_for(), GREEDY)
+    elapsed_ms = (time.perf_counter() - start) * 1e3
+    stats = llm.engine.stats()
+    host = stats["host_ms_by_part"]
+    assert set(host) == {"schedule", "draft", "prepare", "forward", "sample", "process"}
+    assert min(host.values()) >= 0 and host["draft"] > 0
+    assert sum(host.values()) + stats["host_wait_ms"] <= elapsed_ms

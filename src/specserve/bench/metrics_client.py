@@ -167,6 +167,9 @@ def step_figures(before: dict, after: dict) -> dict:
         total = _delta(before, after, name)
         if total and count:
             out[key] = total / count
+    host = _by_label(before, after, "specserve_engine_host_ms_total", "part", exact=False)
+    if host and count:  # host time a step by part (ms), waits for drawn tokens apart
+        out["host_ms_by_part_mean"] = {part: ms / count for part, ms in host.items()}
     waits = _delta(before, after, "specserve_engine_loop_waits")
     if waits is not None:
         out["loop_waits"] = int(waits)

@@ -35,6 +35,8 @@ from specserve.bench.rounds import median_rows, medians_table
 from specserve.bench.runner import benchmark
 from specserve.bench.server_process import ServerProcess
 
+# The engine's host time a step, by part, in the order a step runs (server/metrics.py).
+HOST_PARTS = ("schedule", "draft", "prepare", "forward", "sample", "process")
 _LOG_TAIL_CHARS = 6000  # of a server's log, kept with a run whose requests failed
 
 DEFAULT_CONFIGS = {
@@ -162,6 +164,11 @@ def measure(
     if parts:  # the server's TTFT and where it went (metrics_client.ttft_figures)
         ttft = "  server TTFT {:.1f} ms ({:.1f} to engine, {:.1f} in, {:.1f} back)".format(
             steps["ttft_ms_mean"], parts["to_engine"], parts["in_engine"], parts["back"]
+        )
+    host = steps.get("host_ms_by_part_mean")
+    if host:  # where the engine's host time a step went (metrics_client.step_figures)
+        waits += "  host ms " + ", ".join(
+            f"{part} {host[part]:.2f}" for part in HOST_PARTS if host.get(part)
         )
     by_k = step_ms_by_k(steps.get("speculation") or {})
     if by_k:  # a speculating server's mean step at each K it ran

@@ -92,11 +92,17 @@ class StepLoop:
         # Running totals (ms) for metrics: device spans of steps (CUDA events; none on the
         # CPU), idle device gaps between back-to-back steps, host waits for drawn tokens.
         self.totals = {"device_step_ms": 0.0, "device_gap_ms": 0.0, "host_wait_ms": 0.0}
+        # Host time of the steps by part (ms; waits for drawn tokens are host_wait_ms):
+        # scheduling, drafting, preparing the inputs, queueing the forward, sampling (logit
+        # changes and grammar masks in), processing the tokens.
+        self.host_ms: Counter[str] = Counter()
 
     def step(self) -> list[RequestOutput]:
         """Launch the next step; process the previous one (overlap) or this one (sync)."""
         prev, self.inflight = self.inflight, None
+        t0 = time.perf_counter()
         batch = self._schedule()
+        self.host_ms["schedule"] += (time.perf_counter() - t0) * 1e3
         drafting = self._drafting(batch)
         reason = late = None
         if prev is not None and prev.result is None:
@@ -144,7 +150,13 @@ class StepLoop:
             self.inflight, done = launched, prev
         else:
             done = launched
-        return self._process(done) if done is not None else []
+        if done is None:
+            return []
+        t0, waited = time.perf_counter(), self.totals["host_wait_ms"]
+        outputs = self._process(done)
+        waited = self.totals["host_wait_ms"] - waited
+        self.host_ms["process"] += (time.perf_counter() - t0) * 1e3 - waited
+        return outputs
 
     def drain(self) -> list[RequestOutput]:
         """Process the step in flight, if any, without launching another; returns its
@@ -175,10 +187,12 @@ class StepLoop:
 
     def stats(self) -> dict:
         """Loop figures for metrics: steps launched after waiting for the previous step's
-        tokens, in all and by reason; running totals of device and wait times (`totals`)."""
+        tokens, in all and by reason; the host's time by part (`host_ms`); running totals of
+        device and wait times (`totals`)."""
         return {
             "loop_waits": self.num_waits,
             "loop_wait_reasons": dict(self.wait_reasons),
+            "host_ms_by_part": dict(self.host_ms),
             **self.totals,
         }
 
@@ -205,14 +219,22 @@ class StepLoop:
         t1 = time.perf_counter()
         runner = self.runner
         step_input = runner.prepare(batch, inflight, self.scheduler.counts.constrained > 0)
+        tp = time.perf_counter()
         if events is not None:
             if not drafting:  # the step starts with the forward: before its event
                 events[0].record()
             events[1].record()
         hidden, aux = runner.forward(step_input, spec.aux_layer_ids if spec else ())
+        tf = time.perf_counter()
         if late and prev is not None and prev.result is None:  # queued before this forward
             self._resolve(prev)  # (logit changes read them: sampling_reason)
+        ts = time.perf_counter()
         sampled = runner.sample_async(step_input, hidden, spec.simulate_rate if spec else None)
+        host = self.host_ms
+        host["draft"] += (t1 - t0) * 1e3
+        host["prepare"] += (tp - t1) * 1e3
+        host["forward"] += (tf - tp) * 1e3
+        host["sample"] += (time.perf_counter() - ts) * 1e3
         # Taken now: graph outputs are overwritten by the next step's replay.
         features = (
             spec.proposer.features(aux, step_input.meta.slot_mapping) if spec is not None else None

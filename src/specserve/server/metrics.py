@@ -306,6 +306,13 @@ _ENGINE_DICTS = {
         "steps that waited for the previous step's tokens on the host, by reason (launched "
         "after them; *_before_sampling: launched first, sampled after them)",
     ),
+    "host_ms_by_part": (
+        "specserve_engine_host_ms",
+        "part",
+        "host time of engine steps (ms, summed; waits for drawn tokens excluded) by part: "
+        "schedule, draft, prepare, forward (queueing it), sample (logit changes and grammar "
+        "masks in), process",
+    ),
     "spec_plain_ms_by_part": (
         "specserve_spec_plain_step_period_ms",
         "part",
