@@ -18,6 +18,7 @@ not sent (their history would lack an answer).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import random
@@ -164,17 +165,26 @@ async def send_request(
     r = RequestResult()
     chat = cfg.endpoint == "chat"
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
-    t0 = time.perf_counter()
-    r.start_s = t0 - run_start
-    last = t0
     chunks = 0
     done = False
     end = None  # when [DONE] came
     try:
-        body = request_body(cfg, p)
-        async with client.stream(
-            "POST", cfg.base_url + ENDPOINTS[cfg.endpoint], json=body, headers=headers
-        ) as resp:
+        # Built (its JSON encoded) before the clock starts: the client's own work is no
+        # part of the server's latency (~0.2 ms for a 2,112-token prompt on a small CPU).
+        request = client.build_request(
+            "POST",
+            cfg.base_url + ENDPOINTS[cfg.endpoint],
+            json=request_body(cfg, p),
+            headers=headers,
+        )
+    except (httpx.HTTPError, ValueError) as e:
+        r.error, r.error_message = _error_kind(e), f"{type(e).__name__}: {e}"[:500]
+        return r
+    t0 = time.perf_counter()
+    r.start_s = t0 - run_start
+    last = t0
+    try:
+        async with _streamed(client, request) as resp:
             if resp.status_code != 200:
                 text = (await resp.aread()).decode(errors="replace")
                 r.error, r.error_message = f"HTTP {resp.status_code}", text[:500]
@@ -223,6 +233,16 @@ async def send_request(
         r.output_tokens = chunks
     r.ok = True
     return r
+
+
+@contextlib.asynccontextmanager
+async def _streamed(client: httpx.AsyncClient, request: httpx.Request):
+    """`client.stream` of a request built already."""
+    resp = await client.send(request, stream=True)
+    try:
+        yield resp
+    finally:
+        await resp.aclose()
 
 
 async def send_conversation(
