@@ -85,13 +85,15 @@ def test_speculator_records_steady_step_periods_only():
         (0, "", 4.0),
     ]
     assert policy.trace.switches == 1 and policy.trace.k_changes == 1
-    # plain steps with prefill apart: the one step above (10 ms), none dormant
-    assert policy.trace.plain_steps_by_part == {"prefill": 1}
+    # plain steps with prefill apart: the one step above (10 ms), none dormant; the
+    # decode-only ones with the drafter kept up are "awake" (5 + 4 + 4 + 5 + 4 + 4 ms)
+    assert policy.trace.plain_steps_by_part == {"prefill": 1, "awake": 6}
     assert round(policy.trace.plain_ms_by_part["prefill"], 6) == 10.0
+    assert round(policy.trace.plain_ms_by_part["awake"], 6) == 26.0
     policy.dormant = True  # the drafter's upkeep stopped: plain steps count as dormant
     step(0, 2.013, n=2)
     step(0, 2.020, n=2, prefill=True)
-    assert policy.trace.plain_steps_by_part == {"prefill": 2, "dormant": 2}
+    assert policy.trace.plain_steps_by_part == {"prefill": 2, "dormant": 2, "awake": 6}
     assert round(policy.trace.plain_ms_by_part["dormant"], 6) == 12.0
 
 

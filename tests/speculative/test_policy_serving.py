@@ -99,3 +99,27 @@ def test_every_request_ends_whole_and_no_page_leaks(policy):
             assert req.params.max_tokens == OUTPUT
     assert res.free_pages == res.usable_pages
     assert sum(res.step_ks[1:]) > 0  # the drafts' lookahead was exercised
+
+
+# Lockstep (ServingRegime.lockstep): every client's first request sent at once and every
+# output of one length, as `bench sweep` runs a point, so the clients turn over in waves: a
+# wave's prompts prefilled, then only decode steps. At L = 1.5 goodput wakes the dormant
+# drafter in those decode stretches (K=1 looks worth a few percent there), then pays the
+# catch-up of every running request and the upkeep on the next wave's prompts: 0.978 and
+# 0.971 of plain decoding at 256 and 512 (spread out, as above: 0.996), where the H200 gave
+# 0.935 and 0.951 (docs/performance.md, session 31). Known gap: expected failures, strict,
+# until a wake pays for what it costs.
+LOCKSTEP_GAP = pytest.mark.xfail(strict=True, reason="a wake in lockstep waves (issue 34)")
+LOCKSTEP_CASES = [
+    pytest.param(256, 1.5, id="C256-L1.5", marks=LOCKSTEP_GAP),
+    pytest.param(512, 1.5, id="C512-L1.5", marks=LOCKSTEP_GAP),
+    pytest.param(256, 3.0, id="C256-L3.0"),
+]
+
+
+@pytest.mark.parametrize(("concurrency", "accept_len"), LOCKSTEP_CASES)
+def test_goodput_near_the_best_policy_in_lockstep_waves(concurrency, accept_len):
+    regime = ServingRegime(concurrency, PROMPT, OUTPUT, accept_len, lockstep=True)
+    r = compare(regime, (0,), (0,))
+    assert r["goodput"] >= VS_BEST * r["best"], _table(r)
+    assert r["goodput"] >= VS_OFF * r["off"], _table(r)

@@ -96,6 +96,10 @@ class ServingRegime:
     output: int
     accept_len: float
     measure: int = 2  # requests measured: this many times the concurrency
+    # Every client's first request of O tokens, all sent at once, as `bench sweep` starts a
+    # point: the clients then turn over in waves (every prompt of a wave prefilled, then
+    # decode-only steps) instead of spread out as in a long steady run.
+    lockstep: bool = False
 
     @property
     def num_pages(self) -> int:
@@ -238,6 +242,8 @@ def simulate(
 
     warm_lengths = [1 + (i * out) // c for i in range(c)]
     random.Random(seed).shuffle(warm_lengths)
+    if regime.lockstep:
+        warm_lengths = [out] * c
     for length in warm_lengths:
         send(length)
     warm_left, measured_left = c, regime.measure * c

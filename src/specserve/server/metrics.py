@@ -316,17 +316,20 @@ _ENGINE_DICTS = {
     "spec_plain_ms_by_part": (
         "specserve_spec_plain_step_period_ms",
         "part",
-        "wall-clock periods of plain (K=0) steps (ms, summed): dormant drafter, or with prefill",
+        "wall-clock periods of plain (K=0) steps (ms, summed): "
+        "dormant drafter, with prefill, or awake (decode-only, the drafter kept up)",
     ),
     "spec_plain_device_ms_by_part": (
         "specserve_spec_plain_step_device_ms",
         "part",
-        "device spans of those steps (ms, summed; CUDA only): dormant drafter, or with prefill",
+        "device spans of those steps (ms, summed; CUDA only): "
+        "dormant drafter, with prefill, or awake (decode-only, the drafter kept up)",
     ),
     "spec_plain_steps_by_part": (
         "specserve_spec_plain_timed_steps",
         "part",
-        "plain (K=0) steps whose period was measured: dormant drafter, or with prefill",
+        "plain (K=0) steps whose period was measured: "
+        "dormant drafter, with prefill, or awake (decode-only, the drafter kept up)",
     ),
     "spec_wakes": (
         "specserve_spec_drafter_wakes",

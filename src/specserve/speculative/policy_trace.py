@@ -56,9 +56,10 @@ class PolicyTrace:
     # says whether a K's steps are long on the device or wait for the host
     device_ms_by_step_k: list[float] = field(default_factory=list)
     dormant_steps: int = 0  # processed steps during which the drafter's upkeep was stopped
-    # Plain (K=0) steps by part: "dormant" (the drafter's upkeep stopped) and "prefill" (a
-    # prompt chunk in the step): their periods and device spans (ms, summed) and counts, so
-    # that what a plain step costs with and without upkeep or prefill is seen apart
+    # Plain (K=0) steps by part: "dormant" (the drafter's upkeep stopped), "prefill" (a
+    # prompt chunk in the step) and "awake" (decode-only, the drafter kept up: its
+    # ride-alongs): their periods and device spans (ms, summed) and counts, so that what a
+    # plain step costs with and without upkeep or prefill is seen apart
     plain_ms_by_part: dict[str, float] = field(default_factory=dict)
     plain_device_ms_by_part: dict[str, float] = field(default_factory=dict)
     plain_steps_by_part: dict[str, int] = field(default_factory=dict)
@@ -98,7 +99,7 @@ class PolicyTrace:
         parts: tuple[str, ...] = (),
     ) -> None:
         """A processed step's measured period (and device span, if timed), by its K; a plain
-        step's also under each of its `parts` ("dormant", "prefill")."""
+        step's also under each of its `parts` ("dormant", "prefill", "awake")."""
         sums, counts = self.period_ms_by_step_k, self.timed_steps_by_step_k
         device = self.device_ms_by_step_k
         if len(sums) <= max_draft_len:

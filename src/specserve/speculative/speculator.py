@@ -189,7 +189,9 @@ class Speculator:
         if prev_s is not None and resolved_s > prev_s and not after_idle:
             period_ms = (resolved_s - prev_s) * 1e3
             if decoding:
+                # (decode-only with the drafter kept up: "awake", its ride-alongs' upkeep)
                 parts = ("dormant",) * dormant + ("prefill",) * (not only_decodes)
+                parts += ("awake",) * (only_decodes and not dormant)
                 trace.timed(max_draft_len, period_ms, device_ms, parts)
             if decision is not None:
                 decision.observed_ms = period_ms
