@@ -3,8 +3,8 @@ routes its per-step reports to per-request async streams.
 
 A reader thread blocks on the engine's pipe and hands each report to the event loop with
 `call_soon_threadsafe`, so the loop never blocks on the engine and the engine never waits
-for HTTP work. Requests go the other way through a multiprocessing queue, whose `put` does
-not block the event loop.
+for HTTP work. Requests go the other way through the engine's inbox (server/inbox.py),
+written by the event loop itself at once and never blocking it.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from specserve.core.config import EngineConfig
 from specserve.core.errors import CheckpointError, SpecserveError
 from specserve.server.engine_proc import run_engine
+from specserve.server.inbox import InboxWriter
 from specserve.server.messages import (
     AbortRequests,
     AddRequest,
@@ -157,17 +158,19 @@ class EngineClient:
         self.metrics = metrics
         self.max_queue = max_queue
         ctx = mp.get_context("spawn")
-        self._inbox = ctx.Queue()
+        inbox_conn, inbox_writer = ctx.Pipe(duplex=False)
+        self._inbox = InboxWriter(inbox_writer)
         self._conn, child_conn = ctx.Pipe(duplex=False)
         # the engine logs (its start-up phases and their times) as this process does
         level = logging.getLogger("specserve").getEffectiveLevel()
         self._proc = ctx.Process(
             target=run_engine,
-            args=(config, self._inbox, child_conn, level),
+            args=(config, inbox_conn, child_conn, level),
             name="specserve-engine",
         )
         self._proc.start()
         child_conn.close()  # so the reader sees EOF when the engine process dies
+        inbox_conn.close()  # so the engine sees EOF when this process dies
         self.info: EngineInfo | None = None
         self.stats: dict = {}
         self.dead_reason: str | None = None
@@ -206,6 +209,7 @@ class EngineClient:
     def attach(self, loop: asyncio.AbstractEventLoop) -> None:
         """Start routing engine reports into `loop` (call from inside the running loop)."""
         self._loop = loop
+        self._inbox.attach(loop)
         self._reader = threading.Thread(target=self._read, name="engine-reader", daemon=True)
         self._reader.start()
 
@@ -218,19 +222,20 @@ class EngineClient:
         if self._proc.is_alive():
             self._proc.terminate()
             await asyncio.to_thread(self._proc.join, 5)
-        self._inbox.cancel_join_thread()
+        self._inbox.close()
         self._fail_all(EngineDeadError("the server is shutting down"))
         self.dead_reason = self.dead_reason or "stopped"
 
     def kill(self, grace_s: float = 5.0) -> None:
         """Stop the engine process without an event loop (start-up failures, final exit)."""
+        self._inbox.detach()  # (the event loop has ended, if it ran)
         if self._proc.is_alive() and grace_s > 0:
             self._inbox.put(Shutdown())
             self._proc.join(grace_s)
         if self._proc.is_alive():
             self._proc.terminate()
             self._proc.join(5)
-        self._inbox.cancel_join_thread()
+        self._inbox.close()
 
     @property
     def alive(self) -> bool:

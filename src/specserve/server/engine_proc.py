@@ -1,4 +1,4 @@
-"""The engine process: owns an LLMEngine and runs its step loop, fed through a queue.
+"""The engine process: owns an LLMEngine and runs its step loop, fed through its inbox.
 
 The HTTP process sends `AddRequests`, `AbortRequests` and `Shutdown` (server/messages.py);
 this process answers with one `StepReport` per loop turn carrying every request's output
@@ -23,6 +23,7 @@ from multiprocessing.connection import Connection
 
 from specserve.core.config import EngineConfig
 from specserve.core.errors import InvalidRequestError, SpecserveError
+from specserve.server.inbox import Inbox
 from specserve.server.messages import (
     AbortRequests,
     AddRequest,
@@ -41,7 +42,7 @@ _IDLE_POLL_S = 0.5  # how often an idle engine checks that its parent is still a
 
 
 def run_engine(
-    config: EngineConfig, inbox: mp.Queue, conn: Connection, log_level: int = logging.INFO
+    config: EngineConfig, inbox: Connection, conn: Connection, log_level: int = logging.INFO
 ) -> None:
     """Entry point of the engine process (spawned by EngineClient). It ignores SIGINT and
     SIGTERM: the HTTP process drains and then stops it (a Ctrl-C in the terminal, or a
@@ -53,13 +54,13 @@ def run_engine(
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     outbox = Outbox(conn)
     try:
-        _run(config, inbox, outbox)
+        _run(config, Inbox(inbox), outbox)
     finally:
         outbox.close()
         gc.unfreeze()  # let interpreter shutdown collect everything (native bindings check)
 
 
-def _run(config: EngineConfig, inbox: mp.Queue, outbox: Outbox) -> None:
+def _run(config: EngineConfig, inbox: Inbox, outbox: Outbox) -> None:
     try:
         from specserve.engine.engine import LLMEngine
 
@@ -137,7 +138,7 @@ def _leave_a_core_for_http(config: EngineConfig) -> None:
 class EngineLoop:
     """Drains the inbox between steps, steps while there is work, reports each turn."""
 
-    def __init__(self, engine, inbox: mp.Queue, outbox: Outbox):
+    def __init__(self, engine, inbox: Inbox | queue.Queue, outbox: Outbox):
         self.engine = engine
         self.inbox = inbox
         self.outbox = outbox
@@ -185,6 +186,8 @@ class EngineLoop:
         while True:
             try:
                 msg = self.inbox.get(timeout=_IDLE_POLL_S) if block else self.inbox.get_nowait()
+            except EOFError:  # the HTTP process is gone
+                return False
             except queue.Empty:
                 parent_gone = self.parent is not None and not self.parent.is_alive()
                 if block and (parent_gone or self.outbox.broken):

@@ -1,10 +1,11 @@
 """The wire between the HTTP process and the engine process: one dataclass per message.
 
-To the engine (its inbox queue): `AddRequests`, `AbortRequests`, `Shutdown`. From it (a
-pipe, pickled by its outbox thread): `Ready` or `LoadFailed` once, then a `StepReport` per
-loop turn, and at the end `Stopped` (told to) or `Fatal` (it crashed). `Dead` is the HTTP
-side's own note that the pipe closed without a word. A step's outputs travel as plain
-tuples of `OutputDelta`'s fields: tuples pickle several times faster than dataclasses.
+To the engine (its inbox, server/inbox.py): `AddRequests`, `AbortRequests`, `Shutdown`.
+From it (a pipe, pickled by its outbox thread): `Ready` or `LoadFailed` once, then a
+`StepReport` per loop turn, and at the end `Stopped` (told to) or `Fatal` (it crashed).
+`Dead` is the HTTP side's own note that the pipe closed without a word. A step's outputs
+travel as plain tuples of `OutputDelta`'s fields: tuples pickle several times faster than
+dataclasses.
 """
 
 from __future__ import annotations
