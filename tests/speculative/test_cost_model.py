@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from specserve.speculative.cost_model import CurveModel, StepCostModel, there_and_back
 
 TARGET = CurveModel({1: 0.45, 64: 0.5, 256: 0.7})
@@ -97,3 +99,28 @@ def test_switch_costs_by_bucket_and_direction():
     assert there_and_back({"up": -1.0, "down": 0.5, "lateral": -0.2}, 2, 3) == 0.0
     cost.observe_switch(1, 0, 3, 30.0, 2.0)  # one pathological switch
     assert cost.switch_ms(1, 0, 3) < 4.5
+
+
+def test_cells_measured_at_other_contexts_compare_at_the_step_context():
+    """Decode attention reads every context token's KV once a step, whatever K: the cells
+    learn periods without it and predictions add it at the step's own context. Plain
+    decoding measured late (long contexts) and K=1 early (short ones) would otherwise read
+    15 ms against 7 and make K=1 look the cheaper per token; at one context they read
+    their true difference."""
+    cost = StepCostModel(CurveModel({1: 4.0, 64: 5.0, 128: 6.0}), CurveModel({64: 1.0}), True)
+    cost.context_ms_per_token = 0.01
+    for _ in range(60):
+        cost.observe(64, 0, 5.0 + 10.0, context=1000)
+        cost.observe(64, 1, 6.0 + 1.0, context=100)  # K=1 at 100
+    out, raw, _ = cost.period_table(64, 1, context=500)
+    assert out == pytest.approx([10.0, 11.0], rel=0.01) and raw == out
+    assert cost.period_ms(64, 1, context=500) == pytest.approx(11.0, rel=0.01)
+    assert cost.step_ms([1] * 64, context=0) == pytest.approx(6.0, rel=0.01)
+
+
+def test_memory_bandwidth_needs_a_gpu():
+    import torch
+
+    from specserve.speculative.cost_curves import memory_bandwidth
+
+    assert memory_bandwidth(torch.device("cpu")) == 0.0

@@ -1,7 +1,7 @@
 """The goodput policy in steps that carry prefill: K ranked by the tokens it adds beyond their
-cost at the server's running rate (not by the step's own tokens per ms, which its prefill
-dilutes), the prefill its extra commits bring priced in, no probes (a mixed step measures no
-K), and drafts within the budget the scheduler leaves."""
+cost at the server's running rate weighted by decoding rows (not by the step's own tokens
+per ms, which its prefill dilutes), the prefill its extra commits bring priced in, no probes
+(a mixed step measures no K), and drafts within the budget the scheduler leaves."""
 
 from __future__ import annotations
 
@@ -34,6 +34,24 @@ def test_a_mixed_step_drafts_when_its_extra_tokens_beat_the_running_rate():
     # (about 3.6 at K=3 against 1.4 plain) would draft at either rate.
     assert _mixed_choice(rate=10.0) == 3
     assert _mixed_choice(rate=40.0) == 0
+
+
+def test_a_millisecond_is_priced_where_requests_decode():
+    """Steps weigh in the price by their decoding rows (ServingRate.per_row): in waves, a
+    wave's prefill steps (few rows, few tokens, long) drag the running rate down while the
+    tokens drafts save come off decode steps at the full batch. Here 1 in 4 steps is
+    prefill with 2 rows (2 tokens in 40 ms), the rest decode 64 rows (64 tokens in 1 ms):
+    the running rate is 4.5 tokens/ms, where K=3 would pay (as at 10 above); by rows it is
+    45, where it does not (as at 40)."""
+    policy, _ = _policy(alpha=0.8, k_max=3)
+    _measured(policy, N)
+    for i in range(256):
+        if i % 4:
+            policy.observe_rate(64, 1.0, num_decoding=64, rows=64)
+        else:
+            policy.observe_rate(2, 40.0, rows=2)
+    assert policy.rate.value < 5.0 and policy.rate.per_row > 40.0
+    assert policy.choose(_reqs(N), StepLoad(PREFILL, draft_budget=None)) == [0] * N
 
 
 def test_the_prefill_extra_commits_bring_is_priced():

@@ -137,8 +137,11 @@ def step_ms(
 
 def startup_costs() -> StepCostModel:
     """What start-up measures: the target by tokens and the drafter by batch, no attention of
-    long contexts, no host work; padded (CUDA graphs)."""
-    return StepCostModel(CurveModel(H200_8B), CurveModel(HEAD_8B), padded=True)
+    long contexts, no host work; padded (CUDA graphs); and the decode attention's cost per
+    context token, from the KV's bytes per token and the memory bandwidth."""
+    cost = StepCostModel(CurveModel(H200_8B), CurveModel(HEAD_8B), padded=True)
+    cost.context_ms_per_token = ATTN_MS_PER_CONTEXT_TOKEN
+    return cost
 
 
 def make_policy(name: str | int, acceptance: AcceptanceModel) -> SpeculationPolicy:

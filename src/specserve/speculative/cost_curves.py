@@ -1,11 +1,14 @@
 """Start-up cost curves: milliseconds of the target's forward by tokens and of a drafter pass
-by batch, measured once on this machine (the seeds of the step cost model)."""
+by batch, measured once on this machine (the seeds of the step cost model); and the
+device's memory bandwidth, which prices the KV reads of decode attention."""
 
 from __future__ import annotations
 
 import bisect
 import time
 from collections.abc import Callable
+
+import torch
 
 
 class CurveModel:
@@ -79,3 +82,26 @@ def powers_of_two(limit: int) -> list[int]:
         sizes.append(s)
         s *= 2
     return sizes + [limit]
+
+
+def memory_bandwidth(device: torch.device, nbytes: int = 64 << 20, repeats: int = 10) -> float:
+    """The device's memory bandwidth in bytes per ms: the fastest of `repeats` copies of
+    `nbytes` (each reads and writes them), after one to warm up; 0 where it cannot be timed
+    (not a GPU, or no memory to spare)."""
+    if device.type != "cuda":
+        return 0.0
+    try:
+        src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        dst = torch.empty_like(src)
+    except torch.OutOfMemoryError:
+        return 0.0
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end))
+    return 2 * nbytes / best if best > 0 else 0.0

@@ -51,6 +51,15 @@ class StepCostModel:
     each draft not verified saves its share of the target's time. Ratios are robust means
     in log space (outliers cut). Switch costs are their own table (`SwitchCosts`, by bucket
     and direction); a switch there and back costs the sum of both directions.
+
+    Decode attention reads every context token's KV once a step, whatever K: a step's
+    period grows with its decoding requests' summed context (`context` tokens), by
+    `context_ms_per_token` each (the KV's bytes per token over the device's memory bandwidth,
+    set at start-up; 0: not modelled). The cells learn periods with that term taken out and
+    every prediction adds it back at the step's own context, so cells measured at other
+    contexts compare fairly: as requests grow, a cell read late would otherwise say a K is
+    dearer or cheaper than another read early (on the 8B shape at 256 requests, 512 to 768
+    tokens of context are 4.3 to 6.4 ms of a ~13 ms step).
     """
 
     WEIGHT = 0.15  # EWMA weight of an observation in a cell observed every step
@@ -60,6 +69,7 @@ class StepCostModel:
     CLAMP = 3.0  # the first YOUNG observations of a cell move its ratio by at most this
     CUT = 0.25  # factor; others by at least exp(CUT) (more if periods vary more)
     YOUNG = 3
+    CONTEXT_FLOOR = 0.1  # of a period left after its context's term (a bound, not a model)
     SWITCH_PRIOR = 0.5  # an unmeasured switch to or from plain decoding: half a plain step
     # Which cells a period or a switch cost reads depends only on which cells exist: those
     # read plans are memoized until a cell is added (the policy reads them every step).
@@ -75,6 +85,12 @@ class StepCostModel:
         self._clock = 0
         self._seeds: dict[tuple[int, int], float] = {}
         self._plans: dict[tuple, tuple] = {}  # read plans (`memoize`)
+        self.context_ms_per_token = 0.0  # decode attention's KV read (see the class)
+
+    def context_ms(self, context: int) -> float:
+        """The decode attention's share of a step whose decoding requests hold `context`
+        tokens of KV between them."""
+        return self.context_ms_per_token * context
 
     def seed_ms(self, n: int, k: int) -> float:
         ms = self._seeds.get((n, k))
@@ -85,12 +101,14 @@ class StepCostModel:
             self._seeds[(n, k)] = ms
         return ms
 
-    def period_ms(self, n: int, k: int, extra_tokens: int = 0) -> float:
-        """A step of n requests all drafting k, plus prefill tokens. A batch bucket where K=k
-        was not measured, between two where it was, interpolates their periods linearly in
-        the batch size (host work grows by the request, and does not scale with the seeds:
-        SmolLM2 on the H200 took 1.82 ms at K=3 and batch 1, 2.19 at 8, 4.2-5.2 at 64)."""
-        return _read(self._plan((n, k, extra_tokens), self._period_plan))
+    def period_ms(self, n: int, k: int, extra_tokens: int = 0, context: int = 0) -> float:
+        """A step of n requests all drafting k, plus prefill tokens, the requests holding
+        `context` tokens. A batch bucket where K=k was not measured, between two where it
+        was, interpolates their periods linearly in the batch size (host work grows by the
+        request, and does not scale with the seeds: SmolLM2 on the H200 took 1.82 ms at K=3
+        and batch 1, 2.19 at 8, 4.2-5.2 at 64)."""
+        ms = _read(self._plan((n, k, extra_tokens), self._period_plan))
+        return ms + self.context_ms(context) if context else ms
 
     def _period_plan(self, n: int, k: int, extra_tokens: int) -> tuple:
         """What period_ms(n, k, extra_tokens) reads: (seed, cell, extra ms) or, between two
@@ -151,10 +169,12 @@ class StepCostModel:
         observations, or borrowed) is taken at the larger K's period."""
         return self.period_table(n, max_draft_len, extra_tokens)[0]
 
-    def period_table(self, n: int, max_draft_len: int, extra_tokens: int = 0) -> tuple:
+    def period_table(
+        self, n: int, max_draft_len: int, extra_tokens: int = 0, context: int = 0
+    ) -> tuple:
         """What the policy reads each step, in one lookup: (periods_ms(n, max_draft_len,
         extra_tokens), [period_ms(n, k, extra_tokens) for K = 0..max_draft_len] (not capped),
-        cells(n, max_draft_len))."""
+        cells(n, max_draft_len)), each period at the step's `context`."""
         reads, cells = self._plan((n, max_draft_len, extra_tokens, "all"), self._periods_plan)
         exp, raw = math.exp, []
         for plan in reads:  # _read, inlined
@@ -173,6 +193,9 @@ class StepCostModel:
             cell = cells[k]
             if cell is not None and cell.count:
                 cap = out[k]
+        if context and self.context_ms_per_token:
+            ms = self.context_ms(context)
+            out, raw = [x + ms for x in out], [x + ms for x in raw]
         return out, raw, cells
 
     def _periods_plan(self, n: int, max_draft_len: int, extra_tokens: int, _) -> tuple:
@@ -186,10 +209,10 @@ class StepCostModel:
         lookup."""
         return self._plan((n, max_draft_len, 0, "all"), self._periods_plan)[1]
 
-    def step_ms(self, draft_lens: list[int], extra_tokens: int = 0) -> float:
-        """A step with these per-request draft lengths (nonempty)."""
+    def step_ms(self, draft_lens: list[int], extra_tokens: int = 0, context: int = 0) -> float:
+        """A step with these per-request draft lengths (nonempty), at `context`."""
         n, max_draft_len = len(draft_lens), max(draft_lens)
-        ms = self.period_ms(n, max_draft_len, extra_tokens)
+        ms = self.period_ms(n, max_draft_len, extra_tokens, context)
         if not self.padded or extra_tokens:
             full = n * (max_draft_len + 1) + extra_tokens
             padding = n * max_draft_len - sum(draft_lens)
@@ -224,9 +247,11 @@ class StepCostModel:
         cell = self._cells.get((batch_bucket(n), k))
         return cell is not None and cell.doubt is not None
 
-    def observe(self, n: int, k: int, period_ms: float) -> None:
-        """A steady step (same K as the steps before and after it) of n decoding requests took
-        period_ms from the previous step's tokens to its own. The first YOUNG observations of
+    def observe(self, n: int, k: int, period_ms: float, context: int = 0) -> None:
+        """A steady step (same K as the steps before and after it) of n decoding requests,
+        holding `context` tokens, took period_ms from the previous step's tokens to its own
+        (learned without its context's term, down to CONTEXT_FLOOR of it). The first YOUNG
+        observations of
         a cell average (each within a factor CLAMP: the seed may be far off), the next weigh
         1/(count + 1) down to WEIGHT; one after STALE_AGE observations of other cells (a
         probe of a K not in use) weighs STALE_WEIGHT. An observation far off (past CUT and
@@ -240,6 +265,8 @@ class StepCostModel:
         seed = self.seed_ms(n, k)
         if seed <= 0 or period_ms <= 0:
             return
+        if context:
+            period_ms = max(period_ms - self.context_ms(context), period_ms * self.CONTEXT_FLOOR)
         key = (batch_bucket(n), k)
         cell = self._cells.get(key)
         if cell is None:

@@ -19,7 +19,10 @@ from specserve.speculative.switch_costs import there_and_back_row
 
 _request_id = attrgetter("request_id")
 _max_useful_drafts = attrgetter("max_useful_drafts")
-_unseen = attrgetter("drafter_backlog")  # tokens a request's drafter has yet to catch up on
+_unseen = attrgetter("drafter_backlog")
+_context = attrgetter(
+    "cached_len"
+)  # tokens of a request's KV  # tokens a request's drafter has yet to catch up on
 
 
 class GoodputPolicy(SpeculationPolicy):
@@ -165,7 +168,9 @@ class GoodputPolicy(SpeculationPolicy):
                 tokens = [sum(col) for col, _ in zip(zip(*cums), range(max_draft_len + 1))]
             else:
                 tokens = self._tokens(cums, caps, max_draft_len)
-        costs, uncapped, cells = self.cost.period_table(n, max_draft_len, extra_tokens)
+        # (the decode attention's share at the requests' context: StepCostModel)
+        context = sum(map(_context, reqs)) if self.cost.context_ms_per_token else 0
+        costs, uncapped, cells = self.cost.period_table(n, max_draft_len, extra_tokens, context)
         trimmed = None
         if max_draft_len and not self.cost.padded:  # eager verify steps: every draft costs
             trimmed = [
@@ -173,7 +178,8 @@ class GoodputPolicy(SpeculationPolicy):
                 for k in range(max_draft_len + 1)
             ]
             tokens = [t for _, t, _ in trimmed]
-            costs = [ms for _, _, ms in trimmed]
+            at = self.cost.context_ms(context)
+            costs = [ms + at for _, _, ms in trimmed]
         # A step taking new work (prefill): its commits bring their successors' prefill,
         # priced in the ranking (not in predicted_ms). (Decode-only steps leave it out: in
         # the simulator, pricing it there too while requests waited lost 2% at C=512, L=3.)
@@ -203,7 +209,7 @@ class GoodputPolicy(SpeculationPolicy):
         if extra_tokens and self.rate.ready:
             # A step carrying prefill: ranked by its marginal tokens, never a probe (its
             # period measures no K; a probe under way resumes at the next decode step).
-            k = marginal_k(tokens, ranking, switch, self.rate.value, self.DWELL_STEPS)
+            k = marginal_k(tokens, ranking, switch, self.rate.per_row, self.DWELL_STEPS)
             probe = False
         else:
             self._bucket_steps[bucket] = self._bucket_steps.get(bucket, 0) + 1
@@ -271,7 +277,7 @@ class GoodputPolicy(SpeculationPolicy):
                     break
                 draft_lens[i] = min(k, caps[i])
             self.predicted_tokens = sum(c[d] for c, d in zip(cums, draft_lens))
-            self.predicted_ms = self.cost.step_ms(draft_lens, extra_tokens)
+            self.predicted_ms = self.cost.step_ms(draft_lens, extra_tokens, context)
             return self._decided(
                 draft_lens, probe=True, tokens=tokens, period_ms=ranking, switch_ms=switch
             )
@@ -284,7 +290,9 @@ class GoodputPolicy(SpeculationPolicy):
             else:
                 self.predicted_tokens = sum(c[min(k, cap)] for c, cap in zip(cums, caps))
             if extra_tokens:
-                self.predicted_ms = self.cost.step_ms([min(k, c) for c in caps], extra_tokens)
+                self.predicted_ms = self.cost.step_ms(
+                    [min(k, c) for c in caps], extra_tokens, context
+                )
             else:  # step_ms of a padded step without prefill: period_ms(n, k)
                 self.predicted_ms = uncapped[k]
             self.trace.decided(
@@ -295,7 +303,7 @@ class GoodputPolicy(SpeculationPolicy):
         if trimmed is not None:
             draft_lens = self._request_probe(reqs, draft_lens, list(trimmed[k][0]))
         self.predicted_tokens = sum(c[k] for c, k in zip(cums, draft_lens))
-        self.predicted_ms = self.cost.step_ms(draft_lens, extra_tokens)
+        self.predicted_ms = self.cost.step_ms(draft_lens, extra_tokens, context)
         return self._decided(
             draft_lens, probe=probe, tokens=tokens, period_ms=ranking, switch_ms=switch
         )
@@ -308,6 +316,7 @@ class GoodputPolicy(SpeculationPolicy):
         dormant: bool = False,
         probe: bool = False,
         expected: tuple[float, float] | None = None,
+        rows: int = 0,
     ) -> None:
         """A step (any step, mixed ones included) committed this many tokens in period_ms:
         the server's running tokens per ms (`rate`) follows it; so does its mode's factor
@@ -318,7 +327,7 @@ class GoodputPolicy(SpeculationPolicy):
         request per ms follow the load's prefill, not the mode (a cold start's burst of
         prompts charged to the mode that ran first made drafting look 5% worse than plain
         decoding in the serving simulator where it was 7% better)."""
-        self.rate.observe(committed, period_ms)
+        self.rate.observe(committed, period_ms, rows)
         if num_decoding and not probe and expected is not None:
             mode = "plain" if dormant else "drafting"
             bucket = batch_bucket(num_decoding)

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from specserve.core.batch import ScheduledRequest
 from specserve.runtime.verify import rate_for_mean_accept_len
 from specserve.speculative.acceptance import AcceptanceModel
+from specserve.speculative.cost_curves import memory_bandwidth
 from specserve.speculative.cost_model import StepCostModel, measure_curve, powers_of_two
 from specserve.speculative.policy import (
     FixedPolicy,
@@ -123,7 +124,13 @@ class Speculator:
             sizes = powers_of_two(cfg.scheduler.max_num_seqs)
             drafter = measure_curve(timer, sizes, budget_s=budget_s)
         # With CUDA graphs, decode/verify steps pad every request to the step's longest draft.
-        return StepCostModel(forward, drafter, padded=runner.graphs is not None)
+        cost = StepCostModel(forward, drafter, padded=runner.graphs is not None)
+        # Decode attention reads each context token's KV once a step (memory-bound).
+        pool = target.kv.pool  # (layers, K and V, pages, page size, heads, head dim)
+        bandwidth = memory_bandwidth(pool.device)
+        if bandwidth:
+            cost.context_ms_per_token = pool[:, :, 0, 0].numel() * pool.element_size() / bandwidth
+        return cost
 
     def observe(
         self,
@@ -201,14 +208,18 @@ class Speculator:
                 # (the modes' factors from decode-only steps: see GoodputPolicy.observe_rate)
                 decodes = len(decoding) if only_decodes else 0
                 expected = _expected(decision, max_draft_len)
-                observe_rate(committed, period_ms, decodes, dormant, probe, expected)
+                observe_rate(committed, period_ms, decodes, dormant, probe, expected, len(decoding))
         if not only_decodes:
             self.periods.stop()
             return
         if period_ms is not None:
             trace.observed_goodput = committed / period_ms * 1e3
+        cost = self.periods.cost
+        context = 0
+        if cost is not None and cost.context_ms_per_token:
+            context = sum(s.request.cached_len for s in decoding)
         self.periods.add(
-            len(decoding), max_draft_len, period_ms if prev_decodes else None, decision
+            len(decoding), max_draft_len, period_ms if prev_decodes else None, decision, context
         )
 
     def stats(self) -> dict:

@@ -17,6 +17,7 @@ class _Step:
     k: int
     ms: float | None  # None: the chain's first step (its period spans a step outside it)
     decision: Decision | None
+    context: int = 0  # tokens its decoding requests held (StepCostModel.observe)
 
 
 class PeriodLog:
@@ -46,16 +47,23 @@ class PeriodLog:
         self.cost = cost
         self._chain: list[_Step] = []
 
-    def add(self, n: int, k: int, period_ms: float | None, decision: Decision | None) -> None:
-        """The next decode-only step of the chain: n decoding requests, K = k (the largest
-        draft), its period (None: the step before it was outside the chain, so its period
-        says nothing of this step; it starts a chain)."""
+    def add(
+        self,
+        n: int,
+        k: int,
+        period_ms: float | None,
+        decision: Decision | None,
+        context: int = 0,
+    ) -> None:
+        """The next decode-only step of the chain: n decoding requests holding `context`
+        tokens, K = k (the largest draft), its period (None: the step before it was outside
+        the chain, so its period says nothing of this step; it starts a chain)."""
         if period_ms is None:
             self.stop()
         chain = self._chain
         if chain:
             self._classify(k)
-        chain.append(_Step(n, k, period_ms, decision))
+        chain.append(_Step(n, k, period_ms, decision, context))
         if len(chain) > CHAIN:
             del chain[0]
 
@@ -76,7 +84,7 @@ class PeriodLog:
         elif a is not None and b.ms is not None:
             label = "steady"
             if cost is not None:
-                cost.observe(b.n, b.k, b.ms)
+                cost.observe(b.n, b.k, b.ms, b.context)
                 self._switch_sample()
         if b.decision is not None:
             b.decision.recorded = label
