@@ -254,3 +254,17 @@ def test_cuda_eagle3_arrivals_aborts_and_preemption(gpu_models):
     for rid, i in ids.items():
         if rid not in aborted:
             assert finished[rid] == expected[i]
+
+
+def test_cuda_goodput_prices_the_context(gpu_models):
+    """On a GPU the goodput policy's cost model prices decode attention by context (the
+    KV's bytes per token over the device's bandwidth, StepCostModel.context_ms_per_token),
+    and the tokens stay those of plain decoding."""
+    target, head = gpu_models
+    kw = dict(speculative_algorithm="eagle3", speculative_draft_model_path=head)
+    prompts = prompts_for()
+    _, plain = _run(target, prompts, GREEDY, "on", speculative_algorithm="none")
+    engine, goodput = _run(target, prompts, GREEDY, "on", speculative_policy="goodput", **kw)
+    assert goodput == plain
+    cost = engine.spec.cost
+    assert cost.context_ms_per_token > 0 and cost.context_ms(1000) > 0
