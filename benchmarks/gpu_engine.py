@@ -31,6 +31,7 @@ from specserve.core.sampling_params import SamplingParams
 from specserve.engine.engine import LLMEngine
 from specserve.model.eagle3 import Eagle3Config, Eagle3Head, save_eagle3_head
 from specserve.model.llama import LlamaForCausalLM
+from specserve.speculative.cost_curves import memory_bandwidth
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ab_engines import AB_VARIANTS, force_plan  # noqa: E402
@@ -57,17 +58,7 @@ LLAMA_8B = ModelConfig(
 def copy_bandwidth(num_bytes: int = 2 << 30) -> float:
     """Device-to-device copy bandwidth in bytes/s (bytes read plus written), the best of ten
     copies: lent H200s differ by a few percent, and this says which kind a run had."""
-    src = torch.empty(num_bytes, dtype=torch.uint8, device="cuda").random_()
-    dst = torch.empty_like(src)
-    best = float("inf")
-    for _ in range(10):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dst.copy_(src)
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end))
-    return 2 * num_bytes / (best / 1e3)
+    return memory_bandwidth(torch.device("cuda"), num_bytes) * 1e3
 
 
 @torch.no_grad()
