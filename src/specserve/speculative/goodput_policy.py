@@ -19,10 +19,8 @@ from specserve.speculative.switch_costs import there_and_back_row
 
 _request_id = attrgetter("request_id")
 _max_useful_drafts = attrgetter("max_useful_drafts")
-_unseen = attrgetter("drafter_backlog")
-_context = attrgetter(
-    "cached_len"
-)  # tokens of a request's KV  # tokens a request's drafter has yet to catch up on
+_unseen = attrgetter("drafter_backlog")  # tokens a request's drafter has yet to catch up on
+_context = attrgetter("cached_len")  # tokens of a request's KV
 
 
 class GoodputPolicy(SpeculationPolicy):
