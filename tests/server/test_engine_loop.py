@@ -197,3 +197,24 @@ def test_deltas_queued_behind_each_other_come_out_as_one():
 
     got, rest = asyncio.run(one_by_one())
     assert [d.delta_text for _, d in got] == ["0", "1", "2"] and rest == []
+
+
+@pytest.mark.parametrize(
+    ("device", "env", "want"),
+    [("cuda", {}, [1]), ("cuda", {"OMP_NUM_THREADS": "8"}, []), ("cpu", {}, [])],
+)
+def test_engine_process_host_threads_on_a_gpu(monkeypatch, device, env, want):
+    """On a GPU the engine process, once loaded, runs torch's host work on one thread unless
+    OMP_NUM_THREADS says otherwise; on CPU this leaves the threads alone."""
+    import torch
+
+    from specserve.server import engine_proc
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    calls = []
+    monkeypatch.setattr(torch, "set_num_threads", calls.append)
+    config = EngineConfig.from_flags(model="tiny", device=device)
+    engine_proc._one_host_thread_on_a_gpu(config)
+    assert calls == want

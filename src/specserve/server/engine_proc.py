@@ -66,6 +66,7 @@ def _run(config: EngineConfig, inbox: Inbox, outbox: Outbox) -> None:
 
         _leave_a_core_for_http(config)
         engine = LLMEngine(config)
+        _one_host_thread_on_a_gpu(config)
         # Everything loaded so far lives as long as the process: keep the collector from
         # walking it (a full collection in a step gap would cost tens of milliseconds).
         gc.collect()
@@ -133,6 +134,20 @@ def _leave_a_core_for_http(config: EngineConfig) -> None:
         import torch
 
         torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
+
+
+def _one_host_thread_on_a_gpu(config: EngineConfig) -> None:
+    """On a GPU, once loaded, the engine's host tensor work is a step's bookkeeping (a
+    grammar bitmask of 64 rows is 98k integers): intra-op workers woken for each such op,
+    then spinning beside xgrammar's fill threads and the step loop, cost more than they
+    save, so the engine runs them on its own thread unless OMP_NUM_THREADS says otherwise
+    (as vLLM's workers do). Issue 32: at 64 constrained rows the H200's step grew by ~6 ms
+    of host work that no CPU run reproduces; `OMP_NUM_THREADS` set gives the old way, for
+    the comparison."""
+    if config.load.torch_device().type == "cuda" and "OMP_NUM_THREADS" not in os.environ:
+        import torch
+
+        torch.set_num_threads(1)
 
 
 class EngineLoop:
