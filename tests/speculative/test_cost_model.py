@@ -124,3 +124,18 @@ def test_memory_bandwidth_needs_a_gpu():
     from specserve.speculative.cost_curves import memory_bandwidth
 
     assert memory_bandwidth(torch.device("cpu")) == 0.0
+
+
+def test_draft_trimming_weighs_a_draft_against_the_whole_step():
+    """Unpadded verify steps drop a draft whose expected gain is under its share of the
+    step's goodput: the step's period includes the requests' attention, so the context
+    keeps a draft that the context-free period would drop (1.02 tokens' draft beside
+    1.9's: dropped at 1.04 ms, kept at 2.04)."""
+    from specserve.speculative.policy_trim import trim_drafts
+
+    cost = StepCostModel(CurveModel({1: 1.01, 100: 1.99}), None, padded=False)
+    cums = [[1.0, 1.9], [1.0, 1.02]]
+    assert trim_drafts(cost, cums, [1, 1], 1, 0)[0] == [1, 0]
+    cost.context_ms_per_token = 0.001
+    lens, tokens, ms = trim_drafts(cost, cums, [1, 1], 1, 0, context=1000)
+    assert lens == [1, 1] and ms == pytest.approx(cost.step_ms([1, 1], 0, context=1000))

@@ -172,12 +172,11 @@ class GoodputPolicy(SpeculationPolicy):
         trimmed = None
         if max_draft_len and not self.cost.padded:  # eager verify steps: every draft costs
             trimmed = [
-                trim_drafts(self.cost, cums, caps, k, extra_tokens)
+                trim_drafts(self.cost, cums, caps, k, extra_tokens, context)
                 for k in range(max_draft_len + 1)
             ]
             tokens = [t for _, t, _ in trimmed]
-            at = self.cost.context_ms(context)
-            costs = [ms + at for _, _, ms in trimmed]
+            costs = [ms for _, _, ms in trimmed]
         # A step taking new work (prefill): its commits bring their successors' prefill,
         # priced in the ranking (not in predicted_ms). (Decode-only steps leave it out: in
         # the simulator, pricing it there too while requests waited lost 2% at C=512, L=3.)

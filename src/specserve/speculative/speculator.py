@@ -130,6 +130,13 @@ class Speculator:
         bandwidth = memory_bandwidth(pool.device)
         if bandwidth:
             cost.context_ms_per_token = pool[:, :, 0, 0].numel() * pool.element_size() / bandwidth
+            log.info(
+                "decode attention priced at %.3g ms a context token (%.2f TB/s)",
+                cost.context_ms_per_token,
+                bandwidth / 1e9,
+            )
+        elif pool.device.type == "cuda":
+            log.warning("memory bandwidth not measured: decode attention left out of step costs")
         return cost
 
     def observe(
