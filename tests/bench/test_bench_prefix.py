@@ -17,14 +17,7 @@ import uvicorn
 
 from specserve.bench.conversations import Conversation, multi_turn_dataset
 from specserve.bench.datasets import BenchPrompt, DatasetError, build_dataset, jsonl_dataset
-from specserve.bench.load import (
-    NOT_SENT,
-    LoadConfig,
-    RequestResult,
-    request_body,
-    run_load,
-    send_request,
-)
+from specserve.bench.load import NOT_SENT, LoadConfig, RequestResult, request_body, send_request
 from specserve.bench.report import report_rows, summarize
 from specserve.bench.runner import benchmark
 from specserve.bench.server_process import free_port
@@ -50,7 +43,6 @@ class ChatStub:
     def reset(self, cached: str = "present", fail_turn: int | None = None) -> None:
         self.cached, self.fail_turn = cached, fail_turn
         self.requests: list[tuple[dict, str]] = []
-        self.clients: list[tuple[str, int]] = []  # each request's client address and port
         self.in_flight = self.max_in_flight = 0
 
     async def __call__(self, scope, receive, send):
@@ -75,7 +67,6 @@ class ChatStub:
             return
         answer = f"answer {len(self.requests)}."
         self.requests.append((body, answer))
-        self.clients.append(tuple(scope["client"]))
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
         start = {
@@ -401,15 +392,3 @@ def test_sweep_warm_up_sends_the_shared_prefix(stub):
     c = replace(Conversation(["first question", "second"], [40, 40]), prefix="shared")
     warm_up(replace(load, endpoint="chat"), SimpleNamespace(url=stub.url), c, 1)
     assert stub.requests[0][0]["messages"][0] == {"role": "system", "content": "shared"}
-
-
-def test_one_connection_serves_a_closed_loop_users_requests(stub):
-    # The stream is read to its end after [DONE]: a response left unread closed its
-    # connection, so every request paid a new one inside its TTFT.
-    stub.reset()
-    load = LoadConfig(base_url=stub.url, model="stub", max_concurrency=1)
-    prompts = [BenchPrompt(f"question {i}", 8) for i in range(4)]
-    results, _ = asyncio.run(run_load(load, prompts))
-    assert all(r.ok for r in results)
-    assert [r.output_text for r in results] == [f"answer {i}." for i in range(4)]
-    assert len(stub.clients) == 4 and len(set(stub.clients)) == 1, stub.clients
