@@ -61,6 +61,26 @@ def test_what_the_pipe_cannot_take_waits_in_order_without_blocking_the_loop():
     assert inbox.get(timeout=5) == Shutdown()
 
 
+def test_a_wave_of_arrivals_goes_into_the_pipe_at_once():
+    # 256 requests of 512 tokens arriving together: none waits for the loop to write it
+    # (with a pipe's default 64 KiB, all but ~20 did, and the engine took ~20 a step)
+    pytest.importorskip("fcntl").F_SETPIPE_SZ  # (Linux)
+    inbox, writer = _pipe()
+    wave = [
+        AddRequests([AddRequest(f"r{i}", list(range(100_000, 100_512)), SamplingParams())])
+        for i in range(256)
+    ]
+
+    async def main() -> int:
+        writer.attach(asyncio.get_running_loop())
+        for msg in wave:
+            writer.put(msg)
+        return writer.pending_bytes
+
+    assert asyncio.run(main()) == 0
+    assert [inbox.get_nowait() for _ in wave] == wave
+
+
 def test_the_engine_sees_eof_once_the_writer_is_gone():
     inbox, writer = _pipe()
     writer.put(Shutdown())
