@@ -15,7 +15,7 @@ from specserve.core.batch import ScheduledRequest
 from specserve.speculative.mode_rates import ModeRates
 from specserve.speculative.speculator import Speculator
 from specserve.speculative.step_periods import PeriodLog
-from tests.speculative.test_policy import _measured, _policy, _reqs
+from tests.speculative.test_policy import FakeRequest, _measured, _policy, _reqs
 
 N = 16
 
@@ -210,3 +210,20 @@ def test_plain_decoding_is_overruled_where_drafting_delivered_more():
     k = max(policy.choose(_reqs(N)))
     assert k > 0 and policy.modes.num_favored == 1 and not policy.dormant
     assert policy.trace.wakes == {"favored": 1}  # a wake, by its cause
+
+
+def test_a_dormant_drafter_is_not_favored_awake_past_its_catch_up():
+    """Dormant, drafting's expected goodput carries the wake (the batch's catch-up, spread
+    as in the ranking) before the mode check weighs it: a batch whose drafter has a long
+    backlog is not woken by a 10% better delivered factor (the H200, 512 requests at
+    acceptance 1.5: three such wakes, each catching up the whole batch)."""
+    policy, _ = _policy(alpha=0.05, k_max=3)
+    _measured(policy, N)
+    while not policy.dormant:  # the model's choice: plain decoding
+        policy.choose(_reqs(N))
+    policy.modes = _rates(1.0, 1.1, at=policy.num_steps)
+    behind = [FakeRequest(f"r{i}", drafter_backlog=100_000) for i in range(N)]
+    assert max(policy.choose(behind)) == 0 and policy.modes.num_favored == 0
+    policy._settled = None
+    assert max(policy.choose(_reqs(N))) > 0  # nothing to catch up: favored, as before
+    assert policy.trace.wakes == {"favored": 1}

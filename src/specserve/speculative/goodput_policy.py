@@ -240,8 +240,10 @@ class GoodputPolicy(SpeculationPolicy):
             k = 0
         favored = False
         if not held and not k and not probe and len(tokens) > 1:
-            top = max(range(1, len(tokens)), key=lambda j: tokens[j] / ranking[j])
-            drafting = tokens[top] / ranking[top]
+            # (dormant: drafting's periods carry the wake, spread as in the ranking)
+            woken = [ms + (wake / self.DWELL_STEPS if j else 0.0) for j, ms in enumerate(ranking)]
+            top = max(range(1, len(tokens)), key=lambda j: tokens[j] / woken[j])
+            drafting = tokens[top] / woken[top]
             favored = self.modes.favors_drafting(bucket, self.num_steps, drafting, plain)
             if favored:
                 k = top
