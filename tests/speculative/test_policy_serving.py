@@ -128,3 +128,34 @@ def test_goodput_near_the_best_policy_in_lockstep_waves(concurrency, accept_len)
     r = compare(regime, (0,), (0,))
     assert r["goodput"] >= VS_BEST * r["best"], _table(r)
     assert r["goodput"] >= VS_OFF * r["off"], _table(r)
+
+
+# From a cold start (ServingRegime.cold): measured from the first step, the first wave's
+# prefill included, two waves in all, as a `bench sweep` point (2 x C requests). The drafter
+# starts awake and the acceptance prior (0.6 a draft) puts drafts in the first steps: at 256
+# requests, L = 1.5, the end of the first wave's prefill drafts K = 3, probes of K = 1..3
+# on every row follow, the drafter catches up on the whole batch (156k tokens) and stays
+# awake 150 steps before it sleeps: 0.984 of plain decoding (0.989 at 512; the H200 at
+# 223b995: 0.950 and 0.962). KNOWN GAP (strict expected failures): starting dormant, never
+# waking on the prior alone (no verified draft yet) and probing K_max on a few rows at the
+# first decode step instead gave 0.995 and 0.993 here, L = 3.0 still 0.990 of fixed K = 3,
+# but two closed-loop policy tests fell below their bounds (0.948 of plain decoding where
+# 0.95 is asserted, 0.893 of a reference where 0.9 is) besides unit tests that assume an
+# awake start; not landed (sketch: GoodputPolicy.__init__ dormant, and in choose
+# no K > 0 while dormant before AcceptanceModel has verified a draft, a one-step K_max
+# probe at the first decode step where the prior alone would wake it).
+COLD_CASES = [
+    pytest.param(256, 1.5, id="C256-L1.5", marks=pytest.mark.xfail(strict=True)),
+    pytest.param(512, 1.5, id="C512-L1.5", marks=pytest.mark.xfail(strict=True)),
+    pytest.param(256, 3.0, id="C256-L3.0"),
+]
+
+
+@pytest.mark.parametrize(("concurrency", "accept_len"), COLD_CASES)
+def test_goodput_near_the_best_policy_from_a_cold_start(concurrency, accept_len):
+    regime = ServingRegime(
+        concurrency, PROMPT, OUTPUT, accept_len, measure=1, lockstep=True, cold=True
+    )
+    r = compare(regime, (0,), (0,))
+    assert r["goodput"] >= VS_BEST * r["best"], _table(r)
+    assert r["goodput"] >= VS_OFF * r["off"], _table(r)

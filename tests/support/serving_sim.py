@@ -100,6 +100,9 @@ class ServingRegime:
     # point: the clients then turn over in waves (every prompt of a wave prefilled, then
     # decode-only steps) instead of spread out as in a long steady run.
     lockstep: bool = False
+    # Measured from the first step, the warm-up requests included, as a `bench sweep` point
+    # is (its first wave prefilled with the drafter as it starts, awake)
+    cold: bool = False
 
     @property
     def num_pages(self) -> int:
@@ -250,7 +253,7 @@ def simulate(
     for length in warm_lengths:
         send(length)
     warm_left, measured_left = c, regime.measure * c
-    clock, window, trace = 0.0, False, policy.trace
+    clock, window, trace = 0.0, regime.cold, policy.trace
     while measured_left > 0 or (drain and sched.has_work):
         decided = trace.num_decisions
         batch = sched.schedule(asked)
