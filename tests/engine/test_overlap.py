@@ -209,3 +209,25 @@ def test_host_time_by_part(models, overlap):
     assert set(host) == {"schedule", "draft", "prepare", "forward", "sample", "process"}
     assert min(host.values()) >= 0 and host["draft"] > 0
     assert sum(host.values()) + stats["host_wait_ms"] <= elapsed_ms
+
+
+@pytest.mark.parametrize("overlap", ["off", "on"])
+def test_waits_while_sampling_count_as_waits(models, overlap):
+    """Time the host waits for the device while sampling (StepInput.sample_wait_ms: a
+    grammar's drafts, a mask buffer still being copied) is counted with the waits, not in
+    the sample part, where it would pass for host work."""
+    llm = LLM(models["target"], overlap_schedule=overlap)
+    runner, steps = llm.engine.runner, []
+    sample = runner.sample_async
+
+    def waited(step, *args):
+        step.sample_wait_ms += 1000.0  # as if sampling had waited a second for the device
+        steps.append(step)
+        return sample(step, *args)
+
+    spy_on(runner, "sample_async", waited)
+    llm.generate(prompts_for(), GREEDY)
+    stats = llm.engine.stats()
+    assert len(steps) > 5
+    assert stats["host_wait_ms"] >= 1000.0 * len(steps)
+    assert stats["host_ms_by_part"]["sample"] < 0  # the second a step came out of it

@@ -234,7 +234,10 @@ class StepLoop:
         host["draft"] += (t1 - t0) * 1e3
         host["prepare"] += (tp - t1) * 1e3
         host["forward"] += (tf - tp) * 1e3
-        host["sample"] += (time.perf_counter() - ts) * 1e3
+        # waits for the device inside sampling (a grammar's drafts) count as waits
+        waited = step_input.sample_wait_ms
+        host["sample"] += (time.perf_counter() - ts) * 1e3 - waited
+        self.totals["host_wait_ms"] += waited
         # Taken now: graph outputs are overwritten by the next step's replay.
         features = (
             spec.proposer.features(aux, step_input.meta.slot_mapping) if spec is not None else None
@@ -360,7 +363,9 @@ class StepLoop:
         if step.events is None:
             return step.host_ms
         start, target_start, end = step.events
-        end.synchronize()
+        t0 = time.perf_counter()
+        end.synchronize()  # (a wait, not processing: the step's work after its tokens)
+        self.totals["host_wait_ms"] += (time.perf_counter() - t0) * 1e3
         target_ms = target_start.elapsed_time(end)
         step_ms = step.device_ms = start.elapsed_time(end)
         self.times.step_ms.append(step_ms)
