@@ -12,6 +12,8 @@ import re
 import pytest
 import torch
 import xgrammar as xgr
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from specserve import LLM, Grammar, SamplingParams
 from specserve.core.errors import InvalidRequestError
@@ -235,3 +237,71 @@ def test_rows_after_a_draft_that_ends_the_grammar_are_free():
     bitmask = xgr.allocate_token_bitmask(3, 384)
     fill_masks(bitmask, [(state.matcher, 0, [2, 7])], BatchFill())  # an illegal first draft
     assert (bitmask[1] == bitmask[0]).all() and (bitmask[2] == bitmask[0]).all()
+
+
+class _HostWrites(TorchDispatchMode):
+    """Records the torch operators that write a host int32 tensor of `size` elements or more
+    (views and uninitialized allocations aside: the allocations are counted by address)."""
+
+    def __init__(self, size: int):
+        super().__init__()
+        self.size, self.seen = size, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not func.is_view and func.overloadpacket is not torch.ops.aten.empty:
+            for t in tree_leaves(out):
+                big = isinstance(t, torch.Tensor) and t.numel() >= self.size
+                if big and t.dtype == torch.int32 and t.device.type == "cpu":
+                    self.seen.append(func)
+        return out
+
+
+def test_a_steps_masks_reuse_host_memory_and_no_torch_op_fills_them(models, monkeypatch):
+    """A step's bitmask is host memory kept for the engine's life (two buffers in turn,
+    reset with numpy: runtime/grammar.py MaskBuffer), never a fresh tensor filled by torch:
+    on a GPU that was a pinned allocation a step, and a torch fill of a 64-row mask (98k
+    integers) woke torch's intra-op threads, which on a loaded host held the step for
+    milliseconds. Greedy output is unchanged (the tests above)."""
+    from specserve.runtime import logit_shaping
+
+    llm = LLM(models["target"], overlap_schedule="on")
+    words = xgr.get_bitmask_shape(1, llm.engine.runner.grammars.vocab_size)[1]
+    bitmasks, writes = [], []
+    apply, mask = xgr.apply_token_bitmask_inplace, logit_shaping.mask_grammars
+
+    def applied(logits, bitmask, **kw):
+        bitmasks.append(bitmask)  # (kept alive: a fresh tensor a step would not share memory)
+        apply(logits, bitmask, **kw)
+
+    def masked(out, step, compiler):
+        with _HostWrites(out.shape[0] * words) as mode:
+            mask(out, step, compiler)
+        writes.extend(mode.seen)
+
+    monkeypatch.setattr(xgr, "apply_token_bitmask_inplace", applied)
+    monkeypatch.setattr(logit_shaping, "mask_grammars", masked)
+    llm.generate(prompts_for(), _params("schema", max_tokens=12))
+    assert len(bitmasks) > 10
+    assert len({b.untyped_storage().data_ptr() for b in bitmasks}) <= 2
+    assert writes == []
+
+
+def test_matchers_follow_output_and_unprocessed_tokens_apart():
+    """A matcher takes a request's output and the tokens of the step not yet processed
+    without their lists joined (a copy of the whole output each step), and the same tokens
+    once processing moved them into the output are not taken twice."""
+    from specserve.runtime.grammar import GrammarCompiler, GrammarState
+
+    tok = _tokenizer()
+    compiler = GrammarCompiler(tok, 384, [2])
+    text = tok.encode("ababc-12", add_special_tokens=False)
+    compiled = compiler.compile(Grammar("regex", r"(ab|c){1,4}-[0-9]{2,3}"))
+    state = GrammarState(xgr.GrammarMatcher(compiled))
+    state.follow(text[:2], text[2:4])
+    state.follow(text[:4], [])  # processed: the same tokens, now output
+    state.follow(text[:4], text[4:])
+    whole = xgr.GrammarMatcher(compiled)
+    assert all(whole.accept_token(t) for t in text)
+    assert state.num_taken == len(text)
+    assert state.matcher.accept_token(2) and whole.accept_token(2)  # both at the end

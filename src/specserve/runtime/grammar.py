@@ -15,13 +15,15 @@ keep the last legal state's mask). The matcher follows the committed tokens lazi
 next step needs its masks; the overlapped loop waits for the step in flight first (wait
 reason "grammar"), as the masks depend on its tokens. A step's masks are filled position-major
 (`fill_masks`): the rows of every request at one draft position in one xgrammar batch fill,
-threaded when there are many.
+threaded when there are many, into host memory kept for the engine's life (`MaskBuffer`).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import time
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -29,14 +31,18 @@ import xgrammar as xgr
 
 from specserve.core.errors import InvalidRequestError
 from specserve.core.sampling_params import Grammar
-from specserve.runtime.packing import to_device_tensor
+from specserve.runtime.packing import to_device
 
 CACHE_BYTES = 256 << 20  # compiled grammars kept (distinct schemas would grow it forever)
 # A step's mask fill, threaded from THREADED_MIN_ROWS rows at one draft position: xgrammar
-# starts its threads on every call (about 30 us each on the H200 host), so fewer rows fill
-# faster on one; 4 threads beat 8 up to 256 rows there (benchmarks/cpu_grammar_masks.py).
+# starts its threads on every call (about 30 us each on the H200 host) and waits for the
+# last of them, so fewer rows fill faster on one: on the idle H200 host 4 threads gained
+# nothing at 64 rows (64 requests at K=3: 1.36 / 1.35 ms), 0.4 ms at 128 and 3.4 ms at 256
+# (4 beat 8 up to 256: benchmarks/cpu_grammar_masks.py), and on a loaded host a thread
+# that waits for a core holds the whole fill (2 busy CPU cores, 64 rows with 5 ms of other
+# work between fills: 0.16 ms on one thread, 1.1 ms median and 3-4 ms p90 threaded).
 FILL_THREADS = max(1, min(4, (os.cpu_count() or 1) // 2))
-THREADED_MIN_ROWS = 64
+THREADED_MIN_ROWS = 128
 
 # JSON schema keywords xgrammar compiles but does not enforce (measured: it accepts an
 # instance that violates them): refused by name rather than silently ignored. `oneOf` is
@@ -119,6 +125,7 @@ class GrammarCompiler:
         self.stop_ids = sorted(stop_ids)
         self._compiler: xgr.GrammarCompiler | None = None
         self.batch_fill = BatchFill(FILL_THREADS)  # a step's masks
+        self.masks = MaskBuffer(xgr.get_bitmask_shape(1, vocab_size)[1])
 
     def compile(self, grammar: Grammar) -> xgr.CompiledGrammar:
         """The compiled grammar; a grammar xgrammar refuses is the request's error (400)."""
@@ -179,14 +186,67 @@ class GrammarState:
     def __init__(self, matcher: xgr.GrammarMatcher):
         self.matcher, self.num_taken = matcher, 0
 
-    def follow(self, output: list[int]) -> None:
-        """Take the committed output tokens it has not seen (drawn under its masks, so
-        legal; past the grammar's end, under ignore_eos, there is nothing to take)."""
-        matcher = self.matcher
-        for token in output[self.num_taken :]:
+    def follow(self, output: list[int], unprocessed: Sequence[int] = ()) -> None:
+        """Take the committed tokens it has not seen, `output`'s then `unprocessed`'s (those
+        of a step not processed yet), without joining the two lists: the new tokens cost
+        a step, not the output's length (drawn under its masks, so legal; past the grammar's
+        end, under ignore_eos, there is nothing to take)."""
+        matcher, done = self.matcher, len(output)
+        new = output[self.num_taken :] if self.num_taken < done else []
+        new += unprocessed[max(0, self.num_taken - done) :]
+        for token in new:
             if not matcher.is_terminated():
                 matcher.accept_token(token)
-        self.num_taken = len(output)
+        self.num_taken = done + len(unprocessed)
+
+
+class MaskBuffer:
+    """Host memory for a step's token masks (int32 bitmask rows of `words` words), kept for
+    the engine's life and reused step after step, two buffers in turn: pinned on CUDA, so
+    the upload never waits for the device, and reset with numpy. A bitmask allocated and
+    filled with torch each step (`torch.full`, 98k integers at 64 rows of a 49k vocabulary)
+    went through the pinned allocator and woke torch's intra-op threads, past their grain
+    of 32k elements: on a loaded host the step then waited for a worker to get a core
+    (2 CPU cores, one busy, 5 ms of other work between fills: 3.5-8 ms median against
+    0.01 ms on one thread; numpy 0.01 ms)."""
+
+    def __init__(self, words: int):
+        self.words = words
+        self.buffers: list[torch.Tensor | None] = [None, None]
+        self.uploaded: list = [None, None]  # CUDA event after each buffer's last upload
+        self.current = 0
+
+    def take(self, rows: int, device: torch.device) -> tuple[torch.Tensor, float]:
+        """A [rows, words] bitmask, every token allowed (-1), and the ms waited for the
+        device (the upload of that buffer two steps ago: long done in practice)."""
+        self.current ^= 1
+        i, waited = self.current, 0.0
+        buffer = self.buffers[i]
+        if buffer is None or buffer.shape[0] < rows:
+            cap = max(rows, 2 * buffer.shape[0] if buffer is not None else 64)
+            pinned = device.type == "cuda"
+            buffer = self.buffers[i] = torch.empty(
+                (cap, self.words), dtype=torch.int32, pin_memory=pinned
+            )
+            self.uploaded[i] = None
+        elif self.uploaded[i] is not None:
+            start = time.perf_counter()
+            self.uploaded[i].synchronize()
+            waited = (time.perf_counter() - start) * 1e3
+            self.uploaded[i] = None
+        bitmask = buffer[:rows]
+        bitmask.numpy().fill(-1)
+        return bitmask, waited
+
+    def upload(self, bitmask: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """The bitmask `take` gave (filled) on `device`, without waiting; it is not
+        written again until the copy is done."""
+        if device.type != "cuda":
+            return bitmask
+        on_device = bitmask.to(device, non_blocking=True)
+        event = self.uploaded[self.current] = torch.cuda.Event()
+        event.record()
+        return on_device
 
 
 class BatchFill:
@@ -280,7 +340,7 @@ def copy_drafts(step) -> PackedDrafts | None:
     if not inputs:
         return PackedDrafts(spans, None, None)
     device = step.input_ids.device
-    drafts = step.input_ids[to_device_tensor(torch.tensor(inputs), device)]
+    drafts = step.input_ids[to_device(inputs, device)]
     if device.type != "cuda":
         return PackedDrafts(spans, drafts, None)
     host = torch.empty(drafts.shape, dtype=drafts.dtype, pin_memory=True)
@@ -294,25 +354,28 @@ def mask_grammars(out: torch.Tensor, step, compiler: GrammarCompiler) -> None:
     """Mask, in place, every logit row of the step's constrained requests to the tokens their
     grammars allow there. Their drafts come from the step's input ids: the copy started when
     the step was packed (`copy_drafts`, `step.grammar_drafts`), else one started now (after
-    the forward: it waits for it)."""
+    the forward: it waits for it). Time spent waiting for the device is added to
+    `step.sample_wait_ms` (the step loop counts it as a wait, not as sampling)."""
     packed = step.grammar_drafts or copy_drafts(step)
     if packed is None:
         return
     if packed.done is not None:
+        start = time.perf_counter()
         packed.done.synchronize()  # the drafts only, not the forward queued after them
+        step.sample_wait_ms += (time.perf_counter() - start) * 1e3
     drafts = packed.host.tolist() if packed.host is not None else []
-    spans = packed.spans
     # Every row's mask, all tokens allowed (-1) where no grammar fills it: no row indices
-    # to upload. Pinned on a GPU: an upload from pageable memory would wait for the forward.
-    shape = xgr.get_bitmask_shape(out.shape[0], compiler.vocab_size)
-    bitmask = torch.full(shape, -1, dtype=torch.int32, pin_memory=out.is_cuda)
+    # to upload (xgrammar's take a list, copied from pageable memory: that waits for the
+    # forward).
+    bitmask, waited = compiler.masks.take(out.shape[0], out.device)
+    step.sample_wait_ms += waited
     filling, used = [], 0
-    for req, first, rows in spans:
+    for req, first, rows in packed.spans:
         state = compiler.state(req)
-        state.follow(req.output_token_ids + req.unprocessed_token_ids)
+        state.follow(req.output_token_ids, req.unprocessed_token_ids)
         filling.append((state.matcher, first, drafts[used : used + rows - 1]))
         used += rows - 1
     fill_masks(bitmask, filling, compiler.batch_fill)
     xgr.apply_token_bitmask_inplace(
-        out, to_device_tensor(bitmask, out.device), vocab_size=compiler.vocab_size
+        out, compiler.masks.upload(bitmask, out.device), vocab_size=compiler.vocab_size
     )
