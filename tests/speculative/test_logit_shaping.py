@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 from specserve import LLM, SamplingParams
 from tests.support.overlap_cases import SPECULATION_PATHS, generate, make_models, prompts_for
@@ -152,6 +153,49 @@ def test_sampling_draws_from_the_changed_distribution(models):
         for tokens, _, reason in outs:
             assert len(tokens) == 5 and tokens[-1] == EOS and EOS not in tokens[:4]
             assert reason == "stop"
+
+
+class _DeviceReads(TorchFunctionMode):
+    """Records the calls that would make the host wait for the device on a GPU: a list
+    copied straight to the device (from pageable memory: after the forward in flight), a
+    tensor read back, an output sized by the data (bincount, nonzero)."""
+
+    WAITS = {torch.bincount, torch.nonzero, torch.Tensor.nonzero, torch.Tensor.bincount}
+    WAITS |= {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.cpu}
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        copied = func in (torch.tensor, torch.as_tensor) and kwargs.get("device") is not None
+        if copied or func in self.WAITS:
+            self.seen.append(getattr(func, "__name__", func))
+        return func(*args, **kwargs)
+
+
+def test_changes_are_made_without_waiting_for_the_device(models, monkeypatch):
+    """Penalties, biases and min_tokens, on plain and draft rows, reach the device through
+    pinned copies and read nothing back: on a GPU each of those would wait for the step's
+    forward, queued before the changes so that they are made while it runs (bincount sizes
+    its output on the device; a list copied from pageable memory waits for the stream)."""
+    from specserve.runtime import model_runner
+
+    shape, seen, drafted = model_runner.shape_logits, [], []
+
+    def watched(logits, step, grammars):
+        drafted.append(any(s.drafted for s in step.sampled))
+        with _DeviceReads() as mode:
+            out = shape(logits, step, grammars)
+        seen.extend(mode.seen)
+        return out
+
+    monkeypatch.setattr(model_runner, "shape_logits", watched)
+    for drafter in (None, "copy"):
+        generate(models, prompts_for(), _params("everything"), "on", drafter)
+    assert any(drafted) and not all(drafted)  # plain steps and steps with draft rows
+    assert seen == []
 
 
 def test_bad_rules_are_refused(models):

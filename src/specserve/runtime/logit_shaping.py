@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from specserve.runtime.grammar import GrammarCompiler, mask_grammars
+from specserve.runtime.packing import to_device, upload
 
 
 def shapes_step(sampled) -> bool:
@@ -31,7 +32,11 @@ def shape_logits(logits: torch.Tensor, step, grammars: GrammarCompiler | None) -
     committed token's, then one per draft; `step` the StepInput they came from) with each
     request's changes applied, its grammar's mask last (`grammars`: the engine's compiler,
     runtime/grammar.py). A row j draws the request's generated token number
-    `num_generated + j` (counted from 0)."""
+    `num_generated + j` (counted from 0).
+
+    The host's lists reach the device through pinned copies and nothing here reads the
+    device back: these changes are made while the step's forward runs (a list copied from
+    pageable memory, or a count sized on the device, would wait for that forward)."""
     out = logits.clone()
     _penalize(out, step)
     vocab_size = logits.shape[-1]
@@ -55,18 +60,15 @@ def shape_logits(logits: torch.Tensor, step, grammars: GrammarCompiler | None) -
                 mask_tokens += stops
         offset += rows
     device = logits.device
-    if biases:
-        index = (
-            torch.tensor(bias_rows, device=device),
-            torch.tensor(bias_tokens, device=device),
+    if biases or mask_rows:
+        b_rows, b_tokens, m_rows, m_tokens = upload(
+            [bias_rows, bias_tokens, mask_rows, mask_tokens], device
         )
-        out.index_put_(index, torch.tensor(biases, device=device, dtype=out.dtype), accumulate=True)
-    if mask_rows:
-        index = (
-            torch.tensor(mask_rows, device=device),
-            torch.tensor(mask_tokens, device=device),
-        )
-        out.index_put_(index, torch.tensor(float("-inf"), device=device, dtype=out.dtype))
+        if biases:
+            values = to_device(biases, device, torch.float32).to(out.dtype)
+            out.index_put_((b_rows, b_tokens), values, accumulate=True)
+        if mask_rows:
+            out.index_put_((m_rows, m_tokens), out.new_full((), float("-inf")))
     if grammars is not None:
         mask_grammars(out, step, grammars)
     return out
@@ -75,49 +77,62 @@ def shape_logits(logits: torch.Tensor, step, grammars: GrammarCompiler | None) -
 def _penalize(out: torch.Tensor, step) -> None:
     """The penalties, in place, on the rows of penalized requests: each row's counts are its
     request's output tokens (the host's, exact: see the module docstring) plus the drafts
-    before the row (read from the step's input ids on the device)."""
+    before the row (read from the step's input ids on the device). Counted on the device
+    per request, in one pass over every penalized request's tokens."""
     device, vocab_size = out.device, out.shape[-1]
-    spans = []  # (request, its first logit row, rows, its first row of the counts)
-    draft_rows, draft_inputs = [], []  # (a count row, the input row of a draft before it)
-    offset = total = 0
+    reqs = []  # the penalized requests, numbered in order
+    token_reqs, tokens = [], []  # each output token of each (its request's number, it)
+    prompt_reqs, prompt_tokens = [], []  # likewise the prompts under a repetition penalty
+    logit_rows, row_reqs = [], []  # each penalized logit row, its request's number
+    draft_rows, draft_inputs = [], []  # (a row of those, the input row of a draft before it)
+    offset = 0
     for s in step.sampled:
-        rows = s.drafted + 1
-        if s.request.penalized:
-            spans.append((s.request, offset, rows, total))
+        req, rows = s.request, s.drafted + 1
+        if req.penalized:
+            n = len(reqs)
+            reqs.append(req)
+            for output in (req.output_token_ids, req.unprocessed_token_ids):
+                tokens += output
+                token_reqs += [n] * len(output)
+            if req.params.repetition_penalty != 1.0:
+                prompt_tokens += req.prompt_token_ids
+                prompt_reqs += [n] * len(req.prompt_token_ids)
+            first = len(logit_rows)
             for j in range(1, rows):  # row j counts drafts 0..j-1
-                draft_rows += [total + j] * j
+                draft_rows += [first + j] * j
                 draft_inputs += step.sample_rows[offset + 1 : offset + 1 + j]
-            total += rows
+            logit_rows += range(offset, offset + rows)
+            row_reqs += [n] * rows
         offset += rows
-    if not spans:
+    if not reqs:
         return
-    counts = torch.zeros(total, vocab_size, device=device, dtype=torch.float32)
-    seen = torch.zeros(total, vocab_size, device=device, dtype=torch.bool)  # prompt tokens
-    for req, _, rows, first in spans:
-        output = req.output_token_ids + req.unprocessed_token_ids
-        if output:
-            ids = torch.tensor(output, device=device)
-            counts[first : first + rows] = torch.bincount(ids, minlength=vocab_size).float()
-        if req.params.repetition_penalty != 1.0:
-            seen[first : first + rows, torch.tensor(req.prompt_token_ids, device=device)] = True
-    if draft_rows:
-        tokens = step.input_ids[torch.tensor(draft_inputs, device=device)].long()
-        rows_t = torch.tensor(draft_rows, device=device)
-        counts.index_put_((rows_t, tokens), torch.ones(len(draft_rows), device=device), True)
-    seen |= counts > 0
-
-    def per_row(name: str) -> torch.Tensor:
-        values = [getattr(req.params, name) for req, _, rows, _ in spans for _ in range(rows)]
-        return torch.tensor(values, device=device, dtype=torch.float32)[:, None]
-
-    logit_rows = torch.tensor(
-        [start + j for _, start, rows, _ in spans for j in range(rows)], device=device
+    lists = [token_reqs, tokens, prompt_reqs, prompt_tokens, logit_rows, row_reqs]
+    token_reqs_t, tokens_t, prompt_reqs_t, prompt_t, logit_rows_t, row_reqs_t, *drafts = upload(
+        lists + [draft_rows, draft_inputs], device
     )
-    logits = out[logit_rows].float()
-    repetition = per_row("repetition_penalty")
+    counts = torch.zeros(len(reqs), vocab_size, device=device, dtype=torch.float32)
+    counts.index_put_(
+        (token_reqs_t, tokens_t), torch.ones(len(tokens), device=device), accumulate=True
+    )
+    seen = torch.zeros(len(reqs), vocab_size, device=device, dtype=torch.bool)  # prompts
+    seen.index_put_((prompt_reqs_t, prompt_t), seen.new_ones(()))
+    counts, seen = counts[row_reqs_t], seen[row_reqs_t]  # per logit row
+    if draft_rows:
+        draft_rows_t, draft_inputs_t = drafts
+        drafted = step.input_ids[draft_inputs_t].long()
+        counts.index_put_(
+            (draft_rows_t, drafted), torch.ones(len(draft_rows), device=device), accumulate=True
+        )
+    seen |= counts > 0
+    names = ("repetition_penalty", "frequency_penalty", "presence_penalty")
+    values = [getattr(reqs[n].params, name) for name in names for n in row_reqs]
+    repetition, frequency, presence = (
+        to_device(values, device, torch.float32).view(3, len(row_reqs), 1).unbind(0)
+    )
+    logits = out[logit_rows_t].float()
     logits = torch.where(
         seen, torch.where(logits > 0, logits / repetition, logits * repetition), logits
     )
-    logits -= per_row("frequency_penalty") * counts
-    logits -= per_row("presence_penalty") * (counts > 0)
-    out[logit_rows] = logits.to(out.dtype)
+    logits -= frequency * counts
+    logits -= presence * (counts > 0)
+    out[logit_rows_t] = logits.to(out.dtype)
