@@ -97,6 +97,10 @@ def test_counts_equal_server_metrics(server, tiny_llama, tmp_path, capsys):
     parts = report["server"]["ttft_parts_ms_mean"]
     assert set(parts) == {"to_engine", "in_engine", "back"} and min(parts.values()) >= 0
     assert sum(parts.values()) == pytest.approx(report["server"]["ttft_ms_mean"], rel=1e-6)
+    # and the server's time before submission and after its first tokens (streamed requests)
+    outside = report["server"]["ttft_outside_ms_mean"]
+    assert set(outside) == {"intake", "first_chunk"} and min(outside.values()) > 0
+    assert sum(outside.values()) < report["ttft_ms"]["mean"] - report["server"]["ttft_ms_mean"]
     assert report["output_throughput"] > 0
     assert "tokenizer of" in report["dataset"]["notes"][0]
     if "specserve_spec_draft_tokens_total" in httpx.get(server.url + "/metrics").text:

@@ -182,7 +182,9 @@ def step_figures(before: dict, after: dict) -> dict:
 def ttft_figures(before: dict, after: dict) -> dict:
     """The server's own mean time to first token (ms, from a request's submission to the
     server handling its first tokens) and its parts, which add up to it: to_engine,
-    in_engine and back (server/metrics.py)."""
+    in_engine and back; and the server's time around it (streamed requests): intake, from
+    the request reaching the app to its submission, and first_chunk, from its first tokens
+    handled to their event written (server/metrics.py)."""
 
     def mean_ms(name: str, **match: str) -> float | None:
         total = _delta(before, after, name + "_sum", **match)
@@ -199,6 +201,12 @@ def ttft_figures(before: dict, after: dict) -> dict:
     }
     if all(v is not None for v in parts.values()):
         out["ttft_parts_ms_mean"] = parts
+    outside = {
+        part: mean_ms("specserve_time_to_first_token_outside_seconds", part=part)
+        for part in ("intake", "first_chunk")
+    }
+    if all(v is not None for v in outside.values()):
+        out["ttft_outside_ms_mean"] = outside
     return out
 
 

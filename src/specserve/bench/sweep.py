@@ -165,6 +165,9 @@ def measure(
         ttft = "  server TTFT {:.1f} ms ({:.1f} to engine, {:.1f} in, {:.1f} back)".format(
             steps["ttft_ms_mean"], parts["to_engine"], parts["in_engine"], parts["back"]
         )
+        outside = steps.get("ttft_outside_ms_mean")
+        if outside:  # the server's time before submission and after: the rest is the client's
+            ttft += " + {:.1f} before, {:.1f} out".format(outside["intake"], outside["first_chunk"])
     host = steps.get("host_ms_by_part_mean")
     if host:  # where the engine's host time a step went (metrics_client.step_figures)
         waits += "  host ms " + ", ".join(

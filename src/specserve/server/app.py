@@ -49,6 +49,7 @@ from specserve.server.protocol import (
 )
 
 _ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models")
+RECEIVED_AT = "specserve.received_at"  # scope key: when an API request reached the app
 
 
 @dataclass
@@ -230,11 +231,15 @@ async def _serve(
     except EngineDeadError as e:
         raise _unavailable(e) from e
     if body.stream:
+        outside = state.metrics.ttft_outside
+        received = request.scope.get(RECEIVED_AT)
+        if received is not None:
+            outside.labels("intake").observe(stream.submitted_at - received)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return _EngineStream(
             state.client,
             stream,
-            _events(stream, fmt, include_usage),
+            _events(stream, fmt, include_usage, outside.labels("first_chunk")),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache"},
         )
@@ -285,15 +290,23 @@ async def _wait_disconnect(request: Request) -> None:
         pass
 
 
-async def _events(stream: RequestStream, fmt, include_usage: bool) -> AsyncIterator[bytes]:
+async def _events(
+    stream: RequestStream, fmt, include_usage: bool, first_chunk_s
+) -> AsyncIterator[bytes]:
+    """The stream's events; `first_chunk_s` observes the time from the server handling the
+    first tokens to their event written (the generator resumes once the send is done)."""
     if isinstance(fmt, ChatFormatter):
         for chunk in fmt.role_chunks(include_usage):
             yield sse(chunk)
+    timed = False
     try:
         async for index, delta in stream:
             chunk = fmt.chunk(index, delta, include_usage)
             if chunk is not None:
                 yield sse(chunk)
+                if not timed and delta.new_token_ids and stream.first_token_at is not None:
+                    first_chunk_s.observe(time.monotonic() - stream.first_token_at)
+                    timed = True
     except EngineRequestError as e:
         yield sse(APIError(e.status, str(e), param=e.field).body())
     except EngineDeadError as e:
@@ -321,7 +334,8 @@ class _EngineStream(StreamingResponse):
 
 
 class _StatusCounter:
-    """ASGI middleware counting API requests by endpoint and final HTTP status."""
+    """ASGI middleware counting API requests by endpoint and final HTTP status; the first of
+    specserve's to see a request, it stamps its arrival (RECEIVED_AT)."""
 
     def __init__(self, app, metrics: ServerMetrics):
         self.app = app
@@ -332,6 +346,7 @@ class _StatusCounter:
         if scope["type"] != "http" or not path.startswith("/v1/"):
             await self.app(scope, receive, send)
             return
+        scope[RECEIVED_AT] = time.monotonic()  # (the intake part of the TTFT outside it)
         status = 500
 
         async def send_status(message) -> None:

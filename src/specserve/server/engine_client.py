@@ -85,6 +85,8 @@ class RequestStream:
         self.unfinished = set(request_ids)
         self._queue: asyncio.Queue = asyncio.Queue()
         self._next = None  # an item taken from the queue while merging, not yet returned
+        self.submitted_at: float | None = None  # (time.monotonic, as every stamp here)
+        self.first_token_at: float | None = None  # when the server handled its first tokens
 
     @property
     def finished(self) -> bool:
@@ -278,7 +280,7 @@ class EngineClient:
                 f"{len(requests)} (limit {self.max_queue}); retry later"
             )
         stream = RequestStream([r.request_id for r in requests])
-        now = time.monotonic()
+        now = stream.submitted_at = time.monotonic()
         for i, r in enumerate(requests):
             self._tracked[r.request_id] = _Tracked(stream, i, now)
             self.metrics.prompt_tokens.inc(len(r.prompt_token_ids))
@@ -371,6 +373,8 @@ class EngineClient:
             m.generation_tokens.inc(n)
             if tracked.last_token_at is None:
                 m.ttft.observe(now - tracked.arrival)
+                if tracked.stream.first_token_at is None:
+                    tracked.stream.first_token_at = now
                 if delta.added_at is not None:  # its parts, on the machine's one clock
                     m.ttft_parts.labels("to_engine").observe(delta.added_at - tracked.arrival)
                     m.ttft_parts.labels("in_engine").observe(sent - delta.added_at)

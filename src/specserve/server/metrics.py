@@ -181,6 +181,16 @@ class ServerMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        self.ttft_outside = Histogram(
+            "specserve_time_to_first_token_outside_seconds",
+            "the server's share of a streamed request's time to first token outside "
+            "time_to_first_token: intake (its arrival at the app, headers read, to its "
+            "submission: body, validation, tokenization) and first_chunk (its first tokens "
+            "handled to their event written to the connection)",
+            ["part"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
         self.itl = Histogram(
             "specserve_inter_token_latency_seconds",
             "time between tokens of a request",
