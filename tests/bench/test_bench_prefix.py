@@ -11,12 +11,12 @@ import time
 from dataclasses import replace
 from types import SimpleNamespace
 
-import httpx
 import pytest
 import uvicorn
 
 from specserve.bench.conversations import Conversation, multi_turn_dataset
 from specserve.bench.datasets import BenchPrompt, DatasetError, build_dataset, jsonl_dataset
+from specserve.bench.http_stream import Endpoint
 from specserve.bench.load import NOT_SENT, LoadConfig, RequestResult, request_body, send_request
 from specserve.bench.report import report_rows, summarize
 from specserve.bench.runner import benchmark
@@ -301,12 +301,20 @@ def _usage_stream(usage: dict) -> bytes:
 def test_cached_tokens_parsed_from_usage(details, cached):
     usage = {"prompt_tokens": 10, "completion_tokens": 1, **details}
 
-    def handler(request: httpx.Request) -> httpx.Response:
-        return httpx.Response(200, content=_usage_stream(usage))
+    body = _usage_stream(usage)
+    response = b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%b" % (len(body), body)
 
     async def one() -> RequestResult:
-        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
-            return await send_request(client, LoadConfig("http://x"), BenchPrompt("p", 1), 0.0)
+        async def reply(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(response)
+            await writer.drain()
+            writer.close()
+
+        server = await asyncio.start_server(reply, "127.0.0.1", 0)
+        async with server:
+            url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+            return await send_request(Endpoint(url), LoadConfig(url), BenchPrompt("p", 1), 0.0)
 
     r = asyncio.run(one())
     assert r.ok and r.prompt_tokens == 10 and r.cached_prompt_tokens == cached

@@ -26,10 +26,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import httpx
-
 from specserve.bench.conversations import Conversation
 from specserve.bench.datasets import BenchPrompt
+from specserve.bench.http_stream import (
+    ConnectFailed,
+    ConnectionClosed,
+    Endpoint,
+    RequestTimeout,
+    Response,
+)
 
 ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 PREFIX_SEPARATOR = "\n\n"  # completions: between the shared prefix and the prompt
@@ -68,6 +73,7 @@ class LoadConfig:
             raise ValueError(f"max_concurrency must be >= 1; got {self.max_concurrency}")
         if not self.request_rate > 0:
             raise ValueError(f"request_rate must be > 0; got {self.request_rate}")
+        Endpoint(self.base_url)  # (a ValueError naming what is wrong with it)
 
 
 @dataclass
@@ -137,11 +143,11 @@ def _cached_tokens(usage: dict) -> int | None:
 
 
 def _error_kind(exc: BaseException) -> str:
-    if isinstance(exc, httpx.TimeoutException):
+    if isinstance(exc, RequestTimeout):
         return "timeout"
-    if isinstance(exc, httpx.ConnectError):
+    if isinstance(exc, ConnectFailed):
         return "connection refused"
-    if isinstance(exc, (httpx.RemoteProtocolError, httpx.ReadError)):
+    if isinstance(exc, (ConnectionClosed, ConnectionError)):
         return "connection closed"
     if isinstance(exc, json.JSONDecodeError):
         return "bad JSON in stream"
@@ -159,7 +165,7 @@ def _chunk_text(obj: dict, chat: bool) -> str:
 
 
 async def send_request(
-    client: httpx.AsyncClient, cfg: LoadConfig, p: BenchPrompt, run_start: float
+    client: Endpoint, cfg: LoadConfig, p: BenchPrompt, run_start: float
 ) -> RequestResult:
     """Stream one request; never raises for a server or network failure."""
     r = RequestResult()
@@ -170,25 +176,23 @@ async def send_request(
     try:
         # Built (its JSON encoded) before the clock starts: the client's own work is no
         # part of the server's latency (~0.2 ms for a 2,112-token prompt on a small CPU).
-        request = client.build_request(
-            "POST",
-            cfg.base_url + ENDPOINTS[cfg.endpoint],
-            json=request_body(cfg, p),
-            headers=headers,
+        body = json.dumps(
+            request_body(cfg, p), ensure_ascii=False, separators=(",", ":"), allow_nan=False
         )
-    except (httpx.HTTPError, ValueError) as e:
+        request = client.request(ENDPOINTS[cfg.endpoint], body.encode(), headers)
+    except ValueError as e:
         r.error, r.error_message = _error_kind(e), f"{type(e).__name__}: {e}"[:500]
         return r
     t0 = time.perf_counter()
     r.start_s = t0 - run_start
     last = t0
     try:
-        async with _streamed(client, request) as resp:
-            if resp.status_code != 200:
-                text = (await resp.aread()).decode(errors="replace")
-                r.error, r.error_message = f"HTTP {resp.status_code}", text[:500]
+        async with _streamed(client, request, cfg.timeout_s) as resp:
+            if resp.status != 200:
+                text = (await resp.read()).decode(errors="replace")
+                r.error, r.error_message = f"HTTP {resp.status}", text[:500]
                 return r
-            async for line in resp.aiter_lines():
+            async for line in resp.lines():
                 if not line.startswith("data:"):
                     continue
                 payload = line[5:].strip()
@@ -220,7 +224,7 @@ async def send_request(
         if not done:
             r.error, r.error_message = "stream ended before [DONE]", None
             return r
-    except (httpx.HTTPError, json.JSONDecodeError, ValueError) as e:
+    except (ConnectFailed, ConnectionClosed, RequestTimeout, OSError, ValueError) as e:
         r.error, r.error_message = _error_kind(e), f"{type(e).__name__}: {e}"[:500]
         return r
     finally:
@@ -232,17 +236,17 @@ async def send_request(
 
 
 @contextlib.asynccontextmanager
-async def _streamed(client: httpx.AsyncClient, request: httpx.Request):
-    """`client.stream` of a request built already."""
-    resp = await client.send(request, stream=True)
+async def _streamed(client: Endpoint, request: bytes, timeout_s: float):
+    """The response to a request built already, its connection closed at the end."""
+    resp: Response = await client.send(request, timeout_s)
     try:
         yield resp
     finally:
-        await resp.aclose()
+        resp.close()
 
 
 async def send_conversation(
-    client: httpx.AsyncClient,
+    client: Endpoint,
     cfg: LoadConfig,
     conversation: Conversation,
     run_start: float,
@@ -279,28 +283,26 @@ async def run_load(
     limit = cfg.max_concurrency or len(prompts)
     semaphore = asyncio.Semaphore(limit)
     rng = random.Random(cfg.seed)
-    limits = httpx.Limits(max_connections=limit, max_keepalive_connections=limit)
-    timeout = httpx.Timeout(cfg.timeout_s, connect=min(cfg.timeout_s, 30.0))
-    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
-        run_start = time.perf_counter()
+    client = Endpoint(cfg.base_url)  # a connection per request (bench/http_stream.py)
+    run_start = time.perf_counter()
 
-        async def one(p: BenchPrompt) -> RequestResult:
-            async with semaphore:
-                result = await send_request(client, cfg, p, run_start)
-            if on_done is not None:
-                on_done(result)
-            return result
+    async def one(p: BenchPrompt) -> RequestResult:
+        async with semaphore:
+            result = await send_request(client, cfg, p, run_start)
+        if on_done is not None:
+            on_done(result)
+        return result
 
-        async def user(c: Conversation) -> list[RequestResult]:
-            async with semaphore:  # one slot for the whole conversation
-                return await send_conversation(client, cfg, c, run_start, on_done)
+    async def user(c: Conversation) -> list[RequestResult]:
+        async with semaphore:  # one slot for the whole conversation
+            return await send_conversation(client, cfg, c, run_start, on_done)
 
-        tasks = []
-        for i, p in enumerate(prompts):
-            if i and math.isfinite(cfg.request_rate):
-                await asyncio.sleep(rng.expovariate(cfg.request_rate))
-            tasks.append(asyncio.create_task(user(p) if isinstance(p, Conversation) else one(p)))
-        done = await asyncio.gather(*tasks)
-        duration_s = time.perf_counter() - run_start
+    tasks = []
+    for i, p in enumerate(prompts):
+        if i and math.isfinite(cfg.request_rate):
+            await asyncio.sleep(rng.expovariate(cfg.request_rate))
+        tasks.append(asyncio.create_task(user(p) if isinstance(p, Conversation) else one(p)))
+    done = await asyncio.gather(*tasks)
+    duration_s = time.perf_counter() - run_start
     results = [r for item in done for r in (item if isinstance(item, list) else [item])]
     return results, duration_s

@@ -1,0 +1,145 @@
+"""The load generator's HTTP/1.1 client (bench/http_stream.py) against stub servers on a
+loopback port: the request it writes, bodies cut anywhere, and how a response can fail."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+
+import pytest
+
+from specserve.bench.datasets import BenchPrompt
+from specserve.bench.http_stream import ConnectionClosed, Endpoint
+from specserve.bench.load import LoadConfig, send_request
+
+
+async def _with_server(handler, body):
+    """Run `body(url)` against a server answering each connection with `handler`."""
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+        request = head + await reader.readexactly(length)
+        try:
+            await handler(request, writer)
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    async with server:
+        return await body(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}")
+
+
+def _sse(obj) -> bytes:
+    return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
+
+
+def _chunked(body: bytes, sizes: list[int]) -> bytes:
+    out, at = b"", 0
+    for size in sizes:
+        piece = body[at : at + size]
+        if piece:
+            out += b"%x\r\n" % len(piece) + piece + b"\r\n"
+        at += size
+    return out + b"0\r\n\r\n"
+
+
+def test_the_request_on_the_wire():
+    endpoint = Endpoint("https://example.org:8443/api/")
+    wire = endpoint.request("/v1/completions", b'{"a":1}', {"Authorization": "Bearer k"})
+    head, _, body = wire.partition(b"\r\n\r\n")
+    lines = head.decode().split("\r\n")
+    assert lines[0] == "POST /api/v1/completions HTTP/1.1"
+    assert {"Host: example.org:8443", "Content-Length: 7", "Authorization: Bearer k"} <= set(lines)
+    assert body == b'{"a":1}' and endpoint.tls and endpoint.port == 8443
+    plain = Endpoint("http://h")
+    assert plain.port == 80 and b"Host: h\r\n" in plain.request("/x", b"")
+    with pytest.raises(ValueError, match="base URL"):
+        Endpoint("ftp://h")
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_events_cut_anywhere_arrive_whole(seed):
+    """A streamed answer written in random pieces (cutting events, line ends and UTF-8
+    characters), each piece its own chunk and write: the same text and usage as written."""
+    rng = random.Random(seed)
+    words = ["héllo", " 世界", " 🙂", " a\\nb", " plain"]
+    texts = [rng.choice(words) for _ in range(40)]
+    events = b"".join(_sse({"choices": [{"index": 0, "text": t}]}) for t in texts)
+    usage = {"prompt_tokens": 3, "completion_tokens": 40}
+    events += _sse({"choices": [], "usage": usage}).replace(b"\n\n", b"\r\n\r\n")
+    events += b"data: [DONE]\n\n"
+    sizes = [rng.randint(1, 9) for _ in range(len(events))]
+    head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+    head += b"transfer-encoding: chunked\r\n\r\n"
+
+    async def handler(request, writer):
+        wire = head + _chunked(events, sizes)
+        at = 0
+        while at < len(wire):
+            step = rng.randint(1, 40)
+            writer.write(wire[at : at + step])
+            await writer.drain()
+            await asyncio.sleep(0)
+            at += step
+
+    async def body(url):
+        cfg = LoadConfig(url, api_key="k")
+        return await send_request(Endpoint(url), cfg, BenchPrompt("p", 40), 0.0)
+
+    r = asyncio.run(_with_server(handler, body))
+    assert r.ok, r.error_message
+    assert r.output_text == "".join(texts) and r.output_tokens == 40 and r.prompt_tokens == 3
+    assert len(r.itl_s) == 39
+
+
+def test_a_server_that_stops_sending_times_out():
+    async def handler(request, writer):
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+        writer.write(_chunked(_sse({"choices": [{"index": 0, "text": "a"}]}), [99])[:-5])
+        await writer.drain()
+        await asyncio.sleep(5)
+
+    async def body(url):
+        cfg = LoadConfig(url, timeout_s=0.2)
+        return await send_request(Endpoint(url), cfg, BenchPrompt("p", 4), 0.0)
+
+    r = asyncio.run(_with_server(handler, body))
+    assert r.error == "timeout" and r.ttft_s is not None
+
+
+def test_a_connection_closed_mid_answer():
+    async def handler(request, writer):
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+        writer.write(b"20\r\ndata: {")  # a chunk cut short, then the connection ends
+
+    async def body(url):
+        return await send_request(Endpoint(url), LoadConfig(url), BenchPrompt("p", 4), 0.0)
+
+    r = asyncio.run(_with_server(handler, body))
+    assert r.error == "connection closed"
+
+
+def test_responses_without_chunks_and_errors():
+    """A whole body by its length, an error status with its page, garbage instead of HTTP."""
+    replies = iter(
+        [
+            b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 4\r\n\r\nbusy",
+            b"SPAM\r\n\r\n",
+        ]
+    )
+
+    async def handler(request, writer):
+        writer.write(next(replies))
+        await writer.drain()
+
+    async def body(url):
+        endpoint = Endpoint(url)
+        first = await send_request(endpoint, LoadConfig(url), BenchPrompt("p", 4), 0.0)
+        with pytest.raises(ConnectionClosed):
+            await endpoint.send(endpoint.request("/v1/completions", b"{}"), 5.0)
+        return first
+
+    r = asyncio.run(_with_server(handler, body))
+    assert r.error == "HTTP 503" and r.error_message == "busy"
