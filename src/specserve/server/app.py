@@ -291,14 +291,14 @@ async def _wait_disconnect(request: Request) -> None:
 
 
 async def _events(
-    stream: RequestStream, fmt, include_usage: bool, first_chunk_s
+    stream: RequestStream, fmt, include_usage: bool, first_chunk_s=None
 ) -> AsyncIterator[bytes]:
-    """The stream's events; `first_chunk_s` observes the time from the server handling the
-    first tokens to their event written (the generator resumes once the send is done)."""
+    """The stream's events; `first_chunk_s` (a histogram) observes the time from the server
+    handling the first tokens to their event written (the generator resumes once it is)."""
     if isinstance(fmt, ChatFormatter):
         for chunk in fmt.role_chunks(include_usage):
             yield sse(chunk)
-    timed = False
+    timed = first_chunk_s is None
     try:
         async for index, delta in stream:
             chunk = fmt.chunk(index, delta, include_usage)
