@@ -109,6 +109,7 @@ def test_the_policy_decodes_plainly_where_drafting_lost_and_settles_dormant():
     _measured(policy, N)
     assert max(policy.choose(_reqs(N))) == 3  # the model's choice: drafting pays
     policy.modes = _rates(1.0, 0.2, at=policy.num_steps)  # (its expected gain: under 5x)
+    policy._settled = None  # (the decision above holds SETTLED_STEPS steps otherwise)
     decided = 0
     while not policy.dormant:  # (probes still measure the other Ks: they are not held)
         k = max(policy.choose(_reqs(N)))

@@ -72,7 +72,10 @@ class GoodputPolicy(SpeculationPolicy):
     priced by those rows' tokens, within DORMANT_PROBE_BUDGET). While dormant, a decision
     for K=0 that every K > 0 misses by SETTLE_MARGIN (before switch costs) holds
     SETTLED_STEPS steps without deliberating: on a fast model the deliberation itself would
-    cost a tenth of a step.
+    cost a tenth of a step. So does a decision for K > 0 that every other K misses by
+    AWAKE_SETTLE_MARGIN and plain decoding by DRAFT_SETTLE_MARGIN (after the modes'
+    factors), at AWAKE_SETTLE_MIN_BATCH requests or more, while the batch keeps its
+    requests, carries no prefill and every request may still draft K.
     """
 
     HYSTERESIS = 0.03
@@ -100,6 +103,12 @@ class GoodputPolicy(SpeculationPolicy):
     # While dormant, a decision for plain decoding holds this many steps (see `_settled`)
     SETTLED_STEPS = 16
     SETTLE_MARGIN = 0.1
+    AWAKE_SETTLE_MARGIN = 0.05
+    DRAFT_SETTLE_MARGIN = 0.2
+    # (fewer requests: one request's acceptance moves its best K within steps, and a held
+    # K missed it by 1-2% in the closed-loop simulations at batch 1, about what the held
+    # deliberations save there)
+    AWAKE_SETTLE_MIN_BATCH = 4
 
     def __init__(self, k_max: int, cost: StepCostModel, acceptance: AcceptanceModel):
         super().__init__(k_max)
@@ -124,7 +133,13 @@ class GoodputPolicy(SpeculationPolicy):
         # schedule): on a fast model, where plain decoding wins and a step takes ~1 ms,
         # 10-15% of the throughput. A change of load or a due probe is acted on at most
         # SETTLED_STEPS - 1 steps late (probe intervals: 48 steps and more).
-        self._settled: tuple[int, float, dict] | None = None
+        # Drafting likewise: a decision for K > 0 (decode-only, every request drafting K,
+        # padded steps) that beats every other K by AWAKE_SETTLE_MARGIN holds SETTLED_STEPS
+        # steps at its batch bucket while every request may draft K: on the default model
+        # the policy's host work (~50 us a step at 8 requests, decision and bookkeeping)
+        # was 3-4% of its ~1.5 ms speculative steps, which the host paces.
+        # (steps left, K, period ms, expectations)
+        self._settled: tuple[int, int, float, dict] | None = None
 
     def choose(self, reqs, load: StepLoad = NO_LOAD):
         n = len(reqs)
@@ -141,19 +156,21 @@ class GoodputPolicy(SpeculationPolicy):
             return self._decided([0] * n)
         settled = self._settled
         if settled is not None:
-            left, ms, expected = settled
-            self._settled = (left - 1, ms, expected) if left > 1 else None
-            then = expected["tokens"][0]  # (one token a request at K=0: the batch then)
-            if then != n:  # the expectations per request stay the held decision's
-                expected = dict(expected, tokens=[t * n / then for t in expected["tokens"]])
+            left, k, ms, expected = settled
             bucket = batch_bucket(n)
-            if not load.prefill_tokens:
-                steps = self._bucket_steps[bucket] = self._bucket_steps.get(bucket, 0) + 1
-                self._last_run[(bucket, 0)] = steps
-            self._plain_decisions += 1
-            self._running_k = 0
-            self.predicted_tokens, self.predicted_ms = float(n), ms
-            return self._decided([0] * n, **expected)  # (the held decision's expectations)
+            # A held K > 0 holds only for decode steps at its bucket whose requests may all
+            # draft K (the K = 0 one holds whatever the batch or prefill)
+            if k and (
+                load.prefill_tokens
+                or k_budget < k
+                or bucket != expected["bucket"]
+                or min(map(_max_useful_drafts, reqs)) < k
+                or list(map(_request_id, reqs)) != expected["ids"]
+            ):
+                self._settled = settled = None
+            else:
+                self._settled = (left - 1, k, ms, expected) if left > 1 else None
+                return self._held(n, k, ms, expected, bucket, load)
         cums = self.acceptance.cumulatives(map(_request_id, reqs))  # K = 0..K_max each
         if k_budget == k_max and min(map(_max_useful_drafts, reqs)) >= k_max:
             caps, max_draft_len, full = [k_max] * n, k_max, True  # (the usual case)
@@ -264,7 +281,44 @@ class GoodputPolicy(SpeculationPolicy):
                 g0 = tokens[0] / ranking[0] * (1.0 - self.SETTLE_MARGIN)
                 if held or all(t <= g0 * ms for t, ms in zip(tokens[1:], ranking[1:])):
                     expected = dict(tokens=tokens, period_ms=ranking, switch_ms=switch)
-                    self._settled = (self.SETTLED_STEPS - 1, costs[0], expected)
+                    self._settled = (self.SETTLED_STEPS - 1, 0, costs[0], expected)
+            elif (
+                k
+                and n >= self.AWAKE_SETTLE_MIN_BATCH
+                and full
+                and len(tokens) == self.k_max + 1
+                and not extra_tokens
+                and not favored
+                and self._probe is None
+                and trimmed is None
+                and self.cost.padded
+            ):
+                # drafting K, every other K > 0 short by AWAKE_SETTLE_MARGIN and plain
+                # decoding by DRAFT_SETTLE_MARGIN, corrected by the modes' factors where
+                # measured (a model that favors drafting by less may be wrong: `modes`):
+                # held likewise
+                gk = tokens[k] / ranking[k]
+                drafting, plain = (
+                    self.modes.rate(bucket, "drafting"),
+                    self.modes.rate(bucket, "plain"),
+                )
+                if drafting is not None and plain is not None:
+                    g0 = tokens[0] / ranking[0] * plain / drafting
+                else:
+                    g0 = tokens[0] / ranking[0]
+                gk_other = gk * (1.0 - self.AWAKE_SETTLE_MARGIN)
+                if g0 * (1.0 + self.DRAFT_SETTLE_MARGIN) <= gk and all(
+                    t <= gk_other * ms
+                    for j, (t, ms) in enumerate(zip(tokens, ranking))
+                    if j and j != k
+                ):
+                    expected = dict(tokens=tokens, period_ms=ranking, switch_ms=switch)
+                    self._settled = (
+                        self.SETTLED_STEPS - 1,
+                        k,
+                        uncapped[k],
+                        dict(expected, bucket=bucket, ids=list(map(_request_id, reqs))),
+                    )
         elif self.dormant and k and wake > probe_wake:
             # A probe while dormant drafts on the requests the drafter has seen most of: a
             # padded step's period is the same, their catch-up far shorter than everyone's
@@ -306,6 +360,21 @@ class GoodputPolicy(SpeculationPolicy):
         return self._decided(
             draft_lens, probe=probe, tokens=tokens, period_ms=ranking, switch_ms=switch
         )
+
+    def _held(self, n: int, k: int, ms: float, expected: dict, bucket: int, load: StepLoad):
+        """A step under a settled decision (`_settled`): K again for every request, with
+        the held decision's expectations per request (scaled to this batch) and period."""
+        then = expected["tokens"][0]  # (one token a request at K=0: the batch then)
+        if then != n:  # the expectations per request stay the held decision's
+            expected = dict(expected, tokens=[t * n / then for t in expected["tokens"]])
+        if not load.prefill_tokens:
+            steps = self._bucket_steps[bucket] = self._bucket_steps.get(bucket, 0) + 1
+            self._last_run[(bucket, k)] = steps
+        self._plain_decisions = 0 if k else self._plain_decisions + 1
+        self._running_k = k
+        self.predicted_tokens, self.predicted_ms = expected["tokens"][k], ms
+        expected = {key: v for key, v in expected.items() if key not in ("bucket", "ids")}
+        return self._decided([k] * n, **expected)  # (the held decision's expectations)
 
     def observe_rate(
         self,

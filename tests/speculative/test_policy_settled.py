@@ -1,0 +1,93 @@
+"""Settled decisions to draft: where one K > 0 clearly beats every other K and plain
+decoding, the goodput policy repeats it for SETTLED_STEPS steps without deliberating (on a
+fast model the deliberation is a few percent of a host-paced step), and deliberates again
+as soon as the batch, its prefill, a request's room to draft or the margin says otherwise."""
+
+from __future__ import annotations
+
+from specserve.speculative.buckets import batch_bucket
+from specserve.speculative.goodput_policy import GoodputPolicy
+from specserve.speculative.mode_rates import ModeRates
+from specserve.speculative.policy_base import StepLoad
+from tests.speculative.test_policy import FakeRequest, _measured, _policy, _reqs
+
+N = 8
+
+
+class _Counted:
+    """Counts the policy's deliberations: each reads every request's acceptance once."""
+
+    def __init__(self, policy: GoodputPolicy):
+        self.calls = 0
+        inner = policy.acceptance.cumulatives
+
+        def cumulatives(ids):
+            self.calls += 1
+            return inner(ids)
+
+        policy.acceptance.cumulatives = cumulatives
+
+
+def _settled_policy(alpha: float = 0.8):
+    policy, _ = _policy(alpha=alpha, k_max=3)
+    _measured(policy, N)
+    return policy
+
+
+def test_a_clear_decision_to_draft_holds_without_deliberating():
+    policy = _settled_policy()
+    counted = _Counted(policy)
+    reqs = _reqs(N)
+    assert policy.choose(reqs) == [3] * N and counted.calls == 1
+    first = policy.trace.recent[-1]
+    for _ in range(GoodputPolicy.SETTLED_STEPS - 1):
+        assert policy.choose(reqs) == [3] * N
+        held = policy.trace.recent[-1]
+        assert held.tokens == first.tokens and held.period_ms == first.period_ms
+        assert policy.predicted_tokens == first.tokens[3]
+    assert counted.calls == 1  # (before: one deliberation a step)
+    assert policy._settled is None
+    policy.choose(reqs)
+    assert counted.calls == 2  # the hold ran out: deliberated again
+
+
+def test_a_held_decision_gives_way_to_what_changed():
+    """A new request, a step carrying prefill, a request that cannot draft K: each is
+    deliberated (and ends the hold)."""
+    changes = {
+        "a new request": (
+            _reqs(N - 1) + [FakeRequest("new")],
+            StepLoad(),
+        ),
+        "prefill": (_reqs(N), StepLoad(prefill_tokens=64)),
+        "a request near its end": (
+            _reqs(N - 1) + [FakeRequest(f"r{N - 1}", max_useful_drafts=1)],
+            StepLoad(),
+        ),
+        "a smaller batch bucket": (_reqs(N // 2), StepLoad()),
+    }
+    for name, (reqs, load) in changes.items():
+        policy = _settled_policy()
+        counted = _Counted(policy)
+        policy.choose(_reqs(N))
+        assert policy._settled is not None, name
+        policy.choose(reqs, load)
+        assert counted.calls == 2, name
+        if name != "a smaller batch bucket":  # (there the new bucket's decision may hold)
+            assert policy._settled is None or policy._settled[0] == policy.SETTLED_STEPS - 1
+
+
+def test_drafting_ahead_by_less_than_the_margin_after_the_modes_factors_deliberates():
+    """Drafting's factor (delivered over expected, `ModeRates`) at 0.45 of plain decoding's:
+    K=3 still wins (2.5x plain decoding in the model, 1.1x corrected) but by less than
+    DRAFT_SETTLE_MARGIN: every step deliberates, so the mode check keeps watching it."""
+    policy = _settled_policy()
+    modes = policy.modes = ModeRates()
+    for step in range(ModeRates.MIN_STEPS):
+        modes.observe(batch_bucket(N), "plain", 1.0, 1.0, 1.0, 1.0, step)
+        modes.observe(batch_bucket(N), "drafting", 0.45, 1.0, 1.0, 1.0, step)
+    counted = _Counted(policy)
+    for step in range(4):
+        assert max(policy.choose(_reqs(N))) == 3
+        assert counted.calls == step + 1
+    assert policy._settled is None
