@@ -16,8 +16,14 @@ import uvicorn
 
 from specserve.bench.conversations import Conversation, multi_turn_dataset
 from specserve.bench.datasets import BenchPrompt, DatasetError, build_dataset, jsonl_dataset
-from specserve.bench.http_stream import Endpoint
-from specserve.bench.load import NOT_SENT, LoadConfig, RequestResult, request_body, send_request
+from specserve.bench.load import (
+    NOT_SENT,
+    LoadConfig,
+    RequestResult,
+    client_session,
+    request_body,
+    send_request,
+)
 from specserve.bench.report import report_rows, summarize
 from specserve.bench.runner import benchmark
 from specserve.bench.server_process import free_port
@@ -314,7 +320,9 @@ def test_cached_tokens_parsed_from_usage(details, cached):
         server = await asyncio.start_server(reply, "127.0.0.1", 0)
         async with server:
             url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
-            return await send_request(Endpoint(url), LoadConfig(url), BenchPrompt("p", 1), 0.0)
+            cfg = LoadConfig(url)
+            async with client_session(cfg) as client:
+                return await send_request(client, cfg, BenchPrompt("p", 1), 0.0)
 
     r = asyncio.run(one())
     assert r.ok and r.prompt_tokens == 10 and r.cached_prompt_tokens == cached

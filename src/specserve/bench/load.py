@@ -18,23 +18,18 @@ not sent (their history would lack an answer).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import math
 import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+import aiohttp
 
 from specserve.bench.conversations import Conversation
 from specserve.bench.datasets import BenchPrompt
-from specserve.bench.http_stream import (
-    ConnectFailed,
-    ConnectionClosed,
-    Endpoint,
-    RequestTimeout,
-    Response,
-)
 
 ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 PREFIX_SEPARATOR = "\n\n"  # completions: between the shared prefix and the prompt
@@ -73,7 +68,11 @@ class LoadConfig:
             raise ValueError(f"max_concurrency must be >= 1; got {self.max_concurrency}")
         if not self.request_rate > 0:
             raise ValueError(f"request_rate must be > 0; got {self.request_rate}")
-        Endpoint(self.base_url)  # (a ValueError naming what is wrong with it)
+        url = urlsplit(self.base_url)
+        if url.scheme not in ("http", "https") or not url.hostname:
+            raise ValueError(
+                f"the base URL must be http://HOST[:PORT] or https://...; got {self.base_url!r}"
+            )
 
 
 @dataclass
@@ -142,12 +141,29 @@ def _cached_tokens(usage: dict) -> int | None:
     return cached if isinstance(cached, int) else None
 
 
+def client_session(cfg: LoadConfig) -> aiohttp.ClientSession:
+    """The load generator's HTTP client: aiohttp, whose C parser costs the client's one event
+    loop ~0.4 ms a streamed request and ~0.05-0.07 ms an event, where httpx (pure Python)
+    took ~1.9 and ~0.1 (2-core CPU, a stub server, 2 kB prompts): a closed loop's wave of 16
+    new requests spent ~30 ms of the loop in turn inside the TTFTs reported (issue 31). A
+    connection per request, closed at its end, as the published figures were measured (a
+    kept connection made the load itself slower: 223b995); `timeout_s` bounds each wait for
+    the server (connecting: at most 30 s), not the whole request."""
+    timeout = aiohttp.ClientTimeout(
+        total=None, connect=min(cfg.timeout_s, 30.0), sock_read=cfg.timeout_s
+    )
+    connector = aiohttp.TCPConnector(force_close=True, limit=0)
+    return aiohttp.ClientSession(
+        connector=connector, timeout=timeout, read_bufsize=1 << 20, trust_env=False
+    )
+
+
 def _error_kind(exc: BaseException) -> str:
-    if isinstance(exc, RequestTimeout):
+    if isinstance(exc, asyncio.TimeoutError):  # (aiohttp's read and connect timeouts too)
         return "timeout"
-    if isinstance(exc, ConnectFailed):
+    if isinstance(exc, aiohttp.ClientConnectorError):
         return "connection refused"
-    if isinstance(exc, (ConnectionClosed, ConnectionError)):
+    if isinstance(exc, (aiohttp.ClientError, ConnectionError)):
         return "connection closed"
     if isinstance(exc, json.JSONDecodeError):
         return "bad JSON in stream"
@@ -165,12 +181,14 @@ def _chunk_text(obj: dict, chat: bool) -> str:
 
 
 async def send_request(
-    client: Endpoint, cfg: LoadConfig, p: BenchPrompt, run_start: float
+    client: aiohttp.ClientSession, cfg: LoadConfig, p: BenchPrompt, run_start: float
 ) -> RequestResult:
     """Stream one request; never raises for a server or network failure."""
     r = RequestResult()
     chat = cfg.endpoint == "chat"
-    headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+    headers = {"Content-Type": "application/json", "Accept": "text/event-stream"}
+    if cfg.api_key:
+        headers["Authorization"] = f"Bearer {cfg.api_key}"
     chunks = 0
     done = False
     try:
@@ -178,8 +196,7 @@ async def send_request(
         # part of the server's latency (~0.2 ms for a 2,112-token prompt on a small CPU).
         body = json.dumps(
             request_body(cfg, p), ensure_ascii=False, separators=(",", ":"), allow_nan=False
-        )
-        request = client.request(ENDPOINTS[cfg.endpoint], body.encode(), headers)
+        ).encode()
     except ValueError as e:
         r.error, r.error_message = _error_kind(e), f"{type(e).__name__}: {e}"[:500]
         return r
@@ -187,15 +204,17 @@ async def send_request(
     r.start_s = t0 - run_start
     last = t0
     try:
-        async with _streamed(client, request, cfg.timeout_s) as resp:
+        async with client.post(
+            cfg.base_url + ENDPOINTS[cfg.endpoint], data=body, headers=headers
+        ) as resp:
             if resp.status != 200:
                 text = (await resp.read()).decode(errors="replace")
                 r.error, r.error_message = f"HTTP {resp.status}", text[:500]
                 return r
-            async for line in resp.lines():
-                if not line.startswith("data:"):
+            async for raw in resp.content:  # (lines, as they arrive)
+                if not raw.startswith(b"data:"):
                     continue
-                payload = line[5:].strip()
+                payload = raw[5:].strip().decode()
                 if payload == "[DONE]":
                     done = True
                     break
@@ -224,7 +243,7 @@ async def send_request(
         if not done:
             r.error, r.error_message = "stream ended before [DONE]", None
             return r
-    except (ConnectFailed, ConnectionClosed, RequestTimeout, OSError, ValueError) as e:
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as e:
         r.error, r.error_message = _error_kind(e), f"{type(e).__name__}: {e}"[:500]
         return r
     finally:
@@ -235,18 +254,8 @@ async def send_request(
     return r
 
 
-@contextlib.asynccontextmanager
-async def _streamed(client: Endpoint, request: bytes, timeout_s: float):
-    """The response to a request built already, its connection closed at the end."""
-    resp: Response = await client.send(request, timeout_s)
-    try:
-        yield resp
-    finally:
-        resp.close()
-
-
 async def send_conversation(
-    client: Endpoint,
+    client: aiohttp.ClientSession,
     cfg: LoadConfig,
     conversation: Conversation,
     run_start: float,
@@ -281,9 +290,19 @@ async def run_load(
     prompt order, a conversation's turns in turn order) and the run's duration. Arrivals and
     the concurrency limit count conversations, not turns."""
     limit = cfg.max_concurrency or len(prompts)
+    async with client_session(cfg) as client:
+        return await _run(client, cfg, prompts, limit, on_done)
+
+
+async def _run(
+    client: aiohttp.ClientSession,
+    cfg: LoadConfig,
+    prompts: list[BenchPrompt | Conversation],
+    limit: int,
+    on_done: Callable[[RequestResult], None] | None,
+) -> tuple[list[RequestResult], float]:
     semaphore = asyncio.Semaphore(limit)
     rng = random.Random(cfg.seed)
-    client = Endpoint(cfg.base_url)  # a connection per request (bench/http_stream.py)
     run_start = time.perf_counter()
 
     async def one(p: BenchPrompt) -> RequestResult:

@@ -1,4 +1,4 @@
-"""The load generator's HTTP/1.1 client (bench/http_stream.py) against stub servers on a
+"""The load generator's streaming (bench/load.py, through aiohttp) against stub servers on a
 loopback port: the request it writes, bodies cut anywhere, and how a response can fail."""
 
 from __future__ import annotations
@@ -10,8 +10,7 @@ import random
 import pytest
 
 from specserve.bench.datasets import BenchPrompt
-from specserve.bench.http_stream import ConnectionClosed, Endpoint
-from specserve.bench.load import LoadConfig, send_request
+from specserve.bench.load import LoadConfig, client_session, send_request
 
 
 async def _with_server(handler, body):
@@ -45,18 +44,35 @@ def _chunked(body: bytes, sizes: list[int]) -> bytes:
     return out + b"0\r\n\r\n"
 
 
+async def _send(cfg: LoadConfig, prompt: BenchPrompt):
+    async with client_session(cfg) as client:
+        return await send_request(client, cfg, prompt, 0.0)
+
+
 def test_the_request_on_the_wire():
-    endpoint = Endpoint("https://example.org:8443/api/")
-    wire = endpoint.request("/v1/completions", b'{"a":1}', {"Authorization": "Bearer k"})
-    head, _, body = wire.partition(b"\r\n\r\n")
-    lines = head.decode().split("\r\n")
-    assert lines[0] == "POST /api/v1/completions HTTP/1.1"
-    assert {"Host: example.org:8443", "Content-Length: 7", "Authorization: Bearer k"} <= set(lines)
-    assert body == b'{"a":1}' and endpoint.tls and endpoint.port == 8443
-    plain = Endpoint("http://h")
-    assert plain.port == 80 and b"Host: h\r\n" in plain.request("/x", b"")
+    """A POST of the JSON body to the endpoint under the base URL's path, with the API key,
+    on a connection closed after it."""
+    seen = []
+
+    async def handler(request, writer):
+        seen.append(request)
+        body = b"data: [DONE]\n\n"
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%b" % (len(body), body))
+        await writer.drain()
+
+    async def body(url):
+        return await _send(LoadConfig(url + "/api/", api_key="k"), BenchPrompt("p", 4))
+
+    r = asyncio.run(_with_server(handler, body))
+    assert r.error == "stream ended before [DONE]" or r.ok  # (no text: nothing to time)
+    head, _, payload = seen[0].partition(b"\r\n\r\n")
+    lines = head.decode().lower().split("\r\n")
+    assert lines[0] == "post /api/v1/completions http/1.1"
+    assert {"authorization: bearer k", "content-type: application/json"} <= set(lines)
+    assert "connection: close" in lines
+    assert json.loads(payload)["prompt"] == "p" and json.loads(payload)["stream"] is True
     with pytest.raises(ValueError, match="base URL"):
-        Endpoint("ftp://h")
+        LoadConfig("ftp://h")
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -85,8 +101,7 @@ def test_events_cut_anywhere_arrive_whole(seed):
             at += step
 
     async def body(url):
-        cfg = LoadConfig(url, api_key="k")
-        return await send_request(Endpoint(url), cfg, BenchPrompt("p", 40), 0.0)
+        return await _send(LoadConfig(url, api_key="k"), BenchPrompt("p", 40))
 
     r = asyncio.run(_with_server(handler, body))
     assert r.ok, r.error_message
@@ -102,8 +117,7 @@ def test_a_server_that_stops_sending_times_out():
         await asyncio.sleep(5)
 
     async def body(url):
-        cfg = LoadConfig(url, timeout_s=0.2)
-        return await send_request(Endpoint(url), cfg, BenchPrompt("p", 4), 0.0)
+        return await _send(LoadConfig(url, timeout_s=0.2), BenchPrompt("p", 4))
 
     r = asyncio.run(_with_server(handler, body))
     assert r.error == "timeout" and r.ttft_s is not None
@@ -115,7 +129,7 @@ def test_a_connection_closed_mid_answer():
         writer.write(b"20\r\ndata: {")  # a chunk cut short, then the connection ends
 
     async def body(url):
-        return await send_request(Endpoint(url), LoadConfig(url), BenchPrompt("p", 4), 0.0)
+        return await _send(LoadConfig(url), BenchPrompt("p", 4))
 
     r = asyncio.run(_with_server(handler, body))
     assert r.error == "connection closed"
@@ -135,11 +149,9 @@ def test_responses_without_chunks_and_errors():
         await writer.drain()
 
     async def body(url):
-        endpoint = Endpoint(url)
-        first = await send_request(endpoint, LoadConfig(url), BenchPrompt("p", 4), 0.0)
-        with pytest.raises(ConnectionClosed):
-            await endpoint.send(endpoint.request("/v1/completions", b"{}"), 5.0)
-        return first
+        cfg = LoadConfig(url)
+        return [await _send(cfg, BenchPrompt("p", 4)) for _ in range(2)]
 
-    r = asyncio.run(_with_server(handler, body))
-    assert r.error == "HTTP 503" and r.error_message == "busy"
+    busy, garbage = asyncio.run(_with_server(handler, body))
+    assert busy.error == "HTTP 503" and busy.error_message == "busy"
+    assert garbage.error == "connection closed" and not garbage.ok
