@@ -305,3 +305,31 @@ def test_matchers_follow_output_and_unprocessed_tokens_apart():
     assert all(whole.accept_token(t) for t in text)
     assert state.num_taken == len(text)
     assert state.matcher.accept_token(2) and whole.accept_token(2)  # both at the end
+
+
+def test_the_mask_kernel_is_warmed_for_each_specialization(monkeypatch):
+    """At start-up on a device whose mask kernel compiles on first use (Triton on a GPU:
+    one compilation per row count that is 1, divisible by 16 or neither, and per logits
+    dtype), it runs once for each, every token allowed; on a CPU (a C++ kernel) not at all."""
+    from specserve.runtime.grammar import GrammarCompiler
+
+    calls = []
+
+    def spy(logits, bitmask, *, vocab_size):
+        calls.append((logits.shape[0], logits.dtype, logits.device.type, vocab_size))
+        assert logits.shape == (logits.shape[0], vocab_size)
+        assert bitmask.shape == xgr.get_bitmask_shape(logits.shape[0], vocab_size)
+
+    monkeypatch.setattr(xgr, "apply_token_bitmask_inplace", spy)
+    tok = _tokenizer()
+    compiler = GrammarCompiler(tok, len(tok), [])
+    compiler.warm_up(torch.device("cpu"), torch.bfloat16)
+    assert calls == []
+    compiler.warm_up(torch.device("meta"), torch.bfloat16)
+    rows = {r for r, _, _, _ in calls}
+    assert any(r == 1 for r in rows) and any(r % 16 == 0 for r in rows)
+    assert any(r > 1 and r % 16 for r in rows)
+    assert {(r, d) for r, d, _, _ in calls} == {
+        (r, d) for r in rows for d in (torch.float32, torch.bfloat16)
+    }
+    assert {v for *_, v in calls} == {len(tok)}

@@ -115,6 +115,7 @@ class LLMEngine:
         self.runner.grammars = GrammarCompiler(
             self.tokenizer, self.model_config.vocab_size, self.eos_token_ids
         )
+        self.runner.grammars.warm_up(self.kv.pool.device, self.runner.model.lm_head_weight.dtype)
         # How ids become text, decided once for every request (core/detokenizer.py).
         self.token_decoder = TokenDecoder(self.tokenizer) if self.tokenizer is not None else None
         self.requests: dict[str, Request] = {}
