@@ -64,7 +64,7 @@ def test_the_request_on_the_wire():
         return await _send(LoadConfig(url + "/api/", api_key="k"), BenchPrompt("p", 4))
 
     r = asyncio.run(_with_server(handler, body))
-    assert r.error == "stream ended before [DONE]" or r.ok  # (no text: nothing to time)
+    assert r.ok, r.error  # (no text: nothing to time, but a whole answer)
     head, _, payload = seen[0].partition(b"\r\n\r\n")
     lines = head.decode().lower().split("\r\n")
     assert lines[0] == "post /api/v1/completions http/1.1"
