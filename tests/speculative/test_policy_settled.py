@@ -5,6 +5,8 @@ as soon as the batch, its prefill, a request's room to draft or the margin says 
 
 from __future__ import annotations
 
+import pytest
+
 from specserve.speculative.buckets import batch_bucket
 from specserve.speculative.goodput_policy import GoodputPolicy
 from specserve.speculative.mode_rates import ModeRates
@@ -34,14 +36,16 @@ def _settled_policy(alpha: float = 0.8):
     return policy
 
 
-def test_a_clear_decision_to_draft_holds_without_deliberating():
-    policy = _settled_policy()
+@pytest.mark.parametrize("n", [1, N])
+def test_a_clear_decision_to_draft_holds_without_deliberating(n):
+    policy, _ = _policy(alpha=0.8, k_max=3)
+    _measured(policy, n)
     counted = _Counted(policy)
-    reqs = _reqs(N)
-    assert policy.choose(reqs) == [3] * N and counted.calls == 1
+    reqs = _reqs(n)
+    assert policy.choose(reqs) == [3] * n and counted.calls == 1
     first = policy.trace.recent[-1]
     for _ in range(GoodputPolicy.SETTLED_STEPS - 1):
-        assert policy.choose(reqs) == [3] * N
+        assert policy.choose(reqs) == [3] * n
         held = policy.trace.recent[-1]
         assert held.tokens == first.tokens and held.period_ms == first.period_ms
         assert policy.predicted_tokens == first.tokens[3]

@@ -74,8 +74,8 @@ class GoodputPolicy(SpeculationPolicy):
     SETTLED_STEPS steps without deliberating: on a fast model the deliberation itself would
     cost a tenth of a step. So does a decision for K > 0 that every other K misses by
     AWAKE_SETTLE_MARGIN and plain decoding by DRAFT_SETTLE_MARGIN (after the modes'
-    factors), at AWAKE_SETTLE_MIN_BATCH requests or more, while the batch keeps its
-    requests, carries no prefill and every request may still draft K.
+    factors), at any batch size, while the batch keeps its requests, carries no prefill
+    and every request may still draft K.
     """
 
     HYSTERESIS = 0.03
@@ -105,10 +105,6 @@ class GoodputPolicy(SpeculationPolicy):
     SETTLE_MARGIN = 0.1
     AWAKE_SETTLE_MARGIN = 0.05
     DRAFT_SETTLE_MARGIN = 0.2
-    # (fewer requests: one request's acceptance moves its best K within steps, and a held
-    # K missed it by 1-2% in the closed-loop simulations at batch 1, about what the held
-    # deliberations save there)
-    AWAKE_SETTLE_MIN_BATCH = 4
 
     def __init__(self, k_max: int, cost: StepCostModel, acceptance: AcceptanceModel):
         super().__init__(k_max)
@@ -137,7 +133,12 @@ class GoodputPolicy(SpeculationPolicy):
         # padded steps) that beats every other K by AWAKE_SETTLE_MARGIN holds SETTLED_STEPS
         # steps at its batch bucket while every request may draft K: on the default model
         # the policy's host work (~50 us a step at 8 requests, decision and bookkeeping)
-        # was 3-4% of its ~1.5 ms speculative steps, which the host paces.
+        # was 3-4% of its ~1.5 ms speculative steps, which the host paces, and at one
+        # request 4-5% of its ~1.1 ms ones (H200, session 34). At batch 1 a held K misses
+        # some of one request's moving acceptance: in the closed-loop simulations (16
+        # seeds, no host time charged) 0.3-0.4% of the best fixed K in two engines and a
+        # 0.4% gain in the third, against the ~6 us (CI-class CPU) to ~40 us (H200 host)
+        # a step that deliberating costs there.
         # (steps left, K, period ms, expectations)
         self._settled: tuple[int, int, float, dict] | None = None
 
@@ -284,7 +285,6 @@ class GoodputPolicy(SpeculationPolicy):
                     self._settled = (self.SETTLED_STEPS - 1, 0, costs[0], expected)
             elif (
                 k
-                and n >= self.AWAKE_SETTLE_MIN_BATCH
                 and full
                 and len(tokens) == self.k_max + 1
                 and not extra_tokens
