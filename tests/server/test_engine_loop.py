@@ -85,6 +85,43 @@ def test_loop_adds_refuses_aborts_and_stops(engine):
     outbox.close()
 
 
+def test_reports_carry_the_whole_stats_now_and_then_and_at_idle(engine, monkeypatch):
+    """While steps run, a report carries the engine's whole stats at most every
+    STATS_EVERY_S and the queue lengths (what admission reads) in between; the report as
+    the engine goes idle carries them whole, so /metrics after a run is exact; the client
+    keeps the last whole stats under the fresher queue lengths."""
+    from specserve.server import engine_proc
+    from specserve.server.engine_client import EngineClient
+    from specserve.server.metrics import ServerMetrics
+
+    clock = [100.0]
+    monkeypatch.setattr(engine_proc.time, "monotonic", lambda: clock[0])
+    reader, writer = mp.Pipe(duplex=False)
+    outbox = Outbox(writer)
+    loop = EngineLoop(engine, queue.Queue(), outbox)
+    client = EngineClient.__new__(EngineClient)
+    client.stats, client._tracked, client.metrics = {}, {}, ServerMetrics()
+    ids = engine.tokenize("The quick brown fox")
+    for i in range(2):
+        engine.add_request(ids, SamplingParams(max_tokens=8, ignore_eos=True), f"s{i}")
+    kinds = []
+    while engine.has_unfinished():
+        loop._step()
+        loop._send()
+        report = reader.recv()
+        client._on_report(report)
+        kinds.append("whole" if "kv_pages_used" in report.stats else sorted(report.stats))
+        assert client.stats["running"] == report.stats["running"] == len(engine.scheduler.running)
+        assert "kv_pages_total" in client.stats  # (the last whole stats, kept)
+        clock[0] += 0.4 * engine_proc.STATS_EVERY_S  # a whole report every third turn
+    assert kinds[0] == "whole" and kinds[-1] == "whole"  # (the first turn, and at idle)
+    assert ["running", "waiting"] in kinds  # (before: every report whole)
+    whole = [i for i, k in enumerate(kinds) if k == "whole"]
+    assert all(b - a <= 3 for a, b in zip(whole, whole[1:]))
+    assert client.stats["kv_pages_used"] == 0 and client.stats["running"] == 0
+    outbox.close()
+
+
 def test_choice_seeds_are_distinct_and_stable():
     seeds = [choice_seed(42, i) for i in range(64)]
     assert seeds[0] == 42 and len(set(seeds)) == 64

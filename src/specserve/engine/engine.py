@@ -261,10 +261,13 @@ class LLMEngine:
             self.loop.plans = self.sink.plans = None
         parallel.close()
 
+    def queue_lengths(self) -> dict:
+        """Requests running and waiting (the part of `stats` admission reads)."""
+        return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting)}
+
     def stats(self) -> dict:
         return {
-            "running": len(self.scheduler.running),
-            "waiting": len(self.scheduler.waiting),
+            **self.queue_lengths(),
             "kv_pages_used": self.kv.allocator.num_used,
             "kv_pages_total": self.kv.allocator.num_usable,
             "preemptions": self.scheduler.num_preemptions,

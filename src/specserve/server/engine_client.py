@@ -348,7 +348,8 @@ class EngineClient:
         return f"exit code {code}"
 
     def _on_report(self, report: StepReport) -> None:
-        self.stats = report.stats
+        # (between whole stats, a report carries the queue lengths alone: `EngineLoop._send`)
+        self.stats = {**self.stats, **report.stats}
         self.metrics.observe_steps(report.step_s, report.gap_s)
         now = time.monotonic()
         for fields in report.outputs:

@@ -77,7 +77,7 @@ class StepReport:
 
     outputs: list[tuple] = field(default_factory=list)
     errors: list[RequestError] = field(default_factory=list)
-    stats: dict = field(default_factory=dict)
+    stats: dict = field(default_factory=dict)  # the engine's, or only its queue lengths
     step_s: list[float] = field(default_factory=list)  # model step durations
     gap_s: list[float] = field(default_factory=list)  # idle time between back-to-back steps
     sent_at: float = 0.0  # time.monotonic() when the engine process sent it
