@@ -155,6 +155,11 @@ specserve_spec_plain_step_device_ms_total{part="prefill"} 2.0
 specserve_spec_drafter_wakes_total{cause="prefill"} 3.0
 specserve_spec_drafter_wakes_total{cause="decode"} 1.0
 specserve_spec_plain_overruled_total 2.0
+specserve_spec_policy_period_ms{bucket="64",k="0"} 1.5
+specserve_spec_policy_period_ms{bucket="64",k="3"} 3.5
+specserve_spec_policy_period_ms{bucket="8",k="3"} 1.25
+specserve_spec_policy_switch_ms{bucket="64",direction="up"} 2.0
+specserve_spec_policy_mode_factor{bucket="64",mode="drafting"} 0.9
 """
 
 
@@ -185,6 +190,12 @@ def test_metrics_difference_and_speculation_figures():
     assert spec["drafter_eager_tokens"] == 130
     assert spec["drafter_wakes"] == {"prefill": 3, "decode": 1}  # (none before the run)
     assert spec["plain_overruled"] == 2
+    assert spec["policy_tables"] == {  # (as of the run's end)
+        "period_ms": {"8": {"3": 1.25}, "64": {"0": 1.5, "3": 3.5}},
+        "switch_ms": {"64": {"up": 2.0}},
+        "mode_factor": {"64": {"drafting": 0.9}},
+    }
+    assert list(spec["policy_tables"]["period_ms"]) == ["8", "64"]  # (buckets in order)
     assert spec["engine_gauges"] == {
         "spec_observed_goodput": 123.5,
         "spec_simulated_acceptance": 0.0,

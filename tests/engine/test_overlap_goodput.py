@@ -158,3 +158,36 @@ def test_context_limit_keeps_the_cap(models, reference):
     assert all(reason == "length" for _, _, reason in got)
     stats = llm.engine.stats()
     assert set(stats["loop_wait_reasons"]) <= {"mixed_draft_lens", "context_limit"}
+
+
+def test_the_policy_tables_reach_the_stats_and_metrics(models):
+    """The goodput policy's tables, as it decides by them, in engine.stats() and on /metrics
+    (labelled by batch bucket): the steady periods it learned under the synthetic clock
+    (a step of one request at K: the target over K + 1 tokens and K drafter passes), the
+    switch costs and the modes' factors it measured."""
+    from specserve.bench.metrics_client import parse_metrics, speculation_figures
+    from specserve.server.metrics import ServerMetrics
+
+    llm = goodput(models, "off")
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    for prompt in prompts_for()[:3]:
+        llm.generate([prompt], params)
+    stats = llm.engine.stats()
+    periods, seen = stats["spec_policy_period_ms"], stats["spec_policy_period_observations"]
+    assert set(periods) == set(seen) and {"1:0", "1:3"} <= set(periods)
+    for k in (0, 3):
+        want = CurveModel(TARGET_MS)(k + 1) + k * CurveModel(DRAFTER_MS)(1)
+        assert periods[f"1:{k}"] == pytest.approx(want, rel=1e-3) and seen[f"1:{k}"] > 0
+    assert stats["spec_policy_switch_observations"]  # (K changes every few steps here)
+    assert set(stats["spec_policy_mode_factor"]) == set(stats["spec_policy_mode_steps"])
+    metrics = ServerMetrics()
+    metrics.engine_stats = lambda: stats
+    text = metrics.render().decode()
+    assert f'specserve_spec_policy_period_ms{{bucket="1",k="3"}} {periods["1:3"]}' in text
+    tables = speculation_figures({}, parse_metrics(text))["policy_tables"]
+    assert tables["period_ms"]["1"]["3"] == pytest.approx(periods["1:3"])
+    assert tables["switch_observations"]["1"] == {
+        cell.split(":")[1]: n
+        for cell, n in stats["spec_policy_switch_observations"].items()
+        if cell.startswith("1:")
+    }

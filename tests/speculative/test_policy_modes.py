@@ -34,6 +34,15 @@ def _rates(plain: float, drafting: float, steps: int = ModeRates.MIN_STEPS, at: 
     return modes
 
 
+def _factors(policy) -> dict:
+    """The modes' factors and steps by "bucket:mode" (their snapshot), to 6 digits."""
+    snapshot = policy.modes.snapshot()
+    return {
+        cell: (round(f, 6), snapshot["mode_steps"][cell])
+        for cell, f in snapshot["mode_factor"].items()
+    }
+
+
 def test_drafting_is_held_back_only_where_it_lost_on_enough_steps():
     assert not _rates(1.0, 0.995).holds_back(N, 1, *TIE)  # within MARGIN
     assert _rates(1.0, 0.95).holds_back(N, 1, *TIE)
@@ -163,7 +172,7 @@ def test_each_step_counts_for_its_mode_probes_and_steps_without_decodes_for_none
     step(0, 0, decodes=0)  # prefill only: neither
     # drafting: as expected (1), then an awake plain step in twice its expected period;
     # plain: a dormant step in twice its expected period
-    assert policy.modes.snapshot() == {"16:drafting": (0.75, 2), "16:plain": (0.5, 1)}
+    assert _factors(policy) == {"16:drafting": (0.75, 2), "16:plain": (0.5, 1)}
     policy.dormant = False  # a decision that expected nothing: neither
     policy._decided([0] * N)
     spec._last_committed = N
@@ -171,7 +180,7 @@ def test_each_step_counts_for_its_mode_probes_and_steps_without_decodes_for_none
     spec.observe_period(
         [ScheduledRequest(None, 1, 0, decoding=True) for _ in range(N)], clock[0], False
     )
-    assert policy.modes.snapshot() == {"16:drafting": (0.75, 2), "16:plain": (0.5, 1)}
+    assert _factors(policy) == {"16:drafting": (0.75, 2), "16:plain": (0.5, 1)}
     policy.dormant = False  # a step carrying prefill beside its decodes: neither
     batch = [ScheduledRequest(None, 1, 0, decoding=True) for _ in range(N)]
     batch[0].drafts = []
@@ -180,7 +189,7 @@ def test_each_step_counts_for_its_mode_probes_and_steps_without_decodes_for_none
     spec._last_committed = N
     clock[0] += 0.002
     spec.observe_period(batch, clock[0], False)
-    assert policy.modes.snapshot() == {"16:drafting": (0.75, 2), "16:plain": (0.5, 1)}
+    assert _factors(policy) == {"16:drafting": (0.75, 2), "16:plain": (0.5, 1)}
 
 
 def test_plain_decoding_is_overruled_where_drafting_delivered_more():

@@ -281,4 +281,18 @@ def speculation_figures(before: dict, after: dict) -> dict:
     }
     if gauges:
         out["engine_gauges"] = gauges
+    # The goodput policy's tables at the run's end: {table: {bucket: {K|direction|mode: v}}}
+    tables: dict = {}
+    for (name, labels), v in after.items():
+        if name.startswith("specserve_spec_policy_") and labels:
+            cell = dict(labels)
+            bucket = cell.pop("bucket", "")
+            key = next(iter(cell.values()), "")
+            table = tables.setdefault(name.removeprefix("specserve_spec_policy_"), {})
+            table.setdefault(bucket, {})[key] = v
+    if tables:
+        out["policy_tables"] = {
+            table: dict(sorted(rows.items(), key=lambda kv: int(kv[0] or 0)))
+            for table, rows in tables.items()
+        }
     return out

@@ -349,6 +349,45 @@ _ENGINE_DICTS = {
 }
 
 
+# The goodput policy's tables (Speculator.stats: {"bucket:key": value}), exported as gauges
+# labelled by batch bucket and the key: key -> (name, second label, doc).
+_ENGINE_TABLES = {
+    "spec_policy_period_ms": (
+        "specserve_spec_policy_period_ms",
+        "k",
+        "goodput policy: the steady period (ms) of a step of `bucket` requests at K, as its "
+        "cost model now estimates it (decode attention's context term left out)",
+    ),
+    "spec_policy_period_observations": (
+        "specserve_spec_policy_period_observations",
+        "k",
+        "goodput policy: the steady periods its cost model took at the bucket and K",
+    ),
+    "spec_policy_switch_ms": (
+        "specserve_spec_policy_switch_ms",
+        "direction",
+        "goodput policy: what a switch of K costs beyond steady steps (ms), by direction: "
+        "up (from plain decoding), down (to it), lateral (between two K > 0)",
+    ),
+    "spec_policy_switch_observations": (
+        "specserve_spec_policy_switch_observations",
+        "direction",
+        "goodput policy: the switches its cost model measured, by direction",
+    ),
+    "spec_policy_mode_factor": (
+        "specserve_spec_policy_mode_factor",
+        "mode",
+        "goodput policy: what each mode (plain: the drafter dormant; drafting) delivered "
+        "over what its decisions expected",
+    ),
+    "spec_policy_mode_steps": (
+        "specserve_spec_policy_mode_steps",
+        "mode",
+        "goodput policy: the steps each mode's factor spans",
+    ),
+}
+
+
 class _EngineCollector:
     """Reads the engine's latest stats at scrape time."""
 
@@ -372,6 +411,12 @@ class _EngineCollector:
                 family = CounterMetricFamily(name, doc, labels=[label])
                 for i, v in enumerate(value):
                     family.add_metric([str(i)], v)
+                yield family
+            elif key in _ENGINE_TABLES and isinstance(value, dict):
+                name, label, doc = _ENGINE_TABLES[key]
+                family = GaugeMetricFamily(name, doc, labels=["bucket", label])
+                for cell, v in sorted(value.items()):
+                    family.add_metric(cell.split(":", 1), v)
                 yield family
             elif key in _ENGINE_DICTS and isinstance(value, dict):
                 name, label, doc = _ENGINE_DICTS[key]

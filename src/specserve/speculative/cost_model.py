@@ -294,11 +294,19 @@ class StepCostModel:
         cell.surprised = False
 
     def snapshot(self) -> dict:
-        """The online tables as plain data (diagnostics): "bucket:K" -> (ratio of period to
-        seed, observations) and "bucket:direction" -> (switch cost in ms, observations)."""
+        """The online tables as plain data (diagnostics, the engine's stats): "bucket:K" ->
+        the steady period (ms) of a step of `bucket` requests at K, without the decode
+        attention's context term, and its observations; "bucket:direction" -> a switch's
+        cost (ms) and its observations. Measured cells only."""
+        cells = sorted(self._cells.items())
+        switches = sorted(self.switches.cells.items())
         return {
-            "ratio": _fmt(self._cells, lambda c: math.exp(c.value)),
-            "switch_ms": _fmt(self.switches.cells, lambda c: c.value),
+            "period_ms": {
+                f"{b}:{k}": self.seed_ms(b, k) * math.exp(c.value) for (b, k), c in cells
+            },
+            "period_observations": {f"{b}:{k}": c.count for (b, k), c in cells},
+            "switch_ms": {f"{b}:{d}": c.value for (b, d), c in switches},
+            "switch_observations": {f"{b}:{d}": c.count for (b, d), c in switches},
         }
 
     def switch_ms(self, n: int, k_from: int, k_to: int) -> float:
@@ -351,7 +359,3 @@ def _read(plan: tuple) -> float:
     if extra:
         ms += extra
     return ms
-
-
-def _fmt(table: dict, value) -> dict:
-    return {f"{a}:{b}": (round(value(c), 4), c.count) for (a, b), c in sorted(table.items())}

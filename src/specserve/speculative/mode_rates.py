@@ -167,7 +167,10 @@ class ModeRates:
         return True
 
     def snapshot(self) -> dict:
-        """The factors as plain data (diagnostics): "bucket:mode" -> (factor, steps)."""
+        """The factors as plain data (diagnostics, the engine's stats): "bucket:mode" -> its
+        factor, and the steps it spans."""
+        cells = sorted(self._cells.items())
         return {
-            f"{b}:{m}": (round(c.value, 5), c.steps) for (b, m), c in sorted(self._cells.items())
+            "mode_factor": {f"{b}:{m}": c.value for (b, m), c in cells},
+            "mode_steps": {f"{b}:{m}": c.steps for (b, m), c in cells},
         }

@@ -230,9 +230,16 @@ class Speculator:
         )
 
     def stats(self) -> dict:
-        """Speculation figures for metrics: decisions, acceptance, goodput."""
+        """Speculation figures for metrics: decisions, acceptance, goodput; and for the
+        goodput policy the tables it decides by (`spec_policy_*`: the cost model's steady
+        periods and switch costs, the modes' factors, each keyed "bucket:K|direction|mode")."""
         trace = self.policy.trace
+        tables = {}
+        for source in (self.cost, getattr(self.policy, "modes", None)):
+            if source is not None:
+                tables.update({f"spec_policy_{k}": v for k, v in source.snapshot().items()})
         return {
+            **tables,
             "spec_policy": type(self.policy).__name__,
             "spec_simulated_acceptance": self.simulate_rate is not None,
             "spec_steps_by_draft_len": list(trace.steps_by_draft_len),
