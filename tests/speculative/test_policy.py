@@ -219,6 +219,23 @@ def test_noise_does_not_flap_the_choice():
     assert switches <= 20
 
 
+def test_periods_noise_protects_the_k_in_use_only_where_it_could_reverse_the_order():
+    """Leaving the K in use takes a gain beyond the periods' standard errors, unless the
+    other K takes no longer for no fewer tokens: then their noise cannot reverse the order
+    (on a host-paced model K=2 and K=3 steps cost the same, and a noisy estimate that
+    pushed the choice to K=2 kept it there for 20-30% of the steps: closed-loop simulator,
+    the default model's acceptance on the H200)."""
+    policy, _ = _policy(k_max=3)
+    policy.cost.error = lambda n, k: 0.2  # noisy periods: a standard error of 28% in all
+    tokens, switch = [1.0, 1.5, 1.8, 2.0], [0.0] * 4
+    # K=3 as long as K=2, 11% more tokens: it dominates
+    assert policy._preferred_k(1, 2, tokens, [0.7, 0.9, 0.9, 0.9], switch, 1) == 3
+    # 5% dearer for those tokens: 6% more goodput, within the noise: K=2 stays
+    assert policy._preferred_k(1, 2, tokens, [0.7, 0.9, 0.9, 0.945], switch, 1) == 2
+    # and K=2 is never left for K=1: fewer tokens for less time, within the noise
+    assert policy._preferred_k(1, 2, tokens, [0.7, 0.6, 0.9, 0.9], switch, 1) == 2
+
+
 def _model_goodput(policy, acc, reqs, draft_lens):
     tokens = sum(acc.expected_tokens(r.request_id, k) for r, k in zip(reqs, draft_lens))
     return tokens / policy.cost.step_ms(draft_lens)

@@ -43,8 +43,8 @@ class GoodputPolicy(SpeculationPolicy):
     (`PeriodLog`). On a step of a millisecond it is worth several steps. So the policy
     leaves the K in use (the last step's unless that was a probe, else the bucket's
     preferred K) only for a K better by more than HYSTERESIS (or NOISE_Z standard errors of
-    the two period estimates) once a switch there and back is spread over DWELL_STEPS steps,
-    and probes pay their switches.
+    the two period estimates, unless that K takes no longer for no fewer tokens) once a
+    switch there and back is spread over DWELL_STEPS steps, and probes pay their switches.
 
     Probing keeps every K's cost and acceptance known: a K not preferred runs for a few
     consecutive steps (the switch, enough steady ones to span PROBE_MS, at most
@@ -418,13 +418,20 @@ class GoodputPolicy(SpeculationPolicy):
     def _preferred_k(self, bucket: int, current: int | None, tokens, costs, switch, n: int) -> int:
         """The K with the best goodput, with what switching to it from the K in use and back
         costs spread over DWELL_STEPS; the K in use unless that is beaten by HYSTERESIS or,
-        where periods vary more, by NOISE_Z standard errors of the two period estimates."""
+        where periods vary more, by NOISE_Z standard errors of the two period estimates
+        (unless the better K takes no longer for no fewer tokens: then the periods' noise
+        cannot reverse the order)."""
         dwell = self.DWELL_STEPS
         goodput = [t / (ms + s / dwell) for t, ms, s in zip(tokens, costs, switch)]
         best = goodput.index(max(goodput))  # the first of equals
         if current is not None and current < len(goodput) and best != current:
-            se = math.hypot(self.cost.error(n, best), self.cost.error(n, current))
-            if goodput[best] <= goodput[current] * (1 + max(self.HYSTERESIS, self.NOISE_Z * se)):
+            margin = self.HYSTERESIS
+            if costs[best] > costs[current] or tokens[best] < tokens[current]:
+                # (where `best` takes no longer for no fewer tokens, the periods' noise
+                # cannot reverse the order)
+                se = math.hypot(self.cost.error(n, best), self.cost.error(n, current))
+                margin = max(margin, self.NOISE_Z * se)
+            if goodput[best] <= goodput[current] * (1 + margin):
                 best = current
         if len(goodput) == self.k_max + 1:  # not when requests near their end cap K
             self._preferred[bucket] = best
