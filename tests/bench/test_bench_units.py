@@ -332,6 +332,42 @@ def test_a_run_with_failures_keeps_the_servers_log_tail(monkeypatch):
     )
 
 
+def test_a_goodput_point_prints_the_policys_table_at_its_bucket(monkeypatch, capsys):
+    """A point's line carries what the goodput policy believed at the concurrency's batch
+    bucket as the point ended (its periods by K, the modes' factors); other points do not."""
+    from types import SimpleNamespace
+
+    from specserve.bench import sweep
+    from specserve.bench.report import policy_table
+
+    tables = {
+        "period_ms": {"8": {"3": 1.25}, "64": {"3": 3.4, "0": 1.5}},
+        "mode_factor": {"64": {"plain": 0.95, "drafting": 1.02}},
+    }
+    spec = {"policy_tables": tables}
+    want = "policy at 64: K=0 1.50, K=3 3.40 ms; drafting x1.02, plain x0.95"
+    assert policy_table(spec, 64) == policy_table(spec, 33) == want
+    assert policy_table(spec, 8) == "policy at 8: K=3 1.25"
+    assert policy_table(spec, 1) == "" and policy_table({}, 64) == ""
+
+    def fake_benchmark(cfg, dataset, progress, desc, speculation=spec):
+        server = {"speculation": speculation} if speculation else {}
+        return {
+            "failed": 0,
+            "output_throughput": 1.0,
+            "itl_ms": {"p50": None},
+            "tpot_ms": {"p50": None},
+            "server": server,
+        }
+
+    monkeypatch.setattr(sweep, "benchmark", fake_benchmark)
+    sweep.measure(SimpleNamespace(max_concurrency=64), None, "goodput", [], progress=False)
+    assert f"[{want}]" in capsys.readouterr().out
+    monkeypatch.setattr(sweep, "benchmark", lambda *a, **k: fake_benchmark(*a, **k, speculation={}))
+    sweep.measure(SimpleNamespace(max_concurrency=64), None, "off", [], progress=False)
+    assert "policy at" not in capsys.readouterr().out
+
+
 def test_engine_loop_figures_reach_the_bench():
     """The server exports the loop's waits by reason as a labelled counter and its device
     and wait time totals as counters; the bench reads them back into its server figures."""

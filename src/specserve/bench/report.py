@@ -215,6 +215,25 @@ def step_ms_by_k(spec: dict) -> str:
 _PART_NAMES = {"prefill": "with prefill"}
 
 
+def policy_table(spec: dict, concurrency: int) -> str:
+    """The goodput policy's tables at the batch bucket of `concurrency` as of a point's end
+    (metrics_client: `policy_tables`): its steady period at each K and the modes' factors
+    ("policy at 64: K=0 1.50, K=3 3.40 ms; plain x0.95, drafting x1.02"), or "" when the
+    server exported none (other policies, other servers)."""
+    tables = spec.get("policy_tables") or {}
+    bucket = str(1 << max(0, concurrency - 1).bit_length())  # (speculative/buckets.py's)
+    periods = (tables.get("period_ms") or {}).get(bucket)
+    if not periods:
+        return ""
+    text = f"policy at {bucket}: " + ", ".join(
+        f"K={k} {ms:.2f}" for k, ms in sorted(periods.items(), key=lambda kv: int(kv[0]))
+    )
+    factors = (tables.get("mode_factor") or {}).get(bucket)
+    if factors:
+        text += " ms; " + ", ".join(f"{m} x{f:.2f}" for m, f in sorted(factors.items()))
+    return text
+
+
 def print_report(report: dict, title: str = "specserve bench") -> None:
     from rich.console import Console
     from rich.table import Table

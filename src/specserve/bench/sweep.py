@@ -30,7 +30,7 @@ from pathlib import Path
 from specserve.bench.conversations import Conversation
 from specserve.bench.datasets import BenchPrompt, Dataset
 from specserve.bench.load import LoadConfig
-from specserve.bench.report import save_json, step_ms_by_k
+from specserve.bench.report import policy_table, save_json, step_ms_by_k
 from specserve.bench.rounds import median_rows, medians_table
 from specserve.bench.runner import benchmark
 from specserve.bench.server_process import ServerProcess
@@ -176,6 +176,9 @@ def measure(
     by_k = step_ms_by_k(steps.get("speculation") or {})
     if by_k:  # a speculating server's mean step at each K it ran
         step_ms += f" [{by_k}]"
+    spec = steps.get("speculation") or {}
+    if spec.get("policy_tables"):  # and what the goodput policy believed of them
+        step_ms += f" [{policy_table(spec, cfg.max_concurrency)}]"
     print(
         f"[sweep] {desc or label:>24} {report['output_throughput']:8.1f} tok/s  "
         f"p50 ITL {_ms(report['itl_ms']['p50'])} ms  "
