@@ -349,6 +349,10 @@ def test_a_goodput_point_prints_the_policys_table_at_its_bucket(monkeypatch, cap
     assert policy_table(spec, 64) == policy_table(spec, 33) == want
     assert policy_table(spec, 8) == "policy at 8: K=3 1.25"
     assert policy_table(spec, 1) == "" and policy_table({}, 64) == ""
+    # arrivals at a rate (no concurrency): the bucket observed most
+    seen = {"period_observations": {"8": {"3": 40}, "64": {"3": 30, "0": 5}}}
+    assert policy_table({"policy_tables": {**tables, **seen}}, None).startswith("policy at 8:")
+    assert policy_table(spec, None) == ""  # (nothing observed: no bucket to show)
 
     def fake_benchmark(cfg, dataset, progress, desc, speculation=spec):
         server = {"speculation": speculation} if speculation else {}

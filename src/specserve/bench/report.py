@@ -215,13 +215,18 @@ def step_ms_by_k(spec: dict) -> str:
 _PART_NAMES = {"prefill": "with prefill"}
 
 
-def policy_table(spec: dict, concurrency: int) -> str:
+def policy_table(spec: dict, concurrency: int | None) -> str:
     """The goodput policy's tables at the batch bucket of `concurrency` as of a point's end
     (metrics_client: `policy_tables`): its steady period at each K and the modes' factors
     ("policy at 64: K=0 1.50, K=3 3.40 ms; plain x0.95, drafting x1.02"), or "" when the
-    server exported none (other policies, other servers)."""
+    server exported none (other policies, other servers). Without a concurrency (arrivals
+    at a rate), at the bucket with the most observations."""
     tables = spec.get("policy_tables") or {}
-    bucket = str(1 << max(0, concurrency - 1).bit_length())  # (speculative/buckets.py's)
+    if concurrency:
+        bucket = str(1 << max(0, concurrency - 1).bit_length())  # (speculative/buckets.py's)
+    else:
+        seen = tables.get("period_observations") or {}
+        bucket = max(seen, key=lambda b: sum(seen[b].values()), default="")
     periods = (tables.get("period_ms") or {}).get(bucket)
     if not periods:
         return ""
