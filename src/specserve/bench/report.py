@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from specserve.bench.load import RequestResult
+from specserve.speculative.buckets import batch_bucket
 
 PERCENTILES = (50, 90, 99)
 LATENCIES = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_latency_ms")
@@ -223,7 +224,7 @@ def policy_table(spec: dict, concurrency: int | None) -> str:
     at a rate), at the bucket with the most observations."""
     tables = spec.get("policy_tables") or {}
     if concurrency:
-        bucket = str(1 << max(0, concurrency - 1).bit_length())  # (speculative/buckets.py's)
+        bucket = str(batch_bucket(concurrency))
     else:
         seen = tables.get("period_observations") or {}
         bucket = max(seen, key=lambda b: sum(seen[b].values()), default="")

@@ -348,8 +348,9 @@ class EngineClient:
         return f"exit code {code}"
 
     def _on_report(self, report: StepReport) -> None:
-        # (between whole stats, a report carries the queue lengths alone: `EngineLoop._send`)
-        self.stats = {**self.stats, **report.stats}
+        # (between whole stats, a report carries the queue lengths alone: `EngineLoop._send`;
+        # updated in place on the event loop's thread, where /metrics reads it too)
+        self.stats.update(report.stats)
         self.metrics.observe_steps(report.step_s, report.gap_s)
         now = time.monotonic()
         for fields in report.outputs:
