@@ -65,7 +65,11 @@ def test_decode_num_splits_keeps_one_wave():
     for b, ctx in ((1, 4096), (2, 4096), (3, 300), (16, 4096), (64, 100)):
         want = decode_num_splits(b * 2, ctx, 4)
         assert backend.choose_num_splits(meta(b, ctx), 2, 4, cpu) == want, (b, ctx)
-    assert backend.choose_num_splits(meta(1, 4096, q_len=32), 2, 4, cpu) == 1  # prefill rows
+    # prefill rows (32 tokens x 4 > 64): one tile a KV head, two tiles a multiprocessor,
+    # chunks of at least 256 keys
+    assert backend.choose_num_splits(meta(1, 4096, q_len=32), 2, 4, cpu) == 4
+    assert backend.choose_num_splits(meta(1, 600, q_len=32), 2, 4, cpu) == 3
+    assert backend.choose_num_splits(meta(4, 4096, q_len=200), 2, 4, cpu) == 1  # 16 tiles
     assert isinstance(backend.choose_num_splits(meta(1, 4096), 2, 4, cpu), int)
 
 
@@ -109,7 +113,8 @@ def test_backend_fixes_the_chunks_of_decode_and_verify_steps_up_to_16_requests()
     assert step(backend, 1, 1) == (chunks, 3)  # decode
     assert step(backend, 16, 4) == (chunks, 3)  # verify of 16 requests at K=3
     assert step(backend, 17, 1) == (None, 3)  # beyond the guarantee: the split count's
-    assert step(backend, 2, 32) == (None, 1)  # prefill rows (32 x 4 > 64)
+    assert step(backend, 2, 32) == (3, 3)  # prefill rows (32 x 4 > 64): chunked by length
+    assert calls[-1]["min_chunk"] == backend.prefill_min_chunk
     fake.decode_num_splits = lambda *a: chunks + 2  # more programs than the chunks: capped
     assert step(backend, 2, 1) == (chunks, chunks)
     assert step(backend, 17, 1) == (None, chunks + 2)
@@ -198,6 +203,36 @@ def test_gpu_mixed_prefill_decode_verify(dtype, page_size, num_splits):
     )
     err = attention_error(_kernels(), batch, num_splits)
     assert err < GPU_TOL[dtype], err
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_mixed_graph_tiles_split_a_short_chunk_over_a_long_context(dtype):
+    """A mixed graph's step as the 8B shape runs it at one request: a 64-token question
+    after 2,048 cached tokens is 3 tiles a KV head, whose keys the backend splits (and, with
+    a decode row before it, leaves that row to the decode launch)."""
+    from tests.support.triton_cases import mixed_tiles_error
+
+    for q_lens, ends, seq_lens, short in (
+        ([64], [2111], [2112], 0),
+        ([1, 64], [700, 2111], [701, 2112], 1),
+    ):
+        err = mixed_tiles_error(
+            _kernels(),
+            q_lens,
+            ends,
+            seq_lens,
+            16,
+            short,
+            seed=3,
+            want_splits=True,
+            device="cuda",
+            dtype=dtype,
+            shape=GPU_SHAPE,
+            min_chunk=None,
+            small=False,
+        )
+        assert err < GPU_TOL[dtype], (q_lens, err)
 
 
 @pytest.mark.gpu

@@ -183,6 +183,79 @@ def mixed_step_error(
     return rel_err(out, ref)
 
 
+def mixed_tiles_error(
+    kernels,
+    q_lens,
+    ends,
+    seq_lens,
+    page_size,
+    short: int,
+    seed: int,
+    want_splits: bool,
+    device="cpu",
+    dtype=torch.float16,
+    shape=None,
+    programs_per_sm: float | None = None,
+    min_chunk: int | None = 16,
+    small: bool = True,
+) -> float:
+    """A mixed step as its CUDA graph runs it (`MixedLayout`: the first `short` requests
+    through the decode path, the others' row blocks as tiles, padded with an empty tile)
+    against the reference; `programs_per_sm` sets how many prefill tiles fit a
+    multiprocessor (the split count follows), chunks of at least `min_chunk` keys (None:
+    the backend's); `small`: 16-key blocks (the interpreter's cases), else the backend's
+    launches. inf unless the tiles' launch split its keys exactly when `want_splits`."""
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    from specserve.layers.attention.base import MixedLayout, max_mixed_tiles, mixed_tiles
+    from specserve.layers.attention.triton_attn import LaunchConfig, TritonAttentionBackend
+
+    shape = shape or SMALL
+    batch = make_batch(
+        q_lens, ends, seq_lens, page_size, dtype=dtype, device=device, seed=seed, **shape
+    )
+    group, n = shape["group"], len(q_lens)
+    starts = [0]
+    for q in q_lens:
+        starts.append(starts[-1] + q)
+    count = max_mixed_tiles(starts[-1], n, group) + 1  # (one padding tile at least)
+    i64 = dict(dtype=torch.int64, device=device)
+    layout = MixedLayout(
+        torch.tensor(starts[: short + 1] + [starts[short]] * (n - short), **i64),
+        max(q_lens[:short], default=1),
+        starts[short],
+        torch.tensor(mixed_tiles(q_lens, short, group, count), **i64).view(count, 2),
+    )
+    meta = replace(batch.meta, max_query_len=starts[-1], mixed=layout)
+    launches = []
+
+    def paged_attention(q, *args, **kw):
+        launches.append(kw)
+        return kernels.paged_attention(q, *args, **kw)
+
+    recorder = SimpleNamespace(
+        **{k: getattr(kernels, k) for k in dir(kernels) if not k.startswith("__")}
+    )
+    recorder.paged_attention = paged_attention
+    backend = TritonAttentionBackend(kernels=recorder)
+    if small:  # several key blocks a chunk
+        backend.decode = backend.prefill = LaunchConfig(block_n=16, num_warps=4, num_stages=2)
+    if programs_per_sm is not None:
+        backend.prefill_programs_per_sm = programs_per_sm
+    if min_chunk is not None:
+        backend.prefill_min_chunk = min_chunk
+    scale = batch.q.shape[-1] ** -0.5
+    ref = reference(batch, scale)
+    out = backend.forward(
+        batch.q, batch.k, batch.v, batch.k_cache.clone(), batch.v_cache.clone(), meta, scale
+    )
+    tiles = [kw for kw in launches if kw.get("tiles") is not None]
+    if len(tiles) != 1 or (tiles[0]["num_splits"] > 1) != want_splits:
+        return float("inf")
+    return rel_err(out, ref)
+
+
 def kv_write_error(kernels, batch: Batch) -> float:
     """0.0 when the Triton KV write stores exactly what the reference stores (a slot of -1
     must be skipped)."""
@@ -330,7 +403,7 @@ def warm_up_error(backend, dtype) -> float:
     k_cache = torch.randn(3, 4, 2, 16, generator=gen).to(dtype)
     v_cache = torch.randn(3, 4, 2, 16, generator=gen).to(dtype)
     before = (k_cache[1:].clone(), v_cache[1:].clone())
-    if backend.warm_up(6, (k_cache, v_cache)) != 13:
+    if backend.warm_up(6, (k_cache, v_cache)) != 14:
         return float("inf")
     return max(
         (k_cache[1:] - before[0]).abs().max().item(), (v_cache[1:] - before[1]).abs().max().item()
@@ -370,6 +443,17 @@ def interpreter_cases() -> dict[str, tuple]:
     )
     cases["split-mixed-step-page1"] = ("mixed", ([3, 1, 33], [20, 70, 40], [21, 71, 41], 1, 2), {})
     cases["split-mixed-chunk-first"] = ("mixed", ([40, 1, 2], [45, 30, 8], [46, 31, 9], 16, 0), {})
+    # a mixed graph's step: a decode and a verify row, then a chunk of 40 tokens after 60
+    # cached and one of 3 tokens (short, but after the chunk: a tile) after 20; the tiles'
+    # keys in chunks of one 16-key block or more, and unsplit (the tiles fill the "GPU")
+    tiles = ([1, 3, 40, 3], [30, 20, 99, 22], [31, 21, 100, 23], 16, 2)
+    cases["mixed-tiles-split"] = ("tiles", tiles, dict(want_splits=True, programs_per_sm=64))
+    cases["mixed-tiles-split-min48"] = (
+        "tiles",
+        tiles,
+        dict(want_splits=True, programs_per_sm=64, min_chunk=48),
+    )
+    cases["mixed-tiles-unsplit"] = ("tiles", tiles, dict(want_splits=False, programs_per_sm=1))
     # GQA decode/verify through each decode-path kernel: 3 KV heads of 4 query heads (a wrong
     # head grouping reads another head's K/V), 2 of 3 (a group that is no power of two), MHA
     gqa = dict(kv_heads=3, group=4, head_dim=32)
@@ -449,6 +533,8 @@ def run_case(name: str, spec: tuple, kernels, ops) -> float:
         return kv_write_error(kernels, _small(*args, seed=len(name)))
     if kind == "mixed":
         return mixed_step_error(kernels, *args, seed=len(name))
+    if kind == "tiles":
+        return mixed_tiles_error(kernels, *args, seed=len(name), **kw)
     if kind == "invariance":
         return split_invariance_error(kernels, args[0], first=args[1], block_n=16, **kw)
     if kind == "attn":

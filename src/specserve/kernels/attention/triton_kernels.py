@@ -190,7 +190,7 @@ def _paged_attn_kernel(
                 BLOCK_N,
                 SPLIT,
             )
-    else:  # at most the program's own chunk (past the request's: an empty partial, unmerged)
+    elif pid_s < num_chunks:  # the program's own chunk (past the request's: none, unmerged)
         _generic_chunk_out(
             q,
             k_cache,
@@ -369,8 +369,12 @@ def _split_reduce_kernel(
             tl.load(part_row + last * stride_ps, mask=in_count, other=0.0, cache_modifier=".cg") * w
         )
     out = acc / tl.where(denom > 0, denom, 1.0)
+    # A row without chunks is left alone: another launch's (a mixed step's short rows beside
+    # its tiles), or one that `clear` zeroed.
     tl.store(
-        out_ptr + t * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d_ok
+        out_ptr + t * stride_ot + h * stride_oh + d,
+        out.to(out_ptr.dtype.element_ty),
+        mask=d_ok & (d * 0 + count > 0),  # (a tensor mask, as the interpreter needs)
     )
 
 
@@ -452,15 +456,20 @@ def paged_attention(
         grid = (tiles.shape[0], kv_heads, num_splits)
     # the shortest chunk in keys, whole blocks (by default chunks of one block are allowed)
     min_keys = triton.cdiv(min_chunk or 1, block_n) * block_n if chunk_splits else block_n
+    kernel = kernel or DECODE_KERNEL
+    if kernel not in DECODE_KERNELS:
+        raise ValueError(f"kernel must be one of {DECODE_KERNELS}, got {kernel!r}")
+    decode_kernel = decode_like and kernel != "generic"
     row_chunks = chunk_splits is not None  # rows chunked by their own length: two chunkings
-    slots = chunks * (2 if row_chunks else 1)
+    slots = chunks * (2 if row_chunks and decode_kernel else 1)
     split = chunks > 1 or row_chunks
     if split:
         part = torch.empty(
             (slots, num_tokens, num_heads, head_dim), dtype=torch.float32, device=q.device
         )
         lse = torch.empty((slots, num_tokens, num_heads), dtype=torch.float32, device=q.device)
-        alloc = torch.zeros if clear else torch.empty
+        # rows that no program writes merge nothing (tiles: the rows of other launches)
+        alloc = torch.zeros if clear or tiles is not None else torch.empty
         nchunk = alloc((num_tokens, num_heads), dtype=torch.int32, device=q.device)
         dst, dst_strides, lse_strides = part, part.stride()[:3], lse.stride()[:2]
     else:
@@ -468,11 +477,8 @@ def paged_attention(
         nchunk = seq_lens  # unused (an argument already there: no allocation per call)
         dst_strides, lse_strides = (0, *out.stride()[:2]), (0, 0)
     launch_pdl = pdl.launch_options(q.device)
-    kernel = kernel or DECODE_KERNEL
-    if kernel not in DECODE_KERNELS:
-        raise ValueError(f"kernel must be one of {DECODE_KERNELS}, got {kernel!r}")
     extra = {}
-    if decode_like and kernel != "generic":
+    if decode_kernel:
         launch, extra["PREFETCH"] = _paged_attn_decode_kernel[grid], kernel == "prefetch"
         extra["EARLY_METADATA"] = PDL_EARLY_METADATA
         if kernel == "decode":

@@ -17,6 +17,14 @@ from specserve.layers.attention.base import TILE_ROWS, AttentionBackend, Attenti
 
 MAX_SPLITS = 32
 MIN_SPLIT_TOKENS = 128  # a KV chunk shorter than this is not worth a separate program
+# Prefill tiles (TILE_ROWS rows, 8 warps) resident per multiprocessor, and their shortest
+# chunk in keys: a short chunk over a long context (a question after a cached system prompt
+# or conversation: 64 tokens x 4 query heads a KV head after 2,048 cached tokens on the 8B
+# shape) is 3 tiles x 8 KV heads = 24 programs walking all the keys one block at a time on
+# a 132-multiprocessor GPU; split, its first token came 12.0 -> 9.7 ms after it was added
+# on the H200 (docs/performance.md, prefix caching).
+PREFILL_PROGRAMS_PER_SM = 2
+PREFILL_MIN_CHUNK = 256
 # The shortest chunk of batch-invariant steps, in keys (one 32-key block: chunks as short as
 # the split count's by program count; longer ones cut the partials a verify step writes and
 # merges, at a cost to parallelism: on the H200 chunks of 128+ keys lost 1-3% at batches
@@ -83,6 +91,8 @@ class TritonAttentionBackend(AttentionBackend):
         self.cpu_invariant_chunks: int | None = None  # see invariant_chunks
         self.min_chunk = INVARIANT_MIN_CHUNK  # keys: the shortest chunk of invariant steps
         self.programs_per_sm = programs_per_sm
+        self.prefill_programs_per_sm = PREFILL_PROGRAMS_PER_SM
+        self.prefill_min_chunk = PREFILL_MIN_CHUNK  # keys
         self.decode, self.prefill = decode, prefill
         self._kernels = kernels
         self._sms: dict[torch.device, int] = {}
@@ -114,7 +124,8 @@ class TritonAttentionBackend(AttentionBackend):
             for q_len in sorted({max(1, rows // group) for rows in (16, 32, ops.DECODE_MAX_ROWS)})
             for splits, chunks in chunkings
         ]
-        shapes.append((ops.DECODE_MAX_ROWS // group + 1, 1, None))  # prefill-like
+        prefill_q = ops.DECODE_MAX_ROWS // group + 1
+        shapes += [(prefill_q, 1, None), (prefill_q, 2, 2)]  # prefill-like: whole, chunked
         i64 = dict(dtype=torch.int64, device=device)
         for q_len, splits, chunks in shapes:
             q = torch.zeros(q_len, num_heads, head_dim, dtype=k_cache.dtype, device=device)
@@ -147,20 +158,39 @@ class TritonAttentionBackend(AttentionBackend):
         if self.num_splits is not None:
             return self.num_splits
         rows = meta.max_query_len * group
-        if rows > self.kernels.DECODE_MAX_ROWS:
-            return 1  # prefill: query blocks already fill the GPU
-        if device not in self._sms:
-            self._sms[device] = _num_sms(device)
+        if rows > self.kernels.DECODE_MAX_ROWS:  # prefill: a program per row tile
+            tiles = -(-rows // TILE_ROWS) * meta.num_requests
+            return self.prefill_num_splits(tiles * num_kv_heads, meta.max_seq_len, device)
         # As many splits as keep every program in one wave: a second wave of short
         # programs plus the merge cost more than idle slots.
         return self.kernels.decode_num_splits(
             meta.num_requests * num_kv_heads,
             meta.max_seq_len,
-            self._sms[device],
+            self._num_sms(device),
             self.programs_per_sm,
             MIN_SPLIT_TOKENS,
             MAX_SPLITS,
         )
+
+    def prefill_num_splits(self, num_programs: int, max_seq_len: int, device) -> int:
+        """Chunks for prefill tiles: as for decode (one wave), with fewer, larger programs
+        resident and chunks of at least PREFILL_MIN_CHUNK keys. Most prefill steps fill the
+        wave with tiles alone; a short chunk over a long context does not."""
+        if self.num_splits is not None:
+            return self.num_splits
+        return self.kernels.decode_num_splits(
+            num_programs,
+            max_seq_len,
+            self._num_sms(device),
+            self.prefill_programs_per_sm,
+            self.prefill_min_chunk,
+            MAX_SPLITS,
+        )
+
+    def _num_sms(self, device: torch.device) -> int:
+        if device not in self._sms:
+            self._sms[device] = _num_sms(device)
+        return self._sms[device]
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
         """Write the new K/V, then attend. A mixed step (decode or verify rows first, then
@@ -202,8 +232,23 @@ class TritonAttentionBackend(AttentionBackend):
         self._attend(q[:n], k_cache, v_cache, short, scale, out[:n], clear=True)
         if n < q.shape[0]:
             out[n:].zero_()
-        tiles = dict(tiles=mixed.tiles, tile_rows=TILE_ROWS)
-        return self._launch(q, k_cache, v_cache, meta, scale, self.prefill, out=out, **tiles)
+        # the graph's tile count and longest context fix the chunking; each row block's
+        # chunk length follows its own context on the device
+        splits = self.prefill_num_splits(
+            mixed.tiles.shape[0] * k_cache.shape[2], meta.max_seq_len, q.device
+        )
+        return self._launch(
+            q,
+            k_cache,
+            v_cache,
+            meta,
+            scale,
+            self.prefill,
+            out=out,
+            tiles=mixed.tiles,
+            tile_rows=TILE_ROWS,
+            **self._prefill_chunks(splits),
+        )
 
     def short_query_len(self, group: int) -> int:
         """The longest query (tokens) of a request the decode path serves: DECODE_MAX_ROWS
@@ -225,6 +270,11 @@ class TritonAttentionBackend(AttentionBackend):
         chunks = self.invariant_chunks(q.device) if invariant else None
         if chunks:
             splits = min(splits, chunks)  # no program without a chunk
+        if not decode_like:
+            return self._launch(
+                q, k_cache, v_cache, meta, scale, launch, out=out, clear=clear,
+                **self._prefill_chunks(splits),
+            )  # fmt: skip
         return self._launch(
             q,
             k_cache,
@@ -238,6 +288,14 @@ class TritonAttentionBackend(AttentionBackend):
             min_chunk=self.min_chunk if chunks else None,
             clear=clear,
         )
+
+    def _prefill_chunks(self, splits: int) -> dict:
+        """Launch options of prefill tiles in `splits` chunks, of at least
+        `prefill_min_chunk` keys unless the split count is fixed (a row block's shorter
+        context: fewer chunks, the other programs idle)."""
+        if splits == 1 or self.num_splits is not None:
+            return {"num_splits": splits}
+        return {"num_splits": splits, "chunk_splits": splits, "min_chunk": self.prefill_min_chunk}
 
     def _launch(self, q, k_cache, v_cache, meta, scale, launch: LaunchConfig, **options):
         """`paged_attention` over `meta`'s requests with `launch`'s configuration."""
