@@ -57,6 +57,35 @@ def test_drafting_is_held_back_only_where_it_lost_on_enough_steps():
     assert modes.rate(32, "plain") is None
 
 
+def test_plain_decoding_unmeasured_counts_as_expected_at_a_near_tie_of_many_requests():
+    """A policy that always prefers drafting by a little never goes dormant, so plain
+    decoding's factor is never measured: at a bucket of PRIOR_MIN_BATCH requests or more,
+    where drafting's decision leads by under PRIOR_GAP and its own factor turns the lead
+    into a loss, plain decoding is taken to deliver what it is expected to (its period is
+    the drafter-awake K = 0 one, which dormancy only shortens): drafting is held back, so
+    the policy goes dormant and plain decoding gets measured. Not at fewer requests, not
+    for a larger lead, and never the other way round (overruling plain decoding)."""
+    many, gap = ModeRates.PRIOR_MIN_BATCH, ModeRates.PRIOR_GAP
+
+    def drafting_only(factor: float, bucket: int) -> ModeRates:
+        modes = ModeRates()
+        for i in range(ModeRates.MIN_STEPS):
+            modes.observe(bucket, "drafting", factor, 1.0, 1.0, 1.0, i)
+        return modes
+
+    assert drafting_only(0.9, many).holds_back(many, 200, 1.02, 1.0)  # 0.918 < 1.0
+    assert not drafting_only(0.99, many).holds_back(many, 200, 1.02, 1.0)  # 1.01 x 1.01
+    assert not drafting_only(0.9, many // 2).holds_back(many // 2, 200, 1.02, 1.0)
+    lead = 1.0 / (1.0 - gap) + 0.01  # drafting expected to lead by more than the gap
+    assert not drafting_only(0.5, many).holds_back(many, 200, lead, 1.0)
+    assert not drafting_only(0.9, many).favors_drafting(many, 200, 1.02, 1.0)
+    # once plain decoding is measured, its own factor decides
+    modes = drafting_only(0.9, many)
+    for i in range(ModeRates.MIN_STEPS):
+        modes.observe(many, "plain", 0.85, 1.0, 1.0, 1.0, 200 + i)
+    assert not modes.holds_back(many, 400, 1.02, 1.0)  # 0.918 > 0.85 x 1.01
+
+
 def test_factors_follow_the_expectations_not_the_requests_acceptance():
     """Drafting measured while hard requests ran (few tokens a step, as expected of them)
     delivered what was expected: it is not held back when an easy request's decision

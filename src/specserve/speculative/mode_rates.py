@@ -52,21 +52,45 @@ class ModeRates:
 
     `holds_back(bucket, step, drafting, plain)`: the decision's expected goodput of drafting
     and of plain decoding (tokens per ms), each times its mode's factor: drafting falls
-    short by more than MARGIN, both factors measured over MIN_STEPS steps at least, so the
-    decision to draft is overruled; unless a retrial is due: once drafting has not run for
-    `retry` steps at the bucket (RETRY_STEPS, doubled after each retrial that lost again, up
-    to MAX_RETRY; back to RETRY_STEPS once drafting wins), its factor starts over and
+    short by more than MARGIN, both factors measured over MIN_STEPS steps at least (plain
+    decoding's: see below), so the decision to draft is overruled; unless a retrial is due:
+    once drafting has not run for `retry` steps at the bucket (RETRY_STEPS, doubled after
+    each retrial that lost again, up to MAX_RETRY; back to RETRY_STEPS once drafting wins),
+    its factor starts over and
     decisions to draft go through until it is measured again, so that a change of load is
     found. `favors_drafting(bucket, step, drafting, plain)` is the other way round: drafting
     (the best K > 0) beats plain decoding by more than MARGIN after the correction, so a
     decision for plain decoding is overruled, with retrials of plain decoding's factor
-    alike."""
+    alike.
+
+    Plain decoding's factor is measured only once the policy goes dormant, which a policy
+    that always prefers drafting by a little never does: the default model at concurrency
+    64 on the H200 (session 35) expected K=3 to deliver 39 tokens a ms against K = 0's 38
+    (its period with the drafter awake, 1.67 ms), while drafting's factor was 0.89 and
+    speculation off (1.43 ms a step, session 34) delivered 45. Until measured at a
+    bucket of PRIOR_MIN_BATCH requests or more, plain decoding's factor is taken as
+    PLAIN_PRIOR where the decision expects drafting to lead by less than PRIOR_GAP: its
+    steps are priced at K = 0's period with the drafter kept up, which dormancy can only
+    shorten, so a drafting factor that turns such a near tie into a loss holds drafting
+    back, the policy goes dormant, and plain decoding is measured (then both factors decide,
+    with retrials as above). Not where drafting leads by more: a fixed K pays none of the
+    switches, probes and catch-ups that lower the policy's drafting factor, and going
+    dormant to find out costs more of them (in the closed-loop simulator, down to 0.94 of
+    the best fixed K where it leads by 22%). Nor at fewer requests, whose expectations
+    follow a few answers' stretches of easy or hard text and whose period estimates are
+    noisier: a near tie there passes. Going dormant on it lost 1-2% at batch 1 in the
+    simulator and, at 16 requests, a round on the H200 (0.86 of fixed K=3 with 30% of its
+    steps plain, against 0.90 in the round before, at 2% plain); at 64 the two rounds gave
+    0.999 and 0.977 of the best of off and fixed K=3, with plain decoding measured at 64."""
 
     WEIGHT = 1 / 256  # decay per observation of a cell (a plain mean until it spans enough)
     MIN_STEPS = 128  # steps of a mode at a bucket before its factor is trusted
     MARGIN = 0.01  # drafting must deliver at least (1 - MARGIN) of plain decoding's goodput
     RETRY_STEPS = 1024
     MAX_RETRY = 16384
+    PLAIN_PRIOR = 1.0
+    PRIOR_GAP = 0.1
+    PRIOR_MIN_BATCH = 32
 
     def __init__(self) -> None:
         self._cells: dict[tuple[int, str], _Rate] = {}
@@ -146,17 +170,30 @@ class ModeRates:
     ) -> bool:
         """Whether mode `loser` falls short of the other at `bucket` by more than MARGIN,
         each mode's expected goodput times its factor, both factors measured over
-        MIN_STEPS, and no retrial of it is due (`retries`: its waits by bucket). A due
+        MIN_STEPS (plain decoding's taken as PLAIN_PRIOR until then, when drafting loses),
+        and no retrial of it is due (`retries`: its waits by bucket). A due
         retrial starts its factor over and doubles the next wait unless it wins; a win sets
         the waits back to the start."""
         drafting = self._cells.get((bucket, "drafting"))
         plain = self._cells.get((bucket, "plain"))
-        if drafting is None or plain is None:
-            return False
-        if drafting.steps < self.MIN_STEPS or plain.steps < self.MIN_STEPS:
+        if drafting is None or drafting.steps < self.MIN_STEPS:
             return False  # (a retrial under way, too)
-        lost, won = (drafting, plain) if loser == "drafting" else (plain, drafting)
-        if loser_expected * lost.value * (1.0 + self.MARGIN) >= winner_expected * won.value:
+        if plain is not None and plain.steps >= self.MIN_STEPS:
+            plain_value = plain.value
+        elif (
+            loser == "drafting"
+            and bucket >= self.PRIOR_MIN_BATCH
+            and winner_expected >= (1.0 - self.PRIOR_GAP) * loser_expected
+        ):
+            plain_value = self.PLAIN_PRIOR  # never dormant long enough here: see the class
+        else:
+            return False
+        lost, lost_value, won_value = (
+            (drafting, drafting.value, plain_value)
+            if loser == "drafting"
+            else (plain, plain_value, drafting.value)
+        )
+        if loser_expected * lost_value * (1.0 + self.MARGIN) >= winner_expected * won_value:
             retries.pop(bucket, None)  # it holds its own: retrials back to the start
             return False
         retry = retries.get(bucket, self.RETRY_STEPS)
