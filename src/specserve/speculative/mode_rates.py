@@ -56,12 +56,11 @@ class ModeRates:
     decoding's: see below), so the decision to draft is overruled; unless a retrial is due:
     once drafting has not run for `retry` steps at the bucket (RETRY_STEPS, doubled after
     each retrial that lost again, up to MAX_RETRY; back to RETRY_STEPS once drafting wins),
-    its factor starts over and
-    decisions to draft go through until it is measured again, so that a change of load is
-    found. `favors_drafting(bucket, step, drafting, plain)` is the other way round: drafting
-    (the best K > 0) beats plain decoding by more than MARGIN after the correction, so a
-    decision for plain decoding is overruled, with retrials of plain decoding's factor
-    alike.
+    its factor starts over and decisions to draft go through until it is measured again, so
+    that a change of load is found. `favors_drafting(bucket, step, drafting, plain)` is the
+    other way round: drafting (the best K > 0) beats plain decoding by more than MARGIN
+    after the correction, so a decision for plain decoding is overruled, with retrials of
+    plain decoding's factor alike.
 
     Plain decoding's factor is measured only once the policy goes dormant, which a policy
     that always prefers drafting by a little never does: the default model at concurrency
@@ -171,9 +170,9 @@ class ModeRates:
         """Whether mode `loser` falls short of the other at `bucket` by more than MARGIN,
         each mode's expected goodput times its factor, both factors measured over
         MIN_STEPS (plain decoding's taken as PLAIN_PRIOR until then, when drafting loses),
-        and no retrial of it is due (`retries`: its waits by bucket). A due
-        retrial starts its factor over and doubles the next wait unless it wins; a win sets
-        the waits back to the start."""
+        and no retrial of it is due (`retries`: its waits by bucket). A due retrial starts
+        its factor over and doubles the next wait unless it wins; a win sets the waits back
+        to the start."""
         drafting = self._cells.get((bucket, "drafting"))
         plain = self._cells.get((bucket, "plain"))
         if drafting is None or drafting.steps < self.MIN_STEPS:
