@@ -268,25 +268,16 @@ class TritonAttentionBackend(AttentionBackend):
             self.batch_invariant and decode_like and meta.num_requests <= INVARIANT_MAX_REQUESTS
         )
         chunks = self.invariant_chunks(q.device) if invariant else None
-        if chunks:
-            splits = min(splits, chunks)  # no program without a chunk
         if not decode_like:
-            return self._launch(
-                q, k_cache, v_cache, meta, scale, launch, out=out, clear=clear,
-                **self._prefill_chunks(splits),
-            )  # fmt: skip
+            options = self._prefill_chunks(splits)
+        else:
+            if chunks:
+                splits = min(splits, chunks)  # no program without a chunk
+            options = dict(
+                num_splits=splits, chunk_splits=chunks, min_chunk=self.min_chunk if chunks else None
+            )
         return self._launch(
-            q,
-            k_cache,
-            v_cache,
-            meta,
-            scale,
-            launch,
-            num_splits=splits,
-            out=out,
-            chunk_splits=chunks,
-            min_chunk=self.min_chunk if chunks else None,
-            clear=clear,
+            q, k_cache, v_cache, meta, scale, launch, out=out, clear=clear, **options
         )
 
     def _prefill_chunks(self, splits: int) -> dict:
