@@ -157,6 +157,11 @@ _FLAGS: dict[str, tuple[str, str]] = {
         "largest step that mixes prefill chunks with decode rows captured as a CUDA graph, "
         "in tokens; larger ones run eagerly; 0: all eagerly",
     ),
+    "grammar_workers": (
+        "advanced",
+        "processes that fill structured output's token masks beside the engine (default: "
+        "2 to 4 with a GPU, a quarter of the CPU cores; none on CPU); 0: the engine fills them",
+    ),
     "disable_gemv": (
         "advanced",
         "use cuBLAS for every linear layer instead of choosing "

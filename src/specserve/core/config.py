@@ -58,6 +58,7 @@ FLAG_FIELDS: dict[str, tuple[str, str]] = {
     "disable_overlap_schedule": ("execution", "disable_overlap_schedule"),
     "cuda_graph_max_batch": ("execution", "cuda_graph_max_batch"),
     "cuda_graph_max_tokens": ("execution", "cuda_graph_max_tokens"),
+    "grammar_workers": ("execution", "grammar_workers"),
     "debug_tp_check": ("parallel", "debug_check"),
 }
 

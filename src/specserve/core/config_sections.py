@@ -251,8 +251,13 @@ class ExecutionConfig:
     # steps that mix prefill chunks with decode rows, up to this many tokens, run as CUDA
     # graphs too (runtime/cuda_graphs.py); 0: eagerly
     cuda_graph_max_tokens: int = 512
+    # processes that fill structured output's token masks (runtime/grammar_pool.py); None:
+    # 2 to 4 on a GPU (a quarter of the host's cores), none on CPU; 0: on the engine's thread
+    grammar_workers: int | None = None
 
     def __post_init__(self) -> None:
+        if self.grammar_workers is not None and not 0 <= self.grammar_workers <= 64:
+            raise ConfigError(f"grammar_workers must be in [0, 64]; got {self.grammar_workers}")
         if self.cuda_graph_max_tokens < 0:
             raise ConfigError(
                 f"cuda_graph_max_tokens must be >= 0; got {self.cuda_graph_max_tokens}"

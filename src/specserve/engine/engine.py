@@ -38,6 +38,7 @@ from specserve.engine.step_plan import (
 )
 from specserve.model.llama import LlamaForCausalLM
 from specserve.runtime.grammar import GrammarCompiler
+from specserve.runtime.grammar_pool import default_workers
 
 log = logging.getLogger("specserve")
 
@@ -116,6 +117,11 @@ class LLMEngine:
             self.tokenizer, self.model_config.vocab_size, self.eos_token_ids
         )
         self.runner.grammars.warm_up(self.kv.pool.device, self.runner.model.lm_head_weight.dtype)
+        workers = config.execution.grammar_workers
+        if workers is None:
+            workers = default_workers(self.kv.pool.device)
+        if workers and self.tokenizer is not None:
+            self.runner.grammars.start_workers(workers)
         # How ids become text, decided once for every request (core/detokenizer.py).
         self.token_decoder = TokenDecoder(self.tokenizer) if self.tokenizer is not None else None
         self.requests: dict[str, Request] = {}
@@ -249,9 +255,10 @@ class LLMEngine:
         self.parallel.close()
 
     def close(self) -> None:
-        """Release what outlives a step: under tensor parallelism, stop the other ranks
-        (rank 0) and leave the process groups. Idempotent; a single-device engine holds
-        nothing to release."""
+        """Release what outlives a step: the grammar workers, if any; under tensor
+        parallelism, stop the other ranks (rank 0) and leave the process groups.
+        Idempotent."""
+        self.runner.grammars.close()  # (its workers, if any)
         parallel, self.parallel = self.parallel, None
         if parallel is None:
             return

@@ -45,6 +45,8 @@ class RequestSink:
         (and the other ranks drop their mirrors of it)."""
         self.scheduler.finish(req)
         self.requests.pop(req.request_id, None)
+        if req.grammar_state is not None:  # (a grammar worker's matcher goes too)
+            req.grammar_state.release()
         if self.spec is not None:
             self.spec.acceptance.forget(req.request_id)
         if self.plans is not None:

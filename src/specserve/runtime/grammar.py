@@ -20,9 +20,14 @@ threaded when there are many, into host memory kept for the engine's life (`Mask
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import json
+import logging
 import os
+import tempfile
 import time
+import weakref
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -31,7 +36,10 @@ import xgrammar as xgr
 
 from specserve.core.errors import InvalidRequestError
 from specserve.core.sampling_params import Grammar
+from specserve.runtime.grammar_pool import GrammarPool, RemoteGrammar
 from specserve.runtime.packing import to_device
+
+logger = logging.getLogger(__name__)
 
 CACHE_BYTES = 256 << 20  # compiled grammars kept (distinct schemas would grow it forever)
 # A step's mask fill, threaded from THREADED_MIN_ROWS rows at one draft position: xgrammar
@@ -43,6 +51,10 @@ CACHE_BYTES = 256 << 20  # compiled grammars kept (distinct schemas would grow i
 # work between fills: 0.16 ms on one thread, 1.1 ms median and 3-4 ms p90 threaded).
 FILL_THREADS = max(1, min(4, (os.cpu_count() or 1) // 2))
 THREADED_MIN_ROWS = 128
+# With grammar workers (runtime/grammar_pool.py), a step's masks are filled there from this
+# many constrained rows: a round trip to the workers costs ~0.35 ms (a 2-core CPU, 64
+# requests at K=3), which fewer rows do not repay.
+POOL_MIN_ROWS = 64
 
 # JSON schema keywords xgrammar compiles but does not enforce (measured: it accepts an
 # instance that violates them): refused by name rather than silently ignored. `oneOf` is
@@ -125,6 +137,8 @@ class GrammarCompiler:
         self.stop_ids = sorted(stop_ids)
         self._compiler: xgr.GrammarCompiler | None = None
         self.batch_fill = BatchFill(FILL_THREADS)  # a step's masks
+        self.pool = None  # worker processes that fill them instead (`start_workers`) ...
+        self.pool_min_rows = POOL_MIN_ROWS  # ... in steps with this many constrained rows
         self.masks = MaskBuffer(xgr.get_bitmask_shape(1, vocab_size)[1])
 
     # Row counts that cover the apply kernel's specializations (Triton compiles one per
@@ -150,6 +164,26 @@ class GrammarCompiler:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
+    def start_workers(self, workers: int) -> None:
+        """Fill masks in `workers` processes from now on (runtime/grammar_pool.py); they
+        start in the background (a second or two: they import xgrammar)."""
+        self._compiler_for_tokenizer()
+        self.pool = GrammarPool(self._info.serialize_json(), workers)
+        self.masks = MaskBuffer(self.masks.words, shared=True)
+
+    def close(self) -> None:
+        """Stop the workers, if any (idempotent)."""
+        if self.pool is not None:
+            self.pool.close()
+
+    def _compiler_for_tokenizer(self) -> xgr.GrammarCompiler:
+        if self._compiler is None:
+            self._info = xgr.TokenizerInfo.from_huggingface(
+                self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_ids
+            )
+            self._compiler = xgr.GrammarCompiler(self._info, cache_limit_bytes=CACHE_BYTES)
+        return self._compiler
+
     def compile(self, grammar: Grammar) -> xgr.CompiledGrammar:
         """The compiled grammar; a grammar xgrammar refuses is the request's error (400)."""
         if self.tokenizer is None:
@@ -157,12 +191,7 @@ class GrammarCompiler:
                 "structured output needs the model's tokenizer; this engine has none",
                 grammar.field,
             )
-        if self._compiler is None:
-            info = xgr.TokenizerInfo.from_huggingface(
-                self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_ids
-            )
-            self._compiler = xgr.GrammarCompiler(info, cache_limit_bytes=CACHE_BYTES)
-        compiler = self._compiler
+        compiler = self._compiler_for_tokenizer()
         if grammar.kind == "json_schema":
             self._check_schema(grammar)
         try:
@@ -200,14 +229,26 @@ class GrammarCompiler:
             req.grammar_state = GrammarState(xgr.GrammarMatcher(self.compile(req.params.grammar)))
         return req.grammar_state
 
+    def remote(self, req) -> RemoteGrammar:
+        """The request's matcher in a worker, made on first use."""
+        state = self.state(req)
+        if state.remote is None:
+            grammar = req.params.grammar
+            key = (grammar.kind, grammar.source)
+            state.remote = self.pool.remote(self.compile(grammar), key)
+        return state.remote
+
 
 class GrammarState:
-    """One request's matcher and how many of its output tokens it has taken."""
+    """One request's matcher and how many of its output tokens it has taken; and its matcher
+    in a grammar worker (`remote`), which follows the same tokens on its own count, where
+    steps with many constrained rows have been filled there."""
 
-    __slots__ = ("matcher", "num_taken")
+    __slots__ = ("matcher", "num_taken", "remote")
 
     def __init__(self, matcher: xgr.GrammarMatcher):
         self.matcher, self.num_taken = matcher, 0
+        self.remote: RemoteGrammar | None = None
 
     def follow(self, output: list[int], unprocessed: Sequence[int] = ()) -> None:
         """Take the committed tokens it has not seen, `output`'s then `unprocessed`'s (those
@@ -222,6 +263,11 @@ class GrammarState:
                 matcher.accept_token(token)
         self.num_taken = done + len(unprocessed)
 
+    def release(self) -> None:
+        """The request ended: its worker's matcher goes too."""
+        if self.remote is not None:
+            self.remote.release()
+
 
 class MaskBuffer:
     """Host memory for a step's token masks (int32 bitmask rows of `words` words), kept for
@@ -233,9 +279,15 @@ class MaskBuffer:
     (2 CPU cores, one busy, 5 ms of other work between fills: 3.5-8 ms median against
     0.01 ms on one thread; numpy 0.01 ms)."""
 
-    def __init__(self, words: int):
+    def __init__(self, words: int, shared: bool = False):
         self.words = words
+        # Shared (`shared`: a file in /dev/shm mapped here and by the grammar workers,
+        # runtime/grammar_pool.py; registered with CUDA as pinned), each buffer allocated
+        # numbered, its file removed once every worker has mapped it.
+        self.shared = shared
         self.buffers: list[torch.Tensor | None] = [None, None]
+        self.files: list[tuple[int, str] | None] = [None, None]  # (serial, path) of each
+        self._serials = itertools.count()
         self.uploaded: list = [None, None]  # CUDA event after each buffer's last upload
         self.current = 0
 
@@ -247,10 +299,9 @@ class MaskBuffer:
         buffer = self.buffers[i]
         if buffer is None or buffer.shape[0] < rows:
             cap = max(rows, 2 * buffer.shape[0] if buffer is not None else 64)
-            pinned = device.type == "cuda"
-            buffer = self.buffers[i] = torch.empty(
-                (cap, self.words), dtype=torch.int32, pin_memory=pinned
-            )
+            if buffer is not None and self.uploaded[i] is not None:
+                self.uploaded[i].synchronize()  # (its last upload, before it goes)
+            buffer = self.buffers[i] = self._allocate(i, cap, device)
             self.uploaded[i] = None
         elif self.uploaded[i] is not None:
             start = time.perf_counter()
@@ -260,6 +311,32 @@ class MaskBuffer:
         bitmask = buffer[:rows]
         bitmask.numpy().fill(-1)
         return bitmask, waited
+
+    @property
+    def file(self) -> tuple[int, str]:
+        """The serial number and file of the shared buffer `take` gave last."""
+        return self.files[self.current]
+
+    def _allocate(self, i: int, rows: int, device: torch.device) -> torch.Tensor:
+        pinned = device.type == "cuda"
+        if not self.shared:
+            return torch.empty((rows, self.words), dtype=torch.int32, pin_memory=pinned)
+        serial = next(self._serials)
+        folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+        path = os.path.join(folder, f"specserve-masks-{os.getpid()}-{id(self)}-{serial}")
+        size = rows * self.words
+        buffer = torch.from_file(path, shared=True, size=size, dtype=torch.int32).view(rows, -1)
+        self.files[i] = (serial, path)
+        # (the pool removes the file once every worker has mapped it; else it goes with this)
+        weakref.finalize(buffer, _remove, path)
+        if pinned:  # (unregistered when the buffer goes: the finalizer)
+            cudart = torch.cuda.cudart()
+            ptr = buffer.data_ptr()
+            if int(cudart.cudaHostRegister(ptr, buffer.nbytes, 0)) == 0:
+                weakref.finalize(buffer, cudart.cudaHostUnregister, ptr)
+            else:  # uploads from it then wait for the device's queue
+                logger.warning("could not pin the grammar masks' shared memory")
+        return buffer
 
     def upload(self, bitmask: torch.Tensor, device: torch.device) -> torch.Tensor:
         """The bitmask `take` gave (filled) on `device`, without waiting; it is not
@@ -289,6 +366,11 @@ class BatchFill:
         else:
             batch = self.threaded if len(matchers) >= THREADED_MIN_ROWS else self.serial
             batch.batch_fill_next_token_bitmask(matchers, bitmask, rows)
+
+
+def _remove(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
 
 
 def fill_masks(
@@ -393,12 +475,21 @@ def mask_grammars(out: torch.Tensor, step, compiler: GrammarCompiler) -> None:
     bitmask, waited = compiler.masks.take(out.shape[0], out.device)
     step.sample_wait_ms += waited
     filling, used = [], 0
-    for req, first, rows in packed.spans:
-        state = compiler.state(req)
-        state.follow(req.output_token_ids, req.unprocessed_token_ids)
-        filling.append((state.matcher, first, drafts[used : used + rows - 1]))
-        used += rows - 1
-    fill_masks(bitmask, filling, compiler.batch_fill)
+    pool = compiler.pool
+    if pool is not None and sum(rows for _, _, rows in packed.spans) >= compiler.pool_min_rows:
+        for req, first, rows in packed.spans:  # filled by the workers
+            state = compiler.remote(req)
+            tokens = state.new_tokens(req.output_token_ids, req.unprocessed_token_ids)
+            filling.append((state, tokens, first, drafts[used : used + rows - 1]))
+            used += rows - 1
+        pool.fill(bitmask, compiler.masks.file, filling)
+    else:
+        for req, first, rows in packed.spans:
+            state = compiler.state(req)
+            state.follow(req.output_token_ids, req.unprocessed_token_ids)
+            filling.append((state.matcher, first, drafts[used : used + rows - 1]))
+            used += rows - 1
+        fill_masks(bitmask, filling, compiler.batch_fill)
     xgr.apply_token_bitmask_inplace(
         out, compiler.masks.upload(bitmask, out.device), vocab_size=compiler.vocab_size
     )

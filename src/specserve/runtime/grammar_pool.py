@@ -1,0 +1,271 @@
+"""Structured output's masks filled in worker processes (`--grammar-workers`): each
+constrained request's matcher lives in one worker, which follows its committed tokens, fills
+its mask rows (drafts taken and rolled back, as `fill_masks` does in-process) straight into a
+shared bitmask, and answers; the engine sends every worker its rows of a step, then waits for
+them all.
+
+Why processes: xgrammar holds the GIL while it fills, accepts and rolls back, so on the
+engine's thread these ~15 us a row sit on the step's critical path between queueing the
+forward and queueing the sampling (8B shape, 64 JSON-schema requests at K=3 on the H200:
+~4 ms of a ~9.6 ms step, and the device waited for them), and a thread hides none of it.
+Workers fill in parallel, each a share of the rows, and the engine's own part is to slice
+each request's new tokens and drafts.
+
+Matchers are keyed by a handle the pool gives each request (`RemoteGrammar`); a request
+goes to the worker with the fewest live ones. A compiled grammar travels to a worker once
+(xgrammar's JSON serialization, ~1 ms to read back against ~5 ms to compile a small schema)
+and stays there while a request uses it, and for CACHED_UNUSED more grammars after. A worker
+that dies makes the next step that needs it fail with its name and exit code (its pipe
+closes: never a hang)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import time
+import traceback
+from collections import OrderedDict
+from itertools import count
+from multiprocessing.connection import Connection, Pipe
+from pathlib import Path
+
+import torch
+import xgrammar as xgr
+
+logger = logging.getLogger(__name__)
+
+CACHED_UNUSED = 32  # compiled grammars a worker keeps once no request of its uses them
+
+
+def default_workers(device: torch.device) -> int:
+    """Workers when `--grammar-workers` is not given: on a GPU a quarter of the host's cores,
+    2 to 4 (the H200's host: 4 of 16); none on a CPU, where the model's own work holds the
+    cores."""
+    if device.type == "cpu":
+        return 0
+    return max(2, min(4, (os.cpu_count() or 1) // 4))
+
+
+class RemoteGrammar:
+    """One request's matcher in a worker: which worker, its handle there, its grammar's key,
+    and how many of the request's output tokens the worker has been sent."""
+
+    __slots__ = ("pool", "worker", "handle", "key", "num_taken", "grammar")
+
+    def __init__(self, pool: GrammarPool, worker: int, handle: int, key):
+        self.pool, self.worker, self.handle, self.key = pool, worker, handle, key
+        self.num_taken = 0
+        self.grammar: str | None = None  # the compiled grammar's JSON, until sent
+
+    def new_tokens(self, output: list[int], unprocessed) -> list[int]:
+        """The committed tokens the worker has not been sent (`GrammarState.follow`'s)."""
+        done = len(output)
+        new = output[self.num_taken :] if self.num_taken < done else []
+        new += unprocessed[max(0, self.num_taken - done) :]
+        self.num_taken = done + len(unprocessed)
+        return new
+
+    def release(self) -> None:
+        """The request ended: its matcher goes at the worker's next message."""
+        self.pool.release(self)
+
+
+class _Worker:
+    """The engine's side of one worker: its process and pipe, its live requests, and the
+    grammars it holds (key -> live requests using it; unused ones in LRU order)."""
+
+    def __init__(self, index: int, info_json: str):
+        self.name = f"specserve-grammar-{index}"
+        self.index = index
+        self.conn, child = Pipe()
+        # A fresh interpreter running this module (not multiprocessing's spawn, which
+        # would import the user's main script again in it), on the pipe's other end.
+        package_root = str(Path(__file__).resolve().parents[2])
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "specserve.runtime.grammar_pool", str(child.fileno())],
+            pass_fds=[child.fileno()],
+            env=env,
+            stdin=subprocess.DEVNULL,
+        )
+        child.close()  # so that recv sees EOF if the worker dies
+        self.conn.send(info_json)
+        self.live = 0
+        self.grammars: dict = {}  # key -> live requests
+        self.unused: OrderedDict = OrderedDict()  # keys no live request uses, oldest first
+        self.dropped_handles: list[int] = []
+        self.dropped_grammars: list = []
+
+    def hold(self, key) -> bool:
+        """A request of grammar `key` comes here; True when the worker lacks the grammar."""
+        self.live += 1
+        if key in self.grammars:
+            self.grammars[key] += 1
+            return False
+        self.grammars[key] = 1
+        return self.unused.pop(key, None) is None
+
+    def let_go(self, handle: int, key) -> None:
+        self.live -= 1
+        self.dropped_handles.append(handle)
+        users = self.grammars[key] - 1
+        if users:
+            self.grammars[key] = users
+            return
+        del self.grammars[key]
+        self.unused[key] = None
+        while len(self.unused) > CACHED_UNUSED:
+            self.dropped_grammars.append(self.unused.popitem(last=False)[0])
+
+    def failed(self) -> RuntimeError:
+        try:
+            code = self.process.wait(timeout=1.0)
+        except subprocess.TimeoutExpired:
+            code = None
+        return RuntimeError(
+            f"grammar worker {self.name} died (exit code {code}); structured output cannot continue"
+        )
+
+
+class GrammarPool:
+    """Worker processes holding constrained requests' matchers (module docstring)."""
+
+    def __init__(self, info_json: str, workers: int):
+        self.workers = [_Worker(i, info_json) for i in range(workers)]
+        logger.info("structured output: %d grammar worker processes", workers)
+        self._handles = count()
+        self._serialized: OrderedDict = OrderedDict()  # key -> compiled grammar's JSON
+        self._mapped: set[int] = set()  # the shared buffers every worker has mapped
+        self.closed = False
+
+    def remote(self, compiled: xgr.CompiledGrammar, key) -> RemoteGrammar:
+        """A new request's matcher, on the worker with the fewest live ones (its grammar goes
+        with its first rows where the worker lacks it)."""
+        worker = min(self.workers, key=lambda w: w.live)
+        state = RemoteGrammar(self, worker.index, next(self._handles), key)
+        if worker.hold(key):
+            if key not in self._serialized:
+                self._serialized[key] = compiled.serialize_json()
+                while len(self._serialized) > 4 * CACHED_UNUSED:
+                    self._serialized.popitem(last=False)
+            state.grammar = self._serialized[key]
+        return state
+
+    def release(self, state: RemoteGrammar) -> None:
+        if not self.closed:
+            self.workers[state.worker].let_go(state.handle, state.key)
+
+    def fill(self, bitmask: torch.Tensor, buffer: tuple[int, str], jobs: list) -> None:
+        """Fill `bitmask`'s rows (the first rows of the shared buffer `buffer`, its serial
+        number and file: `MaskBuffer`) of each job: (state, new tokens, first row, drafts).
+        Sends every worker its jobs, then waits for them all. A new buffer goes to every
+        worker, whose file is then removed (each keeps its mapping)."""
+        serial, path = buffer
+        new = serial not in self._mapped
+        by_worker: list[list] = [[] for _ in self.workers]
+        for state, tokens, first, drafts in jobs:
+            grammar, state.grammar = state.grammar, None
+            job = (state.handle, state.key, grammar, tokens, first, drafts)
+            by_worker[state.worker].append(job)
+        waiting = []
+        for worker, work in zip(self.workers, by_worker):
+            if not work and not new:
+                continue
+            message = (
+                serial,
+                path if new else None,
+                bitmask.shape[1],
+                worker.dropped_handles,
+                worker.dropped_grammars,
+                work,
+            )
+            worker.dropped_handles, worker.dropped_grammars = [], []
+            try:
+                worker.conn.send(message)
+            except (BrokenPipeError, ConnectionResetError, EOFError, OSError):
+                raise worker.failed() from None
+            waiting.append(worker)
+        for worker in waiting:
+            try:
+                reply = worker.conn.recv()
+            except (EOFError, ConnectionResetError, OSError):
+                raise worker.failed() from None
+            if reply is not None:
+                raise RuntimeError(f"grammar worker {worker.name} failed:\n{reply}")
+        if new:
+            self._mapped = {s for s in self._mapped if s > serial - 4} | {serial}
+            Path(path).unlink(missing_ok=True)
+
+    def close(self) -> None:
+        """Stop the workers (idempotent)."""
+        if self.closed:
+            return
+        self.closed = True
+        for worker in self.workers:
+            try:
+                worker.conn.send(None)
+            except (BrokenPipeError, ConnectionResetError, EOFError, OSError):
+                pass
+        deadline = time.monotonic() + 5.0
+        for worker in self.workers:
+            try:
+                worker.process.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                worker.process.kill()
+            worker.conn.close()
+
+
+def _serve(conn: Connection) -> None:
+    """A worker's loop: the tokenizer's info first, then one message a step (module
+    docstring), None to stop."""
+    from specserve.runtime.grammar import BatchFill, fill_masks
+
+    try:
+        info = xgr.TokenizerInfo.deserialize_json(conn.recv())
+    except (EOFError, ConnectionResetError):
+        return
+    grammars: dict = {}
+    matchers: dict[int, xgr.GrammarMatcher] = {}
+    buffers: OrderedDict = OrderedDict()  # the engine's shared bitmask buffers (two), flat
+    batch_fill = BatchFill(1)
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, ConnectionResetError):  # the engine's process is gone
+            return
+        if message is None:
+            return
+        try:
+            serial, path, words, dropped, dropped_grammars, work = message
+            for handle in dropped:
+                matchers.pop(handle, None)
+            for key in dropped_grammars:
+                grammars.pop(key, None)
+            if path is not None:  # a new buffer (the engine keeps two at a time)
+                size = os.path.getsize(path) // 4
+                buffers[serial] = torch.from_file(path, shared=True, size=size, dtype=torch.int32)
+                while len(buffers) > 2:
+                    buffers.popitem(last=False)
+            spans = []
+            for handle, key, grammar, tokens, first, drafts in work:
+                if grammar is not None:
+                    grammars[key] = xgr.CompiledGrammar.deserialize_json(grammar, info)
+                matcher = matchers.get(handle)
+                if matcher is None:
+                    matcher = matchers[handle] = xgr.GrammarMatcher(grammars[key])
+                for token in tokens:
+                    if not matcher.is_terminated():
+                        matcher.accept_token(token)
+                spans.append((matcher, first, drafts))
+            if spans:
+                fill_masks(buffers[serial].view(-1, words), spans, batch_fill)
+            conn.send(None)
+        except Exception:  # reported to the engine, which fails the step with it
+            conn.send(traceback.format_exc())
+
+
+if __name__ == "__main__":
+    _serve(Connection(int(sys.argv[1])))
