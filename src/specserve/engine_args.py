@@ -160,7 +160,7 @@ _FLAGS: dict[str, tuple[str, str]] = {
     "grammar_workers": (
         "advanced",
         "processes that fill structured output's token masks beside the engine (default: "
-        "2 to 4 with a GPU, a quarter of the CPU cores; none on CPU); 0: the engine fills them",
+        "up to 4 with a GPU, a quarter of the CPU cores; none on CPU); 0: the engine fills them",
     ),
     "disable_gemv": (
         "advanced",

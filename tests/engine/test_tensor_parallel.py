@@ -47,6 +47,7 @@ def test_plans_keep_mirrors_of_pages_preemptions_and_departures():
     assert [p.request_id for p in plan.added] == ["a", "b"]  # first scheduled: sent whole
     batch, drafting = follower.batch(plan)
     mirror_a, mirror_b = follower.requests["a"], follower.requests["b"]
+    mirror_a.grammar_state, mirror_b.grammar_state = _GrammarState(), _GrammarState()
     assert mirror_a.seed == 11 and mirror_a.params.seed == 5 and mirror_a.detokenizer is None
     assert [(s.request, s.num_tokens) for s in batch] == [(mirror_a, 3), (mirror_b, 16)]
     assert mirror_a.page_table == [3] and mirror_b.page_table == [4, 8] and drafting == []
@@ -81,8 +82,26 @@ def test_plans_keep_mirrors_of_pages_preemptions_and_departures():
     assert plan.gone == ["a"]
     follower.batch(plan)
     assert "a" not in follower.requests and mirror_a.status is RequestStatus.FINISHED
+    assert mirror_a.grammar_state.released == 1  # (this rank's grammar workers' matcher)
+
+    # b ends by its own tokens on this rank first, then rank 0 says it is gone: released once
+    follower.finished(mirror_b)
+    publisher.gone(b)
+    publisher.publish([], [], False, False)
+    follower.batch(follower.next())
+    assert mirror_b.grammar_state.released == 1
     publisher.stop()
     assert follower.next().stop
+
+
+class _GrammarState:
+    """A mirror's grammar state (runtime/grammar.py: GrammarState), counting releases."""
+
+    def __init__(self):
+        self.released = 0
+
+    def release(self):
+        self.released += 1
 
 
 def test_the_token_check_stops_a_rank_at_its_first_difference():

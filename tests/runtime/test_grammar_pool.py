@@ -8,6 +8,7 @@ the workers; a dead worker fails the step with its name, never a hang."""
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -76,6 +77,32 @@ def test_worker_masks_equal_fresh_matchers_step_after_step(compiler):
     for req in requests:
         req[3].release()
     assert [w.live for w in compiler.pool.workers] == [0, 0]
+
+
+def test_buffers_that_grow_unevenly_stay_mapped_and_grammars_travel_once(compiler):
+    """The engine's two mask buffers take turns and each grows on its own (rows 64, 300,
+    100, 200, 250, 100: one grows twice while the other stays): every step's rows still
+    reach the worker's mapping of the right buffer. A grammar goes to a worker once while
+    it holds it, also after its last request ended (unused, kept)."""
+    tok, compiler = compiler
+    g = Grammar("regex", r"(ab|c){2,5}!")  # (a grammar no worker holds yet)
+    compiled, key = compiler.compile(g), (g.kind, g.source)
+    tokens = tok.encode("abcab!", add_special_tokens=False)
+    sent = []
+    for rows in (64, 300, 100, 200, 250, 100):
+        remote = compiler.pool.remote(compiled, key)
+        sent.append(remote.grammar is not None)
+        bitmask, _ = compiler.masks.take(rows, torch.device("cpu"))
+        bitmask.fill_(7)  # (take resets it: whatever the worker leaves must be its mask)
+        first = rows - 2
+        compiler.pool.fill(bitmask, compiler.masks.file, [(remote, tokens[:2], first, [])])
+        want = _oracle_row(_advance(compiled, tokens[:2], [])[0])
+        assert torch.equal(bitmask[first], want), rows
+        assert torch.equal(bitmask[first + 1], torch.full_like(want, 7))
+        remote.release()
+    # two workers, the fewest-live one taken each time: each is sent the grammar once
+    assert sum(sent) <= 2 and sent[0]
+    assert not any(Path(f[2]).exists() for f in compiler.masks.files if f is not None)
 
 
 @pytest.fixture(scope="module")
@@ -154,7 +181,12 @@ def test_a_dead_worker_fails_the_step_by_name(models):
     llm.close()
 
 
-def test_workers_are_configured(models):
+def test_workers_are_configured(models, monkeypatch):
     with pytest.raises(ConfigError, match="grammar_workers must be in"):
         LLM(models["target"], grammar_workers=-1)
     assert LLM(models["target"]).engine.runner.grammars.pool is None  # none on CPU by default
+    gpu, cpu = torch.device("cuda"), torch.device("cpu")
+    for cores, ranks, workers in [(16, 1, 4), (64, 1, 4), (8, 1, 2), (4, 1, 0), (16, 8, 0)]:
+        monkeypatch.setattr(grammar_pool.os, "cpu_count", lambda n=cores: n)
+        assert grammar_pool.default_workers(gpu, ranks) == workers, (cores, ranks)
+        assert grammar_pool.default_workers(cpu, ranks) == 0

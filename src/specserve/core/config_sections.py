@@ -252,7 +252,8 @@ class ExecutionConfig:
     # graphs too (runtime/cuda_graphs.py); 0: eagerly
     cuda_graph_max_tokens: int = 512
     # processes that fill structured output's token masks (runtime/grammar_pool.py); None:
-    # 2 to 4 on a GPU (a quarter of the host's cores), none on CPU; 0: on the engine's thread
+    # up to 4 on a GPU (a quarter of the host's cores, shared by its ranks), none on CPU; 0:
+    # on the engine's thread
     grammar_workers: int | None = None
 
     def __post_init__(self) -> None:

@@ -119,7 +119,9 @@ class LLMEngine:
         self.runner.grammars.warm_up(self.kv.pool.device, self.runner.model.lm_head_weight.dtype)
         workers = config.execution.grammar_workers
         if workers is None:
-            workers = default_workers(self.kv.pool.device)
+            parallel = config.parallel  # (ranks on this machine share its cores)
+            ranks_here = parallel.tensor_parallel_size // parallel.nnodes
+            workers = default_workers(self.kv.pool.device, ranks_here)
         if workers and self.tokenizer is not None:
             self.runner.grammars.start_workers(workers)
         # How ids become text, decided once for every request (core/detokenizer.py).

@@ -229,6 +229,8 @@ class PlanFollower:
             gone = requests.pop(rid, None)
             if gone is not None:
                 gone.status = RequestStatus.FINISHED
+                if gone.grammar_state is not None:  # (this rank's grammar workers' matcher)
+                    gone.grammar_state.release()
         for new in plan.added:
             req = requests[new.request_id] = new.mirror()
             req.status = RequestStatus.RUNNING
@@ -248,7 +250,8 @@ class PlanFollower:
     def finished(self, req: Request) -> None:
         """A mirror found finished by its own tokens (EOS, stop token, length)."""
         req.status = RequestStatus.FINISHED
-        self.requests.pop(req.request_id, None)
+        if self.requests.pop(req.request_id, None) is not None and req.grammar_state is not None:
+            req.grammar_state.release()
 
 
 class MirrorSink:

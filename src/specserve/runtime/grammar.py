@@ -266,9 +266,10 @@ class GrammarState:
         self.num_taken = done + len(unprocessed)
 
     def release(self) -> None:
-        """The request ended: its worker's matcher goes too."""
-        if self.remote is not None:
-            self.remote.release()
+        """The request ended: its worker's matcher goes too (once)."""
+        remote, self.remote = self.remote, None
+        if remote is not None:
+            remote.release()
 
 
 class MaskBuffer:
@@ -288,7 +289,7 @@ class MaskBuffer:
         # numbered, its file removed once every worker has mapped it.
         self.shared = shared
         self.buffers: list[torch.Tensor | None] = [None, None]
-        self.files: list[tuple[int, str] | None] = [None, None]  # (serial, path) of each
+        self.files: list[tuple[int, int, str] | None] = [None, None]  # (slot, serial, path)
         self._serials = itertools.count()
         self.uploaded: list = [None, None]  # CUDA event after each buffer's last upload
         self.current = 0
@@ -315,8 +316,8 @@ class MaskBuffer:
         return bitmask, waited
 
     @property
-    def file(self) -> tuple[int, str]:
-        """The serial number and file of the shared buffer `take` gave last."""
+    def file(self) -> tuple[int, int, str]:
+        """The slot (0 or 1), serial number and file of the shared buffer `take` gave last."""
         return self.files[self.current]
 
     def _allocate(self, i: int, rows: int, device: torch.device) -> torch.Tensor:
@@ -328,7 +329,7 @@ class MaskBuffer:
         path = os.path.join(folder, f"specserve-masks-{os.getpid()}-{id(self)}-{serial}")
         size = rows * self.words
         buffer = torch.from_file(path, shared=True, size=size, dtype=torch.int32).view(rows, -1)
-        self.files[i] = (serial, path)
+        self.files[i] = (i, serial, path)
         # (the pool removes the file once every worker has mapped it; else it goes with this)
         weakref.finalize(buffer, _remove, path)
         if pinned:  # (unregistered when the buffer goes: the finalizer)

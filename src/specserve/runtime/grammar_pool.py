@@ -37,15 +37,18 @@ import xgrammar as xgr
 logger = logging.getLogger(__name__)
 
 CACHED_UNUSED = 32  # compiled grammars a worker keeps once no request of its uses them
+REPLY_TIMEOUT_S = 60.0  # a worker that answers no step for this long is taken as stuck
 
 
-def default_workers(device: torch.device) -> int:
-    """Workers when `--grammar-workers` is not given: on a GPU a quarter of the host's cores,
-    2 to 4 (the H200's host: 4 of 16); none on a CPU, where the model's own work holds the
-    cores."""
+def default_workers(device: torch.device, ranks_here: int = 1) -> int:
+    """Workers when `--grammar-workers` is not given: on a GPU a quarter of the host's cores
+    shared by its tensor-parallel ranks (`ranks_here`), at most 4 a rank (the H200's host: 4
+    of 16), none where that leaves fewer than 2 (one worker does the engine's fill plus a
+    round trip); none on a CPU, where the model's own work holds the cores."""
     if device.type == "cpu":
         return 0
-    return max(2, min(4, (os.cpu_count() or 1) // 4))
+    workers = min(4, (os.cpu_count() or 1) // (4 * ranks_here))
+    return workers if workers >= 2 else 0
 
 
 class RemoteGrammar:
@@ -106,7 +109,10 @@ class _Worker:
             self.grammars[key] += 1
             return False
         self.grammars[key] = 1
-        return self.unused.pop(key, None) is None
+        if key in self.unused:  # held, unused until now
+            del self.unused[key]
+            return False
+        return True
 
     def let_go(self, handle: int, key) -> None:
         self.live -= 1
@@ -138,7 +144,7 @@ class GrammarPool:
         logger.info("structured output: %d grammar worker processes", workers)
         self._handles = count()
         self._serialized: OrderedDict = OrderedDict()  # key -> compiled grammar's JSON
-        self._mapped: set[int] = set()  # the shared buffers every worker has mapped
+        self._mapped: dict[int, int] = {}  # slot -> serial of the buffer every worker maps
         self.closed = False
 
     def remote(self, compiled: xgr.CompiledGrammar, key) -> RemoteGrammar:
@@ -158,13 +164,13 @@ class GrammarPool:
         if not self.closed:
             self.workers[state.worker].let_go(state.handle, state.key)
 
-    def fill(self, bitmask: torch.Tensor, buffer: tuple[int, str], jobs: list) -> None:
-        """Fill `bitmask`'s rows (the first rows of the shared buffer `buffer`, its serial
-        number and file: `MaskBuffer`) of each job: (state, new tokens, first row, drafts).
-        Sends every worker its jobs, then waits for them all. A new buffer goes to every
-        worker, whose file is then removed (each keeps its mapping)."""
-        serial, path = buffer
-        new = serial not in self._mapped
+    def fill(self, bitmask: torch.Tensor, buffer: tuple[int, int, str], jobs: list) -> None:
+        """Fill `bitmask`'s rows (the first rows of the shared buffer `buffer`: its slot,
+        serial number and file, `MaskBuffer`) of each job: (state, new tokens, first row,
+        drafts). Sends every worker its jobs, then waits for them all. A new buffer in a slot
+        goes to every worker, whose file is then removed (each keeps its mapping)."""
+        slot, serial, path = buffer
+        new = self._mapped.get(slot) != serial
         by_worker: list[list] = [[] for _ in self.workers]
         for state, tokens, first, drafts in jobs:
             grammar, state.grammar = state.grammar, None
@@ -175,7 +181,7 @@ class GrammarPool:
             if not work and not new:
                 continue
             message = (
-                serial,
+                slot,
                 path if new else None,
                 bitmask.shape[1],
                 worker.dropped_handles,
@@ -188,15 +194,22 @@ class GrammarPool:
             except (BrokenPipeError, ConnectionResetError, EOFError, OSError):
                 raise worker.failed() from None
             waiting.append(worker)
-        for worker in waiting:
+        failure = None
+        for worker in waiting:  # (every reply read, so that none is left for a later step)
             try:
+                if not worker.conn.poll(REPLY_TIMEOUT_S):
+                    raise RuntimeError(
+                        f"grammar worker {worker.name} did not answer in {REPLY_TIMEOUT_S:.0f} s"
+                    )
                 reply = worker.conn.recv()
             except (EOFError, ConnectionResetError, OSError):
                 raise worker.failed() from None
-            if reply is not None:
-                raise RuntimeError(f"grammar worker {worker.name} failed:\n{reply}")
+            if reply is not None and failure is None:
+                failure = RuntimeError(f"grammar worker {worker.name} failed:\n{reply}")
+        if failure is not None:
+            raise failure
         if new:
-            self._mapped = {s for s in self._mapped if s > serial - 4} | {serial}
+            self._mapped[slot] = serial
             Path(path).unlink(missing_ok=True)
 
     def close(self) -> None:
@@ -229,7 +242,7 @@ def _serve(conn: Connection) -> None:
         return
     grammars: dict = {}
     matchers: dict[int, xgr.GrammarMatcher] = {}
-    buffers: OrderedDict = OrderedDict()  # the engine's shared bitmask buffers (two), flat
+    buffers: dict[int, torch.Tensor] = {}  # slot -> the engine's shared bitmask, flat
     batch_fill = BatchFill(1)
     while True:
         try:
@@ -239,16 +252,14 @@ def _serve(conn: Connection) -> None:
         if message is None:
             return
         try:
-            serial, path, words, dropped, dropped_grammars, work = message
+            slot, path, words, dropped, dropped_grammars, work = message
             for handle in dropped:
                 matchers.pop(handle, None)
             for key in dropped_grammars:
                 grammars.pop(key, None)
-            if path is not None:  # a new buffer (the engine keeps two at a time)
+            if path is not None:  # a new buffer in this slot (the engine keeps two)
                 size = os.path.getsize(path) // 4
-                buffers[serial] = torch.from_file(path, shared=True, size=size, dtype=torch.int32)
-                while len(buffers) > 2:
-                    buffers.popitem(last=False)
+                buffers[slot] = torch.from_file(path, shared=True, size=size, dtype=torch.int32)
             spans = []
             for handle, key, grammar, tokens, first, drafts in work:
                 if grammar is not None:
@@ -261,7 +272,7 @@ def _serve(conn: Connection) -> None:
                         matcher.accept_token(token)
                 spans.append((matcher, first, drafts))
             if spans:
-                fill_masks(buffers[serial].view(-1, words), spans, batch_fill)
+                fill_masks(buffers[slot].view(-1, words), spans, batch_fill)
             conn.send(None)
         except Exception:  # reported to the engine, which fails the step with it
             conn.send(traceback.format_exc())
