@@ -124,7 +124,8 @@ def _pooled(models, drafter="eagle3", overlap="on", **kw):
 @pytest.mark.parametrize("min_rows", [1, 40])
 def test_workers_keep_plain_constrained_output(models, plain, min_rows, monkeypatch):
     """min_rows 1: every step's masks in the workers; 40: steps with fewer constrained rows
-    (random K: 24 to 96 a step) in the engine, so matchers switch sides."""
+    (random K: 24 to 96 a step) in the engine, so matchers switch sides. Masks sent from
+    the overlapped loop let it process the step in flight before this one samples."""
     monkeypatch.setattr(grammar_pool, "CACHED_UNUSED", 1)  # grammars leave the workers too
     prompts, params, names = _every_grammar()
     llm = _pooled(models)
@@ -132,21 +133,31 @@ def test_workers_keep_plain_constrained_output(models, plain, min_rows, monkeypa
     compiler = llm.engine.runner.grammars
     compiler.pool_min_rows = min_rows
     sides = {"workers": 0, "engine": 0}
-    fill, fill_masks = compiler.pool.fill, grammar.fill_masks
+    send, fill_masks = compiler.pool.send, grammar.fill_masks
 
     def in_workers(*a):
         sides["workers"] += 1
-        return fill(*a)
+        return send(*a)
 
     def in_engine(*a):
         sides["engine"] += 1
         return fill_masks(*a)
 
-    compiler.pool.fill = in_workers
+    compiler.pool.send = in_workers
     monkeypatch.setattr(grammar, "fill_masks", in_engine)
+    loop, runner = llm.engine.loop, llm.engine.runner
+    start, early = runner.start_masks, []
+
+    def start_masks(step):  # (sent from the loop: the step in flight processed meanwhile)
+        sent = start(step)
+        early.append(sent)
+        return sent
+
+    runner.start_masks = start_masks
     outs = [(o.token_ids, o.text, o.finish_reason) for o in llm.generate(prompts, params)]
     assert outs == plain, sorted({n for n, a, b in zip(names, outs, plain) if a != b})
     assert sides["workers"] > 0 and (sides["engine"] > 0) == (min_rows > 1), sides
+    assert sum(early) > 0 and loop._early is None
     workers = compiler.pool.workers
     assert [w.live for w in workers] == [0, 0]  # every request's matcher let go
     assert all(len(w.unused) <= 1 for w in workers)

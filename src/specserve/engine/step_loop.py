@@ -83,6 +83,9 @@ class StepLoop:
         # ranks (engine/step_plan.py: TokenCheck)
         self.token_check = None
         self.inflight: LaunchedStep | None = None
+        # (the step in flight, its outputs) when it was processed inside the next launch,
+        # while the grammar workers filled that step's masks (`_launch`)
+        self._early: tuple[LaunchedStep, list[RequestOutput]] | None = None
         self.times = StepTimes()
         self._timed = target.kv.pool.device.type == "cuda"
         self._last_end = None  # CUDA event: end of the last processed step's device work
@@ -152,8 +155,15 @@ class StepLoop:
             done = launched
         if done is None:
             return []
+        early, self._early = self._early, None
+        if early is not None and early[0] is done:  # processed while the masks were filled
+            return early[1]
+        return self._process_counted(done)
+
+    def _process_counted(self, step: LaunchedStep) -> list[RequestOutput]:
+        """`_process`, its host time counted (waits apart)."""
         t0, waited = time.perf_counter(), self.totals["host_wait_ms"]
-        outputs = self._process(done)
+        outputs = self._process(step)
         waited = self.totals["host_wait_ms"] - waited
         self.host_ms["process"] += (time.perf_counter() - t0) * 1e3 - waited
         return outputs
@@ -229,6 +239,14 @@ class StepLoop:
         if late and prev is not None and prev.result is None:  # queued before this forward
             self._resolve(prev)  # (logit changes read them: sampling_reason)
         ts = time.perf_counter()
+        if self.overlap and prev is not None and prev.result is not None:
+            if runner.start_masks(step_input):
+                # The grammar workers fill this step's masks (runtime/grammar_pool.py): the
+                # step in flight is processed meanwhile, not after this step's sampling
+                # (its time is the process part's, not the sample part's).
+                tm = time.perf_counter()
+                self._early = (prev, self._process_counted(prev))
+                ts += time.perf_counter() - tm
         sampled = runner.sample_async(step_input, hidden, spec.simulate_rate if spec else None)
         host = self.host_ms
         host["draft"] += (t1 - t0) * 1e3

@@ -458,41 +458,68 @@ def copy_drafts(step) -> PackedDrafts | None:
     return PackedDrafts(spans, host, done)
 
 
-def mask_grammars(out: torch.Tensor, step, compiler: GrammarCompiler) -> None:
-    """Mask, in place, every logit row of the step's constrained requests to the tokens their
-    grammars allow there. Their drafts come from the step's input ids: the copy started when
-    the step was packed (`copy_drafts`, `step.grammar_drafts`), else one started now (after
-    the forward: it waits for it). Time spent waiting for the device is added to
-    `step.sample_wait_ms` (the step loop counts it as a wait, not as sampling)."""
-    packed = step.grammar_drafts or copy_drafts(step)
-    if packed is None:
-        return
+def _host_drafts(step, packed: PackedDrafts) -> list[int]:
+    """The drafts of the step's constrained requests on the host (waiting for their copy
+    only, not for the forward queued after it; the wait is added to `step.sample_wait_ms`)."""
     if packed.done is not None:
         start = time.perf_counter()
-        packed.done.synchronize()  # the drafts only, not the forward queued after them
+        packed.done.synchronize()
         step.sample_wait_ms += (time.perf_counter() - start) * 1e3
-    drafts = packed.host.tolist() if packed.host is not None else []
-    # Every row's mask, all tokens allowed (-1) where no grammar fills it: no row indices
-    # to upload (xgrammar's take a list, copied from pageable memory: that waits for the
-    # forward).
-    bitmask, waited = compiler.masks.take(out.shape[0], out.device)
+    return packed.host.tolist() if packed.host is not None else []
+
+
+def start_masks(step, compiler: GrammarCompiler) -> bool:
+    """Send the step's masks to the grammar workers, where they fill them (a pool, and at
+    least `pool_min_rows` constrained rows): the step's loop may then do other work until
+    `mask_grammars` collects them. Needs the step in flight's tokens (resolved). False:
+    nothing sent (no workers, too few rows, or started already)."""
+    pool, packed = compiler.pool, step.grammar_drafts
+    if pool is None or packed is None or step.grammar_pending is not None:
+        return False
+    if sum(rows for _, _, rows in packed.spans) < compiler.pool_min_rows:
+        return False
+    drafts = _host_drafts(step, packed)
+    bitmask, waited = compiler.masks.take(len(step.sample_rows), step.input_ids.device)
     step.sample_wait_ms += waited
     filling, used = [], 0
-    pool = compiler.pool
-    if pool is not None and sum(rows for _, _, rows in packed.spans) >= compiler.pool_min_rows:
-        for req, first, rows in packed.spans:  # filled by the workers
-            state = compiler.remote(req)
-            tokens = state.new_tokens(req.output_token_ids, req.unprocessed_token_ids)
-            filling.append((state, tokens, first, drafts[used : used + rows - 1]))
-            used += rows - 1
-        pool.fill(bitmask, compiler.masks.file, filling)
+    for req, first, rows in packed.spans:
+        state = compiler.remote(req)
+        tokens = state.new_tokens(req.output_token_ids, req.unprocessed_token_ids)
+        filling.append((state, tokens, first, drafts[used : used + rows - 1]))
+        used += rows - 1
+    step.grammar_pending = (bitmask, pool.send(bitmask, compiler.masks.file, filling))
+    return True
+
+
+def mask_grammars(out: torch.Tensor, step, compiler: GrammarCompiler) -> None:
+    """Mask, in place, every logit row of the step's constrained requests to the tokens their
+    grammars allow there: filled by the grammar workers (`start_masks`, sent earlier or
+    now), else here. Their drafts come from the step's input ids: the copy started when the
+    step was packed (`copy_drafts`, `step.grammar_drafts`), else one started now (after the
+    forward: it waits for it). Time spent waiting for the device is added to
+    `step.sample_wait_ms` (the step loop counts it as a wait, not as sampling)."""
+    if step.grammar_pending is not None or start_masks(step, compiler):
+        bitmask, ticket = step.grammar_pending
+        step.grammar_pending = None
+        compiler.pool.collect(ticket)
     else:
+        packed = step.grammar_drafts or copy_drafts(step)
+        if packed is None:
+            return
+        drafts = _host_drafts(step, packed)
+        # Every row's mask, all tokens allowed (-1) where no grammar fills it: no row
+        # indices to upload (xgrammar's take a list, copied from pageable memory: that
+        # waits for the forward).
+        bitmask, waited = compiler.masks.take(out.shape[0], out.device)
+        step.sample_wait_ms += waited
+        filling, used = [], 0
         for req, first, rows in packed.spans:
             state = compiler.state(req)
             state.follow(req.output_token_ids, req.unprocessed_token_ids)
             filling.append((state.matcher, first, drafts[used : used + rows - 1]))
             used += rows - 1
         fill_masks(bitmask, filling, compiler.batch_fill)
+    assert bitmask.shape[0] == out.shape[0]
     xgr.apply_token_bitmask_inplace(
         out, compiler.masks.upload(bitmask, out.device), vocab_size=compiler.vocab_size
     )

@@ -165,10 +165,14 @@ class GrammarPool:
             self.workers[state.worker].let_go(state.handle, state.key)
 
     def fill(self, bitmask: torch.Tensor, buffer: tuple[int, int, str], jobs: list) -> None:
-        """Fill `bitmask`'s rows (the first rows of the shared buffer `buffer`: its slot,
-        serial number and file, `MaskBuffer`) of each job: (state, new tokens, first row,
-        drafts). Sends every worker its jobs, then waits for them all. A new buffer in a slot
-        goes to every worker, whose file is then removed (each keeps its mapping)."""
+        """`send`, then `collect`."""
+        self.collect(self.send(bitmask, buffer, jobs))
+
+    def send(self, bitmask: torch.Tensor, buffer: tuple[int, int, str], jobs: list) -> tuple:
+        """Send every worker its part of filling `bitmask`'s rows (the first rows of the
+        shared buffer `buffer`: its slot, serial number and file, `MaskBuffer`) of each job:
+        (state, new tokens, first row, drafts); `collect` waits for them (the ticket it
+        takes). A new buffer in a slot goes to every worker."""
         slot, serial, path = buffer
         new = self._mapped.get(slot) != serial
         by_worker: list[list] = [[] for _ in self.workers]
@@ -194,6 +198,12 @@ class GrammarPool:
             except (BrokenPipeError, ConnectionResetError, EOFError, OSError):
                 raise worker.failed() from None
             waiting.append(worker)
+        return waiting, (slot, serial, path) if new else None
+
+    def collect(self, ticket: tuple) -> None:
+        """Wait for the workers `send` sent to; a new buffer's file is then removed (each
+        worker keeps its mapping)."""
+        waiting, new = ticket
         failure = None
         for worker in waiting:  # (every reply read, so that none is left for a later step)
             try:
@@ -208,7 +218,8 @@ class GrammarPool:
                 failure = RuntimeError(f"grammar worker {worker.name} failed:\n{reply}")
         if failure is not None:
             raise failure
-        if new:
+        if new is not None:
+            slot, serial, path = new
             self._mapped[slot] = serial
             Path(path).unlink(missing_ok=True)
 

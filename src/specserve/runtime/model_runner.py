@@ -10,7 +10,7 @@ from specserve.layers.attention import AttentionBackend
 from specserve.layers.sampler import SamplingTensors, argmax_rows, sample
 from specserve.model.llama import LlamaForCausalLM
 from specserve.runtime.cuda_graphs import CudaGraphRunner
-from specserve.runtime.grammar import GrammarCompiler, copy_drafts
+from specserve.runtime.grammar import GrammarCompiler, copy_drafts, start_masks
 from specserve.runtime.inflight import InflightStep, place_device_tokens
 from specserve.runtime.logit_shaping import shape_logits
 from specserve.runtime.packing import Segment, pack, to_device, upload
@@ -141,6 +141,12 @@ class ModelRunner:
             self.step_head[2][rows].tolist()
         else:
             argmax_rows(self.model.compute_logits(hidden[rows], fp32=False)).tolist()
+
+    def start_masks(self, step: StepInput) -> bool:
+        """Hand the step's grammar masks to the grammar workers now, where they fill them
+        (runtime/grammar.py: start_masks; needs the step in flight's tokens): True when
+        sent, and `sample_async` collects them."""
+        return self.grammars is not None and start_masks(step, self.grammars)
 
     @torch.inference_mode()
     def sample_async(

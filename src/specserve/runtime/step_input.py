@@ -26,6 +26,7 @@ class StepInput:
     # accept length: the host packed it as if that step accepted nothing); None: nowhere.
     sample_shift: torch.Tensor | None = None
     grammar_drafts: tuple | None = None  # runtime/grammar.py: PackedDrafts, at pack time
+    grammar_pending: tuple | None = None  # runtime/grammar.py: masks sent to its workers
     # ms the host waited for the device while sampling (grammar masks: their drafts' copy);
     # the step loop counts them as waits, not as sampling
     sample_wait_ms: float = 0.0
