@@ -9,7 +9,8 @@ engine's thread these ~15 us a row sit on the step's critical path between queue
 forward and queueing the sampling (8B shape, 64 JSON-schema requests at K=3 on the H200:
 ~4 ms of a ~9.6 ms step, and the device waited for them), and a thread hides none of it.
 Workers fill in parallel, each a share of the rows, and the engine's own part is to slice
-each request's new tokens and drafts.
+each request's new tokens and drafts; the overlapped loop processes the step in flight
+meanwhile (`send`, then `collect`: runtime/grammar.py start_masks).
 
 Matchers are keyed by a handle the pool gives each request (`RemoteGrammar`); a request
 goes to the worker with the fewest live ones. A compiled grammar travels to a worker once
