@@ -146,6 +146,7 @@ class GrammarPool:
         self._handles = count()
         self._serialized: OrderedDict = OrderedDict()  # key -> compiled grammar's JSON
         self._mapped: dict[int, int] = {}  # slot -> serial of the buffer every worker maps
+        self._ticket: tuple | None = None  # the step sent whose replies are not read yet
         self.closed = False
 
     def remote(self, compiled: xgr.CompiledGrammar, key) -> RemoteGrammar:
@@ -174,6 +175,8 @@ class GrammarPool:
         shared buffer `buffer`: its slot, serial number and file, `MaskBuffer`) of each job:
         (state, new tokens, first row, drafts); `collect` waits for them (the ticket it
         takes). A new buffer in a slot goes to every worker."""
+        if self._ticket is not None:  # (never left: a reply unread would answer this step)
+            self.collect(self._ticket)
         slot, serial, path = buffer
         new = self._mapped.get(slot) != serial
         by_worker: list[list] = [[] for _ in self.workers]
@@ -199,12 +202,14 @@ class GrammarPool:
             except (BrokenPipeError, ConnectionResetError, EOFError, OSError):
                 raise worker.failed() from None
             waiting.append(worker)
-        return waiting, (slot, serial, path) if new else None
+        self._ticket = (waiting, (slot, serial, path) if new else None)
+        return self._ticket
 
     def collect(self, ticket: tuple) -> None:
         """Wait for the workers `send` sent to; a new buffer's file is then removed (each
         worker keeps its mapping)."""
         waiting, new = ticket
+        self._ticket = None
         failure = None
         for worker in waiting:  # (every reply read, so that none is left for a later step)
             try:
