@@ -42,6 +42,7 @@ EXPECTED = {
         "--disable-fusion",
         "--cuda-graph-max-batch",
         "--cuda-graph-max-tokens",
+        "--grammar-workers",
         "--disable-cuda-graph",
         "--attention-backend",
         "--overlap-schedule",

@@ -62,6 +62,7 @@ EVERY_FLAG = {
     "disable_overlap_schedule": True,
     "cuda_graph_max_batch": 64,
     "cuda_graph_max_tokens": 0,
+    "grammar_workers": 3,
     "debug_tp_check": True,
 }
 
