@@ -117,8 +117,14 @@ def plain(models):
 
 
 def _pooled(models, drafter="eagle3", overlap="on", **kw):
+    """An LLM with two grammar workers, started (by the first grammar) and ready."""
     spec = spec_kwargs(models, drafter)
-    return LLM(models["target"], overlap_schedule=overlap, grammar_workers=2, **spec, **kw)
+    llm = LLM(models["target"], overlap_schedule=overlap, grammar_workers=2, **spec, **kw)
+    compiler = llm.engine.runner.grammars
+    assert compiler.pool is None  # none until a request brings a grammar
+    compiler.compile(Grammar("json"))
+    compiler.pool.wait_ready()
+    return llm
 
 
 @pytest.mark.parametrize("min_rows", [1, 40])

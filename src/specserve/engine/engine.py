@@ -122,8 +122,8 @@ class LLMEngine:
             parallel = config.parallel  # (ranks on this machine share its cores)
             ranks_here = parallel.tensor_parallel_size // parallel.nnodes
             workers = default_workers(self.kv.pool.device, ranks_here)
-        if workers and self.tokenizer is not None:
-            self.runner.grammars.start_workers(workers)
+        if self.tokenizer is not None:  # (started with the first grammar a request brings)
+            self.runner.grammars.workers_on_first_use = workers
         # How ids become text, decided once for every request (core/detokenizer.py).
         self.token_decoder = TokenDecoder(self.tokenizer) if self.tokenizer is not None else None
         self.requests: dict[str, Request] = {}

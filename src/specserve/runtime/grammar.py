@@ -141,6 +141,7 @@ class GrammarCompiler:
         self.batch_fill = BatchFill(FILL_THREADS)  # a step's masks
         self.pool = None  # worker processes that fill them instead (`start_workers`) ...
         self.pool_min_rows = POOL_MIN_ROWS  # ... in steps with this many constrained rows
+        self.workers_on_first_use = 0  # workers started with the first grammar compiled
         self.masks = MaskBuffer(xgr.get_bitmask_shape(1, vocab_size)[1])
 
     # Row counts that cover the apply kernel's specializations (Triton compiles one per
@@ -167,8 +168,9 @@ class GrammarCompiler:
             torch.cuda.synchronize(device)
 
     def start_workers(self, workers: int) -> None:
-        """Fill masks in `workers` processes from now on (runtime/grammar_pool.py); they
-        start in the background (a second or two: they import xgrammar)."""
+        """Fill masks in `workers` processes (runtime/grammar_pool.py) once they are ready:
+        they start in the background (a second or two: they import xgrammar), and until
+        then the masks are filled here."""
         self._compiler_for_tokenizer()
         self.pool = GrammarPool(self._info.serialize_json(), workers)
         self.masks = MaskBuffer(self.masks.words, shared=True)
@@ -194,6 +196,8 @@ class GrammarCompiler:
                 grammar.field,
             )
         compiler = self._compiler_for_tokenizer()
+        if self.workers_on_first_use and self.pool is None:  # (a server that never sees a
+            self.start_workers(self.workers_on_first_use)  # grammar starts none)
         if grammar.kind == "json_schema":
             self._check_schema(grammar)
         try:
@@ -469,12 +473,12 @@ def _host_drafts(step, packed: PackedDrafts) -> list[int]:
 
 
 def start_masks(step, compiler: GrammarCompiler) -> bool:
-    """Send the step's masks to the grammar workers, where they fill them (a pool, and at
-    least `pool_min_rows` constrained rows): the step's loop may then do other work until
-    `mask_grammars` collects them. Needs the step in flight's tokens (resolved). False:
-    nothing sent (no workers, too few rows, or started already)."""
+    """Send the step's masks to the grammar workers, where they fill them (a pool, ready,
+    and at least `pool_min_rows` constrained rows): the step's loop may then do other work
+    until `mask_grammars` collects them. Needs the step in flight's tokens (resolved).
+    False: nothing sent (no workers, not ready yet, too few rows, or started already)."""
     pool, packed = compiler.pool, step.grammar_drafts
-    if pool is None or packed is None or step.grammar_pending is not None:
+    if pool is None or packed is None or step.grammar_pending is not None or not pool.ready:
         return False
     if sum(rows for _, _, rows in packed.spans) < compiler.pool_min_rows:
         return False

@@ -12,6 +12,9 @@ Workers fill in parallel, each a share of the rows, and the engine's own part is
 each request's new tokens and drafts; the overlapped loop processes the step in flight
 meanwhile (`send`, then `collect`: runtime/grammar.py start_masks).
 
+The engine starts the workers with the first grammar a request brings and fills masks
+itself until they are ready (`ready`: each has read the tokenizer's info).
+
 Matchers are keyed by a handle the pool gives each request (`RemoteGrammar`); a request
 goes to the worker with the fewest live ones. A compiled grammar travels to a worker once
 (xgrammar's JSON serialization, ~1 ms to read back against ~5 ms to compile a small schema)
@@ -97,6 +100,7 @@ class _Worker:
         )
         child.close()  # so that recv sees EOF if the worker dies
         self.conn.send(info_json)
+        self.ready = False  # it said so (once it has read the tokenizer's info)
         self.live = 0
         self.grammars: dict = {}  # key -> live requests
         self.unused: OrderedDict = OrderedDict()  # keys no live request uses, oldest first
@@ -147,6 +151,7 @@ class GrammarPool:
         self._serialized: OrderedDict = OrderedDict()  # key -> compiled grammar's JSON
         self._mapped: dict[int, int] = {}  # slot -> serial of the buffer every worker maps
         self._ticket: tuple | None = None  # the step sent whose replies are not read yet
+        self._ready = False
         self.closed = False
 
     def remote(self, compiled: xgr.CompiledGrammar, key) -> RemoteGrammar:
@@ -162,6 +167,32 @@ class GrammarPool:
             state.grammar = self._serialized[key]
         return state
 
+    @property
+    def ready(self) -> bool:
+        """Whether every worker has started (has read the tokenizer's info); never waits.
+        A worker that died starting fails here, by name."""
+        if self._ready:
+            return True
+        for worker in self.workers:
+            if not worker.ready:
+                try:
+                    if not worker.conn.poll(0):
+                        return False
+                    worker.conn.recv()
+                except (EOFError, ConnectionResetError, OSError):
+                    raise worker.failed() from None
+                worker.ready = True
+        self._ready = True
+        return True
+
+    def wait_ready(self, timeout_s: float = 60.0) -> None:
+        """Wait until `ready` (tests, and callers that want the workers from the start)."""
+        deadline = time.monotonic() + timeout_s
+        while not self.ready:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"grammar workers did not start in {timeout_s:.0f} s")
+            time.sleep(0.01)
+
     def release(self, state: RemoteGrammar) -> None:
         if not self.closed:
             self.workers[state.worker].let_go(state.handle, state.key)
@@ -175,6 +206,8 @@ class GrammarPool:
         shared buffer `buffer`: its slot, serial number and file, `MaskBuffer`) of each job:
         (state, new tokens, first row, drafts); `collect` waits for them (the ticket it
         takes). A new buffer in a slot goes to every worker."""
+        if not self._ready:  # (the engine sends only once ready: `start_masks`)
+            self.wait_ready()
         if self._ticket is not None:  # (never left: a reply unread would answer this step)
             self.collect(self._ticket)
         slot, serial, path = buffer
@@ -255,7 +288,8 @@ def _serve(conn: Connection) -> None:
 
     try:
         info = xgr.TokenizerInfo.deserialize_json(conn.recv())
-    except (EOFError, ConnectionResetError):
+        conn.send(None)  # ready
+    except (EOFError, ConnectionResetError, BrokenPipeError):
         return
     grammars: dict = {}
     matchers: dict[int, xgr.GrammarMatcher] = {}
