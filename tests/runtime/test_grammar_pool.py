@@ -70,7 +70,7 @@ def test_worker_masks_equal_fresh_matchers_step_after_step(compiler):
             row += len(drafts) + 1
         bitmask, _ = compiler.masks.take(row, torch.device("cpu"))
         assert bitmask.shape == (row, words)
-        compiler.pool.fill(bitmask, compiler.masks.file, jobs)
+        compiler.pool.collect(compiler.pool.send(bitmask, compiler.masks.file, jobs))
         free = torch.full((words,), -1, dtype=torch.int32)
         for r in range(row):
             assert torch.equal(bitmask[r], expected.get(r, free)), (step, r)
@@ -95,7 +95,8 @@ def test_buffers_that_grow_unevenly_stay_mapped_and_grammars_travel_once(compile
         bitmask, _ = compiler.masks.take(rows, torch.device("cpu"))
         bitmask.fill_(7)  # (take resets it: whatever the worker leaves must be its mask)
         first = rows - 2
-        compiler.pool.fill(bitmask, compiler.masks.file, [(remote, tokens[:2], first, [])])
+        job = (remote, tokens[:2], first, [])
+        compiler.pool.collect(compiler.pool.send(bitmask, compiler.masks.file, [job]))
         want = _oracle_row(_advance(compiled, tokens[:2], [])[0])
         assert torch.equal(bitmask[first], want), rows
         assert torch.equal(bitmask[first + 1], torch.full_like(want, 7))

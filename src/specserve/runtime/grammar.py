@@ -36,7 +36,7 @@ import xgrammar as xgr
 
 from specserve.core.errors import InvalidRequestError
 from specserve.core.sampling_params import Grammar
-from specserve.runtime.grammar_pool import GrammarPool, RemoteGrammar
+from specserve.runtime.grammar_pool import GrammarPool, RemoteGrammar, take_tokens, unseen_tokens
 from specserve.runtime.packing import to_device
 
 logger = logging.getLogger(__name__)
@@ -257,17 +257,9 @@ class GrammarState:
         self.remote: RemoteGrammar | None = None
 
     def follow(self, output: list[int], unprocessed: Sequence[int] = ()) -> None:
-        """Take the committed tokens it has not seen, `output`'s then `unprocessed`'s (those
-        of a step not processed yet), without joining the two lists: the new tokens cost
-        a step, not the output's length (drawn under its masks, so legal; past the grammar's
-        end, under ignore_eos, there is nothing to take)."""
-        matcher, done = self.matcher, len(output)
-        new = output[self.num_taken :] if self.num_taken < done else []
-        new += unprocessed[max(0, self.num_taken - done) :]
-        for token in new:
-            if not matcher.is_terminated():
-                matcher.accept_token(token)
-        self.num_taken = done + len(unprocessed)
+        """Take the committed tokens it has not seen (`unseen_tokens`, `take_tokens`)."""
+        take_tokens(self.matcher, unseen_tokens(self.num_taken, output, unprocessed))
+        self.num_taken = len(output) + len(unprocessed)
 
     def release(self) -> None:
         """The request ended: its worker's matcher goes too (once)."""
@@ -472,6 +464,15 @@ def _host_drafts(step, packed: PackedDrafts) -> list[int]:
     return packed.host.tolist() if packed.host is not None else []
 
 
+def _with_drafts(spans, drafts: list[int]):
+    """(request, its first row, its drafts) of each constrained request (`drafts`: all of
+    theirs, in span order, one per row after the first)."""
+    used = 0
+    for req, first, rows in spans:
+        yield req, first, drafts[used : used + rows - 1]
+        used += rows - 1
+
+
 def start_masks(step, compiler: GrammarCompiler) -> bool:
     """Send the step's masks to the grammar workers, where they fill them (a pool, ready,
     and at least `pool_min_rows` constrained rows): the step's loop may then do other work
@@ -485,12 +486,11 @@ def start_masks(step, compiler: GrammarCompiler) -> bool:
     drafts = _host_drafts(step, packed)
     bitmask, waited = compiler.masks.take(len(step.sample_rows), step.input_ids.device)
     step.sample_wait_ms += waited
-    filling, used = [], 0
-    for req, first, rows in packed.spans:
+    filling = []
+    for req, first, own in _with_drafts(packed.spans, drafts):
         state = compiler.remote(req)
         tokens = state.new_tokens(req.output_token_ids, req.unprocessed_token_ids)
-        filling.append((state, tokens, first, drafts[used : used + rows - 1]))
-        used += rows - 1
+        filling.append((state, tokens, first, own))
     step.grammar_pending = (bitmask, pool.send(bitmask, compiler.masks.file, filling))
     return True
 
@@ -516,12 +516,11 @@ def mask_grammars(out: torch.Tensor, step, compiler: GrammarCompiler) -> None:
         # waits for the forward).
         bitmask, waited = compiler.masks.take(out.shape[0], out.device)
         step.sample_wait_ms += waited
-        filling, used = [], 0
-        for req, first, rows in packed.spans:
+        filling = []
+        for req, first, own in _with_drafts(packed.spans, drafts):
             state = compiler.state(req)
             state.follow(req.output_token_ids, req.unprocessed_token_ids)
-            filling.append((state.matcher, first, drafts[used : used + rows - 1]))
-            used += rows - 1
+            filling.append((state.matcher, first, own))
         fill_masks(bitmask, filling, compiler.batch_fill)
     assert bitmask.shape[0] == out.shape[0]
     xgr.apply_token_bitmask_inplace(

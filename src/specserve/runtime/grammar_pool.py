@@ -55,6 +55,23 @@ def default_workers(device: torch.device, ranks_here: int = 1) -> int:
     return workers if workers >= 2 else 0
 
 
+def unseen_tokens(num_taken: int, output: list[int], unprocessed) -> list[int]:
+    """A request's committed tokens past the first `num_taken`, `output`'s then
+    `unprocessed`'s (a step's not processed yet), without joining the two lists: the new
+    tokens cost a step, not the output's length."""
+    done = len(output)
+    new = output[num_taken:] if num_taken < done else []
+    return new + list(unprocessed[max(0, num_taken - done) :])
+
+
+def take_tokens(matcher: xgr.GrammarMatcher, tokens: list[int]) -> None:
+    """Advance a matcher through committed tokens (drawn under its masks, so legal; past
+    the grammar's end, under ignore_eos, there is nothing to take)."""
+    for token in tokens:
+        if not matcher.is_terminated():
+            matcher.accept_token(token)
+
+
 class RemoteGrammar:
     """One request's matcher in a worker: which worker, its handle there, its grammar's key,
     and how many of the request's output tokens the worker has been sent."""
@@ -67,11 +84,9 @@ class RemoteGrammar:
         self.grammar: str | None = None  # the compiled grammar's JSON, until sent
 
     def new_tokens(self, output: list[int], unprocessed) -> list[int]:
-        """The committed tokens the worker has not been sent (`GrammarState.follow`'s)."""
-        done = len(output)
-        new = output[self.num_taken :] if self.num_taken < done else []
-        new += unprocessed[max(0, self.num_taken - done) :]
-        self.num_taken = done + len(unprocessed)
+        """The committed tokens the worker has not been sent."""
+        new = unseen_tokens(self.num_taken, output, unprocessed)
+        self.num_taken = len(output) + len(unprocessed)
         return new
 
     def release(self) -> None:
@@ -197,10 +212,6 @@ class GrammarPool:
         if not self.closed:
             self.workers[state.worker].let_go(state.handle, state.key)
 
-    def fill(self, bitmask: torch.Tensor, buffer: tuple[int, int, str], jobs: list) -> None:
-        """`send`, then `collect`."""
-        self.collect(self.send(bitmask, buffer, jobs))
-
     def send(self, bitmask: torch.Tensor, buffer: tuple[int, int, str], jobs: list) -> tuple:
         """Send every worker its part of filling `bitmask`'s rows (the first rows of the
         shared buffer `buffer`: its slot, serial number and file, `MaskBuffer`) of each job:
@@ -318,9 +329,7 @@ def _serve(conn: Connection) -> None:
                 matcher = matchers.get(handle)
                 if matcher is None:
                     matcher = matchers[handle] = xgr.GrammarMatcher(grammars[key])
-                for token in tokens:
-                    if not matcher.is_terminated():
-                        matcher.accept_token(token)
+                take_tokens(matcher, tokens)
                 spans.append((matcher, first, drafts))
             if spans:
                 fill_masks(buffers[slot].view(-1, words), spans, batch_fill)
