@@ -153,3 +153,54 @@ def test_gpu_capture_survives_a_dropped_runner_collected_meanwhile():
     finally:
         gc.set_threshold(*thresholds)
     assert seen and not any(seen)
+
+
+def _recorded_buckets(plan, run) -> set[int]:
+    """The row buckets of the GEMV plan keys `run()` looks up."""
+    plan.asked = set()
+    try:
+        run()
+        return {key[0] for key in plan.asked}
+    finally:
+        plan.asked = None
+
+
+def test_steps_carrying_prefill_look_their_gemvs_up_by_rows():
+    """Batch invariance (a verify row runs its decode row's kernel) is for decode and verify
+    steps: a mixed step's dense layers go by its row count, as a short prompt's prefill
+    would otherwise run the decode steps' 16-row tile over all its rows."""
+    from specserve.core.kv_cache import KVCache
+    from specserve.kernels.gemv_plan import GemvPlan
+    from specserve.layers.linear import install_gemv_plan
+
+    cfg = tiny_config()
+    model = tiny_model(cfg, torch.float32, "cpu")
+    plan = GemvPlan()  # no choices: every call goes to torch, each lookup recorded
+    install_gemv_plan(model, plan)
+    kv = KVCache(cfg, 64, 4, torch.float32, "cpu")
+    tables = [kv.allocator.allocate(4) for _ in range(2)]
+    runner = CudaGraphRunner(
+        model, kv.layers, TorchAttentionBackend(), (1, 4), (1, 4), max_seq_len=16,
+        use_graphs=False, mixed_requests=(4,), mixed_tokens=(16,),
+    )  # fmt: skip
+    runner.capture()
+    from dataclasses import replace
+
+    with torch.inference_mode():
+        # two requests' verify rows (4 each): by request count (padded to the graph's 4)
+        verify = build_meta(tables, [3, 5], [7, 9], 4, "cpu")
+        ids = torch.zeros(8, dtype=torch.long)
+        assert runner.can_run(verify, 8)
+        assert _recorded_buckets(plan, lambda: runner.run(ids, verify)) == {4}
+        # a decode row beside a 9-token prompt: 10 rows, bucket 16
+        mixed = build_meta(tables, [7, 0], [8, 9], 4, "cpu")
+        mixed = replace(mixed, query_lens=[1, 9], seq_bounds=[8, 9])
+        ids = torch.zeros(10, dtype=torch.long)
+        assert runner.can_run_mixed(mixed, 10)
+        assert _recorded_buckets(plan, lambda: runner.run_mixed(ids, mixed)) == {16}
+        # eagerly too, as the model runner marks such a step
+        mixed.prefill = True
+        run = lambda: model(ids, mixed, kv.layers, runner.backend)  # noqa: E731
+        assert _recorded_buckets(plan, run) == {16}
+        mixed.prefill = False  # (were it decode rows alone: by request count)
+        assert _recorded_buckets(plan, run) == {2}

@@ -1,7 +1,8 @@
 """A mixed step's metadata splits where the Triton backend launches its two kernels: packing
 keeps each request's query length and KV bound on the host, the engine's real steps lead
 with their decode and verify rows, and `AttentionMetadata.split` hands each launch its own
-requests with token offsets of its own (computed once a step, however many layers ask)."""
+requests with token offsets of its own (computed once a step, however many layers ask);
+a step carrying a prefill chunk is marked so (`AttentionMetadata.prefill`)."""
 
 from __future__ import annotations
 
@@ -54,3 +55,7 @@ def test_the_engines_mixed_steps_lead_with_their_decode_rows(tiny_llama):
     assert meta.query_lens == [1, 1, 40]
     tokens, head, tail = meta.split(most=16)
     assert (tokens, head.num_requests, tail.num_requests) == (2, 2, 1)
+    # marked as carrying prefill (its dense layers go by row count); decode steps are not
+    assert meta.prefill
+    engine.step()
+    assert seen[-1].query_lens == [1, 1, 1] and not seen[-1].prefill

@@ -43,7 +43,10 @@ class GemvPlan:
     where cuBLAS gives a row different bits at different row counts, which selection keeps
     torch away from in the buckets up to SHARED_ROWS (gemv_select.py, batch invariance).
 
-    `step_requests`, set by the model for each forward to its step's request count: a step
+    `step_requests`, set by the model for each forward to its step's request count (None
+    for a step carrying a prefill chunk, which goes by its rows: batch invariance covers
+    decode and verify steps, and a short prompt's 64 rows on the decode steps' 16-row tile
+    took the 8B shape's prefill step from ~6 to ~8 ms on the H200): a decode or verify step
     of at most SHARED_ROWS requests looks its calls up in the bucket of its request count
     whatever their row count (up to the largest bucket), so a verify step's K + 1 rows per
     request run the shared choice that the same requests' decode step runs, and round

@@ -244,7 +244,8 @@ class LlamaForCausalLM(nn.Module):
         aux_layer_ids: tuple[int, ...] = (),
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         if self.gemv_plan is not None:  # a verify row rounds as the request's decode row
-            self.gemv_plan.step_requests = meta.num_requests
+            # (a step carrying a prefill chunk is outside batch invariance: by its rows)
+            self.gemv_plan.step_requests = None if meta.prefill else meta.num_requests
         x, residual = self.model.embed_tokens(input_ids), None
         aux: list[torch.Tensor] = []
         for i, layer in enumerate(self.model.layers):

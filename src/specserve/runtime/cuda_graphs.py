@@ -275,6 +275,7 @@ class CudaGraphRunner:
             max_query_len=tokens,
             max_seq_len=self.max_seq_len,
             mixed=MixedLayout(short, self.short_query_len, short_tokens, tiles),
+            prefill=True,  # (decode and verify steps are padded to uniform graphs)
         )
 
     def _stage_mixed(self, meta: AttentionMetadata, batch: int, tokens: int) -> None:

@@ -83,6 +83,7 @@ class ModelRunner:
                 else prev.accepted([prev_rows[i] for i in sampled])
             )
         input_ids, meta, last_rows = pack(segments, self.kv.page_size, self.device, shift)
+        meta.prefill = not all(s.decoding for s in batch)
         place_device_tokens(batch, input_ids, last_rows, missing, prev_rows, prev, self.device)
         first_rows = [last - len(seg.token_ids) + 1 for last, seg in zip(last_rows, segments)]
         sample_rows = []

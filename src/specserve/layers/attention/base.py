@@ -33,6 +33,10 @@ class AttentionMetadata:
     # A mixed step in a CUDA graph (runtime/cuda_graphs.py): its two launches' shares, fixed
     # in shape; None elsewhere.
     mixed: MixedLayout | None = None
+    # Whether a prefill chunk is among the step's rows (not decode and verify rows alone):
+    # its dense layers then look their kernels up by row count, not by request count
+    # (kernels/gemv_plan.py: batch invariance covers decode and verify steps only).
+    prefill: bool = False
     # split(): its answer per threshold, computed once a step (every layer asks)
     _splits: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
