@@ -21,14 +21,14 @@ export HF_HUB_OFFLINE=1
 # plan_tuning 35, gemv_stream_k 12-43, cuda_graphs 9, spec_host_paths 7, drafter_graphs 32,
 # feature_graphs 65, overlap_gpu 70; session 13: verify_tiles 56, triton_attention 62;
 # session 14: pdl_gpu over 300 (17 of its 18 tests), overlap_gpu 114, triton_attention 91;
-# session 16: packing_shift 4 s)
+# session 16: packing_shift 4 s; session 38: counter_noise)
 group1=(kernels/test_pdl_gpu.py:380 kernels/test_gemv_stream_k.py:90 runtime/test_cuda_graphs.py:40)
 group2=(tuning/test_plan_tuning.py:80 speculative/test_drafter_graphs.py:100
         runtime/test_feature_graphs.py:130 engine/test_overlap_gpu.py:150
         speculative/test_spec_host_paths.py:40)
 group3=(kernels/test_gemv.py:520)
 group4=(kernels/test_triton_attention.py:100 kernels/test_argmax.py:90 layers/test_triton_ops.py:60
-        tuning/test_verify_tiles.py:120 runtime/test_packing_shift.py:60
+        tuning/test_verify_tiles.py:120 runtime/test_packing_shift.py:60 kernels/test_counter_noise.py:60
         runtime/test_graph_staging.py:60)
 case "${1:-}" in
   1) files=("${group1[@]}") ;;

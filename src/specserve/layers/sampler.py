@@ -17,13 +17,27 @@ _M2 = 0xBF58476D1CE4E5B9 - (1 << 64)
 _M3 = 0x94D049BB133111EB - (1 << 64)
 
 
+STREAM_STRIDE = 0x632BE5AB  # a seed offset per stream: independent uses of one position
+
+
 def _shr(x: torch.Tensor, s: int) -> torch.Tensor:
     """Logical right shift of int64 (torch's >> is arithmetic)."""
     return (x >> s) & ((1 << (64 - s)) - 1)
 
 
 def hash_uniform(seeds: torch.Tensor, counters: torch.Tensor, width: int) -> torch.Tensor:
-    """Uniform floats in (0, 1), [B, width], a pure function of (seed, counter, column)."""
+    """Uniform floats in (0, 1), [B, width], a pure function of (seed, counter, column)
+    (int64 seeds and counters [B]); on CUDA in one kernel with the same bits
+    (kernels/counter_noise.py, imported when first needed: a kernel module)."""
+    if seeds.is_cuda:
+        from specserve.kernels.counter_noise import uniform_noise
+
+        return uniform_noise(seeds, counters, width)
+    return hash_uniform_torch(seeds, counters, width)
+
+
+def hash_uniform_torch(seeds: torch.Tensor, counters: torch.Tensor, width: int) -> torch.Tensor:
+    """`hash_uniform` in torch ops (the CPU's, and the kernel's reference)."""
     cols = torch.arange(width, device=seeds.device, dtype=torch.int64)
     x = seeds[:, None] * _M1 + counters[:, None] * _M3 + cols[None, :] * _M2
     x = x + _M1
@@ -78,7 +92,7 @@ def filter_logits(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
 
 def gumbel_noise(st: SamplingTensors, vocab: int, stream: int = 0) -> torch.Tensor:
     """Gumbel(0, 1) noise for each row; `stream` separates independent uses of a position."""
-    u = hash_uniform(st.seeds + stream * 0x632BE5AB, st.positions, vocab)
+    u = hash_uniform(st.seeds + stream * STREAM_STRIDE, st.positions, vocab)
     return -torch.log(-torch.log(u))
 
 

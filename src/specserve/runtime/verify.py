@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from specserve.layers.sampler import (
+    STREAM_STRIDE,
     SamplingTensors,
     argmax_rows,
     filter_logits,
@@ -40,7 +41,7 @@ class VerifyResult:
 def _uniforms(seeds: torch.Tensor, positions: torch.Tensor, max_draft_len: int, stream: int):
     """[R, K] uniforms, one per draft position, from (seed, position, stream)."""
     counters = positions[:, None] + torch.arange(max_draft_len, device=positions.device)
-    seeds = (seeds + stream * 0x632BE5AB)[:, None].expand(-1, max_draft_len)
+    seeds = (seeds + stream * STREAM_STRIDE)[:, None].expand(-1, max_draft_len)
     return hash_uniform(seeds.reshape(-1), counters.reshape(-1), 1).view(-1, max_draft_len)
 
 
@@ -78,6 +79,12 @@ def verify_greedy(
     max_draft_len = target_logits.shape[1] - 1
     if greedy_choice is None:
         greedy_choice = argmax_rows(target_logits)  # [R, K+1]
+    if simulate_rate is not None and drafts.is_cuda:  # the same, in one kernel
+        from specserve.kernels.counter_noise import simulated_verify
+
+        offset = SIMULATE_STREAM * STREAM_STRIDE
+        args = (seeds, positions, draft_lens, drafts, greedy_choice, simulate_rate, offset)
+        return VerifyResult(*simulated_verify(*args))
     if simulate_rate is None:
         ok = drafts == greedy_choice[:, :max_draft_len]
     else:

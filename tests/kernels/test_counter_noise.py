@@ -1,0 +1,138 @@
+"""The counter-based noise kernels (kernels/counter_noise.py) against the torch path bit for
+bit: uniforms for any seed, counter and width, and greedy verification under simulated
+acceptance (accept lengths and tokens) for uniform and short drafts. Under the Triton
+interpreter on the CPU (a subprocess, tests/support/interpreter_run.py) and, on a GPU, through
+the dispatchers (`hash_uniform`, `verify_greedy`) as the engine calls them."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+from specserve.layers.sampler import STREAM_STRIDE, hash_uniform, hash_uniform_torch
+
+SIMULATE_OFFSET = 3 * STREAM_STRIDE  # (verify.SIMULATE_STREAM)
+
+
+def _seeds_and_counters(rows: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    seeds = torch.randint(-(2**62), 2**62, (rows,), generator=gen, dtype=torch.int64)
+    seeds[:1] = 0
+    seeds[1:2] = -1  # all bits set
+    counters = torch.randint(0, 1 << 20, (rows,), generator=gen, dtype=torch.int64)
+    return seeds, counters
+
+
+def _verify_case(rows: int, k: int, rate: float, short: bool, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    seeds, positions = _seeds_and_counters(rows, seed)
+    drafts = torch.randint(0, 1000, (rows, k), generator=gen, dtype=torch.int64)
+    choice = torch.randint(0, 1000, (rows, k + 1), generator=gen, dtype=torch.int64)
+    lens = torch.randint(0, k + 1, (rows,), generator=gen, dtype=torch.int64) if short else None
+    return seeds, positions, lens, drafts, choice
+
+
+def _reference_verify(seeds, positions, lens, drafts, choice, rate):
+    """verify_greedy's torch path (the CPU's) with these greedy choices."""
+    from specserve.runtime.verify import verify_greedy
+
+    logits = torch.zeros(*choice.shape, 1)  # (only its shape is read: the choice is given)
+    out = verify_greedy(logits, drafts, lens, seeds, positions, rate, choice)
+    return out.tokens, out.accept_len
+
+
+VERIFY_CASES = [
+    (rows, k, rate, short)
+    for rows, k in ((1, 1), (5, 3), (33, 5), (4, 16))
+    for rate in (0.0, 0.55, 0.9, 1.0)
+    for short in (False, True)
+]
+
+
+def _mismatch(a: torch.Tensor, b: torch.Tensor) -> str | None:
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return f"{a.dtype}{tuple(a.shape)} against {b.dtype}{tuple(b.shape)}"
+    if not torch.equal(a, b):
+        return f"{int((a != b).sum())} of {a.numel()} differ"
+    return None
+
+
+def run_cases() -> dict:
+    """Under the interpreter: {case: None, or what differed}."""
+    from specserve.kernels.counter_noise import simulated_verify, uniform_noise
+
+    results = {}
+    for rows, width in ((1, 1), (7, 5), (3, 2048), (2, 4100), (0, 9)):
+        seeds, counters = _seeds_and_counters(rows, width)
+        results[f"uniform-{rows}x{width}"] = _mismatch(
+            uniform_noise(seeds, counters, width), hash_uniform_torch(seeds, counters, width)
+        )
+    for rows, k, rate, short in VERIFY_CASES:
+        case = _verify_case(rows, k, rate, short, rows * 100 + k)
+        tokens, accept = simulated_verify(*case, rate, SIMULATE_OFFSET)
+        ref_tokens, ref_accept = _reference_verify(*case, rate)
+        name = f"verify-{rows}x{k}-{rate}-{'short' if short else 'uniform'}"
+        results[name] = _mismatch(accept, ref_accept) or _mismatch(tokens, ref_tokens)
+    return results
+
+
+INTERPRETER = ("tests.kernels.test_counter_noise", 30)
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["uniform-1x1", "uniform-7x5", "uniform-3x2048", "uniform-2x4100", "uniform-0x9"]
+    + [
+        f"verify-{rows}x{k}-{rate}-{'short' if short else 'uniform'}"
+        for rows, k, rate, short in VERIFY_CASES
+    ],
+)
+def test_interpreter_equals_torch(name, interpreter_results):
+    assert interpreter_results[name] is None, interpreter_results[name]
+
+
+def test_simulated_acceptance_reaches_every_length():
+    """The reference the kernel is held to draws accept lengths over 0..K at a middle rate,
+    none at rate 0 and all at rate 1 (so equal results above are not trivially equal)."""
+    case = _verify_case(256, 3, 0.6, False, 1)
+    _, accept = _reference_verify(*case, 0.6)
+    assert set(accept.tolist()) == {0, 1, 2, 3}
+    assert _reference_verify(*case, 0.0)[1].eq(0).all()
+    assert _reference_verify(*case, 1.0)[1].eq(3).all()
+
+
+@pytest.mark.gpu
+def test_gpu_dispatchers_equal_torch():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from specserve.runtime.verify import verify_greedy
+
+    seeds, counters = _seeds_and_counters(64, 3)
+    for width in (1, 3, 49152):
+        got = hash_uniform(seeds.cuda(), counters.cuda(), width).cpu()
+        assert _mismatch(got, hash_uniform_torch(seeds, counters, width)) is None
+    for rows, k, rate, short in VERIFY_CASES:
+        case = _verify_case(rows, k, rate, short, rows + k)
+        seeds, positions, lens, drafts, choice = case
+        logits = torch.zeros(*choice.shape, 1, device="cuda")
+        out = verify_greedy(
+            logits,
+            drafts.cuda(),
+            None if lens is None else lens.cuda(),
+            seeds.cuda(),
+            positions.cuda(),
+            rate,
+            choice.cuda(),
+        )
+        ref_tokens, ref_accept = _reference_verify(*case, rate)
+        assert _mismatch(out.accept_len.cpu(), ref_accept) is None
+        assert _mismatch(out.tokens.cpu(), ref_tokens) is None
+
+
+if __name__ == "__main__":  # the interpreter run (TRITON_INTERPRET=1)
+    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+    sys.stdout.write("\n" + json.dumps(run_cases()) + "\n")
