@@ -80,6 +80,66 @@ def run_cases() -> dict:
     return results
 
 
+def compile_cases() -> dict:
+    """{kernel: its sm_90 PTX's 64-bit shifts and multiplies}, or why it did not compile
+    (tests/support/pdl_compile.py's machinery: launches recorded, then compiled)."""
+    import re
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from specserve.kernels.counter_noise import simulated_verify, uniform_noise
+    from tests.support import pdl_compile as pc
+
+    pc._record()  # launches recorded, not run
+    seeds, counters = _seeds_and_counters(4, 0)
+    uniform_noise(seeds, counters, 4100)
+    simulated_verify(*_verify_case(4, 3, 0.5, True, 0), 0.5, SIMULATE_OFFSET)
+    results = {}
+    for _, fn, args, kwargs in pc.LAUNCHES:
+        options = {k: v for k, v in kwargs.items() if k in pc._OPTIONS}
+        try:
+            kernel = triton.compile(
+                ASTSource(fn, *pc._signature(fn, args, kwargs)),
+                target=GPUTarget("cuda", 90, 32),
+                options=options,
+            )
+            ops = {line.split()[0] for line in pc._instructions(kernel.asm["ptx"])}
+            results[fn.__name__] = sorted(op for op in ops if re.match(r"(shr|mul\.lo)\.", op))
+        except Exception as e:  # reported per kernel by the test
+            results[fn.__name__] = f"{type(e).__name__}: {e}"[:2000]
+    return results
+
+
+def test_kernels_compile_for_sm90_with_unsigned_shifts():
+    """Compiled for sm_90 in a subprocess (the interpreter computes in numpy): the hash's
+    right shifts are logical (shr.u64, not the arithmetic shr.s64 a signed value gets) and
+    its 64-bit multiplies keep the low bits (wrapping, as torch's int64 products)."""
+    import subprocess
+
+    from tests.support.interpreter_run import ROOT, child_timeout
+
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.kernels.test_counter_noise", "compile"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=child_timeout(120),
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    compiled = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert set(compiled) == {"_uniform_kernel", "_simulated_verify_kernel"}, compiled
+    for name, ops in compiled.items():
+        assert isinstance(ops, list), f"{name} did not compile: {ops}"
+        assert "shr.u64" in ops and "shr.s64" not in ops, (name, ops)
+        assert any(op.startswith("mul.lo.") and op.endswith("64") for op in ops), (name, ops)
+
+
 INTERPRETER = ("tests.kernels.test_counter_noise", 30)
 
 
@@ -133,6 +193,9 @@ def test_gpu_dispatchers_equal_torch():
         assert _mismatch(out.tokens.cpu(), ref_tokens) is None
 
 
-if __name__ == "__main__":  # the interpreter run (TRITON_INTERPRET=1)
-    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
-    sys.stdout.write("\n" + json.dumps(run_cases()) + "\n")
+if __name__ == "__main__":  # the interpreter run (TRITON_INTERPRET=1) or the sm_90 compile
+    if sys.argv[1:] == ["compile"]:
+        sys.stdout.write("\n" + json.dumps(compile_cases()) + "\n")
+    else:
+        assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+        sys.stdout.write("\n" + json.dumps(run_cases()) + "\n")

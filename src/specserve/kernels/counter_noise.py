@@ -23,9 +23,9 @@ import triton
 import triton.language as tl
 
 # splitmix64's constants (layers/sampler.py holds them as signed int64 for torch)
-_M1: tl.constexpr = 0x9E3779B97F4A7C15
-_M2: tl.constexpr = 0xBF58476D1CE4E5B9
-_M3: tl.constexpr = 0x94D049BB133111EB
+_M1 = tl.constexpr(0x9E3779B97F4A7C15)
+_M2 = tl.constexpr(0xBF58476D1CE4E5B9)
+_M3 = tl.constexpr(0x94D049BB133111EB)
 
 
 @triton.jit
