@@ -147,23 +147,10 @@ def test_mode_switch():
 def test_kernels_wait_before_touching_memory():
     """Compiled for sm_90 (tests/support/pdl_compile.py's machinery, in a subprocess): with PDL on,
     each kernel waits before its first load and store and signals after; off, neither."""
-    import subprocess
-
-    from tests.support.interpreter_run import ROOT, child_timeout
+    from tests.support.pdl_compile import compiled_in_subprocess
 
     pytest.importorskip("triton")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.kernels.test_argmax", "compile"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=child_timeout(300),
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    compiled = json.loads(proc.stdout.strip().splitlines()[-1])
+    compiled = compiled_in_subprocess(["tests.kernels.test_argmax", "compile"], 300)
     assert len(compiled) == 4, compiled
     for name, marks in compiled.items():
         assert isinstance(marks, dict), f"{name} did not compile: {marks}"

@@ -116,23 +116,10 @@ def test_kernels_compile_for_sm90_with_unsigned_shifts():
     """Compiled for sm_90 in a subprocess (the interpreter computes in numpy): the hash's
     right shifts are logical (shr.u64, not the arithmetic shr.s64 a signed value gets) and
     its 64-bit multiplies keep the low bits (wrapping, as torch's int64 products)."""
-    import subprocess
-
-    from tests.support.interpreter_run import ROOT, child_timeout
+    from tests.support.pdl_compile import compiled_in_subprocess
 
     pytest.importorskip("triton")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.kernels.test_counter_noise", "compile"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=child_timeout(120),
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    compiled = json.loads(proc.stdout.strip().splitlines()[-1])
+    compiled = compiled_in_subprocess(["tests.kernels.test_counter_noise", "compile"], 120)
     assert set(compiled) == {"_uniform_kernel", "_simulated_verify_kernel"}, compiled
     for name, ops in compiled.items():
         assert isinstance(ops, list), f"{name} did not compile: {ops}"

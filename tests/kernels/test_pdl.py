@@ -11,20 +11,12 @@ same bits on the GPU). GPU checks: tests/kernels/test_pdl_gpu.py."""
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from specserve.kernels import pdl
-from tests.support.interpreter_run import child_timeout
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -99,18 +91,9 @@ def compiled() -> dict:
         from triton.backends.nvidia import compiler  # noqa: F401
     except ImportError:
         pytest.skip("this triton has no CUDA backend to compile with")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.support.pdl_compile"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=child_timeout(600),
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    from tests.support.pdl_compile import compiled_in_subprocess
+
+    return compiled_in_subprocess(["tests.support.pdl_compile"], 600)
 
 
 def _launches(compiled: dict, mode: str) -> dict:

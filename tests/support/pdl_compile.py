@@ -38,6 +38,29 @@ MARKS = {
 }
 
 
+def compiled_in_subprocess(args: list[str], seconds: float) -> dict:
+    """The JSON line `python -m ARGS` prints last, run without TRITON_INTERPRET (so kernels
+    compile for the GPU target instead of being interpreted) from the repository root, in
+    about `seconds` on an idle machine (interpreter_run.child_timeout)."""
+    import os
+    import subprocess
+
+    from tests.support.interpreter_run import ROOT, child_timeout
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    proc = subprocess.run(
+        [sys.executable, "-m", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=child_timeout(seconds),
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def _record() -> None:
     from triton.runtime.jit import JITFunction
 
