@@ -8,10 +8,6 @@ CUDA graph."""
 
 from __future__ import annotations
 
-import json
-import os
-import sys
-
 import pytest
 import torch
 
@@ -164,9 +160,6 @@ def test_kernels_wait_before_touching_memory():
 
 def compile_cases() -> dict:
     """{kernel/mode: pdl_compile's marks} for one bf16 argmax with PDL forced on, then off."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     from specserve.kernels import pdl
     from specserve.kernels.triton_argmax import triton_argmax
@@ -179,17 +172,11 @@ def compile_cases() -> dict:
         pdl.active = lambda device, on=(mode == "pdl"): on
         triton_argmax(torch.zeros(2, 8192, dtype=torch.bfloat16))
         for _, fn, args, kwargs in pc.LAUNCHES:
-            options = {k: v for k, v in kwargs.items() if k in pc._OPTIONS}
             try:
-                kernel = triton.compile(
-                    ASTSource(fn, *pc._signature(fn, args, kwargs)),
-                    target=GPUTarget("cuda", 90, 32),
-                    options=options,
-                )
-                marks = pc._marks(kernel.asm["ptx"])
+                marks = pc._marks(pc.compile_launch(fn, args, kwargs).asm["ptx"])
                 results[f"{fn.__name__}/{mode}"] = {
                     **marks,
-                    "launch_pdl": options.get("launch_pdl", False),
+                    "launch_pdl": kwargs.get("launch_pdl", False),
                 }
             except Exception as e:  # reported per kernel by the test
                 results[f"{fn.__name__}/{mode}"] = f"{type(e).__name__}: {e}"[:2000]
@@ -267,8 +254,6 @@ def test_gpu_cuda_graph_replay(use_pdl):
 
 
 if __name__ == "__main__":  # the interpreter run (TRITON_INTERPRET=1) or the sm_90 compile
-    if sys.argv[1:] == ["compile"]:
-        sys.stdout.write("\n" + json.dumps(compile_cases()) + "\n")
-    else:
-        assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
-        sys.stdout.write("\n" + json.dumps(run_cases()) + "\n")
+    from tests.support.interpreter_run import module_main
+
+    module_main(run_cases, compile_cases)

@@ -6,10 +6,6 @@ the dispatchers (`hash_uniform`, `verify_greedy`) as the engine calls them."""
 
 from __future__ import annotations
 
-import json
-import os
-import sys
-
 import pytest
 import torch
 
@@ -85,10 +81,6 @@ def compile_cases() -> dict:
     (tests/support/pdl_compile.py's machinery: launches recorded, then compiled)."""
     import re
 
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from specserve.kernels.counter_noise import simulated_verify, uniform_noise
     from tests.support import pdl_compile as pc
 
@@ -98,14 +90,9 @@ def compile_cases() -> dict:
     simulated_verify(*_verify_case(4, 3, 0.5, True, 0), 0.5, SIMULATE_OFFSET)
     results = {}
     for _, fn, args, kwargs in pc.LAUNCHES:
-        options = {k: v for k, v in kwargs.items() if k in pc._OPTIONS}
         try:
-            kernel = triton.compile(
-                ASTSource(fn, *pc._signature(fn, args, kwargs)),
-                target=GPUTarget("cuda", 90, 32),
-                options=options,
-            )
-            ops = {line.split()[0] for line in pc._instructions(kernel.asm["ptx"])}
+            ptx = pc.compile_launch(fn, args, kwargs).asm["ptx"]
+            ops = {line.split()[0] for line in pc._instructions(ptx)}
             results[fn.__name__] = sorted(op for op in ops if re.match(r"(shr|mul\.lo)\.", op))
         except Exception as e:  # reported per kernel by the test
             results[fn.__name__] = f"{type(e).__name__}: {e}"[:2000]
@@ -181,8 +168,6 @@ def test_gpu_dispatchers_equal_torch():
 
 
 if __name__ == "__main__":  # the interpreter run (TRITON_INTERPRET=1) or the sm_90 compile
-    if sys.argv[1:] == ["compile"]:
-        sys.stdout.write("\n" + json.dumps(compile_cases()) + "\n")
-    else:
-        assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
-        sys.stdout.write("\n" + json.dumps(run_cases()) + "\n")
+    from tests.support.interpreter_run import module_main
+
+    module_main(run_cases, compile_cases)

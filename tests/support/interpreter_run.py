@@ -42,6 +42,18 @@ def interpreter_unusable() -> str | None:
     return None
 
 
+def module_main(run_cases, compile_cases=None) -> None:
+    """A test module's `__main__`: `compile_cases()` with the argument "compile" (no
+    interpreter: kernels compiled for the GPU target, tests/support/pdl_compile.py), else
+    `run_cases()` under the interpreter; prints the results as the last JSON line."""
+    if compile_cases is not None and sys.argv[1:] == ["compile"]:
+        results = compile_cases()
+    else:
+        assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+        results = run_cases()
+    sys.stdout.write("\n" + json.dumps(results) + "\n")
+
+
 def child_timeout(seconds: float) -> float | None:
     """The limit of a test's child process that takes `seconds` on an idle machine: none
     (the test run's own limit bounds it), unless SPECSERVE_TEST_TIMEOUT_SCALE=X asks for X

@@ -61,6 +61,17 @@ def compiled_in_subprocess(args: list[str], seconds: float) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def compile_launch(fn, args, kwargs):
+    """The kernel a recorded launch (`LAUNCHES`) compiles to for sm_90: its `asm["ptx"]`."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    options = {k: v for k, v in kwargs.items() if k in _OPTIONS}
+    source = ASTSource(fn, *_signature(fn, args, kwargs))
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+
+
 def _record() -> None:
     from triton.runtime.jit import JITFunction
 
@@ -233,15 +244,10 @@ def _launch_all() -> None:
 
 
 def main() -> dict:
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from specserve.kernels import pdl
 
     _record()
     results: dict = {}
-    target = GPUTarget("cuda", 90, 32)
     for mode in ("pdl", "plain"):
         LAUNCHES.clear()
         use_pdl = mode == "pdl"
@@ -249,16 +255,12 @@ def main() -> dict:
         _launch_all()
         for label, fn, args, kwargs in LAUNCHES:
             name = f"{label}/{fn.__name__}/{mode}"
-            options = {k: v for k, v in kwargs.items() if k in _OPTIONS}
             try:
-                signature, constexprs, attrs = _signature(fn, args, kwargs)
-                kernel = triton.compile(
-                    ASTSource(fn, signature, constexprs, attrs), target=target, options=options
-                )
+                kernel = compile_launch(fn, args, kwargs)
                 results[name] = {
                     **_marks(kernel.asm["ptx"]),
-                    "use_pdl": constexprs["USE_PDL"],
-                    "launch_pdl": options.get("launch_pdl", False),
+                    "use_pdl": _signature(fn, args, kwargs)[1]["USE_PDL"],
+                    "launch_pdl": kwargs.get("launch_pdl", False),
                 }
             except Exception as e:  # reported per launch by the test
                 results[name] = f"{type(e).__name__}: {e}"[:2000]
