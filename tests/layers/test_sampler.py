@@ -254,3 +254,19 @@ def test_greedy_requests_unchanged_by_sampled_neighbours(tiny_qwen2):
     mixed = [greedy, seeded(1), greedy, seeded(2, top_k=3)]
     got = llm.generate(prompts, mixed)
     assert got[0].token_ids == expected[0] and got[2].token_ids == expected[2]
+
+
+def test_uniforms_stay_strictly_inside_the_unit_interval():
+    """A draw's extreme bits map inside (0, 1), so Gumbel noise is finite: with 24 bits the
+    largest rounded to 1.0 in float32 (noise +inf: that token drawn whatever its
+    probability, in ~0.8% of sampled rows of a 128k vocabulary)."""
+    from specserve.layers.sampler import UNIFORM_BITS, gumbel_noise, unit_interval
+
+    extremes = torch.tensor([0, (1 << UNIFORM_BITS) - 1])
+    u = unit_interval(extremes)
+    assert 0.0 < u[0] and u[1] < 1.0 and torch.isfinite(-torch.log(-torch.log(u))).all()
+    wider = (torch.tensor([(1 << 24) - 1]).float() + 0.5) * (1.0 / (1 << 24))
+    assert wider.item() == 1.0  # (the 24-bit draw's largest value)
+    params = [SamplingParams(temperature=1.0)] * 64
+    st_ = build_sampling_tensors(params, list(range(64)), [5] * 64, "cpu")
+    assert torch.isfinite(gumbel_noise(st_, 4096)).all()

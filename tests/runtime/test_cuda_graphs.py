@@ -192,15 +192,21 @@ def test_steps_carrying_prefill_look_their_gemvs_up_by_rows():
         ids = torch.zeros(8, dtype=torch.long)
         assert runner.can_run(verify, 8)
         assert _recorded_buckets(plan, lambda: runner.run(ids, verify)) == {4}
-        # a decode row beside a 9-token prompt: 10 rows, bucket 16
+        # what logits projected after the replay look up: the graph's request bucket
+        assert plan.step_requests == 4
+        # a decode row beside a 9-token prompt (marked by the model runner): 10 rows, bucket 16
         mixed = build_meta(tables, [7, 0], [8, 9], 4, "cpu")
-        mixed = replace(mixed, query_lens=[1, 9], seq_bounds=[8, 9])
+        mixed = replace(mixed, query_lens=[1, 9], seq_bounds=[8, 9], prefill=True)
         ids = torch.zeros(10, dtype=torch.long)
         assert runner.can_run_mixed(mixed, 10)
         assert _recorded_buckets(plan, lambda: runner.run_mixed(ids, mixed)) == {16}
-        # eagerly too, as the model runner marks such a step
-        mixed.prefill = True
+        assert plan.step_requests is None  # (after a replay too: by row count)
         run = lambda: model(ids, mixed, kv.layers, runner.backend)  # noqa: E731
-        assert _recorded_buckets(plan, run) == {16}
-        mixed.prefill = False  # (were it decode rows alone: by request count)
+        assert _recorded_buckets(plan, run) == {16}  # eagerly alike
+        # decode and verify rows alone go by request count, and never to a mixed graph
+        # (their batch invariance): here 3 requests past the uniform graphs' buckets
+        mixed.prefill = False
         assert _recorded_buckets(plan, run) == {2}
+        ragged = build_meta([*tables, kv.allocator.allocate(4)], [7, 5, 2], [8, 9, 4], 4, "cpu")
+        ragged = replace(ragged, query_lens=[1, 4, 2], seq_bounds=[8, 9, 4])
+        assert not runner.can_run(ragged, 7) and not runner.can_run_mixed(ragged, 7)

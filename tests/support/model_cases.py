@@ -179,7 +179,7 @@ def runner_mixed_error(backend, dtype, device, page_size=4, use_graphs=False, se
             starts = [start for _, start, _ in step]
             ends = [start + n for _, start, n in step]
             meta = build_meta([tables[r] for r, _, _ in step], starts, ends, page_size, device)
-            meta = replace(meta, query_lens=[n for *_, n in step], seq_bounds=ends)
+            meta = replace(meta, query_lens=[n for *_, n in step], seq_bounds=ends, prefill=True)
             ids = torch.randint(cfg.vocab_size, (meta.positions.shape[0],), generator=gen)
             ids = ids.to(device)
             ref, _ = model(ids, meta, kv[0].layers, backend)

@@ -11,7 +11,7 @@ lengths and the committed tokens in one launch, where torch took ~30 (about 0.4 
 time a step on the H200's host, as much as a small model's whole step).
 
 Both give the torch path's results bit for bit (unsigned 64-bit arithmetic wraps as the
-signed torch ops do; the 24-bit draw converts exactly). Neither waits for the host, so both
+signed torch ops do; the 23-bit draw converts exactly). Neither waits for the host, so both
 can be captured in a CUDA graph; they are launched without PDL (kernels/pdl.py: a plain
 launch after a PDL kernel waits for it as always).
 """
@@ -36,7 +36,7 @@ def _uniform(seed, counter, col):
     x = (x ^ (x >> 30)) * _M2
     x = (x ^ (x >> 27)) * _M3
     x = x ^ (x >> 31)
-    return ((x >> 40).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+    return ((x >> 41).to(tl.float32) + 0.5) * (1.0 / 8388608.0)  # (sampler.UNIFORM_BITS)
 
 
 @triton.jit
@@ -49,9 +49,18 @@ def _uniform_kernel(seeds_ptr, counters_ptr, out_ptr, width, BLOCK: tl.constexpr
     tl.store(out_ptr + row.to(tl.int64) * width + cols, u, mask=cols < width)
 
 
+def _check(*tensors: torch.Tensor) -> None:
+    """The kernels read int64 from one device (other integers would hash differently)."""
+    first = tensors[0]
+    for t in tensors:
+        if t.dtype != torch.int64 or t.device != first.device:
+            raise ValueError(f"need int64 tensors on {first.device}, got {t.dtype} on {t.device}")
+
+
 def uniform_noise(seeds: torch.Tensor, counters: torch.Tensor, width: int) -> torch.Tensor:
     """`hash_uniform(seeds, counters, width)`: float32 [B, width] from int64 seeds and
     counters [B]."""
+    _check(seeds, counters)
     rows = seeds.shape[0]
     out = torch.empty(rows, width, dtype=torch.float32, device=seeds.device)
     if rows == 0 or width == 0:
@@ -111,6 +120,7 @@ def simulated_verify(
     stream_offset, positions[r] + j) is below `rate` and j < draft_lens[r] (None: K), up to
     the first refusal; the tokens are the drafts [R, K] and a 0, the target's greedy choice
     [R, K+1] put at the accept length (as `verify_greedy` assembles them)."""
+    _check(seeds, positions, drafts, choice, *([] if draft_lens is None else [draft_lens]))
     rows, k = drafts.shape
     tokens = torch.empty(rows, k + 1, dtype=torch.int64, device=drafts.device)
     accept = torch.empty(rows, dtype=torch.int64, device=drafts.device)

@@ -18,6 +18,11 @@ _M3 = 0x94D049BB133111EB - (1 << 64)
 
 
 STREAM_STRIDE = 0x632BE5AB  # a seed offset per stream: independent uses of one position
+# A uniform's bits: the top UNIFORM_BITS of the hash, k, give (k + 0.5) / 2^UNIFORM_BITS,
+# exact in float32 and strictly inside (0, 1). (With 24 bits the largest k rounded to 1.0,
+# whose Gumbel noise is +inf: one draw in 2^24, a token of a 128k vocabulary in ~0.8% of
+# sampled rows picked whatever its probability.)
+UNIFORM_BITS = 23
 
 
 def _shr(x: torch.Tensor, s: int) -> torch.Tensor:
@@ -44,7 +49,13 @@ def hash_uniform_torch(seeds: torch.Tensor, counters: torch.Tensor, width: int) 
     x = (x ^ _shr(x, 30)) * _M2
     x = (x ^ _shr(x, 27)) * _M3
     x = x ^ _shr(x, 31)
-    return (_shr(x, 40).float() + 0.5) * (1.0 / (1 << 24))
+    return unit_interval(_shr(x, 64 - UNIFORM_BITS))
+
+
+def unit_interval(k: torch.Tensor) -> torch.Tensor:
+    """(k + 0.5) / 2^UNIFORM_BITS in float32 for integers 0 <= k < 2^UNIFORM_BITS: exact,
+    strictly inside (0, 1)."""
+    return (k.float() + 0.5) * (1.0 / (1 << UNIFORM_BITS))
 
 
 @dataclass

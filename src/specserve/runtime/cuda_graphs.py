@@ -248,7 +248,8 @@ class CudaGraphRunner:
         """Whether this step has a mixed graph: its host query lengths known (packed by the
         runner), buckets for its requests and tokens, contexts within max_seq_len."""
         return (
-            meta.query_lens is not None
+            meta.prefill  # (decode and verify steps: uniform graphs, or eager)
+            and meta.query_lens is not None
             and self.mixed_bucket_for(meta.num_requests, num_tokens) is not None
             and meta.max_seq_len <= self.max_seq_len
             and meta.block_tables.shape[1] <= self.max_pages
@@ -355,6 +356,7 @@ class CudaGraphRunner:
             graph.replay()
         else:
             hidden, aux, head = self._forward(batch, q_len)
+        self._lookups_as_captured(batch)
         self.last_head = (
             None
             if head is None
@@ -363,6 +365,15 @@ class CudaGraphRunner:
         if self.feature_writer is not None:
             return hidden[:n], []
         return hidden[:n], [a[:n] for a in aux]
+
+    def _lookups_as_captured(self, step_requests: int | None) -> None:
+        """Logits projected after a replay (eagerly: a mixed step's, fp32 ones) look their
+        GEMVs up as the graph's forward did (`GemvPlan.step_requests`, which the model's
+        forward sets and a replay, running no Python, does not): by the graph's request
+        bucket, or by row count after a step carrying prefill."""
+        plan = getattr(self.model, "gemv_plan", None)
+        if plan is not None:
+            plan.step_requests = step_requests
 
     @torch.inference_mode()
     def run_mixed(
@@ -379,5 +390,6 @@ class CudaGraphRunner:
             graph.replay()
         else:
             hidden, aux, _ = self._forward(batch, 0, tokens)
+        self._lookups_as_captured(None)
         self.last_head = None
         return hidden[:n], [a[:n] for a in aux]
