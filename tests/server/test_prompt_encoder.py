@@ -1,6 +1,8 @@
 """The HTTP process's prompt tokenization: exactly `tokenizer.encode`'s ids through the Rust
 tokenizer's encode_batch_fast, and long prompts encoded on worker threads, concurrent
-requests' in parallel, never on the event loop (server/prompt_encoder.py)."""
+requests' in parallel, never on the event loop (server/prompt_encoder.py); long prompts that
+share a prefix with a recent one cut there, still exactly `encode`'s ids for every tokenizer
+family (server/prompt_prefixes.py)."""
 
 from __future__ import annotations
 
@@ -9,12 +11,16 @@ import random
 import threading
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
 from specserve.model.dummy import dummy_config, synthetic_tokenizer
+from specserve.server import prompt_prefixes
 from specserve.server.inputs import InputProcessor
 from specserve.server.messages import EngineInfo
 from specserve.server.prompt_encoder import THREAD_CHARS, PromptEncoder
+from specserve.server.prompt_prefixes import RecentPrompts, encode_with_cuts
 from specserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from tests.support.tiny_models import make_tokenizer
 
@@ -109,3 +115,167 @@ def test_concurrent_long_prompts_are_encoded_in_parallel_off_the_loop():
     got, loop_thread = asyncio.run(two_requests())
     assert got == [[[THREAD_CHARS % 100 + 2]], [[THREAD_CHARS % 100 + 2], [2]]]
     assert loop_thread not in tokenizer.threads
+
+
+# ---- long prompts sharing a prefix (server/prompt_prefixes.py) ------------------------------
+
+_PIECES = [
+    "the", "The", "fox", " ", "  ", "\n", "\n\n", " \n", "\t", "12", "3456", "'s", "don't",
+    ".", ",", "!?", "—", "héllo", "e\u0301", "\u0301", "你好", "🙂", "Ω", "ﬁ", "\u00a0", "x",
+]  # fmt: skip
+
+
+def _family(name: str):
+    """A small tokenizer of a real family's construction, trained here: byte-level BPE with
+    GPT-2's split (`gpt2`) or Llama 3's pattern (`llama3`), NFC first (`qwen`); SentencePiece
+    BPE over Metaspace (`metaspace`); Llama 2's legacy normalizer, a prepended marker and no
+    pre-tokenizer (`legacy`); BERT's WordPiece, lowercased (`bert`); byte-level BPE whose
+    post-processor trims the spaces off its offsets and ends every text with a token
+    (`suffix`); and the synthetic tokenizer of dummy models (`synthetic`)."""
+    from tokenizers import (
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
+    from transformers import PreTrainedTokenizerFast
+
+    if name == "synthetic":
+        return synthetic_tokenizer(dummy_config("llama-3.1-8b"))
+    corpus = ["".join(random.Random(i).choices(_PIECES, k=400)) for i in range(8)]
+    corpus += ["The quick brown fox jumps over the lazy dog. " * 8]
+    special = ["<s>", "</s>", "<|im_end|>"]
+    if name == "bert":
+        tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+        tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+        tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+        trainer = trainers.WordPieceTrainer(vocab_size=400, special_tokens=["[UNK]", *special])
+    else:
+        tok = Tokenizer(models.BPE(byte_fallback=name in ("metaspace", "legacy")))
+        byte_level = dict(initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+        trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=special, **byte_level)
+        if name in ("gpt2", "suffix"):
+            tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        elif name in ("llama3", "qwen"):
+            pattern = (
+                r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}"
+                r"\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+            )
+            tok.pre_tokenizer = pre_tokenizers.Sequence(
+                [
+                    pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
+                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+                ]
+            )
+            if name == "qwen":
+                tok.normalizer = normalizers.NFC()
+        elif name == "metaspace":
+            tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+        elif name == "legacy":
+            tok.normalizer = normalizers.Sequence(
+                [normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")]
+            )
+        if name == "suffix":
+            tok.post_processor = processors.RobertaProcessing(("</s>", 1), ("<s>", 0))
+    tok.train_from_iterator(corpus, trainer)
+    if name in ("gpt2", "llama3", "qwen", "suffix"):
+        tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+
+
+_FAMILIES = ["gpt2", "llama3", "qwen", "metaspace", "legacy", "bert", "suffix", "synthetic"]
+_CUT = {"gpt2", "llama3", "qwen", "metaspace", "bert", "synthetic"}  # the rest: no cache
+
+
+@pytest.fixture(scope="module")
+def families():
+    return {name: _family(name) for name in _FAMILIES}
+
+
+@pytest.fixture(scope="module")
+def encoders(families):
+    """Each family's encoder, kept across a test's examples (its recent prompts too)."""
+    return {name: PromptEncoder(tok, prefix_min_chars=128) for name, tok in families.items()}
+
+
+def test_tokenizers_whose_cuts_would_differ_get_no_cache(encoders):
+    """A prepended marker (legacy), and offsets trimmed of their spaces with a token after
+    every text (suffix), fail the start-up check; the other families pass it both with and
+    without special tokens added."""
+    cached = {name: {add for add, r in e.recent.items() if r} for name, e in encoders.items()}
+    assert cached == {name: {True, False} if name in _CUT else set() for name in _FAMILIES}
+
+
+def _words(data, tokenizer, lo: int, hi: int) -> str:
+    pieces = [*_PIECES, *tokenizer.all_special_tokens, str(data.draw(st.integers(0, 99999)))]
+    n = data.draw(st.integers(lo, hi))
+    drawn = data.draw(st.lists(st.sampled_from(pieces), min_size=n, max_size=n))
+    spaces = data.draw(st.lists(st.sampled_from(["", " ", " ", "  "]), min_size=n, max_size=n))
+    return "".join(w + s for w, s in zip(drawn, spaces))
+
+
+@pytest.mark.parametrize("name", _FAMILIES)
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_prompts_sharing_a_prefix_encode_as_encode_does(name, families, encoders, data):
+    """Texts sharing long prefixes (siblings after one prefix, and a conversation that grows
+    turn by turn), through one encoder in turn: every text's ids equal the tokenizer's
+    encode (cut or not: test_a_shared_prefix_is_encoded_once counts the cuts)."""
+    tokenizer, encoder = families[name], encoders[name]
+    prefix = _words(data, tokenizer, 120, 240)
+    texts = [prefix + _words(data, tokenizer, 0, 20) for _ in range(3)]
+    texts.append(texts[-1] + _words(data, tokenizer, 1, 20))
+    texts.append(texts[-1] + _words(data, tokenizer, 1, 20))
+    for add in (True, False):
+        for text in texts:
+            assert encoder.encode_many([text], add)[0] == tokenizer.encode(
+                text, add_special_tokens=add
+            )
+
+
+@pytest.mark.parametrize("name", sorted(_CUT))
+def test_a_shared_prefix_is_encoded_once(name, families):
+    """Sixteen prompts after one 2,000-token-ish prefix: the first is encoded whole, the
+    rest are cut in the prefix (reusing most of its characters) and equal encode."""
+    tokenizer = families[name]
+    encoder = PromptEncoder(tokenizer)
+    rng = random.Random(3)
+    prefix = "".join(rng.choice(_PIECES) + rng.choice(["", " "]) for _ in range(1500))
+    prompts = [prefix + f" question {i}: " + "".join(rng.choices(_PIECES, k=40)) for i in range(16)]
+    for prompt in prompts:
+        assert encoder.encode_many([prompt]) == [tokenizer.encode(prompt)]
+    recent = encoder.recent[True]
+    assert recent.hits == 15
+    assert recent.chars_reused > 15 * (len(prefix) - 200)
+
+
+def test_a_cut_where_pieces_start_specially_would_differ(families):
+    """Why the start-up check: Llama 2's legacy normalizer prepends its marker to every
+    text, so a rest encoded alone starts with one the whole text has not there; forced to
+    cut, such an encoder gives other ids than encode (the check refuses it: no cache)."""
+    tokenizer = families["legacy"]
+    assert prompt_prefixes.check(tokenizer.backend_tokenizer, False, []) is None
+    recent = RecentPrompts(tokenizer.backend_tokenizer, False, "before-space", min_chars=64)
+    texts = ["héllo 你好 12 dog. " * 40 + "and the dog", "héllo 你好 12 dog. " * 40 + "and a cat"]
+    got = [encode_with_cuts(tokenizer.backend_tokenizer, [t], False, recent)[0] for t in texts]
+    assert recent.hits == 1
+    assert got[1] != tokenizer.encode(texts[1], add_special_tokens=False)
+
+
+def test_chat_turns_reuse_the_conversation_so_far(bpe):
+    """A conversation through the chat endpoint's path: each turn's rendered prompt starts
+    with the last one's, so it is cut there, and its ids equal apply_chat_template's."""
+    inputs = InputProcessor(bpe, _INFO)
+    messages = [{"role": "system", "content": "You answer questions about foxes. " * 60}]
+    for turn in range(4):
+        messages.append({"role": "user", "content": f"Question {turn}: why the quick fox?"})
+        req = ChatCompletionRequest(messages=messages)
+        out = bpe.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        expected = list(out["input_ids"] if hasattr(out, "keys") else out)
+        assert asyncio.run(inputs.chat_prompt(req)) == expected
+        messages.append({"role": "assistant", "content": f"Because {turn} dogs were lazy."})
+    assert inputs.encoder.recent[False].hits == 3

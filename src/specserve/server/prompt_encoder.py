@@ -21,6 +21,9 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from specserve.server import prompt_prefixes
+from specserve.server.prompt_prefixes import RecentPrompts, encode_with_cuts
+
 log = logging.getLogger("specserve.server")
 
 THREAD_CHARS = 1024  # prompts (together) longer than this are encoded on a worker thread
@@ -77,9 +80,24 @@ class PromptEncoder:
     """Token ids of prompt texts, exactly as `tokenizer.encode(text, add_special_tokens=...)`
     gives them (see the module)."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, prefix_min_chars: int = prompt_prefixes.MIN_CHARS):
         self.tokenizer = tokenizer
         self._backend = None if tokenizer is None else _fast_backend(tokenizer)
+        # add_special_tokens -> the recent long prompts (server/prompt_prefixes.py), or None
+        # where the tokenizer's cut encodings differ from its whole ones
+        self.recent: dict[bool, RecentPrompts | None] = {True: None, False: None}
+        if self._backend is not None:
+            special = list(tokenizer.all_special_tokens)
+            special += [t.content for t in tokenizer.added_tokens_decoder.values()][:16]
+            for add in (True, False):
+                rule = prompt_prefixes.check(self._backend, add, sorted(set(special)))
+                if rule is not None:
+                    self.recent[add] = RecentPrompts(self._backend, add, rule, prefix_min_chars)
+            if None in self.recent.values():
+                log.info(
+                    "long prompts sharing a prefix are encoded whole (add_special_tokens: %s)",
+                    [add for add, recent in self.recent.items() if recent is None],
+                )
 
     @property
     def fast(self) -> bool:
@@ -94,9 +112,9 @@ class PromptEncoder:
                 for t in texts
             ]
         present = [t for t in texts if t]
-        encodings = self._backend.encode_batch_fast(present, add_special_tokens=add_special_tokens)
-        encoded = iter(encodings)
-        return [next(encoded).ids if t else [] for t in texts]
+        recent = self.recent[add_special_tokens]
+        encoded = iter(encode_with_cuts(self._backend, present, add_special_tokens, recent))
+        return [next(encoded) if t else [] for t in texts]
 
     async def encode(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
         """encode_many, on a worker thread when the texts are long (THREAD_CHARS)."""

@@ -1,0 +1,225 @@
+"""Recently encoded long prompts, so that a prompt starting like one of them is encoded as
+that one's token ids up to a cut plus its own rest (issue 31: a 2,048-token system prompt, or a
+conversation's history, is tokenized once, not with every request that repeats it).
+
+Why the ids are exactly `encode`'s: a Rust tokenizer splits a text at its added tokens,
+normalizes each piece, splits it into words (the pre-tokenizer), and its model encodes each
+word on its own; the post-processor puts special tokens around the whole. Cut the new text
+at a character where the cached text's words split, with the two texts the same for
+CUT_MARGIN characters past it (the split patterns look a character or two ahead): the new
+text's words split there too, and its rest encoded alone gives the ids the whole would have
+past the cut. Which side of a space a word starts on depends on the tokenizer: byte-level
+BPE keeps the space with the word after it (a cut goes before a space), whitespace
+splitting drops it (a cut goes after one): RULES. Some tokenizers treat a piece's start
+specially: they prepend a marker to every piece (Llama 2's legacy normalizer), strip it, or
+add a token after the text. So `check` tries each rule on sample texts against their whole
+encodings when the encoder is built, and a tokenizer that fails both gets no cache.
+
+The entries keep each token's character span (the Rust tokenizer's offsets), to find a
+cut's token. A long text without a usable predecessor is encoded without offsets (the fast
+path) and kept with ids only; its spans are worked out the first time a later text shares a
+long prefix with it.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+from array import array
+from bisect import bisect_right
+from collections import OrderedDict
+
+MIN_CHARS = 1024  # texts at least this long are kept, and looked up (shorter: encoded whole)
+MIN_CUT = 512  # a shared prefix shorter than this is encoded again (it would save little)
+CUT_MARGIN = 16  # characters the cut stays before the end of what the two texts share
+KEPT = 256  # recent texts kept (least recently used out first)
+KEPT_CHARS = 8 << 20  # ... and characters in all (~2 M tokens: ~24 MB of ids and spans)
+_SEARCH = 64  # tokens a cut is looked for before giving up
+_HEAD = 64  # characters a text must share with an entry before its prefix is measured
+
+
+def _before_space(text: str, at: int) -> bool:
+    return text[at] == " " and not text[at + 1].isspace()
+
+
+def _after_space(text: str, at: int) -> bool:
+    return text[at - 1] == " " and not text[at].isspace() and not text[at - 2].isspace()
+
+
+RULES = {"before-space": _before_space, "after-space": _after_space}
+
+
+def common_prefix(a: str, b: str) -> int:
+    """Characters `a` and `b` share from the start (a binary search of slices compared in
+    C: ~the shorter text's length copied in all)."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a.startswith(b[lo:mid], lo):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+class _Entry:
+    """A text's ids (with the special tokens `add_special_tokens` put in), and each token's
+    character span once known: its starts and its ends (one attribute, set at once: another
+    thread may read it meanwhile)."""
+
+    __slots__ = ("text", "ids", "spans")
+
+    def __init__(self, text: str, ids: array, spans: tuple[array, array] | None):
+        self.text, self.ids, self.spans = text, ids, spans
+
+
+class Cut:
+    """Where a text is cut: the ids before character `at` come from a recent text."""
+
+    __slots__ = ("at", "ids", "starts", "ends")
+
+    def __init__(self, at: int, ids, starts, ends):
+        self.at, self.ids, self.starts, self.ends = at, ids, starts, ends
+
+
+class RecentPrompts:
+    """The recent long texts encoded with one `add_special_tokens` setting (module
+    docstring). `backend` is the Rust tokenizer; `rule` says where a cut may go (RULES).
+    Safe to use from several threads."""
+
+    def __init__(self, backend, add_special_tokens: bool, rule: str, min_chars: int = MIN_CHARS):
+        self.backend, self.add, self.rule = backend, add_special_tokens, RULES[rule]
+        self.min_chars, self.min_cut = min_chars, min(MIN_CUT, min_chars // 2)
+        self._entries: OrderedDict[str, _Entry] = OrderedDict()  # text -> entry, oldest first
+        self._chars = 0
+        self._lock = threading.Lock()
+        self.hits = 0
+        self.chars_reused = 0
+
+    def cut(self, text: str) -> Cut | None:
+        """The longest usable cut of `text` among the recent texts, or None."""
+        if len(text) < self.min_chars:
+            return None
+        with self._lock:
+            best, shared = None, self.min_cut + CUT_MARGIN - 1
+            for entry in reversed(self._entries.values()):  # (the newest first)
+                if len(entry.text) <= shared or not text.startswith(entry.text[:_HEAD]):
+                    continue
+                if not text.startswith(entry.text[: shared + 1]):
+                    continue  # (it shares no more than the best so far)
+                best, shared = entry, common_prefix(text, entry.text)
+            if best is None:
+                return None
+            self._entries.move_to_end(best.text)
+        if best.spans is None:
+            self._find_spans(best)
+        cut = self._cut_in(best, text, shared - CUT_MARGIN)
+        if cut is not None:
+            with self._lock:
+                self.hits += 1
+                self.chars_reused += cut.at
+        return cut
+
+    def keep(self, text: str, ids: array, spans: tuple[array, array] | None = None) -> None:
+        """Keep a long text's encoding (its tokens' starts and ends, if known)."""
+        if len(text) < self.min_chars:
+            return
+        entry = _Entry(text, ids, spans)
+        with self._lock:
+            old = self._entries.pop(text, None)
+            if old is not None:
+                self._chars -= len(old.text)
+            self._entries[text] = entry
+            self._chars += len(text)
+            while len(self._entries) > KEPT or self._chars > KEPT_CHARS:
+                _, gone = self._entries.popitem(last=False)
+                self._chars -= len(gone.text)
+
+    def _find_spans(self, entry: _Entry) -> None:
+        encoding = self.backend.encode_batch([entry.text], add_special_tokens=self.add)[0]
+        starts, ends = zip(*encoding.offsets) if encoding.offsets else ((), ())
+        entry.spans = (array("i", starts), array("i", ends))  # (a thread that found them
+        # missing meanwhile computes the same)
+
+    def _cut_in(self, entry: _Entry, text: str, limit: int) -> Cut | None:
+        """The last token of `entry` starting at or before `limit` where the rule allows a
+        cut, within _SEARCH tokens; its ids and spans before it."""
+        starts, ends = entry.spans
+        last = bisect_right(starts, limit) - 1
+        for i in range(last, max(0, last - _SEARCH), -1):
+            at = starts[i]
+            if at < self.min_cut or ends[i - 1] > at:
+                continue  # (too short to pay, or inside the token before: byte pieces)
+            if self.rule(text, at):
+                return Cut(at, entry.ids[:i], starts[:i], ends[:i])
+        return None
+
+
+def encode_with_cuts(
+    backend, texts: list[str], add_special_tokens: bool, recent: RecentPrompts | None
+) -> list[list[int]]:
+    """Token ids of each non-empty text: cut where a recent text allows (the rest encoded
+    with its spans, and the whole kept), else encoded whole without spans (and kept with
+    ids only)."""
+    cuts = [None if recent is None else recent.cut(t) for t in texts]
+    whole = [t for t, c in zip(texts, cuts) if c is None]
+    rests = [t[c.at :] for t, c in zip(texts, cuts) if c is not None]
+    whole_ids = iter(
+        [e.ids for e in backend.encode_batch_fast(whole, add_special_tokens=add_special_tokens)]
+        if whole
+        else []
+    )
+    rest_encodings = iter(backend.encode_batch(rests, add_special_tokens=False) if rests else [])
+    out = []
+    for text, cut in zip(texts, cuts):
+        if cut is None:
+            ids = next(whole_ids)
+            if recent is not None and len(text) >= recent.min_chars:
+                recent.keep(text, array("i", ids))
+        else:
+            rest = next(rest_encodings)
+            kept = cut.ids + array("i", rest.ids)
+            ids = kept.tolist()
+            at = cut.at
+            starts = cut.starts + array("i", [at + s for s, _ in rest.offsets])
+            ends = cut.ends + array("i", [at + e for _, e in rest.offsets])
+            recent.keep(text, kept, (starts, ends))
+        out.append(ids)
+    return out
+
+
+def _sample_texts(special: list[str], seed: int) -> list[str]:
+    """Texts sharing long prefixes, with what a cut might meet near it: runs of spaces and
+    newlines, digits, punctuation, contractions, accents and combining marks, CJK, emoji and
+    the tokenizer's special tokens."""
+    rng = random.Random(seed)
+    pieces = [
+        "the", "The", "quick", "fox", "  ", "   ", "\n", "\n\n", " \n", "\t", "12", "345",
+        "67890", "'s", "'ll", "don't", ".", ",", "!?", "...", "—", "(x)", "héllo", "e\u0301",
+        "\u0301", "naïve", "你好", "世界", "🙂", "Ω", "ﬁ", "\u00a0", *special,
+    ]  # fmt: skip
+
+    def words(n: int) -> str:
+        return "".join(rng.choice(pieces) + rng.choice(("", " ", " ", "  ")) for _ in range(n))
+
+    texts = []
+    for _ in range(12):
+        prefix = words(rng.randrange(150, 300))
+        first = prefix + words(rng.randrange(1, 30))
+        texts += [first, prefix + words(rng.randrange(1, 30)), first + words(rng.randrange(1, 30))]
+    return texts
+
+
+def check(backend, add_special_tokens: bool, special: list[str]) -> str | None:
+    """The cut rule (a RULES key) under which cut encodings of sample texts equal their whole
+    encodings, cuts being made; None if neither rule does."""
+    texts = _sample_texts(special, seed=0)
+    expected = [
+        e.ids for e in backend.encode_batch_fast(texts, add_special_tokens=add_special_tokens)
+    ]
+    for rule in RULES:
+        recent = RecentPrompts(backend, add_special_tokens, rule, min_chars=64)
+        got = [encode_with_cuts(backend, [t], add_special_tokens, recent)[0] for t in texts]
+        if got == expected and recent.hits >= len(texts) // 2:
+            return rule
+    return None
