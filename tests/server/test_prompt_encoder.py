@@ -279,3 +279,23 @@ def test_chat_turns_reuse_the_conversation_so_far(bpe):
         assert asyncio.run(inputs.chat_prompt(req)) == expected
         messages.append({"role": "assistant", "content": f"Because {turn} dogs were lazy."})
     assert inputs.encoder.recent[False].hits == 3
+
+
+def test_a_cut_prompt_with_a_short_rest_is_encoded_on_the_loop(bpe, monkeypatch):
+    """The cut is looked up on the event loop: a prompt past THREAD_CHARS whose rest is
+    short is encoded there (no hop to a thread); the first, whole, went to a thread."""
+    encoder = PromptEncoder(bpe)
+    to_thread = []
+    real = asyncio.to_thread
+
+    async def counted(*args):
+        to_thread.append(args[0])
+        return await real(*args)
+
+    monkeypatch.setattr(asyncio, "to_thread", counted)
+    prefix = "The quick brown fox jumps over the lazy dog. " * 60
+    prompts = [prefix + "Why?", prefix + "And why not?", prefix + "Or else?"]
+    for prompt in prompts:
+        assert asyncio.run(encoder.encode([prompt])) == [bpe.encode(prompt)]
+    assert len(to_thread) == 2  # the first, and the second: the first's spans found there
+    assert encoder.recent[True].hits == 2

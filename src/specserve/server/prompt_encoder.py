@@ -14,6 +14,10 @@ worker thread, in parallel with other requests' and with the event loop serving 
 31: requests of a closed-loop wave arrive together, and what the loop does for one, the
 others wait for). Shorter ones are encoded on the loop: the hop to a thread costs the loop
 about what encoding a thousand characters does (~50 us).
+
+A long prompt that shares a long prefix with a recent one is encoded from a cut there
+(server/prompt_prefixes.py): the cut is looked up on the loop, and a prompt whose rest is
+short is encoded there too.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import asyncio
 import logging
 
 from specserve.server import prompt_prefixes
-from specserve.server.prompt_prefixes import RecentPrompts, encode_with_cuts
+from specserve.server.prompt_prefixes import SPANS_MISSING, RecentPrompts, encode_with_cuts
 
 log = logging.getLogger("specserve.server")
 
@@ -106,18 +110,28 @@ class PromptEncoder:
 
     def encode_many(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
         """Token ids of each text (an empty text has none), on the calling thread."""
+        return self._encode(texts, add_special_tokens, None)
+
+    def _encode(self, texts: list[str], add: bool, cuts: list | None) -> list[list[int]]:
         if self._backend is None:
-            return [
-                self.tokenizer.encode(t, add_special_tokens=add_special_tokens) if t else []
-                for t in texts
-            ]
+            return [self.tokenizer.encode(t, add_special_tokens=add) if t else [] for t in texts]
         present = [t for t in texts if t]
-        recent = self.recent[add_special_tokens]
-        encoded = iter(encode_with_cuts(self._backend, present, add_special_tokens, recent))
+        encoded = iter(encode_with_cuts(self._backend, present, add, self.recent[add], cuts))
         return [next(encoded) if t else [] for t in texts]
 
     async def encode(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
-        """encode_many, on a worker thread when the texts are long (THREAD_CHARS)."""
-        if sum(len(t) for t in texts) > THREAD_CHARS:
-            return await asyncio.to_thread(self.encode_many, texts, add_special_tokens)
-        return self.encode_many(texts, add_special_tokens)
+        """encode_many, on a worker thread when what is left to encode is long (THREAD_CHARS):
+        the texts, less what their cuts among the recent prompts take from them (looked up
+        here, on the loop)."""
+        recent = self.recent[add_special_tokens] if self._backend is not None else None
+        cuts = None
+        left = sum(len(t) for t in texts)
+        if recent is not None and left > THREAD_CHARS:
+            cuts = [recent.cut(t, find_spans=False) for t in texts if t]
+            if SPANS_MISSING in cuts:
+                cuts = None  # (the thread looks them up again, and finds the spans)
+            else:
+                left -= sum(c.at for c in cuts if c is not None)
+        if left > THREAD_CHARS:
+            return await asyncio.to_thread(self._encode, texts, add_special_tokens, cuts)
+        return self._encode(texts, add_special_tokens, cuts)

@@ -34,8 +34,8 @@ MIN_CUT = 512  # a shared prefix shorter than this is encoded again (it would sa
 CUT_MARGIN = 16  # characters the cut stays before the end of what the two texts share
 KEPT = 256  # recent texts kept (least recently used out first)
 KEPT_CHARS = 8 << 20  # ... and characters in all (~2 M tokens: ~24 MB of ids and spans)
+BLOCK = 256  # characters a block: texts are found by the hashes of their leading blocks
 _SEARCH = 64  # tokens a cut is looked for before giving up
-_HEAD = 64  # characters a text must share with an entry before its prefix is measured
 
 
 def _before_space(text: str, at: int) -> bool:
@@ -47,6 +47,16 @@ def _after_space(text: str, at: int) -> bool:
 
 
 RULES = {"before-space": _before_space, "after-space": _after_space}
+
+
+def block_hashes(text: str) -> list[int]:
+    """A hash of each of `text`'s whole leading BLOCKs together with all before it: two
+    texts' k-th hashes are equal when (hash collisions aside) their first k blocks are."""
+    hashes, h = [], 0
+    for start in range(0, len(text) - BLOCK + 1, BLOCK):
+        h = hash((h, text[start : start + BLOCK]))
+        hashes.append(h)
+    return hashes
 
 
 def common_prefix(a: str, b: str) -> int:
@@ -67,10 +77,10 @@ class _Entry:
     character span once known: its starts and its ends (one attribute, set at once: another
     thread may read it meanwhile)."""
 
-    __slots__ = ("text", "ids", "spans")
+    __slots__ = ("text", "ids", "spans", "hashes")
 
-    def __init__(self, text: str, ids: array, spans: tuple[array, array] | None):
-        self.text, self.ids, self.spans = text, ids, spans
+    def __init__(self, text: str, ids: array, spans: tuple[array, array] | None, hashes):
+        self.text, self.ids, self.spans, self.hashes = text, ids, spans, hashes
 
 
 class Cut:
@@ -82,6 +92,9 @@ class Cut:
         self.at, self.ids, self.starts, self.ends = at, ids, starts, ends
 
 
+SPANS_MISSING = Cut(-1, None, None, None)
+
+
 class RecentPrompts:
     """The recent long texts encoded with one `add_special_tokens` setting (module
     docstring). `backend` is the Rust tokenizer; `rule` says where a cut may go (RULES).
@@ -90,50 +103,65 @@ class RecentPrompts:
     def __init__(self, backend, add_special_tokens: bool, rule: str, min_chars: int = MIN_CHARS):
         self.backend, self.add, self.rule = backend, add_special_tokens, RULES[rule]
         self.min_chars, self.min_cut = min_chars, min(MIN_CUT, min_chars // 2)
+        self.min_blocks = max(1, self.min_cut // BLOCK)
         self._entries: OrderedDict[str, _Entry] = OrderedDict()  # text -> entry, oldest first
+        self._by_block: dict[int, _Entry] = {}  # a block hash -> the newest text with it
         self._chars = 0
         self._lock = threading.Lock()
-        self.hits = 0
-        self.chars_reused = 0
+        self.hits = 0  # texts encoded from a cut
+        self.chars_reused = 0  # ... and the characters before their cuts
 
-    def cut(self, text: str) -> Cut | None:
-        """The longest usable cut of `text` among the recent texts, or None."""
+    def cut(self, text: str, find_spans: bool = True) -> Cut | None:
+        """The longest usable cut of `text` among the recent texts, or None; SPANS_MISSING
+        when the best text's token spans are not known yet and `find_spans` is False (finding
+        them encodes it: work for a worker thread, not the event loop). The best text is the
+        most recent of those sharing the most whole blocks with `text` (block_hashes)."""
         if len(text) < self.min_chars:
             return None
+        hashes = block_hashes(text)
         with self._lock:
-            best, shared = None, self.min_cut + CUT_MARGIN - 1
-            for entry in reversed(self._entries.values()):  # (the newest first)
-                if len(entry.text) <= shared or not text.startswith(entry.text[:_HEAD]):
-                    continue
-                if not text.startswith(entry.text[: shared + 1]):
-                    continue  # (it shares no more than the best so far)
-                best, shared = entry, common_prefix(text, entry.text)
+            best = None
+            for h in reversed(hashes[self.min_blocks - 1 :]):
+                best = self._by_block.get(h)
+                if best is not None:
+                    break
             if best is None:
                 return None
             self._entries.move_to_end(best.text)
+        shared = common_prefix(text, best.text)  # (at least the blocks: hashes may collide)
         if best.spans is None:
+            if not find_spans:
+                return SPANS_MISSING
             self._find_spans(best)
-        cut = self._cut_in(best, text, shared - CUT_MARGIN)
-        if cut is not None:
-            with self._lock:
-                self.hits += 1
-                self.chars_reused += cut.at
-        return cut
+        return self._cut_in(best, text, shared - CUT_MARGIN)
+
+    def reused(self, chars: int) -> None:
+        """A text was encoded from a cut after `chars` characters."""
+        with self._lock:
+            self.hits += 1
+            self.chars_reused += chars
 
     def keep(self, text: str, ids: array, spans: tuple[array, array] | None = None) -> None:
         """Keep a long text's encoding (its tokens' starts and ends, if known)."""
         if len(text) < self.min_chars:
             return
-        entry = _Entry(text, ids, spans)
+        entry = _Entry(text, ids, spans, block_hashes(text))
         with self._lock:
             old = self._entries.pop(text, None)
             if old is not None:
-                self._chars -= len(old.text)
+                self._forget(old)
             self._entries[text] = entry
             self._chars += len(text)
+            for h in entry.hashes:
+                self._by_block[h] = entry  # (the newest text of these blocks)
             while len(self._entries) > KEPT or self._chars > KEPT_CHARS:
-                _, gone = self._entries.popitem(last=False)
-                self._chars -= len(gone.text)
+                self._forget(self._entries.popitem(last=False)[1])
+
+    def _forget(self, entry: _Entry) -> None:
+        self._chars -= len(entry.text)
+        for h in entry.hashes:
+            if self._by_block.get(h) is entry:
+                del self._by_block[h]
 
     def _find_spans(self, entry: _Entry) -> None:
         encoding = self.backend.encode_batch([entry.text], add_special_tokens=self.add)[0]
@@ -156,12 +184,17 @@ class RecentPrompts:
 
 
 def encode_with_cuts(
-    backend, texts: list[str], add_special_tokens: bool, recent: RecentPrompts | None
+    backend,
+    texts: list[str],
+    add_special_tokens: bool,
+    recent: RecentPrompts | None,
+    cuts: list[Cut | None] | None = None,
 ) -> list[list[int]]:
     """Token ids of each non-empty text: cut where a recent text allows (the rest encoded
     with its spans, and the whole kept), else encoded whole without spans (and kept with
-    ids only)."""
-    cuts = [None if recent is None else recent.cut(t) for t in texts]
+    ids only). `cuts`: the texts' cuts if looked up already (none SPANS_MISSING)."""
+    if cuts is None:
+        cuts = [None if recent is None else recent.cut(t) for t in texts]
     whole = [t for t, c in zip(texts, cuts) if c is None]
     rests = [t[c.at :] for t, c in zip(texts, cuts) if c is not None]
     whole_ids = iter(
@@ -178,6 +211,7 @@ def encode_with_cuts(
                 recent.keep(text, array("i", ids))
         else:
             rest = next(rest_encodings)
+            recent.reused(cut.at)
             kept = cut.ids + array("i", rest.ids)
             ids = kept.tolist()
             at = cut.at
