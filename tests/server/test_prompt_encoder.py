@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import random
 import threading
+from array import array
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -206,7 +207,9 @@ def test_tokenizers_whose_cuts_would_differ_get_no_cache(encoders):
     """A prepended marker (legacy), and offsets trimmed of their spaces with a token after
     every text (suffix), fail the start-up check; the other families pass it both with and
     without special tokens added."""
-    cached = {name: {add for add, r in e.recent.items() if r} for name, e in encoders.items()}
+    cached = {
+        name: {add for add, r in e.recent.items() if r is not None} for name, e in encoders.items()
+    }
     assert cached == {name: {True, False} if name in _CUT else set() for name in _FAMILIES}
 
 
@@ -299,3 +302,66 @@ def test_a_cut_prompt_with_a_short_rest_is_encoded_on_the_loop(bpe, monkeypatch)
         assert asyncio.run(encoder.encode([prompt])) == [bpe.encode(prompt)]
     assert len(to_thread) == 2  # the first, and the second: the first's spans found there
     assert encoder.recent[True].hits == 2
+
+
+@pytest.mark.parametrize("name", ["gpt2", "bert", "synthetic"])
+def test_an_added_token_longer_than_the_margin_is_never_cut_apart(name):
+    """An added token with a space 6 characters in and 24 after it: a text where it is
+    broken off leaves a cut at that space, and a text where it is whole must not be cut
+    there (the margin covers the longest added token), or its rest encoded alone would
+    miss the token."""
+    from tokenizers import AddedToken
+
+    tokenizer = _family(name)
+    token = "<tool> call result here</tool>"
+    tokenizer.add_tokens([AddedToken(token, special=True, normalized=False)])
+    encoder = PromptEncoder(tokenizer, prefix_min_chars=128)
+    assert encoder.recent[False].margin == len(token) + 2
+    prefix = "the quick brown fox jumps over the lazy dog . " * 12
+    texts = [prefix + token[:-3] + "xyz and more text", prefix + token + " and more text"]
+    for text in texts:
+        assert encoder.encode_many([text], False)[0] == tokenizer.encode(
+            text, add_special_tokens=False
+        )
+    assert encoder.recent[False].hits == 1
+
+
+def test_a_shared_prefix_without_a_cut_is_looked_at_once(families):
+    """Prompts sharing a long prefix with no space in it (CJK) allow no cut: the first is
+    kept, its spans found once, and the rest are encoded whole and not kept (else each
+    would be the next one's best match, its spans found again: ~8x the plain encode)."""
+    tokenizer = families["gpt2"]
+    encoder = PromptEncoder(tokenizer, prefix_min_chars=128)
+    recent = encoder.recent[False]
+    found = []
+    find_spans = recent._find_spans
+    recent._find_spans = lambda entry: (found.append(entry.text), find_spans(entry))
+    prefix = "你好世界" * 200
+    for i in range(5):
+        text = prefix + f" question {i}"
+        assert encoder.encode_many([text], False)[0] == tokenizer.encode(
+            text, add_special_tokens=False
+        )
+    assert (recent.hits, len(recent), found) == (0, 1, [prefix + " question 0"])
+
+
+def test_the_most_recently_used_text_keeps_its_blocks_findable(families, monkeypatch):
+    """Two texts after one prefix, the newer kept last (its blocks find it); the older one
+    used since. When the newer goes (LRU), the prefix's blocks still find the older one."""
+    monkeypatch.setattr(prompt_prefixes, "KEPT", 2)
+    backend = families["gpt2"].backend_tokenizer
+    recent = RecentPrompts(backend, False, "before-space", min_chars=128)
+
+    def keep(text):
+        enc = backend.encode_batch([text], add_special_tokens=False)[0]
+        spans = (array("i", [s for s, _ in enc.offsets]), array("i", [e for _, e in enc.offsets]))
+        recent.keep(text, array("i", enc.ids), spans)
+
+    prefix = "the quick fox " * 40  # 560 characters: two whole blocks of its own
+    first, second = prefix + "alpha beta " * 30, prefix + "gamma delta " * 30
+    keep(first)
+    keep(second)
+    assert recent.cut(first + " and more").at > 0  # (its third block is its own: found)
+    keep("an unrelated prompt " * 60)  # the second goes: least recently used
+    assert len(recent) == 2
+    assert recent.cut(prefix + "epsilon " * 40).at > 0

@@ -16,8 +16,8 @@ others wait for). Shorter ones are encoded on the loop: the hop to a thread cost
 about what encoding a thousand characters does (~50 us).
 
 A long prompt that shares a long prefix with a recent one is encoded from a cut there
-(server/prompt_prefixes.py): the cut is looked up on the loop, and a prompt whose rest is
-short is encoded there too.
+(server/prompt_prefixes.py): the cut is looked up on the loop (prompts up to LOOP_CHARS),
+and a prompt whose rest is short is encoded there too.
 """
 
 from __future__ import annotations
@@ -31,6 +31,8 @@ from specserve.server.prompt_prefixes import SPANS_MISSING, RecentPrompts, encod
 log = logging.getLogger("specserve.server")
 
 THREAD_CHARS = 1024  # prompts (together) longer than this are encoded on a worker thread
+LOOP_CHARS = 32768  # ... unless a cut leaves less, looked up on the loop up to this long (the
+# lookup's own work grows with the text: ~0.2 ms of the loop at 20k characters)
 # transformers' modules whose encode path ends in the Rust tokenizer's encode_batch
 _GENERIC_MODULES = frozenset(
     {
@@ -122,11 +124,11 @@ class PromptEncoder:
     async def encode(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
         """encode_many, on a worker thread when what is left to encode is long (THREAD_CHARS):
         the texts, less what their cuts among the recent prompts take from them (looked up
-        here, on the loop)."""
+        here, on the loop, for texts up to LOOP_CHARS long)."""
         recent = self.recent[add_special_tokens] if self._backend is not None else None
         cuts = None
         left = sum(len(t) for t in texts)
-        if recent is not None and left > THREAD_CHARS:
+        if recent is not None and THREAD_CHARS < left <= LOOP_CHARS:
             cuts = [recent.cut(t, find_spans=False) for t in texts if t]
             if SPANS_MISSING in cuts:
                 cuts = None  # (the thread looks them up again, and finds the spans)
