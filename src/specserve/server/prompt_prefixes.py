@@ -115,7 +115,7 @@ class RecentPrompts:
         added = backend.get_added_tokens_decoder().values()
         self.margin = max([CUT_MARGIN, *(len(t.content) + 2 for t in added)])
         self._entries: OrderedDict[str, _Entry] = OrderedDict()  # text -> entry, oldest first
-        self._by_block: dict[int, _Entry] = {}  # a block hash -> the newest text with it
+        self._by_block: dict[int, _Entry] = {}  # a block hash -> the last used text with it
         self._chars = self._tokens = 0
         self._lock = threading.Lock()
         self.hits = 0  # texts encoded from a cut
