@@ -133,7 +133,7 @@ class PromptEncoder:
             if SPANS_MISSING in cuts:
                 cuts = None  # (the thread looks them up again, and finds the spans)
             else:
-                left -= sum(c.at for c in cuts if c is not None)
+                left -= sum(c.at for c in cuts if c is not None and c.at > 0)
         if left > THREAD_CHARS:
             return await asyncio.to_thread(self._encode, texts, add_special_tokens, cuts)
         return self._encode(texts, add_special_tokens, cuts)
