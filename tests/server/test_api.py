@@ -311,6 +311,28 @@ def test_prefix_cache_through_the_api(server, client, offline):
     assert server.metrics()["specserve_prefix_cache_pages"] > 0
 
 
+def test_a_shared_prompt_prefix_is_tokenized_once(server, client, offline):
+    """Long prompts sharing a prefix: the second is tokenized from a cut of the first
+    (server/prompt_prefixes.py), its tokens are still the tokenizer's own (usage and the
+    answer say so), and /metrics counts the reuse."""
+    prefix = "The quick brown fox jumps over the lazy dog. " * 25  # (> MIN_CHARS)
+    prompts = [prefix + "Speculative decoding", prefix + "Paged attention stores keys"]
+    before = server.metrics()
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+    for prompt in prompts:
+        out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0)
+        ids = offline.tokenizer.encode(prompt)
+        assert out.usage.prompt_tokens == len(ids)
+        assert out.choices[0].text == offline.generate(prompt, params)[0].text
+    after = server.metrics()
+    name = "specserve_prompt_prefix_reuses_total"
+    assert after[name] - before.get(name, 0.0) == 1
+    name = "specserve_prompt_prefix_reused_tokens_total"
+    reused = after[name] - before.get(name, 0.0)
+    assert len(offline.tokenizer.encode(prefix)) - 16 < reused < len(ids)
+    assert after["specserve_prompt_prefix_kept_prompts"] >= 2
+
+
 def test_structured_output_through_the_openai_client(client, offline):
     """chat.completions.parse with a pydantic model: the reply is that model, and it is
     what offline generate gives under the same schema; json_object mode as offline's

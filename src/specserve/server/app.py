@@ -102,6 +102,7 @@ def build_app(state: ServerState) -> FastAPI:
     app.add_middleware(_StatusCounter, metrics=state.metrics)
     state.metrics.engine_stats = lambda: state.client.stats
     state.metrics.in_flight = lambda: state.client.num_in_flight
+    state.metrics.prompt_stats = state.inputs.encoder.stats
 
     @app.get(
         "/health",

@@ -217,7 +217,9 @@ class ServerMetrics:
         )
         self.engine_stats: Callable[[], dict] = dict
         self.in_flight: Callable[[], int] = lambda: 0
+        self.prompt_stats: Callable[[], dict] = dict  # PromptEncoder.stats
         r.register(_EngineCollector(self))
+        r.register(_PromptCollector(self))
         self.spec: SpecMetrics | None = None
 
     def observe_steps(self, step_s: list[float], gap_s: list[float]) -> None:
@@ -386,6 +388,38 @@ _ENGINE_TABLES = {
         "goodput policy: the steps each mode's factor spans",
     ),
 }
+
+
+class _PromptCollector:
+    """The HTTP process's tokenizing of long prompts that share a prefix with a recent one
+    (server/prompt_prefixes.py), read at scrape time."""
+
+    def __init__(self, metrics: ServerMetrics):
+        self.metrics = metrics
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        stats = self.metrics.prompt_stats()
+        if not stats:
+            return
+        yield CounterMetricFamily(
+            "specserve_prompt_prefix_reuses",
+            "prompt texts tokenized from a cut: a recent prompt's tokens up to it, the rest "
+            "encoded alone",
+            value=stats["prompts_from_cut"],
+        )
+        yield CounterMetricFamily(
+            "specserve_prompt_prefix_reused_tokens",
+            "prompt tokens taken from a recent prompt's tokens instead of encoded",
+            value=stats["tokens_reused"],
+        )
+        yield GaugeMetricFamily(
+            "specserve_prompt_prefix_kept_prompts",
+            "long prompt texts whose tokens the HTTP process keeps for reuse",
+            value=stats["prompts_kept"],
+        )
 
 
 class _EngineCollector:

@@ -105,6 +105,16 @@ class PromptEncoder:
                     [add for add, recent in self.recent.items() if recent is None],
                 )
 
+    def stats(self) -> dict[str, int]:
+        """What the recent prompts saved (for /metrics): prompts encoded from a cut, the
+        tokens taken from the recent prompts' ids instead of encoded, the prompts kept."""
+        recent = [r for r in self.recent.values() if r is not None]
+        return {
+            "prompts_from_cut": sum(r.hits for r in recent),
+            "tokens_reused": sum(r.tokens_reused for r in recent),
+            "prompts_kept": sum(len(r) for r in recent),
+        }
+
     @property
     def fast(self) -> bool:
         """Whether prompts skip transformers for the Rust tokenizer's encode_batch_fast."""

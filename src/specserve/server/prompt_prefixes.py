@@ -120,6 +120,7 @@ class RecentPrompts:
         self._lock = threading.Lock()
         self.hits = 0  # texts encoded from a cut
         self.chars_reused = 0  # ... and the characters before their cuts
+        self.tokens_reused = 0  # ... and the tokens before them (taken, not encoded)
 
     def cut(self, text: str, find_spans: bool = True) -> Cut | None:
         """The longest usable cut of `text` among the recent texts; None where none shares a
@@ -149,11 +150,12 @@ class RecentPrompts:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def reused(self, chars: int) -> None:
-        """A text was encoded from a cut after `chars` characters."""
+    def reused(self, chars: int, tokens: int) -> None:
+        """A text was encoded from a cut after `chars` characters and `tokens` tokens."""
         with self._lock:
             self.hits += 1
             self.chars_reused += chars
+            self.tokens_reused += tokens
 
     def keep(self, text: str, ids: array, spans: tuple[array, array] | None = None) -> None:
         """Keep a long text's encoding (its tokens' starts and ends, if known)."""
@@ -240,7 +242,7 @@ def encode_with_cuts(
                 recent.keep(text, array("i", ids))
         else:
             rest = next(rest_encodings)
-            recent.reused(cut.at)
+            recent.reused(cut.at, len(cut.ids))
             kept = cut.ids + array("i", rest.ids)
             ids = kept.tolist()
             at = cut.at
