@@ -33,8 +33,10 @@ class AcceptanceModel:
     policy's clock, `tick()`) once IDLE_GRACE steps pass without an update, so an estimate
     that stopped drafting returns to the global one and drafting is tried again. Estimates
     are computed when read (with the global estimate of then) and cached until the request's
-    next verify step or the next IDLE_QUANTUM idle steps. The global estimate follows every
-    verify step over a longer window, from PRIOR_WEIGHT observations at `prior`.
+    next verify step or the next IDLE_QUANTUM idle steps (a verify step leaves only the prior
+    it used: the estimate is computed at the next read, and most steps read none: fixed K,
+    held decisions). The global estimate follows every verify step over a longer window,
+    from PRIOR_WEIGHT observations at `prior`.
     """
 
     PRIOR_WEIGHT = 2.0
@@ -57,8 +59,9 @@ class AcceptanceModel:
         self._global: tuple | None = None  # (alpha, cumulative, version)
         self._per_request: dict[str, tuple[list[float], list[float]]] = {}
         self._updated: dict[str, int] = {}  # request -> clock at its last verify step
-        # request -> (alpha, cumulative, clock until which they hold)
-        self._cache: dict[str, tuple[list[float], list[float], int]] = {}
+        # request -> (alpha, cumulative, clock until which they hold), or, after a verify
+        # step, (None, the prior it used, clock) until read (`_fill`)
+        self._cache: dict[str, tuple[list[float] | None, list[float], int]] = {}
         self.position_drafted = [0] * k_max
         self.position_accepted = [0] * k_max
 
@@ -102,19 +105,35 @@ class AcceptanceModel:
         entry = self._cache[request_id] = (alpha, cumulative_tokens(alpha), until)
         return entry
 
-    def alpha(self, request_id: str) -> list[float]:
+    def _fill(self, request_id: str, entry: tuple) -> tuple:
+        """The estimate a verify step left for its next read: its counts over the prior it
+        used (`update_many`)."""
+        _, prior, until = entry
+        hits, seen = self._per_request[request_id]
+        m = self.REQUEST_PRIOR_WEIGHT
+        alpha, cum, total, run = [], [1.0], 1.0, 1.0  # (cumulative_tokens, inlined)
+        for h, n, g in zip(hits, seen, prior):
+            a = (h + m * g) / (n + m)
+            alpha.append(a)
+            run *= a
+            total += run
+            cum.append(total)
+        entry = self._cache[request_id] = (alpha, cum, until)
+        return entry
+
+    def _entry(self, request_id: str) -> tuple:
         entry = self._cache.get(request_id)
-        if entry is not None and self.steps < entry[2]:
-            return entry[0]
-        return self._refresh(request_id)[0]
+        if entry is None or self.steps >= entry[2]:
+            return self._refresh(request_id)
+        return entry if entry[0] is not None else self._fill(request_id, entry)
+
+    def alpha(self, request_id: str) -> list[float]:
+        return self._entry(request_id)[0]
 
     def cumulative(self, request_id: str) -> list[float]:
         """`cumulative_tokens(alpha(request_id))`, cached (the policy reads it for every
         request every step)."""
-        entry = self._cache.get(request_id)
-        if entry is not None and self.steps < entry[2]:
-            return entry[1]
-        return self._refresh(request_id)[1]
+        return self._entry(request_id)[1]
 
     def cumulatives(self, request_ids: Iterable[str]) -> list[list[float]]:
         """`cumulative` of each request (the policy reads every decoding request's each
@@ -124,6 +143,8 @@ class AcceptanceModel:
             entry = cache.get(request_id)
             if entry is None or steps >= entry[2]:
                 entry = self._refresh(request_id)
+            elif entry[0] is None:
+                entry = self._fill(request_id, entry)
             out.append(entry[1])
         return out
 
@@ -136,7 +157,7 @@ class AcceptanceModel:
         every request's prior is the global estimate before the step."""
         if not steps:
             return
-        prior, m = self._global_entry()[0], self.REQUEST_PRIOR_WEIGHT
+        prior = self._global_entry()[0]
         until = self.steps + self.IDLE_GRACE + self.IDLE_QUANTUM
         cache, updated = self._cache, self._updated
         k_max, d, gd = self.k_max, self.decay, self.global_decay
@@ -157,15 +178,7 @@ class AcceptanceModel:
                 drafted_at[j] += 1
                 accepted_at[j] += hit
             updated[request_id] = self.steps
-            # alpha and cumulative_tokens(alpha) in one pass (every request, every step)
-            alpha, cum, total, run = [], [1.0], 1.0, 1.0
-            for h, n, g in zip(hits, seen, prior):
-                a = (h + m * g) / (n + m)
-                alpha.append(a)
-                run *= a
-                total += run
-                cum.append(total)
-            cache[request_id] = (alpha, cum, until)
+            cache[request_id] = (None, prior, until)  # computed when read (`_fill`)
         self._version += 1
 
     def forget(self, request_id: str) -> None:
