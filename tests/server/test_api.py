@@ -40,6 +40,9 @@ def _stream_text(chunks) -> tuple[dict[int, str], dict[int, str | None]]:
 
 def test_models_and_auth(server, client):
     assert [m.id for m in client.models.list().data] == [MODEL, "tiny-alias"]
+    assert client.models.retrieve("tiny-alias").id == "tiny-alias"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4")
     assert client.completions.create(model="tiny-alias", prompt="a", max_tokens=1).model == (
         "tiny-alias"
     )

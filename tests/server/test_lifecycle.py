@@ -80,7 +80,7 @@ def test_burst_beyond_queue_gets_429(small_server):
     assert rejected and len(accepted) >= 4  # 2 running + 2 waiting fit
     for e in rejected:
         assert e.response.headers["retry-after"] == "1"
-        assert e.body["code"] == "queue_full"
+        assert e.body["code"] == "queue_full" and e.body["type"] == "rate_limit_error"
     for out in accepted:
         assert out.usage.completion_tokens == MAX_TOKENS
         assert out.choices[0].finish_reason == "length"

@@ -62,7 +62,7 @@ def test_responses_meet_the_document(server):
         response_schema_conformance,
     ]
     operations = [result.ok() for result in schema.get_all_operations()]
-    assert len(operations) == 5
+    assert len(operations) == 6
 
     runs = [
         (op, mode)

@@ -365,3 +365,30 @@ def test_the_most_recently_used_text_keeps_its_blocks_findable(families, monkeyp
     keep("an unrelated prompt " * 60)  # the second goes: least recently used
     assert len(recent) == 2
     assert recent.cut(prefix + "epsilon " * 40).at > 0
+
+
+# the families whose token counts have a lower bound from a text's size alone: BPE, no
+# normalizer, pre-tokenizers that drop nothing, unknown characters kept (not: the synthetic
+# tokenizer, words split at whitespace dropped)
+_BOUNDED = {"gpt2", "llama3", "metaspace", "suffix"}
+
+
+@pytest.mark.parametrize("name", _FAMILIES)
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_the_fewest_tokens_of_a_text_is_a_lower_bound(name, families, encoders, data):
+    """fewest_tokens never exceeds what the text encodes to, with or without special
+    tokens, runs of one piece included (the most a token can cover); families whose
+    normalizer or pre-tokenizer may drop or merge characters (NFC, Llama 2's legacy
+    prepend, BERT's whitespace split and lowercasing) get no bound (0)."""
+    tokenizer, encoder = families[name], encoders[name]
+    text = _words(data, tokenizer, 0, 300)
+    if data.draw(st.booleans()):
+        text += data.draw(st.sampled_from([*_PIECES, "a", " "])) * data.draw(st.integers(1, 400))
+    fewest = encoder.fewest_tokens(text)
+    assert fewest <= len(tokenizer.encode(text, add_special_tokens=False))
+    assert (encoder._bytes_per_token is not None) == (name in _BOUNDED)
+    if name not in _BOUNDED:
+        assert fewest == 0
+    elif len(text) > 4000:
+        assert fewest > 0

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import shutil
 
+import httpx
 import openai
 import pytest
 from pydantic import BaseModel, Field
@@ -223,3 +224,48 @@ def test_a_forced_call_refuses_parameters_it_cannot_enforce():
     with pytest.raises(InvalidRequestError, match="tool 'f' use .* uniqueItems") as e:
         call_grammar(tools, "hermes")
     assert e.value.field == "tools"
+
+
+def test_forced_calls_refuse_bad_parameters_and_names(tool_server):
+    """A forced call whose parameters xgrammar cannot compile is a 400 naming tools, not a
+    500 (the schema is compiled off the event loop with every grammar, and its errors are
+    the request's; no xgrammar log prefix in the message); two tools of one name are a 400."""
+    client = openai.OpenAI(base_url=tool_server.url + "/v1", api_key=API_KEY, max_retries=0)
+    model = client.models.list().data[0].id
+    messages = [{"role": "user", "content": "Time?"}]
+    for parameters in ({"type": "bogus"}, {"type": "string", "pattern": "(("}):
+        tools = [{"type": "function", "function": {"name": "f", "parameters": parameters}}]
+        for choice in ("required", {"type": "function", "function": {"name": "f"}}):
+            with pytest.raises(openai.BadRequestError) as e:
+                client.chat.completions.create(
+                    model=model, messages=messages, tools=tools, tool_choice=choice, max_tokens=8
+                )
+            assert e.value.body["param"] == "tool_choice", e.value.body
+            assert ".cc:" not in e.value.body["message"], e.value.body
+    with pytest.raises(openai.BadRequestError, match="two tools are named 'get_time'") as e:
+        client.chat.completions.create(
+            model=model, messages=messages, tools=TOOLS + TOOLS[1:], max_tokens=8
+        )
+    assert e.value.body["param"] == "tools"
+    assert httpx.get(tool_server.url + "/health").status_code == 200
+
+
+def test_parallel_tool_calls_false_keeps_a_replys_first_call():
+    """parallel_tool_calls false: a reply with two calls is given with its first only,
+    whole and streamed; true (the API's default) gives both."""
+    from specserve.server.messages import OutputDelta
+    from specserve.server.openai_format import ChatFormatter
+
+    call = '<tool_call>\n{{"name": "{}", "arguments": {{}}}}\n</tool_call>'
+    text = "Both. " + call.format("get_time") + call.format("get_weather")
+    for most, names in ((1, ["get_time"]), (None, ["get_time", "get_weather"])):
+        whole = ChatFormatter("chatcmpl-1", "m", 1, 3, None, None)
+        whole.tools_format, whole.most_calls = "hermes", most
+        whole.add(0, OutputDelta("r-0", text, [7], None, True, "stop"))
+        message = whole.response()["choices"][0]["message"]
+        assert [c["function"]["name"] for c in message["tool_calls"]] == names
+        streamed = ChatFormatter("chatcmpl-2", "m", 1, 3, None, None)
+        streamed.tools_format, streamed.most_calls = "hermes", most
+        chunk = streamed.chunk(0, OutputDelta("r-0", text, [7], None, True, "stop"), False)
+        calls = chunk["choices"][0]["delta"]["tool_calls"]
+        assert [c["function"]["name"] for c in calls] == names

@@ -94,6 +94,36 @@ CASES = [
         "response_format",
     ),
     ("chat/completions", {"model": "nope"}, 404, "model"),
+    # a text part whose text is no string: the part's text is named (was a 500)
+    *(
+        (
+            "chat/completions",
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": text}]}]},
+            400,
+            "messages[0].content[0].text",
+        )
+        for text in (5, None, True, ["a"], {"a": 1})
+    ),
+    # token ids checked against the vocabulary before any stream starts
+    ("completions", {"logit_bias": {"99999": 1.0}, "stream": True}, 400, "logit_bias"),
+    ("completions", {"logit_bias": {"384": 1.0}, "stream": True}, 400, "logit_bias"),
+    ("completions", {"logit_bias": {"5": 1.0, "005": 2.0}}, 400, "logit_bias"),
+    ("completions", {"stop_token_ids": [99999], "stream": True}, 400, "stop_token_ids"),
+    ("completions", {"prompt": ["a"] * 1025}, 400, "prompt"),
+    (
+        "completions",
+        {"response_format": {"type": "json_object"}, "ignore_eos": True},
+        400,
+        "ignore_eos",
+    ),  # fmt: skip
+    # defined by the API, not implemented: refused unless neutral
+    ("chat/completions", {"modalities": ["text", "audio"]}, 400, "modalities"),
+    ("chat/completions", {"audio": {"voice": "alloy", "format": "wav"}}, 400, "audio"),
+    ("chat/completions", {"functions": [{"name": "f"}]}, 400, "functions"),
+    ("chat/completions", {"function_call": "auto"}, 400, "function_call"),
+    ("chat/completions", {"reasoning_effort": "high"}, 400, "reasoning_effort"),
+    ("chat/completions", {"best_of": 3}, 400, "best_of"),
+    ("chat/completions", {"echo": True}, 400, "echo"),
 ]
 
 
@@ -133,10 +163,35 @@ def test_prompt_too_long_states_the_limit(server):
     assert "512" in r.json()["error"]["message"]
 
 
+def test_neutral_values_of_unimplemented_fields_pass(server):
+    body = {**CHAT, "modalities": ["text"], "best_of": 1, "echo": False}
+    assert _post(server, "chat/completions", body).status_code == 200
+
+
+def test_a_prompt_far_past_the_context_is_refused_without_encoding_it(server):
+    """A text that cannot fit by its size alone (at least bytes / the longest token's bytes
+    tokens) is a 400 saying so, not minutes of tokenizing: 3 MB on every endpoint form."""
+    text = "fox " * 750_000
+    for endpoint, body in (
+        ("completions", {**CMPL, "prompt": text}),
+        ("completions", {**CMPL, "prompt": ["hi", text]}),
+        ("chat/completions", {**CHAT, "messages": [{"role": "user", "content": text}]}),
+    ):
+        r = _post(server, endpoint, body)
+        _assert_error(r, 400)
+        message = r.json()["error"]["message"]
+        assert "at least" in message and "512" in message, message
+    assert r.json()["error"]["param"] == "messages"
+
+
 def test_malformed_bodies(server):
     _assert_error(_post(server, "completions", content=b"{not json"), 400)
     _assert_error(_post(server, "completions", content=b"[1, 2]"), 400)
     _assert_error(_post(server, "completions", content=b"\xff\xfe"), 400)
+    for body in (b'{"prompt": "\xff"}', b"[" * 2000 + b"]" * 2000, b'{"n": ' + b"9" * 5000 + b"}"):
+        r = _post(server, "completions", content=body)
+        _assert_error(r, 400)
+        assert r.json()["error"]["message"].startswith("the body"), r.text
     _assert_error(_post(server, "completions", {"model": "tinyllama"}), 400, "prompt")
     r = httpx.get(f"{server.url}/v1/nothing", headers=server.headers)
     _assert_error(r, 404)
@@ -183,6 +238,13 @@ _FIELDS = [
     "repetition_penalty",
     "response_format",
     "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "modalities",
+    "audio",
+    "functions",
+    "function_call",
+    "reasoning_effort",
 ]
 
 

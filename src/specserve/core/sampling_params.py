@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from specserve.core.errors import InvalidRequestError
@@ -13,11 +14,25 @@ GRAMMAR_KINDS = ("json", "json_schema", "regex", "ebnf")
 class Grammar:
     """What the output must match: any JSON value (`json`), the JSON schema given as a JSON
     string (`json_schema`), a regular expression (`regex`) or an EBNF grammar (`ebnf`, in
-    xgrammar's dialect: `root ::= ...`)."""
+    xgrammar's dialect: `root ::= ...`). A JSON schema's value may sit between fixed texts
+    (`prefix`, `suffix`: a tool call's tags).
+
+    `compiled`: the grammar as compiled for the model's tokenizer (xgrammar's serialized
+    form) where a process with that tokenizer compiled it already (the server's HTTP
+    process): the engine loads it instead of compiling it again on its step loop (a schema
+    with a repeat count in the thousands takes seconds)."""
 
     kind: str
     source: str = ""
     field: str = field(default="grammar", compare=False)  # what errors name (the API's field)
+    prefix: str = ""
+    suffix: str = ""
+    compiled: str | None = dataclasses.field(default=None, compare=False, repr=False)
+
+    @property
+    def key(self) -> tuple[str, str, str, str]:
+        """What makes two grammars the same (caches)."""
+        return self.kind, self.source, self.prefix, self.suffix
 
     def __post_init__(self) -> None:
         if self.kind not in GRAMMAR_KINDS:
@@ -27,6 +42,10 @@ class Grammar:
             )
         if self.kind != "json" and not (isinstance(self.source, str) and self.source):
             raise InvalidRequestError(f"a {self.kind} grammar needs its source", field=self.field)
+        if (self.prefix or self.suffix) and self.kind != "json_schema":
+            raise InvalidRequestError(
+                "prefix and suffix go only with a json_schema grammar", field=self.field
+            )
 
 
 @dataclass

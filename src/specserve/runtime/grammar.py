@@ -25,9 +25,12 @@ import itertools
 import json
 import logging
 import os
+import re
 import tempfile
+import threading
 import time
 import weakref
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -42,6 +45,16 @@ from specserve.runtime.packing import to_device
 logger = logging.getLogger(__name__)
 
 CACHE_BYTES = 256 << 20  # compiled grammars kept (distinct schemas would grow it forever)
+LOADED_KEPT = 64  # grammars compiled elsewhere (`Grammar.compiled`) kept once loaded
+_LOG_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")  # xgrammar's "[time] file.cc:line: "
+
+
+def compile_error(e: Exception) -> str:
+    """What xgrammar's error says, without its log prefix (time, C++ source file and line)."""
+    reason = str(e).split("Check failed:")[-1].strip()
+    return _LOG_PREFIX.sub("", reason)
+
+
 # A step's mask fill, threaded from THREADED_MIN_ROWS rows at one draft position: xgrammar
 # starts its threads on every call (about 30 us each on the H200 host) and waits for the
 # last of them, so fewer rows fill faster on one: on the idle H200 host 4 threads gained
@@ -143,6 +156,8 @@ class GrammarCompiler:
         self.pool_min_rows = POOL_MIN_ROWS  # ... in steps with this many constrained rows
         self.workers_on_first_use = 0  # workers started with the first grammar compiled
         self.masks = MaskBuffer(xgr.get_bitmask_shape(1, vocab_size)[1])
+        self._loaded: OrderedDict[tuple, xgr.CompiledGrammar] = OrderedDict()  # by Grammar.key
+        self._lock = threading.Lock()
 
     # Row counts that cover the apply kernel's specializations (Triton compiles one per
     # integer argument that is 1, divisible by 16, or neither)
@@ -182,14 +197,17 @@ class GrammarCompiler:
 
     def _compiler_for_tokenizer(self) -> xgr.GrammarCompiler:
         if self._compiler is None:
-            self._info = xgr.TokenizerInfo.from_huggingface(
-                self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_ids
-            )
-            self._compiler = xgr.GrammarCompiler(self._info, cache_limit_bytes=CACHE_BYTES)
+            with self._lock:  # (the server compiles on several threads)
+                if self._compiler is None:
+                    self._info = xgr.TokenizerInfo.from_huggingface(
+                        self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_ids
+                    )
+                    self._compiler = xgr.GrammarCompiler(self._info, cache_limit_bytes=CACHE_BYTES)
         return self._compiler
 
     def compile(self, grammar: Grammar) -> xgr.CompiledGrammar:
-        """The compiled grammar; a grammar xgrammar refuses is the request's error (400)."""
+        """The compiled grammar (loaded from `grammar.compiled` where it was compiled
+        already); a grammar xgrammar refuses is the request's error (400)."""
         if self.tokenizer is None:
             raise InvalidRequestError(
                 "structured output needs the model's tokenizer; this engine has none",
@@ -198,21 +216,51 @@ class GrammarCompiler:
         compiler = self._compiler_for_tokenizer()
         if self.workers_on_first_use and self.pool is None:  # (a server that never sees a
             self.start_workers(self.workers_on_first_use)  # grammar starts none)
+        if grammar.compiled is not None:
+            loaded = self._loaded.get(grammar.key)
+            if loaded is None:
+                loaded = self._load(grammar.compiled)
+            if loaded is not None:
+                self._loaded[grammar.key] = loaded
+                self._loaded.move_to_end(grammar.key)
+                if len(self._loaded) > LOADED_KEPT:
+                    self._loaded.popitem(last=False)
+                return loaded
         if grammar.kind == "json_schema":
             self._check_schema(grammar)
         try:
             if grammar.kind == "json":
                 return compiler.compile_builtin_json_grammar()
+            if grammar.kind == "json_schema" and (grammar.prefix or grammar.suffix):
+                between = xgr.Grammar.concat(
+                    xgr.Grammar.from_ebnf(f"root ::= {json.dumps(grammar.prefix)}"),
+                    xgr.Grammar.from_json_schema(grammar.source, any_whitespace=False),
+                    xgr.Grammar.from_ebnf(f"root ::= {json.dumps(grammar.suffix)}"),
+                )
+                return compiler.compile_grammar(between)
             if grammar.kind == "json_schema":
                 return compiler.compile_json_schema(grammar.source, any_whitespace=False)
             if grammar.kind == "ebnf":
                 return compiler.compile_grammar(grammar.source)
             return compiler.compile_regex(grammar.source)
         except (RuntimeError, ValueError, TypeError) as e:
-            reason = str(e).split("Check failed:")[-1].strip()
             raise InvalidRequestError(
-                f"the {grammar.kind} grammar cannot be used: {reason}", grammar.field
+                f"the {grammar.kind} grammar cannot be used: {compile_error(e)}", grammar.field
             ) from e
+
+    def _load(self, serialized: str) -> xgr.CompiledGrammar | None:
+        """A grammar compiled elsewhere for this tokenizer; None where it does not load (it
+        is compiled here instead)."""
+        try:
+            return xgr.CompiledGrammar.deserialize_json(serialized, self._info)
+        except Exception:  # (a version or tokenizer mismatch: compiling is always right)
+            logger.warning("a compiled grammar did not load; compiling it again", exc_info=True)
+            return None
+
+    def serialize(self, grammar: Grammar) -> str:
+        """The grammar compiled (`compile`) in xgrammar's serialized form, for an engine
+        with the same tokenizer to load (`Grammar.compiled`)."""
+        return self.compile(grammar).serialize_json()
 
     @staticmethod
     def _check_schema(grammar: Grammar) -> None:
@@ -240,8 +288,7 @@ class GrammarCompiler:
         state = self.state(req)
         if state.remote is None:
             grammar = req.params.grammar
-            key = (grammar.kind, grammar.source)
-            state.remote = self.pool.remote(self.compile(grammar), key)
+            state.remote = self.pool.remote(self.compile(grammar), grammar.key)
         return state.remote
 
 

@@ -45,6 +45,7 @@ from specserve.server.protocol import (
     ChatCompletionResponse,
     CompletionRequest,
     CompletionResponse,
+    ModelCard,
     ModelList,
 )
 
@@ -128,22 +129,22 @@ def build_app(state: ServerState) -> FastAPI:
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
 
+    def card(name: str) -> dict:
+        return {
+            "id": name,
+            "object": "model",
+            "created": created,
+            "owned_by": "specserve",
+            "max_model_len": state.client.info.max_model_len,
+        }
+
     @app.get("/v1/models", response_model=ModelList, responses=errors(401))
     async def models() -> dict:
-        info = state.client.info
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": name,
-                    "object": "model",
-                    "created": created,
-                    "owned_by": "specserve",
-                    "max_model_len": info.max_model_len,
-                }
-                for name in state.served_names
-            ],
-        }
+        return {"object": "list", "data": [card(name) for name in state.served_names]}
+
+    @app.get("/v1/models/{model:path}", response_model=ModelCard, responses=errors(401, 404))
+    async def model(model: str) -> dict:
+        return card(model_check(model, state.served_names))
 
     @app.post(
         "/v1/completions",
@@ -203,6 +204,7 @@ def build_app(state: ServerState) -> FastAPI:
         fmt.per_prompt = len(prepared.requests)  # one prompt, n choices
         if body.tools and body.tool_choice != "none":
             fmt.tools_format = state.inputs.tool_format
+            fmt.most_calls = 1 if body.parallel_tool_calls is False else None
         fmt.simulated = state.client.info.simulated_acceptance
         return await _serve(state, request, body, prepared, fmt)
 

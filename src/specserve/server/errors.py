@@ -36,7 +36,11 @@ class APIError(Exception):
         self.status = status
         self.message = message
         self.param = param
-        self.type = type or ("invalid_request_error" if status < 500 else "server_error")
+        self.type = (
+            type
+            or _HTTP_TYPES.get(status)
+            or ("invalid_request_error" if status < 500 else "server_error")
+        )
         self.code = code
         self.headers = headers
 
@@ -124,7 +128,10 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
         status = exc.status_code
-        err = APIError(status, str(exc.detail), type=_HTTP_TYPES.get(status))
+        message = str(exc.detail)
+        if message == "There was an error parsing the body":  # (FastAPI's: not UTF-8, too
+            message = "the body is not valid JSON"  # deeply nested, a number too long)
+        err = APIError(status, message, type=_HTTP_TYPES.get(status))
         err.headers = getattr(exc, "headers", None)
         return err.response()
 

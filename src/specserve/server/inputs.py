@@ -16,6 +16,7 @@ from specserve.core.errors import InvalidRequestError
 from specserve.core.sampling_params import Grammar, SamplingParams
 from specserve.runtime.grammar import GrammarCompiler
 from specserve.server.errors import APIError, bad_request, from_invalid_request
+from specserve.server.grammar_compile import GrammarChecker
 from specserve.server.messages import AddRequest, EngineInfo
 from specserve.server.prompt_encoder import THREAD_CHARS, PromptEncoder
 from specserve.server.protocol import (
@@ -60,18 +61,19 @@ class InputProcessor:
         self.info = info
         eos = getattr(tokenizer, "eos_token_id", None)
         self.grammars = GrammarCompiler(tokenizer, info.vocab_size, [] if eos is None else [eos])
+        self.grammar_checker = GrammarChecker(self.grammars)
         template = getattr(tokenizer, "chat_template", None)
         self.tool_format = tool_format(template if isinstance(template, str) else None)
 
     async def check_grammar(self, prepared: PreparedRequest) -> None:
-        """Compile the request's grammar here, off the event loop, so that one the engine
-        would refuse is a 400 before any stream starts (xgrammar caches what it compiled)."""
+        """Compile the request's grammar here, off the event loop and within a time bound,
+        so that one the engine would refuse is a 4xx before any stream starts, and hand it
+        to the engine compiled (server/grammar_compile.py)."""
         grammar = prepared.requests[0].params.grammar
         if grammar is not None:
-            try:
-                await asyncio.to_thread(self.grammars.compile, grammar)
-            except InvalidRequestError as e:
-                raise from_invalid_request(e, {}) from e
+            compiled = await self.grammar_checker.compiled(grammar)
+            for request in prepared.requests:
+                request.params.grammar = compiled
 
     # ---- prompts --------------------------------------------------------------------------
     async def completion_prompts(self, req: CompletionRequest) -> list[list[int]]:
@@ -79,8 +81,11 @@ class InputProcessor:
         outputs agree), long ones encoded off the event loop (server/prompt_encoder.py)."""
         p = req.prompt
         if isinstance(p, str):
+            self._check_text_length(p, "prompt")
             return await self.encoder.encode([p])
         if isinstance(p[0], str):
+            for i, text in enumerate(p):
+                self._check_text_length(text, f"prompt[{i}]")
             return await self.encoder.encode(list(p))
         if isinstance(p[0], int):
             return [list(p)]
@@ -128,6 +133,8 @@ class InputProcessor:
                 out = await asyncio.to_thread(self._apply_template, messages, tools)
             else:
                 out = self._apply_template(messages, tools)
+        except APIError:
+            raise
         except TemplateError as e:  # the template's own checks (roles that must alternate...)
             raise bad_request(f"the chat template rejected the messages: {e}", "messages") from e
         except Exception as e:  # anything else: how it failed is not the client's business
@@ -147,7 +154,20 @@ class InputProcessor:
         text = self.tokenizer.apply_chat_template(
             messages, tools=tools, add_generation_prompt=True, tokenize=False
         )
+        self._check_text_length(text, "messages")
         return self.encoder.encode_many([text], add_special_tokens=False)[0] if text else []
+
+    def _check_text_length(self, text: str, param: str) -> None:
+        """A 400 for a text that has more tokens than the context holds, by a bound found
+        without encoding it (PromptEncoder.fewest_tokens); texts it cannot tell pass."""
+        fewest = self.encoder.fewest_tokens(text)
+        if fewest >= self.info.max_model_len:
+            raise bad_request(
+                f"the prompt has at least {fewest} tokens ({len(text)} characters); this "
+                f"model's maximum context length is {self.info.max_model_len} tokens, so "
+                "prompts must be shorter than that",
+                param,
+            )
 
     # ---- checks ---------------------------------------------------------------------------
     def check_prompt(self, ids: list[int], param: str = "prompt") -> None:
@@ -212,6 +232,7 @@ class InputProcessor:
                 f"{len(prompts)} prompts x n={req.n} asks for more than {MAX_CHOICES} choices",
                 "n",
             )
+        self._check_token_ids(req)
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         grammar = self.grammar_of(req)
         requests = []
@@ -226,6 +247,38 @@ class InputProcessor:
                 )
                 requests.append(AddRequest(f"{request_id}-{choice}", ids, params))
         return PreparedRequest(request_id, requests, sum(len(ids) for ids in prompts))
+
+    def _check_token_ids(self, req: SamplingFields) -> None:
+        """logit_bias's and stop_token_ids' ids lie in the vocabulary (a 400 now, not an
+        error event after a streaming 200), and no logit_bias id comes twice ("5", "05")."""
+        vocab = self.info.vocab_size
+        seen: dict[int, str] = {}
+        for key in req.logit_bias or ():
+            if not (key.isascii() and key.isdigit()):
+                raise bad_request(
+                    f"logit_bias keys must be token ids (non-negative integers); got {key!r}",
+                    "logit_bias",
+                )
+            token = int(key)
+            if token >= vocab:
+                raise bad_request(
+                    f"logit_bias token id {key} is out of range; this model's ids lie in "
+                    f"[0, {vocab})",
+                    "logit_bias",
+                )
+            if token in seen:
+                raise bad_request(
+                    f"logit_bias names token {token} twice ({seen[token]!r} and {key!r})",
+                    "logit_bias",
+                )
+            seen[token] = key
+        for token in req.stop_token_ids or ():
+            if token >= vocab:
+                raise bad_request(
+                    f"stop_token_ids holds {token}, out of range; this model's ids lie in "
+                    f"[0, {vocab})",
+                    "stop_token_ids",
+                )
 
     def grammar_of(self, req: SamplingFields) -> Grammar | None:
         """What the output must match: response_format's, or a tool call when tool_choice
@@ -304,24 +357,24 @@ def _grammar(fmt: ResponseFormat | None) -> Grammar | None:
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
-    """The API's {"token id": bias} as {token id: bias}; a key that is no token id is a 400."""
+    """The API's {"token id": bias} as {token id: bias} (keys checked: _check_token_ids)."""
     if not bias:
         return None
-    out = {}
-    for key, value in bias.items():
-        if not (key.isascii() and key.isdigit()):
-            raise bad_request(
-                f"logit_bias keys must be token ids (non-negative integers); got {key!r}",
-                "logit_bias",
-            )
-        out[int(key)] = float(value)
-    return out
+    return {int(key): float(value) for key, value in bias.items()}
 
 
 def check_unsupported(req: SamplingFields) -> None:
     """Fields the API defines that specserve does not implement: only neutral values pass."""
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+    forced = getattr(req, "tool_choice", None) not in (None, "none", "auto")
+    fmt = req.response_format
+    if req.ignore_eos and (forced or (fmt is not None and fmt.type != "text")):
+        raise bad_request(
+            "ignore_eos cannot be combined with response_format or a forced tool call: the "
+            "output would go on, unconstrained, past the end of the format",
+            "ignore_eos",
+        )
     if isinstance(req, CompletionRequest):
         if req.max_tokens == 0 and not req.echo:
             raise bad_request(
@@ -349,6 +402,37 @@ def check_unsupported(req: SamplingFields) -> None:
             )
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
+        names = [t.function.name for t in req.tools or ()]
+        twice = next((n for i, n in enumerate(names) if n in names[:i]), None)
+        if twice is not None:
+            raise bad_request(f"two tools are named {twice!r}; tool names must differ", "tools")
+        _check_chat_unsupported(req)
+
+
+def _check_chat_unsupported(req: ChatCompletionRequest) -> None:
+    """Chat fields the API defines that specserve does not implement: neutral values only."""
+    if req.modalities is not None and req.modalities != ["text"]:
+        raise bad_request(
+            "only text output is supported: modalities must be ['text']", "modalities"
+        )
+    if req.audio is not None:
+        raise bad_request("audio output is not supported", "audio")
+    for name in ("functions", "function_call"):
+        if getattr(req, name) is not None:
+            raise bad_request(
+                f"{name} (the API's deprecated form of tools) is not supported; send tools "
+                "and tool_choice",
+                name,
+            )
+    if req.reasoning_effort is not None:
+        raise bad_request(
+            "reasoning_effort is not supported: this server's models do not reason apart",
+            "reasoning_effort",
+        )
+    if req.best_of not in (None, 1):
+        raise bad_request("best_of is not supported on chat completions", "best_of")
+    if req.echo:
+        raise bad_request("echo is not supported on chat completions; use /v1/completions", "echo")
 
 
 def model_check(requested: str | None, served: list[str]) -> str:

@@ -305,6 +305,7 @@ class ChatFormatter(_Formatter):
         ]
 
     tools_format: str | None = None  # with tools offered: their call format (server/tools.py)
+    most_calls: int | None = None  # parallel_tool_calls false: a reply's first call only
 
     def __init__(self, *args):
         super().__init__(*args)
@@ -320,6 +321,7 @@ class ChatFormatter(_Formatter):
             text = stream.push(text)
             if delta.finished:
                 rest, calls = stream.finish()
+                calls = calls[: self.most_calls]
                 text += rest
                 finish = "tool_calls" if calls else finish
         if not text and not calls and entries is None and not delta.finished:
@@ -348,6 +350,7 @@ class ChatFormatter(_Formatter):
             finish = c.finish_reason
             if self.tools_format is not None:
                 content, calls = parse_calls(message["content"], self.tools_format)
+                calls = calls[: self.most_calls]
                 if calls:
                     message = {"role": "assistant", "content": content, "tool_calls": calls}
                     finish = "tool_calls"

@@ -18,11 +18,17 @@ about what encoding a thousand characters does (~50 us).
 A long prompt that shares a long prefix with a recent one is encoded from a cut there
 (server/prompt_prefixes.py): the cut is looked up on the loop (prompts up to LOOP_CHARS),
 and a prompt whose rest is short is encoded there too.
+
+A prompt far longer than any context is refused without encoding it (a 6 MB text took 12 s
+of CPU and gigabytes of memory to encode, only to be refused): where the tokenizer keeps
+every byte of its input in some token (`_bytes_per_token`), a text of B UTF-8 bytes has at
+least B / L tokens, L being the most bytes any token spells (`fewest_tokens`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 
 from specserve.server import prompt_prefixes
@@ -57,6 +63,55 @@ _SAMPLES = (
 )
 
 
+# Pre-tokenizers that keep every character of their input in some piece, and the Split
+# behaviors that do (json: the pre-tokenizer's serialized form)
+_KEEPING = {
+    *("ByteLevel", "Metaspace", "Digits", "UnicodeScripts", "Sequence", "Split", "Punctuation"),
+}
+_KEEPING_SPLITS = {"Isolated", "MergedWithPrevious", "MergedWithNext", "Contiguous"}
+
+
+def _keeps_everything(node) -> bool:
+    if node is None:
+        return True
+    if node.get("type") not in _KEEPING:
+        return False
+    if node.get("behavior", "Isolated") not in _KEEPING_SPLITS:
+        return False
+    return all(_keeps_everything(child) for child in node.get("pretokenizers", ()))
+
+
+def _bytes_per_token(backend) -> int | None:
+    """The most UTF-8 bytes of input one token can cover, where every byte of a text ends
+    up in some token: a BPE model with no normalizer (which may drop or merge
+    characters), pre-tokenizers that drop nothing, unknown characters kept (byte-level,
+    byte fallback, or an unknown token each, not fused), no added token that swallows the
+    whitespace around it. A token's string covers at most its own UTF-8 bytes (a
+    byte-level symbol one byte, `▁` one space, `<0x41>` one byte). None: no such bound."""
+    try:
+        from tokenizers import models, pre_tokenizers
+
+        model = backend.model
+        if not isinstance(model, models.BPE) or backend.normalizer is not None:
+            return None
+        pre = backend.pre_tokenizer
+        pre_json = None if pre is None else json.loads(pre.__getstate__())
+        if not _keeps_everything(pre_json):
+            return None
+        vocab = backend.get_vocab(True)
+        byte_level = '"ByteLevel"' in json.dumps(pre_json) and all(
+            symbol in vocab for symbol in pre_tokenizers.ByteLevel.alphabet()
+        )
+        if not (byte_level or model.byte_fallback or (model.unk_token and not model.fuse_unk)):
+            return None  # (unknown characters would be dropped or fused into one token)
+        added = backend.get_added_tokens_decoder().values()
+        if any(t.lstrip or t.rstrip for t in added):
+            return None
+        return max(len(piece.encode("utf-8")) for piece in vocab)
+    except Exception:  # (a tokenizer unlike these: no bound)
+        return None
+
+
 def _fast_backend(tokenizer):
     """The Rust tokenizer when its encode_batch_fast gives exactly tokenizer.encode's ids;
     else None."""
@@ -89,6 +144,8 @@ class PromptEncoder:
     def __init__(self, tokenizer, prefix_min_chars: int = prompt_prefixes.MIN_CHARS):
         self.tokenizer = tokenizer
         self._backend = None if tokenizer is None else _fast_backend(tokenizer)
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._bytes_per_token = None if backend is None else _bytes_per_token(backend)
         # add_special_tokens -> the recent long prompts (server/prompt_prefixes.py), or None
         # where the tokenizer's cut encodings differ from its whole ones
         self.recent: dict[bool, RecentPrompts | None] = {True: None, False: None}
@@ -114,6 +171,14 @@ class PromptEncoder:
             "tokens_reused": sum(r.tokens_reused for r in recent),
             "prompts_kept": sum(len(r) for r in recent),
         }
+
+    def fewest_tokens(self, text: str) -> int:
+        """A lower bound on the tokens `text` encodes to (0 where the tokenizer gives none:
+        see the module), in time linear in the text and far below encoding it."""
+        per_token = self._bytes_per_token
+        if per_token is None or len(text) * 4 < per_token:
+            return 0
+        return len(text.encode("utf-8", "surrogatepass")) // per_token
 
     @property
     def fast(self) -> bool:

@@ -13,7 +13,14 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    model_validator,
+)
 
 
 def _unicode(text: str) -> str:
@@ -88,18 +95,29 @@ class SamplingFields(_Strict):
     user: str | None = None
 
 
+def _prompt_count(value: Any) -> Any:
+    """Too many prompts is said as such (not as the first string that is no token id)."""
+    if isinstance(value, list) and len(value) > MAX_PROMPTS and isinstance(value[0], str | list):
+        raise ValueError(f"holds {len(value)} prompts; send at most {MAX_PROMPTS} a request")
+    return value
+
+
+MAX_PROMPTS = 1024
+
+
 class CompletionRequest(SamplingFields):
     """POST /v1/completions."""
 
-    prompt: (
+    prompt: Annotated[
         Annotated[Text, Field(max_length=10_000_000)]
-        | Annotated[list[Text], Field(min_length=1, max_length=1024)]
+        | Annotated[list[Text], Field(min_length=1, max_length=MAX_PROMPTS)]
         | Annotated[list[TokenId], Field(min_length=1)]
         | Annotated[
             list[Annotated[list[TokenId], Field(min_length=1)]],
-            Field(min_length=1, max_length=1024),
-        ]
-    )
+            Field(min_length=1, max_length=MAX_PROMPTS),
+        ],
+        BeforeValidator(_prompt_count),
+    ]
     max_tokens: int | None = Field(16, ge=0)  # 0: with echo, score the prompt only
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
@@ -119,6 +137,12 @@ class OtherPart(BaseModel):
 
     model_config = ConfigDict(extra="allow")
     type: str
+
+    @model_validator(mode="after")
+    def _not_text(self) -> OtherPart:
+        if self.type == "text":  # (a text part that is no TextPart: TextPart's error says why)
+            raise ValueError("a text part needs its text as a string")
+        return self
 
 
 class FunctionCall(_Strict):
@@ -183,6 +207,16 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[ToolDef] | None = Field(None, max_length=128)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    # defined by the API, not implemented: neutral values only (check_unsupported)
+    modalities: list[str] | None = None
+    audio: dict[str, Any] | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+    # completions' fields some clients send to chat too: neutral values only
+    best_of: int | None = None
+    echo: bool | None = None
 
 
 # ---- responses (documentation of the shapes; built as dicts in openai_format.py) ----------

@@ -16,8 +16,6 @@ import json
 import re
 import uuid
 
-import xgrammar as xgr
-
 from specserve.core.errors import InvalidRequestError
 from specserve.core.sampling_params import Grammar
 from specserve.runtime.grammar import unsupported_schema_features
@@ -69,12 +67,14 @@ def call_grammar(tools: list[dict], fmt: str, name: str | None = None) -> Gramma
     schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
     if fmt == "llama3":
         return Grammar("json_schema", json.dumps(schema), field="tool_choice")
-    call = xgr.Grammar.concat(
-        xgr.Grammar.from_ebnf(f"root ::= {json.dumps(HERMES_OPEN + chr(10))}"),
-        xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False),
-        xgr.Grammar.from_ebnf(f"root ::= {json.dumps(chr(10) + HERMES_CLOSE)}"),
+    # (compiled off the event loop with every grammar: a schema can take seconds)
+    return Grammar(
+        "json_schema",
+        json.dumps(schema),
+        field="tool_choice",
+        prefix=HERMES_OPEN + "\n",
+        suffix="\n" + HERMES_CLOSE,
     )
-    return Grammar("ebnf", str(call), field="tool_choice")
 
 
 def parse_calls(text: str, fmt: str) -> tuple[str | None, list[dict]]:
