@@ -101,6 +101,28 @@ def test_preemption_identical(models, reference, drafter):
     assert llm.engine.scheduler.num_preemptions > 0
 
 
+@pytest.mark.parametrize("drafter", ["eagle3", "ngram"])
+def test_a_lone_request_that_fits_is_never_preempted(models, drafter):
+    """A request whose tokens fit the cache, drafting K=4 past max_tokens under overlap: the
+    next step (scheduled before this one's drafts resolve) finds its slot in the lookahead
+    instead of preempting the request itself for it (every prompt length and max_tokens
+    that fit a 16-token cache, page size 1)."""
+    llm = LLM(
+        models["target"],
+        page_size=1,
+        num_kv_pages=17,
+        overlap_schedule="on",
+        speculative_num_steps=4,
+        **spec_kwargs(models, drafter),
+    )
+    for prompt_len in range(2, 16, 3):
+        for max_tokens in range(1, 17 - prompt_len, 2):
+            prompt = list(range(5, 5 + prompt_len))
+            out = llm.generate([prompt], SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+            assert len(out[0].token_ids) == max_tokens
+    assert llm.engine.scheduler.num_preemptions == 0
+
+
 @pytest.mark.parametrize("drafter", [None, "random"])
 def test_seeded_sampling_and_logprobs_identical(models, drafter):
     prompts = prompts_for()

@@ -131,6 +131,7 @@ class LLMEngine:
         # Where processed requests go: finished ones leave, every one gets its output.
         self.sink = RequestSink(self.scheduler, self.requests, self.spec)
         overlap = config.overlap_enabled()
+        self.scheduler.overlap = overlap
         self.loop = StepLoop(self.scheduler, self.target, self.spec, self.sink, overlap)
         self.follower = self._connect_ranks(config, rank) if self.parallel else None
         startup.ready()

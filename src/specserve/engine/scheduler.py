@@ -49,6 +49,9 @@ class Scheduler:
         self.running: list[Request] = []
         self.counts = RunningCounts(max_model_len=max_model_len)
         self.num_preemptions = 0
+        # The next step is scheduled before this one's tokens are resolved (overlap): a
+        # request's lookahead then covers the next step's token too (`_draft`).
+        self.overlap = False
         self._stalled: tuple | None = None  # (request, budget, free and cached pages): short
         # Mean prompt and output tokens of finished requests (EWMA): the prefill each
         # generated token brings along (`StepLoad.prefill_per_token`).
@@ -175,7 +178,12 @@ class Scheduler:
             # stay uniform (no host wait for mixed ones under overlap).
             draft_len = max(0, min(draft_len, cap, req.max_len - req.committed_len - 1))
             if draft_len:
-                reserve = req.cached_len + 1 + req.num_inflight_drafts  # held already
+                # Held already: its token and the drafts in flight. Under overlap the
+                # lookahead covers the next step's token too: that step is scheduled before
+                # this one's drafts are resolved and needs a slot for every one of them and
+                # its own (it preempted for that last slot, a lone request itself, where
+                # drafts past max_tokens had taken the last free pages).
+                reserve = req.cached_len + 1 + req.num_inflight_drafts + self.overlap
                 held = len(req.page_table) * page_size
                 if reserve + draft_len > held and (
                     short_of_pages or not self.kv.grow(req.page_table, reserve + draft_len)
