@@ -173,7 +173,7 @@ def test_engine_errors_after_loading_name_the_flags(tiny_llama, capsys):
         "--page-size",
         "4",
         "--num-kv-pages",
-        "5",
+        "9",  # (32 tokens: the prompt's 20 fit, 100 more do not)
         "--max-tokens",
         "100",
         "--quiet",

@@ -119,3 +119,68 @@ def test_progress_reports_start_up_on_stderr(tiny_llama, capsys):
     assert re.fullmatch(r"specserve: ready in \d+\.\d s", lines[-1])
     LLM(str(tiny_llama))
     assert capsys.readouterr().err == ""
+
+
+def test_streams_and_generate_calls_share_the_engine(llm):
+    """Outputs go to the call that waits for them: a stream whose request finished while a
+    generate call drove the engine gives its whole text and ends (it spun forever on an
+    idle engine), two streams read side by side give each its own whole text (each took
+    the other's deltas), and a stream whose request was aborted ends."""
+    prompts = ([5, 6, 7], [9, 10, 11, 12])
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    expected = [out.text for out in llm.generate(list(prompts), params)]
+    stream = llm.stream(prompts[0], params)
+    text = next(stream)
+    assert llm.generate([prompts[1]], params)[0].text == expected[1]
+    assert not llm.engine.has_unfinished()  # (the stream's request finished meanwhile)
+    assert text + "".join(stream) == expected[0]
+    streams = [llm.stream(prompts[0], params), llm.stream(prompts[1], params)]
+    texts, live = ["", ""], [0, 1]
+    while live:  # a delta from each in turn
+        for i in list(live):
+            delta = next(streams[i], None)
+            if delta is None:
+                live.remove(i)
+            else:
+                texts[i] += delta
+    assert texts == expected
+    stream = llm.stream(prompts[0], SamplingParams(max_tokens=64, ignore_eos=True))
+    next(stream)
+    (rid,) = llm._boxes
+    llm.engine.abort_request(rid)
+    list(stream)  # (ends)
+    assert not llm._boxes and not llm.engine.has_unfinished()
+
+
+def test_n_choices_fan_out_in_generate(llm):
+    """n choices a prompt: n outputs in a row, seeded ones reproducible and distinct (the
+    server's choice seeds); an engine request is one choice."""
+    params = [
+        SamplingParams(max_tokens=6, temperature=1.0, seed=3, n=3),
+        SamplingParams(max_tokens=4, n=2),
+    ]
+    outs = llm.generate([[5, 6, 7], "The quick"], params)
+    assert len(outs) == 5 and [len(o.token_ids) > 0 for o in outs] == [True] * 5
+    again = llm.generate([[5, 6, 7]], params[0])
+    assert [o.token_ids for o in again] == [o.token_ids for o in outs[:3]]
+    assert len({tuple(o.token_ids) for o in outs[:3]}) > 1
+    assert outs[3].text == outs[4].text  # (greedy)
+    with pytest.raises(InvalidRequestError, match="one choice") as e:
+        llm.engine.add_request([5, 6], SamplingParams(n=2))
+    assert e.value.field == "n"
+
+
+def test_generated_request_ids_never_take_a_callers(llm):
+    engine = llm.engine
+    taken = [engine.add_request([5, 6], GREEDY, request_id=f"req-{i}") for i in range(4)]
+    mine = engine.add_request([5, 6], GREEDY)
+    assert mine not in taken
+    for rid in [*taken, mine]:
+        engine.abort_request(rid)
+
+
+def test_a_prompt_larger_than_the_cache_is_named(tiny_llama):
+    small = LLM(str(tiny_llama), page_size=1, num_kv_pages=17)
+    with pytest.raises(InvalidRequestError, match="the prompt") as e:
+        small.engine.add_request(list(range(5, 25)), SamplingParams(max_tokens=1))
+    assert e.value.field == "prompt"

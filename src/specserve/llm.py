@@ -4,14 +4,14 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tqdm import tqdm
 
 from specserve.core.config import EngineConfig
 from specserve.core.errors import InvalidRequestError
 from specserve.core.request import SpecStats
-from specserve.core.sampling_params import SamplingParams
+from specserve.core.sampling_params import SamplingParams, choice_seed
 from specserve.engine.engine import LLMEngine
 from specserve.engine.outputs import RequestOutput
 from specserve.runtime.sampled_tokens import TokenLogprobs
@@ -66,6 +66,8 @@ class LLM:
         config = EngineConfig.from_flags(model=model, **engine_kwargs)  # TypeError: unknown
         self.engine = LLMEngine(config, progress=progress)
         self.tokenizer = self.engine.tokenizer
+        # request id -> outputs not yet taken by the generate or stream call it belongs to
+        self._boxes: dict[str, list[RequestOutput]] = {}
 
     def close(self) -> None:
         """Stop what the engine started beyond this process (the other ranks under tensor
@@ -103,7 +105,9 @@ class LLM:
         no chat template) or token ids: this is a completion, as the server's
         /v1/completions. An instruct model answers questions through `chat`, which is what
         `specserve generate` does unless told --no-chat-template. `params`: one
-        SamplingParams for every prompt, or one per prompt (default: greedy, 128 tokens).
+        SamplingParams for every prompt, or one per prompt (default: greedy, 128 tokens). A
+        prompt whose params ask for n choices gives n outputs in a row (seeded, each its own
+        reproducible seed, as the server's choices).
 
             outs = llm.generate(["1, 2, 3,", "The capital of France is"],
                                 SamplingParams(max_tokens=8))
@@ -115,29 +119,56 @@ class LLM:
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
+        choices = [(prompt, c) for prompt, p in zip(prompts, params) for c in _choices(p)]
         ids = []
         try:
-            for prompt, p in zip(prompts, params):
+            for prompt, p in choices:
                 ids.append(self.engine.add_request(prompt, p))
+                self._boxes[ids[-1]] = []
         except Exception:
-            for rid in ids:
-                self.engine.abort_request(rid)
+            self._drop(ids)
             raise
-        finished: dict[str, RequestOutput] = {}
+        last: dict[str, RequestOutput] = {}
         logprobs: dict[str, list[TokenLogprobs]] = {rid: [] for rid in ids}
+        left = set(ids)
         bar = tqdm(total=len(ids), desc="Generating", disable=not use_tqdm)
-        while self.engine.has_unfinished():
-            for out in self.engine.step():
-                if out.new_logprobs and out.request_id in logprobs:
-                    logprobs[out.request_id] += out.new_logprobs
-                if out.finished:
-                    finished[out.request_id] = out
-                    bar.update(1)
-        bar.close()
+        try:
+            while left:
+                for rid in list(left):
+                    for out in self._boxes[rid]:
+                        logprobs[rid] += out.new_logprobs or ()
+                        last[rid] = out
+                        if out.finished:
+                            left.discard(rid)
+                            bar.update(1)
+                    self._boxes[rid].clear()
+                    if rid in left and rid not in self.engine.requests:
+                        left.discard(rid)  # aborted: it left without a last output
+                if left:
+                    self._drive()
+        finally:
+            bar.close()
+            self._drop(ids)
         return [
-            _completion(finished[rid], logprobs[rid] if p.logprobs is not None else None)
-            for rid, p in zip(ids, params)
+            _completion(last.get(rid), logprobs[rid] if p.logprobs is not None else None, rid, q)
+            for rid, (q, p) in zip(ids, choices)
         ]
+
+    def _drive(self) -> None:
+        """One engine step; each output goes to the box of the call waiting for it (a
+        stream's outputs are not lost to a generate call driving the engine, or to another
+        stream), others (requests added on the engine directly) are dropped."""
+        boxes = self._boxes
+        for out in self.engine.step():
+            box = boxes.get(out.request_id)
+            if box is not None:
+                box.append(out)
+
+    def _drop(self, ids: list[str]) -> None:
+        """The calls' requests are done with: aborted where still running, boxes gone."""
+        for rid in ids:
+            self._boxes.pop(rid, None)
+            self.engine.abort_request(rid)
 
     def chat(
         self,
@@ -164,20 +195,52 @@ class LLM:
             for delta in llm.stream("Once upon a time"):
                 print(delta, end="", flush=True)
         """
-        rid = self.engine.add_request(prompt, params or SamplingParams())
+        params = params or SamplingParams()
+        if params.n != 1:
+            raise InvalidRequestError("a stream is one choice: n must be 1", "n")
+        rid = self.engine.add_request(prompt, params)
+        box = self._boxes[rid] = []
         try:
             while True:
-                for out in self.engine.step():
-                    if out.request_id == rid:
-                        if out.delta_text:
-                            yield out.delta_text
-                        if out.finished:
-                            return
+                while box:
+                    out = box.pop(0)
+                    if out.delta_text:
+                        yield out.delta_text
+                    if out.finished:
+                        return
+                if rid not in self.engine.requests:
+                    return  # aborted: it left without a last output
+                self._drive()
         finally:
-            self.engine.abort_request(rid)
+            self._drop([rid])
 
 
-def _completion(out: RequestOutput, logprobs: list[TokenLogprobs] | None) -> CompletionOutput:
+def _choices(params: SamplingParams) -> list[SamplingParams]:
+    """A prompt's n choices as one-choice params each; seeded ones by `choice_seed`."""
+    if params.n == 1:
+        return [params]
+    return [
+        replace(params, n=1, seed=None if params.seed is None else choice_seed(params.seed, i))
+        for i in range(params.n)
+    ]
+
+
+def _completion(
+    out: RequestOutput | None,
+    logprobs: list[TokenLogprobs] | None,
+    request_id: str = "",
+    prompt: Prompt = "",
+) -> CompletionOutput:
+    if out is None:  # aborted before its first token
+        return CompletionOutput(
+            request_id=request_id,
+            prompt=prompt if isinstance(prompt, str) else None,
+            prompt_token_ids=[] if isinstance(prompt, str) else list(prompt),
+            text="",
+            token_ids=[],
+            finish_reason="abort",
+            logprobs=logprobs,
+        )
     return CompletionOutput(
         request_id=out.request_id,
         prompt=out.prompt,

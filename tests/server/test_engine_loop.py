@@ -9,11 +9,10 @@ import queue
 import pytest
 
 from specserve.core.config import EngineConfig
-from specserve.core.sampling_params import SamplingParams
+from specserve.core.sampling_params import SamplingParams, choice_seed
 from specserve.engine.engine import LLMEngine
 from specserve.server.engine_proc import EngineLoop, Outbox
 from specserve.server.errors import _field_path
-from specserve.server.inputs import choice_seed
 from specserve.server.messages import (
     AbortRequests,
     AddRequest,

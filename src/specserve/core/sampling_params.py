@@ -8,6 +8,19 @@ from dataclasses import dataclass, field
 from specserve.core.errors import InvalidRequestError
 
 GRAMMAR_KINDS = ("json", "json_schema", "regex", "ebnf")
+_MASK_62 = (1 << 62) - 1
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """Seed of choice `index` of a request with n choices: the request seed itself for the
+    first, a splitmix64 hash of (seed, index) for the others, so seeded n > 1 requests
+    reproduce (the server's and LLM.generate's alike)."""
+    if index == 0:
+        return seed
+    z = (seed + 0x9E3779B97F4A7C15 * index) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (z ^ (z >> 31)) & _MASK_62
 
 
 @dataclass(frozen=True)

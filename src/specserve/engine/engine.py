@@ -128,6 +128,7 @@ class LLMEngine:
         self.token_decoder = TokenDecoder(self.tokenizer) if self.tokenizer is not None else None
         self.requests: dict[str, Request] = {}
         self._arrivals, self._rng = itertools.count(), random.Random(config.load.seed)
+        self._ids = itertools.count()  # generated request ids
         # Where processed requests go: finished ones leave, every one gets its output.
         self.sink = RequestSink(self.scheduler, self.requests, self.spec)
         overlap = config.overlap_enabled()
@@ -167,6 +168,12 @@ class LLMEngine:
     ) -> str:
         """Validate and queue a request; returns its id. Raises InvalidRequestError."""
         params = params or SamplingParams()
+        if params.n != 1:
+            raise InvalidRequestError(
+                "an engine request is one choice (n = 1): LLM.generate and the server fan n "
+                "out into requests",
+                "n",
+            )
         ids = self.tokenize(prompt)
         if not ids:
             raise InvalidRequestError("the prompt is empty; send at least one token", "prompt")
@@ -187,6 +194,12 @@ class LLMEngine:
         if params.grammar is not None:
             self.runner.grammars.compile(params.grammar)  # (cached for its matcher)
         total = min(len(ids) + params.max_tokens, self.max_model_len)
+        if len(ids) > self.kv.capacity_tokens:
+            raise RequestTooLargeError(
+                f"the prompt ({len(ids)} tokens) needs more KV cache than the whole cache "
+                f"holds ({self.kv.capacity_tokens} tokens); shorten it or enlarge the cache",
+                "prompt",
+            )
         if total > self.kv.capacity_tokens:
             raise RequestTooLargeError(
                 f"prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) needs "
@@ -194,8 +207,11 @@ class LLMEngine:
                 f"{self.kv.capacity_tokens}; lower max_tokens or enlarge the cache",
                 "max_tokens",
             )
-        request_id = request_id or f"req-{next(self._arrivals)}"
-        if request_id in self.requests:
+        if request_id is None:  # (one the caller did not name: never one it did)
+            request_id = f"req-{next(self._ids)}"
+            while request_id in self.requests:
+                request_id = f"req-{next(self._ids)}"
+        elif request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "id")
         seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
         req = Request(

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from jinja2 import TemplateError
 
 from specserve.core.errors import InvalidRequestError
-from specserve.core.sampling_params import Grammar, SamplingParams
+from specserve.core.sampling_params import Grammar, SamplingParams, choice_seed
 from specserve.runtime.grammar import GrammarCompiler
 from specserve.server.errors import APIError, bad_request, from_invalid_request
 from specserve.server.grammar_compile import GrammarChecker
@@ -28,7 +28,6 @@ from specserve.server.protocol import (
 )
 from specserve.server.tools import call_grammar, tool_format
 
-_MASK_62 = (1 << 62) - 1
 MAX_CHOICES = 1024  # engine requests one API request may fan out into (prompts x n)
 
 
@@ -39,17 +38,6 @@ class PreparedRequest:
     request_id: str
     requests: list[AddRequest]
     num_prompt_tokens: int  # summed over distinct prompts (not over choices)
-
-
-def choice_seed(seed: int, index: int) -> int:
-    """Seed of choice `index`: the request seed itself for the first, a splitmix64 hash of
-    (seed, index) for the others, so seeded n > 1 requests reproduce."""
-    if index == 0:
-        return seed
-    z = (seed + 0x9E3779B97F4A7C15 * index) & 0xFFFFFFFFFFFFFFFF
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
-    return (z ^ (z >> 31)) & _MASK_62
 
 
 class InputProcessor:
@@ -206,6 +194,12 @@ class InputProcessor:
                 f"request asks for {len(ids) + asked} ({len(ids)} in the prompt, {asked} "
                 f"for {param}); lower {param} or shorten the prompt",
                 param,
+            )
+        if len(ids) >= info.kv_capacity_tokens:
+            raise bad_request(
+                f"the prompt ({len(ids)} tokens) leaves no room to generate in the KV cache "
+                f"the server has ({info.kv_capacity_tokens} tokens); shorten it",
+                "prompt",
             )
         if len(ids) + asked > info.kv_capacity_tokens:
             raise bad_request(
