@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import time
 
 import pytest
 import xgrammar as xgr
@@ -47,12 +48,14 @@ def test_a_grammar_past_the_time_bound_is_a_400_and_a_busy_compiler_a_503():
         slow, waiting = asyncio.run(run())
     finally:
         stuck.release.set()
-        checker.close()
     assert isinstance(slow, APIError) and slow.status == 400, slow
     assert "did not compile within 0.3 s" in slow.message and slow.param == "grammar"
     assert isinstance(waiting, APIError) and waiting.status == 503, waiting
     assert waiting.headers["Retry-After"] and waiting.param == "response_format"
+    stuck.release.set()
+    time.sleep(0.2)
     assert stuck.started == 1  # the one that found no thread never ran
+    assert all(t.daemon for t in threading.enumerate() if t.name == "grammar-compile")
 
 
 def test_the_engine_loads_the_servers_compiled_grammar(tiny_llama):
@@ -66,14 +69,11 @@ def test_the_engine_loads_the_servers_compiled_grammar(tiny_llama):
     server_side = GrammarCompiler(tokenizer, VOCAB, [2])
     checker = GrammarChecker(server_side)
     grammar = Grammar("json_schema", SCHEMA, field="response_format", prefix="<a>", suffix="</a>")
-    try:
-        compiled = asyncio.run(checker.compiled(grammar))
-        assert compiled == grammar and compiled.compiled  # (the same grammar, compiled)
-        assert asyncio.run(checker.compiled(grammar)).compiled is compiled.compiled  # kept
-        with pytest.raises(APIError) as e:
-            asyncio.run(checker.compiled(Grammar("json_schema", '{"type": "bogus"}')))
-    finally:
-        checker.close()
+    compiled = asyncio.run(checker.compiled(grammar))
+    assert compiled == grammar and compiled.compiled  # (the same grammar, compiled)
+    assert asyncio.run(checker.compiled(grammar)).compiled is compiled.compiled  # kept
+    with pytest.raises(APIError) as e:
+        asyncio.run(checker.compiled(Grammar("json_schema", '{"type": "bogus"}')))
     assert e.value.status == 400 and "bogus" in e.value.message and ".cc:" not in e.value.message
 
     engine_side = GrammarCompiler(tokenizer, VOCAB, [2])

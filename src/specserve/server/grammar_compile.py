@@ -9,7 +9,7 @@ loop goes on), not the pool that encodes prompts, and a request whose grammar ha
 compiled within COMPILE_TIMEOUT_S is refused (400) while its compile runs out in the
 background (xgrammar keeps what it compiled: the same grammar again is at once); one that
 waited that long for a thread because others' compiles held them all is told to retry
-(503).
+(503) and its compile never starts.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 from specserve.core.errors import InvalidRequestError
@@ -32,7 +31,9 @@ RETRY_AFTER_S = 5
 
 
 class GrammarChecker:
-    """Compiles grammars for requests (see the module)."""
+    """Compiles grammars for requests (see the module). Each compile runs on a daemon
+    thread that waits for one of `threads` slots: a compile cannot be stopped, and one
+    running out in the background must not hold up the server's exit."""
 
     def __init__(
         self,
@@ -42,7 +43,7 @@ class GrammarChecker:
     ):
         self.grammars = grammars
         self.timeout_s = timeout_s
-        self._threads = ThreadPoolExecutor(threads, thread_name_prefix="grammar-compile")
+        self._slots = threading.Semaphore(threads)
         self._kept: OrderedDict[tuple, str] = OrderedDict()  # Grammar.key -> serialized
         self._kept_bytes = 0
 
@@ -58,18 +59,39 @@ class GrammarChecker:
         return replace(grammar, compiled=serialized)
 
     async def _compile(self, grammar: Grammar) -> str:
-        started = threading.Event()
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        started, dropped = threading.Event(), threading.Event()
 
-        def run() -> str:
-            started.set()
-            return self.grammars.serialize(grammar)
+        def settle(result, error) -> None:
+            if not done.done():
+                if error is None:
+                    done.set_result(result)
+                else:
+                    done.set_exception(error)
 
-        job = asyncio.get_running_loop().run_in_executor(self._threads, run)
+        def run() -> None:
+            with self._slots:
+                if dropped.is_set():  # (timed out waiting for a slot: nobody waits for it)
+                    return
+                started.set()
+                result, error = None, None
+                try:
+                    result = self.grammars.serialize(grammar)
+                except Exception as e:
+                    error = e
+            try:
+                loop.call_soon_threadsafe(settle, result, error)
+            except RuntimeError:  # the loop is gone (the server stopped meanwhile)
+                pass
+
+        threading.Thread(target=run, name="grammar-compile", daemon=True).start()
         try:
-            return await asyncio.wait_for(job, self.timeout_s)  # (a job not started is dropped)
+            return await asyncio.wait_for(done, self.timeout_s)
         except InvalidRequestError as e:
             raise from_invalid_request(e) from e
         except asyncio.TimeoutError:
+            dropped.set()
             if not started.is_set():
                 raise APIError(
                     503,
@@ -92,6 +114,3 @@ class GrammarChecker:
         self._kept_bytes += len(serialized)
         while self._kept_bytes > KEPT_BYTES and len(self._kept) > 1:
             self._kept_bytes -= len(self._kept.popitem(last=False)[1])
-
-    def close(self) -> None:
-        self._threads.shutdown(wait=False, cancel_futures=True)
