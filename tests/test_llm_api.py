@@ -172,7 +172,8 @@ def test_n_choices_fan_out_in_generate(llm):
 
 def test_generated_request_ids_never_take_a_callers(llm):
     engine = llm.engine
-    taken = [engine.add_request([5, 6], GREEDY, request_id=f"req-{i}") for i in range(4)]
+    upcoming = next(engine._ids) + 1  # (the next ids the engine would generate)
+    taken = [engine.add_request([5, 6], GREEDY, request_id=f"req-{upcoming + i}") for i in range(4)]
     mine = engine.add_request([5, 6], GREEDY)
     assert mine not in taken
     for rid in [*taken, mine]:

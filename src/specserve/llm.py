@@ -106,8 +106,8 @@ class LLM:
         /v1/completions. An instruct model answers questions through `chat`, which is what
         `specserve generate` does unless told --no-chat-template. `params`: one
         SamplingParams for every prompt, or one per prompt (default: greedy, 128 tokens). A
-        prompt whose params ask for n choices gives n outputs in a row (seeded, each its own
-        reproducible seed, as the server's choices).
+        prompt whose params ask for n choices gives n outputs in a row (seeded ones each get
+        `choice_seed(seed, its output index)`, as the server's choices).
 
             outs = llm.generate(["1, 2, 3,", "The capital of France is"],
                                 SamplingParams(max_tokens=8))
@@ -119,7 +119,9 @@ class LLM:
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
-        choices = [(prompt, c) for prompt, p in zip(prompts, params) for c in _choices(p)]
+        choices = []  # (prompt, one choice's params): choice seeds by output index, as the
+        for prompt, p in zip(prompts, params):  # server's (prompt p's choice i: p * n + i)
+            choices += [(prompt, c) for c in _choices(p, len(choices))]
         ids = []
         try:
             for prompt, p in choices:
@@ -134,18 +136,18 @@ class LLM:
         bar = tqdm(total=len(ids), desc="Generating", disable=not use_tqdm)
         try:
             while left:
-                for rid in list(left):
-                    for out in self._boxes[rid]:
+                got = [rid for rid in self._drive() if rid in left]
+                for rid in got:
+                    box = self._boxes[rid]
+                    for out in box:
                         logprobs[rid] += out.new_logprobs or ()
                         last[rid] = out
                         if out.finished:
                             left.discard(rid)
                             bar.update(1)
-                    self._boxes[rid].clear()
-                    if rid in left and rid not in self.engine.requests:
-                        left.discard(rid)  # aborted: it left without a last output
-                if left:
-                    self._drive()
+                    box.clear()
+                if not got:  # (a step with nothing for this call: any of its requests gone?)
+                    left = {rid for rid in left if rid in self.engine.requests}
         finally:
             bar.close()
             self._drop(ids)
@@ -154,15 +156,18 @@ class LLM:
             for rid, (q, p) in zip(ids, choices)
         ]
 
-    def _drive(self) -> None:
+    def _drive(self) -> list[str]:
         """One engine step; each output goes to the box of the call waiting for it (a
         stream's outputs are not lost to a generate call driving the engine, or to another
-        stream), others (requests added on the engine directly) are dropped."""
-        boxes = self._boxes
+        stream), others (requests added on the engine directly) are dropped. Returns the
+        ids of the requests that got one."""
+        boxes, got = self._boxes, []
         for out in self.engine.step():
             box = boxes.get(out.request_id)
             if box is not None:
                 box.append(out)
+                got.append(out.request_id)
+        return got
 
     def _drop(self, ids: list[str]) -> None:
         """The calls' requests are done with: aborted where still running, boxes gone."""
@@ -215,12 +220,15 @@ class LLM:
             self._drop([rid])
 
 
-def _choices(params: SamplingParams) -> list[SamplingParams]:
-    """A prompt's n choices as one-choice params each; seeded ones by `choice_seed`."""
+def _choices(params: SamplingParams, first: int) -> list[SamplingParams]:
+    """A prompt's n choices as one-choice params each, the first of them output `first`;
+    seeded ones by `choice_seed` of their output index."""
     if params.n == 1:
         return [params]
     return [
-        replace(params, n=1, seed=None if params.seed is None else choice_seed(params.seed, i))
+        replace(
+            params, n=1, seed=None if params.seed is None else choice_seed(params.seed, first + i)
+        )
         for i in range(params.n)
     ]
 

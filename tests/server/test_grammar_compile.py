@@ -22,15 +22,20 @@ SCHEMA = json.dumps({"type": "object", "properties": {"a": {"type": "integer"}}}
 
 
 class _Stuck:
-    """A compiler whose compiles wait until released (a schema that takes minutes)."""
+    """A compiler whose compiles wait until released (a schema that takes minutes): all of
+    them (`release`), or the first one alone (`release_first`)."""
 
     def __init__(self):
-        self.release = threading.Event()
+        self.release, self.release_first = threading.Event(), threading.Event()
         self.started = 0
 
     def serialize(self, grammar: Grammar) -> str:
         self.started += 1
-        self.release.wait(30)
+        if self.started == 1:
+            while not (self.release.is_set() or self.release_first.is_set()):
+                time.sleep(0.01)
+        else:
+            self.release.wait(30)
         return "{}"
 
 
@@ -95,3 +100,97 @@ def test_the_engine_loads_the_servers_compiled_grammar(tiny_llama):
     assert not xgr.GrammarMatcher(loaded).accept_string('<a>{"a": "x"}')
     engine_side.compile(Grammar("json_schema", '{"type": "integer"}', compiled="not json"))
     assert compiles == ["compile_json_schema"]
+
+
+def test_a_compile_that_waited_for_a_thread_is_told_to_retry():
+    """The time bound covers the wait for a thread: a grammar whose compile started late
+    (another held the one thread) is a 503 to retry, not a 400 telling it to simplify."""
+    stuck = _Stuck()
+    checker = GrammarChecker(stuck, timeout_s=0.6, threads=1)
+
+    async def run():
+        first = asyncio.create_task(checker.compiled(Grammar("json_schema", SCHEMA)))
+        await asyncio.sleep(0.05)
+        second = asyncio.create_task(checker.compiled(Grammar("regex", "b+")))
+        await asyncio.sleep(0.4)
+        stuck.release_first.set()  # the first ends; the second starts 0.45 s into its 0.6
+        return await asyncio.gather(first, second, return_exceptions=True)
+
+    try:
+        first, second = asyncio.run(run())
+    finally:
+        stuck.release.set()
+    assert first.compiled == "{}"
+    assert isinstance(second, APIError) and second.status == 503, second
+
+
+def test_requests_with_one_grammar_share_its_compile():
+    stuck = _Stuck()
+    checker = GrammarChecker(stuck, timeout_s=5.0, threads=2)
+
+    async def run():
+        tasks = [checker.compiled(Grammar("json_schema", SCHEMA)) for _ in range(4)]
+        waiting = asyncio.gather(*tasks)
+        await asyncio.sleep(0.1)
+        stuck.release.set()
+        return await waiting
+
+    outs = asyncio.run(run())
+    assert stuck.started == 1 and {o.compiled for o in outs} == {"{}"}
+
+
+def test_the_server_compiles_for_the_engines_end_ids(tiny_llama):
+    """xgrammar loads a compiled grammar only for the stop ids it was compiled with: the
+    server compiles with the engine's (EngineInfo: config and tokenizer ids, e.g. Llama 3's
+    three), so the engine loads every grammar it is handed; with the tokenizer's id alone
+    it could load none and compiled each again on its step loop."""
+    from transformers import AutoTokenizer
+
+    from specserve.server.inputs import InputProcessor
+    from specserve.server.messages import EngineInfo
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+    engine_ids = (0, 2)  # (the tokenizer's end id, 2, and another one from a config)
+    info = EngineInfo("m", VOCAB, 512, 4096, 256, 4, eos_token_ids=engine_ids)
+    inputs = InputProcessor(tokenizer, info)
+    grammar = asyncio.run(inputs.grammar_checker.compiled(Grammar("json_schema", SCHEMA)))
+    engine_side = GrammarCompiler(tokenizer, VOCAB, list(engine_ids))
+    engine_side.compile(grammar)
+    assert engine_side._load_failed == 0 and grammar.key in engine_side._loaded
+    tokenizer_only = GrammarCompiler(tokenizer, VOCAB, [2])
+    tokenizer_only.compile(grammar)  # (compiled again, as it was)
+    assert tokenizer_only._load_failed == 1
+
+
+def test_a_compiled_grammar_goes_to_the_engine_once():
+    """The first request bringing a grammar carries it compiled, later ones its key alone,
+    until LOADED_KEPT // 2 other grammars were sent since (the engine keeps LOADED_KEPT)."""
+    from collections import OrderedDict
+    from types import SimpleNamespace
+
+    from specserve.core.sampling_params import SamplingParams
+    from specserve.runtime.grammar import LOADED_KEPT
+    from specserve.server.engine_client import EngineClient
+    from specserve.server.messages import AddRequest
+
+    client = SimpleNamespace(_grammars_sent=OrderedDict())
+
+    def sent(source: str) -> bool:
+        grammar = Grammar("regex", source, compiled=f"<{source}>")
+        request = AddRequest("r", [1], SamplingParams(grammar=grammar))
+        EngineClient._hand_over(client, request)
+        assert request.params.grammar == grammar
+        return request.params.grammar.compiled is not None
+
+    assert sent("a+") and not sent("a+")
+    for i in range(LOADED_KEPT // 2):
+        assert sent(f"b{i}+")
+    assert sent("a+")
+
+
+def test_a_prefix_past_the_basic_plane_matches(tiny_llama):
+    from transformers import AutoTokenizer
+
+    compiler = GrammarCompiler(AutoTokenizer.from_pretrained(tiny_llama), VOCAB, [2])
+    grammar = Grammar("json_schema", '{"type": "integer"}', prefix="\U0001f600", suffix="!")
+    assert xgr.GrammarMatcher(compiler.compile(grammar)).accept_string("\U0001f60012!")

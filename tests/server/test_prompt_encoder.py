@@ -370,7 +370,7 @@ def test_the_most_recently_used_text_keeps_its_blocks_findable(families, monkeyp
 # the families whose token counts have a lower bound from a text's size alone: BPE, no
 # normalizer, pre-tokenizers that drop nothing, unknown characters kept (not: the synthetic
 # tokenizer, words split at whitespace dropped)
-_BOUNDED = {"gpt2", "llama3", "metaspace", "suffix"}
+_BOUNDED = {"gpt2", "llama3", "suffix"}  # (metaspace: byte fallback without the byte tokens)
 
 
 @pytest.mark.parametrize("name", _FAMILIES)
@@ -387,8 +387,47 @@ def test_the_fewest_tokens_of_a_text_is_a_lower_bound(name, families, encoders, 
         text += data.draw(st.sampled_from([*_PIECES, "a", " "])) * data.draw(st.integers(1, 400))
     fewest = encoder.fewest_tokens(text)
     assert fewest <= len(tokenizer.encode(text, add_special_tokens=False))
-    assert (encoder._bytes_per_token is not None) == (name in _BOUNDED)
+    assert (encoder._floor is not None) == (name in _BOUNDED)
     if name not in _BOUNDED:
         assert fewest == 0
     elif len(text) > 4000:
         assert fewest > 0
+
+
+def _built(model, pre_tokenizer=None, added=()):
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(model)
+    if pre_tokenizer is not None:
+        tok.pre_tokenizer = pre_tokenizer
+    tok.add_tokens(list(added))
+    return PreTrainedTokenizerFast(tokenizer_object=tok)
+
+
+def test_the_fewest_tokens_holds_where_characters_go_missing():
+    """Tokenizers that drop or fuse what they cannot spell (a second reading's
+    counterexamples): byte fallback without the byte tokens (no bound: characters dropped),
+    an unknown token per character over one-byte pieces (a 4-byte character is one token),
+    a byte-level model lacking a byte's symbol (that byte dropped, not counted: the default
+    model lacks 21), each bound at most the tokens encoded."""
+    from tokenizers import AddedToken, models, pre_tokenizers
+
+    letters = {c: i for i, c in enumerate("abcdefghijklmnopqrstuvwxyz ")}
+    fallback = _built(models.BPE(vocab={**letters, "abcdefgh": 27}, merges=[], byte_fallback=True))
+    assert PromptEncoder(fallback).fewest_tokens("é" * 50) == 0
+    unknown = _built(models.BPE(vocab={"a": 0, "b": 1, "?": 2}, merges=[], unk_token="?"))
+    emoji = "😀" * 50
+    assert 0 < PromptEncoder(unknown).fewest_tokens(emoji) <= len(unknown.encode(emoji))
+    symbols = sorted(pre_tokenizers.ByteLevel.alphabet())
+    symbols.remove("Ā")  # byte 0x00's symbol: only as an added token
+    vocab = {s: i for i, s in enumerate(symbols)}
+    byte_level = _built(
+        models.BPE(vocab={**vocab, "abcdefgh": len(vocab)}, merges=[]),
+        pre_tokenizers.ByteLevel(add_prefix_space=False),
+        [AddedToken("Ā", normalized=False)],
+    )
+    encoder = PromptEncoder(byte_level)
+    for text in ("\x00" * 50, "\x00" * 50 + "abc" * 30):
+        assert encoder.fewest_tokens(text) <= len(byte_level.encode(text)), text
+    assert encoder.fewest_tokens("abc" * 30) > 0

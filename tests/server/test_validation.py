@@ -108,6 +108,7 @@ CASES = [
     ("completions", {"logit_bias": {"99999": 1.0}, "stream": True}, 400, "logit_bias"),
     ("completions", {"logit_bias": {"384": 1.0}, "stream": True}, 400, "logit_bias"),
     ("completions", {"logit_bias": {"5": 1.0, "005": 2.0}}, 400, "logit_bias"),
+    ("completions", {"logit_bias": {"9" * 4400: 1.0}}, 400, "logit_bias"),
     ("completions", {"stop_token_ids": [99999], "stream": True}, 400, "stop_token_ids"),
     ("completions", {"prompt": ["a"] * 1025}, 400, "prompt"),
     (
@@ -164,7 +165,8 @@ def test_prompt_too_long_states_the_limit(server):
 
 
 def test_neutral_values_of_unimplemented_fields_pass(server):
-    body = {**CHAT, "modalities": ["text"], "best_of": 1, "echo": False}
+    body = {**CHAT, "modalities": ["text"], "best_of": 1, "echo": False, "functions": []}
+    body["function_call"] = "none"
     assert _post(server, "chat/completions", body).status_code == 200
 
 

@@ -45,8 +45,16 @@ from specserve.runtime.packing import to_device
 logger = logging.getLogger(__name__)
 
 CACHE_BYTES = 256 << 20  # compiled grammars kept (distinct schemas would grow it forever)
-LOADED_KEPT = 64  # grammars compiled elsewhere (`Grammar.compiled`) kept once loaded
+# Grammars compiled elsewhere (`Grammar.compiled`) kept once loaded, by key: the server
+# sends a grammar compiled only while it is among the last LOADED_KEPT // 2 it sent
+LOADED_KEPT = 64
 _LOG_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")  # xgrammar's "[time] file.cc:line: "
+
+
+def _ebnf_text(text: str) -> str:
+    """`text` as an EBNF string literal (characters past U+FFFF as themselves: a JSON
+    escape would write them as two surrogates, which match nothing)."""
+    return json.dumps(text, ensure_ascii=False)
 
 
 def compile_error(e: Exception) -> str:
@@ -158,6 +166,7 @@ class GrammarCompiler:
         self.masks = MaskBuffer(xgr.get_bitmask_shape(1, vocab_size)[1])
         self._loaded: OrderedDict[tuple, xgr.CompiledGrammar] = OrderedDict()  # by Grammar.key
         self._lock = threading.Lock()
+        self._load_failed = 0  # compiled grammars that did not load (warned once)
 
     # Row counts that cover the apply kernel's specializations (Triton compiles one per
     # integer argument that is 1, divisible by 16, or neither)
@@ -216,16 +225,15 @@ class GrammarCompiler:
         compiler = self._compiler_for_tokenizer()
         if self.workers_on_first_use and self.pool is None:  # (a server that never sees a
             self.start_workers(self.workers_on_first_use)  # grammar starts none)
-        if grammar.compiled is not None:
-            loaded = self._loaded.get(grammar.key)
-            if loaded is None:
-                loaded = self._load(grammar.compiled)
-            if loaded is not None:
-                self._loaded[grammar.key] = loaded
-                self._loaded.move_to_end(grammar.key)
-                if len(self._loaded) > LOADED_KEPT:
-                    self._loaded.popitem(last=False)
-                return loaded
+        loaded = self._loaded.get(grammar.key)
+        if loaded is None and grammar.compiled is not None:
+            loaded = self._load(grammar.compiled)
+        if loaded is not None:
+            self._loaded[grammar.key] = loaded
+            self._loaded.move_to_end(grammar.key)
+            if len(self._loaded) > LOADED_KEPT:
+                self._loaded.popitem(last=False)
+            return loaded
         if grammar.kind == "json_schema":
             self._check_schema(grammar)
         try:
@@ -233,9 +241,9 @@ class GrammarCompiler:
                 return compiler.compile_builtin_json_grammar()
             if grammar.kind == "json_schema" and (grammar.prefix or grammar.suffix):
                 between = xgr.Grammar.concat(
-                    xgr.Grammar.from_ebnf(f"root ::= {json.dumps(grammar.prefix)}"),
+                    xgr.Grammar.from_ebnf(f"root ::= {_ebnf_text(grammar.prefix)}"),
                     xgr.Grammar.from_json_schema(grammar.source, any_whitespace=False),
-                    xgr.Grammar.from_ebnf(f"root ::= {json.dumps(grammar.suffix)}"),
+                    xgr.Grammar.from_ebnf(f"root ::= {_ebnf_text(grammar.suffix)}"),
                 )
                 return compiler.compile_grammar(between)
             if grammar.kind == "json_schema":
@@ -253,8 +261,10 @@ class GrammarCompiler:
         is compiled here instead)."""
         try:
             return xgr.CompiledGrammar.deserialize_json(serialized, self._info)
-        except Exception:  # (a version or tokenizer mismatch: compiling is always right)
-            logger.warning("a compiled grammar did not load; compiling it again", exc_info=True)
+        except Exception as e:  # (a version or tokenizer mismatch: compiling is always right)
+            if not self._load_failed:
+                logger.warning("a compiled grammar did not load (%s); compiling it here", e)
+            self._load_failed += 1
             return None
 
     def serialize(self, grammar: Grammar) -> str:

@@ -87,6 +87,7 @@ def _run(config: EngineConfig, inbox: Inbox, outbox: Outbox) -> None:
         kv_pages_total=engine.kv.allocator.num_usable,
         max_num_seqs=config.scheduler.max_num_seqs,
         simulated_acceptance=engine.spec is not None and engine.spec.simulate_rate is not None,
+        eos_token_ids=tuple(sorted(engine.eos_token_ids)),
     )
     outbox.send(Ready(info))
     try:

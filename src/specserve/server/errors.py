@@ -36,11 +36,9 @@ class APIError(Exception):
         self.status = status
         self.message = message
         self.param = param
-        self.type = (
-            type
-            or _HTTP_TYPES.get(status)
-            or ("invalid_request_error" if status < 500 else "server_error")
-        )
+        if type is None:  # (OpenAI's: an unknown model is an invalid request, code and all)
+            type = "rate_limit_error" if status == 429 else None
+        self.type = type or ("invalid_request_error" if status < 500 else "server_error")
         self.code = code
         self.headers = headers
 

@@ -47,8 +47,10 @@ class InputProcessor:
         self.tokenizer = tokenizer
         self.encoder = PromptEncoder(tokenizer)
         self.info = info
-        eos = getattr(tokenizer, "eos_token_id", None)
-        self.grammars = GrammarCompiler(tokenizer, info.vocab_size, [] if eos is None else [eos])
+        eos = list(info.eos_token_ids)  # (the engine's: it loads what is compiled here)
+        if not eos and getattr(tokenizer, "eos_token_id", None) is not None:
+            eos = [tokenizer.eos_token_id]  # (an EngineInfo that does not say)
+        self.grammars = GrammarCompiler(tokenizer, info.vocab_size, eos)
         self.grammar_checker = GrammarChecker(self.grammars)
         template = getattr(tokenizer, "chat_template", None)
         self.tool_format = tool_format(template if isinstance(template, str) else None)
@@ -253,7 +255,8 @@ class InputProcessor:
                     f"logit_bias keys must be token ids (non-negative integers); got {key!r}",
                     "logit_bias",
                 )
-            token = int(key)
+            digits = key.lstrip("0") or "0"  # (int() refuses more than 4300 digits)
+            token = int(digits) if len(digits) <= 18 else vocab
             if token >= vocab:
                 raise bad_request(
                     f"logit_bias token id {key} is out of range; this model's ids lie in "
@@ -354,7 +357,7 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
     """The API's {"token id": bias} as {token id: bias} (keys checked: _check_token_ids)."""
     if not bias:
         return None
-    return {int(key): float(value) for key, value in bias.items()}
+    return {int(key.lstrip("0") or "0"): float(value) for key, value in bias.items()}
 
 
 def check_unsupported(req: SamplingFields) -> None:
@@ -411,8 +414,8 @@ def _check_chat_unsupported(req: ChatCompletionRequest) -> None:
         )
     if req.audio is not None:
         raise bad_request("audio output is not supported", "audio")
-    for name in ("functions", "function_call"):
-        if getattr(req, name) is not None:
+    for name, neutral in (("functions", ([],)), ("function_call", ("none",))):
+        if getattr(req, name) not in (None, *neutral):
             raise bad_request(
                 f"{name} (the API's deprecated form of tools) is not supported; send tools "
                 "and tool_choice",

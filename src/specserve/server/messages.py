@@ -26,6 +26,9 @@ class EngineInfo:
     kv_pages_total: int
     max_num_seqs: int
     simulated_acceptance: bool = False  # outputs are not the model's: mark every response
+    # the engine's end-of-sequence ids (config and tokenizer): grammars compiled here for it
+    # must stop on the same ids, or it cannot load them (xgrammar checks)
+    eos_token_ids: tuple[int, ...] = ()
 
 
 @dataclass

@@ -21,7 +21,7 @@ and a prompt whose rest is short is encoded there too.
 
 A prompt far longer than any context is refused without encoding it (a 6 MB text took 12 s
 of CPU and gigabytes of memory to encode, only to be refused): where the tokenizer keeps
-every byte of its input in some token (`_bytes_per_token`), a text of B UTF-8 bytes has at
+every byte of its input in some token (`token_floor`), a text of B UTF-8 bytes has at
 least B / L tokens, L being the most bytes any token spells (`fewest_tokens`).
 """
 
@@ -81,15 +81,39 @@ def _keeps_everything(node) -> bool:
     return all(_keeps_everything(child) for child in node.get("pretokenizers", ()))
 
 
-def _bytes_per_token(backend) -> int | None:
-    """The most UTF-8 bytes of input one token can cover, where every byte of a text ends
-    up in some token: a BPE model with no normalizer (which may drop or merge
-    characters), pre-tokenizers that drop nothing, unknown characters kept (byte-level,
-    byte fallback, or an unknown token each, not fused), no added token that swallows the
-    whitespace around it. A token's string covers at most its own UTF-8 bytes (a
-    byte-level symbol one byte, `▁` one space, `<0x41>` one byte). None: no such bound."""
+def _has_byte_level(node) -> bool:
+    if node is None:
+        return False
+    return node.get("type") == "ByteLevel" or any(
+        _has_byte_level(child) for child in node.get("pretokenizers", ())
+    )
+
+
+class TokenFloor:
+    """A lower bound on a text's tokens from its UTF-8 bytes (`of`): each token covers at
+    most `per_token` bytes, and every byte but the `dropped` ones ends up in some token."""
+
+    def __init__(self, per_token: int, dropped: bytes):
+        self.per_token, self.dropped = per_token, dropped
+
+    def of(self, text: str) -> int:
+        data = text.encode("utf-8", "surrogatepass")
+        if self.dropped:
+            data = data.translate(None, self.dropped)
+        return len(data) // self.per_token
+
+
+def token_floor(backend) -> TokenFloor | None:
+    """Where a text's token count has a lower bound from its size: a BPE model with no
+    normalizer (which may drop or merge characters), pre-tokenizers that drop nothing, no
+    added token that swallows the whitespace around it, and unknown characters kept
+    (byte-level: the bytes whose symbols the model lacks are dropped and not counted;
+    byte fallback with all 256 byte tokens; else an unknown token each, not fused). A
+    token covers at most its string's UTF-8 bytes (a byte-level symbol one byte, `▁` one
+    space, `<0x41>` one byte), and an unknown token one character (4 bytes at most).
+    None: no such bound."""
     try:
-        from tokenizers import models, pre_tokenizers
+        from tokenizers import models
 
         model = backend.model
         if not isinstance(model, models.BPE) or backend.normalizer is not None:
@@ -98,18 +122,31 @@ def _bytes_per_token(backend) -> int | None:
         pre_json = None if pre is None else json.loads(pre.__getstate__())
         if not _keeps_everything(pre_json):
             return None
-        vocab = backend.get_vocab(True)
-        byte_level = '"ByteLevel"' in json.dumps(pre_json) and all(
-            symbol in vocab for symbol in pre_tokenizers.ByteLevel.alphabet()
-        )
-        if not (byte_level or model.byte_fallback or (model.unk_token and not model.fuse_unk)):
-            return None  # (unknown characters would be dropped or fused into one token)
-        added = backend.get_added_tokens_decoder().values()
-        if any(t.lstrip or t.rstrip for t in added):
+        if any(t.lstrip or t.rstrip for t in backend.get_added_tokens_decoder().values()):
             return None
-        return max(len(piece.encode("utf-8")) for piece in vocab)
+        own = backend.get_vocab(False)  # (the model's: added tokens match whole texts)
+        dropped = b""
+        if _has_byte_level(pre_json):
+            dropped = bytes(b for b, symbol in enumerate(_BYTE_SYMBOLS) if symbol not in own)
+        elif model.byte_fallback and all(f"<0x{b:02X}>" in own for b in range(256)):
+            pass
+        elif not (model.unk_token and not model.fuse_unk):
+            return None  # (unknown characters would be dropped or fused into one token)
+        longest = max(len(piece.encode("utf-8")) for piece in backend.get_vocab(True))
+        return TokenFloor(max(longest, 4), dropped)
     except Exception:  # (a tokenizer unlike these: no bound)
         return None
+
+
+def _byte_symbols() -> list[str]:
+    """The byte-level alphabet's symbol of each byte (GPT-2's mapping: printable bytes as
+    themselves, the others in order from U+0100)."""
+    printable = {*range(33, 127), *range(161, 173), *range(174, 256)}
+    shifted = iter(range(256, 512))
+    return [chr(b) if b in printable else chr(next(shifted)) for b in range(256)]
+
+
+_BYTE_SYMBOLS = _byte_symbols()
 
 
 def _fast_backend(tokenizer):
@@ -145,7 +182,7 @@ class PromptEncoder:
         self.tokenizer = tokenizer
         self._backend = None if tokenizer is None else _fast_backend(tokenizer)
         backend = getattr(tokenizer, "backend_tokenizer", None)
-        self._bytes_per_token = None if backend is None else _bytes_per_token(backend)
+        self._floor = None if backend is None else token_floor(backend)
         # add_special_tokens -> the recent long prompts (server/prompt_prefixes.py), or None
         # where the tokenizer's cut encodings differ from its whole ones
         self.recent: dict[bool, RecentPrompts | None] = {True: None, False: None}
@@ -175,10 +212,10 @@ class PromptEncoder:
     def fewest_tokens(self, text: str) -> int:
         """A lower bound on the tokens `text` encodes to (0 where the tokenizer gives none:
         see the module), in time linear in the text and far below encoding it."""
-        per_token = self._bytes_per_token
-        if per_token is None or len(text) * 4 < per_token:
+        floor = self._floor
+        if floor is None or len(text) * 4 < floor.per_token:
             return 0
-        return len(text.encode("utf-8", "surrogatepass")) // per_token
+        return floor.of(text)
 
     @property
     def fast(self) -> bool:
