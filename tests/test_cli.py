@@ -183,6 +183,21 @@ def test_engine_errors_after_loading_name_the_flags(tiny_llama, capsys):
     assert "--max-tokens (100)" in err and "lower --max-tokens" in err
 
 
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--num-kv-pages", "1"], "--num-kv-pages"),  # (a traceback: ValueError, once loaded)
+        (["--max-model-len", "100000"], "past this model's context (512 positions)"),
+        (["--max-model-len", "0"], "--max-model-len must be >= 1"),
+        (["--speculative-policy", "fixed"], "--speculative-policy needs --speculative-algorithm"),
+    ],
+)
+def test_settings_the_model_cannot_take_are_one_line_errors(tiny_llama, capsys, flags, message):
+    code, _, err = run(capsys, "hi", "--model", str(tiny_llama), *flags, "--quiet")
+    assert code == 2 and err.startswith("specserve: error: ") and err.count("\n") == 1, err
+    assert message in err, err
+
+
 def test_quiet_keeps_stderr_silent_and_progress_reports_start_up(tiny_llama, capsys):
     code, out, err = run(capsys, "hi", "--model", str(tiny_llama), "--max-tokens", "3", "--quiet")
     assert code == 0 and out and err == ""

@@ -175,6 +175,33 @@ SECTION_ERRORS = [
         dict(num_steps=3, simulate_acceptance=4.5),
         "speculative_simulate_acceptance is a per-token acceptance rate",
     ),
+    (SchedulerConfig, dict(max_model_len=0), "max_model_len must be >= 1"),
+    (SchedulerConfig, dict(max_model_len=-5), "max_model_len must be >= 1"),
+    (
+        SpeculativeConfig,
+        dict(algorithm="ngram", policy="schedule", schedule="garbage"),
+        "speculative_schedule 'garbage' must look like",
+    ),
+    (
+        SpeculativeConfig,
+        dict(algorithm="ngram", policy="schedule", schedule="1:2,"),
+        "must look like",
+    ),
+    (
+        SpeculativeConfig,
+        dict(algorithm="ngram", policy="schedule", schedule="1:99"),
+        r"draft lengths lie in \[0, speculative_num_steps = 3\]",
+    ),
+    (
+        SpeculativeConfig,
+        dict(algorithm="ngram", policy="schedule", schedule="1:-2"),
+        "draft lengths lie in",
+    ),
+    (
+        SpeculativeConfig,
+        dict(algorithm="ngram", policy="fixed", schedule="1:2"),
+        "speculative_schedule is speculative_policy schedule's table",
+    ),
     (ExecutionConfig, dict(cuda_graph_max_tokens=-1), "cuda_graph_max_tokens must be >= 0"),
     (ExecutionConfig, dict(attention_backend="flash"), "attention_backend must be auto, torch"),
     (ExecutionConfig, dict(overlap_schedule="sometimes"), "overlap_schedule must be auto, on"),
@@ -214,6 +241,40 @@ def test_checks_across_sections():
     config = EngineConfig(load=ModelLoadConfig(model="m"), speculative=given)
     assert config.speculative.algorithm is None and config.speculative.policy == "off"
     assert given.algorithm == "auto" and given.policy is None
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (dict(speculative_draft_model_path="head"), "speculative_draft_model_path needs"),
+        (dict(speculative_policy="fixed"), "speculative_policy needs"),
+        (dict(speculative_simulate_acceptance=0.5), "speculative_simulate_acceptance needs"),
+        (dict(speculative_num_steps=5), "speculative_num_steps needs"),
+        (
+            dict(
+                speculative_algorithm="none",
+                speculative_policy="schedule",
+                speculative_schedule="1:2",
+            ),
+            "speculative_policy needs",
+        ),
+        (
+            dict(speculative_algorithm="ngram", speculative_draft_model_path="head"),
+            "speculative_draft_model_path is read by eagle3 and draft, not ngram",
+        ),
+        (dict(attention_backend="triton", device="cpu"), "attention_backend triton needs"),
+    ],
+)
+def test_options_that_would_do_nothing_are_refused(flags, message):
+    """A drafter's options without a drafter (another model than the embedded one, random
+    weights, or speculative_algorithm none) changed nothing and said nothing; so did a draft
+    path under n-gram, and the Triton backend on the CPU failed once loaded."""
+    with pytest.raises(ConfigError, match=message):
+        EngineConfig.from_flags(model="m", **flags)
+    with pytest.raises(ConfigError, match=message):
+        EngineConfig.from_flags(model="llama-3.1-8b", load_format="dummy", **flags)
+    plain = EngineConfig.from_flags(model="m", speculative_policy="off")  # (neutral: passes)
+    assert plain.speculative.algorithm is None
 
 
 def test_methods_across_sections():

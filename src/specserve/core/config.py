@@ -88,6 +88,9 @@ class EngineConfig:
         if self.speculative.algorithm == "auto":  # a new section: the given one is left as is
             self.speculative = replace(self.speculative, **self._auto_speculation())
         spec = self.speculative
+        spec.check_drafter()
+        if self.execution.attention_backend == "triton" and self.load.torch_device().type != "cuda":
+            raise ConfigError("attention_backend triton needs a CUDA device; the CPU runs torch")
         random_head = spec.algorithm == "eagle3" and self.load.format == "dummy"
         if spec.algorithm in ("draft", "eagle3") and not (spec.draft_model_path or random_head):
             raise ConfigError(

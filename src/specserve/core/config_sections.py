@@ -132,6 +132,8 @@ class SchedulerConfig:
     max_model_len: int | None = None
 
     def __post_init__(self) -> None:
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ConfigError(f"max_model_len must be >= 1; got {self.max_model_len}")
         if self.max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be >= 1; got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
@@ -171,6 +173,25 @@ class ParallelConfig:
             host, _, port = self.dist_init_addr.rpartition(":")
             if not host or not port.isdigit():
                 raise ConfigError(f"dist_init_addr must be host:port; got {self.dist_init_addr!r}")
+
+
+def parse_schedule(table: str, k_max: int) -> list[tuple[int, int]]:
+    """A speculative_schedule like "1:4,16:2,64:0" as [(from batch size, K)], sorted; K in
+    [0, k_max] and batch sizes from 1, else ConfigError."""
+    try:
+        pairs = sorted((int(b), int(k)) for b, k in (e.split(":") for e in table.split(",")))
+    except ValueError:
+        raise ConfigError(
+            f"speculative_schedule {table!r} must look like '1:4,16:2,64:0' "
+            "(batch size:draft length, comma separated)"
+        ) from None
+    for batch, k in pairs:
+        if batch < 1 or not 0 <= k <= k_max:
+            raise ConfigError(
+                f"speculative_schedule {table!r}: batch sizes start at 1 and draft lengths lie "
+                f"in [0, speculative_num_steps = {k_max}]; got {batch}:{k}"
+            )
+    return pairs
 
 
 @dataclass
@@ -226,6 +247,33 @@ class SpeculativeConfig:
             )
         if not 1 <= self.num_steps <= 16:
             raise ConfigError(f"speculative_num_steps must be in [1, 16]; got {self.num_steps}")
+        if self.schedule is not None:
+            if self.policy not in (None, "schedule"):
+                raise ConfigError(
+                    "speculative_schedule is speculative_policy schedule's table; got policy "
+                    f"{self.policy!r}"
+                )
+            parse_schedule(self.schedule, self.num_steps)
+
+    def check_drafter(self) -> None:
+        """Once `algorithm` is resolved: options that only a drafter uses need one (they
+        would be ignored without a word), a draft path one that reads it."""
+        if self.algorithm is None:
+            given = {
+                "speculative_draft_model_path": self.draft_model_path is not None,
+                "speculative_policy": self.policy not in (None, "off"),
+                "speculative_schedule": self.schedule is not None,
+                "speculative_simulate_acceptance": self.simulate_acceptance is not None,
+                "speculative_num_steps": self.num_steps != 3,
+            }
+            for name, set_ in given.items():
+                if set_:
+                    raise ConfigError(
+                        f"{name} needs speculative_algorithm (eagle3, draft or ngram): without "
+                        "one nothing drafts"
+                    )
+        elif self.algorithm == "ngram" and self.draft_model_path is not None:
+            raise ConfigError("speculative_draft_model_path is read by eagle3 and draft, not ngram")
 
 
 @dataclass

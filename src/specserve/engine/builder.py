@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from specserve.core.config import EngineConfig
+from specserve.core.errors import ConfigError
 from specserve.core.kv_cache import KVCache
 from specserve.core.model_config import ModelConfig
 from specserve.core.parallel import SINGLE_RANK, TensorParallel
@@ -76,6 +77,11 @@ def build_kv_cache(
     num_pages = kv_cache_pages(config, loaded.model_config, loaded.dtype, device, kv_cfg)
     if parallel is not None:
         num_pages = parallel.min_over_ranks(num_pages)
+    if num_pages < 2:
+        raise ConfigError(
+            f"the KV cache holds {num_pages} page(s); it needs at least 2 (page 0 is scratch): "
+            "raise kv_cache_bytes or num_kv_pages"
+        )
     kv = KVCache(kv_cfg, num_pages, config.cache.page_size, loaded.dtype, device)
     if progress:
         startup.note(
@@ -88,7 +94,12 @@ def build_kv_cache(
 def context_limit(config: EngineConfig, model_config: ModelConfig) -> int:
     """The longest sequence served: --max-model-len within the model's positions."""
     positions = model_config.max_position_embeddings
-    return min(config.scheduler.max_model_len or positions, positions)
+    asked = config.scheduler.max_model_len
+    if asked is not None and asked > positions:
+        raise ConfigError(
+            f"max_model_len {asked} is past this model's context ({positions} positions)"
+        )
+    return asked or positions
 
 
 def set_up_kernels(config: EngineConfig, model: LlamaForCausalLM, startup: StartupProgress):

@@ -8,6 +8,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from specserve.core.config_sections import parse_schedule
 from specserve.core.request import Request
 from specserve.speculative.policy_trace import PolicyTrace
 
@@ -82,14 +83,7 @@ class SchedulePolicy(SpeculationPolicy):
 
     def __init__(self, k_max: int, table: str):
         super().__init__(k_max)
-        try:
-            pairs = sorted((int(b), int(k)) for b, k in (e.split(":") for e in table.split(",")))
-        except ValueError:
-            raise ValueError(
-                f"speculative schedule {table!r} must look like '1:4,16:2,64:0' "
-                "(batch size:draft length, comma separated)"
-            ) from None
-        self.table = [(b, min(k, k_max)) for b, k in pairs]
+        self.table = parse_schedule(table, k_max)
 
     def choose(self, reqs, load=NO_LOAD):
         k = 0
