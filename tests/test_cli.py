@@ -198,6 +198,32 @@ def test_settings_the_model_cannot_take_are_one_line_errors(tiny_llama, capsys, 
     assert message in err, err
 
 
+@pytest.mark.parametrize("broken", ["config.json", "tokenizer.json", "model.safetensors", "gguf"])
+def test_corrupt_checkpoint_files_are_named(tiny_llama, tmp_path, capsys, broken):
+    """A checkpoint file that is there but unreadable (not JSON, a JSON list, a truncated
+    safetensors, an empty GGUF) is a one-line error naming it, not a traceback."""
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_llama, model)
+    if broken == "gguf":
+        model = tmp_path / "empty.gguf"
+        model.write_bytes(b"")
+    elif broken == "model.safetensors":
+        (model / broken).write_bytes((model / broken).read_bytes()[:1000])
+    else:
+        (model / broken).write_text("[1, 2]" if broken == "config.json" else "{not json")
+    code, _, err = run(capsys, "hi", "--model", str(model), "--quiet")
+    assert code == 2 and err.startswith("specserve: error: ") and err.count("\n") == 1, err
+    named = {"gguf": "empty.gguf", "tokenizer.json": "the tokenizer in"}.get(broken, broken)
+    assert named in err, err
+
+
+def test_a_prompt_that_is_not_utf8_is_refused(tiny_llama, capsys):
+    code, _, err = run(capsys, "caf\udce9", "--model", str(tiny_llama), "--quiet")
+    assert code == 2 and "not UTF-8" in err, err
+
+
 def test_quiet_keeps_stderr_silent_and_progress_reports_start_up(tiny_llama, capsys):
     code, out, err = run(capsys, "hi", "--model", str(tiny_llama), "--max-tokens", "3", "--quiet")
     assert code == 0 and out and err == ""
@@ -206,3 +232,34 @@ def test_quiet_keeps_stderr_silent_and_progress_reports_start_up(tiny_llama, cap
     lines = [line for line in err.splitlines() if line.startswith("specserve: ")]
     assert lines[0] == f"specserve: loading {tiny_llama.name} on cpu..."
     assert re.fullmatch(r"specserve: ready in \d+\.\d s", lines[-1])
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["bench", "serve", "--input-len", "0"], "--input-len: must be >= 1"),
+        (["bench", "serve", "--output-len", "-1"], "--output-len: must be >= 1"),
+        (["bench", "serve", "--timeout", "nan"], "--timeout: must be a positive number"),
+        (["bench", "serve", "--extra-body", "[1]"], "--extra-body: must be a JSON object"),
+        (["serve", "--request-read-timeout", "nan"], "request_read_timeout must be a positive"),
+        (["train-eagle3", "--target", "t", "--data", "d", "--out", "o", "--lr", "nan"], "lr"),
+    ],
+)
+def test_values_that_would_misbehave_are_usage_errors(argv, message, capsys):
+    """Each was taken: lengths clamped to 1, NaN timeouts failing every request (the
+    server's every connection), a JSON list as the body's extras a traceback, NaN as a
+    learning rate a crash in the optimizer."""
+    with pytest.raises(SystemExit) as exit_:
+        code = main(argv)
+        raise SystemExit(code)
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_resume_without_anything_to_resume_is_refused(tmp_path, capsys):
+    from specserve.core.errors import SpecserveError
+    from specserve.train.config import TrainConfig
+    from specserve.train.trainer import train
+
+    with pytest.raises(SpecserveError, match="holds no checkpoint and no data.jsonl"):
+        train(TrainConfig(target="t", data="d", out=str(tmp_path / "typo"), resume=True))

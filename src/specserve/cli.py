@@ -45,6 +45,13 @@ def _sampling_params(args: argparse.Namespace):
 
 def _generate(args: argparse.Namespace) -> int:
     params = _sampling_params(args)  # refused here, before the model loads
+    try:
+        args.prompt.encode("utf-8")
+    except UnicodeEncodeError as e:  # (bytes the locale could not decode, escaped)
+        raise SpecserveError(
+            f"the prompt is not UTF-8 text (character {e.start} is not a character); pass "
+            "it in UTF-8"
+        ) from None
     from specserve.llm import LLM
 
     cfg = engine_config(args)

@@ -59,8 +59,12 @@ def _add_workload_args(p: argparse.ArgumentParser, num_prompts: int) -> None:
         help="every prompt starts with the same prefix of this many tokens (chat: the "
         "system message); exercises a prefix cache",
     )
-    p.add_argument("--input-len", type=int, default=256, help="prompt tokens (random, text)")
-    p.add_argument("--output-len", type=int, default=128, help="max_tokens of each request")
+    p.add_argument(
+        "--input-len", type=_positive_int, default=256, help="prompt tokens (random, text)"
+    )
+    p.add_argument(
+        "--output-len", type=_positive_int, default=128, help="max_tokens of each request"
+    )
     p.add_argument(
         "--range-ratio", type=float, default=0.0, help="lengths uniform in len * [1 - r, 1 + r]"
     )
@@ -76,14 +80,38 @@ def _add_workload_args(p: argparse.ArgumentParser, num_prompts: int) -> None:
     )
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0, help="seed of prompts and arrival times")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    p.add_argument("--timeout", type=_positive_seconds, default=600.0, help="seconds per request")
     p.add_argument(
         "--extra-body",
-        type=json.loads,
+        type=_json_object,
         default={},
         help="JSON object merged into every request body",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1; got {value}")
+    return value
+
+
+def _positive_seconds(text: str) -> float:
+    value = float(text)
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds; got {text}")
+    return value
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"is not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object; got {text}")
+    return value
 
 
 def add_bench_commands(bench: argparse.ArgumentParser) -> None:

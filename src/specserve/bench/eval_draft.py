@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -221,7 +222,18 @@ def run_eval_draft(args: argparse.Namespace) -> int:
     engine_opts = {}
     if not args.serving_kernels:  # acceptance, not speed: start in seconds
         engine_opts.update(disable_gemv=True, disable_cuda_graph=True)
+    if args.out and Path(args.out).is_dir():
+        raise ConfigError(f"--out {args.out} is a folder; name the JSON file to write")
+    if args.append and args.out and Path(args.out).is_file():
+        try:
+            json.loads(Path(args.out).read_text())["results"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise ConfigError(
+                f"--append: {args.out} is not an eval-draft result to add to ({e})"
+            ) from None
     if args.kv_cache_gib is not None:
+        if not 0 < args.kv_cache_gib < math.inf:
+            raise ConfigError(f"--kv-cache-gib must be positive; got {args.kv_cache_gib}")
         engine_opts["kv_cache_bytes"] = int(args.kv_cache_gib * 2**30)
     llm = LLM(
         args.target,

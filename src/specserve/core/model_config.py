@@ -142,16 +142,27 @@ def config_from_dict(raw: dict) -> ModelConfig:
         raise CheckpointError(f"config.json lacks the required key {e.args[0]!r}") from None
 
 
+def _json_object(path: Path) -> dict:
+    """A JSON object from a file, or CheckpointError saying what is wrong with it."""
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{path} must hold a JSON object; got {type(raw).__name__}")
+    return raw
+
+
 def load_hf_config(folder: str | Path) -> ModelConfig:
     """Read and normalize `folder/config.json`."""
     path = Path(folder) / "config.json"
     if not path.is_file():
         raise CheckpointError(f"{path} does not exist; a Hugging Face model folder needs one")
-    raw = json.loads(path.read_text())
+    raw = _json_object(path)
     gen = Path(folder) / "generation_config.json"
     if gen.is_file():
         # generation_config.json often lists more stop ids (e.g. Llama-3 <|eot_id|>).
-        eos = json.loads(gen.read_text()).get("eos_token_id")
+        eos = _json_object(gen).get("eos_token_id")
         if eos is not None:
             raw = {**raw, "eos_token_id": sorted(set(_ids(raw.get("eos_token_id")) + _ids(eos)))}
     return config_from_dict(raw)

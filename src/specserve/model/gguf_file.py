@@ -41,7 +41,10 @@ _BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
 def _reader(path: Path):
     import gguf
 
-    return gguf.GGUFReader(str(path))
+    try:
+        return gguf.GGUFReader(str(path))
+    except (ValueError, OSError) as e:  # (empty, truncated, or not GGUF: its magic)
+        raise CheckpointError(f"{path} is not a readable GGUF file: {e}") from None
 
 
 def _field(reader, key: str, default=None):

@@ -156,7 +156,12 @@ def safetensors_tensors(folder: Path) -> tuple[Iterator[tuple[str, LazyTensor]],
     from safetensors import safe_open
 
     files = safetensors_files(folder)
-    handles = [safe_open(str(f), framework="pt", device="cpu") for f in files]
+    handles = []
+    for f in files:
+        try:
+            handles.append(safe_open(str(f), framework="pt", device="cpu"))
+        except Exception as e:  # (SafetensorError: truncated, not safetensors at all)
+            raise CheckpointError(f"{f} is not a readable safetensors file: {e}") from None
     count = sum(len(list(h.keys())) for h in handles)
 
     def iterate():
@@ -183,4 +188,9 @@ def load_tokenizer(source: ModelSource):
         return AutoTokenizer.from_pretrained(str(source.path.parent), gguf_file=source.path.name)
     if not any((source.path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
         raise CheckpointError(f"{source.path} has no tokenizer.json or tokenizer_config.json")
-    return AutoTokenizer.from_pretrained(str(source.path))
+    try:
+        return AutoTokenizer.from_pretrained(str(source.path))
+    except (ValueError, OSError, TypeError, KeyError, UnicodeDecodeError) as e:
+        raise CheckpointError(
+            f"the tokenizer in {source.path} could not be read ({type(e).__name__}: {e})"
+        ) from None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,14 +43,18 @@ class ServerConfig:
             raise ValueError(f"port must be in [0, 65535]; got {self.port}")
         if self.max_queue < 0:
             raise ValueError(f"max_queue must be >= 0; got {self.max_queue}")
-        if self.shutdown_timeout_s < 0:
+        if not 0 <= self.shutdown_timeout_s < math.inf:
             raise ValueError(f"shutdown_timeout must be >= 0; got {self.shutdown_timeout_s}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("the API key must not be empty")
         if self.max_request_bytes < 1024:
             raise ValueError(f"max_request_bytes must be >= 1024; got {self.max_request_bytes}")
-        if self.request_read_timeout_s <= 0 or self.keep_alive_timeout_s <= 0:
-            raise ValueError("request_read_timeout and keep_alive_timeout must be positive")
+        for name, seconds in (
+            ("request_read_timeout", self.request_read_timeout_s),
+            ("keep_alive_timeout", self.keep_alive_timeout_s),
+        ):
+            if not 0 < seconds < math.inf:  # (NaN too: every connection failed on it)
+                raise ValueError(f"{name} must be a positive number of seconds; got {seconds}")
 
 
 def resolve_api_key(flag: str | None, key_file: str | None) -> str | None:

@@ -96,6 +96,13 @@ def run_server(engine_config: EngineConfig, config: ServerConfig) -> int:
         )
     try:
         server.run()
+    except SystemExit:
+        if server.started:
+            raise
+        # uvicorn exits 3 when it cannot bind, which is this command's code for "the engine
+        # died while serving"; could-not-start is 1 (its log said why: the address)
+        logger.error("the HTTP server could not start on %s:%s", config.host, config.port)
+        return 1
     finally:
         client.kill()
     if client.dead_reason in ("crashed", "exited"):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 from dataclasses import MISSING, dataclass, field, fields
 
 
@@ -72,7 +73,7 @@ class TrainConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1; got {getattr(self, name)}")
-        if self.lr <= 0:
+        if not 0 < self.lr < math.inf:  # (NaN too)
             raise ValueError(f"lr must be positive; got {self.lr}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0; got {self.temperature}")

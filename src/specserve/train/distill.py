@@ -238,10 +238,11 @@ def _engine(cfg: TrainConfig, safe: bool = False):
     tokenizer decodes nothing (`TokenIdsOnly`)."""
     from specserve.core.config import EngineConfig
     from specserve.engine.engine import LLMEngine
-    from specserve.model.loader import load_tokenizer, resolve_model
+    from specserve.model.loader import load_config, load_tokenizer, resolve_model
 
     page = 16
-    max_len = cfg.max_prompt_tokens + cfg.max_new_tokens + 1
+    positions = load_config(resolve_model(cfg.target)).max_position_embeddings
+    max_len = min(cfg.max_prompt_tokens + cfg.max_new_tokens + 1, positions)
     pages_per_seq = -(-max_len // page) + 1
     mode = (
         dict(disable_overlap_schedule=True, disable_cuda_graph=True)

@@ -74,8 +74,15 @@ def _lr_factor(step: int, warmup: int, progress: float) -> float:
 def train(cfg: TrainConfig) -> TrainResult:
     """The whole pipeline; returns the trained head and its metrics."""
     out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
+    if out.exists() and not out.is_dir():
+        raise SpecserveError(f"--out {out} is a file; the head and its data go in a folder")
     state_path = out / "state.pt"
+    if cfg.resume and not (state_path.exists() or (out / "data.jsonl").exists()):
+        raise SpecserveError(
+            f"--resume: {out} holds no checkpoint and no data.jsonl to continue from (another "
+            "--out?); leave --resume out to start a new run"
+        )
+    out.mkdir(parents=True, exist_ok=True)
     if state_path.exists() and not cfg.resume:
         raise SpecserveError(
             f"{out} holds a training checkpoint; pass --resume to continue it "
