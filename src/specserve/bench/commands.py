@@ -260,6 +260,8 @@ def _serve(args: argparse.Namespace) -> int:
     from specserve.bench.runner import benchmark, served_model
 
     base_url = normalize_base_url(args.base_url)
+    if args.save_result and Path(args.save_result).is_dir():  # (found once the run is over)
+        raise SpecserveError(f"--save-result {args.save_result} is a folder; name a JSON file")
     model = args.model or served_model(base_url, args.api_key)
     need_tokenizer = _needs_tokenizer(args)
     tokenizer, how = resolve_tokenizer(args.tokenizer, model) if need_tokenizer else (None, "")
@@ -305,7 +307,8 @@ def _sweep_setup(args: argparse.Namespace):
         dataset.notes.insert(0, how)
         return dataset
 
-    server_args = (["--model", args.model] if args.model else []) + shlex.split(args.server_args)
+    given = _wrap(lambda: shlex.split(args.server_args))  # (unbalanced quotes: ValueError)
+    server_args = (["--model", args.model] if args.model else []) + given
     env = {"OMP_NUM_THREADS": str(args.omp_threads)} if args.omp_threads else None
     load = _wrap(
         lambda: LoadConfig(
@@ -352,7 +355,7 @@ def _sweep(args: argparse.Namespace) -> int:
         raise SpecserveError(f"--concurrency needs positive integers; got {text!r}")
     configs = _wrap(lambda: parse_configs(args.config))
     per_level = _wrap(lambda: float(args.requests_per_concurrency or 1.0))
-    if per_level <= 0:
+    if not 0 < per_level < math.inf:
         raise SpecserveError(f"--requests-per-concurrency must be positive; got {per_level}")
     if args.rounds < 1:
         raise SpecserveError(f"--rounds must be at least 1; got {args.rounds}")
@@ -361,7 +364,7 @@ def _sweep(args: argparse.Namespace) -> int:
             raise SpecserveError(
                 f"with --rounds, list each concurrency once (the rounds repeat them); got {text!r}"
             )
-        base_flags = shlex.split(args.server_args)
+        base_flags = _wrap(lambda: shlex.split(args.server_args))
         unsized = [n for n, f in configs.items() if not sized_kv_cache(base_flags + f)]
         if unsized:
             raise SpecserveError(

@@ -194,6 +194,8 @@ def _messages_of(record: dict, line_no: int) -> str | list[dict]:
             f"line {line_no}: expected a 'prompt' string, a 'messages' list or "
             "a ShareGPT 'conversations' list"
         )
+    if not all(isinstance(m, dict) for m in messages):
+        raise DatasetError(f"line {line_no}: every message must be an object with a role")
     # Send the conversation up to its last user turn; what followed is the reference answer.
     last_user = max((i for i, m in enumerate(messages) if m.get("role") == "user"), default=-1)
     if last_user < 0:
@@ -209,7 +211,11 @@ def jsonl_dataset(path: str | Path, n: int, output_len: int) -> Dataset:
     if not path.is_file():
         raise DatasetError(f"--dataset-path {str(path)!r} is not a file")
     records = []
-    for i, line in enumerate(path.read_text().splitlines(), 1):
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise DatasetError(f"{path.name} is not UTF-8 text: {e}") from None
+    for i, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
@@ -218,7 +224,11 @@ def jsonl_dataset(path: str | Path, n: int, output_len: int) -> Dataset:
             raise DatasetError(f"{path.name} line {i} is not JSON: {e}") from e
         if not isinstance(record, dict):
             raise DatasetError(f"{path.name} line {i}: expected a JSON object")
-        max_tokens = int(record.get("max_tokens") or output_len)
+        max_tokens = record.get("max_tokens", output_len)
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            raise DatasetError(
+                f"{path.name} line {i}: max_tokens must be a positive integer; got {max_tokens!r}"
+            )
         records.append(BenchPrompt(_messages_of(record, i), max_tokens))
     if not records:
         raise DatasetError(f"{path.name} has no prompts")

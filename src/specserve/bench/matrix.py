@@ -43,6 +43,15 @@ class MatrixSpec:
     poisson_seconds: float = 20.0  # open loop: requests per point >= rate * this
 
     def __post_init__(self) -> None:
+        for name in ("acceptance", "fixed_k", "policies", "arrival", "concurrency"):
+            if not isinstance(getattr(self, name), list):
+                raise ValueError(f"{name} must be a list; got {getattr(self, name)!r}")
+        numbers = {"acceptance": (int, float), "fixed_k": (int,), "concurrency": (int,)}
+        for name, kinds in numbers.items():
+            values = getattr(self, name)
+            bad = [v for v in values if isinstance(v, bool) or not isinstance(v, kinds)]
+            if bad:
+                raise ValueError(f"{name} must hold numbers ({kinds[-1].__name__}); got {bad}")
         self.goodput_k_max = {float(a): int(k) for a, k in self.goodput_k_max.items()}
         if not self.acceptance or min(self.acceptance) <= 0:
             raise ValueError(f"acceptance needs positive values; got {self.acceptance}")
