@@ -140,7 +140,11 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
         help_text = _HELP.get(f.name)
         if f.name == "progress":
             parser.add_argument(
-                "--no-progress", dest="progress", action="store_false", help="no progress bars"
+                "--no-progress",
+                dest="progress",
+                action="store_false",
+                # (%(default).0s: nothing, and no "(default: True)" appended to mislead)
+                help="no progress bars (shown unless given)%(default).0s",
             )
         elif f.type == "bool":
             parser.add_argument(flag, action="store_true", help=help_text)
