@@ -249,7 +249,6 @@ def test_checks_across_sections():
         (dict(speculative_draft_model_path="head"), "speculative_draft_model_path needs"),
         (dict(speculative_policy="fixed"), "speculative_policy needs"),
         (dict(speculative_simulate_acceptance=0.5), "speculative_simulate_acceptance needs"),
-        (dict(speculative_num_steps=5), "speculative_num_steps needs"),
         (
             dict(
                 speculative_algorithm="none",
