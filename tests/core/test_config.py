@@ -250,14 +250,6 @@ def test_checks_across_sections():
         (dict(speculative_policy="fixed"), "speculative_policy needs"),
         (dict(speculative_simulate_acceptance=0.5), "speculative_simulate_acceptance needs"),
         (
-            dict(
-                speculative_algorithm="none",
-                speculative_policy="schedule",
-                speculative_schedule="1:2",
-            ),
-            "speculative_policy needs",
-        ),
-        (
             dict(speculative_algorithm="ngram", speculative_draft_model_path="head"),
             "speculative_draft_model_path is read by eagle3 and draft, not ngram",
         ),
@@ -265,15 +257,20 @@ def test_checks_across_sections():
     ],
 )
 def test_options_that_would_do_nothing_are_refused(flags, message):
-    """A drafter's options without a drafter (another model than the embedded one, random
-    weights, or speculative_algorithm none) changed nothing and said nothing; so did a draft
-    path under n-gram, and the Triton backend on the CPU failed once loaded."""
+    """A drafter's options where the model leaves no drafter (another model than the
+    embedded one, random weights) changed nothing and said nothing; so did a draft path
+    under n-gram, and the Triton backend on the CPU failed once loaded."""
     with pytest.raises(ConfigError, match=message):
         EngineConfig.from_flags(model="m", **flags)
     with pytest.raises(ConfigError, match=message):
         EngineConfig.from_flags(model="llama-3.1-8b", load_format="dummy", **flags)
     plain = EngineConfig.from_flags(model="m", speculative_policy="off")  # (neutral: passes)
     assert plain.speculative.algorithm is None
+    # switched off on purpose: a drafter's options stay (a sweep's plain server, say)
+    off = EngineConfig.from_flags(
+        model="m", speculative_algorithm="none", speculative_draft_model_path="head"
+    )
+    assert off.speculative.algorithm is None
 
 
 def test_methods_across_sections():

@@ -4,6 +4,7 @@ flags, LLM's keywords) onto section fields; the CLI takes its defaults from here
 
 from __future__ import annotations
 
+import os
 from dataclasses import Field, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -87,9 +88,17 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.speculative.algorithm == "auto":  # a new section: the given one is left as is
             self.speculative = replace(self.speculative, **self._auto_speculation())
+            # (a drafter's options where the model left no drafter did nothing; with
+            # speculative_algorithm none given, they are switched off on purpose)
+            self.speculative.check_drafter()
         spec = self.speculative
-        spec.check_drafter()
-        if self.execution.attention_backend == "triton" and self.load.torch_device().type != "cuda":
+        if spec.algorithm == "ngram" and spec.draft_model_path is not None:
+            raise ConfigError("speculative_draft_model_path is read by eagle3 and draft, not ngram")
+        if (
+            self.execution.attention_backend == "triton"
+            and self.load.torch_device().type != "cuda"
+            and os.environ.get("TRITON_INTERPRET") != "1"  # (the interpreter runs on the CPU)
+        ):
             raise ConfigError("attention_backend triton needs a CUDA device; the CPU runs torch")
         random_head = spec.algorithm == "eagle3" and self.load.format == "dummy"
         if spec.algorithm in ("draft", "eagle3") and not (spec.draft_model_path or random_head):

@@ -256,8 +256,8 @@ class SpeculativeConfig:
             parse_schedule(self.schedule, self.num_steps)
 
     def check_drafter(self) -> None:
-        """Once `algorithm` is resolved: options that only a drafter uses need one (they
-        would be ignored without a word), a draft path one that reads it."""
+        """Once `algorithm` is resolved from auto: options that only a drafter uses need one
+        (they would be ignored without a word)."""
         if self.algorithm is None:
             given = {
                 "speculative_draft_model_path": self.draft_model_path is not None,
@@ -271,8 +271,6 @@ class SpeculativeConfig:
                         f"{name} needs speculative_algorithm (eagle3, draft or ngram): without "
                         "one nothing drafts"
                     )
-        elif self.algorithm == "ngram" and self.draft_model_path is not None:
-            raise ConfigError("speculative_draft_model_path is read by eagle3 and draft, not ngram")
 
 
 @dataclass

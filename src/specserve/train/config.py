@@ -143,8 +143,7 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
                 "--no-progress",
                 dest="progress",
                 action="store_false",
-                # (%(default).0s: nothing, and no "(default: True)" appended to mislead)
-                help="no progress bars (shown unless given)%(default).0s",
+                help="no progress bars (default: shown)%(default).0s",  # (not "True")
             )
         elif f.type == "bool":
             parser.add_argument(flag, action="store_true", help=help_text)
