@@ -298,14 +298,40 @@ def test_one_rank_starts_no_process_group(models):
     assert llm.engine.runner.model.tp.size == 1
 
 
-def _split_three_ways(target: str) -> None:
+def test_a_shape_the_ranks_cannot_split_is_refused_before_any_rank_starts(models, tmp_path):
+    """One line naming what does not split, from the first rank before it spawns the others
+    (no rank's traceback first); a sharded EAGLE-3 head is checked as the target is."""
+    import json
+    import multiprocessing
+    import shutil
+
     from specserve import LLM
+    from specserve.core.config import EngineConfig
+    from specserve.core.errors import ConfigError
+    from specserve.engine.tensor_parallel import check_shapes
 
-    LLM(target, tensor_parallel_size=3, speculative_algorithm="none")
+    with pytest.raises(ConfigError) as e:
+        LLM(models[0], tensor_parallel_size=3, speculative_algorithm="none")
+    assert str(e.value).startswith(
+        "the model cannot be split over 3 ranks: num_heads 4 is not divisible by "
+        "tensor_parallel_size 3"
+    )
+    assert multiprocessing.active_children() == []
 
-
-def test_a_shape_the_ranks_cannot_split_is_a_clear_error(models):
-    # every rank fails alike; rank 0's own error reaches the caller (not an exit for the others)
-    status, detail = run_spawned(_split_three_ways, models[0], timeout_s=120)
-    assert status == "error", detail
-    assert detail.startswith("ConfigError: num_heads 4 is not divisible by tensor_parallel_size 3")
+    head = shutil.copytree(models[1], tmp_path / "head")
+    raw = json.loads((head / "config.json").read_text())
+    raw["intermediate_size"] = 91
+    (head / "config.json").write_text(json.dumps(raw))
+    flags = dict(
+        model=models[0],
+        tensor_parallel_size=2,
+        speculative_algorithm="eagle3",
+        speculative_draft_model_path=str(head),
+    )
+    check_shapes(EngineConfig.from_flags(**flags))  # replicated: every rank holds it whole
+    with pytest.raises(
+        ConfigError,
+        match="the EAGLE-3 head cannot be split over 2 ranks: "
+        "intermediate_size 91 is not divisible",
+    ):
+        check_shapes(EngineConfig.from_flags(**flags, speculative_head_parallel="sharded"))

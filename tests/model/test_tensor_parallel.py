@@ -226,6 +226,21 @@ def test_shapes_a_group_cannot_split_are_refused(ranks):
     )
 
 
+def test_a_model_config_is_checked_against_a_group_size():
+    from specserve.layers.parallel import check_shards
+    from tests.support.model_cases import tiny_config
+
+    cfg = tiny_config()  # 4 heads, 2 KV heads, intermediate 96
+    for size in (1, 2, 4):  # at 4: one KV head a rank, each a replica
+        check_shards(cfg, size, "the model")
+    with pytest.raises(ConfigError, match="^the model cannot be split over 3 ranks: num_heads 4"):
+        check_shards(cfg, 3, "the model")
+    with pytest.raises(ConfigError, match="^the draft cannot be split over 2 ranks: interm"):
+        check_shards(tiny_config(intermediate_size=95), 2, "the draft")
+    with pytest.raises(ConfigError, match="tensor_parallel_size 4 is not a multiple of num_kv"):
+        check_shards(tiny_config(num_heads=12, num_kv_heads=3), 4, "the model")
+
+
 def test_split_and_group_checks():
     assert split_evenly(12, 3, "num_heads") == 4
     with pytest.raises(ConfigError, match="num_heads 9 is not divisible by tensor_parallel_size 2"):

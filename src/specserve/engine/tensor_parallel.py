@@ -92,6 +92,23 @@ def node_ranks(config: EngineConfig) -> range:
     return range(par.node_rank * per_node, (par.node_rank + 1) * per_node)
 
 
+def check_shapes(config: EngineConfig) -> None:
+    """ConfigError when the model (or a sharded EAGLE-3 head) cannot be split over the
+    group's ranks; else every rank would find it and fail with its own traceback."""
+    from specserve.layers.parallel import check_shards
+    from specserve.model.loader import load_config, resolve_model
+
+    size = config.parallel.tensor_parallel_size
+    check_shards(
+        load_config(resolve_model(config.load.model, config.load.format)), size, "the model"
+    )
+    spec = config.speculative
+    if spec.algorithm == "eagle3" and spec.head_parallel == "sharded" and spec.draft_model_path:
+        from specserve.model.eagle3_config import Eagle3Config
+
+        check_shards(Eagle3Config.load(spec.draft_model_path).layer, size, "the EAGLE-3 head")
+
+
 def start(config: EngineConfig, rank: int | None, address: str | None) -> ParallelContext:
     """Join the tensor-parallel group of `config` as `rank` (None: this machine's first, which
     spawns the machine's other ranks first). The group meets at `--dist-init-addr` (given
@@ -100,6 +117,7 @@ def start(config: EngineConfig, rank: int | None, address: str | None) -> Parall
     size, local = par.tensor_parallel_size, node_ranks(config)
     processes = []
     if rank is None:
+        check_shapes(config)  # (here, once, before any rank starts)
         rank = local[0]
         address = address or par.dist_init_addr or free_address()
         ctx = mp.get_context("spawn")

@@ -22,7 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve.core.errors import ConfigError
-from specserve.core.parallel import SINGLE_RANK, TensorParallel, TensorSlice
+from specserve.core.model_config import ModelConfig
+from specserve.core.parallel import SINGLE_RANK, TensorParallel, TensorSlice, split_evenly
 
 
 @dataclass(frozen=True)
@@ -42,16 +43,36 @@ def attention_heads(num_heads: int, num_kv_heads: int, tp: TensorParallel) -> At
     else each rank keeps (a replica of) the one KV head its query heads share."""
     q_count = tp.split(num_heads, "num_heads")
     q_start = tp.rank * q_count
+    kv_count = kv_heads_per_rank(num_kv_heads, tp.size)
     if num_kv_heads >= tp.size:
-        kv_count = tp.split(num_kv_heads, "num_kv_heads")
         return AttentionHeads(q_start, q_count, tp.rank * kv_count, kv_count)
-    if tp.size % num_kv_heads:
-        raise ConfigError(
-            f"tensor_parallel_size {tp.size} is not a multiple of num_kv_heads "
-            f"{num_kv_heads}: ranks would hold different numbers of KV heads"
-        )
     group = num_heads // num_kv_heads  # query heads per KV head
     return AttentionHeads(q_start, q_count, q_start // group, 1)
+
+
+def kv_heads_per_rank(num_kv_heads: int, size: int) -> int:
+    """The KV heads each of `size` ranks holds: an even share, or one replicated head when
+    there are fewer KV heads than ranks (ConfigError when neither fits)."""
+    if num_kv_heads >= size:
+        return split_evenly(num_kv_heads, size, "num_kv_heads")
+    if size % num_kv_heads:
+        raise ConfigError(
+            f"tensor_parallel_size {size} is not a multiple of num_kv_heads "
+            f"{num_kv_heads}: ranks would hold different numbers of KV heads"
+        )
+    return 1
+
+
+def check_shards(cfg: ModelConfig, size: int, what: str) -> None:
+    """ConfigError naming `what` (e.g. "the model") when a model of `cfg` cannot be split
+    over `size` ranks as the layers split it: checked once before any rank starts, so the
+    user reads one line rather than every rank's traceback."""
+    try:
+        split_evenly(cfg.num_heads, size, "num_heads")
+        kv_heads_per_rank(cfg.num_kv_heads, size)
+        split_evenly(cfg.intermediate_size, size, "intermediate_size")
+    except ConfigError as e:
+        raise ConfigError(f"{what} cannot be split over {size} ranks: {e}") from None
 
 
 def head_slice(start: int, count: int, total: int, head_dim: int, tp: TensorParallel):
