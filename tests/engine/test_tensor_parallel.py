@@ -5,6 +5,7 @@ by the engine (engine/tensor_parallel.py), a rank's death as a clear failure."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 
 import pytest
@@ -94,6 +95,44 @@ def test_plans_keep_mirrors_of_pages_preemptions_and_departures():
     assert follower.next().stop
 
 
+def test_a_grammar_reaches_the_ranks_compiled_with_its_first_planned_request():
+    """Whichever request brought the grammar compiled to rank 0 (its first one may leave
+    before any plan): the first planned one carries it compiled (rank 0's, serialized),
+    later ones its key alone, until LOADED_KEPT // 2 other grammars were sent since."""
+    from dataclasses import replace
+
+    from specserve.core.sampling_params import Grammar
+    from specserve.runtime.grammar import LOADED_KEPT
+
+    serialized = []
+
+    def serialize(grammar):
+        serialized.append(grammar.source)
+        return f"<{grammar.source}>"
+
+    wire = _Wire()
+    publisher = PlanPublisher(wire, serialize)
+
+    def planned(rid, grammar):
+        req = _request(rid, [5, 6])
+        req.params = replace(req.params, grammar=grammar)
+        req.page_table = [3]
+        publisher.publish([ScheduledRequest(req, 2)], [], False, False)
+        (added,) = wire.recv().added
+        assert added.params.grammar == grammar and added.params.seed == 5
+        return None if grammar is None else added.params.grammar.compiled
+
+    # its first request left unplanned: the second one arrives without the compiled form
+    assert planned("b", Grammar("regex", "a+")) == "<a+>" and serialized == ["a+"]
+    assert planned("c", Grammar("regex", "a+")) is None
+    assert planned("d", Grammar("regex", "a+", compiled="<a+>")) is None  # (not resent)
+    assert planned("e", Grammar("regex", "z+", compiled="<z+>")) == "<z+>"  # (its own)
+    for i in range(LOADED_KEPT // 2):
+        assert planned(f"f{i}", Grammar("regex", f"b{i}+")) == f"<b{i}+>"
+    assert planned("g", Grammar("regex", "a+")) == "<a+>"  # (maybe dropped by the ranks)
+    assert planned("h", None) is None
+
+
 class _GrammarState:
     """A mirror's grammar state (runtime/grammar.py: GrammarState), counting releases."""
 
@@ -131,6 +170,7 @@ def _generate_under_tp(target: str, head: str) -> dict:
     sampling, on every rank). Each engine runs the prompts several times: the prefix
     cache's hits start rows past 0 on every rank."""
     from specserve import LLM
+    from specserve.core.sampling_params import Grammar
     from specserve.speculative.policy import FixedPolicy
     from tests.support.overlap_cases import StepDraftLens, random_draft_lens
 
@@ -143,6 +183,7 @@ def _generate_under_tp(target: str, head: str) -> dict:
     penalized = SamplingParams(
         max_tokens=14, ignore_eos=True, presence_penalty=1.5, frequency_penalty=0.5
     )
+    constrained = SamplingParams(max_tokens=14, grammar=Grammar("regex", "(ab|c|the ){2,9}"))
     fixed = dict(speculative_policy="fixed")
     engines = {
         "plain": dict(speculative_algorithm="none"),
@@ -196,6 +237,11 @@ def _generate_under_tp(target: str, head: str) -> dict:
                     out[name + " sampled"] = run(sampled) == run(sampled)
                 if name in ("plain", "eagle3 fixed"):
                     out[name + " penalized"] = run(penalized)
+                    # the grammar's first request leaves before any plan carries it
+                    llm.engine.abort_request(llm.engine.add_request(prompts[0], constrained))
+                    out[name + " constrained"] = [
+                        o.text for o in llm.generate(prompts, constrained)
+                    ]
                     waits = llm.engine.stats()["loop_wait_reasons"]
                     out[name + " late"] = waits.get("penalties_before_sampling", 0)
             # runs after the first find their prompts' pages cached (rows start past 0)
@@ -214,6 +260,11 @@ def test_speculation_under_tensor_parallelism_equals_its_plain_decoding(models):
     assert out.pop("eagle3 fixed late") > 0, "no step read the step in flight before sampling"
     out.pop("plain late")
     assert out.pop("eagle3 fixed penalized") == out.pop("plain penalized")
+    # structured output: the ranks' masks agree (--debug-tp-check), drafts change nothing
+    constrained = out.pop("plain constrained")
+    assert out.pop("eagle3 fixed constrained") == constrained
+    language_prefix = "(ab|c|the )*(a|t|th|the)?"  # (max_tokens may cut a word)
+    assert all(re.fullmatch(language_prefix, text) for text in constrained), constrained
     names = [n for n in out if n != "plain" and not n.endswith("sampled")]
     assert len(names) == 8 and sum(n.endswith("sampled") for n in out) == 7
     for name in names:

@@ -165,15 +165,14 @@ def test_the_server_compiles_for_the_engines_end_ids(tiny_llama):
 def test_a_compiled_grammar_goes_to_the_engine_once():
     """The first request bringing a grammar carries it compiled, later ones its key alone,
     until LOADED_KEPT // 2 other grammars were sent since (the engine keeps LOADED_KEPT)."""
-    from collections import OrderedDict
     from types import SimpleNamespace
 
     from specserve.core.sampling_params import SamplingParams
-    from specserve.runtime.grammar import LOADED_KEPT
+    from specserve.runtime.grammar import LOADED_KEPT, GrammarHandOver
     from specserve.server.engine_client import EngineClient
     from specserve.server.messages import AddRequest
 
-    client = SimpleNamespace(_grammars_sent=OrderedDict())
+    client = SimpleNamespace(_grammars_sent=GrammarHandOver())
 
     def sent(source: str) -> bool:
         grammar = Grammar("regex", source, compiled=f"<{source}>")

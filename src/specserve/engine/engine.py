@@ -143,7 +143,8 @@ class LLMEngine:
         channel = PlanChannel(self.parallel.control, rank)
         check = config.parallel.debug_check
         if rank == 0:
-            self.loop.plans = self.sink.plans = PlanPublisher(channel)
+            plans = PlanPublisher(channel, self.runner.grammars.serialize)
+            self.loop.plans = self.sink.plans = plans
             self.loop.token_check = self.loop.plans.resolved if check else None
             return None
         tokens = TokenCheck(rank) if check else None

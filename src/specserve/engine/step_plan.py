@@ -14,7 +14,7 @@ derives from the same tokens, which every rank samples alike from the same logit
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch.distributed as dist
 
@@ -22,6 +22,7 @@ from specserve.core.batch import ScheduledRequest
 from specserve.core.errors import TensorParallelError
 from specserve.core.request import Request, RequestStatus
 from specserve.core.sampling_params import SamplingParams
+from specserve.runtime.grammar import GrammarHandOver
 
 
 @dataclass(slots=True)
@@ -140,8 +141,12 @@ class TokenCheck:
 class PlanPublisher:
     """Rank 0's side: turns each step's final batch into a plan and sends it."""
 
-    def __init__(self, channel: PlanChannel):
+    def __init__(self, channel: PlanChannel, serialize_grammar=None):
         self.channel = channel
+        # A request's grammar reaches the ranks compiled (rank 0's, `serialize_grammar`)
+        # with the first planned request that brings it, wherever rank 0 got it from
+        self._serialize = serialize_grammar
+        self._grammars = GrammarHandOver()
         self._sent: dict[str, tuple[int, int]] = {}  # id -> (preemptions, pages sent)
         self._gone: list[str] = []
         self._tokens: list[tuple[int, list]] = []  # resolved steps' tokens (TokenCheck)
@@ -179,7 +184,7 @@ class PlanPublisher:
                     PlannedRequest(
                         rid,
                         req.prompt_token_ids,
-                        req.params,
+                        self._params(req.params),
                         req.arrival,
                         req.seed,
                         req.max_len,
@@ -200,6 +205,17 @@ class PlanPublisher:
             index = {id(s): i for i, s in enumerate(batch)}
             plan.drafting = [index[id(s)] for s in drafting]
         self.channel.send(plan)
+
+    def _params(self, params: SamplingParams) -> SamplingParams:
+        """A request's parameters as its mirrors get them: a grammar compiled where the
+        ranks may lack it (its first request may have left rank 0 before any plan carried
+        it: the ranks would compile it on their step loops), else without its compiled form
+        (megabytes, in every plan's pickle)."""
+        grammar = params.grammar
+        if grammar is None:
+            return params
+        sent = self._grammars.grammar(grammar, self._serialize)
+        return params if sent is grammar else replace(params, grammar=sent)
 
     def drain(self) -> None:
         self.channel.send(self._plan(drain=True))

@@ -32,6 +32,7 @@ import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import NamedTuple
 
 import torch
@@ -48,7 +49,37 @@ CACHE_BYTES = 256 << 20  # compiled grammars kept (distinct schemas would grow i
 # Grammars compiled elsewhere (`Grammar.compiled`) kept once loaded, by key: the server
 # sends a grammar compiled only while it is among the last LOADED_KEPT // 2 it sent
 LOADED_KEPT = 64
+
 _LOG_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")  # xgrammar's "[time] file.cc:line: "
+
+
+class GrammarHandOver:
+    """A sender's record of the compiled grammars a receiving `GrammarCompiler` holds (it
+    keeps LOADED_KEPT, by key, least recently used out): a grammar travels compiled only
+    while its key is not among the last LOADED_KEPT // 2 this sender sent, so the receiver
+    never compiles one again and a compiled grammar (tens of kilobytes to megabytes) crosses
+    once, not with every request. The server's HTTP process hands them to the engine so,
+    and rank 0 to the other tensor-parallel ranks."""
+
+    def __init__(self):
+        self._sent: OrderedDict[tuple, None] = OrderedDict()
+
+    def grammar(self, grammar: Grammar, serialize=None) -> Grammar:
+        """`grammar` as it should travel: with its compiled form where the receiver may lack
+        it (`serialize(grammar)` when it has none: a str, or None to send it uncompiled),
+        without where the receiver has it."""
+        sent = self._sent
+        if grammar.key in sent:
+            sent.move_to_end(grammar.key)
+            return grammar if grammar.compiled is None else replace(grammar, compiled=None)
+        if grammar.compiled is None and serialize is not None:
+            grammar = replace(grammar, compiled=serialize(grammar))
+        if grammar.compiled is None:
+            return grammar  # (its receiver compiles it: nothing to remember)
+        sent[grammar.key] = None
+        if len(sent) > LOADED_KEPT // 2:
+            sent.popitem(last=False)
+        return grammar
 
 
 def _ebnf_text(text: str) -> str:

@@ -15,13 +15,12 @@ import multiprocessing as mp
 import signal
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from specserve.core.config import EngineConfig
 from specserve.core.errors import CheckpointError, SpecserveError
-from specserve.runtime.grammar import LOADED_KEPT
+from specserve.runtime.grammar import GrammarHandOver
 from specserve.server.engine_proc import run_engine
 from specserve.server.inbox import InboxWriter
 from specserve.server.messages import (
@@ -182,7 +181,7 @@ class EngineClient:
         self.on_dead: Callable[[], None] | None = None
         self.shutting_down = False  # the engine was told to stop: its end is no failure
         self._tracked: dict[str, _Tracked] = {}
-        self._grammars_sent: OrderedDict[tuple, None] = OrderedDict()  # (`_hand_over`)
+        self._grammars_sent = GrammarHandOver()  # (`_hand_over`)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._reader: threading.Thread | None = None
 
@@ -293,19 +292,11 @@ class EngineClient:
 
     def _hand_over(self, request: AddRequest) -> None:
         """A grammar compiled here goes to the engine with the first request that brings it
-        (the engine keeps it: LOADED_KEPT); later ones send its key alone. A compiled
-        grammar is tens of kilobytes to megabytes: one a request filled the inbox's pipe."""
+        (the engine keeps it); later ones send its key alone (`GrammarHandOver`): one
+        compiled grammar a request filled the inbox's pipe."""
         grammar = request.params.grammar
-        if grammar is None or grammar.compiled is None:
-            return
-        sent = self._grammars_sent
-        if grammar.key in sent:
-            sent.move_to_end(grammar.key)
-            request.params.grammar = replace(grammar, compiled=None)
-            return
-        sent[grammar.key] = None
-        if len(sent) > LOADED_KEPT // 2:
-            sent.popitem(last=False)
+        if grammar is not None:
+            request.params.grammar = self._grammars_sent.grammar(grammar)
 
     def abort(self, stream: RequestStream) -> None:
         """Stop a stream's unfinished engine requests; their KV pages are freed at once."""
