@@ -166,3 +166,17 @@ def test_cli_refuses_conversations_on_completions(tmp_path, capsys):
     )
     assert rc == 2
     assert "use --endpoint chat" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("body", ["[]", '[{"id": "m"}]', '{"data": ["m"]}', '{"data": []}', "x"])
+def test_a_model_list_of_another_shape_is_a_clear_error(monkeypatch, body):
+    import httpx
+
+    from specserve.bench import runner
+
+    def get(url, **kw):
+        return httpx.Response(200, text=body, request=httpx.Request("GET", url))
+
+    monkeypatch.setattr(runner.httpx, "get", get)
+    with pytest.raises(runner.BenchError, match="cannot list models at http://h/v1/models"):
+        runner.served_model("http://h")

@@ -259,6 +259,14 @@ def test_plot_redraws_from_saved_json(tmp_path, capsys):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
     assert main(["bench", "plot", str(sweep)]) == 0
     assert (tmp_path / "s.png").exists()
+    capsys.readouterr()  # a path without a suffix: the PNG it says it wrote; others by suffix
+    assert main(["bench", "plot", str(sweep), "-o", str(tmp_path / "bare")]) == 0
+    assert capsys.readouterr().out == f"wrote {tmp_path / 'bare.png'}\n"
+    assert (tmp_path / "bare.png").read_bytes()[:4] == b"\x89PNG"
+    assert main(["bench", "plot", str(sweep), "-o", str(tmp_path / "p.svg")]) == 0
+    assert b"<svg" in (tmp_path / "p.svg").read_bytes()[:500]
+    assert main(["bench", "plot", str(sweep), "-o", str(tmp_path / "p.txt")]) == 2
+    assert "Format 'txt' is not supported" in capsys.readouterr().err
     rows[-1]["server"] = {
         "step_ms_mean": 1.5,
         "speculation": {

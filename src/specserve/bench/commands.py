@@ -182,7 +182,12 @@ def add_bench_commands(bench: argparse.ArgumentParser) -> None:
 
     p = sub.add_parser("plot", help="redraw plots from saved sweep or serve results")
     p.add_argument("results", nargs="+", help="JSON files from bench sweep or bench serve")
-    p.add_argument("-o", "--output", help="PNG path (default: the first file with .png)")
+    p.add_argument(
+        "-o",
+        "--output",
+        help="image path, its format by suffix: .png (added when none), .svg, .pdf, ... "
+        "(default: the first file with .png)",
+    )
     p.add_argument("--title")
     p.set_defaults(func=_plot)
 

@@ -119,13 +119,18 @@ def plot_ratios(ratios: list[dict], out_path: str | Path, title: str | None = No
 
 
 def _save(fig, out_path: str | Path, title: str | None) -> Path:
-    """Title, lay out, write the PNG (its folder made), close the figure."""
+    """Title, lay out, write the image (its folder made), close the figure; returns the
+    path written. The format is the path's suffix (matplotlib's: .png, .svg, .pdf, ...);
+    a path without one gets .png, as matplotlib would add it, so the path said is the one
+    written."""
     import matplotlib.pyplot as plt
 
     if title:
         fig.suptitle(title)
     fig.tight_layout()
     out_path = Path(out_path)
+    if not out_path.suffix:
+        out_path = out_path.with_name(out_path.name + ".png")
     out_path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out_path, dpi=110)
     plt.close(fig)

@@ -27,8 +27,8 @@ def served_model(base_url: str, api_key: str | None = None) -> str:
         resp = httpx.get(base_url + "/v1/models", headers=headers, timeout=30)
         resp.raise_for_status()
         return resp.json()["data"][0]["id"]
-    except (httpx.HTTPError, KeyError, IndexError, ValueError) as e:
-        raise BenchError(
+    except (httpx.HTTPError, KeyError, IndexError, TypeError, ValueError) as e:
+        raise BenchError(  # (TypeError: a body of another shape, e.g. a JSON list)
             f"cannot list models at {base_url}/v1/models ({e}); is the server "
             "running? pass --model to skip this"
         ) from e
