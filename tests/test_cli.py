@@ -241,7 +241,10 @@ def test_quiet_keeps_stderr_silent_and_progress_reports_start_up(tiny_llama, cap
         (["bench", "serve", "--output-len", "-1"], "--output-len: must be >= 1"),
         (["bench", "serve", "--timeout", "nan"], "--timeout: must be a positive number"),
         (["bench", "serve", "--extra-body", "[1]"], "--extra-body: must be a JSON object"),
-        (["serve", "--request-read-timeout", "nan"], "request_read_timeout must be a positive"),
+        (["serve", "--request-read-timeout", "nan"], "--request-read-timeout must be a positi"),
+        (["serve", "--port", "70000"], "--port must be in [0, 65535]; got 70000"),
+        (["serve", "--max-queue", "-1"], "--max-queue must be >= 0; got -1"),
+        (["serve", "--max-request-bytes", "10"], "--max-request-bytes must be >= 1024"),
         (["train-eagle3", "--target", "t", "--data", "d", "--out", "o", "--lr", "nan"], "lr"),
     ],
 )

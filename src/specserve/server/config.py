@@ -40,18 +40,18 @@ class ServerConfig:
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
-            raise ValueError(f"port must be in [0, 65535]; got {self.port}")
+            raise ValueError(f"--port must be in [0, 65535]; got {self.port}")
         if self.max_queue < 0:
-            raise ValueError(f"max_queue must be >= 0; got {self.max_queue}")
+            raise ValueError(f"--max-queue must be >= 0; got {self.max_queue}")
         if not 0 <= self.shutdown_timeout_s < math.inf:
-            raise ValueError(f"shutdown_timeout must be >= 0; got {self.shutdown_timeout_s}")
+            raise ValueError(f"--shutdown-timeout must be >= 0; got {self.shutdown_timeout_s}")
         if self.api_key is not None and not self.api_key:
-            raise ValueError("the API key must not be empty")
+            raise ValueError("the API key (--api-key) must not be empty")
         if self.max_request_bytes < 1024:
-            raise ValueError(f"max_request_bytes must be >= 1024; got {self.max_request_bytes}")
+            raise ValueError(f"--max-request-bytes must be >= 1024; got {self.max_request_bytes}")
         for name, seconds in (
-            ("request_read_timeout", self.request_read_timeout_s),
-            ("keep_alive_timeout", self.keep_alive_timeout_s),
+            ("--request-read-timeout", self.request_read_timeout_s),
+            ("--keep-alive-timeout", self.keep_alive_timeout_s),
         ):
             if not 0 < seconds < math.inf:  # (NaN too: every connection failed on it)
                 raise ValueError(f"{name} must be a positive number of seconds; got {seconds}")
