@@ -3,6 +3,7 @@ that names the flag as typed, before any model is loaded."""
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 
@@ -266,3 +267,18 @@ def test_resume_without_anything_to_resume_is_refused(tmp_path, capsys):
 
     with pytest.raises(SpecserveError, match="holds no checkpoint and no data.jsonl"):
         train(TrainConfig(target="t", data="d", out=str(tmp_path / "typo"), resume=True))
+
+
+@pytest.mark.parametrize("ids", [["0", "1", "2"], ["1", "1", "2"], ["1", "2", "9"]])
+def test_aux_layer_ids_are_checked_in_their_own_terms_before_any_data(tiny_llama, ids, capsys):
+    """Said as typed (input layers; the file's ids are one less), before the data: a layer
+    0 read as the file's -1 was refused after generating it."""
+    out = tiny_llama.parent / f"aux-{'-'.join(ids)}"
+    argv = ["train-eagle3", "--target", str(tiny_llama), "--data", "python", "--out", str(out)]
+    assert main(argv + ["--aux-layer-ids", *ids, "--no-progress"]) == 2
+    last = json.loads((tiny_llama / "config.json").read_text())["num_hidden_layers"] - 1
+    assert (
+        f"auxiliary layer ids [{', '.join(ids)}] must be three different target layers "
+        f"in [1, {last}]" in capsys.readouterr().err
+    )
+    assert not (out / "data.jsonl").exists()

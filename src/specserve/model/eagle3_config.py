@@ -20,6 +20,18 @@ def default_aux_layer_ids(num_target_layers: int) -> tuple[int, ...]:
     return (2, n // 2, n - 3)
 
 
+def check_aux_layer_ids(ids, num_target_layers: int) -> None:
+    """UnsupportedModelError unless `ids` are three different layers of the target whose
+    input a head can read (1 .. L-1: the file names each by the layer before it). Said in
+    these ids: the file's, one less, would confuse whoever typed them."""
+    last = num_target_layers - 1
+    if len(ids) != 3 or len(set(ids)) != 3 or not all(1 <= i <= last for i in ids):
+        raise UnsupportedModelError(
+            f"auxiliary layer ids {list(ids)} must be three different target layers in "
+            f"[1, {last}]: the head reads each one's input, the output of the layer before it"
+        )
+
+
 @dataclass(frozen=True)
 class Eagle3Config:
     """The shape of an EAGLE-3 head, read from (and written to) its config.json.
@@ -83,6 +95,8 @@ class Eagle3Config:
             target, num_layers=1, tie_word_embeddings=False, qkv_bias=False, qk_norm=False
         )
         file_ids = None
+        if aux_layer_ids is not None:
+            check_aux_layer_ids(aux_layer_ids, target.num_layers)
         if aux_layer_ids is not None and tuple(aux_layer_ids) != default_aux_layer_ids(
             target.num_layers
         ):

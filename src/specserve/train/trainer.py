@@ -20,6 +20,7 @@ from tqdm import tqdm
 
 from specserve.core.errors import SpecserveError
 from specserve.model.eagle3 import Eagle3Head
+from specserve.model.eagle3_config import check_aux_layer_ids
 from specserve.model.loader import load_config, load_model, resolve_model
 from specserve.train.config import TrainConfig
 from specserve.train.distill import coverage_curve, distill
@@ -99,6 +100,8 @@ def train(cfg: TrainConfig) -> TrainResult:
     device = _device(cfg.device)
     source = resolve_model(cfg.target)
     target_cfg = load_config(source)
+    if cfg.aux_layer_ids:  # (before the data is generated: minutes to hours)
+        check_aux_layer_ids(cfg.aux_layer_ids, target_cfg.num_layers)
     train_samples, heldout_samples = distill(cfg, out, log)
     if cfg.generate_only:
         log({"event": "generate_only", "train_samples": len(train_samples)})
