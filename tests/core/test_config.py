@@ -203,6 +203,8 @@ SECTION_ERRORS = [
         "speculative_schedule is speculative_policy schedule's table",
     ),
     (ExecutionConfig, dict(cuda_graph_max_tokens=-1), "cuda_graph_max_tokens must be >= 0"),
+    (ExecutionConfig, dict(cuda_graph_max_batch=-1), "cuda_graph_max_batch must be >= 1"),
+    (ExecutionConfig, dict(cuda_graph_max_batch=0), "disable_cuda_graph runs every step"),
     (ExecutionConfig, dict(attention_backend="flash"), "attention_backend must be auto, torch"),
     (ExecutionConfig, dict(overlap_schedule="sometimes"), "overlap_schedule must be auto, on"),
     (

@@ -304,6 +304,11 @@ class ExecutionConfig:
     def __post_init__(self) -> None:
         if self.grammar_workers is not None and not 0 <= self.grammar_workers <= 64:
             raise ConfigError(f"grammar_workers must be in [0, 64]; got {self.grammar_workers}")
+        if self.cuda_graph_max_batch < 1:
+            raise ConfigError(
+                f"cuda_graph_max_batch must be >= 1 (disable_cuda_graph runs every step "
+                f"eagerly); got {self.cuda_graph_max_batch}"
+            )
         if self.cuda_graph_max_tokens < 0:
             raise ConfigError(
                 f"cuda_graph_max_tokens must be >= 0; got {self.cuda_graph_max_tokens}"
