@@ -93,3 +93,10 @@ def test_throughput_counts_every_token(tiny_llama, tmp_path, capsys):
 def test_bad_workload_exits_2(tiny_llama, capsys):
     assert main(["bench", "throughput", "--model", str(tiny_llama), "--input-len", "0"]) == 2
     assert "--input-len" in capsys.readouterr().err
+    # past the context, requests would end early and the figures mean less: refused
+    argv = ["bench", "throughput", "--model", str(tiny_llama), "--max-model-len", "300"]
+    assert main(argv + ["--input-len", "200", "--output-len", "101", "--no-progress"]) == 2
+    assert (
+        "--input-len 200 + --output-len 101 exceeds the model's context of 300 tokens"
+        in capsys.readouterr().err
+    )

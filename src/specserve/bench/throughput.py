@@ -109,6 +109,13 @@ def run_throughput(llm, work: ThroughputWorkload, progress: bool = False) -> dic
     from specserve.core.sampling_params import SamplingParams
 
     engine = llm.engine
+    context = engine.max_model_len
+    if work.input_len + work.output_len > context:  # (requests cut short skew the figures)
+        raise SpecserveError(
+            f"--input-len {work.input_len} + --output-len {work.output_len} exceeds the "
+            f"model's context of {context} tokens: requests would end early; lower them "
+            "(or --max-model-len up to the model's positions)"
+        )
     vocab = prompt_token_ids(llm.tokenizer, engine.model_config.vocab_size)
     if work.warmup_requests:
         warm = random_prompts(work.warmup_requests, min(work.input_len, 16), vocab, work.seed + 1)
