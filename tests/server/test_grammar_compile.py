@@ -1,19 +1,21 @@
-"""Grammars compiled in the HTTP process (server/grammar_compile.py): within a time bound,
-on threads of their own, and handed to the engine compiled, which loads them instead of
-compiling them again on its step loop."""
+"""Grammars compiled for the HTTP process (server/grammar_compile.py): within a time bound,
+in worker processes that are ended past it, and handed to the engine compiled, which loads
+them instead of compiling them again on its step loop."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-import threading
+import os
 import time
+from dataclasses import replace
 
+import psutil
 import pytest
 import xgrammar as xgr
 
 from specserve.core.sampling_params import Grammar
-from specserve.runtime.grammar import GrammarCompiler
+from specserve.runtime.grammar import GrammarCompiler, compile_in_worker
 from specserve.server.errors import APIError
 from specserve.server.grammar_compile import GrammarChecker
 from tests.support.tiny_models import VOCAB
@@ -21,46 +23,107 @@ from tests.support.tiny_models import VOCAB
 SCHEMA = json.dumps({"type": "object", "properties": {"a": {"type": "integer"}}})
 
 
-class _Stuck:
-    """A compiler whose compiles wait until released (a schema that takes minutes): all of
-    them (`release`), or the first one alone (`release_first`)."""
-
-    def __init__(self):
-        self.release, self.release_first = threading.Event(), threading.Event()
-        self.started = 0
-
-    def serialize(self, grammar: Grammar) -> str:
-        self.started += 1
-        if self.started == 1:
-            while not (self.release.is_set() or self.release_first.is_set()):
-                time.sleep(0.01)
-        else:
-            self.release.wait(30)
-        return "{}"
+def _task(grammar: Grammar):
+    """A compile worker's task: a regex "sleep S LOG" notes the worker's pid in the file
+    LOG, sleeps S seconds and compiles nothing ("pid"); any other grammar is compiled."""
+    if grammar.kind == "regex" and grammar.source.startswith("sleep "):
+        _, seconds, log = grammar.source.split(" ", 2)
+        with open(log, "a") as f:
+            f.write(f"{os.getpid()}\n")
+        time.sleep(float(seconds))
+        return str(os.getpid()), None
+    return compile_in_worker(grammar)
 
 
-def test_a_grammar_past_the_time_bound_is_a_400_and_a_busy_compiler_a_503():
-    stuck = _Stuck()
-    checker = GrammarChecker(stuck, timeout_s=0.3, threads=1)
+def _sleep(seconds: float, log) -> Grammar:
+    return Grammar("regex", f"sleep {seconds} {log}")
+
+
+def _started(log) -> list[str]:
+    return log.read_text().split() if log.exists() else []
+
+
+@pytest.fixture
+def checker(tiny_llama):
+    """A checker of one worker over the tiny tokenizer, its worker started (a second or
+    two: the bounds below start counting once it is there)."""
+    from transformers import AutoTokenizer
+
+    grammars = GrammarCompiler(AutoTokenizer.from_pretrained(tiny_llama), VOCAB, [2])
+    checker = GrammarChecker(grammars, timeout_s=120.0, workers=1, task=_task)
+    asyncio.run(checker.compiled(Grammar("regex", "warm+")))
+    yield checker
+    checker.close()
+
+
+def test_a_grammar_past_the_time_bound_is_ended_a_400_and_a_queued_one_a_503(checker, tmp_path):
+    """xgrammar's own slow case (seconds to compile) is ended at the bound with its worker;
+    a grammar queued behind it all that time never starts and is told to retry."""
+    log = tmp_path / "log"
+    checker.timeout_s = 1.0
+    slow_schema = json.dumps({"type": "string", "pattern": "[a-z]{0,9000}"})
 
     async def run():
-        slow = asyncio.create_task(checker.compiled(Grammar("json_schema", SCHEMA)))
-        await asyncio.sleep(0.05)  # (it holds the one thread)
-        waiting = checker.compiled(Grammar("regex", "a+", field="response_format"))
-        return await asyncio.gather(slow, waiting, return_exceptions=True)
+        slow = asyncio.create_task(checker.compiled(Grammar("json_schema", slow_schema)))
+        await asyncio.sleep(0.1)  # (it holds the one worker)
+        queued = checker.compiled(replace(_sleep(0, log), field="response_format"))
+        return await asyncio.gather(slow, queued, return_exceptions=True)
 
-    try:
-        slow, waiting = asyncio.run(run())
-    finally:
-        stuck.release.set()
+    slow, queued = asyncio.run(run())
     assert isinstance(slow, APIError) and slow.status == 400, slow
-    assert "did not compile within 0.3 s" in slow.message and slow.param == "grammar"
-    assert isinstance(waiting, APIError) and waiting.status == 503, waiting
-    assert waiting.headers["Retry-After"] and waiting.param == "response_format"
-    stuck.release.set()
-    time.sleep(0.2)
-    assert stuck.started == 1  # the one that found no thread never ran
-    assert all(t.daemon for t in threading.enumerate() if t.name == "grammar-compile")
+    assert "did not compile within 1 s" in slow.message and slow.param == "grammar"
+    assert isinstance(queued, APIError) and queued.status == 503, queued
+    assert queued.headers["Retry-After"] and queued.param == "response_format"
+    checker.timeout_s = 120.0
+    # the worker that ran the slow compile was ended; the queued grammar never ran
+    pid = asyncio.run(checker.compiled(_sleep(0, tmp_path / "after"))).compiled
+    assert _started(log) == [] and _started(tmp_path / "after") == [pid]
+
+
+def test_a_compile_that_starts_within_the_bound_is_waited_for(checker, tmp_path):
+    """A grammar queued behind another but started before its bound ran out is waited for
+    (its own bound ends it), not refused for the time it waited."""
+    checker.timeout_s = 3.0
+
+    async def run():
+        first = asyncio.create_task(checker.compiled(_sleep(2.0, tmp_path / "first")))
+        await asyncio.sleep(0.1)
+        second = checker.compiled(_sleep(1.5, tmp_path / "second"))  # starts ~2 s in
+        return await asyncio.gather(first, second, return_exceptions=True)
+
+    first, second = asyncio.run(run())
+    assert first.compiled == second.compiled, (first, second)  # (one worker ran both)
+
+
+def test_requests_with_one_grammar_share_its_compile(checker, tmp_path):
+    grammar = _sleep(0.5, tmp_path / "log")
+
+    async def run():
+        return await asyncio.gather(*(checker.compiled(grammar) for _ in range(4)))
+
+    outs = asyncio.run(run())
+    assert len(_started(tmp_path / "log")) == 1 and len({o.compiled for o in outs}) == 1
+
+
+def test_a_compile_nobody_waits_for_is_ended(checker, tmp_path):
+    """A client that goes away takes its grammar's compile with it: the worker running it
+    is ended (another starts), not left compiling for nobody."""
+    log = tmp_path / "log"
+
+    async def run():
+        gone = asyncio.create_task(checker.compiled(_sleep(60, log)))
+        while not _started(log):
+            await asyncio.sleep(0.05)
+        gone.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await gone
+        return await checker.compiled(Grammar("regex", "next+"))
+
+    start = time.monotonic()
+    assert asyncio.run(run()).compiled
+    assert time.monotonic() - start < 50  # (not after the 60 s compile: a bound, no timing)
+    (pid,) = _started(log)
+    assert not psutil.pid_exists(int(pid)) or psutil.Process(int(pid)).status() == "zombie"
 
 
 def test_the_engine_loads_the_servers_compiled_grammar(tiny_llama):
@@ -100,43 +163,6 @@ def test_the_engine_loads_the_servers_compiled_grammar(tiny_llama):
     assert not xgr.GrammarMatcher(loaded).accept_string('<a>{"a": "x"}')
     engine_side.compile(Grammar("json_schema", '{"type": "integer"}', compiled="not json"))
     assert compiles == ["compile_json_schema"]
-
-
-def test_a_compile_that_waited_for_a_thread_is_told_to_retry():
-    """The time bound covers the wait for a thread: a grammar whose compile started late
-    (another held the one thread) is a 503 to retry, not a 400 telling it to simplify."""
-    stuck = _Stuck()
-    checker = GrammarChecker(stuck, timeout_s=0.6, threads=1)
-
-    async def run():
-        first = asyncio.create_task(checker.compiled(Grammar("json_schema", SCHEMA)))
-        await asyncio.sleep(0.05)
-        second = asyncio.create_task(checker.compiled(Grammar("regex", "b+")))
-        await asyncio.sleep(0.4)
-        stuck.release_first.set()  # the first ends; the second starts 0.45 s into its 0.6
-        return await asyncio.gather(first, second, return_exceptions=True)
-
-    try:
-        first, second = asyncio.run(run())
-    finally:
-        stuck.release.set()
-    assert first.compiled == "{}"
-    assert isinstance(second, APIError) and second.status == 503, second
-
-
-def test_requests_with_one_grammar_share_its_compile():
-    stuck = _Stuck()
-    checker = GrammarChecker(stuck, timeout_s=5.0, threads=2)
-
-    async def run():
-        tasks = [checker.compiled(Grammar("json_schema", SCHEMA)) for _ in range(4)]
-        waiting = asyncio.gather(*tasks)
-        await asyncio.sleep(0.1)
-        stuck.release.set()
-        return await waiting
-
-    outs = asyncio.run(run())
-    assert stuck.started == 1 and {o.compiled for o in outs} == {"{}"}
 
 
 def test_the_server_compiles_for_the_engines_end_ids(tiny_llama):

@@ -190,6 +190,7 @@ class GrammarCompiler:
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
         self.stop_ids = sorted(stop_ids)
         self._compiler: xgr.GrammarCompiler | None = None
+        self._info: xgr.TokenizerInfo | None = None
         self.batch_fill = BatchFill(FILL_THREADS)  # a step's masks
         self.pool = None  # worker processes that fill them instead (`start_workers`) ...
         self.pool_min_rows = POOL_MIN_ROWS  # ... in steps with this many constrained rows
@@ -226,14 +227,27 @@ class GrammarCompiler:
         """Fill masks in `workers` processes (runtime/grammar_pool.py) once they are ready:
         they start in the background (a second or two: they import xgrammar), and until
         then the masks are filled here."""
-        self._compiler_for_tokenizer()
-        self.pool = GrammarPool(self._info.serialize_json(), workers)
+        self.pool = GrammarPool(self.info_json(), workers)
         self.masks = MaskBuffer(self.masks.words, shared=True)
 
     def close(self) -> None:
         """Stop the workers, if any (idempotent)."""
         if self.pool is not None:
             self.pool.close()
+
+    @classmethod
+    def from_info(cls, info_json: str, vocab_size: int) -> GrammarCompiler:
+        """A compiler for the tokenizer that `info_json` describes (`info_json()`): in a
+        process that has no tokenizer (the server's compile workers)."""
+        compiler = cls(None, vocab_size, [])
+        compiler._info = xgr.TokenizerInfo.deserialize_json(info_json)
+        compiler._compiler = xgr.GrammarCompiler(compiler._info, cache_limit_bytes=CACHE_BYTES)
+        return compiler
+
+    def info_json(self) -> str:
+        """The tokenizer's tables as xgrammar serializes them, for worker processes."""
+        self._compiler_for_tokenizer()
+        return self._info.serialize_json()
 
     def _compiler_for_tokenizer(self) -> xgr.GrammarCompiler:
         if self._compiler is None:
@@ -248,7 +262,7 @@ class GrammarCompiler:
     def compile(self, grammar: Grammar) -> xgr.CompiledGrammar:
         """The compiled grammar (loaded from `grammar.compiled` where it was compiled
         already); a grammar xgrammar refuses is the request's error (400)."""
-        if self.tokenizer is None:
+        if self.tokenizer is None and self._compiler is None:
             raise InvalidRequestError(
                 "structured output needs the model's tokenizer; this engine has none",
                 grammar.field,
@@ -331,6 +345,25 @@ class GrammarCompiler:
             grammar = req.params.grammar
             state.remote = self.pool.remote(self.compile(grammar), grammar.key)
         return state.remote
+
+
+# A compile worker's compiler (server/grammar_compile.py: one process of its pool each)
+_worker_compiler: GrammarCompiler | None = None
+
+
+def start_compile_worker(info_json: str, vocab_size: int) -> None:
+    """A compile worker's start: its compiler for the tokenizer `info_json` describes."""
+    global _worker_compiler
+    _worker_compiler = GrammarCompiler.from_info(info_json, vocab_size)
+
+
+def compile_in_worker(grammar: Grammar) -> tuple[str | None, str | None]:
+    """In a compile worker: (the grammar compiled and serialized, None), or (None, why)
+    for a grammar that cannot be used (the request's 400, naming its field)."""
+    try:
+        return _worker_compiler.serialize(grammar), None
+    except InvalidRequestError as e:
+        return None, str(e)
 
 
 class GrammarState:

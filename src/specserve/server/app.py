@@ -86,6 +86,7 @@ def build_app(state: ServerState) -> FastAPI:
         state.client.attach(state.loop)
         yield
         await state.client.shutdown()
+        state.inputs.close()
 
     app = FastAPI(title="specserve", version="0.1.0", lifespan=lifespan)
     created = int(time.time())

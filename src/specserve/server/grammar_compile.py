@@ -1,112 +1,74 @@
-"""A request's grammar compiled in the HTTP process before the request is queued: a grammar
+"""A request's grammar compiled for the HTTP process before the request is queued: a grammar
 xgrammar refuses is a 400 before any stream starts, and the engine gets it compiled
 (`Grammar.compiled`) and loads it instead of compiling it on its step loop.
 
 xgrammar's compile time grows with the square of a schema's repeat counts: a 258-byte
 schema with `"pattern": "[a-z]{0,9000}"` takes seconds, a nesting 400 levels deep tens of
-seconds. So grammars compile on threads of their own (xgrammar releases the GIL: the event
-loop goes on), not the pool that encodes prompts, and a request whose grammar has not
-compiled within COMPILE_TIMEOUT_S is refused (400) while its compile runs out in the
-background (xgrammar keeps what it compiled: the same grammar again is at once); one that
-waited that long for a thread because others' compiles held them all is told to retry
-(503) and its compile never starts.
+seconds, and a compile cannot be stopped from inside. So grammars compile in worker
+processes (pebble's ProcessPool, started with the first grammar a request brings), where a
+compile that runs past COMPILE_TIMEOUT_S is ended by ending its process (the pool starts
+another): it costs the server its time bound and no more, and never holds a worker, a core
+or memory after it. Requests bringing a grammar whose compile is under way wait for that
+compile; a request whose compile found no free worker within the bound is told to retry
+(503), one whose grammar ran out the bound is refused (400), and a compile nobody waits for
+any more is stopped.
 """
 
 from __future__ import annotations
 
 import asyncio
-import threading
-import time
+import multiprocessing
 from collections import OrderedDict
+from concurrent import futures
 from dataclasses import replace
+
+from pebble import ProcessExpired, ProcessPool
 
 from specserve.core.errors import InvalidRequestError
 from specserve.core.sampling_params import Grammar
-from specserve.runtime.grammar import GrammarCompiler
+from specserve.runtime.grammar import GrammarCompiler, compile_in_worker, start_compile_worker
 from specserve.server.errors import APIError, bad_request, from_invalid_request
 
 COMPILE_TIMEOUT_S = 10.0
-COMPILE_THREADS = 2
+COMPILE_WORKERS = 2
 KEPT_BYTES = 64 << 20  # serialized grammars kept for the next request with the same one
 RETRY_AFTER_S = 5
 
 
-class _Compile:
-    """One grammar's compile on its own daemon thread, which waits for a slot first: its
-    state moves waiting -> running -> done, or waiting -> dropped (nobody waits for it any
-    more: it never starts), under one lock."""
+class _Job:
+    """One grammar's compile: it waits for a free worker (`started` once it has one, then
+    sent to the pool), and how many requests wait for it."""
 
-    def __init__(self, checker: GrammarChecker, grammar: Grammar):
-        self.loop = asyncio.get_running_loop()
-        self.done = self.loop.create_future()
-        self.state, self.started_at = "waiting", 0.0
+    def __init__(self):
+        self.started = False
         self.waiters = 0
-        self._lock = threading.Lock()
-        self._checker, self._grammar = checker, grammar
-        threading.Thread(target=self._run, name="grammar-compile", daemon=True).start()
-
-    def _run(self) -> None:
-        slots = self._checker._slots
-        if not slots.acquire(timeout=self._checker.timeout_s):
-            return  # (its waiters have given up by now)
-        try:
-            with self._lock:
-                if self.state == "dropped":
-                    return
-                self.state, self.started_at = "running", time.monotonic()
-            result, error = None, None
-            try:
-                result = self._checker.grammars.serialize(self._grammar)
-            except Exception as e:
-                error = e
-        finally:
-            slots.release()
-        try:
-            self.loop.call_soon_threadsafe(self._settle, result, error)
-        except RuntimeError:  # the loop is gone (the server stopped meanwhile)
-            pass
-
-    def _settle(self, result, error) -> None:
-        self.state = "done"
-        if not self.done.done():
-            if error is None:
-                self.done.set_result(result)
-            else:
-                self.done.set_exception(error)
-
-    def drop(self) -> float | None:
-        """Nobody waits any more: a compile not started never starts. Returns how long it
-        has run (None: it had not started)."""
-        with self._lock:
-            if self.state == "waiting":
-                self.state = "dropped"
-                return None
-            return time.monotonic() - self.started_at
+        self.task: asyncio.Task | None = None  # (`GrammarChecker._run`)
 
 
 class GrammarChecker:
-    """Compiles grammars for requests (see the module). Each compile runs on a daemon
-    thread that waits for one of `threads` slots (a compile cannot be stopped, and one
-    running out in the background must not hold up the server's exit); requests bringing
-    a grammar being compiled wait for that compile."""
+    """Compiles grammars for requests (see the module) in `workers` processes, each given
+    the tokenizer's tables of `grammars` (a GrammarCompiler) when the pool starts. `task`
+    is what a worker runs for a grammar: (serialized, None) or (None, why it is refused)."""
 
     def __init__(
         self,
         grammars: GrammarCompiler,
         timeout_s: float = COMPILE_TIMEOUT_S,
-        threads: int = COMPILE_THREADS,
+        workers: int = COMPILE_WORKERS,
+        task=compile_in_worker,
     ):
-        self.grammars = grammars
-        self.timeout_s = timeout_s
-        self._slots = threading.Semaphore(threads)
-        self._compiling: dict[tuple, _Compile] = {}  # Grammar.key -> its compile under way
+        self.grammars, self.timeout_s, self.workers, self.task = grammars, timeout_s, workers, task
+        self._pool: ProcessPool | None = None
+        self._starting = asyncio.Lock()
+        self._slots = asyncio.Semaphore(workers)
+        self._compiling: dict[tuple, _Job] = {}  # Grammar.key -> its compile under way
         self._kept: OrderedDict[tuple, str] = OrderedDict()  # Grammar.key -> serialized
         self._kept_bytes = 0
 
     async def compiled(self, grammar: Grammar) -> Grammar:
         """`grammar` with its compiled form (`Grammar.compiled`); an APIError when it does
-        not compile (400), not within the time bound (400), or found no thread in time to
-        compile within it (503)."""
+        not compile (400), not within the time bound (400), or found no worker in time to
+        compile (503)."""
         serialized = self._kept.get(grammar.key)
         if serialized is None:
             serialized = await self._compile(grammar)
@@ -117,38 +79,77 @@ class GrammarChecker:
 
     async def _compile(self, grammar: Grammar) -> str:
         job = self._compiling.get(grammar.key)
-        if job is None or job.state == "dropped":
-            job = self._compiling[grammar.key] = _Compile(self, grammar)
+        if job is None:
+            job = self._compiling[grammar.key] = _Job()
+            job.task = asyncio.create_task(self._run(job, grammar))
         job.waiters += 1
         try:
-            return await asyncio.wait_for(asyncio.shield(job.done), self.timeout_s)
-        except InvalidRequestError as e:
-            raise from_invalid_request(e) from e
-        except asyncio.TimeoutError:
-            ran = job.drop() if job.waiters == 1 else job_time(job)
-            if ran is None or ran < self.timeout_s / 2:  # (it waited for a thread)
-                raise APIError(
-                    503,
-                    "the server is busy compiling other requests' grammars; retry later",
-                    param=grammar.field,
-                    code="grammar_compiler_busy",
-                    headers={"Retry-After": str(RETRY_AFTER_S)},
-                ) from None
+            done, _ = await asyncio.wait([job.task], timeout=self.timeout_s)
+            if not done:
+                if not job.started:  # still waiting for a worker: every one was busy
+                    raise _busy(grammar)
+                # it started within the bound: it ends within its own (pebble ends it there)
+                await asyncio.wait([job.task])
+        finally:
+            job.waiters -= 1
+            if job.waiters == 0 and not job.task.done():  # nobody waits any more: a queued
+                job.task.cancel()  # compile never starts, a running one ends with its worker
+            if job.task.done() or job.waiters == 0:
+                if self._compiling.get(grammar.key) is job:
+                    del self._compiling[grammar.key]
+        if job.task.cancelled():  # (the pool was stopped: the server is shutting down)
+            raise _busy(grammar)
+        error = job.task.exception()
+        if isinstance(error, futures.TimeoutError):  # pebble's: it ran out the bound, ended
             what = "the grammar" if grammar.field == "grammar" else f"the {grammar.field} grammar"
             raise bad_request(
                 f"{what} did not compile within {self.timeout_s:g} s; simplify it: large "
                 "repeat counts (a pattern's {0,9000}) and deep nesting cost time that grows "
                 "with their square",
                 grammar.field,
-            ) from None
-        except asyncio.CancelledError:  # (the client went away)
-            if job.waiters == 1:
-                job.drop()
-            raise
-        finally:
-            job.waiters -= 1
-            if job.state in ("done", "dropped") and self._compiling.get(grammar.key) is job:
-                del self._compiling[grammar.key]
+            )
+        if isinstance(error, ProcessExpired):  # (it ran out of memory, say)
+            raise bad_request(
+                f"compiling the grammar ended its compiler process (exit code {error.exitcode})"
+                "; simplify it",
+                grammar.field,
+            )
+        serialized, why = job.task.result()  # (any other error: the server's, a 500)
+        if why is not None:
+            raise from_invalid_request(InvalidRequestError(why, grammar.field))
+        return serialized
+
+    async def _run(self, job: _Job, grammar: Grammar) -> tuple[str | None, str | None]:
+        """The compile: a worker slot first (pebble would send every task to its workers'
+        pipe at once, and a task cancelled there still starts and costs its worker), then
+        the pool, which ends it at the bound. Cancelled (nobody waits), it never starts or
+        its worker is ended."""
+        async with self._slots:
+            pool = await self._started()
+            job.started = True
+            future = pool.schedule(self.task, (grammar,), timeout=self.timeout_s)
+            return await asyncio.wrap_future(future)  # (cancelled: pebble's future too)
+
+    async def _started(self) -> ProcessPool:
+        """The worker pool, started with the first grammar (its workers import xgrammar and
+        read the tokenizer's tables: a second or two, once)."""
+        async with self._starting:
+            if self._pool is None:
+                info = await asyncio.to_thread(self.grammars.info_json)  # (~0.2 s a 49k vocab)
+                self._pool = ProcessPool(
+                    max_workers=self.workers,
+                    initializer=start_compile_worker,
+                    initargs=(info, self.grammars.vocab_size),
+                    context=multiprocessing.get_context("spawn"),
+                )
+        return self._pool
+
+    def close(self) -> None:
+        """Stop the workers, compiles under way included (idempotent)."""
+        if self._pool is not None:
+            self._pool.stop()
+            self._pool.join(timeout=10)
+            self._pool = None
 
     def _keep(self, key: tuple, serialized: str) -> None:
         if key in self._kept:
@@ -159,6 +160,11 @@ class GrammarChecker:
             self._kept_bytes -= len(self._kept.popitem(last=False)[1])
 
 
-def job_time(job: _Compile) -> float | None:
-    """How long a compile others still wait for has run (None: not started)."""
-    return None if job.state == "waiting" else time.monotonic() - job.started_at
+def _busy(grammar: Grammar) -> APIError:
+    return APIError(
+        503,
+        "the server is busy compiling other requests' grammars; retry later",
+        param=grammar.field,
+        code="grammar_compiler_busy",
+        headers={"Retry-After": str(RETRY_AFTER_S)},
+    )

@@ -55,8 +55,12 @@ class InputProcessor:
         template = getattr(tokenizer, "chat_template", None)
         self.tool_format = tool_format(template if isinstance(template, str) else None)
 
+    def close(self) -> None:
+        """Stop the grammar compiles' workers (the server shuts down)."""
+        self.grammar_checker.close()
+
     async def check_grammar(self, prepared: PreparedRequest) -> None:
-        """Compile the request's grammar here, off the event loop and within a time bound,
+        """Compile the request's grammar here, in worker processes and within a time bound,
         so that one the engine would refuse is a 4xx before any stream starts, and hand it
         to the engine compiled (server/grammar_compile.py)."""
         grammar = prepared.requests[0].params.grammar
