@@ -20,7 +20,12 @@ from specserve.bench.matrix import (
     requests_for,
     servers,
 )
-from specserve.bench.matrix_report import point_ratios, ratio_summary, write_matrix_outputs
+from specserve.bench.matrix_report import (
+    point_ratios,
+    ratio_summary,
+    ratio_table,
+    write_matrix_outputs,
+)
 from specserve.bench.report import summarize
 from specserve.cli import build_parser, main
 
@@ -155,11 +160,17 @@ def test_requests_per_point_reach_a_steady_state():
     points = poisson_points(MatrixSpec(request_rates=[30.0], relative_rates=[0.5, 0.9]), 40.0)
     assert [(p.level, p.fraction) for p in points] == [(20.0, 0.5), (30.0, None), (36.0, 0.9)]
     assert points[0].label == "20 req/s (0.5x)" and Point("closed", 16).label == "c=16"
-    with pytest.raises(ValueError, match="completed no request"):
-        poisson_points(MatrixSpec(), None)
+    # without off's peak (off did not start) the relative rates are left out, not the run;
+    # a rate given twice (absolute and resolved) is one point
+    spec = MatrixSpec(request_rates=[30.0, 20.0], relative_rates=[0.5])
+    assert [(p.level, p.fraction) for p in poisson_points(spec, None)] == [
+        (20.0, None),
+        (30.0, None),
+    ]
+    assert [p.level for p in poisson_points(spec, 40.0)] == [20.0, 30.0]
 
 
-def _row(config, policy, k, acceptance, arrival, level, tput, ok=True, mix=None):
+def _row(config, policy, k, acceptance, arrival, level, tput, ok=True, mix=None, e2e=None):
     r = summarize([], 1.0, None, config={"max_concurrency": level})
     r.update(
         output_throughput=tput,
@@ -167,7 +178,9 @@ def _row(config, policy, k, acceptance, arrival, level, tput, ok=True, mix=None)
         label=config,
         num_requests=4,
         completed=4 if ok else 3,
+        total_output_tokens=400,
     )
+    r["e2e_latency_ms"]["mean"] = e2e
     r["server"] = (
         {"speculation": {"draft_length_mix": mix, "mean_acceptance_length": 2.5}} if mix else None
     )
@@ -186,16 +199,20 @@ def _row(config, policy, k, acceptance, arrival, level, tput, ok=True, mix=None)
 
 def _rows():
     rows = []
-    for arrival, level, off, k1, k3, goodput in (
-        ("closed", 1, 100, 150, 180, 190),
-        ("closed", 64, 1000, 900, 700, 990),
-        ("poisson", 5.0, 300, 310, 305, 320),
+    # (Poisson points: their mean e2e latencies, ms, which their ratios compare)
+    for arrival, level, off, k1, k3, goodput, e2e in (
+        ("closed", 1, 100, 150, 180, 190, {}),
+        ("closed", 64, 1000, 900, 700, 990, {}),
+        ("poisson", 5.0, 300, 310, 305, 320, {"off": 1000, "k1": 900, "k3": 950, "g": 850}),
     ):
-        rows.append(_row("off", "off", None, None, arrival, level, off))
-        rows.append(_row("fixed-k1", "fixed", 1, 3.0, arrival, level, k1))
-        rows.append(_row("fixed-k3", "fixed", 3, 3.0, arrival, level, k3, ok=level != 64))
+        rows.append(_row("off", "off", None, None, arrival, level, off, e2e=e2e.get("off")))
+        rows.append(_row("fixed-k1", "fixed", 1, 3.0, arrival, level, k1, e2e=e2e.get("k1")))
         rows.append(
-            _row("goodput", "goodput", 3, 3.0, arrival, level, goodput, mix={"0": 0.25, "3": 0.75})
+            _row("fixed-k3", "fixed", 3, 3.0, arrival, level, k3, level != 64, e2e=e2e.get("k3"))
+        )
+        mix = {"0": 0.25, "3": 0.75}
+        rows.append(
+            _row("goodput", "goodput", 3, 3.0, arrival, level, goodput, mix=mix, e2e=e2e.get("g"))
         )
     rows.append(_row("fixed-k1", "fixed", 1, 1.5, "closed", 1, 120))  # no goodput at 1.5
     return rows
@@ -217,16 +234,29 @@ def test_ratios_against_the_best_baseline_and_off():
     high = by_point[(3.0, "closed", 64)]
     assert high["best_baseline"] == "off" and high["goodput_over_best"] == pytest.approx(0.99)
     assert not high["all_requests_ok"] and low["all_requests_ok"]
-    assert by_point[(3.0, "poisson", 5.0)]["goodput_over_best"] == pytest.approx(320 / 310)
+    # under Poisson arrivals by latency: the best baseline is the fastest, the ratio its
+    # latency over goodput's (the throughputs, ~the arrival rate, say little)
+    poisson = by_point[(3.0, "poisson", 5.0)]
+    assert poisson["best_baseline"] == "fixed-k1" and poisson["ratio_of"] == "e2e_latency_ms_mean"
+    assert poisson["goodput_over_best"] == pytest.approx(900 / 850)
+    assert poisson["goodput_over_off"] == pytest.approx(1000 / 850)
     assert high["goodput_speculation"]["draft_length_mix"] == {"0": 0.25, "3": 0.75}
     # off serves every acceptance; without goodput there is no ratio
     alone = by_point[(1.5, "closed", 1)]
     assert alone["best_baseline"] == "fixed-k1" and alone["goodput_over_best"] is None
     assert [r["level"] for r in ratios if r["acceptance"] == 1.5] == [1, 64, 5.0]
     here = [r for r in ratios if r["acceptance"] == 3.0]
+    # the point where a run failed requests is left out of the summary (and the plot), as
+    # is one whose runs did different work (output token totals apart)
     assert ratio_summary(here) == (
-        "goodput ÷ best: below 1.00 at 1 of 3 points; minimum 0.990 (c=64), median 1.032"
+        "goodput ÷ best: below 1.00 at 0 of 2 points; minimum 1.056 (c=1), median 1.057 "
+        "(1 more left out: failed requests or unequal output token totals)"
     )
+    rows = _rows()
+    rows[0]["total_output_tokens"] = 380  # off at c=1: EOS ended some requests earlier
+    at_one = point_ratios(rows, [3.0])[0]
+    assert at_one["output_tokens_spread"] == pytest.approx(400 / 380 - 1)
+    assert "(output tokens 5% apart)" in ratio_table([at_one], ["off"])
 
 
 def test_page_and_plot_from_rows(tmp_path, capsys):
@@ -296,9 +326,9 @@ def test_each_server_serves_every_point_before_the_next_starts(monkeypatch, tmp_
     load = LoadConfig("http://127.0.0.1")
     made = []
 
-    def make_dataset(n):
-        made.append(n)
-        return Dataset("d", [BenchPrompt("p", 4)] * n)
+    def make_dataset(n, part):
+        made.append((n, part))
+        return Dataset("d", [BenchPrompt(f"p{part}", 4)] * n)
 
     plan = matrix_run.MatrixPlan(spec, runs, 2, [], load, warmup_requests=1, log_dir=tmp_path)
     saved = []
@@ -322,7 +352,9 @@ def test_each_server_serves_every_point_before_the_next_starts(monkeypatch, tmp_
         *per_server,
         ("stop", "goodput@L3"),
     ]
-    assert made == [8]  # one dataset per request count, shared by every server
+    # a dataset per point, shared by every server (no point replays another's prompts
+    # into a server that cached them), and the warm-up's own prompt
+    assert made == [(1, -1), (8, 1), (8, 2), (8, 3), (1, -1), (1, -1)]
     assert [
         (r["matrix"]["config"], r["matrix"]["arrival"], r["matrix"]["level"]) for r in rows[:3]
     ] == [("off", "closed", 1), ("off", "closed", 4), ("off", "poisson", 4.0)]
@@ -390,7 +422,7 @@ def test_a_server_that_cannot_start_costs_only_its_own_points(monkeypatch, tmp_p
     seen = []
     result = matrix_run.run_matrix(
         plan,
-        lambda n: Dataset("d", [BenchPrompt("p", 4)] * n),
+        lambda n, part: Dataset("d", [BenchPrompt("p", 4)] * n),
         progress=False,
         on_server_done=lambda res: seen.append(len(res.failed_servers)),
     )
@@ -415,12 +447,19 @@ def test_a_sweep_hands_its_rows_on_after_each_server(monkeypatch, tmp_path):
     monkeypatch.setattr(sweep, "ServerProcess", fake_server)
     monkeypatch.setattr(sweep, "benchmark", fake_benchmark)
     monkeypatch.setattr(sweep, "warm_up", lambda *a, **k: None)
-    data = {c: Dataset("d", [BenchPrompt("p", 4)] * 2) for c in (1, 2)}
+
+    def data(c, r):
+        return Dataset("d", [BenchPrompt("p", 4)] * 2)
+
     plan = sweep.SweepPlan(
         {"a": [], "b": ["--x"]}, [1, 2], 2, [], LoadConfig("http://h"), 0, None, tmp_path
     )
     saved = []
     rows = sweep.run_sweep(
-        plan, data, progress=False, on_server_done=lambda r: saved.append(len(r))
+        plan,
+        data,
+        BenchPrompt("w", 4),
+        progress=False,
+        on_server_done=lambda r: saved.append(len(r)),
     )
     assert saved == [2, 4] and len(rows) == 4

@@ -535,3 +535,17 @@ def test_round_medians_pair_each_round_with_the_reference():
     assert sorted((r["label"], r["round"]) for r in picked) == [("goodput", 1), ("off", 2)]
     table = medians_table(round_medians(rows, "off"))
     assert "÷ off (median of rounds)" in table and "| goodput | 4 | 2 | 72.0 |" in table
+
+
+def test_plot_of_a_rounds_sweep_draws_each_points_median_round(tmp_path):
+    from specserve.bench.plot import load_rows
+
+    rows = []
+    for r, tput in enumerate((100.0, 300.0, 200.0)):
+        row = _fake_report("off", 4, tput, 5.0)
+        row["round"] = r
+        rows.append(row)
+    path = tmp_path / "rounds.json"
+    path.write_text(json.dumps({"kind": "specserve-bench-sweep", "rounds": 3, "results": rows}))
+    (median,) = load_rows([path])  # one point, as the sweep drew it
+    assert median["output_throughput"] == 200.0 and median["round"] == 2

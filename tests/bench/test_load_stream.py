@@ -155,3 +155,65 @@ def test_responses_without_chunks_and_errors():
     busy, garbage = asyncio.run(_with_server(handler, body))
     assert busy.error == "HTTP 503" and busy.error_message == "busy"
     assert garbage.error == "connection closed" and not garbage.ok
+
+
+def test_events_of_other_shapes_and_an_end_without_done():
+    """A stream ending after a finish_reason without [DONE] is complete (vLLM's bench takes
+    it so); one ending before any is not; an event that is not a JSON object fails that
+    request, not the run; a choice or usage of another shape is skipped."""
+    chunk = {"choices": [{"index": 0, "text": "ab", "finish_reason": None}]}
+    last = {"choices": [{"index": 0, "text": "c", "finish_reason": "length"}], "usage": None}
+    streams = iter(
+        [
+            _sse(chunk) + _sse({"choices": [5], "usage": [1]}) + _sse(last),
+            _sse(chunk),
+            _sse(chunk) + b"data: [1, 2]\n\n" + b"data: [DONE]\n\n",
+        ]
+    )
+
+    async def handler(request, writer):
+        body = next(streams)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % len(body) + body)
+        await writer.drain()
+
+    async def body(url):
+        cfg = LoadConfig(url)
+        return [await _send(cfg, BenchPrompt("p", 4)) for _ in range(3)]
+
+    ended, cut, odd = asyncio.run(_with_server(handler, body))
+    assert ended.ok and ended.output_text == "abc" and ended.output_tokens == 2  # (chunks)
+    assert not cut.ok and cut.error == "stream ended before [DONE]"
+    assert not odd.ok and odd.error == "stream event not an object"
+    assert odd.error_message == "[1, 2]"
+
+
+def test_poisson_arrivals_keep_the_seeds_schedule_on_a_busy_loop(monkeypatch):
+    """Each arrival is placed by the clock from the start: a loop that wakes late (here every
+    sleep overshoots by 10 ms) does not push every later arrival back, which lowered the
+    offered rate by the loop's business (-27% at 300 req/s on a busy 2-core client)."""
+    import math
+
+    from specserve.bench import load
+    from specserve.bench.report import summarize
+
+    clock, real_sleep = [0.0], asyncio.sleep
+    monkeypatch.setattr(load.time, "perf_counter", lambda: clock[0])  # (patched while it runs)
+
+    async def late_sleep(seconds):
+        await real_sleep(0)  # (the request created last starts, at its arrival)
+        clock[0] += seconds + (0.010 if seconds else 0.0)
+
+    async def fake_send(client, cfg, p, run_start):
+        return load.RequestResult(ok=True, start_s=clock[0] - run_start)
+
+    monkeypatch.setattr(load.asyncio, "sleep", late_sleep)
+    monkeypatch.setattr(load, "send_request", fake_send)
+    cfg = LoadConfig("http://h", request_rate=20.0, seed=3)
+    results, _ = asyncio.run(load._run(None, cfg, [BenchPrompt("p", 4)] * 200, 200, None))
+    rng = random.Random(3)
+    scheduled = [0.0]
+    for _ in range(199):
+        scheduled.append(scheduled[-1] + rng.expovariate(20.0))
+    starts = [r.start_s for r in results]
+    assert all(math.isclose(s, want, abs_tol=0.0101) for s, want in zip(starts, scheduled))
+    assert summarize(results, max(starts))["arrival_rate"] == pytest.approx(199 / starts[-1])

@@ -14,6 +14,7 @@ from specserve.bench.conversations import DEFAULT_TURNS
 from specserve.bench.datasets import (
     DATASETS,
     MULTI_TURN,
+    WARMUP_PART,
     BenchPrompt,
     build_dataset,
     resolve_tokenizer,
@@ -199,7 +200,7 @@ def add_bench_commands(bench: argparse.ArgumentParser) -> None:
     t.set_defaults(func=throughput_command)
 
 
-def _dataset(args, n: int, tokenizer):
+def _dataset(args, n: int, tokenizer, part: int = 0):
     dataset = build_dataset(
         args.dataset,
         n,
@@ -211,6 +212,7 @@ def _dataset(args, n: int, tokenizer):
         args.seed,
         shared_prefix_len=args.shared_prefix_len,
         turns=args.turns,
+        part=part,
     )
     chats = (p for p in dataset.prompts if isinstance(p, BenchPrompt))
     if args.endpoint != "chat" and any(isinstance(p.prompt, list) for p in chats):
@@ -307,8 +309,8 @@ def _sweep_setup(args: argparse.Namespace):
     if _needs_tokenizer(args):
         tokenizer, how = resolve_tokenizer(args.tokenizer or args.model, model_name)
 
-    def make_dataset(n: int):
-        dataset = _dataset(args, n, tokenizer)
+    def make_dataset(n: int, part: int):  # (datasets.build_dataset: a part's own prompts)
+        dataset = _dataset(args, n, tokenizer, part)
         dataset.notes.insert(0, how)
         return dataset
 
@@ -359,7 +361,7 @@ def _sweep(args: argparse.Namespace) -> int:
     if not levels or min(levels) < 1:
         raise SpecserveError(f"--concurrency needs positive integers; got {text!r}")
     configs = _wrap(lambda: parse_configs(args.config))
-    per_level = _wrap(lambda: float(args.requests_per_concurrency or 1.0))
+    per_level = _wrap(lambda: float(args.requests_per_concurrency or 2.0))
     if not 0 < per_level < math.inf:
         raise SpecserveError(f"--requests-per-concurrency must be positive; got {per_level}")
     if args.rounds < 1:
@@ -381,7 +383,14 @@ def _sweep(args: argparse.Namespace) -> int:
     model_name, make_dataset, server_args, env, load = _sweep_setup(args)
     # enough requests at each level for a steady state (a closed loop's first and last
     # waves run below its concurrency)
-    datasets = {c: make_dataset(max(args.num_prompts, math.ceil(per_level * c))) for c in levels}
+    made = {}
+
+    def datasets(c: int, r: int):  # each (level, round) its own prompts, every config's alike
+        if (c, r) not in made:
+            n = max(args.num_prompts, math.ceil(per_level * c))
+            made[c, r] = make_dataset(n, 1 + r * len(levels) + levels.index(c))
+        return made[c, r]
+
     plan = SweepPlan(
         configs,
         levels,
@@ -408,7 +417,10 @@ def _sweep(args: argparse.Namespace) -> int:
     def save_partial(rows: list[dict]) -> None:  # a later server's failure loses nothing
         save_json({**sweep, "partial": True, "results": rows}, out_dir / f"{stem}.json")
 
-    rows = run_sweep(plan, datasets, progress=not args.no_progress, on_server_done=save_partial)
+    warm = make_dataset(1, WARMUP_PART).prompts[0]
+    rows = run_sweep(
+        plan, datasets, warm, progress=not args.no_progress, on_server_done=save_partial
+    )
     sweep.update(partial=False, results=rows)
     if args.rounds > 1:
         sweep["summary"] = round_medians(rows, reference=next(iter(configs)))

@@ -68,7 +68,7 @@ def multi_turn_dataset(
     output_len: int,
     range_ratio: float = 0.0,
     tokenizer=None,
-    seed: int = 0,
+    seed: int | str = 0,
 ) -> Dataset:
     """n conversations of `turns` turns; every question is a random prompt of about
     input_len tokens (exact with a tokenizer, as `random_dataset`) asking for about

@@ -121,7 +121,12 @@ def _clean_vocab(tokenizer) -> list[int]:
 
 
 def random_dataset(
-    n: int, input_len: int, output_len: int, range_ratio: float, tokenizer=None, seed: int = 0
+    n: int,
+    input_len: int,
+    output_len: int,
+    range_ratio: float,
+    tokenizer=None,
+    seed: int | str = 0,
 ) -> Dataset:
     """Prompts of random tokens with lengths uniform in len * [1 - ratio, 1 + ratio]."""
     if not 0 <= range_ratio < 1:
@@ -203,10 +208,11 @@ def _messages_of(record: dict, line_no: int) -> str | list[dict]:
     return messages[: last_user + 1]
 
 
-def jsonl_dataset(path: str | Path, n: int, output_len: int) -> Dataset:
+def jsonl_dataset(path: str | Path, n: int, output_len: int, start: int = 0) -> Dataset:
     """Prompts from a JSONL file: {"prompt": str} or {"messages": [...]} or ShareGPT
-    {"conversations": [...]} per line, each with an optional "max_tokens". Lines are reused
-    in order when the file has fewer than n."""
+    {"conversations": [...]} per line, each with an optional "max_tokens": n of them in
+    order from record `start` (modulo their count), reused from the first when the file has
+    fewer."""
     path = Path(path)
     if not path.is_file():
         raise DatasetError(f"--dataset-path {str(path)!r} is not a file")
@@ -237,7 +243,7 @@ def jsonl_dataset(path: str | Path, n: int, output_len: int) -> Dataset:
         if len(records) >= n
         else [f"{path.name} has {len(records)} prompts; reused in order to make {n}"]
     )
-    prompts = [records[i % len(records)] for i in range(n)]
+    prompts = [records[(start + i) % len(records)] for i in range(n)]
     return Dataset(f"jsonl:{path.name}", prompts, notes)
 
 
@@ -279,7 +285,7 @@ def text_dataset(
     output_len: int,
     range_ratio: float = 0.0,
     tokenizer=None,
-    seed: int = 0,
+    seed: int | str = 0,
 ) -> Dataset:
     """Excerpts of about input_len tokens cut at line starts from built-in text."""
     if source not in TEXT_SOURCES:
@@ -358,6 +364,9 @@ def _local_tokenizer(path: str):
     return load_tokenizer(resolve_model(path, "dummy" if config_only else "auto"))
 
 
+WARMUP_PART = -1  # (build_dataset's `part` of a benchmark's warm-up prompts)
+
+
 def build_dataset(
     kind: str,
     n: int,
@@ -369,18 +378,26 @@ def build_dataset(
     seed: int,
     shared_prefix_len: int = 0,
     turns: int | None = None,
+    part: int = 0,
 ) -> Dataset:
     """The dataset the options ask for, every prompt starting with a shared prefix of
     `shared_prefix_len` tokens when that is above 0. `turns` (conversation length) applies to
-    multi-turn only; n counts its conversations."""
+    multi-turn only; n counts its conversations.
+
+    `part` numbers the datasets of one benchmark (a sweep's points and rounds, its warm-up):
+    each part's prompts differ (drawn from `seed` and the part; a JSONL file's taken from
+    the part's place on), so no point replays another's prompts into a server that cached
+    them (prefix caching is on by default); the shared prefix stays the same, as a server's
+    system prompt does. Part 0 is what a single run sends."""
     if n < 1:
         raise DatasetError(f"--num-prompts must be >= 1; got {n}")
     if shared_prefix_len < 0:
         raise DatasetError(f"--shared-prefix-len must be >= 0; got {shared_prefix_len}")
     if turns is not None and kind != MULTI_TURN:
         raise DatasetError(f"--turns applies to --dataset {MULTI_TURN} only; got {kind}")
+    drawn_from = seed if part == 0 else f"{seed}:{part}"  # (random.Random takes a str)
     dataset = _base_dataset(
-        kind, n, input_len, output_len, range_ratio, path, tokenizer, seed, turns
+        kind, n, input_len, output_len, range_ratio, path, tokenizer, drawn_from, turns, part
     )
     if shared_prefix_len:
         prefix = shared_prefix(shared_prefix_len, tokenizer, seed)
@@ -394,13 +411,13 @@ def build_dataset(
     return dataset
 
 
-def _base_dataset(kind, n, input_len, output_len, range_ratio, path, tokenizer, seed, turns):
+def _base_dataset(kind, n, input_len, output_len, range_ratio, path, tokenizer, seed, turns, part):
     if kind == "random":
         return random_dataset(n, input_len, output_len, range_ratio, tokenizer, seed)
     if kind == "jsonl":
         if not path:
             raise DatasetError("--dataset jsonl needs --dataset-path FILE")
-        return jsonl_dataset(path, n, output_len)
+        return jsonl_dataset(path, n, output_len, start=part * n)
     if kind in TEXT_SOURCES:
         return text_dataset(kind, n, input_len, output_len, range_ratio, tokenizer, seed)
     if kind == MULTI_TURN:

@@ -173,11 +173,18 @@ def _error_kind(exc: BaseException) -> str:
 def _chunk_text(obj: dict, chat: bool) -> str:
     parts = []
     for choice in obj.get("choices") or []:
+        if not isinstance(choice, dict):
+            continue
         if chat:
             parts.append((choice.get("delta") or {}).get("content") or "")
         else:
             parts.append(choice.get("text") or "")
     return "".join(parts)
+
+
+def _finished(obj: dict) -> bool:
+    """Whether a chunk ends a choice (a finish_reason)."""
+    return any(isinstance(c, dict) and c.get("finish_reason") for c in obj.get("choices") or [])
 
 
 async def send_request(
@@ -190,7 +197,7 @@ async def send_request(
     if cfg.api_key:
         headers["Authorization"] = f"Bearer {cfg.api_key}"
     chunks = 0
-    done = False
+    done = finished = False
     try:
         # Built (its JSON encoded) before the clock starts: the client's own work is no
         # part of the server's latency (~0.2 ms for a 2,112-token prompt on a small CPU).
@@ -219,12 +226,16 @@ async def send_request(
                     done = True
                     break
                 obj = json.loads(payload)
+                if not isinstance(obj, dict):  # (an event no OpenAI server sends)
+                    r.error, r.error_message = "stream event not an object", payload[:500]
+                    return r
                 if "error" in obj:
                     err = obj["error"] if isinstance(obj["error"], dict) else {}
                     r.error = f"stream error ({err.get('code') or err.get('type') or 'error'})"
                     r.error_message = json.dumps(obj)[:500]
                     return r
                 text = _chunk_text(obj, chat)
+                finished = finished or _finished(obj)
                 now = time.perf_counter()
                 if text:
                     chunks += 1
@@ -235,14 +246,14 @@ async def send_request(
                     last = now
                     r.output_text += text
                 usage = obj.get("usage")
-                if usage:
+                if usage and isinstance(usage, dict):
                     r.usage_reported = True
                     r.prompt_tokens = usage.get("prompt_tokens")
                     r.cached_prompt_tokens = _cached_tokens(usage)
                     r.output_tokens = usage.get("completion_tokens") or 0
-        if not done:
-            r.error, r.error_message = "stream ended before [DONE]", None
-            return r
+        if not (done or finished):  # (a server that ends its streams without [DONE] after
+            r.error, r.error_message = "stream ended before [DONE]", None  # a finish_reason:
+            return r  # vLLM's bench takes those as complete too)
     except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as e:
         r.error, r.error_message = _error_kind(e), f"{type(e).__name__}: {e}"[:500]
         return r
@@ -317,9 +328,11 @@ async def _run(
             return await send_conversation(client, cfg, c, run_start, on_done)
 
     tasks = []
-    for i, p in enumerate(prompts):
-        if i and math.isfinite(cfg.request_rate):
-            await asyncio.sleep(rng.expovariate(cfg.request_rate))
+    arrival = 0.0  # (seconds from the start: each arrival by the clock, not after the last
+    for i, p in enumerate(prompts):  # one's sleep, whose overshoot would add up, lowering
+        if i and math.isfinite(cfg.request_rate):  # the rate by a busy loop's share)
+            arrival += rng.expovariate(cfg.request_rate)
+            await asyncio.sleep(max(0.0, arrival - (time.perf_counter() - run_start)))
         tasks.append(asyncio.create_task(user(p) if isinstance(p, Conversation) else one(p)))
     done = await asyncio.gather(*tasks)
     duration_s = time.perf_counter() - run_start

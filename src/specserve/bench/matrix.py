@@ -192,18 +192,15 @@ def closed_points(spec: MatrixSpec) -> list[Point]:
 
 
 def poisson_points(spec: MatrixSpec, off_peak_rps: float | None) -> list[Point]:
-    """The open-loop points, slowest first; relative rates need off's peak request rate."""
+    """The open-loop points, slowest first, each rate once; relative rates need off's peak
+    request rate (without it, e.g. off did not start, they are left out)."""
     if "poisson" not in spec.arrival:
         return []
     points = [Point("poisson", r) for r in spec.request_rates]
-    if spec.relative_rates:
-        if not off_peak_rps:
-            raise ValueError(
-                "relative request rates need the off configuration's closed-loop "
-                "request throughput, and it completed no request"
-            )
+    if spec.relative_rates and off_peak_rps:
         points += [Point("poisson", round(f * off_peak_rps, 4), f) for f in spec.relative_rates]
-    return sorted(points, key=lambda p: p.level)
+    unique = {p.level: p for p in reversed(points)}  # (a rate given twice: the first kept)
+    return sorted(unique.values(), key=lambda p: p.level)
 
 
 def requests_for(spec: MatrixSpec, point: Point, num_prompts: int) -> int:
@@ -343,10 +340,7 @@ def add_matrix_args(p) -> None:
     )
     g.add_argument(
         "--requests-per-concurrency",
-        help="closed loop: at least this many "
-        "requests per request in flight (matrix: "
-        "2; also for a plain sweep, where each "
-        "level otherwise sends max(--num-prompts,"
-        " concurrency))",
+        help="closed loop: at least this many requests per request in flight (2: the "
+        "concurrency is held for a wave and more, not only reached)",
     )
     g.add_argument("--poisson-seconds", help="Poisson: at least rate * this many requests (20)")

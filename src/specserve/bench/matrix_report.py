@@ -1,7 +1,12 @@
 """The matrix's results as ratios, for the claim that the goodput policy is never slower than
-plain decoding or the best fixed K: per (acceptance, arrival, level) point, goodput's output
-token throughput over the best of off and every fixed K, and over off; then the JSON, the
-markdown page (a table per acceptance) and the plot of goodput ÷ best."""
+plain decoding or the best fixed K: per (acceptance, arrival, level) point, goodput's
+figure over the best of off and every fixed K, and over off; then the JSON, the markdown
+page (a table per acceptance) and the plot of goodput ÷ best.
+
+The figure is output token throughput in a closed loop. Under Poisson arrivals it is mean
+end-to-end latency (a ratio of the best's latency to goodput's, so above 1 is still
+better): below saturation every configuration's throughput is the arrival rate times the
+tokens a request, and a twice slower configuration moved it by a few percent."""
 
 from __future__ import annotations
 
@@ -23,10 +28,18 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
+def _latency(row: dict) -> float | None:
+    return (row.get("e2e_latency_ms") or {}).get("mean")
+
+
 def point_ratios(rows: list[dict], acceptances: list[float]) -> list[dict]:
     """One entry per (acceptance, arrival, level) where any configuration ran: output tok/s
-    by configuration (off's row serves every acceptance), the best baseline among off and
-    the fixed Ks, goodput ÷ best and goodput ÷ off (None when a side is missing)."""
+    by configuration (off's row serves every acceptance) and, under Poisson arrivals, mean
+    end-to-end latency; the best baseline among off and the fixed Ks by the point's figure
+    (the module docstring), goodput ÷ best and goodput ÷ off (None when a side is
+    missing); whether every run completed every request, and how far the runs' output
+    token totals are apart (they differ where EOS ends requests and simulated acceptance
+    changed the tokens: throughputs of different work)."""
     off = {
         (r["matrix"]["arrival"], r["matrix"]["level"]): r
         for r in rows
@@ -48,43 +61,77 @@ def point_ratios(rows: list[dict], acceptances: list[float]) -> list[dict]:
             if (arrival, level) in off:
                 here.insert(0, off[(arrival, level)])
             tput = {r["matrix"]["config"]: r["output_throughput"] for r in here}
+            goodput = next((r for r in here if r["matrix"]["policy"] == "goodput"), None)
+            fraction = next((r["matrix"].get("rate_fraction") for r in here), None)
+            entry = {
+                "acceptance": acceptance,
+                "arrival": arrival,
+                "level": level,
+                "rate_fraction": fraction,
+                "output_throughput": tput,
+            }
+            if arrival == "poisson":  # lower is better: the best is the lowest
+                figure = {r["matrix"]["config"]: _latency(r) for r in here}
+                entry["e2e_latency_ms_mean"] = figure
+                entry["ratio_of"] = "e2e_latency_ms_mean"
+                better = min
+                over = lambda a, b: _ratio(b, a)  # noqa: E731 (best's latency ÷ goodput's)
+            else:
+                figure, better, over = tput, max, _ratio
+                entry["ratio_of"] = "output_throughput"
             baselines = {
-                r["matrix"]["config"]: r["output_throughput"]
+                r["matrix"]["config"]: figure[r["matrix"]["config"]]
                 for r in here
                 if r["matrix"]["policy"] in ("off", "fixed")
+                and figure[r["matrix"]["config"]] is not None
             }
-            best = max(baselines, key=baselines.get) if baselines else None
-            goodput = next((r for r in here if r["matrix"]["policy"] == "goodput"), None)
-            g_tput = goodput["output_throughput"] if goodput else None
-            fraction = next((r["matrix"].get("rate_fraction") for r in here), None)
-            out.append(
-                {
-                    "acceptance": acceptance,
-                    "arrival": arrival,
-                    "level": level,
-                    "rate_fraction": fraction,
-                    "output_throughput": tput,
-                    "best_baseline": best,
-                    "goodput_over_best": _ratio(g_tput, baselines.get(best)),
-                    "goodput_over_off": _ratio(g_tput, tput.get("off")),
-                    "all_requests_ok": all(_complete(r) for r in here),
-                    "goodput_speculation": ((goodput or {}).get("server") or {}).get("speculation"),
-                }
+            best = better(baselines, key=baselines.get) if baselines else None
+            mine_figure = figure.get("goodput") if goodput else None
+            totals = [r["total_output_tokens"] for r in here if r.get("total_output_tokens")]
+            entry.update(
+                best_baseline=best,
+                goodput_over_best=over(mine_figure, baselines.get(best)),
+                goodput_over_off=over(mine_figure, figure.get("off")),
+                all_requests_ok=all(_complete(r) for r in here),
+                output_tokens_spread=max(totals) / min(totals) - 1 if totals else None,
+                goodput_speculation=((goodput or {}).get("server") or {}).get("speculation"),
             )
+            out.append(entry)
     return out
 
 
+UNEQUAL_WORK = 0.01  # output token totals further apart than this: not the same work
+
+
+def comparable(r: dict) -> bool:
+    """A point whose goodput ÷ best counts: both sides there, every request of every run
+    completed (a failed request takes its tokens, not its wait), the same work."""
+    spread = r.get("output_tokens_spread")
+    return (
+        r["goodput_over_best"] is not None
+        and r["all_requests_ok"]
+        and (spread is None or spread <= UNEQUAL_WORK)
+    )
+
+
 def ratio_summary(ratios: list[dict]) -> str:
-    """One line: how many points goodput ÷ best falls below 1 at, its minimum and median."""
-    values = [r for r in ratios if r["goodput_over_best"] is not None]
+    """One line: how many points goodput ÷ best falls below 1 at, its minimum and median,
+    over the comparable points (and how many were not)."""
+    values = [r for r in ratios if comparable(r)]
+    left_out = sum(r["goodput_over_best"] is not None for r in ratios) - len(values)
+    note = (
+        f" ({left_out} more left out: failed requests or unequal output token totals)"
+        if left_out
+        else ""
+    )
     if not values:
-        return "goodput ÷ best: no point has both goodput and a baseline"
+        return "goodput ÷ best: no comparable point has both goodput and a baseline" + note
     low = min(values, key=lambda r: r["goodput_over_best"])
     below = sum(r["goodput_over_best"] < 1.0 for r in values)
     median = statistics.median(r["goodput_over_best"] for r in values)
     return (
         f"goodput ÷ best: below 1.00 at {below} of {len(values)} points; minimum "
-        f"{low['goodput_over_best']:.3f} ({_point(low).label}), median {median:.3f}"
+        f"{low['goodput_over_best']:.3f} ({_point(low).label}), median {median:.3f}" + note
     )
 
 
@@ -116,13 +163,18 @@ def ratio_table(ratios: list[dict], configs: list[str]) -> str:
     ]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in ratios:
+        latency = r.get("e2e_latency_ms_mean") or {}
         tput = [
-            f"{r['output_throughput'][c]:.1f}" if c in r["output_throughput"] else "-"
+            (f"{r['output_throughput'][c]:.1f}" if c in r["output_throughput"] else "-")
+            + (f" ({latency[c]:.0f} ms)" if latency.get(c) is not None else "")
             for c in configs
         ]
         spec = r.get("goodput_speculation") or {}
         accept = spec.get("mean_acceptance_length")
         flag = "" if r["all_requests_ok"] else " (errors)"
+        spread = r.get("output_tokens_spread")
+        if spread is not None and spread > UNEQUAL_WORK:
+            flag += f" (output tokens {spread:.0%} apart)"
         lines.append(
             "| "
             + " | ".join(
@@ -202,7 +254,10 @@ def markdown_page(matrix: dict, stem: str) -> str:
         "(rate: every configuration at an acceptance L drafts with the per-token rate "
         "whose mean acceptance length at goodput's K_max is L; length: each server gets L "
         "at its own K). `off` never drafts: one server serves every acceptance. Ratios "
-        "are of output token throughput.",
+        "are of output token throughput in a closed loop and of mean end-to-end latency "
+        "under Poisson arrivals (the best's over goodput's: above 1 is better either way); "
+        "points with failed requests or unequal output token totals are flagged and left "
+        "out of the summary and the plot.",
         "",
         "Servers (one at a time, in this order):",
         "",
@@ -226,7 +281,8 @@ def markdown_page(matrix: dict, stem: str) -> str:
             "",
             ratio_summary(here),
             "",
-            "Output tok/s by configuration:",
+            "Output tok/s by configuration (Poisson points: and mean end-to-end latency, "
+            "which their ratios compare):",
             "",
             ratio_table(here, ran),
         ]

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from specserve.bench.datasets import Dataset
+from specserve.bench.datasets import WARMUP_PART, Dataset
 from specserve.bench.load import LoadConfig
 from specserve.bench.matrix import (
     MatrixSpec,
@@ -74,7 +74,7 @@ class MatrixResult:
 
 def run_matrix(
     plan: MatrixPlan,
-    make_dataset: Callable[[int], Dataset],
+    make_dataset: Callable[[int, int], Dataset],
     progress: bool = True,
     on_server_done: Callable[[MatrixResult], None] | None = None,
 ) -> MatrixResult:
@@ -83,13 +83,14 @@ def run_matrix(
     GPU: one server that cannot start, e.g. out of memory at a large K, costs only its own
     points)."""
     log_dir = plan.log_dir or Path(tempfile.mkdtemp(prefix="specserve-matrix-"))
-    datasets: dict[int, Dataset] = {}
+    datasets: dict[tuple, Dataset] = {}
 
-    def dataset(point: Point) -> Dataset:
-        n = requests_for(plan.spec, point, plan.num_prompts)
-        if n not in datasets:
-            datasets[n] = make_dataset(n)
-        return datasets[n]
+    def dataset(point: Point) -> Dataset:  # each point its own prompts, every server's alike
+        key = (point.arrival, point.level)
+        if key not in datasets:
+            n = requests_for(plan.spec, point, plan.num_prompts)
+            datasets[key] = make_dataset(n, 1 + len(datasets))  # (in the order points run)
+        return datasets[key]
 
     result = MatrixResult()
     rows = result.rows
@@ -118,12 +119,20 @@ def run_matrix(
                 on_server_done(result)
             continue
         with started as server:
-            first = closed[0] if closed else (poisson or [Point("closed", 1)])[0]
-            warm_up(plan.load, server, dataset(first).prompts[0], plan.warmup_requests)
+            warm_up(
+                plan.load, server, make_dataset(1, WARMUP_PART).prompts[0], plan.warmup_requests
+            )
             for point in closed:
                 rows.append(_measure_point(plan.load, server, run, point, dataset(point), progress))
             if poisson is None:  # relative rates: off's closed loop has just run
-                poisson = poisson_points(plan.spec, off_peak_request_rate(rows))
+                peak = off_peak_request_rate(rows)
+                if not peak:
+                    print(
+                        "[matrix] off completed no closed-loop request (or did not run): "
+                        "the Poisson points relative to its peak are left out",
+                        flush=True,
+                    )
+                poisson = poisson_points(plan.spec, peak)
             for point in poisson:
                 rows.append(_measure_point(plan.load, server, run, point, dataset(point), progress))
         result.poisson = poisson

@@ -25,7 +25,10 @@ class PlotError(ValueError):
 
 
 def load_rows(paths: list[str | Path]) -> list[dict]:
-    """Reports from sweep or single-run JSON files, each with a 'label'."""
+    """Reports from sweep or single-run JSON files, each with a 'label'; of a sweep of
+    several rounds, each point's median round (as the sweep drew it)."""
+    from specserve.bench.rounds import median_rows
+
     rows = []
     for path in map(Path, paths):
         try:
@@ -33,7 +36,8 @@ def load_rows(paths: list[str | Path]) -> list[dict]:
         except (OSError, json.JSONDecodeError) as e:
             raise PlotError(f"cannot read results {str(path)!r}: {e}") from e
         if isinstance(data, dict) and isinstance(data.get("results"), list):
-            rows.extend(data["results"])
+            results = data["results"]
+            rows.extend(median_rows(results) if (data.get("rounds") or 1) > 1 else results)
         elif isinstance(data, dict) and "output_throughput" in data:
             rows.append({**data, "label": data.get("label") or path.stem})
         else:
@@ -79,17 +83,20 @@ def plot_rows(rows: list[dict], out_path: str | Path, title: str | None = None) 
 
 
 def plot_ratios(ratios: list[dict], out_path: str | Path, title: str | None = None) -> Path:
-    """The adaptive-speculation matrix: goodput ÷ the best of off and fixed K at every point,
-    a panel per arrival (closed: against concurrency; Poisson: against the request rate), a
-    line per acceptance; the dashed line at 1 is where goodput matches the best."""
+    """The adaptive-speculation matrix: goodput ÷ the best of off and fixed K at every
+    comparable point (matrix_report.py: by throughput, under Poisson by latency), a panel
+    per arrival (closed: against concurrency; Poisson: against the request rate), a line
+    per acceptance; the dashed line at 1 is where goodput matches the best."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    points = [r for r in ratios if r.get("goodput_over_best") is not None]
+    from specserve.bench.matrix_report import comparable
+
+    points = [r for r in ratios if comparable(r)]  # (failed requests, unequal work: not drawn)
     if not points:
-        raise PlotError("no point has both a goodput and a baseline result to compare")
+        raise PlotError("no comparable point has both a goodput and a baseline result")
     arrivals = [a for a in ("closed", "poisson") if any(r["arrival"] == a for r in points)]
     fig, axes = plt.subplots(1, len(arrivals), figsize=(6.0 * len(arrivals), 4.4), squeeze=False)
     for ax, arrival in zip(axes[0], arrivals):
@@ -112,7 +119,11 @@ def plot_ratios(ratios: list[dict], out_path: str | Path, title: str | None = No
         ax.set_xlabel(
             "concurrency (closed loop)" if arrival == "closed" else "request rate (Poisson, req/s)"
         )
-        ax.set_ylabel("goodput ÷ max(off, best fixed K)")
+        ax.set_ylabel(
+            "goodput ÷ max(off, best fixed K)"
+            if arrival == "closed"
+            else "best's ÷ goodput's mean e2e latency"
+        )
         ax.grid(True, alpha=0.3)
         ax.legend()
     return _save(fig, out_path, title)

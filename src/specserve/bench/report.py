@@ -63,6 +63,12 @@ def _by_turn(results: list[RequestResult]) -> list[dict] | None:
     return rows
 
 
+def _arrival_rate(results: list[RequestResult]) -> float | None:
+    starts = sorted(r.start_s for r in results if r.turn == 0)  # (a conversation: its first)
+    span = starts[-1] - starts[0] if len(starts) > 1 else 0.0
+    return (len(starts) - 1) / span if span > 0 else None
+
+
 def summarize(
     results: list[RequestResult], duration_s: float, server: dict | None = None, **context
 ) -> dict:
@@ -87,11 +93,14 @@ def summarize(
         "error_examples": examples,
         "total_input_tokens": input_tokens,
         "total_output_tokens": output_tokens,
-        "token_counts_from_usage": all(r.usage_reported for r in ok),
+        "token_counts_from_usage": bool(ok) and all(r.usage_reported for r in ok),
         # usage.prompt_tokens_details.cached_tokens, where the server reports it
         "cached_tokens_reported": len(cached),
         "total_cached_prompt_tokens": sum(cached) if cached else None,
         "prefix_cache_hit_share": _cache_hit_share(ok),
+        # requests sent per second, first to last (a Poisson point's offered load as the
+        # client achieved it; None below two requests)
+        "arrival_rate": _arrival_rate(results),
         "request_throughput": per_s(len(ok)),
         "output_throughput": per_s(output_tokens),
         "total_token_throughput": per_s(input_tokens + output_tokens),

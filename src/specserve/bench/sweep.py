@@ -1,10 +1,12 @@
 """`specserve bench sweep`: one server per configuration, a load run per concurrency, and the
 results as JSON, a markdown table and a plot.
 
-Every configuration sees the same prompts at a given concurrency (the dataset is built once
-per level with a fixed seed). A level sends max(num_prompts, R x concurrency) requests (R:
---requests-per-concurrency, default 1) so that the concurrency is actually reached, for more
-than one wave with R > 1. Each server gets warm-up requests before it is measured.
+Every configuration sees the same prompts at a given concurrency (and round); each level
+and round has prompts of its own (datasets.build_dataset's `part`), so no run replays
+earlier prompts into a server whose prefix cache kept them. A level sends max(num_prompts,
+R x concurrency) requests (R: --requests-per-concurrency, default 2) so that the
+concurrency is held for more than one wave, not only reached. Each server gets warm-up
+requests (a prompt no level sends) before it is measured.
 `warm_up` and `measure` serve the adaptive-speculation matrix too (matrix_run.py).
 
 With `rounds` > 1 the servers run side by side and every (concurrency, configuration) is
@@ -191,16 +193,20 @@ def measure(
 
 def run_sweep(
     plan: SweepPlan,
-    datasets: dict[int, Dataset],
+    datasets: Callable[[int, int], Dataset],
+    warm: BenchPrompt | Conversation,
     progress: bool = True,
     on_server_done: Callable[[list[dict]], None] | None = None,
 ) -> list[dict]:
     """Every configuration at every concurrency; returns one report per (config, level), or
     with `plan.rounds` > 1 one per (round, level, config) (`run_side_by_side`).
-    `on_server_done` gets the reports so far after each server (to save them as it goes)."""
+    `datasets(level, round)` is each point's workload, the same for every configuration
+    (each point's own prompts: none replayed into a server that cached them); `warm` the
+    warm-up's prompt (a prompt no point sends). `on_server_done` gets the reports so far
+    after each server (to save them as it goes)."""
     log_dir = plan.log_dir or Path(tempfile.mkdtemp(prefix="specserve-sweep-"))
     if plan.rounds > 1:
-        return run_side_by_side(plan, datasets, log_dir, progress, on_server_done)
+        return run_side_by_side(plan, datasets, warm, log_dir, progress, on_server_done)
     rows = []
     for name, flags in plan.configs.items():
         flags_text = shlex.join(plan.server_args + flags)
@@ -208,13 +214,11 @@ def run_sweep(
         with ServerProcess(
             plan.server_args + flags, log_dir / f"{name}.log", env=plan.server_env
         ) as server:
-            warm_up(
-                plan.load, server, datasets[plan.concurrencies[0]].prompts[0], plan.warmup_requests
-            )
+            warm_up(plan.load, server, warm, plan.warmup_requests)
             for c in plan.concurrencies:
                 cfg = replace(plan.load, base_url=server.url, max_concurrency=c)
                 rows.append(
-                    measure(cfg, datasets[c], name, flags, progress, f"{name} c={c}", server)
+                    measure(cfg, datasets(c, 0), name, flags, progress, f"{name} c={c}", server)
                 )
         if on_server_done is not None:
             on_server_done(rows)
@@ -223,7 +227,8 @@ def run_sweep(
 
 def run_side_by_side(
     plan: SweepPlan,
-    datasets: dict[int, Dataset],
+    datasets: Callable[[int, int], Dataset],
+    warm: BenchPrompt | Conversation,
     log_dir: Path,
     progress: bool = True,
     on_round_done: Callable[[list[dict]], None] | None = None,
@@ -245,9 +250,7 @@ def run_side_by_side(
                     plan.server_args + flags, log_dir / f"{name}.log", env=plan.server_env
                 )
             )
-            warm_up(
-                plan.load, server, datasets[plan.concurrencies[0]].prompts[0], plan.warmup_requests
-            )
+            warm_up(plan.load, server, warm, plan.warmup_requests)
             servers[name] = server
         for r in range(plan.rounds):
             shift = r % len(names)
@@ -258,7 +261,7 @@ def run_side_by_side(
                     cfg = replace(plan.load, base_url=server.url, max_concurrency=c)
                     desc = f"{name} c={c} round {r + 1}/{plan.rounds}"
                     row = measure(
-                        cfg, datasets[c], name, plan.configs[name], progress, desc, server
+                        cfg, datasets(c, r), name, plan.configs[name], progress, desc, server
                     )
                     row["round"] = r
                     rows.append(row)
