@@ -463,3 +463,20 @@ def test_a_sweep_hands_its_rows_on_after_each_server(monkeypatch, tmp_path):
         on_server_done=lambda r: saved.append(len(r)),
     )
     assert saved == [2, 4] and len(rows) == 4
+
+
+def test_the_matrix_sends_ignore_eos(monkeypatch, tmp_path):
+    """Its simulated acceptance changes the tokens: with EOS free to end requests the
+    configurations would do different work, whose throughputs compare nothing."""
+    seen = []
+
+    def fake_run(plan, make_dataset, progress=True, on_server_done=None):
+        seen.append(plan.load.ignore_eos)
+        return matrix_run.MatrixResult()
+
+    monkeypatch.setattr(matrix_run, "run_matrix", fake_run)
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"prompt": "hi"}\n')
+    argv = ["bench", "sweep", "--matrix", "adaptive", "--dataset", "jsonl", "--dataset-path"]
+    main([*argv, str(data), "--output-dir", str(tmp_path / "out"), "--no-progress"])
+    assert seen == [True]

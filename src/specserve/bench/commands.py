@@ -8,6 +8,7 @@ import json
 import math
 import shlex
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from specserve.bench.conversations import DEFAULT_TURNS
@@ -77,7 +78,8 @@ def _add_workload_args(p: argparse.ArgumentParser, num_prompts: int) -> None:
     p.add_argument(
         "--ignore-eos",
         action="store_true",
-        help="send ignore_eos (non-OpenAI field) so every request makes max_tokens",
+        help="send ignore_eos (non-OpenAI field) so every request makes max_tokens (the "
+        "matrix always does: its simulated acceptance changes the tokens)",
     )
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0, help="seed of prompts and arrival times")
@@ -466,6 +468,9 @@ def _matrix_sweep(args: argparse.Namespace) -> int:
             flush=True,
         )
     model_name, make_dataset, server_args, env, load = _sweep_setup(args)
+    # Simulated acceptance changes the tokens: where EOS could end requests, configurations
+    # would do different work and their throughputs compare nothing
+    load = replace(load, ignore_eos=True)
     plan = MatrixPlan(
         spec,
         runs,
