@@ -9,7 +9,7 @@ from dataclasses import replace
 
 from specserve.core.config import EngineConfig
 from specserve.core.detokenizer import IncrementalDetokenizer, TokenDecoder
-from specserve.core.errors import InvalidRequestError, RequestTooLargeError
+from specserve.core.errors import InvalidRequestError, RequestTooLargeError, TensorParallelError
 from specserve.core.kernel_options import current, using
 from specserve.core.parallel import SINGLE_RANK
 from specserve.core.prefix_cache import PrefixCache
@@ -65,6 +65,7 @@ class LLMEngine:
         self.config = config
         config.load.check_device()  # a missing GPU in one line, not deep inside the loading
         self.parallel = None
+        self._interrupted = False  # a step raised (tensor parallelism: see `step`)
         if config.parallel.tensor_parallel_size > 1:
             from specserve.engine import tensor_parallel
 
@@ -252,9 +253,31 @@ class LLMEngine:
     # ---- the step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one step; return the outputs of every request that produced a token. Under
-        overlap scheduling these are the previous step's (engine/step_loop.py)."""
-        with using(self.kernel_options):
-            return self.loop.step()
+        overlap scheduling these are the previous step's (engine/step_loop.py).
+
+        Under tensor parallelism a step whose collectives fail because a rank is gone says
+        which rank and how it ended (TensorParallelError); a step that raised leaves the
+        other ranks perhaps inside its collectives, so `close` stops them rather than
+        sending them plans; and a step that never ends (a rank hung) ends this process
+        after STEP_TIMEOUT_S (engine/tensor_parallel.py)."""
+        parallel = self.parallel
+        if parallel is None:
+            with using(self.kernel_options):
+                return self.loop.step()
+        parallel.step_began()
+        try:
+            with using(self.kernel_options):
+                return self.loop.step()
+        except BaseException as e:
+            self._interrupted = True
+            # (a collective's error, or the plan channel's: is a rank gone?)
+            failed = isinstance(e, (RuntimeError, TensorParallelError))
+            lost = parallel.lost_rank() if failed else None
+            if lost is not None:
+                raise TensorParallelError(f"{lost}; this engine cannot go on") from e
+            raise
+        finally:
+            parallel.step_ended()
 
     # ---- tensor parallelism ------------------------------------------------------------
     def follow(self) -> None:
@@ -282,10 +305,24 @@ class LLMEngine:
         parallel, self.parallel = self.parallel, None
         if parallel is None:
             return
-        if self.loop.plans is not None:
+        plans = self.loop.plans
+        self.loop.plans = self.sink.plans = None
+        if plans is None:  # (a rank > 0: rank 0 stops it)
+            parallel.close()
+            return
+        if self._interrupted:  # the other ranks may wait inside the step that raised
+            parallel.abort()
+            return
+        parallel.step_began()  # (a rank that hangs now ends this process too)
+        try:
             self.loop.drain()
-            self.loop.plans.stop()
-            self.loop.plans = self.sink.plans = None
+            plans.stop()
+        except Exception as e:  # (a rank gone: stop the rest, leave the group)
+            log.warning("tensor-parallel ranks did not stop cleanly (%s); stopping them", e)
+            parallel.abort()
+            return
+        finally:
+            parallel.step_ended()
         parallel.close()
 
     def queue_lengths(self) -> dict:

@@ -8,10 +8,15 @@ host:port), the standard torch.distributed TCP rendezvous. Every rank joins
 torch.distributed: NCCL on GPUs (gloo on the CPU) for the forward's tensors, and a gloo group
 for the plans.
 
-A rank that dies makes the others fail rather than hang: rank 0 watches the processes it
-spawned and exits with their exit code and a message naming the rank (a collective it waits
-in could not return otherwise); the other ranks' collectives fail when rank 0's connections
-close (they also run as daemons of rank 0's process).
+A rank that dies or hangs makes the others fail rather than hang: rank 0 watches the
+processes it spawned from the moment they start (the rendezvous too) and exits with a
+message naming the rank and how it ended (a collective it waits in could not return
+otherwise); a step whose collective fails first says the same (LLMEngine.step); a step that
+has not ended after STEP_TIMEOUT_S (a rank stopped or stuck) ends rank 0's process. The
+other ranks end when rank 0's connections close or, before the group forms or where a
+collective would not notice (NCCL), when the process that spawned them is gone. They ignore
+SIGINT (a Ctrl-C reaches the whole process group; rank 0 stops them) and are killed, not
+asked, when rank 0 gives up on them. One group per process: a second is refused.
 """
 
 from __future__ import annotations
@@ -19,8 +24,10 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import signal
 import socket
 import threading
+import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -29,6 +36,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from specserve.core.config import EngineConfig
+from specserve.core.errors import ConfigError
 from specserve.core.parallel import TensorParallel
 
 log = logging.getLogger("specserve")
@@ -37,6 +45,10 @@ log = logging.getLogger("specserve")
 # shard of a large checkpoint from a slow disk keeps the others waiting in the first one).
 COLLECTIVE_TIMEOUT = timedelta(minutes=30)
 GRACE_S = 5.0  # how long a failed rank's machine-mate may take to fail on its own
+PARENT_POLL_S = 1.0  # how often a spawned rank checks that its spawning rank lives
+# The longest a step may take under tensor parallelism before rank 0 takes a rank as hung
+# (a step is milliseconds to seconds; first uses of a kernel shape compile for seconds)
+STEP_TIMEOUT_S = 300.0
 
 
 @dataclass
@@ -48,10 +60,37 @@ class ParallelContext:
     control: object
     processes: list = field(default_factory=list)
     closing: threading.Event = field(default_factory=threading.Event)
+    _step_since: float | None = None  # (monotonic) when the step under way began
+    _step_watch: threading.Thread | None = None
 
     @property
     def rank(self) -> int:
         return self.tp.rank
+
+    def step_began(self) -> None:
+        """Rank 0 runs a step (or stops the ranks): one that has not ended after
+        STEP_TIMEOUT_S means a rank hangs (stopped, stuck), whose collectives would keep
+        this one waiting COLLECTIVE_TIMEOUT; the step watch then ends this process."""
+        if self._step_watch is None:
+            self._step_watch = threading.Thread(target=self._watch_steps, daemon=True)
+            self._step_watch.start()
+        self._step_since = time.monotonic()
+
+    def step_ended(self) -> None:
+        self._step_since = None
+
+    def _watch_steps(self) -> None:
+        while not self.closing.is_set():
+            since = self._step_since
+            if since is not None and time.monotonic() - since > STEP_TIMEOUT_S:
+                lost = self.lost_rank(0.0)
+                log.error(
+                    "a tensor-parallel step has not ended in %.0f s: %s; stopping",
+                    STEP_TIMEOUT_S,
+                    lost or "a rank is stuck (stopped, or waiting in a collective)",
+                )
+                os._exit(1)
+            self.closing.wait(min(1.0, STEP_TIMEOUT_S / 4))
 
     def min_over_ranks(self, value: int) -> int:
         """The smallest of every rank's value (e.g. KV pages: each device's free memory)."""
@@ -60,10 +99,12 @@ class ParallelContext:
         return int(t.item())
 
     def abort(self) -> None:
-        """Start-up failed on this rank: stop the ranks it spawned, without waiting for them."""
+        """Start-up failed on this rank, or a step was interrupted (the other ranks may wait
+        in its collectives): stop the ranks it spawned without waiting for them (SIGKILL:
+        they ignore SIGINT, and SIGTERM where the engine's process does), leave the groups."""
         self.closing.set()
         for p in self.processes:
-            p.terminate()
+            p.kill()
         self.close()
 
     def close(self) -> None:
@@ -72,10 +113,23 @@ class ParallelContext:
         for p in self.processes:
             p.join(timeout=30)
             if p.is_alive():
-                p.terminate()
+                p.kill()
+                p.join(timeout=5)
         self.processes = []
         if dist.is_initialized():
             dist.destroy_process_group()
+
+    def lost_rank(self, timeout_s: float = 1.0) -> str | None:
+        """A rank this one spawned that has exited, said with its cause (a collective that
+        failed is often the first sign: its connection closed); None when all live."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            for p in self.processes:
+                if p.exitcode is not None:
+                    return f"tensor-parallel rank {_rank_of(p)} (process {p.pid}) {_ended(p)}"
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.05)
 
 
 def free_address() -> str:
@@ -115,7 +169,13 @@ def start(config: EngineConfig, rank: int | None, address: str | None) -> Parall
     with several machines), else at a free port of this one."""
     par = config.parallel
     size, local = par.tensor_parallel_size, node_ranks(config)
+    if dist.is_initialized():  # (a second group would fail after spawning its ranks)
+        raise ConfigError(
+            "this process holds a tensor-parallel engine already: close it (LLM.close()) "
+            "before building another"
+        )
     processes = []
+    closing = threading.Event()
     if rank is None:
         check_shapes(config)  # (here, once, before any rank starts)
         rank = local[0]
@@ -130,23 +190,31 @@ def start(config: EngineConfig, rank: int | None, address: str | None) -> Parall
             )
             p.start()
             processes.append(p)
-    device = config.load.torch_device()
-    if device.type == "cuda":
-        torch.cuda.set_device(rank - local[0])  # this machine's devices 0, 1, ...
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(
-        backend,
-        init_method=f"tcp://{address}",
-        rank=rank,
-        world_size=size,
-        timeout=COLLECTIVE_TIMEOUT,
-    )
-    control = dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT)
-    context = ParallelContext(TensorParallel(rank, size, dist.group.WORLD), control, processes)
-    if processes:
-        threading.Thread(target=_watch, args=(processes, context.closing), daemon=True).start()
-        # at interpreter exit the spawned ranks (daemons) are terminated: no failure then
-        atexit.register(context.closing.set)
+        if processes:  # (from now: one dying before the group forms would leave the
+            # rendezvous waiting for it as long as COLLECTIVE_TIMEOUT)
+            threading.Thread(target=_watch, args=(processes, closing), daemon=True).start()
+    try:
+        device = config.load.torch_device()
+        if device.type == "cuda":
+            torch.cuda.set_device(rank - local[0])  # this machine's devices 0, 1, ...
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://{address}",
+            rank=rank,
+            world_size=size,
+            timeout=COLLECTIVE_TIMEOUT,
+        )
+        control = dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT)
+    except BaseException:
+        closing.set()
+        for p in processes:
+            p.kill()
+        raise
+    tp = TensorParallel(rank, size, dist.group.WORLD)
+    context = ParallelContext(tp, control, processes, closing)
+    if processes:  # at interpreter exit the spawned ranks (daemons) end: no failure then
+        atexit.register(closing.set)
     return context
 
 
@@ -165,17 +233,49 @@ def _watch(processes: list, closing: threading.Event) -> None:
             # reaches this rank too within moments: then its own error stands, not this exit.
             if p.exitcode != 0 and not closing.wait(GRACE_S):
                 log.error(
-                    "tensor-parallel rank %s (process %s) exited with code %s; stopping",
-                    p.name.removeprefix("specserve-tp"),
+                    "tensor-parallel rank %s (process %s) %s; stopping",
+                    _rank_of(p),
                     p.pid,
-                    p.exitcode,
+                    _ended(p),
                 )
                 os._exit(1)
 
 
+def _rank_of(p) -> str:
+    return p.name.removeprefix("specserve-tp")
+
+
+def _ended(p) -> str:
+    """How a process ended: its exit code, or the signal that killed it."""
+    code = p.exitcode
+    if code is not None and code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        cause = " (out of memory?)" if -code == signal.SIGKILL else ""
+        return f"was killed by {name}{cause}"
+    return f"exited with code {code}"
+
+
+def _watch_parent(parent) -> None:
+    """A spawned rank: end when the rank that spawned it is gone (killed, crashed), which
+    its collectives would notice only after COLLECTIVE_TIMEOUT where the group has not
+    formed yet, or not at all (NCCL)."""
+    while parent.is_alive():
+        time.sleep(PARENT_POLL_S)
+    os._exit(1)
+
+
 def follower_main(config: EngineConfig, rank: int, address: str, log_level: int) -> None:
-    """A rank > 0: build the engine on this rank's device, replay plans until the stop."""
+    """A rank > 0: build the engine on this rank's device, replay plans until the stop. It
+    ignores SIGINT (a Ctrl-C reaches the whole process group; rank 0 stops the ranks) and
+    ends when its spawning rank does."""
     logging.basicConfig(level=log_level, format=f"%(levelname)s [tp{rank}] %(message)s")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    parent = mp.parent_process()
+    if parent is not None:
+        threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
     from specserve.engine.engine import LLMEngine
 
     engine = LLMEngine(config, rank=rank, address=address)

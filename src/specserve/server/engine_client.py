@@ -223,8 +223,8 @@ class EngineClient:
         if self._proc.is_alive():
             self._inbox.put(Shutdown())
             await asyncio.to_thread(self._proc.join, timeout_s)
-        if self._proc.is_alive():
-            self._proc.terminate()
+        if self._proc.is_alive():  # (it ignores SIGTERM: run_engine)
+            self._proc.kill()
             await asyncio.to_thread(self._proc.join, 5)
         self._inbox.close()
         self._fail_all(EngineDeadError("the server is shutting down"))
@@ -236,8 +236,8 @@ class EngineClient:
         if self._proc.is_alive() and grace_s > 0:
             self._inbox.put(Shutdown())
             self._proc.join(grace_s)
-        if self._proc.is_alive():
-            self._proc.terminate()
+        if self._proc.is_alive():  # (it ignores SIGTERM: run_engine)
+            self._proc.kill()
             self._proc.join(5)
         self._inbox.close()
 
