@@ -159,3 +159,33 @@ def test_close_after_an_interrupted_step_stops_the_ranks(target):
     assert status == "ok", out
     assert out["second"].startswith("this process holds a tensor-parallel engine already")
     assert out["close_s"] < 60 and out["follower_gone"]
+
+
+def _drop_then_reuse(target: str) -> dict:
+    import gc
+
+    from specserve import LLM, SpecserveError
+
+    llm = LLM(target, tensor_parallel_size=2, speculative_algorithm="none")
+    dropped = llm.engine.parallel.processes[0].pid
+    del llm
+    gc.collect()  # (its ranks go with it; the group too)
+    out = {"dropped_gone": _gone(dropped, 10)}
+    llm = LLM(target, tensor_parallel_size=2, speculative_algorithm="none")
+    out["tokens"] = len(llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4))[0].token_ids)
+    llm.close()
+    try:
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4))
+    except SpecserveError as e:
+        out["after_close"] = str(e)
+    return out
+
+
+def test_a_dropped_engine_takes_its_ranks_and_a_closed_one_says_so(target):
+    status, out = run_spawned(_drop_then_reuse, target, timeout_s=120)
+    assert status == "ok", out
+    assert out == {
+        "dropped_gone": True,
+        "tokens": 4,
+        "after_close": "this tensor-parallel engine is closed",
+    }

@@ -58,4 +58,5 @@ def test_a_dead_rank_ends_the_server_with_its_name(tiny_llama, tmp_path):
     finally:
         srv.stop()
     assert code != 0
-    assert "tensor-parallel rank 1" in srv.log() and "exited with code -9" in srv.log()
+    assert "tensor-parallel rank 1 (process " in srv.log()
+    assert "was killed by SIGKILL (out of memory?)" in srv.log()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import random
+import weakref
 from dataclasses import replace
 
 from specserve.core.config import EngineConfig
@@ -66,10 +67,13 @@ class LLMEngine:
         config.load.check_device()  # a missing GPU in one line, not deep inside the loading
         self.parallel = None
         self._interrupted = False  # a step raised (tensor parallelism: see `step`)
+        self._closed_group = False  # close() left the tensor-parallel group
         if config.parallel.tensor_parallel_size > 1:
             from specserve.engine import tensor_parallel
 
             self.parallel = tensor_parallel.start(config, rank, address)
+            # an engine dropped without close() (garbage-collected) takes its ranks along
+            self._drop_ranks = weakref.finalize(self, self.parallel.abort)
         rank = self.parallel.rank if self.parallel is not None else 0
         # This engine's kernel switches: in force while its start-up and its steps run
         # (warm-up, selection, graph capture, eager steps), whatever other engines use; the
@@ -262,6 +266,8 @@ class LLMEngine:
         after STEP_TIMEOUT_S (engine/tensor_parallel.py)."""
         parallel = self.parallel
         if parallel is None:
+            if self._closed_group:  # (its collectives' group is gone: they would fail)
+                raise TensorParallelError("this tensor-parallel engine is closed")
             with using(self.kernel_options):
                 return self.loop.step()
         parallel.step_began()
@@ -305,6 +311,8 @@ class LLMEngine:
         parallel, self.parallel = self.parallel, None
         if parallel is None:
             return
+        self._closed_group = True
+        self._drop_ranks.detach()
         plans = self.loop.plans
         self.loop.plans = self.sink.plans = None
         if plans is None:  # (a rank > 0: rank 0 stops it)

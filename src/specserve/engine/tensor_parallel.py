@@ -62,6 +62,7 @@ class ParallelContext:
     closing: threading.Event = field(default_factory=threading.Event)
     _step_since: float | None = None  # (monotonic) when the step under way began
     _step_watch: threading.Thread | None = None
+    _closed: bool = False
 
     @property
     def rank(self) -> int:
@@ -103,13 +104,18 @@ class ParallelContext:
         in its collectives): stop the ranks it spawned without waiting for them (SIGKILL:
         they ignore SIGINT, and SIGTERM where the engine's process does), leave the groups."""
         self.closing.set()
-        for p in self.processes:
-            p.kill()
+        if not self._closed:
+            for p in self.processes:
+                p.kill()
         self.close()
 
     def close(self) -> None:
-        """Wait for the spawned ranks (after the stop plan) and leave the groups."""
+        """Wait for the spawned ranks (after the stop plan) and leave the groups, once (a
+        later call, e.g. an engine's finalizer, must not leave another engine's group)."""
         self.closing.set()
+        if self._closed:
+            return
+        self._closed = True
         for p in self.processes:
             p.join(timeout=30)
             if p.is_alive():
