@@ -4,6 +4,8 @@ and are new; a share grows into two-turn conversations; everything repeats under
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from specserve.core.sampling_params import SamplingParams
@@ -13,6 +15,7 @@ from specserve.train.self_chat import (
     SelfChatConfig,
     SelfChatError,
     SelfChatReport,
+    draw_seed,
     engine_generate,
     self_chat_prompts,
     special_texts,
@@ -70,10 +73,12 @@ class Scripted:
         ("Tell me about the history of the bicycle and", "length"),  # unfinished
     ]
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, seed: int = 0):
         self.tok = tokenizer
         self.first = user_turn_prefix(tokenizer, [])
         self.prompts: list[list[int]] = []
+        # candidate i of a run of `seed` draws with draw_seed(seed, i): its script by i
+        self.index = {draw_seed(seed, i): i for i in range(4096)}
 
     def __call__(self, prompts, params):
         self.prompts += prompts
@@ -84,9 +89,10 @@ class Scripted:
             elif prompt != self.first:  # a second turn: new unless its seed says otherwise
                 text, reason = f"And in winter, case {p.seed % 4}?", "stop"
             else:
-                text, reason = self.TURNS[p.seed % len(self.TURNS)]
-                if p.seed % len(self.TURNS) == 0 and p.seed >= len(self.TURNS):
-                    text = f"Question {p.seed}: how do I keep basil alive on a windowsill?"
+                i = self.index[p.seed]
+                text, reason = self.TURNS[i % len(self.TURNS)]
+                if i % len(self.TURNS) == 0 and i >= len(self.TURNS):
+                    text = f"Question {i}: how do I keep basil alive on a windowsill?"
             out.append((self.tok.encode(text, add_special_tokens=False), reason))
         return out
 
@@ -104,7 +110,7 @@ def _first_turns(report: dict | SelfChatReport) -> int:
 def _run(tokenizer, seed, count=5, **kw):
     report = SelfChatReport()
     cfg = SelfChatConfig(count, seed=seed, batch=4, multi_turn_share=0.5, **kw)
-    items = self_chat_prompts(tokenizer, Scripted(tokenizer), cfg, report)
+    items = self_chat_prompts(tokenizer, Scripted(tokenizer, seed), cfg, report)
     return items, report
 
 
@@ -211,3 +217,23 @@ def test_distillation_with_self_chat_logs_it_and_trains_on_the_rest(target, tmp_
     assert len(events) == 1 and events[0]["candidates"] > 0
     assert _first_turns(events[0]) == events[0]["candidates"]
     assert len(train) == 8 and len(heldout) == 4
+
+
+def test_neighbouring_seeds_share_no_draw_and_a_deadline_stops_the_rounds(tokenizer):
+    """Seeds s and s+1 drew the same candidates but one (seed + index), so a second seed's
+    data was the first's; past the deadline no round is drawn and the turns kept stay."""
+    assert not {draw_seed(0, i) for i in range(2000)} & {draw_seed(1, i) for i in range(2000)}
+    items, report = _run(tokenizer, seed=0, deadline=time.monotonic() - 1.0)
+    assert items == [] and report.attempts == 0 and report.out_of_time
+
+
+def test_other_sources_are_read_before_self_chat_is_drawn(tmp_path, monkeypatch):
+    """A missing file named beside self-chat failed only after minutes of drawing."""
+    from specserve.train import distill
+    from specserve.train.config import TrainConfig
+    from specserve.train.prompts import PromptSourceError
+
+    monkeypatch.setattr(distill, "_engine", lambda cfg: pytest.fail("self-chat was drawn"))
+    cfg = TrainConfig(target="t", data=[SELF_CHAT, str(tmp_path / "missing.jsonl")], out="o")
+    with pytest.raises(PromptSourceError, match="missing.jsonl"):
+        distill.distill(cfg, tmp_path, lambda record: None)

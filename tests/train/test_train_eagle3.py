@@ -111,7 +111,20 @@ def test_resume_continues_from_checkpoint(trained, target, prompt_file, tmp_path
     steps_at = args.index("--steps") + 1
     long_run = args[:steps_at] + ["100000"] + args[steps_at + 1 :]
     assert main(long_run + ["--resume", "--train-time-s", "1"]) == 0
-    assert 70 < torch.load(tmp_path / "run" / "state.pt", weights_only=False)["step"] < 100000
+    state_path = tmp_path / "run" / "state.pt"
+    state = torch.load(state_path, weights_only=False)
+    assert 70 < state["step"] < 100000
+    # A time budget cut short (its schedule 60% through) goes on from there when resumed,
+    # not from the peak learning rate (which re-heated a half-annealed head)
+    state["progress"] = 0.6
+    torch.save(state, state_path)
+    log_path = tmp_path / "run" / "log.jsonl"
+    seen = len(log_path.read_text().splitlines())
+    assert main(long_run + ["--resume", "--train-time-s", "1"]) == 0
+    records = [json.loads(ln) for ln in log_path.read_text().splitlines()]
+    peak = next(r["config"]["lr"] for r in records if r.get("event") == "start")
+    lrs = [r["lr"] for r in records[seen:] if "lr" in r]
+    assert lrs and max(lrs) < 0.5 * peak  # (the schedule at 60%: 0.41 of the peak, then lower)
 
 
 def test_init_head_continues_training(trained, target, prompt_file, tmp_path):

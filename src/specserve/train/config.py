@@ -118,7 +118,8 @@ _HELP = {
     "temperature": "target's sampling temperature for the replies (0 = greedy)",
     "aux_layer_ids": "target layers whose input the head reads (default: 2, L//2, L-3)",
     "init_head": "start from this EAGLE-3 head (and its draft vocabulary) instead of a new one",
-    "gen_time_s": "stop starting new prompts after this many seconds of generation",
+    "gen_time_s": "stop starting new prompts after this many seconds of generation (self-chat's "
+    "turns included: they stop at half of it)",
     "train_time_s": "stop training after this many seconds (the schedule follows the clock)",
     "end_by": "stop training by this Unix time (shortens --train-time-s; for fixed leases)",
     "prompt_variants": "requests of different kinds per source text (stdlib, shakespeare); "

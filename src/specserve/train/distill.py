@@ -18,7 +18,7 @@ from tqdm import tqdm
 from specserve.core.errors import SpecserveError
 from specserve.core.sampling_params import SamplingParams
 from specserve.train.config import TrainConfig
-from specserve.train.prompts import PromptItem, PromptSourceError, load_prompts
+from specserve.train.prompts import PromptItem, PromptSourceError, load_prompts, read_source
 from specserve.train.self_chat import (
     SELF_CHAT,
     SelfChatConfig,
@@ -268,9 +268,23 @@ def _engine(cfg: TrainConfig, safe: bool = False):
     )
 
 
-def _self_chat(cfg: TrainConfig, log) -> list[PromptItem]:
+def _self_chat(cfg: TrainConfig, out: Path, log) -> list[PromptItem]:
     """--data self-chat: the target writes cfg.self_chat_prompts user turns (seeded by
-    cfg.seed) on a generation engine of its own, let go before the replies are written."""
+    cfg.seed) on a generation engine of its own, let go before the replies are written.
+    With --gen-time-s, no round of them is drawn past half of it (the replies get the rest).
+    They are kept in out/self_chat.jsonl: a run cut before its data was written draws
+    them again only if its settings changed."""
+    path = out / "self_chat.jsonl"
+    settings = {
+        "target": cfg.target,
+        "seed": cfg.seed,
+        "count": cfg.self_chat_prompts,
+        "answer_tokens": cfg.max_new_tokens,
+    }
+    kept = _kept_self_chat(path, settings)
+    if kept is not None:
+        log({"event": "self_chat_reused", "prompts": len(kept)})
+        return kept
     t0 = time.monotonic()
     engine = _engine(cfg)
     report = SelfChatReport()
@@ -279,6 +293,7 @@ def _self_chat(cfg: TrainConfig, log) -> list[PromptItem]:
         seed=cfg.seed,
         answer_tokens=cfg.max_new_tokens,
         batch=cfg.gen_batch,
+        deadline=None if cfg.gen_time_s is None else t0 + cfg.gen_time_s / 2,
     )
     tokenizer = engine.tokenizer._tokenizer  # (the generation engine's decodes nothing)
     items = self_chat_prompts(tokenizer, engine_generate(engine), sc, report)
@@ -289,14 +304,29 @@ def _self_chat(cfg: TrainConfig, log) -> list[PromptItem]:
             "two_turn": report.multi_turn,
             "candidates": report.attempts,
             "dropped": report.dropped,
+            "out_of_time": report.out_of_time,
             "seconds": round(time.monotonic() - t0, 1),
         }
     )
+    with open(path, "w") as f:
+        f.write(json.dumps({"settings": settings}) + "\n")
+        for p in items:
+            f.write(json.dumps({"key": p.key, "messages": p.messages}) + "\n")
     del engine
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return items
+
+
+def _kept_self_chat(path: Path, settings: dict) -> list[PromptItem] | None:
+    """The self-chat prompts an earlier run of these settings kept, or None."""
+    if not path.is_file():
+        return None
+    lines = path.read_text().splitlines()
+    if not lines or json.loads(lines[0]).get("settings") != settings:
+        return None
+    return [PromptItem(r["key"], r["messages"]) for r in map(json.loads, lines[1:])]
 
 
 def _generate(
@@ -341,7 +371,14 @@ def distill(cfg: TrainConfig, out: Path, log) -> tuple[list[Sample], list[Sample
     data_path = out / "data.jsonl"
     if cfg.resume and data_path.is_file():
         return _read_samples(data_path)
-    made = {SELF_CHAT: _self_chat(cfg, log)} if SELF_CHAT in cfg.data else None
+    for name in cfg.data:  # every other source read first: one that cannot be read fails
+        if name != SELF_CHAT:  # before self-chat spends minutes of generation
+            read_source(name, cfg.prompt_variants)
+    t0 = time.monotonic()
+    made = {SELF_CHAT: _self_chat(cfg, out, log)} if SELF_CHAT in cfg.data else None
+    reply_budget = cfg.gen_time_s  # (self-chat's time counts against --gen-time-s)
+    if reply_budget is not None:
+        reply_budget = max(0.0, reply_budget - (time.monotonic() - t0))
     prompts, heldout_prompts = load_prompts(
         cfg.data,
         cfg.seed,
@@ -362,7 +399,7 @@ def distill(cfg: TrainConfig, out: Path, log) -> tuple[list[Sample], list[Sample
     t0 = time.monotonic()
     try:
         heldout, train, engine_steps = _generate(
-            cfg, prompts, heldout_prompts, log, cfg.gen_time_s, safe=False
+            cfg, prompts, heldout_prompts, log, reply_budget, safe=False
         )
         failed = False
     except SpecserveError:
@@ -379,7 +416,7 @@ def distill(cfg: TrainConfig, out: Path, log) -> tuple[list[Sample], list[Sample
     if failed:
         gc.collect()
         spent = time.monotonic() - t0
-        budget = None if cfg.gen_time_s is None else max(30.0, cfg.gen_time_s - spent)
+        budget = None if reply_budget is None else max(30.0, reply_budget - spent)
         heldout, train, engine_steps = _generate(
             cfg, prompts, heldout_prompts, log, budget, safe=True
         )

@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import random
 import re
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -54,6 +55,8 @@ class SelfChatConfig:
     min_words: int = 3
     batch: int = 256
     max_attempts: int | None = None  # default: 8 x count
+    # no round of candidates is drawn past this time.monotonic() (the turns kept stay)
+    deadline: float | None = None
 
     def __post_init__(self) -> None:
         if self.count < 0:
@@ -69,6 +72,7 @@ class SelfChatReport:
     attempts: int = 0
     kept: int = 0
     multi_turn: int = 0
+    out_of_time: bool = False  # the deadline stopped the draws before `count`
     dropped: dict[str, int] = field(default_factory=dict)
 
     def drop(self, reason: str) -> None:
@@ -152,8 +156,11 @@ def self_chat_prompts(
     seen: set[str] = set()
     turns: list[str] = []
     while len(turns) < cfg.count and report.attempts < max_attempts:
+        if cfg.deadline is not None and time.monotonic() >= cfg.deadline:
+            report.out_of_time = True
+            break
         n = min(cfg.batch, max_attempts - report.attempts)
-        params = [_turn_params(cfg, cfg.seed + report.attempts + i) for i in range(n)]
+        params = [_turn_params(cfg, draw_seed(cfg.seed, report.attempts + i)) for i in range(n)]
         report.attempts += n
         for ids, reason in generate([first_prefix] * n, params):
             text, why = _turn(tokenizer, ids, reason, specials, cfg)
@@ -174,6 +181,13 @@ def self_chat_prompts(
     report.kept = len(conversations)
     report.multi_turn = sum(len(c) > 1 for c in conversations)
     return [PromptItem(_key(c[0]["content"]), c) for c in conversations]
+
+
+def draw_seed(seed: int, draw) -> int:
+    """The sampling seed of one draw under the run's `seed`: a hash of both, so runs of
+    neighbouring seeds share no draw (seed + index shared all but one)."""
+    digest = hashlib.blake2b(f"{seed}/{draw}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
 
 
 def _turn_params(cfg: SelfChatConfig, seed: int) -> SamplingParams:
@@ -216,7 +230,7 @@ def _second_turns(tokenizer, generate, cfg, conversations, chosen, specials, see
         history = [*conversations[i], {"role": "assistant", "content": answer}]
         grown.append((i, history))
         prefixes.append(user_turn_prefix(tokenizer, history))
-    params = [_turn_params(cfg, cfg.seed + 1_000_003 + i) for i, _ in grown]
+    params = [_turn_params(cfg, draw_seed(cfg.seed, f"second {i}")) for i, _ in grown]
     for (i, history), (ids, reason) in zip(grown, generate(prefixes, params)):
         text, why = _turn(tokenizer, ids, reason, specials, cfg)
         if not why and _normal(text) in seen:

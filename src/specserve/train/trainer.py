@@ -135,10 +135,14 @@ def train(cfg: TrainConfig) -> TrainResult:
             ),
         }
     )
+    resumed = None
+    if cfg.resume and state_path.exists():  # (its head first: its draft vocabulary is the one)
+        resumed = torch.load(state_path, map_location=device, weights_only=False)
+        head.load_state_dict(resumed["head"])
     draft_ids = head.draft_to_target(torch.arange(head.config.draft_vocab_size, device=device))
     embed = model.model.embed_tokens.weight.detach()
     target_head = model.lm_head_weight.detach()[draft_ids]  # in the target's dtype
-    if cfg.init_head is None:
+    if cfg.init_head is None and resumed is None:
         with torch.no_grad():  # warm start: the target's own output head and final norm
             head.lm_head.weight.copy_(target_head.float())
             head.norm.weight.copy_(model.model.norm.weight.float())
@@ -151,12 +155,17 @@ def train(cfg: TrainConfig) -> TrainResult:
         weight_decay=0.0,
         fused=device.type == "cuda",
     )
-    step = 0
-    if cfg.resume and state_path.exists():
-        state = torch.load(state_path, map_location=device, weights_only=False)
-        head.load_state_dict(state["head"])
-        opt.load_state_dict(state["optimizer"])
-        step = state["step"]  # --steps of this invocation sets the new end
+    step, done_before = 0, 0.0
+    if resumed is not None:
+        opt.load_state_dict(resumed["optimizer"])
+        step = resumed["step"]  # --steps of this invocation sets the new end
+        # where the learning-rate schedule was: a time budget's schedule cut short goes on
+        # from there (restarted, it re-heated a half-annealed head to the peak rate); one
+        # that had ended starts anew over this run's budget (training further on purpose)
+        done_before = max(0.0, resumed.get("progress", 0.0))
+        if done_before >= 1.0:
+            done_before = 0.0
+        del resumed
     curve = coverage_curve(train_samples, range(4096, 32769, 4096))
     log(
         {
@@ -174,7 +183,12 @@ def train(cfg: TrainConfig) -> TrainResult:
 
     def checkpoint() -> None:
         torch.save(
-            {"head": head.state_dict(), "optimizer": opt.state_dict(), "step": step},
+            {
+                "head": head.state_dict(),
+                "optimizer": opt.state_dict(),
+                "step": step,
+                "progress": progress(),
+            },
             state_path.with_suffix(".tmp"),
         )
         state_path.with_suffix(".tmp").replace(state_path)
@@ -201,10 +215,12 @@ def train(cfg: TrainConfig) -> TrainResult:
     log({"event": "train_budget", "seconds": None if budget_s is None else round(budget_s, 1)})
 
     def progress() -> float:
-        """Schedule progress by steps, or by the time budget when that runs out sooner."""
+        """Schedule progress by steps, or by the time budget when that runs out sooner (a
+        resumed run's budget covering what the schedule had left)."""
         done = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
         if budget_s is not None:
-            done = max(done, (time.monotonic() - start) / budget_s)
+            spent = (time.monotonic() - start) / budget_s
+            done = max(done, done_before + (1.0 - done_before) * spent)
         return done
 
     while step < cfg.steps:
