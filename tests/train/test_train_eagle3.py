@@ -176,3 +176,17 @@ def test_ttt_mask_and_acceptance_stats():
     assert stats["step_acc"] == [pytest.approx(2 / 3), 1.0]
     assert stats["chain"] == [pytest.approx(2 / 3), pytest.approx(1 / 3)]
     assert stats["mean_accept_len"] == [pytest.approx(5 / 3), 2.0]
+
+
+def test_max_train_tokens_caps_the_feature_store(trained, target, prompt_file, tmp_path):
+    """The store is one allocation of every training token's features: more data than the
+    device holds failed after the generation; the first samples within the cap are kept."""
+    out, result = trained
+    shutil.copy(out / "data.jsonl", tmp_path / "data.jsonl")
+    cfg = train_config(tmp_path, target, prompt_file, steps=2, resume=True, max_train_tokens=300)
+    capped = train(cfg)
+    assert 0 < capped.metrics["train_tokens"] <= 300
+    assert capped.metrics["train_samples"] < result.metrics["train_samples"]
+    log = [json.loads(ln) for ln in (tmp_path / "log.jsonl").read_text().splitlines()]
+    (event,) = [r for r in log if r.get("event") == "train_tokens_capped"]
+    assert event["cap"] == 300 and event["tokens"] == capped.metrics["train_tokens"]

@@ -30,6 +30,7 @@ class TrainConfig:
     ttt_steps: int = 7
     draft_vocab_size: int = 16384
     num_prompts: int | None = None
+    max_train_tokens: int | None = None
     self_chat_prompts: int = 2000
     heldout_prompts: int = 64
     max_new_tokens: int = 256
@@ -113,6 +114,9 @@ _HELP = {
     "ttt_steps": "unrolled training-time-test steps",
     "draft_vocab_size": "draft vocabulary size (most frequent target tokens of the replies)",
     "num_prompts": "cap on training prompts (default: all)",
+    "max_train_tokens": "cap on the training samples' tokens whose target features are kept "
+    "(about 4 x hidden size x dtype bytes each, on the device; default: on a GPU, as many "
+    "as fit in 60%% of its memory left after the model, the rest being training's)",
     "self_chat_prompts": "prompts --data self-chat draws (seeded by --seed)",
     "heldout_prompts": "prompts kept out of training for the acceptance estimate",
     "temperature": "target's sampling temperature for the replies (0 = greedy)",
