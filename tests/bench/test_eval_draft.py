@@ -145,7 +145,7 @@ def test_table_without_rich(monkeypatch, capsys):
         "t", [DraftEval(k=2, verify_steps=4, drafted=8, accepted=6, position_rates=[0.9, 0.6])]
     )
     out = capsys.readouterr().out
-    assert "2 | 2.500 | 6/8 | 0.90 0.60" in out
+    assert "2 | 2.500 | 6/8 | 1.000 | 0.90 0.60" in out
 
 
 def test_the_embedded_model_is_evaluated_with_its_shipped_head():

@@ -32,6 +32,9 @@ def test_engine_options(tmp_path, monkeypatch, serving):
     with pytest.raises(_Stop):
         main(argv + (["--serving-kernels"] if serving else []))
     assert seen["speculative_num_steps"] == 2
+    # 4 requests at once, each K + 1 verify tokens beside a prefill chunk: no step's
+    # drafts are cut below K by the token budget
+    assert seen["max_num_seqs"] == 4 and seen["max_num_batched_tokens"] == 4 * 3 + 2048
     if serving:
         assert "disable_gemv" not in seen and "disable_cuda_graph" not in seen
     else:

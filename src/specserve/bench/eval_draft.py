@@ -35,6 +35,12 @@ class DraftEval:
         """Accepted drafts + 1 (the bonus) per verify step."""
         return (self.accepted + self.verify_steps) / max(self.verify_steps, 1)
 
+    @property
+    def draft_fill(self) -> float:
+        """Drafts made per K a verify step allows: below 1 where steps drafted fewer than
+        K (a request's last tokens: drafts past max_tokens are never made)."""
+        return self.drafted / max(self.k * self.verify_steps, 1)
+
 
 def evaluate(
     llm,
@@ -103,12 +109,13 @@ def _source_figures(k: int, stats: list) -> dict:
 
 def _print_table(title: str, results: list[DraftEval]) -> None:
     """A rich table, or plain lines where rich is not installed (GPU machines)."""
-    cols = ("K", "mean accept len", "accepted/drafted", "per-position acceptance")
+    cols = ("K", "mean accept len", "accepted/drafted", "drafts/K", "per-position acceptance")
     rows = [
         (
             str(r.k),
             f"{r.mean_accept_len:.3f}",
             f"{r.accepted}/{r.drafted}",
+            f"{r.draft_fill:.3f}",
             " ".join(f"{x:.2f}" for x in r.position_rates),
         )
         for r in sorted(results, key=lambda r: r.k)
@@ -235,6 +242,7 @@ def run_eval_draft(args: argparse.Namespace) -> int:
         if not 0 < args.kv_cache_gib < math.inf:
             raise ConfigError(f"--kv-cache-gib must be positive; got {args.kv_cache_gib}")
         engine_opts["kv_cache_bytes"] = int(args.kv_cache_gib * 2**30)
+    seqs = max(1, min(len(items), 256))
     llm = LLM(
         args.target,
         progress=True,
@@ -245,7 +253,11 @@ def run_eval_draft(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         device=args.device,
         tensor_parallel_size=args.tensor_parallel_size,
-        max_num_seqs=max(1, min(len(items), 256)),  # all prompts at once, no idle graphs
+        max_num_seqs=seqs,  # all prompts at once, no idle graphs
+        # every decoding request's K + 1 verify tokens beside a prefill chunk: the budget
+        # never cuts a step's drafts below K (measured at K=7: 0.8% fewer drafts than K at
+        # the default 2,048, from steps that prefilled too)
+        max_num_batched_tokens=seqs * (max(draft_lens) + 1) + 2048,
         **engine_opts,
     )
     prompts = [llm.apply_chat_template(p.messages) for p in items]
@@ -265,7 +277,10 @@ def run_eval_draft(args: argparse.Namespace) -> int:
             "num_prompts": len(prompts),
             "max_tokens": args.max_tokens,
             "results": earlier
-            + [{**r.__dict__, "mean_accept_len": r.mean_accept_len} for r in results],
+            + [
+                {**r.__dict__, "mean_accept_len": r.mean_accept_len, "draft_fill": r.draft_fill}
+                for r in results
+            ],
         }
 
     def save(results: list[DraftEval]) -> None:
