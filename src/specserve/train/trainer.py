@@ -185,7 +185,10 @@ def train(cfg: TrainConfig) -> TrainResult:
         }
     )
 
+    saved_at = [None]  # the step of the last checkpoint
+
     def checkpoint() -> None:
+        saved_at[0] = step
         torch.save(
             {
                 "head": head.state_dict(),
@@ -285,7 +288,7 @@ def train(cfg: TrainConfig) -> TrainResult:
         if last:
             break
     bar.close()
-    if step == 0:
+    if saved_at[0] != step:  # (no step at all; or the last batches were skipped: out of memory)
         checkpoint()
     head.eval()
     metrics = {
