@@ -165,6 +165,9 @@ def test_n_choices_fan_out_in_generate(llm):
     assert [o.token_ids for o in again] == [o.token_ids for o in outs[:3]]
     assert len({tuple(o.token_ids) for o in outs[:3]}) > 1
     assert outs[3].text == outs[4].text  # (greedy)
+    # a prompt's seeded choices never depend on where it stands in the batch
+    later = llm.generate([[9, 9], "The quick", [5, 6, 7]], [params[1], params[1], params[0]])
+    assert [o.token_ids for o in later[4:]] == [o.token_ids for o in outs[:3]]
     with pytest.raises(InvalidRequestError, match="one choice") as e:
         llm.engine.add_request([5, 6], SamplingParams(n=2))
     assert e.value.field == "n"
@@ -185,3 +188,91 @@ def test_a_prompt_larger_than_the_cache_is_named(tiny_llama):
     with pytest.raises(InvalidRequestError, match="the prompt") as e:
         small.engine.add_request(list(range(5, 25)), SamplingParams(max_tokens=1))
     assert e.value.field == "prompt"
+
+
+def test_stop_strings_wait_for_min_tokens_and_stop_tokens_leave_no_text(llm):
+    """As vLLM: a stop string ends the output only from min_tokens tokens on, and a token of
+    stop_token_ids ends it without its text (it stays in token_ids)."""
+
+    def run(**kw):
+        kw = {"max_tokens": 24, "ignore_eos": True, **kw}
+        return llm.generate([[5, 6, 7]], SamplingParams(**kw))[0]
+
+    free = run()
+    text = free.text
+    k = next(
+        i
+        for i in range(1, len(text) - 1)
+        if text[i : i + 2].isascii()
+        and text[i : i + 2].isprintable()
+        and text.find(text[i : i + 2]) == i
+    )
+    stopped = run(stop=[text[k : k + 2]])
+    assert stopped.text == text[:k] and stopped.finish_reason == "stop"
+    held = len(stopped.token_ids) + 3
+    late = run(stop=[text[k : k + 2]], min_tokens=held)
+    assert len(late.token_ids) >= held and late.text.startswith(text[: k + 2])
+    token = free.token_ids[4]
+    if token in free.token_ids[:4]:
+        pytest.skip("the stop token occurs earlier")
+    cut = run(stop_token_ids=[token])
+    assert cut.token_ids == free.token_ids[:5] and cut.finish_reason == "stop"
+    assert cut.text == run(max_tokens=4).text  # (without the stop token's text)
+
+
+def test_an_engine_without_a_tokenizer_refuses_what_needs_text():
+    """A prebuilt model without a tokenizer (the benchmarks'): stop strings were accepted
+    and never applied, a stream yielded nothing; token ids of numpy's kinds are ids, a
+    float or a bool is refused; booleans are no integers among the parameters."""
+    import numpy as np
+    import torch
+
+    from specserve.core.config import EngineConfig
+    from specserve.engine.engine import LLMEngine
+    from tests.support.model_cases import tiny_config, tiny_model
+
+    model = tiny_model(tiny_config(), torch.float32, "cpu")
+    engine = LLMEngine(EngineConfig.from_flags(speculative_algorithm="none"), model=model)
+    llm = LLM.__new__(LLM)
+    llm.engine, llm.tokenizer, llm._boxes = engine, None, {}
+    with pytest.raises(InvalidRequestError, match="stop strings need the model's tokenizer"):
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, stop=["x"]))
+    with pytest.raises(InvalidRequestError, match="streaming text needs the model's tokenizer"):
+        next(llm.stream([5, 6, 7]))
+    ids = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4))[0].token_ids
+    assert llm.generate(np.array([5, 6, 7]).tolist(), SamplingParams(max_tokens=4))
+    assert llm.generate([np.int64(5), np.int64(6), np.int64(7)])[0].token_ids[:4] == ids
+    for bad in ([[1.0, 2.0]], [[True, 2]]):
+        with pytest.raises(InvalidRequestError, match="prompt token ids must be integers"):
+            llm.generate(bad, SamplingParams(max_tokens=4))
+    for kw in (dict(logprobs=True), dict(n=True), dict(temperature="hot"), dict(top_p=None)):
+        with pytest.raises(InvalidRequestError):
+            SamplingParams(**kw)
+    assert engine.stats()["running"] == 0 and engine.kv.allocator.num_used == 0
+
+
+def test_chat_takes_content_parts_and_the_templates_options(llm):
+    """OpenAI-style text parts are their texts (a template rendered the list's repr), as the
+    server takes them; add_generation_prompt and chat_template_kwargs reach the template;
+    no conversation, or an image part, is a clear error."""
+    plain = [{"role": "user", "content": "The quick brown fox"}]
+    parts = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "The quick "},
+                {"type": "text", "text": "brown fox"},
+            ],
+        }
+    ]
+    assert llm.apply_chat_template(parts) == llm.apply_chat_template(plain)
+    assert llm.chat(parts, GREEDY)[0].token_ids == llm.chat(plain, GREEDY)[0].token_ids
+    bare = llm.apply_chat_template(plain, add_generation_prompt=False)
+    suffix = llm.tokenizer.encode("<|im_start|>assistant\n", add_special_tokens=False)
+    assert bare + suffix == llm.apply_chat_template(plain)
+    assert llm.apply_chat_template(plain, chat_template_kwargs={"unused": 1})
+    with pytest.raises(InvalidRequestError, match="no conversation"):
+        llm.chat([])
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
+    with pytest.raises(InvalidRequestError, match="only text content parts"):
+        llm.chat(image)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 
@@ -80,16 +81,31 @@ class LLM:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def apply_chat_template(self, messages: list[Message]) -> list[int]:
+    def apply_chat_template(
+        self,
+        messages: list[Message],
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+        chat_template_kwargs: dict | None = None,
+    ) -> list[int]:
         """Token ids of a conversation through the model's chat template, ready for the
-        assistant's reply (as the server's /v1/chat/completions builds them)."""
+        assistant's reply (as the server's /v1/chat/completions builds them); OpenAI-style
+        content parts as their texts joined, as the server takes them. `tools` and
+        `chat_template_kwargs` go to the template, as transformers' (and vLLM's) take them."""
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise InvalidRequestError(
-                "this model has no chat template; send the prompt as text to generate()",
+                "this model has no chat template; send the prompt to generate() instead "
+                "(as text, or as token ids where the engine has no tokenizer)",
                 "messages",
             )
+        if not messages:
+            raise InvalidRequestError("a conversation needs at least one message", "messages")
         out = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True
+            [_text_content(m, i) for i, m in enumerate(messages)],
+            add_generation_prompt=add_generation_prompt,
+            tokenize=True,
+            tools=tools,
+            **(chat_template_kwargs or {}),
         )
         return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
 
@@ -107,21 +123,22 @@ class LLM:
         `specserve generate` does unless told --no-chat-template. `params`: one
         SamplingParams for every prompt, or one per prompt (default: greedy, 128 tokens). A
         prompt whose params ask for n choices gives n outputs in a row (seeded ones each get
-        `choice_seed(seed, its output index)`, as the server's choices).
+        `choice_seed(seed, its index among the prompt's choices)`, as the server's choices:
+        never of where the prompt stands in the batch).
 
             outs = llm.generate(["1, 2, 3,", "The capital of France is"],
                                 SamplingParams(max_tokens=8))
             print(outs[0].text, outs[0].token_ids, outs[0].finish_reason)
         """
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], numbers.Integral)):
+            prompts = [prompts]  # (one prompt of token ids, numpy's too)
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
-        choices = []  # (prompt, one choice's params): choice seeds by output index, as the
-        for prompt, p in zip(prompts, params):  # server's (prompt p's choice i: p * n + i)
-            choices += [(prompt, c) for c in _choices(p, len(choices))]
+        choices = []  # (prompt, one choice's params), seeded by its index in its prompt
+        for prompt, p in zip(prompts, params):
+            choices += [(prompt, c) for c in _choices(p)]
         ids = []
         try:
             for prompt, p in choices:
@@ -180,6 +197,9 @@ class LLM:
         messages: list[Message] | Sequence[list[Message]],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+        chat_template_kwargs: dict | None = None,
     ) -> list[CompletionOutput]:
         """Answer one conversation (a list of {"role", "content"} messages) or several (a
         list of them) through the model's chat template; one output per conversation. The
@@ -188,9 +208,16 @@ class LLM:
             out = llm.chat([{"role": "user", "content": "Tell me a joke."}])[0]
             print(out.text)
         """
-        one = bool(messages) and isinstance(messages[0], dict)
+        if not messages:
+            raise InvalidRequestError("no conversation to answer", "messages")
+        one = isinstance(messages[0], dict)
         conversations = [messages] if one else list(messages)
-        prompts = [self.apply_chat_template(list(c)) for c in conversations]
+        template = dict(
+            add_generation_prompt=add_generation_prompt,
+            tools=tools,
+            chat_template_kwargs=chat_template_kwargs,
+        )
+        prompts = [self.apply_chat_template(list(c), **template) for c in conversations]
         return self.generate(prompts, params, use_tqdm)
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[str]:
@@ -203,6 +230,12 @@ class LLM:
         params = params or SamplingParams()
         if params.n != 1:
             raise InvalidRequestError("a stream is one choice: n must be 1", "n")
+        if self.tokenizer is None:  # (it would yield nothing)
+            raise InvalidRequestError(
+                "streaming text needs the model's tokenizer and this engine has none: use "
+                "generate, whose outputs carry token ids",
+                "prompt",
+            )
         rid = self.engine.add_request(prompt, params)
         box = self._boxes[rid] = []
         try:
@@ -220,15 +253,33 @@ class LLM:
             self._drop([rid])
 
 
-def _choices(params: SamplingParams, first: int) -> list[SamplingParams]:
-    """A prompt's n choices as one-choice params each, the first of them output `first`;
-    seeded ones by `choice_seed` of their output index."""
+def _text_content(message: Message, i: int) -> Message:
+    """A message whose content is OpenAI-style parts as one whose content is their texts
+    joined (a template would render the list itself); other kinds of parts are refused."""
+    content = message.get("content") if isinstance(message, dict) else None
+    if not isinstance(content, list):
+        return message
+    texts = []
+    for part in content:
+        if not (isinstance(part, dict) and part.get("type") == "text"):
+            raise InvalidRequestError(
+                f"messages[{i}]: only text content parts are supported; got {part!r:.80}",
+                "messages",
+            )
+        if not isinstance(part.get("text"), str):
+            raise InvalidRequestError(f"messages[{i}]: a text part needs its text", "messages")
+        texts.append(part["text"])
+    return {**message, "content": "".join(texts)}
+
+
+def _choices(params: SamplingParams) -> list[SamplingParams]:
+    """A prompt's n choices as one-choice params each, seeded ones by `choice_seed` of their
+    index among the prompt's choices (never of the prompt's place in the batch), as the
+    server's."""
     if params.n == 1:
         return [params]
     return [
-        replace(
-            params, n=1, seed=None if params.seed is None else choice_seed(params.seed, first + i)
-        )
+        replace(params, n=1, seed=None if params.seed is None else choice_seed(params.seed, i))
         for i in range(params.n)
     ]
 

@@ -105,7 +105,7 @@ specserve_engine_step_duration_seconds_sum 1.0
 specserve_engine_step_duration_seconds_count 100.0
 specserve_engine_step_gap_seconds_sum 0.5
 specserve_engine_step_gap_seconds_count 100.0
-specserve_engine_loop_waits 3.0
+specserve_engine_loop_waits_total 3.0
 specserve_engine_loop_waits_by_reason_total{reason="sampled"} 3.0
 specserve_spec_step_period_ms_total{k="0"} 10.0
 specserve_spec_timed_steps_total{k="0"} 10.0
@@ -134,7 +134,7 @@ specserve_engine_step_duration_seconds_sum 2.0
 specserve_engine_step_duration_seconds_count 300.0
 specserve_engine_step_gap_seconds_sum 0.6
 specserve_engine_step_gap_seconds_count 300.0
-specserve_engine_loop_waits 10.0
+specserve_engine_loop_waits_total 10.0
 specserve_engine_loop_waits_by_reason_total{reason="sampled"} 4.0
 specserve_engine_loop_waits_by_reason_total{reason="mixed_draft_lens"} 6.0
 specserve_spec_step_period_ms_total{k="0"} 19.5

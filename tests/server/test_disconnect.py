@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import httpx
 import pytest
@@ -122,7 +123,17 @@ def test_dropped_whole_response_is_aborted(server):
 
 
 def test_metrics_exported(server, client):
-    client.completions.create(model="tinyllama", prompt="a b c", max_tokens=4)
+    before = server.metrics()
+    out = client.completions.create(model="tinyllama", prompt="a b c", max_tokens=4, n=3)
+    steps_before = before.get("specserve_engine_steps_total", 0)
+    deadline = time.monotonic() + 30  # (the engine's figures come with its next report)
+    while (after := server.metrics()).get("specserve_engine_steps_total", 0) <= steps_before:
+        assert time.monotonic() < deadline, "the engine's step counter did not grow"
+        time.sleep(0.05)
+    # prompt tokens as the usage counts them: the prompt once, whatever n
+    grown = after["specserve_prompt_tokens_total"] - before.get("specserve_prompt_tokens_total", 0)
+    assert grown == out.usage.prompt_tokens
+    assert "specserve_engine_loop_waits_total" in after  # (counters, as Prometheus types them)
     text = httpx.get(server.url + "/metrics", headers=server.headers).text
     for name in [
         'specserve_requests_total{endpoint="/v1/completions",status="200"}',

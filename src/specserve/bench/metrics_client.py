@@ -31,7 +31,8 @@ _COUNTERS = {
     ),
     "verify_steps": ("specserve_spec_verify_steps_total", "vllm:spec_decode_num_drafts_total"),
     "preemptions": ("specserve_preemptions_total", "vllm:num_preemptions_total"),
-    "engine_steps": ("specserve_engine_steps", ""),
+    # (a counter since session 41; a gauge of that name before)
+    "engine_steps": ("specserve_engine_steps_total", "specserve_engine_steps"),
 }
 
 
@@ -170,7 +171,9 @@ def step_figures(before: dict, after: dict) -> dict:
     host = _by_label(before, after, "specserve_engine_host_ms_total", "part", exact=False)
     if host and count:  # host time a step by part (ms), waits for drawn tokens apart
         out["host_ms_by_part_mean"] = {part: ms / count for part, ms in host.items()}
-    waits = _delta(before, after, "specserve_engine_loop_waits")
+    waits = _delta(before, after, "specserve_engine_loop_waits_total")
+    if waits is None:  # (a server before session 41: a gauge)
+        waits = _delta(before, after, "specserve_engine_loop_waits")
     if waits is not None:
         out["loop_waits"] = int(waits)
         reasons = _by_label(before, after, "specserve_engine_loop_waits_by_reason_total", "reason")

@@ -96,6 +96,7 @@ class IncrementalDetokenizer:
         prompt_ids: list[int],
         stop: list[str],
         decoder: TokenDecoder | None = None,
+        min_tokens: int = 0,
     ):
         self.decoder = decoder if decoder is not None else TokenDecoder(tokenizer)
         self.ids = list(prompt_ids[-_CONTEXT_TOKENS:])
@@ -105,6 +106,8 @@ class IncrementalDetokenizer:
         self._stream = self.decoder.stream(self.ids)
         self._backend = self.decoder.backend
         self.stop = stop
+        # stop strings end the text only from this many tokens on (min_tokens, as vLLM)
+        self.min_tokens, self.pushed = min_tokens, 0
         self.holdback = max((len(s) for s in stop), default=1) - 1
         self.text = ""
         self.emitted = 0
@@ -113,6 +116,7 @@ class IncrementalDetokenizer:
     def push(self, token: int) -> None:
         if self.stopped:
             return
+        self.pushed += 1
         ids = self.ids
         ids.append(token)
         if self._stream is not None:
@@ -133,7 +137,7 @@ class IncrementalDetokenizer:
             new = self._step_by_decode()
         if new is None:
             return
-        if self.stop:
+        if self.stop and self.pushed >= self.min_tokens:
             self._add_text_and_stop(new)
         else:
             self.text += new

@@ -192,12 +192,12 @@ class Request:
         output.append(token)
         if logprobs is not None:
             self.output_logprobs.append(logprobs)
-        if token in self._stop_token_ids:  # eos (unless ignore_eos) or a stop token
-            self.finish_reason = "stop"
         detokenizer = self.detokenizer
-        if detokenizer is not None:
+        if token in self._stop_token_ids:  # eos (unless ignore_eos) or a stop token: its
+            self.finish_reason = "stop"  # text is not the output's (as vLLM's)
+        elif detokenizer is not None:
             detokenizer.push(token)
-            if detokenizer.stopped and self.finish_reason is None:
+            if detokenizer.stopped:
                 self.finish_reason = "stop"
         # Only processed tokens count here: committed_len may include a later step's.
         if self.finish_reason is None and len(output) >= self._output_limit:

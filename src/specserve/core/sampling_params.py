@@ -3,12 +3,39 @@
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from dataclasses import dataclass, field
 
 from specserve.core.errors import InvalidRequestError
 
 GRAMMAR_KINDS = ("json", "json_schema", "regex", "ebnf")
 _MASK_62 = (1 << 62) - 1
+
+
+_INTS = ("max_tokens", "top_k", "seed", "logprobs", "prompt_logprobs", "n", "min_tokens")
+_REALS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)
+
+
+def _int(x, low: int | None = None, high: int | None = None) -> bool:
+    """Whether x is an integer (numpy's too; not a bool) within [low, high]."""
+    if not isinstance(x, numbers.Integral) or isinstance(x, bool):
+        return False
+    return (low is None or x >= low) and (high is None or x <= high)
+
+
+def _within(x, low: float, high: float, open_low: bool = False) -> bool:
+    """Whether x is a real number (numpy's too; not a bool) in [low, high] ((low, high] if
+    open_low)."""
+    if not isinstance(x, numbers.Real) or isinstance(x, bool):
+        return False
+    return (low < x if open_low else low <= x) and x <= high
 
 
 def choice_seed(seed: int, index: int) -> int:
@@ -123,73 +150,88 @@ class SamplingParams:
         if self.logit_bias is not None:
             self.logit_bias = dict(self.logit_bias) or None
         bias = self.logit_bias or {}
+        # (each check a callable, run in order: a later one may read what an earlier one
+        # checked; booleans are no integers here, and a value of the wrong kind fails its
+        # own check rather than raising inside another's comparison)
         checks = [
-            (
-                "max_tokens",
-                isinstance(self.max_tokens, int) and self.max_tokens >= 1,
-                "must be an integer >= 1",
-            ),
-            ("temperature", 0.0 <= float(self.temperature) <= 100.0, "must be in [0, 100]"),
+            ("max_tokens", lambda: _int(self.max_tokens, 1), "must be an integer >= 1"),
+            ("temperature", lambda: _within(self.temperature, 0.0, 100.0), "must be in [0, 100]"),
             (
                 "top_k",
-                isinstance(self.top_k, int) and self.top_k >= 0,
+                lambda: _int(self.top_k, 0),
                 "must be a non-negative integer (0 or -1 disables it)",
             ),
-            ("top_p", 0.0 < float(self.top_p) <= 1.0, "must be in (0, 1]"),
-            ("min_p", 0.0 <= float(self.min_p) <= 1.0, "must be in [0, 1]"),
-            ("seed", self.seed is None or isinstance(self.seed, int), "must be an integer"),
+            ("top_p", lambda: _within(self.top_p, 0.0, 1.0, open_low=True), "must be in (0, 1]"),
+            ("min_p", lambda: _within(self.min_p, 0.0, 1.0), "must be in [0, 1]"),
+            ("seed", lambda: self.seed is None or _int(self.seed), "must be an integer"),
             (
                 "logprobs",
-                self.logprobs is None
-                or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
+                lambda: self.logprobs is None or _int(self.logprobs, 0, 20),
                 "must be an integer in [0, 20]",
             ),
             (
                 "prompt_logprobs",
-                self.prompt_logprobs is None
-                or (isinstance(self.prompt_logprobs, int) and 0 <= self.prompt_logprobs <= 20),
+                lambda: self.prompt_logprobs is None or _int(self.prompt_logprobs, 0, 20),
                 "must be an integer in [0, 20]",
             ),
-            ("n", isinstance(self.n, int) and 1 <= self.n <= 128, "must be an integer in [1, 128]"),
-            ("stop", all(isinstance(s, str) and s for s in self.stop), "must be non-empty strings"),
+            ("n", lambda: _int(self.n, 1, 128), "must be an integer in [1, 128]"),
+            (
+                "stop",
+                lambda: all(isinstance(s, str) and s for s in self.stop),
+                "must be non-empty strings",
+            ),
             (
                 "stop_token_ids",
-                all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+                lambda: all(_int(t, 0) for t in self.stop_token_ids),
                 "must be non-negative integers",
             ),
             (
                 "logit_bias",
-                all(isinstance(t, int) and t >= 0 for t in bias)
-                and all(
-                    isinstance(b, (int, float)) and -100.0 <= b <= 100.0 for b in bias.values()
+                lambda: (
+                    all(_int(t, 0) for t in bias)
+                    and all(_within(b, -100.0, 100.0) for b in bias.values())
                 ),
                 "must map non-negative token ids to biases in [-100, 100]",
             ),
-            ("presence_penalty", -2.0 <= float(self.presence_penalty) <= 2.0, "must be in [-2, 2]"),
+            (
+                "presence_penalty",
+                lambda: _within(self.presence_penalty, -2.0, 2.0),
+                "must be in [-2, 2]",
+            ),
             (
                 "frequency_penalty",
-                -2.0 <= float(self.frequency_penalty) <= 2.0,
+                lambda: _within(self.frequency_penalty, -2.0, 2.0),
                 "must be in [-2, 2]",
             ),
             (
                 "repetition_penalty",
-                0.0 < float(self.repetition_penalty) <= 10.0,
+                lambda: _within(self.repetition_penalty, 0.0, 10.0, open_low=True),
                 "must be in (0, 10]",
             ),
             (
                 "min_tokens",
-                isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
+                lambda: _int(self.min_tokens, 0, self.max_tokens),
                 "must be an integer in [0, max_tokens]",
             ),
             (
                 "min_tokens",
-                not (self.min_tokens and self.grammar is not None),
+                lambda: not (self.min_tokens and self.grammar is not None),
                 "cannot be combined with a grammar (its end may come first)",
             ),
         ]
         for name, ok, what in checks:
-            if not ok:
+            if not ok():
                 raise InvalidRequestError(f"{name} {what}; got {getattr(self, name)!r}", field=name)
+        for name in _INTS:  # (numpy's numbers as Python's: seeds are hashed, ids compared)
+            value = getattr(self, name)
+            if value is not None and type(value) is not int:
+                setattr(self, name, int(value))
+        for name in _REALS:
+            if type(getattr(self, name)) is not float:
+                setattr(self, name, float(getattr(self, name)))
+        self.stop_token_ids = [int(t) for t in self.stop_token_ids]
+        if self.logit_bias:
+            self.logit_bias = {int(t): float(b) for t, b in self.logit_bias.items()}
 
     @property
     def penalized(self) -> bool:

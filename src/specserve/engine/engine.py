@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import numbers
 import random
 import weakref
 from dataclasses import replace
@@ -164,7 +165,10 @@ class LLMEngine:
             if self.tokenizer is None:
                 raise InvalidRequestError("this engine has no tokenizer: send token ids", "prompt")
             return self.tokenizer.encode(prompt, add_special_tokens=True) if prompt else []
-        return list(prompt)
+        ids = list(prompt)
+        if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in ids):
+            raise InvalidRequestError("prompt token ids must be integers", "prompt")
+        return [int(t) for t in ids]  # (numpy's as Python's)
 
     def add_request(
         self,
@@ -196,6 +200,12 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"logit_bias token ids must lie in [0, {vocab}); got {max(params.logit_bias)}",
                 "logit_bias",
+            )
+        if params.stop and self.tokenizer is None:  # (no text to find them in)
+            raise InvalidRequestError(
+                "stop strings need the model's tokenizer and this engine has none: use "
+                "stop_token_ids",
+                "stop",
             )
         if params.grammar is not None:
             self.runner.grammars.compile(params.grammar)  # (cached for its matcher)
@@ -229,7 +239,9 @@ class LLMEngine:
             max_len=self.max_model_len,
             eos_token_ids=self.eos_token_ids,
             detokenizer=(
-                IncrementalDetokenizer(self.tokenizer, ids, params.stop, self.token_decoder)
+                IncrementalDetokenizer(
+                    self.tokenizer, ids, params.stop, self.token_decoder, params.min_tokens
+                )
                 if self.tokenizer is not None
                 else None
             ),

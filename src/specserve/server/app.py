@@ -224,7 +224,7 @@ async def _serve(
     if state.draining:
         raise APIError(503, "the server is shutting down", code="shutting_down")
     try:
-        stream = state.client.submit(prepared.requests)
+        stream = state.client.submit(prepared.requests, prepared.num_prompt_tokens)
     except QueueFullError as e:
         raise APIError(
             429, str(e), code="queue_full", headers={"Retry-After": str(state.config.retry_after_s)}

@@ -262,10 +262,12 @@ class EngineClient:
         """Engine requests waiting for a running slot."""
         return max(0, self.num_in_flight - self.running_capacity())
 
-    def submit(self, requests: list[AddRequest]) -> RequestStream:
+    def submit(self, requests: list[AddRequest], prompt_tokens: int | None = None) -> RequestStream:
         """Queue the engine requests of one API request (each prompt's choices), or raise
         QueueFullError when the wait queue cannot take them all now, RequestTooBigError
-        when it never could (more than the running slots and the queue together)."""
+        when it never could (more than the running slots and the queue together).
+        `prompt_tokens`: the request's prompt tokens as its usage counts them (each prompt
+        once, whatever its n; default: every engine request's)."""
         if self.dead_reason is not None or not self._proc.is_alive():
             raise EngineDeadError(f"the engine is not running ({self.dead_reason or 'exited'})")
         most = self.info.max_num_seqs + self.max_queue  # never more, however idle
@@ -285,8 +287,10 @@ class EngineClient:
         now = stream.submitted_at = time.monotonic()
         for i, r in enumerate(requests):
             self._tracked[r.request_id] = _Tracked(stream, i, now)
-            self.metrics.prompt_tokens.inc(len(r.prompt_token_ids))
             self._hand_over(r)
+        if prompt_tokens is None:
+            prompt_tokens = sum(len(r.prompt_token_ids) for r in requests)
+        self.metrics.prompt_tokens.inc(prompt_tokens)
         self._inbox.put(AddRequests(requests))
         return stream
 

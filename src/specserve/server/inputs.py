@@ -241,7 +241,9 @@ class InputProcessor:
             max_tokens = self.max_tokens(ids, asked_max_tokens, max_tokens_param)
             for i in range(req.n):
                 choice = p * req.n + i
-                seed = None if req.seed is None else choice_seed(req.seed, choice)
+                # seeded by its index within its prompt: a prompt's choices never depend on
+                # the other prompts of the request (as LLM.generate's)
+                seed = None if req.seed is None else choice_seed(req.seed, i)
                 params = self.sampling_params(
                     req, max_tokens, max_tokens_param, logprobs, seed, grammar
                 )

@@ -37,7 +37,9 @@ _LATENCY_BUCKETS = (
     80.0,
     160.0,
 )
-_ITL_BUCKETS = (
+_ITL_BUCKETS = (  # (speculation's tokens a step apart: well under a millisecond each)
+    0.0001,
+    0.00025,
     0.0005,
     0.001,
     0.0025,
@@ -92,6 +94,18 @@ _ENGINE_GAUGES = {
     ),
 }
 _ENGINE_COUNTERS = {
+    "steps": ("specserve_engine_steps", "engine steps run"),
+    "loop_waits": (
+        "specserve_engine_loop_waits",
+        "steps launched only once the step in flight's tokens were read (by reason: "
+        "specserve_engine_loop_waits_by_reason_total)",
+    ),
+    "spec_probe_steps": ("specserve_engine_spec_probe_steps", "steps the policy drafted to probe"),
+    "spec_switches": (
+        "specserve_engine_spec_switches",
+        "steps crossing between plain decoding and drafting",
+    ),
+    "spec_k_changes": ("specserve_engine_spec_k_changes", "steps whose draft length changed"),
     "preemptions": ("specserve_preemptions", "requests preempted for lack of KV pages"),
     "prefix_cache_queried_tokens": (
         "specserve_prefix_cache_queried_tokens",
@@ -160,7 +174,9 @@ class ServerMetrics:
             registry=r,
         )
         self.prompt_tokens = Counter(
-            "specserve_prompt_tokens", "prompt tokens of accepted requests", registry=r
+            "specserve_prompt_tokens",
+            "prompt tokens of accepted requests (each prompt once, as usage counts them)",
+            registry=r,
         )
         self.generation_tokens = Counter(
             "specserve_generation_tokens", "tokens generated", registry=r
