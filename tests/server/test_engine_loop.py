@@ -254,3 +254,21 @@ def test_engine_process_host_threads_on_a_gpu(monkeypatch, device, env, want):
     config = EngineConfig.from_flags(model="tiny", device=device)
     engine_proc._one_host_thread_on_a_gpu(config)
     assert calls == want
+
+
+def test_a_request_the_engine_refuses_counts_as_an_error_not_an_abort():
+    """/metrics' finish reasons: a request the engine refused (and its sibling choices)
+    finished by "error"; "abort" is the client's leaving or the server's shutdown."""
+    from specserve.server.engine_client import EngineClient, RequestStream, _Tracked
+    from specserve.server.messages import RequestError, StepReport
+    from specserve.server.metrics import ServerMetrics
+
+    client = EngineClient.__new__(EngineClient)
+    client.metrics, client.stats = ServerMetrics(), {}
+    client._proc = type("Gone", (), {"is_alive": lambda self: False})()
+    stream = RequestStream(["r-0", "r-1"])
+    client._tracked = {"r-0": _Tracked(stream, 0, 0.0), "r-1": _Tracked(stream, 1, 0.0)}
+    client._on_report(StepReport(errors=[RequestError("r-0", "no", "prompt", 400)]))
+    finished = client.metrics.finished
+    assert finished.labels("error")._value.get() == 2 and not client._tracked
+    assert finished.labels("abort")._value.get() == 0

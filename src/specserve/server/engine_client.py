@@ -302,12 +302,14 @@ class EngineClient:
         if grammar is not None:
             request.params.grammar = self._grammars_sent.grammar(grammar)
 
-    def abort(self, stream: RequestStream) -> None:
-        """Stop a stream's unfinished engine requests; their KV pages are freed at once."""
+    def abort(self, stream: RequestStream, reason: str = "abort") -> None:
+        """Stop a stream's unfinished engine requests; their KV pages are freed at once.
+        They count as finished by `reason` (/metrics: "abort", or "error" where the engine
+        refused one of them)."""
         ids = [rid for rid in stream.request_ids if rid in self._tracked]
         for rid in ids:
             del self._tracked[rid]
-            self.metrics.finished.labels("abort").inc()
+            self.metrics.finished.labels(reason).inc()
         stream.unfinished.clear()
         if ids and self._proc.is_alive():
             self._inbox.put(AbortRequests(ids))
@@ -379,8 +381,8 @@ class EngineClient:
                 self._finish(delta.request_id, tracked)
         for err in report.errors:
             tracked = self._tracked.get(err.request_id)
-            if tracked is not None:
-                self.abort(tracked.stream)
+            if tracked is not None:  # (the engine refused it: its stream ends with the error)
+                self.abort(tracked.stream, "error")
                 tracked.stream._put(EngineRequestError(err))
 
     def _observe(self, tracked: _Tracked, delta: OutputDelta, now: float, sent: float) -> None:

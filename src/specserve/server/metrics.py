@@ -169,7 +169,8 @@ class ServerMetrics:
         )
         self.finished = Counter(
             "specserve_request_finished",
-            "engine requests (choices) finished, by reason",
+            "engine requests (choices) finished, by reason: stop, length, abort (the client "
+            "left, the server shut down), error (the engine refused it)",
             ["finish_reason"],
             registry=r,
         )
