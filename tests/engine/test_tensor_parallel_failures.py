@@ -189,3 +189,29 @@ def test_a_dropped_engine_takes_its_ranks_and_a_closed_one_says_so(target):
         "tokens": 4,
         "after_close": "this tensor-parallel engine is closed",
     }
+
+
+def test_a_follower_whose_group_is_gone_says_so_in_one_line():
+    """A rank > 0 whose collective fails because a peer left (rank 0 killed mid-forward)
+    ends with a TensorParallelError (the CLI's one line), as a plan it cannot receive does;
+    a failure of its own keeps its traceback."""
+    from types import SimpleNamespace
+
+    from specserve.core.errors import TensorParallelError
+    from specserve.core.kernel_options import current
+    from specserve.engine.engine import LLMEngine
+
+    def follower_failing_with(message):
+        def next_plan():
+            raise RuntimeError(message)
+
+        engine = LLMEngine.__new__(LLMEngine)
+        engine.kernel_options = current()
+        engine.follower = SimpleNamespace(next=next_plan)
+        engine.parallel = SimpleNamespace(rank=1)
+        return engine
+
+    with pytest.raises(TensorParallelError, match="rank 1 lost the tensor-parallel group"):
+        follower_failing_with("[pair.cc:553] Connection closed by peer [127.0.0.1]:1").follow()
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
+        follower_failing_with("mat1 and mat2 shapes cannot be multiplied").follow()

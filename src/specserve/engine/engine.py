@@ -6,6 +6,7 @@ import itertools
 import logging
 import numbers
 import random
+import re
 import weakref
 from dataclasses import replace
 
@@ -43,6 +44,8 @@ from specserve.runtime.grammar import GrammarCompiler
 from specserve.runtime.grammar_pool import default_workers
 
 log = logging.getLogger("specserve")
+# How gloo and NCCL say a collective's peer is gone (its connection closed, reset, timed out)
+_PEER_GONE = re.compile(r"connection (closed|reset)|closed by peer|timed? ?out|NCCL", re.I)
 
 
 class LLMEngine:
@@ -299,20 +302,30 @@ class LLMEngine:
 
     # ---- tensor parallelism ------------------------------------------------------------
     def follow(self) -> None:
-        """A rank > 0: replay rank 0's step plans until it stops the group."""
+        """A rank > 0: replay rank 0's step plans until it stops the group. A collective
+        that fails (rank 0 or another rank gone) ends it with a TensorParallelError, as a
+        plan that cannot be received does: one line, not a traceback."""
         follower = self.follower
-        with using(self.kernel_options):
-            while True:
-                plan = follower.next()
-                if plan.stop:
-                    break
-                if plan.drain:
-                    follower.batch(plan)  # (its requests that left)
-                    self.loop.drain()
-                    continue
-                batch, drafting = follower.batch(plan)
-                self.loop.replay(batch, drafting, plan.keeps_drafter, plan.waited, plan.late)
-            self.loop.drain()
+        try:
+            with using(self.kernel_options):
+                while True:
+                    plan = follower.next()
+                    if plan.stop:
+                        break
+                    if plan.drain:
+                        follower.batch(plan)  # (its requests that left)
+                        self.loop.drain()
+                        continue
+                    batch, drafting = follower.batch(plan)
+                    self.loop.replay(batch, drafting, plan.keeps_drafter, plan.waited, plan.late)
+                self.loop.drain()
+        except RuntimeError as e:
+            if not _PEER_GONE.search(str(e)):
+                raise  # (a failure of this rank's own: its traceback)
+            raise TensorParallelError(
+                f"rank {self.parallel.rank} lost the tensor-parallel group (another rank "
+                f"exited?): {e}"
+            ) from e
         self.parallel.close()
 
     def close(self) -> None:
