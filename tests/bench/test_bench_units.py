@@ -144,6 +144,7 @@ specserve_spec_timed_steps_total{k="3"} 3.0
 specserve_spec_step_device_ms_total{k="0"} 14.0
 specserve_spec_step_device_ms_total{k="3"} 6.0
 specserve_spec_dormant_steps_total 6.0
+specserve_spec_settled_steps_total 4.0
 specserve_spec_drafter_eager_passes_total 9.0
 specserve_spec_drafter_eager_tokens_total 130.0
 specserve_spec_plain_step_period_ms_total{part="dormant"} 5.0
@@ -187,6 +188,7 @@ def test_metrics_difference_and_speculation_figures():
     assert spec["plain_step_ms_by_part"] == {"dormant": 1.0, "prefill": 3.0}
     assert spec["plain_device_ms_by_part"] == {"dormant": 0.9, "prefill": 1.0}
     assert spec["dormant_steps"] == 6 and spec["drafter_eager_passes"] == 5
+    assert spec["settled_steps"] == 4
     assert spec["drafter_eager_tokens"] == 130
     assert spec["drafter_wakes"] == {"prefill": 3, "decode": 1}  # (none before the run)
     assert spec["plain_overruled"] == 2

@@ -1,7 +1,8 @@
 """Settled decisions to draft: where one K > 0 clearly beats every other K and plain
 decoding, the goodput policy repeats it for SETTLED_STEPS steps without deliberating (on a
 fast model the deliberation is a few percent of a host-paced step), and deliberates again
-as soon as the batch, its prefill, a request's room to draft or the margin says otherwise."""
+as soon as the batch's bucket, its prefill, a request's room to draft or the margin says
+otherwise; requests coming and going within the bucket keep the hold."""
 
 from __future__ import annotations
 
@@ -50,19 +51,16 @@ def test_a_clear_decision_to_draft_holds_without_deliberating(n):
         assert held.tokens == first.tokens and held.period_ms == first.period_ms
         assert policy.predicted_tokens == first.tokens[3]
     assert counted.calls == 1  # (before: one deliberation a step)
+    assert policy.trace.settled_steps == GoodputPolicy.SETTLED_STEPS - 1
     assert policy._settled is None
     policy.choose(reqs)
     assert counted.calls == 2  # the hold ran out: deliberated again
 
 
 def test_a_held_decision_gives_way_to_what_changed():
-    """A new request, a step carrying prefill, a request that cannot draft K: each is
+    """A step carrying prefill, a request that cannot draft K, another batch bucket: each is
     deliberated (and ends the hold)."""
     changes = {
-        "a new request": (
-            _reqs(N - 1) + [FakeRequest("new")],
-            StepLoad(),
-        ),
         "prefill": (_reqs(N), StepLoad(prefill_tokens=64)),
         "a request near its end": (
             _reqs(N - 1) + [FakeRequest(f"r{N - 1}", max_useful_drafts=1)],
@@ -95,3 +93,20 @@ def test_drafting_ahead_by_less_than_the_margin_after_the_modes_factors_delibera
         assert max(policy.choose(_reqs(N))) == 3
         assert counted.calls == step + 1
     assert policy._settled is None
+
+
+def test_a_held_decision_outlives_requests_coming_and_going_within_its_bucket():
+    """A request leaving, and one joining after its prefill step (a decode step of other
+    requests at the same bucket), repeat the held K with the held expectations scaled to
+    the batch: the closed loop at 8 requests replaces one every few steps, and deliberating
+    after each change cost the host most of what holding saves."""
+    policy = _settled_policy()
+    counted = _Counted(policy)
+    assert policy.choose(_reqs(N)) == [3] * N
+    per_request = policy.predicted_tokens / N
+    smaller = _reqs(N - 1)  # one left (the bucket of 7 is 8's)
+    assert batch_bucket(N - 1) == batch_bucket(N)
+    assert policy.choose(smaller) == [3] * (N - 1)
+    assert policy.predicted_tokens == pytest.approx(per_request * (N - 1))
+    assert policy.choose(smaller + [FakeRequest("new")]) == [3] * N
+    assert counted.calls == 1 and policy.trace.settled_steps == 2

@@ -266,6 +266,7 @@ def speculation_figures(before: dict, after: dict) -> dict:
         out["drafter_wakes"] = wakes
     for key in (
         "dormant_steps",
+        "settled_steps",
         "drafting_held",
         "plain_overruled",
         "drafter_eager_passes",

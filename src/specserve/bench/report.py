@@ -172,6 +172,8 @@ def report_rows(report: dict) -> list[tuple[str, str]]:
         rows.append(("spec: acceptance by position", rates))
     if spec.get("step_ms_by_k"):
         rows.append(("spec: mean step ms by K", step_ms_by_k(spec)))
+    if spec.get("settled_steps"):
+        rows.append(("spec: steps not deliberated (settled)", _fmt(spec["settled_steps"])))
     return rows
 
 

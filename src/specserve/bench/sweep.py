@@ -179,6 +179,8 @@ def measure(
     if by_k:  # a speculating server's mean step at each K it ran
         step_ms += f" [{by_k}]"
     spec = steps.get("speculation") or {}
+    if spec.get("settled_steps"):  # steps the goodput policy did not deliberate
+        step_ms += f" [{spec['settled_steps']} settled]"
     if spec.get("policy_tables"):  # and what the goodput policy believed of them
         step_ms += f" [{policy_table(spec, cfg.max_concurrency)}]"
     print(

@@ -135,6 +135,10 @@ _ENGINE_COUNTERS = {
         "specserve_spec_dormant_steps",
         "steps taken while the drafter's upkeep was stopped (goodput policy, dormant)",
     ),
+    "spec_settled_steps": (
+        "specserve_spec_settled_steps",
+        "steps whose draft length repeated a settled decision without deliberating (goodput)",
+    ),
     "spec_drafting_held": (
         "specserve_spec_drafting_held",
         "decisions to draft overruled: drafting delivered less than plain decoding (goodput)",

@@ -74,8 +74,8 @@ class GoodputPolicy(SpeculationPolicy):
     SETTLED_STEPS steps without deliberating: on a fast model the deliberation itself would
     cost a tenth of a step. So does a decision for K > 0 that every other K misses by
     AWAKE_SETTLE_MARGIN and plain decoding by DRAFT_SETTLE_MARGIN (after the modes'
-    factors), at any batch size, while the batch keeps its requests, carries no prefill
-    and every request may still draft K.
+    factors), at any batch size, while the batch stays in its bucket (requests may come
+    and go), carries no prefill and every request may still draft K.
     """
 
     HYSTERESIS = 0.03
@@ -160,13 +160,15 @@ class GoodputPolicy(SpeculationPolicy):
             left, k, ms, expected = settled
             bucket = batch_bucket(n)
             # A held K > 0 holds only for decode steps at its bucket whose requests may all
-            # draft K (the K = 0 one holds whatever the batch or prefill)
+            # draft K, whichever requests they are (one leaving or, after its prefill step,
+            # one joining moves the expected tokens by its share only; in the closed-loop
+            # simulations holding across them lost nothing); the K = 0 one holds whatever
+            # the batch or prefill
             if k and (
                 load.prefill_tokens
                 or k_budget < k
                 or bucket != expected["bucket"]
                 or min(map(_max_useful_drafts, reqs)) < k
-                or list(map(_request_id, reqs)) != expected["ids"]
             ):
                 self._settled = settled = None
             else:
@@ -317,7 +319,7 @@ class GoodputPolicy(SpeculationPolicy):
                         self.SETTLED_STEPS - 1,
                         k,
                         uncapped[k],
-                        dict(expected, bucket=bucket, ids=list(map(_request_id, reqs))),
+                        dict(expected, bucket=bucket),
                     )
         elif self.dormant and k and wake > probe_wake:
             # A probe while dormant drafts on the requests the drafter has seen most of: a
@@ -372,8 +374,9 @@ class GoodputPolicy(SpeculationPolicy):
             self._last_run[(bucket, k)] = steps
         self._plain_decisions = 0 if k else self._plain_decisions + 1
         self._running_k = k
+        self.trace.settled_steps += 1
         self.predicted_tokens, self.predicted_ms = expected["tokens"][k], ms
-        expected = {key: v for key, v in expected.items() if key not in ("bucket", "ids")}
+        expected = {key: v for key, v in expected.items() if key != "bucket"}
         return self._decided([k] * n, **expected)  # (the held decision's expectations)
 
     def observe_rate(

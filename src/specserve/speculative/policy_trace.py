@@ -56,6 +56,7 @@ class PolicyTrace:
     # says whether a K's steps are long on the device or wait for the host
     device_ms_by_step_k: list[float] = field(default_factory=list)
     dormant_steps: int = 0  # processed steps during which the drafter's upkeep was stopped
+    settled_steps: int = 0  # decisions repeated without deliberating (goodput's held ones)
     # Plain (K=0) steps by part: "dormant" (the drafter's upkeep stopped), "prefill" (a
     # prompt chunk in the step) and "awake" (decode-only, the drafter kept up: its
     # ride-alongs): their periods and device spans (ms, summed) and counts, so that what a

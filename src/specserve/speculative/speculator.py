@@ -256,6 +256,7 @@ class Speculator:
             "spec_timed_steps_by_step_k": list(trace.timed_steps_by_step_k),
             "spec_device_ms_by_step_k": list(trace.device_ms_by_step_k),
             "spec_dormant_steps": trace.dormant_steps,
+            "spec_settled_steps": trace.settled_steps,
             "spec_plain_ms_by_part": dict(trace.plain_ms_by_part),
             "spec_plain_device_ms_by_part": dict(trace.plain_device_ms_by_part),
             "spec_plain_steps_by_part": dict(trace.plain_steps_by_part),
