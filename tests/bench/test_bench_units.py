@@ -384,7 +384,9 @@ def test_a_goodput_point_prints_the_policys_table_at_its_bucket(monkeypatch, cap
 
 def test_engine_loop_figures_reach_the_bench():
     """The server exports the loop's waits by reason as a labelled counter and its device
-    and wait time totals as counters; the bench reads them back into its server figures."""
+    and wait time totals as counters, in seconds; the bench reads them back into its server
+    figures, in ms. (_BEFORE and _AFTER above are a server's of before session 42, which
+    counted ms: the bench reads those too.)"""
     from specserve.server.metrics import ServerMetrics
 
     metrics = ServerMetrics()
@@ -402,7 +404,10 @@ def test_engine_loop_figures_reach_the_bench():
         "host_ms_by_part": {"schedule": 1.5, "prepare": 2.0, "sample": 7.0, "process": 0.5},
     }
     metrics.observe_steps([0.002, 0.004], [0.001, 0.001])
-    fig = server_figures(before, parse_metrics(metrics.render().decode()))
+    after = parse_metrics(metrics.render().decode())
+    assert after[("specserve_engine_device_step_seconds_total", ())] == pytest.approx(0.104)
+    assert after[("specserve_engine_host_seconds_total", (("part", "sample"),))] == 0.007
+    fig = server_figures(before, after)
     assert fig["loop_waits"] == 5
     assert fig["loop_wait_reasons"] == {"host_drafts": 3, "sampled": 2}
     assert fig["step_ms_mean"] == pytest.approx(3.0)

@@ -183,8 +183,10 @@ def test_the_policy_tables_reach_the_stats_and_metrics(models):
     metrics = ServerMetrics()
     metrics.engine_stats = lambda: stats
     text = metrics.render().decode()
-    assert f'specserve_spec_policy_period_ms{{bucket="1",k="3"}} {periods["1:3"]}' in text
-    tables = speculation_figures({}, parse_metrics(text))["policy_tables"]
+    exported = parse_metrics(text)  # (in seconds, Prometheus' base unit)
+    cell = ("specserve_spec_policy_period_seconds", (("bucket", "1"), ("k", "3")))
+    assert exported[cell] == pytest.approx(periods["1:3"] / 1000)
+    tables = speculation_figures({}, exported)["policy_tables"]  # (back in ms)
     assert tables["period_ms"]["1"]["3"] == pytest.approx(periods["1:3"])
     assert tables["switch_observations"]["1"] == {
         cell.split(":")[1]: n

@@ -124,6 +124,23 @@ def _by_label(
     return {k: int(v) if exact else v for k, v in counts.items() if v}
 
 
+def _ms(before: dict, after: dict, stem: str) -> float | None:
+    """Run delta of a counter of seconds, `stem` + "_seconds_total", in ms (a server before
+    session 42 counted milliseconds: `stem` + "_ms_total")."""
+    seconds = _delta(before, after, stem + "_seconds_total")
+    if seconds is not None:
+        return 1000.0 * seconds
+    return _delta(before, after, stem + "_ms_total")
+
+
+def _ms_by_label(before: dict, after: dict, stem: str, label: str) -> dict[str, float]:
+    """`_by_label` of a labelled counter of seconds, in ms (as `_ms`)."""
+    seconds = _by_label(before, after, stem + "_seconds_total", label, exact=False)
+    if seconds:
+        return {k: 1000.0 * v for k, v in seconds.items()}
+    return _by_label(before, after, stem + "_ms_total", label, exact=False)
+
+
 def _draft_len_mix(before: dict, after: dict) -> dict[str, int]:
     return _by_label(before, after, "specserve_spec_draft_length_steps_total", "draft_len")
 
@@ -160,15 +177,15 @@ def step_figures(before: dict, after: dict) -> dict:
         total, n = _delta(before, after, name + "_sum"), _delta(before, after, name + "_count")
         if total is not None and n:
             out[key] = 1000.0 * total / n
-    for key, name in (
-        ("device_busy_ms_mean", "specserve_engine_device_step_ms_total"),
-        ("device_idle_ms_mean", "specserve_engine_device_gap_ms_total"),
-        ("host_wait_ms_mean", "specserve_engine_host_wait_ms_total"),
+    for key, stem in (
+        ("device_busy_ms_mean", "specserve_engine_device_step"),
+        ("device_idle_ms_mean", "specserve_engine_device_gap"),
+        ("host_wait_ms_mean", "specserve_engine_host_wait"),
     ):
-        total = _delta(before, after, name)
+        total = _ms(before, after, stem)
         if total and count:
             out[key] = total / count
-    host = _by_label(before, after, "specserve_engine_host_ms_total", "part", exact=False)
+    host = _ms_by_label(before, after, "specserve_engine_host", "part")
     if host and count:  # host time a step by part (ms), waits for drawn tokens apart
         out["host_ms_by_part_mean"] = {part: ms / count for part, ms in host.items()}
     waits = _delta(before, after, "specserve_engine_loop_waits_total")
@@ -247,18 +264,18 @@ def speculation_figures(before: dict, after: dict) -> dict:
     for (name, labels), value in after.items():
         if name == "specserve_engine_spec_policy_info" and value:
             out["policy"] = dict(labels).get("spec_policy")
-    periods = _by_label(before, after, "specserve_spec_step_period_ms_total", "k", exact=False)
+    periods = _ms_by_label(before, after, "specserve_spec_step_period", "k")
     timed = _by_label(before, after, "specserve_spec_timed_steps_total", "k")
     if timed:  # the mean period of a step at each K, under this policy
         out["step_ms_by_k"] = {k: periods.get(k, 0.0) / n for k, n in timed.items()}
-        device = _by_label(before, after, "specserve_spec_step_device_ms_total", "k", exact=False)
+        device = _ms_by_label(before, after, "specserve_spec_step_device", "k")
         if any(device.values()):  # and its device span (CUDA): host-bound where far below
             out["device_ms_by_k"] = {k: device.get(k, 0.0) / n for k, n in timed.items()}
     parts = _by_label(before, after, "specserve_spec_plain_timed_steps_total", "part")
     if parts:  # plain steps with the drafter dormant, or with prefill: their mean period
-        ms = _by_label(before, after, "specserve_spec_plain_step_period_ms_total", "part", False)
+        ms = _ms_by_label(before, after, "specserve_spec_plain_step_period", "part")
         out["plain_step_ms_by_part"] = {k: ms.get(k, 0.0) / n for k, n in parts.items()}
-        dev = _by_label(before, after, "specserve_spec_plain_step_device_ms_total", "part", False)
+        dev = _ms_by_label(before, after, "specserve_spec_plain_step_device", "part")
         if any(dev.values()):
             out["plain_device_ms_by_part"] = {k: dev.get(k, 0.0) / n for k, n in parts.items()}
     wakes = _by_label(before, after, "specserve_spec_drafter_wakes_total", "cause")
@@ -292,7 +309,10 @@ def speculation_figures(before: dict, after: dict) -> dict:
             cell = dict(labels)
             bucket = cell.pop("bucket", "")
             key = next(iter(cell.values()), "")
-            table = tables.setdefault(name.removeprefix("specserve_spec_policy_"), {})
+            table_name = name.removeprefix("specserve_spec_policy_")
+            if table_name.endswith("_seconds"):  # (the report's tables are in ms)
+                table_name, v = table_name.removesuffix("_seconds") + "_ms", 1000.0 * v
+            table = tables.setdefault(table_name, {})
             table.setdefault(bucket, {})[key] = v
     if tables:
         out["policy_tables"] = {

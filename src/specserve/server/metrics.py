@@ -120,16 +120,16 @@ _ENGINE_COUNTERS = {
         "cached KV pages evicted to make room",
     ),
     "device_step_ms": (
-        "specserve_engine_device_step_ms",
-        "device time of engine steps, first kernel to last (GPU only), ms",
+        "specserve_engine_device_step_seconds",
+        "device time of engine steps, first kernel to last (GPU only), seconds",
     ),
     "device_gap_ms": (
-        "specserve_engine_device_gap_ms",
-        "device idle time between back-to-back engine steps (GPU only), ms",
+        "specserve_engine_device_gap_seconds",
+        "device idle time between back-to-back engine steps (GPU only), seconds",
     ),
     "host_wait_ms": (
-        "specserve_engine_host_wait_ms",
-        "time the engine blocked waiting for steps' drawn tokens, ms",
+        "specserve_engine_host_wait_seconds",
+        "time the engine blocked waiting for steps' drawn tokens, seconds",
     ),
     "spec_dormant_steps": (
         "specserve_spec_dormant_steps",
@@ -304,9 +304,9 @@ _ENGINE_LISTS = {
         "steps by the one draft length chosen for the step",
     ),
     "spec_period_ms_by_step_k": (
-        "specserve_spec_step_period_ms",
+        "specserve_spec_step_period_seconds",
         "k",
-        "wall-clock periods of steps (ms, summed) by the step's draft length",
+        "wall-clock periods of steps (seconds, summed) by the step's draft length",
     ),
     "spec_timed_steps_by_step_k": (
         "specserve_spec_timed_steps",
@@ -314,9 +314,9 @@ _ENGINE_LISTS = {
         "steps whose period was measured, by the step's draft length",
     ),
     "spec_device_ms_by_step_k": (
-        "specserve_spec_step_device_ms",
+        "specserve_spec_step_device_seconds",
         "k",
-        "device spans of those steps (ms, summed; CUDA only) by the step's draft length",
+        "device spans of those steps (seconds, summed; CUDA only) by the step's draft length",
     ),
     "spec_position_drafted": (
         "specserve_spec_position_drafted",
@@ -340,22 +340,22 @@ _ENGINE_DICTS = {
         "after them; *_before_sampling: launched first, sampled after them)",
     ),
     "host_ms_by_part": (
-        "specserve_engine_host_ms",
+        "specserve_engine_host_seconds",
         "part",
-        "host time of engine steps (ms, summed; waits for drawn tokens excluded) by part: "
+        "host time of engine steps (seconds, summed; waits for drawn tokens excluded) by part: "
         "schedule, draft, prepare, forward (queueing it), sample (logit changes and grammar "
         "masks in), process",
     ),
     "spec_plain_ms_by_part": (
-        "specserve_spec_plain_step_period_ms",
+        "specserve_spec_plain_step_period_seconds",
         "part",
-        "wall-clock periods of plain (K=0) steps (ms, summed): "
+        "wall-clock periods of plain (K=0) steps (seconds, summed): "
         "dormant drafter, with prefill, or awake (decode-only, the drafter kept up)",
     ),
     "spec_plain_device_ms_by_part": (
-        "specserve_spec_plain_step_device_ms",
+        "specserve_spec_plain_step_device_seconds",
         "part",
-        "device spans of those steps (ms, summed; CUDA only): "
+        "device spans of those steps (seconds, summed; CUDA only): "
         "dormant drafter, with prefill, or awake (decode-only, the drafter kept up)",
     ),
     "spec_plain_steps_by_part": (
@@ -376,9 +376,9 @@ _ENGINE_DICTS = {
 # labelled by batch bucket and the key: key -> (name, second label, doc).
 _ENGINE_TABLES = {
     "spec_policy_period_ms": (
-        "specserve_spec_policy_period_ms",
+        "specserve_spec_policy_period_seconds",
         "k",
-        "goodput policy: the steady period (ms) of a step of `bucket` requests at K, as its "
+        "goodput policy: the steady period (seconds) of a step of `bucket` requests at K, as its "
         "cost model now estimates it (decode attention's context term left out)",
     ),
     "spec_policy_period_observations": (
@@ -387,9 +387,9 @@ _ENGINE_TABLES = {
         "goodput policy: the steady periods its cost model took at the bucket and K",
     ),
     "spec_policy_switch_ms": (
-        "specserve_spec_policy_switch_ms",
+        "specserve_spec_policy_switch_seconds",
         "direction",
-        "goodput policy: what a switch of K costs beyond steady steps (ms), by direction: "
+        "goodput policy: what a switch of K costs beyond steady steps (seconds), by direction: "
         "up (from plain decoding), down (to it), lateral (between two K > 0)",
     ),
     "spec_policy_switch_observations": (
@@ -409,6 +409,23 @@ _ENGINE_TABLES = {
         "goodput policy: the steps each mode's factor spans",
     ),
 }
+
+
+# Engine stats kept in milliseconds, exported in seconds (Prometheus' base unit)
+_IN_MS = frozenset(
+    {
+        "device_step_ms",
+        "device_gap_ms",
+        "host_wait_ms",
+        "spec_period_ms_by_step_k",
+        "spec_device_ms_by_step_k",
+        "host_ms_by_part",
+        "spec_plain_ms_by_part",
+        "spec_plain_device_ms_by_part",
+        "spec_policy_period_ms",
+        "spec_policy_switch_ms",
+    }
+)
 
 
 class _PromptCollector:
@@ -461,23 +478,24 @@ class _EngineCollector:
         )
         for key, value in stats.items():
             safe = re.sub(r"[^a-zA-Z0-9_]", "_", key)
+            unit = 1e-3 if key in _IN_MS else 1  # (ms to seconds)
             if key in _ENGINE_LISTS and isinstance(value, (list, tuple)):
                 name, label, doc = _ENGINE_LISTS[key]
                 family = CounterMetricFamily(name, doc, labels=[label])
                 for i, v in enumerate(value):
-                    family.add_metric([str(i)], v)
+                    family.add_metric([str(i)], v * unit)
                 yield family
             elif key in _ENGINE_TABLES and isinstance(value, dict):
                 name, label, doc = _ENGINE_TABLES[key]
                 family = GaugeMetricFamily(name, doc, labels=["bucket", label])
                 for cell, v in sorted(value.items()):
-                    family.add_metric(cell.split(":", 1), v)
+                    family.add_metric(cell.split(":", 1), v * unit)
                 yield family
             elif key in _ENGINE_DICTS and isinstance(value, dict):
                 name, label, doc = _ENGINE_DICTS[key]
                 family = CounterMetricFamily(name, doc, labels=[label])
                 for k, v in sorted(value.items()):
-                    family.add_metric([str(k)], v)
+                    family.add_metric([str(k)], v * unit)
                 yield family
             elif isinstance(value, str):  # e.g. the policy's name
                 family = GaugeMetricFamily(
@@ -493,7 +511,7 @@ class _EngineCollector:
                 continue  # other shapes, and NaN
             elif key in _ENGINE_COUNTERS:
                 name, doc = _ENGINE_COUNTERS[key]
-                yield CounterMetricFamily(name, doc, value=value)
+                yield CounterMetricFamily(name, doc, value=value * unit)
             else:
                 name, doc = _ENGINE_GAUGES.get(key, (f"specserve_engine_{safe}", f"engine {key}"))
                 yield GaugeMetricFamily(name, doc, value=value)
