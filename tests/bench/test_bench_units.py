@@ -237,6 +237,12 @@ def test_summary_numbers_and_rows():
     assert r["itl_ms"]["p99"] == pytest.approx(10.0)
     labels = [label for label, _ in report_rows(r)]
     assert "errors: HTTP 500" in labels and "output throughput (tok/s)" in labels
+    # A server whose usage did not count a request's prompt: input tokens unknown, not 0
+    results[1].prompt_tokens, results[1].usage_reported = None, False
+    r = summarize(results, 2.0, None, config={"max_concurrency": 2})
+    assert r["total_input_tokens"] is None and r["total_token_throughput"] is None
+    assert r["output_throughput"] == 7.0 and not r["token_counts_from_usage"]
+    assert dict(report_rows(r))["input tokens"] == "-"
 
 
 def _fake_report(label, c, tput, itl):

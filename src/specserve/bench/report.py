@@ -79,7 +79,9 @@ def summarize(
     for r in results:
         if not r.ok and r.error not in examples:
             examples[r.error] = r.error_message
-    input_tokens = sum(r.prompt_tokens or 0 for r in ok)
+    # (unknown, not 0, where a server's usage did not say: its prompts were not counted)
+    prompt_counts = [r.prompt_tokens for r in ok]
+    input_tokens = sum(prompt_counts) if None not in prompt_counts else None
     cached = [r.cached_prompt_tokens for r in ok if r.cached_prompt_tokens is not None]
     output_tokens = sum(r.output_tokens for r in ok)
     per_s = (lambda x: x / duration_s) if duration_s > 0 else (lambda x: 0.0)
@@ -103,7 +105,9 @@ def summarize(
         "arrival_rate": _arrival_rate(results),
         "request_throughput": per_s(len(ok)),
         "output_throughput": per_s(output_tokens),
-        "total_token_throughput": per_s(input_tokens + output_tokens),
+        "total_token_throughput": (
+            per_s(input_tokens + output_tokens) if input_tokens is not None else None
+        ),
         "ttft_ms": _stats_ms([r.ttft_s for r in ok if r.ttft_s is not None]),
         "tpot_ms": _stats_ms([r.tpot_s for r in ok if r.tpot_s is not None]),
         "itl_ms": _stats_ms([x for r in ok for x in r.itl_s]),
