@@ -8,7 +8,9 @@ plain steps, the wait for the previous step's tokens and the drafter's catch-up 
 dearer, once it spans more than a few plain steps); after speculative ones, a plain step
 that the loop could not overlap. Where the next step is launched before a step resolves,
 part of a switch lands in the step before it (as measured on the H200). A request's first
-drafting step catches its drafter up over the prompt. Periods carry lognormal noise and
+drafting step catches its drafter up over the prompt. A goodput decision that deliberated
+(not one repeated from a settled decision) adds the host's time for it where the host paces
+the step (Regime.deliberation_ms, as measured on the H200). Periods carry lognormal noise and
 occasional outliers. Requests arrive one after another (batch 1, an idle engine between them)
 or in rounds of b submitted together (policy_sim_workload.py: the requests and the noise).
 The policy, the acceptance and cost models and the speculator's bookkeeping
@@ -129,7 +131,11 @@ class Simulator:
     def decode(self, reqs: list[SimRequest], wl: Workload, result: SimResult) -> None:
         n, regime = len(reqs), self.regime
         # the scheduler's cap
+        settled = self.policy.trace.settled_steps
         draft_lens = [min(k, r.max_useful_drafts) for k, r in zip(self.policy.choose(reqs), reqs)]
+        deliberated = (  # (its host time is charged: Regime.deliberation_ms)
+            isinstance(self.policy, GoodputPolicy) and self.policy.trace.settled_steps == settled
+        )
         k = max(draft_lens)
         if k and self.prev_k == 0 and self.pending is not None and regime.early_share:
             # The drafter needs the last plain step's tokens: it is resolved before this
@@ -137,7 +143,7 @@ class Simulator:
             batch, committed, resolved_s, idle = self.pending
             shift = regime.early_share * regime.host(n, 0) / 1e3
             self.pending = (batch, committed, resolved_s - shift, idle)
-        ms = regime.period(n, k)
+        ms = regime.period(n, k, deliberated)
         first = regime.prompt_catch_up and any(
             kr and not r.drafted for kr, r in zip(draft_lens, reqs)
         )

@@ -42,6 +42,11 @@ class Regime:
     next_launch_share: float = 0.0
     catch_up_before: bool = False
     prompt_catch_up: bool = True  # a request's first drafting step catches up on its prompt
+    # The host's time for a goodput decision deliberated (not repeated from a settled one):
+    # this plus per request, in the host's part of the step (where the host paces the step,
+    # in its period). Fixed K and plain decoding deliberate nothing.
+    deliberation_ms: float = 0.0
+    deliberation_per_req_ms: float = 0.0
 
     def device(self, n: int, k: int) -> float:
         ms = CurveModel(self.target)(n * (k + 1))
@@ -54,10 +59,13 @@ class Regime:
             self.host_spec + self.host_per_k * k + (self.host_per_req + self.host_per_req_k * k) * n
         )
 
-    def period(self, n: int, k: int) -> float:
+    def period(self, n: int, k: int, deliberated: bool = False) -> float:
         if self.steady is not None:
             return self.steady(n, k)
-        return max(self.host(n, k), self.device(n, k))
+        host = self.host(n, k)
+        if deliberated:
+            host += self.deliberation_ms + self.deliberation_per_req_ms * n
+        return max(host, self.device(n, k))
 
     @staticmethod
     def steady_only(steady: Callable[[int, int], float]) -> Regime:
@@ -86,12 +94,19 @@ class Regime:
         return StepCostModel(CurveModel(self.target), CurveModel(self.drafter), padded=True)
 
 
+# A goodput deliberation on the H200's host: ~0.03 ms at 8 requests more than a fixed K's
+# decision (session 36: the schedule part 0.068-0.087 ms a step against 0.044-0.048, the
+# default model, every step deliberated), ~60 us at 16 and ~150 at 64 (session 23)
+H200_DELIBERATION = {"deliberation_ms": 0.03, "deliberation_per_req_ms": 0.0015}
+
 # A ~1 ms host-bound step: at batch 1 a speculative step costs twice a plain one (K=3 wins
 # by about 23% at real acceptance), at 64 plain decoding wins by about 30%.
-SMALL = Regime("small", SMALL_TARGET, SMALL_HEAD, 1.10, 0.012, 1.20, 0.25, 0.03, 0.01)
+SMALL = Regime(
+    "small", SMALL_TARGET, SMALL_HEAD, 1.10, 0.012, 1.20, 0.25, 0.03, 0.01, **H200_DELIBERATION
+)
 # A 4 ms GPU-bound step: host work mostly hidden, speculation 2x at batch 1, 1.5x at 64, and
 # a loss at 256 (verify of 1024 tokens).
-LARGE = Regime("large", H200_8B, HEAD_8B, 1.0, 0.01, 1.3, 0.25, 0.03, 0.01)
+LARGE = Regime("large", H200_8B, HEAD_8B, 1.0, 0.01, 1.3, 0.25, 0.03, 0.01, **H200_DELIBERATION)
 # SmolLM2-135M + its EAGLE-3 head on the H200 as measured (gpu_default_model_run5_goodput_
 # trace.json, in git history), host-bound throughout: steady periods at batch 1 of 0.975 ms
 # plain and 1.82 ms at K=3 (about flat in K), at 8 of 1.08 and 2.19, at 64 of 1.92 and 5.2
@@ -116,4 +131,5 @@ MEASURED = Regime(
     next_launch_share=0.7,
     catch_up_before=True,
     prompt_catch_up=False,
+    **H200_DELIBERATION,
 )

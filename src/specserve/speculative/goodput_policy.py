@@ -72,7 +72,12 @@ class GoodputPolicy(SpeculationPolicy):
     priced by those rows' tokens, within DORMANT_PROBE_BUDGET). While dormant, a decision
     for K=0 that every K > 0 misses by SETTLE_MARGIN (before switch costs) holds
     SETTLED_STEPS steps without deliberating: on a fast model the deliberation itself would
-    cost a tenth of a step. So does a decision for K > 0 that every other K misses by
+    cost a tenth of a step. From SETTLE_MIN_BATCH requests it holds before dormancy too
+    (a deliberation's cost grows with the batch: in the closed-loop simulator with the
+    H200 host's deliberations charged, holding there took the host-bound engine at 64
+    requests from 0.915 to 0.950 of plain decoding, and the default model's from 0.932 to
+    0.942; at fewer requests a held K=0 kept answers that turned easy from drafting, down
+    to 0.915 of the best at batch 1). So does a decision for K > 0 that every other K misses by
     AWAKE_SETTLE_MARGIN and plain decoding by DRAFT_SETTLE_MARGIN (after the modes'
     factors), at any batch size, while the batch stays in its bucket (requests may come
     and go), carries no prefill and every request may still draft K.
@@ -100,8 +105,10 @@ class GoodputPolicy(SpeculationPolicy):
     DORMANT_PROBE_ROWS = 16  # requests a probe drafts on while dormant
     DORMANT_PROBE_BUDGET = 0.004  # the share of throughput probing may cost while dormant
     WAKE_STEPS = 256
-    # While dormant, a decision for plain decoding holds this many steps (see `_settled`)
+    # While dormant (or from SETTLE_MIN_BATCH requests), a decision for plain decoding holds
+    # this many steps (see `_settled`)
     SETTLED_STEPS = 16
+    SETTLE_MIN_BATCH = 32  # a clear K=0 holds before dormancy too, from this many requests
     SETTLE_MARGIN = 0.1
     AWAKE_SETTLE_MARGIN = 0.05
     DRAFT_SETTLE_MARGIN = 0.2
@@ -277,7 +284,7 @@ class GoodputPolicy(SpeculationPolicy):
                 wakes[cause] = wakes.get(cause, 0) + 1
             self._plain_decisions = self._plain_decisions + 1 if k == 0 else 0
             self.dormant = self._plain_decisions >= self.DORMANT_AFTER
-            if self.dormant and k == 0 and self._probe is None:
+            if k == 0 and self._probe is None and (self.dormant or n >= self.SETTLE_MIN_BATCH):
                 # far from drafting (every K > 0 short by SETTLE_MARGIN before any switch,
                 # or drafting held back): the decision holds for a while; near it, each
                 # step deliberates
