@@ -110,3 +110,34 @@ def test_a_held_decision_outlives_requests_coming_and_going_within_its_bucket():
     assert policy.predicted_tokens == pytest.approx(per_request * (N - 1))
     assert policy.choose(smaller + [FakeRequest("new")]) == [3] * N
     assert counted.calls == 1 and policy.trace.settled_steps == 2
+
+
+def _held_on_a_seed():
+    """K=3 wins at bucket N on its seed period (measured only at batch 1 there), and holds."""
+    policy, _ = _policy(alpha=0.8, k_max=3)
+    for k in range(3):
+        policy.cost.observe(N, k, policy.cost.seed_ms(N, k))
+    policy.cost.observe(1, 3, policy.cost.seed_ms(1, 3))
+    assert policy.cost.observations(N, 3) == 0
+    assert policy.choose(_reqs(N)) == [3] * N and policy._settled is not None
+    return policy, _Counted(policy)
+
+
+def test_a_hold_decided_on_a_seed_period_ends_when_measured_too_long():
+    """On a host-bound engine the seeds (device time alone) are far short of the real
+    periods: a hold decided on one would draft SETTLED_STEPS steps where plain decoding is
+    better. Its K's first measurement, too long to beat plain decoding by
+    DRAFT_SETTLE_MARGIN, ends it; the next step deliberates on the measured period."""
+    policy, counted = _held_on_a_seed()
+    assert policy.choose(_reqs(N)) == [3] * N and counted.calls == 0  # not measured yet
+    policy.cost.observe(N, 3, 3.0 * policy.cost.seed_ms(N, 3))
+    assert policy.choose(_reqs(N)) != [3] * N
+    assert counted.calls == 1
+
+
+def test_a_hold_decided_on_a_seed_period_that_a_measurement_confirms_goes_on():
+    policy, counted = _held_on_a_seed()
+    policy.cost.observe(N, 3, 1.2 * policy.cost.seed_ms(N, 3))
+    for _ in range(3):
+        assert policy.choose(_reqs(N)) == [3] * N
+    assert counted.calls == 0 and policy._settled[3]["max_ms"] is None  # (checked once)
