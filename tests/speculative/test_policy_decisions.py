@@ -79,14 +79,9 @@ def run_case(name: str, monkeypatch) -> dict:
     if name in REPLAYS:
         replay(*REPLAYS[name])
     else:
-        regime, workload, *_ = REGIMES[name]
-        simulate(
-            "goodput",
-            regime,
-            workload,
-            0,
-            *([REGIMES[name][3]["noise"]] if len(REGIMES[name]) > 3 else []),
-        )
+        regime, workload, _, *options = REGIMES[name]
+        noise = options[0].get("noise") if options else None
+        simulate("goodput", regime, workload, 0, *([noise] if noise is not None else []))
     return _fingerprint(steps)
 
 

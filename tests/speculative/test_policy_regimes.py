@@ -23,7 +23,7 @@ MEASURED_LOAD = Workload(1, 8, hard_start=16)
 CASES = {
     "host-bound batch 1": (SMALL, Workload(1, 8), 1.15),
     "host-bound batch 8": (SMALL, Workload(8, 3), 1.1),
-    "host-bound batch 64, plain best": (SMALL, Workload(64, 2), 1.0),
+    "host-bound batch 64, plain best": (SMALL, Workload(64, 2), 1.0, {"seeds": tuple(range(16))}),
     "GPU-bound batch 1": (LARGE, Workload(1, 8), 1.8),
     "GPU-bound batch 64": (LARGE, Workload(64, 2), 1.1),
     "GPU-bound batch 256, plain best": (LARGE, Workload(256, 1), 1.0),
@@ -44,7 +44,14 @@ CASES = {
 # Where goodput is known to fall short (strict: a fix makes the case fail until it is moved).
 # (The default model at 64 requests was one, at 0.94 of plain decoding, until holds decided
 # on a seed period were checked against the first measurement: GoodputPolicy._disproved.)
-KNOWN_GAPS: dict[str, str] = {}
+KNOWN_GAPS = {
+    "host-bound batch 64, plain best": (
+        "0.93 of plain decoding over 16 seeds (0.92 over 32; 0.95 over the first 4): two "
+        "noisy early samples of plain decoding's period (20% noise a step, outliers) can "
+        "keep goodput drafting for most of a run, K=0 being probed within its budget only "
+        "(docs/performance.md, 'Holds decided on seed periods')"
+    ),
+}
 
 
 @pytest.mark.parametrize(
