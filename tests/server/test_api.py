@@ -119,6 +119,14 @@ def test_chat_stream_equals_whole_and_usage(client, offline, tiny_llama):
     # the same prompt again: its whole pages were cached by the first request
     assert usage.prompt_tokens_details.cached_tokens == (len(prompt_ids) - 1) // 16 * 16
     assert all(c.usage is None for c in chunks[:-1])
+    # the developer role is OpenAI's system role: rendered as system by a template that
+    # does not name it
+    developer = [{"role": "developer", "content": "Be brief."}, messages[1]]
+    as_developer = client.chat.completions.create(
+        model=MODEL, messages=developer, max_tokens=10, temperature=0
+    )
+    assert as_developer.usage.prompt_tokens == len(prompt_ids)
+    assert as_developer.choices[0].message.content == whole.choices[0].message.content
 
 
 def test_n_choices_and_seeds_reproduce(client):

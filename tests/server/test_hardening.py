@@ -41,6 +41,8 @@ def guarded(tiny_llama, tmp_path_factory):
         "4",
         "--max-queue",
         "64",
+        "--num-kv-pages",
+        "16",
         "--served-model-name",
         "tinyllama",
     )
@@ -161,6 +163,26 @@ def test_admission_counts_prompts(guarded):
     body["prompt"] = [[5, 6, 7]] * 60
     r = httpx.post(guarded.url + "/v1/completions", json=body, headers=guarded.headers, timeout=120)
     assert r.status_code == 200 and len(r.json()["choices"]) == 60
+
+
+def test_a_kv_cache_smaller_than_the_context_is_the_limit_said(guarded):
+    """16 pages hold less than the model's 512-token context: /v1/models says what a request
+    can hold, and a chat prompt past it is a 400 naming messages (not prompt)."""
+    r = httpx.get(guarded.url + "/v1/models", headers=guarded.headers, timeout=10)
+    limit = r.json()["data"][0]["max_model_len"]
+    assert 0 < limit < 512
+    words = " ".join(["fox"] * limit)
+    body = {"model": "tinyllama", "messages": [{"role": "user", "content": words}]}
+    r = httpx.post(
+        guarded.url + "/v1/chat/completions", json=body, headers=guarded.headers, timeout=60
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+    assert str(limit) in r.json()["error"]["message"]
+    body["messages"][0]["content"] = "fox"
+    r = httpx.post(
+        guarded.url + "/v1/chat/completions", json=body, headers=guarded.headers, timeout=60
+    )
+    assert r.status_code == 200 and r.json()["usage"]["total_tokens"] <= limit
 
 
 def test_the_key_guards_metrics_and_docs(guarded, tiny_llama, tmp_path, monkeypatch):

@@ -94,13 +94,27 @@ def test_a_streamed_call_is_held_back_and_text_is_not(fmt):
     # the call in pieces of 3 characters: its start split across them
     sent += "".join(stream.push(call[i : i + 3]) for i in range(0, len(call), 3))
     rest, calls = stream.finish()
-    assert sent == ("Sure, ok " if fmt == "hermes" else "") and rest == ""
+    assert sent == ("Sure, ok" if fmt == "hermes" else "") and rest == ""
     assert [c["function"]["name"] for c in calls] == ["f"]
     stream = CallStream(fmt)  # text that only looked like a call's start goes out
     pieces = ["<tool", "box> is", " not a call"] if fmt == "hermes" else ["  ", "{a} is text"]
     sent = "".join(stream.push(p) for p in pieces)
     rest, calls = stream.finish()
     assert sent + rest == "".join(pieces) and calls == []
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 5, 1000])
+def test_streamed_content_is_the_whole_replys(size):
+    """The content ahead of a call, streamed in pieces of any size, is what the whole reply
+    gives (the space between it and the call is neither); text without a call all goes out."""
+    call = '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>'
+    for text in ["Let me look.\n" + call, "  Hm \n\n" + call, "\n" + call, "a  b \n", " x"]:
+        stream = CallStream("hermes")
+        sent = "".join(stream.push(text[i : i + size]) for i in range(0, len(text), size))
+        rest, calls = stream.finish()
+        content, whole_calls = parse_calls(text, "hermes")
+        assert len(calls) == len(whole_calls), text
+        assert sent + rest == (content or ""), text
 
 
 @pytest.fixture(scope="module")

@@ -164,6 +164,22 @@ def test_prompt_too_long_states_the_limit(server):
     assert "512" in r.json()["error"]["message"]
 
 
+def test_nulls_are_the_defaults(server):
+    """Every nullable field sent as null means its default (clients and proxies send unset
+    fields as null): one choice, no stream, completions' 16 tokens."""
+    nulls = {"n": None, "stream": None, "ignore_eos": None, "temperature": None, "stop": None}
+    chat = {**CHAT, **nulls, "logprobs": None, "top_logprobs": None, "max_tokens": 3}
+    r = _post(server, "chat/completions", chat)
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"]) == 1 and r.json()["choices"][0]["logprobs"] is None
+    body = {**CMPL, **nulls, "max_tokens": None, "echo": None, "logprobs": None}
+    r = _post(server, "completions", {**body, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 16  # (completions' default)
+    assert not r.json()["choices"][0]["text"].startswith(CMPL["prompt"])  # (no echo)
+    _assert_error(_post(server, "completions", {**CMPL, "prompt": None}), 400, "prompt")
+
+
 def test_neutral_values_of_unimplemented_fields_pass(server):
     body = {**CHAT, "modalities": ["text"], "best_of": 1, "echo": False, "functions": []}
     body["function_call"] = "none"

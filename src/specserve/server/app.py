@@ -131,12 +131,15 @@ def build_app(state: ServerState) -> FastAPI:
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
 
     def card(name: str) -> dict:
+        info = state.client.info
         return {
             "id": name,
             "object": "model",
             "created": created,
             "owned_by": "specserve",
-            "max_model_len": state.client.info.max_model_len,
+            # (the most tokens a request can hold: the context, or less where the KV
+            # cache is smaller)
+            "max_model_len": min(info.max_model_len, info.kv_capacity_tokens),
         }
 
     @app.get("/v1/models", response_model=ModelList, responses=errors(401))

@@ -54,6 +54,8 @@ class InputProcessor:
         self.grammar_checker = GrammarChecker(self.grammars)
         template = getattr(tokenizer, "chat_template", None)
         self.tool_format = tool_format(template if isinstance(template, str) else None)
+        # a template that names the developer role renders it; others get it as system
+        self._template_knows_developer = "developer" in str(template or "")
 
     def close(self) -> None:
         """Stop the grammar compiles' workers (the server shuts down)."""
@@ -111,7 +113,10 @@ class InputProcessor:
                         )
                     texts.append(part.text)
                 content = "".join(texts)
-            message = {"role": m.role, "content": content or ""}
+            role = m.role
+            if role == "developer" and not self._template_knows_developer:
+                role = "system"  # (OpenAI's name for the system role of newer models)
+            message = {"role": role, "content": content or ""}
             if m.tool_calls:
                 message["tool_calls"] = [_template_call(c) for c in m.tool_calls]
             if m.tool_call_id is not None:
@@ -181,9 +186,12 @@ class InputProcessor:
                 param,
             )
 
-    def max_tokens(self, ids: list[int], asked: int | None, param: str) -> int:
+    def max_tokens(
+        self, ids: list[int], asked: int | None, param: str, prompt_param: str = "prompt"
+    ) -> int:
         """The request's max_tokens, checked against the context and the KV cache; when not
-        given, whatever room the context leaves."""
+        given, whatever room the context leaves (errors about the prompt name
+        `prompt_param`: chat's is messages)."""
         info = self.info
         limit = min(info.max_model_len, info.kv_capacity_tokens)
         if asked is None:
@@ -191,7 +199,7 @@ class InputProcessor:
                 raise bad_request(
                     f"the prompt has {len(ids)} tokens, leaving no room to generate within "
                     f"the {limit} tokens a request can hold",
-                    "prompt",
+                    prompt_param,
                 )
             return limit - len(ids)
         if len(ids) + asked > info.max_model_len:
@@ -205,7 +213,7 @@ class InputProcessor:
             raise bad_request(
                 f"the prompt ({len(ids)} tokens) leaves no room to generate in the KV cache "
                 f"the server has ({info.kv_capacity_tokens} tokens); shorten it",
-                "prompt",
+                prompt_param,
             )
         if len(ids) + asked > info.kv_capacity_tokens:
             raise bad_request(
@@ -238,7 +246,7 @@ class InputProcessor:
         requests = []
         for p, ids in enumerate(prompts):
             self.check_prompt(ids, prompt_param)
-            max_tokens = self.max_tokens(ids, asked_max_tokens, max_tokens_param)
+            max_tokens = self.max_tokens(ids, asked_max_tokens, max_tokens_param, prompt_param)
             for i in range(req.n):
                 choice = p * req.n + i
                 # seeded by its index within its prompt: a prompt's choices never depend on

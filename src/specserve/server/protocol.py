@@ -45,6 +45,26 @@ StopStr = Annotated[Text, Field(min_length=1, max_length=1000)]
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_mean_defaults(cls, data: Any) -> Any:
+        """An explicit null is the field's default, as OpenAI's API defines its nullable
+        fields ("n": null is n 1, "stream": null no stream, completions' "max_tokens": null
+        16): clients and proxies that send every field, unset ones as null, must work."""
+        if isinstance(data, dict) and None in data.values():
+            fields = cls.model_fields
+            nulls = [
+                key
+                for key, value in data.items()
+                if value is None
+                and key in fields
+                and fields[key].default is not None
+                and not fields[key].is_required()  # (a required field's null is an error)
+            ]
+            if nulls:
+                data = {key: value for key, value in data.items() if key not in nulls}
+        return data
+
 
 class StreamOptions(_Strict):
     """stream_options: include a final usage chunk when streaming."""

@@ -90,7 +90,7 @@ def parse_calls(text: str, fmt: str) -> tuple[str | None, list[dict]]:
             if call is None:
                 return text, []
             calls.append(call)
-        content = text[:start].strip()
+        content = text[:start].rstrip()  # (as streamed: CallStream holds trailing space)
         return (content or None), calls
     body = text.strip()
     if body.startswith(PYTHON_TAG):
@@ -132,11 +132,12 @@ class CallStream:
             return ""
         rest = self.text[self.sent :]
         if self.fmt == "hermes":
+            # (whitespace before a call is not content: held until text follows it)
             at = rest.find(HERMES_OPEN)
             if at >= 0:
                 self.in_call = True
-                return self._send(at)
-            return self._send(len(rest) - _partial(rest, HERMES_OPEN))
+                return self._send(len(rest[:at].rstrip()))
+            return self._send(len(rest[: len(rest) - _partial(rest, HERMES_OPEN)].rstrip()))
         if self.sent == 0:  # llama3: a call is the whole reply
             head = self.text.lstrip()
             if head.startswith(("{", PYTHON_TAG)):
