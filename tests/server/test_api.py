@@ -209,6 +209,23 @@ def test_completion_logprobs_shape(client):
     )
     tokens = [t for c in streamed for ch in c.choices if ch.logprobs for t in ch.logprobs.tokens]
     assert tokens == lp.tokens
+    # text_offset: where each token starts in the text, also when a stop string holds text
+    # back, streamed or not (each offset as the run without the stop string had it)
+    text = out.choices[0].text
+    for tok, at in zip(lp.tokens, lp.text_offset):
+        if not tok.startswith("bytes:") and at + len(tok) <= len(text):
+            assert text[at : at + len(tok)] == tok
+    # (a stop string at the first character past the second token not seen before it)
+    at = next(a for a in range(lp.text_offset[2], len(text)) if text[a] not in text[:a])
+    stop = text[at : at + 3]
+    for stream in (False, True):
+        cut = client.completions.create(
+            model=MODEL, prompt="The quick", max_tokens=6, temperature=0, logprobs=3,
+            stop=[stop], stream=stream,
+        )  # fmt: skip
+        parts = [ch.logprobs for c in (cut if stream else [cut]) for ch in c.choices if ch.logprobs]
+        offsets = [x for part in parts for x in part.text_offset]
+        assert len(offsets) >= 2 and offsets == lp.text_offset[: len(offsets)]
 
 
 def test_chat_logprobs_shape(client):

@@ -45,6 +45,50 @@ def make_tokenizer(folder: Path):
     return fast
 
 
+def make_sentencepiece_tokenizer(folder: Path | None = None):
+    """A Llama-2-style tokenizer (SentencePiece's conventions: "▁" for spaces, byte fallback
+    to the ordinary tokens <0xNN>, a decoder that strips the text's first space, BOS added),
+    trained on a few sentences; fewer than VOCAB tokens."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    metaspace = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = metaspace
+    special = ["<unk>", "<s>", "</s>"]
+    tok.train_from_iterator(
+        _CORPUS[:3], trainers.BpeTrainer(vocab_size=120, special_tokens=special)
+    )
+    trained = json.loads(tok.to_str())["model"]
+    vocab = trained["vocab"]
+    for b in range(256):  # (the byte pieces: ordinary tokens, as in Llama 2's vocabulary)
+        vocab.setdefault(f"<0x{b:02X}>", len(vocab))
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in trained["merges"]]
+    tok = Tokenizer(models.BPE(vocab, merges, unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    tok.add_special_tokens(special)
+    tok.pre_tokenizer = metaspace
+    tok.decoder = decoders.Sequence(
+        [
+            decoders.Replace("▁", " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            decoders.Strip(" ", 1, 0),
+        ]
+    )
+    bos = [("<s>", tok.token_to_id("<s>"))]
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=bos)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
+    assert len(fast) < VOCAB
+    fast.chat_template = CHAT_TEMPLATE
+    if folder is not None:
+        fast.save_pretrained(folder)
+    return fast
+
+
 def make_tiny_model(
     folder: Path,
     family: str = "llama",

@@ -173,9 +173,13 @@ def build_app(state: ServerState) -> FastAPI:
         await state.inputs.check_grammar(prepared)
         fmt.per_prompt = len(prepared.requests) // len(prompts)
         if body.echo:
-            fmt.echo = [
-                (state.inputs.prompt_text(body, i, ids), ids) for i, ids in enumerate(prompts)
-            ]
+            texts = [state.inputs.prompt_text(body, i, ids) for i, ids in enumerate(prompts)]
+            offsets: list = [None] * len(texts)
+            if body.logprobs is not None:  # (the texts encoded again: off the event loop)
+                offsets = await asyncio.to_thread(
+                    lambda: list(map(state.inputs.prompt_offsets, texts, prompts))
+                )
+            fmt.echo = list(zip(texts, prompts, offsets))
             fmt.score_only = score_only
         fmt.simulated = state.client.info.simulated_acceptance
         return await _serve(state, request, body, prepared, fmt)

@@ -168,6 +168,23 @@ class InputProcessor:
                 param,
             )
 
+    def prompt_offsets(self, text: str, ids: list[int]) -> list[int] | None:
+        """Each prompt token's character offset in `text` (echo's text_offset), from the
+        tokenizer's own offsets where encoding the text gives these ids (with or without
+        the special tokens it adds), else None: counted from the tokens then."""
+        if self.tokenizer is None:
+            return None
+        for special in (True, False):
+            try:
+                enc = self.tokenizer(
+                    text, add_special_tokens=special, return_offsets_mapping=True
+                )
+            except Exception:  # (a slow tokenizer has no offsets)
+                return None
+            if list(enc["input_ids"]) == ids:
+                return [start for start, _ in enc["offset_mapping"]]
+        return None
+
     # ---- checks ---------------------------------------------------------------------------
     def check_prompt(self, ids: list[int], param: str = "prompt") -> None:
         info = self.info

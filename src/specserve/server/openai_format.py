@@ -8,7 +8,9 @@ those models and the official client.
 
 from __future__ import annotations
 
+import codecs
 import json
+import re
 import time
 
 from specserve.server.messages import OutputDelta
@@ -42,36 +44,86 @@ def _byte_decoder() -> dict[str, int]:
 class TokenText:
     """Display string and exact UTF-8 bytes of single tokens, cached (used for logprobs).
     A token that is only part of a UTF-8 character displays as "bytes:\\xNN..." (as OpenAI
-    does), so distinct partial tokens never collide in top_logprobs dicts."""
+    does), so distinct partial tokens never collide in top_logprobs dicts. A token's text
+    keeps its leading space: decoding a lone token drops it in SentencePiece vocabularies
+    (their decoders strip the text's first space), so their tokens are read from the
+    vocabulary itself ("▁" a space, "<0xNN>" a byte), as GPT-2-style byte-level ones are."""
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self._cache: dict[int, tuple[str, list[int]]] = {}
-        self._byte_decoder = _byte_decoder() if _is_byte_level(tokenizer) else None
+        kind = _vocabulary_kind(tokenizer)
+        self._byte_decoder = _byte_decoder() if kind == "byte_level" else None
+        self._sentencepiece = kind == "sentencepiece"
+        self._special = set(getattr(tokenizer, "all_special_ids", ()) or ())
+
+    def is_special(self, token_id: int) -> bool:
+        """A special token (EOS, BOS...): generated text leaves it out."""
+        return token_id in self._special
 
     def get(self, token_id: int) -> tuple[str, list[int]]:
         hit = self._cache.get(token_id)
         if hit is None:
-            text = self.tokenizer.decode([token_id], skip_special_tokens=False)
-            raw = text.encode()
-            if self._byte_decoder is not None:
-                piece = self.tokenizer.convert_ids_to_tokens(token_id) or ""
-                if piece and all(c in self._byte_decoder for c in piece):
-                    raw = bytes(self._byte_decoder[c] for c in piece)
-            try:
-                raw.decode()
-            except UnicodeDecodeError:  # part of a character: show its bytes, like OpenAI
-                text = "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
-            hit = self._cache[token_id] = (text, list(raw))
+            hit = self._cache[token_id] = self._read(token_id)
         return hit
 
+    def _read(self, token_id: int) -> tuple[str, list[int]]:
+        text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        raw = text.encode()
+        if token_id not in self._special and (self._byte_decoder or self._sentencepiece):
+            piece = self.tokenizer.convert_ids_to_tokens(token_id) or ""
+            if self._byte_decoder is not None:
+                if piece and all(c in self._byte_decoder for c in piece):
+                    raw = bytes(self._byte_decoder[c] for c in piece)
+            elif _BYTE_PIECE.fullmatch(piece):  # (SentencePiece's byte fallback)
+                raw = bytes([int(piece[3:5], 16)])
+            elif piece:
+                raw = piece.replace(SENTENCEPIECE_SPACE, " ").encode()
+        try:
+            text = raw.decode()
+        except UnicodeDecodeError:  # part of a character: show its bytes, like OpenAI
+            text = "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+        return text, list(raw)
 
-def _is_byte_level(tokenizer) -> bool:
+
+class TextOffsets:
+    """Where each token starts in a text (completions' text_offset): after the characters
+    of the tokens before it, their bytes decoded as they come (a character split across
+    tokens counts at the token that completes it), special tokens counting none where the
+    text leaves them out. Not the text sent so far, which lags the tokens (a stop string's
+    candidates and an unfinished character are held back)."""
+
+    __slots__ = ("chars", "_decoder", "_text", "_specials")
+
+    def __init__(self, text: TokenText, start: int = 0, specials: bool = False):
+        self.chars = start
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._text, self._specials = text, specials
+
+    def advance(self, token_id: int) -> int:
+        """The token's offset; the next one's follows it."""
+        at = self.chars
+        if self._specials or not self._text.is_special(token_id):
+            self.chars += len(self._decoder.decode(bytes(self._text.get(token_id)[1])))
+        return at
+
+
+SENTENCEPIECE_SPACE = "\u2581"  # "▁": a space in SentencePiece vocabularies
+_BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")
+
+
+def _vocabulary_kind(tokenizer) -> str | None:
+    """"byte_level" (GPT-2's byte alphabet), "sentencepiece" (▁ for spaces, <0xNN> byte
+    fallback) or None, from the fast tokenizer's decoder."""
     try:
-        spec = json.loads(tokenizer.backend_tokenizer.to_str())
+        decoder = json.dumps(json.loads(tokenizer.backend_tokenizer.to_str()).get("decoder"))
     except Exception:
-        return False
-    return "ByteLevel" in json.dumps(spec.get("decoder"))
+        return None
+    if "ByteLevel" in decoder:
+        return "byte_level"
+    if "Metaspace" in decoder or "ByteFallback" in decoder or "\\u2581" in decoder:
+        return "sentencepiece"
+    return None
 
 
 class _Choice:
@@ -82,7 +134,7 @@ class _Choice:
         "num_tokens",
         "finish_reason",
         "logprobs",
-        "text_offset",
+        "offsets",
         "cached_tokens",
         "echoed",
     )
@@ -92,7 +144,7 @@ class _Choice:
         self.num_tokens = 0
         self.finish_reason: str | None = None
         self.logprobs: list = []  # completions: the four parallel lists; chat: entries
-        self.text_offset = 0
+        self.offsets: TextOffsets | None = None  # completions' text_offset of its next token
         self.cached_tokens = 0  # its prompt tokens the prefix cache had
         self.echoed = False  # its prompt went out ahead of its text (completions' echo)
 
@@ -128,7 +180,6 @@ class _Formatter:
     def _absorb(self, index: int, delta: OutputDelta) -> _Choice:
         c = self.choices[index]
         c.text.append(delta.delta_text)
-        c.text_offset += len(delta.delta_text)
         c.num_tokens += len(delta.new_token_ids)
         if delta.finished:
             c.finish_reason = delta.finish_reason
@@ -162,7 +213,8 @@ class CompletionFormatter(_Formatter):
     top_logprobs, text_offset)."""
 
     chunk_object = "text_completion"
-    echo: list[tuple[str, list[int]]] | None = None  # per prompt (text, ids), with echo
+    # per prompt, with echo: (text, ids, each token's offset in the text or None)
+    echo: list[tuple[str, list[int], list[int] | None]] | None = None
     score_only = False  # max_tokens 0 with echo: the prompt and its logprobs, nothing more
 
     def _take(self, index: int, delta: OutputDelta) -> tuple[str, dict | None]:
@@ -172,11 +224,11 @@ class CompletionFormatter(_Formatter):
         head, head_lp = "", None
         if self.echo is not None and not c.echoed:
             c.echoed = True
-            head, ids = self.echo[index // self.per_prompt]
+            head, ids, offsets = self.echo[index // self.per_prompt]
             if self.logprobs is not None:
-                head_lp = self._prompt_part(ids, delta.prompt_logprobs, c.text_offset)
+                head_lp = self._prompt_part(ids, delta.prompt_logprobs, offsets)
             c.text.append(head)
-            c.text_offset += len(head)
+            c.offsets = TextOffsets(self.token_text, len(head))
         if self.score_only:  # (the one token drawn is not part of the answer)
             delta = OutputDelta(
                 delta.request_id,
@@ -194,15 +246,18 @@ class CompletionFormatter(_Formatter):
             lp = {k: head_lp[k] + lp[k] for k in head_lp}
         return head + delta.delta_text, lp if lp is not None else head_lp
 
-    def _prompt_part(self, ids: list[int], rated: list | None, offset: int) -> dict:
-        """The prompt's tokens as legacy logprobs: the first rated by nothing (None)."""
+    def _prompt_part(self, ids: list[int], rated: list | None, offsets: list[int] | None) -> dict:
+        """The prompt's tokens as legacy logprobs: the first rated by nothing (None); their
+        offsets in the echoed text as given, else counted (its special tokens as text)."""
         rated = rated or [None] * len(ids)
         part = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        for tid, entry in zip(ids, rated):
-            text, raw = self.token_text.get(tid)
+        if offsets is None:
+            counter = TextOffsets(self.token_text, specials=True)
+            offsets = [counter.advance(tid) for tid in ids]
+        for tid, entry, offset in zip(ids, rated, offsets):
+            text = self.token_text.get(tid)[0]
             part["tokens"].append(text)
             part["text_offset"].append(offset)
-            offset += len(bytes(raw).decode(errors="ignore"))
             if entry is None:
                 part["token_logprobs"].append(None)
                 part["top_logprobs"].append(None)
@@ -218,16 +273,17 @@ class CompletionFormatter(_Formatter):
         if self.logprobs is None or delta.new_logprobs is None:
             return None
         part = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        offset = c.text_offset
+        if c.offsets is None:
+            c.offsets = TextOffsets(self.token_text)
+        advance = c.offsets.advance
         for tid, (lp, top) in zip(delta.new_token_ids, delta.new_logprobs):
-            text, raw = self.token_text.get(tid)
+            text = self.token_text.get(tid)[0]
             tops = {self.token_text.get(t)[0]: _lp(v) for t, v in top}
             tops.setdefault(text, _lp(lp))
             part["tokens"].append(text)
             part["token_logprobs"].append(_lp(lp))
             part["top_logprobs"].append(tops)
-            part["text_offset"].append(offset)
-            offset += len(bytes(raw).decode(errors="ignore"))
+            part["text_offset"].append(advance(tid))
         return part
 
     def chunk(self, index: int, delta: OutputDelta, usage_field: bool) -> dict | None:
