@@ -176,9 +176,7 @@ class InputProcessor:
             return None
         for special in (True, False):
             try:
-                enc = self.tokenizer(
-                    text, add_special_tokens=special, return_offsets_mapping=True
-                )
+                enc = self.tokenizer(text, add_special_tokens=special, return_offsets_mapping=True)
             except Exception:  # (a slow tokenizer has no offsets)
                 return None
             if list(enc["input_ids"]) == ids:

@@ -113,7 +113,7 @@ _BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 
 
 def _vocabulary_kind(tokenizer) -> str | None:
-    """"byte_level" (GPT-2's byte alphabet), "sentencepiece" (▁ for spaces, <0xNN> byte
+    """ "byte_level" (GPT-2's byte alphabet), "sentencepiece" (▁ for spaces, <0xNN> byte
     fallback) or None, from the fast tokenizer's decoder."""
     try:
         decoder = json.dumps(json.loads(tokenizer.backend_tokenizer.to_str()).get("decoder"))
