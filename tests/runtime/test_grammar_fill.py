@@ -6,6 +6,7 @@ of other requests are left alone, and every matcher is left as it was."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 from collections import Counter
@@ -141,3 +142,22 @@ def test_batched_fill_equals_fresh_matchers_row_by_row(outputs, seed, threads, m
         grammar.fill_masks(again, spans[:n], batch_fill)
         assert torch.equal(again, bitmask)
     assert {min(n, 2) if n < 8 else 8 for n in sizes} == {1, 2, 8}  # alone, on one, threaded
+
+
+@pytest.mark.parametrize("bounds", [{"maxLength": 5}, {"minLength": 1, "maxLength": 3}])
+def test_a_length_bounded_string_is_a_json_string(bounds):
+    """xgrammar writes a string with a length bound as characters that let control
+    characters through and no escape; schema_grammar's are JSON's: the bound kept, a control
+    character refused, an escape (one character) taken. (json.loads is the oracle.)"""
+    schema = {"type": "object", "properties": {"s": {"type": "string", **bounds}}}
+    schema["required"] = ["s"]
+    compiled = grammar.schema_grammar(json.dumps(schema))
+    accepts = xgr.testing._is_grammar_accept_string
+    for text in ['{"s": "ab"}', '{"s": "a\\"b"}', '{"s": "\\u00e9\\n"}', '{"s": "\x08"}']:
+        value = None
+        with contextlib.suppress(ValueError):
+            value = json.loads(text)["s"]
+        valid = value is not None and bounds.get("minLength", 0) <= len(value) <= 5
+        valid = valid and len(value) <= bounds["maxLength"]
+        assert accepts(compiled, text) == valid, text
+    assert not accepts(compiled, '{"s": "abcdef"}')

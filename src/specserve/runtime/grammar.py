@@ -82,6 +82,28 @@ class GrammarHandOver:
         return grammar
 
 
+# xgrammar (0.2.9) writes a string with minLength or maxLength as that many of
+# `X_characters ::= (([^\"\\\r\n]))`: control characters, which JSON forbids unescaped
+# in strings, pass (sampled replies failed json.loads), and no escape does. Such rules are
+# rewritten as JSON's string characters: any but the control ones, '"' and '\', or an escape.
+_BOUNDED_CHARACTERS = re.compile(r'^(\S+_characters) ::= \(\(\[\^\\"\\\\\\r\\n\]\)\)$', re.M)
+_JSON_CHARACTER = r'\1 ::= (([^\\0-\\x1f\\"\\\\]) | ("\\\\" specserve_json_escape))'
+_JSON_ESCAPE = (
+    'specserve_json_escape ::= (([\\"\\\\/bfnrt]) | ("u" [A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9] '
+    "[A-Fa-f0-9]))"
+)
+
+
+def schema_grammar(source: str) -> xgr.Grammar:
+    """A JSON schema's grammar (no whitespace beyond what JSON needs), its length-bounded
+    strings made of JSON's string characters (`_BOUNDED_CHARACTERS`)."""
+    grammar = xgr.Grammar.from_json_schema(source, any_whitespace=False)
+    text, bounded = _BOUNDED_CHARACTERS.subn(_JSON_CHARACTER, str(grammar))
+    if not bounded:
+        return grammar
+    return xgr.Grammar.from_ebnf(f"{text}\n{_JSON_ESCAPE}\n", root_rule_name="root")
+
+
 def _ebnf_text(text: str) -> str:
     """`text` as an EBNF string literal (characters past U+FFFF as themselves: a JSON
     escape would write them as two surrogates, which match nothing)."""
@@ -287,12 +309,12 @@ class GrammarCompiler:
             if grammar.kind == "json_schema" and (grammar.prefix or grammar.suffix):
                 between = xgr.Grammar.concat(
                     xgr.Grammar.from_ebnf(f"root ::= {_ebnf_text(grammar.prefix)}"),
-                    xgr.Grammar.from_json_schema(grammar.source, any_whitespace=False),
+                    schema_grammar(grammar.source),
                     xgr.Grammar.from_ebnf(f"root ::= {_ebnf_text(grammar.suffix)}"),
                 )
                 return compiler.compile_grammar(between)
             if grammar.kind == "json_schema":
-                return compiler.compile_json_schema(grammar.source, any_whitespace=False)
+                return compiler.compile_grammar(schema_grammar(grammar.source))
             if grammar.kind == "ebnf":
                 return compiler.compile_grammar(grammar.source)
             return compiler.compile_regex(grammar.source)

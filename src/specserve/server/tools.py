@@ -100,8 +100,8 @@ def parse_calls(text: str, fmt: str) -> tuple[str | None, list[dict]]:
 
 
 def _call(body: str, key: str) -> dict | None:
-    try:  # (strict=False: a control character inside a string, which xgrammar's JSON
-        # grammar lets through when a token's bytes split a character, is kept)
+    try:  # (strict=False: a control character inside a string, which an unconstrained
+        # reply of tool_choice auto may hold, is kept, not a reason to miss the call)
         value = json.loads(body, strict=False)
     except ValueError:
         return None
