@@ -309,6 +309,29 @@ def test_penalties_equal_offline_generate(client, offline):
     assert expected != [o.text for o in plain]  # the penalties changed something
 
 
+def test_top_k_min_p_and_stop_token_ids_equal_offline_generate(client, offline):
+    """top_k, min_p (sampled, seeded) and stop_token_ids through the openai client: the
+    offline engine's output with the same rules and seed, and each rule changes it."""
+    from specserve.core.sampling_params import choice_seed
+
+    def both(**rules):
+        params = SamplingParams(max_tokens=12, temperature=1.0, seed=choice_seed(7, 0), **rules)
+        want = offline.generate(PROMPTS[:1], params)[0]
+        got = client.completions.create(
+            model=MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=1.0, seed=7,
+            extra_body=rules,
+        ).choices[0]  # fmt: skip
+        assert (got.text, got.finish_reason) == (want.text, want.finish_reason), rules
+        return want
+
+    free = both()
+    assert both(top_k=2).token_ids != free.token_ids
+    assert both(min_p=0.3).token_ids != free.token_ids
+    stop = free.token_ids[3]
+    cut = both(stop_token_ids=[stop])
+    assert cut.finish_reason == "stop" and cut.token_ids == free.token_ids[:4]
+
+
 def test_prefix_cache_through_the_api(server, client, offline):
     """A second chat turn finds the first turn's pages: usage reports the cached prompt
     tokens (whole pages, fewer than the prompt), /metrics counts them, and the answer is
