@@ -102,7 +102,7 @@ _FLAGS: dict[str, tuple[str, str]] = {
     "page_size": ("advanced", "tokens per KV cache page"),
     "kv_cache_bytes": (
         "advanced",
-        "KV cache size in bytes (default: 256 MiB on CPU; on "
+        "KV cache size in bytes, the drafter's KV included (default: 256 MiB on CPU; on "
         "a GPU, --kv-cache-memory-fraction of its free memory)",
     ),
     "kv_cache_memory_fraction": (

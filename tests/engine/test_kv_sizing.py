@@ -70,6 +70,12 @@ def test_cuda_budget_leaves_room_for_the_eagle3_head(monkeypatch, tmp_path_facto
         disable_cuda_graph=True,
     )
     assert kv_cache_pages(config, cfg, torch.float32, CUDA) == 1000 * page // (page + head_page)
+    # a byte budget, given or the CPU's default, holds the head's pool too
+    config = replace(config, cache=replace(config.cache, size_bytes=1000 * page))
+    assert kv_cache_pages(config, cfg, torch.float32, CUDA) == 1000 * page // (page + head_page)
+    config = replace(config, cache=replace(config.cache, size_bytes=None))
+    pages = kv_cache_pages(config, cfg, torch.float32, CPU)
+    assert pages == CPU_KV_CACHE_BYTES // (page + head_page)
 
 
 @pytest.mark.parametrize(

@@ -116,10 +116,23 @@ def test_draft_length_policies_identical(models, plain, drafter, k_mode):
 
 
 @pytest.mark.parametrize("drafter", [None, "eagle3", "copy"])
-def test_preemption_identical(models, plain, drafter):
+def test_preemption_identical(models, plain, drafter, monkeypatch):
     """A cache too small for the batch: requests are preempted, their pages go back to the
-    cache and they find them again."""
+    cache and they find them again (re-admitted, a preempted request starts from cached
+    pages past its prompt: its output's, published when it was preempted)."""
+    from specserve.core.prefix_cache import PrefixCache
+
+    readmitted = []  # cached tokens past its prompt a preempted request found again
+    attach = PrefixCache.attach
+
+    def spy(self, req):
+        attach(self, req)
+        if req.num_preemptions:
+            readmitted.append(req.cached_len - len(req.prompt_token_ids))
+
+    monkeypatch.setattr(PrefixCache, "attach", spy)
     kw = dict(page_size=4, num_kv_pages=40, max_num_batched_tokens=24, overlap_schedule="on")
     on, stats = _run(models, drafter, True, **kw)
     assert on == plain
     assert stats["preemptions"] > 0 and stats["prefix_cache_evictions"] > 0
+    assert readmitted and max(readmitted) > 0

@@ -140,6 +140,15 @@ class KVCache:
         page_table.extend(self.allocator.allocate(extra))
         return True
 
+    def shrink(self, page_table: list[int], num_tokens: int) -> int:
+        """Release the pages of `page_table` past those that cover `num_tokens` (last
+        first); how many went back."""
+        extra = page_table[self.pages_needed(num_tokens) :]
+        if extra:
+            self.allocator.free(extra[::-1])
+            del page_table[len(page_table) - len(extra) :]
+        return len(extra)
+
     def release(self, page_table: list[int]) -> None:
         # Last page first: kept pages are evicted least recently released first, so a
         # prefix's deeper pages go before the pages other prefixes may branch from.

@@ -31,14 +31,20 @@ def kv_cache_pages(
     loaded), less the drafter's weights, divided by the bytes a page costs in the target's
     and the drafter's pools together; the rest is left to CUDA graphs and activations. It is
     capped at what max_num_seqs sequences of full context could use (small models).
-    Elsewhere 256 MiB. The size is logged. `kv_cfg`: the shape of this rank's KV heads under
-    tensor parallelism (the drafter and the graphs' outputs are whole on every rank)."""
+    Elsewhere 256 MiB. A byte budget holds the drafter's pool too. The size is logged.
+    `kv_cfg`: the shape of this rank's KV heads under tensor parallelism (the drafter and
+    the graphs' outputs are whole on every rank)."""
     page_bytes = config.cache.page_size * (kv_cfg or model_cfg).kv_bytes_per_token(dtype)
     if config.cache.num_pages is not None:
         pages, source = config.cache.num_pages, "num_kv_pages"
     elif config.cache.size_bytes is not None or device.type != "cuda":
+        # (the drafter's pool, as many pages, within the same budget)
+        drafter_page_bytes = config.cache.page_size * _drafter_needs(config, model_cfg, dtype)[0]
         budget = config.cache.size_bytes or CPU_KV_CACHE_BYTES
-        pages, source = budget // page_bytes, f"a budget of {budget / 2**30:.2f} GiB"
+        pages = budget // (page_bytes + drafter_page_bytes)
+        source = f"a budget of {budget / 2**30:.2f} GiB"
+        if drafter_page_bytes:
+            source += f", drafter KV {pages * drafter_page_bytes / 2**30:.2f} GiB of it"
     else:
         drafter_token_bytes, drafter_weight_bytes = _drafter_needs(config, model_cfg, dtype)
         gc.collect()  # engines that are gone but not yet collected still hold their pools

@@ -90,7 +90,12 @@ class Scheduler:
             # Pages for this step's tokens past whatever the step in flight may commit.
             reserve = req.cached_len + n + req.num_inflight_drafts
             if reserve > len(req.page_table) * page_size:  # else its pages cover it
+                reclaimed = False
                 while not self.kv.grow(req.page_table, reserve):
+                    if not reclaimed:  # speculation's lookahead goes back before anyone
+                        reclaimed = True  # is preempted
+                        if self._reclaim_lookahead(batch):
+                            continue
                     self._preempt(running[-1])
                     preempted = True
                     if req.status is not RequestStatus.RUNNING:
@@ -117,7 +122,9 @@ class Scheduler:
             if prefix is not None:
                 prefix.attach(req)
             n = min(req.num_uncached, budget)
-            if not self.kv.grow(req.page_table, req.cached_len + n):
+            if not self.kv.grow(req.page_table, req.cached_len + n) and not (
+                self._reclaim_lookahead(batch) and self.kv.grow(req.page_table, req.cached_len + n)
+            ):  # (a waiting request comes before speculation's lookahead)
                 if req.page_table:  # its cached pages go back (idle, still cached)
                     self.kv.release(req.page_table)
                     req.reset_cache()
@@ -202,6 +209,22 @@ class Scheduler:
         # Short of pages: one draft length for all, as the policy chose.
         for s, draft_len in zip(decoding, clamped):
             s.draft_len = min(draft_len, page_cap)
+
+    def _reclaim_lookahead(self, batch: list[ScheduledRequest]) -> bool:
+        """Pages running requests hold past their need go back: speculation's lookahead
+        for drafts not in flight, drafts past max_tokens. A request keeps its committed
+        tokens, this step's (those scheduled, else one), the drafts in flight and, under
+        overlap, the next step's slot (`_draft`'s reserve without new drafts). Before a
+        preemption or a waiting request left without pages: else a request that fits
+        was preempted while another held pages no token of its could ever fill. True if
+        any page went back."""
+        scheduled = {id(s.request): s.num_tokens for s in batch}
+        freed, overlap = 0, self.overlap
+        for r in self.running:
+            keep = r.cached_len + scheduled.get(id(r), 1) + r.num_inflight_drafts + overlap
+            if keep < len(r.page_table) * self.kv.page_size:
+                freed += self.kv.shrink(r.page_table, keep)
+        return freed > 0
 
     @property
     def prefill_per_token(self) -> float:
