@@ -136,3 +136,24 @@ def test_preemption_identical(models, plain, drafter, monkeypatch):
     assert on == plain
     assert stats["preemptions"] > 0 and stats["prefix_cache_evictions"] > 0
     assert readmitted and max(readmitted) > 0
+    # each request's prompt counts once in the hit rate, however often it was admitted
+    roomy = _run(models, drafter, True, page_size=4, overlap_schedule="on")[1]
+    assert roomy["preemptions"] == 0
+    assert stats["prefix_cache_queried_tokens"] == roomy["prefix_cache_queried_tokens"]
+
+
+def test_a_running_requests_prompt_is_found_by_the_next(models):
+    """A prompt's pages are published once computed, while its request still runs: a
+    request arriving then with the same system prompt starts from them."""
+    llm = LLM(models["target"], page_size=4)
+    engine = llm.engine
+    system = _conversations(n=1, system_len=33)[0][:33]
+    engine.add_request(system + [7, 8, 9], SamplingParams(max_tokens=30, ignore_eos=True), "a")
+    for _ in range(3):
+        engine.step()
+    engine.add_request(system + [10, 11], SamplingParams(max_tokens=2, ignore_eos=True), "b")
+    engine.step()
+    (first,) = [r for r in engine.scheduler.running if r.request_id == "a"]
+    (second,) = [r for r in engine.scheduler.running if r.request_id == "b"]
+    assert second.num_cached_prompt_tokens == 32  # (the system prompt's whole pages)
+    assert first.num_left > 0  # (still running)
