@@ -17,6 +17,7 @@ import xgrammar as xgr
 
 from specserve import Grammar
 from specserve.runtime import grammar
+from specserve.runtime.grammar_sources import schema_grammar
 from tests.support.tiny_models import VOCAB
 
 EOS = 2
@@ -151,7 +152,7 @@ def test_a_length_bounded_string_is_a_json_string(bounds):
     character refused, an escape (one character) taken. (json.loads is the oracle.)"""
     schema = {"type": "object", "properties": {"s": {"type": "string", **bounds}}}
     schema["required"] = ["s"]
-    compiled = grammar.schema_grammar(json.dumps(schema))
+    compiled = schema_grammar(json.dumps(schema))
     accepts = xgr.testing._is_grammar_accept_string
     for text in ['{"s": "ab"}', '{"s": "a\\"b"}', '{"s": "\\u00e9\\n"}', '{"s": "\x08"}']:
         value = None

@@ -162,7 +162,7 @@ def test_the_engine_loads_the_servers_compiled_grammar(tiny_llama):
     assert matcher.accept_string('<a>{"a": 12}</a>')
     assert not xgr.GrammarMatcher(loaded).accept_string('<a>{"a": "x"}')
     engine_side.compile(Grammar("json_schema", '{"type": "integer"}', compiled="not json"))
-    assert compiles == ["compile_grammar"]  # (a schema: runtime/grammar.py schema_grammar)
+    assert compiles == ["compile_grammar"]  # (a schema: runtime/grammar_sources.py)
 
 
 def test_the_server_compiles_for_the_engines_end_ids(tiny_llama):

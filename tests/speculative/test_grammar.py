@@ -165,7 +165,7 @@ def test_bad_grammars_are_refused(models):
 def test_schema_features_it_cannot_enforce_are_named():
     """xgrammar compiles these but lets instances violating them through (checked here with
     one such instance each, so the list stays honest): they are refused by name."""
-    from specserve.runtime.grammar import unsupported_schema_features
+    from specserve.runtime.grammar_sources import unsupported_schema_features
 
     unenforced = {
         "not": ({"properties": {"a": {"not": {"type": "string"}}}}, {"a": "x"}),

@@ -84,7 +84,7 @@ def test_fifty_schemas_validate(plain):
     assert len(finished) >= 45  # (bounded schemas end within the cap)
     for text, schema in finished:
         # strict JSON: no unescaped control character in a string (xgrammar let them into
-        # strings with a length bound: runtime/grammar.py schema_grammar)
+        # strings with a length bound: runtime/grammar_sources.py)
         jsonschema.validate(json.loads(text), schema)
 
 

@@ -16,6 +16,8 @@ next step needs its masks; the overlapped loop waits for the step in flight firs
 reason "grammar"), as the masks depend on its tokens. A step's masks are filled position-major
 (`fill_masks`): the rows of every request at one draft position in one xgrammar batch fill,
 threaded when there are many, into host memory kept for the engine's life (`MaskBuffer`).
+What a grammar's source becomes for xgrammar (schema checks and rewrites):
+runtime/grammar_sources.py.
 """
 
 from __future__ import annotations
@@ -25,7 +27,6 @@ import itertools
 import json
 import logging
 import os
-import re
 import tempfile
 import threading
 import time
@@ -41,6 +42,12 @@ import xgrammar as xgr
 from specserve.core.errors import InvalidRequestError
 from specserve.core.sampling_params import Grammar
 from specserve.runtime.grammar_pool import GrammarPool, RemoteGrammar, take_tokens, unseen_tokens
+from specserve.runtime.grammar_sources import (
+    compile_error,
+    ebnf_text,
+    schema_grammar,
+    unsupported_schema_features,
+)
 from specserve.runtime.packing import to_device
 
 logger = logging.getLogger(__name__)
@@ -49,8 +56,6 @@ CACHE_BYTES = 256 << 20  # compiled grammars kept (distinct schemas would grow i
 # Grammars compiled elsewhere (`Grammar.compiled`) kept once loaded, by key: the server
 # sends a grammar compiled only while it is among the last LOADED_KEPT // 2 it sent
 LOADED_KEPT = 64
-
-_LOG_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")  # xgrammar's "[time] file.cc:line: "
 
 
 class GrammarHandOver:
@@ -82,40 +87,6 @@ class GrammarHandOver:
         return grammar
 
 
-# xgrammar (0.2.9) writes a string with minLength or maxLength as that many of
-# `X_characters ::= (([^\"\\\r\n]))`: control characters, which JSON forbids unescaped
-# in strings, pass (sampled replies failed json.loads), and no escape does. Such rules are
-# rewritten as JSON's string characters: any but the control ones, '"' and '\', or an escape.
-_BOUNDED_CHARACTERS = re.compile(r'^(\S+_characters) ::= \(\(\[\^\\"\\\\\\r\\n\]\)\)$', re.M)
-_JSON_CHARACTER = r'\1 ::= (([^\\0-\\x1f\\"\\\\]) | ("\\\\" specserve_json_escape))'
-_JSON_ESCAPE = (
-    'specserve_json_escape ::= (([\\"\\\\/bfnrt]) | ("u" [A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9] '
-    "[A-Fa-f0-9]))"
-)
-
-
-def schema_grammar(source: str) -> xgr.Grammar:
-    """A JSON schema's grammar (no whitespace beyond what JSON needs), its length-bounded
-    strings made of JSON's string characters (`_BOUNDED_CHARACTERS`)."""
-    grammar = xgr.Grammar.from_json_schema(source, any_whitespace=False)
-    text, bounded = _BOUNDED_CHARACTERS.subn(_JSON_CHARACTER, str(grammar))
-    if not bounded:
-        return grammar
-    return xgr.Grammar.from_ebnf(f"{text}\n{_JSON_ESCAPE}\n", root_rule_name="root")
-
-
-def _ebnf_text(text: str) -> str:
-    """`text` as an EBNF string literal (characters past U+FFFF as themselves: a JSON
-    escape would write them as two surrogates, which match nothing)."""
-    return json.dumps(text, ensure_ascii=False)
-
-
-def compile_error(e: Exception) -> str:
-    """What xgrammar's error says, without its log prefix (time, C++ source file and line)."""
-    reason = str(e).split("Check failed:")[-1].strip()
-    return _LOG_PREFIX.sub("", reason)
-
-
 # A step's mask fill, threaded from THREADED_MIN_ROWS rows at one draft position: xgrammar
 # starts its threads on every call (about 30 us each on the H200 host) and waits for the
 # last of them, so fewer rows fill faster on one: on the idle H200 host 4 threads gained
@@ -131,77 +102,6 @@ THREADED_MIN_ROWS = 128
 # at K=3) 1.05x the throughput on the 8B shape and even on the default model; 64 rows (64
 # requests plain on the 8B shape, 16 at K=3 on the default model) even and 0.81-0.97x.
 POOL_MIN_ROWS = 128
-
-# JSON schema keywords xgrammar compiles but does not enforce (measured: it accepts an
-# instance that violates them): refused by name rather than silently ignored. `oneOf` is
-# enforced as anyOf (pydantic's unions produce it; their alternatives rarely overlap).
-UNENFORCED_KEYWORDS = frozenset(
-    {
-        "not",
-        "if",
-        "then",
-        "else",
-        "allOf",
-        "uniqueItems",
-        "contains",
-        "dependentRequired",
-        "dependentSchemas",
-        "minContains",
-        "maxContains",
-    }
-)
-FORMATS = frozenset(
-    {
-        "email",
-        "date",
-        "time",
-        "date-time",
-        "duration",
-        "ipv4",
-        "ipv6",
-        "hostname",
-        "uuid",
-        "uri",
-        "uri-reference",
-        "uri-template",
-        "json-pointer",
-        "relative-json-pointer",
-    }
-)
-
-
-def unsupported_schema_features(schema) -> list[str]:
-    """What a JSON schema asks for that its grammar would not enforce: keywords, formats,
-    references outside the schema (each named once, in the order found)."""
-    found: list[str] = []
-
-    def note(what: str) -> None:
-        if what not in found:
-            found.append(what)
-
-    def walk(node, in_properties=False) -> None:
-        if isinstance(node, list):
-            for item in node:
-                walk(item)
-        if not isinstance(node, dict):
-            return
-        for key, value in node.items():
-            if in_properties:  # property names, not keywords
-                walk(value)
-                continue
-            if key in UNENFORCED_KEYWORDS:
-                note(key)
-            elif key == "format" and isinstance(value, str) and value not in FORMATS:
-                note(f"format {value!r}")
-            elif key == "$ref" and isinstance(value, str) and not value.startswith("#"):
-                note(f"$ref {value!r} (only references within the schema)")
-            if key in ("properties", "patternProperties", "$defs", "definitions"):
-                walk(value, in_properties=True)
-            elif key not in ("enum", "const", "default", "examples"):
-                walk(value)
-
-    walk(schema)
-    return found
 
 
 class GrammarCompiler:
@@ -308,9 +208,9 @@ class GrammarCompiler:
                 return compiler.compile_builtin_json_grammar()
             if grammar.kind == "json_schema" and (grammar.prefix or grammar.suffix):
                 between = xgr.Grammar.concat(
-                    xgr.Grammar.from_ebnf(f"root ::= {_ebnf_text(grammar.prefix)}"),
+                    xgr.Grammar.from_ebnf(f"root ::= {ebnf_text(grammar.prefix)}"),
                     schema_grammar(grammar.source),
-                    xgr.Grammar.from_ebnf(f"root ::= {_ebnf_text(grammar.suffix)}"),
+                    xgr.Grammar.from_ebnf(f"root ::= {ebnf_text(grammar.suffix)}"),
                 )
                 return compiler.compile_grammar(between)
             if grammar.kind == "json_schema":
