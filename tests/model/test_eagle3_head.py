@@ -28,9 +28,12 @@ def target_cfg(tiny_llama):
     return replace(load_hf_config(tiny_llama), num_layers=8)
 
 
-def random_head(target_cfg, draft_vocab=96, seed=0) -> Eagle3Head:
+def random_head(target_cfg, draft_vocab=96, seed=0, norm_before_residual=False) -> Eagle3Head:
     torch.manual_seed(seed)
-    head = Eagle3Head(Eagle3Config.for_target(target_cfg, draft_vocab), (2, 4, 5))
+    cfg = replace(
+        Eagle3Config.for_target(target_cfg, draft_vocab), norm_before_residual=norm_before_residual
+    )
+    head = Eagle3Head(cfg, (2, 4, 5))
     with torch.no_grad():
         for p in head.parameters():
             p.normal_(0, 0.3)
@@ -105,6 +108,13 @@ def _edit(folder, config=None, tensors=None):
         (lambda c: c.update(target_hidden_size=32), None, CheckpointError, "hidden size"),
         (lambda c: c.update(draft_vocab_size=5000), None, CheckpointError, "draft_vocab_size"),
         (
+            lambda c: c.update(hidden_size=48),
+            None,
+            UnsupportedModelError,
+            "hidden size 48, the target 64",
+        ),
+        (lambda c: c.update(hidden_act="gelu"), None, UnsupportedModelError, "hidden_act"),
+        (
             lambda c: c.update(architectures=["LlamaForCausalLM"]),
             None,
             UnsupportedModelError,
@@ -175,11 +185,14 @@ class PagedKV:
         )
 
 
-@pytest.mark.parametrize("page_size, merged", [(1, False), (16, False), (16, True)])
-def test_paged_forward_equals_dense_forward(target_cfg, page_size, merged):
+@pytest.mark.parametrize(
+    "page_size, merged, norm_before_residual",
+    [(1, False, False), (16, False, False), (16, True, False), (16, True, True)],
+)
+def test_paged_forward_equals_dense_forward(target_cfg, page_size, merged, norm_before_residual):
     """merged: the paged passes run the serving head (`merge_projections`: q/k/v and
     gate/up stacked), the dense reference the public layout."""
-    head = random_head(target_cfg, seed=1)
+    head = random_head(target_cfg, seed=1, norm_before_residual=norm_before_residual)
     h, lengths, steps = target_cfg.hidden_size, [37, 23], 3
     torch.manual_seed(2)
     width = max(lengths)
@@ -258,3 +271,40 @@ def test_forward_with_normed_is_the_output_and_its_norm(target_cfg):
         out, normed = head(embeds, hidden, paged.meta(reqs), paged.kv, backend, with_normed=True)
     assert torch.equal(out, plain) and torch.equal(normed, head.norm(plain))
     assert torch.equal(head.greedy_normed(normed), head.greedy(plain))
+
+
+def test_norm_before_residual_starts_the_residual_from_the_normed_hidden(tmp_path, target_cfg):
+    """A head whose file says `norm_before_residual: true` (as vLLM and SGLang read it):
+    the layer's residual stream is hidden_norm(hidden), not hidden."""
+    save_eagle3_head(random_head(target_cfg, seed=6), tmp_path)
+    _edit(tmp_path, lambda c: c.update(norm_before_residual=True))
+    head = load_eagle3_head(tmp_path, target_cfg, torch.float32, "cpu")
+    assert head.config.to_dict()["norm_before_residual"] is True
+    plain = load_eagle3_head(tmp_path, target_cfg, torch.float32, "cpu")
+    plain.config = replace(plain.config, norm_before_residual=False)
+    h = target_cfg.hidden_size
+    gen = torch.Generator().manual_seed(7)
+    embeds, hidden = torch.randn(1, 6, h, generator=gen), torch.randn(1, 6, h, generator=gen)
+    positions = torch.arange(6)[None]
+    attn_out = []
+    head.midlayer.self_attn.o_proj.register_forward_hook(lambda m, i, o: attn_out.append(o))
+    with torch.no_grad():
+        out, _ = head.forward_dense(embeds, hidden, positions)
+        m = head.midlayer
+        residual = attn_out[0] + m.hidden_norm(hidden)
+        want = residual + m.mlp(m.post_attention_layernorm(residual))
+        other, _ = plain.forward_dense(embeds, hidden, positions)
+    torch.testing.assert_close(out, want)
+    assert (other - out).abs().max() > 1e-2
+
+
+def test_a_head_of_a_shorter_context_drafts_over_the_targets(tmp_path, target_cfg):
+    """Drafts run at the target's positions: the head's rotary covers them, whatever its
+    file's max_position_embeddings."""
+    save_eagle3_head(random_head(target_cfg), tmp_path)
+    _edit(tmp_path, lambda c: c.update(max_position_embeddings=16))
+    head = load_eagle3_head(tmp_path, target_cfg, torch.float32, "cpu")
+    positions = target_cfg.max_position_embeddings
+    assert positions > 16 and head.rotary.cos_sin.shape[0] == positions
+    q = torch.randn(1, target_cfg.num_heads, target_cfg.head_dim)
+    head.rotary(torch.tensor([positions - 1]), q, q)  # the last position a request reaches

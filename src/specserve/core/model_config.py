@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from specserve.core.errors import CheckpointError, UnsupportedModelError
+
+log = logging.getLogger(__name__)
 
 # architecture name -> (qkv bias, q/k norm)
 _FAMILIES = {
@@ -38,6 +41,14 @@ class RopeScaling:
 
 
 @dataclass(frozen=True)
+class RopeFreqFactors:
+    """Per-frequency divisors of the inverse frequencies (a GGUF's `rope_freqs` tensor:
+    llama.cpp's form of Llama 3.1's scaling, one factor a rotary pair)."""
+
+    factors: tuple[float, ...]
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """The shape and numerics of a Llama-family decoder, independent of checkpoint format."""
 
@@ -55,7 +66,10 @@ class ModelConfig:
     tie_word_embeddings: bool
     qkv_bias: bool = False
     qk_norm: bool = False
-    rope_scaling: RopeScaling | None = None
+    rope_scaling: RopeScaling | RopeFreqFactors | None = None
+    # Mistral-style sliding-window attention: the context is cut to the window, where full
+    # attention is exact (`sliding_window_of`)
+    sliding_window: int | None = None
     dtype: torch.dtype = torch.float32
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
@@ -102,6 +116,42 @@ def _rope(raw: dict) -> tuple[float, RopeScaling | None]:
     )
 
 
+def sliding_window_of(arch: str, raw: dict, num_layers: int) -> int | None:
+    """The attention window some layers keep, as transformers reads the config, or None.
+
+    Mistral windows every layer (4,096 tokens where the key is missing, as transformers'
+    MistralConfig defaults); Qwen2 and Qwen3 window the layers from `max_window_layers` on,
+    only with `use_sliding_window`; a `layer_types` list says it per layer."""
+    window = raw.get("sliding_window", 4096 if arch == "MistralForCausalLM" else None)
+    if window is None:
+        return None
+    layer_types = raw.get("layer_types")
+    if layer_types is not None:
+        return int(window) if "sliding_attention" in layer_types else None
+    if arch == "MistralForCausalLM":
+        return int(window)
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and raw.get("use_sliding_window"):
+        first = int(raw.get("max_window_layers", 28))
+        return int(window) if first < num_layers else None
+    return None
+
+
+def _check_features(arch: str, raw: dict) -> None:
+    """Refuse config fields whose model specserve would run wrongly, naming the field."""
+    act = raw.get("hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise UnsupportedModelError(
+            f"hidden_act {act!r} is not supported: specserve's MLP is SiLU-gated (silu)"
+        )
+    if raw.get("mlp_bias") and arch == "LlamaForCausalLM":
+        raise UnsupportedModelError("mlp_bias: true (biases in the MLP) is not supported")
+    if raw.get("attention_bias") and arch in ("LlamaForCausalLM", "Qwen3ForCausalLM"):
+        raise UnsupportedModelError(
+            "attention_bias: true (biases on q/k/v and the attention's output projection) "
+            "is not supported"
+        )
+
+
 def config_from_dict(raw: dict) -> ModelConfig:
     """Build a ModelConfig from the contents of a Hugging Face config.json."""
     archs = raw.get("architectures") or []
@@ -111,29 +161,44 @@ def config_from_dict(raw: dict) -> ModelConfig:
             f"architecture {archs or raw.get('model_type')!r} is not supported; "
             f"specserve serves {', '.join(sorted(_FAMILIES))}"
         )
+    _check_features(arch, raw)
     qkv_bias, qk_norm = _FAMILIES[arch]
-    qkv_bias = bool(raw.get("attention_bias", qkv_bias)) or qkv_bias
     try:
         hidden = int(raw["hidden_size"])
         heads = int(raw["num_attention_heads"])
         theta, scaling = _rope(raw)
         dtype_name = raw.get("dtype") or raw.get("torch_dtype") or "float32"
+        layers = int(raw["num_hidden_layers"])
+        context = int(raw.get("max_position_embeddings", 4096))
+        window = sliding_window_of(arch, raw, layers)
+        if window is not None and window < context:
+            # Within the window, windowed attention is full attention: the context is cut
+            # to it, so every token the engine computes is the model's.
+            log.warning(
+                "sliding_window %d < max_position_embeddings %d: serving a context of %d "
+                "tokens (specserve does not run sliding-window attention)",
+                window,
+                context,
+                window,
+            )
+            context = window
         return ModelConfig(
             architecture=arch,
             vocab_size=int(raw["vocab_size"]),
             hidden_size=hidden,
             intermediate_size=int(raw["intermediate_size"]),
-            num_layers=int(raw["num_hidden_layers"]),
+            num_layers=layers,
             num_heads=heads,
             num_kv_heads=int(raw.get("num_key_value_heads") or heads),
             head_dim=int(raw.get("head_dim") or hidden // heads),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             rope_theta=theta,
-            max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
+            max_position_embeddings=context,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             qkv_bias=qkv_bias,
             qk_norm=qk_norm,
             rope_scaling=scaling,
+            sliding_window=window,
             dtype=_DTYPE_NAMES.get(str(dtype_name).replace("torch.", ""), torch.float32),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=_ids(raw.get("eos_token_id")),

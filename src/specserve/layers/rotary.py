@@ -1,4 +1,5 @@
-"""Rotary position embedding (rotate-half layout), with optional llama3 frequency scaling."""
+"""Rotary position embedding (rotate-half layout), with optional llama3 frequency scaling
+(from its parameters, or as a GGUF's per-frequency factors)."""
 
 from __future__ import annotations
 
@@ -7,15 +8,19 @@ import math
 import torch
 from torch import nn
 
-from specserve.core.model_config import RopeScaling
+from specserve.core.model_config import RopeFreqFactors, RopeScaling
 
 
-def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
+def inverse_frequencies(
+    head_dim: int, theta: float, scaling: RopeScaling | RopeFreqFactors | None
+) -> torch.Tensor:
     """The fp32 inverse frequencies, llama3-scaled when `scaling` is given."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
     inv_freq = 1.0 / (theta**exponents)
     if scaling is None:
         return inv_freq
+    if isinstance(scaling, RopeFreqFactors):
+        return inv_freq / torch.tensor(scaling.factors, dtype=torch.float32)
     low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
     high_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
     wavelen = 2 * math.pi / inv_freq

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specserve.core.errors import CheckpointError
+from specserve.core.errors import CheckpointError, UnsupportedModelError
 from specserve.core.model_config import ModelConfig
 from specserve.core.parallel import SINGLE_RANK, TensorParallel
 from specserve.layers.activation import GatedMLP, MergedGatedMLP
@@ -223,6 +223,8 @@ class Eagle3Head(nn.Module):
         (one kernel on the Triton path; the same sum as the plain add)."""
         attn = self.midlayer.self_attn
         x = self._packed_layer_input(embeds, hidden)
+        if self.config.norm_before_residual:
+            hidden = x[:, embeds.shape[-1] :].contiguous()  # the residual: the normed hidden
         if attn.merged() is not None and fused_kv_store(self.rotary, backend):
             # Rotary of q and k and the K/V store in one kernel; the backend only attends.
             q = self.rotary.rotate_and_store(
@@ -265,7 +267,10 @@ class Eagle3Head(nn.Module):
         """
         b, n, _ = embeds.shape
         attn = self.midlayer.self_attn
-        x = self._layer_input(embeds, hidden).reshape(b * n, -1)
+        x = self._layer_input(embeds, hidden)
+        if self.config.norm_before_residual:
+            hidden = x[..., embeds.shape[-1] :]  # the residual: the normed hidden
+        x = x.reshape(b * n, -1)
         q, k, v = attn.qkv(x, positions.reshape(-1), self.rotary)
         q = q.view(b, n, attn.num_heads, -1).transpose(1, 2)
         k = k.view(b, n, attn.num_kv_heads, -1).transpose(1, 2)
@@ -356,6 +361,16 @@ def load_eagle3_head(
             f"the EAGLE-3 head in {folder} reads target hidden states of size "
             f"{cfg.target_hidden_size}; the target's hidden size is {target_config.hidden_size}"
         )
+    if cfg.hidden_size != target_config.hidden_size:
+        raise UnsupportedModelError(
+            f"the EAGLE-3 head in {folder} has hidden size {cfg.hidden_size}, the target "
+            f"{target_config.hidden_size}: specserve feeds the head the target's token "
+            "embeddings, so the two must match"
+        )
+    # Drafts run at the target's positions: the head's rotary covers the target's context
+    # (rotary is a formula of the position; llama3 scaling reads its own original length).
+    positions = max(cfg.layer.max_position_embeddings, target_config.max_position_embeddings)
+    cfg = replace(cfg, layer=replace(cfg.layer, max_position_embeddings=positions))
     aux_ids = cfg.aux_layer_ids(target_config.num_layers)
     with torch.device("meta"):
         head = Eagle3Head(cfg, aux_ids, tp)

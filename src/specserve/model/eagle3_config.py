@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from specserve.core.errors import CheckpointError, UnsupportedModelError
-from specserve.core.model_config import ModelConfig, config_from_dict
+from specserve.core.model_config import ModelConfig, RopeFreqFactors, config_from_dict
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 
@@ -39,12 +39,15 @@ class Eagle3Config:
     `layer` holds the normalized Llama fields of the single decoder layer (its vocab_size is
     the target's vocabulary). `file_aux_layer_ids` is the file's
     eagle_aux_hidden_state_layer_ids (public convention: outputs of those layers), or None.
+    `norm_before_residual`: the layer's residual stream starts from the normed hidden state
+    (the file's key of that name, as vLLM and SGLang read it), else from the hidden state.
     """
 
     layer: ModelConfig
     draft_vocab_size: int
     target_hidden_size: int
     file_aux_layer_ids: tuple[int, ...] | None = None
+    norm_before_residual: bool = False
 
     def __post_init__(self) -> None:
         if not 0 < self.draft_vocab_size <= self.layer.vocab_size:
@@ -91,8 +94,16 @@ class Eagle3Config:
     ) -> Eagle3Config:
         """A head shaped like one layer of `target`. `aux_layer_ids` are input-layer ids
         (None: the default); the file records them only when they differ from the default."""
+        # A GGUF target's per-frequency factors have no config.json form: the head's own
+        # rotary is plain (it is trained and served with what its file says).
+        scaling = None if isinstance(target.rope_scaling, RopeFreqFactors) else target.rope_scaling
         layer = replace(
-            target, num_layers=1, tie_word_embeddings=False, qkv_bias=False, qk_norm=False
+            target,
+            num_layers=1,
+            tie_word_embeddings=False,
+            qkv_bias=False,
+            qk_norm=False,
+            rope_scaling=scaling,
         )
         file_ids = None
         if aux_layer_ids is not None:
@@ -127,6 +138,7 @@ class Eagle3Config:
                 draft_vocab_size=int(raw.get("draft_vocab_size") or layer.vocab_size),
                 target_hidden_size=int(raw.get("target_hidden_size") or layer.hidden_size),
                 file_aux_layer_ids=None if ids is None else tuple(int(i) for i in ids),
+                norm_before_residual=bool(raw.get("norm_before_residual", False)),
             )
         except (TypeError, ValueError) as e:
             raise CheckpointError(f"EAGLE-3 config.json has a malformed field: {e}") from None
@@ -172,6 +184,8 @@ class Eagle3Config:
                 "eagle_aux_hidden_state_layer_ids": list(self.file_aux_layer_ids),
                 "use_aux_hidden_state": True,
             }
+        if self.norm_before_residual:
+            raw["norm_before_residual"] = True
         if dtype is not None:
             raw["torch_dtype"] = str(dtype).replace("torch.", "")
         return raw

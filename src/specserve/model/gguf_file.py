@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
+from dataclasses import replace
 from functools import lru_cache
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import numpy as np
 import torch
 
 from specserve.core.errors import CheckpointError, UnsupportedModelError
-from specserve.core.model_config import ModelConfig, config_from_dict
+from specserve.core.model_config import ModelConfig, RopeFreqFactors, config_from_dict
 from specserve.core.parallel import TensorSlice
 
 _ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
@@ -35,6 +36,7 @@ _GLOBAL_NAMES = {
     "output": "lm_head",
 }
 _BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
+_ROPE_FREQS = "rope_freqs.weight"  # llama.cpp's Llama 3.1 scaling: read into the config
 
 
 @lru_cache(maxsize=4)
@@ -82,7 +84,29 @@ def gguf_config(path: Path) -> ModelConfig:
         "eos_token_id": _field(r, "tokenizer.ggml.eos_token_id"),
         "dtype": "float32",
     }
-    return config_from_dict(raw)
+    cfg = config_from_dict(raw)
+    scaling = _field(r, f"{arch}.rope.scaling.type")
+    if scaling not in (None, "none"):
+        raise UnsupportedModelError(
+            f"GGUF rope scaling {scaling!r} ({arch}.rope.scaling.type) is not supported "
+            "(supported: none, and llama3's per-frequency factors in rope_freqs.weight)"
+        )
+    rotary = _field(r, f"{arch}.rope.dimension_count", cfg.head_dim)
+    if rotary != cfg.head_dim:
+        raise UnsupportedModelError(
+            f"GGUF {arch}.rope.dimension_count {rotary} rotates part of a head of "
+            f"{cfg.head_dim}: partial rotary embedding is not supported"
+        )
+    freqs = next((t for t in r.tensors if t.name == _ROPE_FREQS), None)
+    if freqs is not None:
+        factors = np.asarray(freqs.data, dtype=np.float32).reshape(-1)
+        if factors.shape[0] != cfg.head_dim // 2:
+            raise CheckpointError(
+                f"GGUF tensor {_ROPE_FREQS!r} has {factors.shape[0]} factors; a head of "
+                f"{cfg.head_dim} has {cfg.head_dim // 2} rotary frequencies"
+            )
+        cfg = replace(cfg, rope_scaling=RopeFreqFactors(tuple(float(f) for f in factors)))
+    return cfg
 
 
 def _hf_name(gguf_name: str) -> str:
@@ -160,8 +184,10 @@ def gguf_tensors(path: Path, cfg: ModelConfig) -> tuple[Iterator[tuple[str, Gguf
     r = _reader(path)
     arch = _field(r, "general.architecture")
 
+    tensors = [t for t in r.tensors if t.name != _ROPE_FREQS]
+
     def iterate():
-        for t in r.tensors:
+        for t in tensors:
             heads = None
             if arch == "llama" and t.name.endswith("attn_q.weight"):
                 heads = cfg.num_heads
@@ -169,4 +195,4 @@ def gguf_tensors(path: Path, cfg: ModelConfig) -> tuple[Iterator[tuple[str, Gguf
                 heads = cfg.num_kv_heads
             yield _hf_name(t.name), GgufTensor(t, heads)
 
-    return iterate(), len(r.tensors)
+    return iterate(), len(tensors)
