@@ -238,7 +238,7 @@ class ModelRunner:
         simulate_rate: float | None,
     ) -> SampledTokens:
         """Verify every request's drafts against the target's rows: greedily (in the step's
-        graph, when it verified them already) or by rejection sampling."""
+        graph, when it verified them already) or against the plain sampler's draws."""
         sampled = step.sampled
         num, max_q_len, vocab = len(sampled), plan.max_q_len, logits.shape[-1]
         padded = (logits if plan.uniform else logits[t["index"]]).view(num, max_q_len, vocab)
@@ -246,21 +246,11 @@ class ModelRunner:
             drafts_t = step.input_ids.view(num, max_q_len)[:, 1:]
         else:
             drafts_t = step.input_ids[t["draft_rows"]].view(num, plan.max_draft_len)
-        seeds, positions, draft_lens_t = t.get("seeds"), t.get("positions"), t.get("draft_lens")
-        if plan.greedy and all(s.draft_probs is None for s in sampled):
+        if plan.greedy:
             result = self._verify_greedy(plan, padded, drafts_t, t, simulate_rate)
         else:
-            st = t["sampling"]
-            if st is None:  # greedy, verifying a drafter that drew from a distribution
-                st = _sampling_tensors(
-                    plan.reqs,
-                    seeds,
-                    positions,
-                    torch.zeros_like(seeds),
-                    self.device,
-                )
-            probs = self._draft_probs(sampled, drafts_t, plan.max_draft_len, vocab)
-            result = verify(padded, drafts_t, draft_lens_t, st, probs, simulate_rate)
+            draft_lens = t.get("draft_lens")
+            result = verify(padded, drafts_t, draft_lens, t["sampling"], simulate_rate)
         # Drafts the host has not seen go back with the tokens (statistics only).
         on_device = any(s.device_drafts is not None for s in sampled)
         return self._with_logprobs(
@@ -312,22 +302,6 @@ class ModelRunner:
         chosen = tokens.reshape(-1)[to_device(flat, device)]
         lp = logprob_tensors(logits, chosen, max(w or 0 for w in want))
         return SampledTokens(tokens, accept_len, want, lp, lp_rows, drafts)
-
-    def _draft_probs(
-        self, sampled, drafts_t, max_draft_len: int, vocab: int
-    ) -> torch.Tensor | None:
-        """[R, K, V] drafter distributions (point masses for deterministic drafts), or None
-        when no request's drafter drew from a distribution."""
-        if all(s.draft_probs is None for s in sampled):
-            return None
-        probs = torch.zeros(len(sampled), max_draft_len, vocab, device=self.device)
-        for i, s in enumerate(sampled):
-            drafted = s.drafted
-            if s.draft_probs is not None:
-                probs[i, :drafted] = s.draft_probs[:drafted]
-            elif drafted:
-                probs[i, torch.arange(drafted), drafts_t[i, :drafted]] = 1.0
-        return probs
 
 
 def _sampling_tensors(reqs, seeds, positions, top_k, device) -> SamplingTensors:

@@ -1,13 +1,17 @@
 """Verification of draft tokens against the target in one pass, lossless.
 
-Greedy rows accept drafts while they equal the target's argmax, then take the argmax at the
-first mismatch (or after the last draft) as the bonus token. Sampled rows use rejection
-sampling: accept draft x with probability min(1, p(x)/q(x)); on rejection draw from
-norm(max(0, p - q)); after all drafts are accepted draw the bonus from p. p and q are the
-temperature / top-k / top-p / min-p filtered distributions of target and drafter.
+Every verify row draws the token the plain sampler would draw there: the argmax for greedy
+rows, for sampled rows the argmax of the temperature / top-k / top-p / min-p filtered logits
+plus the counter-based Gumbel noise of the row's own position (stream 0, `layers.sampler`).
+A request accepts its drafts while they equal those draws, and the draw after the last
+accepted one is the bonus token. So every committed token is the one plain decoding draws
+at its position after the same tokens: sampled output follows the target's distribution
+exactly (it is the plain sampler's), and a seeded request's tokens are the same with or
+without speculation, whatever the draft lengths, the batch or preemption. Drafters that
+sample draw with the same noise (speculative/proposer.py `draw_drafts`), so a drafter whose
+distribution is the target's drafts exactly its draws.
 
-A row with no drafts reduces exactly to the plain sampler: the final draw uses the same
-counter-based Gumbel noise (stream 0 at the drawn token's position) as `layers.sampler`.
+A row with no drafts is the plain sampler itself.
 """
 
 from __future__ import annotations
@@ -20,12 +24,10 @@ from specserve.layers.sampler import (
     STREAM_STRIDE,
     SamplingTensors,
     argmax_rows,
-    filter_logits,
-    gumbel_noise,
     hash_uniform,
+    sample,
 )
 
-ACCEPT_STREAM = 2
 SIMULATE_STREAM = 3
 
 
@@ -70,8 +72,9 @@ def verify_greedy(
     """`verify` for rows that are all greedy: accept drafts while they equal the target's
     argmax, then its argmax as the bonus. Needs no sampling tensors (seeds and positions
     only to simulate acceptance), so a greedy speculative step uploads almost nothing;
-    `draft_lens` None: every row has K drafts. `greedy_choice`: the logits' argmax [R, K+1]
-    where the caller has it already (a CUDA graph took it with the logits), else computed.
+    `draft_lens` None: every row has K drafts. `greedy_choice`: the rows' draws [R, K+1] where
+    the caller has them already (the logits' argmax a CUDA graph took with them; `verify`'s
+    sampled draws), else the argmax, computed.
 
     Row r's tokens past accept_len[r] are unspecified (never committed nor read): without
     simulation the argmax row itself is returned, whose first accept_len + 1 entries are the
@@ -101,86 +104,40 @@ def verify_greedy(
 def verify(
     target_logits: torch.Tensor,
     drafts: torch.Tensor,
-    draft_lens: torch.Tensor,
+    draft_lens: torch.Tensor | None,
     st: SamplingTensors,
-    draft_probs: torch.Tensor | None = None,
     simulate_rate: float | None = None,
 ) -> VerifyResult:
-    """Verify padded drafts.
+    """Verify padded drafts against the plain sampler's draws at every row.
 
-    target_logits: [R, K+1, V] target logits at the last committed token and each draft;
-    drafts: [R, K] draft token ids (anything past draft_lens[r] is ignored);
-    draft_probs: [R, K, V] the drafter's filtered distributions (None: point masses, i.e.
-    deterministic drafts); st: per-row sampling tensors whose `positions` are the index of
-    the first token drawn (the one after the last committed token). `simulate_rate`
-    replaces each acceptance decision by a seeded draw with that probability (benchmarking
-    random-weight models only: the output is then not the model's).
+    target_logits: [R, K+1, V] target logits at the last committed token and each draft
+    (logit changes in); drafts: [R, K] draft token ids (anything past draft_lens[r] is
+    ignored; draft_lens None: every request drafts K); st: per-row sampling tensors whose
+    `positions` are the index of the first token drawn (the one after the last committed
+    token), row j of a request drawing at that position + j. `simulate_rate` replaces each
+    acceptance decision by a seeded draw with that probability (benchmarking random-weight
+    models only: the output is then not the model's).
     """
     if st.all_greedy:
         return verify_greedy(
             target_logits, drafts, draft_lens, st.seeds, st.positions, simulate_rate
         )
-    num_rows, max_q_len, vocab = target_logits.shape
-    max_draft_len = max_q_len - 1
-    # [R, K]
-    valid = torch.arange(max_draft_len, device=drafts.device)[None, :] < draft_lens[:, None]
-    greedy_choice = argmax_rows(target_logits)  # [R, K+1]
-    greedy_ok = (drafts == greedy_choice[:, :max_draft_len]) & valid
-    simulated = simulate_rate is not None
-
-    rep = lambda t: t.repeat_interleave(max_q_len)  # noqa: E731
-    flat_st = replace(
+    num_rows, q_len, vocab = target_logits.shape
+    rep = lambda t: t.repeat_interleave(q_len)  # noqa: E731
+    offsets = torch.arange(q_len, device=drafts.device)
+    rows = replace(
         st,
         temperature=rep(st.temperature),
         top_k=rep(st.top_k),
         top_p=rep(st.top_p),
         min_p=rep(st.min_p),
+        seeds=rep(st.seeds),
+        positions=(st.positions[:, None] + offsets).reshape(-1),
     )
-    filtered = filter_logits(target_logits.reshape(num_rows * max_q_len, vocab), flat_st)
-    filtered = filtered.view(num_rows, max_q_len, vocab)
-    p = filtered.softmax(dim=-1)
-    if simulated:
-        ok = (
-            _uniforms(st.seeds, st.positions, max_draft_len, SIMULATE_STREAM) < simulate_rate
-        ) & valid
-    elif max_draft_len:
-        index = drafts[:, :, None].clamp(min=0)
-        p_draft = p[:, :max_draft_len].gather(2, index)[:, :, 0]
-        q_draft = (
-            torch.ones_like(p_draft)
-            if draft_probs is None
-            else (draft_probs.gather(2, index)[:, :, 0])
-        )
-        u = _uniforms(st.seeds, st.positions, max_draft_len, ACCEPT_STREAM)
-        sampled_ok = (u * q_draft < p_draft) & valid
-        ok = torch.where(st.temperature[:, None] > 0, sampled_ok, greedy_ok)
-    else:
-        ok = greedy_ok
-    accept_len = ok.long().cumprod(dim=1).sum(dim=1)
-
-    # The final draw: residual max(0, p - q) after a rejection, p itself after full acceptance
-    # (drawn from the filtered logits themselves, exactly as the plain sampler does).
-    at_final = accept_len[:, None, None].expand(-1, 1, vocab)
-    final_logits = filtered.gather(1, at_final)[:, 0]
-    if max_draft_len and not simulated:
-        p_final = p.gather(1, at_final)[:, 0]
-        at = accept_len.clamp(max=max_draft_len - 1)
-        if draft_probs is None:
-            q_final = torch.zeros_like(p_final)
-            q_final.scatter_(1, drafts.gather(1, at[:, None]).clamp(min=0), 1.0)
-        else:
-            q_final = draft_probs.gather(1, at[:, None, None].expand(-1, 1, vocab))[:, 0]
-        residual = (p_final - q_final).clamp(min=0)
-        # Guard rounding: if nothing is left, fall back to p (a probability-zero event).
-        empty = residual.sum(dim=-1, keepdim=True) <= 0
-        residual = torch.where(empty, p_final, residual)
-        rejected = accept_len < draft_lens
-        final_logits = torch.where(rejected[:, None], residual.log(), final_logits)
-    noise = gumbel_noise(replace(st, positions=st.positions + accept_len), vocab)
-    drawn = argmax_rows(final_logits + noise)
-    greedy_bonus = greedy_choice.gather(1, accept_len[:, None])[:, 0]
-    bonus = torch.where(st.temperature > 0, drawn, greedy_bonus)
-    return VerifyResult(_assemble(drafts, bonus, accept_len), accept_len)
+    draws = sample(target_logits.reshape(num_rows * q_len, vocab), rows).view(num_rows, q_len)
+    return verify_greedy(
+        target_logits, drafts, draft_lens, st.seeds, st.positions, simulate_rate, draws
+    )
 
 
 def _assemble(drafts, bonus, accept_len) -> torch.Tensor:
