@@ -124,10 +124,25 @@ def _legal(llm, grammar: Grammar, tokens: list[int]) -> bool:
     return all(matcher.is_terminated() or matcher.accept_token(t) for t in tokens)
 
 
+@pytest.fixture(scope="module")
+def plain_sampled(models):
+    llm, prompts = LLM(models["target"]), prompts_for()
+    return {
+        name: [
+            o.token_ids
+            for o in llm.generate(
+                prompts, [_params(name, temperature=1.5, seed=i, max_tokens=20) for i in range(8)]
+            )
+        ]
+        for name in GRAMMARS
+    }
+
+
 @pytest.mark.parametrize("drafter", [None, "random", "eagle3"])
-def test_sampled_output_is_always_legal(models, drafter):
-    """Sampled at temperature 1.5 with and without speculation (rejection sampling against
-    the masked distribution): every token of every output is one the grammar allows."""
+def test_sampled_output_is_always_legal(models, plain_sampled, drafter):
+    """Sampled at temperature 1.5 with and without speculation (drafts accepted where they
+    equal the target's draw from the masked distribution): every token of every output is
+    one the grammar allows, and speculation's output is plain sampling's."""
     prompts = prompts_for()
     llm = LLM(models["target"], **(_spec(models, drafter)))
     for name in GRAMMARS:
@@ -135,6 +150,7 @@ def test_sampled_output_is_always_legal(models, drafter):
         outs = llm.generate(prompts, params)
         assert all(_legal(llm, GRAMMARS[name], o.token_ids) for o in outs), name
         assert len({tuple(o.token_ids) for o in outs}) > 4  # sampled, not one answer
+        assert [o.token_ids for o in outs] == plain_sampled[name], name
 
 
 def _spec(models, drafter):
