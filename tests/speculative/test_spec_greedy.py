@@ -150,8 +150,32 @@ def test_stop_inside_accepted_drafts(target):
         speculative_num_steps=7,
         speculative_policy="fixed",
     )
-    assert [o.token_ids for o in llm.generate(prompts, params)] == expected
+    outs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outs] == expected
     assert llm.engine.kv.allocator.num_used == 0
+    # A request's statistics count the tokens it kept: each verify step its accepted drafts
+    # and one more (the first token is the prompt's), none past the stop.
+    for o in outs:
+        assert o.spec_stats.accepted + o.spec_stats.verify_steps == len(o.token_ids) - 1
+        assert o.spec_stats.accepted <= o.spec_stats.drafted
+
+
+def test_statistics_count_the_tokens_kept_at_max_tokens(target):
+    """K=7 drafts and 3 tokens wanted: the one verify step keeps 2 tokens, so it counts
+    one accepted draft of one needed (it counted 7 of 7, 8 tokens a step)."""
+    folder, _, prompts, _ = target
+    llm = LLM(
+        folder,
+        speculative_algorithm="draft",
+        speculative_draft_model_path=folder,
+        speculative_num_steps=7,
+        speculative_policy="fixed",
+    )
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    for o in llm.generate(prompts, params):
+        stats = o.spec_stats
+        assert (stats.verify_steps, stats.drafted, stats.accepted) == (1, 1, 1)
+        assert stats.mean_accept_len == 2.0
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3"])

@@ -363,13 +363,20 @@ class StepLoop:
         for s, tokens, lps in live:
             req = s.request
             req.unprocessed_token_ids = []
-            if s.drafts:
-                req.spec.record(len(s.drafts), len(tokens) - 1)
             before = len(req.output_token_ids)
             for i, token in enumerate(tokens):
                 req.append_token(token, lps[i] if lps else None)
                 if req.finish_reason is not None:
                     break
+            if s.drafts:
+                # The request's statistics count the tokens it kept: where a stop or its
+                # length ended it inside the accepted drafts, the last kept one stands for
+                # the bonus (the drafts after it were not needed).
+                kept = len(req.output_token_ids) - before
+                drafted, accepted = len(s.drafts), len(tokens) - 1
+                if kept < len(tokens):
+                    drafted, accepted = min(drafted, kept - 1), kept - 1
+                req.spec.record(drafted, accepted)
             if req.finish_reason is not None:
                 sink.finish(req)
             outputs.append(sink.output(req, len(req.output_token_ids) - before))

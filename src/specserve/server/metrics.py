@@ -321,7 +321,8 @@ _ENGINE_LISTS = {
     "spec_position_drafted": (
         "specserve_spec_position_drafted",
         "position",
-        "draft tokens proposed, by position",
+        "draft positions verified, by position: every position up to a request's first "
+        "rejected draft (accepted / verified is the rate given the drafts before were right)",
     ),
     "spec_position_accepted": (
         "specserve_spec_position_accepted",
