@@ -180,3 +180,12 @@ def test_a_model_list_of_another_shape_is_a_clear_error(monkeypatch, body):
     monkeypatch.setattr(runner.httpx, "get", get)
     with pytest.raises(runner.BenchError, match="cannot list models at http://h/v1/models"):
         runner.served_model("http://h")
+
+
+def test_bench_serve_exits_1_when_a_request_failed(flaky_url, capsys):
+    """It exited 0 whenever one request completed (a count tested for truth); a sweep and
+    the matrix fail alike (test_bench_matrix)."""
+    argv = ["bench", "serve", "--base-url", flaky_url, "--model", "stub", "--num-prompts", "5"]
+    argv += ["--max-concurrency", "1", "--input-len", "8", "--output-len", "4", "--no-progress"]
+    assert main(argv) == 1  # (the stub's five kinds of answer: one good)
+    assert "bench serve: 4 of 5 requests failed: exit status 1" in capsys.readouterr().err

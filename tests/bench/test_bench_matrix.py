@@ -480,3 +480,106 @@ def test_the_matrix_sends_ignore_eos(monkeypatch, tmp_path):
     argv = ["bench", "sweep", "--matrix", "adaptive", "--dataset", "jsonl", "--dataset-path"]
     main([*argv, str(data), "--output-dir", str(tmp_path / "out"), "--no-progress"])
     assert seen == [True]
+
+
+class _Recorder:
+    """A fake server and `benchmark` for a whole `bench sweep` command: records each run's
+    prompts and dataset notes; `failing` names the (concurrency, config) points that lose
+    one request."""
+
+    def __init__(self, monkeypatch, failing=()):
+        self.runs, self.warm_prompts, self.failing = [], set(), failing
+        self.server = None
+
+        @contextmanager
+        def fake_server(args, log_path, env=None):
+            self.server = log_path.stem
+            yield type("Server", (), {"url": "http://127.0.0.1:1", "log_tail": str})()
+
+        monkeypatch.setattr(sweep, "ServerProcess", fake_server)
+        monkeypatch.setattr(matrix_run, "ServerProcess", fake_server)
+        monkeypatch.setattr(sweep, "benchmark", self.benchmark)
+
+    def benchmark(self, cfg, dataset, progress=True, desc=""):
+        prompts = {p.prompt for p in dataset.prompts}
+        if dataset.name == "warmup":
+            self.warm_prompts |= prompts
+            return {}
+        level = cfg.max_concurrency
+        self.runs.append((desc.split(" c=")[-1].split(" ")[0], desc, prompts))
+        r = summarize([], 1.0, None, config={"max_concurrency": level}, dataset={})
+        lost = int((level, self.server) in self.failing)
+        r.update(num_requests=len(dataset.prompts), completed=len(dataset.prompts) - lost)
+        r.update(failed=lost, dataset={"notes": list(dataset.notes)})
+        return r
+
+    def point_prompts(self) -> dict[str, set]:
+        """Each point's prompts (its key: the run's description less the configuration),
+        checked to be the same for every configuration."""
+        points: dict[str, set] = {}
+        for _, desc, prompts in self.runs:
+            point = desc.split(" ", 1)[1]
+            assert points.setdefault(point, prompts) == prompts, point
+        return points
+
+
+def _jsonl(tmp_path, count: int):
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(f'{{"prompt": "q{i}"}}\n' for i in range(count)))
+    return str(path)
+
+
+SWEEP = ["bench", "sweep", "--dataset", "jsonl", "--num-prompts", "4", "--warmup", "1"]
+
+
+def test_jsonl_sweep_points_and_rounds_resend_no_prompt(monkeypatch, tmp_path, capsys):
+    """Levels of different sizes took records from part x n on: round 2 resent round 1's
+    records (a prefix-caching server had them cached) and the warm-up's was a point's. A
+    file too small for the sweep is said, in the notes and on the console."""
+    seen = _Recorder(monkeypatch)
+    argv = [*SWEEP, "--concurrency", "1,4,8", "--rounds", "2", "--config", "a=", "--config"]
+    argv += ["b=--x", "--server-args", "--num-kv-pages 8", "--no-progress"]
+    out = ["--output-dir", str(tmp_path / "out")]
+    assert main([*argv, "--dataset-path", _jsonl(tmp_path, 200), *out]) == 0
+    points = seen.point_prompts()
+    assert len(points) == 6 and len(seen.warm_prompts) == 1
+    sent = [q for prompts in points.values() for q in prompts]
+    assert len(sent) == len(set(sent)) == 2 * (4 + 8 + 16)
+    assert not seen.warm_prompts & set(sent)
+    saved = json.loads((tmp_path / "out" / "sweep.json").read_text())
+    assert all(r["dataset"]["notes"] == [] for r in saved["results"])  # (no empty note)
+    assert "resend" not in capsys.readouterr().out
+    seen.runs.clear()
+    assert main([*argv, "--dataset-path", _jsonl(tmp_path, 40), *out]) == 0
+    assert "the points need more prompts than" in capsys.readouterr().out
+    saved = json.loads((tmp_path / "out" / "sweep.json").read_text())
+    notes = [r["dataset"]["notes"] for r in saved["results"]]  # (2 configurations a point)
+    assert notes[:8] == [[]] * 8  # round 1 and round 2's c=1: records 1..32 of 40
+    assert "1 of these 8 are records reused from the start" in notes[8][0]  # 33..39, 0
+    assert all("16 of these 16 are records reused" in n[0] for n in notes[10:])
+
+
+def test_a_sweep_with_failed_requests_exits_1_and_says_why(monkeypatch, tmp_path, capsys):
+    """It exited 0 when any request of each point completed (a count tested for truth)."""
+    _Recorder(monkeypatch, failing={(4, "b")})
+    argv = [*SWEEP, "--dataset-path", _jsonl(tmp_path, 100), "--concurrency", "1,4"]
+    argv += ["--config", "a=", "--config", "b=--x", "--output-dir", str(tmp_path), "--no-progress"]
+    assert main(argv) == 1
+    said = "[sweep] 1 of 24 requests failed in 1 of 4 runs: exit status 1"
+    assert said in capsys.readouterr().err
+
+
+def test_jsonl_matrix_points_resend_no_prompt_and_failures_exit_1(monkeypatch, tmp_path, capsys):
+    """The matrix's points take the file's records after the warm-up's, as a sweep's do
+    (its last record, the warm-up's, was the third point's); a point with a failed request
+    fails the run, saying so."""
+    seen = _Recorder(monkeypatch, failing={(2, "fixed-k1@L3")})
+    argv = [*SWEEP, "--dataset-path", _jsonl(tmp_path, 32), "--matrix", "adaptive"]
+    argv += ["--acceptance", "3.0", "--k", "1", "--policies", "off,fixed", "--arrival", "closed"]
+    argv += ["--concurrency", "1,2,4", "--output-dir", str(tmp_path), "--no-progress"]
+    assert main(argv) == 1
+    points = seen.point_prompts()
+    sent = [q for prompts in points.values() for q in prompts]
+    assert len(points) == 3 and len(sent) == len(set(sent)) == 3 * 8  # (at least 8 a point)
+    assert len(seen.warm_prompts) == 1 and not seen.warm_prompts & set(sent)
+    assert "[matrix] 1 of 48 requests failed in 1 of 6 runs" in capsys.readouterr().err

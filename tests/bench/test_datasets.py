@@ -42,8 +42,8 @@ def test_matrix_files_of_the_wrong_types_are_refused(values):
 def test_each_part_of_a_benchmark_has_prompts_of_its_own(tmp_path):
     """A sweep's points and rounds (and its warm-up) are parts: the same seed and part give
     the same prompts, other parts others, the shared prefix stays (a server's system prompt);
-    part 0 is a single run's, as before parts existed. A JSONL file's parts start further
-    on in it. Points that replayed earlier prompts hit the server's prefix cache."""
+    part 0 is a single run's, as before parts existed. Points that replayed earlier prompts
+    hit the server's prefix cache."""
     from specserve.bench.datasets import WARMUP_PART, build_dataset
 
     def prompts(kind, part, path=None, n=4):
@@ -59,7 +59,33 @@ def test_each_part_of_a_benchmark_has_prompts_of_its_own(tmp_path):
 
     single = [p.prompt for p in random_dataset(4, 16, 8, 0.0, None, 7).prompts]
     assert [p for _, p in prompts("random", 0)] == single
+
+
+def test_jsonl_parts_take_the_records_after_the_last_parts(tmp_path):
+    """A JSONL file's parts of different sizes (a sweep's levels) took records from
+    part x n on: round 2's points resent round 1's into servers that had cached them, and
+    the warm-up's record (the last) was a point's. Now the warm-up has record 0 and each
+    part the records after the parts before it; where the file runs out, the records taken
+    again are counted and said."""
+    from specserve.bench.datasets import WARMUP_PART, RecordCursor, build_dataset
+
     path = tmp_path / "d.jsonl"
-    path.write_text("".join(f'{{"prompt": "q{i}"}}\n' for i in range(10)))
-    assert [p for _, p in prompts("jsonl", 0, path)] == ["q0", "q1", "q2", "q3"]
-    assert [p for _, p in prompts("jsonl", 2, path)] == ["q8", "q9", "q0", "q1"]
+    path.write_text("".join(f'{{"prompt": "q{i}"}}\n' for i in range(40)))
+    records = RecordCursor()
+
+    def part(n, number):
+        start = records.start(number, n)
+        d = build_dataset("jsonl", n, 16, 8, 0, str(path), None, 0, part=number, record_start=start)
+        return d, [int(p.prompt[1:]) for p in d.prompts]
+
+    warm, warm_ids = part(1, WARMUP_PART)
+    sizes = [4, 8, 16, 4, 8]  # (levels 1, 4, 8 at 2 requests each, num_prompts 4; 2 rounds)
+    made = [part(n, number) for number, n in enumerate(sizes, 1)]
+    assert warm_ids == [0] and part(1, WARMUP_PART)[1] == [0]  # (every server's warm-up)
+    sent = [i for _, ids in made[:4] for i in ids]
+    assert sent == list(range(1, 33)) and all(d.reused_prompts == 0 for d, _ in made[:4])
+    last, ids = made[4]  # records 33..40 of 40: 33..39, then record 0 again
+    assert ids == [33, 34, 35, 36, 37, 38, 39, 0] and last.reused_prompts == 1
+    assert "1 of these 8 are records reused" in last.notes[0] and not warm.notes
+    single = build_dataset("jsonl", 42, 16, 8, 0.0, str(path), None, 0)
+    assert single.reused_prompts == 2 and "this run sends 42" in single.notes[0]

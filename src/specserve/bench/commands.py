@@ -17,6 +17,7 @@ from specserve.bench.datasets import (
     MULTI_TURN,
     WARMUP_PART,
     BenchPrompt,
+    RecordCursor,
     build_dataset,
     resolve_tokenizer,
 )
@@ -202,7 +203,7 @@ def add_bench_commands(bench: argparse.ArgumentParser) -> None:
     t.set_defaults(func=throughput_command)
 
 
-def _dataset(args, n: int, tokenizer, part: int = 0):
+def _dataset(args, n: int, tokenizer, part: int = 0, record_start: int = 0):
     dataset = build_dataset(
         args.dataset,
         n,
@@ -215,6 +216,7 @@ def _dataset(args, n: int, tokenizer, part: int = 0):
         shared_prefix_len=args.shared_prefix_len,
         turns=args.turns,
         part=part,
+        record_start=record_start,
     )
     chats = (p for p in dataset.prompts if isinstance(p, BenchPrompt))
     if args.endpoint != "chat" and any(isinstance(p.prompt, list) for p in chats):
@@ -298,7 +300,20 @@ def _serve(args: argparse.Namespace) -> int:
     print_report(report, title=f"specserve bench: {model} at {base_url}")
     if args.save_result:
         print(f"saved {save_json(report, args.save_result)}")
-    return 0 if report["completed"] else 1
+    return _exit_status([report], "bench serve:")
+
+
+def _exit_status(reports: list[dict], tag: str) -> int:
+    """1, saying why, when a request of these runs failed (completed fewer than sent: its
+    figures leave it out and compare with nothing); else 0."""
+    incomplete = [r for r in reports if r["completed"] != r["num_requests"]]
+    if not incomplete:
+        return 0
+    lost = sum(r["num_requests"] - r["completed"] for r in incomplete)
+    sent = sum(r["num_requests"] for r in reports)
+    runs = f" in {len(incomplete)} of {len(reports)} runs" if len(reports) > 1 else ""
+    print(f"{tag} {lost} of {sent} requests failed{runs}: exit status 1", file=sys.stderr)
+    return 1
 
 
 def _sweep_setup(args: argparse.Namespace):
@@ -310,10 +325,22 @@ def _sweep_setup(args: argparse.Namespace):
     tokenizer, how = (None, "")
     if _needs_tokenizer(args):
         tokenizer, how = resolve_tokenizer(args.tokenizer or args.model, model_name)
+    records = RecordCursor()  # (a JSONL file's: each part the records after the last's)
+    tag = "[matrix]" if args.matrix or args.matrix_file else "[sweep]"
+    reused = []
 
     def make_dataset(n: int, part: int):  # (datasets.build_dataset: a part's own prompts)
-        dataset = _dataset(args, n, tokenizer, part)
-        dataset.notes.insert(0, how)
+        dataset = _dataset(args, n, tokenizer, part, records.start(part, n))
+        if how:
+            dataset.notes.insert(0, how)
+        if dataset.reused_prompts and not reused:  # (said once; each point's notes say too)
+            reused.append(part)
+            print(
+                f"{tag} the points need more prompts than {args.dataset_path} holds: from "
+                "here on they resend its records from the start (a server with prefix "
+                "caching has them cached); pass a larger file or fewer requests",
+                flush=True,
+            )
         return dataset
 
     given = _wrap(lambda: shlex.split(args.server_args))  # (unbalanced quotes: ValueError)
@@ -431,7 +458,7 @@ def _sweep(args: argparse.Namespace) -> int:
     if args.rounds > 1:
         print(medians_table(sweep["summary"]))
     print("wrote " + ", ".join(str(p) for p in paths.values()))
-    return 0 if all(r["completed"] for r in rows) else 1
+    return _exit_status(rows, "[sweep]")
 
 
 def _run_header(model_name: str, server_args: list[str], env: dict | None) -> dict:
@@ -531,8 +558,8 @@ def _matrix_sweep(args: argparse.Namespace) -> int:
     for failed in result.failed_servers:
         print(f"[matrix] server '{failed['server']}' did not start: its points are missing")
     print("wrote " + ", ".join(str(p) for p in paths.values()))
-    complete = all(r["completed"] == r["num_requests"] for r in rows)
-    return 0 if complete and not result.failed_servers else 1
+    status = _exit_status(rows, "[matrix]")
+    return 1 if result.failed_servers else status
 
 
 def _plot(args: argparse.Namespace) -> int:

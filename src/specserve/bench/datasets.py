@@ -32,6 +32,7 @@ MULTI_TURN = "multi-turn"
 DATASETS = ("random", "jsonl", *TEXT_SOURCES, MULTI_TURN)
 
 _CHARS_PER_TOKEN = 4  # English text, BPE tokenizers: used only to cut excerpts before trimming
+_MIN_TEXT_CHARS = 1000  # built-in texts shorter than this are left out (text_dataset)
 _WORDS = (
     "time year people way day man thing woman life child world school state family student "
     "group country problem hand part place case week company system program question work "
@@ -87,12 +88,14 @@ class BenchPrompt:
 class Dataset:
     """Prompts (single requests, or multi-turn conversations of several requests each) plus
     notes on where they came from (they go into the report). `shared_prefix_len` is the
-    token length of the prefix every prompt starts with (0: none)."""
+    token length of the prefix every prompt starts with (0: none); `reused_prompts`, how
+    many prompts the benchmark's earlier parts sent too."""
 
     name: str
     prompts: list[BenchPrompt | Conversation]
     notes: list[str] = field(default_factory=list)
     shared_prefix_len: int = 0
+    reused_prompts: int = 0  # prompts the benchmark sent before (a JSONL file run out)
 
     @property
     def num_requests(self) -> int:
@@ -211,8 +214,10 @@ def _messages_of(record: dict, line_no: int) -> str | list[dict]:
 def jsonl_dataset(path: str | Path, n: int, output_len: int, start: int = 0) -> Dataset:
     """Prompts from a JSONL file: {"prompt": str} or {"messages": [...]} or ShareGPT
     {"conversations": [...]} per line, each with an optional "max_tokens": n of them in
-    order from record `start` (modulo their count), reused from the first when the file has
-    fewer."""
+    order from record `start` on (a benchmark's earlier parts sent those before it: see
+    RecordCursor), taken again from the first record past the last. Prompts taken again
+    are counted in `reused_prompts` and said in the notes: a server with prefix caching
+    has them cached."""
     path = Path(path)
     if not path.is_file():
         raise DatasetError(f"--dataset-path {str(path)!r} is not a file")
@@ -238,13 +243,17 @@ def jsonl_dataset(path: str | Path, n: int, output_len: int, start: int = 0) -> 
         records.append(BenchPrompt(_messages_of(record, i), max_tokens))
     if not records:
         raise DatasetError(f"{path.name} has no prompts")
-    notes = (
-        []
-        if len(records) >= n
-        else [f"{path.name} has {len(records)} prompts; reused in order to make {n}"]
-    )
     prompts = [records[(start + i) % len(records)] for i in range(n)]
-    return Dataset(f"jsonl:{path.name}", prompts, notes)
+    dataset = Dataset(f"jsonl:{path.name}", prompts)
+    dataset.reused_prompts = min(n, max(0, start + n - len(records)))
+    if dataset.reused_prompts:
+        sent = f"this run sends {n}" if start == 0 else f"the benchmark sends {start + n} by here"
+        dataset.notes.append(
+            f"{path.name} holds {len(records)} prompts and {sent}: "
+            f"{dataset.reused_prompts} of these {n} are records reused from the start of the "
+            "file (a server with prefix caching has them cached)"
+        )
+    return dataset
 
 
 def shakespeare_texts() -> list[str]:
@@ -287,25 +296,23 @@ def text_dataset(
     tokenizer=None,
     seed: int | str = 0,
 ) -> Dataset:
-    """Excerpts of about input_len tokens cut at line starts from built-in text."""
+    """Excerpts of input_len tokens (with a tokenizer; else _CHARS_PER_TOKEN characters a
+    token) of built-in text, each from a random line start and running on into the next
+    text where its own ends (past the last, the first), so that every excerpt has its
+    length; texts under _MIN_TEXT_CHARS (the queue module's docstrings: 39 characters) are
+    left out."""
     if source not in TEXT_SOURCES:
         raise DatasetError(f"text source must be one of {', '.join(TEXT_SOURCES)}; got {source!r}")
     texts = shakespeare_texts() if source == "shakespeare" else stdlib_texts()
+    corpus = "\n\n".join(t.strip() for t in texts if len(t.strip()) >= _MIN_TEXT_CHARS)
+    ring = corpus + "\n\n" + corpus  # (an excerpt near the end goes round to the start)
     rng = random.Random(seed)
     in_lens = _lengths(rng, n, input_len, range_ratio)
     out_lens = _lengths(rng, n, output_len, range_ratio)
     prompts = []
     for k, m in zip(in_lens, out_lens):
-        text = rng.choice(texts)
-        want = k * _CHARS_PER_TOKEN
-        start = rng.randrange(max(1, len(text) - want))
-        start = text.find("\n", start) + 1  # from a line start (0 when there is none)
-        excerpt = text[start : start + want]
-        excerpt_len = None
-        if tokenizer is not None:
-            ids = tokenizer.encode(excerpt, add_special_tokens=False)[:k]
-            excerpt = tokenizer.decode(ids)
-            excerpt_len = len(ids)
+        start = corpus.find("\n", rng.randrange(len(corpus))) + 1  # a line start (0: none)
+        excerpt, excerpt_len = _excerpt(ring, start, start + len(corpus), k, tokenizer)
         prompts.append(BenchPrompt(excerpt, m, excerpt_len))
     notes = (
         []
@@ -313,6 +320,23 @@ def text_dataset(
         else [f"no tokenizer: excerpts are cut at {_CHARS_PER_TOKEN} characters per token"]
     )
     return Dataset(source, prompts, notes)
+
+
+def _excerpt(text: str, start: int, end: int, k: int, tokenizer) -> tuple[str, int | None]:
+    """The first k tokens of text[start:end] and their count as the excerpt re-encodes
+    (cutting between tokens can merge or split one); without a tokenizer, k *
+    _CHARS_PER_TOKEN characters and None. The window read doubles until it holds k tokens
+    (code and some vocabularies take more characters a token than _CHARS_PER_TOKEN)."""
+    want = k * _CHARS_PER_TOKEN
+    if tokenizer is None:
+        return text[start : min(end, start + want)], None
+    while True:
+        ids = tokenizer.encode(text[start : min(end, start + want)], add_special_tokens=False)
+        if len(ids) >= k or start + want >= end:
+            break
+        want *= 2
+    excerpt = tokenizer.decode(ids[:k])
+    return excerpt, len(tokenizer.encode(excerpt, add_special_tokens=False))
 
 
 def resolve_tokenizer(name_or_path: str | None, served_model: str | None):
@@ -367,6 +391,23 @@ def _local_tokenizer(path: str):
 WARMUP_PART = -1  # (build_dataset's `part` of a benchmark's warm-up prompts)
 
 
+@dataclass
+class RecordCursor:
+    """Where each part of a benchmark (build_dataset's `part`) starts in a JSONL file: the
+    warm-up at record 0, every other part right after the parts asked for before it. Asked
+    once a part in the order the parts are sent, no part resends another's records (nor the
+    warm-up's) until the file runs out (jsonl_dataset: then said in the notes)."""
+
+    next_record: int = 1
+
+    def start(self, part: int, n: int) -> int:
+        """The first record of `part`, which sends n prompts."""
+        if part == WARMUP_PART:
+            return 0
+        start, self.next_record = self.next_record, self.next_record + n
+        return start
+
+
 def build_dataset(
     kind: str,
     n: int,
@@ -379,16 +420,18 @@ def build_dataset(
     shared_prefix_len: int = 0,
     turns: int | None = None,
     part: int = 0,
+    record_start: int = 0,
 ) -> Dataset:
     """The dataset the options ask for, every prompt starting with a shared prefix of
     `shared_prefix_len` tokens when that is above 0. `turns` (conversation length) applies to
     multi-turn only; n counts its conversations.
 
     `part` numbers the datasets of one benchmark (a sweep's points and rounds, its warm-up):
-    each part's prompts differ (drawn from `seed` and the part; a JSONL file's taken from
-    the part's place on), so no point replays another's prompts into a server that cached
-    them (prefix caching is on by default); the shared prefix stays the same, as a server's
-    system prompt does. Part 0 is what a single run sends."""
+    each part's prompts differ (drawn from `seed` and the part; a JSONL file's are its
+    records from `record_start` on, which a RecordCursor gives each part), so no point
+    replays another's prompts into a server that cached them (prefix caching is on by
+    default); the shared prefix stays the same, as a server's system prompt does. Part 0 is
+    what a single run sends."""
     if n < 1:
         raise DatasetError(f"--num-prompts must be >= 1; got {n}")
     if shared_prefix_len < 0:
@@ -397,7 +440,16 @@ def build_dataset(
         raise DatasetError(f"--turns applies to --dataset {MULTI_TURN} only; got {kind}")
     drawn_from = seed if part == 0 else f"{seed}:{part}"  # (random.Random takes a str)
     dataset = _base_dataset(
-        kind, n, input_len, output_len, range_ratio, path, tokenizer, drawn_from, turns, part
+        kind,
+        n,
+        input_len,
+        output_len,
+        range_ratio,
+        path,
+        tokenizer,
+        drawn_from,
+        turns,
+        record_start,
     )
     if shared_prefix_len:
         prefix = shared_prefix(shared_prefix_len, tokenizer, seed)
@@ -411,13 +463,15 @@ def build_dataset(
     return dataset
 
 
-def _base_dataset(kind, n, input_len, output_len, range_ratio, path, tokenizer, seed, turns, part):
+def _base_dataset(
+    kind, n, input_len, output_len, range_ratio, path, tokenizer, seed, turns, record_start
+):
     if kind == "random":
         return random_dataset(n, input_len, output_len, range_ratio, tokenizer, seed)
     if kind == "jsonl":
         if not path:
             raise DatasetError("--dataset jsonl needs --dataset-path FILE")
-        return jsonl_dataset(path, n, output_len, start=part * n)
+        return jsonl_dataset(path, n, output_len, start=record_start)
     if kind in TEXT_SOURCES:
         return text_dataset(kind, n, input_len, output_len, range_ratio, tokenizer, seed)
     if kind == MULTI_TURN:

@@ -2,10 +2,13 @@
 
 Arrivals follow a Poisson process at `request_rate` (all at once when it is infinite) and at
 most `max_concurrency` requests are in flight. Each request streams (SSE) with
-`stream_options.include_usage`, so token counts come from the server's usage chunk; time to
-first token is the first chunk carrying text, and inter-token latencies are the gaps between
-successive chunks carrying text (one chunk may carry several tokens under speculative
-decoding: TPOT, computed from the token count, is the per-token figure). A failure of any kind
+`stream_options.include_usage`, so token counts come from the server's usage chunk. Time to
+first token (TTFT) is the time to the first chunk carrying text, as other servers'
+benchmarks take it: a server holds back the text of a token that ends inside a UTF-8
+character or is a special token, so the first text can come some tokens after the first
+token. Inter-token latencies are the gaps between successive chunks carrying text: one
+chunk may carry several tokens (speculative decoding, text held back a step or more), so
+TPOT, computed from the token count, is the per-token figure. A failure of any kind
 (HTTP status, an error event in the stream, a broken connection, a timeout) is recorded with
 its kind and never stops the run.
 

@@ -1,10 +1,11 @@
 """Runs the adaptive-speculation matrix: one server at a time, each serving every load point of
 its configuration before the next starts (a server start costs about a minute on a GPU).
 
-Every configuration sees the same prompts and the same arrival times at a point (datasets are
-built once per request count with a fixed seed, and the load's seed is fixed). Each row is the
-runner's report (with the server's /metrics figures: draft-length mix, acceptance) plus a
-`matrix` entry naming its configuration, acceptance and point.
+Every configuration sees the same prompts and the same arrival times at a point (a dataset is
+built once a point, in the order the points run, and the load's seed is fixed); no point
+sends another's prompts (datasets.build_dataset's `part`, a JSONL file's RecordCursor).
+Each row is the runner's report (with the server's /metrics figures: draft-length mix,
+acceptance) plus a `matrix` entry naming its configuration, acceptance and point.
 """
 
 from __future__ import annotations

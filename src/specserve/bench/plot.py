@@ -3,8 +3,9 @@ throughput, p50 inter-token latency (per streamed chunk) and p50 time per output
 
 Reads sweep JSON (`specserve bench sweep`) and single-run JSON (`specserve bench serve
 --save-result`, labelled by its --label or the file name), so separate runs can be drawn on
-one figure. The adaptive-speculation matrix (`bench sweep --matrix`) is drawn as ratios:
-goodput ÷ the best baseline per point (`plot_ratios`).
+one figure; a label found in several files is told apart by its file (`load_rows`). The
+adaptive-speculation matrix (`bench sweep --matrix`) is drawn as ratios: goodput ÷ the best
+baseline per point (`plot_ratios`).
 """
 
 from __future__ import annotations
@@ -26,10 +27,13 @@ class PlotError(ValueError):
 
 def load_rows(paths: list[str | Path]) -> list[dict]:
     """Reports from sweep or single-run JSON files, each with a 'label'; of a sweep of
-    several rounds, each point's median round (as the sweep drew it)."""
+    several rounds, each point's median round (as the sweep drew it). A label that more
+    than one file uses becomes "<file>: <label>" in each (the file's stem, or its path where
+    stems repeat): two machines' sweeps of the same configurations are two lines each, not
+    one line through both."""
     from specserve.bench.rounds import median_rows
 
-    rows = []
+    by_file = []
     for path in map(Path, paths):
         try:
             data = json.loads(path.read_text())
@@ -37,12 +41,25 @@ def load_rows(paths: list[str | Path]) -> list[dict]:
             raise PlotError(f"cannot read results {str(path)!r}: {e}") from e
         if isinstance(data, dict) and isinstance(data.get("results"), list):
             results = data["results"]
-            rows.extend(median_rows(results) if (data.get("rounds") or 1) > 1 else results)
+            rows = median_rows(results) if (data.get("rounds") or 1) > 1 else results
         elif isinstance(data, dict) and "output_throughput" in data:
-            rows.append({**data, "label": data.get("label") or path.stem})
+            rows = [{**data, "label": data.get("label") or path.stem}]
         else:
             raise PlotError(f"{str(path)!r} is neither a sweep nor a bench result file")
-    return rows
+        by_file.append((path, rows))
+    files_of: dict[str, set[Path]] = defaultdict(set)
+    for path, rows in by_file:
+        for row in rows:
+            files_of[row.get("label")].add(path)
+    stems = [path.stem for path, _ in by_file]
+    named = {path: path.stem if stems.count(path.stem) == 1 else str(path) for path, _ in by_file}
+    return [
+        {**row, "label": f"{named[path]}: {row.get('label')}"}
+        if len(files_of[row.get("label")]) > 1
+        else row
+        for path, rows in by_file
+        for row in rows
+    ]
 
 
 def _value(row: dict, key: str, stat: str | None) -> float | None:

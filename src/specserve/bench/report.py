@@ -28,6 +28,7 @@ def _stats_ms(values_s: list[float]) -> dict[str, float | None]:
 
 
 def _tokens_per_chunk(ok: list[RequestResult]) -> float | None:
+    """Output tokens after the first over the text chunks after the first (summarize)."""
     chunks = sum(len(r.itl_s) for r in ok)
     tokens = sum(r.output_tokens - 1 for r in ok if r.itl_s)
     return tokens / chunks if chunks else None
@@ -112,8 +113,10 @@ def summarize(
         "tpot_ms": _stats_ms([r.tpot_s for r in ok if r.tpot_s is not None]),
         "itl_ms": _stats_ms([x for r in ok for x in r.itl_s]),
         "e2e_latency_ms": _stats_ms([r.latency_s for r in ok]),
-        # Tokens per streamed text chunk after the first: a server that streams one chunk per
-        # step (specserve does) shows its mean tokens committed per decode step here.
+        # (Output tokens - 1) per streamed text chunk after the first: not tokens per decode
+        # step, for a server sends no chunk for a step whose text it holds back (a partial
+        # UTF-8 character, a special token), whose tokens count in the next chunk; it reads
+        # above 1 without speculation: an upper bound on mean tokens per decode step.
         "tokens_per_chunk": _tokens_per_chunk(ok),
         "by_turn": _by_turn(results),
         "server": server,
@@ -149,7 +152,7 @@ def report_rows(report: dict) -> list[tuple[str, str]]:
                 " / ".join(_fmt(s[k], 1) for k in ("mean", "p50", "p90", "p99")),
             )
         )
-    rows.append(("tokens per streamed chunk", _fmt(report.get("tokens_per_chunk"), 2)))
+    rows.append(("tokens per text chunk (not per step)", _fmt(report.get("tokens_per_chunk"), 2)))
     rows += _cache_rows(report)
     for kind, n in report["errors"].items():
         rows.append((f"errors: {kind}", str(n)))

@@ -322,10 +322,13 @@ def markdown_table(rows: list[dict]) -> str:
 
 
 _COLUMNS = (
-    "TTFT: request sent to first text chunk. ITL: gap between successive text chunks (one "
-    "chunk can carry several tokens when speculating). TPOT: (e2e - TTFT) / (output tokens - "
-    "1). tok/chunk: output tokens per text chunk after the first, specserve's mean tokens per "
-    "decode step for the request. step ms: the server's mean step (by K when it speculates). "
+    "TTFT: request sent to the first streamed text (a token whose text the server holds back, "
+    "a partial UTF-8 character or a special token, comes with a later chunk). ITL: gap "
+    "between successive text chunks (one chunk can carry several tokens). TPOT: (e2e - TTFT) "
+    "/ (output tokens - 1). tok/chunk: output tokens after the first per text chunk after "
+    "the first; not per decode step: steps whose text is held back send no chunk, so it can "
+    "read above 1 without speculation (an upper bound on a request's mean tokens per "
+    "decode step). step ms: the server's mean step (by K when it speculates). "
     "accept len and draft-length mix: from the server's /metrics, "
     "when it exports them. load 1m: the machine's 1-minute load average before and after the "
     "run (other work on the machine makes configurations measured at different times hard to "
