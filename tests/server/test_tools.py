@@ -1,6 +1,7 @@
 """Tool calling: call formats found in chat templates, calls parsed from whole and streamed
 replies, a forced call (tool_choice required or named) always a valid call of the right
-function, and the API end to end through the openai client with a Hermes-style template."""
+function, and the API end to end through the openai client with Hermes-style and Llama 3.1-style
+templates."""
 
 from __future__ import annotations
 
@@ -26,6 +27,18 @@ HERMES_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 LLAMA3_HINT = '{% if tools %}Respond as {"name": function name, "parameters": ...}{% endif %}'
+# Llama 3.1's shape, its header tokens shortened (the tiny model's context is 512 tokens):
+# tools in the system turn, a call as the whole reply, results as ipython
+LLAMA3_TEMPLATE = (
+    "{% if tools %}<|h|>system<|e|>Tools: {{ tools | tojson }}"
+    '\nRespond with {"name": function name, "parameters": its arguments}<|t|>'
+    "{% endif %}{% for m in messages %}<|h|>"
+    "{{ 'ipython' if m['role'] == 'tool' else m['role'] }}<|e|>"
+    "{% if m.get('tool_calls') %}{% for c in m['tool_calls'] %}"
+    "{{ {'name': c['function']['name'], 'parameters': c['function']['arguments']} | tojson }}"
+    "{% endfor %}{% else %}{{ m['content'] }}{% endif %}<|t|>{% endfor %}"
+    "{% if add_generation_prompt %}<|h|>assistant<|e|>{% endif %}"
+)
 
 
 class Weather(BaseModel):
@@ -143,12 +156,13 @@ def test_a_forced_call_is_a_valid_call(llm, fmt, name):
             assert arguments["zone"] in ("utc", "cet")
 
 
-@pytest.fixture(scope="module")
-def tool_server(tiny_llama, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("hermes")
+@pytest.fixture(scope="module", params=["hermes", "llama3"])
+def tool_server(request, tiny_llama, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(request.param)
     shutil.copytree(tiny_llama, folder, dirs_exist_ok=True)
     config = json.loads((folder / "tokenizer_config.json").read_text())
-    config["chat_template"] = HERMES_TEMPLATE
+    config["chat_template"] = {"hermes": HERMES_TEMPLATE, "llama3": LLAMA3_TEMPLATE}[request.param]
+    assert tool_format(config["chat_template"]) == request.param
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
     (folder / "chat_template.jinja").unlink(missing_ok=True)
     srv = ServerProcess(folder, tmp_path_factory.mktemp("tools"), api_key=API_KEY)
