@@ -75,6 +75,19 @@ def test_plans_keep_mirrors_of_pages_preemptions_and_departures():
     assert drafting == [batch[0]] and batch[0].draft_len == 3 and batch[0].decoding
     assert plan.waited and not plan.keeps_drafter
 
+    # a's lookahead pages go back under pressure (Scheduler._reclaim_lookahead: 12 lent to
+    # another request) and it grows again, into a page 12 was not: the mirror follows
+    a.page_table[1:] = [30]
+    publisher.publish([ScheduledRequest(a, 1, draft_len=3, decoding=True)], [], False, False)
+    plan = follower.next()
+    assert [(r.kept, r.new_pages) for r in plan.rows] == [(1, [30])]
+    follower.batch(plan)
+    assert mirror_a.page_table == a.page_table == [3, 30]
+    del a.page_table[1:]  # and only shrinks
+    publisher.publish([ScheduledRequest(a, 1, decoding=True)], [], False, False)
+    follower.batch(follower.next())
+    assert mirror_a.page_table == [3]
+
     # a leaves on rank 0 (a stop string, an abort): the next plan drops its mirror
     publisher.gone(a)
     publisher.gone(_request("never-scheduled", [1]))  # rank 0 never sent it: nothing to say
@@ -203,6 +216,14 @@ def _generate_under_tp(target: str, head: str) -> dict:
         "draft model": dict(
             speculative_algorithm="draft", speculative_draft_model_path=target, **fixed
         ),
+        # a cache small enough that lookahead pages go back under pressure (reclaimed)
+        "draft model small cache": dict(
+            speculative_algorithm="draft",
+            speculative_draft_model_path=target,
+            page_size=4,
+            num_kv_pages=40,
+            **fixed,
+        ),
         "ngram": dict(speculative_algorithm="ngram", **fixed),
     }
     policies = {  # rank 0's policy for each run (None: the engine's own)
@@ -210,6 +231,7 @@ def _generate_under_tp(target: str, head: str) -> dict:
         "eagle3": [None, "fixed", "per step", "per request"],
         "eagle3 sharded head": [None, "per step"],
         "draft model": [None],
+        "draft model small cache": [None],
         "ngram": ["per request"],
     }
     out = {}
@@ -219,7 +241,14 @@ def _generate_under_tp(target: str, head: str) -> dict:
     )
     for engine, kwargs in engines.items():
         with LLM(target, **tp, **kwargs) as llm:
-            spec = llm.engine.spec
+            spec, scheduler = llm.engine.spec, llm.engine.scheduler
+            reclaim, reclaimed = scheduler._reclaim_lookahead, []
+
+            def spy(batch, reclaim=reclaim, reclaimed=reclaimed):
+                reclaimed.append(reclaim(batch))
+                return reclaimed[-1]
+
+            scheduler._reclaim_lookahead = spy
             for policy in policies[engine]:
 
                 def run(params, policy=policy, spec=spec, llm=llm):
@@ -244,6 +273,7 @@ def _generate_under_tp(target: str, head: str) -> dict:
                     ]
                     waits = llm.engine.stats()["loop_wait_reasons"]
                     out[name + " late"] = waits.get("penalties_before_sampling", 0)
+            out.setdefault("reclaims", {})[engine] = sum(reclaimed)
             # runs after the first find their prompts' pages cached (rows start past 0)
             out.setdefault("prefix hits", {})[engine] = llm.engine.stats()[
                 "prefix_cache_hit_tokens"
@@ -255,6 +285,7 @@ def test_speculation_under_tensor_parallelism_equals_its_plain_decoding(models):
     status, out = run_spawned(_generate_under_tp, *models)
     assert status == "ok", out
     assert all(len(t) == 14 for t in out["plain"])
+    assert out.pop("reclaims")["draft model small cache"] > 0  # lookahead pages went back
     hits = out.pop("prefix hits")
     assert all(hits[engine] > 0 for engine in hits if engine != "plain"), hits  # (one run)
     assert out.pop("eagle3 fixed late") > 0, "no step read the step in flight before sampling"
@@ -266,7 +297,7 @@ def test_speculation_under_tensor_parallelism_equals_its_plain_decoding(models):
     language_prefix = "(ab|c|the )*(a|t|th|the)?"  # (max_tokens may cut a word)
     assert all(re.fullmatch(language_prefix, text) for text in constrained), constrained
     names = [n for n in out if n != "plain" and not n.endswith("sampled")]
-    assert len(names) == 8 and sum(n.endswith("sampled") for n in out) == 7
+    assert len(names) == 9 and sum(n.endswith("sampled") for n in out) == 8
     for name in names:
         assert out[name] == out["plain"], name
         assert out.get(name + " sampled", True), f"{name}: seeded sampling not reproducible"

@@ -52,14 +52,17 @@ class PlannedRequest:
 @dataclass(slots=True)
 class PlannedRow:
     """One scheduled request of the step (ScheduledRequest's fields that the scheduler
-    sets), with the pages its table gained since the last plan that carried it (from the
-    first page after a preemption: `preemptions` counts them)."""
+    sets), with its page table's changes since the last plan that carried it: the pages it
+    still holds of those (`kept`: the scheduler may have given lookahead pages back, and
+    grown others since) and the pages after them (from the first page after a preemption:
+    `preemptions` counts them)."""
 
     request_id: str
     num_tokens: int
     draft_len: int
     decoding: bool
     preemptions: int
+    kept: int
     new_pages: list[int]
     # With its first pages (first plan, or after a preemption): the cached and drafter
     # lengths it starts from (nonzero after a prefix cache hit).
@@ -147,7 +150,7 @@ class PlanPublisher:
         # with the first planned request that brings it, wherever rank 0 got it from
         self._serialize = serialize_grammar
         self._grammars = GrammarHandOver()
-        self._sent: dict[str, tuple[int, int]] = {}  # id -> (preemptions, pages sent)
+        self._sent: dict[str, tuple[int, list[int]]] = {}  # id -> (preemptions, table sent)
         self._gone: list[str] = []
         self._tokens: list[tuple[int, list]] = []  # resolved steps' tokens (TokenCheck)
 
@@ -191,12 +194,18 @@ class PlanPublisher:
                         req.eos_token_ids,
                     )
                 )
-                known = (req.num_preemptions, 0)
-            start = known[1] if known[0] == req.num_preemptions else 0
+                known = (req.num_preemptions, [])
             table = req.page_table
-            sent[rid] = (req.num_preemptions, len(table))
+            start = _kept(known[1], table) if known[0] == req.num_preemptions else 0
+            sent[rid] = (req.num_preemptions, table.copy())
             row = PlannedRow(
-                rid, s.num_tokens, s.draft_len, s.decoding, req.num_preemptions, table[start:]
+                rid,
+                s.num_tokens,
+                s.draft_len,
+                s.decoding,
+                req.num_preemptions,
+                start,
+                table[start:],
             )
             if start == 0 and req.cached_len:  # a prefix cache hit: it starts past 0
                 row.start = (req.cached_len, req.draft_cached_len)
@@ -222,6 +231,21 @@ class PlanPublisher:
 
     def stop(self) -> None:
         self.channel.send(self._plan(stop=True))
+
+
+def _kept(sent: list[int], table: list[int]) -> int:
+    """How many of the pages last sent a request's table still holds: all of them, unless
+    the scheduler gave lookahead pages back (`Scheduler._reclaim_lookahead`: from the end)
+    and may have grown it again since."""
+    n = len(sent)
+    if table[:n] == sent:  # (the common case, compared in C)
+        return n
+    kept = 0
+    for a, b in zip(sent, table):
+        if a != b:
+            break
+        kept += 1
+    return kept
 
 
 class PlanFollower:
@@ -257,6 +281,7 @@ class PlanFollower:
                 req.reset_cache()
                 req.num_preemptions = row.preemptions
                 req.page_table = []
+            del req.page_table[row.kept :]  # (lookahead pages rank 0 gave back)
             req.page_table.extend(row.new_pages)
             if row.start is not None:
                 req.cached_len, req.draft_cached_len = row.start
