@@ -125,6 +125,7 @@ def test_a_hung_rank_ends_rank_0_after_the_step_bound(target, tmp_path):
 
 def _interrupt_a_step_then_close(target: str) -> dict:
     from specserve import LLM, ConfigError
+    from specserve.core.errors import TensorParallelError
 
     llm = LLM(target, tensor_parallel_size=2, speculative_algorithm="none")
     try:
@@ -146,8 +147,14 @@ def _interrupt_a_step_then_close(target: str) -> dict:
     except KeyboardInterrupt:
         pass
     start = time.monotonic()
+    try:  # its collectives would pair with the interrupted step's: refused at once
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4))
+    except TensorParallelError as e:
+        again = (str(e), time.monotonic() - start < 5)
+    start = time.monotonic()
     llm.close()  # did wait for the ranks inside the interrupted step's collectives
     return {
+        "again": again,
         "second": second,
         "close_s": time.monotonic() - start,
         "follower_gone": _gone(follower, 10),
@@ -158,7 +165,33 @@ def test_close_after_an_interrupted_step_stops_the_ranks(target):
     status, out = run_spawned(_interrupt_a_step_then_close, target, timeout_s=120)
     assert status == "ok", out
     assert out["second"].startswith("this process holds a tensor-parallel engine already")
+    assert out["again"][0].startswith("a tensor-parallel step of this engine was interrupted")
+    assert out["again"][1]  # (it hung, then ended the process, or read a plan from tensors)
     assert out["close_s"] < 60 and out["follower_gone"]
+
+
+def _idle_past_the_timeout(target: str) -> list:
+    from datetime import timedelta
+
+    from specserve import LLM
+    from specserve.engine import tensor_parallel
+
+    # (every rank's collectives wait this long: rank 0 hands its timeout to those it spawns)
+    tensor_parallel.COLLECTIVE_TIMEOUT = timedelta(seconds=12)
+    with LLM(target, tensor_parallel_size=2, speculative_algorithm="none") as llm:
+        params = SamplingParams(max_tokens=4)
+        first = llm.generate([[5, 6, 7]], params)[0].token_ids
+        time.sleep(20)  # idle: the other rank waits for a plan past its timeout
+        return [first, llm.generate([[5, 6, 7]], params)[0].token_ids]
+
+
+def test_an_engine_idle_longer_than_the_collective_timeout_goes_on(target):
+    """Rank 0 idle (a server without traffic, an LLM between calls) sends the other ranks
+    plans of no step: they wait for plans inside a collective, which timed out and ended
+    the process (after 30 minutes; 12 s here)."""
+    status, out = run_spawned(_idle_past_the_timeout, target, timeout_s=120)
+    assert status == "ok", out
+    assert out[0] == out[1] and len(out[0]) == 4
 
 
 def _drop_then_reuse(target: str) -> dict:

@@ -7,6 +7,8 @@ import logging
 import numbers
 import random
 import re
+import threading
+import time
 import weakref
 from dataclasses import replace
 
@@ -70,6 +72,8 @@ class LLMEngine:
         self.config = config
         config.load.check_device()  # a missing GPU in one line, not deep inside the loading
         self.parallel = None
+        self._plan_lock = threading.Lock()  # rank 0's steps and keep-alive plans, one a time
+        self._keep_alive_stop = None
         self._interrupted = False  # a step raised (tensor parallelism: see `step`)
         self._closed_group = False  # close() left the tensor-parallel group
         if config.parallel.tensor_parallel_size > 1:
@@ -155,6 +159,15 @@ class LLMEngine:
             plans = PlanPublisher(channel, self.runner.grammars.serialize)
             self.loop.plans = self.sink.plans = plans
             self.loop.token_check = self.loop.plans.resolved if check else None
+            from specserve.engine import tensor_parallel
+
+            self._keep_alive_stop = threading.Event()
+            threading.Thread(
+                target=tensor_parallel.keep_alive,
+                args=(weakref.ref(self), self._keep_alive_stop),
+                name="specserve-tp-keep-alive",
+                daemon=True,
+            ).start()
             return None
         tokens = TokenCheck(rank) if check else None
         follower = PlanFollower(channel, tokens)
@@ -276,19 +289,30 @@ class LLMEngine:
 
         Under tensor parallelism a step whose collectives fail because a rank is gone says
         which rank and how it ended (TensorParallelError); a step that raised leaves the
-        other ranks perhaps inside its collectives, so `close` stops them rather than
-        sending them plans; and a step that never ends (a rank hung) ends this process
-        after STEP_TIMEOUT_S (engine/tensor_parallel.py)."""
+        other ranks perhaps inside its collectives, so later steps are refused (their
+        collectives would pair with the wrong ones: a hang, or a plan read from tensor
+        bytes) and `close` stops the ranks rather than sending them plans; and a step
+        that never ends (a rank hung) ends this process after STEP_TIMEOUT_S
+        (engine/tensor_parallel.py)."""
         parallel = self.parallel
         if parallel is None:
             if self._closed_group:  # (its collectives' group is gone: they would fail)
                 raise TensorParallelError("this tensor-parallel engine is closed")
             with using(self.kernel_options):
                 return self.loop.step()
+        with self._plan_lock:  # (the keep-alive thread's plans go between steps)
+            if self._interrupted:  # the other ranks may wait inside it: no step pairs up
+                raise TensorParallelError(
+                    "a tensor-parallel step of this engine was interrupted (its ranks may be "
+                    "inside its collectives): close() it and start another"
+                )
+            return self._parallel_step(parallel, self.loop.step)
+
+    def _parallel_step(self, parallel, run):
         parallel.step_began()
         try:
             with using(self.kernel_options):
-                return self.loop.step()
+                return run()
         except BaseException as e:
             self._interrupted = True
             # (a collective's error, or the plan channel's: is a rank gone?)
@@ -299,6 +323,24 @@ class LLMEngine:
             raise
         finally:
             parallel.step_ended()
+
+    def keep_alive(self, idle_s: float) -> None:
+        """Rank 0 under tensor parallelism: a plan of no step to the other ranks if none
+        went out for `idle_s` and no step runs (engine/tensor_parallel.py `keep_alive`)."""
+        if not self._plan_lock.acquire(blocking=False):
+            return  # a step, a close: plans go out anyway
+        try:
+            parallel, plans = self.parallel, self.loop.plans
+            if parallel is None or plans is None or self._interrupted:
+                return
+            if time.monotonic() - plans.channel.last_sent < idle_s:
+                return
+            try:
+                self._parallel_step(parallel, plans.keep_alive)
+            except Exception as e:  # (the next step says it too)
+                log.warning("tensor-parallel keep-alive failed: %s", e)
+        finally:
+            self._plan_lock.release()
 
     # ---- tensor parallelism ------------------------------------------------------------
     def follow(self) -> None:
@@ -312,9 +354,10 @@ class LLMEngine:
                     plan = follower.next()
                     if plan.stop:
                         break
-                    if plan.drain:
+                    if plan.drain or plan.keep_alive:
                         follower.batch(plan)  # (its requests that left)
-                        self.loop.drain()
+                        if plan.drain:
+                            self.loop.drain()
                         continue
                     batch, drafting = follower.batch(plan)
                     self.loop.replay(batch, drafting, plan.keeps_drafter, plan.waited, plan.late)
@@ -333,6 +376,12 @@ class LLMEngine:
         parallelism, stop the other ranks (rank 0) and leave the process groups.
         Idempotent."""
         self.runner.grammars.close()  # (its workers, if any)
+        if self._keep_alive_stop is not None:
+            self._keep_alive_stop.set()
+        with self._plan_lock:  # (not between a keep-alive plan and its end)
+            self._close_ranks()
+
+    def _close_ranks(self) -> None:
         parallel, self.parallel = self.parallel, None
         if parallel is None:
             return

@@ -14,6 +14,7 @@ derives from the same tokens, which every rank samples alike from the same logit
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field, replace
 
 import torch.distributed as dist
@@ -82,6 +83,7 @@ class StepPlan:
     late: bool = False  # ... or once this one's forward was queued, before it samples
     tokens: list = field(default_factory=list)  # --debug-tp-check: (step, rank 0's tokens)
     drain: bool = False  # no step: process the one in flight (StepLoop.drain)
+    keep_alive: bool = False  # no step: rank 0 is idle (a wait never outlasts the timeout)
     stop: bool = False
 
 
@@ -91,9 +93,11 @@ class PlanChannel:
 
     def __init__(self, group, rank: int):
         self.group, self.rank = group, rank
+        self.last_sent = time.monotonic()
 
     def send(self, plan: StepPlan) -> None:
         self._broadcast([plan])
+        self.last_sent = time.monotonic()
 
     def recv(self) -> StepPlan:
         box = [None]
@@ -228,6 +232,9 @@ class PlanPublisher:
 
     def drain(self) -> None:
         self.channel.send(self._plan(drain=True))
+
+    def keep_alive(self) -> None:
+        self.channel.send(self._plan(keep_alive=True))
 
     def stop(self) -> None:
         self.channel.send(self._plan(stop=True))

@@ -44,6 +44,10 @@ log = logging.getLogger("specserve")
 # How long a collective may wait for the other ranks (start-up included: a rank loading its
 # shard of a large checkpoint from a slow disk keeps the others waiting in the first one).
 COLLECTIVE_TIMEOUT = timedelta(minutes=30)
+# Rank 0 idle (no plan sent) this share of COLLECTIVE_TIMEOUT sends the other ranks a plan
+# of no step: they wait for plans inside a collective, which would time out after it and
+# end an idle engine (a server with no traffic, an LLM between calls)
+KEEP_ALIVE_SHARE = 1 / 6
 GRACE_S = 5.0  # how long a failed rank's machine-mate may take to fail on its own
 PARENT_POLL_S = 1.0  # how often a spawned rank checks that its spawning rank lives
 # The longest a step may take under tensor parallelism before rank 0 takes a rank as hung
@@ -190,7 +194,13 @@ def start(config: EngineConfig, rank: int | None, address: str | None) -> Parall
         for r in local[1:]:
             p = ctx.Process(
                 target=follower_main,
-                args=(config, r, address, logging.getLogger("specserve").getEffectiveLevel()),
+                args=(
+                    config,
+                    r,
+                    address,
+                    logging.getLogger("specserve").getEffectiveLevel(),
+                    COLLECTIVE_TIMEOUT.total_seconds(),
+                ),
                 name=f"specserve-tp{r}",
                 daemon=True,
             )
@@ -273,10 +283,15 @@ def _watch_parent(parent) -> None:
     os._exit(1)
 
 
-def follower_main(config: EngineConfig, rank: int, address: str, log_level: int) -> None:
+def follower_main(
+    config: EngineConfig, rank: int, address: str, log_level: int, timeout_s: float
+) -> None:
     """A rank > 0: build the engine on this rank's device, replay plans until the stop. It
     ignores SIGINT (a Ctrl-C reaches the whole process group; rank 0 stops the ranks) and
-    ends when its spawning rank does."""
+    ends when its spawning rank does. Its collectives wait as long as its spawning rank's
+    (`timeout_s`: COLLECTIVE_TIMEOUT there)."""
+    global COLLECTIVE_TIMEOUT
+    COLLECTIVE_TIMEOUT = timedelta(seconds=timeout_s)
     logging.basicConfig(level=log_level, format=f"%(levelname)s [tp{rank}] %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     parent = mp.parent_process()
@@ -286,3 +301,16 @@ def follower_main(config: EngineConfig, rank: int, address: str, log_level: int)
 
     engine = LLMEngine(config, rank=rank, address=address)
     engine.follow()
+
+
+def keep_alive(engine_ref, stop: threading.Event) -> None:
+    """Rank 0's thread: while the engine (a weak reference: it may be dropped) lives, send
+    the other ranks a plan of no step whenever none went out for KEEP_ALIVE_SHARE of
+    COLLECTIVE_TIMEOUT (`LLMEngine.keep_alive`)."""
+    every = COLLECTIVE_TIMEOUT.total_seconds() * KEEP_ALIVE_SHARE
+    while not stop.wait(min(every / 4, 30.0)):
+        engine = engine_ref()
+        if engine is None:
+            return
+        engine.keep_alive(every)
+        del engine
