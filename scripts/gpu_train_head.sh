@@ -147,7 +147,7 @@ sha256sum "$HEAD/model.safetensors"
 eval_draft() {  # eval_draft UNTIL_S "DATA..." OUT_JSON [flags]  (DATA: paths without spaces)
   local until=$1 data=$2 out=$3; shift 3
   timeout --kill-after=5 "$(left "$until")" \
-    $PY -m specserve.cli eval-draft --draft "$HEAD" --data $data --split heldout \
+    $PY -m specserve.cli eval-draft --draft "$HEAD" --data $data --split all \
     "${EVAL_ARGS[@]}" --out "$out" "$@"
   echo "eval-draft exit status $?"
 }

@@ -48,6 +48,8 @@ def test_eval_draft_copy_drafter_accepts_everything(tiny_llama, tmp_path, capsys
             str(tiny_llama),
             "--data",
             str(data),
+            "--split",
+            "all",
             "--num-prompts",
             "4",
             "--max-tokens",
@@ -79,6 +81,8 @@ def test_eval_draft_copy_drafter_accepts_everything(tiny_llama, tmp_path, capsys
             str(tiny_llama),
             "--data",
             str(data),
+            "--split",
+            "all",
             "--num-prompts",
             "2",
             "--max-tokens",
@@ -104,7 +108,8 @@ def test_several_sources_are_reported_side_by_side(tiny_llama, tmp_path, capsys)
     b.write_text("\n".join(json.dumps({"prompt": f"Paged attention {i} stores"}) for i in range(8)))
     out = tmp_path / "eval.json"
     argv = ["eval-draft", "--target", str(tiny_llama), "--algorithm", "draft"]
-    argv += ["--draft", str(tiny_llama), "--data", str(a), str(b), "--num-prompts", "4"]
+    argv += ["--draft", str(tiny_llama), "--data", str(a), str(b), "--split", "all"]
+    argv += ["--num-prompts", "4"]
     assert main([*argv, "--max-tokens", "8", "--k", "2", "--out", str(out)]) == 0
     (result,) = json.loads(out.read_text())["results"]
     assert set(result["by_source"]) == {"a.jsonl", "b.jsonl"}
@@ -134,6 +139,25 @@ def test_a_sources_position_rates_come_from_its_histogram():
     assert figures["mean_accept_len"] == pytest.approx(11 / 5)
 
 
+def test_a_source_counts_only_the_positions_a_step_drafted():
+    """A step that drafted fewer than K (a request's last tokens) and accepted them all
+    judged no later position: a source's per-position acceptance counts as the engine-wide
+    figure does (AcceptanceModel), not as a rejection at the next position."""
+    from specserve.bench.eval_draft import _source_figures
+    from specserve.core.request import SpecStats
+    from specserve.speculative.acceptance import AcceptanceModel
+
+    steps = [(3, 3), (3, 3), (1, 1), (2, 2), (3, 1), (2, 0), (3, 2)]  # (drafted, accepted)
+    stats, engine_wide = SpecStats(), AcceptanceModel(3)
+    for drafted, accepted in steps:
+        stats.record(drafted, accepted)
+        engine_wide.update("r", drafted, accepted)
+    assert stats.position_verified == [7, 5, 3] and stats.position_accepted == [6, 4, 2]
+    rates = _source_figures(3, [stats])["position_rates"]
+    assert rates == [round(r, 4) for r in engine_wide.position_rates()]
+    assert rates == [round(6 / 7, 4), 0.8, round(2 / 3, 4)]
+
+
 def test_table_without_rich(monkeypatch, capsys):
     """GPU machines may lack rich: the results print as plain lines."""
     import sys
@@ -161,18 +185,43 @@ def test_the_embedded_model_is_evaluated_with_its_shipped_head():
 
 
 def test_a_split_that_selects_no_prompts_is_an_error(tmp_path, capsys, no_loading):
-    data = write_prompts(tmp_path / "prompts.jsonl", 12)
-    rc = main(["eval-draft", "--data", str(data), "--split", "train"])  # 32 held out
-    assert rc == 2
+    empty = str(write_prompts(tmp_path / "none.jsonl", 0))
+    for split, message in (
+        ("heldout", "--split heldout: --data holds 0 prompts that no train-eagle3 run"),
+        ("train", "--split train selects no prompts: --data has 0 prompts"),
+        ("all", "--split all selects no prompts: --data has 0 prompts"),
+    ):
+        assert main(["eval-draft", "--data", empty, "--split", split]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and message in err
+
+
+def test_the_heldout_split_holds_no_prompt_a_training_run_trains_on(tmp_path, capsys, no_loading):
+    """Held out are only the prompts every training run of the seed keeps out, whatever
+    its --heldout-prompts (a run reserves the --heldout-prompts lowest-hashed texts when
+    that is more than 2%: eval-draft's own --num-prompts once stood for that count, so
+    asking for more prompts than a run reserved took prompts it trained on). Asking for
+    more than there are is refused; --split all takes a file's prompts as they are."""
+    from specserve.bench.eval_draft import select_prompts
+    from specserve.train.prompts import always_held_out, jsonl_prompts, load_prompts
+
+    data = write_prompts(tmp_path / "prompts.jsonl", 600)
+    fixed = {p.key for p in jsonl_prompts(data) if always_held_out(0, p)}
+    assert 0 < len(fixed) < 32
+    args = Namespace(data=[str(data)], seed=0, split="heldout", num_prompts=len(fixed))
+    items, _ = select_prompts(args)
+    assert {p.key for p in items} == fixed
+    for num_heldout in (0, 4, 64):  # what training runs of this seed train on
+        trained, held = load_prompts([str(data)], 0, None, num_heldout)
+        assert not {p.key for p in trained} & fixed
+    assert {p.key for p in held} > fixed  # (64 held out: the 64 lowest-hashed)
+    rc = main(["eval-draft", "--data", str(data), "--split", "heldout"])  # 32 asked for
     err = capsys.readouterr().err
-    assert err.count("\n") == 1
-    assert (
-        "--split train selects no prompts: --data has 12 prompts and 12 of them are held "
-        "out for evaluation (--num-prompts 32 source texts"
-    ) in err
-    assert "leaving 0 for --split train; lower --num-prompts below 12" in err
-    rc = main(["eval-draft", "--data", str(write_prompts(tmp_path / "none.jsonl", 0))])
-    assert rc == 2 and "--data has 0 prompts" in capsys.readouterr().err
+    assert rc == 2 and f"--data holds {len(fixed)} prompts that no train-eagle3 run" in err
+    assert f"lower --num-prompts to {len(fixed)}" in err and "--split all" in err
+    args.split, args.num_prompts = "all", 1000
+    items, _ = select_prompts(args)
+    assert [p.key for p in items] == [f"prompts.jsonl:{i}" for i in range(1, 601)]
 
 
 @pytest.mark.parametrize(
@@ -221,7 +270,7 @@ def test_the_shipped_head_runs_by_default_and_beats_a_random_head(tmp_path):
 
     def mean_accept_len(*draft: str) -> float:
         out = tmp_path / f"eval{len(draft)}.json"
-        argv = ["eval-draft", *draft, "--data", str(questions), "--split", "heldout"]
+        argv = ["eval-draft", *draft, "--data", str(questions), "--split", "all"]
         argv += ["--num-prompts", "3", "--max-tokens", "32", "--k", "3", "--out", str(out)]
         assert main(argv) == 0
         saved = json.loads(out.read_text())
@@ -250,7 +299,8 @@ def test_eval_draft_under_tensor_parallelism(tiny_llama, tmp_path):
     data.write_text("\n".join(json.dumps({"prompt": f"Count to {i}"}) for i in range(8)))
     out = tmp_path / "eval.json"
     argv = ["eval-draft", "--target", str(tiny_llama), "--algorithm", "draft"]
-    argv += ["--draft", str(tiny_llama), "--data", str(data), "--num-prompts", "2"]
+    argv += ["--draft", str(tiny_llama), "--data", str(data), "--split", "all"]
+    argv += ["--num-prompts", "2"]
     argv += ["--max-tokens", "8", "--k", "2", "--tp", "2", "--out", str(out)]
     assert run_spawned(_eval_draft_main, argv) == ("ok", 0)
     (result,) = json.loads(out.read_text())["results"]

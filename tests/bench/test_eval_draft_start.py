@@ -28,7 +28,7 @@ def test_engine_options(tmp_path, monkeypatch, serving):
     monkeypatch.setattr(llm.LLM, "__init__", capture)
     data = tmp_path / "prompts.jsonl"
     data.write_text("\n".join(json.dumps({"prompt": f"question {i}"}) for i in range(4)))
-    argv = ["eval-draft", "--data", str(data), "--num-prompts", "4", "--k", "2"]
+    argv = ["eval-draft", "--data", str(data), "--split", "all", "--num-prompts", "4", "--k", "2"]
     with pytest.raises(_Stop):
         main(argv + (["--serving-kernels"] if serving else []))
     assert seen["speculative_num_steps"] == 2

@@ -43,6 +43,34 @@ def test_generation_time_budget(target):
     assert all(s.response_len == 4 for s in samples) and not engine.has_unfinished()
 
 
+def test_prompts_too_large_for_the_engine_are_skipped_not_fatal(target):
+    """A prompt within --max-prompt-tokens that leaves no room in the engine's context, or
+    that the engine refuses for its KV cache, is skipped and counted: one such prompt
+    ended the whole generation (and lost what it had made)."""
+    from specserve.core.config import EngineConfig
+    from specserve.engine.engine import LLMEngine
+    from specserve.train.distill import Skipped, generate_samples
+    from specserve.train.prompts import PromptItem
+
+    engine = LLMEngine(
+        EngineConfig.from_flags(
+            model=str(target), max_num_seqs=2, num_kv_pages=4, page_size=16, max_model_len=64
+        )
+    )
+    assert engine.kv.capacity_tokens == 48 and engine.max_model_len == 64
+    words = {"short": 5, "fills the cache": 28, "fills the context": 50, "short too": 6}
+    prompts = [
+        PromptItem(key, [{"role": "user", "content": " ".join(["fox"] * n)}])
+        for key, n in words.items()
+    ]  # 19 tokens of chat template + one a word: 24, 47 (+ 8 > 48), 69 (>= 64), 25
+    skipped = Skipped()
+    kw = dict(max_new_tokens=8, temperature=0.0, seed=0, max_prompt_tokens=100, progress=False)
+    samples = generate_samples(engine, prompts, skipped=skipped, **kw)
+    assert [s.key for s in samples] == ["short", "short too"]
+    assert skipped == Skipped(too_long=1, refused=1)
+    assert all(s.response_len == 8 for s in samples) and not engine.has_unfinished()
+
+
 @pytest.mark.parametrize("overlap", ["off", "on"])
 def test_generation_deadline_keeps_greedy_prefixes(target, monkeypatch, overlap):
     """Past budget + grace, running requests stop and their partial replies are kept: they
@@ -132,6 +160,10 @@ def test_draft_vocab_is_most_frequent_reply_tokens():
     assert (torch.arange(2) + d2t).tolist() == [7, 9] and coverage == pytest.approx(6 / 7)
     d2t, _, coverage = build_draft_vocab(samples, 12, 3, min_coverage=0.9, granularity=1)
     assert len(d2t) == 3 and coverage == 1.0
+    # A size past the vocabulary is the whole vocabulary, with or without the coverage
+    for min_coverage in (None, 0.5):
+        d2t, t2d, _ = build_draft_vocab(samples, 12, 100, min_coverage, granularity=1000)
+        assert (torch.arange(12) + d2t).tolist() == list(range(12)) and bool(t2d.all())
 
 
 def test_prompt_sources(tmp_path, prompt_file):

@@ -162,6 +162,50 @@ def test_features_are_inputs_of_the_aux_layers(target):
         assert torch.equal(store.argmax[rows], o.logits[0].argmax(-1))
 
 
+def test_unrolled_steps_stay_in_the_rotary_table(target):
+    """A sample ending near the target's context: its padding (widths are multiples of 16)
+    and its last anchors at step k ran past the head's rotary table (IndexError on CPU, a
+    device assert on CUDA). Their positions stop at the sample's last token; the scored
+    positions are those of a head with a longer table."""
+    from dataclasses import replace
+
+    from specserve.model.eagle3 import Eagle3Config, Eagle3Head
+    from specserve.model.loader import load_config
+    from specserve.train.features import FeatureStore, make_batch
+    from specserve.train.ttt import unroll
+
+    gen = torch.Generator().manual_seed(0)
+    target_cfg = replace(load_config(resolve_model(str(target))), max_position_embeddings=40)
+    lengths, h, vocab = [38, 9], target_cfg.hidden_size, target_cfg.vocab_size
+    n = sum(lengths)
+    store = FeatureStore(
+        aux=torch.randn(n, 3 * h, generator=gen),
+        hidden=torch.randn(n, h, generator=gen),
+        argmax=torch.randint(0, vocab, (n,), generator=gen),
+        tokens=torch.randint(0, vocab, (n,), generator=gen),
+        offsets=[0, lengths[0], n],
+        prompt_lens=[4, 2],
+    )
+    batch = make_batch(store, [0, 1])
+    assert batch.tokens.shape[1] == 48  # padded past the 40 positions
+    embed = torch.randn(vocab, h, generator=gen)
+    outs = []
+    for positions in (40, 80):
+        cfg = Eagle3Config.for_target(
+            replace(target_cfg, max_position_embeddings=positions), vocab, tuple(AUX)
+        )
+        torch.manual_seed(0)
+        head = Eagle3Head(cfg, tuple(AUX))
+        head.d2t.zero_()
+        head.t2d.fill_(True)
+        head.rotary.materialize(torch.device("cpu"))
+        outs.append(unroll(head, embed, embed, batch, steps=4))
+    short, long = outs
+    assert torch.equal(short.step_losses, long.step_losses)
+    for a, b in zip(short.correct, long.correct):
+        assert torch.equal(a, b)
+
+
 def test_ttt_mask_and_acceptance_stats():
     mask = ttt_mask(3, 2, torch.device("cpu"))
     assert mask.int().tolist() == [

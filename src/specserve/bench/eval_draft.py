@@ -84,26 +84,23 @@ def evaluate(
 
 def _source_figures(k: int, stats: list) -> dict:
     """One source's figures at draft length k: its prompts' verify steps, drafts and
-    accepted drafts summed; mean acceptance length; per-position acceptance from the
-    accepted-drafts histogram (position i: steps accepting more than i over steps accepting
-    at least i; every verify step drafts k)."""
+    accepted drafts summed; mean acceptance length; per-position acceptance (position j:
+    steps that accepted the draft at j over steps that judged it, as the engine-wide
+    figure counts them: a step that drafted fewer than k judged only its drafts)."""
     steps = sum(s.verify_steps for s in stats)
     accepted = sum(s.accepted for s in stats)
-    hist = [0] * (k + 1)
+    verified, hits = [0] * k, [0] * k
     for s in stats:
-        for j, n in enumerate(s.accept_hist[: k + 1]):
-            hist[j] += n
-    rates = []
-    for i in range(k):
-        reached = sum(hist[i:])
-        rates.append(round(sum(hist[i + 1 :]) / reached, 4) if reached else 0.0)
+        for j, (n, a) in enumerate(zip(s.position_verified[:k], s.position_accepted)):
+            verified[j] += n
+            hits[j] += a
     return {
         "num_prompts": len(stats),
         "verify_steps": steps,
         "drafted": sum(s.drafted for s in stats),
         "accepted": accepted,
         "mean_accept_len": (accepted + steps) / max(steps, 1),
-        "position_rates": rates,
+        "position_rates": [round(a / n, 4) if n else 0.0 for a, n in zip(hits, verified)],
     }
 
 
@@ -166,27 +163,39 @@ def draft_path(args: argparse.Namespace) -> str | None:
 
 
 def select_prompts(args: argparse.Namespace) -> tuple[list, list[str]]:
-    """The prompts of --split, and the --data source of each: the held-out ones (as many as
-    --num-prompts), or up to --num-prompts of those left for training; a split that selects
-    none is an error that says where the prompts went."""
-    from specserve.train.prompts import HELDOUT_FRACTION, load_prompts, read_source
+    """The prompts of --split, and the --data source of each: up to --num-prompts of every
+    prompt (all), of those no training run trains on (heldout: at most as many as there
+    are, else an error), or of those left for training (train). A split that selects none
+    is an error that says where the prompts went.
 
-    train, heldout = load_prompts(args.data, args.seed, None, args.num_prompts)
-    items = heldout if args.split == "heldout" else train[: args.num_prompts]
+    Held out are only the prompts every train-eagle3 run with this --data and --seed keeps
+    out of training, whatever its --heldout-prompts (`always_held_out`): a run reserves
+    more when its --heldout-prompts asks for more, but which ones depends on that count,
+    which eval-draft does not know."""
+    from specserve.train.prompts import HELDOUT_FRACTION, interleave, load_prompts, read_source
+
+    if args.split == "all":
+        items = interleave([read_source(name) for name in args.data])[: args.num_prompts]
+        if not items:
+            raise ConfigError("--split all selects no prompts: --data has 0 prompts")
+        return items, _sources(args.data, items)
+    train, heldout = load_prompts(args.data, args.seed, None, None)
+    held = f"{HELDOUT_FRACTION:.0%} of each source's texts, picked by --seed {args.seed}"
+    if args.split == "heldout" and args.num_prompts > len(heldout):
+        lower = f"lower --num-prompts to {len(heldout)}, " if heldout else ""
+        raise ConfigError(
+            f"--split heldout: --data holds {len(heldout)} prompts that no train-eagle3 run "
+            f"trains on ({held}) and --num-prompts asks for {args.num_prompts}; {lower}"
+            "add prompts, or take --split all for prompts never trained on (a run's "
+            "heldout_prompts.jsonl, hand-written questions)"
+        )
+    items = heldout[: args.num_prompts] if args.split == "heldout" else train[: args.num_prompts]
     if items:
         return items, _sources(args.data, items)
-    total = sum(len(read_source(name)) for name in args.data)
-    held = total - len(train)
-    fix = (
-        f"lower --num-prompts below {total} or add prompts"
-        if args.split == "train" and total
-        else "add prompts"
-    )
+    total = len(train) + len(heldout)
     raise ConfigError(
-        f"--split {args.split} selects no prompts: --data has {total} prompts and {held} of "
-        f"them are held out for evaluation (--num-prompts {args.num_prompts} source texts, "
-        f"or {HELDOUT_FRACTION:.0%} of each source if that is more, picked by --seed "
-        f"{args.seed}), leaving {len(train)} for --split train; {fix}"
+        f"--split train selects no prompts: --data has {total} prompts and {len(heldout)} of "
+        f"them are held out for evaluation ({held}); add prompts, or take --split all"
     )
 
 
@@ -329,13 +338,18 @@ def add_eval_draft_parser(sub) -> None:
     p.add_argument(
         "--split",
         default="heldout",
-        choices=["heldout", "train"],
-        help="heldout: the prompts train-eagle3 keeps out of training (same --data "
-        "and --seed); train: prompts it may train on",
+        choices=["heldout", "train", "all"],
+        help="heldout: prompts no train-eagle3 run with the same --data and --seed trains "
+        "on (2%% of each source's texts); train: prompts it may train on; all: every "
+        "prompt (files never trained on: a run's heldout_prompts.jsonl, hand-written "
+        "questions)",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the held-out choice")
     p.add_argument(
-        "--num-prompts", type=int, default=32, help="prompts to run (also the number held out)"
+        "--num-prompts",
+        type=int,
+        default=32,
+        help="prompts to run (--split heldout: at most as many as are held out)",
     )
     p.add_argument("--max-tokens", type=int, default=128, help="tokens generated per prompt")
     p.add_argument(

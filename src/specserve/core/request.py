@@ -11,12 +11,19 @@ from specserve.core.sampling_params import SamplingParams
 
 @dataclass
 class SpecStats:
-    """Speculation statistics of one request."""
+    """Speculation statistics of one request.
+
+    Per draft position j, `position_verified[j]` counts the verify steps that judged the
+    draft at j (it was drafted and every draft before it accepted) and
+    `position_accepted[j]` those that accepted it, as the AcceptanceModel counts them: a
+    step that drafted fewer than K (a request's last tokens) judged only what it drafted."""
 
     verify_steps: int = 0
     drafted: int = 0
     accepted: int = 0
     accept_hist: list[int] = field(default_factory=list)  # index: accepted drafts in a step
+    position_verified: list[int] = field(default_factory=list)
+    position_accepted: list[int] = field(default_factory=list)
 
     def record(self, drafted: int, accepted: int) -> None:
         self.verify_steps += 1
@@ -25,6 +32,14 @@ class SpecStats:
         while len(self.accept_hist) <= accepted:
             self.accept_hist.append(0)
         self.accept_hist[accepted] += 1
+        verified = min(accepted + 1, drafted)  # the first rejected draft was judged too
+        while len(self.position_verified) < verified:
+            self.position_verified.append(0)
+            self.position_accepted.append(0)
+        for j in range(verified):
+            self.position_verified[j] += 1
+        for j in range(accepted):
+            self.position_accepted[j] += 1
 
     @property
     def mean_accept_len(self) -> float:

@@ -6,6 +6,8 @@ import argparse
 import math
 from dataclasses import MISSING, dataclass, field, fields
 
+DEFAULT_DRAFT_VOCAB = 16384  # a new head's draft vocabulary, when --draft-vocab-size is not given
+
 
 @dataclass
 class TrainConfig:
@@ -28,7 +30,7 @@ class TrainConfig:
     lr: float = 3e-4
     warmup_steps: int = 50
     ttt_steps: int = 7
-    draft_vocab_size: int = 16384
+    draft_vocab_size: int | None = None  # None: DEFAULT_DRAFT_VOCAB, or a checkpoint's
     num_prompts: int | None = None
     max_train_tokens: int | None = None
     self_chat_prompts: int = 2000
@@ -61,7 +63,6 @@ class TrainConfig:
             "steps",
             "batch_size",
             "ttt_steps",
-            "draft_vocab_size",
             "max_new_tokens",
             "max_prompt_tokens",
             "max_seq_len",
@@ -74,8 +75,18 @@ class TrainConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1; got {getattr(self, name)}")
+        if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
+            raise ValueError(f"draft_vocab_size must be >= 1; got {self.draft_vocab_size}")
         if not 0 < self.lr < math.inf:  # (NaN too)
             raise ValueError(f"lr must be positive; got {self.lr}")
+        for name in ("gen_time_s", "train_time_s"):
+            seconds = getattr(self, name)
+            if seconds is not None and not 0 < seconds < math.inf:
+                flag = "--" + name.replace("_", "-")
+                raise ValueError(
+                    f"{flag} must be a positive number of seconds (leave it out for no time "
+                    f"limit); got {seconds}"
+                )
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0; got {self.temperature}")
         if self.heldout_prompts < 0 or self.warmup_steps < 0 or self.self_chat_prompts < 0:
@@ -112,7 +123,9 @@ _HELP = {
     "steps": "optimizer steps",
     "batch_size": "samples per step",
     "ttt_steps": "unrolled training-time-test steps",
-    "draft_vocab_size": "draft vocabulary size (most frequent target tokens of the replies)",
+    "draft_vocab_size": "draft vocabulary size (most frequent target tokens of the replies; "
+    f"default {DEFAULT_DRAFT_VOCAB}, or the whole vocabulary of a smaller target; --resume "
+    "keeps the checkpoint's)",
     "num_prompts": "cap on training prompts (default: all)",
     "max_train_tokens": "cap on the training samples' tokens whose target features are kept "
     "(about 4 x hidden size x dtype bytes each, on the device; default: on a GPU, as many "

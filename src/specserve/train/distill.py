@@ -9,13 +9,13 @@ import itertools
 import json
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from specserve.core.errors import SpecserveError
+from specserve.core.errors import RequestTooLargeError, SpecserveError
 from specserve.core.sampling_params import SamplingParams
 from specserve.train.config import TrainConfig
 from specserve.train.prompts import PromptItem, PromptSourceError, load_prompts, read_source
@@ -58,6 +58,16 @@ class TokenIdsOnly:
         return getattr(self._tokenizer, name)
 
 
+@dataclass
+class Skipped:
+    """Prompts that generation left out, counted: longer than --max-prompt-tokens or than
+    the engine's context leaves room for (`too_long`), or refused by the engine as too large
+    for it (`refused`: its KV cache). One such prompt is never the end of a run."""
+
+    too_long: int = 0
+    refused: int = 0
+
+
 def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
     """Token ids of a conversation, ready for the assistant's reply."""
     out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
@@ -76,6 +86,7 @@ def generate_samples(
     desc: str = "Generating",
     grace_s: float | None = None,
     min_partial_tokens: int = 16,
+    skipped: Skipped | None = None,
 ) -> list[Sample]:
     """Run the target (a specserve LLMEngine) over the prompts with continuous batching.
 
@@ -86,8 +97,12 @@ def generate_samples(
     those already running may finish within `grace_s` more seconds (default: a tenth of the
     budget, at least 5 s), then the rest are stopped and kept as samples when their partial
     replies (greedy prefixes of the full replies) have `min_partial_tokens` tokens or more.
-    Prompts longer than `max_prompt_tokens` are skipped. Returns samples in prompt order."""
+    Prompts longer than `max_prompt_tokens`, or with no room for a reply in the engine's
+    context, are skipped, as are those the engine refuses as too large; `skipped` counts
+    them. Returns samples in prompt order."""
     tok = engine.tokenizer
+    skipped = skipped if skipped is not None else Skipped()
+    longest = min(max_prompt_tokens, engine.max_model_len - 1)
     slots = engine.config.scheduler.max_num_seqs
     burst = max(1, slots // 8)
     pending = iter(enumerate(prompts))
@@ -112,7 +127,8 @@ def generate_samples(
                     break
                 index, item = nxt
                 ids = chat_ids(tok, item.messages)
-                if len(ids) > max_prompt_tokens:
+                if len(ids) > longest:
+                    skipped.too_long += 1
                     bar.update(1)
                     continue
                 params = SamplingParams(
@@ -120,7 +136,11 @@ def generate_samples(
                     temperature=temperature,
                     seed=None if temperature == 0 else seed + index,
                 )
-                running[engine.add_request(ids, params)] = (index, item, ids)
+                try:
+                    running[engine.add_request(ids, params)] = (index, item, ids)
+                except RequestTooLargeError:
+                    skipped.refused += 1
+                    bar.update(1)
         if not running:
             break
         if time_budget_s is not None and elapsed > time_budget_s + grace_s:
@@ -156,7 +176,8 @@ def build_draft_vocab(
     granularity: int = 1024,
 ) -> tuple[torch.Tensor, torch.Tensor, float]:
     """(d2t, t2d, coverage): the `draft_vocab_size` most frequent reply tokens (ties and any
-    shortfall filled by prompt-token frequency, then by lowest id), sorted by id.
+    shortfall filled by prompt-token frequency, then by lowest id), sorted by id; at most
+    the whole vocabulary.
 
     With `min_coverage`, the size is the smallest multiple of `granularity` (at most
     `draft_vocab_size`) whose tokens hold that fraction of reply tokens: a smaller draft
@@ -167,8 +188,8 @@ def build_draft_vocab(
     # Descending by (reply count, prompt count); the stable sort keeps lower ids first on ties.
     key = replies * (int(prompts.max()) + 1) + prompts
     ranked = torch.sort(key, descending=True, stable=True).indices
+    draft_vocab_size = min(draft_vocab_size, vocab_size)
     if min_coverage is not None:
-        draft_vocab_size = min(draft_vocab_size, vocab_size)
         curve = coverage_curve(samples, range(granularity, draft_vocab_size, granularity))
         draft_vocab_size = next(
             (n for n, c in curve.items() if c >= min_coverage), draft_vocab_size
@@ -336,9 +357,9 @@ def _generate(
     log,
     budget_s: float | None,
     safe: bool,
-) -> tuple[list[Sample], list[Sample], int]:
-    """(held-out samples, training samples, engine steps) from a fresh engine (`_engine`);
-    `safe` runs the synchronous loop eagerly instead."""
+) -> tuple[list[Sample], list[Sample], int, Skipped]:
+    """(held-out samples, training samples, engine steps, prompts skipped) from a fresh
+    engine (`_engine`); `safe` runs the synchronous loop eagerly instead."""
     t_load = time.monotonic()
     engine = _engine(cfg, safe)
     log(
@@ -360,10 +381,11 @@ def _generate(
         seed=cfg.seed,
         max_prompt_tokens=cfg.max_prompt_tokens,
         progress=cfg.progress,
+        skipped=Skipped(),
     )
     heldout = generate_samples(engine, heldout_prompts, desc="Generating (held-out)", **gen)
     train = generate_samples(engine, prompts, time_budget_s=budget_s, **gen)
-    return heldout, train, engine.num_steps
+    return heldout, train, engine.num_steps, gen["skipped"]
 
 
 def distill(cfg: TrainConfig, out: Path, log) -> tuple[list[Sample], list[Sample]]:
@@ -398,7 +420,7 @@ def distill(cfg: TrainConfig, out: Path, log) -> tuple[list[Sample], list[Sample
             f.write(json.dumps({"key": p.key, "messages": p.messages}) + "\n")
     t0 = time.monotonic()
     try:
-        heldout, train, engine_steps = _generate(
+        heldout, train, engine_steps, skipped = _generate(
             cfg, prompts, heldout_prompts, log, reply_budget, safe=False
         )
         failed = False
@@ -417,14 +439,16 @@ def distill(cfg: TrainConfig, out: Path, log) -> tuple[list[Sample], list[Sample
         gc.collect()
         spent = time.monotonic() - t0
         budget = None if reply_budget is None else max(30.0, reply_budget - spent)
-        heldout, train, engine_steps = _generate(
+        heldout, train, engine_steps, skipped = _generate(
             cfg, prompts, heldout_prompts, log, budget, safe=True
         )
     seconds = time.monotonic() - t0
     if not train:
+        too_long = skipped.too_long + skipped.refused
         raise SpecserveError(
-            f"generation finished no training sample within --gen-time-s "
-            f"{cfg.gen_time_s}: raise it or lower --max-new-tokens"
+            f"generation finished no training sample within --gen-time-s {cfg.gen_time_s} "
+            f"({too_long} prompts skipped as too long for --max-prompt-tokens or the "
+            "target's context): raise it, lower --max-new-tokens or give shorter prompts"
         )
     gc.collect()  # the engine's KV cache and graphs: the feature store needs the memory
     if torch.cuda.is_available():
@@ -440,6 +464,7 @@ def distill(cfg: TrainConfig, out: Path, log) -> tuple[list[Sample], list[Sample
             "reply_tokens": new_tokens,
             "tokens": sum(len(s.token_ids) for s in train + heldout),
             "capped_replies": sum(s.response_len >= cfg.max_new_tokens for s in train),
+            "skipped_prompts": asdict(skipped),
             "engine_steps": engine_steps,
             "seconds": round(seconds, 1),
             "reply_tokens_per_s": round(new_tokens / seconds, 1),

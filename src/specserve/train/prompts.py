@@ -267,18 +267,25 @@ def _score(seed: int, item: PromptItem) -> float:
     return _digest(f"{seed}:{item.source_key}") / 2**64
 
 
+def always_held_out(seed: int, item: PromptItem) -> bool:
+    """Whether every training run of `seed` keeps the prompt out, whatever its
+    --heldout-prompts: its (seed, source key) hash falls below HELDOUT_FRACTION. A fixed
+    set, the one eval-draft's held-out split draws from."""
+    return _score(seed, item) < HELDOUT_FRACTION
+
+
 def reserved_keys(items: list[PromptItem], seed: int, num_heldout: int) -> set[str]:
-    """Source keys never trained on: those whose (seed, key) hash falls below
-    HELDOUT_FRACTION, or the `num_heldout` lowest when that is more. Whether a prompt is
-    reserved does not depend on the other prompts (the standard library differs between
-    Python versions), as long as sources are large enough for the fraction to cover
-    `num_heldout`. Variants of a source text share its key, so they are all reserved or none."""
+    """Source keys never trained on: the `always_held_out` ones, or the `num_heldout`
+    lowest-hashed when that is more. Whether a prompt is reserved does not depend on the
+    other prompts (the standard library differs between Python versions), as long as
+    sources are large enough for the fraction to cover `num_heldout`. Variants of a source
+    text share its key, so they are all reserved or none."""
     ranked = sorted({p.source_key: p for p in items}.values(), key=lambda p: _score(seed, p))
-    by_fraction = sum(1 for p in ranked if _score(seed, p) < HELDOUT_FRACTION)
-    return {p.source_key for p in ranked[: max(by_fraction, num_heldout)]}
+    always = sum(1 for p in ranked if always_held_out(seed, p))
+    return {p.source_key for p in ranked[: max(always, num_heldout)]}
 
 
-def _interleave(
+def interleave(
     pools: list[list[PromptItem]], weights: list[float] | None = None
 ) -> list[PromptItem]:
     """The pools' items merged so that any prefix holds each pool's share (its weight over
@@ -297,7 +304,7 @@ def load_prompts(
     sources: list[str],
     seed: int,
     num_prompts: int | None,
-    num_heldout: int,
+    num_heldout: int | None,
     variants: int = 1,
     made: dict[str, list[PromptItem]] | None = None,
     weights: list[float] | None = None,
@@ -308,11 +315,12 @@ def load_prompts(
     `seed`; both interleave the sources so that each contributes evenly (the training
     prompts in proportion to `weights`, one per source, when given). With `variants`
     > 1, the training list holds every first variant before any second one, and so on, so a
-    time-limited generation covers as many distinct texts as it can."""
+    time-limited generation covers as many distinct texts as it can. `num_heldout` None:
+    only the prompts every run reserves (`always_held_out`), all of them held out."""
     rng = random.Random(seed)
     made = made or {}
     pools = [made[name] if name in made else read_source(name, variants) for name in sources]
-    reserved = reserved_keys([p for pool in pools for p in pool], seed, num_heldout)
+    reserved = reserved_keys([p for pool in pools for p in pool], seed, num_heldout or 0)
     held_pools = []
     for pool in pools:
         held_pools.append(
@@ -321,7 +329,7 @@ def load_prompts(
                 key=lambda p: _score(seed, p),
             )
         )
-    heldout = _interleave(held_pools)[:num_heldout]
+    heldout = interleave(held_pools)[:num_heldout]
     train = []
     for v in range(variants):
         train_pools = []
@@ -329,7 +337,7 @@ def load_prompts(
             rest = [p for p in pool if p.source_key not in reserved and p.variant == v]
             rng.shuffle(rest)
             train_pools.append(rest)
-        train += _interleave(train_pools, weights)
+        train += interleave(train_pools, weights)
     if num_prompts is not None:
         train = train[:num_prompts]
     return train, heldout

@@ -16,7 +16,7 @@ from specserve.model.eagle3 import (
     load_eagle3_head,
 )
 from specserve.model.eagle3 import save_eagle3_head as _save_head
-from specserve.train.config import TrainConfig
+from specserve.train.config import DEFAULT_DRAFT_VOCAB, TrainConfig
 from specserve.train.distill import Sample, build_draft_vocab, vocab_coverage
 from specserve.train.features import FeatureStore, make_batch
 from specserve.train.ttt import acceptance_stats, unroll
@@ -46,6 +46,21 @@ class Trainee:
         return acceptance_stats(outs)
 
 
+def draft_vocab_size(cfg: TrainConfig, target_cfg) -> int:
+    """A new head's draft vocabulary size: --draft-vocab-size, or DEFAULT_DRAFT_VOCAB cut to
+    the target's vocabulary. An explicit size past the target's vocabulary is refused (the
+    trainer asks before the data is generated)."""
+    vocab = target_cfg.vocab_size
+    if cfg.draft_vocab_size is None:
+        return min(DEFAULT_DRAFT_VOCAB, vocab)
+    if cfg.draft_vocab_size > vocab:
+        raise SpecserveError(
+            f"--draft-vocab-size {cfg.draft_vocab_size} exceeds the target's vocabulary of "
+            f"{vocab} tokens; give at most {vocab} (or leave it out: the default fits)"
+        )
+    return cfg.draft_vocab_size
+
+
 def make_head(cfg: TrainConfig, target_cfg, samples: list[Sample], device: torch.device):
     """(head, draft coverage): a fresh fp32 head with the draft vocabulary of `samples`, or
     the head of --init-head (its own draft vocabulary) to train further."""
@@ -58,12 +73,10 @@ def make_head(cfg: TrainConfig, target_cfg, samples: list[Sample], device: torch
             )
         return head.requires_grad_(True).train(), vocab_coverage(samples, head.t2d.cpu())
     aux_ids = tuple(cfg.aux_layer_ids or default_aux_layer_ids(target_cfg.num_layers))
-    head_cfg = Eagle3Config.for_target(target_cfg, cfg.draft_vocab_size, aux_ids)
     d2t, t2d, coverage = build_draft_vocab(
-        samples, target_cfg.vocab_size, cfg.draft_vocab_size, cfg.min_draft_coverage
-    )
-    if len(d2t) != cfg.draft_vocab_size:  # --min-draft-coverage chose a smaller vocabulary
-        head_cfg = Eagle3Config.for_target(target_cfg, len(d2t), aux_ids)
+        samples, target_cfg.vocab_size, draft_vocab_size(cfg, target_cfg), cfg.min_draft_coverage
+    )  # (--min-draft-coverage may choose a smaller vocabulary)
+    head_cfg = Eagle3Config.for_target(target_cfg, len(d2t), aux_ids)
     torch.manual_seed(cfg.seed)
     head = Eagle3Head(head_cfg, aux_ids)
     head.d2t.copy_(d2t)

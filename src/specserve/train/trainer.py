@@ -23,10 +23,11 @@ from specserve.core.errors import SpecserveError
 from specserve.model.eagle3 import Eagle3Head
 from specserve.model.eagle3_config import check_aux_layer_ids
 from specserve.model.loader import load_config, load_model, resolve_model
+from specserve.train.checkpoint import load_checkpoint, save_checkpoint
 from specserve.train.config import TrainConfig
-from specserve.train.distill import coverage_curve, distill
+from specserve.train.distill import coverage_curve, distill, vocab_coverage
 from specserve.train.features import FeatureStore, record_features
-from specserve.train.trainee import Trainee, make_head, save_head
+from specserve.train.trainee import Trainee, draft_vocab_size, make_head, save_head
 
 logger = logging.getLogger("specserve")
 
@@ -103,8 +104,16 @@ def train(cfg: TrainConfig) -> TrainResult:
     device = _device(cfg.device)
     source = resolve_model(cfg.target)
     target_cfg = load_config(source)
-    if cfg.aux_layer_ids:  # (before the data is generated: minutes to hours)
+    # Every flag is checked before the data is generated (minutes to hours). A checkpoint's
+    # head keeps its own layers and vocabulary (--init-head aside); flags that disagree
+    # with them are refused.
+    resumed = None
+    if cfg.resume and state_path.exists():
+        resumed = load_checkpoint(state_path, cfg, target_cfg)
+    elif cfg.aux_layer_ids:
         check_aux_layer_ids(cfg.aux_layer_ids, target_cfg.num_layers)
+    if resumed is None and cfg.init_head is None:
+        draft_vocab_size(cfg, target_cfg)
     train_samples, heldout_samples = distill(cfg, out, log)
     if cfg.generate_only:
         log({"event": "generate_only", "train_samples": len(train_samples)})
@@ -117,7 +126,11 @@ def train(cfg: TrainConfig) -> TrainResult:
     )
     model = load_model(source, dtype, device, cfg.progress, target_cfg)
     train_samples = _fit_store(cfg, train_samples, heldout_samples, target_cfg, dtype, device, log)
-    head, coverage = make_head(cfg, target_cfg, train_samples, device)
+    if resumed is not None:
+        head = resumed.build_head(device)
+        coverage = vocab_coverage(train_samples, head.t2d.cpu())
+    else:
+        head, coverage = make_head(cfg, target_cfg, train_samples, device)
     aux_ids = head.aux_layer_ids
     rec = dict(tokens_per_batch=cfg.feature_batch_tokens, progress=cfg.progress)
     t_rec = time.monotonic()
@@ -139,10 +152,6 @@ def train(cfg: TrainConfig) -> TrainResult:
             ),
         }
     )
-    resumed = None
-    if cfg.resume and state_path.exists():  # (its head first: its draft vocabulary is the one)
-        resumed = torch.load(state_path, map_location=device, weights_only=False)
-        head.load_state_dict(resumed["head"])
     draft_ids = head.draft_to_target(torch.arange(head.config.draft_vocab_size, device=device))
     embed = model.model.embed_tokens.weight.detach()
     target_head = model.lm_head_weight.detach()[draft_ids]  # in the target's dtype
@@ -161,12 +170,12 @@ def train(cfg: TrainConfig) -> TrainResult:
     )
     step, done_before = 0, 0.0
     if resumed is not None:
-        opt.load_state_dict(resumed["optimizer"])
-        step = resumed["step"]  # --steps of this invocation sets the new end
+        opt.load_state_dict(resumed.state["optimizer"])
+        step = resumed.state["step"]  # --steps of this invocation sets the new end
         # where the learning-rate schedule was: a time budget's schedule cut short goes on
         # from there (restarted, it re-heated a half-annealed head to the peak rate); one
         # that had ended starts anew over this run's budget (training further on purpose)
-        done_before = max(0.0, resumed.get("progress", 0.0))
+        done_before = max(0.0, resumed.state.get("progress", 0.0))
         if done_before >= 1.0:
             done_before = 0.0
         del resumed
@@ -189,16 +198,7 @@ def train(cfg: TrainConfig) -> TrainResult:
 
     def checkpoint() -> None:
         saved_at[0] = step
-        torch.save(
-            {
-                "head": head.state_dict(),
-                "optimizer": opt.state_dict(),
-                "step": step,
-                "progress": progress(),
-            },
-            state_path.with_suffix(".tmp"),
-        )
-        state_path.with_suffix(".tmp").replace(state_path)
+        save_checkpoint(state_path, head, opt, step, progress())
         save_head(head, out, _DTYPES[cfg.save_dtype])
 
     initial = {}

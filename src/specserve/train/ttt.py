@@ -69,6 +69,11 @@ def unroll(
     host_prompt_lens = torch.tensor(batch.host_prompt_lens)[:, None]
     hidden = head.project(batch.aux)
     positions = idx.expand(b, n)
+    # A column past its sample's last token (padding, or an anchor whose step k predicts
+    # nothing) keeps that token's position: i + k would run past the rotary table for a
+    # sample near the target's context. Such columns are never scored, and no scored
+    # column attends to them (step 0 causally, steps 1..k on the anchor's own diagonal).
+    last = batch.lengths[:, None] - 1
     past: list[tuple[torch.Tensor, torch.Tensor]] = []
     total = torch.zeros((), device=device)
     losses, valids, corrects = [], [], []
@@ -79,7 +84,8 @@ def unroll(
         valid = host_valid.to(device, non_blocking=True)
         embeds = F.embedding(_shift(batch.tokens, k + 1), embed_weight)
         mask = ttt_mask(n, k, device) if k else None
-        out, kv = head.forward_dense(embeds, hidden, positions + k, past, mask)
+        at = torch.minimum(positions + k, last)
+        out, kv = head.forward_dense(embeds, hidden, at, past, mask)
         past.append(kv)
         hidden = out
         target_argmax = _shift(batch.argmax, k + 1)
