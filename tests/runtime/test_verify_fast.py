@@ -26,7 +26,7 @@ def _runner(weight):
     return runner
 
 
-def _step(draft_lens, temps, gen, logprobs=None, on_device=False):
+def _step(draft_lens, temps, gen, with_probs=False, logprobs=None, on_device=False):
     """A verify step's StepInput: each request's last token then its drafts in the input
     ids; `on_device`: greedy requests' drafts are left on the device (a [B, draft_len] tensor per
     draft length, as the EAGLE-3 chain leaves them), the others' on the host."""
@@ -53,6 +53,8 @@ def _step(draft_lens, temps, gen, logprobs=None, on_device=False):
             device.setdefault(draft_len, []).append((s, drafts))
         else:
             s.drafts = drafts
+        if with_probs and temp > 0 and draft_len:  # (rejection-sampled rows)
+            s.draft_probs = torch.rand(draft_len, VOCAB, generator=gen).softmax(-1)
         s.expected_drafts = drafts  # what the reference verifies
         sampled.append(s)
         ids += [int(torch.randint(0, VOCAB, (1,), generator=gen))] + drafts
@@ -86,8 +88,15 @@ def _reference(runner, step, hidden, simulate_rate):
         [r.committed_len for r in reqs],
         torch.device("cpu"),
     )
+    probs = None
+    if any(s.draft_probs is not None for s in sampled):
+        probs = torch.zeros(len(sampled), max_draft_len, logits.shape[-1])
+        for i, s in enumerate(sampled):
+            if s.draft_probs is not None:
+                probs[i, : len(s.expected_drafts)] = s.draft_probs
     draft_lens = torch.tensor([len(s.expected_drafts) for s in sampled])
-    res = verify(padded, draft_t, draft_lens, st, simulate_rate if max_draft_len else None)
+    simulated = simulate_rate if max_draft_len else None
+    res = verify(padded, draft_t, draft_lens, st, probs, simulated)
     accept = res.accept_len.tolist()
     return [row[: a + 1] for row, a in zip(res.tokens.tolist(), accept)]
 
@@ -95,9 +104,11 @@ def _reference(runner, step, hidden, simulate_rate):
 @pytest.mark.parametrize("draft_lens", [[3] * 6, [3, 0, 1, 3, 2, 0], [2], [0, 0, 0]])
 @pytest.mark.parametrize("temp", ["greedy", "sampled", "mixed"])
 @pytest.mark.parametrize("simulate_rate", [None, 0.7])
-@pytest.mark.parametrize("on_device", [False, True])
-def test_runner_verify_matches_general_verifier(draft_lens, temp, simulate_rate, on_device):
-    gen = torch.Generator().manual_seed(len(draft_lens) * 7)
+@pytest.mark.parametrize("with_probs, on_device", [(False, False), (True, False), (False, True)])
+def test_runner_verify_matches_general_verifier(
+    draft_lens, temp, simulate_rate, with_probs, on_device
+):
+    gen = torch.Generator().manual_seed(len(draft_lens) * 7 + int(with_probs))
     weight = torch.randn(VOCAB, HIDDEN, generator=gen) * 3
     temps = {
         "greedy": [0.0] * len(draft_lens),
@@ -106,7 +117,7 @@ def test_runner_verify_matches_general_verifier(draft_lens, temp, simulate_rate,
     }[temp][: len(draft_lens)]
     runner = _runner(weight)
     for trial in range(5):
-        step, hidden = _step(draft_lens, temps, gen, on_device=on_device)
+        step, hidden = _step(draft_lens, temps, gen, with_probs, on_device=on_device)
         result = runner.sample_async(step, hidden, simulate_rate).result()
         assert result.tokens == _reference(runner, step, hidden, simulate_rate), trial
         if any(s.device_drafts is not None for s in step.sampled):  # they come back

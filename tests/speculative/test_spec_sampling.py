@@ -1,7 +1,9 @@
-"""Sampled speculation commits the plain sampler's draws: every verify row draws what plain
-decoding draws at its position (runtime/verify.py), so a seeded request's tokens are the
-same with and without speculation, for every drafter, draft length, batch and preemption,
-and follow the target's distribution (the plain sampler's, tests/layers/test_sampler.py)."""
+"""Sampled speculation is lossless. A request with its own seed commits the plain sampler's
+draws (every verify row draws what plain decoding draws at its position: runtime/verify.py),
+so its tokens are the same with and without speculation, for every drafter, draft length,
+batch and preemption; one without a seed is verified by rejection sampling against the
+drafter's distribution, accepting more drafts. Both follow the target's distribution.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +13,13 @@ import pytest
 import torch
 
 from specserve import LLM, SamplingParams
-from specserve.layers.sampler import SamplingTensors, build_sampling_tensors, filter_logits, sample
+from specserve.layers.sampler import (
+    SamplingTensors,
+    build_sampling_tensors,
+    filter_logits,
+    gumbel_noise,
+    sample,
+)
 from specserve.runtime.verify import verify
 from tests.support.overlap_cases import make_models, random_draft_lens, spec_kwargs
 
@@ -75,12 +83,15 @@ def test_verify_commits_the_plain_samplers_draw_at_every_row():
 
 
 @pytest.mark.parametrize("top_p", [1.0, 0.8])
-@pytest.mark.parametrize("deterministic_drafts", [False, True])
-def test_verify_first_two_tokens_follow_target(top_p, deterministic_drafts):
+@pytest.mark.parametrize("drafts_kind", ["coupled", "rejection", "deterministic"])
+def test_verify_first_two_tokens_follow_target(top_p, drafts_kind):
     """200k independent rows, vocabulary 6, K=2: the committed first and second tokens
-    follow the target's (filtered) distributions, whatever the drafts. With 200k samples
-    the TV distance of an exact sampler is about 0.002; the tolerance 0.01 catches any real
-    bias (a drafter that leaked into the output would shift it by > 0.1 here)."""
+    follow the target's (filtered) distributions, whatever the drafts: drawn from q with
+    the target's noise (coupled), drawn with noise of their own and verified by rejection
+    sampling against q, or fixed at the target's mode. With 200k samples the TV distance of
+    an exact sampler is about 0.002; the tolerance 0.01 catches any real bias (a drafter
+    that leaked into the output would shift it by > 0.1 here). Rejection sampling accepts
+    1 - TV(p, q) of the first drafts; the coupled draw fewer."""
     n, vocab, k = 200_000, 6, 2
     gen = torch.Generator().manual_seed(0)
     target = torch.randn(k + 1, vocab, generator=gen) * 1.5
@@ -88,15 +99,31 @@ def test_verify_first_two_tokens_follow_target(top_p, deterministic_drafts):
     st = _st(n, top_p=top_p)
     p = filter_logits(target, _st(k + 1, top_p=top_p)).softmax(-1)
     q = filter_logits(draft, _st(k, top_p=top_p)).softmax(-1)
-    # Drafts drawn from q with the target's noise, as drafters draw (or fixed at the
-    # target's mode for a deterministic drafter).
-    if deterministic_drafts:
+    probs = None
+    if drafts_kind == "deterministic":
         drafts = p[:k].argmax(-1).repeat(n, 1)
     else:
+        stream = 0 if drafts_kind == "coupled" else 1  # (1: noise of the drafts' own)
         at = [replace(st, positions=st.positions + j) for j in range(k)]
-        drafts = torch.stack([sample(draft[j].expand(n, vocab), at[j]) for j in range(k)], 1)
+        drafts = torch.stack(
+            [
+                (
+                    filter_logits(draft[j].expand(n, vocab), at[j])
+                    + gumbel_noise(at[j], vocab, stream)
+                ).argmax(-1)
+                for j in range(k)
+            ],
+            1,
+        )
         assert _tv(torch.bincount(drafts[:, 0], minlength=vocab).float(), q[0]) < 0.01
-    res = verify(target[None].expand(n, k + 1, vocab), drafts, torch.full((n,), k), st)
+        if drafts_kind == "rejection":
+            probs = q[None].expand(n, k, vocab)
+    res = verify(target[None].expand(n, k + 1, vocab), drafts, torch.full((n,), k), st, probs)
+    first_accepted = (res.accept_len >= 1).float().mean().item()
+    if drafts_kind == "rejection":
+        assert abs(first_accepted - (1 - _tv(p[0], q[0]))) < 0.01
+    elif drafts_kind == "coupled":
+        assert first_accepted < 1 - _tv(p[0], q[0]) - 0.005
     first = torch.bincount(res.tokens[:, 0], minlength=vocab).float()
     assert _tv(first, p[0]) < 0.01
     # Second token: among rows that committed at least 2 tokens, whose first token was x,
@@ -171,3 +198,37 @@ def test_seeded_sampled_output_is_plain_decodings(models, plain, drafter, mode):
     if mode == "preemption":
         assert llm.engine.scheduler.num_preemptions > 0
     assert llm.engine.kv.allocator.num_used == 0
+
+
+def test_requests_without_a_seed_follow_the_targets_distribution(models):
+    """End to end, 2000 requests without a seed, plain and with a random draft model (K=2,
+    its drafts drawn from its distribution and verified by rejection sampling): the first
+    three tokens' marginals agree (the first comes from prefill, the next two out of
+    verification). top_k 4 keeps each marginal's support small; two exact samplers differ
+    by TV ~0.03-0.08 at this size, so the tolerance is 0.12 (a verifier that accepted drafts
+    unchecked lands well above it)."""
+    prompt, n = [5, 17, 33, 90], 2000
+    params = SamplingParams(max_tokens=3, temperature=1.0, top_k=4, top_p=0.95, ignore_eos=True)
+
+    def marginals(llm):
+        counts = [{}, {}, {}]
+        outs = llm.generate([prompt] * n, params)
+        for o in outs:
+            for i, t in enumerate(o.token_ids):
+                counts[i][t] = counts[i].get(t, 0) + 1
+        return counts, outs
+
+    big = dict(max_num_seqs=n, max_num_batched_tokens=8192)
+    plain, _ = marginals(LLM(models["target"], **big))
+    llm = LLM(models["target"], **spec_kwargs(models, "random"), speculative_num_steps=2, **big)
+    kept = []
+    draft_probs = llm.engine.runner._draft_probs
+    llm.engine.runner._draft_probs = lambda *a: kept.append(draft_probs(*a)) or kept[-1]
+    spec, outs = marginals(llm)
+    assert sum(o.spec_stats.drafted for o in outs) >= n
+    assert any(p is not None for p in kept)  # rejection sampling verified them
+    for a_counts, b_counts in zip(plain, spec):
+        keys = sorted(set(a_counts) | set(b_counts))
+        a = torch.tensor([a_counts.get(key, 0) for key in keys], dtype=torch.float)
+        b = torch.tensor([b_counts.get(key, 0) for key in keys], dtype=torch.float)
+        assert _tv(a, b) < 0.12

@@ -12,7 +12,8 @@ from specserve.core.request import Request
 class ScheduledRequest:
     """One request's share of a step: `num_tokens` committed tokens starting at
     `cached_len`, plus up to `draft_len` speculative tokens that the proposer fills in
-    (`drafts`).
+    (`drafts`, and `draft_probs` [draft_len, V] when the drafter sampled from a distribution
+    for a request without a seed: runtime/verify.py).
     The scheduler sets `draft_len` (the policy's choice, clamped to the budget, the context
     and the pages); `drafted` counts the drafts actually filled in."""
 
@@ -21,6 +22,7 @@ class ScheduledRequest:
     draft_len: int = 0
     decoding: bool = False  # one committed token to feed (not a prefill chunk)
     drafts: list[int] = field(default_factory=list)
+    draft_probs: Any = None
     # Drafts the proposer left on the device instead: (tokens [B, draft_len], this request's row);
     # `drafts` gets their values once the step's tokens reach the host.
     device_drafts: Any = None

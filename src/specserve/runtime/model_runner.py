@@ -238,7 +238,8 @@ class ModelRunner:
         simulate_rate: float | None,
     ) -> SampledTokens:
         """Verify every request's drafts against the target's rows: greedily (in the step's
-        graph, when it verified them already) or against the plain sampler's draws."""
+        graph, when it verified them already), against the plain sampler's draws, or by
+        rejection sampling (runtime/verify.py)."""
         sampled = step.sampled
         num, max_q_len, vocab = len(sampled), plan.max_q_len, logits.shape[-1]
         padded = (logits if plan.uniform else logits[t["index"]]).view(num, max_q_len, vocab)
@@ -250,7 +251,8 @@ class ModelRunner:
             result = self._verify_greedy(plan, padded, drafts_t, t, simulate_rate)
         else:
             draft_lens = t.get("draft_lens")
-            result = verify(padded, drafts_t, draft_lens, t["sampling"], simulate_rate)
+            probs = self._draft_probs(sampled, plan.max_draft_len, vocab)
+            result = verify(padded, drafts_t, draft_lens, t["sampling"], probs, simulate_rate)
         # Drafts the host has not seen go back with the tokens (statistics only).
         on_device = any(s.device_drafts is not None for s in sampled)
         return self._with_logprobs(
@@ -302,6 +304,17 @@ class ModelRunner:
         chosen = tokens.reshape(-1)[to_device(flat, device)]
         lp = logprob_tensors(logits, chosen, max(w or 0 for w in want))
         return SampledTokens(tokens, accept_len, want, lp, lp_rows, drafts)
+
+    def _draft_probs(self, sampled, max_draft_len: int, vocab: int) -> torch.Tensor | None:
+        """[R, K, V] the drafter's distributions of the requests verified by rejection
+        sampling (zero on the others), or None when there are none."""
+        if all(s.draft_probs is None for s in sampled):
+            return None
+        probs = torch.zeros(len(sampled), max_draft_len, vocab, device=self.device)
+        for i, s in enumerate(sampled):
+            if s.draft_probs is not None:
+                probs[i, : s.drafted] = s.draft_probs[: s.drafted]
+        return probs
 
 
 def _sampling_tensors(reqs, seeds, positions, top_k, device) -> SamplingTensors:

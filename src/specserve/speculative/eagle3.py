@@ -80,7 +80,7 @@ class Eagle3Proposer(Proposer):
 
     def _draw(self, draft_logits: torch.Tensor, items: list[ScheduledRequest], step: int):
         if all(it.request.params.temperature == 0 for it in items):
-            return self.draft_ids[argmax_rows(draft_logits)]
+            return self.draft_ids[argmax_rows(draft_logits)], None
         return draw_drafts(self._target_logits(draft_logits), items, step)
 
     def _pass(

@@ -8,17 +8,27 @@ from collections.abc import Callable
 import torch
 
 from specserve.core.batch import ScheduledRequest
-from specserve.layers.sampler import argmax_rows, build_sampling_tensors, sample
+from specserve.layers.sampler import (
+    argmax_rows,
+    build_sampling_tensors,
+    filter_logits,
+    gumbel_noise,
+    sample,
+)
 from specserve.runtime.packing import Segment, to_device
+
+DRAFT_STREAM = 1  # the noise of drafts drawn from a distribution (requests without a seed)
 
 
 class Proposer(ABC):
     """Drafts tokens for requests with draft_len > 0.
 
     `propose` sets `item.drafts` (at most item.draft_len tokens; items with draft_len 0 are
-    only brought up to date, see `wants_catch_up`); or it leaves exactly draft_len drafts on
-    the device (`item.device_drafts`: a [B, k] tensor and the item's row), which the runner
-    reads there. A proposer for which
+    only brought up to date, see `wants_catch_up`) and, where a request without a seed of
+    its own samples and the drafter draws from a distribution, `item.draft_probs` [k, V]
+    over the target vocabulary (runtime/verify.py: rejection sampling); or it leaves
+    exactly draft_len drafts on the device (`item.device_drafts`: a [B, k] tensor and the
+    item's row), which the runner reads there. A proposer for which
     `reads_inflight(items)` holds also takes `prev`, the step in flight (overlap
     scheduling): the items' newest tokens are then still on the device.
     `commit` runs after verification with the accepted draft count of every scheduled
@@ -90,25 +100,42 @@ class Proposer(ABC):
         """Update drafter state after verification (default: nothing to do)."""
 
 
-def draw_drafts(logits: torch.Tensor, items: list[ScheduledRequest], step: int) -> torch.Tensor:
-    """Draft one token per item from drafter logits [R, V] (over the target vocabulary): [R]
-    on the device.
+def draw_drafts(logits: torch.Tensor, items: list[ScheduledRequest], step: int):
+    """Draft one token per item from drafter logits [R, V] (over the target vocabulary).
 
-    Greedy requests take the argmax; sampled ones draw from the filtered distribution with
-    the noise the target draws that position with (the request's seed, stream 0: verify
-    accepts a draft when it equals the target's draw, runtime/verify.py), so a drafter that
-    agrees with the target draws what it draws.
-    """
+    Greedy requests take the argmax. Sampled ones draw from the filtered distribution: a
+    request with its own seed with the noise the target draws that position with (stream 0:
+    verification accepts a draft when it equals the target's draw, runtime/verify.py), one
+    without with noise of its own (DRAFT_STREAM), its distribution kept for rejection
+    sampling. Returns (tokens [R] on the device, probs [R, V] or None when no request
+    keeps them: their rows are the ones to keep)."""
     reqs = [it.request for it in items]
     if all(r.params.temperature == 0 for r in reqs):
-        return argmax_rows(logits)
+        return argmax_rows(logits), None
     st = build_sampling_tensors(
         [r.params for r in reqs],
         [r.seed for r in reqs],
         [r.committed_len + step for r in reqs],
         logits.device,
     )
-    return sample(logits.float(), st)
+    if all(r.params.seed is not None for r in reqs):
+        return sample(logits.float(), st), None
+    greedy = argmax_rows(logits)
+    filtered = filter_logits(logits.float(), st)
+    vocab = logits.shape[-1]
+    seeded = torch.tensor([r.params.seed is not None for r in reqs], device=logits.device)
+    noise = torch.where(
+        seeded[:, None], gumbel_noise(st, vocab), gumbel_noise(st, vocab, DRAFT_STREAM)
+    )
+    drawn = argmax_rows(filtered + noise)
+    return torch.where(st.temperature > 0, drawn, greedy), filtered.softmax(dim=-1)
+
+
+def keeps_probs(item: ScheduledRequest) -> bool:
+    """Whether a request's sampled drafts keep the drafter's distribution (no seed of its
+    own: verified by rejection sampling)."""
+    params = item.request.params
+    return params.temperature > 0 and params.seed is None
 
 
 def bounded_passes(segments: list[Segment], max_tokens: int) -> list[list[Segment]]:
@@ -136,14 +163,14 @@ def chain_draft(items: list[ScheduledRequest], first, step_fn, draw=draw_drafts)
     """Chain drafting shared by the drafters: `first` are the drafter's logits for every
     item's first draft; `step_fn(active, tokens, positions, index)` feeds each still-drafting
     item's latest draft (a device tensor) back and returns the next logits; `draw(logits,
-    active, step)` turns logits into target-vocabulary tokens, by default `draw_drafts`
-    over target-vocabulary logits. Draft tokens stay on the device until the
+    active, step)` turns logits into (target-vocabulary tokens, probs or None), by default
+    `draw_drafts` over target-vocabulary logits. Draft tokens stay on the device until the
     chain ends: one host sync per step."""
     active, logits = items, first
     chain = []
     for step in range(max(it.draft_len for it in items)):
-        tokens = draw(logits, active, step)
-        chain.append((active, tokens))
+        tokens, probs = draw(logits, active, step)
+        chain.append((active, tokens, probs))
         keep = [i for i, it in enumerate(active) if it.draft_len > step + 1]
         if not keep:
             break
@@ -151,6 +178,9 @@ def chain_draft(items: list[ScheduledRequest], first, step_fn, draw=draw_drafts)
         active = [active[i] for i in keep]
         positions = [it.request.committed_len - 1 + step for it in active]
         logits = step_fn(active, tokens[index], positions, index)
-    for active, tokens in chain:
-        for it, tok in zip(active, tokens.tolist()):
+    for active, tokens, probs in chain:
+        for i, (it, tok) in enumerate(zip(active, tokens.tolist())):
             it.drafts.append(tok)
+            if probs is not None and keeps_probs(it):
+                row = probs[i : i + 1]
+                it.draft_probs = row if it.draft_probs is None else torch.cat([it.draft_probs, row])
