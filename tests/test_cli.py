@@ -105,6 +105,13 @@ CUDA_MISSING = pytest.mark.skipif(torch.cuda.is_available(), reason="this machin
         (["--page-size", "0"], "--page-size must be >= 1; got 0"),
         (["--cuda-graph-max-tokens", "-1"], "--cuda-graph-max-tokens must be >= 0; got -1"),
         (["--device", "tpu"], "--device must be auto, cpu, cuda or cuda:N; got 'tpu'"),
+        # (torch knows these; the loading failed with a traceback)
+        (["--device", "mps"], "--device must be auto, cpu, cuda or cuda:N; got 'mps'"),
+        (["--num-kv-pages", "1"], "--num-kv-pages must be >= 2 (page 0 is scratch); got 1"),
+        (
+            ["--kv-cache-bytes", "1000", "--num-kv-pages", "100"],  # (the pages won silently)
+            "--kv-cache-bytes and --num-kv-pages both size the KV cache; give one of them",
+        ),
         (
             ["--model", "m", "--speculative-algorithm", "eagle3"],
             "--speculative-algorithm eagle3 needs --speculative-draft-model-path",
@@ -187,7 +194,6 @@ def test_engine_errors_after_loading_name_the_flags(tiny_llama, capsys):
 @pytest.mark.parametrize(
     "flags, message",
     [
-        (["--num-kv-pages", "1"], "--num-kv-pages"),  # (a traceback: ValueError, once loaded)
         (["--max-model-len", "100000"], "past this model's context (512 positions)"),
         (["--max-model-len", "0"], "--max-model-len must be >= 1"),
         (["--speculative-policy", "fixed"], "--speculative-policy needs --speculative-algorithm"),
@@ -197,6 +203,63 @@ def test_settings_the_model_cannot_take_are_one_line_errors(tiny_llama, capsys, 
     code, _, err = run(capsys, "hi", "--model", str(tiny_llama), *flags, "--quiet")
     assert code == 2 and err.startswith("specserve: error: ") and err.count("\n") == 1, err
     assert message in err, err
+
+
+def test_a_missing_draft_model_is_named_by_its_flag(tiny_llama, tmp_path, capsys):
+    missing = str(tmp_path / "missing")
+    code, _, err = run(
+        capsys,
+        "hi",
+        "--model",
+        str(tiny_llama),
+        "--speculative-algorithm",
+        "draft",
+        "--speculative-draft-model-path",
+        missing,
+        "--quiet",
+    )
+    assert code == 2 and err.count("\n") == 1, err
+    assert err.startswith(f"specserve: error: --speculative-draft-model-path '{missing}' is ")
+
+
+def run_interrupted(capsys, *argv) -> tuple[int, str, str]:
+    try:
+        return run(capsys, *argv)
+    except KeyboardInterrupt:  # (it would end the whole test session)
+        pytest.fail("the KeyboardInterrupt escaped main: a traceback")
+
+
+def test_ctrl_c_ends_the_answer_and_says_so(tiny_llama, capsys, monkeypatch):
+    """A Ctrl-C printed a 40-line traceback: now the partial answer ends its line, one line
+    says so, the exit status is 130 (128 + SIGINT) and the engine is closed."""
+    stream, close, closed, sent = LLM.stream, LLM.close, [], []
+
+    def interrupted(self, prompt, params=None):
+        for delta in stream(self, prompt, params):
+            if len(sent) == 2:
+                raise KeyboardInterrupt
+            sent.append(delta)
+            yield delta
+
+    monkeypatch.setattr(LLM, "stream", interrupted)
+    monkeypatch.setattr(LLM, "close", lambda self: closed.append(self) or close(self))
+    code, out, err = run_interrupted(
+        capsys, "hi", "--model", str(tiny_llama), "--max-tokens", "20", "-q"
+    )
+    assert code == 130 and err == "specserve: interrupted\n"
+    assert len(sent) == 2 and out == "".join(sent) + "\n"
+    assert len(closed) == 1
+
+
+def test_ctrl_c_while_loading_prints_no_answer(monkeypatch, capsys):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    import specserve.llm as llm
+
+    monkeypatch.setattr(llm.LLM, "__init__", interrupted)
+    code, out, err = run_interrupted(capsys, "hi", "-q")
+    assert (code, out, err) == (130, "", "specserve: interrupted\n")
 
 
 @pytest.mark.parametrize("broken", ["config.json", "tokenizer.json", "model.safetensors", "gguf"])

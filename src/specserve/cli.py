@@ -1,6 +1,6 @@
 """The `specserve` command: generate, serve, bench, train-eagle3, eval-draft. Exit status:
-0 done, 2 an error the user can fix (said in one line), and for `serve` 1 when it could not
-start and 3 when its engine process died while serving."""
+0 done, 2 an error the user can fix (said in one line), 130 interrupted (Ctrl-C), and for
+`serve` 1 when it could not start and 3 when its engine process died while serving."""
 
 from __future__ import annotations
 
@@ -87,9 +87,17 @@ def _print_stream(llm, args: argparse.Namespace, params) -> None:
         )
     else:
         prompt = args.prompt
-    for delta in llm.stream(prompt, params):
-        sys.stdout.write(delta)
-        sys.stdout.flush()
+    wrote = False
+    try:
+        for delta in llm.stream(prompt, params):
+            sys.stdout.write(delta)
+            sys.stdout.flush()
+            wrote = True
+    except KeyboardInterrupt:  # (the partial answer ends its line too)
+        if wrote:
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+        raise
     sys.stdout.write("\n")
 
 
@@ -328,8 +336,9 @@ def _as_typed(error: SpecserveError, args: argparse.Namespace) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command line. Exit status: 0 done; 2 an error the user can fix (a flag, a
-    file, a model that cannot load), said in one line; `serve` also 1 when it could not
-    start and 3 when its engine process died while serving."""
+    file, a model that cannot load), said in one line; 130 interrupted (Ctrl-C: said in one
+    line, the partial answer ended with a newline); `serve` also 1 when it could not start
+    and 3 when its engine process died while serving."""
     args = build_parser().parse_args(argv)
     try:
         if has_engine_args(args):  # every check that needs no model, before any loads
@@ -338,6 +347,9 @@ def main(argv: list[str] | None = None) -> int:
     except SpecserveError as e:
         print(f"specserve: error: {_as_typed(e, args)}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # (the engine and its ranks are closed on the way out)
+        print("specserve: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

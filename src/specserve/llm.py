@@ -3,10 +3,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 
+from jinja2 import TemplateError
 from tqdm import tqdm
 
 from specserve.core.config import EngineConfig
@@ -98,15 +100,27 @@ class LLM:
                 "(as text, or as token ids where the engine has no tokenizer)",
                 "messages",
             )
-        if not messages:
+        if not isinstance(messages, (list, tuple)) or not messages:
             raise InvalidRequestError("a conversation needs at least one message", "messages")
-        out = self.tokenizer.apply_chat_template(
-            [_text_content(m, i) for i, m in enumerate(messages)],
-            add_generation_prompt=add_generation_prompt,
-            tokenize=True,
-            tools=tools,
-            **(chat_template_kwargs or {}),
-        )
+        if tools and not template_renders_tools(self.tokenizer.chat_template):
+            raise InvalidRequestError(
+                "this model's chat template does not render tools; send the conversation "
+                "without tools",
+                "tools",
+            )
+        kwargs = _template_kwargs(chat_template_kwargs)
+        try:
+            out = self.tokenizer.apply_chat_template(
+                [_message(m, i) for i, m in enumerate(messages)],
+                add_generation_prompt=add_generation_prompt,
+                tokenize=True,
+                tools=tools,
+                **kwargs,
+            )
+        except TemplateError as e:  # the template's own checks (roles that must alternate...)
+            raise InvalidRequestError(
+                f"the chat template rejected the messages: {e}", "messages"
+            ) from e
         return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
 
     def generate(
@@ -130,12 +144,18 @@ class LLM:
                                 SamplingParams(max_tokens=8))
             print(outs[0].text, outs[0].token_ids, outs[0].finish_reason)
         """
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], numbers.Integral)):
-            prompts = [prompts]  # (one prompt of token ids, numpy's too)
+        prompts = _as_prompt(prompts)  # (an array of ids: a list of them, or of prompts)
+        if isinstance(prompts, str) or (
+            len(prompts) > 0 and isinstance(prompts[0], numbers.Number)
+        ):
+            prompts = [prompts]  # (one prompt of token ids, numpy's too; floats are refused)
+        prompts = [_as_prompt(p) for p in prompts]
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
+        for p in {id(p): p for p in params}.values():  # (changed since construction: n
+            p.validate()  # fans out here, before the engine checks each choice)
         choices = []  # (prompt, one choice's params), seeded by its index in its prompt
         for prompt, p in zip(prompts, params):
             choices += [(prompt, c) for c in _choices(p)]
@@ -202,16 +222,25 @@ class LLM:
         chat_template_kwargs: dict | None = None,
     ) -> list[CompletionOutput]:
         """Answer one conversation (a list of {"role", "content"} messages) or several (a
-        list of them) through the model's chat template; one output per conversation. The
-        same prompt tokens as the server's /v1/chat/completions, so the same greedy text.
+        list of them) through the model's chat template; one output per conversation and
+        choice (params with n choices give n in a row, as `generate`). The same prompt
+        tokens as the server's /v1/chat/completions, so the same greedy text. `tools` are
+        refused where the template renders none (as the server refuses them).
 
             out = llm.chat([{"role": "user", "content": "Tell me a joke."}])[0]
             print(out.text)
         """
-        if not messages:
+        if not isinstance(messages, (list, tuple)) or not messages:
             raise InvalidRequestError("no conversation to answer", "messages")
-        one = isinstance(messages[0], dict)
+        one = not isinstance(messages[0], (list, tuple))  # (a message: a dict, or as below)
         conversations = [messages] if one else list(messages)
+        for c in conversations:
+            if not isinstance(c, (list, tuple)):
+                raise InvalidRequestError(
+                    "messages must be a conversation (a list of {'role', 'content'} dicts) or "
+                    f"a list of them; got {c!r:.80}",
+                    "messages",
+                )
         template = dict(
             add_generation_prompt=add_generation_prompt,
             tools=tools,
@@ -236,7 +265,7 @@ class LLM:
                 "generate, whose outputs carry token ids",
                 "prompt",
             )
-        rid = self.engine.add_request(prompt, params)
+        rid = self.engine.add_request(_as_prompt(prompt), params)
         box = self._boxes[rid] = []
         try:
             while True:
@@ -253,12 +282,73 @@ class LLM:
             self._drop([rid])
 
 
-def _text_content(message: Message, i: int) -> Message:
-    """A message whose content is OpenAI-style parts as one whose content is their texts
-    joined (a template would render the list itself); other kinds of parts are refused."""
-    content = message.get("content") if isinstance(message, dict) else None
-    if not isinstance(content, list):
+def template_renders_tools(template: str | dict | None) -> bool:
+    """Whether a chat template renders the tools it is given (one that never names them
+    drops them without a word). A tokenizer's named templates: the one transformers picks
+    with tools. (server/tools.py's tool_format asks the same first.)"""
+    if isinstance(template, dict):
+        template = template.get("tool_use") or template.get("default")
+    return isinstance(template, str) and "tools" in template
+
+
+# apply_chat_template's own arguments, which LLM's set: not the template's variables
+_TEMPLATE_ARGUMENTS = ("conversation", "add_generation_prompt", "tokenize", "tools")
+
+
+def _template_kwargs(kwargs: dict | None) -> dict:
+    """chat_template_kwargs as the template's variables, or InvalidRequestError."""
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+        raise InvalidRequestError(
+            f"chat_template_kwargs must map names to values; got {kwargs!r:.80}",
+            "chat_template_kwargs",
+        )
+    taken = [k for k in _TEMPLATE_ARGUMENTS if k in kwargs]
+    if taken:
+        raise InvalidRequestError(
+            f"chat_template_kwargs may not set {', '.join(taken)}: pass it as the argument "
+            "of chat or apply_chat_template",
+            "chat_template_kwargs",
+        )
+    return kwargs
+
+
+def _as_prompt(prompt):
+    """An array of token ids (numpy's, torch's) as a list of Python values; anything else
+    as it is."""
+    if hasattr(prompt, "tolist") and hasattr(prompt, "ndim") and prompt.ndim > 0:
+        return prompt.tolist()
+    return prompt
+
+
+def _message(message: Message, i: int) -> Message:
+    """A message as templates read it: a dict with a role (a template failed on one
+    without, deep in jinja) and text content, OpenAI-style parts as their texts joined (a
+    template would render the list itself; other kinds of parts are refused), none as ""
+    (as the server sends it). Messages as pydantic models or dataclasses (which transformers
+    takes too) as their dicts."""
+    if hasattr(message, "model_dump"):
+        message = message.model_dump(exclude_none=True)
+    elif dataclasses.is_dataclass(message) and not isinstance(message, type):
+        message = dataclasses.asdict(message)
+    if not isinstance(message, dict):
+        raise InvalidRequestError(
+            f"messages[{i}] must be a dict with a role and a content; got {message!r:.80}",
+            "messages",
+        )
+    if not isinstance(message.get("role"), str):
+        raise InvalidRequestError(f"messages[{i}] needs a role (a string)", "messages")
+    content = message.get("content")
+    if content is None:
+        return {**message, "content": ""}
+    if isinstance(content, str):
         return message
+    if not isinstance(content, list):
+        raise InvalidRequestError(
+            f"messages[{i}]: content must be text or a list of text parts; got {content!r:.80}",
+            "messages",
+        )
     texts = []
     for part in content:
         if not (isinstance(part, dict) and part.get("type") == "text"):

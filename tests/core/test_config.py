@@ -4,6 +4,7 @@ messages naming the flat option, and the checks across sections run in EngineCon
 
 from __future__ import annotations
 
+import re
 from dataclasses import MISSING, fields
 
 import pytest
@@ -23,7 +24,9 @@ from specserve.engine_args import ENGINE_FLAGS, add_engine_args, flag_message
 DEFAULTS = {name: f.default for name, f in flag_fields().items()}
 
 # Every flat option at a value other than its default, already in normal form (so the
-# config keeps it as given): a flag the table drops or maps wrong cannot come back.
+# config keeps it as given): a flag the table drops or maps wrong cannot come back. The KV
+# cache is sized by kv_cache_bytes or num_kv_pages, never both: each round-trips without
+# the other.
 EVERY_FLAG = {
     "model": "some/model",
     "load_format": "dummy",
@@ -79,10 +82,15 @@ def test_every_flag_maps_to_exactly_one_section_field():
     assert all(f.default is not MISSING for f in flag_fields().values())
 
 
+def _without(flags: dict, name: str) -> dict:
+    return {k: v for k, v in flags.items() if k != name}
+
+
 @pytest.mark.parametrize(
     "given",
     [
-        EVERY_FLAG,
+        _without(EVERY_FLAG, "kv_cache_bytes"),
+        _without(EVERY_FLAG, "num_kv_pages"),
         {"speculative_algorithm": "ngram", "speculative_policy": "fixed"},
         {"speculative_algorithm": None, "speculative_policy": "off", "page_size": 8},
         {"model": "m", "speculative_algorithm": None, "speculative_policy": "off", "seed": 3},
@@ -144,9 +152,18 @@ def test_an_unknown_flat_name_is_refused_by_name():
 SECTION_ERRORS = [
     (ModelLoadConfig, dict(dtype="fp8"), "dtype must be auto, float32"),
     (ModelLoadConfig, dict(device="gpu0"), "device must be auto, cpu, cuda or cuda:N"),
+    # devices torch knows that the engine does not run on (mps failed deep in the loading)
+    (ModelLoadConfig, dict(device="mps"), "device must be auto, cpu, cuda or cuda:N"),
+    (ModelLoadConfig, dict(device="meta"), "device must be auto, cpu, cuda or cuda:N"),
     (ModelLoadConfig, dict(format="random"), "load_format must be one of auto, dummy"),
     (CacheConfig, dict(page_size=0), "page_size must be >= 1"),
-    (CacheConfig, dict(num_pages=0), "num_kv_pages must be >= 1"),
+    (CacheConfig, dict(num_pages=0), r"num_kv_pages must be >= 2 \(page 0 is scratch\)"),
+    (CacheConfig, dict(num_pages=1), r"num_kv_pages must be >= 2"),  # (once refused loaded)
+    (
+        CacheConfig,
+        dict(num_pages=8, size_bytes=2**20),  # (the pages won without a word)
+        "kv_cache_bytes and num_kv_pages both size the KV cache; give one",
+    ),
     (CacheConfig, dict(size_bytes=0), "kv_cache_bytes must be positive"),
     (CacheConfig, dict(memory_fraction=1.5), r"kv_cache_memory_fraction must be in \(0, 1\]"),
     (SchedulerConfig, dict(max_num_seqs=0), "max_num_seqs must be >= 1"),
@@ -268,11 +285,63 @@ def test_options_that_would_do_nothing_are_refused(flags, message):
         EngineConfig.from_flags(model="llama-3.1-8b", load_format="dummy", **flags)
     plain = EngineConfig.from_flags(model="m", speculative_policy="off")  # (neutral: passes)
     assert plain.speculative.algorithm is None
-    # switched off on purpose: a drafter's options stay (a sweep's plain server, say)
+
+
+def test_drafter_options_stay_with_speculation_turned_off_on_purpose():
+    """speculative_algorithm none given with a drafter's options: switched off on purpose
+    (a sweep's "off" server is its common flags, a drafter's included, and that one)."""
     off = EngineConfig.from_flags(
         model="m", speculative_algorithm="none", speculative_draft_model_path="head"
     )
     assert off.speculative.algorithm is None
+
+
+WRONG_TYPES = [
+    ("page_size", "16"),  # (a bare TypeError comparing it)
+    ("page_size", None),
+    ("page_size", 16.5),  # (failed deep in the engine)
+    ("num_kv_pages", 10.7),
+    ("speculative_num_steps", 2.5),
+    ("max_num_seqs", 2.5),  # (these ran)
+    ("max_num_batched_tokens", 7.5),
+    ("tensor_parallel_size", True),
+    ("seed", 1.5),
+    ("disable_prefix_caching", "no"),
+    ("disable_cuda_graph", 1),
+    ("kv_cache_memory_fraction", "0.5"),
+    ("kv_cache_memory_fraction", None),
+    ("speculative_simulate_acceptance", True),
+    ("model", 5),
+    ("device", None),
+    ("dist_init_addr", 29500),
+]
+
+
+@pytest.mark.parametrize("name, value", WRONG_TYPES)
+def test_values_of_the_wrong_type_are_refused_by_name(name, value):
+    """LLM's keywords come untyped: each is checked against its field's type (an int is no
+    bool and a bool no int; a float takes an int; None only where the field allows it)."""
+    with pytest.raises(ConfigError, match=f"^{name} must be .*; got {re.escape(repr(value))}$"):
+        EngineConfig.from_flags(**{"model": "m", name: value})
+
+
+def test_values_of_the_right_type_are_taken_as_pythons():
+    import numpy as np
+
+    config = EngineConfig.from_flags(
+        model="m",
+        page_size=np.int64(8),
+        seed=np.int32(3),
+        kv_cache_memory_fraction=1,
+        num_kv_pages=None,
+        speculative_simulate_acceptance=np.float32(0.5),
+        speculative_algorithm="ngram",
+    )
+    assert (config.cache.page_size, config.load.seed) == (8, 3)
+    assert type(config.cache.page_size) is int and type(config.load.seed) is int
+    assert config.cache.memory_fraction == 1.0 and type(config.cache.memory_fraction) is float
+    assert config.speculative.simulate_acceptance == 0.5
+    assert type(config.speculative.simulate_acceptance) is float
 
 
 def test_methods_across_sections():

@@ -20,6 +20,7 @@ from specserve import (
     UnsupportedModelError,
 )
 from specserve.core.model_config import config_from_dict, load_hf_config
+from specserve.model.loader import resolve_model
 from tests.support.tiny_models import hf_greedy, make_tiny_model
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -75,8 +76,11 @@ def test_unsupported_rope_scaling():
 
 
 def test_path_that_is_no_model(tmp_path):
-    with pytest.raises(CheckpointError, match="neither a Hugging Face model folder nor"):
+    with pytest.raises(CheckpointError, match="^model '.*nowhere' is neither a Hugging Face"):
         LLM(str(tmp_path / "nowhere"))
+    # the draft model's path is named as its own option, not as the model's
+    with pytest.raises(CheckpointError, match="^speculative_draft_model_path '.*nowhere' is"):
+        resolve_model(str(tmp_path / "nowhere"), option="speculative_draft_model_path")
     (tmp_path / "empty").mkdir()
     with pytest.raises(CheckpointError, match="config.json"):
         LLM(str(tmp_path / "empty"))
@@ -173,6 +177,13 @@ def test_prompt_token_outside_the_vocabulary(llm):
         ("seed", "x"),
         ("stop", [""]),
         ("logprobs", 99),
+        # (kept as given, failing at generate, or bare TypeErrors)
+        ("ignore_eos", "no"),
+        ("grammar", "json"),
+        ("stop", 5),
+        ("stop_token_ids", 5),
+        ("stop_token_ids", "12"),
+        ("logit_bias", [1, 2]),
     ],
 )
 def test_bad_sampling_params_name_the_field(field, value):

@@ -25,7 +25,7 @@ def _pages(device=CPU, **kw):
 
 
 def test_explicit_sizes_and_the_cpu_default():
-    assert _pages(num_kv_pages=7, kv_cache_bytes=10**9) == 7
+    assert _pages(num_kv_pages=7) == 7
     assert _pages(kv_cache_bytes=10 * PAGE + 5) == 10
     assert _pages() == CPU_KV_CACHE_BYTES // PAGE
 

@@ -4,7 +4,9 @@ flags, LLM's keywords) onto section fields; the CLI takes its defaults from here
 
 from __future__ import annotations
 
+import numbers
 import os
+from collections.abc import Callable
 from dataclasses import Field, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -89,7 +91,8 @@ class EngineConfig:
         if self.speculative.algorithm == "auto":  # a new section: the given one is left as is
             self.speculative = replace(self.speculative, **self._auto_speculation())
             # (a drafter's options where the model left no drafter did nothing; with
-            # speculative_algorithm none given, they are switched off on purpose)
+            # speculative_algorithm none given, they are switched off on purpose: a sweep's
+            # "off" server is its common flags, a drafter's included, and that one)
             self.speculative.check_drafter()
         spec = self.speculative
         if spec.algorithm == "ngram" and spec.draft_model_path is not None:
@@ -110,16 +113,18 @@ class EngineConfig:
     @classmethod
     def from_flags(cls, **flags: Any) -> EngineConfig:
         """The config the flat option names describe (the rest at their defaults); a name
-        FLAG_FIELDS lacks raises TypeError naming it, a bad value ConfigError."""
+        FLAG_FIELDS lacks raises TypeError naming it, a value of the wrong type or a bad
+        value ConfigError naming the option."""
         unknown = sorted(set(flags) - set(FLAG_FIELDS))
         if unknown:
             raise TypeError(f"unknown engine option(s) {unknown}; known: {sorted(FLAG_FIELDS)}")
         sections: dict[str, dict[str, Any]] = {f.name: {} for f in fields(cls)}
+        types = flag_fields()
         for name, value in flags.items():
             section, attr = FLAG_FIELDS[name]
-            sections[section][attr] = value
-        types = {f.name: f.default_factory for f in fields(cls)}
-        return cls(**{name: types[name](**values) for name, values in sections.items()})
+            sections[section][attr] = _typed(name, value, types[name].type)
+        factories = {f.name: f.default_factory for f in fields(cls)}
+        return cls(**{name: factories[name](**values) for name, values in sections.items()})
 
     def flags(self) -> dict[str, Any]:
         """Every option by its flat name, in FLAG_FIELDS order (`from_flags` takes them back)."""
@@ -152,6 +157,36 @@ class EngineConfig:
         if self.execution.attention_backend != "auto":
             return self.execution.attention_backend
         return "triton" if self.load.torch_device().type == "cuda" else "torch"
+
+
+def _number(kind: type) -> Callable[[Any], bool]:
+    return lambda v: isinstance(v, kind) and not isinstance(v, bool)
+
+
+# A field's annotation (a string: `from __future__ import annotations`), part by part: what
+# its values must be, and how a message says it. Python's int and float are the values the
+# engine computes with, so numpy's numbers are taken as theirs; a bool is no number here.
+_KINDS: dict[str, tuple[Callable[[Any], bool], Callable[[Any], Any], str]] = {
+    "int": (_number(numbers.Integral), int, "an integer"),
+    "float": (_number(numbers.Real), float, "a number"),
+    "bool": (lambda v: isinstance(v, bool), bool, "True or False"),
+    "str": (lambda v: isinstance(v, str), str, "a string"),
+}
+
+
+def _typed(name: str, value: Any, annotation: str) -> Any:
+    """`value` of option `name` as its field's type says (numpy's numbers as Python's), else
+    ConfigError naming the option: LLM's keywords come untyped (argparse types the CLI's),
+    and a str, a float or a bool where an int belongs failed deep in the engine, or
+    nowhere (max_num_seqs=2.5 ran)."""
+    kinds = [part.strip() for part in annotation.split("|")]
+    if value is None and "None" in kinds:
+        return None
+    for kind in kinds:
+        if kind != "None" and _KINDS[kind][0](value):
+            return _KINDS[kind][1](value)
+    what = " or ".join([_KINDS[k][2] for k in kinds if k != "None"] + ["None"] * ("None" in kinds))
+    raise ConfigError(f"{name} must be {what}; got {value!r}")
 
 
 def flag_fields() -> dict[str, Field]:

@@ -13,6 +13,7 @@ from specserve.core.errors import ConfigError
 
 SPECULATIVE_ALGORITHMS = (None, "ngram", "draft", "eagle3")
 LOAD_FORMATS = ("auto", "dummy")
+DEVICE_TYPES = ("cpu", "cuda")
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # The values each option accepts, as users spell them (the CLI offers these as its choices).
 DTYPE_CHOICES = ("auto", *_DTYPES)
@@ -53,14 +54,16 @@ class ModelLoadConfig:
             )
 
     def _check_device_name(self) -> None:
+        """auto, or a CPU or CUDA device: the only kinds the engine runs on (others torch
+        knows, mps or meta, failed deep in the loading, or loaded nothing)."""
         if self.device == "auto":
             return
         try:
-            torch.device(self.device)
+            ok = isinstance(self.device, str) and torch.device(self.device).type in DEVICE_TYPES
         except (RuntimeError, TypeError):
-            raise ConfigError(
-                f"device must be auto, cpu, cuda or cuda:N; got {self.device!r}"
-            ) from None
+            ok = False
+        if not ok:
+            raise ConfigError(f"device must be auto, cpu, cuda or cuda:N; got {self.device!r}")
 
     def check_device(self) -> None:
         """Refuse a CUDA device this machine lacks, before anything is loaded (torch would
@@ -96,8 +99,8 @@ class ModelLoadConfig:
 
 @dataclass
 class CacheConfig:
-    """The paged KV cache: `num_pages` pages when given, else as many as `size_bytes` buys;
-    without either, 256 MiB on the CPU and on CUDA `memory_fraction` of the device memory
+    """The paged KV cache: `num_pages` pages, or as many as `size_bytes` buys (one or the
+    other); without either, 256 MiB on the CPU and on CUDA `memory_fraction` of the device memory
     free after the weights are loaded (engine/kv_sizing.py: kv_cache_pages). Unless
     `disable_prefix_caching`, pages of computed tokens outlive their request until evicted
     (core/prefix_cache.py)."""
@@ -111,10 +114,16 @@ class CacheConfig:
     def __post_init__(self) -> None:
         if self.page_size < 1:
             raise ConfigError(f"page_size must be >= 1; got {self.page_size}")
-        if self.num_pages is not None and self.num_pages < 1:
-            raise ConfigError(f"num_kv_pages must be >= 1; got {self.num_pages}")
+        if self.num_pages is not None and self.num_pages < 2:
+            raise ConfigError(
+                f"num_kv_pages must be >= 2 (page 0 is scratch); got {self.num_pages}"
+            )
         if self.size_bytes is not None and self.size_bytes < 1:
             raise ConfigError(f"kv_cache_bytes must be positive; got {self.size_bytes}")
+        if self.num_pages is not None and self.size_bytes is not None:
+            raise ConfigError(
+                "kv_cache_bytes and num_kv_pages both size the KV cache; give one of them"
+            )
         if not 0.0 < self.memory_fraction <= 1.0:
             raise ConfigError(
                 f"kv_cache_memory_fraction must be in (0, 1]; got {self.memory_fraction}"

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import numbers
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from specserve.core.errors import InvalidRequestError
@@ -38,12 +40,36 @@ def _within(x, low: float, high: float, open_low: bool = False) -> bool:
     return (low < x if open_low else low <= x) and x <= high
 
 
+def _as_list(x):
+    """A collection of values as a list (None: empty); anything else as it is, for its
+    field's check to refuse."""
+    if x is None:
+        return []
+    if isinstance(x, (str, bytes, Mapping)) or not isinstance(x, Iterable):
+        return x
+    return list(x)
+
+
+def engine_seed(seed: int) -> int:
+    """The seed the engine draws with, in [0, 2**62) (an int64 on the device, with room for
+    its stream offsets): `seed` itself in that range, else a hash of the whole integer. Wide
+    seeds are taken (the OpenAI API's are any 64-bit integer, signed or not) and never
+    alias one by wrapping (masked to 62 bits, -1 was 2**62 - 1)."""
+    if 0 <= seed <= _MASK_62:
+        return seed
+    raw = seed.to_bytes(seed.bit_length() // 8 + 1, "little", signed=True)
+    digest = hashlib.blake2b(raw, digest_size=8, person=b"specserve-seed").digest()
+    return int.from_bytes(digest, "little") & _MASK_62
+
+
 def choice_seed(seed: int, index: int) -> int:
     """Seed of choice `index` of a request with n choices: the request seed itself for the
     first, a splitmix64 hash of (seed, index) for the others, so seeded n > 1 requests
     reproduce (the server's and LLM.generate's alike)."""
     if index == 0:
         return seed
+    if not 0 <= seed < 1 << 64:  # (as 64 bits, -1 would be 2**64 - 1)
+        seed = engine_seed(seed)
     z = (seed + 0x9E3779B97F4A7C15 * index) & 0xFFFFFFFFFFFFFFFF
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
@@ -141,15 +167,23 @@ class SamplingParams:
     grammar: Grammar | None = None
 
     def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Check every field and bring it to its normal form (a lone stop string as a list,
+        top_k -1 as 0, numpy's numbers as Python's); raises InvalidRequestError naming the
+        first bad field. The engine calls it again when a request is added, so a field
+        changed after construction is checked as the constructor checks it (the server sets
+        `grammar` after construction, so these params stay mutable)."""
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.stop = _as_list(self.stop)
+        self.stop_token_ids = _as_list(self.stop_token_ids)
         if self.top_k == -1:
             self.top_k = 0
-        if self.logit_bias is not None:
+        if isinstance(self.logit_bias, Mapping):
             self.logit_bias = dict(self.logit_bias) or None
-        bias = self.logit_bias or {}
+        bias = self.logit_bias if isinstance(self.logit_bias, dict) else {}
         # (each check a callable, run in order: a later one may read what an earlier one
         # checked; booleans are no integers here, and a value of the wrong kind fails its
         # own check rather than raising inside another's comparison)
@@ -177,18 +211,25 @@ class SamplingParams:
             ("n", lambda: _int(self.n, 1, 128), "must be an integer in [1, 128]"),
             (
                 "stop",
-                lambda: all(isinstance(s, str) and s for s in self.stop),
+                lambda: (
+                    isinstance(self.stop, list) and all(isinstance(s, str) and s for s in self.stop)
+                ),
                 "must be non-empty strings",
             ),
             (
                 "stop_token_ids",
-                lambda: all(_int(t, 0) for t in self.stop_token_ids),
+                lambda: (
+                    isinstance(self.stop_token_ids, list)
+                    and all(_int(t, 0) for t in self.stop_token_ids)
+                ),
                 "must be non-negative integers",
             ),
+            ("ignore_eos", lambda: isinstance(self.ignore_eos, bool), "must be True or False"),
             (
                 "logit_bias",
                 lambda: (
-                    all(_int(t, 0) for t in bias)
+                    (self.logit_bias is None or isinstance(self.logit_bias, dict))
+                    and all(_int(t, 0) for t in bias)
                     and all(_within(b, -100.0, 100.0) for b in bias.values())
                 ),
                 "must map non-negative token ids to biases in [-100, 100]",
@@ -207,6 +248,11 @@ class SamplingParams:
                 "repetition_penalty",
                 lambda: _within(self.repetition_penalty, 0.0, 10.0, open_low=True),
                 "must be in (0, 10]",
+            ),
+            (
+                "grammar",
+                lambda: self.grammar is None or isinstance(self.grammar, Grammar),
+                "must be a Grammar, such as Grammar('json'), or None",
             ),
             (
                 "min_tokens",

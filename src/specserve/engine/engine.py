@@ -19,7 +19,7 @@ from specserve.core.kernel_options import current, using
 from specserve.core.parallel import SINGLE_RANK
 from specserve.core.prefix_cache import PrefixCache
 from specserve.core.request import Request
-from specserve.core.sampling_params import SamplingParams
+from specserve.core.sampling_params import SamplingParams, engine_seed
 from specserve.engine.builder import (
     build_kv_cache,
     build_speculator,
@@ -75,6 +75,7 @@ class LLMEngine:
         self._plan_lock = threading.Lock()  # rank 0's steps and keep-alive plans, one a time
         self._keep_alive_stop = None
         self._interrupted = False  # a step raised (tensor parallelism: see `step`)
+        self._broken: str | None = None  # why, when a keep-alive plan found a rank gone
         self._closed_group = False  # close() left the tensor-parallel group
         if config.parallel.tensor_parallel_size > 1:
             from specserve.engine import tensor_parallel
@@ -192,8 +193,11 @@ class LLMEngine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
     ) -> str:
-        """Validate and queue a request; returns its id. Raises InvalidRequestError."""
+        """Validate and queue a request; returns its id. Raises InvalidRequestError. The
+        params are checked again here (SamplingParams.validate): a field changed after
+        construction is refused as the constructor would refuse it."""
         params = params or SamplingParams()
+        params.validate()
         if params.n != 1:
             raise InvalidRequestError(
                 "an engine request is one choice (n = 1): LLM.generate and the server fan n "
@@ -245,13 +249,13 @@ class LLMEngine:
                 request_id = f"req-{next(self._ids)}"
         elif request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "id")
-        seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
+        seed = engine_seed(params.seed) if params.seed is not None else self._rng.getrandbits(62)
         req = Request(
             request_id=request_id,
             prompt_token_ids=ids,
             params=params,
             arrival=next(self._arrivals),
-            seed=seed & ((1 << 62) - 1),
+            seed=seed,
             max_len=self.max_model_len,
             eos_token_ids=self.eos_token_ids,
             detokenizer=(
@@ -303,8 +307,9 @@ class LLMEngine:
         with self._plan_lock:  # (the keep-alive thread's plans go between steps)
             if self._interrupted:  # the other ranks may wait inside it: no step pairs up
                 raise TensorParallelError(
-                    "a tensor-parallel step of this engine was interrupted (its ranks may be "
-                    "inside its collectives): close() it and start another"
+                    self._broken
+                    or "a tensor-parallel step of this engine was interrupted (its ranks may "
+                    "be inside its collectives): close() it and start another"
                 )
             return self._parallel_step(parallel, self.loop.step)
 
@@ -337,7 +342,8 @@ class LLMEngine:
                 return
             try:
                 self._parallel_step(parallel, plans.keep_alive)
-            except Exception as e:  # (the next step says it too)
+            except Exception as e:  # the next step says it
+                self._broken = f"{e}" if isinstance(e, TensorParallelError) else None
                 log.warning("tensor-parallel keep-alive failed: %s", e)
         finally:
             self._plan_lock.release()

@@ -141,7 +141,7 @@ def _drafter_needs(
         return layer.kv_bytes_per_token(dtype) + layer.hidden_size * dtype.itemsize, weight_bytes
     from specserve.model.loader import load_config, resolve_model
 
-    source = resolve_model(path, config.load.format)
+    source = resolve_model(path, config.load.format, "speculative_draft_model_path")
     draft_cfg = load_config(source)
     kv_token_bytes = draft_cfg.kv_bytes_per_token(dtype)
     if source.kind == "dummy":

@@ -58,9 +58,13 @@ def default_model_path() -> Path:
     return Path(next(iter(spec.submodule_search_locations))) / DEFAULT_MODEL_FILE
 
 
-def resolve_model(model: str | None, load_format: str = "auto") -> ModelSource:
+def resolve_model(
+    model: str | None, load_format: str = "auto", option: str = "model"
+) -> ModelSource:
     """Turn a --model value (None for the default) into a ModelSource; with load_format
-    "dummy", the value names a shape (model/dummy.py)."""
+    "dummy", the value names a shape (model/dummy.py). `option`: the option that gave the
+    path, which the error names (the draft model's comes from
+    speculative_draft_model_path)."""
     if load_format == "dummy":
         from specserve.model.dummy import DEFAULT_PRESET, check_dummy_ref
 
@@ -75,7 +79,7 @@ def resolve_model(model: str | None, load_format: str = "auto") -> ModelSource:
             return ModelSource(ggufs[0], "gguf")
         return ModelSource(path, "hf")
     raise CheckpointError(
-        f"model {str(path)!r} is neither a Hugging Face model folder nor a .gguf file "
+        f"{option} {str(path)!r} is neither a Hugging Face model folder nor a .gguf file "
         "(specserve never downloads from a hub: pass a local path)"
     )
 

@@ -23,7 +23,9 @@ def build_proposer(target: TargetParts) -> Proposer:
         from specserve.model.loader import load_config, load_model, resolve_model
         from specserve.speculative.draft_model import DraftModelProposer
 
-        source = resolve_model(cfg.speculative.draft_model_path, cfg.load.format)
+        source = resolve_model(
+            cfg.speculative.draft_model_path, cfg.load.format, "speculative_draft_model_path"
+        )
         draft_cfg = load_config(source)
         device = target.kv.pool.device
         model = load_model(source, target.dtype, device, config=draft_cfg, seed=cfg.load.seed + 1)
