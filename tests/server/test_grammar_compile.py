@@ -219,3 +219,67 @@ def test_a_prefix_past_the_basic_plane_matches(tiny_llama):
     compiler = GrammarCompiler(AutoTokenizer.from_pretrained(tiny_llama), VOCAB, [2])
     grammar = Grammar("json_schema", '{"type": "integer"}', prefix="\U0001f600", suffix="!")
     assert xgr.GrammarMatcher(compiler.compile(grammar)).accept_string("\U0001f60012!")
+
+
+def test_a_waiting_requests_grammar_stays_loaded_until_its_request_goes(tiny_llama):
+    """A grammar travels compiled once, then by key alone (GrammarHandOver). The engine
+    keeps the LOADED_KEPT least recently loaded grammars and every one a live request's
+    Grammar uses: a request that travelled key-only and waits while LOADED_KEPT other
+    grammars arrive finds its own when its matcher is made (it was compiled again from
+    source there, on the step loop: seconds for some schemas); once its Grammar is gone
+    the grammar goes like any other."""
+    import gc
+
+    from transformers import AutoTokenizer
+
+    from specserve.runtime.grammar import LOADED_KEPT
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+    server_side = GrammarCompiler(tokenizer, VOCAB, [2])
+    engine_side = GrammarCompiler(tokenizer, VOCAB, [2])
+
+    def sent(source: str) -> Grammar:
+        grammar = Grammar("regex", source)
+        return replace(grammar, compiled=server_side.serialize(grammar))
+
+    first = sent("a+")
+    engine_side.compile(first)  # (added: the engine compiles a grammar as it queues it)
+    waiting = replace(first, compiled=None)  # the next request with it, key-only
+    engine_side.compile(waiting)
+    del first  # (its request ended)
+    others = [sent(f"b{i}+") for i in range(LOADED_KEPT + 1)]
+    for grammar in others:
+        engine_side.compile(grammar)
+    del others, grammar
+    compiles = []
+    real = engine_side._compiler
+
+    class Spy:
+        def __getattr__(self, name):
+            if name.startswith("compile"):
+                compiles.append(name)
+            return getattr(real, name)
+
+    engine_side._compiler = Spy()
+    xgr.GrammarMatcher(engine_side.compile(waiting))  # its matcher, made when it runs
+    assert compiles == []
+    del waiting
+    gc.collect()
+    for i in range(LOADED_KEPT + 1):
+        engine_side.compile(sent(f"c{i}+"))
+    assert ("regex", "a+", "", "") not in engine_side._loaded
+    assert len(engine_side._loaded) <= LOADED_KEPT + 1
+
+
+def test_a_forced_calls_tool_schema_nested_too_deeply_is_refused_naming_tools():
+    """Refused before anything recurses through it (it was a RecursionError: a 500)."""
+    from specserve.core.errors import InvalidRequestError
+    from specserve.server.tools import call_grammar
+
+    schema = {"type": "integer"}
+    for _ in range(600):
+        schema = {"type": "object", "properties": {"a": schema}}
+    tool = {"type": "function", "function": {"name": "f", "parameters": schema}}
+    with pytest.raises(InvalidRequestError, match="nested too deeply") as e:
+        call_grammar([tool], "hermes")
+    assert e.value.field == "tools"

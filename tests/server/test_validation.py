@@ -202,6 +202,26 @@ def test_a_prompt_far_past_the_context_is_refused_without_encoding_it(server):
     assert r.json()["error"]["param"] == "messages"
 
 
+def test_schemas_the_grammar_would_not_enforce_are_400s_naming_the_field(server):
+    """A pattern xgrammar would match as raw JSON text, a keyword it would drop, a schema
+    that allows no value, one nested past MAX_SCHEMA_DEPTH (from ~480 levels, a 500:
+    json.dumps recursed on the event loop): each a 400 naming response_format that says
+    what to change."""
+    chat = '{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, '
+    chat += '"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": '
+    deep = '{"type": "object", "properties": {"a": ' * 300 + '{"type": "integer"}' + "}}" * 300
+    for schema, says in (
+        ('{"type": "string", "pattern": "^a\\"b$"}', "pattern"),
+        ('{"type": "string", "pattern": "^a+$", "maxLength": 2}', "put the length in"),
+        ('{"anyOf": []}', "an empty anyOf"),
+        ('{"type": "integer", "enum": ["a"]}', "an enum none of whose values"),
+        (deep, "nested too deeply"),
+    ):
+        r = _post(server, "chat/completions", content=(chat + schema + "}}}").encode())
+        _assert_error(r, 400, "response_format")
+        assert says in r.json()["error"]["message"], r.text
+
+
 def test_malformed_bodies(server):
     _assert_error(_post(server, "completions", content=b"{not json"), 400)
     _assert_error(_post(server, "completions", content=b"[1, 2]"), 400)

@@ -181,7 +181,7 @@ def test_bad_grammars_are_refused(models):
 def test_schema_features_it_cannot_enforce_are_named():
     """xgrammar compiles these but lets instances violating them through (checked here with
     one such instance each, so the list stays honest): they are refused by name."""
-    from specserve.runtime.grammar_sources import unsupported_schema_features
+    from specserve.runtime.schema_checks import unsupported_schema_features
 
     unenforced = {
         "not": ({"properties": {"a": {"not": {"type": "string"}}}}, {"a": "x"}),
@@ -202,13 +202,50 @@ def test_schema_features_it_cannot_enforce_are_named():
     nested = {
         "type": "object",
         "properties": {"if": {"type": "string"}, "b": {"$ref": "https://x.org/s.json"}},
-        "$defs": {"d": {"dependentRequired": {"a": ["b"]}, "format": "date"}},
+        "$defs": {"d": {"type": "string", "dependentRequired": {"a": ["b"]}, "format": "date"}},
     }
     assert unsupported_schema_features(nested) == [
         "$ref 'https://x.org/s.json' (only references within the schema)",
         "dependentRequired",
     ]
     assert unsupported_schema_features(SCHEMA) == []
+
+
+def _rejected(matcher: xgr.GrammarMatcher, vocab: int) -> set[int]:
+    bitmask = xgr.allocate_token_bitmask(1, vocab)
+    matcher.fill_next_token_bitmask(bitmask)
+    return set(xgr.testing._get_masked_tokens_from_bitmask(bitmask, vocab))
+
+
+@pytest.mark.parametrize("kind", ["byte-level", "sentencepiece"])
+def test_no_grammar_allows_a_special_token_but_the_stop_token_ends_one(kind):
+    """The tokenizer's special tokens other than the stop tokens are special to xgrammar:
+    its own tables read `<|im_start|>` as its text, which then filled a JSON string and was
+    dropped from the returned text (the detokenizer skips special tokens). Every other
+    token's mask is xgrammar's own, and the stop token still ends a finished grammar."""
+    from specserve.runtime.grammar import GrammarCompiler
+    from specserve.runtime.grammar_sources import schema_grammar
+    from tests.support.tiny_models import VOCAB, make_sentencepiece_tokenizer
+
+    tok = _tokenizer() if kind == "byte-level" else make_sentencepiece_tokenizer()
+    stop = tok.eos_token_id
+    special = set(tok.all_special_ids) | {
+        i for i, token in tok.added_tokens_decoder.items() if token.special
+    }
+    special.discard(stop)
+    info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=VOCAB, stop_token_ids=[stop])
+    schema = json.dumps({"type": "object", "properties": {"s": {"type": "string"}}})
+    ours = GrammarCompiler(tok, VOCAB, [stop]).compile(Grammar("json_schema", schema))
+    theirs = xgr.GrammarCompiler(info).compile_grammar(schema_grammar(schema))
+    ours, theirs = xgr.GrammarMatcher(ours), xgr.GrammarMatcher(theirs)
+    for i, text in enumerate(['{"s": "', "ab", '"', "}"]):
+        assert ours.accept_string(text) and theirs.accept_string(text)
+        rejected = _rejected(theirs, VOCAB)
+        if i < 2:  # inside the string, xgrammar alone allows them
+            assert special - rejected
+        assert _rejected(ours, VOCAB) == rejected | special
+    assert stop not in _rejected(ours, VOCAB) and ours.accept_token(stop)
+    assert ours.is_terminated()
 
 
 def _tokenizer():

@@ -17,7 +17,9 @@ reason "grammar"), as the masks depend on its tokens. A step's masks are filled 
 (`fill_masks`): the rows of every request at one draft position in one xgrammar batch fill,
 threaded when there are many, into host memory kept for the engine's life (`MaskBuffer`).
 What a grammar's source becomes for xgrammar (schema checks and rewrites):
-runtime/grammar_sources.py.
+runtime/grammar_sources.py. No grammar allows the tokenizer's special tokens other than the
+stop tokens (`tokenizer_info`); grammars compiled elsewhere stay loaded while a request holds
+them (`LoadedGrammars`).
 """
 
 from __future__ import annotations
@@ -43,18 +45,20 @@ from specserve.core.errors import InvalidRequestError
 from specserve.core.sampling_params import Grammar
 from specserve.runtime.grammar_pool import GrammarPool, RemoteGrammar, take_tokens, unseen_tokens
 from specserve.runtime.grammar_sources import (
+    SchemaRefused,
     compile_error,
     ebnf_text,
     schema_grammar,
-    unsupported_schema_features,
 )
 from specserve.runtime.packing import to_device
+from specserve.runtime.schema_checks import TOO_DEEP
 
 logger = logging.getLogger(__name__)
 
 CACHE_BYTES = 256 << 20  # compiled grammars kept (distinct schemas would grow it forever)
-# Grammars compiled elsewhere (`Grammar.compiled`) kept once loaded, by key: the server
-# sends a grammar compiled only while it is among the last LOADED_KEPT // 2 it sent
+# Grammars compiled elsewhere (`Grammar.compiled`) kept once loaded, by key, beyond those a
+# request still holds (`LoadedGrammars`): the server sends a grammar compiled only while it
+# is not among the last LOADED_KEPT // 2 it sent
 LOADED_KEPT = 64
 
 
@@ -118,7 +122,7 @@ class GrammarCompiler:
         self.pool_min_rows = POOL_MIN_ROWS  # ... in steps with this many constrained rows
         self.workers_on_first_use = 0  # workers started with the first grammar compiled
         self.masks = MaskBuffer(xgr.get_bitmask_shape(1, vocab_size)[1])
-        self._loaded: OrderedDict[tuple, xgr.CompiledGrammar] = OrderedDict()  # by Grammar.key
+        self._loaded = LoadedGrammars()  # compiled elsewhere, by Grammar.key
         self._lock = threading.Lock()
         self._load_failed = 0  # compiled grammars that did not load (warned once)
 
@@ -175,9 +179,7 @@ class GrammarCompiler:
         if self._compiler is None:
             with self._lock:  # (the server compiles on several threads)
                 if self._compiler is None:
-                    self._info = xgr.TokenizerInfo.from_huggingface(
-                        self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_ids
-                    )
+                    self._info = tokenizer_info(self.tokenizer, self.vocab_size, self.stop_ids)
                     self._compiler = xgr.GrammarCompiler(self._info, cache_limit_bytes=CACHE_BYTES)
         return self._compiler
 
@@ -192,14 +194,12 @@ class GrammarCompiler:
         compiler = self._compiler_for_tokenizer()
         if self.workers_on_first_use and self.pool is None:  # (a server that never sees a
             self.start_workers(self.workers_on_first_use)  # grammar starts none)
-        loaded = self._loaded.get(grammar.key)
+        loaded = self._loaded.get(grammar)
         if loaded is None and grammar.compiled is not None:
             loaded = self._load(grammar.compiled)
+            if loaded is not None:
+                self._loaded.add(grammar, loaded)
         if loaded is not None:
-            self._loaded[grammar.key] = loaded
-            self._loaded.move_to_end(grammar.key)
-            if len(self._loaded) > LOADED_KEPT:
-                self._loaded.popitem(last=False)
             return loaded
         if grammar.kind == "json_schema":
             self._check_schema(grammar)
@@ -218,6 +218,8 @@ class GrammarCompiler:
             if grammar.kind == "ebnf":
                 return compiler.compile_grammar(grammar.source)
             return compiler.compile_regex(grammar.source)
+        except SchemaRefused as e:
+            raise InvalidRequestError(str(e), grammar.field) from None
         except (RuntimeError, ValueError, TypeError) as e:
             raise InvalidRequestError(
                 f"the {grammar.kind} grammar cannot be used: {compile_error(e)}", grammar.field
@@ -241,18 +243,16 @@ class GrammarCompiler:
 
     @staticmethod
     def _check_schema(grammar: Grammar) -> None:
+        """JSON, an object (what it asks for is checked as its grammar is built:
+        runtime/grammar_sources.py)."""
         try:
             schema = json.loads(grammar.source)
         except ValueError as e:
             raise InvalidRequestError(f"the JSON schema is not JSON: {e}", grammar.field) from e
+        except RecursionError:
+            raise InvalidRequestError(TOO_DEEP, grammar.field) from None
         if not isinstance(schema, (dict, bool)):
             raise InvalidRequestError("a JSON schema must be an object", grammar.field)
-        missing = unsupported_schema_features(schema)
-        if missing:
-            raise InvalidRequestError(
-                "the JSON schema uses what structured output cannot enforce: " + ", ".join(missing),
-                grammar.field,
-            )
 
     def state(self, req) -> GrammarState:
         """The request's matcher, made on first use (on every rank: each masks its logits)."""
@@ -267,6 +267,87 @@ class GrammarCompiler:
             grammar = req.params.grammar
             state.remote = self.pool.remote(self.compile(grammar), grammar.key)
         return state.remote
+
+
+def tokenizer_info(tokenizer, vocab_size: int, stop_ids: list[int]) -> xgr.TokenizerInfo:
+    """xgrammar's tables for the tokenizer, where its special tokens other than the stop
+    tokens are special to xgrammar too (no grammar allows them; the stop tokens end one):
+    xgrammar's own take only padding as special and reads the rest as their text, so a
+    `<|im_start|>` could fill a JSON string, which the detokenizer then drops (it skips
+    special tokens) from the text it returns."""
+    info = xgr.TokenizerInfo.from_huggingface(
+        tokenizer, vocab_size=vocab_size, stop_token_ids=stop_ids
+    )
+    special = set(getattr(tokenizer, "all_special_ids", None) or ())
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    special |= {i for i, token in added.items() if getattr(token, "special", False)}
+    special = {i for i in special if 0 <= i < vocab_size} - set(info.stop_token_ids)
+    if special <= set(info.special_token_ids):
+        return info
+    vocab = list(info.decoded_vocab)
+    for i in special:
+        vocab[i] = b""  # (xgrammar's special tokens: those with no text)
+    return xgr.TokenizerInfo(
+        vocab,
+        xgr.VocabType.RAW,  # (the vocabulary decoded already)
+        vocab_size=vocab_size,
+        stop_token_ids=info.stop_token_ids,
+        add_prefix_space=info.add_prefix_space,
+    )
+
+
+class LoadedGrammars:
+    """Grammars compiled elsewhere and loaded here, by key: the LOADED_KEPT least recently
+    used, and every one a live `Grammar` object uses (pinned from `get` or `add` until that
+    object goes, as its request does). A request whose grammar travelled key-only
+    (`GrammarHandOver`: loaded with an earlier request) thus finds it when its matcher is
+    made, however many other grammars arrived while it waited; unpinned, it was compiled
+    again from source there, on the step loop (seconds for some schemas)."""
+
+    def __init__(self, kept: int = LOADED_KEPT):
+        self.kept = kept
+        self._grammars: OrderedDict[tuple, xgr.CompiledGrammar] = OrderedDict()
+        self._users: dict[tuple, int] = {}  # key -> live Grammar objects pinning it
+        self._pins: dict[int, weakref.ref] = {}  # id(Grammar) -> a reference to it
+
+    def __contains__(self, key: tuple) -> bool:
+        return key in self._grammars
+
+    def __len__(self) -> int:
+        return len(self._grammars)
+
+    def get(self, grammar: Grammar) -> xgr.CompiledGrammar | None:
+        compiled = self._grammars.get(grammar.key)
+        if compiled is not None:
+            self._grammars.move_to_end(grammar.key)
+            self._pin(grammar)
+        return compiled
+
+    def add(self, grammar: Grammar, compiled: xgr.CompiledGrammar) -> None:
+        self._grammars[grammar.key] = compiled
+        self._grammars.move_to_end(grammar.key)
+        self._pin(grammar)
+        unpinned = len(self._grammars) - len(self._users)  # (every pinned key is here)
+        for key in [k for k in self._grammars if k not in self._users]:
+            if unpinned <= self.kept:
+                break
+            del self._grammars[key]
+            unpinned -= 1
+
+    def _pin(self, grammar: Grammar) -> None:
+        if id(grammar) in self._pins:
+            return
+        key, users, pins, gid = grammar.key, self._users, self._pins, id(grammar)
+
+        def unpin(_):  # (the Grammar went; called before its id can be reused)
+            pins.pop(gid, None)
+            if users.get(key, 0) > 1:
+                users[key] -= 1
+            else:
+                users.pop(key, None)
+
+        pins[gid] = weakref.ref(grammar, unpin)
+        users[key] = users.get(key, 0) + 1
 
 
 # A compile worker's compiler (server/grammar_compile.py: one process of its pool each)

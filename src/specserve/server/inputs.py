@@ -15,6 +15,7 @@ from jinja2 import TemplateError
 from specserve.core.errors import InvalidRequestError
 from specserve.core.sampling_params import Grammar, SamplingParams, choice_seed
 from specserve.runtime.grammar import GrammarCompiler
+from specserve.runtime.schema_checks import TOO_DEEP, too_deep
 from specserve.server.errors import APIError, bad_request, from_invalid_request
 from specserve.server.grammar_compile import GrammarChecker
 from specserve.server.messages import AddRequest, EngineInfo
@@ -378,8 +379,10 @@ def _grammar(fmt: ResponseFormat | None) -> Grammar | None:
         raise bad_request(
             "response_format of type json_schema needs json_schema.schema", "response_format"
         )
-    source = json.dumps(fmt.json_schema.schema_)
-    return Grammar("json_schema", source, field="response_format")
+    schema = fmt.json_schema.schema_
+    if too_deep(schema):  # (json.dumps would recurse past Python's limit: a 500)
+        raise bad_request(TOO_DEEP, "response_format")
+    return Grammar("json_schema", json.dumps(schema), field="response_format")
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:

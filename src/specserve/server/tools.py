@@ -18,7 +18,7 @@ import uuid
 
 from specserve.core.errors import InvalidRequestError
 from specserve.core.sampling_params import Grammar
-from specserve.runtime.grammar_sources import unsupported_schema_features
+from specserve.runtime.schema_checks import unsupported_schema_features
 
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
