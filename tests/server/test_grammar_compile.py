@@ -80,6 +80,18 @@ def test_a_grammar_past_the_time_bound_is_ended_a_400_and_a_queued_one_a_503(che
     assert _started(log) == [] and _started(tmp_path / "after") == [pid]
 
 
+def test_a_worker_that_died_idle_is_replaced(checker, tmp_path):
+    """A compile worker killed while idle (out of memory, say) put the pool in its error
+    state for good: every later compile failed (a 500) until the server restarted."""
+    pid = int(asyncio.run(checker.compiled(_sleep(0.01, tmp_path / "log"))).compiled)
+    psutil.Process(pid).kill()  # (not reaped here: pebble's manager must see it end)
+    deadline = time.monotonic() + 30  # (pebble's manager notices the dead worker)
+    while checker._pool.active and time.monotonic() < deadline:
+        time.sleep(0.1)
+    compiled = asyncio.run(checker.compiled(Grammar("json_schema", SCHEMA)))
+    assert compiled.compiled is not None
+
+
 def test_a_compile_that_starts_within_the_bound_is_waited_for(checker, tmp_path):
     """A grammar queued behind another but started before its bound ran out is waited for
     (its own bound ends it), not refused for the time it waited."""

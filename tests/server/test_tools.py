@@ -92,6 +92,8 @@ def test_calls_parsed_from_replies():
     content, calls = parse_calls('<|python_tag|>{"name": "f", "parameters": {"a": 1}}', "llama3")
     assert content is None and calls[0]["function"] == {"name": "f", "arguments": '{"a": 1}'}
     assert parse_calls("The answer is {not a call}", "llama3")[1] == []
+    deep = "[" * 100_000 + "]" * 100_000  # (past Python's recursion limit: no call, no 500)
+    assert parse_calls(f"<tool_call>\n{deep}\n</tool_call>", "hermes")[1] == []
 
 
 @pytest.mark.parametrize("fmt", ["hermes", "llama3"])
@@ -275,6 +277,18 @@ def test_forced_calls_refuse_bad_parameters_and_names(tool_server):
             model=model, messages=messages, tools=TOOLS + TOOLS[1:], max_tokens=8
         )
     assert e.value.body["param"] == "tools"
+    # a call sent back with arguments nested past Python's recursion limit: rendered as the
+    # text it is (it was a 500)
+    deep = "[" * 100_000 + "]" * 100_000
+    call = {"id": "c1", "type": "function", "function": {"name": "get_time", "arguments": deep}}
+    back = messages + [{"role": "assistant", "content": None, "tool_calls": [call]}]
+    reply = httpx.post(
+        tool_server.url + "/v1/chat/completions",
+        headers={"Authorization": f"Bearer {API_KEY}"},
+        json={"model": model, "messages": back, "tools": TOOLS[1:], "max_tokens": 4},
+        timeout=60,
+    )
+    assert reply.status_code in (200, 400), reply.text
     assert httpx.get(tool_server.url + "/health").status_code == 200
 
 

@@ -3,16 +3,20 @@
 The routes validate and tokenize, hand engine requests to the EngineClient and turn its
 delta streams into responses: whole JSON bodies or server-sent events ending in [DONE].
 A client that disconnects has its engine requests aborted at once (streams: Starlette
-cancels the body iterator; whole responses: a watcher waits for http.disconnect).
+cancels the body iterator; whole responses: a watcher waits for http.disconnect). A client
+that stays connected but stops reading its stream is stopped too: by the output waiting
+for it (EngineClient) or by a write that waits past `stream_write_timeout_s` (its
+connection is closed, `_watch_writes`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
@@ -22,10 +26,12 @@ from specserve.server.engine_client import (
     EngineClient,
     EngineDeadError,
     EngineRequestError,
+    EngineStalledError,
     QueueFullError,
     RequestStream,
     RequestTooBigError,
     ShuttingDownError,
+    SlowReaderError,
 )
 from specserve.server.errors import APIError, install_error_handlers
 from specserve.server.guard import RequestGuard
@@ -49,7 +55,9 @@ from specserve.server.protocol import (
     ModelList,
 )
 
+log = logging.getLogger("specserve.server")
 _ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models")
+_WATCH_WRITES_S = 1.0  # how often waiting writes are checked
 RECEIVED_AT = "specserve.received_at"  # scope key: when an API request reached the app
 
 
@@ -65,6 +73,10 @@ class ServerState:
     served_names: list[str]
     draining: bool = False  # set on SIGTERM: new API requests get 503
     loop: asyncio.AbstractEventLoop | None = None
+    # Closes the connection of a client address at once, unsent bytes dropped; False
+    # where it cannot (set by launch.py from uvicorn's connections)
+    close_connection: Callable[[tuple | None], bool] | None = None
+    streaming: set[_EngineStream] = field(default_factory=set)  # responses being written
 
     def begin_shutdown(self) -> None:
         """On SIGTERM (any thread): refuse new API requests now, abort the ones still
@@ -84,7 +96,9 @@ def build_app(state: ServerState) -> FastAPI:
     async def lifespan(app: FastAPI):
         state.loop = asyncio.get_running_loop()
         state.client.attach(state.loop)
+        watcher = state.loop.create_task(_watch_writes(state))
         yield
+        watcher.cancel()
         await state.client.shutdown()
         state.inputs.close()
 
@@ -104,6 +118,7 @@ def build_app(state: ServerState) -> FastAPI:
     app.add_middleware(_StatusCounter, metrics=state.metrics)
     state.metrics.engine_stats = lambda: state.client.stats
     state.metrics.in_flight = lambda: state.client.num_in_flight
+    state.metrics.engine_silent_s = lambda: state.client.watch.silent_s_at(time.monotonic())
     state.metrics.prompt_stats = state.inputs.encoder.stats
 
     @app.get(
@@ -112,8 +127,10 @@ def build_app(state: ServerState) -> FastAPI:
         responses={200: {"description": "the engine runs", "content": {}}, **errors(503)},
     )
     async def health() -> Response:
-        if not state.client.alive:
-            return APIError(503, "the engine is not running").response()
+        problem = state.client.problem()
+        if problem is not None:  # dead, or stopped or hung: the message says which
+            code = "engine_unresponsive" if state.client.alive else "engine_unavailable"
+            return APIError(503, problem, code=code).response()
         return Response(status_code=200)
 
     @app.get(
@@ -247,17 +264,21 @@ async def _serve(
         if received is not None:
             outside.labels("intake").observe(stream.submitted_at - received)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return _EngineStream(
-            state.client,
-            stream,
-            _events(stream, fmt, include_usage, outside.labels("first_chunk")),
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache"},
-        )
+        try:
+            return _EngineStream(
+                state,
+                stream,
+                _events(stream, fmt, include_usage, outside.labels("first_chunk")),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache"},
+            )
+        except BaseException:  # (it would count toward admission until released)
+            state.client.release(stream)
+            raise
     try:
         await _collect(stream, fmt, request)
     finally:
-        state.client.abort(stream)  # no-op once finished; frees pages on disconnect/cancel
+        state.client.release(stream)  # frees pages on disconnect/cancel
     return JSONResponse(fmt.response())
 
 
@@ -292,7 +313,12 @@ def _reraise(exc: BaseException | None) -> None:
 
 
 def _unavailable(exc: EngineDeadError) -> APIError:
-    code = "shutting_down" if isinstance(exc, ShuttingDownError) else "engine_unavailable"
+    if isinstance(exc, ShuttingDownError):
+        code = "shutting_down"
+    elif isinstance(exc, EngineStalledError):
+        code = "engine_unresponsive"
+    else:
+        code = "engine_unavailable"
     return APIError(503, str(exc), code=code)
 
 
@@ -322,6 +348,8 @@ async def _events(
         yield sse(APIError(e.status, str(e), param=e.field).body())
     except EngineDeadError as e:
         yield sse(_unavailable(e).body())
+    except SlowReaderError as e:  # (written if the client reads again)
+        yield sse(APIError(408, str(e), code="slow_reader").body())
     else:
         if include_usage:
             yield sse(fmt.usage_chunk())
@@ -330,18 +358,71 @@ async def _events(
 
 class _EngineStream(StreamingResponse):
     """A streaming response that aborts its engine requests however it ends (finished,
-    client gone, cancelled by shutdown), so their KV pages are freed at once."""
+    client gone, cancelled by shutdown, closed for a client that reads nothing), so their
+    KV pages are freed at once. It stamps the time a write to the client begins waiting
+    (`RequestStream.sending_since`), which the backlog bound and `_watch_writes` read."""
 
-    def __init__(self, client: EngineClient, stream: RequestStream, content, **kwargs):
+    def __init__(self, state: ServerState, stream: RequestStream, content, **kwargs):
         super().__init__(content, **kwargs)
-        self._client = client
+        self._state = state
         self._stream = stream
+        self._task: asyncio.Task | None = None
+        self._closed = False  # cancelled by `close`
 
     async def __call__(self, scope, receive, send) -> None:
+        stream = self._stream
+        stream.client = scope.get("client")
+
+        async def timed_send(message) -> None:
+            stream.sending_since = time.monotonic()
+            try:
+                await send(message)
+            finally:
+                stream.sending_since = None
+
+        self._task = asyncio.current_task()
+        self._state.streaming.add(self)
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive, timed_send)
+        except asyncio.CancelledError:
+            if not self._closed:
+                raise
+            self._task.uncancel()  # (ours: the response ends; uvicorn drops the connection)
         finally:
-            self._client.abort(self._stream)
+            self._state.streaming.discard(self)
+            self._state.client.release(stream)
+
+    def write_stalled(self, now: float, limit_s: float) -> bool:
+        since = self._stream.sending_since
+        return since is not None and now - since > limit_s
+
+    def close(self, why: str) -> None:
+        """Stop it: its requests are aborted and its connection closed at once (uvicorn
+        then tells the response its client left), or, where that cannot be done, the
+        response is cancelled."""
+        client = self._stream.client
+        address = f"{client[0]}:{client[1]}" if client else "a client"
+        log.warning("closing the stream of %s: %s", address, why)
+        self._state.streaming.discard(self)
+        self._state.client.release(self._stream)
+        closer = self._state.close_connection
+        if closer is None or not closer(self._stream.client):
+            self._closed = True
+            if self._task is not None:
+                self._task.cancel()
+
+
+async def _watch_writes(state: ServerState) -> None:
+    """Every second: a stream whose write to its client has waited longer than
+    `stream_write_timeout_s` (the client reads nothing, or has vanished without closing)
+    is stopped and its connection closed."""
+    limit_s = state.config.stream_write_timeout_s
+    while True:
+        await asyncio.sleep(_WATCH_WRITES_S)
+        now = time.monotonic()
+        for response in [r for r in state.streaming if r.write_stalled(now, limit_s)]:
+            state.metrics.streams_stopped.labels("write_timeout").inc()
+            response.close(f"its client read nothing for {limit_s:.0f} s")
 
 
 class _StatusCounter:

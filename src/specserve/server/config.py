@@ -22,6 +22,16 @@ class ServerConfig:
     and body must arrive within `request_read_timeout_s` (stalled connections are closed),
     its body may not exceed `max_request_bytes`, and an idle kept-alive connection is
     closed after `keep_alive_timeout_s`.
+
+    Stuck parties (no flags: defaults meant to need no tuning): a stream whose client does
+    not read it is stopped once `stream_backlog_bytes` of its output wait undelivered (a
+    few MiB is thousands of tokens behind; streams still being delivered count toward
+    `max_queue`), and its connection is closed once one write has waited
+    `stream_write_timeout_s`. The engine reports at least every second from a thread of its
+    own, however long its steps: silent for `engine_silent_timeout_s` it is stopped or hung
+    (/health 503, requests in flight fail, new ones get 503 until it answers again); in one
+    loop turn for `engine_step_timeout_s` (a step that does not end) /health answers 503
+    and nothing is failed, a step that long could still end.
     """
 
     host: str = "127.0.0.1"
@@ -37,6 +47,10 @@ class ServerConfig:
     request_read_timeout_s: float = 30.0
     keep_alive_timeout_s: float = 5.0
     public_metrics: bool = False
+    stream_backlog_bytes: int = 16 * 2**20
+    stream_write_timeout_s: float = 60.0
+    engine_silent_timeout_s: float = 15.0
+    engine_step_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -49,9 +63,16 @@ class ServerConfig:
             raise ValueError("the API key (--api-key) must not be empty")
         if self.max_request_bytes < 1024:
             raise ValueError(f"--max-request-bytes must be >= 1024; got {self.max_request_bytes}")
+        if self.stream_backlog_bytes < 2**20:
+            raise ValueError(
+                f"stream_backlog_bytes must be >= 1 MiB; got {self.stream_backlog_bytes}"
+            )
         for name, seconds in (
             ("--request-read-timeout", self.request_read_timeout_s),
             ("--keep-alive-timeout", self.keep_alive_timeout_s),
+            ("stream_write_timeout_s", self.stream_write_timeout_s),
+            ("engine_silent_timeout_s", self.engine_silent_timeout_s),
+            ("engine_step_timeout_s", self.engine_step_timeout_s),
         ):
             if not 0 < seconds < math.inf:  # (NaN too: every connection failed on it)
                 raise ValueError(f"{name} must be a positive number of seconds; got {seconds}")

@@ -5,6 +5,12 @@ A reader thread blocks on the engine's pipe and hands each report to the event l
 `call_soon_threadsafe`, so the loop never blocks on the engine and the engine never waits
 for HTTP work. Requests go the other way through the engine's inbox (server/inbox.py),
 written by the event loop itself at once and never blocking it.
+
+Two bounds keep a stuck party from holding the server: a stream's output waiting for its
+client to read it is bounded (`RequestStream`; past the bound its requests are aborted),
+and the engine reports at least every second (idle or not: engine_proc.py's heartbeat), so
+an engine that falls silent (stopped, hung) is noticed: /health says so and the requests
+in flight fail (`EngineWatch`).
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from dataclasses import dataclass
 from specserve.core.config import EngineConfig
 from specserve.core.errors import CheckpointError, SpecserveError
 from specserve.runtime.grammar import GrammarHandOver
+from specserve.server.config import ServerConfig
 from specserve.server.engine_proc import run_engine
 from specserve.server.inbox import InboxWriter
 from specserve.server.messages import (
@@ -41,6 +48,7 @@ from specserve.server.metrics import ServerMetrics
 
 log = logging.getLogger("specserve")
 _CAUSE_CHARS = 300  # of an engine's error, what clients are told
+_WATCH_S = 1.0  # how often the engine's silence is checked
 
 
 class EngineDeadError(SpecserveError):
@@ -58,6 +66,16 @@ class QueueFullError(SpecserveError):
 class RequestTooBigError(SpecserveError):
     """One API request fans out into more engine requests than the server can ever hold
     (running slots plus --max-queue): retrying cannot help."""
+
+
+class EngineStalledError(EngineDeadError):
+    """The engine process has stopped answering (stopped or hung, not dead): requests in
+    flight cannot be expected to finish."""
+
+
+class SlowReaderError(SpecserveError):
+    """A stream's client read its output too slowly: more waited undelivered than a stream
+    may hold, so its engine requests were aborted."""
 
 
 class EngineRequestError(SpecserveError):
@@ -79,6 +97,12 @@ class RequestStream:
     Deltas of one choice that queued up behind each other (the HTTP process fell behind the
     engine: a fast model's one-token steps arrive faster than events go out) come out as
     one (`merge_deltas`): one event instead of several, the same text, tokens and logprobs.
+
+    `backlog_bytes` estimates the memory its deltas hold until its consumer takes them.
+    `sending_since` and `client` are its response's: since when its write to the client
+    has been waiting (None while none waits), and the client's address. A client that
+    does not read blocks the consumer in that write while deltas pile up: EngineClient
+    stops a stream whose backlog passes its bound while a write waits (`cut`).
     """
 
     def __init__(self, request_ids: list[str]):
@@ -88,13 +112,31 @@ class RequestStream:
         self._next = None  # an item taken from the queue while merging, not yet returned
         self.submitted_at: float | None = None  # (time.monotonic, as every stamp here)
         self.first_token_at: float | None = None  # when the server handled its first tokens
+        self.backlog_bytes = 0
+        self.sending_since: float | None = None
+        self.client: tuple | None = None
 
     @property
     def finished(self) -> bool:
         return not self.unfinished
 
     def _put(self, item) -> None:
+        if type(item) is tuple:
+            self.backlog_bytes += delta_bytes(item[1])
         self._queue.put_nowait(item)
+
+    def _take(self, item):
+        if type(item) is tuple:
+            self.backlog_bytes -= delta_bytes(item[1])
+        return item
+
+    def cut(self, exc: BaseException) -> None:
+        """Drop the deltas not yet taken (their memory); the consumer gets `exc` next."""
+        self._next = None
+        while not self._queue.empty():
+            self._queue.get_nowait()
+        self.backlog_bytes = 0
+        self._queue.put_nowait(exc)
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -102,7 +144,7 @@ class RequestStream:
     async def __anext__(self) -> tuple[int, OutputDelta]:
         item, self._next = self._next, None
         if item is None:
-            item = await self._queue.get()
+            item = self._take(await self._queue.get())
         if item is _END:
             raise StopAsyncIteration
         if isinstance(item, BaseException):
@@ -113,12 +155,26 @@ class RequestStream:
         index, delta = item
         parts = [delta]
         while not queue.empty():
-            more = queue.get_nowait()
+            more = self._take(queue.get_nowait())
             if more is _END or isinstance(more, BaseException) or more[0] != index:
                 self._next = more
                 break
             parts.append(more[1])
         return index, merge_deltas(parts)
+
+
+def delta_bytes(delta: OutputDelta) -> int:
+    """About the memory an OutputDelta received from the engine holds (measured on
+    CPython 3.11: ~440 bytes a delta, ~200 more a token with logprobs and ~100 a top
+    alternative, prompt tokens' included)."""
+    n = len(delta.new_token_ids)
+    size = 400 + len(delta.delta_text) + 40 * n
+    if delta.new_logprobs:
+        size += n * (200 + 100 * len(delta.new_logprobs[0][1]))
+    prompt = delta.prompt_logprobs
+    if prompt and len(prompt) > 1:  # (the first token's is None)
+        size += len(prompt) * (200 + 100 * len(prompt[1][1]))
+    return size
 
 
 def merge_deltas(parts: list[OutputDelta]) -> OutputDelta:
@@ -143,6 +199,55 @@ def merge_deltas(parts: list[OutputDelta]) -> OutputDelta:
     )
 
 
+class EngineWatch:
+    """When the engine was last heard from, and what that says about it.
+
+    The reader thread stamps every message (`heard`). A step report is sent as the loop
+    finishes a turn; a heartbeat (an empty report the engine's outbox thread sends after a
+    second without one) carries when the loop last began a turn. So a process silent for
+    `silent_s` is stopped or hung, not busy (its heartbeat comes from a thread of its own,
+    which a long step does not hold up); a loop in one turn for `step_s` runs a step that
+    does not end (a device or a collective hung, a deadlock) or an extraordinary one.
+    """
+
+    def __init__(self, silent_s: float, step_s: float):
+        self.silent_s = silent_s
+        self.step_s = step_s
+        now = time.monotonic()
+        self.heard_at = now  # when the last message arrived (time.monotonic: every process's)
+        self.loop_at = now  # when the engine's loop last began or ended a turn
+        self.resumed_at = now  # when this process last resumed from a stall of its own
+
+    def heard(self, loop_at: float) -> None:
+        """A message arrived (the reader thread); `loop_at`: its loop's last turn."""
+        self.loop_at = loop_at
+        self.heard_at = time.monotonic()
+
+    def silent_s_at(self, now: float) -> float:
+        """How long the engine process has said nothing (this process's own stalls, in
+        which its reader could not read, not counted)."""
+        return now - max(self.heard_at, self.resumed_at)
+
+    def silent(self, now: float) -> bool:
+        return self.silent_s_at(now) > self.silent_s
+
+    def problem(self, now: float) -> str | None:
+        """Why the engine is not serving, or None."""
+        silent_s = self.silent_s_at(now)
+        if silent_s > self.silent_s:
+            return (
+                f"the engine process has not answered for {silent_s:.0f} s (it reports "
+                "every second): it is stopped or hung"
+            )
+        busy_s = now - max(self.loop_at, self.resumed_at)
+        if busy_s > self.step_s:
+            return (
+                f"the engine has been in one step for {busy_s:.0f} s (hung on the device or "
+                "in a collective?)"
+            )
+        return None
+
+
 @dataclass
 class _Tracked:
     """Routing and latency bookkeeping of one engine request."""
@@ -156,10 +261,11 @@ class _Tracked:
 class EngineClient:
     """Owns the engine process; `submit` returns a RequestStream, `abort` cancels one."""
 
-    def __init__(self, config: EngineConfig, metrics: ServerMetrics, max_queue: int):
+    def __init__(self, config: EngineConfig, metrics: ServerMetrics, server: ServerConfig):
         self.config = config
         self.metrics = metrics
-        self.max_queue = max_queue
+        self.max_queue = server.max_queue
+        self.stream_backlog_bytes = server.stream_backlog_bytes
         ctx = mp.get_context("spawn")
         inbox_conn, inbox_writer = ctx.Pipe(duplex=False)
         self._inbox = InboxWriter(inbox_writer)
@@ -171,7 +277,12 @@ class EngineClient:
             args=(config, inbox_conn, child_conn, level),
             name="specserve-engine",
         )
-        self._proc.start()
+        try:
+            self._proc.start()
+        except BaseException:  # (SIGTERM while it spawns: launch.py's start-up handler)
+            if self._proc.pid is not None:
+                self._proc.kill()
+            raise
         child_conn.close()  # so the reader sees EOF when the engine process dies
         inbox_conn.close()  # so the engine sees EOF when this process dies
         self.info: EngineInfo | None = None
@@ -181,6 +292,14 @@ class EngineClient:
         self.on_dead: Callable[[], None] | None = None
         self.shutting_down = False  # the engine was told to stop: its end is no failure
         self._tracked: dict[str, _Tracked] = {}
+        # Streams from submission until released (`release`, which their response calls as
+        # it ends): one whose engine requests finished but whose output still waits for its
+        # client counts toward admission as its requests did (`num_in_flight`).
+        self._open: set[RequestStream] = set()
+        self._open_requests = 0
+        self.watch = EngineWatch(server.engine_silent_timeout_s, server.engine_step_timeout_s)
+        self._watcher: asyncio.Task | None = None
+        self._stalled = False  # the engine fell silent; the requests in flight have failed
         self._grammars_sent = GrammarHandOver()  # (`_hand_over`)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._reader: threading.Thread | None = None
@@ -201,6 +320,7 @@ class EngineClient:
                 raise CheckpointError(msg.message)
             raise EngineDeadError(f"the engine failed to load the model:\n{msg.traceback}")
         self.info = msg.info
+        self.watch.heard(time.monotonic())
         self.stats = {
             "running": 0,
             "waiting": 0,
@@ -213,13 +333,17 @@ class EngineClient:
     def attach(self, loop: asyncio.AbstractEventLoop) -> None:
         """Start routing engine reports into `loop` (call from inside the running loop)."""
         self._loop = loop
+        self.watch.resumed_at = time.monotonic()  # (reports since Ready wait in the pipe)
         self._inbox.attach(loop)
         self._reader = threading.Thread(target=self._read, name="engine-reader", daemon=True)
         self._reader.start()
+        self._watcher = loop.create_task(self._watch_engine())
 
     async def shutdown(self, timeout_s: float = 10.0) -> None:
         """Abort whatever is left, stop the engine process and wait for it."""
         self.shutting_down = True
+        if self._watcher is not None:
+            self._watcher.cancel()
         if self._proc.is_alive():
             self._inbox.put(Shutdown())
             await asyncio.to_thread(self._proc.join, timeout_s)
@@ -246,9 +370,16 @@ class EngineClient:
         return self.dead_reason is None and self._proc.is_alive()
 
     # ---- requests -------------------------------------------------------------------------
+    def problem(self) -> str | None:
+        """Why the engine cannot serve now (dead, stopped or hung), or None."""
+        if not self.alive:
+            return "the engine is not running"
+        return self.watch.problem(time.monotonic())
+
     @property
     def num_in_flight(self) -> int:
-        return len(self._tracked)
+        """Engine requests accepted and not yet finished or not yet delivered."""
+        return self._open_requests
 
     def running_capacity(self) -> int:
         """Engine requests that can run at once. While the engine last reported an empty
@@ -270,6 +401,9 @@ class EngineClient:
         once, whatever its n; default: every engine request's)."""
         if self.dead_reason is not None or not self._proc.is_alive():
             raise EngineDeadError(f"the engine is not running ({self.dead_reason or 'exited'})")
+        now = time.monotonic()
+        if self._stalled and self.watch.silent(now):  # (`_watch_engine` has failed the rest)
+            raise EngineStalledError(self.watch.problem(now))
         most = self.info.max_num_seqs + self.max_queue  # never more, however idle
         if len(requests) > most:
             raise RequestTooBigError(
@@ -284,7 +418,9 @@ class EngineClient:
                 f"{len(requests)} (limit {self.max_queue}); retry later"
             )
         stream = RequestStream([r.request_id for r in requests])
-        now = stream.submitted_at = time.monotonic()
+        stream.submitted_at = now
+        self._open.add(stream)
+        self._open_requests += len(requests)
         for i, r in enumerate(requests):
             self._tracked[r.request_id] = _Tracked(stream, i, now)
             self._hand_over(r)
@@ -314,6 +450,34 @@ class EngineClient:
         if ids and self._proc.is_alive():
             self._inbox.put(AbortRequests(ids))
 
+    def release(self, stream: RequestStream) -> None:
+        """The stream's response has ended, however it ended (or its output was dropped):
+        what is unfinished is aborted, and it no longer counts toward admission."""
+        self.abort(stream)
+        if stream in self._open:
+            self._open.discard(stream)
+            self._open_requests -= len(stream.request_ids)
+
+    def _cut_backlog(self, stream: RequestStream) -> None:
+        """A stream whose client does not keep up: its requests stop, the output waiting
+        for the client is dropped, and the client gets an error if it reads again (the
+        app closes the connection of one that does not)."""
+        backlog_mib = stream.backlog_bytes / 2**20
+        self.release(stream)
+        self.metrics.streams_stopped.labels("backlog").inc()
+        log.warning(
+            "stopped a stream whose client %s read too slowly: %.0f MiB of output waited",
+            _address(stream.client),
+            backlog_mib,
+        )
+        stream.cut(
+            SlowReaderError(
+                f"the client read this stream too slowly: more than "
+                f"{self.stream_backlog_bytes / 2**20:.0f} MiB of its output waited to be "
+                "sent, so the request was stopped; read a stream as it arrives"
+            )
+        )
+
     # ---- reports from the engine ----------------------------------------------------------
     def _read(self) -> None:
         while True:
@@ -321,6 +485,10 @@ class EngineClient:
                 msg = self._conn.recv()
             except (EOFError, OSError):  # (this thread may wait for the process to end)
                 msg = Dead(f"the engine process exited ({self.exit_description()})")
+            if isinstance(msg, StepReport):
+                self.watch.heard(msg.sent_at)
+                if not (msg.outputs or msg.errors or msg.stats or msg.step_s):
+                    continue  # a heartbeat: nothing for the event loop
             try:
                 self._loop.call_soon_threadsafe(self._dispatch, msg)
             except RuntimeError:  # the loop is closed: the server is gone
@@ -376,9 +544,16 @@ class EngineClient:
             if tracked is None:
                 continue  # aborted while the step ran
             self._observe(tracked, delta, now, report.sent_at)
-            tracked.stream._put((tracked.index, delta))
+            stream = tracked.stream
+            stream._put((tracked.index, delta))
             if delta.finished:
                 self._finish(delta.request_id, tracked)
+            # (a consumer not blocked on its client keeps up, or the server itself lags)
+            if (
+                stream.backlog_bytes > self.stream_backlog_bytes
+                and stream.sending_since is not None
+            ):
+                self._cut_backlog(stream)
         for err in report.errors:
             tracked = self._tracked.get(err.request_id)
             if tracked is not None:  # (the engine refused it: its stream ends with the error)
@@ -414,6 +589,31 @@ class EngineClient:
         if stream.finished:
             stream._put(_END)
 
+    async def _watch_engine(self) -> None:
+        """Every second: an engine silent past its bound fails the requests in flight (the
+        process is stopped or hung; a busy one still beats) and new ones are refused
+        until it answers again; /health says so meanwhile (`problem`). The engine is left
+        to run: if it comes back, it serves again."""
+        last = time.monotonic()
+        while True:
+            await asyncio.sleep(_WATCH_S)
+            now = time.monotonic()
+            if now - last > 3 * _WATCH_S:  # this process stalled: let the reader catch up
+                self.watch.resumed_at = now
+            last = now
+            if not self.watch.silent(now):
+                if self._stalled:
+                    log.warning("the engine process answers again")
+                self._stalled = False
+                continue
+            if self._stalled or self.dead_reason is not None:
+                continue
+            self._stalled = True
+            problem = self.watch.problem(now)
+            log.error("%s; failing the requests in flight", problem)
+            if self._tracked:
+                self.abort_all(EngineStalledError(problem))
+
     def abort_all(self, exc: Exception) -> None:
         """Abort every request in flight; their streams end with `exc`."""
         self._fail_all(exc, abort_engine=True)
@@ -426,3 +626,7 @@ class EngineClient:
             stream.unfinished.clear()
             stream._put(exc)
         self._tracked.clear()
+
+
+def _address(client: tuple | None) -> str:
+    return f"{client[0]}:{client[1]}" if client else "(unknown)"

@@ -4,7 +4,9 @@ The HTTP process sends `AddRequests`, `AbortRequests` and `Shutdown` (server/mes
 this process answers with one `StepReport` per loop turn carrying every request's output
 delta of the step, the engine's stats and the step timings. Deltas, not cumulative outputs,
 cross the process boundary so the bytes pickled per step stay proportional to the tokens
-produced.
+produced. After a second without a report its outbox thread sends a heartbeat (an empty
+report stamped with the loop's last turn), so the HTTP process can tell a stopped or hung
+engine from a busy one (engine_client.py's `EngineWatch`).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from specserve.server.messages import (
 )
 
 _IDLE_POLL_S = 0.5  # how often an idle engine checks that its parent is still alive
+HEARTBEAT_S = 1.0  # the longest the HTTP process goes without a message once serving
 # The engine's whole stats (~45 figures for /metrics) cost ~20 us a loop turn to gather and
 # pickle on a 2-core CPU, where the default model's plain steps take ~0.6 ms on the H200:
 # sent this often while steps run (scrapes come every few seconds), and at every idle.
@@ -51,20 +54,36 @@ def run_engine(
     """Entry point of the engine process (spawned by EngineClient). It ignores SIGINT and
     SIGTERM: the HTTP process drains and then stops it (a Ctrl-C in the terminal, or a
     service manager signalling the whole process group, reaches both); if the HTTP process
-    is gone, the engine notices and exits. It logs at `log_level` (the server's) on stderr,
-    as the HTTP process does."""
+    is gone, the engine notices and exits, while it loads too (`_watch_parent`). It logs at
+    `log_level` (the server's) on stderr, as the HTTP process does."""
     logging.basicConfig(level=log_level, format="%(levelname)s %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    loaded = threading.Event()
+    parent = mp.parent_process()
+    if parent is not None:
+        threading.Thread(
+            target=_watch_parent, args=(parent, loaded), name="engine-parent", daemon=True
+        ).start()
     outbox = Outbox(conn)
     try:
-        _run(config, Inbox(inbox), outbox)
+        _run(config, Inbox(inbox), outbox, loaded)
     finally:
         outbox.close()
         gc.unfreeze()  # let interpreter shutdown collect everything (native bindings check)
 
 
-def _run(config: EngineConfig, inbox: Inbox, outbox: Outbox) -> None:
+def _watch_parent(parent, loaded: threading.Event) -> None:
+    """Until the model is loaded: end this process at once when the HTTP process is gone
+    (killed, or ended by a signal, while it started: nobody would use what loads, and
+    loading can take minutes). Once loaded the loop checks between turns and stops in
+    order."""
+    while not loaded.wait(_IDLE_POLL_S):
+        if not parent.is_alive():
+            os._exit(1)
+
+
+def _run(config: EngineConfig, inbox: Inbox, outbox: Outbox, loaded: threading.Event) -> None:
     try:
         from specserve.engine.engine import LLMEngine
 
@@ -79,6 +98,8 @@ def _run(config: EngineConfig, inbox: Inbox, outbox: Outbox) -> None:
         user = isinstance(e, (SpecserveError, ValueError))
         outbox.send(LoadFailed(user, f"{type(e).__name__}: {e}", traceback.format_exc()))
         return
+    finally:
+        loaded.set()
     info = EngineInfo(
         model_name=engine.source.name,
         vocab_size=engine.model_config.vocab_size,
@@ -100,12 +121,20 @@ def _run(config: EngineConfig, inbox: Inbox, outbox: Outbox) -> None:
 
 class Outbox:
     """Sends messages to the HTTP process from its own thread, so a step never waits for
-    the HTTP process to read (pickling and pipe writes happen off the step loop)."""
+    the HTTP process to read (pickling and pipe writes happen off the step loop).
 
-    def __init__(self, conn: Connection):
+    Once the loop runs (`loop_at` set, by the loop at every turn) the thread sends a
+    heartbeat when nothing went out for HEARTBEAT_S: an empty StepReport whose `sent_at`
+    is when the loop last began a turn. It beats through a long step (the step does not
+    hold this thread up), so only a stopped or hung process falls silent, and the stamp
+    tells how long the current turn has run."""
+
+    def __init__(self, conn: Connection, heartbeat_s: float = HEARTBEAT_S):
         self.conn = conn
         self.pending: queue.SimpleQueue = queue.SimpleQueue()
         self.broken = False
+        self.heartbeat_s = heartbeat_s
+        self.loop_at: float | None = None  # (time.monotonic) the loop's last turn began
         self.thread = threading.Thread(target=self._run, name="engine-outbox", daemon=True)
         self.thread.start()
 
@@ -117,7 +146,15 @@ class Outbox:
         self.pending.put(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
 
     def _run(self) -> None:
-        while (buf := self.pending.get()) is not None:
+        while True:
+            try:
+                buf = self.pending.get(timeout=self.heartbeat_s)
+            except queue.Empty:
+                if self.loop_at is None:
+                    continue
+                buf = pickle.dumps(StepReport(sent_at=self.loop_at))
+            if buf is None:
+                return
             try:
                 self.conn.send_bytes(buf)
             except OSError:
@@ -172,12 +209,14 @@ class EngineLoop:
 
     def run(self) -> None:
         while True:
+            self.outbox.loop_at = time.monotonic()  # (the heartbeat's stamp)
             if not self._drain(block=not self.engine.has_unfinished()):
                 break
             if self.engine.has_unfinished():
                 self._step()
             if self.dirty:
                 self._send()
+        self.outbox.loop_at = None  # (stopping: no heartbeat after the last word)
         self.engine_abort_all()
         self.engine.close()  # (tensor parallelism: the other ranks stop)
         self._send()  # final stats: nothing running, every page free
@@ -216,6 +255,8 @@ class EngineLoop:
             except EOFError:  # the HTTP process is gone
                 return False
             except queue.Empty:
+                if block:
+                    self.outbox.loop_at = time.monotonic()  # (idle, not stuck)
                 parent_gone = self.parent is not None and not self.parent.is_alive()
                 if block and (parent_gone or self.outbox.broken):
                     return False

@@ -17,6 +17,7 @@ any more is stopped.
 from __future__ import annotations
 
 import asyncio
+import logging
 import multiprocessing
 from collections import OrderedDict
 from concurrent import futures
@@ -28,6 +29,8 @@ from specserve.core.errors import InvalidRequestError
 from specserve.core.sampling_params import Grammar
 from specserve.runtime.grammar import GrammarCompiler, compile_in_worker, start_compile_worker
 from specserve.server.errors import APIError, bad_request, from_invalid_request
+
+logger = logging.getLogger(__name__)
 
 COMPILE_TIMEOUT_S = 10.0
 COMPILE_WORKERS = 2
@@ -59,6 +62,7 @@ class GrammarChecker:
     ):
         self.grammars, self.timeout_s, self.workers, self.task = grammars, timeout_s, workers, task
         self._pool: ProcessPool | None = None
+        self._closed = False
         self._starting = asyncio.Lock()
         self._slots = asyncio.Semaphore(workers)
         self._compiling: dict[tuple, _Job] = {}  # Grammar.key -> its compile under way
@@ -127,13 +131,26 @@ class GrammarChecker:
         async with self._slots:
             pool = await self._started()
             job.started = True
-            future = pool.schedule(self.task, (grammar,), timeout=self.timeout_s)
+            try:
+                future = pool.schedule(self.task, (grammar,), timeout=self.timeout_s)
+            except RuntimeError:  # the pool broke meanwhile (see `_started`): once more
+                pool = await self._started()
+                future = pool.schedule(self.task, (grammar,), timeout=self.timeout_s)
             return await asyncio.wrap_future(future)  # (cancelled: pebble's future too)
 
     async def _started(self) -> ProcessPool:
         """The worker pool, started with the first grammar (its workers import xgrammar and
         read the tokenizer's tables: a second or two, once)."""
         async with self._starting:
+            broken = self._pool is not None and not self._pool.active and not self._closed
+            if broken:
+                # A worker that died while idle (killed, out of memory) puts pebble's pool in
+                # its error state for good: every later compile failed (a 500) until the
+                # server restarted. It is replaced.
+                logger.warning("a grammar compile worker died; starting the workers again")
+                old, self._pool = self._pool, None
+                old.stop()
+                await asyncio.to_thread(old.join, 10)
             if self._pool is None:
                 info = await asyncio.to_thread(self.grammars.info_json)  # (~0.2 s a 49k vocab)
                 self._pool = ProcessPool(
@@ -146,6 +163,7 @@ class GrammarChecker:
 
     def close(self) -> None:
         """Stop the workers, compiles under way included (idempotent)."""
+        self._closed = True
         if self._pool is not None:
             self._pool.stop()
             self._pool.join(timeout=10)

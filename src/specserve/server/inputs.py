@@ -360,7 +360,7 @@ def _template_call(call) -> dict:
     (the API sends a JSON string; templates print them as JSON)."""
     try:
         arguments = json.loads(call.function.arguments)
-    except ValueError:
+    except (ValueError, RecursionError):  # (nested past Python's limit: kept as text)
         arguments = call.function.arguments
     return {
         "id": call.id,

@@ -5,13 +5,15 @@ loads the tokenizer; the port is bound only once the engine is ready. On SIGTERM
 SIGINT) uvicorn stops accepting connections, new API requests get 503, in-flight ones get
 `shutdown_timeout_s` to finish, then they are aborted (their responses end with a 503
 error, or an error event and [DONE] when streaming); then the engine process is stopped and
-the command returns 0.
+the command returns 0. A SIGTERM before the server has started (the engine may take
+minutes to load) stops the start-up and the engine process with it: status 143.
 """
 
 from __future__ import annotations
 
 import logging
 import signal
+from collections.abc import Callable
 
 import uvicorn
 
@@ -30,6 +32,15 @@ _SHUTDOWN_BACKSTOP_S = 5.0
 ENGINE_DIED_EXIT_CODE = 3  # the server ran, then its engine process died
 
 
+class _StartupTerminated(SystemExit):
+    """SIGTERM before the server started (exit status 128 + 15, as the signal's own)."""
+
+
+def _stop_starting(signum, frame) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # (a second one must not cut the cleanup)
+    raise _StartupTerminated(128 + signum)
+
+
 class _Server(uvicorn.Server):
     """uvicorn's server, telling the app when a shutdown signal arrives."""
 
@@ -45,24 +56,39 @@ class _Server(uvicorn.Server):
 def run_server(engine_config: EngineConfig, config: ServerConfig) -> int:
     """Serve until SIGTERM/SIGINT; returns the process exit code."""
     logging.basicConfig(level=config.log_level.upper(), format="%(levelname)s %(message)s")
-    # a bad path fails before anything starts
-    source = resolve_model(engine_config.load.model, engine_config.load.format)
-    metrics = ServerMetrics()
-    client = EngineClient(engine_config, metrics, config.max_queue)
+    # Until uvicorn's handlers take over, SIGTERM stops the start-up (the engine process,
+    # which ignores SIGTERM, is killed on the way out; `run_engine` also ends itself
+    # when this process is gone).
+    signal.signal(signal.SIGTERM, _stop_starting)
+    client = None
     try:
+        # a bad path fails before anything starts
+        source = resolve_model(engine_config.load.model, engine_config.load.format)
+        metrics = ServerMetrics()
+        client = EngineClient(engine_config, metrics, config)
         tokenizer = load_tokenizer(source)  # while the engine process loads the model
         info = client.wait_ready()
-    except BaseException:
-        client.kill(grace_s=0)
+        state = ServerState(
+            config=config,
+            client=client,
+            inputs=InputProcessor(tokenizer, info),
+            metrics=metrics,
+            token_text=TokenText(tokenizer),
+            served_names=config.served_model_names or [info.model_name],
+        )
+        server = _http_server(state)  # (its signal handlers replace `_stop_starting`)
+    except BaseException as e:
+        if client is not None:
+            client.kill(grace_s=0)
+        if isinstance(e, _StartupTerminated):
+            logger.warning("stopped by SIGTERM while starting")
+            return e.code
         raise
-    state = ServerState(
-        config=config,
-        client=client,
-        inputs=InputProcessor(tokenizer, info),
-        metrics=metrics,
-        token_text=TokenText(tokenizer),
-        served_names=config.served_model_names or [info.model_name],
-    )
+    return _serve(server)
+
+
+def _http_server(state: ServerState) -> _Server:
+    config, client = state.config, state.client
     app = build_app(state)
     uv_config = uvicorn.Config(
         app,
@@ -80,13 +106,21 @@ def run_server(engine_config: EngineConfig, config: ServerConfig) -> int:
         timeout_keep_alive=config.keep_alive_timeout_s,
     )
     server = _Server(uv_config, state)
+    state.close_connection = _connection_closer(server)
     # A dead engine ends the server (in-flight requests have failed already): exit non-zero
     # so that a process manager restarts it (README, Serving).
     client.on_dead = lambda: setattr(server, "should_exit", True)
     # uvicorn re-raises the signal it handled once it has shut down; with these handlers in
-    # place that is a no-op and the command exits 0 instead of dying from the signal.
+    # place that is a no-op and the command exits 0 instead of dying from the signal. One
+    # that comes before uvicorn's handlers are in place shuts the server down as they would.
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: None)
+        signal.signal(sig, lambda sig, frame: server.should_exit or server.handle_exit(sig, frame))
+    return server
+
+
+def _serve(server: _Server) -> int:
+    state = server.state
+    config, client = state.config, state.client
     logger.info("engine ready with %s; starting the HTTP server", state.served_names[0])
     if state.client.info.simulated_acceptance:
         logger.warning(
@@ -109,3 +143,20 @@ def run_server(engine_config: EngineConfig, config: ServerConfig) -> int:
         logger.error("exiting: the engine process %s", client.dead_reason)
         return ENGINE_DIED_EXIT_CODE
     return 0 if server.started else 1
+
+
+def _connection_closer(server: uvicorn.Server) -> Callable[[tuple | None], bool]:
+    """Closes the connection of a client address at once, its unsent bytes dropped (a
+    graceful close would wait for a client that reads nothing); uvicorn then tells the app
+    the client left, as when it disconnects. False when no such connection is open."""
+
+    def close(client: tuple | None) -> bool:
+        if client is None:
+            return False
+        for protocol in list(server.server_state.connections):
+            if getattr(protocol, "client", None) == client:
+                protocol.transport.abort()
+                return True
+        return False
+
+    return close

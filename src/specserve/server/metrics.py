@@ -178,6 +178,14 @@ class ServerMetrics:
             ["finish_reason"],
             registry=r,
         )
+        self.streams_stopped = Counter(
+            "specserve_streams_stopped",
+            "streams stopped because their client did not read them: backlog (too much output "
+            "waited; their requests aborted), write_timeout (a write waited too long; the "
+            "connection closed)",
+            ["reason"],
+            registry=r,
+        )
         self.prompt_tokens = Counter(
             "specserve_prompt_tokens",
             "prompt tokens of accepted requests (each prompt once, as usage counts them)",
@@ -238,6 +246,7 @@ class ServerMetrics:
         )
         self.engine_stats: Callable[[], dict] = dict
         self.in_flight: Callable[[], int] = lambda: 0
+        self.engine_silent_s: Callable[[], float] = lambda: 0.0
         self.prompt_stats: Callable[[], dict] = dict  # PromptEncoder.stats
         r.register(_EngineCollector(self))
         r.register(_PromptCollector(self))
@@ -474,8 +483,13 @@ class _EngineCollector:
         stats = self.metrics.engine_stats()
         yield GaugeMetricFamily(
             "specserve_num_requests_in_flight",
-            "engine requests accepted by the HTTP server and not finished",
+            "engine requests accepted by the HTTP server and not finished or not yet delivered",
             value=self.metrics.in_flight(),
+        )
+        yield GaugeMetricFamily(
+            "specserve_engine_silent_seconds",
+            "time since the engine process last reported (it does at least every second)",
+            value=self.metrics.engine_silent_s(),
         )
         for key, value in stats.items():
             safe = re.sub(r"[^a-zA-Z0-9_]", "_", key)

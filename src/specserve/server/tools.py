@@ -103,7 +103,7 @@ def _call(body: str, key: str) -> dict | None:
     try:  # (strict=False: a control character inside a string, which an unconstrained
         # reply of tool_choice auto may hold, is kept, not a reason to miss the call)
         value = json.loads(body, strict=False)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None
