@@ -104,3 +104,27 @@ def test_no_probe_in_a_mixed_step_and_drafts_within_the_budget():
     for _ in range(300):
         policy.choose(_reqs(N))
     assert policy.trace.probe_steps > probes  # decode-only steps still probe
+
+
+def test_a_mixed_step_plain_by_the_marginal_rule_is_not_overruled_by_the_modes():
+    """The modes' factors are measured on decode-only steps; in a step carrying prefill the
+    chunk's time sits in every K's period, so drafting's tokens per ms look far better than
+    plain decoding's there (about 2.7x at K=3 here) and drafting's factor measured a little
+    above plain's (1.1 against 1.0) overruled the marginal rule's K=0: on the H100 at 256
+    and 512 requests, acceptance 1.5, it woke the dormant drafter 1-3 times a point, each
+    waking it on the whole batch. Decode-only steps still get the overrule."""
+    from specserve.speculative.mode_rates import ModeRates
+
+    for dormant in (False, True):
+        policy, _ = _policy(alpha=0.8, k_max=3)
+        _running(_measured(policy, N), 40.0)
+        modes = ModeRates()  # drafting delivered 10% more than expected, plain as expected
+        for i in range(ModeRates.MIN_STEPS):
+            modes.observe(N, "plain", 1.0, 1.0, 1.0, 1.0, policy.num_steps - i)
+            modes.observe(N, "drafting", 1.1, 1.0, 1.0, 1.0, policy.num_steps - i)
+        policy.modes, policy._settled = modes, None
+        if dormant:
+            policy.dormant, policy._plain_decisions = True, policy.DORMANT_AFTER
+        assert policy.choose(_reqs(N), StepLoad(PREFILL)) == [0] * N
+        assert modes.num_favored == 0 and policy.dormant == dormant
+        assert policy.trace.wakes == {}
