@@ -272,3 +272,26 @@ def test_a_request_the_engine_refuses_counts_as_an_error_not_an_abort():
     finished = client.metrics.finished
     assert finished.labels("error")._value.get() == 2 and not client._tracked
     assert finished.labels("abort")._value.get() == 0
+
+
+def test_wait_ready_passes_over_a_heartbeat_ahead_of_ready():
+    """The engine's outbox thread can time out waiting just as Ready is queued and find the
+    loop started when it wakes, so a heartbeat goes out first: start-up took it for Ready
+    ('StepReport' object has no attribute 'info') and the server exited, now and then on a
+    busy CPU."""
+    from specserve.server.engine_client import EngineClient, EngineWatch
+    from specserve.server.messages import EngineInfo, Ready
+
+    class Alive:
+        def is_alive(self):
+            return True
+
+    reader, writer = mp.Pipe(duplex=False)
+    info = EngineInfo("m", 100, 64, 1024, 64, 4, False, (2,))
+    writer.send(StepReport(sent_at=1.0))
+    writer.send(Ready(info))
+    client = EngineClient.__new__(EngineClient)
+    client._conn, client._proc = reader, Alive()
+    client.watch = EngineWatch(15.0, 300.0)
+    assert client.wait_ready(timeout_s=5.0) == info
+    assert client.stats["kv_pages_total"] == 64

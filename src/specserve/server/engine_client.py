@@ -308,12 +308,16 @@ class EngineClient:
     def wait_ready(self, timeout_s: float = 3600.0) -> EngineInfo:
         """Block until the engine has loaded the model; raise if loading failed."""
         deadline = time.monotonic() + timeout_s
-        while not self._conn.poll(0.2):
-            if not self._proc.is_alive():
-                raise EngineDeadError("the engine process exited while loading the model")
-            if time.monotonic() > deadline:
-                raise EngineDeadError(f"the engine did not load the model in {timeout_s:.0f} s")
-        msg = self._conn.recv()
+        msg = None
+        # (A heartbeat may come first: the engine's outbox thread can time out waiting just
+        # as Ready is queued and see the loop started when it wakes: engine_proc.Outbox.)
+        while msg is None or isinstance(msg, StepReport):
+            while not self._conn.poll(0.2):
+                if not self._proc.is_alive():
+                    raise EngineDeadError("the engine process exited while loading the model")
+                if time.monotonic() > deadline:
+                    raise EngineDeadError(f"the engine did not load the model in {timeout_s:.0f} s")
+            msg = self._conn.recv()
         if isinstance(msg, LoadFailed):
             self._proc.join(5)
             if msg.user:
