@@ -11,7 +11,7 @@ import torch
 
 from specserve import LLM, InvalidRequestError, SamplingParams
 from specserve.core.sampling_params import choice_seed, engine_seed
-from specserve.llm import template_renders_tools
+from specserve.model.loader import tools_template
 from tests.support.tiny_models import CHAT_TEMPLATE
 
 GREEDY = SamplingParams(max_tokens=4, ignore_eos=True)
@@ -80,7 +80,7 @@ def test_arrays_of_token_ids_are_prompts(llm):
 def test_chat_refuses_tools_its_template_cannot_render(llm):
     """The template drops tools it never names: the same prompt, tools silently gone (the
     server answers 400). A template that renders them takes them."""
-    assert not template_renders_tools(CHAT_TEMPLATE)
+    assert tools_template(CHAT_TEMPLATE) is None
     with pytest.raises(InvalidRequestError, match="does not render tools") as err:
         llm.chat(CHAT, GREEDY, tools=TOOLS)
     assert err.value.field == "tools"
@@ -92,13 +92,15 @@ def test_chat_refuses_tools_its_template_cannot_render(llm):
         + CHAT_TEMPLATE
     )
     try:
-        assert template_renders_tools(llm.tokenizer.chat_template)
+        assert tools_template(llm.tokenizer.chat_template) == llm.tokenizer.chat_template
         with_tools = llm.apply_chat_template(CHAT, tools=TOOLS)
         assert len(with_tools) > len(llm.apply_chat_template(CHAT))
         assert llm.chat(CHAT, GREEDY, tools=TOOLS)[0].prompt_token_ids == with_tools
     finally:
         llm.tokenizer.chat_template = template
-    assert template_renders_tools({"default": CHAT_TEMPLATE, "tool_use": "{{ tools }}"})
+    # named templates: transformers renders tools with "tool_use", else with "default"
+    assert tools_template({"default": CHAT_TEMPLATE, "tool_use": "{{ tools }}"}) == "{{ tools }}"
+    assert tools_template({"default": CHAT_TEMPLATE}) is None
 
 
 @pytest.mark.parametrize(

@@ -17,6 +17,7 @@ from specserve.core.request import SpecStats
 from specserve.core.sampling_params import SamplingParams, choice_seed
 from specserve.engine.engine import LLMEngine
 from specserve.engine.outputs import RequestOutput
+from specserve.model.loader import tools_template
 from specserve.runtime.sampled_tokens import TokenLogprobs
 
 Prompt = str | list[int]
@@ -102,7 +103,7 @@ class LLM:
             )
         if not isinstance(messages, (list, tuple)) or not messages:
             raise InvalidRequestError("a conversation needs at least one message", "messages")
-        if tools and not template_renders_tools(self.tokenizer.chat_template):
+        if tools and tools_template(self.tokenizer.chat_template) is None:
             raise InvalidRequestError(
                 "this model's chat template does not render tools; send the conversation "
                 "without tools",
@@ -280,15 +281,6 @@ class LLM:
                 self._drive()
         finally:
             self._drop([rid])
-
-
-def template_renders_tools(template: str | dict | None) -> bool:
-    """Whether a chat template renders the tools it is given (one that never names them
-    drops them without a word). A tokenizer's named templates: the one transformers picks
-    with tools. (server/tools.py's tool_format asks the same first.)"""
-    if isinstance(template, dict):
-        template = template.get("tool_use") or template.get("default")
-    return isinstance(template, str) and "tools" in template
 
 
 # apply_chat_template's own arguments, which LLM's set: not the template's variables

@@ -76,6 +76,12 @@ def test_call_formats_of_templates():
     assert tool_format(HERMES_TEMPLATE) == "hermes"
     assert tool_format(LLAMA3_HINT + "{{ tools }}<|python_tag|>") == "llama3"
     assert tool_format("{% for m in messages %}{{ m.content }}{% endfor %}") is None
+    # a tokenizer's named templates: the one transformers renders tools with (the server
+    # took only a single template, so named ones refused every request with tools)
+    plain = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    assert tool_format({"default": plain, "tool_use": HERMES_TEMPLATE}) == "hermes"
+    assert tool_format({"default": HERMES_TEMPLATE}) == "hermes"
+    assert tool_format({"default": plain}) is None
 
 
 def test_calls_parsed_from_replies():

@@ -207,6 +207,15 @@ def load_tokenizer(source: ModelSource):
         ) from None
 
 
+def tools_template(template: str | dict | None) -> str | None:
+    """The chat template a tokenizer renders tools with (transformers picks a tokenizer's
+    named "tool_use" template when tools are given, else its "default"), or None where that
+    template never names `tools` and would drop them without a word."""
+    if isinstance(template, dict):
+        template = template.get("tool_use") or template.get("default")
+    return template if isinstance(template, str) and "tools" in template else None
+
+
 def tokenizer_cache_dir() -> Path:
     """Where tokenizers converted from GGUF files are kept: $SPECSERVE_CACHE_DIR, else
     $XDG_CACHE_HOME/specserve, else ~/.cache/specserve."""

@@ -54,7 +54,7 @@ class InputProcessor:
         self.grammars = GrammarCompiler(tokenizer, info.vocab_size, eos)
         self.grammar_checker = GrammarChecker(self.grammars)
         template = getattr(tokenizer, "chat_template", None)
-        self.tool_format = tool_format(template if isinstance(template, str) else None)
+        self.tool_format = tool_format(template)
         # a template that names the developer role renders it; others get it as system
         self._template_knows_developer = "developer" in str(template or "")
 

@@ -18,6 +18,7 @@ import uuid
 
 from specserve.core.errors import InvalidRequestError
 from specserve.core.sampling_params import Grammar
+from specserve.model.loader import tools_template
 from specserve.runtime.schema_checks import unsupported_schema_features
 
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
@@ -25,9 +26,11 @@ PYTHON_TAG = "<|python_tag|>"
 _HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
 
-def tool_format(template: str | None) -> str | None:
-    """The call format a chat template renders tools for (None: it renders none)."""
-    if not template or "tools" not in template:
+def tool_format(template: str | dict | None) -> str | None:
+    """The call format a tokenizer's chat template renders tools for (None: it renders
+    none, or in a format not parsed here)."""
+    template = tools_template(template)
+    if template is None:
         return None
     if HERMES_OPEN in template:
         return "hermes"
