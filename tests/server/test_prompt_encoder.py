@@ -431,3 +431,29 @@ def test_the_fewest_tokens_holds_where_characters_go_missing():
     for text in ("\x00" * 50, "\x00" * 50 + "abc" * 30):
         assert encoder.fewest_tokens(text) <= len(byte_level.encode(text)), text
     assert encoder.fewest_tokens("abc" * 30) > 0
+
+
+def test_a_conversation_of_many_short_messages_is_rendered_off_the_loop(bpe):
+    """The template's work grows with the messages, not only their text: a conversation
+    of many empty messages rendered on the event loop (150k of them: 2.6 s during which no
+    other request was served), since only the text's length counted."""
+    inputs = InputProcessor(bpe, _INFO)
+    threads = []
+    render = inputs._apply_template
+
+    def spy(messages, tools):
+        threads.append(threading.get_ident())
+        return render(messages, tools)
+
+    inputs._apply_template = spy
+
+    async def chat(n: int) -> int:
+        req = ChatCompletionRequest(messages=[{"role": "user", "content": ""}] * n)
+        await inputs.chat_prompt(req)
+        return threading.get_ident()
+
+    loop_thread = asyncio.run(chat(2))  # short: rendered on the loop
+    assert threads == [loop_thread]
+    threads.clear()
+    loop_thread = asyncio.run(chat(THREAD_CHARS // 16))
+    assert threads and loop_thread not in threads

@@ -29,6 +29,9 @@ from specserve.server.protocol import (
 )
 from specserve.server.tools import call_grammar, tool_format
 
+# A chat message's weight beside its text in the choice to render a conversation on a
+# worker thread (THREAD_CHARS): its turn markers, roles and the template's loop over it.
+MESSAGE_CHARS = 64
 MAX_CHOICES = 1024  # engine requests one API request may fan out into (prompts x n)
 
 
@@ -127,7 +130,9 @@ class InputProcessor:
         if req.tools and req.tool_choice != "none":
             self.tools_format_for(req)  # (a 400 when the template renders none)
             tools = [t.model_dump(exclude_none=True) for t in req.tools]
-        size = sum(len(m["content"]) for m in messages)
+        # (the template's work grows by the message too: 150k empty messages took 2.6 s
+        # to render, on the loop while only their text counted)
+        size = sum(len(m["content"]) for m in messages) + MESSAGE_CHARS * len(messages)
         try:
             if size > THREAD_CHARS:
                 out = await asyncio.to_thread(self._apply_template, messages, tools)
