@@ -149,12 +149,8 @@ def test_a_crashed_engine_is_logged_whole_and_reported_by_its_error(caplog):
     import asyncio
     import logging
 
-    from specserve.server.engine_client import (
-        EngineClient,
-        EngineDeadError,
-        RequestStream,
-        _Tracked,
-    )
+    from specserve.server.engine_client import EngineClient, EngineDeadError, _Tracked
+    from specserve.server.request_stream import RequestStream
 
     client = EngineClient.__new__(EngineClient)
     client.dead_reason, client.on_dead, client.shutting_down = None, None, False
@@ -189,8 +185,8 @@ def test_deltas_queued_behind_each_other_come_out_as_one():
     and the end keep their order."""
     import asyncio
 
-    from specserve.server.engine_client import _END, RequestStream
     from specserve.server.messages import OutputDelta
+    from specserve.server.request_stream import END, RequestStream
 
     def delta(rid, text, ids, finished=False, stats=None):
         lps = [(-0.5, [(i, -0.5)]) for i in ids]
@@ -204,7 +200,7 @@ def test_deltas_queued_behind_each_other_come_out_as_one():
         (1, delta("b", "x", [5])),
         (1, delta("b", "y", [6], finished=True)),
         (0, delta("a", ".", [7], finished=True)),
-        _END,
+        END,
     ):
         stream._put(item)
 
@@ -228,7 +224,7 @@ def test_deltas_queued_behind_each_other_come_out_as_one():
         for i in range(3):
             stream._put((0, delta("a", str(i), [i])))
             got.append(await stream.__anext__())
-        stream._put(_END)
+        stream._put(END)
         return got, [x async for x in stream]
 
     got, rest = asyncio.run(one_by_one())
@@ -259,9 +255,10 @@ def test_engine_process_host_threads_on_a_gpu(monkeypatch, device, env, want):
 def test_a_request_the_engine_refuses_counts_as_an_error_not_an_abort():
     """/metrics' finish reasons: a request the engine refused (and its sibling choices)
     finished by "error"; "abort" is the client's leaving or the server's shutdown."""
-    from specserve.server.engine_client import EngineClient, RequestStream, _Tracked
+    from specserve.server.engine_client import EngineClient, _Tracked
     from specserve.server.messages import RequestError, StepReport
     from specserve.server.metrics import ServerMetrics
+    from specserve.server.request_stream import RequestStream
 
     client = EngineClient.__new__(EngineClient)
     client.metrics, client.stats = ServerMetrics(), {}
@@ -279,7 +276,8 @@ def test_wait_ready_passes_over_a_heartbeat_ahead_of_ready():
     loop started when it wakes, so a heartbeat goes out first: start-up took it for Ready
     ('StepReport' object has no attribute 'info') and the server exited, now and then on a
     busy CPU."""
-    from specserve.server.engine_client import EngineClient, EngineWatch
+    from specserve.server.engine_client import EngineClient
+    from specserve.server.engine_watch import EngineWatch
     from specserve.server.messages import EngineInfo, Ready
 
     class Alive:

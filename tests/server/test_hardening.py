@@ -213,8 +213,8 @@ def test_sse_survives_line_splitting_clients():
     """Text with U+2028, U+2029 and U+0085 streams as events that str.splitlines (httpx's
     aiter_lines) does not cut: one data line each, the text intact."""
     from specserve.server.app import _events
-    from specserve.server.engine_client import _END, RequestStream
     from specserve.server.openai_format import CompletionFormatter
+    from specserve.server.request_stream import END, RequestStream
 
     text = "a\u2028b\u2029c\u0085d"
     fmt = CompletionFormatter("cmpl-1", "m", 1, 3, None, None)  # (no logprobs: no TokenText)
@@ -223,7 +223,7 @@ def test_sse_survives_line_splitting_clients():
         stream = RequestStream(["r-0"])
         stream._put((0, OutputDelta("r-0", text, [7], None, False, None)))
         stream._put((0, OutputDelta("r-0", "", [8], None, True, "length")))
-        stream._put(_END)
+        stream._put(END)
         return b"".join([chunk async for chunk in _events(stream, fmt, False)]).decode()
 
     lines = asyncio.run(run()).splitlines()

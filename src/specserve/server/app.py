@@ -28,7 +28,6 @@ from specserve.server.engine_client import (
     EngineRequestError,
     EngineStalledError,
     QueueFullError,
-    RequestStream,
     RequestTooBigError,
     ShuttingDownError,
     SlowReaderError,
@@ -54,6 +53,7 @@ from specserve.server.protocol import (
     ModelCard,
     ModelList,
 )
+from specserve.server.request_stream import RequestStream
 
 log = logging.getLogger("specserve.server")
 _ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models")

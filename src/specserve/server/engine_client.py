@@ -29,6 +29,7 @@ from specserve.core.errors import CheckpointError, SpecserveError
 from specserve.runtime.grammar import GrammarHandOver
 from specserve.server.config import ServerConfig
 from specserve.server.engine_proc import run_engine
+from specserve.server.engine_watch import EngineWatch
 from specserve.server.inbox import InboxWriter
 from specserve.server.messages import (
     AbortRequests,
@@ -45,6 +46,7 @@ from specserve.server.messages import (
     Stopped,
 )
 from specserve.server.metrics import ServerMetrics
+from specserve.server.request_stream import END, RequestStream
 
 log = logging.getLogger("specserve")
 _CAUSE_CHARS = 300  # of an engine's error, what clients are told
@@ -85,167 +87,6 @@ class EngineRequestError(SpecserveError):
         super().__init__(err.message)
         self.field = err.field
         self.status = err.status
-
-
-_END = object()
-
-
-class RequestStream:
-    """Async iterator over (choice index, OutputDelta) of one API request's engine requests
-    (one per choice); ends when every one has finished.
-
-    Deltas of one choice that queued up behind each other (the HTTP process fell behind the
-    engine: a fast model's one-token steps arrive faster than events go out) come out as
-    one (`merge_deltas`): one event instead of several, the same text, tokens and logprobs.
-
-    `backlog_bytes` estimates the memory its deltas hold until its consumer takes them.
-    `sending_since` and `client` are its response's: since when its write to the client
-    has been waiting (None while none waits), and the client's address. A client that
-    does not read blocks the consumer in that write while deltas pile up: EngineClient
-    stops a stream whose backlog passes its bound while a write waits (`cut`).
-    """
-
-    def __init__(self, request_ids: list[str]):
-        self.request_ids = request_ids
-        self.unfinished = set(request_ids)
-        self._queue: asyncio.Queue = asyncio.Queue()
-        self._next = None  # an item taken from the queue while merging, not yet returned
-        self.submitted_at: float | None = None  # (time.monotonic, as every stamp here)
-        self.first_token_at: float | None = None  # when the server handled its first tokens
-        self.backlog_bytes = 0
-        self.sending_since: float | None = None
-        self.client: tuple | None = None
-
-    @property
-    def finished(self) -> bool:
-        return not self.unfinished
-
-    def _put(self, item) -> None:
-        if type(item) is tuple:
-            self.backlog_bytes += delta_bytes(item[1])
-        self._queue.put_nowait(item)
-
-    def _take(self, item):
-        if type(item) is tuple:
-            self.backlog_bytes -= delta_bytes(item[1])
-        return item
-
-    def cut(self, exc: BaseException) -> None:
-        """Drop the deltas not yet taken (their memory); the consumer gets `exc` next."""
-        self._next = None
-        while not self._queue.empty():
-            self._queue.get_nowait()
-        self.backlog_bytes = 0
-        self._queue.put_nowait(exc)
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> tuple[int, OutputDelta]:
-        item, self._next = self._next, None
-        if item is None:
-            item = self._take(await self._queue.get())
-        if item is _END:
-            raise StopAsyncIteration
-        if isinstance(item, BaseException):
-            raise item
-        queue = self._queue
-        if queue.empty():
-            return item
-        index, delta = item
-        parts = [delta]
-        while not queue.empty():
-            more = self._take(queue.get_nowait())
-            if more is _END or isinstance(more, BaseException) or more[0] != index:
-                self._next = more
-                break
-            parts.append(more[1])
-        return index, merge_deltas(parts)
-
-
-def delta_bytes(delta: OutputDelta) -> int:
-    """About the memory an OutputDelta received from the engine holds (measured on
-    CPython 3.11: ~440 bytes a delta, ~200 more a token with logprobs and ~100 a top
-    alternative, prompt tokens' included)."""
-    n = len(delta.new_token_ids)
-    size = 400 + len(delta.delta_text) + 40 * n
-    if delta.new_logprobs:
-        size += n * (200 + 100 * len(delta.new_logprobs[0][1]))
-    prompt = delta.prompt_logprobs
-    if prompt and len(prompt) > 1:  # (the first token's is None)
-        size += len(prompt) * (200 + 100 * len(prompt[1][1]))
-    return size
-
-
-def merge_deltas(parts: list[OutputDelta]) -> OutputDelta:
-    """Consecutive deltas of one engine request as one: texts, tokens and logprobs joined,
-    the last one's finish."""
-    if len(parts) == 1:
-        return parts[0]
-    last = parts[-1]
-    logprobs = None
-    if parts[0].new_logprobs is not None:
-        logprobs = [lp for p in parts for lp in p.new_logprobs]
-    return OutputDelta(
-        last.request_id,
-        "".join(p.delta_text for p in parts),
-        [t for p in parts for t in p.new_token_ids],
-        logprobs,
-        last.finished,
-        last.finish_reason,
-        next((p.spec_stats for p in reversed(parts) if p.spec_stats is not None), None),
-        last.num_cached_tokens,
-        next((p.prompt_logprobs for p in parts if p.prompt_logprobs is not None), None),
-    )
-
-
-class EngineWatch:
-    """When the engine was last heard from, and what that says about it.
-
-    The reader thread stamps every message (`heard`). A step report is sent as the loop
-    finishes a turn; a heartbeat (an empty report the engine's outbox thread sends after a
-    second without one) carries when the loop last began a turn. So a process silent for
-    `silent_s` is stopped or hung, not busy (its heartbeat comes from a thread of its own,
-    which a long step does not hold up); a loop in one turn for `step_s` runs a step that
-    does not end (a device or a collective hung, a deadlock) or an extraordinary one.
-    """
-
-    def __init__(self, silent_s: float, step_s: float):
-        self.silent_s = silent_s
-        self.step_s = step_s
-        now = time.monotonic()
-        self.heard_at = now  # when the last message arrived (time.monotonic: every process's)
-        self.loop_at = now  # when the engine's loop last began or ended a turn
-        self.resumed_at = now  # when this process last resumed from a stall of its own
-
-    def heard(self, loop_at: float) -> None:
-        """A message arrived (the reader thread); `loop_at`: its loop's last turn."""
-        self.loop_at = loop_at
-        self.heard_at = time.monotonic()
-
-    def silent_s_at(self, now: float) -> float:
-        """How long the engine process has said nothing (this process's own stalls, in
-        which its reader could not read, not counted)."""
-        return now - max(self.heard_at, self.resumed_at)
-
-    def silent(self, now: float) -> bool:
-        return self.silent_s_at(now) > self.silent_s
-
-    def problem(self, now: float) -> str | None:
-        """Why the engine is not serving, or None."""
-        silent_s = self.silent_s_at(now)
-        if silent_s > self.silent_s:
-            return (
-                f"the engine process has not answered for {silent_s:.0f} s (it reports "
-                "every second): it is stopped or hung"
-            )
-        busy_s = now - max(self.loop_at, self.resumed_at)
-        if busy_s > self.step_s:
-            return (
-                f"the engine has been in one step for {busy_s:.0f} s (hung on the device or "
-                "in a collective?)"
-            )
-        return None
 
 
 @dataclass
@@ -591,7 +432,7 @@ class EngineClient:
         stream = tracked.stream
         stream.unfinished.discard(rid)
         if stream.finished:
-            stream._put(_END)
+            stream._put(END)
 
     async def _watch_engine(self) -> None:
         """Every second: an engine silent past its bound fails the requests in flight (the

@@ -6,7 +6,7 @@ delta of the step, the engine's stats and the step timings. Deltas, not cumulati
 cross the process boundary so the bytes pickled per step stay proportional to the tokens
 produced. After a second without a report its outbox thread sends a heartbeat (an empty
 report stamped with the loop's last turn), so the HTTP process can tell a stopped or hung
-engine from a busy one (engine_client.py's `EngineWatch`).
+engine from a busy one (engine_watch.py's `EngineWatch`).
 """
 
 from __future__ import annotations
