@@ -45,8 +45,8 @@ EVERY_FLAG = {
     "node_rank": 1,
     "dist_init_addr": "10.0.0.1:29500",
     "seed": 7,
-    "speculative_algorithm": "draft",
-    "speculative_draft_model_path": "some/draft",
+    "speculative_algorithm": "eagle3",  # (head_parallel below is read by eagle3 only)
+    "speculative_draft_model_path": "some/head",
     "speculative_num_steps": 5,
     "speculative_policy": "schedule",
     "speculative_schedule": "1:4,16:2,64:0",
@@ -219,6 +219,11 @@ SECTION_ERRORS = [
         dict(algorithm="ngram", policy="fixed", schedule="1:2"),
         "speculative_schedule is speculative_policy schedule's table",
     ),
+    (
+        SpeculativeConfig,
+        dict(algorithm="ngram", policy="schedule", schedule="1:1,1:3"),
+        "speculative_schedule '1:1,1:3' gives a batch size two draft lengths",
+    ),
     (ExecutionConfig, dict(cuda_graph_max_tokens=-1), "cuda_graph_max_tokens must be >= 0"),
     (ExecutionConfig, dict(cuda_graph_max_batch=-1), "cuda_graph_max_batch must be >= 1"),
     (ExecutionConfig, dict(cuda_graph_max_batch=0), "disable_cuda_graph runs every step"),
@@ -273,6 +278,10 @@ def test_checks_across_sections():
             "speculative_draft_model_path is read by eagle3 and draft, not ngram",
         ),
         (dict(attention_backend="triton", device="cpu"), "attention_backend triton needs"),
+        (
+            dict(speculative_algorithm="ngram", speculative_head_parallel="sharded"),
+            "speculative_head_parallel is read by eagle3 only, not ngram",
+        ),
     ],
 )
 def test_options_that_would_do_nothing_are_refused(flags, message):
@@ -353,3 +362,30 @@ def test_methods_across_sections():
         EngineConfig.from_flags(model="m", device="cuda", attention_backend="torch").backend_name()
         == "torch"
     )
+
+
+def test_a_schedule_alone_is_the_schedule_policy():
+    """A table given without a policy was refused as 'got policy goodput' (a default the
+    user never set): it is the schedule policy's."""
+    spec = EngineConfig.from_flags(
+        model="m", speculative_algorithm="ngram", speculative_schedule="1:2,16:0"
+    ).speculative
+    assert spec.policy == "schedule"
+    with pytest.raises(ConfigError, match="head_parallel is read by eagle3 only, not draft"):
+        EngineConfig.from_flags(
+            model="m",
+            speculative_algorithm="draft",
+            speculative_draft_model_path="d",
+            speculative_head_parallel="sharded",
+        )
+
+
+def test_eagle3_on_the_embedded_model_takes_its_shipped_head():
+    """--speculative-algorithm eagle3 without a path on the embedded model was refused
+    ('needs speculative_draft_model_path'), though its help says the shipped head is the
+    default and the auto algorithm took it."""
+    from specserve.core.config import shipped_head_path
+
+    spec = EngineConfig.from_flags(speculative_algorithm="eagle3").speculative
+    assert spec.draft_model_path == str(shipped_head_path())
+    assert spec.draft_model_path == EngineConfig().speculative.draft_model_path

@@ -65,6 +65,53 @@ def test_greedy_identical(target, drafter, k):
         assert accepted < drafted
 
 
+def test_a_draft_model_of_a_shorter_context_drafts_past_it(tmp_path):
+    """A draft model whose context (here 32 positions; or a sliding window, which cuts it)
+    is shorter than the target's started, then failed the first step drafting past it
+    (IndexError in its rotary table; under the server: the engine died). Its rotary covers
+    the target's positions now; every draft is verified, so the output is the target's."""
+    from tests.support.tiny_models import make_tiny_model as make
+
+    target = make(tmp_path / "target", seed=3)
+    short = make(tmp_path / "short", seed=3, overrides=dict(max_position_embeddings=32))
+    prompt = [[7, 8, 9, 10] * 6]  # 24 tokens, 40 more past the draft's 32
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    plain = LLM(str(target)).generate(prompt, params)[0].token_ids
+    llm = LLM(
+        str(target),
+        speculative_algorithm="draft",
+        speculative_draft_model_path=str(short),
+        speculative_policy="fixed",
+    )
+    out = llm.generate(prompt, params)[0]
+    assert out.token_ids == plain and out.spec_stats.accepted > 0
+
+
+def test_a_drafters_load_errors_name_its_flag(tmp_path):
+    """A draft model's or an EAGLE-3 head's load error said what was wrong ('checkpoint
+    lacks 1 tensor(s): fc.weight', a traceback for a corrupt file) but not that the
+    drafter was at fault, after the target had loaded fine."""
+    from specserve.core.errors import CheckpointError
+    from tests.support.tiny_models import make_random_eagle3_head
+    from tests.support.tiny_models import make_tiny_model as make
+
+    target = make(tmp_path / "target", seed=3)
+    draft = make(tmp_path / "draft", seed=4, num_layers=1)
+    (draft / "model.safetensors").write_bytes(b"not safetensors")
+    with pytest.raises(
+        CheckpointError,
+        match="--speculative-draft-model-path .*draft: .*is not a readable safetensors",
+    ):
+        LLM(str(target), speculative_algorithm="draft", speculative_draft_model_path=str(draft))
+    deep = make(tmp_path / "deep", seed=3, num_layers=4)  # (a head reads 3 layers' features)
+    head = make_random_eagle3_head(tmp_path / "head", deep)
+    (head / "config.json").write_text("{not json")
+    with pytest.raises(
+        CheckpointError, match="--speculative-draft-model-path .*head: .*not valid JSON"
+    ):
+        LLM(str(deep), speculative_algorithm="eagle3", speculative_draft_model_path=str(head))
+
+
 @pytest.mark.parametrize("mode", ["page1", "preemption", "chunked"])
 def test_greedy_identical_modes(target, mode):
     folder, other, prompts, plain = target

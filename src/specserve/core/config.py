@@ -97,6 +97,18 @@ class EngineConfig:
         spec = self.speculative
         if spec.algorithm == "ngram" and spec.draft_model_path is not None:
             raise ConfigError("speculative_draft_model_path is read by eagle3 and draft, not ngram")
+        if spec.algorithm in ("draft", "ngram") and spec.head_parallel != "replicated":
+            raise ConfigError(
+                f"speculative_head_parallel is read by eagle3 only, not {spec.algorithm}"
+            )
+        if (
+            spec.algorithm == "eagle3"
+            and spec.draft_model_path is None
+            and self.load.model is None
+            and self.load.format != "dummy"
+            and (shipped_head_path() / "config.json").is_file()
+        ):  # the embedded model's head, as with the algorithm left to auto
+            self.speculative = spec = replace(spec, draft_model_path=str(shipped_head_path()))
         if (
             self.execution.attention_backend == "triton"
             and self.load.torch_device().type != "cuda"

@@ -194,6 +194,11 @@ def parse_schedule(table: str, k_max: int) -> list[tuple[int, int]]:
             f"speculative_schedule {table!r} must look like '1:4,16:2,64:0' "
             "(batch size:draft length, comma separated)"
         ) from None
+    batches = [batch for batch, _ in pairs]
+    if len(set(batches)) < len(batches):
+        raise ConfigError(
+            f"speculative_schedule {table!r} gives a batch size two draft lengths; give each once"
+        )
     for batch, k in pairs:
         if batch < 1 or not 0 <= k <= k_max:
             raise ConfigError(
@@ -239,6 +244,8 @@ class SpeculativeConfig:
                 f"speculative_algorithm must be {_one_of(SPECULATIVE_ALGORITHM_CHOICES)}; "
                 f"got {self.algorithm!r}"
             )
+        if self.policy is None and self.schedule is not None:
+            self.policy = "schedule"  # a table given alone is the schedule policy's
         if self.policy is None and self.algorithm != "auto":
             self.policy = "goodput" if self.algorithm else "off"
         if self.policy is not None and self.policy not in SPECULATIVE_POLICY_CHOICES:
@@ -260,7 +267,7 @@ class SpeculativeConfig:
             if self.policy not in (None, "schedule"):
                 raise ConfigError(
                     "speculative_schedule is speculative_policy schedule's table; got policy "
-                    f"{self.policy!r}"
+                    f"{self.policy!r} (drop one of them)"
                 )
             parse_schedule(self.schedule, self.num_steps)
 

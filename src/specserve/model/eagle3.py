@@ -344,10 +344,9 @@ def load_eagle3_head(
 
     Fails with CheckpointError on missing or extra tensors, shape mismatches, or a head made
     for another target (hidden size or vocabulary)."""
-    from safetensors import safe_open
 
     from specserve.model.checkpoint import assign_weights
-    from specserve.model.loader import SafetensorsTensor, safetensors_files
+    from specserve.model.loader import SafetensorsTensor, safetensors_handles
 
     folder = Path(folder)
     cfg = Eagle3Config.load(folder)
@@ -376,7 +375,7 @@ def load_eagle3_head(
         head = Eagle3Head(cfg, aux_ids, tp)
     buffers = {"d2t": (cfg.draft_vocab_size,), "t2d": (cfg.vocab_size,)}
     found: dict[str, torch.Tensor] = {}
-    handles = [safe_open(str(f), framework="pt", device="cpu") for f in safetensors_files(folder)]
+    handles = safetensors_handles(folder)
 
     def weights():
         for h in handles:

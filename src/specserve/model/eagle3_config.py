@@ -148,7 +148,13 @@ class Eagle3Config:
         path = Path(folder) / "config.json"
         if not path.is_file():
             raise CheckpointError(f"{path} does not exist; an EAGLE-3 head folder needs one")
-        return cls.from_dict(json.loads(path.read_text()))
+        try:
+            raw = json.loads(path.read_text())
+        except (ValueError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{path} is not valid JSON: {e}") from None
+        if not isinstance(raw, dict):
+            raise CheckpointError(f"{path} is not a JSON object")
+        return cls.from_dict(raw)
 
     def to_dict(self, dtype: torch.dtype | None = None) -> dict:
         c = self.layer

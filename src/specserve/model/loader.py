@@ -161,18 +161,24 @@ class SafetensorsTensor:
         return self.handle.get_slice(self.name)[tuple(index)]
 
 
-def safetensors_tensors(folder: Path) -> tuple[Iterator[tuple[str, LazyTensor]], int]:
-    """(name, tensor not read yet) for every tensor of the folder's weight files, and how
-    many there are."""
+def safetensors_handles(folder: Path) -> list:
+    """Open handles of the folder's weight files (`safetensors_files`), or CheckpointError
+    naming a file that is not readable safetensors."""
     from safetensors import safe_open
 
-    files = safetensors_files(folder)
     handles = []
-    for f in files:
+    for f in safetensors_files(folder):
         try:
             handles.append(safe_open(str(f), framework="pt", device="cpu"))
         except Exception as e:  # (SafetensorError: truncated, not safetensors at all)
             raise CheckpointError(f"{f} is not a readable safetensors file: {e}") from None
+    return handles
+
+
+def safetensors_tensors(folder: Path) -> tuple[Iterator[tuple[str, LazyTensor]], int]:
+    """(name, tensor not read yet) for every tensor of the folder's weight files, and how
+    many there are."""
+    handles = safetensors_handles(folder)
     count = sum(len(list(h.keys())) for h in handles)
 
     def iterate():

@@ -33,8 +33,10 @@ class DraftModelProposer(Proposer):
     ):
         if model.config.vocab_size != target_vocab:
             raise UnsupportedModelError(
-                f"the draft model's vocabulary ({model.config.vocab_size}) differs from the "
-                f"target's ({target_vocab}); a draft model must share the target's tokenizer"
+                f"the draft model's vocabulary size ({model.config.vocab_size}) differs from "
+                f"the target's ({target_vocab}): a draft model must share the target's "
+                "tokenizer and embedding size (a draft whose embedding is padded otherwise is "
+                "not supported yet)"
             )
         self.model, self.kv, self.backend = model, kv, backend
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
+from specserve.core.errors import SpecserveError
 from specserve.speculative.proposer import Proposer
 
 if TYPE_CHECKING:
@@ -26,9 +28,24 @@ def build_proposer(target: TargetParts) -> Proposer:
         source = resolve_model(
             cfg.speculative.draft_model_path, cfg.load.format, "speculative_draft_model_path"
         )
-        draft_cfg = load_config(source)
+        flag = f"--speculative-draft-model-path {cfg.speculative.draft_model_path}"
+        try:
+            draft_cfg = load_config(source)
+        except SpecserveError as e:
+            raise type(e)(f"{flag}: {e}") from None
+        # Drafts run at the target's positions: a draft of a shorter context (or a sliding
+        # window, which cuts it) gets rotary to the target's (every draft is verified).
+        positions = max(
+            draft_cfg.max_position_embeddings, target.model_config.max_position_embeddings
+        )
+        draft_cfg = replace(draft_cfg, max_position_embeddings=positions)
         device = target.kv.pool.device
-        model = load_model(source, target.dtype, device, config=draft_cfg, seed=cfg.load.seed + 1)
+        try:
+            model = load_model(
+                source, target.dtype, device, config=draft_cfg, seed=cfg.load.seed + 1
+            )
+        except SpecserveError as e:
+            raise type(e)(f"{flag}: {e}") from None
         kv = KVCache(
             draft_cfg, target.kv.allocator.num_pages, cfg.cache.page_size, target.dtype, device
         )
