@@ -1,5 +1,8 @@
 """One error type per user-facing failure; each message says what to change."""
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 
 class SpecserveError(Exception):
     """Base class of every error specserve raises on purpose."""
@@ -32,3 +35,13 @@ class InvalidRequestError(SpecserveError, ValueError):
 
 class RequestTooLargeError(InvalidRequestError):
     """A request can never fit: longer than the model's context or the whole KV cache."""
+
+
+@contextmanager
+def drafter_errors(path: str | None) -> Iterator[None]:
+    """Errors loading the drafter at `path` name its flag and folder (the target, loaded
+    first, was fine: without them a missing tensor reads as the target's)."""
+    try:
+        yield
+    except SpecserveError as e:
+        raise type(e)(f"--speculative-draft-model-path {path}: {e}") from None

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from specserve.core.config import EngineConfig
-from specserve.core.errors import ConfigError, SpecserveError
+from specserve.core.errors import ConfigError, drafter_errors
 from specserve.core.model_config import ModelConfig
 
 log = logging.getLogger("specserve")
@@ -135,20 +135,16 @@ def _drafter_needs(
             layer = head_cfg.layer
             weight_bytes = sum(p.numel() for p in head.parameters()) * dtype.itemsize
         else:
-            try:
+            with drafter_errors(path):
                 layer = Eagle3Config.load(path).layer
-            except SpecserveError as e:  # (which folder: the target's loaded fine)
-                raise type(e)(f"--speculative-draft-model-path {path}: {e}") from None
             weight_bytes = _file_bytes(Path(path), "*.safetensors")
         # Its KV plus its feature store (one projected target feature per KV slot).
         return layer.kv_bytes_per_token(dtype) + layer.hidden_size * dtype.itemsize, weight_bytes
     from specserve.model.loader import load_config, resolve_model
 
     source = resolve_model(path, config.load.format, "speculative_draft_model_path")
-    try:
+    with drafter_errors(path):
         draft_cfg = load_config(source)
-    except SpecserveError as e:
-        raise type(e)(f"--speculative-draft-model-path {path}: {e}") from None
     kv_token_bytes = draft_cfg.kv_bytes_per_token(dtype)
     if source.kind == "dummy":
         weights = draft_cfg.hidden_size * (

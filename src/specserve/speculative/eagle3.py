@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from specserve.core.batch import ScheduledRequest
-from specserve.core.errors import SpecserveError
+from specserve.core.errors import drafter_errors
 from specserve.core.kv_cache import KVCache
 from specserve.core.parallel import SINGLE_RANK
 from specserve.layers.attention import AttentionBackend
@@ -323,10 +323,8 @@ def build_eagle3_proposer(target: TargetParts) -> Eagle3Proposer:
         head = build_dummy_eagle3_head(target.model_config, target.dtype, device, cfg.load.seed, tp)
     else:
         path = cfg.speculative.draft_model_path
-        try:
+        with drafter_errors(path):
             head = load_eagle3_head(path, target.model_config, target.dtype, device, tp)
-        except SpecserveError as e:  # (which folder: the target loaded fine)
-            raise type(e)(f"--speculative-draft-model-path {path}: {e}") from None
     head = head.merge_projections()
     kv = KVCache(
         head.kv_config, target.kv.allocator.num_pages, cfg.cache.page_size, target.dtype, device

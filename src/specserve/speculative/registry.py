@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from specserve.core.errors import SpecserveError
+from specserve.core.errors import drafter_errors
 from specserve.speculative.proposer import Proposer
 
 if TYPE_CHECKING:
@@ -28,11 +28,9 @@ def build_proposer(target: TargetParts) -> Proposer:
         source = resolve_model(
             cfg.speculative.draft_model_path, cfg.load.format, "speculative_draft_model_path"
         )
-        flag = f"--speculative-draft-model-path {cfg.speculative.draft_model_path}"
-        try:
+        path = cfg.speculative.draft_model_path
+        with drafter_errors(path):
             draft_cfg = load_config(source)
-        except SpecserveError as e:
-            raise type(e)(f"{flag}: {e}") from None
         # Drafts run at the target's positions: a draft of a shorter context (or a sliding
         # window, which cuts it) gets rotary to the target's (every draft is verified).
         positions = max(
@@ -40,12 +38,10 @@ def build_proposer(target: TargetParts) -> Proposer:
         )
         draft_cfg = replace(draft_cfg, max_position_embeddings=positions)
         device = target.kv.pool.device
-        try:
+        with drafter_errors(path):
             model = load_model(
                 source, target.dtype, device, config=draft_cfg, seed=cfg.load.seed + 1
             )
-        except SpecserveError as e:
-            raise type(e)(f"{flag}: {e}") from None
         kv = KVCache(
             draft_cfg, target.kv.allocator.num_pages, cfg.cache.page_size, target.dtype, device
         )
