@@ -112,6 +112,94 @@ def test_a_drafters_load_errors_name_its_flag(tmp_path):
         LLM(str(deep), speculative_algorithm="eagle3", speculative_draft_model_path=str(head))
 
 
+def _resized_copy(src, dst, vocab):
+    """The model at `src` with its embedding and lm_head cut or padded (zeros) to `vocab`
+    rows, as a draft model: the same tokenizer, another embedding size."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    tensors = load_file(dst / "model.safetensors")
+    for name, t in tensors.items():
+        if t.shape[0] == VOCAB and name.endswith(("embed_tokens.weight", "lm_head.weight")):
+            fitted = t.new_zeros((vocab, *t.shape[1:]))
+            rows = min(vocab, VOCAB)
+            fitted[:rows] = t[:rows]
+            tensors[name] = fitted
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["vocab_size"] = vocab
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def test_a_draft_models_embedding_may_be_padded_to_another_size(tmp_path):
+    """A draft sharing the target's tokenizer with an embedding padded to another size
+    (Qwen2.5-0.5B drafting for 7B: 151,936 rows against 152,064) was refused. Its logits
+    are fitted to the target's ids now: a padded copy of the target drafts only what the
+    target decodes (all accepted, so ids line up), a cut one (VOCAB - 8 rows: the
+    tokenizer's size) is fed id 0 for the ids past its rows that a random target emits;
+    greedy output is the target's, and sampled drafts (rejection sampling over the target's
+    ids) run and free their pages."""
+    target = make_tiny_model(tmp_path / "target", seed=3)
+    prompts = _prompts()
+    plain = [o.token_ids for o in LLM(str(target)).generate(prompts, GREEDY)]
+    for vocab in (VOCAB + 64, VOCAB - 8):
+        draft = _resized_copy(target, tmp_path / f"draft{vocab}", vocab)
+        llm, outs = _run(
+            str(target),
+            prompts,
+            speculative_algorithm="draft",
+            speculative_draft_model_path=str(draft),
+            speculative_num_steps=3,
+        )
+        assert [o.token_ids for o in outs] == plain
+        drafted = sum(o.spec_stats.drafted for o in outs)
+        accepted = sum(o.spec_stats.accepted for o in outs)
+        if vocab > VOCAB:
+            assert accepted == drafted > 0
+        else:
+            emitted = {t for o in outs for t in o.token_ids}
+            assert max(emitted) >= vocab  # (ids the cut draft has no row for)
+            assert 0 < accepted < drafted
+        sampled = SamplingParams(max_tokens=MAX_NEW, temperature=1.0, ignore_eos=True)
+        outs = llm.generate(prompts, sampled)
+        assert all(len(o.token_ids) == MAX_NEW for o in outs)
+        assert sum(o.spec_stats.drafted for o in outs) > 0
+        assert llm.engine.kv.allocator.num_used == 0
+
+
+def test_a_draft_model_of_another_tokenizer_is_refused(tmp_path):
+    """A draft model whose tokenizer gives ids other meanings (here two tokens swapped:
+    the same vocabulary size) was taken silently and every draft rejected; one of another
+    size without a tokenizer cannot show it shares the target's."""
+    import json
+
+    from specserve.core.errors import UnsupportedModelError
+
+    target = make_tiny_model(tmp_path / "target", seed=3)
+    draft = make_tiny_model(tmp_path / "draft", seed=4, num_layers=1)
+    path = draft / "tokenizer.json"
+    tok = json.loads(path.read_text())
+    vocab = tok["model"]["vocab"]
+    a, b = sorted(vocab, key=vocab.get)[100:102]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    path.write_text(json.dumps(tok))
+    with pytest.raises(
+        UnsupportedModelError,
+        match=r"--speculative-draft-model-path .*draft: the draft model's tokenizer differs "
+        r"from the target's \(2 of",
+    ):
+        LLM(str(target), speculative_algorithm="draft", speculative_draft_model_path=str(draft))
+    bare = _resized_copy(target, tmp_path / "bare", VOCAB + 64)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (bare / name).unlink(missing_ok=True)
+    with pytest.raises(UnsupportedModelError, match="has no tokenizer to show"):
+        LLM(str(target), speculative_algorithm="draft", speculative_draft_model_path=str(bare))
+
+
 @pytest.mark.parametrize("mode", ["page1", "preemption", "chunked"])
 def test_greedy_identical_modes(target, mode):
     folder, other, prompts, plain = target

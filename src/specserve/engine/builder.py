@@ -145,7 +145,14 @@ def build_target(
         with startup.phase("compiling attention kernels"):
             runner.backend.warm_up(loaded.model.num_heads, kv.layers[0])  # (this rank's)
     return TargetParts(
-        config, loaded.model_config, loaded.dtype, kv, runner, max_model_len, selector
+        config,
+        loaded.model_config,
+        loaded.dtype,
+        kv,
+        runner,
+        max_model_len,
+        selector,
+        loaded.tokenizer,
     )
 
 

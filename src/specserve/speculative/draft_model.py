@@ -31,14 +31,13 @@ class DraftModelProposer(Proposer):
         backend: AttentionBackend,
         target_vocab: int,
     ):
-        if model.config.vocab_size != target_vocab:
-            raise UnsupportedModelError(
-                f"the draft model's vocabulary size ({model.config.vocab_size}) differs from "
-                f"the target's ({target_vocab}): a draft model must share the target's "
-                "tokenizer and embedding size (a draft whose embedding is padded otherwise is "
-                "not supported yet)"
-            )
         self.model, self.kv, self.backend = model, kv, backend
+        # A draft sharing the target's tokenizer may pad its embedding to another size
+        # (Qwen2.5-0.5B's 151,936 rows against 7B's 152,064): its logits are cut or padded
+        # to the target's ids (padding never drafted), and an id past its rows (one the
+        # tokenizer never makes, which a target may still sample) is fed to it as id 0:
+        # its drafts after that are only worse, and every draft is verified.
+        self.vocab, self.target_vocab = model.config.vocab_size, target_vocab
 
     @torch.inference_mode()
     def propose(self, items: list[ScheduledRequest]) -> None:
@@ -75,14 +74,21 @@ class DraftModelProposer(Proposer):
         for group in bounded_passes(segments, self.max_pass_tokens):
             packed_ids, meta, _ = pack(group, self.kv.page_size, self.kv.pool.device)
             self.count_eager(len(packed_ids))
-            self.model(packed_ids, meta, self.kv.layers, self.backend)
+            self.model(self._own_ids(packed_ids), meta, self.kv.layers, self.backend)
 
     def _forward(self, segments: list[Segment], input_ids=None) -> torch.Tensor:
         packed_ids, meta, last_rows = pack(segments, self.kv.page_size, self.kv.pool.device)
-        input_ids = packed_ids if input_ids is None else input_ids
+        input_ids = self._own_ids(packed_ids) if input_ids is None else input_ids
         self.count_eager(len(input_ids))
         hidden, _ = self.model(input_ids, meta, self.kv.layers, self.backend)
-        return self.model.compute_logits(hidden[to_device(last_rows, hidden.device)])
+        logits = self.model.compute_logits(hidden[to_device(last_rows, hidden.device)])
+        return fit_vocab(logits, self.target_vocab)
+
+    def _own_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """Target ids as the draft's embedding takes them (see __init__)."""
+        if self.vocab >= self.target_vocab:
+            return ids
+        return torch.where(ids < self.vocab, ids, torch.zeros_like(ids))
 
     def step_timer(self):
         return lambda n: dummy_forward(self.model, self.kv, self.backend, n)
@@ -92,3 +98,43 @@ class DraftModelProposer(Proposer):
             if it.drafts:
                 # Drafts 1..k-1 were fed back into the draft KV; accepted ones stay valid.
                 it.request.draft_cached_len += min(a, len(it.drafts) - 1)
+
+
+def fit_vocab(logits: torch.Tensor, target_vocab: int) -> torch.Tensor:
+    """Draft logits [R, V_draft] over the target's ids [R, target_vocab]: a padded draft
+    embedding's extra columns cut, a smaller one's missing ids at -inf (never drafted, zero
+    probability for rejection sampling)."""
+    vocab = logits.shape[-1]
+    if vocab == target_vocab:
+        return logits
+    if vocab > target_vocab:
+        return logits[:, :target_vocab]
+    return torch.nn.functional.pad(logits, (0, target_vocab - vocab), value=float("-inf"))
+
+
+def check_tokenizers(draft_tokenizer, target_tokenizer, draft_vocab: int, target_vocab: int):
+    """Refuse a draft model whose tokens mean other text than the target's: its drafts
+    would all be rejected (the output stays the target's, at a loss). `draft_tokenizer`
+    None (its folder has none): only an embedding of the target's size is taken on trust."""
+    if draft_tokenizer is None:
+        if draft_vocab != target_vocab:
+            raise UnsupportedModelError(
+                f"the draft model's vocabulary size ({draft_vocab}) differs from the "
+                f"target's ({target_vocab}) and its folder has no tokenizer to show that the "
+                "two share one: add the draft's tokenizer files (tokenizer.json, "
+                "tokenizer_config.json)"
+            )
+        return
+    if target_tokenizer is None:
+        return
+    draft, target = draft_tokenizer.get_vocab(), target_tokenizer.get_vocab()
+    if draft == target:
+        return
+    differ = sorted(t for t in draft.keys() | target.keys() if draft.get(t) != target.get(t))
+    example = differ[0]
+    raise UnsupportedModelError(
+        f"the draft model's tokenizer differs from the target's ({len(differ)} of "
+        f"{len(target)} tokens: e.g. {example!r} is id {draft.get(example)} to the draft, "
+        f"{target.get(example)} to the target): a draft model must share the target's "
+        "tokenizer (its drafts are token ids)"
+    )

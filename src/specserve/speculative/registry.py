@@ -23,7 +23,7 @@ def build_proposer(target: TargetParts) -> Proposer:
     if algo == "draft":
         from specserve.core.kv_cache import KVCache
         from specserve.model.loader import load_config, load_model, resolve_model
-        from specserve.speculative.draft_model import DraftModelProposer
+        from specserve.speculative.draft_model import DraftModelProposer, check_tokenizers
 
         source = resolve_model(
             cfg.speculative.draft_model_path, cfg.load.format, "speculative_draft_model_path"
@@ -31,6 +31,12 @@ def build_proposer(target: TargetParts) -> Proposer:
         path = cfg.speculative.draft_model_path
         with drafter_errors(path):
             draft_cfg = load_config(source)
+            check_tokenizers(
+                draft_tokenizer(source),
+                target.tokenizer,
+                draft_cfg.vocab_size,
+                target.model_config.vocab_size,
+            )
         # Drafts run at the target's positions: a draft of a shorter context (or a sliding
         # window, which cuts it) gets rotary to the target's (every draft is verified).
         positions = max(
@@ -57,3 +63,17 @@ def build_proposer(target: TargetParts) -> Proposer:
 
         return build_eagle3_proposer(target)
     raise ValueError(f"unknown speculative algorithm {algo!r}")
+
+
+def draft_tokenizer(source):
+    """A draft model's tokenizer, or None where its folder has none (or it is a random-weight
+    shape: taken on its vocabulary size, as a folder without one)."""
+    from specserve.model.loader import load_tokenizer
+
+    if source.kind == "dummy":
+        return None
+    if source.kind == "hf" and not any(
+        (source.path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")
+    ):
+        return None
+    return load_tokenizer(source)
