@@ -10,7 +10,7 @@ import pytest
 from specserve import LLM, SamplingParams
 from specserve.core.kv_cache import KVCache as KVCacheLike
 from specserve.speculative.policy import PerRequestPolicy
-from tests.support.tiny_models import VOCAB, make_tiny_model
+from tests.support.tiny_models import VOCAB, make_tiny_model, resized_vocab_copy
 
 MAX_NEW = 16
 GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
@@ -112,29 +112,6 @@ def test_a_drafters_load_errors_name_its_flag(tmp_path):
         LLM(str(deep), speculative_algorithm="eagle3", speculative_draft_model_path=str(head))
 
 
-def _resized_copy(src, dst, vocab):
-    """The model at `src` with its embedding and lm_head cut or padded (zeros) to `vocab`
-    rows, as a draft model: the same tokenizer, another embedding size."""
-    import json
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-
-    shutil.copytree(src, dst)
-    tensors = load_file(dst / "model.safetensors")
-    for name, t in tensors.items():
-        if t.shape[0] == VOCAB and name.endswith(("embed_tokens.weight", "lm_head.weight")):
-            fitted = t.new_zeros((vocab, *t.shape[1:]))
-            rows = min(vocab, VOCAB)
-            fitted[:rows] = t[:rows]
-            tensors[name] = fitted
-    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
-    cfg = json.loads((dst / "config.json").read_text())
-    cfg["vocab_size"] = vocab
-    (dst / "config.json").write_text(json.dumps(cfg))
-    return dst
-
-
 def test_a_draft_models_embedding_may_be_padded_to_another_size(tmp_path):
     """A draft sharing the target's tokenizer with an embedding padded to another size
     (Qwen2.5-0.5B drafting for 7B: 151,936 rows against 152,064) was refused. Its logits
@@ -147,7 +124,7 @@ def test_a_draft_models_embedding_may_be_padded_to_another_size(tmp_path):
     prompts = _prompts()
     plain = [o.token_ids for o in LLM(str(target)).generate(prompts, GREEDY)]
     for vocab in (VOCAB + 64, VOCAB - 8):
-        draft = _resized_copy(target, tmp_path / f"draft{vocab}", vocab)
+        draft = resized_vocab_copy(target, tmp_path / f"draft{vocab}", vocab)
         llm, outs = _run(
             str(target),
             prompts,
@@ -193,7 +170,7 @@ def test_a_draft_model_of_another_tokenizer_is_refused(tmp_path):
         r"from the target's \(2 of",
     ):
         LLM(str(target), speculative_algorithm="draft", speculative_draft_model_path=str(draft))
-    bare = _resized_copy(target, tmp_path / "bare", VOCAB + 64)
+    bare = resized_vocab_copy(target, tmp_path / "bare", VOCAB + 64)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (bare / name).unlink(missing_ok=True)
     with pytest.raises(UnsupportedModelError, match="has no tokenizer to show"):

@@ -8,6 +8,7 @@ drafter's distribution, accepting more drafts. Both follow the target's distribu
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,6 +23,7 @@ from specserve.layers.sampler import (
 )
 from specserve.runtime.verify import verify
 from tests.support.overlap_cases import make_models, random_draft_lens, spec_kwargs
+from tests.support.tiny_models import resized_vocab_copy
 
 
 def _tv(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -200,13 +202,17 @@ def test_seeded_sampled_output_is_plain_decodings(models, plain, drafter, mode):
     assert llm.engine.kv.allocator.num_used == 0
 
 
-def test_requests_without_a_seed_follow_the_targets_distribution(models):
+@pytest.mark.parametrize("drafter", ["random", "cut"])
+def test_requests_without_a_seed_follow_the_targets_distribution(models, drafter, tmp_path):
     """End to end, 2000 requests without a seed, plain and with a random draft model (K=2,
     its drafts drawn from its distribution and verified by rejection sampling): the first
     three tokens' marginals agree (the first comes from prefill, the next two out of
     verification). top_k 4 keeps each marginal's support small; two exact samplers differ
     by TV ~0.03-0.08 at this size, so the tolerance is 0.12 (a verifier that accepted drafts
-    unchecked lands well above it)."""
+    unchecked lands well above it). "cut": the target itself with its embedding cut to 200
+    rows, whose distribution has no mass on the ids past them (drafting over the target's
+    ids, speculative/draft_model.py's fit_vocab): the target's mass there comes from the
+    residual."""
     prompt, n = [5, 17, 33, 90], 2000
     params = SamplingParams(max_tokens=3, temperature=1.0, top_k=4, top_p=0.95, ignore_eos=True)
 
@@ -220,7 +226,10 @@ def test_requests_without_a_seed_follow_the_targets_distribution(models):
 
     big = dict(max_num_seqs=n, max_num_batched_tokens=8192)
     plain, _ = marginals(LLM(models["target"], **big))
-    llm = LLM(models["target"], **spec_kwargs(models, "random"), speculative_num_steps=2, **big)
+    if drafter == "cut":
+        cut = resized_vocab_copy(Path(models["target"]), tmp_path / "cut", 200)
+        models = {**models, "cut": str(cut)}
+    llm = LLM(models["target"], **spec_kwargs(models, drafter), speculative_num_steps=2, **big)
     kept = []
     draft_probs = llm.engine.runner._draft_probs
     llm.engine.runner._draft_probs = lambda *a: kept.append(draft_probs(*a)) or kept[-1]

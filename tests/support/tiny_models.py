@@ -173,6 +173,29 @@ def hf_greedy(folder: Path, prompts: list[list[int]], max_new_tokens: int) -> li
     return outs
 
 
+def resized_vocab_copy(src: Path, dst: Path, vocab: int) -> Path:
+    """The model at `src` with its embedding and lm_head cut or padded (zeros) to `vocab`
+    rows, as a draft model: the same tokenizer, another embedding size."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    tensors = load_file(dst / "model.safetensors")
+    for name, t in tensors.items():
+        if t.shape[0] == VOCAB and name.endswith(("embed_tokens.weight", "lm_head.weight")):
+            fitted = t.new_zeros((vocab, *t.shape[1:]))
+            rows = min(vocab, VOCAB)
+            fitted[:rows] = t[:rows]
+            tensors[name] = fitted
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["vocab_size"] = vocab
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
 def make_random_eagle3_head(
     folder: Path, target_folder: Path, draft_vocab: int = 200, seed: int = 0
 ) -> Path:
