@@ -148,13 +148,16 @@ def test_a_draft_models_embedding_may_be_padded_to_another_size(tmp_path):
         assert llm.engine.kv.allocator.num_used == 0
 
 
-def test_a_draft_model_of_another_tokenizer_is_refused(tmp_path):
+def test_a_draft_model_of_another_tokenizer_is_refused(tmp_path, monkeypatch):
     """A draft model whose tokenizer gives ids other meanings (here two tokens swapped:
     the same vocabulary size) was taken silently and every draft rejected; one of another
-    size without a tokenizer cannot show it shares the target's."""
+    size without a tokenizer cannot show it shares the target's. Both are said before the
+    target's weights load, as an EAGLE-3 head made for another vocabulary is."""
     import json
 
-    from specserve.core.errors import UnsupportedModelError
+    from specserve.core.errors import CheckpointError, UnsupportedModelError
+    from specserve.engine import builder
+    from tests.support.tiny_models import make_random_eagle3_head
 
     target = make_tiny_model(tmp_path / "target", seed=3)
     draft = make_tiny_model(tmp_path / "draft", seed=4, num_layers=1)
@@ -175,6 +178,18 @@ def test_a_draft_model_of_another_tokenizer_is_refused(tmp_path):
         (bare / name).unlink(missing_ok=True)
     with pytest.raises(UnsupportedModelError, match="has no tokenizer to show"):
         LLM(str(target), speculative_algorithm="draft", speculative_draft_model_path=str(bare))
+    deep = make_tiny_model(tmp_path / "deep", seed=3, num_layers=4)
+    head = make_random_eagle3_head(tmp_path / "head", deep)
+    wide = make_tiny_model(tmp_path / "wide", overrides=dict(vocab_size=VOCAB + 64))
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("the target's weights were loaded first")
+
+    monkeypatch.setattr(builder, "load_model", loaded)
+    with pytest.raises(UnsupportedModelError, match="tokenizer differs"):
+        LLM(str(target), speculative_algorithm="draft", speculative_draft_model_path=str(draft))
+    with pytest.raises(CheckpointError, match="made for a vocabulary of 384 tokens"):
+        LLM(str(wide), speculative_algorithm="eagle3", speculative_draft_model_path=str(head))
 
 
 @pytest.mark.parametrize("mode", ["page1", "preemption", "chunked"])

@@ -21,6 +21,7 @@ from specserve.model.llama import LlamaForCausalLM
 from specserve.model.loader import load_config, load_model, load_tokenizer, resolve_model
 from specserve.runtime import packing
 from specserve.runtime.model_runner import ModelRunner
+from specserve.speculative.registry import check_drafter
 from specserve.speculative.speculator import Speculator
 from specserve.speculative.target import TargetParts
 
@@ -48,8 +49,10 @@ def load_target(
     tp: TensorParallel = SINGLE_RANK,
 ) -> LoadedTarget:
     """`config.load.model` loaded on its device (under tensor parallelism, this rank's shard
-    of it), or the prebuilt `model` as it is."""
+    of it), or the prebuilt `model` as it is; a drafter made for another target is refused
+    before the weights load (`check_drafter`)."""
     if model is not None:
+        check_drafter(config, model.config, tokenizer)
         return LoadedTarget(None, model.config, model.lm_head_weight.dtype, tokenizer, model)
     device = config.load.torch_device()
     source = resolve_model(config.load.model, config.load.format)
@@ -57,6 +60,8 @@ def load_target(
         model_config = load_config(source)
         dtype = config.load.torch_dtype(model_config.dtype)
         tokenizer = tokenizer if tokenizer is not None else load_tokenizer(source)
+        if tp.rank == 0:  # (one rank says it)
+            check_drafter(config, model_config, tokenizer)
         model = load_model(
             source, dtype, device, progress, model_config, seed=config.load.seed, tp=tp
         )
@@ -145,14 +150,7 @@ def build_target(
         with startup.phase("compiling attention kernels"):
             runner.backend.warm_up(loaded.model.num_heads, kv.layers[0])  # (this rank's)
     return TargetParts(
-        config,
-        loaded.model_config,
-        loaded.dtype,
-        kv,
-        runner,
-        max_model_len,
-        selector,
-        loaded.tokenizer,
+        config, loaded.model_config, loaded.dtype, kv, runner, max_model_len, selector
     )
 
 

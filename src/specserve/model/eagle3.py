@@ -332,6 +332,28 @@ def _check_maps(d2t: torch.Tensor, t2d: torch.Tensor, cfg: Eagle3Config) -> None
         raise CheckpointError("t2d does not mark exactly the target ids that d2t maps to")
 
 
+def check_head_fits(cfg: Eagle3Config, folder: str | Path, target_config: ModelConfig) -> None:
+    """CheckpointError or UnsupportedModelError when the head in `folder` was made for
+    another target (vocabulary, hidden size): from the configs alone, so an engine can say
+    it before loading either model's weights."""
+    if cfg.vocab_size != target_config.vocab_size:
+        raise CheckpointError(
+            f"the EAGLE-3 head in {folder} was made for a vocabulary of {cfg.vocab_size} tokens; "
+            f"the target has {target_config.vocab_size}: use a head trained for this target"
+        )
+    if cfg.target_hidden_size != target_config.hidden_size:
+        raise CheckpointError(
+            f"the EAGLE-3 head in {folder} reads target hidden states of size "
+            f"{cfg.target_hidden_size}; the target's hidden size is {target_config.hidden_size}"
+        )
+    if cfg.hidden_size != target_config.hidden_size:
+        raise UnsupportedModelError(
+            f"the EAGLE-3 head in {folder} has hidden size {cfg.hidden_size}, the target "
+            f"{target_config.hidden_size}: specserve feeds the head the target's token "
+            "embeddings, so the two must match"
+        )
+
+
 def load_eagle3_head(
     folder: str | Path,
     target_config: ModelConfig,
@@ -350,22 +372,7 @@ def load_eagle3_head(
 
     folder = Path(folder)
     cfg = Eagle3Config.load(folder)
-    if cfg.vocab_size != target_config.vocab_size:
-        raise CheckpointError(
-            f"the EAGLE-3 head in {folder} was made for a vocabulary of {cfg.vocab_size} tokens; "
-            f"the target has {target_config.vocab_size}: use a head trained for this target"
-        )
-    if cfg.target_hidden_size != target_config.hidden_size:
-        raise CheckpointError(
-            f"the EAGLE-3 head in {folder} reads target hidden states of size "
-            f"{cfg.target_hidden_size}; the target's hidden size is {target_config.hidden_size}"
-        )
-    if cfg.hidden_size != target_config.hidden_size:
-        raise UnsupportedModelError(
-            f"the EAGLE-3 head in {folder} has hidden size {cfg.hidden_size}, the target "
-            f"{target_config.hidden_size}: specserve feeds the head the target's token "
-            "embeddings, so the two must match"
-        )
+    check_head_fits(cfg, folder, target_config)
     # Drafts run at the target's positions: the head's rotary covers the target's context
     # (rotary is a formula of the position; llama3 scaling reads its own original length).
     positions = max(cfg.layer.max_position_embeddings, target_config.max_position_embeddings)

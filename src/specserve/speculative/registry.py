@@ -5,7 +5,9 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
+from specserve.core.config import EngineConfig
 from specserve.core.errors import drafter_errors
+from specserve.core.model_config import ModelConfig
 from specserve.speculative.proposer import Proposer
 
 if TYPE_CHECKING:
@@ -23,20 +25,14 @@ def build_proposer(target: TargetParts) -> Proposer:
     if algo == "draft":
         from specserve.core.kv_cache import KVCache
         from specserve.model.loader import load_config, load_model, resolve_model
-        from specserve.speculative.draft_model import DraftModelProposer, check_tokenizers
+        from specserve.speculative.draft_model import DraftModelProposer
 
         source = resolve_model(
             cfg.speculative.draft_model_path, cfg.load.format, "speculative_draft_model_path"
         )
         path = cfg.speculative.draft_model_path
         with drafter_errors(path):
-            draft_cfg = load_config(source)
-            check_tokenizers(
-                draft_tokenizer(source),
-                target.tokenizer,
-                draft_cfg.vocab_size,
-                target.model_config.vocab_size,
-            )
+            draft_cfg = load_config(source)  # (its fit to the target: `check_drafter`)
         # Drafts run at the target's positions: a draft of a shorter context (or a sliding
         # window, which cuts it) gets rotary to the target's (every draft is verified).
         positions = max(
@@ -63,6 +59,33 @@ def build_proposer(target: TargetParts) -> Proposer:
 
         return build_eagle3_proposer(target)
     raise ValueError(f"unknown speculative algorithm {algo!r}")
+
+
+def check_drafter(config: EngineConfig, target_config: ModelConfig, tokenizer) -> None:
+    """Refuse a drafter made for another target from the configs and tokenizers alone, before
+    either model's weights load (a 70B target takes minutes): a draft model whose tokenizer
+    is not the target's `tokenizer` (or, without one, whose vocabulary size differs), an
+    EAGLE-3 head of another vocabulary or hidden size. Errors name the flag."""
+    spec = config.speculative
+    path = spec.draft_model_path
+    if path is None or spec.algorithm not in ("draft", "eagle3"):
+        return
+    from specserve.model.loader import load_config, resolve_model
+
+    with drafter_errors(path):
+        if spec.algorithm == "eagle3":
+            from specserve.model.eagle3 import check_head_fits
+            from specserve.model.eagle3_config import Eagle3Config
+
+            check_head_fits(Eagle3Config.load(path), path, target_config)
+            return
+        from specserve.speculative.draft_model import check_tokenizers
+
+        source = resolve_model(path, config.load.format, "speculative_draft_model_path")
+        draft_cfg = load_config(source)
+        check_tokenizers(
+            draft_tokenizer(source), tokenizer, draft_cfg.vocab_size, target_config.vocab_size
+        )
 
 
 def draft_tokenizer(source):

@@ -27,4 +27,3 @@ class TargetParts:
     runner: ModelRunner
     max_model_len: int
     gemv_selector: object | None = None
-    tokenizer: object | None = None  # the target's (a draft model's must be the same)
