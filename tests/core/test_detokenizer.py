@@ -95,6 +95,26 @@ def test_multibyte_character_waits_for_its_last_byte(tok):
     assert deltas == ["a", "", "", "", "🙂", "b"]
 
 
+@given(
+    text=texts,
+    cut=st.integers(1, 3),
+    mode=st.sampled_from(["bytes", "mixed"]),
+    stray=st.lists(st.sampled_from([0xC3, 0xE4, 0xF0]), max_size=3),  # (lead bytes)
+)
+@settings(max_examples=120, deadline=None)
+def test_an_output_ending_inside_a_character_ends_as_decode_makes_it(tok, text, cut, mode, stray):
+    """An output cut by max_tokens inside a character (or ending in invalid bytes) dropped
+    those tokens' text: '' for the first two bytes of an emoji, where the logprobs' bytes
+    and `tokenizer.decode` say U+FFFD. The last delta now releases what decode makes of
+    them, as the whole text does (and nothing partial before the end)."""
+    ids = tokenize(tok, text + "🙂", mode)[:-cut]
+    ids += tok.convert_tokens_to_ids([BYTE_CHARS[b] for b in stray])
+    deltas, detok = stream(tok, ids)
+    assert "".join(deltas) == detok.text == tok.decode(ids)
+    assert detok.text.endswith("\ufffd")
+    assert not any("\ufffd" in d for d in deltas[:-1])
+
+
 def test_special_tokens_add_no_text(tok):
     eos = tok.convert_tokens_to_ids("<|im_end|>")
     ids = byte_ids(tok, "hi") + [eos]

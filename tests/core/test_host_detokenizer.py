@@ -31,10 +31,17 @@ class Reference:
         if self.stopped:
             return
         self.ids.append(token)
+        self._release(finished=False)
+
+    def finish(self):
+        if not self.stopped:
+            self._release(finished=True)
+
+    def _release(self, finished):
         decode = lambda ids: self.tok.decode(ids, skip_special_tokens=True)  # noqa: E731
         prefix = decode(self.ids[self.prefix_offset : self.read_offset])
         full = decode(self.ids[self.prefix_offset :])
-        if full.endswith("\ufffd") or len(full) <= len(prefix):
+        if (full.endswith("\ufffd") and not finished) or len(full) <= len(prefix):
             return
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         start = max(0, len(self.text) - self.holdback)

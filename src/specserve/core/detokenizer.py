@@ -84,7 +84,8 @@ def _exact_backend(tokenizer):
 class IncrementalDetokenizer:
     """Turns a growing list of token ids into text deltas.
 
-    Text is only released once the decoded tail is no longer an incomplete UTF-8 sequence.
+    Text is only released once the decoded tail is no longer an incomplete UTF-8 sequence,
+    or the output ends (`finish`: what decode makes of it, U+FFFD).
     A stop string truncates the text before it; until the request ends, the last
     (longest stop - 1) characters are held back from `pop_delta` so a stop string split
     across tokens is never streamed.
@@ -165,8 +166,28 @@ class IncrementalDetokenizer:
             self.text = text[:cut]
             self.stopped = True
 
+    def finish(self) -> None:
+        """The output ends: tokens held back as an incomplete character are released as
+        what `tokenizer.decode` makes of them (U+FFFD for each invalid or cut sequence),
+        so the text is the decode of every token, as the logprobs' bytes say."""
+        if self.stopped or self.read_offset == len(self.ids):
+            return
+        ids, decode = self.ids, self.decoder.decode
+        prefix = decode(ids[self.prefix_offset : self.read_offset])
+        full = decode(ids[self.prefix_offset :])
+        self.prefix_offset = self.read_offset = len(ids)
+        self._stream = None
+        if len(full) > len(prefix):
+            new = full[len(prefix) :]
+            if self.stop and self.pushed >= self.min_tokens:
+                self._add_text_and_stop(new)
+            else:
+                self.text += new
+
     def pop_delta(self, finished: bool) -> str:
         """The text released since the last call (all of it once `finished`)."""
+        if finished:
+            self.finish()
         text = self.text
         end = len(text) if finished or self.stopped else len(text) - self.holdback
         if end <= self.emitted:

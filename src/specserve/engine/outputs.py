@@ -56,7 +56,8 @@ class RequestSink:
         """The request's state after this step, with the `num_new` tokens it committed."""
         detokenizer, finished = req.detokenizer, req.finished
         if detokenizer is not None:
-            text, delta = detokenizer.text, detokenizer.pop_delta(finished)
+            delta = detokenizer.pop_delta(finished)  # (first: a finished one flushes)
+            text = detokenizer.text
         else:
             text = delta = ""
         return RequestOutput(  # positional, in field order: twice as fast as keywords
