@@ -178,6 +178,16 @@ def test_a_kv_cache_smaller_than_the_context_is_the_limit_said(guarded):
     )
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
     assert str(limit) in r.json()["error"]["message"]
+    assert r.json()["error"]["code"] == "context_length_exceeded"  # (OpenAI's: clients trim)
+    body["max_tokens"] = 600  # past the model's context (512) with a short prompt
+    body["messages"][0]["content"] = "fox"
+    r = httpx.post(
+        guarded.url + "/v1/chat/completions", json=body, headers=guarded.headers, timeout=60
+    )
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["code"] == "context_length_exceeded", r.text
+    assert error["message"].startswith("This model's maximum context length is 512 tokens")
+    del body["max_tokens"]
     body["messages"][0]["content"] = "fox"
     r = httpx.post(
         guarded.url + "/v1/chat/completions", json=body, headers=guarded.headers, timeout=60

@@ -212,6 +212,18 @@ def test_tools_through_the_openai_client(tool_server):
     ]
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
     assert not any("<tool" in (ch.choices[0].delta.content or "") for ch in chunks)
+    # The client's stream helper says a call's arguments are done only when the finish
+    # reason comes after the call's chunk (it came in the same chunk: no such event), and
+    # a forced call's reply has no content (a role chunk's "" was a content event).
+    with client.chat.completions.stream(
+        model=model, messages=messages, tools=tools, tool_choice="required", max_tokens=100
+    ) as events:
+        kinds = [(e.type, getattr(e, "name", None), getattr(e, "arguments", None)) for e in events]
+    done = [k for k in kinds if k[0] == "tool_calls.function.arguments.done"]
+    assert done == [
+        ("tool_calls.function.arguments.done", call.function.name, call.function.arguments)
+    ]
+    assert not [k for k in kinds if k[0].startswith("content.")], kinds
     # the call and its result go back through the template
     follow_up = messages + [
         {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
@@ -314,6 +326,31 @@ def test_parallel_tool_calls_false_keeps_a_replys_first_call():
         assert [c["function"]["name"] for c in message["tool_calls"]] == names
         streamed = ChatFormatter("chatcmpl-2", "m", 1, 3, None, None)
         streamed.tools_format, streamed.most_calls = "hermes", most
-        chunk = streamed.chunk(0, OutputDelta("r-0", text, [7], None, True, "stop"), False)
+        *_, chunk, end = streamed.chunks(
+            0, OutputDelta("r-0", text, [7], None, True, "stop"), False
+        )
         calls = chunk["choices"][0]["delta"]["tool_calls"]
         assert [c["function"]["name"] for c in calls] == names
+        assert (
+            end["choices"][0]["delta"] == {} and end["choices"][0]["finish_reason"] == "tool_calls"
+        )
+
+
+def test_a_reply_cut_after_a_call_is_said_cut():
+    """A reply whose calls max_tokens (or the context) cut off was given as finish_reason
+    "tool_calls", complete to the client, with a call after the last one dropped unseen; it
+    is "length", as OpenAI says it, with the complete calls, whole and streamed."""
+    from specserve.server.messages import OutputDelta
+    from specserve.server.openai_format import ChatFormatter
+
+    text = '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>\n<tool_call>\n{"na'
+    whole = ChatFormatter("chatcmpl-1", "m", 1, 3, None, None)
+    whole.tools_format = "hermes"
+    whole.add(0, OutputDelta("r-0", text, [7], None, True, "length"))
+    choice = whole.response()["choices"][0]
+    assert choice["finish_reason"] == "length"
+    assert [c["function"]["name"] for c in choice["message"]["tool_calls"]] == ["get_time"]
+    streamed = ChatFormatter("chatcmpl-2", "m", 1, 3, None, None)
+    streamed.tools_format = "hermes"
+    *_, end = streamed.chunks(0, OutputDelta("r-0", text, [7], None, True, "length"), False)
+    assert end["choices"][0]["finish_reason"] == "length"

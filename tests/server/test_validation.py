@@ -67,6 +67,41 @@ CASES = [
         400,
         "messages[0].content[0].type",
     ),
+    # (OpenAI's rules for messages: they were served with the missing parts empty)
+    ("chat/completions", {"messages": [{"role": "user"}]}, 400, "messages[0].content"),
+    (
+        "chat/completions",
+        {"messages": [{"role": "user", "content": "x"}, {"role": "assistant"}]},
+        400,
+        "messages[1].content",
+    ),
+    (
+        "chat/completions",
+        {"messages": [{"role": "tool", "content": "noon", "tool_call_id": "c1"}]},
+        400,
+        "messages[0].role",
+    ),
+    (
+        "chat/completions",
+        {
+            "messages": [
+                {"role": "user", "content": "x"},
+                {
+                    "role": "assistant",
+                    "tool_calls": [
+                        {
+                            "id": "c1",
+                            "type": "function",
+                            "function": {"name": "f", "arguments": "{}"},
+                        }
+                    ],
+                },
+                {"role": "tool", "content": "noon"},
+            ]
+        },
+        400,
+        "messages[2].tool_call_id",
+    ),
     ("chat/completions", {"max_completion_tokens": -3}, 400, "max_completion_tokens"),
     ("chat/completions", {"max_completion_tokens": 100000}, 400, "max_completion_tokens"),
     ("chat/completions", {"top_logprobs": 3}, 400, "top_logprobs"),

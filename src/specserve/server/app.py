@@ -52,6 +52,7 @@ from specserve.server.protocol import (
     CompletionResponse,
     ModelCard,
     ModelList,
+    NamedToolChoice,
 )
 from specserve.server.request_stream import RequestStream
 
@@ -230,6 +231,9 @@ def build_app(state: ServerState) -> FastAPI:
         if body.tools and body.tool_choice != "none":
             fmt.tools_format = state.inputs.tool_format
             fmt.most_calls = 1 if body.parallel_tool_calls is False else None
+            fmt.forced_call = body.tool_choice == "required" or isinstance(
+                body.tool_choice, NamedToolChoice
+            )
         fmt.simulated = state.client.info.simulated_acceptance
         return await _serve(state, request, body, prepared, fmt)
 
@@ -338,9 +342,10 @@ async def _events(
     timed = first_chunk_s is None
     try:
         async for index, delta in stream:
-            chunk = fmt.chunk(index, delta, include_usage)
-            if chunk is not None:
+            chunks = fmt.chunks(index, delta, include_usage)
+            for chunk in chunks:
                 yield sse(chunk)
+            if chunks:
                 if not timed and delta.new_token_ids and stream.first_token_at is not None:
                     first_chunk_s.observe(time.monotonic() - stream.first_token_at)
                     timed = True

@@ -60,6 +60,12 @@ def bad_request(message: str, param: str | None) -> APIError:
     return APIError(400, message, param=param)
 
 
+def too_long(message: str, param: str | None) -> APIError:
+    """A 400 for a request past what one request can hold (the model's context or the KV
+    cache): OpenAI's code, which clients branch on to trim a conversation's history."""
+    return APIError(400, message, param=param, code="context_length_exceeded")
+
+
 def from_invalid_request(e: InvalidRequestError, rename: dict[str, str] | None = None) -> APIError:
     """An engine validation error as a 400; `rename` maps engine field names to API ones."""
     param = (rename or {}).get(e.field, e.field)

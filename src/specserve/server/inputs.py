@@ -16,7 +16,7 @@ from specserve.core.errors import InvalidRequestError
 from specserve.core.sampling_params import Grammar, SamplingParams, choice_seed
 from specserve.runtime.grammar import GrammarCompiler
 from specserve.runtime.schema_checks import TOO_DEEP, too_deep
-from specserve.server.errors import APIError, bad_request, from_invalid_request
+from specserve.server.errors import APIError, bad_request, from_invalid_request, too_long
 from specserve.server.grammar_compile import GrammarChecker
 from specserve.server.messages import AddRequest, EngineInfo
 from specserve.server.prompt_encoder import THREAD_CHARS, PromptEncoder
@@ -106,6 +106,7 @@ class InputProcessor:
         messages = []
         for i, m in enumerate(req.messages):
             content = m.content
+            _check_message(m, i, req.messages[i - 1] if i else None)
             if isinstance(content, list):
                 texts = []
                 for j, part in enumerate(content):
@@ -167,10 +168,9 @@ class InputProcessor:
         without encoding it (PromptEncoder.fewest_tokens); texts it cannot tell pass."""
         fewest = self.encoder.fewest_tokens(text)
         if fewest >= self.info.max_model_len:
-            raise bad_request(
-                f"the prompt has at least {fewest} tokens ({len(text)} characters); this "
-                f"model's maximum context length is {self.info.max_model_len} tokens, so "
-                "prompts must be shorter than that",
+            raise too_long(
+                f"This model's maximum context length is {self.info.max_model_len} tokens; "
+                f"the prompt has at least {fewest} tokens ({len(text)} characters): shorten it",
                 param,
             )
 
@@ -201,9 +201,9 @@ class InputProcessor:
                 param,
             )
         if len(ids) >= info.max_model_len:
-            raise bad_request(
-                f"the prompt has {len(ids)} tokens; this model's maximum context length is "
-                f"{info.max_model_len} tokens, so prompts must be shorter than that",
+            raise too_long(
+                f"This model's maximum context length is {info.max_model_len} tokens; the "
+                f"prompt has {len(ids)} tokens: shorten it",
                 param,
             )
 
@@ -217,27 +217,28 @@ class InputProcessor:
         limit = min(info.max_model_len, info.kv_capacity_tokens)
         if asked is None:
             if len(ids) >= limit:
-                raise bad_request(
-                    f"the prompt has {len(ids)} tokens, leaving no room to generate within "
-                    f"the {limit} tokens a request can hold",
+                raise too_long(
+                    f"This model's maximum context length is {limit} tokens on this server "
+                    f"(a request holds at most {limit}); the prompt has {len(ids)} tokens, "
+                    "leaving no room to generate: shorten it",
                     prompt_param,
                 )
             return limit - len(ids)
         if len(ids) + asked > info.max_model_len:
-            raise bad_request(
-                f"this model's maximum context length is {info.max_model_len} tokens; the "
+            raise too_long(
+                f"This model's maximum context length is {info.max_model_len} tokens; the "
                 f"request asks for {len(ids) + asked} ({len(ids)} in the prompt, {asked} "
-                f"for {param}); lower {param} or shorten the prompt",
+                f"for {param}): lower {param} or shorten the prompt",
                 param,
             )
         if len(ids) >= info.kv_capacity_tokens:
-            raise bad_request(
+            raise too_long(
                 f"the prompt ({len(ids)} tokens) leaves no room to generate in the KV cache "
                 f"the server has ({info.kv_capacity_tokens} tokens); shorten it",
                 prompt_param,
             )
         if len(ids) + asked > info.kv_capacity_tokens:
-            raise bad_request(
+            raise too_long(
                 f"the prompt ({len(ids)} tokens) plus {param} ({asked}) needs more KV cache "
                 f"than the server has ({info.kv_capacity_tokens} tokens); lower {param}",
                 param,
@@ -479,3 +480,26 @@ def model_check(requested: str | None, served: list[str]) -> str:
         param="model",
         code="model_not_found",
     )
+
+
+def _check_message(m, i: int, before) -> None:
+    """A 400 for a message the API refuses (OpenAI's rules): content missing where its role
+    needs it (every role but an assistant's turn that calls tools), a tool result without
+    the call's id or not after a turn that called tools (or another result)."""
+    if m.content is None and not (m.role == "assistant" and m.tool_calls):
+        need = "content or tool_calls" if m.role == "assistant" else "content"
+        raise bad_request(f"a message of role {m.role!r} needs {need}", f"messages[{i}].content")
+    if m.role != "tool":
+        return
+    if not m.tool_call_id:
+        raise bad_request(
+            "a message of role 'tool' needs the tool_call_id of the call it answers",
+            f"messages[{i}].tool_call_id",
+        )
+    if before is None or not (
+        before.role == "tool" or (before.role == "assistant" and before.tool_calls)
+    ):
+        raise bad_request(
+            "a message of role 'tool' must answer a preceding assistant message with tool_calls",
+            f"messages[{i}].role",
+        )

@@ -286,17 +286,18 @@ class CompletionFormatter(_Formatter):
             part["text_offset"].append(advance(tid))
         return part
 
-    def chunk(self, index: int, delta: OutputDelta, usage_field: bool) -> dict | None:
+    def chunks(self, index: int, delta: OutputDelta, usage_field: bool) -> list[dict]:
+        """The events of a choice's next delta (none or one)."""
         text, lp = self._take(index, delta)
         if not text and lp is None and not delta.finished:
-            return None
+            return []
         choice = {
             "index": index,
             "text": text,
             "logprobs": lp,
             "finish_reason": self.choices[index].finish_reason if delta.finished else None,
         }
-        return self._envelope(self.chunk_object, [choice], usage_field)
+        return [self._envelope(self.chunk_object, [choice], usage_field)]
 
     def add(self, index: int, delta: OutputDelta) -> None:
         _, lp = self._take(index, delta)
@@ -344,13 +345,15 @@ class ChatFormatter(_Formatter):
         return out
 
     def role_chunks(self, usage_field: bool) -> list[dict]:
+        # (a reply that must be a call has no content: null, as OpenAI sends it)
+        content = None if self.forced_call else ""
         return [
             self._envelope(
                 self.chunk_object,
                 [
                     {
                         "index": i,
-                        "delta": {"role": "assistant", "content": ""},
+                        "delta": {"role": "assistant", "content": content},
                         "logprobs": None,
                         "finish_reason": None,
                     }
@@ -362,12 +365,17 @@ class ChatFormatter(_Formatter):
 
     tools_format: str | None = None  # with tools offered: their call format (server/tools.py)
     most_calls: int | None = None  # parallel_tool_calls false: a reply's first call only
+    forced_call = False  # tool_choice required or a named function: the reply is a call
 
     def __init__(self, *args):
         super().__init__(*args)
         self._calls: dict[int, CallStream] = {}  # streamed choices' held-back calls
 
-    def chunk(self, index: int, delta: OutputDelta, usage_field: bool) -> dict | None:
+    def chunks(self, index: int, delta: OutputDelta, usage_field: bool) -> list[dict]:
+        """The events of a choice's next delta: none, one, or at a reply's end with tool
+        calls three (its last content, the calls, then an empty delta with the finish
+        reason: OpenAI's order, which the openai client's stream helper needs to say a
+        call's arguments are done)."""
         self._absorb(index, delta)
         entries = self._entries(delta)
         text, calls = delta.delta_text, []
@@ -379,18 +387,24 @@ class ChatFormatter(_Formatter):
                 rest, calls = stream.finish()
                 calls = calls[: self.most_calls]
                 text += rest
-                finish = "tool_calls" if calls else finish
+                finish = _call_finish(finish, calls)
         if not text and not calls and entries is None and not delta.finished:
-            return None
-        message = {"content": text} if text else {}
-        if calls:
-            message["tool_calls"] = [{"index": i, **call} for i, call in enumerate(calls)]
-        choice = {
-            "index": index,
-            "delta": message,
-            "logprobs": None if entries is None else {"content": entries, "refusal": None},
-            "finish_reason": finish,
-        }
+            return []
+        logprobs = None if entries is None else {"content": entries, "refusal": None}
+        if not calls:
+            message = {"content": text} if text else {}
+            return [self._choice_chunk(index, message, logprobs, finish, usage_field)]
+        out = []
+        if text or logprobs is not None:
+            message = {"content": text} if text else {}
+            out.append(self._choice_chunk(index, message, logprobs, None, usage_field))
+        message = {"tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]}
+        out.append(self._choice_chunk(index, message, None, None, usage_field))
+        out.append(self._choice_chunk(index, {}, None, finish, usage_field))
+        return out
+
+    def _choice_chunk(self, index, message, logprobs, finish, usage_field) -> dict:
+        choice = {"index": index, "delta": message, "logprobs": logprobs, "finish_reason": finish}
         return self._envelope(self.chunk_object, [choice], usage_field)
 
     def add(self, index: int, delta: OutputDelta) -> None:
@@ -409,7 +423,7 @@ class ChatFormatter(_Formatter):
                 calls = calls[: self.most_calls]
                 if calls:
                     message = {"role": "assistant", "content": content, "tool_calls": calls}
-                    finish = "tool_calls"
+                    finish = _call_finish(finish, calls)
             choices.append(
                 {
                     "index": i,
@@ -423,6 +437,13 @@ class ChatFormatter(_Formatter):
         out = self._envelope("chat.completion", choices, False)
         out["usage"] = self.usage()
         return out
+
+
+def _call_finish(finish: str | None, calls: list[dict]) -> str | None:
+    """A reply's finish reason with tool calls in it: "tool_calls" when the model ended it,
+    "length" still when max_tokens or the context cut it (a call after the last one may be
+    cut off: the client must know)."""
+    return "tool_calls" if calls and finish == "stop" else finish
 
 
 # Line separators JSON allows raw but line-splitting clients (Python's str.splitlines, so
