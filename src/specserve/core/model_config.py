@@ -175,8 +175,9 @@ def config_from_dict(raw: dict) -> ModelConfig:
             # Within the window, windowed attention is full attention: the context is cut
             # to it, so every token the engine computes is the model's.
             log.warning(
-                "sliding_window %d < max_position_embeddings %d: serving a context of %d "
-                "tokens (specserve does not run sliding-window attention)",
+                "sliding_window %d < max_position_embeddings %d: a target's context is cut "
+                "to %d tokens (specserve does not run sliding-window attention; a draft "
+                "model drafts past them with full attention, each draft verified)",
                 window,
                 context,
                 window,
