@@ -218,9 +218,8 @@ class InputProcessor:
         if asked is None:
             if len(ids) >= limit:
                 raise too_long(
-                    f"This model's maximum context length is {limit} tokens on this server "
-                    f"(a request holds at most {limit}); the prompt has {len(ids)} tokens, "
-                    "leaving no room to generate: shorten it",
+                    f"This model's maximum context length is {limit} tokens on this server; "
+                    f"the prompt has {len(ids)} tokens, leaving no room to generate: shorten it",
                     prompt_param,
                 )
             return limit - len(ids)
