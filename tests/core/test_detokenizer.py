@@ -239,3 +239,25 @@ def test_eos_ends_the_request_and_ignore_eos_keeps_going(greedy_run, tiny_llama,
     assert out.token_ids == ref.token_ids[: j + 1]
     kept = llm.generate([PROMPT], SamplingParams(max_tokens=N, temperature=0.0, ignore_eos=True))[0]
     assert kept.finish_reason == "length" and kept.token_ids == ref.token_ids
+
+
+def test_a_stop_string_in_the_text_held_back_at_the_end_stops(greedy_run, tok):
+    """A token of a space and an emoji's first two bytes, forced three times: its text is
+    held back as an incomplete character until max_tokens ends the request, and only then
+    released (U+FFFD). A stop string in it cuts the text there and the request ends as a
+    stop does (it said "length" with the text cut)."""
+    llm, _ = greedy_run
+    piece = next(
+        i
+        for i in range(len(tok))
+        if tok.convert_ids_to_tokens(i).startswith("Ġ") and tok.decode([i]) == " \ufffd"
+    )
+    outs = {}
+    for stop in (" ", "x"):
+        params = SamplingParams(
+            max_tokens=3, logit_bias={piece: 100.0}, stop=[stop], ignore_eos=True
+        )
+        outs[stop] = llm.generate([[5, 17, 33]], params)[0]
+    assert outs["x"].token_ids == [piece] * 3
+    assert outs["x"].text == tok.decode([piece] * 3) and outs["x"].finish_reason == "length"
+    assert outs[" "].text == "" and outs[" "].finish_reason == "stop"

@@ -37,6 +37,9 @@ class FakeDetokenizer:
     def push(self, token: int) -> None:
         self.stopped = self.stopped or token == 7
 
+    def finish(self) -> None:  # (nothing held back)
+        pass
+
 
 @given(
     prompt_len=st.integers(1, 20),

@@ -148,6 +148,49 @@ def test_a_draft_models_embedding_may_be_padded_to_another_size(tmp_path):
         assert llm.engine.kv.allocator.num_used == 0
 
 
+def test_a_draft_whose_special_tokens_differ_drafts(tmp_path):
+    """Drafts are ordinary tokens: a draft whose added tokens differ (one renamed, as Llama
+    3.1 renamed 3.0's reserved ones, and one more) or whose folder's tokenizer cannot be
+    read (a tokenizer_config.json alone: taken on its vocabulary size, as before the
+    tokenizers were compared) drafts, and the output is the target's."""
+    import json
+
+    target = make_tiny_model(tmp_path / "target", seed=3)
+    prompts = _prompts()
+    plain = [o.token_ids for o in LLM(str(target)).generate(prompts, GREEDY)]
+    renamed = resized_vocab_copy(target, tmp_path / "renamed", VOCAB)
+    path = renamed / "tokenizer.json"
+    tok = json.loads(path.read_text())
+    for added in tok["added_tokens"]:
+        if added["content"] == "<|endoftext|>":
+            added["content"] = "<|end_of_text|>"
+    tok["model"]["vocab"]["<|end_of_text|>"] = tok["model"]["vocab"].pop("<|endoftext|>")
+    path.write_text(json.dumps(tok))
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        if (renamed / name).exists():
+            text = (renamed / name).read_text()
+            (renamed / name).write_text(text.replace("<|endoftext|>", "<|end_of_text|>"))
+    from transformers import AutoTokenizer
+
+    extended = AutoTokenizer.from_pretrained(str(renamed))
+    extended.add_special_tokens({"additional_special_tokens": ["<|tool|>"]})
+    extended.save_pretrained(str(renamed))
+    unreadable = resized_vocab_copy(target, tmp_path / "unreadable", VOCAB)
+    (unreadable / "tokenizer.json").unlink()
+    for draft in (renamed, unreadable):
+        _, outs = _run(
+            str(target),
+            prompts,
+            speculative_algorithm="draft",
+            speculative_draft_model_path=str(draft),
+            speculative_num_steps=3,
+        )
+        assert [o.token_ids for o in outs] == plain
+        assert (
+            sum(o.spec_stats.accepted for o in outs) == sum(o.spec_stats.drafted for o in outs) > 0
+        )
+
+
 def test_a_draft_model_of_another_tokenizer_is_refused(tmp_path, monkeypatch):
     """A draft model whose tokenizer gives ids other meanings (here two tokens swapped:
     the same vocabulary size) was taken silently and every draft rejected; one of another

@@ -168,8 +168,9 @@ class IncrementalDetokenizer:
 
     def finish(self) -> None:
         """The output ends: tokens held back as an incomplete character are released as
-        what `tokenizer.decode` makes of them (U+FFFD for each invalid or cut sequence),
-        so the text is the decode of every token, as the logprobs' bytes say."""
+        what `tokenizer.decode` makes of them (U+FFFD for an invalid or cut sequence), as
+        the logprobs' bytes say (for byte-level tokenizers the text is then the decode of
+        every token; byte fallback's decode may also replace valid bytes before them)."""
         if self.stopped or self.read_offset == len(self.ids):
             return
         ids, decode = self.ids, self.decoder.decode

@@ -217,3 +217,7 @@ class Request:
         # Only processed tokens count here: committed_len may include a later step's.
         if self.finish_reason is None and len(output) >= self._output_limit:
             self.finish_reason = "length"
+            if detokenizer is not None:  # its held-back text ends now: a stop string in it
+                detokenizer.finish()  # ends the output as a stop does
+                if detokenizer.stopped:
+                    self.finish_reason = "stop"

@@ -114,8 +114,11 @@ def fit_vocab(logits: torch.Tensor, target_vocab: int) -> torch.Tensor:
 
 def check_tokenizers(draft_tokenizer, target_tokenizer, draft_vocab: int, target_vocab: int):
     """Refuse a draft model whose tokens mean other text than the target's: its drafts
-    would all be rejected (the output stays the target's, at a loss). `draft_tokenizer`
-    None (its folder has none): only an embedding of the target's size is taken on trust."""
+    would all be rejected (the output stays the target's, at a loss). The ordinary tokens
+    must be the same; added and special tokens may differ (Llama 3.1 renamed 3.0's reserved
+    ones, DeepSeek's Qwen distills Qwen's): a draft of one the target reads otherwise is
+    rejected, as any wrong draft. `draft_tokenizer` None (its folder has none specserve can
+    read): only an embedding of the target's size is taken on trust."""
     if draft_tokenizer is None:
         if draft_vocab != target_vocab:
             raise UnsupportedModelError(
@@ -127,14 +130,20 @@ def check_tokenizers(draft_tokenizer, target_tokenizer, draft_vocab: int, target
         return
     if target_tokenizer is None:
         return
-    draft, target = draft_tokenizer.get_vocab(), target_tokenizer.get_vocab()
+    draft, target = _ordinary_tokens(draft_tokenizer), _ordinary_tokens(target_tokenizer)
     if draft == target:
         return
     differ = sorted(t for t in draft.keys() | target.keys() if draft.get(t) != target.get(t))
     example = differ[0]
     raise UnsupportedModelError(
         f"the draft model's tokenizer differs from the target's ({len(differ)} of "
-        f"{len(target)} tokens: e.g. {example!r} is id {draft.get(example)} to the draft, "
-        f"{target.get(example)} to the target): a draft model must share the target's "
+        f"{len(target)} ordinary tokens: e.g. {example!r} is id {draft.get(example)} to the "
+        f"draft, {target.get(example)} to the target): a draft model must share the target's "
         "tokenizer (its drafts are token ids)"
     )
+
+
+def _ordinary_tokens(tokenizer) -> dict[str, int]:
+    """The tokenizer's vocabulary without its added (special) tokens."""
+    added = tokenizer.get_added_vocab()
+    return {t: i for t, i in tokenizer.get_vocab().items() if t not in added}

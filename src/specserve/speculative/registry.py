@@ -89,14 +89,21 @@ def check_drafter(config: EngineConfig, target_config: ModelConfig, tokenizer) -
 
 
 def draft_tokenizer(source):
-    """A draft model's tokenizer, or None where its folder has none (or it is a random-weight
-    shape: taken on its vocabulary size, as a folder without one)."""
+    """A draft model's tokenizer, or None where its folder has none specserve can read (a
+    random-weight shape without a tokenizer folder included): taken on its vocabulary size."""
+    from specserve.core.errors import CheckpointError
     from specserve.model.loader import load_tokenizer
 
     if source.kind == "dummy":
-        return None
-    if source.kind == "hf" and not any(
+        from specserve.model.dummy import tokenizer_folder
+
+        if tokenizer_folder(str(source.path)) is None:
+            return None
+    elif source.kind == "hf" and not any(
         (source.path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")
     ):
         return None
-    return load_tokenizer(source)
+    try:
+        return load_tokenizer(source)
+    except (CheckpointError, ValueError, OSError, TypeError, KeyError):
+        return None
