@@ -6,6 +6,7 @@ from a file or the environment, and a dead engine that ends the server."""
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 import os
 import signal
@@ -92,6 +93,13 @@ def test_body_limit_and_media_type(guarded):
         guarded.url + "/v1/completions", data={"prompt": "hi"}, headers=h, timeout=30
     )  # a form, as curl -d sends
     assert r.status_code == 415 and "application/json" in r.json()["error"]["message"]
+    r = httpx.post(  # a compressed body (it was read as JSON: "not valid JSON", a 400)
+        guarded.url + "/v1/completions",
+        content=gzip.compress(b'{"prompt": "hi"}'),
+        headers={**h, "Content-Type": "application/json", "Content-Encoding": "gzip"},
+        timeout=30,
+    )
+    assert r.status_code == 415 and "Content-Encoding 'gzip'" in r.json()["error"]["message"]
 
 
 def test_stalled_connections_are_closed(guarded):

@@ -4,8 +4,8 @@
   headers alone, before a byte of the body is read (an unauthenticated 100 MB body gets its
   401 at once and is never buffered); a body larger than the limit is refused while it is
   read (413, by its Content-Length before any byte); the body must arrive within the read
-  timeout (408); POSTs to the API with a Content-Type other than JSON get 415 (none given
-  is read as JSON). The key
+  timeout (408); POSTs to the API with a Content-Type other than JSON or a compressed body
+  (Content-Encoding) get 415 (no Content-Type given is read as JSON). The key
   is compared in constant time. /health is always open, /metrics when asked.
 - `guarded_http` (uvicorn's HTTP protocol: httptools' C parser where it is installed, else
   h11): a connection whose request headers do not arrive within the read timeout is closed.
@@ -82,6 +82,17 @@ class RequestGuard:
                     send,
                     415,
                     "send the body as JSON with 'Content-Type: application/json'",
+                    "invalid_request_error",
+                    "unsupported_media_type",
+                )
+                return
+            encoding = headers.get(b"content-encoding", b"identity").strip().lower()
+            if encoding != b"identity":  # (a gzipped body read as JSON: a misleading 400)
+                await _reply(
+                    send,
+                    415,
+                    f"Content-Encoding {encoding.decode('latin-1')!r} is not supported; send "
+                    "the body uncompressed",
                     "invalid_request_error",
                     "unsupported_media_type",
                 )
