@@ -33,6 +33,8 @@ CASES = [
     ("completions", {"prompt": []}, 400, "prompt"),
     ("completions", {"prompt": [1, 99999]}, 400, "prompt"),
     ("completions", {"prompt": [-1]}, 400, "prompt[0]"),
+    ("completions", {"prompt": ["hi", ""]}, 400, "prompt[1]"),
+    ("completions", {"prompt": [[5, 6], [99999]]}, 400, "prompt[1]"),
     ("completions", {"prompt": None}, 400, "prompt"),
     ("completions", {"prompt": {"a": 1}}, 400, "prompt"),
     ("completions", {"stream": "yes please"}, 400, "stream"),

@@ -266,8 +266,10 @@ class InputProcessor:
         grammar = self.grammar_of(req)
         requests = []
         for p, ids in enumerate(prompts):
-            self.check_prompt(ids, prompt_param)
-            max_tokens = self.max_tokens(ids, asked_max_tokens, max_tokens_param, prompt_param)
+            # (a list of prompts: the one at fault named by its index)
+            named = f"{prompt_param}[{p}]" if len(prompts) > 1 else prompt_param
+            self.check_prompt(ids, named)
+            max_tokens = self.max_tokens(ids, asked_max_tokens, max_tokens_param, named)
             for i in range(req.n):
                 choice = p * req.n + i
                 # seeded by its index within its prompt: a prompt's choices never depend on
