@@ -72,16 +72,18 @@ def check_drafter(config: EngineConfig, target_config: ModelConfig, tokenizer) -
         return
     from specserve.model.loader import load_config, resolve_model
 
-    with drafter_errors(path):
-        if spec.algorithm == "eagle3":
-            from specserve.model.eagle3 import check_head_fits
-            from specserve.model.eagle3_config import Eagle3Config
+    if spec.algorithm == "eagle3":
+        from specserve.model.eagle3 import check_head_fits
+        from specserve.model.eagle3_config import Eagle3Config
 
+        with drafter_errors(path):
             check_head_fits(Eagle3Config.load(path), path, target_config)
-            return
-        from specserve.speculative.draft_model import check_tokenizers
+        return
+    from specserve.speculative.draft_model import check_tokenizers
 
-        source = resolve_model(path, config.load.format, "speculative_draft_model_path")
+    # (a path that is no model names its flag itself)
+    source = resolve_model(path, config.load.format, "speculative_draft_model_path")
+    with drafter_errors(path):
         draft_cfg = load_config(source)
         check_tokenizers(
             draft_tokenizer(source), tokenizer, draft_cfg.vocab_size, target_config.vocab_size
