@@ -112,6 +112,17 @@ def test_a_drafters_load_errors_name_its_flag(tmp_path):
         LLM(str(deep), speculative_algorithm="eagle3", speculative_draft_model_path=str(head))
 
 
+def _drafted_by(draft, target, prompts):
+    """(llm, greedy outputs) of `target` with the draft model at `draft`, fixed K=3."""
+    return _run(
+        str(target),
+        prompts,
+        speculative_algorithm="draft",
+        speculative_draft_model_path=str(draft),
+        speculative_num_steps=3,
+    )
+
+
 def test_a_draft_models_embedding_may_be_padded_to_another_size(tmp_path):
     """A draft sharing the target's tokenizer with an embedding padded to another size
     (Qwen2.5-0.5B drafting for 7B: 151,936 rows against 152,064) was refused. Its logits
@@ -125,13 +136,7 @@ def test_a_draft_models_embedding_may_be_padded_to_another_size(tmp_path):
     plain = [o.token_ids for o in LLM(str(target)).generate(prompts, GREEDY)]
     for vocab in (VOCAB + 64, VOCAB - 8):
         draft = resized_vocab_copy(target, tmp_path / f"draft{vocab}", vocab)
-        llm, outs = _run(
-            str(target),
-            prompts,
-            speculative_algorithm="draft",
-            speculative_draft_model_path=str(draft),
-            speculative_num_steps=3,
-        )
+        llm, outs = _drafted_by(draft, target, prompts)
         assert [o.token_ids for o in outs] == plain
         drafted = sum(o.spec_stats.drafted for o in outs)
         accepted = sum(o.spec_stats.accepted for o in outs)
@@ -178,13 +183,7 @@ def test_a_draft_whose_special_tokens_differ_drafts(tmp_path):
     unreadable = resized_vocab_copy(target, tmp_path / "unreadable", VOCAB)
     (unreadable / "tokenizer.json").unlink()
     for draft in (renamed, unreadable):
-        _, outs = _run(
-            str(target),
-            prompts,
-            speculative_algorithm="draft",
-            speculative_draft_model_path=str(draft),
-            speculative_num_steps=3,
-        )
+        _, outs = _drafted_by(draft, target, prompts)
         assert [o.token_ids for o in outs] == plain
         assert (
             sum(o.spec_stats.accepted for o in outs) == sum(o.spec_stats.drafted for o in outs) > 0
