@@ -102,6 +102,27 @@ def test_calls_parsed_from_replies():
     assert parse_calls(f"<tool_call>\n{deep}\n</tool_call>", "hermes")[1] == []
 
 
+def _stream(text: str, fmt: str, size: int, most: int | None = None):
+    """A reply pushed through CallStream in pieces of `size` characters: the content sent,
+    the calls rebuilt from their deltas as a client does, and the deltas."""
+    stream = CallStream(fmt, most)
+    pieces = [text[i : i + size] for i in range(0, len(text), size)]
+    sent, deltas = "", []
+    for piece in pieces:
+        content, calls = stream.push(piece)
+        sent, deltas = sent + content, deltas + calls
+    content, calls = stream.finish()
+    sent, deltas = sent + content, deltas + calls
+    rebuilt: dict[int, dict] = {}
+    for d in deltas:
+        call = rebuilt.setdefault(d["index"], {"name": None, "arguments": ""})
+        if "id" in d:
+            assert call["name"] is None, "a call started twice"
+            call["name"], call["id"] = d["function"]["name"], d["id"]
+        call["arguments"] += d["function"]["arguments"]
+    return sent, [rebuilt[i] for i in sorted(rebuilt)], deltas
+
+
 @pytest.mark.parametrize("fmt", ["hermes", "llama3"])
 def test_a_streamed_call_is_held_back_and_text_is_not(fmt):
     call = (
@@ -109,33 +130,100 @@ def test_a_streamed_call_is_held_back_and_text_is_not(fmt):
         if fmt == "hermes"
         else '{"name": "f", "parameters": {"x": 1}}'
     )
-    prefix = ["Sure", ", ", "ok "] if fmt == "hermes" else [" "]
-    stream = CallStream(fmt)
-    sent = "".join(stream.push(p) for p in prefix)
-    # the call in pieces of 3 characters: its start split across them
-    sent += "".join(stream.push(call[i : i + 3]) for i in range(0, len(call), 3))
-    rest, calls = stream.finish()
-    assert sent == ("Sure, ok" if fmt == "hermes" else "") and rest == ""
-    assert [c["function"]["name"] for c in calls] == ["f"]
-    stream = CallStream(fmt)  # text that only looked like a call's start goes out
-    pieces = ["<tool", "box> is", " not a call"] if fmt == "hermes" else ["  ", "{a} is text"]
-    sent = "".join(stream.push(p) for p in pieces)
-    rest, calls = stream.finish()
-    assert sent + rest == "".join(pieces) and calls == []
+    prefix = "Sure, ok " if fmt == "hermes" else " "
+    sent, calls, _ = _stream(prefix + call, fmt, 3)  # (the call's start split across pieces)
+    assert sent == ("Sure, ok" if fmt == "hermes" else "")
+    assert calls == [{"name": "f", "arguments": '{"x": 1}', "id": calls[0]["id"]}]
+    # text that only looked like a call's start goes out
+    text = "<toolbox> is not a call" if fmt == "hermes" else "  {a} is text"
+    for size in (1, 5):
+        sent, calls, _ = _stream(text, fmt, size)
+        assert sent == text and calls == []
+
+
+REPLIES = [
+    'Let me look.\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "utc"}}\n</tool_call>',
+    "  Hm \n\n<tool_call>\n" + '{"name": "f", "arguments": {}}\n</tool_call>',
+    # two calls, text between and after them (not content), strings with braces and quotes
+    '<tool_call>\n{"name": "a", "arguments": {"q": "}{\\"]", "n": [1, {"m": null}]}}\n'
+    '</tool_call>\n\n<tool_call>{"name":"b","arguments":{"x":"\\\\"}}</tool_call> bye',
+    # arguments first: taken whole at its end
+    '<tool_call>\n{"arguments": {"city": "Oslo"}, "name": "get_weather"}\n</tool_call>',
+    "a  b \n",
+    " x",
+    "<tool_call>\n{oops}\n</tool_call> then text",
+]
 
 
 @pytest.mark.parametrize("size", [1, 2, 3, 5, 1000])
-def test_streamed_content_is_the_whole_replys(size):
-    """The content ahead of a call, streamed in pieces of any size, is what the whole reply
-    gives (the space between it and the call is neither); text without a call all goes out."""
-    call = '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>'
-    for text in ["Let me look.\n" + call, "  Hm \n\n" + call, "\n" + call, "a  b \n", " x"]:
-        stream = CallStream("hermes")
-        sent = "".join(stream.push(text[i : i + size]) for i in range(0, len(text), size))
-        rest, calls = stream.finish()
-        content, whole_calls = parse_calls(text, "hermes")
-        assert len(calls) == len(whole_calls), text
-        assert sent + rest == (content or ""), text
+def test_a_streamed_reply_gives_what_the_whole_one_does(size):
+    """Content and calls streamed in pieces of any size are the whole reply's: the content
+    ahead of a call (not the space before it), each call's name and arguments, and no call
+    where the first is not one."""
+    for text in REPLIES:
+        sent, calls, _ = _stream(text, "hermes", size)
+        content, whole = parse_calls(text, "hermes")
+        assert sent == ("" if content is None else content), text
+        assert [(c["name"], c["arguments"]) for c in calls] == [
+            (c["function"]["name"], c["function"]["arguments"]) for c in whole
+        ], text
+    content, calls = parse_calls(REPLIES[2], "hermes")
+    assert content is None
+    assert [json.loads(c["function"]["arguments"]) for c in calls] == [
+        {"q": '}{"]', "n": [1, {"m": None}]},
+        {"x": "\\"},
+    ]
+    content, calls = parse_calls(REPLIES[3], "hermes")
+    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Oslo"}
+    assert parse_calls(REPLIES[-1], "hermes") == (REPLIES[-1], [])
+
+
+def test_a_calls_name_goes_out_when_written_and_its_arguments_as_written():
+    """A call streams as OpenAI's do: its id and name in the first delta, before the reply
+    ends, then its arguments in pieces as the model writes them, exactly as written (not
+    parsed and written again: key order, spacing and non-ASCII kept)."""
+    head = '<tool_call>\n{"name": "get_weather", "arguments": '
+    arguments = '{"city":"Zürich",  "celsius": [1, 2]}'
+    text = head + arguments + "}\n</tool_call>"
+    stream = CallStream("hermes")
+    assert stream.push(head[:-5]) == ("", [])  # (the name not yet followed by the arguments)
+    content, deltas = stream.push(head[-5:])
+    assert content == "" and len(deltas) == 1
+    assert deltas[0]["function"] == {"name": "get_weather", "arguments": ""}
+    assert deltas[0]["type"] == "function" and deltas[0]["id"].startswith("call_")
+    pieces = [stream.push(ch)[1] for ch in arguments + "}\n</tool_call>"]
+    assert all(
+        d == [{"index": 0, "function": {"arguments": ch}}] for d, ch in zip(pieces, arguments)
+    )
+    assert pieces[len(arguments) :] == [[]] * len("}\n</tool_call>")
+    assert stream.finish() == ("", [])
+    assert parse_calls(text, "hermes")[1][0]["function"]["arguments"] == arguments
+
+
+@pytest.mark.parametrize("fmt", ["hermes", "llama3"])
+def test_a_call_cut_off_keeps_what_was_written(fmt):
+    """A reply cut inside a call's arguments (max_tokens) is a call with the arguments
+    written so far, whole and streamed alike (finish_reason "length" says it is cut), as
+    OpenAI gives one; a cut inside the name is no call."""
+    start = "<tool_call>\n" if fmt == "hermes" else "<|python_tag|>"
+    key = "arguments" if fmt == "hermes" else "parameters"
+    text = start + '{"name": "get_time", "' + key + '": {"zone": "u'
+    content, calls = parse_calls(text, fmt)
+    assert content is None
+    assert [c["function"] for c in calls] == [{"name": "get_time", "arguments": '{"zone": "u'}]
+    assert _stream(text, fmt, 4)[1][0]["arguments"] == '{"zone": "u'
+    cut = start + '{"name": "get_t'
+    assert parse_calls(cut, fmt) == (cut, [])
+    assert _stream(cut, fmt, 4)[:2] == (cut, [])
+
+
+def test_calls_parsed_from_replies_llama3():
+    content, calls = parse_calls('<|python_tag|>{"name": "f", "parameters": {"a": 1}}', "llama3")
+    assert content is None and calls[0]["function"] == {"name": "f", "arguments": '{"a": 1}'}
+    assert parse_calls("The answer is {not a call}", "llama3")[1] == []
+    for size in (1, 7):
+        sent, calls, _ = _stream(' {"name": "f", "parameters": 3} ', "llama3", size)
+        assert sent == "" and calls[0]["name"] == "f" and calls[0]["arguments"] == "3"
 
 
 @pytest.fixture(scope="module")
@@ -206,10 +294,12 @@ def test_tools_through_the_openai_client(tool_server):
         stream=True,
     )
     chunks = [ch for ch in streamed if ch.choices]
-    calls = [tc for ch in chunks for tc in (ch.choices[0].delta.tool_calls or [])]
-    assert [(c.function.name, c.function.arguments) for c in calls] == [
-        (call.function.name, call.function.arguments)  # (greedy: the same call)
-    ]
+    deltas = [tc for ch in chunks for tc in (ch.choices[0].delta.tool_calls or [])]
+    # the name first, with the id, then the arguments in pieces as the model wrote them
+    # (pieces that queued up behind each other go as one: how many is not fixed)
+    assert deltas[0].id.startswith("call_") and deltas[0].function.name == call.function.name
+    assert all(d.index == 0 and d.id is None and d.function.name is None for d in deltas[1:])
+    assert "".join(d.function.arguments for d in deltas) == call.function.arguments  # (greedy)
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
     assert not any("<tool" in (ch.choices[0].delta.content or "") for ch in chunks)
     # The client's stream helper says a call's arguments are done only when the finish

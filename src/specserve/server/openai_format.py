@@ -372,35 +372,41 @@ class ChatFormatter(_Formatter):
         self._calls: dict[int, CallStream] = {}  # streamed choices' held-back calls
 
     def chunks(self, index: int, delta: OutputDelta, usage_field: bool) -> list[dict]:
-        """The events of a choice's next delta: none, one, or at a reply's end with tool
-        calls three (its last content, the calls, then an empty delta with the finish
-        reason: OpenAI's order, which the openai client's stream helper needs to say a
+        """The events of a choice's next delta: none, its content (with its logprobs), its
+        tool calls' deltas (a call's name once written, its arguments as written), and
+        where the reply has calls, its end as an empty delta with the finish reason after
+        them (OpenAI's order, which the openai client's stream helper needs to say a
         call's arguments are done)."""
         self._absorb(index, delta)
         entries = self._entries(delta)
         text, calls = delta.delta_text, []
         finish = delta.finish_reason if delta.finished else None
-        if self.tools_format is not None:  # a call is held back until the reply ends
-            stream = self._calls.setdefault(index, CallStream(self.tools_format))
-            text = stream.push(text)
+        made_calls = False
+        if self.tools_format is not None:
+            stream = self._calls.get(index)
+            if stream is None:
+                stream = self._calls[index] = CallStream(self.tools_format, self.most_calls)
+            text, calls = stream.push(text)
             if delta.finished:
-                rest, calls = stream.finish()
-                calls = calls[: self.most_calls]
+                rest, more = stream.finish()
                 text += rest
-                finish = _call_finish(finish, calls)
+                calls = _merge_deltas(calls, more)
+                finish = _call_finish(finish, stream.calls)
+            made_calls = bool(stream.calls)
         if not text and not calls and entries is None and not delta.finished:
             return []
         logprobs = None if entries is None else {"content": entries, "refusal": None}
-        if not calls:
+        if not calls and not (delta.finished and made_calls):
             message = {"content": text} if text else {}
             return [self._choice_chunk(index, message, logprobs, finish, usage_field)]
         out = []
         if text or logprobs is not None:
             message = {"content": text} if text else {}
             out.append(self._choice_chunk(index, message, logprobs, None, usage_field))
-        message = {"tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]}
-        out.append(self._choice_chunk(index, message, None, None, usage_field))
-        out.append(self._choice_chunk(index, {}, None, finish, usage_field))
+        if calls:
+            out.append(self._choice_chunk(index, {"tool_calls": calls}, None, None, usage_field))
+        if delta.finished:
+            out.append(self._choice_chunk(index, {}, None, finish, usage_field))
         return out
 
     def _choice_chunk(self, index, message, logprobs, finish, usage_field) -> dict:
@@ -419,8 +425,7 @@ class ChatFormatter(_Formatter):
             message = {"role": "assistant", "content": "".join(c.text)}
             finish = c.finish_reason
             if self.tools_format is not None:
-                content, calls = parse_calls(message["content"], self.tools_format)
-                calls = calls[: self.most_calls]
+                content, calls = parse_calls(message["content"], self.tools_format, self.most_calls)
                 if calls:
                     message = {"role": "assistant", "content": content, "tool_calls": calls}
                     finish = _call_finish(finish, calls)
@@ -437,6 +442,17 @@ class ChatFormatter(_Formatter):
         out = self._envelope("chat.completion", choices, False)
         out["usage"] = self.usage()
         return out
+
+
+def _merge_deltas(first: list[dict], then: list[dict]) -> list[dict]:
+    """Two lists of calls' deltas as one, a call's arguments joined (one delta a call)."""
+    merged = {d["index"]: d for d in first}
+    for d in then:
+        if d["index"] in merged:
+            merged[d["index"]]["function"]["arguments"] += d["function"]["arguments"]
+        else:
+            merged[d["index"]] = d
+    return [merged[i] for i in sorted(merged)]
 
 
 def _call_finish(finish: str | None, calls: list[dict]) -> str | None:

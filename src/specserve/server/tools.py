@@ -23,7 +23,6 @@ from specserve.runtime.schema_checks import unsupported_schema_features
 
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
-_HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
 
 def tool_format(template: str | dict | None) -> str | None:
@@ -80,29 +79,237 @@ def call_grammar(tools: list[dict], fmt: str, name: str | None = None) -> Gramma
     )
 
 
-def parse_calls(text: str, fmt: str) -> tuple[str | None, list[dict]]:
-    """(the reply's content, its tool calls as the API gives them) from a whole reply; a
-    call whose JSON does not parse, or lacks a name, leaves the reply as content."""
-    if fmt == "hermes":
-        start = text.find(HERMES_OPEN)
-        if start < 0:
-            return text, []
-        calls = []
-        for body in _HERMES_CALL.findall(text[start:]):
-            call = _call(body, "arguments")
-            if call is None:
-                return text, []
-            calls.append(call)
-        content = text[:start].rstrip()  # (as streamed: CallStream holds trailing space)
-        return (content or None), calls
-    body = text.strip()
-    if body.startswith(PYTHON_TAG):
-        body = body[len(PYTHON_TAG) :]
-    call = _call(body, "parameters") if body.lstrip().startswith("{") else None
-    return (text, []) if call is None else (None, [call])
+def parse_calls(text: str, fmt: str, most: int | None = None) -> tuple[str | None, list[dict]]:
+    """(the reply's content, its tool calls as the API gives them, at most `most`) from a
+    whole reply, as a stream of it gives them (CallStream)."""
+    stream = CallStream(fmt, most)
+    stream.push(text)
+    stream.finish()
+    if not stream.calls:
+        return text, []
+    return (stream.content.rstrip() or None), stream.calls
 
 
-def _call(body: str, key: str) -> dict | None:
+# A call's start, its name before its arguments (as the templates ask and a forced call's
+# grammar writes): what lets the name go out at once and the arguments as they are written.
+_HEADER = re.compile(
+    r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:arguments|parameters)"\s*:'
+)
+
+
+class _Value:
+    """Where a JSON value written piece by piece ends: nesting and strings followed, nothing
+    else checked (a malformed value goes out as written, as OpenAI's arguments may)."""
+
+    def __init__(self, start: int):
+        self.start = start  # its first character (leading whitespace skipped)
+        self.end = start  # scanned up to here
+        self.kind = ""  # "", then "nest" ({ or [), "str" or "atom" (number, true, ...)
+        self.depth = 0
+        self.in_str = self.esc = False
+        self.complete = False
+
+    def scan(self, text: str) -> None:
+        i = self.end
+        while i < len(text) and not self.complete:
+            ch = text[i]
+            if not self.kind:
+                if ch.isspace():
+                    self.start = i + 1
+                else:
+                    self.kind = "nest" if ch in "{[" else "str" if ch == '"' else "atom"
+                    self.depth, self.in_str = (1, False) if ch in "{[" else (0, ch == '"')
+                    if self.kind == "atom" and ch in ",}]":
+                        break  # (nothing there)
+            elif self.in_str:
+                if self.esc:
+                    self.esc = False
+                elif ch == "\\":
+                    self.esc = True
+                elif ch == '"':
+                    self.in_str = False
+                    self.complete = self.kind == "str"
+            elif self.kind == "atom":
+                if ch in ",}]" or ch.isspace():
+                    break
+            elif ch == '"':
+                self.in_str = True
+            elif ch in "{[":
+                self.depth += 1
+            elif ch in "}]":
+                self.depth -= 1
+                self.complete = self.depth == 0
+            i += 1
+        self.end = i
+        if self.kind == "atom" and i < len(text):
+            self.complete = True
+
+
+class CallStream:
+    """One choice's reply, as it streams, split into content and tool calls: text that is,
+    or may become, a call's start is held back; a call whose name comes first (as the
+    templates and a forced call write it) goes out as soon as its name is written, its
+    arguments as they are, as OpenAI streams them; any other call (arguments first) once
+    its text ends, if it parses. A first call that is no call makes the whole reply content;
+    a later one ends the calls (text after them is not content). A call cut by the reply's
+    end keeps the arguments written (finish_reason "length" says so)."""
+
+    def __init__(self, fmt: str, most: int | None = None):
+        self.fmt = fmt
+        self.most = most  # calls kept (parallel_tool_calls false: 1)
+        self.text = ""  # the whole reply so far
+        self.sent = 0  # characters of it sent as content
+        self.content = ""  # what was sent as content
+        self.calls: list[dict] = []  # the calls so far, as the API gives them
+        self._body: int | None = None  # where the open call's text starts
+        self._value: _Value | None = None  # its arguments', once its name is out
+        self._args_sent = 0
+        # "content" (no call yet), "call" (one open), "closing" (its arguments ended, its
+        # close not yet written), "between" (calls), "text" (the reply is no call), "done"
+        self._state = "content"
+
+    def push(self, piece: str) -> tuple[str, list[dict]]:
+        """Content to send now from the reply's next piece, and the calls' deltas (at most
+        one a call: {"index", and "id", "type", "function": {"name", "arguments"}} when it
+        starts, {"index", "function": {"arguments": more}} after)."""
+        self.text += piece
+        return self._advance(final=False)
+
+    def finish(self) -> tuple[str, list[dict]]:
+        """At the reply's end: content still to send, and the calls' last deltas."""
+        return self._advance(final=True)
+
+    def _advance(self, final: bool) -> tuple[str, list[dict]]:
+        deltas: dict[int, dict] = {}
+        content = ""
+        while True:
+            state = self._state
+            if state == "content":
+                content += self._content(final)
+            elif state == "call":
+                self._call(final, deltas)
+            elif state == "closing":
+                self._close(self._body)
+            elif state == "between":
+                self._between()
+            if self._state == "text":
+                content += self._send(len(self.text) - self.sent)
+            if self._state == state or self._state in ("text", "done"):
+                break
+        self.content += content
+        return content, [deltas[i] for i in sorted(deltas)]
+
+    def _content(self, final: bool) -> str:
+        """Content up to a call's start (then state "call"); the rest at the reply's end."""
+        rest = self.text[self.sent :]
+        if self.fmt == "hermes":
+            # (whitespace before a call is not content: held until text follows it)
+            at = rest.find(HERMES_OPEN)
+            if at >= 0:
+                self._open(self.sent + at + len(HERMES_OPEN))
+                return self._send(len(rest[:at].rstrip()))
+            if final:
+                return self._send(len(rest))
+            return self._send(len(rest[: len(rest) - _partial(rest, HERMES_OPEN)].rstrip()))
+        if self.sent == 0:  # llama3: a call is the whole reply
+            head = self.text.lstrip()
+            if head.startswith(PYTHON_TAG):
+                self._open(self.text.index(PYTHON_TAG) + len(PYTHON_TAG))
+                return ""
+            if head.startswith("{"):
+                self._open(0)
+                return ""
+            if not final and (not head or PYTHON_TAG.startswith(head)):
+                return ""  # (nothing decided yet: hold)
+        return self._send(len(rest))
+
+    def _open(self, body: int) -> None:
+        self._state, self._body, self._value, self._args_sent = "call", body, None, 0
+
+    def _call(self, final: bool, deltas: dict[int, dict]) -> None:
+        """The open call: its name out once written, its arguments as written; a call
+        without that start decided when its text ends."""
+        text, index = self.text, len(self.calls)
+        if self._value is None:
+            header = _HEADER.match(text, self._body)
+            name = _json_string(header.group(1)) if header else None
+            if name is None:
+                self._call_whole(final, deltas)
+                return
+            call = {
+                "id": f"call_{uuid.uuid4().hex[:24]}",
+                "type": "function",
+                "function": {"name": name, "arguments": ""},
+            }
+            self.calls.append(call)
+            deltas[index] = {"index": index, **call, "function": dict(call["function"])}
+            self._value = _Value(header.end())
+        index = len(self.calls) - 1
+        value = self._value
+        value.scan(text)
+        more = text[value.start + self._args_sent : value.end] if value.kind else ""
+        if more:
+            self._args_sent += len(more)
+            self.calls[index]["function"]["arguments"] += more
+            delta = deltas.setdefault(index, {"index": index, "function": {"arguments": ""}})
+            delta["function"]["arguments"] += more
+        if value.complete:
+            self._close(value.end)
+        elif final:
+            self._state = "done"  # (cut: the arguments written so far)
+
+    def _call_whole(self, final: bool, deltas: dict[int, dict]) -> None:
+        """A call not written name first: taken once its text ends, if it parses."""
+        close = self.text.find(HERMES_CLOSE, self._body) if self.fmt == "hermes" else -1
+        if close < 0 and not final:
+            return
+        body = self.text[self._body : close if close >= 0 else len(self.text)]
+        call = _whole_call(body, "arguments" if self.fmt == "hermes" else "parameters")
+        if call is None:
+            self._state = "done" if self.calls else "text"
+            return
+        index = len(self.calls)
+        self.calls.append(call)
+        deltas[index] = {"index": index, **call, "function": dict(call["function"])}
+        if close >= 0:
+            self._state, self._body = "between", close + len(HERMES_CLOSE)
+        else:
+            self._state = "done"
+
+    def _close(self, end: int) -> None:
+        """The open call's arguments end at `end`: then its close (hermes), and the next."""
+        if self.fmt != "hermes":
+            self._state = "done"
+            return
+        close = self.text.find(HERMES_CLOSE, end)
+        if close >= 0:
+            self._state, self._body = "between", close + len(HERMES_CLOSE)
+        else:
+            self._state, self._body = "closing", end
+
+    def _between(self) -> None:
+        """After a call: the next one's start (text between calls is not content)."""
+        if self.most is not None and len(self.calls) >= self.most:
+            self._state = "done"
+            return
+        at = self.text.find(HERMES_OPEN, self._body)
+        if at >= 0:
+            self._open(at + len(HERMES_OPEN))
+
+    def _send(self, n: int) -> str:
+        out = self.text[self.sent : self.sent + n]
+        self.sent += n
+        return out
+
+
+def _json_string(quoted: str) -> str | None:
+    try:
+        return json.loads(quoted)
+    except ValueError:
+        return None
+
+
+def _whole_call(body: str, key: str) -> dict | None:
     try:  # (strict=False: a control character inside a string, which an unconstrained
         # reply of tool_choice auto may hold, is kept, not a reason to miss the call)
         value = json.loads(body, strict=False)
@@ -114,53 +321,8 @@ def _call(body: str, key: str) -> dict | None:
     return {
         "id": f"call_{uuid.uuid4().hex[:24]}",
         "type": "function",
-        "function": {"name": value["name"], "arguments": json.dumps(arguments)},
+        "function": {"name": value["name"], "arguments": json.dumps(arguments, ensure_ascii=False)},
     }
-
-
-class CallStream:
-    """One streamed choice's text split into content to send now and a possible call held
-    back: text that is, or may become, a call's start is held until the reply ends."""
-
-    def __init__(self, fmt: str):
-        self.fmt = fmt
-        self.text = ""  # the whole reply so far
-        self.sent = 0  # characters of it sent as content
-        self.in_call = False
-
-    def push(self, piece: str) -> str:
-        """Content to send now from the reply's next piece."""
-        self.text += piece
-        if self.in_call:
-            return ""
-        rest = self.text[self.sent :]
-        if self.fmt == "hermes":
-            # (whitespace before a call is not content: held until text follows it)
-            at = rest.find(HERMES_OPEN)
-            if at >= 0:
-                self.in_call = True
-                return self._send(len(rest[:at].rstrip()))
-            return self._send(len(rest[: len(rest) - _partial(rest, HERMES_OPEN)].rstrip()))
-        if self.sent == 0:  # llama3: a call is the whole reply
-            head = self.text.lstrip()
-            if head.startswith(("{", PYTHON_TAG)):
-                self.in_call = True
-                return ""
-            if not head or PYTHON_TAG.startswith(head):
-                return ""  # (nothing decided yet: hold)
-        return self._send(len(rest))
-
-    def _send(self, n: int) -> str:
-        out = self.text[self.sent : self.sent + n]
-        self.sent += n
-        return out
-
-    def finish(self) -> tuple[str, list[dict]]:
-        """At the reply's end: content still to send, and the calls (none: it was text)."""
-        content, calls = parse_calls(self.text, self.fmt)
-        if not calls:
-            return self.text[self.sent :], []
-        return "", calls  # (the content before the calls went out already)
 
 
 def _partial(text: str, marker: str) -> int:
