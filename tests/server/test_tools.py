@@ -89,13 +89,13 @@ def test_calls_parsed_from_replies():
         'Let me look.\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "utc"}}'
         "\n</tool_call>"
     )
-    content, calls = parse_calls(text + text[12:], "hermes")
+    content, calls, _ = parse_calls(text + text[12:], "hermes")
     assert content == "Let me look." and len(calls) == 2
     assert calls[0]["function"] == {"name": "get_time", "arguments": '{"zone": "utc"}'}
     assert calls[0]["id"].startswith("call_") and calls[0]["id"] != calls[1]["id"]
     assert parse_calls("<tool_call>\n{oops}\n</tool_call>", "hermes")[1] == []
-    assert parse_calls("just text", "hermes") == ("just text", [])
-    content, calls = parse_calls('<|python_tag|>{"name": "f", "parameters": {"a": 1}}', "llama3")
+    assert parse_calls("just text", "hermes") == ("just text", [], True)
+    content, calls, _ = parse_calls('<|python_tag|>{"name": "f", "parameters": {"a": 1}}', "llama3")
     assert content is None and calls[0]["function"] == {"name": "f", "arguments": '{"a": 1}'}
     assert parse_calls("The answer is {not a call}", "llama3")[1] == []
     deep = "[" * 100_000 + "]" * 100_000  # (past Python's recursion limit: no call, no 500)
@@ -147,6 +147,16 @@ REPLIES = [
     # two calls, text between and after them (not content), strings with braces and quotes
     '<tool_call>\n{"name": "a", "arguments": {"q": "}{\\"]", "n": [1, {"m": null}]}}\n'
     '</tool_call>\n\n<tool_call>{"name":"b","arguments":{"x":"\\\\"}}</tool_call> bye',
+    # arguments first: taken whole at its end (either key); a marker inside a string
+    '<tool_call>\n{"parameters": {"city": "Oslo"}, "name": "get_weather"}\n</tool_call>',
+    '<tool_call>{"name": "a</tool_call>", "arguments": {}}</tool_call>',
+    '<tool_call>{"arguments": {"q": "</tool_call>"}, "name": "f"}</tool_call> and',
+    # a brace missing: the call ends at its close, unfinished, and the next one is read
+    '<tool_call>\n{"name": "f", "arguments": {"a": 1\n</tool_call>\n'
+    '<tool_call>\n{"name": "g", "arguments": {}}\n</tool_call>',
+    # a lone surrogate escaped: arguments keep the escape, a name with one is no call
+    '<tool_call>{"arguments": {"a": "\\ud800"}, "name": "f"}</tool_call>',
+    '<tool_call>{"name": "f\\ud800", "arguments": {}}</tool_call>',
     # arguments first: taken whole at its end
     '<tool_call>\n{"arguments": {"city": "Oslo"}, "name": "get_weather"}\n</tool_call>',
     "a  b \n",
@@ -162,20 +172,20 @@ def test_a_streamed_reply_gives_what_the_whole_one_does(size):
     where the first is not one."""
     for text in REPLIES:
         sent, calls, _ = _stream(text, "hermes", size)
-        content, whole = parse_calls(text, "hermes")
+        content, whole, _ = parse_calls(text, "hermes")
         assert sent == ("" if content is None else content), text
         assert [(c["name"], c["arguments"]) for c in calls] == [
             (c["function"]["name"], c["function"]["arguments"]) for c in whole
         ], text
-    content, calls = parse_calls(REPLIES[2], "hermes")
+    content, calls, _ = parse_calls(REPLIES[2], "hermes")
     assert content is None
     assert [json.loads(c["function"]["arguments"]) for c in calls] == [
         {"q": '}{"]', "n": [1, {"m": None}]},
         {"x": "\\"},
     ]
-    content, calls = parse_calls(REPLIES[3], "hermes")
+    content, calls, _ = parse_calls(REPLIES[3], "hermes")
     assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Oslo"}
-    assert parse_calls(REPLIES[-1], "hermes") == (REPLIES[-1], [])
+    assert parse_calls(REPLIES[-1], "hermes") == (REPLIES[-1], [], True)
 
 
 def test_a_calls_name_goes_out_when_written_and_its_arguments_as_written():
@@ -208,17 +218,17 @@ def test_a_call_cut_off_keeps_what_was_written(fmt):
     start = "<tool_call>\n" if fmt == "hermes" else "<|python_tag|>"
     key = "arguments" if fmt == "hermes" else "parameters"
     text = start + '{"name": "get_time", "' + key + '": {"zone": "u'
-    content, calls = parse_calls(text, fmt)
-    assert content is None
+    content, calls, complete = parse_calls(text, fmt)
+    assert content is None and not complete
     assert [c["function"] for c in calls] == [{"name": "get_time", "arguments": '{"zone": "u'}]
     assert _stream(text, fmt, 4)[1][0]["arguments"] == '{"zone": "u'
     cut = start + '{"name": "get_t'
-    assert parse_calls(cut, fmt) == (cut, [])
+    assert parse_calls(cut, fmt) == (cut, [], True)
     assert _stream(cut, fmt, 4)[:2] == (cut, [])
 
 
 def test_calls_parsed_from_replies_llama3():
-    content, calls = parse_calls('<|python_tag|>{"name": "f", "parameters": {"a": 1}}', "llama3")
+    content, calls, _ = parse_calls('<|python_tag|>{"name": "f", "parameters": {"a": 1}}', "llama3")
     assert content is None and calls[0]["function"] == {"name": "f", "arguments": '{"a": 1}'}
     assert parse_calls("The answer is {not a call}", "llama3")[1] == []
     for size in (1, 7):
@@ -241,7 +251,7 @@ def test_a_forced_call_is_a_valid_call(llm, fmt, name):
         SamplingParams(max_tokens=256, grammar=grammar, temperature=1.0, seed=s) for s in range(4)
     ]
     for out in llm.generate([[5, 6, 7]] * len(params), params):
-        content, calls = parse_calls(out.text, fmt)
+        content, calls, _ = parse_calls(out.text, fmt)
         assert out.finish_reason == "stop" and len(calls) == 1, repr(out.text)
         function = calls[0]["function"]
         assert function["name"] == (name or function["name"])
@@ -444,3 +454,79 @@ def test_a_reply_cut_after_a_call_is_said_cut():
     streamed.tools_format = "hermes"
     *_, end = streamed.chunks(0, OutputDelta("r-0", text, [7], None, True, "length"), False)
     assert end["choices"][0]["finish_reason"] == "length"
+
+
+def test_unfinished_or_odd_calls_are_given_as_written():
+    """What a model may write: a call with a brace missing ends at its `</tool_call>`
+    unfinished and the next call is still read; a reply ended by EOS inside a call is not
+    "tool_calls" (its arguments do not parse); a lone surrogate escape cannot break the
+    response; Llama 3's calls may come as `{...}; {...}`."""
+    from specserve.server.messages import OutputDelta
+    from specserve.server.openai_format import ChatFormatter
+
+    content, calls, complete = parse_calls(REPLIES[6], "hermes")
+    assert [c["function"]["name"] for c in calls] == ["f", "g"] and not complete
+    assert (
+        calls[0]["function"]["arguments"] == '{"a": 1\n'
+        and calls[1]["function"]["arguments"] == "{}"
+    )
+    assert parse_calls(REPLIES[4], "hermes")[1][0]["function"]["name"] == "a</tool_call>"
+    assert json.loads(parse_calls(REPLIES[5], "hermes")[1][0]["function"]["arguments"]) == {
+        "q": "</tool_call>"
+    }
+    for text in REPLIES[7:9]:  # (every string of the response encodes)
+        content, calls, _ = parse_calls(text, "hermes")
+        json.dumps([content, calls], ensure_ascii=False).encode("utf-8")
+    assert parse_calls(REPLIES[8], "hermes")[1] == []
+    text = '{"name": "f", "parameters": {"a": 1}}; {"name": "g", "parameters": {}}'
+    for size in (1, 3, 1000):
+        sent, calls, _ = _stream(text, "llama3", size)
+        assert sent == "" and [(c["name"], c["arguments"]) for c in calls] == [
+            ("f", '{"a": 1}'),
+            ("g", "{}"),
+        ]
+    assert len(parse_calls(text, "llama3", most=1)[1]) == 1
+    cut = '<tool_call>\n{"name": "f", "arguments": {"a": 1'
+    for finish, said in (("stop", "stop"), ("length", "length")):
+        whole = ChatFormatter("chatcmpl-1", "m", 1, 3, None, None)
+        whole.tools_format = "hermes"
+        whole.add(0, OutputDelta("r-0", cut, [7], None, True, finish))
+        assert whole.response()["choices"][0]["finish_reason"] == said
+        streamed = ChatFormatter("chatcmpl-2", "m", 1, 3, None, None)
+        streamed.tools_format = "hermes"
+        *_, end = streamed.chunks(0, OutputDelta("r-0", cut, [7], None, True, finish), False)
+        assert end["choices"][0]["finish_reason"] == said
+
+
+def test_a_long_reply_inside_a_call_streams_in_linear_work():
+    """A call's start that never completes (a name 50k characters long, or a call's text
+    with no end) pushed a character at a time: each push looks at what it adds, not at the
+    whole reply again (the header was matched afresh on every push: 11 s for 20k
+    characters, on the server's event loop)."""
+    import re as _re
+
+    from specserve.server import tools
+
+    calls = {"n": 0, "chars": 0}
+    real = tools._HEADER
+
+    class Counting:
+        def match(self, text, pos, endpos=None):
+            calls["n"] += 1
+            calls["chars"] += min(len(text) if endpos is None else endpos, len(text)) - pos
+            return real.match(text, pos, len(text) if endpos is None else endpos)
+
+    tools._HEADER = Counting()
+    try:
+        for text in (
+            '<tool_call>{"name": "' + "x:" * 25_000,
+            '<tool_call>{"arguments": {"a": "' + "y" * 50_000,
+        ):
+            stream = CallStream("hermes")
+            for ch in text:
+                stream.push(ch)
+            stream.finish()
+            assert calls["chars"] <= 2 * tools.HEADER_MOST**2, calls
+    finally:
+        tools._HEADER = real
+    assert isinstance(real, _re.Pattern)

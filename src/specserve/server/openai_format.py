@@ -391,7 +391,7 @@ class ChatFormatter(_Formatter):
                 rest, more = stream.finish()
                 text += rest
                 calls = _merge_deltas(calls, more)
-                finish = _call_finish(finish, stream.calls)
+                finish = _call_finish(finish, stream.calls, stream.complete)
             made_calls = bool(stream.calls)
         if not text and not calls and entries is None and not delta.finished:
             return []
@@ -425,10 +425,12 @@ class ChatFormatter(_Formatter):
             message = {"role": "assistant", "content": "".join(c.text)}
             finish = c.finish_reason
             if self.tools_format is not None:
-                content, calls = parse_calls(message["content"], self.tools_format, self.most_calls)
+                content, calls, complete = parse_calls(
+                    message["content"], self.tools_format, self.most_calls
+                )
                 if calls:
                     message = {"role": "assistant", "content": content, "tool_calls": calls}
-                    finish = _call_finish(finish, calls)
+                    finish = _call_finish(finish, calls, complete)
             choices.append(
                 {
                     "index": i,
@@ -455,11 +457,12 @@ def _merge_deltas(first: list[dict], then: list[dict]) -> list[dict]:
     return [merged[i] for i in sorted(merged)]
 
 
-def _call_finish(finish: str | None, calls: list[dict]) -> str | None:
-    """A reply's finish reason with tool calls in it: "tool_calls" when the model ended it,
-    "length" still when max_tokens or the context cut it (a call after the last one may be
-    cut off: the client must know)."""
-    return "tool_calls" if calls and finish == "stop" else finish
+def _call_finish(finish: str | None, calls: list[dict], complete: bool) -> str | None:
+    """A reply's finish reason with tool calls in it: "tool_calls" when the model ended it
+    with every call written to its end; else as it ended: "length" when max_tokens or the
+    context cut it (a call after the last one may be cut off: the client must know), "stop"
+    when a call was left unfinished (its arguments then do not parse)."""
+    return "tool_calls" if calls and finish == "stop" and complete else finish
 
 
 # Line separators JSON allows raw but line-splitting clients (Python's str.splitlines, so
