@@ -143,3 +143,21 @@ def test_the_policy_learns_the_prefill_per_token():
     aborted.finish_reason = "abort"
     sched.finish(aborted)
     assert sched.prefill_per_token == 2.0
+
+
+def test_the_policy_is_told_who_waits_for_budget_or_pages_not_for_a_slot():
+    """`StepLoad.waiting`: requests left waiting after the step's admissions for budget or
+    pages (the goodput policy does not wake its drafter for them), none when what they wait
+    for is a sequence slot (which drafts do not take)."""
+    sched = _sched(num_pages=200, page_size=4, budget=20)
+    _decoding(sched, 4)
+    for i in range(3):
+        sched.add(_request(10 + i, prompt_len=12))
+    policy = Recording(k_max=3)
+    sched.schedule(policy)  # a prompt and a chunk of the next fill the budget: one waits
+    assert policy.loads[-1][1].waiting == 1
+    sched = _sched(num_pages=200, page_size=4, budget=64, max_num_seqs=4)
+    _decoding(sched, 4)
+    sched.add(_request(9, prompt_len=4))
+    sched.schedule(policy)  # it waits for a slot: budget and pages are there
+    assert policy.loads[-1][1].waiting == 0 and len(sched.waiting) == 1

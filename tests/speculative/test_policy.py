@@ -295,3 +295,34 @@ def test_request_probe_refreshes_a_trimmed_request():
             ]
         )
     assert drafted.count(0) >= 2 * policy.REQUEST_PROBE_EVERY and max(drafted) > 0, drafted
+
+
+def test_a_burst_starts_dormant_and_wakes_on_evidence_not_on_the_prior():
+    """Requests waiting at the first decision (a wave on an idle server): the policy starts
+    dormant, so the drafter takes none of the wave's prompts. Dormant, a decision for K > 0
+    does not wake it while requests wait for admission; at more requests than a probe
+    drafts on it probes on a few rows instead until WAKE_EVIDENCE drafts are verified;
+    then the decision wakes it.
+    A few requests, or nothing waiting, start awake as before."""
+    from specserve.speculative.policy_base import StepLoad
+
+    for n, waiting, dormant in ((64, 10, True), (64, 0, False), (4, 10, True)):
+        policy, _ = _policy(k_max=3, alpha=0.9)
+        policy.choose(_reqs(n), StepLoad(waiting=waiting))
+        assert policy.dormant == dormant, (n, waiting)
+    # a prior that wants drafting, speculative steps cheap: every decision is for K > 0
+    cheap = dict(curve={1: 4.0, 4096: 4.2}, drafter={1: 0.01, 4096: 0.02})
+    policy, acc = _policy(k_max=3, alpha=0.9, **cheap)
+    reqs = [FakeRequest(f"r{i}", drafter_backlog=512) for i in range(64)]  # (prompts unseen)
+    assert policy.choose(reqs, StepLoad(waiting=5)) == [0] * 64 and policy.dormant
+    assert policy.choose(reqs, StepLoad(waiting=5)) == [0] * 64  # still waiting: no wake
+    for load in (StepLoad(prefill_tokens=256, draft_budget=4096), StepLoad()):
+        probe = policy.choose(reqs, load)  # no evidence: a probe on a few rows at most
+        assert sum(map(bool, probe)) <= policy.DORMANT_PROBE_ROWS and policy.dormant
+    assert 0 < sum(map(bool, probe)) and acc.position_drafted[0] == 0
+    assert policy.trace.wakes == {}
+    acc.update_many([(f"r{i}", 3, 3) for i in range(policy.WAKE_EVIDENCE)])  # (one a request)
+    for _ in range(20):  # (after the probe under way)
+        if policy.choose(reqs, StepLoad()) == [3] * 64:
+            break
+    assert not policy.dormant and policy.trace.wakes == {"decode": 1}

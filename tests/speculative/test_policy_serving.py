@@ -131,25 +131,18 @@ def test_goodput_near_the_best_policy_in_lockstep_waves(concurrency, accept_len)
 
 
 # From a cold start (ServingRegime.cold): measured from the first step, the first wave's
-# prefill included, two waves in all, as a `bench sweep` point (2 x C requests). The drafter
-# starts awake and the acceptance prior (0.6 a draft) puts drafts in the first steps: at 256
-# requests, L = 1.5, the end of the first wave's prefill drafts K = 3, probes of K = 1..3
-# on every row follow, the drafter catches up on the whole batch (156k tokens) and stays
-# awake 150 steps before it sleeps: 0.984 of plain decoding (0.989 at 512; the H200 at
-# 223b995: 0.950 and 0.962). KNOWN GAP (strict expected failures): starting dormant, never
-# waking on the prior alone (no verified draft yet) and probing K_max on a few rows at the
-# first decode step instead gave 0.995 and 0.993 here, L = 3.0 still 0.990 of fixed K = 3,
-# but two closed-loop policy tests fell below their bounds (0.948 of plain decoding where
-# 0.95 is asserted, 0.893 of a reference where 0.9 is) besides unit tests that assume an
-# awake start; not landed (sketch: GoodputPolicy.__init__ dormant, and in choose
-# no K > 0 while dormant before AcceptanceModel has verified a draft, a one-step K_max
-# probe at the first decode step where the prior alone would wake it). Session 47 tried it
-# only where requests wait at the first decision (a burst), with no wake while requests
-# wait for admission or on a step carrying prefill: 0.995 / 0.994 here and the closed-loop
-# tests kept, but under_load C128-L1.5 fell to 0.968 of fixed K=1 (woken late).
+# prefill included, two waves in all, as a `bench sweep` point (2 x C requests). Starting
+# awake, with the acceptance prior (0.6 a draft), the drafter took the first wave's prompts
+# and the end of the wave's prefill drafted K = 3, probes of K = 1..3 on every row followed,
+# the drafter caught up on the whole batch (156k tokens) and stayed awake 150 steps before
+# it slept: 0.984 and 0.989 of plain decoding at 256 and 512 requests, L = 1.5 (an H100 at
+# a769fb4: 0.967 and 0.981; strict expected failures here until session 47). A burst now
+# starts the policy dormant, and it wakes only once nothing waits for admission and, for
+# this many requests, drafts have been verified (GoodputPolicy's docstring): 0.996 and
+# 0.994, L = 3.0 0.990 of fixed K = 3.
 COLD_CASES = [
-    pytest.param(256, 1.5, id="C256-L1.5", marks=pytest.mark.xfail(strict=True)),
-    pytest.param(512, 1.5, id="C512-L1.5", marks=pytest.mark.xfail(strict=True)),
+    pytest.param(256, 1.5, id="C256-L1.5"),
+    pytest.param(512, 1.5, id="C512-L1.5"),
     pytest.param(256, 3.0, id="C256-L3.0"),
 ]
 

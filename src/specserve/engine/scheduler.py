@@ -166,7 +166,9 @@ class Scheduler:
                 decoding.append(s)
             else:
                 prefill += s.num_tokens
-        load = StepLoad(prefill, budget, self.prefill_per_token)
+        # (requests waiting for budget or pages, not for a sequence slot: drafts take neither)
+        waiting = len(self.waiting) if len(self.running) < self.max_num_seqs else 0
+        load = StepLoad(prefill, budget, self.prefill_per_token, waiting)
         draft_lens = policy.choose([s.request for s in decoding], load)
         if not any(draft_lens):  # plain decoding (often, with the goodput policy dormant): done
             return

@@ -20,7 +20,9 @@ class StepLoad:
     what is left, never a share of prefill's budget.
 
     prefill_tokens: prefill tokens in the step. draft_budget: the most draft tokens the step
-    may add (None: no bound). prefill_per_token: the prompt tokens per generated token of
+    may add (None: no bound). waiting: requests left waiting for budget or pages after the
+    step's admissions (not those waiting for a sequence slot, which drafts do not take).
+    prefill_per_token: the prompt tokens per generated token of
     the requests finished lately: in a server taking new work each committed token brings
     that much prefill into the steps after it (a request finished admits the next; a closed
     loop prefills once per request whatever K is: K changes how much decode work each
@@ -29,6 +31,7 @@ class StepLoad:
     prefill_tokens: int = 0
     draft_budget: int | None = None
     prefill_per_token: float = 0.0
+    waiting: int = 0
 
     def k_cap(self, n: int, max_draft_len: int) -> int:
         """The largest K up to `max_draft_len` that every one of n decoding requests can
