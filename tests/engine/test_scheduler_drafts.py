@@ -156,6 +156,9 @@ def test_the_policy_is_told_who_waits_for_budget_or_pages_not_for_a_slot():
     policy = Recording(k_max=3)
     sched.schedule(policy)  # a prompt and a chunk of the next fill the budget: one waits
     assert policy.loads[-1][1].waiting == 1
+    assert policy.loads[-1][1].after_idle  # the first step decoding since nothing ran
+    sched.schedule(policy)
+    assert not policy.loads[-1][1].after_idle
     sched = _sched(num_pages=200, page_size=4, budget=64, max_num_seqs=4)
     _decoding(sched, 4)
     sched.add(_request(9, prompt_len=4))

@@ -308,13 +308,14 @@ def test_a_burst_starts_dormant_and_wakes_on_evidence_not_on_the_prior():
 
     for n, waiting, dormant in ((64, 10, True), (64, 0, False), (4, 10, True)):
         policy, _ = _policy(k_max=3, alpha=0.9)
-        policy.choose(_reqs(n), StepLoad(waiting=waiting))
+        policy.choose(_reqs(n), StepLoad(waiting=waiting, after_idle=True))
         assert policy.dormant == dormant, (n, waiting)
     # a prior that wants drafting, speculative steps cheap: every decision is for K > 0
     cheap = dict(curve={1: 4.0, 4096: 4.2}, drafter={1: 0.01, 4096: 0.02})
     policy, acc = _policy(k_max=3, alpha=0.9, **cheap)
     reqs = [FakeRequest(f"r{i}", drafter_backlog=512) for i in range(64)]  # (prompts unseen)
-    assert policy.choose(reqs, StepLoad(waiting=5)) == [0] * 64 and policy.dormant
+    assert policy.choose(reqs, StepLoad(waiting=5, after_idle=True)) == [0] * 64
+    assert policy.dormant
     assert policy.choose(reqs, StepLoad(waiting=5)) == [0] * 64  # still waiting: no wake
     for load in (StepLoad(prefill_tokens=256, draft_budget=4096), StepLoad()):
         probe = policy.choose(reqs, load)  # no evidence: a probe on a few rows at most

@@ -52,6 +52,7 @@ class Scheduler:
         # The next step is scheduled before this one's tokens are resolved (overlap): a
         # request's lookahead then covers the next step's token too (`_draft`).
         self.overlap = False
+        self._after_idle = True  # no step has decoded since nothing was running
         self._stalled: tuple | None = None  # (request, budget, free and cached pages): short
         # Mean prompt and output tokens of finished requests (EWMA): the prefill each
         # generated token brings along (`StepLoad.prefill_per_token`).
@@ -73,6 +74,8 @@ class Scheduler:
         the pages it holds). Decode and verify rows come first in the step, prefill chunks
         after them (attention serves the two groups with different kernels)."""
         budget = self.max_num_batched_tokens
+        if not self.running:
+            self._after_idle = True  # (until a step decodes: `_draft`)
         batch: list[ScheduledRequest] = []
         preempted = False
         running, page_size, prefix = self.running, self.kv.page_size, self.prefix
@@ -168,7 +171,9 @@ class Scheduler:
                 prefill += s.num_tokens
         # (requests waiting for budget or pages, not for a sequence slot: drafts take neither)
         waiting = len(self.waiting) if len(self.running) < self.max_num_seqs else 0
-        load = StepLoad(prefill, budget, self.prefill_per_token, waiting)
+        load = StepLoad(prefill, budget, self.prefill_per_token, waiting, self._after_idle)
+        if decoding:
+            self._after_idle = False
         draft_lens = policy.choose([s.request for s in decoding], load)
         if not any(draft_lens):  # plain decoding (often, with the goodput policy dormant): done
             return

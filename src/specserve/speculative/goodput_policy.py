@@ -83,8 +83,9 @@ class GoodputPolicy(SpeculationPolicy):
     and go), carries no prefill and every request may still draft K; one decided on K's
     seed period (not measured at the bucket) lasts only until a measurement confirms it.
 
-    A burst on an idle server (requests left waiting for admission at the policy's first
-    decision: a `bench sweep` point's first wave, a restart under load) starts it dormant,
+    A burst on an idle server (requests left waiting for admission at the first decision
+    since nothing ran: a `bench sweep` point's first wave, a restart under load) puts it
+    dormant,
     so the drafter does not take the wave's prompts before drafting is known to pay. While
     dormant, a decision for K > 0 does not wake it while requests wait for admission (the
     batch's catch-up would come before their prefill), nor, at more than DORMANT_PROBE_ROWS
@@ -173,7 +174,7 @@ class GoodputPolicy(SpeculationPolicy):
             self._running_k = None
             return self._decided([])
         self.num_steps += 1
-        if self.num_steps == 1 and load.waiting:  # a burst on an idle server: see the class
+        if load.after_idle and load.waiting:  # a burst on an idle server: see the class
             self.dormant, self._plain_decisions = True, self.DORMANT_AFTER
         k_max = self.k_max
         extra_tokens = load.prefill_tokens

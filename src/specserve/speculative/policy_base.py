@@ -22,6 +22,8 @@ class StepLoad:
     prefill_tokens: prefill tokens in the step. draft_budget: the most draft tokens the step
     may add (None: no bound). waiting: requests left waiting for budget or pages after the
     step's admissions (not those waiting for a sequence slot, which drafts do not take).
+    after_idle: the first step with decoding requests since the scheduler had none running
+    (new work on an idle server).
     prefill_per_token: the prompt tokens per generated token of
     the requests finished lately: in a server taking new work each committed token brings
     that much prefill into the steps after it (a request finished admits the next; a closed
@@ -32,6 +34,7 @@ class StepLoad:
     draft_budget: int | None = None
     prefill_per_token: float = 0.0
     waiting: int = 0
+    after_idle: bool = False
 
     def k_cap(self, n: int, max_draft_len: int) -> int:
         """The largest K up to `max_draft_len` that every one of n decoding requests can
