@@ -159,6 +159,17 @@ def test_the_policy_is_told_who_waits_for_budget_or_pages_not_for_a_slot():
     assert policy.loads[-1][1].after_idle  # the first step decoding since nothing ran
     sched.schedule(policy)
     assert not policy.loads[-1][1].after_idle
+    # every request gone, new ones come: a step of prefill only keeps the mark for the
+    # first step that decodes
+    for r in list(sched.running):
+        sched.finish(r)
+    sched.add(_request(20, prompt_len=60))
+    _run_step(sched, policy)
+    assert policy.loads[-1] == (0, policy.loads[-1][1])  # (prefill only: nothing decodes)
+    _run_step(sched, policy)
+    assert policy.loads[-1][0] == 1 and policy.loads[-1][1].after_idle
+    _run_step(sched, policy)
+    assert not policy.loads[-1][1].after_idle
     sched = _sched(num_pages=200, page_size=4, budget=64, max_num_seqs=4)
     _decoding(sched, 4)
     sched.add(_request(9, prompt_len=4))

@@ -327,3 +327,14 @@ def test_a_burst_starts_dormant_and_wakes_on_evidence_not_on_the_prior():
         if policy.choose(reqs, StepLoad()) == [3] * 64:
             break
     assert not policy.dormant and policy.trace.wakes == {"decode": 1}
+    # a K held (settled) before the server idled does not outlast the next burst
+    for _ in range(40):
+        policy.choose(reqs, StepLoad())
+    policy.choose([], StepLoad())
+    assert policy.choose(reqs, StepLoad(waiting=5, after_idle=True)) == [0] * 64
+    assert policy.dormant and policy.choose(reqs, StepLoad(waiting=5)) == [0] * 64
+    # an eager engine (unpadded steps) keeps the drafter awake through a burst: its dormant
+    # probes are priced as if every row drafted, and would rarely come due
+    policy, _ = _policy(k_max=3, alpha=0.9, padded=False, **cheap)
+    policy.choose(reqs, StepLoad(waiting=5, after_idle=True))
+    assert not policy.dormant

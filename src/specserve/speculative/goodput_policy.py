@@ -85,7 +85,8 @@ class GoodputPolicy(SpeculationPolicy):
 
     A burst on an idle server (requests left waiting for admission at the first decision
     since nothing ran: a `bench sweep` point's first wave, a restart under load) puts it
-    dormant,
+    dormant where steps are padded (CUDA graphs: an eager engine's dormant probes are priced
+    as if every row drafted, and rarely come due),
     so the drafter does not take the wave's prompts before drafting is known to pay. While
     dormant, a decision for K > 0 does not wake it while requests wait for admission (the
     batch's catch-up would come before their prefill), nor, at more than DORMANT_PROBE_ROWS
@@ -174,8 +175,9 @@ class GoodputPolicy(SpeculationPolicy):
             self._running_k = None
             return self._decided([])
         self.num_steps += 1
-        if load.after_idle and load.waiting:  # a burst on an idle server: see the class
+        if load.after_idle and load.waiting and self.cost.padded:  # a burst: see the class
             self.dormant, self._plain_decisions = True, self.DORMANT_AFTER
+            self._settled = self._probe = self._running_k = None  # (from before the idle)
         k_max = self.k_max
         extra_tokens = load.prefill_tokens
         k_budget = load.k_cap(n, k_max)  # the step's budget left for drafts
@@ -302,8 +304,6 @@ class GoodputPolicy(SpeculationPolicy):
             favored = self.modes.favors_drafting(bucket, self.num_steps, drafting, plain)
             if favored:
                 k = top
-        if not marginal:
-            self._last_run[(bucket, k)] = self._bucket_steps[bucket]
         if k and self.dormant and not probe:
             # A wake waits while requests wait for admission, and for evidence where it
             # catches up more requests than a probe does (see the class).
@@ -314,8 +314,10 @@ class GoodputPolicy(SpeculationPolicy):
                 and self.acceptance.position_drafted[0] < self.WAKE_EVIDENCE
                 and wake > probe_wake
             ):
-                probe = not marginal and self.cost.padded
+                probe = not marginal  # (a dormant probe drafts on a few rows)
                 k = k if probe else 0
+        if not marginal:
+            self._last_run[(bucket, k)] = self._bucket_steps[bucket]
         self._running_k = None if probe else k
         if not probe:
             if k and self.dormant:  # a wake: the batch's catch-up follows
