@@ -85,9 +85,9 @@ class GoodputPolicy(SpeculationPolicy):
 
     A burst on an idle server (requests left waiting for admission at the first decision
     since nothing ran: a `bench sweep` point's first wave, a restart under load) puts it
-    dormant where steps are padded (CUDA graphs: an eager engine's dormant probes are priced
-    as if every row drafted, and rarely come due),
-    so the drafter does not take the wave's prompts before drafting is known to pay. While
+    dormant where steps are padded (CUDA graphs; an eager engine's dormant probes are
+    priced as if every row drafted, and rarely come due), so the drafter does not take the
+    wave's prompts before drafting is known to pay. While
     dormant, a decision for K > 0 does not wake it while requests wait for admission (the
     batch's catch-up would come before their prefill), nor, at more than DORMANT_PROBE_ROWS
     requests, before WAKE_EVIDENCE drafts have been verified (the prior acceptance alone

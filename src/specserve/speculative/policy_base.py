@@ -23,9 +23,8 @@ class StepLoad:
     may add (None: no bound). waiting: requests left waiting for budget or pages after the
     step's admissions (not those waiting for a sequence slot, which drafts do not take).
     after_idle: the first step with decoding requests since the scheduler had none running
-    (new work on an idle server).
-    prefill_per_token: the prompt tokens per generated token of
-    the requests finished lately: in a server taking new work each committed token brings
+    (new work on an idle server). prefill_per_token: the prompt tokens per generated token
+    of the requests finished lately: in a server taking new work each committed token brings
     that much prefill into the steps after it (a request finished admits the next; a closed
     loop prefills once per request whatever K is: K changes how much decode work each
     prefill token rides with)."""
