@@ -57,11 +57,54 @@ def _mismatch(a: torch.Tensor, b: torch.Tensor) -> str | None:
     return None
 
 
-def run_cases() -> dict:
-    """Under the interpreter: {case: None, or what differed}."""
+VOCAB, K_MAX = 4100, 3  # (what start-up warms: the vocabulary's width, every K to K_MAX)
+
+
+def _view(values: torch.Tensor, offset: int) -> torch.Tensor:
+    """`values` as a view `offset` elements into a larger buffer (as a step's inputs are
+    views into its uploads): at offset 1 not 16-byte aligned."""
+    buffer = torch.zeros(values.numel() + offset, dtype=values.dtype)
+    buffer[offset:] = values.reshape(-1)
+    return buffer[offset:].view(values.shape)
+
+
+def serving_mismatches() -> list[str]:
+    """Calls as serving makes them after start-up, each against the torch path: rows of
+    any count, inputs at any alignment, every K up to K_MAX with and without draft lengths,
+    uniforms of one column and of the vocabulary. Returns the calls that differed."""
     from specserve.kernels.counter_noise import simulated_verify, uniform_noise
 
-    results = {}
+    out = []
+    for offset in (0, 1, 3):
+        for rows, width in ((1, 1), (6, 1), (3, VOCAB), (8, VOCAB)):
+            seeds, counters = _seeds_and_counters(rows, width + offset)
+            got = uniform_noise(_view(seeds, offset), _view(counters, offset), width)
+            if _mismatch(got, hash_uniform_torch(seeds, counters, width)):
+                out.append(f"uniform-{rows}x{width}@{offset}")
+        for rows in (1, 5):
+            for k in range(1, K_MAX + 1):
+                for short in (False, True):
+                    case = _verify_case(rows, k, 0.6, short, rows * 10 + k + offset)
+                    views = [None if x is None else _view(x, offset) for x in case]
+                    tokens, accept = simulated_verify(*views, 0.6, SIMULATE_OFFSET)
+                    ref_tokens, ref_accept = _reference_verify(*case, 0.6)
+                    if _mismatch(accept, ref_accept) or _mismatch(tokens, ref_tokens):
+                        out.append(f"verify-{rows}x{k}-{short}@{offset}")
+    return out
+
+
+def run_cases() -> dict:
+    """Under the interpreter: {case: None, or what differed}, and "serving": start-up's
+    warm-up, then serving's calls (`serving_mismatches`, the variants they compiled)."""
+    from specserve.kernels import counter_noise
+    from specserve.kernels.counter_noise import simulated_verify, uniform_noise
+    from tests.support.specialization_run import after_start_up
+
+    results = {
+        "serving": after_start_up(
+            lambda: counter_noise.warm_up(torch.device("cpu"), VOCAB, K_MAX), serving_mismatches
+        )
+    }
     for rows, width in ((1, 1), (7, 5), (3, 2048), (2, 4100), (0, 9)):
         seeds, counters = _seeds_and_counters(rows, width)
         results[f"uniform-{rows}x{width}"] = _mismatch(
@@ -132,6 +175,15 @@ INTERPRETER = ("tests.kernels.test_counter_noise", 30)
 )
 def test_interpreter_equals_torch(name, interpreter_results):
     assert interpreter_results[name] is None, interpreter_results[name]
+
+
+def test_interpreter_serving_compiles_no_variant_start_up_did_not(interpreter_results):
+    """After `warm_up` (engine start-up: the vocabulary's uniforms, simulated verification
+    at every K), serving's calls (inputs that are views at any alignment, any row count)
+    compile no new variant and give the torch path's results."""
+    serving = interpreter_results["serving"]
+    assert serving["mismatches"] == [], serving["mismatches"]
+    assert serving["new_variants"] == [], serving["new_variants"]
 
 
 def test_simulated_acceptance_reaches_every_length():

@@ -147,8 +147,11 @@ def build_target(
     runner = ModelRunner(loaded.model, kv, get_backend(config.backend_name()))
     runner.backend.batch_invariant = not config.execution.disable_batch_invariance
     if config.load.torch_device().type == "cuda":
-        with startup.phase("compiling attention kernels"):
+        with startup.phase("compiling attention and sampling kernels"):
             runner.backend.warm_up(loaded.model.num_heads, kv.layers[0])  # (this rank's)
+            from specserve.kernels import counter_noise  # (a kernel module: CUDA only)
+
+            counter_noise.warm_up(kv.pool.device, loaded.model_config.vocab_size)
     return TargetParts(
         config, loaded.model_config, loaded.dtype, kv, runner, max_model_len, selector
     )
@@ -167,6 +170,10 @@ def build_speculator(target: TargetParts, startup: StartupProgress) -> Speculato
         from specserve.runtime import shift_kernel
 
         shift_kernel.warm_up(device)  # (overlapped steps after drafting ones shift)
+    if spec.simulate_rate is not None and device.type == "cuda":  # every K's verification
+        from specserve.kernels import counter_noise
+
+        counter_noise.warm_up(device, target.model_config.vocab_size, spec.k_max)
     return spec
 
 

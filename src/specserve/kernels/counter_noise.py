@@ -39,7 +39,8 @@ def _uniform(seed, counter, col):
     return ((x >> 41).to(tl.float32) + 0.5) * (1.0 / 8388608.0)  # (sampler.UNIFORM_BITS)
 
 
-@triton.jit
+# (the row inputs are views into a step's uploads at any alignment: one variant serves all)
+@triton.jit(do_not_specialize=["seeds_ptr", "counters_ptr"])
 def _uniform_kernel(seeds_ptr, counters_ptr, out_ptr, width, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -73,7 +74,16 @@ def uniform_noise(seeds: torch.Tensor, counters: torch.Tensor, width: int) -> to
     return out
 
 
-@triton.jit
+@triton.jit(
+    do_not_specialize=[
+        "seeds_ptr",
+        "positions_ptr",
+        "draft_lens_ptr",
+        "drafts_ptr",
+        "choice_ptr",
+        "stream_offset",
+    ]
+)
 def _simulated_verify_kernel(
     seeds_ptr,
     positions_ptr,
@@ -143,3 +153,19 @@ def simulated_verify(
         num_warps=1,
     )
     return tokens, accept
+
+
+def warm_up(device: torch.device, vocab_size: int, k_max: int = 0) -> None:
+    """Compile now (engine start-up), not at the first step that needs them, every variant
+    serving launches: the uniforms of one column (sampled verification) and of the
+    vocabulary (sampling), and, for `k_max` > 0 (simulated acceptance), verification at
+    every draft length 1..k_max with and without per-row draft lengths (a variant first
+    compiled while serving stalls a step for about half a second on a GPU)."""
+    i64 = dict(dtype=torch.int64, device=device)
+    one = torch.zeros(1, **i64)
+    for width in sorted({1, vocab_size}):
+        uniform_noise(one, one, width)
+    for k in range(1, k_max + 1):
+        drafts, choice = torch.zeros(1, k, **i64), torch.zeros(1, k + 1, **i64)
+        for lens in (None, one):
+            simulated_verify(one, one, lens, drafts, choice, 0.5, 0)
