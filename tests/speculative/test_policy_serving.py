@@ -101,6 +101,23 @@ def test_every_request_ends_whole_and_no_page_leaks(policy):
     assert sum(res.step_ks[1:]) > 0  # the drafts' lookahead was exercised
 
 
+def test_open_loop_overload_ends_every_request_whole_and_leaks_no_page():
+    """Poisson arrivals past plain decoding's peak (a queue builds: requests wait for slots
+    and pages while others draft), run to the end with the scheduler's promises checked
+    every step: every request arrives, finishes by length with O tokens, and every page is
+    free again."""
+    regime = ServingRegime(64, PROMPT, OUTPUT, 3.0, measure=2, rate_per_ms=0.05)
+    res = simulate("goodput", regime, seed=3, drain=True, check=True)
+    assert len(res.requests) == 3 * regime.concurrency
+    assert len(res.latencies) == 2 * regime.concurrency
+    assert res.waiting_steps > 0  # the queue built up
+    for req in res.requests:
+        assert req.finish_reason == "length", req.request_id
+        assert len(req.output_token_ids) == OUTPUT, req.request_id
+    assert res.free_pages == res.usable_pages
+    assert sum(res.step_ks[1:]) > 0
+
+
 # Lockstep (ServingRegime.lockstep): every client's first request sent at once and every
 # output of one length, as `bench sweep` runs a point, so the clients turn over in waves: a
 # wave's prompts prefilled, then only decode steps. What it caught (f1698bd): at L = 1.5
@@ -155,3 +172,33 @@ def test_goodput_near_the_best_policy_from_a_cold_start(concurrency, accept_len)
     r = compare(regime, (0,), (0,))
     assert r["goodput"] >= VS_BEST * r["best"], _table(r)
     assert r["goodput"] >= VS_OFF * r["off"], _table(r)
+
+
+@functools.cache
+def _off_peak_per_ms() -> float:
+    """Plain decoding's request rate at 256 clients in a closed loop (requests a ms)."""
+    r = simulate("off", ServingRegime(256, PROMPT, OUTPUT, 1.5), 0)
+    return r.tokens / r.ms / OUTPUT
+
+
+# Open loop (ServingRegime.rate_per_ms), as `bench sweep --arrival poisson` runs its points:
+# requests arrive at a share of plain decoding's peak request rate at 256 clients (the
+# matrix's default shares: 0.25, 0.5, 0.75, 0.9), the KV cache sized for 256, and every
+# policy is judged by its measured requests' mean end-to-end latency (the best's over
+# goodput's: above 1 goodput is faster). Session 48, seeds 0-2: goodput 0.987-1.015 of the
+# best and 1.10-1.31x plain decoding at L = 1.5 (K = 1 or 2 best: small batches leave the
+# GPU compute to spare), 2.6-2.8x at L = 3.0.
+POISSON_CASES = [
+    pytest.param(1.5, 0.25, id="L1.5-0.25"),
+    pytest.param(1.5, 0.9, id="L1.5-0.9"),
+    pytest.param(3.0, 0.5, id="L3.0-0.5"),
+]
+
+
+@pytest.mark.parametrize(("accept_len", "share"), POISSON_CASES)
+def test_goodput_near_the_best_policy_under_poisson_arrivals(accept_len, share):
+    rate = share * _off_peak_per_ms()
+    r = compare(ServingRegime(256, PROMPT, OUTPUT, accept_len, rate_per_ms=rate), (0,))
+    assert len(r["results"]["goodput"][0].latencies) == 2 * 256  # every measured request
+    assert r["vs_best"] >= VS_BEST, _table(r)
+    assert r["vs_off"] >= VS_OFF, _table(r)

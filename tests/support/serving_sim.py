@@ -103,6 +103,11 @@ class ServingRegime:
     # Measured from the first step, the warm-up requests included, as a `bench sweep` point
     # is (its first wave prefilled with the drafter as it starts, awake)
     cold: bool = False
+    # Open loop instead (`bench sweep --arrival poisson`): requests of O tokens arrive at
+    # this many per ms, exponential gaps (seeded), whatever the server's pace; the KV cache
+    # is still sized for C requests, so past saturation they queue. The first C requests
+    # warm up, the next `measure` x C are measured by their end-to-end latency.
+    rate_per_ms: float | None = None
 
     @property
     def num_pages(self) -> int:
@@ -167,6 +172,7 @@ class ServingResult:
 
     tokens: int = 0
     ms: float = 0.0
+    latencies: list[float] = field(default_factory=list)  # open loop: measured requests' ms
     steps: int = 0
     mixed_steps: int = 0  # steps of the window with prefill tokens in them
     waiting_steps: int = 0  # steps of the window that left a request waiting
@@ -246,15 +252,32 @@ def simulate(
         res.requests.append(req)
         sched.add(req)
 
-    warm_lengths = [1 + (i * out) // c for i in range(c)]
-    random.Random(seed).shuffle(warm_lengths)
-    if regime.lockstep:
-        warm_lengths = [out] * c
-    for length in warm_lengths:
-        send(length)
+    open_loop = regime.rate_per_ms is not None
+    arrivals: list[float] = []  # open loop: when each request arrives (ms), in order
+    if open_loop:
+        gaps = random.Random(seed + 7_777)
+        at = 0.0
+        for _ in range((1 + regime.measure) * c):
+            at += gaps.expovariate(regime.rate_per_ms)
+            arrivals.append(at)
+    else:
+        warm_lengths = [1 + (i * out) // c for i in range(c)]
+        random.Random(seed).shuffle(warm_lengths)
+        if regime.lockstep:
+            warm_lengths = [out] * c
+        for length in warm_lengths:
+            send(length)
     warm_left, measured_left = c, regime.measure * c
     clock, window, trace = 0.0, regime.cold, policy.trace
+    idle = False  # open loop: the server waited for an arrival before this step
     while measured_left > 0 or (drain and sched.has_work):
+        if open_loop:
+            if not sched.has_work and len(res.requests) < len(arrivals):
+                arrived = arrivals[len(res.requests)]
+                idle = idle or arrived > clock
+                clock = max(clock, arrived)
+            while len(res.requests) < len(arrivals) and arrivals[len(res.requests)] <= clock:
+                send(out)
         decided = trace.num_decisions
         batch = sched.schedule(asked)
         if not batch:
@@ -308,7 +331,8 @@ def simulate(
             if req.finish_reason is not None:
                 done.append(req)
         spec.observe(batch, committed, 0.0, 0.0)
-        spec.observe_period(batch, clock / 1e3, False)
+        spec.observe_period(batch, clock / 1e3, idle)  # (a wait for arrivals is no period)
+        idle = False
         if window and measured_left > 0:
             res.tokens += tokens
             res.ms += ms
@@ -323,11 +347,14 @@ def simulate(
             acceptance.forget(req.request_id)
             sched.finish(req)
             del draws[id(req)]
-            if int(req.request_id[1:]) < c:  # one of the warm-up requests
+            index = int(req.request_id[1:])
+            if index < c:  # one of the warm-up requests
                 warm_left -= 1
-            elif window:
+            elif window or open_loop:
                 measured_left -= 1
-            if measured_left > 0 or not drain:
+                if open_loop:
+                    res.latencies.append(clock - arrivals[index])
+            if not open_loop and (measured_left > 0 or not drain):
                 send(out)  # closed loop: the client sends its next request at once
         window = window or warm_left == 0
     res.preemptions = sched.num_preemptions
@@ -345,19 +372,31 @@ def compare(
     """Tokens per ms of every policy (summed over its seeds), goodput's two ratios and its K
     mix. Goodput runs `seeds`; plain decoding and the fixed Ks `baseline_seeds` (default: the
     same): their rates vary little by seed, goodput's path (which K its hysteresis settles
-    on, where its probes fall) much more."""
+    on, where its probes fall) much more. Open loop (`rate_per_ms`): each policy's mean
+    end-to-end latency (ms) of the measured requests instead, and the ratios are the best's
+    (the lowest) and plain decoding's over goodput's, as `bench sweep` compares Poisson
+    points: above 1 goodput is faster."""
     out: dict = {}
     results: dict = {}
+    open_loop = regime.rate_per_ms is not None
     for name in POLICIES:
         tokens = ms = 0.0
+        latencies: list[float] = []
         for seed in seeds if name == "goodput" or baseline_seeds is None else baseline_seeds:
             r = simulate(name, regime, seed)
             tokens, ms = tokens + r.tokens, ms + r.ms
+            latencies += r.latencies
             results.setdefault(name, []).append(r)
-        out[name] = tokens / ms
-    out["best"] = max(out[p] for p in POLICIES if p != "goodput")
-    out["vs_best"] = out["goodput"] / out["best"]
-    out["vs_off"] = out["goodput"] / out["off"]
+        out[name] = sum(latencies) / len(latencies) if open_loop else tokens / ms
+    baselines = [out[p] for p in POLICIES if p != "goodput"]
+    if open_loop:
+        out["best"] = min(baselines)
+        out["vs_best"] = out["best"] / out["goodput"]
+        out["vs_off"] = out["off"] / out["goodput"]
+    else:
+        out["best"] = max(baselines)
+        out["vs_best"] = out["goodput"] / out["best"]
+        out["vs_off"] = out["goodput"] / out["off"]
     g = results["goodput"]
     out["decided"] = k_mix([sum(x) for x in zip(*(r.decided_ks for r in g))])
     out["step_k"] = k_mix([sum(x) for x in zip(*(r.step_ks for r in g))])
