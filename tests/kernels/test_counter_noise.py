@@ -9,9 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specserve.layers.sampler import STREAM_STRIDE, hash_uniform, hash_uniform_torch
-
-SIMULATE_OFFSET = 3 * STREAM_STRIDE  # (verify.SIMULATE_STREAM)
+from specserve.layers.sampler import hash_uniform, hash_uniform_torch
+from specserve.runtime.verify import SIMULATE_OFFSET
 
 
 def _seeds_and_counters(rows: int, seed: int):
@@ -84,10 +83,11 @@ def serving_mismatches() -> list[str]:
         for rows in (1, 5):
             for k in range(1, K_MAX + 1):
                 for short in (False, True):
-                    case = _verify_case(rows, k, 0.6, short, rows * 10 + k + offset)
+                    rate = 1 if offset == 3 else 0.6  # (an int rate: the same variant)
+                    case = _verify_case(rows, k, rate, short, rows * 10 + k + offset)
                     views = [None if x is None else _view(x, offset) for x in case]
-                    tokens, accept = simulated_verify(*views, 0.6, SIMULATE_OFFSET)
-                    ref_tokens, ref_accept = _reference_verify(*case, 0.6)
+                    tokens, accept = simulated_verify(*views, rate, SIMULATE_OFFSET)
+                    ref_tokens, ref_accept = _reference_verify(*case, rate)
                     if _mismatch(accept, ref_accept) or _mismatch(tokens, ref_tokens):
                         out.append(f"verify-{rows}x{k}-{short}@{offset}")
     return out
@@ -102,7 +102,8 @@ def run_cases() -> dict:
 
     results = {
         "serving": after_start_up(
-            lambda: counter_noise.warm_up(torch.device("cpu"), VOCAB, K_MAX), serving_mismatches
+            lambda: counter_noise.warm_up(torch.device("cpu"), VOCAB, K_MAX, SIMULATE_OFFSET),
+            serving_mismatches,
         )
     }
     for rows, width in ((1, 1), (7, 5), (3, 2048), (2, 4100), (0, 9)):

@@ -7,6 +7,8 @@ no KV page leaks."""
 from __future__ import annotations
 
 import functools
+import statistics
+from dataclasses import replace
 
 import pytest
 
@@ -48,10 +50,11 @@ def _compare(concurrency: int, accept_len: float) -> dict:
 
 
 def _table(r: dict) -> str:
-    """Tokens per ms of each policy, goodput's ratios and K mix, for assertion messages."""
+    """Tokens per ms (open loop: mean latency) of each policy, goodput's ratios and K mix,
+    for assertion messages."""
     rates = " ".join(f"{p}={r[p]:.3f}" for p in POLICIES)
     return (
-        f"{rates} vs_best={r['vs_best']:.3f} vs_off={r['vs_off']:.3f} "
+        f"{r['metric']}: {rates} vs_best={r['vs_best']:.3f} vs_off={r['vs_off']:.3f} "
         f"goodput K decided [{r['decided']}] run [{r['step_k']}]"
     )
 
@@ -108,9 +111,10 @@ def test_open_loop_overload_ends_every_request_whole_and_leaks_no_page():
     free again."""
     regime = ServingRegime(64, PROMPT, OUTPUT, 3.0, measure=2, rate_per_ms=0.05)
     res = simulate("goodput", regime, seed=3, drain=True, check=True)
-    assert len(res.requests) == 3 * regime.concurrency
-    assert len(res.latencies) == 2 * regime.concurrency
-    assert res.waiting_steps > 0  # the queue built up
+    light = simulate("goodput", replace(regime, rate_per_ms=0.005), seed=3)
+    mean = statistics.mean
+    assert mean(res.latencies) > 3 * mean(light.latencies)  # requests queued
+    assert res.waiting_steps > 0
     for req in res.requests:
         assert req.finish_reason == "length", req.request_id
         assert len(req.output_token_ids) == OUTPUT, req.request_id
@@ -199,6 +203,5 @@ POISSON_CASES = [
 def test_goodput_near_the_best_policy_under_poisson_arrivals(accept_len, share):
     rate = share * _off_peak_per_ms()
     r = compare(ServingRegime(256, PROMPT, OUTPUT, accept_len, rate_per_ms=rate), (0,))
-    assert len(r["results"]["goodput"][0].latencies) == 2 * 256  # every measured request
     assert r["vs_best"] >= VS_BEST, _table(r)
     assert r["vs_off"] >= VS_OFF, _table(r)

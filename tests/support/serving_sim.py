@@ -88,8 +88,9 @@ POLICIES = ("off", 1, 2, 3, "goodput")
 
 @dataclass(frozen=True)
 class ServingRegime:
-    """C closed-loop clients, prompts of P and outputs of O tokens, mean acceptance length
-    L at K_max; the KV cache holds exactly C x (P + O) tokens."""
+    """C closed-loop clients (or, with `rate_per_ms`, Poisson arrivals), prompts of P and
+    outputs of O tokens, mean acceptance length L at K_max; the KV cache holds exactly
+    C x (P + O) tokens."""
 
     concurrency: int
     prompt: int
@@ -253,6 +254,8 @@ def simulate(
         sched.add(req)
 
     open_loop = regime.rate_per_ms is not None
+    if open_loop and (regime.lockstep or regime.cold):
+        raise ValueError("lockstep and cold are closed-loop settings")
     arrivals: list[float] = []  # open loop: when each request arrives (ms), in order
     if open_loop:
         gaps = random.Random(seed + 7_777)
@@ -388,6 +391,7 @@ def compare(
             latencies += r.latencies
             results.setdefault(name, []).append(r)
         out[name] = sum(latencies) / len(latencies) if open_loop else tokens / ms
+    out["metric"] = "mean latency ms" if open_loop else "tokens/ms"
     baselines = [out[p] for p in POLICIES if p != "goodput"]
     if open_loop:
         out["best"] = min(baselines)

@@ -2,9 +2,10 @@
 
 Run as `python -m tests.support.specialization_run` with TRITON_INTERPRET=1
 (tests/support/interpreter_run.py does): every kernel launch records the key Triton's JIT
-would compile it under (kernel, constexpr values, warps and stages, and for each argument it
-specializes on: an integer's class, 1 / multiple of 16 / other, a tensor's dtype and whether
-its address is 16-byte aligned). A tiny Llama with a random EAGLE-3 head is set up as the
+would compile it under (kernel, constexpr values, warps and stages, and for each argument: an
+integer's type, i32 or i64, and where it is specialized on its class, 1 / multiple of 16 /
+other; a tensor's dtype and, where it is specialized on, whether its address is 16-byte
+aligned). A tiny Llama with a random EAGLE-3 head is set up as the
 GPU start-up sets it up (fused ops, attention warm-up for target and head), warmed up like
 the benchmarks, then serves batch-1 requests of varied prompt lengths at fixed K, a request
 that runs plain for longer than the drafter's catch-up bound before drafting again, and a
@@ -26,13 +27,22 @@ import torch
 KEYS: dict[tuple, str] = {}
 
 
-def _arg_class(value, align_matters: bool):
+def _int_type(value: int) -> str:
+    """Triton's type of an integer argument: i64 past the 32-bit range (part of the key even
+    where the value is not specialized on)."""
+    return "i32" if -(2**31) <= value < 2**31 else "i64"
+
+
+def _arg_class(value, align_matters: bool, specialized: bool = True):
     if isinstance(value, torch.Tensor):
-        return (str(value.dtype), value.data_ptr() % 16 == 0 if align_matters else None)
+        aligned = value.data_ptr() % 16 == 0 if align_matters and specialized else None
+        return (str(value.dtype), aligned)
     if isinstance(value, bool):
         return value
     if isinstance(value, int):
-        return 1 if value == 1 else (16 if value % 16 == 0 else "int")
+        if not specialized:
+            return _int_type(value)
+        return 1 if value == 1 else (_int_type(value), 16 if value % 16 == 0 else "int")
     return type(value).__name__
 
 
@@ -57,9 +67,10 @@ def install() -> None:
             value = bound.get(p.name, p.default)
             if "constexpr" in str(p.annotation):
                 parts.append((p.name, value))
-            elif p.name not in dns and i not in dns:
+            else:  # (not specialized on: still its type, an integer's width included)
+                specialized = p.name not in dns and i not in dns
                 align = p.name not in dns_align and i not in dns_align
-                parts.append((p.name, _arg_class(value, align)))
+                parts.append((p.name, _arg_class(value, align, specialized)))
         launch = (kwargs.get("num_warps", 4), kwargs.get("num_stages", 3))
         key = (self.fn.__name__, tuple(parts), launch)
         KEYS.setdefault(key, _call_site())

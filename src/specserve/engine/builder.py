@@ -19,7 +19,7 @@ from specserve.engine.startup import StartupProgress
 from specserve.layers.attention import get_backend
 from specserve.model.llama import LlamaForCausalLM
 from specserve.model.loader import load_config, load_model, load_tokenizer, resolve_model
-from specserve.runtime import packing
+from specserve.runtime import packing, verify
 from specserve.runtime.model_runner import ModelRunner
 from specserve.speculative.registry import check_drafter
 from specserve.speculative.speculator import Speculator
@@ -173,7 +173,8 @@ def build_speculator(target: TargetParts, startup: StartupProgress) -> Speculato
     if spec.simulate_rate is not None and device.type == "cuda":  # every K's verification
         from specserve.kernels import counter_noise
 
-        counter_noise.warm_up(device, target.model_config.vocab_size, spec.k_max)
+        vocab = target.model_config.vocab_size
+        counter_noise.warm_up(device, vocab, spec.k_max, verify.SIMULATE_OFFSET)
     return spec
 
 

@@ -145,7 +145,7 @@ def simulated_verify(
         choice.contiguous(),
         tokens,
         accept,
-        rate,
+        float(rate),  # (an int would be a constexpr or an i32: another variant)
         stream_offset,
         K=k,
         HAS_LENS=draft_lens is not None,
@@ -155,12 +155,14 @@ def simulated_verify(
     return tokens, accept
 
 
-def warm_up(device: torch.device, vocab_size: int, k_max: int = 0) -> None:
+def warm_up(device: torch.device, vocab_size: int, k_max: int = 0, stream_offset: int = 0) -> None:
     """Compile now (engine start-up), not at the first step that needs them, every variant
     serving launches: the uniforms of one column (sampled verification) and of the
     vocabulary (sampling), and, for `k_max` > 0 (simulated acceptance), verification at
-    every draft length 1..k_max with and without per-row draft lengths (a variant first
-    compiled while serving stalls a step for about half a second on a GPU)."""
+    every draft length 1..k_max with and without per-row draft lengths, at the
+    `stream_offset` serving passes (not specialized on its value, but an offset past 32 bits
+    is an i64 argument: another variant than a small one). A variant first compiled while
+    serving stalls a step for about half a second on a GPU."""
     i64 = dict(dtype=torch.int64, device=device)
     one = torch.zeros(1, **i64)
     for width in sorted({1, vocab_size}):
@@ -168,4 +170,4 @@ def warm_up(device: torch.device, vocab_size: int, k_max: int = 0) -> None:
     for k in range(1, k_max + 1):
         drafts, choice = torch.zeros(1, k, **i64), torch.zeros(1, k + 1, **i64)
         for lens in (None, one):
-            simulated_verify(one, one, lens, drafts, choice, 0.5, 0)
+            simulated_verify(one, one, lens, drafts, choice, 0.5, stream_offset)

@@ -40,6 +40,7 @@ from specserve.layers.sampler import (
 
 ACCEPT_STREAM = 2
 SIMULATE_STREAM = 3
+SIMULATE_OFFSET = SIMULATE_STREAM * STREAM_STRIDE  # (the simulated draws' seed offset)
 
 
 @dataclass
@@ -96,8 +97,7 @@ def verify_greedy(
     if simulate_rate is not None and drafts.is_cuda:  # the same, in one kernel
         from specserve.kernels.counter_noise import simulated_verify
 
-        offset = SIMULATE_STREAM * STREAM_STRIDE
-        args = (seeds, positions, draft_lens, drafts, greedy_choice, simulate_rate, offset)
+        args = (seeds, positions, draft_lens, drafts, greedy_choice, simulate_rate, SIMULATE_OFFSET)
         return VerifyResult(*simulated_verify(*args))
     if simulate_rate is None:
         ok = drafts == greedy_choice[:, :max_draft_len]
