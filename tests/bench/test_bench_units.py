@@ -17,7 +17,7 @@ from specserve.bench.datasets import (
 )
 from specserve.bench.load import LoadConfig, RequestResult, normalize_base_url, request_body
 from specserve.bench.metrics_client import parse_metrics, server_figures
-from specserve.bench.report import report_rows, summarize
+from specserve.bench.report import report_rows, step_kinds, summarize
 from specserve.bench.rounds import median_rows, medians_table, round_medians
 from specserve.bench.sweep import markdown_table, parse_configs
 from specserve.cli import main
@@ -405,6 +405,8 @@ def test_engine_loop_figures_reach_the_bench():
     totals = {"device_step_ms": 100.0, "device_gap_ms": 10.0, "host_wait_ms": 1.0}
     host = {"schedule": 1.0, "prepare": 2.0, "sample": 3.0}
     stats = {"loop_waits": 0, "loop_wait_reasons": {}, "host_ms_by_part": host, **totals}
+    stats["steps_by_kind"] = {"decode K=1": 10, "prefill K=1": 1}
+    stats["step_ms_by_kind"] = {"decode K=1": 80.0, "prefill K=1": 20.0}
     metrics.engine_stats = lambda: stats
     before = parse_metrics(metrics.render().decode())
     stats = {
@@ -414,6 +416,8 @@ def test_engine_loop_figures_reach_the_bench():
         "device_gap_ms": 11.0,
         "host_wait_ms": 1.5,
         "host_ms_by_part": {"schedule": 1.5, "prepare": 2.0, "sample": 7.0, "process": 0.5},
+        "steps_by_kind": {"decode K=1": 12, "prefill K=1": 3, "prefill K=0": 1},
+        "step_ms_by_kind": {"decode K=1": 96.0, "prefill K=1": 50.0, "prefill K=0": 25.0},
     }
     metrics.observe_steps([0.002, 0.004], [0.001, 0.001])
     after = parse_metrics(metrics.render().decode())
@@ -432,6 +436,13 @@ def test_engine_loop_figures_reach_the_bench():
     assert fig["host_ms_by_part_mean"] == pytest.approx(
         {"schedule": 0.25, "sample": 2.0, "process": 0.25}
     )
+    # steps by kind over the run, and each kind's mean (a kind new in the run included)
+    assert after[("specserve_engine_step_kind_seconds_total", (("kind", "prefill K=1"),))] == 0.05
+    assert fig["steps_by_kind"] == {"decode K=1": 2, "prefill K=0": 1, "prefill K=1": 2}
+    assert fig["step_ms_by_kind_mean"] == pytest.approx(
+        {"decode K=1": 8.0, "prefill K=0": 25.0, "prefill K=1": 15.0}
+    )
+    assert step_kinds(fig) == "decode K=1 8.00 (2), prefill K=0 25.00 (1), prefill K=1 15.00 (2)"
 
 
 def _wait_gone(pid: int, timeout_s: float = 30.0) -> bool:

@@ -234,6 +234,47 @@ def test_host_time_by_part(models, overlap):
 
 
 @pytest.mark.parametrize("overlap", ["off", "on"])
+def test_steps_by_kind(models, overlap):
+    """The loop counts its steps by kind (metrics: specserve_engine_step_kind_*): every
+    processed step once, as "prefill" while a prompt chunk rides along and "decode" when
+    every row decodes, with the K it verified; a prompt arriving while others decode makes
+    a prefill step at K > 0 (the decode rows draft beside the chunk), and each kind's time
+    is accounted (host time on the CPU) within the run's."""
+    import time
+
+    llm = LLM(
+        models["target"],
+        overlap_schedule=overlap,
+        speculative_num_steps=2,
+        **spec_kwargs(models, "eagle3"),
+    )
+    engine = llm.engine
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    start = time.perf_counter()
+    engine.add_request(prompts_for()[6], params)  # 31 tokens: one chunk
+    for _ in range(4):  # it decodes (K=2 from its first decode step)
+        engine.step()
+    engine.add_request(prompts_for()[4], params)  # arrives mid-decode
+    while engine.has_unfinished():
+        engine.step()
+    elapsed_ms = (time.perf_counter() - start) * 1e3
+    stats = engine.stats()
+    kinds, ms = stats["steps_by_kind"], stats["step_ms_by_kind"]
+    assert sum(kinds.values()) == engine.num_steps
+    assert set(kinds) == set(ms) <= {"decode K=0", "decode K=2", "prefill K=0", "prefill K=2"}
+    assert kinds["prefill K=0"] == 1  # the first prompt alone
+    assert kinds["prefill K=2"] == 1  # the second beside the first's verify row
+    assert kinds["decode K=2"] >= 4
+    assert 0 < sum(ms.values()) <= elapsed_ms and min(ms.values()) > 0
+
+    plain = LLM(models["target"], overlap_schedule=overlap)
+    plain.generate(prompts_for()[:3], GREEDY)
+    kinds = plain.engine.stats()["steps_by_kind"]
+    assert set(kinds) == {"prefill K=0", "decode K=0"}
+    assert sum(kinds.values()) == plain.engine.num_steps
+
+
+@pytest.mark.parametrize("overlap", ["off", "on"])
 def test_waits_while_sampling_count_as_waits(models, overlap):
     """Time the host waits for the device while sampling (StepInput.sample_wait_ms: a
     grammar's drafts, a mask buffer still being copied) is counted with the waits, not in

@@ -15,7 +15,7 @@ import statistics
 from pathlib import Path
 
 from specserve.bench.matrix import Point
-from specserve.bench.report import save_json, step_ms_by_k
+from specserve.bench.report import save_json, step_kinds, step_ms_by_k
 
 _UNITS = {"closed": "concurrency", "poisson": "req/s"}
 
@@ -209,6 +209,8 @@ def detail_table(rows: list[dict]) -> str:
         load = r.get("load_avg_1m") or [None]
         waits = ", ".join(f"{k} {v}" for k, v in (server.get("loop_wait_reasons") or {}).items())
         step = "-" if "step_ms_mean" not in server else f"{server['step_ms_mean']:.2f}"
+        if step_kinds(server):  # decode-only or carrying prefill, by K: mean ms (steps)
+            step += f" [by kind: {step_kinds(server)}]"
         if step_ms_by_k(spec):
             step += f" ({step_ms_by_k(spec)})"
         cells = [

@@ -167,7 +167,9 @@ def step_figures(before: dict, after: dict) -> dict:
     steps (ms, from specserve's histograms); per step on average, the device's busy and
     idle time and the host's wait for drawn tokens (ms, GPU servers: a device busy for
     most of the step bounds it, else the host does); and the steps launched only after the
-    previous step's tokens reached the host (overlap lost), in all and by reason."""
+    previous step's tokens reached the host (overlap lost), in all and by reason; steps by
+    kind (decode-only or carrying prefill, and K) and each kind's mean time (ms: device
+    spans on a GPU server)."""
     out: dict = {}
     count = _delta(before, after, "specserve_engine_step_duration_seconds_count")
     for key, name in (
@@ -188,6 +190,11 @@ def step_figures(before: dict, after: dict) -> dict:
     host = _ms_by_label(before, after, "specserve_engine_host", "part")
     if host and count:  # host time a step by part (ms), waits for drawn tokens apart
         out["host_ms_by_part_mean"] = {part: ms / count for part, ms in host.items()}
+    kinds = _by_label(before, after, "specserve_engine_step_kind_steps_total", "kind")
+    if kinds:  # steps by kind (decode or carrying prefill, and K), and each kind's mean
+        kind_ms = _ms_by_label(before, after, "specserve_engine_step_kind", "kind")
+        out["steps_by_kind"] = dict(sorted(kinds.items()))
+        out["step_ms_by_kind_mean"] = {k: kind_ms.get(k, 0.0) / n for k, n in kinds.items()}
     waits = _delta(before, after, "specserve_engine_loop_waits_total")
     if waits is None:  # (a server before session 41: a gauge)
         waits = _delta(before, after, "specserve_engine_loop_waits")

@@ -32,7 +32,7 @@ from pathlib import Path
 from specserve.bench.conversations import Conversation
 from specserve.bench.datasets import BenchPrompt, Dataset
 from specserve.bench.load import LoadConfig
-from specserve.bench.report import policy_table, save_json, step_ms_by_k
+from specserve.bench.report import policy_table, save_json, step_kinds, step_ms_by_k
 from specserve.bench.rounds import median_rows, medians_table
 from specserve.bench.runner import benchmark
 from specserve.bench.server_process import ServerProcess
@@ -175,6 +175,9 @@ def measure(
         waits += "  host ms " + ", ".join(
             f"{part} {host[part]:.2f}" for part in HOST_PARTS if host.get(part)
         )
+    kinds = step_kinds(steps)
+    if kinds:  # each kind of step's mean (decode-only or carrying prefill, by K)
+        step_ms += f" [by kind: {kinds}]"
     by_k = step_ms_by_k(steps.get("speculation") or {})
     if by_k:  # a speculating server's mean step at each K it ran
         step_ms += f" [{by_k}]"

@@ -66,3 +66,12 @@ class StepTimes:
         self.target_ms.clear()
         self.gap_ms.clear()
         self.wait_ms.clear()
+
+
+def step_kind(batch: list[ScheduledRequest]) -> str:
+    """How the loop's statistics name a step: "decode" (every row decodes or verifies) or
+    "prefill" (a prompt chunk rides along), and its K (the longest draft verified): "decode
+    K=0", "prefill K=1". Steps carrying prefill run eagerly and cost what their chunks cost,
+    so a step time by K alone mixes two kinds of work in the load's proportions."""
+    k = max((s.draft_len for s in batch), default=0)
+    return f"{'decode' if all(s.decoding for s in batch) else 'prefill'} K={k}"

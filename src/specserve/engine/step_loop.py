@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from specserve.core.batch import ScheduledRequest
-from specserve.engine.launched_step import LaunchedStep, StepTimes
+from specserve.engine.launched_step import LaunchedStep, StepTimes, step_kind
 from specserve.engine.overlap_wait import sampling_reason, settle, wait_reason
 from specserve.engine.step_plan import PlanPublisher
 from specserve.runtime.prompt_logprobs import prompt_logprobs
@@ -99,6 +99,10 @@ class StepLoop:
         # scheduling, drafting, preparing the inputs, queueing the forward, sampling (logit
         # changes and grammar masks in), processing the tokens.
         self.host_ms: Counter[str] = Counter()
+        # Steps by kind (`step_kind`: decode-only or carrying prefill, and the step's K) and
+        # their summed time (ms): device spans on CUDA, host time elsewhere.
+        self.kind_steps: Counter[str] = Counter()
+        self.kind_ms: Counter[str] = Counter()
 
     def step(self) -> list[RequestOutput]:
         """Launch the next step; process the previous one (overlap) or this one (sync)."""
@@ -197,12 +201,15 @@ class StepLoop:
 
     def stats(self) -> dict:
         """Loop figures for metrics: steps launched after waiting for the previous step's
-        tokens, in all and by reason; the host's time by part (`host_ms`); running totals of
-        device and wait times (`totals`)."""
+        tokens, in all and by reason; the host's time by part (`host_ms`); processed steps
+        and their time by kind (`step_kind`); running totals of device and wait times
+        (`totals`)."""
         return {
             "loop_waits": self.num_waits,
             "loop_wait_reasons": dict(self.wait_reasons),
             "host_ms_by_part": dict(self.host_ms),
+            "steps_by_kind": dict(self.kind_steps),
+            "step_ms_by_kind": dict(self.kind_ms),
             **self.totals,
         }
 
@@ -353,6 +360,9 @@ class StepLoop:
             if not s.request.finished
         ]
         target_ms = self._record_times(step)
+        kind = step_kind(step.batch)
+        self.kind_steps[kind] += 1
+        self.kind_ms[kind] += step.host_ms if step.events is None else step.device_ms
         if spec is not None:  # before finishing: finished requests' estimates are dropped
             if live:  # else every request finished one step before (run ahead): no news
                 batch = [s for s in step.batch if not s.request.finished]

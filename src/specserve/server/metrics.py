@@ -356,6 +356,18 @@ _ENGINE_DICTS = {
         "schedule, draft, prepare, forward (queueing it), sample (logit changes and grammar "
         "masks in), process",
     ),
+    "steps_by_kind": (
+        "specserve_engine_step_kind_steps",
+        "kind",
+        "engine steps processed, by kind: decode (every row decodes or verifies) or prefill (a "
+        "prompt chunk rides along), and the step's K (\"prefill K=1\")",
+    ),
+    "step_ms_by_kind": (
+        "specserve_engine_step_kind_seconds",
+        "kind",
+        "time of those steps (seconds, summed) by kind: device spans on CUDA, host time "
+        "elsewhere",
+    ),
     "spec_plain_ms_by_part": (
         "specserve_spec_plain_step_period_seconds",
         "part",
@@ -430,6 +442,7 @@ _IN_MS = frozenset(
         "spec_period_ms_by_step_k",
         "spec_device_ms_by_step_k",
         "host_ms_by_part",
+        "step_ms_by_kind",
         "spec_plain_ms_by_part",
         "spec_plain_device_ms_by_part",
         "spec_policy_period_ms",
