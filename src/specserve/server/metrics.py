@@ -360,13 +360,12 @@ _ENGINE_DICTS = {
         "specserve_engine_step_kind_steps",
         "kind",
         "engine steps processed, by kind: decode (every row decodes or verifies) or prefill (a "
-        "prompt chunk rides along), and the step's K (\"prefill K=1\")",
+        'prompt chunk rides along), and the step\'s K ("prefill K=1")',
     ),
     "step_ms_by_kind": (
         "specserve_engine_step_kind_seconds",
         "kind",
-        "time of those steps (seconds, summed) by kind: device spans on CUDA, host time "
-        "elsewhere",
+        "time of those steps (seconds, summed) by kind: device spans on CUDA, host time elsewhere",
     ),
     "spec_plain_ms_by_part": (
         "specserve_spec_plain_step_period_seconds",
