@@ -18,7 +18,8 @@ PERCENTILES = (50, 90, 99)
 LATENCIES = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_latency_ms")
 
 
-def _stats_ms(values_s: list[float]) -> dict[str, float | None]:
+def latency_stats_ms(values_s: list[float]) -> dict[str, float | None]:
+    """Mean and percentiles (PERCENTILES) in ms of latencies in seconds; None without any."""
     if not values_s:
         return {"mean": None, **{f"p{q}": None for q in PERCENTILES}}
     ms = np.asarray(values_s, dtype=np.float64) * 1e3
@@ -109,10 +110,10 @@ def summarize(
         "total_token_throughput": (
             per_s(input_tokens + output_tokens) if input_tokens is not None else None
         ),
-        "ttft_ms": _stats_ms([r.ttft_s for r in ok if r.ttft_s is not None]),
-        "tpot_ms": _stats_ms([r.tpot_s for r in ok if r.tpot_s is not None]),
-        "itl_ms": _stats_ms([x for r in ok for x in r.itl_s]),
-        "e2e_latency_ms": _stats_ms([r.latency_s for r in ok]),
+        "ttft_ms": latency_stats_ms([r.ttft_s for r in ok if r.ttft_s is not None]),
+        "tpot_ms": latency_stats_ms([r.tpot_s for r in ok if r.tpot_s is not None]),
+        "itl_ms": latency_stats_ms([x for r in ok for x in r.itl_s]),
+        "e2e_latency_ms": latency_stats_ms([r.latency_s for r in ok]),
         # (Output tokens - 1) per streamed text chunk after the first: not tokens per decode
         # step, for a server sends no chunk for a step whose text it holds back (a partial
         # UTF-8 character, a special token), whose tokens count in the next chunk; it reads

@@ -6,12 +6,20 @@ random prompts of exactly `input_len` token ids (a seeded draw from the tokenize
 non-special ids, so no detokenize/re-encode drift), `output_len` max_tokens, EOS ignored by
 default, greedy by default. Reported: requests/s, output tokens/s, total (prompt + output)
 tokens/s, the elapsed seconds, speculation figures of the requests and the engine's own
-counters over the timed run (steps, preemptions, draft lengths).
+counters over the timed run (steps, preemptions, draft lengths, steps by kind).
+
+With `--request-rate`, requests arrive instead as `bench serve` sends them to a server: a
+Poisson process by the clock (the first at once, then exponential gaps from the seed), each
+handed to the engine at the first step boundary after its arrival, and the report adds each
+request's latencies (end to end, TTFT, time per output token after the first). The same
+flags and rate through `specserve serve` + `bench serve --request-rate` tell what the server
+adds to the engine's time (IPC, the HTTP process, tokenization and streaming).
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import random
 import time
 from collections import Counter
@@ -32,6 +40,8 @@ _COUNTERS = (
     "spec_k_changes",
     "spec_position_drafted",
     "spec_position_accepted",
+    "steps_by_kind",
+    "step_ms_by_kind",
 )
 
 
@@ -46,12 +56,15 @@ class ThroughputWorkload:
     ignore_eos: bool = True
     seed: int = 0
     warmup_requests: int = 4
+    request_rate: float = math.inf  # Poisson arrivals, requests/s (inf: all at once)
 
     def __post_init__(self) -> None:
         if min(self.num_prompts, self.input_len, self.output_len) < 1:
             raise ValueError("--num-prompts, --input-len and --output-len must be >= 1")
         if self.warmup_requests < 0:
             raise ValueError(f"--num-warmup must be >= 0; got {self.warmup_requests}")
+        if not self.request_rate > 0:  # (NaN too)
+            raise ValueError(f"--request-rate must be > 0; got {self.request_rate}")
 
 
 def prompt_token_ids(tokenizer, vocab_size: int) -> list[int]:
@@ -80,8 +93,63 @@ def _delta(before, after):
 
 
 def engine_counts(before: dict, after: dict) -> dict:
-    """The engine's counters over the timed run."""
-    return {k: _delta(before.get(k), after[k]) for k in _COUNTERS if k in after}
+    """The engine's counters over the timed run, and each kind of step's mean time (ms:
+    device spans on CUDA, host time elsewhere)."""
+    counts = {k: _delta(before.get(k), after[k]) for k in _COUNTERS if k in after}
+    kinds, ms = counts.get("steps_by_kind") or {}, counts.get("step_ms_by_kind") or {}
+    if any(kinds.values()):
+        counts["steps_by_kind"] = {k: n for k, n in sorted(kinds.items()) if n}
+        counts["step_ms_by_kind_mean"] = {k: ms[k] / n for k, n in counts["steps_by_kind"].items()}
+    return counts
+
+
+def arrival_times(n: int, rate: float, seed: int) -> list[float]:
+    """When each of n requests arrives (seconds from the start): the first at once, then
+    exponential gaps at `rate` per second from `seed` (`bench serve`'s schedule); all at
+    once for an infinite rate."""
+    if not math.isfinite(rate):
+        return [0.0] * n
+    rng, t, times = random.Random(seed), 0.0, []
+    for i in range(n):
+        if i:
+            t += rng.expovariate(rate)
+        times.append(t)
+    return times
+
+
+def run_arrivals(engine, prompts: list[list[int]], params, arrivals: list[float]) -> dict:
+    """Hand each prompt to the engine at the first step boundary after its arrival and step
+    while anything runs (idle until the next arrival otherwise); returns each request's
+    output and latencies (seconds from its arrival: to its first token, to its end)."""
+    outputs, first_s, end_s, start_of = {}, {}, {}, {}
+    order = []
+    i, n = 0, len(prompts)
+    start = time.perf_counter()
+    while i < n or engine.has_unfinished():
+        now = time.perf_counter() - start
+        while i < n and arrivals[i] <= now:
+            rid = engine.add_request(prompts[i], params)
+            start_of[rid] = arrivals[i]
+            order.append(rid)
+            i += 1
+        if not engine.has_unfinished():
+            time.sleep(max(0.0, arrivals[i] - now))
+            continue
+        step_outputs = engine.step()
+        now = time.perf_counter() - start
+        for o in step_outputs:
+            if o.token_ids and o.request_id not in first_s:
+                first_s[o.request_id] = now - start_of[o.request_id]
+            if o.finished:
+                end_s[o.request_id] = now - start_of[o.request_id]
+                outputs[o.request_id] = o
+    elapsed = time.perf_counter() - start
+    return {
+        "elapsed_s": elapsed,
+        "outputs": [outputs[r] for r in order],
+        "ttft_s": [first_s[r] for r in order],
+        "e2e_s": [end_s[r] for r in order],
+    }
 
 
 def speculation_of(outputs) -> dict | None:
@@ -129,14 +197,34 @@ def run_throughput(llm, work: ThroughputWorkload, progress: bool = False) -> dic
     params = SamplingParams(
         max_tokens=work.output_len, temperature=work.temperature, ignore_eos=work.ignore_eos
     )
+    from specserve.bench.report import latency_stats_ms
+
     before = engine.stats()
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=progress)
-    elapsed_s = time.perf_counter() - start
+    latency = None
+    if math.isfinite(work.request_rate):
+        arrivals = arrival_times(work.num_prompts, work.request_rate, work.seed)
+        run = run_arrivals(engine, prompts, params, arrivals)
+        outputs, elapsed_s = run["outputs"], run["elapsed_s"]
+        tpot = [
+            (e2e - ttft) / (len(o.token_ids) - 1)
+            for o, e2e, ttft in zip(outputs, run["e2e_s"], run["ttft_s"])
+            if len(o.token_ids) > 1
+        ]
+        latency = {
+            "arrival_rate": (len(arrivals) - 1) / arrivals[-1] if arrivals[-1] > 0 else None,
+            "e2e_latency_ms": latency_stats_ms(run["e2e_s"]),
+            "ttft_ms": latency_stats_ms(run["ttft_s"]),
+            "tpot_ms": latency_stats_ms(tpot),
+        }
+    else:
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=progress)
+        elapsed_s = time.perf_counter() - start
     after = engine.stats()
     prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
     output_tokens = sum(len(o.token_ids) for o in outputs)
     return {
+        **({"latency": latency} if latency else {}),
         "elapsed_s": elapsed_s,
         "num_requests": len(outputs),
         "total_prompt_tokens": prompt_tokens,
@@ -169,6 +257,13 @@ def add_throughput_args(p: argparse.ArgumentParser) -> None:
         default=ThroughputWorkload.output_len,
         help="max_tokens of each request",
     )
+    p.add_argument(
+        "--request-rate",
+        type=float,
+        default=math.inf,
+        help="Poisson arrivals at this many requests/s, as `bench serve` sends them (default "
+        "inf: every request at once); adds each request's latencies to the report",
+    )
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     p.add_argument(
         "--ignore-eos",
@@ -197,6 +292,9 @@ _ROWS = (
 )
 
 
+_QUANTILES = ("mean", "p50", "p90", "p99")
+
+
 def _print(report: dict) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -206,10 +304,24 @@ def _print(report: dict) -> None:
     table.add_column("value", justify="right")
     for label, key, fmt in _ROWS:
         table.add_row(label, fmt.format(report[key]))
+    latency = report.get("latency")
+    if latency:
+        table.add_row("arrival rate (req/s)", f"{latency['arrival_rate'] or 0:.3f}")
+        for key in ("e2e_latency_ms", "ttft_ms", "tpot_ms"):
+            s = latency[key]
+            label = key.removesuffix("_ms").replace("_latency", "").upper()
+            table.add_row(
+                f"{label} mean / p50 / p90 / p99 (ms)",
+                " / ".join("-" if s[q] is None else f"{s[q]:,.1f}" for q in _QUANTILES),
+            )
     counts = report["engine_counts"]
     for key in ("steps", "preemptions", "spec_steps_by_draft_len"):
         if key in counts:
             table.add_row(f"engine: {key.replace('_', ' ')}", str(counts[key]))
+    if counts.get("steps_by_kind"):
+        from specserve.bench.report import step_kinds
+
+        table.add_row("engine: mean step ms by kind (steps)", step_kinds(counts))
     for key, value in (report["speculation"] or {}).items():
         table.add_row(
             f"spec: {key.replace('_', ' ')}",
@@ -234,6 +346,7 @@ def throughput_command(args: argparse.Namespace) -> int:
             args.ignore_eos,
             args.seed,
             args.num_warmup,
+            args.request_rate,
         )
         cfg = engine_config(args)
     except ValueError as e:
