@@ -128,3 +128,42 @@ def test_a_mixed_step_plain_by_the_marginal_rule_is_not_overruled_by_the_modes()
         assert policy.choose(_reqs(N), StepLoad(PREFILL)) == [0] * N
         assert modes.num_favored == 0 and policy.dormant == dormant
         assert policy.trace.wakes == {}
+
+
+def test_drafting_surcharge_is_measured_against_plain_prefill_steps():
+    from specserve.speculative.serving_rate import DraftingSurcharge
+
+    s = DraftingSurcharge()
+    for _ in range(DraftingSurcharge.MIN_STEPS - 1):
+        s.observe(True, 30.0, 20.0)
+    assert s.ms == 0.0  # not yet measured: nothing
+    s.observe(True, 30.0, 20.0)
+    assert s.ms == 10.0  # plain prefill steps unmeasured: their residual counts as 0
+    for _ in range(200):
+        s.observe(False, 24.0, 20.0)  # the model underestimates every prefill step by 4
+    assert abs(s.ms - 6.0) < 1e-6
+    for _ in range(200):
+        s.observe(False, 35.0, 20.0)  # ... by more than drafting's: no negative surcharge
+    assert s.ms == 0.0
+    assert s.snapshot() == {"prefill_surcharge_ms": 0.0}
+    due = [s.due() for _ in range(3 * DraftingSurcharge.PROBE_EVERY)]
+    assert sum(due) == 3 and due[DraftingSurcharge.PROBE_EVERY - 1]
+
+
+def test_a_mixed_step_prices_the_measured_surcharge_and_probes_without_it():
+    """A measured surcharge of drafting beside prefill turns a mixed step that drafted K=3 at
+    10 tokens/ms (the test above) to plain decoding, except every PROBE_EVERY-th such step,
+    which leaves it out so that drafting there is measured again; decode-only steps do not
+    pay it."""
+    policy, _ = _policy(alpha=0.8, k_max=3)
+    _measured(policy, N)
+    _running(policy, 10.0)
+    for _ in range(8):  # drafting beside prefill took 40 ms more than the model said
+        policy.surcharge.observe(True, 100.0, 60.0)
+    choices = [
+        policy.choose(_reqs(N), StepLoad(PREFILL, draft_budget=None))[0]
+        for _ in range(2 * policy.surcharge.PROBE_EVERY)
+    ]
+    assert choices.count(3) == 2 and set(choices) == {0, 3}
+    assert choices[policy.surcharge.PROBE_EVERY - 1] == 3
+    assert policy.choose(_reqs(N))[0] == 3  # decode-only: the surcharge is not there

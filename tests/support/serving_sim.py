@@ -109,6 +109,10 @@ class ServingRegime:
     # is still sized for C requests, so past saturation they queue. The first C requests
     # warm up, the next `measure` x C are measured by their end-to-end latency.
     rate_per_ms: float | None = None
+    # What drafting adds to a step carrying prefill beyond `step_ms` (ms): the H100 measured
+    # about 6 in one process and 11 through the server at 18 requests/s (session 49), which
+    # start-up's timings of padded decode steps never see
+    prefill_draft_ms: float = 0.0
 
     @property
     def num_pages(self) -> int:
@@ -310,6 +314,8 @@ def simulate(
                 catch_up += max(0, extra)
                 req.draft_cached_len = max(req.draft_cached_len, seen_to)
         ms = step_ms(rows, k, prefill, context, catch_up, features=asked is not None)
+        if prefill and k:
+            ms += regime.prefill_draft_ms
         clock += ms
         sampling = [s for s in batch if s.samples]  # (before the chunks are cached)
         for s in batch:

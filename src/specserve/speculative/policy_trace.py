@@ -20,7 +20,9 @@ class Decision:
     cost model made of it: "steady" (same K as the step before), "switch" (the first step at
     a new K), "before_switch" (a plain step followed by a drafting one: resolved early, so
     its period is short; not used), "" (not used: prefill in the step or just before it, or
-    the first step after an idle engine)."""
+    the first step after an idle engine). `step_ms`: where the goodput policy deliberated a
+    step carrying prefill, the period its cost model predicted for the step as decided (what
+    drafting there costs beyond it is measured against this: `DraftingSurcharge`)."""
 
     step: int
     num_reqs: int
@@ -31,6 +33,7 @@ class Decision:
     switch_ms: list[float] | None = None
     observed_ms: float | None = None
     recorded: str = ""
+    step_ms: float | None = None
 
 
 @dataclass
@@ -128,6 +131,7 @@ class PolicyTrace:
         tokens: list[float] | None = None,
         period_ms: list[float] | None = None,
         switch_ms: list[float] | None = None,
+        step_ms: float | None = None,
     ) -> None:
         """A step with decoding requests was given draft lengths, `k` the largest; the rest
         as in `Decision`."""
@@ -140,6 +144,8 @@ class PolicyTrace:
         if probe:
             self.probe_steps += 1
         d = Decision(n, num_reqs, k, probe, tokens, period_ms, switch_ms)  # positional: cheaper
+        if step_ms is not None:
+            d.step_ms = step_ms
         self.recent.append(d)
         self._pending.append(d)
 

@@ -87,3 +87,56 @@ def marginal_k(
     less than the server earns on average."""
     scores = [t - rate * (ms + sw / dwell_steps) for t, ms, sw in zip(tokens, costs, switch)]
     return scores.index(max(scores))  # the first of equals: the fewer drafts
+
+
+class DraftingSurcharge:
+    """What drafting adds to a step that carries prefill beyond what the step cost model
+    predicts, measured: EWMAs of each such step's period minus the model's prediction for
+    it as decided, apart for plain steps (K = 0) and drafting ones (K > 0). The surcharge is
+    the second over the first (never below 0), once drafting's was seen MIN_STEPS times (0
+    before; plain decoding's residual counts as 0 until measured, so a surcharge that was
+    the model's error for every prefill step shows as drafting's until plain prefill steps,
+    which it brings about, measure it).
+
+    The cost model prices steps from start-up timings of padded decode steps; a step
+    carrying prefill runs eagerly, and drafting there adds what those timings never saw (the
+    drafter's eager passes over the decode rows and the prompt, their host launches). On an
+    H100 (Llama-3.1-8B shape, acceptance 1.5, Poisson arrivals), a prefill step at K=1 took
+    about 6 ms more than a plain one in one process, and about 11 ms through the server;
+    fixed K=1 fell below plain decoding, and goodput, ranking K in such steps by the model
+    alone, to 0.62-0.77 of the best (docs/performance.md, session 49).
+
+    `due()`: every PROBE_EVERY-th step carrying prefill leaves the surcharge out of the
+    ranking, so that drafting there is measured again where the surcharge keeps it off."""
+
+    WEIGHT = 1 / 32
+    MIN_STEPS = 4
+    PROBE_EVERY = 32
+
+    def __init__(self) -> None:
+        self._residual = [0.0, 0.0]  # ms: plain, drafting
+        self._steps = [0, 0]
+        self._decisions = 0
+
+    def observe(self, drafted: bool, period_ms: float, predicted_ms: float) -> None:
+        """A step carrying prefill took period_ms where the model predicted predicted_ms."""
+        i = int(drafted)
+        self._steps[i] += 1
+        w = max(self.WEIGHT, 1.0 / self._steps[i])
+        self._residual[i] += w * (period_ms - predicted_ms - self._residual[i])
+
+    @property
+    def ms(self) -> float:
+        """Drafting's extra period in a step carrying prefill (0 until measured)."""
+        if self._steps[1] < self.MIN_STEPS:
+            return 0.0
+        return max(0.0, self._residual[1] - self._residual[0])
+
+    def due(self) -> bool:
+        """A deliberation of a step carrying prefill: whether this one leaves the surcharge
+        out (a probe of drafting there)."""
+        self._decisions += 1
+        return self._decisions % self.PROBE_EVERY == 0
+
+    def snapshot(self) -> dict:
+        return {"prefill_surcharge_ms": self.ms}

@@ -217,6 +217,10 @@ class Speculator:
                 expected = _expected(decision, max_draft_len)
                 observe_rate(committed, period_ms, decodes, dormant, probe, expected, len(decoding))
         if not only_decodes:
+            surcharge = getattr(self.policy, "surcharge", None)
+            predicted = decision.step_ms if decision is not None else None
+            if surcharge is not None and predicted is not None and period_ms is not None:
+                surcharge.observe(max_draft_len > 0, period_ms, predicted)
             self.periods.stop()
             return
         if period_ms is not None:
@@ -235,7 +239,8 @@ class Speculator:
         periods and switch costs, the modes' factors, each keyed "bucket:K|direction|mode")."""
         trace = self.policy.trace
         tables = {}
-        for source in (self.cost, getattr(self.policy, "modes", None)):
+        policy = self.policy
+        for source in (self.cost, *(getattr(policy, a, None) for a in ("modes", "surcharge"))):
             if source is not None:
                 tables.update({f"spec_policy_{k}": v for k, v in source.snapshot().items()})
         return {
