@@ -91,6 +91,7 @@ def test_arrivals_reach_the_engine_by_the_clock(tiny_llama):
     start = time.perf_counter()
     run = run_arrivals(engine, [[5, 6, 7], [8, 9, 10]], params, [0.0, 0.3])
     assert added[0] - start < 0.1 and added[1] - start >= 0.3
+    assert run["handed_s"][1] >= 0.3 and len(run["handed_s"]) == 2
     assert [len(o.token_ids) for o in run["outputs"]] == [4, 4]
     first_done = run["e2e_s"][0]  # the first ran alone, then the engine idled until 0.3 s
     assert first_done < 0.3 and run["elapsed_s"] >= 0.3
@@ -154,7 +155,8 @@ def test_throughput_under_poisson_arrivals(tiny_llama, tmp_path, capsys):
     assert report["finish_reasons"] == {"length": 6} and report["total_output_tokens"] == 30
     arrivals = arrival_times(6, 40.0, 2)
     lat = report["latency"]
-    assert lat["arrival_rate"] == pytest.approx(5 / arrivals[-1])
+    # the rate achieved (handed over at step boundaries: a little late, never early)
+    assert 0 < lat["arrival_rate"] <= 5 / (arrivals[-1] - 0.05)
     assert report["elapsed_s"] >= arrivals[-1]
     e2e, ttft, tpot = lat["e2e_latency_ms"], lat["ttft_ms"], lat["tpot_ms"]
     assert 0 < ttft["mean"] <= e2e["mean"] <= report["elapsed_s"] * 1e3
@@ -163,7 +165,7 @@ def test_throughput_under_poisson_arrivals(tiny_llama, tmp_path, capsys):
     assert sum(kinds.values()) == report["engine_counts"]["steps"]
     assert set(report["engine_counts"]["step_ms_by_kind_mean"]) == set(kinds)
     printed = capsys.readouterr().out
-    assert "E2E mean / p50 / p90 / p99 (ms)" in printed and "by kind" in printed
+    assert "E2E mean / p50 / p90 / p99 (ms)" in printed and "step kind" in printed
 
 
 def test_bad_workload_exits_2(tiny_llama, capsys):

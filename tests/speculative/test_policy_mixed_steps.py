@@ -167,3 +167,67 @@ def test_a_mixed_step_prices_the_measured_surcharge_and_probes_without_it():
     assert choices.count(3) == 2 and set(choices) == {0, 3}
     assert choices[policy.surcharge.PROBE_EVERY - 1] == 3
     assert policy.choose(_reqs(N))[0] == 3  # decode-only: the surcharge is not there
+
+
+def test_a_surcharged_plain_prefill_step_holds_nothing_for_decode_steps():
+    """A step carrying prefill that the surcharge alone turns plain does not start a hold
+    of plain decoding (a K=0 decision far from drafting is repeated without deliberating,
+    decode-only steps included): the holds compare the model's periods."""
+    policy, _ = _policy(alpha=0.8, k_max=3)
+    _measured(policy, N)
+    _running(policy, 10.0)
+    for _ in range(8):  # drafting beside prefill took 400 ms more than the model said
+        policy.surcharge.observe(True, 460.0, 60.0)
+    assert policy.choose(_reqs(N), StepLoad(PREFILL, draft_budget=None))[0] == 0
+    assert policy._settled is None
+    assert policy.choose(_reqs(N))[0] == 3
+
+
+def test_the_surcharge_is_observed_between_steps_of_its_kind():
+    """Through the speculator: a prefill step's period against its decision's prediction
+    goes to the surcharge once the step after it turns out of the same kind (drafting or
+    plain) as it and the one before (a period under overlap carries the next launch; a
+    switch is priced apart), and only where it ran the K decided."""
+    from specserve.core.batch import ScheduledRequest
+    from specserve.speculative.speculator import Speculator
+    from specserve.speculative.step_periods import PeriodLog
+
+    policy, _ = _policy(alpha=0.8, k_max=3)
+    spec = Speculator.__new__(Speculator)
+    spec.policy, spec.cost, spec.periods = policy, policy.cost, PeriodLog(policy.cost)
+    spec.clear_step_history()
+    seen = []
+    policy.surcharge.observe = lambda drafted, ms, predicted: seen.append(
+        (drafted, round(ms, 3), predicted)
+    )
+    clock = [1.0]
+
+    def step(k, ms, prefill=False, decided_k=None):
+        batch = []
+        for _ in range(4):
+            s = ScheduledRequest(None, 1, k, decoding=True)
+            s.drafts = [0] * k
+            batch.append(s)
+        if prefill:
+            batch.append(ScheduledRequest(None, 16))
+        policy._decided([k if decided_k is None else decided_k] * 4, step_ms=5.0)
+        clock[0] += ms / 1e3
+        spec.observe_period(batch, clock[0], False)
+
+    step(1, 2.0)  # (no period yet)
+    step(1, 2.0)
+    step(1, 9.0, prefill=True)  # drafting between drafting steps: observed ...
+    assert seen == []  # ... once the step after it is known
+    step(1, 2.0)
+    assert seen == [(True, 9.0, 5.0)]
+    step(0, 8.0, prefill=True)  # plain after drafting: a switch, not observed
+    step(0, 2.0)
+    step(0, 7.0, prefill=True)  # plain between plain steps
+    step(1, 2.0)  # ... but the step after it drafts: not observed
+    step(1, 2.0)
+    step(1, 9.0, prefill=True, decided_k=3)  # ran K=1 where K=3 was decided: not observed
+    step(1, 2.0)
+    step(0, 2.0)
+    step(0, 6.0, prefill=True)
+    step(0, 2.0)
+    assert seen == [(True, 9.0, 5.0), (False, 6.0, 5.0)]

@@ -173,7 +173,7 @@ def test_each_step_counts_for_its_mode_probes_and_steps_without_decodes_for_none
     policy, acceptance = _policy(alpha=0.8, k_max=3)
     spec = Speculator.__new__(Speculator)
     spec.policy, spec.cost, spec.periods = policy, policy.cost, PeriodLog(policy.cost)
-    spec._last_decodes, spec._last_resolved_s, spec._last_committed = False, None, 0
+    spec.clear_step_history()
     spec.acceptance = acceptance
     clock = [1.0]
     # a decision's expectations at K = 0..3: committed tokens (16 requests), periods (ms)

@@ -30,7 +30,8 @@ def test_speculator_records_steady_step_periods_only():
     spec = Speculator.__new__(Speculator)
     policy, _ = _policy()
     spec.policy, spec.cost, spec.periods = policy, policy.cost, PeriodLog(policy.cost)
-    spec._last_decodes, spec._last_resolved_s, spec._last_committed = False, None, 4
+    spec.clear_step_history()
+    spec._last_committed = 4
     seen = []
     policy.cost.observe = lambda n, k, ms, context=0: seen.append((n, k, round(ms, 6)))
     policy.cost.observe_switch = lambda n, k0, k, ms, steady: seen.append(

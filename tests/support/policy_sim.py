@@ -83,7 +83,7 @@ def bare_speculator(policy: SpeculationPolicy, acceptance: AcceptanceModel) -> S
     spec.cost = getattr(policy, "cost", None)
     spec.simulate_rate = None
     spec.periods = PeriodLog(spec.cost)
-    spec._last_decodes, spec._last_resolved_s, spec._last_committed = False, None, 0
+    spec.clear_step_history()
     return spec
 
 

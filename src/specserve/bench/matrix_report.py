@@ -210,7 +210,7 @@ def detail_table(rows: list[dict]) -> str:
         waits = ", ".join(f"{k} {v}" for k, v in (server.get("loop_wait_reasons") or {}).items())
         step = "-" if "step_ms_mean" not in server else f"{server['step_ms_mean']:.2f}"
         if step_kinds(server):  # decode-only or carrying prefill, by K: mean ms (steps)
-            step += f" [by kind: {step_kinds(server)}]"
+            step += f" [device by kind: {step_kinds(server)}]"
         if step_ms_by_k(spec):
             step += f" ({step_ms_by_k(spec)})"
         cells = [

@@ -165,7 +165,7 @@ def report_rows(report: dict) -> list[tuple[str, str]]:
             if key in server:
                 rows.append((f"server: {key.replace('_', ' ')}", _fmt(server[key])))
         if step_kinds(server):
-            rows.append(("server: mean step ms by kind (steps)", step_kinds(server)))
+            rows.append(("server: mean device ms by step kind (steps)", step_kinds(server)))
     spec = server.get("speculation") or {}
     if spec.get("policy"):
         rows.append(("spec: policy", spec["policy"]))
@@ -215,7 +215,8 @@ def _cache_rows(report: dict) -> list[tuple[str, str]]:
 
 def step_kinds(steps: dict) -> str:
     """The server's mean step time by kind with the step count ("decode K=1 8.86 (1916),
-    prefill K=1 16.22 (302)"; metrics_client.step_figures), or "" when it reported none."""
+    prefill K=1 16.22 (302)"; metrics_client.step_figures): device spans on a GPU server
+    (not periods: they do not add up to the mean step), or "" when it reported none."""
     counts = steps.get("steps_by_kind") or {}
     means = steps.get("step_ms_by_kind_mean") or {}
     return ", ".join(f"{kind} {means.get(kind, 0.0):.2f} ({n})" for kind, n in counts.items())

@@ -177,7 +177,7 @@ def measure(
         )
     kinds = step_kinds(steps)
     if kinds:  # each kind of step's mean (decode-only or carrying prefill, by K)
-        step_ms += f" [by kind: {kinds}]"
+        step_ms += f" [device by kind: {kinds}]"
     by_k = step_ms_by_k(steps.get("speculation") or {})
     if by_k:  # a speculating server's mean step at each K it ran
         step_ms += f" [{by_k}]"

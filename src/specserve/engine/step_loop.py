@@ -100,7 +100,8 @@ class StepLoop:
         # changes and grammar masks in), processing the tokens.
         self.host_ms: Counter[str] = Counter()
         # Steps by kind (`step_kind`: decode-only or carrying prefill, and the step's K) and
-        # their summed time (ms): device spans on CUDA, host time elsewhere.
+        # their summed time (ms): device spans on CUDA, host time (drafting's included)
+        # elsewhere.
         self.kind_steps: Counter[str] = Counter()
         self.kind_ms: Counter[str] = Counter()
 
@@ -362,7 +363,10 @@ class StepLoop:
         target_ms = self._record_times(step)
         kind = step_kind(step.batch)
         self.kind_steps[kind] += 1
-        self.kind_ms[kind] += step.host_ms if step.events is None else step.device_ms
+        # (on the CPU the host's time is the run: drafting's included)
+        self.kind_ms[kind] += (
+            step.draft_ms + step.host_ms if step.events is None else step.device_ms
+        )
         if spec is not None:  # before finishing: finished requests' estimates are dropped
             if live:  # else every request finished one step before (run ahead): no news
                 batch = [s for s in step.batch if not s.request.finished]

@@ -80,6 +80,11 @@ _STEP_BUCKETS = (*_GAP_BUCKETS, 2.5, 5.0, 10.0, 30.0)
 # Engine stats exported under fixed names; any other number the engine reports is exported
 # as a gauge `specserve_engine_<key>` (a string as `..._info{<key>="value"}`, lists below).
 _ENGINE_GAUGES = {
+    "spec_policy_prefill_surcharge_ms": (
+        "specserve_spec_policy_prefill_surcharge_seconds",
+        "goodput policy: what drafting adds to a step carrying prefill beyond its cost model "
+        "(seconds), measured, and priced into such steps' choice of K",
+    ),
     "running": ("specserve_num_requests_running", "requests running in the engine"),
     "waiting": ("specserve_num_requests_waiting", "requests waiting in the engine's queue"),
     "kv_pages_used": ("specserve_kv_pages_used", "KV cache pages held by requests"),
@@ -446,6 +451,7 @@ _IN_MS = frozenset(
         "spec_plain_device_ms_by_part",
         "spec_policy_period_ms",
         "spec_policy_switch_ms",
+        "spec_policy_prefill_surcharge_ms",
     }
 )
 
@@ -541,4 +547,4 @@ class _EngineCollector:
                 yield CounterMetricFamily(name, doc, value=value * unit)
             else:
                 name, doc = _ENGINE_GAUGES.get(key, (f"specserve_engine_{safe}", f"engine {key}"))
-                yield GaugeMetricFamily(name, doc, value=value)
+                yield GaugeMetricFamily(name, doc, value=value * unit)

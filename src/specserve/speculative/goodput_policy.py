@@ -94,7 +94,9 @@ class GoodputPolicy(SpeculationPolicy):
     requests/s, L = 1.5, about 6 ms a step in one process and 11 through the server, where
     ranking by the model alone put goodput at 0.62-0.77 of the best under Poisson arrivals;
     in the serving simulator with such a surcharge, 0.76 and 0.63 of plain decoding before,
-    1.13 and 1.10 priced.
+    1.18 and 1.10 of the best priced. The holds and the modes' checks compare the model's
+    periods without it: a prefill step it alone made plain started holds of plain decoding
+    over the decode-only steps after it (0.973 of plain decoding at 0.9 of its peak).
 
     A burst on an idle server (requests left waiting for admission at the first decision
     since nothing ran: a `bench sweep` point's first wave, a restart under load) puts it
@@ -251,12 +253,14 @@ class GoodputPolicy(SpeculationPolicy):
         if per_token and max_draft_len:
             queued = queued_prefill_ms(self.cost.target, n, tokens, extra_tokens, per_token)
             ranking = [ms + more for ms, more in zip(costs, queued)]
-        if extra_tokens and max_draft_len and not self.surcharge.due():
-            # what drafting in a step carrying prefill costs beyond the model, measured
-            # (every PROBE_EVERY-th such step leaves it out: drafting there measured again)
+        # What drafting in a step carrying prefill costs beyond the model, measured, ranks
+        # its K (every PROBE_EVERY-th such step leaves it out: drafting there measured
+        # again); the modes' checks and holds compare the model's periods (`ranking`).
+        priced = ranking
+        if extra_tokens and max_draft_len and self.cost.padded and not self.surcharge.due():
             surcharge = self.surcharge.ms
             if surcharge:
-                ranking = [ms + surcharge if k else ms for k, ms in enumerate(ranking)]
+                priced = [ms + surcharge if k else ms for k, ms in enumerate(ranking)]
         bucket = batch_bucket(n)
         # The K in use: the last step's (not a probe's), else the bucket's preferred one.
         current = self._running_k
@@ -279,11 +283,11 @@ class GoodputPolicy(SpeculationPolicy):
         if marginal:
             # A step carrying prefill: ranked by its marginal tokens, never a probe (its
             # period measures no K; a probe under way resumes at the next decode step).
-            k = marginal_k(tokens, ranking, switch, self.rate.per_row, self.DWELL_STEPS)
+            k = marginal_k(tokens, priced, switch, self.rate.per_row, self.DWELL_STEPS)
             probe = False
         else:
             self._bucket_steps[bucket] = self._bucket_steps.get(bucket, 0) + 1
-            best = self._preferred_k(bucket, current, tokens, ranking, switch, n)
+            best = self._preferred_k(bucket, current, tokens, priced, switch, n)
             # Requests that never drafted have the global estimate only, and while plain
             # decoding is preferred nothing would tell otherwise: drafting is probed soon.
             # (Not while dormant: requests admitted then never drafted, by design.)
@@ -300,7 +304,7 @@ class GoodputPolicy(SpeculationPolicy):
                 # a probe drafts on a few rows only: it gains their tokens
                 share = self.DORMANT_PROBE_ROWS / n
                 probed = [tokens[0] + share * (t - tokens[0]) for t in tokens]
-            k, probe = self._probe_k(bucket, best, n, tokens, ranking, back, cells, unknown, probed)
+            k, probe = self._probe_k(bucket, best, n, tokens, priced, back, cells, unknown, probed)
         # Drafting that delivered less than plain decoding here, all costs in, is overruled
         # (`ModeRates`: what the steady cells do not see; retrials keep it measured).
         plain = tokens[0] / ranking[0]

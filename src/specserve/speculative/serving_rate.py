@@ -106,12 +106,24 @@ class DraftingSurcharge:
     fixed K=1 fell below plain decoding, and goodput, ranking K in such steps by the model
     alone, to 0.62-0.77 of the best (docs/performance.md, session 49).
 
-    `due()`: every PROBE_EVERY-th step carrying prefill leaves the surcharge out of the
-    ranking, so that drafting there is measured again where the surcharge keeps it off."""
+    `due()`: every PROBE_EVERY-th deliberation of a step carrying prefill leaves the
+    surcharge out of the ranking, so that drafting there is measured again where only the
+    surcharge keeps it off (where the model alone would not draft either, nothing is lost
+    by not measuring it). Drafting's residual, rare once priced, weighs each observation
+    more (DRAFT_WEIGHT): a start-up transient (the H100's first K=1 prefill steps took
+    36-40 ms, 21 once warm) is forgotten within a few probes.
+
+    The observations (`Speculator.observe_period`) are prefill steps between two steps of
+    the same kind (both drafting or both plain, the step in between too), whose K is the
+    one decided: a period under overlap carries the next step's launch, and a switch's cost
+    is priced apart. One surcharge for every K and batch size (the drafter's eager passes
+    grow with K: a K measured at 1 underprices 3), on padded engines only (eager ones
+    price every draft: `trim_drafts`)."""
 
     WEIGHT = 1 / 32
+    DRAFT_WEIGHT = 1 / 8
     MIN_STEPS = 4
-    PROBE_EVERY = 32
+    PROBE_EVERY = 16
 
     def __init__(self) -> None:
         self._residual = [0.0, 0.0]  # ms: plain, drafting
@@ -122,7 +134,7 @@ class DraftingSurcharge:
         """A step carrying prefill took period_ms where the model predicted predicted_ms."""
         i = int(drafted)
         self._steps[i] += 1
-        w = max(self.WEIGHT, 1.0 / self._steps[i])
+        w = max(self.DRAFT_WEIGHT if drafted else self.WEIGHT, 1.0 / self._steps[i])
         self._residual[i] += w * (period_ms - predicted_ms - self._residual[i])
 
     @property

@@ -52,9 +52,18 @@ class Speculator:
         self.cost: StepCostModel | None = None
         self.policy: SpeculationPolicy = OffPolicy(self.k_max)
         self.periods = PeriodLog(None)  # step periods into the cost model (goodput only)
+        self.clear_step_history()
+
+    def clear_step_history(self) -> None:
+        """Forget the steps before (what `observe_period` compares the next one with)."""
         self._last_decodes = False  # whether the last step was decode-only
         self._last_resolved_s: float | None = None
         self._last_committed = 0
+        # drafting's surcharge beside prefill (`_observe_surcharge`): the last step's kind
+        # (drafting or not; None: no decode rows or no period) and a prefill step's
+        # observation waiting for the step after it
+        self._last_kind: bool | None = None
+        self._surcharge_pending: tuple[bool, float, float] | None = None
 
     def start(self, target: TargetParts) -> None:
         """Build the policy once the target runs as it will serve (graphs captured), so the
@@ -216,11 +225,12 @@ class Speculator:
                 decodes = len(decoding) if only_decodes else 0
                 expected = _expected(decision, max_draft_len)
                 observe_rate(committed, period_ms, decodes, dormant, probe, expected, len(decoding))
+        surcharge = getattr(self.policy, "surcharge", None)
+        if surcharge is not None:
+            self._observe_surcharge(
+                surcharge, decoding, only_decodes, max_draft_len, decision, period_ms
+            )
         if not only_decodes:
-            surcharge = getattr(self.policy, "surcharge", None)
-            predicted = decision.step_ms if decision is not None else None
-            if surcharge is not None and predicted is not None and period_ms is not None:
-                surcharge.observe(max_draft_len > 0, period_ms, predicted)
             self.periods.stop()
             return
         if period_ms is not None:
@@ -232,6 +242,30 @@ class Speculator:
         self.periods.add(
             len(decoding), max_draft_len, period_ms if prev_decodes else None, decision, context
         )
+
+    def _observe_surcharge(
+        self, surcharge, decoding, only_decodes: bool, k: int, decision, period_ms
+    ) -> None:
+        """Drafting's surcharge beside prefill (`DraftingSurcharge`), from a step carrying
+        prefill with decode rows whose decision predicted its period at the K it ran, once
+        the step after it turns out of the same kind (drafting or plain) as it and the one
+        before: under overlap a period carries the next step's launch, and a switch's cost
+        is priced apart (`PeriodLog`)."""
+        kind = (k > 0) if decoding and period_ms is not None else None  # None: no chain
+        pending, self._surcharge_pending = self._surcharge_pending, None
+        if pending is not None and kind is not None and kind == pending[0]:
+            surcharge.observe(*pending)
+        predicted = decision.step_ms if decision is not None else None
+        if (
+            not only_decodes
+            and predicted is not None
+            and kind is not None
+            and kind == self._last_kind
+            and decision.k == k
+            and decision.num_reqs == len(decoding)
+        ):
+            self._surcharge_pending = (kind, period_ms, predicted)
+        self._last_kind = kind
 
     def stats(self) -> dict:
         """Speculation figures for metrics: decisions, acceptance, goodput; and for the
