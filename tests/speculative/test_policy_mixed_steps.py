@@ -6,6 +6,7 @@ per ms, which its prefill dilutes), the prefill its extra commits bring priced i
 from __future__ import annotations
 
 from specserve.speculative.policy import StepLoad
+from specserve.speculative.serving_rate import DraftingSurcharge
 from tests.speculative.test_policy import _measured, _policy, _reqs
 
 N, PREFILL = 64, 1984  # 64 decode rows beside a prefill chunk filling a 2048-token budget
@@ -131,8 +132,6 @@ def test_a_mixed_step_plain_by_the_marginal_rule_is_not_overruled_by_the_modes()
 
 
 def test_drafting_surcharge_is_measured_against_plain_prefill_steps():
-    from specserve.speculative.serving_rate import DraftingSurcharge
-
     s = DraftingSurcharge()
     for _ in range(DraftingSurcharge.MIN_STEPS - 1):
         s.observe(True, 30.0, 20.0)
@@ -146,26 +145,36 @@ def test_drafting_surcharge_is_measured_against_plain_prefill_steps():
         s.observe(False, 35.0, 20.0)  # ... by more than drafting's: no negative surcharge
     assert s.ms == 0.0
     assert s.snapshot() == {"prefill_surcharge_ms": 0.0}
-    due = [s.due() for _ in range(3 * DraftingSurcharge.PROBE_EVERY)]
-    assert sum(due) == 3 and due[DraftingSurcharge.PROBE_EVERY - 1]
+    # probes of drafting beside prefill: MIN_EVERY steps apart while nothing is priced, else
+    # as many as keep them (each costing the surcharge) within PROBE_BUDGET of those steps
+    low = DraftingSurcharge.MIN_EVERY
+    due = [s.due(20.0) for _ in range(3 * low)]
+    assert sum(due) == 3 and due[low - 1]
+    for _ in range(200):
+        s.observe(False, 20.0, 20.0)  # the model right about plain prefill steps: 10 ms
+    assert abs(s.ms - 10.0) < 0.05 and s.every(20.0) == 100  # 10 ms / (0.5% of 20 ms)
+    assert s.every(200.0) == low and s.every(1.0) == DraftingSurcharge.MAX_EVERY
+    s._since = 0
+    due = [s.due(20.0) for _ in range(300)]
+    assert sum(due) == 3 and due[99] and due[199]
 
 
 def test_a_mixed_step_prices_the_measured_surcharge_and_probes_without_it():
     """A measured surcharge of drafting beside prefill turns a mixed step that drafted K=3 at
-    10 tokens/ms (the test above) to plain decoding, except every PROBE_EVERY-th such step,
-    which leaves it out so that drafting there is measured again; decode-only steps do not
-    pay it."""
+    10 tokens/ms (the test above) to plain decoding, except the probes (`due`), which leave
+    it out so that drafting there is measured again; decode-only steps do not pay it."""
     policy, _ = _policy(alpha=0.8, k_max=3)
     _measured(policy, N)
     _running(policy, 10.0)
     for _ in range(8):  # drafting beside prefill took 40 ms more than the model said
         policy.surcharge.observe(True, 100.0, 60.0)
+    every = policy.surcharge.every(policy.cost.step_ms([0] * N, PREFILL))
+    assert DraftingSurcharge.MIN_EVERY < every < DraftingSurcharge.MAX_EVERY
     choices = [
-        policy.choose(_reqs(N), StepLoad(PREFILL, draft_budget=None))[0]
-        for _ in range(2 * policy.surcharge.PROBE_EVERY)
+        policy.choose(_reqs(N), StepLoad(PREFILL, draft_budget=None))[0] for _ in range(2 * every)
     ]
     assert choices.count(3) == 2 and set(choices) == {0, 3}
-    assert choices[policy.surcharge.PROBE_EVERY - 1] == 3
+    assert choices[every - 1] == 3
     assert policy.choose(_reqs(N))[0] == 3  # decode-only: the surcharge is not there
 
 

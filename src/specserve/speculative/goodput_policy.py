@@ -94,7 +94,7 @@ class GoodputPolicy(SpeculationPolicy):
     requests/s, L = 1.5, about 6 ms a step in one process and 11 through the server, where
     ranking by the model alone put goodput at 0.62-0.77 of the best under Poisson arrivals;
     in the serving simulator with such a surcharge, 0.76 and 0.63 of plain decoding before,
-    1.18 and 1.10 of the best priced. The holds and the modes' checks compare the model's
+    1.21 and 1.11 of the best priced. The holds and the modes' checks compare the model's
     periods without it: a prefill step it alone made plain started holds of plain decoding
     over the decode-only steps after it (0.973 of plain decoding at 0.9 of its peak).
 
@@ -254,10 +254,11 @@ class GoodputPolicy(SpeculationPolicy):
             queued = queued_prefill_ms(self.cost.target, n, tokens, extra_tokens, per_token)
             ranking = [ms + more for ms, more in zip(costs, queued)]
         # What drafting in a step carrying prefill costs beyond the model, measured, ranks
-        # its K (every PROBE_EVERY-th such step leaves it out: drafting there measured
-        # again); the modes' checks and holds compare the model's periods (`ranking`).
+        # its K (now and then such a step leaves it out: drafting there measured again);
+        # the modes' checks and holds compare the model's periods (`ranking`).
         priced = ranking
-        if extra_tokens and max_draft_len and self.cost.padded and not self.surcharge.due():
+        drafts_beside_prefill = extra_tokens and max_draft_len and self.cost.padded
+        if drafts_beside_prefill and not self.surcharge.due(costs[0]):
             surcharge = self.surcharge.ms
             if surcharge:
                 priced = [ms + surcharge if k else ms for k, ms in enumerate(ranking)]
