@@ -192,11 +192,13 @@ def test_a_surcharged_plain_prefill_step_holds_nothing_for_decode_steps():
     assert policy.choose(_reqs(N))[0] == 3
 
 
-def test_the_surcharge_is_observed_between_steps_of_its_kind():
-    """Through the speculator: a prefill step's period against its decision's prediction
-    goes to the surcharge once the step after it turns out of the same kind (drafting or
-    plain) as it and the one before (a period under overlap carries the next launch; a
-    switch is priced apart), and only where it ran the K decided."""
+def test_the_surcharge_observes_each_prefill_step_by_its_own_span():
+    """Through the speculator: a step carrying prefill goes to the surcharge with its device
+    span (its own work, whatever the steps beside it drafted; the period where untimed)
+    against its decision's prediction, plain ones between drafting steps included (by
+    periods under overlap they were left out, and what the model missed of every prefill
+    step counted as drafting's), and only where it ran the K decided; plain ones only with
+    the drafter kept up (a dormant step skips the upkeep drafting needs)."""
     from specserve.core.batch import ScheduledRequest
     from specserve.speculative.speculator import Speculator
     from specserve.speculative.step_periods import PeriodLog
@@ -211,7 +213,7 @@ def test_the_surcharge_is_observed_between_steps_of_its_kind():
     )
     clock = [1.0]
 
-    def step(k, ms, prefill=False, decided_k=None):
+    def step(k, ms, prefill=False, decided_k=None, device_ms=None):
         batch = []
         for _ in range(4):
             s = ScheduledRequest(None, 1, k, decoding=True)
@@ -221,22 +223,18 @@ def test_the_surcharge_is_observed_between_steps_of_its_kind():
             batch.append(ScheduledRequest(None, 16))
         policy._decided([k if decided_k is None else decided_k] * 4, step_ms=5.0)
         clock[0] += ms / 1e3
-        spec.observe_period(batch, clock[0], False)
+        spec.observe_period(batch, clock[0], False, device_ms)
 
-    step(1, 2.0)  # (no period yet)
     step(1, 2.0)
-    step(1, 9.0, prefill=True)  # drafting between drafting steps: observed ...
-    assert seen == []  # ... once the step after it is known
     step(1, 2.0)
-    assert seen == [(True, 9.0, 5.0)]
-    step(0, 8.0, prefill=True)  # plain after drafting: a switch, not observed
-    step(0, 2.0)
-    step(0, 7.0, prefill=True)  # plain between plain steps
-    step(1, 2.0)  # ... but the step after it drafts: not observed
+    step(1, 9.0, prefill=True, device_ms=8.0)  # drafting: its span
+    assert seen == [(True, 8.0, 5.0)]
+    step(0, 8.0, prefill=True, device_ms=6.0)  # plain between drafting steps: its span
     step(1, 2.0)
-    step(1, 9.0, prefill=True, decided_k=3)  # ran K=1 where K=3 was decided: not observed
-    step(1, 2.0)
-    step(0, 2.0)
-    step(0, 6.0, prefill=True)
-    step(0, 2.0)
-    assert seen == [(True, 9.0, 5.0), (False, 6.0, 5.0)]
+    step(1, 7.0, prefill=True)  # untimed (the simulators' synchronous steps): the period
+    step(1, 9.0, prefill=True, decided_k=3, device_ms=8.0)  # ran K=1, K=3 decided: no
+    step(1, 2.0, device_ms=2.0)  # decode-only: no
+    policy.dormant = True  # a plain step without the drafter's upkeep: no
+    step(0, 8.0, prefill=True, device_ms=6.0)
+    policy.dormant = False
+    assert seen == [(True, 8.0, 5.0), (False, 6.0, 5.0), (True, 7.0, 5.0)]

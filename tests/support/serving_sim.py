@@ -29,6 +29,7 @@ tree's src and its tests/ (with this file copied there) to run it against them.
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass, field
 
@@ -113,6 +114,14 @@ class ServingRegime:
     # about 6 in one process and 11 through the server at 18 requests/s (session 49), which
     # start-up's timings of padded decode steps never see
     prefill_draft_ms: float = 0.0
+    # What every step carrying prefill costs beyond `step_ms` at any K (ms): eager steps'
+    # launches and allocations, which the start-up model (padded decode steps) never times;
+    # on the H100 such steps spanned 18-53 ms on the device for one 512-token chunk and a
+    # few decode rows (session 50)
+    prefill_step_ms: float = 0.0
+    # (ms) that cost swings with this period, from 0 to twice its mean (0: steady): the H100's
+    # spans moved between levels over seconds, unexplained by the steps' composition
+    prefill_swing_ms: float = 0.0
 
     @property
     def num_pages(self) -> int:
@@ -146,6 +155,11 @@ def step_ms(
         ms += FEATURE_MS_PER_TOKEN * tokens
     rows = decode_rows + (1 if prefill_tokens else 0)  # prefill chunks: one launch
     return ms + ATTN_MS_PER_CONTEXT_TOKEN * context_tokens + HOST_MS + HOST_MS_PER_ROW * rows
+
+
+def _swing(clock_ms: float, period_ms: float) -> float:
+    """A slow swing from 0 to 2 (mean 1) at the clock, of `period_ms` (1 where 0)."""
+    return 1.0 - math.cos(2 * math.pi * clock_ms / period_ms) if period_ms else 1.0
 
 
 def startup_costs() -> StepCostModel:
@@ -314,8 +328,9 @@ def simulate(
                 catch_up += max(0, extra)
                 req.draft_cached_len = max(req.draft_cached_len, seen_to)
         ms = step_ms(rows, k, prefill, context, catch_up, features=asked is not None)
-        if prefill and k:
-            ms += regime.prefill_draft_ms
+        if prefill:
+            ms += regime.prefill_step_ms * _swing(clock, regime.prefill_swing_ms)
+            ms += regime.prefill_draft_ms if k else 0.0
         clock += ms
         sampling = [s for s in batch if s.samples]  # (before the chunks are cached)
         for s in batch:

@@ -91,12 +91,12 @@ def marginal_k(
 
 class DraftingSurcharge:
     """What drafting adds to a step that carries prefill beyond what the step cost model
-    predicts, measured: EWMAs of each such step's period minus the model's prediction for
-    it as decided, apart for plain steps (K = 0) and drafting ones (K > 0). The surcharge is
-    the second over the first (never below 0), once drafting's was seen MIN_STEPS times (0
-    before; plain decoding's residual counts as 0 until measured, so a surcharge that was
-    the model's error for every prefill step shows as drafting's until plain prefill steps,
-    which it brings about, measure it).
+    predicts, measured: EWMAs of each such step's time (its device span on CUDA) minus the
+    model's prediction for it as decided, apart for plain steps (K = 0) and drafting ones
+    (K > 0). The surcharge is the second over the first (never below 0), once drafting's
+    was seen MIN_STEPS times (0 before; plain decoding's residual counts as 0 until
+    measured, so a surcharge that was the model's error for every prefill step shows as
+    drafting's until plain prefill steps, which it brings about, measure it).
 
     The cost model prices steps from start-up timings of padded decode steps; a step
     carrying prefill runs eagerly, and drafting there adds what those timings never saw (the
@@ -112,19 +112,25 @@ class DraftingSurcharge:
     it): one in as many as keep such probes within PROBE_BUDGET of those steps' time (each
     costs about the surcharge), MIN_EVERY to MAX_EVERY. In the serving simulator with a
     12 ms surcharge at 256 clients, L = 3.0 (nearly every step carrying prefill), probing
-    every 16th step held goodput at 0.980 of plain decoding. Drafting's residual, rare once
-    priced, weighs each observation more (DRAFT_WEIGHT): a start-up transient (the H100's
-    first K=1 prefill steps took 36-40 ms, 21 once warm) is forgotten within a few probes.
+    every 16th step held goodput at 0.980 of plain decoding. Each residual weighs an
+    observation WEIGHT, whichever kind is rare (drafting's once priced, plain decoding's
+    where drafting wins): a start-up transient (the H100's first K=1 prefill steps took
+    36-40 ms, 21 once warm) is forgotten within a few probes, and what every prefill step
+    costs beyond the model moves both alike. Weighed apart (plain 1/32, drafting 1/8), a
+    slow swing of that common cost showed in drafting's residual first, as a surcharge:
+    in the serving simulator at L = 3.0 (fixed K=3 best everywhere) goodput fell to 0.965
+    of it, 0.983 weighed alike.
 
-    The observations (`Speculator.observe_period`) are prefill steps between two steps of
-    the same kind (both drafting or both plain, the step in between too), whose K is the
-    one decided: a period under overlap carries the next step's launch, and a switch's cost
-    is priced apart. One surcharge for every K and batch size (the drafter's eager passes
-    grow with K: a K measured at 1 underprices 3), on padded engines only (eager ones
-    price every draft: `trim_drafts`)."""
+    The observations (`Speculator.observe_period`) are the steps carrying prefill that
+    ran the K decided, by their device span (the step's own work whatever its neighbours
+    drafted; the period where untimed), plain ones only with the drafter kept up (a
+    dormant step skips upkeep that drafting needs, which the wake prices). One surcharge
+    for every K and batch size (the drafter's eager passes grow with K: a K measured at 1
+    underprices 3), on padded engines only (eager ones price every draft:
+    `trim_drafts`)."""
 
-    WEIGHT = 1 / 32
-    DRAFT_WEIGHT = 1 / 8
+    WEIGHT = 1 / 8
+    WEIGHT = 1 / 8
     MIN_STEPS = 4
     PROBE_BUDGET = 0.005
     MIN_EVERY, MAX_EVERY = 16, 256
@@ -138,7 +144,7 @@ class DraftingSurcharge:
         """A step carrying prefill took period_ms where the model predicted predicted_ms."""
         i = int(drafted)
         self._steps[i] += 1
-        w = max(self.DRAFT_WEIGHT if drafted else self.WEIGHT, 1.0 / self._steps[i])
+        w = max(self.WEIGHT, 1.0 / self._steps[i])
         self._residual[i] += w * (period_ms - predicted_ms - self._residual[i])
 
     @property
