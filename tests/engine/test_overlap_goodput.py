@@ -41,13 +41,13 @@ def synthetic_clock(spec) -> None:
     draft token) instead of perf_counter: the policy's trace is the same on every machine."""
     observe, clock = spec.observe_period, [0.0]
 
-    def observe_period(batch, resolved_s, after_idle, device_ms=None):
+    def observe_period(batch, resolved_s, after_idle, device_ms=None, **step):
         decoding = [s for s in batch if s.decoding] or batch
         k = max((len(s.drafts) for s in decoding), default=0)
         n = len(decoding)
         ms = CurveModel(TARGET_MS)(n * (k + 1)) + k * CurveModel(DRAFTER_MS)(n)
         clock[0] += ms / 1e3
-        observe(batch, clock[0], after_idle, device_ms)
+        observe(batch, clock[0], after_idle, device_ms, **step)
 
     spy_on(spec, "observe_period", observe_period)
 
@@ -193,3 +193,38 @@ def test_the_policy_tables_reach_the_stats_and_metrics(models):
         for cell, n in stats["spec_policy_switch_observations"].items()
         if cell.startswith("1:")
     }
+
+
+def test_a_step_is_observed_with_the_drafter_state_it_ran_with(models):
+    """Under overlap a step is processed after the next one was scheduled, so the policy may
+    have gone dormant or woken since: the speculator gets each step's own state from its
+    launch (a wake's step ran without the drafter's upkeep, and its span shows it)."""
+    from specserve.engine.step_loop import StepLoop
+
+    llm = goodput(models, "on")
+    spec, loop = llm.engine.spec, llm.engine.loop
+    launched, observed, current = [], [], []
+    launch = loop._launch
+
+    def spy_launch(prev, batch, drafting, keeps_drafter, late, waited=False):
+        step = launch(prev, batch, drafting, keeps_drafter, late, waited)
+        if step is not None:
+            launched.append(keeps_drafter)
+            spec.policy.dormant = len(launched) % 3 == 0  # (the next step's state flips)
+        return step
+
+    observe = spec.observe_period
+
+    def spy_observe(batch, resolved_s, after_idle, device_ms=None, **step):
+        observed.append(step["kept_drafter"])
+        current.append(spec.keeps_drafter)
+        observe(batch, resolved_s, after_idle, device_ms, **step)
+
+    spy_on(loop, "_launch", spy_launch)
+    spy_on(spec, "observe_period", spy_observe)
+    assert isinstance(loop, StepLoop)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    llm.generate(prompts_for()[:2], params)
+    assert len(observed) == len(launched) >= 12
+    assert observed == launched  # in launch order, as each was launched
+    assert observed != current  # (the policy's state at processing time differs)

@@ -194,11 +194,13 @@ def test_a_surcharged_plain_prefill_step_holds_nothing_for_decode_steps():
 
 def test_the_surcharge_observes_each_prefill_step_by_its_own_span():
     """Through the speculator: a step carrying prefill goes to the surcharge with its device
-    span (its own work, whatever the steps beside it drafted; the period where untimed)
-    against its decision's prediction, plain ones between drafting steps included (by
-    periods under overlap they were left out, and what the model missed of every prefill
-    step counted as drafting's), and only where it ran the K decided; plain ones only with
-    the drafter kept up (a dormant step skips the upkeep drafting needs)."""
+    span (its own work from its first launch; the period where untimed) against its
+    decision's prediction, plain ones between drafting steps included (by periods under
+    overlap they were left out, and what the model missed of every prefill step counted as
+    drafting's), only where it ran the K decided. Left out: a drafting step after a plain
+    one (its span holds the rows' catch-up, a switch's cost), a plain step the drafter was
+    not kept up in as launched (dormant: no upkeep), steps after an idle engine or a wait
+    for the step before (host time in the span)."""
     from specserve.core.batch import ScheduledRequest
     from specserve.speculative.speculator import Speculator
     from specserve.speculative.step_periods import PeriodLog
@@ -213,7 +215,7 @@ def test_the_surcharge_observes_each_prefill_step_by_its_own_span():
     )
     clock = [1.0]
 
-    def step(k, ms, prefill=False, decided_k=None, device_ms=None):
+    def step(k, ms, prefill=False, decided_k=None, device_ms=None, **launched):
         batch = []
         for _ in range(4):
             s = ScheduledRequest(None, 1, k, decoding=True)
@@ -223,18 +225,22 @@ def test_the_surcharge_observes_each_prefill_step_by_its_own_span():
             batch.append(ScheduledRequest(None, 16))
         policy._decided([k if decided_k is None else decided_k] * 4, step_ms=5.0)
         clock[0] += ms / 1e3
-        spec.observe_period(batch, clock[0], False, device_ms)
+        after_idle = launched.pop("after_idle", False)
+        spec.observe_period(batch, clock[0], after_idle, device_ms, **launched)
 
     step(1, 2.0)
-    step(1, 2.0)
-    step(1, 9.0, prefill=True, device_ms=8.0)  # drafting: its span
+    step(1, 9.0, prefill=True, device_ms=8.0)  # drafting after drafting: its span
     assert seen == [(True, 8.0, 5.0)]
     step(0, 8.0, prefill=True, device_ms=6.0)  # plain between drafting steps: its span
-    step(1, 2.0)
+    step(1, 9.0, prefill=True, device_ms=8.5)  # drafting after plain: the catch-up, no
     step(1, 7.0, prefill=True)  # untimed (the simulators' synchronous steps): the period
     step(1, 9.0, prefill=True, decided_k=3, device_ms=8.0)  # ran K=1, K=3 decided: no
     step(1, 2.0, device_ms=2.0)  # decode-only: no
-    policy.dormant = True  # a plain step without the drafter's upkeep: no
-    step(0, 8.0, prefill=True, device_ms=6.0)
+    step(0, 8.0, prefill=True, device_ms=6.0, kept_drafter=False)  # dormant as launched: no
+    policy.dormant = True  # dormant now, but kept up as launched (overlap): yes
+    step(0, 8.0, prefill=True, device_ms=5.5, kept_drafter=True)
     policy.dormant = False
-    assert seen == [(True, 8.0, 5.0), (False, 6.0, 5.0), (True, 7.0, 5.0)]
+    step(1, 2.0)
+    step(1, 9.0, prefill=True, device_ms=8.0, waited=True)  # after a wait: no
+    step(1, 9.0, prefill=True, device_ms=8.0, after_idle=True)  # after an idle engine: no
+    assert seen == [(True, 8.0, 5.0), (False, 6.0, 5.0), (True, 7.0, 5.0), (False, 5.5, 5.0)]

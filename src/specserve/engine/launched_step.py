@@ -28,6 +28,8 @@ class LaunchedStep:
     preemptions: list[int]  # each scheduled request's preemption count at launch
     events: tuple | None = None  # CUDA events: start, forward start, end of device work
     after_idle: bool = False  # nothing ran just before it (no gap to measure)
+    kept_drafter: bool = False  # the drafter was kept up in it (not dormant, not off)
+    waited: bool = False  # launched after waiting for the step before it (its tokens)
     result: StepResult | None = None  # set when resolved
     resolved_s: float = 0.0  # perf_counter when its tokens reached the host
     device_ms: float | None = None  # its device span (CUDA events), once processed

@@ -131,7 +131,8 @@ class StepLoop:
         keeps_drafter = self.spec is not None and self.spec.keeps_drafter
         if self.plans is not None:  # tensor parallelism: every other rank replays it
             self.plans.publish(batch, drafting, keeps_drafter, reason is not None, late is not None)
-        return self._run(prev, batch, drafting, keeps_drafter, late is not None)
+        waited = reason is not None or late is not None
+        return self._run(prev, batch, drafting, keeps_drafter, late is not None, waited)
 
     def replay(
         self,
@@ -147,13 +148,14 @@ class StepLoop:
         prev, self.inflight = self.inflight, None
         if waited and prev is not None and prev.result is None:
             self._resolve(prev)
-        return self._run(prev, batch, drafting, keeps_drafter, late)
+        return self._run(prev, batch, drafting, keeps_drafter, late, waited or late)
 
     def _run(
-        self, prev, batch, drafting, keeps_drafter: bool, late: bool = False
+        self, prev, batch, drafting, keeps_drafter: bool, late: bool = False, waited: bool = False
     ) -> list[RequestOutput]:
-        """Launch the step (`late`: resolving `prev` before it samples) and process one."""
-        launched = self._launch(prev, batch, drafting, keeps_drafter, late)
+        """Launch the step (`late`: resolving `prev` before it samples; `waited`: launched
+        after waiting for its tokens) and process one."""
+        launched = self._launch(prev, batch, drafting, keeps_drafter, late, waited)
         if self.overlap:
             self.inflight, done = launched, prev
         else:
@@ -215,7 +217,13 @@ class StepLoop:
         }
 
     def _launch(
-        self, prev: LaunchedStep | None, batch, drafting, keeps_drafter: bool, late: bool
+        self,
+        prev: LaunchedStep | None,
+        batch,
+        drafting,
+        keeps_drafter: bool,
+        late: bool,
+        waited: bool = False,
     ) -> LaunchedStep | None:
         spec = self.spec
         if not batch:
@@ -292,6 +300,8 @@ class StepLoop:
             preemptions=[s.request.num_preemptions for s in batch],
             events=events,
             after_idle=self._idle,
+            kept_drafter=keeps_drafter,
+            waited=waited,
         )
         self._idle = False
         if events is not None:
@@ -372,7 +382,14 @@ class StepLoop:
                 batch = [s for s in step.batch if not s.request.finished]
                 committed = {id(s): len(tokens) for s, tokens, _ in live}
                 spec.observe(batch, committed, step.draft_ms, target_ms)
-            spec.observe_period(step.batch, step.resolved_s, step.after_idle, step.device_ms)
+            spec.observe_period(
+                step.batch,
+                step.resolved_s,
+                step.after_idle,
+                step.device_ms,
+                kept_drafter=step.kept_drafter,
+                waited=step.waited,
+            )
         outputs = []
         for s, tokens, lps in live:
             req = s.request

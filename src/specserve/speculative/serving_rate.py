@@ -118,18 +118,19 @@ class DraftingSurcharge:
     36-40 ms, 21 once warm) is forgotten within a few probes, and what every prefill step
     costs beyond the model moves both alike. Weighed apart (plain 1/32, drafting 1/8), a
     slow swing of that common cost showed in drafting's residual first, as a surcharge:
-    in the serving simulator at L = 3.0 (fixed K=3 best everywhere) goodput fell to 0.965
-    of it, 0.983 weighed alike.
+    in the serving simulator at L = 3.0, 0.25 of the peak (fixed K=3 best everywhere)
+    goodput fell to 0.967 of it, 0.986 weighed alike.
 
-    The observations (`Speculator.observe_period`) are the steps carrying prefill that
-    ran the K decided, by their device span (the step's own work whatever its neighbours
-    drafted; the period where untimed), plain ones only with the drafter kept up (a
-    dormant step skips upkeep that drafting needs, which the wake prices). One surcharge
-    for every K and batch size (the drafter's eager passes grow with K: a K measured at 1
-    underprices 3), on padded engines only (eager ones price every draft:
-    `trim_drafts`)."""
+    The observations (`Speculator._observe_surcharge`) are the steps carrying prefill
+    that ran the K decided, by their device span (from the step's first work, so a plain
+    step between drafting ones counts as well as one between plain ones; the period where
+    untimed): drafting ones only after a drafting step (after a plain one the span holds
+    the rows' catch-up, a switch's cost), plain ones only with the drafter kept up (a
+    dormant step skips upkeep that drafting needs, which the wake prices), none after an
+    idle engine or a wait. One surcharge for every K and batch size (the drafter's eager
+    passes grow with K: a K measured at 1 underprices 3), on padded engines only (eager
+    ones price every draft: `trim_drafts`)."""
 
-    WEIGHT = 1 / 8
     WEIGHT = 1 / 8
     MIN_STEPS = 4
     PROBE_BUDGET = 0.005

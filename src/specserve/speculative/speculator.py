@@ -59,6 +59,7 @@ class Speculator:
         self._last_decodes = False  # whether the last step was decode-only
         self._last_resolved_s: float | None = None
         self._last_committed = 0
+        self._last_drafted = False  # the last step with decode rows drafted (the surcharge)
 
     def start(self, target: TargetParts) -> None:
         """Build the policy once the target runs as it will serve (graphs captured), so the
@@ -179,6 +180,8 @@ class Speculator:
         resolved_s: float,
         after_idle: bool,
         device_ms: float | None = None,
+        kept_drafter: bool | None = None,
+        waited: bool = False,
     ) -> None:
         """A step's period: from the previous step's tokens reaching the host to its own
         (`resolved_s`, perf_counter seconds), which is what a step costs in throughput under
@@ -187,7 +190,11 @@ class Speculator:
         decode-only too and the engine did not idle between), which decides with one step of
         hindsight which are steady samples of their K and what a change of K cost
         (`PeriodLog`); any other step ends its chain. The policy's trace gets the period and
-        its use, and the step's device span (`device_ms`, None where untimed)."""
+        its use, and the step's device span (`device_ms`, None where untimed).
+        `kept_drafter`: whether the drafter was kept up in the step, as launched (under
+        overlap the policy has decided the next step since: a wake's step ran dormant);
+        None: as the policy is now (synchronous steps). `waited`: launched after waiting
+        for the step before it."""
         if not self.may_draft:  # the off policy: nothing to learn
             return
         decoding = [s for s in batch if s.decoding]
@@ -199,7 +206,7 @@ class Speculator:
         trace = self.policy.trace
         if decoding:
             decision, _ = trace.processed(len(decoding), max_draft_len)
-        dormant = not self.keeps_drafter
+        dormant = not (self.keeps_drafter if kept_drafter is None else kept_drafter)
         if dormant:
             trace.dormant_steps += 1
         period_ms = None
@@ -223,10 +230,10 @@ class Speculator:
         surcharge = getattr(self.policy, "surcharge", None)
         if surcharge is not None:
             span = device_ms if device_ms is not None else period_ms
-            if not dormant:  # (plain steps without the drafter's upkeep: not comparable)
-                self._observe_surcharge(
-                    surcharge, decoding, only_decodes, max_draft_len, decision, span
-                )
+            usable = not dormant and not after_idle and not waited
+            self._observe_surcharge(
+                surcharge, decoding, only_decodes, max_draft_len, decision, span if usable else None
+            )
         if not only_decodes:
             self.periods.stop()
             return
@@ -243,20 +250,26 @@ class Speculator:
     def _observe_surcharge(
         self, surcharge, decoding, only_decodes: bool, k: int, decision, ms
     ) -> None:
-        """Drafting's surcharge beside prefill (`DraftingSurcharge`): a step carrying
-        prefill with decode rows, whose decision predicted its period at the K it ran, took
-        `ms`: its device span where the loop timed one (CUDA: the step's own work from its
-        first launch, whatever the steps beside it drafted), else its period (synchronous
-        steps). Periods under overlap would not do: a plain step's between drafting ones
-        carries the next one's launch, so plain prefill steps went unmeasured wherever
-        drafting won the decode steps, and what the model missed of every prefill step
-        counted as drafting's (session 50: at L = 3.0 on the H100, 110 of 170 prefill
-        steps went plain or K=1 where fixed K=3 lost nothing there)."""
+        """Drafting's surcharge beside prefill (`DraftingSurcharge`): a step carrying prefill
+        with decode rows, whose decision predicted its period at the K it ran, took `ms`
+        (None: not comparable). `ms` is its device span where the loop timed one (CUDA): it
+        starts at the step's first work, so a plain step between drafting ones is measured
+        as one between plain ones (by periods under overlap it carried the next launch, and
+        plain prefill steps went unmeasured wherever drafting won the decode steps: session
+        50); else its period (synchronous steps). A span holds the step's own drafter work,
+        catch-ups included, so a drafting step counts only after a drafting step (a switch
+        or a wake brings the rows' backlog, priced apart: `PeriodLog`, the wake); the loop
+        leaves out dormant plain steps (no upkeep, which drafting needs), steps after an
+        idle engine or a wait for the step before (host time in the span)."""
+        drafted, after_drafting = k > 0, self._last_drafted
+        self._last_drafted = bool(decoding) and drafted
         if only_decodes or not decoding or ms is None or decision is None:
+            return
+        if drafted and not after_drafting:
             return
         predicted = decision.step_ms
         if predicted is not None and decision.k == k and decision.num_reqs == len(decoding):
-            surcharge.observe(k > 0, ms, predicted)
+            surcharge.observe(drafted, ms, predicted)
 
     def stats(self) -> dict:
         """Speculation figures for metrics: decisions, acceptance, goodput; and for the
