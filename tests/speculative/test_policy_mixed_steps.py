@@ -55,6 +55,26 @@ def test_a_millisecond_is_priced_where_requests_decode():
     assert policy.choose(_reqs(N), StepLoad(PREFILL, draft_budget=None)) == [0] * N
 
 
+def test_a_millisecond_is_priced_at_no_less_than_the_servers_rate():
+    """The other way round (ServingRate.price): where the steps full of rows are the slow
+    ones (long prefill steps that drafts beside them made longer), weighing by rows prices
+    a ms below what the server makes of one on average, and drafts beside prefill that
+    earn less than that average look worth it: the price is never below `value`. Here 1 in
+    4 steps carries 64 rows (64 tokens in 10 ms), the rest 8 rows (256 tokens in 1 ms): by
+    rows 15.4 tokens/ms, where K=3 would pay (as at 10 above), on average 64, where it does
+    not (as at 40)."""
+    policy, _ = _policy(alpha=0.8, k_max=3)
+    _measured(policy, N)
+    for i in range(256):
+        if i % 4:
+            policy.observe_rate(256, 1.0, num_decoding=8, rows=8)
+        else:
+            policy.observe_rate(64, 10.0, rows=64)
+    rate = policy.rate
+    assert rate.per_row < 18.0 and rate.value > 40.0 and rate.price == rate.value
+    assert policy.choose(_reqs(N), StepLoad(PREFILL, draft_budget=None)) == [0] * N
+
+
 def test_the_prefill_extra_commits_bring_is_priced():
     # at 8 prompt tokens per generated token (long prompts, short answers) each committed
     # token brings 8 prefill tokens (about 0.18 ms at the full GEMM slope): K=3's extra

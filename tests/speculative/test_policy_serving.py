@@ -284,15 +284,13 @@ def test_goodput_tells_prefill_steps_cost_from_drafting_surcharge(accept_len, sh
     assert r["vs_off"] >= VS_OFF, _table(r)
 
 
-# At 256 clients with 12 ms, goodput's 12 seeds average 0.984 of plain decoding (0.968-0.999;
-# 0.987, 0.965-1.000, when plain prefill steps were observed only between plain steps: seed
-# 0's 0.999 was among its best). Priced at the true 12 ms from the start it averages 0.997
-# over 8 seeds, and never drafting beside prefill 1.036: the marginal ranking (`marginal_k`)
-# prices a ms at the server's running rate, which its own drafts lower (6.1-9.6 tokens/ms
-# at its drafted prefill steps, 10.4 at the end, plain decoding's 10.7), so drafts there
-# look cheap (open).
+# At 256 clients with 12 ms, goodput's 12 seeds averaged 0.984 of plain decoding (0.968-0.999;
+# seed 0's 0.999 was among its best) while the marginal ranking priced a ms at the rows'
+# running rate alone: its own drafts beside prefill lowered that rate (6.1-9.6 tokens/ms at
+# its drafted prefill steps, plain decoding makes 10.7), so more such drafts looked worth
+# it. Priced at no less than the server's average rate (`ServingRate.price`): 1.036 over
+# the same seeds (1.032-1.040), as never drafting beside prefill.
 CLOSED_SURCHARGE_SEEDS = {64: (0,), 256: (0, 1, 2, 3)}
-CLOSED_SURCHARGE_VS_OFF = {64: VS_OFF, 256: VS_BEST}
 
 
 @pytest.mark.parametrize("concurrency", [64, 256])
@@ -303,4 +301,4 @@ def test_goodput_prices_drafting_beside_prefill_in_a_closed_loop(concurrency):
     regime = ServingRegime(concurrency, PROMPT, OUTPUT, 3.0, prefill_draft_ms=12.0)
     r = compare(regime, CLOSED_SURCHARGE_SEEDS[concurrency], (0,))
     assert r["goodput"] >= VS_BEST * r["best"], _table(r)
-    assert r["goodput"] >= CLOSED_SURCHARGE_VS_OFF[concurrency] * r["off"], _table(r)
+    assert r["goodput"] >= VS_OFF * r["off"], _table(r)

@@ -284,7 +284,7 @@ class GoodputPolicy(SpeculationPolicy):
         if marginal:
             # A step carrying prefill: ranked by its marginal tokens, never a probe (its
             # period measures no K; a probe under way resumes at the next decode step).
-            k = marginal_k(tokens, priced, switch, self.rate.per_row, self.DWELL_STEPS)
+            k = marginal_k(tokens, priced, switch, self.rate.price, self.DWELL_STEPS)
             probe = False
         else:
             self._bucket_steps[bucket] = self._bucket_steps.get(bucket, 0) + 1
