@@ -186,6 +186,10 @@ def test_the_policy_tables_reach_the_stats_and_metrics(models):
     exported = parse_metrics(text)  # (in seconds, Prometheus' base unit)
     cell = ("specserve_spec_policy_period_seconds", (("bucket", "1"), ("k", "3")))
     assert exported[cell] == pytest.approx(periods["1:3"] / 1000)
+    price = stats["spec_policy_prefill_price_tokens_per_s"]  # (the marginal ranking's price)
+    assert price == pytest.approx(llm.engine.spec.policy.rate.price * 1e3) and price > 0
+    name = "specserve_spec_policy_prefill_price_tokens_per_second"
+    assert exported[(name, ())] == pytest.approx(price)
     tables = speculation_figures({}, exported)["policy_tables"]  # (back in ms)
     assert tables["period_ms"]["1"]["3"] == pytest.approx(periods["1:3"])
     assert tables["switch_observations"]["1"] == {

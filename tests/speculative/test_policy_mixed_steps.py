@@ -1,7 +1,8 @@
 """The goodput policy in steps that carry prefill: K ranked by the tokens it adds beyond their
-cost at the server's running rate weighted by decoding rows (not by the step's own tokens
-per ms, which its prefill dilutes), the prefill its extra commits bring priced in, no probes
-(a mixed step measures no K), and drafts within the budget the scheduler leaves."""
+cost at the server's running rate weighted by decoding rows, never below its average (not
+by the step's own tokens per ms, which its prefill dilutes), the prefill its extra commits
+bring priced in, no probes (a mixed step measures no K), and drafts within the budget the
+scheduler leaves."""
 
 from __future__ import annotations
 
@@ -59,19 +60,20 @@ def test_a_millisecond_is_priced_at_no_less_than_the_servers_rate():
     """The other way round (ServingRate.price): where the steps full of rows are the slow
     ones (long prefill steps that drafts beside them made longer), weighing by rows prices
     a ms below what the server makes of one on average, and drafts beside prefill that
-    earn less than that average look worth it: the price is never below `value`. Here 1 in
-    4 steps carries 64 rows (64 tokens in 10 ms), the rest 8 rows (256 tokens in 1 ms): by
-    rows 15.4 tokens/ms, where K=3 would pay (as at 10 above), on average 64, where it does
-    not (as at 40)."""
+    earn less than that average look worth it: the price is never below `value`. Here 1
+    step in 16 carries 64 rows (64 tokens in 10 ms), the rest 8 rows that accept every
+    draft (32 tokens in 0.25 ms): by rows 11.8 tokens/ms, where K=3 would pay (as at 10
+    above), on average 39.6, where it does not (as at 40)."""
     policy, _ = _policy(alpha=0.8, k_max=3)
     _measured(policy, N)
-    for i in range(256):
-        if i % 4:
-            policy.observe_rate(256, 1.0, num_decoding=8, rows=8)
+    for i in range(512):
+        if i % 16:
+            policy.observe_rate(32, 0.25, num_decoding=8, rows=8)
         else:
             policy.observe_rate(64, 10.0, rows=64)
     rate = policy.rate
-    assert rate.per_row < 18.0 and rate.value > 40.0 and rate.price == rate.value
+    assert rate.per_row < 12.0 and rate.price > 38.0
+    assert rate.snapshot() == {"prefill_price_tokens_per_s": rate.price * 1e3}
     assert policy.choose(_reqs(N), StepLoad(PREFILL, draft_budget=None)) == [0] * N
 
 

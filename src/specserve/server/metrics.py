@@ -85,6 +85,12 @@ _ENGINE_GAUGES = {
         "goodput policy: what drafting adds to a step carrying prefill beyond its cost model "
         "(seconds), measured, and priced into such steps' choice of K",
     ),
+    "spec_policy_prefill_price_tokens_per_s": (
+        "specserve_spec_policy_prefill_price_tokens_per_second",
+        "goodput policy: what a second of a step carrying prefill is worth in tokens (the "
+        "running rate by decoding rows, never below the server's average), against which "
+        "drafts there are ranked",
+    ),
     "running": ("specserve_num_requests_running", "requests running in the engine"),
     "waiting": ("specserve_num_requests_waiting", "requests waiting in the engine's queue"),
     "kv_pages_used": ("specserve_kv_pages_used", "KV cache pages held by requests"),

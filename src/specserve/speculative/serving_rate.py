@@ -13,14 +13,13 @@ class ServingRate:
     they take time too). `ready` once MIN_STEPS steps were seen and something committed.
 
     `per_row` weighs each step by its decoding rows, over about a request's life
-    (ROW_WEIGHT): the price of a millisecond in a step carrying prefill. Tokens that drafts
-    add there come off the ends of their requests' lives, so what they save is steps where
-    the requests decode, not the server's average step: in waves (requests sent together,
-    of one length) a wave's prefill runs with few decode rows and drags the running rate to
-    a third of what its decode steps make, and drafts priced at it (steps of prefill, K=1 at
-    acceptance 1.5 on the 8B shape) cost more than they saved (serving simulator, lockstep).
-    Where every step carries prefill and decode rows alike, the two agree; `price` is the
-    larger of the two."""
+    (ROW_WEIGHT). Tokens that drafts add beside prefill come off the ends of their requests'
+    lives, so what they save is steps where the requests decode, not the server's average
+    step: in waves (requests sent together, of one length) a wave's prefill runs with few
+    decode rows and drags the running rate to a third of what its decode steps make, and
+    drafts priced at it (steps of prefill, K=1 at acceptance 1.5 on the 8B shape) cost more
+    than they saved (serving simulator, lockstep). `price`, the price of a millisecond in a
+    step carrying prefill, is that or `value`, whichever is higher."""
 
     WEIGHT = 1 / 64  # EWMA weight per step
     ROW_WEIGHT = 1 / 256  # about a request's life in steps (lockstep needs it: 1/192 woke)
@@ -54,14 +53,21 @@ class ServingRate:
 
     @property
     def price(self) -> float:
-        """What a millisecond of a step carrying prefill is worth, in tokens: `per_row`, never
-        below the server's average (`value`). A ms of any step is worth at least what the
-        server makes of a ms; weighed by rows alone the price fell where drafts beside
-        prefill lowered the server's rate (their steps long and full of rows), so that more
-        drafts there looked worth it: at 256 clients, L = 3.0, with a 12 ms surcharge
-        (serving simulator) goodput drafted in prefill steps at 6.1-9.6 tokens per ms
-        (plain decoding makes 10.7) and reached 0.984 of plain decoding over 12 seeds."""
+        """What a millisecond of a step carrying prefill is worth, in tokens: `per_row` or
+        `value`, whichever is higher. The two follow a change of the server's rate at
+        different speeds (`value` over about 64 steps, `per_row` over a request's life):
+        taking the higher, a ms is priced at the faster one while the rate climbs (after a
+        start, an idle or a change of load) and at the slower one while it falls, so drafts
+        beside prefill are priced high while the rate moves, never low. By rows alone, at
+        256 clients, L = 3.0, with a 12 ms surcharge (serving simulator), the price climbed
+        from 6 to 10.4 tokens per ms over a run while goodput drafted in prefill steps
+        (plain decoding makes 10.7): 0.984 of plain decoding over 12 seeds, 1.036 with the
+        higher of the two (the same floor over `per_row`'s horizon: 0.984). In waves
+        (`per_row`'s case) `value` stays below it."""
         return max(self.per_row, self.value)
+
+    def snapshot(self) -> dict:
+        return {"prefill_price_tokens_per_s": self.price * 1e3}
 
     @property
     def ready(self) -> bool:

@@ -278,7 +278,8 @@ class Speculator:
         trace = self.policy.trace
         tables = {}
         policy = self.policy
-        for source in (self.cost, *(getattr(policy, a, None) for a in ("modes", "surcharge"))):
+        parts = ("modes", "surcharge", "rate")
+        for source in (self.cost, *(getattr(policy, a, None) for a in parts)):
             if source is not None:
                 tables.update({f"spec_policy_{k}": v for k, v in source.snapshot().items()})
         return {
