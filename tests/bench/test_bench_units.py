@@ -375,6 +375,14 @@ def test_a_goodput_point_prints_the_policys_table_at_its_bucket(monkeypatch, cap
     seen = {"period_observations": {"8": {"3": 40}, "64": {"3": 30, "0": 5}}}
     assert policy_table({"policy_tables": {**tables, **seen}}, None).startswith("policy at 8:")
     assert policy_table(spec, None) == ""  # (nothing observed: no bucket to show)
+    # what the last decode-only decision at the bucket expected a request to commit at K
+    expected = {
+        "expected_tokens": {"64": {"0": 1.0, "3": 2.6}},
+        "expected_period_ms": {"64": {"0": 2.1, "3": 4.0}},
+    }
+    assert policy_table({"policy_tables": {**tables, **expected}}, 64) == (
+        want + "; last expected a request: K=0 1.00 in 2.10 ms, K=3 2.60 in 4.00 ms"
+    )
 
     def fake_benchmark(cfg, dataset, progress, desc, speculation=spec):
         server = {"speculation": speculation} if speculation else {}

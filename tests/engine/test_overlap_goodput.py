@@ -164,7 +164,8 @@ def test_the_policy_tables_reach_the_stats_and_metrics(models):
     """The goodput policy's tables, as it decides by them, in engine.stats() and on /metrics
     (labelled by batch bucket): the steady periods it learned under the synthetic clock
     (a step of one request at K: the target over K + 1 tokens and K drafter passes), the
-    switch costs and the modes' factors it measured."""
+    switch costs and the modes' factors it measured, and what its last decode-only decision
+    at a bucket expected of each K."""
     from specserve.bench.metrics_client import parse_metrics, speculation_figures
     from specserve.server.metrics import ServerMetrics
 
@@ -197,6 +198,24 @@ def test_the_policy_tables_reach_the_stats_and_metrics(models):
         for cell, n in stats["spec_policy_switch_observations"].items()
         if cell.startswith("1:")
     }
+    # what the last decode-only deliberation at one request expected of each K: a request
+    # commits 1 token at K = 0 and more at K > 0, in the period it ranked K by (the cost
+    # model's at one request: no context term in this engine's cost model, no surcharge)
+    # (a request's last steps may draft fewer: the decision ranked K = 0 .. its cap)
+    num_reqs, tokens, periods = llm.engine.spec.policy.trace.last_expected[1]
+    top = len(tokens) - 1
+    expected, ranked = stats["spec_policy_expected_tokens"], stats["spec_policy_expected_period_ms"]
+    assert num_reqs == 1 and top >= 1
+    assert set(expected) == set(ranked) == {f"1:{k}" for k in range(top + 1)}
+    assert [expected[f"1:{k}"] for k in range(top + 1)] == pytest.approx(tokens)
+    assert [ranked[f"1:{k}"] for k in range(top + 1)] == pytest.approx(periods)
+    # (a random head: drafts rarely accepted, so K > 0 expects little more than K = 0)
+    assert expected["1:0"] == pytest.approx(1.0) and expected[f"1:{top}"] >= 1.0
+    assert min(ranked.values()) > 0
+    cell = ("specserve_spec_policy_expected_period_seconds", (("bucket", "1"), ("k", str(top))))
+    assert exported[cell] == pytest.approx(ranked[f"1:{top}"] / 1000)
+    assert tables["expected_period_ms"]["1"][str(top)] == pytest.approx(ranked[f"1:{top}"])
+    assert tables["expected_tokens"]["1"][str(top)] == pytest.approx(expected[f"1:{top}"])
 
 
 def test_a_step_is_observed_with_the_drafter_state_it_ran_with(models):

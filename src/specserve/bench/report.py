@@ -249,7 +249,9 @@ _PART_NAMES = {"prefill": "with prefill"}
 def policy_table(spec: dict, concurrency: int | None) -> str:
     """The goodput policy's tables at the batch bucket of `concurrency` as of a point's end
     (metrics_client: `policy_tables`): its steady period at each K and the modes' factors
-    ("policy at 64: K=0 1.50, K=3 3.40 ms; plain x0.95, drafting x1.02"), or "" when the
+    ("policy at 64: K=0 1.50, K=3 3.40 ms; plain x0.95, drafting x1.02"), and what its last
+    decode-only decision there expected a request to commit at each K in the period it ranked
+    K by ("; last expected a request: K=0 1.00 in 2.10 ms, K=3 2.60 in 4.00 ms"), or "" when the
     server exported none (other policies, other servers). Without a concurrency (arrivals
     at a rate), at the bucket with the most observations."""
     tables = spec.get("policy_tables") or {}
@@ -267,6 +269,14 @@ def policy_table(spec: dict, concurrency: int | None) -> str:
     factors = (tables.get("mode_factor") or {}).get(bucket)
     if factors:
         text += " ms; " + ", ".join(f"{m} x{f:.2f}" for m, f in sorted(factors.items()))
+    tokens = (tables.get("expected_tokens") or {}).get(bucket)
+    ranked = (tables.get("expected_period_ms") or {}).get(bucket) or {}
+    if tokens:
+        text += "; last expected a request: " + ", ".join(
+            f"K={k} {t:.2f} in {ranked[k]:.2f} ms"
+            for k, t in sorted(tokens.items(), key=lambda kv: int(kv[0]))
+            if k in ranked
+        )
     return text
 
 

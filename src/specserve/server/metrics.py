@@ -440,6 +440,18 @@ _ENGINE_TABLES = {
         "mode",
         "goodput policy: the steps each mode's factor spans",
     ),
+    "spec_policy_expected_tokens": (
+        "specserve_spec_policy_expected_tokens",
+        "k",
+        "goodput policy: the tokens a request its last decode-only decision at the bucket "
+        "expected a step at K to commit",
+    ),
+    "spec_policy_expected_period_ms": (
+        "specserve_spec_policy_expected_period_seconds",
+        "k",
+        "goodput policy: the period (seconds) its last decode-only decision at the bucket "
+        "ranked K by (decode attention at the requests' context included)",
+    ),
 }
 
 
@@ -456,6 +468,7 @@ _IN_MS = frozenset(
         "spec_plain_ms_by_part",
         "spec_plain_device_ms_by_part",
         "spec_policy_period_ms",
+        "spec_policy_expected_period_ms",
         "spec_policy_switch_ms",
         "spec_policy_prefill_surcharge_ms",
     }

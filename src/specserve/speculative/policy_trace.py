@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import asdict, dataclass, field
 
+from specserve.speculative.buckets import batch_bucket
+
 TRACE_STEPS = 4096
 
 
@@ -72,6 +74,11 @@ class PolicyTrace:
     # step) or "favored" (the mode check overruled plain decoding): each wake costs the
     # batch's catch-up, so where plain decoding is best they say what keeps it awake
     wakes: dict[str, int] = field(default_factory=dict)
+    # The goodput policy's last deliberation of a decode-only step at each batch bucket among
+    # more than one K (not a probe): its requests, and what it expected at each K (committed
+    # tokens; period ms, as ranked), so that what the policy believed is seen beside what the
+    # steps delivered (`expectations`)
+    last_expected: dict[int, tuple[int, list[float], list[float]]] = field(default_factory=dict)
     recent: deque = field(default_factory=lambda: deque(maxlen=TRACE_STEPS))
     _pending: deque = field(default_factory=lambda: deque(maxlen=4))  # decided, not processed
     _last_k: int | None = None  # K of the last decision; None after a step without decodes
@@ -146,6 +153,8 @@ class PolicyTrace:
         d = Decision(n, num_reqs, k, probe, tokens, period_ms, switch_ms)  # positional: cheaper
         if step_ms is not None:
             d.step_ms = step_ms
+        elif tokens is not None and period_ms is not None and len(tokens) > 1 and not probe:
+            self.last_expected[batch_bucket(num_reqs)] = (num_reqs, tokens, period_ms)
         self.recent.append(d)
         self._pending.append(d)
 
@@ -162,6 +171,18 @@ class PolicyTrace:
             if d.num_reqs >= num_reqs and d.k >= k:
                 return d, (self._pending[0].k if self._pending else None)
         return None, None
+
+    def expectations(self) -> dict:
+        """The last deliberated decode-only decision at each bucket as plain data (the
+        engine's stats): "expected_tokens" -> "bucket:K" -> committed tokens per request it
+        expected at K, "expected_period_ms" -> the period (ms) it ranked K by (decode
+        attention at the requests' context included; a dormant drafter's wake not)."""
+        tokens, periods = {}, {}
+        for bucket, (n, expected, ms) in sorted(self.last_expected.items()):
+            for k, (t, p) in enumerate(zip(expected, ms)):
+                tokens[f"{bucket}:{k}"] = t / n
+                periods[f"{bucket}:{k}"] = p
+        return {"expected_tokens": tokens, "expected_period_ms": periods}
 
     def dump(self) -> list[dict]:
         """The recent decisions as plain dicts, oldest first."""

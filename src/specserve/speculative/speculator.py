@@ -282,6 +282,7 @@ class Speculator:
         for source in (self.cost, *(getattr(policy, a, None) for a in parts)):
             if source is not None:
                 tables.update({f"spec_policy_{k}": v for k, v in source.snapshot().items()})
+        tables.update({f"spec_policy_{k}": v for k, v in trace.expectations().items()})
         return {
             **tables,
             "spec_policy": type(self.policy).__name__,
