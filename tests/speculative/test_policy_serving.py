@@ -12,6 +12,7 @@ from dataclasses import replace
 
 import pytest
 
+from tests.support.policy_sim_workload import Noise
 from tests.support.serving_sim import K_MAX, POLICIES, ServingRegime, compare, simulate
 
 PROMPT, OUTPUT = 512, 256  # the H200 runs' shape, unscaled: a step costs the same CPU time
@@ -172,6 +173,32 @@ COLD_CASES = [
 def test_goodput_near_the_best_policy_from_a_cold_start(concurrency, accept_len):
     regime = ServingRegime(
         concurrency, PROMPT, OUTPUT, accept_len, measure=1, lockstep=True, cold=True
+    )
+    r = compare(regime, (0,), (0,))
+    assert r["goodput"] >= VS_BEST * r["best"], _table(r)
+    assert r["goodput"] >= VS_OFF * r["off"], _table(r)
+
+
+# The H100's step (ServingRegime.attention_tb_s, .noise): decode attention at about 3.1 TB/s
+# (3.35 less the kernel's overhead) makes K = 1 at 256 requests, L = 1.5, nearly tie plain
+# decoding in decode-only steps (on the H100 18.4 against 18.2 tokens a ms), so that the
+# drafter's upkeep on prompts decides, and periods spread by 20% a step. The H100 in one
+# closed-loop point from a cold start (session 51, servers at 5fd612f and at 0fd1b39, one
+# run each): goodput woke on a decode-only step and drafted K = 1 on 30-40% of its steps,
+# 0.94-0.96 of plain decoding (fixed K = 1: 0.966). Here, with the start-up curves of the
+# H200, it stays dormant (0.992 of plain decoding; 0.990-0.992 over seeds 0-2): what woke it
+# on the H100 is for its exported expectations (`spec_policy_expected_*`) to say. A guard.
+def test_goodput_near_the_best_policy_from_a_cold_start_on_an_h100_like_step():
+    regime = ServingRegime(
+        256,
+        PROMPT,
+        OUTPUT,
+        1.5,
+        measure=1,
+        lockstep=True,
+        cold=True,
+        attention_tb_s=3.1,
+        noise=Noise(sigma=0.2),
     )
     r = compare(regime, (0,), (0,))
     assert r["goodput"] >= VS_BEST * r["best"], _table(r)

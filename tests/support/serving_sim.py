@@ -52,6 +52,7 @@ from specserve.speculative.policy import (
 from tests.core.test_kv_cache import tiny_config
 from tests.support.policy_sim import bare_speculator
 from tests.support.policy_sim_engines import H200_8B, HEAD_8B
+from tests.support.policy_sim_workload import Noise, noise_factors
 
 K_MAX = 3
 PAGE_SIZE = 16
@@ -122,11 +123,22 @@ class ServingRegime:
     # (ms) that cost swings with this period, from 0 to twice its mean (0: steady): the H100's
     # spans moved between levels over seconds, unexplained by the steps' composition
     prefill_swing_ms: float = 0.0
+    # Decode attention's bandwidth (TB/s), in the steps and in what start-up measures: the
+    # H200's 4.0 by default; about 3.1 on an H100 (3.35 TB/s, less the kernel's overhead),
+    # where the longer attention of a decode step spreads over K=1's extra tokens too
+    attention_tb_s: float = ATTN_BYTES_PER_MS * 1e3 / 1e12
+    # Multiplicative noise of every step's time (seeded, the same step by step for every
+    # policy; None: none): the H100's periods of one kind of step spread by 10-20%
+    noise: Noise | None = None
 
     @property
     def num_pages(self) -> int:
         tokens = self.concurrency * (self.prompt + self.output)
         return -(-tokens // PAGE_SIZE) + 1  # page 0 is the allocator's scratch page
+
+    @property
+    def attn_ms_per_token(self) -> float:
+        return KV_BYTES_PER_TOKEN_8B / (self.attention_tb_s * 1e12 / 1e3)
 
     @property
     def alpha(self) -> float:
@@ -140,6 +152,7 @@ def step_ms(
     context_tokens: int,
     catch_up_tokens: int = 0,
     features: bool = False,
+    attn_ms_per_token: float = ATTN_MS_PER_CONTEXT_TOKEN,
 ) -> float:
     """The true cost of a step: `decode_rows` rows padded to K drafts (CUDA graphs verify a
     step at its longest draft), `prefill_tokens` of prompt chunks, `context_tokens` the decode
@@ -154,7 +167,7 @@ def step_ms(
     if features:
         ms += FEATURE_MS_PER_TOKEN * tokens
     rows = decode_rows + (1 if prefill_tokens else 0)  # prefill chunks: one launch
-    return ms + ATTN_MS_PER_CONTEXT_TOKEN * context_tokens + HOST_MS + HOST_MS_PER_ROW * rows
+    return ms + attn_ms_per_token * context_tokens + HOST_MS + HOST_MS_PER_ROW * rows
 
 
 def _swing(clock_ms: float, period_ms: float) -> float:
@@ -162,21 +175,25 @@ def _swing(clock_ms: float, period_ms: float) -> float:
     return 1.0 - math.cos(2 * math.pi * clock_ms / period_ms) if period_ms else 1.0
 
 
-def startup_costs() -> StepCostModel:
+def startup_costs(attn_ms_per_token: float = ATTN_MS_PER_CONTEXT_TOKEN) -> StepCostModel:
     """What start-up measures: the target by tokens and the drafter by batch, no attention of
     long contexts, no host work; padded (CUDA graphs); and the decode attention's cost per
     context token, from the KV's bytes per token and the memory bandwidth."""
     cost = StepCostModel(CurveModel(H200_8B), CurveModel(HEAD_8B), padded=True)
-    cost.context_ms_per_token = ATTN_MS_PER_CONTEXT_TOKEN
+    cost.context_ms_per_token = attn_ms_per_token
     return cost
 
 
-def make_policy(name: str | int, acceptance: AcceptanceModel) -> SpeculationPolicy:
+def make_policy(
+    name: str | int,
+    acceptance: AcceptanceModel,
+    attn_ms_per_token: float = ATTN_MS_PER_CONTEXT_TOKEN,
+) -> SpeculationPolicy:
     """The policy called `name`: "goodput" (on the start-up seeds), "off" (or 0), or a fixed
     K (FixedPolicy for K_max, else a schedule of that K from batch 1; both within the step's
     draft budget where the scheduler hands them one)."""
     if name == "goodput":
-        return GoodputPolicy(K_MAX, startup_costs(), acceptance)
+        return GoodputPolicy(K_MAX, startup_costs(attn_ms_per_token), acceptance)
     if name in ("off", 0):
         return OffPolicy(K_MAX)
     if name == K_MAX:
@@ -257,12 +274,14 @@ def simulate(
     kv = KVCache(tiny_config(1), regime.num_pages, PAGE_SIZE, torch.float32, torch.device("cpu"))
     sched = Scheduler(kv, MAX_NUM_SEQS, BUDGET)
     acceptance = AcceptanceModel(K_MAX)
-    policy = make_policy(name, acceptance)
+    policy = make_policy(name, acceptance, regime.attn_ms_per_token)
     spec = bare_speculator(policy, acceptance)
     # The engine asks no policy under "off" (`Speculator.scheduling_policy`).
     asked = None if isinstance(policy, OffPolicy) else policy
     res = ServingResult(policy=policy, usable_pages=kv.allocator.num_usable)
     draws: dict[int, random.Random] = {}  # id(request) -> its acceptance stream
+    noise = noise_factors(regime.noise, seed) if regime.noise is not None else None
+    steps_run = 0
 
     def send(max_tokens: int) -> None:
         i = len(res.requests)
@@ -327,10 +346,15 @@ def simulate(
                 extra = seen_to - req.draft_cached_len - (s.draft_len + 1 if s.draft_len else 0)
                 catch_up += max(0, extra)
                 req.draft_cached_len = max(req.draft_cached_len, seen_to)
-        ms = step_ms(rows, k, prefill, context, catch_up, features=asked is not None)
+        ms = step_ms(
+            rows, k, prefill, context, catch_up, asked is not None, regime.attn_ms_per_token
+        )
         if prefill:
             ms += regime.prefill_step_ms * _swing(clock, regime.prefill_swing_ms)
             ms += regime.prefill_draft_ms if k else 0.0
+        if noise is not None:
+            ms *= noise[steps_run % len(noise)]
+        steps_run += 1
         clock += ms
         sampling = [s for s in batch if s.samples]  # (before the chunks are cached)
         for s in batch:
