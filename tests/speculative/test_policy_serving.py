@@ -234,6 +234,27 @@ def test_goodput_near_the_best_policy_under_poisson_arrivals(accept_len, share):
     assert r["vs_off"] >= VS_OFF, _table(r)
 
 
+# The same with every step's time noisy (ServingRegime.noise: lognormal, 20% a step, and 2%
+# of steps 3x as long, the host-bound default model's noise on the H200), L = 1.5 at 0.9 of
+# plain decoding's peak, where fixed K = 1 is best by 8%: goodput 0.935 of it (seed 0; 0.949
+# at seed 1, 1.11 at seed 2), switching between plain decoding and drafting several times
+# as often as without noise, or staying plain on 94% of steps (seed 1). Without noise
+# 0.98-0.99; with 10% noise and the outliers 0.97-0.995 (0.5 and 0.9 of the peak, one policy
+# carried across the points as a `bench sweep --matrix` server is, or fresh). The H100's
+# L = 1.5 Poisson points fell to 0.70-0.95 of the best in session 51 (a server per
+# configuration; its steps' spans varied by up to 50% between servers). Leaving out the
+# drafting surcharge (`DraftingSurcharge`) did not help (0.888-1.0 by point and noise): the
+# noise reaches the cost model's cells, the switch costs and the modes' factors alike. Not
+# fixed yet: a strict expected failure, so that a fix shows.
+@pytest.mark.xfail(strict=True, reason="goodput under 20% step noise at L = 1.5, 0.9x: 0.935")
+def test_goodput_near_the_best_policy_under_poisson_arrivals_with_noisy_steps():
+    rate = 0.9 * _off_peak_per_ms()
+    regime = ServingRegime(256, PROMPT, OUTPUT, 1.5, rate_per_ms=rate, noise=Noise())
+    r = compare(regime, (0,))
+    assert r["vs_best"] >= VS_BEST, _table(r)
+    assert r["vs_off"] >= VS_OFF, _table(r)
+
+
 # Drafting's surcharge in steps carrying prefill (ServingRegime.prefill_draft_ms): what the
 # H100 measured beyond the start-up model, about 6 ms a step in one process and 11 through
 # the server at 18 requests/s, L = 1.5 (session 49), where fixed K = 1 fell below plain
