@@ -74,10 +74,10 @@ class PolicyTrace:
     # step) or "favored" (the mode check overruled plain decoding): each wake costs the
     # batch's catch-up, so where plain decoding is best they say what keeps it awake
     wakes: dict[str, int] = field(default_factory=dict)
-    # The goodput policy's last deliberation of a decode-only step at each batch bucket among
-    # more than one K (not a probe): its requests, and what it expected at each K (committed
-    # tokens; period ms, as ranked), so that what the policy believed is seen beside what the
-    # steps delivered (`expectations`)
+    # The goodput policy's last decision at each batch bucket that weighed more than one K
+    # at a decode-only step (not a probe; a held decision repeats its expectations): its
+    # requests, and what it expected at each K (committed tokens; period ms, as ranked), so
+    # that what the policy believed is seen beside what the steps delivered (`expectations`)
     last_expected: dict[int, tuple[int, list[float], list[float]]] = field(default_factory=dict)
     recent: deque = field(default_factory=lambda: deque(maxlen=TRACE_STEPS))
     _pending: deque = field(default_factory=lambda: deque(maxlen=4))  # decided, not processed
