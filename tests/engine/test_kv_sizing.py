@@ -111,9 +111,10 @@ def test_cuda_budget_leaves_room_for_every_graphs_outputs(monkeypatch):
     k3 = EngineConfig.from_flags(speculative_algorithm="ngram", speculative_num_steps=3)
     k5 = EngineConfig.from_flags(speculative_algorithm="ngram", speculative_num_steps=5)
     # buckets 1, 2, 4, 8, 16, 32, ..., 256: 2,191 requests; q = 1..K+1 tokens each; and
-    # mixed steps' hidden states: token buckets 32, 64, 128, 256, 384, 512 by 3, 4, 4, 5, 5
-    # and 5 request buckets (4, 16, 64, 256, 257 up to the first above the tokens): 6,624 rows
-    mixed = 6624 * 4096 * 2
+    # mixed steps' hidden states: token buckets 32, 64, 128, 256, 384, 512, ..., 1024 by 3, 4,
+    # 4, then 5 request buckets (4, 16, 64, 256, 257 up to the first above the tokens): 23,264
+    # rows
+    mixed = 23264 * 4096 * 2
     assert graph_output_bytes(k3, eight_b, torch.bfloat16) == (
         2191 * 10 * ((128256 + 4096) * 2 + 16) + mixed
     )
@@ -129,7 +130,7 @@ def test_cuda_budget_leaves_room_for_every_graphs_outputs(monkeypatch):
     plain = EngineConfig.from_flags(speculative_algorithm="none", max_num_seqs=4)
     reserve = graph_output_bytes(plain, CFG, torch.float32)
     # mixed: request buckets 4 and 5 at every token bucket
-    mixed_rows = 2 * (32 + 64 + 128 + 256 + 384 + 512)
+    mixed_rows = 2 * (32 + 64 + 128 + 256 + 384 + 512 + 640 + 768 + 896 + 1024)
     assert (
         reserve
         == (1 + 2 + 4) * 1 * ((CFG.vocab_size + CFG.hidden_size) * 4 + 16)

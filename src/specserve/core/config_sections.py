@@ -311,7 +311,7 @@ class ExecutionConfig:
     cuda_graph_max_batch: int = 256
     # steps that mix prefill chunks with decode rows, up to this many tokens, run as CUDA
     # graphs too (runtime/cuda_graphs.py); 0: eagerly
-    cuda_graph_max_tokens: int = 512
+    cuda_graph_max_tokens: int = 1024
     # processes that fill structured output's token masks (runtime/grammar_pool.py); None:
     # up to 4 on a GPU (a quarter of the host's cores, shared by its ranks), none on CPU; 0:
     # on the engine's thread
