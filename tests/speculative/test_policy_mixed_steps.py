@@ -49,7 +49,7 @@ def test_a_millisecond_is_priced_where_requests_decode():
     _measured(policy, N)
     for i in range(256):
         if i % 4:
-            policy.observe_rate(64, 1.0, num_decoding=64, rows=64)
+            policy.observe_rate(64, 1.0, rows=64)
         else:
             policy.observe_rate(2, 40.0, rows=2)
     assert policy.rate.value < 5.0 and policy.rate.per_row > 40.0
@@ -68,7 +68,7 @@ def test_a_millisecond_is_priced_at_no_less_than_the_servers_rate():
     _measured(policy, N)
     for i in range(512):
         if i % 16:
-            policy.observe_rate(32, 0.25, num_decoding=8, rows=8)
+            policy.observe_rate(32, 0.25, rows=8)
         else:
             policy.observe_rate(64, 10.0, rows=64)
     rate = policy.rate

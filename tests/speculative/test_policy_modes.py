@@ -221,6 +221,45 @@ def test_each_step_counts_for_its_mode_probes_and_steps_without_decodes_for_none
     assert _factors(policy) == {"16:drafting": (0.75, 2), "16:plain": (0.5, 1)}
 
 
+def test_decode_steps_beside_a_step_carrying_prefill_count_for_neither_mode():
+    """A decode-only step counts for its mode only between decode-only steps (decided with
+    one step of hindsight, as the cost model's steady samples): beside a step carrying
+    prefill its period holds part of that step's host work, which follows the load (on an
+    H100 at 0.9 of plain decoding's peak, plain decoding's factor fell to 0.63 that way and
+    drafting overruled it). Here the steps beside prefill take 3-4 times their expected
+    period and the interior ones as expected: drafting's factor stays 1."""
+    policy, acceptance = _policy(alpha=0.8, k_max=3)
+    spec = Speculator.__new__(Speculator)
+    spec.policy, spec.cost, spec.periods = policy, policy.cost, PeriodLog(policy.cost)
+    spec.clear_step_history()
+    spec.acceptance = acceptance
+    clock = [1.0]
+    expected = dict(tokens=[N, 1.5 * N, 1.75 * N, 2 * N], period_ms=[1.0, 1.5, 1.75, 2.0])
+
+    def step(ms, prefill=False):
+        batch = []
+        for _ in range(N):
+            s = ScheduledRequest(None, 1, 3, decoding=True)
+            s.drafts = [0] * 3
+            batch.append(s)
+        if prefill:
+            batch.append(ScheduledRequest(None, 16))
+        policy._decided([3] * N, **expected)
+        spec._last_committed = 2 * N  # as expected: 2 tokens a request
+        clock[0] += ms / 1e3
+        spec.observe_period(batch, clock[0], False)
+
+    step(2.0)  # the first: no period
+    step(2.0)  # interior so far, but the next carries prefill: neither
+    step(8.0, prefill=True)
+    step(8.0)  # after prefill: neither
+    step(2.0)
+    step(2.0)
+    step(6.0)  # before prefill: neither
+    step(8.0, prefill=True)
+    assert _factors(policy) == {"16:drafting": (1.0, 2)}
+
+
 def test_plain_decoding_is_overruled_where_drafting_delivered_more():
     """The other way round: drafting measured above plain decoding by more than MARGIN
     (both over MIN_STEPS) overrules a decision for K=0 (to the K the model rates best

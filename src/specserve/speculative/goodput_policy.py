@@ -488,32 +488,38 @@ class GoodputPolicy(SpeculationPolicy):
         expected = {key: v for key, v in expected.items() if key not in ("bucket", "max_ms")}
         return self._decided([k] * n, **expected)  # (the held decision's expectations)
 
-    def observe_rate(
+    def observe_rate(self, committed: int, period_ms: float, rows: int = 0) -> None:
+        """A step (any step, mixed ones included) with `rows` decoding requests committed
+        this many tokens in period_ms: the server's running tokens per ms (`rate`)."""
+        self.rate.observe(committed, period_ms, rows)
+
+    def observe_mode(
         self,
         committed: int,
         period_ms: float,
-        num_decoding: int = 0,
-        dormant: bool = False,
-        probe: bool = False,
-        expected: tuple[float, float] | None = None,
-        rows: int = 0,
+        num_decoding: int,
+        dormant: bool,
+        expected: tuple[float, float],
     ) -> None:
-        """A step (any step, mixed ones included) committed this many tokens in period_ms:
-        the server's running tokens per ms (`rate`) follows it; so does its mode's factor
-        (`modes`) if it was a decode-only step (`num_decoding`: its requests; 0 for a step
-        carrying prefill), no probe, and its decision said what it `expected` (tokens per
-        request, period ms): "plain" with the drafter dormant (`dormant`: at the step), else
-        "drafting". Steps carrying prefill are left out of the modes: their tokens per
-        request per ms follow the load's prefill, not the mode (a cold start's burst of
-        prompts charged to the mode that ran first made drafting look 5% worse than plain
-        decoding in the serving simulator where it was 7% better)."""
-        self.rate.observe(committed, period_ms, rows)
-        if num_decoding and not probe and expected is not None:
-            mode = "plain" if dormant else "drafting"
-            bucket = batch_bucket(num_decoding)
-            tokens, ms = expected
-            per_request = committed / num_decoding
-            self.modes.observe(bucket, mode, per_request, tokens, period_ms, ms, self.num_steps)
+        """A decode-only step of `num_decoding` requests, between decode-only steps, that
+        no probe ran, committed this many tokens in period_ms where its decision `expected`
+        (tokens per request, period ms): its mode's factor (`modes`) follows it, "plain"
+        with the drafter dormant (`dormant`: at the step), else "drafting". Steps carrying
+        prefill are left out: their tokens per request per ms follow the load's prefill, not
+        the mode (a cold start's burst of prompts charged to the mode that ran first made
+        drafting look 5% worse than plain decoding in the serving simulator where it was 7%
+        better); so are the decode-only steps beside them (`Speculator._observe_mode`)."""
+        tokens, ms = expected
+        per_request = committed / num_decoding
+        self.modes.observe(
+            batch_bucket(num_decoding),
+            "plain" if dormant else "drafting",
+            per_request,
+            tokens,
+            period_ms,
+            ms,
+            self.num_steps,
+        )
 
     @staticmethod
     def _tokens(cums: list[list[float]], caps: list[int], max_draft_len: int) -> list[float]:

@@ -60,6 +60,9 @@ class Speculator:
         self._last_resolved_s: float | None = None
         self._last_committed = 0
         self._last_drafted = False  # the last step with decode rows drafted (the surcharge)
+        # a decode-only step's mode observation, until the step after it says whether it
+        # was interior (`observe_period`)
+        self._mode_pending: tuple | None = None
 
     def start(self, target: TargetParts) -> None:
         """Build the policy once the target runs as it will serve (graphs captured), so the
@@ -222,11 +225,16 @@ class Speculator:
                 decision.observed_ms = period_ms
             observe_rate = getattr(self.policy, "observe_rate", None)
             if observe_rate is not None:
-                probe = decision is not None and decision.probe
-                # (the modes' factors from decode-only steps: see GoodputPolicy.observe_rate)
-                decodes = len(decoding) if only_decodes else 0
-                expected = _expected(decision, max_draft_len)
-                observe_rate(committed, period_ms, decodes, dormant, probe, expected, len(decoding))
+                observe_rate(committed, period_ms, len(decoding))
+        self._observe_mode(
+            only_decodes and prev_decodes and period_ms is not None,
+            committed,
+            period_ms,
+            len(decoding),
+            dormant,
+            decision,
+            max_draft_len,
+        )
         surcharge = getattr(self.policy, "surcharge", None)
         if surcharge is not None:
             span = device_ms if device_ms is not None else period_ms
@@ -246,6 +254,29 @@ class Speculator:
         self.periods.add(
             len(decoding), max_draft_len, period_ms if prev_decodes else None, decision, context
         )
+
+    def _observe_mode(
+        self, interior: bool, committed: int, period_ms, n: int, dormant: bool, decision, k: int
+    ) -> None:
+        """The modes' factors (`GoodputPolicy.observe_mode`) learn from decode-only steps
+        between decode-only steps (`interior`: this one follows one, with a period), decided
+        with one step of hindsight, as the cost model's steady samples are: a decode-only
+        step beside one carrying prefill takes part of that step's host work in its period
+        (the launch of an eager step, the new requests' first tokens), which follows the
+        load, not the mode. On an H100 at 0.9 of plain decoding's peak (L = 1.5, 256
+        clients, Poisson arrivals) plain decoding's factor, measured over all decode-only
+        steps while the load ran high, fell to 0.63-0.64 against drafting's 0.87-0.92
+        (measured while it ran lower), and overruled plain decoding for drafting, which lost
+        (0.70 of the best, sessions 51-52). Probes count for neither mode."""
+        pending, self._mode_pending = self._mode_pending, None
+        observe_mode = getattr(self.policy, "observe_mode", None)
+        if not interior or observe_mode is None:
+            return
+        if pending is not None:
+            observe_mode(*pending)
+        expected = _expected(decision, k)
+        if expected is not None and not decision.probe:
+            self._mode_pending = (committed, period_ms, n, dormant, expected)
 
     def _observe_surcharge(
         self, surcharge, decoding, only_decodes: bool, k: int, decision, ms
