@@ -167,6 +167,8 @@ specserve_spec_policy_period_ms{bucket="64",k="3"} 3.5
 specserve_spec_policy_period_ms{bucket="8",k="3"} 1.25
 specserve_spec_policy_switch_ms{bucket="64",direction="up"} 2.0
 specserve_spec_policy_mode_factor{bucket="64",mode="drafting"} 0.9
+specserve_spec_policy_prefill_surcharge_seconds 0.0042
+specserve_spec_policy_prefill_price_tokens_per_second 9100.0
 """
 
 
@@ -204,6 +206,11 @@ def test_metrics_difference_and_speculation_figures():
         "mode_factor": {"64": {"drafting": 0.9}},
     }
     assert list(spec["policy_tables"]["period_ms"]) == ["8", "64"]  # (buckets in order)
+    # its figures without a bucket: what it priced steps carrying prefill by (ms for seconds)
+    assert spec["policy_scalars"] == {
+        "prefill_surcharge_ms": pytest.approx(4.2),
+        "prefill_price_tokens_per_second": 9100.0,
+    }
     assert spec["engine_gauges"] == {
         "spec_observed_goodput": 123.5,
         "spec_simulated_acceptance": 0.0,
@@ -382,6 +389,11 @@ def test_a_goodput_point_prints_the_policys_table_at_its_bucket(monkeypatch, cap
     }
     assert policy_table({"policy_tables": {**tables, **expected}}, 64) == (
         want + "; last expected a request: K=0 1.00 in 2.10 ms, K=3 2.60 in 4.00 ms"
+    )
+    # and what it priced steps carrying prefill by
+    scalars = {"prefill_surcharge_ms": 4.2, "prefill_price_tokens_per_second": 9100.0}
+    assert policy_table({"policy_tables": tables, "policy_scalars": scalars}, 64) == (
+        want + "; beside prefill: surcharge 4.20 ms, 9.1 tokens a ms"
     )
 
     def fake_benchmark(cfg, dataset, progress, desc, speculation=spec):

@@ -309,10 +309,17 @@ def speculation_figures(before: dict, after: dict) -> dict:
     }
     if gauges:
         out["engine_gauges"] = gauges
-    # The goodput policy's tables at the run's end: {table: {bucket: {K|direction|mode: v}}}
+    # The goodput policy's tables at the run's end: {table: {bucket: {K|direction|mode: v}}},
+    # and its figures without a bucket (the prefill surcharge and price), ms for seconds
     tables: dict = {}
+    scalars: dict = {}
     for (name, labels), v in after.items():
-        if name.startswith("specserve_spec_policy_") and labels:
+        if name.startswith("specserve_spec_policy_") and not labels:
+            scalar = name.removeprefix("specserve_spec_policy_")
+            if scalar.endswith("_seconds"):
+                scalar, v = scalar.removesuffix("_seconds") + "_ms", 1000.0 * v
+            scalars[scalar] = v
+        elif name.startswith("specserve_spec_policy_"):
             cell = dict(labels)
             bucket = cell.pop("bucket", "")
             key = next(iter(cell.values()), "")
@@ -321,6 +328,8 @@ def speculation_figures(before: dict, after: dict) -> dict:
                 table_name, v = table_name.removesuffix("_seconds") + "_ms", 1000.0 * v
             table = tables.setdefault(table_name, {})
             table.setdefault(bucket, {})[key] = v
+    if scalars:
+        out["policy_scalars"] = scalars
     if tables:
         out["policy_tables"] = {
             table: dict(sorted(rows.items(), key=lambda kv: int(kv[0] or 0)))

@@ -251,9 +251,11 @@ def policy_table(spec: dict, concurrency: int | None) -> str:
     (metrics_client: `policy_tables`): its steady period at each K and the modes' factors
     ("policy at 64: K=0 1.50, K=3 3.40 ms; plain x0.95, drafting x1.02"), and what its last
     decode-only decision there expected a request to commit at each K in the period it ranked
-    K by ("; last expected a request: K=0 1.00 in 2.10 ms, K=3 2.60 in 4.00 ms"), or "" when the
-    server exported none (other policies, other servers). Without a concurrency (arrivals
-    at a rate), at the bucket with the most observations."""
+    K by ("; last expected a request: K=0 1.00 in 2.10 ms, K=3 2.60 in 4.00 ms"), and what
+    it priced steps carrying prefill by ("; beside prefill: surcharge 4.20 ms, 9.1 tokens a
+    ms": `policy_scalars`), or "" when the server exported none (other policies, other
+    servers). Without a concurrency (arrivals at a rate), at the bucket with the most
+    observations."""
     tables = spec.get("policy_tables") or {}
     if concurrency:
         bucket = str(batch_bucket(concurrency))
@@ -277,6 +279,11 @@ def policy_table(spec: dict, concurrency: int | None) -> str:
             for k, t in sorted(tokens.items(), key=lambda kv: int(kv[0]))
             if k in ranked
         )
+    scalars = spec.get("policy_scalars") or {}
+    surcharge = scalars.get("prefill_surcharge_ms")
+    price = scalars.get("prefill_price_tokens_per_second")
+    if surcharge is not None and price is not None:
+        text += f"; beside prefill: surcharge {surcharge:.2f} ms, {price / 1e3:.1f} tokens a ms"
     return text
 
 
