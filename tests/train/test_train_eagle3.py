@@ -162,6 +162,52 @@ def test_features_are_inputs_of_the_aux_layers(target):
         assert torch.equal(store.argmax[rows], o.logits[0].argmax(-1))
 
 
+def test_live_features_batch_as_a_store_does(target):
+    """`LiveFeatures` (--features live) runs the target over a batch's samples when the
+    batch is asked for, each cut to the batch's max_len first: the same batch as a store
+    recorded once gives, up to the order of the batched sums."""
+    from specserve.train.features import LiveFeatures
+
+    model = load_model(resolve_model(str(target)), torch.float32, torch.device("cpu"))
+    samples = [
+        Sample("a", [5, 9, 11, 40, 7, 3, 90], 2),
+        Sample("b", list(range(20, 45)), 4),
+        Sample("c", [8, 8, 8], 1),
+    ]
+    store = record_features(model, samples, tuple(AUX), tokens_per_batch=16, progress=False)
+    live = LiveFeatures(model, samples, tuple(AUX))
+    assert len(live) == 3 and live.offsets == store.offsets and live.length(1) == 25
+    for indices, max_len in (([2, 0], None), ([1, 2], 12), ([1], None)):
+        want, got = store.batch(indices, max_len), live.batch(indices, max_len)
+        for name in ("aux", "hidden"):
+            torch.testing.assert_close(
+                getattr(got, name), getattr(want, name), atol=1e-4, rtol=1e-4
+            )
+        for name in ("argmax", "tokens", "lengths", "prompt_lens"):
+            assert torch.equal(getattr(got, name), getattr(want, name)), name
+        assert got.host_lengths == want.host_lengths
+    assert len(live.subset(2)) == 2 and live.subset(2).offsets == store.subset(2).offsets
+
+
+def test_live_features_train_as_stored_ones(trained, target, prompt_file, tmp_path):
+    """--features live from the same data: the same losses step by step as stored ones,
+    nothing kept (the features event logs it)."""
+    out, _ = trained
+    losses = {}
+    for mode in ("stored", "live"):
+        run = tmp_path / mode
+        run.mkdir()
+        shutil.copy(out / "data.jsonl", run / "data.jsonl")
+        cfg = train_config(run, target, prompt_file, steps=6, resume=True, features=mode)
+        losses[mode] = train(cfg).losses
+        events = [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
+        (features,) = [e for e in events if e.get("event") == "features"]
+        assert features["live"] == (mode == "live")
+        assert features["gib"] == 0.0 or mode == "stored"
+    assert len(losses["live"]) == 6
+    assert losses["live"] == pytest.approx(losses["stored"], rel=1e-4)
+
+
 def test_unrolled_steps_stay_in_the_rotary_table(target):
     """A sample ending near the target's context: its padding (widths are multiples of 16)
     and its last anchors at step k ran past the head's rotary table (IndexError on CPU, a

@@ -6,6 +6,7 @@ import argparse
 import math
 from dataclasses import MISSING, dataclass, field, fields
 
+FEATURES = ("auto", "stored", "live")  # --features: where the target's features come from
 DEFAULT_DRAFT_VOCAB = 16384  # a new head's draft vocabulary, when --draft-vocab-size is not given
 
 
@@ -33,6 +34,7 @@ class TrainConfig:
     draft_vocab_size: int | None = None  # None: DEFAULT_DRAFT_VOCAB, or a checkpoint's
     num_prompts: int | None = None
     max_train_tokens: int | None = None
+    features: str = "auto"
     self_chat_prompts: int = 2000
     heldout_prompts: int = 64
     max_new_tokens: int = 256
@@ -87,6 +89,8 @@ class TrainConfig:
                     f"{flag} must be a positive number of seconds (leave it out for no time "
                     f"limit); got {seconds}"
                 )
+        if self.features not in FEATURES:
+            raise ValueError(f"features must be {', '.join(FEATURES)}; got {self.features!r}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0; got {self.temperature}")
         if self.heldout_prompts < 0 or self.warmup_steps < 0 or self.self_chat_prompts < 0:
@@ -127,9 +131,12 @@ _HELP = {
     f"default {DEFAULT_DRAFT_VOCAB}, or the whole vocabulary of a smaller target; --resume "
     "keeps the checkpoint's)",
     "num_prompts": "cap on training prompts (default: all)",
-    "max_train_tokens": "cap on the training samples' tokens whose target features are kept "
-    "(about 4 x hidden size x dtype bytes each, on the device; default: on a GPU, as many "
-    "as fit in 60%% of its memory left after the model, the rest being training's)",
+    "max_train_tokens": "cap on the training samples' tokens (default: all; with stored "
+    "features, on a GPU, as many as fit in 60%% of its memory left after the model, the rest "
+    "being training's)",
+    "features": "the target's features for training: stored (recorded once, about 4 x "
+    "hidden size x dtype bytes a token on the device), live (the target runs on each batch: "
+    "no memory bound on the data) or auto (stored where they fit, else live)",
     "self_chat_prompts": "prompts --data self-chat draws (seeded by --seed)",
     "heldout_prompts": "prompts kept out of training for the acceptance estimate",
     "temperature": "target's sampling temperature for the replies (0 = greedy)",

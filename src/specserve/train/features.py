@@ -68,6 +68,71 @@ class FeatureStore:
     def length(self, i: int) -> int:
         return self.offsets[i + 1] - self.offsets[i]
 
+    def batch(self, indices: list[int], max_len: int | None = None) -> Batch:
+        return make_batch(self, indices, max_len)
+
+    def subset(self, count: int) -> FeatureStore:
+        """The first `count` samples (views, no copies)."""
+        n = min(count, len(self))
+        end = self.offsets[n]
+        return FeatureStore(
+            self.aux[:end],
+            self.hidden[:end],
+            self.argmax[:end],
+            self.tokens[:end],
+            self.offsets[: n + 1],
+            self.prompt_lens[:n],
+        )
+
+
+class LiveFeatures:
+    """A FeatureStore's interface with nothing kept: each batch's features are the target's
+    forward over its samples when the batch is asked for (`record_features` on them), so
+    the training data is not bounded by the device memory a store takes (4 x hidden size x
+    2 bytes a token: 10M tokens of SmolLM2-135M are 43 GiB, about what 60% of an H100 holds
+    beside training). The target's forward over a batch is a small part of a training step
+    that unrolls the head several times with its backward passes; the features are the
+    same as a store's, up to the order of the batched sums."""
+
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        samples: list[Sample],
+        aux_layer_ids: tuple[int, ...],
+        page_size: int = 16,
+    ):
+        self.model, self.samples, self.aux_layer_ids = model, samples, aux_layer_ids
+        self.page_size = page_size
+        self.offsets = [0]
+        for s in samples:
+            self.offsets.append(self.offsets[-1] + len(s.token_ids))
+        self.prompt_lens = [s.prompt_len for s in samples]
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def length(self, i: int) -> int:
+        return self.offsets[i + 1] - self.offsets[i]
+
+    def batch(self, indices: list[int], max_len: int | None = None) -> Batch:
+        # (causal: the features of a sample's first max_len tokens are those of the cut one)
+        cut = [
+            Sample(s.key, s.token_ids[:max_len] if max_len else s.token_ids, s.prompt_len)
+            for s in (self.samples[i] for i in indices)
+        ]
+        store = record_features(
+            self.model,
+            cut,
+            self.aux_layer_ids,
+            sum(len(s.token_ids) for s in cut),
+            self.page_size,
+            progress=False,
+        )
+        return make_batch(store, list(range(len(cut))), max_len)
+
+    def subset(self, count: int) -> LiveFeatures:
+        return LiveFeatures(self.model, self.samples[:count], self.aux_layer_ids, self.page_size)
+
 
 @torch.inference_mode()
 def record_features(

@@ -18,7 +18,7 @@ from specserve.model.eagle3 import (
 from specserve.model.eagle3 import save_eagle3_head as _save_head
 from specserve.train.config import DEFAULT_DRAFT_VOCAB, TrainConfig
 from specserve.train.distill import Sample, build_draft_vocab, vocab_coverage
-from specserve.train.features import FeatureStore, make_batch
+from specserve.train.features import FeatureStore, LiveFeatures
 from specserve.train.ttt import acceptance_stats, unroll
 
 
@@ -31,13 +31,13 @@ class Trainee:
         self.head, self.embed, self.target_head, self.cfg = head, embed, target_head, cfg
         self.autocast = head.fc.weight.device.type == "cuda"
 
-    def run(self, store: FeatureStore, indices: list[int]):
-        batch = make_batch(store, indices, self.cfg.max_seq_len)
+    def run(self, store: FeatureStore | LiveFeatures, indices: list[int]):
+        batch = store.batch(indices, self.cfg.max_seq_len)
         with torch.autocast("cuda", torch.bfloat16, enabled=self.autocast):
             return unroll(self.head, self.embed, self.target_head, batch, self.cfg.ttt_steps)
 
     @torch.no_grad()
-    def evaluate(self, store: FeatureStore) -> dict:
+    def evaluate(self, store: FeatureStore | LiveFeatures) -> dict:
         if len(store) == 0:
             return {}
         order = sorted(range(len(store)), key=store.length)

@@ -26,7 +26,7 @@ from specserve.model.loader import load_config, load_model, resolve_model
 from specserve.train.checkpoint import load_checkpoint, save_checkpoint
 from specserve.train.config import TrainConfig
 from specserve.train.distill import coverage_curve, distill, vocab_coverage
-from specserve.train.features import FeatureStore, record_features
+from specserve.train.features import FeatureStore, LiveFeatures, record_features
 from specserve.train.trainee import Trainee, draft_vocab_size, make_head, save_head
 
 logger = logging.getLogger("specserve")
@@ -125,7 +125,9 @@ def train(cfg: TrainConfig) -> TrainResult:
         else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     )
     model = load_model(source, dtype, device, cfg.progress, target_cfg)
-    train_samples = _fit_store(cfg, train_samples, heldout_samples, target_cfg, dtype, device, log)
+    kept = _fit_store(cfg, train_samples, heldout_samples, target_cfg, dtype, device, log)
+    live = kept is None  # the features computed for each batch (`LiveFeatures`)
+    train_samples = _capped(cfg, train_samples, None, log) if live else kept
     if resumed is not None:
         head = resumed.build_head(device)
         coverage = vocab_coverage(train_samples, head.t2d.cpu())
@@ -134,15 +136,21 @@ def train(cfg: TrainConfig) -> TrainResult:
     aux_ids = head.aux_layer_ids
     rec = dict(tokens_per_batch=cfg.feature_batch_tokens, progress=cfg.progress)
     t_rec = time.monotonic()
-    store = record_features(model, train_samples, aux_ids, **rec)
+    if live:  # (the held-out samples, few, are kept)
+        store = LiveFeatures(model, train_samples, aux_ids)
+    else:
+        store = record_features(model, train_samples, aux_ids, **rec)
     held = record_features(model, heldout_samples, aux_ids, **rec) if heldout_samples else None
     _sync(device)
     log(
         {
             "event": "features",
+            "live": live,
             "tokens": store.offsets[-1],
             "seconds": round(time.monotonic() - t_rec, 1),
-            "gib": round(
+            "gib": 0.0
+            if live
+            else round(
                 sum(
                     t.numel() * t.element_size()
                     for t in (store.aux, store.hidden, store.argmax, store.tokens)
@@ -159,7 +167,8 @@ def train(cfg: TrainConfig) -> TrainResult:
         with torch.no_grad():  # warm start: the target's own output head and final norm
             head.lm_head.weight.copy_(target_head.float())
             head.norm.weight.copy_(model.model.norm.weight.float())
-    del model
+    if not live:
+        del model
     trainee = Trainee(head, embed, target_head, cfg)
     opt = torch.optim.AdamW(
         head.parameters(),
@@ -205,7 +214,7 @@ def train(cfg: TrainConfig) -> TrainResult:
     if step == 0:  # the untrained head, for comparison
         initial = {
             "heldout": trainee.evaluate(held) if held is not None else {},
-            "train_subset": trainee.evaluate(_subset(store, 64)),
+            "train_subset": trainee.evaluate(store.subset(64)),
         }
         log({"event": "eval", "step": 0, **initial["heldout"]})
     losses: list[torch.Tensor] = []  # detached device scalars: read when logging
@@ -297,7 +306,7 @@ def train(cfg: TrainConfig) -> TrainResult:
         "train_samples": len(store),
         "train_tokens": store.offsets[-1],
         "heldout": trainee.evaluate(held) if held is not None else {},
-        "train_subset": trainee.evaluate(_subset(store, 64)),
+        "train_subset": trainee.evaluate(store.subset(64)),
         "initial": initial,
         "skipped_batches": skipped,
         "train_seconds": round(time.monotonic() - start, 1),
@@ -316,16 +325,34 @@ def train(cfg: TrainConfig) -> TrainResult:
 STORE_SHARE = 0.6
 
 
-def _fit_store(cfg, train, heldout, model_cfg, dtype, device, log) -> list:
-    """The training samples whose features the store keeps: the first ones within
+def _fit_store(cfg, train, heldout, model_cfg, dtype, device, log) -> list | None:
+    """The training samples whose features a store keeps: the first ones within
     --max-train-tokens and, on a GPU, within STORE_SHARE of its free memory (the store is
-    one allocation: more data than fits failed after the generation, with out of memory)."""
-    per_token = 4 * model_cfg.hidden_size * dtype.itemsize + 16  # aux, hidden, ids
-    cap = cfg.max_train_tokens
+    one allocation: more data than fits failed after the generation, with out of memory).
+    None: none are kept, each batch's are computed (`LiveFeatures`): --features live, or
+    auto where the device's memory would drop samples that --max-train-tokens keeps."""
+    if cfg.features == "live":
+        return None
+    fits = None
     if device.type == "cuda":
+        per_token = 4 * model_cfg.hidden_size * dtype.itemsize + 16  # aux, hidden, ids
         free, _ = torch.cuda.mem_get_info(device)
         held = sum(len(s.token_ids) for s in heldout)
         fits = int(free * STORE_SHARE) // per_token - held
+        wanted = sum(len(s.token_ids) for s in train)
+        if cfg.max_train_tokens is not None:
+            wanted = min(wanted, cfg.max_train_tokens)
+        if cfg.features == "auto" and fits < wanted:
+            log({"event": "live_features", "tokens": wanted, "store_fits_tokens": fits})
+            return None
+    return _capped(cfg, train, fits, log)
+
+
+def _capped(cfg, train: list, fits: int | None, log) -> list:
+    """The first training samples within --max-train-tokens and `fits` tokens of kept
+    features (None: no such bound), logged and warned where samples are dropped."""
+    cap = cfg.max_train_tokens
+    if fits is not None:
         cap = fits if cap is None else min(cap, fits)
     if cap is None:
         return train
@@ -358,20 +385,6 @@ def _fit_store(cfg, train, heldout, model_cfg, dtype, device, log) -> list:
             tokens,
         )
     return kept
-
-
-def _subset(store: FeatureStore, count: int) -> FeatureStore:
-    """The first `count` samples of a store (views, no copies)."""
-    n = min(count, len(store))
-    end = store.offsets[n]
-    return FeatureStore(
-        store.aux[:end],
-        store.hidden[:end],
-        store.argmax[:end],
-        store.tokens[:end],
-        store.offsets[: n + 1],
-        store.prompt_lens[:n],
-    )
 
 
 def run_cli(cfg: TrainConfig) -> int:
