@@ -58,6 +58,7 @@ class TrainConfig:
     save_dtype: str = "bfloat16"
     resume: bool = False
     generate_only: bool = False
+    append: bool = False
     progress: bool = True
 
     def __post_init__(self) -> None:
@@ -105,6 +106,11 @@ class TrainConfig:
             raise ValueError(
                 "--min-draft-coverage chooses a new head's draft vocabulary; "
                 "--init-head keeps its head's: give one of them"
+            )
+        if self.append and (self.resume or not self.generate_only):
+            raise ValueError(
+                "--append adds samples to --out's data.jsonl and stops: give it with "
+                "--generate-only and without --resume (then train with --resume)"
             )
         if not self.data:
             raise ValueError("give at least one --data source")
@@ -154,6 +160,9 @@ _HELP = {
     "resume": "continue from the checkpoint in --out (data and step restored)",
     "generate_only": "write the prompts' replies (data.jsonl) and stop; train on them later "
     "with --resume (fixed leases: generation and training in separate calls)",
+    "append": "with --generate-only: add replies to --out's data.jsonl for the --data prompts "
+    "whose text it does not hold yet (a new --seed draws new self-chat turns; texts the first "
+    "run's seed holds out stay out), its held-out samples kept",
 }
 
 

@@ -18,7 +18,13 @@ from tqdm import tqdm
 from specserve.core.errors import RequestTooLargeError, SpecserveError
 from specserve.core.sampling_params import SamplingParams
 from specserve.train.config import TrainConfig
-from specserve.train.prompts import PromptItem, PromptSourceError, load_prompts, read_source
+from specserve.train.prompts import (
+    PromptItem,
+    PromptSourceError,
+    always_held_out,
+    load_prompts,
+    read_source,
+)
 from specserve.train.self_chat import (
     SELF_CHAT,
     SelfChatConfig,
@@ -388,11 +394,68 @@ def _generate(
     return heldout, train, engine.num_steps, gen["skipped"]
 
 
+DATA_SETTINGS = "data_settings.json"  # the seed whose held-out texts data.jsonl keeps out
+
+
+@dataclass
+class _Appended:
+    """What --append adds to: the samples of out/data.jsonl and the seed of the run that
+    first wrote them (its held-out texts stay out)."""
+
+    train: list[Sample]
+    heldout: list[Sample]
+    first_seed: int
+
+
+def _to_append(out: Path) -> _Appended:
+    data_path, settings_path = out / "data.jsonl", out / DATA_SETTINGS
+    if not data_path.is_file():
+        raise SpecserveError(
+            f"--append: {out} holds no data.jsonl to add to; write it there with "
+            "--generate-only first"
+        )
+    if not settings_path.is_file():
+        raise SpecserveError(
+            f"--append: {settings_path} is missing (data written before --append existed), "
+            "so the texts its run held out cannot be told; generate the data anew"
+        )
+    train, heldout = _read_samples(data_path)
+    return _Appended(train, heldout, json.loads(settings_path.read_text())["seed"])
+
+
+def _new_prompts(
+    candidates: list[PromptItem], before: _Appended, limit: int | None
+) -> list[PromptItem]:
+    """The candidates --append generates replies for: each text once, none that
+    data.jsonl holds (trained or held out) and none that its first run's seed holds out
+    (`always_held_out`: eval-draft's held-out split), at most `limit`."""
+    taken = {PromptItem(s.key, []).source_key for s in before.train + before.heldout}
+    new, seen = [], set()
+    for p in candidates:
+        if p.key in seen or p.source_key in taken or always_held_out(before.first_seed, p):
+            continue
+        seen.add(p.key)
+        new.append(p)
+    return new[:limit] if limit is not None else new
+
+
+def _record_run(out: Path, cfg: TrainConfig, train_samples: int, before) -> None:
+    """out/data_settings.json: the seed whose held-out texts data.jsonl keeps out (the first
+    run's) and every run that wrote samples to it."""
+    path = out / DATA_SETTINGS
+    settings = json.loads(path.read_text()) if before is not None else {"seed": cfg.seed}
+    run = {"seed": cfg.seed, "data": cfg.data, "train_samples": train_samples}
+    settings["runs"] = [*settings.get("runs", []), run]
+    path.write_text(json.dumps(settings, indent=1) + "\n")
+
+
 def distill(cfg: TrainConfig, out: Path, log) -> tuple[list[Sample], list[Sample]]:
-    """The (train, held-out) samples: read from out/data.jsonl on --resume, else generated."""
+    """The (train, held-out) samples: read from out/data.jsonl on --resume, else generated
+    (with --append: generated for new prompts and added to data.jsonl's)."""
     data_path = out / "data.jsonl"
     if cfg.resume and data_path.is_file():
         return _read_samples(data_path)
+    before = _to_append(out) if cfg.append else None
     for name in cfg.data:  # every other source read first: one that cannot be read fails
         if name != SELF_CHAT:  # before self-chat spends minutes of generation
             read_source(name, cfg.prompt_variants)
@@ -404,20 +467,30 @@ def distill(cfg: TrainConfig, out: Path, log) -> tuple[list[Sample], list[Sample
     prompts, heldout_prompts = load_prompts(
         cfg.data,
         cfg.seed,
-        cfg.num_prompts,
+        None if before is not None else cfg.num_prompts,
         cfg.heldout_prompts,
         cfg.prompt_variants,
         made,
         cfg.data_weights,
     )
-    if not prompts:
+    if before is not None:  # (held-out samples: the first run's)
+        prompts = _new_prompts(prompts + heldout_prompts, before, cfg.num_prompts)
+        heldout_prompts = []
+        if not prompts:
+            raise PromptSourceError(
+                f"--append: every prompt of --data {cfg.data} is in {data_path} already or "
+                "held out by its first run; give other sources, or a new --seed for new "
+                "self-chat turns"
+            )
+    elif not prompts:
         raise PromptSourceError(
             f"--data {cfg.data} leaves no training prompts after the "
             f"{len(heldout_prompts)} held out"
         )
-    with open(out / "heldout_prompts.jsonl", "w") as f:
-        for p in heldout_prompts:
-            f.write(json.dumps({"key": p.key, "messages": p.messages}) + "\n")
+    else:
+        with open(out / "heldout_prompts.jsonl", "w") as f:
+            for p in heldout_prompts:
+                f.write(json.dumps({"key": p.key, "messages": p.messages}) + "\n")
     t0 = time.monotonic()
     try:
         heldout, train, engine_steps, skipped = _generate(
@@ -453,13 +526,13 @@ def distill(cfg: TrainConfig, out: Path, log) -> tuple[list[Sample], list[Sample
     gc.collect()  # the engine's KV cache and graphs: the feature store needs the memory
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    _write_samples(data_path, train, heldout)
     new_tokens = sum(s.response_len for s in train + heldout)
     log(
         {
             "event": "generated",
             "train_samples": len(train),
             "heldout_samples": len(heldout),
+            "appended_to": len(before.train) if before is not None else None,
             "prompts_available": len(prompts),
             "reply_tokens": new_tokens,
             "tokens": sum(len(s.token_ids) for s in train + heldout),
@@ -470,4 +543,9 @@ def distill(cfg: TrainConfig, out: Path, log) -> tuple[list[Sample], list[Sample
             "reply_tokens_per_s": round(new_tokens / seconds, 1),
         }
     )
+    added = len(train)
+    if before is not None:
+        train, heldout = before.train + train, before.heldout
+    _write_samples(data_path, train, heldout)
+    _record_run(out, cfg, added, before)
     return train, heldout
