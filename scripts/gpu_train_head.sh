@@ -6,7 +6,9 @@
 #   bash scripts/gpu_train_head.sh "$OUT"              # the H200 run (about 540 s in all)
 #   SMOKE=1 bash scripts/gpu_train_head.sh /tmp/smoke   # the same stages, tiny, on CPU (~2 min)
 #   RECIPE=chat PHASE=data bash scripts/gpu_train_head.sh "$OUT"   # chat, call 1: the data
-#   RECIPE=chat PHASE=train bash scripts/gpu_train_head.sh "$OUT"  # chat, call 2: train, eval
+#   RECIPE=chat PHASE=more SEED=1 bash scripts/gpu_train_head.sh "$OUT"  # more data (any
+#                               # number of calls, a new SEED each: --generate-only --append)
+#   RECIPE=chat PHASE=train bash scripts/gpu_train_head.sh "$OUT"  # chat, last call: train, eval
 #
 # RECIPE=chat (issue 33) trains on prompts the target writes itself (--data self-chat) as two
 # thirds of the training prompts, stdlib and Shakespeare a sixth each, and holds out 64 of
@@ -39,7 +41,8 @@ PY=${PYTHON:-python3}  # on the GPU machine python3 is the one that holds PyTorc
 export PYTHONPATH="$REPO/src${PYTHONPATH:+:$PYTHONPATH}"
 SMOKE=${SMOKE:-0}
 RECIPE=${RECIPE:-code}
-PHASE=${PHASE:-all}  # chat: data, train, or all (both in one call)
+PHASE=${PHASE:-all}  # chat: data, more (data appended), train, or all (data and train)
+SEED=${SEED:-0}  # of the prompts drawn: each PHASE=more call needs a new one
 T0=$(date +%s)
 mkdir -p "$OUT_DIR"
 if [ "$RECIPE" = chat ]; then WORK=${WORK:-/tmp/chat-head}; mkdir -p "$WORK"; fi
@@ -89,6 +92,7 @@ if [ "$RECIPE" = chat ]; then
   TRAIN_ARGS+=("${CHAT_ARGS[@]}" --data-weights "${WEIGHTS[@]}" --prompt-variants 1
                --heldout-prompts $((HELD_PER_SOURCE * ${#DATA[@]})))
   [ "$PHASE" = data ] && TRAIN_ARGS+=(--generate-only)
+  [ "$PHASE" = more ] && TRAIN_ARGS+=(--generate-only --append)
   [ "$PHASE" = train ] && TRAIN_ARGS+=(--resume)
   [ "$PHASE" = all ] || GEN_S=${CHAT_GEN_S:-200}  # a call of its own for the data
   # two evaluations (an engine each) after training
@@ -120,9 +124,9 @@ git -C "$REPO" log -1 --format='commit %H %s' 2>/dev/null || true
 stage "train-eagle3 (generation ~${GEN_S}s, training until t=${TRAIN_END_S}s)"
 timeout --kill-after=10 "$(left $((TRAIN_END_S + 30)))" \
   $PY -m specserve.cli train-eagle3 --out "$RUN_DIR" --no-progress --data "${DATA[@]}" \
-  --seed 0 --gen-time-s "$GEN_S" --end-by "$((T0 + TRAIN_END_S))" "${TRAIN_ARGS[@]}"
+  --seed "$SEED" --gen-time-s "$GEN_S" --end-by "$((T0 + TRAIN_END_S))" "${TRAIN_ARGS[@]}"
 echo "train-eagle3 exit status $?"
-if [ "$PHASE" = data ]; then
+if [ "$PHASE" = data ] || [ "$PHASE" = more ]; then
   cp "$RUN_DIR"/log.jsonl "$RUN_DIR"/heldout_prompts.jsonl "$RES_DIR"/ 2>/dev/null
   tar -czf "$OUT_DIR/results.tgz" -C "$RES_DIR" .
   gzip -c "$RUN_DIR/data.jsonl" > "$WORK/data.jsonl.gz" && ls -l "$WORK/data.jsonl.gz"
