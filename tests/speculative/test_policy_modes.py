@@ -34,6 +34,19 @@ def _rates(plain: float, drafting: float, steps: int = ModeRates.MIN_STEPS, at: 
     return modes
 
 
+# a decision's expectations at K = 0..3: committed tokens (16 requests), periods (ms)
+EXPECTED = dict(tokens=[N, 1.5 * N, 1.75 * N, 2 * N], period_ms=[1.0, 1.5, 1.75, 2.0])
+
+
+def _speculator(policy, acceptance) -> Speculator:
+    """The engine's Speculator around `policy`, without an engine (its observe_period)."""
+    spec = Speculator.__new__(Speculator)
+    spec.policy, spec.cost, spec.periods = policy, policy.cost, PeriodLog(policy.cost)
+    spec.clear_step_history()
+    spec.acceptance = acceptance
+    return spec
+
+
 def _factors(policy) -> dict:
     """The modes' factors and steps by "bucket:mode" (their snapshot), to 6 digits."""
     snapshot = policy.modes.snapshot()
@@ -171,13 +184,8 @@ def test_each_step_counts_for_its_mode_probes_and_steps_without_decodes_for_none
     included); probes, steps without decoding requests and decisions that expected nothing
     to neither."""
     policy, acceptance = _policy(alpha=0.8, k_max=3)
-    spec = Speculator.__new__(Speculator)
-    spec.policy, spec.cost, spec.periods = policy, policy.cost, PeriodLog(policy.cost)
-    spec.clear_step_history()
-    spec.acceptance = acceptance
+    spec = _speculator(policy, acceptance)
     clock = [1.0]
-    # a decision's expectations at K = 0..3: committed tokens (16 requests), periods (ms)
-    EXPECTED = dict(tokens=[N, 1.5 * N, 1.75 * N, 2 * N], period_ms=[1.0, 1.5, 1.75, 2.0])
 
     def step(k, committed, dormant=False, probe=False, decodes=N):
         policy.dormant = dormant
@@ -229,12 +237,8 @@ def test_decode_steps_beside_a_step_carrying_prefill_count_for_neither_mode():
     drafting overruled it). Here the steps beside prefill take 3-4 times their expected
     period and the interior ones as expected: drafting's factor stays 1."""
     policy, acceptance = _policy(alpha=0.8, k_max=3)
-    spec = Speculator.__new__(Speculator)
-    spec.policy, spec.cost, spec.periods = policy, policy.cost, PeriodLog(policy.cost)
-    spec.clear_step_history()
-    spec.acceptance = acceptance
+    spec = _speculator(policy, acceptance)
     clock = [1.0]
-    expected = dict(tokens=[N, 1.5 * N, 1.75 * N, 2 * N], period_ms=[1.0, 1.5, 1.75, 2.0])
 
     def step(ms, prefill=False):
         batch = []
@@ -244,7 +248,7 @@ def test_decode_steps_beside_a_step_carrying_prefill_count_for_neither_mode():
             batch.append(s)
         if prefill:
             batch.append(ScheduledRequest(None, 16))
-        policy._decided([3] * N, **expected)
+        policy._decided([3] * N, **EXPECTED)
         spec._last_committed = 2 * N  # as expected: 2 tokens a request
         clock[0] += ms / 1e3
         spec.observe_period(batch, clock[0], False)

@@ -16,11 +16,9 @@ def _records(out):
     return [json.loads(ln) for ln in (out / "log.jsonl").read_text().splitlines()]
 
 
-def test_generate_only_then_resume(tmp_path, capsys):
-    target = make_target(tmp_path / "target")
-    prompts = write_prompt_file(tmp_path / "prompts.jsonl")
-    out = tmp_path / "run"
-    args = [
+def _args(target, prompts, out, steps: int) -> list[str]:
+    """A tiny train-eagle3 run's command line (checkpoints and evaluations every 3 steps)."""
+    return [
         "train-eagle3",
         "--target",
         str(target),
@@ -29,7 +27,7 @@ def test_generate_only_then_resume(tmp_path, capsys):
         "--out",
         str(out),
         "--steps",
-        "6",
+        str(steps),
         "--batch-size",
         "8",
         "--ttt-steps",
@@ -50,6 +48,13 @@ def test_generate_only_then_resume(tmp_path, capsys):
         "3",
         "--no-progress",
     ]
+
+
+def test_generate_only_then_resume(tmp_path, capsys):
+    target = make_target(tmp_path / "target")
+    prompts = write_prompt_file(tmp_path / "prompts.jsonl")
+    out = tmp_path / "run"
+    args = _args(target, prompts, out, 6)
     assert main(args + ["--generate-only"]) == 0
     assert "train on them with --resume" in capsys.readouterr().out
     data = (out / "data.jsonl").read_text()
@@ -77,32 +82,7 @@ def test_append_adds_replies_for_new_prompts_and_keeps_the_held_out_ones(tmp_pat
     target = make_target(tmp_path / "target")
     prompts = write_prompt_file(tmp_path / "prompts.jsonl")
     out = tmp_path / "run"
-    args = [
-        "train-eagle3",
-        "--target",
-        str(target),
-        "--data",
-        str(prompts),
-        "--out",
-        str(out),
-        "--steps",
-        "2",
-        "--batch-size",
-        "8",
-        "--ttt-steps",
-        "2",
-        "--draft-vocab-size",
-        "128",
-        "--heldout-prompts",
-        "4",
-        "--max-new-tokens",
-        "8",
-        "--aux-layer-ids",
-        "1",
-        "2",
-        "3",
-        "--no-progress",
-    ]
+    args = _args(target, prompts, out, 2)
     assert main(args + ["--append", "--generate-only"]) == 2  # nothing to add to yet
     assert "holds no data.jsonl" in capsys.readouterr().err
     assert main(args + ["--generate-only", "--num-prompts", "6"]) == 0
