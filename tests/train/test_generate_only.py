@@ -134,3 +134,22 @@ def test_append_adds_replies_for_new_prompts_and_keeps_the_held_out_ones(tmp_pat
     reserved = {p.source_key for p in everything if always_held_out(0, p)}
     assert reserved and not kept  # (the case is exercised)
     assert {source(s) for s in train} == {p.source_key for p in everything} - reserved
+
+
+def test_append_leaves_out_every_text_the_first_run_held_out():
+    """Also a held-out prompt whose sample the generation skipped (too long): its text is in
+    heldout_prompts.jsonl, not in data.jsonl; and each text once, at most `limit`."""
+    from specserve.train.distill import Sample, _Appended, _new_prompts
+    from specserve.train.prompts import PromptItem, always_held_out
+
+    before = _Appended(
+        train=[Sample("f:1", [1, 2], 1)],
+        heldout=[Sample("f:2", [1, 2], 1)],
+        first_seed=0,
+        held_keys={"f:2", "f:3"},  # f:3 held out, skipped
+    )
+    items = [PromptItem(f"f:{i}", []) for i in range(1, 40)]
+    kept = {p.key for p in _new_prompts(items + items[5:9], before, None)}
+    reserved = {p.key for p in items if always_held_out(0, p)}
+    assert kept == {p.key for p in items} - {"f:1", "f:2", "f:3"} - reserved
+    assert len(_new_prompts(items, before, 4)) == 4

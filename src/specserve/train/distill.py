@@ -405,6 +405,7 @@ class _Appended:
     train: list[Sample]
     heldout: list[Sample]
     first_seed: int
+    held_keys: set[str]  # source keys of its heldout_prompts.jsonl (a skipped one too)
 
 
 def _to_append(out: Path) -> _Appended:
@@ -420,16 +421,22 @@ def _to_append(out: Path) -> _Appended:
             "so the texts its run held out cannot be told; generate the data anew"
         )
     train, heldout = _read_samples(data_path)
-    return _Appended(train, heldout, json.loads(settings_path.read_text())["seed"])
+    held_path = out / "heldout_prompts.jsonl"
+    held = held_path.read_text().splitlines() if held_path.is_file() else []
+    held_keys = {PromptItem(json.loads(line)["key"], []).source_key for line in held}
+    seed = json.loads(settings_path.read_text())["seed"]
+    return _Appended(train, heldout, seed, held_keys)
 
 
 def _new_prompts(
     candidates: list[PromptItem], before: _Appended, limit: int | None
 ) -> list[PromptItem]:
     """The candidates --append generates replies for: each text once, none that
-    data.jsonl holds (trained or held out) and none that its first run's seed holds out
+    data.jsonl holds (trained or held out) or its first run held out (a held-out prompt
+    the generation skipped too) and none that the first run's seed holds out
     (`always_held_out`: eval-draft's held-out split), at most `limit`."""
     taken = {PromptItem(s.key, []).source_key for s in before.train + before.heldout}
+    taken |= before.held_keys
     new, seen = [], set()
     for p in candidates:
         if p.key in seen or p.source_key in taken or always_held_out(before.first_seed, p):
