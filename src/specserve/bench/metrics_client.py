@@ -314,19 +314,18 @@ def speculation_figures(before: dict, after: dict) -> dict:
     tables: dict = {}
     scalars: dict = {}
     for (name, labels), v in after.items():
-        if name.startswith("specserve_spec_policy_") and not labels:
-            scalar = name.removeprefix("specserve_spec_policy_")
-            if scalar.endswith("_seconds"):
-                scalar, v = scalar.removesuffix("_seconds") + "_ms", 1000.0 * v
-            scalars[scalar] = v
-        elif name.startswith("specserve_spec_policy_"):
+        if not name.startswith("specserve_spec_policy_"):
+            continue
+        name = name.removeprefix("specserve_spec_policy_")
+        if name.endswith("_seconds"):  # (the report's figures are in ms)
+            name, v = name.removesuffix("_seconds") + "_ms", 1000.0 * v
+        if not labels:
+            scalars[name] = v
+        else:
             cell = dict(labels)
             bucket = cell.pop("bucket", "")
             key = next(iter(cell.values()), "")
-            table_name = name.removeprefix("specserve_spec_policy_")
-            if table_name.endswith("_seconds"):  # (the report's tables are in ms)
-                table_name, v = table_name.removesuffix("_seconds") + "_ms", 1000.0 * v
-            table = tables.setdefault(table_name, {})
+            table = tables.setdefault(name, {})
             table.setdefault(bucket, {})[key] = v
     if scalars:
         out["policy_scalars"] = scalars
