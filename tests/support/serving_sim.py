@@ -85,7 +85,6 @@ FEATURE_MS_PER_TOKEN = HEAD_MS_PER_TOKEN / 5
 
 TARGET = CurveModel(H200_8B)
 DRAFTER = CurveModel(HEAD_8B)
-POLICIES = ("off", 1, 2, 3, "goodput")
 
 
 @dataclass(frozen=True)
@@ -130,6 +129,13 @@ class ServingRegime:
     # Multiplicative noise of every step's time (seeded, the same step by step for every
     # policy; None: none): the H100's periods of one kind of step spread by 10-20%
     noise: Noise | None = None
+    # The longest draft: goodput's K_max, the fixed Ks compared are 1..k_max
+    k_max: int = K_MAX
+
+    @property
+    def policies(self) -> tuple:
+        """What `compare` runs: plain decoding, every fixed K and goodput."""
+        return ("off", *range(1, self.k_max + 1), "goodput")
 
     @property
     def num_pages(self) -> int:
@@ -142,7 +148,7 @@ class ServingRegime:
 
     @property
     def alpha(self) -> float:
-        return rate_for_mean_accept_len(self.accept_len, K_MAX)
+        return rate_for_mean_accept_len(self.accept_len, self.k_max)
 
 
 def step_ms(
@@ -188,17 +194,18 @@ def make_policy(
     name: str | int,
     acceptance: AcceptanceModel,
     attn_ms_per_token: float = ATTN_MS_PER_CONTEXT_TOKEN,
+    k_max: int = K_MAX,
 ) -> SpeculationPolicy:
     """The policy called `name`: "goodput" (on the start-up seeds), "off" (or 0), or a fixed
     K (FixedPolicy for K_max, else a schedule of that K from batch 1; both within the step's
     draft budget where the scheduler hands them one)."""
     if name == "goodput":
-        return GoodputPolicy(K_MAX, startup_costs(attn_ms_per_token), acceptance)
+        return GoodputPolicy(k_max, startup_costs(attn_ms_per_token), acceptance)
     if name in ("off", 0):
-        return OffPolicy(K_MAX)
-    if name == K_MAX:
-        return FixedPolicy(K_MAX)
-    return SchedulePolicy(K_MAX, f"1:{name}")
+        return OffPolicy(k_max)
+    if name == k_max:
+        return FixedPolicy(k_max)
+    return SchedulePolicy(k_max, f"1:{name}")
 
 
 @dataclass
@@ -273,12 +280,14 @@ def simulate(
     c, out, alpha = regime.concurrency, regime.output, regime.alpha
     kv = KVCache(tiny_config(1), regime.num_pages, PAGE_SIZE, torch.float32, torch.device("cpu"))
     sched = Scheduler(kv, MAX_NUM_SEQS, BUDGET)
-    acceptance = AcceptanceModel(K_MAX)
-    policy = make_policy(name, acceptance, regime.attn_ms_per_token)
+    acceptance = AcceptanceModel(regime.k_max)
+    policy = make_policy(name, acceptance, regime.attn_ms_per_token, regime.k_max)
     spec = bare_speculator(policy, acceptance)
     # The engine asks no policy under "off" (`Speculator.scheduling_policy`).
     asked = None if isinstance(policy, OffPolicy) else policy
     res = ServingResult(policy=policy, usable_pages=kv.allocator.num_usable)
+    res.decided_ks = [0] * (regime.k_max + 1)
+    res.step_ks = [0] * (regime.k_max + 1)
     draws: dict[int, random.Random] = {}  # id(request) -> its acceptance stream
     noise = noise_factors(regime.noise, seed) if regime.noise is not None else None
     steps_run = 0
@@ -427,7 +436,7 @@ def compare(
     out: dict = {}
     results: dict = {}
     open_loop = regime.rate_per_ms is not None
-    for name in POLICIES:
+    for name in regime.policies:
         tokens = ms = 0.0
         latencies: list[float] = []
         for seed in seeds if name == "goodput" or baseline_seeds is None else baseline_seeds:
@@ -437,7 +446,8 @@ def compare(
             results.setdefault(name, []).append(r)
         out[name] = sum(latencies) / len(latencies) if open_loop else tokens / ms
     out["metric"] = "mean latency ms" if open_loop else "tokens/ms"
-    baselines = [out[p] for p in POLICIES if p != "goodput"]
+    out["policies"] = regime.policies
+    baselines = [out[p] for p in regime.policies if p != "goodput"]
     if open_loop:
         out["best"] = min(baselines)
         out["vs_best"] = out["best"] / out["goodput"]
