@@ -83,6 +83,8 @@ def test_responses_meet_the_document(server):
 SUCCESSES = [
     ("/v1/completions", {"prompt": "The quick", "max_tokens": 3}),
     ("/v1/completions", {"prompt": [[5, 6], [7]], "max_tokens": 2, "n": 2, "logprobs": 2}),
+    # echoed, the prompt's first token has no logprob: null (found by the fuzzing above)
+    ("/v1/completions", {"prompt": "The quick", "max_tokens": 2, "logprobs": 2, "echo": True}),
     (
         "/v1/completions",
         {

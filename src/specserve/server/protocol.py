@@ -256,11 +256,13 @@ class Usage(BaseModel):
 
 
 class CompletionLogprobs(BaseModel):
-    """Legacy completions logprobs: parallel lists, one entry per generated token."""
+    """Legacy completions logprobs: parallel lists, one entry per token (with `echo`, the
+    prompt's tokens first, whose first has no logprob and no alternatives: null, as
+    OpenAI's)."""
 
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
 
