@@ -212,6 +212,16 @@ def _off_peak_per_ms() -> float:
     return r.tokens / r.ms / OUTPUT
 
 
+def _open_loop(accept_len: float, share: float, seed: int = 0, **regime) -> dict:
+    """Every policy under Poisson arrivals at `share` of plain decoding's peak (256 clients'
+    KV cache), goodput's ratios asserted (VS_BEST, VS_OFF); the comparison, for more."""
+    rate = share * _off_peak_per_ms()
+    r = compare(ServingRegime(256, PROMPT, OUTPUT, accept_len, rate_per_ms=rate, **regime), (seed,))
+    assert r["vs_best"] >= VS_BEST, _table(r)
+    assert r["vs_off"] >= VS_OFF, _table(r)
+    return r
+
+
 # Open loop (ServingRegime.rate_per_ms), as `bench sweep --arrival poisson` runs its points:
 # requests arrive at a share of plain decoding's peak request rate at 256 clients (the
 # matrix's default shares: 0.25, 0.5, 0.75, 0.9), the KV cache sized for 256, and every
@@ -228,10 +238,7 @@ POISSON_CASES = [
 
 @pytest.mark.parametrize(("accept_len", "share"), POISSON_CASES)
 def test_goodput_near_the_best_policy_under_poisson_arrivals(accept_len, share):
-    rate = share * _off_peak_per_ms()
-    r = compare(ServingRegime(256, PROMPT, OUTPUT, accept_len, rate_per_ms=rate), (0,))
-    assert r["vs_best"] >= VS_BEST, _table(r)
-    assert r["vs_off"] >= VS_OFF, _table(r)
+    _open_loop(accept_len, share)
 
 
 # The same with every step's time noisy (ServingRegime.noise: lognormal, 20% a step, and 2%
@@ -252,11 +259,7 @@ def test_goodput_near_the_best_policy_under_poisson_arrivals(accept_len, share):
     [0, pytest.param(1, marks=pytest.mark.xfail(strict=True, reason="stays plain: 0.949"))],
 )
 def test_goodput_near_the_best_policy_under_poisson_arrivals_with_noisy_steps(seed):
-    rate = 0.9 * _off_peak_per_ms()
-    regime = ServingRegime(256, PROMPT, OUTPUT, 1.5, rate_per_ms=rate, noise=Noise())
-    r = compare(regime, (seed,))
-    assert r["vs_best"] >= VS_BEST, _table(r)
-    assert r["vs_off"] >= VS_OFF, _table(r)
+    _open_loop(1.5, 0.9, seed, noise=Noise())
 
 
 # Under Poisson arrivals at 0.9 of plain decoding's peak where a long draft is best, goodput
@@ -280,19 +283,7 @@ OPEN_LOOP_PREFILL_CASES = [
 @pytest.mark.xfail(strict=True, reason="the prefill its commits bring, charged under Poisson")
 @pytest.mark.parametrize(("accept_len", "k_max", "attention_tb_s"), OPEN_LOOP_PREFILL_CASES)
 def test_goodput_drafts_beside_prefill_under_poisson_arrivals(accept_len, k_max, attention_tb_s):
-    rate = 0.9 * _off_peak_per_ms()
-    regime = ServingRegime(
-        256,
-        PROMPT,
-        OUTPUT,
-        accept_len,
-        rate_per_ms=rate,
-        attention_tb_s=attention_tb_s,
-        k_max=k_max,
-    )
-    r = compare(regime, (0,))
-    assert r["vs_best"] >= VS_BEST, _table(r)
-    assert r["vs_off"] >= VS_OFF, _table(r)
+    _open_loop(accept_len, 0.9, attention_tb_s=attention_tb_s, k_max=k_max)
 
 
 # Drafting's surcharge in steps carrying prefill (ServingRegime.prefill_draft_ms): what the
@@ -317,13 +308,7 @@ SURCHARGE_CASES = [
 
 @pytest.mark.parametrize(("accept_len", "share", "surcharge"), SURCHARGE_CASES)
 def test_goodput_prices_what_drafting_adds_to_prefill_steps(accept_len, share, surcharge):
-    rate = share * _off_peak_per_ms()
-    regime = ServingRegime(
-        256, PROMPT, OUTPUT, accept_len, rate_per_ms=rate, prefill_draft_ms=surcharge
-    )
-    r = compare(regime, (0,))
-    assert r["vs_best"] >= VS_BEST, _table(r)
-    assert r["vs_off"] >= VS_OFF, _table(r)
+    r = _open_loop(accept_len, share, prefill_draft_ms=surcharge)
     measured = r["results"]["goodput"][0].policy.surcharge.ms
     assert measured == pytest.approx(surcharge, rel=0.15)  # what the policy found
 
@@ -357,19 +342,7 @@ SWING_CASES = [
 
 @pytest.mark.parametrize(("accept_len", "share"), SWING_CASES)
 def test_goodput_tells_prefill_steps_cost_from_drafting_surcharge(accept_len, share):
-    rate = share * _off_peak_per_ms()
-    regime = ServingRegime(
-        256,
-        PROMPT,
-        OUTPUT,
-        accept_len,
-        rate_per_ms=rate,
-        prefill_step_ms=8.0,
-        prefill_swing_ms=3000.0,
-    )
-    r = compare(regime, (0,))
-    assert r["vs_best"] >= VS_BEST, _table(r)
-    assert r["vs_off"] >= VS_OFF, _table(r)
+    _open_loop(accept_len, share, prefill_step_ms=8.0, prefill_swing_ms=3000.0)
 
 
 # At 256 clients with 12 ms, goodput's 12 seeds averaged 0.984 of plain decoding (0.968-0.999;
