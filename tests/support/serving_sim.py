@@ -285,9 +285,12 @@ def simulate(
     spec = bare_speculator(policy, acceptance)
     # The engine asks no policy under "off" (`Speculator.scheduling_policy`).
     asked = None if isinstance(policy, OffPolicy) else policy
-    res = ServingResult(policy=policy, usable_pages=kv.allocator.num_usable)
-    res.decided_ks = [0] * (regime.k_max + 1)
-    res.step_ks = [0] * (regime.k_max + 1)
+    res = ServingResult(
+        policy=policy,
+        usable_pages=kv.allocator.num_usable,
+        decided_ks=[0] * (regime.k_max + 1),
+        step_ks=[0] * (regime.k_max + 1),
+    )
     draws: dict[int, random.Random] = {}  # id(request) -> its acceptance stream
     noise = noise_factors(regime.noise, seed) if regime.noise is not None else None
     steps_run = 0
