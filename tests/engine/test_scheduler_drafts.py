@@ -145,6 +145,41 @@ def test_the_policy_learns_the_prefill_per_token():
     assert sched.prefill_per_token == 2.0
 
 
+def test_the_policy_is_told_the_servers_occupancy():
+    """`StepLoad.occupancy`: the running requests over the server's room, its sequence
+    slots or the requests of the finished ones' mean length its KV cache holds, whichever is
+    fewer (1.0 until one finished)."""
+    # 400 pages of 4 = 1,600 tokens; finished requests of 10 + 5 tokens: room for 106 by
+    # the KV cache, 16 by the sequence slots
+    sched = _sched(num_pages=400, page_size=4, budget=256, max_num_seqs=16)
+    assert sched.occupancy == 1.0  # nothing finished: no room known
+    sched.add(_request(0, prompt_len=10, max_tokens=5))
+    while sched.running or sched.waiting:
+        for s in _run_step(sched):
+            if s.request.finish_reason is not None:
+                sched.finish(s.request)
+    assert sched.occupancy == 0.0
+    for i in range(1, 5):
+        sched.add(_request(i, prompt_len=10))
+    _run_step(sched)
+    assert sched.occupancy == 4 / 16
+    policy = Recording(k_max=3)
+    sched.schedule(policy)
+    assert policy.loads[-1][1].occupancy == 4 / 16
+    # where the KV cache holds fewer requests than there are slots, it is the room
+    small = _sched(num_pages=16, page_size=4, budget=256, max_num_seqs=16)  # 60 usable tokens
+    small.add(_request(0, prompt_len=10, max_tokens=5))
+    while small.running or small.waiting:
+        for s in _run_step(small):
+            if s.request.finish_reason is not None:
+                small.finish(s.request)
+    for i in range(1, 3):
+        small.add(_request(i, prompt_len=10, max_tokens=5))
+    _run_step(small)
+    room = small.kv.capacity_tokens / 15
+    assert room < 16 and small.occupancy == min(1.0, 2 / room)
+
+
 def test_the_policy_is_told_who_waits_for_budget_or_pages_not_for_a_slot():
     """`StepLoad.waiting`: requests left waiting after the step's admissions for budget or
     pages (the goodput policy does not wake its drafter for them), none when what they wait

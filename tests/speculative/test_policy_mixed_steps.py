@@ -19,13 +19,12 @@ def _running(policy, rate: float, steps: int = 16):
     return policy
 
 
-def _mixed_choice(rate: float, per_token: float = 0.0) -> int:
+def _mixed_choice(rate: float, per_token: float = 0.0, occupancy: float = 1.0) -> int:
     policy, _ = _policy(alpha=0.8, k_max=3)
     _measured(policy, N)
     _running(policy, rate)
-    draft_lens = policy.choose(
-        _reqs(N), StepLoad(PREFILL, draft_budget=None, prefill_per_token=per_token)
-    )
+    load = StepLoad(PREFILL, draft_budget=None, prefill_per_token=per_token, occupancy=occupancy)
+    draft_lens = policy.choose(_reqs(N), load)
     assert len(set(draft_lens)) == 1
     return draft_lens[0]
 
@@ -84,6 +83,18 @@ def test_the_prefill_extra_commits_bring_is_priced():
     # yet) they do
     assert _mixed_choice(rate=10.0, per_token=8.0) == 0
     assert _mixed_choice(rate=10.0, per_token=0.0) == 3
+
+
+def test_the_prefill_commits_bring_is_charged_by_the_servers_occupancy():
+    # Where the running requests hold under half of the server's room, arrivals are admitted
+    # whatever K does: the charge shrinks in proportion (GoodputPolicy.FULL_CHARGE_OCCUPANCY)
+    # and at a twentieth of the room (a tenth of the charge) K=3 pays again at 8 prompt
+    # tokens per generated token; at a fifth, two fifths of the charge keep it off (a fifth
+    # would not); from half the room up the whole charge counts, as in a full server
+    assert _mixed_choice(rate=10.0, per_token=8.0, occupancy=0.05) == 3
+    assert _mixed_choice(rate=10.0, per_token=8.0, occupancy=0.2) == 0
+    assert _mixed_choice(rate=10.0, per_token=8.0 / 5) == 3
+    assert _mixed_choice(rate=10.0, per_token=8.0, occupancy=0.9) == 0
 
 
 def test_no_marginal_rule_before_the_rate_is_known():

@@ -171,7 +171,9 @@ class Scheduler:
                 prefill += s.num_tokens
         # (requests waiting for budget or pages, not for a sequence slot: drafts take neither)
         waiting = len(self.waiting) if len(self.running) < self.max_num_seqs else 0
-        load = StepLoad(prefill, budget, self.prefill_per_token, waiting, self._after_idle)
+        load = StepLoad(
+            prefill, budget, self.prefill_per_token, waiting, self._after_idle, self.occupancy
+        )
         if decoding:
             self._after_idle = False
         draft_lens = policy.choose([s.request for s in decoding], load)
@@ -232,6 +234,17 @@ class Scheduler:
             if keep < len(r.page_table) * self.kv.page_size:
                 freed += self.kv.shrink(r.page_table, keep)
         return freed > 0
+
+    @property
+    def occupancy(self) -> float:
+        """The share of the server's room the running requests take: of its sequence slots,
+        or of the requests of the finished ones' mean length its KV cache holds, whichever
+        is fuller (1.0 until a request finished)."""
+        footprint = self._prompt_mean + self._output_mean
+        if footprint <= 0:
+            return 1.0
+        room = min(self.max_num_seqs, self.kv.capacity_tokens / footprint)
+        return min(1.0, len(self.running) / max(1.0, room))
 
     @property
     def prefill_per_token(self) -> float:

@@ -140,6 +140,16 @@ class GoodputPolicy(SpeculationPolicy):
     DORMANT_PROBE_BUDGET = 0.004  # the share of throughput probing may cost while dormant
     WAKE_EVIDENCE = 64  # drafts verified before a dormant drafter wakes for many requests
     WAKE_STEPS = 256
+    # The charge for the prefill a step's commits bring counts in full from this share of the
+    # server's room up (`StepLoad.occupancy`), in proportion below it. Under Poisson arrivals
+    # a request finished does not admit the next, and the full charge kept drafts short
+    # beside prefill where a long draft was best (serving simulator, 0.9 of plain decoding's
+    # peak: L = 4.5 0.959 of fixed K=5, now 0.986; L = 3.0 with the H100's attention 0.978,
+    # now 0.987; the H100 through the server: 0.926 at L = 4.5). In proportion from 0 (no
+    # knee) the population near plain decoding's peak (~130 of 256) lost what the charge
+    # gives there: L = 1.5 at 0.9x fell from 1.024 of fixed K=1 to 0.987, with noisy steps
+    # from 0.997 to 0.964 over 12 seeds; with the knee at half the room 1.024 and 0.993.
+    FULL_CHARGE_OCCUPANCY = 0.5
     # While dormant (or from SETTLE_MIN_BATCH requests), a decision for plain decoding holds
     # this many steps (see `_settled`)
     SETTLED_STEPS = 16
@@ -248,7 +258,12 @@ class GoodputPolicy(SpeculationPolicy):
         # A step taking new work (prefill): its commits bring their successors' prefill,
         # priced in the ranking (not in predicted_ms). (Decode-only steps leave it out: in
         # the simulator, pricing it there too while requests waited lost 2% at C=512, L=3.)
-        per_token = load.prefill_per_token if extra_tokens else 0.0
+        # Scaled down where the server holds less than FULL_CHARGE_OCCUPANCY of its room:
+        # there arrivals (Poisson) are admitted whatever K does (`StepLoad.occupancy`).
+        per_token = 0.0
+        if extra_tokens:
+            share = min(1.0, load.occupancy / self.FULL_CHARGE_OCCUPANCY)
+            per_token = load.prefill_per_token * share
         ranking = costs
         if per_token and max_draft_len:
             queued = queued_prefill_ms(self.cost.target, n, tokens, extra_tokens, per_token)

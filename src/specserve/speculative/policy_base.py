@@ -27,13 +27,17 @@ class StepLoad:
     of the requests finished lately: in a server taking new work each committed token brings
     that much prefill into the steps after it (a request finished admits the next; a closed
     loop prefills once per request whatever K is: K changes how much decode work each
-    prefill token rides with)."""
+    prefill token rides with). occupancy: the share of the server's room (sequence slots,
+    or the KV cache for requests of the finished ones' mean length) the running requests
+    take; a finished request admits the next only in a full server, while below its room
+    arrivals are admitted whatever K does."""
 
     prefill_tokens: int = 0
     draft_budget: int | None = None
     prefill_per_token: float = 0.0
     waiting: int = 0
     after_idle: bool = False
+    occupancy: float = 1.0
 
     def k_cap(self, n: int, max_draft_len: int) -> int:
         """The largest K up to `max_draft_len` that every one of n decoding requests can
