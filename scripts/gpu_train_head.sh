@@ -9,6 +9,8 @@
 #   RECIPE=chat PHASE=more SEED=1 bash scripts/gpu_train_head.sh "$OUT"  # more data (any
 #                               # number of calls, a new SEED each: --generate-only --append)
 #   RECIPE=chat PHASE=train bash scripts/gpu_train_head.sh "$OUT"  # chat, last call: train, eval
+#   INIT_HEAD=src/specserve/data/eagle3-smollm2-135m LR=4e-4 RECIPE=chat PHASE=train ...
+#                               # train further from a head (its draft vocabulary kept)
 #
 # RECIPE=chat (issue 33) trains on prompts the target writes itself (--data self-chat) as two
 # thirds of the training prompts, stdlib and Shakespeare a sixth each, and holds out 64 of
@@ -70,7 +72,7 @@ else
   TOTAL_S=${TOTAL_S:-540}; GEN_S=${GEN_S:-120}; TRAIN_END_S=${TRAIN_END_S:-$((TOTAL_S - 130))}
   EVAL_END_S=${EVAL_END_S:-$((TOTAL_S - 62))}; UNLIKE_END_S=${UNLIKE_END_S:-$((TOTAL_S - 28))}
   TRAIN_ARGS=(--heldout-prompts 64 --max-new-tokens 256 --gen-batch 512
-              --feature-batch-tokens 65536 --steps 100000 --batch-size 64 --lr 8e-4
+              --feature-batch-tokens 65536 --steps 100000 --batch-size 64 --lr "${LR:-8e-4}"
               --warmup-steps 100 --ttt-steps 6 --draft-vocab-size 16384
               --min-draft-coverage 0.996 --prompt-variants 2 --eval-every 200
               --save-every 250)
@@ -94,6 +96,16 @@ if [ "$RECIPE" = chat ]; then
   [ "$PHASE" = data ] && TRAIN_ARGS+=(--generate-only)
   [ "$PHASE" = more ] && TRAIN_ARGS+=(--generate-only --append)
   [ "$PHASE" = train ] && TRAIN_ARGS+=(--resume)
+  if [ -n "${INIT_HEAD:-}" ] && [ "$PHASE" = train ]; then
+    # the head's own draft vocabulary: no new one is chosen
+    kept=(); skip=0
+    for a in "${TRAIN_ARGS[@]}"; do
+      if [ "$skip" = 1 ]; then skip=0; continue; fi
+      if [ "$a" = --min-draft-coverage ]; then skip=1; continue; fi
+      kept+=("$a")
+    done
+    TRAIN_ARGS=("${kept[@]}" --init-head "$INIT_HEAD")
+  fi
   [ "$PHASE" = all ] || GEN_S=${CHAT_GEN_S:-200}  # a call of its own for the data
   # two evaluations (an engine each) after training
   [ "$SMOKE" = 1 ] || TRAIN_END_S=${CHAT_TRAIN_END_S:-$((TOTAL_S - 110))}
