@@ -91,7 +91,7 @@ DRAFTER = CurveModel(HEAD_8B)
 class ServingRegime:
     """C closed-loop clients (or, with `rate_per_ms`, Poisson arrivals), prompts of P and
     outputs of O tokens, mean acceptance length L at K_max; the KV cache holds exactly
-    C x (P + O) tokens."""
+    C x (P + O) tokens (or `room` x (P + O))."""
 
     concurrency: int
     prompt: int
@@ -131,6 +131,9 @@ class ServingRegime:
     noise: Noise | None = None
     # The longest draft: goodput's K_max, the fixed Ks compared are 1..k_max
     k_max: int = K_MAX
+    # Requests of P + O tokens the KV cache holds (None: the concurrency): a server with
+    # room for more than its clients (`StepLoad.occupancy` below 1 in a closed loop)
+    room: int | None = None
 
     @property
     def policies(self) -> tuple:
@@ -139,7 +142,7 @@ class ServingRegime:
 
     @property
     def num_pages(self) -> int:
-        tokens = self.concurrency * (self.prompt + self.output)
+        tokens = (self.room or self.concurrency) * (self.prompt + self.output)
         return -(-tokens // PAGE_SIZE) + 1  # page 0 is the allocator's scratch page
 
     @property
