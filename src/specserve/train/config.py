@@ -6,6 +6,8 @@ import argparse
 import math
 from dataclasses import MISSING, dataclass, field, fields
 
+from specserve.train.self_chat import check_temperatures
+
 FEATURES = ("auto", "stored", "live")  # --features: where the target's features come from
 DEFAULT_DRAFT_VOCAB = 16384  # a new head's draft vocabulary, when --draft-vocab-size is not given
 
@@ -36,6 +38,8 @@ class TrainConfig:
     max_train_tokens: int | None = None
     features: str = "auto"
     self_chat_prompts: int = 2000
+    self_chat_temperatures: list[float] = field(default_factory=lambda: [1.0])
+    self_chat_opener_share: float = 0.0
     heldout_prompts: int = 64
     max_new_tokens: int = 256
     max_prompt_tokens: int = 512
@@ -96,6 +100,11 @@ class TrainConfig:
             raise ValueError(f"temperature must be >= 0; got {self.temperature}")
         if self.heldout_prompts < 0 or self.warmup_steps < 0 or self.self_chat_prompts < 0:
             raise ValueError("heldout_prompts, warmup_steps and self_chat_prompts must be >= 0")
+        check_temperatures(self.self_chat_temperatures)
+        if not 0.0 <= self.self_chat_opener_share <= 1.0:
+            raise ValueError(
+                f"self_chat_opener_share must be in [0, 1]; got {self.self_chat_opener_share}"
+            )
         if self.save_dtype not in ("bfloat16", "float16", "float32"):
             raise ValueError(
                 f"save_dtype must be bfloat16, float16 or float32; got {self.save_dtype!r}"
@@ -144,6 +153,10 @@ _HELP = {
     "hidden size x dtype bytes a token on the device), live (the target runs on each batch: "
     "no memory bound on the data) or auto (stored where they fit, else live)",
     "self_chat_prompts": "prompts --data self-chat draws (seeded by --seed)",
+    "self_chat_temperatures": "sampling temperatures of self-chat's user turns, one per draw "
+    "in turn (e.g. 0.6 1.0: half coherent everyday requests, half more varied ones)",
+    "self_chat_opener_share": "share of self-chat's first turns that start from a common "
+    "question's first words (How do I, What is, Why do, ...), the target writing the rest",
     "heldout_prompts": "prompts kept out of training for the acceptance estimate",
     "temperature": "target's sampling temperature for the replies (0 = greedy)",
     "aux_layer_ids": "target layers whose input the head reads (default: 2, L//2, L-3)",
@@ -181,8 +194,13 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
             )
         elif f.type == "bool":
             parser.add_argument(flag, action="store_true", help=help_text)
-        elif f.name in ("data", "data_weights", "aux_layer_ids"):
-            kind = {"data": str, "data_weights": float, "aux_layer_ids": int}[f.name]
+        elif f.name in ("data", "data_weights", "aux_layer_ids", "self_chat_temperatures"):
+            kind = {
+                "data": str,
+                "data_weights": float,
+                "aux_layer_ids": int,
+                "self_chat_temperatures": float,
+            }[f.name]
             parser.add_argument(flag, nargs="+", type=kind, default=default, help=help_text)
         else:
             kind = {"int": int, "float": float, "int | None": int, "float | None": float}.get(

@@ -308,6 +308,11 @@ def _self_chat(cfg: TrainConfig, out: Path, log) -> list[PromptItem]:
         "count": cfg.self_chat_prompts,
         "answer_tokens": cfg.max_new_tokens,
     }
+    # (files of the defaults read as before)
+    if cfg.self_chat_temperatures != [1.0]:
+        settings["temperatures"] = cfg.self_chat_temperatures
+    if cfg.self_chat_opener_share:
+        settings["opener_share"] = cfg.self_chat_opener_share
     kept = _kept_self_chat(path, settings)
     if kept is not None:
         log({"event": "self_chat_reused", "prompts": len(kept)})
@@ -318,6 +323,8 @@ def _self_chat(cfg: TrainConfig, out: Path, log) -> list[PromptItem]:
     sc = SelfChatConfig(
         cfg.self_chat_prompts,
         seed=cfg.seed,
+        temperatures=tuple(cfg.self_chat_temperatures),
+        opener_share=cfg.self_chat_opener_share,
         answer_tokens=cfg.max_new_tokens,
         batch=cfg.gen_batch,
         deadline=None if cfg.gen_time_s is None else t0 + cfg.gen_time_s / 2,
@@ -329,6 +336,7 @@ def _self_chat(cfg: TrainConfig, out: Path, log) -> list[PromptItem]:
             "event": "self_chat",
             "prompts": report.kept,
             "two_turn": report.multi_turn,
+            "opened": report.opened,
             "candidates": report.attempts,
             "dropped": report.dropped,
             "out_of_time": report.out_of_time,

@@ -4,21 +4,24 @@ instruction-tuned model writes a user's question).
 
 Each candidate is the chat template rendered with an empty conversation (or one exchange,
 for a second turn) up to the first character of a new user message, continued by the target
-(seeded sampling, `temperature`) until its end-of-turn token. A turn is kept when it ended
-there (not by length), is long enough, holds no special token's text (a template leaking
-into the turn) and is new: duplicates (case and spacing aside) are dropped. A share of the
-kept turns (`multi_turn_share`, chosen by the seed) becomes a two-turn conversation: the
-target answers the first turn (greedy) and writes the next user turn after its answer; the
-distillation then writes its reply to that. Candidates are drawn in rounds until `count`
-prompts are kept or `max_attempts` candidates were tried.
+(seeded sampling at `temperatures`, one per draw in turn) until its end-of-turn token. A
+turn is kept when it ended there (not by length), is long enough, holds no special token's
+text (a template leaking into the turn) and is new: duplicates (case and spacing aside) are
+dropped. A share of the kept turns (`multi_turn_share`, chosen by the seed) becomes a
+two-turn conversation: the target answers the first turn (greedy) and writes the next user
+turn after its answer; the distillation then writes its reply to that. Candidates are drawn
+in rounds until `count` prompts are kept or `max_attempts` candidates were tried. A share of
+first turns (`opener_share`) starts from a common question's first words (`OPENERS`), which
+the target continues: the turn is the opener and what it wrote.
 
-Deterministic under a seed: every candidate's sampling seed is the source's seed plus its
-index, and the engine's seeded draws do not depend on the batch.
+Deterministic under a seed: every candidate's sampling seed is a hash of the source's seed
+and its index (`draw_seed`), and the engine's seeded draws do not depend on the batch.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 import random
 import re
 import time
@@ -46,7 +49,14 @@ class SelfChatConfig:
 
     count: int
     seed: int = 0
-    temperature: float = 1.0
+    # Draw i samples at temperatures[i % len]: SmolLM2-135M's turns at 1.0 are varied and
+    # often odd (role-play openings, garbled requests), at 0.6 coherent everyday requests
+    # that repeat themselves (career changes, trip plans, top-5 lists); a mix has both.
+    temperatures: tuple[float, ...] = (1.0,)
+    # This share of first turns begins with one of OPENERS (chosen by the seed), the target
+    # writing the rest: a small target's own turns are mostly requests ("Can you provide",
+    # "I'm planning to"), rarely the short questions people ask ("How do I ...?").
+    opener_share: float = 0.0
     top_p: float = 0.95
     max_turn_tokens: int = 128
     answer_tokens: int = 256
@@ -63,6 +73,48 @@ class SelfChatConfig:
             raise ValueError(f"self-chat prompts must be >= 0; got {self.count}")
         if not 0.0 <= self.multi_turn_share <= 1.0:
             raise ValueError(f"multi_turn_share must be in [0, 1]; got {self.multi_turn_share}")
+        check_temperatures(self.temperatures)
+        if not 0.0 <= self.opener_share <= 1.0:
+            raise ValueError(f"opener_share must be in [0, 1]; got {self.opener_share}")
+
+
+def check_temperatures(temperatures) -> None:
+    """Self-chat's sampling temperatures: at least one, each positive (greedy would write
+    one turn over and over)."""
+    if not temperatures or not all(0.0 < t < math.inf for t in temperatures):
+        raise ValueError(
+            f"self-chat temperatures must be positive numbers; got {list(temperatures)}"
+        )
+
+
+# How people start a question or a request, for `opener_share`: generic stems, not drawn
+# from any evaluation set.
+OPENERS = (
+    "How do I",
+    "How can I",
+    "How does",
+    "How many",
+    "What is",
+    "What are",
+    "What should I",
+    "What's the best way to",
+    "Why do",
+    "Why is",
+    "Can you explain",
+    "Can you help me",
+    "Is it",
+    "Should I",
+    "Which",
+    "When should I",
+    "Where can I",
+    "Tell me about",
+    "Give me",
+    "Explain",
+    "Write",
+    "I need",
+    "Help me",
+    "Do you",
+)
 
 
 @dataclass
@@ -71,6 +123,7 @@ class SelfChatReport:
 
     attempts: int = 0
     kept: int = 0
+    opened: int = 0  # kept first turns that begin with an opener (`opener_share`)
     multi_turn: int = 0
     out_of_time: bool = False  # the deadline stopped the draws before `count`
     dropped: dict[str, int] = field(default_factory=dict)
@@ -155,15 +208,19 @@ def self_chat_prompts(
     rng = random.Random(cfg.seed)
     seen: set[str] = set()
     turns: list[str] = []
+    opener_ids = {o: tokenizer.encode(o, add_special_tokens=False) for o in OPENERS}
     while len(turns) < cfg.count and report.attempts < max_attempts:
         if cfg.deadline is not None and time.monotonic() >= cfg.deadline:
             report.out_of_time = True
             break
         n = min(cfg.batch, max_attempts - report.attempts)
-        params = [_turn_params(cfg, draw_seed(cfg.seed, report.attempts + i)) for i in range(n)]
+        draws = range(report.attempts, report.attempts + n)
+        params = [_turn_params(cfg, d) for d in draws]
+        openers = [draw_opener(cfg, d) for d in draws]
         report.attempts += n
-        for ids, reason in generate([first_prefix] * n, params):
-            text, why = _turn(tokenizer, ids, reason, specials, cfg)
+        prompts = [first_prefix + opener_ids[o] if o else first_prefix for o in openers]
+        for opener, (ids, reason) in zip(openers, generate(prompts, params)):
+            text, why = _turn(tokenizer, ids, reason, specials, cfg, opener_ids.get(opener, ()))
             if not why and _normal(text) in seen:
                 why = "duplicate"
             if why:
@@ -174,6 +231,7 @@ def self_chat_prompts(
                 continue
             seen.add(_normal(text))
             turns.append(text)
+            report.opened += bool(opener)
     conversations = [[{"role": "user", "content": t}] for t in turns]
     second = [i for i in range(len(turns)) if rng.random() < cfg.multi_turn_share]
     if second:
@@ -190,9 +248,24 @@ def draw_seed(seed: int, draw) -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
-def _turn_params(cfg: SelfChatConfig, seed: int) -> SamplingParams:
+def draw_opener(cfg: SelfChatConfig, draw: int) -> str:
+    """The opener first-turn draw number `draw` begins with ("" for none), by the seed."""
+    if not cfg.opener_share:
+        return ""
+    pick = draw_seed(cfg.seed, f"opener {draw}")
+    if (pick % 10_000) / 10_000 >= cfg.opener_share:
+        return ""
+    return OPENERS[pick // 10_000 % len(OPENERS)]
+
+
+def _turn_params(cfg: SelfChatConfig, draw: int, name: str = "") -> SamplingParams:
+    """Draw number `draw`'s sampling (a second turn's: named after its conversation)."""
+    temps = cfg.temperatures
     return SamplingParams(
-        max_tokens=cfg.max_turn_tokens, temperature=cfg.temperature, top_p=cfg.top_p, seed=seed
+        max_tokens=cfg.max_turn_tokens,
+        temperature=temps[draw % len(temps)],
+        top_p=cfg.top_p,
+        seed=draw_seed(cfg.seed, name or draw),
     )
 
 
@@ -205,11 +278,12 @@ def _text(tokenizer, ids: list[int], specials: tuple[str, ...]) -> str:
     return text
 
 
-def _turn(tokenizer, ids, reason, specials, cfg) -> tuple[str, str]:
-    """A generated user turn's text, or why it is dropped."""
+def _turn(tokenizer, ids, reason, specials, cfg, opener_ids=()) -> tuple[str, str]:
+    """A generated user turn's text (its opener's tokens, if it had one, then the target's),
+    or why it is dropped."""
     if reason != "stop":
         return "", "unfinished"
-    return clean_turn(_text(tokenizer, ids, specials), specials, cfg)
+    return clean_turn(_text(tokenizer, [*opener_ids, *ids], specials), specials, cfg)
 
 
 def _second_turns(tokenizer, generate, cfg, conversations, chosen, specials, seen, report):
@@ -230,7 +304,7 @@ def _second_turns(tokenizer, generate, cfg, conversations, chosen, specials, see
         history = [*conversations[i], {"role": "assistant", "content": answer}]
         grown.append((i, history))
         prefixes.append(user_turn_prefix(tokenizer, history))
-    params = [_turn_params(cfg, draw_seed(cfg.seed, f"second {i}")) for i, _ in grown]
+    params = [_turn_params(cfg, i, f"second {i}") for i, _ in grown]
     for (i, history), (ids, reason) in zip(grown, generate(prefixes, params)):
         text, why = _turn(tokenizer, ids, reason, specials, cfg)
         if not why and _normal(text) in seen:
