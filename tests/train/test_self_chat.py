@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import replace
 
 import pytest
 
@@ -17,8 +18,10 @@ from specserve.train.self_chat import (
     SelfChatConfig,
     SelfChatError,
     SelfChatReport,
+    draw_opener,
     draw_seed,
     engine_generate,
+    openers_tag,
     self_chat_prompts,
     special_texts,
     user_turn_prefix,
@@ -244,8 +247,9 @@ def test_other_sources_are_read_before_self_chat_is_drawn(tmp_path, monkeypatch)
 
 
 def test_draws_take_the_temperatures_in_turn_and_keep_the_defaults_seeds(tokenizer):
-    """`temperatures` (0.6, 1.0): draw i samples at the i-th in turn, second turns too; the
-    seeds are the single-temperature run's (a default run's data is drawn as before)."""
+    """`temperatures` (0.6, 1.0): first-turn draw i samples at T[i mod 2], the second turn of
+    conversation i at T[i mod 2]; the seeds are the single-temperature run's, and a default
+    run draws every turn at 1.0 from the plain prefix, as before the option."""
     seen = []
     script = Scripted(tokenizer, 0)
 
@@ -253,22 +257,41 @@ def test_draws_take_the_temperatures_in_turn_and_keep_the_defaults_seeds(tokeniz
         seen.extend(zip(prompts, params))
         return script(prompts, params)
 
-    cfg = SelfChatConfig(5, seed=0, batch=4, multi_turn_share=0.5, temperatures=(0.6, 1.0))
-    items = self_chat_prompts(tokenizer, generate, cfg)
-    firsts = [p for prompt, p in seen if prompt == script.first and p.temperature > 0]
-    assert [p.temperature for p in firsts] == [(0.6, 1.0)[i % 2] for i in range(len(firsts))]
+    temps = (0.6, 1.0)
+    cfg = SelfChatConfig(5, seed=0, batch=4, multi_turn_share=0.5, temperatures=temps)
+    self_chat_prompts(tokenizer, generate, cfg)
+    firsts = [p for _, p in seen if p.seed in script.index]
+    assert [p.temperature for p in firsts] == [temps[i % 2] for i in range(len(firsts))]
     assert [p.seed for p in firsts] == [draw_seed(0, i) for i in range(len(firsts))]
-    seconds = [p for prompt, p in seen if prompt != script.first and p.temperature > 0]
-    assert seconds and {p.temperature for p in seconds} <= {0.6, 1.0}
-    # (the stand-in writes by seed alone: the same turns as the default's run)
-    default, _ = _run(tokenizer, seed=0)
-    assert [p.messages for p in items] == [p.messages for p in default]
+    second_of = {draw_seed(0, f"second {i}"): i for i in range(64)}
+    seconds = [p for _, p in seen if p.seed in second_of]
+    assert len(seconds) > 1 and len({p.temperature for p in seconds}) == 2
+    assert all(p.temperature == temps[second_of[p.seed] % 2] for p in seconds)
+    seen.clear()
+    self_chat_prompts(tokenizer, generate, SelfChatConfig(5, seed=0, batch=4, multi_turn_share=0.5))
+    drawn = [(prompt, p) for prompt, p in seen if p.temperature > 0]
+    assert drawn and all(p.temperature == 1.0 for _, p in drawn)
+    assert all(prompt == script.first for prompt, p in drawn if p.seed in script.index)
+
+
+def test_openers_are_drawn_by_share_and_seed():
+    """draw_opener: about the share of draws get an opener, every stem of OPENERS among them,
+    the same ones again under the seed, others under another, none at share 0."""
+    cfg = SelfChatConfig(10, seed=0, opener_share=0.5)
+    picks = [draw_opener(cfg, d) for d in range(2000)]
+    assert 0.45 < sum(map(bool, picks)) / len(picks) < 0.55
+    assert set(picks) - {""} == set(OPENERS)
+    assert picks == [draw_opener(cfg, d) for d in range(2000)]
+    assert picks != [
+        draw_opener(SelfChatConfig(10, seed=1, opener_share=0.5), d) for d in range(2000)
+    ]
+    assert not any(draw_opener(SelfChatConfig(10, seed=0), d) for d in range(2000))
 
 
 def test_a_share_of_first_turns_starts_from_an_opener(tokenizer):
     """opener_share 0.5: about half the first-turn draws are the user prefix then an opener's
-    tokens, the turn kept being the opener and what the target wrote after it; the draws
-    repeat under a seed and none is steered at share 0."""
+    tokens, the turn kept being the opener and what the target wrote after it (at least two
+    words of its own: a bare stem is dropped as short); the draws repeat under a seed."""
     seen = []
     script = Scripted(tokenizer, 0)
 
@@ -284,8 +307,7 @@ def test_a_share_of_first_turns_starts_from_an_opener(tokenizer):
     assert all(prompt[: len(first)] == first for prompt in firsts)
     opened = [prompt[len(first) :] for prompt in firsts if prompt != first]
     assert 0.3 < len(opened) / len(firsts) < 0.7
-    stems = [tokenizer.decode(tail) for tail in opened]
-    assert set(stems) <= set(OPENERS) and len(set(stems)) > 8
+    assert {tokenizer.decode(tail) for tail in opened} <= set(OPENERS)
     steered = [
         p.messages[0]["content"] for p in items if "of an opened turn" in p.messages[0]["content"]
     ]
@@ -293,9 +315,18 @@ def test_a_share_of_first_turns_starts_from_an_opener(tokenizer):
     assert all(any(t.startswith(o + " case ") for o in OPENERS) for t in steered)
     again = self_chat_prompts(tokenizer, Scripted(tokenizer, 0), cfg)
     assert [p.messages for p in again] == [p.messages for p in items]
-    seen.clear()
-    self_chat_prompts(tokenizer, generate, SelfChatConfig(40, seed=0, batch=16))
-    assert all(prompt == first for prompt, p in seen if p.seed in script.index)
+
+    def bare(prompts, params):  # the target ends the turn (almost) at once after the opener
+        return [
+            (tokenizer.encode(" it?", add_special_tokens=False), "stop")
+            if prompt != first and p.seed in script.index
+            else out
+            for prompt, p, out in zip(prompts, params, script(prompts, params))
+        ]
+
+    report = SelfChatReport()
+    self_chat_prompts(tokenizer, bare, replace(cfg, max_attempts=64), report)
+    assert report.opened == 0 and report.dropped["short"] >= len(opened) / 2
 
 
 @pytest.mark.parametrize("share", [-0.1, 1.5, float("nan")])
@@ -308,28 +339,29 @@ def test_the_opener_share_is_a_share(share):
         TrainConfig(out="o", self_chat_opener_share=share)
 
 
-@pytest.mark.parametrize("temperatures", [(), (0.0,), (0.6, -1.0), (float("nan"),)])
-def test_temperatures_must_be_positive(temperatures):
+@pytest.mark.parametrize("temperatures", [(), (0.0,), (0.6, -1.0), (float("nan"),), (150.0,)])
+def test_temperatures_are_in_the_samplers_range_and_not_greedy(temperatures):
     from specserve.train.config import TrainConfig
 
-    with pytest.raises(ValueError, match="temperatures must be positive"):
+    message = r"--self-chat-temperatures must be one or more numbers in \(0, 100\]"
+    with pytest.raises(ValueError, match=message):
         SelfChatConfig(3, temperatures=temperatures)
-    with pytest.raises(ValueError, match="temperatures must be positive"):
+    with pytest.raises(ValueError, match=message):
         TrainConfig(out="o", self_chat_temperatures=list(temperatures))
 
 
-def test_train_eagle3_passes_the_temperatures_and_redraws_when_they_change(
+def test_train_eagle3_passes_the_steering_and_redraws_when_it_changes(
     tokenizer, tmp_path, monkeypatch
 ):
-    """--self-chat-temperatures and --self-chat-opener-share reach the draws, the log and the
-    kept prompts' settings: a run of the same settings reuses out/self_chat.jsonl, one of
-    another mix draws again."""
-    from dataclasses import replace
+    """--self-chat-temperatures and --self-chat-opener-share reach the draws, the log event
+    and the kept prompts' settings, and each run's record in data_settings.json: a run of
+    the same settings reuses out/self_chat.jsonl, one of another mix draws again, and a file
+    kept before the options existed is reused at the defaults."""
     from types import SimpleNamespace
 
     from specserve.cli import build_parser
     from specserve.train import distill
-    from specserve.train.config import config_from_args
+    from specserve.train.config import TrainConfig, config_from_args
 
     seen = []
     script = Scripted(tokenizer, 0)
@@ -343,18 +375,36 @@ def test_train_eagle3_passes_the_temperatures_and_redraws_when_they_change(
     monkeypatch.setattr(distill, "engine_generate", lambda engine: generate)
     args = build_parser().parse_args(
         ["train-eagle3", "--out", str(tmp_path), "--data", SELF_CHAT, "--self-chat-prompts", "3"]
-        + ["--self-chat-temperatures", "0.6", "1.0", "--self-chat-opener-share", "0.5"]
+        + ["--self-chat-temperatures", "0.6", "1", "--self-chat-opener-share", "0.5"]
     )
     cfg = config_from_args(args)
     assert cfg.self_chat_temperatures == [0.6, 1.0] and cfg.self_chat_opener_share == 0.5
     records = []
     items = distill._self_chat(cfg, tmp_path, records.append)
     assert len(items) == 3 and {p.temperature for p in seen if p.temperature} == {0.6, 1.0}
-    assert records[0]["event"] == "self_chat" and "opened" in records[0]
+    steering = {"temperatures": [0.6, 1.0], "opener_share": 0.5, "openers": openers_tag()}
+    event = records[0]
+    assert event["event"] == "self_chat" and {k: event[k] for k in steering} == steering
+    opened = sum("of an opened turn" in p.messages[0]["content"] for p in items)
+    assert event["opened"] == opened
     lines = (tmp_path / "self_chat.jsonl").read_text().splitlines()
     settings = json.loads(lines[0])["settings"]
-    assert settings["temperatures"] == [0.6, 1.0] and settings["opener_share"] == 0.5
+    assert {k: settings[k] for k in steering} == steering
     drawn = len(seen)
-    assert distill._self_chat(cfg, tmp_path, lambda record: None) == items and len(seen) == drawn
-    distill._self_chat(replace(cfg, self_chat_temperatures=[1.0]), tmp_path, lambda r: None)
+    assert distill._self_chat(cfg, tmp_path, records.append) == items and len(seen) == drawn
+    assert records[-1]["event"] == "self_chat_reused" and records[-1]["opener_share"] == 0.5
+    # (a tuple, as code may give it, is the same settings as the CLI's list)
+    same = TrainConfig(**{**vars(cfg), "self_chat_temperatures": (0.6, 1)})
+    assert distill._self_chat(same, tmp_path, records.append) == items and len(seen) == drawn
+    distill._record_run(tmp_path, cfg, 3, None)
+    run = json.loads((tmp_path / distill.DATA_SETTINGS).read_text())["runs"][0]
+    assert run["self_chat"] == steering
+    default = replace(cfg, self_chat_temperatures=[1.0], self_chat_opener_share=0.0)
+    distill._self_chat(default, tmp_path, records.append)
     assert len(seen) > drawn and {p.temperature for p in seen[drawn:] if p.temperature} == {1.0}
+    # a file written before the options: its settings hold none of their keys
+    old = {"target": None, "seed": 0, "count": 3, "answer_tokens": cfg.max_new_tokens}
+    rows = [json.dumps({"key": p.key, "messages": p.messages}) for p in items]
+    (tmp_path / "self_chat.jsonl").write_text("\n".join([json.dumps({"settings": old}), *rows]))
+    drawn = len(seen)
+    assert distill._self_chat(default, tmp_path, records.append) == items and len(seen) == drawn

@@ -100,6 +100,8 @@ class TrainConfig:
             raise ValueError(f"temperature must be >= 0; got {self.temperature}")
         if self.heldout_prompts < 0 or self.warmup_steps < 0 or self.self_chat_prompts < 0:
             raise ValueError("heldout_prompts, warmup_steps and self_chat_prompts must be >= 0")
+        # (a list of floats, as the CLI gives it: the kept prompts' settings compare equal)
+        self.self_chat_temperatures = [float(t) for t in self.self_chat_temperatures]
         check_temperatures(self.self_chat_temperatures)
         if not 0.0 <= self.self_chat_opener_share <= 1.0:
             raise ValueError(
@@ -154,7 +156,8 @@ _HELP = {
     "no memory bound on the data) or auto (stored where they fit, else live)",
     "self_chat_prompts": "prompts --data self-chat draws (seeded by --seed)",
     "self_chat_temperatures": "sampling temperatures of self-chat's user turns, one per draw "
-    "in turn (e.g. 0.6 1.0: half coherent everyday requests, half more varied ones)",
+    "in turn, a second turn at its conversation's (e.g. 0.7 1.0: lower ones write more "
+    "coherent, more alike turns)",
     "self_chat_opener_share": "share of self-chat's first turns that start from a common "
     "question's first words (How do I, What is, Why do, ...), the target writing the rest",
     "heldout_prompts": "prompts kept out of training for the acceptance estimate",

@@ -30,6 +30,7 @@ from specserve.train.self_chat import (
     SelfChatConfig,
     SelfChatReport,
     engine_generate,
+    openers_tag,
     self_chat_prompts,
 )
 
@@ -308,14 +309,10 @@ def _self_chat(cfg: TrainConfig, out: Path, log) -> list[PromptItem]:
         "count": cfg.self_chat_prompts,
         "answer_tokens": cfg.max_new_tokens,
     }
-    # (files of the defaults read as before)
-    if cfg.self_chat_temperatures != [1.0]:
-        settings["temperatures"] = cfg.self_chat_temperatures
-    if cfg.self_chat_opener_share:
-        settings["opener_share"] = cfg.self_chat_opener_share
+    settings.update(_steering(cfg))  # (none at the defaults: files before them read as ever)
     kept = _kept_self_chat(path, settings)
     if kept is not None:
-        log({"event": "self_chat_reused", "prompts": len(kept)})
+        log({"event": "self_chat_reused", "prompts": len(kept), **_steering(cfg, all_=True)})
         return kept
     t0 = time.monotonic()
     engine = _engine(cfg)
@@ -337,6 +334,7 @@ def _self_chat(cfg: TrainConfig, out: Path, log) -> list[PromptItem]:
             "prompts": report.kept,
             "two_turn": report.multi_turn,
             "opened": report.opened,
+            **_steering(cfg, all_=True),
             "candidates": report.attempts,
             "dropped": report.dropped,
             "out_of_time": report.out_of_time,
@@ -352,6 +350,19 @@ def _self_chat(cfg: TrainConfig, out: Path, log) -> list[PromptItem]:
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return items
+
+
+def _steering(cfg: TrainConfig, all_: bool = False) -> dict:
+    """How self-chat's turns were drawn beyond the seed: the temperatures and the opener
+    share with its list's digest; only what differs from the defaults unless `all_`."""
+    out: dict = {}
+    if all_ or cfg.self_chat_temperatures != [1.0]:
+        out["temperatures"] = cfg.self_chat_temperatures
+    if all_ or cfg.self_chat_opener_share:
+        out["opener_share"] = cfg.self_chat_opener_share
+        if cfg.self_chat_opener_share:
+            out["openers"] = openers_tag()
+    return out
 
 
 def _kept_self_chat(path: Path, settings: dict) -> list[PromptItem] | None:
@@ -460,6 +471,8 @@ def _record_run(out: Path, cfg: TrainConfig, train_samples: int, before) -> None
     path = out / DATA_SETTINGS
     settings = json.loads(path.read_text()) if before is not None else {"seed": cfg.seed}
     run = {"seed": cfg.seed, "data": cfg.data, "train_samples": train_samples}
+    if SELF_CHAT in cfg.data:
+        run["self_chat"] = _steering(cfg, all_=True)
     settings["runs"] = [*settings.get("runs", []), run]
     path.write_text(json.dumps(settings, indent=1) + "\n")
 

@@ -21,7 +21,6 @@ and its index (`draw_seed`), and the engine's seeded draws do not depend on the 
 from __future__ import annotations
 
 import hashlib
-import math
 import random
 import re
 import time
@@ -79,16 +78,24 @@ class SelfChatConfig:
 
 
 def check_temperatures(temperatures) -> None:
-    """Self-chat's sampling temperatures: at least one, each positive (greedy would write
-    one turn over and over)."""
-    if not temperatures or not all(0.0 < t < math.inf for t in temperatures):
+    """Self-chat's sampling temperatures: at least one, each in (0, 100] (0, greedy, would
+    write one turn over and over; the sampler takes at most 100)."""
+    if not temperatures or not all(0.0 < t <= 100.0 for t in temperatures):
         raise ValueError(
-            f"self-chat temperatures must be positive numbers; got {list(temperatures)}"
+            "--self-chat-temperatures must be one or more numbers in (0, 100] (0 is greedy: "
+            f"every draw would write the same turn); got {list(temperatures)}"
         )
 
 
-# How people start a question or a request, for `opener_share`: generic stems, not drawn
-# from any evaluation set.
+def openers_tag() -> str:
+    """A short digest of OPENERS: kept prompts drawn with another list are drawn again."""
+    return hashlib.sha1("|".join(OPENERS).encode()).hexdigest()[:12]
+
+
+# How people start a question or a request, for `opener_share`: generic English stems.
+# (Most of the hand-written everyday questions eval-draft measures also start with one: a
+# head's gain there from such turns is partly their form; docs/eagle3_training.md.)
+MIN_AFTER_OPENER = 2  # words the target writes after an opener, at least
 OPENERS = (
     "How do I",
     "How can I",
@@ -280,9 +287,12 @@ def _text(tokenizer, ids: list[int], specials: tuple[str, ...]) -> str:
 
 def _turn(tokenizer, ids, reason, specials, cfg, opener_ids=()) -> tuple[str, str]:
     """A generated user turn's text (its opener's tokens, if it had one, then the target's),
-    or why it is dropped."""
+    or why it is dropped: after an opener the target's own part must hold two words (a bare
+    stem such as "Can you explain" is not a question)."""
     if reason != "stop":
         return "", "unfinished"
+    if opener_ids and len(_text(tokenizer, ids, specials).split()) < MIN_AFTER_OPENER:
+        return "", "short"
     return clean_turn(_text(tokenizer, [*opener_ids, *ids], specials), specials, cfg)
 
 
