@@ -15,6 +15,8 @@
 #                               # temperatures in turn (default 1.0)
 #   SELF_CHAT_OPENER_SHARE=0.5 RECIPE=chat PHASE=data ...  # half the first user turns start
 #                               # from a common question's first words (How do I, What is...)
+#   COMPARE_HEAD=/tmp/control/run RECIPE=chat PHASE=train ...  # also evaluate that head on
+#                               # the files the shipped head is evaluated on
 #
 # RECIPE=chat (issue 33) trains on prompts the target writes itself (--data self-chat) as two
 # thirds of the training prompts, stdlib and Shakespeare a sixth each, and holds out 64 of
@@ -116,8 +118,10 @@ if [ "$RECIPE" = chat ]; then
     TRAIN_ARGS=("${kept[@]}" --init-head "$INIT_HEAD")
   fi
   [ "$PHASE" = all ] || GEN_S=${CHAT_GEN_S:-200}  # a call of its own for the data
-  # two evaluations (an engine each) after training
-  [ "$SMOKE" = 1 ] || TRAIN_END_S=${CHAT_TRAIN_END_S:-$((TOTAL_S - 110))}
+  # two evaluations (an engine each) after training; COMPARE_HEAD (another run's head, e.g.
+  # a control without --self-chat-opener-share) a third, on the shipped head's files
+  COMPARE_S=0; [ -n "${COMPARE_HEAD:-}" ] && COMPARE_S=35
+  [ "$SMOKE" = 1 ] || TRAIN_END_S=${CHAT_TRAIN_END_S:-$((TOTAL_S - 110 - COMPARE_S))}
   RES_DIR="$WORK/results-$PHASE"  # small files, packed into OUT_DIR/results.tgz
 else
   RES_DIR="$OUT_DIR"
@@ -179,20 +183,36 @@ eval_draft() {  # eval_draft UNTIL_S "DATA..." OUT_JSON [flags]  (DATA: paths wi
 if [ "$RECIPE" = chat ]; then
   DATA_DIR="$REPO/src/specserve/data"
   SELF_HELD="$WORK/heldout_self_chat.jsonl"; OLD_HELD="$WORK/heldout_old_kinds.jsonl"
-  grep '"key": "self-chat/' "$HEAD/heldout_prompts.jsonl" > "$SELF_HELD"
+  STEM_HELD="$WORK/heldout_self_chat_stem.jsonl"
+  # the self-chat held-out prompts apart by whether their first turn begins with one of the
+  # openers' stems (--self-chat-opener-share writes such turns; the target writes some too)
+  grep '"key": "self-chat/' "$HEAD/heldout_prompts.jsonl" | $PY -c '
+import json, sys
+from specserve.train.self_chat import OPENERS
+stem, rest = open(sys.argv[1], "w"), open(sys.argv[2], "w")
+for line in sys.stdin:
+    text = json.loads(line)["messages"][0]["content"]
+    (stem if text.startswith(OPENERS) else rest).write(line)
+' "$STEM_HELD" "$SELF_HELD"
+  SELF_FILES="$SELF_HELD"; [ -s "$STEM_HELD" ] && SELF_FILES="$SELF_HELD $STEM_HELD"
   cp "$DATA_DIR/eagle3-smollm2-135m/heldout_prompts.jsonl" "$OLD_HELD"  # before any unpack
   rm -rf "$WORK/shipped-head"; cp -r "$DATA_DIR/eagle3-smollm2-135m" "$WORK/shipped-head"
   pack() { tar -czf "$OUT_DIR/results.tgz" -C "$RES_DIR" .; }
   eval_chat() { eval_draft "$@"; pack; }  # as eval_draft, then the results packed
   EVERYDAY="$DATA_DIR/everyday_questions.jsonl"
-  n_self=$(wc -l < "$SELF_HELD"); n_old=$(wc -l < "$OLD_HELD"); n_day=$(wc -l < "$EVERYDAY")
+  n_self=$(cat $SELF_FILES | wc -l); n_old=$(wc -l < "$OLD_HELD"); n_day=$(wc -l < "$EVERYDAY")
   # every prompt of the files: each file's own figures side by side (eval-draft's sources)
   stage "eval-draft, the new head: $n_self self-chat held-out, $n_day everyday, $n_old old kinds"
-  eval_chat $((TOTAL_S - 45)) "$SELF_HELD $EVERYDAY $OLD_HELD" "$RES_DIR/eval_chat.json" \
-    --num-prompts $((n_self + n_day + n_old)) --k 4 3 2 1
+  eval_chat $((TOTAL_S - 45 - COMPARE_S)) "$SELF_FILES $EVERYDAY $OLD_HELD" \
+    "$RES_DIR/eval_chat.json" --num-prompts $((n_self + n_day + n_old)) --k 4 3 2 1
   stage "eval-draft, the SHIPPED head: self-chat held-out and everyday questions"
-  HEAD="$WORK/shipped-head" eval_chat $((TOTAL_S - 3)) "$SELF_HELD $EVERYDAY" \
+  HEAD="$WORK/shipped-head" eval_chat $((TOTAL_S - 3 - COMPARE_S)) "$SELF_FILES $EVERYDAY" \
     "$RES_DIR/shipped_eval_chat.json" --num-prompts $((n_self + n_day)) --k 4 3
+  if [ -n "${COMPARE_HEAD:-}" ]; then
+    stage "eval-draft, COMPARE_HEAD ($COMPARE_HEAD): the same files as the shipped head"
+    HEAD="$COMPARE_HEAD" eval_chat $((TOTAL_S - 3)) "$SELF_FILES $EVERYDAY" \
+      "$RES_DIR/compare_eval_chat.json" --num-prompts $((n_self + n_day)) --k 4 3
+  fi
 else
   UNLIKE="$REPO/docs/benchmarks/eagle3_unlike_prompts.jsonl"
   stage "eval-draft, held-out prompts, K ${HELD_K[*]} (until t=${EVAL_END_S}s)"
