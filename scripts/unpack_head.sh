@@ -37,7 +37,7 @@ if [ "$DEST" = "$SHIPPED" ]; then
   # The GPU machine's absolute paths do not belong in the repository: the run folder becomes
   # RUN, the chat recipe's work folder WORK, repository files become repository-relative.
   sed -E -i 's#"/[^"]*/docs/benchmarks/#"docs/benchmarks/#g; s#"/[^"]*/run(/|")#"RUN\1#g;
-      s#"/[^"]*/(src/specserve/data/)#"\1#g; s#"/[^"]*/chat-head/#"WORK/#g' \
+      s#"/[^"]*/(src/specserve/data/)#"\1#g; s#"/[^"]*/chat-[a-z]*/#"WORK/#g' \
     "$BENCH"/eagle3_smollm2_train_log.jsonl "$BENCH"/eagle3_smollm2_eval_*.json
 fi
 ${PYTHON:-python3} "$REPO/scripts/summarize_head_run.py" "$SRC"
