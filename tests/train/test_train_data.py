@@ -222,3 +222,27 @@ def test_heldout_split_does_not_depend_on_other_prompts():
     a, b = reserved_keys(items, 0, 8), reserved_keys(fewer, 0, 8)
     common = {p.key for p in items} & {p.key for p in fewer}
     assert a & common == b & common and 30 < len(a) < 90  # about 2% reserved
+
+
+def test_init_heads_heldout_without_a_file_or_leaving_nothing(tmp_path):
+    """--init-head without heldout_prompts.jsonl (a head from elsewhere) drops nothing and
+    says so; one whose held-out prompts are every training prompt is refused by name."""
+    import json
+    from types import SimpleNamespace
+
+    from specserve.train.distill import keep_init_heads_heldout_out
+    from specserve.train.prompts import PromptSourceError
+
+    train = [Sample("f.jsonl:0", [1, 2, 3], 1), Sample("f.jsonl:1#v1", [4, 5], 1)]
+    head = tmp_path / "head"
+    head.mkdir()
+    logged = []
+    cfg = SimpleNamespace(init_head=str(head))
+    assert keep_init_heads_heldout_out(cfg, tmp_path, train, logged.append) == train
+    assert logged == [{"event": "init_head_heldout", "prompts": 0, "found": False}]
+    assert not (tmp_path / "heldout_prompts.jsonl").exists()
+    assert keep_init_heads_heldout_out(SimpleNamespace(init_head=None), tmp_path, train, 0) == train
+    rows = [{"key": "f.jsonl:0", "messages": []}, {"key": "f.jsonl:1", "messages": []}]
+    (head / "heldout_prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(PromptSourceError, match="every training sample .* --init-head"):
+        keep_init_heads_heldout_out(cfg, tmp_path, train, logged.append)

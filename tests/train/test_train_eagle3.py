@@ -16,6 +16,7 @@ from specserve.model.eagle3 import load_eagle3_head
 from specserve.model.loader import load_model, resolve_model
 from specserve.train.distill import Sample
 from specserve.train.features import record_features
+from specserve.train.prompts import PromptItem
 from specserve.train.trainer import train
 from specserve.train.ttt import UnrollOutput, acceptance_stats, ttt_mask
 from tests.support.train_cases import AUX, make_target, train_config, write_prompt_file
@@ -138,6 +139,49 @@ def test_init_head_continues_training(trained, target, prompt_file, tmp_path):
     assert torch.equal(more.head.d2t, result.head.d2t)
     start = more.metrics["initial"]["train_subset"]["step_acc"][0]
     assert start == pytest.approx(result.metrics["train_subset"]["step_acc"][0], abs=0.02)
+
+
+def test_init_head_keeps_the_prompts_it_held_out_out_of_training(
+    trained, target, prompt_file, tmp_path
+):
+    """A head trained further from --init-head trains on none of the prompts that head held
+    out (a variant of one neither) and lists them in its own heldout_prompts.jsonl, once:
+    each seed holds out texts of its own, and the head of session 56 trained on most of its
+    init head's held-out stdlib prompts."""
+    out, _ = trained
+    head, run = tmp_path / "head", tmp_path / "run"
+    shutil.copytree(out, head)
+    run.mkdir()
+    for name in ("data.jsonl", "heldout_prompts.jsonl"):
+        shutil.copy(out / name, run / name)
+    rows = [json.loads(line) for line in (out / "data.jsonl").read_text().splitlines()]
+    sources = [PromptItem(r["key"], []).source_key for r in rows if r["split"] == "train"]
+    picked = sorted(set(sources))[:2]
+    extra = [  # the head held out two texts this data trains on, one named by a variant
+        {"key": picked[0], "messages": [{"role": "user", "content": "a"}]},
+        {"key": picked[1] + "#v1", "messages": [{"role": "user", "content": "b"}]},
+    ]
+    head_lines = (head / "heldout_prompts.jsonl").read_text().splitlines()
+    (head / "heldout_prompts.jsonl").write_text(
+        "\n".join(head_lines + [json.dumps(e) for e in extra]) + "\n"
+    )
+    own_lines = (run / "heldout_prompts.jsonl").read_text().splitlines()
+    dropped = sum(s in picked for s in sources)
+    assert dropped >= 2
+    cfg = train_config(run, target, prompt_file, init_head=str(head), steps=2, resume=True)
+    for attempt in range(2):  # the second (resumed): nothing dropped twice or listed twice
+        result = train(cfg)
+        assert result.metrics["train_samples"] == len(sources) - dropped
+        assert (run / "heldout_prompts.jsonl").read_text().splitlines() == own_lines + [
+            json.dumps(e) for e in extra
+        ]  # the run's own first, then the head's it did not hold out itself
+        events = [json.loads(ln) for ln in (run / "log.jsonl").read_text().splitlines()]
+        last = [e for e in events if e.get("event") == "init_head_heldout"][-1]
+        assert last["prompts"] == len(head_lines) + 2
+        assert last["dropped_samples"] == dropped
+        assert last["listed_in_heldout_prompts"] == (2 if attempt == 0 else 0)
+        shutil.rmtree(run / "checkpoints", ignore_errors=True)
+        (run / "state.pt").unlink(missing_ok=True)
 
 
 def test_features_are_inputs_of_the_aux_layers(target):

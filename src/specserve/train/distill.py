@@ -414,6 +414,51 @@ def _generate(
 
 
 DATA_SETTINGS = "data_settings.json"  # the seed whose held-out texts data.jsonl keeps out
+HELDOUT_PROMPTS = "heldout_prompts.jsonl"  # a run's held-out prompts, shipped beside its head
+
+
+def keep_init_heads_heldout_out(
+    cfg: TrainConfig, out: Path, train: list[Sample], log
+) -> list[Sample]:
+    """With --init-head: the training samples without those of the prompts that head held
+    out (its heldout_prompts.jsonl, variants of a text included), and out's
+    heldout_prompts.jsonl lists those prompts after the run's own, so a head trained further
+    from this one keeps them out too. Each seed holds out texts of its own only, and a draw
+    takes most of a small offline source (stdlib: about 7,200 prompts), so without this a
+    head's held-out prompts were training prompts of the head trained further from it, and
+    "no worse on the old held-out set" read high."""
+    if cfg.init_head is None:
+        return train
+    path = Path(cfg.init_head) / HELDOUT_PROMPTS
+    if not path.is_file():
+        log({"event": "init_head_heldout", "prompts": 0, "found": False})
+        return train
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    held = {PromptItem(r["key"], []).source_key for r in records}
+    kept = [s for s in train if PromptItem(s.key, []).source_key not in held]
+    if not kept:
+        raise PromptSourceError(
+            f"every training sample of {out / 'data.jsonl'} is a prompt --init-head "
+            f"{cfg.init_head} held out ({path}): generate data of other prompts (a new --seed)"
+        )
+    own_path = out / HELDOUT_PROMPTS
+    own = own_path.read_text().splitlines() if own_path.is_file() else []
+    listed = {json.loads(line)["key"] for line in own if line.strip()}
+    added = [r for r in records if r["key"] not in listed]
+    if added:
+        with open(own_path, "a") as f:
+            for r in added:
+                f.write(json.dumps(r) + "\n")
+    log(
+        {
+            "event": "init_head_heldout",
+            "prompts": len(records),
+            "found": True,
+            "dropped_samples": len(train) - len(kept),
+            "listed_in_heldout_prompts": len(added),
+        }
+    )
+    return kept
 
 
 @dataclass
@@ -440,7 +485,7 @@ def _to_append(out: Path) -> _Appended:
             "so the texts its run held out cannot be told; generate the data anew"
         )
     train, heldout = _read_samples(data_path)
-    held_path = out / "heldout_prompts.jsonl"
+    held_path = out / HELDOUT_PROMPTS
     held = held_path.read_text().splitlines() if held_path.is_file() else []
     held_keys = {PromptItem(json.loads(line)["key"], []).source_key for line in held}
     seed = json.loads(settings_path.read_text())["seed"]
@@ -516,7 +561,7 @@ def distill(cfg: TrainConfig, out: Path, log) -> tuple[list[Sample], list[Sample
             f"{len(heldout_prompts)} held out"
         )
     else:
-        with open(out / "heldout_prompts.jsonl", "w") as f:
+        with open(out / HELDOUT_PROMPTS, "w") as f:
             for p in heldout_prompts:
                 f.write(json.dumps({"key": p.key, "messages": p.messages}) + "\n")
     t0 = time.monotonic()

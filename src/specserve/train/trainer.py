@@ -25,7 +25,12 @@ from specserve.model.eagle3_config import check_aux_layer_ids
 from specserve.model.loader import load_config, load_model, resolve_model
 from specserve.train.checkpoint import load_checkpoint, save_checkpoint
 from specserve.train.config import TrainConfig
-from specserve.train.distill import coverage_curve, distill, vocab_coverage
+from specserve.train.distill import (
+    coverage_curve,
+    distill,
+    keep_init_heads_heldout_out,
+    vocab_coverage,
+)
 from specserve.train.features import FeatureStore, LiveFeatures, record_features
 from specserve.train.trainee import Trainee, draft_vocab_size, make_head, save_head
 
@@ -118,6 +123,7 @@ def train(cfg: TrainConfig) -> TrainResult:
     if cfg.generate_only:
         log({"event": "generate_only", "train_samples": len(train_samples)})
         return TrainResult(None, metrics={"train_samples": len(train_samples)})
+    train_samples = keep_init_heads_heldout_out(cfg, out, train_samples, log)
 
     dtype = (
         _DTYPES[cfg.dtype]
