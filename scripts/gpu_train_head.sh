@@ -184,16 +184,20 @@ if [ "$RECIPE" = chat ]; then
   DATA_DIR="$REPO/src/specserve/data"
   SELF_HELD="$WORK/heldout_self_chat.jsonl"; OLD_HELD="$WORK/heldout_old_kinds.jsonl"
   STEM_HELD="$WORK/heldout_self_chat_stem.jsonl"
-  # the self-chat held-out prompts apart by whether their first turn begins with one of the
-  # openers' stems (--self-chat-opener-share writes such turns; the target writes some too)
+  # this run's self-chat held-out prompts (not those --init-head's list added: the shipped
+  # head's, evaluated with the old kinds) apart by whether their first turn begins with one
+  # of the openers' stems (--self-chat-opener-share writes such turns; the target some too)
   grep '"key": "self-chat/' "$HEAD/heldout_prompts.jsonl" | $PY -c '
 import json, sys
 from specserve.train.self_chat import OPENERS
+old = {json.loads(line)["key"] for line in open(sys.argv[3]) if line.strip()}
 stem, rest = open(sys.argv[1], "w"), open(sys.argv[2], "w")
 for line in sys.stdin:
-    text = json.loads(line)["messages"][0]["content"]
-    (stem if text.startswith(OPENERS) else rest).write(line)
-' "$STEM_HELD" "$SELF_HELD"
+    row = json.loads(line)
+    if row["key"] not in old:
+        text = row["messages"][0]["content"]
+        (stem if text.startswith(OPENERS) else rest).write(line)
+' "$STEM_HELD" "$SELF_HELD" "$DATA_DIR/eagle3-smollm2-135m/heldout_prompts.jsonl"
   SELF_FILES="$SELF_HELD"; [ -s "$STEM_HELD" ] && SELF_FILES="$SELF_HELD $STEM_HELD"
   cp "$DATA_DIR/eagle3-smollm2-135m/heldout_prompts.jsonl" "$OLD_HELD"  # before any unpack
   rm -rf "$WORK/shipped-head"; cp -r "$DATA_DIR/eagle3-smollm2-135m" "$WORK/shipped-head"

@@ -431,3 +431,10 @@ def test_k_max_default_is_four_with_the_shipped_head_and_three_otherwise():
             speculative_schedule="1:4", model="m", speculative_algorithm="ngram"
         )
     assert EngineConfig.from_flags(speculative_schedule="1:4").speculative.num_steps == 4
+    with pytest.raises(ConfigError, match="speculative_num_steps"):  # resolved last: checked
+        EngineConfig.from_flags(
+            model="llama-3.1-8b",
+            load_format="dummy",
+            speculative_algorithm="eagle3",
+            speculative_schedule="1:4",
+        )

@@ -226,23 +226,48 @@ def test_heldout_split_does_not_depend_on_other_prompts():
 
 def test_init_heads_heldout_without_a_file_or_leaving_nothing(tmp_path):
     """--init-head without heldout_prompts.jsonl (a head from elsewhere) drops nothing and
-    says so; one whose held-out prompts are every training prompt is refused by name."""
+    says so; a head's list is appended once a text (its repeats and variants of listed
+    texts left out), on lines of its own; one whose held-out prompts are every training
+    prompt is refused by name."""
     import json
     from types import SimpleNamespace
 
-    from specserve.train.distill import keep_init_heads_heldout_out
+    from specserve.train.distill import keep_heldout_out
     from specserve.train.prompts import PromptSourceError
 
     train = [Sample("f.jsonl:0", [1, 2, 3], 1), Sample("f.jsonl:1#v1", [4, 5], 1)]
-    head = tmp_path / "head"
+    head, out = tmp_path / "head", tmp_path / "out"
     head.mkdir()
+    out.mkdir()
     logged = []
     cfg = SimpleNamespace(init_head=str(head))
-    assert keep_init_heads_heldout_out(cfg, tmp_path, train, logged.append) == train
-    assert logged == [{"event": "init_head_heldout", "prompts": 0, "found": False}]
-    assert not (tmp_path / "heldout_prompts.jsonl").exists()
-    assert keep_init_heads_heldout_out(SimpleNamespace(init_head=None), tmp_path, train, 0) == train
-    rows = [{"key": "f.jsonl:0", "messages": []}, {"key": "f.jsonl:1", "messages": []}]
+    assert keep_heldout_out(cfg, out, train, logged.append) == train
+    assert logged == [
+        {
+            "event": "heldout_kept_out",
+            "init_head": str(head),
+            "init_head_listed": False,
+            "listed_now": 0,
+            "held_out_prompts": 0,
+            "dropped_samples": 0,
+        }
+    ]
+    assert not (out / "heldout_prompts.jsonl").exists()
+    assert keep_heldout_out(SimpleNamespace(init_head=None), out, train, 0) == train  # no log
+    own = {"key": "g.jsonl:7", "messages": []}
+    (out / "heldout_prompts.jsonl").write_text(json.dumps(own))  # (no newline at its end)
+    rows = [
+        {"key": "f.jsonl:1", "messages": []},
+        {"key": "f.jsonl:1#v2", "messages": []},  # the same text again
+        {"key": "g.jsonl:7#v1", "messages": []},  # a text the run holds out itself
+    ]
     (head / "heldout_prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    with pytest.raises(PromptSourceError, match="every training sample .* --init-head"):
-        keep_init_heads_heldout_out(cfg, tmp_path, train, logged.append)
+    assert keep_heldout_out(cfg, out, train, logged.append) == train[:1]
+    lines = (out / "heldout_prompts.jsonl").read_text().splitlines()
+    assert lines == [json.dumps(own), json.dumps(rows[0])]
+    assert logged[-1]["listed_now"] == 1 and logged[-1]["dropped_samples"] == 1
+    (head / "heldout_prompts.jsonl").write_text(json.dumps({"key": "f.jsonl:0"}) + "\n")
+    with pytest.raises(
+        PromptSourceError, match="every training sample .*--init-head .*'s included"
+    ):
+        keep_heldout_out(cfg, out, train, logged.append)

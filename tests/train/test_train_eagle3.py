@@ -145,9 +145,10 @@ def test_init_head_keeps_the_prompts_it_held_out_out_of_training(
     trained, target, prompt_file, tmp_path
 ):
     """A head trained further from --init-head trains on none of the prompts that head held
-    out (a variant of one neither) and lists them in its own heldout_prompts.jsonl, once:
-    each seed holds out texts of its own, and the head of session 56 trained on most of its
-    init head's held-out stdlib prompts."""
+    out (a variant of one neither) and lists them in its own heldout_prompts.jsonl, once,
+    so its checkpoint resumed, with the flag or without it, keeps them out too: each seed
+    holds out texts of its own, and the head of session 56 trained on most of its init
+    head's held-out stdlib prompts."""
     out, _ = trained
     head, run = tmp_path / "head", tmp_path / "run"
     shutil.copytree(out, head)
@@ -168,20 +169,25 @@ def test_init_head_keeps_the_prompts_it_held_out_out_of_training(
     own_lines = (run / "heldout_prompts.jsonl").read_text().splitlines()
     dropped = sum(s in picked for s in sources)
     assert dropped >= 2
-    cfg = train_config(run, target, prompt_file, init_head=str(head), steps=2, resume=True)
-    for attempt in range(2):  # the second (resumed): nothing dropped twice or listed twice
-        result = train(cfg)
+    runs = [  # the first from the head, then its checkpoint resumed with and without it
+        dict(init_head=str(head), steps=2),
+        dict(init_head=str(head), steps=4),
+        dict(steps=6),
+    ]
+    for i, kw in enumerate(runs):
+        result = train(train_config(run, target, prompt_file, resume=True, **kw))
         assert result.metrics["train_samples"] == len(sources) - dropped
         assert (run / "heldout_prompts.jsonl").read_text().splitlines() == own_lines + [
             json.dumps(e) for e in extra
         ]  # the run's own first, then the head's it did not hold out itself
         events = [json.loads(ln) for ln in (run / "log.jsonl").read_text().splitlines()]
-        last = [e for e in events if e.get("event") == "init_head_heldout"][-1]
-        assert last["prompts"] == len(head_lines) + 2
+        starts = [e["step"] for e in events if e.get("event") == "start"]
+        assert starts == [0, 2, 4][: i + 1]  # (resumed from state.pt after the first)
+        last = [e for e in events if e.get("event") == "heldout_kept_out"][-1]
+        assert last["init_head"] == kw.get("init_head")
+        assert last["held_out_prompts"] == len(own_lines) + 2
         assert last["dropped_samples"] == dropped
-        assert last["listed_in_heldout_prompts"] == (2 if attempt == 0 else 0)
-        shutil.rmtree(run / "checkpoints", ignore_errors=True)
-        (run / "state.pt").unlink(missing_ok=True)
+        assert last["listed_now"] == (2 if i == 0 else 0)
 
 
 def test_features_are_inputs_of_the_aux_layers(target):

@@ -417,47 +417,55 @@ DATA_SETTINGS = "data_settings.json"  # the seed whose held-out texts data.jsonl
 HELDOUT_PROMPTS = "heldout_prompts.jsonl"  # a run's held-out prompts, shipped beside its head
 
 
-def keep_init_heads_heldout_out(
-    cfg: TrainConfig, out: Path, train: list[Sample], log
-) -> list[Sample]:
-    """With --init-head: the training samples without those of the prompts that head held
-    out (its heldout_prompts.jsonl, variants of a text included), and out's
-    heldout_prompts.jsonl lists those prompts after the run's own, so a head trained further
-    from this one keeps them out too. Each seed holds out texts of its own only, and a draw
-    takes most of a small offline source (stdlib: about 7,200 prompts), so without this a
-    head's held-out prompts were training prompts of the head trained further from it, and
-    "no worse on the old held-out set" read high."""
-    if cfg.init_head is None:
-        return train
-    path = Path(cfg.init_head) / HELDOUT_PROMPTS
-    if not path.is_file():
-        log({"event": "init_head_heldout", "prompts": 0, "found": False})
-        return train
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    held = {PromptItem(r["key"], []).source_key for r in records}
+def _jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def keep_heldout_out(cfg: TrainConfig, out: Path, train: list[Sample], log) -> list[Sample]:
+    """The training samples without any of a prompt out/heldout_prompts.jsonl lists
+    (variants of a text included). With --init-head, that head's held-out prompts (its
+    heldout_prompts.jsonl) are listed there first, after the run's own, so a head trained
+    further from this one keeps them out too, and so does this run resumed without the
+    flag. Each seed holds out texts of its own only, and a draw takes most of a small
+    offline source (stdlib: about 7,200 prompts), so without this a head's held-out prompts
+    were training prompts of the head trained further from it, and "no worse on the old
+    held-out set" read high. (The run's own held-out texts are in no training sample.)"""
+    own_path = out / HELDOUT_PROMPTS
+    own = _jsonl(own_path) if own_path.is_file() else []
+    found, added = False, []
+    if cfg.init_head is not None:
+        path = Path(cfg.init_head) / HELDOUT_PROMPTS
+        found = path.is_file()
+        listed = {PromptItem(r["key"], []).source_key for r in own}
+        for r in _jsonl(path) if found else []:
+            key = PromptItem(r["key"], []).source_key
+            if key not in listed:
+                listed.add(key)
+                added.append(r)
+        if added:
+            text = own_path.read_text() if own_path.is_file() else ""
+            with open(own_path, "a") as f:
+                f.write("\n" if text and not text.endswith("\n") else "")
+                f.writelines(json.dumps(r) + "\n" for r in added)
+    held = {PromptItem(r["key"], []).source_key for r in own + added}
     kept = [s for s in train if PromptItem(s.key, []).source_key not in held]
     if not kept:
+        inherited = f" (--init-head {cfg.init_head}'s included)" if cfg.init_head else ""
         raise PromptSourceError(
-            f"every training sample of {out / 'data.jsonl'} is a prompt --init-head "
-            f"{cfg.init_head} held out ({path}): generate data of other prompts (a new --seed)"
+            f"every training sample of {out / 'data.jsonl'} is of a prompt {own_path} holds "
+            f"out{inherited}: generate data of other prompts (a new --seed)"
         )
-    own_path = out / HELDOUT_PROMPTS
-    own = own_path.read_text().splitlines() if own_path.is_file() else []
-    listed = {json.loads(line)["key"] for line in own if line.strip()}
-    added = [r for r in records if r["key"] not in listed]
-    if added:
-        with open(own_path, "a") as f:
-            for r in added:
-                f.write(json.dumps(r) + "\n")
-    log(
-        {
-            "event": "init_head_heldout",
-            "prompts": len(records),
-            "found": True,
-            "dropped_samples": len(train) - len(kept),
-            "listed_in_heldout_prompts": len(added),
-        }
-    )
+    if cfg.init_head is not None or len(kept) < len(train):
+        log(
+            {
+                "event": "heldout_kept_out",
+                "init_head": cfg.init_head,
+                "init_head_listed": found,  # (a head from elsewhere may list none)
+                "listed_now": len(added),
+                "held_out_prompts": len(own) + len(added),
+                "dropped_samples": len(train) - len(kept),
+            }
+        )
     return kept
 
 

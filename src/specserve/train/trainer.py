@@ -28,7 +28,7 @@ from specserve.train.config import TrainConfig
 from specserve.train.distill import (
     coverage_curve,
     distill,
-    keep_init_heads_heldout_out,
+    keep_heldout_out,
     vocab_coverage,
 )
 from specserve.train.features import FeatureStore, LiveFeatures, record_features
@@ -123,7 +123,7 @@ def train(cfg: TrainConfig) -> TrainResult:
     if cfg.generate_only:
         log({"event": "generate_only", "train_samples": len(train_samples)})
         return TrainResult(None, metrics={"train_samples": len(train_samples)})
-    train_samples = keep_init_heads_heldout_out(cfg, out, train_samples, log)
+    train_samples = keep_heldout_out(cfg, out, train_samples, log)
 
     dtype = (
         _DTYPES[cfg.dtype]
