@@ -87,10 +87,7 @@ _FLAGS: dict[str, tuple[str, str]] = {
         "with the target's tokenizer (default: the shipped head "
         "for the embedded model)",
     ),
-    "speculative_num_steps": (
-        "speculation",
-        "most draft tokens per request and step (K_max; default: 3, or 4 with the shipped head)",
-    ),
+    "speculative_num_steps": ("speculation", "most draft tokens per request and step (K_max)"),
     "speculative_policy": (
         "speculation",
         "how many tokens to draft each step: goodput picks "

@@ -100,8 +100,7 @@ def test_flat_round_trip(given):
     assert set(EVERY_FLAG) == set(FLAG_FIELDS)
     assert all(EVERY_FLAG[name] != DEFAULTS[name] for name in FLAG_FIELDS)
     config = EngineConfig.from_flags(**given)
-    # (K_max left to its default resolves: 3 for every drafter but the shipped head)
-    assert config.flags() == {**DEFAULTS, "speculative_num_steps": 3, **given}
+    assert config.flags() == {**DEFAULTS, **given}
     assert list(config.flags()) == list(FLAG_FIELDS)  # the CLI's order
     for name, value in given.items():  # each lands in its own section's field
         section, attr = FLAG_FIELDS[name]
@@ -122,7 +121,6 @@ def test_defaults_resolve_speculation_and_round_trip():
         "speculative_algorithm": "eagle3",
         "speculative_draft_model_path": str(head),
         "speculative_policy": "goodput",
-        "speculative_num_steps": 4,
     }
     other = EngineConfig.from_flags(model="some/model")  # other models: no speculation
     assert other.speculative.algorithm is None and other.speculative.policy == "off"
@@ -391,50 +389,3 @@ def test_eagle3_on_the_embedded_model_takes_its_shipped_head():
     spec = EngineConfig.from_flags(speculative_algorithm="eagle3").speculative
     assert spec.draft_model_path == str(shipped_head_path())
     assert spec.draft_model_path == EngineConfig().speculative.draft_model_path
-
-
-def test_k_max_default_is_four_with_the_shipped_head_and_three_otherwise():
-    """The shipped head drafts at K_max 4 unless told otherwise (a K=4 step of the default
-    model costs what a K=3 step does, docs/performance.md); every other drafter at 3; a
-    given --speculative-num-steps always wins."""
-    from specserve.core.config_sections import DEFAULT_NUM_STEPS, SHIPPED_HEAD_NUM_STEPS
-
-    assert (DEFAULT_NUM_STEPS, SHIPPED_HEAD_NUM_STEPS) == (3, 4)
-    head = shipped_head_path()
-    assert EngineConfig().speculative.num_steps == 4  # auto: the embedded model's head
-    assert EngineConfig.from_flags(speculative_algorithm="eagle3").speculative.num_steps == 4
-    roundabout = str(head / ".." / head.name)  # the same folder, spelled otherwise
-    for path in (str(head), roundabout):
-        spec = EngineConfig.from_flags(
-            speculative_algorithm="eagle3", speculative_draft_model_path=path
-        ).speculative
-        assert spec.num_steps == 4, path
-    given = EngineConfig.from_flags(speculative_num_steps=2).speculative
-    assert (given.draft_model_path, given.num_steps) == (str(head), 2)
-    others = [
-        dict(model="m", speculative_algorithm="eagle3", speculative_draft_model_path="h"),
-        dict(model="m", speculative_algorithm="draft", speculative_draft_model_path="d"),
-        dict(model="m", speculative_algorithm="ngram"),
-        dict(model="llama-3.1-8b", load_format="dummy", speculative_algorithm="eagle3"),
-        dict(model="m"),  # auto on another model: nothing drafts
-        dict(speculative_algorithm="none"),
-    ]
-    for flags in others:
-        assert EngineConfig.from_flags(**flags).speculative.num_steps == 3, flags
-    # the bounds that depend on K_max are checked against the resolved one
-    sim = EngineConfig.from_flags(speculative_simulate_acceptance=4.5).speculative
-    assert (sim.num_steps, sim.simulate_acceptance) == (4, 4.5)
-    with pytest.raises(ConfigError, match="mean acceptance length in \\(1, K\\+1\\]; got 4.5"):
-        EngineConfig.from_flags(speculative_simulate_acceptance=4.5, speculative_num_steps=3)
-    with pytest.raises(ConfigError, match="speculative_num_steps"):
-        EngineConfig.from_flags(
-            speculative_schedule="1:4", model="m", speculative_algorithm="ngram"
-        )
-    assert EngineConfig.from_flags(speculative_schedule="1:4").speculative.num_steps == 4
-    with pytest.raises(ConfigError, match="speculative_num_steps"):  # resolved last: checked
-        EngineConfig.from_flags(
-            model="llama-3.1-8b",
-            load_format="dummy",
-            speculative_algorithm="eagle3",
-            speculative_schedule="1:4",
-        )

@@ -8,17 +8,16 @@ import numbers
 import os
 from collections.abc import Callable
 from dataclasses import Field, dataclass, field, fields, replace
+from pathlib import Path
 from typing import Any
 
 from specserve.core.config_sections import (
-    DEFAULT_NUM_STEPS,
     CacheConfig,
     ExecutionConfig,
     ModelLoadConfig,
     ParallelConfig,
     SchedulerConfig,
     SpeculativeConfig,
-    shipped_head_path,
 )
 from specserve.core.errors import ConfigError
 
@@ -116,8 +115,6 @@ class EngineConfig:
             and os.environ.get("TRITON_INTERPRET") != "1"  # (the interpreter runs on the CPU)
         ):
             raise ConfigError("attention_backend triton needs a CUDA device; the CPU runs torch")
-        if spec.num_steps is None:  # (no shipped head came: a random head, or none)
-            self.speculative = spec = replace(spec, num_steps=DEFAULT_NUM_STEPS)
         random_head = spec.algorithm == "eagle3" and self.load.format == "dummy"
         if spec.algorithm in ("draft", "eagle3") and not (spec.draft_model_path or random_head):
             raise ConfigError(
@@ -210,3 +207,9 @@ def flag_fields() -> dict[str, Field]:
         f.name: {g.name: g for g in fields(f.default_factory)} for f in fields(EngineConfig)
     }
     return {name: sections[section][attr] for name, (section, attr) in FLAG_FIELDS.items()}
+
+
+def shipped_head_path() -> Path:
+    """The EAGLE-3 head shipped for the embedded default model (SmolLM2-135M-Instruct);
+    docs/eagle3_training.md says how it was trained."""
+    return Path(__file__).resolve().parent.parent / "data" / "eagle3-smollm2-135m"

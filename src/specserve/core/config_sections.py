@@ -6,7 +6,6 @@ LLM's keywords) onto their fields, so messages here name those flat options."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -23,24 +22,6 @@ SPECULATIVE_POLICY_CHOICES = ("goodput", "fixed", "schedule", "off")
 HEAD_PARALLEL_CHOICES = ("replicated", "sharded")
 ATTENTION_BACKEND_CHOICES = ("auto", "torch", "triton")
 OVERLAP_SCHEDULE_CHOICES = ("auto", "on", "off")
-DEFAULT_NUM_STEPS = 3  # K_max, unless the drafter is the shipped head
-# The shipped head's K_max: a K=4 step of the 135M default model costs what a K=3 step does
-# (launches and host work, not weights) and the head's fourth draft adds 0.19 tokens a step
-# on the everyday questions (docs/performance.md, "The default model on chat prompts").
-SHIPPED_HEAD_NUM_STEPS = 4
-
-
-def shipped_head_path() -> Path:
-    """The EAGLE-3 head shipped for the embedded default model (SmolLM2-135M-Instruct);
-    docs/eagle3_training.md says how it was trained."""
-    return Path(__file__).resolve().parent.parent / "data" / "eagle3-smollm2-135m"
-
-
-def _is_shipped_head(path: str) -> bool:
-    try:
-        return Path(path).resolve() == shipped_head_path()
-    except OSError:  # (a path that cannot be resolved is no head of ours)
-        return False
 
 
 def _one_of(choices: tuple[str, ...]) -> str:
@@ -231,9 +212,6 @@ def parse_schedule(table: str, k_max: int) -> list[tuple[int, int]]:
 class SpeculativeConfig:
     """Speculative decoding: how to draft (`algorithm`, None: no speculation), at most
     `num_steps` draft tokens a request and step (K_max), how many each step (`policy`).
-    `num_steps` None is DEFAULT_NUM_STEPS, or SHIPPED_HEAD_NUM_STEPS when the drafter is the
-    shipped head; it stays None only while EngineConfig may still pick that head (algorithm
-    auto, or eagle3 without a path), which then resolves it.
 
     `algorithm` "auto" depends on the model, so EngineConfig resolves it (to eagle3 with the
     shipped head for the embedded default model, else None); until then `policy` stays None,
@@ -245,7 +223,7 @@ class SpeculativeConfig:
 
     algorithm: str | None = "auto"  # auto: eagle3 + shipped head on the default model
     draft_model_path: str | None = None
-    num_steps: int | None = None  # None: DEFAULT_NUM_STEPS, or the shipped head's
+    num_steps: int = 3
     policy: str | None = None  # off | fixed | schedule | goodput (default)
     schedule: str | None = None  # batch size -> K table, e.g. "1:4,16:2,64:0"
     simulate_acceptance: float | None = None  # benchmarking only, see above
@@ -277,33 +255,21 @@ class SpeculativeConfig:
             )
         if self.policy == "schedule" and not self.schedule:
             raise ConfigError("speculative_policy schedule needs speculative_schedule")
-        if self.schedule is not None and self.policy not in (None, "schedule"):
-            raise ConfigError(
-                "speculative_schedule is speculative_policy schedule's table; got policy "
-                f"{self.policy!r} (drop one of them)"
-            )
-        if self.num_steps is None and not self.may_take_shipped_head():
-            shipped = self.draft_model_path is not None and _is_shipped_head(self.draft_model_path)
-            self.num_steps = SHIPPED_HEAD_NUM_STEPS if shipped else DEFAULT_NUM_STEPS
-        if self.num_steps is not None:
-            self._check_num_steps(self.num_steps)
-
-    def may_take_shipped_head(self) -> bool:
-        """Whether EngineConfig may still give this section the shipped head (its K_max then
-        left to resolve): algorithm auto, or eagle3 without a path."""
-        return self.draft_model_path is None and self.algorithm in ("auto", "eagle3")
-
-    def _check_num_steps(self, k_max: int) -> None:
         sim = self.simulate_acceptance
-        if sim is not None and not 0.0 <= sim <= k_max + 1:
+        if sim is not None and not 0.0 <= sim <= self.num_steps + 1:
             raise ConfigError(
                 "speculative_simulate_acceptance is a per-token acceptance rate in [0, 1] or a "
                 f"mean acceptance length in (1, K+1]; got {sim}"
             )
-        if not 1 <= k_max <= 16:
-            raise ConfigError(f"speculative_num_steps must be in [1, 16]; got {k_max}")
+        if not 1 <= self.num_steps <= 16:
+            raise ConfigError(f"speculative_num_steps must be in [1, 16]; got {self.num_steps}")
         if self.schedule is not None:
-            parse_schedule(self.schedule, k_max)
+            if self.policy not in (None, "schedule"):
+                raise ConfigError(
+                    "speculative_schedule is speculative_policy schedule's table; got policy "
+                    f"{self.policy!r} (drop one of them)"
+                )
+            parse_schedule(self.schedule, self.num_steps)
 
     def check_drafter(self) -> None:
         """Once `algorithm` is resolved from auto: options that only a drafter uses need one
