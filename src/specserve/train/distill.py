@@ -494,8 +494,8 @@ def _to_append(out: Path) -> _Appended:
         )
     train, heldout = _read_samples(data_path)
     held_path = out / HELDOUT_PROMPTS
-    held = held_path.read_text().splitlines() if held_path.is_file() else []
-    held_keys = {PromptItem(json.loads(line)["key"], []).source_key for line in held}
+    held = _jsonl(held_path) if held_path.is_file() else []
+    held_keys = {PromptItem(r["key"], []).source_key for r in held}
     seed = json.loads(settings_path.read_text())["seed"]
     return _Appended(train, heldout, seed, held_keys)
 
