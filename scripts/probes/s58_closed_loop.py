@@ -13,7 +13,7 @@ OUT = os.environ.get("OUT", "/tmp/out")
 C = int(os.environ.get("C", "64")); N = int(os.environ.get("N", "1536"))
 ALPHA = float(os.environ.get("ALPHA", "0.6"))
 names = sys.argv[1].split(",")
-base = dict(model="smollm2-135m", load_format="dummy", device=os.environ.get("DEV", "cuda"), dtype="bfloat16" if os.environ.get("DEV", "cuda") == "cuda" else "float32",
+base = dict(model=os.environ.get("SHAPE", "smollm2-135m"), load_format="dummy", device=os.environ.get("DEV", "cuda"), dtype="bfloat16" if os.environ.get("DEV", "cuda") == "cuda" else "float32",
             kv_cache_bytes=2 << 30, speculative_algorithm="eagle3",
             speculative_simulate_acceptance=ALPHA)
 orig_marginal = gp.marginal_k
@@ -31,7 +31,7 @@ def cfg(name):
     return dict(speculative_policy="goodput", speculative_num_steps=3)
 
 rng = random.Random(0)
-prompts = [[rng.randrange(100, 30000) for _ in range(rng.randint(30, 60))] for _ in range(N)]
+prompts = [[rng.randrange(100, 2000) for _ in range(rng.randint(30, 60))] for _ in range(N)]
 lens = [rng.randint(150, 320) for _ in range(N)]
 
 def closed_loop(engine, n, trace):
@@ -77,7 +77,16 @@ for name in names:
     closed_loop(engine, 2 * C, None)  # warm (shapes, start-up transients)
     rows.clear()
     loop = engine.loop; k0 = Counter(loop.kind_steps); m0 = Counter(loop.kind_ms)
-    r = closed_loop(engine, N, rows)
+    if os.environ.get("PROFILE"):
+        import cProfile, pstats, io
+        pr = cProfile.Profile(); pr.enable(); r = closed_loop(engine, N, rows); pr.disable()
+        st_ = pstats.Stats(pr); prof = []
+        for key, (cc, nc, tt, ct, callers) in st_.stats.items():
+            prof.append((f"{key[0].split('/src/')[-1]}:{key[1]}:{key[2]}", nc, round(tt * 1e3 / r["steps"], 4), round(ct * 1e3 / r["steps"], 4)))
+        prof.sort(key=lambda x: -x[2]); r["prof_tot"] = prof[:80]
+        prof.sort(key=lambda x: -x[3]); r["prof_cum"] = prof[:150]
+    else:
+        r = closed_loop(engine, N, rows)
     ks = Counter(loop.kind_steps); ks.subtract(k0); km = Counter(loop.kind_ms); km.subtract(m0)
     r["kinds"] = {k: (v, round(km[k] / max(v, 1), 2)) for k, v in ks.items() if v}
     st = engine.stats()
@@ -88,7 +97,7 @@ for name in names:
         r["trace"] = rows[-1500:]
         r["policy_trace"] = pol.trace.dump()[-600:]
     res[name] = r
-    print(name, json.dumps({k: v for k, v in r.items() if k not in ("trace", "policy_trace", "stats")}), flush=True)
+    print(name, json.dumps({k: v for k, v in r.items() if k not in ("trace", "policy_trace", "stats", "prof_tot", "prof_cum")}), flush=True)
     gc.unfreeze(); del engine, pol; gc.collect(); torch.cuda.empty_cache() if torch.cuda.is_available() else None
 json.dump(res, open(f"{OUT}/cl.json", "w"), default=str)
 for k, v in res.items():
