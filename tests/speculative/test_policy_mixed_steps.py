@@ -7,7 +7,7 @@ scheduler leaves."""
 from __future__ import annotations
 
 from specserve.speculative.policy import StepLoad
-from specserve.speculative.serving_rate import DraftingSurcharge
+from specserve.speculative.serving_rate import DraftingSurcharge, PrefillRuns
 from tests.speculative.test_policy import _measured, _policy, _reqs
 
 N, PREFILL = 64, 1984  # 64 decode rows beside a prefill chunk filling a 2048-token budget
@@ -277,3 +277,48 @@ def test_the_surcharge_observes_each_prefill_step_by_its_own_span():
     step(1, 9.0, prefill=True, device_ms=8.0, waited=True)  # after a wait: no
     step(1, 9.0, prefill=True, device_ms=8.0, after_idle=True)  # after an idle engine: no
     assert seen == [(True, 8.0, 5.0), (False, 6.0, 5.0), (True, 7.0, 5.0), (False, 5.5, 5.0)]
+
+
+def _surcharged_prefill_choice(switch_up_ms: float | None) -> int:
+    """K for a step carrying prefill while decode-only steps draft K=3 and a measured 10 ms
+    surcharge of drafting beside prefill makes plain decoding better for that step alone
+    (at 10 tokens/ms K=3 adds ~120 tokens for ~15 ms); `switch_up_ms`: back to drafting from
+    plain decoding costs this much at the batch's bucket, measured (None: not measured)."""
+    policy, _ = _policy(alpha=0.8, k_max=3)
+    _measured(policy, N)
+    _running(policy, 10.0)
+    for _ in range(8):
+        policy.surcharge.observe(True, 70.0, 60.0)
+    if switch_up_ms is not None:
+        steady = policy.cost.period_ms(N, 3)
+        for _ in range(4):
+            policy.cost.observe_switch(N, 0, 3, switch_up_ms, steady)
+            policy.cost.observe_switch(N, 3, 0, 0.0, steady)
+    assert policy.choose(_reqs(N))[0] == 3  # decode-only: drafting
+    return policy.choose(_reqs(N), StepLoad(PREFILL, draft_budget=None))[0]
+
+
+def test_a_prefill_step_leaving_the_decode_steps_k_pays_its_switch_back_in_full():
+    """A step carrying prefill that leaves the K decode-only steps would keep is followed by
+    a switch back at the next decode step: with switches measured at its bucket (here 20 ms
+    back to drafting: the drafter's catch-up), that step pays the switch there and back in
+    full, over the run of steps carrying prefill (`PrefillRuns`: 1 here), not spread over
+    DWELL_STEPS as a decode step's switch is. At 64 clients of the default model on an H100
+    goodput left drafting for each such step and came back at once (3,417 switches in
+    3,877 steps). Unmeasured switches (a prior) keep the spread."""
+    assert _surcharged_prefill_choice(20.0) == 3
+    assert _surcharged_prefill_choice(None) == 0
+    assert _surcharged_prefill_choice(0.0) == 0  # measured, and free: plain beside prefill
+
+
+def test_prefill_runs():
+    """How long a K chosen beside prefill lasts: the mean run of decisions carrying prefill,
+    the current run where longer, at least 1 and at most the cap."""
+    runs = PrefillRuns()
+    assert runs.dwell(32) == 1.0
+    for carries in (True, False, True, True, True, False):
+        runs.observe(carries)
+    assert runs.runs == 2 and runs.mean == 2.0 and runs.dwell(32) == 2.0
+    for _ in range(5):
+        runs.observe(True)
+    assert runs.dwell(32) == 5.0 and runs.dwell(4) == 4.0

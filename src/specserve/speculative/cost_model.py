@@ -335,6 +335,13 @@ class StepCostModel:
             n, lambda: self.SWITCH_PRIOR * (plain_ms or self.period_ms(n, 0)), self.memoize
         )
 
+    def switch_measured(self, n: int) -> bool:
+        """Whether switches to and from plain decoding were measured at n's bucket (at
+        least YOUNG times each, not borrowed from another bucket nor the prior)."""
+        cells, bucket = self.switches.cells, batch_bucket(n)
+        up, down = cells.get((bucket, "up")), cells.get((bucket, "down"))
+        return up is not None and down is not None and min(up.count, down.count) >= self.YOUNG
+
     def observe_switch(
         self, n: int, k_from: int, k_to: int, excess_ms: float, steady_ms: float
     ) -> None:

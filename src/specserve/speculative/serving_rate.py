@@ -95,16 +95,45 @@ def queued_prefill_ms(
 
 
 def marginal_k(
-    tokens: list[float], costs: list[float], switch: list[float], rate: float, dwell_steps: int
+    tokens: list[float], costs: list[float], switch: list[float], rate: float, dwell: list[float]
 ) -> int:
     """The K whose tokens beyond their cost at the server's running rate are the most
-    (tokens - rate x ms), a switch there and back spread over `dwell_steps`. For a step that
+    (tokens - rate x ms), a switch there and back spread over `dwell[K]` steps (how long K
+    would last: `GoodputPolicy._prefill_dwell`). For a step that
     carries prefill, the step's own tokens per ms would rank K wrong: its prefill costs the
     same at every K, so the ratio spreads that cost over more tokens at a larger K and drafts
     where the extra verify rows, at the full GEMM slope once prefill fills the step, earn
     less than the server earns on average."""
-    scores = [t - rate * (ms + sw / dwell_steps) for t, ms, sw in zip(tokens, costs, switch)]
+    scores = [t - rate * (ms + sw / d) for t, ms, sw, d in zip(tokens, costs, switch, dwell)]
     return scores.index(max(scores))  # the first of equals: the fewer drafts
+
+
+class PrefillRuns:
+    """How long a K chosen for a step carrying prefill lasts where the decode-only steps
+    would not keep it (`GoodputPolicy._prefill_dwell`): the mean length of the runs of
+    consecutive decisions that carry prefill (an EWMA over about 1/WEIGHT runs; 1 before one
+    ended), or the current run's length where that is longer, at least 1."""
+
+    WEIGHT = 1 / 16
+
+    def __init__(self) -> None:
+        self.mean = 1.0
+        self.runs = 0  # runs ended
+        self.current = 0  # decisions carrying prefill in a row, up to the latest
+
+    def observe(self, carries_prefill: bool) -> None:
+        """One decision (a step with decoding requests), carrying prefill or not."""
+        if carries_prefill:
+            self.current += 1
+        elif self.current:
+            self.runs += 1
+            w = max(self.WEIGHT, 1.0 / self.runs)
+            self.mean += w * (self.current - self.mean)
+            self.current = 0
+
+    def dwell(self, cap: int) -> float:
+        """Steps over which a switch for the current step carrying prefill is spread."""
+        return min(float(cap), max(1.0, self.mean, float(self.current)))
 
 
 class DraftingSurcharge:
