@@ -50,13 +50,9 @@ CASES = {
 # Where goodput is known to fall short (strict: a fix makes the case fail until it is moved).
 # (The default model at 64 requests was one, at 0.94 of plain decoding, until holds decided
 # on a seed period were checked against the first measurement: GoodputPolicy._disproved.)
+# So was the default model without a hard opening at 64 (0.934 over 8 seeds, session 57)
+# until a K=0 decision held from 32 requests where drafting missed it by 5% (0.963).
 KNOWN_GAPS = {
-    "measured batch 64, plain best, no hard opening": (
-        "0.934 of plain decoding over 8 seeds (0.979 with the hard opening): at 64 requests "
-        "it drafts on periods read from small batches' cells (this host-bound engine's "
-        "drafting costs less per request there) and on cells measured once or twice below "
-        "their true periods (docs/performance.md, 'Session 57, in the simulator')"
-    ),
     "host-bound batch 64, plain best": (
         "0.93 of plain decoding over 16 seeds (0.92 over 32; 0.95 over the first 4): two "
         "noisy early samples of plain decoding's period (20% noise a step, outliers) can "

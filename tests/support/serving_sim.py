@@ -53,6 +53,7 @@ from tests.core.test_kv_cache import tiny_config
 from tests.support.policy_sim import bare_speculator
 from tests.support.policy_sim_engines import H200_8B, HEAD_8B
 from tests.support.policy_sim_workload import Noise, noise_factors
+from tests.support.serving_clock import HostBoundClock
 
 K_MAX = 3
 PAGE_SIZE = 16
@@ -134,6 +135,9 @@ class ServingRegime:
     # Requests of P + O tokens the KV cache holds (None: the concurrency): a server with
     # room for more than its clients (`StepLoad.occupancy` below 1 in a closed loop)
     room: int | None = None
+    # A host-bound engine's clock instead of the 8B shape's (serving_clock.py), its start-up
+    # seeds and no decode attention term
+    clock: HostBoundClock | None = None
 
     @property
     def policies(self) -> tuple:
@@ -147,6 +151,8 @@ class ServingRegime:
 
     @property
     def attn_ms_per_token(self) -> float:
+        if self.clock is not None:
+            return 0.0
         return KV_BYTES_PER_TOKEN_8B / (self.attention_tb_s * 1e12 / 1e3)
 
     @property
@@ -198,12 +204,14 @@ def make_policy(
     acceptance: AcceptanceModel,
     attn_ms_per_token: float = ATTN_MS_PER_CONTEXT_TOKEN,
     k_max: int = K_MAX,
+    clock: HostBoundClock | None = None,
 ) -> SpeculationPolicy:
-    """The policy called `name`: "goodput" (on the start-up seeds), "off" (or 0), or a fixed
-    K (FixedPolicy for K_max, else a schedule of that K from batch 1; both within the step's
-    draft budget where the scheduler hands them one)."""
+    """The policy called `name`: "goodput" (on the start-up seeds: the 8B shape's, or
+    `clock`'s), "off" (or 0), or a fixed K (FixedPolicy for K_max, else a schedule of that K
+    from batch 1; both within the step's draft budget where the scheduler hands them one)."""
     if name == "goodput":
-        return GoodputPolicy(k_max, startup_costs(attn_ms_per_token), acceptance)
+        seeds = clock.seeds() if clock is not None else startup_costs(attn_ms_per_token)
+        return GoodputPolicy(k_max, seeds, acceptance)
     if name in ("off", 0):
         return OffPolicy(k_max)
     if name == k_max:
@@ -284,7 +292,7 @@ def simulate(
     kv = KVCache(tiny_config(1), regime.num_pages, PAGE_SIZE, torch.float32, torch.device("cpu"))
     sched = Scheduler(kv, MAX_NUM_SEQS, BUDGET)
     acceptance = AcceptanceModel(regime.k_max)
-    policy = make_policy(name, acceptance, regime.attn_ms_per_token, regime.k_max)
+    policy = make_policy(name, acceptance, regime.attn_ms_per_token, regime.k_max, regime.clock)
     spec = bare_speculator(policy, acceptance)
     # The engine asks no policy under "off" (`Speculator.scheduling_policy`).
     asked = None if isinstance(policy, OffPolicy) else policy
@@ -297,6 +305,7 @@ def simulate(
     draws: dict[int, random.Random] = {}  # id(request) -> its acceptance stream
     noise = noise_factors(regime.noise, seed) if regime.noise is not None else None
     steps_run = 0
+    prev_k: int | None = None  # K of the last step with decode rows
 
     def send(max_tokens: int) -> None:
         i = len(res.requests)
@@ -333,7 +342,7 @@ def simulate(
                 clock = max(clock, arrived)
             while len(res.requests) < len(arrivals) and arrivals[len(res.requests)] <= clock:
                 send(out)
-        decided = trace.num_decisions
+        decided, settled = trace.num_decisions, trace.settled_steps
         batch = sched.schedule(asked)
         if not batch:
             raise RuntimeError("nothing scheduled while requests wait")
@@ -361,9 +370,17 @@ def simulate(
                 extra = seen_to - req.draft_cached_len - (s.draft_len + 1 if s.draft_len else 0)
                 catch_up += max(0, extra)
                 req.draft_cached_len = max(req.draft_cached_len, seen_to)
-        ms = step_ms(
-            rows, k, prefill, context, catch_up, asked is not None, regime.attn_ms_per_token
-        )
+        if regime.clock is not None:
+            deliberated = isinstance(policy, GoodputPolicy) and trace.settled_steps == settled
+            ms = regime.clock.step_ms(
+                rows, k, prefill, catch_up, keeps, prev_k == 0, deliberated and rows > 0
+            )
+        else:
+            ms = step_ms(
+                rows, k, prefill, context, catch_up, asked is not None, regime.attn_ms_per_token
+            )
+        if rows:
+            prev_k = k
         if prefill:
             ms += regime.prefill_step_ms * _swing(clock, regime.prefill_swing_ms)
             ms += regime.prefill_draft_ms if k else 0.0

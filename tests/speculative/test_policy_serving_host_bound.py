@@ -1,0 +1,81 @@
+"""The goodput policy on the default model's engine in a closed loop (serving_sim.py with
+`serving_clock.SMOLLM2_H100`: SmolLM2-135M + its EAGLE-3 head on an H100, host-bound, as
+session 58 measured it through the server; chat-like requests of 48 prompt tokens and 240
+output tokens at the acceptance measured there, 2.25 tokens a step at K=3): within 2% of the
+best of plain decoding and every fixed K, and 1% of plain decoding.
+
+The clock reproduces what the server measured at 1 and 8 clients (fixed K=3 1.46x and 1.12x
+plain decoding here, 1.49x and 1.14x there; goodput 0.985 and 0.972 of the best here, 0.954
+and 0.973 there) and plain decoding ahead at 64 (by 9% here, 4% there). At 64 every step
+deliberated (drafting within 10% of plain decoding kept the K=0 decision from holding), each
+deliberation ~8% of a plain step: 0.935 of plain decoding, 1.003 since a K=0 decision holds
+there when drafting misses it by 5% (`GoodputPolicy.SETTLE_MARGIN_MANY`)."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+from tests.support.serving_clock import SMOLLM2_H100
+from tests.support.serving_sim import ServingRegime, compare
+
+VS_BEST, VS_OFF = 0.98, 0.99
+
+# Where goodput falls short on this clock (strict: a fix makes the case fail until moved).
+# Between 8 and 32 clients plain decoding and fixed K=3 come within a few percent of each
+# other; goodput drafts K=3 on ~90% of the steps, deliberating every step (no hold: plain
+# decoding within DRAFT_SETTLE_MARGIN) and probing plain decoding, each probe paying the way
+# back to drafting (the drafter's eager catch-up, ~4 ms) that its cost model rarely measures
+# (steps carrying prefill, a third of them, break the chains a switch is measured from).
+KNOWN_GAPS = {
+    8: "0.972 of fixed K=3",
+    16: "0.954 of fixed K=3",
+    32: "0.908 of plain decoding (fixed K=3 within 3% of it)",
+}
+
+
+@functools.cache
+def _compare(concurrency: int) -> dict:
+    # (at least 64 requests measured: a batch of one runs few steps a request)
+    measure = max(2, 64 // concurrency)
+    regime = ServingRegime(concurrency, 48, 240, 2.25, measure=measure, clock=SMOLLM2_H100)
+    return compare(regime, (0, 1))
+
+
+@pytest.mark.parametrize(
+    "concurrency",
+    [
+        pytest.param(c, marks=pytest.mark.xfail(strict=True, reason=KNOWN_GAPS[c]))
+        if c in KNOWN_GAPS
+        else c
+        for c in (1, 8, 16, 32, 64)
+    ],
+)
+def test_goodput_near_the_best_policy_on_a_host_bound_engine(concurrency):
+    r = _compare(concurrency)
+    rates = " ".join(f"{p}={r[p]:.2f}" for p in r["policies"])
+    msg = f"{rates} vs_best={r['vs_best']:.3f} vs_off={r['vs_off']:.3f} K [{r['decided']}]"
+    assert r["vs_best"] >= VS_BEST, msg
+    assert r["vs_off"] >= VS_OFF, msg
+
+
+def test_the_clock_is_the_measured_engine():
+    """The clock's regimes as measured through the server: fixed K=3 well ahead of plain
+    decoding at 1 and 8 clients, plain decoding ahead at 64."""
+    one, eight, many = _compare(1), _compare(8), _compare(64)
+    assert 1.35 <= one[3] / one["off"] <= 1.6
+    assert 1.05 <= eight[3] / eight["off"] <= 1.2
+    assert many["off"] == many["best"] and many[3] < many["off"] <= 1.15 * many[3]
+
+
+def test_switching_up_costs_the_drafters_catch_up():
+    """The first drafting step after plain ones waits for them and catches the drafter up
+    eagerly (the cost model at 64 requests read 5.6-6.9 ms for it on the H100)."""
+    clock = SMOLLM2_H100
+    steady = clock.step_ms(64, 3, 0, 0, True, False, False)
+    switch = clock.step_ms(64, 3, 0, 128, True, True, False)
+    assert 4.0 <= switch - steady <= 7.0
+    assert clock.step_ms(64, 0, 0, 0, False, False, True) > clock.step_ms(
+        64, 0, 0, 0, False, False, False
+    )
