@@ -99,11 +99,11 @@ def marginal_k(
 ) -> int:
     """The K whose tokens beyond their cost at the server's running rate are the most
     (tokens - rate x ms), a switch there and back spread over `dwell[K]` steps (how long K
-    would last: `GoodputPolicy._prefill_dwell`). For a step that
-    carries prefill, the step's own tokens per ms would rank K wrong: its prefill costs the
-    same at every K, so the ratio spreads that cost over more tokens at a larger K and drafts
-    where the extra verify rows, at the full GEMM slope once prefill fills the step, earn
-    less than the server earns on average."""
+    would last: `GoodputPolicy._prefill_dwell`). For a step that carries prefill, the step's
+    own tokens per ms would rank K wrong: its prefill costs the same at every K, so the ratio
+    spreads that cost over more tokens at a larger K and drafts where the extra verify rows,
+    at the full GEMM slope once prefill fills the step, earn less than the server earns on
+    average."""
     scores = [t - rate * (ms + sw / d) for t, ms, sw, d in zip(tokens, costs, switch, dwell)]
     return scores.index(max(scores))  # the first of equals: the fewer drafts
 
