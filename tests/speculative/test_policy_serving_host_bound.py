@@ -71,7 +71,8 @@ def test_the_clock_is_the_measured_engine():
 
 def test_switching_up_costs_the_drafters_catch_up():
     """The first drafting step after plain ones waits for them and catches the drafter up
-    eagerly (the cost model at 64 requests read 5.6-6.9 ms for it on the H100)."""
+    eagerly (the cost model at 64 requests read 5.6-6.9 ms for it on the H100); a goodput
+    deliberation costs the host its time."""
     clock = SMOLLM2_H100
     steady = clock.step_ms(64, 3, 0, 0, True, False, False)
     switch = clock.step_ms(64, 3, 0, 128, True, True, False)
