@@ -19,6 +19,7 @@ from specserve.speculative.serving_rate import (
     PrefillRuns,
     ServingRate,
     marginal_k,
+    prefill_dwell,
     queued_prefill_ms,
 )
 from specserve.speculative.switch_costs import there_and_back_row
@@ -309,7 +310,9 @@ class GoodputPolicy(SpeculationPolicy):
         if marginal:
             # A step carrying prefill: ranked by its marginal tokens, never a probe (its
             # period measures no K; a probe under way resumes at the next decode step).
-            dwell = self._prefill_dwell(tokens, n, max_draft_len, context)
+            dwell = prefill_dwell(
+                self.cost, self.prefill_runs, tokens, n, context, self.DWELL_STEPS, self.HYSTERESIS
+            )
             k = marginal_k(tokens, priced, switch, self.rate.price, dwell)
             probe = False
         else:
@@ -484,33 +487,6 @@ class GoodputPolicy(SpeculationPolicy):
             switch_ms=switch,
             step_ms=self.predicted_ms if extra_tokens else None,
         )
-
-    def _prefill_dwell(self, tokens, n: int, max_draft_len: int, context: int) -> list[float]:
-        """For a step carrying prefill, the steps over which a switch to each K is spread:
-        DWELL_STEPS where a decode-only step of this batch would keep that K (no other K
-        beats it by HYSTERESIS at the model's decode periods), else only the run of steps
-        carrying prefill it leads (`PrefillRuns`): the decode step after them switches back.
-        Only where switches to and from plain decoding were measured at the batch's bucket:
-        a prior charged in full (half a plain step each way) kept steps carrying prefill at
-        the decode steps' K where plain decoding beside prefill was better (serving
-        simulator, 256 clients at 0.9 of the peak, L = 1.5: 0.977 of the best, 1.024 before).
-        (Spread over DWELL_STEPS everywhere, at 64 clients of the default model on an H100
-        what drafting costs beside prefill made each such step leave drafting for one step
-        and come back: 3,417 switches in 3,877 steps, each way back the drafter's catch-up
-        of 3-7 ms at that batch.)"""
-        cap = float(self.DWELL_STEPS)
-        if not self.cost.switch_measured(n):
-            return [cap] * len(tokens)
-        periods, _, _ = self.cost.period_table(n, max_draft_len, 0, context)
-        rates = [t / ms for t, ms in zip(tokens, periods)]
-        short = self.prefill_runs.dwell(self.DWELL_STEPS)
-        margin = 1.0 + self.HYSTERESIS
-        out = []
-        for k, rate in enumerate(rates):
-            g = rate * margin
-            kept = all(r <= g for j, r in enumerate(rates) if j != k)
-            out.append(cap if kept else short)
-        return out
 
     def _disproved(self, n: int, k: int, expected: dict) -> bool:
         """Whether a held K > 0 that was decided on its seed period (its bucket's cell not
