@@ -1,7 +1,8 @@
 """A closed-loop serving simulator: the real Scheduler, KVCache, Requests, policies, acceptance
 and cost models, and the speculator's bookkeeping, on a synthetic clock of the 8B shape on an
 H200 (test_policy_serving.py holds the goodput policy against plain decoding and every fixed
-K in it).
+K in it), or of the default model's host-bound engine (`ServingRegime.clock`,
+serving_clock.py; test_policy_serving_host_bound.py).
 
 Unlike policy_sim.py (decode-only steps of a fixed batch), steps here are what the scheduler
 makes of a saturated server: C clients each send their next request the moment the last one
