@@ -303,3 +303,49 @@ def test_a_dormant_drafter_takes_no_upkeep_and_drafts_exactly_after_waking(setup
     assert stats["spec_drafter_eager_passes"] > eager_before  # the catch-ups (on the CPU)
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
     _assert_same_acceptance(ref, got)
+
+
+def _ride_along_passes(target, head, prompts, monkeypatch, join):
+    """Outputs and catch-up-only passes of plain steps with the EAGLE-3 drafter kept up
+    (a schedule of K=0), requests joining every third step, ride-alongs after 8 tokens."""
+    monkeypatch.setattr("specserve.speculative.eagle3.CATCH_UP_STEPS", 8)
+    monkeypatch.setattr("specserve.speculative.eagle3.RIDE_ALONG_JOIN", join)
+    llm = LLM(
+        target,
+        speculative_algorithm="eagle3",
+        speculative_draft_model_path=head,
+        speculative_policy="schedule",
+        speculative_schedule="1:0",
+    )
+    engine, passes = llm.engine, []
+    proposer = engine.spec.proposer
+    propose = proposer.propose
+
+    def counted(items, prev=None):
+        if all(it.draft_len == 0 for it in items):
+            passes.append(len(items))
+        return propose(items, prev)
+
+    spy_on(proposer, "propose", counted)
+    pending, outputs, step = list(prompts), {}, 0
+    while pending or engine.has_unfinished():
+        if pending and step % 3 == 0:
+            engine.add_request(pending.pop(0), GREEDY)
+        for out in engine.step():
+            if out.finished:
+                outputs[out.request_id] = out.token_ids
+        step += 1
+    return [outputs[k] for k in sorted(outputs)], passes
+
+
+def test_ride_alongs_share_a_pass(setup, monkeypatch):
+    """Requests that reach the catch-up bound on different steps (they joined on
+    different steps) take the requests near it along: fewer catch-up passes than each on
+    its own, the same tokens (and those of speculation off)."""
+    target, drafters, prompts = setup
+    off = LLM(target, speculative_policy="off").generate(prompts, GREEDY)
+    alone, alone_passes = _ride_along_passes(target, drafters["eagle3"], prompts, monkeypatch, 1)
+    shared, shared_passes = _ride_along_passes(target, drafters["eagle3"], prompts, monkeypatch, 4)
+    assert alone == shared == [o.token_ids for o in off]
+    assert max(alone_passes) == 1  # (each request on its own step: they joined apart)
+    assert max(shared_passes) > 1 and len(shared_passes) < len(alone_passes)

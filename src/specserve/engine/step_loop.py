@@ -199,8 +199,10 @@ class StepLoop:
             return []
         if not spec.keeps_drafter:
             return [s for s in batch if s.draft_len > 0]
-        wants = spec.proposer.wants_catch_up
-        return [s for s in batch if s.draft_len > 0 or (s.decoding and wants(s.request))]
+        idle = [s for s in batch if s.decoding and not s.draft_len]
+        riding = spec.proposer.ride_alongs([s.request for s in idle])
+        riders = {id(s) for s, rides in zip(idle, riding) if rides}
+        return [s for s in batch if s.draft_len > 0 or id(s) in riders]
 
     def stats(self) -> dict:
         """Loop figures for metrics: steps launched after waiting for the previous step's

@@ -24,7 +24,7 @@ class Proposer(ABC):
     """Drafts tokens for requests with draft_len > 0.
 
     `propose` sets `item.drafts` (at most item.draft_len tokens; items with draft_len 0 are
-    only brought up to date, see `wants_catch_up`) and, where a request without a seed of
+    only brought up to date, see `ride_alongs`) and, where a request without a seed of
     its own samples and the drafter draws from a distribution, `item.draft_probs` [k, V]
     over the target vocabulary (runtime/verify.py: rejection sampling); or it leaves
     exactly draft_len drafts on the device (`item.device_drafts`: a [B, k] tensor and the
@@ -62,10 +62,11 @@ class Proposer(ABC):
         """Whether `propose(items, prev)` can read the step in flight on the device."""
         return False
 
-    def wants_catch_up(self, req) -> bool:
-        """Whether a request that is not drafting this step should still bring the drafter
-        up to date (bounded state while speculation is off); default: never."""
-        return False
+    def ride_alongs(self, reqs: list) -> list[bool]:
+        """Which of the requests that do not draft this step should still bring the
+        drafter up to date in it (bounded state while plain steps run with the drafter
+        kept up); default: none."""
+        return [False] * len(reqs)
 
     def catch_up_prefill(self, items: list[ScheduledRequest]) -> None:
         """After a step's forward: bring the drafter up to date on the tokens its prefill
