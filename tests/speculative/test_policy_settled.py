@@ -141,3 +141,19 @@ def test_a_hold_decided_on_a_seed_period_that_a_measurement_confirms_goes_on():
     for _ in range(3):
         assert policy.choose(_reqs(N)) == [3] * N
     assert counted.calls == 0 and policy._settled[3]["max_ms"] is None  # (checked once)
+
+
+@pytest.mark.parametrize("scale, holds", [(1.0, True), (10.0, False)])
+def test_drafting_ahead_by_a_little_holds_where_a_deliberation_is_a_share_of_the_step(scale, holds):
+    """K=3 leads plain decoding by 9% (under DRAFT_SETTLE_MARGIN) and every other K by
+    more than AWAKE_SETTLE_MARGIN. On ~1.7 ms steps (a host-bound engine: one deliberation
+    is ~3% of one) the decision holds; on ~17 ms steps (0.3%) every step deliberates."""
+    policy, _ = _policy(alpha=0.5, k_max=3)  # tokens at K = 0..3: 1, 1.5, 1.75, 1.875
+    periods = [1.0, 1.72, 1.72, 1.72]  # K=3: 1.875 / 1.72 = 1.09x plain decoding
+    for _ in range(24):  # (the cells converge on them)
+        for k, ms in enumerate(periods):
+            policy.cost.observe(N, k, ms * scale)
+    counted = _Counted(policy)
+    for _ in range(4):
+        assert policy.choose(_reqs(N)) == [3] * N
+    assert counted.calls == (1 if holds else 4)
