@@ -50,6 +50,7 @@ EXPECTED = {
         "--speculative-head-parallel",
         "--debug-tp-check",
         "--speculative-schedule",
+        "--speculative-trace-file",
         "--nnodes",
         "--node-rank",
         "--dist-init-addr",

@@ -99,6 +99,12 @@ _FLAGS: dict[str, tuple[str, str]] = {
         "advanced",
         "draft length by batch size for the schedule policy, e.g. 1:4,16:2,64:0 (default: none)",
     ),
+    "speculative_trace_file": (
+        "advanced",
+        "write the speculation policy's last 4,096 decisions (each step's K, what the "
+        "policy expected of every K, the measured period) and its tables as JSON to this "
+        "file when the engine stops (default: none)",
+    ),
     "page_size": ("advanced", "tokens per KV cache page"),
     "kv_cache_bytes": (
         "advanced",
@@ -216,6 +222,7 @@ _METAVARS = {
     "speculative_draft_model_path": "PATH",
     "device": "DEVICE",
     "speculative_schedule": "TABLE",
+    "speculative_trace_file": "PATH",
     "kv_cache_bytes": "BYTES",
     "speculative_simulate_acceptance": "RATE|LEN",
     "dist_init_addr": "HOST:PORT",

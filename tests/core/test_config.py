@@ -52,6 +52,7 @@ EVERY_FLAG = {
     "speculative_schedule": "1:4,16:2,64:0",
     "speculative_simulate_acceptance": 2.5,
     "speculative_head_parallel": "sharded",
+    "speculative_trace_file": "trace.json",  # (a file in the working folder)
     "attention_backend": "torch",
     "disable_cuda_graph": True,
     "disable_gemv": True,

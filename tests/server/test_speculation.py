@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import json
+
 import openai
 import pytest
 
@@ -15,9 +17,12 @@ PROMPTS = ["The quick brown fox", "Paged attention stores keys", "Héllo wörld"
 
 @pytest.fixture(scope="module")
 def spec_server(tiny_llama, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("spec")
     srv = ServerProcess(
         tiny_llama,
-        tmp_path_factory.mktemp("spec"),
+        folder,
+        "--speculative-trace-file",
+        str(folder / "trace.json"),
         "--speculative-algorithm",
         "draft",
         "--speculative-draft-model-path",
@@ -63,6 +68,17 @@ def test_speculating_server_is_lossless_and_reports(spec_server, tiny_llama):
         m["specserve_spec_drafter_eager_tokens_total"]
         >= m["specserve_spec_drafter_eager_passes_total"]
     )
+
+
+def test_the_policy_trace_is_written_when_the_server_stops(spec_server):
+    """(After the test above: its requests' steps are in the trace.)"""
+    steps = spec_server.metrics()['specserve_spec_step_k_steps_total{k="3"}']
+    assert spec_server.terminate() == 0
+    record = json.loads((spec_server.log_path.parent / "trace.json").read_text())
+    assert record["stats"]["spec_policy"] == "FixedPolicy"
+    decisions = record["decisions"]
+    assert len(decisions) >= steps > 0 and 3 in {d["k"] for d in decisions}
+    assert any(d["observed_ms"] for d in decisions)
 
 
 def test_simulated_acceptance_marks_every_response(tiny_llama, tmp_path):

@@ -49,6 +49,7 @@ def test_a_clear_decision_to_draft_holds_without_deliberating(n):
         assert policy.choose(reqs) == [3] * n
         held = policy.trace.recent[-1]
         assert held.tokens == first.tokens and held.period_ms == first.period_ms
+        assert held.held and not first.held  # (the trace says which were deliberated)
         assert policy.predicted_tokens == first.tokens[3]
     assert counted.calls == 1  # (before: one deliberation a step)
     assert policy.trace.settled_steps == GoodputPolicy.SETTLED_STEPS - 1

@@ -48,6 +48,7 @@ FLAG_FIELDS: dict[str, tuple[str, str]] = {
     "speculative_schedule": ("speculative", "schedule"),
     "speculative_simulate_acceptance": ("speculative", "simulate_acceptance"),
     "speculative_head_parallel": ("speculative", "head_parallel"),
+    "speculative_trace_file": ("speculative", "trace_file"),
     "attention_backend": ("execution", "attention_backend"),
     "disable_cuda_graph": ("execution", "disable_cuda_graph"),
     "disable_gemv": ("execution", "disable_gemv"),

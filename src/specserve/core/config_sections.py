@@ -5,6 +5,7 @@ LLM's keywords) onto their fields, so messages here name those flat options."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -227,6 +228,8 @@ class SpeculativeConfig:
     policy: str | None = None  # off | fixed | schedule | goodput (default)
     schedule: str | None = None  # batch size -> K table, e.g. "1:4,16:2,64:0"
     simulate_acceptance: float | None = None  # benchmarking only, see above
+    # where the policy's recent decisions go when the engine closes (diagnostics; None: not)
+    trace_file: str | None = None
     # Under tensor parallelism, an EAGLE-3 head whole on every rank (no collective in a
     # draft pass) or sharded like the target (heads, MLP columns, draft vocabulary; fc whole)
     head_parallel: str = "replicated"
@@ -255,6 +258,13 @@ class SpeculativeConfig:
             )
         if self.policy == "schedule" and not self.schedule:
             raise ConfigError("speculative_policy schedule needs speculative_schedule")
+        if self.trace_file:
+            folder = os.path.dirname(os.path.abspath(self.trace_file))
+            if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+                raise ConfigError(
+                    f"speculative_trace_file {self.trace_file!r}: the folder {folder!r} does "
+                    "not exist or cannot be written; create it or name another file"
+                )
         sim = self.simulate_acceptance
         if sim is not None and not 0.0 <= sim <= self.num_steps + 1:
             raise ConfigError(

@@ -84,6 +84,8 @@ class LLMEngine:
             # an engine dropped without close() (garbage-collected) takes its ranks along
             self._drop_ranks = weakref.finalize(self, self.parallel.abort)
         rank = self.parallel.rank if self.parallel is not None else 0
+        # (rank 0 decides the steps: its policy's trace is the one; written once, at close)
+        self._trace_file = config.speculative.trace_file if rank == 0 else None
         # This engine's kernel switches: in force while its start-up and its steps run
         # (warm-up, selection, graph capture, eager steps), whatever other engines use; the
         # config's, and the process default's where the config names none (benchmarks A/B
@@ -379,8 +381,11 @@ class LLMEngine:
 
     def close(self) -> None:
         """Release what outlives a step: the grammar workers, if any; under tensor
-        parallelism, stop the other ranks (rank 0) and leave the process groups.
-        Idempotent."""
+        parallelism, stop the other ranks (rank 0) and leave the process groups; write the
+        speculation policy's trace where `--speculative-trace-file` asks. Idempotent."""
+        trace_file, self._trace_file = self._trace_file, None
+        if trace_file and self.spec is not None:
+            self.spec.write_trace(trace_file)
         self.runner.grammars.close()  # (its workers, if any)
         if self._keep_alive_stop is not None:
             self._keep_alive_stop.set()

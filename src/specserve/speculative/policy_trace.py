@@ -24,7 +24,11 @@ class Decision:
     its period is short; not used), "" (not used: prefill in the step or just before it, or
     the first step after an idle engine). `step_ms`: where the goodput policy deliberated a
     step carrying prefill, the period its cost model predicted for the step as decided (what
-    drafting there costs beyond it is measured against this: `DraftingSurcharge`)."""
+    drafting there costs beyond it is measured against this: `DraftingSurcharge`).
+    `device_ms`: the step's device span (CUDA; None elsewhere); `parts`: what the step
+    carried beside its decodes, "+"-joined: "prefill", "dormant" (the drafter's upkeep
+    stopped), "awake" (decode-only with it kept up); `held`: the goodput policy repeated a
+    settled decision without deliberating."""
 
     step: int
     num_reqs: int
@@ -36,6 +40,9 @@ class Decision:
     observed_ms: float | None = None
     recorded: str = ""
     step_ms: float | None = None
+    device_ms: float | None = None
+    parts: str = ""
+    held: bool = False
 
 
 @dataclass
@@ -139,6 +146,7 @@ class PolicyTrace:
         period_ms: list[float] | None = None,
         switch_ms: list[float] | None = None,
         step_ms: float | None = None,
+        held: bool = False,
     ) -> None:
         """A step with decoding requests was given draft lengths, `k` the largest; the rest
         as in `Decision`."""
@@ -151,6 +159,8 @@ class PolicyTrace:
         if probe:
             self.probe_steps += 1
         d = Decision(n, num_reqs, k, probe, tokens, period_ms, switch_ms)  # positional: cheaper
+        if held:
+            d.held = True
         if step_ms is not None:
             d.step_ms = step_ms
         elif tokens is not None and period_ms is not None and len(tokens) > 1 and not probe:

@@ -3,6 +3,7 @@ the acceptance and cost models it reads, and what it observed."""
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import TYPE_CHECKING
 
@@ -221,8 +222,9 @@ class Speculator:
                 parts = ("dormant",) * dormant + ("prefill",) * (not only_decodes)
                 parts += ("awake",) * (only_decodes and not dormant)
                 trace.timed(max_draft_len, period_ms, device_ms, parts)
-            if decision is not None:
-                decision.observed_ms = period_ms
+            if decision is not None:  # (a step with decodes: `parts` is set)
+                decision.observed_ms, decision.device_ms = period_ms, device_ms
+                decision.parts = "+".join(parts)
             observe_rate = getattr(self.policy, "observe_rate", None)
             if observe_rate is not None:
                 observe_rate(committed, period_ms, len(decoding))
@@ -301,6 +303,17 @@ class Speculator:
         predicted = decision.step_ms
         if predicted is not None and decision.k == k and decision.num_reqs == len(decoding):
             surcharge.observe(drafted, ms, predicted)
+
+    def write_trace(self, path: str) -> None:
+        """The policy's recent decisions (`PolicyTrace.recent`, oldest first) and the
+        figures of `stats` as JSON at `path` (`--speculative-trace-file`: how each step's K
+        was chosen and what it cost, for diagnostics)."""
+        record = {"stats": self.stats(), "decisions": self.policy.trace.dump()}
+        try:
+            with open(path, "w") as f:
+                json.dump(record, f, default=str)
+        except OSError as e:  # (at shutdown: said, not raised, so that the engine stops)
+            log.error("speculation trace not written to %s: %s", path, e)
 
     def stats(self) -> dict:
         """Speculation figures for metrics: decisions, acceptance, goodput; and for the
