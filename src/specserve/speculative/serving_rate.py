@@ -177,7 +177,7 @@ def prefill_dwell(
 
 class DraftingSurcharge:
     """What drafting adds to a step that carries prefill beyond what the step cost model
-    predicts, measured: EWMAs of each such step's time (its device span on CUDA) minus the
+    predicts, measured: EWMAs of each such step's period minus the
     model's prediction for it as decided, apart for plain steps (K = 0) and drafting ones
     (K > 0). The surcharge is the second over the first (never below 0), once drafting's
     was seen MIN_STEPS times (0 before; plain decoding's residual counts as 0 until
@@ -208,12 +208,19 @@ class DraftingSurcharge:
     goodput fell to 0.967 of it, 0.986 weighed alike.
 
     The observations (`Speculator._observe_surcharge`) are the steps carrying prefill
-    that ran the K decided, by their device span (from the step's first work, so a plain
-    step between drafting ones counts as well as one between plain ones; the period where
-    untimed): drafting ones only after a drafting step (after a plain one the span holds
-    the rows' catch-up, a switch's cost), plain ones only with the drafter kept up (a
-    dormant step skips upkeep that drafting needs, which the wake prices), none after an
-    idle engine or a wait. One surcharge for every K and batch size (the drafter's eager
+    that ran the K decided, by their periods (what the policy ranks K by; plain steps
+    between drafting ones included): drafting ones only after a drafting step (after a
+    plain one the period holds the rows' catch-up, a switch's cost), plain ones only with
+    the drafter kept up (a dormant step skips upkeep that drafting needs, which the wake
+    prices), none after an idle engine or a wait. By device spans (sessions 50-59) a
+    host-bound engine's surcharge was what drafting adds on the device, not to the period:
+    the default model through the server on an H100 at 32 and 64 clients, plain prefill
+    steps overran the model by 2.8-2.9 ms of period and -0.3-0.1 of span, drafting ones by
+    1.4 and 0.7, so a surcharge of 0.4-3.7 ms (none by periods) kept 14-99% of its prefill
+    steps plain for nothing (goodput 0.82-0.91 of fixed K=3 over three rounds). A plain
+    step's period
+    before a drafting one carries that step's launch: 0.1 ms more there than before a
+    plain one. One surcharge for every K and batch size (the drafter's eager
     passes grow with K: a K measured at 1 underprices 3), on padded engines only (eager
     ones price every draft: `trim_drafts`)."""
 

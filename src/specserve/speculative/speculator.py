@@ -239,10 +239,14 @@ class Speculator:
         )
         surcharge = getattr(self.policy, "surcharge", None)
         if surcharge is not None:
-            span = device_ms if device_ms is not None else period_ms
             usable = not dormant and not after_idle and not waited
             self._observe_surcharge(
-                surcharge, decoding, only_decodes, max_draft_len, decision, span if usable else None
+                surcharge,
+                decoding,
+                only_decodes,
+                max_draft_len,
+                decision,
+                period_ms if usable else None,
             )
         if not only_decodes:
             self.periods.stop()
@@ -284,16 +288,12 @@ class Speculator:
         self, surcharge, decoding, only_decodes: bool, k: int, decision, ms
     ) -> None:
         """Drafting's surcharge beside prefill (`DraftingSurcharge`): a step carrying prefill
-        with decode rows, whose decision predicted its period at the K it ran, took `ms`
-        (None: not comparable). `ms` is its device span where the loop timed one (CUDA): it
-        starts at the step's first work, so a plain step between drafting ones is measured
-        as one between plain ones (by periods under overlap it carried the next launch, and
-        plain prefill steps went unmeasured wherever drafting won the decode steps: session
-        50); else its period (synchronous steps). A span holds the step's own drafter work,
-        catch-ups included, so a drafting step counts only after a drafting step (a switch
-        or a wake brings the rows' backlog, priced apart: `PeriodLog`, the wake); the loop
-        leaves out dormant plain steps (no upkeep, which drafting needs), steps after an
-        idle engine or a wait for the step before (host time in the span)."""
+        with decode rows, whose decision predicted its period at the K it ran, took `ms`, its
+        period (None: not comparable), plain ones between drafting steps included. A
+        drafting step counts only after a drafting step (after a plain one it holds the
+        rows' catch-up: a switch or a wake brings that backlog, priced apart: `PeriodLog`,
+        the wake); the loop leaves out dormant plain steps (no upkeep, which drafting
+        needs), steps after an idle engine or a wait for the step before."""
         drafted, after_drafting = k > 0, self._last_drafted
         self._last_drafted = bool(decoding) and drafted
         if only_decodes or not decoding or ms is None or decision is None:
