@@ -6,6 +6,8 @@ scheduler leaves."""
 
 from __future__ import annotations
 
+import pytest
+
 from specserve.speculative.policy import StepLoad
 from specserve.speculative.serving_rate import DraftingSurcharge, PrefillRuns
 from tests.speculative.test_policy import _measured, _policy, _reqs
@@ -185,11 +187,41 @@ def test_drafting_surcharge_is_measured_against_plain_prefill_steps():
     assert sum(due) == 3 and due[low - 1]
     for _ in range(200):
         s.observe(False, 20.0, 20.0)  # the model right about plain prefill steps: 10 ms
-    assert abs(s.ms - 10.0) < 0.05 and s.every(20.0) == 100  # 10 ms / (0.5% of 20 ms)
-    assert s.every(200.0) == low and s.every(1.0) == DraftingSurcharge.MAX_EVERY
+    assert abs(s.ms - 10.0) < 0.05
+    # a new surcharge is probed MIN_EVERY steps on, then twice as far each time, up to as
+    # far as the budget allows: 10 ms / (0.5% of 20 ms) = 100
+    assert s.every(20.0) == low
     s._since = 0
     due = [s.due(20.0) for _ in range(300)]
-    assert sum(due) == 3 and due[99] and due[199]
+    assert [i for i, d in enumerate(due) if d] == [low - 1, 3 * low - 1, 7 * low - 1, 7 * low + 99]
+    assert s.every(20.0) == 100 and s.every(200.0) == low
+    assert s.every(1.0) == DraftingSurcharge.MAX_EVERY
+
+
+def test_a_probe_after_a_gap_stands_for_the_gap():
+    """A surcharge from a burst of slow drafting steps beside prefill (a transient: a fresh
+    point's first such steps through the server on an H100, session 60, spanned 7.4 ms on
+    the device against 2.6 for decode-only ones, and locked every prefill step of the
+    point plain) is re-measured by the first probe: an observation weighs WEIGHT for each
+    deliberation of a step carrying prefill since its kind was last observed, up to
+    replacing the mean, so a probe after MIN_EVERY deliberations without drafting there
+    stands for all of them."""
+    s = DraftingSurcharge()
+    for _ in range(8):
+        s.observe(False, 22.0, 20.0)
+    for _ in range(DraftingSurcharge.MIN_STEPS):
+        s.observe(True, 30.0, 20.0)  # the transient
+    assert s.ms == pytest.approx(8.0)
+    for _ in range(DraftingSurcharge.MIN_EVERY - 1):
+        assert not s.due(20.0)
+        s.observe(False, 22.0, 20.0)  # plain steps beside prefill, deliberated
+    assert s.due(20.0)  # the probe
+    s.observe(True, 22.0, 20.0)  # drafting there costs what plain decoding does
+    assert s.ms == 0.0
+    # one slow drafting step among frequent ones moves the mean by WEIGHT only
+    s.due(20.0)
+    s.observe(True, 30.0, 20.0)
+    assert 0 < s.ms <= 8.0 / (DraftingSurcharge.MIN_STEPS + 2)  # (the 6th: 1/6, then 1/8)
 
 
 def test_a_mixed_step_prices_the_measured_surcharge_and_probes_without_it():
@@ -201,13 +233,15 @@ def test_a_mixed_step_prices_the_measured_surcharge_and_probes_without_it():
     _running(policy, 10.0)
     for _ in range(8):  # drafting beside prefill took 40 ms more than the model said
         policy.surcharge.observe(True, 100.0, 60.0)
-    every = policy.surcharge.every(policy.cost.step_ms([0] * N, PREFILL))
-    assert DraftingSurcharge.MIN_EVERY < every < DraftingSurcharge.MAX_EVERY
+    step_ms = policy.cost.step_ms([0] * N, PREFILL)
+    low = DraftingSurcharge.MIN_EVERY
+    assert policy.surcharge.every(step_ms) == low  # new: re-measured soon
     choices = [
-        policy.choose(_reqs(N), StepLoad(PREFILL, draft_budget=None))[0] for _ in range(2 * every)
+        policy.choose(_reqs(N), StepLoad(PREFILL, draft_budget=None))[0] for _ in range(3 * low)
     ]
     assert choices.count(3) == 2 and set(choices) == {0, 3}
-    assert choices[every - 1] == 3
+    assert choices[low - 1] == 3 and choices[3 * low - 1] == 3  # then twice as far
+    assert low < policy.surcharge.every(step_ms) < DraftingSurcharge.MAX_EVERY
     assert policy.choose(_reqs(N))[0] == 3  # decode-only: the surcharge is not there
 
 

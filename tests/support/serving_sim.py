@@ -116,6 +116,11 @@ class ServingRegime:
     # about 6 in one process and 11 through the server at 18 requests/s (session 49), which
     # start-up's timings of padded decode steps never see
     prefill_draft_ms: float = 0.0
+    # (steps, ms): the first `steps` drafting steps carrying prefill cost `ms` more each,
+    # a transient (through the server on an H100, session 60, a fresh point's first five
+    # such steps of the default model spanned 7.4 ms on the device against 2.6 for its
+    # decode-only ones)
+    prefill_draft_first: tuple[int, float] = (0, 0.0)
     # What every step carrying prefill costs beyond `step_ms` at any K (ms): eager steps'
     # launches and allocations, which the start-up model (padded decode steps) never times;
     # on the H100 such steps spanned 18-53 ms on the device for one 512-token chunk and a
@@ -305,7 +310,7 @@ def simulate(
     )
     draws: dict[int, random.Random] = {}  # id(request) -> its acceptance stream
     noise = noise_factors(regime.noise, seed) if regime.noise is not None else None
-    steps_run = 0
+    steps_run = drafted_prefill = 0
     prev_k: int | None = None  # K of the last step with decode rows
 
     def send(max_tokens: int) -> None:
@@ -385,6 +390,9 @@ def simulate(
         if prefill:
             ms += regime.prefill_step_ms * _swing(clock, regime.prefill_swing_ms)
             ms += regime.prefill_draft_ms if k else 0.0
+            if k and drafted_prefill < regime.prefill_draft_first[0]:
+                ms += regime.prefill_draft_first[1]
+                drafted_prefill += 1
         if noise is not None:
             ms *= noise[steps_run % len(noise)]
         steps_run += 1

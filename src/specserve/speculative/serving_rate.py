@@ -196,16 +196,24 @@ class DraftingSurcharge:
     of the ranking, so that drafting there is measured again where only the surcharge keeps
     it off (where the model alone would not draft either, nothing is lost by not measuring
     it): one in as many as keep such probes within PROBE_BUDGET of those steps' time (each
-    costs about the surcharge), MIN_EVERY to MAX_EVERY. In the serving simulator with a
-    12 ms surcharge at 256 clients, L = 3.0 (nearly every step carrying prefill), probing
-    every 16th step held goodput at 0.980 of plain decoding. Each residual weighs an
-    observation WEIGHT, whichever kind is rare (drafting's once priced, plain decoding's
-    where drafting wins): a start-up transient (the H100's first K=1 prefill steps took
-    36-40 ms, 21 once warm) is forgotten within a few probes, and what every prefill step
-    costs beyond the model moves both alike. Weighed apart (plain 1/32, drafting 1/8), a
-    slow swing of that common cost showed in drafting's residual first, as a surcharge:
-    in the serving simulator at L = 3.0, 0.25 of the peak (fixed K=3 best everywhere)
-    goodput fell to 0.967 of it, 0.986 weighed alike.
+    costs about the surcharge), MIN_EVERY to MAX_EVERY; a new surcharge (none probed since
+    it was last 0) sooner: MIN_EVERY, then twice as far each probe up to that. In the
+    serving simulator with a 12 ms surcharge at 256 clients, L = 3.0 (nearly every step
+    carrying prefill), probing every 16th step held goodput at 0.980 of plain decoding.
+    Each residual weighs an observation WEIGHT for every deliberation of a step carrying
+    prefill since its kind was last observed (at least one, at most replacing it), so
+    both follow the same stretch of time whichever kind is rare (drafting's once priced,
+    plain decoding's where drafting wins), and a probe stands for the steps it was not
+    measured in: what every prefill step costs beyond the model moves both alike, and a
+    transient is forgotten at the first probe. Weighed apart (plain 1/32, drafting 1/8), a
+    slow swing of that common cost showed in drafting's residual first, as a surcharge: in
+    the serving simulator at L = 3.0, 0.25 of the peak (fixed K=3 best everywhere) goodput
+    fell to 0.967 of it, 0.986 weighed alike. Weighed 1/8 an observation and probed every
+    256th step, a point's first slow drafting steps beside prefill (the default model
+    through the server on an H100, session 60: 7.4 ms on the device against 2.6 for a
+    decode-only step) left a 3 ms surcharge for the whole point, every step carrying
+    prefill plain (648 of 654); in the serving simulator (five such steps 8 ms dearer, 8
+    clients) 0.811 of the best against 0.978 without them, 0.962 now.
 
     The observations (`Speculator._observe_surcharge`) are the steps carrying prefill
     that ran the K decided, by their periods (what the policy ranks K by; plain steps
@@ -232,14 +240,19 @@ class DraftingSurcharge:
     def __init__(self) -> None:
         self._residual = [0.0, 0.0]  # ms: plain, drafting
         self._steps = [0, 0]
+        self._gap = [0, 0]  # deliberations of steps carrying prefill since each was observed
         self._since = 0  # deliberations of steps carrying prefill since the last probe
+        self._probes = 0  # probes since the surcharge was last 0
 
     def observe(self, drafted: bool, period_ms: float, predicted_ms: float) -> None:
         """A step carrying prefill took period_ms where the model predicted predicted_ms."""
         i = int(drafted)
         self._steps[i] += 1
-        w = max(self.WEIGHT, 1.0 / self._steps[i])
+        gap, self._gap[i] = max(1, self._gap[i]), 0
+        w = max(min(1.0, gap * self.WEIGHT), 1.0 / self._steps[i])
         self._residual[i] += w * (period_ms - predicted_ms - self._residual[i])
+        if self.ms <= 0:
+            self._probes = 0
 
     @property
     def ms(self) -> float:
@@ -253,17 +266,20 @@ class DraftingSurcharge:
         surcharge = self.ms
         if surcharge <= 0 or step_ms <= 0:
             return self.MIN_EVERY
-        return min(
-            self.MAX_EVERY, max(self.MIN_EVERY, round(surcharge / (self.PROBE_BUDGET * step_ms)))
-        )
+        budget = round(surcharge / (self.PROBE_BUDGET * step_ms))
+        young = self.MIN_EVERY << min(self._probes, 16)
+        return min(self.MAX_EVERY, max(self.MIN_EVERY, min(budget, young)))
 
     def due(self, step_ms: float) -> bool:
         """A deliberation of a step carrying prefill (its plain period about step_ms):
         whether this one leaves the surcharge out (a probe of drafting there)."""
         self._since += 1
+        self._gap[0] += 1
+        self._gap[1] += 1
         if self._since < self.every(step_ms):
             return False
         self._since = 0
+        self._probes += self.ms > 0
         return True
 
     def snapshot(self) -> dict:
