@@ -226,11 +226,10 @@ class DraftingSurcharge:
     steps overran the model by 2.8-2.9 ms of period and -0.3-0.1 of span, drafting ones by
     1.4 and 0.7, so a surcharge of 0.4-3.7 ms (none by periods) kept 14-99% of its prefill
     steps plain for nothing (goodput 0.82-0.91 of fixed K=3 over three rounds). A plain
-    step's period
-    before a drafting one carries that step's launch: 0.1 ms more there than before a
-    plain one. One surcharge for every K and batch size (the drafter's eager
-    passes grow with K: a K measured at 1 underprices 3), on padded engines only (eager
-    ones price every draft: `trim_drafts`)."""
+    step's period before a drafting one carries that step's launch: 0.1 ms more there
+    than before a plain one. One surcharge for every K and batch size (the drafter's
+    eager passes grow with K: a K measured at 1 underprices 3), on padded engines only
+    (eager ones price every draft: `trim_drafts`)."""
 
     WEIGHT = 1 / 8
     MIN_STEPS = 4
@@ -279,7 +278,8 @@ class DraftingSurcharge:
         if self._since < self.every(step_ms):
             return False
         self._since = 0
-        self._probes += self.ms > 0
+        if self.ms > 0:
+            self._probes += 1
         return True
 
     def snapshot(self) -> dict:
