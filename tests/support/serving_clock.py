@@ -94,8 +94,10 @@ SMOLLM2_H100 = HostBoundClock()
 # steps 1.90 ms plain dormant, 1.98 awake, 3.71 at K=2 and 4.16 at K=3 (every K within 1%
 # of the others in tokens a request per ms); beside prefill a dormant plain step 1.89, a
 # plain one with the drafter kept up 3.39 (its eager pass over each new prompt), a K=3 one
-# 4.93 and a K=2 one 4.42. Plain decoding with the drafter dormant is best here by about
-# 12% (off 30,726 tok/s against fixed K=3's 28,356 in that round).
+# 4.93 and a K=2 one 4.42. The way back to drafting costs about 1 ms (a plain step before
+# a drafting one 3.62 against 2.65; the drafting step no dearer than a steady one), not
+# the 4-7 of session 58's machine. Plain decoding with the drafter dormant is best here by
+# about 8% (off 30,726 tok/s against fixed K=3's 28,356 in that round).
 SMOLLM2_H100_B = HostBoundClock(
     plain=((1, 0.58), (8, 0.72), (32, 1.15), (64, 1.90), (256, 4.8)),
     draft=((1, 0.88), (8, 1.42), (32, 2.55), (64, 4.16), (256, 12.5)),
@@ -104,4 +106,6 @@ SMOLLM2_H100_B = HostBoundClock(
     prefill_per_token=0.0,
     draft_prefill_ms=0.75,
     awake_prefill_ms=1.45,
+    eager_ms=0.5,
+    stall_share=0.15,
 )
