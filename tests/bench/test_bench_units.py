@@ -168,6 +168,7 @@ specserve_spec_policy_period_ms{bucket="8",k="3"} 1.25
 specserve_spec_policy_switch_ms{bucket="64",direction="up"} 2.0
 specserve_spec_policy_mode_factor{bucket="64",mode="drafting"} 0.9
 specserve_spec_policy_prefill_surcharge_seconds 0.0042
+specserve_spec_policy_prefill_upkeep_seconds 0.0013
 specserve_spec_policy_prefill_price_tokens_per_second 9100.0
 """
 
@@ -209,6 +210,7 @@ def test_metrics_difference_and_speculation_figures():
     # its figures without a bucket: what it priced steps carrying prefill by (ms for seconds)
     assert spec["policy_scalars"] == {
         "prefill_surcharge_ms": pytest.approx(4.2),
+        "prefill_upkeep_ms": pytest.approx(1.3),
         "prefill_price_tokens_per_second": 9100.0,
     }
     assert spec["engine_gauges"] == {
@@ -394,6 +396,10 @@ def test_a_goodput_point_prints_the_policys_table_at_its_bucket(monkeypatch, cap
     scalars = {"prefill_surcharge_ms": 4.2, "prefill_price_tokens_per_second": 9100.0}
     assert policy_table({"policy_tables": tables, "policy_scalars": scalars}, 64) == (
         want + "; beside prefill: surcharge 4.20 ms, 9.1 tokens a ms"
+    )
+    scalars["prefill_upkeep_ms"] = 1.3  # (engines since session 61)
+    assert policy_table({"policy_tables": tables, "policy_scalars": scalars}, 64) == (
+        want + "; beside prefill: surcharge 4.20 ms, the drafter's upkeep 1.30 ms, 9.1 tokens a ms"
     )
 
     def fake_benchmark(cfg, dataset, progress, desc, speculation=spec):

@@ -251,3 +251,53 @@ def test_a_step_is_observed_with_the_drafter_state_it_ran_with(models):
     assert len(observed) == len(launched) >= 12
     assert observed == launched  # in launch order, as each was launched
     assert observed != current  # (the policy's state at processing time differs)
+
+
+@pytest.mark.parametrize("overlap", ["off", "on"])
+def test_the_drafters_upkeep_beside_prefill_is_measured(models, overlap):
+    """A prompt arriving while another request decodes, the drafter kept up: the step loop
+    times the drafter's passes over the new prompt, hands them to the speculator with the
+    host's wait for the step's tokens, and the policy's `upkeep` learns what the host had
+    no time to spare for (the decision records both); with the drafter dormant there is
+    no upkeep to measure."""
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+    def run(dormant: bool):
+        llm = goodput(models, overlap)
+        engine, spec = llm.engine, llm.engine.spec
+        if dormant:  # (every decision leaves it dormant)
+            choose = spec.policy.choose
+
+            def dormant_choice(*args, **kw):
+                draft_lens = choose(*args, **kw)
+                spec.policy.dormant = True
+                return draft_lens
+
+            spy_on(spec.policy, "choose", dormant_choice)
+        seen = []
+        observe = spec.observe_period
+
+        def spy(batch, resolved_s, after_idle, device_ms=None, **step):
+            if any(s.decoding for s in batch) and not all(s.decoding for s in batch):
+                seen.append((step["kept_drafter"], step["upkeep"]))
+            observe(batch, resolved_s, after_idle, device_ms, **step)
+
+        spy_on(spec, "observe_period", spy)
+        engine.add_request(prompts_for()[6], params)
+        for _ in range(4):
+            engine.step()
+        engine.add_request(prompts_for()[4], params)  # arrives mid-decode
+        while engine.has_unfinished():
+            engine.step()
+        return spec, seen
+
+    spec, seen = run(dormant=False)
+    [(kept, (host_ms, wait_ms))] = seen
+    assert kept and host_ms > 0 and wait_ms >= 0
+    assert spec.policy.upkeep.steps == 1
+    assert spec.policy.upkeep._ms == pytest.approx(max(0.0, host_ms - wait_ms))
+    [decision] = [d for d in spec.policy.trace.recent if d.upkeep_ms is not None]
+    assert (decision.upkeep_ms, decision.wait_ms) == (host_ms, wait_ms)
+    assert "spec_policy_prefill_upkeep_ms" in spec.stats()
+    spec, seen = run(dormant=True)
+    assert seen == [(False, None)] and spec.policy.upkeep.steps == 0

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import pytest
 
+from specserve.speculative.buckets import batch_bucket
 from specserve.speculative.policy import StepLoad
-from specserve.speculative.serving_rate import DraftingSurcharge, PrefillRuns
+from specserve.speculative.serving_rate import DrafterUpkeep, DraftingSurcharge, PrefillRuns
 from tests.speculative.test_policy import _measured, _policy, _reqs
 
 N, PREFILL = 64, 1984  # 64 decode rows beside a prefill chunk filling a 2048-token budget
@@ -393,3 +394,105 @@ def test_prefill_runs():
     for _ in range(5):
         runs.observe(True)
     assert runs.dwell(32) == 5.0 and runs.dwell(4) == 4.0
+
+    # and how many decisions carry prefill: 2 in 6 of these tens, then 1 in 3 (a decode-only
+    # step for every two carrying prefill: what drafting pays the drafter's upkeep for)
+    runs = PrefillRuns()
+    for i in range(600):
+        runs.observe(i % 3 != 0)
+    assert runs.share == pytest.approx(2 / 3, abs=0.01)
+    assert runs.per_decode_step == pytest.approx(2.0, abs=0.1)
+    for _ in range(2000):
+        runs.observe(True)
+    assert runs.per_decode_step == pytest.approx(9.0)  # (at most MAX_SHARE)
+
+
+def test_the_drafters_upkeep_is_what_the_host_had_no_time_to_spare_for():
+    upkeep = DrafterUpkeep()
+    for _ in range(DrafterUpkeep.MIN_STEPS - 1):
+        upkeep.observe(1.5)
+    assert upkeep.ms == 0.0  # not yet measured
+    upkeep.observe(1.5)
+    assert upkeep.ms == pytest.approx(1.5)
+    for _ in range(200):  # (an EWMA over about 1 / WEIGHT steps)
+        upkeep.observe(0.5)
+    assert upkeep.ms == pytest.approx(0.5, abs=1e-4)
+    assert upkeep.snapshot() == {"prefill_upkeep_ms": upkeep.ms}
+
+
+def _upkept_choice(upkeep_ms: float, prefill_every: int = 3) -> int:
+    """K for a decode-only step of N requests where K=2 leads plain decoding by 16% under
+    the cost model, with the drafter's upkeep beside prefill measured at `upkeep_ms` and
+    one step in `prefill_every` carrying prefill."""
+    policy, _ = _policy(alpha=0.5, k_max=3)
+    _measured(policy, N)
+    for i in range(600):
+        policy.prefill_runs.observe(i % prefill_every == 0)
+    for _ in range(DrafterUpkeep.MIN_STEPS):
+        policy.upkeep.observe(upkeep_ms)
+    return policy.choose(_reqs(N))[0]
+
+
+def test_drafting_pays_the_drafters_upkeep_beside_prefill_on_decode_steps():
+    """Plain decoding with the drafter dormant skips its upkeep beside prefill, which the
+    modes' factors (decode-only steps) and the cost model (steady steps) never see: a
+    decode-only step charges each K > 0 that upkeep for every step carrying prefill there is
+    to a decode-only one (here 1 in 3: half a step's upkeep). The default model's engine on
+    machine B's clock at 64 clients (every K ties on decode-only steps, a kept-up plain step
+    carrying prefill 1.45 ms dearer): 0.899 of plain decoding before, 0.996 charged (the
+    serving test of that clock)."""
+    assert _upkept_choice(0.0) == 2
+    assert _upkept_choice(1.0) == 2  # 0.5 ms more a K = 2 step of ~7 ms: still 8% ahead
+    assert _upkept_choice(4.0) == 0  # 2 ms more: plain decoding
+    assert _upkept_choice(4.0, prefill_every=50) == 2  # prefill rare: 0.08 ms more
+
+
+def test_a_step_carrying_prefill_pays_the_upkeep_only_where_it_keeps_the_drafter_awake():
+    """Beside prefill the upkeep is paid at every K while the drafter is kept up: a step
+    carrying prefill charges it to K > 0 only where its decode steps prefer plain
+    decoding (drafting there would keep the drafter from sleeping) or it sleeps."""
+
+    def choice(preferred: int) -> int:
+        policy, _ = _policy(alpha=0.8, k_max=3)
+        _measured(policy, N)
+        _running(policy, 10.0)  # K=3 adds ~120 tokens for ~5 ms beside the prefill
+        for _ in range(DrafterUpkeep.MIN_STEPS):
+            policy.upkeep.observe(10.0)
+        policy._preferred[batch_bucket(N)] = preferred
+        return policy.choose(_reqs(N), StepLoad(PREFILL, draft_budget=None))[0]
+
+    assert choice(3) == 3  # the upkeep is paid whatever this step does
+    assert choice(0) == 0  # 10 ms more for K > 0: plain, towards dormancy
+
+
+def test_the_upkeep_is_observed_where_the_drafter_was_kept_up_beside_prefill():
+    """Through the speculator: a step carrying prefill, decode rows and the drafter kept up
+    (as launched) gives the upkeep its host time less the host's wait for the step's tokens
+    (time it had to spare), never below 0; the decision records both. None comes from a
+    dormant step (the loop measures nothing there)."""
+    from specserve.core.batch import ScheduledRequest
+    from specserve.speculative.speculator import Speculator
+    from specserve.speculative.step_periods import PeriodLog
+
+    policy, _ = _policy(alpha=0.8, k_max=3)
+    spec = Speculator.__new__(Speculator)
+    spec.policy, spec.cost, spec.periods = policy, policy.cost, PeriodLog(policy.cost)
+    spec.clear_step_history()
+    seen = []
+    policy.upkeep.observe = seen.append
+    clock = [1.0]
+
+    def step(k, upkeep, prefill=True, kept_drafter=True):
+        batch = [ScheduledRequest(None, 1, k, decoding=True) for _ in range(4)]
+        batch += [ScheduledRequest(None, 16)] * prefill
+        policy._decided([k] * 4)
+        clock[0] += 4.0 / 1e3
+        spec.observe_period(batch, clock[0], False, kept_drafter=kept_drafter, upkeep=upkeep)
+        return policy.trace.recent[-1]
+
+    decision = step(0, (1.5, 0.25))
+    assert (decision.upkeep_ms, decision.wait_ms) == (1.5, 0.25)
+    step(3, (0.75, 2.0))  # the host waited longer than the upkeep took: it was free
+    step(0, None, kept_drafter=False)  # dormant
+    step(0, None, prefill=False)  # decode-only
+    assert seen == [1.25, 0.0]

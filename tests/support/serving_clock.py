@@ -81,6 +81,15 @@ class HostBoundClock:
             ms += self.deliberation_ms + self.deliberation_per_req_ms * rows
         return ms
 
+    def upkeep_ms(self, k: int) -> float:
+        """The host time the step loop measures for the drafter's upkeep in a step carrying
+        prefill with the drafter kept up (`DrafterUpkeep`): what the step costs beyond
+        its prefill for it, `draft_prefill_ms` drafting at K=k > 0, `awake_prefill_ms` plain
+        (`draft_prefill_ms` where that is None)."""
+        if k or self.awake_prefill_ms is None:
+            return self.draft_prefill_ms
+        return self.awake_prefill_ms
+
     @staticmethod
     def seeds() -> StepCostModel:
         """What start-up measures on this engine: padded graphs' device time alone."""

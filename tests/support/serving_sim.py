@@ -420,7 +420,13 @@ def simulate(
             if req.finish_reason is not None:
                 done.append(req)
         spec.observe(batch, committed, 0.0, 0.0)
-        spec.observe_period(batch, clock / 1e3, idle)  # (a wait for arrivals is no period)
+        # the drafter's upkeep beside prefill as the step loop measures it (host-bound:
+        # the host never waits for the device)
+        upkeep = None
+        if regime.clock is not None and keeps and prefill and rows:
+            upkeep = (regime.clock.upkeep_ms(k), 0.0)
+        # (a wait for arrivals is no period)
+        spec.observe_period(batch, clock / 1e3, idle, upkeep=upkeep)
         idle = False
         if window and measured_left > 0:
             res.tokens += tokens

@@ -283,7 +283,11 @@ def policy_table(spec: dict, concurrency: int | None) -> str:
     surcharge = scalars.get("prefill_surcharge_ms")
     price = scalars.get("prefill_price_tokens_per_second")
     if surcharge is not None and price is not None:
-        text += f"; beside prefill: surcharge {surcharge:.2f} ms, {price / 1e3:.1f} tokens a ms"
+        text += f"; beside prefill: surcharge {surcharge:.2f} ms"
+        upkeep = scalars.get("prefill_upkeep_ms")
+        if upkeep is not None:
+            text += f", the drafter's upkeep {upkeep:.2f} ms"
+        text += f", {price / 1e3:.1f} tokens a ms"
     return text
 
 

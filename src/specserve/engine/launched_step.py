@@ -30,6 +30,10 @@ class LaunchedStep:
     after_idle: bool = False  # nothing ran just before it (no gap to measure)
     kept_drafter: bool = False  # the drafter was kept up in it (not dormant, not off)
     waited: bool = False  # launched after waiting for the step before it (its tokens)
+    # host ms of the drafter's upkeep beside prefill (its passes over the new prompt pairs,
+    # and its ride-alongs in a plain step); None where it was not kept up or no prefill
+    upkeep_ms: float | None = None
+    wait_ms: float = 0.0  # how long the host waited for its tokens (set when resolved)
     result: StepResult | None = None  # set when resolved
     resolved_s: float = 0.0  # perf_counter when its tokens reached the host
     device_ms: float | None = None  # its device span (CUDA events), once processed

@@ -284,10 +284,15 @@ class StepLoop:
         # device order), and each sampled request has at least one token in flight.
         for s in batch:
             s.request.cached_len += s.num_tokens
+        upkeep_ms = None
         if keeps_drafter:  # after the draw: its copy is not delayed
             prefilled = [s for s in batch if not s.decoding]
             if prefilled:
+                tu = time.perf_counter()
                 spec.proposer.catch_up_prefill(prefilled)
+                upkeep_ms = (time.perf_counter() - tu) * 1e3
+                if not any(s.draft_len for s in batch):  # (its passes were ride-alongs only)
+                    upkeep_ms += (t1 - t0) * 1e3
         for s in step_input.sampled:
             s.request.num_inflight += 1
             s.request.num_inflight_drafts += s.drafted
@@ -304,6 +309,7 @@ class StepLoop:
             after_idle=self._idle,
             kept_drafter=keeps_drafter,
             waited=waited,
+            upkeep_ms=upkeep_ms,
         )
         self._idle = False
         if events is not None:
@@ -331,7 +337,7 @@ class StepLoop:
         if self.token_check is not None:
             self.token_check(self.num_resolved, result.tokens)
         self.num_resolved += 1
-        wait_ms = (step.resolved_s - t0) * 1e3
+        wait_ms = step.wait_ms = (step.resolved_s - t0) * 1e3
         self.times.wait_ms.append(wait_ms)
         self.totals["host_wait_ms"] += wait_ms
         # Requests preempted since the launch recompute from their tokens: their KV and
@@ -391,6 +397,7 @@ class StepLoop:
                 step.device_ms,
                 kept_drafter=step.kept_drafter,
                 waited=step.waited,
+                upkeep=None if step.upkeep_ms is None else (step.upkeep_ms, step.wait_ms),
             )
         outputs = []
         for s, tokens, lps in live:

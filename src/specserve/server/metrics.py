@@ -85,6 +85,12 @@ _ENGINE_GAUGES = {
         "goodput policy: what drafting adds to a step carrying prefill beyond its cost model "
         "(seconds), measured, and priced into such steps' choice of K",
     ),
+    "spec_policy_prefill_upkeep_ms": (
+        "specserve_spec_policy_prefill_upkeep_seconds",
+        "goodput policy: what keeping the drafter up costs a step carrying prefill (host time "
+        "of its passes the host had no time to spare for, seconds), measured, and charged to "
+        "drafting against the drafter dormant",
+    ),
     "spec_policy_prefill_price_tokens_per_s": (
         "specserve_spec_policy_prefill_price_tokens_per_second",
         "goodput policy: what a second of a step carrying prefill is worth in tokens (the "
@@ -471,6 +477,7 @@ _IN_MS = frozenset(
         "spec_policy_expected_period_ms",
         "spec_policy_switch_ms",
         "spec_policy_prefill_surcharge_ms",
+        "spec_policy_prefill_upkeep_ms",
     }
 )
 

@@ -15,6 +15,7 @@ from specserve.speculative.mode_rates import ModeRates
 from specserve.speculative.policy_base import NO_LOAD, SpeculationPolicy, StepLoad
 from specserve.speculative.policy_trim import trim_drafts
 from specserve.speculative.serving_rate import (
+    DrafterUpkeep,
     DraftingSurcharge,
     PrefillRuns,
     ServingRate,
@@ -73,7 +74,12 @@ class GoodputPolicy(SpeculationPolicy):
     work on the 8B shape). After DORMANT_AFTER decisions in a row for K=0 (probes aside)
     the policy is `dormant`: the engine stops that upkeep, and every K > 0 is priced with
     the catch-up it would cost (the batch's unseen tokens at the drafter's per-token cost,
-    on top of the switch) until a decision for K > 0 wakes it. A probe drafts without
+    on top of the switch) until a decision for K > 0 wakes it. What that upkeep costs beside
+    prefill, where the host pays for it (`DrafterUpkeep`), is charged to every K > 0: on a
+    decode-only step for each step carrying prefill there is to one, on a step carrying
+    prefill where drafting would keep the drafter from sleeping (in the serving simulator
+    on machine B's clock at 64 clients, where every K ties on decode-only steps, 0.899 of
+    plain decoding before, 0.996 charged). A probe drafts without
     waking it, on the DORMANT_PROBE_ROWS requests with the least to catch up (its catch-up
     is the probe's own switch cost; with more requests than that, only K_max is probed,
     priced by those rows' tokens, within DORMANT_PROBE_BUDGET). While dormant, a decision
@@ -196,6 +202,8 @@ class GoodputPolicy(SpeculationPolicy):
         self.modes = ModeRates()  # what plain decoding and drafting delivered, all costs in
         # what drafting adds to a step carrying prefill beyond the model: priced in its rank
         self.surcharge = DraftingSurcharge()
+        # what keeping the drafter up costs a step carrying prefill: priced against dormancy
+        self.upkeep = DrafterUpkeep()
         self.dormant = False  # the drafter's upkeep is stopped (see the class docstring)
         self._plain_decisions = 0  # decisions for K=0 in a row (probes aside)
         # (steps left, period ms, expectations): a dormant decision for K=0 that every
@@ -301,6 +309,20 @@ class GoodputPolicy(SpeculationPolicy):
             if surcharge:
                 priced = [ms + surcharge if k else ms for k, ms in enumerate(ranking)]
         bucket = batch_bucket(n)
+        # Drafting keeps the drafter up, whose upkeep beside prefill plain decoding dormant
+        # skips (`DrafterUpkeep`: 0 where the host waits for the device): a decode-only
+        # step's K > 0 is charged it for each step carrying prefill there is to a
+        # decode-only one, a step carrying prefill's where drafting would keep the drafter
+        # from sleeping (dormant, or its bucket's decode steps prefer plain decoding); in
+        # the ranking and in the checks of the modes and holds (not in the periods the
+        # decision records, which the modes' factors read).
+        upkeep = self.upkeep.ms if max_draft_len else 0.0
+        if upkeep:
+            if not extra_tokens:
+                upkeep *= self.prefill_runs.per_decode_step
+            elif not self.dormant and self._preferred.get(bucket) != 0:
+                upkeep = 0.0
+            priced = [ms + upkeep if k else ms for k, ms in enumerate(priced)]
         # The K in use: the last step's (not a probe's), else the bucket's preferred one.
         current = self._running_k
         if current is None or current > max_draft_len:
@@ -353,7 +375,9 @@ class GoodputPolicy(SpeculationPolicy):
         held = (
             bool(k)
             and not probe
-            and self.modes.holds_back(bucket, self.num_steps, tokens[k] / ranking[k], plain)
+            and self.modes.holds_back(
+                bucket, self.num_steps, tokens[k] / (ranking[k] + upkeep), plain
+            )
         )
         if held:
             k = 0
@@ -365,7 +389,8 @@ class GoodputPolicy(SpeculationPolicy):
         # catching up the whole batch: 0.955 and 0.952 of plain decoding.)
         if not held and not k and not probe and not marginal and len(tokens) > 1:
             # (dormant: drafting's periods carry the wake, spread as in the ranking)
-            woken = [ms + (wake / self.DWELL_STEPS if j else 0.0) for j, ms in enumerate(ranking)]
+            more = wake / self.DWELL_STEPS + upkeep
+            woken = [ms + (more if j else 0.0) for j, ms in enumerate(ranking)]
             top = max(range(1, len(tokens)), key=lambda j: tokens[j] / woken[j])
             drafting = tokens[top] / woken[top]
             favored = self.modes.favors_drafting(bucket, self.num_steps, drafting, plain)
@@ -400,7 +425,7 @@ class GoodputPolicy(SpeculationPolicy):
                 many = n >= self.SETTLE_MIN_BATCH
                 margin = self.SETTLE_MARGIN_MANY if many else self.SETTLE_MARGIN
                 g0 = tokens[0] / ranking[0] * (1.0 - margin)
-                if held or all(t <= g0 * ms for t, ms in zip(tokens[1:], ranking[1:])):
+                if held or all(t <= g0 * (ms + upkeep) for t, ms in zip(tokens[1:], ranking[1:])):
                     expected = dict(tokens=tokens, period_ms=ranking, switch_ms=switch)
                     self._settled = (self.SETTLED_STEPS - 1, 0, costs[0], expected)
             elif (
@@ -417,7 +442,7 @@ class GoodputPolicy(SpeculationPolicy):
                 # decoding by DRAFT_SETTLE_MARGIN, corrected by the modes' factors where
                 # measured (a model that favors drafting by less may be wrong: `modes`):
                 # held likewise
-                gk = tokens[k] / ranking[k]
+                gk = tokens[k] / (ranking[k] + upkeep)
                 drafting, plain = (
                     self.modes.rate(bucket, "drafting"),
                     self.modes.rate(bucket, "plain"),
@@ -429,14 +454,14 @@ class GoodputPolicy(SpeculationPolicy):
                 gk_other = gk * (1.0 - self.AWAKE_SETTLE_MARGIN)
                 margin = self._draft_settle_margin(n, ranking[k])
                 if g0 * (1.0 + margin) <= gk and all(
-                    t <= gk_other * ms
+                    t <= gk_other * (ms + upkeep)
                     for j, (t, ms) in enumerate(zip(tokens, ranking))
                     if j and j != k
                 ):
                     expected = dict(tokens=tokens, period_ms=ranking, switch_ms=switch)
                     # (decided on K's seed period: `_disproved` checks its measurement)
                     seeded = cells[k] is None or not cells[k].count
-                    max_ms = tokens[k] / (g0 * (1.0 + margin))
+                    max_ms = tokens[k] / (g0 * (1.0 + margin)) - upkeep
                     self._settled = (
                         self.SETTLED_STEPS - 1,
                         k,

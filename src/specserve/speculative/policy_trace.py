@@ -28,7 +28,9 @@ class Decision:
     `device_ms`: the step's device span (CUDA; None elsewhere); `parts`: what the step
     carried beside its decodes, "+"-joined: "prefill", "dormant" (the drafter's upkeep
     stopped), "awake" (decode-only with it kept up); `held`: the goodput policy repeated a
-    settled decision without deliberating."""
+    settled decision without deliberating. `upkeep_ms`, `wait_ms`: in a step carrying
+    prefill with the drafter kept up, the host time of the drafter's upkeep and the host's
+    wait for the step's tokens (`DrafterUpkeep`)."""
 
     step: int
     num_reqs: int
@@ -43,6 +45,8 @@ class Decision:
     device_ms: float | None = None
     parts: str = ""
     held: bool = False
+    upkeep_ms: float | None = None
+    wait_ms: float | None = None
 
 
 @dataclass

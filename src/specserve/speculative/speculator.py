@@ -186,6 +186,7 @@ class Speculator:
         device_ms: float | None = None,
         kept_drafter: bool | None = None,
         waited: bool = False,
+        upkeep: tuple[float, float] | None = None,
     ) -> None:
         """A step's period: from the previous step's tokens reaching the host to its own
         (`resolved_s`, perf_counter seconds), which is what a step costs in throughput under
@@ -198,7 +199,9 @@ class Speculator:
         `kept_drafter`: whether the drafter was kept up in the step, as launched (under
         overlap the policy has decided the next step since: a wake's step ran dormant);
         None: as the policy is now (synchronous steps). `waited`: launched after waiting
-        for the step before it."""
+        for the step before it. `upkeep`: in a step carrying prefill with the drafter kept
+        up, the host ms of the drafter's upkeep and of the host's wait for the step's tokens
+        (`DrafterUpkeep`)."""
         if not self.may_draft:  # the off policy: nothing to learn
             return
         decoding = [s for s in batch if s.decoding]
@@ -237,6 +240,12 @@ class Speculator:
             decision,
             max_draft_len,
         )
+        if upkeep is not None and decoding and not dormant:
+            if decision is not None:
+                decision.upkeep_ms, decision.wait_ms = upkeep
+            upkeeps = getattr(self.policy, "upkeep", None)
+            if upkeeps is not None:
+                upkeeps.observe(max(0.0, upkeep[0] - upkeep[1]))
         surcharge = getattr(self.policy, "surcharge", None)
         if surcharge is not None:
             usable = not dormant and not after_idle and not waited
@@ -322,7 +331,7 @@ class Speculator:
         trace = self.policy.trace
         tables = {}
         policy = self.policy
-        parts = ("modes", "surcharge", "rate")
+        parts = ("modes", "surcharge", "upkeep", "rate")
         for source in (self.cost, *(getattr(policy, a, None) for a in parts)):
             if source is not None:
                 tables.update({f"spec_policy_{k}": v for k, v in source.snapshot().items()})
