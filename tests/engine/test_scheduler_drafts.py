@@ -210,3 +210,27 @@ def test_the_policy_is_told_who_waits_for_budget_or_pages_not_for_a_slot():
     sched.add(_request(9, prompt_len=4))
     sched.schedule(policy)  # it waits for a slot: budget and pages are there
     assert policy.loads[-1][1].waiting == 0 and len(sched.waiting) == 1
+
+
+def test_the_caps_are_set_only_for_a_policy_that_reads_them():
+    """`max_useful_drafts` is set for every decoding request only where the policy says its
+    next choice reads it (`reads_caps`: not a held decision for plain decoding)."""
+
+    class Plain(Recording):
+        reads = True
+
+        def reads_caps(self, load):
+            return self.reads
+
+    sched = _sched(num_pages=200, page_size=4, budget=64)
+    reqs = _decoding(sched, 3)
+    policy = Plain(k_max=3)
+    for r in reqs:
+        r.max_useful_drafts = -7
+    _run_step(sched, policy)
+    assert [r.max_useful_drafts for r in reqs] == [48] * 3  # (49 of 50 left, one this step's)
+    policy.reads = False
+    for r in reqs:
+        r.max_useful_drafts = -7
+    _run_step(sched, policy)
+    assert [r.max_useful_drafts for r in reqs] == [-7] * 3

@@ -158,3 +158,22 @@ def test_drafting_ahead_by_a_little_holds_where_a_deliberation_is_a_share_of_the
     for _ in range(4):
         assert policy.choose(_reqs(N)) == [3] * N
     assert counted.calls == (1 if holds else 4)
+
+
+def test_a_held_decision_for_plain_decoding_reads_no_cap():
+    """The scheduler sets every request's cap only where the next choice reads it
+    (`reads_caps`): a held decision for plain decoding does not, unless a burst on an
+    idle server ends the hold; a deliberation and a held decision to draft do."""
+    policy, _ = _policy(alpha=0.1, k_max=3)  # drafting far behind: plain decoding settles
+    n = 64
+    _measured(policy, n)
+    assert policy.reads_caps(StepLoad())
+    policy.dormant, policy._plain_decisions = True, policy.DORMANT_AFTER
+    assert policy.choose(_reqs(n)) == [0] * n
+    assert policy._settled is not None and policy._settled[1] == 0
+    assert not policy.reads_caps(StepLoad())
+    assert policy.reads_caps(StepLoad(waiting=4, after_idle=True))  # (a burst deliberates)
+    held = _settled_policy()
+    held.choose(_reqs(N))
+    assert held._settled is not None and held._settled[1] == 3
+    assert held.reads_caps(StepLoad())

@@ -164,8 +164,6 @@ class Scheduler:
         decoding, prefill = [], 0
         for s in batch:
             if s.decoding:
-                r = s.request
-                r.max_useful_drafts = r.num_left - 1  # the policy's cap, read for each request
                 decoding.append(s)
             else:
                 prefill += s.num_tokens
@@ -174,6 +172,10 @@ class Scheduler:
         load = StepLoad(
             prefill, budget, self.prefill_per_token, waiting, self._after_idle, self.occupancy
         )
+        if policy.reads_caps(load):  # (not a held decision for plain decoding)
+            for s in decoding:
+                r = s.request
+                r.max_useful_drafts = r.num_left - 1  # the policy's cap, read for each request
         if decoding:
             self._after_idle = False
         draft_lens = policy.choose([s.request for s in decoding], load)

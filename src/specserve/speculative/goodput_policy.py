@@ -226,6 +226,14 @@ class GoodputPolicy(SpeculationPolicy):
         # (steps left, K, period ms, expectations)
         self._settled: tuple[int, int, float, dict] | None = None
 
+    def reads_caps(self, load: StepLoad) -> bool:
+        """Not for a held decision for plain decoding (`_settled` with K = 0), which reads
+        no request's cap (unless a burst ends it: see `choose`)."""
+        settled = self._settled
+        if settled is None or settled[1]:
+            return True
+        return bool(load.after_idle and load.waiting and self.cost.padded)
+
     def choose(self, reqs, load: StepLoad = NO_LOAD):
         n = len(reqs)
         if n == 0:

@@ -64,6 +64,12 @@ class SpeculationPolicy(ABC):
         """Draft lengths for `reqs`, within `load.draft_budget`; `load` says what else the
         step carries."""
 
+    def reads_caps(self, load: StepLoad) -> bool:
+        """Whether the next `choose` (with `load`) reads its requests' `max_useful_drafts`:
+        the scheduler sets them only then (a pass over every decoding request of the step,
+        whose host time a fast model's step feels)."""
+        return True
+
     def _decided(self, draft_lens: list[int], **expected) -> list[int]:
         """Trace the decision; returns `draft_lens`."""
         if draft_lens:
