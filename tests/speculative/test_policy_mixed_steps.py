@@ -468,8 +468,8 @@ def test_a_step_carrying_prefill_pays_the_upkeep_only_where_it_keeps_the_drafter
 def test_the_upkeep_is_observed_where_the_drafter_was_kept_up_beside_prefill():
     """Through the speculator: a step carrying prefill, decode rows and the drafter kept up
     (as launched) gives the upkeep its host time less the host's wait for the step's tokens
-    (time it had to spare), never below 0; the decision records both. None comes from a
-    dormant step (the loop measures nothing there)."""
+    (time it had to spare), never below 0; the decision records both. A step the drafter
+    was not kept up in (dormant as launched) or without prefill gives none."""
     from specserve.core.batch import ScheduledRequest
     from specserve.speculative.speculator import Speculator
     from specserve.speculative.step_periods import PeriodLog
@@ -493,6 +493,6 @@ def test_the_upkeep_is_observed_where_the_drafter_was_kept_up_beside_prefill():
     decision = step(0, (1.5, 0.25))
     assert (decision.upkeep_ms, decision.wait_ms) == (1.5, 0.25)
     step(3, (0.75, 2.0))  # the host waited longer than the upkeep took: it was free
-    step(0, None, kept_drafter=False)  # dormant
-    step(0, None, prefill=False)  # decode-only
+    step(0, (1.5, 0.0), kept_drafter=False)  # dormant as launched: none
+    step(0, (1.5, 0.0), prefill=False)  # decode-only: none
     assert seen == [1.25, 0.0]

@@ -173,6 +173,20 @@ def test_a_held_decision_for_plain_decoding_reads_no_cap():
     assert policy._settled is not None and policy._settled[1] == 0
     assert not policy.reads_caps(StepLoad())
     assert policy.reads_caps(StepLoad(waiting=4, after_idle=True))  # (a burst deliberates)
+
+    class Uncapped:  # a cap not set this step: reading it fails
+        def __init__(self, request_id: str):
+            self.request_id, self.drafter_backlog = request_id, 0
+
+        @property
+        def max_useful_drafts(self):
+            raise AssertionError("read a cap the scheduler did not set")
+
+    uncapped = [Uncapped(f"r{i}") for i in range(n)]
+    while policy._settled is not None:  # the hold reads no cap to its end
+        assert not policy.reads_caps(StepLoad())
+        assert policy.choose(uncapped) == [0] * n
+    assert policy.reads_caps(StepLoad())  # (then it deliberates)
     held = _settled_policy()
     held.choose(_reqs(N))
     assert held._settled is not None and held._settled[1] == 3

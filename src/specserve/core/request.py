@@ -108,9 +108,10 @@ class Request:
     num_cached_prompt_tokens: int = 0
     spec: SpecStats = field(default_factory=lambda: SpecStats())
     # Drafts beyond this could never be committed (max_tokens or the context limit):
-    # max(0, num_left - 1) when the scheduler hands the request to the policy, which reads it
-    # for every request every step (`Scheduler._draft` stores it then: no property chain
-    # per read). Stale between schedules: read `num_left` elsewhere.
+    # max(0, num_left - 1) when the scheduler hands the request to a policy whose choice
+    # reads it (`Scheduler._draft` stores it then, unless `SpeculationPolicy.reads_caps`
+    # says the choice reads none: no property chain per read). Stale between schedules
+    # and after a choice that read none: read `num_left` elsewhere.
     max_useful_drafts: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:

@@ -309,6 +309,12 @@ class DrafterUpkeep:
     step's tokens (a host that waits for the device had that time to spare: on a
     device-bound engine the passes' launches cost the period nothing). An EWMA over about
     1/WEIGHT such steps with the drafter kept up; `ms` is 0 until MIN_STEPS were seen.
+    Approximations: a host that waited at all had all of it to spare, but a resolve waits
+    0.02-0.03 ms even where the host paces the steps (the H100s of session 61), so the
+    wait is subtracted rather than read as all or nothing, which overcharges an engine
+    near balance by up to the upkeep less the wait; under overlap the wait is the step's
+    own (after the next launch), not the one right after the passes. Not measured while
+    dormant: the last figure stands until the drafter is kept up again.
 
     The modes' factors leave steps carrying prefill out and the cost model prices steady
     decode steps, so neither sees it; where drafting ties plain decoding on decode-only

@@ -240,7 +240,7 @@ class Speculator:
             decision,
             max_draft_len,
         )
-        if upkeep is not None and decoding and not dormant:
+        if upkeep is not None and decoding and not only_decodes and not dormant:
             if decision is not None:
                 decision.upkeep_ms, decision.wait_ms = upkeep
             upkeeps = getattr(self.policy, "upkeep", None)
