@@ -234,3 +234,29 @@ def test_the_caps_are_set_only_for_a_policy_that_reads_them():
         r.max_useful_drafts = -7
     _run_step(sched, policy)
     assert [r.max_useful_drafts for r in reqs] == [-7] * 3
+
+
+def test_the_schedule_says_whether_it_gave_any_draft_length():
+    """`drafted`: whether the last schedule gave any request a draft length (the step loop
+    runs no proposer pass without one while the drafter is dormant): not without a policy,
+    nor where the policy chose plain decoding or the budget left no drafts."""
+
+    class Plain(Recording):
+        def choose(self, reqs, load=NO_LOAD):
+            self.loads.append((len(reqs), load))
+            return self._decided([0] * len(reqs))
+
+    sched = _sched(num_pages=200, page_size=4, budget=64)
+    _decoding(sched, 3)
+    assert not sched.drafted
+    _run_step(sched, Recording(k_max=3))
+    assert sched.drafted
+    _run_step(sched, Plain(k_max=3))
+    assert not sched.drafted
+    _run_step(sched, Recording(k_max=3))
+    _run_step(sched)
+    assert not sched.drafted
+    tight = _sched(num_pages=200, page_size=4, budget=3)
+    _decoding(tight, 3, prompt_len=1)
+    batch = _run_step(tight, Recording(k_max=3))  # 3 decode tokens take the budget
+    assert [s.draft_len for s in batch] == [0] * 3 and not tight.drafted

@@ -46,3 +46,28 @@ def test_an_idle_request_fades_to_the_global_estimate():
     faded = model.alpha("a")[0]
     assert first < faded
     assert abs(faded - model.global_alpha[0]) < 0.01
+
+
+def test_every_read_gives_what_its_counts_and_the_global_estimate_give():
+    """`cumulatives` over requests with and without evidence of their own, at every stage of
+    fading: each is the cumulative tokens of its counts over the prior (faded by
+    IDLE_DECAY for each idle quantum past IDLE_GRACE), and a request without evidence (one
+    admitted while nothing drafted) has the global estimate's."""
+    model = AcceptanceModel(3)
+    model.update_many([("a", 3, 1), ("b", 3, 3), ("b", 2, 2)])
+    model.tick()
+    before = list(model.global_alpha)  # a's prior until its estimate is next computed
+    model.update_many([("a", 3, 0)])
+    after = list(model.global_alpha)
+    m = model.REQUEST_PRIOR_WEIGHT
+    for step in range(1, 40):
+        model.tick()
+        idle = step - model.IDLE_GRACE
+        faded = 0 if idle < model.IDLE_QUANTUM else idle - idle % model.IDLE_QUANTUM
+        f = model.IDLE_DECAY**faded
+        prior = before if idle < model.IDLE_QUANTUM else after
+        hits, seen = model._per_request["a"]
+        a = [(h * f + m * g) / (n * f + m) for h, n, g in zip(hits, seen, prior)]
+        got = model.cumulatives(["new", "a", "other"])
+        assert got[1] == cumulative_tokens(a)
+        assert got[0] == got[2] == cumulative_tokens(model.global_alpha)

@@ -53,6 +53,7 @@ class Scheduler:
         # request's lookahead then covers the next step's token too (`_draft`).
         self.overlap = False
         self._after_idle = True  # no step has decoded since nothing was running
+        self.drafted = False  # whether the last schedule gave any request a draft length
         self._stalled: tuple | None = None  # (request, budget, free and cached pages): short
         # Mean prompt and output tokens of finished requests (EWMA): the prefill each
         # generated token brings along (`StepLoad.prefill_per_token`).
@@ -74,6 +75,7 @@ class Scheduler:
         the pages it holds). Decode and verify rows come first in the step, prefill chunks
         after them (attention serves the two groups with different kernels)."""
         budget = self.max_num_batched_tokens
+        self.drafted = False
         if not self.running:
             self._after_idle = True  # (until a step decodes: `_draft`)
         batch: list[ScheduledRequest] = []
@@ -161,12 +163,10 @@ class Scheduler:
     ) -> None:
         """Draft lengths from the policy for the step's decoding requests, within `budget`
         tokens and the pages they can get (none while a waiting request lacks pages)."""
-        decoding, prefill = [], 0
-        for s in batch:
-            if s.decoding:
-                decoding.append(s)
-            else:
-                prefill += s.num_tokens
+        decoding = [s for s in batch if s.decoding]
+        prefill = (
+            sum(s.num_tokens for s in batch if not s.decoding) if len(decoding) < len(batch) else 0
+        )
         # (requests waiting for budget or pages, not for a sequence slot: drafts take neither)
         waiting = len(self.waiting) if len(self.running) < self.max_num_seqs else 0
         load = StepLoad(
@@ -181,6 +181,7 @@ class Scheduler:
         draft_lens = policy.choose([s.request for s in decoding], load)
         if not any(draft_lens):  # plain decoding (often, with the goodput policy dormant): done
             return
+        self.drafted = True
         cap = load.k_cap(len(decoding), max(draft_lens))
         # Every draft length set below is at most cap: the bound the overlap loop's context
         # count rests on (overlap_wait.max_reach).

@@ -198,6 +198,8 @@ class StepLoop:
         if spec is None or not spec.may_draft:
             return []
         if not spec.keeps_drafter:
+            if not self.scheduler.drafted:  # (plain decoding, the drafter dormant)
+                return []
             return [s for s in batch if s.draft_len > 0]
         idle = [s for s in batch if s.decoding and not s.draft_len]
         riding = spec.proposer.ride_alongs([s.request for s in idle])

@@ -94,15 +94,17 @@ class AcceptanceModel:
         updated = self._updated[request_id]
         idle = self.steps - updated - self.IDLE_GRACE
         m, prior = self.REQUEST_PRIOR_WEIGHT, self._global_entry()[0]
-        if idle < self.IDLE_QUANTUM:
-            faded = 0
-            alpha = [(h + m * g) / (n + m) for h, n, g in zip(*counts, prior)]
-        else:
-            faded = idle - idle % self.IDLE_QUANTUM
-            f = self.IDLE_DECAY**faded
-            alpha = [(h * f + m * g) / (n * f + m) for h, n, g in zip(*counts, prior)]
+        faded = 0 if idle < self.IDLE_QUANTUM else idle - idle % self.IDLE_QUANTUM
+        f = self.IDLE_DECAY**faded
+        alpha, cum, total, run = [], [1.0], 1.0, 1.0  # (cumulative_tokens, inlined)
+        for h, n, g in zip(*counts, prior):
+            a = (h * f + m * g) / (n * f + m)
+            alpha.append(a)
+            run *= a
+            total += run
+            cum.append(total)
         until = updated + self.IDLE_GRACE + faded + self.IDLE_QUANTUM
-        entry = self._cache[request_id] = (alpha, cumulative_tokens(alpha), until)
+        entry = self._cache[request_id] = (alpha, cum, until)
         return entry
 
     def _fill(self, request_id: str, entry: tuple) -> tuple:
@@ -136,12 +138,19 @@ class AcceptanceModel:
         return self._entry(request_id)[1]
 
     def cumulatives(self, request_ids: Iterable[str]) -> list[list[float]]:
-        """`cumulative` of each request (the policy reads every decoding request's each
-        step)."""
+        """`cumulative` of each request (the policy reads every decoding request's when it
+        deliberates: requests without evidence of their own, those admitted while nothing
+        drafted, share the global estimate's list)."""
         cache, steps, out = self._cache, self.steps, []
+        per_request, shared = self._per_request, None
         for request_id in request_ids:
             entry = cache.get(request_id)
             if entry is None or steps >= entry[2]:
+                if request_id not in per_request:
+                    if shared is None:
+                        shared = self._global_entry()[1]
+                    out.append(shared)
+                    continue
                 entry = self._refresh(request_id)
             elif entry[0] is None:
                 entry = self._fill(request_id, entry)

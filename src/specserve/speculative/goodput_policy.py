@@ -571,7 +571,8 @@ class GoodputPolicy(SpeculationPolicy):
         self.trace.settled_steps += 1
         self.predicted_tokens, self.predicted_ms = expected["tokens"][k], ms
         expected = {key: v for key, v in expected.items() if key not in ("bucket", "max_ms")}
-        return self._decided([k] * n, held=True, **expected)  # (the held decision's)
+        self.trace.decided(n, k, held=True, **expected)  # (the held decision's)
+        return [k] * n
 
     def observe_rate(self, committed: int, period_ms: float, rows: int = 0) -> None:
         """A step (any step, mixed ones included) with `rows` decoding requests committed

@@ -158,14 +158,13 @@ class Speculator:
         """After a step: acceptance per request, decision trace."""
         if not self.may_draft:
             return
-        decoding = [s for s in batch if s.decoding]  # (this runs every step)
-        draft_lens = [len(s.drafts) for s in decoding]
+        draft_lens = [len(s.drafts) for s in batch if s.decoding]  # (this runs every step)
         if any(draft_lens):
             get = committed.get
             verified = [
-                (s.request.request_id, d, get(id(s), 1) - 1)
-                for s, d in zip(decoding, draft_lens)
-                if d
+                (s.request.request_id, len(s.drafts), get(id(s), 1) - 1)
+                for s in batch
+                if s.decoding and s.drafts
             ]
             self.acceptance.update_many(verified)
         policy = self.policy
