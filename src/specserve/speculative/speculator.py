@@ -264,7 +264,7 @@ class Speculator:
         cost = self.periods.cost
         context = 0
         if cost is not None and cost.context_ms_per_token:
-            context = sum(s.request.cached_len for s in decoding)
+            context = sum([s.request.cached_len for s in decoding])
         self.periods.add(
             len(decoding), max_draft_len, period_ms if prev_decodes else None, decision, context
         )
