@@ -312,6 +312,49 @@ def test_the_surcharge_observes_each_prefill_step_by_its_period():
     assert seen == [(True, 9.0, 5.0), (False, 8.0, 5.0), (True, 7.0, 5.0), (False, 8.0, 5.0)]
 
 
+def test_under_overlap_the_surcharge_takes_the_period_holding_the_steps_launch():
+    """The overlap loop launches a step before it reads the tokens of the one before, so
+    the host work of launching a step carrying prefill (the drafter's eager passes beside
+    it) is in the period of the step processed before it (`launch_in_previous`); its own
+    period holds the next step's launch. The surcharge takes that period; where there is
+    none (the step before was the first after an idle engine) it takes none."""
+    from specserve.core.batch import ScheduledRequest
+    from specserve.speculative.speculator import Speculator
+    from specserve.speculative.step_periods import PeriodLog
+
+    policy, _ = _policy(alpha=0.8, k_max=3)
+    spec = Speculator.__new__(Speculator)
+    spec.policy, spec.cost, spec.periods = policy, policy.cost, PeriodLog(policy.cost)
+    spec.clear_step_history()
+    seen = []
+    policy.surcharge.observe = lambda drafted, ms, predicted: seen.append(
+        (drafted, round(ms, 3), predicted)
+    )
+    clock = [1.0]
+
+    def step(k, ms, prefill=False, after_idle=False):
+        batch = []
+        for _ in range(4):
+            s = ScheduledRequest(None, 1, k, decoding=True)
+            s.drafts = [0] * k
+            batch.append(s)
+        if prefill:
+            batch.append(ScheduledRequest(None, 16))
+        policy._decided([k] * 4, step_ms=5.0)
+        clock[0] += ms / 1e3
+        spec.observe_period(batch, clock[0], after_idle, None, launch_in_previous=True)
+
+    step(1, 2.0)
+    step(1, 6.5)  # holds the next step's launch: the drafter's passes beside its prompt
+    step(1, 2.5, prefill=True)
+    step(0, 4.0)  # holds the launch of the plain step carrying prefill after it
+    step(0, 1.5, prefill=True)
+    assert seen == [(True, 6.5, 5.0), (False, 4.0, 5.0)]
+    step(1, 2.0, after_idle=True)  # no period: the step after it has none to take
+    step(1, 2.5, prefill=True)
+    assert len(seen) == 2
+
+
 def test_a_host_bound_engine_drafts_beside_prefill_where_periods_say_it_costs_nothing():
     """The default model through the server on an H100 (session 60): steps carrying prefill
     overran the model by about 2.8 ms of period plain and 1.4 drafting, while their device

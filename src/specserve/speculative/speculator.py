@@ -59,6 +59,7 @@ class Speculator:
         """Forget the steps before (what `observe_period` compares the next one with)."""
         self._last_decodes = False  # whether the last step was decode-only
         self._last_resolved_s: float | None = None
+        self._last_period_ms: float | None = None  # the last processed step's period
         self._last_committed = 0
         self._last_drafted = False  # the last step with decode rows drafted (the surcharge)
         # a decode-only step's mode observation, until the step after it says whether it
@@ -186,6 +187,7 @@ class Speculator:
         kept_drafter: bool | None = None,
         waited: bool = False,
         upkeep: tuple[float, float] | None = None,
+        launch_in_previous: bool = False,
     ) -> None:
         """A step's period: from the previous step's tokens reaching the host to its own
         (`resolved_s`, perf_counter seconds), which is what a step costs in throughput under
@@ -200,7 +202,10 @@ class Speculator:
         None: as the policy is now (synchronous steps). `waited`: launched after waiting
         for the step before it. `upkeep`: in a step carrying prefill with the drafter kept
         up, the host ms of the drafter's upkeep and of the host's wait for the step's tokens
-        (`DrafterUpkeep`)."""
+        (`DrafterUpkeep`). `launch_in_previous`: the step was launched inside the period of
+        the step processed before it (the overlap loop launches a step before it reads the
+        tokens of the one before), so that period, not its own, holds its launch's host
+        work: the surcharge of a step carrying prefill is measured by it."""
         if not self.may_draft:  # the off policy: nothing to learn
             return
         decoding = [s for s in batch if s.decoding]
@@ -216,9 +221,10 @@ class Speculator:
         if dormant:
             trace.dormant_steps += 1
         period_ms = None
+        prev_period_ms, self._last_period_ms = self._last_period_ms, None
         committed, self._last_committed = self._last_committed, 0  # (observe sets it)
         if prev_s is not None and resolved_s > prev_s and not after_idle:
-            period_ms = (resolved_s - prev_s) * 1e3
+            period_ms = self._last_period_ms = (resolved_s - prev_s) * 1e3
             if decoding:
                 # (decode-only with the drafter kept up: "awake", its ride-alongs' upkeep)
                 parts = ("dormant",) * dormant + ("prefill",) * (not only_decodes)
@@ -248,13 +254,9 @@ class Speculator:
         surcharge = getattr(self.policy, "surcharge", None)
         if surcharge is not None:
             usable = not dormant and not after_idle and not waited
+            ms = prev_period_ms if launch_in_previous else period_ms
             self._observe_surcharge(
-                surcharge,
-                decoding,
-                only_decodes,
-                max_draft_len,
-                decision,
-                period_ms if usable else None,
+                surcharge, decoding, only_decodes, max_draft_len, decision, ms if usable else None
             )
         if not only_decodes:
             self.periods.stop()
