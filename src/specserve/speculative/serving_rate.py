@@ -244,10 +244,10 @@ class DraftingSurcharge:
     1.4 and 0.7, so a surcharge of 0.4-3.7 ms (none by periods) kept 14-99% of its prefill
     steps plain for nothing (goodput 0.82-0.91 of fixed K=3 over three rounds). The
     launch was long measured in the step's own period; in the traces of sessions 60 and
-    61 the decode step before a drafting one carrying prefill took 4.4-5.4 ms against
-    1.5-3.0 for a steady drafting step (before a plain one kept up 4.5, dormant 2.4-2.5
-    against 1.8), the step carrying prefill itself no more than a decode step: by its own
-    period drafting there cost nothing more. One surcharge for every K and batch size (the drafter's
+    61 the decode step before a drafting one carrying prefill took 4.4-6.6 ms against
+    1.5-3.5 for a steady drafting step (before a plain one kept up 4.5-6.2, dormant
+    2.4-2.5 against 1.8), the step carrying prefill itself no more than a decode step: by
+    its own period drafting there cost nothing more. One surcharge for every K and batch size (the drafter's
     eager passes grow with K: a K measured at 1 underprices 3), on padded engines only
     (eager ones price every draft: `trim_drafts`)."""
 
