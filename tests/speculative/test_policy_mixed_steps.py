@@ -315,9 +315,11 @@ def test_the_surcharge_observes_each_prefill_step_by_its_period():
 def test_under_overlap_the_surcharge_takes_the_period_holding_the_steps_launch():
     """The overlap loop launches a step before it reads the tokens of the one before, so
     the host work of launching a step carrying prefill (the drafter's eager passes beside
-    it) is in the period of the step processed before it (`launch_in_previous`); its own
-    period holds the next step's launch. The surcharge takes that period; where there is
-    none (the step before was the first after an idle engine) it takes none."""
+    it) is in the period of the step processed before it (`launch_in_previous`), its device
+    work in its own. The surcharge takes its period plus what the period before held beyond
+    that step's prediction: a host-bound launch and a device-bound step alike. None where
+    the step before has no such excess (it followed an idle engine, or waited for the
+    step before it: its own launch then ran in its period)."""
     from specserve.core.batch import ScheduledRequest
     from specserve.speculative.speculator import Speculator
     from specserve.speculative.step_periods import PeriodLog
@@ -332,27 +334,36 @@ def test_under_overlap_the_surcharge_takes_the_period_holding_the_steps_launch()
     )
     clock = [1.0]
 
-    def step(k, ms, prefill=False, after_idle=False):
+    def step(k, ms, prefill=False, after_idle=False, waited=False):
         batch = []
         for _ in range(4):
             s = ScheduledRequest(None, 1, k, decoding=True)
             s.drafts = [0] * k
             batch.append(s)
-        if prefill:
+        if prefill:  # (its own prediction, as a deliberated step carrying prefill has)
             batch.append(ScheduledRequest(None, 16))
-        policy._decided([k] * 4, step_ms=5.0)
+            policy._decided([k] * 4, step_ms=2.5)
+        else:  # a decode step's: its period at each K
+            policy._decided([k] * 4, tokens=[4.0, 6.0, 7.0, 8.0], period_ms=[2.0] * 4)
         clock[0] += ms / 1e3
-        spec.observe_period(batch, clock[0], after_idle, None, launch_in_previous=True)
+        spec.observe_period(
+            batch, clock[0], after_idle, None, waited=waited, launch_in_previous=True
+        )
 
     step(1, 2.0)
-    step(1, 6.5)  # holds the next step's launch: the drafter's passes beside its prompt
+    step(1, 6.5)  # 4.5 ms over its prediction: the launch of the step after it
     step(1, 2.5, prefill=True)
-    step(0, 4.0)  # holds the launch of the plain step carrying prefill after it
-    step(0, 1.5, prefill=True)
-    assert seen == [(True, 6.5, 5.0), (False, 4.0, 5.0)]
-    step(1, 2.0, after_idle=True)  # no period: the step after it has none to take
+    step(0, 4.0)  # 2 ms over: the launch of the plain step carrying prefill after it
+    step(0, 2.5, prefill=True)
+    step(1, 2.0)
+    step(1, 2.0)
+    step(1, 9.0, prefill=True)  # device-bound: its own period holds what it costs
+    assert seen == [(True, 7.0, 2.5), (False, 4.5, 2.5), (True, 9.0, 2.5)]
+    step(1, 6.0, waited=True)  # launched after a wait: no excess to hand on
     step(1, 2.5, prefill=True)
-    assert len(seen) == 2
+    step(1, 2.0, after_idle=True)  # no period
+    step(1, 2.5, prefill=True)
+    assert len(seen) == 3
 
 
 def test_a_host_bound_engine_drafts_beside_prefill_where_periods_say_it_costs_nothing():

@@ -53,7 +53,9 @@ class Scheduler:
         # request's lookahead then covers the next step's token too (`_draft`).
         self.overlap = False
         self._after_idle = True  # no step has decoded since nothing was running
-        self.drafted = False  # whether the last schedule gave any request a draft length
+        # whether the policy gave any request of the last schedule a draft length (pages
+        # may have cut it to 0 since): the step loop runs no proposer pass without one
+        self.drafted = False
         self._stalled: tuple | None = None  # (request, budget, free and cached pages): short
         # Mean prompt and output tokens of finished requests (EWMA): the prefill each
         # generated token brings along (`StepLoad.prefill_per_token`).
