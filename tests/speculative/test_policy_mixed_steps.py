@@ -260,14 +260,9 @@ def test_a_surcharged_plain_prefill_step_holds_nothing_for_decode_steps():
     assert policy.choose(_reqs(N))[0] == 3
 
 
-def test_the_surcharge_observes_each_prefill_step_by_its_period():
-    """Through the speculator: a step carrying prefill goes to the surcharge with its
-    period, not its device span, against its decision's prediction, plain ones between
-    drafting steps included, only where it ran the K decided. Left out: a drafting step
-    after a plain one (its period holds the rows' catch-up, a switch's cost), a plain step
-    the drafter was not kept up in as launched (dormant: no upkeep), steps after an idle
-    engine or a wait for the step before."""
-    from specserve.core.batch import ScheduledRequest
+def _surcharge_observed():
+    """A goodput policy and a bare speculator feeding it, and the list of what its surcharge
+    observes: (drafted, ms, predicted)."""
     from specserve.speculative.speculator import Speculator
     from specserve.speculative.step_periods import PeriodLog
 
@@ -279,6 +274,19 @@ def test_the_surcharge_observes_each_prefill_step_by_its_period():
     policy.surcharge.observe = lambda drafted, ms, predicted: seen.append(
         (drafted, round(ms, 3), predicted)
     )
+    return policy, spec, seen
+
+
+def test_the_surcharge_observes_each_prefill_step_by_its_period():
+    """Through the speculator: a step carrying prefill goes to the surcharge with its
+    period, not its device span, against its decision's prediction, plain ones between
+    drafting steps included, only where it ran the K decided. Left out: a drafting step
+    after a plain one (its period holds the rows' catch-up, a switch's cost), a plain step
+    the drafter was not kept up in as launched (dormant: no upkeep), steps after an idle
+    engine or a wait for the step before."""
+    from specserve.core.batch import ScheduledRequest
+
+    policy, spec, seen = _surcharge_observed()
     clock = [1.0]
 
     def step(k, ms, prefill=False, decided_k=None, device_ms=None, **launched):
@@ -321,17 +329,8 @@ def test_under_overlap_the_surcharge_takes_the_period_holding_the_steps_launch()
     the step before has no such excess (it followed an idle engine, or waited for the
     step before it: its own launch then ran in its period)."""
     from specserve.core.batch import ScheduledRequest
-    from specserve.speculative.speculator import Speculator
-    from specserve.speculative.step_periods import PeriodLog
 
-    policy, _ = _policy(alpha=0.8, k_max=3)
-    spec = Speculator.__new__(Speculator)
-    spec.policy, spec.cost, spec.periods = policy, policy.cost, PeriodLog(policy.cost)
-    spec.clear_step_history()
-    seen = []
-    policy.surcharge.observe = lambda drafted, ms, predicted: seen.append(
-        (drafted, round(ms, 3), predicted)
-    )
+    policy, spec, seen = _surcharge_observed()
     clock = [1.0]
 
     def step(k, ms, prefill=False, after_idle=False, waited=False):
