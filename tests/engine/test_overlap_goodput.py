@@ -254,26 +254,6 @@ def test_a_step_is_observed_with_the_drafter_state_it_ran_with(models):
 
 
 @pytest.mark.parametrize("overlap", ["off", "on"])
-def test_the_speculator_is_told_where_a_steps_launch_lies(models, overlap):
-    """The overlap loop launches a step inside the period of the step before it, the
-    synchronous loop inside its own: every step is observed saying which
-    (`launch_in_previous`, what the surcharge beside prefill reads)."""
-    llm = goodput(models, overlap)
-    spec = llm.engine.spec
-    told = []
-    observe = spec.observe_period
-
-    def spy(batch, resolved_s, after_idle, device_ms=None, **step):
-        told.append(step["launch_in_previous"])
-        observe(batch, resolved_s, after_idle, device_ms, **step)
-
-    spy_on(spec, "observe_period", spy)
-    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    llm.generate(prompts_for()[:2], params)
-    assert len(told) >= 8 and set(told) == {overlap == "on"}
-
-
-@pytest.mark.parametrize("overlap", ["off", "on"])
 def test_the_drafters_upkeep_beside_prefill_is_measured(models, overlap):
     """A prompt arriving while another request decodes, the drafter kept up: the step loop
     times the drafter's passes over the new prompt, hands them to the speculator with the

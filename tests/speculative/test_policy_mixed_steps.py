@@ -260,9 +260,14 @@ def test_a_surcharged_plain_prefill_step_holds_nothing_for_decode_steps():
     assert policy.choose(_reqs(N))[0] == 3
 
 
-def _surcharge_observed():
-    """A goodput policy and a bare speculator feeding it, and the list of what its surcharge
-    observes: (drafted, ms, predicted)."""
+def test_the_surcharge_observes_each_prefill_step_by_its_period():
+    """Through the speculator: a step carrying prefill goes to the surcharge with its
+    period, not its device span, against its decision's prediction, plain ones between
+    drafting steps included, only where it ran the K decided. Left out: a drafting step
+    after a plain one (its period holds the rows' catch-up, a switch's cost), a plain step
+    the drafter was not kept up in as launched (dormant: no upkeep), steps after an idle
+    engine or a wait for the step before."""
+    from specserve.core.batch import ScheduledRequest
     from specserve.speculative.speculator import Speculator
     from specserve.speculative.step_periods import PeriodLog
 
@@ -274,19 +279,6 @@ def _surcharge_observed():
     policy.surcharge.observe = lambda drafted, ms, predicted: seen.append(
         (drafted, round(ms, 3), predicted)
     )
-    return policy, spec, seen
-
-
-def test_the_surcharge_observes_each_prefill_step_by_its_period():
-    """Through the speculator: a step carrying prefill goes to the surcharge with its
-    period, not its device span, against its decision's prediction, plain ones between
-    drafting steps included, only where it ran the K decided. Left out: a drafting step
-    after a plain one (its period holds the rows' catch-up, a switch's cost), a plain step
-    the drafter was not kept up in as launched (dormant: no upkeep), steps after an idle
-    engine or a wait for the step before."""
-    from specserve.core.batch import ScheduledRequest
-
-    policy, spec, seen = _surcharge_observed()
     clock = [1.0]
 
     def step(k, ms, prefill=False, decided_k=None, device_ms=None, **launched):
@@ -318,51 +310,6 @@ def test_the_surcharge_observes_each_prefill_step_by_its_period():
     step(1, 9.0, prefill=True, device_ms=8.0, waited=True)  # after a wait: no
     step(1, 9.0, prefill=True, device_ms=8.0, after_idle=True)  # after an idle engine: no
     assert seen == [(True, 9.0, 5.0), (False, 8.0, 5.0), (True, 7.0, 5.0), (False, 8.0, 5.0)]
-
-
-def test_under_overlap_the_surcharge_takes_the_period_holding_the_steps_launch():
-    """The overlap loop launches a step before it reads the tokens of the one before, so
-    the host work of launching a step carrying prefill (the drafter's eager passes beside
-    it) is in the period of the step processed before it (`launch_in_previous`), its device
-    work in its own. The surcharge takes its period plus what the period before held beyond
-    that step's prediction: a host-bound launch and a device-bound step alike. None where
-    the step before has no such excess (it followed an idle engine, or waited for the
-    step before it: its own launch then ran in its period)."""
-    from specserve.core.batch import ScheduledRequest
-
-    policy, spec, seen = _surcharge_observed()
-    clock = [1.0]
-
-    def step(k, ms, prefill=False, after_idle=False, waited=False):
-        batch = []
-        for _ in range(4):
-            s = ScheduledRequest(None, 1, k, decoding=True)
-            s.drafts = [0] * k
-            batch.append(s)
-        if prefill:  # (its own prediction, as a deliberated step carrying prefill has)
-            batch.append(ScheduledRequest(None, 16))
-            policy._decided([k] * 4, step_ms=2.5)
-        else:  # a decode step's: its period at each K
-            policy._decided([k] * 4, tokens=[4.0, 6.0, 7.0, 8.0], period_ms=[2.0] * 4)
-        clock[0] += ms / 1e3
-        spec.observe_period(
-            batch, clock[0], after_idle, None, waited=waited, launch_in_previous=True
-        )
-
-    step(1, 2.0)
-    step(1, 6.5)  # 4.5 ms over its prediction: the launch of the step after it
-    step(1, 2.5, prefill=True)
-    step(0, 4.0)  # 2 ms over: the launch of the plain step carrying prefill after it
-    step(0, 2.5, prefill=True)
-    step(1, 2.0)
-    step(1, 2.0)
-    step(1, 9.0, prefill=True)  # device-bound: its own period holds what it costs
-    assert seen == [(True, 7.0, 2.5), (False, 4.5, 2.5), (True, 9.0, 2.5)]
-    step(1, 6.0, waited=True)  # launched after a wait: no excess to hand on
-    step(1, 2.5, prefill=True)
-    step(1, 2.0, after_idle=True)  # no period
-    step(1, 2.5, prefill=True)
-    assert len(seen) == 3
 
 
 def test_a_host_bound_engine_drafts_beside_prefill_where_periods_say_it_costs_nothing():

@@ -400,7 +400,6 @@ class StepLoop:
                 kept_drafter=step.kept_drafter,
                 waited=step.waited,
                 upkeep=None if step.upkeep_ms is None else (step.upkeep_ms, step.wait_ms),
-                launch_in_previous=self.overlap,
             )
         outputs = []
         for s, tokens, lps in live:

@@ -231,26 +231,25 @@ class DraftingSurcharge:
     clients) 0.811 of the best against 0.978 without them, 0.962 now.
 
     The observations (`Speculator._observe_surcharge`) are the steps carrying prefill
-    that ran the K decided, by their periods (what the policy ranks K by), under overlap
-    with what the period of the step before held beyond its prediction added (the host
-    launched this step in it: the drafter's eager passes beside a prompt are launch work,
-    while a device-bound step's cost is in its own period; none where that step waited or
-    followed an idle engine); plain steps between drafting ones included: drafting ones
-    only after a drafting step (after a plain one the period holds the rows' catch-up, a
-    switch's cost), plain ones only with the drafter kept up (a dormant step skips upkeep
-    that drafting needs, which the wake prices), none after an idle engine or a wait. By
-    device spans (sessions 50-59) a host-bound engine's surcharge was what drafting adds
-    on the device, not to the period: the default model through the server on an H100 at
-    32 and 64 clients, plain prefill steps overran the model by 2.8-2.9 ms of period and
-    -0.3-0.1 of span, drafting ones by 1.4 and 0.7, so a surcharge of 0.4-3.7 ms (none by
-    periods) kept 14-99% of its prefill steps plain for nothing (goodput 0.82-0.91 of fixed
-    K=3 over three rounds). The launch was long measured in the step's own period; in the
-    traces of sessions 60 and 61 the decode step before a drafting one carrying prefill
-    took 4.4-6.6 ms against 1.5-3.5 for a steady drafting step (before a plain one kept up
-    4.5-6.2, dormant 2.4-2.5 against 1.8), the step carrying prefill itself no more than a
-    decode step: by its own period drafting there cost nothing more. One surcharge for
-    every K and batch size (the drafter's eager passes grow with K: a K measured at 1
-    underprices 3), on padded engines only
+    that ran the K decided, by their periods (what the policy ranks K by; plain steps
+    between drafting ones included): drafting ones only after a drafting step (after a
+    plain one the period holds the rows' catch-up, a switch's cost), plain ones only with
+    the drafter kept up (a dormant step skips upkeep that drafting needs, which the wake
+    prices), none after an idle engine or a wait. By device spans (sessions 50-59) a
+    host-bound engine's surcharge was what drafting adds on the device, not to the period:
+    the default model through the server on an H100 at 32 and 64 clients, plain prefill
+    steps overran the model by 2.8-2.9 ms of period and -0.3-0.1 of span, drafting ones by
+    1.4 and 0.7, so a surcharge of 0.4-3.7 ms (none by periods) kept 14-99% of its prefill
+    steps plain for nothing (goodput 0.82-0.91 of fixed K=3 over three rounds). Under
+    overlap a step's launch lies in the period of the step before it, which this does not
+    read: in the traces of sessions 60 and 61 the decode step before a drafting one
+    carrying prefill took 4.4-6.6 ms against 1.5-3.5 steady (before a plain one kept up
+    4.5-6.2, dormant 2.4-2.5 against 1.8), the step itself no more than a decode step.
+    Adding that excess to the step's own period (session 62) added its noise where
+    drafting costs nothing more there: in the serving simulator with the overlap loop's
+    timing, the default model's clock at 16 clients fell from 0.974 to 0.941 of the best
+    over eight seeds; not kept. One surcharge for every K and batch size (the drafter's
+    eager passes grow with K: a K measured at 1 underprices 3), on padded engines only
     (eager ones price every draft: `trim_drafts`)."""
 
     WEIGHT = 1 / 8

@@ -59,9 +59,6 @@ class Speculator:
         """Forget the steps before (what `observe_period` compares the next one with)."""
         self._last_decodes = False  # whether the last step was decode-only
         self._last_resolved_s: float | None = None
-        # what the last processed step's period held beyond its decision's prediction (under
-        # overlap: the next step's launch, besides the model's error); None where unknown
-        self._last_excess: float | None = None
         self._last_committed = 0
         self._last_drafted = False  # the last step with decode rows drafted (the surcharge)
         # a decode-only step's mode observation, until the step after it says whether it
@@ -189,7 +186,6 @@ class Speculator:
         kept_drafter: bool | None = None,
         waited: bool = False,
         upkeep: tuple[float, float] | None = None,
-        launch_in_previous: bool = False,
     ) -> None:
         """A step's period: from the previous step's tokens reaching the host to its own
         (`resolved_s`, perf_counter seconds), which is what a step costs in throughput under
@@ -204,12 +200,7 @@ class Speculator:
         None: as the policy is now (synchronous steps). `waited`: launched after waiting
         for the step before it. `upkeep`: in a step carrying prefill with the drafter kept
         up, the host ms of the drafter's upkeep and of the host's wait for the step's tokens
-        (`DrafterUpkeep`). `launch_in_previous`: the step was launched inside the period of
-        the step processed before it (the overlap loop launches a step before it reads the
-        tokens of the one before), so that period holds its launch's host work and its own
-        its device work (and the next step's launch): the surcharge of a step carrying
-        prefill takes its period plus what the period before it held beyond that step's
-        prediction (`_last_excess`)."""
+        (`DrafterUpkeep`)."""
         if not self.may_draft:  # the off policy: nothing to learn
             return
         decoding = [s for s in batch if s.decoding]
@@ -225,14 +216,9 @@ class Speculator:
         if dormant:
             trace.dormant_steps += 1
         period_ms = None
-        prev_excess, self._last_excess = self._last_excess, None
         committed, self._last_committed = self._last_committed, 0  # (observe sets it)
         if prev_s is not None and resolved_s > prev_s and not after_idle:
             period_ms = (resolved_s - prev_s) * 1e3
-            if not waited:  # (else its own launch ran in its period, after the wait)
-                predicted = _predicted(decision, max_draft_len)
-                if predicted is not None:
-                    self._last_excess = period_ms - predicted
             if decoding:
                 # (decode-only with the drafter kept up: "awake", its ride-alongs' upkeep)
                 parts = ("dormant",) * dormant + ("prefill",) * (not only_decodes)
@@ -262,11 +248,13 @@ class Speculator:
         surcharge = getattr(self.policy, "surcharge", None)
         if surcharge is not None:
             usable = not dormant and not after_idle and not waited
-            ms = period_ms
-            if launch_in_previous and ms is not None:
-                ms = None if prev_excess is None else ms + prev_excess
             self._observe_surcharge(
-                surcharge, decoding, only_decodes, max_draft_len, decision, ms if usable else None
+                surcharge,
+                decoding,
+                only_decodes,
+                max_draft_len,
+                decision,
+                period_ms if usable else None,
             )
         if not only_decodes:
             self.periods.stop()
@@ -309,8 +297,7 @@ class Speculator:
     ) -> None:
         """Drafting's surcharge beside prefill (`DraftingSurcharge`): a step carrying prefill
         with decode rows, whose decision predicted its period at the K it ran, took `ms`, its
-        period and, under overlap, the excess of the period holding its launch (None: not
-        comparable), plain ones between drafting steps included. A
+        period (None: not comparable), plain ones between drafting steps included. A
         drafting step counts only after a drafting step (after a plain one it holds the
         rows' catch-up: a switch or a wake brings that backlog, priced apart: `PeriodLog`,
         the wake); the loop leaves out dormant plain steps (no upkeep, which drafting
@@ -376,18 +363,6 @@ class Speculator:
             "spec_drafter_eager_passes": self.proposer.eager_passes,
             "spec_drafter_eager_tokens": self.proposer.eager_tokens,
         }
-
-
-def _predicted(decision, k: int) -> float | None:
-    """The period (ms) a step's decision predicted for it at the K it ran: the step's own
-    prediction where the decision made one (a step carrying prefill, at the K decided),
-    else the decision's period at K; None where it said nothing."""
-    if decision is None:
-        return None
-    if decision.step_ms is not None:
-        return decision.step_ms if decision.k == k else None
-    expected = _expected(decision, k)
-    return None if expected is None else expected[1]
 
 
 def _expected(decision, k: int) -> tuple[float, float] | None:
