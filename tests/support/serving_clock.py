@@ -81,33 +81,6 @@ class HostBoundClock:
             ms += self.deliberation_ms + self.deliberation_per_req_ms * rows
         return ms
 
-    def launch_ms(
-        self,
-        rows: int,
-        k: int,
-        prefill_tokens: int,
-        catch_up_tokens: int,
-        kept_up: bool,
-        after_plain: bool,
-        deliberated: bool,
-    ) -> float:
-        """The part of `step_ms` that is the host's launch of the step (its prompt chunks'
-        eager work and the drafter's passes beside them, the drafter's eager catch-up, the
-        policy's deliberation), which the overlap loop runs inside the period of the step
-        before it (`ServingRegime.overlap`)."""
-        ms = 0.0
-        if prefill_tokens:
-            ms += self.prefill_ms + self.prefill_per_token * prefill_tokens
-            if k or kept_up:
-                ms += self.upkeep_ms(k)
-        if k and after_plain:
-            ms += self.eager_ms + self.eager_per_token * catch_up_tokens
-        elif catch_up_tokens > self.ride_along * rows + (prefill_tokens if kept_up else 0):
-            ms += self.eager_pass_ms + self.eager_per_token * catch_up_tokens
-        if deliberated:
-            ms += self.deliberation_ms + self.deliberation_per_req_ms * rows
-        return ms
-
     def upkeep_ms(self, k: int) -> float:
         """The host time the step loop measures for the drafter's upkeep in a step carrying
         prefill with the drafter kept up (`DrafterUpkeep`): what the step costs beyond

@@ -59,9 +59,6 @@ from tests.support.serving_clock import HostBoundClock
 K_MAX = 3
 PAGE_SIZE = 16
 BUDGET = 2048  # max_num_batched_tokens (the server's default)
-# (over fd2540c) what the overlap loop tells the speculator: a step's launch lies in the
-# period before it (`ServingRegime.overlap`)
-LAUNCH_IN_PREVIOUS = False
 MAX_NUM_SEQS = 256  # the server's default: at C = 256 the KV cache and this bind together
 
 # Decode attention reads every context token's K and V of every layer once a step, whatever
@@ -147,10 +144,6 @@ class ServingRegime:
     # A host-bound engine's clock instead of the 8B shape's (serving_clock.py), its start-up
     # seeds and no decode attention term
     clock: HostBoundClock | None = None
-    # The overlap loop (host-bound clocks): each step is observed once the next one is
-    # decided and launched, its tokens read after that launch, so a step's period holds
-    # the next step's launch (`HostBoundClock.launch_ms`) instead of its own
-    overlap: bool = False
 
     @property
     def policies(self) -> tuple:
@@ -345,20 +338,6 @@ def simulate(
         for length in warm_lengths:
             send(length)
     warm_left, measured_left = c, regime.measure * c
-    pending = None  # (overlap) the last step, observed once the next one is launched
-
-    def observe_pending(resolved_ms: float) -> None:
-        nonlocal pending
-        batch, committed, after_idle, upkeep, kept, finished = pending
-        pending = None
-        spec.observe(batch, committed, 0.0, 0.0)
-        more = {"launch_in_previous": True} if LAUNCH_IN_PREVIOUS else {}
-        spec.observe_period(
-            batch, resolved_ms / 1e3, after_idle, upkeep=upkeep, kept_drafter=kept, **more
-        )
-        for request_id in finished:
-            acceptance.forget(request_id)
-
     clock, window, trace = 0.0, regime.cold, policy.trace
     idle = False  # open loop: the server waited for an arrival before this step
     while measured_left > 0 or (drain and sched.has_work):
@@ -397,13 +376,11 @@ def simulate(
                 extra = seen_to - req.draft_cached_len - (s.draft_len + 1 if s.draft_len else 0)
                 catch_up += max(0, extra)
                 req.draft_cached_len = max(req.draft_cached_len, seen_to)
-        launch = 0.0
         if regime.clock is not None:
             deliberated = isinstance(policy, GoodputPolicy) and trace.settled_steps == settled
-            shape = (rows, k, prefill, catch_up, keeps, prev_k == 0, deliberated and rows > 0)
-            ms = regime.clock.step_ms(*shape)
-            if regime.overlap:
-                launch = regime.clock.launch_ms(*shape)
+            ms = regime.clock.step_ms(
+                rows, k, prefill, catch_up, keeps, prev_k == 0, deliberated and rows > 0
+            )
         else:
             ms = step_ms(
                 rows, k, prefill, context, catch_up, asked is not None, regime.attn_ms_per_token
@@ -419,8 +396,6 @@ def simulate(
         if noise is not None:
             ms *= noise[steps_run % len(noise)]
         steps_run += 1
-        if pending is not None:  # (overlap) read after this step's launch
-            observe_pending(clock + launch)
         clock += ms
         sampling = [s for s in batch if s.samples]  # (before the chunks are cached)
         for s in batch:
@@ -444,17 +419,14 @@ def simulate(
             tokens += len(req.output_token_ids) - before
             if req.finish_reason is not None:
                 done.append(req)
+        spec.observe(batch, committed, 0.0, 0.0)
         # the drafter's upkeep beside prefill as the step loop measures it (host-bound:
         # the host never waits for the device)
         upkeep = None
         if regime.clock is not None and keeps and prefill and rows:
             upkeep = (regime.clock.upkeep_ms(k), 0.0)
         # (a wait for arrivals is no period)
-        if regime.overlap:
-            pending = (batch, committed, idle, upkeep, keeps, [r.request_id for r in done])
-        else:
-            spec.observe(batch, committed, 0.0, 0.0)
-            spec.observe_period(batch, clock / 1e3, idle, upkeep=upkeep)
+        spec.observe_period(batch, clock / 1e3, idle, upkeep=upkeep)
         idle = False
         if window and measured_left > 0:
             res.tokens += tokens
@@ -467,8 +439,7 @@ def simulate(
                 if trace.num_decisions > decided:
                     res.decided_ks[trace.recent[-1].k] += 1
         for req in done:  # observed first: a finished request's estimates go with it
-            if not regime.overlap:  # (else once its step is observed)
-                acceptance.forget(req.request_id)
+            acceptance.forget(req.request_id)
             sched.finish(req)
             del draws[id(req)]
             index = int(req.request_id[1:])
