@@ -1,6 +1,7 @@
-"""EAGLE-3 drafter graphs: head passes padded to a batch bucket and a uniform length equal the
-eager passes and write only scratch page 0 beyond the real KV (eagerly on the CPU, replayed
-on a GPU); greedy speculation through the padded path equals plain decoding."""
+"""EAGLE-3 drafter graphs: head passes padded to a batch bucket and a uniform length, and
+catch-up passes of any lengths padded to request and token buckets, equal the eager passes
+and write only scratch page 0 beyond the real KV (eagerly on the CPU, replayed on a GPU);
+greedy speculation through the padded path equals plain decoding."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from specserve import LLM, SamplingParams
 from specserve.layers.attention import TorchAttentionBackend
 from specserve.speculative.eagle3 import capture_drafter_graphs
 from specserve.speculative.policy import PerRequestPolicy, SpeculationPolicy
-from tests.support.drafter_cases import drafter_graph_error
+from tests.support.drafter_cases import drafter_catch_up_error, drafter_graph_error
 from tests.support.tiny_models import VOCAB, make_random_eagle3_head, make_tiny_model
 
 
@@ -51,6 +52,39 @@ def test_graph_keys_and_which_passes_have_one():
 
 def test_padded_head_passes_match_eager_and_write_only_page_zero():
     assert drafter_graph_error(TorchAttentionBackend(), torch.float32, "cpu") < 1e-5
+
+
+def test_catch_up_graphs_take_passes_of_any_lengths_and_write_only_page_zero():
+    assert drafter_catch_up_error(TorchAttentionBackend(), torch.float32, "cpu") < 1e-5
+
+
+def test_catch_up_graph_keys_and_which_passes_fit():
+    from specserve.core.kv_cache import KVCache
+    from specserve.runtime.packing import Segment, pack
+    from specserve.speculative.eagle3_graphs import DrafterGraphs
+    from tests.support.drafter_cases import _head
+
+    head, embed = _head(torch.float32, "cpu")
+    kv = KVCache(head.config.layer, 40, 4, torch.float32, torch.device("cpu"))
+    store = torch.zeros(40 * 4, head.config.layer.hidden_size)
+    shapes = dict(mixed_requests=(4, 16, 17), mixed_tokens=(32, 64))
+    args = (head, embed, kv.layers[0], TorchAttentionBackend(), (1, 4), (1, 2), 64)
+    graphs = DrafterGraphs(*args, use_graphs=False, feature_store=store, **shapes)
+    catch_ups = [key for key in graphs.keys() if key[1] == 0]
+    assert catch_ups == [(b, 0, t) for t in (64, 32) for b in (17, 16, 4)]  # largest first
+    assert graphs.max_catch_up_tokens == 64
+    # without a feature store to read its inputs from, a drafter captures none
+    bare = DrafterGraphs(*args, use_graphs=False, **shapes)
+    assert all(key[1] for key in bare.keys()) and bare.max_catch_up_tokens == 0
+
+    def fits(segs):
+        ids, meta, _ = pack(segs, 4, torch.device("cpu"))
+        return graphs.can_run_catch_up(meta, len(ids))
+
+    assert fits([Segment([1, 2, 3], 0, [7] * 9), Segment([4], 0, [7] * 3)])
+    assert not fits([Segment(list(range(1, 18)), 0, [7] * 65)])  # past the largest tokens
+    assert not fits([Segment(list(range(1, 18)), 60, [7] * 5)])  # past max_seq_len, pages
+    assert not fits([Segment([1], 0, [7])] * 17)  # no request bucket above 17
 
 
 class _UniformRandomK(SpeculationPolicy):
@@ -133,6 +167,17 @@ def test_gpu_drafter_graphs_match_eager(dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_catch_up_graphs_match_eager(dtype):
+    from specserve.layers.attention.triton_attn import TritonAttentionBackend
+
+    err = drafter_catch_up_error(
+        TritonAttentionBackend(), dtype, "cuda", use_graphs=True, page_size=16
+    )
+    assert err < 2e-2, err
+
+
+@pytest.mark.gpu
 def test_gpu_engine_captures_and_drafts_through_graphs(tmp_path_factory):
     target = make_tiny_model(tmp_path_factory.mktemp("t"), "llama", num_layers=4)
     head = make_random_eagle3_head(tmp_path_factory.mktemp("h"), target, 200)
@@ -147,15 +192,20 @@ def test_gpu_engine_captures_and_drafts_through_graphs(tmp_path_factory):
     )
     graphs = llm.engine.spec.proposer.graphs
     assert graphs is not None and graphs.report.num_graphs == len(graphs.keys()) > 0
-    passes = []
+    assert any(key[1] == 0 for key in graphs.keys())  # catch-ups of any lengths
+    passes, catch_ups = [], []
     for name in ("run", "run_chain"):
         fn = getattr(graphs, name)
         setattr(graphs, name, lambda *a, fn=fn: (passes.append(len(a[0])), fn(*a))[1])
-    prompts = [[5, 6, 7, 8, 9], [10, 11], [12] * 9]
+    fn = graphs.run_catch_up
+    graphs.run_catch_up = lambda ids, meta: (catch_ups.append(len(ids)), fn(ids, meta))[1]
+    # the 40-token prompt's pairs are longer than any uniform catch-up graph's
+    prompts = [[5, 6, 7, 8, 9], [10, 11], [12] * 9, [13] * 40]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     outs = llm.generate(prompts, params)
     assert all(len(o.token_ids) == 12 for o in outs)
     assert len(passes) >= 3 and sum(o.spec_stats.drafted for o in outs) > 0
+    assert catch_ups and max(catch_ups) >= 39
     off = LLM(
         str(target),
         device="cuda",

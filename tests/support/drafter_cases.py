@@ -106,3 +106,53 @@ def drafter_graph_error(backend, dtype, device, use_graphs=False, page_size=4, f
     for kb, vb in (kv[1].layers[0], kv[2].layers[0]) if same else (kv[1].layers[0],):
         worst = max(worst, _rel(kb[1:], ka[1:]), _rel(vb[1:], va[1:]))
     return worst
+
+
+def drafter_catch_up_error(backend, dtype, device, use_graphs=False, page_size=4) -> float:
+    """Largest relative error of the head's KV pages outside scratch page 0 after catch-up
+    passes of uneven lengths (the pairs after prompt chunks; a short row before a pass
+    longer than a prefill tile; requests going on from what earlier passes wrote) through
+    DrafterGraphs' catch-up graphs, padded to request and token buckets, against the eager
+    pass over the same feature store; checks that every pass had a graph (no eager tokens)."""
+    head, embed = _head(dtype, device)
+    pages = -(-96 // page_size)
+    kv = [KVCache(head.config.layer, 1 + 3 * pages, page_size, dtype, device) for _ in "ab"]
+    eager = Eagle3Proposer(head, embed, kv[0], backend)
+    graphed = Eagle3Proposer(head, embed, kv[1], backend)
+    gen = torch.Generator().manual_seed(2)
+    features = torch.randn(eager.feature_store.shape, generator=gen).to(dtype=dtype, device=device)
+    eager.feature_store.copy_(features)
+    graphed.feature_store.copy_(features)
+    graphed.graphs = DrafterGraphs(
+        head,
+        embed,
+        kv[1].layers[0],
+        backend,
+        (1, 4),
+        (1, 2, 4),
+        max_seq_len=128,
+        use_graphs=use_graphs,
+        feature_store=graphed.feature_store,
+        mixed_requests=(4, 8),
+        mixed_tokens=(16, 32, 128),
+    )
+    graphed.graphs.capture()
+    tables = [kv[0].allocator.allocate(pages) for _ in range(3)]
+    passes = [  # (request, first position, tokens)
+        [(0, 0, 8), (1, 0, 3)],
+        [(0, 8, 1), (1, 3, 5), (2, 0, 70)],
+        [(0, 9, 3), (1, 8, 1), (2, 70, 20)],
+    ]
+    with torch.inference_mode():
+        for spec in passes:
+            ids = torch.randint(embed.num_embeddings, (sum(n for *_, n in spec),), generator=gen)
+            segs, i = [], 0
+            for r, start, n in spec:
+                segs.append(Segment(tables[r], start, ids[i : i + n].tolist()))
+                i += n
+            assert not graphed.graphs.can_run(segs)  # (no uniform graph: the catch-up's)
+            for proposer in (eager, graphed):
+                proposer._catch_up_only(segs)
+    assert graphed.eager_tokens == 0 and eager.eager_tokens == sum(n for p in passes for *_, n in p)
+    (ka, va), (kb, vb) = kv[0].layers[0], kv[1].layers[0]
+    return max(_rel(kb[1:], ka[1:]), _rel(vb[1:], va[1:]))

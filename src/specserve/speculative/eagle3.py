@@ -110,6 +110,9 @@ class Eagle3Proposer(Proposer):
         `hidden` None: the catch-up's features, read from the store by slot."""
         if self.graphs is not None and self.graphs.can_run(segments):
             return self.graphs.run(segments, hidden, input_ids)
+        if not logits and hidden is None and input_ids is None:
+            self._catch_up_only(segments)
+            return None, None
         ids, meta, last_rows = pack(segments, self.kv.page_size, self.kv.pool.device)
         self.count_eager(len(ids))
         if hidden is None:
@@ -176,8 +179,32 @@ class Eagle3Proposer(Proposer):
             if end > start:
                 segments.append(Segment(req.page_table, start, req.token_ids(start + 1, end + 1)))
                 req.draft_cached_len = end
-        for group in bounded_passes(segments, self.max_pass_tokens):
+        bound = self.max_pass_tokens
+        if self.graphs is not None and self.graphs.max_catch_up_tokens:
+            bound = min(bound, self.graphs.max_catch_up_tokens)  # each pass a graph's
+        for group in bounded_passes(segments, bound):
             self._pass(group, None, logits=False)
+
+    def _catch_up_only(self, segments: list[Segment], tail=None) -> None:
+        """A catch-up pass that only writes the head's KV (nobody drafts from it), its
+        inputs read from the feature store; with a `tail`, the step in flight's tokens end
+        the segments (their rows filled on the device). Through a catch-up graph where one
+        fits (eagle3_graphs.py), else eagerly."""
+        device = self.kv.pool.device
+        ids, meta, last_rows = pack(segments, self.kv.page_size, device)
+        if tail is not None:
+            dest, src, _ = tail.index(
+                self._starts(last_rows, segments), [len(seg.token_ids) for seg in segments]
+            )
+            dest_t, src_t = upload([dest, src], device)
+            ids[dest_t] = tail.tokens.reshape(-1)[src_t]
+        graphs = self.graphs
+        if graphs is not None and graphs.can_run_catch_up(meta, len(ids)):
+            graphs.run_catch_up(ids, meta)
+            return
+        self.count_eager(len(ids))
+        hidden = self.feature_store[meta.slot_mapping]
+        self.head(self.embed(ids), hidden, meta, self.kv.layers[0], self.backend)
 
     def _catch_up_inputs(self, items, prev: InflightStep | None):
         """Each item's catch-up segment: pairs from its drafter's cached length to its last
@@ -211,6 +238,9 @@ class Eagle3Proposer(Proposer):
         if graphs is not None and graphs.can_run(segments):
             last, logits = graphs.run(segments, None, None, tail)
             positions, step = graphs.last_positions(len(segments)), graphs.run_step
+        elif draft_len == 0:  # a ride-along: nobody drafts from it
+            self._catch_up_only(segments, tail)
+            return None
         else:
             last, logits, positions, step = self._eager_catch_up(segments, tail, draft_len)
         if draft_len == 0:
@@ -223,22 +253,13 @@ class Eagle3Proposer(Proposer):
         return torch.stack(drafts, dim=1)
 
     def _eager_catch_up(self, segments, tail, draft_len: int):
-        """The catch-up pass without graphs: (output and logits at each drafting row, its
-        position, a one-token draft pass at device positions for the chain); for draft_len = 0
-        (a ride-along: nobody drafts from it) the pass only writes the head's KV."""
+        """The catch-up pass without graphs, for a chain of draft_len >= 1: (output and
+        logits at each drafting row, its position, a one-token draft pass at device
+        positions for the chain)."""
         device = self.kv.pool.device
         ids, meta, last_rows = pack(segments, self.kv.page_size, device)
         self.count_eager(len(ids))
         hidden = self.feature_store[meta.slot_mapping]
-        if draft_len == 0:
-            if tail is not None:
-                dest, src, _ = tail.index(
-                    self._starts(last_rows, segments), [len(seg.token_ids) for seg in segments]
-                )
-                dest_t, src_t = upload([dest, src], device)
-                ids[dest_t] = tail.tokens.reshape(-1)[src_t]
-            self.head(self.embed(ids), hidden, meta, self.kv.layers[0], self.backend)
-            return None, None, None, None
         if tail is not None:
             dest, src, last_rows = tail.index(
                 self._starts(last_rows, segments), [len(seg.token_ids) for seg in segments]

@@ -21,6 +21,14 @@ only (their draft passes too). Their outputs are never read.
 Under overlap scheduling a catch-up may end with the step in flight's tokens, still on the
 device (`CatchUpTail`): they are copied into the static input ids there, and the row each
 request drafts from moves by the step's accept length, also there.
+
+Catch-ups that only write the head's KV (the pairs a step's prefill chunks completed, the
+ride-alongs of plain steps, a wake's bounded passes) have no uniform length: their graphs
+are keyed by (request bucket, token bucket) as the target's steps carrying prefill are
+(runtime/cuda_graphs.py: `MixedGraphs`), each request's rows laid out for attention on the
+device, the head's inputs gathered from the feature store inside the graph. Eagerly such a
+pass was a few dozen launches from Python beside every step carrying prefill while the
+drafter is kept up (1.5-2.2 ms of host a step on the default model, docs/performance.md).
 """
 
 from __future__ import annotations
@@ -34,7 +42,8 @@ from torch import nn
 
 from specserve.layers.attention import AttentionBackend, AttentionMetadata
 from specserve.model.eagle3 import Eagle3Head
-from specserve.runtime.cuda_graphs import CaptureReport, capture_graphs, static_meta
+from specserve.runtime.cuda_graphs import CaptureReport, MixedGraphs, capture_graphs, static_meta
+from specserve.runtime.graph_staging import stage_step
 from specserve.runtime.inflight import CatchUpTail
 from specserve.runtime.packing import Segment
 from specserve.speculative.eagle3_graph_inputs import load_pass
@@ -95,7 +104,9 @@ class DrafterGraphs:
     k)` the k greedy drafts [B, k] (target ids) of a whole proposing step (`chain_lengths`
     lists the k captured, for buckets up to `chain_max_batch` and catch-ups up to k+1 tokens:
     larger batches rarely speculate). Outputs are views into graph memory valid until the
-    next call.
+    next call. With a `feature_store` and mixed buckets (`mixed_requests`, `mixed_tokens`),
+    `run_catch_up(input_ids, meta)` runs a packed catch-up pass of any lengths that only
+    writes the head's KV (`can_run_catch_up` says which fit).
     With `use_graphs=False` the same padded static buffers go through the eager head (for
     debugging, and for testing the padding on the CPU).
     """
@@ -113,6 +124,8 @@ class DrafterGraphs:
         chain_lengths: tuple[int, ...] = (),
         chain_max_batch: int = 64,
         feature_store: torch.Tensor | None = None,
+        mixed_requests: tuple[int, ...] = (),
+        mixed_tokens: tuple[int, ...] = (),
     ):
         self.head, self.embed, self.kv_layer, self.backend = head, embed, kv_layer, backend
         self.batch_buckets = tuple(sorted(set(batch_buckets)))
@@ -127,12 +140,19 @@ class DrafterGraphs:
         max_b, max_q = self.batch_buckets[-1], self.tokens_per_request[-1]
         self.max_pages = -(-max_seq_len // self.page_size)
         i64 = dict(dtype=torch.int64, device=device)
+        layer = head.config.layer
+        if feature_store is None:  # (catch-up graphs read their inputs from the store)
+            mixed_requests = mixed_tokens = ()
+        self.mixed = MixedGraphs(
+            mixed_requests, mixed_tokens, layer.num_heads // layer.num_kv_heads, max_q, device
+        )
         # The per-pass integers are sections of one buffer, filled by one copy per pass:
-        # seq_lens, last_rows [max_b]; input_ids, positions, slot_mapping, and a catch-up
-        # tail's destination and source rows [max_b * max_q] (page tables apart: their
-        # width varies).
-        n_max = max_b * max_q
-        sizes = (max_b, max_b, n_max, n_max, n_max, n_max, n_max)
+        # seq_lens, last_rows [max_r]; input_ids, positions, slot_mapping, and a catch-up
+        # tail's destination and source rows [n_max] (page tables apart: their width
+        # varies).
+        max_r = max((max_b, *self.mixed.requests))
+        n_max = max((max_b * max_q, *self.mixed.tokens))
+        sizes = (max_r, max_r, n_max, n_max, n_max, n_max, n_max)
         self.ints = torch.zeros(sum(sizes), **i64)
         (
             self.seq_lens,
@@ -145,7 +165,7 @@ class DrafterGraphs:
         ) = self.ints.split(sizes)
         self._offsets = np.cumsum((0,) + sizes)[:-1].tolist()
         self.seq_lens.fill_(1)
-        self.block_tables = torch.zeros(max_b, self.max_pages, **i64)
+        self.block_tables = torch.zeros(max_r, self.max_pages, **i64)
         self.query_start = {
             q: torch.arange(max_b + 1, **i64) * q for q in {1, *self.tokens_per_request}
         }  # 1: chains' draft passes
@@ -163,11 +183,12 @@ class DrafterGraphs:
     @property
     def static_bytes(self) -> int:
         bufs = [self.ints, self.block_tables, self.hidden, *self.query_start.values()]
+        bufs.append(self.mixed.block)
         return sum(b.numel() * b.element_size() for b in bufs)
 
     def keys(self) -> list[tuple[int, int, int]]:
-        """Every (batch bucket, tokens per request, chain drafts or 0 for one pass), largest
-        first."""
+        """Every (batch bucket, tokens per request, chain drafts or 0 for one pass) and
+        (request bucket, 0, token bucket) of a catch-up pass, largest first."""
         keys = [(b, q, 0) for b in self.batch_buckets for q in self.tokens_per_request]
         keys += [
             (b, q, k)
@@ -176,7 +197,13 @@ class DrafterGraphs:
             for q in self.tokens_per_request
             if b <= self.chain_max_batch and q <= k + 1
         ]
-        return sorted(keys, key=lambda k: (k[0] * k[1], k[1], k[2]), reverse=True)
+        keys += [(b, 0, t) for b, t in self.mixed.keys()]
+
+        def size(key):
+            b, q, k = key
+            return (b * q, q, k) if q else (k, 0, b)
+
+        return sorted(keys, key=size, reverse=True)
 
     def bucket_for(self, num_requests: int) -> int:
         return self.batch_buckets[bisect.bisect_left(self.batch_buckets, num_requests)]
@@ -214,6 +241,38 @@ class DrafterGraphs:
             -(-end // self.page_size) <= len(s.page_table) for s, end in zip(segments, ends)
         )
 
+    def can_run_catch_up(self, meta: AttentionMetadata, num_tokens: int) -> bool:
+        """Whether a packed catch-up pass (`packing.pack`) has a graph: buckets for its
+        requests and tokens, contexts within max_seq_len, page tables within max_pages."""
+        return (
+            meta.query_lens is not None
+            and self.mixed.bucket_for(meta.num_requests, num_tokens) is not None
+            and meta.max_seq_len <= self.max_seq_len
+            and meta.block_tables.shape[1] <= self.max_pages
+        )
+
+    @property
+    def max_catch_up_tokens(self) -> int:
+        """The most tokens a catch-up graph takes (0: none captured)."""
+        return self.mixed.tokens[-1] if self.mixed.tokens else 0
+
+    @torch.inference_mode()
+    def run_catch_up(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> None:
+        """A catch-up pass `can_run_catch_up` accepts: staged into the buffers padded to its
+        (request, token) buckets, its graph replayed; it writes the head's KV only."""
+        batch, tokens = self.mixed.bucket_for(meta.num_requests, input_ids.shape[0])
+        stage_step(self, input_ids, meta, batch, tokens)
+        self.mixed.stage(meta.query_lens, batch, tokens)
+        self._replay(batch, 0, tokens)
+
+    def _forward_catch_up(self, batch: int, tokens: int) -> tuple:
+        """The head pass of a staged catch-up, its inputs gathered from the feature store by
+        KV slot (padding: scratch slot 0); it keeps no output."""
+        meta = self.mixed.meta(self, batch, tokens)
+        hidden = self.feature_store[self.slot_mapping[:tokens]]
+        self.head(self.embed(self.input_ids[:tokens]), hidden, meta, self.kv_layer, self.backend)
+        return ()
+
     def _pass(self, batch: int, q: int, with_normed: bool = False):
         """The head pass over the loaded inputs (see Eagle3Head.forward's `with_normed`)."""
         n = batch * q
@@ -249,6 +308,8 @@ class DrafterGraphs:
         return (torch.stack(drafts, dim=1),)
 
     def _run_key(self, batch: int, q: int, k: int) -> tuple:
+        if q == 0:  # (batch, 0, tokens): a catch-up pass
+            return self._forward_catch_up(batch, k)
         return self._forward_chain(batch, q, k) if k else self._forward(batch, q)
 
     def capture(self, pool=None) -> CaptureReport:
