@@ -101,17 +101,21 @@ class _UniformRandomK(SpeculationPolicy):
 
 
 @pytest.mark.parametrize(
-    "policy, overlap", [("mixed", "off"), ("fixed", "off"), ("mixed", "on"), ("uniform", "on")]
+    "policy, overlap",
+    [("mixed", "off"), ("fixed", "off"), ("mixed", "on"), ("uniform", "on"), ("pause", "on")],
 )
 def test_padded_drafter_keeps_greedy_output(tmp_path_factory, policy, overlap):
     """mixed: random draft lengths per request (one padded pass per draft step); fixed: every
     request drafts K (whole proposing steps as chains); uniform: a random K per step for all
-    (chains of every captured K); with the overlapped loop too."""
+    (chains of every captured K); pause: plain decoding for 9 tokens, then K (the first
+    drafting step's catch-up is longer than any uniform graph's: its pairs go through a
+    catch-up graph first); with the overlapped loop too."""
     target = make_tiny_model(tmp_path_factory.mktemp("t"), "llama", num_layers=4)
     head = make_random_eagle3_head(tmp_path_factory.mktemp("h"), target, 200)
     rng = random.Random(4)
     prompts = [[rng.randrange(3, VOCAB) for _ in range(n)] for n in (2, 9, 14, 30, 5)]
-    params = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True)
+    max_tokens = 20 if policy == "pause" else 14
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     plain = [o.token_ids for o in LLM(str(target)).generate(prompts, params)]
 
     def drafts_of(padded: bool):
@@ -123,10 +127,11 @@ def test_padded_drafter_keeps_greedy_output(tmp_path_factory, policy, overlap):
             speculative_policy="fixed",
             overlap_schedule=overlap,
         )
-        proposer, seen = llm.engine.spec.proposer, {"run": [], "run_chain": []}
+        proposer = llm.engine.spec.proposer
+        seen = {"run": [], "run_chain": [], "run_catch_up": []}
         if padded:
             proposer.graphs = capture_drafter_graphs(proposer, llm.engine.target, use_graphs=False)
-            for name in seen:
+            for name in ("run", "run_chain"):
                 fn = getattr(proposer.graphs, name)
 
                 def spy(segments, hidden, *rest, fn=fn, name=name):
@@ -135,20 +140,33 @@ def test_padded_drafter_keeps_greedy_output(tmp_path_factory, policy, overlap):
                     return fn(segments, hidden, *rest)
 
                 setattr(proposer.graphs, name, spy)
+            fn = proposer.graphs.run_catch_up
+            proposer.graphs.run_catch_up = lambda ids, meta: (
+                seen["run_catch_up"].append((meta.num_requests, len(ids))),
+                fn(ids, meta),
+            )[1]
         if policy == "mixed":
             pick = random.Random(9)
             llm.engine.spec.policy = PerRequestPolicy(3, lambda req: pick.choice([0, 1, 2, 3]))
         if policy == "uniform":
             llm.engine.spec.policy = _UniformRandomK(3, seed=5)
+        if policy == "pause":
+            llm.engine.spec.policy = PerRequestPolicy(
+                3, lambda req: 3 if len(req.output_token_ids) >= 9 else 0
+            )
         outs = llm.generate(prompts, params)
         assert [o.token_ids for o in outs] == plain
         stats = [(o.spec_stats.drafted, o.spec_stats.accepted) for o in outs]
-        return stats, seen
+        return stats, seen, proposer.eager_tokens
 
-    eager_stats, _ = drafts_of(False)
-    padded_stats, seen = drafts_of(True)
+    eager_stats, _, eager_tokens = drafts_of(False)
+    padded_stats, seen, padded_tokens = drafts_of(True)
     passes = [n for n, _ in (seen["run"] if policy == "mixed" else seen["run_chain"])]
     assert len(passes) > 5 and max(passes) > 1  # padded passes ran, some with 2+ requests
+    # the prompts' pairs (13 and 29 of them: longer than any uniform catch-up) went through
+    # catch-up graphs, and the padded drafter ran no pass eagerly
+    assert max(tokens for _, tokens in seen["run_catch_up"]) >= 29
+    assert eager_tokens > 0 and padded_tokens == 0
     if policy == "uniform":  # chains of every K >= 2 were captured and used
         assert {k for _, k in seen["run_chain"]} == {2, 3}
     assert padded_stats == eager_stats  # same drafts, so the same acceptance

@@ -133,7 +133,7 @@ class Eagle3Proposer(Proposer):
         """Catch up and draft. Greedy steps with one draft length leave the drafts on the
         device (`device_drafts`); with `prev`, the step in flight, a request's newest tokens
         and features are read from it on the device (`reads_inflight` must hold)."""
-        self._bound_catch_up(items)
+        self._bound_catch_up(items, prev)
         segments, tail = self._catch_up_inputs(items, prev)
         if self.reads_inflight(items):
             drafts = self._greedy_chain(segments, tail, items[0].draft_len)
@@ -159,15 +159,32 @@ class Eagle3Proposer(Proposer):
 
         chain_draft([items[i] for i in drafting], logits, step, self._draw)
 
-    def _bound_catch_up(self, items: list[ScheduledRequest]) -> None:
-        """When the step's catch-up would pass `max_pass_tokens`, the pairs of committed
-        tokens before each request's last one run first, in bounded passes (no logits);
-        the step's own pass then takes one host pair and the step in flight's tokens per
-        request, a captured shape."""
+    def _bound_catch_up(self, items: list[ScheduledRequest], prev: InflightStep | None) -> None:
+        """When the step's catch-up would pass `max_pass_tokens`, or a request's is longer
+        than the uniform graphs take while catch-up graphs are captured (the first drafting
+        step after plain ones, a wake), the pairs of committed tokens before each request's
+        last one run first, in bounded passes (no logits); the step's own pass then takes
+        one host pair and the step in flight's tokens per request, a captured shape."""
         max_draft_len = max(it.draft_len for it in items)
         pending = sum(it.request.drafter_backlog for it in items)
-        if pending + len(items) * (max_draft_len + 2) > self.max_pass_tokens:
+        if pending + len(items) * (max_draft_len + 2) > self.max_pass_tokens or (
+            max_draft_len > 0 and self._past_uniform(items, prev)  # (ride-alongs: one pass)
+        ):
             self._catch_up_pairs([(it.request, it.request.committed_len - 2) for it in items])
+
+    def _past_uniform(self, items: list[ScheduledRequest], prev: InflightStep | None) -> bool:
+        """Whether catch-up graphs are captured and a request's catch-up segment (its
+        backlog, then the step in flight's tokens) is longer than any uniform graph's."""
+        graphs = self.graphs
+        if graphs is None or not graphs.max_catch_up_tokens:
+            return False
+        rows = prev.rows if prev is not None else {}
+        longest = 0
+        for it in items:
+            row = rows.get(id(it.request), -1)
+            tail = prev.drafted[row] + 1 if row >= 0 else 0
+            longest = max(longest, it.request.drafter_backlog + tail)
+        return graphs.length_for(longest) is None
 
     def _catch_up_pairs(self, ends) -> None:
         """Head passes (no logits, at most `max_pass_tokens` tokens each) over every pair

@@ -30,12 +30,12 @@ def capture_drafter_graphs(
     """Graphs for draft steps and catch-ups (`catch_up_lengths`), and for catch-ups of any
     lengths that only write the head's KV, by the target's mixed-step buckets where the
     attention backend lays such passes out on the device; use_graphs=False: the same
-    padded path, eager."""
+    padded path, eager (every backend serves it: padding alone decides the layout)."""
     from specserve.runtime.graph_shapes import engine_graph_shapes, engine_mixed_shapes
 
     cfg = target.config
     mixed_requests, mixed_tokens = (
-        engine_mixed_shapes(cfg) if proposer.backend.mixed_graphs else ((), ())
+        engine_mixed_shapes(cfg) if proposer.backend.mixed_graphs or not use_graphs else ((), ())
     )
     graphs = DrafterGraphs(
         proposer.head,
