@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from specserve.layers.attention import TorchAttentionBackend
-from specserve.runtime.cuda_graphs import CudaGraphRunner, MixedGraphs
+from specserve.runtime.cuda_graphs import CudaGraphRunner
 from specserve.runtime.graph_shapes import default_batch_buckets
 from tests.support.model_cases import (
     build_meta,
@@ -70,14 +70,14 @@ def test_mixed_buckets_pad_a_request_and_cover_every_step():
     assert mixed_request_buckets(3) == (4,) and mixed_request_buckets(4) == (4, 5)
     requests, tokens = mixed_request_buckets(256), default_token_buckets(512)
     keys = set(mixed_keys(requests, tokens))
-    shapes = MixedGraphs(requests, tokens, group=2, short_query_len=4, device=torch.device("cpu"))
-    assert set(shapes.keys()) == keys
+    runner = _runner()
+    runner.mixed_requests, runner.mixed_tokens = requests, tokens
     for num_tokens in range(1, 513):
         for num_requests in range(1, min(num_tokens, 256) + 1):
-            batch, padded = shapes.bucket_for(num_requests, num_tokens)
+            batch, padded = runner.mixed_bucket_for(num_requests, num_tokens)
             assert batch > num_requests and padded >= num_tokens and (batch, padded) in keys
     assert len(keys) == 26  # what an engine of 256 requests and 512 tokens captures
-    assert shapes.bucket_for(256, 513) is None and shapes.bucket_for(257, 512) is None
+    assert runner.mixed_bucket_for(256, 513) is None and runner.mixed_bucket_for(257, 512) is None
 
 
 @pytest.mark.gpu

@@ -54,37 +54,27 @@ def test_padded_head_passes_match_eager_and_write_only_page_zero():
     assert drafter_graph_error(TorchAttentionBackend(), torch.float32, "cpu") < 1e-5
 
 
-def test_catch_up_graphs_take_passes_of_any_lengths_and_write_only_page_zero():
+def test_catch_up_passes_write_the_layers_kv_and_only_page_zero_beyond():
     assert drafter_catch_up_error(TorchAttentionBackend(), torch.float32, "cpu") < 1e-5
 
 
 def test_catch_up_graph_keys_and_which_passes_fit():
     from specserve.core.kv_cache import KVCache
-    from specserve.runtime.packing import Segment, pack
     from specserve.speculative.eagle3_graphs import DrafterGraphs
     from tests.support.drafter_cases import _head
 
     head, embed = _head(torch.float32, "cpu")
     kv = KVCache(head.config.layer, 40, 4, torch.float32, torch.device("cpu"))
     store = torch.zeros(40 * 4, head.config.layer.hidden_size)
-    shapes = dict(mixed_requests=(4, 16, 17), mixed_tokens=(32, 64))
     args = (head, embed, kv.layers[0], TorchAttentionBackend(), (1, 4), (1, 2), 64)
-    graphs = DrafterGraphs(*args, use_graphs=False, feature_store=store, **shapes)
-    catch_ups = [key for key in graphs.keys() if key[1] == 0]
-    assert catch_ups == [(b, 0, t) for t in (64, 32) for b in (17, 16, 4)]  # largest first
+    graphs = DrafterGraphs(*args, use_graphs=False, feature_store=store, catch_up_tokens=(64, 32))
+    assert [key for key in graphs.keys() if key[1] == 0] == [(0, 0, 64), (0, 0, 32)]
     assert graphs.max_catch_up_tokens == 64
+    assert [graphs.catch_up_bucket(n) for n in (1, 32, 33, 64, 65)] == [32, 32, 64, 64, None]
     # without a feature store to read its inputs from, a drafter captures none
-    bare = DrafterGraphs(*args, use_graphs=False, **shapes)
+    bare = DrafterGraphs(*args, use_graphs=False, catch_up_tokens=(64, 32))
     assert all(key[1] for key in bare.keys()) and bare.max_catch_up_tokens == 0
-
-    def fits(segs):
-        ids, meta, _ = pack(segs, 4, torch.device("cpu"))
-        return graphs.can_run_catch_up(meta, len(ids))
-
-    assert fits([Segment([1, 2, 3], 0, [7] * 9), Segment([4], 0, [7] * 3)])
-    assert not fits([Segment(list(range(1, 18)), 0, [7] * 65)])  # past the largest tokens
-    assert not fits([Segment(list(range(1, 18)), 60, [7] * 5)])  # past max_seq_len, pages
-    assert not fits([Segment([1], 0, [7])] * 17)  # no request bucket above 17
+    assert bare.catch_up_bucket(1) is None
 
 
 class _UniformRandomK(SpeculationPolicy):
@@ -141,9 +131,9 @@ def test_padded_drafter_keeps_greedy_output(tmp_path_factory, policy, overlap):
 
                 setattr(proposer.graphs, name, spy)
             fn = proposer.graphs.run_catch_up
-            proposer.graphs.run_catch_up = lambda ids, meta: (
-                seen["run_catch_up"].append((meta.num_requests, len(ids))),
-                fn(ids, meta),
+            proposer.graphs.run_catch_up = lambda segs, tail=None: (
+                seen["run_catch_up"].append((len(segs), sum(len(s.token_ids) for s in segs))),
+                fn(segs, tail),
             )[1]
         if policy == "mixed":
             pick = random.Random(9)
@@ -187,10 +177,11 @@ def test_gpu_drafter_graphs_match_eager(dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gpu_catch_up_graphs_match_eager(dtype):
+    from specserve.layers import triton_ops
     from specserve.layers.attention.triton_attn import TritonAttentionBackend
 
     err = drafter_catch_up_error(
-        TritonAttentionBackend(), dtype, "cuda", use_graphs=True, page_size=16
+        TritonAttentionBackend(), dtype, "cuda", use_graphs=True, page_size=16, fused_ops=triton_ops
     )
     assert err < 2e-2, err
 
@@ -216,7 +207,10 @@ def test_gpu_engine_captures_and_drafts_through_graphs(tmp_path_factory):
         fn = getattr(graphs, name)
         setattr(graphs, name, lambda *a, fn=fn: (passes.append(len(a[0])), fn(*a))[1])
     fn = graphs.run_catch_up
-    graphs.run_catch_up = lambda ids, meta: (catch_ups.append(len(ids)), fn(ids, meta))[1]
+    graphs.run_catch_up = lambda segs, tail=None: (
+        catch_ups.append(sum(len(s.token_ids) for s in segs)),
+        fn(segs, tail),
+    )[1]
     # the 40-token prompt's pairs are longer than any uniform catch-up graph's
     prompts = [[5, 6, 7, 8, 9], [10, 11], [12] * 9, [13] * 40]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)

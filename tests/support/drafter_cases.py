@@ -108,51 +108,76 @@ def drafter_graph_error(backend, dtype, device, use_graphs=False, page_size=4, f
     return worst
 
 
-def drafter_catch_up_error(backend, dtype, device, use_graphs=False, page_size=4) -> float:
+def drafter_catch_up_error(
+    backend, dtype, device, use_graphs=False, page_size=4, fused_ops=None
+) -> float:
     """Largest relative error of the head's KV pages outside scratch page 0 after catch-up
-    passes of uneven lengths (the pairs after prompt chunks; a short row before a pass
-    longer than a prefill tile; requests going on from what earlier passes wrote) through
-    DrafterGraphs' catch-up graphs, padded to request and token buckets, against the eager
-    pass over the same feature store; checks that every pass had a graph (no eager tokens)."""
+    passes of uneven lengths (the pairs after prompt chunks; requests going on from what
+    earlier passes wrote; the last one ending in a step in flight's tokens, on the device)
+    that only write the head's KV (`Eagle3Head.store_kv`), through DrafterGraphs' catch-up
+    graphs (padded to a token bucket) and eagerly, against the whole head layer's forward
+    over the same feature store; checks that every graphed pass had a graph."""
+    from specserve.runtime.inflight import CatchUpTail
+    from specserve.runtime.packing import pack
+
     head, embed = _head(dtype, device)
+    if fused_ops is not None:
+        fused_ops.use_triton_ops(head)
     pages = -(-96 // page_size)
-    kv = [KVCache(head.config.layer, 1 + 3 * pages, page_size, dtype, device) for _ in "ab"]
-    eager = Eagle3Proposer(head, embed, kv[0], backend)
-    graphed = Eagle3Proposer(head, embed, kv[1], backend)
+    kv = [KVCache(head.config.layer, 1 + 3 * pages, page_size, dtype, device) for _ in "abc"]
+    whole, eager, graphed = (Eagle3Proposer(head, embed, cache, backend) for cache in kv)
     gen = torch.Generator().manual_seed(2)
-    features = torch.randn(eager.feature_store.shape, generator=gen).to(dtype=dtype, device=device)
-    eager.feature_store.copy_(features)
-    graphed.feature_store.copy_(features)
+    features = torch.randn(whole.feature_store.shape, generator=gen).to(dtype=dtype, device=device)
+    for proposer in (whole, eager, graphed):
+        proposer.feature_store.copy_(features)
     graphed.graphs = DrafterGraphs(
         head,
         embed,
-        kv[1].layers[0],
+        kv[2].layers[0],
         backend,
         (1, 4),
         (1, 2, 4),
         max_seq_len=128,
         use_graphs=use_graphs,
         feature_store=graphed.feature_store,
-        mixed_requests=(4, 8),
-        mixed_tokens=(16, 32, 128),
+        catch_up_tokens=(16, 32, 128),
     )
     graphed.graphs.capture()
     tables = [kv[0].allocator.allocate(pages) for _ in range(3)]
-    passes = [  # (request, first position, tokens)
-        [(0, 0, 8), (1, 0, 3)],
-        [(0, 8, 1), (1, 3, 5), (2, 0, 70)],
-        [(0, 9, 3), (1, 8, 1), (2, 70, 20)],
+    passes = [  # (request, first position, tokens, of which the step in flight's)
+        [(0, 0, 8, 0), (1, 0, 3, 0)],
+        [(0, 8, 1, 0), (1, 3, 5, 0), (2, 0, 70, 0)],
+        [(0, 9, 3, 2), (1, 8, 1, 0), (2, 70, 20, 4)],
     ]
+    runs = []
+    spy = graphed.graphs.run_catch_up
+    graphed.graphs.run_catch_up = lambda segs, tail=None: (runs.append(tail), spy(segs, tail))[1]
     with torch.inference_mode():
         for spec in passes:
-            ids = torch.randint(embed.num_embeddings, (sum(n for *_, n in spec),), generator=gen)
-            segs, i = [], 0
-            for r, start, n in spec:
-                segs.append(Segment(tables[r], start, ids[i : i + n].tolist()))
+            ids = torch.randint(embed.num_embeddings, (sum(p[2] for p in spec),), generator=gen)
+            in_flight = torch.randint(embed.num_embeddings, (len(spec), 4), generator=gen)
+            segs, known, i = [], [], 0
+            for row, (r, start, n, k) in enumerate(spec):
+                real = ids[i : i + n].tolist()
+                real[n - k :] = in_flight[row, :k].tolist()  # (k = 0: none)
+                segs.append(Segment(tables[r], start, real))
+                known.append(Segment(tables[r], start, real[: n - k] + [0] * k))
                 i += n
-            assert not graphed.graphs.can_run(segs)  # (no uniform graph: the catch-up's)
+            tail = None
+            if any(p[3] for p in spec):
+                rows = [row if p[3] else -1 for row, p in enumerate(spec)]
+                tail = CatchUpTail(
+                    in_flight.to(device), rows, [p[3] for p in spec], torch.zeros(len(spec))
+                )
+            # the whole layer over the real tokens: the K/V a drafting pass writes
+            packed, meta, _ = pack(segs, page_size, torch.device(device))
+            head(embed(packed), features[meta.slot_mapping], meta, kv[0].layers[0], backend)
             for proposer in (eager, graphed):
-                proposer._catch_up_only(segs)
-    assert graphed.eager_tokens == 0 and eager.eager_tokens == sum(n for p in passes for *_, n in p)
-    (ka, va), (kb, vb) = kv[0].layers[0], kv[1].layers[0]
-    return max(_rel(kb[1:], ka[1:]), _rel(vb[1:], va[1:]))
+                proposer._catch_up_only(known, tail)
+    assert graphed.eager_tokens == 0 and len(runs) == 3 and runs[2] is not None
+    assert eager.eager_tokens == sum(p[2] for spec in passes for p in spec)
+    (ka, va) = kv[0].layers[0]
+    return max(
+        max(_rel(kb[1:], ka[1:]), _rel(vb[1:], va[1:]))
+        for kb, vb in (kv[1].layers[0], kv[2].layers[0])
+    )

@@ -207,6 +207,30 @@ class Eagle3Head(nn.Module):
         m.mlp = merged
         return self
 
+    def store_kv(
+        self,
+        embeds: torch.Tensor,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        kv: tuple[torch.Tensor, torch.Tensor],
+        backend: AttentionBackend,
+    ) -> None:
+        """The K/V `forward` writes for packed tokens [T, H] at `positions` into `slots`,
+        without attending: a position's K/V depend on its own inputs only (the head has one
+        layer), so a catch-up that only brings the head's KV up to date (nobody drafts from
+        its outputs) needs the norms, the q/k/v projection and the rotary, not attention or
+        the MLP."""
+        attn = self.midlayer.self_attn
+        x = self._packed_layer_input(embeds, hidden)
+        if attn.merged() is not None and fused_kv_store(self.rotary, backend):
+            self.rotary.rotate_and_store(
+                positions, attn.qkv_proj(x), attn.num_heads, attn.num_kv_heads, kv[0], kv[1], slots
+            )
+        else:
+            _, k, v = attn.qkv(x, positions, self.rotary)
+            backend.store_kv(k, v, kv[0], kv[1], slots)
+
     def forward(
         self,
         embeds: torch.Tensor,

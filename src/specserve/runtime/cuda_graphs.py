@@ -119,88 +119,6 @@ def capture_graphs(keys: list[tuple], forward, static_bytes: int, pool=None):
     return graphs, report, pool
 
 
-class MixedGraphs:
-    """The shapes of graphs that take a step of prefill chunks (after any short rows): their
-    request and token buckets, and the host half of their attention layout (`MixedLayout`:
-    query starts, the short rows' starts, the tile list), one device block laid out per graph
-    from offset 0. The target's graphs keep one for steps carrying prefill; the EAGLE-3
-    drafter's keep one for its catch-up passes (speculative/eagle3_graphs.py).
-
-    `short_query_len`: the longest request the decode path serves as a short row, when such
-    rows lead the step. Padding: a step always pads at least one request (the request
-    bucket above its count), which owns the padded tokens (cuda_graphs' module docstring)."""
-
-    def __init__(
-        self,
-        requests: tuple[int, ...],
-        tokens: tuple[int, ...],
-        group: int,
-        short_query_len: int,
-        device: torch.device,
-    ):
-        self.requests = tuple(sorted(set(requests))) if tokens else ()
-        self.tokens = tuple(sorted(set(tokens))) if requests else ()
-        self.group, self.short_query_len = group, short_query_len
-        most = [2 * (b + 1) + 2 * max_mixed_tiles(t, b, group) for b, t in self.keys()]
-        self.block = torch.zeros(max(most, default=0), dtype=torch.int64, device=device)
-
-    def keys(self) -> list[tuple[int, int]]:
-        """Every (request bucket, token bucket)."""
-        return mixed_keys(self.requests, self.tokens)
-
-    def bucket_for(self, num_requests: int, num_tokens: int) -> tuple[int, int] | None:
-        """The graph's (request bucket, token bucket) of a step, or None: beyond them."""
-        b = bisect.bisect_right(self.requests, num_requests)  # above: one padded
-        t = bisect.bisect_left(self.tokens, num_tokens)
-        if b == len(self.requests) or t == len(self.tokens):
-            return None
-        return self.requests[b], self.tokens[t]
-
-    def _views(self, batch: int, tokens: int):
-        """The block's (query starts [B+1], short starts [B+1], tiles [N, 2]) of the graph
-        (batch, tokens)."""
-        count = max_mixed_tiles(tokens, batch, self.group)
-        qsl, short, tiles = self.block[: 2 * (batch + 1) + 2 * count].split(
-            [batch + 1, batch + 1, 2 * count]
-        )
-        return qsl, short, tiles.view(count, 2)
-
-    def meta(self, bufs, batch: int, tokens: int) -> AttentionMetadata:
-        """The graph (batch, tokens)'s metadata over static buffers `bufs` (positions,
-        slot_mapping, seq_lens, block_tables, max_seq_len) and the block: views."""
-        qsl, short, tiles = self._views(batch, tokens)
-        short_tokens = min(batch * self.short_query_len, tokens)
-        return AttentionMetadata(
-            positions=bufs.positions[:tokens],
-            slot_mapping=bufs.slot_mapping[:tokens],
-            query_start_loc=qsl,
-            seq_lens=bufs.seq_lens[:batch],
-            block_tables=bufs.block_tables[:batch],
-            max_query_len=tokens,
-            max_seq_len=bufs.max_seq_len,
-            mixed=MixedLayout(short, self.short_query_len, short_tokens, tiles),
-            prefill=True,  # (decode and verify steps are padded to uniform graphs)
-        )
-
-    def stage(self, query_lens: list[int], batch: int, tokens: int) -> None:
-        """The host half of a step's staging: query starts (the padded tokens go to the last
-        padded request), the short rows' starts and the tile list, one copy."""
-        n = len(query_lens)
-        short = 0  # leading requests of decode and verify length
-        while short < n and query_lens[short] <= self.short_query_len:
-            short += 1
-        starts = [0]
-        for q in query_lens:
-            starts.append(starts[-1] + q)
-        starts += [starts[-1]] * (batch - n - 1) + [tokens]
-        short_starts = starts[: short + 1] + [starts[short]] * (batch - short)
-        count = max_mixed_tiles(tokens, batch, self.group)
-        values = starts + short_starts + mixed_tiles(query_lens, short, self.group, count)
-        host_view, host = staging_int64(len(values), self.block.device)
-        host_view[:] = values
-        self.block[: len(values)].copy_(host, non_blocking=True)
-
-
 class CudaGraphRunner:
     """Captures `model.forward` per (batch bucket, q_len: tokens per request) and replays it.
 
@@ -250,15 +168,14 @@ class CudaGraphRunner:
         self.feature_writer = feature_writer
         self.logits_head = logits_head
         self.last_head: tuple[torch.Tensor, ...] | None = None  # see above
+        self.mixed_requests = tuple(sorted(set(mixed_requests))) if mixed_tokens else ()
+        self.mixed_tokens = tuple(sorted(set(mixed_tokens))) if mixed_requests else ()
         device = kv_layers[0][0].device
         page_size = kv_layers[0][0].shape[1]
         max_b, max_q_len = self.batch_buckets[-1], self.q_lens[-1]
-        # Steps carrying prefill chunks: their decode and verify rows are the short ones.
-        group = model.config.num_heads // model.config.num_kv_heads
-        self.mixed = MixedGraphs(mixed_requests, mixed_tokens, group, max_q_len, device)
         self.max_pages = -(-max_seq_len // page_size)
-        max_r = max((max_b, *self.mixed.requests))
-        max_t = max((max_b * max_q_len, *self.mixed.tokens))
+        max_r = max((max_b, *self.mixed_requests))
+        max_t = max((max_b * max_q_len, *self.mixed_tokens))
         i64 = dict(dtype=torch.int64, device=device)
         self.input_ids = torch.zeros(max_t, **i64)
         self.positions = torch.zeros(max_t, **i64)
@@ -266,6 +183,13 @@ class CudaGraphRunner:
         self.seq_lens = torch.ones(max_r, **i64)
         self.block_tables = torch.zeros(max_r, self.max_pages, **i64)
         self.query_start = {q_len: torch.arange(max_b + 1, **i64) * q_len for q_len in self.q_lens}
+        # A mixed step's host-built integers (MixedLayout), one copy: its query starts, its
+        # short rows' starts and its tile list, laid out per graph from offset 0.
+        self.group = model.config.num_heads // model.config.num_kv_heads
+        # the short rows a mixed step's decode-path launch serves: decode and verify rows
+        self.short_query_len = max_q_len
+        most = [2 * (b + 1) + 2 * max_mixed_tiles(t, b, self.group) for b, t in self.mixed_keys()]
+        self.mixed_block = torch.zeros(max(most, default=0), **i64)
         self._graphs: dict[tuple, tuple] = {}  # key -> (graph, hidden, aux, head)
         self.report: CaptureReport | None = None
 
@@ -278,15 +202,19 @@ class CudaGraphRunner:
             self.seq_lens,
             self.block_tables,
             *self.query_start.values(),
-            self.mixed.block,
+            self.mixed_block,
         ]
         return sum(b.numel() * b.element_size() for b in bufs)
+
+    def mixed_keys(self) -> list[tuple[int, int]]:
+        """Every (request bucket, token bucket) of mixed steps."""
+        return mixed_keys(self.mixed_requests, self.mixed_tokens)
 
     def keys(self) -> list[tuple]:
         """Every (batch bucket, q_len) and (request bucket, 0, token bucket) of a mixed step,
         largest step first."""
         keys = [(b, q_len) for b in self.batch_buckets for q_len in self.q_lens]
-        keys += [(b, 0, t) for b, t in self.mixed.keys()]
+        keys += [(b, 0, t) for b, t in self.mixed_keys()]
 
         def size(key):
             return (key[0] * key[1], key[1]) if len(key) == 2 else (key[2], key[0])
@@ -295,6 +223,14 @@ class CudaGraphRunner:
 
     def bucket_for(self, num_requests: int) -> int:
         return self.batch_buckets[bisect.bisect_left(self.batch_buckets, num_requests)]
+
+    def mixed_bucket_for(self, num_requests: int, num_tokens: int) -> tuple[int, int] | None:
+        """The mixed graph's (request bucket, token bucket) of a step, or None: beyond them."""
+        b = bisect.bisect_right(self.mixed_requests, num_requests)  # above: one padded
+        t = bisect.bisect_left(self.mixed_tokens, num_tokens)
+        if b == len(self.mixed_requests) or t == len(self.mixed_tokens):
+            return None
+        return self.mixed_requests[b], self.mixed_tokens[t]
 
     def can_run(self, meta: AttentionMetadata, num_tokens: int) -> bool:
         """Whether this step has a graph: uniform query length q_len (B * q_len == tokens)
@@ -314,15 +250,57 @@ class CudaGraphRunner:
         return (
             meta.prefill  # (decode and verify steps: uniform graphs, or eager)
             and meta.query_lens is not None
-            and self.mixed.bucket_for(meta.num_requests, num_tokens) is not None
+            and self.mixed_bucket_for(meta.num_requests, num_tokens) is not None
             and meta.max_seq_len <= self.max_seq_len
             and meta.block_tables.shape[1] <= self.max_pages
         )
 
+    def _mixed_views(self, batch: int, tokens: int):
+        """The mixed block's (query starts [B+1], short starts [B+1], tiles [N, 2]) of the
+        graph (batch, tokens)."""
+        count = max_mixed_tiles(tokens, batch, self.group)
+        qsl, short, tiles = self.mixed_block[: 2 * (batch + 1) + 2 * count].split(
+            [batch + 1, batch + 1, 2 * count]
+        )
+        return qsl, short, tiles.view(count, 2)
+
+    def _mixed_meta(self, batch: int, tokens: int) -> AttentionMetadata:
+        qsl, short, tiles = self._mixed_views(batch, tokens)
+        short_tokens = min(batch * self.short_query_len, tokens)
+        return AttentionMetadata(
+            positions=self.positions[:tokens],
+            slot_mapping=self.slot_mapping[:tokens],
+            query_start_loc=qsl,
+            seq_lens=self.seq_lens[:batch],
+            block_tables=self.block_tables[:batch],
+            max_query_len=tokens,
+            max_seq_len=self.max_seq_len,
+            mixed=MixedLayout(short, self.short_query_len, short_tokens, tiles),
+            prefill=True,  # (decode and verify steps are padded to uniform graphs)
+        )
+
+    def _stage_mixed(self, meta: AttentionMetadata, batch: int, tokens: int) -> None:
+        """The host half of a mixed step's staging: query starts (the padded tokens go to
+        the last padded request), the short rows' starts and the tile list, one copy."""
+        query_lens, n = meta.query_lens, meta.num_requests
+        short = 0  # leading requests of decode and verify length
+        while short < n and query_lens[short] <= self.short_query_len:
+            short += 1
+        starts = [0]
+        for q in query_lens:
+            starts.append(starts[-1] + q)
+        starts += [starts[-1]] * (batch - n - 1) + [tokens]
+        short_starts = starts[: short + 1] + [starts[short]] * (batch - short)
+        count = max_mixed_tiles(tokens, batch, self.group)
+        values = starts + short_starts + mixed_tiles(query_lens, short, self.group, count)
+        host_view, host = staging_int64(len(values), self.mixed_block.device)
+        host_view[:] = values
+        self.mixed_block[: len(values)].copy_(host, non_blocking=True)
+
     def _forward(self, batch: int, q_len: int, tokens: int = 0):
         """The graphed forward of (batch, q_len), or with q_len = 0 of a mixed step of `tokens`."""
         if q_len == 0:
-            meta = self.mixed.meta(self, batch, tokens)
+            meta = self._mixed_meta(batch, tokens)
             ids = self.input_ids[:tokens]
         else:
             meta = static_meta(self, batch, q_len)
@@ -404,9 +382,9 @@ class CudaGraphRunner:
         """`run` for a step `can_run_mixed` accepts: staged into the buffers padded to its
         (request, token) buckets, its graph replayed; no logits are taken inside."""
         n = input_ids.shape[0]
-        batch, tokens = self.mixed.bucket_for(meta.num_requests, n)
+        batch, tokens = self.mixed_bucket_for(meta.num_requests, n)
         stage_step(self, input_ids, meta, batch, tokens)
-        self.mixed.stage(meta.query_lens, batch, tokens)
+        self._stage_mixed(meta, batch, tokens)
         if self.use_graphs:
             graph, hidden, aux, _ = self._graphs[(batch, 0, tokens)]
             graph.replay()

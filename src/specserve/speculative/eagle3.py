@@ -181,9 +181,11 @@ class Eagle3Proposer(Proposer):
         rows = prev.rows if prev is not None else {}
         longest = 0
         for it in items:
+            # (the backlog counts the step in flight as one token: its tail brings the rest)
             row = rows.get(id(it.request), -1)
-            tail = prev.drafted[row] + 1 if row >= 0 else 0
-            longest = max(longest, it.request.drafter_backlog + tail)
+            longest = max(
+                longest, it.request.drafter_backlog + (prev.drafted[row] if row >= 0 else 0)
+            )
         return graphs.length_for(longest) is None
 
     def _catch_up_pairs(self, ends) -> None:
@@ -203,10 +205,14 @@ class Eagle3Proposer(Proposer):
             self._pass(group, None, logits=False)
 
     def _catch_up_only(self, segments: list[Segment], tail=None) -> None:
-        """A catch-up pass that only writes the head's KV (nobody drafts from it), its
-        inputs read from the feature store; with a `tail`, the step in flight's tokens end
-        the segments (their rows filled on the device). Through a catch-up graph where one
-        fits (eagle3_graphs.py), else eagerly."""
+        """A catch-up pass that only writes the head's KV (nobody drafts from it: no
+        attention, `Eagle3Head.store_kv`), its inputs read from the feature store; with a
+        `tail`, the step in flight's tokens end the segments (their rows filled on the
+        device). Through a catch-up graph where one fits (eagle3_graphs.py), else eagerly."""
+        graphs = self.graphs
+        if graphs is not None and graphs.catch_up_bucket(sum(len(s.token_ids) for s in segments)):
+            graphs.run_catch_up(segments, tail)
+            return
         device = self.kv.pool.device
         ids, meta, last_rows = pack(segments, self.kv.page_size, device)
         if tail is not None:
@@ -215,13 +221,16 @@ class Eagle3Proposer(Proposer):
             )
             dest_t, src_t = upload([dest, src], device)
             ids[dest_t] = tail.tokens.reshape(-1)[src_t]
-        graphs = self.graphs
-        if graphs is not None and graphs.can_run_catch_up(meta, len(ids)):
-            graphs.run_catch_up(ids, meta)
-            return
         self.count_eager(len(ids))
-        hidden = self.feature_store[meta.slot_mapping]
-        self.head(self.embed(ids), hidden, meta, self.kv.layers[0], self.backend)
+        slots = meta.slot_mapping
+        self.head.store_kv(
+            self.embed(ids),
+            self.feature_store[slots],
+            meta.positions,
+            slots,
+            self.kv.layers[0],
+            self.backend,
+        )
 
     def _catch_up_inputs(self, items, prev: InflightStep | None):
         """Each item's catch-up segment: pairs from its drafter's cached length to its last

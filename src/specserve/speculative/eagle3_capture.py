@@ -1,6 +1,6 @@
 """The EAGLE-3 drafter's CUDA graphs at start-up: which head passes get one
 (`catch_up_lengths`: draft steps, the catch-ups after a verify step, chains for every K >= 2;
-catch-ups that only write the head's KV by request and token buckets) and their capture,
+catch-ups that only write the head's KV by token bucket) and their capture,
 logged with its time and memory."""
 
 from __future__ import annotations
@@ -28,14 +28,14 @@ def capture_drafter_graphs(
     proposer: Eagle3Proposer, target: TargetParts, use_graphs: bool = True
 ) -> DrafterGraphs:
     """Graphs for draft steps and catch-ups (`catch_up_lengths`), and for catch-ups of any
-    lengths that only write the head's KV, by the target's mixed-step buckets where the
-    attention backend lays such passes out on the device; use_graphs=False: the same
-    padded path, eager (every backend serves it: padding alone decides the layout)."""
-    from specserve.runtime.graph_shapes import engine_graph_shapes, engine_mixed_shapes
+    lengths that only write the head's KV, by the token buckets of the target's steps
+    carrying prefill (none where those are off: `--cuda-graph-max-tokens 0`);
+    use_graphs=False: the same padded path, eager."""
+    from specserve.runtime.graph_shapes import default_token_buckets, engine_graph_shapes
 
     cfg = target.config
-    mixed_requests, mixed_tokens = (
-        engine_mixed_shapes(cfg) if proposer.backend.mixed_graphs or not use_graphs else ((), ())
+    catch_up_tokens = default_token_buckets(
+        min(cfg.execution.cuda_graph_max_tokens, cfg.scheduler.max_num_batched_tokens)
     )
     graphs = DrafterGraphs(
         proposer.head,
@@ -48,8 +48,7 @@ def capture_drafter_graphs(
         use_graphs,
         chain_lengths=tuple(range(2, cfg.speculative.num_steps + 1)),  # every K >= 2
         feature_store=proposer.feature_store,
-        mixed_requests=mixed_requests,
-        mixed_tokens=mixed_tokens,
+        catch_up_tokens=catch_up_tokens,
     )
     report = graphs.capture()
     log.info(

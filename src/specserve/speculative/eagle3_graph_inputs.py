@@ -2,7 +2,8 @@
 
 The integers (seq_lens, last rows, token ids, positions, KV slots, a catch-up tail's rows)
 go up as one host image in one copy (pinned arena memory on CUDA), the page tables in a
-second; positions and slots of large passes are computed with numpy. The head's inputs are
+second (a catch-up pass that only writes the head's KV, `load_catch_up`, needs none);
+positions and slots of large passes are computed with numpy. The head's inputs are
 copied or gathered from the feature store by KV slot, on the device.
 """
 
@@ -117,3 +118,38 @@ def _is_dense(tail: CatchUpTail, lens: list[int], q: int) -> bool:
         and tail.rows == list(range(n))
         and all(k == q for k in lens)
     )
+
+
+def load_catch_up(g: DrafterGraphs, segments, tail: CatchUpTail | None = None) -> int:
+    """Copy a catch-up pass (segments' token ids, positions and KV slots, packed in order)
+    into `g`'s static buffers padded to its token bucket, in one host image and one copy
+    (padded tokens: id 0 at position 0, scratch slot 0); a `tail`'s tokens then take their
+    rows on the device. Returns the bucket."""
+    lens = [len(s.token_ids) for s in segments]
+    n = sum(lens)
+    tokens = g.catch_up_bucket(n)
+    width = max(len(s.page_table) for s in segments)
+    ids, tables = [], []
+    for s in segments:
+        ids += s.token_ids
+        tables += s.page_table + [0] * (width - len(s.page_table))
+    pos, slots, _ = positions_and_slots(segments, tables, width, g.page_size, [0] * len(lens))
+    dest, src = (), ()
+    if tail is not None:
+        starts = np.cumsum([0] + lens[:-1]).tolist()
+        dest, src, _ = tail.index(starts, lens)
+    _, _, o_ids, o_pos, o_slots, o_dest, o_src = g._offsets
+    # (ids, positions, slots; a tail's destination and source rows after them)
+    span = o_src + len(src) - o_ids if tail is not None else o_slots + tokens - o_ids
+    image, host = staging_int64(span, g.ints.device)
+    for offset, values in ((o_ids, ids), (o_pos, pos), (o_slots, slots)):
+        at = offset - o_ids
+        image[at : at + n] = values
+        image[at + n : at + tokens] = 0
+    image[o_dest - o_ids : o_dest - o_ids + len(dest)] = dest
+    image[o_src - o_ids : span] = src
+    g.ints[o_ids : o_ids + span].copy_(host, non_blocking=True)
+    if tail is not None:
+        k = len(dest)
+        g.input_ids[g.tail_dest[:k]] = tail.tokens.reshape(-1)[g.tail_src[:k]]
+    return tokens

@@ -23,12 +23,14 @@ device (`CatchUpTail`): they are copied into the static input ids there, and the
 request drafts from moves by the step's accept length, also there.
 
 Catch-ups that only write the head's KV (the pairs a step's prefill chunks completed, the
-ride-alongs of plain steps, a wake's bounded passes) have no uniform length: their graphs
-are keyed by (request bucket, token bucket) as the target's steps carrying prefill are
-(runtime/cuda_graphs.py: `MixedGraphs`), each request's rows laid out for attention on the
-device, the head's inputs gathered from the feature store inside the graph. Eagerly such a
-pass was a few dozen launches from Python beside every step carrying prefill while the
-drafter is kept up (1.5-2.2 ms of host a step on the default model, docs/performance.md).
+ride-alongs of plain steps, a wake's bounded passes) have no uniform length, and need no
+attention: the head has one layer, so a position's K/V follow from its own inputs
+(`Eagle3Head.store_kv`: the norms, the q/k/v projection, the rotary and the store). Their
+graphs are keyed by the pass's token count alone, padded to a token bucket (padded tokens
+at position 0 write to scratch slot 0), the head's inputs gathered from the feature store
+inside the graph. Eagerly each such pass was a whole head layer from Python beside every
+step carrying prefill while the drafter is kept up (1.5-2.2 ms of host a step on the
+default model, docs/performance.md).
 """
 
 from __future__ import annotations
@@ -42,11 +44,10 @@ from torch import nn
 
 from specserve.layers.attention import AttentionBackend, AttentionMetadata
 from specserve.model.eagle3 import Eagle3Head
-from specserve.runtime.cuda_graphs import CaptureReport, MixedGraphs, capture_graphs, static_meta
-from specserve.runtime.graph_staging import stage_step
+from specserve.runtime.cuda_graphs import CaptureReport, capture_graphs, static_meta
 from specserve.runtime.inflight import CatchUpTail
 from specserve.runtime.packing import Segment
-from specserve.speculative.eagle3_graph_inputs import load_pass
+from specserve.speculative.eagle3_graph_inputs import load_catch_up, load_pass
 
 
 def draft_pass_meta(
@@ -104,9 +105,9 @@ class DrafterGraphs:
     k)` the k greedy drafts [B, k] (target ids) of a whole proposing step (`chain_lengths`
     lists the k captured, for buckets up to `chain_max_batch` and catch-ups up to k+1 tokens:
     larger batches rarely speculate). Outputs are views into graph memory valid until the
-    next call. With a `feature_store` and mixed buckets (`mixed_requests`, `mixed_tokens`),
-    `run_catch_up(input_ids, meta)` runs a packed catch-up pass of any lengths that only
-    writes the head's KV (`can_run_catch_up` says which fit).
+    next call. With a `feature_store` and token buckets (`catch_up_tokens`),
+    `run_catch_up(segments, tail)` runs a catch-up pass of any lengths that only writes the
+    head's KV (`catch_up_bucket` says which fit).
     With `use_graphs=False` the same padded static buffers go through the eager head (for
     debugging, and for testing the padding on the CPU).
     """
@@ -124,8 +125,7 @@ class DrafterGraphs:
         chain_lengths: tuple[int, ...] = (),
         chain_max_batch: int = 64,
         feature_store: torch.Tensor | None = None,
-        mixed_requests: tuple[int, ...] = (),
-        mixed_tokens: tuple[int, ...] = (),
+        catch_up_tokens: tuple[int, ...] = (),
     ):
         self.head, self.embed, self.kv_layer, self.backend = head, embed, kv_layer, backend
         self.batch_buckets = tuple(sorted(set(batch_buckets)))
@@ -140,19 +140,16 @@ class DrafterGraphs:
         max_b, max_q = self.batch_buckets[-1], self.tokens_per_request[-1]
         self.max_pages = -(-max_seq_len // self.page_size)
         i64 = dict(dtype=torch.int64, device=device)
-        layer = head.config.layer
-        if feature_store is None:  # (catch-up graphs read their inputs from the store)
-            mixed_requests = mixed_tokens = ()
-        self.mixed = MixedGraphs(
-            mixed_requests, mixed_tokens, layer.num_heads // layer.num_kv_heads, max_q, device
+        # catch-up passes' token buckets (they read their inputs from the store)
+        self.catch_up_tokens = (
+            tuple(sorted(set(catch_up_tokens))) if feature_store is not None else ()
         )
         # The per-pass integers are sections of one buffer, filled by one copy per pass:
-        # seq_lens, last_rows [max_r]; input_ids, positions, slot_mapping, and a catch-up
+        # seq_lens, last_rows [max_b]; input_ids, positions, slot_mapping, and a catch-up
         # tail's destination and source rows [n_max] (page tables apart: their width
         # varies).
-        max_r = max((max_b, *self.mixed.requests))
-        n_max = max((max_b * max_q, *self.mixed.tokens))
-        sizes = (max_r, max_r, n_max, n_max, n_max, n_max, n_max)
+        n_max = max((max_b * max_q, *self.catch_up_tokens))
+        sizes = (max_b, max_b, n_max, n_max, n_max, n_max, n_max)
         self.ints = torch.zeros(sum(sizes), **i64)
         (
             self.seq_lens,
@@ -165,7 +162,7 @@ class DrafterGraphs:
         ) = self.ints.split(sizes)
         self._offsets = np.cumsum((0,) + sizes)[:-1].tolist()
         self.seq_lens.fill_(1)
-        self.block_tables = torch.zeros(max_r, self.max_pages, **i64)
+        self.block_tables = torch.zeros(max_b, self.max_pages, **i64)
         self.query_start = {
             q: torch.arange(max_b + 1, **i64) * q for q in {1, *self.tokens_per_request}
         }  # 1: chains' draft passes
@@ -183,12 +180,11 @@ class DrafterGraphs:
     @property
     def static_bytes(self) -> int:
         bufs = [self.ints, self.block_tables, self.hidden, *self.query_start.values()]
-        bufs.append(self.mixed.block)
         return sum(b.numel() * b.element_size() for b in bufs)
 
     def keys(self) -> list[tuple[int, int, int]]:
         """Every (batch bucket, tokens per request, chain drafts or 0 for one pass) and
-        (request bucket, 0, token bucket) of a catch-up pass, largest first."""
+        (0, 0, token bucket) of a catch-up pass, largest first."""
         keys = [(b, q, 0) for b in self.batch_buckets for q in self.tokens_per_request]
         keys += [
             (b, q, k)
@@ -197,11 +193,11 @@ class DrafterGraphs:
             for q in self.tokens_per_request
             if b <= self.chain_max_batch and q <= k + 1
         ]
-        keys += [(b, 0, t) for b, t in self.mixed.keys()]
+        keys += [(0, 0, t) for t in self.catch_up_tokens]
 
         def size(key):
             b, q, k = key
-            return (b * q, q, k) if q else (k, 0, b)
+            return (b * q, q, k) if q else (k, 0, 0)
 
         return sorted(keys, key=size, reverse=True)
 
@@ -241,36 +237,36 @@ class DrafterGraphs:
             -(-end // self.page_size) <= len(s.page_table) for s, end in zip(segments, ends)
         )
 
-    def can_run_catch_up(self, meta: AttentionMetadata, num_tokens: int) -> bool:
-        """Whether a packed catch-up pass (`packing.pack`) has a graph: buckets for its
-        requests and tokens, contexts within max_seq_len, page tables within max_pages."""
-        return (
-            meta.query_lens is not None
-            and self.mixed.bucket_for(meta.num_requests, num_tokens) is not None
-            and meta.max_seq_len <= self.max_seq_len
-            and meta.block_tables.shape[1] <= self.max_pages
-        )
+    def catch_up_bucket(self, num_tokens: int) -> int | None:
+        """The token bucket a catch-up pass of num_tokens tokens pads to (None: none)."""
+        i = bisect.bisect_left(self.catch_up_tokens, num_tokens)
+        return self.catch_up_tokens[i] if i < len(self.catch_up_tokens) else None
 
     @property
     def max_catch_up_tokens(self) -> int:
         """The most tokens a catch-up graph takes (0: none captured)."""
-        return self.mixed.tokens[-1] if self.mixed.tokens else 0
+        return self.catch_up_tokens[-1] if self.catch_up_tokens else 0
 
     @torch.inference_mode()
-    def run_catch_up(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> None:
-        """A catch-up pass `can_run_catch_up` accepts: staged into the buffers padded to its
-        (request, token) buckets, its graph replayed; it writes the head's KV only."""
-        batch, tokens = self.mixed.bucket_for(meta.num_requests, input_ids.shape[0])
-        stage_step(self, input_ids, meta, batch, tokens)
-        self.mixed.stage(meta.query_lens, batch, tokens)
-        self._replay(batch, 0, tokens)
+    def run_catch_up(self, segments: list[Segment], tail: CatchUpTail | None = None) -> None:
+        """A catch-up pass over `segments` (a `catch_up_bucket` for their tokens; with a
+        `tail`, the step in flight's tokens end them, placed on the device) that only writes
+        the head's KV: staged padded to its bucket, its graph replayed."""
+        tokens = load_catch_up(self, segments, tail)
+        self._replay(0, 0, tokens)
 
-    def _forward_catch_up(self, batch: int, tokens: int) -> tuple:
-        """The head pass of a staged catch-up, its inputs gathered from the feature store by
+    def _forward_catch_up(self, tokens: int) -> tuple:
+        """The staged catch-up's K/V stores, its inputs gathered from the feature store by
         KV slot (padding: scratch slot 0); it keeps no output."""
-        meta = self.mixed.meta(self, batch, tokens)
-        hidden = self.feature_store[self.slot_mapping[:tokens]]
-        self.head(self.embed(self.input_ids[:tokens]), hidden, meta, self.kv_layer, self.backend)
+        slots = self.slot_mapping[:tokens]
+        self.head.store_kv(
+            self.embed(self.input_ids[:tokens]),
+            self.feature_store[slots],
+            self.positions[:tokens],
+            slots,
+            self.kv_layer,
+            self.backend,
+        )
         return ()
 
     def _pass(self, batch: int, q: int, with_normed: bool = False):
@@ -308,8 +304,8 @@ class DrafterGraphs:
         return (torch.stack(drafts, dim=1),)
 
     def _run_key(self, batch: int, q: int, k: int) -> tuple:
-        if q == 0:  # (batch, 0, tokens): a catch-up pass
-            return self._forward_catch_up(batch, k)
+        if q == 0:  # (0, 0, tokens): a catch-up pass
+            return self._forward_catch_up(k)
         return self._forward_chain(batch, q, k) if k else self._forward(batch, q)
 
     def capture(self, pool=None) -> CaptureReport:

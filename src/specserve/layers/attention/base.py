@@ -172,6 +172,17 @@ class AttentionBackend(ABC):
     ) -> torch.Tensor:
         """Return the attention output, [T, num_heads, head_dim]."""
 
+    def store_kv(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        """Store new K/V at their slots without attending (what `forward` does first)."""
+        write_kv(k, v, k_cache, v_cache, slot_mapping)
+
     def warm_up(self, num_heads: int, kv_cache: tuple[torch.Tensor, torch.Tensor]) -> int:
         """Prepare every kernel variant this model shape can need (compiled backends), so
         that no step waits for a compiler; returns how many were run. Nothing to do here."""

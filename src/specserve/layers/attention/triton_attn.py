@@ -192,6 +192,9 @@ class TritonAttentionBackend(AttentionBackend):
             self._sms[device] = _num_sms(device)
         return self._sms[device]
 
+    def store_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
+        self.kernels.write_kv(k, v, k_cache, v_cache, slot_mapping)
+
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
         """Write the new K/V, then attend. A mixed step (decode or verify rows first, then
         prefill chunks: the scheduler's order) runs its short rows through the decode path
