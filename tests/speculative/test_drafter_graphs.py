@@ -54,8 +54,10 @@ def test_padded_head_passes_match_eager_and_write_only_page_zero():
     assert drafter_graph_error(TorchAttentionBackend(), torch.float32, "cpu") < 1e-5
 
 
-def test_catch_up_passes_write_the_layers_kv_and_only_page_zero_beyond():
-    assert drafter_catch_up_error(TorchAttentionBackend(), torch.float32, "cpu") < 1e-5
+@pytest.mark.parametrize("merged", [True, False])
+def test_catch_up_passes_write_the_layers_kv_and_only_page_zero_beyond(merged):
+    err = drafter_catch_up_error(TorchAttentionBackend(), torch.float32, "cpu", merged=merged)
+    assert err < 1e-5
 
 
 def test_catch_up_graph_keys_and_which_passes_fit():
@@ -164,23 +166,13 @@ def test_padded_drafter_keeps_greedy_output(tmp_path_factory, policy, overlap):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_gpu_drafter_graphs_match_eager(dtype):
+@pytest.mark.parametrize("case", [drafter_graph_error, drafter_catch_up_error])
+def test_gpu_drafter_graphs_match_eager(dtype, case):
+    """Uniform passes and chains; catch-ups that only write the head's KV."""
     from specserve.layers import triton_ops
     from specserve.layers.attention.triton_attn import TritonAttentionBackend
 
-    err = drafter_graph_error(
-        TritonAttentionBackend(), dtype, "cuda", use_graphs=True, page_size=16, fused_ops=triton_ops
-    )
-    assert err < 2e-2, err
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_gpu_catch_up_graphs_match_eager(dtype):
-    from specserve.layers import triton_ops
-    from specserve.layers.attention.triton_attn import TritonAttentionBackend
-
-    err = drafter_catch_up_error(
+    err = case(
         TritonAttentionBackend(), dtype, "cuda", use_graphs=True, page_size=16, fused_ops=triton_ops
     )
     assert err < 2e-2, err

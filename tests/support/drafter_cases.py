@@ -109,18 +109,21 @@ def drafter_graph_error(backend, dtype, device, use_graphs=False, page_size=4, f
 
 
 def drafter_catch_up_error(
-    backend, dtype, device, use_graphs=False, page_size=4, fused_ops=None
+    backend, dtype, device, use_graphs=False, page_size=4, fused_ops=None, merged=True
 ) -> float:
     """Largest relative error of the head's KV pages outside scratch page 0 after catch-up
     passes of uneven lengths (the pairs after prompt chunks; requests going on from what
     earlier passes wrote; the last one ending in a step in flight's tokens, on the device)
     that only write the head's KV (`Eagle3Head.store_kv`), through DrafterGraphs' catch-up
     graphs (padded to a token bucket) and eagerly, against the whole head layer's forward
-    over the same feature store; checks that every graphed pass had a graph."""
+    over the same feature store; checks that every graphed pass had a graph. `merged`: the
+    serving head's stacked q/k/v (with Triton ops: the rotary storing K/V itself)."""
     from specserve.runtime.inflight import CatchUpTail
     from specserve.runtime.packing import pack
 
     head, embed = _head(dtype, device)
+    if merged:
+        head.merge_projections()
     if fused_ops is not None:
         fused_ops.use_triton_ops(head)
     pages = -(-96 // page_size)

@@ -172,14 +172,7 @@ class AttentionBackend(ABC):
     ) -> torch.Tensor:
         """Return the attention output, [T, num_heads, head_dim]."""
 
-    def store_kv(
-        self,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-    ) -> None:
+    def store_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
         """Store new K/V at their slots without attending (what `forward` does first)."""
         write_kv(k, v, k_cache, v_cache, slot_mapping)
 
